@@ -1,0 +1,358 @@
+//! Header names and codecs of PROTOCOL.md section 2, shared by the sending and receiving ends.
+//!
+//! ```
+//! use fence_core::headers::{self, FencingHeaders, HeaderError};
+//! use http::HeaderMap;
+//!
+//! let mut map = HeaderMap::new();
+//! assert_eq!(FencingHeaders::from_headers(&map), Ok(None)); // missing: 428 at a sink
+//! map.insert(headers::X_FENCING_JOB, "job-1".parse()?);
+//! assert!(matches!(FencingHeaders::from_headers(&map), Err(HeaderError::Incomplete { .. })));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::fmt;
+
+use http::{HeaderMap, HeaderName, HeaderValue};
+
+use crate::{FencingToken, JobId, ParseIdError, ParseTokenError};
+
+/// `X-Fencing-Job`: the job id a request writes on behalf of.
+pub const X_FENCING_JOB: HeaderName = HeaderName::from_static("x-fencing-job");
+/// `X-Fencing-Token`: the generation of the sender's lease on that job.
+pub const X_FENCING_TOKEN: HeaderName = HeaderName::from_static("x-fencing-token");
+/// `Idempotency-Key`: names one logical operation of a job, so a retry can be replayed.
+pub const IDEMPOTENCY_KEY: HeaderName = HeaderName::from_static("idempotency-key");
+/// `Idempotent-Replayed`: set to `true` on a response replayed from an idempotency record.
+pub const IDEMPOTENT_REPLAYED: HeaderName = HeaderName::from_static("idempotent-replayed");
+
+/// The longest idempotency key, in characters.
+pub const MAX_IDEMPOTENCY_KEY_LEN: usize = 255;
+
+/// Why the fencing or idempotency headers of a request are malformed (400 at a sink).
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum HeaderError {
+    /// A header appeared more than once.
+    Repeated {
+        /// Its name.
+        header: HeaderName,
+    },
+    /// A header was present with an empty value.
+    Empty {
+        /// Its name.
+        header: HeaderName,
+    },
+    /// Only one of `X-Fencing-Job` and `X-Fencing-Token` was present.
+    Incomplete {
+        /// The one present.
+        present: HeaderName,
+        /// The one missing.
+        missing: HeaderName,
+    },
+    /// `X-Fencing-Job` is not a valid job id.
+    Job(ParseIdError),
+    /// `X-Fencing-Token` is not a valid token.
+    Token(ParseTokenError),
+    /// `Idempotency-Key` is neither an sf-string nor a bare token of 1 to 255 visible ASCII characters.
+    IdempotencyKey {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
+}
+
+impl fmt::Display for HeaderError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::Repeated { header } => {
+                write!(f, "header {} appears more than once", display_name(header))
+            }
+            Self::Empty { header } => write!(f, "header {} is empty", display_name(header)),
+            Self::Incomplete { present, missing } => write!(
+                f,
+                "header {} is present but {} is missing; send both or neither",
+                display_name(present),
+                display_name(missing)
+            ),
+            Self::Job(e) => write!(f, "header X-Fencing-Job: {e}"),
+            Self::Token(e) => write!(f, "header X-Fencing-Token: {e}"),
+            Self::IdempotencyKey { reason } => write!(f, "header Idempotency-Key: {reason}"),
+        }
+    }
+}
+
+impl std::error::Error for HeaderError {
+    fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+        match self {
+            Self::Job(e) => Some(e),
+            Self::Token(e) => Some(e),
+            _ => None,
+        }
+    }
+}
+
+fn display_name(h: &HeaderName) -> &'static str {
+    match h.as_str() {
+        "x-fencing-job" => "X-Fencing-Job",
+        "x-fencing-token" => "X-Fencing-Token",
+        "idempotency-key" => "Idempotency-Key",
+        _ => "(other)",
+    }
+}
+
+/// The single non-empty value of `name`, `Ok(None)` when absent.
+fn single<'a>(
+    map: &'a HeaderMap,
+    name: &HeaderName,
+) -> Result<Option<&'a HeaderValue>, HeaderError> {
+    let mut values = map.get_all(name).iter();
+    let Some(first) = values.next() else {
+        return Ok(None);
+    };
+    if values.next().is_some() {
+        return Err(HeaderError::Repeated {
+            header: name.clone(),
+        });
+    }
+    if first.is_empty() {
+        return Err(HeaderError::Empty {
+            header: name.clone(),
+        });
+    }
+    Ok(Some(first))
+}
+
+/// The job and token a request carries.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FencingHeaders {
+    /// `X-Fencing-Job`.
+    pub job: JobId,
+    /// `X-Fencing-Token`.
+    pub token: FencingToken,
+}
+
+impl FencingHeaders {
+    /// Reads both headers. `Ok(None)` means neither is present (missing, 428 at a sink).
+    ///
+    /// # Errors
+    /// When either is repeated, empty or invalid, or only one of the two is present.
+    pub fn from_headers(map: &HeaderMap) -> Result<Option<Self>, HeaderError> {
+        let job = single(map, &X_FENCING_JOB)?;
+        let token = single(map, &X_FENCING_TOKEN)?;
+        match (job, token) {
+            (None, None) => Ok(None),
+            (Some(_), None) => Err(HeaderError::Incomplete {
+                present: X_FENCING_JOB,
+                missing: X_FENCING_TOKEN,
+            }),
+            (None, Some(_)) => Err(HeaderError::Incomplete {
+                present: X_FENCING_TOKEN,
+                missing: X_FENCING_JOB,
+            }),
+            (Some(job), Some(token)) => Ok(Some(Self {
+                job: JobId::from_bytes(job.as_bytes()).map_err(HeaderError::Job)?,
+                token: FencingToken::from_bytes(token.as_bytes()).map_err(HeaderError::Token)?,
+            })),
+        }
+    }
+}
+
+/// Sets `X-Fencing-Job` and `X-Fencing-Token`, replacing any earlier values.
+pub fn insert_fencing(map: &mut HeaderMap, job: &JobId, token: FencingToken) {
+    map.insert(X_FENCING_JOB, job_header_value(job));
+    map.insert(X_FENCING_TOKEN, HeaderValue::from(token.get()));
+}
+
+/// A job id as a header value.
+pub fn job_header_value(job: &JobId) -> HeaderValue {
+    // A job id is visible ASCII, which is always a valid header value.
+    HeaderValue::from_str(job.as_str()).expect("visible ASCII is a valid header value")
+}
+
+/// An idempotency key, normalised: `"abc"` (sf-string) and `abc` (bare) are the same key.
+#[derive(Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct IdempotencyKey(Box<str>);
+
+impl IdempotencyKey {
+    /// Parses a header value: an RFC 8941 sf-string or a bare token of 1 to 255 visible
+    /// ASCII characters.
+    ///
+    /// ```
+    /// # use fence_core::headers::IdempotencyKey;
+    /// assert_eq!(IdempotencyKey::from_bytes(b"\"abc\"")?, IdempotencyKey::from_bytes(b"abc")?);
+    /// assert_eq!(IdempotencyKey::from_bytes(br#""a \"q\"""#)?.as_str(), "a \"q\"");
+    /// # Ok::<(), fence_core::headers::HeaderError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// When the value is neither form, or longer than 255 characters.
+    pub fn from_bytes(bytes: &[u8]) -> Result<Self, HeaderError> {
+        let bad = |reason| HeaderError::IdempotencyKey { reason };
+        let key = if let Some(rest) = bytes.strip_prefix(b"\"") {
+            let mut out = String::with_capacity(rest.len());
+            let mut iter = rest.iter();
+            loop {
+                match iter.next() {
+                    None => return Err(bad("sf-string has no closing quote")),
+                    Some(b'"') => break,
+                    Some(b'\\') => match iter.next() {
+                        Some(&c @ (b'"' | b'\\')) => out.push(char::from(c)),
+                        _ => return Err(bad("sf-string escapes only \\\" and \\\\")),
+                    },
+                    Some(&c @ 0x20..=0x7E) => out.push(char::from(c)),
+                    Some(_) => return Err(bad("sf-string holds a byte outside printable ASCII")),
+                }
+            }
+            if iter.next().is_some() {
+                return Err(bad("bytes follow the closing quote of the sf-string"));
+            }
+            out
+        } else {
+            if bytes.iter().any(|b| !(0x21..=0x7E).contains(b)) {
+                return Err(bad("a bare key must be visible ASCII (0x21 to 0x7E)"));
+            }
+            String::from_utf8(bytes.to_vec()).map_err(|_| bad("not ASCII"))?
+        };
+        if key.is_empty() {
+            return Err(bad("key is empty"));
+        }
+        if key.len() > MAX_IDEMPOTENCY_KEY_LEN {
+            return Err(bad("key is longer than 255 characters"));
+        }
+        Ok(Self(key.into_boxed_str()))
+    }
+
+    /// Reads `Idempotency-Key`; `Ok(None)` when absent.
+    ///
+    /// # Errors
+    /// When it is repeated, empty or malformed.
+    pub fn from_headers(map: &HeaderMap) -> Result<Option<Self>, HeaderError> {
+        single(map, &IDEMPOTENCY_KEY)?
+            .map(|v| Self::from_bytes(v.as_bytes()))
+            .transpose()
+    }
+
+    /// The key, unquoted.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        fmt::Debug::fmt(&*self.0, f)
+    }
+}
+
+impl fmt::Display for IdempotencyKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn map(pairs: &[(&HeaderName, &[u8])]) -> HeaderMap {
+        let mut m = HeaderMap::new();
+        for (k, v) in pairs {
+            m.append((*k).clone(), HeaderValue::from_bytes(v).unwrap());
+        }
+        m
+    }
+
+    #[test]
+    fn fencing_header_cases() {
+        let (j, t) = (&X_FENCING_JOB, &X_FENCING_TOKEN);
+        let ok = FencingHeaders {
+            job: "j".parse().unwrap(),
+            token: FencingToken::new(7).unwrap(),
+        };
+        assert_eq!(FencingHeaders::from_headers(&map(&[])), Ok(None));
+        assert_eq!(
+            FencingHeaders::from_headers(&map(&[(j, b"j"), (t, b"7")])),
+            Ok(Some(ok))
+        );
+        let bad: &[(&[(&HeaderName, &[u8])], &str)] = &[
+            (
+                &[(j, b"j")],
+                "X-Fencing-Job is present but X-Fencing-Token is missing",
+            ),
+            (
+                &[(t, b"7")],
+                "X-Fencing-Token is present but X-Fencing-Job is missing",
+            ),
+            (
+                &[(j, b"j"), (j, b"j"), (t, b"7")],
+                "X-Fencing-Job appears more than once",
+            ),
+            (
+                &[(j, b"j"), (t, b"7"), (t, b"7")],
+                "X-Fencing-Token appears more than once",
+            ),
+            (&[(j, b""), (t, b"7")], "X-Fencing-Job is empty"),
+            (&[(j, b"j"), (t, b"")], "X-Fencing-Token is empty"),
+            (
+                &[(j, b"a b"), (t, b"7")],
+                "X-Fencing-Job: job id has byte 0x20",
+            ),
+            (&[(j, b"\xc3\xa9"), (t, b"7")], "byte 0xC3"),
+            (&[(j, b"j"), (t, b"07")], "leading zero"),
+            (&[(j, b"j"), (t, b"0")], "is 0"),
+            (&[(j, b"j"), (t, b"-1")], "0x2D"),
+            (&[(j, b"j"), (t, b"18446744073709551616")], "above"),
+        ];
+        for (pairs, want) in bad {
+            let e = FencingHeaders::from_headers(&map(pairs)).unwrap_err();
+            assert!(
+                e.to_string().contains(want),
+                "{pairs:?}: {e} lacks {want:?}"
+            );
+        }
+    }
+
+    #[test]
+    fn insert_round_trips() {
+        let mut m = HeaderMap::new();
+        let job: JobId = "job/1".parse().unwrap();
+        insert_fencing(&mut m, &job, FencingToken::new(u64::MAX).unwrap());
+        insert_fencing(&mut m, &job, FencingToken::new(3).unwrap());
+        assert_eq!(
+            m.get_all(X_FENCING_TOKEN).iter().count(),
+            1,
+            "insert replaces"
+        );
+        let got = FencingHeaders::from_headers(&m).unwrap().unwrap();
+        assert_eq!((got.job, got.token.get()), (job, 3));
+    }
+
+    #[test]
+    fn idempotency_keys() {
+        let k = |b: &[u8]| IdempotencyKey::from_bytes(b).map(|k| k.as_str().to_owned());
+        assert_eq!(k(b"abc"), Ok("abc".into()));
+        assert_eq!(k(b"\"abc\""), Ok("abc".into()));
+        assert_eq!(k(b"\"a b\""), Ok("a b".into()));
+        assert_eq!(k(br#""\\""#), Ok("\\".into()));
+        assert_eq!(k(&[b'x'; 255]), Ok("x".repeat(255)));
+        for bad in [
+            &b""[..],
+            b"\"\"",
+            b"\"abc",
+            b"\"ab\"c",
+            b"\"a\\nb\"",
+            b"a b",
+            b"\xc3\xa9",
+            b"\"\xc3\xa9\"",
+            &[b'x'; 256],
+        ] {
+            assert!(k(bad).is_err(), "{bad:?} accepted");
+        }
+        let two = map(&[(&IDEMPOTENCY_KEY, b"a"), (&IDEMPOTENCY_KEY, b"b")]);
+        assert!(matches!(
+            IdempotencyKey::from_headers(&two),
+            Err(HeaderError::Repeated { .. })
+        ));
+        assert_eq!(IdempotencyKey::from_headers(&HeaderMap::new()), Ok(None));
+    }
+}

@@ -1,0 +1,27 @@
+//! Protocol types shared by every part of fence: the words of the wire contract.
+//!
+//! A lease holder sends its job id and fencing token to a destination in two headers;
+//! the destination parses them with the same types, so the two ends cannot drift apart.
+//!
+//! ```
+//! use fence_core::{FencingToken, JobId, headers};
+//!
+//! let job: JobId = "invoice-42".parse()?;
+//! let token: FencingToken = "7".parse()?;
+//! let mut request = http::Request::new(());
+//! headers::insert_fencing(request.headers_mut(), &job, token);
+//! let parsed = headers::FencingHeaders::from_headers(request.headers())?;
+//! assert_eq!(parsed, Some(headers::FencingHeaders { job, token }));
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+//!
+//! The crate depends on `http` and `serde` only.
+
+mod generation;
+pub mod headers;
+mod ident;
+pub mod problem;
+
+pub use generation::{FencingToken, Generation, ParseTokenError};
+pub use ident::{JobId, Owner, ParseIdError};
+pub use problem::{Problem, ProblemType};

@@ -1,0 +1,282 @@
+//! RFC 9457 problem details with the `urn:fence:*` types of the wire contract.
+//!
+//! ```
+//! use fence_core::{Problem, ProblemType};
+//!
+//! let p = Problem::new(ProblemType::StaleToken, "token 7 is below the highest accepted, 8")
+//!     .with_job("invoice-42".parse()?)
+//!     .with_token(7)
+//!     .with_highest(8);
+//! let response: http::Response<Vec<u8>> = p.to_response();
+//! assert_eq!(response.status(), 409);
+//! assert_eq!(response.headers()["content-type"], "application/problem+json");
+//! # Ok::<(), Box<dyn std::error::Error>>(())
+//! ```
+
+use std::fmt;
+
+use http::{HeaderValue, StatusCode, header::CONTENT_TYPE};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::{JobId, Owner};
+
+/// `application/problem+json`.
+pub const PROBLEM_JSON: &str = "application/problem+json";
+
+macro_rules! problem_types {
+    ($($(#[$doc:meta])* $variant:ident => $uri:literal, $status:literal, $title:literal;)*) => {
+        /// The problem types of the contract.
+        #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+        #[non_exhaustive]
+        pub enum ProblemType {
+            $($(#[$doc])* $variant,)*
+        }
+
+        impl ProblemType {
+            /// Every type, for tests and documentation.
+            pub const ALL: &'static [Self] = &[$(Self::$variant),*];
+
+            /// The `type` URI, e.g. `urn:fence:stale-token`.
+            pub const fn uri(self) -> &'static str {
+                match self { $(Self::$variant => $uri,)* }
+            }
+
+            /// The HTTP status this type is answered with.
+            pub const fn status(self) -> StatusCode {
+                match self {
+                    $(Self::$variant => match StatusCode::from_u16($status) {
+                        Ok(s) => s,
+                        Err(_) => StatusCode::INTERNAL_SERVER_ERROR,
+                    },)*
+                }
+            }
+
+            /// A short human-readable summary that does not change between occurrences.
+            pub const fn title(self) -> &'static str {
+                match self { $(Self::$variant => $title,)* }
+            }
+
+            /// The type named by `uri`, if it is one of ours.
+            pub fn from_uri(uri: &str) -> Option<Self> {
+                match uri { $($uri => Some(Self::$variant),)* _ => None }
+            }
+        }
+    };
+}
+
+problem_types! {
+    /// 409: the token is below the highest generation the destination accepted.
+    StaleToken => "urn:fence:stale-token", 409, "Stale fencing token";
+    /// 428: a fenced request carries neither fencing header.
+    MissingToken => "urn:fence:missing-token", 428, "Fencing token required";
+    /// 400: the fencing or idempotency headers are malformed or repeated.
+    MalformedToken => "urn:fence:malformed-token", 400, "Malformed fencing headers";
+    /// 503: the generation store failed or timed out.
+    StoreUnavailable => "urn:fence:store-unavailable", 503, "Fence store unavailable";
+    /// 503: older in-flight requests did not finish within the drain limit.
+    DrainTimeout => "urn:fence:drain-timeout", 503, "Older requests still in flight";
+    /// 409: a request with the same idempotency key is still in flight.
+    IdempotencyInFlight => "urn:fence:idempotency-in-flight", 409, "Request with this idempotency key in flight";
+    /// 422: the idempotency key was used with a different request.
+    IdempotencyKeyMismatch => "urn:fence:idempotency-key-mismatch", 422, "Idempotency key reused for a different request";
+    /// 403: a signed token is required and this one does not verify.
+    InvalidSignature => "urn:fence:invalid-signature", 403, "Invalid fencing token signature";
+    /// 409: another owner holds an unexpired lease on the job.
+    LeaseHeld => "urn:fence:lease-held", 409, "Lease held by another owner";
+    /// 410: the job is completed and can no longer be claimed.
+    JobCompleted => "urn:fence:job-completed", 410, "Job completed";
+    /// 409: the caller's owner and generation no longer hold the job.
+    LeaseLost => "urn:fence:lease-lost", 409, "Lease lost";
+    /// 404: the lease server has no record of the job.
+    UnknownJob => "urn:fence:unknown-job", 404, "Unknown job";
+    /// 400: a lease API request is malformed.
+    BadRequest => "urn:fence:bad-request", 400, "Bad request";
+    /// 502: the proxy could not reach its upstream (not in contract version 1; added by fence).
+    UpstreamUnavailable => "urn:fence:upstream-unavailable", 502, "Upstream unavailable";
+    /// 500: an unexpected failure inside fence (not in contract version 1; added by fence).
+    Internal => "urn:fence:internal", 500, "Internal error";
+}
+
+impl fmt::Display for ProblemType {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.uri())
+    }
+}
+
+impl Serialize for ProblemType {
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_str(self.uri())
+    }
+}
+
+impl<'de> Deserialize<'de> for ProblemType {
+    fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let s = String::deserialize(d)?;
+        Self::from_uri(&s)
+            .ok_or_else(|| serde::de::Error::custom(format!("unknown problem type {s:?}")))
+    }
+}
+
+/// An RFC 9457 problem details body.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[non_exhaustive]
+pub struct Problem {
+    /// The problem type.
+    #[serde(rename = "type")]
+    pub kind: ProblemType,
+    /// Its title.
+    pub title: String,
+    /// The HTTP status.
+    pub status: u16,
+    /// What happened this time, precisely.
+    pub detail: String,
+    /// The job concerned.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub job: Option<JobId>,
+    /// The token the request carried.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<u64>,
+    /// The highest generation the destination has accepted for the job.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub highest: Option<u64>,
+    /// The current owner of the lease (lease API).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub owner: Option<Owner>,
+    /// The current generation of the lease (lease API).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub generation: Option<u64>,
+    /// How long the current lease has left (lease API).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_in_ms: Option<u64>,
+}
+
+impl Problem {
+    /// A problem of `kind` with its standard title and status.
+    pub fn new(kind: ProblemType, detail: impl Into<String>) -> Self {
+        Self {
+            kind,
+            title: kind.title().to_owned(),
+            status: kind.status().as_u16(),
+            detail: detail.into(),
+            job: None,
+            token: None,
+            highest: None,
+            owner: None,
+            generation: None,
+            expires_in_ms: None,
+        }
+    }
+
+    /// Names the job.
+    pub fn with_job(mut self, job: JobId) -> Self {
+        self.job = Some(job);
+        self
+    }
+
+    /// Names the token the request carried.
+    pub fn with_token(mut self, token: u64) -> Self {
+        self.token = Some(token);
+        self
+    }
+
+    /// Names the highest accepted generation.
+    pub fn with_highest(mut self, highest: u64) -> Self {
+        self.highest = Some(highest);
+        self
+    }
+
+    /// Names the current owner.
+    pub fn with_owner(mut self, owner: Option<Owner>) -> Self {
+        self.owner = owner;
+        self
+    }
+
+    /// Names the current generation.
+    pub fn with_generation(mut self, generation: u64) -> Self {
+        self.generation = Some(generation);
+        self
+    }
+
+    /// Names how long the current lease has left.
+    pub fn with_expires_in_ms(mut self, ms: u64) -> Self {
+        self.expires_in_ms = Some(ms);
+        self
+    }
+
+    /// The HTTP status.
+    pub fn status_code(&self) -> StatusCode {
+        StatusCode::from_u16(self.status).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR)
+    }
+
+    /// The JSON body.
+    pub fn to_json(&self) -> Vec<u8> {
+        // Serialising plain strings and integers cannot fail.
+        serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
+    }
+
+    /// An HTTP response carrying this problem.
+    pub fn to_response<B: From<Vec<u8>>>(&self) -> http::Response<B> {
+        let mut response = http::Response::new(B::from(self.to_json()));
+        *response.status_mut() = self.status_code();
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static(PROBLEM_JSON));
+        response
+    }
+}
+
+impl fmt::Display for Problem {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} ({}): {}", self.kind, self.status, self.detail)
+    }
+}
+
+impl std::error::Error for Problem {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_type_round_trips_and_has_the_contract_status() {
+        let want = [
+            ("urn:fence:stale-token", 409),
+            ("urn:fence:missing-token", 428),
+            ("urn:fence:malformed-token", 400),
+            ("urn:fence:store-unavailable", 503),
+            ("urn:fence:drain-timeout", 503),
+            ("urn:fence:idempotency-in-flight", 409),
+            ("urn:fence:idempotency-key-mismatch", 422),
+            ("urn:fence:invalid-signature", 403),
+            ("urn:fence:lease-held", 409),
+            ("urn:fence:job-completed", 410),
+            ("urn:fence:lease-lost", 409),
+            ("urn:fence:unknown-job", 404),
+            ("urn:fence:bad-request", 400),
+        ];
+        for (uri, status) in want {
+            let t = ProblemType::from_uri(uri).unwrap_or_else(|| panic!("{uri} missing"));
+            assert_eq!((t.uri(), t.status().as_u16()), (uri, status));
+        }
+        for t in ProblemType::ALL {
+            assert_eq!(ProblemType::from_uri(t.uri()), Some(*t));
+        }
+    }
+
+    #[test]
+    fn json_shape() {
+        let p = Problem::new(ProblemType::StaleToken, "stale")
+            .with_token(7)
+            .with_highest(u64::MAX);
+        let v: serde_json::Value = serde_json::from_slice(&p.to_json()).unwrap();
+        assert_eq!(
+            v,
+            serde_json::json!({
+                "type": "urn:fence:stale-token", "title": "Stale fencing token", "status": 409,
+                "detail": "stale", "token": 7, "highest": 18446744073709551615u64
+            })
+        );
+        let back: Problem = serde_json::from_value(v).unwrap();
+        assert_eq!(back, p);
+    }
+}
