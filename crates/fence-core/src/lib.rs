@@ -23,5 +23,5 @@ mod ident;
 pub mod problem;
 
 pub use generation::{FencingToken, Generation, ParseTokenError};
-pub use ident::{JobId, Owner, ParseIdError};
+pub use ident::{JobId, MAX_ID_LEN, Owner, ParseIdError};
 pub use problem::{Problem, ProblemType};

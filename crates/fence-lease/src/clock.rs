@@ -1,0 +1,113 @@
+//! The store's clock: wall time in milliseconds since the Unix epoch, injectable for tests.
+//!
+//! Expiry is persisted as the store's wall-clock time, so a restart neither extends nor
+//! shortens a lease. Only the store reads this clock; workers measure their own deadline on
+//! a monotonic clock (see [`crate::Lease`]).
+
+use std::{
+    fmt,
+    sync::{
+        Arc,
+        atomic::{AtomicI64, AtomicU64, Ordering},
+    },
+    time::{Duration, SystemTime, UNIX_EPOCH},
+};
+
+/// A source of wall-clock time for a lease store.
+pub trait Clock: Send + Sync + fmt::Debug + 'static {
+    /// Milliseconds since the Unix epoch.
+    fn now_ms(&self) -> u64;
+}
+
+/// The operating system's clock, optionally shifted by a fixed offset (for fault tests).
+#[derive(Debug, Default)]
+pub struct SystemClock {
+    offset_ms: AtomicI64,
+}
+
+impl SystemClock {
+    /// The system clock as it is.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// The system clock shifted by `offset_ms` (negative: behind).
+    pub fn with_offset_ms(offset_ms: i64) -> Self {
+        Self {
+            offset_ms: AtomicI64::new(offset_ms),
+        }
+    }
+}
+
+impl Clock for SystemClock {
+    fn now_ms(&self) -> u64 {
+        let now = SystemTime::now()
+            .duration_since(UNIX_EPOCH)
+            .unwrap_or(Duration::ZERO);
+        let ms = i64::try_from(now.as_millis()).unwrap_or(i64::MAX);
+        u64::try_from(ms.saturating_add(self.offset_ms.load(Ordering::Relaxed))).unwrap_or(0)
+    }
+}
+
+/// A clock that only moves when told to.
+#[derive(Debug, Clone)]
+pub struct ManualClock {
+    now_ms: Arc<AtomicU64>,
+}
+
+impl ManualClock {
+    /// A clock reading `now_ms`.
+    pub fn new(now_ms: u64) -> Self {
+        Self {
+            now_ms: Arc::new(AtomicU64::new(now_ms)),
+        }
+    }
+
+    /// Moves the clock forward.
+    pub fn advance(&self, by: Duration) {
+        self.now_ms.fetch_add(
+            u64::try_from(by.as_millis()).unwrap_or(u64::MAX),
+            Ordering::SeqCst,
+        );
+    }
+
+    /// Sets the clock, also backwards (a clock jump).
+    pub fn set_ms(&self, now_ms: u64) {
+        self.now_ms.store(now_ms, Ordering::SeqCst);
+    }
+}
+
+impl Clock for ManualClock {
+    fn now_ms(&self) -> u64 {
+        self.now_ms.load(Ordering::SeqCst)
+    }
+}
+
+/// A wall clock that advances with tokio's clock, so `#[tokio::test(start_paused = true)]`
+/// drives store-side expiry too; `offset_ms` shifts it against the worker's view.
+#[derive(Debug, Clone)]
+pub struct TokioClock {
+    base_ms: u64,
+    base: tokio::time::Instant,
+    offset_ms: i64,
+}
+
+impl TokioClock {
+    /// A clock that reads `base_ms + offset_ms` now and moves with `tokio::time`.
+    pub fn new(base_ms: u64, offset_ms: i64) -> Self {
+        Self {
+            base_ms,
+            base: tokio::time::Instant::now(),
+            offset_ms,
+        }
+    }
+}
+
+impl Clock for TokioClock {
+    fn now_ms(&self) -> u64 {
+        let elapsed = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.base_ms
+            .saturating_add(elapsed)
+            .saturating_add_signed(self.offset_ms)
+    }
+}

@@ -1,0 +1,372 @@
+//! The lease-store conformance suite: every behaviour of the contract, run against every
+//! backend by [`lease_store_conformance!`](crate::lease_store_conformance).
+//!
+//! A backend's test module supplies an async factory returning `Some((store, advance))`,
+//! where `advance` moves the store's clock forward, or `None` (after printing why) to skip:
+//!
+//! ```ignore
+//! fence_lease::lease_store_conformance!(|| async {
+//!     let clock = fence_lease::ManualClock::new(1_000_000);
+//!     let store = fence_lease::MemoryLeaseStore::with_clock(std::sync::Arc::new(clock.clone()));
+//!     Some((store, fence_lease::conformance::advance_fn(clock)))
+//! });
+//! ```
+
+use std::{
+    collections::BTreeSet,
+    sync::{Arc, Barrier},
+    time::Duration,
+};
+
+use fence_core::{Generation, JobId, Owner};
+
+use crate::{ClaimOutcome, FinishOutcome, LeaseState, LeaseStore, ManualClock, RenewOutcome, Ttl};
+
+/// Moves a store's clock forward.
+pub type Advance = Box<dyn Fn(Duration) + Send + Sync>;
+
+/// An [`Advance`] for a [`ManualClock`].
+pub fn advance_fn(clock: ManualClock) -> Advance {
+    Box::new(move |d| clock.advance(d))
+}
+
+/// Generates one `#[tokio::test]` per conformance case for the backend made by `$make`.
+#[macro_export]
+macro_rules! lease_store_conformance {
+    ($make:expr) => {
+        $crate::__lease_store_cases!($make;
+            first_claim_is_generation_one_and_excludes_others,
+            holder_reclaim_extends_same_generation,
+            worked_example_stale_holder_is_rejected,
+            renew_requires_owner_and_generation,
+            renew_after_expiry_succeeds_until_reclaimed,
+            release_frees_and_keeps_generation,
+            complete_is_final,
+            get_reports_every_state,
+            clock_jumps_never_lower_a_generation,
+            jobs_are_independent,
+            competing_claims_have_one_winner_per_round,
+        );
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __lease_store_cases {
+    ($make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                match ($make)().await {
+                    Some((store, advance)) => $crate::conformance::$case(store, advance).await,
+                    None => println!("skipped: {} (the backend's factory said why above)", stringify!($case)),
+                }
+            }
+        )*
+    };
+}
+
+fn job(s: &str) -> JobId {
+    s.parse().expect("valid job id")
+}
+
+fn owner(s: &str) -> Owner {
+    s.parse().expect("valid owner")
+}
+
+const TTL: Ttl = Ttl::DEFAULT;
+
+async fn granted<S: LeaseStore>(store: &S, j: &JobId, o: &Owner) -> Generation {
+    match store.claim(j, o, TTL).await.expect("claim") {
+        ClaimOutcome::Granted(g) => g.generation,
+        other => panic!("{o} expected to be granted {j}, got {other:?}"),
+    }
+}
+
+/// The first claim gets generation 1; another owner is told who holds it and for how long.
+pub async fn first_claim_is_generation_one_and_excludes_others<S: LeaseStore>(
+    store: S,
+    _advance: Advance,
+) {
+    let j = job("conf-first");
+    assert_eq!(store.get(&j).await.unwrap(), None);
+    assert_eq!(granted(&store, &j, &owner("a")).await, Generation::new(1));
+    match store.claim(&j, &owner("b"), TTL).await.unwrap() {
+        ClaimOutcome::Held {
+            owner: o,
+            expires_in,
+        } => {
+            assert_eq!(o, owner("a"));
+            assert!(
+                expires_in > Duration::ZERO && expires_in <= TTL.as_duration(),
+                "{expires_in:?}"
+            );
+        }
+        other => panic!("expected Held, got {other:?}"),
+    }
+}
+
+/// A claim by the current holder returns its lease, extended, with the same generation.
+pub async fn holder_reclaim_extends_same_generation<S: LeaseStore>(store: S, advance: Advance) {
+    let j = job("conf-reclaim");
+    let first = match store.claim(&j, &owner("a"), TTL).await.unwrap() {
+        ClaimOutcome::Granted(g) => g,
+        other => panic!("{other:?}"),
+    };
+    advance(Duration::from_secs(10));
+    let again = match store.claim(&j, &owner("a"), TTL).await.unwrap() {
+        ClaimOutcome::Granted(g) => g,
+        other => panic!("{other:?}"),
+    };
+    assert_eq!(again.generation, first.generation);
+    assert!(
+        again.expires_at_ms >= first.expires_at_ms + 9_000,
+        "{again:?} not extended past {first:?}"
+    );
+}
+
+/// The seed's worked example: A claims, pauses past expiry, B claims the next generation;
+/// A's completion and renewal are rejected, naming B.
+pub async fn worked_example_stale_holder_is_rejected<S: LeaseStore>(store: S, advance: Advance) {
+    let (j, a, b) = (job("conf-worked"), owner("worker-a"), owner("worker-b"));
+    // Bring the job to generation 6 first, so A gets 7 as in the seed.
+    for _ in 0..6 {
+        let g = granted(&store, &j, &a).await;
+        store.release(&j, &a, g).await.unwrap();
+    }
+    let ga = granted(&store, &j, &a).await;
+    assert_eq!(ga, Generation::new(7));
+    advance(TTL.as_duration() + Duration::from_millis(1));
+    let gb = granted(&store, &j, &b).await;
+    assert_eq!(gb, Generation::new(8));
+    let lost = FinishOutcome::Lost {
+        owner: Some(b.clone()),
+        generation: gb,
+    };
+    assert_eq!(store.complete(&j, &a, ga).await.unwrap(), lost);
+    assert_eq!(
+        store.renew(&j, &a, ga, TTL).await.unwrap(),
+        RenewOutcome::Lost {
+            owner: Some(b.clone()),
+            generation: gb
+        }
+    );
+    assert_eq!(store.release(&j, &a, ga).await.unwrap(), lost);
+    let rec = store.get(&j).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.owner, rec.generation, rec.state),
+        (Some(b), gb, LeaseState::Held)
+    );
+}
+
+/// Renewal needs both the owner and the generation to match.
+pub async fn renew_requires_owner_and_generation<S: LeaseStore>(store: S, advance: Advance) {
+    let (j, a) = (job("conf-renew"), owner("a"));
+    let g = granted(&store, &j, &a).await;
+    advance(Duration::from_secs(20));
+    match store.renew(&j, &a, g, TTL).await.unwrap() {
+        RenewOutcome::Renewed(grant) => assert_eq!(grant.generation, g),
+        other => panic!("{other:?}"),
+    }
+    advance(Duration::from_secs(20)); // 40 s after the claim, 20 s after the renewal: still held
+    assert_eq!(
+        store.get(&j).await.unwrap().unwrap().state,
+        LeaseState::Held
+    );
+    let wrong_gen = Generation::new(g.get() + 1);
+    assert!(matches!(
+        store.renew(&j, &a, wrong_gen, TTL).await.unwrap(),
+        RenewOutcome::Lost { .. }
+    ));
+    assert!(matches!(
+        store.renew(&j, &owner("b"), g, TTL).await.unwrap(),
+        RenewOutcome::Lost { .. }
+    ));
+    assert_eq!(
+        store.renew(&job("conf-never"), &a, g, TTL).await.unwrap(),
+        RenewOutcome::Lost {
+            owner: None,
+            generation: Generation::ZERO
+        }
+    );
+}
+
+/// An expired lease can still be renewed by its holder while nobody has claimed since.
+pub async fn renew_after_expiry_succeeds_until_reclaimed<S: LeaseStore>(
+    store: S,
+    advance: Advance,
+) {
+    let (j, a) = (job("conf-expired"), owner("a"));
+    let g = granted(&store, &j, &a).await;
+    advance(TTL.as_duration() * 2);
+    let rec = store.get(&j).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state, rec.owner.as_ref(), rec.expires_in),
+        (LeaseState::Expired, Some(&a), Duration::ZERO)
+    );
+    assert!(matches!(
+        store.renew(&j, &a, g, TTL).await.unwrap(),
+        RenewOutcome::Renewed(_)
+    ));
+    assert_eq!(
+        store.get(&j).await.unwrap().unwrap().state,
+        LeaseState::Held
+    );
+}
+
+/// Release frees the job (owner none) and keeps the generation; the next claim adds one.
+pub async fn release_frees_and_keeps_generation<S: LeaseStore>(store: S, _advance: Advance) {
+    let (j, a) = (job("conf-release"), owner("a"));
+    let g = granted(&store, &j, &a).await;
+    match store.release(&j, &a, g).await.unwrap() {
+        FinishOutcome::Done(rec) => {
+            assert_eq!(
+                (rec.state, rec.owner, rec.generation),
+                (LeaseState::Free, None, g)
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert!(matches!(
+        store.release(&j, &a, g).await.unwrap(),
+        FinishOutcome::Lost { owner: None, .. }
+    ));
+    assert!(matches!(
+        store.renew(&j, &a, g, TTL).await.unwrap(),
+        RenewOutcome::Lost { .. }
+    ));
+    assert_eq!(granted(&store, &j, &a).await, Generation::new(g.get() + 1));
+}
+
+/// Completion is final: no claim, renewal or release afterwards, not even by the completer.
+pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
+    let (j, a) = (job("conf-complete"), owner("a"));
+    let g = granted(&store, &j, &a).await;
+    match store.complete(&j, &a, g).await.unwrap() {
+        FinishOutcome::Done(rec) => assert_eq!(
+            (rec.state, rec.owner.as_ref()),
+            (LeaseState::Completed, Some(&a))
+        ),
+        other => panic!("{other:?}"),
+    }
+    advance(TTL.as_duration() * 3);
+    for o in [&a, &owner("b")] {
+        assert_eq!(
+            store.claim(&j, o, TTL).await.unwrap(),
+            ClaimOutcome::Completed {
+                owner: Some(a.clone()),
+                generation: g
+            }
+        );
+    }
+    assert!(matches!(
+        store.renew(&j, &a, g, TTL).await.unwrap(),
+        RenewOutcome::Lost { .. }
+    ));
+    assert!(matches!(
+        store.complete(&j, &a, g).await.unwrap(),
+        FinishOutcome::Lost { .. }
+    ));
+    assert!(matches!(
+        store.release(&j, &a, g).await.unwrap(),
+        FinishOutcome::Lost { .. }
+    ));
+    assert_eq!(store.get(&j).await.unwrap().unwrap().generation, g);
+}
+
+/// `get` reports free, held, expired and completed as the contract defines them.
+pub async fn get_reports_every_state<S: LeaseStore>(store: S, advance: Advance) {
+    let (j, a) = (job("conf-get"), owner("a"));
+    assert_eq!(store.get(&j).await.unwrap(), None);
+    let g = granted(&store, &j, &a).await;
+    let held = store.get(&j).await.unwrap().unwrap();
+    assert_eq!(
+        (held.state, held.owner.as_ref(), held.generation),
+        (LeaseState::Held, Some(&a), g)
+    );
+    assert!(held.expires_in > Duration::from_secs(29) && held.expires_in <= TTL.as_duration());
+    advance(TTL.as_duration());
+    let expired = store.get(&j).await.unwrap().unwrap();
+    assert_eq!(
+        (expired.state, expired.owner.as_ref(), expired.expires_in),
+        (LeaseState::Expired, Some(&a), Duration::ZERO)
+    );
+}
+
+/// The store's clock jumping backwards keeps generations monotonic and claims exclusive.
+pub async fn clock_jumps_never_lower_a_generation<S: LeaseStore>(store: S, advance: Advance) {
+    let (j, a, b) = (job("conf-jump"), owner("a"), owner("b"));
+    let mut last = Generation::ZERO;
+    for round in 0..5 {
+        let o = if round % 2 == 0 { &a } else { &b };
+        let g = granted(&store, &j, o).await;
+        assert!(g > last, "generation went from {last} to {g}");
+        last = g;
+        advance(TTL.as_duration() + Duration::from_secs(1));
+    }
+    // A lease that has not expired stays exclusive whatever the clock did before.
+    assert!(matches!(
+        store.claim(&j, &a, TTL).await.unwrap(),
+        ClaimOutcome::Granted(_)
+    ));
+    assert!(matches!(
+        store.claim(&j, &b, TTL).await.unwrap(),
+        ClaimOutcome::Held { .. }
+    ));
+}
+
+/// Two jobs never affect each other's generations.
+pub async fn jobs_are_independent<S: LeaseStore>(store: S, _advance: Advance) {
+    let (x, y, a, b) = (job("conf-x"), job("conf-y"), owner("a"), owner("b"));
+    assert_eq!(granted(&store, &x, &a).await, Generation::new(1));
+    assert_eq!(granted(&store, &y, &b).await, Generation::new(1));
+    let gx = granted(&store, &x, &a).await;
+    assert_eq!(gx, Generation::new(1), "re-claim by the holder");
+    store.complete(&x, &a, gx).await.unwrap();
+    assert_eq!(
+        store.get(&y).await.unwrap().unwrap().state,
+        LeaseState::Held
+    );
+}
+
+/// 64 tasks race for one job over 50 rounds: exactly one winner per round, generations +1.
+pub async fn competing_claims_have_one_winner_per_round<S: LeaseStore>(
+    store: S,
+    _advance: Advance,
+) {
+    const TASKS: usize = 64;
+    const ROUNDS: u64 = 50;
+    let store = Arc::new(store);
+    let j = job("conf-race");
+    for round in 1..=ROUNDS {
+        let barrier = Arc::new(Barrier::new(TASKS));
+        let mut tasks = Vec::with_capacity(TASKS);
+        for t in 0..TASKS {
+            let (store, j, barrier) = (store.clone(), j.clone(), barrier.clone());
+            tasks.push(tokio::spawn(async move {
+                let o = owner(&format!("racer-{t}"));
+                tokio::task::spawn_blocking(move || barrier.wait())
+                    .await
+                    .unwrap();
+                match store.claim(&j, &o, TTL).await.unwrap() {
+                    ClaimOutcome::Granted(g) => Some((o, g.generation)),
+                    ClaimOutcome::Held { .. } => None,
+                    other => panic!("{other:?}"),
+                }
+            }));
+        }
+        let mut winners = Vec::new();
+        for t in tasks {
+            winners.extend(t.await.unwrap());
+        }
+        assert_eq!(winners.len(), 1, "round {round}: winners {winners:?}");
+        let (o, g) = winners.pop().unwrap();
+        assert_eq!(g, Generation::new(round), "round {round}");
+        assert!(matches!(
+            store.release(&j, &o, g).await.unwrap(),
+            FinishOutcome::Done(_)
+        ));
+    }
+    let owners: BTreeSet<_> = [store.get(&j).await.unwrap().unwrap().generation].into();
+    assert_eq!(owners, [Generation::new(ROUNDS)].into());
+}

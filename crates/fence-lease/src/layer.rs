@@ -1,0 +1,175 @@
+//! Middleware that stamps outgoing requests with the lease's fencing headers and refuses to
+//! send once the lease is lost.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use fence_lease::{LeaseClient, MemoryLeaseStore};
+//! use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
+//!
+//! let lease = LeaseClient::new(MemoryLeaseStore::new()).claim("job-1".parse()?).await?;
+//! // In production the inner service is hyper_util's legacy `Client`.
+//! let mut http = ServiceBuilder::new().layer(lease.fencing_layer()).service(service_fn(
+//!     |req: http::Request<()>| async move {
+//!         assert_eq!(req.headers()["x-fencing-token"], "1");
+//!         Ok::<_, std::convert::Infallible>(http::Response::new(()))
+//!     },
+//! ));
+//! http.ready().await?.call(http::Request::new(())).await?;
+//! # Ok(()) }
+//! ```
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+};
+
+use fence_core::{Generation, JobId, headers};
+use http::Request;
+use pin_project_lite::pin_project;
+use tower_layer::Layer;
+use tower_service::Service;
+
+use crate::{LeaseView, LossReason, store::BoxError};
+
+/// The error a [`Fencing`] service returns instead of sending once its lease is lost.
+#[derive(Debug, Clone, thiserror::Error)]
+#[error("not sent: the lease on job {job} (generation {generation}) is lost: {reason}")]
+pub struct LeaseLost {
+    /// The job.
+    pub job: JobId,
+    /// The generation that was lost.
+    pub generation: Generation,
+    /// Why.
+    pub reason: LossReason,
+}
+
+/// Applies [`Fencing`] to a service.
+#[derive(Debug, Clone)]
+pub struct FencingLayer {
+    lease: LeaseView,
+}
+
+impl FencingLayer {
+    /// Stamps requests with `lease`'s job and token.
+    pub fn new(lease: LeaseView) -> Self {
+        Self { lease }
+    }
+}
+
+impl<S> Layer<S> for FencingLayer {
+    type Service = Fencing<S>;
+    fn layer(&self, inner: S) -> Fencing<S> {
+        Fencing {
+            inner,
+            lease: self.lease.clone(),
+        }
+    }
+}
+
+/// Sets `X-Fencing-Job` and `X-Fencing-Token` on every request while the lease is held;
+/// fails with [`LeaseLost`] without calling the inner service once it is not.
+///
+/// The check happens when the request is handed over; a request the inner service has
+/// already accepted (queued in a connection pool, say) is out of the lease's reach, which is
+/// why the destination must check the token too.
+#[derive(Debug, Clone)]
+pub struct Fencing<S> {
+    inner: S,
+    lease: LeaseView,
+}
+
+impl<S> Fencing<S> {
+    /// Wraps `inner`.
+    pub fn new(inner: S, lease: LeaseView) -> Self {
+        Self { inner, lease }
+    }
+
+    /// The inner service.
+    pub fn get_ref(&self) -> &S {
+        &self.inner
+    }
+
+    /// The inner service, mutably.
+    pub fn get_mut(&mut self) -> &mut S {
+        &mut self.inner
+    }
+
+    /// Unwraps the inner service.
+    pub fn into_inner(self) -> S {
+        self.inner
+    }
+}
+
+impl<S, B> Service<Request<B>> for Fencing<S>
+where
+    S: Service<Request<B>>,
+    S::Error: Into<BoxError>,
+{
+    type Response = S::Response;
+    type Error = BoxError;
+    type Future = ResponseFuture<S::Future>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        self.inner.poll_ready(cx).map_err(Into::into)
+    }
+
+    fn call(&mut self, mut req: Request<B>) -> Self::Future {
+        match self.lease.token() {
+            Some(token) => {
+                headers::insert_fencing(req.headers_mut(), self.lease.job(), token);
+                ResponseFuture {
+                    kind: Kind::Sent {
+                        future: self.inner.call(req),
+                    },
+                }
+            }
+            None => ResponseFuture {
+                kind: Kind::Refused {
+                    error: Some(LeaseLost {
+                        job: self.lease.job().clone(),
+                        generation: self.lease.generation(),
+                        reason: self
+                            .lease
+                            .loss_reason()
+                            .unwrap_or(LossReason::DeadlinePassed),
+                    }),
+                },
+            },
+        }
+    }
+}
+
+pin_project! {
+    /// The response future of [`Fencing`].
+    pub struct ResponseFuture<F> {
+        #[pin]
+        kind: Kind<F>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F> {
+        Sent { #[pin] future: F },
+        Refused { error: Option<LeaseLost> },
+    }
+}
+
+impl<F, T, E> Future for ResponseFuture<F>
+where
+    F: Future<Output = Result<T, E>>,
+    E: Into<BoxError>,
+{
+    type Output = Result<T, BoxError>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Sent { future } => future.poll(cx).map_err(Into::into),
+            KindProj::Refused { error } => {
+                Poll::Ready(Err(error.take().expect("polled after completion").into()))
+            }
+        }
+    }
+}
