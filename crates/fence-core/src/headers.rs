@@ -274,7 +274,8 @@ mod tests {
             FencingHeaders::from_headers(&map(&[(j, b"j"), (t, b"7")])),
             Ok(Some(ok))
         );
-        let bad: &[(&[(&HeaderName, &[u8])], &str)] = &[
+        type Pairs<'a> = &'a [(&'a HeaderName, &'a [u8])];
+        let bad: &[(Pairs<'_>, &str)] = &[
             (
                 &[(j, b"j")],
                 "X-Fencing-Job is present but X-Fencing-Token is missing",

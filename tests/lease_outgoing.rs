@@ -1,0 +1,73 @@
+//! The FencingLayer over hyper-util's legacy Client against a real HTTP server: headers
+//! arrive while the lease is held, and nothing is sent once it is lost.
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use fence_lease::{
+    LeaseClient, LeaseLost, LeaseStore, LossReason, ManualClock, MemoryLeaseStore, Ttl,
+};
+use http_body_util::Empty;
+use hyper_util::{client::legacy::Client, rt::TokioExecutor};
+use tower::{Service, ServiceBuilder, ServiceExt};
+
+#[tokio::test]
+async fn legacy_client_sends_fencing_headers_until_the_lease_is_lost() {
+    let (addr, mut seen) = fence_suite::spawn_echo_server().await.unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = MemoryLeaseStore::with_clock(Arc::new(clock.clone()));
+    let client = LeaseClient::new(store.clone()).ttl(Ttl::from_millis(300).unwrap());
+    let lease = client.claim("job-9".parse().unwrap()).await.unwrap();
+    let mut http = ServiceBuilder::new()
+        .layer(lease.fencing_layer())
+        .service(Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>());
+    let url = format!("http://{addr}/effect");
+
+    for _ in 0..3 {
+        let response = http
+            .ready()
+            .await
+            .unwrap()
+            .call(http::Request::post(&url).body(Empty::new()).unwrap())
+            .await;
+        assert_eq!(response.unwrap().status(), 200);
+        let s = seen.recv().await.unwrap();
+        assert_eq!(
+            (s.job.as_deref(), s.token.as_deref()),
+            (Some("job-9"), Some("1"))
+        );
+        tokio::time::sleep(Duration::from_millis(150)).await; // renewals keep it across ttl
+    }
+
+    // The store's clock runs ahead and another worker claims: the next renewal is refused.
+    clock.advance(Duration::from_secs(1));
+    let other = "other".parse().unwrap();
+    assert!(matches!(
+        store
+            .claim(&"job-9".parse().unwrap(), &other, Ttl::DEFAULT)
+            .await
+            .unwrap(),
+        fence_lease::ClaimOutcome::Granted(_)
+    ));
+    tokio::time::timeout(Duration::from_secs(2), lease.lost())
+        .await
+        .expect("lost within the ttl");
+
+    let err = http
+        .ready()
+        .await
+        .unwrap()
+        .call(http::Request::post(&url).body(Empty::new()).unwrap())
+        .await
+        .unwrap_err();
+    let lost = err.downcast_ref::<LeaseLost>().expect("LeaseLost");
+    assert!(
+        matches!(lost.reason, LossReason::Superseded { .. }),
+        "{lost}"
+    );
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        seen.try_recv().is_err(),
+        "the server must not have seen the refused request"
+    );
+}
