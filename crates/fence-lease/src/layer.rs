@@ -3,7 +3,7 @@
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
-//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! # async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
 //! use fence_lease::{LeaseClient, MemoryLeaseStore};
 //! use tower::{Service, ServiceBuilder, ServiceExt, service_fn};
 //!
