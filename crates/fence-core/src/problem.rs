@@ -79,6 +79,12 @@ problem_types! {
     IdempotencyInFlight => "urn:fence:idempotency-in-flight", 409, "Request with this idempotency key in flight";
     /// 422: the idempotency key was used with a different request.
     IdempotencyKeyMismatch => "urn:fence:idempotency-key-mismatch", 422, "Idempotency key reused for a different request";
+    /// 409: the request with this idempotency key ran, but its response was too large to
+    /// store, so it cannot be replayed (not in contract version 1; added by fence).
+    IdempotencyNotReplayable => "urn:fence:idempotency-not-replayable", 409, "Completed request cannot be replayed";
+    /// 413: an idempotent request's body is above the limit the sink fingerprints (not in
+    /// contract version 1; added by fence).
+    PayloadTooLarge => "urn:fence:payload-too-large", 413, "Request body too large";
     /// 403: a signed token is required and this one does not verify.
     InvalidSignature => "urn:fence:invalid-signature", 403, "Invalid fencing token signature";
     /// 409: another owner holds an unexpired lease on the job.

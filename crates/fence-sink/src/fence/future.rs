@@ -1,0 +1,67 @@
+//! The response future of [`Fence`](crate::Fence).
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+};
+
+use http::Response;
+use pin_project_lite::pin_project;
+
+use super::body::ResponseBody;
+
+type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+pin_project! {
+    /// The response future of [`Fence`](crate::Fence): the inner future itself for requests
+    /// that are not fenced, an immediate rejection, or the fenced path.
+    pub struct ResponseFuture<F, B, E> {
+        #[pin]
+        kind: Kind<F, B, E>,
+    }
+}
+
+pin_project! {
+    #[project = KindProj]
+    enum Kind<F, B, E> {
+        Unfenced { #[pin] future: F },
+        Rejected { response: Option<Response<ResponseBody<B>>> },
+        Fenced { future: BoxFuture<Result<Response<ResponseBody<B>>, E>> },
+    }
+}
+
+impl<F, B, E> ResponseFuture<F, B, E> {
+    pub(crate) fn unfenced(future: F) -> Self {
+        Self { kind: Kind::Unfenced { future } }
+    }
+
+    pub(crate) fn rejected(response: Response<ResponseBody<B>>) -> Self {
+        Self { kind: Kind::Rejected { response: Some(response) } }
+    }
+
+    pub(crate) fn fenced(future: BoxFuture<Result<Response<ResponseBody<B>>, E>>) -> Self {
+        Self { kind: Kind::Fenced { future } }
+    }
+}
+
+impl<F, B, E> Future for ResponseFuture<F, B, E>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = Result<Response<ResponseBody<B>>, E>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        match self.project().kind.project() {
+            KindProj::Unfenced { future } => future.poll(cx).map_ok(|r| r.map(ResponseBody::inner)),
+            KindProj::Rejected { response } => Poll::Ready(Ok(response.take().expect("polled after completion"))),
+            KindProj::Fenced { future } => future.as_mut().poll(cx),
+        }
+    }
+}
+
+impl<F, B, E> std::fmt::Debug for ResponseFuture<F, B, E> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("ResponseFuture")
+    }
+}

@@ -1,0 +1,249 @@
+//! The per-job gate: `highest`, the requests in flight, and the pending bump, so a higher
+//! token waits until every older request of its job has finished, then bumps durably.
+//!
+//! Per job one gate, in a bounded map in front of the store:
+//! - token < highest, or < a pending bump: stale at once (a newer claim exists);
+//! - token == highest: in flight += 1 and through; a guard decrements when it finishes;
+//! - token > highest: pending := max(pending, token); wait (bounded by the drain limit) until
+//!   in flight reaches 0; write durably; highest := token; in flight := 1; through.
+//!
+//! The map may answer "stale" alone; it never admits a higher token without the store's
+//! durable write. Only gates nobody holds are evicted (`remove_if` on the map's own
+//! reference), and a new gate loads `highest` from the store before it decides.
+
+use std::{
+    sync::{Arc, Mutex, MutexGuard},
+    time::Duration,
+};
+
+use dashmap::DashMap;
+use fence_core::{Generation, JobId};
+use tokio::{
+    sync::{Notify, OnceCell},
+    time::Instant,
+};
+
+use crate::store::{GenerationStore, StoreError, Verdict};
+
+/// What a gate decided for one request.
+#[derive(Debug)]
+pub(crate) enum Admission {
+    /// Through; hold the guard until the request's effect can no longer happen.
+    Admitted(InFlight),
+    /// Below the highest accepted (or pending) generation.
+    Stale { highest: Generation },
+    /// Older requests did not finish within the drain limit; nothing changed.
+    DrainTimeout,
+    /// The store failed or timed out; nothing changed.
+    StoreFailed(StoreError),
+}
+
+enum Step {
+    Stale(Generation),
+    Current(InFlight),
+    Bump,
+    Wait,
+}
+
+#[derive(Debug, Default)]
+struct GateState {
+    highest: Generation,
+    in_flight: usize,
+    pending: Option<Generation>,
+    bumping: bool,
+}
+
+#[derive(Debug, Default)]
+pub(crate) struct Gate {
+    loaded: OnceCell<()>,
+    state: Mutex<GateState>,
+    changed: Notify,
+}
+
+impl Gate {
+    fn lock(&self) -> MutexGuard<'_, GateState> {
+        self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+/// Marks one admitted request in flight; dropping it lets a waiting bump proceed.
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    gate: Arc<Gate>,
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut s = self.gate.lock();
+        s.in_flight -= 1;
+        let drained = s.in_flight == 0;
+        drop(s);
+        if drained {
+            self.gate.changed.notify_waiters();
+        }
+    }
+}
+
+/// All gates of one layer, bounded to `capacity` jobs.
+#[derive(Debug)]
+pub(crate) struct Gates<St> {
+    map: DashMap<JobId, Arc<Gate>>,
+    store: Arc<St>,
+    capacity: usize,
+    store_timeout: Duration,
+    drain_timeout: Duration,
+}
+
+impl<St: GenerationStore> Gates<St> {
+    pub(crate) fn new(store: Arc<St>, capacity: usize, store_timeout: Duration, drain_timeout: Duration) -> Self {
+        Self { map: DashMap::new(), store, capacity: capacity.max(1), store_timeout, drain_timeout }
+    }
+
+    pub(crate) fn store(&self) -> &Arc<St> {
+        &self.store
+    }
+
+    /// How many jobs are cached.
+    pub(crate) fn len(&self) -> usize {
+        self.map.len()
+    }
+
+    fn gate(&self, job: &JobId) -> Arc<Gate> {
+        if let Some(g) = self.map.get(job) {
+            return g.clone();
+        }
+        let gate = self.map.entry(job.clone()).or_default().clone();
+        if self.map.len() > self.capacity {
+            self.evict();
+        }
+        gate
+    }
+
+    /// Drops idle gates until the map is back under capacity, with some headroom so the scan
+    /// is paid once per many inserts.
+    fn evict(&self) {
+        let target = self.capacity - self.capacity / 16;
+        let excess = self.map.len().saturating_sub(target);
+        let idle: Vec<JobId> = self
+            .map
+            .iter()
+            .filter(|e| Arc::strong_count(e.value()) == 1)
+            .map(|e| e.key().clone())
+            .take(excess)
+            .collect();
+        for job in idle {
+            // Atomic with the check: nobody can take the gate between the test and the removal.
+            self.map.remove_if(&job, |_, g| Arc::strong_count(g) == 1);
+        }
+    }
+
+    async fn load(&self, gate: &Gate, job: &JobId) -> Result<(), StoreError> {
+        let init = gate.loaded.get_or_try_init(|| async {
+            let highest = self.store.highest(job).await?;
+            let mut s = gate.lock();
+            s.highest = s.highest.max(highest);
+            Ok::<_, StoreError>(())
+        });
+        tokio::time::timeout(self.store_timeout, init).await.map_err(|_| StoreError::Timeout(self.store_timeout))??;
+        Ok(())
+    }
+
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        tokio::time::timeout(self.store_timeout, self.store.observe(job, token))
+            .await
+            .map_err(|_| StoreError::Timeout(self.store_timeout))?
+    }
+
+    /// Decides one request of `job` carrying `token`.
+    pub(crate) async fn admit(&self, job: &JobId, token: Generation) -> Admission {
+        let gate = self.gate(job);
+        if let Err(e) = self.load(&gate, job).await {
+            return Admission::StoreFailed(e);
+        }
+        let deadline = Instant::now() + self.drain_timeout;
+        loop {
+            let notified = gate.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable(); // registered before the check: no wake-up is missed
+            match self.decide(&gate, token) {
+                Step::Stale(highest) => return Admission::Stale { highest },
+                Step::Current(guard) if self.store.is_shared() => return self.confirm(&gate, job, token, guard).await,
+                Step::Current(guard) => return Admission::Admitted(guard),
+                Step::Bump => return self.bump(&gate, job, token).await,
+                Step::Wait => {}
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                let mut s = gate.lock();
+                if s.pending == Some(token) && !s.bumping {
+                    s.pending = None; // waiters with the same token mark it again
+                }
+                drop(s);
+                gate.changed.notify_waiters();
+                return Admission::DrainTimeout;
+            }
+        }
+    }
+
+    /// One look at the gate, under its lock.
+    fn decide(&self, gate: &Arc<Gate>, token: Generation) -> Step {
+        let mut s = gate.lock();
+        let newest = s.pending.map_or(s.highest, |p| p.max(s.highest));
+        if token < newest {
+            return Step::Stale(newest);
+        }
+        if token == s.highest {
+            s.in_flight += 1;
+            return Step::Current(InFlight { gate: gate.clone() });
+        }
+        // token > highest: a bump, once every older request has finished.
+        s.pending = Some(newest.max(token));
+        if s.in_flight == 0 && !s.bumping {
+            s.bumping = true;
+            return Step::Bump;
+        }
+        Step::Wait
+    }
+
+    /// With a shared store, other processes may have moved on: the store has the last word.
+    async fn confirm(&self, gate: &Gate, job: &JobId, token: Generation, guard: InFlight) -> Admission {
+        match self.observe(job, token).await {
+            Ok(Verdict::Accepted) => Admission::Admitted(guard),
+            Ok(Verdict::Stale { highest }) => {
+                drop(guard);
+                let mut s = gate.lock();
+                s.highest = s.highest.max(highest);
+                Admission::Stale { highest }
+            }
+            Err(e) => Admission::StoreFailed(e),
+        }
+    }
+
+    async fn bump(&self, gate: &Arc<Gate>, job: &JobId, token: Generation) -> Admission {
+        let result = self.observe(job, token).await;
+        let admission = Self::settle(gate, token, result);
+        gate.changed.notify_waiters();
+        admission
+    }
+
+    fn settle(gate: &Arc<Gate>, token: Generation, result: Result<Verdict, StoreError>) -> Admission {
+        let mut s = gate.lock();
+        s.bumping = false;
+        if s.pending == Some(token) {
+            s.pending = None;
+        }
+        let admission = match result {
+            Ok(Verdict::Accepted) => {
+                s.highest = token;
+                s.in_flight += 1;
+                Admission::Admitted(InFlight { gate: gate.clone() })
+            }
+            Ok(Verdict::Stale { highest }) => {
+                s.highest = s.highest.max(highest);
+                Admission::Stale { highest }
+            }
+            Err(e) => Admission::StoreFailed(e),
+        };
+        drop(s);
+        admission
+    }
+}

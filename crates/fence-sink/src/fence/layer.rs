@@ -1,0 +1,200 @@
+//! [`FenceLayer`]: the configuration of the fence, shared by every service it wraps.
+
+use std::{
+    sync::{Arc, OnceLock},
+    time::Duration,
+};
+
+use http::{Method, request::Parts};
+use tower_layer::Layer;
+
+use super::{Fence, gate::Gates};
+use crate::{
+    GenerationStore, IdempotencyStore,
+    idempotency::{IdempotencyConfig, spawn_sweeper},
+};
+
+/// Decides which requests are fenced.
+pub type FencePredicate = Arc<dyn Fn(&Parts) -> bool + Send + Sync>;
+
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) predicate: Option<FencePredicate>,
+    pub(crate) require_token: bool,
+    pub(crate) idempotency: Option<IdempotencyConfig>,
+}
+
+impl Config {
+    pub(crate) fn is_fenced(&self, parts: &Parts) -> bool {
+        match &self.predicate {
+            Some(p) => p(parts),
+            None => self.methods.contains(&parts.method),
+        }
+    }
+}
+
+#[derive(Debug, Clone, Copy)]
+struct GateParams {
+    max_cached_jobs: usize,
+    store_timeout: Duration,
+    drain_timeout: Duration,
+}
+
+/// Wraps services in [`Fence`]: per job, requests with a token below the highest accepted
+/// are rejected with 409, a higher token waits for older requests to finish and is stored
+/// durably before it passes, and duplicate `Idempotency-Key`s are replayed.
+///
+/// ```
+/// use fence_sink::{FenceLayer, MemoryStore};
+/// use std::time::Duration;
+///
+/// let layer = FenceLayer::new(MemoryStore::new())
+///     .fence_methods([http::Method::POST, http::Method::PUT])
+///     .drain_timeout(Duration::from_secs(2))
+///     .max_cached_jobs(10_000);
+/// # let _ = layer;
+/// ```
+pub struct FenceLayer<St> {
+    store: Arc<St>,
+    params: GateParams,
+    pub(crate) config: Config,
+    pub(crate) gates: Arc<Gates<St>>,
+    sweeper: Arc<OnceLock<()>>,
+}
+
+impl<St> Clone for FenceLayer<St> {
+    fn clone(&self) -> Self {
+        Self {
+            store: self.store.clone(),
+            params: self.params,
+            config: self.config.clone(),
+            gates: self.gates.clone(),
+            sweeper: self.sweeper.clone(),
+        }
+    }
+}
+
+impl<St> std::fmt::Debug for FenceLayer<St> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FenceLayer")
+            .field("methods", &self.config.methods)
+            .field("require_token", &self.config.require_token)
+            .field("idempotency", &self.config.idempotency)
+            .field("params", &self.params)
+            .finish_non_exhaustive()
+    }
+}
+
+impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
+    /// Fences POST, PUT, PATCH and DELETE, requires the fencing headers on them, keeps
+    /// idempotency records, caches up to 100,000 jobs, waits up to 5 s for the store and up
+    /// to 10 s for older requests to drain before a bump.
+    pub fn new(store: St) -> Self {
+        Self::from_arc(Arc::new(store))
+    }
+
+    /// As [`new`](Self::new), for a store shared with other code.
+    pub fn from_arc(store: Arc<St>) -> Self {
+        let params = GateParams {
+            max_cached_jobs: 100_000,
+            store_timeout: Duration::from_secs(5),
+            drain_timeout: Duration::from_secs(10),
+        };
+        let gates = Arc::new(Gates::new(store.clone(), params.max_cached_jobs, params.store_timeout, params.drain_timeout));
+        let config = Config {
+            methods: vec![Method::POST, Method::PUT, Method::PATCH, Method::DELETE],
+            predicate: None,
+            require_token: true,
+            idempotency: Some(IdempotencyConfig::default()),
+        };
+        Self { store, params, config, gates, sweeper: Arc::default() }
+    }
+
+    fn with_params(mut self, f: impl FnOnce(&mut GateParams)) -> Self {
+        f(&mut self.params);
+        let p = self.params;
+        self.gates = Arc::new(Gates::new(self.store.clone(), p.max_cached_jobs, p.store_timeout, p.drain_timeout));
+        self
+    }
+
+    /// Fences requests with these methods (default: POST, PUT, PATCH, DELETE); others pass unfenced.
+    pub fn fence_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
+        self.config.methods = methods.into_iter().collect();
+        self.config.predicate = None;
+        self
+    }
+
+    /// Fences the requests for which `predicate` returns true (methods, paths, anything in
+    /// the request head), instead of a method list.
+    pub fn fence_when(mut self, predicate: impl Fn(&Parts) -> bool + Send + Sync + 'static) -> Self {
+        self.config.predicate = Some(Arc::new(predicate));
+        self
+    }
+
+    /// Lets fenced requests without fencing headers through instead of answering 428.
+    pub fn allow_missing_token(mut self) -> Self {
+        self.config.require_token = false;
+        self
+    }
+
+    /// Answers 428 to fenced requests without fencing headers (the default).
+    pub fn require_token(mut self) -> Self {
+        self.config.require_token = true;
+        self
+    }
+
+    /// Gives the store this long per call before answering 503 (default 5 s).
+    pub fn store_timeout(self, timeout: Duration) -> Self {
+        self.with_params(|p| p.store_timeout = timeout)
+    }
+
+    /// Lets a higher token wait this long for older in-flight requests before answering 503
+    /// (default 10 s).
+    pub fn drain_timeout(self, timeout: Duration) -> Self {
+        self.with_params(|p| p.drain_timeout = timeout)
+    }
+
+    /// Keeps at most this many jobs in memory (default 100,000); idle ones beyond are evicted
+    /// and reloaded from the store when needed.
+    pub fn max_cached_jobs(self, jobs: usize) -> Self {
+        self.with_params(|p| p.max_cached_jobs = jobs)
+    }
+
+    /// Handles `Idempotency-Key` as configured (on by default with [`IdempotencyConfig::default`]).
+    pub fn idempotency(mut self, config: IdempotencyConfig) -> Self {
+        self.config.idempotency = Some(config);
+        self
+    }
+
+    /// Ignores `Idempotency-Key` (it is still checked for syntax).
+    pub fn without_idempotency(mut self) -> Self {
+        self.config.idempotency = None;
+        self
+    }
+
+    /// The store.
+    pub fn store(&self) -> &Arc<St> {
+        &self.store
+    }
+
+    /// How many jobs the layer holds in memory now.
+    pub fn cached_jobs(&self) -> usize {
+        self.gates.len()
+    }
+}
+
+impl<S, St: GenerationStore + IdempotencyStore> Layer<S> for FenceLayer<St> {
+    type Service = Fence<S, St>;
+
+    fn layer(&self, inner: S) -> Fence<S, St> {
+        if let Some(cfg) = &self.config.idempotency {
+            // Once per layer (axum applies a layer to every route), and only inside a runtime;
+            // expired records are also ignored on read, so the sweeper only reclaims space.
+            if tokio::runtime::Handle::try_current().is_ok() {
+                self.sweeper.get_or_init(|| spawn_sweeper(&self.store, cfg.sweep_every));
+            }
+        }
+        Fence::new(inner, self.clone())
+    }
+}

@@ -1,0 +1,229 @@
+//! Idempotency records: fingerprints, stored responses, the rules of `begin`/`finish` as pure
+//! functions shared by every backend, and their byte encoding.
+
+use bytes::Bytes;
+use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
+use sha2::{Digest, Sha256};
+
+use crate::store::{Begin, Finish};
+
+/// SHA-256 over method, path (with query) and body: what makes two requests "the same".
+#[derive(Clone, Copy, PartialEq, Eq, Hash)]
+pub struct Fingerprint(pub [u8; 32]);
+
+impl Fingerprint {
+    /// The fingerprint of a request.
+    pub fn of(method: &Method, path_and_query: &str, body: &[u8]) -> Self {
+        let mut h = Sha256::new();
+        h.update(method.as_str().as_bytes());
+        h.update([0]);
+        h.update(path_and_query.as_bytes());
+        h.update([0]);
+        h.update(body);
+        Self(h.finalize().into())
+    }
+}
+
+impl std::fmt::Debug for Fingerprint {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for b in &self.0[..6] {
+            write!(f, "{b:02x}")?;
+        }
+        f.write_str("…")
+    }
+}
+
+/// A response kept for replay: status, headers and body, byte for byte.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoredResponse {
+    /// The status.
+    pub status: StatusCode,
+    /// The headers, in order, repeated ones included.
+    pub headers: HeaderMap,
+    /// The body.
+    pub body: Bytes,
+}
+
+/// A (job, key) record as stored.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Record {
+    InFlight { fingerprint: Fingerprint, until_ms: u64 },
+    Done { fingerprint: Fingerprint, expires_ms: u64, response: Option<StoredResponse> },
+}
+
+impl Record {
+    fn fingerprint(&self) -> &Fingerprint {
+        match self {
+            Self::InFlight { fingerprint, .. } | Self::Done { fingerprint, .. } => fingerprint,
+        }
+    }
+
+    pub(crate) fn is_live(&self, now_ms: u64) -> bool {
+        match self {
+            Self::InFlight { until_ms, .. } => now_ms < *until_ms,
+            Self::Done { expires_ms, .. } => now_ms < *expires_ms,
+        }
+    }
+}
+
+/// The decision of `begin`: what to write (if anything) and the answer.
+pub(crate) fn begin(cur: Option<&Record>, fingerprint: &Fingerprint, in_flight_ms: u64, now_ms: u64) -> (Option<Record>, Begin) {
+    match cur {
+        Some(r) if r.is_live(now_ms) => {
+            let answer = if r.fingerprint() != fingerprint {
+                Begin::Mismatch
+            } else {
+                match r {
+                    Record::InFlight { .. } => Begin::InFlight,
+                    Record::Done { response: Some(resp), .. } => Begin::Replay(resp.clone()),
+                    Record::Done { response: None, .. } => Begin::NotReplayable,
+                }
+            };
+            (None, answer)
+        }
+        _ => {
+            let until_ms = now_ms.saturating_add(in_flight_ms);
+            (Some(Record::InFlight { fingerprint: *fingerprint, until_ms }), Begin::Started)
+        }
+    }
+}
+
+/// What `finish` does to the stored record: `None` leaves it alone (it is not ours any more),
+/// `Some(None)` deletes it, `Some(Some(r))` writes `r`.
+pub(crate) fn finish(
+    cur: Option<&Record>,
+    fingerprint: &Fingerprint,
+    outcome: Finish,
+    retention_ms: u64,
+    now_ms: u64,
+) -> Option<Option<Record>> {
+    match cur {
+        Some(Record::InFlight { fingerprint: f, .. }) if f == fingerprint => {
+            let expires_ms = now_ms.saturating_add(retention_ms);
+            let fingerprint = *fingerprint;
+            Some(match outcome {
+                Finish::Store(response) => Some(Record::Done { fingerprint, expires_ms, response: Some(response) }),
+                Finish::TooLarge => Some(Record::Done { fingerprint, expires_ms, response: None }),
+                Finish::Forget => None,
+            })
+        }
+        _ => None,
+    }
+}
+
+impl Record {
+    pub(crate) fn encode(&self) -> Vec<u8> {
+        let mut out = Vec::with_capacity(64);
+        match self {
+            Self::InFlight { fingerprint, until_ms } => {
+                out.push(1);
+                out.extend_from_slice(&fingerprint.0);
+                out.extend_from_slice(&until_ms.to_be_bytes());
+            }
+            Self::Done { fingerprint, expires_ms, response } => {
+                out.push(2);
+                out.extend_from_slice(&fingerprint.0);
+                out.extend_from_slice(&expires_ms.to_be_bytes());
+                if let Some(r) = response {
+                    out.extend_from_slice(&r.status.as_u16().to_be_bytes());
+                    out.extend_from_slice(&u32::try_from(r.headers.len()).unwrap_or(u32::MAX).to_be_bytes());
+                    for (name, value) in &r.headers {
+                        put(&mut out, name.as_str().as_bytes());
+                        put(&mut out, value.as_bytes());
+                    }
+                    put(&mut out, &r.body);
+                }
+            }
+        }
+        out
+    }
+
+    pub(crate) fn decode(bytes: &[u8]) -> Result<Self, &'static str> {
+        let mut r = Reader(bytes);
+        let tag = r.take(1)?[0];
+        let fingerprint = Fingerprint(r.take(32)?.try_into().map_err(|_| "short fingerprint")?);
+        let time = r.u64()?;
+        match tag {
+            1 => Ok(Self::InFlight { fingerprint, until_ms: time }),
+            2 if r.0.is_empty() => Ok(Self::Done { fingerprint, expires_ms: time, response: None }),
+            2 => {
+                let status = StatusCode::from_u16(u16::from_be_bytes(r.take(2)?.try_into().map_err(|_| "status")?))
+                    .map_err(|_| "invalid status")?;
+                let count = u32::from_be_bytes(r.take(4)?.try_into().map_err(|_| "count")?);
+                let mut headers = HeaderMap::new();
+                for _ in 0..count {
+                    let name = HeaderName::from_bytes(r.chunk()?).map_err(|_| "invalid header name")?;
+                    let value = HeaderValue::from_bytes(r.chunk()?).map_err(|_| "invalid header value")?;
+                    headers.append(name, value);
+                }
+                let body = Bytes::copy_from_slice(r.chunk()?);
+                Ok(Self::Done { fingerprint, expires_ms: time, response: Some(StoredResponse { status, headers, body }) })
+            }
+            _ => Err("unknown record tag"),
+        }
+    }
+}
+
+fn put(out: &mut Vec<u8>, bytes: &[u8]) {
+    out.extend_from_slice(&u32::try_from(bytes.len()).unwrap_or(u32::MAX).to_be_bytes());
+    out.extend_from_slice(bytes);
+}
+
+struct Reader<'a>(&'a [u8]);
+
+impl<'a> Reader<'a> {
+    fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
+        if self.0.len() < n {
+            return Err("record is truncated");
+        }
+        let (head, tail) = self.0.split_at(n);
+        self.0 = tail;
+        Ok(head)
+    }
+
+    fn u64(&mut self) -> Result<u64, &'static str> {
+        Ok(u64::from_be_bytes(self.take(8)?.try_into().map_err(|_| "u64")?))
+    }
+
+    fn chunk(&mut self) -> Result<&'a [u8], &'static str> {
+        let len = u32::from_be_bytes(self.take(4)?.try_into().map_err(|_| "len")?);
+        self.take(usize::try_from(len).map_err(|_| "len")?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn codec_round_trips() {
+        let fp = Fingerprint::of(&Method::POST, "/a?b", b"body");
+        let mut headers = HeaderMap::new();
+        headers.append("x-a", HeaderValue::from_static("1"));
+        headers.append("x-a", HeaderValue::from_static("2"));
+        headers.append("content-type", HeaderValue::from_bytes(b"text/\xffplain").unwrap());
+        let resp = StoredResponse { status: StatusCode::CREATED, headers, body: Bytes::from_static(b"\0\x01hello") };
+        for rec in [
+            Record::InFlight { fingerprint: fp, until_ms: 9 },
+            Record::Done { fingerprint: fp, expires_ms: 10, response: None },
+            Record::Done { fingerprint: fp, expires_ms: 11, response: Some(resp) },
+        ] {
+            assert_eq!(Record::decode(&rec.encode()).unwrap(), rec);
+            let enc = rec.encode();
+            for cut in 0..enc.len() {
+                let _ = Record::decode(&enc[..cut]); // never panics
+            }
+        }
+        assert!(Record::decode(&[9; 41]).is_err());
+    }
+
+    #[test]
+    fn fingerprints_separate_method_path_and_body() {
+        let f = |m: Method, p: &str, b: &[u8]| Fingerprint::of(&m, p, b);
+        assert_eq!(f(Method::POST, "/a", b"x"), f(Method::POST, "/a", b"x"));
+        assert_ne!(f(Method::POST, "/a", b"x"), f(Method::PUT, "/a", b"x"));
+        assert_ne!(f(Method::POST, "/a", b"x"), f(Method::POST, "/b", b"x"));
+        assert_ne!(f(Method::POST, "/a", b"x"), f(Method::POST, "/a", b"y"));
+        assert_ne!(f(Method::POST, "/a", b""), f(Method::POST, "/a\0", b""));
+    }
+}

@@ -1,0 +1,130 @@
+//! Where a sink keeps the highest generation it accepted per job, and its idempotency records.
+//!
+//! Two small traits, one atomic verb per decision: [`GenerationStore::observe`] is an atomic,
+//! durable maximum; [`IdempotencyStore::begin`] claims a (job, key) record or reports what it
+//! holds. The in-memory gates of [`FenceLayer`](crate::FenceLayer) sit in front and answer the
+//! same-generation path without touching the store.
+
+mod memory;
+mod sled;
+
+use std::{future::Future, time::Duration};
+
+use fence_core::{Generation, JobId, headers::IdempotencyKey};
+
+pub use self::{memory::MemoryStore, sled::SledStore};
+use crate::idempotency::{Fingerprint, StoredResponse};
+
+/// A boxed error source.
+pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+
+/// What [`GenerationStore::observe`] decided.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// The token is the highest now (it was equal, or it was higher and is now stored durably).
+    Accepted,
+    /// The store holds a higher generation; nothing changed.
+    Stale {
+        /// The highest generation stored.
+        highest: Generation,
+    },
+}
+
+/// Durable per-job highest generations.
+pub trait GenerationStore: Send + Sync + 'static {
+    /// Atomically: if `token` is at least the stored highest, make it the highest (on disk
+    /// before this returns) and accept; otherwise report the highest.
+    fn observe(&self, job: &JobId, token: Generation) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
+
+    /// The highest generation stored for `job` (0 when none), to fill a cache.
+    fn highest(&self, job: &JobId) -> impl Future<Output = Result<Generation, StoreError>> + Send;
+
+    /// Whether other processes share this store: then a cached highest can be out of date,
+    /// and the layer asks the store on every request instead of answering from memory.
+    fn is_shared(&self) -> bool {
+        false
+    }
+}
+
+/// What [`IdempotencyStore::begin`] found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Begin {
+    /// No live record: one is now in flight for the caller, which must run the request and
+    /// then call [`IdempotencyStore::finish`].
+    Started,
+    /// The same request completed; here is its response.
+    Replay(StoredResponse),
+    /// The same request is still in flight.
+    InFlight,
+    /// The same request completed, but its response was too large to store.
+    NotReplayable,
+    /// The key was used for a different request.
+    Mismatch,
+}
+
+/// How a started request ended, for [`IdempotencyStore::finish`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Finish {
+    /// Store this response for replay until `retention` has passed.
+    Store(StoredResponse),
+    /// The response was too large: remember that the request ran, but that it cannot be replayed.
+    TooLarge,
+    /// Forget the record (a 5xx, or the request was cancelled), so a retry runs again.
+    Forget,
+}
+
+/// Durable per-(job, key) idempotency records.
+pub trait IdempotencyStore: Send + Sync + 'static {
+    /// Atomically: when no live record exists for (job, key) (none, an in-flight record whose
+    /// `in_flight_for` ran out, or a completed one older than its retention), write an
+    /// in-flight record and answer `Started`; otherwise compare fingerprints and answer.
+    fn begin(
+        &self,
+        job: &JobId,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        in_flight_for: Duration,
+    ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
+
+    /// Completes what `begin` started.
+    fn finish(
+        &self,
+        job: &JobId,
+        key: &IdempotencyKey,
+        fingerprint: &Fingerprint,
+        outcome: Finish,
+        retention: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send;
+
+    /// Deletes records that are no longer live; returns how many.
+    fn purge_expired(&self) -> impl Future<Output = Result<usize, StoreError>> + Send;
+}
+
+/// Why a sink store could not decide.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum StoreError {
+    /// Reading or writing the backing storage failed.
+    #[error("sink store I/O failed")]
+    Io(#[source] BoxError),
+    /// A stored record could not be decoded.
+    #[error("stored record of job {job} is corrupt: {reason}")]
+    Corrupt {
+        /// The job.
+        job: JobId,
+        /// What is wrong.
+        reason: &'static str,
+    },
+    /// The store did not answer in time.
+    #[error("sink store did not answer within {0:?}")]
+    Timeout(Duration),
+}
+
+pub(crate) fn now_ms() -> u64 {
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
+}
+
+pub(crate) fn ms(d: Duration) -> u64 {
+    u64::try_from(d.as_millis()).unwrap_or(u64::MAX)
+}

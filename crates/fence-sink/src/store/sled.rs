@@ -1,0 +1,154 @@
+//! The default sink store: sled on local disk, every change on disk (group commit) before it
+//! is acknowledged.
+
+use std::{path::Path, time::Duration};
+
+use fence_core::{Generation, JobId, headers::IdempotencyKey};
+use fence_durable::GroupCommit;
+
+use super::{Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, ms, now_ms};
+use crate::idempotency::{Fingerprint, record};
+
+/// Highest generations (tree `generations`) and idempotency records (tree `idempotency`) in
+/// a sled database.
+#[derive(Debug, Clone)]
+pub struct SledStore {
+    generations: sled::Tree,
+    records: sled::Tree,
+    commit: GroupCommit,
+}
+
+fn io(e: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::Io(Box::new(e))
+}
+
+fn record_key(job: &JobId, key: &IdempotencyKey) -> Vec<u8> {
+    // A job id is visible ASCII, so 0x00 cannot occur in it and separates unambiguously.
+    let mut k = Vec::with_capacity(job.as_str().len() + 1 + key.as_str().len());
+    k.extend_from_slice(job.as_str().as_bytes());
+    k.push(0);
+    k.extend_from_slice(key.as_str().as_bytes());
+    k
+}
+
+impl SledStore {
+    /// Opens (or creates) the store in directory `path`.
+    ///
+    /// # Errors
+    /// When the directory cannot be opened as a sled database (permissions, another process
+    /// holds it, corrupt files).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+        let db = sled::Config::new().path(path).open().map_err(io)?;
+        Ok(Self {
+            generations: db.open_tree("generations").map_err(io)?,
+            records: db.open_tree("idempotency").map_err(io)?,
+            commit: GroupCommit::new(db),
+        })
+    }
+
+    /// Flushes everything to disk now (graceful shutdown).
+    ///
+    /// # Errors
+    /// When the flush fails.
+    pub fn flush(&self) -> Result<(), StoreError> {
+        self.commit.flush_now().map_err(io)
+    }
+
+    /// How many jobs have a stored generation.
+    pub fn job_count(&self) -> usize {
+        self.generations.len()
+    }
+
+    fn decode_generation(job: &JobId, raw: Option<&[u8]>) -> Result<Generation, StoreError> {
+        match raw {
+            None => Ok(Generation::ZERO),
+            Some(b) => <[u8; 8]>::try_from(b)
+                .map(|b| Generation::new(u64::from_be_bytes(b)))
+                .map_err(|_| StoreError::Corrupt { job: job.clone(), reason: "generation is not 8 bytes" }),
+        }
+    }
+
+    /// Applies a change to one idempotency record with compare-and-swap, then commits.
+    async fn update_record<T>(
+        &self,
+        job: &JobId,
+        key: &[u8],
+        mut f: impl FnMut(Option<&record::Record>) -> (Option<Option<record::Record>>, T),
+    ) -> Result<T, StoreError> {
+        let out = loop {
+            let raw = self.records.get(key).map_err(io)?;
+            let cur = raw
+                .as_deref()
+                .map(record::Record::decode)
+                .transpose()
+                .map_err(|reason| StoreError::Corrupt { job: job.clone(), reason })?;
+            let (write, out) = f(cur.as_ref());
+            let Some(new) = write else { return Ok(out) };
+            match self.records.compare_and_swap(key, raw, new.map(|r| r.encode())).map_err(io)? {
+                Ok(()) => break out,
+                Err(_) => continue,
+            }
+        };
+        self.commit.commit().await.map_err(io)?;
+        Ok(out)
+    }
+}
+
+impl GenerationStore for SledStore {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        let key = job.as_str().as_bytes();
+        loop {
+            let raw = self.generations.get(key).map_err(io)?;
+            let highest = Self::decode_generation(job, raw.as_deref())?;
+            if token < highest {
+                return Ok(Verdict::Stale { highest });
+            }
+            if token == highest {
+                break; // equal: make sure the value we accept is on disk too
+            }
+            let new = token.get().to_be_bytes();
+            if self.generations.compare_and_swap(key, raw, Some(&new[..])).map_err(io)?.is_ok() {
+                break;
+            }
+        }
+        self.commit.commit().await.map_err(io)?;
+        Ok(Verdict::Accepted)
+    }
+
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        let raw = self.generations.get(job.as_str().as_bytes()).map_err(io)?;
+        Self::decode_generation(job, raw.as_deref())
+    }
+}
+
+impl IdempotencyStore for SledStore {
+    async fn begin(&self, job: &JobId, key: &IdempotencyKey, fp: &Fingerprint, in_flight_for: Duration) -> Result<Begin, StoreError> {
+        let k = record_key(job, key);
+        self.update_record(job, &k, |cur| {
+            let (write, answer) = record::begin(cur, fp, ms(in_flight_for), now_ms());
+            (write.map(Some), answer)
+        })
+        .await
+    }
+
+    async fn finish(&self, job: &JobId, key: &IdempotencyKey, fp: &Fingerprint, outcome: Finish, retention: Duration) -> Result<(), StoreError> {
+        let k = record_key(job, key);
+        self.update_record(job, &k, |cur| (record::finish(cur, fp, outcome.clone(), ms(retention), now_ms()), ())).await
+    }
+
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        let now = now_ms();
+        let mut purged = 0;
+        for item in self.records.iter() {
+            let (k, v) = item.map_err(io)?;
+            let dead = record::Record::decode(&v).map_or(true, |r| !r.is_live(now));
+            if dead && self.records.compare_and_swap(&k, Some(v), None::<&[u8]>).map_err(io)?.is_ok() {
+                purged += 1;
+            }
+        }
+        if purged > 0 {
+            self.commit.commit().await.map_err(io)?;
+        }
+        Ok(purged)
+    }
+}
