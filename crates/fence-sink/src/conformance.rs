@@ -1,1 +1,286 @@
-pub fn placeholder() {}
+//! The sink-store conformance suite: every behaviour of [`GenerationStore`] and
+//! [`IdempotencyStore`], run against every backend by
+//! [`sink_store_conformance!`](crate::sink_store_conformance).
+//!
+//! A backend's test module supplies an async factory returning `Some(store)`, or `None`
+//! (after printing why) to skip.
+
+use std::{sync::Arc, time::Duration};
+
+use bytes::Bytes;
+use fence_core::{Generation, JobId, headers::IdempotencyKey};
+use http::{HeaderMap, HeaderValue, Method, StatusCode};
+
+use crate::{
+    Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, StoredResponse, Verdict,
+};
+
+/// Generates one `#[tokio::test]` per conformance case for the store made by `$make`.
+#[macro_export]
+macro_rules! sink_store_conformance {
+    ($make:expr) => {
+        $crate::__sink_store_cases!($make;
+            first_observation_is_accepted_and_lower_is_stale,
+            equal_is_accepted_and_highest_reads_back,
+            jobs_are_independent,
+            concurrent_observations_keep_the_maximum,
+            begin_then_in_flight_then_replay,
+            mismatched_fingerprint_is_reported,
+            forget_lets_the_key_run_again,
+            too_large_is_not_replayable,
+            in_flight_and_retention_expire,
+            keys_are_scoped_per_job,
+        );
+    };
+}
+
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __sink_store_cases {
+    ($make:expr; $($case:ident),* $(,)?) => {
+        $(
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                match ($make)().await {
+                    Some(store) => $crate::conformance::$case(store).await,
+                    None => println!("skipped: {} (the backend's factory said why above)", stringify!($case)),
+                }
+            }
+        )*
+    };
+}
+
+fn job(s: &str) -> JobId {
+    s.parse().expect("valid job id")
+}
+
+fn g(v: u64) -> Generation {
+    Generation::new(v)
+}
+
+fn key(s: &str) -> IdempotencyKey {
+    IdempotencyKey::from_bytes(s.as_bytes()).expect("valid key")
+}
+
+fn fp(body: &str) -> Fingerprint {
+    Fingerprint::of(&Method::POST, "/effects", body.as_bytes())
+}
+
+fn response(body: &'static str) -> StoredResponse {
+    let mut headers = HeaderMap::new();
+    headers.append("x-many", HeaderValue::from_static("1"));
+    headers.append("x-many", HeaderValue::from_static("2"));
+    StoredResponse {
+        status: StatusCode::CREATED,
+        headers,
+        body: Bytes::from_static(body.as_bytes()),
+    }
+}
+
+const LONG: Duration = Duration::from_secs(3600);
+
+/// The first token is accepted; anything lower afterwards is stale and names the highest.
+pub async fn first_observation_is_accepted_and_lower_is_stale<S: GenerationStore>(store: S) {
+    let j = job("sink-first");
+    assert_eq!(store.highest(&j).await.unwrap(), Generation::ZERO);
+    assert_eq!(store.observe(&j, g(7)).await.unwrap(), Verdict::Accepted);
+    assert_eq!(
+        store.observe(&j, g(6)).await.unwrap(),
+        Verdict::Stale { highest: g(7) }
+    );
+    assert_eq!(
+        store.observe(&j, g(1)).await.unwrap(),
+        Verdict::Stale { highest: g(7) }
+    );
+    assert_eq!(
+        store.observe(&j, g(u64::MAX)).await.unwrap(),
+        Verdict::Accepted
+    );
+    assert_eq!(
+        store.observe(&j, g(7)).await.unwrap(),
+        Verdict::Stale {
+            highest: g(u64::MAX)
+        }
+    );
+}
+
+/// The current token stays accepted; `highest` reads back what was accepted.
+pub async fn equal_is_accepted_and_highest_reads_back<S: GenerationStore>(store: S) {
+    let j = job("sink-equal");
+    assert_eq!(store.observe(&j, g(3)).await.unwrap(), Verdict::Accepted);
+    assert_eq!(store.observe(&j, g(3)).await.unwrap(), Verdict::Accepted);
+    assert_eq!(store.highest(&j).await.unwrap(), g(3));
+    assert_eq!(store.observe(&j, g(4)).await.unwrap(), Verdict::Accepted);
+    assert_eq!(store.highest(&j).await.unwrap(), g(4));
+}
+
+/// Jobs never affect each other.
+pub async fn jobs_are_independent<S: GenerationStore>(store: S) {
+    let (a, b) = (job("sink-a"), job("sink-b"));
+    assert_eq!(store.observe(&a, g(9)).await.unwrap(), Verdict::Accepted);
+    assert_eq!(store.observe(&b, g(2)).await.unwrap(), Verdict::Accepted);
+    assert_eq!(
+        (
+            store.highest(&a).await.unwrap(),
+            store.highest(&b).await.unwrap()
+        ),
+        (g(9), g(2))
+    );
+}
+
+/// 64 tasks observe tokens 1..=64 concurrently: the store ends at 64, and every stale
+/// verdict names a highest above its token.
+pub async fn concurrent_observations_keep_the_maximum<S: GenerationStore>(store: S) {
+    let store = Arc::new(store);
+    let j = job("sink-race");
+    let tasks: Vec<_> = (1..=64u64)
+        .map(|t| {
+            let (store, j) = (store.clone(), j.clone());
+            tokio::spawn(async move { (t, store.observe(&j, g(t)).await.unwrap()) })
+        })
+        .collect();
+    for task in tasks {
+        match task.await.unwrap() {
+            (_, Verdict::Accepted) => {}
+            (t, Verdict::Stale { highest }) => {
+                assert!(highest > g(t), "token {t} stale under {highest}")
+            }
+        }
+    }
+    assert_eq!(store.highest(&j).await.unwrap(), g(64));
+}
+
+/// begin → Started; again → InFlight; finish(Store) → Replay of exactly what was stored.
+pub async fn begin_then_in_flight_then_replay<S: IdempotencyStore>(store: S) {
+    let (j, k, f) = (job("idem-1"), key("k1"), fp("body"));
+    assert_eq!(store.begin(&j, &k, &f, LONG).await.unwrap(), Begin::Started);
+    assert_eq!(
+        store.begin(&j, &k, &f, LONG).await.unwrap(),
+        Begin::InFlight
+    );
+    store
+        .finish(&j, &k, &f, Finish::Store(response("done")), LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(&j, &k, &f, LONG).await.unwrap(),
+        Begin::Replay(response("done"))
+    );
+}
+
+/// The same key with another fingerprint is a mismatch, in flight or completed.
+pub async fn mismatched_fingerprint_is_reported<S: IdempotencyStore>(store: S) {
+    let (j, k) = (job("idem-2"), key("k2"));
+    assert_eq!(
+        store.begin(&j, &k, &fp("a"), LONG).await.unwrap(),
+        Begin::Started
+    );
+    assert_eq!(
+        store.begin(&j, &k, &fp("b"), LONG).await.unwrap(),
+        Begin::Mismatch
+    );
+    store
+        .finish(&j, &k, &fp("a"), Finish::Store(response("x")), LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(&j, &k, &fp("b"), LONG).await.unwrap(),
+        Begin::Mismatch
+    );
+    // A finish with the wrong fingerprint changes nothing.
+    store
+        .finish(&j, &k, &fp("b"), Finish::Forget, LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(&j, &k, &fp("a"), LONG).await.unwrap(),
+        Begin::Replay(response("x"))
+    );
+}
+
+/// A forgotten record (5xx, cancelled) lets the next request with the key run.
+pub async fn forget_lets_the_key_run_again<S: IdempotencyStore>(store: S) {
+    let (j, k, f) = (job("idem-3"), key("k3"), fp("body"));
+    assert_eq!(store.begin(&j, &k, &f, LONG).await.unwrap(), Begin::Started);
+    store
+        .finish(&j, &k, &f, Finish::Forget, LONG)
+        .await
+        .unwrap();
+    assert_eq!(store.begin(&j, &k, &f, LONG).await.unwrap(), Begin::Started);
+}
+
+/// A response too large to store leaves a record that refuses replays and re-runs.
+pub async fn too_large_is_not_replayable<S: IdempotencyStore>(store: S) {
+    let (j, k, f) = (job("idem-4"), key("k4"), fp("body"));
+    assert_eq!(store.begin(&j, &k, &f, LONG).await.unwrap(), Begin::Started);
+    store
+        .finish(&j, &k, &f, Finish::TooLarge, LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(&j, &k, &f, LONG).await.unwrap(),
+        Begin::NotReplayable
+    );
+}
+
+/// An in-flight record past its timeout and a completed one past its retention are gone:
+/// the key runs again, and purging deletes them.
+pub async fn in_flight_and_retention_expire<S: IdempotencyStore>(store: S) {
+    let (j, f) = (job("idem-5"), fp("body"));
+    let short = Duration::from_millis(1);
+    assert_eq!(
+        store.begin(&j, &key("crashed"), &f, short).await.unwrap(),
+        Begin::Started
+    );
+    assert_eq!(
+        store.begin(&j, &key("kept"), &f, LONG).await.unwrap(),
+        Begin::Started
+    );
+    store
+        .finish(&j, &key("kept"), &f, Finish::Store(response("k")), LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(&j, &key("old"), &f, LONG).await.unwrap(),
+        Begin::Started
+    );
+    store
+        .finish(&j, &key("old"), &f, Finish::Store(response("o")), short)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_millis(20)).await; // the stores read the system clock
+    assert_eq!(store.purge_expired().await.unwrap(), 2);
+    assert_eq!(
+        store.begin(&j, &key("crashed"), &f, LONG).await.unwrap(),
+        Begin::Started
+    );
+    assert_eq!(
+        store.begin(&j, &key("old"), &f, LONG).await.unwrap(),
+        Begin::Started
+    );
+    assert_eq!(
+        store.begin(&j, &key("kept"), &f, LONG).await.unwrap(),
+        Begin::Replay(response("k"))
+    );
+}
+
+/// The same key under two jobs names two records.
+pub async fn keys_are_scoped_per_job<S: IdempotencyStore>(store: S) {
+    let (k, f) = (key("shared"), fp("body"));
+    assert_eq!(
+        store.begin(&job("idem-x"), &k, &f, LONG).await.unwrap(),
+        Begin::Started
+    );
+    assert_eq!(
+        store.begin(&job("idem-y"), &k, &f, LONG).await.unwrap(),
+        Begin::Started
+    );
+    store
+        .finish(&job("idem-x"), &k, &f, Finish::Store(response("x")), LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(&job("idem-y"), &k, &f, LONG).await.unwrap(),
+        Begin::InFlight
+    );
+}

@@ -17,10 +17,13 @@ mod store;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 
-pub use fence::{Fence, FenceLayer, FencePredicate, Fenced, RequestBody, ResponseBody, ResponseFuture};
+pub use fence::{
+    Fence, FenceLayer, FencePredicate, Fenced, RequestBody, ResponseBody, ResponseFuture,
+};
 pub use idempotency::{Fingerprint, IdempotencyConfig, StoredResponse};
 pub use store::{
-    Begin, BoxError, Finish, GenerationStore, IdempotencyStore, MemoryStore, SledStore, StoreError, Verdict,
+    Begin, BoxError, Finish, GenerationStore, IdempotencyStore, MemoryStore, SledStore, StoreError,
+    Verdict,
 };
 
 /// `error: cause: cause` for one-line logs and problem details.

@@ -43,31 +43,47 @@ pin_project! {
 
 impl<B> Kind<B> {
     fn bytes(bytes: Bytes) -> Self {
-        Kind::Bytes { bytes: if bytes.is_empty() { None } else { Some(bytes) } }
+        Kind::Bytes {
+            bytes: if bytes.is_empty() { None } else { Some(bytes) },
+        }
     }
 }
 
 impl<B> RequestBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        Self { kind: Kind::Inner { body } }
+        Self {
+            kind: Kind::Inner { body },
+        }
     }
 
     pub(crate) fn buffered(bytes: Bytes) -> Self {
-        Self { kind: Kind::bytes(bytes) }
+        Self {
+            kind: Kind::bytes(bytes),
+        }
     }
 }
 
 impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
-        Self { kind: Kind::Inner { body } }
+        Self {
+            kind: Kind::Inner { body },
+        }
     }
 
     pub(crate) fn full(bytes: Bytes) -> Self {
-        Self { kind: Kind::bytes(bytes) }
+        Self {
+            kind: Kind::bytes(bytes),
+        }
     }
 
     pub(crate) fn prefixed(prefix: Bytes, trailers: Option<HeaderMap>, rest: Pin<Box<B>>) -> Self {
-        Self { kind: Kind::Prefixed { prefix: Some(prefix), trailers, rest } }
+        Self {
+            kind: Kind::Prefixed {
+                prefix: Some(prefix),
+                trailers,
+                rest,
+            },
+        }
     }
 }
 
@@ -77,7 +93,10 @@ impl<B> From<Vec<u8>> for ResponseBody<B> {
     }
 }
 
-fn poll_kind<B>(kind: Pin<&mut Kind<B>>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
+fn poll_kind<B>(
+    kind: Pin<&mut Kind<B>>,
+    cx: &mut Context<'_>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>>
 where
     B: Body<Data = Bytes>,
     B::Error: Into<BoxError>,
@@ -85,7 +104,11 @@ where
     match kind.project() {
         KindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
         KindProj::Bytes { bytes } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
-        KindProj::Prefixed { prefix, trailers, rest } => {
+        KindProj::Prefixed {
+            prefix,
+            trailers,
+            rest,
+        } => {
             if let Some(p) = prefix.take().filter(|p| !p.is_empty()) {
                 return Poll::Ready(Some(Ok(Frame::data(p))));
             }
@@ -101,8 +124,14 @@ fn end_kind<B: Body>(kind: &Kind<B>) -> bool {
     match kind {
         Kind::Inner { body } => body.is_end_stream(),
         Kind::Bytes { bytes } => bytes.is_none(),
-        Kind::Prefixed { prefix, trailers, rest } => {
-            prefix.as_ref().is_none_or(Bytes::is_empty) && trailers.is_none() && rest.is_end_stream()
+        Kind::Prefixed {
+            prefix,
+            trailers,
+            rest,
+        } => {
+            prefix.as_ref().is_none_or(Bytes::is_empty)
+                && trailers.is_none()
+                && rest.is_end_stream()
         }
     }
 }
@@ -134,7 +163,10 @@ macro_rules! impl_body {
             type Data = Bytes;
             type Error = BoxError;
 
-            fn poll_frame(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+            fn poll_frame(
+                self: Pin<&mut Self>,
+                cx: &mut Context<'_>,
+            ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
                 poll_kind(self.project().kind, cx)
             }
 

@@ -33,15 +33,23 @@ pin_project! {
 
 impl<F, B, E> ResponseFuture<F, B, E> {
     pub(crate) fn unfenced(future: F) -> Self {
-        Self { kind: Kind::Unfenced { future } }
+        Self {
+            kind: Kind::Unfenced { future },
+        }
     }
 
     pub(crate) fn rejected(response: Response<ResponseBody<B>>) -> Self {
-        Self { kind: Kind::Rejected { response: Some(response) } }
+        Self {
+            kind: Kind::Rejected {
+                response: Some(response),
+            },
+        }
     }
 
     pub(crate) fn fenced(future: BoxFuture<Result<Response<ResponseBody<B>>, E>>) -> Self {
-        Self { kind: Kind::Fenced { future } }
+        Self {
+            kind: Kind::Fenced { future },
+        }
     }
 }
 
@@ -54,7 +62,9 @@ where
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
             KindProj::Unfenced { future } => future.poll(cx).map_ok(|r| r.map(ResponseBody::inner)),
-            KindProj::Rejected { response } => Poll::Ready(Ok(response.take().expect("polled after completion"))),
+            KindProj::Rejected { response } => {
+                Poll::Ready(Ok(response.take().expect("polled after completion")))
+            }
             KindProj::Fenced { future } => future.as_mut().poll(cx),
         }
     }

@@ -95,8 +95,19 @@ pub(crate) struct Gates<St> {
 }
 
 impl<St: GenerationStore> Gates<St> {
-    pub(crate) fn new(store: Arc<St>, capacity: usize, store_timeout: Duration, drain_timeout: Duration) -> Self {
-        Self { map: DashMap::new(), store, capacity: capacity.max(1), store_timeout, drain_timeout }
+    pub(crate) fn new(
+        store: Arc<St>,
+        capacity: usize,
+        store_timeout: Duration,
+        drain_timeout: Duration,
+    ) -> Self {
+        Self {
+            map: DashMap::new(),
+            store,
+            capacity: capacity.max(1),
+            store_timeout,
+            drain_timeout,
+        }
     }
 
     pub(crate) fn store(&self) -> &Arc<St> {
@@ -144,7 +155,9 @@ impl<St: GenerationStore> Gates<St> {
             s.highest = s.highest.max(highest);
             Ok::<_, StoreError>(())
         });
-        tokio::time::timeout(self.store_timeout, init).await.map_err(|_| StoreError::Timeout(self.store_timeout))??;
+        tokio::time::timeout(self.store_timeout, init)
+            .await
+            .map_err(|_| StoreError::Timeout(self.store_timeout))??;
         Ok(())
     }
 
@@ -167,7 +180,9 @@ impl<St: GenerationStore> Gates<St> {
             notified.as_mut().enable(); // registered before the check: no wake-up is missed
             match self.decide(&gate, token) {
                 Step::Stale(highest) => return Admission::Stale { highest },
-                Step::Current(guard) if self.store.is_shared() => return self.confirm(&gate, job, token, guard).await,
+                Step::Current(guard) if self.store.is_shared() => {
+                    return self.confirm(&gate, job, token, guard).await;
+                }
                 Step::Current(guard) => return Admission::Admitted(guard),
                 Step::Bump => return self.bump(&gate, job, token).await,
                 Step::Wait => {}
@@ -205,7 +220,13 @@ impl<St: GenerationStore> Gates<St> {
     }
 
     /// With a shared store, other processes may have moved on: the store has the last word.
-    async fn confirm(&self, gate: &Gate, job: &JobId, token: Generation, guard: InFlight) -> Admission {
+    async fn confirm(
+        &self,
+        gate: &Gate,
+        job: &JobId,
+        token: Generation,
+        guard: InFlight,
+    ) -> Admission {
         match self.observe(job, token).await {
             Ok(Verdict::Accepted) => Admission::Admitted(guard),
             Ok(Verdict::Stale { highest }) => {
@@ -225,7 +246,11 @@ impl<St: GenerationStore> Gates<St> {
         admission
     }
 
-    fn settle(gate: &Arc<Gate>, token: Generation, result: Result<Verdict, StoreError>) -> Admission {
+    fn settle(
+        gate: &Arc<Gate>,
+        token: Generation,
+        result: Result<Verdict, StoreError>,
+    ) -> Admission {
         let mut s = gate.lock();
         s.bumping = false;
         if s.pending == Some(token) {

@@ -101,20 +101,36 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             store_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(10),
         };
-        let gates = Arc::new(Gates::new(store.clone(), params.max_cached_jobs, params.store_timeout, params.drain_timeout));
+        let gates = Arc::new(Gates::new(
+            store.clone(),
+            params.max_cached_jobs,
+            params.store_timeout,
+            params.drain_timeout,
+        ));
         let config = Config {
             methods: vec![Method::POST, Method::PUT, Method::PATCH, Method::DELETE],
             predicate: None,
             require_token: true,
             idempotency: Some(IdempotencyConfig::default()),
         };
-        Self { store, params, config, gates, sweeper: Arc::default() }
+        Self {
+            store,
+            params,
+            config,
+            gates,
+            sweeper: Arc::default(),
+        }
     }
 
     fn with_params(mut self, f: impl FnOnce(&mut GateParams)) -> Self {
         f(&mut self.params);
         let p = self.params;
-        self.gates = Arc::new(Gates::new(self.store.clone(), p.max_cached_jobs, p.store_timeout, p.drain_timeout));
+        self.gates = Arc::new(Gates::new(
+            self.store.clone(),
+            p.max_cached_jobs,
+            p.store_timeout,
+            p.drain_timeout,
+        ));
         self
     }
 
@@ -127,7 +143,10 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
 
     /// Fences the requests for which `predicate` returns true (methods, paths, anything in
     /// the request head), instead of a method list.
-    pub fn fence_when(mut self, predicate: impl Fn(&Parts) -> bool + Send + Sync + 'static) -> Self {
+    pub fn fence_when(
+        mut self,
+        predicate: impl Fn(&Parts) -> bool + Send + Sync + 'static,
+    ) -> Self {
         self.config.predicate = Some(Arc::new(predicate));
         self
     }
@@ -192,7 +211,8 @@ impl<S, St: GenerationStore + IdempotencyStore> Layer<S> for FenceLayer<St> {
             // Once per layer (axum applies a layer to every route), and only inside a runtime;
             // expired records are also ignored on read, so the sweeper only reclaims space.
             if tokio::runtime::Handle::try_current().is_ok() {
-                self.sweeper.get_or_init(|| spawn_sweeper(&self.store, cfg.sweep_every));
+                self.sweeper
+                    .get_or_init(|| spawn_sweeper(&self.store, cfg.sweep_every));
             }
         }
         Fence::new(inner, self.clone())

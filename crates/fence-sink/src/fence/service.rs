@@ -42,13 +42,19 @@ pub struct Fence<S, St> {
 
 impl<S: Clone, St> Clone for Fence<S, St> {
     fn clone(&self) -> Self {
-        Self { inner: self.inner.clone(), layer: self.layer.clone() }
+        Self {
+            inner: self.inner.clone(),
+            layer: self.layer.clone(),
+        }
     }
 }
 
 impl<S: std::fmt::Debug, St> std::fmt::Debug for Fence<S, St> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("Fence").field("inner", &self.inner).field("layer", &self.layer).finish()
+        f.debug_struct("Fence")
+            .field("inner", &self.inner)
+            .field("layer", &self.layer)
+            .finish()
     }
 }
 
@@ -75,10 +81,15 @@ impl<S, St> Fence<S, St> {
 }
 
 /// A problem+json response, with `Retry-After` where the client should come back.
-pub(crate) fn reject<B>(problem: Problem, retry_after: Option<Duration>) -> Response<ResponseBody<B>> {
+pub(crate) fn reject<B>(
+    problem: Problem,
+    retry_after: Option<Duration>,
+) -> Response<ResponseBody<B>> {
     let mut response: Response<ResponseBody<B>> = problem.to_response();
     if let Some(after) = retry_after {
-        response.headers_mut().insert(RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
+        response
+            .headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
     }
     response
 }
@@ -107,11 +118,17 @@ where
         let config = &self.layer.config;
         if !config.is_fenced(&parts) {
             count("unfenced");
-            return ResponseFuture::unfenced(self.inner.call(Request::from_parts(parts, RequestBody::inner(body))));
+            return ResponseFuture::unfenced(
+                self.inner
+                    .call(Request::from_parts(parts, RequestBody::inner(body))),
+            );
         }
         let malformed = |e: fence_core::headers::HeaderError| {
             count("malformed");
-            ResponseFuture::rejected(reject(Problem::new(ProblemType::MalformedToken, e.to_string()), None))
+            ResponseFuture::rejected(reject(
+                Problem::new(ProblemType::MalformedToken, e.to_string()),
+                None,
+            ))
         };
         let fencing = match FencingHeaders::from_headers(&parts.headers) {
             Ok(f) => f,
@@ -129,17 +146,25 @@ where
                     parts.method,
                     parts.uri.path()
                 );
-                return ResponseFuture::rejected(reject(Problem::new(ProblemType::MissingToken, detail), None));
+                return ResponseFuture::rejected(reject(
+                    Problem::new(ProblemType::MissingToken, detail),
+                    None,
+                ));
             }
             count("missing_allowed");
-            return ResponseFuture::unfenced(self.inner.call(Request::from_parts(parts, RequestBody::inner(body))));
+            return ResponseFuture::unfenced(
+                self.inner
+                    .call(Request::from_parts(parts, RequestBody::inner(body))),
+            );
         };
         // The service that poll_ready made ready is the one the future calls.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
         let layer = self.layer.clone();
         let span = tracing::debug_span!("fence", job = %job, token = %token);
-        ResponseFuture::fenced(Box::pin(fenced(inner, layer, parts, body, job, token, key).instrument(span)))
+        ResponseFuture::fenced(Box::pin(
+            fenced(inner, layer, parts, body, job, token, key).instrument(span),
+        ))
     }
 }
 
@@ -168,7 +193,10 @@ where
             let detail = format!(
                 "job {job}: token {token} is below generation {highest}, which this destination has already seen; a newer lease holder exists"
             );
-            let p = Problem::new(ProblemType::StaleToken, detail).with_job(job).with_token(token.get()).with_highest(highest.get());
+            let p = Problem::new(ProblemType::StaleToken, detail)
+                .with_job(job)
+                .with_token(token.get())
+                .with_highest(highest.get());
             return Ok(reject(p, None));
         }
         Admission::DrainTimeout => {
@@ -176,16 +204,32 @@ where
             let detail = format!(
                 "job {job}: token {token} is newer than the highest accepted, but requests with older tokens were still in flight when the drain limit ran out; nothing changed, retry"
             );
-            return Ok(reject(Problem::new(ProblemType::DrainTimeout, detail).with_job(job).with_token(token.get()), retry));
+            return Ok(reject(
+                Problem::new(ProblemType::DrainTimeout, detail)
+                    .with_job(job)
+                    .with_token(token.get()),
+                retry,
+            ));
         }
         Admission::StoreFailed(e) => {
             count("store_error");
             tracing::warn!(error = %crate::error_chain(&e), "generation store failed");
-            let detail = format!("job {job}: the generation store failed: {}", crate::error_chain(&e));
-            return Ok(reject(Problem::new(ProblemType::StoreUnavailable, detail).with_job(job).with_token(token.get()), retry));
+            let detail = format!(
+                "job {job}: the generation store failed: {}",
+                crate::error_chain(&e)
+            );
+            return Ok(reject(
+                Problem::new(ProblemType::StoreUnavailable, detail)
+                    .with_job(job)
+                    .with_token(token.get()),
+                retry,
+            ));
         }
     };
-    parts.extensions.insert(Fenced { job: job.clone(), token });
+    parts.extensions.insert(Fenced {
+        job: job.clone(),
+        token,
+    });
     match (key, &layer.config.idempotency) {
         (Some(key), Some(config)) => {
             let store: Arc<St> = layer.gates.store().clone();
@@ -193,7 +237,9 @@ where
         }
         _ => {
             count("accepted");
-            let response = inner.call(Request::from_parts(parts, RequestBody::inner(body))).await;
+            let response = inner
+                .call(Request::from_parts(parts, RequestBody::inner(body)))
+                .await;
             drop(guard); // the effect is done (or failed): a newer token may proceed
             response.map(|r| r.map(ResponseBody::inner))
         }

@@ -25,7 +25,9 @@ use std::{
 };
 
 use bytes::{Bytes, BytesMut};
-use fence_core::{JobId, Problem, ProblemType, headers::IdempotencyKey, headers::IDEMPOTENT_REPLAYED};
+use fence_core::{
+    JobId, Problem, ProblemType, headers::IDEMPOTENT_REPLAYED, headers::IdempotencyKey,
+};
 use http::{HeaderValue, Request, Response, StatusCode, request::Parts};
 use http_body::Body;
 use http_body_util::{BodyExt, Limited};
@@ -111,7 +113,10 @@ impl IdempotencyConfig {
 
     /// Stores the responses whose status passes `filter`; others are forgotten, so a retry
     /// runs again.
-    pub fn store_statuses(mut self, filter: impl Fn(StatusCode) -> bool + Send + Sync + 'static) -> Self {
+    pub fn store_statuses(
+        mut self,
+        filter: impl Fn(StatusCode) -> bool + Send + Sync + 'static,
+    ) -> Self {
         self.store_statuses = Arc::new(filter);
         self
     }
@@ -135,14 +140,21 @@ pub(crate) fn spawn_sweeper<St: IdempotencyStore>(store: &Arc<St>, every: Durati
             match store.purge_expired().await {
                 Ok(0) => {}
                 Ok(n) => tracing::debug!(purged = n, "expired idempotency records deleted"),
-                Err(e) => tracing::warn!(error = %crate::error_chain(&e), "sweeping idempotency records failed"),
+                Err(e) => {
+                    tracing::warn!(error = %crate::error_chain(&e), "sweeping idempotency records failed")
+                }
             }
         }
     });
 }
 
-async fn timed<T>(limit: Duration, f: impl Future<Output = Result<T, StoreError>>) -> Result<T, StoreError> {
-    tokio::time::timeout(limit, f).await.map_err(|_| StoreError::Timeout(limit))?
+async fn timed<T>(
+    limit: Duration,
+    f: impl Future<Output = Result<T, StoreError>>,
+) -> Result<T, StoreError> {
+    tokio::time::timeout(limit, f)
+        .await
+        .map_err(|_| StoreError::Timeout(limit))?
 }
 
 /// Runs one admitted request that carries an idempotency key.
@@ -173,52 +185,90 @@ where
                 "job {job}: the body of a request with Idempotency-Key {key} is above the {} bytes this destination fingerprints",
                 config.max_request_body
             );
-            return Ok(reject(Problem::new(ProblemType::PayloadTooLarge, detail).with_job(job.clone()), None));
+            return Ok(reject(
+                Problem::new(ProblemType::PayloadTooLarge, detail).with_job(job.clone()),
+                None,
+            ));
         }
         Err(e) => {
             let detail = format!("job {job}: reading the request body failed: {e}");
-            return Ok(reject(Problem::new(ProblemType::BadRequest, detail).with_job(job.clone()), None));
+            return Ok(reject(
+                Problem::new(ProblemType::BadRequest, detail).with_job(job.clone()),
+                None,
+            ));
         }
     };
     let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
     let fingerprint = Fingerprint::of(&parts.method, path, &bytes);
-    let begin = timed(config.store_timeout, store.begin(job, key, &fingerprint, config.in_flight_timeout)).await;
+    let begin = timed(
+        config.store_timeout,
+        store.begin(job, key, &fingerprint, config.in_flight_timeout),
+    )
+    .await;
     match begin {
         Err(e) => {
             count("store_error");
-            let detail = format!("job {job}: the idempotency store failed: {}", crate::error_chain(&e));
-            Ok(reject(Problem::new(ProblemType::StoreUnavailable, detail).with_job(job.clone()), retry))
+            let detail = format!(
+                "job {job}: the idempotency store failed: {}",
+                crate::error_chain(&e)
+            );
+            Ok(reject(
+                Problem::new(ProblemType::StoreUnavailable, detail).with_job(job.clone()),
+                retry,
+            ))
         }
         Ok(Begin::Replay(stored)) => {
             count("replayed");
             let mut response = Response::new(ResponseBody::full(stored.body));
             *response.status_mut() = stored.status;
             *response.headers_mut() = stored.headers;
-            response.headers_mut().insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+            response
+                .headers_mut()
+                .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
             Ok(response)
         }
         Ok(Begin::InFlight) => {
             count("in_flight_conflict");
-            let detail = format!("job {job}: a request with Idempotency-Key {key} is still in flight; retry when it has finished");
-            Ok(reject(Problem::new(ProblemType::IdempotencyInFlight, detail).with_job(job.clone()), retry))
+            let detail = format!(
+                "job {job}: a request with Idempotency-Key {key} is still in flight; retry when it has finished"
+            );
+            Ok(reject(
+                Problem::new(ProblemType::IdempotencyInFlight, detail).with_job(job.clone()),
+                retry,
+            ))
         }
         Ok(Begin::Mismatch) => {
             count("mismatch");
-            let detail = format!("job {job}: Idempotency-Key {key} was already used for a request with a different method, path or body");
-            Ok(reject(Problem::new(ProblemType::IdempotencyKeyMismatch, detail).with_job(job.clone()), None))
+            let detail = format!(
+                "job {job}: Idempotency-Key {key} was already used for a request with a different method, path or body"
+            );
+            Ok(reject(
+                Problem::new(ProblemType::IdempotencyKeyMismatch, detail).with_job(job.clone()),
+                None,
+            ))
         }
         Ok(Begin::NotReplayable) => {
             count("not_replayable");
             let detail = format!(
                 "job {job}: the request with Idempotency-Key {key} already ran, but its response was too large to store, so it cannot be replayed"
             );
-            Ok(reject(Problem::new(ProblemType::IdempotencyNotReplayable, detail).with_job(job.clone()), None))
+            Ok(reject(
+                Problem::new(ProblemType::IdempotencyNotReplayable, detail).with_job(job.clone()),
+                None,
+            ))
         }
         Ok(Begin::Started) => {
             count("accepted");
-            let result = inner.call(Request::from_parts(parts, RequestBody::buffered(bytes))).await;
+            let result = inner
+                .call(Request::from_parts(parts, RequestBody::buffered(bytes)))
+                .await;
             let finish = |outcome| async {
-                if let Err(e) = timed(config.store_timeout, store.finish(job, key, &fingerprint, outcome, config.retention)).await {
+                if let Err(e) = timed(
+                    config.store_timeout,
+                    store.finish(job, key, &fingerprint, outcome, config.retention),
+                )
+                .await
+                {
                     // The in-flight record stays until its timeout: retries get 409, never a second run.
                     tracing::warn!(error = %crate::error_chain(&e), "completing an idempotency record failed");
                 }
@@ -238,7 +288,11 @@ where
             let (head, body) = response.into_parts();
             let response = match capture(body, config.max_response_body).await {
                 Captured::Whole(bytes) => {
-                    let stored = StoredResponse { status: head.status, headers: head.headers.clone(), body: bytes.clone() };
+                    let stored = StoredResponse {
+                        status: head.status,
+                        headers: head.headers.clone(),
+                        body: bytes.clone(),
+                    };
                     finish(Finish::Store(stored)).await;
                     Response::from_parts(head, ResponseBody::full(bytes))
                 }
@@ -249,7 +303,10 @@ where
                 Captured::Failed(e) => {
                     finish(Finish::Forget).await;
                     let detail = format!("job {job}: the service's response body failed: {e}");
-                    reject(Problem::new(ProblemType::Internal, detail).with_job(job.clone()), None)
+                    reject(
+                        Problem::new(ProblemType::Internal, detail).with_job(job.clone()),
+                        None,
+                    )
                 }
             };
             drop(guard);
@@ -286,7 +343,9 @@ where
                         return Captured::TooLarge(buf.freeze(), None, body);
                     }
                 }
-                Err(frame) => return Captured::TooLarge(buf.freeze(), frame.into_trailers().ok(), body),
+                Err(frame) => {
+                    return Captured::TooLarge(buf.freeze(), frame.into_trailers().ok(), body);
+                }
             },
         }
     }

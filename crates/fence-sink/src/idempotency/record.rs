@@ -47,8 +47,15 @@ pub struct StoredResponse {
 /// A (job, key) record as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum Record {
-    InFlight { fingerprint: Fingerprint, until_ms: u64 },
-    Done { fingerprint: Fingerprint, expires_ms: u64, response: Option<StoredResponse> },
+    InFlight {
+        fingerprint: Fingerprint,
+        until_ms: u64,
+    },
+    Done {
+        fingerprint: Fingerprint,
+        expires_ms: u64,
+        response: Option<StoredResponse>,
+    },
 }
 
 impl Record {
@@ -67,7 +74,12 @@ impl Record {
 }
 
 /// The decision of `begin`: what to write (if anything) and the answer.
-pub(crate) fn begin(cur: Option<&Record>, fingerprint: &Fingerprint, in_flight_ms: u64, now_ms: u64) -> (Option<Record>, Begin) {
+pub(crate) fn begin(
+    cur: Option<&Record>,
+    fingerprint: &Fingerprint,
+    in_flight_ms: u64,
+    now_ms: u64,
+) -> (Option<Record>, Begin) {
     match cur {
         Some(r) if r.is_live(now_ms) => {
             let answer = if r.fingerprint() != fingerprint {
@@ -75,7 +87,10 @@ pub(crate) fn begin(cur: Option<&Record>, fingerprint: &Fingerprint, in_flight_m
             } else {
                 match r {
                     Record::InFlight { .. } => Begin::InFlight,
-                    Record::Done { response: Some(resp), .. } => Begin::Replay(resp.clone()),
+                    Record::Done {
+                        response: Some(resp),
+                        ..
+                    } => Begin::Replay(resp.clone()),
                     Record::Done { response: None, .. } => Begin::NotReplayable,
                 }
             };
@@ -83,7 +98,13 @@ pub(crate) fn begin(cur: Option<&Record>, fingerprint: &Fingerprint, in_flight_m
         }
         _ => {
             let until_ms = now_ms.saturating_add(in_flight_ms);
-            (Some(Record::InFlight { fingerprint: *fingerprint, until_ms }), Begin::Started)
+            (
+                Some(Record::InFlight {
+                    fingerprint: *fingerprint,
+                    until_ms,
+                }),
+                Begin::Started,
+            )
         }
     }
 }
@@ -102,8 +123,16 @@ pub(crate) fn finish(
             let expires_ms = now_ms.saturating_add(retention_ms);
             let fingerprint = *fingerprint;
             Some(match outcome {
-                Finish::Store(response) => Some(Record::Done { fingerprint, expires_ms, response: Some(response) }),
-                Finish::TooLarge => Some(Record::Done { fingerprint, expires_ms, response: None }),
+                Finish::Store(response) => Some(Record::Done {
+                    fingerprint,
+                    expires_ms,
+                    response: Some(response),
+                }),
+                Finish::TooLarge => Some(Record::Done {
+                    fingerprint,
+                    expires_ms,
+                    response: None,
+                }),
                 Finish::Forget => None,
             })
         }
@@ -115,18 +144,29 @@ impl Record {
     pub(crate) fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(64);
         match self {
-            Self::InFlight { fingerprint, until_ms } => {
+            Self::InFlight {
+                fingerprint,
+                until_ms,
+            } => {
                 out.push(1);
                 out.extend_from_slice(&fingerprint.0);
                 out.extend_from_slice(&until_ms.to_be_bytes());
             }
-            Self::Done { fingerprint, expires_ms, response } => {
+            Self::Done {
+                fingerprint,
+                expires_ms,
+                response,
+            } => {
                 out.push(2);
                 out.extend_from_slice(&fingerprint.0);
                 out.extend_from_slice(&expires_ms.to_be_bytes());
                 if let Some(r) = response {
                     out.extend_from_slice(&r.status.as_u16().to_be_bytes());
-                    out.extend_from_slice(&u32::try_from(r.headers.len()).unwrap_or(u32::MAX).to_be_bytes());
+                    out.extend_from_slice(
+                        &u32::try_from(r.headers.len())
+                            .unwrap_or(u32::MAX)
+                            .to_be_bytes(),
+                    );
                     for (name, value) in &r.headers {
                         put(&mut out, name.as_str().as_bytes());
                         put(&mut out, value.as_bytes());
@@ -144,20 +184,39 @@ impl Record {
         let fingerprint = Fingerprint(r.take(32)?.try_into().map_err(|_| "short fingerprint")?);
         let time = r.u64()?;
         match tag {
-            1 => Ok(Self::InFlight { fingerprint, until_ms: time }),
-            2 if r.0.is_empty() => Ok(Self::Done { fingerprint, expires_ms: time, response: None }),
+            1 => Ok(Self::InFlight {
+                fingerprint,
+                until_ms: time,
+            }),
+            2 if r.0.is_empty() => Ok(Self::Done {
+                fingerprint,
+                expires_ms: time,
+                response: None,
+            }),
             2 => {
-                let status = StatusCode::from_u16(u16::from_be_bytes(r.take(2)?.try_into().map_err(|_| "status")?))
-                    .map_err(|_| "invalid status")?;
+                let status = StatusCode::from_u16(u16::from_be_bytes(
+                    r.take(2)?.try_into().map_err(|_| "status")?,
+                ))
+                .map_err(|_| "invalid status")?;
                 let count = u32::from_be_bytes(r.take(4)?.try_into().map_err(|_| "count")?);
                 let mut headers = HeaderMap::new();
                 for _ in 0..count {
-                    let name = HeaderName::from_bytes(r.chunk()?).map_err(|_| "invalid header name")?;
-                    let value = HeaderValue::from_bytes(r.chunk()?).map_err(|_| "invalid header value")?;
+                    let name =
+                        HeaderName::from_bytes(r.chunk()?).map_err(|_| "invalid header name")?;
+                    let value =
+                        HeaderValue::from_bytes(r.chunk()?).map_err(|_| "invalid header value")?;
                     headers.append(name, value);
                 }
                 let body = Bytes::copy_from_slice(r.chunk()?);
-                Ok(Self::Done { fingerprint, expires_ms: time, response: Some(StoredResponse { status, headers, body }) })
+                Ok(Self::Done {
+                    fingerprint,
+                    expires_ms: time,
+                    response: Some(StoredResponse {
+                        status,
+                        headers,
+                        body,
+                    }),
+                })
             }
             _ => Err("unknown record tag"),
         }
@@ -182,7 +241,9 @@ impl<'a> Reader<'a> {
     }
 
     fn u64(&mut self) -> Result<u64, &'static str> {
-        Ok(u64::from_be_bytes(self.take(8)?.try_into().map_err(|_| "u64")?))
+        Ok(u64::from_be_bytes(
+            self.take(8)?.try_into().map_err(|_| "u64")?,
+        ))
     }
 
     fn chunk(&mut self) -> Result<&'a [u8], &'static str> {
@@ -201,12 +262,30 @@ mod tests {
         let mut headers = HeaderMap::new();
         headers.append("x-a", HeaderValue::from_static("1"));
         headers.append("x-a", HeaderValue::from_static("2"));
-        headers.append("content-type", HeaderValue::from_bytes(b"text/\xffplain").unwrap());
-        let resp = StoredResponse { status: StatusCode::CREATED, headers, body: Bytes::from_static(b"\0\x01hello") };
+        headers.append(
+            "content-type",
+            HeaderValue::from_bytes(b"text/\xffplain").unwrap(),
+        );
+        let resp = StoredResponse {
+            status: StatusCode::CREATED,
+            headers,
+            body: Bytes::from_static(b"\0\x01hello"),
+        };
         for rec in [
-            Record::InFlight { fingerprint: fp, until_ms: 9 },
-            Record::Done { fingerprint: fp, expires_ms: 10, response: None },
-            Record::Done { fingerprint: fp, expires_ms: 11, response: Some(resp) },
+            Record::InFlight {
+                fingerprint: fp,
+                until_ms: 9,
+            },
+            Record::Done {
+                fingerprint: fp,
+                expires_ms: 10,
+                response: None,
+            },
+            Record::Done {
+                fingerprint: fp,
+                expires_ms: 11,
+                response: Some(resp),
+            },
         ] {
             assert_eq!(Record::decode(&rec.encode()).unwrap(), rec);
             let enc = rec.encode();

@@ -51,7 +51,13 @@ impl GenerationStore for MemoryStore {
 }
 
 impl IdempotencyStore for MemoryStore {
-    async fn begin(&self, job: &JobId, key: &IdempotencyKey, fp: &Fingerprint, in_flight_for: Duration) -> Result<Begin, StoreError> {
+    async fn begin(
+        &self,
+        job: &JobId,
+        key: &IdempotencyKey,
+        fp: &Fingerprint,
+        in_flight_for: Duration,
+    ) -> Result<Begin, StoreError> {
         let mut inner = self.lock();
         let k = (job.clone(), key.clone());
         let (write, answer) = record::begin(inner.records.get(&k), fp, ms(in_flight_for), now_ms());
@@ -61,7 +67,14 @@ impl IdempotencyStore for MemoryStore {
         Ok(answer)
     }
 
-    async fn finish(&self, job: &JobId, key: &IdempotencyKey, fp: &Fingerprint, outcome: Finish, retention: Duration) -> Result<(), StoreError> {
+    async fn finish(
+        &self,
+        job: &JobId,
+        key: &IdempotencyKey,
+        fp: &Fingerprint,
+        outcome: Finish,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
         let mut inner = self.lock();
         let k = (job.clone(), key.clone());
         match record::finish(inner.records.get(&k), fp, outcome, ms(retention), now_ms()) {
@@ -83,4 +96,9 @@ impl IdempotencyStore for MemoryStore {
         inner.records.retain(|_, r| r.is_live(now));
         Ok(before - inner.records.len())
     }
+}
+
+#[cfg(test)]
+mod conformance {
+    crate::sink_store_conformance!(|| async { Some(crate::MemoryStore::new()) });
 }

@@ -34,7 +34,11 @@ pub enum Verdict {
 pub trait GenerationStore: Send + Sync + 'static {
     /// Atomically: if `token` is at least the stored highest, make it the highest (on disk
     /// before this returns) and accept; otherwise report the highest.
-    fn observe(&self, job: &JobId, token: Generation) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
+    fn observe(
+        &self,
+        job: &JobId,
+        token: Generation,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
 
     /// The highest generation stored for `job` (0 when none), to fill a cache.
     fn highest(&self, job: &JobId) -> impl Future<Output = Result<Generation, StoreError>> + Send;
@@ -121,7 +125,9 @@ pub enum StoreError {
 }
 
 pub(crate) fn now_ms() -> u64 {
-    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap_or_default();
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default();
     u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
 }
 

@@ -64,7 +64,10 @@ impl SledStore {
             None => Ok(Generation::ZERO),
             Some(b) => <[u8; 8]>::try_from(b)
                 .map(|b| Generation::new(u64::from_be_bytes(b)))
-                .map_err(|_| StoreError::Corrupt { job: job.clone(), reason: "generation is not 8 bytes" }),
+                .map_err(|_| StoreError::Corrupt {
+                    job: job.clone(),
+                    reason: "generation is not 8 bytes",
+                }),
         }
     }
 
@@ -81,10 +84,17 @@ impl SledStore {
                 .as_deref()
                 .map(record::Record::decode)
                 .transpose()
-                .map_err(|reason| StoreError::Corrupt { job: job.clone(), reason })?;
+                .map_err(|reason| StoreError::Corrupt {
+                    job: job.clone(),
+                    reason,
+                })?;
             let (write, out) = f(cur.as_ref());
             let Some(new) = write else { return Ok(out) };
-            match self.records.compare_and_swap(key, raw, new.map(|r| r.encode())).map_err(io)? {
+            match self
+                .records
+                .compare_and_swap(key, raw, new.map(|r| r.encode()))
+                .map_err(io)?
+            {
                 Ok(()) => break out,
                 Err(_) => continue,
             }
@@ -107,7 +117,12 @@ impl GenerationStore for SledStore {
                 break; // equal: make sure the value we accept is on disk too
             }
             let new = token.get().to_be_bytes();
-            if self.generations.compare_and_swap(key, raw, Some(&new[..])).map_err(io)?.is_ok() {
+            if self
+                .generations
+                .compare_and_swap(key, raw, Some(&new[..]))
+                .map_err(io)?
+                .is_ok()
+            {
                 break;
             }
         }
@@ -122,7 +137,13 @@ impl GenerationStore for SledStore {
 }
 
 impl IdempotencyStore for SledStore {
-    async fn begin(&self, job: &JobId, key: &IdempotencyKey, fp: &Fingerprint, in_flight_for: Duration) -> Result<Begin, StoreError> {
+    async fn begin(
+        &self,
+        job: &JobId,
+        key: &IdempotencyKey,
+        fp: &Fingerprint,
+        in_flight_for: Duration,
+    ) -> Result<Begin, StoreError> {
         let k = record_key(job, key);
         self.update_record(job, &k, |cur| {
             let (write, answer) = record::begin(cur, fp, ms(in_flight_for), now_ms());
@@ -131,9 +152,22 @@ impl IdempotencyStore for SledStore {
         .await
     }
 
-    async fn finish(&self, job: &JobId, key: &IdempotencyKey, fp: &Fingerprint, outcome: Finish, retention: Duration) -> Result<(), StoreError> {
+    async fn finish(
+        &self,
+        job: &JobId,
+        key: &IdempotencyKey,
+        fp: &Fingerprint,
+        outcome: Finish,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
         let k = record_key(job, key);
-        self.update_record(job, &k, |cur| (record::finish(cur, fp, outcome.clone(), ms(retention), now_ms()), ())).await
+        self.update_record(job, &k, |cur| {
+            (
+                record::finish(cur, fp, outcome.clone(), ms(retention), now_ms()),
+                (),
+            )
+        })
+        .await
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
@@ -142,7 +176,13 @@ impl IdempotencyStore for SledStore {
         for item in self.records.iter() {
             let (k, v) = item.map_err(io)?;
             let dead = record::Record::decode(&v).map_or(true, |r| !r.is_live(now));
-            if dead && self.records.compare_and_swap(&k, Some(v), None::<&[u8]>).map_err(io)?.is_ok() {
+            if dead
+                && self
+                    .records
+                    .compare_and_swap(&k, Some(v), None::<&[u8]>)
+                    .map_err(io)?
+                    .is_ok()
+            {
                 purged += 1;
             }
         }
@@ -150,5 +190,108 @@ impl IdempotencyStore for SledStore {
             self.commit.commit().await.map_err(io)?;
         }
         Ok(purged)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeMap;
+
+    use proptest::prelude::*;
+
+    use super::*;
+
+    crate::sink_store_conformance!(|| async {
+        Some(SledStore::open(tempfile::tempdir().unwrap().keep()).unwrap())
+    });
+
+    #[derive(Debug, Clone)]
+    enum Op {
+        Observe { job: u8, token: u64 },
+        Reopen,
+    }
+
+    fn op() -> impl Strategy<Value = Op> {
+        prop_oneof![
+            8 => (0u8..4, 1u64..20).prop_map(|(job, token)| Op::Observe { job, token }),
+            1 => Just(Op::Reopen),
+        ]
+    }
+
+    proptest! {
+        #![proptest_config(ProptestConfig::with_cases(64))]
+        /// The store behaves as a per-job maximum in a BTreeMap, across reopens.
+        #[test]
+        fn matches_a_btreemap_model_across_reopens(ops in proptest::collection::vec(op(), 1..40)) {
+            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+            let dir = tempfile::tempdir().unwrap();
+            let mut store = Some(SledStore::open(dir.path()).unwrap());
+            let mut model: BTreeMap<u8, u64> = BTreeMap::new();
+            for op in ops {
+                match op {
+                    Op::Observe { job, token } => {
+                        let j: JobId = format!("job-{job}").parse().unwrap();
+                        let got = rt.block_on(store.as_ref().unwrap().observe(&j, Generation::new(token))).unwrap();
+                        let highest = model.entry(job).or_insert(0);
+                        let want = if token < *highest { Verdict::Stale { highest: Generation::new(*highest) } } else { Verdict::Accepted };
+                        *highest = (*highest).max(token);
+                        prop_assert_eq!(got, want);
+                    }
+                    Op::Reopen => {
+                        drop(store.take());
+                        store = Some(SledStore::open(dir.path()).unwrap());
+                    }
+                }
+            }
+            let store = store.unwrap();
+            for (job, highest) in model {
+                let j: JobId = format!("job-{job}").parse().unwrap();
+                prop_assert_eq!(rt.block_on(store.highest(&j)).unwrap(), Generation::new(highest));
+            }
+        }
+    }
+
+    #[tokio::test]
+    async fn records_survive_reopen_and_corruption_is_an_error() {
+        let dir = tempfile::tempdir().unwrap();
+        let (j, k) = (
+            "j".parse::<JobId>().unwrap(),
+            IdempotencyKey::from_bytes(b"k").unwrap(),
+        );
+        let f = Fingerprint::of(&http::Method::POST, "/", b"");
+        {
+            let store = SledStore::open(dir.path()).unwrap();
+            store.observe(&j, Generation::new(41)).await.unwrap();
+            assert_eq!(
+                store
+                    .begin(&j, &k, &f, Duration::from_secs(60))
+                    .await
+                    .unwrap(),
+                Begin::Started
+            );
+        }
+        let store = SledStore::open(dir.path()).unwrap();
+        assert_eq!(
+            store.observe(&j, Generation::new(40)).await.unwrap(),
+            Verdict::Stale {
+                highest: Generation::new(41)
+            }
+        );
+        assert_eq!(
+            store
+                .begin(&j, &k, &f, Duration::from_secs(60))
+                .await
+                .unwrap(),
+            Begin::InFlight
+        );
+        store.generations.insert("bad", &b"xyz"[..]).unwrap();
+        let err = store
+            .observe(&"bad".parse().unwrap(), Generation::new(1))
+            .await
+            .unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "stored record of job bad is corrupt: generation is not 8 bytes"
+        );
     }
 }
