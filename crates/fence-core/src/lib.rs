@@ -20,6 +20,7 @@
 mod generation;
 pub mod headers;
 mod ident;
+pub mod lease_api;
 pub mod problem;
 
 pub use generation::{FencingToken, Generation, ParseTokenError};

@@ -35,7 +35,7 @@ pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use layer::{Fencing, FencingLayer, LeaseLost, ResponseFuture};
 pub use owner::default_owner;
 pub use store::{
-    BoxError, ClaimOutcome, FinishOutcome, Grant, LeaseRecord, LeaseState, LeaseStore,
-    MemoryLeaseStore, RenewOutcome, SledLeaseStore, StoreError,
+    BoxError, ClaimOutcome, FinishOutcome, Grant, HttpLeaseStore, LeaseRecord, LeaseState,
+    LeaseStore, MemoryLeaseStore, RenewOutcome, SledLeaseStore, StoreError,
 };
 pub use ttl::{Ttl, TtlError};

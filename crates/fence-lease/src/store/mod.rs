@@ -13,6 +13,7 @@
 //! # Ok(()) }
 //! ```
 
+mod http;
 mod memory;
 mod rules;
 mod sled;
@@ -21,7 +22,7 @@ use std::{future::Future, time::Duration};
 
 use fence_core::{Generation, JobId, Owner};
 
-pub use self::{memory::MemoryLeaseStore, sled::SledLeaseStore};
+pub use self::{http::HttpLeaseStore, memory::MemoryLeaseStore, sled::SledLeaseStore};
 
 use crate::Ttl;
 

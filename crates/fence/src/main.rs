@@ -1,0 +1,2 @@
+//! The `fence` command.
+fn main() {}
