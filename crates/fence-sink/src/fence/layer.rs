@@ -23,6 +23,7 @@ pub(crate) struct Config {
     pub(crate) predicate: Option<FencePredicate>,
     pub(crate) require_token: bool,
     pub(crate) idempotency: Option<IdempotencyConfig>,
+    pub(crate) run_to_completion: bool,
 }
 
 impl Config {
@@ -112,6 +113,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             predicate: None,
             require_token: true,
             idempotency: Some(IdempotencyConfig::default()),
+            run_to_completion: false,
         };
         Self {
             store,
@@ -183,6 +185,16 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// Handles `Idempotency-Key` as configured (on by default with [`IdempotencyConfig::default`]).
     pub fn idempotency(mut self, config: IdempotencyConfig) -> Self {
         self.config.idempotency = Some(config);
+        self
+    }
+
+    /// Runs each admitted request to completion in a task of its own, even when the caller
+    /// stops waiting (a client disconnects), so the request counts as in flight until its
+    /// effect can no longer happen. Use it when the inner service hands the request to
+    /// something that goes on without it (a proxy's upstream); an in-process handler whose
+    /// future is dropped is cancelled with it and does not need this. Needs a tokio runtime.
+    pub fn run_to_completion(mut self) -> Self {
+        self.config.run_to_completion = true;
         self
     }
 
