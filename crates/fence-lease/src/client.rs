@@ -319,7 +319,11 @@ impl Shared {
     /// The one place a lease is declared lost. Final: nothing un-loses it.
     fn lose(&self, reason: LossReason) {
         if self.reason.set(reason.clone()).is_ok() {
-            tracing::warn!(job = %self.job, token = %self.token, %reason, "lease lost");
+            if reason == LossReason::Finished {
+                tracing::debug!(job = %self.job, token = %self.token, "lease handle finished");
+            } else {
+                tracing::warn!(job = %self.job, token = %self.token, %reason, "lease lost");
+            }
         }
         self.lost.cancel();
     }
@@ -512,6 +516,7 @@ async fn keep<S: LeaseStore>(
                 }
                 shared.set_deadline(timing.deadline(t_send, grant.ttl));
                 next = t_send + timing.renew_every;
+                tracing::debug!(job = %job, token = %shared.token, expires_at_ms = grant.expires_at_ms, "lease renewed");
             }
             Ok(Ok(RenewOutcome::Lost { owner, generation })) => {
                 return shared.lose(LossReason::Superseded { owner, generation });

@@ -6,7 +6,10 @@
 
 #![allow(missing_docs)] // criterion_group! generates an undocumented function
 
-use std::{convert::Infallible, sync::atomic::{AtomicU64, Ordering}};
+use std::{
+    convert::Infallible,
+    sync::atomic::{AtomicU64, Ordering},
+};
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use fence_sink::{FenceLayer, RequestBody, SledStore};
@@ -16,7 +19,9 @@ use tower::{Service, ServiceExt, service_fn};
 type Body = http_body_util::Empty<bytes::Bytes>;
 
 fn request(job: &str, token: u64, key: Option<u64>) -> Request<Body> {
-    let mut r = Request::post("/effects").header("x-fencing-job", job).header("x-fencing-token", token);
+    let mut r = Request::post("/effects")
+        .header("x-fencing-job", job)
+        .header("x-fencing-token", token);
     if let Some(k) = key {
         r = r.header("idempotency-key", k);
     }
@@ -24,29 +29,58 @@ fn request(job: &str, token: u64, key: Option<u64>) -> Request<Body> {
 }
 
 fn bench(c: &mut Criterion) {
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let dir = tempfile::tempdir().unwrap();
     let layer = rt.block_on(async { FenceLayer::new(SledStore::open(dir.path()).unwrap()) });
-    let inner = service_fn(|_req: Request<RequestBody<Body>>| async { Ok::<_, Infallible>(Response::new(Body::new())) });
+    let inner = service_fn(|_req: Request<RequestBody<Body>>| async {
+        Ok::<_, Infallible>(Response::new(Body::new()))
+    });
     let svc = tower::Layer::layer(&layer, inner);
-    let bare = service_fn(|_req: Request<Body>| async { Ok::<_, Infallible>(Response::new(Body::new())) });
+    let bare =
+        service_fn(|_req: Request<Body>| async { Ok::<_, Infallible>(Response::new(Body::new())) });
 
     let mut g = c.benchmark_group("fence_layer");
-    g.bench_function("bare service", |b| b.to_async(&rt).iter(|| bare.clone().oneshot(request("j", 1, None))));
+    g.bench_function("bare service", |b| {
+        b.to_async(&rt)
+            .iter(|| bare.clone().oneshot(request("j", 1, None)))
+    });
     g.bench_function("same generation", |b| {
-        b.to_async(&rt).iter(|| svc.clone().oneshot(request("same", 1, None)));
+        b.to_async(&rt)
+            .iter(|| svc.clone().oneshot(request("same", 1, None)));
     });
     let next = AtomicU64::new(1);
     g.bench_function("new generation, durable", |b| {
-        b.to_async(&rt).iter(|| svc.clone().oneshot(request("bump", next.fetch_add(1, Ordering::Relaxed), None)));
+        b.to_async(&rt).iter(|| {
+            svc.clone()
+                .oneshot(request("bump", next.fetch_add(1, Ordering::Relaxed), None))
+        });
     });
     let key = AtomicU64::new(1);
     g.bench_function("idempotency key, durable", |b| {
-        b.to_async(&rt).iter(|| svc.clone().oneshot(request("idem", 1, Some(key.fetch_add(1, Ordering::Relaxed)))));
+        b.to_async(&rt).iter(|| {
+            svc.clone().oneshot(request(
+                "idem",
+                1,
+                Some(key.fetch_add(1, Ordering::Relaxed)),
+            ))
+        });
     });
     g.finish();
     let mut check = svc.clone();
-    let status = rt.block_on(async { check.ready().await.unwrap().call(request("bump", 1, None)).await.unwrap().status() });
+    let status = rt.block_on(async {
+        check
+            .ready()
+            .await
+            .unwrap()
+            .call(request("bump", 1, None))
+            .await
+            .unwrap()
+            .status()
+    });
     assert_eq!(status, 409, "the bump path really bumped");
 }
 
