@@ -71,11 +71,13 @@ impl SledStore {
         }
     }
 
-    /// Applies a change to one idempotency record with compare-and-swap, then commits.
+    /// Applies a change to one idempotency record with compare-and-swap, then (if `durable`)
+    /// waits for the group commit.
     async fn update_record<T>(
         &self,
         job: &JobId,
         key: &[u8],
+        durable: bool,
         mut f: impl FnMut(Option<&record::Record>) -> (Option<Option<record::Record>>, T),
     ) -> Result<T, StoreError> {
         let out = loop {
@@ -99,7 +101,9 @@ impl SledStore {
                 Err(_) => continue,
             }
         };
-        self.commit.commit().await.map_err(io)?;
+        if durable {
+            self.commit.commit().await.map_err(io)?;
+        }
         Ok(out)
     }
 }
@@ -145,7 +149,10 @@ impl IdempotencyStore for SledStore {
         in_flight_for: Duration,
     ) -> Result<Begin, StoreError> {
         let k = record_key(job, key);
-        self.update_record(job, &k, |cur| {
+        // The in-flight record is written but not waited on: losing it in a crash ends the
+        // same way as its timeout running out (a retry runs again), and the completion,
+        // which is waited on, flushes it anyway. One disk sync per request instead of two.
+        self.update_record(job, &k, false, |cur| {
             let (write, answer) = record::begin(cur, fp, ms(in_flight_for), now_ms());
             (write.map(Some), answer)
         })
@@ -161,7 +168,7 @@ impl IdempotencyStore for SledStore {
         retention: Duration,
     ) -> Result<(), StoreError> {
         let k = record_key(job, key);
-        self.update_record(job, &k, |cur| {
+        self.update_record(job, &k, true, |cur| {
             (
                 record::finish(cur, fp, outcome.clone(), ms(retention), now_ms()),
                 (),
