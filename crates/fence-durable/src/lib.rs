@@ -19,8 +19,10 @@
 //! ```
 
 use std::{
+    path::Path,
     sync::{Arc, mpsc},
     thread,
+    time::{Duration, Instant},
 };
 
 use tokio::sync::oneshot;
@@ -38,6 +40,28 @@ pub enum CommitError {
 }
 
 type Waiter = oneshot::Sender<Result<(), CommitError>>;
+
+/// Opens (or creates) a sled database in `path`.
+///
+/// sled releases its file lock from a background thread shortly after the last handle is
+/// dropped, so a database reopened at once in the same process can find it still locked.
+/// This waits up to 2 s for such a lock; a lock held longer (another process) is an error.
+///
+/// # Errors
+/// When sled cannot open the directory.
+pub fn open_db(path: impl AsRef<Path>) -> sled::Result<sled::Db> {
+    let give_up = Instant::now() + Duration::from_secs(2);
+    loop {
+        match sled::Config::new().path(path.as_ref()).open() {
+            Err(sled::Error::Io(e))
+                if e.to_string().contains("could not acquire lock") && Instant::now() < give_up =>
+            {
+                thread::sleep(Duration::from_millis(10));
+            }
+            other => return other,
+        }
+    }
+}
 
 /// A handle to one flusher thread of one sled database. Cloning shares the thread; the
 /// thread stops (after a last flush) when the last handle is dropped.

@@ -40,7 +40,7 @@ impl SledLeaseStore {
         path: impl AsRef<Path>,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, StoreError> {
-        let db = sled::Config::new().path(path).open().map_err(io)?;
+        let db = fence_durable::open_db(path).map_err(io)?;
         Self::from_db(&db, clock)
     }
 

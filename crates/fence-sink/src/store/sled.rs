@@ -38,7 +38,7 @@ impl SledStore {
     /// When the directory cannot be opened as a sled database (permissions, another process
     /// holds it, corrupt files).
     pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        let db = sled::Config::new().path(path).open().map_err(io)?;
+        let db = fence_durable::open_db(path).map_err(io)?;
         Ok(Self {
             generations: db.open_tree("generations").map_err(io)?,
             records: db.open_tree("idempotency").map_err(io)?,
