@@ -1,2 +1,414 @@
-//! The `fence` command.
-fn main() {}
+//! The `fence` command: lease server, fencing proxy, `fence run`, client calls and the demo.
+
+use std::{net::SocketAddr, path::PathBuf, process::ExitCode, sync::Arc, time::Duration};
+
+use anyhow::Context;
+use clap::{Args, Parser, Subcommand};
+use fence::{duration::parse_duration, run};
+use fence_core::{JobId, Owner, lease_api::lease_path};
+use fence_lease::{SledLeaseStore, SystemClock, Ttl};
+use http::Method;
+
+const EXIT_CODES: &str = "\
+Exit codes of the lease calls (claim, renew, release, complete, status):
+  0  success; the server's JSON answer is printed on stdout
+  3  the lease is held by another owner, lost, or the job is completed
+  2  bad usage (also a 400 from the server)
+  1  anything else (server unreachable, unknown job for status, server error)";
+
+/// Expiring job leases, fenced all the way to the side effect.
+///
+/// A worker claims a job and gets a generation (its fencing token); it sends the token with
+/// every write; the destination, protected by `fence proxy` or the fence-sink tower layer,
+/// rejects tokens older than the newest it has seen.
+#[derive(Parser, Debug)]
+#[command(
+    name = "fence",
+    version,
+    after_help = "Start here: `fence demo` runs the worked example end to end."
+)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand, Debug)]
+enum Cmd {
+    /// Run the worked example end to end: a stale worker's late write is rejected.
+    ///
+    /// Starts a lease server and a fenced sink on loopback ports with stores in a temporary
+    /// directory; worker A claims, writes and stalls past its lease; B claims the next
+    /// generation and writes; A's delayed write and its completion are rejected. Prints the
+    /// timeline and exits 0 only if everything happened as it should.
+    Demo,
+    /// Serve the lease HTTP API (POST /v1/leases/{job}/claim|renew|release|complete, GET /v1/leases/{job}).
+    Server(ServerArgs),
+    /// A fencing reverse proxy in front of any HTTP service.
+    ///
+    /// Fenced requests (POST, PUT, PATCH, DELETE by default) must carry X-Fencing-Job and
+    /// X-Fencing-Token; a token below the highest this proxy has accepted for the job gets
+    /// 409 and never reaches the upstream. Duplicate Idempotency-Keys are replayed.
+    Proxy(ProxyArgs),
+    /// Claim a job, run a command under the lease, stop it the moment the lease is lost.
+    ///
+    /// The command gets FENCE_JOB, FENCE_TOKEN, FENCE_SERVER and FENCE_OWNER in its
+    /// environment. The lease is renewed in the background. When it is lost the command gets
+    /// SIGTERM at once, and SIGKILL after --grace. When the command exits 0 the job is
+    /// completed; otherwise it is released. SIGINT and SIGTERM are forwarded to the command.
+    #[command(after_help = "\
+Exit codes:
+  the command's code  it exited non-zero; the job was released
+  0                   it exited 0 and the job was completed
+  3                   the lease could not be obtained within --wait, or the job is completed
+  75                  the lease was lost while the command ran (it got SIGTERM, then SIGKILL after --grace)
+  1                   fence itself failed (server unreachable, command not found)
+  2                   bad usage
+
+Example:
+  fence run --server http://127.0.0.1:7700 --job nightly-report --ttl 30s -- ./report.sh")]
+    Run(RunCmd),
+    /// Claim a job once and print the lease as JSON.
+    #[command(after_help = EXIT_CODES)]
+    Claim(ClaimCmd),
+    /// Renew a lease once and print it as JSON.
+    #[command(after_help = EXIT_CODES)]
+    Renew(RenewCmd),
+    /// Release a lease (the job can be claimed again) and print the record as JSON.
+    #[command(after_help = EXIT_CODES)]
+    Release(FinishCmd),
+    /// Complete a job (it can never be claimed again) and print the record as JSON.
+    #[command(after_help = EXIT_CODES)]
+    Complete(FinishCmd),
+    /// Print a job's lease record as JSON.
+    #[command(after_help = EXIT_CODES)]
+    Status(StatusCmd),
+}
+
+#[derive(Args, Debug)]
+struct ServerArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7700")]
+    listen: SocketAddr,
+    /// Directory of the lease database (created if missing).
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// Test only: shift the server's clock by this many milliseconds (negative: behind).
+    #[arg(long, hide = true, default_value_t = 0, allow_negative_numbers = true)]
+    clock_offset_ms: i64,
+}
+
+#[derive(Args, Debug)]
+struct ProxyArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7800")]
+    listen: SocketAddr,
+    /// The service to protect, e.g. http://127.0.0.1:8080.
+    #[arg(long)]
+    upstream: http::Uri,
+    /// Directory of the fence records (highest generation per job, idempotency records).
+    #[arg(long)]
+    data_dir: PathBuf,
+    /// Address of GET /metrics and GET /healthz, apart from the proxied paths.
+    #[arg(long, default_value = "127.0.0.1:7801")]
+    admin_listen: SocketAddr,
+    /// Methods that are fenced, comma separated.
+    #[arg(long, value_delimiter = ',', default_value = "POST,PUT,PATCH,DELETE")]
+    fence_methods: Vec<Method>,
+    /// Answer 428 to fenced requests without fencing headers (the default).
+    #[arg(long, conflicts_with = "allow_missing_token")]
+    require_token: bool,
+    /// Let fenced requests without fencing headers through.
+    #[arg(long)]
+    allow_missing_token: bool,
+    /// Ignore Idempotency-Key headers (they are still checked for syntax).
+    #[arg(long)]
+    no_idempotency: bool,
+    /// How long completed idempotency records are kept.
+    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    idempotency_retention: Duration,
+    /// Largest response body stored for replay, in bytes.
+    #[arg(long, default_value_t = 1 << 20)]
+    idempotency_max_body: usize,
+    /// How long a newer token waits for older in-flight requests before 503.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    drain_timeout: Duration,
+    /// How long a request may take upstream before 504.
+    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    upstream_timeout: Duration,
+    /// Send the client's Host header upstream instead of the upstream's authority.
+    #[arg(long)]
+    preserve_host: bool,
+}
+
+#[derive(Args, Debug, Clone)]
+struct ServerUrl {
+    /// The lease server.
+    #[arg(long, env = "FENCE_SERVER", default_value = "http://127.0.0.1:7700")]
+    server: String,
+    /// The job id (1 to 256 visible ASCII characters).
+    #[arg(long)]
+    job: JobId,
+}
+
+#[derive(Args, Debug)]
+struct RunCmd {
+    #[command(flatten)]
+    at: ServerUrl,
+    /// The owner to claim as (default: <hostname>-<pid>-<random>).
+    #[arg(long)]
+    owner: Option<Owner>,
+    /// Lease duration: 100ms to 24h.
+    #[arg(long, default_value = "30s", value_parser = parse_ttl)]
+    ttl: Ttl,
+    /// Keep retrying this long while the job is held by someone else.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    wait: Duration,
+    /// Time between SIGTERM and SIGKILL after the lease is lost.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    grace: Duration,
+    /// The command to run, after `--`.
+    #[arg(last = true, required = true)]
+    command: Vec<String>,
+}
+
+#[derive(Args, Debug)]
+struct ClaimCmd {
+    #[command(flatten)]
+    at: ServerUrl,
+    /// The owner to claim as (default: <hostname>-<pid>-<random>; it is in the answer).
+    #[arg(long)]
+    owner: Option<Owner>,
+    /// Lease duration: 100ms to 24h.
+    #[arg(long, default_value = "30s", value_parser = parse_ttl)]
+    ttl: Ttl,
+}
+
+#[derive(Args, Debug)]
+struct RenewCmd {
+    #[command(flatten)]
+    at: ServerUrl,
+    /// The owner that holds the lease.
+    #[arg(long)]
+    owner: Owner,
+    /// The generation of the lease.
+    #[arg(long)]
+    generation: u64,
+    /// Lease duration: 100ms to 24h.
+    #[arg(long, default_value = "30s", value_parser = parse_ttl)]
+    ttl: Ttl,
+}
+
+#[derive(Args, Debug)]
+struct FinishCmd {
+    #[command(flatten)]
+    at: ServerUrl,
+    /// The owner that holds the lease.
+    #[arg(long)]
+    owner: Owner,
+    /// The generation of the lease.
+    #[arg(long)]
+    generation: u64,
+}
+
+#[derive(Args, Debug)]
+struct StatusCmd {
+    #[command(flatten)]
+    at: ServerUrl,
+}
+
+fn parse_ttl(s: &str) -> Result<Ttl, String> {
+    Ttl::new(parse_duration(s)?).map_err(|e| e.to_string())
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("fence: cannot start the async runtime: {e}");
+            return ExitCode::from(1);
+        }
+    };
+    match runtime.block_on(dispatch(cli.command)) {
+        Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
+        Err(e) => {
+            eprintln!("fence: {e:#}");
+            ExitCode::from(1)
+        }
+    }
+}
+
+async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
+    match cmd {
+        Cmd::Demo => fence::demo::run().await,
+        Cmd::Server(a) => server(a).await.map(|()| 0),
+        Cmd::Proxy(a) => proxy(a).await.map(|()| 0),
+        Cmd::Run(a) => {
+            run::run(run::RunArgs {
+                server: a.at.server,
+                job: a.at.job,
+                owner: a.owner,
+                ttl: a.ttl,
+                wait: a.wait,
+                grace: a.grace,
+                command: a.command,
+            })
+            .await
+        }
+        Cmd::Claim(a) => {
+            let owner = a.owner.unwrap_or_else(fence_lease::default_owner);
+            lease_call(
+                &a.at,
+                "claim",
+                Some(serde_json::json!({ "owner": owner, "ttl_ms": a.ttl.as_millis() })),
+            )
+            .await
+        }
+        Cmd::Renew(a) => {
+            let body = serde_json::json!({ "owner": a.owner, "generation": a.generation, "ttl_ms": a.ttl.as_millis() });
+            lease_call(&a.at, "renew", Some(body)).await
+        }
+        Cmd::Release(a) => {
+            lease_call(
+                &a.at,
+                "release",
+                Some(serde_json::json!({ "owner": a.owner, "generation": a.generation })),
+            )
+            .await
+        }
+        Cmd::Complete(a) => {
+            lease_call(
+                &a.at,
+                "complete",
+                Some(serde_json::json!({ "owner": a.owner, "generation": a.generation })),
+            )
+            .await
+        }
+        Cmd::Status(a) => lease_call(&a.at, "", None).await,
+    }
+}
+
+async fn lease_call(
+    at: &ServerUrl,
+    op: &str,
+    body: Option<serde_json::Value>,
+) -> anyhow::Result<i32> {
+    let url = format!(
+        "{}{}",
+        at.server.trim_end_matches('/'),
+        lease_path(&at.job, op)
+    );
+    let method = if body.is_some() {
+        Method::POST
+    } else {
+        Method::GET
+    };
+    let (status, answer) =
+        fence::http_client::call(method, &url, body, Duration::from_secs(10)).await?;
+    println!("{}", String::from_utf8_lossy(&answer).trim_end());
+    Ok(match status.as_u16() {
+        200 => 0,
+        409 | 410 => 3,
+        400 => 2,
+        _ => 1,
+    })
+}
+
+fn install_metrics() -> anyhow::Result<metrics_exporter_prometheus::PrometheusHandle> {
+    metrics_exporter_prometheus::PrometheusBuilder::new()
+        .install_recorder()
+        .context("installing the metrics recorder")
+}
+
+async fn shutdown_signal() {
+    let term = async {
+        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+            Ok(mut s) => {
+                s.recv().await;
+            }
+            Err(_) => std::future::pending().await,
+        }
+    };
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {},
+        () = term => {},
+    }
+    tracing::info!("shutting down: finishing in-flight requests");
+}
+
+async fn server(a: ServerArgs) -> anyhow::Result<()> {
+    let handle = install_metrics()?;
+    std::fs::create_dir_all(&a.data_dir)
+        .with_context(|| format!("cannot create --data-dir {}", a.data_dir.display()))?;
+    let clock = Arc::new(SystemClock::with_offset_ms(a.clock_offset_ms));
+    let store = Arc::new(
+        SledLeaseStore::open_with_clock(&a.data_dir, clock).with_context(|| {
+            format!("cannot open the lease database in {}", a.data_dir.display())
+        })?,
+    );
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", a.listen))?;
+    tracing::info!(listen = %listener.local_addr()?, data_dir = %a.data_dir.display(), "fence server ready");
+    axum::serve(listener, fence::server::router(store.clone(), Some(handle)))
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serving the lease API")?;
+    store.flush().context("flushing the lease database")?;
+    tracing::info!("fence server stopped");
+    Ok(())
+}
+
+async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
+    let handle = install_metrics()?;
+    std::fs::create_dir_all(&a.data_dir)
+        .with_context(|| format!("cannot create --data-dir {}", a.data_dir.display()))?;
+    let store = fence_sink::SledStore::open(&a.data_dir)
+        .with_context(|| format!("cannot open the fence database in {}", a.data_dir.display()))?;
+    let mut config = fence::proxy::ProxyConfig::new(a.upstream.clone());
+    config.fence_methods = a.fence_methods;
+    config.require_token = !a.allow_missing_token;
+    config.idempotency = (!a.no_idempotency).then(|| {
+        fence_sink::IdempotencyConfig::default()
+            .retention(a.idempotency_retention)
+            .max_response_body(a.idempotency_max_body)
+    });
+    config.drain_timeout = a.drain_timeout;
+    config.upstream_timeout = a.upstream_timeout;
+    config.preserve_host = a.preserve_host;
+    let listener = tokio::net::TcpListener::bind(a.listen)
+        .await
+        .with_context(|| format!("cannot listen on {}", a.listen))?;
+    let admin = tokio::net::TcpListener::bind(a.admin_listen)
+        .await
+        .with_context(|| format!("cannot listen on --admin-listen {}", a.admin_listen))?;
+    tracing::info!(listen = %listener.local_addr()?, admin = %admin.local_addr()?, upstream = %a.upstream, "fence proxy ready");
+    let (tx, rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let admin_task = tokio::spawn(fence::proxy::serve_admin(
+        admin,
+        handle,
+        stopped(rx.clone()),
+    ));
+    let signal = tokio::spawn(async move {
+        shutdown_signal().await;
+        let _ = tx.send(true);
+    });
+    let result = fence::proxy::serve(listener, store.clone(), config, stopped(rx)).await;
+    signal.abort();
+    admin_task.abort();
+    store.flush().context("flushing the fence database")?;
+    result
+}

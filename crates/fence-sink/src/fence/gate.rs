@@ -66,6 +66,28 @@ impl Gate {
     }
 }
 
+/// A waiter's claim on the gate's pending bump: withdrawn when the waiter goes away (drain
+/// timeout, or its request was dropped), so an abandoned bump never blocks the job.
+struct PendingMark<'a> {
+    gate: &'a Gate,
+    token: Generation,
+    active: bool,
+}
+
+impl Drop for PendingMark<'_> {
+    fn drop(&mut self) {
+        if !self.active {
+            return;
+        }
+        let mut s = self.gate.lock();
+        if s.pending == Some(self.token) && !s.bumping {
+            s.pending = None; // other waiters with the same token mark it again when woken
+        }
+        drop(s);
+        self.gate.changed.notify_waiters();
+    }
+}
+
 /// Marks one admitted request in flight; dropping it lets a waiting bump proceed.
 #[derive(Debug)]
 pub(crate) struct InFlight {
@@ -168,12 +190,20 @@ impl<St: GenerationStore> Gates<St> {
     }
 
     /// Decides one request of `job` carrying `token`.
-    pub(crate) async fn admit(&self, job: &JobId, token: Generation) -> Admission {
+    ///
+    /// Cancel-safe: a request dropped while it waits withdraws its pending bump, and a bump
+    /// whose durable write has started finishes (and updates the gate) in a task of its own.
+    pub(crate) async fn admit(self: &Arc<Self>, job: &JobId, token: Generation) -> Admission {
         let gate = self.gate(job);
         if let Err(e) = self.load(&gate, job).await {
             return Admission::StoreFailed(e);
         }
         let deadline = Instant::now() + self.drain_timeout;
+        let mut mark = PendingMark {
+            gate: &gate,
+            token,
+            active: false,
+        };
         loop {
             let notified = gate.changed.notified();
             tokio::pin!(notified);
@@ -184,17 +214,14 @@ impl<St: GenerationStore> Gates<St> {
                     return self.confirm(&gate, job, token, guard).await;
                 }
                 Step::Current(guard) => return Admission::Admitted(guard),
-                Step::Bump => return self.bump(&gate, job, token).await,
-                Step::Wait => {}
+                Step::Bump => {
+                    mark.active = false; // the bump task owns the pending mark now
+                    return self.bump(gate.clone(), job.clone(), token).await;
+                }
+                Step::Wait => mark.active = true,
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                let mut s = gate.lock();
-                if s.pending == Some(token) && !s.bumping {
-                    s.pending = None; // waiters with the same token mark it again
-                }
-                drop(s);
-                gate.changed.notify_waiters();
-                return Admission::DrainTimeout;
+                return Admission::DrainTimeout; // the mark withdraws the pending bump
             }
         }
     }
@@ -239,11 +266,22 @@ impl<St: GenerationStore> Gates<St> {
         }
     }
 
-    async fn bump(&self, gate: &Arc<Gate>, job: &JobId, token: Generation) -> Admission {
-        let result = self.observe(job, token).await;
-        let admission = Self::settle(gate, token, result);
-        gate.changed.notify_waiters();
-        admission
+    /// Writes `token` durably and settles the gate, in a task that runs to the end even if
+    /// the request waiting for it goes away (its admission is then dropped, and with it the
+    /// in-flight count it took).
+    async fn bump(self: &Arc<Self>, gate: Arc<Gate>, job: JobId, token: Generation) -> Admission {
+        let gates = self.clone();
+        let task = tokio::spawn(async move {
+            let result = gates.observe(&job, token).await;
+            let admission = Self::settle(&gate, token, result);
+            gate.changed.notify_waiters();
+            admission
+        });
+        match task.await {
+            Ok(admission) => admission,
+            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+            Err(_) => Admission::StoreFailed(StoreError::Io("the runtime is shutting down".into())),
+        }
     }
 
     fn settle(

@@ -121,6 +121,12 @@ impl IdempotencyConfig {
         self
     }
 
+    /// Gives the store this long per call before answering 503 (default 5 s).
+    pub fn store_timeout(mut self, timeout: Duration) -> Self {
+        self.store_timeout = timeout;
+        self
+    }
+
     /// Sweeps expired records this often.
     pub fn sweep_every(mut self, every: Duration) -> Self {
         self.sweep_every = every;

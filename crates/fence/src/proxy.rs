@@ -1,0 +1,645 @@
+//! The fencing reverse proxy: PROTOCOL.md section 3 in front of any HTTP service (`fence proxy`).
+//!
+//! Every request passes through a [`FenceLayer`] (stale tokens get 409, missing ones 428, …)
+//! and, when admitted, is streamed to the upstream over one pooled HTTP/1.1 client; the
+//! answer is streamed back. Hop-by-hop headers are dropped in both directions, the client's
+//! address is appended to `X-Forwarded-For`, and the fencing headers are forwarded so the
+//! upstream can record the token it acted under.
+//!
+//! A client that goes away does not cut an admitted request short: each request runs in a
+//! task of its own until the upstream answered (or its connection closed), so a newer token
+//! never reaches the upstream while an older request may still take effect there
+//! (DESIGN-NOTES section 2).
+//!
+//! ```no_run
+//! # async fn run() -> anyhow::Result<()> {
+//! use fence::proxy::{ProxyConfig, serve};
+//!
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8081").await?;
+//! let store = fence_sink::SledStore::open("/var/lib/fence-proxy")?;
+//! let config = ProxyConfig::new("http://127.0.0.1:8080".parse()?);
+//! serve(listener, store, config, async {
+//!     let _ = tokio::signal::ctrl_c().await;
+//! })
+//! .await?;
+//! # Ok(()) }
+//! ```
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    net::SocketAddr,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use anyhow::{Context as _, bail};
+use bytes::Bytes;
+use fence_core::{
+    Problem, ProblemType,
+    headers::{IDEMPOTENCY_KEY, X_FENCING_JOB, X_FENCING_TOKEN},
+};
+use fence_sink::{BoxError, Fence, FenceLayer, GenerationStore, IdempotencyStore, RequestBody};
+use http::{
+    HeaderMap, HeaderName, HeaderValue, Method, Request, Response, StatusCode, Uri, Version,
+    header::{ALLOW, CONTENT_TYPE, HOST},
+    uri::{Authority, PathAndQuery, Scheme},
+};
+use http_body_util::{Either, Full};
+use hyper::body::{Body, Incoming};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::{TokioExecutor, TokioIo, TokioTimer},
+    server::conn::auto,
+};
+use metrics_exporter_prometheus::PrometheusHandle;
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::{mpsc, watch},
+    task::JoinSet,
+    time::Instant,
+};
+use tower::{Layer, Service, ServiceExt};
+
+/// How long in-flight connections and requests may take to finish after shutdown begins.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// Headers that describe one connection, not the message (RFC 9110 section 7.6.1, plus the
+/// non-standard `Keep-Alive` and `Proxy-Connection`); never forwarded in either direction.
+const HOP_BY_HOP: [HeaderName; 9] = [
+    http::header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    http::header::PROXY_AUTHENTICATE,
+    http::header::PROXY_AUTHORIZATION,
+    http::header::TE,
+    http::header::TRAILER,
+    http::header::TRANSFER_ENCODING,
+    http::header::UPGRADE,
+];
+
+/// How the proxy fences and forwards.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Where admitted requests go, e.g. `http://127.0.0.1:8080` or `http://10.0.0.5/api`
+    /// (a path is a prefix joined to every request's path). Only `http` is supported.
+    pub upstream: Uri,
+    /// The methods that are fenced (default POST, PUT, PATCH, DELETE); others pass unfenced.
+    pub fence_methods: Vec<Method>,
+    /// Whether a fenced request without fencing headers gets 428 (true, the default) or
+    /// passes unfenced (false).
+    pub require_token: bool,
+    /// How `Idempotency-Key` is handled; `None` ignores it (it is still checked for syntax).
+    /// Default: the sink's defaults.
+    pub idempotency: Option<fence_sink::IdempotencyConfig>,
+    /// How long a higher token waits for older in-flight requests of its job (default 10 s).
+    pub drain_timeout: Duration,
+    /// How long the generation store may take per call (default 5 s).
+    pub store_timeout: Duration,
+    /// How long the upstream may take to answer with a response head (default 60 s); then
+    /// the client gets 504 and the upstream connection is closed.
+    pub upstream_timeout: Duration,
+    /// Whether the upstream sees the client's `Host` (true) or its own authority, with the
+    /// client's `Host` in `X-Forwarded-Host` (false, the default).
+    pub preserve_host: bool,
+}
+
+impl ProxyConfig {
+    /// Forwards to `upstream` with the defaults documented on each field.
+    pub fn new(upstream: Uri) -> Self {
+        Self {
+            upstream,
+            fence_methods: vec![Method::POST, Method::PUT, Method::PATCH, Method::DELETE],
+            require_token: true,
+            idempotency: Some(fence_sink::IdempotencyConfig::default()),
+            drain_timeout: Duration::from_secs(10),
+            store_timeout: Duration::from_secs(5),
+            upstream_timeout: Duration::from_secs(60),
+            preserve_host: false,
+        }
+    }
+}
+
+/// Serves the proxy on `listener` until `shutdown` resolves, then stops accepting and finishes
+/// in-flight requests (graceful, bounded by [`SHUTDOWN_GRACE`]).
+///
+/// # Errors
+///
+/// When `config.upstream` is not an `http://host[:port][/path]` URI (no other scheme, no
+/// query, no user info).
+pub async fn serve<St>(
+    listener: TcpListener,
+    layer_store: St,
+    config: ProxyConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()>
+where
+    St: GenerationStore + IdempotencyStore,
+{
+    let target = Arc::new(Target::parse(&config.upstream)?);
+    let mut layer = FenceLayer::new(layer_store)
+        .fence_methods(config.fence_methods.iter().cloned())
+        .store_timeout(config.store_timeout)
+        // No .run_to_completion(): `handle` already runs every request, fence included, in a
+        // task of its own, which also counts it for graceful shutdown. One spawn, not two.
+        .drain_timeout(config.drain_timeout);
+    layer = if config.require_token {
+        layer.require_token()
+    } else {
+        layer.allow_missing_token()
+    };
+    layer = match config.idempotency {
+        Some(idempotency) => layer.idempotency(idempotency.store_timeout(config.store_timeout)),
+        None => layer.without_idempotency(),
+    };
+
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client = Client::builder(TokioExecutor::new()).build(connector);
+    let fence = layer.layer(Upstream {
+        client,
+        target: target.clone(),
+        timeout: config.upstream_timeout,
+        preserve_host: config.preserve_host,
+    });
+    tracing::info!(
+        listen = %listener.local_addr().context("reading the proxy's listen address")?,
+        upstream = %target.display,
+        "fencing proxy started"
+    );
+
+    // Every request's task holds a sender; all are gone when the last one has finished.
+    let (running, mut finished) = mpsc::channel::<()>(1);
+    let deadline = accept_loop(listener, shutdown, move |peer| {
+        let fence = fence.clone();
+        let running = running.clone();
+        hyper::service::service_fn(move |req| handle(fence.clone(), running.clone(), peer, req))
+    })
+    .await;
+    if tokio::time::timeout_at(deadline, finished.recv())
+        .await
+        .is_err()
+    {
+        tracing::warn!("shutdown grace ran out with upstream requests still running");
+    }
+    tracing::info!("fencing proxy stopped");
+    Ok(())
+}
+
+/// Serves `GET /metrics` (Prometheus text from `handle`) and `GET /healthz` on a separate admin
+/// listener until `shutdown` resolves.
+///
+/// # Errors
+///
+/// None at present; the signature leaves room for listener failures.
+pub async fn serve_admin(
+    listener: TcpListener,
+    handle: PrometheusHandle,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    accept_loop(listener, shutdown, move |_| {
+        let handle = handle.clone();
+        hyper::service::service_fn(move |req: Request<Incoming>| {
+            let response = admin(&handle, &req);
+            async move { Ok::<_, Infallible>(response) }
+        })
+    })
+    .await;
+    Ok(())
+}
+
+fn admin(handle: &PrometheusHandle, req: &Request<Incoming>) -> Response<Full<Bytes>> {
+    let get = matches!(*req.method(), Method::GET | Method::HEAD);
+    let text = |content_type: &'static str, body: String| {
+        let mut response = Response::new(Full::from(body));
+        response
+            .headers_mut()
+            .insert(CONTENT_TYPE, HeaderValue::from_static(content_type));
+        response
+    };
+    match req.uri().path() {
+        "/metrics" if get => text("text/plain; version=0.0.4", handle.render()),
+        "/healthz" if get => text("text/plain; charset=utf-8", "ok\n".to_owned()),
+        "/metrics" | "/healthz" => {
+            let mut p = Problem::new(
+                ProblemType::BadRequest,
+                format!(
+                    "{} {}: only GET and HEAD are allowed",
+                    req.method(),
+                    req.uri().path()
+                ),
+            );
+            p.status = StatusCode::METHOD_NOT_ALLOWED.as_u16();
+            p.title = "Method not allowed".into();
+            let mut response = p.to_response::<Full<Bytes>>();
+            response
+                .headers_mut()
+                .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
+            response
+        }
+        path => {
+            let mut p = Problem::new(
+                ProblemType::BadRequest,
+                format!("{path} is not served here; see GET /metrics and GET /healthz"),
+            );
+            p.status = StatusCode::NOT_FOUND.as_u16();
+            p.title = "Not found".into();
+            p.to_response()
+        }
+    }
+}
+
+/// The body of an upstream answer as the fence sees it: the upstream's own, or a problem.
+type UpstreamBody = Either<Incoming, Full<Bytes>>;
+/// The body of every answer of the proxy.
+type ProxyBody = fence_sink::ResponseBody<UpstreamBody>;
+
+/// The client's address, put into the request's extensions for `X-Forwarded-For`.
+#[derive(Debug, Clone, Copy)]
+struct ClientAddr(SocketAddr);
+
+/// One request: the fence and the upstream call run in a task of their own, so a client
+/// that disconnects (hyper then drops this future) does not cancel an admitted request
+/// before the upstream answered: the fence counts it in flight until then. The task wraps
+/// the whole fence, not only the upstream call, because the fence's in-flight guard lives
+/// in the fence's own future.
+async fn handle<St>(
+    fence: Fence<Upstream, St>,
+    running: mpsc::Sender<()>,
+    peer: SocketAddr,
+    mut req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Infallible>
+where
+    St: GenerationStore + IdempotencyStore,
+{
+    req.extensions_mut().insert(ClientAddr(peer));
+    let task = tokio::spawn(async move {
+        let _running = running;
+        fence.oneshot(req).await
+    });
+    Ok(match task.await {
+        Ok(Ok(response)) => response,
+        Ok(Err(never)) => match never {},
+        Err(e) => {
+            tracing::error!(error = %e, "a proxied request failed unexpectedly");
+            Problem::new(
+                ProblemType::Internal,
+                format!("the proxy failed while handling the request: {e}"),
+            )
+            .to_response()
+        }
+    })
+}
+
+/// The upstream's address, checked once at start.
+#[derive(Debug)]
+struct Target {
+    scheme: Scheme,
+    authority: Authority,
+    /// The upstream's path without a trailing `/` (empty for none), joined before every path.
+    prefix: String,
+    /// `http://authority/prefix`, for messages.
+    display: String,
+}
+
+impl Target {
+    fn parse(uri: &Uri) -> anyhow::Result<Self> {
+        let Some(scheme) = uri.scheme() else {
+            bail!("upstream {uri}: no scheme; write it as http://host:port");
+        };
+        if *scheme != Scheme::HTTP {
+            bail!("upstream {uri}: only http:// upstreams are supported, not {scheme}://");
+        }
+        let Some(authority) = uri.authority() else {
+            bail!("upstream {uri}: no host; write it as http://host:port");
+        };
+        if authority.as_str().contains('@') {
+            bail!("upstream {uri}: user info (user:password@) is not supported");
+        }
+        if authority.host().is_empty() {
+            bail!("upstream {uri}: empty host");
+        }
+        if uri.query().is_some() {
+            bail!(
+                "upstream {uri}: a query is not supported; give only scheme, host, port and an optional path prefix"
+            );
+        }
+        let prefix = uri.path().trim_end_matches('/').to_owned();
+        Ok(Self {
+            scheme: scheme.clone(),
+            authority: authority.clone(),
+            display: format!("{scheme}://{authority}{prefix}"),
+            prefix,
+        })
+    }
+
+    /// The upstream URI for a request to `original` (its path and query).
+    fn uri_for(&self, original: &Uri) -> Result<Uri, http::Error> {
+        let pq = original.path_and_query().map_or("/", PathAndQuery::as_str);
+        let pq = if self.prefix.is_empty() || !pq.starts_with('/') {
+            PathAndQuery::try_from(pq)?
+        } else {
+            PathAndQuery::try_from(format!("{}{pq}", self.prefix))?
+        };
+        Uri::builder()
+            .scheme(self.scheme.clone())
+            .authority(self.authority.clone())
+            .path_and_query(pq)
+            .build()
+    }
+}
+
+/// The inner service of the fence: forwards a request to the upstream over the shared,
+/// pooled client and answers 502/504 problems when the upstream fails or is too slow.
+#[derive(Clone)]
+struct Upstream {
+    client: Client<HttpConnector, RequestBody<Incoming>>,
+    target: Arc<Target>,
+    timeout: Duration,
+    preserve_host: bool,
+}
+
+impl Service<Request<RequestBody<Incoming>>> for Upstream {
+    type Response = Response<UpstreamBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<RequestBody<Incoming>>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { Ok(this.forward(req).await) })
+    }
+}
+
+impl Upstream {
+    async fn forward(self, req: Request<RequestBody<Incoming>>) -> Response<UpstreamBody> {
+        let started = Instant::now();
+        let (mut parts, body) = req.into_parts();
+        if parts.method == Method::CONNECT {
+            outcome("bad_target", started);
+            let mut p = Problem::new(
+                ProblemType::BadRequest,
+                "CONNECT is not supported: this is a reverse proxy, not a tunnel",
+            );
+            p.status = StatusCode::METHOD_NOT_ALLOWED.as_u16();
+            p.title = "Method not allowed".into();
+            return problem(p);
+        }
+        let uri = match self.target.uri_for(&parts.uri) {
+            Ok(uri) => uri,
+            Err(e) => {
+                outcome("bad_target", started);
+                return problem(Problem::new(
+                    ProblemType::BadRequest,
+                    format!(
+                        "the request target {} cannot be forwarded to {}: {e}",
+                        parts.uri, self.target.display
+                    ),
+                ));
+            }
+        };
+        let original_host = parts.headers.get(HOST).cloned().or_else(|| {
+            parts
+                .uri
+                .authority()
+                .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+        });
+        strip_hop_by_hop(&mut parts.headers, true);
+        let headers = &mut parts.headers;
+        if self.preserve_host {
+            if let Some(host) = original_host {
+                headers.insert(HOST, host);
+            }
+        } else {
+            match HeaderValue::from_str(self.target.authority.as_str()) {
+                Ok(host) => {
+                    headers.insert(HOST, host);
+                }
+                Err(_) => {
+                    headers.remove(HOST); // the client sets it from the URI
+                }
+            }
+            match original_host {
+                Some(host) => {
+                    headers.insert(X_FORWARDED_HOST, host);
+                }
+                None => {
+                    headers.remove(X_FORWARDED_HOST);
+                }
+            }
+        }
+        if let Some(ClientAddr(peer)) = parts.extensions.get::<ClientAddr>() {
+            append_forwarded_for(headers, *peer);
+        }
+        headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+        parts.uri = uri;
+        // The pool speaks HTTP/1.1 to the upstream, whatever the client spoke to us.
+        parts.version = Version::HTTP_11;
+
+        let request = self.client.request(Request::from_parts(parts, body));
+        match tokio::time::timeout(self.timeout, request).await {
+            Ok(Ok(response)) => {
+                outcome("ok", started);
+                let (mut head, body) = response.into_parts();
+                strip_hop_by_hop(&mut head.headers, false);
+                Response::from_parts(head, Either::Left(body))
+            }
+            Ok(Err(e)) => {
+                outcome("unavailable", started);
+                let cause = error_chain(&e);
+                tracing::warn!(upstream = %self.target.display, error = %cause, "upstream failed");
+                problem(Problem::new(
+                    ProblemType::UpstreamUnavailable,
+                    format!("upstream {} failed: {cause}", self.target.display),
+                ))
+            }
+            Err(_) => {
+                // Dropping the request future closes its upstream connection.
+                outcome("timeout", started);
+                tracing::warn!(upstream = %self.target.display, timeout = ?self.timeout, "upstream timed out");
+                let mut p = Problem::new(
+                    ProblemType::UpstreamUnavailable,
+                    format!(
+                        "upstream {} did not answer within {:?}; its connection was closed",
+                        self.target.display, self.timeout
+                    ),
+                );
+                p.status = StatusCode::GATEWAY_TIMEOUT.as_u16();
+                p.title = "Upstream timeout".into();
+                problem(p)
+            }
+        }
+    }
+}
+
+fn problem(p: Problem) -> Response<UpstreamBody> {
+    p.to_response::<Full<Bytes>>().map(Either::Right)
+}
+
+fn outcome(outcome: &'static str, started: Instant) {
+    metrics::counter!("fence_proxy_upstream_requests_total", "outcome" => outcome).increment(1);
+    metrics::histogram!("fence_proxy_upstream_seconds", "outcome" => outcome)
+        .record(started.elapsed().as_secs_f64());
+}
+
+/// Removes the hop-by-hop headers and every header the `Connection` header names. On a
+/// request the fencing and idempotency headers stay even when named: the fence already
+/// acted on them, and the upstream must see the token it accepted.
+fn strip_hop_by_hop(headers: &mut HeaderMap, request: bool) {
+    let named: Vec<HeaderName> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        let kept = request && [X_FENCING_JOB, X_FENCING_TOKEN, IDEMPOTENCY_KEY].contains(&name);
+        if !kept {
+            headers.remove(name);
+        }
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// Appends the client's IP to `X-Forwarded-For`, joining earlier values into one line.
+fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
+    let ip = peer.ip().to_canonical().to_string();
+    let mut joined: Vec<u8> = Vec::new();
+    for value in headers.get_all(&X_FORWARDED_FOR) {
+        let value = value.as_bytes().trim_ascii();
+        if !value.is_empty() {
+            joined.extend_from_slice(value);
+            joined.extend_from_slice(b", ");
+        }
+    }
+    joined.extend_from_slice(ip.as_bytes());
+    match HeaderValue::from_bytes(&joined) {
+        Ok(value) => {
+            headers.insert(X_FORWARDED_FOR, value);
+        }
+        Err(_) => {
+            // Earlier values were valid header bytes, so this cannot happen; still, never
+            // lose the client's address.
+            if let Ok(value) = HeaderValue::from_str(&ip) {
+                headers.append(X_FORWARDED_FOR, value);
+            }
+        }
+    }
+}
+
+/// `error: cause: cause`, without repeating a cause the outer message already quotes.
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !out.contains(&text) {
+            out.push_str(": ");
+            out.push_str(&text);
+        }
+        source = s.source();
+    }
+    out
+}
+
+/// Accepts connections until `shutdown` resolves, serving each with the service `make`
+/// builds for its peer; then asks every connection to finish gracefully and waits for them
+/// up to [`SHUTDOWN_GRACE`]. Returns the grace deadline, for other waits to share.
+async fn accept_loop<M, S, B>(
+    listener: TcpListener,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    mut make: M,
+) -> Instant
+where
+    M: FnMut(SocketAddr) -> S,
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let mut builder = auto::Builder::new(TokioExecutor::new());
+    builder.http1().timer(TokioTimer::new());
+    builder.http2().timer(TokioTimer::new());
+    let (stop, stopped) = watch::channel(false);
+    let mut connections = JoinSet::new();
+    let mut shutdown = std::pin::pin!(shutdown);
+    loop {
+        tokio::select! {
+            () = &mut shutdown => break,
+            accepted = listener.accept() => match accepted {
+                Ok((stream, peer)) => {
+                    let service = make(peer);
+                    connections.spawn(connection(builder.clone(), stream, service, stopped.clone()));
+                }
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!(error = %e, "accepting a connection failed");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                }
+            },
+            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+        }
+    }
+    drop(listener);
+    drop(make);
+    let deadline = Instant::now() + SHUTDOWN_GRACE;
+    let _ = stop.send(true);
+    let drained = tokio::time::timeout_at(deadline, async {
+        while connections.join_next().await.is_some() {}
+    })
+    .await;
+    if drained.is_err() {
+        tracing::warn!(
+            open = connections.len(),
+            "shutdown grace ran out; closing the remaining connections"
+        );
+        connections.shutdown().await;
+    }
+    deadline
+}
+
+/// Serves one connection; on shutdown lets its in-flight requests finish, then closes it.
+async fn connection<S, B>(
+    builder: auto::Builder<TokioExecutor>,
+    stream: TcpStream,
+    service: S,
+    mut stop: watch::Receiver<bool>,
+) where
+    S: hyper::service::Service<Request<Incoming>, Response = Response<B>> + Send + 'static,
+    S::Future: Send + 'static,
+    S::Error: Into<BoxError>,
+    B: Body + Send + 'static,
+    B::Data: Send,
+    B::Error: Into<BoxError>,
+{
+    let _ = stream.set_nodelay(true);
+    let conn = builder.serve_connection(TokioIo::new(stream), service);
+    let mut conn = std::pin::pin!(conn);
+    let result = tokio::select! {
+        result = conn.as_mut() => result,
+        () = async {
+            // The guard `wait_for` returns must not live across the await below.
+            let _ = stop.wait_for(|stop| *stop).await;
+        } => {
+            conn.as_mut().graceful_shutdown();
+            conn.await
+        }
+    };
+    if let Err(e) = result {
+        tracing::debug!(error = %e, "connection ended with an error");
+    }
+}

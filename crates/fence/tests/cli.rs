@@ -1,0 +1,315 @@
+//! End-to-end tests of the `fence` binary, run as child processes on loopback ports.
+
+use std::{
+    io::{BufRead, BufReader},
+    path::Path,
+    process::{Child, Command, Output, Stdio},
+    time::{Duration, Instant, SystemTime, UNIX_EPOCH},
+};
+
+const FENCE: &str = env!("CARGO_BIN_EXE_fence");
+
+/// A child process killed and reaped when dropped, so a failing test leaves none behind.
+struct Proc(Child);
+
+impl Drop for Proc {
+    fn drop(&mut self) {
+        let _ = Command::new("kill")
+            .args(["-CONT", &self.0.id().to_string()])
+            .status();
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
+fn fence(args: &[&str]) -> Output {
+    Command::new(FENCE)
+        .args(args)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("fence runs")
+}
+
+/// Starts `fence server` on an ephemeral port and returns it with its URL.
+fn start_server(dir: &Path) -> (Proc, String) {
+    let mut child = Command::new(FENCE)
+        .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(dir)
+        .env("RUST_LOG", "info")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = child.stderr.take().unwrap();
+    let mut lines = BufReader::new(stderr).lines();
+    let url = loop {
+        let line = lines.next().expect("server printed its address").unwrap();
+        if let Some(rest) = line.split("listen=").nth(1) {
+            break format!("http://{}", rest.split_whitespace().next().unwrap());
+        }
+    };
+    std::thread::spawn(move || lines.for_each(drop)); // keep draining
+    (Proc(child), url)
+}
+
+fn json(out: &Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn signal(p: &Proc, sig: &str) {
+    assert!(
+        Command::new("kill")
+            .args([sig, &p.0.id().to_string()])
+            .status()
+            .unwrap()
+            .success()
+    );
+}
+
+#[test]
+fn demo_runs_the_worked_example() {
+    let out = Command::new(FENCE)
+        .arg("demo")
+        .env("RUST_LOG", "error")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("409 Conflict urn:fence:stale-token, highest Some(8)"),
+        "{stdout}"
+    );
+    assert!(stdout.contains("PASS"), "{stdout}");
+    assert!(!stdout.contains("FAILED"), "{stdout}");
+}
+
+#[test]
+fn claims_racing_from_24_processes_have_one_winner_per_round() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    for round in 1..=5u64 {
+        let racers: Vec<Child> = (0..24)
+            .map(|i| {
+                Command::new(FENCE)
+                    .args([
+                        "claim",
+                        "--server",
+                        &url,
+                        "--job",
+                        "race",
+                        "--ttl",
+                        "30s",
+                        "--owner",
+                        &format!("p{i}"),
+                    ])
+                    .env("RUST_LOG", "warn")
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outs: Vec<Output> = racers
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let winners: Vec<&Output> = outs.iter().filter(|o| o.status.code() == Some(0)).collect();
+        assert_eq!(winners.len(), 1, "round {round}");
+        assert!(
+            outs.iter().all(|o| matches!(o.status.code(), Some(0 | 3))),
+            "every loser is told the lease is held"
+        );
+        let lease = json(winners[0]);
+        assert_eq!(lease["generation"], round, "round {round}: {lease}");
+        let owner = lease["owner"].as_str().unwrap();
+        let released = fence(&[
+            "release",
+            "--server",
+            &url,
+            "--job",
+            "race",
+            "--owner",
+            owner,
+            "--generation",
+            &round.to_string(),
+        ]);
+        assert_eq!(released.status.code(), Some(0), "{released:?}");
+    }
+}
+
+#[test]
+fn server_killed_with_sigkill_keeps_every_acknowledged_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let mut acked = Vec::new();
+    for i in 0..10 {
+        let job = format!("job-{i}");
+        let out = fence(&[
+            "claim", "--server", &url, "--job", &job, "--owner", "w", "--ttl", "1h",
+        ]);
+        assert_eq!(out.status.code(), Some(0));
+        acked.push((job, json(&out)["generation"].as_u64().unwrap()));
+    }
+    signal(&server, "-KILL");
+    drop(server);
+    let (_server, url) = start_server(dir.path());
+    for (job, generation) in acked {
+        let rec = json(&fence(&["status", "--server", &url, "--job", &job]));
+        assert_eq!(
+            (
+                rec["generation"].as_u64(),
+                rec["state"].as_str(),
+                rec["owner"].as_str()
+            ),
+            (Some(generation), Some("held"), Some("w"))
+        );
+    }
+}
+
+#[test]
+fn fence_run_stops_its_command_before_the_store_side_expiry() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let term_file = dir.path().join("term-at");
+    let script = format!(
+        "trap 'date +%s%3N > {}; exit 0' TERM; while :; do sleep 0.02; done",
+        term_file.display()
+    );
+    let mut run = Command::new(FENCE)
+        .args([
+            "run", "--server", &url, "--job", "nightly", "--ttl", "1500ms", "--grace", "3s", "--",
+            "sh", "-c", &script,
+        ])
+        .env("RUST_LOG", "fence_lease=debug")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let stderr = run.stderr.take().unwrap();
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for line in BufReader::new(stderr).lines().map_while(Result::ok) {
+            if let Some(v) = line.split("expires_at_ms=").nth(1) {
+                let _ = tx.send(v.split_whitespace().next().unwrap().parse::<u64>().unwrap());
+            }
+        }
+    });
+    let run = Proc(run);
+    let mut expiry = rx.recv_timeout(Duration::from_secs(10)).expect("a renewal");
+    signal(&server, "-STOP"); // the lease server stops answering
+    let started = Instant::now();
+    while !term_file.exists() {
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the command never got SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    while let Ok(e) = rx.try_recv() {
+        expiry = e; // renewals that were answered before the stop
+    }
+    let term_at: u64 = std::fs::read_to_string(&term_file)
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    assert!(
+        term_at < expiry,
+        "SIGTERM at {term_at} ms, store-side expiry at {expiry} ms"
+    );
+    let mut run = run;
+    let status = run.0.wait().unwrap();
+    assert_eq!(status.code(), Some(75));
+    signal(&server, "-CONT");
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap()
+        .as_millis();
+    assert!(u128::from(term_at) <= now);
+}
+
+#[test]
+fn fence_run_completes_on_success_and_releases_on_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let env_check =
+        "test \"$FENCE_JOB\" = j1 && test \"$FENCE_TOKEN\" = 1 && test -n \"$FENCE_SERVER\"";
+    let ok = fence(&[
+        "run", "--server", &url, "--job", "j1", "--", "sh", "-c", env_check,
+    ]);
+    assert_eq!(
+        ok.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert_eq!(
+        json(&fence(&["status", "--server", &url, "--job", "j1"]))["state"],
+        "completed"
+    );
+    let again = fence(&["run", "--server", &url, "--job", "j1", "--", "true"]);
+    assert_eq!(
+        again.status.code(),
+        Some(3),
+        "a completed job is not run again"
+    );
+
+    let failed = fence(&[
+        "run", "--server", &url, "--job", "j2", "--", "sh", "-c", "exit 7",
+    ]);
+    assert_eq!(failed.status.code(), Some(7));
+    assert_eq!(
+        json(&fence(&["status", "--server", &url, "--job", "j2"]))["state"],
+        "free"
+    );
+
+    let held = fence(&[
+        "claim", "--server", &url, "--job", "j3", "--owner", "other", "--ttl", "1h",
+    ]);
+    assert_eq!(held.status.code(), Some(0));
+    let start = Instant::now();
+    let blocked = fence(&[
+        "run", "--server", &url, "--job", "j3", "--wait", "500ms", "--", "true",
+    ]);
+    assert_eq!(blocked.status.code(), Some(3));
+    assert!(
+        start.elapsed() >= Duration::from_millis(500),
+        "it kept trying for --wait"
+    );
+}
+
+#[test]
+fn bad_flags_exit_2_with_a_message() {
+    let cases: &[(&[&str], &str)] = &[
+        (&["claim", "--job", ""], "job id is empty"),
+        (&["claim", "--job", "a b"], "byte 0x20"),
+        (
+            &["claim", "--job", "j", "--ttl", "50ms"],
+            "below the minimum of 100 ms",
+        ),
+        (
+            &["claim", "--job", "j", "--ttl", "25h"],
+            "above the maximum",
+        ),
+        (&["claim", "--job", "j", "--ttl", "ten"], "not a duration"),
+        (
+            &["renew", "--job", "j", "--owner", "o", "--generation", "-1"],
+            "generation",
+        ),
+        (&["run", "--job", "j"], "COMMAND"),
+        (&["server"], "--data-dir"),
+        (&["proxy", "--data-dir", "x"], "--upstream"),
+        (&["frobnicate"], "unrecognized subcommand"),
+    ];
+    for (args, want) in cases {
+        let out = fence(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr} lacks {want:?}");
+    }
+    let out = fence(&["status", "--server", "http://127.0.0.1:1", "--job", "j"]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach"));
+}

@@ -1,0 +1,856 @@
+//! The fencing proxy in-process on loopback, in front of a small hyper upstream: fencing,
+//! header forwarding, streaming, failures, restart, idempotency and client disconnects.
+
+use std::{
+    convert::Infallible,
+    net::SocketAddr,
+    pin::Pin,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicUsize, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use fence::proxy::{ProxyConfig, serve, serve_admin};
+use fence_sink::{GenerationStore, IdempotencyStore, MemoryStore, SledStore};
+use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
+use http_body_util::{BodyExt, Full, combinators::BoxBody};
+use hyper::body::{Body, Frame, Incoming};
+use hyper_util::rt::TokioIo;
+use tokio::{
+    net::{TcpListener, TcpStream},
+    sync::{Notify, mpsc, oneshot, watch},
+    task::JoinHandle,
+    time::{Instant, timeout},
+};
+
+type BoxError = Box<dyn std::error::Error + Send + Sync>;
+type TestBody = BoxBody<Bytes, BoxError>;
+
+const WAIT: Duration = Duration::from_secs(10);
+
+// ---------------------------------------------------------------------------------------
+// The upstream.
+
+/// What the upstream saw of one request.
+#[derive(Debug, Clone)]
+struct Seen {
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+/// A small upstream: records requests and an event log; `/slow` waits for `release`,
+/// `/echo` streams the request body back, `/hop` answers with hop-by-hop headers.
+struct Upstream {
+    addr: SocketAddr,
+    seen: Mutex<Vec<Seen>>,
+    events: Mutex<Vec<(String, Instant)>>,
+    changed: Notify,
+    calls: AtomicUsize,
+    release: watch::Sender<bool>,
+}
+
+impl Upstream {
+    async fn start() -> Arc<Self> {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let upstream = Arc::new(Self {
+            addr: listener.local_addr().unwrap(),
+            seen: Mutex::default(),
+            events: Mutex::default(),
+            changed: Notify::new(),
+            calls: AtomicUsize::new(0),
+            release: watch::Sender::new(false),
+        });
+        let state = upstream.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((stream, _)) = listener.accept().await else {
+                    return;
+                };
+                let state = state.clone();
+                tokio::spawn(async move {
+                    let service = hyper::service::service_fn(move |req| {
+                        let state = state.clone();
+                        async move { Ok::<_, Infallible>(state.handle(req).await) }
+                    });
+                    let _ = hyper::server::conn::http1::Builder::new()
+                        .serve_connection(TokioIo::new(stream), service)
+                        .await;
+                });
+            }
+        });
+        upstream
+    }
+
+    fn url(&self) -> Uri {
+        format!("http://{}", self.addr).parse().unwrap()
+    }
+
+    fn event(&self, what: String) {
+        self.events.lock().unwrap().push((what, Instant::now()));
+        self.changed.notify_waiters();
+    }
+
+    fn event_names(&self) -> Vec<String> {
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(e, _)| e.clone())
+            .collect()
+    }
+
+    fn event_time(&self, what: &str) -> Instant {
+        self.events
+            .lock()
+            .unwrap()
+            .iter()
+            .find(|(e, _)| e == what)
+            .map(|(_, at)| *at)
+            .unwrap_or_else(|| panic!("no event {what}"))
+    }
+
+    async fn wait_for_event(&self, what: &str) {
+        timeout(WAIT, async {
+            loop {
+                let changed = self.changed.notified();
+                if self.event_names().iter().any(|e| e == what) {
+                    return;
+                }
+                changed.await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("the upstream never logged {what}"));
+    }
+
+    fn seen(&self) -> Vec<Seen> {
+        self.seen.lock().unwrap().clone()
+    }
+
+    async fn handle(&self, req: Request<Incoming>) -> Response<TestBody> {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let token = req
+            .headers()
+            .get("x-fencing-token")
+            .and_then(|v| v.to_str().ok())
+            .unwrap_or("-")
+            .to_owned();
+        let (parts, body) = req.into_parts();
+        if parts.uri.path() == "/echo" {
+            self.seen.lock().unwrap().push(Seen {
+                method: parts.method,
+                uri: parts.uri,
+                headers: parts.headers,
+                body: Bytes::new(),
+            });
+            return Response::new(body.map_err(Into::into).boxed());
+        }
+        let body = body
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
+        self.seen.lock().unwrap().push(Seen {
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            headers: parts.headers.clone(),
+            body: body.clone(),
+        });
+        self.event(format!("start {token}"));
+        let mut response = Response::new(full(format!(
+            "upstream saw {} {} token {token} call {}",
+            parts.method,
+            parts.uri,
+            self.calls.load(Ordering::SeqCst)
+        )));
+        match parts.uri.path() {
+            "/slow" => {
+                let mut release = self.release.subscribe();
+                let _ = release.wait_for(|r| *r).await;
+                self.event(format!("end {token}"));
+            }
+            "/hop" => {
+                let h = response.headers_mut();
+                h.insert("connection", HeaderValue::from_static("x-upstream-secret"));
+                h.insert("x-upstream-secret", HeaderValue::from_static("s"));
+                h.insert("keep-alive", HeaderValue::from_static("timeout=9"));
+                h.insert("proxy-authenticate", HeaderValue::from_static("Basic"));
+            }
+            _ => {}
+        }
+        response
+            .headers_mut()
+            .insert("x-upstream", HeaderValue::from_static("yes"));
+        response
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The proxy and a client.
+
+struct Proxy {
+    addr: SocketAddr,
+    stop: Option<oneshot::Sender<()>>,
+    task: JoinHandle<anyhow::Result<()>>,
+}
+
+impl Proxy {
+    async fn start<St>(store: St, config: ProxyConfig) -> Self
+    where
+        St: GenerationStore + IdempotencyStore,
+    {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (stop, stopped) = oneshot::channel::<()>();
+        let task = tokio::spawn(serve(listener, store, config, async {
+            let _ = stopped.await;
+        }));
+        Self {
+            addr,
+            stop: Some(stop),
+            task,
+        }
+    }
+
+    /// Signals shutdown and waits until `serve` returned.
+    async fn shutdown(mut self) {
+        let _ = self.stop.take().unwrap().send(());
+        timeout(WAIT, &mut self.task)
+            .await
+            .expect("serve returns after shutdown")
+            .unwrap()
+            .unwrap();
+    }
+}
+
+fn config(upstream: Uri) -> ProxyConfig {
+    let mut config = ProxyConfig::new(upstream);
+    config.drain_timeout = Duration::from_secs(5);
+    config
+}
+
+fn full(body: impl Into<Bytes>) -> TestBody {
+    Full::new(body.into()).map_err(|e| match e {}).boxed()
+}
+
+fn fenced(path: &str, job: &str, token: u64) -> http::request::Builder {
+    Request::post(path)
+        .header("host", "client.example")
+        .header("x-fencing-job", job)
+        .header("x-fencing-token", token.to_string())
+}
+
+#[derive(Debug)]
+struct Answer {
+    status: StatusCode,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    fn json(&self) -> serde_json::Value {
+        serde_json::from_slice(&self.body)
+            .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&self.body)))
+    }
+
+    fn text(&self) -> String {
+        String::from_utf8_lossy(&self.body).into_owned()
+    }
+
+    fn assert_problem(&self, status: u16, kind: &str) -> serde_json::Value {
+        assert_eq!(self.status.as_u16(), status, "{}", self.text());
+        assert_eq!(
+            self.headers.get("content-type").unwrap(),
+            "application/problem+json"
+        );
+        let p = self.json();
+        assert_eq!(p["type"], kind, "{p}");
+        assert_eq!(p["status"], status, "{p}");
+        p
+    }
+}
+
+/// Sends one request on a fresh connection and reads the whole answer. The connection is
+/// driven inside this future, so dropping (or aborting) it closes the connection.
+async fn send(addr: SocketAddr, req: Request<TestBody>) -> Answer {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    let exchange = async move {
+        let response = sender.send_request(req).await.unwrap();
+        let (head, body) = response.into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        Answer {
+            status: head.status,
+            headers: head.headers,
+            body,
+        }
+    };
+    let mut exchange = std::pin::pin!(exchange);
+    let mut conn = std::pin::pin!(conn);
+    tokio::select! {
+        biased;
+        answer = &mut exchange => answer,
+        _ = &mut conn => exchange.await,
+    }
+}
+
+/// A request body fed chunk by chunk from a channel.
+struct ChannelBody(mpsc::Receiver<Bytes>);
+
+impl Body for ChannelBody {
+    type Data = Bytes;
+    type Error = BoxError;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.0.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+}
+
+// ---------------------------------------------------------------------------------------
+// The tests.
+
+#[tokio::test]
+async fn accepted_request_reaches_upstream_with_forwarding_headers_and_no_hop_by_hop() {
+    let upstream = Upstream::start().await;
+    let base: Uri = format!("http://{}/base/", upstream.addr).parse().unwrap();
+    let proxy = Proxy::start(MemoryStore::new(), config(base.clone())).await;
+    let req = fenced("/hop?x=1", "job-1", 5)
+        .header("connection", "keep-alive, x-drop-me")
+        .header("x-drop-me", "1")
+        .header("keep-alive", "timeout=5")
+        .header("proxy-connection", "keep-alive")
+        .header("proxy-authorization", "Basic Zm9vOmJhcg==")
+        .header("te", "trailers")
+        .header("trailer", "x-checksum")
+        .header("x-forwarded-for", "203.0.113.9")
+        .body(full("hello"))
+        .unwrap();
+    let answer = send(proxy.addr, req).await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(answer.headers.get("x-upstream").unwrap(), "yes");
+    for gone in [
+        "x-upstream-secret",
+        "keep-alive",
+        "proxy-authenticate",
+        "transfer-encoding",
+    ] {
+        assert!(
+            answer.headers.get(gone).is_none(),
+            "{gone} reached the client"
+        );
+    }
+    assert_ne!(
+        answer
+            .headers
+            .get("connection")
+            .map(|v| v.to_str().unwrap()),
+        Some("x-upstream-secret")
+    );
+
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    let s = &seen[0];
+    assert_eq!(s.method, Method::POST);
+    assert_eq!(
+        s.uri.path_and_query().unwrap().as_str(),
+        "/base/hop?x=1",
+        "the upstream's path prefix is joined"
+    );
+    assert_eq!(s.body, "hello");
+    let h = &s.headers;
+    assert_eq!(h.get("x-fencing-job").unwrap(), "job-1");
+    assert_eq!(h.get("x-fencing-token").unwrap(), "5");
+    assert_eq!(h.get("x-forwarded-for").unwrap(), "203.0.113.9, 127.0.0.1");
+    assert_eq!(h.get("x-forwarded-proto").unwrap(), "http");
+    assert_eq!(h.get("host").unwrap(), upstream.addr.to_string().as_str());
+    assert_eq!(h.get("x-forwarded-host").unwrap(), "client.example");
+    for gone in [
+        "x-drop-me",
+        "keep-alive",
+        "proxy-connection",
+        "proxy-authorization",
+        "te",
+        "trailer",
+        "upgrade",
+    ] {
+        assert!(h.get(gone).is_none(), "{gone} reached the upstream");
+    }
+    if let Some(c) = h.get("connection") {
+        assert!(!c.to_str().unwrap().contains("x-drop-me"));
+    }
+    proxy.shutdown().await;
+
+    // preserve_host: the upstream sees the client's Host.
+    let mut preserving = config(upstream.url());
+    preserving.preserve_host = true;
+    let proxy = Proxy::start(MemoryStore::new(), preserving).await;
+    let answer = send(
+        proxy.addr,
+        fenced("/plain", "job-1", 1).body(full("")).unwrap(),
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    let s = upstream.seen().pop().unwrap();
+    assert_eq!(s.uri.path(), "/plain");
+    assert_eq!(s.headers.get("host").unwrap(), "client.example");
+    assert!(s.headers.get("x-forwarded-host").is_none());
+    assert_eq!(s.headers.get("x-forwarded-for").unwrap(), "127.0.0.1");
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn stale_token_gets_409_and_never_reaches_upstream() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let ok = send(
+        proxy.addr,
+        fenced("/w", "job-s", 5).body(full("a")).unwrap(),
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    let stale = send(
+        proxy.addr,
+        fenced("/w", "job-s", 4).body(full("b")).unwrap(),
+    )
+    .await;
+    let p = stale.assert_problem(409, "urn:fence:stale-token");
+    assert_eq!(p["highest"], 5);
+    assert_eq!(p["token"], 4);
+    let tokens: Vec<_> = upstream
+        .seen()
+        .iter()
+        .map(|s| s.headers.get("x-fencing-token").cloned().unwrap())
+        .collect();
+    assert_eq!(
+        tokens,
+        ["5"],
+        "only the accepted request reached the upstream"
+    );
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn missing_headers_get_428_and_malformed_400() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let missing = send(proxy.addr, Request::post("/w").body(full("x")).unwrap()).await;
+    missing.assert_problem(428, "urn:fence:missing-token");
+    let malformed = send(
+        proxy.addr,
+        Request::put("/w")
+            .header("x-fencing-job", "job-m")
+            .header("x-fencing-token", "07")
+            .body(full("x"))
+            .unwrap(),
+    )
+    .await;
+    malformed.assert_problem(400, "urn:fence:malformed-token");
+    assert!(upstream.seen().is_empty());
+    proxy.shutdown().await;
+
+    // require_token = false: a fenced method without headers passes.
+    let mut lenient = config(upstream.url());
+    lenient.require_token = false;
+    let proxy = Proxy::start(MemoryStore::new(), lenient).await;
+    let passed = send(proxy.addr, Request::post("/w").body(full("x")).unwrap()).await;
+    assert_eq!(passed.status, 200, "{}", passed.text());
+    assert_eq!(upstream.seen().len(), 1);
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn get_passes_unfenced() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let answer = send(
+        proxy.addr,
+        Request::get("/read?q=1").body(full("")).unwrap(),
+    )
+    .await;
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(answer.text(), "upstream saw GET /read?q=1 token - call 1");
+    let seen = upstream.seen();
+    assert_eq!(seen.len(), 1);
+    assert_eq!(seen[0].method, Method::GET);
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn upstream_down_gives_502_problem() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let proxy = Proxy::start(
+        MemoryStore::new(),
+        config(format!("http://{dead}").parse().unwrap()),
+    )
+    .await;
+    let answer = send(
+        proxy.addr,
+        fenced("/w", "job-d", 1).body(full("x")).unwrap(),
+    )
+    .await;
+    let p = answer.assert_problem(502, "urn:fence:upstream-unavailable");
+    let detail = p["detail"].as_str().unwrap();
+    assert!(detail.contains(&dead.to_string()), "{detail}");
+    let get = send(proxy.addr, Request::get("/r").body(full("")).unwrap()).await;
+    get.assert_problem(502, "urn:fence:upstream-unavailable");
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn slow_upstream_gives_504_problem() {
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.upstream_timeout = Duration::from_millis(200);
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let started = Instant::now();
+    let answer = send(
+        proxy.addr,
+        fenced("/slow", "job-t", 1).body(full("x")).unwrap(),
+    )
+    .await;
+    answer.assert_problem(504, "urn:fence:upstream-unavailable");
+    assert!(started.elapsed() < Duration::from_secs(5));
+    upstream.release.send_replace(true);
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn non_http_upstream_is_refused_at_start() {
+    for bad in [
+        "https://127.0.0.1:1",
+        "/relative",
+        "http://127.0.0.1:1/?q=1",
+    ] {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let err = serve(
+            listener,
+            MemoryStore::new(),
+            ProxyConfig::new(bad.parse().unwrap()),
+            std::future::pending(),
+        )
+        .await
+        .expect_err(bad);
+        assert!(err.to_string().contains("upstream"), "{err}");
+    }
+}
+
+#[tokio::test]
+async fn large_body_streams_through_both_ways() {
+    const CHUNK: usize = 64 * 1024;
+    const TOTAL: usize = 8 << 20;
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let data: Bytes = (0..TOTAL).map(|i| (i * 31 % 251) as u8).collect();
+
+    let (chunks, rx) = mpsc::channel::<Bytes>(4);
+    let req = fenced("/echo", "job-big", 1)
+        .body(ChannelBody(rx).boxed())
+        .unwrap();
+    let stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let (mut sender, conn) = hyper::client::conn::http1::handshake(TokioIo::new(stream))
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    chunks.send(data.slice(..CHUNK)).await.unwrap();
+    // Neither direction is buffered whole: the echo of the first chunk comes back before
+    // the rest of the request is sent.
+    let response = timeout(WAIT, sender.send_request(req))
+        .await
+        .expect("the response head arrives while the request is still streaming")
+        .unwrap();
+    assert_eq!(response.status(), 200);
+    let mut body = response.into_body();
+    let mut received = Vec::with_capacity(TOTAL);
+    while received.len() < CHUNK {
+        let frame = timeout(WAIT, body.frame())
+            .await
+            .expect("the first chunk is echoed before the rest is sent")
+            .unwrap()
+            .unwrap();
+        if let Ok(d) = frame.into_data() {
+            received.extend_from_slice(&d);
+        }
+    }
+    let rest = data.slice(CHUNK..);
+    let feeder = tokio::spawn(async move {
+        for at in (0..rest.len()).step_by(CHUNK) {
+            let end = (at + CHUNK).min(rest.len());
+            chunks.send(rest.slice(at..end)).await.unwrap();
+        }
+    });
+    while let Some(frame) = timeout(WAIT, body.frame()).await.unwrap() {
+        if let Ok(d) = frame.unwrap().into_data() {
+            received.extend_from_slice(&d);
+        }
+    }
+    feeder.await.unwrap();
+    assert_eq!(received.len(), TOTAL);
+    assert!(received == data, "the body came back intact");
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn highest_survives_a_restart_of_the_proxy() {
+    let upstream = Upstream::start().await;
+    let dir = tempfile::tempdir().unwrap();
+
+    let proxy = Proxy::start(SledStore::open(dir.path()).unwrap(), config(upstream.url())).await;
+    let ok = send(
+        proxy.addr,
+        fenced("/w", "job-r", 41).body(full("x")).unwrap(),
+    )
+    .await;
+    assert_eq!(ok.status, 200, "{}", ok.text());
+    proxy.shutdown().await;
+
+    // Everything of the first proxy is gone: the database can be opened again.
+    let store = open_when_released(dir.path()).await;
+    let proxy = Proxy::start(store, config(upstream.url())).await;
+    let stale = send(
+        proxy.addr,
+        fenced("/w", "job-r", 40).body(full("y")).unwrap(),
+    )
+    .await;
+    let p = stale.assert_problem(409, "urn:fence:stale-token");
+    assert_eq!(p["highest"], 41);
+    let same = send(
+        proxy.addr,
+        fenced("/w", "job-r", 41).body(full("z")).unwrap(),
+    )
+    .await;
+    assert_eq!(same.status, 200, "{}", same.text());
+    assert_eq!(
+        upstream.seen().len(),
+        2,
+        "the stale request never reached it"
+    );
+    proxy.shutdown().await;
+}
+
+/// sled releases its lock when the last handle is dropped; give background threads a moment.
+async fn open_when_released(path: &std::path::Path) -> SledStore {
+    let deadline = Instant::now() + WAIT;
+    loop {
+        match SledStore::open(path) {
+            Ok(store) => return store,
+            Err(e) if Instant::now() < deadline => {
+                eprintln!("reopening: {e}");
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+            Err(e) => panic!("the first proxy still holds the store: {e}"),
+        }
+    }
+}
+
+#[tokio::test]
+async fn idempotency_key_is_replayed_through_the_proxy() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let req = || {
+        fenced("/charge", "job-i", 3)
+            .header("idempotency-key", "\"order-17\"")
+            .body(full("amount=5"))
+            .unwrap()
+    };
+    let first = send(proxy.addr, req()).await;
+    assert_eq!(first.status, 200, "{}", first.text());
+    assert!(first.headers.get("idempotent-replayed").is_none());
+    let second = send(proxy.addr, req()).await;
+    assert_eq!(second.status, 200, "{}", second.text());
+    assert_eq!(second.headers.get("idempotent-replayed").unwrap(), "true");
+    assert_eq!(second.body, first.body);
+    assert_eq!(second.headers.get("x-upstream").unwrap(), "yes");
+    assert_eq!(upstream.calls.load(Ordering::SeqCst), 1);
+    let other = send(
+        proxy.addr,
+        fenced("/charge", "job-i", 3)
+            .header("idempotency-key", "order-17")
+            .body(full("amount=6"))
+            .unwrap(),
+    )
+    .await;
+    other.assert_problem(422, "urn:fence:idempotency-key-mismatch");
+    assert_eq!(upstream.calls.load(Ordering::SeqCst), 1);
+    proxy.shutdown().await;
+}
+
+/// DESIGN-NOTES section 2: a client that disconnects does not end its request early. The
+/// token 7 request stays in flight until the upstream answered it, so token 8 waits.
+#[tokio::test]
+async fn a_disconnected_client_does_not_let_a_newer_token_overtake() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+
+    let addr = proxy.addr;
+    let old = tokio::spawn(async move {
+        send(addr, fenced("/slow", "job-x", 7).body(full("old")).unwrap()).await
+    });
+    upstream.wait_for_event("start 7").await;
+    old.abort();
+    assert!(old.await.unwrap_err().is_cancelled());
+    // Give the proxy time to notice the closed connection.
+    tokio::time::sleep(Duration::from_millis(200)).await;
+
+    let newer = tokio::spawn(async move {
+        send(addr, fenced("/fast", "job-x", 8).body(full("new")).unwrap()).await
+    });
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        upstream.event_names(),
+        ["start 7"],
+        "token 8 reached the upstream while token 7 was still running there"
+    );
+    assert!(!newer.is_finished());
+
+    upstream.release.send_replace(true);
+    let answer = timeout(WAIT, newer).await.unwrap().unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    assert_eq!(upstream.event_names(), ["start 7", "end 7", "start 8"]);
+    assert!(upstream.event_time("start 8") >= upstream.event_time("end 7"));
+    proxy.shutdown().await;
+}
+
+#[tokio::test]
+async fn shutdown_stops_accepting_and_finishes_in_flight_requests() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let addr = proxy.addr;
+    let in_flight = tokio::spawn(async move {
+        send(addr, fenced("/slow", "job-g", 1).body(full("x")).unwrap()).await
+    });
+    upstream.wait_for_event("start 1").await;
+    let Proxy { stop, mut task, .. } = proxy;
+    let _ = stop.unwrap().send(());
+    // The listener closes: new connections are refused.
+    timeout(WAIT, async {
+        while TcpStream::connect(addr).await.is_ok() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await
+    .expect("the listener closes on shutdown");
+    assert!(!task.is_finished(), "serve waits for the in-flight request");
+    upstream.release.send_replace(true);
+    let answer = timeout(WAIT, in_flight).await.unwrap().unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    timeout(WAIT, &mut task).await.unwrap().unwrap().unwrap();
+}
+
+#[tokio::test]
+async fn admin_serves_metrics_and_healthz() {
+    let recorder = metrics_exporter_prometheus::PrometheusBuilder::new().build_recorder();
+    let handle = recorder.handle();
+    metrics::with_local_recorder(&recorder, || {
+        metrics::counter!("fence_test_total").increment(3);
+    });
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (stop, stopped) = oneshot::channel::<()>();
+    let task = tokio::spawn(serve_admin(listener, handle, async {
+        let _ = stopped.await;
+    }));
+    let health = send(addr, Request::get("/healthz").body(full("")).unwrap()).await;
+    assert_eq!(health.status, 200);
+    assert_eq!(health.text(), "ok\n");
+    let metrics = send(addr, Request::get("/metrics").body(full("")).unwrap()).await;
+    assert_eq!(metrics.status, 200);
+    assert!(
+        metrics
+            .headers
+            .get("content-type")
+            .unwrap()
+            .to_str()
+            .unwrap()
+            .starts_with("text/plain")
+    );
+    assert!(
+        metrics.text().contains("fence_test_total 3"),
+        "{}",
+        metrics.text()
+    );
+    let missing = send(addr, Request::get("/nope").body(full("")).unwrap()).await;
+    assert_eq!(missing.status, 404);
+    let post = send(addr, Request::post("/metrics").body(full("")).unwrap()).await;
+    assert_eq!(post.status, 405);
+    let _ = stop.send(());
+    timeout(WAIT, task).await.unwrap().unwrap().unwrap();
+}
+
+/// Writes raw bytes on a fresh connection and reads until the proxy closes it.
+async fn raw(addr: SocketAddr, request: &[u8]) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut stream = TcpStream::connect(addr).await.unwrap();
+    stream.write_all(request).await.unwrap();
+    let mut out = Vec::new();
+    let _ = timeout(WAIT, stream.read_to_end(&mut out))
+        .await
+        .expect("the proxy answers and closes");
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[tokio::test]
+async fn odd_requests_get_answers_and_the_proxy_stays_up() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let connect = raw(
+        proxy.addr,
+        b"CONNECT example.com:443 HTTP/1.1\r\nHost: example.com:443\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(connect.starts_with("HTTP/1.1 405"), "{connect}");
+    let options = raw(
+        proxy.addr,
+        b"OPTIONS * HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(options.starts_with("HTTP/1.1 "), "{options}");
+    let absolute = raw(
+        proxy.addr,
+        b"GET http://elsewhere.example/abs?x=1 HTTP/1.1\r\nHost: elsewhere.example\r\nConnection: close\r\n\r\n",
+    )
+    .await;
+    assert!(absolute.starts_with("HTTP/1.1 200"), "{absolute}");
+    assert_eq!(
+        upstream.seen().last().unwrap().uri.to_string(),
+        "/abs?x=1",
+        "an absolute-form target goes to the upstream, never elsewhere"
+    );
+    let binary = raw(
+        proxy.addr,
+        b"GET /b HTTP/1.1\r\nHost: x\r\nConnection: close\r\nConnection: \xff\xfe\r\nX-Forwarded-For: \xff\r\n\r\n",
+    )
+    .await;
+    assert!(binary.starts_with("HTTP/1.1 "), "{binary}");
+    let garbage = raw(proxy.addr, b"\x00\x01\x02 nonsense\r\n\r\n").await;
+    assert!(
+        garbage.is_empty() || garbage.starts_with("HTTP/1.1 4"),
+        "{garbage}"
+    );
+    let version = raw(proxy.addr, b"GET / HTTP/1.0\r\n\r\n").await;
+    assert!(
+        version.starts_with("HTTP/1.0 200") || version.starts_with("HTTP/1.1 200"),
+        "{version}"
+    );
+
+    let fine = send(
+        proxy.addr,
+        fenced("/w", "job-o", 1).body(full("x")).unwrap(),
+    )
+    .await;
+    assert_eq!(fine.status, 200, "{}", fine.text());
+    proxy.shutdown().await;
+}
