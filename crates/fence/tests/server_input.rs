@@ -1,0 +1,234 @@
+//! Bad input on every endpoint of the lease server: a 400 problem naming the field, never a
+//! panic, a 5xx or a hang.
+
+use std::sync::Arc;
+
+use axum::body::Body;
+use fence_lease::MemoryLeaseStore;
+use http::{Request, StatusCode};
+use http_body_util::BodyExt;
+use tower::ServiceExt;
+
+async fn call(method: &str, path: &str, body: impl Into<Body>) -> (StatusCode, serde_json::Value) {
+    let router = fence::server::router(Arc::new(MemoryLeaseStore::new()), None);
+    let req = Request::builder()
+        .method(method)
+        .uri(path)
+        .header("content-type", "application/json")
+        .body(body.into())
+        .unwrap();
+    let resp = tokio::time::timeout(std::time::Duration::from_secs(5), router.oneshot(req))
+        .await
+        .expect("no hang")
+        .unwrap();
+    let status = resp.status();
+    let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+    (
+        status,
+        serde_json::from_slice(&bytes).unwrap_or(serde_json::Value::Null),
+    )
+}
+
+#[tokio::test]
+async fn every_bad_request_is_a_400_naming_the_field() {
+    let claim = "/v1/leases/j/claim";
+    let renew = "/v1/leases/j/renew";
+    let big = format!(r#"{{"owner": "{}"}}"#, "a".repeat(20_000));
+    let long_job = format!("/v1/leases/{}", "j".repeat(257));
+    let cases: Vec<(&str, &str, String, &str)> = vec![
+        ("POST", claim, "".into(), "body: not valid JSON"),
+        ("POST", claim, "{".into(), "body: not valid JSON"),
+        ("POST", claim, "[]".into(), "body: must be a JSON object"),
+        ("POST", claim, "null".into(), "body: must be a JSON object"),
+        (
+            "POST",
+            claim,
+            r#"{"ttl_ms": 1000}"#.into(),
+            "owner: missing",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": 7}"#.into(),
+            "owner: must be a string",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": ""}"#.into(),
+            "owner: owner is empty",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "a b"}"#.into(),
+            "owner: owner has byte 0x20",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "é"}"#.into(),
+            "owner: owner has byte 0xC3",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "ttl_ms": 99}"#.into(),
+            "ttl_ms: ttl of 99 ms is below",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "ttl_ms": 86400001}"#.into(),
+            "ttl_ms: ttl of 86400001 ms is above",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "ttl_ms": -1}"#.into(),
+            "ttl_ms: must be an integer from 0",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "ttl_ms": 1.5}"#.into(),
+            "ttl_ms: must be an integer from 0",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "ttl_ms": "1000"}"#.into(),
+            "ttl_ms: must be an integer",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "extra": 1}"#.into(),
+            "extra: unknown field",
+        ),
+        ("POST", claim, big, "body: larger than"),
+        (
+            "POST",
+            renew,
+            r#"{"owner": "w"}"#.into(),
+            "generation: missing",
+        ),
+        (
+            "POST",
+            renew,
+            r#"{"owner": "w", "generation": 18446744073709551616}"#.into(),
+            "generation: must be an integer",
+        ),
+        (
+            "POST",
+            renew,
+            r#"{"owner": "w", "generation": "1"}"#.into(),
+            "generation: must be an integer",
+        ),
+        (
+            "POST",
+            "/v1/leases/j/release",
+            r#"{"owner": "w", "generation": 1, "ttl_ms": 5}"#.into(),
+            "ttl_ms: unknown field",
+        ),
+        (
+            "POST",
+            "/v1/leases/j/complete",
+            r#"{"generation": 1}"#.into(),
+            "owner: missing",
+        ),
+        (
+            "POST",
+            "/v1/leases/a%20b/claim",
+            r#"{"owner": "w"}"#.into(),
+            "job (in the path): job id has byte 0x20",
+        ),
+        (
+            "POST",
+            "/v1/leases/%FF/claim",
+            r#"{"owner": "w"}"#.into(),
+            "job",
+        ),
+        ("GET", "/v1/leases/%00", String::new(), "job (in the path)"),
+        (
+            "GET",
+            &long_job,
+            String::new(),
+            "job (in the path): job id is 257 bytes",
+        ),
+    ];
+    for (method, path, body, want) in cases {
+        let (status, problem) = call(method, path, body.clone()).await;
+        assert_eq!(status, 400, "{method} {path} {body:.60}: {problem}");
+        assert_eq!(problem["type"], "urn:fence:bad-request");
+        let detail = problem["detail"].as_str().unwrap_or_default();
+        assert!(
+            detail.starts_with(want) || detail.contains(want),
+            "{method} {path}: {detail:?} lacks {want:?}"
+        );
+    }
+}
+
+#[tokio::test]
+async fn unknown_paths_and_jobs_are_problems_too() {
+    let (status, p) = call("GET", "/v2/whatever", "").await;
+    assert_eq!(
+        (status, p["type"].as_str()),
+        (StatusCode::NOT_FOUND, Some("urn:fence:bad-request"))
+    );
+    let (status, p) = call("GET", "/v1/leases/never", "").await;
+    assert_eq!(
+        (status, p["type"].as_str()),
+        (StatusCode::NOT_FOUND, Some("urn:fence:unknown-job"))
+    );
+    let (status, _) = call("GET", "/healthz", "").await;
+    assert_eq!(status, 200);
+    let (status, p) = call("POST", "/v1/leases/j%2Fk/claim", r#"{"owner": "w"}"#).await;
+    assert_eq!(
+        (status, p["job"].as_str(), p["generation"].as_u64()),
+        (StatusCode::OK, Some("j/k"), Some(1))
+    );
+}
+
+#[tokio::test]
+async fn arbitrary_bodies_never_crash_the_server() {
+    let mut seed = 0x9E37_79B9_7F4A_7C15_u64;
+    let mut next = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let fragments = [
+        "{",
+        "}",
+        "\"owner\"",
+        ":",
+        "\"w\"",
+        ",",
+        "\"generation\"",
+        "1",
+        "-1",
+        "\"ttl_ms\"",
+        "1e3",
+        "null",
+        "[",
+        "]",
+        "\u{0}",
+        "\"\\ud800\"",
+        "18446744073709551615",
+        "true",
+    ];
+    for _ in 0..500 {
+        let body: String = (0..next() % 12)
+            .map(|_| fragments[(next() % fragments.len() as u64) as usize])
+            .collect();
+        for op in ["claim", "renew", "release", "complete"] {
+            let (status, _) = call("POST", &format!("/v1/leases/j/{op}"), body.clone()).await;
+            assert!(
+                status.is_client_error() || status.is_success(),
+                "{op} {body:?}: {status}"
+            );
+        }
+    }
+}
