@@ -39,3 +39,6 @@ pub use store::{
     LeaseStore, MemoryLeaseStore, RenewOutcome, SledLeaseStore, StoreError,
 };
 pub use ttl::{Ttl, TtlError};
+
+#[cfg(feature = "postgres")]
+pub use store::{PgLeaseStore, PgTable};

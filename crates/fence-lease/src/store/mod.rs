@@ -15,6 +15,8 @@
 
 mod http;
 mod memory;
+#[cfg(feature = "postgres")]
+mod postgres;
 mod rules;
 mod sled;
 
@@ -22,6 +24,8 @@ use std::{future::Future, time::Duration};
 
 use fence_core::{Generation, JobId, Owner};
 
+#[cfg(feature = "postgres")]
+pub use self::postgres::{PgLeaseStore, PgTable};
 pub use self::{http::HttpLeaseStore, memory::MemoryLeaseStore, sled::SledLeaseStore};
 
 use crate::Ttl;
