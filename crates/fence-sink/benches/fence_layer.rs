@@ -45,8 +45,7 @@ fn bench(c: &mut Criterion) {
 
     let mut g = c.benchmark_group("fence_layer");
     g.bench_function("bare service", |b| {
-        b.to_async(&rt)
-            .iter(|| bare.oneshot(request("j", 1, None)))
+        b.to_async(&rt).iter(|| bare.oneshot(request("j", 1, None)))
     });
     g.bench_function("same generation", |b| {
         b.to_async(&rt)

@@ -14,6 +14,9 @@ pub mod idempotency;
 mod metrics;
 mod store;
 
+#[cfg(feature = "postgres")]
+pub use store::postgres;
+
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 

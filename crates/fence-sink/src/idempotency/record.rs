@@ -59,7 +59,7 @@ pub(crate) enum Record {
 }
 
 impl Record {
-    fn fingerprint(&self) -> &Fingerprint {
+    pub(crate) fn fingerprint(&self) -> &Fingerprint {
         match self {
             Self::InFlight { fingerprint, .. } | Self::Done { fingerprint, .. } => fingerprint,
         }

@@ -6,6 +6,8 @@
 //! same-generation path without touching the store.
 
 mod memory;
+#[cfg(feature = "postgres")]
+pub mod postgres;
 mod sled;
 
 use std::{future::Future, time::Duration};

@@ -1,0 +1,524 @@
+//! The fence and idempotency records in PostgreSQL, shared by every sink that uses the same
+//! tables, and the in-transaction check for handlers that own a PostgreSQL database.
+//!
+//! ```no_run
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use fence_sink::{FenceLayer, postgres::{PgStore, PgTables}};
+//!
+//! let store = PgStore::connect("postgres://postgres@127.0.0.1/test", PgTables::default()).await?;
+//! store.migrate().await?;
+//! let layer = FenceLayer::new(store); // several processes on one database: one fence
+//! # Ok(()) }
+//! ```
+
+use std::time::Duration;
+
+use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
+use fence_core::{Generation, JobId, headers::IdempotencyKey};
+use tokio_postgres::{GenericClient, NoTls};
+
+use super::{Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict};
+use crate::idempotency::{Fingerprint, record::Record};
+
+/// Where the tables live: `schema.prefix_generations` and `schema.prefix_idempotency`.
+#[derive(Debug, Clone)]
+pub struct PgTables {
+    generations: String,
+    idempotency: String,
+    schema: String,
+}
+
+impl Default for PgTables {
+    /// `fence.sink_generations` and `fence.sink_idempotency`.
+    fn default() -> Self {
+        Self::new("fence", "sink").expect("valid names")
+    }
+}
+
+impl PgTables {
+    /// Tables `schema.{prefix}_generations` and `schema.{prefix}_idempotency`.
+    ///
+    /// # Errors
+    /// When a name is not 1 to 40 characters of `a-z`, `0-9` and `_`, starting with a
+    /// letter or `_`.
+    pub fn new(schema: &str, prefix: &str) -> Result<Self, StoreError> {
+        for name in [schema, prefix] {
+            let ok = !name.is_empty()
+                && name.len() <= 40
+                && name
+                    .bytes()
+                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
+                && !name.as_bytes()[0].is_ascii_digit();
+            if !ok {
+                return Err(StoreError::Io(
+                    format!("invalid table name part {name:?}: use 1 to 40 of a-z, 0-9 and _, not starting with a digit").into(),
+                ));
+            }
+        }
+        Ok(Self {
+            generations: format!("{schema}.{prefix}_generations"),
+            idempotency: format!("{schema}.{prefix}_idempotency"),
+            schema: schema.to_owned(),
+        })
+    }
+}
+
+/// The sink's store in PostgreSQL. [`GenerationStore::is_shared`] is true: the layer asks
+/// the database on every fenced request, so a token accepted by one sink process makes a
+/// lower one stale on every other.
+#[derive(Clone)]
+pub struct PgStore {
+    pool: Pool,
+    tables: PgTables,
+}
+
+impl std::fmt::Debug for PgStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("PgStore")
+            .field("tables", &self.tables)
+            .finish_non_exhaustive()
+    }
+}
+
+fn io(e: impl std::error::Error + Send + Sync + 'static) -> StoreError {
+    StoreError::Io(Box::new(e))
+}
+
+const NOW_MS: &str = "(floor(extract(epoch from clock_timestamp()) * 1000))::bigint";
+
+/// Checks and advances the fence for `(job, token)` on `client`, which may be a
+/// transaction: then the fence moves only if the transaction commits, together with the
+/// handler's own effect; a rollback or a dropped connection leaves neither. Holding the
+/// job's row lock until the end of the transaction orders concurrent transactions of one job.
+///
+/// ```no_run
+/// # async fn handler(client: &mut tokio_postgres::Client) -> Result<(), Box<dyn std::error::Error>> {
+/// use fence_sink::{Verdict, postgres::{PgTables, check_in_transaction}};
+///
+/// let tx = client.transaction().await?;
+/// let job = "invoice-42".parse()?;
+/// match check_in_transaction(&tx, &PgTables::default(), &job, fence_core::Generation::new(8)).await? {
+///     Verdict::Accepted => {
+///         tx.execute("INSERT INTO charges (job, amount) VALUES ($1, 10)", &[&"invoice-42"]).await?;
+///         tx.commit().await?; // the effect and the fence commit together
+///     }
+///     Verdict::Stale { .. } => tx.rollback().await?, // a newer holder exists
+/// }
+/// # Ok(()) }
+/// ```
+///
+/// # Errors
+/// When the statement fails.
+pub async fn check_in_transaction(
+    client: &impl GenericClient,
+    tables: &PgTables,
+    job: &JobId,
+    token: Generation,
+) -> Result<Verdict, StoreError> {
+    let t = &tables.generations;
+    let bumped = client
+        .query_opt(
+            &format!(
+                "INSERT INTO {t} AS g (job, highest) VALUES ($1, $2::text::numeric)
+                 ON CONFLICT (job) DO UPDATE SET highest = excluded.highest WHERE g.highest < excluded.highest
+                 RETURNING 1"
+            ),
+            &[&job.as_str(), &token.get().to_string()],
+        )
+        .await
+        .map_err(io)?;
+    if bumped.is_some() {
+        return Ok(Verdict::Accepted);
+    }
+    // Not raised: equal (accepted; lock the row for the rest of a transaction) or higher.
+    let row = client
+        .query_one(
+            &format!("SELECT highest::text FROM {t} WHERE job = $1 FOR SHARE"),
+            &[&job.as_str()],
+        )
+        .await
+        .map_err(io)?;
+    let highest: String = row.try_get(0).map_err(io)?;
+    let highest = Generation::new(highest.parse().map_err(|_| StoreError::Corrupt {
+        job: job.clone(),
+        reason: "highest out of range",
+    })?);
+    Ok(if highest > token {
+        Verdict::Stale { highest }
+    } else {
+        Verdict::Accepted
+    })
+}
+
+impl PgStore {
+    /// Connects a pool (up to 16 connections) to `url`. Call [`migrate`](Self::migrate) once.
+    ///
+    /// # Errors
+    /// When `url` is not a valid connection string.
+    pub async fn connect(url: &str, tables: PgTables) -> Result<Self, StoreError> {
+        let config: tokio_postgres::Config = url.parse().map_err(io)?;
+        let manager = Manager::from_config(
+            config,
+            NoTls,
+            ManagerConfig {
+                recycling_method: RecyclingMethod::Fast,
+            },
+        );
+        let pool = Pool::builder(manager)
+            .max_size(16)
+            .wait_timeout(Some(Duration::from_secs(10)))
+            .create_timeout(Some(Duration::from_secs(10)))
+            .runtime(deadpool_postgres::Runtime::Tokio1)
+            .build()
+            .map_err(io)?;
+        Ok(Self { pool, tables })
+    }
+
+    /// The tables, for [`check_in_transaction`].
+    pub fn tables(&self) -> &PgTables {
+        &self.tables
+    }
+
+    /// Creates the schema and tables if they do not exist; safe to run any number of times.
+    ///
+    /// # Errors
+    /// When the database cannot be reached or refuses the DDL.
+    pub async fn migrate(&self) -> Result<(), StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        let PgTables {
+            generations,
+            idempotency,
+            schema,
+        } = &self.tables;
+        client
+            .batch_execute(&format!(
+                "BEGIN;
+                 SELECT pg_advisory_xact_lock(hashtext('fence-migrate:{schema}'));
+                 CREATE SCHEMA IF NOT EXISTS {schema};
+                 CREATE TABLE IF NOT EXISTS {generations} (
+                   job text PRIMARY KEY,
+                   highest numeric(20, 0) NOT NULL CHECK (highest >= 0 AND highest <= 18446744073709551615)
+                 );
+                 CREATE TABLE IF NOT EXISTS {idempotency} (
+                   job text NOT NULL,
+                   key text NOT NULL,
+                   fingerprint bytea NOT NULL,
+                   in_flight boolean NOT NULL,
+                   record bytea NOT NULL,
+                   live_until_ms bigint NOT NULL,
+                   PRIMARY KEY (job, key)
+                 );
+                 COMMIT;"
+            ))
+            .await
+            .map_err(io)
+    }
+}
+
+impl GenerationStore for PgStore {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        check_in_transaction(&**client, &self.tables, job, token).await
+    }
+
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        let row = client
+            .query_opt(
+                &format!(
+                    "SELECT highest::text FROM {} WHERE job = $1",
+                    self.tables.generations
+                ),
+                &[&job.as_str()],
+            )
+            .await
+            .map_err(io)?;
+        match row {
+            None => Ok(Generation::ZERO),
+            Some(r) => {
+                let text: String = r.try_get(0).map_err(io)?;
+                text.parse()
+                    .map(Generation::new)
+                    .map_err(|_| StoreError::Corrupt {
+                        job: job.clone(),
+                        reason: "highest out of range",
+                    })
+            }
+        }
+    }
+
+    fn is_shared(&self) -> bool {
+        true
+    }
+}
+
+fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
+}
+
+impl IdempotencyStore for PgStore {
+    async fn begin(
+        &self,
+        job: &JobId,
+        key: &IdempotencyKey,
+        fp: &Fingerprint,
+        in_flight_for: Duration,
+    ) -> Result<Begin, StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        let t = &self.tables.idempotency;
+        let record = Record::InFlight {
+            fingerprint: *fp,
+            until_ms: 0,
+        }
+        .encode();
+        // One statement decides: a new record, or one that is no longer live, is taken over.
+        let started = client
+            .query_opt(
+                &format!(
+                    "INSERT INTO {t} AS i (job, key, fingerprint, in_flight, record, live_until_ms)
+                     VALUES ($1, $2, $3, true, $4, {NOW_MS} + $5::bigint)
+                     ON CONFLICT (job, key) DO UPDATE SET fingerprint = excluded.fingerprint, in_flight = true,
+                       record = excluded.record, live_until_ms = excluded.live_until_ms
+                     WHERE i.live_until_ms <= {NOW_MS}
+                     RETURNING 1"
+                ),
+                &[&job.as_str(), &key.as_str(), &&fp.0[..], &record, &ms(in_flight_for)],
+            )
+            .await
+            .map_err(io)?;
+        if started.is_some() {
+            return Ok(Begin::Started);
+        }
+        let row = client
+            .query_opt(
+                &format!("SELECT record FROM {t} WHERE job = $1 AND key = $2"),
+                &[&job.as_str(), &key.as_str()],
+            )
+            .await
+            .map_err(io)?;
+        let Some(row) = row else {
+            // Deleted in between (a forgotten 5xx): the next attempt starts it.
+            return Ok(Begin::InFlight);
+        };
+        let bytes: Vec<u8> = row.try_get(0).map_err(io)?;
+        let record = Record::decode(&bytes).map_err(|reason| StoreError::Corrupt {
+            job: job.clone(),
+            reason,
+        })?;
+        Ok(if record.fingerprint() != fp {
+            Begin::Mismatch
+        } else {
+            match record {
+                Record::InFlight { .. } => Begin::InFlight,
+                Record::Done {
+                    response: Some(r), ..
+                } => Begin::Replay(r),
+                Record::Done { response: None, .. } => Begin::NotReplayable,
+            }
+        })
+    }
+
+    async fn finish(
+        &self,
+        job: &JobId,
+        key: &IdempotencyKey,
+        fp: &Fingerprint,
+        outcome: Finish,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        let t = &self.tables.idempotency;
+        let mine = "job = $1 AND key = $2 AND fingerprint = $3 AND in_flight";
+        let (job_s, key_s, fp_s) = (job.as_str(), key.as_str(), &fp.0[..]);
+        let response = match outcome {
+            Finish::Forget => {
+                client
+                    .execute(
+                        &format!("DELETE FROM {t} WHERE {mine}"),
+                        &[&job_s, &key_s, &fp_s],
+                    )
+                    .await
+                    .map_err(io)?;
+                return Ok(());
+            }
+            Finish::Store(r) => Some(r),
+            Finish::TooLarge => None,
+        };
+        let record = Record::Done {
+            fingerprint: *fp,
+            expires_ms: 0,
+            response,
+        }
+        .encode();
+        client
+            .execute(
+                &format!("UPDATE {t} SET in_flight = false, record = $4, live_until_ms = {NOW_MS} + $5::bigint WHERE {mine}"),
+                &[&job_s, &key_s, &fp_s, &record, &ms(retention)],
+            )
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        let n = client
+            .execute(
+                &format!(
+                    "DELETE FROM {} WHERE live_until_ms <= {NOW_MS}",
+                    self.tables.idempotency
+                ),
+                &[],
+            )
+            .await
+            .map_err(io)?;
+        Ok(usize::try_from(n).unwrap_or(usize::MAX))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    async fn fresh() -> Option<PgStore> {
+        let Ok(url) = std::env::var("DATABASE_URL") else {
+            println!(
+                "skipped: DATABASE_URL not set (run ../shared/services.sh postgres to get one)"
+            );
+            return None;
+        };
+        let tables = PgTables::new("fence_test", &format!("sink_{:016x}", rand_u64())).unwrap();
+        let store = PgStore::connect(&url, tables).await.unwrap();
+        store.migrate().await.unwrap();
+        Some(store)
+    }
+
+    fn rand_u64() -> u64 {
+        use std::hash::{BuildHasher, RandomState};
+        RandomState::new().hash_one(std::time::SystemTime::now())
+    }
+
+    crate::sink_store_conformance!(fresh);
+
+    /// The effect and the fence commit or roll back together.
+    #[tokio::test]
+    async fn in_transaction_check_rolls_back_with_the_effect() {
+        let Some(store) = fresh().await else { return };
+        let url = std::env::var("DATABASE_URL").unwrap();
+        let effects = format!("fence_test.effects_{:016x}", rand_u64());
+        let (mut client, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+        tokio::spawn(conn);
+        client
+            .batch_execute(&format!("CREATE TABLE {effects} (job text, token bigint)"))
+            .await
+            .unwrap();
+        let job: JobId = "tx-job".parse().unwrap();
+        assert_eq!(
+            store.observe(&job, Generation::new(8)).await.unwrap(),
+            Verdict::Accepted
+        );
+
+        // A stale token: the handler rolls back its effect.
+        let tx = client.transaction().await.unwrap();
+        assert_eq!(
+            check_in_transaction(&tx, store.tables(), &job, Generation::new(7))
+                .await
+                .unwrap(),
+            Verdict::Stale {
+                highest: Generation::new(8)
+            }
+        );
+        tx.rollback().await.unwrap();
+
+        // A crash mid-transaction (the connection is dropped): neither the effect nor the fence advance stays.
+        {
+            let (mut doomed, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+            let conn = tokio::spawn(conn);
+            let tx = doomed.transaction().await.unwrap();
+            assert_eq!(
+                check_in_transaction(&tx, store.tables(), &job, Generation::new(9))
+                    .await
+                    .unwrap(),
+                Verdict::Accepted
+            );
+            tx.execute(&format!("INSERT INTO {effects} VALUES ('tx-job', 9)"), &[])
+                .await
+                .unwrap();
+            std::mem::forget(tx); // no commit, no rollback: the process "dies"
+            drop(doomed);
+            conn.abort();
+        }
+        // The server notices the closed connection and rolls back; wait for it.
+        let mut highest = Generation::ZERO;
+        for _ in 0..100 {
+            highest = store.highest(&job).await.unwrap();
+            let count: i64 = client
+                .query_one(&format!("SELECT count(*) FROM {effects}"), &[])
+                .await
+                .unwrap()
+                .get(0);
+            assert_eq!(
+                count, 0,
+                "the effect of a crashed transaction is never visible"
+            );
+            if highest == Generation::new(8) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        assert_eq!(highest, Generation::new(8));
+        assert_eq!(
+            store.observe(&job, Generation::new(9)).await.unwrap(),
+            Verdict::Accepted,
+            "9 was never taken"
+        );
+
+        // A committed transaction moves both.
+        let tx = client.transaction().await.unwrap();
+        assert_eq!(
+            check_in_transaction(&tx, store.tables(), &job, Generation::new(10))
+                .await
+                .unwrap(),
+            Verdict::Accepted
+        );
+        tx.execute(&format!("INSERT INTO {effects} VALUES ('tx-job', 10)"), &[])
+            .await
+            .unwrap();
+        tx.commit().await.unwrap();
+        assert_eq!(
+            store.observe(&job, Generation::new(9)).await.unwrap(),
+            Verdict::Stale {
+                highest: Generation::new(10)
+            }
+        );
+    }
+
+    /// Two layers on one database enforce one fence.
+    #[tokio::test]
+    async fn two_sinks_share_one_fence() {
+        let Some(a) = fresh().await else { return };
+        let b = PgStore::connect(&std::env::var("DATABASE_URL").unwrap(), a.tables().clone())
+            .await
+            .unwrap();
+        let job: JobId = "shared".parse().unwrap();
+        assert_eq!(
+            a.observe(&job, Generation::new(3)).await.unwrap(),
+            Verdict::Accepted
+        );
+        assert_eq!(
+            b.observe(&job, Generation::new(3)).await.unwrap(),
+            Verdict::Accepted
+        );
+        assert_eq!(
+            b.observe(&job, Generation::new(4)).await.unwrap(),
+            Verdict::Accepted
+        );
+        assert_eq!(
+            a.observe(&job, Generation::new(3)).await.unwrap(),
+            Verdict::Stale {
+                highest: Generation::new(4)
+            }
+        );
+    }
+}
