@@ -89,9 +89,16 @@ struct ServerArgs {
     /// Address to listen on.
     #[arg(long, default_value = "127.0.0.1:7700")]
     listen: SocketAddr,
-    /// Directory of the lease database (created if missing).
-    #[arg(long)]
-    data_dir: PathBuf,
+    /// Directory of the lease database (created if missing); not used with --store postgres://.
+    #[arg(long, required_unless_present = "store")]
+    data_dir: Option<PathBuf>,
+    /// Keep the leases in PostgreSQL instead (postgres://user@host:port/db); several servers
+    /// on one database act as one lease service. The default is sled in --data-dir.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+    /// PostgreSQL schema of the lease table (with --store).
+    #[arg(long, default_value = "fence")]
+    pg_schema: String,
     /// Test only: shift the server's clock by this many milliseconds (negative: behind).
     #[arg(long, hide = true, default_value_t = 0, allow_negative_numbers = true)]
     clock_offset_ms: i64,
@@ -105,9 +112,17 @@ struct ProxyArgs {
     /// The service to protect, e.g. http://127.0.0.1:8080.
     #[arg(long)]
     upstream: http::Uri,
-    /// Directory of the fence records (highest generation per job, idempotency records).
-    #[arg(long)]
-    data_dir: PathBuf,
+    /// Directory of the fence records (highest generation per job, idempotency records);
+    /// not used with --store postgres://.
+    #[arg(long, required_unless_present = "store")]
+    data_dir: Option<PathBuf>,
+    /// Keep the fence records in PostgreSQL instead (postgres://user@host:port/db); several
+    /// proxies on one database enforce one fence. The default is sled in --data-dir.
+    #[arg(long, value_name = "URL")]
+    store: Option<String>,
+    /// PostgreSQL schema of the fence tables (with --store).
+    #[arg(long, default_value = "fence")]
+    pg_schema: String,
     /// Address of GET /metrics and GET /healthz, apart from the proxied paths.
     #[arg(long, default_value = "127.0.0.1:7801")]
     admin_listen: SocketAddr,
@@ -346,20 +361,50 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: finishing in-flight requests");
 }
 
+fn postgres_url(store: &str) -> anyhow::Result<&str> {
+    if store.starts_with("postgres://") || store.starts_with("postgresql://") {
+        Ok(store)
+    } else {
+        anyhow::bail!(
+            "--store {store:?}: expected a postgres:// URL (leave --store out to use sled in --data-dir)"
+        )
+    }
+}
+
 async fn server(a: ServerArgs) -> anyhow::Result<()> {
     let handle = install_metrics()?;
-    std::fs::create_dir_all(&a.data_dir)
-        .with_context(|| format!("cannot create --data-dir {}", a.data_dir.display()))?;
-    let clock = Arc::new(SystemClock::with_offset_ms(a.clock_offset_ms));
-    let store = Arc::new(
-        SledLeaseStore::open_with_clock(&a.data_dir, clock).with_context(|| {
-            format!("cannot open the lease database in {}", a.data_dir.display())
-        })?,
-    );
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;
-    tracing::info!(listen = %listener.local_addr()?, data_dir = %a.data_dir.display(), "fence server ready");
+    if let Some(store) = &a.store {
+        let url = postgres_url(store)?;
+        let table = fence_lease::PgTable::new(&a.pg_schema, "leases")?;
+        let pg = fence_lease::PgLeaseStore::connect(url, table)
+            .await
+            .context("connecting to PostgreSQL")?;
+        pg.migrate()
+            .await
+            .context("creating the lease table in PostgreSQL")?;
+        pg.shift_clock_ms(a.clock_offset_ms);
+        tracing::info!(listen = %listener.local_addr()?, store = "postgres", "fence server ready");
+        axum::serve(listener, fence::server::router(Arc::new(pg), Some(handle)))
+            .with_graceful_shutdown(shutdown_signal())
+            .await
+            .context("serving the lease API")?;
+        tracing::info!("fence server stopped");
+        return Ok(());
+    }
+    let data_dir = a
+        .data_dir
+        .context("--data-dir is required without --store")?;
+    std::fs::create_dir_all(&data_dir)
+        .with_context(|| format!("cannot create --data-dir {}", data_dir.display()))?;
+    let clock = Arc::new(SystemClock::with_offset_ms(a.clock_offset_ms));
+    let store = Arc::new(
+        SledLeaseStore::open_with_clock(&data_dir, clock)
+            .with_context(|| format!("cannot open the lease database in {}", data_dir.display()))?,
+    );
+    tracing::info!(listen = %listener.local_addr()?, data_dir = %data_dir.display(), "fence server ready");
     axum::serve(listener, fence::server::router(store.clone(), Some(handle)))
         .with_graceful_shutdown(shutdown_signal())
         .await
@@ -371,10 +416,6 @@ async fn server(a: ServerArgs) -> anyhow::Result<()> {
 
 async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let handle = install_metrics()?;
-    std::fs::create_dir_all(&a.data_dir)
-        .with_context(|| format!("cannot create --data-dir {}", a.data_dir.display()))?;
-    let store = fence_sink::SledStore::open(&a.data_dir)
-        .with_context(|| format!("cannot open the fence database in {}", a.data_dir.display()))?;
     let mut config = fence::proxy::ProxyConfig::new(a.upstream.clone());
     config.fence_methods = a.fence_methods;
     config.require_token = !a.allow_missing_token;
@@ -392,7 +433,6 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let admin = tokio::net::TcpListener::bind(a.admin_listen)
         .await
         .with_context(|| format!("cannot listen on --admin-listen {}", a.admin_listen))?;
-    tracing::info!(listen = %listener.local_addr()?, admin = %admin.local_addr()?, upstream = %a.upstream, "fence proxy ready");
     let (tx, rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -406,9 +446,35 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         shutdown_signal().await;
         let _ = tx.send(true);
     });
-    let result = fence::proxy::serve(listener, store.clone(), config, stopped(rx)).await;
+    let local = listener.local_addr()?;
+    let ready = |store: &str| tracing::info!(listen = %local, upstream = %a.upstream, store, "fence proxy ready");
+    let result = if let Some(store) = &a.store {
+        let url = postgres_url(store)?;
+        let pg = fence_sink::postgres::PgStore::connect(
+            url,
+            fence_sink::postgres::PgTables::new(&a.pg_schema, "sink")?,
+        )
+        .await
+        .context("connecting to PostgreSQL")?;
+        pg.migrate()
+            .await
+            .context("creating the fence tables in PostgreSQL")?;
+        ready("postgres");
+        fence::proxy::serve(listener, pg, config, stopped(rx)).await
+    } else {
+        let data_dir = a
+            .data_dir
+            .context("--data-dir is required without --store")?;
+        std::fs::create_dir_all(&data_dir)
+            .with_context(|| format!("cannot create --data-dir {}", data_dir.display()))?;
+        let store = fence_sink::SledStore::open(&data_dir)
+            .with_context(|| format!("cannot open the fence database in {}", data_dir.display()))?;
+        ready("sled");
+        let result = fence::proxy::serve(listener, store.clone(), config, stopped(rx)).await;
+        store.flush().context("flushing the fence database")?;
+        result
+    };
     signal.abort();
     admin_task.abort();
-    store.flush().context("flushing the fence database")?;
     result
 }

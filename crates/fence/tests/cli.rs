@@ -2,69 +2,13 @@
 
 use std::{
     io::{BufRead, BufReader},
-    path::Path,
     process::{Child, Command, Output, Stdio},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
-const FENCE: &str = env!("CARGO_BIN_EXE_fence");
+mod common;
 
-/// A child process killed and reaped when dropped, so a failing test leaves none behind.
-struct Proc(Child);
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        let _ = Command::new("kill")
-            .args(["-CONT", &self.0.id().to_string()])
-            .status();
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn fence(args: &[&str]) -> Output {
-    Command::new(FENCE)
-        .args(args)
-        .env("RUST_LOG", "warn")
-        .output()
-        .expect("fence runs")
-}
-
-/// Starts `fence server` on an ephemeral port and returns it with its URL.
-fn start_server(dir: &Path) -> (Proc, String) {
-    let mut child = Command::new(FENCE)
-        .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir)
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let mut lines = BufReader::new(stderr).lines();
-    let url = loop {
-        let line = lines.next().expect("server printed its address").unwrap();
-        if let Some(rest) = line.split("listen=").nth(1) {
-            break format!("http://{}", rest.split_whitespace().next().unwrap());
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop)); // keep draining
-    (Proc(child), url)
-}
-
-fn json(out: &Output) -> serde_json::Value {
-    serde_json::from_slice(&out.stdout)
-        .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
-}
-
-fn signal(p: &Proc, sig: &str) {
-    assert!(
-        Command::new("kill")
-            .args([sig, &p.0.id().to_string()])
-            .status()
-            .unwrap()
-            .success()
-    );
-}
+use common::*;
 
 #[test]
 fn demo_runs_the_worked_example() {
@@ -312,105 +256,6 @@ fn bad_flags_exit_2_with_a_message() {
     let out = fence(&["status", "--server", "http://127.0.0.1:1", "--job", "j"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach"));
-}
-
-/// One HTTP/1.1 request over a fresh connection; returns the status code.
-fn http_status(addr: &str, method: &str, path: &str, headers: &[(&str, String)]) -> u16 {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n"
-    );
-    for (k, v) in headers {
-        req.push_str(&format!("{k}: {v}\r\n"));
-    }
-    req.push_str("\r\n");
-    stream.write_all(req.as_bytes()).unwrap();
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {answer:?}"))
-}
-
-/// A plain upstream answering 200 to everything, in a thread of its own.
-fn start_upstream() -> String {
-    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    let addr = listener.local_addr().unwrap().to_string();
-    std::thread::spawn(move || {
-        for stream in listener.incoming() {
-            let Ok(mut stream) = stream else { continue };
-            std::thread::spawn(move || {
-                use std::io::{BufRead, Write};
-                let mut reader = BufReader::new(stream.try_clone().unwrap());
-                loop {
-                    let mut line = String::new();
-                    let mut content_length = 0usize;
-                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
-                        return;
-                    }
-                    loop {
-                        let mut h = String::new();
-                        if reader.read_line(&mut h).unwrap_or(0) == 0 {
-                            return;
-                        }
-                        if let Some(v) = h.to_ascii_lowercase().strip_prefix("content-length:") {
-                            content_length = v.trim().parse().unwrap_or(0);
-                        }
-                        if h == "\r\n" {
-                            break;
-                        }
-                    }
-                    let mut body = vec![0; content_length];
-                    if std::io::Read::read_exact(&mut reader, &mut body).is_err() {
-                        return;
-                    }
-                    if stream
-                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n")
-                        .is_err()
-                    {
-                        return;
-                    }
-                }
-            });
-        }
-    });
-    addr
-}
-
-fn start_proxy(dir: &Path, upstream: &str) -> (Proc, String) {
-    let mut child = Command::new(FENCE)
-        .args([
-            "proxy",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--upstream",
-        ])
-        .arg(format!("http://{upstream}"))
-        .arg("--data-dir")
-        .arg(dir)
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("proxy printed its address").unwrap();
-        if line.contains("ready") {
-            if let Some(rest) = line.split("listen=").nth(1) {
-                break rest.split_whitespace().next().unwrap().to_owned();
-            }
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
-    (Proc(child), addr)
 }
 
 #[test]

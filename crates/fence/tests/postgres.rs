@@ -1,0 +1,115 @@
+//! `fence server` and `fence proxy` on a shared PostgreSQL database, as processes.
+
+mod common;
+
+use std::process::{Child, Command, Output, Stdio};
+
+use common::*;
+
+#[test]
+fn two_servers_on_one_database_have_one_winner_per_round() {
+    let Some(url) = database_url() else { return };
+    let schema = unique_schema("srv");
+    let args = [
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--store",
+        &url,
+        "--pg-schema",
+        &schema,
+    ];
+    let (_a, addr_a) = start_ready(&args);
+    let (_b, addr_b) = start_ready(&args);
+    for round in 1..=5u64 {
+        let racers: Vec<Child> = (0..24)
+            .map(|i| {
+                let server = format!("http://{}", if i % 2 == 0 { &addr_a } else { &addr_b });
+                Command::new(FENCE)
+                    .args([
+                        "claim",
+                        "--server",
+                        &server,
+                        "--job",
+                        "race",
+                        "--ttl",
+                        "30s",
+                        "--owner",
+                        &format!("p{i}"),
+                    ])
+                    .env("RUST_LOG", "warn")
+                    .stdout(Stdio::piped())
+                    .spawn()
+                    .unwrap()
+            })
+            .collect();
+        let outs: Vec<Output> = racers
+            .into_iter()
+            .map(|c| c.wait_with_output().unwrap())
+            .collect();
+        let winners: Vec<&Output> = outs.iter().filter(|o| o.status.code() == Some(0)).collect();
+        assert_eq!(
+            winners.len(),
+            1,
+            "round {round}: {:?}",
+            outs.iter().map(|o| o.status.code()).collect::<Vec<_>>()
+        );
+        let lease: serde_json::Value = serde_json::from_slice(&winners[0].stdout).unwrap();
+        assert_eq!(lease["generation"], round, "round {round}");
+        let owner = lease["owner"].as_str().unwrap();
+        let server = format!("http://{addr_b}");
+        let out = fence(&[
+            "release",
+            "--server",
+            &server,
+            "--job",
+            "race",
+            "--owner",
+            owner,
+            "--generation",
+            &round.to_string(),
+        ]);
+        assert_eq!(out.status.code(), Some(0));
+    }
+}
+
+#[test]
+fn a_token_accepted_by_one_proxy_is_the_fence_of_the_other() {
+    let Some(url) = database_url() else { return };
+    let schema = unique_schema("prx");
+    let upstream = format!("http://{}", start_upstream());
+    let args = [
+        "proxy",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &upstream,
+        "--store",
+        &url,
+        "--pg-schema",
+        &schema,
+    ];
+    let (_a, a) = start_ready(&args);
+    let (_b, b) = start_ready(&args);
+    let fenced = |token: u64| {
+        vec![
+            ("X-Fencing-Job", "shared-job".to_owned()),
+            ("X-Fencing-Token", token.to_string()),
+        ]
+    };
+    assert_eq!(http_status(&a, "POST", "/effects", &fenced(5)), 200);
+    assert_eq!(
+        http_status(&b, "POST", "/effects", &fenced(5)),
+        200,
+        "the current token passes on both"
+    );
+    assert_eq!(http_status(&b, "POST", "/effects", &fenced(6)), 200);
+    assert_eq!(
+        http_status(&a, "POST", "/effects", &fenced(5)),
+        409,
+        "6 accepted by B makes 5 stale on A"
+    );
+    assert_eq!(http_status(&a, "POST", "/effects", &fenced(6)), 200);
+}
