@@ -133,16 +133,20 @@ impl Sql {
              RETURNING lease_until_ms",
             now = now_ms(5)
         );
-        // $1 job, $2 owner, $3 generation.
+        // $1 job, $2 owner, $3 generation, $4 clock offset; returns the row as `get` does.
+        let returning = format!(
+            "RETURNING owner, generation::text, lease_until_ms, completed, {}",
+            now_ms(4)
+        );
         let release = format!(
             "UPDATE {t} SET owner = NULL, lease_until_ms = 0
              WHERE job = $1 AND owner = $2 AND generation = $3::text::numeric AND NOT completed
-             RETURNING job"
+             {returning}"
         );
         let complete = format!(
             "UPDATE {t} SET completed = true
              WHERE job = $1 AND owner = $2 AND generation = $3::text::numeric AND NOT completed
-             RETURNING job"
+             {returning}"
         );
         // $1 job, $2 clock offset.
         let get = format!(
@@ -180,6 +184,22 @@ struct Snapshot {
 }
 
 impl Snapshot {
+    /// Columns: owner, generation::text, lease_until_ms, completed, now_ms.
+    fn from_row(r: &Row) -> Result<Self, StoreError> {
+        let owner: Option<String> = r.try_get(0).map_err(io)?;
+        let owner = owner
+            .map(Owner::new)
+            .transpose()
+            .map_err(|e| StoreError::Protocol(format!("stored owner: {e}")))?;
+        Ok(Self {
+            owner,
+            generation: generation(r, 1)?,
+            until_ms: r.try_get(2).map_err(io)?,
+            completed: r.try_get(3).map_err(io)?,
+            now_ms: r.try_get(4).map_err(io)?,
+        })
+    }
+
     fn state(&self) -> LeaseState {
         if self.completed {
             LeaseState::Completed
@@ -284,21 +304,7 @@ impl PgLeaseStore {
             .query_opt(&self.sql.get, &[&job.as_str(), &self.offset()])
             .await
             .map_err(io)?;
-        row.map(|r| {
-            let owner: Option<String> = r.try_get(0).map_err(io)?;
-            let owner = owner
-                .map(Owner::new)
-                .transpose()
-                .map_err(|e| StoreError::Protocol(format!("stored owner: {e}")))?;
-            Ok(Snapshot {
-                owner,
-                generation: generation(&r, 1)?,
-                until_ms: r.try_get(2).map_err(io)?,
-                completed: r.try_get(3).map_err(io)?,
-                now_ms: r.try_get(4).map_err(io)?,
-            })
-        })
-        .transpose()
+        row.as_ref().map(Snapshot::from_row).transpose()
     }
 
     async fn lost(&self, job: &JobId) -> Result<(Option<Owner>, Generation), StoreError> {
@@ -321,24 +327,21 @@ impl PgLeaseStore {
             &self.sql.release
         };
         let client = self.pool.get().await.map_err(io)?;
-        let done = client
-            .query_opt(sql, &[&job.as_str(), &owner.as_str(), &g.get().to_string()])
-            .await
-            .map_err(io)?;
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
+            &job.as_str(),
+            &owner.as_str(),
+            &g.get().to_string(),
+            &self.offset(),
+        ];
+        let done = client.query_opt(sql, &params).await.map_err(io)?;
         drop(client);
-        if done.is_none() {
-            let (owner, generation) = self.lost(job).await?;
-            return Ok(FinishOutcome::Lost { owner, generation });
-        }
-        let record = match self.snapshot(job).await? {
-            Some(s) => s.record(job),
+        match done {
+            Some(row) => Ok(FinishOutcome::Done(Snapshot::from_row(&row)?.record(job))),
             None => {
-                return Err(StoreError::Protocol(format!(
-                    "job {job} vanished from the lease table"
-                )));
+                let (owner, generation) = self.lost(job).await?;
+                Ok(FinishOutcome::Lost { owner, generation })
             }
-        };
-        Ok(FinishOutcome::Done(record))
+        }
     }
 }
 
