@@ -303,3 +303,50 @@ fn proxy_killed_with_sigkill_keeps_every_accepted_generation() {
         "safe methods pass unfenced"
     );
 }
+
+#[test]
+fn server_and_proxy_exit_0_on_sigterm_and_keep_their_data() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(&dir.path().join("leases"));
+    assert_eq!(
+        fence(&[
+            "claim", "--server", &url, "--job", "graceful", "--owner", "w"
+        ])
+        .status
+        .code(),
+        Some(0)
+    );
+    signal(&server, "-TERM");
+    let mut server = server;
+    assert_eq!(
+        server.0.wait().unwrap().code(),
+        Some(0),
+        "fence server exits 0 on SIGTERM"
+    );
+    let (_server, url) = start_server(&dir.path().join("leases"));
+    assert_eq!(
+        json(&fence(&["status", "--server", &url, "--job", "graceful"]))["generation"],
+        1
+    );
+
+    let upstream = start_upstream();
+    let (proxy, addr) = start_proxy(&dir.path().join("proxy"), &upstream);
+    let fenced = vec![
+        ("X-Fencing-Job", "graceful".to_owned()),
+        ("X-Fencing-Token", "3".to_owned()),
+    ];
+    assert_eq!(http_status(&addr, "POST", "/", &fenced), 200);
+    signal(&proxy, "-INT");
+    let mut proxy = proxy;
+    assert_eq!(
+        proxy.0.wait().unwrap().code(),
+        Some(0),
+        "fence proxy exits 0 on SIGINT"
+    );
+    let (_proxy, addr) = start_proxy(&dir.path().join("proxy"), &upstream);
+    let stale = vec![
+        ("X-Fencing-Job", "graceful".to_owned()),
+        ("X-Fencing-Token", "2".to_owned()),
+    ];
+    assert_eq!(http_status(&addr, "POST", "/", &stale), 409);
+}
