@@ -44,6 +44,9 @@ fn request(method: Method, path: &str, headers: &[(&str, &[u8])], body: &str) ->
     builder.body(body.to_owned()).expect("valid request")
 }
 
+/// Raw request headers, in order.
+type Headers<'a> = Vec<(&'a str, &'a [u8])>;
+
 /// A fenced POST to `path` of `job` with `token`.
 fn post_to(path: &str, job: &str, token: u64) -> Request<String> {
     let token = token.to_string();
@@ -203,6 +206,28 @@ async fn settle() {
 
 fn poll_ready_now<S: Service<R>, R>(svc: &mut S) -> Poll<Result<(), S::Error>> {
     svc.poll_ready(&mut Context::from_waker(Waker::noop()))
+}
+
+/// A bound on waits that only a bug makes long, so such a bug fails the test instead of
+/// hanging it (not a sleep: the wait ends as soon as the awaited thing happens).
+const BUG_BOUND: Duration = Duration::from_secs(10);
+
+/// The next request the mock receives.
+async fn next_request<T, U>(
+    handle: &mut tower_test::mock::Handle<T, U>,
+) -> (T, tower_test::mock::SendResponse<U>) {
+    tokio::time::timeout(BUG_BOUND, handle.next_request())
+        .await
+        .expect("no request reached the mock")
+        .expect("the mock is closed")
+}
+
+/// The tag (`<token> <path>`) of the next call the `App` starts.
+async fn started_within(started: &mut mpsc::UnboundedReceiver<String>) -> String {
+    tokio::time::timeout(BUG_BOUND, started.recv())
+        .await
+        .expect("the inner service was not called")
+        .expect("the app is gone")
 }
 
 // ---------------------------------------------------------------------------------------
@@ -449,10 +474,7 @@ async fn mock_rejections_never_reach_the_inner_service() {
     // Token 8 goes through to the mock, with the Fenced extension.
     assert!(matches!(poll_ready_now(&mut svc), Poll::Ready(Ok(()))));
     let accepted = tokio::spawn(svc.call(post(JOB, 8)));
-    let (seen, respond) = handle
-        .next_request()
-        .await
-        .expect("token 8 reaches the mock");
+    let (seen, respond) = next_request(&mut handle).await;
     assert_eq!(
         seen.extensions().get::<Fenced>(),
         Some(&Fenced {
@@ -494,10 +516,7 @@ async fn mock_rejections_never_reach_the_inner_service() {
     // The mock still works afterwards: token 8 again reaches it.
     assert!(matches!(poll_ready_now(&mut svc), Poll::Ready(Ok(()))));
     let again = tokio::spawn(svc.call(post(JOB, 8)));
-    let (_, respond) = handle
-        .next_request()
-        .await
-        .expect("token 8 reaches the mock");
+    let (_, respond) = next_request(&mut handle).await;
     respond.send_response(Response::new(String::new()));
     assert_eq!(again.await.unwrap().unwrap().status(), 200);
 }
@@ -520,10 +539,7 @@ async fn mock_poll_ready_is_the_inner_services() {
 
     // The service that was made ready is the one called (the mock panics otherwise).
     let call = tokio::spawn(svc.call(post(JOB, 3)));
-    let (_, respond) = handle
-        .next_request()
-        .await
-        .expect("request reaches the mock");
+    let (_, respond) = next_request(&mut handle).await;
     respond.send_response(Response::new(String::new()));
     assert_eq!(call.await.unwrap().unwrap().status(), 200);
 
@@ -588,7 +604,7 @@ async fn malformed_headers_get_400() {
     let j: &str = "x-fencing-job";
     let t: &str = "x-fencing-token";
     let k: &str = "idempotency-key";
-    let cases: Vec<(&str, Vec<(&str, &[u8])>)> = vec![
+    let cases: Vec<(&str, Headers<'_>)> = vec![
         ("only the job", vec![(j, b"job-1")]),
         ("only the token", vec![(t, b"3")]),
         ("repeated token", vec![(j, b"job-1"), (t, b"3"), (t, b"3")]),
@@ -832,9 +848,9 @@ async fn checks_run_in_contract_order() {
         .await
         .problem(400, "urn:fence:malformed-token");
     // Fence (409) before idempotency: a key in flight under token 8 does not matter to token 7.
-    assert_eq!(started.recv().await.as_deref(), Some("8 /charge"));
+    assert_eq!(started_within(&mut started).await, "8 /charge");
     let held = tokio::spawn(svc.clone().oneshot(keyed_to("/hold", JOB, 8, "k", "")));
-    assert_eq!(started.recv().await.as_deref(), Some("8 /hold"));
+    assert_eq!(started_within(&mut started).await, "8 /hold");
     send(&svc, keyed_to("/hold", JOB, 7, "k", ""))
         .await
         .problem(409, "urn:fence:stale-token");
@@ -1029,16 +1045,16 @@ struct Event {
     at: tokio::time::Instant,
 }
 
+/// A request's status and, for a problem, its type.
+type Outcome = (StatusCode, Option<String>);
+
 /// Requests reaching the layer (`true`) and getting their answers (`false`), by request id.
 type Timeline = Vec<(usize, bool)>;
 
 /// One run: requests `(generation index, arrival ms, handler ms)` against a fresh layer on a
 /// paused current-thread runtime. Returns the inner service's events in order, the timeline
 /// of arrivals and answers, and each request's status and problem type.
-fn interleave(
-    generations: u64,
-    plan: &[(u64, u64, u64)],
-) -> (Vec<Event>, Timeline, Vec<(StatusCode, Option<String>)>) {
+fn interleave(generations: u64, plan: &[(u64, u64, u64)]) -> (Vec<Event>, Timeline, Vec<Outcome>) {
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
@@ -1119,7 +1135,7 @@ fn check_history(
     plan: &[(u64, u64, u64)],
     events: &[Event],
     timeline: &[(usize, bool)],
-    answers: &[(StatusCode, Option<String>)],
+    answers: &[Outcome],
 ) -> Result<(), String> {
     let token_of = |id: usize| 1 + plan[id].0 % generations;
     let mut newest_started = 0;
@@ -1336,7 +1352,7 @@ async fn concurrent_duplicate_gets_409_in_flight() {
     let (app, mut started) = App::new();
     let svc = FenceLayer::new(MemoryStore::new()).layer(app.clone());
     let first = tokio::spawn(svc.clone().oneshot(keyed_to("/hold", JOB, 5, "k", "x")));
-    assert_eq!(started.recv().await.as_deref(), Some("5 /hold"));
+    assert_eq!(started_within(&mut started).await, "5 /hold");
 
     let dup = send(&svc, keyed_to("/hold", JOB, 5, "k", "x")).await;
     let p = dup.problem(409, "urn:fence:idempotency-in-flight");
@@ -1483,25 +1499,32 @@ async fn a_crashed_in_flight_record_blocks_the_key_until_the_in_flight_timeout()
         .layer(app.clone());
 
     // The response future is dropped while the inner service is running.
-    let crashed = tokio::spawn(svc.clone().oneshot(keyed_to("/forever", JOB, 5, "k", "x")));
-    assert_eq!(started.recv().await.as_deref(), Some("5 /forever"));
+    let crashed = tokio::spawn(svc.clone().oneshot(keyed_to("/hold", JOB, 5, "k", "x")));
+    assert_eq!(started_within(&mut started).await, "5 /hold");
     crashed.abort();
     assert!(crashed.await.unwrap_err().is_cancelled());
 
-    let blocked = send(&svc, keyed_to("/forever", JOB, 5, "k", "x")).await;
+    let blocked = send(&svc, keyed_to("/hold", JOB, 5, "k", "x")).await;
     blocked.problem(409, "urn:fence:idempotency-in-flight");
     blocked.retry_after();
     assert_eq!(app.calls(), 1);
 
     tokio::time::sleep(timeout + Duration::from_millis(100)).await; // real time: see above
-    let retry = tokio::spawn(svc.clone().oneshot(keyed_to("/forever", JOB, 5, "k", "x")));
+    app.release.notify_one(); // lets the next held request through (a stored permit)
+    let retry = send(&svc, keyed_to("/hold", JOB, 5, "k", "x")).await;
     assert_eq!(
-        started.recv().await.as_deref(),
-        Some("5 /forever"),
-        "the key did not become usable again"
+        (retry.status, retry.replayed()),
+        (StatusCode::CREATED, None),
+        "the key did not become usable again: {}",
+        retry.text()
     );
     assert_eq!(app.calls(), 2);
-    retry.abort();
+    let replay = send(&svc, keyed_to("/hold", JOB, 5, "k", "x")).await;
+    assert_eq!(
+        (replay.replayed(), &replay.body),
+        (Some("true"), &retry.body)
+    );
+    assert_eq!(app.calls(), 2);
 }
 
 // ---------------------------------------------------------------------------------------
@@ -1751,4 +1774,74 @@ async fn hyper_server_accepts_current_and_rejects_stale() {
     assert_eq!(calls.load(Ordering::SeqCst), 1);
     conn.abort();
     server.abort();
+}
+
+// ---------------------------------------------------------------------------------------
+// run_to_completion: a dropped request stays in flight until its effect is over
+// ---------------------------------------------------------------------------------------
+
+/// With `run_to_completion`, a request whose caller went away still counts as in flight until
+/// the inner service finished, so a newer token waits for it; without it, the inner call is
+/// cancelled with the caller and a newer token goes at once.
+#[tokio::test]
+async fn run_to_completion_keeps_a_dropped_request_in_flight() {
+    for detached in [true, false] {
+        let log: Arc<Mutex<Vec<String>>> = Arc::default();
+        let release = Arc::new(tokio::sync::Notify::new());
+        let (started_tx, mut started_rx) = tokio::sync::mpsc::unbounded_channel::<u64>();
+        let inner = {
+            let (log, release) = (log.clone(), release.clone());
+            tower::service_fn(move |req: http::Request<fence_sink::RequestBody<String>>| {
+                let (log, release, started_tx) = (log.clone(), release.clone(), started_tx.clone());
+                async move {
+                    let token = req
+                        .extensions()
+                        .get::<fence_sink::Fenced>()
+                        .unwrap()
+                        .token
+                        .get();
+                    log.lock().unwrap().push(format!("start {token}"));
+                    let _ = started_tx.send(token);
+                    if token == 7 {
+                        release.notified().await;
+                    }
+                    log.lock().unwrap().push(format!("end {token}"));
+                    Ok::<_, std::convert::Infallible>(http::Response::new(String::new()))
+                }
+            })
+        };
+        let mut layer = FenceLayer::new(MemoryStore::new());
+        if detached {
+            layer = layer.run_to_completion();
+        }
+        let svc = tower::Layer::layer(&layer, inner);
+        let request = |token: u64| {
+            http::Request::post("/")
+                .header("x-fencing-job", "detach")
+                .header("x-fencing-token", token)
+                .body(String::new())
+                .unwrap()
+        };
+        let first = tokio::spawn(svc.clone().oneshot(request(7)));
+        assert_eq!(started_rx.recv().await, Some(7));
+        first.abort(); // the client went away
+        let _ = first.await;
+        let second = tokio::spawn(svc.clone().oneshot(request(8)));
+        if detached {
+            tokio::time::sleep(Duration::from_millis(100)).await;
+            assert_eq!(
+                *log.lock().unwrap(),
+                ["start 7"],
+                "8 waits while 7 still runs"
+            );
+            release.notify_one();
+        }
+        assert_eq!(second.await.unwrap().unwrap().status(), 200);
+        let want: &[&str] = if detached {
+            &["start 7", "end 7", "start 8", "end 8"]
+        } else {
+            &["start 7", "start 8", "end 8"]
+        };
+        assert_eq!(*log.lock().unwrap(), want, "detached: {detached}");
+    }
 }

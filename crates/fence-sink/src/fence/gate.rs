@@ -31,15 +31,23 @@ pub(crate) enum Admission {
     /// Through; hold the guard until the request's effect can no longer happen.
     Admitted(InFlight),
     /// Below the highest accepted (or pending) generation.
-    Stale { highest: Generation },
+    Stale {
+        /// The highest generation accepted.
+        highest: Generation,
+        /// A newer token waiting for its bump, when that is what made this one stale.
+        pending: Option<Generation>,
+    },
     /// Older requests did not finish within the drain limit; nothing changed.
-    DrainTimeout,
+    DrainTimeout { highest: Generation },
     /// The store failed or timed out; nothing changed.
     StoreFailed(StoreError),
 }
 
 enum Step {
-    Stale(Generation),
+    Stale {
+        highest: Generation,
+        pending: Option<Generation>,
+    },
     Current(InFlight),
     Bump,
     Wait,
@@ -209,7 +217,7 @@ impl<St: GenerationStore> Gates<St> {
             tokio::pin!(notified);
             notified.as_mut().enable(); // registered before the check: no wake-up is missed
             match self.decide(&gate, token) {
-                Step::Stale(highest) => return Admission::Stale { highest },
+                Step::Stale { highest, pending } => return Admission::Stale { highest, pending },
                 Step::Current(guard) if self.store.is_shared() => {
                     return self.confirm(&gate, job, token, guard).await;
                 }
@@ -221,7 +229,8 @@ impl<St: GenerationStore> Gates<St> {
                 Step::Wait => mark.active = true,
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                return Admission::DrainTimeout; // the mark withdraws the pending bump
+                let highest = gate.lock().highest;
+                return Admission::DrainTimeout { highest }; // the mark withdraws the pending bump
             }
         }
     }
@@ -231,7 +240,10 @@ impl<St: GenerationStore> Gates<St> {
         let mut s = gate.lock();
         let newest = s.pending.map_or(s.highest, |p| p.max(s.highest));
         if token < newest {
-            return Step::Stale(newest);
+            return Step::Stale {
+                highest: s.highest,
+                pending: s.pending.filter(|p| token >= s.highest && token < *p),
+            };
         }
         if token == s.highest {
             s.in_flight += 1;
@@ -260,7 +272,10 @@ impl<St: GenerationStore> Gates<St> {
                 drop(guard);
                 let mut s = gate.lock();
                 s.highest = s.highest.max(highest);
-                Admission::Stale { highest }
+                Admission::Stale {
+                    highest,
+                    pending: None,
+                }
             }
             Err(e) => Admission::StoreFailed(e),
         }
@@ -302,7 +317,10 @@ impl<St: GenerationStore> Gates<St> {
             }
             Ok(Verdict::Stale { highest }) => {
                 s.highest = s.highest.max(highest);
-                Admission::Stale { highest }
+                Admission::Stale {
+                    highest,
+                    pending: None,
+                }
             }
             Err(e) => Admission::StoreFailed(e),
         };

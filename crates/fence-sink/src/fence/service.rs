@@ -203,18 +203,23 @@ where
     let retry = Some(Duration::from_secs(1));
     let guard = match layer.gates.admit(&job, token.generation()).await {
         Admission::Admitted(guard) => guard,
-        Admission::Stale { highest } => {
+        Admission::Stale { highest, pending } => {
             count("stale");
-            let detail = format!(
-                "job {job}: token {token} is below generation {highest}, which this destination has already seen; a newer lease holder exists"
-            );
+            let detail = match pending {
+                Some(newer) => format!(
+                    "job {job}: token {token} is older than token {newer}, which is waiting for older requests to finish before it is applied; a newer lease holder exists"
+                ),
+                None => format!(
+                    "job {job}: token {token} is below generation {highest}, which this destination has already seen; a newer lease holder exists"
+                ),
+            };
             let p = Problem::new(ProblemType::StaleToken, detail)
                 .with_job(job)
                 .with_token(token.get())
                 .with_highest(highest.get());
             return Ok(reject(p, None));
         }
-        Admission::DrainTimeout => {
+        Admission::DrainTimeout { highest } => {
             count("drain_timeout");
             let detail = format!(
                 "job {job}: token {token} is newer than the highest accepted, but requests with older tokens were still in flight when the drain limit ran out; nothing changed, retry"
@@ -222,7 +227,8 @@ where
             return Ok(reject(
                 Problem::new(ProblemType::DrainTimeout, detail)
                     .with_job(job)
-                    .with_token(token.get()),
+                    .with_token(token.get())
+                    .with_highest(highest.get()),
                 retry,
             ));
         }

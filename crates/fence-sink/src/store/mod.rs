@@ -75,7 +75,9 @@ pub enum Finish {
     Store(StoredResponse),
     /// The response was too large: remember that the request ran, but that it cannot be replayed.
     TooLarge,
-    /// Forget the record (a 5xx, or the request was cancelled), so a retry runs again.
+    /// Forget the record (a response whose status is not stored, such as a 5xx, or an error
+    /// from the service), so a retry runs again. A request dropped mid-way is not forgotten:
+    /// its in-flight record stays until its timeout.
     Forget,
 }
 
