@@ -54,6 +54,8 @@ pub enum HeaderError {
     Job(ParseIdError),
     /// `X-Fencing-Token` is not a valid token.
     Token(ParseTokenError),
+    /// The signature part of a signed `X-Fencing-Token` is empty or not visible ASCII.
+    Signature,
     /// `Idempotency-Key` is neither an sf-string nor a bare token of 1 to 255 visible ASCII characters.
     IdempotencyKey {
         /// What is wrong with it.
@@ -76,6 +78,9 @@ impl fmt::Display for HeaderError {
             ),
             Self::Job(e) => write!(f, "header X-Fencing-Job: {e}"),
             Self::Token(e) => write!(f, "header X-Fencing-Token: {e}"),
+            Self::Signature => f.write_str(
+                "header X-Fencing-Token: the part after '.' must be a non-empty signature of visible ASCII (<generation>.<signature>)",
+            ),
             Self::IdempotencyKey { reason } => write!(f, "header Idempotency-Key: {reason}"),
         }
     }
@@ -127,8 +132,11 @@ fn single<'a>(
 pub struct FencingHeaders {
     /// `X-Fencing-Job`.
     pub job: JobId,
-    /// `X-Fencing-Token`.
+    /// `X-Fencing-Token`: the generation part.
     pub token: FencingToken,
+    /// The signature part of a signed token (`<generation>.<signature>`), as sent; checked
+    /// only by a destination that requires signatures (contract section 6).
+    pub signature: Option<Box<str>>,
 }
 
 impl FencingHeaders {
@@ -149,12 +157,35 @@ impl FencingHeaders {
                 present: X_FENCING_TOKEN,
                 missing: X_FENCING_JOB,
             }),
-            (Some(job), Some(token)) => Ok(Some(Self {
-                job: JobId::from_bytes(job.as_bytes()).map_err(HeaderError::Job)?,
-                token: FencingToken::from_bytes(token.as_bytes()).map_err(HeaderError::Token)?,
-            })),
+            (Some(job), Some(token)) => {
+                let job = JobId::from_bytes(job.as_bytes()).map_err(HeaderError::Job)?;
+                let (token, signature) = split_signed(token.as_bytes())?;
+                Ok(Some(Self {
+                    job,
+                    token,
+                    signature,
+                }))
+            }
         }
     }
+}
+
+/// Splits `<generation>` or `<generation>.<signature>`; the signature part must be 1 or more
+/// visible ASCII characters (whether it is a valid signature is for a verifier to say).
+fn split_signed(value: &[u8]) -> Result<(FencingToken, Option<Box<str>>), HeaderError> {
+    let Some(dot) = value.iter().position(|&b| b == b'.') else {
+        return Ok((
+            FencingToken::from_bytes(value).map_err(HeaderError::Token)?,
+            None,
+        ));
+    };
+    let token = FencingToken::from_bytes(&value[..dot]).map_err(HeaderError::Token)?;
+    let signature = &value[dot + 1..];
+    if signature.is_empty() || signature.iter().any(|b| !(0x21..=0x7E).contains(b)) {
+        return Err(HeaderError::Signature);
+    }
+    let signature = std::str::from_utf8(signature).map_err(|_| HeaderError::Signature)?;
+    Ok((token, Some(signature.into())))
 }
 
 /// Sets `X-Fencing-Job` and `X-Fencing-Token`, replacing any earlier values.
@@ -268,7 +299,16 @@ mod tests {
         let ok = FencingHeaders {
             job: "j".parse().unwrap(),
             token: FencingToken::new(7).unwrap(),
+            signature: None,
         };
+        let signed = FencingHeaders {
+            signature: Some("abc_-".into()),
+            ..ok.clone()
+        };
+        assert_eq!(
+            FencingHeaders::from_headers(&map(&[(j, b"j"), (t, b"7.abc_-")])),
+            Ok(Some(signed))
+        );
         assert_eq!(FencingHeaders::from_headers(&map(&[])), Ok(None));
         assert_eq!(
             FencingHeaders::from_headers(&map(&[(j, b"j"), (t, b"7")])),
@@ -303,6 +343,10 @@ mod tests {
             (&[(j, b"j"), (t, b"0")], "is 0"),
             (&[(j, b"j"), (t, b"-1")], "0x2D"),
             (&[(j, b"j"), (t, b"18446744073709551616")], "above"),
+            (&[(j, b"j"), (t, b"7.")], "the part after '.'"),
+            (&[(j, b"j"), (t, b"07.abc")], "leading zero"),
+            (&[(j, b"j"), (t, b".abc")], "empty"),
+            (&[(j, b"j"), (t, b"7.a b")], "the part after '.'"),
         ];
         for (pairs, want) in bad {
             let e = FencingHeaders::from_headers(&map(pairs)).unwrap_err();

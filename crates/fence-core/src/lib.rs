@@ -11,7 +11,7 @@
 //! let mut request = http::Request::new(());
 //! headers::insert_fencing(request.headers_mut(), &job, token);
 //! let parsed = headers::FencingHeaders::from_headers(request.headers())?;
-//! assert_eq!(parsed, Some(headers::FencingHeaders { job, token }));
+//! assert_eq!(parsed, Some(headers::FencingHeaders { job, token, signature: None }));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
@@ -22,6 +22,8 @@ pub mod headers;
 mod ident;
 pub mod lease_api;
 pub mod problem;
+#[cfg(feature = "signing")]
+pub mod signing;
 
 pub use generation::{FencingToken, Generation, ParseTokenError};
 pub use ident::{JobId, MAX_ID_LEN, Owner, ParseIdError};

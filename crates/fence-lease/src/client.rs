@@ -185,10 +185,12 @@ impl<S: LeaseStore> LeaseClient<S> {
         if Instant::now() >= deadline {
             return Err(ClaimError::Store(StoreError::Timeout(budget)));
         }
+        let header = token_header(token, grant.token.as_deref())?;
         let shared = Arc::new(Shared {
             job,
             owner: self.owner.clone(),
             token,
+            header,
             base: t_send,
             deadline_nanos: AtomicU64::new(0),
             lost: CancellationToken::new(),
@@ -203,6 +205,28 @@ impl<S: LeaseStore> LeaseClient<S> {
             keeper,
         })
     }
+}
+
+/// The header value for a grant: the store's signed token string, exactly as given, after
+/// checking it names the granted generation; or the decimal token.
+fn token_header(
+    token: FencingToken,
+    signed: Option<&str>,
+) -> Result<http::HeaderValue, ClaimError> {
+    let Some(signed) = signed else {
+        return Ok(http::HeaderValue::from(token.get()));
+    };
+    let generation = signed.split_once('.').map_or(signed, |(g, _)| g);
+    if generation != token.to_string() {
+        return Err(ClaimError::Store(StoreError::Protocol(format!(
+            "the store granted generation {token} but signed token {signed:?}"
+        ))));
+    }
+    http::HeaderValue::from_str(signed).map_err(|_| {
+        ClaimError::Store(StoreError::Protocol(format!(
+            "the signed token {signed:?} is not a valid header value"
+        )))
+    })
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -299,6 +323,8 @@ struct Shared {
     job: JobId,
     owner: Owner,
     token: FencingToken,
+    /// What `X-Fencing-Token` carries: the server's signed string, or the decimal token.
+    header: http::HeaderValue,
     base: Instant,
     deadline_nanos: AtomicU64,
     lost: CancellationToken,
@@ -365,6 +391,18 @@ impl LeaseView {
     /// The fencing token, while the lease is held; `None` from the moment it is lost.
     pub fn token(&self) -> Option<FencingToken> {
         self.shared.token()
+    }
+
+    /// The token as `X-Fencing-Token` carries it (the server's signed string when it signs),
+    /// while the lease is held; `None` from the moment it is lost.
+    pub fn token_string(&self) -> Option<String> {
+        self.token_header()
+            .and_then(|h| h.to_str().ok().map(str::to_owned))
+    }
+
+    /// [`token_string`](Self::token_string) as a header value.
+    pub fn token_header(&self) -> Option<http::HeaderValue> {
+        self.shared.token().map(|_| self.shared.header.clone())
     }
 
     /// Whether the lease is lost (checking the local deadline too).

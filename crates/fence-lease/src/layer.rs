@@ -116,9 +116,14 @@ where
     }
 
     fn call(&mut self, mut req: Request<B>) -> Self::Future {
-        match self.lease.token() {
+        match self.lease.token_header() {
             Some(token) => {
-                headers::insert_fencing(req.headers_mut(), self.lease.job(), token);
+                let map = req.headers_mut();
+                map.insert(
+                    headers::X_FENCING_JOB,
+                    headers::job_header_value(self.lease.job()),
+                );
+                map.insert(headers::X_FENCING_TOKEN, token);
                 ResponseFuture {
                     kind: Kind::Sent {
                         future: self.inner.call(req),

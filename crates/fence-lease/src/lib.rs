@@ -36,7 +36,7 @@ pub use layer::{Fencing, FencingLayer, LeaseLost, ResponseFuture};
 pub use owner::default_owner;
 pub use store::{
     BoxError, ClaimOutcome, FinishOutcome, Grant, HttpLeaseStore, LeaseRecord, LeaseState,
-    LeaseStore, MemoryLeaseStore, RenewOutcome, SledLeaseStore, StoreError,
+    LeaseStore, MemoryLeaseStore, RenewOutcome, SigningLeaseStore, SledLeaseStore, StoreError,
 };
 pub use ttl::{Ttl, TtlError};
 

@@ -67,6 +67,13 @@ Exit codes:
 Example:
   fence run --server http://127.0.0.1:7700 --job nightly-report --ttl 30s -- ./report.sh")]
     Run(RunCmd),
+    /// Write an Ed25519 key pair for signed tokens: DIR/fence-signing.key (private, 0600) and
+    /// DIR/fence-verify.pub (public).
+    ///
+    /// Give the private key to `fence server --signing-key` and the public key to every
+    /// `fence proxy --verify-key`. A destination that requires signatures cannot be locked out
+    /// by a forged huge token.
+    Keygen(KeygenCmd),
     /// Claim a job once and print the lease as JSON.
     #[command(after_help = EXIT_CODES)]
     Claim(ClaimCmd),
@@ -99,9 +106,21 @@ struct ServerArgs {
     /// PostgreSQL schema of the lease table (with --store).
     #[arg(long, default_value = "fence")]
     pg_schema: String,
+    /// Sign every token with this private key (from `fence keygen`); lease answers then carry
+    /// "token": "<generation>.<signature>". The file must not be readable by group or others.
+    #[arg(long, value_name = "FILE")]
+    signing_key: Option<PathBuf>,
     /// Test only: shift the server's clock by this many milliseconds (negative: behind).
     #[arg(long, hide = true, default_value_t = 0, allow_negative_numbers = true)]
     clock_offset_ms: i64,
+}
+
+#[derive(Args, Debug)]
+struct KeygenCmd {
+    /// Directory to write the two key files into (created if missing; existing key files
+    /// are never overwritten).
+    #[arg(long)]
+    out: PathBuf,
 }
 
 #[derive(Args, Debug)]
@@ -150,6 +169,10 @@ struct ProxyArgs {
     /// How long a request may take upstream before 504.
     #[arg(long, default_value = "60s", value_parser = parse_duration)]
     upstream_timeout: Duration,
+    /// Require signed tokens valid under this public key (from `fence keygen`); repeat it to
+    /// accept several keys during a rotation. Unsigned or forged tokens get 403.
+    #[arg(long, value_name = "FILE")]
+    verify_key: Vec<PathBuf>,
     /// Send the client's Host header upstream instead of the upstream's authority.
     #[arg(long)]
     preserve_host: bool,
@@ -266,6 +289,7 @@ fn main() -> ExitCode {
 async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
     match cmd {
         Cmd::Demo => fence::demo::run().await,
+        Cmd::Keygen(a) => keygen(&a.out).map(|()| 0),
         Cmd::Server(a) => server(a).await.map(|()| 0),
         Cmd::Proxy(a) => proxy(a).await.map(|()| 0),
         Cmd::Run(a) => {
@@ -361,6 +385,85 @@ async fn shutdown_signal() {
     tracing::info!("shutting down: finishing in-flight requests");
 }
 
+fn keygen(out: &std::path::Path) -> anyhow::Result<()> {
+    use std::{io::Write, os::unix::fs::OpenOptionsExt};
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let mut seed = [0u8; 32];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open("/dev/urandom").context("opening /dev/urandom")?,
+        &mut seed,
+    )
+    .context("reading /dev/urandom")?;
+    let signer = fence_core::signing::TokenSigner::from_seed(seed);
+    let write = |name: &str, mode: u32, contents: String| -> anyhow::Result<std::path::PathBuf> {
+        let path = out.join(name);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&path)
+            .with_context(|| {
+                format!(
+                    "cannot create {} (an existing key is never overwritten)",
+                    path.display()
+                )
+            })?;
+        file.write_all(contents.as_bytes())?;
+        file.sync_all()?;
+        Ok(path)
+    };
+    let private = write(
+        "fence-signing.key",
+        0o600,
+        fence_core::signing::private_key_file_contents(&signer),
+    )?;
+    let public = write(
+        "fence-verify.pub",
+        0o644,
+        signer.verify_key().to_file_contents(),
+    )?;
+    println!(
+        "private key: {} (give it to fence server --signing-key; keep it 0600)",
+        private.display()
+    );
+    println!(
+        "public key:  {} (give it to fence proxy --verify-key)",
+        public.display()
+    );
+    Ok(())
+}
+
+fn load_verifier(files: &[PathBuf]) -> anyhow::Result<Option<fence_core::signing::TokenVerifier>> {
+    if files.is_empty() {
+        return Ok(None);
+    }
+    let keys = files
+        .iter()
+        .map(|f| fence_core::signing::VerifyKey::from_file(f))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(fence_core::signing::TokenVerifier::new(keys)))
+}
+
+/// Serves the lease API over `store`, signing its grants when a signer is given.
+async fn serve_leases<S: fence_lease::LeaseStore>(
+    listener: tokio::net::TcpListener,
+    store: S,
+    signer: Option<fence_core::signing::TokenSigner>,
+    handle: metrics_exporter_prometheus::PrometheusHandle,
+) -> anyhow::Result<()> {
+    let router = match signer {
+        Some(signer) => fence::server::router(
+            Arc::new(fence_lease::SigningLeaseStore::new(store, signer)),
+            Some(handle),
+        ),
+        None => fence::server::router(Arc::new(store), Some(handle)),
+    };
+    axum::serve(listener, router)
+        .with_graceful_shutdown(shutdown_signal())
+        .await
+        .context("serving the lease API")
+}
+
 fn postgres_url(store: &str) -> anyhow::Result<&str> {
     if store.starts_with("postgres://") || store.starts_with("postgresql://") {
         Ok(store)
@@ -372,10 +475,17 @@ fn postgres_url(store: &str) -> anyhow::Result<&str> {
 }
 
 async fn server(a: ServerArgs) -> anyhow::Result<()> {
+    // Keys first: a bad key file stops the server before it listens.
+    let signer = a
+        .signing_key
+        .as_deref()
+        .map(fence_core::signing::TokenSigner::from_file)
+        .transpose()?;
     let handle = install_metrics()?;
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;
+    let signing = if signer.is_some() { "on" } else { "off" };
     if let Some(store) = &a.store {
         let url = postgres_url(store)?;
         let table = fence_lease::PgTable::new(&a.pg_schema, "leases")?;
@@ -386,35 +496,27 @@ async fn server(a: ServerArgs) -> anyhow::Result<()> {
             .await
             .context("creating the lease table in PostgreSQL")?;
         pg.shift_clock_ms(a.clock_offset_ms);
-        tracing::info!(listen = %listener.local_addr()?, store = "postgres", "fence server ready");
-        axum::serve(listener, fence::server::router(Arc::new(pg), Some(handle)))
-            .with_graceful_shutdown(shutdown_signal())
-            .await
-            .context("serving the lease API")?;
-        tracing::info!("fence server stopped");
-        return Ok(());
+        tracing::info!(listen = %listener.local_addr()?, store = "postgres", signing, "fence server ready");
+        serve_leases(listener, pg, signer, handle).await?;
+    } else {
+        let data_dir = a
+            .data_dir
+            .context("--data-dir is required without --store")?;
+        std::fs::create_dir_all(&data_dir)
+            .with_context(|| format!("cannot create --data-dir {}", data_dir.display()))?;
+        let clock = Arc::new(SystemClock::with_offset_ms(a.clock_offset_ms));
+        let store = SledLeaseStore::open_with_clock(&data_dir, clock)
+            .with_context(|| format!("cannot open the lease database in {}", data_dir.display()))?;
+        tracing::info!(listen = %listener.local_addr()?, data_dir = %data_dir.display(), signing, "fence server ready");
+        serve_leases(listener, store.clone(), signer, handle).await?;
+        store.flush().context("flushing the lease database")?;
     }
-    let data_dir = a
-        .data_dir
-        .context("--data-dir is required without --store")?;
-    std::fs::create_dir_all(&data_dir)
-        .with_context(|| format!("cannot create --data-dir {}", data_dir.display()))?;
-    let clock = Arc::new(SystemClock::with_offset_ms(a.clock_offset_ms));
-    let store = Arc::new(
-        SledLeaseStore::open_with_clock(&data_dir, clock)
-            .with_context(|| format!("cannot open the lease database in {}", data_dir.display()))?,
-    );
-    tracing::info!(listen = %listener.local_addr()?, data_dir = %data_dir.display(), "fence server ready");
-    axum::serve(listener, fence::server::router(store.clone(), Some(handle)))
-        .with_graceful_shutdown(shutdown_signal())
-        .await
-        .context("serving the lease API")?;
-    store.flush().context("flushing the lease database")?;
     tracing::info!("fence server stopped");
     Ok(())
 }
 
 async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
+    let verifier = load_verifier(&a.verify_key)?;
     let handle = install_metrics()?;
     let mut config = fence::proxy::ProxyConfig::new(a.upstream.clone());
     config.fence_methods = a.fence_methods;
@@ -427,6 +529,7 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     config.drain_timeout = a.drain_timeout;
     config.upstream_timeout = a.upstream_timeout;
     config.preserve_host = a.preserve_host;
+    config.verifier = verifier;
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;

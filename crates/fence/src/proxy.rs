@@ -108,6 +108,8 @@ pub struct ProxyConfig {
     /// Whether the upstream sees the client's `Host` (true) or its own authority, with the
     /// client's `Host` in `X-Forwarded-Host` (false, the default).
     pub preserve_host: bool,
+    /// Require signed tokens valid under one of these keys (contract section 6).
+    pub verifier: Option<fence_core::signing::TokenVerifier>,
 }
 
 impl ProxyConfig {
@@ -122,6 +124,7 @@ impl ProxyConfig {
             store_timeout: Duration::from_secs(5),
             upstream_timeout: Duration::from_secs(60),
             preserve_host: false,
+            verifier: None,
         }
     }
 }
@@ -158,6 +161,9 @@ where
         Some(idempotency) => layer.idempotency(idempotency.store_timeout(config.store_timeout)),
         None => layer.without_idempotency(),
     };
+    if let Some(verifier) = config.verifier.clone() {
+        layer = layer.require_signatures(verifier);
+    }
 
     let mut connector = HttpConnector::new();
     connector.set_nodelay(true);

@@ -58,7 +58,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         return Ok(EXIT_NOT_OBTAINED);
     };
     let token = lease
-        .token()
+        .token_string()
         .context("the lease was lost right after the claim")?;
     eprintln!(
         "fence run: holding {} as {} with token {token}",
@@ -70,7 +70,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let mut child = Command::new(program)
         .args(rest)
         .env("FENCE_JOB", args.job.as_str())
-        .env("FENCE_TOKEN", token.to_string())
+        .env("FENCE_TOKEN", &token)
         .env("FENCE_SERVER", &args.server)
         .env("FENCE_OWNER", client.owner_id().as_str())
         .stdin(Stdio::inherit())

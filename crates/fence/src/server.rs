@@ -179,7 +179,7 @@ fn lease(job: &JobId, owner: &Owner, grant: &Grant) -> Response {
         generation: grant.generation.get(),
         ttl_ms: grant.ttl.as_millis(),
         expires_at_ms: grant.expires_at_ms,
-        token: None,
+        token: grant.token.clone(),
     })
 }
 

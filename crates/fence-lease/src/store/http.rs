@@ -148,6 +148,7 @@ fn grant(status: StatusCode, body: &[u8]) -> Result<Grant, StoreError> {
         generation: Generation::new(lease.generation),
         ttl,
         expires_at_ms: lease.expires_at_ms,
+        token: lease.token,
     })
 }
 

@@ -18,6 +18,7 @@ mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
 mod rules;
+mod signing;
 mod sled;
 
 use std::{future::Future, time::Duration};
@@ -26,7 +27,10 @@ use fence_core::{Generation, JobId, Owner};
 
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PgLeaseStore, PgTable};
-pub use self::{http::HttpLeaseStore, memory::MemoryLeaseStore, sled::SledLeaseStore};
+pub use self::{
+    http::HttpLeaseStore, memory::MemoryLeaseStore, signing::SigningLeaseStore,
+    sled::SledLeaseStore,
+};
 
 use crate::Ttl;
 
@@ -88,6 +92,9 @@ pub struct Grant {
     pub ttl: Ttl,
     /// When the lease expires on the store's clock, in ms since the Unix epoch.
     pub expires_at_ms: u64,
+    /// The signed token string (`<generation>.<signature>`) when the store signs tokens
+    /// (contract section 6); the lease client sends it exactly as given.
+    pub token: Option<String>,
 }
 
 /// The outcome of [`LeaseStore::claim`].

@@ -368,6 +368,7 @@ impl LeaseStore for PgLeaseStore {
                     generation: generation(&row, 0)?,
                     ttl,
                     expires_at_ms,
+                    token: None,
                 }));
             }
             drop(client);
@@ -420,6 +421,7 @@ impl LeaseStore for PgLeaseStore {
                     generation: g,
                     ttl,
                     expires_at_ms: u64::try_from(until).unwrap_or(0),
+                    token: None,
                 }))
             }
             None => {

@@ -110,6 +110,7 @@ fn grant(generation: Generation, ttl: Ttl, now_ms: u64) -> (u64, Grant) {
             generation,
             ttl,
             expires_at_ms: until,
+            token: None,
         },
     )
 }

@@ -24,6 +24,7 @@ pub(crate) struct Config {
     pub(crate) require_token: bool,
     pub(crate) idempotency: Option<IdempotencyConfig>,
     pub(crate) run_to_completion: bool,
+    pub(crate) signatures: Option<Arc<super::signature::Signatures>>,
 }
 
 impl Config {
@@ -114,6 +115,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             require_token: true,
             idempotency: Some(IdempotencyConfig::default()),
             run_to_completion: false,
+            signatures: None,
         };
         Self {
             store,
@@ -195,6 +197,19 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// future is dropped is cancelled with it and does not need this. Needs a tokio runtime.
     pub fn run_to_completion(mut self) -> Self {
         self.config.run_to_completion = true;
+        self
+    }
+
+    /// Requires every fenced request to carry a signed token (`<generation>.<signature>`,
+    /// contract section 6) valid for its job under one of `verifier`'s keys; anything else
+    /// gets 403 `urn:fence:invalid-signature` before the fence is consulted, so an unverified
+    /// token never moves `highest`. Each (job, generation, signature) is verified once; later
+    /// requests with the same token are answered from a cache.
+    pub fn require_signatures(mut self, verifier: fence_core::signing::TokenVerifier) -> Self {
+        self.config.signatures = Some(Arc::new(super::signature::Signatures::new(
+            verifier,
+            self.params.max_cached_jobs,
+        )));
         self
     }
 

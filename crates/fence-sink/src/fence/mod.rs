@@ -26,6 +26,7 @@ mod future;
 pub(crate) mod gate;
 mod layer;
 mod service;
+pub(crate) mod signature;
 
 pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;

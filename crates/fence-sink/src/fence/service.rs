@@ -138,7 +138,12 @@ where
             Ok(k) => k,
             Err(e) => return malformed(e),
         };
-        let Some(FencingHeaders { job, token }) = fencing else {
+        let Some(FencingHeaders {
+            job,
+            token,
+            signature,
+        }) = fencing
+        else {
             if config.require_token {
                 count("missing");
                 let detail = format!(
@@ -157,6 +162,26 @@ where
                     .call(Request::from_parts(parts, RequestBody::inner(body))),
             );
         };
+        if let Some(signatures) = &config.signatures {
+            let valid = signature
+                .as_deref()
+                .is_some_and(|s| signatures.check(&job, token.generation(), s));
+            if !valid {
+                count("invalid_signature");
+                let detail = match &signature {
+                    None => format!(
+                        "job {job}: this destination requires signed tokens (<generation>.<signature> as the lease server returned it); token {token} carries no signature"
+                    ),
+                    Some(_) => format!(
+                        "job {job}: the signature of token {token} is not valid for this job and generation under any key this destination trusts"
+                    ),
+                };
+                let p = Problem::new(ProblemType::InvalidSignature, detail)
+                    .with_job(job)
+                    .with_token(token.get());
+                return ResponseFuture::rejected(reject(p, None));
+            }
+        }
         // The service that poll_ready made ready is the one the future calls.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);

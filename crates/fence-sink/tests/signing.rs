@@ -1,0 +1,147 @@
+//! Signed tokens at the destination (contract section 6): forged, unsigned and rotated-out
+//! tokens get 403, never reach the service and never move `highest`.
+
+use std::{
+    convert::Infallible,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+};
+
+use fence_core::{
+    Generation, JobId,
+    signing::{TokenSigner, TokenVerifier},
+};
+use fence_sink::{FenceLayer, MemoryStore, RequestBody};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tower::{Layer, ServiceExt, service_fn};
+
+fn signer(seed: u8) -> TokenSigner {
+    TokenSigner::from_seed([seed; 32])
+}
+
+fn token(s: &TokenSigner, job: &str, generation: u64) -> String {
+    s.sign(&job.parse::<JobId>().unwrap(), Generation::new(generation))
+}
+
+struct Sink {
+    layer: FenceLayer<MemoryStore>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl Sink {
+    fn new(verifier: TokenVerifier) -> Self {
+        Self {
+            layer: FenceLayer::new(MemoryStore::new()).require_signatures(verifier),
+            calls: Arc::default(),
+        }
+    }
+
+    async fn send(&self, job: &str, token: &str) -> (StatusCode, serde_json::Value) {
+        let calls = self.calls.clone();
+        let inner = service_fn(move |_req: Request<RequestBody<String>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(String::from("done"))) }
+        });
+        let req = Request::post("/")
+            .header("x-fencing-job", job)
+            .header("x-fencing-token", token)
+            .body(String::new())
+            .unwrap();
+        let resp = self.layer.layer(inner).oneshot(req).await.unwrap();
+        let status = resp.status();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&body).unwrap_or_default())
+    }
+}
+
+#[tokio::test]
+async fn forged_tokens_get_403_and_never_move_highest() {
+    let (key, other) = (signer(1), signer(2));
+    let sink = Sink::new(TokenVerifier::new([key.verify_key()]));
+    assert_eq!(sink.send("job", &token(&key, "job", 5)).await.0, 200);
+    let good = token(&key, "job", 6);
+    let sig6 = good.split_once('.').unwrap().1;
+    let forgeries = [
+        token(&other, "job", 6), // right syntax, wrong key
+        token(&key, "other-job", 6).replace("other-job", "job"), // a valid signature for another job
+        format!("6.{}", token(&key, "job", 7).split_once('.').unwrap().1), // for another generation
+        format!("6.{}", &sig6[..sig6.len() - 2]),                // truncated
+        format!("6.{sig6}=="),                                   // padded
+        format!("6.{}", sig6.replace('-', "+").replace('_', "/")), // standard base64, not base64url
+        format!("6.{}", "A".repeat(86)),                         // well-formed garbage
+        "18446744073709551615".into(), // the attacker's huge number, unsigned
+        format!("18446744073709551615.{sig6}"),
+        "6".into(), // unsigned
+    ];
+    for forged in &forgeries {
+        let (status, problem) = sink.send("job", forged).await;
+        assert_eq!(status, 403, "{forged}");
+        assert_eq!(problem["type"], "urn:fence:invalid-signature", "{forged}");
+        assert_eq!(problem["job"], "job");
+    }
+    assert_eq!(
+        sink.calls.load(Ordering::SeqCst),
+        1,
+        "no forged request reached the service"
+    );
+    // highest is still 5: the legitimate holder of 5 keeps writing, and 6 then bumps.
+    assert_eq!(sink.send("job", &token(&key, "job", 5)).await.0, 200);
+    assert_eq!(sink.send("job", &good).await.0, 200);
+    assert_eq!(
+        sink.send("job", &token(&key, "job", 5)).await.0,
+        409,
+        "a verified newer token still fences older ones"
+    );
+    // Not of either syntax: still 400.
+    assert_eq!(sink.send("job", "6.").await.0, 400);
+    assert_eq!(sink.send("job", "x.abc").await.0, 400);
+}
+
+#[tokio::test]
+async fn rotated_out_keys_are_rejected_once_removed() {
+    let (old, new) = (signer(3), signer(4));
+    let during = Sink::new(TokenVerifier::new([old.verify_key(), new.verify_key()]));
+    assert_eq!(
+        during.send("j", &token(&old, "j", 1)).await.0,
+        200,
+        "the old key is listed"
+    );
+    assert_eq!(
+        during.send("j", &token(&new, "j", 2)).await.0,
+        200,
+        "the new key is listed"
+    );
+    let after = Sink::new(TokenVerifier::new([new.verify_key()]));
+    assert_eq!(
+        after.send("j", &token(&old, "j", 1)).await.0,
+        403,
+        "the old key was removed"
+    );
+    assert_eq!(after.send("j", &token(&new, "j", 1)).await.0, 200);
+}
+
+#[tokio::test]
+async fn without_verification_a_signed_token_counts_by_its_generation() {
+    let key = signer(5);
+    let layer = FenceLayer::new(MemoryStore::new());
+    let inner = service_fn(|_req: Request<RequestBody<String>>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    });
+    let send = |t: String| {
+        let svc = layer.layer(inner);
+        async move {
+            let req = Request::post("/")
+                .header("x-fencing-job", "j")
+                .header("x-fencing-token", t)
+                .body(String::new())
+                .unwrap();
+            svc.oneshot(req).await.unwrap().status()
+        }
+    };
+    assert_eq!(send(token(&key, "j", 7)).await, 200);
+    assert_eq!(send("6".into()).await, 409);
+    assert_eq!(send("7".into()).await, 200);
+}
