@@ -113,3 +113,47 @@ fn a_token_accepted_by_one_proxy_is_the_fence_of_the_other() {
     );
     assert_eq!(http_status(&a, "POST", "/effects", &fenced(6)), 200);
 }
+
+#[test]
+fn the_postgres_lease_store_signs_too() {
+    let Some(url) = database_url() else { return };
+    let dir = tempfile::tempdir().unwrap();
+    let out = fence(&["keygen", "--out", dir.path().to_str().unwrap()]);
+    assert_eq!(out.status.code(), Some(0));
+    let key = dir.path().join("fence-signing.key");
+    let schema = unique_schema("sig");
+    let (_server, addr) = start_ready(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--store",
+        &url,
+        "--pg-schema",
+        &schema,
+        "--signing-key",
+        key.to_str().unwrap(),
+    ]);
+    let out = fence(&[
+        "claim",
+        "--server",
+        &format!("http://{addr}"),
+        "--job",
+        "signed",
+        "--owner",
+        "w",
+    ]);
+    let lease: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    let token = lease["token"].as_str().expect("signed");
+    let verifier =
+        fence_core::signing::TokenVerifier::new([fence_core::signing::VerifyKey::from_file(
+            &dir.path().join("fence-verify.pub"),
+        )
+        .unwrap()]);
+    let (generation, signature) = token.split_once('.').unwrap();
+    assert_eq!(generation, "1");
+    assert!(verifier.verify(
+        &"signed".parse().unwrap(),
+        fence_core::Generation::new(1),
+        signature
+    ));
+}
