@@ -15,10 +15,11 @@ use std::{
 use anyhow::Context;
 use axum::{Extension, Router, routing::post};
 use bytes::Bytes;
+use fence_core::signing::{TokenSigner, TokenVerifier};
 use fence_core::{Generation, JobId, Owner, Problem};
 use fence_lease::{
     ClaimError, ClaimOutcome, FinishError, FinishOutcome, HttpLeaseStore, LeaseClient, LeaseLost,
-    LeaseRecord, LeaseStore, RenewOutcome, SledLeaseStore, StoreError, Ttl,
+    LeaseRecord, LeaseStore, RenewOutcome, SigningLeaseStore, SledLeaseStore, StoreError, Ttl,
 };
 use fence_sink::{FenceLayer, Fenced, SledStore};
 use http_body_util::{BodyExt, Full};
@@ -140,10 +141,20 @@ pub async fn run() -> anyhow::Result<i32> {
     });
     println!("fence demo: the worked example, end to end on loopback\n");
 
+    // Signed tokens at both ends (contract section 6): a fresh key pair for this run.
+    let mut seed = [0u8; 32];
+    std::io::Read::read_exact(
+        &mut std::fs::File::open("/dev/urandom").context("opening /dev/urandom")?,
+        &mut seed,
+    )?;
+    let signer = TokenSigner::from_seed(seed);
+    let verifier = TokenVerifier::new([signer.verify_key()]);
+
     // The lease server.
-    let lease_store = Arc::new(
+    let lease_store = Arc::new(SigningLeaseStore::new(
         SledLeaseStore::open(dir.path().join("leases")).context("opening the lease store")?,
-    );
+        signer,
+    ));
     let (listener, server) = bind().await?;
     tokio::spawn(
         async move { axum::serve(listener, crate::server::router(lease_store, None)).await },
@@ -161,7 +172,7 @@ pub async fn run() -> anyhow::Result<i32> {
     let sink_store = SledStore::open(dir.path().join("sink")).context("opening the sink store")?;
     let app = Router::new()
         .route("/ledger", post(ledger_entry))
-        .layer(FenceLayer::new(sink_store))
+        .layer(FenceLayer::new(sink_store).require_signatures(verifier))
         .layer(Extension(ledger.clone()));
     let (listener, sink) = bind().await?;
     tokio::spawn(async move { axum::serve(listener, app).await });
@@ -207,6 +218,19 @@ pub async fn run() -> anyhow::Result<i32> {
 
     let client = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
     let (hold, held) = watch::channel(false);
+    // B's requests take a network of their own that never holds anything up.
+    let direct = {
+        let client = client.clone();
+        service_fn(move |req: http::Request<Full<Bytes>>| {
+            let client = client.clone();
+            async move {
+                let resp = client.request(req).await?;
+                let status = resp.status();
+                let body = resp.into_body().collect().await?.to_bytes();
+                Ok::<_, Box<dyn std::error::Error + Send + Sync>>((status, body))
+            }
+        })
+    };
     let network = service_fn(move |req: http::Request<Full<Bytes>>| {
         let (client, mut held) = (client.clone(), held.clone());
         async move {
@@ -236,6 +260,29 @@ pub async fn run() -> anyhow::Result<i32> {
         format!("POST /ledger \"A: charge 10 EUR\" with token 7 -> {status}"),
     );
     t.check(status == 200, "A's first write is accepted");
+
+    // Someone who can reach the ledger tries to lock the job out with a huge token.
+    let (status, body) = network
+        .clone()
+        .oneshot(
+            http::Request::post(format!("{sink}/ledger"))
+                .header("x-fencing-job", "invoice-42")
+                .header("x-fencing-token", "18446744073709551615")
+                .body(Full::new(Bytes::from_static(b"attacker")))?,
+        )
+        .await
+        .map_err(anyhow_box)?;
+    let kind = serde_json::from_slice::<Problem>(&body)
+        .map(|p| p.kind.to_string())
+        .unwrap_or_default();
+    t.say(
+        "attacker",
+        format!("POST /ledger with token 18446744073709551615 (unsigned) -> {status} {kind}"),
+    );
+    t.check(
+        status == 403,
+        "an unsigned huge token is refused (403) and fences nobody out",
+    );
 
     // A stamps one more write with token 7; the network holds it up.
     hold.send_replace(true);
@@ -295,9 +342,7 @@ pub async fn run() -> anyhow::Result<i32> {
     );
     let mut b_http = ServiceBuilder::new()
         .layer(lease_b.fencing_layer())
-        .service(network.clone());
-    hold.send_replace(false);
-    // B's write goes first; A's held-up write is released right after it.
+        .service(direct);
     let (status, _) = b_http
         .ready()
         .await
@@ -310,6 +355,7 @@ pub async fn run() -> anyhow::Result<i32> {
         format!("POST /ledger \"B: charge 10 EUR\" with token 8 -> {status}"),
     );
     t.check(status == 200, "B's write is accepted");
+    hold.send_replace(false); // only now does the network deliver A's held-up write
 
     let (status, body) = delayed.await?.map_err(anyhow_box)?;
     let problem: Option<Problem> = serde_json::from_slice(&body).ok();
