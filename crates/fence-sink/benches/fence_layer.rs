@@ -68,6 +68,83 @@ fn bench(c: &mut Criterion) {
             ))
         });
     });
+    // Signed tokens (contract section 6).
+    let signer = fence_core::signing::TokenSigner::from_seed([7; 32]);
+    let verifier = fence_core::signing::TokenVerifier::new([signer.verify_key()]);
+    let job: fence_core::JobId = "signed".parse().unwrap();
+    let signed = signer.sign(&job, fence_core::Generation::new(1));
+    let signature = signed.split_once('.').unwrap().1.to_owned();
+    g.bench_function("sign a token", |b| {
+        b.iter(|| signer.sign(&job, fence_core::Generation::new(1)))
+    });
+    g.bench_function("verify a token", |b| {
+        b.iter(|| assert!(verifier.verify(&job, fence_core::Generation::new(1), &signature)))
+    });
+    let signing_layer =
+        FenceLayer::new(fence_sink::MemoryStore::new()).require_signatures(verifier);
+    let plain_layer = FenceLayer::new(fence_sink::MemoryStore::new());
+    let inner = service_fn(|_req: Request<RequestBody<Body>>| async {
+        Ok::<_, Infallible>(Response::new(Body::new()))
+    });
+    let signed_svc = tower::Layer::layer(&signing_layer, inner);
+    let plain_svc = tower::Layer::layer(&plain_layer, inner);
+    let with_token = |job: &str, token: &str| {
+        Request::post("/effects")
+            .header("x-fencing-job", job)
+            .header("x-fencing-token", token)
+            .body(Body::new())
+            .unwrap()
+    };
+    g.bench_function("same generation, signing off (memory store)", |b| {
+        b.to_async(&rt)
+            .iter(|| plain_svc.clone().oneshot(with_token("signed", "1")));
+    });
+    g.bench_function(
+        "same generation, signing on, cache hit (memory store)",
+        |b| {
+            b.to_async(&rt)
+                .iter(|| signed_svc.clone().oneshot(with_token("signed", &signed)));
+        },
+    );
+    let tokens: Vec<(String, String)> = (0..10_000)
+        .map(|i| {
+            let job = format!("miss-{i}");
+            let token = signer.sign(&job.parse().unwrap(), fence_core::Generation::new(1));
+            (job, token)
+        })
+        .collect();
+    // Layers bounded to one cached job: every request below misses both the gate cache (and
+    // reloads highest from the memory store) and, when signing, the signature cache.
+    let plain_miss = tower::Layer::layer(
+        &FenceLayer::new(fence_sink::MemoryStore::new()).max_cached_jobs(1),
+        inner,
+    );
+    let signed_miss = tower::Layer::layer(
+        &FenceLayer::new(fence_sink::MemoryStore::new())
+            .max_cached_jobs(1)
+            .require_signatures(fence_core::signing::TokenVerifier::new([
+                signer.verify_key()
+            ])),
+        inner,
+    );
+    let next = AtomicU64::new(0);
+    g.bench_function("job cache miss, signing off (memory store)", |b| {
+        b.to_async(&rt).iter(|| {
+            let (job, _) = &tokens[next.fetch_add(1, Ordering::Relaxed) as usize % tokens.len()];
+            plain_miss.clone().oneshot(with_token(job, "1"))
+        });
+    });
+    let next = AtomicU64::new(0);
+    g.bench_function(
+        "job cache miss, signing on, signature cache miss (memory store)",
+        |b| {
+            b.to_async(&rt).iter(|| {
+                let (job, token) =
+                    &tokens[next.fetch_add(1, Ordering::Relaxed) as usize % tokens.len()];
+                signed_miss.clone().oneshot(with_token(job, token))
+            });
+        },
+    );
     g.finish();
     let mut check = svc.clone();
     let status = rt.block_on(async {
