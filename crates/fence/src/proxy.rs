@@ -461,7 +461,7 @@ impl Upstream {
             }
             Ok(Err(e)) => {
                 outcome("unavailable", started);
-                let cause = error_chain(&e);
+                let cause = crate::error_chain(&e);
                 tracing::warn!(upstream = %self.target.display, error = %cause, "upstream failed");
                 problem(Problem::new(
                     ProblemType::UpstreamUnavailable,
@@ -543,21 +543,6 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
             }
         }
     }
-}
-
-/// `error: cause: cause`, without repeating a cause the outer message already quotes.
-fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        let text = s.to_string();
-        if !out.contains(&text) {
-            out.push_str(": ");
-            out.push_str(&text);
-        }
-        source = s.source();
-    }
-    out
 }
 
 /// Accepts connections until `shutdown` resolves, serving each with the service `make`

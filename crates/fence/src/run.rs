@@ -117,7 +117,10 @@ async fn claim_within(
                     return Err(anyhow::Error::new(e)
                         .context(format!("could not claim {job} within --wait {wait:?}")));
                 }
-                eprintln!("fence run: claim failed, retrying: {}", chain(&e));
+                eprintln!(
+                    "fence run: claim failed, retrying: {}",
+                    crate::error_chain(&e)
+                );
                 backoff
             }
         };
@@ -129,17 +132,6 @@ async fn claim_within(
         .await;
         backoff = (backoff * 2).min(Duration::from_secs(2));
     }
-}
-
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut s = e.source();
-    while let Some(c) = s {
-        out.push_str(": ");
-        out.push_str(&c.to_string());
-        s = c.source();
-    }
-    out
 }
 
 fn send(pid: Option<Pid>, sig: Signal) {

@@ -149,22 +149,11 @@ fn ttl_of(map: &Map<String, Value>) -> Result<Ttl, Problem> {
 }
 
 fn store_failed(e: &StoreError) -> Problem {
-    tracing::error!(error = %chain(e), "lease store failed");
+    tracing::error!(error = %crate::error_chain(e), "lease store failed");
     Problem::new(
         ProblemType::Internal,
-        format!("the lease store failed: {}", chain(e)),
+        format!("the lease store failed: {}", crate::error_chain(e)),
     )
-}
-
-fn chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut s = e.source();
-    while let Some(c) = s {
-        out.push_str(": ");
-        out.push_str(&c.to_string());
-        s = c.source();
-    }
-    out
 }
 
 fn json(value: &impl serde::Serialize) -> Response {
@@ -355,7 +344,7 @@ async fn healthz<S: LeaseStore>(State(app): State<Arc<AppState<S>>>) -> Response
         Ok(_) => (StatusCode::OK, "ok\n").into_response(),
         Err(e) => ProblemResponse(Problem::new(
             ProblemType::StoreUnavailable,
-            format!("the lease store failed: {}", chain(&e)),
+            format!("the lease store failed: {}", crate::error_chain(&e)),
         ))
         .into_response(),
     }
