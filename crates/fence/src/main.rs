@@ -173,6 +173,9 @@ struct ProxyArgs {
     /// accept several keys during a rotation. Unsigned or forged tokens get 403.
     #[arg(long, value_name = "FILE")]
     verify_key: Vec<PathBuf>,
+    /// Test only (the fault-injection harness's negative control): fence nothing.
+    #[arg(long, hide = true)]
+    unsafe_no_fence: bool,
     /// Send the client's Host header upstream instead of the upstream's authority.
     #[arg(long)]
     preserve_host: bool,
@@ -519,7 +522,11 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let verifier = load_verifier(&a.verify_key)?;
     let handle = install_metrics()?;
     let mut config = fence::proxy::ProxyConfig::new(a.upstream.clone());
-    config.fence_methods = a.fence_methods;
+    config.fence_methods = if a.unsafe_no_fence {
+        Vec::new()
+    } else {
+        a.fence_methods
+    };
     config.require_token = !a.allow_missing_token;
     config.idempotency = (!a.no_idempotency).then(|| {
         fence_sink::IdempotencyConfig::default()
