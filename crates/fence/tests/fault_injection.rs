@@ -32,6 +32,9 @@ use hyper_util::{
 use tower::{Service, ServiceBuilder, ServiceExt};
 
 const WORKER_ENV: &str = "FENCE_FAULT_WORKER";
+
+/// The two runs take turns: on two cores, running them at once halves the faults each sees.
+static ONE_RUN_AT_A_TIME: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 const TTL_MS: u64 = 600;
 
 /// A small deterministic random number generator (xorshift64*).
@@ -315,6 +318,7 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
 }
 
 async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
+    let _turn = ONE_RUN_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
     let log: Arc<Mutex<Vec<Effect>>> = Arc::default();
     let upstream = start_logging_upstream(log.clone(), seed).await;
@@ -355,11 +359,38 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
     };
     let mut server = start_server(0);
     let mut proxy = start_proxy();
+    let mut report_faults: BTreeMap<&'static str, u64> = BTreeMap::new();
     let (workers, jobs) = (6u64, 3u64);
-    let children: Vec<Child> = (0..workers)
+    // Two workers run with their clocks shifted by 30 s and running 5% slow or fast
+    // (libfaketime), when it is installed.
+    let faketime = std::env::var_os("FENCE_FAULT_NO_FAKETIME").is_none()
+        && Command::new("faketime")
+            .arg("-f")
+            .arg("+0")
+            .arg("true")
+            .status()
+            .is_ok_and(|s| s.success());
+    if !faketime {
+        println!(
+            "note: faketime not installed (apt-get install faketime): no worker runs with a skewed clock"
+        );
+    }
+    let mut children: Vec<Child> = (0..workers)
         .map(|id| {
-            Command::new(std::env::current_exe().unwrap())
-                .args(["fault_worker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
+            let skew = match id {
+                0 if faketime => Some("+30s x0.95"),
+                1 if faketime => Some("-30s x1.05"),
+                _ => None,
+            };
+            let mut cmd = match skew {
+                Some(spec) => {
+                    let mut c = Command::new("faketime");
+                    c.arg("-f").arg(spec).arg(std::env::current_exe().unwrap());
+                    c
+                }
+                None => Command::new(std::env::current_exe().unwrap()),
+            };
+            cmd.args(["fault_worker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
                 .env(WORKER_ENV, format!("http://127.0.0.1:{server_port} http://127.0.0.1:{proxy_port} {id} {jobs} {secs} {seed}"))
                 .env("RUST_LOG", "off")
                 .stdout(Stdio::piped())
@@ -368,8 +399,46 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
                 .unwrap()
         })
         .collect();
+    if faketime {
+        *report_faults
+            .entry("worker clocks skewed (+30s x0.95, -30s x1.05)")
+            .or_default() += 2;
+    }
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
-    let mut report = Report::default();
+    // One more worker is a shell script under `fence run`: it reads FENCE_TOKEN once and
+    // writes with curl, as scripts do; fence run stops it when the lease is lost.
+    let curl = Command::new("curl")
+        .arg("--version")
+        .stdout(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if curl {
+        let script = r#"n=0; end=$(( $(date +%s) + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done'; sleep 0.05; done"#;
+        children.push(
+            Command::new("sh")
+                .arg("-c")
+                .arg(script)
+                .env("SECS", secs.to_string())
+                .env("JOBS", jobs.to_string())
+                .env("FENCE_BIN", FENCE)
+                .env("SERVER", format!("http://127.0.0.1:{server_port}"))
+                .env("PROXY", format!("http://127.0.0.1:{proxy_port}"))
+                .env("RUST_LOG", "off")
+                .stdout(Stdio::piped())
+                .stderr(Stdio::null())
+                .spawn()
+                .unwrap(),
+        );
+        *report_faults
+            .entry("a worker under fence run (curl script)")
+            .or_default() += 1;
+    } else {
+        println!("note: curl not installed: no worker runs under fence run");
+    }
+    let mut report = Report {
+        faults: report_faults,
+        ..Report::default()
+    };
     let mut rng = Rng(seed | 1);
     let end = Instant::now() + Duration::from_secs(secs);
     let mut stoppers = Vec::new();
