@@ -58,7 +58,8 @@ struct GateState {
     highest: Generation,
     in_flight: usize,
     pending: Option<Generation>,
-    bumping: bool,
+    /// The token whose durable write is running, if any.
+    bumping: Option<Generation>,
 }
 
 #[derive(Debug, Default)]
@@ -88,7 +89,8 @@ impl Drop for PendingMark<'_> {
             return;
         }
         let mut s = self.gate.lock();
-        if s.pending == Some(self.token) && !s.bumping {
+        // Withdraw the mark unless the running bump is this very token's.
+        if s.pending == Some(self.token) && s.bumping != Some(self.token) {
             s.pending = None; // other waiters with the same token mark it again when woken
         }
         drop(s);
@@ -250,12 +252,20 @@ impl<St: GenerationStore> Gates<St> {
             return Step::Current(InFlight { gate: gate.clone() });
         }
         // token > highest: a bump, once every older request has finished.
-        s.pending = Some(newest.max(token));
-        if s.in_flight == 0 && !s.bumping {
-            s.bumping = true;
-            return Step::Bump;
+        let raised = s.pending.is_some_and(|p| token > p);
+        s.pending = Some(token);
+        let step = if s.in_flight == 0 && s.bumping.is_none() {
+            s.bumping = Some(token);
+            Step::Bump
+        } else {
+            Step::Wait
+        };
+        drop(s);
+        if raised {
+            // Waiters for the lower pending token are now stale: let them answer 409 at once.
+            gate.changed.notify_waiters();
         }
-        Step::Wait
+        step
     }
 
     /// With a shared store, other processes may have moved on: the store has the last word.
@@ -305,7 +315,7 @@ impl<St: GenerationStore> Gates<St> {
         result: Result<Verdict, StoreError>,
     ) -> Admission {
         let mut s = gate.lock();
-        s.bumping = false;
+        s.bumping = None;
         if s.pending == Some(token) {
             s.pending = None;
         }

@@ -1,0 +1,130 @@
+//! Regressions found in review of the per-job gate: a withdrawn pending bump must not stay
+//! behind while another token's bump runs, and a waiter superseded by a newer token gets its
+//! 409 at once instead of waiting out the drain limit.
+
+use std::{convert::Infallible, sync::Arc, time::Duration};
+
+use fence_core::{Generation, JobId, headers::IdempotencyKey};
+use fence_sink::{
+    Begin, FenceLayer, Fingerprint, Finish, GenerationStore, IdempotencyStore, MemoryStore,
+    RequestBody, StoreError, Verdict,
+};
+use http::{Request, Response, StatusCode};
+use tokio::sync::{Notify, mpsc};
+use tower::{Layer, ServiceExt, service_fn};
+
+/// A memory store whose `observe` waits for a go-ahead when `gated` is set.
+#[derive(Clone, Default)]
+struct Gated {
+    inner: MemoryStore,
+    gated: Arc<std::sync::atomic::AtomicBool>,
+    go: Arc<Notify>,
+}
+
+impl GenerationStore for Gated {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        if self.gated.load(std::sync::atomic::Ordering::SeqCst) {
+            self.go.notified().await;
+        }
+        self.inner.observe(job, token).await
+    }
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        self.inner.highest(job).await
+    }
+}
+
+impl IdempotencyStore for Gated {
+    async fn begin(
+        &self,
+        j: &JobId,
+        k: &IdempotencyKey,
+        f: &Fingerprint,
+        d: Duration,
+    ) -> Result<Begin, StoreError> {
+        self.inner.begin(j, k, f, d).await
+    }
+    async fn finish(
+        &self,
+        j: &JobId,
+        k: &IdempotencyKey,
+        f: &Fingerprint,
+        o: Finish,
+        d: Duration,
+    ) -> Result<(), StoreError> {
+        self.inner.finish(j, k, f, o, d).await
+    }
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        self.inner.purge_expired().await
+    }
+}
+
+fn post(token: u64) -> Request<String> {
+    Request::post("/")
+        .header("x-fencing-job", "j")
+        .header("x-fencing-token", token)
+        .body(String::new())
+        .unwrap()
+}
+
+#[tokio::test]
+async fn a_withdrawn_higher_bump_does_not_outlive_the_running_one() {
+    let store = Gated::default();
+    let layer = FenceLayer::new(store.clone()).drain_timeout(Duration::from_millis(200));
+    let svc = layer.layer(service_fn(|_r: Request<RequestBody<String>>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    assert_eq!(svc.clone().oneshot(post(5)).await.unwrap().status(), 200);
+    store.gated.store(true, std::sync::atomic::Ordering::SeqCst);
+    let six = tokio::spawn(svc.clone().oneshot(post(6))); // its durable write now waits
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let seven = tokio::spawn(svc.clone().oneshot(post(7))); // pending 7 behind the bump of 6
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    seven.abort(); // its client goes away
+    let _ = seven.await;
+    store
+        .gated
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    store.go.notify_waiters();
+    assert_eq!(six.await.unwrap().unwrap().status(), 200);
+    // highest is 6 and nobody waits with 7: a token-6 request goes through.
+    assert_eq!(
+        svc.clone().oneshot(post(6)).await.unwrap().status(),
+        200,
+        "the abandoned 7 must not fence 6 out"
+    );
+}
+
+#[tokio::test]
+async fn a_superseded_waiter_gets_409_at_once() {
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let release = Arc::new(Notify::new());
+    let inner = {
+        let release = release.clone();
+        service_fn(move |r: Request<RequestBody<String>>| {
+            let (release, started_tx) = (release.clone(), started_tx.clone());
+            async move {
+                let token = r.headers()["x-fencing-token"].to_str().unwrap().to_owned();
+                let _ = started_tx.send(token.clone());
+                if token == "5" {
+                    release.notified().await;
+                }
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }
+        })
+    };
+    let svc = FenceLayer::new(MemoryStore::new())
+        .drain_timeout(Duration::from_secs(30))
+        .layer(inner);
+    let five = tokio::spawn(svc.clone().oneshot(post(5)));
+    assert_eq!(started.recv().await.unwrap(), "5");
+    let six = tokio::spawn(svc.clone().oneshot(post(6))); // waits for 5 to drain
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let seven = tokio::spawn(svc.clone().oneshot(post(7))); // supersedes 6
+    let answer = tokio::time::timeout(Duration::from_secs(2), six)
+        .await
+        .expect("6 answered before the drain limit");
+    assert_eq!(answer.unwrap().unwrap().status(), StatusCode::CONFLICT);
+    release.notify_waiters();
+    assert_eq!(five.await.unwrap().unwrap().status(), 200);
+    assert_eq!(seven.await.unwrap().unwrap().status(), 200);
+}
