@@ -128,3 +128,32 @@ async fn a_superseded_waiter_gets_409_at_once() {
     assert_eq!(five.await.unwrap().unwrap().status(), 200);
     assert_eq!(seven.await.unwrap().unwrap().status(), 200);
 }
+
+#[tokio::test]
+async fn clones_with_other_limits_still_share_one_fence() {
+    let base = FenceLayer::new(MemoryStore::new());
+    let ok = || {
+        service_fn(|_r: Request<RequestBody<String>>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        })
+    };
+    let route_a = base
+        .clone()
+        .drain_timeout(Duration::from_secs(1))
+        .max_cached_jobs(10)
+        .layer(ok());
+    let route_b = base.layer(ok());
+    assert_eq!(
+        route_a.clone().oneshot(post(5)).await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        route_b.clone().oneshot(post(6)).await.unwrap().status(),
+        200
+    );
+    assert_eq!(
+        route_a.oneshot(post(5)).await.unwrap().status(),
+        409,
+        "route a sees the 6 accepted on route b"
+    );
+}

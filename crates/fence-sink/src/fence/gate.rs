@@ -116,29 +116,30 @@ impl Drop for InFlight {
     }
 }
 
-/// All gates of one layer, bounded to `capacity` jobs.
+/// The limits a layer decides with; every clone of a layer shares one map of gates, but may
+/// set its own limits.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Limits {
+    /// At most this many jobs in memory.
+    pub(crate) capacity: usize,
+    /// Per store call.
+    pub(crate) store_timeout: Duration,
+    /// For older in-flight requests to finish before a bump.
+    pub(crate) drain_timeout: Duration,
+}
+
+/// All gates of one layer and its clones.
 #[derive(Debug)]
 pub(crate) struct Gates<St> {
     map: DashMap<JobId, Arc<Gate>>,
     store: Arc<St>,
-    capacity: usize,
-    store_timeout: Duration,
-    drain_timeout: Duration,
 }
 
 impl<St: GenerationStore> Gates<St> {
-    pub(crate) fn new(
-        store: Arc<St>,
-        capacity: usize,
-        store_timeout: Duration,
-        drain_timeout: Duration,
-    ) -> Self {
+    pub(crate) fn new(store: Arc<St>) -> Self {
         Self {
             map: DashMap::new(),
             store,
-            capacity: capacity.max(1),
-            store_timeout,
-            drain_timeout,
         }
     }
 
@@ -151,21 +152,21 @@ impl<St: GenerationStore> Gates<St> {
         self.map.len()
     }
 
-    fn gate(&self, job: &JobId) -> Arc<Gate> {
+    fn gate(&self, job: &JobId, capacity: usize) -> Arc<Gate> {
         if let Some(g) = self.map.get(job) {
             return g.clone();
         }
         let gate = self.map.entry(job.clone()).or_default().clone();
-        if self.map.len() > self.capacity {
-            self.evict();
+        if self.map.len() > capacity.max(1) {
+            self.evict(capacity.max(1));
         }
         gate
     }
 
     /// Drops idle gates until the map is back under capacity, with some headroom so the scan
     /// is paid once per many inserts.
-    fn evict(&self) {
-        let target = self.capacity - self.capacity / 16;
+    fn evict(&self, capacity: usize) {
+        let target = capacity - capacity / 16;
         let excess = self.map.len().saturating_sub(target);
         let idle: Vec<JobId> = self
             .map
@@ -180,35 +181,45 @@ impl<St: GenerationStore> Gates<St> {
         }
     }
 
-    async fn load(&self, gate: &Gate, job: &JobId) -> Result<(), StoreError> {
+    async fn load(&self, gate: &Gate, job: &JobId, timeout: Duration) -> Result<(), StoreError> {
         let init = gate.loaded.get_or_try_init(|| async {
             let highest = self.store.highest(job).await?;
             let mut s = gate.lock();
             s.highest = s.highest.max(highest);
             Ok::<_, StoreError>(())
         });
-        tokio::time::timeout(self.store_timeout, init)
+        tokio::time::timeout(timeout, init)
             .await
-            .map_err(|_| StoreError::Timeout(self.store_timeout))??;
+            .map_err(|_| StoreError::Timeout(timeout))??;
         Ok(())
     }
 
-    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
-        tokio::time::timeout(self.store_timeout, self.store.observe(job, token))
+    async fn observe(
+        &self,
+        job: &JobId,
+        token: Generation,
+        timeout: Duration,
+    ) -> Result<Verdict, StoreError> {
+        tokio::time::timeout(timeout, self.store.observe(job, token))
             .await
-            .map_err(|_| StoreError::Timeout(self.store_timeout))?
+            .map_err(|_| StoreError::Timeout(timeout))?
     }
 
     /// Decides one request of `job` carrying `token`.
     ///
     /// Cancel-safe: a request dropped while it waits withdraws its pending bump, and a bump
     /// whose durable write has started finishes (and updates the gate) in a task of its own.
-    pub(crate) async fn admit(self: &Arc<Self>, job: &JobId, token: Generation) -> Admission {
-        let gate = self.gate(job);
-        if let Err(e) = self.load(&gate, job).await {
+    pub(crate) async fn admit(
+        self: &Arc<Self>,
+        job: &JobId,
+        token: Generation,
+        limits: Limits,
+    ) -> Admission {
+        let gate = self.gate(job, limits.capacity);
+        if let Err(e) = self.load(&gate, job, limits.store_timeout).await {
             return Admission::StoreFailed(e);
         }
-        let deadline = Instant::now() + self.drain_timeout;
+        let deadline = Instant::now() + limits.drain_timeout;
         let mut mark = PendingMark {
             gate: &gate,
             token,
@@ -221,12 +232,16 @@ impl<St: GenerationStore> Gates<St> {
             match self.decide(&gate, token) {
                 Step::Stale { highest, pending } => return Admission::Stale { highest, pending },
                 Step::Current(guard) if self.store.is_shared() => {
-                    return self.confirm(&gate, job, token, guard).await;
+                    return self
+                        .confirm(&gate, job, token, guard, limits.store_timeout)
+                        .await;
                 }
                 Step::Current(guard) => return Admission::Admitted(guard),
                 Step::Bump => {
                     mark.active = false; // the bump task owns the pending mark now
-                    return self.bump(gate.clone(), job.clone(), token).await;
+                    return self
+                        .bump(gate.clone(), job.clone(), token, limits.store_timeout)
+                        .await;
                 }
                 Step::Wait => mark.active = true,
             }
@@ -275,8 +290,9 @@ impl<St: GenerationStore> Gates<St> {
         job: &JobId,
         token: Generation,
         guard: InFlight,
+        timeout: Duration,
     ) -> Admission {
-        match self.observe(job, token).await {
+        match self.observe(job, token, timeout).await {
             Ok(Verdict::Accepted) => Admission::Admitted(guard),
             Ok(Verdict::Stale { highest }) => {
                 drop(guard);
@@ -294,10 +310,16 @@ impl<St: GenerationStore> Gates<St> {
     /// Writes `token` durably and settles the gate, in a task that runs to the end even if
     /// the request waiting for it goes away (its admission is then dropped, and with it the
     /// in-flight count it took).
-    async fn bump(self: &Arc<Self>, gate: Arc<Gate>, job: JobId, token: Generation) -> Admission {
+    async fn bump(
+        self: &Arc<Self>,
+        gate: Arc<Gate>,
+        job: JobId,
+        token: Generation,
+        timeout: Duration,
+    ) -> Admission {
         let gates = self.clone();
         let task = tokio::spawn(async move {
-            let result = gates.observe(&job, token).await;
+            let result = gates.observe(&job, token, timeout).await;
             let admission = Self::settle(&gate, token, result);
             gate.changed.notify_waiters();
             admission

@@ -43,7 +43,9 @@ struct GateParams {
     drain_timeout: Duration,
 }
 
-/// Wraps services in [`Fence`]: per job, requests with a token below the highest accepted
+/// Wraps services in [`Fence`]. Build one layer per store and clone it (every clone, also
+/// one whose limits a builder method changed, shares the in-memory gates); two layers built
+/// separately over one sled or memory store keep two views of each job. Per job, requests with a token below the highest accepted
 /// are rejected with 409, a higher token waits for older requests to finish and is stored
 /// durably before it passes, and duplicate `Idempotency-Key`s are replayed.
 ///
@@ -103,12 +105,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             store_timeout: Duration::from_secs(5),
             drain_timeout: Duration::from_secs(10),
         };
-        let gates = Arc::new(Gates::new(
-            store.clone(),
-            params.max_cached_jobs,
-            params.store_timeout,
-            params.drain_timeout,
-        ));
+        let gates = Arc::new(Gates::new(store.clone()));
         let config = Config {
             methods: vec![Method::POST, Method::PUT, Method::PATCH, Method::DELETE],
             predicate: None,
@@ -127,15 +124,18 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     }
 
     fn with_params(mut self, f: impl FnOnce(&mut GateParams)) -> Self {
+        // Only this layer's limits change; the gates stay shared with every clone, so two
+        // routes of one service never keep two views of a job.
         f(&mut self.params);
-        let p = self.params;
-        self.gates = Arc::new(Gates::new(
-            self.store.clone(),
-            p.max_cached_jobs,
-            p.store_timeout,
-            p.drain_timeout,
-        ));
         self
+    }
+
+    pub(crate) fn limits(&self) -> super::gate::Limits {
+        super::gate::Limits {
+            capacity: self.params.max_cached_jobs,
+            store_timeout: self.params.store_timeout,
+            drain_timeout: self.params.drain_timeout,
+        }
     }
 
     /// Fences requests with these methods (default: POST, PUT, PATCH, DELETE); others pass unfenced.

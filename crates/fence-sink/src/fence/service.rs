@@ -226,7 +226,11 @@ where
     St: GenerationStore + IdempotencyStore,
 {
     let retry = Some(Duration::from_secs(1));
-    let guard = match layer.gates.admit(&job, token.generation()).await {
+    let guard = match layer
+        .gates
+        .admit(&job, token.generation(), layer.limits())
+        .await
+    {
         Admission::Admitted(guard) => guard,
         Admission::Stale { highest, pending } => {
             count("stale");
