@@ -23,7 +23,7 @@ pub mod conformance;
 pub use fence::{
     Fence, FenceLayer, FencePredicate, Fenced, RequestBody, ResponseBody, ResponseFuture,
 };
-pub use idempotency::{Fingerprint, IdempotencyConfig, StoredResponse};
+pub use idempotency::{Fingerprint, IdempotencyConfig, OutcomeUnknown, StoredResponse};
 pub use store::{
     Begin, BoxError, Finish, GenerationStore, IdempotencyStore, MemoryStore, SledStore, StoreError,
     Verdict,

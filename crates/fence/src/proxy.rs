@@ -463,10 +463,15 @@ impl Upstream {
                 outcome("unavailable", started);
                 let cause = crate::error_chain(&e);
                 tracing::warn!(upstream = %self.target.display, error = %cause, "upstream failed");
-                problem(Problem::new(
+                let mut response = problem(Problem::new(
                     ProblemType::UpstreamUnavailable,
                     format!("upstream {} failed: {cause}", self.target.display),
-                ))
+                ));
+                if !e.is_connect() {
+                    // The request may have reached the upstream before the failure.
+                    response.extensions_mut().insert(fence_sink::OutcomeUnknown);
+                }
+                response
             }
             Err(_) => {
                 // Dropping the request future closes its upstream connection.
@@ -481,7 +486,9 @@ impl Upstream {
                 );
                 p.status = StatusCode::GATEWAY_TIMEOUT.as_u16();
                 p.title = "Upstream timeout".into();
-                problem(p)
+                let mut response = problem(p);
+                response.extensions_mut().insert(fence_sink::OutcomeUnknown);
+                response
             }
         }
     }

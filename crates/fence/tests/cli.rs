@@ -124,7 +124,7 @@ fn fence_run_stops_its_command_before_the_store_side_expiry() {
     );
     let mut run = Command::new(FENCE)
         .args([
-            "run", "--server", &url, "--job", "nightly", "--ttl", "1500ms", "--grace", "3s", "--",
+            "run", "--server", &url, "--job", "nightly", "--ttl", "3s", "--grace", "3s", "--",
             "sh", "-c", &script,
         ])
         .env("RUST_LOG", "fence_lease=debug")

@@ -41,6 +41,13 @@ use crate::{
     store::{Begin, Finish, StoreError},
 };
 
+/// Put into a response's extensions by a service that cannot tell whether its effect happened
+/// (a proxy whose upstream timed out after the request was sent): the idempotency record then
+/// stays in flight until its timeout instead of being forgotten like an ordinary 5xx, so a
+/// retry meanwhile gets 409 rather than a second run.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct OutcomeUnknown;
+
 /// Which responses are stored for replay.
 pub type StatusFilter = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 
@@ -281,11 +288,16 @@ where
             };
             let response = match result {
                 Err(e) => {
-                    finish(Finish::Forget).await;
+                    // Nobody knows whether the effect happened: the in-flight record stays until
+                    // its timeout, so a retry meanwhile gets 409 rather than a second run.
                     return Err(e);
                 }
                 Ok(response) => response,
             };
+            if response.extensions().get::<OutcomeUnknown>().is_some() {
+                drop(guard);
+                return Ok(response.map(ResponseBody::inner));
+            }
             if !(config.store_statuses)(response.status()) {
                 finish(Finish::Forget).await;
                 drop(guard);
