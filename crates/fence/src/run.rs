@@ -7,7 +7,6 @@
 
 use std::{process::Stdio, time::Duration};
 
-use anyhow::Context;
 use fence_core::JobId;
 use fence_lease::{ClaimError, FinishError, HttpLeaseStore, Lease, LeaseClient, Ttl};
 use nix::{
@@ -57,17 +56,24 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let Some(lease) = claim_within(&client, &args.job, args.wait).await? else {
         return Ok(EXIT_NOT_OBTAINED);
     };
-    let token = lease
-        .token_string()
-        .context("the lease was lost right after the claim")?;
+    let Some(token) = lease.token_string() else {
+        eprintln!(
+            "fence run: the lease on {} was lost right after the claim; not running the command",
+            args.job
+        );
+        return Ok(EXIT_LOST);
+    };
     eprintln!(
         "fence run: holding {} as {} with token {token}",
         args.job,
         client.owner_id()
     );
 
-    let (program, rest) = args.command.split_first().context("no command given")?;
-    let mut child = Command::new(program)
+    let Some((program, rest)) = args.command.split_first() else {
+        let _ = lease.release().await;
+        anyhow::bail!("no command given");
+    };
+    let spawned = Command::new(program)
         .args(rest)
         .env("FENCE_JOB", args.job.as_str())
         .env("FENCE_TOKEN", &token)
@@ -75,8 +81,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         .env("FENCE_OWNER", client.owner_id().as_str())
         .stdin(Stdio::inherit())
         .kill_on_drop(true)
-        .spawn()
-        .with_context(|| format!("cannot start {program:?}"))?;
+        .spawn();
+    let mut child = match spawned {
+        Ok(child) => child,
+        Err(e) => {
+            // Give the job back at once instead of leaving it held for the whole ttl.
+            let _ = lease.release().await;
+            return Err(anyhow::Error::new(e)
+                .context(format!("cannot start {program:?}; the job was released")));
+        }
+    };
     let pid = child
         .id()
         .and_then(|p| i32::try_from(p).ok())
@@ -156,6 +170,7 @@ async fn supervise(
 ) -> anyhow::Result<i32> {
     let mut sigint = signal(SignalKind::interrupt())?;
     let mut sigterm = signal(SignalKind::terminate())?;
+    let mut sighup = signal(SignalKind::hangup())?;
     let lost = lease.lost();
     tokio::pin!(lost);
     let status = loop {
@@ -163,6 +178,7 @@ async fn supervise(
             status = child.wait() => break status?,
             _ = sigint.recv() => send(pid, Signal::SIGINT),
             _ = sigterm.recv() => send(pid, Signal::SIGTERM),
+            _ = sighup.recv() => send(pid, Signal::SIGHUP),
             () = &mut lost => {
                 let reason = lease.loss_reason().map_or_else(|| "unknown".to_owned(), |r| r.to_string());
                 eprintln!("fence run: lease lost ({reason}); sending SIGTERM to the command");

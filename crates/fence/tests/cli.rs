@@ -350,3 +350,27 @@ fn server_and_proxy_exit_0_on_sigterm_and_keep_their_data() {
     ];
     assert_eq!(http_status(&addr, "POST", "/", &stale), 409);
 }
+
+#[test]
+fn fence_run_releases_the_job_when_the_command_cannot_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let out = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--job",
+        "j",
+        "--ttl",
+        "1h",
+        "--",
+        "/nonexistent/command",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("the job was released"));
+    assert_eq!(
+        json(&fence(&["status", "--server", &url, "--job", "j"]))["state"],
+        "free",
+        "not held for the 1 h ttl"
+    );
+}
