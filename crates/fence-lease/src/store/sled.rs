@@ -75,7 +75,13 @@ impl SledLeaseStore {
                 .map(|b| rules::Stored::decode(job, b))
                 .transpose()?;
             let (new, out) = f(cur.as_ref(), self.clock.now_ms())?;
-            let Some(new) = new else { return Ok(out) };
+            let Some(new) = new else {
+                // Nothing to write, but the answer may rest on another caller's write that is
+                // not on disk yet: answer only once it is, so no observer ever sees a
+                // generation a crash could take back.
+                self.commit.commit().await.map_err(io)?;
+                return Ok(out);
+            };
             match self
                 .tree
                 .compare_and_swap(key, raw, Some(new.encode()))
