@@ -54,6 +54,8 @@ pub struct LeaseClient<S> {
     ttl: Ttl,
     renew_every: Option<Duration>,
     margin: Option<Duration>,
+    /// Jobs held by live handles of this owner (shared by clones).
+    held: Arc<std::sync::Mutex<std::collections::HashSet<JobId>>>,
 }
 
 impl<S> Clone for LeaseClient<S> {
@@ -64,6 +66,7 @@ impl<S> Clone for LeaseClient<S> {
             ttl: self.ttl,
             renew_every: self.renew_every,
             margin: self.margin,
+            held: self.held.clone(),
         }
     }
 }
@@ -82,12 +85,14 @@ impl<S: LeaseStore> LeaseClient<S> {
             ttl: Ttl::DEFAULT,
             renew_every: None,
             margin: None,
+            held: Arc::default(),
         }
     }
 
     /// Claims under `owner` instead of the default name.
     pub fn owner(mut self, owner: Owner) -> Self {
         self.owner = owner;
+        self.held = Arc::default(); // another owner: another set of held jobs
         self
     }
 
@@ -154,6 +159,9 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// interval that does not fit the TTL.
     pub async fn claim(&self, job: JobId) -> Result<Lease<S>, ClaimError> {
         let timing = self.timing(self.ttl)?;
+        // A second claim by this owner would get the same lease back (the contract's retry
+        // rule): two tasks would then both hold one job. Refuse it here.
+        let held = HeldMark::take(&self.held, &job)?;
         let t_send = Instant::now();
         let budget = timing.ttl.as_duration() - timing.margin;
         let outcome = tokio::time::timeout(budget, self.store.claim(&job, &self.owner, self.ttl))
@@ -203,6 +211,7 @@ impl<S: LeaseStore> LeaseClient<S> {
             view: LeaseView { shared },
             store: self.store.clone(),
             keeper,
+            _held: held,
         })
     }
 }
@@ -270,6 +279,15 @@ pub enum ClaimError {
     /// The store failed.
     #[error("claim failed")]
     Store(#[from] StoreError),
+    /// A live handle of this client (same owner) already holds the job; a second claim would
+    /// get the same lease and generation back.
+    #[error(
+        "job {job} is already held by another handle of this client (owner); drop or finish it first"
+    )]
+    AlreadyHeld {
+        /// The job.
+        job: JobId,
+    },
     /// The client's timing does not fit the TTL.
     #[error("invalid lease timing: {0}")]
     Config(String),
@@ -440,6 +458,42 @@ pub struct Lease<S> {
     view: LeaseView,
     store: Arc<S>,
     keeper: JoinHandle<()>,
+    _held: HeldMark,
+}
+
+/// A job marked as held by a live handle of its client; unmarked when dropped.
+#[derive(Debug)]
+struct HeldMark {
+    set: Arc<std::sync::Mutex<std::collections::HashSet<JobId>>>,
+    job: JobId,
+}
+
+impl HeldMark {
+    fn take(
+        set: &Arc<std::sync::Mutex<std::collections::HashSet<JobId>>>,
+        job: &JobId,
+    ) -> Result<Self, ClaimError> {
+        if !set
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(job.clone())
+        {
+            return Err(ClaimError::AlreadyHeld { job: job.clone() });
+        }
+        Ok(Self {
+            set: set.clone(),
+            job: job.clone(),
+        })
+    }
+}
+
+impl Drop for HeldMark {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.job);
+    }
 }
 
 impl<S> std::ops::Deref for Lease<S> {
@@ -855,6 +909,20 @@ mod tests {
         let view = lease.view();
         drop(lease);
         assert!(view.is_lost());
+    }
+
+    #[tokio::test]
+    async fn one_client_cannot_hold_one_job_twice() {
+        let client = LeaseClient::new(MemoryLeaseStore::new());
+        let first = client.claim(job()).await.unwrap();
+        let shared = client.clone();
+        assert!(matches!(
+            shared.claim(job()).await,
+            Err(ClaimError::AlreadyHeld { .. })
+        ));
+        first.release().await.unwrap();
+        let again = shared.claim(job()).await.unwrap();
+        assert_eq!(again.generation(), Generation::new(2));
     }
 
     #[tokio::test]
