@@ -1552,7 +1552,23 @@ fn model_job(b: &[u8]) -> bool {
     (1..=256).contains(&b.len()) && b.iter().all(|c| (0x21..=0x7e).contains(c))
 }
 
+/// The generation a well-formed token names: `<generation>` or, since signed tokens
+/// (contract section 6), `<generation>.<signature>` with a non-empty visible-ASCII signature
+/// part (without verification configured, a signed token counts by its generation).
 fn model_token(b: &[u8]) -> Option<u64> {
+    match b.iter().position(|&c| c == b'.') {
+        Some(dot) => {
+            let signature = &b[dot + 1..];
+            if signature.is_empty() || !signature.iter().all(|c| (0x21..=0x7e).contains(c)) {
+                return None;
+            }
+            model_generation(&b[..dot])
+        }
+        None => model_generation(b),
+    }
+}
+
+fn model_generation(b: &[u8]) -> Option<u64> {
     let digits = (1..=20).contains(&b.len()) && b.iter().all(u8::is_ascii_digit) && b[0] != b'0';
     if !digits {
         return None;
