@@ -406,14 +406,15 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
     }
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
     // One more worker is a shell script under `fence run`: it reads FENCE_TOKEN once and
-    // writes with curl, as scripts do; fence run stops it when the lease is lost.
+    // writes with curl, as scripts do; fence run stops it when the lease is lost. It exits
+    // non-zero so fence run releases the job (exit 0 would complete it, for good).
     let curl = Command::new("curl")
         .arg("--version")
         .stdout(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
     if curl {
-        let script = r#"n=0; end=$(( $(date +%s) + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done'; sleep 0.05; done"#;
+        let script = r#"n=0; end=$(( $(date +%s) + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done; exit 9'; sleep 0.05; done"#;
         children.push(
             Command::new("sh")
                 .arg("-c")
