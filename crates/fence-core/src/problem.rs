@@ -99,6 +99,10 @@ problem_types! {
     BadRequest => "urn:fence:bad-request", 400, "Bad request";
     /// 502: the proxy could not reach its upstream (not in contract version 1; added by fence).
     UpstreamUnavailable => "urn:fence:upstream-unavailable", 502, "Upstream unavailable";
+    /// 404: no such path (not in contract version 1; added by fence).
+    NotFound => "urn:fence:not-found", 404, "Not found";
+    /// 405: the path exists, the method does not (not in contract version 1; added by fence).
+    MethodNotAllowed => "urn:fence:method-not-allowed", 405, "Method not allowed";
     /// 500: an unexpected failure inside fence (not in contract version 1; added by fence).
     Internal => "urn:fence:internal", 500, "Internal error";
 }
@@ -124,7 +128,7 @@ impl<'de> Deserialize<'de> for ProblemType {
 }
 
 /// An RFC 9457 problem details body.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
 #[non_exhaustive]
 pub struct Problem {
     /// The problem type.
@@ -154,6 +158,42 @@ pub struct Problem {
     /// How long the current lease has left (lease API).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_in_ms: Option<u64>,
+}
+
+impl Serialize for Problem {
+    /// Members that do not apply are left out, except `owner` on the lease problems, where
+    /// the contract names it: there a job nobody holds is `"owner": null`.
+    fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        use serde::ser::SerializeMap;
+        let mut m = s.serialize_map(None)?;
+        m.serialize_entry("type", &self.kind)?;
+        m.serialize_entry("title", &self.title)?;
+        m.serialize_entry("status", &self.status)?;
+        m.serialize_entry("detail", &self.detail)?;
+        if let Some(job) = &self.job {
+            m.serialize_entry("job", job)?;
+        }
+        if let Some(token) = self.token {
+            m.serialize_entry("token", &token)?;
+        }
+        if let Some(highest) = self.highest {
+            m.serialize_entry("highest", &highest)?;
+        }
+        let names_owner = matches!(
+            self.kind,
+            ProblemType::LeaseHeld | ProblemType::LeaseLost | ProblemType::JobCompleted
+        );
+        if self.owner.is_some() || names_owner {
+            m.serialize_entry("owner", &self.owner)?;
+        }
+        if let Some(generation) = self.generation {
+            m.serialize_entry("generation", &generation)?;
+        }
+        if let Some(ms) = self.expires_in_ms {
+            m.serialize_entry("expires_in_ms", &ms)?;
+        }
+        m.end()
+    }
 }
 
 impl Problem {
@@ -284,5 +324,17 @@ mod tests {
         );
         let back: Problem = serde_json::from_value(v).unwrap();
         assert_eq!(back, p);
+        let lost = Problem::new(ProblemType::LeaseLost, "lost")
+            .with_owner(None)
+            .with_generation(3);
+        let v: serde_json::Value = serde_json::from_slice(&lost.to_json()).unwrap();
+        assert_eq!(
+            (
+                v["owner"].is_null(),
+                v.get("owner").is_some(),
+                &v["generation"]
+            ),
+            (true, true, &serde_json::json!(3))
+        );
     }
 }

@@ -233,31 +233,25 @@ fn admin(handle: &PrometheusHandle, req: &Request<Incoming>) -> Response<Full<By
         "/metrics" if get => text("text/plain; version=0.0.4", handle.render()),
         "/healthz" if get => text("text/plain; charset=utf-8", "ok\n".to_owned()),
         "/metrics" | "/healthz" => {
-            let mut p = Problem::new(
-                ProblemType::BadRequest,
+            let p = Problem::new(
+                ProblemType::MethodNotAllowed,
                 format!(
                     "{} {}: only GET and HEAD are allowed",
                     req.method(),
                     req.uri().path()
                 ),
             );
-            p.status = StatusCode::METHOD_NOT_ALLOWED.as_u16();
-            p.title = "Method not allowed".into();
             let mut response = p.to_response::<Full<Bytes>>();
             response
                 .headers_mut()
                 .insert(ALLOW, HeaderValue::from_static("GET, HEAD"));
             response
         }
-        path => {
-            let mut p = Problem::new(
-                ProblemType::BadRequest,
-                format!("{path} is not served here; see GET /metrics and GET /healthz"),
-            );
-            p.status = StatusCode::NOT_FOUND.as_u16();
-            p.title = "Not found".into();
-            p.to_response()
-        }
+        path => Problem::new(
+            ProblemType::NotFound,
+            format!("{path} is not served here; see GET /metrics and GET /healthz"),
+        )
+        .to_response(),
     }
 }
 
@@ -392,13 +386,10 @@ impl Upstream {
         let (mut parts, body) = req.into_parts();
         if parts.method == Method::CONNECT {
             outcome("bad_target", started);
-            let mut p = Problem::new(
-                ProblemType::BadRequest,
+            return problem(Problem::new(
+                ProblemType::MethodNotAllowed,
                 "CONNECT is not supported: this is a reverse proxy, not a tunnel",
-            );
-            p.status = StatusCode::METHOD_NOT_ALLOWED.as_u16();
-            p.title = "Method not allowed".into();
-            return problem(p);
+            ));
         }
         let uri = match self.target.uri_for(&parts.uri) {
             Ok(uri) => uri,

@@ -45,6 +45,7 @@ pub fn router<S: LeaseStore>(store: Arc<S>, metrics: Option<PrometheusHandle>) -
         .route("/healthz", get(healthz::<S>))
         .route("/metrics", get(render_metrics::<S>))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .with_state(state)
 }
 
@@ -362,8 +363,13 @@ async fn not_found(method: axum::http::Method, uri: axum::http::Uri) -> Response
         "{method} {} is not part of the lease API; see POST /v1/leases/{{job}}/claim|renew|release|complete and GET /v1/leases/{{job}}",
         uri.path()
     );
-    let mut p = Problem::new(ProblemType::BadRequest, detail);
-    p.status = 404;
-    p.title = "Not found".into();
-    ProblemResponse(p).into_response()
+    ProblemResponse(Problem::new(ProblemType::NotFound, detail)).into_response()
+}
+
+async fn method_not_allowed(method: axum::http::Method, uri: axum::http::Uri) -> Response {
+    let detail = format!(
+        "{method} {} is not allowed: claim, renew, release and complete are POST; a job's record is GET",
+        uri.path()
+    );
+    ProblemResponse(Problem::new(ProblemType::MethodNotAllowed, detail)).into_response()
 }

@@ -174,7 +174,15 @@ async fn unknown_paths_and_jobs_are_problems_too() {
     let (status, p) = call("GET", "/v2/whatever", "").await;
     assert_eq!(
         (status, p["type"].as_str()),
-        (StatusCode::NOT_FOUND, Some("urn:fence:bad-request"))
+        (StatusCode::NOT_FOUND, Some("urn:fence:not-found"))
+    );
+    let (status, p) = call("GET", "/v1/leases/j/claim", "").await;
+    assert_eq!(
+        (status, p["type"].as_str()),
+        (
+            StatusCode::METHOD_NOT_ALLOWED,
+            Some("urn:fence:method-not-allowed")
+        )
     );
     let (status, p) = call("GET", "/v1/leases/never", "").await;
     assert_eq!(
