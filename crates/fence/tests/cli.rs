@@ -144,21 +144,23 @@ fn fence_run_stops_its_command_before_the_store_side_expiry() {
     let mut expiry = rx.recv_timeout(Duration::from_secs(10)).expect("a renewal");
     signal(&server, "-STOP"); // the lease server stops answering
     let started = Instant::now();
-    while !term_file.exists() {
+    // The shell creates the file before `date` writes into it: wait for a whole number.
+    let term_at: u64 = loop {
         assert!(
             started.elapsed() < Duration::from_secs(10),
             "the command never got SIGTERM"
         );
+        if let Some(ms) = std::fs::read_to_string(&term_file)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            break ms;
+        }
         std::thread::sleep(Duration::from_millis(10));
-    }
+    };
     while let Ok(e) = rx.try_recv() {
         expiry = e; // renewals that were answered before the stop
     }
-    let term_at: u64 = std::fs::read_to_string(&term_file)
-        .unwrap()
-        .trim()
-        .parse()
-        .unwrap();
     assert!(
         term_at < expiry,
         "SIGTERM at {term_at} ms, store-side expiry at {expiry} ms"
