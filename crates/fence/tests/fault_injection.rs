@@ -152,9 +152,16 @@ struct Effect {
     seq: u64,
 }
 
-/// The upstream: logs every effect when it arrives, then answers slowly (so requests are in
-/// flight during generation bumps).
-async fn start_logging_upstream(log: Arc<Mutex<Vec<Effect>>>, seed: u64) -> String {
+/// The upstream: appends every effect to a durable log (one line each: job, token, worker,
+/// sequence, receive time in ms; synced before the answer) when it arrives, then answers
+/// slowly (so requests are in flight during generation bumps).
+async fn start_logging_upstream(log_path: &std::path::Path, seed: u64) -> String {
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_path)
+        .unwrap();
+    let log = Arc::new(Mutex::new(file));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     let rng = Arc::new(Mutex::new(Rng(seed | 1)));
@@ -178,12 +185,23 @@ async fn start_logging_upstream(log: Arc<Mutex<Vec<Effect>>>, seed: u64) -> Stri
                             .unwrap_or("0")
                             .parse()
                             .unwrap_or(0);
-                        log.lock().unwrap().push(Effect {
-                            job: h("x-fencing-job"),
-                            token,
-                            worker: h("x-worker").parse().unwrap_or(0),
-                            seq: h("x-seq").parse().unwrap_or(0),
-                        });
+                        let received_ms = std::time::SystemTime::now()
+                            .duration_since(std::time::UNIX_EPOCH)
+                            .unwrap()
+                            .as_millis();
+                        let line = format!(
+                            "{} {token} {} {} {received_ms}\n",
+                            h("x-fencing-job"),
+                            h("x-worker").parse::<u64>().unwrap_or(0),
+                            h("x-seq").parse::<u64>().unwrap_or(0)
+                        );
+                        {
+                            // One writer at a time: the file's order is the order of arrival.
+                            use std::io::Write;
+                            let mut file = log.lock().unwrap();
+                            file.write_all(line.as_bytes()).unwrap();
+                            file.sync_data().unwrap();
+                        }
                         let slow = rng.lock().unwrap().below(15);
                         tokio::time::sleep(Duration::from_millis(slow)).await;
                         Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
@@ -320,8 +338,8 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
 async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
     let _turn = ONE_RUN_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
-    let log: Arc<Mutex<Vec<Effect>>> = Arc::default();
-    let upstream = start_logging_upstream(log.clone(), seed).await;
+    let log_path = dir.path().join("effects.log");
+    let upstream = start_logging_upstream(&log_path, seed).await;
     let (server_port, proxy_port) = (free_port(), free_port());
     let leases = dir.path().join("leases");
     let sink = dir.path().join("sink");
@@ -499,7 +517,19 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
         .faults
         .entry("more workers than jobs (6 on 3)")
         .or_default() += 1;
-    let effects = log.lock().unwrap().clone();
+    let effects: Vec<Effect> = std::fs::read_to_string(&log_path)
+        .unwrap()
+        .lines()
+        .map(|l| {
+            let f: Vec<&str> = l.split(' ').collect();
+            Effect {
+                job: f[0].to_owned(),
+                token: f[1].parse().unwrap(),
+                worker: f[2].parse().unwrap(),
+                seq: f[3].parse().unwrap(),
+            }
+        })
+        .collect();
     check(&effects, &logs, &mut report);
     report
 }
