@@ -62,7 +62,8 @@ struct GateParams {
 pub struct FenceLayer<St> {
     store: Arc<St>,
     params: GateParams,
-    pub(crate) config: Config,
+    /// Shared by clones: a fenced request clones the layer, so this must be cheap to copy.
+    pub(crate) config: Arc<Config>,
     pub(crate) gates: Arc<Gates<St>>,
     sweeper: Arc<OnceLock<()>>,
 }
@@ -106,14 +107,14 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             drain_timeout: Duration::from_secs(10),
         };
         let gates = Arc::new(Gates::new(store.clone()));
-        let config = Config {
+        let config = Arc::new(Config {
             methods: vec![Method::POST, Method::PUT, Method::PATCH, Method::DELETE],
             predicate: None,
             require_token: true,
             idempotency: Some(IdempotencyConfig::default()),
             run_to_completion: false,
             signatures: None,
-        };
+        });
         Self {
             store,
             params,
@@ -140,8 +141,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
 
     /// Fences requests with these methods (default: POST, PUT, PATCH, DELETE); others pass unfenced.
     pub fn fence_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
-        self.config.methods = methods.into_iter().collect();
-        self.config.predicate = None;
+        Arc::make_mut(&mut self.config).methods = methods.into_iter().collect();
+        Arc::make_mut(&mut self.config).predicate = None;
         self
     }
 
@@ -151,19 +152,19 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         mut self,
         predicate: impl Fn(&Parts) -> bool + Send + Sync + 'static,
     ) -> Self {
-        self.config.predicate = Some(Arc::new(predicate));
+        Arc::make_mut(&mut self.config).predicate = Some(Arc::new(predicate));
         self
     }
 
     /// Lets fenced requests without fencing headers through instead of answering 428.
     pub fn allow_missing_token(mut self) -> Self {
-        self.config.require_token = false;
+        Arc::make_mut(&mut self.config).require_token = false;
         self
     }
 
     /// Answers 428 to fenced requests without fencing headers (the default).
     pub fn require_token(mut self) -> Self {
-        self.config.require_token = true;
+        Arc::make_mut(&mut self.config).require_token = true;
         self
     }
 
@@ -186,7 +187,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
 
     /// Handles `Idempotency-Key` as configured (on by default with [`IdempotencyConfig::default`]).
     pub fn idempotency(mut self, config: IdempotencyConfig) -> Self {
-        self.config.idempotency = Some(config);
+        Arc::make_mut(&mut self.config).idempotency = Some(config);
         self
     }
 
@@ -196,7 +197,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// something that goes on without it (a proxy's upstream); an in-process handler whose
     /// future is dropped is cancelled with it and does not need this. Needs a tokio runtime.
     pub fn run_to_completion(mut self) -> Self {
-        self.config.run_to_completion = true;
+        Arc::make_mut(&mut self.config).run_to_completion = true;
         self
     }
 
@@ -206,16 +207,15 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// token never moves `highest`. Each (job, generation, signature) is verified once; later
     /// requests with the same token are answered from a cache.
     pub fn require_signatures(mut self, verifier: fence_core::signing::TokenVerifier) -> Self {
-        self.config.signatures = Some(Arc::new(super::signature::Signatures::new(
-            verifier,
-            self.params.max_cached_jobs,
-        )));
+        Arc::make_mut(&mut self.config).signatures = Some(Arc::new(
+            super::signature::Signatures::new(verifier, self.params.max_cached_jobs),
+        ));
         self
     }
 
     /// Ignores `Idempotency-Key` (it is still checked for syntax).
     pub fn without_idempotency(mut self) -> Self {
-        self.config.idempotency = None;
+        Arc::make_mut(&mut self.config).idempotency = None;
         self
     }
 
