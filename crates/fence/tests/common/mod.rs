@@ -34,23 +34,14 @@ pub fn fence(args: &[&str]) -> Output {
 
 /// Starts `fence server` on an ephemeral port and returns it with its URL.
 pub fn start_server(dir: &Path) -> (Proc, String) {
-    let mut child = Command::new(FENCE)
-        .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
-        .arg(dir)
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let stderr = child.stderr.take().unwrap();
-    let mut lines = BufReader::new(stderr).lines();
-    let url = loop {
-        let line = lines.next().expect("server printed its address").unwrap();
-        if let Some(rest) = line.split("listen=").nth(1) {
-            break format!("http://{}", rest.split_whitespace().next().unwrap());
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop)); // keep draining
-    (Proc(child), url)
+    let (proc, addr) = start_ready(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        dir.to_str().unwrap(),
+    ]);
+    (proc, format!("http://{addr}"))
 }
 
 pub fn json(out: &Output) -> serde_json::Value {
@@ -138,33 +129,18 @@ pub fn start_upstream() -> String {
 }
 
 pub fn start_proxy(dir: &Path, upstream: &str) -> (Proc, String) {
-    let mut child = Command::new(FENCE)
-        .args([
-            "proxy",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--upstream",
-        ])
-        .arg(format!("http://{upstream}"))
-        .arg("--data-dir")
-        .arg(dir)
-        .env("RUST_LOG", "info")
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let addr = loop {
-        let line = lines.next().expect("proxy printed its address").unwrap();
-        if line.contains("ready") {
-            if let Some(rest) = line.split("listen=").nth(1) {
-                break rest.split_whitespace().next().unwrap().to_owned();
-            }
-        }
-    };
-    std::thread::spawn(move || lines.for_each(drop));
-    (Proc(child), addr)
+    let upstream = format!("http://{upstream}");
+    start_ready(&[
+        "proxy",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        &upstream,
+        "--data-dir",
+        dir.to_str().unwrap(),
+    ])
 }
 
 /// Starts `fence ARGS...` and waits for its "ready" log line; returns it with its address.
