@@ -21,7 +21,8 @@ pub use store::postgres;
 pub mod conformance;
 
 pub use fence::{
-    Fence, FenceLayer, FencePredicate, Fenced, RequestBody, ResponseBody, ResponseFuture,
+    CacheStats, Fence, FenceLayer, FencePredicate, Fenced, RequestBody, ResponseBody,
+    ResponseFuture,
 };
 pub use idempotency::{Fingerprint, IdempotencyConfig, OutcomeUnknown, StoredResponse};
 pub use store::{

@@ -13,16 +13,21 @@ use http::{Request, Response, StatusCode};
 use tokio::sync::{Notify, mpsc};
 use tower::{Layer, ServiceExt, service_fn};
 
-/// A memory store whose `observe` waits for a go-ahead when `gated` is set.
+/// A memory store whose `observe` waits for a go-ahead when `gated` is set, and panics on
+/// the token `panic_at` (0: never).
 #[derive(Clone, Default)]
 struct Gated {
     inner: MemoryStore,
     gated: Arc<std::sync::atomic::AtomicBool>,
     go: Arc<Notify>,
+    panic_at: Arc<std::sync::atomic::AtomicU64>,
 }
 
 impl GenerationStore for Gated {
     async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        if self.panic_at.load(std::sync::atomic::Ordering::SeqCst) == token.get() {
+            panic!("the store failed badly on token {token}");
+        }
         if self.gated.load(std::sync::atomic::Ordering::SeqCst) {
             self.go.notified().await;
         }
@@ -92,6 +97,28 @@ async fn a_withdrawn_higher_bump_does_not_outlive_the_running_one() {
         200,
         "the abandoned 7 must not fence 6 out"
     );
+}
+
+#[tokio::test]
+async fn a_bump_whose_store_panics_does_not_wedge_the_job() {
+    let store = Gated::default();
+    let svc = FenceLayer::new(store.clone())
+        .drain_timeout(Duration::from_secs(3600))
+        .layer(service_fn(|_r: Request<RequestBody<String>>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }));
+    assert_eq!(svc.clone().oneshot(post(5)).await.unwrap().status(), 200);
+    store.panic_at.store(6, std::sync::atomic::Ordering::SeqCst);
+    let six = tokio::spawn(svc.clone().oneshot(post(6)));
+    assert!(
+        six.await.unwrap_err().is_panic(),
+        "the store's panic reaches the caller"
+    );
+    // Without the bump's marks undone, 7 would wait for the running bump of 6 for an hour.
+    let seven = tokio::time::timeout(Duration::from_secs(5), svc.clone().oneshot(post(7)))
+        .await
+        .expect("7 was not held up by the bump that panicked");
+    assert_eq!(seven.unwrap().status(), 200);
 }
 
 #[tokio::test]

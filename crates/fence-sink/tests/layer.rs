@@ -598,6 +598,47 @@ async fn stale_token_gets_409_with_job_token_and_highest() {
 }
 
 #[tokio::test]
+async fn an_idle_job_is_answered_from_memory_with_its_highest() {
+    let (app, _started) = App::new();
+    let layer = FenceLayer::new(FlakyStore::default()).without_idempotency();
+    let svc = layer.layer(app.clone());
+    assert_eq!(send(&svc, post(JOB, 3)).await.status, 201);
+    assert_eq!(send(&svc, post(JOB, 5)).await.status, 201);
+    // Every request has finished, so the job is idle in the cache. With the store failing,
+    // only memory can answer.
+    layer.store().fail.store(true, Ordering::SeqCst);
+    assert_eq!(
+        send(&svc, post(JOB, 5)).await.status,
+        201,
+        "the current token passes from memory"
+    );
+    let p = send(&svc, post(JOB, 4))
+        .await
+        .problem(409, "urn:fence:stale-token");
+    assert_eq!(p.highest, Some(5), "the idle entry kept the highest");
+    assert_eq!(
+        send(&svc, post(JOB, 6)).await.status,
+        503,
+        "a bump still needs the store"
+    );
+    layer.store().fail.store(false, Ordering::SeqCst);
+    assert_eq!(send(&svc, post(JOB, 6)).await.status, 201);
+    assert_eq!(
+        send(&svc, post(JOB, 5))
+            .await
+            .problem(409, "urn:fence:stale-token")
+            .highest,
+        Some(6)
+    );
+    let stats = layer.cache_stats();
+    assert_eq!(
+        (stats.cached_jobs, stats.misses, stats.hits),
+        (1, 1, 6),
+        "one read of the store, then memory"
+    );
+}
+
+#[tokio::test]
 async fn malformed_headers_get_400() {
     let (app, _started) = App::new();
     let svc = FenceLayer::new(MemoryStore::new()).layer(app.clone());

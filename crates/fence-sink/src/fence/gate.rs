@@ -10,9 +10,18 @@
 //! The map may answer "stale" alone; it never admits a higher token without the store's
 //! durable write. Only gates nobody holds are evicted (`remove_if` on the map's own
 //! reference), and a new gate loads `highest` from the store before it decides.
+//!
+//! Memory: most cached jobs are idle (nothing in flight, no bump pending), and an idle job
+//! needs only its highest generation. A gate exists while its job is busy: every holder of a
+//! gate (an admission in progress, a request in flight, a bump task) lets go of it under the
+//! map shard's lock, and the last one out of a quiet gate collapses the entry back to
+//! [`Slot::Idle`], 16 bytes beside the key.
 
 use std::{
-    sync::{Arc, Mutex, MutexGuard},
+    sync::{
+        Arc, Mutex, MutexGuard,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
     time::Duration,
 };
 
@@ -62,16 +71,141 @@ struct GateState {
     bumping: Option<Generation>,
 }
 
-#[derive(Debug, Default)]
+/// One job's entry in the map.
+#[derive(Debug)]
+enum Slot {
+    /// Loaded from the store, nothing in flight, no bump pending or running.
+    Idle(Generation),
+    /// Busy, or not loaded yet.
+    Active(Arc<Gate>),
+}
+
+type Map = DashMap<JobId, Slot>;
+
+#[derive(Debug)]
 pub(crate) struct Gate {
+    job: JobId,
     loaded: OnceCell<()>,
     state: Mutex<GateState>,
     changed: Notify,
 }
 
 impl Gate {
+    fn unloaded(job: JobId) -> Self {
+        Self {
+            job,
+            loaded: OnceCell::new(),
+            state: Mutex::default(),
+            changed: Notify::new(),
+        }
+    }
+
+    fn idle(job: JobId, highest: Generation) -> Self {
+        Self {
+            job,
+            loaded: OnceCell::new_with(Some(())),
+            state: Mutex::new(GateState {
+                highest,
+                ..GateState::default()
+            }),
+            changed: Notify::new(),
+        }
+    }
+
     fn lock(&self) -> MutexGuard<'_, GateState> {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// The highest generation, when the gate holds nothing but that: loaded, nothing in
+    /// flight, no bump pending or running.
+    fn quiet(&self) -> Option<Generation> {
+        if !self.loaded.initialized() {
+            return None;
+        }
+        let s = self.lock();
+        (s.in_flight == 0 && s.pending.is_none() && s.bumping.is_none()).then_some(s.highest)
+    }
+}
+
+impl Slot {
+    /// The gate of a busy job; an idle one gets a fresh gate holding its highest generation.
+    fn activate(&mut self, job: &JobId) -> Arc<Gate> {
+        match self {
+            Slot::Active(gate) => gate.clone(),
+            Slot::Idle(highest) => {
+                let gate = Arc::new(Gate::idle(job.clone(), *highest));
+                *self = Slot::Active(gate.clone());
+                gate
+            }
+        }
+    }
+
+    /// Whether eviction may drop this entry: idle, or a gate nobody but the map holds.
+    fn evictable(&self) -> bool {
+        match self {
+            Slot::Idle(_) => true,
+            Slot::Active(gate) => Arc::strong_count(gate) == 1,
+        }
+    }
+}
+
+/// Lets go of one holder's reference to `gate`, under the write lock of its map shard; when
+/// that leaves the map as the only holder and the gate is quiet, the entry becomes
+/// [`Slot::Idle`]. Every holder lets go this way, so whichever is last sees the count at 1:
+/// under the lock nobody can take a new reference, and every other holder is gone.
+fn release(map: &Map, gate: Arc<Gate>) {
+    let Some(mut slot) = map.get_mut(&gate.job) else {
+        return;
+    };
+    let highest = match &*slot {
+        Slot::Active(current) if Arc::ptr_eq(current, &gate) => {
+            drop(gate);
+            if Arc::strong_count(current) == 1 {
+                current.quiet()
+            } else {
+                None
+            }
+        }
+        _ => None, // evicted, or replaced after an eviction: nothing of ours to collapse
+    };
+    if let Some(highest) = highest {
+        *slot = Slot::Idle(highest);
+    }
+}
+
+/// An admission's own hold on its gate, let go through [`release`] however the admission
+/// ends (also when its future is dropped).
+struct Held<'a> {
+    map: &'a Map,
+    gate: Option<Arc<Gate>>,
+}
+
+impl Drop for Held<'_> {
+    fn drop(&mut self) {
+        if let Some(gate) = self.gate.take() {
+            release(self.map, gate);
+        }
+    }
+}
+
+/// Undoes a bump's marks when its task ends without settling (a panic in the store, or the
+/// runtime shutting down), so the job is not left waiting on a bump that will never finish.
+struct Unsettled<'a> {
+    gate: &'a Gate,
+    token: Generation,
+}
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        let mut s = self.gate.lock();
+        if s.bumping == Some(self.token) {
+            s.bumping = None;
+            if s.pending == Some(self.token) {
+                s.pending = None;
+            }
+        }
+        drop(s);
+        self.gate.changed.notify_waiters();
     }
 }
 
@@ -98,21 +232,35 @@ impl Drop for PendingMark<'_> {
     }
 }
 
-/// Marks one admitted request in flight; dropping it lets a waiting bump proceed.
+/// Marks one admitted request in flight; dropping it lets a waiting bump proceed, and the
+/// last one out of a quiet job returns its entry to [`Slot::Idle`].
 #[derive(Debug)]
 pub(crate) struct InFlight {
-    gate: Arc<Gate>,
+    /// Taken only in `drop`.
+    gate: Option<Arc<Gate>>,
+    map: Arc<Map>,
+}
+
+impl InFlight {
+    fn new(gate: &Arc<Gate>, map: &Arc<Map>) -> Self {
+        Self {
+            gate: Some(gate.clone()),
+            map: map.clone(),
+        }
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let mut s = self.gate.lock();
+        let Some(gate) = self.gate.take() else { return };
+        let mut s = gate.lock();
         s.in_flight -= 1;
         let drained = s.in_flight == 0;
         drop(s);
         if drained {
-            self.gate.changed.notify_waiters();
+            gate.changed.notify_waiters();
         }
+        release(&self.map, gate);
     }
 }
 
@@ -128,18 +276,44 @@ pub(crate) struct Limits {
     pub(crate) drain_timeout: Duration,
 }
 
+/// How the job cache has served lookups since the layer was built.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct CacheStats {
+    /// Jobs held in memory now.
+    pub cached_jobs: usize,
+    /// Fenced requests whose job was in memory.
+    pub hits: u64,
+    /// Reads of a job's highest generation from the store, to fill the cache (concurrent
+    /// requests for one uncached job share one read).
+    pub misses: u64,
+}
+
 /// All gates of one layer and its clones.
 #[derive(Debug)]
 pub(crate) struct Gates<St> {
-    map: DashMap<JobId, Arc<Gate>>,
+    map: Arc<Map>,
     store: Arc<St>,
+    lookups: AtomicU64,
+    reads: AtomicU64,
 }
 
 impl<St: GenerationStore> Gates<St> {
     pub(crate) fn new(store: Arc<St>) -> Self {
         Self {
-            map: DashMap::new(),
+            map: Arc::default(),
             store,
+            lookups: AtomicU64::new(0),
+            reads: AtomicU64::new(0),
+        }
+    }
+
+    pub(crate) fn stats(&self) -> CacheStats {
+        let reads = self.reads.load(Relaxed);
+        CacheStats {
+            cached_jobs: self.map.len(),
+            hits: self.lookups.load(Relaxed).saturating_sub(reads),
+            misses: reads,
         }
     }
 
@@ -153,10 +327,15 @@ impl<St: GenerationStore> Gates<St> {
     }
 
     fn gate(&self, job: &JobId, capacity: usize) -> Arc<Gate> {
-        if let Some(g) = self.map.get(job) {
-            return g.clone();
+        self.lookups.fetch_add(1, Relaxed);
+        if let Some(mut slot) = self.map.get_mut(job) {
+            return slot.activate(job);
         }
-        let gate = self.map.entry(job.clone()).or_default().clone();
+        let gate = self
+            .map
+            .entry(job.clone())
+            .or_insert_with(|| Slot::Active(Arc::new(Gate::unloaded(job.clone()))))
+            .activate(job);
         if self.map.len() > capacity.max(1) {
             self.evict(capacity.max(1));
         }
@@ -171,18 +350,19 @@ impl<St: GenerationStore> Gates<St> {
         let idle: Vec<JobId> = self
             .map
             .iter()
-            .filter(|e| Arc::strong_count(e.value()) == 1)
+            .filter(|e| e.value().evictable())
             .map(|e| e.key().clone())
             .take(excess)
             .collect();
         for job in idle {
             // Atomic with the check: nobody can take the gate between the test and the removal.
-            self.map.remove_if(&job, |_, g| Arc::strong_count(g) == 1);
+            self.map.remove_if(&job, |_, slot| slot.evictable());
         }
     }
 
     async fn load(&self, gate: &Gate, job: &JobId, timeout: Duration) -> Result<(), StoreError> {
         let init = gate.loaded.get_or_try_init(|| async {
+            self.reads.fetch_add(1, Relaxed);
             let highest = self.store.highest(job).await?;
             let mut s = gate.lock();
             s.highest = s.highest.max(highest);
@@ -215,13 +395,27 @@ impl<St: GenerationStore> Gates<St> {
         token: Generation,
         limits: Limits,
     ) -> Admission {
-        let gate = self.gate(job, limits.capacity);
-        if let Err(e) = self.load(&gate, job, limits.store_timeout).await {
+        let held = Held {
+            map: &self.map,
+            gate: Some(self.gate(job, limits.capacity)),
+        };
+        let gate = held.gate.as_ref().expect("set above");
+        self.decide_on(gate, job, token, limits).await
+    }
+
+    async fn decide_on(
+        self: &Arc<Self>,
+        gate: &Arc<Gate>,
+        job: &JobId,
+        token: Generation,
+        limits: Limits,
+    ) -> Admission {
+        if let Err(e) = self.load(gate, job, limits.store_timeout).await {
             return Admission::StoreFailed(e);
         }
         let deadline = Instant::now() + limits.drain_timeout;
         let mut mark = PendingMark {
-            gate: &gate,
+            gate,
             token,
             active: false,
         };
@@ -229,11 +423,11 @@ impl<St: GenerationStore> Gates<St> {
             let notified = gate.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable(); // registered before the check: no wake-up is missed
-            match self.decide(&gate, token) {
+            match self.decide(gate, token) {
                 Step::Stale { highest, pending } => return Admission::Stale { highest, pending },
                 Step::Current(guard) if self.store.is_shared() => {
                     return self
-                        .confirm(&gate, job, token, guard, limits.store_timeout)
+                        .confirm(gate, job, token, guard, limits.store_timeout)
                         .await;
                 }
                 Step::Current(guard) => return Admission::Admitted(guard),
@@ -264,7 +458,7 @@ impl<St: GenerationStore> Gates<St> {
         }
         if token == s.highest {
             s.in_flight += 1;
-            return Step::Current(InFlight { gate: gate.clone() });
+            return Step::Current(InFlight::new(gate, &self.map));
         }
         // token > highest: a bump, once every older request has finished.
         let raised = s.pending.is_some_and(|p| token > p);
@@ -319,9 +513,12 @@ impl<St: GenerationStore> Gates<St> {
     ) -> Admission {
         let gates = self.clone();
         let task = tokio::spawn(async move {
+            let unsettled = Unsettled { gate: &gate, token };
             let result = gates.observe(&job, token, timeout).await;
-            let admission = Self::settle(&gate, token, result);
+            std::mem::forget(unsettled);
+            let admission = Self::settle(&gate, &gates.map, token, result);
             gate.changed.notify_waiters();
+            release(&gates.map, gate);
             admission
         });
         match task.await {
@@ -333,6 +530,7 @@ impl<St: GenerationStore> Gates<St> {
 
     fn settle(
         gate: &Arc<Gate>,
+        map: &Arc<Map>,
         token: Generation,
         result: Result<Verdict, StoreError>,
     ) -> Admission {
@@ -345,7 +543,7 @@ impl<St: GenerationStore> Gates<St> {
             Ok(Verdict::Accepted) => {
                 s.highest = token;
                 s.in_flight += 1;
-                Admission::Admitted(InFlight { gate: gate.clone() })
+                Admission::Admitted(InFlight::new(gate, map))
             }
             Ok(Verdict::Stale { highest }) => {
                 s.highest = s.highest.max(highest);

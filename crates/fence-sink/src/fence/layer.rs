@@ -8,7 +8,10 @@ use std::{
 use http::{Method, request::Parts};
 use tower_layer::Layer;
 
-use super::{Fence, gate::Gates};
+use super::{
+    Fence,
+    gate::{CacheStats, Gates},
+};
 use crate::{
     GenerationStore, IdempotencyStore,
     idempotency::{IdempotencyConfig, spawn_sweeper},
@@ -227,6 +230,12 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// How many jobs the layer holds in memory now.
     pub fn cached_jobs(&self) -> usize {
         self.gates.len()
+    }
+
+    /// The job cache's size and how often it answered fenced requests without reading the
+    /// store, shared by every clone of this layer.
+    pub fn cache_stats(&self) -> CacheStats {
+        self.gates.stats()
     }
 }
 

@@ -30,6 +30,7 @@ pub(crate) mod signature;
 
 pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
+pub use gate::CacheStats;
 pub use layer::{FenceLayer, FencePredicate};
 pub(crate) use service::reject;
 pub use service::{Fence, Fenced};
