@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Lease operations per second at 1, 8 and 64 clients: the sled store, PgLeaseStore, and
 # pgbench running the equivalent raw renewal UPDATE, in one session. Appends to BENCHMARKS.md.
-# Usage: DATABASE_URL=postgres://... bench/lease_load.sh [SECONDS=5]
+# Usage: DATABASE_URL=postgres://... bench/lease_stores.sh [SECONDS=5]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 secs=${1:-5}
@@ -31,7 +31,7 @@ rm -f "$script"
   echo "### Lease stores under load, $(date -u +%F), $(nproc) cores, ${secs}s per cell"
   echo
   echo '```'
-  echo "DATABASE_URL=... bench/lease_load.sh $secs"
+  echo "DATABASE_URL=... bench/lease_stores.sh $secs"
   echo '```'
   echo
   echo "| clients | sled claim+release pairs/s | sled renewals/s | PgLeaseStore claim+release pairs/s | PgLeaseStore renewals/s | pgbench raw renew UPDATE/s |"

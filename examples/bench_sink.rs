@@ -3,20 +3,64 @@
 //! ```text
 //! cargo run --release --example bench_sink -- bare   127.0.0.1:9001
 //! cargo run --release --example bench_sink -- fenced 127.0.0.1:9002 /tmp/bench-sink-data
+//! cargo run --release --example bench_sink -- seed   /tmp/bench-sink-data 1000000
+//! cargo run --release --example bench_sink -- proxy  127.0.0.1:9003 127.0.0.1:9001
 //! ```
-//! Used by `bench/sink_load.sh`.
+//! `proxy` is the least a hyper reverse proxy does (hyper-util's pooled client, no fence, no
+//! header rewriting, no task per request): the floor `fence proxy` is built on, measured beside
+//! it and nginx.
+//! `fenced` caches up to `CACHE` jobs (environment, default 1,000,000) and answers
+//! `GET /_stats` with `cached_jobs hits misses rss_bytes`. `seed` stores generation 1 for the
+//! jobs `s-0` .. `s-<N-1>` the way `SledStore` keeps them (in bulk, then one flush), for the
+//! scale runs. Used by `bench/sink_load.sh` and `bench/sink_scale.sh`.
 
 use std::convert::Infallible;
 
 use bytes::Bytes;
 use fence_sink::{FenceLayer, SledStore};
-use http_body_util::Full;
-use hyper::{Request, Response, server::conn::http1};
-use hyper_util::{rt::TokioIo, service::TowerToHyperService};
-use tower::{ServiceBuilder, service_fn};
+use http_body_util::{Either, Full};
+use hyper::{Request, Response, StatusCode, body::Incoming, server::conn::http1};
+use hyper_util::{
+    client::legacy::{Client, connect::HttpConnector},
+    rt::{TokioExecutor, TokioIo},
+    service::TowerToHyperService,
+};
+use tower::{Layer, ServiceExt, service_fn};
 
 async fn hello<B>(_req: Request<B>) -> Result<Response<Full<Bytes>>, Infallible> {
     Ok(Response::new(Full::new(Bytes::from_static(b"hello\n"))))
+}
+
+/// The process's resident set in bytes (0 when /proc is not there).
+fn rss() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .ok()
+        .and_then(|s| {
+            let kb = s.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
+            kb.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
+        })
+        .map_or(0, |kb| kb * 1024)
+}
+
+/// Stores generation 1 for jobs `s-0` .. `s-<jobs-1>` the way `SledStore` keeps them.
+fn seed(dir: &str, jobs: u64) -> Result<(), Box<dyn std::error::Error>> {
+    let db = fence_durable::open_db(dir)?;
+    let tree = db.open_tree("generations")?;
+    let started = std::time::Instant::now();
+    let mut next = 0;
+    while next < jobs {
+        let end = (next + 100_000).min(jobs);
+        let mut batch = sled::Batch::default();
+        for i in next..end {
+            batch.insert(format!("s-{i}").as_bytes(), &1u64.to_be_bytes());
+        }
+        tree.apply_batch(batch)?;
+        next = end;
+        eprint!("\rseeded {next} of {jobs} jobs");
+    }
+    db.flush()?;
+    eprintln!(" in {:.1}s", started.elapsed().as_secs_f64());
+    Ok(())
 }
 
 #[tokio::main]
@@ -24,14 +68,25 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (mode, addr) = match args.as_slice() {
         [mode, addr, ..] => (mode.as_str(), addr.as_str()),
-        _ => return Err("usage: bench_sink bare|fenced ADDR [DATA_DIR]".into()),
+        _ => {
+            return Err("usage: bench_sink bare|fenced ADDR [DATA_DIR] | seed DATA_DIR JOBS | proxy ADDR UPSTREAM".into());
+        }
     };
+    if mode == "seed" {
+        let jobs = args.get(2).ok_or("seed needs a job count")?.parse()?;
+        return seed(addr, jobs);
+    }
+    if mode == "proxy" {
+        let upstream = args.get(2).ok_or("proxy needs an UPSTREAM address")?;
+        return proxy(addr, upstream).await;
+    }
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let fence = match mode {
         "bare" => None,
         "fenced" => {
             let dir = args.get(2).ok_or("fenced mode needs a DATA_DIR")?;
-            Some(FenceLayer::new(SledStore::open(dir)?).max_cached_jobs(1_000_000))
+            let cache = std::env::var("CACHE").map_or(Ok(1_000_000), |c| c.parse())?;
+            Some(FenceLayer::new(SledStore::open(dir)?).max_cached_jobs(cache))
         }
         other => return Err(format!("unknown mode {other:?}").into()),
     };
@@ -49,9 +104,20 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                 });
             }
             Some(layer) => {
-                let svc = ServiceBuilder::new()
-                    .layer(layer.clone())
-                    .service(service_fn(hello));
+                let fenced = layer.layer(service_fn(hello));
+                let layer = layer.clone();
+                let svc = service_fn(move |req: Request<hyper::body::Incoming>| {
+                    let (fenced, layer) = (fenced.clone(), layer.clone());
+                    async move {
+                        if req.uri().path() == "/_stats" {
+                            let s = layer.cache_stats();
+                            let line =
+                                format!("{} {} {} {}\n", s.cached_jobs, s.hits, s.misses, rss());
+                            return Ok(Response::new(Either::Right(Full::new(Bytes::from(line)))));
+                        }
+                        Ok::<_, Infallible>(fenced.oneshot(req).await?.map(Either::Left))
+                    }
+                });
                 tokio::spawn(async move {
                     http1::Builder::new()
                         .serve_connection(io, TowerToHyperService::new(svc))
@@ -60,4 +126,45 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             }
         }
     }
+}
+
+/// Forwards every request to `upstream` through hyper-util's pooled client, nothing more.
+async fn proxy(addr: &str, upstream: &str) -> Result<(), Box<dyn std::error::Error>> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let mut connector = HttpConnector::new();
+    connector.set_nodelay(true);
+    let client: Client<HttpConnector, Incoming> =
+        Client::builder(TokioExecutor::new()).build(connector);
+    let base: std::sync::Arc<str> = format!("http://{upstream}").into();
+    println!("proxy on http://{addr} to {base}");
+    loop {
+        let (stream, _) = listener.accept().await?;
+        let _ = stream.set_nodelay(true);
+        let (client, base) = (client.clone(), base.clone());
+        let svc = hyper::service::service_fn(move |mut req: Request<Incoming>| {
+            let (client, base) = (client.clone(), base.clone());
+            async move {
+                let target = req.uri().path_and_query().map_or("/", |p| p.as_str());
+                match format!("{base}{target}").parse() {
+                    Ok(uri) => *req.uri_mut() = uri,
+                    Err(_) => return Ok(status(StatusCode::BAD_REQUEST)),
+                }
+                Ok::<_, Infallible>(match client.request(req).await {
+                    Ok(response) => response.map(Either::Left),
+                    Err(_) => status(StatusCode::BAD_GATEWAY),
+                })
+            }
+        });
+        tokio::spawn(async move {
+            http1::Builder::new()
+                .serve_connection(TokioIo::new(stream), svc)
+                .await
+        });
+    }
+}
+
+fn status(code: StatusCode) -> Response<Either<Incoming, Full<Bytes>>> {
+    let mut response = Response::new(Either::Right(Full::new(Bytes::new())));
+    *response.status_mut() = code;
+    response
 }

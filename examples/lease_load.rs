@@ -4,8 +4,11 @@
 //! ```text
 //! cargo run --release --example lease_load -- sled 8 renew 5
 //! cargo run --release --example lease_load -- postgres://postgres@127.0.0.1/test 8 claim 5
+//! cargo run --release --example lease_load -- fill /tmp/leases 1000000
 //! ```
-//! Used by `bench/lease_load.sh`.
+//! `fill DIR N` claims N jobs (`f-0` .. `f-<N-1>`, one-hour leases) into a sled lease store in
+//! DIR, 64 at a time, each durable, as a server's store would hold them.
+//! Used by `bench/lease_stores.sh` and `bench/lease_scale.sh`.
 
 use std::{
     sync::Arc,
@@ -59,6 +62,11 @@ async fn drive<S: LeaseStore>(store: Arc<S>, clients: usize, op: &str, secs: u64
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().skip(1).collect();
+    if let [fill, dir, jobs] = args.as_slice()
+        && fill == "fill"
+    {
+        return fill_store(dir, jobs.parse()?).await;
+    }
     let [store, clients, op, secs] = args.as_slice() else {
         return Err("usage: lease_load STORE(postgres://... or sled, in a temporary directory) CLIENTS claim|renew SECONDS".into());
     };
@@ -76,5 +84,43 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     };
     // claim counts claim+release pairs, renew counts renewals.
     println!("{rate:.0}");
+    Ok(())
+}
+
+/// Claims `jobs` distinct jobs into a sled lease store in `dir`, 64 concurrent claims at a time.
+async fn fill_store(dir: &str, jobs: u64) -> Result<(), Box<dyn std::error::Error>> {
+    let store = Arc::new(SledLeaseStore::open(dir)?);
+    let started = Instant::now();
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let owner: Owner = "filler".parse()?;
+    let ttl = Ttl::new(Duration::from_secs(3600))?;
+    let tasks: Vec<_> = (0..64)
+        .map(|_| {
+            let (store, next, owner) = (store.clone(), next.clone(), owner.clone());
+            tokio::spawn(async move {
+                loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    if i >= jobs {
+                        return Ok::<_, String>(());
+                    }
+                    let job: JobId = format!("f-{i}").parse().map_err(|e| format!("{e}"))?;
+                    store
+                        .claim(&job, &owner, ttl)
+                        .await
+                        .map_err(|e| format!("claim {job}: {e}"))?;
+                    if i % 50_000 == 0 {
+                        eprint!("\rfilled {i} of {jobs} jobs");
+                    }
+                }
+            })
+        })
+        .collect();
+    for t in tasks {
+        t.await??;
+    }
+    eprintln!(
+        "\rfilled {jobs} jobs in {:.1}s",
+        started.elapsed().as_secs_f64()
+    );
     Ok(())
 }

@@ -1,0 +1,58 @@
+# Shared helpers of the bench/ scripts: source it, do not run it.
+#
+# wrk_row NAME WRK_ARGS...   runs wrk --latency and prints "NAME req/s p50_us p99_us non2xx errors"
+# summarize FILE CASES...    one markdown row per case: medians over the rounds in FILE
+# header TITLE COMMAND       the heading every appended section starts with: date, machine, versions
+set -euo pipefail
+
+need() { command -v "$1" >/dev/null || { echo "$1 is needed: apt-get install ${2:-$1}" >&2; exit 1; }; }
+
+# wrk latency figures ("114.00us", "1.24ms", "2.00s") in microseconds.
+to_us() { awk '{v=$1; u=v; sub(/[0-9.]+/, "", u); sub(/[a-z]+$/, "", v);
+  f = (u=="us") ? 1 : (u=="ms") ? 1000 : (u=="s") ? 1000000 : 1; printf "%.0f\n", v*f}' <<<"$1"; }
+
+wrk_row() {
+  local name=$1; shift
+  local r rps p50 p99 bad errs
+  r=$(wrk --latency "$@")
+  rps=$(awk '/Requests\/sec/ {printf "%.0f", $2}' <<<"$r")
+  p50=$(to_us "$(awk '$1=="50%" {print $2}' <<<"$r")")
+  p99=$(to_us "$(awk '$1=="99%" {print $2}' <<<"$r")")
+  bad=$(awk '/Non-2xx or 3xx responses:/ {print $NF}' <<<"$r"); bad=${bad:-0}
+  errs=$(awk '/Socket errors:/ {gsub(/,/, ""); print $4+$6+$8+$10}' <<<"$r"); errs=${errs:-0}
+  echo "$name ${rps:-0} ${p50:-0} ${p99:-0} $bad $errs"
+}
+
+# Median of the numbers on stdin.
+median() { sort -n | awk '{a[NR]=$1} END {if (NR) print a[int((NR+1)/2)]; else print 0}'; }
+
+# case_median FILE CASE COLUMN: the median of COLUMN (2 req/s, 3 p50, 4 p99) over CASE's rounds.
+case_median() { awk -v c="$2" -v k="$3" '$1==c {print $k}' "$1" | median; }
+
+# case_sum FILE CASE COLUMN: the sum of COLUMN over CASE's rounds.
+case_sum() { awk -v c="$2" -v k="$3" '$1==c {s+=$k} END {print s+0}' "$1"; }
+
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a/b; else print "n/a" }'; }
+
+header() {
+  local title=$1 cmd=$2
+  echo
+  echo "### $title"
+  echo
+  echo "Measured $(date -u '+%F %H:%M') UTC on $(nproc) cores, $(awk '/MemTotal/ {printf "%.0f GiB", $2/1048576}' /proc/meminfo)," \
+    "$(rustc --version | cut -d' ' -f1-2)$(command -v wrk >/dev/null && echo ", $(wrk -v 2>&1 | head -1 | cut -d' ' -f1-2)")."
+  echo
+  echo '```'
+  echo "$cmd"
+  echo '```'
+  echo
+}
+
+# wait_http URL: until URL answers (any status), at most 10 s.
+wait_http() {
+  for _ in $(seq 1 100); do
+    curl -s -o /dev/null "$1" && return 0
+    sleep 0.1
+  done
+  echo "nothing answers at $1" >&2; return 1
+}
