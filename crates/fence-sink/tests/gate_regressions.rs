@@ -184,3 +184,76 @@ async fn clones_with_other_limits_still_share_one_fence() {
         "route a sees the 6 accepted on route b"
     );
 }
+
+fn post_job(job: &str, token: u64) -> Request<String> {
+    Request::post("/")
+        .header("x-fencing-job", job)
+        .header("x-fencing-token", token)
+        .body(String::new())
+        .unwrap()
+}
+
+/// Passes that collapse idle gates and evict jobs (every 64 gates made, and past capacity)
+/// run while one job has a request in flight and a bump waiting behind it: they must leave
+/// that job's gate alone, and every collapsed job must keep its highest generation.
+#[tokio::test]
+async fn collapsing_and_evicting_passes_leave_busy_jobs_alone() {
+    let release = Arc::new(Notify::new());
+    let (started_tx, mut started) = mpsc::unbounded_channel();
+    let inner = {
+        let release = release.clone();
+        service_fn(move |r: Request<RequestBody<String>>| {
+            let (release, started_tx) = (release.clone(), started_tx.clone());
+            async move {
+                let job = r.headers()["x-fencing-job"].to_str().unwrap().to_owned();
+                if job == "busy" && r.headers()["x-fencing-token"] == "5" {
+                    let _ = started_tx.send(());
+                    release.notified().await;
+                }
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }
+        })
+    };
+    let layer = FenceLayer::new(MemoryStore::new())
+        .max_cached_jobs(100)
+        .drain_timeout(Duration::from_secs(30));
+    let svc = layer.layer(inner);
+    let five = tokio::spawn(svc.clone().oneshot(post_job("busy", 5)));
+    started.recv().await.unwrap();
+    let six = tokio::spawn(svc.clone().oneshot(post_job("busy", 6))); // waits for 5
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    for i in 0..500u64 {
+        let job = format!("other-{i}");
+        let status = svc
+            .clone()
+            .oneshot(post_job(&job, 3))
+            .await
+            .unwrap()
+            .status();
+        assert_eq!(status, 200, "{job}");
+    }
+    assert!(layer.cached_jobs() <= 100, "the cache kept its bound");
+    // Jobs still cached answer from their collapsed entries: 2 is stale, 3 passes.
+    for i in 480..500u64 {
+        let job = format!("other-{i}");
+        let stale = svc.clone().oneshot(post_job(&job, 2)).await.unwrap();
+        assert_eq!(stale.status(), StatusCode::CONFLICT, "{job}");
+    }
+    assert!(!six.is_finished(), "the bump of 6 still waits for 5");
+    assert_eq!(
+        svc.clone()
+            .oneshot(post_job("busy", 4))
+            .await
+            .unwrap()
+            .status(),
+        StatusCode::CONFLICT,
+        "the busy job kept its pending bump"
+    );
+    release.notify_waiters();
+    assert_eq!(five.await.unwrap().unwrap().status(), 200);
+    assert_eq!(six.await.unwrap().unwrap().status(), 200);
+    assert_eq!(
+        svc.oneshot(post_job("busy", 5)).await.unwrap().status(),
+        StatusCode::CONFLICT
+    );
+}

@@ -12,15 +12,17 @@
 //! reference), and a new gate loads `highest` from the store before it decides.
 //!
 //! Memory: most cached jobs are idle (nothing in flight, no bump pending), and an idle job
-//! needs only its highest generation. A gate exists while its job is busy: every holder of a
-//! gate (an admission in progress, a request in flight, a bump task) lets go of it under the
-//! map shard's lock, and the last one out of a quiet gate collapses the entry back to
-//! [`Slot::Idle`], 16 bytes beside the key.
+//! needs only its highest generation: [`Slot::Idle`], 16 bytes beside the key. A job gets a
+//! whole gate when a request needs one, and keeps it while it stays busy (a hot job's requests
+//! then cost no allocation); after every `capacity / 16` gates made, one pass over the map
+//! turns the gates that nobody holds and that are quiet back into `Slot::Idle`, with the
+//! same test as eviction: under the shard's write lock, a gate only the map holds cannot be
+//! taken by anyone.
 
 use std::{
     sync::{
         Arc, Mutex, MutexGuard,
-        atomic::{AtomicU64, Ordering::Relaxed},
+        atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed},
     },
     time::Duration,
 };
@@ -84,25 +86,22 @@ type Map = DashMap<JobId, Slot>;
 
 #[derive(Debug)]
 pub(crate) struct Gate {
-    job: JobId,
     loaded: OnceCell<()>,
     state: Mutex<GateState>,
     changed: Notify,
 }
 
 impl Gate {
-    fn unloaded(job: JobId) -> Self {
+    fn unloaded() -> Self {
         Self {
-            job,
             loaded: OnceCell::new(),
             state: Mutex::default(),
             changed: Notify::new(),
         }
     }
 
-    fn idle(job: JobId, highest: Generation) -> Self {
+    fn idle(highest: Generation) -> Self {
         Self {
-            job,
             loaded: OnceCell::new_with(Some(())),
             state: Mutex::new(GateState {
                 highest,
@@ -128,62 +127,36 @@ impl Gate {
 }
 
 impl Slot {
-    /// The gate of a busy job; an idle one gets a fresh gate holding its highest generation.
-    fn activate(&mut self, job: &JobId) -> Arc<Gate> {
+    /// The gate of a busy job; an idle one gets a fresh gate holding its highest generation
+    /// (and `made` is set).
+    fn activate(&mut self, made: &mut bool) -> Arc<Gate> {
         match self {
             Slot::Active(gate) => gate.clone(),
             Slot::Idle(highest) => {
-                let gate = Arc::new(Gate::idle(job.clone(), *highest));
+                let gate = Arc::new(Gate::idle(*highest));
                 *self = Slot::Active(gate.clone());
+                *made = true;
                 gate
             }
         }
     }
 
-    /// Whether eviction may drop this entry: idle, or a gate nobody but the map holds.
-    fn evictable(&self) -> bool {
+    /// Whether only the map holds this entry's gate, if it has one. Checked under the shard's
+    /// write lock, the answer cannot change: nobody else can reach the gate to clone it.
+    fn unheld(&self) -> bool {
         match self {
             Slot::Idle(_) => true,
             Slot::Active(gate) => Arc::strong_count(gate) == 1,
         }
     }
-}
 
-/// Lets go of one holder's reference to `gate`, under the write lock of its map shard; when
-/// that leaves the map as the only holder and the gate is quiet, the entry becomes
-/// [`Slot::Idle`]. Every holder lets go this way, so whichever is last sees the count at 1:
-/// under the lock nobody can take a new reference, and every other holder is gone.
-fn release(map: &Map, gate: Arc<Gate>) {
-    let Some(mut slot) = map.get_mut(&gate.job) else {
-        return;
-    };
-    let highest = match &*slot {
-        Slot::Active(current) if Arc::ptr_eq(current, &gate) => {
-            drop(gate);
-            if Arc::strong_count(current) == 1 {
-                current.quiet()
-            } else {
-                None
-            }
-        }
-        _ => None, // evicted, or replaced after an eviction: nothing of ours to collapse
-    };
-    if let Some(highest) = highest {
-        *slot = Slot::Idle(highest);
-    }
-}
-
-/// An admission's own hold on its gate, let go through [`release`] however the admission
-/// ends (also when its future is dropped).
-struct Held<'a> {
-    map: &'a Map,
-    gate: Option<Arc<Gate>>,
-}
-
-impl Drop for Held<'_> {
-    fn drop(&mut self) {
-        if let Some(gate) = self.gate.take() {
-            release(self.map, gate);
+    /// Turns a quiet gate that only the map holds back into [`Slot::Idle`].
+    fn collapse(&mut self) {
+        if let Slot::Active(gate) = self
+            && Arc::strong_count(gate) == 1
+            && let Some(highest) = gate.quiet()
+        {
+            *self = Slot::Idle(highest);
         }
     }
 }
@@ -232,35 +205,21 @@ impl Drop for PendingMark<'_> {
     }
 }
 
-/// Marks one admitted request in flight; dropping it lets a waiting bump proceed, and the
-/// last one out of a quiet job returns its entry to [`Slot::Idle`].
+/// Marks one admitted request in flight; dropping it lets a waiting bump proceed.
 #[derive(Debug)]
 pub(crate) struct InFlight {
-    /// Taken only in `drop`.
-    gate: Option<Arc<Gate>>,
-    map: Arc<Map>,
-}
-
-impl InFlight {
-    fn new(gate: &Arc<Gate>, map: &Arc<Map>) -> Self {
-        Self {
-            gate: Some(gate.clone()),
-            map: map.clone(),
-        }
-    }
+    gate: Arc<Gate>,
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
-        let Some(gate) = self.gate.take() else { return };
-        let mut s = gate.lock();
+        let mut s = self.gate.lock();
         s.in_flight -= 1;
         let drained = s.in_flight == 0;
         drop(s);
         if drained {
-            gate.changed.notify_waiters();
+            self.gate.changed.notify_waiters();
         }
-        release(&self.map, gate);
     }
 }
 
@@ -292,19 +251,22 @@ pub struct CacheStats {
 /// All gates of one layer and its clones.
 #[derive(Debug)]
 pub(crate) struct Gates<St> {
-    map: Arc<Map>,
+    map: Map,
     store: Arc<St>,
     lookups: AtomicU64,
     reads: AtomicU64,
+    /// Gates made since the last pass that collapsed idle ones.
+    made: AtomicUsize,
 }
 
 impl<St: GenerationStore> Gates<St> {
     pub(crate) fn new(store: Arc<St>) -> Self {
         Self {
-            map: Arc::default(),
+            map: DashMap::new(),
             store,
             lookups: AtomicU64::new(0),
             reads: AtomicU64::new(0),
+            made: AtomicUsize::new(0),
         }
     }
 
@@ -328,36 +290,56 @@ impl<St: GenerationStore> Gates<St> {
 
     fn gate(&self, job: &JobId, capacity: usize) -> Arc<Gate> {
         self.lookups.fetch_add(1, Relaxed);
-        if let Some(mut slot) = self.map.get_mut(job) {
-            return slot.activate(job);
+        if let Some(slot) = self.map.get(job)
+            && let Slot::Active(gate) = &*slot
+        {
+            return gate.clone(); // a busy (or recently busy) job: no write lock, no allocation
         }
-        let gate = self
-            .map
-            .entry(job.clone())
-            .or_insert_with(|| Slot::Active(Arc::new(Gate::unloaded(job.clone()))))
-            .activate(job);
-        if self.map.len() > capacity.max(1) {
-            self.evict(capacity.max(1));
+        let mut made = false;
+        let gate = match self.map.get_mut(job) {
+            Some(mut slot) => slot.activate(&mut made),
+            None => {
+                made = true;
+                self.map
+                    .entry(job.clone())
+                    .or_insert_with(|| Slot::Active(Arc::new(Gate::unloaded())))
+                    .activate(&mut made)
+            }
+        };
+        let capacity = capacity.max(1);
+        if made && self.made.fetch_add(1, Relaxed) + 1 >= (capacity / 16).max(64) {
+            self.made.store(0, Relaxed);
+            self.collapse_idle();
+        }
+        if self.map.len() > capacity {
+            self.evict(capacity);
         }
         gate
+    }
+
+    /// One pass over the map: every quiet gate nobody holds becomes [`Slot::Idle`].
+    fn collapse_idle(&self) {
+        for mut entry in self.map.iter_mut() {
+            entry.value_mut().collapse();
+        }
     }
 
     /// Drops idle gates until the map is back under capacity, with some headroom so the scan
     /// is paid once per many inserts.
     fn evict(&self, capacity: usize) {
         let target = capacity - capacity / 16;
-        let excess = self.map.len().saturating_sub(target);
-        let idle: Vec<JobId> = self
-            .map
-            .iter()
-            .filter(|e| e.value().evictable())
-            .map(|e| e.key().clone())
-            .take(excess)
-            .collect();
-        for job in idle {
-            // Atomic with the check: nobody can take the gate between the test and the removal.
-            self.map.remove_if(&job, |_, slot| slot.evictable());
-        }
+        let mut excess = self.map.len().saturating_sub(target);
+        // Under each shard's write lock in turn: an entry only the map holds cannot be taken
+        // between the test and the removal. No keys are copied out, so eviction itself
+        // allocates nothing.
+        self.map.retain(|_, slot| {
+            if excess > 0 && slot.unheld() {
+                excess -= 1;
+                false
+            } else {
+                true
+            }
+        });
     }
 
     async fn load(&self, gate: &Gate, job: &JobId, timeout: Duration) -> Result<(), StoreError> {
@@ -395,12 +377,8 @@ impl<St: GenerationStore> Gates<St> {
         token: Generation,
         limits: Limits,
     ) -> Admission {
-        let held = Held {
-            map: &self.map,
-            gate: Some(self.gate(job, limits.capacity)),
-        };
-        let gate = held.gate.as_ref().expect("set above");
-        self.decide_on(gate, job, token, limits).await
+        let gate = self.gate(job, limits.capacity);
+        self.decide_on(&gate, job, token, limits).await
     }
 
     async fn decide_on(
@@ -458,7 +436,7 @@ impl<St: GenerationStore> Gates<St> {
         }
         if token == s.highest {
             s.in_flight += 1;
-            return Step::Current(InFlight::new(gate, &self.map));
+            return Step::Current(InFlight { gate: gate.clone() });
         }
         // token > highest: a bump, once every older request has finished.
         let raised = s.pending.is_some_and(|p| token > p);
@@ -516,9 +494,8 @@ impl<St: GenerationStore> Gates<St> {
             let unsettled = Unsettled { gate: &gate, token };
             let result = gates.observe(&job, token, timeout).await;
             std::mem::forget(unsettled);
-            let admission = Self::settle(&gate, &gates.map, token, result);
+            let admission = Self::settle(&gate, token, result);
             gate.changed.notify_waiters();
-            release(&gates.map, gate);
             admission
         });
         match task.await {
@@ -530,7 +507,6 @@ impl<St: GenerationStore> Gates<St> {
 
     fn settle(
         gate: &Arc<Gate>,
-        map: &Arc<Map>,
         token: Generation,
         result: Result<Verdict, StoreError>,
     ) -> Admission {
@@ -543,7 +519,7 @@ impl<St: GenerationStore> Gates<St> {
             Ok(Verdict::Accepted) => {
                 s.highest = token;
                 s.in_flight += 1;
-                Admission::Admitted(InFlight::new(gate, map))
+                Admission::Admitted(InFlight { gate: gate.clone() })
             }
             Ok(Verdict::Stale { highest }) => {
                 s.highest = s.highest.max(highest);
