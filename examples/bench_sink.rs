@@ -47,16 +47,12 @@ fn seed(dir: &str, jobs: u64) -> Result<(), Box<dyn std::error::Error>> {
     let db = fence_durable::open_db(dir)?;
     let tree = db.open_tree("generations")?;
     let started = std::time::Instant::now();
-    let mut next = 0;
-    while next < jobs {
-        let end = (next + 100_000).min(jobs);
-        let mut batch = sled::Batch::default();
-        for i in next..end {
-            batch.insert(format!("s-{i}").as_bytes(), &1u64.to_be_bytes());
+    for i in 0..jobs {
+        tree.insert(format!("s-{i}").as_bytes(), &1u64.to_be_bytes())?;
+        if (i + 1) % 100_000 == 0 {
+            db.flush()?;
+            eprint!("\rseeded {} of {jobs} jobs", i + 1);
         }
-        tree.apply_batch(batch)?;
-        next = end;
-        eprint!("\rseeded {next} of {jobs} jobs");
     }
     db.flush()?;
     eprintln!(" in {:.1}s", started.elapsed().as_secs_f64());
