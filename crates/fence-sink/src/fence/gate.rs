@@ -14,15 +14,15 @@
 //! Memory: most cached jobs are idle (nothing in flight, no bump pending), and an idle job
 //! needs only its highest generation: [`Slot::Idle`], 16 bytes beside the key. A job gets a
 //! whole gate when a request needs one, and keeps it while it stays busy (a hot job's requests
-//! then cost no allocation); after every `capacity / 16` gates made, one pass over the map
-//! turns the gates that nobody holds and that are quiet back into `Slot::Idle`, with the
-//! same test as eviction: under the shard's write lock, a gate only the map holds cannot be
-//! taken by anyone.
+//! then cost no allocation); the jobs given a gate are listed, and after every
+//! [`COLLAPSE_EVERY`] of them one short pass over that list (not the map) turns the gates
+//! nobody holds and that are quiet back into `Slot::Idle`, with the same test as eviction:
+//! under the shard's write lock, a gate only the map holds cannot be taken by anyone.
 
 use std::{
     sync::{
         Arc, Mutex, MutexGuard,
-        atomic::{AtomicU64, AtomicUsize, Ordering::Relaxed},
+        atomic::{AtomicU64, Ordering::Relaxed},
     },
     time::Duration,
 };
@@ -83,6 +83,13 @@ enum Slot {
 }
 
 type Map = DashMap<JobId, Slot>;
+
+/// Gates made between two collapsing passes; a pass looks at this many jobs (plus those still
+/// busy from the last one), a few tens of microseconds.
+const COLLAPSE_EVERY: usize = 256;
+
+/// At most this many jobs are evicted by one pass, so no request pays for a long scan.
+const EVICT_AT_ONCE: usize = 1024;
 
 #[derive(Debug)]
 pub(crate) struct Gate {
@@ -255,8 +262,8 @@ pub(crate) struct Gates<St> {
     store: Arc<St>,
     lookups: AtomicU64,
     reads: AtomicU64,
-    /// Gates made since the last pass that collapsed idle ones.
-    made: AtomicUsize,
+    /// Jobs given a gate since the last collapsing pass, and those still busy then.
+    made: Mutex<Vec<JobId>>,
 }
 
 impl<St: GenerationStore> Gates<St> {
@@ -266,7 +273,7 @@ impl<St: GenerationStore> Gates<St> {
             store,
             lookups: AtomicU64::new(0),
             reads: AtomicU64::new(0),
-            made: AtomicUsize::new(0),
+            made: Mutex::default(),
         }
     }
 
@@ -307,9 +314,14 @@ impl<St: GenerationStore> Gates<St> {
             }
         };
         let capacity = capacity.max(1);
-        if made && self.made.fetch_add(1, Relaxed) + 1 >= (capacity / 16).max(64) {
-            self.made.store(0, Relaxed);
-            self.collapse_idle();
+        if made {
+            let mut list = self.made.lock().unwrap_or_else(|e| e.into_inner());
+            list.push(job.clone());
+            if list.len() >= COLLAPSE_EVERY {
+                let jobs = std::mem::take(&mut *list);
+                drop(list);
+                self.collapse_idle(jobs);
+            }
         }
         if self.map.len() > capacity {
             self.evict(capacity);
@@ -317,29 +329,43 @@ impl<St: GenerationStore> Gates<St> {
         gate
     }
 
-    /// One pass over the map: every quiet gate nobody holds becomes [`Slot::Idle`].
-    fn collapse_idle(&self) {
-        for mut entry in self.map.iter_mut() {
-            entry.value_mut().collapse();
+    /// Every quiet gate nobody holds among `jobs` becomes [`Slot::Idle`]; the busy ones are
+    /// listed again for the next pass.
+    fn collapse_idle(&self, jobs: Vec<JobId>) {
+        let mut busy = Vec::new();
+        for job in jobs {
+            if let Some(mut slot) = self.map.get_mut(&job) {
+                slot.collapse();
+                if matches!(*slot, Slot::Active(_)) {
+                    drop(slot);
+                    busy.push(job);
+                }
+            }
+        }
+        if !busy.is_empty() {
+            self.made
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .extend(busy);
         }
     }
 
     /// Drops idle gates until the map is back under capacity, with some headroom so the scan
     /// is paid once per many inserts.
     fn evict(&self, capacity: usize) {
-        let target = capacity - capacity / 16;
-        let mut excess = self.map.len().saturating_sub(target);
-        // Under each shard's write lock in turn: an entry only the map holds cannot be taken
-        // between the test and the removal. No keys are copied out, so eviction itself
-        // allocates nothing.
-        self.map.retain(|_, slot| {
-            if excess > 0 && slot.unheld() {
-                excess -= 1;
-                false
-            } else {
-                true
-            }
-        });
+        let target = capacity - (capacity / 16).clamp(1, EVICT_AT_ONCE).min(capacity - 1);
+        let excess = self.map.len().saturating_sub(target);
+        let idle: Vec<JobId> = self
+            .map
+            .iter()
+            .filter(|e| e.value().unheld())
+            .map(|e| e.key().clone())
+            .take(excess)
+            .collect();
+        for job in idle {
+            // Atomic with the check: nobody can take the gate between the test and the removal.
+            self.map.remove_if(&job, |_, slot| slot.unheld());
+        }
     }
 
     async fn load(&self, gate: &Gate, job: &JobId, timeout: Duration) -> Result<(), StoreError> {
