@@ -263,7 +263,16 @@ pub(crate) struct Gates<St> {
     lookups: AtomicU64,
     reads: AtomicU64,
     /// Jobs given a gate since the last collapsing pass, and those still busy then.
-    made: Mutex<Vec<JobId>>,
+    made: Mutex<Made>,
+}
+
+/// The jobs a collapsing pass will look at.
+#[derive(Debug, Default)]
+struct Made {
+    jobs: Vec<JobId>,
+    /// How many of `jobs` the last pass found busy and kept: the next pass waits for
+    /// [`COLLAPSE_EVERY`] new ones on top, so long-busy jobs do not make every gate trigger one.
+    carried: usize,
 }
 
 impl<St: GenerationStore> Gates<St> {
@@ -316,9 +325,10 @@ impl<St: GenerationStore> Gates<St> {
         let capacity = capacity.max(1);
         if made {
             let mut list = self.made.lock().unwrap_or_else(|e| e.into_inner());
-            list.push(job.clone());
-            if list.len() >= COLLAPSE_EVERY {
-                let jobs = std::mem::take(&mut *list);
+            list.jobs.push(job.clone());
+            if list.jobs.len() >= list.carried + COLLAPSE_EVERY {
+                let jobs = std::mem::take(&mut list.jobs);
+                list.carried = 0;
                 drop(list);
                 self.collapse_idle(jobs);
             }
@@ -343,10 +353,9 @@ impl<St: GenerationStore> Gates<St> {
             }
         }
         if !busy.is_empty() {
-            self.made
-                .lock()
-                .unwrap_or_else(|e| e.into_inner())
-                .extend(busy);
+            let mut list = self.made.lock().unwrap_or_else(|e| e.into_inner());
+            list.carried += busy.len();
+            list.jobs.extend(busy);
         }
     }
 
