@@ -47,12 +47,7 @@ start "$tmp/full" "$full"; clean=$took; check_sample "$full"
 p=$(server_pid "$full"); kill -KILL "$p"; while kill -0 "$p" 2>/dev/null; do sleep 0.05; done
 start "$tmp/full" "$full"; crash=$took; check_sample "$full"
 start "$tmp/empty" "$empty"
-for a in "$full" "$empty"; do
-  for j in $(seq 0 63); do
-    curl -sf -XPOST "http://$a/v1/leases/r-$j/claim" -H 'content-type: application/json' \
-      -d '{"owner":"o","ttl_ms":3600000}' >/dev/null
-  done
-done
+claim_renewable "$full"; claim_renewable "$empty"
 out=$tmp/rows
 for i in $(seq 1 "$rounds"); do
   for a in full empty; do

@@ -52,10 +52,7 @@ SQL
 psql "$DATABASE_URL" -qc "INSERT INTO fence_bench_leases SELECT 'r-' || g, 'o', 1, 0, false FROM generate_series(0, 63) g" >/dev/null
 
 # Leases to renew: jobs r-0..r-63 claimed on the fence server, 64 etcd leases.
-for j in $(seq 0 63); do
-  curl -sf -XPOST "http://$fence/v1/leases/r-$j/claim" -H 'content-type: application/json' \
-    -d '{"owner":"o","ttl_ms":3600000}' >/dev/null
-done
+claim_renewable "$fence"
 etcd_ids=()
 for _ in $(seq 0 63); do
   etcd_ids+=("$(curl -sf -XPOST "http://$etcd/v3/lease/grant" -d '{"TTL":3600}' | sed 's/.*"ID":"\([0-9]*\)".*/\1/')")

@@ -1,8 +1,9 @@
 # Shared helpers of the bench/ scripts: source it, do not run it.
 #
 # wrk_row NAME WRK_ARGS...   runs wrk --latency and prints "NAME req/s p50_us p99_us non2xx errors"
-# summarize FILE CASES...    one markdown row per case: medians over the rounds in FILE
+# case_median FILE CASE COL  the median of a column over a case's rounds (case_sum: the sum)
 # header TITLE COMMAND       the heading every appended section starts with: date, machine, versions
+# claim_renewable ADDR       jobs r-0..r-63 held by owner "o" on a fence server, for renewals
 set -euo pipefail
 
 need() { command -v "$1" >/dev/null || { echo "$1 is needed: apt-get install ${2:-$1}" >&2; exit 1; }; }
@@ -55,4 +56,13 @@ wait_http() {
     sleep 0.1
   done
   echo "nothing answers at $1" >&2; return 1
+}
+
+# claim_renewable ADDR: jobs r-0 .. r-63 claimed by owner "o" (generation 1 on a fresh store)
+# for one hour on the fence server at ADDR, as bench/lease.lua's renew mode expects.
+claim_renewable() {
+  for j in $(seq 0 63); do
+    curl -sf -XPOST "http://$1/v1/leases/r-$j/claim" -H 'content-type: application/json' \
+      -d '{"owner":"o","ttl_ms":3600000}' >/dev/null
+  done
 }

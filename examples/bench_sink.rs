@@ -31,17 +31,6 @@ async fn hello<B>(_req: Request<B>) -> Result<Response<Full<Bytes>>, Infallible>
     Ok(Response::new(Full::new(Bytes::from_static(b"hello\n"))))
 }
 
-/// The process's resident set in bytes (0 when /proc is not there).
-fn rss() -> u64 {
-    std::fs::read_to_string("/proc/self/status")
-        .ok()
-        .and_then(|s| {
-            let kb = s.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
-            kb.trim().strip_suffix("kB")?.trim().parse::<u64>().ok()
-        })
-        .map_or(0, |kb| kb * 1024)
-}
-
 /// Stores generation 1 for jobs `s-0` .. `s-<jobs-1>` the way `SledStore` keeps them.
 fn seed(dir: &str, jobs: u64) -> Result<(), Box<dyn std::error::Error>> {
     let db = fence_durable::open_db(dir)?;
@@ -107,8 +96,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
                     async move {
                         if req.uri().path() == "/_stats" {
                             let s = layer.cache_stats();
-                            let line =
-                                format!("{} {} {} {}\n", s.cached_jobs, s.hits, s.misses, rss());
+                            let line = format!(
+                                "{} {} {} {}\n",
+                                s.cached_jobs,
+                                s.hits,
+                                s.misses,
+                                fence_suite::resident_bytes().unwrap_or(0)
+                            );
                             return Ok(Response::new(Either::Right(Full::new(Bytes::from(line)))));
                         }
                         Ok::<_, Infallible>(fenced.oneshot(req).await?.map(Either::Left))

@@ -15,19 +15,6 @@ use fence_sink::{FenceLayer, GenerationStore, StoreError, Verdict};
 use http::{Method, Request, Response};
 use tower::{Layer, Service, ServiceExt, service_fn};
 
-/// The process's resident set in bytes, from /proc/self/status.
-fn rss() -> Result<u64, Box<dyn std::error::Error>> {
-    let status = std::fs::read_to_string("/proc/self/status")?;
-    let kb = status
-        .lines()
-        .find_map(|l| l.strip_prefix("VmRSS:"))
-        .and_then(|v| v.trim().strip_suffix("kB"))
-        .ok_or("no VmRSS in /proc/self/status")?
-        .trim()
-        .parse::<u64>()?;
-    Ok(kb * 1024)
-}
-
 /// Every job is at generation 1 and nothing is stored: only the layer's own memory counts.
 struct AtOne;
 
@@ -84,7 +71,7 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut svc = layer.layer(service_fn(|_req: Request<_>| async {
         Ok::<_, Infallible>(Response::new(String::new()))
     }));
-    let before = rss()?;
+    let before = fence_suite::resident_bytes().ok_or("no VmRSS in /proc/self/status")?;
     for i in 0..jobs {
         let req = Request::builder()
             .method(Method::POST)
@@ -96,7 +83,9 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             return Err(format!("job {i}: {}", response.status()).into());
         }
     }
-    let grown = rss()?.saturating_sub(before);
+    let grown = fence_suite::resident_bytes()
+        .ok_or("no VmRSS in /proc/self/status")?
+        .saturating_sub(before);
     let stats = layer.cache_stats();
     if stats.cached_jobs > capacity.max(1) {
         return Err(format!(

@@ -65,3 +65,12 @@ impl Drop for ChildGuard {
         let _ = self.0.wait();
     }
 }
+
+/// This process's resident set in bytes, from `/proc/self/status` (Linux); `None` where that
+/// cannot be read. Used by the benchmark examples.
+pub fn resident_bytes() -> Option<u64> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let kb = status.lines().find_map(|l| l.strip_prefix("VmRSS:"))?;
+    let kb: u64 = kb.trim().strip_suffix("kB")?.trim().parse().ok()?;
+    Some(kb * 1024)
+}

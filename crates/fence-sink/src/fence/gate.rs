@@ -91,7 +91,7 @@ const COLLAPSE_EVERY: usize = 256;
 /// At most this many jobs are evicted by one pass, so no request pays for a long scan.
 const EVICT_AT_ONCE: usize = 1024;
 
-#[derive(Debug)]
+#[derive(Debug, Default)]
 pub(crate) struct Gate {
     loaded: OnceCell<()>,
     state: Mutex<GateState>,
@@ -99,14 +99,6 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
-    fn unloaded() -> Self {
-        Self {
-            loaded: OnceCell::new(),
-            state: Mutex::default(),
-            changed: Notify::new(),
-        }
-    }
-
     fn idle(highest: Generation) -> Self {
         Self {
             loaded: OnceCell::new_with(Some(())),
@@ -318,7 +310,7 @@ impl<St: GenerationStore> Gates<St> {
                 made = true;
                 self.map
                     .entry(job.clone())
-                    .or_insert_with(|| Slot::Active(Arc::new(Gate::unloaded())))
+                    .or_insert_with(|| Slot::Active(Arc::default()))
                     .activate(&mut made)
             }
         };
@@ -412,17 +404,7 @@ impl<St: GenerationStore> Gates<St> {
         token: Generation,
         limits: Limits,
     ) -> Admission {
-        let gate = self.gate(job, limits.capacity);
-        self.decide_on(&gate, job, token, limits).await
-    }
-
-    async fn decide_on(
-        self: &Arc<Self>,
-        gate: &Arc<Gate>,
-        job: &JobId,
-        token: Generation,
-        limits: Limits,
-    ) -> Admission {
+        let gate = &self.gate(job, limits.capacity);
         if let Err(e) = self.load(gate, job, limits.store_timeout).await {
             return Admission::StoreFailed(e);
         }
