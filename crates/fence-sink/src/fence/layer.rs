@@ -194,11 +194,13 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         self
     }
 
-    /// Runs each admitted request to completion in a task of its own, even when the caller
-    /// stops waiting (a client disconnects), so the request counts as in flight until its
-    /// effect can no longer happen. Use it when the inner service hands the request to
-    /// something that goes on without it (a proxy's upstream); an in-process handler whose
-    /// future is dropped is cancelled with it and does not need this. Needs a tokio runtime.
+    /// Runs each admitted request to completion even when the caller stops waiting (a
+    /// client disconnects): a response future dropped unfinished hands the rest of its work
+    /// to a task of its own, so the request counts as in flight until its effect can no
+    /// longer happen. Use it when the inner service hands the request to something that goes
+    /// on without it (a proxy's upstream); an in-process handler whose future is dropped is
+    /// cancelled with it and does not need this. Needs a tokio runtime where the future is
+    /// dropped; without one, the request is cancelled.
     pub fn run_to_completion(mut self) -> Self {
         Arc::make_mut(&mut self.config).run_to_completion = true;
         self

@@ -187,24 +187,12 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let layer = self.layer.clone();
         let span = tracing::debug_span!("fence", job = %job, token = %token);
-        let detached = layer.config.run_to_completion;
+        let detach = layer.config.run_to_completion;
         let future = fenced(inner, layer, parts, body, job, token, key).instrument(span);
-        if !detached {
-            return ResponseFuture::fenced(Box::pin(future));
-        }
-        // The request's guard lives in the task: it is released when the effect is over, not
-        // when the caller stops waiting.
-        let task = tokio::spawn(future);
-        ResponseFuture::fenced(Box::pin(async move {
-            match task.await {
-                Ok(result) => result,
-                Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-                Err(_) => Ok(reject(
-                    Problem::new(ProblemType::Internal, "the runtime is shutting down"),
-                    None,
-                )),
-            }
-        }))
+        // With run_to_completion, the request's guard lives in the future, which a caller
+        // that goes away hands to a task: it is released when the effect is over, not when
+        // the caller stops waiting.
+        ResponseFuture::fenced(Box::pin(future), detach)
     }
 }
 
