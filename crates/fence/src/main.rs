@@ -48,7 +48,7 @@ enum Cmd {
     /// Fenced requests (POST, PUT, PATCH, DELETE by default) must carry X-Fencing-Job and
     /// X-Fencing-Token; a token below the highest this proxy has accepted for the job gets
     /// 409 and never reaches the upstream. Duplicate Idempotency-Keys are replayed.
-    Proxy(ProxyArgs),
+    Proxy(Box<ProxyArgs>),
     /// Claim a job, run a command under the lease, stop it the moment the lease is lost.
     ///
     /// The command gets FENCE_JOB, FENCE_TOKEN, FENCE_SERVER and FENCE_OWNER in its
@@ -179,6 +179,10 @@ struct ProxyArgs {
     /// Send the client's Host header upstream instead of the upstream's authority.
     #[arg(long)]
     preserve_host: bool,
+    /// Threads serving connections, each with its own upstream connection pool; a
+    /// connection stays on one thread. Default: one per CPU core.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    workers: Option<u16>,
 }
 
 #[derive(Args, Debug, Clone)]
@@ -294,7 +298,7 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Demo => fence::demo::run().await,
         Cmd::Keygen(a) => keygen(&a.out).map(|()| 0),
         Cmd::Server(a) => server(a).await.map(|()| 0),
-        Cmd::Proxy(a) => proxy(a).await.map(|()| 0),
+        Cmd::Proxy(a) => proxy(*a).await.map(|()| 0),
         Cmd::Run(a) => {
             run::run(run::RunArgs {
                 server: a.at.server,
@@ -537,6 +541,9 @@ async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     config.upstream_timeout = a.upstream_timeout;
     config.preserve_host = a.preserve_host;
     config.verifier = verifier;
+    if let Some(workers) = a.workers {
+        config.workers = usize::from(workers);
+    }
     let listener = tokio::net::TcpListener::bind(a.listen)
         .await
         .with_context(|| format!("cannot listen on {}", a.listen))?;

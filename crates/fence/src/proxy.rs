@@ -11,6 +11,13 @@
 //! never reaches the upstream while an older request may still take effect there
 //! (DESIGN-NOTES section 2).
 //!
+//! The proxy runs [`ProxyConfig::workers`] threads (one per core by default), each with a
+//! single-threaded runtime, its own upstream connection pool and its own accept loop on the
+//! shared listening socket. A connection, its requests and their upstream calls stay on one
+//! thread: no work is handed between cores on the way through, which is what a reverse
+//! proxy spends most of its time on otherwise. The fence itself (the highest generation per
+//! job, the gates that order a bump after older requests) is one, shared by every thread.
+//!
 //! ```no_run
 //! # async fn run() -> anyhow::Result<()> {
 //! use fence::proxy::{ProxyConfig, serve};
@@ -110,6 +117,9 @@ pub struct ProxyConfig {
     pub preserve_host: bool,
     /// Require signed tokens valid under one of these keys (contract section 6).
     pub verifier: Option<fence_core::signing::TokenVerifier>,
+    /// How many threads serve connections, each on a runtime of its own with its own
+    /// upstream pool (default: one per core the process may use; 0 counts as 1).
+    pub workers: usize,
 }
 
 impl ProxyConfig {
@@ -125,6 +135,7 @@ impl ProxyConfig {
             upstream_timeout: Duration::from_secs(60),
             preserve_host: false,
             verifier: None,
+            workers: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
         }
     }
 }
@@ -149,8 +160,9 @@ where
     let mut layer = FenceLayer::new(layer_store)
         .fence_methods(config.fence_methods.iter().cloned())
         .store_timeout(config.store_timeout)
-        // No .run_to_completion(): `handle` already runs every request, fence included, in a
-        // task of its own, which also counts it for graceful shutdown. One spawn, not two.
+        // A client that goes away must not cancel an admitted request before the upstream
+        // answered: the fence counts it in flight until then (DESIGN-NOTES section 2).
+        .run_to_completion()
         .drain_timeout(config.drain_timeout);
     layer = if config.require_token {
         layer.require_token()
@@ -165,37 +177,127 @@ where
         layer = layer.require_signatures(verifier);
     }
 
-    let mut connector = HttpConnector::new();
-    connector.set_nodelay(true);
-    let client = Client::builder(TokioExecutor::new()).build(connector);
-    let fence = layer.layer(Upstream {
-        client,
-        target: target.clone(),
-        timeout: config.upstream_timeout,
-        preserve_host: config.preserve_host,
-    });
-    tracing::info!(
-        listen = %listener.local_addr().context("reading the proxy's listen address")?,
-        upstream = %target.display,
-        "fencing proxy started"
-    );
+    let listen = listener
+        .local_addr()
+        .context("reading the proxy's listen address")?;
+    // Every worker accepts on its own copy of the listening socket (one socket, several
+    // descriptors): the kernel hands each new connection to one of them.
+    let listener = listener
+        .into_std()
+        .context("taking the listening socket off the runtime")?;
+    let workers = config.workers.max(1);
+    let (stop, stopped) = watch::channel(false);
+    let (ended, mut ends) = mpsc::unbounded_channel::<anyhow::Result<()>>();
+    for n in 0..workers {
+        let started = listener
+            .try_clone()
+            .context("sharing the listening socket with a worker")
+            .and_then(|listener| {
+                let worker = Worker {
+                    listener,
+                    layer: layer.clone(),
+                    target: target.clone(),
+                    timeout: config.upstream_timeout,
+                    preserve_host: config.preserve_host,
+                    stopped: stopped.clone(),
+                };
+                let report = ended.clone();
+                std::thread::Builder::new()
+                    .name(format!("fence-proxy-{n}"))
+                    .spawn(move || {
+                        let result =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run()))
+                                .unwrap_or_else(|_| {
+                                    Err(anyhow::anyhow!("a proxy worker panicked"))
+                                });
+                        let _ = report.send(result);
+                    })
+                    .context("starting a proxy worker thread")
+            });
+        if let Err(e) = started {
+            // Stop the workers already running before giving up.
+            let _ = stop.send(true);
+            drop(ended);
+            while ends.recv().await.is_some() {}
+            return Err(e);
+        }
+    }
+    drop((listener, ended));
+    tracing::info!(%listen, upstream = %target.display, workers, "fencing proxy started");
 
-    // Every request's task holds a sender; all are gone when the last one has finished.
-    let (running, mut finished) = mpsc::channel::<()>(1);
-    let deadline = accept_loop(listener, shutdown, move |peer| {
-        let fence = fence.clone();
-        let running = running.clone();
-        hyper::service::service_fn(move |req| handle(fence.clone(), running.clone(), peer, req))
-    })
-    .await;
-    if tokio::time::timeout_at(deadline, finished.recv())
-        .await
-        .is_err()
-    {
-        tracing::warn!("shutdown grace ran out with upstream requests still running");
+    // Run until shutdown is asked for, or until a worker ends on its own (it failed).
+    let mut result = tokio::select! {
+        () = shutdown => Ok(()),
+        Some(early) = ends.recv() => {
+            early.and_then(|()| Err(anyhow::anyhow!("a proxy worker stopped unexpectedly")))
+        }
+    };
+    let _ = stop.send(true);
+    while let Some(end) = ends.recv().await {
+        if result.is_ok() {
+            result = end;
+        }
     }
     tracing::info!("fencing proxy stopped");
-    Ok(())
+    result
+}
+
+/// One serving thread of the proxy: a single-threaded runtime with its own accept loop and
+/// upstream pool, sharing the fence (and its store) with the other workers.
+struct Worker<St> {
+    listener: std::net::TcpListener,
+    layer: FenceLayer<St>,
+    target: Arc<Target>,
+    timeout: Duration,
+    preserve_host: bool,
+    stopped: watch::Receiver<bool>,
+}
+
+impl<St: GenerationStore + IdempotencyStore> Worker<St> {
+    /// Serves until the proxy stops, then finishes in-flight requests (bounded by
+    /// [`SHUTDOWN_GRACE`]).
+    fn run(self) -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting a proxy worker's runtime")?;
+        runtime.block_on(async move {
+            let listener = TcpListener::from_std(self.listener)
+                .context("registering the listening socket with a worker's runtime")?;
+            let mut connector = HttpConnector::new();
+            connector.set_nodelay(true);
+            // Built on this thread's runtime: its connections are served here, so a
+            // request and its upstream call never cross threads.
+            let client = Client::builder(TokioExecutor::new()).build(connector);
+            // Every copy of the upstream service holds a sender: the connections' and each
+            // request's own, which lives until its upstream call is over. All are gone when
+            // the connections are closed and the last request has finished.
+            let (running, mut finished) = mpsc::channel::<()>(1);
+            let fence = self.layer.layer(Upstream {
+                client,
+                target: self.target,
+                timeout: self.timeout,
+                preserve_host: self.preserve_host,
+                _running: running,
+            });
+            let mut stopped = self.stopped;
+            let shutdown = async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            };
+            let deadline = accept_loop(listener, shutdown, move |peer| {
+                let fence = fence.clone();
+                hyper::service::service_fn(move |req| handle(fence.clone(), peer, req))
+            })
+            .await;
+            if tokio::time::timeout_at(deadline, finished.recv())
+                .await
+                .is_err()
+            {
+                tracing::warn!("shutdown grace ran out with upstream requests still running");
+            }
+            Ok(())
+        })
+    }
 }
 
 /// Serves `GET /metrics` (Prometheus text from `handle`) and `GET /healthz` on a separate admin
@@ -264,14 +366,12 @@ type ProxyBody = fence_sink::ResponseBody<UpstreamBody>;
 #[derive(Debug, Clone, Copy)]
 struct ClientAddr(SocketAddr);
 
-/// One request: the fence and the upstream call run in a task of their own, so a client
-/// that disconnects (hyper then drops this future) does not cancel an admitted request
-/// before the upstream answered: the fence counts it in flight until then. The task wraps
-/// the whole fence, not only the upstream call, because the fence's in-flight guard lives
-/// in the fence's own future.
+/// One request, through the fence to the upstream. The fence runs admitted requests to
+/// completion: when a client disconnects (hyper then drops this future) before the upstream
+/// answered, the rest of the request goes on in a task of its own, and the fence counts it
+/// in flight until then.
 async fn handle<St>(
     fence: Fence<Upstream, St>,
-    running: mpsc::Sender<()>,
     peer: SocketAddr,
     mut req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible>
@@ -279,22 +379,7 @@ where
     St: GenerationStore + IdempotencyStore,
 {
     req.extensions_mut().insert(ClientAddr(peer));
-    let task = tokio::spawn(async move {
-        let _running = running;
-        fence.oneshot(req).await
-    });
-    Ok(match task.await {
-        Ok(Ok(response)) => response,
-        Ok(Err(never)) => match never {},
-        Err(e) => {
-            tracing::error!(error = %e, "a proxied request failed unexpectedly");
-            Problem::new(
-                ProblemType::Internal,
-                format!("the proxy failed while handling the request: {e}"),
-            )
-            .to_response()
-        }
-    })
+    fence.oneshot(req).await
 }
 
 /// The upstream's address, checked once at start.
@@ -363,6 +448,8 @@ struct Upstream {
     target: Arc<Target>,
     timeout: Duration,
     preserve_host: bool,
+    /// Counts this copy for graceful shutdown (see `Worker::run`).
+    _running: mpsc::Sender<()>,
 }
 
 impl Service<Request<RequestBody<Incoming>>> for Upstream {

@@ -247,6 +247,18 @@ fn bad_flags_exit_2_with_a_message() {
         (&["run", "--job", "j"], "COMMAND"),
         (&["server"], "--data-dir"),
         (&["proxy", "--data-dir", "x"], "--upstream"),
+        (
+            &[
+                "proxy",
+                "--data-dir",
+                "x",
+                "--upstream",
+                "http://a",
+                "--workers",
+                "0",
+            ],
+            "--workers",
+        ),
         (&["frobnicate"], "unrecognized subcommand"),
     ];
     for (args, want) in cases {

@@ -854,3 +854,64 @@ async fn odd_requests_get_answers_and_the_proxy_stays_up() {
     assert_eq!(fine.status, 200, "{}", fine.text());
     proxy.shutdown().await;
 }
+
+#[tokio::test]
+async fn every_worker_thread_enforces_one_fence() {
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.workers = 4;
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let addr = proxy.addr;
+
+    // Six connections at once: the kernel spreads them over the four workers.
+    let olds: Vec<_> = (0..6)
+        .map(|_| {
+            tokio::spawn(async move {
+                send(addr, fenced("/slow", "job-w", 5).body(full("old")).unwrap()).await
+            })
+        })
+        .collect();
+    timeout(WAIT, async {
+        while upstream.event_names().len() < 6 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("all six token-5 requests reach the upstream");
+
+    // Whichever worker takes it, token 6 waits for every token-5 request of the job.
+    let newer = tokio::spawn(async move {
+        send(addr, fenced("/fast", "job-w", 6).body(full("new")).unwrap()).await
+    });
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        !newer.is_finished(),
+        "token 6 overtook running token-5 requests"
+    );
+    upstream.release.send_replace(true);
+    let answer = timeout(WAIT, newer).await.unwrap().unwrap();
+    assert_eq!(answer.status, 200, "{}", answer.text());
+    for old in olds {
+        let answer = timeout(WAIT, old).await.unwrap().unwrap();
+        assert_eq!(answer.status, 200, "{}", answer.text());
+    }
+    let events = upstream.event_names();
+    let last_end = events.iter().rposition(|e| e == "end 5").unwrap();
+    let start_6 = events.iter().position(|e| e == "start 6").unwrap();
+    assert_eq!(events.iter().filter(|e| *e == "end 5").count(), 6);
+    assert!(
+        start_6 > last_end,
+        "token 6 started before every token 5 ended: {events:?}"
+    );
+
+    // And a stale token is refused on any new connection, whichever worker accepts it.
+    for _ in 0..8 {
+        send(
+            addr,
+            fenced("/fast", "job-w", 5).body(full("stale")).unwrap(),
+        )
+        .await
+        .assert_problem(409, "urn:fence:stale-token");
+    }
+    proxy.shutdown().await;
+}
