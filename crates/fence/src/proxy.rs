@@ -1,8 +1,8 @@
 //! The fencing reverse proxy: PROTOCOL.md section 3 in front of any HTTP service (`fence proxy`).
 //!
 //! Every request passes through a [`FenceLayer`] (stale tokens get 409, missing ones 428, …)
-//! and, when admitted, is streamed to the upstream over one pooled HTTP/1.1 client; the
-//! answer is streamed back. Hop-by-hop headers are dropped in both directions, the client's
+//! and, when admitted, is streamed to the upstream over a kept-alive HTTP/1.1 connection;
+//! the answer is streamed back. Hop-by-hop headers are dropped in both directions, the client's
 //! address is appended to `X-Forwarded-For`, and the fencing headers are forwarded so the
 //! upstream can record the token it acted under.
 //!
@@ -55,9 +55,11 @@ use http::{
     uri::{Authority, PathAndQuery, Scheme},
 };
 use http_body_util::{Either, Full};
-use hyper::body::{Body, Incoming};
+use hyper::{
+    body::{Body, Incoming},
+    client::conn::http1::SendRequest,
+};
 use hyper_util::{
-    client::legacy::{Client, connect::HttpConnector},
     rt::{TokioExecutor, TokioIo, TokioTimer},
     server::conn::auto,
 };
@@ -264,17 +266,16 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
         runtime.block_on(async move {
             let listener = TcpListener::from_std(self.listener)
                 .context("registering the listening socket with a worker's runtime")?;
-            let mut connector = HttpConnector::new();
-            connector.set_nodelay(true);
-            // Built on this thread's runtime: its connections are served here, so a
-            // request and its upstream call never cross threads.
-            let client = Client::builder(TokioExecutor::new()).build(connector);
+            // This thread's own upstream connections, served on its runtime: a request
+            // and its upstream call never cross threads.
+            let conns = Arc::new(UpstreamConns::new(&self.target.authority));
             // Every copy of the upstream service holds a sender: the connections' and each
             // request's own, which lives until its upstream call is over. All are gone when
             // the connections are closed and the last request has finished.
             let (running, mut finished) = mpsc::channel::<()>(1);
             let fence = self.layer.layer(Upstream {
-                client,
+                conns,
+                outcomes: Arc::new(Outcomes::new()),
                 target: self.target,
                 timeout: self.timeout,
                 preserve_host: self.preserve_host,
@@ -285,8 +286,8 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };
             let deadline = accept_loop(listener, shutdown, move |peer| {
-                let fence = fence.clone();
-                hyper::service::service_fn(move |req| handle(fence.clone(), peer, req))
+                let (fence, client) = (fence.clone(), ClientAddr::new(peer));
+                hyper::service::service_fn(move |req| handle(fence.clone(), client.clone(), req))
             })
             .await;
             if tokio::time::timeout_at(deadline, finished.recv())
@@ -362,9 +363,18 @@ type UpstreamBody = Either<Incoming, Full<Bytes>>;
 /// The body of every answer of the proxy.
 type ProxyBody = fence_sink::ResponseBody<UpstreamBody>;
 
-/// The client's address, put into the request's extensions for `X-Forwarded-For`.
-#[derive(Debug, Clone, Copy)]
-struct ClientAddr(SocketAddr);
+/// The client's IP as `X-Forwarded-For` writes it, made once per connection and put into
+/// each request's extensions.
+#[derive(Debug, Clone)]
+struct ClientAddr(HeaderValue);
+
+impl ClientAddr {
+    fn new(peer: SocketAddr) -> Self {
+        let ip = peer.ip().to_canonical().to_string();
+        // An IP address is digits, letters, dots and colons: always a valid header value.
+        Self(HeaderValue::from_str(&ip).unwrap_or(HeaderValue::from_static("unknown")))
+    }
+}
 
 /// One request, through the fence to the upstream. The fence runs admitted requests to
 /// completion: when a client disconnects (hyper then drops this future) before the upstream
@@ -372,21 +382,22 @@ struct ClientAddr(SocketAddr);
 /// in flight until then.
 async fn handle<St>(
     fence: Fence<Upstream, St>,
-    peer: SocketAddr,
+    client: ClientAddr,
     mut req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible>
 where
     St: GenerationStore + IdempotencyStore,
 {
-    req.extensions_mut().insert(ClientAddr(peer));
+    req.extensions_mut().insert(client);
     fence.oneshot(req).await
 }
 
 /// The upstream's address, checked once at start.
 #[derive(Debug)]
 struct Target {
-    scheme: Scheme,
     authority: Authority,
+    /// The `Host` the upstream sees (unless `preserve_host`).
+    host: HeaderValue,
     /// The upstream's path without a trailing `/` (empty for none), joined before every path.
     prefix: String,
     /// `http://authority/prefix`, for messages.
@@ -416,35 +427,39 @@ impl Target {
             );
         }
         let prefix = uri.path().trim_end_matches('/').to_owned();
+        let host = HeaderValue::from_str(authority.as_str())
+            .with_context(|| format!("upstream {uri}: the host is not a valid Host header"))?;
         Ok(Self {
-            scheme: scheme.clone(),
             authority: authority.clone(),
+            host,
             display: format!("{scheme}://{authority}{prefix}"),
             prefix,
         })
     }
 
-    /// The upstream URI for a request to `original` (its path and query).
+    /// The request target sent upstream for a request to `original`: its path (behind the
+    /// prefix) and query, in origin form.
     fn uri_for(&self, original: &Uri) -> Result<Uri, http::Error> {
-        let pq = original.path_and_query().map_or("/", PathAndQuery::as_str);
-        let pq = if self.prefix.is_empty() || !pq.starts_with('/') {
-            PathAndQuery::try_from(pq)?
-        } else {
-            PathAndQuery::try_from(format!("{}{pq}", self.prefix))?
-        };
-        Uri::builder()
-            .scheme(self.scheme.clone())
-            .authority(self.authority.clone())
-            .path_and_query(pq)
-            .build()
+        let pq = original
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        if self.prefix.is_empty() || !pq.as_str().starts_with('/') {
+            return Ok(Uri::from(pq));
+        }
+        Ok(Uri::from(PathAndQuery::try_from(format!(
+            "{}{pq}",
+            self.prefix
+        ))?))
     }
 }
 
-/// The inner service of the fence: forwards a request to the upstream over the shared,
-/// pooled client and answers 502/504 problems when the upstream fails or is too slow.
+/// The inner service of the fence: forwards a request to the upstream over the worker's
+/// connections and answers 502/504 problems when the upstream fails or is too slow.
 #[derive(Clone)]
 struct Upstream {
-    client: Client<HttpConnector, RequestBody<Incoming>>,
+    conns: Arc<UpstreamConns>,
+    outcomes: Arc<Outcomes>,
     target: Arc<Target>,
     timeout: Duration,
     preserve_host: bool,
@@ -472,7 +487,7 @@ impl Upstream {
         let started = Instant::now();
         let (mut parts, body) = req.into_parts();
         if parts.method == Method::CONNECT {
-            outcome("bad_target", started);
+            self.outcomes.bad_target.record(started);
             return problem(Problem::new(
                 ProblemType::MethodNotAllowed,
                 "CONNECT is not supported: this is a reverse proxy, not a tunnel",
@@ -481,7 +496,7 @@ impl Upstream {
         let uri = match self.target.uri_for(&parts.uri) {
             Ok(uri) => uri,
             Err(e) => {
-                outcome("bad_target", started);
+                self.outcomes.bad_target.record(started);
                 return problem(Problem::new(
                     ProblemType::BadRequest,
                     format!(
@@ -500,18 +515,13 @@ impl Upstream {
         strip_hop_by_hop(&mut parts.headers, true);
         let headers = &mut parts.headers;
         if self.preserve_host {
-            if let Some(host) = original_host {
-                headers.insert(HOST, host);
-            }
+            // HTTP/1.1 needs a Host: an HTTP/1.0 client without one gets the upstream's.
+            headers.insert(
+                HOST,
+                original_host.unwrap_or_else(|| self.target.host.clone()),
+            );
         } else {
-            match HeaderValue::from_str(self.target.authority.as_str()) {
-                Ok(host) => {
-                    headers.insert(HOST, host);
-                }
-                Err(_) => {
-                    headers.remove(HOST); // the client sets it from the URI
-                }
-            }
+            headers.insert(HOST, self.target.host.clone());
             match original_host {
                 Some(host) => {
                     headers.insert(X_FORWARDED_HOST, host);
@@ -521,31 +531,34 @@ impl Upstream {
                 }
             }
         }
-        if let Some(ClientAddr(peer)) = parts.extensions.get::<ClientAddr>() {
-            append_forwarded_for(headers, *peer);
+        if let Some(ClientAddr(ip)) = parts.extensions.get::<ClientAddr>() {
+            append_forwarded_for(headers, ip);
         }
         headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
         parts.uri = uri;
-        // The pool speaks HTTP/1.1 to the upstream, whatever the client spoke to us.
+        // The upstream connections speak HTTP/1.1, whatever the client spoke to us.
         parts.version = Version::HTTP_11;
 
-        let request = self.client.request(Request::from_parts(parts, body));
+        let request = self.conns.send(Request::from_parts(parts, body));
         match tokio::time::timeout(self.timeout, request).await {
             Ok(Ok(response)) => {
-                outcome("ok", started);
+                self.outcomes.ok.record(started);
                 let (mut head, body) = response.into_parts();
                 strip_hop_by_hop(&mut head.headers, false);
                 Response::from_parts(head, Either::Left(body))
             }
-            Ok(Err(e)) => {
-                outcome("unavailable", started);
-                let cause = crate::error_chain(&e);
+            Ok(Err(failed)) => {
+                self.outcomes.unavailable.record(started);
+                let (cause, maybe_seen) = match &failed {
+                    SendFailed::Connect(e) => (crate::error_chain(e.as_ref()), false),
+                    SendFailed::Request(e) => (crate::error_chain(e), true),
+                };
                 tracing::warn!(upstream = %self.target.display, error = %cause, "upstream failed");
                 let mut response = problem(Problem::new(
                     ProblemType::UpstreamUnavailable,
                     format!("upstream {} failed: {cause}", self.target.display),
                 ));
-                if !e.is_connect() {
+                if maybe_seen {
                     // The request may have reached the upstream before the failure.
                     response.extensions_mut().insert(fence_sink::OutcomeUnknown);
                 }
@@ -553,7 +566,7 @@ impl Upstream {
             }
             Err(_) => {
                 // Dropping the request future closes its upstream connection.
-                outcome("timeout", started);
+                self.outcomes.timeout.record(started);
                 tracing::warn!(upstream = %self.target.display, timeout = ?self.timeout, "upstream timed out");
                 let mut p = Problem::new(
                     ProblemType::UpstreamUnavailable,
@@ -572,20 +585,156 @@ impl Upstream {
     }
 }
 
+/// Keep-alive HTTP/1.1 connections from one worker thread to the upstream.
+///
+/// A request takes a connection that is ready for one (not closed, no response still
+/// streaming on it), or opens a new one, and puts it back as soon as the response head
+/// arrived: it is ready again once that response's body has been read. A kept-alive
+/// connection the upstream closed just before the request went out hands the request
+/// back untouched (hyper's `try_send_request`), and it is tried on another connection.
+struct UpstreamConns {
+    /// `host:port` to connect to.
+    addr: String,
+    idle: std::sync::Mutex<Vec<SendRequest<RequestBody<Incoming>>>>,
+}
+
+/// How an upstream call failed; the variants say whether the upstream may have seen it.
+enum SendFailed {
+    /// No connection could be opened: the upstream never saw the request.
+    Connect(BoxError),
+    /// The connection failed after the request was (perhaps) written.
+    Request(hyper::Error),
+}
+
+/// More idle connections than this per worker are closed instead of kept.
+const MAX_IDLE_PER_WORKER: usize = 256;
+
+impl UpstreamConns {
+    fn new(authority: &Authority) -> Self {
+        let addr = match authority.port_u16() {
+            Some(_) => authority.as_str().to_owned(),
+            None => format!("{}:80", authority.host()),
+        };
+        Self {
+            addr,
+            idle: std::sync::Mutex::default(),
+        }
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<SendRequest<RequestBody<Incoming>>>> {
+        // Nothing can panic while the list is held; a poisoned list is still a valid list.
+        self.idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn take_ready(&self) -> Option<SendRequest<RequestBody<Incoming>>> {
+        let mut idle = self.idle();
+        idle.retain(|conn| !conn.is_closed());
+        let ready = idle.iter().rposition(SendRequest::is_ready)?;
+        Some(idle.swap_remove(ready))
+    }
+
+    fn put_back(&self, conn: SendRequest<RequestBody<Incoming>>) {
+        let mut idle = self.idle();
+        if !conn.is_closed() && idle.len() < MAX_IDLE_PER_WORKER {
+            idle.push(conn);
+        }
+    }
+
+    async fn connect(&self) -> Result<SendRequest<RequestBody<Incoming>>, BoxError> {
+        let stream = TcpStream::connect(&self.addr).await?;
+        let _ = stream.set_nodelay(true);
+        let (conn, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        // Served on this worker's runtime, next to the requests that use it.
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+        });
+        Ok(conn)
+    }
+
+    async fn send(
+        &self,
+        mut req: Request<RequestBody<Incoming>>,
+    ) -> Result<Response<Incoming>, SendFailed> {
+        loop {
+            let (mut conn, reused) = match self.take_ready() {
+                Some(conn) => (conn, true),
+                None => (self.connect().await.map_err(SendFailed::Connect)?, false),
+            };
+            match conn.try_send_request(req).await {
+                Ok(response) => {
+                    self.put_back(conn);
+                    return Ok(response);
+                }
+                Err(mut e) => match e.take_message() {
+                    // Never written: a kept-alive connection closed under us. Each retry
+                    // uses up one idle connection, so this ends on a new one at the latest.
+                    Some(back) if reused => req = back,
+                    Some(_) => return Err(SendFailed::Connect(e.into_error().into())),
+                    None => return Err(SendFailed::Request(e.into_error())),
+                },
+            }
+        }
+    }
+}
+
 fn problem(p: Problem) -> Response<UpstreamBody> {
     p.to_response::<Full<Bytes>>().map(Either::Right)
 }
 
-fn outcome(outcome: &'static str, started: Instant) {
-    metrics::counter!("fence_proxy_upstream_requests_total", "outcome" => outcome).increment(1);
-    metrics::histogram!("fence_proxy_upstream_seconds", "outcome" => outcome)
-        .record(started.elapsed().as_secs_f64());
+/// The metrics of one outcome of upstream calls, registered once (a lookup by name and
+/// label on every request would cost more than the rest of the bookkeeping).
+struct Outcome {
+    count: metrics::Counter,
+    seconds: metrics::Histogram,
+}
+
+impl Outcome {
+    fn new(outcome: &'static str) -> Self {
+        Self {
+            count: metrics::counter!("fence_proxy_upstream_requests_total", "outcome" => outcome),
+            seconds: metrics::histogram!("fence_proxy_upstream_seconds", "outcome" => outcome),
+        }
+    }
+
+    fn record(&self, started: Instant) {
+        self.count.increment(1);
+        self.seconds.record(started.elapsed().as_secs_f64());
+    }
+}
+
+/// Every outcome of an upstream call, as `fence_proxy_upstream_requests_total{outcome}`.
+struct Outcomes {
+    ok: Outcome,
+    unavailable: Outcome,
+    timeout: Outcome,
+    bad_target: Outcome,
+}
+
+impl Outcomes {
+    fn new() -> Self {
+        Self {
+            ok: Outcome::new("ok"),
+            unavailable: Outcome::new("unavailable"),
+            timeout: Outcome::new("timeout"),
+            bad_target: Outcome::new("bad_target"),
+        }
+    }
 }
 
 /// Removes the hop-by-hop headers and every header the `Connection` header names. On a
 /// request the fencing and idempotency headers stay even when named: the fence already
 /// acted on them, and the upstream must see the token it accepted.
 fn strip_hop_by_hop(headers: &mut HeaderMap, request: bool) {
+    // Most messages carry none of them: looking at the few names present is cheaper than
+    // nine removals, each of which hashes its name.
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
     let named: Vec<HeaderName> = headers
         .get_all(http::header::CONNECTION)
         .iter()
@@ -605,8 +754,11 @@ fn strip_hop_by_hop(headers: &mut HeaderMap, request: bool) {
 }
 
 /// Appends the client's IP to `X-Forwarded-For`, joining earlier values into one line.
-fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
-    let ip = peer.ip().to_canonical().to_string();
+fn append_forwarded_for(headers: &mut HeaderMap, ip: &HeaderValue) {
+    if !headers.contains_key(&X_FORWARDED_FOR) {
+        headers.insert(X_FORWARDED_FOR, ip.clone());
+        return;
+    }
     let mut joined: Vec<u8> = Vec::new();
     for value in headers.get_all(&X_FORWARDED_FOR) {
         let value = value.as_bytes().trim_ascii();
@@ -623,9 +775,7 @@ fn append_forwarded_for(headers: &mut HeaderMap, peer: SocketAddr) {
         Err(_) => {
             // Earlier values were valid header bytes, so this cannot happen; still, never
             // lose the client's address.
-            if let Ok(value) = HeaderValue::from_str(&ip) {
-                headers.append(X_FORWARDED_FOR, value);
-            }
+            headers.append(X_FORWARDED_FOR, ip.clone());
         }
     }
 }
