@@ -2,7 +2,7 @@
 
 use std::{
     io::{BufRead, BufReader},
-    process::{Child, Command, Output, Stdio},
+    process::{Command, Output, Stdio},
     time::{Duration, Instant, SystemTime, UNIX_EPOCH},
 };
 
@@ -36,30 +36,7 @@ fn claims_racing_from_24_processes_have_one_winner_per_round() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(dir.path());
     for round in 1..=5u64 {
-        let racers: Vec<Child> = (0..24)
-            .map(|i| {
-                Command::new(FENCE)
-                    .args([
-                        "claim",
-                        "--server",
-                        &url,
-                        "--job",
-                        "race",
-                        "--ttl",
-                        "30s",
-                        "--owner",
-                        &format!("p{i}"),
-                    ])
-                    .env("RUST_LOG", "warn")
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        let outs: Vec<Output> = racers
-            .into_iter()
-            .map(|c| c.wait_with_output().unwrap())
-            .collect();
+        let outs = claim_race(std::slice::from_ref(&url), "race", 24);
         let winners: Vec<&Output> = outs.iter().filter(|o| o.status.code() == Some(0)).collect();
         assert_eq!(winners.len(), 1, "round {round}");
         assert!(

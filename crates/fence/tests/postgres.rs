@@ -2,7 +2,7 @@
 
 mod common;
 
-use std::process::{Child, Command, Output, Stdio};
+use std::process::Output;
 
 use common::*;
 
@@ -10,43 +10,11 @@ use common::*;
 fn two_servers_on_one_database_have_one_winner_per_round() {
     let Some(url) = database_url() else { return };
     let schema = unique_schema("srv");
-    let args = [
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--store",
-        &url,
-        "--pg-schema",
-        &schema,
-    ];
-    let (_a, addr_a) = start_ready(&args);
-    let (_b, addr_b) = start_ready(&args);
+    let (_a, addr_a) = start_pg_server(&url, &schema, &[]);
+    let (_b, addr_b) = start_pg_server(&url, &schema, &[]);
+    let servers = [format!("http://{addr_a}"), format!("http://{addr_b}")];
     for round in 1..=5u64 {
-        let racers: Vec<Child> = (0..24)
-            .map(|i| {
-                let server = format!("http://{}", if i % 2 == 0 { &addr_a } else { &addr_b });
-                Command::new(FENCE)
-                    .args([
-                        "claim",
-                        "--server",
-                        &server,
-                        "--job",
-                        "race",
-                        "--ttl",
-                        "30s",
-                        "--owner",
-                        &format!("p{i}"),
-                    ])
-                    .env("RUST_LOG", "warn")
-                    .stdout(Stdio::piped())
-                    .spawn()
-                    .unwrap()
-            })
-            .collect();
-        let outs: Vec<Output> = racers
-            .into_iter()
-            .map(|c| c.wait_with_output().unwrap())
-            .collect();
+        let outs = claim_race(&servers, "race", 24);
         let winners: Vec<&Output> = outs.iter().filter(|o| o.status.code() == Some(0)).collect();
         assert_eq!(
             winners.len(),
@@ -57,11 +25,10 @@ fn two_servers_on_one_database_have_one_winner_per_round() {
         let lease: serde_json::Value = serde_json::from_slice(&winners[0].stdout).unwrap();
         assert_eq!(lease["generation"], round, "round {round}");
         let owner = lease["owner"].as_str().unwrap();
-        let server = format!("http://{addr_b}");
         let out = fence(&[
             "release",
             "--server",
-            &server,
+            &servers[1],
             "--job",
             "race",
             "--owner",
@@ -122,17 +89,7 @@ fn the_postgres_lease_store_signs_too() {
     assert_eq!(out.status.code(), Some(0));
     let key = dir.path().join("fence-signing.key");
     let schema = unique_schema("sig");
-    let (_server, addr) = start_ready(&[
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--store",
-        &url,
-        "--pg-schema",
-        &schema,
-        "--signing-key",
-        key.to_str().unwrap(),
-    ]);
+    let (_server, addr) = start_pg_server(&url, &schema, &["--signing-key", key.to_str().unwrap()]);
     let out = fence(&[
         "claim",
         "--server",

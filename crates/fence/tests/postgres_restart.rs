@@ -32,15 +32,7 @@ async fn database_restart_during_renewals() {
         return;
     };
     let schema = unique_schema("rst");
-    let (_server, addr) = start_ready(&[
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--store",
-        &url,
-        "--pg-schema",
-        &schema,
-    ]);
+    let (_server, addr) = start_pg_server(&url, &schema, &[]);
     let store = HttpLeaseStore::new(&format!("http://{addr}"))
         .unwrap()
         .timeout(Duration::from_secs(2));

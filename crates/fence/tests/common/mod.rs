@@ -184,3 +184,48 @@ pub fn unique_schema(prefix: &str) -> String {
         RandomState::new().hash_one(std::time::SystemTime::now()) & 0xffff_ffff_ffff
     )
 }
+
+/// `fence claim --job JOB --ttl 30s` from `racers` processes started at once, spread over
+/// `servers` in turn, owners `p0`, `p1`, …; their outputs, in that order.
+pub fn claim_race(servers: &[String], job: &str, racers: usize) -> Vec<Output> {
+    let children: Vec<Child> = (0..racers)
+        .map(|i| {
+            Command::new(FENCE)
+                .args([
+                    "claim",
+                    "--server",
+                    &servers[i % servers.len()],
+                    "--job",
+                    job,
+                    "--ttl",
+                    "30s",
+                    "--owner",
+                    &format!("p{i}"),
+                ])
+                .env("RUST_LOG", "warn")
+                .stdout(Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    children
+        .into_iter()
+        .map(|c| c.wait_with_output().unwrap())
+        .collect()
+}
+
+/// `fence server` on PostgreSQL at `url`, in `schema`, with `extra` arguments; waits until
+/// it is ready and returns it with its address.
+pub fn start_pg_server(url: &str, schema: &str, extra: &[&str]) -> (Proc, String) {
+    let mut args = vec![
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--store",
+        url,
+        "--pg-schema",
+        schema,
+    ];
+    args.extend_from_slice(extra);
+    start_ready(&args)
+}
