@@ -125,15 +125,20 @@ impl<S: LeaseStore> LeaseClient<S> {
     }
 
     fn timing(&self, ttl: Ttl) -> Result<Timing, ClaimError> {
+        let timing = Timing {
+            ttl,
+            margin: self.margin,
+            renew_every: self.renew_every,
+        };
         let ttl_d = ttl.as_duration();
-        let margin = self
-            .margin
-            .unwrap_or_else(|| (ttl_d / 10).max(Duration::from_millis(50)));
+        let margin = timing.margin(ttl);
         if margin >= ttl_d {
             return Err(ClaimError::Config(format!(
                 "safety margin {margin:?} is not shorter than the ttl {ttl_d:?}"
             )));
         }
+        // The configured interval must fit the TTL asked for; a shorter grant later falls
+        // back to a third of it (see `Timing::renew_every`).
         let renew_every = self.renew_every.unwrap_or(ttl_d / 3);
         if renew_every.is_zero() || renew_every >= ttl_d - margin {
             return Err(ClaimError::Config(format!(
@@ -141,11 +146,7 @@ impl<S: LeaseStore> LeaseClient<S> {
                 ttl_d - margin
             )));
         }
-        Ok(Timing {
-            ttl,
-            margin,
-            renew_every,
-        })
+        Ok(timing)
     }
 
     /// Claims `job` and starts a keeper task that renews it in the background.
@@ -163,7 +164,7 @@ impl<S: LeaseStore> LeaseClient<S> {
         // rule): two tasks would then both hold one job. Refuse it here.
         let held = HeldMark::take(&self.held, &job)?;
         let t_send = Instant::now();
-        let budget = timing.ttl.as_duration() - timing.margin;
+        let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
         let outcome = tokio::time::timeout(budget, self.store.claim(&job, &self.owner, self.ttl))
             .await
             .map_err(|_| ClaimError::Store(StoreError::Timeout(budget)))??;
@@ -206,7 +207,13 @@ impl<S: LeaseStore> LeaseClient<S> {
         });
         shared.set_deadline(deadline);
         tracing::debug!(job = %shared.job, token = %token, "lease claimed");
-        let keeper = tokio::spawn(keep(shared.clone(), self.store.clone(), timing, t_send));
+        let first_renewal = t_send + timing.renew_every(grant.ttl);
+        let keeper = tokio::spawn(keep(
+            shared.clone(),
+            self.store.clone(),
+            timing,
+            first_renewal,
+        ));
         Ok(Lease {
             view: LeaseView { shared },
             store: self.store.clone(),
@@ -238,17 +245,37 @@ fn token_header(
     })
 }
 
+/// The client's timing settings, applied to each grant: a store may grant less than it was
+/// asked for, and the margin and the renewal interval then follow the grant.
 #[derive(Debug, Clone, Copy)]
 struct Timing {
+    /// The TTL asked for.
     ttl: Ttl,
-    margin: Duration,
-    renew_every: Duration,
+    /// Set by [`LeaseClient::safety_margin`]; else 10% of the grant, at least 50 ms.
+    margin: Option<Duration>,
+    /// Set by [`LeaseClient::renew_every`]; else a third of the grant.
+    renew_every: Option<Duration>,
 }
 
 impl Timing {
+    fn margin(&self, granted: Ttl) -> Duration {
+        self.margin
+            .unwrap_or_else(|| (granted.as_duration() / 10).max(Duration::from_millis(50)))
+    }
+
+    /// How long after a grant was asked for to renew it: the configured interval while it
+    /// fits the grant (shorter than the grant minus the margin), else a third of the grant.
+    fn renew_every(&self, granted: Ttl) -> Duration {
+        let granted_d = granted.as_duration();
+        let fits = granted_d.saturating_sub(self.margin(granted));
+        self.renew_every
+            .filter(|every| *every < fits)
+            .unwrap_or(granted_d / 3)
+    }
+
     /// `t_send + granted - margin`; a grant shorter than the margin gives no time at all.
     fn deadline(&self, t_send: Instant, granted: Ttl) -> Instant {
-        t_send + granted.as_duration().saturating_sub(self.margin)
+        t_send + granted.as_duration().saturating_sub(self.margin(granted))
     }
 }
 
@@ -579,11 +606,11 @@ async fn keep<S: LeaseStore>(
     shared: Arc<Shared>,
     store: Arc<S>,
     timing: Timing,
-    granted_at: Instant,
+    first_renewal: Instant,
 ) {
-    let retry_every =
-        (timing.renew_every / 4).clamp(Duration::from_millis(10), Duration::from_secs(1));
-    let mut next = granted_at + timing.renew_every;
+    let retry_every = (timing.renew_every(timing.ttl) / 4)
+        .clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let mut next = first_renewal;
     let (job, owner, generation) = (&shared.job, &shared.owner, shared.token.generation());
     loop {
         let deadline = shared.deadline();
@@ -607,7 +634,7 @@ async fn keep<S: LeaseStore>(
                     return;
                 }
                 shared.set_deadline(timing.deadline(t_send, grant.ttl));
-                next = t_send + timing.renew_every;
+                next = t_send + timing.renew_every(grant.ttl);
                 tracing::debug!(job = %job, token = %shared.token, expires_at_ms = grant.expires_at_ms, "lease renewed");
             }
             Ok(Ok(RenewOutcome::Lost { owner, generation })) => {
@@ -638,6 +665,8 @@ mod tests {
         latency: Duration,
         stalled: Arc<AtomicBool>,
         failing: Arc<AtomicBool>,
+        /// Grants at most this, whatever was asked (a server-side cap).
+        max_ttl: Ttl,
     }
 
     impl Stallable {
@@ -647,6 +676,7 @@ mod tests {
                 latency,
                 stalled: Arc::default(),
                 failing: Arc::default(),
+                max_ttl: Ttl::MAX,
             }
         }
     }
@@ -659,7 +689,7 @@ mod tests {
             ttl: Ttl,
         ) -> Result<ClaimOutcome, StoreError> {
             tokio::time::sleep(self.latency).await;
-            let out = self.inner.claim(job, owner, ttl).await;
+            let out = self.inner.claim(job, owner, ttl.min(self.max_ttl)).await;
             tokio::time::sleep(self.latency).await;
             out
         }
@@ -677,7 +707,7 @@ mod tests {
                 return Err(StoreError::Io("connection refused".into()));
             }
             tokio::time::sleep(self.latency).await;
-            let out = self.inner.renew(job, owner, g, ttl).await;
+            let out = self.inner.renew(job, owner, g, ttl.min(self.max_ttl)).await;
             tokio::time::sleep(self.latency).await;
             out
         }
@@ -821,6 +851,38 @@ mod tests {
                 assert_eq!(lease.loss_reason(), Some(LossReason::DeadlinePassed));
             }
         }
+    }
+
+    /// A store that grants less than was asked (a server-side cap) gets renewals on the
+    /// grant's schedule, and loss still fires before its expiry.
+    #[tokio::test(start_paused = true)]
+    async fn a_grant_shorter_than_asked_is_renewed_in_time_and_lost_before_it_ends() {
+        let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+        let mut store = Stallable::new(clock, Duration::from_millis(5));
+        store.max_ttl = Ttl::from_millis(1_000).unwrap();
+        let lease = LeaseClient::new(store.clone())
+            .ttl(Ttl::from_millis(60_000).unwrap())
+            .claim(job())
+            .await
+            .unwrap();
+        tokio::time::sleep(Duration::from_secs(20)).await;
+        assert!(
+            !lease.is_lost(),
+            "lost a 1 s grant renewed on a 60 s schedule: {:?}",
+            lease.loss_reason()
+        );
+        store.stalled.store(true, Ordering::SeqCst);
+        lease.lost().await;
+        let record = store.inner.get(&job()).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            crate::LeaseState::Held,
+            "the store expired first"
+        );
+        assert!(
+            record.expires_in >= Duration::from_millis(100),
+            "{record:?}"
+        );
     }
 
     /// A renewal answered `Lost` loses the lease at once, before the local deadline.
