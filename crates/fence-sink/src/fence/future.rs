@@ -11,7 +11,7 @@ use pin_project_lite::pin_project;
 
 use super::body::ResponseBody;
 
-type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+use super::detach::{BoxFuture, Detachable};
 
 pin_project! {
     /// The response future of [`Fence`](crate::Fence): the inner future itself for requests
@@ -47,7 +47,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     }
 
     /// The fenced path; with `detach`, dropping the future before it finished lets the
-    /// rest of it run on in a task of its own (see [`Detachable`]).
+    /// rest of it run on in a task of its own.
     pub(crate) fn fenced(
         future: BoxFuture<Result<Response<ResponseBody<B>>, E>>,
         detach: bool,
@@ -58,9 +58,10 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     {
         Self {
             kind: Kind::Fenced {
-                future: Detachable {
-                    future: Some(future),
-                    detach: detach.then_some(finish_in_a_task),
+                future: if detach {
+                    Detachable::finishing(future)
+                } else {
+                    Detachable::cancelled_with_caller(future)
                 },
             },
         }
@@ -80,45 +81,6 @@ where
                 Poll::Ready(Ok(response.take().expect("polled after completion")))
             }
             KindProj::Fenced { future } => Pin::new(future).poll(cx),
-        }
-    }
-}
-
-/// A boxed future that runs in its caller's task while the caller waits for it and, when
-/// `detach` is set and the caller drops it unfinished (a client went away), is handed to a
-/// task of its own to finish there: the request it carries then stays in flight until its
-/// effect is over, as if it had been spawned from the start, without the cost of a task per
-/// request when nobody goes away. Without a tokio runtime at the drop, it is dropped.
-struct Detachable<T> {
-    future: Option<BoxFuture<T>>,
-    /// What a drop does with an unfinished future, if anything.
-    detach: Option<fn(BoxFuture<T>)>,
-}
-
-fn finish_in_a_task<T: 'static>(future: BoxFuture<T>) {
-    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        // The box moves, the future inside it does not: it stays pinned.
-        runtime.spawn(async move {
-            let _ = future.await;
-        });
-    }
-}
-
-impl<T> Future for Detachable<T> {
-    type Output = T;
-
-    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
-        let future = self.future.as_mut().expect("polled after completion");
-        let output = std::task::ready!(future.as_mut().poll(cx));
-        self.future = None;
-        Poll::Ready(output)
-    }
-}
-
-impl<T> Drop for Detachable<T> {
-    fn drop(&mut self) {
-        if let (Some(future), Some(detach)) = (self.future.take(), self.detach) {
-            detach(future);
         }
     }
 }

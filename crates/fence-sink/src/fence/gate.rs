@@ -34,6 +34,7 @@ use tokio::{
     time::Instant,
 };
 
+use super::detach::Detachable;
 use crate::store::{GenerationStore, StoreError, Verdict};
 
 /// What a gate decided for one request.
@@ -496,9 +497,9 @@ impl<St: GenerationStore> Gates<St> {
         }
     }
 
-    /// Writes `token` durably and settles the gate, in a task that runs to the end even if
-    /// the request waiting for it goes away (its admission is then dropped, and with it the
-    /// in-flight count it took).
+    /// Writes `token` durably and settles the gate. It runs in the request's task while the
+    /// request waits for it, and to the end in a task of its own if the request goes away
+    /// (its admission is then dropped, and with it the in-flight count it took).
     async fn bump(
         self: &Arc<Self>,
         gate: Arc<Gate>,
@@ -507,19 +508,15 @@ impl<St: GenerationStore> Gates<St> {
         timeout: Duration,
     ) -> Admission {
         let gates = self.clone();
-        let task = tokio::spawn(async move {
+        Detachable::finishing(Box::pin(async move {
             let unsettled = Unsettled { gate: &gate, token };
             let result = gates.observe(&job, token, timeout).await;
             std::mem::forget(unsettled);
             let admission = Self::settle(&gate, token, result);
             gate.changed.notify_waiters();
             admission
-        });
-        match task.await {
-            Ok(admission) => admission,
-            Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
-            Err(_) => Admission::StoreFailed(StoreError::Io("the runtime is shutting down".into())),
-        }
+        }))
+        .await
     }
 
     fn settle(

@@ -22,6 +22,7 @@
 //! ```
 
 mod body;
+mod detach;
 mod future;
 pub(crate) mod gate;
 mod layer;

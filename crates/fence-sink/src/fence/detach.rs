@@ -1,0 +1,68 @@
+//! Futures that finish their work even when their caller stops waiting.
+
+use std::{
+    future::Future,
+    pin::Pin,
+    task::{Context, Poll},
+};
+
+pub(crate) type BoxFuture<T> = Pin<Box<dyn Future<Output = T> + Send>>;
+
+/// A boxed future that runs in its caller's task while the caller waits for it and, when
+/// made with [`finishing`](Self::finishing) and dropped unfinished (a client went away), is handed to a
+/// task of its own to finish there: the request it carries then stays in flight until its
+/// effect is over, as if it had been spawned from the start, without the cost of a task per
+/// request when nobody goes away. Without a tokio runtime at the drop, it is dropped.
+pub(crate) struct Detachable<T> {
+    future: Option<BoxFuture<T>>,
+    /// What a drop does with an unfinished future, if anything.
+    detach: Option<fn(BoxFuture<T>)>,
+}
+
+fn finish_in_a_task<T: 'static>(future: BoxFuture<T>) {
+    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        // The box moves, the future inside it does not: it stays pinned.
+        runtime.spawn(async move {
+            let _ = future.await;
+        });
+    }
+}
+
+impl<T: 'static> Detachable<T> {
+    /// Finishes in a task of its own if dropped unfinished.
+    pub(crate) fn finishing(future: BoxFuture<T>) -> Self {
+        Self {
+            future: Some(future),
+            detach: Some(finish_in_a_task),
+        }
+    }
+}
+
+impl<T> Detachable<T> {
+    /// Cancelled when dropped, as any future.
+    pub(crate) fn cancelled_with_caller(future: BoxFuture<T>) -> Self {
+        Self {
+            future: Some(future),
+            detach: None,
+        }
+    }
+}
+
+impl<T> Future for Detachable<T> {
+    type Output = T;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
+        let future = self.future.as_mut().expect("polled after completion");
+        let output = std::task::ready!(future.as_mut().poll(cx));
+        self.future = None;
+        Poll::Ready(output)
+    }
+}
+
+impl<T> Drop for Detachable<T> {
+    fn drop(&mut self) {
+        if let (Some(future), Some(detach)) = (self.future.take(), self.detach) {
+            detach(future);
+        }
+    }
+}
