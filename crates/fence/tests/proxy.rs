@@ -1023,3 +1023,52 @@ async fn a_request_the_upstream_may_have_seen_is_not_sent_twice() {
     );
     proxy.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_http2_client_gets_its_concurrent_requests_through_at_once() {
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.workers = 1;
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+
+    // Five streams on one connection, each held by the upstream until released: they can
+    // only all start if each got an upstream connection of its own.
+    let calls: Vec<_> = (0..5)
+        .map(|i| {
+            let mut sender = sender.clone();
+            let req = Request::post(format!("http://{}/slow", proxy.addr))
+                .header("x-fencing-job", format!("job-h2-{i}"))
+                .header("x-fencing-token", "1")
+                .body(full("x"))
+                .unwrap();
+            tokio::spawn(async move {
+                let response = sender.send_request(req).await.unwrap();
+                let status = response.status();
+                let body = response.into_body().collect().await.unwrap().to_bytes();
+                (status, body)
+            })
+        })
+        .collect();
+    timeout(WAIT, async {
+        while upstream.event_names().len() < 5 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+    })
+    .await
+    .expect("all five streams reach the upstream before any is answered");
+    upstream.release.send_replace(true);
+    for call in calls {
+        let (status, body) = timeout(WAIT, call).await.unwrap().unwrap();
+        assert_eq!(status, 200, "{body:?}");
+        assert!(body.starts_with(b"upstream saw POST /slow"), "{body:?}");
+    }
+    proxy.shutdown().await;
+}
