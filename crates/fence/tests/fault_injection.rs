@@ -216,12 +216,20 @@ async fn start_logging_upstream(log_path: &std::path::Path, seed: u64) -> String
     format!("http://{addr}")
 }
 
+/// A port that is free now and stays ours across restarts of the server and the proxy.
+///
+/// Not one the kernel hands out by itself (`bind` to port 0, or the local end of an outgoing
+/// connection, both drawn from `ip_local_port_range`, 32768–60999 by default): with workers
+/// and a parallel test opening thousands of connections, such a port was once taken by an
+/// outgoing connection between the check and the proxy's start. Below that range only an
+/// explicit `bind` takes a port.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
+    use std::hash::{BuildHasher, RandomState};
+    let seed = RandomState::new();
+    (0u64..)
+        .map(|n| 20_000 + u16::try_from(seed.hash_one(n) % 12_000).unwrap())
+        .find(|port| std::net::TcpListener::bind(("127.0.0.1", *port)).is_ok())
         .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
 }
 
 #[derive(Debug, Default)]

@@ -152,11 +152,18 @@ pub fn start_ready(args: &[&str]) -> (Proc, String) {
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
+    let mut said = Vec::new();
     let addr = loop {
         let line = lines
             .next()
-            .unwrap_or_else(|| panic!("fence {args:?} exited before it was ready"))
+            .unwrap_or_else(|| {
+                panic!(
+                    "fence {args:?} exited before it was ready; it said:\n{}",
+                    said.join("\n")
+                )
+            })
             .unwrap();
+        said.push(line.clone());
         if line.contains("ready") {
             if let Some(rest) = line.split("listen=").nth(1) {
                 break rest.split_whitespace().next().unwrap().to_owned();
