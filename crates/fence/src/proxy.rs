@@ -114,6 +114,10 @@ pub struct ProxyConfig {
     /// How long the upstream may take to answer with a response head (default 60 s); then
     /// the client gets 504 and the upstream connection is closed.
     pub upstream_timeout: Duration,
+    /// How long a kept-alive upstream connection may stay unused and still be reused
+    /// (default 90 s). Older ones are closed: a firewall or NAT on the way may have dropped
+    /// them without a word, and a request sent on one would wait for `upstream_timeout`.
+    pub upstream_idle_timeout: Duration,
     /// Whether the upstream sees the client's `Host` (true) or its own authority, with the
     /// client's `Host` in `X-Forwarded-Host` (false, the default).
     pub preserve_host: bool,
@@ -135,6 +139,7 @@ impl ProxyConfig {
             drain_timeout: Duration::from_secs(10),
             store_timeout: Duration::from_secs(5),
             upstream_timeout: Duration::from_secs(60),
+            upstream_idle_timeout: Duration::from_secs(90),
             preserve_host: false,
             verifier: None,
             workers: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
@@ -200,6 +205,7 @@ where
                     layer: layer.clone(),
                     target: target.clone(),
                     timeout: config.upstream_timeout,
+                    idle_timeout: config.upstream_idle_timeout,
                     preserve_host: config.preserve_host,
                     stopped: stopped.clone(),
                 };
@@ -251,6 +257,7 @@ struct Worker<St> {
     layer: FenceLayer<St>,
     target: Arc<Target>,
     timeout: Duration,
+    idle_timeout: Duration,
     preserve_host: bool,
     stopped: watch::Receiver<bool>,
 }
@@ -268,7 +275,10 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 .context("registering the listening socket with a worker's runtime")?;
             // This thread's own upstream connections, served on its runtime: a request
             // and its upstream call never cross threads.
-            let conns = Arc::new(UpstreamConns::new(&self.target.authority));
+            let conns = Arc::new(UpstreamConns::new(
+                &self.target.authority,
+                self.idle_timeout,
+            ));
             // Every copy of the upstream service holds a sender: the connections' and each
             // request's own, which lives until its upstream call is over. All are gone when
             // the connections are closed and the last request has finished.
@@ -595,7 +605,14 @@ impl Upstream {
 struct UpstreamConns {
     /// `host:port` to connect to.
     addr: String,
-    idle: std::sync::Mutex<Vec<SendRequest<RequestBody<Incoming>>>>,
+    idle: std::sync::Mutex<Vec<Idle>>,
+    idle_timeout: Duration,
+}
+
+/// A kept-alive connection and when it was last handed back.
+struct Idle {
+    conn: SendRequest<RequestBody<Incoming>>,
+    since: Instant,
 }
 
 /// How an upstream call failed; the variants say whether the upstream may have seen it.
@@ -610,7 +627,7 @@ enum SendFailed {
 const MAX_IDLE_PER_WORKER: usize = 256;
 
 impl UpstreamConns {
-    fn new(authority: &Authority) -> Self {
+    fn new(authority: &Authority, idle_timeout: Duration) -> Self {
         let addr = match authority.port_u16() {
             Some(_) => authority.as_str().to_owned(),
             None => format!("{}:80", authority.host()),
@@ -618,10 +635,11 @@ impl UpstreamConns {
         Self {
             addr,
             idle: std::sync::Mutex::default(),
+            idle_timeout,
         }
     }
 
-    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<SendRequest<RequestBody<Incoming>>>> {
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
         // Nothing can panic while the list is held; a poisoned list is still a valid list.
         self.idle
             .lock()
@@ -629,16 +647,21 @@ impl UpstreamConns {
     }
 
     fn take_ready(&self) -> Option<SendRequest<RequestBody<Incoming>>> {
+        let now = Instant::now();
         let mut idle = self.idle();
-        idle.retain(|conn| !conn.is_closed());
-        let ready = idle.iter().rposition(SendRequest::is_ready)?;
-        Some(idle.swap_remove(ready))
+        // Dropping the last handle of a connection closes it.
+        idle.retain(|i| !i.conn.is_closed() && now.duration_since(i.since) < self.idle_timeout);
+        let ready = idle.iter().rposition(|i| i.conn.is_ready())?;
+        Some(idle.swap_remove(ready).conn)
     }
 
     fn put_back(&self, conn: SendRequest<RequestBody<Incoming>>) {
         let mut idle = self.idle();
         if !conn.is_closed() && idle.len() < MAX_IDLE_PER_WORKER {
-            idle.push(conn);
+            idle.push(Idle {
+                conn,
+                since: Instant::now(),
+            });
         }
     }
 

@@ -1072,3 +1072,26 @@ async fn an_http2_client_gets_its_concurrent_requests_through_at_once() {
     }
     proxy.shutdown().await;
 }
+
+#[tokio::test]
+async fn an_upstream_connection_unused_past_the_idle_timeout_is_not_reused() {
+    let (url, requests, connections) = raw_upstream(|_| Then::Answer).await;
+    let mut cfg = config(url);
+    cfg.workers = 1;
+    cfg.upstream_idle_timeout = Duration::from_millis(300);
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let get = || send(proxy.addr, Request::get("/r").body(full("")).unwrap());
+    assert_eq!(get().await.status, 200);
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(get().await.status, 200);
+    assert_eq!(connections.load(Ordering::SeqCst), 1, "reused while fresh");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(get().await.status, 200);
+    assert_eq!(
+        connections.load(Ordering::SeqCst),
+        2,
+        "replaced once too old"
+    );
+    assert_eq!(requests.load(Ordering::SeqCst), 3);
+    proxy.shutdown().await;
+}
