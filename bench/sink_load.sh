@@ -8,24 +8,26 @@
 # in alternating rounds, then once more at one connection (no queueing) for the latency each
 # layer adds. Appends a section to BENCHMARKS.md.
 #
-# Usage: bench/sink_load.sh [DURATION_SECONDS=5] [ROUNDS=3]     (CONNS=8 connections)
+# Usage: bench/sink_load.sh [DURATION_SECONDS=5] [ROUNDS=3]
+#        (CONNS=8 connections; PROFILE=release or dist, the cargo profile of every binary)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib.sh
-dur=${1:-5}; rounds=${2:-3}; conns=${CONNS:-8}
+dur=${1:-5}; rounds=${2:-3}; conns=${CONNS:-8}; profile=${PROFILE:-release}
 need wrk; need nginx nginx-light; need curl
-cargo build --release -q --example bench_sink -p fence-suite
-cargo build --release -q -p fence --bin fence
+cargo build --profile "$profile" -q --example bench_sink -p fence-suite
+cargo build --profile "$profile" -q -p fence --bin fence
+bin=target/$profile
 tmp=$(mktemp -d); pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$tmp"; }
 trap cleanup EXIT
 bare=127.0.0.1:19001 layer=127.0.0.1:19002 proxy=127.0.0.1:19003 nginx=127.0.0.1:19005
 hyperp=127.0.0.1:19006
-target/release/examples/bench_sink bare "$bare" >/dev/null & pids+=($!)
-target/release/examples/bench_sink fenced "$layer" "$tmp/layer" >/dev/null & pids+=($!)
-RUST_LOG=warn target/release/fence proxy --listen "$proxy" --admin-listen 127.0.0.1:19004 \
+$bin/examples/bench_sink bare "$bare" >/dev/null & pids+=($!)
+$bin/examples/bench_sink fenced "$layer" "$tmp/layer" >/dev/null & pids+=($!)
+RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen 127.0.0.1:19004 \
   --upstream "http://$bare" --data-dir "$tmp/proxy" & pids+=($!)
-target/release/examples/bench_sink proxy "$hyperp" "$bare" >/dev/null & pids+=($!)
+$bin/examples/bench_sink proxy "$hyperp" "$bare" >/dev/null & pids+=($!)
 mkdir -p "$tmp/nginx"
 cat > "$tmp/nginx/nginx.conf" <<CONF
 worker_processes auto;
@@ -85,7 +87,7 @@ label() {
 }
 {
   header "Sink overhead side by side: ${conns} connections, ${dur}s × ${rounds} alternating rounds" \
-    "CONNS=$conns bench/sink_load.sh $dur $rounds"
+    "CONNS=$conns PROFILE=$profile bench/sink_load.sh $dur $rounds"
   b=$(case_median "$out" bare 2); n=$(case_median "$out" nginx 2)
   echo "| case | req/s (median) | p50 µs | p99 µs | non-2xx | socket errors | × bare | × nginx |"
   echo "|---|---|---|---|---|---|---|---|"
