@@ -732,6 +732,24 @@ mod tests {
         }
     }
 
+    /// Stalls the worker's renewals, waits for the lease to be lost and returns the store's
+    /// record then, after checking the store still saw the lease held: loss came first.
+    async fn stall_until_lost(
+        store: &Stallable,
+        lease: &Lease<Stallable>,
+        what: &str,
+    ) -> crate::LeaseRecord {
+        store.stalled.store(true, Ordering::SeqCst);
+        lease.lost().await;
+        let record = store.inner.get(&job()).await.unwrap().unwrap();
+        assert_eq!(
+            record.state,
+            crate::LeaseState::Held,
+            "{what}: store expired first"
+        );
+        record
+    }
+
     fn job() -> JobId {
         "job-7".parse().unwrap()
     }
@@ -832,14 +850,9 @@ mod tests {
                 // Let a few renewals succeed, then stall the worker.
                 tokio::time::sleep(ttl.as_duration() * 2).await;
                 assert!(!lease.is_lost(), "ttl {ttl_ms}: renewals should keep it");
-                store.stalled.store(true, Ordering::SeqCst);
-                lease.lost().await;
-                let record = store.inner.get(&job()).await.unwrap().unwrap();
-                assert_eq!(
-                    record.state,
-                    crate::LeaseState::Held,
-                    "ttl {ttl_ms} offset {offset}: store expired first"
-                );
+                let record =
+                    stall_until_lost(&store, &lease, &format!("ttl {ttl_ms} offset {offset}"))
+                        .await;
                 // Lost at t_send + ttl - margin; the store expires at t_send + latency + ttl.
                 let ahead = u64::try_from(record.expires_in.as_millis()).unwrap();
                 let want = (ttl_ms / 10).max(50) + ttl_ms / 20;
@@ -871,14 +884,7 @@ mod tests {
             "lost a 1 s grant renewed on a 60 s schedule: {:?}",
             lease.loss_reason()
         );
-        store.stalled.store(true, Ordering::SeqCst);
-        lease.lost().await;
-        let record = store.inner.get(&job()).await.unwrap().unwrap();
-        assert_eq!(
-            record.state,
-            crate::LeaseState::Held,
-            "the store expired first"
-        );
+        let record = stall_until_lost(&store, &lease, "1 s grant").await;
         assert!(
             record.expires_in >= Duration::from_millis(100),
             "{record:?}"

@@ -129,6 +129,21 @@ impl Upstream {
         .unwrap_or_else(|_| panic!("the upstream never logged {what}"));
     }
 
+    /// Waits until the upstream has logged at least `n` events.
+    async fn wait_for_events(&self, n: usize, why: &str) {
+        timeout(WAIT, async {
+            loop {
+                let changed = self.changed.notified();
+                if self.events.lock().unwrap().len() >= n {
+                    return;
+                }
+                changed.await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| panic!("{why}: the upstream logged fewer than {n} events"));
+    }
+
     fn seen(&self) -> Vec<Seen> {
         self.seen.lock().unwrap().clone()
     }
@@ -871,13 +886,9 @@ async fn every_worker_thread_enforces_one_fence() {
             })
         })
         .collect();
-    timeout(WAIT, async {
-        while upstream.event_names().len() < 6 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("all six token-5 requests reach the upstream");
+    upstream
+        .wait_for_events(6, "all six token-5 requests reach the upstream")
+        .await;
 
     // Whichever worker takes it, token 6 waits for every token-5 request of the job.
     let newer = tokio::spawn(async move {
@@ -1057,13 +1068,12 @@ async fn an_http2_client_gets_its_concurrent_requests_through_at_once() {
             })
         })
         .collect();
-    timeout(WAIT, async {
-        while upstream.event_names().len() < 5 {
-            tokio::time::sleep(Duration::from_millis(10)).await;
-        }
-    })
-    .await
-    .expect("all five streams reach the upstream before any is answered");
+    upstream
+        .wait_for_events(
+            5,
+            "all five streams reach the upstream before any is answered",
+        )
+        .await;
     upstream.release.send_replace(true);
     for call in calls {
         let (status, body) = timeout(WAIT, call).await.unwrap().unwrap();
