@@ -29,10 +29,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
             .to_string()
     });
 
-    let store = SledStore::open(&dir)?;
-    let app = Router::new()
-        .route("/charges", post(charge))
-        .layer(FenceLayer::new(store));
+    let fence = FenceLayer::new(SledStore::open(&dir)?);
+    // Sweeps expired idempotency records in the background while the service runs.
+    let _maintenance = fence.spawn_maintenance();
+    let app = Router::new().route("/charges", post(charge)).layer(fence);
 
     let listener = tokio::net::TcpListener::bind(&addr).await?;
     println!("fenced axum service on http://{addr} (fence records in {dir})");

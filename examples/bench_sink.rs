@@ -33,17 +33,17 @@ async fn hello<B>(_req: Request<B>) -> Result<Response<Full<Bytes>>, Infallible>
 
 /// Stores generation 1 for jobs `s-0` .. `s-<jobs-1>` the way `SledStore` keeps them.
 fn seed(dir: &str, jobs: u64) -> Result<(), Box<dyn std::error::Error>> {
-    let db = fence_durable::open_db(dir)?;
-    let tree = db.open_tree("generations")?;
+    let db = fence_storage::disk::DurableDb::open(dir)?;
+    let tree = db.tree("generations")?;
     let started = std::time::Instant::now();
     for i in 0..jobs {
         tree.insert(format!("s-{i}").as_bytes(), &1u64.to_be_bytes())?;
         if (i + 1) % 100_000 == 0 {
-            db.flush()?;
+            db.flush_now()?;
             eprint!("\rseeded {} of {jobs} jobs", i + 1);
         }
     }
-    db.flush()?;
+    db.flush_now()?;
     eprintln!(" in {:.1}s", started.elapsed().as_secs_f64());
     Ok(())
 }

@@ -16,7 +16,7 @@ use std::{
 };
 
 use fence_core::{JobId, Owner};
-use fence_lease::{ClaimOutcome, LeaseStore, PgLeaseStore, PgTable, SledLeaseStore, Ttl};
+use fence_lease::{LeaseStore, Outcome, PgLeaseStore, PgTable, SledLeaseStore, Ttl};
 
 async fn drive<S: LeaseStore>(store: Arc<S>, clients: usize, op: &str, secs: u64) -> f64 {
     let until = Instant::now() + Duration::from_secs(secs);
@@ -34,7 +34,7 @@ async fn drive<S: LeaseStore>(store: Arc<S>, clients: usize, op: &str, secs: u64
                             store.renew(&job, &owner, g, Ttl::DEFAULT).await.unwrap();
                         }
                         _ => {
-                            let ClaimOutcome::Granted(g) =
+                            let Outcome::Granted(g) =
                                 store.claim(&job, &owner, Ttl::DEFAULT).await.unwrap()
                             else {
                                 panic!("client {c} could not claim its own job")

@@ -36,18 +36,14 @@ impl GenerationStore for AtOne {
 impl fence_sink::IdempotencyStore for AtOne {
     async fn begin(
         &self,
-        _: &JobId,
-        _: &fence_core::headers::IdempotencyKey,
-        _: &fence_sink::Fingerprint,
+        _: fence_sink::Attempt<'_>,
         _: std::time::Duration,
     ) -> Result<fence_sink::Begin, StoreError> {
         Ok(fence_sink::Begin::Started)
     }
     async fn finish(
         &self,
-        _: &JobId,
-        _: &fence_core::headers::IdempotencyKey,
-        _: &fence_sink::Fingerprint,
+        _: fence_sink::Attempt<'_>,
         _: fence_sink::Finish,
         _: std::time::Duration,
     ) -> Result<(), StoreError> {

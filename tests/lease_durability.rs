@@ -7,7 +7,7 @@ use std::{
 };
 
 use fence_core::Generation;
-use fence_lease::{ClaimOutcome, LeaseStore, SledLeaseStore, Ttl};
+use fence_lease::{LeaseStore, Outcome, SledLeaseStore, Ttl};
 use fence_suite::ChildGuard;
 
 const CHILD_DIR: &str = "FENCE_TEST_CHILD_DIR";
@@ -26,7 +26,7 @@ async fn child_claims_then_waits() {
         .await
         .unwrap()
     {
-        ClaimOutcome::Granted(g) => {
+        Outcome::Granted(g) => {
             let mut out = std::io::stdout().lock();
             writeln!(out, "ACK {}", g.generation).unwrap();
             out.flush().unwrap();

@@ -47,7 +47,7 @@ async fn legacy_client_sends_fencing_headers_until_the_lease_is_lost() {
             .claim(&"job-9".parse().unwrap(), &other, Ttl::DEFAULT)
             .await
             .unwrap(),
-        fence_lease::ClaimOutcome::Granted(_)
+        fence_lease::Outcome::Granted(_)
     ));
     tokio::time::timeout(Duration::from_secs(2), lease.lost())
         .await

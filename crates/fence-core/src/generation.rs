@@ -1,4 +1,4 @@
-//! Generations and fencing tokens (PROTOCOL.md section 1).
+//! Generations and fencing tokens (`docs/protocol.md` section 1).
 
 use std::{fmt, num::NonZeroU64, str::FromStr};
 

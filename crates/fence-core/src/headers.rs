@@ -1,4 +1,4 @@
-//! Header names and codecs of PROTOCOL.md section 2, shared by the sending and receiving ends.
+//! Header names and codecs of `docs/protocol.md` section 2, shared by the sending and receiving ends.
 //!
 //! ```
 //! use fence_core::headers::{self, FencingHeaders, HeaderError};

@@ -1,4 +1,4 @@
-//! Job ids and owners: 1 to 256 bytes of visible ASCII (PROTOCOL.md section 1).
+//! Job ids and owners: 1 to 256 bytes of visible ASCII (`docs/protocol.md` section 1).
 
 use std::{borrow::Borrow, fmt, str::FromStr};
 

@@ -15,7 +15,8 @@
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! The crate depends on `http` and `serde` only.
+//! The crate does no I/O and keeps no state: it depends on `http`, `serde` and `thiserror`
+//! (and, for signed tokens, `ed25519-dalek`).
 
 mod generation;
 pub mod headers;
@@ -24,7 +25,9 @@ pub mod lease_api;
 pub mod problem;
 #[cfg(feature = "signing")]
 pub mod signing;
+mod ttl;
 
 pub use generation::{FencingToken, Generation, ParseTokenError};
 pub use ident::{JobId, MAX_ID_LEN, Owner, ParseIdError};
 pub use problem::{Problem, ProblemType};
+pub use ttl::{Ttl, TtlError};

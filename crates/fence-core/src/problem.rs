@@ -99,6 +99,9 @@ problem_types! {
     BadRequest => "urn:fence:bad-request", 400, "Bad request";
     /// 502: the proxy could not reach its upstream (not in contract version 1; added by fence).
     UpstreamUnavailable => "urn:fence:upstream-unavailable", 502, "Upstream unavailable";
+    /// 504: the proxy's upstream did not answer in time; whether the request took effect is
+    /// unknown (added by fence).
+    UpstreamTimeout => "urn:fence:upstream-timeout", 504, "Upstream timeout";
     /// 404: no such path (not in contract version 1; added by fence).
     NotFound => "urn:fence:not-found", 404, "Not found";
     /// 405: the path exists, the method does not (not in contract version 1; added by fence).

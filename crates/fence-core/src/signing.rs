@@ -1,7 +1,8 @@
-//! Signed fencing tokens (contract section 6): `<generation>.<signature>`, where the
-//! signature is Ed25519 over `fence-token-v1 0x00 job 0x00 generation(8 bytes, big-endian)`,
-//! written base64url without padding. Keys are files of one line: the raw 32-byte key in
-//! standard base64 with padding.
+//! Signed fencing tokens (`docs/protocol.md` section 6): signing, verifying, key files.
+//!
+//! A signed token is `<generation>.<signature>`, where the signature is Ed25519 over
+//! `fence-token-v1 0x00 job 0x00 generation(8 bytes, big-endian)`, written base64url without
+//! padding. Keys are files of one line: the raw 32-byte key in standard base64 with padding.
 //!
 //! ```
 //! use fence_core::{Generation, JobId, signing::{TokenSigner, TokenVerifier}};

@@ -9,7 +9,7 @@ use std::{sync::Arc, time::Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use fence_core::{Generation, JobId, Owner};
-use fence_lease::{ClaimOutcome, LeaseStore, SledLeaseStore, Ttl};
+use fence_lease::{LeaseStore, Outcome, SledLeaseStore, Ttl};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -21,7 +21,7 @@ fn runtime() -> tokio::runtime::Runtime {
 
 async fn claim_release(store: &SledLeaseStore, job: &JobId, owner: &Owner) {
     match store.claim(job, owner, Ttl::DEFAULT).await.unwrap() {
-        ClaimOutcome::Granted(g) => {
+        Outcome::Granted(g) => {
             store.release(job, owner, g.generation).await.unwrap();
         }
         other => panic!("{other:?}"),
@@ -43,7 +43,7 @@ fn bench(c: &mut Criterion) {
     });
     g.bench_function("renew/1 task", |b| {
         let job: JobId = "renew-single".parse().unwrap();
-        let ClaimOutcome::Granted(grant) = rt
+        let Outcome::Granted(grant) = rt
             .block_on(store.claim(&job, &owner, Ttl::DEFAULT))
             .unwrap()
         else {
@@ -77,7 +77,7 @@ fn bench(c: &mut Criterion) {
                                 for _ in 0..iters {
                                     if op == "renew" {
                                         if generation == Generation::ZERO {
-                                            let ClaimOutcome::Granted(g) = store
+                                            let Outcome::Granted(g) = store
                                                 .claim(&job, &owner, Ttl::DEFAULT)
                                                 .await
                                                 .unwrap()

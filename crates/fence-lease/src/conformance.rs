@@ -1,5 +1,6 @@
-//! The lease-store conformance suite: every behaviour of the contract, run against every
-//! backend by [`lease_store_conformance!`](crate::lease_store_conformance).
+//! The lease-store conformance suite: every behaviour of the contract, for every backend.
+//!
+//! [`lease_store_conformance!`](crate::lease_store_conformance) makes one test per case.
 //!
 //! A backend's test module supplies an async factory returning `Some((store, advance))`,
 //! where `advance` moves the store's clock forward, or `None` (after printing why) to skip:
@@ -20,21 +21,18 @@ use std::{
 
 use fence_core::{Generation, JobId, Owner};
 
-use crate::{ClaimOutcome, FinishOutcome, LeaseState, LeaseStore, ManualClock, RenewOutcome, Ttl};
+use crate::{LeaseState, LeaseStore, Outcome, Ttl};
 
-/// Moves a store's clock forward.
-pub type Advance = Box<dyn Fn(Duration) + Send + Sync>;
+#[doc(hidden)]
+pub use fence_storage as __storage;
 
-/// An [`Advance`] for a [`ManualClock`].
-pub fn advance_fn(clock: ManualClock) -> Advance {
-    Box::new(move |d| clock.advance(d))
-}
+pub use fence_storage::clock::{Advance, advance_fn};
 
 /// Generates one `#[tokio::test]` per conformance case for the backend made by `$make`.
 #[macro_export]
 macro_rules! lease_store_conformance {
     ($make:expr) => {
-        $crate::__lease_store_cases!($make;
+        $crate::conformance::__storage::conformance_cases!($crate::conformance; $make;
             first_claim_is_generation_one_and_excludes_others,
             holder_reclaim_extends_same_generation,
             worked_example_stale_holder_is_rejected,
@@ -50,22 +48,6 @@ macro_rules! lease_store_conformance {
     };
 }
 
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __lease_store_cases {
-    ($make:expr; $($case:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $case() {
-                match ($make)().await {
-                    Some((store, advance)) => $crate::conformance::$case(store, advance).await,
-                    None => println!("skipped: {} (the backend's factory said why above)", stringify!($case)),
-                }
-            }
-        )*
-    };
-}
-
 fn job(s: &str) -> JobId {
     s.parse().expect("valid job id")
 }
@@ -78,7 +60,7 @@ const TTL: Ttl = Ttl::DEFAULT;
 
 async fn granted<S: LeaseStore>(store: &S, j: &JobId, o: &Owner) -> Generation {
     match store.claim(j, o, TTL).await.expect("claim") {
-        ClaimOutcome::Granted(g) => g.generation,
+        Outcome::Granted(g) => g.generation,
         other => panic!("{o} expected to be granted {j}, got {other:?}"),
     }
 }
@@ -92,7 +74,7 @@ pub async fn first_claim_is_generation_one_and_excludes_others<S: LeaseStore>(
     assert_eq!(store.get(&j).await.unwrap(), None);
     assert_eq!(granted(&store, &j, &owner("a")).await, Generation::new(1));
     match store.claim(&j, &owner("b"), TTL).await.unwrap() {
-        ClaimOutcome::Held {
+        Outcome::Held {
             owner: o,
             expires_in,
         } => {
@@ -110,12 +92,12 @@ pub async fn first_claim_is_generation_one_and_excludes_others<S: LeaseStore>(
 pub async fn holder_reclaim_extends_same_generation<S: LeaseStore>(store: S, advance: Advance) {
     let j = job("conf-reclaim");
     let first = match store.claim(&j, &owner("a"), TTL).await.unwrap() {
-        ClaimOutcome::Granted(g) => g,
+        Outcome::Granted(g) => g,
         other => panic!("{other:?}"),
     };
     advance(Duration::from_secs(10));
     let again = match store.claim(&j, &owner("a"), TTL).await.unwrap() {
-        ClaimOutcome::Granted(g) => g,
+        Outcome::Granted(g) => g,
         other => panic!("{other:?}"),
     };
     assert_eq!(again.generation, first.generation);
@@ -139,14 +121,14 @@ pub async fn worked_example_stale_holder_is_rejected<S: LeaseStore>(store: S, ad
     advance(TTL.as_duration() + Duration::from_millis(1));
     let gb = granted(&store, &j, &b).await;
     assert_eq!(gb, Generation::new(8));
-    let lost = FinishOutcome::Lost {
+    let lost = Outcome::Lost {
         owner: Some(b.clone()),
         generation: gb,
     };
     assert_eq!(store.complete(&j, &a, ga).await.unwrap(), lost);
     assert_eq!(
         store.renew(&j, &a, ga, TTL).await.unwrap(),
-        RenewOutcome::Lost {
+        Outcome::Lost {
             owner: Some(b.clone()),
             generation: gb
         }
@@ -165,7 +147,7 @@ pub async fn renew_requires_owner_and_generation<S: LeaseStore>(store: S, advanc
     let g = granted(&store, &j, &a).await;
     advance(Duration::from_secs(20));
     match store.renew(&j, &a, g, TTL).await.unwrap() {
-        RenewOutcome::Renewed(grant) => assert_eq!(grant.generation, g),
+        Outcome::Granted(grant) => assert_eq!(grant.generation, g),
         other => panic!("{other:?}"),
     }
     advance(Duration::from_secs(20)); // 40 s after the claim, 20 s after the renewal: still held
@@ -176,15 +158,15 @@ pub async fn renew_requires_owner_and_generation<S: LeaseStore>(store: S, advanc
     let wrong_gen = Generation::new(g.get() + 1);
     assert!(matches!(
         store.renew(&j, &a, wrong_gen, TTL).await.unwrap(),
-        RenewOutcome::Lost { .. }
+        Outcome::Lost { .. }
     ));
     assert!(matches!(
         store.renew(&j, &owner("b"), g, TTL).await.unwrap(),
-        RenewOutcome::Lost { .. }
+        Outcome::Lost { .. }
     ));
     assert_eq!(
         store.renew(&job("conf-never"), &a, g, TTL).await.unwrap(),
-        RenewOutcome::Lost {
+        Outcome::Lost {
             owner: None,
             generation: Generation::ZERO
         }
@@ -206,7 +188,7 @@ pub async fn renew_after_expiry_succeeds_until_reclaimed<S: LeaseStore>(
     );
     assert!(matches!(
         store.renew(&j, &a, g, TTL).await.unwrap(),
-        RenewOutcome::Renewed(_)
+        Outcome::Granted(_)
     ));
     assert_eq!(
         store.get(&j).await.unwrap().unwrap().state,
@@ -219,7 +201,7 @@ pub async fn release_frees_and_keeps_generation<S: LeaseStore>(store: S, _advanc
     let (j, a) = (job("conf-release"), owner("a"));
     let g = granted(&store, &j, &a).await;
     match store.release(&j, &a, g).await.unwrap() {
-        FinishOutcome::Done(rec) => {
+        Outcome::Done(rec) => {
             assert_eq!(
                 (rec.state, rec.owner, rec.generation),
                 (LeaseState::Free, None, g)
@@ -229,11 +211,11 @@ pub async fn release_frees_and_keeps_generation<S: LeaseStore>(store: S, _advanc
     }
     assert!(matches!(
         store.release(&j, &a, g).await.unwrap(),
-        FinishOutcome::Lost { owner: None, .. }
+        Outcome::Lost { owner: None, .. }
     ));
     assert!(matches!(
         store.renew(&j, &a, g, TTL).await.unwrap(),
-        RenewOutcome::Lost { .. }
+        Outcome::Lost { .. }
     ));
     assert_eq!(granted(&store, &j, &a).await, Generation::new(g.get() + 1));
 }
@@ -243,7 +225,7 @@ pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
     let (j, a) = (job("conf-complete"), owner("a"));
     let g = granted(&store, &j, &a).await;
     match store.complete(&j, &a, g).await.unwrap() {
-        FinishOutcome::Done(rec) => assert_eq!(
+        Outcome::Done(rec) => assert_eq!(
             (rec.state, rec.owner.as_ref()),
             (LeaseState::Completed, Some(&a))
         ),
@@ -253,7 +235,7 @@ pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
     for o in [&a, &owner("b")] {
         assert_eq!(
             store.claim(&j, o, TTL).await.unwrap(),
-            ClaimOutcome::Completed {
+            Outcome::Completed {
                 owner: Some(a.clone()),
                 generation: g
             }
@@ -261,15 +243,15 @@ pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
     }
     assert!(matches!(
         store.renew(&j, &a, g, TTL).await.unwrap(),
-        RenewOutcome::Lost { .. }
+        Outcome::Lost { .. }
     ));
     assert!(matches!(
         store.complete(&j, &a, g).await.unwrap(),
-        FinishOutcome::Lost { .. }
+        Outcome::Lost { .. }
     ));
     assert!(matches!(
         store.release(&j, &a, g).await.unwrap(),
-        FinishOutcome::Lost { .. }
+        Outcome::Lost { .. }
     ));
     assert_eq!(store.get(&j).await.unwrap().unwrap().generation, g);
 }
@@ -307,11 +289,11 @@ pub async fn clock_jumps_never_lower_a_generation<S: LeaseStore>(store: S, advan
     // A lease that has not expired stays exclusive whatever the clock did before.
     assert!(matches!(
         store.claim(&j, &a, TTL).await.unwrap(),
-        ClaimOutcome::Granted(_)
+        Outcome::Granted(_)
     ));
     assert!(matches!(
         store.claim(&j, &b, TTL).await.unwrap(),
-        ClaimOutcome::Held { .. }
+        Outcome::Held { .. }
     ));
 }
 
@@ -349,8 +331,8 @@ pub async fn competing_claims_have_one_winner_per_round<S: LeaseStore>(
                     .await
                     .unwrap();
                 match store.claim(&j, &o, TTL).await.unwrap() {
-                    ClaimOutcome::Granted(g) => Some((o, g.generation)),
-                    ClaimOutcome::Held { .. } => None,
+                    Outcome::Granted(g) => Some((o, g.generation)),
+                    Outcome::Held { .. } => None,
                     other => panic!("{other:?}"),
                 }
             }));
@@ -364,7 +346,7 @@ pub async fn competing_claims_have_one_winner_per_round<S: LeaseStore>(
         assert_eq!(g, Generation::new(round), "round {round}");
         assert!(matches!(
             store.release(&j, &o, g).await.unwrap(),
-            FinishOutcome::Done(_)
+            Outcome::Done(_)
         ));
     }
     let owners: BTreeSet<_> = [store.get(&j).await.unwrap().unwrap().generation].into();

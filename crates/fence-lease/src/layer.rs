@@ -1,5 +1,6 @@
-//! Middleware that stamps outgoing requests with the lease's fencing headers and refuses to
-//! send once the lease is lost.
+//! Middleware that stamps outgoing requests with the lease's fencing headers.
+//!
+//! Once the lease is lost it refuses to send at all.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
@@ -31,7 +32,9 @@ use pin_project_lite::pin_project;
 use tower_layer::Layer;
 use tower_service::Service;
 
-use crate::{LeaseView, LossReason, store::BoxError};
+use fence_storage::BoxError;
+
+use crate::{Lease, LeaseStore, LeaseView, LossReason};
 
 /// The error a [`Fencing`] service returns instead of sending once its lease is lost.
 #[derive(Debug, Clone, thiserror::Error)]
@@ -43,6 +46,13 @@ pub struct LeaseLost {
     pub generation: Generation,
     /// Why.
     pub reason: LossReason,
+}
+
+impl<S: LeaseStore> Lease<S> {
+    /// A [`FencingLayer`] that stamps this lease on outgoing requests.
+    pub fn fencing_layer(&self) -> FencingLayer {
+        FencingLayer::new(self.view())
+    }
 }
 
 /// Applies [`Fencing`] to a service.

@@ -1,8 +1,9 @@
 //! Expiring job leases that carry ownership all the way to the side effect.
 //!
 //! - [`LeaseStore`]: shared storage of `job, owner, lease_until, generation, state`, one
-//!   atomic verb per decision, expiry decided on the store's own clock. Backends:
-//!   [`SledLeaseStore`] (embedded, durable) and [`MemoryLeaseStore`] (tests).
+//!   atomic decision per call, expiry decided on the store's own clock. Backends:
+//!   [`SledLeaseStore`] (embedded, durable), [`HttpLeaseStore`] (a `fence server`),
+//!   `PgLeaseStore` (feature `postgres`) and [`MemoryLeaseStore`] (tests).
 //! - [`LeaseClient`] and [`Lease`]: claim, renew in the background, and learn the moment the
 //!   lease can no longer be trusted.
 //! - [`FencingLayer`]: a tower layer that stamps `X-Fencing-Job` and `X-Fencing-Token` on
@@ -21,24 +22,26 @@
 //! # Ok(()) }
 //! ```
 
+mod backoff;
 mod client;
-mod clock;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 mod layer;
+mod lease;
 mod owner;
 mod store;
-mod ttl;
 
-pub use client::{ClaimError, FinishError, Lease, LeaseClient, LeaseView, LossReason};
-pub use clock::{Clock, ManualClock, SystemClock, TokioClock};
+pub use backoff::Backoff;
+pub use client::{ClaimError, LeaseClient};
+pub use fence_core::{Ttl, TtlError, lease_api::LeaseState};
+pub use fence_storage::clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use layer::{Fencing, FencingLayer, LeaseLost, ResponseFuture};
+pub use lease::{FinishError, Lease, LeaseView, LossReason, TimingError};
 pub use owner::default_owner;
 pub use store::{
-    BoxError, ClaimOutcome, FinishOutcome, Grant, HttpLeaseStore, LeaseRecord, LeaseState,
-    LeaseStore, MemoryLeaseStore, RenewOutcome, SigningLeaseStore, SledLeaseStore, StoreError,
+    Grant, HttpLeaseStore, LeaseOp, LeaseRecord, LeaseStore, MemoryLeaseStore, Outcome,
+    SigningLeaseStore, SledLeaseStore, StoreError, UrlError,
 };
-pub use ttl::{Ttl, TtlError};
 
 #[cfg(feature = "postgres")]
 pub use store::{PgLeaseStore, PgTable};

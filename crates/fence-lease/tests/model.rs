@@ -1,14 +1,12 @@
 //! The lease protocol against a reference model: claims, renewals, releases, completions,
 //! clock jumps (forward and back) and store restarts in any order. Every outcome must match
-//! a small independent model of PROTOCOL.md section 4, two owners never get the same
+//! a small independent model of `docs/protocol.md` section 4, two owners never get the same
 //! generation of a job, and a job's generation never decreases.
 
 use std::{collections::BTreeMap, sync::Arc, time::Duration};
 
 use fence_core::{Generation, JobId, Owner};
-use fence_lease::{
-    ClaimOutcome, Clock, FinishOutcome, LeaseStore, ManualClock, RenewOutcome, SledLeaseStore, Ttl,
-};
+use fence_lease::{Clock, LeaseStore, ManualClock, Outcome, SledLeaseStore, Ttl};
 use proptest::prelude::*;
 
 #[derive(Debug, Clone)]
@@ -119,9 +117,9 @@ proptest! {
                 Op::Claim { owner: o, job: j, ttl_ms } => {
                     let want = models.entry(j).or_default().claim(o, ttl_ms, now);
                     let got = match rt.block_on(s.claim(&job(j), &owner(o), Ttl::from_millis(ttl_ms).unwrap())).unwrap() {
-                        ClaimOutcome::Granted(g) => Seen::Granted(g.generation.get()),
-                        ClaimOutcome::Held { owner, .. } => Seen::Held(owner_index(&owner)),
-                        ClaimOutcome::Completed { .. } => Seen::Completed,
+                        Outcome::Granted(g) => Seen::Granted(g.generation.get()),
+                        Outcome::Held { owner, .. } => Seen::Held(owner_index(&owner)),
+                        Outcome::Completed { .. } => Seen::Completed,
                         other => panic!("{other:?}"),
                     };
                     prop_assert_eq!(&got, &want);
@@ -141,8 +139,8 @@ proptest! {
                         Seen::Lost(m.owner, m.generation)
                     };
                     let got = match rt.block_on(s.renew(&job(j), &owner(o), g, Ttl::DEFAULT)).unwrap() {
-                        RenewOutcome::Renewed(_) => Seen::Done,
-                        RenewOutcome::Lost { owner, generation } => lost(owner, generation),
+                        Outcome::Granted(_) => Seen::Done,
+                        Outcome::Lost { owner, generation } => lost(owner, generation),
                         other => panic!("{other:?}"),
                     };
                     prop_assert_eq!(got, want);
@@ -168,8 +166,8 @@ proptest! {
                         rt.block_on(s.release(&job(j), &owner(o), g))
                     };
                     let got = match outcome.unwrap() {
-                        FinishOutcome::Done(_) => Seen::Done,
-                        FinishOutcome::Lost { owner, generation } => lost(owner, generation),
+                        Outcome::Done(_) => Seen::Done,
+                        Outcome::Lost { owner, generation } => lost(owner, generation),
                         other => panic!("{other:?}"),
                     };
                     prop_assert_eq!(got, want);

@@ -1,9 +1,11 @@
-//! The sink-store conformance suite: every behaviour of [`GenerationStore`] and
-//! [`IdempotencyStore`], run against every backend by
-//! [`sink_store_conformance!`](crate::sink_store_conformance).
+//! The sink-store conformance suite: every behaviour of the store traits, for every backend.
 //!
-//! A backend's test module supplies an async factory returning `Some(store)`, or `None`
-//! (after printing why) to skip.
+//! Covers [`GenerationStore`] and [`IdempotencyStore`];
+//! [`sink_store_conformance!`](crate::sink_store_conformance) makes one test per case.
+//!
+//! A backend's test module supplies an async factory returning `Some((store, advance))`,
+//! where `advance` moves the clock its idempotency records expire on, or `None` (after
+//! printing why) to skip.
 
 use std::{sync::Arc, time::Duration};
 
@@ -12,14 +14,19 @@ use fence_core::{Generation, JobId, headers::IdempotencyKey};
 use http::{HeaderMap, HeaderValue, Method, StatusCode};
 
 use crate::{
-    Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, StoredResponse, Verdict,
+    Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, StoredResponse, Verdict,
 };
+
+#[doc(hidden)]
+pub use fence_storage as __storage;
+
+pub use fence_storage::clock::{Advance, advance_fn};
 
 /// Generates one `#[tokio::test]` per conformance case for the store made by `$make`.
 #[macro_export]
 macro_rules! sink_store_conformance {
     ($make:expr) => {
-        $crate::__sink_store_cases!($make;
+        $crate::conformance::__storage::conformance_cases!($crate::conformance; $make;
             first_observation_is_accepted_and_lower_is_stale,
             equal_is_accepted_and_highest_reads_back,
             jobs_are_independent,
@@ -34,20 +41,17 @@ macro_rules! sink_store_conformance {
     };
 }
 
-#[doc(hidden)]
-#[macro_export]
-macro_rules! __sink_store_cases {
-    ($make:expr; $($case:ident),* $(,)?) => {
-        $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $case() {
-                match ($make)().await {
-                    Some(store) => $crate::conformance::$case(store).await,
-                    None => println!("skipped: {} (the backend's factory said why above)", stringify!($case)),
-                }
-            }
-        )*
-    };
+/// The attempt of `fingerprint` at (`job`, `key`).
+pub fn at<'a>(
+    job: &'a JobId,
+    key: &'a IdempotencyKey,
+    fingerprint: &'a Fingerprint,
+) -> Attempt<'a> {
+    Attempt {
+        job,
+        key,
+        fingerprint,
+    }
 }
 
 fn job(s: &str) -> JobId {
@@ -80,7 +84,10 @@ fn response(body: &'static str) -> StoredResponse {
 const LONG: Duration = Duration::from_secs(3600);
 
 /// The first token is accepted; anything lower afterwards is stale and names the highest.
-pub async fn first_observation_is_accepted_and_lower_is_stale<S: GenerationStore>(store: S) {
+pub async fn first_observation_is_accepted_and_lower_is_stale<S: GenerationStore>(
+    store: S,
+    _advance: Advance,
+) {
     let j = job("sink-first");
     assert_eq!(store.highest(&j).await.unwrap(), Generation::ZERO);
     assert_eq!(store.observe(&j, g(7)).await.unwrap(), Verdict::Accepted);
@@ -105,7 +112,10 @@ pub async fn first_observation_is_accepted_and_lower_is_stale<S: GenerationStore
 }
 
 /// The current token stays accepted; `highest` reads back what was accepted.
-pub async fn equal_is_accepted_and_highest_reads_back<S: GenerationStore>(store: S) {
+pub async fn equal_is_accepted_and_highest_reads_back<S: GenerationStore>(
+    store: S,
+    _advance: Advance,
+) {
     let j = job("sink-equal");
     assert_eq!(store.observe(&j, g(3)).await.unwrap(), Verdict::Accepted);
     assert_eq!(store.observe(&j, g(3)).await.unwrap(), Verdict::Accepted);
@@ -115,7 +125,7 @@ pub async fn equal_is_accepted_and_highest_reads_back<S: GenerationStore>(store:
 }
 
 /// Jobs never affect each other.
-pub async fn jobs_are_independent<S: GenerationStore>(store: S) {
+pub async fn jobs_are_independent<S: GenerationStore>(store: S, _advance: Advance) {
     let (a, b) = (job("sink-a"), job("sink-b"));
     assert_eq!(store.observe(&a, g(9)).await.unwrap(), Verdict::Accepted);
     assert_eq!(store.observe(&b, g(2)).await.unwrap(), Verdict::Accepted);
@@ -130,7 +140,10 @@ pub async fn jobs_are_independent<S: GenerationStore>(store: S) {
 
 /// 64 tasks observe tokens 1..=64 concurrently: the store ends at 64, and every stale
 /// verdict names a highest above its token.
-pub async fn concurrent_observations_keep_the_maximum<S: GenerationStore>(store: S) {
+pub async fn concurrent_observations_keep_the_maximum<S: GenerationStore>(
+    store: S,
+    _advance: Advance,
+) {
     let store = Arc::new(store);
     let j = job("sink-race");
     let tasks: Vec<_> = (1..=64u64)
@@ -151,136 +164,158 @@ pub async fn concurrent_observations_keep_the_maximum<S: GenerationStore>(store:
 }
 
 /// begin → Started; again → InFlight; finish(Store) → Replay of exactly what was stored.
-pub async fn begin_then_in_flight_then_replay<S: IdempotencyStore>(store: S) {
+pub async fn begin_then_in_flight_then_replay<S: IdempotencyStore>(store: S, _advance: Advance) {
     let (j, k, f) = (job("idem-1"), key("k1"), fp("body"));
-    assert_eq!(store.begin(&j, &k, &f, LONG).await.unwrap(), Begin::Started);
     assert_eq!(
-        store.begin(&j, &k, &f, LONG).await.unwrap(),
+        store.begin(at(&j, &k, &f), LONG).await.unwrap(),
+        Begin::Started
+    );
+    assert_eq!(
+        store.begin(at(&j, &k, &f), LONG).await.unwrap(),
         Begin::InFlight
     );
     store
-        .finish(&j, &k, &f, Finish::Store(response("done")), LONG)
+        .finish(at(&j, &k, &f), Finish::Store(response("done")), LONG)
         .await
         .unwrap();
     assert_eq!(
-        store.begin(&j, &k, &f, LONG).await.unwrap(),
+        store.begin(at(&j, &k, &f), LONG).await.unwrap(),
         Begin::Replay(response("done"))
     );
 }
 
 /// The same key with another fingerprint is a mismatch, in flight or completed.
-pub async fn mismatched_fingerprint_is_reported<S: IdempotencyStore>(store: S) {
+pub async fn mismatched_fingerprint_is_reported<S: IdempotencyStore>(store: S, _advance: Advance) {
     let (j, k) = (job("idem-2"), key("k2"));
     assert_eq!(
-        store.begin(&j, &k, &fp("a"), LONG).await.unwrap(),
+        store.begin(at(&j, &k, &fp("a")), LONG).await.unwrap(),
         Begin::Started
     );
     assert_eq!(
-        store.begin(&j, &k, &fp("b"), LONG).await.unwrap(),
+        store.begin(at(&j, &k, &fp("b")), LONG).await.unwrap(),
         Begin::Mismatch
     );
     store
-        .finish(&j, &k, &fp("a"), Finish::Store(response("x")), LONG)
+        .finish(at(&j, &k, &fp("a")), Finish::Store(response("x")), LONG)
         .await
         .unwrap();
     assert_eq!(
-        store.begin(&j, &k, &fp("b"), LONG).await.unwrap(),
+        store.begin(at(&j, &k, &fp("b")), LONG).await.unwrap(),
         Begin::Mismatch
     );
     // A finish with the wrong fingerprint changes nothing.
     store
-        .finish(&j, &k, &fp("b"), Finish::Forget, LONG)
+        .finish(at(&j, &k, &fp("b")), Finish::Forget, LONG)
         .await
         .unwrap();
     assert_eq!(
-        store.begin(&j, &k, &fp("a"), LONG).await.unwrap(),
+        store.begin(at(&j, &k, &fp("a")), LONG).await.unwrap(),
         Begin::Replay(response("x"))
     );
 }
 
 /// A forgotten record (5xx, cancelled) lets the next request with the key run.
-pub async fn forget_lets_the_key_run_again<S: IdempotencyStore>(store: S) {
+pub async fn forget_lets_the_key_run_again<S: IdempotencyStore>(store: S, _advance: Advance) {
     let (j, k, f) = (job("idem-3"), key("k3"), fp("body"));
-    assert_eq!(store.begin(&j, &k, &f, LONG).await.unwrap(), Begin::Started);
+    assert_eq!(
+        store.begin(at(&j, &k, &f), LONG).await.unwrap(),
+        Begin::Started
+    );
     store
-        .finish(&j, &k, &f, Finish::Forget, LONG)
-        .await
-        .unwrap();
-    assert_eq!(store.begin(&j, &k, &f, LONG).await.unwrap(), Begin::Started);
-}
-
-/// A response too large to store leaves a record that refuses replays and re-runs.
-pub async fn too_large_is_not_replayable<S: IdempotencyStore>(store: S) {
-    let (j, k, f) = (job("idem-4"), key("k4"), fp("body"));
-    assert_eq!(store.begin(&j, &k, &f, LONG).await.unwrap(), Begin::Started);
-    store
-        .finish(&j, &k, &f, Finish::TooLarge, LONG)
+        .finish(at(&j, &k, &f), Finish::Forget, LONG)
         .await
         .unwrap();
     assert_eq!(
-        store.begin(&j, &k, &f, LONG).await.unwrap(),
+        store.begin(at(&j, &k, &f), LONG).await.unwrap(),
+        Begin::Started
+    );
+}
+
+/// A response too large to store leaves a record that refuses replays and re-runs.
+pub async fn too_large_is_not_replayable<S: IdempotencyStore>(store: S, _advance: Advance) {
+    let (j, k, f) = (job("idem-4"), key("k4"), fp("body"));
+    assert_eq!(
+        store.begin(at(&j, &k, &f), LONG).await.unwrap(),
+        Begin::Started
+    );
+    store
+        .finish(at(&j, &k, &f), Finish::TooLarge, LONG)
+        .await
+        .unwrap();
+    assert_eq!(
+        store.begin(at(&j, &k, &f), LONG).await.unwrap(),
         Begin::NotReplayable
     );
 }
 
 /// An in-flight record past its timeout and a completed one past its retention are gone:
 /// the key runs again, and purging deletes them.
-pub async fn in_flight_and_retention_expire<S: IdempotencyStore>(store: S) {
+pub async fn in_flight_and_retention_expire<S: IdempotencyStore>(store: S, advance: Advance) {
     let (j, f) = (job("idem-5"), fp("body"));
     let short = Duration::from_millis(1);
     assert_eq!(
-        store.begin(&j, &key("crashed"), &f, short).await.unwrap(),
+        store
+            .begin(at(&j, &key("crashed"), &f), short)
+            .await
+            .unwrap(),
         Begin::Started
     );
     assert_eq!(
-        store.begin(&j, &key("kept"), &f, LONG).await.unwrap(),
+        store.begin(at(&j, &key("kept"), &f), LONG).await.unwrap(),
         Begin::Started
     );
     store
-        .finish(&j, &key("kept"), &f, Finish::Store(response("k")), LONG)
+        .finish(at(&j, &key("kept"), &f), Finish::Store(response("k")), LONG)
         .await
         .unwrap();
     assert_eq!(
-        store.begin(&j, &key("old"), &f, LONG).await.unwrap(),
+        store.begin(at(&j, &key("old"), &f), LONG).await.unwrap(),
         Begin::Started
     );
     store
-        .finish(&j, &key("old"), &f, Finish::Store(response("o")), short)
+        .finish(at(&j, &key("old"), &f), Finish::Store(response("o")), short)
         .await
         .unwrap();
-    tokio::time::sleep(Duration::from_millis(20)).await; // the stores read the system clock
+    advance(Duration::from_millis(20));
     assert_eq!(store.purge_expired().await.unwrap(), 2);
     assert_eq!(
-        store.begin(&j, &key("crashed"), &f, LONG).await.unwrap(),
+        store
+            .begin(at(&j, &key("crashed"), &f), LONG)
+            .await
+            .unwrap(),
         Begin::Started
     );
     assert_eq!(
-        store.begin(&j, &key("old"), &f, LONG).await.unwrap(),
+        store.begin(at(&j, &key("old"), &f), LONG).await.unwrap(),
         Begin::Started
     );
     assert_eq!(
-        store.begin(&j, &key("kept"), &f, LONG).await.unwrap(),
+        store.begin(at(&j, &key("kept"), &f), LONG).await.unwrap(),
         Begin::Replay(response("k"))
     );
 }
 
 /// The same key under two jobs names two records.
-pub async fn keys_are_scoped_per_job<S: IdempotencyStore>(store: S) {
+pub async fn keys_are_scoped_per_job<S: IdempotencyStore>(store: S, _advance: Advance) {
     let (k, f) = (key("shared"), fp("body"));
     assert_eq!(
-        store.begin(&job("idem-x"), &k, &f, LONG).await.unwrap(),
+        store.begin(at(&job("idem-x"), &k, &f), LONG).await.unwrap(),
         Begin::Started
     );
     assert_eq!(
-        store.begin(&job("idem-y"), &k, &f, LONG).await.unwrap(),
+        store.begin(at(&job("idem-y"), &k, &f), LONG).await.unwrap(),
         Begin::Started
     );
     store
-        .finish(&job("idem-x"), &k, &f, Finish::Store(response("x")), LONG)
+        .finish(
+            at(&job("idem-x"), &k, &f),
+            Finish::Store(response("x")),
+            LONG,
+        )
         .await
         .unwrap();
     assert_eq!(
-        store.begin(&job("idem-y"), &k, &f, LONG).await.unwrap(),
+        store.begin(at(&job("idem-y"), &k, &f), LONG).await.unwrap(),
         Begin::InFlight
     );
 }

@@ -1,6 +1,7 @@
-//! The destination side of fence: a tower layer that rejects stale fencing tokens and
-//! replays duplicate `Idempotency-Key`s, so no stale lease holder and no duplicate retry
-//! produces an effect.
+//! The destination side of fence: a tower layer that rejects stale fencing tokens.
+//!
+//! It also replays duplicate `Idempotency-Key`s, so neither a stale lease holder nor a
+//! duplicate retry produces an effect.
 //!
 //! - [`FenceLayer`] / [`Fence`]: per job, a token below the highest accepted gets 409; a
 //!   higher one waits for older in-flight requests, is stored durably, then passes; see the
@@ -8,10 +9,18 @@
 //! - Stores: [`SledStore`] (default, on disk) and [`MemoryStore`] (tests), behind the
 //!   [`GenerationStore`] and [`IdempotencyStore`] traits.
 //! - [`Fenced`]: what the fence accepted, in the request's extensions.
+//!
+//! The crate's modules stand on each other in floors, nothing importing from above: `store`
+//! (and `body`, `metrics`, `detach`) at the bottom; `reject`, `gate` and `idempotency` on
+//! them; the middleware in `fence` at the top.
 
-mod fence;
+mod body;
+mod detach;
+pub mod fence;
+mod gate;
 pub mod idempotency;
 mod metrics;
+mod reject;
 mod store;
 
 #[cfg(feature = "postgres")]
@@ -20,24 +29,12 @@ pub use store::postgres;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 
-pub use fence::{
-    CacheStats, Fence, FenceLayer, FencePredicate, Fenced, RequestBody, ResponseBody,
-    ResponseFuture,
-};
-pub use idempotency::{Fingerprint, IdempotencyConfig, OutcomeUnknown, StoredResponse};
+pub use body::{FenceBody, RequestBody, ResponseBody};
+pub use fence::{Fence, FenceLayer, FencePredicate, Fenced, Maintenance, ResponseFuture};
+pub use fence_storage::BoxError;
+pub use gate::CacheStats;
+pub use idempotency::{IdempotencyConfig, OutcomeUnknown};
 pub use store::{
-    Begin, BoxError, Finish, GenerationStore, IdempotencyStore, MemoryStore, SledStore, StoreError,
-    Verdict,
+    Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, MemoryStore, SledStore,
+    StoreError, StoredResponse, Verdict,
 };
-
-/// `error: cause: cause` for one-line logs and problem details.
-pub(crate) fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
-    let mut out = e.to_string();
-    let mut source = e.source();
-    while let Some(s) = source {
-        out.push_str(": ");
-        out.push_str(&s.to_string());
-        source = s.source();
-    }
-    out
-}

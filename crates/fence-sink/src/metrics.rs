@@ -1,5 +1,6 @@
-//! Counters of what the fence decided, through the `metrics` facade (exporters are the
-//! application's choice): `fence_sink_requests_total{outcome=...}`.
+//! Counters of what the fence decided: `fence_sink_requests_total{outcome=...}`.
+//!
+//! They go through the `metrics` facade; exporters are the application's choice.
 
 /// Counts one request with `outcome`: `accepted`, `stale`, `malformed`, `missing`,
 /// `missing_allowed`, `unfenced`, `replayed`, `in_flight_conflict`, `mismatch`,

@@ -4,9 +4,9 @@
 
 use std::{convert::Infallible, sync::Arc, time::Duration};
 
-use fence_core::{Generation, JobId, headers::IdempotencyKey};
+use fence_core::{Generation, JobId};
 use fence_sink::{
-    Begin, FenceLayer, Fingerprint, Finish, GenerationStore, IdempotencyStore, MemoryStore,
+    Attempt, Begin, FenceLayer, Finish, GenerationStore, IdempotencyStore, MemoryStore,
     RequestBody, StoreError, Verdict,
 };
 use http::{Request, Response, StatusCode};
@@ -39,24 +39,11 @@ impl GenerationStore for Gated {
 }
 
 impl IdempotencyStore for Gated {
-    async fn begin(
-        &self,
-        j: &JobId,
-        k: &IdempotencyKey,
-        f: &Fingerprint,
-        d: Duration,
-    ) -> Result<Begin, StoreError> {
-        self.inner.begin(j, k, f, d).await
+    async fn begin(&self, attempt: Attempt<'_>, d: Duration) -> Result<Begin, StoreError> {
+        self.inner.begin(attempt, d).await
     }
-    async fn finish(
-        &self,
-        j: &JobId,
-        k: &IdempotencyKey,
-        f: &Fingerprint,
-        o: Finish,
-        d: Duration,
-    ) -> Result<(), StoreError> {
-        self.inner.finish(j, k, f, o, d).await
+    async fn finish(&self, attempt: Attempt<'_>, o: Finish, d: Duration) -> Result<(), StoreError> {
+        self.inner.finish(attempt, o, d).await
     }
     async fn purge_expired(&self) -> Result<usize, StoreError> {
         self.inner.purge_expired().await

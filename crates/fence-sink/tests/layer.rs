@@ -1,4 +1,4 @@
-//! Integration tests of `FenceLayer`/`Fence` against PROTOCOL.md section 3: statuses and problem bodies, generation ordering, idempotency, restarts, and the layer under tower-test, axum and hyper.
+//! Integration tests of `FenceLayer`/`Fence` against `docs/protocol.md` section 3: statuses and problem bodies, generation ordering, idempotency, restarts, and the layer under tower-test, axum and hyper.
 
 use std::{
     collections::HashMap,
@@ -14,9 +14,9 @@ use std::{
 };
 
 use bytes::Bytes;
-use fence_core::{FencingToken, Generation, JobId, Problem, headers::IdempotencyKey};
+use fence_core::{FencingToken, Generation, JobId, Problem};
 use fence_sink::{
-    Begin, FenceLayer, Fenced, Fingerprint, Finish, GenerationStore, IdempotencyConfig,
+    Attempt, Begin, FenceLayer, Fenced, Finish, GenerationStore, IdempotencyConfig,
     IdempotencyStore, MemoryStore, RequestBody, SledStore, StoreError, Verdict,
 };
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode};
@@ -364,24 +364,11 @@ impl GenerationStore for BrokenStore {
 }
 
 impl IdempotencyStore for BrokenStore {
-    async fn begin(
-        &self,
-        _: &JobId,
-        _: &IdempotencyKey,
-        _: &Fingerprint,
-        _: Duration,
-    ) -> Result<Begin, StoreError> {
+    async fn begin(&self, _: Attempt<'_>, _: Duration) -> Result<Begin, StoreError> {
         Err(broken())
     }
 
-    async fn finish(
-        &self,
-        _: &JobId,
-        _: &IdempotencyKey,
-        _: &Fingerprint,
-        _: Finish,
-        _: Duration,
-    ) -> Result<(), StoreError> {
+    async fn finish(&self, _: Attempt<'_>, _: Finish, _: Duration) -> Result<(), StoreError> {
         Err(broken())
     }
 
@@ -431,27 +418,19 @@ impl GenerationStore for FlakyStore {
 }
 
 impl IdempotencyStore for FlakyStore {
-    async fn begin(
-        &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
-        for_: Duration,
-    ) -> Result<Begin, StoreError> {
+    async fn begin(&self, attempt: Attempt<'_>, for_: Duration) -> Result<Begin, StoreError> {
         self.check()?;
-        self.inner.begin(job, key, fp, for_).await
+        self.inner.begin(attempt, for_).await
     }
 
     async fn finish(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
+        attempt: Attempt<'_>,
         outcome: Finish,
         retention: Duration,
     ) -> Result<(), StoreError> {
         self.check()?;
-        self.inner.finish(job, key, fp, outcome, retention).await
+        self.inner.finish(attempt, outcome, retention).await
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {

@@ -15,11 +15,11 @@ use std::{
 use anyhow::Context;
 use axum::{Extension, Router, routing::post};
 use bytes::Bytes;
-use fence_core::signing::{TokenSigner, TokenVerifier};
-use fence_core::{Generation, JobId, Owner, Problem};
+use fence_core::signing::TokenVerifier;
+use fence_core::{Generation, JobId, Problem};
 use fence_lease::{
-    ClaimError, ClaimOutcome, FinishError, FinishOutcome, HttpLeaseStore, LeaseClient, LeaseLost,
-    LeaseRecord, LeaseStore, RenewOutcome, SigningLeaseStore, SledLeaseStore, StoreError, Ttl,
+    ClaimError, FinishError, HttpLeaseStore, LeaseClient, LeaseLost, LeaseOp, LeaseRecord,
+    LeaseStore, Outcome, SigningLeaseStore, SledLeaseStore, StoreError, Ttl,
 };
 use fence_sink::{FenceLayer, Fenced, SledStore};
 use http_body_util::{BodyExt, Full};
@@ -64,40 +64,13 @@ impl Freezable {
 }
 
 impl LeaseStore for Freezable {
-    async fn claim(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        ttl: Ttl,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.inner.claim(job, owner, ttl).await
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        if matches!(op, LeaseOp::Renew { .. }) {
+            self.thawed().await;
+        }
+        self.inner.apply(job, op).await
     }
-    async fn renew(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        g: Generation,
-        ttl: Ttl,
-    ) -> Result<RenewOutcome, StoreError> {
-        self.thawed().await;
-        self.inner.renew(job, owner, g, ttl).await
-    }
-    async fn release(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        g: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.inner.release(job, owner, g).await
-    }
-    async fn complete(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        g: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.inner.complete(job, owner, g).await
-    }
+
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
         self.inner.get(job).await
     }
@@ -142,12 +115,7 @@ pub async fn run() -> anyhow::Result<i32> {
     println!("fence demo: the worked example, end to end on loopback\n");
 
     // Signed tokens at both ends (contract section 6): a fresh key pair for this run.
-    let mut seed = [0u8; 32];
-    std::io::Read::read_exact(
-        &mut std::fs::File::open("/dev/urandom").context("opening /dev/urandom")?,
-        &mut seed,
-    )?;
-    let signer = TokenSigner::from_seed(seed);
+    let signer = crate::keys::generate_signer()?;
     let verifier = TokenVerifier::new([signer.verify_key()]);
 
     // The lease server.

@@ -1,33 +1,23 @@
-//! Durations on the command line: `500ms`, `10s`, `2m`, `1h` (a bare number is seconds).
+//! Durations on the command line: `500ms`, `10s`, `1.5s`, `1m30s`, `2h`, `7d`.
 
 use std::time::Duration;
 
-/// Parses `500ms`, `10s`, `2m`, `1h` or a bare number of seconds.
+/// Parses a duration in humantime's syntax (`500ms`, `10s`, `1.5s`, `1m30s`, `2h`, `7d`); a
+/// bare number is seconds.
 ///
 /// # Errors
 /// A message naming what is wrong, for clap to print.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (digits, unit) = s.split_at(split);
-    if digits.is_empty() {
-        return Err(format!(
-            "{s:?} is not a duration; write it like 500ms, 10s, 2m or 1h"
-        ));
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return s
+            .parse::<u64>()
+            .map(Duration::from_secs)
+            .map_err(|_| format!("{s:?}: the number is too large"));
     }
-    let n: u64 = digits
-        .parse()
-        .map_err(|_| format!("{s:?}: the number is too large"))?;
-    let unit_ms: u64 = match unit {
-        "ms" => 1,
-        "" | "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        other => return Err(format!("{s:?}: unknown unit {other:?}; use ms, s, m or h")),
-    };
-    n.checked_mul(unit_ms)
-        .map(Duration::from_millis)
-        .ok_or_else(|| format!("{s:?}: the duration is too large"))
+    humantime::parse_duration(s).map_err(|e| {
+        format!("{s:?} is not a duration ({e}); write it like 500ms, 1.5s, 2m or 1h30m")
+    })
 }
 
 #[cfg(test)]
@@ -35,20 +25,28 @@ mod tests {
     use super::*;
 
     #[test]
-    fn units_and_errors() {
-        assert_eq!(parse_duration("500ms"), Ok(Duration::from_millis(500)));
-        assert_eq!(parse_duration("10s"), Ok(Duration::from_secs(10)));
-        assert_eq!(parse_duration("2m"), Ok(Duration::from_secs(120)));
-        assert_eq!(parse_duration("1h"), Ok(Duration::from_secs(3600)));
-        assert_eq!(parse_duration("7"), Ok(Duration::from_secs(7)));
+    fn units_fractions_compounds_and_errors() {
+        let ms = Duration::from_millis;
+        for (text, want) in [
+            ("500ms", ms(500)),
+            ("10s", ms(10_000)),
+            ("1.5s", ms(1_500)),
+            ("2m", ms(120_000)),
+            ("1m30s", ms(90_000)),
+            ("1h", ms(3_600_000)),
+            ("7d", ms(7 * 86_400_000)),
+            ("7", ms(7_000)),
+        ] {
+            assert_eq!(parse_duration(text), Ok(want), "{text}");
+        }
         for bad in [
             "",
             "ms",
             "-1s",
-            "1.5s",
-            "10 s",
-            "3d",
+            "10 parsecs",
+            "3x",
             "99999999999999999999s",
+            "99999999999999999999",
         ] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }

@@ -8,7 +8,7 @@
 use std::{process::Stdio, time::Duration};
 
 use fence_core::JobId;
-use fence_lease::{ClaimError, FinishError, HttpLeaseStore, Lease, LeaseClient, Ttl};
+use fence_lease::{Backoff, ClaimError, FinishError, HttpLeaseStore, Lease, LeaseClient, Ttl};
 use nix::{
     sys::signal::{Signal, kill},
     unistd::Pid,
@@ -104,7 +104,7 @@ async fn claim_within(
     wait: Duration,
 ) -> anyhow::Result<Option<Lease<HttpLeaseStore>>> {
     let give_up = Instant::now() + wait;
-    let mut backoff = Duration::from_millis(100);
+    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     loop {
         let pause = match client.claim(job.clone()).await {
             Ok(lease) => return Ok(Some(lease)),
@@ -123,9 +123,9 @@ async fn claim_within(
                     );
                     return Ok(None);
                 }
-                expires_in.min(backoff)
+                expires_in.min(backoff.next_pause())
             }
-            Err(e @ ClaimError::Config(_)) => return Err(e.into()),
+            Err(e @ ClaimError::Timing(_)) => return Err(e.into()),
             Err(e) => {
                 if Instant::now() >= give_up {
                     return Err(anyhow::Error::new(e)
@@ -133,9 +133,9 @@ async fn claim_within(
                 }
                 eprintln!(
                     "fence run: claim failed, retrying: {}",
-                    crate::error_chain(&e)
+                    fence_storage::error_chain(&e)
                 );
-                backoff
+                backoff.next_pause()
             }
         };
         tokio::time::sleep(
@@ -144,7 +144,6 @@ async fn claim_within(
                 .max(Duration::from_millis(10)),
         )
         .await;
-        backoff = (backoff * 2).min(Duration::from_secs(2));
     }
 }
 

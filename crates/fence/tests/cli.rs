@@ -46,17 +46,7 @@ fn claims_racing_from_24_processes_have_one_winner_per_round() {
         let lease = json(winners[0]);
         assert_eq!(lease["generation"], round, "round {round}: {lease}");
         let owner = lease["owner"].as_str().unwrap();
-        let released = fence(&[
-            "release",
-            "--server",
-            &url,
-            "--job",
-            "race",
-            "--owner",
-            owner,
-            "--generation",
-            &round.to_string(),
-        ]);
+        let released = release(&url, "race", owner, round);
         assert_eq!(released.status.code(), Some(0), "{released:?}");
     }
 }

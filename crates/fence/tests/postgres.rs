@@ -25,17 +25,7 @@ fn two_servers_on_one_database_have_one_winner_per_round() {
         let lease: serde_json::Value = serde_json::from_slice(&winners[0].stdout).unwrap();
         assert_eq!(lease["generation"], round, "round {round}");
         let owner = lease["owner"].as_str().unwrap();
-        let out = fence(&[
-            "release",
-            "--server",
-            &servers[1],
-            "--job",
-            "race",
-            "--owner",
-            owner,
-            "--generation",
-            &round.to_string(),
-        ]);
+        let out = release(&servers[1], "race", owner, round);
         assert_eq!(out.status.code(), Some(0));
     }
 }
@@ -45,21 +35,9 @@ fn a_token_accepted_by_one_proxy_is_the_fence_of_the_other() {
     let Some(url) = database_url() else { return };
     let schema = unique_schema("prx");
     let upstream = format!("http://{}", start_upstream());
-    let args = [
-        "proxy",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
-        &upstream,
-        "--store",
-        &url,
-        "--pg-schema",
-        &schema,
-    ];
-    let (_a, a) = start_ready(&args);
-    let (_b, b) = start_ready(&args);
+    let args = ["--store", &url, "--pg-schema", &schema];
+    let (_a, a) = start_proxy_with(&upstream, &args);
+    let (_b, b) = start_proxy_with(&upstream, &args);
     let fenced = |token: u64| {
         vec![
             ("X-Fencing-Job", "shared-job".to_owned()),

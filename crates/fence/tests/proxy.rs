@@ -537,7 +537,7 @@ async fn slow_upstream_gives_504_problem() {
         fenced("/slow", "job-t", 1).body(full("x")).unwrap(),
     )
     .await;
-    answer.assert_problem(504, "urn:fence:upstream-unavailable");
+    answer.assert_problem(504, "urn:fence:upstream-timeout");
     assert!(started.elapsed() < Duration::from_secs(5));
     upstream.release.send_replace(true);
     proxy.shutdown().await;
@@ -703,7 +703,7 @@ async fn idempotency_key_is_replayed_through_the_proxy() {
     proxy.shutdown().await;
 }
 
-/// DESIGN-NOTES section 2: a client that disconnects does not end its request early. The
+/// `docs/protocol.md` section 3 (in flight): a client that disconnects does not end its request early. The
 /// token 7 request stays in flight until the upstream answered it, so token 8 waits.
 #[tokio::test]
 async fn a_disconnected_client_does_not_let_a_newer_token_overtake() {

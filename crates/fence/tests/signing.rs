@@ -127,19 +127,15 @@ fn worked_example_with_signing_at_both_ends_and_an_attacker() {
     ]);
     let server = format!("http://{server}");
     let upstream = format!("http://{}", start_upstream());
-    let (_proxy, proxy) = start_ready(&[
-        "proxy",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
+    let (_proxy, proxy) = start_proxy_with(
         &upstream,
-        "--data-dir",
-        dir.path().join("proxy").to_str().unwrap(),
-        "--verify-key",
-        keys.join("fence-verify.pub").to_str().unwrap(),
-    ]);
+        &[
+            "--data-dir",
+            dir.path().join("proxy").to_str().unwrap(),
+            "--verify-key",
+            keys.join("fence-verify.pub").to_str().unwrap(),
+        ],
+    );
     let claim = |owner: &str, ttl: &str| {
         let out = fence(&[
             "claim",

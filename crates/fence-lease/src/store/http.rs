@@ -1,12 +1,15 @@
-//! A lease store that is a `fence server` elsewhere: every verb is one HTTP call of the lease
-//! API, and the server's clock decides.
+//! A lease store that is a `fence server` elsewhere, over its HTTP API.
+//!
+//! Every decision is one HTTP call of the lease API, and the server's clock decides.
 
 use std::time::Duration;
 
 use bytes::Bytes;
 use fence_core::{
-    Generation, JobId, Owner, Problem, ProblemType,
-    lease_api::{LeaseBody, RecordBody, lease_path},
+    Generation, JobId, Problem, ProblemType, Ttl,
+    lease_api::{
+        Action, ClaimRequest, FinishRequest, LeaseBody, RecordBody, RenewRequest, lease_path,
+    },
 };
 use http::{Method, Request, StatusCode, Uri, header::CONTENT_TYPE};
 use http_body_util::{BodyExt, Full, Limited};
@@ -15,11 +18,7 @@ use hyper_util::{
     rt::TokioExecutor,
 };
 
-use super::{
-    ClaimOutcome, FinishOutcome, Grant, LeaseRecord, LeaseState, LeaseStore, RenewOutcome,
-    StoreError,
-};
-use crate::Ttl;
+use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError};
 
 /// The lease API of a `fence server`, as a [`LeaseStore`].
 ///
@@ -39,6 +38,27 @@ pub struct HttpLeaseStore {
     timeout: Duration,
 }
 
+/// A server URL the client cannot use.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UrlError {
+    /// It does not parse as a URL.
+    #[error("invalid server URL {url:?}")]
+    Invalid {
+        /// The URL given.
+        url: String,
+        /// Why it does not parse.
+        #[source]
+        source: http::uri::InvalidUri,
+    },
+    /// It is not `http://host[:port]`.
+    #[error("invalid server URL {url:?}: expected http://host:port (https is not supported)")]
+    Unsupported {
+        /// The URL given.
+        url: String,
+    },
+}
+
 /// The largest answer the client reads from a server.
 const MAX_ANSWER: usize = 64 * 1024;
 
@@ -47,15 +67,16 @@ impl HttpLeaseStore {
     ///
     /// # Errors
     /// When `base_url` is not an `http://` URL with a host.
-    pub fn new(base_url: &str) -> Result<Self, StoreError> {
+    pub fn new(base_url: &str) -> Result<Self, UrlError> {
         let trimmed = base_url.trim_end_matches('/');
-        let uri: Uri = trimmed
-            .parse()
-            .map_err(|e| StoreError::Protocol(format!("invalid server URL {base_url:?}: {e}")))?;
+        let uri: Uri = trimmed.parse().map_err(|source| UrlError::Invalid {
+            url: base_url.to_owned(),
+            source,
+        })?;
         if uri.scheme_str() != Some("http") || uri.host().is_none() {
-            return Err(StoreError::Protocol(format!(
-                "invalid server URL {base_url:?}: expected http://host:port (https is not supported)"
-            )));
+            return Err(UrlError::Unsupported {
+                url: base_url.to_owned(),
+            });
         }
         let client = Client::builder(TokioExecutor::new()).build_http();
         Ok(Self {
@@ -76,31 +97,33 @@ impl HttpLeaseStore {
         &self.base
     }
 
-    async fn call(
+    /// One call of the lease API: `POST` of `body` to `action`'s path, or `GET` of the
+    /// job's record without one. Returns the answer as the server sent it, for tools that
+    /// show it; [`LeaseStore::apply`] interprets it.
+    ///
+    /// # Errors
+    /// When the server cannot be reached, does not answer within the timeout, or answers
+    /// more than 64 KiB.
+    pub async fn call(
         &self,
-        method: Method,
         job: &JobId,
-        op: &str,
-        body: Option<serde_json::Value>,
+        action: Option<Action>,
+        body: Option<&impl serde::Serialize>,
     ) -> Result<(StatusCode, Bytes), StoreError> {
-        let uri = format!("{}{}", self.base, lease_path(job, op));
-        let mut req = Request::builder().method(method).uri(uri);
+        let uri = format!("{}{}", self.base, lease_path(job, action));
+        let mut req = Request::builder().uri(uri);
         let body = match body {
             Some(v) => {
-                req = req.header(CONTENT_TYPE, "application/json");
-                Full::new(Bytes::from(v.to_string()))
+                req = req
+                    .method(Method::POST)
+                    .header(CONTENT_TYPE, "application/json");
+                Full::new(Bytes::from(serde_json::to_vec(v).map_err(StoreError::io)?))
             }
             None => Full::new(Bytes::new()),
         };
-        let req = req
-            .body(body)
-            .map_err(|e| StoreError::Protocol(e.to_string()))?;
+        let req = req.body(body).map_err(StoreError::io)?;
         let exchange = async {
-            let resp = self
-                .client
-                .request(req)
-                .await
-                .map_err(|e| StoreError::Io(Box::new(e)))?;
+            let resp = self.client.request(req).await.map_err(StoreError::io)?;
             let status = resp.status();
             let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
                 .collect()
@@ -133,150 +156,100 @@ fn decode<T: serde::de::DeserializeOwned>(
         .map_err(|e| StoreError::Protocol(format!("{status} with an unreadable body: {e}")))
 }
 
-fn problem(status: StatusCode, body: &[u8], kind: ProblemType) -> Result<Problem, StoreError> {
-    match serde_json::from_slice::<Problem>(body) {
-        Ok(p) if p.kind == kind => Ok(p),
-        _ => Err(unexpected(status, body)),
-    }
-}
-
 fn grant(status: StatusCode, body: &[u8]) -> Result<Grant, StoreError> {
     let lease: LeaseBody = decode(status, body)?;
     let ttl = Ttl::from_millis(lease.ttl_ms)
         .map_err(|e| StoreError::Protocol(format!("server granted an invalid ttl: {e}")))?;
     Ok(Grant {
-        generation: Generation::new(lease.generation),
+        generation: lease.generation,
         ttl,
         expires_at_ms: lease.expires_at_ms,
         token: lease.token,
     })
 }
 
-fn lost(status: StatusCode, body: &[u8]) -> Result<(Option<Owner>, Generation), StoreError> {
-    let p = problem(status, body, ProblemType::LeaseLost)?;
-    Ok((p.owner, Generation::new(p.generation.unwrap_or(0))))
-}
-
-pub(crate) fn record(status: StatusCode, body: &[u8]) -> Result<LeaseRecord, StoreError> {
+fn record(status: StatusCode, body: &[u8]) -> Result<LeaseRecord, StoreError> {
     let r: RecordBody = decode(status, body)?;
-    let state = match r.state.as_str() {
-        "free" => LeaseState::Free,
-        "held" => LeaseState::Held,
-        "expired" => LeaseState::Expired,
-        "completed" => LeaseState::Completed,
-        other => {
-            return Err(StoreError::Protocol(format!(
-                "unknown lease state {other:?}"
-            )));
-        }
-    };
     Ok(LeaseRecord {
         job: r.job,
         owner: r.owner,
-        generation: Generation::new(r.generation),
-        state,
+        generation: r.generation,
+        state: r.state,
         expires_in: Duration::from_millis(r.expires_in_ms),
     })
 }
 
-impl LeaseStore for HttpLeaseStore {
-    async fn claim(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        ttl: Ttl,
-    ) -> Result<ClaimOutcome, StoreError> {
-        let body = serde_json::json!({ "owner": owner, "ttl_ms": ttl.as_millis() });
-        let (status, bytes) = self.call(Method::POST, job, "claim", Some(body)).await?;
-        match status {
-            StatusCode::OK => Ok(ClaimOutcome::Granted(grant(status, &bytes)?)),
-            StatusCode::CONFLICT => {
-                let p = problem(status, &bytes, ProblemType::LeaseHeld)?;
-                let holder = p
-                    .owner
-                    .ok_or_else(|| StoreError::Protocol("lease-held without an owner".into()))?;
-                Ok(ClaimOutcome::Held {
-                    owner: holder,
-                    expires_in: Duration::from_millis(p.expires_in_ms.unwrap_or(0)),
-                })
-            }
-            StatusCode::GONE => {
-                let p = problem(status, &bytes, ProblemType::JobCompleted)?;
-                Ok(ClaimOutcome::Completed {
-                    owner: p.owner,
-                    generation: Generation::new(p.generation.unwrap_or(0)),
-                })
-            }
-            _ => Err(unexpected(status, &bytes)),
-        }
-    }
-
-    async fn renew(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-        ttl: Ttl,
-    ) -> Result<RenewOutcome, StoreError> {
-        let body = serde_json::json!({ "owner": owner, "generation": generation.get(), "ttl_ms": ttl.as_millis() });
-        let (status, bytes) = self.call(Method::POST, job, "renew", Some(body)).await?;
-        match status {
-            StatusCode::OK => Ok(RenewOutcome::Renewed(grant(status, &bytes)?)),
-            StatusCode::CONFLICT => {
-                let (owner, generation) = lost(status, &bytes)?;
-                Ok(RenewOutcome::Lost { owner, generation })
-            }
-            _ => Err(unexpected(status, &bytes)),
-        }
-    }
-
-    async fn release(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.finish(job, owner, generation, "release").await
-    }
-
-    async fn complete(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.finish(job, owner, generation, "complete").await
-    }
-
-    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
-        let (status, bytes) = self.call(Method::GET, job, "", None).await?;
-        match status {
-            StatusCode::OK => Ok(Some(record(status, &bytes)?)),
-            StatusCode::NOT_FOUND => {
-                problem(status, &bytes, ProblemType::UnknownJob)?;
-                Ok(None)
-            }
-            _ => Err(unexpected(status, &bytes)),
-        }
+/// The outcome a refusal stands for, by its problem type.
+fn refused(status: StatusCode, body: &[u8]) -> Result<Outcome, StoreError> {
+    let Ok(p) = serde_json::from_slice::<Problem>(body) else {
+        return Err(unexpected(status, body));
+    };
+    let generation = Generation::new(p.generation.unwrap_or(0));
+    match p.kind {
+        ProblemType::LeaseHeld => Ok(Outcome::Held {
+            owner: p
+                .owner
+                .ok_or_else(|| StoreError::Protocol("lease-held without an owner".into()))?,
+            expires_in: Duration::from_millis(p.expires_in_ms.unwrap_or(0)),
+        }),
+        ProblemType::JobCompleted => Ok(Outcome::Completed {
+            owner: p.owner,
+            generation,
+        }),
+        ProblemType::LeaseLost => Ok(Outcome::Lost {
+            owner: p.owner,
+            generation,
+        }),
+        _ => Err(unexpected(status, body)),
     }
 }
 
-impl HttpLeaseStore {
-    async fn finish(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-        op: &str,
-    ) -> Result<FinishOutcome, StoreError> {
-        let body = serde_json::json!({ "owner": owner, "generation": generation.get() });
-        let (status, bytes) = self.call(Method::POST, job, op, Some(body)).await?;
-        match status {
-            StatusCode::OK => Ok(FinishOutcome::Done(record(status, &bytes)?)),
-            StatusCode::CONFLICT => {
-                let (owner, generation) = lost(status, &bytes)?;
-                Ok(FinishOutcome::Lost { owner, generation })
+impl LeaseStore for HttpLeaseStore {
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        // A claim or renewal answers a lease; a release or completion, the record.
+        let grants = matches!(op, LeaseOp::Claim { .. } | LeaseOp::Renew { .. });
+        let (status, bytes) = match op {
+            LeaseOp::Claim { owner, ttl } => {
+                let body = ClaimRequest { owner, ttl };
+                self.call(job, Some(Action::Claim), Some(&body)).await?
             }
+            LeaseOp::Renew {
+                owner,
+                generation,
+                ttl,
+            } => {
+                let body = RenewRequest {
+                    owner,
+                    generation,
+                    ttl,
+                };
+                self.call(job, Some(Action::Renew), Some(&body)).await?
+            }
+            LeaseOp::Release { owner, generation } => {
+                let body = FinishRequest { owner, generation };
+                self.call(job, Some(Action::Release), Some(&body)).await?
+            }
+            LeaseOp::Complete { owner, generation } => {
+                let body = FinishRequest { owner, generation };
+                self.call(job, Some(Action::Complete), Some(&body)).await?
+            }
+        };
+        match status {
+            StatusCode::OK if grants => Ok(Outcome::Granted(grant(status, &bytes)?)),
+            StatusCode::OK => Ok(Outcome::Done(record(status, &bytes)?)),
+            StatusCode::CONFLICT | StatusCode::GONE => refused(status, &bytes),
+            _ => Err(unexpected(status, &bytes)),
+        }
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        let (status, bytes) = self.call(job, None, None::<&()>).await?;
+        match status {
+            StatusCode::OK => Ok(Some(record(status, &bytes)?)),
+            StatusCode::NOT_FOUND => match serde_json::from_slice::<Problem>(&bytes) {
+                Ok(p) if p.kind == ProblemType::UnknownJob => Ok(None),
+                _ => Err(unexpected(status, &bytes)),
+            },
             _ => Err(unexpected(status, &bytes)),
         }
     }

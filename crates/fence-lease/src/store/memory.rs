@@ -5,12 +5,10 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use fence_core::{Generation, JobId, Owner};
+use fence_core::JobId;
+use fence_storage::clock::{Clock, SystemClock};
 
-use super::{
-    ClaimOutcome, FinishOutcome, LeaseRecord, LeaseStore, RenewOutcome, StoreError, rules,
-};
-use crate::{Clock, SystemClock, Ttl};
+use super::{LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError, rules};
 
 /// A lease store in memory: the same rules as every backend, nothing on disk.
 #[derive(Debug, Clone)]
@@ -39,66 +37,25 @@ impl MemoryLeaseStore {
         }
     }
 
-    fn decide<T>(
-        &self,
-        job: &JobId,
-        f: impl FnOnce(Option<&rules::Stored>, u64) -> rules::Decision<T>,
-    ) -> Result<T, StoreError> {
-        let mut leases = self.leases.lock().unwrap_or_else(|e| e.into_inner());
-        let (new, out) = f(leases.get(job), self.clock.now_ms())?;
+    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, rules::Stored>> {
+        // Nothing panics while the map is held; a poisoned map is still a valid map.
+        self.leases.lock().unwrap_or_else(|e| e.into_inner())
+    }
+}
+
+impl LeaseStore for MemoryLeaseStore {
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        let mut leases = self.leases();
+        let (new, out) = rules::decide(job, leases.get(job), &op, self.clock.now_ms())?;
         if let Some(new) = new {
             leases.insert(job.clone(), new);
         }
         Ok(out)
     }
-}
-
-impl LeaseStore for MemoryLeaseStore {
-    async fn claim(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        ttl: Ttl,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.decide(job, |cur, now| rules::claim(job, cur, owner, ttl, now))
-    }
-
-    async fn renew(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-        ttl: Ttl,
-    ) -> Result<RenewOutcome, StoreError> {
-        self.decide(job, |cur, now| {
-            rules::renew(cur, owner, generation, ttl, now)
-        })
-    }
-
-    async fn release(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.decide(job, |cur, now| {
-            rules::finish(job, cur, owner, generation, false, now)
-        })
-    }
-
-    async fn complete(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.decide(job, |cur, now| {
-            rules::finish(job, cur, owner, generation, true, now)
-        })
-    }
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
-        self.decide(job, |cur, now| Ok((None, cur.map(|s| s.record(job, now)))))
+        let now = self.clock.now_ms();
+        Ok(self.leases().get(job).map(|s| s.record(job, now)))
     }
 }
 
@@ -106,7 +63,9 @@ impl LeaseStore for MemoryLeaseStore {
 mod conformance {
     use std::sync::Arc;
 
-    use crate::{ManualClock, MemoryLeaseStore, conformance::advance_fn};
+    use fence_storage::clock::ManualClock;
+
+    use crate::{MemoryLeaseStore, conformance::advance_fn};
 
     crate::lease_store_conformance!(|| async {
         let clock = ManualClock::new(1_700_000_000_000);

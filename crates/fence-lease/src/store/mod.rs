@@ -1,15 +1,15 @@
-//! The lease store: one atomic verb per decision, typed outcomes, several backends.
+//! The lease store: one atomic decision per call, on the store's own clock; several backends.
 //!
 //! ```
 //! # #[tokio::main(flavor = "current_thread")]
 //! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-//! use fence_lease::{ClaimOutcome, LeaseStore, MemoryLeaseStore, Ttl};
+//! use fence_lease::{LeaseStore, MemoryLeaseStore, Outcome, Ttl};
 //!
 //! let store = MemoryLeaseStore::new();
 //! let (job, a, b) = ("job-1".parse()?, "worker-a".parse()?, "worker-b".parse()?);
-//! let ClaimOutcome::Granted(grant) = store.claim(&job, &a, Ttl::DEFAULT).await? else { panic!() };
+//! let Outcome::Granted(grant) = store.claim(&job, &a, Ttl::DEFAULT).await? else { panic!() };
 //! assert_eq!(grant.generation.get(), 1);
-//! assert!(matches!(store.claim(&job, &b, Ttl::DEFAULT).await?, ClaimOutcome::Held { .. }));
+//! assert!(matches!(store.claim(&job, &b, Ttl::DEFAULT).await?, Outcome::Held { .. }));
 //! # Ok(()) }
 //! ```
 
@@ -17,70 +17,178 @@ mod http;
 mod memory;
 #[cfg(feature = "postgres")]
 mod postgres;
-mod rules;
+pub(crate) mod rules;
 mod signing;
 mod sled;
 
 use std::{future::Future, time::Duration};
 
-use fence_core::{Generation, JobId, Owner};
+use fence_core::{Generation, JobId, Owner, Ttl, lease_api::LeaseState};
 
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PgLeaseStore, PgTable};
 pub use self::{
-    http::HttpLeaseStore, memory::MemoryLeaseStore, signing::SigningLeaseStore,
+    http::{HttpLeaseStore, UrlError},
+    memory::MemoryLeaseStore,
+    signing::SigningLeaseStore,
     sled::SledLeaseStore,
 };
 
-use crate::Ttl;
-
-/// A boxed error source.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
-
-/// Shared storage of leases. Every method is one atomic decision made on the store's own
-/// clock; there is no get-then-set.
-pub trait LeaseStore: Send + Sync + 'static {
-    /// Claims `job` for `owner`: granted with generation + 1 when the job is free or its
-    /// lease expired; the same generation, extended, when `owner` already holds it.
-    fn claim(
-        &self,
-        job: &JobId,
-        owner: &Owner,
+/// One decision a lease store makes atomically, on its own clock.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LeaseOp {
+    /// Claim the job: granted with generation + 1 when it is free or its lease expired; the
+    /// same generation, extended, when `owner` already holds it.
+    Claim {
+        /// Who claims.
+        owner: Owner,
+        /// For how long.
         ttl: Ttl,
-    ) -> impl Future<Output = Result<ClaimOutcome, StoreError>> + Send;
-
-    /// Extends the lease while `owner` and `generation` still match and the job is not
+    },
+    /// Extend the lease while `owner` and `generation` still match and the job is not
     /// completed (also after expiry, if nobody has claimed since).
-    fn renew(
-        &self,
-        job: &JobId,
-        owner: &Owner,
+    Renew {
+        /// The holder.
+        owner: Owner,
+        /// Its generation.
         generation: Generation,
+        /// For how long from now.
         ttl: Ttl,
-    ) -> impl Future<Output = Result<RenewOutcome, StoreError>> + Send;
+    },
+    /// Free the job under the same condition as a renewal; the generation stays.
+    Release {
+        /// The holder.
+        owner: Owner,
+        /// Its generation.
+        generation: Generation,
+    },
+    /// Mark the job completed under the same condition as a renewal; it can never be
+    /// claimed again.
+    Complete {
+        /// The holder.
+        owner: Owner,
+        /// Its generation.
+        generation: Generation,
+    },
+}
 
-    /// Frees the job under the same condition as [`renew`](Self::renew); the generation stays.
-    fn release(
+impl LeaseOp {
+    /// Who asks.
+    pub fn owner(&self) -> &Owner {
+        match self {
+            Self::Claim { owner, .. }
+            | Self::Renew { owner, .. }
+            | Self::Release { owner, .. }
+            | Self::Complete { owner, .. } => owner,
+        }
+    }
+}
+
+/// What a lease store decided.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum Outcome {
+    /// A claim or renewal succeeded: the caller holds the lease.
+    Granted(Grant),
+    /// A release or completion succeeded; the record as it now stands.
+    Done(LeaseRecord),
+    /// A claim found another owner holding an unexpired lease.
+    Held {
+        /// The holder.
+        owner: Owner,
+        /// How long its lease has left.
+        expires_in: Duration,
+    },
+    /// A claim found the job completed: it can never be claimed again.
+    Completed {
+        /// Who completed it.
+        owner: Option<Owner>,
+        /// The generation it was completed under.
+        generation: Generation,
+    },
+    /// A renewal, release or completion by an owner and generation that no longer hold the
+    /// job; nothing changed.
+    Lost {
+        /// The current owner (`None`: nobody).
+        owner: Option<Owner>,
+        /// The current generation.
+        generation: Generation,
+    },
+}
+
+/// Shared storage of leases. Every call is one atomic decision made on the store's own
+/// clock; there is no get-then-set. A backend implements [`apply`](Self::apply) and
+/// [`get`](Self::get); `claim`, `renew`, `release` and `complete` are shorthands for `apply`.
+pub trait LeaseStore: Send + Sync + 'static {
+    /// Decides `op` for `job`.
+    fn apply(
         &self,
         job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-    ) -> impl Future<Output = Result<FinishOutcome, StoreError>> + Send;
-
-    /// Marks the job completed under the same condition as [`renew`](Self::renew); it can
-    /// never be claimed again.
-    fn complete(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-    ) -> impl Future<Output = Result<FinishOutcome, StoreError>> + Send;
+        op: LeaseOp,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send;
 
     /// The job's record as of now, `None` if it was never claimed.
     fn get(
         &self,
         job: &JobId,
     ) -> impl Future<Output = Result<Option<LeaseRecord>, StoreError>> + Send;
+
+    /// [`LeaseOp::Claim`].
+    fn claim(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        ttl: Ttl,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
+        self.apply(
+            job,
+            LeaseOp::Claim {
+                owner: owner.clone(),
+                ttl,
+            },
+        )
+    }
+
+    /// [`LeaseOp::Renew`].
+    fn renew(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        generation: Generation,
+        ttl: Ttl,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
+        self.apply(
+            job,
+            LeaseOp::Renew {
+                owner: owner.clone(),
+                generation,
+                ttl,
+            },
+        )
+    }
+
+    /// [`LeaseOp::Release`].
+    fn release(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        generation: Generation,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
+        let owner = owner.clone();
+        self.apply(job, LeaseOp::Release { owner, generation })
+    }
+
+    /// [`LeaseOp::Complete`].
+    fn complete(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        generation: Generation,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
+        let owner = owner.clone();
+        self.apply(job, LeaseOp::Complete { owner, generation })
+    }
 }
 
 /// A granted lease.
@@ -95,58 +203,6 @@ pub struct Grant {
     /// The signed token string (`<generation>.<signature>`) when the store signs tokens
     /// (contract section 6); the lease client sends it exactly as given.
     pub token: Option<String>,
-}
-
-/// The outcome of [`LeaseStore::claim`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum ClaimOutcome {
-    /// The caller holds the lease.
-    Granted(Grant),
-    /// Another owner holds an unexpired lease.
-    Held {
-        /// The holder.
-        owner: Owner,
-        /// How long its lease has left.
-        expires_in: Duration,
-    },
-    /// The job is completed and can never be claimed again.
-    Completed {
-        /// Who completed it.
-        owner: Option<Owner>,
-        /// The generation it was completed under.
-        generation: Generation,
-    },
-}
-
-/// The outcome of [`LeaseStore::renew`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum RenewOutcome {
-    /// The lease was extended.
-    Renewed(Grant),
-    /// The caller no longer holds the lease.
-    Lost {
-        /// The current owner (`None`: nobody).
-        owner: Option<Owner>,
-        /// The current generation.
-        generation: Generation,
-    },
-}
-
-/// The outcome of [`LeaseStore::release`] and [`LeaseStore::complete`].
-#[derive(Debug, Clone, PartialEq, Eq)]
-#[non_exhaustive]
-pub enum FinishOutcome {
-    /// Done; the record as it now stands.
-    Done(LeaseRecord),
-    /// The caller no longer holds the lease; nothing changed.
-    Lost {
-        /// The current owner (`None`: nobody).
-        owner: Option<Owner>,
-        /// The current generation.
-        generation: Generation,
-    },
 }
 
 /// A job's lease as the store sees it now.
@@ -165,39 +221,13 @@ pub struct LeaseRecord {
     pub expires_in: Duration,
 }
 
-/// The state of a job's lease.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[non_exhaustive]
-pub enum LeaseState {
-    /// Never claimed, or released.
-    Free,
-    /// An unexpired lease.
-    Held,
-    /// The lease ran out and nobody has claimed since.
-    Expired,
-    /// Completed; it can never be claimed again.
-    Completed,
-}
-
-impl LeaseState {
-    /// The contract's name: `free`, `held`, `expired` or `completed`.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Self::Free => "free",
-            Self::Held => "held",
-            Self::Expired => "expired",
-            Self::Completed => "completed",
-        }
-    }
-}
-
 /// Why a lease store could not decide.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum StoreError {
     /// Reading or writing the backing storage failed.
     #[error("lease store I/O failed")]
-    Io(#[source] BoxError),
+    Io(#[source] fence_storage::BoxError),
     /// A stored record could not be decoded.
     #[error("stored lease of job {job} is corrupt: {reason}")]
     Corrupt {
@@ -215,4 +245,11 @@ pub enum StoreError {
     /// A remote store answered something this client does not understand.
     #[error("lease store answered unexpectedly: {0}")]
     Protocol(String),
+}
+
+impl StoreError {
+    /// Wraps an I/O failure, keeping it as the source.
+    pub fn io(e: impl Into<fence_storage::BoxError>) -> Self {
+        Self::Io(e.into())
+    }
 }

@@ -1,38 +1,28 @@
-//! Leases in PostgreSQL, shared by every process that uses the same table. Every decision is
-//! one SQL statement, and the database's clock (`clock_timestamp()`) decides expiry.
+//! Leases in PostgreSQL, shared by every process that uses the same table.
+//!
+//! Every decision is one SQL statement, and the database's clock (`clock_timestamp()`)
+//! decides expiry.
 
-use std::{
-    sync::{
-        Arc,
-        atomic::{AtomicI64, Ordering},
-    },
-    time::Duration,
-};
+use std::{sync::Arc, time::Duration};
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use fence_core::{Generation, JobId, Owner};
-use tokio_postgres::{NoTls, Row};
+use deadpool_postgres::Pool;
+use fence_core::{Generation, JobId, Owner, Ttl, lease_api::LeaseState};
+use fence_storage::postgres::{Ident, IdentError, MigrateError, NOW_MS, SetupError};
+use tokio_postgres::{Row, types::ToSql};
 
-use super::{
-    ClaimOutcome, FinishOutcome, Grant, LeaseRecord, LeaseState, LeaseStore, RenewOutcome,
-    StoreError,
-};
-use crate::Ttl;
+use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError};
 
 /// Where the lease table lives: `schema.table`, both plain lower-case SQL identifiers.
 #[derive(Debug, Clone)]
 pub struct PgTable {
-    schema: String,
-    table: String,
+    schema: Ident,
+    table: Ident,
 }
 
 impl Default for PgTable {
     /// `fence.leases`.
     fn default() -> Self {
-        Self {
-            schema: "fence".into(),
-            table: "leases".into(),
-        }
+        Self::new("fence", "leases").expect("valid names")
     }
 }
 
@@ -42,23 +32,10 @@ impl PgTable {
     /// # Errors
     /// When either is not 1 to 63 characters of `a-z`, `0-9` and `_`, starting with a letter
     /// or `_` (so it never needs quoting and cannot inject SQL).
-    pub fn new(schema: &str, table: &str) -> Result<Self, StoreError> {
-        for (what, name) in [("schema", schema), ("table", table)] {
-            let ok = !name.is_empty()
-                && name.len() <= 63
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-                && !name.as_bytes()[0].is_ascii_digit();
-            if !ok {
-                return Err(StoreError::Protocol(format!(
-                    "invalid {what} name {name:?}: use 1 to 63 of a-z, 0-9 and _, not starting with a digit"
-                )));
-            }
-        }
+    pub fn new(schema: &str, table: &str) -> Result<Self, IdentError> {
         Ok(Self {
-            schema: schema.into(),
-            table: table.into(),
+            schema: Ident::new("schema", schema)?,
+            table: Ident::new("table", table)?,
         })
     }
 
@@ -84,7 +61,8 @@ pub struct PgLeaseStore {
     pool: Pool,
     table: PgTable,
     sql: Arc<Sql>,
-    offset_ms: Arc<AtomicI64>,
+    #[cfg(any(test, feature = "test-hooks"))]
+    offset_ms: Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl std::fmt::Debug for PgLeaseStore {
@@ -103,11 +81,10 @@ struct Sql {
     get: String,
 }
 
-/// The database's clock in ms since the Unix epoch, shifted by the test-only offset `$N`.
+/// The database's clock in ms since the Unix epoch, plus the offset parameter `$N` (always
+/// 0 but in the fault tests, which shift it).
 fn now_ms(offset_param: usize) -> String {
-    format!(
-        "((floor(extract(epoch from clock_timestamp()) * 1000))::bigint + ${offset_param}::bigint)"
-    )
+    format!("({NOW_MS} + ${offset_param}::bigint)")
 }
 
 impl Sql {
@@ -163,15 +140,18 @@ impl Sql {
     }
 }
 
-fn io(e: impl std::error::Error + Send + Sync + 'static) -> StoreError {
-    StoreError::Io(Box::new(e))
-}
-
-fn generation(row: &Row, idx: usize) -> Result<Generation, StoreError> {
-    let text: String = row.try_get(idx).map_err(io)?;
+fn generation(job: &JobId, row: &Row, idx: usize) -> Result<Generation, StoreError> {
+    let text: String = row.try_get(idx).map_err(StoreError::io)?;
     text.parse::<u64>()
         .map(Generation::new)
-        .map_err(|_| StoreError::Protocol(format!("generation {text:?} out of range")))
+        .map_err(|_| StoreError::Corrupt {
+            job: job.clone(),
+            reason: "generation out of range",
+        })
+}
+
+fn millis(ttl: Ttl) -> i64 {
+    i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX)
 }
 
 /// A job's row as read by `get`, with the database's now.
@@ -185,18 +165,21 @@ struct Snapshot {
 
 impl Snapshot {
     /// Columns: owner, generation::text, lease_until_ms, completed, now_ms.
-    fn from_row(r: &Row) -> Result<Self, StoreError> {
-        let owner: Option<String> = r.try_get(0).map_err(io)?;
+    fn from_row(job: &JobId, r: &Row) -> Result<Self, StoreError> {
+        let owner: Option<String> = r.try_get(0).map_err(StoreError::io)?;
         let owner = owner
             .map(Owner::new)
             .transpose()
-            .map_err(|e| StoreError::Protocol(format!("stored owner: {e}")))?;
+            .map_err(|_| StoreError::Corrupt {
+                job: job.clone(),
+                reason: "owner is not visible ASCII",
+            })?;
         Ok(Self {
             owner,
-            generation: generation(r, 1)?,
-            until_ms: r.try_get(2).map_err(io)?,
-            completed: r.try_get(3).map_err(io)?,
-            now_ms: r.try_get(4).map_err(io)?,
+            generation: generation(job, r, 1)?,
+            until_ms: r.try_get(2).map_err(StoreError::io)?,
+            completed: r.try_get(3).map_err(StoreError::io)?,
+            now_ms: r.try_get(4).map_err(StoreError::io)?,
         })
     }
 
@@ -212,12 +195,14 @@ impl Snapshot {
         }
     }
 
+    fn expires_in(&self) -> Duration {
+        Duration::from_millis(u64::try_from(self.until_ms - self.now_ms).unwrap_or(0))
+    }
+
     fn record(self, job: &JobId) -> LeaseRecord {
         let state = self.state();
         let expires_in = match state {
-            LeaseState::Held => {
-                Duration::from_millis(u64::try_from(self.until_ms - self.now_ms).unwrap_or(0))
-            }
+            LeaseState::Held => self.expires_in(),
             _ => Duration::ZERO,
         };
         LeaseRecord {
@@ -228,35 +213,29 @@ impl Snapshot {
             expires_in,
         }
     }
+
+    fn lost(self) -> Outcome {
+        Outcome::Lost {
+            owner: self.owner,
+            generation: self.generation,
+        }
+    }
 }
 
 impl PgLeaseStore {
-    /// Connects a pool (up to 16 connections) to the database at `url`
+    /// A pool (up to 16 connections) to the database at `url`
     /// (`postgres://user@host:port/db`). Call [`migrate`](Self::migrate) once before use.
     ///
     /// # Errors
     /// When `url` is not a valid connection string.
-    pub async fn connect(url: &str, table: PgTable) -> Result<Self, StoreError> {
-        let config: tokio_postgres::Config = url.parse().map_err(io)?;
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(16)
-            .wait_timeout(Some(Duration::from_secs(10)))
-            .create_timeout(Some(Duration::from_secs(10)))
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .build()
-            .map_err(io)?;
+    pub async fn connect(url: &str, table: PgTable) -> Result<Self, SetupError> {
+        let pool = fence_storage::postgres::connect_pool(url)?;
         let sql = Arc::new(Sql::new(&table.qualified()));
         Ok(Self {
             pool,
             table,
             sql,
+            #[cfg(any(test, feature = "test-hooks"))]
             offset_ms: Arc::default(),
         })
     }
@@ -266,126 +245,87 @@ impl PgLeaseStore {
     ///
     /// # Errors
     /// When the database cannot be reached or refuses the DDL.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
+    pub async fn migrate(&self) -> Result<(), MigrateError> {
         let t = self.table.qualified();
         let ddl = format!(
-            "SELECT pg_advisory_xact_lock(hashtext('fence-migrate:{schema}'));
-             CREATE SCHEMA IF NOT EXISTS {schema};
-             CREATE TABLE IF NOT EXISTS {t} (
+            "CREATE TABLE IF NOT EXISTS {t} (
                job text PRIMARY KEY,
                owner text,
                generation numeric(20, 0) NOT NULL CHECK (generation >= 0 AND generation <= 18446744073709551615),
                lease_until_ms bigint NOT NULL,
                completed boolean NOT NULL DEFAULT false
-             );",
-            schema = self.table.schema
+             );"
         );
-        // One transaction, serialised by an advisory lock: concurrent migrations do not race
-        // on CREATE ... IF NOT EXISTS.
-        client
-            .batch_execute(&format!("BEGIN; {ddl} COMMIT;"))
-            .await
-            .map_err(io)
+        fence_storage::postgres::migrate(&self.pool, &self.table.schema, &ddl).await
     }
 
-    /// Test only: shifts the database clock as this store reads it by `ms` (cumulative).
+    /// Test hook (feature `test-hooks`): shifts the database clock as this store reads it by
+    /// `ms` (cumulative).
+    #[cfg(any(test, feature = "test-hooks"))]
     pub fn shift_clock_ms(&self, ms: i64) {
-        self.offset_ms.fetch_add(ms, Ordering::SeqCst);
+        self.offset_ms
+            .fetch_add(ms, std::sync::atomic::Ordering::SeqCst);
     }
 
     fn offset(&self) -> i64 {
-        self.offset_ms.load(Ordering::SeqCst)
+        #[cfg(any(test, feature = "test-hooks"))]
+        return self.offset_ms.load(std::sync::atomic::Ordering::SeqCst);
+        #[cfg(not(any(test, feature = "test-hooks")))]
+        0
+    }
+
+    async fn query(
+        &self,
+        sql: &str,
+        params: &[&(dyn ToSql + Sync)],
+    ) -> Result<Option<Row>, StoreError> {
+        let client = self.pool.get().await.map_err(StoreError::io)?;
+        client.query_opt(sql, params).await.map_err(StoreError::io)
     }
 
     async fn snapshot(&self, job: &JobId) -> Result<Option<Snapshot>, StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
-        let row = client
-            .query_opt(&self.sql.get, &[&job.as_str(), &self.offset()])
-            .await
-            .map_err(io)?;
-        row.as_ref().map(Snapshot::from_row).transpose()
+        let row = self
+            .query(&self.sql.get, &[&job.as_str(), &self.offset()])
+            .await?;
+        row.as_ref().map(|r| Snapshot::from_row(job, r)).transpose()
     }
 
-    async fn lost(&self, job: &JobId) -> Result<(Option<Owner>, Generation), StoreError> {
-        Ok(self
-            .snapshot(job)
-            .await?
-            .map_or((None, Generation::ZERO), |s| (s.owner, s.generation)))
+    /// The `Lost` answer for a refused renewal, release or completion.
+    async fn lost(&self, job: &JobId) -> Result<Outcome, StoreError> {
+        Ok(match self.snapshot(job).await? {
+            Some(s) => s.lost(),
+            None => Outcome::Lost {
+                owner: None,
+                generation: Generation::ZERO,
+            },
+        })
     }
 
-    async fn finish(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        g: Generation,
-        complete: bool,
-    ) -> Result<FinishOutcome, StoreError> {
-        let sql = if complete {
-            &self.sql.complete
-        } else {
-            &self.sql.release
-        };
-        let client = self.pool.get().await.map_err(io)?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [
-            &job.as_str(),
-            &owner.as_str(),
-            &g.get().to_string(),
-            &self.offset(),
-        ];
-        let done = client.query_opt(sql, &params).await.map_err(io)?;
-        drop(client);
-        match done {
-            Some(row) => Ok(FinishOutcome::Done(Snapshot::from_row(&row)?.record(job))),
-            None => {
-                let (owner, generation) = self.lost(job).await?;
-                Ok(FinishOutcome::Lost { owner, generation })
-            }
-        }
-    }
-}
-
-impl LeaseStore for PgLeaseStore {
-    async fn claim(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        ttl: Ttl,
-    ) -> Result<ClaimOutcome, StoreError> {
-        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
+    async fn claim_row(&self, job: &JobId, owner: &Owner, ttl: Ttl) -> Result<Outcome, StoreError> {
         loop {
-            let client = self.pool.get().await.map_err(io)?;
-            let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] =
-                [&job.as_str(), &owner.as_str(), &ttl_ms, &self.offset()];
-            if let Some(row) = client
-                .query_opt(&self.sql.claim, &params)
-                .await
-                .map_err(io)?
-            {
-                let until: i64 = row.try_get(1).map_err(io)?;
-                let expires_at_ms = u64::try_from(until).unwrap_or(0);
-                return Ok(ClaimOutcome::Granted(Grant {
-                    generation: generation(&row, 0)?,
+            let params: [&(dyn ToSql + Sync); 4] =
+                [&job.as_str(), &owner.as_str(), &millis(ttl), &self.offset()];
+            if let Some(row) = self.query(&self.sql.claim, &params).await? {
+                let until: i64 = row.try_get(1).map_err(StoreError::io)?;
+                return Ok(Outcome::Granted(Grant {
+                    generation: generation(job, &row, 0)?,
                     ttl,
-                    expires_at_ms,
+                    expires_at_ms: u64::try_from(until).unwrap_or(0),
                     token: None,
                 }));
             }
-            drop(client);
             // Refused; read why. If the holder let go in between, decide again.
             match self.snapshot(job).await? {
                 Some(s) if s.completed => {
-                    return Ok(ClaimOutcome::Completed {
+                    return Ok(Outcome::Completed {
                         owner: s.owner,
                         generation: s.generation,
                     });
                 }
                 Some(s) if s.state() == LeaseState::Held => {
-                    let expires_in =
-                        Duration::from_millis(u64::try_from(s.until_ms - s.now_ms).unwrap_or(0));
-                    let holder = s.owner.expect("held implies an owner");
-                    return Ok(ClaimOutcome::Held {
-                        owner: holder,
+                    let expires_in = s.expires_in();
+                    return Ok(Outcome::Held {
+                        owner: s.owner.expect("held implies an owner"),
                         expires_in,
                     });
                 }
@@ -393,61 +333,55 @@ impl LeaseStore for PgLeaseStore {
             }
         }
     }
+}
 
-    async fn renew(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        g: Generation,
-        ttl: Ttl,
-    ) -> Result<RenewOutcome, StoreError> {
-        let ttl_ms = i64::try_from(ttl.as_millis()).unwrap_or(i64::MAX);
-        let client = self.pool.get().await.map_err(io)?;
-        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 5] = [
+impl LeaseStore for PgLeaseStore {
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        let (owner, g) = match &op {
+            LeaseOp::Claim { owner, ttl } => return self.claim_row(job, owner, *ttl).await,
+            LeaseOp::Renew {
+                owner,
+                generation,
+                ttl,
+            } => {
+                let params: [&(dyn ToSql + Sync); 5] = [
+                    &job.as_str(),
+                    &owner.as_str(),
+                    &generation.get().to_string(),
+                    &millis(*ttl),
+                    &self.offset(),
+                ];
+                return match self.query(&self.sql.renew, &params).await? {
+                    Some(row) => {
+                        let until: i64 = row.try_get(0).map_err(StoreError::io)?;
+                        Ok(Outcome::Granted(Grant {
+                            generation: *generation,
+                            ttl: *ttl,
+                            expires_at_ms: u64::try_from(until).unwrap_or(0),
+                            token: None,
+                        }))
+                    }
+                    None => self.lost(job).await,
+                };
+            }
+            LeaseOp::Release { owner, generation } | LeaseOp::Complete { owner, generation } => {
+                (owner, generation)
+            }
+        };
+        let sql = match op {
+            LeaseOp::Complete { .. } => &self.sql.complete,
+            _ => &self.sql.release,
+        };
+        let params: [&(dyn ToSql + Sync); 4] = [
             &job.as_str(),
             &owner.as_str(),
             &g.get().to_string(),
-            &ttl_ms,
             &self.offset(),
         ];
-        match client
-            .query_opt(&self.sql.renew, &params)
-            .await
-            .map_err(io)?
-        {
-            Some(row) => {
-                let until: i64 = row.try_get(0).map_err(io)?;
-                Ok(RenewOutcome::Renewed(Grant {
-                    generation: g,
-                    ttl,
-                    expires_at_ms: u64::try_from(until).unwrap_or(0),
-                    token: None,
-                }))
-            }
-            None => {
-                drop(client);
-                let (owner, generation) = self.lost(job).await?;
-                Ok(RenewOutcome::Lost { owner, generation })
-            }
+        match self.query(sql, &params).await? {
+            Some(row) => Ok(Outcome::Done(Snapshot::from_row(job, &row)?.record(job))),
+            None => self.lost(job).await,
         }
-    }
-
-    async fn release(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        g: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.finish(job, owner, g, false).await
-    }
-
-    async fn complete(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        g: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.finish(job, owner, g, true).await
     }
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
@@ -502,7 +436,7 @@ mod tests {
         let Some(store) = fresh().await else { return };
         store.migrate().await.unwrap();
         let (j, a) = ("j".parse().unwrap(), "a".parse().unwrap());
-        let ClaimOutcome::Granted(g) = store.claim(&j, &a, Ttl::DEFAULT).await.unwrap() else {
+        let Outcome::Granted(g) = store.claim(&j, &a, Ttl::DEFAULT).await.unwrap() else {
             panic!()
         };
         store.complete(&j, &a, g.generation).await.unwrap();

@@ -1,14 +1,12 @@
-//! The lease rules as pure functions of (stored record, request, now), shared by every
-//! backend that decides in Rust, and the record's byte encoding.
+//! The lease rules as one pure function of (stored record, operation, now).
+//!
+//! Shared by every backend that decides in Rust, with the record's byte encoding.
 
 use std::time::Duration;
 
-use fence_core::{Generation, JobId, Owner};
+use fence_core::{Generation, JobId, Owner, Ttl, lease_api::LeaseState};
 
-use super::{
-    ClaimOutcome, FinishOutcome, Grant, LeaseRecord, LeaseState, RenewOutcome, StoreError,
-};
-use crate::Ttl;
+use super::{Grant, LeaseOp, LeaseRecord, Outcome, StoreError};
 
 /// A job's lease as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -53,10 +51,6 @@ impl Stored {
     /// Whether `owner` at `generation` may renew, release or complete.
     fn matches(&self, owner: &Owner, generation: Generation) -> bool {
         !self.completed && self.generation == generation && self.owner.as_ref() == Some(owner)
-    }
-
-    fn lost(&self) -> (Option<Owner>, Generation) {
-        (self.owner.clone(), self.generation)
     }
 
     pub(crate) fn encode(&self) -> Vec<u8> {
@@ -115,48 +109,110 @@ fn grant(generation: Generation, ttl: Ttl, now_ms: u64) -> (u64, Grant) {
     )
 }
 
-pub(crate) fn claim(
+/// Decides `op` on the stored record `cur` at `now_ms`.
+pub(crate) fn decide(
+    job: &JobId,
+    cur: Option<&Stored>,
+    op: &LeaseOp,
+    now_ms: u64,
+) -> Decision<Outcome> {
+    match op {
+        LeaseOp::Claim { owner, ttl } => claim(job, cur, owner, *ttl, now_ms),
+        LeaseOp::Renew {
+            owner,
+            generation,
+            ttl,
+        } => Ok(held_by(cur, owner, *generation).map_or_else(
+            |lost| (None, lost),
+            |s| {
+                let (until, g) = grant(*generation, *ttl, now_ms);
+                let new = Stored {
+                    lease_until_ms: until,
+                    ..s.clone()
+                };
+                (Some(new), Outcome::Granted(g))
+            },
+        )),
+        LeaseOp::Release { owner, generation } | LeaseOp::Complete { owner, generation } => {
+            let complete = matches!(op, LeaseOp::Complete { .. });
+            Ok(held_by(cur, owner, *generation).map_or_else(
+                |lost| (None, lost),
+                |s| {
+                    let new = if complete {
+                        Stored {
+                            completed: true,
+                            lease_until_ms: now_ms.min(s.lease_until_ms),
+                            ..s.clone()
+                        }
+                    } else {
+                        Stored {
+                            owner: None,
+                            lease_until_ms: 0,
+                            ..s.clone()
+                        }
+                    };
+                    let record = new.record(job, now_ms);
+                    (Some(new), Outcome::Done(record))
+                },
+            ))
+        }
+    }
+}
+
+/// The stored record when `owner` at `generation` may renew, release or complete it;
+/// otherwise the `Lost` answer naming who holds it now.
+fn held_by<'a>(
+    cur: Option<&'a Stored>,
+    owner: &Owner,
+    generation: Generation,
+) -> Result<&'a Stored, Outcome> {
+    match cur {
+        Some(s) if s.matches(owner, generation) => Ok(s),
+        Some(s) => Err(Outcome::Lost {
+            owner: s.owner.clone(),
+            generation: s.generation,
+        }),
+        None => Err(Outcome::Lost {
+            owner: None,
+            generation: Generation::ZERO,
+        }),
+    }
+}
+
+fn claim(
     job: &JobId,
     cur: Option<&Stored>,
     owner: &Owner,
     ttl: Ttl,
     now_ms: u64,
-) -> Decision<ClaimOutcome> {
+) -> Decision<Outcome> {
     let current = cur.map_or(Generation::ZERO, |s| s.generation);
     if let Some(s) = cur {
         match s.state(now_ms) {
             LeaseState::Completed => {
-                return Ok((
-                    None,
-                    ClaimOutcome::Completed {
-                        owner: s.owner.clone(),
-                        generation: s.generation,
-                    },
-                ));
+                let completed = Outcome::Completed {
+                    owner: s.owner.clone(),
+                    generation: s.generation,
+                };
+                return Ok((None, completed));
             }
             LeaseState::Held if s.owner.as_ref() == Some(owner) => {
                 // The holder claims again (a retry after a lost answer): same generation, extended.
                 let (until, g) = grant(s.generation, ttl, now_ms);
-                return Ok((
-                    Some(Stored {
-                        lease_until_ms: until,
-                        ..s.clone()
-                    }),
-                    ClaimOutcome::Granted(g),
-                ));
+                let new = Stored {
+                    lease_until_ms: until,
+                    ..s.clone()
+                };
+                return Ok((Some(new), Outcome::Granted(g)));
             }
             LeaseState::Held => {
-                let expires_in = Duration::from_millis(s.lease_until_ms - now_ms);
-                let holder = s.owner.clone().expect("held implies an owner");
-                return Ok((
-                    None,
-                    ClaimOutcome::Held {
-                        owner: holder,
-                        expires_in,
-                    },
-                ));
+                let held = Outcome::Held {
+                    owner: s.owner.clone().expect("held implies an owner"),
+                    expires_in: Duration::from_millis(s.lease_until_ms - now_ms),
+                };
+                return Ok((None, held));
             }
-            LeaseState::Free | LeaseState::Expired => {}
+            _ => {}
         }
     }
     let generation = current
@@ -169,79 +225,7 @@ pub(crate) fn claim(
         lease_until_ms: until,
         completed: false,
     };
-    Ok((Some(new), ClaimOutcome::Granted(g)))
-}
-
-pub(crate) fn renew(
-    cur: Option<&Stored>,
-    owner: &Owner,
-    generation: Generation,
-    ttl: Ttl,
-    now_ms: u64,
-) -> Decision<RenewOutcome> {
-    match cur {
-        Some(s) if s.matches(owner, generation) => {
-            let (until, g) = grant(generation, ttl, now_ms);
-            Ok((
-                Some(Stored {
-                    lease_until_ms: until,
-                    ..s.clone()
-                }),
-                RenewOutcome::Renewed(g),
-            ))
-        }
-        Some(s) => {
-            let (owner, generation) = s.lost();
-            Ok((None, RenewOutcome::Lost { owner, generation }))
-        }
-        None => Ok((
-            None,
-            RenewOutcome::Lost {
-                owner: None,
-                generation: Generation::ZERO,
-            },
-        )),
-    }
-}
-
-pub(crate) fn finish(
-    job: &JobId,
-    cur: Option<&Stored>,
-    owner: &Owner,
-    generation: Generation,
-    complete: bool,
-    now_ms: u64,
-) -> Decision<FinishOutcome> {
-    match cur {
-        Some(s) if s.matches(owner, generation) => {
-            let new = if complete {
-                Stored {
-                    completed: true,
-                    lease_until_ms: now_ms.min(s.lease_until_ms),
-                    ..s.clone()
-                }
-            } else {
-                Stored {
-                    owner: None,
-                    lease_until_ms: 0,
-                    ..s.clone()
-                }
-            };
-            let record = new.record(job, now_ms);
-            Ok((Some(new), FinishOutcome::Done(record)))
-        }
-        Some(s) => {
-            let (owner, generation) = s.lost();
-            Ok((None, FinishOutcome::Lost { owner, generation }))
-        }
-        None => Ok((
-            None,
-            FinishOutcome::Lost {
-                owner: None,
-                generation: Generation::ZERO,
-            },
-        )),
-    }
+    Ok((Some(new), Outcome::Granted(g)))
 }
 
 #[cfg(test)]

@@ -2,13 +2,13 @@
 
 use std::{path::Path, sync::Arc};
 
-use fence_core::{Generation, JobId, Owner};
-use fence_durable::GroupCommit;
-
-use super::{
-    ClaimOutcome, FinishOutcome, LeaseRecord, LeaseStore, RenewOutcome, StoreError, rules,
+use fence_core::JobId;
+use fence_storage::{
+    clock::{Clock, SystemClock},
+    disk::{DurableDb, OpenError},
 };
-use crate::{Clock, SystemClock, Ttl};
+
+use super::{LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError, rules};
 
 /// A lease store in a sled database on local disk.
 ///
@@ -18,7 +18,7 @@ use crate::{Clock, SystemClock, Ttl};
 #[derive(Debug, Clone)]
 pub struct SledLeaseStore {
     tree: sled::Tree,
-    commit: GroupCommit,
+    db: DurableDb,
     clock: Arc<dyn Clock>,
 }
 
@@ -26,9 +26,9 @@ impl SledLeaseStore {
     /// Opens (or creates) the store in directory `path`, on the system clock.
     ///
     /// # Errors
-    /// When the directory cannot be opened as a sled database (missing permissions,
-    /// another process holds it, corrupt files).
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
+    /// When the directory cannot be opened as a database: [`OpenError::Locked`] while
+    /// another process uses it, the other variants for permissions or corrupt files.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, OpenError> {
         Self::open_with_clock(path, Arc::new(SystemClock::new()))
     }
 
@@ -39,16 +39,11 @@ impl SledLeaseStore {
     pub fn open_with_clock(
         path: impl AsRef<Path>,
         clock: Arc<dyn Clock>,
-    ) -> Result<Self, StoreError> {
-        let db = fence_durable::open_db(path).map_err(io)?;
-        Self::from_db(&db, clock)
-    }
-
-    fn from_db(db: &sled::Db, clock: Arc<dyn Clock>) -> Result<Self, StoreError> {
-        let tree = db.open_tree("leases").map_err(io)?;
+    ) -> Result<Self, OpenError> {
+        let db = DurableDb::open(path)?;
         Ok(Self {
-            tree,
-            commit: GroupCommit::new(db.clone()),
+            tree: db.tree("leases")?,
+            db,
             clock,
         })
     }
@@ -58,99 +53,53 @@ impl SledLeaseStore {
     /// # Errors
     /// When the flush fails.
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.commit.flush_now().map_err(io)
+        self.db.flush_now().map_err(StoreError::io)
     }
 
+    /// How many jobs have a record.
+    pub fn job_count(&self) -> usize {
+        self.tree.len()
+    }
+}
+
+impl LeaseStore for SledLeaseStore {
     /// Applies one decision atomically, then waits until it is durable.
-    async fn decide<T>(
-        &self,
-        job: &JobId,
-        mut f: impl FnMut(Option<&rules::Stored>, u64) -> rules::Decision<T>,
-    ) -> Result<T, StoreError> {
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         let key = job.as_str().as_bytes();
-        let out = loop {
-            let raw = self.tree.get(key).map_err(io)?;
+        loop {
+            let raw = self.tree.get(key).map_err(StoreError::io)?;
             let cur = raw
                 .as_deref()
                 .map(|b| rules::Stored::decode(job, b))
                 .transpose()?;
-            let (new, out) = f(cur.as_ref(), self.clock.now_ms())?;
-            let Some(new) = new else {
-                // Nothing to write, but the answer may rest on another caller's write that is
-                // not on disk yet: answer only once it is, so no observer ever sees a
-                // generation a crash could take back.
-                self.commit.commit().await.map_err(io)?;
-                return Ok(out);
-            };
-            match self
-                .tree
-                .compare_and_swap(key, raw, Some(new.encode()))
-                .map_err(io)?
-            {
-                Ok(()) => break out,
-                Err(_) => continue, // someone else decided first: decide again on what they wrote
+            let (new, out) = rules::decide(job, cur.as_ref(), &op, self.clock.now_ms())?;
+            if let Some(new) = new {
+                let swapped = self
+                    .tree
+                    .compare_and_swap(key, raw, Some(new.encode()))
+                    .map_err(StoreError::io)?;
+                if swapped.is_err() {
+                    continue; // someone else decided first: decide again on what they wrote
+                }
             }
-        };
-        self.commit.commit().await.map_err(io)?;
-        Ok(out)
-    }
-}
-
-fn io(e: impl std::error::Error + Send + Sync + 'static) -> StoreError {
-    StoreError::Io(Box::new(e))
-}
-
-impl LeaseStore for SledLeaseStore {
-    async fn claim(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        ttl: Ttl,
-    ) -> Result<ClaimOutcome, StoreError> {
-        self.decide(job, |cur, now| rules::claim(job, cur, owner, ttl, now))
-            .await
-    }
-
-    async fn renew(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-        ttl: Ttl,
-    ) -> Result<RenewOutcome, StoreError> {
-        self.decide(job, |cur, now| {
-            rules::renew(cur, owner, generation, ttl, now)
-        })
-        .await
-    }
-
-    async fn release(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.decide(job, |cur, now| {
-            rules::finish(job, cur, owner, generation, false, now)
-        })
-        .await
-    }
-
-    async fn complete(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        generation: Generation,
-    ) -> Result<FinishOutcome, StoreError> {
-        self.decide(job, |cur, now| {
-            rules::finish(job, cur, owner, generation, true, now)
-        })
-        .await
+            // Also when nothing was written: the answer may rest on another caller's write
+            // that is not on disk yet. Answer only once it is, so no observer ever sees a
+            // generation a crash could take back.
+            self.db.commit().await.map_err(StoreError::io)?;
+            return Ok(out);
+        }
     }
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
-        self.decide(job, |cur, now| Ok((None, cur.map(|s| s.record(job, now)))))
-            .await
+        let raw = self
+            .tree
+            .get(job.as_str().as_bytes())
+            .map_err(StoreError::io)?;
+        let Some(raw) = raw else { return Ok(None) };
+        let stored = rules::Stored::decode(job, &raw)?;
+        // Answer only what is on disk (see `apply`).
+        self.db.commit().await.map_err(StoreError::io)?;
+        Ok(Some(stored.record(job, self.clock.now_ms())))
     }
 }
 
@@ -160,8 +109,10 @@ mod tests {
 
     use fence_core::Generation;
 
+    use fence_storage::clock::ManualClock;
+
     use super::*;
-    use crate::{ManualClock, conformance::advance_fn};
+    use crate::{Outcome, Ttl, conformance::advance_fn};
 
     crate::lease_store_conformance!(|| async {
         let dir = tempfile::tempdir().unwrap();
@@ -183,8 +134,7 @@ mod tests {
             let store =
                 SledLeaseStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
             for _ in 0..40 {
-                let ClaimOutcome::Granted(g) = store.claim(&j, &a, Ttl::DEFAULT).await.unwrap()
-                else {
+                let Outcome::Granted(g) = store.claim(&j, &a, Ttl::DEFAULT).await.unwrap() else {
                     panic!()
                 };
                 store.release(&j, &a, g.generation).await.unwrap();
@@ -195,15 +145,15 @@ mod tests {
         let rec = store.get(&j).await.unwrap().unwrap();
         assert_eq!(
             (rec.generation, rec.state),
-            (Generation::new(41), crate::LeaseState::Held)
+            (Generation::new(41), fence_core::lease_api::LeaseState::Held)
         );
         // Reopening neither extends nor shortens the lease: it expires at the same store time.
         assert!(matches!(
             store.claim(&j, &b, Ttl::DEFAULT).await.unwrap(),
-            ClaimOutcome::Held { .. }
+            Outcome::Held { .. }
         ));
         clock.advance(Duration::from_secs(30));
-        let ClaimOutcome::Granted(g) = store.claim(&j, &b, Ttl::DEFAULT).await.unwrap() else {
+        let Outcome::Granted(g) = store.claim(&j, &b, Ttl::DEFAULT).await.unwrap() else {
             panic!()
         };
         assert_eq!(g.generation, Generation::new(42));
@@ -212,12 +162,8 @@ mod tests {
     #[tokio::test]
     async fn a_corrupt_record_is_an_error_not_a_panic() {
         let dir = tempfile::tempdir().unwrap();
-        let db = sled::open(dir.path()).unwrap();
-        db.open_tree("leases")
-            .unwrap()
-            .insert("j", &b"\x01\x02garbage"[..])
-            .unwrap();
-        let store = SledLeaseStore::from_db(&db, Arc::new(SystemClock::new())).unwrap();
+        let store = SledLeaseStore::open(dir.path()).unwrap();
+        store.tree.insert("j", &b"\x01\x02garbage"[..]).unwrap();
         let err = store
             .claim(&"j".parse().unwrap(), &"a".parse().unwrap(), Ttl::DEFAULT)
             .await

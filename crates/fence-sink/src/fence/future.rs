@@ -9,9 +9,10 @@ use std::{
 use http::Response;
 use pin_project_lite::pin_project;
 
-use super::body::ResponseBody;
-
-use super::detach::{BoxFuture, Detachable};
+use crate::{
+    body::ResponseBody,
+    detach::{BoxFuture, Detachable},
+};
 
 pin_project! {
     /// The response future of [`Fence`](crate::Fence): the inner future itself for requests

@@ -21,17 +21,14 @@
 //! # Ok(()) }
 //! ```
 
-mod body;
-mod detach;
 mod future;
-pub(crate) mod gate;
 mod layer;
+mod maintenance;
 mod service;
-pub(crate) mod signature;
+mod shared;
+mod signature;
 
-pub use body::{RequestBody, ResponseBody};
 pub use future::ResponseFuture;
-pub use gate::CacheStats;
 pub use layer::{FenceLayer, FencePredicate};
-pub(crate) use service::reject;
+pub use maintenance::Maintenance;
 pub use service::{Fence, Fenced};

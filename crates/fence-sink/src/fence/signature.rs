@@ -1,5 +1,7 @@
-//! Verification of signed tokens with a per-job cache, so the same-generation fast path
-//! verifies once per (job, generation, signature), not once per request.
+//! Verification of signed tokens, cached per job so the fast path verifies once per token.
+//!
+//! The same-generation fast path verifies once per (job, generation, signature), not once per
+//! request.
 
 use dashmap::DashMap;
 use fence_core::{Generation, JobId, signing::TokenVerifier};
@@ -7,29 +9,35 @@ use fence_core::{Generation, JobId, signing::TokenVerifier};
 pub(crate) struct Signatures {
     verifier: TokenVerifier,
     verified: DashMap<JobId, (Generation, Box<str>)>,
-    capacity: usize,
 }
 
 impl Signatures {
-    pub(crate) fn new(verifier: TokenVerifier, capacity: usize) -> Self {
+    pub(crate) fn new(verifier: TokenVerifier) -> Self {
         Self {
             verifier,
             verified: DashMap::new(),
-            capacity: capacity.max(1),
         }
     }
 
-    /// Whether `signature` is valid for `job` at `generation`.
-    pub(crate) fn check(&self, job: &JobId, generation: Generation, signature: &str) -> bool {
-        if let Some(hit) = self.verified.get(job) {
-            if hit.0 == generation && *hit.1 == *signature {
-                return true;
-            }
+    /// Whether `signature` is valid for `job` at `generation`; at most `capacity` jobs'
+    /// verified tokens are remembered.
+    pub(crate) fn check(
+        &self,
+        job: &JobId,
+        generation: Generation,
+        signature: &str,
+        capacity: usize,
+    ) -> bool {
+        if let Some(hit) = self.verified.get(job)
+            && hit.0 == generation
+            && *hit.1 == *signature
+        {
+            return true;
         }
         if !self.verifier.verify(job, generation, signature) {
             return false;
         }
-        if self.verified.len() >= self.capacity {
+        if self.verified.len() >= capacity.max(1) {
             self.verified.clear(); // bounded: start over rather than grow
         }
         self.verified

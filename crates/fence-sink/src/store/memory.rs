@@ -7,14 +7,23 @@ use std::{
 };
 
 use fence_core::{Generation, JobId, headers::IdempotencyKey};
+use fence_storage::clock::{Clock, SystemClock};
 
-use super::{Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, ms, now_ms};
-use crate::idempotency::{Fingerprint, record};
+use super::{
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, ms, record,
+};
 
 /// Highest generations and idempotency records in memory.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Inner>>,
+    clock: Arc<dyn Clock>,
+}
+
+impl Default for MemoryStore {
+    fn default() -> Self {
+        Self::new()
+    }
 }
 
 #[derive(Debug, Default)]
@@ -24,9 +33,17 @@ struct Inner {
 }
 
 impl MemoryStore {
-    /// An empty store.
+    /// An empty store on the system clock.
     pub fn new() -> Self {
-        Self::default()
+        Self::with_clock(Arc::new(SystemClock::new()))
+    }
+
+    /// An empty store whose idempotency records expire on `clock`.
+    pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
+        Self {
+            inner: Arc::default(),
+            clock,
+        }
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -53,14 +70,17 @@ impl GenerationStore for MemoryStore {
 impl IdempotencyStore for MemoryStore {
     async fn begin(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
+        attempt: Attempt<'_>,
         in_flight_for: Duration,
     ) -> Result<Begin, StoreError> {
         let mut inner = self.lock();
-        let k = (job.clone(), key.clone());
-        let (write, answer) = record::begin(inner.records.get(&k), fp, ms(in_flight_for), now_ms());
+        let k = (attempt.job.clone(), attempt.key.clone());
+        let (write, answer) = record::begin(
+            inner.records.get(&k),
+            attempt.fingerprint,
+            ms(in_flight_for),
+            self.clock.now_ms(),
+        );
         if let Some(r) = write {
             inner.records.insert(k, r);
         }
@@ -69,15 +89,19 @@ impl IdempotencyStore for MemoryStore {
 
     async fn finish(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
+        attempt: Attempt<'_>,
         outcome: Finish,
         retention: Duration,
     ) -> Result<(), StoreError> {
         let mut inner = self.lock();
-        let k = (job.clone(), key.clone());
-        match record::finish(inner.records.get(&k), fp, outcome, ms(retention), now_ms()) {
+        let k = (attempt.job.clone(), attempt.key.clone());
+        match record::finish(
+            inner.records.get(&k),
+            attempt.fingerprint,
+            outcome,
+            ms(retention),
+            self.clock.now_ms(),
+        ) {
             Some(Some(r)) => {
                 inner.records.insert(k, r);
             }
@@ -90,7 +114,7 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut inner = self.lock();
         let before = inner.records.len();
         inner.records.retain(|_, r| r.is_live(now));
@@ -100,5 +124,15 @@ impl IdempotencyStore for MemoryStore {
 
 #[cfg(test)]
 mod conformance {
-    crate::sink_store_conformance!(|| async { Some(crate::MemoryStore::new()) });
+    use std::sync::Arc;
+
+    use fence_storage::clock::ManualClock;
+
+    use crate::conformance::advance_fn;
+
+    crate::sink_store_conformance!(|| async {
+        let clock = ManualClock::new(1_700_000_000_000);
+        let store = crate::MemoryStore::with_clock(Arc::new(clock.clone()));
+        Some((store, advance_fn(clock)))
+    });
 }

@@ -1,24 +1,44 @@
-//! Where a sink keeps the highest generation it accepted per job, and its idempotency records.
+//! Where a sink keeps the highest generation per job and its idempotency records.
 //!
-//! Two small traits, one atomic verb per decision: [`GenerationStore::observe`] is an atomic,
-//! durable maximum; [`IdempotencyStore::begin`] claims a (job, key) record or reports what it
-//! holds. The in-memory gates of [`FenceLayer`](crate::FenceLayer) sit in front and answer the
+//! The bottom floor of the crate: it owns every type it persists (verdicts, fingerprints,
+//! stored responses, records) and imports nothing from above. Two small traits, one atomic
+//! verb per decision: [`GenerationStore::observe`] is an atomic, durable maximum;
+//! [`IdempotencyStore::begin`] claims a (job, key) record or reports what it holds. The
+//! in-memory gates of [`FenceLayer`](crate::FenceLayer) sit in front and answer the
 //! same-generation path without touching the store.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use fence_core::Generation;
+//! use fence_sink::{GenerationStore, MemoryStore, Verdict};
+//!
+//! let store = MemoryStore::new();
+//! let job = "invoice-42".parse()?;
+//! assert_eq!(store.observe(&job, Generation::new(8)).await?, Verdict::Accepted);
+//! assert_eq!(
+//!     store.observe(&job, Generation::new(7)).await?,
+//!     Verdict::Stale { highest: Generation::new(8) }
+//! );
+//! # Ok(()) }
+//! ```
 
 mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub(crate) mod record;
 mod sled;
 
 use std::{future::Future, time::Duration};
 
 use fence_core::{Generation, JobId, headers::IdempotencyKey};
+use fence_storage::BoxError;
 
-pub use self::{memory::MemoryStore, sled::SledStore};
-use crate::idempotency::{Fingerprint, StoredResponse};
-
-/// A boxed error source.
-pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
+pub use self::{
+    memory::MemoryStore,
+    record::{Fingerprint, StoredResponse},
+    sled::SledStore,
+};
 
 /// What [`GenerationStore::observe`] decided.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -81,6 +101,17 @@ pub enum Finish {
     Forget,
 }
 
+/// One attempt of an idempotent request: its (job, key) record and its fingerprint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Attempt<'a> {
+    /// The job.
+    pub job: &'a JobId,
+    /// The idempotency key (per job).
+    pub key: &'a IdempotencyKey,
+    /// What makes two requests the same request.
+    pub fingerprint: &'a Fingerprint,
+}
+
 /// Durable per-(job, key) idempotency records.
 pub trait IdempotencyStore: Send + Sync + 'static {
     /// Atomically: when no live record exists for (job, key) (none, an in-flight record whose
@@ -88,18 +119,14 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     /// in-flight record and answer `Started`; otherwise compare fingerprints and answer.
     fn begin(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fingerprint: &Fingerprint,
+        attempt: Attempt<'_>,
         in_flight_for: Duration,
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
 
     /// Completes what `begin` started.
     fn finish(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fingerprint: &Fingerprint,
+        attempt: Attempt<'_>,
         outcome: Finish,
         retention: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
@@ -128,11 +155,11 @@ pub enum StoreError {
     Timeout(Duration),
 }
 
-pub(crate) fn now_ms() -> u64 {
-    let now = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default();
-    u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
+impl StoreError {
+    /// Wraps an I/O failure, keeping it as the source.
+    pub fn io(e: impl Into<BoxError>) -> Self {
+        Self::Io(e.into())
+    }
 }
 
 pub(crate) fn ms(d: Duration) -> u64 {

@@ -1,5 +1,6 @@
-//! The fence and idempotency records in PostgreSQL, shared by every sink that uses the same
-//! tables, and the in-transaction check for handlers that own a PostgreSQL database.
+//! The fence and idempotency records in PostgreSQL, shared by every sink on the same tables.
+//!
+//! Also the in-transaction check, for handlers that own a PostgreSQL database.
 //!
 //! ```no_run
 //! # #[tokio::main(flavor = "current_thread")]
@@ -14,19 +15,21 @@
 
 use std::time::Duration;
 
-use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use fence_core::{Generation, JobId, headers::IdempotencyKey};
-use tokio_postgres::{GenericClient, NoTls};
+use deadpool_postgres::Pool;
+use fence_core::{Generation, JobId};
+use fence_storage::postgres::{Ident, IdentError, MigrateError, NOW_MS, SetupError};
+use tokio_postgres::GenericClient;
 
-use super::{Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict};
-use crate::idempotency::{Fingerprint, record::Record};
+use super::{
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, record::Record,
+};
 
 /// Where the tables live: `schema.prefix_generations` and `schema.prefix_idempotency`.
 #[derive(Debug, Clone)]
 pub struct PgTables {
     generations: String,
     idempotency: String,
-    schema: String,
+    schema: Ident,
 }
 
 impl Default for PgTables {
@@ -40,26 +43,17 @@ impl PgTables {
     /// Tables `schema.{prefix}_generations` and `schema.{prefix}_idempotency`.
     ///
     /// # Errors
-    /// When a name is not 1 to 40 characters of `a-z`, `0-9` and `_`, starting with a
-    /// letter or `_`.
-    pub fn new(schema: &str, prefix: &str) -> Result<Self, StoreError> {
-        for name in [schema, prefix] {
-            let ok = !name.is_empty()
-                && name.len() <= 40
-                && name
-                    .bytes()
-                    .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'_')
-                && !name.as_bytes()[0].is_ascii_digit();
-            if !ok {
-                return Err(StoreError::Io(
-                    format!("invalid table name part {name:?}: use 1 to 40 of a-z, 0-9 and _, not starting with a digit").into(),
-                ));
-            }
-        }
+    /// When the schema or a table name is not 1 to 63 characters of `a-z`, `0-9` and `_`,
+    /// starting with a letter or `_`.
+    pub fn new(schema: &str, prefix: &str) -> Result<Self, IdentError> {
+        let schema = Ident::new("schema", schema)?;
+        let table = |suffix: &str| {
+            Ident::new("table", &format!("{prefix}_{suffix}")).map(|t| format!("{schema}.{t}"))
+        };
         Ok(Self {
-            generations: format!("{schema}.{prefix}_generations"),
-            idempotency: format!("{schema}.{prefix}_idempotency"),
-            schema: schema.to_owned(),
+            generations: table("generations")?,
+            idempotency: table("idempotency")?,
+            schema,
         })
     }
 }
@@ -71,6 +65,8 @@ impl PgTables {
 pub struct PgStore {
     pool: Pool,
     tables: PgTables,
+    #[cfg(any(test, feature = "test-hooks"))]
+    offset_ms: std::sync::Arc<std::sync::atomic::AtomicI64>,
 }
 
 impl std::fmt::Debug for PgStore {
@@ -81,11 +77,9 @@ impl std::fmt::Debug for PgStore {
     }
 }
 
-fn io(e: impl std::error::Error + Send + Sync + 'static) -> StoreError {
-    StoreError::Io(Box::new(e))
+fn io(e: impl Into<fence_storage::BoxError>) -> StoreError {
+    StoreError::io(e)
 }
-
-const NOW_MS: &str = "(floor(extract(epoch from clock_timestamp()) * 1000))::bigint";
 
 /// Checks and advances the fence for `(job, token)` on `client`, which may be a
 /// transaction: then the fence moves only if the transaction commits, together with the
@@ -152,27 +146,33 @@ pub async fn check_in_transaction(
 }
 
 impl PgStore {
-    /// Connects a pool (up to 16 connections) to `url`. Call [`migrate`](Self::migrate) once.
+    /// A pool (up to 16 connections) to `url`. Call [`migrate`](Self::migrate) once.
     ///
     /// # Errors
     /// When `url` is not a valid connection string.
-    pub async fn connect(url: &str, tables: PgTables) -> Result<Self, StoreError> {
-        let config: tokio_postgres::Config = url.parse().map_err(io)?;
-        let manager = Manager::from_config(
-            config,
-            NoTls,
-            ManagerConfig {
-                recycling_method: RecyclingMethod::Fast,
-            },
-        );
-        let pool = Pool::builder(manager)
-            .max_size(16)
-            .wait_timeout(Some(Duration::from_secs(10)))
-            .create_timeout(Some(Duration::from_secs(10)))
-            .runtime(deadpool_postgres::Runtime::Tokio1)
-            .build()
-            .map_err(io)?;
-        Ok(Self { pool, tables })
+    pub async fn connect(url: &str, tables: PgTables) -> Result<Self, SetupError> {
+        Ok(Self {
+            pool: fence_storage::postgres::connect_pool(url)?,
+            tables,
+            #[cfg(any(test, feature = "test-hooks"))]
+            offset_ms: std::sync::Arc::default(),
+        })
+    }
+
+    /// Test hook (feature `test-hooks`): shifts the database clock, as this store reads it
+    /// for idempotency records, by `ms` (cumulative).
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub fn shift_clock_ms(&self, ms: i64) {
+        self.offset_ms
+            .fetch_add(ms, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// The clock offset, always 0 outside the fault tests.
+    fn offset(&self) -> i64 {
+        #[cfg(any(test, feature = "test-hooks"))]
+        return self.offset_ms.load(std::sync::atomic::Ordering::SeqCst);
+        #[cfg(not(any(test, feature = "test-hooks")))]
+        0
     }
 
     /// The tables, for [`check_in_transaction`].
@@ -180,39 +180,33 @@ impl PgStore {
         &self.tables
     }
 
-    /// Creates the schema and tables if they do not exist; safe to run any number of times.
+    /// Creates the schema and tables if they do not exist; safe to run any number of times,
+    /// from any number of processes at once.
     ///
     /// # Errors
     /// When the database cannot be reached or refuses the DDL.
-    pub async fn migrate(&self) -> Result<(), StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
+    pub async fn migrate(&self) -> Result<(), MigrateError> {
         let PgTables {
             generations,
             idempotency,
             schema,
         } = &self.tables;
-        client
-            .batch_execute(&format!(
-                "BEGIN;
-                 SELECT pg_advisory_xact_lock(hashtext('fence-migrate:{schema}'));
-                 CREATE SCHEMA IF NOT EXISTS {schema};
-                 CREATE TABLE IF NOT EXISTS {generations} (
-                   job text PRIMARY KEY,
-                   highest numeric(20, 0) NOT NULL CHECK (highest >= 0 AND highest <= 18446744073709551615)
-                 );
-                 CREATE TABLE IF NOT EXISTS {idempotency} (
-                   job text NOT NULL,
-                   key text NOT NULL,
-                   fingerprint bytea NOT NULL,
-                   in_flight boolean NOT NULL,
-                   record bytea NOT NULL,
-                   live_until_ms bigint NOT NULL,
-                   PRIMARY KEY (job, key)
-                 );
-                 COMMIT;"
-            ))
-            .await
-            .map_err(io)
+        let ddl = format!(
+            "CREATE TABLE IF NOT EXISTS {generations} (
+               job text PRIMARY KEY,
+               highest numeric(20, 0) NOT NULL CHECK (highest >= 0 AND highest <= 18446744073709551615)
+             );
+             CREATE TABLE IF NOT EXISTS {idempotency} (
+               job text NOT NULL,
+               key text NOT NULL,
+               fingerprint bytea NOT NULL,
+               in_flight boolean NOT NULL,
+               record bytea NOT NULL,
+               live_until_ms bigint NOT NULL,
+               PRIMARY KEY (job, key)
+             );"
+        );
+        fence_storage::postgres::migrate(&self.pool, schema, &ddl).await
     }
 }
 
@@ -253,6 +247,11 @@ impl GenerationStore for PgStore {
     }
 }
 
+/// The database's clock plus the offset parameter `$N` (0 outside the fault tests).
+fn now_ms(offset_param: usize) -> String {
+    format!("({NOW_MS} + ${offset_param}::bigint)")
+}
+
 fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
@@ -260,15 +259,13 @@ fn ms(d: Duration) -> i64 {
 impl IdempotencyStore for PgStore {
     async fn begin(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
+        attempt: Attempt<'_>,
         in_flight_for: Duration,
     ) -> Result<Begin, StoreError> {
         let client = self.pool.get().await.map_err(io)?;
         let t = &self.tables.idempotency;
         let record = Record::InFlight {
-            fingerprint: *fp,
+            fingerprint: *attempt.fingerprint,
             until_ms: 0,
         }
         .encode();
@@ -277,13 +274,21 @@ impl IdempotencyStore for PgStore {
             .query_opt(
                 &format!(
                     "INSERT INTO {t} AS i (job, key, fingerprint, in_flight, record, live_until_ms)
-                     VALUES ($1, $2, $3, true, $4, {NOW_MS} + $5::bigint)
+                     VALUES ($1, $2, $3, true, $4, {now} + $5::bigint)
                      ON CONFLICT (job, key) DO UPDATE SET fingerprint = excluded.fingerprint, in_flight = true,
                        record = excluded.record, live_until_ms = excluded.live_until_ms
-                     WHERE i.live_until_ms <= {NOW_MS}
-                     RETURNING 1"
+                     WHERE i.live_until_ms <= {now}
+                     RETURNING 1",
+                    now = now_ms(6)
                 ),
-                &[&job.as_str(), &key.as_str(), &&fp.0[..], &record, &ms(in_flight_for)],
+                &[
+                    &attempt.job.as_str(),
+                    &attempt.key.as_str(),
+                    &&attempt.fingerprint.0[..],
+                    &record,
+                    &ms(in_flight_for),
+                    &self.offset(),
+                ],
             )
             .await
             .map_err(io)?;
@@ -293,7 +298,7 @@ impl IdempotencyStore for PgStore {
         let row = client
             .query_opt(
                 &format!("SELECT record FROM {t} WHERE job = $1 AND key = $2"),
-                &[&job.as_str(), &key.as_str()],
+                &[&attempt.job.as_str(), &attempt.key.as_str()],
             )
             .await
             .map_err(io)?;
@@ -303,10 +308,10 @@ impl IdempotencyStore for PgStore {
         };
         let bytes: Vec<u8> = row.try_get(0).map_err(io)?;
         let record = Record::decode(&bytes).map_err(|reason| StoreError::Corrupt {
-            job: job.clone(),
+            job: attempt.job.clone(),
             reason,
         })?;
-        Ok(if record.fingerprint() != fp {
+        Ok(if record.fingerprint() != attempt.fingerprint {
             Begin::Mismatch
         } else {
             match record {
@@ -321,16 +326,18 @@ impl IdempotencyStore for PgStore {
 
     async fn finish(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
+        attempt: Attempt<'_>,
         outcome: Finish,
         retention: Duration,
     ) -> Result<(), StoreError> {
         let client = self.pool.get().await.map_err(io)?;
         let t = &self.tables.idempotency;
         let mine = "job = $1 AND key = $2 AND fingerprint = $3 AND in_flight";
-        let (job_s, key_s, fp_s) = (job.as_str(), key.as_str(), &fp.0[..]);
+        let (job_s, key_s, fp_s) = (
+            attempt.job.as_str(),
+            attempt.key.as_str(),
+            &attempt.fingerprint.0[..],
+        );
         let response = match outcome {
             Finish::Forget => {
                 client
@@ -346,15 +353,18 @@ impl IdempotencyStore for PgStore {
             Finish::TooLarge => None,
         };
         let record = Record::Done {
-            fingerprint: *fp,
+            fingerprint: *attempt.fingerprint,
             expires_ms: 0,
             response,
         }
         .encode();
         client
             .execute(
-                &format!("UPDATE {t} SET in_flight = false, record = $4, live_until_ms = {NOW_MS} + $5::bigint WHERE {mine}"),
-                &[&job_s, &key_s, &fp_s, &record, &ms(retention)],
+                &format!(
+                    "UPDATE {t} SET in_flight = false, record = $4, live_until_ms = {now} + $5::bigint WHERE {mine}",
+                    now = now_ms(6)
+                ),
+                &[&job_s, &key_s, &fp_s, &record, &ms(retention), &self.offset()],
             )
             .await
             .map_err(io)?;
@@ -366,10 +376,11 @@ impl IdempotencyStore for PgStore {
         let n = client
             .execute(
                 &format!(
-                    "DELETE FROM {} WHERE live_until_ms <= {NOW_MS}",
-                    self.tables.idempotency
+                    "DELETE FROM {} WHERE live_until_ms <= {}",
+                    self.tables.idempotency,
+                    now_ms(1)
                 ),
-                &[],
+                &[&self.offset()],
             )
             .await
             .map_err(io)?;
@@ -399,7 +410,14 @@ mod tests {
         RandomState::new().hash_one(std::time::SystemTime::now())
     }
 
-    crate::sink_store_conformance!(fresh);
+    crate::sink_store_conformance!(|| async {
+        let store = fresh().await?;
+        let shifter = store.clone();
+        let advance: crate::conformance::Advance = Box::new(move |d: Duration| {
+            shifter.shift_clock_ms(i64::try_from(d.as_millis()).unwrap())
+        });
+        Some((store, advance))
+    });
 
     /// The effect and the fence commit or roll back together.
     #[tokio::test]
@@ -407,7 +425,9 @@ mod tests {
         let Some(store) = fresh().await else { return };
         let url = std::env::var("DATABASE_URL").unwrap();
         let effects = format!("fence_test.effects_{:016x}", rand_u64());
-        let (mut client, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+        let (mut client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
         tokio::spawn(conn);
         client
             .batch_execute(&format!("CREATE TABLE {effects} (job text, token bigint)"))
@@ -433,7 +453,9 @@ mod tests {
 
         // A crash mid-transaction (the connection is dropped): neither the effect nor the fence advance stays.
         {
-            let (mut doomed, conn) = tokio_postgres::connect(&url, NoTls).await.unwrap();
+            let (mut doomed, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                .await
+                .unwrap();
             let conn = tokio::spawn(conn);
             let tx = doomed.transaction().await.unwrap();
             assert_eq!(

@@ -1,13 +1,16 @@
-//! The default sink store: sled on local disk, every change on disk (group commit) before it
-//! is acknowledged.
+//! The default sink store: sled on local disk, every change durable before it is answered.
 
-use std::{path::Path, time::Duration};
+use std::{path::Path, sync::Arc, time::Duration};
 
 use fence_core::{Generation, JobId, headers::IdempotencyKey};
-use fence_durable::GroupCommit;
+use fence_storage::{
+    clock::{Clock, SystemClock},
+    disk::{DurableDb, OpenError},
+};
 
-use super::{Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, ms, now_ms};
-use crate::idempotency::{Fingerprint, record};
+use super::{
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, ms, record,
+};
 
 /// Highest generations (tree `generations`) and idempotency records (tree `idempotency`) in
 /// a sled database.
@@ -15,11 +18,12 @@ use crate::idempotency::{Fingerprint, record};
 pub struct SledStore {
     generations: sled::Tree,
     records: sled::Tree,
-    commit: GroupCommit,
+    db: DurableDb,
+    clock: Arc<dyn Clock>,
 }
 
-fn io(e: impl std::error::Error + Send + Sync + 'static) -> StoreError {
-    StoreError::Io(Box::new(e))
+fn io(e: impl Into<fence_storage::BoxError>) -> StoreError {
+    StoreError::io(e)
 }
 
 fn record_key(job: &JobId, key: &IdempotencyKey) -> Vec<u8> {
@@ -32,17 +36,29 @@ fn record_key(job: &JobId, key: &IdempotencyKey) -> Vec<u8> {
 }
 
 impl SledStore {
-    /// Opens (or creates) the store in directory `path`.
+    /// Opens (or creates) the store in directory `path`, on the system clock.
     ///
     /// # Errors
-    /// When the directory cannot be opened as a sled database (permissions, another process
-    /// holds it, corrupt files).
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, StoreError> {
-        let db = fence_durable::open_db(path).map_err(io)?;
+    /// When the directory cannot be opened as a database: [`OpenError::Locked`] while
+    /// another process uses it, the other variants for permissions or corrupt files.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, OpenError> {
+        Self::open_with_clock(path, Arc::new(SystemClock::new()))
+    }
+
+    /// Opens the store with idempotency records expiring on `clock`.
+    ///
+    /// # Errors
+    /// As [`open`](Self::open).
+    pub fn open_with_clock(
+        path: impl AsRef<Path>,
+        clock: Arc<dyn Clock>,
+    ) -> Result<Self, OpenError> {
+        let db = DurableDb::open(path)?;
         Ok(Self {
-            generations: db.open_tree("generations").map_err(io)?,
-            records: db.open_tree("idempotency").map_err(io)?,
-            commit: GroupCommit::new(db),
+            generations: db.tree("generations")?,
+            records: db.tree("idempotency")?,
+            db,
+            clock,
         })
     }
 
@@ -51,7 +67,7 @@ impl SledStore {
     /// # Errors
     /// When the flush fails.
     pub fn flush(&self) -> Result<(), StoreError> {
-        self.commit.flush_now().map_err(io)
+        self.db.flush_now().map_err(io)
     }
 
     /// How many jobs have a stored generation.
@@ -102,7 +118,7 @@ impl SledStore {
             }
         };
         if durable {
-            self.commit.commit().await.map_err(io)?;
+            self.db.commit().await.map_err(io)?;
         }
         Ok(out)
     }
@@ -130,7 +146,7 @@ impl GenerationStore for SledStore {
                 break;
             }
         }
-        self.commit.commit().await.map_err(io)?;
+        self.db.commit().await.map_err(io)?;
         Ok(Verdict::Accepted)
     }
 
@@ -143,17 +159,20 @@ impl GenerationStore for SledStore {
 impl IdempotencyStore for SledStore {
     async fn begin(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
+        attempt: Attempt<'_>,
         in_flight_for: Duration,
     ) -> Result<Begin, StoreError> {
-        let k = record_key(job, key);
+        let k = record_key(attempt.job, attempt.key);
         // The in-flight record is written but not waited on: losing it in a crash ends the
         // same way as its timeout running out (a retry runs again), and the completion,
         // which is waited on, flushes it anyway. One disk sync per request instead of two.
-        self.update_record(job, &k, false, |cur| {
-            let (write, answer) = record::begin(cur, fp, ms(in_flight_for), now_ms());
+        self.update_record(attempt.job, &k, false, |cur| {
+            let (write, answer) = record::begin(
+                cur,
+                attempt.fingerprint,
+                ms(in_flight_for),
+                self.clock.now_ms(),
+            );
             (write.map(Some), answer)
         })
         .await
@@ -161,16 +180,20 @@ impl IdempotencyStore for SledStore {
 
     async fn finish(
         &self,
-        job: &JobId,
-        key: &IdempotencyKey,
-        fp: &Fingerprint,
+        attempt: Attempt<'_>,
         outcome: Finish,
         retention: Duration,
     ) -> Result<(), StoreError> {
-        let k = record_key(job, key);
-        self.update_record(job, &k, true, |cur| {
+        let k = record_key(attempt.job, attempt.key);
+        self.update_record(attempt.job, &k, true, |cur| {
             (
-                record::finish(cur, fp, outcome.clone(), ms(retention), now_ms()),
+                record::finish(
+                    cur,
+                    attempt.fingerprint,
+                    outcome.clone(),
+                    ms(retention),
+                    self.clock.now_ms(),
+                ),
                 (),
             )
         })
@@ -178,7 +201,7 @@ impl IdempotencyStore for SledStore {
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
-        let now = now_ms();
+        let now = self.clock.now_ms();
         let mut purged = 0;
         for item in self.records.iter() {
             let (k, v) = item.map_err(io)?;
@@ -194,7 +217,7 @@ impl IdempotencyStore for SledStore {
             }
         }
         if purged > 0 {
-            self.commit.commit().await.map_err(io)?;
+            self.db.commit().await.map_err(io)?;
         }
         Ok(purged)
     }
@@ -207,9 +230,13 @@ mod tests {
     use proptest::prelude::*;
 
     use super::*;
+    use crate::{Fingerprint, conformance::at};
 
     crate::sink_store_conformance!(|| async {
-        Some(SledStore::open(tempfile::tempdir().unwrap().keep()).unwrap())
+        let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
+        let dir = tempfile::tempdir().unwrap().keep();
+        let store = SledStore::open_with_clock(dir, Arc::new(clock.clone())).unwrap();
+        Some((store, crate::conformance::advance_fn(clock)))
     });
 
     #[derive(Debug, Clone)]
@@ -271,7 +298,7 @@ mod tests {
             store.observe(&j, Generation::new(41)).await.unwrap();
             assert_eq!(
                 store
-                    .begin(&j, &k, &f, Duration::from_secs(60))
+                    .begin(at(&j, &k, &f), Duration::from_secs(60))
                     .await
                     .unwrap(),
                 Begin::Started
@@ -286,7 +313,7 @@ mod tests {
         );
         assert_eq!(
             store
-                .begin(&j, &k, &f, Duration::from_secs(60))
+                .begin(at(&j, &k, &f), Duration::from_secs(60))
                 .await
                 .unwrap(),
             Begin::InFlight

@@ -128,18 +128,40 @@ pub fn start_upstream() -> String {
     addr
 }
 
-pub fn start_proxy(dir: &Path, upstream: &str) -> (Proc, String) {
-    let upstream = format!("http://{upstream}");
-    start_ready(&[
+/// `fence proxy` on ephemeral ports (its admin listener too) in front of `upstream` (an
+/// `http://` URL), with `extra` arguments; waits until it is ready.
+pub fn start_proxy_with(upstream: &str, extra: &[&str]) -> (Proc, String) {
+    let mut args = vec![
         "proxy",
         "--listen",
         "127.0.0.1:0",
         "--admin-listen",
         "127.0.0.1:0",
         "--upstream",
-        &upstream,
-        "--data-dir",
-        dir.to_str().unwrap(),
+        upstream,
+    ];
+    args.extend_from_slice(extra);
+    start_ready(&args)
+}
+
+/// `fence proxy` with sled in `dir` in front of the upstream at `upstream` (`host:port`).
+pub fn start_proxy(dir: &Path, upstream: &str) -> (Proc, String) {
+    let upstream = format!("http://{upstream}");
+    start_proxy_with(&upstream, &["--data-dir", dir.to_str().unwrap()])
+}
+
+/// `fence release` of `owner`'s lease on `job` at `generation`.
+pub fn release(server: &str, job: &str, owner: &str, generation: u64) -> Output {
+    fence(&[
+        "release",
+        "--server",
+        server,
+        "--job",
+        job,
+        "--owner",
+        owner,
+        "--generation",
+        &generation.to_string(),
     ])
 }
 
@@ -164,10 +186,10 @@ pub fn start_ready(args: &[&str]) -> (Proc, String) {
             })
             .unwrap();
         said.push(line.clone());
-        if line.contains("ready") {
-            if let Some(rest) = line.split("listen=").nth(1) {
-                break rest.split_whitespace().next().unwrap().to_owned();
-            }
+        if line.contains("ready")
+            && let Some(rest) = line.split("listen=").nth(1)
+        {
+            break rest.split_whitespace().next().unwrap().to_owned();
         }
     };
     std::thread::spawn(move || lines.for_each(drop));

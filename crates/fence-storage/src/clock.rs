@@ -1,14 +1,23 @@
 //! The store's clock: wall time in milliseconds since the Unix epoch, injectable for tests.
 //!
 //! Expiry is persisted as the store's wall-clock time, so a restart neither extends nor
-//! shortens a lease. Only the store reads this clock; workers measure their own deadline on
-//! a monotonic clock (see [`crate::Lease`]).
+//! shortens a lease. Only stores read this clock; workers measure their own deadline on a
+//! monotonic clock.
+//!
+//! ```
+//! use fence_storage::clock::{Clock, ManualClock};
+//! use std::time::Duration;
+//!
+//! let clock = ManualClock::new(1_000);
+//! clock.advance(Duration::from_millis(500));
+//! assert_eq!(clock.now_ms(), 1_500);
+//! ```
 
 use std::{
     fmt,
     sync::{
         Arc,
-        atomic::{AtomicI64, AtomicU64, Ordering},
+        atomic::{AtomicU64, Ordering},
     },
     time::{Duration, SystemTime, UNIX_EPOCH},
 };
@@ -19,10 +28,11 @@ pub trait Clock: Send + Sync + fmt::Debug + 'static {
     fn now_ms(&self) -> u64;
 }
 
-/// The operating system's clock, optionally shifted by a fixed offset (for fault tests).
+/// The operating system's clock.
 #[derive(Debug, Default)]
 pub struct SystemClock {
-    offset_ms: AtomicI64,
+    #[cfg(feature = "test-hooks")]
+    offset_ms: std::sync::atomic::AtomicI64,
 }
 
 impl SystemClock {
@@ -31,21 +41,33 @@ impl SystemClock {
         Self::default()
     }
 
-    /// The system clock shifted by `offset_ms` (negative: behind).
+    /// Test hook (feature `test-hooks`): the system clock shifted by `offset_ms` (negative:
+    /// behind), for fault tests of a server whose clock is off.
+    #[cfg(feature = "test-hooks")]
     pub fn with_offset_ms(offset_ms: i64) -> Self {
         Self {
-            offset_ms: AtomicI64::new(offset_ms),
+            offset_ms: std::sync::atomic::AtomicI64::new(offset_ms),
         }
     }
 }
 
+/// The system clock in ms since the Unix epoch (0 before it).
+pub fn system_now_ms() -> u64 {
+    let now = SystemTime::now()
+        .duration_since(UNIX_EPOCH)
+        .unwrap_or(Duration::ZERO);
+    u64::try_from(now.as_millis()).unwrap_or(u64::MAX)
+}
+
 impl Clock for SystemClock {
+    #[cfg(not(feature = "test-hooks"))]
     fn now_ms(&self) -> u64 {
-        let now = SystemTime::now()
-            .duration_since(UNIX_EPOCH)
-            .unwrap_or(Duration::ZERO);
-        let ms = i64::try_from(now.as_millis()).unwrap_or(i64::MAX);
-        u64::try_from(ms.saturating_add(self.offset_ms.load(Ordering::Relaxed))).unwrap_or(0)
+        system_now_ms()
+    }
+
+    #[cfg(feature = "test-hooks")]
+    fn now_ms(&self) -> u64 {
+        system_now_ms().saturating_add_signed(self.offset_ms.load(Ordering::Relaxed))
     }
 }
 
@@ -110,4 +132,13 @@ impl Clock for TokioClock {
             .saturating_add(elapsed)
             .saturating_add_signed(self.offset_ms)
     }
+}
+
+/// Moves a store's clock forward: how a conformance suite makes time pass for a backend
+/// whatever its clock is (a [`ManualClock`], or a database's clock shifted by a test hook).
+pub type Advance = Box<dyn Fn(Duration) + Send + Sync>;
+
+/// An [`Advance`] for a [`ManualClock`].
+pub fn advance_fn(clock: ManualClock) -> Advance {
+    Box::new(move |d| clock.advance(d))
 }

@@ -5,11 +5,11 @@ use std::{fmt, time::Duration};
 /// A lease's time to live: 100 ms to 24 h.
 ///
 /// ```
-/// # use fence_lease::Ttl;
+/// # use fence_core::Ttl;
 /// # use std::time::Duration;
 /// assert_eq!(Ttl::from_millis(30_000)?.as_duration(), Duration::from_secs(30));
 /// assert!(Ttl::from_millis(99).is_err());
-/// # Ok::<(), fence_lease::TtlError>(())
+/// # Ok::<(), fence_core::TtlError>(())
 /// ```
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash)]
 pub struct Ttl(Duration);
@@ -64,6 +64,20 @@ impl Default for Ttl {
 impl fmt::Display for Ttl {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         write!(f, "{}ms", self.as_millis())
+    }
+}
+
+impl serde::Serialize for Ttl {
+    /// Whole milliseconds, as the wire's `ttl_ms`.
+    fn serialize<S: serde::Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+        s.serialize_u64(self.as_millis())
+    }
+}
+
+impl<'de> serde::Deserialize<'de> for Ttl {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        let ms = u64::deserialize(d)?;
+        Self::from_millis(ms).map_err(serde::de::Error::custom)
     }
 }
 

@@ -1,5 +1,7 @@
-//! The request and response bodies of [`Fence`](crate::Fence): the original body, or bytes
-//! the layer buffered (an idempotent request, a problem, a replay).
+//! The request and response bodies of [`Fence`](crate::Fence): the original, or bytes.
+//!
+//! A body is the client's (or the inner service's) own, or bytes the layer holds: an
+//! idempotent request it buffered, a problem, a replay.
 
 use std::{
     pin::Pin,
@@ -11,7 +13,18 @@ use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use crate::store::BoxError;
+use fence_storage::BoxError;
+
+/// A body the fence can carry: bytes, sendable across tasks, with errors that box. Every
+/// [`Body`] of that kind is one (hyper's `Incoming`, `String`, `Full<Bytes>`, axum's `Body`).
+pub trait FenceBody: Body<Data = Bytes, Error: Into<BoxError>> + Send + 'static {}
+
+impl<B> FenceBody for B
+where
+    B: Body<Data = Bytes> + Send + 'static,
+    B::Error: Into<BoxError>,
+{
+}
 
 pin_project! {
     /// The body of a request as the inner service sees it: the client's body, or the same

@@ -1,7 +1,6 @@
-//! The per-job gate: `highest`, the requests in flight, and the pending bump, so a higher
-//! token waits until every older request of its job has finished, then bumps durably.
+//! The per-job gate: a higher token waits for older requests of its job, then bumps durably.
 //!
-//! Per job one gate, in a bounded map in front of the store:
+//! A gate holds the job's `highest`, the requests in flight and the pending bump. Per job one gate, in a bounded map in front of the store:
 //! - token < highest, or < a pending bump: stale at once (a newer claim exists);
 //! - token == highest: in flight += 1 and through; a guard decrements when it finishes;
 //! - token > highest: pending := max(pending, token); wait (bounded by the drain limit) until
@@ -34,7 +33,7 @@ use tokio::{
     time::Instant,
 };
 
-use super::detach::Detachable;
+use crate::detach::Detachable;
 use crate::store::{GenerationStore, StoreError, Verdict};
 
 /// What a gate decided for one request.
@@ -228,7 +227,7 @@ impl Drop for InFlight {
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct Limits {
     /// At most this many jobs in memory.
-    pub(crate) capacity: usize,
+    pub(crate) max_cached_jobs: usize,
     /// Per store call.
     pub(crate) store_timeout: Duration,
     /// For older in-flight requests to finish before a bump.
@@ -405,7 +404,7 @@ impl<St: GenerationStore> Gates<St> {
         token: Generation,
         limits: Limits,
     ) -> Admission {
-        let gate = &self.gate(job, limits.capacity);
+        let gate = &self.gate(job, limits.max_cached_jobs);
         if let Err(e) = self.load(gate, job, limits.store_timeout).await {
             return Admission::StoreFailed(e);
         }

@@ -1,11 +1,13 @@
-//! Idempotency records: fingerprints, stored responses, the rules of `begin`/`finish` as pure
-//! functions shared by every backend, and their byte encoding.
+//! Idempotency records: fingerprints, stored responses, begin/finish rules and their encoding.
+//!
+//! The rules of `begin` and `finish` are pure functions shared by every backend that decides
+//! in Rust; the byte encoding is sled's.
 
 use bytes::Bytes;
 use http::{HeaderMap, HeaderName, HeaderValue, Method, StatusCode};
 use sha2::{Digest, Sha256};
 
-use crate::store::{Begin, Finish};
+use super::{Begin, Finish};
 
 /// SHA-256 over method, path (with query) and body: what makes two requests "the same".
 #[derive(Clone, Copy, PartialEq, Eq, Hash)]

@@ -1,0 +1,508 @@
+//! A held lease: its keeper renews it, and it knows the moment it can no longer be trusted.
+//!
+//! ```
+//! # #[tokio::main(flavor = "current_thread")]
+//! # async fn main() -> Result<(), Box<dyn std::error::Error>> {
+//! use fence_lease::{LeaseClient, MemoryLeaseStore};
+//!
+//! let lease = LeaseClient::new(MemoryLeaseStore::new()).claim("invoice-42".parse()?).await?;
+//! let token = lease.token().expect("held"); // send it with every effect
+//! tokio::select! {
+//!     _ = lease.lost() => { /* stop producing effects at once */ }
+//!     _ = async { /* the job's work */ } => {}
+//! }
+//! lease.complete().await?;
+//! # let _ = token;
+//! # Ok(()) }
+//! ```
+//!
+//! # The local deadline
+//! The worker takes `t_send = Instant::now()` before it sends a claim or renew. When the
+//! store grants TTL `T`, the worker believes it holds the lease until `t_send + T - margin`,
+//! on its own monotonic clock. Time in flight and in the store only shortens that view, and
+//! no offset between the worker's and the store's wall clocks enters the arithmetic; the
+//! margin (default 10% of `T`, at least 50 ms) covers a worker clock that runs slow.
+//!
+//! When the deadline passes before a renewal succeeds, or a renewal answers `Lost`, the lease
+//! is lost, once and for all: [`Lease::lost`] resolves, [`Lease::token`] returns `None` and
+//! [`FencingLayer`](crate::FencingLayer) refuses to send. The three read one flag.
+
+use std::{
+    collections::HashSet,
+    fmt,
+    sync::{
+        Arc, Mutex, OnceLock,
+        atomic::{AtomicU64, Ordering},
+    },
+    time::Duration,
+};
+
+use fence_core::{FencingToken, Generation, JobId, Owner, Ttl};
+use tokio::{task::JoinHandle, time::Instant};
+use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
+
+use crate::{Backoff, LeaseRecord, LeaseStore, Outcome, StoreError};
+
+/// The client's timing settings, applied to each grant: a store may grant less than it was
+/// asked for, and the margin and the renewal interval then follow the grant.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Timing {
+    /// The TTL asked for.
+    pub(crate) ttl: Ttl,
+    /// Set by [`LeaseClient::safety_margin`](crate::LeaseClient::safety_margin); else 10% of
+    /// the grant, at least 50 ms.
+    margin: Option<Duration>,
+    /// Set by [`LeaseClient::renew_every`](crate::LeaseClient::renew_every); else a third of
+    /// the grant.
+    renew_every: Option<Duration>,
+}
+
+/// A safety margin or renewal interval that does not fit the TTL asked for.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TimingError {
+    /// The margin leaves no time to hold the lease.
+    #[error("invalid lease timing: safety margin {margin:?} is not shorter than the ttl {ttl:?}")]
+    Margin {
+        /// The margin.
+        margin: Duration,
+        /// The TTL asked for.
+        ttl: Duration,
+    },
+    /// The renewal interval is zero, or a renewal would come after the local deadline.
+    #[error(
+        "invalid lease timing: renewal interval {every:?} must be above zero and shorter than ttl minus margin ({fits:?})"
+    )]
+    RenewEvery {
+        /// The interval.
+        every: Duration,
+        /// The TTL asked for, minus the margin.
+        fits: Duration,
+    },
+}
+
+impl Timing {
+    /// Checks the settings against the TTL asked for; a shorter grant later falls back to a
+    /// third of it (see [`Self::renew_every`]).
+    pub(crate) fn new(
+        ttl: Ttl,
+        margin: Option<Duration>,
+        renew_every: Option<Duration>,
+    ) -> Result<Self, TimingError> {
+        let timing = Self {
+            ttl,
+            margin,
+            renew_every,
+        };
+        let ttl = ttl.as_duration();
+        let margin = timing.margin(timing.ttl);
+        if margin >= ttl {
+            return Err(TimingError::Margin { margin, ttl });
+        }
+        let every = renew_every.unwrap_or(ttl / 3);
+        let fits = ttl - margin;
+        if every.is_zero() || every >= fits {
+            return Err(TimingError::RenewEvery { every, fits });
+        }
+        Ok(timing)
+    }
+
+    pub(crate) fn margin(&self, granted: Ttl) -> Duration {
+        self.margin
+            .unwrap_or_else(|| (granted.as_duration() / 10).max(Duration::from_millis(50)))
+    }
+
+    /// How long after a grant was asked for to renew it: the configured interval while it
+    /// fits the grant (shorter than the grant minus the margin), else a third of the grant.
+    pub(crate) fn renew_every(&self, granted: Ttl) -> Duration {
+        let granted_d = granted.as_duration();
+        let fits = granted_d.saturating_sub(self.margin(granted));
+        self.renew_every
+            .filter(|every| *every < fits)
+            .unwrap_or(granted_d / 3)
+    }
+
+    /// `t_send + granted - margin`; a grant shorter than the margin gives no time at all.
+    pub(crate) fn deadline(&self, t_send: Instant, granted: Ttl) -> Instant {
+        t_send + granted.as_duration().saturating_sub(self.margin(granted))
+    }
+}
+
+/// Why a lease was lost.
+#[derive(Debug, Clone, PartialEq, Eq)]
+#[non_exhaustive]
+pub enum LossReason {
+    /// The local deadline passed before a renewal succeeded.
+    DeadlinePassed,
+    /// The store answered that another owner or generation holds the job.
+    Superseded {
+        /// The current owner.
+        owner: Option<Owner>,
+        /// The current generation.
+        generation: Generation,
+    },
+    /// The handle was released, completed or dropped.
+    Finished,
+}
+
+impl fmt::Display for LossReason {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            Self::DeadlinePassed => {
+                f.write_str("the local deadline passed before a renewal succeeded")
+            }
+            Self::Superseded {
+                owner: Some(o),
+                generation,
+            } => {
+                write!(f, "the store says {o} holds generation {generation}")
+            }
+            Self::Superseded {
+                owner: None,
+                generation,
+            } => {
+                write!(
+                    f,
+                    "the store says nobody holds it (generation {generation})"
+                )
+            }
+            Self::Finished => f.write_str("the lease was released, completed or dropped"),
+        }
+    }
+}
+
+#[derive(Debug)]
+struct Shared {
+    job: JobId,
+    owner: Owner,
+    token: FencingToken,
+    /// What `X-Fencing-Token` carries: the server's signed string, or the decimal token.
+    header: http::HeaderValue,
+    base: Instant,
+    deadline_nanos: AtomicU64,
+    lost: CancellationToken,
+    reason: OnceLock<LossReason>,
+}
+
+impl Shared {
+    fn deadline(&self) -> Instant {
+        self.base + Duration::from_nanos(self.deadline_nanos.load(Ordering::Acquire))
+    }
+
+    fn set_deadline(&self, deadline: Instant) {
+        let nanos = u64::try_from(deadline.saturating_duration_since(self.base).as_nanos())
+            .unwrap_or(u64::MAX);
+        self.deadline_nanos.store(nanos, Ordering::Release);
+    }
+
+    /// The one place a lease is declared lost. Final: nothing un-loses it.
+    fn lose(&self, reason: LossReason) {
+        if self.reason.set(reason.clone()).is_ok() {
+            if reason == LossReason::Finished {
+                tracing::debug!(job = %self.job, token = %self.token, "lease handle finished");
+            } else {
+                tracing::warn!(job = %self.job, token = %self.token, %reason, "lease lost");
+            }
+        }
+        self.lost.cancel();
+    }
+
+    fn token(&self) -> Option<FencingToken> {
+        if self.lost.is_cancelled() {
+            return None;
+        }
+        if Instant::now() >= self.deadline() {
+            self.lose(LossReason::DeadlinePassed);
+            return None;
+        }
+        Some(self.token)
+    }
+}
+
+/// A read-only view of a lease: what [`FencingLayer`](crate::FencingLayer) and other observers hold.
+#[derive(Debug, Clone)]
+pub struct LeaseView {
+    shared: Arc<Shared>,
+}
+
+impl LeaseView {
+    /// The job.
+    pub fn job(&self) -> &JobId {
+        &self.shared.job
+    }
+
+    /// The owner.
+    pub fn owner(&self) -> &Owner {
+        &self.shared.owner
+    }
+
+    /// The generation this lease was granted.
+    pub fn generation(&self) -> Generation {
+        self.shared.token.generation()
+    }
+
+    /// The fencing token, while the lease is held; `None` from the moment it is lost.
+    pub fn token(&self) -> Option<FencingToken> {
+        self.shared.token()
+    }
+
+    /// The token as `X-Fencing-Token` carries it (the server's signed string when it signs),
+    /// while the lease is held; `None` from the moment it is lost.
+    pub fn token_string(&self) -> Option<String> {
+        self.token_header()
+            .and_then(|h| h.to_str().ok().map(str::to_owned))
+    }
+
+    /// [`token_string`](Self::token_string) as a header value.
+    pub fn token_header(&self) -> Option<http::HeaderValue> {
+        self.shared.token().map(|_| self.shared.header.clone())
+    }
+
+    /// Whether the lease is lost (checking the local deadline too).
+    pub fn is_lost(&self) -> bool {
+        self.token().is_none()
+    }
+
+    /// Why it was lost, once it is.
+    pub fn loss_reason(&self) -> Option<LossReason> {
+        self.shared.reason.get().cloned()
+    }
+
+    /// The local deadline: the lease is lost at this instant unless renewed before.
+    pub fn deadline(&self) -> Instant {
+        self.shared.deadline()
+    }
+
+    /// Resolves when the lease is lost.
+    pub fn lost(&self) -> WaitForCancellationFutureOwned {
+        self.shared.lost.clone().cancelled_owned()
+    }
+
+    /// A token cancelled when the lease is lost. Cancelling it yourself does not lose the lease.
+    pub fn cancellation_token(&self) -> CancellationToken {
+        self.shared.lost.child_token()
+    }
+}
+
+/// A held lease. A keeper task renews it until it is completed, released, dropped or lost.
+///
+/// Dropping the handle stops renewal and marks the lease lost locally; the store lets it
+/// expire.
+#[derive(Debug)]
+pub struct Lease<S> {
+    view: LeaseView,
+    store: Arc<S>,
+    keeper: JoinHandle<()>,
+    _held: HeldMark,
+}
+
+/// The jobs held by live handles of one client (shared by its clones).
+pub(crate) type HeldJobs = Arc<Mutex<HashSet<JobId>>>;
+
+/// A job marked as held by a live handle of its client; unmarked when dropped.
+#[derive(Debug)]
+pub(crate) struct HeldMark {
+    set: HeldJobs,
+    job: JobId,
+}
+
+impl HeldMark {
+    /// Marks `job`; `None` when a live handle holds it already.
+    pub(crate) fn take(set: &HeldJobs, job: &JobId) -> Option<Self> {
+        let fresh = set
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(job.clone());
+        fresh.then(|| Self {
+            set: set.clone(),
+            job: job.clone(),
+        })
+    }
+}
+
+impl Drop for HeldMark {
+    fn drop(&mut self) {
+        self.set
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(&self.job);
+    }
+}
+
+impl<S: LeaseStore> Lease<S> {
+    /// A lease granted at `t_send` (when the claim was sent), with its keeper started.
+    pub(crate) fn start(store: Arc<S>, granted: Granted, timing: Timing, held: HeldMark) -> Self {
+        let Granted {
+            job,
+            owner,
+            token,
+            header,
+            t_send,
+            ttl,
+        } = granted;
+        let shared = Arc::new(Shared {
+            job,
+            owner,
+            token,
+            header,
+            base: t_send,
+            deadline_nanos: AtomicU64::new(0),
+            lost: CancellationToken::new(),
+            reason: OnceLock::new(),
+        });
+        shared.set_deadline(timing.deadline(t_send, ttl));
+        tracing::debug!(job = %shared.job, token = %token, "lease claimed");
+        let first_renewal = t_send + timing.renew_every(ttl);
+        let keeper = tokio::spawn(keep(shared.clone(), store.clone(), timing, first_renewal));
+        Self {
+            view: LeaseView { shared },
+            store,
+            keeper,
+            _held: held,
+        }
+    }
+}
+
+/// What a granted claim gave, for [`Lease::start`].
+pub(crate) struct Granted {
+    pub(crate) job: JobId,
+    pub(crate) owner: Owner,
+    pub(crate) token: FencingToken,
+    /// What `X-Fencing-Token` carries.
+    pub(crate) header: http::HeaderValue,
+    /// When the claim was sent, on this process's monotonic clock.
+    pub(crate) t_send: Instant,
+    /// The TTL the store granted.
+    pub(crate) ttl: Ttl,
+}
+
+impl<S> std::ops::Deref for Lease<S> {
+    type Target = LeaseView;
+    fn deref(&self) -> &LeaseView {
+        &self.view
+    }
+}
+
+impl<S> Drop for Lease<S> {
+    fn drop(&mut self) {
+        self.keeper.abort();
+        self.view.shared.lose(LossReason::Finished);
+    }
+}
+
+/// Why a release or completion was refused.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum FinishError {
+    /// The store says the caller no longer holds the lease: nothing changed.
+    #[error("the lease was lost: current owner {owner:?}, generation {generation}")]
+    Lost {
+        /// The current owner.
+        owner: Option<Owner>,
+        /// The current generation.
+        generation: Generation,
+    },
+    /// The store failed; the outcome is unknown.
+    #[error("the lease store failed")]
+    Store(#[from] StoreError),
+}
+
+impl<S: LeaseStore> Lease<S> {
+    /// A view to hand to observers that must not end the lease.
+    pub fn view(&self) -> LeaseView {
+        self.view.clone()
+    }
+
+    /// Marks the job completed. The layer stops sending at once, whatever the store answers.
+    ///
+    /// # Errors
+    /// [`FinishError::Lost`] when the store no longer records this owner and generation.
+    pub async fn complete(self) -> Result<LeaseRecord, FinishError> {
+        self.finish(true).await
+    }
+
+    /// Frees the job for another claim. The layer stops sending at once.
+    ///
+    /// # Errors
+    /// As [`complete`](Self::complete).
+    pub async fn release(self) -> Result<LeaseRecord, FinishError> {
+        self.finish(false).await
+    }
+
+    async fn finish(self, complete: bool) -> Result<LeaseRecord, FinishError> {
+        self.keeper.abort();
+        let shared = &self.view.shared;
+        shared.lose(LossReason::Finished);
+        let (job, owner, generation) = (&shared.job, &shared.owner, shared.token.generation());
+        let outcome = if complete {
+            self.store.complete(job, owner, generation).await?
+        } else {
+            self.store.release(job, owner, generation).await?
+        };
+        match outcome {
+            Outcome::Done(record) => Ok(record),
+            Outcome::Lost { owner, generation } => Err(FinishError::Lost { owner, generation }),
+            other => Err(FinishError::Store(StoreError::Protocol(format!(
+                "the store answered a release or completion with {other:?}"
+            )))),
+        }
+    }
+}
+
+/// Renews until lost. The deadline bounds every wait, so loss fires on time even while a
+/// renewal hangs.
+async fn keep<S: LeaseStore>(
+    shared: Arc<Shared>,
+    store: Arc<S>,
+    timing: Timing,
+    first_renewal: Instant,
+) {
+    // Failed renewals are retried until the deadline at a steady pace (a growing pause could
+    // skip the last chance before the deadline), with jitter, so many workers do not all
+    // retry at once when a store comes back.
+    let retry = (timing.renew_every(timing.ttl) / 4)
+        .clamp(Duration::from_millis(10), Duration::from_secs(1));
+    let mut retries = Backoff::new(retry, retry);
+    let mut next = first_renewal;
+    let (job, owner, generation) = (&shared.job, &shared.owner, shared.token.generation());
+    loop {
+        let deadline = shared.deadline();
+        tokio::select! {
+            () = shared.lost.cancelled() => return,
+            () = tokio::time::sleep_until(next.min(deadline)) => {}
+        }
+        if Instant::now() >= deadline {
+            return shared.lose(LossReason::DeadlinePassed);
+        }
+        let t_send = Instant::now();
+        let renewal = tokio::select! {
+            () = shared.lost.cancelled() => return,
+            r = tokio::time::timeout_at(deadline, store.renew(job, owner, generation, timing.ttl)) => r,
+        };
+        match renewal {
+            Err(_elapsed) => return shared.lose(LossReason::DeadlinePassed),
+            Ok(Ok(Outcome::Granted(grant))) => {
+                retries.reset();
+                // Loss is final: a renewal that answers after the deadline changes nothing.
+                if shared.token().is_none() {
+                    return;
+                }
+                shared.set_deadline(timing.deadline(t_send, grant.ttl));
+                next = t_send + timing.renew_every(grant.ttl);
+                tracing::debug!(job = %job, token = %shared.token, expires_at_ms = grant.expires_at_ms, "lease renewed");
+            }
+            Ok(Ok(Outcome::Lost { owner, generation })) => {
+                return shared.lose(LossReason::Superseded { owner, generation });
+            }
+            Ok(Ok(other)) => {
+                let error = StoreError::Protocol(format!("a renewal was answered with {other:?}"));
+                tracing::warn!(job = %job, error = %error, "lease renewal failed; retrying until the local deadline");
+                next = Instant::now() + retries.next_pause();
+            }
+            Ok(Err(error)) => {
+                tracing::warn!(job = %job, error = %fence_storage::error_chain(&error), "lease renewal failed; retrying until the local deadline");
+                next = Instant::now() + retries.next_pause();
+            }
+        }
+    }
+}

@@ -1,0 +1,356 @@
+//! The lease client and its keeper against stores that stall, fail and grant less than
+//! asked, on paused time: the lost signal always fires before the store's expiry.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
+};
+
+use fence_core::{FencingToken, Generation, JobId, Owner};
+use fence_lease::{
+    ClaimError, Clock, FinishError, Lease, LeaseClient, LeaseLost, LeaseOp, LeaseRecord,
+    LeaseState, LeaseStore, LossReason, ManualClock, MemoryLeaseStore, Outcome, StoreError,
+    TokioClock, Ttl,
+};
+use fence_storage::BoxError;
+use tokio::time::Instant;
+use tower::{Service, ServiceExt, service_fn};
+
+/// A store whose answers take `latency` each way and whose renewals can be stalled, as
+/// if the worker (or its network to the store) were paused.
+#[derive(Debug, Clone)]
+struct Stallable {
+    inner: MemoryLeaseStore,
+    latency: Duration,
+    stalled: Arc<AtomicBool>,
+    failing: Arc<AtomicBool>,
+    /// Grants at most this, whatever was asked (a server-side cap).
+    max_ttl: Ttl,
+}
+
+impl Stallable {
+    fn new(clock: Arc<dyn Clock>, latency: Duration) -> Self {
+        Self {
+            inner: MemoryLeaseStore::with_clock(clock),
+            latency,
+            stalled: Arc::default(),
+            failing: Arc::default(),
+            max_ttl: Ttl::MAX,
+        }
+    }
+}
+
+impl LeaseStore for Stallable {
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        let op = match op {
+            LeaseOp::Claim { owner, ttl } => LeaseOp::Claim {
+                owner,
+                ttl: ttl.min(self.max_ttl),
+            },
+            LeaseOp::Renew {
+                owner,
+                generation,
+                ttl,
+            } => {
+                if self.stalled.load(Ordering::SeqCst) {
+                    std::future::pending::<()>().await;
+                }
+                if self.failing.load(Ordering::SeqCst) {
+                    return Err(StoreError::io("connection refused"));
+                }
+                LeaseOp::Renew {
+                    owner,
+                    generation,
+                    ttl: ttl.min(self.max_ttl),
+                }
+            }
+            other => return self.inner.apply(job, other).await,
+        };
+        tokio::time::sleep(self.latency).await;
+        let out = self.inner.apply(job, op).await;
+        tokio::time::sleep(self.latency).await;
+        out
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        self.inner.get(job).await
+    }
+}
+
+/// Stalls the worker's renewals, waits for the lease to be lost and returns the store's
+/// record then, after checking the store still saw the lease held: loss came first.
+async fn stall_until_lost(store: &Stallable, lease: &Lease<Stallable>, what: &str) -> LeaseRecord {
+    store.stalled.store(true, Ordering::SeqCst);
+    lease.lost().await;
+    let record = store.inner.get(&job()).await.unwrap().unwrap();
+    assert_eq!(
+        record.state,
+        LeaseState::Held,
+        "{what}: store expired first"
+    );
+    record
+}
+
+fn job() -> JobId {
+    "job-7".parse().unwrap()
+}
+
+type Echo = tower::util::ServiceFn<
+    fn(
+        http::Request<()>,
+    ) -> std::future::Ready<Result<http::Request<()>, std::convert::Infallible>>,
+>;
+
+fn echo() -> Echo {
+    service_fn(|req| std::future::ready(Ok(req)))
+}
+
+async fn send(svc: &mut fence_lease::Fencing<Echo>) -> Result<http::Request<()>, BoxError> {
+    svc.ready().await?.call(http::Request::new(())).await
+}
+
+/// The seed's worked example, verbatim: A claims generation 7 and pauses; after expiry B
+/// claims 8; A's completion and renewal are rejected and A's layer refuses to send.
+#[tokio::test(start_paused = true)]
+async fn worked_example() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let store = Stallable::new(clock, Duration::from_millis(5));
+    let ttl = Ttl::from_millis(10_000).unwrap();
+    let a = LeaseClient::new(store.clone())
+        .owner("worker-a".parse().unwrap())
+        .ttl(ttl);
+    let b = LeaseClient::new(store.clone())
+        .owner("worker-b".parse().unwrap())
+        .ttl(ttl);
+    for _ in 0..6 {
+        a.claim(job()).await.unwrap().release().await.unwrap();
+    }
+    let lease_a = a.claim(job()).await.unwrap();
+    assert_eq!(lease_a.generation(), Generation::new(7));
+    let mut http_a = fence_lease::Fencing::new(echo(), lease_a.view());
+    let sent = send(&mut http_a).await.unwrap();
+    assert_eq!(sent.headers()["x-fencing-job"], "job-7");
+    assert_eq!(sent.headers()["x-fencing-token"], "7");
+
+    // A pauses: none of its renewals reach the store from now on.
+    store.stalled.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(11)).await;
+    assert!(lease_a.is_lost());
+
+    let lease_b = b.claim(job()).await.unwrap();
+    assert_eq!(lease_b.generation(), Generation::new(8));
+
+    // A wakes up.
+    let renewal = store
+        .inner
+        .renew(&job(), a.owner_id(), Generation::new(7), ttl)
+        .await
+        .unwrap();
+    assert_eq!(
+        renewal,
+        Outcome::Lost {
+            owner: Some(b.owner_id().clone()),
+            generation: Generation::new(8)
+        }
+    );
+    let err = send(&mut http_a).await.unwrap_err();
+    let lost = err.downcast_ref::<LeaseLost>().expect("a LeaseLost error");
+    assert_eq!(
+        (lost.generation, &lost.reason),
+        (Generation::new(7), &LossReason::DeadlinePassed)
+    );
+    match lease_a.complete().await.unwrap_err() {
+        FinishError::Lost { owner, generation } => {
+            assert_eq!(
+                (owner.as_ref(), generation),
+                (Some(b.owner_id()), Generation::new(8))
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(lease_b.token().unwrap().get(), 8);
+}
+
+/// The lost signal fires no later than the store-side expiry, for TTLs from 100 ms to
+/// 1 h and store clocks up to an hour ahead of or behind the worker, with latency on the
+/// way to the store and back.
+#[tokio::test(start_paused = true)]
+async fn lost_fires_before_store_expiry_whatever_the_ttl_and_clock_offset() {
+    const HOUR: i64 = 3_600_000;
+    for ttl_ms in [100, 250, 1_000, 30_000, 600_000, 3_600_000] {
+        for offset in [-HOUR, -1, 0, 1, HOUR] {
+            let clock = Arc::new(TokioClock::new(1_700_000_000_000, offset));
+            let latency = Duration::from_millis(ttl_ms / 20);
+            let store = Stallable::new(clock.clone(), latency);
+            let ttl = Ttl::from_millis(ttl_ms).unwrap();
+            let lease = LeaseClient::new(store.clone())
+                .ttl(ttl)
+                .claim(job())
+                .await
+                .unwrap();
+            // Let a few renewals succeed, then stall the worker.
+            tokio::time::sleep(ttl.as_duration() * 2).await;
+            assert!(!lease.is_lost(), "ttl {ttl_ms}: renewals should keep it");
+            let record =
+                stall_until_lost(&store, &lease, &format!("ttl {ttl_ms} offset {offset}")).await;
+            // Lost at t_send + ttl - margin; the store expires at t_send + latency + ttl.
+            let ahead = u64::try_from(record.expires_in.as_millis()).unwrap();
+            let want = (ttl_ms / 10).max(50) + ttl_ms / 20;
+            assert!(
+                ahead >= want,
+                "ttl {ttl_ms} offset {offset}: lost only {ahead} ms before expiry (want {want})"
+            );
+            assert_eq!(lease.token(), None);
+            assert_eq!(lease.loss_reason(), Some(LossReason::DeadlinePassed));
+        }
+    }
+}
+
+/// A store that grants less than was asked (a server-side cap) gets renewals on the
+/// grant's schedule, and loss still fires before its expiry.
+#[tokio::test(start_paused = true)]
+async fn a_grant_shorter_than_asked_is_renewed_in_time_and_lost_before_it_ends() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let mut store = Stallable::new(clock, Duration::from_millis(5));
+    store.max_ttl = Ttl::from_millis(1_000).unwrap();
+    let lease = LeaseClient::new(store.clone())
+        .ttl(Ttl::from_millis(60_000).unwrap())
+        .claim(job())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(20)).await;
+    assert!(
+        !lease.is_lost(),
+        "lost a 1 s grant renewed on a 60 s schedule: {:?}",
+        lease.loss_reason()
+    );
+    let record = stall_until_lost(&store, &lease, "1 s grant").await;
+    assert!(
+        record.expires_in >= Duration::from_millis(100),
+        "{record:?}"
+    );
+}
+
+/// A renewal answered `Lost` loses the lease at once, before the local deadline.
+#[tokio::test(start_paused = true)]
+async fn superseded_renewal_loses_at_once() {
+    let clock = Arc::new(ManualClock::new(1_700_000_000_000));
+    let store = MemoryLeaseStore::with_clock(clock.clone());
+    let ttl = Ttl::from_millis(3_000).unwrap();
+    let lease = LeaseClient::new(store.clone())
+        .ttl(ttl)
+        .claim(job())
+        .await
+        .unwrap();
+    // The store's clock jumps past expiry (the worker's does not) and B claims.
+    clock.advance(Duration::from_secs(4));
+    let b: Owner = "b".parse().unwrap();
+    assert!(matches!(
+        store.claim(&job(), &b, ttl).await.unwrap(),
+        Outcome::Granted(_)
+    ));
+    assert!(lease.token().is_some(), "the worker cannot know yet");
+    lease.lost().await;
+    assert_eq!(
+        lease.loss_reason(),
+        Some(LossReason::Superseded {
+            owner: Some(b),
+            generation: Generation::new(2)
+        })
+    );
+    assert!(
+        Instant::now() < lease.deadline(),
+        "lost by the store's answer, before the deadline"
+    );
+}
+
+/// Store errors are retried until the local deadline, which they never extend.
+#[tokio::test(start_paused = true)]
+async fn failing_renewals_count_toward_the_deadline() {
+    let store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::ZERO);
+    store.failing.store(true, Ordering::SeqCst);
+    let start = Instant::now();
+    let lease = LeaseClient::new(store)
+        .ttl(Ttl::from_millis(1_000).unwrap())
+        .claim(job())
+        .await
+        .unwrap();
+    lease.lost().await;
+    assert_eq!(
+        start.elapsed(),
+        Duration::from_millis(900),
+        "deadline = sent + ttl - 10%"
+    );
+    assert_eq!(lease.loss_reason(), Some(LossReason::DeadlinePassed));
+}
+
+/// A store that fails for a while is survived when a retry succeeds before the deadline.
+#[tokio::test(start_paused = true)]
+async fn a_retry_that_succeeds_in_time_keeps_the_lease() {
+    let store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::ZERO);
+    let lease = LeaseClient::new(store.clone())
+        .ttl(Ttl::from_millis(1_000).unwrap())
+        .claim(job())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    store.failing.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    store.failing.store(false, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(lease.token().map(FencingToken::get), Some(1));
+    lease.release().await.unwrap();
+}
+
+#[tokio::test]
+async fn finishing_or_dropping_stops_the_layer_at_once() {
+    let client = LeaseClient::new(MemoryLeaseStore::new());
+    let lease = client.claim(job()).await.unwrap();
+    let view = lease.view();
+    let mut svc = fence_lease::Fencing::new(echo(), view.clone());
+    assert!(send(&mut svc).await.is_ok());
+    lease.release().await.unwrap();
+    assert!(send(&mut svc).await.unwrap_err().is::<LeaseLost>());
+    assert_eq!(view.loss_reason(), Some(LossReason::Finished));
+
+    let lease = client.claim(job()).await.unwrap();
+    let view = lease.view();
+    drop(lease);
+    assert!(view.is_lost());
+}
+
+#[tokio::test]
+async fn one_client_cannot_hold_one_job_twice() {
+    let client = LeaseClient::new(MemoryLeaseStore::new());
+    let first = client.claim(job()).await.unwrap();
+    let shared = client.clone();
+    assert!(matches!(
+        shared.claim(job()).await,
+        Err(ClaimError::AlreadyHeld { .. })
+    ));
+    first.release().await.unwrap();
+    let again = shared.claim(job()).await.unwrap();
+    assert_eq!(again.generation(), Generation::new(2));
+}
+
+#[tokio::test]
+async fn timing_that_cannot_work_is_refused() {
+    let ttl = Ttl::from_millis(100).unwrap();
+    let base = LeaseClient::new(MemoryLeaseStore::new()).ttl(ttl);
+    let too_wide = base.clone().safety_margin(Duration::from_millis(100));
+    let e = too_wide.claim(job()).await.unwrap_err();
+    assert_eq!(
+        e.to_string(),
+        "invalid lease timing: safety margin 100ms is not shorter than the ttl 100ms"
+    );
+    let too_slow = base.clone().renew_every(Duration::from_millis(60));
+    assert!(matches!(
+        too_slow.claim(job()).await,
+        Err(ClaimError::Timing(_))
+    ));
+    // The default at 100 ms: margin 50 ms, renewal every 33 ms.
+    assert!(base.claim(job()).await.is_ok());
+}

@@ -1,0 +1,52 @@
+//! The state every [`Fence`](super::Fence) of one layer shares: configuration and gates.
+
+use std::sync::Arc;
+
+use http::{Method, request::Parts};
+
+use super::signature::Signatures;
+use crate::{
+    IdempotencyConfig,
+    gate::{Gates, Limits},
+};
+
+/// Decides which requests are fenced.
+pub type FencePredicate = Arc<dyn Fn(&Parts) -> bool + Send + Sync>;
+
+/// What the fence does, as set by the builder methods of [`FenceLayer`].
+#[derive(Clone)]
+pub(crate) struct Config {
+    pub(crate) methods: Vec<Method>,
+    pub(crate) predicate: Option<FencePredicate>,
+    pub(crate) require_token: bool,
+    pub(crate) idempotency: Option<IdempotencyConfig>,
+    pub(crate) run_to_completion: bool,
+    pub(crate) signatures: Option<Arc<Signatures>>,
+    pub(crate) limits: Limits,
+}
+
+impl Config {
+    pub(crate) fn is_fenced(&self, parts: &Parts) -> bool {
+        match &self.predicate {
+            Some(p) => p(parts),
+            None => self.methods.contains(&parts.method),
+        }
+    }
+}
+
+/// Everything a [`Fence`] needs, behind one `Arc`: a request clones it with one reference
+/// count. Every clone of a layer shares the gates (one view of each job); a builder method
+/// called on a clone gives that clone a configuration of its own.
+pub(crate) struct Shared<St> {
+    pub(crate) config: Config,
+    pub(crate) gates: Arc<Gates<St>>,
+}
+
+impl<St> Clone for Shared<St> {
+    fn clone(&self) -> Self {
+        Self {
+            config: self.config.clone(),
+            gates: self.gates.clone(),
+        }
+    }
+}

@@ -1,0 +1,233 @@
+//! Runs one admitted request that carries an `Idempotency-Key`: begin, call, record.
+//!
+//! The steps: read the body (to fingerprint it), [`begin`](IdempotencyStore::begin) the
+//! (job, key) record, and either answer from the record or call the inner service and
+//! [`finish`](IdempotencyStore::finish) the record with its response. The fence's guard is
+//! only held, and dropped once the effect can no longer happen; nothing else of the fence is
+//! needed here.
+
+use std::{future::Future, pin::Pin, time::Duration};
+
+use bytes::{Bytes, BytesMut};
+use fence_core::{
+    JobId,
+    headers::{IDEMPOTENT_REPLAYED, IdempotencyKey},
+};
+use fence_storage::BoxError;
+use http::{HeaderMap, HeaderValue, Request, Response, request::Parts};
+use http_body::Body;
+use http_body_util::{BodyExt, Limited};
+use tower_service::Service;
+
+use super::{IdempotencyConfig, OutcomeUnknown};
+use crate::{
+    body::{FenceBody, RequestBody, ResponseBody},
+    metrics::count,
+    reject::{self, RETRY, reject},
+    store::{Attempt, Begin, Fingerprint, Finish, IdempotencyStore, StoreError, StoredResponse},
+};
+
+/// One (job, key) and where its record lives.
+pub(crate) struct Keyed<'a, St> {
+    pub(crate) store: &'a St,
+    pub(crate) config: &'a IdempotencyConfig,
+    pub(crate) job: &'a JobId,
+    pub(crate) key: &'a IdempotencyKey,
+}
+
+type Answer<B> = Response<ResponseBody<B>>;
+
+impl<St: IdempotencyStore> Keyed<'_, St> {
+    /// Runs `request` once per (job, key): the first time through `inner`, later from the
+    /// record. `guard` is dropped when the effect can no longer happen.
+    pub(crate) async fn run<S, ReqB, ResB, G>(
+        &self,
+        inner: &mut S,
+        request: Request<ReqB>,
+        guard: G,
+    ) -> Result<Answer<ResB>, S::Error>
+    where
+        S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+        ReqB: FenceBody,
+        ResB: FenceBody,
+    {
+        let (parts, bytes) = match self.read(request).await {
+            Ok(read) => read,
+            Err(answer) => return Ok(answer),
+        };
+        let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
+        let fingerprint = Fingerprint::of(&parts.method, path, &bytes);
+        if let Err(answer) = self.begin(&fingerprint).await {
+            return Ok(answer);
+        }
+        count("accepted");
+        let request = Request::from_parts(parts, RequestBody::buffered(bytes));
+        // An error from the service leaves unknown whether the effect happened: the
+        // in-flight record stays until its timeout, so a retry meanwhile gets 409 rather
+        // than a second run.
+        let response = inner.call(request).await?;
+        let answer = self.record(&fingerprint, response).await;
+        drop(guard);
+        Ok(answer)
+    }
+
+    /// The request head and its whole body, or the answer when the body cannot be read.
+    async fn read<ReqB, B>(&self, request: Request<ReqB>) -> Result<(Parts, Bytes), Answer<B>>
+    where
+        ReqB: Body<Data = Bytes>,
+        ReqB::Error: Into<BoxError>,
+    {
+        let (parts, body) = request.into_parts();
+        let limit = self.config.max_request_body;
+        match Limited::new(body, limit).collect().await {
+            Ok(collected) => Ok((parts, collected.to_bytes())),
+            Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(reject(
+                reject::body_too_large(self.job, self.key, limit),
+                None,
+            )),
+            Err(e) => Err(reject(reject::request_body_failed(self.job, &e), None)),
+        }
+    }
+
+    /// Begins the record: `Ok` when the caller is to run the request, else the answer.
+    async fn begin<B>(&self, fingerprint: &Fingerprint) -> Result<(), Answer<B>> {
+        let attempt = self.attempt(fingerprint);
+        let begun = self
+            .timed(self.store.begin(attempt, self.config.in_flight_timeout))
+            .await;
+        let (job, key) = (self.job, self.key);
+        let (problem, retry) = match begun {
+            Ok(Begin::Started) => return Ok(()),
+            Ok(Begin::Replay(stored)) => {
+                count("replayed");
+                return Err(replay(stored));
+            }
+            Err(e) => {
+                count("store_error");
+                (reject::store_failed(job, "idempotency", &e), RETRY)
+            }
+            Ok(Begin::InFlight) => {
+                count("in_flight_conflict");
+                (reject::key_in_flight(job, key), RETRY)
+            }
+            Ok(Begin::Mismatch) => {
+                count("mismatch");
+                (reject::key_mismatch(job, key), None)
+            }
+            Ok(Begin::NotReplayable) => {
+                count("not_replayable");
+                (reject::not_replayable(job, key), None)
+            }
+        };
+        Err(reject(problem, retry))
+    }
+
+    /// Finishes the record with the service's response, and answers with that response.
+    async fn record<B>(&self, fingerprint: &Fingerprint, response: Response<B>) -> Answer<B>
+    where
+        B: FenceBody,
+    {
+        if response.extensions().get::<OutcomeUnknown>().is_some() {
+            // The effect may have happened: the in-flight record stays until its timeout.
+            return response.map(ResponseBody::inner);
+        }
+        if !(self.config.store_statuses)(response.status()) {
+            self.finish(fingerprint, Finish::Forget).await;
+            return response.map(ResponseBody::inner);
+        }
+        let (head, body) = response.into_parts();
+        match capture(body, self.config.max_response_body).await {
+            Captured::Whole(bytes) => {
+                let stored = StoredResponse {
+                    status: head.status,
+                    headers: head.headers.clone(),
+                    body: bytes.clone(),
+                };
+                self.finish(fingerprint, Finish::Store(stored)).await;
+                Response::from_parts(head, ResponseBody::full(bytes))
+            }
+            Captured::TooLarge(prefix, trailers, rest) => {
+                self.finish(fingerprint, Finish::TooLarge).await;
+                Response::from_parts(head, ResponseBody::prefixed(prefix, trailers, rest))
+            }
+            Captured::Failed(e) => {
+                self.finish(fingerprint, Finish::Forget).await;
+                reject(reject::response_body_failed(self.job, &e), None)
+            }
+        }
+    }
+
+    async fn finish(&self, fingerprint: &Fingerprint, outcome: Finish) {
+        let attempt = self.attempt(fingerprint);
+        let finished = self
+            .timed(self.store.finish(attempt, outcome, self.config.retention))
+            .await;
+        if let Err(e) = finished {
+            // The in-flight record stays until its timeout: retries get 409, never a second run.
+            tracing::warn!(job = %self.job, error = %fence_storage::error_chain(&e), "completing an idempotency record failed");
+        }
+    }
+
+    fn attempt<'a>(&'a self, fingerprint: &'a Fingerprint) -> Attempt<'a> {
+        Attempt {
+            job: self.job,
+            key: self.key,
+            fingerprint,
+        }
+    }
+
+    async fn timed<T>(
+        &self,
+        f: impl Future<Output = Result<T, StoreError>>,
+    ) -> Result<T, StoreError> {
+        let limit: Duration = self.config.store_timeout;
+        tokio::time::timeout(limit, f)
+            .await
+            .map_err(|_| StoreError::Timeout(limit))?
+    }
+}
+
+fn replay<B>(stored: StoredResponse) -> Answer<B> {
+    let mut response = Response::new(ResponseBody::full(stored.body));
+    *response.status_mut() = stored.status;
+    *response.headers_mut() = stored.headers;
+    response
+        .headers_mut()
+        .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
+    response
+}
+
+enum Captured<B> {
+    Whole(Bytes),
+    /// The prefix read, trailers if the body ended with them, and the rest of the body.
+    TooLarge(Bytes, Option<HeaderMap>, Pin<Box<B>>),
+    Failed(BoxError),
+}
+
+/// Reads a response body up to `limit` bytes: all of it, or what was read so far and the
+/// rest of the body to stream on. A body with trailers is not stored (their order against
+/// the data cannot be replayed faithfully by every client), but passed on whole.
+async fn capture<B>(body: B, limit: usize) -> Captured<B>
+where
+    B: FenceBody,
+{
+    let mut body = Box::pin(body);
+    let mut buf = BytesMut::new();
+    loop {
+        match body.frame().await {
+            None => return Captured::Whole(buf.freeze()),
+            Some(Err(e)) => return Captured::Failed(e.into()),
+            Some(Ok(frame)) => match frame.into_data() {
+                Ok(data) => {
+                    buf.extend_from_slice(&data);
+                    if buf.len() > limit {
+                        return Captured::TooLarge(buf.freeze(), None, body);
+                    }
+                }
+                Err(frame) => {
+                    return Captured::TooLarge(buf.freeze(), frame.into_trailers().ok(), body);
+                }
+            },
+        }
+    }
+}

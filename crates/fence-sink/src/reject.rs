@@ -1,0 +1,138 @@
+//! Rejections: every answer the layer gives instead of the inner service, as problem+json.
+//!
+//! The fence and the idempotency runner describe what went wrong with the constructors here;
+//! [`reject`] turns a problem into the response, so every rejection is shaped in one place.
+
+use std::time::Duration;
+
+use fence_core::{
+    FencingToken, Generation, JobId, Problem, ProblemType,
+    headers::{HeaderError, IdempotencyKey},
+};
+use http::{HeaderValue, Response, header::RETRY_AFTER};
+
+use crate::body::ResponseBody;
+
+/// How long a client should wait before retrying a 503 or an in-flight 409.
+pub(crate) const RETRY: Option<Duration> = Some(Duration::from_secs(1));
+
+/// A problem+json response, with `Retry-After` where the client should come back.
+pub(crate) fn reject<B>(
+    problem: Problem,
+    retry_after: Option<Duration>,
+) -> Response<ResponseBody<B>> {
+    let mut response: Response<ResponseBody<B>> = problem.to_response();
+    if let Some(after) = retry_after {
+        response
+            .headers_mut()
+            .insert(RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
+    }
+    response
+}
+
+pub(crate) fn malformed(e: &HeaderError) -> Problem {
+    Problem::new(ProblemType::MalformedToken, e.to_string())
+}
+
+pub(crate) fn missing(parts: &http::request::Parts) -> Problem {
+    let detail = format!(
+        "{} {} is fenced: send X-Fencing-Job and X-Fencing-Token with the job id and the generation of your lease",
+        parts.method,
+        parts.uri.path()
+    );
+    Problem::new(ProblemType::MissingToken, detail)
+}
+
+pub(crate) fn invalid_signature(job: JobId, token: FencingToken, signed: bool) -> Problem {
+    let detail = if signed {
+        format!(
+            "job {job}: the signature of token {token} is not valid for this job and generation under any key this destination trusts"
+        )
+    } else {
+        format!(
+            "job {job}: this destination requires signed tokens (<generation>.<signature> as the lease server returned it); token {token} carries no signature"
+        )
+    };
+    Problem::new(ProblemType::InvalidSignature, detail)
+        .with_job(job)
+        .with_token(token.get())
+}
+
+pub(crate) fn stale(
+    job: JobId,
+    token: FencingToken,
+    highest: Generation,
+    pending: Option<Generation>,
+) -> Problem {
+    let detail = match pending {
+        Some(newer) => format!(
+            "job {job}: token {token} is older than token {newer}, which is waiting for older requests to finish before it is applied; a newer lease holder exists"
+        ),
+        None => format!(
+            "job {job}: token {token} is below generation {highest}, which this destination has already seen; a newer lease holder exists"
+        ),
+    };
+    Problem::new(ProblemType::StaleToken, detail)
+        .with_job(job)
+        .with_token(token.get())
+        .with_highest(highest.get())
+}
+
+pub(crate) fn drain_timeout(job: JobId, token: FencingToken, highest: Generation) -> Problem {
+    let detail = format!(
+        "job {job}: token {token} is newer than the highest accepted, but requests with older tokens were still in flight when the drain limit ran out; nothing changed, retry"
+    );
+    Problem::new(ProblemType::DrainTimeout, detail)
+        .with_job(job)
+        .with_token(token.get())
+        .with_highest(highest.get())
+}
+
+pub(crate) fn store_failed(
+    job: &JobId,
+    which: &str,
+    e: &(dyn std::error::Error + 'static),
+) -> Problem {
+    let cause = fence_storage::error_chain(e);
+    tracing::warn!(job = %job, error = %cause, "the {which} store failed");
+    let detail = format!("job {job}: the {which} store failed: {cause}");
+    Problem::new(ProblemType::StoreUnavailable, detail).with_job(job.clone())
+}
+
+pub(crate) fn body_too_large(job: &JobId, key: &IdempotencyKey, limit: usize) -> Problem {
+    let detail = format!(
+        "job {job}: the body of a request with Idempotency-Key {key} is above the {limit} bytes this destination fingerprints"
+    );
+    Problem::new(ProblemType::PayloadTooLarge, detail).with_job(job.clone())
+}
+
+pub(crate) fn request_body_failed(job: &JobId, e: &dyn std::fmt::Display) -> Problem {
+    let detail = format!("job {job}: reading the request body failed: {e}");
+    Problem::new(ProblemType::BadRequest, detail).with_job(job.clone())
+}
+
+pub(crate) fn response_body_failed(job: &JobId, e: &dyn std::fmt::Display) -> Problem {
+    let detail = format!("job {job}: the service's response body failed: {e}");
+    Problem::new(ProblemType::Internal, detail).with_job(job.clone())
+}
+
+pub(crate) fn key_in_flight(job: &JobId, key: &IdempotencyKey) -> Problem {
+    let detail = format!(
+        "job {job}: a request with Idempotency-Key {key} is still in flight; retry when it has finished"
+    );
+    Problem::new(ProblemType::IdempotencyInFlight, detail).with_job(job.clone())
+}
+
+pub(crate) fn key_mismatch(job: &JobId, key: &IdempotencyKey) -> Problem {
+    let detail = format!(
+        "job {job}: Idempotency-Key {key} was already used for a request with a different method, path or body"
+    );
+    Problem::new(ProblemType::IdempotencyKeyMismatch, detail).with_job(job.clone())
+}
+
+pub(crate) fn not_replayable(job: &JobId, key: &IdempotencyKey) -> Problem {
+    let detail = format!(
+        "job {job}: the request with Idempotency-Key {key} already ran, but its response was too large to store, so it cannot be replayed"
+    );
+    Problem::new(ProblemType::IdempotencyNotReplayable, detail).with_job(job.clone())
+}

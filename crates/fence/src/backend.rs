@@ -1,0 +1,239 @@
+//! Where the server and the proxy keep their state, chosen once from `--data-dir` or `--store`.
+
+use std::path::{Path, PathBuf};
+
+use anyhow::Context as _;
+use fence_core::{Generation, JobId};
+use fence_lease::{
+    LeaseOp, LeaseRecord, LeaseStore, Outcome, PgLeaseStore, PgTable, SledLeaseStore,
+};
+use fence_sink::{
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, SledStore, StoreError, Verdict,
+    postgres::{PgStore, PgTables},
+};
+use std::time::Duration;
+
+use crate::cli::StorageArgs;
+
+/// The storage a command was given.
+#[derive(Debug, Clone)]
+pub enum Backend {
+    /// sled in this directory, held by this process alone.
+    Sled(PathBuf),
+    /// PostgreSQL, shared with every process that uses the same tables.
+    Postgres {
+        /// `postgres://…`
+        url: String,
+        /// The schema of the tables.
+        schema: String,
+    },
+}
+
+impl Backend {
+    /// The backend `--data-dir DIR` or `--store URL` (with `--pg-schema`) names.
+    ///
+    /// # Errors
+    /// When `--store` is not a `postgres://` URL, or neither option is given.
+    pub fn choose(args: StorageArgs) -> anyhow::Result<Self> {
+        let StorageArgs {
+            data_dir,
+            store,
+            pg_schema: schema,
+        } = args;
+        match (store, data_dir) {
+            (Some(url), _)
+                if url.starts_with("postgres://") || url.starts_with("postgresql://") =>
+            {
+                Ok(Self::Postgres { url, schema })
+            }
+            (Some(url), _) => anyhow::bail!(
+                "--store {url:?}: expected a postgres:// URL (leave --store out to use sled in --data-dir)"
+            ),
+            (None, Some(dir)) => Ok(Self::Sled(dir)),
+            (None, None) => anyhow::bail!("--data-dir is required without --store"),
+        }
+    }
+
+    /// What to log as the store.
+    pub fn name(&self) -> &'static str {
+        match self {
+            Self::Sled(_) => "sled",
+            Self::Postgres { .. } => "postgres",
+        }
+    }
+
+    /// Opens the lease store, creating its directory or table.
+    ///
+    /// # Errors
+    /// When the directory cannot be opened (another process holds it, permissions) or the
+    /// database cannot be reached or migrated.
+    pub async fn lease_store(&self) -> anyhow::Result<LeaseBackend> {
+        Ok(match self {
+            Self::Sled(dir) => LeaseBackend::Sled(
+                SledLeaseStore::open_with_clock(dir, clock())
+                    .with_context(|| in_dir("the lease database", dir))?,
+            ),
+            Self::Postgres { url, schema } => {
+                let pg = PgLeaseStore::connect(url, PgTable::new(schema, "leases")?)
+                    .await
+                    .context("connecting to PostgreSQL")?;
+                pg.migrate()
+                    .await
+                    .context("creating the lease table in PostgreSQL")?;
+                #[cfg(feature = "test-hooks")]
+                pg.shift_clock_ms(crate::test_hooks::clock_offset_ms());
+                LeaseBackend::Postgres(pg)
+            }
+        })
+    }
+
+    /// Opens the sink's store, creating its directory or tables.
+    ///
+    /// # Errors
+    /// As [`lease_store`](Self::lease_store).
+    pub async fn sink_store(&self) -> anyhow::Result<SinkBackend> {
+        Ok(match self {
+            Self::Sled(dir) => SinkBackend::Sled(
+                SledStore::open(dir).with_context(|| in_dir("the fence database", dir))?,
+            ),
+            Self::Postgres { url, schema } => {
+                let pg = PgStore::connect(url, PgTables::new(schema, "sink")?)
+                    .await
+                    .context("connecting to PostgreSQL")?;
+                pg.migrate()
+                    .await
+                    .context("creating the fence tables in PostgreSQL")?;
+                SinkBackend::Postgres(pg)
+            }
+        })
+    }
+}
+
+fn in_dir(what: &str, dir: &Path) -> String {
+    format!("cannot open {what} in {}", dir.display())
+}
+
+/// The lease store's clock: the system's, shifted in the fault tests.
+fn clock() -> std::sync::Arc<dyn fence_lease::Clock> {
+    #[cfg(feature = "test-hooks")]
+    return std::sync::Arc::new(fence_lease::SystemClock::with_offset_ms(
+        crate::test_hooks::clock_offset_ms(),
+    ));
+    #[cfg(not(feature = "test-hooks"))]
+    std::sync::Arc::new(fence_lease::SystemClock::new())
+}
+
+/// A lease store of either backend.
+#[derive(Debug, Clone)]
+pub enum LeaseBackend {
+    /// On local disk.
+    Sled(SledLeaseStore),
+    /// In PostgreSQL.
+    Postgres(PgLeaseStore),
+}
+
+impl LeaseBackend {
+    /// Flushes a local store to disk (graceful shutdown); PostgreSQL needs nothing.
+    ///
+    /// # Errors
+    /// When the flush fails.
+    pub fn flush(&self) -> anyhow::Result<()> {
+        match self {
+            Self::Sled(s) => s.flush().context("flushing the lease database"),
+            Self::Postgres(_) => Ok(()),
+        }
+    }
+}
+
+impl LeaseStore for LeaseBackend {
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, fence_lease::StoreError> {
+        match self {
+            Self::Sled(s) => s.apply(job, op).await,
+            Self::Postgres(s) => s.apply(job, op).await,
+        }
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, fence_lease::StoreError> {
+        match self {
+            Self::Sled(s) => s.get(job).await,
+            Self::Postgres(s) => s.get(job).await,
+        }
+    }
+}
+
+/// A sink store of either backend.
+#[derive(Debug, Clone)]
+pub enum SinkBackend {
+    /// On local disk.
+    Sled(SledStore),
+    /// In PostgreSQL.
+    Postgres(PgStore),
+}
+
+impl SinkBackend {
+    /// Flushes a local store to disk (graceful shutdown); PostgreSQL needs nothing.
+    ///
+    /// # Errors
+    /// When the flush fails.
+    pub fn flush(&self) -> anyhow::Result<()> {
+        match self {
+            Self::Sled(s) => s.flush().context("flushing the fence database"),
+            Self::Postgres(_) => Ok(()),
+        }
+    }
+}
+
+impl GenerationStore for SinkBackend {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        match self {
+            Self::Sled(s) => s.observe(job, token).await,
+            Self::Postgres(s) => s.observe(job, token).await,
+        }
+    }
+
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        match self {
+            Self::Sled(s) => s.highest(job).await,
+            Self::Postgres(s) => s.highest(job).await,
+        }
+    }
+
+    fn is_shared(&self) -> bool {
+        match self {
+            Self::Sled(s) => s.is_shared(),
+            Self::Postgres(s) => s.is_shared(),
+        }
+    }
+}
+
+impl IdempotencyStore for SinkBackend {
+    async fn begin(
+        &self,
+        attempt: Attempt<'_>,
+        in_flight_for: Duration,
+    ) -> Result<Begin, StoreError> {
+        match self {
+            Self::Sled(s) => s.begin(attempt, in_flight_for).await,
+            Self::Postgres(s) => s.begin(attempt, in_flight_for).await,
+        }
+    }
+
+    async fn finish(
+        &self,
+        attempt: Attempt<'_>,
+        outcome: Finish,
+        retention: Duration,
+    ) -> Result<(), StoreError> {
+        match self {
+            Self::Sled(s) => s.finish(attempt, outcome, retention).await,
+            Self::Postgres(s) => s.finish(attempt, outcome, retention).await,
+        }
+    }
+
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        match self {
+            Self::Sled(s) => s.purge_expired().await,
+            Self::Postgres(s) => s.purge_expired().await,
+        }
+    }
+}

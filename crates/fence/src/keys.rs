@@ -1,0 +1,81 @@
+//! Key files for signed tokens: `fence keygen`, and loading them at start-up.
+
+use std::{
+    io::Write,
+    os::unix::fs::OpenOptionsExt,
+    path::{Path, PathBuf},
+};
+
+use anyhow::Context as _;
+use fence_core::signing::{TokenSigner, TokenVerifier, VerifyKey, private_key_file_contents};
+
+/// A fresh signer, its key drawn from the operating system's random source.
+///
+/// # Errors
+/// When the OS has no random source to offer.
+pub fn generate_signer() -> anyhow::Result<TokenSigner> {
+    let mut seed = [0u8; 32];
+    getrandom::fill(&mut seed)
+        .map_err(|e| anyhow::anyhow!("the OS's random source failed: {e}"))?;
+    Ok(TokenSigner::from_seed(seed))
+}
+
+/// `fence keygen --out DIR`: writes a new key pair, never overwriting a key.
+///
+/// # Errors
+/// When `out` cannot be created, a key file already exists, or a file cannot be written.
+pub fn keygen(out: &Path) -> anyhow::Result<()> {
+    std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    let signer = generate_signer()?;
+    let write = |name: &str, mode: u32, contents: String| -> anyhow::Result<PathBuf> {
+        let path = out.join(name);
+        let mut file = std::fs::OpenOptions::new()
+            .write(true)
+            .create_new(true)
+            .mode(mode)
+            .open(&path)
+            .with_context(|| {
+                format!(
+                    "cannot create {} (an existing key is never overwritten)",
+                    path.display()
+                )
+            })?;
+        file.write_all(contents.as_bytes())?;
+        file.sync_all()?;
+        Ok(path)
+    };
+    let private = write(
+        "fence-signing.key",
+        0o600,
+        private_key_file_contents(&signer),
+    )?;
+    let public = write(
+        "fence-verify.pub",
+        0o644,
+        signer.verify_key().to_file_contents(),
+    )?;
+    println!(
+        "private key: {} (give it to fence server --signing-key; keep it 0600)",
+        private.display()
+    );
+    println!(
+        "public key:  {} (give it to fence proxy --verify-key)",
+        public.display()
+    );
+    Ok(())
+}
+
+/// A verifier of every key in `files`; `None` when there are none.
+///
+/// # Errors
+/// When a file is missing or not a public key.
+pub fn load_verifier(files: &[PathBuf]) -> anyhow::Result<Option<TokenVerifier>> {
+    if files.is_empty() {
+        return Ok(None);
+    }
+    let keys = files
+        .iter()
+        .map(|f| VerifyKey::from_file(f))
+        .collect::<Result<Vec<_>, _>>()?;
+    Ok(Some(TokenVerifier::new(keys)))
+}

@@ -1,0 +1,125 @@
+//! What the proxy is told: [`ProxyConfig`], and the upstream address checked once at start.
+
+use std::time::Duration;
+
+use anyhow::{Context as _, bail};
+use http::{
+    HeaderValue, Method, Uri,
+    uri::{Authority, PathAndQuery, Scheme},
+};
+
+/// How the proxy fences and forwards.
+#[derive(Debug, Clone)]
+pub struct ProxyConfig {
+    /// Where admitted requests go, e.g. `http://127.0.0.1:8080` or `http://10.0.0.5/api`
+    /// (a path is a prefix joined to every request's path). Only `http` is supported.
+    pub upstream: Uri,
+    /// The methods that are fenced (default POST, PUT, PATCH, DELETE); others pass unfenced.
+    pub fence_methods: Vec<Method>,
+    /// Whether a fenced request without fencing headers gets 428 (true, the default) or
+    /// passes unfenced (false).
+    pub require_token: bool,
+    /// How `Idempotency-Key` is handled; `None` ignores it (it is still checked for syntax).
+    /// Default: the sink's defaults.
+    pub idempotency: Option<fence_sink::IdempotencyConfig>,
+    /// How long a higher token waits for older in-flight requests of its job (default 10 s).
+    pub drain_timeout: Duration,
+    /// How long the generation store may take per call (default 5 s).
+    pub store_timeout: Duration,
+    /// How long the upstream may take to answer with a response head (default 60 s); then
+    /// the client gets 504 and the upstream connection is closed.
+    pub upstream_timeout: Duration,
+    /// How long a kept-alive upstream connection may stay unused and still be reused
+    /// (default 90 s). Older ones are closed: a firewall or NAT on the way may have dropped
+    /// them without a word, and a request sent on one would wait for `upstream_timeout`.
+    pub upstream_idle_timeout: Duration,
+    /// Whether the upstream sees the client's `Host` (true) or its own authority, with the
+    /// client's `Host` in `X-Forwarded-Host` (false, the default).
+    pub preserve_host: bool,
+    /// Require signed tokens valid under one of these keys (contract section 6).
+    pub verifier: Option<fence_core::signing::TokenVerifier>,
+    /// How many threads serve connections, each on a runtime of its own with its own
+    /// upstream pool (default: one per core the process may use; 0 counts as 1).
+    pub workers: usize,
+}
+
+impl ProxyConfig {
+    /// Forwards to `upstream` with the defaults documented on each field.
+    pub fn new(upstream: Uri) -> Self {
+        Self {
+            upstream,
+            fence_methods: vec![Method::POST, Method::PUT, Method::PATCH, Method::DELETE],
+            require_token: true,
+            idempotency: Some(fence_sink::IdempotencyConfig::default()),
+            drain_timeout: Duration::from_secs(10),
+            store_timeout: Duration::from_secs(5),
+            upstream_timeout: Duration::from_secs(60),
+            upstream_idle_timeout: Duration::from_secs(90),
+            preserve_host: false,
+            verifier: None,
+            workers: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+        }
+    }
+}
+
+/// The upstream's address, checked once at start.
+#[derive(Debug)]
+pub(super) struct Target {
+    pub(super) authority: Authority,
+    /// The `Host` the upstream sees (unless `preserve_host`).
+    pub(super) host: HeaderValue,
+    /// The upstream's path without a trailing `/` (empty for none), joined before every path.
+    prefix: String,
+    /// `http://authority/prefix`, for messages.
+    pub(super) display: String,
+}
+
+impl Target {
+    pub(super) fn parse(uri: &Uri) -> anyhow::Result<Self> {
+        let Some(scheme) = uri.scheme() else {
+            bail!("upstream {uri}: no scheme; write it as http://host:port");
+        };
+        if *scheme != Scheme::HTTP {
+            bail!("upstream {uri}: only http:// upstreams are supported, not {scheme}://");
+        }
+        let Some(authority) = uri.authority() else {
+            bail!("upstream {uri}: no host; write it as http://host:port");
+        };
+        if authority.as_str().contains('@') {
+            bail!("upstream {uri}: user info (user:password@) is not supported");
+        }
+        if authority.host().is_empty() {
+            bail!("upstream {uri}: empty host");
+        }
+        if uri.query().is_some() {
+            bail!(
+                "upstream {uri}: a query is not supported; give only scheme, host, port and an optional path prefix"
+            );
+        }
+        let prefix = uri.path().trim_end_matches('/').to_owned();
+        let host = HeaderValue::from_str(authority.as_str())
+            .with_context(|| format!("upstream {uri}: the host is not a valid Host header"))?;
+        Ok(Self {
+            authority: authority.clone(),
+            host,
+            display: format!("{scheme}://{authority}{prefix}"),
+            prefix,
+        })
+    }
+
+    /// The request target sent upstream for a request to `original`: its path (behind the
+    /// prefix) and query, in origin form.
+    pub(super) fn uri_for(&self, original: &Uri) -> Result<Uri, http::Error> {
+        let pq = original
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| PathAndQuery::from_static("/"));
+        if self.prefix.is_empty() || !pq.as_str().starts_with('/') {
+            return Ok(Uri::from(pq));
+        }
+        Ok(Uri::from(PathAndQuery::try_from(format!(
+            "{}{pq}",
+            self.prefix
+        ))?))
+    }
+}

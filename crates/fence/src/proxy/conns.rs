@@ -1,0 +1,120 @@
+//! Kept-alive HTTP/1.1 connections from one worker thread to the upstream.
+
+use std::time::Duration;
+
+use fence_sink::RequestBody;
+use fence_storage::BoxError;
+use http::{Request, Response, uri::Authority};
+use hyper::{body::Incoming, client::conn::http1::SendRequest};
+use hyper_util::rt::TokioIo;
+use tokio::{net::TcpStream, time::Instant};
+
+/// Keep-alive HTTP/1.1 connections from one worker thread to the upstream.
+///
+/// A request takes a connection that is ready for one (not closed, no response still
+/// streaming on it), or opens a new one, and puts it back as soon as the response head
+/// arrived: it is ready again once that response's body has been read. A kept-alive
+/// connection the upstream closed just before the request went out hands the request
+/// back untouched (hyper's `try_send_request`), and it is tried on another connection.
+pub(super) struct UpstreamConns {
+    /// `host:port` to connect to.
+    addr: String,
+    idle: std::sync::Mutex<Vec<Idle>>,
+    idle_timeout: Duration,
+}
+
+/// A kept-alive connection and when it was last handed back.
+struct Idle {
+    conn: SendRequest<RequestBody<Incoming>>,
+    since: Instant,
+}
+
+/// How an upstream call failed; the variants say whether the upstream may have seen it.
+pub(super) enum SendFailed {
+    /// No connection could be opened: the upstream never saw the request.
+    Connect(BoxError),
+    /// The connection failed after the request was (perhaps) written.
+    Request(hyper::Error),
+}
+
+/// More idle connections than this per worker are closed instead of kept.
+const MAX_IDLE_PER_WORKER: usize = 256;
+
+impl UpstreamConns {
+    pub(super) fn new(authority: &Authority, idle_timeout: Duration) -> Self {
+        let addr = match authority.port_u16() {
+            Some(_) => authority.as_str().to_owned(),
+            None => format!("{}:80", authority.host()),
+        };
+        Self {
+            addr,
+            idle: std::sync::Mutex::default(),
+            idle_timeout,
+        }
+    }
+
+    fn idle(&self) -> std::sync::MutexGuard<'_, Vec<Idle>> {
+        // Nothing can panic while the list is held; a poisoned list is still a valid list.
+        self.idle
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    fn take_ready(&self) -> Option<SendRequest<RequestBody<Incoming>>> {
+        let now = Instant::now();
+        let mut idle = self.idle();
+        // Dropping the last handle of a connection closes it.
+        idle.retain(|i| !i.conn.is_closed() && now.duration_since(i.since) < self.idle_timeout);
+        let ready = idle.iter().rposition(|i| i.conn.is_ready())?;
+        Some(idle.swap_remove(ready).conn)
+    }
+
+    fn put_back(&self, conn: SendRequest<RequestBody<Incoming>>) {
+        let mut idle = self.idle();
+        if !conn.is_closed() && idle.len() < MAX_IDLE_PER_WORKER {
+            idle.push(Idle {
+                conn,
+                since: Instant::now(),
+            });
+        }
+    }
+
+    async fn connect(&self) -> Result<SendRequest<RequestBody<Incoming>>, BoxError> {
+        let stream = TcpStream::connect(&self.addr).await?;
+        let _ = stream.set_nodelay(true);
+        let (conn, connection) =
+            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
+        // Served on this worker's runtime, next to the requests that use it.
+        tokio::spawn(async move {
+            if let Err(e) = connection.await {
+                tracing::debug!(error = %e, "upstream connection ended with an error");
+            }
+        });
+        Ok(conn)
+    }
+
+    pub(super) async fn send(
+        &self,
+        mut req: Request<RequestBody<Incoming>>,
+    ) -> Result<Response<Incoming>, SendFailed> {
+        loop {
+            let (mut conn, reused) = match self.take_ready() {
+                Some(conn) => (conn, true),
+                None => (self.connect().await.map_err(SendFailed::Connect)?, false),
+            };
+            match conn.try_send_request(req).await {
+                Ok(response) => {
+                    self.put_back(conn);
+                    return Ok(response);
+                }
+                Err(mut e) => match e.take_message() {
+                    // Never written: a kept-alive connection closed under us. Each retry
+                    // uses up one idle connection, so this ends on a new one at the latest.
+                    Some(back) if reused => req = back,
+                    Some(_) => return Err(SendFailed::Connect(e.into_error().into())),
+                    None => return Err(SendFailed::Request(e.into_error())),
+                },
+            }
+        }
+    }
+}

@@ -1,0 +1,128 @@
+//! Header rewriting on the way through: hop-by-hop headers out, `X-Forwarded-*` in.
+
+use std::net::SocketAddr;
+
+use fence_core::headers::{IDEMPOTENCY_KEY, X_FENCING_JOB, X_FENCING_TOKEN};
+use http::{HeaderMap, HeaderName, HeaderValue, Uri, Version, header::HOST, request::Parts};
+
+use super::config::Target;
+
+const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
+const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
+const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+
+/// Headers that describe one connection, not the message (RFC 9110 section 7.6.1, plus the
+/// non-standard `Keep-Alive` and `Proxy-Connection`); never forwarded in either direction.
+const HOP_BY_HOP: [HeaderName; 9] = [
+    http::header::CONNECTION,
+    HeaderName::from_static("keep-alive"),
+    HeaderName::from_static("proxy-connection"),
+    http::header::PROXY_AUTHENTICATE,
+    http::header::PROXY_AUTHORIZATION,
+    http::header::TE,
+    http::header::TRAILER,
+    http::header::TRANSFER_ENCODING,
+    http::header::UPGRADE,
+];
+
+/// The client's IP as `X-Forwarded-For` writes it, made once per connection and put into
+/// each request's extensions.
+#[derive(Debug, Clone)]
+pub(super) struct ClientAddr(HeaderValue);
+
+impl ClientAddr {
+    pub(super) fn new(peer: SocketAddr) -> Self {
+        let ip = peer.ip().to_canonical().to_string();
+        // An IP address is digits, letters, dots and colons: always a valid header value.
+        Self(HeaderValue::from_str(&ip).unwrap_or(HeaderValue::from_static("unknown")))
+    }
+}
+
+/// Turns a client's request head into the upstream's: hop-by-hop headers removed, `Host`
+/// set (the upstream's, or the client's with `preserve_host`), `X-Forwarded-For`, `-Host`
+/// and `-Proto` added, the target `uri` and HTTP/1.1.
+pub(super) fn to_upstream(parts: &mut Parts, uri: Uri, target: &Target, preserve_host: bool) {
+    let original_host = parts.headers.get(HOST).cloned().or_else(|| {
+        parts
+            .uri
+            .authority()
+            .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
+    });
+    strip_hop_by_hop(&mut parts.headers, true);
+    let headers = &mut parts.headers;
+    if preserve_host {
+        // HTTP/1.1 needs a Host: an HTTP/1.0 client without one gets the upstream's.
+        headers.insert(HOST, original_host.unwrap_or_else(|| target.host.clone()));
+    } else {
+        headers.insert(HOST, target.host.clone());
+        match original_host {
+            Some(host) => {
+                headers.insert(X_FORWARDED_HOST, host);
+            }
+            None => {
+                headers.remove(X_FORWARDED_HOST);
+            }
+        }
+    }
+    if let Some(ClientAddr(ip)) = parts.extensions.get::<ClientAddr>() {
+        append_forwarded_for(headers, ip);
+    }
+    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
+    parts.uri = uri;
+    // The upstream connections speak HTTP/1.1, whatever the client spoke to us.
+    parts.version = Version::HTTP_11;
+}
+
+/// Removes the hop-by-hop headers and every header the `Connection` header names. On a
+/// request the fencing and idempotency headers stay even when named: the fence already
+/// acted on them, and the upstream must see the token it accepted.
+pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, request: bool) {
+    // Most messages carry none of them: looking at the few names present is cheaper than
+    // nine removals, each of which hashes its name.
+    if !headers.keys().any(|name| HOP_BY_HOP.contains(name)) {
+        return;
+    }
+    let named: Vec<HeaderName> = headers
+        .get_all(http::header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .filter_map(|name| HeaderName::from_bytes(name.trim().as_bytes()).ok())
+        .collect();
+    for name in named {
+        let kept = request && [X_FENCING_JOB, X_FENCING_TOKEN, IDEMPOTENCY_KEY].contains(&name);
+        if !kept {
+            headers.remove(name);
+        }
+    }
+    for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// Appends the client's IP to `X-Forwarded-For`, joining earlier values into one line.
+fn append_forwarded_for(headers: &mut HeaderMap, ip: &HeaderValue) {
+    if !headers.contains_key(&X_FORWARDED_FOR) {
+        headers.insert(X_FORWARDED_FOR, ip.clone());
+        return;
+    }
+    let mut joined: Vec<u8> = Vec::new();
+    for value in headers.get_all(&X_FORWARDED_FOR) {
+        let value = value.as_bytes().trim_ascii();
+        if !value.is_empty() {
+            joined.extend_from_slice(value);
+            joined.extend_from_slice(b", ");
+        }
+    }
+    joined.extend_from_slice(ip.as_bytes());
+    match HeaderValue::from_bytes(&joined) {
+        Ok(value) => {
+            headers.insert(X_FORWARDED_FOR, value);
+        }
+        Err(_) => {
+            // Earlier values were valid header bytes, so this cannot happen; still, never
+            // lose the client's address.
+            headers.append(X_FORWARDED_FOR, ip.clone());
+        }
+    }
+}

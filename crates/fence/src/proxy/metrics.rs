@@ -1,0 +1,43 @@
+//! The proxy's own metrics: upstream calls by outcome, with their latency.
+
+use tokio::time::Instant;
+
+/// The metrics of one outcome of upstream calls, registered once (a lookup by name and
+/// label on every request would cost more than the rest of the bookkeeping).
+pub(super) struct Outcome {
+    count: metrics::Counter,
+    seconds: metrics::Histogram,
+}
+
+impl Outcome {
+    fn new(outcome: &'static str) -> Self {
+        Self {
+            count: metrics::counter!("fence_proxy_upstream_requests_total", "outcome" => outcome),
+            seconds: metrics::histogram!("fence_proxy_upstream_seconds", "outcome" => outcome),
+        }
+    }
+
+    pub(super) fn record(&self, started: Instant) {
+        self.count.increment(1);
+        self.seconds.record(started.elapsed().as_secs_f64());
+    }
+}
+
+/// Every outcome of an upstream call, as `fence_proxy_upstream_requests_total{outcome}`.
+pub(super) struct Outcomes {
+    pub(super) ok: Outcome,
+    pub(super) unavailable: Outcome,
+    pub(super) timeout: Outcome,
+    pub(super) bad_target: Outcome,
+}
+
+impl Outcomes {
+    pub(super) fn new() -> Self {
+        Self {
+            ok: Outcome::new("ok"),
+            unavailable: Outcome::new("unavailable"),
+            timeout: Outcome::new("timeout"),
+            bad_target: Outcome::new("bad_target"),
+        }
+    }
+}

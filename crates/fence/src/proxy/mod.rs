@@ -1,0 +1,165 @@
+//! The fencing reverse proxy: `docs/protocol.md` section 3 in front of any HTTP service (`fence proxy`).
+//!
+//! Every request passes through a [`FenceLayer`] (stale tokens get 409, missing ones 428, …)
+//! and, when admitted, is streamed to the upstream over a kept-alive HTTP/1.1 connection;
+//! the answer is streamed back. Hop-by-hop headers are dropped in both directions, the client's
+//! address is appended to `X-Forwarded-For`, and the fencing headers are forwarded so the
+//! upstream can record the token it acted under.
+//!
+//! A client that goes away does not cut an admitted request short: each request runs in a
+//! task of its own until the upstream answered (or its connection closed), so a newer token
+//! never reaches the upstream while an older request may still take effect there
+//! (`docs/protocol.md`, "in flight").
+//!
+//! The proxy runs [`ProxyConfig::workers`] threads (one per core by default), each with a
+//! single-threaded runtime, its own upstream connection pool and its own accept loop on the
+//! shared listening socket. A connection, its requests and their upstream calls stay on one
+//! thread: no work is handed between cores on the way through, which is what a reverse
+//! proxy spends most of its time on otherwise. The fence itself (the highest generation per
+//! job, the gates that order a bump after older requests) is one, shared by every thread.
+//!
+//! ```no_run
+//! # async fn run() -> anyhow::Result<()> {
+//! use fence::proxy::{ProxyConfig, serve};
+//!
+//! let listener = tokio::net::TcpListener::bind("127.0.0.1:8081").await?;
+//! let store = fence_sink::SledStore::open("/var/lib/fence-proxy")?;
+//! let config = ProxyConfig::new("http://127.0.0.1:8080".parse()?);
+//! serve(listener, store, config, async {
+//!     let _ = tokio::signal::ctrl_c().await;
+//! })
+//! .await?;
+//! # Ok(()) }
+//! ```
+
+mod accept;
+mod admin;
+mod config;
+mod conns;
+mod headers;
+mod metrics;
+mod upstream;
+mod worker;
+
+use std::{future::Future, sync::Arc, time::Duration};
+
+use anyhow::Context as _;
+use fence_sink::{FenceLayer, GenerationStore, IdempotencyStore};
+use tokio::{
+    net::TcpListener,
+    sync::{mpsc, watch},
+};
+
+pub use self::{admin::serve_admin, config::ProxyConfig};
+use self::{config::Target, upstream::UpstreamBody, worker::Worker};
+
+/// How long in-flight connections and requests may take to finish after shutdown begins.
+pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+
+/// The body of every answer of the proxy.
+type ProxyBody = fence_sink::ResponseBody<UpstreamBody>;
+
+/// Serves the proxy on `listener` until `shutdown` resolves, then stops accepting and finishes
+/// in-flight requests (graceful, bounded by [`SHUTDOWN_GRACE`]).
+///
+/// # Errors
+///
+/// When `config.upstream` is not an `http://host[:port][/path]` URI (no other scheme, no
+/// query, no user info).
+pub async fn serve<St>(
+    listener: TcpListener,
+    layer_store: St,
+    config: ProxyConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()>
+where
+    St: GenerationStore + IdempotencyStore,
+{
+    let target = Arc::new(Target::parse(&config.upstream)?);
+    let mut layer = FenceLayer::new(layer_store)
+        .fence_methods(config.fence_methods.iter().cloned())
+        .store_timeout(config.store_timeout)
+        // A client that goes away must not cancel an admitted request before the upstream
+        // answered: the fence counts it in flight until then (`docs/protocol.md` section 3, "in flight").
+        .run_to_completion()
+        .drain_timeout(config.drain_timeout);
+    layer = if config.require_token {
+        layer.require_token()
+    } else {
+        layer.allow_missing_token()
+    };
+    layer = match config.idempotency {
+        Some(idempotency) => layer.idempotency(idempotency.store_timeout(config.store_timeout)),
+        None => layer.without_idempotency(),
+    };
+    if let Some(verifier) = config.verifier.clone() {
+        layer = layer.require_signatures(verifier);
+    }
+    // Expired idempotency records are swept off the store while the proxy runs.
+    let _maintenance = layer.spawn_maintenance();
+
+    let listen = listener
+        .local_addr()
+        .context("reading the proxy's listen address")?;
+    // Every worker accepts on its own copy of the listening socket (one socket, several
+    // descriptors): the kernel hands each new connection to one of them.
+    let listener = listener
+        .into_std()
+        .context("taking the listening socket off the runtime")?;
+    let workers = config.workers.max(1);
+    let (stop, stopped) = watch::channel(false);
+    let (ended, mut ends) = mpsc::unbounded_channel::<anyhow::Result<()>>();
+    for n in 0..workers {
+        let started = listener
+            .try_clone()
+            .context("sharing the listening socket with a worker")
+            .and_then(|listener| {
+                let worker = Worker {
+                    listener,
+                    layer: layer.clone(),
+                    target: target.clone(),
+                    timeout: config.upstream_timeout,
+                    idle_timeout: config.upstream_idle_timeout,
+                    preserve_host: config.preserve_host,
+                    stopped: stopped.clone(),
+                };
+                let report = ended.clone();
+                std::thread::Builder::new()
+                    .name(format!("fence-proxy-{n}"))
+                    .spawn(move || {
+                        let result =
+                            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| worker.run()))
+                                .unwrap_or_else(|_| {
+                                    Err(anyhow::anyhow!("a proxy worker panicked"))
+                                });
+                        let _ = report.send(result);
+                    })
+                    .context("starting a proxy worker thread")
+            });
+        if let Err(e) = started {
+            // Stop the workers already running before giving up.
+            let _ = stop.send(true);
+            drop(ended);
+            while ends.recv().await.is_some() {}
+            return Err(e);
+        }
+    }
+    drop((listener, ended));
+    tracing::info!(%listen, upstream = %target.display, workers, "fencing proxy started");
+
+    // Run until shutdown is asked for, or until a worker ends on its own (it failed).
+    let mut result = tokio::select! {
+        () = shutdown => Ok(()),
+        Some(early) = ends.recv() => {
+            early.and_then(|()| Err(anyhow::anyhow!("a proxy worker stopped unexpectedly")))
+        }
+    };
+    let _ = stop.send(true);
+    while let Some(end) = ends.recv().await {
+        if result.is_ok() {
+            result = end;
+        }
+    }
+    tracing::info!("fencing proxy stopped");
+    result
+}

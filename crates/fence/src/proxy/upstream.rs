@@ -1,0 +1,131 @@
+//! The fence's inner service: forwards a request upstream, answers 502/504 when it fails.
+
+use std::{
+    convert::Infallible,
+    future::Future,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use fence_core::{Problem, ProblemType};
+use fence_sink::RequestBody;
+use fence_storage::error_chain;
+use http::{Method, Request, Response};
+use http_body_util::{Either, Full};
+use hyper::body::Incoming;
+use tokio::{sync::mpsc, time::Instant};
+use tower::Service;
+
+use super::{
+    config::Target,
+    conns::{SendFailed, UpstreamConns},
+    headers::{self, strip_hop_by_hop},
+    metrics::Outcomes,
+};
+
+/// The body of an upstream answer as the fence sees it: the upstream's own, or a problem.
+pub(super) type UpstreamBody = Either<Incoming, Full<Bytes>>;
+
+/// The inner service of the fence: forwards a request to the upstream over the worker's
+/// connections and answers 502/504 problems when the upstream fails or is too slow.
+#[derive(Clone)]
+pub(super) struct Upstream {
+    pub(super) conns: Arc<UpstreamConns>,
+    pub(super) outcomes: Arc<Outcomes>,
+    pub(super) target: Arc<Target>,
+    pub(super) timeout: Duration,
+    pub(super) preserve_host: bool,
+    /// Counts this copy for graceful shutdown (see `Worker::run`).
+    pub(super) _running: mpsc::Sender<()>,
+}
+
+impl Service<Request<RequestBody<Incoming>>> for Upstream {
+    type Response = Response<UpstreamBody>;
+    type Error = Infallible;
+    type Future = Pin<Box<dyn Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<RequestBody<Incoming>>) -> Self::Future {
+        let this = self.clone();
+        Box::pin(async move { Ok(this.forward(req).await) })
+    }
+}
+
+impl Upstream {
+    async fn forward(self, req: Request<RequestBody<Incoming>>) -> Response<UpstreamBody> {
+        let started = Instant::now();
+        let (mut parts, body) = req.into_parts();
+        if parts.method == Method::CONNECT {
+            self.outcomes.bad_target.record(started);
+            return problem(Problem::new(
+                ProblemType::MethodNotAllowed,
+                "CONNECT is not supported: this is a reverse proxy, not a tunnel",
+            ));
+        }
+        let uri = match self.target.uri_for(&parts.uri) {
+            Ok(uri) => uri,
+            Err(e) => {
+                self.outcomes.bad_target.record(started);
+                return problem(Problem::new(
+                    ProblemType::BadRequest,
+                    format!(
+                        "the request target {} cannot be forwarded to {}: {e}",
+                        parts.uri, self.target.display
+                    ),
+                ));
+            }
+        };
+        headers::to_upstream(&mut parts, uri, &self.target, self.preserve_host);
+
+        let request = self.conns.send(Request::from_parts(parts, body));
+        match tokio::time::timeout(self.timeout, request).await {
+            Ok(Ok(response)) => {
+                self.outcomes.ok.record(started);
+                let (mut head, body) = response.into_parts();
+                strip_hop_by_hop(&mut head.headers, false);
+                Response::from_parts(head, Either::Left(body))
+            }
+            Ok(Err(failed)) => {
+                self.outcomes.unavailable.record(started);
+                let (cause, maybe_seen) = match &failed {
+                    SendFailed::Connect(e) => (error_chain(e.as_ref()), false),
+                    SendFailed::Request(e) => (error_chain(e), true),
+                };
+                tracing::warn!(upstream = %self.target.display, error = %cause, "upstream failed");
+                let mut response = problem(Problem::new(
+                    ProblemType::UpstreamUnavailable,
+                    format!("upstream {} failed: {cause}", self.target.display),
+                ));
+                if maybe_seen {
+                    // The request may have reached the upstream before the failure.
+                    response.extensions_mut().insert(fence_sink::OutcomeUnknown);
+                }
+                response
+            }
+            Err(_) => {
+                // Dropping the request future closes its upstream connection.
+                self.outcomes.timeout.record(started);
+                tracing::warn!(upstream = %self.target.display, timeout = ?self.timeout, "upstream timed out");
+                let mut response = problem(Problem::new(
+                    ProblemType::UpstreamTimeout,
+                    format!(
+                        "upstream {} did not answer within {:?}; its connection was closed, and whether the request took effect there is unknown",
+                        self.target.display, self.timeout
+                    ),
+                ));
+                response.extensions_mut().insert(fence_sink::OutcomeUnknown);
+                response
+            }
+        }
+    }
+}
+
+fn problem(p: Problem) -> Response<UpstreamBody> {
+    p.to_response::<Full<Bytes>>().map(Either::Right)
+}

@@ -1,0 +1,95 @@
+//! One serving thread of the proxy: its own runtime, accept loop and upstream connections.
+
+use std::{convert::Infallible, sync::Arc, time::Duration};
+
+use anyhow::Context as _;
+use fence_sink::{Fence, FenceLayer, GenerationStore, IdempotencyStore};
+use http::{Request, Response};
+use hyper::body::Incoming;
+use tokio::{
+    net::TcpListener,
+    sync::{mpsc, watch},
+};
+use tower::{Layer, ServiceExt};
+
+use super::{
+    ProxyBody, accept::accept_loop, config::Target, conns::UpstreamConns, headers::ClientAddr,
+    metrics::Outcomes, upstream::Upstream,
+};
+
+/// One serving thread of the proxy: a single-threaded runtime with its own accept loop and
+/// upstream pool, sharing the fence (and its store) with the other workers.
+pub(super) struct Worker<St> {
+    pub(super) listener: std::net::TcpListener,
+    pub(super) layer: FenceLayer<St>,
+    pub(super) target: Arc<Target>,
+    pub(super) timeout: Duration,
+    pub(super) idle_timeout: Duration,
+    pub(super) preserve_host: bool,
+    pub(super) stopped: watch::Receiver<bool>,
+}
+
+impl<St: GenerationStore + IdempotencyStore> Worker<St> {
+    /// Serves until the proxy stops, then finishes in-flight requests (bounded by
+    /// [`SHUTDOWN_GRACE`]).
+    pub(super) fn run(self) -> anyhow::Result<()> {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .context("starting a proxy worker's runtime")?;
+        runtime.block_on(async move {
+            let listener = TcpListener::from_std(self.listener)
+                .context("registering the listening socket with a worker's runtime")?;
+            // This thread's own upstream connections, served on its runtime: a request
+            // and its upstream call never cross threads.
+            let conns = Arc::new(UpstreamConns::new(
+                &self.target.authority,
+                self.idle_timeout,
+            ));
+            // Every copy of the upstream service holds a sender: the connections' and each
+            // request's own, which lives until its upstream call is over. All are gone when
+            // the connections are closed and the last request has finished.
+            let (running, mut finished) = mpsc::channel::<()>(1);
+            let fence = self.layer.layer(Upstream {
+                conns,
+                outcomes: Arc::new(Outcomes::new()),
+                target: self.target,
+                timeout: self.timeout,
+                preserve_host: self.preserve_host,
+                _running: running,
+            });
+            let mut stopped = self.stopped;
+            let shutdown = async move {
+                let _ = stopped.wait_for(|stop| *stop).await;
+            };
+            let deadline = accept_loop(listener, shutdown, move |peer| {
+                let (fence, client) = (fence.clone(), ClientAddr::new(peer));
+                hyper::service::service_fn(move |req| handle(fence.clone(), client.clone(), req))
+            })
+            .await;
+            if tokio::time::timeout_at(deadline, finished.recv())
+                .await
+                .is_err()
+            {
+                tracing::warn!("shutdown grace ran out with upstream requests still running");
+            }
+            Ok(())
+        })
+    }
+}
+
+/// One request, through the fence to the upstream. The fence runs admitted requests to
+/// completion: when a client disconnects (hyper then drops this future) before the upstream
+/// answered, the rest of the request goes on in a task of its own, and the fence counts it
+/// in flight until then.
+async fn handle<St>(
+    fence: Fence<Upstream, St>,
+    client: ClientAddr,
+    mut req: Request<Incoming>,
+) -> Result<Response<ProxyBody>, Infallible>
+where
+    St: GenerationStore + IdempotencyStore,
+{
+    req.extensions_mut().insert(client);
+    fence.oneshot(req).await
+}
