@@ -45,7 +45,6 @@ impl fence_sink::IdempotencyStore for AtOne {
         &self,
         _: fence_sink::Attempt<'_>,
         _: fence_sink::Finish,
-        _: std::time::Duration,
     ) -> Result<(), StoreError> {
         Ok(())
     }

@@ -175,7 +175,13 @@ pub async fn begin_then_in_flight_then_replay<S: IdempotencyStore>(store: S, _ad
         Begin::InFlight
     );
     store
-        .finish(at(&j, &k, &f), Finish::Store(response("done")), LONG)
+        .finish(
+            at(&j, &k, &f),
+            Finish::Store {
+                response: response("done"),
+                retention: LONG,
+            },
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -196,7 +202,13 @@ pub async fn mismatched_fingerprint_is_reported<S: IdempotencyStore>(store: S, _
         Begin::Mismatch
     );
     store
-        .finish(at(&j, &k, &fp("a")), Finish::Store(response("x")), LONG)
+        .finish(
+            at(&j, &k, &fp("a")),
+            Finish::Store {
+                response: response("x"),
+                retention: LONG,
+            },
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -205,7 +217,7 @@ pub async fn mismatched_fingerprint_is_reported<S: IdempotencyStore>(store: S, _
     );
     // A finish with the wrong fingerprint changes nothing.
     store
-        .finish(at(&j, &k, &fp("b")), Finish::Forget, LONG)
+        .finish(at(&j, &k, &fp("b")), Finish::Forget)
         .await
         .unwrap();
     assert_eq!(
@@ -221,10 +233,7 @@ pub async fn forget_lets_the_key_run_again<S: IdempotencyStore>(store: S, _advan
         store.begin(at(&j, &k, &f), LONG).await.unwrap(),
         Begin::Started
     );
-    store
-        .finish(at(&j, &k, &f), Finish::Forget, LONG)
-        .await
-        .unwrap();
+    store.finish(at(&j, &k, &f), Finish::Forget).await.unwrap();
     assert_eq!(
         store.begin(at(&j, &k, &f), LONG).await.unwrap(),
         Begin::Started
@@ -239,7 +248,7 @@ pub async fn too_large_is_not_replayable<S: IdempotencyStore>(store: S, _advance
         Begin::Started
     );
     store
-        .finish(at(&j, &k, &f), Finish::TooLarge, LONG)
+        .finish(at(&j, &k, &f), Finish::TooLarge { retention: LONG })
         .await
         .unwrap();
     assert_eq!(
@@ -265,7 +274,13 @@ pub async fn in_flight_and_retention_expire<S: IdempotencyStore>(store: S, advan
         Begin::Started
     );
     store
-        .finish(at(&j, &key("kept"), &f), Finish::Store(response("k")), LONG)
+        .finish(
+            at(&j, &key("kept"), &f),
+            Finish::Store {
+                response: response("k"),
+                retention: LONG,
+            },
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -273,7 +288,13 @@ pub async fn in_flight_and_retention_expire<S: IdempotencyStore>(store: S, advan
         Begin::Started
     );
     store
-        .finish(at(&j, &key("old"), &f), Finish::Store(response("o")), short)
+        .finish(
+            at(&j, &key("old"), &f),
+            Finish::Store {
+                response: response("o"),
+                retention: short,
+            },
+        )
         .await
         .unwrap();
     advance(Duration::from_millis(20));
@@ -309,8 +330,10 @@ pub async fn keys_are_scoped_per_job<S: IdempotencyStore>(store: S, _advance: Ad
     store
         .finish(
             at(&job("idem-x"), &k, &f),
-            Finish::Store(response("x")),
-            LONG,
+            Finish::Store {
+                response: response("x"),
+                retention: LONG,
+            },
         )
         .await
         .unwrap();

@@ -42,8 +42,8 @@ impl IdempotencyStore for Gated {
     async fn begin(&self, attempt: Attempt<'_>, d: Duration) -> Result<Begin, StoreError> {
         self.inner.begin(attempt, d).await
     }
-    async fn finish(&self, attempt: Attempt<'_>, o: Finish, d: Duration) -> Result<(), StoreError> {
-        self.inner.finish(attempt, o, d).await
+    async fn finish(&self, attempt: Attempt<'_>, o: Finish) -> Result<(), StoreError> {
+        self.inner.finish(attempt, o).await
     }
     async fn purge_expired(&self) -> Result<usize, StoreError> {
         self.inner.purge_expired().await

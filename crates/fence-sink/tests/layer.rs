@@ -368,7 +368,7 @@ impl IdempotencyStore for BrokenStore {
         Err(broken())
     }
 
-    async fn finish(&self, _: Attempt<'_>, _: Finish, _: Duration) -> Result<(), StoreError> {
+    async fn finish(&self, _: Attempt<'_>, _: Finish) -> Result<(), StoreError> {
         Err(broken())
     }
 
@@ -423,14 +423,9 @@ impl IdempotencyStore for FlakyStore {
         self.inner.begin(attempt, for_).await
     }
 
-    async fn finish(
-        &self,
-        attempt: Attempt<'_>,
-        outcome: Finish,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         self.check()?;
-        self.inner.finish(attempt, outcome, retention).await
+        self.inner.finish(attempt, outcome).await
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {

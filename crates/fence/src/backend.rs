@@ -207,26 +207,17 @@ impl GenerationStore for SinkBackend {
 }
 
 impl IdempotencyStore for SinkBackend {
-    async fn begin(
-        &self,
-        attempt: Attempt<'_>,
-        in_flight_for: Duration,
-    ) -> Result<Begin, StoreError> {
+    async fn begin(&self, attempt: Attempt<'_>, in_flight: Duration) -> Result<Begin, StoreError> {
         match self {
-            Self::Sled(s) => s.begin(attempt, in_flight_for).await,
-            Self::Postgres(s) => s.begin(attempt, in_flight_for).await,
+            Self::Sled(s) => s.begin(attempt, in_flight).await,
+            Self::Postgres(s) => s.begin(attempt, in_flight).await,
         }
     }
 
-    async fn finish(
-        &self,
-        attempt: Attempt<'_>,
-        outcome: Finish,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         match self {
-            Self::Sled(s) => s.finish(attempt, outcome, retention).await,
-            Self::Postgres(s) => s.finish(attempt, outcome, retention).await,
+            Self::Sled(s) => s.finish(attempt, outcome).await,
+            Self::Postgres(s) => s.finish(attempt, outcome).await,
         }
     }
 

@@ -143,11 +143,18 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                     headers: head.headers.clone(),
                     body: bytes.clone(),
                 };
-                self.finish(fingerprint, Finish::Store(stored)).await;
+                let retention = self.config.retention;
+                let outcome = Finish::Store {
+                    response: stored,
+                    retention,
+                };
+                self.finish(fingerprint, outcome).await;
                 Response::from_parts(head, ResponseBody::full(bytes))
             }
             Captured::TooLarge(prefix, trailers, rest) => {
-                self.finish(fingerprint, Finish::TooLarge).await;
+                let retention = self.config.retention;
+                self.finish(fingerprint, Finish::TooLarge { retention })
+                    .await;
                 Response::from_parts(head, ResponseBody::prefixed(prefix, trailers, rest))
             }
             Captured::Failed(e) => {
@@ -159,9 +166,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
 
     async fn finish(&self, fingerprint: &Fingerprint, outcome: Finish) {
         let attempt = self.attempt(fingerprint);
-        let finished = self
-            .timed(self.store.finish(attempt, outcome, self.config.retention))
-            .await;
+        let finished = self.timed(self.store.finish(attempt, outcome)).await;
         if let Err(e) = finished {
             // The in-flight record stays until its timeout: retries get 409, never a second run.
             tracing::warn!(job = %self.job, error = %fence_storage::error_chain(&e), "completing an idempotency record failed");

@@ -68,17 +68,13 @@ impl GenerationStore for MemoryStore {
 }
 
 impl IdempotencyStore for MemoryStore {
-    async fn begin(
-        &self,
-        attempt: Attempt<'_>,
-        in_flight_for: Duration,
-    ) -> Result<Begin, StoreError> {
+    async fn begin(&self, attempt: Attempt<'_>, in_flight: Duration) -> Result<Begin, StoreError> {
         let mut inner = self.lock();
         let k = (attempt.job.clone(), attempt.key.clone());
         let (write, answer) = record::begin(
             inner.records.get(&k),
             attempt.fingerprint,
-            ms(in_flight_for),
+            ms(in_flight),
             self.clock.now_ms(),
         );
         if let Some(r) = write {
@@ -87,21 +83,11 @@ impl IdempotencyStore for MemoryStore {
         Ok(answer)
     }
 
-    async fn finish(
-        &self,
-        attempt: Attempt<'_>,
-        outcome: Finish,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         let mut inner = self.lock();
         let k = (attempt.job.clone(), attempt.key.clone());
-        match record::finish(
-            inner.records.get(&k),
-            attempt.fingerprint,
-            outcome,
-            ms(retention),
-            self.clock.now_ms(),
-        ) {
+        let now = self.clock.now_ms();
+        match record::finish(inner.records.get(&k), attempt.fingerprint, outcome, now) {
             Some(Some(r)) => {
                 inner.records.insert(k, r);
             }

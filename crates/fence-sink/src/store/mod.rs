@@ -92,9 +92,18 @@ pub enum Begin {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Finish {
     /// Store this response for replay until `retention` has passed.
-    Store(StoredResponse),
-    /// The response was too large: remember that the request ran, but that it cannot be replayed.
-    TooLarge,
+    Store {
+        /// The response.
+        response: StoredResponse,
+        /// How long to keep it.
+        retention: Duration,
+    },
+    /// The response was too large: remember for `retention` that the request ran, but that
+    /// it cannot be replayed.
+    TooLarge {
+        /// How long to remember it.
+        retention: Duration,
+    },
     /// Forget the record (a response whose status is not stored, such as a 5xx, or an error
     /// from the service), so a retry runs again. A request dropped mid-way is not forgotten:
     /// its in-flight record stays until its timeout.
@@ -115,12 +124,12 @@ pub struct Attempt<'a> {
 /// Durable per-(job, key) idempotency records.
 pub trait IdempotencyStore: Send + Sync + 'static {
     /// Atomically: when no live record exists for (job, key) (none, an in-flight record whose
-    /// `in_flight_for` ran out, or a completed one older than its retention), write an
+    /// `in_flight` ran out, or a completed one older than its retention), write an
     /// in-flight record and answer `Started`; otherwise compare fingerprints and answer.
     fn begin(
         &self,
         attempt: Attempt<'_>,
-        in_flight_for: Duration,
+        in_flight: Duration,
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
 
     /// Completes what `begin` started.
@@ -128,7 +137,6 @@ pub trait IdempotencyStore: Send + Sync + 'static {
         &self,
         attempt: Attempt<'_>,
         outcome: Finish,
-        retention: Duration,
     ) -> impl Future<Output = Result<(), StoreError>> + Send;
 
     /// Deletes records that are no longer live; returns how many.

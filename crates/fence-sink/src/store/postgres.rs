@@ -257,11 +257,7 @@ fn ms(d: Duration) -> i64 {
 }
 
 impl IdempotencyStore for PgStore {
-    async fn begin(
-        &self,
-        attempt: Attempt<'_>,
-        in_flight_for: Duration,
-    ) -> Result<Begin, StoreError> {
+    async fn begin(&self, attempt: Attempt<'_>, in_flight: Duration) -> Result<Begin, StoreError> {
         let client = self.pool.get().await.map_err(io)?;
         let t = &self.tables.idempotency;
         let record = Record::InFlight {
@@ -286,7 +282,7 @@ impl IdempotencyStore for PgStore {
                     &attempt.key.as_str(),
                     &&attempt.fingerprint.0[..],
                     &record,
-                    &ms(in_flight_for),
+                    &ms(in_flight),
                     &self.offset(),
                 ],
             )
@@ -324,12 +320,7 @@ impl IdempotencyStore for PgStore {
         })
     }
 
-    async fn finish(
-        &self,
-        attempt: Attempt<'_>,
-        outcome: Finish,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         let client = self.pool.get().await.map_err(io)?;
         let t = &self.tables.idempotency;
         let mine = "job = $1 AND key = $2 AND fingerprint = $3 AND in_flight";
@@ -349,9 +340,13 @@ impl IdempotencyStore for PgStore {
                     .map_err(io)?;
                 return Ok(());
             }
-            Finish::Store(r) => Some(r),
-            Finish::TooLarge => None,
+            Finish::Store {
+                response,
+                retention,
+            } => (Some(response), retention),
+            Finish::TooLarge { retention } => (None, retention),
         };
+        let (response, retention) = response;
         let record = Record::Done {
             fingerprint: *attempt.fingerprint,
             expires_ms: 0,

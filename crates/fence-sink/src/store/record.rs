@@ -117,26 +117,23 @@ pub(crate) fn finish(
     cur: Option<&Record>,
     fingerprint: &Fingerprint,
     outcome: Finish,
-    retention_ms: u64,
     now_ms: u64,
 ) -> Option<Option<Record>> {
     match cur {
         Some(Record::InFlight { fingerprint: f, .. }) if f == fingerprint => {
-            let expires_ms = now_ms.saturating_add(retention_ms);
-            let fingerprint = *fingerprint;
-            Some(match outcome {
-                Finish::Store(response) => Some(Record::Done {
-                    fingerprint,
-                    expires_ms,
-                    response: Some(response),
-                }),
-                Finish::TooLarge => Some(Record::Done {
-                    fingerprint,
-                    expires_ms,
-                    response: None,
-                }),
-                Finish::Forget => None,
-            })
+            let (response, retention) = match outcome {
+                Finish::Store {
+                    response,
+                    retention,
+                } => (Some(response), retention),
+                Finish::TooLarge { retention } => (None, retention),
+                Finish::Forget => return Some(None),
+            };
+            Some(Some(Record::Done {
+                fingerprint: *fingerprint,
+                expires_ms: now_ms.saturating_add(super::ms(retention)),
+                response,
+            }))
         }
         _ => None,
     }

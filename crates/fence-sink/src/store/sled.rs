@@ -157,43 +157,25 @@ impl GenerationStore for SledStore {
 }
 
 impl IdempotencyStore for SledStore {
-    async fn begin(
-        &self,
-        attempt: Attempt<'_>,
-        in_flight_for: Duration,
-    ) -> Result<Begin, StoreError> {
+    async fn begin(&self, attempt: Attempt<'_>, in_flight: Duration) -> Result<Begin, StoreError> {
         let k = record_key(attempt.job, attempt.key);
         // The in-flight record is written but not waited on: losing it in a crash ends the
         // same way as its timeout running out (a retry runs again), and the completion,
         // which is waited on, flushes it anyway. One disk sync per request instead of two.
         self.update_record(attempt.job, &k, false, |cur| {
-            let (write, answer) = record::begin(
-                cur,
-                attempt.fingerprint,
-                ms(in_flight_for),
-                self.clock.now_ms(),
-            );
+            let (write, answer) =
+                record::begin(cur, attempt.fingerprint, ms(in_flight), self.clock.now_ms());
             (write.map(Some), answer)
         })
         .await
     }
 
-    async fn finish(
-        &self,
-        attempt: Attempt<'_>,
-        outcome: Finish,
-        retention: Duration,
-    ) -> Result<(), StoreError> {
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         let k = record_key(attempt.job, attempt.key);
         self.update_record(attempt.job, &k, true, |cur| {
+            let now = self.clock.now_ms();
             (
-                record::finish(
-                    cur,
-                    attempt.fingerprint,
-                    outcome.clone(),
-                    ms(retention),
-                    self.clock.now_ms(),
-                ),
+                record::finish(cur, attempt.fingerprint, outcome.clone(), now),
                 (),
             )
         })
