@@ -16,7 +16,7 @@ use std::{
 };
 
 use fence_core::{JobId, Owner};
-use fence_lease::{LeaseStore, Outcome, PgLeaseStore, PgTable, SledLeaseStore, Ttl};
+use fence_lease::{LeaseStore, Outcome, PgLeaseStore, PgTable, SledLeaseStore, Ttl, new_lease_key};
 
 async fn drive<S: LeaseStore>(store: Arc<S>, clients: usize, op: &str, secs: u64) -> f64 {
     let until = Instant::now() + Duration::from_secs(secs);
@@ -26,16 +26,20 @@ async fn drive<S: LeaseStore>(store: Arc<S>, clients: usize, op: &str, secs: u64
             tokio::spawn(async move {
                 let job: JobId = format!("load-{c}-{}", std::process::id()).parse().unwrap();
                 let owner: Owner = format!("client-{c}").parse().unwrap();
+                let key = new_lease_key().unwrap();
                 let mut ops = 0u64;
                 let mut generation = None;
                 while Instant::now() < until {
                     match (op.as_str(), generation) {
                         ("renew", Some(g)) => {
-                            store.renew(&job, &owner, g, Ttl::DEFAULT).await.unwrap();
+                            store
+                                .renew(&job, &owner, g, &key, Ttl::DEFAULT)
+                                .await
+                                .unwrap();
                         }
                         _ => {
                             let Outcome::Granted(g) =
-                                store.claim(&job, &owner, Ttl::DEFAULT).await.unwrap()
+                                store.claim(&job, &owner, &key, Ttl::DEFAULT).await.unwrap()
                             else {
                                 panic!("client {c} could not claim its own job")
                             };
@@ -43,7 +47,10 @@ async fn drive<S: LeaseStore>(store: Arc<S>, clients: usize, op: &str, secs: u64
                                 generation = Some(g.generation);
                                 continue;
                             }
-                            store.release(&job, &owner, g.generation).await.unwrap();
+                            store
+                                .release(&job, &owner, g.generation, &key)
+                                .await
+                                .unwrap();
                         }
                     }
                     ops += 1;
@@ -93,10 +100,12 @@ async fn fill_store(dir: &str, jobs: u64) -> Result<(), Box<dyn std::error::Erro
     let started = Instant::now();
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let owner: Owner = "filler".parse()?;
+    let key = new_lease_key()?;
     let ttl = Ttl::new(Duration::from_secs(3600))?;
     let tasks: Vec<_> = (0..64)
         .map(|_| {
-            let (store, next, owner) = (store.clone(), next.clone(), owner.clone());
+            let (store, next, owner, key) =
+                (store.clone(), next.clone(), owner.clone(), key.clone());
             tokio::spawn(async move {
                 loop {
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
@@ -105,7 +114,7 @@ async fn fill_store(dir: &str, jobs: u64) -> Result<(), Box<dyn std::error::Erro
                     }
                     let job: JobId = format!("f-{i}").parse().map_err(|e| format!("{e}"))?;
                     store
-                        .claim(&job, &owner, ttl)
+                        .claim(&job, &owner, &key, ttl)
                         .await
                         .map_err(|e| format!("claim {job}: {e}"))?;
                     if i % 50_000 == 0 {

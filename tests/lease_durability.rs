@@ -22,7 +22,12 @@ async fn child_claims_then_waits() {
     let owner = std::env::var(CHILD_OWNER).unwrap().parse().unwrap();
     let store = SledLeaseStore::open(dir).unwrap();
     match store
-        .claim(&"durable-job".parse().unwrap(), &owner, Ttl::MIN)
+        .claim(
+            &"durable-job".parse().unwrap(),
+            &owner,
+            &fence_lease::new_lease_key().unwrap(),
+            Ttl::MIN,
+        )
         .await
         .unwrap()
     {

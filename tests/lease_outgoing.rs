@@ -44,7 +44,12 @@ async fn legacy_client_sends_fencing_headers_until_the_lease_is_lost() {
     let other = "other".parse().unwrap();
     assert!(matches!(
         store
-            .claim(&"job-9".parse().unwrap(), &other, Ttl::DEFAULT)
+            .claim(
+                &"job-9".parse().unwrap(),
+                &other,
+                &fence_lease::new_lease_key().unwrap(),
+                Ttl::DEFAULT,
+            )
             .await
             .unwrap(),
         fence_lease::Outcome::Granted(_)

@@ -52,10 +52,13 @@ pub enum HeaderError {
     },
     /// `X-Fencing-Job` is not a valid job id.
     Job(ParseIdError),
-    /// `X-Fencing-Token` is not a valid token.
+    /// The generation of `X-Fencing-Token` is not a valid token.
     Token(ParseTokenError),
-    /// The signature part of a signed `X-Fencing-Token` is empty or not visible ASCII.
-    Signature,
+    /// `X-Fencing-Token` is neither a plain token nor `<generation>.<expires_at_ms>.<signature>`.
+    Signed {
+        /// What is wrong with it.
+        reason: &'static str,
+    },
     /// `Idempotency-Key` is neither an sf-string nor a bare token of 1 to 255 visible ASCII characters.
     IdempotencyKey {
         /// What is wrong with it.
@@ -78,8 +81,9 @@ impl fmt::Display for HeaderError {
             ),
             Self::Job(e) => write!(f, "header X-Fencing-Job: {e}"),
             Self::Token(e) => write!(f, "header X-Fencing-Token: {e}"),
-            Self::Signature => f.write_str(
-                "header X-Fencing-Token: the part after '.' must be a non-empty signature of visible ASCII (<generation>.<signature>)",
+            Self::Signed { reason } => write!(
+                f,
+                "header X-Fencing-Token: {reason}; a token is a plain generation or <generation>.<expires_at_ms>.<signature>"
             ),
             Self::IdempotencyKey { reason } => write!(f, "header Idempotency-Key: {reason}"),
         }
@@ -134,9 +138,19 @@ pub struct FencingHeaders {
     pub job: JobId,
     /// `X-Fencing-Token`: the generation part.
     pub token: FencingToken,
-    /// The signature part of a signed token (`<generation>.<signature>`), as sent; checked
-    /// only by a destination that requires signatures (contract section 6).
-    pub signature: Option<Box<str>>,
+    /// The rest of a signed token, as sent; checked only by a destination that requires
+    /// signatures (contract section 6).
+    pub signed: Option<Signed>,
+}
+
+/// What a signed token adds to its generation: the end of its lease and the signature.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Signed {
+    /// When the lease the token belongs to ends, on the lease server's clock, in ms since
+    /// the Unix epoch.
+    pub expires_at_ms: u64,
+    /// The signature: 86 base64url characters (whether it verifies is for a verifier to say).
+    pub signature: Box<str>,
 }
 
 impl FencingHeaders {
@@ -159,33 +173,71 @@ impl FencingHeaders {
             }),
             (Some(job), Some(token)) => {
                 let job = JobId::from_bytes(job.as_bytes()).map_err(HeaderError::Job)?;
-                let (token, signature) = split_signed(token.as_bytes())?;
-                Ok(Some(Self {
-                    job,
-                    token,
-                    signature,
-                }))
+                let (token, signed) = parse_token(token.as_bytes())?;
+                Ok(Some(Self { job, token, signed }))
             }
         }
     }
 }
 
-/// Splits `<generation>` or `<generation>.<signature>`; the signature part must be 1 or more
-/// visible ASCII characters (whether it is a valid signature is for a verifier to say).
-fn split_signed(value: &[u8]) -> Result<(FencingToken, Option<Box<str>>), HeaderError> {
-    let Some(dot) = value.iter().position(|&b| b == b'.') else {
-        return Ok((
-            FencingToken::from_bytes(value).map_err(HeaderError::Token)?,
-            None,
-        ));
+/// Parses a token: a plain generation, or `<generation>.<expires_at_ms>.<signature>` with a
+/// signature of exactly 86 base64url characters. Anything else is malformed, whoever reads it.
+///
+/// ```
+/// # use fence_core::headers::parse_token;
+/// let signed = format!("7.1700000030000.{}", "A".repeat(86));
+/// assert_eq!(parse_token(signed.as_bytes())?.1.unwrap().expires_at_ms, 1_700_000_030_000);
+/// for bad in ["1.5", "7.", "7.x", "7.1.short", "7.01.AAAA"] {
+///     assert!(parse_token(bad.as_bytes()).is_err(), "{bad}");
+/// }
+/// # Ok::<(), fence_core::headers::HeaderError>(())
+/// ```
+///
+/// # Errors
+/// When the value is neither form.
+pub fn parse_token(value: &[u8]) -> Result<(FencingToken, Option<Signed>), HeaderError> {
+    let bad = |reason| HeaderError::Signed { reason };
+    let mut parts = value.split(|&b| b == b'.');
+    let generation = parts.next().unwrap_or_default();
+    let (Some(expires), Some(signature), None) = (parts.next(), parts.next(), parts.next()) else {
+        return match value.iter().filter(|&&b| b == b'.').count() {
+            0 => Ok((
+                FencingToken::from_bytes(value).map_err(HeaderError::Token)?,
+                None,
+            )),
+            _ => Err(bad("it has a '.' but not three parts")),
+        };
     };
-    let token = FencingToken::from_bytes(&value[..dot]).map_err(HeaderError::Token)?;
-    let signature = &value[dot + 1..];
-    if signature.is_empty() || signature.iter().any(|b| !(0x21..=0x7E).contains(b)) {
-        return Err(HeaderError::Signature);
+    let token = FencingToken::from_bytes(generation).map_err(HeaderError::Token)?;
+    let canonical = !expires.is_empty()
+        && expires.len() <= 20
+        && expires.iter().all(u8::is_ascii_digit)
+        && (expires == b"0" || expires[0] != b'0');
+    let expires_at_ms = std::str::from_utf8(expires)
+        .ok()
+        .filter(|_| canonical)
+        .and_then(|e| e.parse::<u64>().ok())
+        .ok_or(bad(
+            "the lease end (second part) is not a decimal number of milliseconds",
+        ))?;
+    if signature.len() != crate::SIGNATURE_LEN
+        || !signature
+            .iter()
+            .all(|b| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_')
+    {
+        return Err(bad(
+            "the signature (third part) is not 86 base64url characters",
+        ));
     }
-    let signature = std::str::from_utf8(signature).map_err(|_| HeaderError::Signature)?;
-    Ok((token, Some(signature.into())))
+    // Base64url is ASCII, which is valid UTF-8.
+    let signature = std::str::from_utf8(signature).unwrap_or_default().into();
+    Ok((
+        token,
+        Some(Signed {
+            expires_at_ms,
+            signature,
+        }),
+    ))
 }
 
 /// Sets `X-Fencing-Job` and `X-Fencing-Token`, replacing any earlier values.
@@ -299,14 +351,19 @@ mod tests {
         let ok = FencingHeaders {
             job: "j".parse().unwrap(),
             token: FencingToken::new(7).unwrap(),
-            signature: None,
+            signed: None,
         };
+        let sig = "a-_Z".repeat(21) + "AQ";
         let signed = FencingHeaders {
-            signature: Some("abc_-".into()),
+            signed: Some(Signed {
+                expires_at_ms: 1_700_000_030_000,
+                signature: sig.clone().into(),
+            }),
             ..ok.clone()
         };
+        let signed_value = format!("7.1700000030000.{sig}");
         assert_eq!(
-            FencingHeaders::from_headers(&map(&[(j, b"j"), (t, b"7.abc_-")])),
+            FencingHeaders::from_headers(&map(&[(j, b"j"), (t, signed_value.as_bytes())])),
             Ok(Some(signed))
         );
         assert_eq!(FencingHeaders::from_headers(&map(&[])), Ok(None));
@@ -314,6 +371,29 @@ mod tests {
             FencingHeaders::from_headers(&map(&[(j, b"j"), (t, b"7")])),
             Ok(Some(ok))
         );
+        let with = |expires: &str, signature: &str| format!("7.{expires}.{signature}");
+        let (short, long) = (sig[..85].to_owned(), format!("{sig}A"));
+        let owned: Vec<(String, &str)> = vec![
+            (with("0", &sig), ""),
+            (with("18446744073709551615", &sig), ""),
+            (with("01", &sig), "lease end"),
+            (with("", &sig), "lease end"),
+            (with("-1", &sig), "lease end"),
+            (with("18446744073709551616", &sig), "lease end"),
+            (with("1", &short), "86 base64url"),
+            (with("1", &long), "86 base64url"),
+            (with("1", &sig.replace('a', "+")), "86 base64url"),
+            (format!("7.{sig}"), "not three parts"),
+            (format!("{}.{sig}", with("1", &sig)), "not three parts"),
+        ];
+        for (value, want) in &owned {
+            let got = FencingHeaders::from_headers(&map(&[(j, b"j"), (t, value.as_bytes())]));
+            match (want.is_empty(), got) {
+                (true, Ok(Some(_))) => {}
+                (false, Err(e)) => assert!(e.to_string().contains(want), "{value}: {e}"),
+                (_, got) => panic!("{value}: {got:?}"),
+            }
+        }
         type Pairs<'a> = &'a [(&'a HeaderName, &'a [u8])];
         let bad: &[(Pairs<'_>, &str)] = &[
             (
@@ -343,10 +423,11 @@ mod tests {
             (&[(j, b"j"), (t, b"0")], "is 0"),
             (&[(j, b"j"), (t, b"-1")], "0x2D"),
             (&[(j, b"j"), (t, b"18446744073709551616")], "above"),
-            (&[(j, b"j"), (t, b"7.")], "the part after '.'"),
-            (&[(j, b"j"), (t, b"07.abc")], "leading zero"),
-            (&[(j, b"j"), (t, b".abc")], "empty"),
-            (&[(j, b"j"), (t, b"7.a b")], "the part after '.'"),
+            (&[(j, b"j"), (t, b"1.5")], "not three parts"),
+            (&[(j, b"j"), (t, b"7.")], "not three parts"),
+            (&[(j, b"j"), (t, b"7.x")], "not three parts"),
+            (&[(j, b"j"), (t, b".abc")], "not three parts"),
+            (&[(j, b"j"), (t, b"07.1.abc")], "leading zero"),
         ];
         for (pairs, want) in bad {
             let e = FencingHeaders::from_headers(&map(pairs)).unwrap_err();

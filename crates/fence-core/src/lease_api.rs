@@ -5,15 +5,16 @@
 //! same types with serde, so both ends agree on every field by construction.
 //!
 //! ```
-//! use fence_core::{Ttl, lease_api::{Action, ClaimRequest, lease_path}};
+//! use fence_core::{Ttl, lease_api::{Action, ClaimRequest, lease_path}, secret::LeaseKey};
 //!
 //! let job = "invoice-42".parse()?;
 //! assert_eq!(lease_path(&job, Some(Action::Claim)), "/v1/leases/invoice-42/claim");
-//! let body = ClaimRequest { owner: "worker-a".parse()?, ttl: Ttl::from_millis(10_000)? };
+//! let lease_key = LeaseKey::from_random(&[9; 32]); // from the OS's random source, really
+//! let body = ClaimRequest { owner: "worker-a".parse()?, lease_key, ttl: Ttl::from_millis(10_000)? };
 //! let json = serde_json::to_vec(&body)?;
 //! assert_eq!(ClaimRequest::from_json(&json)?, body);
-//! let err = ClaimRequest::from_json(br#"{"owner": "w", "ttl_ms": 99}"#).unwrap_err();
-//! assert_eq!(err.to_string(), "ttl_ms: ttl of 99 ms is below the minimum of 100 ms");
+//! let err = ClaimRequest::from_json(br#"{"owner": "w", "lease_key": "short"}"#).unwrap_err();
+//! assert_eq!(err.to_string(), "lease_key: must be 22 to 128 base64url characters, got 5");
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 
@@ -22,7 +23,7 @@ use std::fmt;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
-use crate::{Generation, JobId, Owner, Ttl};
+use crate::{Generation, JobId, Owner, Ttl, secret::LeaseKey};
 
 /// The largest request body a lease server reads, in bytes.
 pub const MAX_REQUEST_BODY: usize = 16 * 1024;
@@ -73,13 +74,7 @@ impl fmt::Display for Action {
 /// `/complete` (none for the job's record), with the job id percent-encoded.
 pub fn lease_path(job: &JobId, action: Option<Action>) -> String {
     let mut path = String::from("/v1/leases/");
-    for b in job.as_str().bytes() {
-        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
-            path.push(char::from(b));
-        } else {
-            path.push_str(&format!("%{b:02X}"));
-        }
-    }
+    path.push_str(&percent_encode(job.as_str()));
     if let Some(action) = action {
         path.push('/');
         path.push_str(action.as_str());
@@ -135,6 +130,14 @@ impl Fields {
         }
     }
 
+    fn lease_key(&self) -> Result<LeaseKey, BodyError> {
+        match self.0.get("lease_key") {
+            None => Err(BodyError::new("lease_key", "missing")),
+            Some(Value::String(s)) => LeaseKey::new(s).map_err(|e| BodyError::new("lease_key", e)),
+            Some(_) => Err(BodyError::new("lease_key", "must be a string")),
+        }
+    }
+
     fn u64(&self, field: &str) -> Result<Option<u64>, BodyError> {
         match self.0.get(field) {
             None => Ok(None),
@@ -167,6 +170,8 @@ impl Fields {
 pub struct ClaimRequest {
     /// Who claims.
     pub owner: Owner,
+    /// The secret that will prove this claim's lease is the caller's (a fresh one per claim).
+    pub lease_key: LeaseKey,
     /// How long the lease should last (`ttl_ms`; 30 s when left out).
     #[serde(rename = "ttl_ms")]
     pub ttl: Ttl,
@@ -178,9 +183,10 @@ impl ClaimRequest {
     /// # Errors
     /// When it is not a JSON object of exactly these fields with valid values.
     pub fn from_json(bytes: &[u8]) -> Result<Self, BodyError> {
-        let f = Fields::parse(bytes, &["owner", "ttl_ms"])?;
+        let f = Fields::parse(bytes, &["owner", "lease_key", "ttl_ms"])?;
         Ok(Self {
             owner: f.owner()?,
+            lease_key: f.lease_key()?,
             ttl: f.ttl()?,
         })
     }
@@ -193,6 +199,8 @@ pub struct RenewRequest {
     pub owner: Owner,
     /// The generation it holds.
     pub generation: Generation,
+    /// The key it claimed with.
+    pub lease_key: LeaseKey,
     /// How long the lease should last from now (`ttl_ms`; 30 s when left out).
     #[serde(rename = "ttl_ms")]
     pub ttl: Ttl,
@@ -204,10 +212,11 @@ impl RenewRequest {
     /// # Errors
     /// When it is not a JSON object of exactly these fields with valid values.
     pub fn from_json(bytes: &[u8]) -> Result<Self, BodyError> {
-        let f = Fields::parse(bytes, &["owner", "generation", "ttl_ms"])?;
+        let f = Fields::parse(bytes, &["owner", "generation", "lease_key", "ttl_ms"])?;
         Ok(Self {
             owner: f.owner()?,
             generation: f.generation()?,
+            lease_key: f.lease_key()?,
             ttl: f.ttl()?,
         })
     }
@@ -220,6 +229,8 @@ pub struct FinishRequest {
     pub owner: Owner,
     /// The generation it holds.
     pub generation: Generation,
+    /// The key it claimed with.
+    pub lease_key: LeaseKey,
 }
 
 impl FinishRequest {
@@ -228,10 +239,11 @@ impl FinishRequest {
     /// # Errors
     /// When it is not a JSON object of exactly these fields with valid values.
     pub fn from_json(bytes: &[u8]) -> Result<Self, BodyError> {
-        let f = Fields::parse(bytes, &["owner", "generation"])?;
+        let f = Fields::parse(bytes, &["owner", "generation", "lease_key"])?;
         Ok(Self {
             owner: f.owner()?,
             generation: f.generation()?,
+            lease_key: f.lease_key()?,
         })
     }
 }
@@ -302,6 +314,173 @@ pub struct RecordBody {
     pub expires_in_ms: u64,
 }
 
+/// `GET /v1/leases?state=S&prefix=P&after=JOB&limit=N`: a page of leases in job id order.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ListQuery {
+    /// Only leases in this state.
+    pub state: Option<LeaseState>,
+    /// Only jobs whose id starts with this.
+    pub prefix: Option<String>,
+    /// Only jobs after this one (the previous page's `next`).
+    pub after: Option<JobId>,
+    /// At most this many leases: 1 to [`MAX_LIST_LIMIT`], [`DEFAULT_LIST_LIMIT`] when left out.
+    pub limit: Option<u16>,
+}
+
+/// The most leases one page may hold.
+pub const MAX_LIST_LIMIT: u16 = 1_000;
+/// How many leases a page holds when the query does not say.
+pub const DEFAULT_LIST_LIMIT: u16 = 100;
+
+impl ListQuery {
+    /// How many leases the page may hold.
+    pub fn limit(&self) -> usize {
+        usize::from(self.limit.unwrap_or(DEFAULT_LIST_LIMIT))
+    }
+
+    /// Parses a query string (without the `?`), strictly.
+    ///
+    /// ```
+    /// # use fence_core::lease_api::{LeaseState, ListQuery};
+    /// let q = ListQuery::from_query("state=held&prefix=inv%2D&limit=10")?;
+    /// assert_eq!((q.state, q.prefix.as_deref(), q.limit()), (Some(LeaseState::Held), Some("inv-"), 10));
+    /// assert!(ListQuery::from_query("limit=0").is_err());
+    /// assert_eq!(ListQuery::from_query(&q.to_query())?, q);
+    /// # Ok::<(), fence_core::lease_api::BodyError>(())
+    /// ```
+    ///
+    /// # Errors
+    /// On an unknown or repeated parameter, or a value out of range, naming it.
+    pub fn from_query(query: &str) -> Result<Self, BodyError> {
+        let mut q = Self::default();
+        let mut seen: Vec<String> = Vec::new();
+        for pair in query.split('&').filter(|p| !p.is_empty()) {
+            let (key, raw) = pair.split_once('=').unwrap_or((pair, ""));
+            let key = percent_decode(key).map_err(|e| BodyError::new("query", e))?;
+            let value = percent_decode(raw).map_err(|e| BodyError::new(key.as_str(), e))?;
+            if seen.contains(&key) {
+                return Err(BodyError::new(key, "given more than once"));
+            }
+            seen.push(key.clone());
+            match key.as_str() {
+                "state" => {
+                    q.state = Some(
+                        serde_json::from_value(Value::String(value.clone())).map_err(|_| {
+                            BodyError::new(
+                                "state",
+                                format!("{value:?} is not free, held, expired or completed"),
+                            )
+                        })?,
+                    );
+                }
+                "prefix" => {
+                    if value.len() > crate::MAX_ID_LEN
+                        || value.bytes().any(|b| !(0x21..=0x7e).contains(&b))
+                    {
+                        return Err(BodyError::new(
+                            "prefix",
+                            "must be at most 256 bytes of visible ASCII",
+                        ));
+                    }
+                    q.prefix = Some(value);
+                }
+                "after" => {
+                    q.after = Some(JobId::new(value).map_err(|e| BodyError::new("after", e))?);
+                }
+                "limit" => {
+                    q.limit = Some(
+                        value
+                            .parse::<u16>()
+                            .ok()
+                            .filter(|n| (1..=MAX_LIST_LIMIT).contains(n))
+                            .ok_or_else(|| {
+                                BodyError::new(
+                                    "limit",
+                                    format!("must be an integer from 1 to {MAX_LIST_LIMIT}, got {value:?}"),
+                                )
+                            })?,
+                    );
+                }
+                other => {
+                    return Err(BodyError::new(
+                        other,
+                        "unknown parameter; allowed: state, prefix, after, limit",
+                    ));
+                }
+            }
+        }
+        Ok(q)
+    }
+
+    /// The query string (without the `?`) a client sends.
+    pub fn to_query(&self) -> String {
+        let mut parts = Vec::new();
+        if let Some(state) = self.state {
+            parts.push(format!("state={state}"));
+        }
+        if let Some(prefix) = &self.prefix {
+            parts.push(format!("prefix={}", percent_encode(prefix)));
+        }
+        if let Some(after) = &self.after {
+            parts.push(format!("after={}", percent_encode(after.as_str())));
+        }
+        if let Some(limit) = self.limit {
+            parts.push(format!("limit={limit}"));
+        }
+        parts.join("&")
+    }
+}
+
+/// A page of `GET /v1/leases`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ListBody {
+    /// The leases, in job id order.
+    pub leases: Vec<RecordBody>,
+    /// Pass it as `after` for the next page; null when there is none.
+    pub next: Option<JobId>,
+}
+
+/// Everything but unreserved characters, percent-encoded.
+fn percent_encode(s: &str) -> String {
+    let mut out = String::new();
+    for b in s.bytes() {
+        if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
+            out.push(char::from(b));
+        } else {
+            out.push_str(&format!("%{b:02X}"));
+        }
+    }
+    out
+}
+
+fn percent_decode(s: &str) -> Result<String, &'static str> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        match bytes[i] {
+            b'%' => {
+                let hex = bytes
+                    .get(i + 1..i + 3)
+                    .and_then(|h| std::str::from_utf8(h).ok())
+                    .and_then(|h| u8::from_str_radix(h, 16).ok())
+                    .ok_or("a '%' not followed by two hex digits")?;
+                out.push(hex);
+                i += 3;
+            }
+            b'+' => {
+                out.push(b' ');
+                i += 1;
+            }
+            b => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8(out).map_err(|_| "not UTF-8 once decoded")
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -321,32 +500,52 @@ mod tests {
 
     #[test]
     fn requests_round_trip_and_bad_ones_name_the_field() {
+        let key = "k".repeat(22);
         let renew = RenewRequest {
             owner: "w".parse().unwrap(),
             generation: Generation::new(u64::MAX),
+            lease_key: key.parse().unwrap(),
             ttl: Ttl::MIN,
         };
         let json = serde_json::to_string(&renew).unwrap();
         assert_eq!(
             json,
-            r#"{"owner":"w","generation":18446744073709551615,"ttl_ms":100}"#
+            format!(
+                r#"{{"owner":"w","generation":18446744073709551615,"lease_key":"{key}","ttl_ms":100}}"#
+            )
         );
         assert_eq!(RenewRequest::from_json(json.as_bytes()).unwrap(), renew);
-        let claim = ClaimRequest::from_json(br#"{"owner": "w"}"#).unwrap();
+        let claim = ClaimRequest::from_json(
+            format!(r#"{{"owner": "w", "lease_key": "{key}"}}"#).as_bytes(),
+        )
+        .unwrap();
         assert_eq!(claim.ttl, Ttl::DEFAULT, "ttl_ms defaults to 30 s");
+        let with_key = |rest: &str| format!(r#"{{"lease_key": "{key}", {rest}}}"#);
         for (body, want) in [
-            (&b"[]"[..], "body: must be a JSON object"),
-            (br#"{"generation": 1}"#, "owner: missing"),
+            ("[]".to_owned(), "body: must be a JSON object"),
+            (with_key(r#""generation": 1"#), "owner: missing"),
             (
-                br#"{"owner": "w", "generation": -1}"#,
+                with_key(r#""owner": "w", "generation": -1"#),
                 "generation: must be an integer from 0",
             ),
             (
-                br#"{"owner": "w", "generation": 1, "ttl_ms": 5}"#,
+                with_key(r#""owner": "w", "generation": 1, "ttl_ms": 5"#),
                 "ttl_ms: unknown field",
             ),
+            (
+                r#"{"owner": "w", "generation": 1}"#.into(),
+                "lease_key: missing",
+            ),
+            (
+                r#"{"owner": "w", "generation": 1, "lease_key": 7}"#.into(),
+                "lease_key: must be a string",
+            ),
+            (
+                r#"{"owner": "w", "generation": 1, "lease_key": ""}"#.into(),
+                "lease_key: must be 22 to 128",
+            ),
         ] {
-            let e = FinishRequest::from_json(body).unwrap_err();
+            let e = FinishRequest::from_json(body.as_bytes()).unwrap_err();
             assert!(e.to_string().starts_with(want), "{e} lacks {want}");
         }
     }

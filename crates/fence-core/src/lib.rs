@@ -11,18 +11,19 @@
 //! let mut request = http::Request::new(());
 //! headers::insert_fencing(request.headers_mut(), &job, token);
 //! let parsed = headers::FencingHeaders::from_headers(request.headers())?;
-//! assert_eq!(parsed, Some(headers::FencingHeaders { job, token, signature: None }));
+//! assert_eq!(parsed, Some(headers::FencingHeaders { job, token, signed: None }));
 //! # Ok::<(), Box<dyn std::error::Error>>(())
 //! ```
 //!
-//! The crate does no I/O and keeps no state: it depends on `http`, `serde` and `thiserror`
-//! (and, for signed tokens, `ed25519-dalek`).
+//! The crate does no I/O and keeps no state: it depends on `http`, `serde`, `thiserror`,
+//! `base64`, `sha2` and `subtle` (and, for signed tokens, `ed25519-dalek`).
 
 mod generation;
 pub mod headers;
 mod ident;
 pub mod lease_api;
 pub mod problem;
+pub mod secret;
 #[cfg(feature = "signing")]
 pub mod signing;
 mod ttl;
@@ -31,3 +32,6 @@ pub use generation::{FencingToken, Generation, ParseTokenError};
 pub use ident::{JobId, MAX_ID_LEN, Owner, ParseIdError};
 pub use problem::{Problem, ProblemType};
 pub use ttl::{Ttl, TtlError};
+
+/// The length of a token's signature: 64 bytes in base64url without padding.
+pub const SIGNATURE_LEN: usize = 86;

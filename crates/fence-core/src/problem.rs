@@ -80,33 +80,45 @@ problem_types! {
     /// 422: the idempotency key was used with a different request.
     IdempotencyKeyMismatch => "urn:fence:idempotency-key-mismatch", 422, "Idempotency key reused for a different request";
     /// 409: the request with this idempotency key ran, but its response was too large to
-    /// store, so it cannot be replayed (not in contract version 1; added by fence).
+    /// store, so it cannot be replayed (added by fence).
     IdempotencyNotReplayable => "urn:fence:idempotency-not-replayable", 409, "Completed request cannot be replayed";
     /// 413: an idempotent request's body is above the limit the sink fingerprints (not in
-    /// contract version 1; added by fence).
+    /// added by fence).
     PayloadTooLarge => "urn:fence:payload-too-large", 413, "Request body too large";
     /// 403: a signed token is required and this one does not verify.
     InvalidSignature => "urn:fence:invalid-signature", 403, "Invalid fencing token signature";
+    /// 409: a signed token whose lease has ended, by the sink's clock and allowed skew.
+    TokenExpired => "urn:fence:token-expired", 409, "Fencing token expired";
+    /// 408: a fenced request's body did not arrive within the body limit.
+    BodyTimeout => "urn:fence:body-timeout", 408, "Request body too slow";
+    /// 503: the sink holds as many buffered bytes as it may; retry later (added by fence).
+    Overloaded => "urn:fence:overloaded", 503, "Too much buffered";
     /// 409: another owner holds an unexpired lease on the job.
     LeaseHeld => "urn:fence:lease-held", 409, "Lease held by another owner";
     /// 410: the job is completed and can no longer be claimed.
     JobCompleted => "urn:fence:job-completed", 410, "Job completed";
     /// 409: the caller's owner and generation no longer hold the job.
     LeaseLost => "urn:fence:lease-lost", 409, "Lease lost";
+    /// 403: the owner and generation hold the job, but the lease key is not theirs.
+    LeaseKeyMismatch => "urn:fence:lease-key-mismatch", 403, "Wrong lease key";
+    /// 401: no bearer secret, or one the server does not know.
+    Unauthenticated => "urn:fence:unauthenticated", 401, "Authentication required";
+    /// 403: the client's secret does not cover this job (or action).
+    Forbidden => "urn:fence:forbidden", 403, "Forbidden";
     /// 404: the lease server has no record of the job.
     UnknownJob => "urn:fence:unknown-job", 404, "Unknown job";
     /// 400: a lease API request is malformed.
     BadRequest => "urn:fence:bad-request", 400, "Bad request";
-    /// 502: the proxy could not reach its upstream (not in contract version 1; added by fence).
+    /// 502: the proxy could not reach its upstream (added by fence).
     UpstreamUnavailable => "urn:fence:upstream-unavailable", 502, "Upstream unavailable";
     /// 504: the proxy's upstream did not answer in time; whether the request took effect is
     /// unknown (added by fence).
     UpstreamTimeout => "urn:fence:upstream-timeout", 504, "Upstream timeout";
-    /// 404: no such path (not in contract version 1; added by fence).
+    /// 404: no such path (added by fence).
     NotFound => "urn:fence:not-found", 404, "Not found";
-    /// 405: the path exists, the method does not (not in contract version 1; added by fence).
+    /// 405: the path exists, the method does not (added by fence).
     MethodNotAllowed => "urn:fence:method-not-allowed", 405, "Method not allowed";
-    /// 500: an unexpected failure inside fence (not in contract version 1; added by fence).
+    /// 500: an unexpected failure inside fence (added by fence).
     Internal => "urn:fence:internal", 500, "Internal error";
 }
 
@@ -161,6 +173,9 @@ pub struct Problem {
     /// How long the current lease has left (lease API).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_in_ms: Option<u64>,
+    /// When the token's lease ended, in ms since the Unix epoch (token-expired).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expires_at_ms: Option<u64>,
 }
 
 impl Serialize for Problem {
@@ -195,6 +210,9 @@ impl Serialize for Problem {
         if let Some(ms) = self.expires_in_ms {
             m.serialize_entry("expires_in_ms", &ms)?;
         }
+        if let Some(ms) = self.expires_at_ms {
+            m.serialize_entry("expires_at_ms", &ms)?;
+        }
         m.end()
     }
 }
@@ -213,6 +231,7 @@ impl Problem {
             owner: None,
             generation: None,
             expires_in_ms: None,
+            expires_at_ms: None,
         }
     }
 
@@ -249,6 +268,12 @@ impl Problem {
     /// Names how long the current lease has left.
     pub fn with_expires_in_ms(mut self, ms: u64) -> Self {
         self.expires_in_ms = Some(ms);
+        self
+    }
+
+    /// Names when the token's lease ended.
+    pub fn with_expires_at_ms(mut self, ms: u64) -> Self {
+        self.expires_at_ms = Some(ms);
         self
     }
 
@@ -297,6 +322,11 @@ mod tests {
             ("urn:fence:idempotency-in-flight", 409),
             ("urn:fence:idempotency-key-mismatch", 422),
             ("urn:fence:invalid-signature", 403),
+            ("urn:fence:token-expired", 409),
+            ("urn:fence:body-timeout", 408),
+            ("urn:fence:lease-key-mismatch", 403),
+            ("urn:fence:unauthenticated", 401),
+            ("urn:fence:forbidden", 403),
             ("urn:fence:lease-held", 409),
             ("urn:fence:job-completed", 410),
             ("urn:fence:lease-lost", 409),

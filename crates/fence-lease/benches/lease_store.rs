@@ -9,7 +9,7 @@ use std::{sync::Arc, time::Instant};
 
 use criterion::{Criterion, Throughput, criterion_group, criterion_main};
 use fence_core::{Generation, JobId, Owner};
-use fence_lease::{LeaseStore, Outcome, SledLeaseStore, Ttl};
+use fence_lease::{LeaseKey, LeaseStore, Outcome, SledLeaseStore, Ttl, new_lease_key};
 
 fn runtime() -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
@@ -19,10 +19,10 @@ fn runtime() -> tokio::runtime::Runtime {
         .unwrap()
 }
 
-async fn claim_release(store: &SledLeaseStore, job: &JobId, owner: &Owner) {
-    match store.claim(job, owner, Ttl::DEFAULT).await.unwrap() {
+async fn claim_release(store: &SledLeaseStore, job: &JobId, owner: &Owner, key: &LeaseKey) {
+    match store.claim(job, owner, key, Ttl::DEFAULT).await.unwrap() {
         Outcome::Granted(g) => {
-            store.release(job, owner, g.generation).await.unwrap();
+            store.release(job, owner, g.generation, key).await.unwrap();
         }
         other => panic!("{other:?}"),
     }
@@ -33,25 +33,27 @@ fn bench(c: &mut Criterion) {
     let dir = tempfile::tempdir().unwrap();
     let store = Arc::new(SledLeaseStore::open(dir.path()).unwrap());
     let owner: Owner = "bench".parse().unwrap();
+    let key = new_lease_key().unwrap();
 
     let mut g = c.benchmark_group("sled_lease_store");
     g.sample_size(20);
     g.throughput(Throughput::Elements(1));
     g.bench_function("claim+release/1 task", |b| {
         let job: JobId = "single".parse().unwrap();
-        b.to_async(&rt).iter(|| claim_release(&store, &job, &owner));
+        b.to_async(&rt)
+            .iter(|| claim_release(&store, &job, &owner, &key));
     });
     g.bench_function("renew/1 task", |b| {
         let job: JobId = "renew-single".parse().unwrap();
         let Outcome::Granted(grant) = rt
-            .block_on(store.claim(&job, &owner, Ttl::DEFAULT))
+            .block_on(store.claim(&job, &owner, &key, Ttl::DEFAULT))
             .unwrap()
         else {
             panic!()
         };
         b.to_async(&rt).iter(|| async {
             store
-                .renew(&job, &owner, grant.generation, Ttl::DEFAULT)
+                .renew(&job, &owner, grant.generation, &key, Ttl::DEFAULT)
                 .await
                 .unwrap()
         });
@@ -62,12 +64,12 @@ fn bench(c: &mut Criterion) {
     for op in ["claim+release", "renew"] {
         g.bench_function(format!("{op}/64 tasks"), |b| {
             b.to_async(&rt).iter_custom(|iters| {
-                let store = store.clone();
+                let (store, key) = (store.clone(), key.clone());
                 async move {
                     let start = Instant::now();
                     let tasks: Vec<_> = (0..TASKS)
                         .map(|t| {
-                            let store = store.clone();
+                            let (store, key) = (store.clone(), key.clone());
                             tokio::spawn(async move {
                                 let (job, owner): (JobId, Owner) = (
                                     format!("{op}-{t}").parse().unwrap(),
@@ -78,7 +80,7 @@ fn bench(c: &mut Criterion) {
                                     if op == "renew" {
                                         if generation == Generation::ZERO {
                                             let Outcome::Granted(g) = store
-                                                .claim(&job, &owner, Ttl::DEFAULT)
+                                                .claim(&job, &owner, &key, Ttl::DEFAULT)
                                                 .await
                                                 .unwrap()
                                             else {
@@ -87,11 +89,11 @@ fn bench(c: &mut Criterion) {
                                             generation = g.generation;
                                         }
                                         store
-                                            .renew(&job, &owner, generation, Ttl::DEFAULT)
+                                            .renew(&job, &owner, generation, &key, Ttl::DEFAULT)
                                             .await
                                             .unwrap();
                                     } else {
-                                        claim_release(&store, &job, &owner).await;
+                                        claim_release(&store, &job, &owner, &key).await;
                                     }
                                 }
                             })

@@ -14,12 +14,12 @@
 
 use std::{sync::Arc, time::Duration};
 
-use fence_core::{FencingToken, Generation, JobId, Owner, Ttl};
+use fence_core::{Generation, JobId, Owner, Ttl};
 use tokio::time::Instant;
 
 use crate::{
     LeaseStore, Outcome, StoreError, default_owner,
-    lease::{Granted, HeldJobs, HeldMark, Lease, Timing, TimingError},
+    lease::{Granted, HeldJobs, HeldMark, Lease, Timing, TimingError, token_header},
 };
 
 /// Claims leases from a store for one owner.
@@ -115,9 +115,11 @@ impl<S: LeaseStore> LeaseClient<S> {
         // rule): two tasks would then both hold one job. Refuse it here.
         let held = HeldMark::take(&self.held, &job)
             .ok_or_else(|| ClaimError::AlreadyHeld { job: job.clone() })?;
+        let key = crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?;
         let t_send = Instant::now();
         let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
-        let outcome = tokio::time::timeout(budget, self.store.claim(&job, &self.owner, self.ttl))
+        let claim = self.store.claim(&job, &self.owner, &key, self.ttl);
+        let outcome = tokio::time::timeout(budget, claim)
             .await
             .map_err(|_| ClaimError::Store(StoreError::Timeout(budget)))??;
         let grant = match outcome {
@@ -154,6 +156,7 @@ impl<S: LeaseStore> LeaseClient<S> {
         let granted = Granted {
             job,
             owner: self.owner.clone(),
+            key,
             token,
             header,
             t_send,
@@ -161,28 +164,6 @@ impl<S: LeaseStore> LeaseClient<S> {
         };
         Ok(Lease::start(self.store.clone(), granted, timing, held))
     }
-}
-
-/// The header value for a grant: the store's signed token string, exactly as given, after
-/// checking it names the granted generation; or the decimal token.
-fn token_header(
-    token: FencingToken,
-    signed: Option<&str>,
-) -> Result<http::HeaderValue, ClaimError> {
-    let Some(signed) = signed else {
-        return Ok(http::HeaderValue::from(token.get()));
-    };
-    let generation = signed.split_once('.').map_or(signed, |(g, _)| g);
-    if generation != token.to_string() {
-        return Err(ClaimError::Store(StoreError::Protocol(format!(
-            "the store granted generation {token} but signed token {signed:?}"
-        ))));
-    }
-    http::HeaderValue::from_str(signed).map_err(|_| {
-        ClaimError::Store(StoreError::Protocol(format!(
-            "the signed token {signed:?} is not a valid header value"
-        )))
-    })
 }
 
 /// Why a claim did not give a lease.

@@ -21,7 +21,7 @@ use std::{
 
 use fence_core::{Generation, JobId, Owner};
 
-use crate::{LeaseState, LeaseStore, Outcome, Ttl};
+use crate::{LeaseKey, LeaseState, LeaseStore, Outcome, Ttl};
 
 #[doc(hidden)]
 pub use fence_storage as __storage;
@@ -42,6 +42,9 @@ macro_rules! lease_store_conformance {
             complete_is_final,
             get_reports_every_state,
             clock_jumps_never_lower_a_generation,
+            knowing_owner_and_generation_without_the_key_changes_nothing,
+            a_claim_retried_with_another_key_is_refused,
+            list_pages_through_jobs_in_order_by_state_and_prefix,
             jobs_are_independent,
             competing_claims_have_one_winner_per_round,
         );
@@ -56,10 +59,20 @@ fn owner(s: &str) -> Owner {
     s.parse().expect("valid owner")
 }
 
+/// The lease key an owner of these cases always claims with (owners here are base64url).
+fn key_of(o: &Owner) -> LeaseKey {
+    LeaseKey::new(&format!("{o}-{}", "k".repeat(22))).expect("a valid key")
+}
+
+/// A key nobody claimed with.
+fn stranger_key() -> LeaseKey {
+    LeaseKey::new(&"s".repeat(43)).expect("a valid key")
+}
+
 const TTL: Ttl = Ttl::DEFAULT;
 
 async fn granted<S: LeaseStore>(store: &S, j: &JobId, o: &Owner) -> Generation {
-    match store.claim(j, o, TTL).await.expect("claim") {
+    match store.claim(j, o, &key_of(o), TTL).await.expect("claim") {
         Outcome::Granted(g) => g.generation,
         other => panic!("{o} expected to be granted {j}, got {other:?}"),
     }
@@ -73,7 +86,11 @@ pub async fn first_claim_is_generation_one_and_excludes_others<S: LeaseStore>(
     let j = job("conf-first");
     assert_eq!(store.get(&j).await.unwrap(), None);
     assert_eq!(granted(&store, &j, &owner("a")).await, Generation::new(1));
-    match store.claim(&j, &owner("b"), TTL).await.unwrap() {
+    match store
+        .claim(&j, &owner("b"), &key_of(&owner("b")), TTL)
+        .await
+        .unwrap()
+    {
         Outcome::Held {
             owner: o,
             expires_in,
@@ -91,12 +108,20 @@ pub async fn first_claim_is_generation_one_and_excludes_others<S: LeaseStore>(
 /// A claim by the current holder returns its lease, extended, with the same generation.
 pub async fn holder_reclaim_extends_same_generation<S: LeaseStore>(store: S, advance: Advance) {
     let j = job("conf-reclaim");
-    let first = match store.claim(&j, &owner("a"), TTL).await.unwrap() {
+    let first = match store
+        .claim(&j, &owner("a"), &key_of(&owner("a")), TTL)
+        .await
+        .unwrap()
+    {
         Outcome::Granted(g) => g,
         other => panic!("{other:?}"),
     };
     advance(Duration::from_secs(10));
-    let again = match store.claim(&j, &owner("a"), TTL).await.unwrap() {
+    let again = match store
+        .claim(&j, &owner("a"), &key_of(&owner("a")), TTL)
+        .await
+        .unwrap()
+    {
         Outcome::Granted(g) => g,
         other => panic!("{other:?}"),
     };
@@ -114,7 +139,7 @@ pub async fn worked_example_stale_holder_is_rejected<S: LeaseStore>(store: S, ad
     // Bring the job to generation 6 first, so A gets 7 as in the seed.
     for _ in 0..6 {
         let g = granted(&store, &j, &a).await;
-        store.release(&j, &a, g).await.unwrap();
+        store.release(&j, &a, g, &key_of(&a)).await.unwrap();
     }
     let ga = granted(&store, &j, &a).await;
     assert_eq!(ga, Generation::new(7));
@@ -125,15 +150,15 @@ pub async fn worked_example_stale_holder_is_rejected<S: LeaseStore>(store: S, ad
         owner: Some(b.clone()),
         generation: gb,
     };
-    assert_eq!(store.complete(&j, &a, ga).await.unwrap(), lost);
+    assert_eq!(store.complete(&j, &a, ga, &key_of(&a)).await.unwrap(), lost);
     assert_eq!(
-        store.renew(&j, &a, ga, TTL).await.unwrap(),
+        store.renew(&j, &a, ga, &key_of(&a), TTL).await.unwrap(),
         Outcome::Lost {
             owner: Some(b.clone()),
             generation: gb
         }
     );
-    assert_eq!(store.release(&j, &a, ga).await.unwrap(), lost);
+    assert_eq!(store.release(&j, &a, ga, &key_of(&a)).await.unwrap(), lost);
     let rec = store.get(&j).await.unwrap().unwrap();
     assert_eq!(
         (rec.owner, rec.generation, rec.state),
@@ -146,7 +171,7 @@ pub async fn renew_requires_owner_and_generation<S: LeaseStore>(store: S, advanc
     let (j, a) = (job("conf-renew"), owner("a"));
     let g = granted(&store, &j, &a).await;
     advance(Duration::from_secs(20));
-    match store.renew(&j, &a, g, TTL).await.unwrap() {
+    match store.renew(&j, &a, g, &key_of(&a), TTL).await.unwrap() {
         Outcome::Granted(grant) => assert_eq!(grant.generation, g),
         other => panic!("{other:?}"),
     }
@@ -157,15 +182,24 @@ pub async fn renew_requires_owner_and_generation<S: LeaseStore>(store: S, advanc
     );
     let wrong_gen = Generation::new(g.get() + 1);
     assert!(matches!(
-        store.renew(&j, &a, wrong_gen, TTL).await.unwrap(),
+        store
+            .renew(&j, &a, wrong_gen, &key_of(&a), TTL)
+            .await
+            .unwrap(),
         Outcome::Lost { .. }
     ));
     assert!(matches!(
-        store.renew(&j, &owner("b"), g, TTL).await.unwrap(),
+        store
+            .renew(&j, &owner("b"), g, &key_of(&owner("b")), TTL)
+            .await
+            .unwrap(),
         Outcome::Lost { .. }
     ));
     assert_eq!(
-        store.renew(&job("conf-never"), &a, g, TTL).await.unwrap(),
+        store
+            .renew(&job("conf-never"), &a, g, &key_of(&a), TTL)
+            .await
+            .unwrap(),
         Outcome::Lost {
             owner: None,
             generation: Generation::ZERO
@@ -187,7 +221,7 @@ pub async fn renew_after_expiry_succeeds_until_reclaimed<S: LeaseStore>(
         (LeaseState::Expired, Some(&a), Duration::ZERO)
     );
     assert!(matches!(
-        store.renew(&j, &a, g, TTL).await.unwrap(),
+        store.renew(&j, &a, g, &key_of(&a), TTL).await.unwrap(),
         Outcome::Granted(_)
     ));
     assert_eq!(
@@ -200,7 +234,7 @@ pub async fn renew_after_expiry_succeeds_until_reclaimed<S: LeaseStore>(
 pub async fn release_frees_and_keeps_generation<S: LeaseStore>(store: S, _advance: Advance) {
     let (j, a) = (job("conf-release"), owner("a"));
     let g = granted(&store, &j, &a).await;
-    match store.release(&j, &a, g).await.unwrap() {
+    match store.release(&j, &a, g, &key_of(&a)).await.unwrap() {
         Outcome::Done(rec) => {
             assert_eq!(
                 (rec.state, rec.owner, rec.generation),
@@ -210,11 +244,11 @@ pub async fn release_frees_and_keeps_generation<S: LeaseStore>(store: S, _advanc
         other => panic!("{other:?}"),
     }
     assert!(matches!(
-        store.release(&j, &a, g).await.unwrap(),
+        store.release(&j, &a, g, &key_of(&a)).await.unwrap(),
         Outcome::Lost { owner: None, .. }
     ));
     assert!(matches!(
-        store.renew(&j, &a, g, TTL).await.unwrap(),
+        store.renew(&j, &a, g, &key_of(&a), TTL).await.unwrap(),
         Outcome::Lost { .. }
     ));
     assert_eq!(granted(&store, &j, &a).await, Generation::new(g.get() + 1));
@@ -224,7 +258,7 @@ pub async fn release_frees_and_keeps_generation<S: LeaseStore>(store: S, _advanc
 pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
     let (j, a) = (job("conf-complete"), owner("a"));
     let g = granted(&store, &j, &a).await;
-    match store.complete(&j, &a, g).await.unwrap() {
+    match store.complete(&j, &a, g, &key_of(&a)).await.unwrap() {
         Outcome::Done(rec) => assert_eq!(
             (rec.state, rec.owner.as_ref()),
             (LeaseState::Completed, Some(&a))
@@ -234,7 +268,7 @@ pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
     advance(TTL.as_duration() * 3);
     for o in [&a, &owner("b")] {
         assert_eq!(
-            store.claim(&j, o, TTL).await.unwrap(),
+            store.claim(&j, o, &key_of(o), TTL).await.unwrap(),
             Outcome::Completed {
                 owner: Some(a.clone()),
                 generation: g
@@ -242,15 +276,15 @@ pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
         );
     }
     assert!(matches!(
-        store.renew(&j, &a, g, TTL).await.unwrap(),
+        store.renew(&j, &a, g, &key_of(&a), TTL).await.unwrap(),
         Outcome::Lost { .. }
     ));
     assert!(matches!(
-        store.complete(&j, &a, g).await.unwrap(),
+        store.complete(&j, &a, g, &key_of(&a)).await.unwrap(),
         Outcome::Lost { .. }
     ));
     assert!(matches!(
-        store.release(&j, &a, g).await.unwrap(),
+        store.release(&j, &a, g, &key_of(&a)).await.unwrap(),
         Outcome::Lost { .. }
     ));
     assert_eq!(store.get(&j).await.unwrap().unwrap().generation, g);
@@ -288,11 +322,11 @@ pub async fn clock_jumps_never_lower_a_generation<S: LeaseStore>(store: S, advan
     }
     // A lease that has not expired stays exclusive whatever the clock did before.
     assert!(matches!(
-        store.claim(&j, &a, TTL).await.unwrap(),
+        store.claim(&j, &a, &key_of(&a), TTL).await.unwrap(),
         Outcome::Granted(_)
     ));
     assert!(matches!(
-        store.claim(&j, &b, TTL).await.unwrap(),
+        store.claim(&j, &b, &key_of(&b), TTL).await.unwrap(),
         Outcome::Held { .. }
     ));
 }
@@ -304,7 +338,7 @@ pub async fn jobs_are_independent<S: LeaseStore>(store: S, _advance: Advance) {
     assert_eq!(granted(&store, &y, &b).await, Generation::new(1));
     let gx = granted(&store, &x, &a).await;
     assert_eq!(gx, Generation::new(1), "re-claim by the holder");
-    store.complete(&x, &a, gx).await.unwrap();
+    store.complete(&x, &a, gx, &key_of(&a)).await.unwrap();
     assert_eq!(
         store.get(&y).await.unwrap().unwrap().state,
         LeaseState::Held
@@ -330,7 +364,7 @@ pub async fn competing_claims_have_one_winner_per_round<S: LeaseStore>(
                 tokio::task::spawn_blocking(move || barrier.wait())
                     .await
                     .unwrap();
-                match store.claim(&j, &o, TTL).await.unwrap() {
+                match store.claim(&j, &o, &key_of(&o), TTL).await.unwrap() {
                     Outcome::Granted(g) => Some((o, g.generation)),
                     Outcome::Held { .. } => None,
                     other => panic!("{other:?}"),
@@ -345,10 +379,147 @@ pub async fn competing_claims_have_one_winner_per_round<S: LeaseStore>(
         let (o, g) = winners.pop().unwrap();
         assert_eq!(g, Generation::new(round), "round {round}");
         assert!(matches!(
-            store.release(&j, &o, g).await.unwrap(),
+            store.release(&j, &o, g, &key_of(&o)).await.unwrap(),
             Outcome::Done(_)
         ));
     }
     let owners: BTreeSet<_> = [store.get(&j).await.unwrap().unwrap().generation].into();
     assert_eq!(owners, [Generation::new(ROUNDS)].into());
+}
+
+/// Owner and generation are public (`get` shows them): without the lease key, renew, release
+/// and complete are refused with `KeyMismatch`, nothing changes, and the holder keeps its lease.
+pub async fn knowing_owner_and_generation_without_the_key_changes_nothing<S: LeaseStore>(
+    store: S,
+    advance: Advance,
+) {
+    let (j, a) = (job("conf-stranger"), owner("a"));
+    let g = granted(&store, &j, &a).await;
+    let before = store.get(&j).await.unwrap().unwrap();
+    let wrong = stranger_key();
+    assert_eq!(
+        store.renew(&j, &a, g, &wrong, TTL).await.unwrap(),
+        Outcome::KeyMismatch
+    );
+    assert_eq!(
+        store.complete(&j, &a, g, &wrong).await.unwrap(),
+        Outcome::KeyMismatch
+    );
+    assert_eq!(
+        store.release(&j, &a, g, &wrong).await.unwrap(),
+        Outcome::KeyMismatch
+    );
+    let after = store.get(&j).await.unwrap().unwrap();
+    assert_eq!(
+        (&after.owner, after.generation, after.state),
+        (&before.owner, before.generation, before.state),
+        "nothing changed"
+    );
+    assert!(
+        after.expires_in <= before.expires_in,
+        "a refused renewal must not extend the lease: {after:?} after {before:?}"
+    );
+    // A wrong generation or owner is still `Lost`, whatever the key: nothing to learn there.
+    assert!(matches!(
+        store.renew(&j, &owner("b"), g, &wrong, TTL).await.unwrap(),
+        Outcome::Lost { .. }
+    ));
+    // After expiry too (state expired, nobody claimed since): the key is still needed.
+    advance(TTL.as_duration() * 2);
+    assert_eq!(
+        store.complete(&j, &a, g, &wrong).await.unwrap(),
+        Outcome::KeyMismatch
+    );
+    // The holder, with its key, is untouched by all of that.
+    assert!(matches!(
+        store.renew(&j, &a, g, &key_of(&a), TTL).await.unwrap(),
+        Outcome::Granted(_)
+    ));
+    assert!(matches!(
+        store.complete(&j, &a, g, &key_of(&a)).await.unwrap(),
+        Outcome::Done(_)
+    ));
+}
+
+/// A claim retried by the holder with its key returns the same lease; the same owner with
+/// another key is refused as `Held`, so a second process reusing an owner name cannot take
+/// over a lease.
+pub async fn a_claim_retried_with_another_key_is_refused<S: LeaseStore>(
+    store: S,
+    _advance: Advance,
+) {
+    let (j, a) = (job("conf-retry-key"), owner("a"));
+    let g = granted(&store, &j, &a).await;
+    match store.claim(&j, &a, &stranger_key(), TTL).await.unwrap() {
+        Outcome::Held { owner: o, .. } => assert_eq!(o, a),
+        other => panic!("expected Held, got {other:?}"),
+    }
+    assert_eq!(
+        granted(&store, &j, &a).await,
+        g,
+        "the same key gets the same lease"
+    );
+    assert!(matches!(
+        store.renew(&j, &a, g, &key_of(&a), TTL).await.unwrap(),
+        Outcome::Granted(_)
+    ));
+}
+
+/// The list: job id order, pages that end with `next`, and the state and prefix filters.
+pub async fn list_pages_through_jobs_in_order_by_state_and_prefix<S: LeaseStore>(
+    store: S,
+    _advance: Advance,
+) {
+    use fence_core::lease_api::ListQuery;
+    let a = owner("a");
+    // list-0 .. list-9: even ones held, odd ones released (free); others- elsewhere.
+    for i in 0..10 {
+        let j = job(&format!("list-{i}"));
+        let g = granted(&store, &j, &a).await;
+        if i % 2 == 1 {
+            store.release(&j, &a, g, &key_of(&a)).await.unwrap();
+        }
+    }
+    granted(&store, &job("other"), &a).await;
+    let prefix = Some("list-".to_owned());
+    let mut seen = Vec::new();
+    let mut after = None;
+    loop {
+        let page = store
+            .list(&ListQuery {
+                prefix: prefix.clone(),
+                after: after.clone(),
+                limit: Some(3),
+                ..ListQuery::default()
+            })
+            .await
+            .unwrap();
+        assert!(page.leases.len() <= 3, "{page:?}");
+        seen.extend(page.leases.iter().map(|r| r.job.to_string()));
+        match page.next {
+            Some(next) => after = Some(next),
+            None => break,
+        }
+    }
+    let want: Vec<String> = (0..10).map(|i| format!("list-{i}")).collect();
+    assert_eq!(seen, want, "every job once, in order, and only the prefix");
+    let held = store
+        .list(&ListQuery {
+            state: Some(LeaseState::Held),
+            prefix: prefix.clone(),
+            ..ListQuery::default()
+        })
+        .await
+        .unwrap();
+    let held: Vec<String> = held.leases.iter().map(|r| r.job.to_string()).collect();
+    assert_eq!(held, ["list-0", "list-2", "list-4", "list-6", "list-8"]);
+    let rest = store
+        .list(&ListQuery {
+            after: Some(job("list-8")),
+            ..ListQuery::default()
+        })
+        .await
+        .unwrap();
+    let rest: Vec<String> = rest.leases.iter().map(|r| r.job.to_string()).collect();
+    assert_eq!(rest, ["list-9", "other"]);
 }

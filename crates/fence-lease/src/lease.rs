@@ -37,8 +37,8 @@ use std::{
     time::Duration,
 };
 
-use fence_core::{FencingToken, Generation, JobId, Owner, Ttl};
-use tokio::{task::JoinHandle, time::Instant};
+use fence_core::{FencingToken, Generation, JobId, Owner, Ttl, secret::LeaseKey};
+use tokio::{sync::watch, task::JoinHandle, time::Instant};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{Backoff, LeaseRecord, LeaseStore, Outcome, StoreError};
@@ -141,6 +141,9 @@ pub enum LossReason {
         /// The current generation.
         generation: Generation,
     },
+    /// The store refused this lease's key: something else holds the job under our owner
+    /// and generation, so this handle cannot be sure of anything.
+    KeyRefused,
     /// The handle was released, completed or dropped.
     Finished,
 }
@@ -166,6 +169,7 @@ impl fmt::Display for LossReason {
                     "the store says nobody holds it (generation {generation})"
                 )
             }
+            Self::KeyRefused => f.write_str("the store refused this lease's key"),
             Self::Finished => f.write_str("the lease was released, completed or dropped"),
         }
     }
@@ -175,9 +179,12 @@ impl fmt::Display for LossReason {
 struct Shared {
     job: JobId,
     owner: Owner,
+    /// The secret this lease was claimed with; renew, release and complete need it.
+    key: LeaseKey,
     token: FencingToken,
-    /// What `X-Fencing-Token` carries: the server's signed string, or the decimal token.
-    header: http::HeaderValue,
+    /// What `X-Fencing-Token` carries: the server's latest signed string (each renewal signs
+    /// a new one), or the decimal token.
+    header: watch::Sender<http::HeaderValue>,
     base: Instant,
     deadline_nanos: AtomicU64,
     lost: CancellationToken,
@@ -255,7 +262,18 @@ impl LeaseView {
 
     /// [`token_string`](Self::token_string) as a header value.
     pub fn token_header(&self) -> Option<http::HeaderValue> {
-        self.shared.token().map(|_| self.shared.header.clone())
+        self.shared
+            .token()
+            .map(|_| self.shared.header.borrow().clone())
+    }
+
+    /// The token strings this lease sends, as they change (a renewal of a signed lease signs
+    /// a new one): each change once, until the lease is lost.
+    pub fn tokens(&self) -> TokenUpdates {
+        TokenUpdates {
+            changes: self.shared.header.subscribe(),
+            lost: Box::pin(self.shared.lost.clone().cancelled_owned()),
+        }
     }
 
     /// Whether the lease is lost (checking the local deadline too).
@@ -282,6 +300,48 @@ impl LeaseView {
     pub fn cancellation_token(&self) -> CancellationToken {
         self.shared.lost.child_token()
     }
+}
+
+/// The token strings of a lease as they change: see [`LeaseView::tokens`].
+#[derive(Debug)]
+pub struct TokenUpdates {
+    changes: watch::Receiver<http::HeaderValue>,
+    lost: std::pin::Pin<Box<WaitForCancellationFutureOwned>>,
+}
+
+impl TokenUpdates {
+    /// The next token string, or `None` once the lease is lost.
+    pub async fn next(&mut self) -> Option<String> {
+        tokio::select! {
+            () = self.lost.as_mut() => None,
+            changed = self.changes.changed() => {
+                changed.ok()?;
+                self.changes.borrow_and_update().to_str().ok().map(str::to_owned)
+            }
+        }
+    }
+}
+
+/// The header value for a grant: the store's signed token string, exactly as given, after
+/// checking it names the granted generation; or the decimal token.
+pub(crate) fn token_header(
+    token: FencingToken,
+    signed: Option<&str>,
+) -> Result<http::HeaderValue, StoreError> {
+    let Some(signed) = signed else {
+        return Ok(http::HeaderValue::from(token.get()));
+    };
+    let generation = signed.split_once('.').map_or(signed, |(g, _)| g);
+    if generation != token.to_string() {
+        return Err(StoreError::Protocol(format!(
+            "the store granted generation {token} but signed token {signed:?}"
+        )));
+    }
+    http::HeaderValue::from_str(signed).map_err(|_| {
+        StoreError::Protocol(format!(
+            "the signed token {signed:?} is not a valid header value"
+        ))
+    })
 }
 
 /// A held lease. A keeper task renews it until it is completed, released, dropped or lost.
@@ -335,6 +395,7 @@ impl<S: LeaseStore> Lease<S> {
         let Granted {
             job,
             owner,
+            key,
             token,
             header,
             t_send,
@@ -343,8 +404,9 @@ impl<S: LeaseStore> Lease<S> {
         let shared = Arc::new(Shared {
             job,
             owner,
+            key,
             token,
-            header,
+            header: watch::Sender::new(header),
             base: t_send,
             deadline_nanos: AtomicU64::new(0),
             lost: CancellationToken::new(),
@@ -367,6 +429,7 @@ impl<S: LeaseStore> Lease<S> {
 pub(crate) struct Granted {
     pub(crate) job: JobId,
     pub(crate) owner: Owner,
+    pub(crate) key: LeaseKey,
     pub(crate) token: FencingToken,
     /// What `X-Fencing-Token` carries.
     pub(crate) header: http::HeaderValue,
@@ -402,6 +465,9 @@ pub enum FinishError {
         /// The current generation.
         generation: Generation,
     },
+    /// The store refused this lease's key; nothing changed.
+    #[error("the store refused the lease key")]
+    KeyMismatch,
     /// The store failed; the outcome is unknown.
     #[error("the lease store failed")]
     Store(#[from] StoreError),
@@ -433,15 +499,21 @@ impl<S: LeaseStore> Lease<S> {
         self.keeper.abort();
         let shared = &self.view.shared;
         shared.lose(LossReason::Finished);
-        let (job, owner, generation) = (&shared.job, &shared.owner, shared.token.generation());
+        let (job, owner, generation, key) = (
+            &shared.job,
+            &shared.owner,
+            shared.token.generation(),
+            &shared.key,
+        );
         let outcome = if complete {
-            self.store.complete(job, owner, generation).await?
+            self.store.complete(job, owner, generation, key).await?
         } else {
-            self.store.release(job, owner, generation).await?
+            self.store.release(job, owner, generation, key).await?
         };
         match outcome {
             Outcome::Done(record) => Ok(record),
             Outcome::Lost { owner, generation } => Err(FinishError::Lost { owner, generation }),
+            Outcome::KeyMismatch => Err(FinishError::KeyMismatch),
             other => Err(FinishError::Store(StoreError::Protocol(format!(
                 "the store answered a release or completion with {other:?}"
             )))),
@@ -464,7 +536,12 @@ async fn keep<S: LeaseStore>(
         .clamp(Duration::from_millis(10), Duration::from_secs(1));
     let mut retries = Backoff::new(retry, retry);
     let mut next = first_renewal;
-    let (job, owner, generation) = (&shared.job, &shared.owner, shared.token.generation());
+    let (job, owner, generation, key) = (
+        &shared.job,
+        &shared.owner,
+        shared.token.generation(),
+        &shared.key,
+    );
     loop {
         let deadline = shared.deadline();
         tokio::select! {
@@ -477,7 +554,7 @@ async fn keep<S: LeaseStore>(
         let t_send = Instant::now();
         let renewal = tokio::select! {
             () = shared.lost.cancelled() => return,
-            r = tokio::time::timeout_at(deadline, store.renew(job, owner, generation, timing.ttl)) => r,
+            r = tokio::time::timeout_at(deadline, store.renew(job, owner, generation, key, timing.ttl)) => r,
         };
         match renewal {
             Err(_elapsed) => return shared.lose(LossReason::DeadlinePassed),
@@ -489,11 +566,26 @@ async fn keep<S: LeaseStore>(
                 }
                 shared.set_deadline(timing.deadline(t_send, grant.ttl));
                 next = t_send + timing.renew_every(grant.ttl);
+                if let Some(signed) = grant.token.as_deref() {
+                    match token_header(shared.token, Some(signed)) {
+                        Ok(header) => {
+                            shared.header.send_if_modified(|current| {
+                                let changed = *current != header;
+                                *current = header;
+                                changed
+                            });
+                        }
+                        Err(error) => {
+                            tracing::warn!(job = %job, %error, "a renewal's token is unusable; sending the previous one")
+                        }
+                    }
+                }
                 tracing::debug!(job = %job, token = %shared.token, expires_at_ms = grant.expires_at_ms, "lease renewed");
             }
             Ok(Ok(Outcome::Lost { owner, generation })) => {
                 return shared.lose(LossReason::Superseded { owner, generation });
             }
+            Ok(Ok(Outcome::KeyMismatch)) => return shared.lose(LossReason::KeyRefused),
             Ok(Ok(other)) => {
                 let error = StoreError::Protocol(format!("a renewal was answered with {other:?}"));
                 tracing::warn!(job = %job, error = %error, "lease renewal failed; retrying until the local deadline");

@@ -26,6 +26,7 @@ mod backoff;
 mod client;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
+mod key;
 mod layer;
 mod lease;
 mod owner;
@@ -33,14 +34,19 @@ mod store;
 
 pub use backoff::Backoff;
 pub use client::{ClaimError, LeaseClient};
-pub use fence_core::{Ttl, TtlError, lease_api::LeaseState};
+pub use fence_core::{
+    Ttl, TtlError,
+    lease_api::LeaseState,
+    secret::{LeaseKey, SecretHash},
+};
 pub use fence_storage::clock::{Clock, ManualClock, SystemClock, TokioClock};
+pub use key::new_lease_key;
 pub use layer::{Fencing, FencingLayer, LeaseLost, ResponseFuture};
-pub use lease::{FinishError, Lease, LeaseView, LossReason, TimingError};
+pub use lease::{FinishError, Lease, LeaseView, LossReason, TimingError, TokenUpdates};
 pub use owner::default_owner;
 pub use store::{
-    Grant, HttpLeaseStore, LeaseOp, LeaseRecord, LeaseStore, MemoryLeaseStore, Outcome,
-    SigningLeaseStore, SledLeaseStore, StoreError, UrlError,
+    BearerToken, Grant, HttpLeaseStore, HttpOptions, LeaseOp, LeaseRecord, LeaseStore, ListPage,
+    MemoryLeaseStore, Outcome, SigningLeaseStore, SledLeaseStore, StoreError, TokenError, UrlError,
 };
 
 #[cfg(feature = "postgres")]

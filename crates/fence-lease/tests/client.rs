@@ -9,11 +9,11 @@ use std::{
     time::Duration,
 };
 
-use fence_core::{FencingToken, Generation, JobId, Owner};
+use fence_core::{FencingToken, Generation, JobId, Owner, lease_api::ListQuery};
 use fence_lease::{
     ClaimError, Clock, FinishError, Lease, LeaseClient, LeaseLost, LeaseOp, LeaseRecord,
-    LeaseState, LeaseStore, LossReason, ManualClock, MemoryLeaseStore, Outcome, StoreError,
-    TokioClock, Ttl,
+    LeaseState, LeaseStore, ListPage, LossReason, ManualClock, MemoryLeaseStore, Outcome,
+    StoreError, TokioClock, Ttl,
 };
 use fence_storage::BoxError;
 use tokio::time::Instant;
@@ -46,13 +46,15 @@ impl Stallable {
 impl LeaseStore for Stallable {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         let op = match op {
-            LeaseOp::Claim { owner, ttl } => LeaseOp::Claim {
+            LeaseOp::Claim { owner, key, ttl } => LeaseOp::Claim {
                 owner,
+                key,
                 ttl: ttl.min(self.max_ttl),
             },
             LeaseOp::Renew {
                 owner,
                 generation,
+                key,
                 ttl,
             } => {
                 if self.stalled.load(Ordering::SeqCst) {
@@ -64,6 +66,7 @@ impl LeaseStore for Stallable {
                 LeaseOp::Renew {
                     owner,
                     generation,
+                    key,
                     ttl: ttl.min(self.max_ttl),
                 }
             }
@@ -77,6 +80,10 @@ impl LeaseStore for Stallable {
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
         self.inner.get(job).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
     }
 }
 
@@ -146,7 +153,13 @@ async fn worked_example() {
     // A wakes up.
     let renewal = store
         .inner
-        .renew(&job(), a.owner_id(), Generation::new(7), ttl)
+        .renew(
+            &job(),
+            a.owner_id(),
+            Generation::new(7),
+            &fence_lease::new_lease_key().unwrap(),
+            ttl,
+        )
         .await
         .unwrap();
     assert_eq!(
@@ -249,7 +262,10 @@ async fn superseded_renewal_loses_at_once() {
     clock.advance(Duration::from_secs(4));
     let b: Owner = "b".parse().unwrap();
     assert!(matches!(
-        store.claim(&job(), &b, ttl).await.unwrap(),
+        store
+            .claim(&job(), &b, &fence_lease::new_lease_key().unwrap(), ttl)
+            .await
+            .unwrap(),
         Outcome::Granted(_)
     ));
     assert!(lease.token().is_some(), "the worker cannot know yet");

@@ -93,6 +93,11 @@ fn lost(o: Option<Owner>, g: Generation) -> Seen {
     Seen::Lost(o.as_ref().map(owner_index), g.get())
 }
 
+/// Each owner claims with a key of its own, always the same.
+fn key(o: u8) -> fence_lease::LeaseKey {
+    fence_lease::LeaseKey::new(&format!("owner-{o}-{}", "k".repeat(22))).expect("a valid key")
+}
+
 proptest! {
     #![proptest_config(ProptestConfig { cases: 48, failure_persistence: None, ..ProptestConfig::default() })]
     #[test]
@@ -116,7 +121,7 @@ proptest! {
             match op {
                 Op::Claim { owner: o, job: j, ttl_ms } => {
                     let want = models.entry(j).or_default().claim(o, ttl_ms, now);
-                    let got = match rt.block_on(s.claim(&job(j), &owner(o), Ttl::from_millis(ttl_ms).unwrap())).unwrap() {
+                    let got = match rt.block_on(s.claim(&job(j), &owner(o), &key(o), Ttl::from_millis(ttl_ms).unwrap())).unwrap() {
                         Outcome::Granted(g) => Seen::Granted(g.generation.get()),
                         Outcome::Held { owner, .. } => Seen::Held(owner_index(&owner)),
                         Outcome::Completed { .. } => Seen::Completed,
@@ -138,7 +143,7 @@ proptest! {
                     } else {
                         Seen::Lost(m.owner, m.generation)
                     };
-                    let got = match rt.block_on(s.renew(&job(j), &owner(o), g, Ttl::DEFAULT)).unwrap() {
+                    let got = match rt.block_on(s.renew(&job(j), &owner(o), g, &key(o), Ttl::DEFAULT)).unwrap() {
                         Outcome::Granted(_) => Seen::Done,
                         Outcome::Lost { owner, generation } => lost(owner, generation),
                         other => panic!("{other:?}"),
@@ -161,9 +166,9 @@ proptest! {
                         Seen::Lost(m.owner, m.generation)
                     };
                     let outcome = if complete {
-                        rt.block_on(s.complete(&job(j), &owner(o), g))
+                        rt.block_on(s.complete(&job(j), &owner(o), g, &key(o)))
                     } else {
-                        rt.block_on(s.release(&job(j), &owner(o), g))
+                        rt.block_on(s.release(&job(j), &owner(o), g, &key(o)))
                     };
                     let got = match outcome.unwrap() {
                         Outcome::Done(_) => Seen::Done,

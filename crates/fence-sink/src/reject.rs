@@ -50,7 +50,7 @@ pub(crate) fn invalid_signature(job: JobId, token: FencingToken, signed: bool) -
         )
     } else {
         format!(
-            "job {job}: this destination requires signed tokens (<generation>.<signature> as the lease server returned it); token {token} carries no signature"
+            "job {job}: this destination requires signed tokens (<generation>.<expires_at_ms>.<signature>, as the lease server returned it); token {token} carries no signature"
         )
     };
     Problem::new(ProblemType::InvalidSignature, detail)

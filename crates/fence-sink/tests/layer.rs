@@ -1559,6 +1559,8 @@ fn header_bytes() -> impl Strategy<Value = Vec<u8>> {
         1 => Just(b"18446744073709551615".to_vec()),
         1 => Just(b"18446744073709551616".to_vec()),
         1 => prop::collection::vec(0x80u8..=0xff, 1..4),
+        2 => "[0-4]{1,2}\\.[0-9]{0,3}\\.[A-Za-z0-9_-]{85,87}".prop_map(String::into_bytes),
+        1 => "[1-4]\\.[0-9]{1,3}(\\.[!-~]{0,4})?".prop_map(String::into_bytes),
     ]
 }
 
@@ -1567,19 +1569,28 @@ fn model_job(b: &[u8]) -> bool {
     (1..=256).contains(&b.len()) && b.iter().all(|c| (0x21..=0x7e).contains(c))
 }
 
-/// The generation a well-formed token names: `<generation>` or, since signed tokens
-/// (contract section 6), `<generation>.<signature>` with a non-empty visible-ASCII signature
-/// part (without verification configured, a signed token counts by its generation).
+/// The generation a well-formed token names: `<generation>` or a v2 signed token
+/// `<generation>.<expires_at_ms>.<86 base64url characters>` (contract section 6; without
+/// verify keys a signed token counts by its generation and its expiry is ignored).
 fn model_token(b: &[u8]) -> Option<u64> {
-    match b.iter().position(|&c| c == b'.') {
-        Some(dot) => {
-            let signature = &b[dot + 1..];
-            if signature.is_empty() || !signature.iter().all(|c| (0x21..=0x7e).contains(c)) {
+    let parts: Vec<&[u8]> = b.split(|&c| c == b'.').collect();
+    match parts[..] {
+        [generation] => model_generation(generation),
+        [generation, expires, signature] => {
+            let expires_ok = (1..=20).contains(&expires.len())
+                && expires.iter().all(u8::is_ascii_digit)
+                && (expires == b"0" || expires[0] != b'0')
+                && std::str::from_utf8(expires).ok()?.parse::<u64>().is_ok();
+            let signature_ok = signature.len() == 86
+                && signature
+                    .iter()
+                    .all(|c| c.is_ascii_alphanumeric() || *c == b'-' || *c == b'_');
+            if !(expires_ok && signature_ok) {
                 return None;
             }
-            model_generation(&b[..dot])
+            model_generation(generation)
         }
-        None => model_generation(b),
+        _ => None,
     }
 }
 

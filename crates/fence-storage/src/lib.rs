@@ -5,6 +5,7 @@
 //! - [`postgres`] (feature `postgres`): the connection pool, checked SQL identifiers, the
 //!   database's clock in SQL and migrations serialised by an advisory lock.
 //! - [`clock`]: the wall clock a store decides expiry with, injectable for tests.
+//! - [`tls`]: rustls configurations from PEM files, one crypto provider for every connection.
 //! - [`BoxError`] and [`error_chain`]: the error plumbing both store crates use.
 //!
 //! ```
@@ -21,6 +22,7 @@ pub mod clock;
 pub mod disk;
 #[cfg(feature = "postgres")]
 pub mod postgres;
+pub mod tls;
 
 /// One `#[tokio::test]` per case of a store conformance suite (for the suites' own macros):
 /// each calls `$suite::$case(store, advance)` with what `$make` returned, or says it skipped

@@ -11,10 +11,13 @@
 //! # Ok(()) }
 //! ```
 
-use std::{fmt, time::Duration};
+use std::{
+    fmt,
+    path::{Path, PathBuf},
+    time::Duration,
+};
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
-use tokio_postgres::NoTls;
 
 /// The database's clock in milliseconds since the Unix epoch, as an SQL expression. Every
 /// decision about time that a PostgreSQL store makes reads this clock, never a process's.
@@ -91,6 +94,12 @@ pub enum SetupError {
     /// A schema or table name is not a plain identifier.
     #[error(transparent)]
     Ident(#[from] IdentError),
+    /// `sslmode` names no mode libpq knows.
+    #[error("sslmode={0:?} is not one of disable, allow, prefer, require, verify-ca, verify-full")]
+    SslMode(String),
+    /// The TLS configuration could not be made (a root certificate file, say).
+    #[error("cannot set up TLS to PostgreSQL")]
+    Tls(#[from] crate::tls::TlsError),
 }
 
 /// How many connections one store keeps at most.
@@ -99,16 +108,181 @@ pub const POOL_SIZE: usize = 16;
 /// How long a store waits for a connection from its pool, or for a new one to be made.
 pub const POOL_TIMEOUT: Duration = Duration::from_secs(10);
 
+/// How a connection string asks for TLS (libpq's `sslmode`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum SslMode {
+    /// No TLS.
+    Disable,
+    /// TLS when the server offers it, unverified.
+    Prefer,
+    /// TLS, unverified: against eavesdroppers, not impostors.
+    Require,
+    /// TLS, the certificate verified against the roots, not the host name.
+    VerifyCa,
+    /// TLS, the certificate verified against the roots and the host name.
+    VerifyFull,
+}
+
+/// What fence reads itself out of a connection string: the options tokio-postgres does not
+/// know (`sslmode=verify-ca|verify-full`, `sslrootcert`, `passfile`).
+#[derive(Debug)]
+struct Options {
+    /// The string without them, for tokio-postgres.
+    url: String,
+    ssl: SslMode,
+    root_cert: Option<PathBuf>,
+    passfile: Option<PathBuf>,
+}
+
+fn options(url: &str) -> Result<Options, SetupError> {
+    let (base, query) = url.split_once('?').unwrap_or((url, ""));
+    let mut kept = Vec::new();
+    let mut opts = Options {
+        url: String::new(),
+        ssl: SslMode::Prefer,
+        root_cert: None,
+        passfile: None,
+    };
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
+        let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let value = percent_decode(value);
+        match key {
+            "sslmode" => {
+                opts.ssl = match value.as_str() {
+                    "disable" => SslMode::Disable,
+                    "allow" | "prefer" => SslMode::Prefer,
+                    "require" => SslMode::Require,
+                    "verify-ca" => SslMode::VerifyCa,
+                    "verify-full" => SslMode::VerifyFull,
+                    other => return Err(SetupError::SslMode(other.to_owned())),
+                };
+            }
+            "sslrootcert" => opts.root_cert = Some(PathBuf::from(value)),
+            "passfile" => opts.passfile = Some(PathBuf::from(value)),
+            _ => kept.push(pair),
+        }
+    }
+    // tokio-postgres knows disable, prefer and require; verification is ours.
+    kept.push(match opts.ssl {
+        SslMode::Disable => "sslmode=disable",
+        SslMode::Prefer => "sslmode=prefer",
+        _ => "sslmode=require",
+    });
+    opts.url = format!("{base}?{}", kept.join("&"));
+    Ok(opts)
+}
+
+fn percent_decode(s: &str) -> String {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        let hex = |b: u8| (b as char).to_digit(16);
+        match (
+            bytes[i],
+            bytes.get(i + 1).copied(),
+            bytes.get(i + 2).copied(),
+        ) {
+            (b'%', Some(h), Some(l)) if hex(h).is_some() && hex(l).is_some() => {
+                out.push(u8::try_from(hex(h).unwrap_or(0) * 16 + hex(l).unwrap_or(0)).unwrap_or(0));
+                i += 3;
+            }
+            (b, ..) => {
+                out.push(b);
+                i += 1;
+            }
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The password of a `.pgpass`-format file for this host, port, database and user (`*`
+/// matches anything; `\:` and `\\` are escapes), as libpq reads it.
+fn passfile_password(text: &str, host: &str, port: u16, db: &str, user: &str) -> Option<String> {
+    text.lines()
+        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
+        .find_map(|line| {
+            let mut fields = Vec::new();
+            let mut cur = String::new();
+            let mut chars = line.chars();
+            while let Some(c) = chars.next() {
+                match c {
+                    '\\' => cur.extend(chars.next()),
+                    ':' if fields.len() < 4 => fields.push(std::mem::take(&mut cur)),
+                    c => cur.push(c),
+                }
+            }
+            fields.push(cur);
+            let [h, p, d, u, password] = <[String; 5]>::try_from(fields).ok()?;
+            let port = port.to_string();
+            let fits = |pattern: &str, value: &str| pattern == "*" || pattern == value;
+            (fits(&h, host) && fits(&p, &port) && fits(&d, db) && fits(&u, user))
+                .then_some(password)
+        })
+}
+
+/// The password for `config` when the string has none: `PGPASSWORD`, else the passfile
+/// (`passfile=`, `PGPASSFILE`, or `~/.pgpass`), as libpq does.
+fn fill_password(config: &mut tokio_postgres::Config, passfile: Option<PathBuf>) {
+    if config.get_password().is_some() {
+        return;
+    }
+    if let Ok(password) = std::env::var("PGPASSWORD") {
+        config.password(password);
+        return;
+    }
+    let file = passfile
+        .or_else(|| std::env::var_os("PGPASSFILE").map(PathBuf::from))
+        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pgpass")));
+    let Some(text) = file.and_then(|f| std::fs::read_to_string(f).ok()) else {
+        return;
+    };
+    let host = match config.get_hosts().first() {
+        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
+        _ => "localhost".to_owned(),
+    };
+    let port = config.get_ports().first().copied().unwrap_or(5432);
+    let user = config.get_user().unwrap_or_default().to_owned();
+    let db = config.get_dbname().unwrap_or(&user).to_owned();
+    if let Some(password) = passfile_password(&text, &host, port, &db, &user) {
+        config.password(password);
+    }
+}
+
+/// The TLS client configuration `ssl` asks for.
+fn tls_for(ssl: SslMode, root_cert: Option<&Path>) -> Result<rustls::ClientConfig, SetupError> {
+    Ok(match ssl {
+        SslMode::Disable | SslMode::Prefer | SslMode::Require => crate::tls::encrypt_only_config()?,
+        SslMode::VerifyFull => crate::tls::client_config(root_cert, &[])?,
+        SslMode::VerifyCa => crate::tls::any_name_config(root_cert)?,
+    })
+}
+
 /// A pool of up to [`POOL_SIZE`] connections to `url` (`postgres://user@host:port/db`).
 /// Connections are made when first needed, so a database that is down now is not an error.
 ///
+/// TLS follows libpq's `sslmode`: `disable`, `prefer` (the default; unverified), `require`
+/// (encrypted, unverified), `verify-ca` (the certificate checked against `sslrootcert` or the
+/// system roots) and `verify-full` (and its host name too). Without a password in the
+/// string, `PGPASSWORD` or the passfile (`passfile=`, `PGPASSFILE`, `~/.pgpass`) gives it, so
+/// it need not appear on a command line.
+///
 /// # Errors
-/// When `url` is not a valid connection string.
+/// When `url` is not a valid connection string, names an unknown `sslmode`, or a root
+/// certificate file cannot be read.
 pub fn connect_pool(url: &str) -> Result<Pool, SetupError> {
-    let config: tokio_postgres::Config = url.parse().map_err(SetupError::Url)?;
+    let Options {
+        url,
+        ssl,
+        root_cert,
+        passfile,
+    } = options(url)?;
+    let mut config: tokio_postgres::Config = url.parse().map_err(SetupError::Url)?;
+    fill_password(&mut config, passfile);
+    let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls_for(ssl, root_cert.as_deref())?);
     let manager = Manager::from_config(
         config,
-        NoTls,
+        tls,
         ManagerConfig {
             recycling_method: RecyclingMethod::Fast,
         },
@@ -157,6 +331,35 @@ pub async fn migrate(pool: &Pool, schema: &Ident, ddl: &str) -> Result<(), Migra
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn fence_reads_the_tls_and_password_options_itself() {
+        let o = options(
+            "postgres://u@h/db?sslmode=verify-full&sslrootcert=%2Ftmp%2Fca.pem&application_name=x",
+        )
+        .unwrap();
+        assert_eq!(o.ssl, SslMode::VerifyFull);
+        assert_eq!(o.root_cert, Some(PathBuf::from("/tmp/ca.pem")));
+        assert_eq!(
+            o.url,
+            "postgres://u@h/db?application_name=x&sslmode=require"
+        );
+        assert_eq!(options("postgres://h/db").unwrap().ssl, SslMode::Prefer);
+        assert_eq!(
+            options("postgres://h/db?sslmode=disable").unwrap().url,
+            "postgres://h/db?sslmode=disable"
+        );
+        assert!(options("postgres://h/db?sslmode=maybe").is_err());
+        let pgpass = "# comment\nother:5432:*:u:nope\nh:*:db:u:s3cr\\:et\n*:*:*:*:fallback\n";
+        assert_eq!(
+            passfile_password(pgpass, "h", 5432, "db", "u").as_deref(),
+            Some("s3cr:et")
+        );
+        assert_eq!(
+            passfile_password(pgpass, "x", 1, "y", "z").as_deref(),
+            Some("fallback")
+        );
+    }
 
     #[test]
     fn identifiers_are_checked_by_one_rule() {

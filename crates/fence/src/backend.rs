@@ -3,9 +3,9 @@
 use std::path::{Path, PathBuf};
 
 use anyhow::Context as _;
-use fence_core::{Generation, JobId};
+use fence_core::{Generation, JobId, lease_api::ListQuery};
 use fence_lease::{
-    LeaseOp, LeaseRecord, LeaseStore, Outcome, PgLeaseStore, PgTable, SledLeaseStore,
+    LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, PgLeaseStore, PgTable, SledLeaseStore,
 };
 use fence_sink::{
     Attempt, Begin, Finish, GenerationStore, IdempotencyStore, SledStore, StoreError, Verdict,
@@ -157,6 +157,13 @@ impl LeaseStore for LeaseBackend {
         match self {
             Self::Sled(s) => s.get(job).await,
             Self::Postgres(s) => s.get(job).await,
+        }
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, fence_lease::StoreError> {
+        match self {
+            Self::Sled(s) => s.list(query).await,
+            Self::Postgres(s) => s.list(query).await,
         }
     }
 }

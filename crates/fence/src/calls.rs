@@ -1,13 +1,14 @@
-//! The one-shot lease calls of the command line: claim, renew, release, complete, status.
+//! The one-shot lease calls of the command line: claim, renew, release, complete, status, leases.
 
 use anyhow::Context as _;
 use fence_core::{
-    JobId,
-    lease_api::{Action, ClaimRequest, FinishRequest, RenewRequest},
+    Generation,
+    lease_api::{Action, ClaimRequest, FinishRequest, ListBody, ListQuery, RenewRequest},
 };
-use fence_lease::HttpLeaseStore;
+use fence_lease::{BearerToken, HttpLeaseStore, HttpOptions};
+use http::StatusCode;
 
-use crate::cli::{ClaimCmd, FinishCmd, RenewCmd, ServerUrl};
+use crate::cli::{ClaimCmd, FinishCmd, LeasesCmd, RenewCmd, ServerConn, ServerUrl};
 
 /// What a one-shot call sends.
 #[derive(Debug)]
@@ -24,16 +25,64 @@ pub enum Call {
     Status(ServerUrl),
 }
 
-/// Makes the call, prints the server's answer as it came, and returns the exit code: 0 on
-/// success, 3 on a held or lost lease or a completed job, 2 on a 400, 1 otherwise.
+/// The bearer secret of `--auth-token-file`, or of `FENCE_AUTH_TOKEN`.
+///
+/// # Errors
+/// When the file cannot be read, or the secret is not a valid bearer token.
+pub fn bearer(file: Option<&std::path::Path>) -> anyhow::Result<Option<BearerToken>> {
+    let token = match file {
+        Some(file) => std::fs::read_to_string(file)
+            .with_context(|| format!("cannot read --auth-token-file {}", file.display()))?,
+        None => match std::env::var("FENCE_AUTH_TOKEN") {
+            Ok(token) => token,
+            Err(_) => return Ok(None),
+        },
+    };
+    Ok(Some(BearerToken::new(token).context("the bearer secret")?))
+}
+
+/// The HTTP lease store a command talks to.
+///
+/// # Errors
+/// When the URL, the CA file or the bearer secret cannot be used.
+pub fn connect(conn: &ServerConn) -> anyhow::Result<HttpLeaseStore> {
+    let options = HttpOptions {
+        ca_cert: conn.ca_cert.clone(),
+        bearer: bearer(conn.auth_token_file.as_deref())?,
+        ..HttpOptions::default()
+    };
+    Ok(HttpLeaseStore::with_options(&conn.server, options)?)
+}
+
+/// The exit code of an answer: 0 on success, 3 on a held or lost lease or a completed job,
+/// 2 on a refused request (400, 401, 403), 1 otherwise.
+fn exit_code(status: StatusCode) -> i32 {
+    match status.as_u16() {
+        200 => 0,
+        409 | 410 => 3,
+        400 | 401 | 403 => 2,
+        _ => 1,
+    }
+}
+
+/// Makes the call, prints the server's answer as it came (a claim's with its lease key),
+/// and returns the exit code.
 ///
 /// # Errors
 /// When the server URL is invalid or the server cannot be reached.
 pub async fn call(call: Call) -> anyhow::Result<i32> {
+    let mut key = None;
     let (at, action, body): (&ServerUrl, Option<Action>, Option<serde_json::Value>) = match &call {
         Call::Claim(a) => {
             let owner = a.owner.clone().unwrap_or_else(fence_lease::default_owner);
-            let body = ClaimRequest { owner, ttl: a.ttl };
+            let lease_key = fence_lease::new_lease_key()
+                .map_err(|e| anyhow::anyhow!("the OS's random source failed: {e}"))?;
+            key = Some(lease_key.clone());
+            let body = ClaimRequest {
+                owner,
+                lease_key,
+                ttl: a.ttl,
+            };
             (
                 &a.at,
                 Some(Action::Claim),
@@ -43,7 +92,8 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
         Call::Renew(a) => {
             let body = RenewRequest {
                 owner: a.lease.owner.clone(),
-                generation: fence_core::Generation::new(a.lease.generation),
+                generation: Generation::new(a.lease.generation),
+                lease_key: a.lease.lease_key.clone(),
                 ttl: a.ttl,
             };
             (
@@ -60,23 +110,69 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
             };
             let body = FinishRequest {
                 owner: a.owner.clone(),
-                generation: fence_core::Generation::new(a.generation),
+                generation: Generation::new(a.generation),
+                lease_key: a.lease_key.clone(),
             };
             (&a.at, Some(action), Some(serde_json::to_value(body)?))
         }
         Call::Status(at) => (at, None, None),
     };
-    let server = HttpLeaseStore::new(&at.server)?;
-    let job: &JobId = &at.job;
+    let server = connect(&at.conn)?;
     let (status, answer) = server
-        .call(job, action, body.as_ref())
+        .call(&at.job, action, body.as_ref())
         .await
         .with_context(|| format!("cannot reach {}", server.base_url()))?;
-    println!("{}", String::from_utf8_lossy(&answer).trim_end());
-    Ok(match status.as_u16() {
-        200 => 0,
-        409 | 410 => 3,
-        400 => 2,
-        _ => 1,
-    })
+    let printed = match (key, status) {
+        // The lease key is shown here and nowhere else, so a script can pass it on.
+        (Some(key), StatusCode::OK) => {
+            let mut lease: serde_json::Map<String, serde_json::Value> =
+                serde_json::from_slice(&answer).context("the server's answer is not JSON")?;
+            lease.insert("lease_key".into(), key.expose().into());
+            serde_json::to_string(&lease)?
+        }
+        _ => String::from_utf8_lossy(&answer).trim_end().to_owned(),
+    };
+    println!("{printed}");
+    Ok(exit_code(status))
+}
+
+/// `fence leases`: every page, one record a line.
+///
+/// # Errors
+/// When the server cannot be reached or answers something else than a page.
+pub async fn leases(a: LeasesCmd) -> anyhow::Result<i32> {
+    let server = connect(&a.conn)?;
+    let state = match a.state.as_deref() {
+        Some(s) => Some(
+            serde_json::from_value(serde_json::Value::String(s.to_owned()))
+                .with_context(|| format!("--state {s}"))?,
+        ),
+        None => None,
+    };
+    let mut query = ListQuery {
+        state,
+        prefix: a.prefix,
+        after: None,
+        limit: Some(fence_core::lease_api::MAX_LIST_LIMIT),
+    };
+    loop {
+        let path = format!("/v1/leases?{}", query.to_query());
+        let (status, answer) = server
+            .send(&path, None::<&()>)
+            .await
+            .with_context(|| format!("cannot reach {}", server.base_url()))?;
+        if status != StatusCode::OK {
+            println!("{}", String::from_utf8_lossy(&answer).trim_end());
+            return Ok(exit_code(status));
+        }
+        let page: ListBody =
+            serde_json::from_slice(&answer).context("the server's answer is not a page")?;
+        for lease in &page.leases {
+            println!("{}", serde_json::to_string(lease)?);
+        }
+        match page.next {
+            Some(next) => query.after = Some(next),
+            None => return Ok(0),
+        }
+    }
 }

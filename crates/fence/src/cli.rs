@@ -1,19 +1,25 @@
 //! The command line: every command, flag and help text of `fence`.
+//!
+//! Every flag of `fence server`, `fence proxy` and `fence run` can also be set by an
+//! environment variable `FENCE_<FLAG>` (`--data-dir` is `FENCE_DATA_DIR`); `--help` names it.
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::{Args, Parser, Subcommand};
-use fence_core::{JobId, Owner, Ttl};
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use fence_core::{JobId, Owner, Ttl, secret::LeaseKey};
 use http::Method;
 
 use crate::duration::parse_duration;
 
 const EXIT_CODES: &str = "\
-Exit codes of the lease calls (claim, renew, release, complete, status):
+Exit codes of the lease calls (claim, renew, release, complete, status, leases):
   0  success; the server's JSON answer is printed on stdout
   3  the lease is held by another owner, lost, or the job is completed
-  2  bad usage (also a 400 from the server)
-  1  anything else (server unreachable, unknown job for status, server error)";
+  2  bad usage (also a 400, 401 or 403 from the server: a bad request, a missing or unknown
+     secret, a job the secret does not cover, a wrong lease key)
+  1  anything else (server unreachable, unknown job for status, server error)
+
+The bearer secret comes from --auth-token-file or, without it, from FENCE_AUTH_TOKEN.";
 
 /// Expiring job leases, fenced all the way to the side effect.
 ///
@@ -27,13 +33,13 @@ Exit codes of the lease calls (claim, renew, release, complete, status):
     after_help = "Start here: `fence demo` runs the worked example end to end."
 )]
 pub struct Cli {
-    #[command(subcommand)]
     /// What to do.
+    #[command(subcommand)]
     pub command: Cmd,
 }
 
-#[derive(Subcommand, Debug)]
 /// The commands of `fence`.
+#[derive(Subcommand, Debug)]
 pub enum Cmd {
     /// Run the worked example end to end: a stale worker's late write is rejected.
     ///
@@ -42,40 +48,56 @@ pub enum Cmd {
     /// generation and writes; A's delayed write and its completion are rejected. Prints the
     /// timeline and exits 0 only if everything happened as it should.
     Demo,
-    /// Serve the lease HTTP API (POST /v1/leases/{job}/claim|renew|release|complete, GET /v1/leases/{job}).
+    /// Serve the lease HTTP API (POST /v1/leases/{job}/claim|renew|release|complete, GET /v1/leases/{job}, GET /v1/leases).
+    ///
+    /// Anyone who can reach an open lease server can complete other workers' jobs: on any
+    /// address but loopback, give --auth-file (and --tls-cert/--tls-key), or say
+    /// --insecure-no-auth.
     Server(ServerArgs),
     /// A fencing reverse proxy in front of any HTTP service.
     ///
-    /// Fenced requests (POST, PUT, PATCH, DELETE by default) must carry X-Fencing-Job and
-    /// X-Fencing-Token; a token below the highest this proxy has accepted for the job gets
-    /// 409 and never reaches the upstream. Duplicate Idempotency-Keys are replayed.
+    /// Fenced requests (every method but GET, HEAD, OPTIONS and TRACE by default) must carry
+    /// X-Fencing-Job and X-Fencing-Token; a token below the highest this proxy has accepted
+    /// for the job gets 409 and never reaches the upstream. Duplicate Idempotency-Keys are
+    /// replayed. GET /metrics and GET /healthz answer on --admin-listen (127.0.0.1:7801 by
+    /// default: a second proxy on one host needs another).
     Proxy(Box<ProxyArgs>),
     /// Claim a job, run a command under the lease, stop it the moment the lease is lost.
     ///
-    /// The command gets FENCE_JOB, FENCE_TOKEN, FENCE_SERVER and FENCE_OWNER in its
-    /// environment. The lease is renewed in the background. When it is lost the command gets
-    /// SIGTERM at once, and SIGKILL after --grace. When the command exits 0 the job is
-    /// completed; otherwise it is released. SIGINT and SIGTERM are forwarded to the command.
+    /// The command runs in a process group of its own with FENCE_JOB, FENCE_TOKEN (the
+    /// token when the lease was claimed), FENCE_TOKEN_FILE (a file that always holds the
+    /// latest token), FENCE_SERVER and FENCE_OWNER in its environment. The lease is renewed
+    /// in the background. When it is lost the whole group gets SIGTERM at once, and SIGKILL
+    /// after --grace; the same happens if `fence run` itself dies, even by SIGKILL. When the
+    /// command exits 0 the job is completed (or released, with --on-success release);
+    /// otherwise it is released. SIGINT, SIGTERM and SIGHUP are passed on to the group.
     #[command(after_help = "\
-Exit codes:
-  the command's code  it exited non-zero; the job was released
-  0                   it exited 0 and the job was completed
-  3                   the lease could not be obtained within --wait, or the job is completed
-  75                  the lease was lost while the command ran (it got SIGTERM, then SIGKILL after --grace)
-  1                   fence itself failed (server unreachable, command not found)
-  2                   bad usage
+Exit codes of fence run itself (the command's own codes are passed through unless they
+collide with these, and are told apart on stderr):
+  0     the command exited 0 and the job was completed (or released)
+  3     the lease could not be obtained within --wait, or the job is completed
+  75    the lease was lost while the command ran (the group got SIGTERM, then SIGKILL
+        after --grace), or it exited 0 after its lease was lost
+  1     fence itself failed (server unreachable, command not found)
+  2     bad usage
+  128+N the command was killed by signal N (fence run passes the signal on)
+  other the command's own non-zero exit code; the job was released
 
 Example:
-  fence run --server http://127.0.0.1:7700 --job nightly-report --ttl 30s -- ./report.sh")]
-    Run(RunCmd),
-    /// Write an Ed25519 key pair for signed tokens: DIR/fence-signing.key (private, 0600) and
-    /// DIR/fence-verify.pub (public).
+  fence run --server https://leases.internal:7700 --job nightly-report --ttl 30s \\
+    --on-success release -- ./report.sh")]
+    Run(Box<RunCmd>),
+    /// Write an Ed25519 key pair for signed tokens: DIR/fence-signing.pem (PKCS#8, 0600)
+    /// and DIR/fence-verify.pem (SPKI).
     ///
     /// Give the private key to `fence server --signing-key` and the public key to every
     /// `fence proxy --verify-key`. A destination that requires signatures cannot be locked out
-    /// by a forged huge token.
+    /// by a forged huge token. Keys made by `openssl genpkey -algorithm ed25519` work too.
     Keygen(KeygenCmd),
-    /// Claim a job once and print the lease as JSON.
+    /// Claim a job once and print the lease as JSON, with its lease key.
+    ///
+    /// The printed "lease_key" is the only proof that the lease is yours: pass it to renew,
+    /// release and complete (--lease-key, or FENCE_LEASE_KEY), and keep it out of logs.
     #[command(after_help = EXIT_CODES)]
     Claim(ClaimCmd),
     /// Renew a lease once and print it as JSON.
@@ -90,20 +112,83 @@ Example:
     /// Print a job's lease record as JSON.
     #[command(after_help = EXIT_CODES)]
     Status(StatusCmd),
+    /// List leases, one JSON record a line, in job id order (every page of GET /v1/leases).
+    ///
+    /// With an auth file on the server, only the jobs the secret covers are listed.
+    #[command(after_help = EXIT_CODES)]
+    Leases(LeasesCmd),
+    /// Runs the watchdog of `fence run`'s command group (internal).
+    #[command(hide = true)]
+    Watchdog(WatchdogCmd),
 }
 
-#[derive(Args, Debug)]
+/// Where a listener listens, with TLS or not, and its limits.
+#[derive(Args, Debug, Clone)]
+pub struct ListenArgs {
+    /// Serve HTTPS with this certificate chain (PEM), with --tls-key.
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_key",
+        env = "FENCE_TLS_CERT"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM).
+    #[arg(
+        long,
+        value_name = "FILE",
+        requires = "tls_cert",
+        env = "FENCE_TLS_KEY"
+    )]
+    pub tls_key: Option<PathBuf>,
+    /// How long a new connection has to send its first request head, TLS handshake
+    /// included; a connection that sends nothing, or one byte a second, is closed then.
+    #[arg(long, default_value = "10s", value_parser = parse_duration, env = "FENCE_HEADER_TIMEOUT")]
+    pub header_timeout: Duration,
+    /// How long a kept-alive connection may sit between an answer and the next request head.
+    #[arg(long, default_value = "60s", value_parser = parse_duration, env = "FENCE_IDLE_TIMEOUT")]
+    pub idle_timeout: Duration,
+    /// Open connections at most; beyond, new ones wait until one closes while established
+    /// ones go on. Default: 10,000, or half of what the file limit (ulimit -n) leaves.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS")]
+    pub max_connections: Option<u32>,
+    /// Concurrent HTTP/2 streams per connection at most.
+    #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000), env = "FENCE_H2_MAX_STREAMS")]
+    pub h2_max_streams: u32,
+    /// HTTP/2 keepalive: a ping this often; a peer silent for as long again is closed.
+    #[arg(long, default_value = "20s", value_parser = parse_duration, env = "FENCE_H2_KEEPALIVE")]
+    pub h2_keepalive: Duration,
+}
+
 /// The flags of `fence server`.
+#[derive(Args, Debug)]
 pub struct ServerArgs {
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:7700")]
+    #[arg(long, default_value = "127.0.0.1:7700", env = "FENCE_LISTEN")]
     pub listen: SocketAddr,
+    /// TLS and connection limits of the listener.
+    #[command(flatten)]
+    pub listener: ListenArgs,
     /// Where the leases are kept.
     #[command(flatten)]
     pub storage: StorageArgs,
-    /// Sign every token with this private key (from `fence keygen`); lease answers then carry
-    /// "token": "<generation>.<signature>". The file must not be readable by group or others.
-    #[arg(long, value_name = "FILE")]
+    /// Clients allowed to call /v1/: one a line, `<name> <secret> <job-pattern>...`
+    /// (a pattern is a job id or a prefix ending in *), mode 0600. SIGHUP reloads it; a file
+    /// that does not parse keeps the clients as they were.
+    #[arg(long, value_name = "FILE", env = "FENCE_AUTH_FILE")]
+    pub auth_file: Option<PathBuf>,
+    /// Listen on an address other than loopback without --auth-file: anyone who can reach it
+    /// can then renew, release and complete any job whose lease key they learn, and claim
+    /// any job.
+    #[arg(long, conflicts_with = "auth_file", env = "FENCE_INSECURE_NO_AUTH")]
+    pub insecure_no_auth: bool,
+    /// Serve GET /metrics without a bearer secret (it needs one with --auth-file).
+    #[arg(long, env = "FENCE_PUBLIC_METRICS")]
+    pub public_metrics: bool,
+    /// Sign every token with this private key (PKCS#8 PEM, from `fence keygen` or openssl);
+    /// lease answers then carry "token": "<generation>.<expires_at_ms>.<signature>". The file
+    /// must not be readable by group or others.
+    #[arg(long, value_name = "FILE", env = "FENCE_SIGNING_KEY")]
     pub signing_key: Option<PathBuf>,
     /// Test hook (feature `test-hooks`, never in a shipped binary): shift the server's clock
     /// by this many milliseconds (negative: behind).
@@ -112,8 +197,8 @@ pub struct ServerArgs {
     pub clock_offset_ms: i64,
 }
 
-#[derive(Args, Debug)]
 /// The flags of `fence keygen`.
+#[derive(Args, Debug)]
 pub struct KeygenCmd {
     /// Directory to write the two key files into (created if missing; existing key files
     /// are never overwritten).
@@ -121,48 +206,66 @@ pub struct KeygenCmd {
     pub out: PathBuf,
 }
 
-#[derive(Args, Debug)]
 /// The flags of `fence proxy`.
+#[derive(Args, Debug)]
 pub struct ProxyArgs {
     /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:7800")]
+    #[arg(long, default_value = "127.0.0.1:7800", env = "FENCE_LISTEN")]
     pub listen: SocketAddr,
-    /// The service to protect, e.g. http://127.0.0.1:8080.
-    #[arg(long)]
+    /// TLS and connection limits of both listeners (--listen and --admin-listen).
+    #[command(flatten)]
+    pub listener: ListenArgs,
+    /// The service to protect: http://host:port[/prefix] or https://host:port[/prefix].
+    #[arg(long, env = "FENCE_UPSTREAM")]
     pub upstream: http::Uri,
+    /// Trust this CA (PEM) for an https:// upstream, besides the system's roots.
+    #[arg(long, value_name = "FILE", env = "FENCE_UPSTREAM_CA_CERT")]
+    pub upstream_ca_cert: Option<PathBuf>,
     /// Where the fence records (highest generation per job, idempotency records) are kept.
     #[command(flatten)]
     pub storage: StorageArgs,
-    /// Address of GET /metrics and GET /healthz, apart from the proxied paths.
-    #[arg(long, default_value = "127.0.0.1:7801")]
+    /// Address of GET /metrics and GET /healthz, apart from the proxied paths. Two proxies
+    /// on one host need two.
+    #[arg(long, default_value = "127.0.0.1:7801", env = "FENCE_ADMIN_LISTEN")]
     pub admin_listen: SocketAddr,
-    /// Methods that are fenced, comma separated.
-    #[arg(long, value_delimiter = ',', default_value = "POST,PUT,PATCH,DELETE")]
-    pub fence_methods: Vec<Method>,
+    /// Methods that are fenced, comma separated. Default: every method but GET, HEAD,
+    /// OPTIONS and TRACE, so a method this list does not know fails closed.
+    #[arg(long, value_delimiter = ',', env = "FENCE_FENCE_METHODS")]
+    pub fence_methods: Option<Vec<Method>>,
     /// Answer 428 to fenced requests without fencing headers (the default).
-    #[arg(long, conflicts_with = "allow_missing_token")]
+    #[arg(
+        long,
+        conflicts_with = "allow_missing_token",
+        env = "FENCE_REQUIRE_TOKEN"
+    )]
     pub require_token: bool,
     /// Let fenced requests without fencing headers through.
-    #[arg(long)]
+    #[arg(long, env = "FENCE_ALLOW_MISSING_TOKEN")]
     pub allow_missing_token: bool,
     /// Ignore Idempotency-Key headers (they are still checked for syntax).
-    #[arg(long)]
+    #[arg(long, env = "FENCE_NO_IDEMPOTENCY")]
     pub no_idempotency: bool,
     /// How long completed idempotency records are kept.
-    #[arg(long, default_value = "24h", value_parser = parse_duration)]
+    #[arg(long, default_value = "24h", value_parser = parse_duration, env = "FENCE_IDEMPOTENCY_RETENTION")]
     pub idempotency_retention: Duration,
     /// Largest response body stored for replay, in bytes.
-    #[arg(long, default_value_t = 1 << 20)]
+    #[arg(long, default_value_t = 1 << 20, env = "FENCE_IDEMPOTENCY_MAX_BODY")]
     pub idempotency_max_body: usize,
     /// How long a newer token waits for older in-flight requests before 503.
-    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    #[arg(long, default_value = "10s", value_parser = parse_duration, env = "FENCE_DRAIN_TIMEOUT")]
     pub drain_timeout: Duration,
     /// How long a request may take upstream before 504.
-    #[arg(long, default_value = "60s", value_parser = parse_duration)]
+    #[arg(long, default_value = "60s", value_parser = parse_duration, env = "FENCE_UPSTREAM_TIMEOUT")]
     pub upstream_timeout: Duration,
-    /// Require signed tokens valid under this public key (from `fence keygen`); repeat it to
-    /// accept several keys during a rotation. Unsigned or forged tokens get 403.
-    #[arg(long, value_name = "FILE")]
+    /// Require signed tokens valid under this public key (SPKI PEM, from `fence keygen` or
+    /// openssl); repeat it to accept several keys during a rotation. Unsigned or forged
+    /// tokens get 403.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_VERIFY_KEY",
+        value_delimiter = ','
+    )]
     pub verify_key: Vec<PathBuf>,
     /// Test hook (feature `test-hooks`, never in a shipped binary): fence nothing, the
     /// fault-injection harness's negative control.
@@ -170,11 +273,11 @@ pub struct ProxyArgs {
     #[arg(long, hide = true)]
     pub unsafe_no_fence: bool,
     /// Send the client's Host header upstream instead of the upstream's authority.
-    #[arg(long)]
+    #[arg(long, env = "FENCE_PRESERVE_HOST")]
     pub preserve_host: bool,
     /// Threads serving connections, each with its own upstream connection pool; a
     /// connection stays on one thread. Default: one per CPU core.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024))]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024), env = "FENCE_WORKERS")]
     pub workers: Option<u16>,
 }
 
@@ -182,53 +285,82 @@ pub struct ProxyArgs {
 #[derive(Args, Debug, Clone)]
 pub struct StorageArgs {
     /// Directory of the database (created if missing); not used with --store postgres://.
-    #[arg(long, required_unless_present = "store")]
+    #[arg(long, required_unless_present = "store", env = "FENCE_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
-    /// Keep the state in PostgreSQL instead (postgres://user@host:port/db): several servers
-    /// (or proxies) on one database act as one. The default is sled in --data-dir.
-    #[arg(long, value_name = "URL")]
+    /// Keep the state in PostgreSQL instead (postgres://user@host:port/db, with
+    /// ?sslmode=verify-full&sslrootcert=FILE for TLS): several servers (or proxies) on one
+    /// database act as one. The password may come from PGPASSWORD or a passfile instead of
+    /// the URL. The default is sled in --data-dir.
+    #[arg(long, value_name = "URL", env = "FENCE_STORE", hide_env_values = true)]
     pub store: Option<String>,
     /// PostgreSQL schema of the tables (with --store).
-    #[arg(long, default_value = "fence")]
+    #[arg(long, default_value = "fence", env = "FENCE_PG_SCHEMA")]
     pub pg_schema: String,
+}
+
+/// How a command reaches the lease server.
+#[derive(Args, Debug, Clone)]
+pub struct ServerConn {
+    /// The lease server: http://host:port or https://host:port.
+    #[arg(long, env = "FENCE_SERVER", default_value = "http://127.0.0.1:7700")]
+    pub server: String,
+    /// Trust this CA (PEM) for an https:// server, besides the system's roots.
+    #[arg(long, value_name = "FILE", env = "FENCE_CA_CERT")]
+    pub ca_cert: Option<PathBuf>,
+    /// Read the bearer secret (for a server with --auth-file) from this file; without it,
+    /// FENCE_AUTH_TOKEN is used when set.
+    #[arg(long, value_name = "FILE", env = "FENCE_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
 }
 
 /// Which server and which job a lease call is about.
 #[derive(Args, Debug, Clone)]
 pub struct ServerUrl {
     /// The lease server.
-    #[arg(long, env = "FENCE_SERVER", default_value = "http://127.0.0.1:7700")]
-    pub server: String,
+    #[command(flatten)]
+    pub conn: ServerConn,
     /// The job id (1 to 256 visible ASCII characters).
-    #[arg(long)]
+    #[arg(long, env = "FENCE_JOB")]
     pub job: JobId,
 }
 
-#[derive(Args, Debug)]
+/// What `fence run` does with the job when the command exits 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnSuccess {
+    /// Complete it: it can never be claimed again.
+    Complete,
+    /// Release it: it can be claimed again (a nightly job).
+    Release,
+}
+
 /// The flags of `fence run`.
+#[derive(Args, Debug)]
 pub struct RunCmd {
     /// The server and the job.
     #[command(flatten)]
     pub at: ServerUrl,
     /// The owner to claim as (default: <hostname>-<pid>-<random>).
-    #[arg(long)]
+    #[arg(long, env = "FENCE_OWNER")]
     pub owner: Option<Owner>,
     /// Lease duration: 100ms to 24h.
-    #[arg(long, default_value = "30s", value_parser = parse_ttl)]
+    #[arg(long, default_value = "30s", value_parser = parse_ttl, env = "FENCE_TTL")]
     pub ttl: Ttl,
     /// Keep retrying this long while the job is held by someone else.
-    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    #[arg(long, default_value = "0s", value_parser = parse_duration, env = "FENCE_WAIT")]
     pub wait: Duration,
     /// Time between SIGTERM and SIGKILL after the lease is lost.
-    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    #[arg(long, default_value = "5s", value_parser = parse_duration, env = "FENCE_GRACE")]
     pub grace: Duration,
+    /// What to do with the job when the command exits 0.
+    #[arg(long, value_enum, default_value = "complete", env = "FENCE_ON_SUCCESS")]
+    pub on_success: OnSuccess,
     /// The command to run, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
 }
 
-#[derive(Args, Debug)]
 /// The flags of `fence claim`.
+#[derive(Args, Debug)]
 pub struct ClaimCmd {
     /// The server and the job.
     #[command(flatten)]
@@ -241,8 +373,8 @@ pub struct ClaimCmd {
     pub ttl: Ttl,
 }
 
-#[derive(Args, Debug)]
 /// The flags of `fence renew`.
+#[derive(Args, Debug)]
 pub struct RenewCmd {
     /// The lease.
     #[command(flatten)]
@@ -252,8 +384,8 @@ pub struct RenewCmd {
     pub ttl: Ttl,
 }
 
-#[derive(Args, Debug)]
 /// The flags of `fence release` and `fence complete`.
+#[derive(Args, Debug)]
 pub struct FinishCmd {
     /// The server and the job.
     #[command(flatten)]
@@ -264,14 +396,40 @@ pub struct FinishCmd {
     /// The generation of the lease.
     #[arg(long)]
     pub generation: u64,
+    /// The lease key `fence claim` printed. Prefer FENCE_LEASE_KEY: a flag's value shows in
+    /// the process list.
+    #[arg(long, env = "FENCE_LEASE_KEY", hide_env_values = true, value_parser = parse_lease_key)]
+    pub lease_key: LeaseKey,
 }
 
-#[derive(Args, Debug)]
 /// The flags of `fence status`.
+#[derive(Args, Debug)]
 pub struct StatusCmd {
     /// The server and the job.
     #[command(flatten)]
     pub at: ServerUrl,
+}
+
+/// The flags of `fence leases`.
+#[derive(Args, Debug)]
+pub struct LeasesCmd {
+    /// The lease server.
+    #[command(flatten)]
+    pub conn: ServerConn,
+    /// Only leases in this state: free, held, expired or completed.
+    #[arg(long, value_parser = ["free", "held", "expired", "completed"])]
+    pub state: Option<String>,
+    /// Only jobs whose id starts with this.
+    #[arg(long)]
+    pub prefix: Option<String>,
+}
+
+/// The flags of `fence watchdog`.
+#[derive(Args, Debug)]
+pub struct WatchdogCmd {
+    /// Between SIGTERM and SIGKILL to the group.
+    #[arg(long, value_parser = parse_duration)]
+    pub grace: Duration,
 }
 
 /// A lease duration: 100ms to 24h, in the syntax of [`parse_duration`].
@@ -280,4 +438,12 @@ pub struct StatusCmd {
 /// A message naming what is wrong, for clap to print.
 pub fn parse_ttl(s: &str) -> Result<Ttl, String> {
     Ttl::new(parse_duration(s)?).map_err(|e| e.to_string())
+}
+
+/// A lease key as `fence claim` printed it.
+///
+/// # Errors
+/// A message naming what is wrong (never the key), for clap to print.
+pub fn parse_lease_key(s: &str) -> Result<LeaseKey, String> {
+    LeaseKey::new(s.trim()).map_err(|e| format!("the lease key {e}"))
 }

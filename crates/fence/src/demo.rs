@@ -16,10 +16,10 @@ use anyhow::Context;
 use axum::{Extension, Router, routing::post};
 use bytes::Bytes;
 use fence_core::signing::TokenVerifier;
-use fence_core::{Generation, JobId, Problem};
+use fence_core::{Generation, JobId, Problem, lease_api::ListQuery};
 use fence_lease::{
     ClaimError, FinishError, HttpLeaseStore, LeaseClient, LeaseLost, LeaseOp, LeaseRecord,
-    LeaseStore, Outcome, SigningLeaseStore, SledLeaseStore, StoreError, Ttl,
+    LeaseStore, ListPage, Outcome, SigningLeaseStore, SledLeaseStore, StoreError, Ttl,
 };
 use fence_sink::{FenceLayer, Fenced, SledStore};
 use http_body_util::{BodyExt, Full};
@@ -74,6 +74,10 @@ impl LeaseStore for Freezable {
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
         self.inner.get(job).await
     }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
+    }
 }
 
 type Ledger = Arc<Mutex<Vec<(String, u64, String)>>>;
@@ -124,9 +128,10 @@ pub async fn run() -> anyhow::Result<i32> {
         signer,
     ));
     let (listener, server) = bind().await?;
-    tokio::spawn(
-        async move { axum::serve(listener, crate::server::router(lease_store, None)).await },
-    );
+    tokio::spawn(async move {
+        let router = crate::server::router(lease_store, crate::server::ServerOptions::default());
+        axum::serve(listener, router).await
+    });
     t.say(
         "server",
         format!(

@@ -1,4 +1,4 @@
-//! Key files for signed tokens: `fence keygen`, and loading them at start-up.
+//! Key files for signed tokens: `fence keygen` (PKCS#8 and SPKI PEM), and loading them.
 
 use std::{
     io::Write,
@@ -7,7 +7,7 @@ use std::{
 };
 
 use anyhow::Context as _;
-use fence_core::signing::{TokenSigner, TokenVerifier, VerifyKey, private_key_file_contents};
+use fence_core::signing::{TokenSigner, TokenVerifier, VerifyKey};
 
 /// A fresh signer, its key drawn from the operating system's random source.
 ///
@@ -44,16 +44,8 @@ pub fn keygen(out: &Path) -> anyhow::Result<()> {
         file.sync_all()?;
         Ok(path)
     };
-    let private = write(
-        "fence-signing.key",
-        0o600,
-        private_key_file_contents(&signer),
-    )?;
-    let public = write(
-        "fence-verify.pub",
-        0o644,
-        signer.verify_key().to_file_contents(),
-    )?;
+    let private = write("fence-signing.pem", 0o600, signer.to_pem())?;
+    let public = write("fence-verify.pem", 0o644, signer.verify_key().to_pem())?;
     println!(
         "private key: {} (give it to fence server --signing-key; keep it 0600)",
         private.display()

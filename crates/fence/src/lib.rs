@@ -3,15 +3,46 @@
 //! The lease server, the fencing proxy, `fence run`, the one-shot lease calls, key files and
 //! the demo; [`cli`] holds every flag and help text.
 
+pub mod auth;
 pub mod backend;
 pub mod calls;
 pub mod cli;
 pub mod demo;
 pub mod duration;
 pub mod keys;
+pub mod listen;
 pub mod proxy;
 pub mod run;
 pub mod serve;
 pub mod server;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;
+
+/// A mistake in how `fence` was called: a flag's value or a file it names cannot be used.
+/// The command prints it as one line and exits 2.
+#[derive(Debug)]
+pub struct Usage(String);
+
+impl std::fmt::Display for Usage {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for Usage {}
+
+impl Usage {
+    /// A usage error saying `message`.
+    pub fn error(message: impl Into<String>) -> anyhow::Error {
+        anyhow::Error::new(Self(message.into()))
+    }
+
+    /// `e`, with its causes on one line, as a usage error.
+    pub fn from_error(e: impl Into<anyhow::Error>) -> anyhow::Error {
+        let e: anyhow::Error = e.into();
+        if e.is::<Self>() {
+            return e;
+        }
+        Self::error(format!("{e:#}"))
+    }
+}

@@ -32,7 +32,7 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => {
             eprintln!("fence: {e:#}");
-            ExitCode::from(1)
+            ExitCode::from(if e.is::<fence::Usage>() { 2 } else { 1 })
         }
     }
 }
@@ -44,17 +44,21 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Server(a) => fence::serve::server(a).await.map(|()| 0),
         Cmd::Proxy(a) => fence::serve::proxy(*a).await.map(|()| 0),
         Cmd::Run(a) => {
+            let a = *a;
             run::run(run::RunArgs {
-                server: a.at.server,
+                conn: a.at.conn,
                 job: a.at.job,
                 owner: a.owner,
                 ttl: a.ttl,
                 wait: a.wait,
                 grace: a.grace,
+                on_success: a.on_success,
                 command: a.command,
             })
             .await
         }
+        Cmd::Watchdog(a) => run::watchdog(a.grace).await,
+        Cmd::Leases(a) => fence::calls::leases(a).await,
         Cmd::Claim(a) => call(Call::Claim(a)).await,
         Cmd::Renew(a) => call(Call::Renew(a)).await,
         Cmd::Release(a) => call(Call::Release(a)).await,

@@ -1,23 +1,35 @@
 //! `fence run`: claim a job, run a command under the lease, stop it the moment the lease is lost.
 //!
-//! Exit codes: the command's own code (it exited non-zero; the job is released), 0 (it exited
-//! 0 and the job was completed), 3 (the lease could not be obtained within `--wait`, or the
-//! job is completed), 75 (the lease was lost while the command ran: it got SIGTERM, then
-//! SIGKILL after `--grace`), 1 (fence itself failed: server unreachable, command not found).
+//! The command runs in a process group of its own with a watchdog: a second `fence` process
+//! in the same group that reads a pipe from `fence run`. Every signal goes to the whole
+//! group, so a command's children stop with it. If `fence run` dies, even by SIGKILL, the
+//! pipe closes and the watchdog stops the group: SIGTERM, then SIGKILL after `--grace`. No
+//! `unsafe` is needed (no `pre_exec`, no `PR_SET_PDEATHSIG`).
+//!
+//! Exit codes: 0 (the command exited 0; the job was completed or released), 3 (the lease
+//! could not be obtained within `--wait`, or the job is completed), 75 (the lease was lost
+//! while the command ran), 1 (fence itself failed), 128+N (the command was killed by signal
+//! N), otherwise the command's own code (the job was released).
 
-use std::{process::Stdio, time::Duration};
+use std::{path::PathBuf, process::Stdio, time::Duration};
 
+use anyhow::Context as _;
 use fence_core::JobId;
-use fence_lease::{Backoff, ClaimError, FinishError, HttpLeaseStore, Lease, LeaseClient, Ttl};
+use fence_lease::{
+    Backoff, ClaimError, FinishError, HttpLeaseStore, Lease, LeaseClient, LeaseView, Ttl,
+};
 use nix::{
-    sys::signal::{Signal, kill},
+    sys::signal::{Signal, killpg},
     unistd::Pid,
 };
 use tokio::{
-    process::{Child, Command},
-    signal::unix::{SignalKind, signal},
+    io::AsyncReadExt,
+    process::{Child, ChildStdin, Command},
+    signal::unix::{Signal as Stream, SignalKind, signal},
     time::Instant,
 };
+
+use crate::cli::{OnSuccess, ServerConn};
 
 /// Exit code when the lease was lost while the command ran (EX_TEMPFAIL).
 pub const EXIT_LOST: i32 = 75;
@@ -27,8 +39,8 @@ pub const EXIT_NOT_OBTAINED: i32 = 3;
 /// What `fence run` was asked to do.
 #[derive(Debug)]
 pub struct RunArgs {
-    /// The lease server.
-    pub server: String,
+    /// How to reach the lease server.
+    pub conn: ServerConn,
     /// The job.
     pub job: JobId,
     /// The owner to claim as (default: `<host>-<pid>-<random>`).
@@ -39,8 +51,36 @@ pub struct RunArgs {
     pub wait: Duration,
     /// Between SIGTERM and SIGKILL after the lease is lost.
     pub grace: Duration,
+    /// What to do with the job when the command exits 0.
+    pub on_success: OnSuccess,
     /// The command and its arguments.
     pub command: Vec<String>,
+}
+
+/// The signals `fence run` passes on to the command's group; installed before anything is
+/// spawned, so none of them can kill `fence run` and orphan the group.
+struct Signals {
+    int: Stream,
+    term: Stream,
+    hup: Stream,
+}
+
+impl Signals {
+    fn install() -> std::io::Result<Self> {
+        Ok(Self {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+            hup: signal(SignalKind::hangup())?,
+        })
+    }
+
+    async fn next(&mut self) -> Signal {
+        tokio::select! {
+            _ = self.int.recv() => Signal::SIGINT,
+            _ = self.term.recv() => Signal::SIGTERM,
+            _ = self.hup.recv() => Signal::SIGHUP,
+        }
+    }
 }
 
 /// Runs the command under the lease and returns the process exit code.
@@ -48,7 +88,8 @@ pub struct RunArgs {
 /// # Errors
 /// When the server URL is invalid or the command cannot be started.
 pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
-    let store = HttpLeaseStore::new(&args.server)?;
+    let mut signals = Signals::install().context("installing signal handlers")?;
+    let store = crate::calls::connect(&args.conn)?;
     let mut client = LeaseClient::new(store).ttl(args.ttl);
     if let Some(owner) = args.owner.clone() {
         client = client.owner(owner);
@@ -63,39 +104,178 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         );
         return Ok(EXIT_LOST);
     };
+    // The token is not a secret, but a signed one is long; the generation says it all.
     eprintln!(
-        "fence run: holding {} as {} with token {token}",
+        "fence run: holding {} as {} at generation {}",
         args.job,
-        client.owner_id()
+        client.owner_id(),
+        lease.generation()
     );
-
+    let token_file = TokenFile::new(&token)?;
     let Some((program, rest)) = args.command.split_first() else {
         let _ = lease.release().await;
         anyhow::bail!("no command given");
     };
+    let group = match Group::start(args.grace) {
+        Ok(group) => group,
+        Err(e) => {
+            let _ = lease.release().await;
+            return Err(e.context("cannot start the watchdog; the job was released"));
+        }
+    };
     let spawned = Command::new(program)
         .args(rest)
+        .process_group(group.pgid.as_raw())
         .env("FENCE_JOB", args.job.as_str())
         .env("FENCE_TOKEN", &token)
-        .env("FENCE_SERVER", &args.server)
+        .env("FENCE_TOKEN_FILE", token_file.path())
+        .env("FENCE_SERVER", &args.conn.server)
         .env("FENCE_OWNER", client.owner_id().as_str())
+        .env_remove("FENCE_AUTH_TOKEN")
+        .env_remove("FENCE_LEASE_KEY")
         .stdin(Stdio::inherit())
         .kill_on_drop(true)
         .spawn();
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
+            group.stop().await;
             // Give the job back at once instead of leaving it held for the whole ttl.
             let _ = lease.release().await;
             return Err(anyhow::Error::new(e)
                 .context(format!("cannot start {program:?}; the job was released")));
         }
     };
-    let pid = child
-        .id()
-        .and_then(|p| i32::try_from(p).ok())
-        .map(Pid::from_raw);
-    supervise(&mut child, pid, lease, args.grace).await
+    let keeper = token_file.keep_current(lease.view());
+    let lost = supervise(&mut child, &group, &lease, &mut signals, args.grace).await?;
+    keeper.abort();
+    let status = match lost {
+        Some(status) => status,
+        None => {
+            group.stop().await;
+            return Ok(EXIT_LOST);
+        }
+    };
+    // The command is gone; so must be anything it left running in its group, before the
+    // lease is given up.
+    group.stop().await;
+    finish(lease, status, args.on_success).await
+}
+
+/// The command's group: a watchdog process leads it and stops the group when `fence run`
+/// goes away (its stdin, our pipe, closes).
+struct Group {
+    watchdog: Child,
+    pipe: Option<ChildStdin>,
+    pgid: Pid,
+    grace: Duration,
+}
+
+impl Group {
+    fn start(grace: Duration) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("finding the fence executable")?;
+        let mut watchdog = Command::new(exe)
+            .args(["watchdog", "--grace"])
+            .arg(format!("{}ms", grace.as_millis()))
+            .process_group(0)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .env("RUST_LOG", "off")
+            .kill_on_drop(true)
+            .spawn()
+            .context("starting the watchdog")?;
+        let pid = watchdog
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .context("the watchdog has no pid")?;
+        let pipe = watchdog.stdin.take();
+        Ok(Self {
+            watchdog,
+            pipe,
+            pgid: Pid::from_raw(pid),
+            grace,
+        })
+    }
+
+    fn signal(&self, sig: Signal) {
+        // The group may be gone already; nothing to do then.
+        let _ = killpg(self.pgid, sig);
+    }
+
+    /// Stops whatever is left in the group (SIGTERM, SIGKILL after the grace) and waits for
+    /// the watchdog to end.
+    async fn stop(mut self) {
+        drop(self.pipe.take());
+        let limit = self.grace + Duration::from_secs(2);
+        if tokio::time::timeout(limit, self.watchdog.wait())
+            .await
+            .is_err()
+        {
+            self.signal(Signal::SIGKILL);
+            let _ = self.watchdog.wait().await;
+        }
+    }
+}
+
+/// Waits for the command, passing signals on to its group. `Ok(Some(status))` when it
+/// exited on its own; `Ok(None)` when the lease was lost and the group was stopped.
+async fn supervise(
+    child: &mut Child,
+    group: &Group,
+    lease: &Lease<HttpLeaseStore>,
+    signals: &mut Signals,
+    grace: Duration,
+) -> anyhow::Result<Option<std::process::ExitStatus>> {
+    let lost = lease.lost();
+    tokio::pin!(lost);
+    loop {
+        tokio::select! {
+            status = child.wait() => return Ok(Some(status?)),
+            sig = signals.next() => group.signal(sig),
+            () = &mut lost => {
+                let reason = lease.loss_reason().map_or_else(|| "unknown".to_owned(), |r| r.to_string());
+                eprintln!("fence run: lease lost ({reason}); sending SIGTERM to the command's group");
+                group.signal(Signal::SIGTERM);
+                if tokio::time::timeout(grace, child.wait()).await.is_err() {
+                    eprintln!("fence run: the command did not exit within {grace:?}; sending SIGKILL to its group");
+                    group.signal(Signal::SIGKILL);
+                    child.wait().await?;
+                }
+                return Ok(None);
+            }
+        }
+    }
+}
+
+/// Completes or releases the job after the command exited with `status`.
+async fn finish(
+    lease: Lease<HttpLeaseStore>,
+    status: std::process::ExitStatus,
+    on_success: OnSuccess,
+) -> anyhow::Result<i32> {
+    let code = exit_code(status);
+    let finished = if code == 0 && on_success == OnSuccess::Complete {
+        lease.complete().await
+    } else {
+        lease.release().await
+    };
+    match finished {
+        Ok(record) => {
+            eprintln!(
+                "fence run: the command exited {code}; the job is {}",
+                record.state
+            );
+            Ok(code)
+        }
+        Err(FinishError::Lost { owner, generation }) => {
+            let holder = owner.map_or_else(|| "nobody".to_owned(), |o| o.to_string());
+            eprintln!(
+                "fence run: the command exited {code}, but the lease was lost (now generation {generation}, held by {holder})"
+            );
+            Ok(EXIT_LOST)
+        }
+        Err(e) => Err(anyhow::Error::new(e).context("finishing the lease failed")),
+    }
 }
 
 async fn claim_within(
@@ -147,13 +327,6 @@ async fn claim_within(
     }
 }
 
-fn send(pid: Option<Pid>, sig: Signal) {
-    if let Some(pid) = pid {
-        // The child may have exited already; nothing to do then.
-        let _ = kill(pid, sig);
-    }
-}
-
 fn exit_code(status: std::process::ExitStatus) -> i32 {
     use std::os::unix::process::ExitStatusExt;
     status
@@ -161,56 +334,111 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
 }
 
-async fn supervise(
-    child: &mut Child,
-    pid: Option<Pid>,
-    lease: Lease<HttpLeaseStore>,
-    grace: Duration,
-) -> anyhow::Result<i32> {
-    let mut sigint = signal(SignalKind::interrupt())?;
-    let mut sigterm = signal(SignalKind::terminate())?;
-    let mut sighup = signal(SignalKind::hangup())?;
-    let lost = lease.lost();
-    tokio::pin!(lost);
-    let status = loop {
-        tokio::select! {
-            status = child.wait() => break status?,
-            _ = sigint.recv() => send(pid, Signal::SIGINT),
-            _ = sigterm.recv() => send(pid, Signal::SIGTERM),
-            _ = sighup.recv() => send(pid, Signal::SIGHUP),
-            () = &mut lost => {
-                let reason = lease.loss_reason().map_or_else(|| "unknown".to_owned(), |r| r.to_string());
-                eprintln!("fence run: lease lost ({reason}); sending SIGTERM to the command");
-                send(pid, Signal::SIGTERM);
-                if tokio::time::timeout(grace, child.wait()).await.is_err() {
-                    eprintln!("fence run: the command did not exit within {grace:?}; sending SIGKILL");
-                    send(pid, Signal::SIGKILL);
-                    child.wait().await?;
-                }
-                return Ok(EXIT_LOST);
-            }
-        }
-    };
-    let code = exit_code(status);
-    let finished = if code == 0 {
-        lease.complete().await
-    } else {
-        lease.release().await
-    };
-    match finished {
-        Ok(record) => {
-            eprintln!(
-                "fence run: command exited {code}; job is {}",
-                record.state.as_str()
-            );
-            Ok(code)
-        }
-        Err(FinishError::Lost { owner, generation }) => {
-            eprintln!(
-                "fence run: command exited {code}, but the lease was lost (now generation {generation}, held by {owner:?})"
-            );
-            Ok(EXIT_LOST)
-        }
-        Err(e) => Err(anyhow::Error::new(e).context("finishing the lease failed")),
+/// `FENCE_TOKEN_FILE`: a file, in a directory only this user can read, that always holds the
+/// lease's latest token (replaced atomically), for a command that outlives its first token.
+struct TokenFile {
+    dir: tempfile::TempDir,
+}
+
+impl TokenFile {
+    fn new(token: &str) -> anyhow::Result<Self> {
+        let dir = tempfile::Builder::new()
+            .prefix("fence-run-")
+            .tempdir()
+            .context("creating the directory of FENCE_TOKEN_FILE")?;
+        let file = Self { dir };
+        file.write(token)?;
+        Ok(file)
     }
+
+    fn path(&self) -> PathBuf {
+        self.dir.path().join("token")
+    }
+
+    fn write(&self, token: &str) -> anyhow::Result<()> {
+        let next = self.dir.path().join("token.next");
+        std::fs::write(&next, format!("{token}\n")).context("writing FENCE_TOKEN_FILE")?;
+        std::fs::rename(&next, self.path()).context("replacing FENCE_TOKEN_FILE")
+    }
+
+    /// Rewrites the file whenever the lease's token changes (a renewal signs a new one).
+    fn keep_current(&self, lease: LeaseView) -> tokio::task::JoinHandle<()> {
+        let (dir, path) = (self.dir.path().to_owned(), self.path());
+        tokio::spawn(async move {
+            let mut tokens = lease.tokens();
+            while let Some(token) = tokens.next().await {
+                let next = dir.join("token.next");
+                if std::fs::write(&next, format!("{token}\n")).is_ok() {
+                    let _ = std::fs::rename(&next, &path);
+                }
+            }
+        })
+    }
+}
+
+/// `fence watchdog`: leads the command's group; when its stdin (`fence run`'s pipe) closes,
+/// it sends SIGTERM to the group, and SIGKILL after `grace` unless the group is empty by
+/// then. It ignores the signals sent to the group, so it outlives the SIGTERM it sends.
+///
+/// # Errors
+/// When its signal handlers cannot be installed.
+pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
+    let mut signals = Signals::install().context("installing signal handlers")?;
+    let mut stdin = tokio::io::stdin();
+    let mut buf = [0u8; 64];
+    loop {
+        tokio::select! {
+            read = stdin.read(&mut buf) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            },
+            _ = signals.next() => {}
+        }
+    }
+    let pgid = nix::unistd::getpgrp();
+    let _ = killpg(pgid, Signal::SIGTERM);
+    let until = Instant::now() + grace;
+    while Instant::now() < until {
+        if !others_in_group(pgid) {
+            return Ok(0);
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            _ = signals.next() => {}
+        }
+    }
+    // The watchdog is in the group too: this ends it as well.
+    let _ = killpg(pgid, Signal::SIGKILL);
+    Ok(0)
+}
+
+/// Whether a live process other than this one is in process group `pgid` (Linux `/proc`).
+fn others_in_group(pgid: Pid) -> bool {
+    let me = std::process::id();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return true; // cannot tell: assume so, and let the grace run out
+    };
+    entries.flatten().any(|entry| {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            return false;
+        };
+        if pid == me {
+            return false;
+        }
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            return false;
+        };
+        // After the command name in parentheses: state, ppid, pgrp.
+        let Some((_, rest)) = stat.rsplit_once(')') else {
+            return false;
+        };
+        let mut fields = rest.split_whitespace();
+        let state = fields.next().unwrap_or("Z");
+        let pgrp = fields.nth(1).and_then(|f| f.parse::<i32>().ok());
+        state != "Z" && state != "X" && pgrp == Some(pgid.as_raw())
+    })
 }

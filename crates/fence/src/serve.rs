@@ -1,4 +1,7 @@
-//! The long-running commands: `fence server` and `fence proxy`, from flags to a listener.
+//! The long-running commands: `fence server` and `fence proxy`, from flags to listeners.
+//!
+//! Everything a flag names (keys, certificates, auth file, upstream, data directory) is
+//! checked before anything listens; a bad one stops the command with one line and exit 2.
 
 use std::sync::Arc;
 
@@ -6,12 +9,16 @@ use anyhow::Context as _;
 use fence_core::signing::TokenSigner;
 use fence_lease::{LeaseStore, SigningLeaseStore};
 use metrics_exporter_prometheus::PrometheusHandle;
-use tokio::sync::watch;
+use tokio::{net::TcpListener, sync::watch};
 
 use crate::{
+    Usage,
+    auth::Auth,
     backend::Backend,
-    cli::{ProxyArgs, ServerArgs},
+    cli::{ListenArgs, ProxyArgs, ServerArgs},
     keys::load_verifier,
+    listen::{Limits, Listener},
+    server::ServerOptions,
 };
 
 fn install_metrics() -> anyhow::Result<PrometheusHandle> {
@@ -37,66 +44,132 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down: finishing in-flight requests");
 }
 
-/// Serves the lease API over `store`, signing its grants when a signer is given.
-async fn serve_leases<S: LeaseStore>(
-    listener: tokio::net::TcpListener,
-    store: S,
-    signer: Option<TokenSigner>,
-    handle: PrometheusHandle,
-) -> anyhow::Result<()> {
-    let router = match signer {
-        Some(signer) => crate::server::router(
-            Arc::new(SigningLeaseStore::new(store, signer)),
-            Some(handle),
-        ),
-        None => crate::server::router(Arc::new(store), Some(handle)),
+/// The TLS configuration and limits of a listener's flags.
+///
+/// # Errors
+/// When a certificate or key file is unusable.
+fn listen_options(
+    args: &ListenArgs,
+    alpn: &[&[u8]],
+) -> anyhow::Result<(Option<Arc<rustls::ServerConfig>>, Limits)> {
+    let tls = match (&args.tls_cert, &args.tls_key) {
+        (Some(cert), Some(key)) => Some(Arc::new(
+            fence_storage::tls::server_config(cert, key, alpn).map_err(Usage::from_error)?,
+        )),
+        _ => None,
     };
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown_signal())
+    let mut limits = Limits {
+        header_timeout: args.header_timeout,
+        idle_timeout: args.idle_timeout,
+        h2_max_streams: args.h2_max_streams,
+        h2_keepalive: args.h2_keepalive,
+        ..Limits::default()
+    };
+    if let Some(max) = args.max_connections {
+        limits.max_connections = usize::try_from(max).unwrap_or(usize::MAX);
+    }
+    Ok((tls, limits))
+}
+
+async fn bind(addr: std::net::SocketAddr, what: &str) -> anyhow::Result<TcpListener> {
+    TcpListener::bind(addr)
         .await
-        .context("serving the lease API")
+        .with_context(|| format!("cannot listen on {what} {addr}"))
+        .map_err(Usage::from_error)
 }
 
 /// `fence server`.
 ///
 /// # Errors
-/// When a key file, the listen address or the store cannot be used.
+/// When a key file, the auth file, the certificates, the listen address or the store
+/// cannot be used.
 pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     #[cfg(feature = "test-hooks")]
     crate::test_hooks::set_clock_offset_ms(a.clock_offset_ms);
-    // Keys first: a bad key file stops the server before it listens.
+    // Everything the flags name first: a bad file stops the server before it listens.
     let signer = a
         .signing_key
         .as_deref()
         .map(TokenSigner::from_file)
-        .transpose()?;
-    let backend = Backend::choose(a.storage)?;
+        .transpose()
+        .map_err(Usage::from_error)?;
+    let auth = a
+        .auth_file
+        .as_deref()
+        .map(Auth::load)
+        .transpose()
+        .map_err(Usage::from_error)?;
+    if auth.is_none() && !a.listen.ip().is_loopback() {
+        if !a.insecure_no_auth {
+            return Err(Usage::error(format!(
+                "refusing to listen on {} without --auth-file: anyone who can reach it could claim jobs, and complete any job whose lease key leaks; give --auth-file (and --tls-cert/--tls-key), or --insecure-no-auth",
+                a.listen
+            )));
+        }
+        tracing::warn!(listen = %a.listen, "--insecure-no-auth: the lease API is open to anyone who can reach it");
+    }
+    let (tls, limits) = listen_options(&a.listener, &[b"h2", b"http/1.1"])?;
+    let backend = Backend::choose(a.storage).map_err(Usage::from_error)?;
     let handle = install_metrics()?;
-    let listener = tokio::net::TcpListener::bind(a.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", a.listen))?;
+    let tcp = bind(a.listen, "--listen").await?;
     let store = backend.lease_store().await?;
-    let signing = if signer.is_some() { "on" } else { "off" };
-    tracing::info!(listen = %listener.local_addr()?, store = backend.name(), signing, "fence server ready");
-    serve_leases(listener, store.clone(), signer, handle).await?;
+    if let Some(auth) = &auth {
+        auth.reload_on_sighup()
+            .context("installing the SIGHUP handler")?;
+    }
+    let options = ServerOptions {
+        metrics: Some(handle),
+        auth,
+        public_metrics: a.public_metrics,
+    };
+    let listener = Listener::new(tcp, tls.map(tokio_rustls::TlsAcceptor::from), limits);
+    tracing::info!(
+        listen = %listener.local_addr()?,
+        scheme = listener.scheme(),
+        store = backend.name(),
+        signing = if signer.is_some() { "on" } else { "off" },
+        auth = if options.auth.is_some() { "on" } else { "off" },
+        "fence server ready"
+    );
+    match signer {
+        Some(signer) => {
+            serve_leases(
+                listener,
+                SigningLeaseStore::new(store.clone(), signer),
+                options,
+            )
+            .await
+        }
+        None => serve_leases(listener, store.clone(), options).await,
+    }
     store.flush()?;
     tracing::info!("fence server stopped");
     Ok(())
 }
 
+/// Serves the lease API over `store` until SIGINT or SIGTERM.
+async fn serve_leases<S: LeaseStore>(listener: Listener, store: S, options: ServerOptions) {
+    let router = crate::server::router(Arc::new(store), options);
+    crate::listen::serve(listener, shutdown_signal(), move |_| {
+        hyper_util::service::TowerToHyperService::new(router.clone())
+    })
+    .await;
+}
+
 /// `fence proxy`.
 ///
 /// # Errors
-/// When a key file, a listen address, the upstream or the store cannot be used.
+/// When a key file, the certificates, a listen address, the upstream or the store cannot
+/// be used.
 pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
-    let verifier = load_verifier(&a.verify_key)?;
-    let backend = Backend::choose(a.storage)?;
-    let handle = install_metrics()?;
+    let verifier = load_verifier(&a.verify_key).map_err(Usage::from_error)?;
+    let (tls, limits) = listen_options(&a.listener, &[b"h2", b"http/1.1"])?;
+    let backend = Backend::choose(a.storage).map_err(Usage::from_error)?;
     let mut config = crate::proxy::ProxyConfig::new(a.upstream.clone());
     config.fence_methods = a.fence_methods;
     #[cfg(feature = "test-hooks")]
     if a.unsafe_no_fence {
-        config.fence_methods = Vec::new();
+        config.fence_methods = Some(Vec::new());
     }
     config.require_token = !a.allow_missing_token;
     config.idempotency = (!a.no_idempotency).then(|| {
@@ -108,31 +181,52 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     config.upstream_timeout = a.upstream_timeout;
     config.preserve_host = a.preserve_host;
     config.verifier = verifier;
+    config.upstream_ca_cert = a.upstream_ca_cert;
+    config.tls = tls.clone();
+    config.limits = limits;
     if let Some(workers) = a.workers {
         config.workers = usize::from(workers);
     }
-    let listener = tokio::net::TcpListener::bind(a.listen)
-        .await
-        .with_context(|| format!("cannot listen on {}", a.listen))?;
-    let admin = tokio::net::TcpListener::bind(a.admin_listen)
-        .await
-        .with_context(|| format!("cannot listen on --admin-listen {}", a.admin_listen))?;
+    config.check().map_err(Usage::from_error)?;
+    let handle = install_metrics()?;
+    let tcp = bind(a.listen, "--listen").await?;
+    let admin = bind(a.admin_listen, "--admin-listen").await?;
     let store = backend.sink_store().await?;
     let (tx, rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
+    let upstream = a.upstream.authority().map(|authority| {
+        let port = authority.port_u16().unwrap_or(
+            if a.upstream.scheme() == Some(&http::uri::Scheme::HTTPS) {
+                443
+            } else {
+                80
+            },
+        );
+        format!("{}:{port}", authority.host())
+    });
+    let health = crate::proxy::Health::new(Arc::new(store.clone()), upstream);
+    let admin = Listener::new(admin, tls.map(tokio_rustls::TlsAcceptor::from), limits);
+    let admin_addr = admin.local_addr()?;
     let admin_task = tokio::spawn(crate::proxy::serve_admin(
         admin,
         handle,
+        health,
         stopped(rx.clone()),
     ));
     let signal = tokio::spawn(async move {
         shutdown_signal().await;
         let _ = tx.send(true);
     });
-    tracing::info!(listen = %listener.local_addr()?, upstream = %a.upstream, store = backend.name(), "fence proxy ready");
-    let result = crate::proxy::serve(listener, store.clone(), config, stopped(rx)).await;
+    tracing::info!(
+        listen = %tcp.local_addr()?,
+        admin = %admin_addr,
+        upstream = %a.upstream,
+        store = backend.name(),
+        "fence proxy ready"
+    );
+    let result = crate::proxy::serve(tcp, store.clone(), config, stopped(rx)).await;
     store.flush()?;
     signal.abort();
     admin_task.abort();

@@ -45,8 +45,7 @@ fn claims_racing_from_24_processes_have_one_winner_per_round() {
         );
         let lease = json(winners[0]);
         assert_eq!(lease["generation"], round, "round {round}: {lease}");
-        let owner = lease["owner"].as_str().unwrap();
-        let released = release(&url, "race", owner, round);
+        let released = release(&url, "race", &lease);
         assert_eq!(released.status.code(), Some(0), "{released:?}");
     }
 }

@@ -12,7 +12,13 @@ async fn serve(clock: ManualClock) -> String {
     let store = Arc::new(SledLeaseStore::open_with_clock(dir, Arc::new(clock)).unwrap());
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(async move { axum::serve(listener, fence::server::router(store, None)).await });
+    tokio::spawn(async move {
+        axum::serve(
+            listener,
+            fence::server::router(store, fence::server::ServerOptions::default()),
+        )
+        .await
+    });
     format!("http://{addr}")
 }
 

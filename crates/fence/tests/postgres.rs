@@ -24,8 +24,7 @@ fn two_servers_on_one_database_have_one_winner_per_round() {
         );
         let lease: serde_json::Value = serde_json::from_slice(&winners[0].stdout).unwrap();
         assert_eq!(lease["generation"], round, "round {round}");
-        let owner = lease["owner"].as_str().unwrap();
-        let out = release(&servers[1], "race", owner, round);
+        let out = release(&servers[1], "race", &lease);
         assert_eq!(out.status.code(), Some(0));
     }
 }
@@ -65,7 +64,7 @@ fn the_postgres_lease_store_signs_too() {
     let dir = tempfile::tempdir().unwrap();
     let out = fence(&["keygen", "--out", dir.path().to_str().unwrap()]);
     assert_eq!(out.status.code(), Some(0));
-    let key = dir.path().join("fence-signing.key");
+    let key = dir.path().join("fence-signing.pem");
     let schema = unique_schema("sig");
     let (_server, addr) = start_pg_server(&url, &schema, &["--signing-key", key.to_str().unwrap()]);
     let out = fence(&[
@@ -81,14 +80,16 @@ fn the_postgres_lease_store_signs_too() {
     let token = lease["token"].as_str().expect("signed");
     let verifier =
         fence_core::signing::TokenVerifier::new([fence_core::signing::VerifyKey::from_file(
-            &dir.path().join("fence-verify.pub"),
+            &dir.path().join("fence-verify.pem"),
         )
         .unwrap()]);
-    let (generation, signature) = token.split_once('.').unwrap();
-    assert_eq!(generation, "1");
+    let parts: Vec<&str> = token.split('.').collect();
+    assert_eq!(parts[0], "1");
+    assert_eq!(parts[1], lease["expires_at_ms"].to_string(), "{lease}");
     assert!(verifier.verify(
         &"signed".parse().unwrap(),
         fence_core::Generation::new(1),
-        signature
+        lease["expires_at_ms"].as_u64().unwrap(),
+        parts[2]
     ));
 }

@@ -10,7 +10,10 @@ use http_body_util::BodyExt;
 use tower::ServiceExt;
 
 async fn call(method: &str, path: &str, body: impl Into<Body>) -> (StatusCode, serde_json::Value) {
-    let router = fence::server::router(Arc::new(MemoryLeaseStore::new()), None);
+    let router = fence::server::router(
+        Arc::new(MemoryLeaseStore::new()),
+        fence::server::ServerOptions::default(),
+    );
     let req = Request::builder()
         .method(method)
         .uri(path)
@@ -73,62 +76,80 @@ async fn every_bad_request_is_a_400_naming_the_field() {
         (
             "POST",
             claim,
-            r#"{"owner": "w", "ttl_ms": 99}"#.into(),
+            r#"{"owner": "w"}"#.into(),
+            "lease_key: missing",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "lease_key": "short"}"#.into(),
+            "lease_key: ",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghij+"}"#.into(),
+            "lease_key: ",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 99}"#.into(),
             "ttl_ms: ttl of 99 ms is below",
         ),
         (
             "POST",
             claim,
-            r#"{"owner": "w", "ttl_ms": 86400001}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 86400001}"#.into(),
             "ttl_ms: ttl of 86400001 ms is above",
         ),
         (
             "POST",
             claim,
-            r#"{"owner": "w", "ttl_ms": -1}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": -1}"#.into(),
             "ttl_ms: must be an integer from 0",
         ),
         (
             "POST",
             claim,
-            r#"{"owner": "w", "ttl_ms": 1.5}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 1.5}"#.into(),
             "ttl_ms: must be an integer from 0",
         ),
         (
             "POST",
             claim,
-            r#"{"owner": "w", "ttl_ms": "1000"}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": "1000"}"#.into(),
             "ttl_ms: must be an integer",
         ),
         (
             "POST",
             claim,
-            r#"{"owner": "w", "extra": 1}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "extra": 1}"#.into(),
             "extra: unknown field",
         ),
         ("POST", claim, big, "body: larger than"),
         (
             "POST",
             renew,
-            r#"{"owner": "w"}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(),
             "generation: missing",
         ),
         (
             "POST",
             renew,
-            r#"{"owner": "w", "generation": 18446744073709551616}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": 18446744073709551616}"#.into(),
             "generation: must be an integer",
         ),
         (
             "POST",
             renew,
-            r#"{"owner": "w", "generation": "1"}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": "1"}"#.into(),
             "generation: must be an integer",
         ),
         (
             "POST",
             "/v1/leases/j/release",
-            r#"{"owner": "w", "generation": 1, "ttl_ms": 5}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": 1, "ttl_ms": 5}"#.into(),
             "ttl_ms: unknown field",
         ),
         (
@@ -140,13 +161,13 @@ async fn every_bad_request_is_a_400_naming_the_field() {
         (
             "POST",
             "/v1/leases/a%20b/claim",
-            r#"{"owner": "w"}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(),
             "job (in the path): job id has byte 0x20",
         ),
         (
             "POST",
             "/v1/leases/%FF/claim",
-            r#"{"owner": "w"}"#.into(),
+            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(),
             "job",
         ),
         ("GET", "/v1/leases/%00", String::new(), "job (in the path)"),
@@ -191,7 +212,12 @@ async fn unknown_paths_and_jobs_are_problems_too() {
     );
     let (status, _) = call("GET", "/healthz", "").await;
     assert_eq!(status, 200);
-    let (status, p) = call("POST", "/v1/leases/j%2Fk/claim", r#"{"owner": "w"}"#).await;
+    let (status, p) = call(
+        "POST",
+        "/v1/leases/j%2Fk/claim",
+        r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#,
+    )
+    .await;
     assert_eq!(
         (status, p["job"].as_str(), p["generation"].as_u64()),
         (StatusCode::OK, Some("j/k"), Some(1))

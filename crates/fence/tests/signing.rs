@@ -1,9 +1,13 @@
-//! Signed tokens end to end: `fence keygen`, `fence server --signing-key`, `fence proxy
-//! --verify-key`, and key files that cannot be used.
+//! Signed tokens end to end: `fence keygen` (PEM), keys made by `openssl genpkey`, `fence
+//! server --signing-key`, `fence proxy --verify-key`, and key files that cannot be used.
 
 mod common;
 
-use std::{os::unix::fs::PermissionsExt, path::Path, process::Command};
+use std::{
+    os::unix::fs::PermissionsExt,
+    path::{Path, PathBuf},
+    process::Command,
+};
 
 use common::*;
 
@@ -21,94 +25,259 @@ fn mode(path: &Path) -> u32 {
     std::fs::metadata(path).unwrap().permissions().mode() & 0o777
 }
 
+/// A key pair made by the system's `openssl` (Debian's), as an operator would make one.
+fn openssl_pair(dir: &Path) -> (PathBuf, PathBuf) {
+    let private = dir.join("openssl-signing.pem");
+    let public = dir.join("openssl-verify.pem");
+    let run = |args: &[&str]| {
+        let out = Command::new("openssl")
+            .args(args)
+            .output()
+            .expect("openssl is installed (apt install openssl)");
+        assert!(
+            out.status.success(),
+            "openssl {args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
+    run(&[
+        "genpkey",
+        "-algorithm",
+        "ed25519",
+        "-out",
+        private.to_str().unwrap(),
+    ]);
+    run(&[
+        "pkey",
+        "-in",
+        private.to_str().unwrap(),
+        "-pubout",
+        "-out",
+        public.to_str().unwrap(),
+    ]);
+    std::fs::set_permissions(&private, std::fs::Permissions::from_mode(0o600)).unwrap();
+    (private, public)
+}
+
 #[test]
-fn keygen_writes_a_private_key_only_its_owner_can_read_and_never_overwrites() {
+fn keygen_writes_pem_a_private_key_only_its_owner_can_read_and_never_overwrites() {
     let dir = tempfile::tempdir().unwrap();
     keygen(dir.path());
-    assert_eq!(mode(&dir.path().join("fence-signing.key")), 0o600);
-    let public = std::fs::read_to_string(dir.path().join("fence-verify.pub")).unwrap();
-    assert_eq!(
-        public.trim_end().len(),
-        44,
-        "one line of padded base64 of 32 bytes: {public:?}"
+    let private = dir.path().join("fence-signing.pem");
+    assert_eq!(mode(&private), 0o600);
+    let private = std::fs::read_to_string(private).unwrap();
+    assert!(
+        private.starts_with("-----BEGIN PRIVATE KEY-----\n"),
+        "{private}"
+    );
+    let public = std::fs::read_to_string(dir.path().join("fence-verify.pem")).unwrap();
+    assert!(
+        public.starts_with("-----BEGIN PUBLIC KEY-----\n"),
+        "{public}"
+    );
+    // openssl reads both: they are standard PKCS#8 and SPKI.
+    let out = Command::new("openssl")
+        .args(["pkey", "-pubin", "-noout", "-text", "-in"])
+        .arg(dir.path().join("fence-verify.pem"))
+        .output()
+        .unwrap();
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ED25519 Public-Key"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
     let again = fence(&["keygen", "--out", dir.path().to_str().unwrap()]);
     assert_eq!(again.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&again.stderr).contains("never overwritten"));
 }
 
+fn start_fails(args: &[&str], key_flag: &str, key: &Path) -> (Option<i32>, String) {
+    let out = Command::new(FENCE)
+        .args(args)
+        .arg(key_flag)
+        .arg(key)
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
 #[test]
-fn unusable_key_files_stop_server_and_proxy_at_start_naming_the_file() {
+fn unusable_key_files_stop_server_and_proxy_at_start_with_one_line_and_exit_2() {
     let dir = tempfile::tempdir().unwrap();
     keygen(&dir.path().join("keys"));
-    let private = dir.path().join("keys/fence-signing.key");
+    let private = dir.path().join("keys/fence-signing.pem");
+    let public = dir.path().join("keys/fence-verify.pem");
     let write = |name: &str, contents: &str, mode: u32| {
         let p = dir.path().join(name);
         std::fs::write(&p, contents).unwrap();
         std::fs::set_permissions(&p, std::fs::Permissions::from_mode(mode)).unwrap();
         p
     };
-    let open = write(
-        "open.key",
-        &std::fs::read_to_string(&private).unwrap(),
-        0o644,
+    let private_text = std::fs::read_to_string(&private).unwrap();
+    let public_text = std::fs::read_to_string(&public).unwrap();
+    let open = write("open.pem", &private_text, 0o644);
+    let garbage = write("garbage.pem", "not a key at all!\n", 0o600);
+    let truncated_private = write(
+        "truncated-signing.pem",
+        &private_text[..private_text.len() / 2],
+        0o600,
     );
-    let garbage = write("garbage.key", "not base64 at all!\n", 0o600);
-    let short = write("short.key", "AAAA\n", 0o600);
-    let two_lines = write("two.key", "AAAA\nAAAA\n", 0o600);
-    let missing = dir.path().join("missing.key");
+    let truncated_public = write(
+        "truncated-verify.pem",
+        &public_text[..public_text.len() - 30],
+        0o600,
+    );
+    // Other algorithms in the same PEM wrappers.
+    let ec = dir.path().join("ec.pem");
+    let status = Command::new("openssl")
+        .args([
+            "genpkey",
+            "-algorithm",
+            "EC",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-out",
+        ])
+        .arg(&ec)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    std::fs::set_permissions(&ec, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let ec_public = dir.path().join("ec-pub.pem");
+    let status = Command::new("openssl")
+        .args(["pkey", "-pubout", "-in"])
+        .arg(&ec)
+        .arg("-out")
+        .arg(&ec_public)
+        .status()
+        .unwrap();
+    assert!(status.success());
+    let missing = dir.path().join("missing.pem");
     let data = dir.path().join("data");
-    let cases: Vec<(&Path, &str)> = vec![
+    let server = [
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    for (key, want) in [
         (&missing, "cannot read it"),
         (&open, "readable by group or others"),
-        (&garbage, "not standard padded base64"),
-        (&short, "3 bytes long; an Ed25519 key is 32"),
-        (&two_lines, "exactly one line"),
-    ];
-    for (key, want) in &cases {
-        let out = Command::new(FENCE)
-            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
-            .arg(&data)
-            .arg("--signing-key")
-            .arg(key)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{}: {stderr}", key.display());
+        (&public, "holds a public key, but a private key is needed"),
+        (&garbage, "not an Ed25519 private key in PEM"),
+        (&truncated_private, "not an Ed25519 private key in PEM"),
+        (&ec, "not an Ed25519 private key in PEM"),
+    ] {
+        let (code, stderr) = start_fails(&server, "--signing-key", key);
+        assert_eq!(code, Some(2), "{}: {stderr}", key.display());
+        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
         assert!(
             stderr.contains(&key.display().to_string()) && stderr.contains(want),
             "{}: {stderr} lacks {want:?}",
             key.display()
         );
-    }
-    for (key, want) in [
-        (&missing, "cannot read it"),
-        (&garbage, "not standard padded base64"),
-        (&short, "3 bytes long"),
-    ] {
-        let out = Command::new(FENCE)
-            .args([
-                "proxy",
-                "--listen",
-                "127.0.0.1:0",
-                "--admin-listen",
-                "127.0.0.1:0",
-                "--upstream",
-                "http://127.0.0.1:9",
-                "--data-dir",
-            ])
-            .arg(&data)
-            .arg("--verify-key")
-            .arg(key)
-            .output()
-            .unwrap();
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(1), "{}: {stderr}", key.display());
         assert!(
-            stderr.contains(&key.display().to_string()) && stderr.contains(want),
-            "{stderr}"
+            !stderr.contains("MC4CAQAw"),
+            "key material echoed: {stderr}"
         );
     }
+    let proxy = [
+        "proxy",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        "http://127.0.0.1:9",
+        "--data-dir",
+        data.to_str().unwrap(),
+    ];
+    for (key, want) in [
+        (&missing, "cannot read it"),
+        (&private, "holds a private key, but a public key is needed"),
+        (&garbage, "not an Ed25519 public key in PEM"),
+        (&truncated_public, "not an Ed25519 public key in PEM"),
+        (&ec_public, "not an Ed25519 public key in PEM"),
+    ] {
+        let (code, stderr) = start_fails(&proxy, "--verify-key", key);
+        assert_eq!(code, Some(2), "{}: {stderr}", key.display());
+        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+        assert!(
+            stderr.contains(&key.display().to_string()) && stderr.contains(want),
+            "{}: {stderr} lacks {want:?}",
+            key.display()
+        );
+        assert!(
+            !stderr.contains("MC4CAQAw"),
+            "key material echoed: {stderr}"
+        );
+    }
+}
+
+struct Cluster {
+    _server: Proc,
+    server: String,
+    _proxy: Proc,
+    proxy: String,
+}
+
+fn cluster(dir: &Path, signing: &Path, verify: &[&Path]) -> Cluster {
+    let (server_proc, server) = start_ready(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        dir.join("leases").to_str().unwrap(),
+        "--signing-key",
+        signing.to_str().unwrap(),
+    ]);
+    let upstream = format!("http://{}", start_upstream());
+    let mut extra = vec![
+        "--data-dir".to_owned(),
+        dir.join("proxy").to_str().unwrap().to_owned(),
+    ];
+    for key in verify {
+        extra.push("--verify-key".into());
+        extra.push(key.to_str().unwrap().into());
+    }
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let (proxy_proc, proxy) = start_proxy_with(&upstream, &extra);
+    Cluster {
+        _server: server_proc,
+        server: format!("http://{server}"),
+        _proxy: proxy_proc,
+        proxy,
+    }
+}
+
+fn claim(server: &str, job: &str, owner: &str, ttl: &str) -> serde_json::Value {
+    let out = fence(&[
+        "claim", "--server", server, "--job", job, "--owner", owner, "--ttl", ttl,
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
+}
+
+fn write(proxy: &str, job: &str, token: &str) -> u16 {
+    http_status(
+        proxy,
+        "POST",
+        "/ledger",
+        &[
+            ("X-Fencing-Job", job.to_owned()),
+            ("X-Fencing-Token", token.to_owned()),
+        ],
+    )
 }
 
 #[test]
@@ -116,90 +285,59 @@ fn worked_example_with_signing_at_both_ends_and_an_attacker() {
     let dir = tempfile::tempdir().unwrap();
     let keys = dir.path().join("keys");
     keygen(&keys);
-    let (_server, server) = start_ready(&[
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.path().join("leases").to_str().unwrap(),
-        "--signing-key",
-        keys.join("fence-signing.key").to_str().unwrap(),
-    ]);
-    let server = format!("http://{server}");
-    let upstream = format!("http://{}", start_upstream());
-    let (_proxy, proxy) = start_proxy_with(
-        &upstream,
-        &[
-            "--data-dir",
-            dir.path().join("proxy").to_str().unwrap(),
-            "--verify-key",
-            keys.join("fence-verify.pub").to_str().unwrap(),
-        ],
+    let c = cluster(
+        dir.path(),
+        &keys.join("fence-signing.pem"),
+        &[&keys.join("fence-verify.pem")],
     );
-    let claim = |owner: &str, ttl: &str| {
-        let out = fence(&[
-            "claim",
-            "--server",
-            &server,
-            "--job",
-            "invoice-42",
-            "--owner",
-            owner,
-            "--ttl",
-            ttl,
-        ]);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stdout)
-        );
-        serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
-    };
-    let write = |token: &str| {
-        http_status(
-            &proxy,
-            "POST",
-            "/ledger",
-            &[
-                ("X-Fencing-Job", "invoice-42".to_owned()),
-                ("X-Fencing-Token", token.to_owned()),
-            ],
-        )
-    };
-    let a = claim("worker-a", "300ms");
+    let job = "invoice-42";
+    let a = claim(&c.server, job, "worker-a", "300ms");
     let token_a = a["token"]
         .as_str()
         .expect("a signing server answers with a token")
         .to_owned();
-    assert!(token_a.starts_with("1."), "{token_a}");
-    assert_eq!(write(&token_a), 200);
+    let parts: Vec<&str> = token_a.split('.').collect();
+    assert_eq!(parts.len(), 3, "{token_a}");
+    assert_eq!(parts[0], "1");
+    assert_eq!(parts[1], a["expires_at_ms"].to_string(), "{a}");
+    assert_eq!(parts[2].len(), 86);
+    assert_eq!(write(&c.proxy, job, &token_a), 200);
 
     // An attacker who can reach the destination tries to lock the job out for good.
-    assert_eq!(write("18446744073709551615"), 403);
+    assert_eq!(write(&c.proxy, job, "18446744073709551615"), 403);
+    let forged = format!("18446744073709551615.{}.{}", parts[1], parts[2]);
+    assert_eq!(write(&c.proxy, job, &forged), 403);
+    let later = format!("1.{}.{}", u64::MAX, parts[2]);
     assert_eq!(
-        write(&format!(
-            "18446744073709551615.{}",
-            token_a.split_once('.').unwrap().1
-        )),
-        403
+        write(&c.proxy, job, &later),
+        403,
+        "the expiry is signed too"
     );
-    assert_eq!(write(&token_a), 200, "the legitimate holder keeps writing");
+    assert_eq!(write(&c.proxy, "other-job", &token_a), 403, "so is the job");
+    assert_eq!(
+        write(&c.proxy, job, &token_a),
+        200,
+        "the legitimate holder keeps writing"
+    );
 
     std::thread::sleep(std::time::Duration::from_millis(350)); // A's lease expires
-    let b = claim("worker-b", "30s");
+    let b = claim(&c.server, job, "worker-b", "30s");
     let token_b = b["token"].as_str().unwrap().to_owned();
     assert!(token_b.starts_with("2."), "{token_b}");
-    assert_eq!(write(&token_b), 200);
-    assert_eq!(write(&token_a), 409, "A's stale signed token is fenced out");
+    assert_eq!(write(&c.proxy, job, &token_b), 200);
+    assert_eq!(
+        write(&c.proxy, job, &token_a),
+        409,
+        "A's stale signed token is fenced out"
+    );
 
-    // fence run hands the signed string to its command.
+    // fence run hands the signed string to its command, and never prints it.
     let out_file = dir.path().join("token");
     let script = format!("printf %s \"$FENCE_TOKEN\" > {}", out_file.display());
     let run = fence(&[
         "run",
         "--server",
-        &server,
+        &c.server,
         "--job",
         "other-job",
         "--",
@@ -207,15 +345,32 @@ fn worked_example_with_signing_at_both_ends_and_an_attacker() {
         "-c",
         &script,
     ]);
-    assert_eq!(
-        run.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&run.stderr)
-    );
+    let stderr = String::from_utf8_lossy(&run.stderr);
+    assert_eq!(run.status.code(), Some(0), "{stderr}");
     let exported = std::fs::read_to_string(&out_file).unwrap();
+    let sig = exported.rsplit('.').next().unwrap();
+    assert!(exported.starts_with("1.") && sig.len() == 86, "{exported}");
     assert!(
-        exported.starts_with("1.") && exported.len() == 2 + 86,
-        "{exported}"
+        !stderr.contains(sig),
+        "fence run printed the token: {stderr}"
     );
+}
+
+#[test]
+fn keys_made_by_openssl_sign_and_verify_and_rotation_accepts_both() {
+    let dir = tempfile::tempdir().unwrap();
+    let (private, public) = openssl_pair(dir.path());
+    keygen(&dir.path().join("old"));
+    let old_public = dir.path().join("old/fence-verify.pem");
+    let c = cluster(dir.path(), &private, &[&old_public, &public]);
+    let lease = claim(&c.server, "nightly", "w", "30s");
+    let token = lease["token"].as_str().unwrap();
+    assert_eq!(write(&c.proxy, "nightly", token), 200);
+    // A token signed by a key the proxy does not know is refused.
+    let other = tempfile::tempdir().unwrap();
+    let (stranger, _) = openssl_pair(other.path());
+    let c2 = cluster(other.path(), &stranger, &[]);
+    let foreign = claim(&c2.server, "nightly", "w", "30s");
+    let foreign = foreign["token"].as_str().unwrap();
+    assert_eq!(write(&c.proxy, "nightly", foreign), 403);
 }

@@ -2,40 +2,117 @@
 //!
 //! Every decision is one HTTP call of the lease API, and the server's clock decides.
 
-use std::time::Duration;
+use std::{fmt, path::PathBuf, time::Duration};
 
 use bytes::Bytes;
 use fence_core::{
     Generation, JobId, Problem, ProblemType, Ttl,
     lease_api::{
-        Action, ClaimRequest, FinishRequest, LeaseBody, RecordBody, RenewRequest, lease_path,
+        Action, ClaimRequest, FinishRequest, LeaseBody, ListBody, ListQuery, RecordBody,
+        RenewRequest, lease_path,
     },
 };
-use http::{Method, Request, StatusCode, Uri, header::CONTENT_TYPE};
+use fence_storage::tls::TlsError;
+use http::{
+    HeaderValue, Method, Request, StatusCode, Uri,
+    header::{AUTHORIZATION, CONTENT_TYPE},
+};
 use http_body_util::{BodyExt, Full, Limited};
+use hyper_rustls::HttpsConnector;
 use hyper_util::{
     client::legacy::{Client, connect::HttpConnector},
     rt::TokioExecutor,
 };
 
-use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError};
+use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError};
 
-/// The lease API of a `fence server`, as a [`LeaseStore`].
+/// The lease API of a `fence server`, as a [`LeaseStore`], over `http://` or `https://`.
 ///
 /// ```no_run
 /// # #[tokio::main(flavor = "current_thread")]
 /// # async fn main() -> Result<(), Box<dyn std::error::Error>> {
-/// use fence_lease::{HttpLeaseStore, LeaseClient};
+/// use fence_lease::{BearerToken, HttpLeaseStore, HttpOptions, LeaseClient};
 ///
-/// let client = LeaseClient::new(HttpLeaseStore::new("http://127.0.0.1:7700")?);
-/// let lease = client.claim("invoice-42".parse()?).await?;
+/// let options = HttpOptions {
+///     bearer: Some(BearerToken::new(std::env::var("FENCE_AUTH_TOKEN")?)?),
+///     ..HttpOptions::default()
+/// };
+/// let store = HttpLeaseStore::with_options("https://leases.internal:7700", options)?;
+/// let lease = LeaseClient::new(store).claim("invoice-42".parse()?).await?;
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
 pub struct HttpLeaseStore {
     base: String,
-    client: Client<HttpConnector, Full<Bytes>>,
+    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    bearer: Option<HeaderValue>,
     timeout: Duration,
+}
+
+/// A bearer secret for `Authorization: Bearer`; never printed.
+#[derive(Clone, PartialEq, Eq)]
+pub struct BearerToken(Box<str>);
+
+impl BearerToken {
+    /// A token: 16 to 256 visible ASCII characters (surrounding white space, such as the
+    /// newline at the end of a file, is trimmed).
+    ///
+    /// # Errors
+    /// When it is shorter, longer, or holds anything else; the error never repeats it.
+    pub fn new(token: impl AsRef<str>) -> Result<Self, TokenError> {
+        let token = token.as_ref().trim();
+        if !(16..=256).contains(&token.len()) {
+            return Err(TokenError::Length(token.len()));
+        }
+        if !token.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
+            return Err(TokenError::Character);
+        }
+        Ok(Self(token.into()))
+    }
+
+    /// The token itself. Never log it.
+    pub fn expose(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Debug for BearerToken {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str("BearerToken(<redacted>)")
+    }
+}
+
+/// Why a bearer token was refused.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum TokenError {
+    /// Fewer than 16 or more than 256 characters.
+    #[error("a bearer token must be 16 to 256 characters, this one has {0}")]
+    Length(usize),
+    /// A character outside visible ASCII.
+    #[error("a bearer token must be visible ASCII (no spaces)")]
+    Character,
+}
+
+/// How [`HttpLeaseStore`] talks to its server.
+#[derive(Debug, Clone)]
+pub struct HttpOptions {
+    /// Trust this CA (PEM) besides the system's roots, for `https://` servers.
+    pub ca_cert: Option<PathBuf>,
+    /// Send this secret as `Authorization: Bearer` (a server with `--auth-file` needs it).
+    pub bearer: Option<BearerToken>,
+    /// Give each call this long (default 10 s).
+    pub timeout: Duration,
+}
+
+impl Default for HttpOptions {
+    fn default() -> Self {
+        Self {
+            ca_cert: None,
+            bearer: None,
+            timeout: Duration::from_secs(10),
+        }
+    }
 }
 
 /// A server URL the client cannot use.
@@ -51,11 +128,20 @@ pub enum UrlError {
         #[source]
         source: http::uri::InvalidUri,
     },
-    /// It is not `http://host[:port]`.
-    #[error("invalid server URL {url:?}: expected http://host:port (https is not supported)")]
+    /// It is not `http://host[:port]` or `https://host[:port]`.
+    #[error("invalid server URL {url:?}: expected http://host:port or https://host:port")]
     Unsupported {
         /// The URL given.
         url: String,
+    },
+    /// TLS for `https://` could not be set up (a CA file that cannot be read, say).
+    #[error("cannot set up TLS for {url}")]
+    Tls {
+        /// The URL given.
+        url: String,
+        /// Why.
+        #[source]
+        source: TlsError,
     },
 }
 
@@ -63,30 +149,73 @@ pub enum UrlError {
 const MAX_ANSWER: usize = 64 * 1024;
 
 impl HttpLeaseStore {
-    /// A store at `base_url` (`http://host:port`), with a 10 s timeout per call.
+    /// A store at `base_url` (`http://host:port` or `https://host:port`, verified against
+    /// the system's roots), with a 10 s timeout per call and no bearer secret.
     ///
     /// # Errors
-    /// When `base_url` is not an `http://` URL with a host.
+    /// When `base_url` is not such a URL.
     pub fn new(base_url: &str) -> Result<Self, UrlError> {
+        Self::with_options(base_url, HttpOptions::default())
+    }
+
+    /// A store at `base_url` with `options`.
+    ///
+    /// # Errors
+    /// When `base_url` is not an `http://` or `https://` URL with a host, or TLS cannot be
+    /// set up from `options.ca_cert`.
+    pub fn with_options(base_url: &str, options: HttpOptions) -> Result<Self, UrlError> {
         let trimmed = base_url.trim_end_matches('/');
         let uri: Uri = trimmed.parse().map_err(|source| UrlError::Invalid {
             url: base_url.to_owned(),
             source,
         })?;
-        if uri.scheme_str() != Some("http") || uri.host().is_none() {
+        let https = match uri.scheme_str() {
+            Some("https") => true,
+            Some("http") => false,
+            _ => {
+                return Err(UrlError::Unsupported {
+                    url: base_url.to_owned(),
+                });
+            }
+        };
+        if uri.host().is_none() {
             return Err(UrlError::Unsupported {
                 url: base_url.to_owned(),
             });
         }
-        let client = Client::builder(TokioExecutor::new()).build_http();
+        let tls_error = |source| UrlError::Tls {
+            url: base_url.to_owned(),
+            source,
+        };
+        // Roots are only read when they are needed: an http:// store on a machine without
+        // any does not fail.
+        let tls = if https {
+            fence_storage::tls::client_config(options.ca_cert.as_deref(), &[b"http/1.1"])
+                .map_err(tls_error)?
+        } else {
+            fence_storage::tls::encrypt_only_config().map_err(tls_error)?
+        };
+        let connector = hyper_rustls::HttpsConnectorBuilder::new()
+            .with_tls_config(tls)
+            .https_or_http()
+            .enable_http1()
+            .build();
+        let client = Client::builder(TokioExecutor::new()).build(connector);
+        let bearer = options.bearer.map(|b| {
+            let mut value = HeaderValue::from_str(&format!("Bearer {}", b.expose()))
+                .unwrap_or(HeaderValue::from_static("Bearer"));
+            value.set_sensitive(true);
+            value
+        });
         Ok(Self {
             base: trimmed.to_owned(),
             client,
-            timeout: Duration::from_secs(10),
+            bearer,
+            timeout: options.timeout,
         })
     }
 
-    /// Gives each call `timeout` instead of 10 s.
+    /// Gives each call `timeout` instead of what it had.
     pub fn timeout(mut self, timeout: Duration) -> Self {
         self.timeout = timeout;
         self
@@ -110,8 +239,23 @@ impl HttpLeaseStore {
         action: Option<Action>,
         body: Option<&impl serde::Serialize>,
     ) -> Result<(StatusCode, Bytes), StoreError> {
-        let uri = format!("{}{}", self.base, lease_path(job, action));
-        let mut req = Request::builder().uri(uri);
+        let path = lease_path(job, action);
+        self.send(&path, body).await
+    }
+
+    /// One call of the lease API at `path` (with its query): `POST` of `body`, or `GET`.
+    ///
+    /// # Errors
+    /// As [`call`](Self::call).
+    pub async fn send(
+        &self,
+        path: &str,
+        body: Option<&impl serde::Serialize>,
+    ) -> Result<(StatusCode, Bytes), StoreError> {
+        let mut req = Request::builder().uri(format!("{}{path}", self.base));
+        if let Some(bearer) = &self.bearer {
+            req = req.header(AUTHORIZATION, bearer.clone());
+        }
         let body = match body {
             Some(v) => {
                 req = req
@@ -140,6 +284,17 @@ impl HttpLeaseStore {
 
 fn unexpected(status: StatusCode, body: &[u8]) -> StoreError {
     match serde_json::from_slice::<Problem>(body) {
+        Ok(p)
+            if matches!(
+                p.kind,
+                ProblemType::Unauthenticated | ProblemType::Forbidden
+            ) =>
+        {
+            StoreError::Denied {
+                status: status.as_u16(),
+                detail: p.detail,
+            }
+        }
         Ok(p) => StoreError::Protocol(format!("{status}: {} ({})", p.detail, p.kind)),
         Err(_) => StoreError::Protocol(format!(
             "{status}: {}",
@@ -169,14 +324,17 @@ fn grant(status: StatusCode, body: &[u8]) -> Result<Grant, StoreError> {
 }
 
 fn record(status: StatusCode, body: &[u8]) -> Result<LeaseRecord, StoreError> {
-    let r: RecordBody = decode(status, body)?;
-    Ok(LeaseRecord {
+    decode(status, body).map(from_body)
+}
+
+fn from_body(r: RecordBody) -> LeaseRecord {
+    LeaseRecord {
         job: r.job,
         owner: r.owner,
         generation: r.generation,
         state: r.state,
         expires_in: Duration::from_millis(r.expires_in_ms),
-    })
+    }
 }
 
 /// The outcome a refusal stands for, by its problem type.
@@ -200,6 +358,7 @@ fn refused(status: StatusCode, body: &[u8]) -> Result<Outcome, StoreError> {
             owner: p.owner,
             generation,
         }),
+        ProblemType::LeaseKeyMismatch => Ok(Outcome::KeyMismatch),
         _ => Err(unexpected(status, body)),
     }
 }
@@ -208,38 +367,74 @@ impl LeaseStore for HttpLeaseStore {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         // A claim or renewal answers a lease; a release or completion, the record.
         let grants = matches!(op, LeaseOp::Claim { .. } | LeaseOp::Renew { .. });
+        let finish = if matches!(op, LeaseOp::Complete { .. }) {
+            Action::Complete
+        } else {
+            Action::Release
+        };
         let (status, bytes) = match op {
-            LeaseOp::Claim { owner, ttl } => {
-                let body = ClaimRequest { owner, ttl };
+            LeaseOp::Claim { owner, key, ttl } => {
+                let body = ClaimRequest {
+                    owner,
+                    lease_key: key,
+                    ttl,
+                };
                 self.call(job, Some(Action::Claim), Some(&body)).await?
             }
             LeaseOp::Renew {
                 owner,
                 generation,
+                key,
                 ttl,
             } => {
                 let body = RenewRequest {
                     owner,
                     generation,
+                    lease_key: key,
                     ttl,
                 };
                 self.call(job, Some(Action::Renew), Some(&body)).await?
             }
-            LeaseOp::Release { owner, generation } => {
-                let body = FinishRequest { owner, generation };
-                self.call(job, Some(Action::Release), Some(&body)).await?
+            LeaseOp::Release {
+                owner,
+                generation,
+                key,
             }
-            LeaseOp::Complete { owner, generation } => {
-                let body = FinishRequest { owner, generation };
-                self.call(job, Some(Action::Complete), Some(&body)).await?
+            | LeaseOp::Complete {
+                owner,
+                generation,
+                key,
+            } => {
+                let action = finish;
+                let body = FinishRequest {
+                    owner,
+                    generation,
+                    lease_key: key,
+                };
+                self.call(job, Some(action), Some(&body)).await?
             }
         };
         match status {
             StatusCode::OK if grants => Ok(Outcome::Granted(grant(status, &bytes)?)),
             StatusCode::OK => Ok(Outcome::Done(record(status, &bytes)?)),
-            StatusCode::CONFLICT | StatusCode::GONE => refused(status, &bytes),
+            StatusCode::CONFLICT | StatusCode::GONE | StatusCode::FORBIDDEN => {
+                refused(status, &bytes)
+            }
             _ => Err(unexpected(status, &bytes)),
         }
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        let path = format!("/v1/leases?{}", query.to_query());
+        let (status, bytes) = self.send(&path, None::<&()>).await?;
+        if status != StatusCode::OK {
+            return Err(unexpected(status, &bytes));
+        }
+        let body: ListBody = decode(status, &bytes)?;
+        Ok(ListPage {
+            leases: body.leases.into_iter().map(from_body).collect(),
+            next: body.next,
+        })
     }
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
@@ -261,7 +456,7 @@ mod tests {
 
     #[test]
     fn bad_urls_are_refused_with_a_reason() {
-        for bad in ["", "127.0.0.1:7700", "https://x", "ftp://x", "http://"] {
+        for bad in ["", "127.0.0.1:7700", "ftp://x", "http://", "https://"] {
             assert!(HttpLeaseStore::new(bad).is_err(), "{bad}");
         }
         assert_eq!(

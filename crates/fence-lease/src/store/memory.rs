@@ -5,10 +5,10 @@ use std::{
     sync::{Arc, Mutex},
 };
 
-use fence_core::JobId;
+use fence_core::{Generation, JobId, lease_api::ListQuery};
 use fence_storage::clock::{Clock, SystemClock};
 
-use super::{LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError, rules};
+use super::{LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError, page, rules};
 
 /// A lease store in memory: the same rules as every backend, nothing on disk.
 #[derive(Debug, Clone)]
@@ -46,7 +46,13 @@ impl MemoryLeaseStore {
 impl LeaseStore for MemoryLeaseStore {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         let mut leases = self.leases();
-        let (new, out) = rules::decide(job, leases.get(job), &op, self.clock.now_ms())?;
+        let (new, out) = rules::decide(
+            job,
+            leases.get(job),
+            Generation::ZERO,
+            &op,
+            self.clock.now_ms(),
+        )?;
         if let Some(new) = new {
             leases.insert(job.clone(), new);
         }
@@ -56,6 +62,26 @@ impl LeaseStore for MemoryLeaseStore {
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
         let now = self.clock.now_ms();
         Ok(self.leases().get(job).map(|s| s.record(job, now)))
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        let now = self.clock.now_ms();
+        let leases = self.leases();
+        let mut jobs: Vec<&JobId> = leases
+            .keys()
+            .filter(|j| query.after.as_ref().is_none_or(|a| *j > a))
+            .filter(|j| {
+                query
+                    .prefix
+                    .as_ref()
+                    .is_none_or(|p| j.as_str().starts_with(p.as_str()))
+            })
+            .collect();
+        jobs.sort();
+        page(
+            query,
+            jobs.into_iter().map(|j| Ok(leases[j].record(j, now))),
+        )
     }
 }
 

@@ -7,9 +7,10 @@
 //!
 //! let store = MemoryLeaseStore::new();
 //! let (job, a, b) = ("job-1".parse()?, "worker-a".parse()?, "worker-b".parse()?);
-//! let Outcome::Granted(grant) = store.claim(&job, &a, Ttl::DEFAULT).await? else { panic!() };
+//! let (key_a, key_b) = (fence_lease::new_lease_key()?, fence_lease::new_lease_key()?);
+//! let Outcome::Granted(grant) = store.claim(&job, &a, &key_a, Ttl::DEFAULT).await? else { panic!() };
 //! assert_eq!(grant.generation.get(), 1);
-//! assert!(matches!(store.claim(&job, &b, Ttl::DEFAULT).await?, Outcome::Held { .. }));
+//! assert!(matches!(store.claim(&job, &b, &key_b, Ttl::DEFAULT).await?, Outcome::Held { .. }));
 //! # Ok(()) }
 //! ```
 
@@ -23,12 +24,16 @@ mod sled;
 
 use std::{future::Future, time::Duration};
 
-use fence_core::{Generation, JobId, Owner, Ttl, lease_api::LeaseState};
+use fence_core::{
+    Generation, JobId, Owner, Ttl,
+    lease_api::{LeaseState, ListQuery},
+    secret::LeaseKey,
+};
 
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PgLeaseStore, PgTable};
 pub use self::{
-    http::{HttpLeaseStore, UrlError},
+    http::{BearerToken, HttpLeaseStore, HttpOptions, TokenError, UrlError},
     memory::MemoryLeaseStore,
     signing::SigningLeaseStore,
     sled::SledLeaseStore,
@@ -43,6 +48,9 @@ pub enum LeaseOp {
     Claim {
         /// Who claims.
         owner: Owner,
+        /// The secret that will prove the lease is the caller's; a holder that claims again
+        /// with the same key gets its lease back, with another key it is refused.
+        key: LeaseKey,
         /// For how long.
         ttl: Ttl,
     },
@@ -53,6 +61,8 @@ pub enum LeaseOp {
         owner: Owner,
         /// Its generation.
         generation: Generation,
+        /// The key it claimed with.
+        key: LeaseKey,
         /// For how long from now.
         ttl: Ttl,
     },
@@ -62,6 +72,8 @@ pub enum LeaseOp {
         owner: Owner,
         /// Its generation.
         generation: Generation,
+        /// The key it claimed with.
+        key: LeaseKey,
     },
     /// Mark the job completed under the same condition as a renewal; it can never be
     /// claimed again.
@@ -70,6 +82,8 @@ pub enum LeaseOp {
         owner: Owner,
         /// Its generation.
         generation: Generation,
+        /// The key it claimed with.
+        key: LeaseKey,
     },
 }
 
@@ -81,6 +95,16 @@ impl LeaseOp {
             | Self::Renew { owner, .. }
             | Self::Release { owner, .. }
             | Self::Complete { owner, .. } => owner,
+        }
+    }
+
+    /// The lease key it carries.
+    pub fn key(&self) -> &LeaseKey {
+        match self {
+            Self::Claim { key, .. }
+            | Self::Renew { key, .. }
+            | Self::Release { key, .. }
+            | Self::Complete { key, .. } => key,
         }
     }
 }
@@ -107,6 +131,9 @@ pub enum Outcome {
         /// The generation it was completed under.
         generation: Generation,
     },
+    /// A renewal, release or completion by the owner and generation that hold the job, but
+    /// with another lease key; nothing changed.
+    KeyMismatch,
     /// A renewal, release or completion by an owner and generation that no longer hold the
     /// job; nothing changed.
     Lost {
@@ -134,20 +161,21 @@ pub trait LeaseStore: Send + Sync + 'static {
         job: &JobId,
     ) -> impl Future<Output = Result<Option<LeaseRecord>, StoreError>> + Send;
 
+    /// A page of records in job id order, as `query` asks. A backend may return fewer than
+    /// the limit (it bounds how many records one call reads) with `next` set: a page is
+    /// complete only when `next` is `None`.
+    fn list(&self, query: &ListQuery) -> impl Future<Output = Result<ListPage, StoreError>> + Send;
+
     /// [`LeaseOp::Claim`].
     fn claim(
         &self,
         job: &JobId,
         owner: &Owner,
+        key: &LeaseKey,
         ttl: Ttl,
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
-        self.apply(
-            job,
-            LeaseOp::Claim {
-                owner: owner.clone(),
-                ttl,
-            },
-        )
+        let (owner, key) = (owner.clone(), key.clone());
+        self.apply(job, LeaseOp::Claim { owner, key, ttl })
     }
 
     /// [`LeaseOp::Renew`].
@@ -156,16 +184,17 @@ pub trait LeaseStore: Send + Sync + 'static {
         job: &JobId,
         owner: &Owner,
         generation: Generation,
+        key: &LeaseKey,
         ttl: Ttl,
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
-        self.apply(
-            job,
-            LeaseOp::Renew {
-                owner: owner.clone(),
-                generation,
-                ttl,
-            },
-        )
+        let (owner, key) = (owner.clone(), key.clone());
+        let op = LeaseOp::Renew {
+            owner,
+            generation,
+            key,
+            ttl,
+        };
+        self.apply(job, op)
     }
 
     /// [`LeaseOp::Release`].
@@ -174,9 +203,17 @@ pub trait LeaseStore: Send + Sync + 'static {
         job: &JobId,
         owner: &Owner,
         generation: Generation,
+        key: &LeaseKey,
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
-        let owner = owner.clone();
-        self.apply(job, LeaseOp::Release { owner, generation })
+        let (owner, key) = (owner.clone(), key.clone());
+        self.apply(
+            job,
+            LeaseOp::Release {
+                owner,
+                generation,
+                key,
+            },
+        )
     }
 
     /// [`LeaseOp::Complete`].
@@ -185,10 +222,54 @@ pub trait LeaseStore: Send + Sync + 'static {
         job: &JobId,
         owner: &Owner,
         generation: Generation,
+        key: &LeaseKey,
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
-        let owner = owner.clone();
-        self.apply(job, LeaseOp::Complete { owner, generation })
+        let (owner, key) = (owner.clone(), key.clone());
+        self.apply(
+            job,
+            LeaseOp::Complete {
+                owner,
+                generation,
+                key,
+            },
+        )
     }
+}
+
+/// A page of [`LeaseStore::list`].
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct ListPage {
+    /// The records, in job id order.
+    pub leases: Vec<LeaseRecord>,
+    /// Where the next page starts (`after`), if there may be one.
+    pub next: Option<JobId>,
+}
+
+/// How many records a backend reads at most for one page, matches or not: a page over a
+/// state few jobs are in comes back short, with `next`, rather than scanning everything.
+pub(crate) const MAX_LIST_SCAN: usize = 10_000;
+
+/// A page built by scanning `records` (in job order, starting after `query.after`): the ones
+/// `query` selects, at most its limit of them, reading at most [`MAX_LIST_SCAN`].
+pub(crate) fn page(
+    query: &ListQuery,
+    records: impl Iterator<Item = Result<LeaseRecord, StoreError>>,
+) -> Result<ListPage, StoreError> {
+    let limit = query.limit();
+    let mut page = ListPage::default();
+    let mut last = None;
+    for (scanned, record) in records.enumerate() {
+        let record = record?;
+        if scanned >= MAX_LIST_SCAN || page.leases.len() == limit {
+            page.next = last;
+            return Ok(page);
+        }
+        last = Some(record.job.clone());
+        if query.state.is_none_or(|s| s == record.state) {
+            page.leases.push(record);
+        }
+    }
+    Ok(page)
 }
 
 /// A granted lease.
@@ -245,6 +326,15 @@ pub enum StoreError {
     /// A remote store answered something this client does not understand.
     #[error("lease store answered unexpectedly: {0}")]
     Protocol(String),
+    /// A remote store refused the caller: no valid bearer secret (401), or one that does
+    /// not cover the job (403).
+    #[error("the lease server refused this client: {detail}")]
+    Denied {
+        /// The HTTP status.
+        status: u16,
+        /// The server's detail.
+        detail: String,
+    },
 }
 
 impl StoreError {

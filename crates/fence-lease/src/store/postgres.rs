@@ -6,11 +6,17 @@
 use std::{sync::Arc, time::Duration};
 
 use deadpool_postgres::Pool;
-use fence_core::{Generation, JobId, Owner, Ttl, lease_api::LeaseState};
+use fence_core::{
+    Generation, JobId, Owner, Ttl,
+    lease_api::{LeaseState, ListQuery},
+    secret::LeaseKey,
+};
 use fence_storage::postgres::{Ident, IdentError, MigrateError, NOW_MS, SetupError};
 use tokio_postgres::{Row, types::ToSql};
 
-use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError};
+use super::{
+    Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, MAX_LIST_SCAN, Outcome, StoreError, page,
+};
 
 /// Where the lease table lives: `schema.table`, both plain lower-case SQL identifiers.
 #[derive(Debug, Clone)]
@@ -79,6 +85,7 @@ struct Sql {
     release: String,
     complete: String,
     get: String,
+    list: String,
 }
 
 /// The database's clock in ms since the Unix epoch, plus the offset parameter `$N` (always
@@ -89,41 +96,61 @@ fn now_ms(offset_param: usize) -> String {
 
 impl Sql {
     fn new(t: &str) -> Self {
-        // $1 job, $2 owner, $3 ttl_ms, $4 clock offset.
+        // $1 job, $2 owner, $3 ttl_ms, $4 clock offset, $5 key hash. A holder that claims
+        // again with its key keeps its generation (the retry of a lost answer).
         let claim = format!(
-            "INSERT INTO {t} AS t (job, owner, generation, lease_until_ms, completed)
-             VALUES ($1, $2, 1, {now} + $3::bigint, false)
+            "INSERT INTO {t} AS t (job, owner, generation, lease_until_ms, changed_ms, key_hash, completed)
+             VALUES ($1, $2, 1, {now} + $3::bigint, {now}, $5, false)
              ON CONFLICT (job) DO UPDATE SET
-               generation = CASE WHEN t.owner = excluded.owner AND t.lease_until_ms > excluded.lease_until_ms - $3::bigint
+               generation = CASE WHEN t.owner = excluded.owner AND t.key_hash = excluded.key_hash
+                                      AND t.lease_until_ms > excluded.changed_ms
                             THEN t.generation ELSE t.generation + 1 END,
                owner = excluded.owner,
-               lease_until_ms = excluded.lease_until_ms
+               key_hash = excluded.key_hash,
+               lease_until_ms = excluded.lease_until_ms,
+               changed_ms = excluded.changed_ms
              WHERE NOT t.completed
-               AND (t.owner IS NULL OR t.owner = excluded.owner OR t.lease_until_ms <= excluded.lease_until_ms - $3::bigint)
+               AND (t.owner IS NULL
+                    OR (t.owner = excluded.owner AND t.key_hash = excluded.key_hash)
+                    OR t.lease_until_ms <= excluded.changed_ms)
              RETURNING t.generation::text, t.lease_until_ms",
             now = now_ms(4)
         );
-        // $1 job, $2 owner, $3 generation, $4 ttl_ms, $5 clock offset.
+        // Renew, release and complete need owner, generation and key: $1 job, $2 owner,
+        // $3 generation, then their own parameters.
+        let holder = "job = $1 AND owner = $2 AND generation = $3::text::numeric AND NOT completed";
+        // $4 ttl_ms, $5 clock offset, $6 key hash.
         let renew = format!(
-            "UPDATE {t} SET lease_until_ms = {now} + $4::bigint
-             WHERE job = $1 AND owner = $2 AND generation = $3::text::numeric AND NOT completed
+            "UPDATE {t} SET lease_until_ms = {now} + $4::bigint, changed_ms = {now}
+             WHERE {holder} AND key_hash = $6
              RETURNING lease_until_ms",
             now = now_ms(5)
         );
-        // $1 job, $2 owner, $3 generation, $4 clock offset; returns the row as `get` does.
+        // $4 clock offset, $5 key hash; returns the row as `get` does.
         let returning = format!(
             "RETURNING owner, generation::text, lease_until_ms, completed, {}",
             now_ms(4)
         );
         let release = format!(
-            "UPDATE {t} SET owner = NULL, lease_until_ms = 0
-             WHERE job = $1 AND owner = $2 AND generation = $3::text::numeric AND NOT completed
-             {returning}"
+            "UPDATE {t} SET owner = NULL, lease_until_ms = 0, changed_ms = {now}
+             WHERE {holder} AND key_hash = $5
+             {returning}",
+            now = now_ms(4)
         );
         let complete = format!(
-            "UPDATE {t} SET completed = true
-             WHERE job = $1 AND owner = $2 AND generation = $3::text::numeric AND NOT completed
-             {returning}"
+            "UPDATE {t} SET completed = true, changed_ms = {now},
+               lease_until_ms = LEAST(lease_until_ms, {now})
+             WHERE {holder} AND key_hash = $5
+             {returning}",
+            now = now_ms(4)
+        );
+        // $1 after (exclusive), $2 prefix, $3 how many, $4 clock offset. `starts_with` and the
+        // byte order of "C" collation match the order sled and the memory store list in.
+        let list = format!(
+            "SELECT owner, generation::text, lease_until_ms, completed, {now}, job FROM {t}
+             WHERE job COLLATE \"C\" > $1 AND starts_with(job, $2)
+             ORDER BY job COLLATE \"C\" LIMIT $3",
+            now = now_ms(4)
         );
         // $1 job, $2 clock offset.
         let get = format!(
@@ -136,6 +163,7 @@ impl Sql {
             release,
             complete,
             get,
+            list,
         }
     }
 }
@@ -249,12 +277,14 @@ impl PgLeaseStore {
         let t = self.table.qualified();
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {t} (
-               job text PRIMARY KEY,
+               job text COLLATE \"C\" PRIMARY KEY,
                owner text,
                generation numeric(20, 0) NOT NULL CHECK (generation >= 0 AND generation <= 18446744073709551615),
                lease_until_ms bigint NOT NULL,
                completed boolean NOT NULL DEFAULT false
-             );"
+             );
+             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS key_hash bytea NOT NULL DEFAULT ''::bytea;
+             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS changed_ms bigint NOT NULL DEFAULT 0;"
         );
         fence_storage::postgres::migrate(&self.pool, &self.table.schema, &ddl).await
     }
@@ -290,9 +320,22 @@ impl PgLeaseStore {
         row.as_ref().map(|r| Snapshot::from_row(job, r)).transpose()
     }
 
-    /// The `Lost` answer for a refused renewal, release or completion.
-    async fn lost(&self, job: &JobId) -> Result<Outcome, StoreError> {
+    /// The answer to a refused renewal, release or completion: `KeyMismatch` when owner and
+    /// generation still hold the job (so the key was wrong), else `Lost`.
+    async fn refused(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        generation: Generation,
+    ) -> Result<Outcome, StoreError> {
         Ok(match self.snapshot(job).await? {
+            Some(s)
+                if !s.completed
+                    && s.generation == generation
+                    && s.owner.as_ref() == Some(owner) =>
+            {
+                Outcome::KeyMismatch
+            }
             Some(s) => s.lost(),
             None => Outcome::Lost {
                 owner: None,
@@ -301,10 +344,23 @@ impl PgLeaseStore {
         })
     }
 
-    async fn claim_row(&self, job: &JobId, owner: &Owner, ttl: Ttl) -> Result<Outcome, StoreError> {
+    async fn claim_row(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        ttl: Ttl,
+    ) -> Result<Outcome, StoreError> {
+        let hash = key.hash();
+        let hash = &hash.as_bytes()[..];
         loop {
-            let params: [&(dyn ToSql + Sync); 4] =
-                [&job.as_str(), &owner.as_str(), &millis(ttl), &self.offset()];
+            let params: [&(dyn ToSql + Sync); 5] = [
+                &job.as_str(),
+                &owner.as_str(),
+                &millis(ttl),
+                &self.offset(),
+                &hash,
+            ];
             if let Some(row) = self.query(&self.sql.claim, &params).await? {
                 let until: i64 = row.try_get(1).map_err(StoreError::io)?;
                 return Ok(Outcome::Granted(Grant {
@@ -337,19 +393,25 @@ impl PgLeaseStore {
 
 impl LeaseStore for PgLeaseStore {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        let hash = op.key().hash();
+        let hash = &hash.as_bytes()[..];
         let (owner, g) = match &op {
-            LeaseOp::Claim { owner, ttl } => return self.claim_row(job, owner, *ttl).await,
+            LeaseOp::Claim { owner, key, ttl } => {
+                return self.claim_row(job, owner, key, *ttl).await;
+            }
             LeaseOp::Renew {
                 owner,
                 generation,
                 ttl,
+                ..
             } => {
-                let params: [&(dyn ToSql + Sync); 5] = [
+                let params: [&(dyn ToSql + Sync); 6] = [
                     &job.as_str(),
                     &owner.as_str(),
                     &generation.get().to_string(),
                     &millis(*ttl),
                     &self.offset(),
+                    &hash,
                 ];
                 return match self.query(&self.sql.renew, &params).await? {
                     Some(row) => {
@@ -361,31 +423,57 @@ impl LeaseStore for PgLeaseStore {
                             token: None,
                         }))
                     }
-                    None => self.lost(job).await,
+                    None => self.refused(job, owner, *generation).await,
                 };
             }
-            LeaseOp::Release { owner, generation } | LeaseOp::Complete { owner, generation } => {
-                (owner, generation)
+            LeaseOp::Release {
+                owner, generation, ..
             }
+            | LeaseOp::Complete {
+                owner, generation, ..
+            } => (owner, generation),
         };
         let sql = match op {
             LeaseOp::Complete { .. } => &self.sql.complete,
             _ => &self.sql.release,
         };
-        let params: [&(dyn ToSql + Sync); 4] = [
+        let params: [&(dyn ToSql + Sync); 5] = [
             &job.as_str(),
             &owner.as_str(),
             &g.get().to_string(),
             &self.offset(),
+            &hash,
         ];
         match self.query(sql, &params).await? {
             Some(row) => Ok(Outcome::Done(Snapshot::from_row(job, &row)?.record(job))),
-            None => self.lost(job).await,
+            None => self.refused(job, owner, *g).await,
         }
     }
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
         Ok(self.snapshot(job).await?.map(|s| s.record(job)))
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        // Rows in job order after `after` with the prefix (a range on the primary key), at
+        // most MAX_LIST_SCAN of them; the state is decided on the database's clock.
+        let prefix = query.prefix.clone().unwrap_or_default();
+        let after = query.after.as_ref().map_or("", JobId::as_str);
+        let scan = i64::try_from(MAX_LIST_SCAN).unwrap_or(i64::MAX);
+        let client = self.pool.get().await.map_err(StoreError::io)?;
+        let rows = client
+            .query(&self.sql.list, &[&after, &prefix, &scan, &self.offset()])
+            .await
+            .map_err(StoreError::io)?;
+        let records = rows.iter().map(|row| {
+            let job: String = row.try_get(5).map_err(StoreError::io)?;
+            let job = JobId::new(job).map_err(|_| StoreError::Corrupt {
+                job: "(unreadable)".parse().expect("valid job id"),
+                reason: "a job id is not visible ASCII",
+            })?;
+            Ok(Snapshot::from_row(&job, row)?.record(&job))
+        });
+        page(query, records)
     }
 }
 
@@ -436,10 +524,11 @@ mod tests {
         let Some(store) = fresh().await else { return };
         store.migrate().await.unwrap();
         let (j, a) = ("j".parse().unwrap(), "a".parse().unwrap());
-        let Outcome::Granted(g) = store.claim(&j, &a, Ttl::DEFAULT).await.unwrap() else {
+        let key = crate::new_lease_key().unwrap();
+        let Outcome::Granted(g) = store.claim(&j, &a, &key, Ttl::DEFAULT).await.unwrap() else {
             panic!()
         };
-        store.complete(&j, &a, g.generation).await.unwrap();
+        store.complete(&j, &a, g.generation, &key).await.unwrap();
         store.migrate().await.unwrap();
         let rec = store.get(&j).await.unwrap().unwrap();
         assert_eq!(

@@ -4,7 +4,11 @@
 
 use std::time::Duration;
 
-use fence_core::{Generation, JobId, Owner, Ttl, lease_api::LeaseState};
+use fence_core::{
+    Generation, JobId, Owner, Ttl,
+    lease_api::LeaseState,
+    secret::{LeaseKey, SecretHash},
+};
 
 use super::{Grant, LeaseOp, LeaseRecord, Outcome, StoreError};
 
@@ -13,12 +17,20 @@ use super::{Grant, LeaseOp, LeaseRecord, Outcome, StoreError};
 pub(crate) struct Stored {
     pub(crate) generation: Generation,
     pub(crate) owner: Option<Owner>,
+    /// The hash of the holder's lease key (meaningless once released).
+    pub(crate) key: SecretHash,
     pub(crate) lease_until_ms: u64,
+    /// When the record last changed (claim, renewal, release, completion), on the store's
+    /// clock: what forgetting measures "unchanged for D" by.
+    pub(crate) changed_ms: u64,
     pub(crate) completed: bool,
 }
 
 /// What a decision does: the record to write (if any) and the answer.
 pub(crate) type Decision<T> = Result<(Option<Stored>, T), StoreError>;
+
+/// The format version of an encoded record.
+const VERSION: u8 = 2;
 
 impl Stored {
     pub(crate) fn state(&self, now_ms: u64) -> LeaseState {
@@ -48,18 +60,15 @@ impl Stored {
         }
     }
 
-    /// Whether `owner` at `generation` may renew, release or complete.
-    fn matches(&self, owner: &Owner, generation: Generation) -> bool {
-        !self.completed && self.generation == generation && self.owner.as_ref() == Some(owner)
-    }
-
     pub(crate) fn encode(&self) -> Vec<u8> {
         let owner = self.owner.as_ref().map_or("", Owner::as_str).as_bytes();
-        let mut out = Vec::with_capacity(18 + owner.len());
-        out.push(1); // format version
+        let mut out = Vec::with_capacity(2 + 24 + 32 + owner.len());
+        out.push(VERSION);
         out.push(u8::from(self.completed) | (u8::from(self.owner.is_some()) << 1));
         out.extend_from_slice(&self.generation.get().to_be_bytes());
         out.extend_from_slice(&self.lease_until_ms.to_be_bytes());
+        out.extend_from_slice(&self.changed_ms.to_be_bytes());
+        out.extend_from_slice(self.key.as_bytes());
         out.extend_from_slice(owner);
         out
     }
@@ -72,25 +81,32 @@ impl Stored {
         let [version, flags, rest @ ..] = bytes else {
             return Err(corrupt("record is too short"));
         };
-        if *version != 1 {
+        if *version != VERSION {
             return Err(corrupt("unknown record format version"));
         }
-        if rest.len() < 16 {
-            return Err(corrupt("record is too short"));
-        }
-        let (generation, rest) = rest.split_at(8);
-        let (until, owner) = rest.split_at(8);
+        let u64_at = |at: usize| -> Result<u64, StoreError> {
+            rest.get(at..at + 8)
+                .and_then(|b| b.try_into().ok())
+                .map(u64::from_be_bytes)
+                .ok_or_else(|| corrupt("record is too short"))
+        };
+        let (generation, until, changed) = (u64_at(0)?, u64_at(8)?, u64_at(16)?);
+        let key: [u8; 32] = rest
+            .get(24..56)
+            .and_then(|b| b.try_into().ok())
+            .ok_or_else(|| corrupt("record is too short"))?;
         let owner = if flags & 2 != 0 {
+            let owner = rest.get(56..).unwrap_or_default();
             Some(Owner::from_bytes(owner).map_err(|_| corrupt("owner is not visible ASCII"))?)
         } else {
             None
         };
         Ok(Self {
-            generation: Generation::new(u64::from_be_bytes(
-                generation.try_into().expect("8 bytes"),
-            )),
+            generation: Generation::new(generation),
             owner,
-            lease_until_ms: u64::from_be_bytes(until.try_into().expect("8 bytes")),
+            key: SecretHash::from_bytes(key),
+            lease_until_ms: until,
+            changed_ms: changed,
             completed: flags & 1 != 0,
         })
     }
@@ -109,45 +125,60 @@ fn grant(generation: Generation, ttl: Ttl, now_ms: u64) -> (u64, Grant) {
     )
 }
 
-/// Decides `op` on the stored record `cur` at `now_ms`.
+/// Decides `op` on the stored record `cur` at `now_ms`. `floor` is the highest generation the
+/// store has forgotten: a job with no record is claimed at `floor + 1`.
 pub(crate) fn decide(
     job: &JobId,
     cur: Option<&Stored>,
+    floor: Generation,
     op: &LeaseOp,
     now_ms: u64,
 ) -> Decision<Outcome> {
     match op {
-        LeaseOp::Claim { owner, ttl } => claim(job, cur, owner, *ttl, now_ms),
+        LeaseOp::Claim { owner, key, ttl } => claim(job, cur, floor, owner, key, *ttl, now_ms),
         LeaseOp::Renew {
             owner,
             generation,
+            key,
             ttl,
-        } => Ok(held_by(cur, owner, *generation).map_or_else(
-            |lost| (None, lost),
+        } => Ok(held_by(cur, owner, *generation, key).map_or_else(
+            |refused| (None, refused),
             |s| {
                 let (until, g) = grant(*generation, *ttl, now_ms);
                 let new = Stored {
                     lease_until_ms: until,
+                    changed_ms: now_ms,
                     ..s.clone()
                 };
                 (Some(new), Outcome::Granted(g))
             },
         )),
-        LeaseOp::Release { owner, generation } | LeaseOp::Complete { owner, generation } => {
+        LeaseOp::Release {
+            owner,
+            generation,
+            key,
+        }
+        | LeaseOp::Complete {
+            owner,
+            generation,
+            key,
+        } => {
             let complete = matches!(op, LeaseOp::Complete { .. });
-            Ok(held_by(cur, owner, *generation).map_or_else(
-                |lost| (None, lost),
+            Ok(held_by(cur, owner, *generation, key).map_or_else(
+                |refused| (None, refused),
                 |s| {
                     let new = if complete {
                         Stored {
                             completed: true,
                             lease_until_ms: now_ms.min(s.lease_until_ms),
+                            changed_ms: now_ms,
                             ..s.clone()
                         }
                     } else {
                         Stored {
                             owner: None,
                             lease_until_ms: 0,
+                            changed_ms: now_ms,
                             ..s.clone()
                         }
                     };
@@ -159,15 +190,25 @@ pub(crate) fn decide(
     }
 }
 
-/// The stored record when `owner` at `generation` may renew, release or complete it;
-/// otherwise the `Lost` answer naming who holds it now.
+/// The stored record when `owner` at `generation` with `key` may renew, release or complete
+/// it; otherwise the answer: `Lost` naming who holds it now, or `KeyMismatch` when owner and
+/// generation hold it but the key is not theirs.
 fn held_by<'a>(
     cur: Option<&'a Stored>,
     owner: &Owner,
     generation: Generation,
+    key: &LeaseKey,
 ) -> Result<&'a Stored, Outcome> {
     match cur {
-        Some(s) if s.matches(owner, generation) => Ok(s),
+        Some(s)
+            if !s.completed && s.generation == generation && s.owner.as_ref() == Some(owner) =>
+        {
+            if s.key == key.hash() {
+                Ok(s)
+            } else {
+                Err(Outcome::KeyMismatch)
+            }
+        }
         Some(s) => Err(Outcome::Lost {
             owner: s.owner.clone(),
             generation: s.generation,
@@ -182,11 +223,13 @@ fn held_by<'a>(
 fn claim(
     job: &JobId,
     cur: Option<&Stored>,
+    floor: Generation,
     owner: &Owner,
+    key: &LeaseKey,
     ttl: Ttl,
     now_ms: u64,
 ) -> Decision<Outcome> {
-    let current = cur.map_or(Generation::ZERO, |s| s.generation);
+    let current = cur.map_or(floor, |s| s.generation);
     if let Some(s) = cur {
         match s.state(now_ms) {
             LeaseState::Completed => {
@@ -196,11 +239,13 @@ fn claim(
                 };
                 return Ok((None, completed));
             }
-            LeaseState::Held if s.owner.as_ref() == Some(owner) => {
-                // The holder claims again (a retry after a lost answer): same generation, extended.
+            LeaseState::Held if s.owner.as_ref() == Some(owner) && s.key == key.hash() => {
+                // The holder claims again with its key (a retry after a lost answer): same
+                // generation, extended.
                 let (until, g) = grant(s.generation, ttl, now_ms);
                 let new = Stored {
                     lease_until_ms: until,
+                    changed_ms: now_ms,
                     ..s.clone()
                 };
                 return Ok((Some(new), Outcome::Granted(g)));
@@ -222,7 +267,9 @@ fn claim(
     let new = Stored {
         generation,
         owner: Some(owner.clone()),
+        key: key.hash(),
         lease_until_ms: until,
+        changed_ms: now_ms,
         completed: false,
     };
     Ok((Some(new), Outcome::Granted(g)))
@@ -239,25 +286,30 @@ mod tests {
             Stored {
                 generation: Generation::new(u64::MAX),
                 owner: Some("w".parse().unwrap()),
+                key: SecretHash::of(b"k"),
                 lease_until_ms: 5,
+                changed_ms: 3,
                 completed: true,
             },
             Stored {
                 generation: Generation::ZERO,
                 owner: None,
+                key: SecretHash::from_bytes([0; 32]),
                 lease_until_ms: 0,
+                changed_ms: 0,
                 completed: false,
             },
         ] {
             assert_eq!(Stored::decode(&job, &s.encode()).unwrap(), s);
+            let encoded = s.encode();
+            for cut in 0..encoded.len() {
+                let _ = Stored::decode(&job, &encoded[..cut]); // never panics
+            }
         }
-        for bad in [
-            &b""[..],
-            &[1],
-            &[2, 0],
-            &[1, 0, 0, 0],
-            &[1, 2, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, b' '],
-        ] {
+        let mut spaced = vec![2, 2];
+        spaced.extend_from_slice(&[0; 56]);
+        spaced.push(b' ');
+        for bad in [&b""[..], &[2], &[1, 0], &[2, 0, 0, 0], &spaced] {
             assert!(Stored::decode(&job, bad).is_err(), "{bad:?}");
         }
     }

@@ -1,8 +1,8 @@
 //! A lease store that signs the fencing token of every lease it grants (contract section 6).
 
-use fence_core::{JobId, signing::TokenSigner};
+use fence_core::{JobId, lease_api::ListQuery, signing::TokenSigner};
 
-use super::{LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError};
+use super::{LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError};
 
 /// Wraps any [`LeaseStore`] so that every granted lease carries its signed token string.
 ///
@@ -13,8 +13,9 @@ use super::{LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError};
 /// use fence_lease::{LeaseStore, MemoryLeaseStore, Outcome, SigningLeaseStore, Ttl};
 ///
 /// let store = SigningLeaseStore::new(MemoryLeaseStore::new(), TokenSigner::from_seed([9; 32]));
-/// let Outcome::Granted(g) = store.claim(&"j".parse()?, &"w".parse()?, Ttl::DEFAULT).await? else { panic!() };
-/// assert!(g.token.unwrap().starts_with("1."));
+/// let key = fence_lease::new_lease_key()?;
+/// let Outcome::Granted(g) = store.claim(&"j".parse()?, &"w".parse()?, &key, Ttl::DEFAULT).await? else { panic!() };
+/// assert!(g.token.unwrap().starts_with(&format!("1.{}.", g.expires_at_ms)));
 /// # Ok(()) }
 /// ```
 #[derive(Debug, Clone)]
@@ -39,7 +40,7 @@ impl<S: LeaseStore> LeaseStore for SigningLeaseStore<S> {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         Ok(match self.inner.apply(job, op).await? {
             Outcome::Granted(mut g) => {
-                g.token = Some(self.signer.sign(job, g.generation));
+                g.token = Some(self.signer.sign(job, g.generation, g.expires_at_ms));
                 Outcome::Granted(g)
             }
             other => other,
@@ -48,5 +49,9 @@ impl<S: LeaseStore> LeaseStore for SigningLeaseStore<S> {
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
         self.inner.get(job).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
     }
 }

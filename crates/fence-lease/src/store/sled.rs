@@ -2,13 +2,13 @@
 
 use std::{path::Path, sync::Arc};
 
-use fence_core::JobId;
+use fence_core::{Generation, JobId, lease_api::ListQuery};
 use fence_storage::{
     clock::{Clock, SystemClock},
     disk::{DurableDb, OpenError},
 };
 
-use super::{LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError, rules};
+use super::{LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError, page, rules};
 
 /// A lease store in a sled database on local disk.
 ///
@@ -72,7 +72,13 @@ impl LeaseStore for SledLeaseStore {
                 .as_deref()
                 .map(|b| rules::Stored::decode(job, b))
                 .transpose()?;
-            let (new, out) = rules::decide(job, cur.as_ref(), &op, self.clock.now_ms())?;
+            let (new, out) = rules::decide(
+                job,
+                cur.as_ref(),
+                Generation::ZERO,
+                &op,
+                self.clock.now_ms(),
+            )?;
             if let Some(new) = new {
                 let swapped = self
                     .tree
@@ -101,6 +107,33 @@ impl LeaseStore for SledLeaseStore {
         self.db.commit().await.map_err(StoreError::io)?;
         Ok(Some(stored.record(job, self.clock.now_ms())))
     }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        use std::ops::Bound;
+        let prefix = query.prefix.as_deref().unwrap_or_default().as_bytes();
+        let after = query.after.as_ref().map(|a| a.as_str().as_bytes());
+        let start = match after {
+            Some(a) if a >= prefix => Bound::Excluded(a.to_vec()),
+            _ => Bound::Included(prefix.to_vec()),
+        };
+        let now = self.clock.now_ms();
+        let records = self
+            .tree
+            .range((start, Bound::Unbounded))
+            .take_while(|item| item.as_ref().map_or(true, |(k, _)| k.starts_with(prefix)))
+            .map(|item| {
+                let (key, value) = item.map_err(StoreError::io)?;
+                let job = JobId::from_bytes(&key).map_err(|_| StoreError::Corrupt {
+                    job: "(unreadable)".parse().expect("valid job id"),
+                    reason: "a key is not a job id",
+                })?;
+                Ok(rules::Stored::decode(&job, &value)?.record(&job, now))
+            });
+        let page = page(query, records)?;
+        // Answer only what is on disk (see `apply`).
+        self.db.commit().await.map_err(StoreError::io)?;
+        Ok(page)
+    }
 }
 
 #[cfg(test)]
@@ -124,6 +157,10 @@ mod tests {
     #[tokio::test]
     async fn generations_and_expiry_survive_reopen() {
         let dir = tempfile::tempdir().unwrap();
+        let (ka, kb) = (
+            crate::new_lease_key().unwrap(),
+            crate::new_lease_key().unwrap(),
+        );
         let clock = ManualClock::new(1_700_000_000_000);
         let (j, a, b) = (
             "j".parse().unwrap(),
@@ -134,12 +171,13 @@ mod tests {
             let store =
                 SledLeaseStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
             for _ in 0..40 {
-                let Outcome::Granted(g) = store.claim(&j, &a, Ttl::DEFAULT).await.unwrap() else {
+                let Outcome::Granted(g) = store.claim(&j, &a, &ka, Ttl::DEFAULT).await.unwrap()
+                else {
                     panic!()
                 };
-                store.release(&j, &a, g.generation).await.unwrap();
+                store.release(&j, &a, g.generation, &ka).await.unwrap();
             }
-            store.claim(&j, &a, Ttl::DEFAULT).await.unwrap();
+            store.claim(&j, &a, &ka, Ttl::DEFAULT).await.unwrap();
         }
         let store = SledLeaseStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
         let rec = store.get(&j).await.unwrap().unwrap();
@@ -149,11 +187,11 @@ mod tests {
         );
         // Reopening neither extends nor shortens the lease: it expires at the same store time.
         assert!(matches!(
-            store.claim(&j, &b, Ttl::DEFAULT).await.unwrap(),
+            store.claim(&j, &b, &kb, Ttl::DEFAULT).await.unwrap(),
             Outcome::Held { .. }
         ));
         clock.advance(Duration::from_secs(30));
-        let Outcome::Granted(g) = store.claim(&j, &b, Ttl::DEFAULT).await.unwrap() else {
+        let Outcome::Granted(g) = store.claim(&j, &b, &kb, Ttl::DEFAULT).await.unwrap() else {
             panic!()
         };
         assert_eq!(g.generation, Generation::new(42));
@@ -163,14 +201,25 @@ mod tests {
     async fn a_corrupt_record_is_an_error_not_a_panic() {
         let dir = tempfile::tempdir().unwrap();
         let store = SledLeaseStore::open(dir.path()).unwrap();
-        store.tree.insert("j", &b"\x01\x02garbage"[..]).unwrap();
-        let err = store
-            .claim(&"j".parse().unwrap(), &"a".parse().unwrap(), Ttl::DEFAULT)
-            .await
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "stored lease of job j is corrupt: record is too short"
-        );
+        for (bytes, want) in [
+            (&b"\x02\x02garbage"[..], "record is too short"),
+            (&b"\x01\x02garbage"[..], "unknown record format version"),
+            (&b""[..], "record is too short"),
+        ] {
+            store.tree.insert("j", bytes).unwrap();
+            let err = store
+                .claim(
+                    &"j".parse().unwrap(),
+                    &"a".parse().unwrap(),
+                    &crate::new_lease_key().unwrap(),
+                    Ttl::DEFAULT,
+                )
+                .await
+                .unwrap_err();
+            assert_eq!(
+                err.to_string(),
+                format!("stored lease of job j is corrupt: {want}")
+            );
+        }
     }
 }

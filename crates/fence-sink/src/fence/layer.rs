@@ -62,9 +62,10 @@ impl<St> std::fmt::Debug for FenceLayer<St> {
 }
 
 impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
-    /// Fences POST, PUT, PATCH and DELETE, requires the fencing headers on them, keeps
-    /// idempotency records, caches up to 100,000 jobs, waits up to 5 s for the store and up
-    /// to 10 s for older requests to drain before a bump.
+    /// Fences every method but GET, HEAD, OPTIONS and TRACE (so an unknown or extension
+    /// method fails closed), requires the fencing headers on them, keeps idempotency records,
+    /// caches up to 100,000 jobs, waits up to 5 s for the store and up to 10 s for older
+    /// requests to drain before a bump.
     pub fn new(store: St) -> Self {
         Self::from_arc(Arc::new(store))
     }
@@ -72,7 +73,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// As [`new`](Self::new), for a store shared with other code.
     pub fn from_arc(store: Arc<St>) -> Self {
         let config = Config {
-            methods: vec![Method::POST, Method::PUT, Method::PATCH, Method::DELETE],
+            methods: None,
             predicate: None,
             require_token: true,
             idempotency: Some(IdempotencyConfig::default()),
@@ -97,10 +98,11 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         &mut Arc::make_mut(&mut self.shared).config
     }
 
-    /// Fences requests with these methods (default: POST, PUT, PATCH, DELETE); others pass unfenced.
+    /// Fences requests with exactly these methods; others pass unfenced (the default fences
+    /// every method but GET, HEAD, OPTIONS and TRACE).
     pub fn fence_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         let config = self.config();
-        config.methods = methods.into_iter().collect();
+        config.methods = Some(methods.into_iter().collect());
         config.predicate = None;
         self
     }

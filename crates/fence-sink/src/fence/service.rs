@@ -108,12 +108,7 @@ impl Config {
                 return Checked::Rejected(reject::malformed(&e));
             }
         };
-        let Some(FencingHeaders {
-            job,
-            token,
-            signature,
-        }) = fencing
-        else {
+        let Some(FencingHeaders { job, token, signed }) = fencing else {
             if self.require_token {
                 count("missing");
                 return Checked::Rejected(reject::missing(parts));
@@ -122,16 +117,19 @@ impl Config {
             return Checked::Pass;
         };
         if let Some(signatures) = &self.signatures {
-            let valid = signature.as_deref().is_some_and(|s| {
-                signatures.check(&job, token.generation(), s, self.limits.max_cached_jobs)
+            let valid = signed.as_ref().is_some_and(|s| {
+                let capacity = self.limits.max_cached_jobs;
+                signatures.check(
+                    &job,
+                    token.generation(),
+                    s.expires_at_ms,
+                    &s.signature,
+                    capacity,
+                )
             });
             if !valid {
                 count("invalid_signature");
-                return Checked::Rejected(reject::invalid_signature(
-                    job,
-                    token,
-                    signature.is_some(),
-                ));
+                return Checked::Rejected(reject::invalid_signature(job, token, signed.is_some()));
             }
         }
         Checked::Fence { job, token, key }

@@ -16,7 +16,8 @@ pub type FencePredicate = Arc<dyn Fn(&Parts) -> bool + Send + Sync>;
 /// What the fence does, as set by the builder methods of [`FenceLayer`].
 #[derive(Clone)]
 pub(crate) struct Config {
-    pub(crate) methods: Vec<Method>,
+    /// `None`: every method but the safe ones (GET, HEAD, OPTIONS, TRACE).
+    pub(crate) methods: Option<Vec<Method>>,
     pub(crate) predicate: Option<FencePredicate>,
     pub(crate) require_token: bool,
     pub(crate) idempotency: Option<IdempotencyConfig>,
@@ -29,7 +30,13 @@ impl Config {
     pub(crate) fn is_fenced(&self, parts: &Parts) -> bool {
         match &self.predicate {
             Some(p) => p(parts),
-            None => self.methods.contains(&parts.method),
+            None => match &self.methods {
+                Some(methods) => methods.contains(&parts.method),
+                None => !matches!(
+                    parts.method,
+                    Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE
+                ),
+            },
         }
     }
 }

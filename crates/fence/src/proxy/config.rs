@@ -1,6 +1,6 @@
 //! What the proxy is told: [`ProxyConfig`], and the upstream address checked once at start.
 
-use std::time::Duration;
+use std::{path::PathBuf, sync::Arc, time::Duration};
 
 use anyhow::{Context as _, bail};
 use http::{
@@ -8,14 +8,17 @@ use http::{
     uri::{Authority, PathAndQuery, Scheme},
 };
 
+use crate::listen::Limits;
+
 /// How the proxy fences and forwards.
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
     /// Where admitted requests go, e.g. `http://127.0.0.1:8080` or `http://10.0.0.5/api`
     /// (a path is a prefix joined to every request's path). Only `http` is supported.
     pub upstream: Uri,
-    /// The methods that are fenced (default POST, PUT, PATCH, DELETE); others pass unfenced.
-    pub fence_methods: Vec<Method>,
+    /// The methods that are fenced; `None` (the default) fences every method but GET, HEAD,
+    /// OPTIONS and TRACE, so a method nobody listed fails closed.
+    pub fence_methods: Option<Vec<Method>>,
     /// Whether a fenced request without fencing headers gets 428 (true, the default) or
     /// passes unfenced (false).
     pub require_token: bool,
@@ -41,6 +44,12 @@ pub struct ProxyConfig {
     /// How many threads serve connections, each on a runtime of its own with its own
     /// upstream pool (default: one per core the process may use; 0 counts as 1).
     pub workers: usize,
+    /// Trust this CA (PEM) for an `https://` upstream, besides the system's roots.
+    pub upstream_ca_cert: Option<PathBuf>,
+    /// Serve HTTPS with this configuration (default: plain HTTP).
+    pub tls: Option<Arc<rustls::ServerConfig>>,
+    /// The listener's limits: first-request deadline, idle time, connections, HTTP/2.
+    pub limits: Limits,
 }
 
 impl ProxyConfig {
@@ -48,7 +57,7 @@ impl ProxyConfig {
     pub fn new(upstream: Uri) -> Self {
         Self {
             upstream,
-            fence_methods: vec![Method::POST, Method::PUT, Method::PATCH, Method::DELETE],
+            fence_methods: None,
             require_token: true,
             idempotency: Some(fence_sink::IdempotencyConfig::default()),
             drain_timeout: Duration::from_secs(10),
@@ -58,29 +67,47 @@ impl ProxyConfig {
             preserve_host: false,
             verifier: None,
             workers: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
+            upstream_ca_cert: None,
+            tls: None,
+            limits: Limits::default(),
         }
+    }
+
+    /// Checks the upstream (and its TLS set-up) before anything listens, so a bad one stops
+    /// the proxy before it says it is ready.
+    ///
+    /// # Errors
+    /// When `upstream` is not `http(s)://host[:port][/path]` or its CA file is unusable.
+    pub fn check(&self) -> anyhow::Result<()> {
+        Target::parse(&self.upstream, self.upstream_ca_cert.as_deref()).map(drop)
     }
 }
 
 /// The upstream's address, checked once at start.
-#[derive(Debug)]
 pub(super) struct Target {
     pub(super) authority: Authority,
+    /// For `https://`: how to connect, and the name the certificate must carry.
+    pub(super) tls: Option<(
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    )>,
     /// The `Host` the upstream sees (unless `preserve_host`).
     pub(super) host: HeaderValue,
     /// The upstream's path without a trailing `/` (empty for none), joined before every path.
     prefix: String,
-    /// `http://authority/prefix`, for messages.
+    /// `http(s)://authority/prefix`, for messages.
     pub(super) display: String,
 }
 
 impl Target {
-    pub(super) fn parse(uri: &Uri) -> anyhow::Result<Self> {
+    pub(super) fn parse(uri: &Uri, ca_cert: Option<&std::path::Path>) -> anyhow::Result<Self> {
         let Some(scheme) = uri.scheme() else {
             bail!("upstream {uri}: no scheme; write it as http://host:port");
         };
-        if *scheme != Scheme::HTTP {
-            bail!("upstream {uri}: only http:// upstreams are supported, not {scheme}://");
+        if *scheme != Scheme::HTTP && *scheme != Scheme::HTTPS {
+            bail!(
+                "upstream {uri}: only http:// and https:// upstreams are supported, not {scheme}://"
+            );
         }
         let Some(authority) = uri.authority() else {
             bail!("upstream {uri}: no host; write it as http://host:port");
@@ -99,8 +126,20 @@ impl Target {
         let prefix = uri.path().trim_end_matches('/').to_owned();
         let host = HeaderValue::from_str(authority.as_str())
             .with_context(|| format!("upstream {uri}: the host is not a valid Host header"))?;
+        let tls = if *scheme == Scheme::HTTPS {
+            let config = fence_storage::tls::client_config(ca_cert, &[b"http/1.1"])
+                .with_context(|| format!("upstream {uri}: cannot set up TLS"))?;
+            let name = rustls::pki_types::ServerName::try_from(
+                authority.host().trim_matches(['[', ']']).to_owned(),
+            )
+            .with_context(|| format!("upstream {uri}: the host is not a TLS server name"))?;
+            Some((tokio_rustls::TlsConnector::from(Arc::new(config)), name))
+        } else {
+            None
+        };
         Ok(Self {
             authority: authority.clone(),
+            tls,
             host,
             display: format!("{scheme}://{authority}{prefix}"),
             prefix,

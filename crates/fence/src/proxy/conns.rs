@@ -4,10 +4,12 @@ use std::time::Duration;
 
 use fence_sink::RequestBody;
 use fence_storage::BoxError;
-use http::{Request, Response, uri::Authority};
+use http::{Request, Response};
 use hyper::{body::Incoming, client::conn::http1::SendRequest};
 use hyper_util::rt::TokioIo;
 use tokio::{net::TcpStream, time::Instant};
+
+use super::config::Target;
 
 /// Keep-alive HTTP/1.1 connections from one worker thread to the upstream.
 ///
@@ -19,6 +21,11 @@ use tokio::{net::TcpStream, time::Instant};
 pub(super) struct UpstreamConns {
     /// `host:port` to connect to.
     addr: String,
+    /// TLS to an `https://` upstream: the connector and the name its certificate must have.
+    tls: Option<(
+        tokio_rustls::TlsConnector,
+        rustls::pki_types::ServerName<'static>,
+    )>,
     idle: std::sync::Mutex<Vec<Idle>>,
     idle_timeout: Duration,
 }
@@ -41,13 +48,16 @@ pub(super) enum SendFailed {
 const MAX_IDLE_PER_WORKER: usize = 256;
 
 impl UpstreamConns {
-    pub(super) fn new(authority: &Authority, idle_timeout: Duration) -> Self {
+    pub(super) fn new(target: &Target, idle_timeout: Duration) -> Self {
+        let authority = &target.authority;
+        let default_port = if target.tls.is_some() { 443 } else { 80 };
         let addr = match authority.port_u16() {
             Some(_) => authority.as_str().to_owned(),
-            None => format!("{}:80", authority.host()),
+            None => format!("{}:{default_port}", authority.host()),
         };
         Self {
             addr,
+            tls: target.tls.clone(),
             idle: std::sync::Mutex::default(),
             idle_timeout,
         }
@@ -82,15 +92,12 @@ impl UpstreamConns {
     async fn connect(&self) -> Result<SendRequest<RequestBody<Incoming>>, BoxError> {
         let stream = TcpStream::connect(&self.addr).await?;
         let _ = stream.set_nodelay(true);
-        let (conn, connection) =
-            hyper::client::conn::http1::handshake(TokioIo::new(stream)).await?;
-        // Served on this worker's runtime, next to the requests that use it.
-        tokio::spawn(async move {
-            if let Err(e) = connection.await {
-                tracing::debug!(error = %e, "upstream connection ended with an error");
+        match &self.tls {
+            None => handshake(stream).await,
+            Some((connector, name)) => {
+                handshake(connector.connect(name.clone(), stream).await?).await
             }
-        });
-        Ok(conn)
+        }
     }
 
     pub(super) async fn send(
@@ -117,4 +124,19 @@ impl UpstreamConns {
             }
         }
     }
+}
+
+/// An HTTP/1.1 connection over `io`, driven on this worker's runtime next to the requests
+/// that use it.
+async fn handshake<I>(io: I) -> Result<SendRequest<RequestBody<Incoming>>, BoxError>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (conn, connection) = hyper::client::conn::http1::handshake(TokioIo::new(io)).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "upstream connection ended with an error");
+        }
+    });
+    Ok(conn)
 }

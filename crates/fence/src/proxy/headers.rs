@@ -9,7 +9,7 @@ use super::config::Target;
 
 const X_FORWARDED_FOR: HeaderName = HeaderName::from_static("x-forwarded-for");
 const X_FORWARDED_HOST: HeaderName = HeaderName::from_static("x-forwarded-host");
-const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
+pub(super) const X_FORWARDED_PROTO: HeaderName = HeaderName::from_static("x-forwarded-proto");
 
 /// Headers that describe one connection, not the message (RFC 9110 section 7.6.1, plus the
 /// non-standard `Keep-Alive` and `Proxy-Connection`); never forwarded in either direction.
@@ -67,7 +67,6 @@ pub(super) fn to_upstream(parts: &mut Parts, uri: Uri, target: &Target, preserve
     if let Some(ClientAddr(ip)) = parts.extensions.get::<ClientAddr>() {
         append_forwarded_for(headers, ip);
     }
-    headers.insert(X_FORWARDED_PROTO, HeaderValue::from_static("http"));
     parts.uri = uri;
     // The upstream connections speak HTTP/1.1, whatever the client spoke to us.
     parts.version = Version::HTTP_11;

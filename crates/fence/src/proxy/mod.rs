@@ -32,7 +32,6 @@
 //! # Ok(()) }
 //! ```
 
-mod accept;
 mod admin;
 mod config;
 mod conns;
@@ -41,20 +40,21 @@ mod metrics;
 mod upstream;
 mod worker;
 
-use std::{future::Future, sync::Arc, time::Duration};
+use std::{future::Future, sync::Arc};
 
 use anyhow::Context as _;
 use fence_sink::{FenceLayer, GenerationStore, IdempotencyStore};
 use tokio::{
     net::TcpListener,
-    sync::{mpsc, watch},
+    sync::{Semaphore, mpsc, watch},
 };
 
-pub use self::{admin::serve_admin, config::ProxyConfig};
+pub use self::{
+    admin::{Health, serve_admin},
+    config::ProxyConfig,
+};
 use self::{config::Target, upstream::UpstreamBody, worker::Worker};
-
-/// How long in-flight connections and requests may take to finish after shutdown begins.
-pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
+pub use crate::listen::SHUTDOWN_GRACE;
 
 /// The body of every answer of the proxy.
 type ProxyBody = fence_sink::ResponseBody<UpstreamBody>;
@@ -64,8 +64,8 @@ type ProxyBody = fence_sink::ResponseBody<UpstreamBody>;
 ///
 /// # Errors
 ///
-/// When `config.upstream` is not an `http://host[:port][/path]` URI (no other scheme, no
-/// query, no user info).
+/// When `config.upstream` is not an `http(s)://host[:port][/path]` URI (no other scheme,
+/// no query, no user info), or its TLS cannot be set up.
 pub async fn serve<St>(
     listener: TcpListener,
     layer_store: St,
@@ -75,10 +75,15 @@ pub async fn serve<St>(
 where
     St: GenerationStore + IdempotencyStore,
 {
-    let target = Arc::new(Target::parse(&config.upstream)?);
-    let mut layer = FenceLayer::new(layer_store)
-        .fence_methods(config.fence_methods.iter().cloned())
-        .store_timeout(config.store_timeout)
+    let target = Arc::new(Target::parse(
+        &config.upstream,
+        config.upstream_ca_cert.as_deref(),
+    )?);
+    let mut layer = FenceLayer::new(layer_store).store_timeout(config.store_timeout);
+    if let Some(methods) = &config.fence_methods {
+        layer = layer.fence_methods(methods.iter().cloned());
+    }
+    let mut layer = layer
         // A client that goes away must not cancel an admitted request before the upstream
         // answered: the fence counts it in flight until then (`docs/protocol.md` section 3, "in flight").
         .run_to_completion()
@@ -107,6 +112,9 @@ where
         .into_std()
         .context("taking the listening socket off the runtime")?;
     let workers = config.workers.max(1);
+    // One connection limit for the whole proxy, whichever worker accepts.
+    let permits = Arc::new(Semaphore::new(config.limits.max_connections.max(1)));
+    let tls = config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     let (stop, stopped) = watch::channel(false);
     let (ended, mut ends) = mpsc::unbounded_channel::<anyhow::Result<()>>();
     for n in 0..workers {
@@ -116,6 +124,9 @@ where
             .and_then(|listener| {
                 let worker = Worker {
                     listener,
+                    tls: tls.clone(),
+                    limits: config.limits,
+                    permits: permits.clone(),
                     layer: layer.clone(),
                     target: target.clone(),
                     timeout: config.upstream_timeout,

@@ -38,6 +38,8 @@ pub(super) struct Upstream {
     pub(super) target: Arc<Target>,
     pub(super) timeout: Duration,
     pub(super) preserve_host: bool,
+    /// `X-Forwarded-Proto`: how the client reached the proxy.
+    pub(super) proto: http::HeaderValue,
     /// Counts this copy for graceful shutdown (see `Worker::run`).
     pub(super) _running: mpsc::Sender<()>,
 }
@@ -82,6 +84,9 @@ impl Upstream {
             }
         };
         headers::to_upstream(&mut parts, uri, &self.target, self.preserve_host);
+        parts
+            .headers
+            .insert(headers::X_FORWARDED_PROTO, self.proto.clone());
 
         let request = self.conns.send(Request::from_parts(parts, body));
         match tokio::time::timeout(self.timeout, request).await {

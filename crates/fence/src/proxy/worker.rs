@@ -8,19 +8,25 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::{
     net::TcpListener,
-    sync::{mpsc, watch},
+    sync::{Semaphore, mpsc, watch},
 };
+
+use crate::listen::{Limits, Listener};
 use tower::{Layer, ServiceExt};
 
 use super::{
-    ProxyBody, accept::accept_loop, config::Target, conns::UpstreamConns, headers::ClientAddr,
-    metrics::Outcomes, upstream::Upstream,
+    ProxyBody, config::Target, conns::UpstreamConns, headers::ClientAddr, metrics::Outcomes,
+    upstream::Upstream,
 };
 
 /// One serving thread of the proxy: a single-threaded runtime with its own accept loop and
 /// upstream pool, sharing the fence (and its store) with the other workers.
 pub(super) struct Worker<St> {
     pub(super) listener: std::net::TcpListener,
+    pub(super) tls: Option<tokio_rustls::TlsAcceptor>,
+    pub(super) limits: Limits,
+    /// The proxy's one connection limit, shared with the other workers.
+    pub(super) permits: Arc<Semaphore>,
     pub(super) layer: FenceLayer<St>,
     pub(super) target: Arc<Target>,
     pub(super) timeout: Duration,
@@ -42,10 +48,8 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 .context("registering the listening socket with a worker's runtime")?;
             // This thread's own upstream connections, served on its runtime: a request
             // and its upstream call never cross threads.
-            let conns = Arc::new(UpstreamConns::new(
-                &self.target.authority,
-                self.idle_timeout,
-            ));
+            let conns = Arc::new(UpstreamConns::new(&self.target, self.idle_timeout));
+            let proto = if self.tls.is_some() { "https" } else { "http" };
             // Every copy of the upstream service holds a sender: the connections' and each
             // request's own, which lives until its upstream call is over. All are gone when
             // the connections are closed and the last request has finished.
@@ -56,13 +60,15 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 target: self.target,
                 timeout: self.timeout,
                 preserve_host: self.preserve_host,
+                proto: http::HeaderValue::from_static(proto),
                 _running: running,
             });
+            let listener = Listener::new(listener, self.tls, self.limits).sharing(self.permits);
             let mut stopped = self.stopped;
             let shutdown = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };
-            let deadline = accept_loop(listener, shutdown, move |peer| {
+            let deadline = crate::listen::serve(listener, shutdown, move |peer| {
                 let (fence, client) = (fence.clone(), ClientAddr::new(peer));
                 hyper::service::service_fn(move |req| handle(fence.clone(), client.clone(), req))
             })

@@ -150,8 +150,8 @@ pub fn start_proxy(dir: &Path, upstream: &str) -> (Proc, String) {
     start_proxy_with(&upstream, &["--data-dir", dir.to_str().unwrap()])
 }
 
-/// `fence release` of `owner`'s lease on `job` at `generation`.
-pub fn release(server: &str, job: &str, owner: &str, generation: u64) -> Output {
+/// `fence release` of the lease `fence claim` printed as `lease`.
+pub fn release(server: &str, job: &str, lease: &serde_json::Value) -> Output {
     fence(&[
         "release",
         "--server",
@@ -159,9 +159,11 @@ pub fn release(server: &str, job: &str, owner: &str, generation: u64) -> Output 
         "--job",
         job,
         "--owner",
-        owner,
+        lease["owner"].as_str().expect("an owner"),
         "--generation",
-        &generation.to_string(),
+        &lease["generation"].to_string(),
+        "--lease-key",
+        lease["lease_key"].as_str().expect("a lease key"),
     ])
 }
 

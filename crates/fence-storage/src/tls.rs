@@ -1,0 +1,270 @@
+//! TLS with rustls for every connection fence makes or takes: configurations from PEM files.
+//!
+//! One crypto provider (`ring`) and one place that reads certificates, so the lease client,
+//! the proxy's upstream connections, PostgreSQL and the listeners verify the same way:
+//! against the system's roots, plus a CA file when one is given.
+//!
+//! ```no_run
+//! use fence_storage::tls;
+//!
+//! let client = tls::client_config(None, &[b"http/1.1"])?; // system roots
+//! let server = tls::server_config("cert.pem".as_ref(), "key.pem".as_ref(), &[b"h2", b"http/1.1"])?;
+//! # let _ = (client, server);
+//! # Ok::<(), tls::TlsError>(())
+//! ```
+
+use std::{
+    path::{Path, PathBuf},
+    sync::Arc,
+};
+
+use rustls::{
+    ClientConfig, RootCertStore, ServerConfig,
+    client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
+    crypto::CryptoProvider,
+    pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime, pem::PemObject},
+};
+
+/// Why a TLS configuration could not be made.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum TlsError {
+    /// A PEM file could not be read or holds nothing usable.
+    #[error("{what} {}: {reason}", path.display())]
+    File {
+        /// `certificate file`, `key file` or `CA file`.
+        what: &'static str,
+        /// The file.
+        path: PathBuf,
+        /// What is wrong, in words.
+        reason: String,
+    },
+    /// rustls refused the configuration (a key that does not match the certificate, say).
+    #[error("TLS configuration refused")]
+    Rustls(#[source] rustls::Error),
+}
+
+/// The crypto provider every configuration uses.
+pub fn provider() -> Arc<CryptoProvider> {
+    Arc::new(rustls::crypto::ring::default_provider())
+}
+
+fn file_error(what: &'static str, path: &Path, reason: impl ToString) -> TlsError {
+    TlsError::File {
+        what,
+        path: path.to_owned(),
+        reason: reason.to_string(),
+    }
+}
+
+/// The certificates in a PEM file, at least one.
+///
+/// # Errors
+/// When the file cannot be read, is not PEM or holds no certificate.
+pub fn certificates(
+    what: &'static str,
+    path: &Path,
+) -> Result<Vec<CertificateDer<'static>>, TlsError> {
+    let certs = CertificateDer::pem_file_iter(path)
+        .map_err(|e| file_error(what, path, e))?
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| file_error(what, path, e))?;
+    if certs.is_empty() {
+        return Err(file_error(what, path, "no CERTIFICATE in it"));
+    }
+    Ok(certs)
+}
+
+/// A server configuration: the certificate chain and its private key (PEM), offering the
+/// `alpn` protocols in order.
+///
+/// # Errors
+/// When a file cannot be read or parsed, or the key does not fit the certificate.
+pub fn server_config(cert: &Path, key: &Path, alpn: &[&[u8]]) -> Result<ServerConfig, TlsError> {
+    let chain = certificates("certificate file", cert)?;
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error("key file", key, e))?;
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Rustls)?
+        .with_no_client_auth()
+        .with_single_cert(chain, key)
+        .map_err(TlsError::Rustls)?;
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// The roots a client trusts: the system's (`/etc/ssl/certs` and friends), plus every
+/// certificate of `ca` when given.
+///
+/// # Errors
+/// When `ca` cannot be read, or neither source gives a single root.
+pub fn roots(ca: Option<&Path>) -> Result<RootCertStore, TlsError> {
+    let mut roots = RootCertStore::empty();
+    let native = rustls_native_certs::load_native_certs();
+    roots.add_parsable_certificates(native.certs);
+    if let Some(ca) = ca {
+        for cert in certificates("CA file", ca)? {
+            roots.add(cert).map_err(|e| file_error("CA file", ca, e))?;
+        }
+    }
+    if roots.is_empty() {
+        return Err(TlsError::File {
+            what: "CA file",
+            path: ca.map_or_else(|| PathBuf::from("(system roots)"), Path::to_owned),
+            reason: "no trusted root certificate found; give one with --ca-cert".into(),
+        });
+    }
+    Ok(roots)
+}
+
+/// A client configuration that verifies servers against [`roots`] and offers `alpn`.
+///
+/// # Errors
+/// As [`roots`].
+pub fn client_config(ca: Option<&Path>, alpn: &[&[u8]]) -> Result<ClientConfig, TlsError> {
+    let mut config = ClientConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Rustls)?
+        .with_root_certificates(roots(ca)?)
+        .with_no_client_auth();
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// A client configuration that verifies the server's certificate against [`roots`] but not
+/// its host name: libpq's `sslmode=verify-ca`.
+///
+/// # Errors
+/// As [`roots`].
+pub fn any_name_config(ca: Option<&Path>) -> Result<ClientConfig, TlsError> {
+    let provider = provider();
+    let webpki = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        Arc::new(roots(ca)?),
+        provider.clone(),
+    )
+    .build()
+    .map_err(|e| TlsError::File {
+        what: "CA file",
+        path: ca.map_or_else(|| PathBuf::from("(system roots)"), Path::to_owned),
+        reason: e.to_string(),
+    })?;
+    Ok(ClientConfig::builder_with_provider(provider)
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Rustls)?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(AnyName(webpki)))
+        .with_no_client_auth())
+}
+
+/// Verifies the chain with webpki, accepting a certificate issued for another name.
+#[derive(Debug)]
+struct AnyName(Arc<rustls::client::WebPkiServerVerifier>);
+
+impl ServerCertVerifier for AnyName {
+    fn verify_server_cert(
+        &self,
+        end_entity: &CertificateDer<'_>,
+        intermediates: &[CertificateDer<'_>],
+        server_name: &ServerName<'_>,
+        ocsp: &[u8],
+        now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        use rustls::{CertificateError, Error};
+        match self
+            .0
+            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
+        {
+            Err(Error::InvalidCertificate(
+                CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
+            )) => Ok(ServerCertVerified::assertion()),
+            other => other,
+        }
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls12_signature(message, cert, dss)
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        self.0.verify_tls13_signature(message, cert, dss)
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.supported_verify_schemes()
+    }
+}
+
+/// A client configuration that encrypts but does not verify the server's certificate: what
+/// libpq's `sslmode=require` means. It protects against eavesdropping, not against a server
+/// that impersonates the real one; `verify-full` does both.
+///
+/// # Errors
+/// When the provider refuses the protocol versions (it does not).
+pub fn encrypt_only_config() -> Result<ClientConfig, TlsError> {
+    let provider = provider();
+    Ok(ClientConfig::builder_with_provider(provider.clone())
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Rustls)?
+        .dangerous()
+        .with_custom_certificate_verifier(Arc::new(EncryptOnly(provider)))
+        .with_no_client_auth())
+}
+
+/// Accepts any certificate, but still checks that the server holds its key.
+#[derive(Debug)]
+struct EncryptOnly(Arc<CryptoProvider>);
+
+impl ServerCertVerifier for EncryptOnly {
+    fn verify_server_cert(
+        &self,
+        _end_entity: &CertificateDer<'_>,
+        _intermediates: &[CertificateDer<'_>],
+        _server_name: &ServerName<'_>,
+        _ocsp: &[u8],
+        _now: UnixTime,
+    ) -> Result<ServerCertVerified, rustls::Error> {
+        Ok(ServerCertVerified::assertion())
+    }
+
+    fn verify_tls12_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls12_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn verify_tls13_signature(
+        &self,
+        message: &[u8],
+        cert: &CertificateDer<'_>,
+        dss: &rustls::DigitallySignedStruct,
+    ) -> Result<HandshakeSignatureValid, rustls::Error> {
+        rustls::crypto::verify_tls13_signature(
+            message,
+            cert,
+            dss,
+            &self.0.signature_verification_algorithms,
+        )
+    }
+
+    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
+        self.0.signature_verification_algorithms.supported_schemes()
+    }
+}

@@ -1,0 +1,168 @@
+//! What the server answers: a store's outcome as the contract's JSON or problem, and its log.
+
+use std::time::Instant;
+
+use axum::{
+    body::Body,
+    http::{HeaderValue, header::CONTENT_TYPE, header::WWW_AUTHENTICATE},
+    response::{IntoResponse, Response},
+};
+use fence_core::{
+    JobId, Owner, Problem, ProblemType,
+    lease_api::{Action, LeaseBody, RecordBody},
+};
+use fence_lease::{LeaseRecord, Outcome, StoreError};
+use fence_storage::error_chain;
+
+/// An answer, or the problem that refused the request.
+pub(super) type Answer = Result<Response, Problem>;
+
+/// A problem as a response; a 401 says how to authenticate.
+pub(super) fn problem_response(p: Problem) -> Response {
+    let unauthenticated = p.kind == ProblemType::Unauthenticated;
+    let mut response = p.to_response::<Body>();
+    if unauthenticated {
+        response.headers_mut().insert(
+            WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer realm=\"fence\""),
+        );
+    }
+    response
+}
+
+/// Counts and times `op`, and turns the answer into a response.
+pub(super) fn finish(op: &'static str, started: Instant, answer: Answer) -> Response {
+    let outcome = match &answer {
+        Ok(_) => "ok",
+        Err(p) => match p.kind {
+            ProblemType::LeaseHeld => "held",
+            ProblemType::LeaseLost => "lost",
+            ProblemType::LeaseKeyMismatch => "key_mismatch",
+            ProblemType::JobCompleted => "completed",
+            ProblemType::UnknownJob => "unknown",
+            ProblemType::BadRequest => "bad_request",
+            ProblemType::Unauthenticated => "unauthenticated",
+            ProblemType::Forbidden => "forbidden",
+            _ => "error",
+        },
+    };
+    metrics::counter!("fence_lease_requests_total", "op" => op, "outcome" => outcome).increment(1);
+    metrics::histogram!("fence_lease_request_seconds", "op" => op)
+        .record(started.elapsed().as_secs_f64());
+    answer.unwrap_or_else(problem_response)
+}
+
+pub(super) fn bad(detail: impl Into<String>) -> Problem {
+    Problem::new(ProblemType::BadRequest, detail)
+}
+
+pub(super) fn store_failed(e: &StoreError) -> Problem {
+    tracing::error!(error = %error_chain(e), "lease store failed");
+    Problem::new(
+        ProblemType::Internal,
+        format!("the lease store failed: {}", error_chain(e)),
+    )
+}
+
+pub(super) fn json(value: &impl serde::Serialize) -> Response {
+    let body = serde_json::to_vec(value).unwrap_or_default();
+    ([(CONTENT_TYPE, "application/json")], body).into_response()
+}
+
+/// The record body of the contract.
+pub fn record_body(r: &LeaseRecord) -> RecordBody {
+    RecordBody {
+        job: r.job.clone(),
+        owner: r.owner.clone(),
+        generation: r.generation,
+        state: r.state,
+        expires_in_ms: u64::try_from(r.expires_in.as_millis()).unwrap_or(u64::MAX),
+    }
+}
+
+/// The HTTP answer to what the store decided, logged as one event with the job and the
+/// generation (never the lease key).
+pub(super) fn answer(job: JobId, owner: &Owner, action: Action, outcome: Outcome) -> Answer {
+    let what = match action {
+        Action::Claim => "claim",
+        Action::Renew => "renewal",
+        Action::Release => "release",
+        Action::Complete => "completion",
+    };
+    match outcome {
+        Outcome::Granted(g) => {
+            if action == Action::Claim {
+                tracing::info!(job = %job, generation = %g.generation, owner = %owner, ttl_ms = g.ttl.as_millis(), "claim granted");
+            } else {
+                tracing::debug!(job = %job, generation = %g.generation, owner = %owner, "lease renewed");
+            }
+            Ok(json(&LeaseBody {
+                job,
+                owner: owner.clone(),
+                generation: g.generation,
+                ttl_ms: g.ttl.as_millis(),
+                expires_at_ms: g.expires_at_ms,
+                token: g.token,
+            }))
+        }
+        Outcome::Done(record) => {
+            tracing::info!(job = %job, generation = %record.generation, owner = %owner, state = %record.state, "lease {}d", if action == Action::Complete { "complete" } else { "release" });
+            Ok(json(&record_body(&record)))
+        }
+        Outcome::Held {
+            owner: holder,
+            expires_in,
+        } => {
+            let ms = u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX);
+            tracing::info!(job = %job, owner = %owner, holder = %holder, expires_in_ms = ms, "claim refused: held");
+            Err(Problem::new(
+                ProblemType::LeaseHeld,
+                format!("job {job} is held by {holder} for another {ms} ms"),
+            )
+            .with_job(job)
+            .with_owner(Some(holder))
+            .with_expires_in_ms(ms))
+        }
+        Outcome::Completed { owner, generation } => {
+            tracing::info!(job = %job, generation = %generation, "claim refused: completed");
+            Err(Problem::new(
+                ProblemType::JobCompleted,
+                format!(
+                    "job {job} was completed at generation {generation} and cannot be claimed again"
+                ),
+            )
+            .with_job(job)
+            .with_owner(owner)
+            .with_generation(generation.get()))
+        }
+        Outcome::KeyMismatch => {
+            tracing::warn!(job = %job, owner = %owner, "{what} refused: wrong lease key");
+            Err(Problem::new(
+                ProblemType::LeaseKeyMismatch,
+                format!(
+                    "job {job}: {what} refused: the lease key is not the one this lease was claimed with; nothing changed"
+                ),
+            )
+            .with_job(job))
+        }
+        Outcome::Lost {
+            owner: holder,
+            generation,
+        } => {
+            let who = holder
+                .as_ref()
+                .map_or_else(|| "nobody".to_owned(), ToString::to_string);
+            tracing::info!(job = %job, generation = %generation, owner = %owner, "{what} refused: lease lost");
+            Err(Problem::new(
+                ProblemType::LeaseLost,
+                format!(
+                    "job {job}: {what} refused: the lease is now generation {generation}, held by {who}"
+                ),
+            )
+            .with_job(job)
+            .with_owner(holder)
+            .with_generation(generation.get()))
+        }
+        _ => Err(Problem::new(ProblemType::Internal, "unknown lease outcome")),
+    }
+}

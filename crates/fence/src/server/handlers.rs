@@ -1,0 +1,228 @@
+//! The handlers of the lease API: act on a lease, read one, list them, health and metrics.
+
+use std::{sync::Arc, time::Instant};
+
+use axum::{
+    body::Body,
+    extract::{Path, RawQuery, State, rejection::PathRejection},
+    http::{HeaderMap, Method, StatusCode, Uri, header::CONTENT_TYPE},
+    response::{IntoResponse, Response},
+};
+use bytes::Bytes;
+use fence_core::{
+    JobId, Problem, ProblemType,
+    lease_api::{
+        Action, BodyError, ClaimRequest, FinishRequest, ListBody, ListQuery, MAX_REQUEST_BODY,
+        RenewRequest,
+    },
+};
+use fence_lease::{LeaseOp, LeaseStore};
+use fence_storage::error_chain;
+use http_body_util::{BodyExt, Limited};
+
+use super::{
+    AppState,
+    answer::{Answer, answer, bad, finish, json, problem_response, record_body, store_failed},
+    guard::authorize,
+};
+
+fn job_of(path: Result<String, PathRejection>) -> Result<JobId, Problem> {
+    let raw = path.map_err(|e| {
+        bad(format!(
+            "job: the path segment is not valid percent-encoded UTF-8: {e}"
+        ))
+    })?;
+    JobId::new(raw).map_err(|e| bad(format!("job (in the path): {e}")))
+}
+
+/// Reads a request body of at most [`MAX_REQUEST_BODY`] bytes and parses it with `parse`.
+async fn parse<T>(
+    body: Body,
+    parse: impl FnOnce(&[u8]) -> Result<T, BodyError>,
+) -> Result<T, Problem> {
+    let bytes: Bytes = match Limited::new(body, MAX_REQUEST_BODY).collect().await {
+        Ok(b) => b.to_bytes(),
+        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
+            return Err(bad(format!("body: larger than {MAX_REQUEST_BODY} bytes")));
+        }
+        Err(e) => return Err(bad(format!("body: could not be read: {e}"))),
+    };
+    parse(&bytes).map_err(|e| bad(e.to_string()))
+}
+
+/// The operation a request body asks for.
+async fn operation(action: Action, body: Body) -> Result<LeaseOp, Problem> {
+    Ok(match action {
+        Action::Claim => {
+            let ClaimRequest {
+                owner,
+                lease_key: key,
+                ttl,
+            } = parse(body, ClaimRequest::from_json).await?;
+            LeaseOp::Claim { owner, key, ttl }
+        }
+        Action::Renew => {
+            let RenewRequest {
+                owner,
+                generation,
+                lease_key: key,
+                ttl,
+            } = parse(body, RenewRequest::from_json).await?;
+            LeaseOp::Renew {
+                owner,
+                generation,
+                key,
+                ttl,
+            }
+        }
+        Action::Release | Action::Complete => {
+            let FinishRequest {
+                owner,
+                generation,
+                lease_key: key,
+            } = parse(body, FinishRequest::from_json).await?;
+            if action == Action::Complete {
+                LeaseOp::Complete {
+                    owner,
+                    generation,
+                    key,
+                }
+            } else {
+                LeaseOp::Release {
+                    owner,
+                    generation,
+                    key,
+                }
+            }
+        }
+    })
+}
+
+/// `POST /v1/leases/{job}/claim|renew|release|complete`.
+pub(super) async fn act<S: LeaseStore>(
+    State(app): State<Arc<AppState<S>>>,
+    method: Method,
+    uri: Uri,
+    headers: HeaderMap,
+    path: Result<Path<(String, String)>, PathRejection>,
+    body: Body,
+) -> Response {
+    let started = Instant::now();
+    // The action is the last segment, also when the job's segment does not decode.
+    let segment = uri.path().rsplit('/').next().unwrap_or_default();
+    let Some(action) = Action::parse(segment) else {
+        return not_found(method, uri).await;
+    };
+    let job = path.map(|Path((job, _))| job);
+    let answer = async {
+        let job = job_of(job)?;
+        authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
+        let op = operation(action, body).await?;
+        let owner = op.owner().clone();
+        let outcome = app
+            .store
+            .apply(&job, op)
+            .await
+            .map_err(|e| store_failed(&e))?;
+        answer(job, &owner, action, outcome)
+    }
+    .await;
+    finish(action.as_str(), started, answer)
+}
+
+/// `GET /v1/leases/{job}`.
+pub(super) async fn status<S: LeaseStore>(
+    State(app): State<Arc<AppState<S>>>,
+    headers: HeaderMap,
+    path: Result<Path<String>, PathRejection>,
+) -> Response {
+    let started = Instant::now();
+    let answer = async {
+        let job = job_of(path.map(|Path(job)| job))?;
+        authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
+        match app.store.get(&job).await.map_err(|e| store_failed(&e))? {
+            Some(r) => Ok(json(&record_body(&r))),
+            None => Err(Problem::new(
+                ProblemType::UnknownJob,
+                format!("job {job} has never been claimed"),
+            )
+            .with_job(job)),
+        }
+    }
+    .await;
+    finish("status", started, answer)
+}
+
+/// `GET /v1/leases?state=S&prefix=P&after=JOB&limit=N`: a client with an auth file's line
+/// sees only the jobs its patterns cover.
+pub(super) async fn list<S: LeaseStore>(
+    State(app): State<Arc<AppState<S>>>,
+    headers: HeaderMap,
+    RawQuery(query): RawQuery,
+) -> Response {
+    let started = Instant::now();
+    let answer: Answer = async {
+        let caller = authorize(app.options.auth.as_ref(), &headers, None)?;
+        let query = ListQuery::from_query(query.as_deref().unwrap_or_default())
+            .map_err(|e| bad(e.to_string()))?;
+        let page = app.store.list(&query).await.map_err(|e| store_failed(&e))?;
+        let leases = page
+            .leases
+            .iter()
+            .filter(|r| caller.as_ref().is_none_or(|c| c.client().may(&r.job)))
+            .map(record_body)
+            .collect();
+        Ok(json(&ListBody {
+            leases,
+            next: page.next,
+        }))
+    }
+    .await;
+    finish("list", started, answer)
+}
+
+/// `GET /healthz`: 200 when the store answers a read, 503 when it does not. No secret needed.
+pub(super) async fn healthz<S: LeaseStore>(State(app): State<Arc<AppState<S>>>) -> Response {
+    // A read through the store proves it answers.
+    let probe: JobId = "fence-healthz".parse().expect("valid job id");
+    match app.store.get(&probe).await {
+        Ok(_) => (StatusCode::OK, "ok\n").into_response(),
+        Err(e) => problem_response(Problem::new(
+            ProblemType::StoreUnavailable,
+            format!("the lease store failed: {}", error_chain(&e)),
+        )),
+    }
+}
+
+/// `GET /metrics`: needs a bearer secret when the server has an auth file, unless the
+/// metrics are public.
+pub(super) async fn render_metrics<S: LeaseStore>(
+    State(app): State<Arc<AppState<S>>>,
+    headers: HeaderMap,
+) -> Response {
+    if !app.options.public_metrics
+        && let Err(p) = authorize(app.options.auth.as_ref(), &headers, None)
+    {
+        return problem_response(p);
+    }
+    match &app.options.metrics {
+        Some(h) => ([(CONTENT_TYPE, "text/plain; version=0.0.4")], h.render()).into_response(),
+        None => (StatusCode::NOT_FOUND, "metrics are not enabled\n").into_response(),
+    }
+}
+
+pub(super) async fn not_found(method: Method, uri: Uri) -> Response {
+    let detail = format!(
+        "{method} {} is not part of the lease API; see POST /v1/leases/{{job}}/claim|renew|release|complete, GET /v1/leases/{{job}} and GET /v1/leases",
+        uri.path()
+    );
+    problem_response(Problem::new(ProblemType::NotFound, detail))
+}
+
+pub(super) async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let detail = format!(
+        "{method} {} is not allowed: claim, renew, release and complete are POST; a job's record and the list are GET",
+        uri.path()
+    );
+    problem_response(Problem::new(ProblemType::MethodNotAllowed, detail))
+}

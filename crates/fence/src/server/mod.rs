@@ -1,0 +1,63 @@
+//! The lease server: the HTTP lease API of `docs/protocol.md` section 4 over a lease store.
+//!
+//! Its clock decides; bodies are validated strictly, field by field, by the typed API of
+//! `fence_core::lease_api`. With an auth file, every `/v1/` request needs a bearer secret
+//! that covers its job (see [`crate::auth`]).
+//!
+//! ```
+//! use std::sync::Arc;
+//! use fence::server::{ServerOptions, router};
+//!
+//! let app = router(Arc::new(fence_lease::MemoryLeaseStore::new()), ServerOptions::default());
+//! # let _ = app;
+//! ```
+
+// Handlers answer a refusal as the Problem itself; boxing it would buy nothing.
+#![allow(clippy::result_large_err)]
+
+mod answer;
+mod guard;
+mod handlers;
+
+use std::sync::Arc;
+
+use axum::{
+    Router,
+    routing::{get, post},
+};
+use fence_lease::LeaseStore;
+use metrics_exporter_prometheus::PrometheusHandle;
+
+pub use answer::record_body;
+
+use crate::auth::Auth;
+
+/// What a lease server serves besides the API itself.
+#[derive(Debug, Default, Clone)]
+pub struct ServerOptions {
+    /// Renders `/metrics`; without it `/metrics` is 404.
+    pub metrics: Option<PrometheusHandle>,
+    /// The clients allowed to call `/v1/`; without it, anyone who can connect may.
+    pub auth: Option<Auth>,
+    /// Serve `/metrics` without a bearer secret even with `auth`.
+    pub public_metrics: bool,
+}
+
+struct AppState<S> {
+    store: Arc<S>,
+    options: ServerOptions,
+}
+
+/// The lease API router over `store`.
+pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
+    let state = Arc::new(AppState { store, options });
+    Router::new()
+        .route("/v1/leases", get(handlers::list::<S>))
+        .route("/v1/leases/{job}/{action}", post(handlers::act::<S>))
+        .route("/v1/leases/{job}", get(handlers::status::<S>))
+        .route("/healthz", get(handlers::healthz::<S>))
+        .route("/metrics", get(handlers::render_metrics::<S>))
+        .fallback(handlers::not_found)
+        .method_not_allowed_fallback(handlers::method_not_allowed)
+        .with_state(state)
+}
