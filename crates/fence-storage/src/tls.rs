@@ -82,29 +82,44 @@ pub fn certificates(
 /// When a file cannot be read or parsed, or the key does not fit the certificate.
 pub fn server_config(cert: &Path, key: &Path, alpn: &[&[u8]]) -> Result<ServerConfig, TlsError> {
     let chain = certificates("certificate file", cert)?;
+    let key_path = key;
     let key = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error("key file", key, e))?;
     let mut config = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(TlsError::Rustls)?
         .with_no_client_auth()
         .with_single_cert(chain, key)
-        .map_err(TlsError::Rustls)?;
+        .map_err(|e| match e {
+            rustls::Error::InconsistentKeys(_) => file_error(
+                "key file",
+                key_path,
+                format!(
+                    "it does not match the certificate in {} (give the key the certificate was issued for)",
+                    cert.display()
+                ),
+            ),
+            other => file_error("key file", key_path, other),
+        })?;
     config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
     Ok(config)
 }
 
-/// The roots a client trusts: the system's (`/etc/ssl/certs` and friends), plus every
-/// certificate of `ca` when given.
+/// The roots a client trusts: every certificate of `ca` when given (and only those, as
+/// curl's `--cacert` and libpq's `sslrootcert` mean), else the system's (`/etc/ssl/certs`
+/// and friends).
 ///
 /// # Errors
-/// When `ca` cannot be read, or neither source gives a single root.
+/// When `ca` cannot be read or holds no certificate, or the system has no roots.
 pub fn roots(ca: Option<&Path>) -> Result<RootCertStore, TlsError> {
     let mut roots = RootCertStore::empty();
-    let native = rustls_native_certs::load_native_certs();
-    roots.add_parsable_certificates(native.certs);
-    if let Some(ca) = ca {
-        for cert in certificates("CA file", ca)? {
-            roots.add(cert).map_err(|e| file_error("CA file", ca, e))?;
+    match ca {
+        Some(ca) => {
+            for cert in certificates("CA file", ca)? {
+                roots.add(cert).map_err(|e| file_error("CA file", ca, e))?;
+            }
+        }
+        None => {
+            roots.add_parsable_certificates(rustls_native_certs::load_native_certs().certs);
         }
     }
     if roots.is_empty() {

@@ -97,7 +97,7 @@ pub enum TokenError {
 /// How [`HttpLeaseStore`] talks to its server.
 #[derive(Debug, Clone)]
 pub struct HttpOptions {
-    /// Trust this CA (PEM) besides the system's roots, for `https://` servers.
+    /// Trust only this CA (PEM) for `https://` servers, instead of the system's roots.
     pub ca_cert: Option<PathBuf>,
     /// Send this secret as `Authorization: Bearer` (a server with `--auth-file` needs it).
     pub bearer: Option<BearerToken>,
@@ -190,8 +190,7 @@ impl HttpLeaseStore {
         // Roots are only read when they are needed: an http:// store on a machine without
         // any does not fail.
         let tls = if https {
-            fence_storage::tls::client_config(options.ca_cert.as_deref(), &[b"http/1.1"])
-                .map_err(tls_error)?
+            fence_storage::tls::client_config(options.ca_cert.as_deref(), &[]).map_err(tls_error)?
         } else {
             fence_storage::tls::encrypt_only_config().map_err(tls_error)?
         };

@@ -44,7 +44,7 @@ pub struct ProxyConfig {
     /// How many threads serve connections, each on a runtime of its own with its own
     /// upstream pool (default: one per core the process may use; 0 counts as 1).
     pub workers: usize,
-    /// Trust this CA (PEM) for an `https://` upstream, besides the system's roots.
+    /// Trust only this CA (PEM) for an `https://` upstream, instead of the system's roots.
     pub upstream_ca_cert: Option<PathBuf>,
     /// Serve HTTPS with this configuration (default: plain HTTP).
     pub tls: Option<Arc<rustls::ServerConfig>>,

@@ -169,42 +169,88 @@ pub fn release(server: &str, job: &str, lease: &serde_json::Value) -> Output {
 
 /// Starts `fence ARGS...` and waits for its "ready" log line; returns it with its address.
 pub fn start_ready(args: &[&str]) -> (Proc, String) {
+    let (proc, addr, _) = start_logged(args, "info");
+    (proc, addr)
+}
+
+/// Everything a process wrote on stderr so far, line by line.
+#[derive(Clone, Default)]
+pub struct Log(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
+
+impl Log {
+    pub fn text(&self) -> String {
+        self.0.lock().unwrap().join("\n")
+    }
+
+    /// Waits up to 10 s for a line containing `needle`.
+    pub fn wait_for(&self, needle: &str) -> String {
+        self.wait_for_nth(needle, 1)
+    }
+
+    /// Waits up to 10 s for the `n`th line containing `needle`.
+    pub fn wait_for_nth(&self, needle: &str, n: usize) -> String {
+        let deadline = std::time::Instant::now() + Duration::from_secs(10);
+        loop {
+            if let Some(line) = self
+                .0
+                .lock()
+                .unwrap()
+                .iter()
+                .filter(|l| l.contains(needle))
+                .nth(n - 1)
+            {
+                return line.clone();
+            }
+            assert!(
+                std::time::Instant::now() < deadline,
+                "no line with {needle:?} in:\n{}",
+                self.text()
+            );
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+/// [`start_ready`] with `RUST_LOG=rust_log`, keeping every line of stderr.
+pub fn start_logged(args: &[&str], rust_log: &str) -> (Proc, String, Log) {
     let mut child = Command::new(FENCE)
         .args(args)
-        .env("RUST_LOG", "info")
+        .env("RUST_LOG", rust_log)
         .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
-    let mut said = Vec::new();
+    let log = Log::default();
     let addr = loop {
         let line = lines
             .next()
             .unwrap_or_else(|| {
                 panic!(
                     "fence {args:?} exited before it was ready; it said:\n{}",
-                    said.join("\n")
+                    log.text()
                 )
             })
             .unwrap();
-        said.push(line.clone());
+        log.0.lock().unwrap().push(line.clone());
         if line.contains("ready")
             && let Some(rest) = line.split("listen=").nth(1)
         {
             break rest.split_whitespace().next().unwrap().to_owned();
         }
     };
-    std::thread::spawn(move || lines.for_each(drop));
-    (Proc(child), addr)
+    let keep = log.clone();
+    std::thread::spawn(move || {
+        for line in lines.map_while(Result::ok) {
+            keep.0.lock().unwrap().push(line);
+        }
+    });
+    (Proc(child), addr, log)
 }
 
-/// `DATABASE_URL`, or `None` after printing why the test is skipped.
+/// The test database (`DATABASE_URL`, else the local one); a test that cannot reach it
+/// fails, it never passes unrun.
 pub fn database_url() -> Option<String> {
-    let url = std::env::var("DATABASE_URL").ok();
-    if url.is_none() {
-        println!("skipped: DATABASE_URL not set (run ../shared/services.sh postgres to get one)");
-    }
-    url
+    Some(fence_storage::postgres::test_database_url())
 }
 
 /// A schema name of its own for one test.
@@ -259,4 +305,80 @@ pub fn start_pg_server(url: &str, schema: &str, extra: &[&str]) -> (Proc, String
     ];
     args.extend_from_slice(extra);
     start_ready(&args)
+}
+
+/// A certificate authority made for one test, and a server certificate it issued for
+/// `127.0.0.1` and `localhost`; all written as PEM files into a directory of their own.
+pub struct TestCa {
+    _dir: tempfile::TempDir,
+    /// The CA certificate, for `--ca-cert`.
+    pub ca: std::path::PathBuf,
+    /// The server's certificate, for `--tls-cert`.
+    pub cert: std::path::PathBuf,
+    /// The server's private key, for `--tls-key`.
+    pub key: std::path::PathBuf,
+}
+
+impl TestCa {
+    pub fn new() -> Self {
+        use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
+        let dir = tempfile::tempdir().unwrap();
+        let ca_key = KeyPair::generate().unwrap();
+        let mut ca_params = CertificateParams::new(Vec::<String>::new()).unwrap();
+        ca_params.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        ca_params
+            .distinguished_name
+            .push(DnType::CommonName, "fence test CA");
+        let ca_cert = ca_params.self_signed(&ca_key).unwrap();
+        let issuer = Issuer::new(ca_params, ca_key);
+        let key = KeyPair::generate().unwrap();
+        let params =
+            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+        let cert = params.signed_by(&key, &issuer).unwrap();
+        let write = |name: &str, text: String| {
+            let p = dir.path().join(name);
+            std::fs::write(&p, text).unwrap();
+            p
+        };
+        Self {
+            ca: write("ca.pem", ca_cert.pem()),
+            cert: write("server.pem", cert.pem()),
+            key: write("server-key.pem", key.serialize_pem()),
+            _dir: dir,
+        }
+    }
+
+    /// `--tls-cert CERT --tls-key KEY`.
+    pub fn server_args(&self) -> Vec<String> {
+        vec![
+            "--tls-cert".into(),
+            self.cert.display().to_string(),
+            "--tls-key".into(),
+            self.key.display().to_string(),
+        ]
+    }
+}
+
+/// `curl` with this CA: (status, body). For HTTPS checks of the listeners, as an operator
+/// would make them.
+pub fn curl(ca: &Path, args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args([
+            "-sS",
+            "--max-time",
+            "10",
+            "-w",
+            "\n%{http_code}",
+            "--cacert",
+        ])
+        .arg(ca)
+        .args(args)
+        .output()
+        .expect("curl is installed (apt install curl)");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", &text));
+    (
+        code.trim().parse().unwrap_or(0),
+        format!("{body}{}", String::from_utf8_lossy(&out.stderr)),
+    )
 }

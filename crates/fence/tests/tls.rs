@@ -1,0 +1,252 @@
+//! HTTPS everywhere a byte crosses the network: `fence server` and `fence proxy` listeners,
+//! the one-shot commands, `fence run`, the lease client library, and `fence proxy` in front
+//! of an `https://` upstream, with certificates the test makes.
+
+mod common;
+
+use std::{process::Command, time::Duration};
+
+use common::*;
+
+fn start_tls_server(ca: &TestCa, dir: &std::path::Path) -> (Proc, String) {
+    let mut args: Vec<String> = [
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        dir.to_str().unwrap(),
+    ]
+    .map(String::from)
+    .into();
+    args.extend(ca.server_args());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (proc, addr) = start_ready(&args);
+    (proc, format!("https://{addr}"))
+}
+
+#[test]
+fn the_lease_server_speaks_https_to_every_client() {
+    let ca = TestCa::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_tls_server(&ca, dir.path());
+    let ca_path = ca.ca.to_str().unwrap();
+
+    let (status, body) = curl(&ca.ca, &[&format!("{url}/healthz")]);
+    assert_eq!(status, 200, "{body}");
+
+    let out = fence(&[
+        "claim",
+        "--server",
+        &url,
+        "--ca-cert",
+        ca_path,
+        "--job",
+        "j1",
+        "--ttl",
+        "30s",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let lease = json(&out);
+    assert_eq!(lease["generation"], 1);
+
+    // The system's roots do not know the test's CA: refused, saying why, exit 1.
+    let out = fence(&["status", "--server", &url, "--job", "j1"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{stderr}");
+    assert!(stderr.contains("certificate"), "{stderr}");
+    // Plain HTTP to the TLS port gets nowhere, and the server keeps serving.
+    let out = fence(&[
+        "status",
+        "--server",
+        &url.replace("https", "http"),
+        "--job",
+        "j1",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let out = fence(&[
+        "status",
+        "--server",
+        &url,
+        "--ca-cert",
+        ca_path,
+        "--job",
+        "j1",
+    ]);
+    assert_eq!(json(&out)["state"], "held");
+
+    // fence run renews over HTTPS and completes.
+    let out = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--ca-cert",
+        ca_path,
+        "--job",
+        "j2",
+        "--ttl",
+        "1s",
+        "--",
+        "sleep",
+        "1.5",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let out = fence(&[
+        "status",
+        "--server",
+        &url,
+        "--ca-cert",
+        ca_path,
+        "--job",
+        "j2",
+    ]);
+    assert_eq!(json(&out)["state"], "completed");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lease_client_library_claims_and_renews_over_https() {
+    use fence_lease::{HttpLeaseStore, HttpOptions, LeaseClient, Ttl};
+    let ca = TestCa::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_tls_server(&ca, dir.path());
+    let store = HttpLeaseStore::with_options(
+        &url,
+        HttpOptions {
+            ca_cert: Some(ca.ca.clone()),
+            ..HttpOptions::default()
+        },
+    )
+    .unwrap();
+    let client = LeaseClient::new(store).ttl(Ttl::from_millis(600).unwrap());
+    let lease = client.claim("lib-job".parse().unwrap()).await.unwrap();
+    let view = lease.view();
+    tokio::time::sleep(Duration::from_millis(1_500)).await; // two renewals at least
+    assert!(
+        !view.is_lost(),
+        "the keeper renewed over HTTPS: {:?}",
+        view.loss_reason()
+    );
+    lease.complete().await.unwrap();
+
+    // Without the CA the client cannot be sure who answers: the claim fails.
+    let bare = HttpLeaseStore::new(&url).unwrap();
+    let e = LeaseClient::new(bare)
+        .claim("lib-job-2".parse().unwrap())
+        .await
+        .unwrap_err();
+    assert!(
+        fence_storage::error_chain(&e).contains("certificate"),
+        "{e:?}"
+    );
+}
+
+#[test]
+fn the_proxy_serves_https_and_forwards_to_an_https_upstream() {
+    let ca = TestCa::new();
+    let dir = tempfile::tempdir().unwrap();
+    // The lease server is the HTTPS upstream: what it answers proves the request got there.
+    let (_upstream, upstream) = start_tls_server(&ca, &dir.path().join("leases"));
+    let mut extra: Vec<String> = vec![
+        "--data-dir".into(),
+        dir.path().join("proxy").display().to_string(),
+        "--upstream-ca-cert".into(),
+        ca.ca.display().to_string(),
+    ];
+    extra.extend(ca.server_args());
+    let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
+    let (_proxy, proxy) = start_proxy_with(&upstream, &extra);
+    let proxy = format!("https://{proxy}");
+
+    let (status, body) = curl(&ca.ca, &[&format!("{proxy}/v1/leases/never")]);
+    assert_eq!(status, 404, "the upstream's own answer: {body}");
+    assert!(body.contains("urn:fence:unknown-job"), "{body}");
+    let claim = |token: &str| {
+        curl(
+            &ca.ca,
+            &[
+                "-X",
+                "POST",
+                "-H",
+                "X-Fencing-Job: proxied",
+                "-H",
+                &format!("X-Fencing-Token: {token}"),
+                "-H",
+                "content-type: application/json",
+                "--data",
+                r#"{"owner":"w","lease_key":"k0123456789abcdefghijk"}"#,
+                &format!("{proxy}/v1/leases/proxied/claim"),
+            ],
+        )
+    };
+    let (status, body) = claim("5");
+    assert_eq!(status, 200, "{body}");
+    assert!(body.contains("\"generation\":1"), "{body}");
+    let (status, body) = claim("4");
+    assert_eq!(status, 409, "{body}");
+    assert!(body.contains("urn:fence:stale-token"), "{body}");
+}
+
+#[test]
+fn an_https_upstream_the_proxy_cannot_verify_is_a_502_that_says_why() {
+    let ca = TestCa::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (_upstream, upstream) = start_tls_server(&ca, &dir.path().join("leases"));
+    let (_proxy, proxy) = start_proxy_with(
+        &upstream,
+        &["--data-dir", dir.path().join("proxy").to_str().unwrap()],
+    );
+    let (status, body) = curl(&ca.ca, &[&format!("http://{proxy}/v1/leases/never")]);
+    assert_eq!(status, 502, "{body}");
+    assert!(body.contains("certificate"), "{body}");
+}
+
+#[test]
+fn unusable_tls_files_stop_the_start_with_one_line_and_exit_2() {
+    let ca = TestCa::new();
+    let other = TestCa::new();
+    let dir = tempfile::tempdir().unwrap();
+    let garbage = dir.path().join("garbage.pem");
+    std::fs::write(&garbage, "not PEM\n").unwrap();
+    let missing = dir.path().join("missing.pem");
+    let data = dir.path().join("data");
+    for (cert, key, want) in [
+        (&missing, &ca.key, missing.display().to_string()),
+        (&ca.cert, &missing, missing.display().to_string()),
+        (&garbage, &ca.key, garbage.display().to_string()),
+        (&ca.cert, &garbage, garbage.display().to_string()),
+        // A key that is not the certificate's.
+        (&ca.cert, &other.key, "does not match".to_owned()),
+    ] {
+        let out = Command::new(FENCE)
+            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(&data)
+            .arg("--tls-cert")
+            .arg(cert)
+            .arg("--tls-key")
+            .arg(key)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+        assert!(stderr.contains(&want), "{stderr} lacks {want:?}");
+    }
+    // One without the other is a usage error too.
+    let out = Command::new(FENCE)
+        .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+        .arg(&data)
+        .arg("--tls-cert")
+        .arg(&ca.cert)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
