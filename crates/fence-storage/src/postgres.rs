@@ -296,6 +296,14 @@ pub fn connect_pool(url: &str) -> Result<Pool, SetupError> {
         .map_err(SetupError::Pool)
 }
 
+/// The database the PostgreSQL tests use: `DATABASE_URL`, else the local server as
+/// `../shared/services.sh postgres` sets it up (trust auth, database `test`). A test that
+/// cannot reach it fails with the connection error: it never passes without running.
+pub fn test_database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+}
+
 /// Why a migration failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

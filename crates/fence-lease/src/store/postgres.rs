@@ -483,12 +483,7 @@ mod tests {
 
     /// A store on a table of its own, so parallel tests do not share jobs.
     async fn fresh() -> Option<PgLeaseStore> {
-        let Ok(url) = std::env::var("DATABASE_URL") else {
-            println!(
-                "skipped: DATABASE_URL not set (run ../shared/services.sh postgres to get one)"
-            );
-            return None;
-        };
+        let url = fence_storage::postgres::test_database_url();
         let table =
             PgTable::new("fence_test", &format!("leases_{:016x}", fastrand::u64(..))).unwrap();
         let store = PgLeaseStore::connect(&url, table).await.unwrap();

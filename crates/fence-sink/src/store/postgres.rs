@@ -388,12 +388,7 @@ mod tests {
     use super::*;
 
     async fn fresh() -> Option<PgStore> {
-        let Ok(url) = std::env::var("DATABASE_URL") else {
-            println!(
-                "skipped: DATABASE_URL not set (run ../shared/services.sh postgres to get one)"
-            );
-            return None;
-        };
+        let url = fence_storage::postgres::test_database_url();
         let tables = PgTables::new("fence_test", &format!("sink_{:016x}", rand_u64())).unwrap();
         let store = PgStore::connect(&url, tables).await.unwrap();
         store.migrate().await.unwrap();
@@ -418,7 +413,7 @@ mod tests {
     #[tokio::test]
     async fn in_transaction_check_rolls_back_with_the_effect() {
         let Some(store) = fresh().await else { return };
-        let url = std::env::var("DATABASE_URL").unwrap();
+        let url = fence_storage::postgres::test_database_url();
         let effects = format!("fence_test.effects_{:016x}", rand_u64());
         let (mut client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
             .await
@@ -515,9 +510,12 @@ mod tests {
     #[tokio::test]
     async fn two_sinks_share_one_fence() {
         let Some(a) = fresh().await else { return };
-        let b = PgStore::connect(&std::env::var("DATABASE_URL").unwrap(), a.tables().clone())
-            .await
-            .unwrap();
+        let b = PgStore::connect(
+            &fence_storage::postgres::test_database_url(),
+            a.tables().clone(),
+        )
+        .await
+        .unwrap();
         let job: JobId = "shared".parse().unwrap();
         assert_eq!(
             a.observe(&job, Generation::new(3)).await.unwrap(),
