@@ -3,8 +3,11 @@
 //! The command runs in a process group of its own with a watchdog: a second `fence` process
 //! in the same group that reads a pipe from `fence run`. Every signal goes to the whole
 //! group, so a command's children stop with it. If `fence run` dies, even by SIGKILL, the
-//! pipe closes and the watchdog stops the group: SIGTERM, then SIGKILL after `--grace`. No
-//! `unsafe` is needed (no `pre_exec`, no `PR_SET_PDEATHSIG`).
+//! pipe closes and the watchdog stops the group: SIGTERM, then SIGKILL after `--grace`.
+//! `fence run` also writes the time left until the lease's local deadline into the pipe
+//! every 100 ms, so a `fence run` that is frozen (SIGSTOP, swapped out) rather than dead
+//! still has its group stopped at the deadline by the watchdog. No `unsafe` is needed (no
+//! `pre_exec`, no `PR_SET_PDEATHSIG`).
 //!
 //! Exit codes: 0 (the command exited 0; the job was completed or released), 3 (the lease
 //! could not be obtained within `--wait`, or the job is completed), 75 (the lease was lost
@@ -116,7 +119,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         let _ = lease.release().await;
         anyhow::bail!("no command given");
     };
-    let group = match Group::start(args.grace) {
+    let mut group = match Group::start(args.grace) {
         Ok(group) => group,
         Err(e) => {
             let _ = lease.release().await;
@@ -146,10 +149,22 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                 .context(format!("cannot start {program:?}; the job was released")));
         }
     };
+    group.keep_informed(lease.view());
     let keeper = token_file.keep_current(lease.view());
     let lost = supervise(&mut child, &group, &lease, &mut signals, args.grace).await?;
     keeper.abort();
     let status = match lost {
+        // Exited after the local deadline: perhaps because the watchdog, acting on that
+        // deadline, stopped it first. Its exit code says nothing about its work then, and
+        // the lease is not ours to complete.
+        Some(status) if lease.is_lost() => {
+            eprintln!(
+                "fence run: the command exited {} after the lease was lost",
+                exit_code(status)
+            );
+            group.stop().await;
+            return Ok(EXIT_LOST);
+        }
         Some(status) => status,
         None => {
             group.stop().await;
@@ -163,13 +178,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
 }
 
 /// The command's group: a watchdog process leads it and stops the group when `fence run`
-/// goes away (its stdin, our pipe, closes).
+/// goes away (its stdin, our pipe, closes) or stops telling it that the lease is alive.
 struct Group {
     watchdog: Child,
     pipe: Option<ChildStdin>,
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
     pgid: Pid,
     grace: Duration,
 }
+
+/// How often `fence run` tells the watchdog the time left on the lease.
+const HEARTBEAT: Duration = Duration::from_millis(100);
 
 impl Group {
     fn start(grace: Duration) -> anyhow::Result<Self> {
@@ -192,9 +211,32 @@ impl Group {
         Ok(Self {
             watchdog,
             pipe,
+            heartbeat: None,
             pgid: Pid::from_raw(pid),
             grace,
         })
+    }
+
+    /// Tells the watchdog, every [`HEARTBEAT`], how long the lease has left: one line of
+    /// milliseconds. Stops when the lease is lost, leaving the last deadline in force.
+    fn keep_informed(&mut self, lease: LeaseView) {
+        let Some(mut pipe) = self.pipe.take() else {
+            return;
+        };
+        self.heartbeat = Some(tokio::spawn(async move {
+            use tokio::io::AsyncWriteExt;
+            while !lease.is_lost() {
+                let left = lease.deadline().saturating_duration_since(Instant::now());
+                let line = format!("{}\n", left.as_millis());
+                if pipe.write_all(line.as_bytes()).await.is_err() {
+                    return;
+                }
+                tokio::time::sleep(HEARTBEAT).await;
+            }
+            // Keep the pipe open: closing it would stop the group, which is `supervise`'s
+            // decision once it sees the loss.
+            std::future::pending::<()>().await;
+        }));
     }
 
     fn signal(&self, sig: Signal) {
@@ -206,6 +248,10 @@ impl Group {
     /// the watchdog to end.
     async fn stop(mut self) {
         drop(self.pipe.take());
+        if let Some(heartbeat) = self.heartbeat.take() {
+            heartbeat.abort();
+            let _ = heartbeat.await; // the pipe it holds is closed once it has ended
+        }
         let limit = self.grace + Duration::from_secs(2);
         if tokio::time::timeout(limit, self.watchdog.wait())
             .await
@@ -376,22 +422,45 @@ impl TokenFile {
     }
 }
 
-/// `fence watchdog`: leads the command's group; when its stdin (`fence run`'s pipe) closes,
-/// it sends SIGTERM to the group, and SIGKILL after `grace` unless the group is empty by
-/// then. It ignores the signals sent to the group, so it outlives the SIGTERM it sends.
+/// `fence watchdog`: leads the command's group. It stops the group (SIGTERM, then SIGKILL
+/// after `grace` unless the group is empty by then) when its stdin, `fence run`'s pipe,
+/// closes, or when the last time left on the lease that `fence run` wrote there (one line of
+/// milliseconds) runs out. It ignores the signals sent to the group, so it outlives the
+/// SIGTERM it sends.
 ///
 /// # Errors
 /// When its signal handlers cannot be installed.
 pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
     let mut signals = Signals::install().context("installing signal handlers")?;
     let mut stdin = tokio::io::stdin();
-    let mut buf = [0u8; 64];
+    let mut buf = [0u8; 256];
+    let mut line = Vec::new();
+    let mut deadline: Option<Instant> = None;
     loop {
+        let expiry = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
         tokio::select! {
             read = stdin.read(&mut buf) => match read {
                 Ok(0) | Err(_) => break,
-                Ok(_) => {}
+                Ok(n) => {
+                    for &b in &buf[..n] {
+                        if b == b'\n' {
+                            let left = std::str::from_utf8(&line).ok().and_then(|l| l.parse::<u64>().ok());
+                            if let Some(ms) = left {
+                                deadline = Some(Instant::now() + Duration::from_millis(ms));
+                            }
+                            line.clear();
+                        } else if line.len() < 32 {
+                            line.push(b);
+                        }
+                    }
+                }
             },
+            () = expiry => break,
             _ = signals.next() => {}
         }
     }

@@ -1,0 +1,183 @@
+//! `fence run` stops the command's whole process tree, not just its direct child: on a lost
+//! lease, when `fence run` is SIGKILLed, and when `fence run` is frozen past the lease.
+
+mod common;
+
+use std::{
+    path::Path,
+    process::{Command, Stdio},
+    time::{Duration, Instant},
+};
+
+use common::*;
+
+/// Whether `pid` is a live process (not gone, not a zombie waiting for its parent).
+fn alive(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        let state = stat
+            .rsplit_once(')')
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            .unwrap_or("X")
+            .to_owned();
+        state != "Z" && state != "X"
+    })
+}
+
+/// Waits for the pid the command wrote into `file`.
+fn pid_in(file: &Path) -> u32 {
+    let start = Instant::now();
+    loop {
+        if let Some(pid) = std::fs::read_to_string(file)
+            .ok()
+            .and_then(|t| t.trim().parse().ok())
+        {
+            return pid;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "the command never started"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+}
+
+/// Waits up to `limit` for `pid` to be gone; how long it took.
+fn gone_within(pid: u32, limit: Duration) -> Duration {
+    let start = Instant::now();
+    while alive(pid) {
+        assert!(
+            start.elapsed() < limit,
+            "process {pid} (a grandchild of fence run) is still running after {limit:?}"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    start.elapsed()
+}
+
+/// A shell that starts `sleep 1000` in the background, writes its pid, and waits. With
+/// `ignore_term` the shell and the sleep ignore SIGTERM, so only SIGKILL stops them.
+fn tree_script(pid_file: &Path, ignore_term: bool) -> String {
+    let trap = if ignore_term { "trap '' TERM; " } else { "" };
+    format!("{trap}sleep 1000 & echo $! > {}; wait", pid_file.display())
+}
+
+fn spawn_run(url: &str, job: &str, extra: &[&str], script: &str) -> Proc {
+    Proc(
+        Command::new(FENCE)
+            .args(["run", "--server", url, "--job", job])
+            .args(extra)
+            .args(["--", "sh", "-c", script])
+            .env("RUST_LOG", "warn")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+#[test]
+fn a_lost_lease_stops_the_grandchildren_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    for (job, ignore_term) in [("plain", false), ("stubborn", true)] {
+        let pid_file = dir.path().join(format!("{job}.pid"));
+        let mut run = spawn_run(
+            &url,
+            job,
+            &["--ttl", "1s", "--grace", "500ms"],
+            &tree_script(&pid_file, ignore_term),
+        );
+        let sleep = pid_in(&pid_file);
+        signal(&server, "-STOP"); // renewals go unanswered: the lease is lost within 1 s
+        let took = gone_within(sleep, Duration::from_secs(5));
+        assert_eq!(run.0.wait().unwrap().code(), Some(75), "{job}");
+        signal(&server, "-CONT");
+        if ignore_term {
+            assert!(
+                took >= Duration::from_millis(400),
+                "{job}: SIGKILL came only after the grace ({took:?})"
+            );
+        }
+    }
+}
+
+#[test]
+fn a_sigkilled_fence_run_leaves_nothing_behind() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    for (job, ignore_term) in [("plain", false), ("stubborn", true)] {
+        let pid_file = dir.path().join(format!("{job}.pid"));
+        let run = spawn_run(
+            &url,
+            job,
+            &["--ttl", "30s", "--grace", "500ms"],
+            &tree_script(&pid_file, ignore_term),
+        );
+        let sleep = pid_in(&pid_file);
+        signal(&run, "-KILL");
+        // Within the grace (and scheduling slack), far sooner than the 30 s lease ends.
+        gone_within(sleep, Duration::from_secs(3));
+    }
+}
+
+#[test]
+fn a_frozen_fence_run_has_its_group_stopped_at_the_lease_deadline() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("frozen.pid");
+    let run = spawn_run(
+        &url,
+        "frozen",
+        &["--ttl", "1s", "--grace", "200ms"],
+        &tree_script(&pid_file, false),
+    );
+    let sleep = pid_in(&pid_file);
+    // fence run stops answering anything, as in a long GC pause: nobody renews, and only
+    // the watchdog is left to act on the deadline it was last told.
+    signal(&run, "-STOP");
+    let took = gone_within(sleep, Duration::from_secs(4));
+    assert!(
+        took < Duration::from_millis(1_500),
+        "the group outlived the 1 s lease: {took:?}"
+    );
+}
+
+#[test]
+fn on_success_release_lets_a_nightly_job_run_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    for round in 1..=2 {
+        let out = fence(&[
+            "run",
+            "--server",
+            &url,
+            "--job",
+            "nightly",
+            "--on-success",
+            "release",
+            "--",
+            "true",
+        ]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "round {round}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let record = json(&fence(&["status", "--server", &url, "--job", "nightly"]));
+        assert_eq!(record["state"], "free", "round {round}");
+        assert_eq!(record["generation"], round);
+    }
+    let out = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--job",
+        "x",
+        "--on-success",
+        "later",
+        "--",
+        "true",
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("complete"));
+}
