@@ -30,15 +30,20 @@ pub enum Call {
 /// # Errors
 /// When the file cannot be read, or the secret is not a valid bearer token.
 pub fn bearer(file: Option<&std::path::Path>) -> anyhow::Result<Option<BearerToken>> {
-    let token = match file {
-        Some(file) => std::fs::read_to_string(file)
-            .with_context(|| format!("cannot read --auth-token-file {}", file.display()))?,
+    let (token, source) = match file {
+        Some(file) => (
+            std::fs::read_to_string(file)
+                .with_context(|| format!("cannot read --auth-token-file {}", file.display()))?,
+            format!("--auth-token-file {}", file.display()),
+        ),
         None => match std::env::var("FENCE_AUTH_TOKEN") {
-            Ok(token) => token,
+            Ok(token) => (token, "FENCE_AUTH_TOKEN".to_owned()),
             Err(_) => return Ok(None),
         },
     };
-    Ok(Some(BearerToken::new(token).context("the bearer secret")?))
+    Ok(Some(BearerToken::new(token).with_context(|| {
+        format!("the bearer secret in {source}")
+    })?))
 }
 
 /// The HTTP lease store a command talks to.
@@ -46,12 +51,13 @@ pub fn bearer(file: Option<&std::path::Path>) -> anyhow::Result<Option<BearerTok
 /// # Errors
 /// When the URL, the CA file or the bearer secret cannot be used.
 pub fn connect(conn: &ServerConn) -> anyhow::Result<HttpLeaseStore> {
+    // Every failure here is in what the user gave (a URL, a CA file, a secret file): usage.
     let options = HttpOptions {
         ca_cert: conn.ca_cert.clone(),
-        bearer: bearer(conn.auth_token_file.as_deref())?,
+        bearer: bearer(conn.auth_token_file.as_deref()).map_err(crate::Usage::from_error)?,
         ..HttpOptions::default()
     };
-    Ok(HttpLeaseStore::with_options(&conn.server, options)?)
+    HttpLeaseStore::with_options(&conn.server, options).map_err(crate::Usage::from_error)
 }
 
 /// The exit code of an answer: 0 on success, 3 on a held or lost lease or a completed job,
@@ -62,6 +68,20 @@ fn exit_code(status: StatusCode) -> i32 {
         409 | 410 => 3,
         400 | 401 | 403 => 2,
         _ => 1,
+    }
+}
+
+/// Prints the server's answer as it came on stdout and, when it refused, the problem's
+/// detail as one line on stderr for the person at the terminal.
+fn print_answer(status: StatusCode, answer: &str) {
+    println!("{answer}");
+    if status != StatusCode::OK {
+        let problem: Option<serde_json::Value> = serde_json::from_str(answer).ok();
+        let detail = problem
+            .as_ref()
+            .and_then(|p| p.get("detail")?.as_str())
+            .unwrap_or("(no problem detail in the answer)");
+        eprintln!("fence: the server answered {status}: {detail}");
     }
 }
 
@@ -132,7 +152,7 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
         }
         _ => String::from_utf8_lossy(&answer).trim_end().to_owned(),
     };
-    println!("{printed}");
+    print_answer(status, &printed);
     Ok(exit_code(status))
 }
 
@@ -162,7 +182,7 @@ pub async fn leases(a: LeasesCmd) -> anyhow::Result<i32> {
             .await
             .with_context(|| format!("cannot reach {}", server.base_url()))?;
         if status != StatusCode::OK {
-            println!("{}", String::from_utf8_lossy(&answer).trim_end());
+            print_answer(status, String::from_utf8_lossy(&answer).trim_end());
             return Ok(exit_code(status));
         }
         let page: ListBody =

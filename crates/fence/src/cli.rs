@@ -9,7 +9,7 @@ use clap::{Args, Parser, Subcommand, ValueEnum};
 use fence_core::{JobId, Owner, Ttl, secret::LeaseKey};
 use http::Method;
 
-use crate::duration::parse_duration;
+use crate::duration::{parse_duration, parse_timeout};
 
 const EXIT_CODES: &str = "\
 Exit codes of the lease calls (claim, renew, release, complete, status, leases):
@@ -143,10 +143,10 @@ pub struct ListenArgs {
     pub tls_key: Option<PathBuf>,
     /// How long a new connection has to send its first request head, TLS handshake
     /// included; a connection that sends nothing, or one byte a second, is closed then.
-    #[arg(long, default_value = "10s", value_parser = parse_duration, env = "FENCE_HEADER_TIMEOUT")]
+    #[arg(long, default_value = "10s", value_parser = parse_timeout, env = "FENCE_HEADER_TIMEOUT")]
     pub header_timeout: Duration,
     /// How long a kept-alive connection may sit between an answer and the next request head.
-    #[arg(long, default_value = "60s", value_parser = parse_duration, env = "FENCE_IDLE_TIMEOUT")]
+    #[arg(long, default_value = "60s", value_parser = parse_timeout, env = "FENCE_IDLE_TIMEOUT")]
     pub idle_timeout: Duration,
     /// Open connections at most; beyond, new ones wait until one closes while established
     /// ones go on. Default: 10,000, or half of what the file limit (ulimit -n) leaves.
@@ -156,7 +156,7 @@ pub struct ListenArgs {
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000), env = "FENCE_H2_MAX_STREAMS")]
     pub h2_max_streams: u32,
     /// HTTP/2 keepalive: a ping this often; a peer silent for as long again is closed.
-    #[arg(long, default_value = "20s", value_parser = parse_duration, env = "FENCE_H2_KEEPALIVE")]
+    #[arg(long, default_value = "20s", value_parser = parse_timeout, env = "FENCE_H2_KEEPALIVE")]
     pub h2_keepalive: Duration,
 }
 
@@ -218,7 +218,8 @@ pub struct ProxyArgs {
     /// The service to protect: http://host:port[/prefix] or https://host:port[/prefix].
     #[arg(long, env = "FENCE_UPSTREAM")]
     pub upstream: http::Uri,
-    /// Trust this CA (PEM) for an https:// upstream, besides the system's roots.
+    /// Trust only this CA (PEM, one or more certificates) for an https:// upstream, instead
+    /// of the system's roots.
     #[arg(long, value_name = "FILE", env = "FENCE_UPSTREAM_CA_CERT")]
     pub upstream_ca_cert: Option<PathBuf>,
     /// Where the fence records (highest generation per job, idempotency records) are kept.
@@ -252,10 +253,10 @@ pub struct ProxyArgs {
     #[arg(long, default_value_t = 1 << 20, env = "FENCE_IDEMPOTENCY_MAX_BODY")]
     pub idempotency_max_body: usize,
     /// How long a newer token waits for older in-flight requests before 503.
-    #[arg(long, default_value = "10s", value_parser = parse_duration, env = "FENCE_DRAIN_TIMEOUT")]
+    #[arg(long, default_value = "10s", value_parser = parse_timeout, env = "FENCE_DRAIN_TIMEOUT")]
     pub drain_timeout: Duration,
     /// How long a request may take upstream before 504.
-    #[arg(long, default_value = "60s", value_parser = parse_duration, env = "FENCE_UPSTREAM_TIMEOUT")]
+    #[arg(long, default_value = "60s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_TIMEOUT")]
     pub upstream_timeout: Duration,
     /// Require signed tokens valid under this public key (SPKI PEM, from `fence keygen` or
     /// openssl); repeat it to accept several keys during a rotation. Unsigned or forged
@@ -304,7 +305,8 @@ pub struct ServerConn {
     /// The lease server: http://host:port or https://host:port.
     #[arg(long, env = "FENCE_SERVER", default_value = "http://127.0.0.1:7700")]
     pub server: String,
-    /// Trust this CA (PEM) for an https:// server, besides the system's roots.
+    /// Trust only this CA (PEM, one or more certificates) for an https:// server, instead of
+    /// the system's roots.
     #[arg(long, value_name = "FILE", env = "FENCE_CA_CERT")]
     pub ca_cert: Option<PathBuf>,
     /// Read the bearer secret (for a server with --auth-file) from this file; without it,

@@ -20,9 +20,33 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     })
 }
 
+/// A timeout flag: a duration from 1 ms to 24 h. Zero would mean "never wait" to some
+/// readers and "wait forever" to others; neither is what a deadline is for.
+///
+/// # Errors
+/// As [`parse_duration`], and for a value outside 1 ms to 24 h.
+pub fn parse_timeout(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_millis(1) || d > Duration::from_secs(24 * 3600) {
+        return Err(format!(
+            "{s:?}: a timeout must be from 1ms to 24h (a deadline on every wait)"
+        ));
+    }
+    Ok(d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn timeouts_are_never_zero_or_unbounded() {
+        assert_eq!(parse_timeout("1ms"), Ok(Duration::from_millis(1)));
+        assert_eq!(parse_timeout("24h"), Ok(Duration::from_secs(86_400)));
+        for bad in ["0", "0s", "500us", "25h", "ten", ""] {
+            assert!(parse_timeout(bad).is_err(), "{bad}");
+        }
+    }
 
     #[test]
     fn units_fractions_compounds_and_errors() {

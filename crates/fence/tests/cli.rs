@@ -226,6 +226,106 @@ fn bad_flags_exit_2_with_a_message() {
             "--workers",
         ),
         (&["frobnicate"], "unrecognized subcommand"),
+        // The flags of contract v2 sections 4 and 7: empty, short, oversized, wrong kind.
+        (
+            &[
+                "renew",
+                "--job",
+                "j",
+                "--owner",
+                "o",
+                "--generation",
+                "1",
+                "--lease-key",
+                "",
+            ],
+            "22 to 128 base64url characters, got 0",
+        ),
+        (
+            &[
+                "renew",
+                "--job",
+                "j",
+                "--owner",
+                "o",
+                "--generation",
+                "1",
+                "--lease-key",
+                "short",
+            ],
+            "22 to 128 base64url characters, got 5",
+        ),
+        (
+            &[
+                "renew",
+                "--job",
+                "j",
+                "--owner",
+                "o",
+                "--generation",
+                "1",
+                "--lease-key",
+                "k0123456789abcdefghij+",
+            ],
+            "character 21 is not",
+        ),
+        (
+            &[
+                "release",
+                "--job",
+                "j",
+                "--owner",
+                "o",
+                "--generation",
+                "1",
+                "--lease-key",
+                LONG_KEY,
+            ],
+            "got 198",
+        ),
+        (
+            &["claim", "--job", "j", "--server", ""],
+            "invalid server URL",
+        ),
+        (
+            &["claim", "--job", "j", "--server", "ftp://x"],
+            "expected http://host:port or https://host:port",
+        ),
+        (&["claim", "--job", "j", "--owner", ""], "owner is empty"),
+        (
+            &["server", "--data-dir", "x", "--header-timeout", "0s"],
+            "a timeout must be from 1ms to 24h",
+        ),
+        (
+            &["server", "--data-dir", "x", "--idle-timeout", "25h"],
+            "a timeout must be from 1ms to 24h",
+        ),
+        (
+            &["server", "--data-dir", "x", "--max-connections", "0"],
+            "--max-connections",
+        ),
+        (
+            &["server", "--data-dir", "x", "--max-connections", "many"],
+            "--max-connections",
+        ),
+        (
+            &["server", "--data-dir", "x", "--auth-file"],
+            "a value is required",
+        ),
+        (
+            &["server", "--data-dir", "x", "--tls-key", "k.pem"],
+            "--tls-cert",
+        ),
+        (
+            &[
+                "proxy",
+                "--data-dir",
+                "x",
+                "--upstream",
+                "ftp://127.0.0.1:1",
+            ],
+            "only http:// and https:// upstreams",
+        ),
     ];
     for (args, want) in cases {
         let out = fence(args);
@@ -233,10 +333,71 @@ fn bad_flags_exit_2_with_a_message() {
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(want), "{args:?}: {stderr} lacks {want:?}");
     }
+    // Files named by flags: missing, empty, unusable.
+    let dir = tempfile::tempdir().unwrap();
+    let empty = dir.path().join("empty");
+    std::fs::write(&empty, "").unwrap();
+    let missing = dir.path().join("missing");
+    let (empty, missing) = (empty.to_str().unwrap(), missing.to_str().unwrap());
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["claim", "--job", "j", "--auth-token-file", missing],
+            "cannot read --auth-token-file",
+        ),
+        (
+            &["claim", "--job", "j", "--auth-token-file", empty],
+            "must be 16 to 256 characters",
+        ),
+        (
+            &[
+                "claim",
+                "--job",
+                "j",
+                "--server",
+                "https://127.0.0.1:1",
+                "--ca-cert",
+                empty,
+            ],
+            "no CERTIFICATE in it",
+        ),
+        (
+            &[
+                "claim",
+                "--job",
+                "j",
+                "--server",
+                "https://127.0.0.1:1",
+                "--ca-cert",
+                missing,
+            ],
+            "CA file",
+        ),
+        (
+            &[
+                "proxy",
+                "--data-dir",
+                "x",
+                "--upstream",
+                "https://127.0.0.1:1",
+                "--upstream-ca-cert",
+                missing,
+            ],
+            "CA file",
+        ),
+    ];
+    for (args, want) in cases {
+        let out = fence(args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(want), "{args:?}: {stderr} lacks {want:?}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+    }
     let out = fence(&["status", "--server", "http://127.0.0.1:1", "--job", "j"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach"));
 }
+
+const LONG_KEY: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
 #[test]
 fn proxy_killed_with_sigkill_keeps_every_accepted_generation() {

@@ -88,6 +88,36 @@ async fn every_bad_request_is_a_400_naming_the_field() {
         (
             "POST",
             claim,
+            r#"{"owner": "w", "lease_key": ""}"#.into(),
+            "lease_key: ",
+        ),
+        (
+            "POST",
+            claim,
+            r#"{"owner": "w", "lease_key": 12345678901234567890123}"#.into(),
+            "lease_key: must be a string",
+        ),
+        (
+            "POST",
+            claim,
+            format!(r#"{{"owner": "w", "lease_key": "{}"}}"#, "k".repeat(129)),
+            "lease_key: ",
+        ),
+        (
+            "POST",
+            renew,
+            r#"{"owner": "w", "generation": 1}"#.into(),
+            "lease_key: missing",
+        ),
+        (
+            "POST",
+            "/v1/leases/j/complete",
+            r#"{"owner": "w", "generation": 1, "lease_key": null}"#.into(),
+            "lease_key: ",
+        ),
+        (
+            "POST",
+            claim,
             r#"{"owner": "w", "lease_key": "k0123456789abcdefghij+"}"#.into(),
             "lease_key: ",
         ),
@@ -265,4 +295,65 @@ async fn arbitrary_bodies_never_crash_the_server() {
             );
         }
     }
+}
+
+#[tokio::test]
+async fn bad_authorization_headers_are_401_never_5xx() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("clients");
+    std::fs::write(&file, "ops ops-0123456789abcdef-secret *\n").unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let options = || fence::server::ServerOptions {
+        auth: Some(fence::auth::Auth::load(&file).unwrap()),
+        ..Default::default()
+    };
+    let huge = format!("Bearer {}", "x".repeat(16_000));
+    let values: Vec<Vec<u8>> = vec![
+        b"".to_vec(),
+        b"Bearer".to_vec(),
+        b"Bearer ".to_vec(),
+        b"bearer ops-0123456789abcdef-secre".to_vec(),
+        b"Basic b3BzOnNlY3JldA==".to_vec(),
+        b"Bearer ops-0123456789abcdef-secret trailing".to_vec(),
+        huge.into_bytes(),
+        b"Bearer \xff\xfe".to_vec(),
+    ];
+    for value in values {
+        let router = fence::server::router(Arc::new(MemoryLeaseStore::new()), options());
+        let req = Request::builder()
+            .method("GET")
+            .uri("/v1/leases/j")
+            .header(
+                "authorization",
+                http::HeaderValue::from_bytes(&value).unwrap(),
+            )
+            .body(Body::empty())
+            .unwrap();
+        let resp = router.oneshot(req).await.unwrap();
+        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED, "{value:?}");
+    }
+    // Two Authorization headers are ambiguous: refused, even when one is right.
+    let router = fence::server::router(Arc::new(MemoryLeaseStore::new()), options());
+    let req = Request::builder()
+        .uri("/v1/leases/j")
+        .header("authorization", "Bearer ops-0123456789abcdef-secret")
+        .header("authorization", "Bearer other-0123456789abcdef")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        router.oneshot(req).await.unwrap().status(),
+        StatusCode::UNAUTHORIZED
+    );
+    // The right one, case-insensitive scheme: the job is unknown, not the caller.
+    let router = fence::server::router(Arc::new(MemoryLeaseStore::new()), options());
+    let req = Request::builder()
+        .uri("/v1/leases/j")
+        .header("authorization", "bearer ops-0123456789abcdef-secret")
+        .body(Body::empty())
+        .unwrap();
+    assert_eq!(
+        router.oneshot(req).await.unwrap().status(),
+        StatusCode::NOT_FOUND
+    );
 }

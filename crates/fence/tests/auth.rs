@@ -1,0 +1,272 @@
+//! The lease server on a network where anyone can connect: bearer secrets from an auth
+//! file, job patterns per client, reload on SIGHUP, and no open non-loopback listener.
+
+mod common;
+
+use std::{os::unix::fs::PermissionsExt, path::Path, process::Command, time::Duration};
+
+use common::*;
+
+const OPS: &str = "ops-0123456789abcdef-secret";
+const BILLING: &str = "billing-0123456789abcdef-secret";
+const LATER: &str = "later-0123456789abcdef-secret";
+
+fn write_auth(path: &Path, text: &str) {
+    std::fs::write(path, text).unwrap();
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(0o600)).unwrap();
+}
+
+fn token_file(dir: &Path, name: &str, secret: &str) -> String {
+    let p = dir.join(name);
+    std::fs::write(&p, format!("{secret}\n")).unwrap();
+    std::fs::set_permissions(&p, std::fs::Permissions::from_mode(0o600)).unwrap();
+    p.display().to_string()
+}
+
+/// A raw request with an optional bearer secret: (status, head and body).
+fn call(addr: &str, method: &str, path: &str, bearer: Option<&str>, body: &str) -> (u16, String) {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    let auth = bearer.map_or(String::new(), |b| format!("Authorization: Bearer {b}\r\n"));
+    write!(
+        stream,
+        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}content-type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .unwrap();
+    let mut answer = String::new();
+    let _ = stream.read_to_string(&mut answer);
+    let status = answer
+        .split_whitespace()
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(0);
+    (status, answer)
+}
+
+#[test]
+fn secrets_and_patterns_decide_who_may_do_what_and_sighup_reloads() {
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("clients");
+    write_auth(
+        &auth,
+        &format!("# name secret patterns\nops {OPS} *\nbilling {BILLING} inv-* receipt\n"),
+    );
+    let (server, addr, log) = start_logged(
+        &[
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            dir.path().join("data").to_str().unwrap(),
+            "--auth-file",
+            auth.to_str().unwrap(),
+        ],
+        "trace",
+    );
+    let url = format!("http://{addr}");
+    let claim_body = r#"{"owner":"w","lease_key":"k0123456789abcdefghijk"}"#;
+
+    // No secret, an empty one, a wrong one, another scheme: 401, saying how to authenticate.
+    for bearer in [
+        None,
+        Some(""),
+        Some("not-a-known-secret-at-all"),
+        Some("x y"),
+    ] {
+        let (status, answer) = call(&addr, "POST", "/v1/leases/inv-1/claim", bearer, claim_body);
+        assert_eq!(status, 401, "{bearer:?}: {answer}");
+        assert!(answer.contains("urn:fence:unauthenticated"), "{answer}");
+        assert!(
+            answer
+                .to_ascii_lowercase()
+                .contains("www-authenticate: bearer"),
+            "{answer}"
+        );
+    }
+    let (status, answer) = call(&addr, "GET", "/v1/leases", None, "");
+    assert_eq!(status, 401, "the list needs a secret too: {answer}");
+    let (status, _) = call(&addr, "GET", "/healthz", None, "");
+    assert_eq!(status, 200, "health stays open for load balancers");
+
+    // Inside and outside the client's patterns.
+    let (status, answer) = call(
+        &addr,
+        "POST",
+        "/v1/leases/inv-1/claim",
+        Some(BILLING),
+        claim_body,
+    );
+    assert_eq!(status, 200, "{answer}");
+    let (status, answer) = call(
+        &addr,
+        "POST",
+        "/v1/leases/receipt/claim",
+        Some(BILLING),
+        claim_body,
+    );
+    assert_eq!(status, 200, "an exact pattern: {answer}");
+    for job in ["pay-1", "receipt2", "inv"] {
+        let (status, answer) = call(
+            &addr,
+            "POST",
+            &format!("/v1/leases/{job}/claim"),
+            Some(BILLING),
+            claim_body,
+        );
+        assert_eq!(status, 403, "{job}: {answer}");
+        assert!(answer.contains("urn:fence:forbidden"), "{answer}");
+        let (status, _) = call(
+            &addr,
+            "GET",
+            &format!("/v1/leases/{job}"),
+            Some(BILLING),
+            "",
+        );
+        assert_eq!(status, 403, "GET {job}");
+    }
+    let (status, answer) = call(
+        &addr,
+        "POST",
+        "/v1/leases/pay-1/claim",
+        Some(OPS),
+        claim_body,
+    );
+    assert_eq!(status, 200, "{answer}");
+
+    // The list shows each client only its own jobs.
+    let list = |secret: &str| {
+        let tokens = token_file(dir.path(), "t", secret);
+        let out = fence(&["leases", "--server", &url, "--auth-token-file", &tokens]);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        // One record per line.
+        let mut jobs: Vec<String> = String::from_utf8_lossy(&out.stdout)
+            .lines()
+            .map(|l| {
+                let record: serde_json::Value = serde_json::from_str(l).unwrap();
+                record["job"].as_str().unwrap().to_owned()
+            })
+            .collect();
+        jobs.sort();
+        jobs
+    };
+    assert_eq!(list(BILLING), ["inv-1", "receipt"]);
+    assert_eq!(list(OPS), ["inv-1", "pay-1", "receipt"]);
+
+    // The CLI: no secret is a usage error (exit 2) that says what to do.
+    let out = fence(&["status", "--server", &url, "--job", "inv-1"]);
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("Authorization: Bearer"));
+    let out = Command::new(FENCE)
+        .args(["status", "--server", &url, "--job", "inv-1"])
+        .env("FENCE_AUTH_TOKEN", BILLING)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "FENCE_AUTH_TOKEN works too");
+
+    // SIGHUP: a new client is let in; a broken file keeps the clients as they were.
+    let (status, _) = call(&addr, "GET", "/v1/leases/inv-1", Some(LATER), "");
+    assert_eq!(status, 401);
+    write_auth(
+        &auth,
+        &format!("ops {OPS} *\nbilling {BILLING} inv-* receipt\nlater {LATER} inv-*\n"),
+    );
+    signal(&server, "-HUP");
+    log.wait_for("auth file reloaded");
+    let (status, _) = call(&addr, "GET", "/v1/leases/inv-1", Some(LATER), "");
+    assert_eq!(status, 200, "the reloaded file lets the new client in");
+    write_auth(&auth, "later short *\n");
+    signal(&server, "-HUP");
+    log.wait_for("auth file not reloaded");
+    let (status, _) = call(&addr, "GET", "/v1/leases/inv-1", Some(LATER), "");
+    assert_eq!(status, 200, "a broken file keeps the old clients");
+    write_auth(&auth, &format!("ops {OPS} *\n"));
+    std::fs::set_permissions(&auth, std::fs::Permissions::from_mode(0o644)).unwrap();
+    signal(&server, "-HUP");
+    let line = log.wait_for_nth("auth file not reloaded", 2);
+    assert!(line.contains("chmod 600"), "{line}");
+    let (status, _) = call(&addr, "GET", "/v1/leases/inv-1", Some(LATER), "");
+    assert_eq!(status, 200, "a file others can read is not taken either");
+    std::fs::set_permissions(&auth, std::fs::Permissions::from_mode(0o600)).unwrap();
+    signal(&server, "-HUP");
+    log.wait_for_nth("auth file reloaded", 2);
+    let (status, _) = call(&addr, "GET", "/v1/leases/inv-1", Some(LATER), "");
+    assert_eq!(status, 401, "a removed client is out after the reload");
+
+    // No secret in any log line, even at trace level.
+    let text = log.text();
+    for secret in [OPS, BILLING, LATER, "k0123456789abcdefghijk"] {
+        assert!(!text.contains(secret), "a secret was logged:\n{text}");
+    }
+}
+
+#[test]
+fn an_auth_file_others_can_read_or_that_is_broken_stops_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("clients");
+    let data = dir.path().join("data");
+    let start = |auth: &Path| {
+        let out = Command::new(FENCE)
+            .args(["server", "--listen", "127.0.0.1:0", "--data-dir"])
+            .arg(&data)
+            .arg("--auth-file")
+            .arg(auth)
+            .output()
+            .unwrap();
+        (
+            out.status.code(),
+            String::from_utf8_lossy(&out.stderr).into_owned(),
+        )
+    };
+    std::fs::write(&auth, format!("ops {OPS} *\n")).unwrap();
+    std::fs::set_permissions(&auth, std::fs::Permissions::from_mode(0o640)).unwrap();
+    let (code, stderr) = start(&auth);
+    assert_eq!(code, Some(2), "{stderr}");
+    assert!(stderr.contains("chmod 600"), "{stderr}");
+    for (text, want) in [
+        ("", "no client"),
+        ("ops\n", "line 1"),
+        ("ops tooshort *\n", "characters"),
+        (&format!("ops {OPS}\n") as &str, "no job pattern"),
+        (&format!("ops {OPS} a*b\n") as &str, "'*' may only end"),
+    ] {
+        write_auth(&auth, text);
+        let (code, stderr) = start(&auth);
+        assert_eq!(code, Some(2), "{text:?}: {stderr}");
+        assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains(want) && stderr.contains(&auth.display().to_string()),
+            "{text:?}: {stderr} lacks {want:?}"
+        );
+        assert!(!stderr.contains(OPS), "the secret was echoed: {stderr}");
+    }
+    let (code, stderr) = start(&dir.path().join("missing"));
+    assert_eq!(code, Some(2), "{stderr}");
+}
+
+#[test]
+fn a_listener_beyond_loopback_needs_an_auth_file() {
+    let dir = tempfile::tempdir().unwrap();
+    // Refused before anything is bound, so this test binds nothing beyond loopback.
+    for listen in ["0.0.0.0:0", "[::]:0", "192.0.2.1:7700"] {
+        let out = Command::new(FENCE)
+            .args(["server", "--listen", listen, "--data-dir"])
+            .arg(dir.path())
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{listen}: {stderr}");
+        assert!(
+            stderr.contains("without --auth-file") && stderr.contains("--insecure-no-auth"),
+            "{stderr}"
+        );
+    }
+}
