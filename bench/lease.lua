@@ -2,8 +2,11 @@
 -- claim: every request claims a job never claimed before ("PREFIX-<thread>-<n>"), so each is
 --        a new lease: one durable write, like an etcd lease grant.
 -- renew: requests renew the jobs "PREFIX-0" .. "PREFIX-<CLIENTS-1>", claimed beforehand by
---        owner "o" (generation 1); thread k takes the jobs j with j mod threads == k.
+--        owner "o" with lease key KEY (generation 1); thread k takes the jobs j with
+--        j mod threads == k.
+-- Every body carries the lease key KEY (contract v2 section 4).
 local threads = {}
+local KEY = "benchkey-0123456789abcdef"
 
 function setup(thread)
   thread:set("id", #threads)
@@ -28,9 +31,9 @@ function request()
   n = n + 1
   if mode == "claim" then
     return wrk.format(nil, "/v1/leases/" .. prefix .. "-" .. id .. "-" .. n .. "/claim", nil,
-      '{"owner":"o' .. id .. '","ttl_ms":30000}')
+      '{"owner":"o' .. id .. '","lease_key":"' .. KEY .. '","ttl_ms":30000}')
   end
   local j = mine[(n % #mine) + 1]
   return wrk.format(nil, "/v1/leases/" .. prefix .. "-" .. j .. "/renew", nil,
-    '{"owner":"o","generation":1,"ttl_ms":30000}')
+    '{"owner":"o","generation":1,"lease_key":"' .. KEY .. '","ttl_ms":30000}')
 end

@@ -52,17 +52,21 @@ header() {
 # wait_http URL: until URL answers (any status), at most 10 s.
 wait_http() {
   for _ in $(seq 1 100); do
-    curl -s -o /dev/null "$1" && return 0
+    curl -sk -o /dev/null "$1" && return 0
     sleep 0.1
   done
   echo "nothing answers at $1" >&2; return 1
 }
 
-# claim_renewable ADDR: jobs r-0 .. r-63 claimed by owner "o" (generation 1 on a fresh store)
-# for one hour on the fence server at ADDR, as bench/lease.lua's renew mode expects.
+# claim_renewable URL [CURL_ARGS...]: jobs r-0 .. r-63 claimed by owner "o" with lease key
+# benchkey-0123456789abcdef (generation 1 on a fresh store) for one hour on the fence server
+# at URL (http://host:port or https://...; a bare host:port means http), as
+# bench/lease.lua's renew mode expects.
 claim_renewable() {
+  local url=$1; shift
+  case $url in http://*|https://*) ;; *) url=http://$url ;; esac
   for j in $(seq 0 63); do
-    curl -sf -XPOST "http://$1/v1/leases/r-$j/claim" -H 'content-type: application/json' \
-      -d '{"owner":"o","ttl_ms":3600000}' >/dev/null
+    curl -sfk -XPOST "$url/v1/leases/r-$j/claim" -H 'content-type: application/json' "$@" \
+      -d '{"owner":"o","lease_key":"benchkey-0123456789abcdef","ttl_ms":3600000}' >/dev/null
   done
 }
