@@ -82,8 +82,8 @@ problem_types! {
     /// 409: the request with this idempotency key ran, but its response was too large to
     /// store, so it cannot be replayed (added by fence).
     IdempotencyNotReplayable => "urn:fence:idempotency-not-replayable", 409, "Completed request cannot be replayed";
-    /// 413: an idempotent request's body is above the limit the sink fingerprints (not in
-    /// added by fence).
+    /// 413: an idempotent request's body is above the limit the sink fingerprints (added by
+    /// fence).
     PayloadTooLarge => "urn:fence:payload-too-large", 413, "Request body too large";
     /// 403: a signed token is required and this one does not verify.
     InvalidSignature => "urn:fence:invalid-signature", 403, "Invalid fencing token signature";

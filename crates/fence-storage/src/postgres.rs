@@ -250,8 +250,10 @@ fn fill_password(config: &mut tokio_postgres::Config, passfile: Option<PathBuf>)
 }
 
 /// The TLS client configuration `ssl` asks for.
+/// As libpq: `require` with an `sslrootcert` verifies the issuer, like `verify-ca`.
 fn tls_for(ssl: SslMode, root_cert: Option<&Path>) -> Result<rustls::ClientConfig, SetupError> {
     Ok(match ssl {
+        SslMode::Require if root_cert.is_some() => crate::tls::any_name_config(root_cert)?,
         SslMode::Disable | SslMode::Prefer | SslMode::Require => crate::tls::encrypt_only_config()?,
         SslMode::VerifyFull => crate::tls::client_config(root_cert, &[])?,
         SslMode::VerifyCa => crate::tls::any_name_config(root_cert)?,
@@ -261,8 +263,9 @@ fn tls_for(ssl: SslMode, root_cert: Option<&Path>) -> Result<rustls::ClientConfi
 /// A pool of up to [`POOL_SIZE`] connections to `url` (`postgres://user@host:port/db`).
 /// Connections are made when first needed, so a database that is down now is not an error.
 ///
-/// TLS follows libpq's `sslmode`: `disable`, `prefer` (the default; unverified), `require`
-/// (encrypted, unverified), `verify-ca` (the certificate checked against `sslrootcert` or the
+/// TLS follows libpq's `sslmode`: `disable`, `prefer` (the default; unverified; `allow` is
+/// read as `prefer`), `require` (encrypted, unverified, unless `sslrootcert` is given: then
+/// as `verify-ca`), `verify-ca` (the certificate checked against `sslrootcert` or the
 /// system roots) and `verify-full` (and its host name too). Without a password in the
 /// string, `PGPASSWORD` or the passfile (`passfile=`, `PGPASSFILE`, `~/.pgpass`) gives it, so
 /// it need not appear on a command line.

@@ -2,7 +2,7 @@
 //!
 //! One crypto provider (`ring`) and one place that reads certificates, so the lease client,
 //! the proxy's upstream connections, PostgreSQL and the listeners verify the same way:
-//! against the system's roots, plus a CA file when one is given.
+//! against the system's roots, or only against a CA file when one is given.
 //!
 //! ```no_run
 //! use fence_storage::tls;

@@ -69,14 +69,15 @@ async fn each_sslmode_does_what_libpq_does() {
         .await
         .unwrap_err();
     assert!(e.contains("certificate") && e.contains("127.0.0.1"), "{e}");
-    // A root that did not issue the server's certificate.
+    // A root that did not issue the server's certificate (with sslrootcert, require
+    // verifies the issuer too, as libpq does).
     let dir = tempfile::tempdir().unwrap();
     let other = dir.path().join("other-ca.pem");
     let key = rcgen::KeyPair::generate().unwrap();
     let mut params = rcgen::CertificateParams::new(Vec::<String>::new()).unwrap();
     params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
     std::fs::write(&other, params.self_signed(&key).unwrap().pem()).unwrap();
-    for mode in ["verify-ca", "verify-full"] {
+    for mode in ["require", "verify-ca", "verify-full"] {
         let url = at(
             "localhost",
             &format!("sslmode={mode}&sslrootcert={}", other.display()),

@@ -54,10 +54,41 @@ impl Client {
         })
     }
 
+    /// What part of the job id space the client may list within `prefix` (every job when
+    /// `None`): one scope per pattern that overlaps it, so a listing never reads, and never
+    /// names in its `next` cursor, a job outside the client's patterns.
+    pub fn scopes(&self, prefix: Option<&str>) -> Vec<Scope> {
+        let q = prefix.unwrap_or_default();
+        let mut scopes = Vec::new();
+        for pattern in &self.patterns {
+            match pattern {
+                Pattern::Prefix(p) if q.starts_with(p.as_str()) => {
+                    // The whole query range is visible: one scope is all it takes.
+                    return vec![Scope::Prefix(q.to_owned())];
+                }
+                Pattern::Prefix(p) if p.starts_with(q) => scopes.push(Scope::Prefix(p.clone())),
+                Pattern::Exact(j) if j.as_str().starts_with(q) => {
+                    scopes.push(Scope::Exact(j.clone()))
+                }
+                _ => {}
+            }
+        }
+        scopes
+    }
+
     /// Whether the client may revoke leases (`+revoke` at the end of its line).
     pub fn may_revoke(&self) -> bool {
         self.revoke
     }
+}
+
+/// A part of the job id space a client may see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Scope {
+    /// Every job whose id starts with this.
+    Prefix(String),
+    /// This one job.
+    Exact(JobId),
 }
 
 /// The parsed clients of an auth file.
@@ -124,6 +155,9 @@ impl AuthFileError {
 /// The shortest secret a client may have.
 pub const MIN_SECRET_LEN: usize = 16;
 
+/// The longest secret a client may have: fence's own clients send at most this many.
+pub const MAX_SECRET_LEN: usize = 256;
+
 impl AuthFile {
     /// Parses the text of an auth file.
     ///
@@ -149,6 +183,12 @@ impl AuthFile {
                     "expected <name> <secret> <job-pattern>... [+revoke]".into()
                 ));
             };
+            if secret.len() > MAX_SECRET_LEN {
+                return Err(bad(format!(
+                    "the secret of {name} is {} characters; at most {MAX_SECRET_LEN} are sent by fence clients",
+                    secret.len()
+                )));
+            }
             if secret.len() < MIN_SECRET_LEN {
                 return Err(bad(format!(
                     "the secret of {name} is {} characters; use at least {MIN_SECRET_LEN} random ones (head -c 32 /dev/urandom | base64)",
@@ -158,6 +198,11 @@ impl AuthFile {
             let mut patterns = Vec::new();
             let mut revoke = false;
             for word in words {
+                if revoke {
+                    return Err(bad(format!(
+                        "{word:?} after +revoke: +revoke ends the line (name secret patterns... +revoke)"
+                    )));
+                }
                 if word == "+revoke" {
                     revoke = true;
                 } else if let Some(prefix) = word.strip_suffix('*') {
@@ -348,6 +393,8 @@ mod tests {
             ("a 0123456789abcdef", "no job pattern"),
             ("a short *", "is 5 characters"),
             ("a 0123456789abcdef a*b", "'*' may only end"),
+            ("a 0123456789abcdef * +revoke x", "+revoke ends the line"),
+            (&format!("a {} *", "s".repeat(257)), "at most 256"),
             ("a 0123456789abcdef \u{7f}", "pattern"),
             (
                 "a 0123456789abcdef *\nb 0123456789abcdef *",

@@ -72,8 +72,8 @@ pub enum Cmd {
     /// command exits 0 the job is completed (or released, with --on-success release);
     /// otherwise it is released. SIGINT, SIGTERM and SIGHUP are passed on to the group.
     #[command(after_help = "\
-Exit codes of fence run itself (the command's own codes are passed through unless they
-collide with these, and are told apart on stderr):
+Exit codes of fence run (the command's own codes pass through unchanged: a command that
+itself exits 3 or 75 is told apart only by fence run's last line on stderr):
   0     the command exited 0 and the job was completed (or released)
   3     the lease could not be obtained within --wait, or the job is completed
   75    the lease was lost while the command ran (the group got SIGTERM, then SIGKILL

@@ -357,3 +357,108 @@ async fn bad_authorization_headers_are_401_never_5xx() {
         StatusCode::NOT_FOUND
     );
 }
+
+#[tokio::test]
+async fn a_restricted_client_pages_through_its_own_jobs_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("clients");
+    std::fs::write(
+        &file,
+        "ops ops-0123456789abcdef-secret *\nbilling bill-0123456789abcdef-secret inv-* receipt x-\n",
+    )
+    .unwrap();
+    std::fs::set_permissions(&file, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let router = fence::server::router(
+        Arc::new(MemoryLeaseStore::new()),
+        fence::server::ServerOptions {
+            auth: Some(fence::auth::Auth::load(&file).unwrap()),
+            ..Default::default()
+        },
+    );
+    let send = |method: &str, uri: String, secret: &str, body: String| {
+        let router = router.clone();
+        let req = Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("authorization", format!("Bearer {secret}"))
+            .header("content-type", "application/json")
+            .body(Body::from(body))
+            .unwrap();
+        async move {
+            let resp = router.oneshot(req).await.unwrap();
+            let status = resp.status();
+            let bytes = resp.into_body().collect().await.unwrap().to_bytes();
+            (
+                status,
+                serde_json::from_slice::<serde_json::Value>(&bytes).unwrap(),
+            )
+        }
+    };
+    let ops = "ops-0123456789abcdef-secret";
+    let billing = "bill-0123456789abcdef-secret";
+    let mut jobs: Vec<String> = (0..120).map(|i| format!("inv-{i:03}")).collect();
+    jobs.extend(
+        [
+            "a-1", "in", "invoice", "receipt", "receipt2", "x-", "x-1", "zzz",
+        ]
+        .map(String::from),
+    );
+    for job in &jobs {
+        let body = r#"{"owner":"w","lease_key":"k0123456789abcdefghijk"}"#.to_owned();
+        let (status, _) = send("POST", format!("/v1/leases/{job}/claim"), ops, body).await;
+        assert_eq!(status, StatusCode::OK, "{job}");
+    }
+    let mut visible: Vec<String> = jobs
+        .iter()
+        .filter(|j| j.starts_with("inv-") || *j == "receipt" || *j == "x-")
+        .cloned()
+        .collect();
+    visible.sort();
+    for (query, want) in [
+        ("limit=7", visible.clone()),
+        (
+            "limit=50&prefix=inv-1",
+            visible
+                .iter()
+                .filter(|j| j.starts_with("inv-1"))
+                .cloned()
+                .collect(),
+        ),
+        ("limit=3&prefix=r", vec!["receipt".to_owned()]),
+        ("limit=3&prefix=x", vec!["x-".to_owned()]),
+        ("limit=3&prefix=z", vec![]),
+        ("limit=1000&state=held", visible.clone()),
+        ("limit=5&state=free", vec![]),
+    ] {
+        let mut seen = Vec::new();
+        let mut after: Option<String> = None;
+        for _ in 0..200 {
+            let cursor = after
+                .as_ref()
+                .map_or(String::new(), |a| format!("&after={a}"));
+            let (status, page) = send(
+                "GET",
+                format!("/v1/leases?{query}{cursor}"),
+                billing,
+                String::new(),
+            )
+            .await;
+            assert_eq!(status, StatusCode::OK, "{query}: {page}");
+            for lease in page["leases"].as_array().unwrap() {
+                seen.push(lease["job"].as_str().unwrap().to_owned());
+            }
+            match page["next"].as_str() {
+                Some(next) => {
+                    assert!(
+                        visible.iter().any(|v| v == next) || next.starts_with("inv-"),
+                        "{query}: the cursor names a job the client may not see: {next}"
+                    );
+                    after = Some(next.to_owned());
+                }
+                None => break,
+            }
+        }
+        assert_eq!(seen, want, "{query}");
+    }
+}

@@ -281,7 +281,8 @@ pub struct Grant {
     pub ttl: Ttl,
     /// When the lease expires on the store's clock, in ms since the Unix epoch.
     pub expires_at_ms: u64,
-    /// The signed token string (`<generation>.<signature>`) when the store signs tokens
+    /// The signed token string (`<generation>.<expires_at_ms>.<signature>`) when the store
+    /// signs tokens
     /// (contract section 6); the lease client sends it exactly as given.
     pub token: Option<String>,
 }

@@ -174,8 +174,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         self
     }
 
-    /// Requires every fenced request to carry a signed token (`<generation>.<signature>`,
-    /// contract section 6) valid for its job under one of `verifier`'s keys; anything else
+    /// Requires every fenced request to carry a signed token
+    /// (`<generation>.<expires_at_ms>.<signature>`, contract section 6) valid for its job under one of `verifier`'s keys; anything else
     /// gets 403 `urn:fence:invalid-signature` before the fence is consulted, so an unverified
     /// token never moves `highest`. Each (job, generation, signature) is verified once; later
     /// requests with the same token are answered from a cache.

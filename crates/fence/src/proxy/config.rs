@@ -14,7 +14,7 @@ use crate::listen::Limits;
 #[derive(Debug, Clone)]
 pub struct ProxyConfig {
     /// Where admitted requests go, e.g. `http://127.0.0.1:8080` or `http://10.0.0.5/api`
-    /// (a path is a prefix joined to every request's path). Only `http` is supported.
+    /// (a path is a prefix joined to every request's path); `http` or `https`.
     pub upstream: Uri,
     /// The methods that are fenced; `None` (the default) fences every method but GET, HEAD,
     /// OPTIONS and TRACE, so a method nobody listed fails closed.

@@ -4,17 +4,14 @@ use std::{sync::Arc, time::Instant};
 
 use axum::{
     body::Body,
-    extract::{Path, RawQuery, State, rejection::PathRejection},
+    extract::{Path, State, rejection::PathRejection},
     http::{HeaderMap, Method, StatusCode, Uri, header::CONTENT_TYPE},
     response::{IntoResponse, Response},
 };
 use bytes::Bytes;
 use fence_core::{
     JobId, Problem, ProblemType,
-    lease_api::{
-        Action, BodyError, ClaimRequest, FinishRequest, ListBody, ListQuery, MAX_REQUEST_BODY,
-        RenewRequest,
-    },
+    lease_api::{Action, BodyError, ClaimRequest, FinishRequest, MAX_REQUEST_BODY, RenewRequest},
 };
 use fence_lease::{LeaseOp, LeaseStore};
 use fence_storage::error_chain;
@@ -22,7 +19,7 @@ use http_body_util::{BodyExt, Limited};
 
 use super::{
     AppState,
-    answer::{Answer, answer, bad, finish, json, problem_response, record_body, store_failed},
+    answer::{answer, bad, finish, json, problem_response, record_body, store_failed},
     guard::authorize,
 };
 
@@ -151,34 +148,6 @@ pub(super) async fn status<S: LeaseStore>(
     }
     .await;
     finish("status", started, answer)
-}
-
-/// `GET /v1/leases?state=S&prefix=P&after=JOB&limit=N`: a client with an auth file's line
-/// sees only the jobs its patterns cover.
-pub(super) async fn list<S: LeaseStore>(
-    State(app): State<Arc<AppState<S>>>,
-    headers: HeaderMap,
-    RawQuery(query): RawQuery,
-) -> Response {
-    let started = Instant::now();
-    let answer: Answer = async {
-        let caller = authorize(app.options.auth.as_ref(), &headers, None)?;
-        let query = ListQuery::from_query(query.as_deref().unwrap_or_default())
-            .map_err(|e| bad(e.to_string()))?;
-        let page = app.store.list(&query).await.map_err(|e| store_failed(&e))?;
-        let leases = page
-            .leases
-            .iter()
-            .filter(|r| caller.as_ref().is_none_or(|c| c.client().may(&r.job)))
-            .map(record_body)
-            .collect();
-        Ok(json(&ListBody {
-            leases,
-            next: page.next,
-        }))
-    }
-    .await;
-    finish("list", started, answer)
 }
 
 /// `GET /healthz`: 200 when the store answers a read, 503 when it does not. No secret needed.

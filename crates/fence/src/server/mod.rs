@@ -18,6 +18,7 @@
 mod answer;
 mod guard;
 mod handlers;
+mod list;
 
 use std::sync::Arc;
 
@@ -52,7 +53,7 @@ struct AppState<S> {
 pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
     let state = Arc::new(AppState { store, options });
     Router::new()
-        .route("/v1/leases", get(handlers::list::<S>))
+        .route("/v1/leases", get(list::list::<S>))
         .route("/v1/leases/{job}/{action}", post(handlers::act::<S>))
         .route("/v1/leases/{job}", get(handlers::status::<S>))
         .route("/healthz", get(handlers::healthz::<S>))
