@@ -1,11 +1,19 @@
 //! The request and response bodies of [`Fence`](crate::Fence): the original, or bytes.
 //!
-//! A body is the client's (or the inner service's) own, or bytes the layer holds: an
-//! idempotent request it buffered, a problem, a replay.
+//! A body is the client's (or the inner service's) own, the client's under a deadline, or
+//! bytes the layer holds: an idempotent request it buffered, a problem, a replay. Bytes the
+//! layer holds carry their [`Reservation`] of the layer's memory budget, given back when the
+//! body is dropped.
 
 use std::{
+    future::Future,
     pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll},
+    time::Duration,
 };
 
 use bytes::Bytes;
@@ -14,6 +22,19 @@ use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
 use fence_storage::BoxError;
+use tokio::time::{Instant, Sleep};
+
+use crate::budget::Reservation;
+
+/// The error a fenced request's body yields to the inner service when it did not arrive
+/// within the layer's [`body_timeout`](crate::FenceLayer::body_timeout) of admission. The
+/// client is answered 408 `urn:fence:body-timeout`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("the request body did not arrive within {limit:?} of admission")]
+pub struct BodyTimeout {
+    /// The limit that ran out.
+    pub limit: Duration,
+}
 
 /// A body the fence can carry: bytes, sendable across tasks, with errors that box. Every
 /// [`Body`] of that kind is one (hyper's `Incoming`, `String`, `Full<Bytes>`, axum's `Body`).
@@ -49,15 +70,22 @@ pin_project! {
     #[project = KindProj]
     enum Kind<B> {
         Inner { #[pin] body: B },
-        Bytes { bytes: Option<Bytes> },
-        Prefixed { prefix: Option<Bytes>, trailers: Option<HeaderMap>, rest: Pin<Box<B>> },
+        Timed { #[pin] body: B, #[pin] sleep: Sleep, limit: Duration, fired: Arc<AtomicBool> },
+        Bytes { bytes: Option<Bytes>, held: Option<Reservation> },
+        Prefixed {
+            prefix: Option<Bytes>,
+            trailers: Option<HeaderMap>,
+            rest: Pin<Box<B>>,
+            held: Option<Reservation>,
+        },
     }
 }
 
 impl<B> Kind<B> {
-    fn bytes(bytes: Bytes) -> Self {
+    fn bytes(bytes: Bytes, held: Option<Reservation>) -> Self {
         Kind::Bytes {
             bytes: if bytes.is_empty() { None } else { Some(bytes) },
+            held,
         }
     }
 }
@@ -69,9 +97,27 @@ impl<B> RequestBody<B> {
         }
     }
 
-    pub(crate) fn buffered(bytes: Bytes) -> Self {
+    /// The client's body, which must end by `deadline`; past it, the body yields
+    /// [`BodyTimeout`] and `fired` is set.
+    pub(crate) fn timed(
+        body: B,
+        deadline: Instant,
+        limit: Duration,
+        fired: Arc<AtomicBool>,
+    ) -> Self {
         Self {
-            kind: Kind::bytes(bytes),
+            kind: Kind::Timed {
+                body,
+                sleep: tokio::time::sleep_until(deadline),
+                limit,
+                fired,
+            },
+        }
+    }
+
+    pub(crate) fn buffered(bytes: Bytes, held: Reservation) -> Self {
+        Self {
+            kind: Kind::bytes(bytes, Some(held)),
         }
     }
 }
@@ -85,16 +131,29 @@ impl<B> ResponseBody<B> {
 
     pub(crate) fn full(bytes: Bytes) -> Self {
         Self {
-            kind: Kind::bytes(bytes),
+            kind: Kind::bytes(bytes, None),
         }
     }
 
-    pub(crate) fn prefixed(prefix: Bytes, trailers: Option<HeaderMap>, rest: Pin<Box<B>>) -> Self {
+    /// Bytes the layer holds under `held` (a replay, a captured response).
+    pub(crate) fn held(bytes: Bytes, held: Option<Reservation>) -> Self {
+        Self {
+            kind: Kind::bytes(bytes, held),
+        }
+    }
+
+    pub(crate) fn prefixed(
+        prefix: Bytes,
+        trailers: Option<HeaderMap>,
+        rest: Pin<Box<B>>,
+        held: Option<Reservation>,
+    ) -> Self {
         Self {
             kind: Kind::Prefixed {
                 prefix: Some(prefix),
                 trailers,
                 rest,
+                held,
             },
         }
     }
@@ -116,11 +175,32 @@ where
 {
     match kind.project() {
         KindProj::Inner { body } => body.poll_frame(cx).map_err(Into::into),
-        KindProj::Bytes { bytes } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+        KindProj::Timed {
+            body,
+            sleep,
+            limit,
+            fired,
+        } => {
+            if fired.load(Ordering::Relaxed) {
+                return Poll::Ready(None); // the error was the body's last frame
+            }
+            match body.poll_frame(cx) {
+                Poll::Pending => match sleep.poll(cx) {
+                    Poll::Ready(()) => {
+                        fired.store(true, Ordering::Relaxed);
+                        Poll::Ready(Some(Err(BodyTimeout { limit: *limit }.into())))
+                    }
+                    Poll::Pending => Poll::Pending,
+                },
+                ready => ready.map_err(Into::into),
+            }
+        }
+        KindProj::Bytes { bytes, .. } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
         KindProj::Prefixed {
             prefix,
             trailers,
             rest,
+            ..
         } => {
             if let Some(p) = prefix.take().filter(|p| !p.is_empty()) {
                 return Poll::Ready(Some(Ok(Frame::data(p))));
@@ -135,12 +215,13 @@ where
 
 fn end_kind<B: Body>(kind: &Kind<B>) -> bool {
     match kind {
-        Kind::Inner { body } => body.is_end_stream(),
-        Kind::Bytes { bytes } => bytes.is_none(),
+        Kind::Inner { body } | Kind::Timed { body, .. } => body.is_end_stream(),
+        Kind::Bytes { bytes, .. } => bytes.is_none(),
         Kind::Prefixed {
             prefix,
             trailers,
             rest,
+            ..
         } => {
             prefix.as_ref().is_none_or(Bytes::is_empty)
                 && trailers.is_none()
@@ -151,8 +232,10 @@ fn end_kind<B: Body>(kind: &Kind<B>) -> bool {
 
 fn hint_kind<B: Body>(kind: &Kind<B>) -> SizeHint {
     match kind {
-        Kind::Inner { body } => body.size_hint(),
-        Kind::Bytes { bytes } => SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64)),
+        Kind::Inner { body } | Kind::Timed { body, .. } => body.size_hint(),
+        Kind::Bytes { bytes, .. } => {
+            SizeHint::with_exact(bytes.as_ref().map_or(0, |b| b.len() as u64))
+        }
         Kind::Prefixed { prefix, rest, .. } => {
             let extra = prefix.as_ref().map_or(0, |b| b.len() as u64);
             let h = rest.size_hint();

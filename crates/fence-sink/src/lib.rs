@@ -11,15 +11,17 @@
 //! - [`Fenced`]: what the fence accepted, in the request's extensions.
 //!
 //! The crate's modules stand on each other in floors, nothing importing from above: `store`
-//! (and `body`, `metrics`, `detach`) at the bottom; `reject`, `gate` and `idempotency` on
+//! (and `body`, `budget`, `outcome`, `metrics`, `detach`) at the bottom; `reject`, `gate` and `idempotency` on
 //! them; the middleware in `fence` at the top.
 
 mod body;
+mod budget;
 mod detach;
 pub mod fence;
 mod gate;
 pub mod idempotency;
 mod metrics;
+mod outcome;
 mod reject;
 mod store;
 
@@ -29,11 +31,12 @@ pub use store::postgres;
 #[cfg(any(test, feature = "conformance"))]
 pub mod conformance;
 
-pub use body::{FenceBody, RequestBody, ResponseBody};
+pub use body::{BodyTimeout, FenceBody, RequestBody, ResponseBody};
 pub use fence::{Fence, FenceLayer, FencePredicate, Fenced, Maintenance, ResponseFuture};
 pub use fence_storage::BoxError;
 pub use gate::CacheStats;
-pub use idempotency::{IdempotencyConfig, OutcomeUnknown};
+pub use idempotency::IdempotencyConfig;
+pub use outcome::OutcomeUnknown;
 pub use store::{
     Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, MemoryStore, SledStore,
     StoreError, StoredResponse, Verdict,

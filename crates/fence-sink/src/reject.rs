@@ -80,7 +80,7 @@ pub(crate) fn stale(
 
 pub(crate) fn drain_timeout(job: JobId, token: FencingToken, highest: Generation) -> Problem {
     let detail = format!(
-        "job {job}: token {token} is newer than the highest accepted, but requests with older tokens were still in flight when the drain limit ran out; nothing changed, retry"
+        "job {job}: token {token} was newer than every token before it, so older tokens are refused from now on, but requests with older tokens were still in flight when the drain limit ran out; retry"
     );
     Problem::new(ProblemType::DrainTimeout, detail)
         .with_job(job)
@@ -104,6 +104,20 @@ pub(crate) fn body_too_large(job: &JobId, key: &IdempotencyKey, limit: usize) ->
         "job {job}: the body of a request with Idempotency-Key {key} is above the {limit} bytes this destination fingerprints"
     );
     Problem::new(ProblemType::PayloadTooLarge, detail).with_job(job.clone())
+}
+
+pub(crate) fn body_timeout(job: &JobId, limit: std::time::Duration) -> Problem {
+    let detail = format!(
+        "job {job}: the request body did not arrive within {limit:?} of admission; the service did not see the request"
+    );
+    Problem::new(ProblemType::BodyTimeout, detail).with_job(job.clone())
+}
+
+pub(crate) fn overloaded(job: &JobId, max: usize) -> Problem {
+    let detail = format!(
+        "job {job}: the destination holds its maximum of {max} bytes of buffered bodies; nothing was passed on, retry"
+    );
+    Problem::new(ProblemType::Overloaded, detail).with_job(job.clone())
 }
 
 pub(crate) fn request_body_failed(job: &JobId, e: &dyn std::fmt::Display) -> Problem {

@@ -190,6 +190,17 @@ where
     .await
 }
 
+/// [`send`] taking the service by value, for a request spawned into a task of its own.
+async fn send_owned<S, B>(svc: S, req: Request<String>) -> Answer
+where
+    S: Service<Request<String>, Response = Response<B>> + Clone,
+    S::Error: Debug,
+    B: Body<Data = Bytes>,
+    B::Error: Debug,
+{
+    send(&svc, req).await
+}
+
 fn job(s: &str) -> JobId {
     s.parse().expect("valid job id")
 }
@@ -976,10 +987,14 @@ async fn a_higher_pending_bump_supersedes_a_lower_one() {
     );
 }
 
+/// Newer token first (contract v2, section 3): token 8 raises `highest` durably the moment
+/// it arrives, before it waits for the older request in flight. Giving up on that wait (503
+/// drain-timeout) leaves `highest` raised: the old holder cannot start anything new.
 #[tokio::test(start_paused = true)]
-async fn drain_timeout_gets_503_and_leaves_highest_unchanged() {
+async fn drain_timeout_gets_503_and_keeps_highest_raised() {
     let (app, _started) = App::new();
-    let svc = FenceLayer::new(MemoryStore::new())
+    let store = Arc::new(MemoryStore::new());
+    let svc = FenceLayer::from_arc(store.clone())
         .drain_timeout(Duration::from_millis(100))
         .layer(app.clone());
 
@@ -988,7 +1003,18 @@ async fn drain_timeout_gets_503_and_leaves_highest_unchanged() {
     assert_eq!(app.log(), ["start 7 /forever"]);
 
     let start = tokio::time::Instant::now();
-    let answer = send(&svc, post(JOB, 8)).await;
+    let eight = tokio::spawn(send_owned(svc.clone(), post(JOB, 8)));
+    settle().await;
+    // While 8 waits for the old request, 8 is durable and 7 is stale already.
+    assert_eq!(
+        store.highest(&job(JOB)).await.unwrap(),
+        Generation::new(8),
+        "raised before the wait"
+    );
+    send(&svc, post(JOB, 7))
+        .await
+        .problem(409, "urn:fence:stale-token");
+    let answer = eight.await.unwrap();
     let waited = start.elapsed();
     let p = answer.problem(503, "urn:fence:drain-timeout");
     assert_eq!((p.job, p.token), (Some(job(JOB)), Some(8)));
@@ -997,18 +1023,17 @@ async fn drain_timeout_gets_503_and_leaves_highest_unchanged() {
         waited >= Duration::from_millis(100) && waited < Duration::from_millis(200),
         "waited {waited:?}"
     );
-    assert_eq!(app.log(), ["start 7 /forever"], "token 8 was passed on");
+    assert_eq!(app.log(), ["start 7 /forever"], "token 8 was not passed on");
 
-    // highest is still 7: a new token 7 request is accepted.
-    assert_eq!(send(&svc, post(JOB, 7)).await.status, 201);
-    assert_eq!(
-        app.log(),
-        ["start 7 /forever", "start 7 /charge", "finish 7 /charge"]
-    );
-    // And token 8 times out again rather than slipping through.
+    // After the timeout, highest stays 8: the old holder's new requests stay out...
+    send(&svc, post(JOB, 7))
+        .await
+        .problem(409, "urn:fence:stale-token");
+    // ...and token 8 waits again rather than slipping past the running request.
     send(&svc, post(JOB, 8))
         .await
         .problem(503, "urn:fence:drain-timeout");
+    assert_eq!(app.log(), ["start 7 /forever"]);
 }
 
 /// A client that goes away while its bump is being written (a SledStore commit takes a disk

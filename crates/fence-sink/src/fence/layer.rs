@@ -20,9 +20,9 @@ use crate::{
 /// Wraps services in [`Fence`]. Build one layer per store and clone it: every clone shares
 /// the in-memory gates, also one whose settings a builder method changed; two layers built
 /// separately over one sled or memory store keep two views of each job. Per job, requests
-/// with a token below the highest accepted are rejected with 409, a higher token waits for
-/// older requests to finish and is stored durably before it passes, and duplicate
-/// `Idempotency-Key`s are replayed.
+/// with a token below the highest accepted are rejected with 409; a higher token is stored
+/// durably as the job's highest at once, then waits for older requests to finish before it
+/// passes; duplicate `Idempotency-Key`s are replayed.
 ///
 /// Building a layer starts nothing: call [`spawn_maintenance`](Self::spawn_maintenance) to
 /// sweep expired idempotency records in the background.
@@ -65,7 +65,9 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// Fences every method but GET, HEAD, OPTIONS and TRACE (so an unknown or extension
     /// method fails closed), requires the fencing headers on them, keeps idempotency records,
     /// caches up to 100,000 jobs, waits up to 5 s for the store and up to 10 s for older
-    /// requests to drain before a bump.
+    /// requests to drain before a newer generation passes, gives a fenced body 30 s from
+    /// admission, holds a request of unknown outcome in flight for 60 s, and holds at most
+    /// 256 MiB of bodies in memory.
     pub fn new(store: St) -> Self {
         Self::from_arc(Arc::new(store))
     }
@@ -84,11 +86,15 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
                 store_timeout: Duration::from_secs(5),
                 drain_timeout: Duration::from_secs(10),
             },
+            body_timeout: Duration::from_secs(30),
+            unknown_outcome_hold: Duration::from_secs(60),
+            max_buffered_bytes: 256 << 20,
         };
         Self {
             shared: Arc::new(Shared {
                 config,
                 gates: Arc::new(Gates::new(store)),
+                budget: Arc::default(),
             }),
         }
     }
@@ -136,10 +142,47 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     }
 
     /// Lets a higher token wait this long for older in-flight requests before answering 503
-    /// (default 10 s).
+    /// (default 10 s). Its token is the job's `highest` from the moment it arrived, whether it
+    /// waits to the end or not.
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
         self.config().limits.drain_timeout = timeout;
         self
+    }
+
+    /// Gives a fenced request's body this long from admission (default 30 s). A buffered
+    /// body (with `Idempotency-Key`) that is not in by then is answered 408
+    /// `urn:fence:body-timeout` and never reaches the inner service. A streamed body yields
+    /// [`BodyTimeout`](crate::BodyTimeout) to the inner service, which has by then seen the
+    /// head and part of the body; the client gets 408 unless the service answered with a
+    /// success. Either way the request stops holding up newer generations once the service
+    /// returns, so one slow client cannot jam a job for longer than this.
+    pub fn body_timeout(mut self, timeout: Duration) -> Self {
+        self.config().body_timeout = timeout;
+        self
+    }
+
+    /// Keeps a request whose response carries [`OutcomeUnknown`](crate::OutcomeUnknown) in
+    /// flight this long after its answer (default 60 s; a proxy sets its upstream timeout),
+    /// so a newer generation does not pass while the upstream may still act on the old
+    /// request. Zero lets it go at once.
+    pub fn unknown_outcome_hold(mut self, hold: Duration) -> Self {
+        self.config().unknown_outcome_hold = hold;
+        self
+    }
+
+    /// Holds at most this many bytes of bodies in memory at once, over every clone of the
+    /// layer (default 256 MiB): buffered idempotent requests, responses captured for
+    /// storage, replays. Past it an idempotent request or a replay gets 503
+    /// `urn:fence:overloaded` with `Retry-After` and nothing is passed on; a response that
+    /// does not fit is passed through unstored (a retry of it gets 409 not-replayable).
+    pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
+        self.config().max_buffered_bytes = bytes;
+        self
+    }
+
+    /// The bytes of bodies the layer holds in memory now, over every clone.
+    pub fn buffered_bytes(&self) -> usize {
+        self.shared.budget.used()
     }
 
     /// Keeps at most this many jobs in memory (default 100,000); idle ones beyond are evicted
@@ -175,8 +218,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     }
 
     /// Requires every fenced request to carry a signed token
-    /// (`<generation>.<expires_at_ms>.<signature>`, contract section 6) valid for its job under one of `verifier`'s keys; anything else
-    /// gets 403 `urn:fence:invalid-signature` before the fence is consulted, so an unverified
+    /// (`<generation>.<expires_at_ms>.<signature>`, contract section 6) valid for its job
+    /// under one of `verifier`'s keys; anything else gets 403 `urn:fence:invalid-signature` before the fence is consulted, so an unverified
     /// token never moves `highest`. Each (job, generation, signature) is verified once; later
     /// requests with the same token are answered from a cache.
     pub fn require_signatures(mut self, verifier: fence_core::signing::TokenVerifier) -> Self {

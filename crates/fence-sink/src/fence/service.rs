@@ -1,7 +1,10 @@
 //! [`Fence`]: the service that checks every fenced request against its job's gate.
 
 use std::{
-    sync::Arc,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll},
 };
 
@@ -18,7 +21,7 @@ use super::{
     shared::{Config, Shared},
 };
 use crate::{
-    GenerationStore, IdempotencyStore,
+    GenerationStore, IdempotencyStore, OutcomeUnknown,
     body::{FenceBody, RequestBody, ResponseBody},
     gate::Admission,
     idempotency::Keyed,
@@ -198,7 +201,7 @@ where
     ResB: FenceBody,
     St: GenerationStore + IdempotencyStore,
 {
-    let Shared { config, gates } = &*shared;
+    let Shared { config, gates, .. } = &*shared;
     let guard = match gates.admit(&job, token.generation(), config.limits).await {
         Admission::Admitted(guard) => guard,
         Admission::Stale { highest, pending } => {
@@ -220,22 +223,71 @@ where
         job: job.clone(),
         token,
     });
-    let request = Request::from_parts(parts, body);
-    match (&key, &config.idempotency) {
+    let deadline = tokio::time::Instant::now() + config.body_timeout;
+    let response = match (&key, &config.idempotency) {
         (Some(key), Some(idempotency)) => {
             let keyed = Keyed {
                 store: &**gates.store(),
                 config: idempotency,
                 job: &job,
                 key,
+                budget: &shared.budget,
+                max_buffered: config.max_buffered_bytes,
+                deadline,
+                body_timeout: config.body_timeout,
             };
-            keyed.run(&mut inner, request, guard).await
+            keyed
+                .run(&mut inner, Request::from_parts(parts, body))
+                .await
         }
         _ => {
             count("accepted");
-            let response = inner.call(request.map(RequestBody::inner)).await;
-            drop(guard); // the effect is done (or failed): a newer token may proceed
-            response.map(|r| r.map(ResponseBody::inner))
+            streamed(&mut inner, parts, body, deadline, config.body_timeout, &job).await
         }
+    };
+    // The effect is done (or failed): a newer token may proceed, unless the service could
+    // not tell and the upstream may still act on the request.
+    match &response {
+        Ok(r) if r.extensions().get::<OutcomeUnknown>().is_some() => {
+            guard.hold(config.unknown_outcome_hold);
+        }
+        _ => drop(guard),
     }
+    response
+}
+
+/// Passes a request on with its body streamed under the deadline. When the body ran out of
+/// time and the service did not answer with a success, the client gets 408 (keeping the
+/// service's [`OutcomeUnknown`], if any).
+async fn streamed<S, ReqB, ResB>(
+    inner: &mut S,
+    parts: Parts,
+    body: ReqB,
+    deadline: tokio::time::Instant,
+    limit: std::time::Duration,
+    job: &JobId,
+) -> Result<Response<ResponseBody<ResB>>, S::Error>
+where
+    S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
+    ReqB: FenceBody,
+    ResB: FenceBody,
+{
+    if body.is_end_stream() {
+        let response = inner
+            .call(Request::from_parts(parts, RequestBody::inner(body)))
+            .await;
+        return response.map(|r| r.map(ResponseBody::inner));
+    }
+    let fired = Arc::new(AtomicBool::new(false));
+    let body = RequestBody::timed(body, deadline, limit, fired.clone());
+    let response = inner.call(Request::from_parts(parts, body)).await?;
+    if !fired.load(Ordering::Relaxed) || response.status().is_success() {
+        return Ok(response.map(ResponseBody::inner));
+    }
+    count("body_timeout");
+    let mut answer = reject(reject::body_timeout(job, limit), None);
+    if response.extensions().get::<OutcomeUnknown>().is_some() {
+        answer.extensions_mut().insert(OutcomeUnknown);
+    }
+    Ok(answer)
 }

@@ -1,12 +1,13 @@
 //! The state every [`Fence`](super::Fence) of one layer shares: configuration and gates.
 
-use std::sync::Arc;
+use std::{sync::Arc, time::Duration};
 
 use http::{Method, request::Parts};
 
 use super::signature::Signatures;
 use crate::{
     IdempotencyConfig,
+    budget::Budget,
     gate::{Gates, Limits},
 };
 
@@ -24,6 +25,12 @@ pub(crate) struct Config {
     pub(crate) run_to_completion: bool,
     pub(crate) signatures: Option<Arc<Signatures>>,
     pub(crate) limits: Limits,
+    /// A fenced request's body must have arrived this long after admission.
+    pub(crate) body_timeout: Duration,
+    /// How long a request whose outcome is unknown stays in flight after its answer.
+    pub(crate) unknown_outcome_hold: Duration,
+    /// The most bytes of bodies the layer holds at once (see [`Budget`]).
+    pub(crate) max_buffered_bytes: usize,
 }
 
 impl Config {
@@ -47,6 +54,8 @@ impl Config {
 pub(crate) struct Shared<St> {
     pub(crate) config: Config,
     pub(crate) gates: Arc<Gates<St>>,
+    /// The bytes of bodies every clone holds, against each clone's own cap.
+    pub(crate) budget: Arc<Budget>,
 }
 
 impl<St> Clone for Shared<St> {
@@ -54,6 +63,7 @@ impl<St> Clone for Shared<St> {
         Self {
             config: self.config.clone(),
             gates: self.gates.clone(),
+            budget: self.budget.clone(),
         }
     }
 }

@@ -1,10 +1,21 @@
-//! The per-job gate: a higher token waits for older requests of its job, then bumps durably.
+//! The per-job gate: a higher token raises `highest` at once, then waits for older requests.
 //!
-//! A gate holds the job's `highest`, the requests in flight and the pending bump. Per job one gate, in a bounded map in front of the store:
-//! - token < highest, or < a pending bump: stale at once (a newer claim exists);
-//! - token == highest: in flight += 1 and through; a guard decrements when it finishes;
-//! - token > highest: pending := max(pending, token); wait (bounded by the drain limit) until
-//!   in flight reaches 0; write durably; highest := token; in flight := 1; through.
+//! The raise is durable before anything else happens, and the higher token passes only once
+//! older requests of its job have finished (contract section 3, "newer token first").
+//!
+//! A gate holds the job's `highest`, the admitted requests of that generation (`current`),
+//! those of older generations still running (`draining`) and the running bump. Per job one
+//! gate, in a bounded map in front of the store:
+//! - token < highest, or < the token being written: stale at once (a newer claim exists);
+//! - token > highest: write it durably (one write at a time per job); highest := token, and
+//!   the `current` requests become `draining`; from that moment every older token is stale;
+//! - token == highest: through at once while nothing older is draining, else wait (bounded by
+//!   the drain limit) until `draining` reaches 0. Giving up (drain timeout) changes nothing:
+//!   `highest` stays raised.
+//!
+//! So no request with a lower token reaches the inner service after a higher one did, and a
+//! higher one starts only once every older admitted request has finished (each is bounded
+//! by the body deadline and the inner service's own time, or an unknown outcome's hold).
 //!
 //! The map may answer "stale" alone; it never admits a higher token without the store's
 //! durable write. Only gates nobody holds are evicted (`remove_if` on the map's own
@@ -48,7 +59,7 @@ pub(crate) enum Admission {
         /// A newer token waiting for its bump, when that is what made this one stale.
         pending: Option<Generation>,
     },
-    /// Older requests did not finish within the drain limit; nothing changed.
+    /// Older requests did not finish within the drain limit; `highest` is raised already.
     DrainTimeout { highest: Generation },
     /// The store failed or timed out; nothing changed.
     StoreFailed(StoreError),
@@ -67,10 +78,25 @@ enum Step {
 #[derive(Debug, Default)]
 struct GateState {
     highest: Generation,
-    in_flight: usize,
-    pending: Option<Generation>,
+    /// Admitted requests of generation `highest`, not finished.
+    current: usize,
+    /// Admitted requests of older generations, not finished: a request of `highest` waits
+    /// until there are none.
+    draining: usize,
     /// The token whose durable write is running, if any.
     bumping: Option<Generation>,
+}
+
+impl GateState {
+    /// `highest` moves up to `to` (never down); the requests of the old `highest` still
+    /// running are older ones from now on.
+    fn raise(&mut self, to: Generation) {
+        if to > self.highest {
+            self.draining += self.current;
+            self.current = 0;
+            self.highest = to;
+        }
+    }
 }
 
 /// One job's entry in the map.
@@ -121,7 +147,7 @@ impl Gate {
             return None;
         }
         let s = self.lock();
-        (s.in_flight == 0 && s.pending.is_none() && s.bumping.is_none()).then_some(s.highest)
+        (s.current == 0 && s.draining == 0 && s.bumping.is_none()).then_some(s.highest)
     }
 }
 
@@ -160,7 +186,7 @@ impl Slot {
     }
 }
 
-/// Undoes a bump's marks when its task ends without settling (a panic in the store, or the
+/// Clears a bump's mark when its task ends without settling (a panic in the store, or the
 /// runtime shutting down), so the job is not left waiting on a bump that will never finish.
 struct Unsettled<'a> {
     gate: &'a Gate,
@@ -172,49 +198,46 @@ impl Drop for Unsettled<'_> {
         let mut s = self.gate.lock();
         if s.bumping == Some(self.token) {
             s.bumping = None;
-            if s.pending == Some(self.token) {
-                s.pending = None;
-            }
         }
         drop(s);
         self.gate.changed.notify_waiters();
     }
 }
 
-/// A waiter's claim on the gate's pending bump: withdrawn when the waiter goes away (drain
-/// timeout, or its request was dropped), so an abandoned bump never blocks the job.
-struct PendingMark<'a> {
-    gate: &'a Gate,
-    token: Generation,
-    active: bool,
-}
-
-impl Drop for PendingMark<'_> {
-    fn drop(&mut self) {
-        if !self.active {
-            return;
-        }
-        let mut s = self.gate.lock();
-        // Withdraw the mark unless the running bump is this very token's.
-        if s.pending == Some(self.token) && s.bumping != Some(self.token) {
-            s.pending = None; // other waiters with the same token mark it again when woken
-        }
-        drop(s);
-        self.gate.changed.notify_waiters();
-    }
-}
-
-/// Marks one admitted request in flight; dropping it lets a waiting bump proceed.
+/// Marks one admitted request in flight; dropping it lets a newer generation that waits for
+/// it proceed.
 #[derive(Debug)]
 pub(crate) struct InFlight {
     gate: Arc<Gate>,
+    generation: Generation,
+}
+
+impl InFlight {
+    /// Keeps the request counted in flight for `hold` more (after an unknown outcome: the
+    /// upstream may still act on it), then lets it go. Without a runtime to wait on, at once.
+    pub(crate) fn hold(self, hold: Duration) {
+        if hold.is_zero() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                tokio::time::sleep(hold).await;
+                drop(self);
+            });
+        }
+    }
 }
 
 impl Drop for InFlight {
     fn drop(&mut self) {
         let mut s = self.gate.lock();
-        s.in_flight -= 1;
-        let drained = s.in_flight == 0;
+        if self.generation == s.highest {
+            s.current -= 1;
+            return;
+        }
+        // Older than `highest`: counted in `draining` since the raise.
+        s.draining -= 1;
+        let drained = s.draining == 0;
         drop(s);
         if drained {
             self.gate.changed.notify_waiters();
@@ -230,7 +253,7 @@ pub(crate) struct Limits {
     pub(crate) max_cached_jobs: usize,
     /// Per store call.
     pub(crate) store_timeout: Duration,
-    /// For older in-flight requests to finish before a bump.
+    /// For older in-flight requests to finish before a newer generation passes.
     pub(crate) drain_timeout: Duration,
 }
 
@@ -373,8 +396,7 @@ impl<St: GenerationStore> Gates<St> {
         let init = gate.loaded.get_or_try_init(|| async {
             self.reads.fetch_add(1, Relaxed);
             let highest = self.store.highest(job).await?;
-            let mut s = gate.lock();
-            s.highest = s.highest.max(highest);
+            gate.lock().raise(highest);
             Ok::<_, StoreError>(())
         });
         tokio::time::timeout(timeout, init)
@@ -396,8 +418,8 @@ impl<St: GenerationStore> Gates<St> {
 
     /// Decides one request of `job` carrying `token`.
     ///
-    /// Cancel-safe: a request dropped while it waits withdraws its pending bump, and a bump
-    /// whose durable write has started finishes (and updates the gate) in a task of its own.
+    /// Cancel-safe: a bump whose durable write has started finishes (and updates the gate)
+    /// in a task of its own when the request goes away.
     pub(crate) async fn admit(
         self: &Arc<Self>,
         job: &JobId,
@@ -409,11 +431,6 @@ impl<St: GenerationStore> Gates<St> {
             return Admission::StoreFailed(e);
         }
         let deadline = Instant::now() + limits.drain_timeout;
-        let mut mark = PendingMark {
-            gate,
-            token,
-            active: false,
-        };
         loop {
             let notified = gate.changed.notified();
             tokio::pin!(notified);
@@ -427,16 +444,20 @@ impl<St: GenerationStore> Gates<St> {
                 }
                 Step::Current(guard) => return Admission::Admitted(guard),
                 Step::Bump => {
-                    mark.active = false; // the bump task owns the pending mark now
-                    return self
+                    match self
                         .bump(gate.clone(), job.clone(), token, limits.store_timeout)
-                        .await;
+                        .await
+                    {
+                        // Raised: now wait, like any request of `highest`, for older ones.
+                        Ok(()) => continue,
+                        Err(refused) => return refused,
+                    }
                 }
-                Step::Wait => mark.active = true,
+                Step::Wait => {}
             }
             if tokio::time::timeout_at(deadline, notified).await.is_err() {
                 let highest = gate.lock().highest;
-                return Admission::DrainTimeout { highest }; // the mark withdraws the pending bump
+                return Admission::DrainTimeout { highest };
             }
         }
     }
@@ -444,32 +465,30 @@ impl<St: GenerationStore> Gates<St> {
     /// One look at the gate, under its lock.
     fn decide(&self, gate: &Arc<Gate>, token: Generation) -> Step {
         let mut s = gate.lock();
-        let newest = s.pending.map_or(s.highest, |p| p.max(s.highest));
+        let newest = s.bumping.map_or(s.highest, |b| b.max(s.highest));
         if token < newest {
             return Step::Stale {
                 highest: s.highest,
-                pending: s.pending.filter(|p| token >= s.highest && token < *p),
+                pending: s.bumping.filter(|b| token >= s.highest && token < *b),
             };
         }
         if token == s.highest {
-            s.in_flight += 1;
-            return Step::Current(InFlight { gate: gate.clone() });
+            if s.draining > 0 {
+                return Step::Wait;
+            }
+            s.current += 1;
+            return Step::Current(InFlight {
+                gate: gate.clone(),
+                generation: token,
+            });
         }
-        // token > highest: a bump, once every older request has finished.
-        let raised = s.pending.is_some_and(|p| token > p);
-        s.pending = Some(token);
-        let step = if s.in_flight == 0 && s.bumping.is_none() {
-            s.bumping = Some(token);
-            Step::Bump
-        } else {
-            Step::Wait
-        };
-        drop(s);
-        if raised {
-            // Waiters for the lower pending token are now stale: let them answer 409 at once.
-            gate.changed.notify_waiters();
+        // token > highest: raise it, one durable write at a time per job; a request above a
+        // write that is running waits for it, then raises again.
+        if s.bumping.is_some() {
+            return Step::Wait;
         }
-        step
+        s.bumping = Some(token);
+        Step::Bump
     }
 
     /// With a shared store, other processes may have moved on: the store has the last word.
@@ -485,8 +504,8 @@ impl<St: GenerationStore> Gates<St> {
             Ok(Verdict::Accepted) => Admission::Admitted(guard),
             Ok(Verdict::Stale { highest }) => {
                 drop(guard);
-                let mut s = gate.lock();
-                s.highest = s.highest.max(highest);
+                gate.lock().raise(highest);
+                gate.changed.notify_waiters();
                 Admission::Stale {
                     highest,
                     pending: None,
@@ -496,54 +515,48 @@ impl<St: GenerationStore> Gates<St> {
         }
     }
 
-    /// Writes `token` durably and settles the gate. It runs in the request's task while the
-    /// request waits for it, and to the end in a task of its own if the request goes away
-    /// (its admission is then dropped, and with it the in-flight count it took).
+    /// Writes `token` durably as the job's `highest` and settles the gate: `Ok` once it is
+    /// raised. It runs in the request's task while the request waits for it, and to the end
+    /// in a task of its own if the request goes away.
     async fn bump(
         self: &Arc<Self>,
         gate: Arc<Gate>,
         job: JobId,
         token: Generation,
         timeout: Duration,
-    ) -> Admission {
+    ) -> Result<(), Admission> {
         let gates = self.clone();
         Detachable::finishing(Box::pin(async move {
             let unsettled = Unsettled { gate: &gate, token };
             let result = gates.observe(&job, token, timeout).await;
             std::mem::forget(unsettled);
-            let admission = Self::settle(&gate, token, result);
+            let settled = Self::settle(&gate, token, result);
             gate.changed.notify_waiters();
-            admission
+            settled
         }))
         .await
     }
 
     fn settle(
-        gate: &Arc<Gate>,
+        gate: &Gate,
         token: Generation,
         result: Result<Verdict, StoreError>,
-    ) -> Admission {
+    ) -> Result<(), Admission> {
         let mut s = gate.lock();
         s.bumping = None;
-        if s.pending == Some(token) {
-            s.pending = None;
-        }
-        let admission = match result {
+        match result {
             Ok(Verdict::Accepted) => {
-                s.highest = token;
-                s.in_flight += 1;
-                Admission::Admitted(InFlight { gate: gate.clone() })
+                s.raise(token);
+                Ok(())
             }
             Ok(Verdict::Stale { highest }) => {
-                s.highest = s.highest.max(highest);
-                Admission::Stale {
+                s.raise(highest);
+                Err(Admission::Stale {
                     highest,
                     pending: None,
-                }
+                })
             }
-            Err(e) => Admission::StoreFailed(e),
-        };
-        drop(s);
-        admission
+            Err(e) => Err(Admission::StoreFailed(e)),
+        }
     }
 }

@@ -25,13 +25,6 @@ use http::StatusCode;
 
 pub(crate) use self::run::Keyed;
 
-/// Put into a response's extensions by a service that cannot tell whether its effect happened
-/// (a proxy whose upstream timed out after the request was sent): the idempotency record then
-/// stays in flight until its timeout instead of being forgotten like an ordinary 5xx, so a
-/// retry meanwhile gets 409 rather than a second run.
-#[derive(Debug, Clone, Copy, Default)]
-pub struct OutcomeUnknown;
-
 /// Which responses are stored for replay.
 pub type StatusFilter = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 

@@ -2,11 +2,11 @@
 //!
 //! The steps: read the body (to fingerprint it), [`begin`](IdempotencyStore::begin) the
 //! (job, key) record, and either answer from the record or call the inner service and
-//! [`finish`](IdempotencyStore::finish) the record with its response. The fence's guard is
-//! only held, and dropped once the effect can no longer happen; nothing else of the fence is
-//! needed here.
+//! [`finish`](IdempotencyStore::finish) the record with its response. The body must arrive
+//! by the request's deadline, and every byte held (the request, the captured response, a
+//! replay) is taken from the layer's memory budget; the fence's guard stays with the caller.
 
-use std::{future::Future, pin::Pin, time::Duration};
+use std::{future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use bytes::{Bytes, BytesMut};
 use fence_core::{
@@ -16,12 +16,15 @@ use fence_core::{
 use fence_storage::BoxError;
 use http::{HeaderMap, HeaderValue, Request, Response, request::Parts};
 use http_body::Body;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
+use tokio::time::Instant;
 use tower_service::Service;
 
-use super::{IdempotencyConfig, OutcomeUnknown};
+use super::IdempotencyConfig;
 use crate::{
+    OutcomeUnknown,
     body::{FenceBody, RequestBody, ResponseBody},
+    budget::{Budget, Reservation},
     metrics::count,
     reject::{self, RETRY, reject},
     store::{Attempt, Begin, Fingerprint, Finish, IdempotencyStore, StoreError, StoredResponse},
@@ -33,25 +36,37 @@ pub(crate) struct Keyed<'a, St> {
     pub(crate) config: &'a IdempotencyConfig,
     pub(crate) job: &'a JobId,
     pub(crate) key: &'a IdempotencyKey,
+    /// The memory every clone of the layer holds for bodies, and its cap.
+    pub(crate) budget: &'a Arc<Budget>,
+    pub(crate) max_buffered: usize,
+    /// When the request body must have arrived, and the limit that set it.
+    pub(crate) deadline: Instant,
+    pub(crate) body_timeout: Duration,
+}
+
+/// Why a request body was not read whole.
+enum ReadFailure {
+    TooLarge,
+    Overloaded,
+    Body(BoxError),
 }
 
 type Answer<B> = Response<ResponseBody<B>>;
 
 impl<St: IdempotencyStore> Keyed<'_, St> {
     /// Runs `request` once per (job, key): the first time through `inner`, later from the
-    /// record. `guard` is dropped when the effect can no longer happen.
-    pub(crate) async fn run<S, ReqB, ResB, G>(
+    /// record.
+    pub(crate) async fn run<S, ReqB, ResB>(
         &self,
         inner: &mut S,
         request: Request<ReqB>,
-        guard: G,
     ) -> Result<Answer<ResB>, S::Error>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
         ReqB: FenceBody,
         ResB: FenceBody,
     {
-        let (parts, bytes) = match self.read(request).await {
+        let (parts, bytes, held) = match self.read(request).await {
             Ok(read) => read,
             Err(answer) => return Ok(answer),
         };
@@ -61,32 +76,70 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             return Ok(answer);
         }
         count("accepted");
-        let request = Request::from_parts(parts, RequestBody::buffered(bytes));
+        let request = Request::from_parts(parts, RequestBody::buffered(bytes, held));
         // An error from the service leaves unknown whether the effect happened: the
         // in-flight record stays until its timeout, so a retry meanwhile gets 409 rather
         // than a second run.
         let response = inner.call(request).await?;
-        let answer = self.record(&fingerprint, response).await;
-        drop(guard);
-        Ok(answer)
+        Ok(self.record(&fingerprint, response).await)
     }
 
-    /// The request head and its whole body, or the answer when the body cannot be read.
-    async fn read<ReqB, B>(&self, request: Request<ReqB>) -> Result<(Parts, Bytes), Answer<B>>
+    /// The request head and its whole body, under the memory budget, by the deadline; or
+    /// the answer when the body cannot be had: 408 past the deadline, 413 over the
+    /// fingerprinting limit, 503 over the budget, 400 when it fails. The service sees none
+    /// of those requests.
+    async fn read<ReqB, B>(
+        &self,
+        request: Request<ReqB>,
+    ) -> Result<(Parts, Bytes, Reservation), Answer<B>>
     where
         ReqB: Body<Data = Bytes>,
         ReqB::Error: Into<BoxError>,
     {
         let (parts, body) = request.into_parts();
         let limit = self.config.max_request_body;
-        match Limited::new(body, limit).collect().await {
-            Ok(collected) => Ok((parts, collected.to_bytes())),
-            Err(e) if e.is::<http_body_util::LengthLimitError>() => Err(reject(
-                reject::body_too_large(self.job, self.key, limit),
-                None,
-            )),
-            Err(e) => Err(reject(reject::request_body_failed(self.job, &e), None)),
-        }
+        let mut held = self
+            .budget
+            .reserve(0, usize::MAX)
+            .expect("nothing taken fits any budget");
+        let mut buf = BytesMut::new();
+        let read = async {
+            let mut body = std::pin::pin!(body);
+            while let Some(frame) = body.frame().await {
+                let frame = frame.map_err(|e| ReadFailure::Body(e.into()))?;
+                if let Ok(data) = frame.into_data() {
+                    if buf.len() + data.len() > limit {
+                        return Err(ReadFailure::TooLarge);
+                    }
+                    if !held.grow(data.len(), self.max_buffered) {
+                        return Err(ReadFailure::Overloaded);
+                    }
+                    buf.extend_from_slice(&data);
+                }
+            }
+            Ok(())
+        };
+        let failure = match tokio::time::timeout_at(self.deadline, read).await {
+            Ok(Ok(())) => return Ok((parts, buf.freeze(), held)),
+            Ok(Err(failure)) => failure,
+            Err(_) => {
+                count("body_timeout");
+                return Err(reject(
+                    reject::body_timeout(self.job, self.body_timeout),
+                    None,
+                ));
+            }
+        };
+        Err(match failure {
+            ReadFailure::TooLarge => {
+                reject(reject::body_too_large(self.job, self.key, limit), None)
+            }
+            ReadFailure::Overloaded => {
+                count("overloaded");
+                reject(reject::overloaded(self.job, self.max_buffered), RETRY)
+            }
+            ReadFailure::Body(e) => reject(reject::request_body_failed(self.job, &e), None),
+        })
     }
 
     /// Begins the record: `Ok` when the caller is to run the request, else the answer.
@@ -99,8 +152,15 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let (problem, retry) = match begun {
             Ok(Begin::Started) => return Ok(()),
             Ok(Begin::Replay(stored)) => {
+                let Some(held) = self.budget.reserve(stored.body.len(), self.max_buffered) else {
+                    count("overloaded");
+                    return Err(reject(
+                        reject::overloaded(self.job, self.max_buffered),
+                        RETRY,
+                    ));
+                };
                 count("replayed");
-                return Err(replay(stored));
+                return Err(replay(stored, held));
             }
             Err(e) => {
                 count("store_error");
@@ -136,7 +196,12 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             return response.map(ResponseBody::inner);
         }
         let (head, body) = response.into_parts();
-        match capture(body, self.config.max_response_body).await {
+        let mut held = self
+            .budget
+            .reserve(0, usize::MAX)
+            .expect("nothing taken fits any budget");
+        let limit = self.config.max_response_body;
+        match capture(body, limit, &mut held, self.max_buffered).await {
             Captured::Whole(bytes) => {
                 let stored = StoredResponse {
                     status: head.status,
@@ -149,13 +214,14 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                     retention,
                 };
                 self.finish(fingerprint, outcome).await;
-                Response::from_parts(head, ResponseBody::full(bytes))
+                Response::from_parts(head, ResponseBody::held(bytes, Some(held)))
             }
             Captured::TooLarge(prefix, trailers, rest) => {
                 let retention = self.config.retention;
                 self.finish(fingerprint, Finish::TooLarge { retention })
                     .await;
-                Response::from_parts(head, ResponseBody::prefixed(prefix, trailers, rest))
+                let body = ResponseBody::prefixed(prefix, trailers, rest, Some(held));
+                Response::from_parts(head, body)
             }
             Captured::Failed(e) => {
                 self.finish(fingerprint, Finish::Forget).await;
@@ -192,8 +258,8 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     }
 }
 
-fn replay<B>(stored: StoredResponse) -> Answer<B> {
-    let mut response = Response::new(ResponseBody::full(stored.body));
+fn replay<B>(stored: StoredResponse, held: Reservation) -> Answer<B> {
+    let mut response = Response::new(ResponseBody::held(stored.body, Some(held)));
     *response.status_mut() = stored.status;
     *response.headers_mut() = stored.headers;
     response
@@ -209,10 +275,12 @@ enum Captured<B> {
     Failed(BoxError),
 }
 
-/// Reads a response body up to `limit` bytes: all of it, or what was read so far and the
-/// rest of the body to stream on. A body with trailers is not stored (their order against
-/// the data cannot be replayed faithfully by every client), but passed on whole.
-async fn capture<B>(body: B, limit: usize) -> Captured<B>
+/// Reads a response body up to `limit` bytes, each taken from `held` under `max`: all of it,
+/// or what was read so far and the rest of the body to stream on (the body is then not
+/// stored: a retry gets 409 not-replayable). A body with trailers is not stored either
+/// (their order against the data cannot be replayed faithfully by every client), but passed
+/// on whole.
+async fn capture<B>(body: B, limit: usize, held: &mut Reservation, max: usize) -> Captured<B>
 where
     B: FenceBody,
 {
@@ -224,8 +292,9 @@ where
             Some(Err(e)) => return Captured::Failed(e.into()),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
+                    let fits = buf.len() + data.len() <= limit && held.grow(data.len(), max);
                     buf.extend_from_slice(&data);
-                    if buf.len() > limit {
+                    if !fits {
                         return Captured::TooLarge(buf.freeze(), None, body);
                     }
                 }

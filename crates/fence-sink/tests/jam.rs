@@ -1,0 +1,294 @@
+//! A fence nobody can jam (contract v2, section 3): a newer token raises `highest` at once,
+//! a body that does not arrive is cut at the body deadline, a request of unknown outcome is
+//! held for a bounded time, and the bytes held in memory have a cap.
+
+use std::{
+    convert::Infallible,
+    pin::Pin,
+    sync::{Arc, Mutex},
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use fence_core::{Generation, JobId};
+use fence_sink::{
+    BodyTimeout, FenceLayer, GenerationStore, MemoryStore, OutcomeUnknown, RequestBody,
+};
+use http::{Request, Response, StatusCode};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
+use tokio::time::Instant;
+use tower::{Layer, Service, ServiceExt};
+
+type In = UnsyncBoxBody<Bytes, std::io::Error>;
+
+/// A body that sends `first` and then nothing, ever: a client that stalled mid-body.
+struct Stalled {
+    first: Option<Bytes>,
+}
+
+impl Body for Stalled {
+    type Data = Bytes;
+    type Error = std::io::Error;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
+        match self.first.take() {
+            Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
+            None => Poll::Pending,
+        }
+    }
+}
+
+fn stalled() -> In {
+    UnsyncBoxBody::new(Stalled {
+        first: Some(Bytes::from_static(b"ab")),
+    })
+}
+
+fn full(text: &'static str) -> In {
+    UnsyncBoxBody::new(
+        http_body_util::Full::new(Bytes::from_static(text.as_bytes())).map_err(|e| match e {}),
+    )
+}
+
+fn request(path: &str, token: u64, key: Option<&str>, body: In) -> Request<In> {
+    let mut builder = Request::post(path)
+        .header("x-fencing-job", "j")
+        .header("x-fencing-token", token);
+    if let Some(key) = key {
+        builder = builder.header("idempotency-key", key);
+    }
+    builder.body(body).unwrap()
+}
+
+/// What the service saw, in order: "start 7 /x", "body error 7", "done 7".
+type Log = Arc<Mutex<Vec<String>>>;
+
+/// The service: reads the whole body, then answers 201 with a 20-byte body; on `/lost` it
+/// answers 502 marked [`OutcomeUnknown`], as a proxy whose upstream timed out does.
+#[derive(Clone)]
+struct App {
+    log: Log,
+}
+
+type Out = http_body_util::Full<Bytes>;
+
+impl Service<Request<RequestBody<In>>> for App {
+    type Response = Response<Out>;
+    type Error = Infallible;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Response<Out>, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<RequestBody<In>>) -> Self::Future {
+        let log = self.log.clone();
+        Box::pin(async move {
+            let token = req.headers()["x-fencing-token"]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            let path = req.uri().path().to_owned();
+            log.lock().unwrap().push(format!("start {token} {path}"));
+            if let Err(e) = req.into_body().collect().await {
+                let timed_out = e.downcast_ref::<BodyTimeout>().is_some();
+                log.lock()
+                    .unwrap()
+                    .push(format!("body error {token} (timeout: {timed_out})"));
+                let mut r = Response::new(Out::new(Bytes::new()));
+                *r.status_mut() = StatusCode::BAD_REQUEST;
+                return Ok(r);
+            }
+            log.lock().unwrap().push(format!("done {token}"));
+            let mut r = Response::new(Out::new(Bytes::from_static(b"twenty bytes answer.")));
+            if path == "/lost" {
+                *r.status_mut() = StatusCode::BAD_GATEWAY;
+                r.extensions_mut().insert(OutcomeUnknown);
+            } else {
+                *r.status_mut() = StatusCode::CREATED;
+            }
+            Ok(r)
+        })
+    }
+}
+
+fn service(log: Log) -> App {
+    App { log }
+}
+
+fn log_of(log: &Log) -> Vec<String> {
+    log.lock().unwrap().clone()
+}
+
+type Fenced = fence_sink::Fence<App, MemoryStore>;
+
+async fn send(svc: &Fenced, req: Request<In>) -> (StatusCode, String, http::HeaderMap) {
+    let response = svc.clone().oneshot(req).await.unwrap();
+    let (head, body) = response.into_parts();
+    let body = body.collect().await.unwrap().to_bytes();
+    (
+        head.status,
+        String::from_utf8_lossy(&body).into_owned(),
+        head.headers,
+    )
+}
+
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(1)).await;
+}
+
+fn job() -> JobId {
+    "j".parse().unwrap()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stalled_idempotent_body_delays_the_newer_holder_by_the_body_deadline_at_most() {
+    let log = Log::default();
+    let store = Arc::new(MemoryStore::new());
+    let layer = FenceLayer::from_arc(store.clone())
+        .body_timeout(Duration::from_secs(1))
+        .drain_timeout(Duration::from_secs(10));
+    let svc = layer.layer(service(log.clone()));
+    assert_eq!(
+        send(&svc, request("/", 7, None, full("x"))).await.0,
+        StatusCode::CREATED
+    );
+
+    let stuck = tokio::spawn({
+        let svc = svc.clone();
+        async move { send(&svc, request("/", 7, Some("k1"), stalled())).await }
+    });
+    settle().await;
+    let started = Instant::now();
+    let newer = tokio::spawn({
+        let svc = svc.clone();
+        async move { send(&svc, request("/", 8, None, full("y"))).await }
+    });
+    settle().await;
+    assert_eq!(
+        store.highest(&job()).await.unwrap(),
+        Generation::new(8),
+        "raised at once"
+    );
+    let (status, text, _) = send(&svc, request("/", 7, None, full("z"))).await;
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "the old holder cannot start anything: {text}"
+    );
+
+    let (status, text, _) = newer.await.unwrap();
+    assert_eq!(status, StatusCode::CREATED, "{text}");
+    let waited = started.elapsed();
+    assert!(waited <= Duration::from_millis(1_010), "waited {waited:?}");
+    let (status, text, _) = stuck.await.unwrap();
+    assert_eq!(status, StatusCode::REQUEST_TIMEOUT, "{text}");
+    assert!(text.contains("urn:fence:body-timeout"), "{text}");
+    assert_eq!(
+        log_of(&log),
+        ["start 7 /", "done 7", "start 8 /", "done 8"],
+        "the stalled request never reached the service"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stalled_streamed_body_ends_at_the_deadline_and_lets_the_newer_holder_in() {
+    let log = Log::default();
+    let layer = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(1))
+        .drain_timeout(Duration::from_secs(10));
+    let svc = layer.layer(service(log.clone()));
+    let stuck = tokio::spawn({
+        let svc = svc.clone();
+        async move { send(&svc, request("/", 7, None, stalled())).await }
+    });
+    settle().await;
+    let started = Instant::now();
+    let (status, _, _) = send(&svc, request("/", 8, None, full("y"))).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(started.elapsed() <= Duration::from_millis(1_010));
+    let (status, text, _) = stuck.await.unwrap();
+    assert_eq!(status, StatusCode::REQUEST_TIMEOUT, "{text}");
+    assert_eq!(
+        log_of(&log),
+        [
+            "start 7 /",
+            "body error 7 (timeout: true)",
+            "start 8 /",
+            "done 8"
+        ],
+        "the service saw the head and part of the body, then the timeout; 8 only after"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_unknown_outcome_holds_the_job_for_the_hold_time() {
+    let log = Log::default();
+    let layer = FenceLayer::new(MemoryStore::new())
+        .unknown_outcome_hold(Duration::from_secs(2))
+        .drain_timeout(Duration::from_secs(10));
+    let svc = layer.layer(service(log.clone()));
+    let (status, _, _) = send(&svc, request("/lost", 7, None, full("x"))).await;
+    assert_eq!(status, StatusCode::BAD_GATEWAY);
+    let started = Instant::now();
+    let (status, _, _) = send(&svc, request("/", 8, None, full("y"))).await;
+    assert_eq!(status, StatusCode::CREATED);
+    let waited = started.elapsed();
+    assert!(
+        waited >= Duration::from_secs(2) && waited <= Duration::from_millis(2_010),
+        "a newer generation passes only once the hold is over: {waited:?}"
+    );
+
+    // A drain limit shorter than the hold: 503, and the job stays raised.
+    let layer = FenceLayer::new(MemoryStore::new())
+        .unknown_outcome_hold(Duration::from_secs(2))
+        .drain_timeout(Duration::from_millis(500));
+    let svc = layer.layer(service(log.clone()));
+    send(&svc, request("/lost", 7, None, full("x"))).await;
+    let (status, text, _) = send(&svc, request("/", 8, None, full("y"))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    let (status, _, _) = send(&svc, request("/", 7, None, full("x"))).await;
+    assert_eq!(status, StatusCode::CONFLICT);
+
+    // Without a hold, at once.
+    let layer = FenceLayer::new(MemoryStore::new()).unknown_outcome_hold(Duration::ZERO);
+    let svc = layer.layer(service(log));
+    send(&svc, request("/lost", 7, None, full("x"))).await;
+    let started = Instant::now();
+    assert_eq!(
+        send(&svc, request("/", 8, None, full("y"))).await.0,
+        StatusCode::CREATED
+    );
+    assert!(started.elapsed() < Duration::from_millis(10));
+}
+
+#[tokio::test]
+async fn buffered_bytes_have_a_cap_and_past_it_nothing_is_passed_on() {
+    let log = Log::default();
+    let layer = FenceLayer::new(MemoryStore::new()).max_buffered_bytes(16);
+    let svc = layer.layer(service(log.clone()));
+    let (status, text, headers) = send(
+        &svc,
+        request("/", 1, Some("big"), full("seventeen bytes!!")),
+    )
+    .await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+    assert!(text.contains("urn:fence:overloaded"), "{text}");
+    assert!(headers.contains_key(http::header::RETRY_AFTER));
+    assert!(log_of(&log).is_empty(), "nothing passed on");
+
+    // A small request fits; its 20-byte answer does not, so it is passed through unstored
+    // and a retry is told it cannot be replayed rather than run twice.
+    let (status, text, _) = send(&svc, request("/", 1, Some("small"), full("tiny"))).await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert_eq!(text, "twenty bytes answer.");
+    let (status, text, _) = send(&svc, request("/", 1, Some("small"), full("tiny"))).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{text}");
+    assert!(text.contains("not-replayable"), "{text}");
+    assert_eq!(layer.buffered_bytes(), 0, "every byte given back");
+}
