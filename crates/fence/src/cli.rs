@@ -258,6 +258,20 @@ pub struct ProxyArgs {
     /// How long a request may take upstream before 504.
     #[arg(long, default_value = "60s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_TIMEOUT")]
     pub upstream_timeout: Duration,
+    /// How long a fenced request's body may take to arrive, from admission. A slower body
+    /// is cut: 408 body-timeout, and with Idempotency-Key the upstream never sees it; so one
+    /// slow client delays a job's newer holder by this much at most.
+    #[arg(long, default_value = "30s", value_parser = parse_timeout, env = "FENCE_BODY_TIMEOUT")]
+    pub body_timeout: Duration,
+    /// After an answer of unknown outcome (504, or a 502 after the request was written), how
+    /// long the request still counts as in flight for its job, so a newer generation does not
+    /// pass while the upstream may still act on it. Default: --upstream-timeout.
+    #[arg(long, value_parser = parse_duration, env = "FENCE_UNKNOWN_OUTCOME_HOLD")]
+    pub unknown_outcome_hold: Option<Duration>,
+    /// The most bytes of bodies held in memory at once (buffered idempotent requests,
+    /// responses captured for replay, replays); past it: 503 overloaded with Retry-After.
+    #[arg(long, value_name = "BYTES", default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(1..), env = "FENCE_MAX_BUFFERED_BYTES")]
+    pub max_buffered_bytes: u64,
     /// Require signed tokens valid under this public key (SPKI PEM, from `fence keygen` or
     /// openssl); repeat it to accept several keys during a rotation. Unsigned or forged
     /// tokens get 403.

@@ -8,17 +8,21 @@
 //! - later request heads of a kept-alive HTTP/1.1 connection must arrive within
 //!   [`Limits::idle_timeout`] of the previous answer (hyper counts the idle wait and the
 //!   header read as one);
-//! - at most [`Limits::max_connections`] are open; beyond, new connections wait in the
-//!   kernel's backlog while established ones (a worker's kept-alive renewals) go on;
+//! - at most [`Limits::max_connections`] are open. At the cap, a newcomer takes the place of
+//!   the oldest connection that has not sent a request head yet (an idle flood cannot queue
+//!   ahead of real clients, who send theirs at once); when every connection has asked for
+//!   something, newcomers wait in the kernel's backlog. Established connections (a worker's
+//!   kept-alive renewals) are never closed for room;
 //! - HTTP/2 (h2c by its preface, or ALPN `h2` over TLS) pings every
 //!   [`Limits::h2_keepalive`] and closes a peer that does not answer, and allows at most
 //!   [`Limits::h2_max_streams`] concurrent streams per connection.
 
 use std::{
+    collections::VecDeque,
     future::Future,
     net::SocketAddr,
     sync::{
-        Arc,
+        Arc, Mutex, Weak,
         atomic::{AtomicBool, Ordering},
     },
     time::Duration,
@@ -80,30 +84,102 @@ pub fn default_max_connections() -> usize {
     (room.saturating_sub(64) / 2).clamp(16, 10_000)
 }
 
+/// The connections a listener (or several, sharing a socket) may hold, and those among them
+/// that have not sent a request head yet, oldest first: the ones to close for room.
+#[derive(Debug)]
+pub struct Slots {
+    permits: Arc<Semaphore>,
+    fresh: Mutex<VecDeque<Weak<Fresh>>>,
+    max: usize,
+}
+
+/// A connection until its first request head: closed early if a newcomer needs its slot.
+#[derive(Debug, Default)]
+struct Fresh {
+    asked: AtomicBool,
+    evict: tokio::sync::Notify,
+}
+
+impl Fresh {
+    /// Resolves at `deadline`, or when the connection is picked to make room.
+    async fn cut_off(&self, deadline: Instant) {
+        tokio::select! {
+            () = tokio::time::sleep_until(deadline) => {}
+            () = self.evict.notified() => tracing::debug!("closing a connection with no request yet to make room"),
+        }
+    }
+}
+
+impl Slots {
+    /// Room for `max` connections (at least 1).
+    pub fn new(max: usize) -> Arc<Self> {
+        let max = max.max(1);
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(max)),
+            fresh: Mutex::default(),
+            max,
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Weak<Fresh>>> {
+        self.fresh
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Lists a new connection as one to close first for room, until it asks for something.
+    fn register(&self, fresh: &Arc<Fresh>) {
+        let mut list = self.lock();
+        list.push_back(Arc::downgrade(fresh));
+        if list.len() > 2 * self.max + 64 {
+            // Connections that asked or ended stay listed until here: now and then, drop them.
+            list.retain(|w| {
+                w.upgrade()
+                    .is_some_and(|f| !f.asked.load(Ordering::Acquire))
+            });
+        }
+    }
+
+    /// Asks the oldest connection that has not sent a request head yet to close; false when
+    /// there is none.
+    fn evict_one(&self) -> bool {
+        let mut list = self.lock();
+        while let Some(weak) = list.pop_front() {
+            if let Some(fresh) = weak.upgrade()
+                && !fresh.asked.load(Ordering::Acquire)
+            {
+                fresh.evict.notify_one();
+                return true;
+            }
+        }
+        false
+    }
+}
+
 /// A bound socket, with TLS or without, and its limits.
 pub struct Listener {
     tcp: TcpListener,
     tls: Option<TlsAcceptor>,
     limits: Limits,
-    permits: Arc<Semaphore>,
+    slots: Arc<Slots>,
 }
 
 impl Listener {
     /// Serves `tcp` in plain HTTP, or HTTPS with `tls`, within `limits`.
     pub fn new(tcp: TcpListener, tls: Option<TlsAcceptor>, limits: Limits) -> Self {
-        let permits = Arc::new(Semaphore::new(limits.max_connections.max(1)));
+        let slots = Slots::new(limits.max_connections);
         Self {
             tcp,
             tls,
             limits,
-            permits,
+            slots,
         }
     }
 
-    /// Counts its connections against `permits`, shared with other listeners (the workers
-    /// of one proxy, on one socket).
-    pub fn sharing(mut self, permits: Arc<Semaphore>) -> Self {
-        self.permits = permits;
+    /// Counts its connections against `slots`, shared with other listeners (the workers of
+    /// one proxy, on one socket).
+    pub fn sharing(mut self, slots: Arc<Slots>) -> Self {
+        self.slots = slots;
         self
     }
 
@@ -168,31 +244,42 @@ where
         tcp,
         tls,
         limits,
-        permits,
+        slots,
     } = listener;
     let (stop, stopped) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        // At the connection limit, wait for one to close before accepting another: the
-        // kernel's backlog holds newcomers, established connections are not disturbed.
-        let permit = tokio::select! {
-            () = &mut shutdown => break,
-            permit = permits.clone().acquire_owned() => match permit {
-                Ok(permit) => permit,
-                Err(_) => break,
-            },
-            Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+        // At the connection limit, close the oldest connection that has not asked for
+        // anything yet, and wait for a slot: the kernel's backlog holds newcomers meanwhile,
+        // and connections that asked for something are not disturbed.
+        let permit = match slots.permits.clone().try_acquire_owned() {
+            Ok(permit) => permit,
+            Err(tokio::sync::TryAcquireError::Closed) => break,
+            Err(tokio::sync::TryAcquireError::NoPermits) => {
+                slots.evict_one();
+                tokio::select! {
+                    () = &mut shutdown => break,
+                    permit = slots.permits.clone().acquire_owned() => match permit {
+                        Ok(permit) => permit,
+                        Err(_) => break,
+                    },
+                    Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+                }
+            }
         };
         tokio::select! {
             () = &mut shutdown => break,
             accepted = tcp.accept() => match accepted {
                 Ok((stream, peer)) => {
+                    let fresh = Arc::new(Fresh::default());
+                    slots.register(&fresh);
                     let conn = Conn {
                         stream,
                         tls: tls.clone(),
                         limits,
                         stop: stopped.clone(),
+                        fresh,
                     };
                     let service = make(peer);
                     connections.spawn(async move {
@@ -233,6 +320,7 @@ struct Conn {
     tls: Option<TlsAcceptor>,
     limits: Limits,
     stop: watch::Receiver<bool>,
+    fresh: Arc<Fresh>,
 }
 
 /// The HTTP/2 client preface: a plain-text connection that starts with it speaks h2c.
@@ -249,31 +337,36 @@ impl Conn {
             tls,
             limits,
             stop,
+            fresh,
         } = self;
         let _ = stream.set_nodelay(true);
         let deadline = Instant::now() + limits.header_timeout;
         // A request head has arrived once the service is first called.
-        let asked = Arc::new(AtomicBool::new(false));
         let service = Marked {
             inner: service,
-            asked: asked.clone(),
+            fresh: fresh.clone(),
         };
         match tls {
             Some(acceptor) => {
-                let Ok(Ok(stream)) =
-                    tokio::time::timeout_at(deadline, acceptor.accept(stream)).await
-                else {
-                    return; // no handshake in time, or a failed one: nothing to answer
+                let stream = tokio::select! {
+                    accepted = acceptor.accept(stream) => match accepted {
+                        Ok(stream) => stream,
+                        Err(_) => return, // a failed handshake: nothing to answer
+                    },
+                    () = fresh.cut_off(deadline) => return,
                 };
                 let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
-                drive(stream, h2, service, limits, deadline, asked, stop).await;
+                drive(stream, h2, service, limits, deadline, fresh, stop).await;
             }
             None => {
-                let Ok(Some(h2)) = tokio::time::timeout_at(deadline, speaks_h2c(&stream)).await
-                else {
-                    return; // silent until the deadline, or gone
+                let h2 = tokio::select! {
+                    h2 = speaks_h2c(&stream) => match h2 {
+                        Some(h2) => h2,
+                        None => return, // gone
+                    },
+                    () = fresh.cut_off(deadline) => return, // silent until the deadline
                 };
-                drive(stream, h2, service, limits, deadline, asked, stop).await;
+                drive(stream, h2, service, limits, deadline, fresh, stop).await;
             }
         }
     }
@@ -308,7 +401,7 @@ async fn drive<I, S, B>(
     service: Marked<S>,
     limits: Limits,
     deadline: Instant,
-    asked: Arc<AtomicBool>,
+    fresh: Arc<Fresh>,
     mut stop: watch::Receiver<bool>,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -333,8 +426,8 @@ async fn drive<I, S, B>(
         Box::pin(builder.serve_connection(io, service))
     };
     let first_head = async {
-        tokio::time::sleep_until(deadline).await;
-        if asked.load(Ordering::Acquire) {
+        fresh.cut_off(deadline).await;
+        if fresh.asked.load(Ordering::Acquire) {
             std::future::pending::<()>().await; // in time: no more deadline
         }
     };
@@ -390,7 +483,7 @@ where
 #[derive(Clone)]
 struct Marked<S> {
     inner: S,
-    asked: Arc<AtomicBool>,
+    fresh: Arc<Fresh>,
 }
 
 impl<S, R> hyper::service::Service<R> for Marked<S>
@@ -402,7 +495,7 @@ where
     type Future = S::Future;
 
     fn call(&self, req: R) -> Self::Future {
-        self.asked.store(true, Ordering::Release);
+        self.fresh.asked.store(true, Ordering::Release);
         self.inner.call(req)
     }
 }

@@ -179,6 +179,9 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     });
     config.drain_timeout = a.drain_timeout;
     config.upstream_timeout = a.upstream_timeout;
+    config.body_timeout = a.body_timeout;
+    config.unknown_outcome_hold = a.unknown_outcome_hold.unwrap_or(a.upstream_timeout);
+    config.max_buffered_bytes = usize::try_from(a.max_buffered_bytes).unwrap_or(usize::MAX);
     config.preserve_host = a.preserve_host;
     config.verifier = verifier;
     config.upstream_ca_cert = a.upstream_ca_cert;

@@ -2,8 +2,10 @@
 //! processes using the library's `Lease` and `FencingLayer`, an upstream that logs every
 //! effect it receives, and randomized faults from a printed seed: workers stopped (SIGSTOP)
 //! past their lease, the proxy and the lease server killed (SIGKILL) and restarted, the
-//! server's clock jumping, more workers than jobs, a slow upstream, and requests held up
-//! between being stamped and being sent. A history checker then looks for any effect applied
+//! server's clock jumping, more workers than jobs, a slow upstream, requests held up
+//! between being stamped and being sent, and clients that stall their body mid-request or
+//! disconnect mid-body (the upstream logs a request as an effect the moment its head
+//! arrives, the harshest reading of a partial request). A history checker then looks for any effect applied
 //! after a newer token's effect, reused generations and acknowledged writes that never
 //! landed. A negative control runs the same with fencing disabled and must find violations.
 //!
@@ -112,14 +114,29 @@ async fn fault_worker() {
         let mut svc = ServiceBuilder::new()
             .layer(lease.fencing_layer())
             .service(net);
-        for _ in 0..1 + rng.below(6) {
+        // Now and then, a request whose body stalls mid-way, or that is cut mid-body: the
+        // newer holder of this job must not wait on it for longer than the body deadline.
+        if let (0, Some(token)) = (rng.below(6), lease.token_string()) {
+            let cut = rng.below(2) == 0;
+            let keyed = rng.below(2) == 0;
+            let stall = Duration::from_millis(rng.below(3 * TTL_MS));
+            misbehave(proxy, &job, &token, cut, keyed, stall);
+            println!("MISBEHAVED {job} {generation}");
+        }
+        for i in 0..1 + rng.below(6) {
             seq += 1;
             let req = Request::post(format!("{proxy}/effects"))
                 .header("x-worker", id)
                 .header("x-seq", seq)
                 .body(Full::new(Bytes::from(format!("w{id} s{seq}"))))
                 .unwrap();
-            match svc.ready().await.unwrap().call(req).await {
+            let sent = Instant::now();
+            let result = svc.ready().await.unwrap().call(req).await;
+            if i == 0 {
+                // The first write of a generation is the one that raises the job at the proxy.
+                println!("FIRSTLAT {}", sent.elapsed().as_millis());
+            }
+            match result {
                 Ok(resp) if resp.status().is_success() => {
                     println!("ACK {job} {generation} {id} {seq}")
                 }
@@ -138,6 +155,31 @@ async fn fault_worker() {
             }
         }
     }
+}
+
+/// A client that sends a fenced request's head and 10 of its 100 body bytes, then either
+/// closes at once (`cut`) or goes silent for `stall` before closing; in a task of its own, so
+/// the worker goes on meanwhile.
+fn misbehave(proxy: &str, job: &str, token: &str, cut: bool, keyed: bool, stall: Duration) {
+    use tokio::io::AsyncWriteExt;
+    let addr = proxy.trim_start_matches("http://").to_owned();
+    let key = if keyed {
+        format!("Idempotency-Key: stall-{}\r\n", std::process::id())
+    } else {
+        String::new()
+    };
+    let head = format!(
+        "POST /effects HTTP/1.1\r\nHost: x\r\nX-Fencing-Job: {job}\r\nX-Fencing-Token: {token}\r\nx-worker: 0\r\nx-seq: 0\r\n{key}Content-Length: 100\r\n\r\n0123456789"
+    );
+    tokio::spawn(async move {
+        let Ok(mut stream) = tokio::net::TcpStream::connect(&addr).await else {
+            return;
+        };
+        if stream.write_all(head.as_bytes()).await.is_err() || cut {
+            return;
+        }
+        tokio::time::sleep(stall).await;
+    });
 }
 
 // ------------------------------------------------------------------------------------------
@@ -241,9 +283,21 @@ struct Report {
     reused_generations: Vec<String>,
     lost_acks: Vec<String>,
     claims: usize,
+    /// How long the first write of each generation took, in ms (it waits for older
+    /// requests of its job, stalled ones included).
+    first_latencies: Vec<u64>,
 }
 
 impl Report {
+    /// The 99th percentile of the first writes' latencies, in ms (0 without any).
+    fn first_write_p99(&self) -> u64 {
+        let mut v = self.first_latencies.clone();
+        v.sort_unstable();
+        v.get((v.len() * 99 / 100).min(v.len().saturating_sub(1)))
+            .copied()
+            .unwrap_or(0)
+    }
+
     fn violations(&self) -> usize {
         self.stale_effects.len() + self.reused_generations.len()
     }
@@ -276,6 +330,11 @@ impl Report {
             "{:<40} {:>8}",
             "lost acknowledgements",
             self.lost_acks.len()
+        );
+        println!(
+            "{:<40} {:>8}",
+            "newer holder's first write, p99 ms",
+            self.first_write_p99()
         );
         for v in self
             .stale_effects
@@ -331,6 +390,13 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
                     .or_default() += 1
             }
             ["NETERR", ..] => *report.outcomes.entry("network error".into()).or_default() += 1,
+            ["FIRSTLAT", ms] => report.first_latencies.push(ms.parse().unwrap_or(0)),
+            ["MISBEHAVED", ..] => {
+                *report
+                    .outcomes
+                    .entry("stalled or cut a body".into())
+                    .or_default() += 1
+            }
             _ => {}
         }
     }
@@ -376,6 +442,8 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
             sink.to_str().unwrap().into(),
             "--drain-timeout".into(),
             "2s".into(),
+            "--body-timeout".into(),
+            "1s".into(),
         ];
         if !fencing {
             args.push("--unsafe-no-fence".into());
@@ -580,6 +648,13 @@ async fn fenced_run_has_no_violations() {
         report.lost_acks.is_empty(),
         "seed {seed}: {:?}",
         report.lost_acks
+    );
+    // Stalled bodies are cut at the 1 s body deadline; nothing else may hold a newer holder
+    // up for longer than the 2 s drain limit plus scheduling slack.
+    assert!(
+        report.first_write_p99() < 3_000,
+        "seed {seed}: the newer holder's first write took {} ms at p99",
+        report.first_write_p99()
     );
 }
 

@@ -32,6 +32,13 @@ pub struct ProxyConfig {
     /// How long the upstream may take to answer with a response head (default 60 s); then
     /// the client gets 504 and the upstream connection is closed.
     pub upstream_timeout: Duration,
+    /// How long a fenced request's body may take to arrive after admission (default 30 s).
+    pub body_timeout: Duration,
+    /// How long a request of unknown outcome still counts as in flight (default 60 s, the
+    /// upstream timeout's default).
+    pub unknown_outcome_hold: Duration,
+    /// The most bytes of bodies the fence holds at once (default 256 MiB).
+    pub max_buffered_bytes: usize,
     /// How long a kept-alive upstream connection may stay unused and still be reused
     /// (default 90 s). Older ones are closed: a firewall or NAT on the way may have dropped
     /// them without a word, and a request sent on one would wait for `upstream_timeout`.
@@ -63,6 +70,9 @@ impl ProxyConfig {
             drain_timeout: Duration::from_secs(10),
             store_timeout: Duration::from_secs(5),
             upstream_timeout: Duration::from_secs(60),
+            body_timeout: Duration::from_secs(30),
+            unknown_outcome_hold: Duration::from_secs(60),
+            max_buffered_bytes: 256 << 20,
             upstream_idle_timeout: Duration::from_secs(90),
             preserve_host: false,
             verifier: None,

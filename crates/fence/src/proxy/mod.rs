@@ -46,7 +46,7 @@ use anyhow::Context as _;
 use fence_sink::{FenceLayer, GenerationStore, IdempotencyStore};
 use tokio::{
     net::TcpListener,
-    sync::{Semaphore, mpsc, watch},
+    sync::{mpsc, watch},
 };
 
 pub use self::{
@@ -87,7 +87,10 @@ where
         // A client that goes away must not cancel an admitted request before the upstream
         // answered: the fence counts it in flight until then (`docs/protocol.md` section 3, "in flight").
         .run_to_completion()
-        .drain_timeout(config.drain_timeout);
+        .drain_timeout(config.drain_timeout)
+        .body_timeout(config.body_timeout)
+        .unknown_outcome_hold(config.unknown_outcome_hold)
+        .max_buffered_bytes(config.max_buffered_bytes);
     layer = if config.require_token {
         layer.require_token()
     } else {
@@ -113,7 +116,7 @@ where
         .context("taking the listening socket off the runtime")?;
     let workers = config.workers.max(1);
     // One connection limit for the whole proxy, whichever worker accepts.
-    let permits = Arc::new(Semaphore::new(config.limits.max_connections.max(1)));
+    let slots = crate::listen::Slots::new(config.limits.max_connections);
     let tls = config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     let (stop, stopped) = watch::channel(false);
     let (ended, mut ends) = mpsc::unbounded_channel::<anyhow::Result<()>>();
@@ -126,7 +129,7 @@ where
                     listener,
                     tls: tls.clone(),
                     limits: config.limits,
-                    permits: permits.clone(),
+                    slots: slots.clone(),
                     layer: layer.clone(),
                     target: target.clone(),
                     timeout: config.upstream_timeout,

@@ -100,6 +100,11 @@ impl Upstream {
                 self.outcomes.unavailable.record(started);
                 let (cause, maybe_seen) = match &failed {
                     SendFailed::Connect(e) => (error_chain(e.as_ref()), false),
+                    // The client's body failed (cut at the body deadline, or the client went
+                    // away mid-body): the upstream saw the head and a prefix of the body,
+                    // never a whole request, and the connection is closed without
+                    // completing it. Not an unknown outcome.
+                    SendFailed::Request(e) if client_body_failed(e) => (error_chain(e), false),
                     SendFailed::Request(e) => (error_chain(e), true),
                 };
                 tracing::warn!(upstream = %self.target.display, error = %cause, "upstream failed");
@@ -129,6 +134,22 @@ impl Upstream {
             }
         }
     }
+}
+
+/// Whether `e` came from the request body on our side (the client's body failed, or the
+/// fence cut it at the body deadline) rather than from the upstream or the connection.
+fn client_body_failed(e: &hyper::Error) -> bool {
+    if e.is_user() {
+        return true;
+    }
+    let mut source: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    while let Some(err) = source {
+        if err.is::<fence_sink::BodyTimeout>() {
+            return true;
+        }
+        source = err.source();
+    }
+    false
 }
 
 fn problem(p: Problem) -> Response<UpstreamBody> {

@@ -8,7 +8,7 @@ use http::{Request, Response};
 use hyper::body::Incoming;
 use tokio::{
     net::TcpListener,
-    sync::{Semaphore, mpsc, watch},
+    sync::{mpsc, watch},
 };
 
 use crate::listen::{Limits, Listener};
@@ -26,7 +26,7 @@ pub(super) struct Worker<St> {
     pub(super) tls: Option<tokio_rustls::TlsAcceptor>,
     pub(super) limits: Limits,
     /// The proxy's one connection limit, shared with the other workers.
-    pub(super) permits: Arc<Semaphore>,
+    pub(super) slots: Arc<crate::listen::Slots>,
     pub(super) layer: FenceLayer<St>,
     pub(super) target: Arc<Target>,
     pub(super) timeout: Duration,
@@ -63,7 +63,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 proto: http::HeaderValue::from_static(proto),
                 _running: running,
             });
-            let listener = Listener::new(listener, self.tls, self.limits).sharing(self.permits);
+            let listener = Listener::new(listener, self.tls, self.limits).sharing(self.slots);
             let mut stopped = self.stopped;
             let shutdown = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;

@@ -213,12 +213,16 @@ impl Log {
 
 /// [`start_ready`] with `RUST_LOG=rust_log`, keeping every line of stderr.
 pub fn start_logged(args: &[&str], rust_log: &str) -> (Proc, String, Log) {
-    let mut child = Command::new(FENCE)
-        .args(args)
-        .env("RUST_LOG", rust_log)
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut command = Command::new(FENCE);
+    command.args(args).env("RUST_LOG", rust_log);
+    start_command(command)
+}
+
+/// Starts `command` (a fence listener, perhaps under a wrapper such as `prlimit`) and waits
+/// for its "ready" line; returns it with its address and everything it writes on stderr.
+pub fn start_command(mut command: Command) -> (Proc, String, Log) {
+    let args = format!("{command:?}");
+    let mut child = command.stderr(Stdio::piped()).spawn().unwrap();
     let mut lines = BufReader::new(child.stderr.take().unwrap()).lines();
     let log = Log::default();
     let addr = loop {

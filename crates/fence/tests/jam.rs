@@ -1,0 +1,355 @@
+//! The attacks of issue 15 against the real binaries: a body that never finishes, thousands
+//! of idle connections, a slowloris, an HTTP/2 stream flood, and tokens of neither syntax.
+
+mod common;
+
+use std::{
+    io::{BufRead, BufReader, Read, Write},
+    net::TcpStream,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::{Duration, Instant},
+};
+
+use common::*;
+
+/// Sends a request head (and `body_prefix`) and keeps the connection open without finishing
+/// the body: a stalled or partitioned client.
+fn stall(addr: &str, token: u64, key: Option<&str>, body_prefix: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(20)))
+        .unwrap();
+    let key = key.map_or(String::new(), |k| format!("Idempotency-Key: {k}\r\n"));
+    write!(
+        stream,
+        "POST /charge HTTP/1.1\r\nHost: x\r\nX-Fencing-Job: j\r\nX-Fencing-Token: {token}\r\n{key}Content-Length: 1000\r\n\r\n{body_prefix}"
+    )
+    .unwrap();
+    stream
+}
+
+/// The status line of whatever the server answers on `stream` (empty when it just closes).
+fn answer(mut stream: TcpStream) -> String {
+    let mut text = String::new();
+    let _ = stream.read_to_string(&mut text);
+    text
+}
+
+fn post(addr: &str, token: &str) -> u16 {
+    http_status(
+        addr,
+        "POST",
+        "/charge",
+        &[
+            ("X-Fencing-Job", "j".to_owned()),
+            ("X-Fencing-Token", token.to_owned()),
+        ],
+    )
+}
+
+fn slow_body_case(key: Option<&str>) {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = format!("http://{}", start_upstream());
+    let (_proxy, proxy) = start_proxy_with(
+        &upstream,
+        &[
+            "--data-dir",
+            dir.path().to_str().unwrap(),
+            "--body-timeout",
+            "2s",
+            "--drain-timeout",
+            "10s",
+        ],
+    );
+    assert_eq!(post(&proxy, "1"), 200);
+    let stuck = stall(&proxy, 1, key, "0123456789");
+    std::thread::sleep(Duration::from_millis(200)); // admitted, reading the body
+    let started = Instant::now();
+    let newer = std::thread::spawn({
+        let proxy = proxy.clone();
+        move || post(&proxy, "2")
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    // Token 2 raised the job at once: the old holder cannot start anything new.
+    assert_eq!(post(&proxy, "1"), 409, "{key:?}");
+    assert_eq!(newer.join().unwrap(), 200, "{key:?}");
+    let waited = started.elapsed();
+    assert!(
+        waited < Duration::from_millis(2_900),
+        "{key:?}: the newer holder waited {waited:?}, more than the 2 s body deadline allows"
+    );
+    let text = answer(stuck);
+    assert!(
+        text.starts_with("HTTP/1.1 408") && text.contains("urn:fence:body-timeout"),
+        "{key:?}: {text}"
+    );
+}
+
+#[test]
+fn a_body_that_never_finishes_delays_the_newer_holder_by_the_body_deadline_at_most() {
+    slow_body_case(Some("k1")); // buffered: the upstream never sees it
+    slow_body_case(None); // streamed: the upstream sees a prefix, never a whole request
+}
+
+/// Raises this process's open-file limit (its children inherit it) to `want`, or as far as
+/// the hard limit allows.
+fn raise_nofile(want: u64) -> u64 {
+    use nix::sys::resource::{Resource, getrlimit, setrlimit};
+    let (soft, hard) = getrlimit(Resource::RLIMIT_NOFILE).unwrap();
+    let target = want.min(hard).max(soft);
+    setrlimit(Resource::RLIMIT_NOFILE, target, hard).unwrap();
+    target
+}
+
+/// The server runs with only 256 open files (`prlimit`), as a small container might: its
+/// default connection cap keeps it from running out, the 2,000 idle connections wait in
+/// the backlog or are cut at the header timeout, a newcomer is served within that timeout,
+/// and the worker's kept-alive connection renews throughout. With a cap of 100, the same.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn two_thousand_idle_connections_do_not_cost_a_worker_its_lease() {
+    use fence_lease::{HttpLeaseStore, LeaseClient, Ttl};
+    assert!(
+        raise_nofile(8_192) >= 2_500,
+        "the test needs 2,500 open files"
+    );
+    let dir = tempfile::tempdir().unwrap();
+    for cap in [None, Some("100")] {
+        let mut command = std::process::Command::new("prlimit");
+        command
+            .args([
+                "--nofile=256:256",
+                FENCE,
+                "server",
+                "--listen",
+                "127.0.0.1:0",
+            ])
+            .arg("--data-dir")
+            .arg(dir.path())
+            .args(["--header-timeout", "3s"])
+            .env("RUST_LOG", "info");
+        if let Some(cap) = cap {
+            command.args(["--max-connections", cap]);
+        }
+        let (_server, addr, _log) = start_command(command);
+        let store = HttpLeaseStore::new(&format!("http://{addr}")).unwrap();
+        let client = LeaseClient::new(store).ttl(Ttl::from_millis(2_000).unwrap());
+        let job = format!("busy-{}", cap.unwrap_or("default"));
+        let lease = client.claim(job.parse().unwrap()).await.unwrap();
+        let view = lease.view();
+        let mut idle = Vec::new();
+        for _ in 0..2_000 {
+            // Beyond the cap the rest wait in the kernel's backlog; once that is full too,
+            // connecting hangs: enough then.
+            match tokio::time::timeout(
+                Duration::from_millis(200),
+                tokio::net::TcpStream::connect(&addr),
+            )
+            .await
+            {
+                Ok(Ok(c)) => idle.push(c),
+                _ => break,
+            }
+        }
+        assert!(
+            idle.len() >= 200,
+            "{cap:?}: {} idle connections",
+            idle.len()
+        );
+        // A newcomer on a fresh connection takes the place of an idle one at once, long
+        // before the 3 s header timeout would have freed one.
+        let started = std::time::Instant::now();
+        let fresh = LeaseClient::new(HttpLeaseStore::new(&format!("http://{addr}")).unwrap());
+        let other = fresh.claim(format!("{job}-new").parse().unwrap()).await;
+        assert!(other.is_ok(), "{cap:?}: a new claim failed: {other:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{cap:?}: a new claim took {:?}, behind the idle ones",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_secs(5)).await; // 2.5 TTLs
+        assert!(
+            !view.is_lost(),
+            "{cap:?}: lost with {} idle connections: {:?}",
+            idle.len(),
+            view.loss_reason()
+        );
+        drop(idle);
+        lease.release().await.unwrap();
+    }
+}
+
+#[test]
+fn a_slowloris_is_cut_off_at_the_header_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, addr) = start_ready(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--header-timeout",
+        "2s",
+    ]);
+    let mut stream = TcpStream::connect(&addr).unwrap();
+    let started = Instant::now();
+    let head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";
+    let mut cut_at = None;
+    for byte in head {
+        if stream.write_all(&[*byte]).is_err() {
+            cut_at = Some(started.elapsed());
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+    let cut_at = cut_at.unwrap_or_else(|| {
+        // Writes may succeed into the socket buffer after the close: reading tells.
+        let mut buf = [0u8; 64];
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let n = stream.read(&mut buf).unwrap_or(0);
+        assert_eq!(n, 0, "the server answered a slowloris");
+        started.elapsed()
+    });
+    assert!(
+        cut_at < Duration::from_millis(3_500),
+        "the connection lived {cut_at:?} sending a byte every 250 ms"
+    );
+    // The server still answers others.
+    assert_eq!(http_status(&addr, "GET", "/healthz", &[]), 200);
+}
+
+/// An upstream that takes 300 ms per request and remembers how many it ran at once.
+fn slow_upstream() -> (String, Arc<AtomicUsize>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let now = Arc::new(AtomicUsize::new(0));
+    let max = Arc::new(AtomicUsize::new(0));
+    let seen = max.clone();
+    std::thread::spawn(move || {
+        for stream in listener.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            let (now, max) = (now.clone(), max.clone());
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                loop {
+                    let mut line = String::new();
+                    loop {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if line == "\r\n" {
+                            break;
+                        }
+                    }
+                    let running = now.fetch_add(1, Ordering::SeqCst) + 1;
+                    max.fetch_max(running, Ordering::SeqCst);
+                    std::thread::sleep(Duration::from_millis(300));
+                    now.fetch_sub(1, Ordering::SeqCst);
+                    if stream
+                        .write_all(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+                        .is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, seen)
+}
+
+/// One raw HTTP/2 frame.
+fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
+    let len = u32::try_from(payload.len()).unwrap().to_be_bytes();
+    let mut f = vec![len[1], len[2], len[3], kind, flags];
+    f.extend_from_slice(&stream.to_be_bytes());
+    f.extend_from_slice(payload);
+    f
+}
+
+#[test]
+fn an_h2c_stream_flood_is_held_to_the_stream_limit() {
+    let dir = tempfile::tempdir().unwrap();
+    let (upstream, ran_at_once) = slow_upstream();
+    let (_proxy, proxy) = start_proxy_with(
+        &format!("http://{upstream}"),
+        &[
+            "--data-dir",
+            dir.path().to_str().unwrap(),
+            "--h2-max-streams",
+            "10",
+        ],
+    );
+    // A client that ignores the server's SETTINGS: 200 GET streams at once on one connection.
+    let mut stream = TcpStream::connect(&proxy).unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(frame(0x4, 0, 0, &[])); // SETTINGS, empty
+    // HPACK, static table: :method GET (0x82), :scheme http (0x86), :path / (0x84),
+    // :authority "x" (literal, indexed name 1).
+    let headers = [0x82, 0x86, 0x84, 0x41, 0x01, b'x'];
+    for i in 0..200u32 {
+        out.extend(frame(0x1, 0x4 | 0x1, 2 * i + 1, &headers)); // END_HEADERS | END_STREAM
+    }
+    stream.write_all(&out).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    // Read frames until every stream is answered or refused, or the connection ends.
+    let (mut refused, mut answered, mut goaway) = (0, 0, false);
+    let started = Instant::now();
+    while refused + answered < 200 && !goaway && started.elapsed() < Duration::from_secs(15) {
+        let mut head = [0u8; 9];
+        if stream.read_exact(&mut head).is_err() {
+            break;
+        }
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0u8; len];
+        stream.read_exact(&mut payload).unwrap();
+        match head[3] {
+            0x1 if head[4] & 0x1 != 0 => answered += 1, // HEADERS ending the stream
+            0x0 if head[4] & 0x1 != 0 => answered += 1, // DATA ending the stream
+            0x3 => refused += 1,                        // RST_STREAM
+            0x7 => goaway = true,
+            0x4 if head[4] & 0x1 == 0 => {
+                stream.write_all(&frame(0x4, 0x1, 0, &[])).unwrap(); // SETTINGS ACK
+            }
+            _ => {}
+        }
+    }
+    let at_once = ran_at_once.load(Ordering::SeqCst);
+    assert!(
+        at_once <= 10,
+        "{at_once} requests ran upstream at once on one connection with --h2-max-streams 10"
+    );
+    assert!(
+        refused > 0 || goaway,
+        "the flood was neither refused nor cut: answered {answered}, refused {refused}"
+    );
+}
+
+#[test]
+fn tokens_of_neither_syntax_are_400_without_verify_keys() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = start_upstream();
+    let (_proxy, proxy) = start_proxy(dir.path(), &upstream);
+    let sig85 = "A".repeat(85);
+    for token in [
+        "1.5",
+        "7.",
+        "7.x",
+        "7.1.",
+        &format!("7.1700000000000.{sig85}"),
+        "07",
+        "+7",
+        "7 7",
+    ] {
+        assert_eq!(post(&proxy, token), 400, "{token:?}");
+    }
+    let sig86 = "A".repeat(86);
+    assert_eq!(post(&proxy, &format!("7.1700000000000.{sig86}")), 200);
+}
