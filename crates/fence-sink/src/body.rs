@@ -70,7 +70,14 @@ pin_project! {
     #[project = KindProj]
     enum Kind<B> {
         Inner { #[pin] body: B },
-        Timed { #[pin] body: B, #[pin] sleep: Sleep, limit: Duration, fired: Arc<AtomicBool> },
+        Timed {
+            #[pin] body: B,
+            // Made when the body first has to wait: a body that is all there never needs it.
+            sleep: Option<Pin<Box<Sleep>>>,
+            deadline: Instant,
+            limit: Duration,
+            fired: Arc<AtomicBool>,
+        },
         Bytes { bytes: Option<Bytes>, held: Option<Reservation> },
         Prefixed {
             prefix: Option<Bytes>,
@@ -108,7 +115,8 @@ impl<B> RequestBody<B> {
         Self {
             kind: Kind::Timed {
                 body,
-                sleep: tokio::time::sleep_until(deadline),
+                sleep: None,
+                deadline,
                 limit,
                 fired,
             },
@@ -178,6 +186,7 @@ where
         KindProj::Timed {
             body,
             sleep,
+            deadline,
             limit,
             fired,
         } => {
@@ -185,7 +194,11 @@ where
                 return Poll::Ready(None); // the error was the body's last frame
             }
             match body.poll_frame(cx) {
-                Poll::Pending => match sleep.poll(cx) {
+                Poll::Pending => match sleep
+                    .get_or_insert_with(|| Box::pin(tokio::time::sleep_until(*deadline)))
+                    .as_mut()
+                    .poll(cx)
+                {
                     Poll::Ready(()) => {
                         fired.store(true, Ordering::Relaxed);
                         Poll::Ready(Some(Err(BodyTimeout { limit: *limit }.into())))

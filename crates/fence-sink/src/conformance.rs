@@ -37,6 +37,7 @@ macro_rules! sink_store_conformance {
             too_large_is_not_replayable,
             in_flight_and_retention_expire,
             keys_are_scoped_per_job,
+            idle_jobs_are_listed_oldest_first_and_forgotten_only_if_unchanged,
         );
     };
 }
@@ -341,4 +342,55 @@ pub async fn keys_are_scoped_per_job<S: IdempotencyStore>(store: S, _advance: Ad
         store.begin(at(&job("idem-y"), &k, &f), LONG).await.unwrap(),
         Begin::InFlight
     );
+}
+
+/// Jobs stamped long enough ago are listed oldest first, in pages; one is deleted only while
+/// its stamp is the one listed (nothing accepted since), and then reads as never seen.
+pub async fn idle_jobs_are_listed_oldest_first_and_forgotten_only_if_unchanged<
+    S: GenerationStore,
+>(
+    store: S,
+    advance: Advance,
+) {
+    // Stamps are milliseconds of the store's clock (a manual one, or the database's).
+    let tick = || async {
+        advance(Duration::from_millis(3));
+        tokio::time::sleep(Duration::from_millis(3)).await;
+    };
+    let (a, b, c) = (job("idle-a"), job("idle-b"), job("idle-c"));
+    for (j, t) in [(&a, 3), (&b, 5), (&c, 7)] {
+        assert_eq!(store.observe(j, g(t)).await.unwrap(), Verdict::Accepted);
+        tick().await;
+    }
+    assert!(
+        store.idle(LONG, None, 10).await.unwrap().is_empty(),
+        "nothing is an hour old"
+    );
+    let all = store.idle(Duration::ZERO, None, 10).await.unwrap();
+    let jobs: Vec<&JobId> = all.iter().map(|i| &i.job).collect();
+    assert_eq!(jobs, [&a, &b, &c], "oldest first");
+    let first = store.idle(Duration::ZERO, None, 2).await.unwrap();
+    let rest = store.idle(Duration::ZERO, first.last(), 2).await.unwrap();
+    assert_eq!(
+        first.len() + rest.len(),
+        3,
+        "pages cover all: {first:?} {rest:?}"
+    );
+    assert_eq!(rest[0].job, c);
+    // b is accepted again (a higher token): its listed stamp is out of date.
+    tick().await;
+    assert_eq!(store.observe(&b, g(6)).await.unwrap(), Verdict::Accepted);
+    assert!(
+        !store.forget(&all[1]).await.unwrap(),
+        "b changed since it was listed"
+    );
+    assert_eq!(store.highest(&b).await.unwrap(), g(6));
+    assert!(store.forget(&all[0]).await.unwrap());
+    assert!(!store.forget(&all[0]).await.unwrap(), "already gone");
+    assert_eq!(
+        store.highest(&a).await.unwrap(),
+        Generation::ZERO,
+        "a reads as never seen"
+    );
+    assert_eq!(store.observe(&a, g(1)).await.unwrap(), Verdict::Accepted);
 }

@@ -32,12 +32,14 @@ pub use store::postgres;
 pub mod conformance;
 
 pub use body::{BodyTimeout, FenceBody, RequestBody, ResponseBody};
-pub use fence::{Fence, FenceLayer, FencePredicate, Fenced, Maintenance, ResponseFuture};
+pub use fence::{
+    Fence, FenceLayer, FencePredicate, Fenced, ForgetError, Maintenance, ResponseFuture,
+};
 pub use fence_storage::BoxError;
 pub use gate::CacheStats;
 pub use idempotency::IdempotencyConfig;
 pub use outcome::OutcomeUnknown;
 pub use store::{
-    Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, MemoryStore, SledStore,
-    StoreError, StoredResponse, Verdict,
+    Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, IdleJob, MemoryStore,
+    SledStore, StoreError, StoredResponse, Verdict,
 };

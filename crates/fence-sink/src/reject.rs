@@ -78,6 +78,17 @@ pub(crate) fn stale(
         .with_highest(highest.get())
 }
 
+pub(crate) fn expired(job: JobId, token: FencingToken, expires_at_ms: u64) -> Problem {
+    let detail = format!(
+        "job {job}: token {token} belongs to a lease that ended at {expires_at_ms} ms (Unix time, lease server's clock), beyond the allowed clock skew; a newer holder may have the job: stop work on it"
+    );
+    tracing::info!(job = %job, generation = token.get(), expires_at_ms, "expired token rejected");
+    Problem::new(ProblemType::TokenExpired, detail)
+        .with_job(job)
+        .with_token(token.get())
+        .with_expires_at_ms(expires_at_ms)
+}
+
 pub(crate) fn drain_timeout(job: JobId, token: FencingToken, highest: Generation) -> Problem {
     let detail = format!(
         "job {job}: token {token} was newer than every token before it, so older tokens are refused from now on, but requests with older tokens were still in flight when the drain limit ran out; retry"

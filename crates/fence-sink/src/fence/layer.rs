@@ -16,6 +16,31 @@ use crate::{
     GenerationStore, IdempotencyConfig, IdempotencyStore,
     gate::{CacheStats, Gates, Limits},
 };
+use fence_storage::clock::{Clock, SystemClock};
+
+/// Why [`FenceLayer::forget_after`] refused a setting: forgetting is safe only when every
+/// token of an older generation has expired by then (contract section 8).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
+pub enum ForgetError {
+    /// No verify keys: an unsigned token carries no expiry the sink can trust.
+    #[error(
+        "forgetting jobs needs signed tokens: without verify keys a stale token cannot be told from a live one once its job is forgotten"
+    )]
+    Unsigned,
+    /// Shorter than the longest lease plus twice the clock skew.
+    #[error(
+        "forget-after {after:?} is shorter than the longest lease TTL ({max_ttl:?}) plus twice the clock skew ({skew:?}): a stale token could still be unexpired when its job is forgotten"
+    )]
+    TooSoon {
+        /// The setting refused.
+        after: Duration,
+        /// The longest TTL the lease server grants.
+        max_ttl: Duration,
+        /// The allowed clock skew.
+        skew: Duration,
+    },
+}
 
 /// Wraps services in [`Fence`]. Build one layer per store and clone it: every clone shares
 /// the in-memory gates, also one whose settings a builder method changed; two layers built
@@ -85,10 +110,14 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
                 max_cached_jobs: 100_000,
                 store_timeout: Duration::from_secs(5),
                 drain_timeout: Duration::from_secs(10),
+                touch_every: None,
             },
             body_timeout: Duration::from_secs(30),
             unknown_outcome_hold: Duration::from_secs(60),
             max_buffered_bytes: 256 << 20,
+            clock: Arc::new(SystemClock::new()),
+            clock_skew: Duration::from_secs(5),
+            forget_after: None,
         };
         Self {
             shared: Arc::new(Shared {
@@ -185,6 +214,49 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         self.shared.budget.used()
     }
 
+    /// The clock a signed token's lease end is compared with (default: the system clock);
+    /// tests give a [`ManualClock`](fence_storage::clock::ManualClock).
+    pub fn clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.config().clock = clock;
+        self
+    }
+
+    /// How far the lease server's clock may be ahead of this one (default 5 s): with
+    /// [`require_signatures`](Self::require_signatures), a token whose lease ended more than
+    /// this long ago is 409 `urn:fence:token-expired`.
+    pub fn clock_skew(mut self, skew: Duration) -> Self {
+        self.config().clock_skew = skew;
+        self
+    }
+
+    /// Forgets a job with no admitted request for `after`, in memory and in the store, from
+    /// [`spawn_maintenance`](Self::spawn_maintenance)'s background task (contract section
+    /// 8). Safe only because signed tokens expire: call it after
+    /// [`require_signatures`](Self::require_signatures), with `max_ttl` the longest lease the
+    /// lease server grants (its `--max-ttl`).
+    ///
+    /// # Errors
+    /// Without verify keys, or when `after` is shorter than `max_ttl` plus twice the clock
+    /// skew (set [`clock_skew`](Self::clock_skew) first).
+    pub fn forget_after(mut self, after: Duration, max_ttl: Duration) -> Result<Self, ForgetError> {
+        let config = self.config();
+        if config.signatures.is_none() {
+            return Err(ForgetError::Unsigned);
+        }
+        let skew = config.clock_skew;
+        if after < max_ttl.saturating_add(skew.saturating_mul(2)) {
+            return Err(ForgetError::TooSoon {
+                after,
+                max_ttl,
+                skew,
+            });
+        }
+        config.forget_after = Some(after);
+        // A job in use renews its stamp in the store this often, so it is not forgotten.
+        config.limits.touch_every = Some(after / 8);
+        Ok(self)
+    }
+
     /// Keeps at most this many jobs in memory (default 100,000); idle ones beyond are evicted
     /// and reloaded from the store when needed. The cache of verified signatures has the
     /// same bound.
@@ -229,20 +301,18 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
 
     /// Starts the layer's background upkeep on the current tokio runtime: expired idempotency
     /// records are deleted every [`IdempotencyConfig::sweep_every`] (expired records are
-    /// ignored on read anyway, so this only reclaims space). It stops when the returned
-    /// handle is dropped or [`Maintenance::stop`] is called.
+    /// ignored on read anyway, so this only reclaims space), and with
+    /// [`forget_after`](Self::forget_after) idle jobs are forgotten every eighth of that
+    /// time (at most every minute), in batches. It stops when the returned handle is dropped
+    /// or [`Maintenance::stop`] is called.
     ///
     /// # Panics
     /// Outside a tokio runtime.
     #[must_use = "dropping the handle stops the upkeep"]
     pub fn spawn_maintenance(&self) -> Maintenance {
-        let every = self
-            .shared
-            .config
-            .idempotency
-            .as_ref()
-            .map(|c| c.sweep_every);
-        Maintenance::spawn(self.shared.gates.store(), every)
+        let config = &self.shared.config;
+        let sweep = config.idempotency.as_ref().map(|c| c.sweep_every);
+        Maintenance::spawn(&self.shared.gates, sweep, config.forget_after)
     }
 
     /// The store.

@@ -1,4 +1,4 @@
-//! The layer's background upkeep: sweeping expired idempotency records off the store.
+//! The layer's background upkeep: expired idempotency records, and idle jobs, off the store.
 
 use std::{
     sync::{Arc, Weak},
@@ -7,7 +7,10 @@ use std::{
 
 use tokio::task::JoinHandle;
 
-use crate::IdempotencyStore;
+use crate::{GenerationStore, IdempotencyStore, gate::Gates};
+
+/// How many idle jobs one page of a forgetting pass handles before it yields.
+const FORGET_BATCH: usize = 1_000;
 
 /// A running upkeep task of a [`FenceLayer`](crate::FenceLayer); it stops when this handle is
 /// dropped or stopped, or when the store is dropped.
@@ -17,23 +20,41 @@ pub struct Maintenance {
 }
 
 impl Maintenance {
-    /// Sweeps `store` every `every` (none: nothing to do).
-    pub(crate) fn spawn<St: IdempotencyStore>(store: &Arc<St>, every: Option<Duration>) -> Self {
-        let Some(every) = every else {
+    /// Sweeps idempotency records every `sweep`, and forgets jobs idle for `forget_after`
+    /// every eighth of it (at most a minute, at least 10 ms); none of either: nothing to do.
+    pub(crate) fn spawn<St: GenerationStore + IdempotencyStore>(
+        gates: &Arc<Gates<St>>,
+        sweep: Option<Duration>,
+        forget_after: Option<Duration>,
+    ) -> Self {
+        if sweep.is_none() && forget_after.is_none() {
             return Self { task: None };
+        }
+        let weak: Weak<Gates<St>> = Arc::downgrade(gates);
+        let every = |d: Duration| {
+            let mut tick = tokio::time::interval(d.max(Duration::from_millis(10)));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            tick
         };
-        let weak: Weak<St> = Arc::downgrade(store);
+        let mut sweeps = sweep.map(every);
+        let mut forgets = forget_after.map(|d| every((d / 8).min(Duration::from_secs(60))));
         let task = tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every.max(Duration::from_millis(10)));
-            tick.tick().await;
             loop {
-                tick.tick().await;
-                let Some(store) = weak.upgrade() else { return };
-                match store.purge_expired().await {
-                    Ok(0) => {}
-                    Ok(n) => tracing::debug!(purged = n, "expired idempotency records deleted"),
-                    Err(e) => {
-                        tracing::warn!(error = %fence_storage::error_chain(&e), "sweeping idempotency records failed");
+                let (sweep_now, forget_now) = tokio::select! {
+                    _ = async { sweeps.as_mut()?.tick().await; Some(()) }, if sweeps.is_some() => (true, false),
+                    _ = async { forgets.as_mut()?.tick().await; Some(()) }, if forgets.is_some() => (false, true),
+                };
+                let Some(gates) = weak.upgrade() else { return };
+                if sweep_now {
+                    sweep_once(&**gates.store()).await;
+                }
+                if let (true, Some(after)) = (forget_now, forget_after) {
+                    match gates.forget_idle(after, FORGET_BATCH).await {
+                        Ok(0) => {}
+                        Ok(n) => tracing::debug!(forgotten = n, "idle jobs forgotten"),
+                        Err(e) => {
+                            tracing::warn!(error = %fence_storage::error_chain(&e), "forgetting idle jobs failed");
+                        }
                     }
                 }
             }
@@ -46,6 +67,16 @@ impl Maintenance {
         if let Some(task) = self.task.take() {
             task.abort();
             let _ = task.await;
+        }
+    }
+}
+
+async fn sweep_once<St: IdempotencyStore>(store: &St) {
+    match store.purge_expired().await {
+        Ok(0) => {}
+        Ok(n) => tracing::debug!(purged = n, "expired idempotency records deleted"),
+        Err(e) => {
+            tracing::warn!(error = %fence_storage::error_chain(&e), "sweeping idempotency records failed");
         }
     }
 }

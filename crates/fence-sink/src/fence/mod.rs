@@ -29,6 +29,6 @@ mod shared;
 mod signature;
 
 pub use future::ResponseFuture;
-pub use layer::{FenceLayer, FencePredicate};
+pub use layer::{FenceLayer, FencePredicate, ForgetError};
 pub use maintenance::Maintenance;
 pub use service::{Fence, Fenced};

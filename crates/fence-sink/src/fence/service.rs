@@ -134,6 +134,14 @@ impl Config {
                 count("invalid_signature");
                 return Checked::Rejected(reject::invalid_signature(job, token, signed.is_some()));
             }
+            // Verified, so its lease end can be trusted: a lease that ended is stale.
+            if let Some(s) = &signed {
+                let skew = u64::try_from(self.clock_skew.as_millis()).unwrap_or(u64::MAX);
+                if s.expires_at_ms.saturating_add(skew) < self.clock.now_ms() {
+                    count("expired");
+                    return Checked::Rejected(reject::expired(job, token, s.expires_at_ms));
+                }
+            }
         }
         Checked::Fence { job, token, key }
     }
@@ -202,7 +210,11 @@ where
     St: GenerationStore + IdempotencyStore,
 {
     let Shared { config, gates, .. } = &*shared;
-    let guard = match gates.admit(&job, token.generation(), config.limits).await {
+    let now_ms = config.clock.now_ms();
+    let guard = match gates
+        .admit(&job, token.generation(), config.limits, now_ms)
+        .await
+    {
         Admission::Admitted(guard) => guard,
         Admission::Stale { highest, pending } => {
             count("stale");

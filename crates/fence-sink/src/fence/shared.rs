@@ -4,6 +4,8 @@ use std::{sync::Arc, time::Duration};
 
 use http::{Method, request::Parts};
 
+use fence_storage::clock::Clock;
+
 use super::signature::Signatures;
 use crate::{
     IdempotencyConfig,
@@ -31,6 +33,12 @@ pub(crate) struct Config {
     pub(crate) unknown_outcome_hold: Duration,
     /// The most bytes of bodies the layer holds at once (see [`Budget`]).
     pub(crate) max_buffered_bytes: usize,
+    /// The clock signed tokens' lease ends are compared with.
+    pub(crate) clock: Arc<dyn Clock>,
+    /// How far the lease server's clock may be ahead of this one.
+    pub(crate) clock_skew: Duration,
+    /// Forget a job with no admitted request for this long (contract section 8).
+    pub(crate) forget_after: Option<Duration>,
 }
 
 impl Config {

@@ -21,13 +21,7 @@
 //! durable write. Only gates nobody holds are evicted (`remove_if` on the map's own
 //! reference), and a new gate loads `highest` from the store before it decides.
 //!
-//! Memory: most cached jobs are idle (nothing in flight, no bump pending), and an idle job
-//! needs only its highest generation: [`Slot::Idle`], 16 bytes beside the key. A job gets a
-//! whole gate when a request needs one, and keeps it while it stays busy (a hot job's requests
-//! then cost no allocation); the jobs given a gate are listed, and after every
-//! [`COLLAPSE_EVERY`] of them one short pass over that list (not the map) turns the gates
-//! nobody holds and that are quiet back into `Slot::Idle`, with the same test as eviction:
-//! under the shard's write lock, a gate only the map holds cannot be taken by anyone.
+//! The map of gates, with idle jobs kept small, eviction and forgetting, is in [`cache`].
 
 use std::{
     sync::{
@@ -37,6 +31,8 @@ use std::{
     time::Duration,
 };
 
+mod cache;
+
 use dashmap::DashMap;
 use fence_core::{Generation, JobId};
 use tokio::{
@@ -44,6 +40,8 @@ use tokio::{
     time::Instant,
 };
 
+pub use self::cache::CacheStats;
+use self::cache::{Made, Map};
 use crate::detach::Detachable;
 use crate::store::{GenerationStore, StoreError, Verdict};
 
@@ -70,7 +68,11 @@ enum Step {
         highest: Generation,
         pending: Option<Generation>,
     },
-    Current(InFlight),
+    /// Through; with `touch`, the job's stamp is due to be renewed in the store.
+    Current {
+        guard: InFlight,
+        touch: bool,
+    },
     Bump,
     Wait,
 }
@@ -85,6 +87,8 @@ struct GateState {
     draining: usize,
     /// The token whose durable write is running, if any.
     bumping: Option<Generation>,
+    /// When the store last stamped the job, as far as this process knows (0: unknown).
+    touched_ms: u64,
 }
 
 impl GateState {
@@ -99,24 +103,6 @@ impl GateState {
     }
 }
 
-/// One job's entry in the map.
-#[derive(Debug)]
-enum Slot {
-    /// Loaded from the store, nothing in flight, no bump pending or running.
-    Idle(Generation),
-    /// Busy, or not loaded yet.
-    Active(Arc<Gate>),
-}
-
-type Map = DashMap<JobId, Slot>;
-
-/// Gates made between two collapsing passes; a pass looks at this many jobs (plus those still
-/// busy from the last one), a few tens of microseconds.
-const COLLAPSE_EVERY: usize = 256;
-
-/// At most this many jobs are evicted by one pass, so no request pays for a long scan.
-const EVICT_AT_ONCE: usize = 1024;
-
 #[derive(Debug, Default)]
 pub(crate) struct Gate {
     loaded: OnceCell<()>,
@@ -125,11 +111,12 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
-    fn idle(highest: Generation) -> Self {
+    fn idle(highest: Generation, touched_ms: u64) -> Self {
         Self {
             loaded: OnceCell::new_with(Some(())),
             state: Mutex::new(GateState {
                 highest,
+                touched_ms,
                 ..GateState::default()
             }),
             changed: Notify::new(),
@@ -140,49 +127,15 @@ impl Gate {
         self.state.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// The highest generation, when the gate holds nothing but that: loaded, nothing in
-    /// flight, no bump pending or running.
-    fn quiet(&self) -> Option<Generation> {
+    /// The highest generation and stamp, when the gate holds nothing but those: loaded,
+    /// nothing in flight, no bump pending or running.
+    fn quiet(&self) -> Option<(Generation, u64)> {
         if !self.loaded.initialized() {
             return None;
         }
         let s = self.lock();
-        (s.current == 0 && s.draining == 0 && s.bumping.is_none()).then_some(s.highest)
-    }
-}
-
-impl Slot {
-    /// The gate of a busy job; an idle one gets a fresh gate holding its highest generation
-    /// (and `made` is set).
-    fn activate(&mut self, made: &mut bool) -> Arc<Gate> {
-        match self {
-            Slot::Active(gate) => gate.clone(),
-            Slot::Idle(highest) => {
-                let gate = Arc::new(Gate::idle(*highest));
-                *self = Slot::Active(gate.clone());
-                *made = true;
-                gate
-            }
-        }
-    }
-
-    /// Whether only the map holds this entry's gate, if it has one. Checked under the shard's
-    /// write lock, the answer cannot change: nobody else can reach the gate to clone it.
-    fn unheld(&self) -> bool {
-        match self {
-            Slot::Idle(_) => true,
-            Slot::Active(gate) => Arc::strong_count(gate) == 1,
-        }
-    }
-
-    /// Turns a quiet gate that only the map holds back into [`Slot::Idle`].
-    fn collapse(&mut self) {
-        if let Slot::Active(gate) = self
-            && Arc::strong_count(gate) == 1
-            && let Some(highest) = gate.quiet()
-        {
-            *self = Slot::Idle(highest);
-        }
+        (s.current == 0 && s.draining == 0 && s.bumping.is_none())
+            .then_some((s.highest, s.touched_ms))
     }
 }
 
@@ -255,19 +208,9 @@ pub(crate) struct Limits {
     pub(crate) store_timeout: Duration,
     /// For older in-flight requests to finish before a newer generation passes.
     pub(crate) drain_timeout: Duration,
-}
-
-/// How the job cache has served lookups since the layer was built.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub struct CacheStats {
-    /// Jobs held in memory now.
-    pub cached_jobs: usize,
-    /// Fenced requests whose job was in memory.
-    pub hits: u64,
-    /// Reads of a job's highest generation from the store, to fill the cache (concurrent
-    /// requests for one uncached job share one read).
-    pub misses: u64,
+    /// When forgetting is on: how old a job's stamp in the store may get while requests are
+    /// admitted before one of them renews it (in the background).
+    pub(crate) touch_every: Option<Duration>,
 }
 
 /// All gates of one layer and its clones.
@@ -279,15 +222,6 @@ pub(crate) struct Gates<St> {
     reads: AtomicU64,
     /// Jobs given a gate since the last collapsing pass, and those still busy then.
     made: Mutex<Made>,
-}
-
-/// The jobs a collapsing pass will look at.
-#[derive(Debug, Default)]
-struct Made {
-    jobs: Vec<JobId>,
-    /// How many of `jobs` the last pass found busy and kept: the next pass waits for
-    /// [`COLLAPSE_EVERY`] new ones on top, so long-busy jobs do not make every gate trigger one.
-    carried: usize,
 }
 
 impl<St: GenerationStore> Gates<St> {
@@ -319,79 +253,6 @@ impl<St: GenerationStore> Gates<St> {
         self.map.len()
     }
 
-    fn gate(&self, job: &JobId, capacity: usize) -> Arc<Gate> {
-        self.lookups.fetch_add(1, Relaxed);
-        if let Some(slot) = self.map.get(job)
-            && let Slot::Active(gate) = &*slot
-        {
-            return gate.clone(); // a busy (or recently busy) job: no write lock, no allocation
-        }
-        let mut made = false;
-        let gate = match self.map.get_mut(job) {
-            Some(mut slot) => slot.activate(&mut made),
-            None => {
-                made = true;
-                self.map
-                    .entry(job.clone())
-                    .or_insert_with(|| Slot::Active(Arc::default()))
-                    .activate(&mut made)
-            }
-        };
-        let capacity = capacity.max(1);
-        if made {
-            let mut list = self.made.lock().unwrap_or_else(|e| e.into_inner());
-            list.jobs.push(job.clone());
-            if list.jobs.len() >= list.carried + COLLAPSE_EVERY {
-                let jobs = std::mem::take(&mut list.jobs);
-                list.carried = 0;
-                drop(list);
-                self.collapse_idle(jobs);
-            }
-        }
-        if self.map.len() > capacity {
-            self.evict(capacity);
-        }
-        gate
-    }
-
-    /// Every quiet gate nobody holds among `jobs` becomes [`Slot::Idle`]; the busy ones are
-    /// listed again for the next pass.
-    fn collapse_idle(&self, jobs: Vec<JobId>) {
-        let mut busy = Vec::new();
-        for job in jobs {
-            if let Some(mut slot) = self.map.get_mut(&job) {
-                slot.collapse();
-                if matches!(*slot, Slot::Active(_)) {
-                    drop(slot);
-                    busy.push(job);
-                }
-            }
-        }
-        if !busy.is_empty() {
-            let mut list = self.made.lock().unwrap_or_else(|e| e.into_inner());
-            list.carried += busy.len();
-            list.jobs.extend(busy);
-        }
-    }
-
-    /// Drops idle gates until the map is back under capacity, with some headroom so the scan
-    /// is paid once per many inserts.
-    fn evict(&self, capacity: usize) {
-        let target = capacity - (capacity / 16).clamp(1, EVICT_AT_ONCE).min(capacity - 1);
-        let excess = self.map.len().saturating_sub(target);
-        let idle: Vec<JobId> = self
-            .map
-            .iter()
-            .filter(|e| e.value().unheld())
-            .map(|e| e.key().clone())
-            .take(excess)
-            .collect();
-        for job in idle {
-            // Atomic with the check: nobody can take the gate between the test and the removal.
-            self.map.remove_if(&job, |_, slot| slot.unheld());
-        }
-    }
-
     async fn load(&self, gate: &Gate, job: &JobId, timeout: Duration) -> Result<(), StoreError> {
         let init = gate.loaded.get_or_try_init(|| async {
             self.reads.fetch_add(1, Relaxed);
@@ -416,7 +277,7 @@ impl<St: GenerationStore> Gates<St> {
             .map_err(|_| StoreError::Timeout(timeout))?
     }
 
-    /// Decides one request of `job` carrying `token`.
+    /// Decides one request of `job` carrying `token`, at `now_ms` by the layer's clock.
     ///
     /// Cancel-safe: a bump whose durable write has started finishes (and updates the gate)
     /// in a task of its own when the request goes away.
@@ -425,6 +286,7 @@ impl<St: GenerationStore> Gates<St> {
         job: &JobId,
         token: Generation,
         limits: Limits,
+        now_ms: u64,
     ) -> Admission {
         let gate = &self.gate(job, limits.max_cached_jobs);
         if let Err(e) = self.load(gate, job, limits.store_timeout).await {
@@ -435,17 +297,29 @@ impl<St: GenerationStore> Gates<St> {
             let notified = gate.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable(); // registered before the check: no wake-up is missed
-            match self.decide(gate, token) {
+            match self.decide(gate, token, limits.touch_every, now_ms) {
                 Step::Stale { highest, pending } => return Admission::Stale { highest, pending },
-                Step::Current(guard) if self.store.is_shared() => {
+                Step::Current { guard, .. } if self.store.is_shared() => {
+                    // The store stamps the job on this very call.
                     return self
                         .confirm(gate, job, token, guard, limits.store_timeout)
                         .await;
                 }
-                Step::Current(guard) => return Admission::Admitted(guard),
+                Step::Current { guard, touch } => {
+                    if touch {
+                        self.touch(job, token, limits.store_timeout);
+                    }
+                    return Admission::Admitted(guard);
+                }
                 Step::Bump => {
                     match self
-                        .bump(gate.clone(), job.clone(), token, limits.store_timeout)
+                        .bump(
+                            gate.clone(),
+                            job.clone(),
+                            token,
+                            limits.store_timeout,
+                            now_ms,
+                        )
                         .await
                     {
                         // Raised: now wait, like any request of `highest`, for older ones.
@@ -462,8 +336,26 @@ impl<St: GenerationStore> Gates<St> {
         }
     }
 
+    /// Renews `job`'s stamp in the store, in the background (a failure only means the job
+    /// may be forgotten and reloaded sooner).
+    fn touch(&self, job: &JobId, token: Generation, timeout: Duration) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, job) = (self.store.clone(), job.clone());
+        runtime.spawn(async move {
+            let _ = tokio::time::timeout(timeout, store.observe(&job, token)).await;
+        });
+    }
+
     /// One look at the gate, under its lock.
-    fn decide(&self, gate: &Arc<Gate>, token: Generation) -> Step {
+    fn decide(
+        &self,
+        gate: &Arc<Gate>,
+        token: Generation,
+        touch_every: Option<Duration>,
+        now_ms: u64,
+    ) -> Step {
         let mut s = gate.lock();
         let newest = s.bumping.map_or(s.highest, |b| b.max(s.highest));
         if token < newest {
@@ -477,10 +369,20 @@ impl<St: GenerationStore> Gates<St> {
                 return Step::Wait;
             }
             s.current += 1;
-            return Step::Current(InFlight {
-                gate: gate.clone(),
-                generation: token,
+            let touch = touch_every.is_some_and(|every| {
+                now_ms.saturating_sub(s.touched_ms)
+                    >= u64::try_from(every.as_millis()).unwrap_or(u64::MAX)
             });
+            if touch {
+                s.touched_ms = now_ms;
+            }
+            return Step::Current {
+                guard: InFlight {
+                    gate: gate.clone(),
+                    generation: token,
+                },
+                touch,
+            };
         }
         // token > highest: raise it, one durable write at a time per job; a request above a
         // write that is running waits for it, then raises again.
@@ -524,13 +426,14 @@ impl<St: GenerationStore> Gates<St> {
         job: JobId,
         token: Generation,
         timeout: Duration,
+        now_ms: u64,
     ) -> Result<(), Admission> {
         let gates = self.clone();
         Detachable::finishing(Box::pin(async move {
             let unsettled = Unsettled { gate: &gate, token };
             let result = gates.observe(&job, token, timeout).await;
             std::mem::forget(unsettled);
-            let settled = Self::settle(&gate, token, result);
+            let settled = Self::settle(&gate, token, result, now_ms);
             gate.changed.notify_waiters();
             settled
         }))
@@ -541,12 +444,14 @@ impl<St: GenerationStore> Gates<St> {
         gate: &Gate,
         token: Generation,
         result: Result<Verdict, StoreError>,
+        now_ms: u64,
     ) -> Result<(), Admission> {
         let mut s = gate.lock();
         s.bumping = None;
         match result {
             Ok(Verdict::Accepted) => {
                 s.raise(token);
+                s.touched_ms = now_ms; // the store stamped it just now
                 Ok(())
             }
             Ok(Verdict::Stale { highest }) => {

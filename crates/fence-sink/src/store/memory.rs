@@ -1,7 +1,7 @@
 //! A sink store in process memory, for tests: nothing survives the process.
 
 use std::{
-    collections::HashMap,
+    collections::{BTreeSet, HashMap},
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -10,7 +10,8 @@ use fence_core::{Generation, JobId, headers::IdempotencyKey};
 use fence_storage::clock::{Clock, SystemClock};
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, ms, record,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, STAMP_GRANULE_MS,
+    StoreError, Verdict, ms, record,
 };
 
 /// Highest generations and idempotency records in memory.
@@ -28,7 +29,10 @@ impl Default for MemoryStore {
 
 #[derive(Debug, Default)]
 struct Inner {
-    highest: HashMap<JobId, Generation>,
+    /// Per job: the highest generation and when it was last accepted.
+    highest: HashMap<JobId, (Generation, u64)>,
+    /// The same stamps, oldest first.
+    by_stamp: BTreeSet<IdleJob>,
     records: HashMap<(JobId, IdempotencyKey), record::Record>,
 }
 
@@ -53,17 +57,65 @@ impl MemoryStore {
 
 impl GenerationStore for MemoryStore {
     async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        let now = self.clock.now_ms();
         let mut inner = self.lock();
-        let highest = inner.highest.entry(job.clone()).or_default();
-        if token < *highest {
-            return Ok(Verdict::Stale { highest: *highest });
+        let (highest, touched) = inner.highest.get(job).copied().unwrap_or_default();
+        if token < highest {
+            return Ok(Verdict::Stale { highest });
         }
-        *highest = token;
+        if token == highest && touched.saturating_add(STAMP_GRANULE_MS) > now {
+            return Ok(Verdict::Accepted); // stamped lately
+        }
+        inner.highest.insert(job.clone(), (token, now));
+        inner.by_stamp.remove(&IdleJob {
+            touched_ms: touched,
+            job: job.clone(),
+        });
+        inner.by_stamp.insert(IdleJob {
+            touched_ms: now,
+            job: job.clone(),
+        });
         Ok(Verdict::Accepted)
     }
 
     async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
-        Ok(self.lock().highest.get(job).copied().unwrap_or_default())
+        Ok(self
+            .lock()
+            .highest
+            .get(job)
+            .map(|h| h.0)
+            .unwrap_or_default())
+    }
+
+    async fn idle(
+        &self,
+        idle_for: Duration,
+        after: Option<&IdleJob>,
+        limit: usize,
+    ) -> Result<Vec<IdleJob>, StoreError> {
+        let before_ms = self.clock.now_ms().saturating_sub(ms(idle_for));
+        use std::ops::Bound;
+        let inner = self.lock();
+        let start = after.map_or(Bound::Unbounded, |a| Bound::Excluded(a.clone()));
+        Ok(inner
+            .by_stamp
+            .range((start, Bound::Unbounded))
+            .take_while(|i| i.touched_ms < before_ms)
+            .take(limit)
+            .cloned()
+            .collect())
+    }
+
+    async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
+        let mut inner = self.lock();
+        match inner.highest.get(&idle.job) {
+            Some(&(_, touched)) if touched == idle.touched_ms => {
+                inner.highest.remove(&idle.job);
+                inner.by_stamp.remove(idle);
+                Ok(true)
+            }
+            _ => Ok(false),
+        }
     }
 }
 

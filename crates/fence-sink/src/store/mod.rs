@@ -52,10 +52,25 @@ pub enum Verdict {
     },
 }
 
-/// Durable per-job highest generations.
+/// An accepted token equal to the highest re-stamps its job only when the stamp is at least
+/// this old (ms), so a store asked on every request writes at most once a second per job.
+pub(crate) const STAMP_GRANULE_MS: u64 = 1_000;
+
+/// A job whose stamp is older than asked, for [`GenerationStore::idle`]: where the next
+/// page starts, and what [`GenerationStore::forget`] must still find to delete it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
+pub struct IdleJob {
+    /// When the store last stamped the job (ms since the Unix epoch, the store's clock).
+    pub touched_ms: u64,
+    /// The job.
+    pub job: JobId,
+}
+
+/// Durable per-job highest generations, each stamped with when it was last accepted.
 pub trait GenerationStore: Send + Sync + 'static {
-    /// Atomically: if `token` is at least the stored highest, make it the highest (on disk
-    /// before this returns) and accept; otherwise report the highest.
+    /// Atomically: if `token` is at least the stored highest, make it the highest, stamp the
+    /// job with the store's clock (on disk before this returns) and accept; otherwise report
+    /// the highest.
     fn observe(
         &self,
         job: &JobId,
@@ -69,6 +84,26 @@ pub trait GenerationStore: Send + Sync + 'static {
     /// and the layer asks the store on every request instead of answering from memory.
     fn is_shared(&self) -> bool {
         false
+    }
+
+    /// Up to `limit` jobs stamped at least `idle_for` ago by the store's clock, oldest
+    /// first, after `after` (the last of the previous page). A store that cannot forget
+    /// answers none (the default).
+    fn idle(
+        &self,
+        idle_for: Duration,
+        after: Option<&IdleJob>,
+        limit: usize,
+    ) -> impl Future<Output = Result<Vec<IdleJob>, StoreError>> + Send {
+        let _ = (idle_for, after, limit);
+        async { Ok(Vec::new()) }
+    }
+
+    /// Atomically: deletes `job` if its stamp is still `idle.touched_ms` (nothing accepted
+    /// since), durably; whether it did.
+    fn forget(&self, idle: &IdleJob) -> impl Future<Output = Result<bool, StoreError>> + Send {
+        let _ = idle;
+        async { Ok(false) }
     }
 }
 

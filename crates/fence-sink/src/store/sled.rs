@@ -9,17 +9,28 @@ use fence_storage::{
 };
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, ms, record,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, STAMP_GRANULE_MS,
+    StoreError, Verdict, ms, record,
 };
 
-/// Highest generations (tree `generations`) and idempotency records (tree `idempotency`) in
-/// a sled database.
+/// Highest generations with their stamps (tree `generations`: job → generation and stamp,
+/// 8 bytes big-endian each), the same stamps in time order (tree `stamps`: stamp and job →
+/// nothing) and idempotency records (tree `idempotency`) in a sled database.
 #[derive(Debug, Clone)]
 pub struct SledStore {
     generations: sled::Tree,
+    stamps: sled::Tree,
     records: sled::Tree,
     db: DurableDb,
     clock: Arc<dyn Clock>,
+}
+
+/// The key of a job's stamp in the `stamps` tree.
+fn stamp_key(touched_ms: u64, job: &[u8]) -> Vec<u8> {
+    let mut k = Vec::with_capacity(8 + job.len());
+    k.extend_from_slice(&touched_ms.to_be_bytes());
+    k.extend_from_slice(job);
+    k
 }
 
 fn io(e: impl Into<fence_storage::BoxError>) -> StoreError {
@@ -54,12 +65,32 @@ impl SledStore {
         clock: Arc<dyn Clock>,
     ) -> Result<Self, OpenError> {
         let db = DurableDb::open(path)?;
-        Ok(Self {
+        let store = Self {
             generations: db.tree("generations")?,
+            stamps: db.tree("stamps")?,
             records: db.tree("idempotency")?,
             db,
             clock,
-        })
+        };
+        store.repair_stamps();
+        Ok(store)
+    }
+
+    /// A crash between a job's write and its stamp's can leave the `stamps` tree short of a
+    /// job (which would then never be forgotten) or holding an old stamp (skipped when
+    /// read): when the counts differ, rebuild it from `generations`.
+    fn repair_stamps(&self) {
+        if self.stamps.len() == self.generations.len() {
+            return;
+        }
+        let _ = self.stamps.clear();
+        for (job, value) in self.generations.iter().flatten() {
+            if let Some(touched) = value.get(8..16).and_then(|b| <[u8; 8]>::try_from(b).ok()) {
+                let _ = self
+                    .stamps
+                    .insert(stamp_key(u64::from_be_bytes(touched), &job), &[][..]);
+            }
+        }
     }
 
     /// Flushes everything to disk now (graceful shutdown).
@@ -75,16 +106,23 @@ impl SledStore {
         self.generations.len()
     }
 
-    fn decode_generation(job: &JobId, raw: Option<&[u8]>) -> Result<Generation, StoreError> {
-        match raw {
-            None => Ok(Generation::ZERO),
-            Some(b) => <[u8; 8]>::try_from(b)
-                .map(|b| Generation::new(u64::from_be_bytes(b)))
-                .map_err(|_| StoreError::Corrupt {
-                    job: job.clone(),
-                    reason: "generation is not 8 bytes",
-                }),
-        }
+    /// A job's stored generation and stamp ((0, 0) when none).
+    fn decode_generation(job: &JobId, raw: Option<&[u8]>) -> Result<(Generation, u64), StoreError> {
+        let Some(b) = raw else {
+            return Ok((Generation::ZERO, 0));
+        };
+        let corrupt = || StoreError::Corrupt {
+            job: job.clone(),
+            reason: "generation record is not 16 bytes",
+        };
+        let b = <[u8; 16]>::try_from(b).map_err(|_| corrupt())?;
+        let (generation, touched) = b.split_at(8);
+        let word = |s: &[u8]| {
+            <[u8; 8]>::try_from(s)
+                .map(u64::from_be_bytes)
+                .map_err(|_| corrupt())
+        };
+        Ok((Generation::new(word(generation)?), word(touched)?))
     }
 
     /// Applies a change to one idempotency record with compare-and-swap, then (if `durable`)
@@ -129,20 +167,29 @@ impl GenerationStore for SledStore {
         let key = job.as_str().as_bytes();
         loop {
             let raw = self.generations.get(key).map_err(io)?;
-            let highest = Self::decode_generation(job, raw.as_deref())?;
+            let (highest, touched) = Self::decode_generation(job, raw.as_deref())?;
             if token < highest {
                 return Ok(Verdict::Stale { highest });
             }
-            if token == highest {
-                break; // equal: make sure the value we accept is on disk too
+            let now = self.clock.now_ms();
+            if token == highest && touched.saturating_add(STAMP_GRANULE_MS) > now {
+                break; // stamped lately: make sure it is on disk too
             }
-            let new = token.get().to_be_bytes();
+            let mut new = [0u8; 16];
+            new[..8].copy_from_slice(&token.get().to_be_bytes());
+            new[8..].copy_from_slice(&now.to_be_bytes());
             if self
                 .generations
-                .compare_and_swap(key, raw, Some(&new[..]))
+                .compare_and_swap(key, raw.clone(), Some(&new[..]))
                 .map_err(io)?
                 .is_ok()
             {
+                self.stamps
+                    .insert(stamp_key(now, key), &[][..])
+                    .map_err(io)?;
+                if raw.is_some() && touched != now {
+                    self.stamps.remove(stamp_key(touched, key)).map_err(io)?;
+                }
                 break;
             }
         }
@@ -152,7 +199,75 @@ impl GenerationStore for SledStore {
 
     async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
         let raw = self.generations.get(job.as_str().as_bytes()).map_err(io)?;
-        Self::decode_generation(job, raw.as_deref())
+        Ok(Self::decode_generation(job, raw.as_deref())?.0)
+    }
+
+    async fn idle(
+        &self,
+        idle_for: Duration,
+        after: Option<&IdleJob>,
+        limit: usize,
+    ) -> Result<Vec<IdleJob>, StoreError> {
+        let before_ms = self.clock.now_ms().saturating_sub(ms(idle_for));
+        let start = match after {
+            Some(a) => {
+                std::ops::Bound::Excluded(stamp_key(a.touched_ms, a.job.as_str().as_bytes()))
+            }
+            None => std::ops::Bound::Unbounded,
+        };
+        let end = std::ops::Bound::Excluded(before_ms.to_be_bytes().to_vec());
+        let mut out = Vec::new();
+        for item in self.stamps.range::<Vec<u8>, _>((start, end)) {
+            let (k, _) = item.map_err(io)?;
+            let Some((touched, job)) = k.split_first_chunk::<8>() else {
+                continue;
+            };
+            let Ok(job) = std::str::from_utf8(job)
+                .unwrap_or_default()
+                .parse::<JobId>()
+            else {
+                continue;
+            };
+            out.push(IdleJob {
+                touched_ms: u64::from_be_bytes(*touched),
+                job,
+            });
+            if out.len() >= limit {
+                break;
+            }
+        }
+        Ok(out)
+    }
+
+    async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
+        let key = idle.job.as_str().as_bytes();
+        let raw = self.generations.get(key).map_err(io)?;
+        let (_, touched) = Self::decode_generation(&idle.job, raw.as_deref())?;
+        if raw.is_none() || touched != idle.touched_ms {
+            // Stamped again since, or gone: the entry was left behind (by a crash between
+            // the two writes); put the right one in its place.
+            self.stamps
+                .remove(stamp_key(idle.touched_ms, key))
+                .map_err(io)?;
+            if raw.is_some() {
+                self.stamps
+                    .insert(stamp_key(touched, key), &[][..])
+                    .map_err(io)?;
+            }
+            return Ok(false);
+        }
+        let gone = self
+            .generations
+            .compare_and_swap(key, raw, None::<&[u8]>)
+            .map_err(io)?
+            .is_ok();
+        if gone {
+            self.stamps
+                .remove(stamp_key(idle.touched_ms, key))
+                .map_err(io)?;
+            self.db.commit().await.map_err(io)?;
+        }
+        Ok(gone)
     }
 }
 
@@ -307,7 +422,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "stored record of job bad is corrupt: generation is not 8 bytes"
+            "stored record of job bad is corrupt: generation record is not 16 bytes"
         );
     }
 }

@@ -21,7 +21,8 @@ use fence_storage::postgres::{Ident, IdentError, MigrateError, NOW_MS, SetupErro
 use tokio_postgres::GenericClient;
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, StoreError, Verdict, record::Record,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, STAMP_GRANULE_MS,
+    StoreError, Verdict, record::Record,
 };
 
 /// Where the tables live: `schema.prefix_generations` and `schema.prefix_idempotency`.
@@ -111,11 +112,16 @@ pub async fn check_in_transaction(
     token: Generation,
 ) -> Result<Verdict, StoreError> {
     let t = &tables.generations;
+    let now = fence_storage::postgres::NOW_MS;
+    // Raised, or equal with a stamp at least a second old: (re)stamped with the database's
+    // clock. Equal and stamped lately, or lower: nothing written.
     let bumped = client
         .query_opt(
             &format!(
-                "INSERT INTO {t} AS g (job, highest) VALUES ($1, $2::text::numeric)
-                 ON CONFLICT (job) DO UPDATE SET highest = excluded.highest WHERE g.highest < excluded.highest
+                "INSERT INTO {t} AS g (job, highest, touched_ms) VALUES ($1, $2::text::numeric, {now})
+                 ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms
+                 WHERE g.highest < excluded.highest
+                    OR (g.highest = excluded.highest AND g.touched_ms + {STAMP_GRANULE_MS} <= excluded.touched_ms)
                  RETURNING 1"
             ),
             &[&job.as_str(), &token.get().to_string()],
@@ -191,11 +197,19 @@ impl PgStore {
             idempotency,
             schema,
         } = &self.tables;
+        // An index name is unqualified and lives in the table's schema.
+        let stamps_index = format!(
+            "{}_stamps",
+            generations.rsplit('.').next().unwrap_or(generations)
+        );
         let ddl = format!(
             "CREATE TABLE IF NOT EXISTS {generations} (
                job text PRIMARY KEY,
-               highest numeric(20, 0) NOT NULL CHECK (highest >= 0 AND highest <= 18446744073709551615)
+               highest numeric(20, 0) NOT NULL CHECK (highest >= 0 AND highest <= 18446744073709551615),
+               touched_ms bigint NOT NULL DEFAULT 0
              );
+             ALTER TABLE {generations} ADD COLUMN IF NOT EXISTS touched_ms bigint NOT NULL DEFAULT 0;
+             CREATE INDEX IF NOT EXISTS {stamps_index} ON {generations} (touched_ms, job);
              CREATE TABLE IF NOT EXISTS {idempotency} (
                job text NOT NULL,
                key text NOT NULL,
@@ -244,6 +258,64 @@ impl GenerationStore for PgStore {
 
     fn is_shared(&self) -> bool {
         true
+    }
+
+    async fn idle(
+        &self,
+        idle_for: Duration,
+        after: Option<&IdleJob>,
+        limit: usize,
+    ) -> Result<Vec<IdleJob>, StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        let t = &self.tables.generations;
+        let idle_ms = i64::try_from(idle_for.as_millis()).unwrap_or(i64::MAX);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let (after_ms, after_job) = match after {
+            Some(a) => (
+                i64::try_from(a.touched_ms).unwrap_or(i64::MAX),
+                a.job.as_str(),
+            ),
+            None => (-1, ""),
+        };
+        let rows = client
+            .query(
+                &format!(
+                    "SELECT touched_ms, job FROM {t}
+                     WHERE touched_ms < {NOW_MS} - $1 AND (touched_ms, job) > ($2, $3)
+                     ORDER BY touched_ms, job LIMIT $4"
+                ),
+                &[&idle_ms, &after_ms, &after_job, &limit],
+            )
+            .await
+            .map_err(io)?;
+        let mut out = Vec::with_capacity(rows.len());
+        for row in rows {
+            let touched: i64 = row.try_get(0).map_err(io)?;
+            let job: &str = row.try_get(1).map_err(io)?;
+            if let Ok(job) = job.parse() {
+                out.push(IdleJob {
+                    touched_ms: u64::try_from(touched).unwrap_or(0),
+                    job,
+                });
+            }
+        }
+        Ok(out)
+    }
+
+    async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        let touched = i64::try_from(idle.touched_ms).unwrap_or(i64::MAX);
+        let n = client
+            .execute(
+                &format!(
+                    "DELETE FROM {} WHERE job = $1 AND touched_ms = $2",
+                    self.tables.generations
+                ),
+                &[&idle.job.as_str(), &touched],
+            )
+            .await
+            .map_err(io)?;
+        Ok(n == 1)
     }
 }
 
@@ -384,156 +456,4 @@ impl IdempotencyStore for PgStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    async fn fresh() -> Option<PgStore> {
-        let url = fence_storage::postgres::test_database_url();
-        let tables = PgTables::new("fence_test", &format!("sink_{:016x}", rand_u64())).unwrap();
-        let store = PgStore::connect(&url, tables).await.unwrap();
-        store.migrate().await.unwrap();
-        Some(store)
-    }
-
-    fn rand_u64() -> u64 {
-        use std::hash::{BuildHasher, RandomState};
-        RandomState::new().hash_one(std::time::SystemTime::now())
-    }
-
-    crate::sink_store_conformance!(|| async {
-        let store = fresh().await?;
-        let shifter = store.clone();
-        let advance: crate::conformance::Advance = Box::new(move |d: Duration| {
-            shifter.shift_clock_ms(i64::try_from(d.as_millis()).unwrap())
-        });
-        Some((store, advance))
-    });
-
-    /// The effect and the fence commit or roll back together.
-    #[tokio::test]
-    async fn in_transaction_check_rolls_back_with_the_effect() {
-        let Some(store) = fresh().await else { return };
-        let url = fence_storage::postgres::test_database_url();
-        let effects = format!("fence_test.effects_{:016x}", rand_u64());
-        let (mut client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(conn);
-        client
-            .batch_execute(&format!("CREATE TABLE {effects} (job text, token bigint)"))
-            .await
-            .unwrap();
-        let job: JobId = "tx-job".parse().unwrap();
-        assert_eq!(
-            store.observe(&job, Generation::new(8)).await.unwrap(),
-            Verdict::Accepted
-        );
-
-        // A stale token: the handler rolls back its effect.
-        let tx = client.transaction().await.unwrap();
-        assert_eq!(
-            check_in_transaction(&tx, store.tables(), &job, Generation::new(7))
-                .await
-                .unwrap(),
-            Verdict::Stale {
-                highest: Generation::new(8)
-            }
-        );
-        tx.rollback().await.unwrap();
-
-        // A crash mid-transaction (the connection is dropped): neither the effect nor the fence advance stays.
-        {
-            let (mut doomed, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-                .await
-                .unwrap();
-            let conn = tokio::spawn(conn);
-            let tx = doomed.transaction().await.unwrap();
-            assert_eq!(
-                check_in_transaction(&tx, store.tables(), &job, Generation::new(9))
-                    .await
-                    .unwrap(),
-                Verdict::Accepted
-            );
-            tx.execute(&format!("INSERT INTO {effects} VALUES ('tx-job', 9)"), &[])
-                .await
-                .unwrap();
-            std::mem::forget(tx); // no commit, no rollback: the process "dies"
-            drop(doomed);
-            conn.abort();
-        }
-        // The server notices the closed connection and rolls back; wait for it.
-        let mut highest = Generation::ZERO;
-        for _ in 0..100 {
-            highest = store.highest(&job).await.unwrap();
-            let count: i64 = client
-                .query_one(&format!("SELECT count(*) FROM {effects}"), &[])
-                .await
-                .unwrap()
-                .get(0);
-            assert_eq!(
-                count, 0,
-                "the effect of a crashed transaction is never visible"
-            );
-            if highest == Generation::new(8) {
-                break;
-            }
-            tokio::time::sleep(Duration::from_millis(20)).await;
-        }
-        assert_eq!(highest, Generation::new(8));
-        assert_eq!(
-            store.observe(&job, Generation::new(9)).await.unwrap(),
-            Verdict::Accepted,
-            "9 was never taken"
-        );
-
-        // A committed transaction moves both.
-        let tx = client.transaction().await.unwrap();
-        assert_eq!(
-            check_in_transaction(&tx, store.tables(), &job, Generation::new(10))
-                .await
-                .unwrap(),
-            Verdict::Accepted
-        );
-        tx.execute(&format!("INSERT INTO {effects} VALUES ('tx-job', 10)"), &[])
-            .await
-            .unwrap();
-        tx.commit().await.unwrap();
-        assert_eq!(
-            store.observe(&job, Generation::new(9)).await.unwrap(),
-            Verdict::Stale {
-                highest: Generation::new(10)
-            }
-        );
-    }
-
-    /// Two layers on one database enforce one fence.
-    #[tokio::test]
-    async fn two_sinks_share_one_fence() {
-        let Some(a) = fresh().await else { return };
-        let b = PgStore::connect(
-            &fence_storage::postgres::test_database_url(),
-            a.tables().clone(),
-        )
-        .await
-        .unwrap();
-        let job: JobId = "shared".parse().unwrap();
-        assert_eq!(
-            a.observe(&job, Generation::new(3)).await.unwrap(),
-            Verdict::Accepted
-        );
-        assert_eq!(
-            b.observe(&job, Generation::new(3)).await.unwrap(),
-            Verdict::Accepted
-        );
-        assert_eq!(
-            b.observe(&job, Generation::new(4)).await.unwrap(),
-            Verdict::Accepted
-        );
-        assert_eq!(
-            a.observe(&job, Generation::new(3)).await.unwrap(),
-            Verdict::Stale {
-                highest: Generation::new(4)
-            }
-        );
-    }
-}
+mod tests;

@@ -1,0 +1,388 @@
+//! Expiring tokens and bounded state at the destination (contract section 8): a token whose
+//! lease ended is refused by itself, so a sink may forget idle jobs (and be restored from an
+//! old backup) without letting a stale write through.
+
+use std::{
+    collections::BTreeMap,
+    convert::Infallible,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use fence_core::{
+    Generation, JobId,
+    signing::{TokenSigner, TokenVerifier},
+};
+use fence_sink::{
+    FenceLayer, ForgetError, GenerationStore, IdempotencyStore, Maintenance, MemoryStore,
+    RequestBody, SledStore,
+};
+use fence_storage::clock::{Clock, ManualClock};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use proptest::prelude::*;
+use tower::{Layer, ServiceExt, service_fn};
+
+const START: u64 = 1_700_000_000_000;
+const SKEW: Duration = Duration::from_secs(5);
+const MAX_TTL: Duration = Duration::from_secs(30);
+const FORGET: Duration = Duration::from_secs(60); // >= 30 s + 2 x 5 s
+
+fn job() -> JobId {
+    "invoice-42".parse().unwrap()
+}
+
+/// The lease server's side: tokens for `job` at `generation` ending at `expires_at_ms`.
+fn sign(signer: &TokenSigner, generation: u64, expires_at_ms: u64) -> String {
+    signer.sign(&job(), Generation::new(generation), expires_at_ms)
+}
+
+struct Sink<St> {
+    layer: FenceLayer<St>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl<St: GenerationStore + IdempotencyStore> Sink<St> {
+    fn new(store: St, signer: &TokenSigner, clock: &ManualClock) -> Self {
+        let layer = FenceLayer::new(store)
+            .require_signatures(TokenVerifier::new([signer.verify_key()]))
+            .clock(Arc::new(clock.clone()))
+            .clock_skew(SKEW)
+            .forget_after(FORGET, MAX_TTL)
+            .unwrap();
+        Self {
+            layer,
+            calls: Arc::default(),
+        }
+    }
+
+    async fn write(&self, token: &str) -> (StatusCode, serde_json::Value) {
+        let calls = self.calls.clone();
+        let inner = service_fn(move |_req: Request<RequestBody<String>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(String::from("done"))) }
+        });
+        let req = Request::post("/")
+            .header("x-fencing-job", job().as_str())
+            .header("x-fencing-token", token)
+            .body(String::new())
+            .unwrap();
+        let resp = self.layer.layer(inner).oneshot(req).await.unwrap();
+        let status = resp.status();
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        (status, serde_json::from_slice(&body).unwrap_or_default())
+    }
+}
+
+/// Moves both clocks: the sink's (stamps, expiry) and tokio's (the forgetting task).
+async fn pass(clock: &ManualClock, d: Duration) {
+    clock.advance(d);
+    tokio::time::sleep(d).await;
+    // Let the forgetting pass that just came due run to its end.
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_token_whose_lease_ended_is_409_token_expired_beyond_the_skew() {
+    let clock = ManualClock::new(START);
+    let signer = TokenSigner::from_seed([7; 32]);
+    let sink = Sink::new(
+        MemoryStore::with_clock(Arc::new(clock.clone())),
+        &signer,
+        &clock,
+    );
+    let t = sign(&signer, 1, START + 10_000);
+    assert_eq!(sink.write(&t).await.0, StatusCode::OK);
+    clock.advance(Duration::from_millis(10_000 + 5_000)); // at the end plus the skew: still in
+    assert_eq!(sink.write(&t).await.0, StatusCode::OK);
+    clock.advance(Duration::from_millis(1));
+    let (status, problem) = sink.write(&t).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{problem}");
+    assert_eq!(problem["type"], "urn:fence:token-expired");
+    assert_eq!(problem["expires_at_ms"], START + 10_000);
+    assert_eq!(
+        sink.calls.load(Ordering::SeqCst),
+        2,
+        "the service saw no expired write"
+    );
+    // Without verify keys an expiry cannot be trusted, so it is ignored.
+    let open = FenceLayer::new(MemoryStore::new()).clock(Arc::new(clock.clone()));
+    let inner = service_fn(|_r: Request<RequestBody<String>>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    });
+    let req = Request::post("/")
+        .header("x-fencing-job", job().as_str())
+        .header("x-fencing-token", &t)
+        .body(String::new())
+        .unwrap();
+    assert_eq!(open.layer(inner).oneshot(req).await.unwrap().status(), 200);
+}
+
+#[test]
+fn forgetting_without_signatures_or_too_soon_is_refused() {
+    let e = FenceLayer::new(MemoryStore::new())
+        .forget_after(Duration::from_secs(3600), MAX_TTL)
+        .unwrap_err();
+    assert_eq!(e, ForgetError::Unsigned);
+    let verifier = TokenVerifier::new([TokenSigner::from_seed([1; 32]).verify_key()]);
+    let e = FenceLayer::new(MemoryStore::new())
+        .require_signatures(verifier)
+        .clock_skew(SKEW)
+        .forget_after(Duration::from_secs(39), MAX_TTL)
+        .unwrap_err();
+    assert!(matches!(e, ForgetError::TooSoon { .. }), "{e}");
+    assert!(
+        e.to_string().contains("shorter than the longest lease TTL"),
+        "{e}"
+    );
+}
+
+/// Proof (a): a worker stalls past its lease, a new holder claims and writes, the sink
+/// forgets the job, then the stale worker's write arrives: 409 token-expired.
+#[tokio::test(start_paused = true)]
+async fn a_stale_write_after_the_job_is_forgotten_is_refused_as_expired() {
+    let clock = ManualClock::new(START);
+    let signer = TokenSigner::from_seed([7; 32]);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let sink = Sink::new(store.clone(), &signer, &clock);
+    let _upkeep: Maintenance = sink.layer.spawn_maintenance();
+    let old = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
+    assert_eq!(sink.write(&old).await.0, StatusCode::OK);
+    // Worker 1 stalls; its lease runs out; worker 2 claims generation 2 and writes.
+    pass(&clock, MAX_TTL).await;
+    let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
+    assert_eq!(sink.write(&new).await.0, StatusCode::OK);
+    // Nothing more for a while: the sink forgets the job, on disk and in memory.
+    pass(&clock, FORGET + Duration::from_secs(10)).await;
+    assert_eq!(
+        store.highest(&job()).await.unwrap(),
+        Generation::ZERO,
+        "forgotten in the store"
+    );
+    assert_eq!(sink.layer.cached_jobs(), 0, "forgotten in memory");
+    // Worker 1 wakes up and writes: its token's lease ended long ago.
+    let (status, problem) = sink.write(&old).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{problem}");
+    assert_eq!(problem["type"], "urn:fence:token-expired");
+    // The live holder, renewed, goes on.
+    let renewed = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
+    assert_eq!(sink.write(&renewed).await.0, StatusCode::OK);
+}
+
+/// Proof (b): the old lease was *released* early (its token's end still ahead when the new
+/// holder claims), and the stale write is held in the network until after forgetting.
+#[tokio::test(start_paused = true)]
+async fn a_released_leases_write_held_until_after_forgetting_is_refused() {
+    let clock = ManualClock::new(START);
+    let signer = TokenSigner::from_seed([7; 32]);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let sink = Sink::new(store.clone(), &signer, &clock);
+    let _upkeep = sink.layer.spawn_maintenance();
+    let old = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
+    // Worker 1 releases after a second; worker 2 claims at once and writes.
+    pass(&clock, Duration::from_secs(1)).await;
+    let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
+    assert_eq!(sink.write(&new).await.0, StatusCode::OK);
+    // Worker 1's write, sent before its release, is stuck in the network this long:
+    pass(&clock, FORGET + Duration::from_secs(10)).await;
+    assert_eq!(store.highest(&job()).await.unwrap(), Generation::ZERO);
+    let (status, problem) = sink.write(&old).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{problem}");
+    assert_eq!(problem["type"], "urn:fence:token-expired");
+    assert_eq!(sink.calls.load(Ordering::SeqCst), 1);
+}
+
+/// Proof (c): the sink's data directory is replaced by a copy taken before the new
+/// holder's writes (a restore from backup); the stale write is still refused.
+// Real time: sled commits on a thread of its own, which paused time would outrun. No
+// forgetting task runs here, so only the sink's manual clock needs to move.
+#[tokio::test]
+async fn a_sink_restored_from_an_old_backup_still_refuses_the_stale_write() {
+    let clock = ManualClock::new(START);
+    let signer = TokenSigner::from_seed([7; 32]);
+    let dir = tempfile::tempdir().unwrap();
+    let (live, backup) = (dir.path().join("live"), dir.path().join("backup"));
+    let old = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
+    {
+        let sink = Sink::new(
+            SledStore::open_with_clock(&live, Arc::new(clock.clone())).unwrap(),
+            &signer,
+            &clock,
+        );
+        assert_eq!(sink.write(&old).await.0, StatusCode::OK);
+        sink.layer.store().flush().unwrap();
+    }
+    copy_dir(&live, &backup);
+    clock.advance(MAX_TTL); // worker 1 stalls past its lease
+    {
+        let sink = Sink::new(
+            SledStore::open_with_clock(&live, Arc::new(clock.clone())).unwrap(),
+            &signer,
+            &clock,
+        );
+        let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
+        assert_eq!(sink.write(&new).await.0, StatusCode::OK);
+    }
+    // Disaster: the live directory is lost; the backup (highest 1) comes back.
+    let restored = SledStore::open_with_clock(&backup, Arc::new(clock.clone())).unwrap();
+    assert_eq!(restored.highest(&job()).await.unwrap(), Generation::new(1));
+    let sink = Sink::new(restored, &signer, &clock);
+    clock.advance(SKEW + Duration::from_millis(1));
+    let (status, problem) = sink.write(&old).await;
+    assert_eq!(status, StatusCode::CONFLICT, "{problem}");
+    assert_eq!(problem["type"], "urn:fence:token-expired");
+}
+
+fn copy_dir(from: &std::path::Path, to: &std::path::Path) {
+    std::fs::create_dir_all(to).unwrap();
+    for entry in std::fs::read_dir(from).unwrap() {
+        let entry = entry.unwrap();
+        let target = to.join(entry.file_name());
+        if entry.file_type().unwrap().is_dir() {
+            copy_dir(&entry.path(), &target);
+        } else if entry.file_name() != "fence.lock" {
+            std::fs::copy(entry.path(), target).unwrap();
+        }
+    }
+}
+
+/// What one step of the model does.
+#[derive(Debug, Clone)]
+enum Step {
+    /// The lease server grants the next generation for `ttl_s` (the holder's lease ended or
+    /// was released before: `released` says which).
+    Claim { ttl_s: u64, released: bool },
+    /// The current holder renews: a fresh token ending `ttl_s` from now.
+    Renew { ttl_s: u64 },
+    /// A write with the `age`-th newest token ever issued arrives.
+    Write { age: usize },
+    /// Time passes on every clock.
+    Wait { s: u64 },
+    /// The sink process restarts (same store).
+    Restart,
+}
+
+fn step() -> impl Strategy<Value = Step> {
+    prop_oneof![
+        2 => (1u64..=30, any::<bool>()).prop_map(|(ttl_s, released)| Step::Claim { ttl_s, released }),
+        2 => (1u64..=30).prop_map(|ttl_s| Step::Renew { ttl_s }),
+        6 => (0usize..6).prop_map(|age| Step::Write { age }),
+        3 => prop_oneof![1u64..20, 20u64..120].prop_map(|s| Step::Wait { s }),
+        1 => Just(Step::Restart),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(96))]
+    /// Proof (e): across forgetting, restarts and a lease server whose clock is off by up to
+    /// the allowed skew, the sink never accepts a token below one it accepted before.
+    #[test]
+    fn never_a_token_below_one_accepted_before(
+        steps in proptest::collection::vec(step(), 1..60),
+        server_offset_s in -5i64..=5,
+    ) {
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .start_paused(true)
+            .build()
+            .unwrap();
+        rt.block_on(async move {
+            let sink_clock = ManualClock::new(START);
+            let signer = TokenSigner::from_seed([9; 32]);
+            let store = MemoryStore::with_clock(Arc::new(sink_clock.clone()));
+            let mut sink = Sink::new(store.clone(), &signer, &sink_clock);
+            let mut upkeep = sink.layer.spawn_maintenance();
+            let server_now = |c: &ManualClock| c.now_ms().saturating_add_signed(server_offset_s * 1000);
+            // The lease server: generation, when the current lease ends (server clock).
+            let (mut generation, mut lease_end) = (0u64, 0u64);
+            let mut issued: Vec<(u64, String)> = Vec::new();
+            let mut accepted_max = 0u64;
+            let mut history = BTreeMap::new();
+            for (i, s) in steps.into_iter().enumerate() {
+                match s {
+                    Step::Claim { ttl_s, released } => {
+                        let now = server_now(&sink_clock);
+                        if !released && lease_end > now {
+                            // Not released and not expired: the claim waits for the lease end.
+                            pass(&sink_clock, Duration::from_millis(lease_end - now)).await;
+                        }
+                        let now = server_now(&sink_clock);
+                        generation += 1;
+                        lease_end = now + ttl_s * 1000;
+                        issued.push((generation, sign(&signer, generation, lease_end)));
+                    }
+                    Step::Renew { ttl_s } => {
+                        let now = server_now(&sink_clock);
+                        if generation > 0 && lease_end > now {
+                            lease_end = now + ttl_s * 1000;
+                            issued.push((generation, sign(&signer, generation, lease_end)));
+                        }
+                    }
+                    Step::Write { age } => {
+                        let Some((g, token)) = issued.iter().rev().nth(age).cloned() else { continue };
+                        let (status, _) = sink.write(&token).await;
+                        history.insert(i, (g, status.as_u16()));
+                        if status == StatusCode::OK {
+                            assert!(g >= accepted_max, "step {i}: accepted {g} after {accepted_max}: {history:?}");
+                            accepted_max = g;
+                        }
+                    }
+                    Step::Wait { s } => pass(&sink_clock, Duration::from_secs(s)).await,
+                    Step::Restart => {
+                        upkeep.stop().await;
+                        sink = Sink::new(store.clone(), &signer, &sink_clock);
+                        upkeep = sink.layer.spawn_maintenance();
+                    }
+                }
+            }
+        });
+    }
+}
+
+/// A job with a request in flight is never forgotten, however long the request takes.
+#[tokio::test(start_paused = true)]
+async fn a_job_with_a_request_in_flight_is_not_forgotten() {
+    let clock = ManualClock::new(START);
+    let signer = TokenSigner::from_seed([7; 32]);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let sink = Sink::new(store.clone(), &signer, &clock);
+    let _upkeep = sink.layer.spawn_maintenance();
+    let release = Arc::new(tokio::sync::Notify::new());
+    let inner = {
+        let release = release.clone();
+        service_fn(move |_req: Request<RequestBody<String>>| {
+            let release = release.clone();
+            async move {
+                release.notified().await;
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }
+        })
+    };
+    let token = sign(&signer, 3, START + 10 * FORGET.as_millis() as u64);
+    let req = Request::post("/")
+        .header("x-fencing-job", job().as_str())
+        .header("x-fencing-token", &token)
+        .body(String::new())
+        .unwrap();
+    let slow = tokio::spawn(sink.layer.layer(inner).oneshot(req));
+    pass(&clock, Duration::from_millis(1)).await;
+    pass(&clock, 3 * FORGET).await;
+    assert_eq!(
+        store.highest(&job()).await.unwrap(),
+        Generation::new(3),
+        "kept while in flight"
+    );
+    release.notify_one();
+    assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
+    pass(&clock, FORGET + Duration::from_secs(10)).await;
+    assert_eq!(
+        store.highest(&job()).await.unwrap(),
+        Generation::ZERO,
+        "forgotten once idle"
+    );
+}
