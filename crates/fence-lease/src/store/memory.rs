@@ -13,8 +13,15 @@ use super::{LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError, pag
 /// A lease store in memory: the same rules as every backend, nothing on disk.
 #[derive(Debug, Clone)]
 pub struct MemoryLeaseStore {
-    leases: Arc<Mutex<HashMap<JobId, rules::Stored>>>,
+    leases: Arc<Mutex<Leases>>,
     clock: Arc<dyn Clock>,
+}
+
+/// The records, and the highest generation ever forgotten.
+#[derive(Debug, Default)]
+struct Leases {
+    jobs: HashMap<JobId, rules::Stored>,
+    floor: Generation,
 }
 
 impl Default for MemoryLeaseStore {
@@ -37,7 +44,7 @@ impl MemoryLeaseStore {
         }
     }
 
-    fn leases(&self) -> std::sync::MutexGuard<'_, HashMap<JobId, rules::Stored>> {
+    fn leases(&self) -> std::sync::MutexGuard<'_, Leases> {
         // Nothing panics while the map is held; a poisoned map is still a valid map.
         self.leases.lock().unwrap_or_else(|e| e.into_inner())
     }
@@ -46,28 +53,47 @@ impl MemoryLeaseStore {
 impl LeaseStore for MemoryLeaseStore {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         let mut leases = self.leases();
-        let (new, out) = rules::decide(
-            job,
-            leases.get(job),
-            Generation::ZERO,
-            &op,
-            self.clock.now_ms(),
-        )?;
+        let floor = leases.floor;
+        let (new, out) = rules::decide(job, leases.jobs.get(job), floor, &op, self.clock.now_ms())?;
         if let Some(new) = new {
-            leases.insert(job.clone(), new);
+            leases.jobs.insert(job.clone(), new);
         }
         Ok(out)
     }
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
         let now = self.clock.now_ms();
-        Ok(self.leases().get(job).map(|s| s.record(job, now)))
+        Ok(self.leases().jobs.get(job).map(|s| s.record(job, now)))
+    }
+
+    async fn forget_idle(
+        &self,
+        idle_for: std::time::Duration,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        let now = self.clock.now_ms();
+        let idle_ms = u64::try_from(idle_for.as_millis()).unwrap_or(u64::MAX);
+        let mut leases = self.leases();
+        let gone: Vec<JobId> = leases
+            .jobs
+            .iter()
+            .filter(|(_, s)| s.forgettable(now, idle_ms))
+            .map(|(j, _)| j.clone())
+            .take(limit)
+            .collect();
+        for job in &gone {
+            if let Some(s) = leases.jobs.remove(job) {
+                leases.floor = leases.floor.max(s.generation);
+            }
+        }
+        Ok(gone.len())
     }
 
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
         let now = self.clock.now_ms();
         let leases = self.leases();
         let mut jobs: Vec<&JobId> = leases
+            .jobs
             .keys()
             .filter(|j| query.after.as_ref().is_none_or(|a| *j > a))
             .filter(|j| {
@@ -80,7 +106,7 @@ impl LeaseStore for MemoryLeaseStore {
         jobs.sort();
         page(
             query,
-            jobs.into_iter().map(|j| Ok(leases[j].record(j, now))),
+            jobs.into_iter().map(|j| Ok(leases.jobs[j].record(j, now))),
         )
     }
 }

@@ -166,6 +166,20 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// complete only when `next` is `None`.
     fn list(&self, query: &ListQuery) -> impl Future<Output = Result<ListPage, StoreError>> + Send;
 
+    /// Deletes up to `limit` jobs that are free, expired or completed and have not changed
+    /// for `idle_for` (the store's clock), raising the store's durable floor to their highest
+    /// generation first, so a job claimed again starts above every generation it had
+    /// (contract section 8). Returns how many were deleted; fewer than `limit` means none
+    /// is left for now. A store that cannot forget deletes none (the default).
+    fn forget_idle(
+        &self,
+        idle_for: std::time::Duration,
+        limit: usize,
+    ) -> impl Future<Output = Result<usize, StoreError>> + Send {
+        let _ = (idle_for, limit);
+        async { Ok(0) }
+    }
+
     /// [`LeaseOp::Claim`].
     fn claim(
         &self,

@@ -45,6 +45,14 @@ impl Stored {
         }
     }
 
+    /// Whether forgetting may delete it: free, expired or completed, and unchanged for
+    /// `idle_ms` (contract section 8). A held lease is never forgotten.
+    pub(crate) fn forgettable(&self, now_ms: u64, idle_ms: u64) -> bool {
+        self.state(now_ms) != LeaseState::Held
+            && self.changed_ms.saturating_add(idle_ms) <= now_ms
+            && self.lease_until_ms.saturating_add(idle_ms) <= now_ms
+    }
+
     pub(crate) fn record(&self, job: &JobId, now_ms: u64) -> LeaseRecord {
         let state = self.state(now_ms);
         let expires_in = match state {

@@ -51,6 +51,14 @@ impl<S: LeaseStore> LeaseStore for SigningLeaseStore<S> {
         self.inner.get(job).await
     }
 
+    async fn forget_idle(
+        &self,
+        idle_for: std::time::Duration,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        self.inner.forget_idle(idle_for, limit).await
+    }
+
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
         self.inner.list(query).await
     }

@@ -18,9 +18,13 @@ use super::{LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError, pag
 #[derive(Debug, Clone)]
 pub struct SledLeaseStore {
     tree: sled::Tree,
+    /// `floor`: the highest generation ever forgotten (8 bytes big-endian).
+    meta: sled::Tree,
     db: DurableDb,
     clock: Arc<dyn Clock>,
 }
+
+const FLOOR: &[u8] = b"floor";
 
 impl SledLeaseStore {
     /// Opens (or creates) the store in directory `path`, on the system clock.
@@ -43,9 +47,25 @@ impl SledLeaseStore {
         let db = DurableDb::open(path)?;
         Ok(Self {
             tree: db.tree("leases")?,
+            meta: db.tree("meta")?,
             db,
             clock,
         })
+    }
+
+    /// The highest generation ever forgotten, with its raw value for a compare-and-swap.
+    fn floor(&self) -> Result<(Generation, Option<sled::IVec>), StoreError> {
+        let raw = self.meta.get(FLOOR).map_err(StoreError::io)?;
+        let floor = match raw.as_deref() {
+            None => Generation::ZERO,
+            Some(b) => Generation::new(u64::from_be_bytes(<[u8; 8]>::try_from(b).map_err(
+                |_| StoreError::Corrupt {
+                    job: "(floor)".parse().expect("valid job id"),
+                    reason: "the floor is not 8 bytes",
+                },
+            )?)),
+        };
+        Ok((floor, raw))
     }
 
     /// Flushes everything to disk now (graceful shutdown).
@@ -72,13 +92,10 @@ impl LeaseStore for SledLeaseStore {
                 .as_deref()
                 .map(|b| rules::Stored::decode(job, b))
                 .transpose()?;
-            let (new, out) = rules::decide(
-                job,
-                cur.as_ref(),
-                Generation::ZERO,
-                &op,
-                self.clock.now_ms(),
-            )?;
+            // Read after the record: forgetting raises the floor before it deletes a record,
+            // so a record seen gone comes with the floor that covers it.
+            let (floor, _) = self.floor()?;
+            let (new, out) = rules::decide(job, cur.as_ref(), floor, &op, self.clock.now_ms())?;
             if let Some(new) = new {
                 let swapped = self
                     .tree
@@ -106,6 +123,62 @@ impl LeaseStore for SledLeaseStore {
         // Answer only what is on disk (see `apply`).
         self.db.commit().await.map_err(StoreError::io)?;
         Ok(Some(stored.record(job, self.clock.now_ms())))
+    }
+
+    async fn forget_idle(
+        &self,
+        idle_for: std::time::Duration,
+        limit: usize,
+    ) -> Result<usize, StoreError> {
+        let now = self.clock.now_ms();
+        let idle_ms = u64::try_from(idle_for.as_millis()).unwrap_or(u64::MAX);
+        let mut batch = Vec::new();
+        let mut top = Generation::ZERO;
+        for item in &self.tree {
+            let (key, value) = item.map_err(StoreError::io)?;
+            let Ok(job) = JobId::from_bytes(&key) else {
+                continue;
+            };
+            let stored = rules::Stored::decode(&job, &value)?;
+            if stored.forgettable(now, idle_ms) {
+                top = top.max(stored.generation);
+                batch.push((key, value));
+                if batch.len() >= limit {
+                    break;
+                }
+            }
+        }
+        if batch.is_empty() {
+            return Ok(0);
+        }
+        // The floor first, on disk: a crash after it leaves the records, never a record
+        // gone without the floor above it.
+        loop {
+            let (floor, raw) = self.floor()?;
+            if top <= floor {
+                break;
+            }
+            let new = top.get().to_be_bytes();
+            let swapped = self
+                .meta
+                .compare_and_swap(FLOOR, raw, Some(&new[..]))
+                .map_err(StoreError::io)?;
+            if swapped.is_ok() {
+                break;
+            }
+        }
+        self.db.commit().await.map_err(StoreError::io)?;
+        let mut forgotten = 0;
+        for (key, value) in batch {
+            // Only if unchanged since it was read: a claim in between keeps its record.
+            let gone = self
+                .tree
+                .compare_and_swap(key, Some(value), None::<&[u8]>)
+                .map_err(StoreError::io)?;
+            forgotten += usize::from(gone.is_ok());
+        }
+        self.db.commit().await.map_err(StoreError::io)?;
+        Ok(forgotten)
     }
 
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
