@@ -8,7 +8,8 @@ use fence_lease::{
     LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, PgLeaseStore, PgTable, SledLeaseStore,
 };
 use fence_sink::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, SledStore, StoreError, Verdict,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, SledStore, StoreError,
+    Verdict,
     postgres::{PgStore, PgTables},
 };
 use std::time::Duration;
@@ -166,6 +167,17 @@ impl LeaseStore for LeaseBackend {
             Self::Postgres(s) => s.list(query).await,
         }
     }
+
+    async fn forget_idle(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<usize, fence_lease::StoreError> {
+        match self {
+            Self::Sled(s) => s.forget_idle(idle_for, limit).await,
+            Self::Postgres(s) => s.forget_idle(idle_for, limit).await,
+        }
+    }
 }
 
 /// A sink store of either backend.
@@ -209,6 +221,25 @@ impl GenerationStore for SinkBackend {
         match self {
             Self::Sled(s) => s.is_shared(),
             Self::Postgres(s) => s.is_shared(),
+        }
+    }
+
+    async fn idle(
+        &self,
+        idle_for: Duration,
+        after: Option<&IdleJob>,
+        limit: usize,
+    ) -> Result<Vec<IdleJob>, StoreError> {
+        match self {
+            Self::Sled(s) => s.idle(idle_for, after, limit).await,
+            Self::Postgres(s) => s.idle(idle_for, after, limit).await,
+        }
+    }
+
+    async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
+        match self {
+            Self::Sled(s) => s.forget(idle).await,
+            Self::Postgres(s) => s.forget(idle).await,
         }
     }
 }

@@ -190,6 +190,17 @@ pub struct ServerArgs {
     /// must not be readable by group or others.
     #[arg(long, value_name = "FILE", env = "FENCE_SIGNING_KEY")]
     pub signing_key: Option<PathBuf>,
+    /// The longest lease granted (100ms to 24h): claims and renewals asking more get this,
+    /// reported in their ttl_ms. Sinks that forget jobs must know it (their
+    /// --max-lease-ttl).
+    #[arg(long, value_name = "TTL", default_value = "24h", value_parser = parse_ttl, env = "FENCE_MAX_TTL")]
+    pub max_ttl: Ttl,
+    /// Delete jobs that are free, expired or completed and unchanged for this long (1s to
+    /// 10 years), in the background; the store keeps the highest generation it ever forgot,
+    /// and a job claimed again starts above it. A forgotten completed job may run again.
+    /// Default: never forget.
+    #[arg(long, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
+    pub forget_after: Option<Duration>,
     /// Test hook (feature `test-hooks`, never in a shipped binary): shift the server's clock
     /// by this many milliseconds (negative: behind).
     #[cfg(feature = "test-hooks")]
@@ -282,6 +293,19 @@ pub struct ProxyArgs {
         value_delimiter = ','
     )]
     pub verify_key: Vec<PathBuf>,
+    /// How far the lease server's clock may be ahead of this proxy's: with --verify-key, a
+    /// token whose lease ended longer ago than this is 409 token-expired.
+    #[arg(long, default_value = "5s", value_parser = parse_duration, env = "FENCE_CLOCK_SKEW")]
+    pub clock_skew: Duration,
+    /// Forget a job with no admitted request for this long, on disk and in memory (1s to
+    /// 10 years; default: never). Needs --verify-key, and at least --max-lease-ttl plus
+    /// twice --clock-skew: a stale write to a forgotten job is then still refused, as
+    /// token-expired.
+    #[arg(long, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
+    pub forget_after: Option<Duration>,
+    /// The longest lease the lease server grants (its --max-ttl), for --forget-after.
+    #[arg(long, value_name = "TTL", default_value = "24h", value_parser = parse_ttl, env = "FENCE_MAX_LEASE_TTL")]
+    pub max_lease_ttl: Ttl,
     /// Test hook (feature `test-hooks`, never in a shipped binary): fence nothing, the
     /// fault-injection harness's negative control.
     #[cfg(feature = "test-hooks")]
@@ -454,6 +478,18 @@ pub struct WatchdogCmd {
 /// A message naming what is wrong, for clap to print.
 pub fn parse_ttl(s: &str) -> Result<Ttl, String> {
     Ttl::new(parse_duration(s)?).map_err(|e| e.to_string())
+}
+
+/// A `--forget-after` duration: 1 s to 10 years.
+///
+/// # Errors
+/// As [`parse_duration`], and outside that range.
+pub fn parse_forget_after(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_secs(1) || d > Duration::from_secs(10 * 365 * 24 * 3600) {
+        return Err(format!("{s:?}: --forget-after must be from 1s to 10 years"));
+    }
+    Ok(d)
 }
 
 /// A lease key as `fence claim` printed it.

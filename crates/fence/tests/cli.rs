@@ -515,3 +515,115 @@ fn fence_run_releases_the_job_when_the_command_cannot_start() {
         "not held for the 1 h ttl"
     );
 }
+
+#[test]
+fn forgetting_and_max_ttl_settings_are_checked_at_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    assert!(
+        fence(&["keygen", "--out", keys.to_str().unwrap()])
+            .status
+            .success()
+    );
+    let verify = keys.join("fence-verify.pem");
+    let verify = verify.to_str().unwrap();
+    let data = dir.path().join("d");
+    let data = data.to_str().unwrap();
+    let proxy = |extra: &[&str]| {
+        let mut args = vec![
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "127.0.0.1:0",
+            "--upstream",
+            "http://127.0.0.1:9",
+            "--data-dir",
+            data,
+        ];
+        args.extend_from_slice(extra);
+        fence(&args)
+    };
+    let cases: Vec<(Output, &str)> = vec![
+        (proxy(&["--forget-after", "1h"]), "needs signed tokens"),
+        (
+            proxy(&["--forget-after", "1h", "--verify-key", verify]),
+            "shorter than the longest lease TTL (86400s) plus twice the clock skew (5s)",
+        ),
+        (
+            proxy(&[
+                "--forget-after",
+                "40s",
+                "--verify-key",
+                verify,
+                "--max-lease-ttl",
+                "30s",
+                "--clock-skew",
+                "6s",
+            ]),
+            "shorter than the longest lease TTL",
+        ),
+        (proxy(&["--forget-after", "500ms"]), "from 1s to 10 years"),
+        (
+            fence(&["server", "--data-dir", data, "--max-ttl", "50ms"]),
+            "below the minimum",
+        ),
+        (
+            fence(&["server", "--data-dir", data, "--max-ttl", "25h"]),
+            "above the maximum",
+        ),
+        (
+            fence(&["server", "--data-dir", data, "--forget-after", "0s"]),
+            "from 1s to 10 years",
+        ),
+    ];
+    for (out, want) in cases {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(want), "{stderr} lacks {want:?}");
+    }
+    // A valid setting starts (and is stopped at once).
+    let (_proxy, _) = start_proxy_with(
+        "http://127.0.0.1:9",
+        &[
+            "--data-dir",
+            data,
+            "--verify-key",
+            verify,
+            "--max-lease-ttl",
+            "30s",
+            "--forget-after",
+            "40s",
+        ],
+    );
+}
+
+#[test]
+fn the_server_caps_ttls_at_max_ttl_and_forgets_idle_jobs() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, addr) = start_ready(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+        "--max-ttl",
+        "10s",
+        "--forget-after",
+        "1s",
+    ]);
+    let url = format!("http://{addr}");
+    let lease = json(&fence(&[
+        "claim", "--server", &url, "--job", "j", "--ttl", "1h",
+    ]));
+    assert_eq!(lease["ttl_ms"], 10_000, "capped: {lease}");
+    assert_eq!(release(&url, "j", &lease).status.code(), Some(0));
+    std::thread::sleep(Duration::from_millis(1_600));
+    let out = fence(&["status", "--server", &url, "--job", "j"]);
+    assert_eq!(out.status.code(), Some(1), "forgotten: 404");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("or was forgotten"));
+    let again = json(&fence(&["claim", "--server", &url, "--job", "j"]));
+    assert_eq!(again["generation"], 2, "above the floor: {again}");
+    let fresh = json(&fence(&["claim", "--server", &url, "--job", "never-seen"]));
+    assert_eq!(fresh["generation"], 2, "a new job starts at floor + 1");
+}

@@ -65,14 +65,16 @@ impl Rng {
 async fn fault_worker() {
     let spec = std::env::var(WORKER_ENV).expect("started by the harness");
     let parts: Vec<&str> = spec.split(' ').collect();
-    let [server, proxy, id, jobs, secs, seed] = parts.as_slice() else {
+    let [server, proxy, id, jobs, secs, seed, window] = parts.as_slice() else {
         panic!("bad spec {spec}")
     };
-    let (id, jobs, secs): (u64, u64, u64) = (
+    let (id, jobs, secs, window): (u64, u64, u64, u64) = (
         id.parse().unwrap(),
         jobs.parse().unwrap(),
         secs.parse().unwrap(),
+        window.parse().unwrap(),
     );
+    let began = Instant::now();
     let mut rng = Rng(seed.parse::<u64>().unwrap() ^ (id + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15));
     let store = HttpLeaseStore::new(server)
         .unwrap()
@@ -84,7 +86,14 @@ async fn fault_worker() {
     let until = Instant::now() + Duration::from_secs(secs);
     let mut seq = 0u64;
     while Instant::now() < until {
-        let job = format!("job-{}", rng.below(jobs));
+        // With a window, the jobs in use move on every `window` seconds, so older ones go
+        // idle and are forgotten while stalled workers may still hold their tokens.
+        let shift = began
+            .elapsed()
+            .as_secs()
+            .checked_div(window)
+            .map_or(0, |w| w * jobs);
+        let job = format!("job-{}", shift + rng.below(jobs));
         let lease = match client.claim(job.parse().unwrap()).await {
             Ok(lease) => lease,
             Err(ClaimError::Held { .. }) => {
@@ -123,6 +132,14 @@ async fn fault_worker() {
             misbehave(proxy, &job, &token, cut, keyed, stall);
             println!("MISBEHAVED {job} {generation}");
         }
+        // With forgetting on, now and then a write with this token is held in the network
+        // for longer than the proxy's forget-after (4 s), then delivered: by then a newer
+        // holder may have written and the job been forgotten (contract section 8, proof b).
+        if let (true, 0, Some(token)) = (window > 0, rng.below(4), lease.token_string()) {
+            seq += 1;
+            let hold = Duration::from_millis(4_500 + rng.below(1_500));
+            deliver_late(proxy, &job, &token, id, seq, hold, generation);
+        }
         for i in 0..1 + rng.below(6) {
             seq += 1;
             let req = Request::post(format!("{proxy}/effects"))
@@ -155,6 +172,40 @@ async fn fault_worker() {
             }
         }
     }
+    if window > 0 {
+        // Writes still held in the network arrive before the worker ends.
+        tokio::time::sleep(Duration::from_secs(6)).await;
+    }
+}
+
+/// Sends one write with `token` after `hold`, straight to the proxy (the lease layer would
+/// refuse it by then): a request the network held up. Prints its outcome like any write.
+fn deliver_late(
+    proxy: &str,
+    job: &str,
+    token: &str,
+    id: u64,
+    seq: u64,
+    hold: Duration,
+    generation: u64,
+) {
+    let (proxy, job, token) = (proxy.to_owned(), job.to_owned(), token.to_owned());
+    tokio::spawn(async move {
+        tokio::time::sleep(hold).await;
+        let http = Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>();
+        let req = Request::post(format!("{proxy}/effects"))
+            .header("x-fencing-job", &job)
+            .header("x-fencing-token", &token)
+            .header("x-worker", id)
+            .header("x-seq", seq)
+            .body(Full::new(Bytes::from_static(b"late")))
+            .unwrap();
+        match http.request(req).await {
+            Ok(r) if r.status().is_success() => println!("ACK {job} {generation} {id} {seq}"),
+            Ok(r) => println!("REJECTED {job} {generation} {}", r.status().as_u16()),
+            Err(_) => println!("NETERR {job} {generation}"),
+        }
+    });
 }
 
 /// A client that sends a fenced request's head and 10 of its 100 body bytes, then either
@@ -409,25 +460,61 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
     }
 }
 
-async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
+/// How the proxy fences in one run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mode {
+    /// As shipped.
+    Fenced,
+    /// Signed tokens, and both the proxy and the server forgetting idle jobs after a few
+    /// seconds (TTLs and skew scaled down to match).
+    Forgetting,
+    /// Fencing disabled: the negative control.
+    Unfenced,
+}
+
+async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
+    let fencing = mode != Mode::Unfenced;
     let _turn = ONE_RUN_AT_A_TIME.lock().await;
     let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    if mode == Mode::Forgetting {
+        assert!(
+            fence(&["keygen", "--out", keys.to_str().unwrap()])
+                .status
+                .success()
+        );
+    }
     let log_path = dir.path().join("effects.log");
     let upstream = start_logging_upstream(&log_path, seed).await;
     let (server_port, proxy_port) = (free_port(), free_port());
     let leases = dir.path().join("leases");
     let sink = dir.path().join("sink");
     let start_server = |offset: i64| {
-        let (p, _) = start_ready(&[
-            "server",
-            "--listen",
-            &format!("127.0.0.1:{server_port}"),
-            "--data-dir",
-            leases.to_str().unwrap(),
-            "--clock-offset-ms",
-            &offset.to_string(),
-        ]);
-        p
+        let mut args: Vec<String> = [
+            "server".to_owned(),
+            "--listen".into(),
+            format!("127.0.0.1:{server_port}"),
+            "--data-dir".into(),
+            leases.to_str().unwrap().into(),
+            "--clock-offset-ms".into(),
+            offset.to_string(),
+        ]
+        .into();
+        if mode == Mode::Forgetting {
+            let key = keys.join("fence-signing.pem");
+            for a in [
+                "--signing-key",
+                key.to_str().unwrap(),
+                "--max-ttl",
+                "1s",
+                "--forget-after",
+                "2s",
+            ] {
+                args.push(a.into());
+            }
+        }
+        let args: Vec<&str> = args.iter().map(String::as_str).collect();
+        start_ready(&args).0
     };
     let start_proxy = || {
         let mut args = vec![
@@ -448,9 +535,26 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
         if !fencing {
             args.push("--unsafe-no-fence".into());
         }
+        if mode == Mode::Forgetting {
+            // The server's clock jumps by up to a TTL (600 ms): the skew covers it.
+            let key = keys.join("fence-verify.pem");
+            for a in [
+                "--verify-key",
+                key.to_str().unwrap(),
+                "--clock-skew",
+                "1s",
+                "--max-lease-ttl",
+                "1s",
+                "--forget-after",
+                "4s",
+            ] {
+                args.push(a.into());
+            }
+        }
         let args: Vec<&str> = args.iter().map(String::as_str).collect();
         start_ready(&args).0
     };
+    let window: u64 = if mode == Mode::Forgetting { 3 } else { 0 };
     let mut server = start_server(0);
     let mut proxy = start_proxy();
     let mut report_faults: BTreeMap<&'static str, u64> = BTreeMap::new();
@@ -485,7 +589,7 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
                 None => Command::new(std::env::current_exe().unwrap()),
             };
             cmd.args(["fault_worker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-                .env(WORKER_ENV, format!("http://127.0.0.1:{server_port} http://127.0.0.1:{proxy_port} {id} {jobs} {secs} {seed}"))
+                .env(WORKER_ENV, format!("http://127.0.0.1:{server_port} http://127.0.0.1:{proxy_port} {id} {jobs} {secs} {seed} {window}"))
                 .env("RUST_LOG", "off")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
@@ -508,13 +612,14 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
         .status()
         .is_ok_and(|s| s.success());
     if curl {
-        let script = r#"n=0; end=$(( $(date +%s) + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done; exit 9'; sleep 0.05; done"#;
+        let script = r#"n=0; start=$(date +%s); end=$(( start + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); shift=0; if [ "$WINDOW" -gt 0 ]; then shift=$(( ( $(date +%s) - start ) / WINDOW * JOBS )); fi; SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((shift + n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done; exit 9'; sleep 0.05; done"#;
         children.push(
             Command::new("sh")
                 .arg("-c")
                 .arg(script)
                 .env("SECS", secs.to_string())
                 .env("JOBS", jobs.to_string())
+                .env("WINDOW", window.to_string())
                 .env("FENCE_BIN", FENCE)
                 .env("SERVER", format!("http://127.0.0.1:{server_port}"))
                 .env("PROXY", format!("http://127.0.0.1:{proxy_port}"))
@@ -543,7 +648,16 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
             0..=5 => {
                 // Stop a worker past its lease, then let it go on.
                 let pid = pids[rng.below(workers) as usize];
-                let pause = TTL_MS * 3 / 2 + rng.below(TTL_MS);
+                let mut pause = TTL_MS * 3 / 2 + rng.below(TTL_MS);
+                if mode == Mode::Forgetting && rng.below(3) == 0 {
+                    // Past the proxy's forget-after (4 s): the stale write then meets a
+                    // job the proxy no longer remembers.
+                    pause = 4_500 + rng.below(1_500);
+                    *report
+                        .faults
+                        .entry("worker SIGSTOP past forget-after")
+                        .or_default() += 1;
+                }
                 *report
                     .faults
                     .entry("worker SIGSTOP past its lease")
@@ -588,6 +702,23 @@ async fn run(seed: u64, secs: u64, fencing: bool) -> Report {
     })
     .await
     .unwrap();
+    if mode == Mode::Forgetting {
+        // job-0 was used in the first window only: by now the server has forgotten it.
+        let status = http_status(
+            &format!("127.0.0.1:{server_port}"),
+            "GET",
+            "/v1/leases/job-0",
+            &[],
+        );
+        *report
+            .faults
+            .entry(if status == 404 {
+                "jobs of the first window forgotten by the server"
+            } else {
+                "jobs of the first window NOT forgotten by the server"
+            })
+            .or_default() += 1;
+    }
     drop((proxy, server));
     *report
         .faults
@@ -631,7 +762,7 @@ async fn fenced_run_has_no_violations() {
     println!(
         "fault injection: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
     );
-    let report = run(seed, secs, true).await;
+    let report = run(seed, secs, Mode::Fenced).await;
     report.print("fenced", seed);
     assert!(
         report.effects > 0,
@@ -659,6 +790,34 @@ async fn fenced_run_has_no_violations() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forgetting_run_has_no_violations() {
+    let (seed, secs) = seed_and_secs(20);
+    println!(
+        "fault injection with forgetting: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
+    );
+    let report = run(seed, secs, Mode::Forgetting).await;
+    report.print(
+        "fenced, forgetting after 4 s (proxy) and 2 s (server)",
+        seed,
+    );
+    assert!(report.effects > 0, "no effect was applied at all");
+    assert!(
+        report
+            .faults
+            .contains_key("jobs of the first window forgotten by the server"),
+        "seed {seed}: the run did not exercise forgetting: {:?}",
+        report.faults
+    );
+    assert_eq!(
+        report.violations(),
+        0,
+        "seed {seed}: {:?} {:?}",
+        report.stale_effects,
+        report.reused_generations
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_without_fencing_finds_violations() {
     // Up to three rounds (seeds derived from the printed one): the faults are random, and one
     // round without a violation can happen by chance; three in a row means too few faults.
@@ -666,7 +825,7 @@ async fn negative_control_without_fencing_finds_violations() {
     for round in 0..3u64 {
         let round_seed = seed.wrapping_add(round);
         println!("negative control: seed {round_seed}, {secs} s");
-        let report = run(round_seed, secs, false).await;
+        let report = run(round_seed, secs, Mode::Unfenced).await;
         report.print("negative control: fencing disabled", round_seed);
         if !report.stale_effects.is_empty() {
             return;

@@ -39,6 +39,13 @@ pub struct ProxyConfig {
     pub unknown_outcome_hold: Duration,
     /// The most bytes of bodies the fence holds at once (default 256 MiB).
     pub max_buffered_bytes: usize,
+    /// How far the lease server's clock may be ahead (default 5 s), for expired tokens.
+    pub clock_skew: Duration,
+    /// Forget a job with no admitted request for this long (default: never); needs a
+    /// verifier and at least `max_lease_ttl` plus twice `clock_skew`.
+    pub forget_after: Option<Duration>,
+    /// The longest lease the lease server grants (default 24 h).
+    pub max_lease_ttl: Duration,
     /// How long a kept-alive upstream connection may stay unused and still be reused
     /// (default 90 s). Older ones are closed: a firewall or NAT on the way may have dropped
     /// them without a word, and a request sent on one would wait for `upstream_timeout`.
@@ -73,6 +80,9 @@ impl ProxyConfig {
             body_timeout: Duration::from_secs(30),
             unknown_outcome_hold: Duration::from_secs(60),
             max_buffered_bytes: 256 << 20,
+            clock_skew: Duration::from_secs(5),
+            forget_after: None,
+            max_lease_ttl: Duration::from_secs(24 * 3600),
             upstream_idle_timeout: Duration::from_secs(90),
             preserve_host: false,
             verifier: None,
@@ -89,7 +99,23 @@ impl ProxyConfig {
     /// # Errors
     /// When `upstream` is not `http(s)://host[:port][/path]` or its CA file is unusable.
     pub fn check(&self) -> anyhow::Result<()> {
-        Target::parse(&self.upstream, self.upstream_ca_cert.as_deref()).map(drop)
+        Target::parse(&self.upstream, self.upstream_ca_cert.as_deref())?;
+        if let Some(after) = self.forget_after {
+            let limit = self
+                .max_lease_ttl
+                .saturating_add(self.clock_skew.saturating_mul(2));
+            if self.verifier.is_none() {
+                anyhow::bail!(fence_sink::ForgetError::Unsigned);
+            }
+            if after < limit {
+                anyhow::bail!(fence_sink::ForgetError::TooSoon {
+                    after,
+                    max_ttl: self.max_lease_ttl,
+                    skew: self.clock_skew,
+                });
+            }
+        }
+        Ok(())
     }
 }
 

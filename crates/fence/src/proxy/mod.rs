@@ -90,7 +90,8 @@ where
         .drain_timeout(config.drain_timeout)
         .body_timeout(config.body_timeout)
         .unknown_outcome_hold(config.unknown_outcome_hold)
-        .max_buffered_bytes(config.max_buffered_bytes);
+        .max_buffered_bytes(config.max_buffered_bytes)
+        .clock_skew(config.clock_skew);
     layer = if config.require_token {
         layer.require_token()
     } else {
@@ -103,7 +104,11 @@ where
     if let Some(verifier) = config.verifier.clone() {
         layer = layer.require_signatures(verifier);
     }
-    // Expired idempotency records are swept off the store while the proxy runs.
+    if let Some(after) = config.forget_after {
+        layer = layer.forget_after(after, config.max_lease_ttl)?;
+    }
+    // Expired idempotency records are swept off the store while the proxy runs, and idle
+    // jobs forgotten if asked.
     let _maintenance = layer.spawn_maintenance();
 
     let listen = listener

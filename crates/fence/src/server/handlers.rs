@@ -10,7 +10,7 @@ use axum::{
 };
 use bytes::Bytes;
 use fence_core::{
-    JobId, Problem, ProblemType,
+    JobId, Problem, ProblemType, Ttl,
     lease_api::{Action, BodyError, ClaimRequest, FinishRequest, MAX_REQUEST_BODY, RenewRequest},
 };
 use fence_lease::{LeaseOp, LeaseStore};
@@ -47,8 +47,9 @@ async fn parse<T>(
     parse(&bytes).map_err(|e| bad(e.to_string()))
 }
 
-/// The operation a request body asks for.
-async fn operation(action: Action, body: Body) -> Result<LeaseOp, Problem> {
+/// The operation a request body asks for, its TTL capped at `max_ttl`.
+async fn operation(action: Action, body: Body, max_ttl: Option<Ttl>) -> Result<LeaseOp, Problem> {
+    let cap = |ttl: Ttl| max_ttl.map_or(ttl, |max| ttl.min(max));
     Ok(match action {
         Action::Claim => {
             let ClaimRequest {
@@ -56,6 +57,7 @@ async fn operation(action: Action, body: Body) -> Result<LeaseOp, Problem> {
                 lease_key: key,
                 ttl,
             } = parse(body, ClaimRequest::from_json).await?;
+            let ttl = cap(ttl);
             LeaseOp::Claim { owner, key, ttl }
         }
         Action::Renew => {
@@ -65,6 +67,7 @@ async fn operation(action: Action, body: Body) -> Result<LeaseOp, Problem> {
                 lease_key: key,
                 ttl,
             } = parse(body, RenewRequest::from_json).await?;
+            let ttl = cap(ttl);
             LeaseOp::Renew {
                 owner,
                 generation,
@@ -114,7 +117,7 @@ pub(super) async fn act<S: LeaseStore>(
     let answer = async {
         let job = job_of(job)?;
         authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
-        let op = operation(action, body).await?;
+        let op = operation(action, body, app.options.max_ttl).await?;
         let owner = op.owner().clone();
         let outcome = app
             .store
@@ -141,7 +144,7 @@ pub(super) async fn status<S: LeaseStore>(
             Some(r) => Ok(json(&record_body(&r))),
             None => Err(Problem::new(
                 ProblemType::UnknownJob,
-                format!("job {job} has never been claimed"),
+                format!("job {job} has never been claimed, or was forgotten (--forget-after)"),
             )
             .with_job(job)),
         }

@@ -42,6 +42,8 @@ pub struct ServerOptions {
     pub auth: Option<Auth>,
     /// Serve `/metrics` without a bearer secret even with `auth`.
     pub public_metrics: bool,
+    /// The longest lease granted: claims and renewals asking more get this (`--max-ttl`).
+    pub max_ttl: Option<fence_core::Ttl>,
 }
 
 struct AppState<S> {
