@@ -156,10 +156,10 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-/// Forgets idle jobs of `store` in the background, every eighth of `after` (at most every
+/// Forgets idle jobs of `store` in the background, every quarter of `after` (at most every
 /// minute), in batches; stops when the returned task is dropped.
 fn forget_leases<S: LeaseStore + Clone>(store: S, after: Duration) -> AbortOnDrop {
-    let every = (after / 8).clamp(Duration::from_millis(100), Duration::from_secs(60));
+    let every = (after / 4).clamp(Duration::from_millis(100), Duration::from_secs(60));
     AbortOnDrop(tokio::spawn(async move {
         let mut tick = tokio::time::interval(every);
         tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

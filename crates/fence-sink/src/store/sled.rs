@@ -265,7 +265,8 @@ impl GenerationStore for SledStore {
             self.stamps
                 .remove(stamp_key(idle.touched_ms, key))
                 .map_err(io)?;
-            self.db.commit().await.map_err(io)?;
+            // Not waited on: a deletion a crash takes back only brings an idle job back,
+            // to be forgotten again; the next commit of anyone flushes it anyway.
         }
         Ok(gone)
     }

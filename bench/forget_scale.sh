@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Bounded state (issue 16): JOBS distinct jobs through `fence proxy` (a signed token each, so
+# one durable bump per job) and through `fence server` (a claim and a release each), each
+# twice: without forgetting, and with --forget-after FORGET so that about rate x FORGET
+# jobs are live. Every REPORT jobs: jobs written, rate, resident memory and data directory
+# size of the target. Appends a section to BENCHMARKS.md.
+#
+# Usage: bench/forget_scale.sh [JOBS=10000000] [REPORT=1000000] [FORGET=10s]   (CONNS=8)
+set -euo pipefail
+cd "$(dirname "$0")/.."
+source bench/lib.sh
+jobs=${1:-10000000}; report=${2:-1000000}; forget=${3:-10s}; conns=${CONNS:-8}
+need curl
+cargo build --release -q -p fence --bin fence
+cargo build --release -q --example forget_load --example bench_sink -p fence-suite
+bin=target/release
+tmp=$(mktemp -d); pids=()
+cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$tmp"; }
+trap cleanup EXIT
+$bin/fence keygen --out "$tmp/keys" >/dev/null
+bare=127.0.0.1:19401 proxy=127.0.0.1:19402 admin=127.0.0.1:19403 server=127.0.0.1:19404
+$bin/examples/bench_sink bare "$bare" >/dev/null & pids+=($!)
+wait_http "http://$bare/"
+
+out=$tmp/rows
+run() { # name target addr key ttl_ms pid dir
+  echo "== $1" >&2
+  $bin/examples/forget_load "$2" "$3" "$4" "$jobs" "$conns" "$5" "$report" "$6" "$7" \
+    | while read -r line; do echo "$1 $line" | tee -a "$out" >&2; done
+}
+proxy_run() { # name extra-flags...
+  local name=$1; shift
+  RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen "$admin" --upstream "http://$bare" \
+    --data-dir "$tmp/$name" --verify-key "$tmp/keys/fence-verify.pem" --no-idempotency "$@" &
+  local pid=$!
+  wait_http "http://$admin/healthz"
+  run "$name" proxy "$proxy" "$tmp/keys/fence-signing.pem" 2000 "$pid" "$tmp/$name"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+server_run() { # name extra-flags...
+  local name=$1; shift
+  RUST_LOG=warn $bin/fence server --listen "$server" --data-dir "$tmp/$name" "$@" &
+  local pid=$!
+  wait_http "http://$server/healthz"
+  run "$name" server "http://$server" - 1000 "$pid" "$tmp/$name"
+  kill "$pid"; wait "$pid" 2>/dev/null || true
+}
+proxy_run proxy-keep
+proxy_run proxy-forget --forget-after "$forget" --max-lease-ttl 2s --clock-skew 1s
+server_run server-keep
+server_run server-forget --forget-after "$forget"
+
+{
+  header "Bounded state: $jobs distinct jobs, ${conns} connections, forget-after $forget" \
+    "CONNS=$conns bench/forget_scale.sh $jobs $report $forget"
+  echo "Each proxy job is one write with a signed token (a durable bump; idempotency off);"
+  echo "each server job a claim and a release. Sizes at each report: resident memory (RSS)"
+  echo "and data directory, in MiB; the rate is jobs per second since the previous report."
+  echo
+  for kind in proxy server; do
+    echo "| jobs written | $kind: rate, kept | RSS MiB | disk MiB | $kind: rate, forgetting | RSS MiB | disk MiB |"
+    echo "|---|---|---|---|---|---|---|"
+    join -j 1 \
+      <(awk -v n="$kind-keep" -v r="$report" '$1==n {printf "%d %s %s %s\n", int($2/r+0.5)*r, $4, $5, $6}' "$out" | sort -k1,1) \
+      <(awk -v n="$kind-forget" -v r="$report" '$1==n {printf "%d %s %s %s\n", int($2/r+0.5)*r, $4, $5, $6}' "$out" | sort -k1,1) \
+      | sort -n -k1,1 | awk '{printf "| %d | %d | %d | %d | %d | %d | %d |\n", $1, $2, $3, $4, $5, $6, $7}'
+    echo
+  done
+} | tee -a BENCHMARKS.md
