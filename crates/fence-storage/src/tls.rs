@@ -163,19 +163,45 @@ pub fn any_name_config(ca: Option<&Path>) -> Result<ClientConfig, TlsError> {
         path: ca.map_or_else(|| PathBuf::from("(system roots)"), Path::to_owned),
         reason: e.to_string(),
     })?;
+    lenient_config(provider, Some(webpki))
+}
+
+/// A client configuration that encrypts but does not verify the server's certificate: what
+/// libpq's `sslmode=require` means. It protects against eavesdropping, not against a server
+/// that impersonates the real one; `verify-full` does both.
+///
+/// # Errors
+/// When the provider refuses the protocol versions (it does not).
+pub fn encrypt_only_config() -> Result<ClientConfig, TlsError> {
+    lenient_config(provider(), None)
+}
+
+fn lenient_config(
+    provider: Arc<CryptoProvider>,
+    chain: Option<Arc<rustls::client::WebPkiServerVerifier>>,
+) -> Result<ClientConfig, TlsError> {
+    let verifier = Lenient {
+        chain,
+        provider: provider.clone(),
+    };
     Ok(ClientConfig::builder_with_provider(provider)
         .with_safe_default_protocol_versions()
         .map_err(TlsError::Rustls)?
         .dangerous()
-        .with_custom_certificate_verifier(Arc::new(AnyName(webpki)))
+        .with_custom_certificate_verifier(Arc::new(verifier))
         .with_no_client_auth())
 }
 
-/// Verifies the chain with webpki, accepting a certificate issued for another name.
+/// Checks less than a full verification: with `chain`, the certificate chain but not the
+/// host name (`verify-ca`); without, nothing about the certificate (`require`). Either way
+/// the handshake's signatures are checked, so the server must hold the certificate's key.
 #[derive(Debug)]
-struct AnyName(Arc<rustls::client::WebPkiServerVerifier>);
+struct Lenient {
+    chain: Option<Arc<rustls::client::WebPkiServerVerifier>>,
+    provider: Arc<CryptoProvider>,
+}
 
-impl ServerCertVerifier for AnyName {
+impl ServerCertVerifier for Lenient {
     fn verify_server_cert(
         &self,
         end_entity: &CertificateDer<'_>,
@@ -185,10 +211,10 @@ impl ServerCertVerifier for AnyName {
         now: UnixTime,
     ) -> Result<ServerCertVerified, rustls::Error> {
         use rustls::{CertificateError, Error};
-        match self
-            .0
-            .verify_server_cert(end_entity, intermediates, server_name, ocsp, now)
-        {
+        let Some(chain) = &self.chain else {
+            return Ok(ServerCertVerified::assertion());
+        };
+        match chain.verify_server_cert(end_entity, intermediates, server_name, ocsp, now) {
             Err(Error::InvalidCertificate(
                 CertificateError::NotValidForName | CertificateError::NotValidForNameContext { .. },
             )) => Ok(ServerCertVerified::assertion()),
@@ -202,7 +228,8 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls12_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        rustls::crypto::verify_tls12_signature(message, cert, dss, algorithms)
     }
 
     fn verify_tls13_signature(
@@ -211,75 +238,13 @@ impl ServerCertVerifier for AnyName {
         cert: &CertificateDer<'_>,
         dss: &rustls::DigitallySignedStruct,
     ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        self.0.verify_tls13_signature(message, cert, dss)
+        let algorithms = &self.provider.signature_verification_algorithms;
+        rustls::crypto::verify_tls13_signature(message, cert, dss, algorithms)
     }
 
     fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.supported_verify_schemes()
-    }
-}
-
-/// A client configuration that encrypts but does not verify the server's certificate: what
-/// libpq's `sslmode=require` means. It protects against eavesdropping, not against a server
-/// that impersonates the real one; `verify-full` does both.
-///
-/// # Errors
-/// When the provider refuses the protocol versions (it does not).
-pub fn encrypt_only_config() -> Result<ClientConfig, TlsError> {
-    let provider = provider();
-    Ok(ClientConfig::builder_with_provider(provider.clone())
-        .with_safe_default_protocol_versions()
-        .map_err(TlsError::Rustls)?
-        .dangerous()
-        .with_custom_certificate_verifier(Arc::new(EncryptOnly(provider)))
-        .with_no_client_auth())
-}
-
-/// Accepts any certificate, but still checks that the server holds its key.
-#[derive(Debug)]
-struct EncryptOnly(Arc<CryptoProvider>);
-
-impl ServerCertVerifier for EncryptOnly {
-    fn verify_server_cert(
-        &self,
-        _end_entity: &CertificateDer<'_>,
-        _intermediates: &[CertificateDer<'_>],
-        _server_name: &ServerName<'_>,
-        _ocsp: &[u8],
-        _now: UnixTime,
-    ) -> Result<ServerCertVerified, rustls::Error> {
-        Ok(ServerCertVerified::assertion())
-    }
-
-    fn verify_tls12_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls12_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn verify_tls13_signature(
-        &self,
-        message: &[u8],
-        cert: &CertificateDer<'_>,
-        dss: &rustls::DigitallySignedStruct,
-    ) -> Result<HandshakeSignatureValid, rustls::Error> {
-        rustls::crypto::verify_tls13_signature(
-            message,
-            cert,
-            dss,
-            &self.0.signature_verification_algorithms,
-        )
-    }
-
-    fn supported_verify_schemes(&self) -> Vec<rustls::SignatureScheme> {
-        self.0.signature_verification_algorithms.supported_schemes()
+        self.provider
+            .signature_verification_algorithms
+            .supported_schemes()
     }
 }

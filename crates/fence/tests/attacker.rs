@@ -16,25 +16,7 @@ const HOLDER: &str = "holder-0123456789abcdef-secret";
 const STRANGER: &str = "stranger-0123456789abcdef-secret";
 
 fn call(addr: &str, method: &str, path: &str, bearer: &str, body: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\nAuthorization: Bearer {bearer}\r\ncontent-type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    let status = answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, answer)
+    bearer_call(addr, method, path, Some(bearer), body)
 }
 
 #[test]

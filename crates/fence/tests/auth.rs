@@ -3,7 +3,7 @@
 
 mod common;
 
-use std::{os::unix::fs::PermissionsExt, path::Path, process::Command, time::Duration};
+use std::{os::unix::fs::PermissionsExt, path::Path, process::Command};
 
 use common::*;
 
@@ -25,26 +25,7 @@ fn token_file(dir: &Path, name: &str, secret: &str) -> String {
 
 /// A raw request with an optional bearer secret: (status, head and body).
 fn call(addr: &str, method: &str, path: &str, bearer: Option<&str>, body: &str) -> (u16, String) {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(addr).unwrap();
-    stream
-        .set_read_timeout(Some(Duration::from_secs(10)))
-        .unwrap();
-    let auth = bearer.map_or(String::new(), |b| format!("Authorization: Bearer {b}\r\n"));
-    write!(
-        stream,
-        "{method} {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n{auth}content-type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
-        body.len()
-    )
-    .unwrap();
-    let mut answer = String::new();
-    let _ = stream.read_to_string(&mut answer);
-    let status = answer
-        .split_whitespace()
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .unwrap_or(0);
-    (status, answer)
+    bearer_call(addr, method, path, bearer, body)
 }
 
 #[test]
@@ -141,12 +122,7 @@ fn secrets_and_patterns_decide_who_may_do_what_and_sighup_reloads() {
     let list = |secret: &str| {
         let tokens = token_file(dir.path(), "t", secret);
         let out = fence(&["leases", "--server", &url, "--auth-token-file", &tokens]);
-        assert_eq!(
-            out.status.code(),
-            Some(0),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        assert_success(&out);
         // One record per line.
         let mut jobs: Vec<String> = String::from_utf8_lossy(&out.stdout)
             .lines()

@@ -151,12 +151,7 @@ fn fence_run_completes_on_success_and_releases_on_failure() {
     let ok = fence(&[
         "run", "--server", &url, "--job", "j1", "--", "sh", "-c", env_check,
     ]);
-    assert_eq!(
-        ok.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&ok.stderr)
-    );
+    assert_success(&ok);
     assert_eq!(
         json(&fence(&["status", "--server", &url, "--job", "j1"]))["state"],
         "completed"
@@ -192,212 +187,114 @@ fn fence_run_completes_on_success_and_releases_on_failure() {
     );
 }
 
-#[test]
-fn bad_flags_exit_2_with_a_message() {
-    let cases: &[(&[&str], &str)] = &[
-        (&["claim", "--job", ""], "job id is empty"),
-        (&["claim", "--job", "a b"], "byte 0x20"),
-        (
-            &["claim", "--job", "j", "--ttl", "50ms"],
-            "below the minimum of 100 ms",
-        ),
-        (
-            &["claim", "--job", "j", "--ttl", "25h"],
-            "above the maximum",
-        ),
-        (&["claim", "--job", "j", "--ttl", "ten"], "not a duration"),
-        (
-            &["renew", "--job", "j", "--owner", "o", "--generation", "-1"],
-            "generation",
-        ),
-        (&["run", "--job", "j"], "COMMAND"),
-        (&["server"], "--data-dir"),
-        (&["proxy", "--data-dir", "x"], "--upstream"),
-        (
-            &[
-                "proxy",
-                "--data-dir",
-                "x",
-                "--upstream",
-                "http://a",
-                "--workers",
-                "0",
-            ],
-            "--workers",
-        ),
-        (&["frobnicate"], "unrecognized subcommand"),
-        // The flags of contract v2 sections 4 and 7: empty, short, oversized, wrong kind.
-        (
-            &[
-                "renew",
-                "--job",
-                "j",
-                "--owner",
-                "o",
-                "--generation",
-                "1",
-                "--lease-key",
-                "",
-            ],
-            "22 to 128 base64url characters, got 0",
-        ),
-        (
-            &[
-                "renew",
-                "--job",
-                "j",
-                "--owner",
-                "o",
-                "--generation",
-                "1",
-                "--lease-key",
-                "short",
-            ],
-            "22 to 128 base64url characters, got 5",
-        ),
-        (
-            &[
-                "renew",
-                "--job",
-                "j",
-                "--owner",
-                "o",
-                "--generation",
-                "1",
-                "--lease-key",
-                "k0123456789abcdefghij+",
-            ],
-            "character 21 is not",
-        ),
-        (
-            &[
-                "release",
-                "--job",
-                "j",
-                "--owner",
-                "o",
-                "--generation",
-                "1",
-                "--lease-key",
-                LONG_KEY,
-            ],
-            "got 198",
-        ),
-        (
-            &["claim", "--job", "j", "--server", ""],
-            "invalid server URL",
-        ),
-        (
-            &["claim", "--job", "j", "--server", "ftp://x"],
-            "expected http://host:port or https://host:port",
-        ),
-        (&["claim", "--job", "j", "--owner", ""], "owner is empty"),
-        (
-            &["server", "--data-dir", "x", "--header-timeout", "0s"],
-            "a timeout must be from 1ms to 24h",
-        ),
-        (
-            &["server", "--data-dir", "x", "--idle-timeout", "25h"],
-            "a timeout must be from 1ms to 24h",
-        ),
-        (
-            &["server", "--data-dir", "x", "--max-connections", "0"],
-            "--max-connections",
-        ),
-        (
-            &["server", "--data-dir", "x", "--max-connections", "many"],
-            "--max-connections",
-        ),
-        (
-            &["server", "--data-dir", "x", "--auth-file"],
-            "a value is required",
-        ),
-        (
-            &["server", "--data-dir", "x", "--tls-key", "k.pem"],
-            "--tls-cert",
-        ),
-        (
-            &[
-                "proxy",
-                "--data-dir",
-                "x",
-                "--upstream",
-                "ftp://127.0.0.1:1",
-            ],
-            "only http:// and https:// upstreams",
-        ),
-    ];
+/// Runs `fence` with each case's arguments (`|`-separated, so `a||b` has an empty middle
+/// one) and checks that it exits 2 saying `want`; with `one_line`, in one line.
+fn expect_usage(cases: &[(String, &str)], one_line: bool) {
     for (args, want) in cases {
-        let out = fence(args);
+        let args: Vec<&str> = args.split('|').collect();
+        let out = fence(&args);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
         assert!(stderr.contains(want), "{args:?}: {stderr} lacks {want:?}");
+        if one_line {
+            assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
+        }
     }
-    // Files named by flags: missing, empty, unusable.
+}
+
+#[test]
+fn bad_flags_exit_2_with_a_message() {
+    let renew = |key: &str| format!("renew|--job|j|--owner|o|--generation|1|--lease-key|{key}");
+    let long_key = "a".repeat(198);
+    let cases: Vec<(String, &str)> = vec![
+        ("claim|--job|".into(), "job id is empty"),
+        ("claim|--job|a b".into(), "byte 0x20"),
+        (
+            "claim|--job|j|--ttl|50ms".into(),
+            "below the minimum of 100 ms",
+        ),
+        ("claim|--job|j|--ttl|25h".into(), "above the maximum"),
+        ("claim|--job|j|--ttl|ten".into(), "not a duration"),
+        (
+            "renew|--job|j|--owner|o|--generation|-1".into(),
+            "generation",
+        ),
+        ("run|--job|j".into(), "COMMAND"),
+        ("server".into(), "--data-dir"),
+        ("proxy|--data-dir|x".into(), "--upstream"),
+        (
+            "proxy|--data-dir|x|--upstream|http://a|--workers|0".into(),
+            "--workers",
+        ),
+        ("frobnicate".into(), "unrecognized subcommand"),
+        // The flags of contract v2 sections 4 and 7: empty, short, oversized, wrong kind.
+        (renew(""), "22 to 128 base64url characters, got 0"),
+        (renew("short"), "22 to 128 base64url characters, got 5"),
+        (renew("k0123456789abcdefghij+"), "character 21 is not"),
+        (renew(&long_key), "got 198"),
+        ("claim|--job|j|--server|".into(), "invalid server URL"),
+        (
+            "claim|--job|j|--server|ftp://x".into(),
+            "expected http://host:port or https://host:port",
+        ),
+        ("claim|--job|j|--owner|".into(), "owner is empty"),
+        (
+            "server|--data-dir|x|--header-timeout|0s".into(),
+            "a timeout must be from 1ms to 24h",
+        ),
+        (
+            "server|--data-dir|x|--idle-timeout|25h".into(),
+            "a timeout must be from 1ms to 24h",
+        ),
+        (
+            "server|--data-dir|x|--max-connections|0".into(),
+            "--max-connections",
+        ),
+        (
+            "server|--data-dir|x|--max-connections|many".into(),
+            "--max-connections",
+        ),
+        (
+            "server|--data-dir|x|--auth-file".into(),
+            "a value is required",
+        ),
+        ("server|--data-dir|x|--tls-key|k.pem".into(), "--tls-cert"),
+        (
+            "proxy|--data-dir|x|--upstream|ftp://127.0.0.1:1".into(),
+            "only http:// and https:// upstreams",
+        ),
+    ];
+    expect_usage(&cases, false);
+    // Files named by flags: missing, empty, unusable; the answer is one line.
     let dir = tempfile::tempdir().unwrap();
     let empty = dir.path().join("empty");
     std::fs::write(&empty, "").unwrap();
     let missing = dir.path().join("missing");
     let (empty, missing) = (empty.to_str().unwrap(), missing.to_str().unwrap());
-    let cases: &[(&[&str], &str)] = &[
+    let https = "claim|--job|j|--server|https://127.0.0.1:1|--ca-cert";
+    let cases: Vec<(String, &str)> = vec![
         (
-            &["claim", "--job", "j", "--auth-token-file", missing],
+            format!("claim|--job|j|--auth-token-file|{missing}"),
             "cannot read --auth-token-file",
         ),
         (
-            &["claim", "--job", "j", "--auth-token-file", empty],
+            format!("claim|--job|j|--auth-token-file|{empty}"),
             "must be 16 to 256 characters",
         ),
+        (format!("{https}|{empty}"), "no CERTIFICATE in it"),
+        (format!("{https}|{missing}"), "CA file"),
         (
-            &[
-                "claim",
-                "--job",
-                "j",
-                "--server",
-                "https://127.0.0.1:1",
-                "--ca-cert",
-                empty,
-            ],
-            "no CERTIFICATE in it",
-        ),
-        (
-            &[
-                "claim",
-                "--job",
-                "j",
-                "--server",
-                "https://127.0.0.1:1",
-                "--ca-cert",
-                missing,
-            ],
-            "CA file",
-        ),
-        (
-            &[
-                "proxy",
-                "--data-dir",
-                "x",
-                "--upstream",
-                "https://127.0.0.1:1",
-                "--upstream-ca-cert",
-                missing,
-            ],
+            format!(
+                "proxy|--data-dir|x|--upstream|https://127.0.0.1:1|--upstream-ca-cert|{missing}"
+            ),
             "CA file",
         ),
     ];
-    for (args, want) in cases {
-        let out = fence(args);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(stderr.contains(want), "{args:?}: {stderr} lacks {want:?}");
-        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
-    }
+    expect_usage(&cases, true);
     let out = fence(&["status", "--server", "http://127.0.0.1:1", "--job", "j"]);
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach"));
 }
-
-const LONG_KEY: &str = "aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa";
 
 #[test]
 fn proxy_killed_with_sigkill_keeps_every_accepted_generation() {
@@ -526,62 +423,33 @@ fn forgetting_and_max_ttl_settings_are_checked_at_start() {
             .success()
     );
     let verify = keys.join("fence-verify.pem");
-    let verify = verify.to_str().unwrap();
     let data = dir.path().join("d");
-    let data = data.to_str().unwrap();
-    let proxy = |extra: &[&str]| {
-        let mut args = vec![
-            "proxy",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--upstream",
-            "http://127.0.0.1:9",
-            "--data-dir",
-            data,
-        ];
-        args.extend_from_slice(extra);
-        fence(&args)
-    };
-    let cases: Vec<(Output, &str)> = vec![
-        (proxy(&["--forget-after", "1h"]), "needs signed tokens"),
+    let (verify, data) = (verify.to_str().unwrap(), data.to_str().unwrap());
+    let proxy = format!(
+        "proxy|--listen|127.0.0.1:0|--admin-listen|127.0.0.1:0|--upstream|http://127.0.0.1:9|--data-dir|{data}"
+    );
+    let server = format!("server|--data-dir|{data}");
+    let cases: Vec<(String, &str)> = vec![
+        (format!("{proxy}|--forget-after|1h"), "needs signed tokens"),
         (
-            proxy(&["--forget-after", "1h", "--verify-key", verify]),
+            format!("{proxy}|--forget-after|1h|--verify-key|{verify}"),
             "shorter than the longest lease TTL (86400s) plus twice the clock skew (5s)",
         ),
         (
-            proxy(&[
-                "--forget-after",
-                "40s",
-                "--verify-key",
-                verify,
-                "--max-lease-ttl",
-                "30s",
-                "--clock-skew",
-                "6s",
-            ]),
+            format!(
+                "{proxy}|--forget-after|40s|--verify-key|{verify}|--max-lease-ttl|30s|--clock-skew|6s"
+            ),
             "shorter than the longest lease TTL",
         ),
-        (proxy(&["--forget-after", "500ms"]), "from 1s to 10 years"),
         (
-            fence(&["server", "--data-dir", data, "--max-ttl", "50ms"]),
-            "below the minimum",
-        ),
-        (
-            fence(&["server", "--data-dir", data, "--max-ttl", "25h"]),
-            "above the maximum",
-        ),
-        (
-            fence(&["server", "--data-dir", data, "--forget-after", "0s"]),
+            format!("{proxy}|--forget-after|500ms"),
             "from 1s to 10 years",
         ),
+        (format!("{server}|--max-ttl|50ms"), "below the minimum"),
+        (format!("{server}|--max-ttl|25h"), "above the maximum"),
+        (format!("{server}|--forget-after|0s"), "from 1s to 10 years"),
     ];
-    for (out, want) in cases {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{stderr}");
-        assert!(stderr.contains(want), "{stderr} lacks {want:?}");
-    }
+    expect_usage(&cases, false);
     // A valid setting starts (and is stopped at once).
     let (_proxy, _) = start_proxy_with(
         "http://127.0.0.1:9",

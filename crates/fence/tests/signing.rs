@@ -13,12 +13,7 @@ use common::*;
 
 fn keygen(dir: &Path) {
     let out = fence(&["keygen", "--out", dir.to_str().unwrap()]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
 }
 
 fn mode(path: &Path) -> u32 {
@@ -165,27 +160,18 @@ fn unusable_key_files_stop_server_and_proxy_at_start_with_one_line_and_exit_2() 
         "--data-dir",
         data.to_str().unwrap(),
     ];
-    for (key, want) in [
-        (&missing, "cannot read it"),
-        (&open, "readable by group or others"),
-        (&public, "holds a public key, but a private key is needed"),
-        (&garbage, "not an Ed25519 private key in PEM"),
-        (&truncated_private, "not an Ed25519 private key in PEM"),
-        (&ec, "not an Ed25519 private key in PEM"),
-    ] {
-        let (code, stderr) = start_fails(&server, "--signing-key", key);
-        assert_eq!(code, Some(2), "{}: {stderr}", key.display());
-        assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
-        assert!(
-            stderr.contains(&key.display().to_string()) && stderr.contains(want),
-            "{}: {stderr} lacks {want:?}",
-            key.display()
-        );
-        assert!(
-            !stderr.contains("MC4CAQAw"),
-            "key material echoed: {stderr}"
-        );
-    }
+    refused_at_start(
+        &server,
+        "--signing-key",
+        &[
+            (&missing, "cannot read it"),
+            (&open, "readable by group or others"),
+            (&public, "holds a public key, but a private key is needed"),
+            (&garbage, "not an Ed25519 private key in PEM"),
+            (&truncated_private, "not an Ed25519 private key in PEM"),
+            (&ec, "not an Ed25519 private key in PEM"),
+        ],
+    );
     let proxy = [
         "proxy",
         "--listen",
@@ -197,14 +183,24 @@ fn unusable_key_files_stop_server_and_proxy_at_start_with_one_line_and_exit_2() 
         "--data-dir",
         data.to_str().unwrap(),
     ];
-    for (key, want) in [
-        (&missing, "cannot read it"),
-        (&private, "holds a private key, but a public key is needed"),
-        (&garbage, "not an Ed25519 public key in PEM"),
-        (&truncated_public, "not an Ed25519 public key in PEM"),
-        (&ec_public, "not an Ed25519 public key in PEM"),
-    ] {
-        let (code, stderr) = start_fails(&proxy, "--verify-key", key);
+    refused_at_start(
+        &proxy,
+        "--verify-key",
+        &[
+            (&missing, "cannot read it"),
+            (&private, "holds a private key, but a public key is needed"),
+            (&garbage, "not an Ed25519 public key in PEM"),
+            (&truncated_public, "not an Ed25519 public key in PEM"),
+            (&ec_public, "not an Ed25519 public key in PEM"),
+        ],
+    );
+}
+
+/// `fence ARGS FLAG KEY` for each (KEY, want): exit 2, one line naming the file and saying
+/// `want`, no key material.
+fn refused_at_start(args: &[&str], flag: &str, cases: &[(&PathBuf, &str)]) {
+    for (key, want) in cases {
+        let (code, stderr) = start_fails(args, flag, key);
         assert_eq!(code, Some(2), "{}: {stderr}", key.display());
         assert_eq!(stderr.trim_end().lines().count(), 1, "one line: {stderr}");
         assert!(
@@ -259,12 +255,7 @@ fn claim(server: &str, job: &str, owner: &str, ttl: &str) -> serde_json::Value {
     let out = fence(&[
         "claim", "--server", server, "--job", job, "--owner", owner, "--ttl", ttl,
     ]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
 }
 

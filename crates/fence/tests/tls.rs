@@ -45,12 +45,7 @@ fn the_lease_server_speaks_https_to_every_client() {
         "--ttl",
         "30s",
     ]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let lease = json(&out);
     assert_eq!(lease["generation"], 1);
 
@@ -94,12 +89,7 @@ fn the_lease_server_speaks_https_to_every_client() {
         "sleep",
         "1.5",
     ]);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_success(&out);
     let out = fence(&[
         "status",
         "--server",

@@ -44,6 +44,17 @@ pub fn start_server(dir: &Path) -> (Proc, String) {
     (proc, format!("http://{addr}"))
 }
 
+/// Fails, showing what the command said, unless it exited 0.
+pub fn assert_success(out: &Output) {
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 pub fn json(out: &Output) -> serde_json::Value {
     serde_json::from_slice(&out.stdout)
         .unwrap_or_else(|e| panic!("{e}: {}", String::from_utf8_lossy(&out.stdout)))
@@ -59,28 +70,60 @@ pub fn signal(p: &Proc, sig: &str) {
     );
 }
 
-/// One HTTP/1.1 request over a fresh connection; returns the status code.
-pub fn http_status(addr: &str, method: &str, path: &str, headers: &[(&str, String)]) -> u16 {
+/// One HTTP/1.1 request over a fresh connection (`Connection: close`): the status code and
+/// the whole answer, head and body (status 0 when nothing parseable came back).
+pub fn exchange(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, String)],
+    body: &str,
+) -> (u16, String) {
     use std::io::{Read, Write};
     let mut stream = std::net::TcpStream::connect(addr).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
         .unwrap();
     let mut req = format!(
-        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: 0\r\n"
+        "{method} {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\nContent-Length: {}\r\n",
+        body.len()
     );
     for (k, v) in headers {
         req.push_str(&format!("{k}: {v}\r\n"));
     }
     req.push_str("\r\n");
+    req.push_str(body);
     stream.write_all(req.as_bytes()).unwrap();
     let mut answer = String::new();
     let _ = stream.read_to_string(&mut answer);
-    answer
+    let status = answer
         .split_whitespace()
         .nth(1)
         .and_then(|s| s.parse().ok())
-        .unwrap_or_else(|| panic!("no status in {answer:?}"))
+        .unwrap_or(0);
+    (status, answer)
+}
+
+/// One HTTP/1.1 request over a fresh connection; returns the status code.
+pub fn http_status(addr: &str, method: &str, path: &str, headers: &[(&str, String)]) -> u16 {
+    let (status, answer) = exchange(addr, method, path, headers, "");
+    assert_ne!(status, 0, "no status in {answer:?}");
+    status
+}
+
+/// A JSON request with `Authorization: Bearer <bearer>` when given: (status, whole answer).
+pub fn bearer_call(
+    addr: &str,
+    method: &str,
+    path: &str,
+    bearer: Option<&str>,
+    body: &str,
+) -> (u16, String) {
+    let mut headers = vec![("content-type", "application/json".to_owned())];
+    if let Some(b) = bearer {
+        headers.push(("Authorization", format!("Bearer {b}")));
+    }
+    exchange(addr, method, path, &headers, body)
 }
 
 /// A plain upstream answering 200 to everything, in a thread of its own.

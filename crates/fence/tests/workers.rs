@@ -1,0 +1,153 @@
+//! The workers of other languages in `examples/` (Python with its standard library only, and
+//! POSIX sh with curl), written from `docs/protocol.md` alone, against the real lease server
+//! and `fence proxy`: a whole run, and a stall past the lease that ends in a 409 at the
+//! destination.
+
+mod common;
+
+use std::{
+    path::PathBuf,
+    process::{Command, Output, Stdio},
+    time::Duration,
+};
+
+use common::*;
+
+fn example(path: &str) -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples")
+        .join(path)
+}
+
+struct Setup {
+    _dir: tempfile::TempDir,
+    _server: Proc,
+    _proxy: Proc,
+    server: String,
+    destination: String,
+}
+
+fn setup() -> Setup {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, server_url) = start_server(&dir.path().join("leases"));
+    let (proxy, addr) = start_proxy(&dir.path().join("proxy"), &start_upstream());
+    Setup {
+        _dir: dir,
+        _server: server,
+        _proxy: proxy,
+        server: server_url,
+        destination: format!("http://{addr}/writes"),
+    }
+}
+
+fn python(s: &Setup, job: &str, ttl_ms: u64, writes: u32, stall: f64) -> std::process::Child {
+    Command::new("python3")
+        .arg(example("python/worker.py"))
+        .args([
+            "--server",
+            &s.server,
+            "--destination",
+            &s.destination,
+            "--job",
+            job,
+        ])
+        .args([
+            "--ttl-ms",
+            &ttl_ms.to_string(),
+            "--writes",
+            &writes.to_string(),
+        ])
+        .args(["--stall-before-send", &stall.to_string()])
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("python3 is installed")
+}
+
+fn shell(
+    s: &Setup,
+    job: &str,
+    ttl_ms: u64,
+    writes: u32,
+    stall: Option<&str>,
+) -> std::process::Child {
+    let mut cmd = Command::new("sh");
+    cmd.arg(example("sh/worker.sh"))
+        .env("SERVER", &s.server)
+        .env("DESTINATION", &s.destination)
+        .env("JOB", job)
+        .env("TTL_MS", ttl_ms.to_string())
+        .env("WRITES", writes.to_string())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    if let Some(stall) = stall {
+        cmd.env("STALL_BEFORE_SEND", stall);
+    }
+    cmd.spawn().expect("sh and curl are installed")
+}
+
+fn finished(child: std::process::Child) -> (Option<i32>, String) {
+    let Output {
+        status,
+        stdout,
+        stderr,
+    } = child.wait_with_output().unwrap();
+    (
+        status.code(),
+        format!(
+            "{}{}",
+            String::from_utf8_lossy(&stdout),
+            String::from_utf8_lossy(&stderr)
+        ),
+    )
+}
+
+#[test]
+fn python_and_shell_workers_run_a_job_to_completion_through_the_proxy() {
+    let s = setup();
+    for (name, child) in [
+        ("python", python(&s, "py-job", 1_000, 3, 0.0)),
+        ("sh", shell(&s, "sh-job", 1_500, 3, None)),
+    ] {
+        let (code, said) = finished(child);
+        assert_eq!(code, Some(0), "{name}: {said}");
+        assert_eq!(
+            said.matches(" 200\n").count(),
+            3,
+            "{name}: three writes: {said}"
+        );
+    }
+    for job in ["py-job", "sh-job"] {
+        let record = json(&fence(&["status", "--server", &s.server, "--job", job]));
+        assert_eq!(record["state"], "completed", "{job}: {record}");
+    }
+}
+
+/// Worker 1 decides to send its second write, then stalls (renewals included) past its
+/// lease; worker 2 claims generation 2 and writes; worker 1's write then arrives with the
+/// stale token and the destination refuses it: 409, and worker 1 stops with 75.
+#[test]
+fn a_worker_stalled_past_its_lease_is_refused_at_the_destination() {
+    let s = setup();
+    for lang in ["python", "sh"] {
+        let job = format!("{lang}-stall");
+        let stalled = match lang {
+            "python" => python(&s, &job, 600, 2, 2.0),
+            _ => shell(&s, &job, 600, 2, Some("2")),
+        };
+        std::thread::sleep(Duration::from_millis(1_200)); // stalled, its lease has run out
+        let newer = match lang {
+            "python" => python(&s, &job, 10_000, 1, 0.0),
+            _ => shell(&s, &job, 10_000, 1, None),
+        };
+        let (code, said) = finished(newer);
+        assert_eq!(code, Some(0), "{lang} newer holder: {said}");
+        assert!(said.contains("generation 2"), "{lang}: {said}");
+        let (code, said) = finished(stalled);
+        assert!(
+            said.contains("WRITE 2 409"),
+            "{lang}: the stale write was refused: {said}"
+        );
+        assert_eq!(code, Some(75), "{lang}: {said}");
+    }
+}

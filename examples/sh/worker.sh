@@ -1,0 +1,96 @@
+#!/bin/sh
+# A fence worker in POSIX sh with curl, written from docs/protocol.md ("Writing a worker in
+# any language"). It claims a job, renews it in the background, sends each write with
+# X-Fencing-Job and X-Fencing-Token, stops as soon as it cannot be sure it still holds the
+# lease, and completes the job at the end.
+#
+#   SERVER=http://127.0.0.1:7700 DESTINATION=http://127.0.0.1:7800/reports JOB=nightly \
+#     TTL_MS=30000 WRITES=3 sh worker.sh
+#
+# The deadline is measured on the monotonic clock (/proc/uptime, Linux) from the moment the
+# claim or renewal was sent: send time + TTL - margin (10% of the TTL, at least 50 ms).
+# Exit codes: 0 done, 3 no lease, 75 lease lost, 1 anything else. Needs curl and od.
+# STALL_BEFORE_SEND=S pauses the whole worker for S seconds before its second write, as a GC
+# pause would: that write then carries a stale token, and a fenced destination refuses it.
+set -eu
+: "${SERVER:?}" "${DESTINATION:?}" "${JOB:?}"
+TTL_MS=${TTL_MS:-30000}; WRITES=${WRITES:-3}
+AUTH=${FENCE_AUTH_TOKEN:+Authorization: Bearer $FENCE_AUTH_TOKEN}
+state=$(mktemp -d); trap 'kill "$keeper" 2>/dev/null || true; rm -rf "$state"' EXIT
+keeper=
+
+now_ms() { read -r up _ </proc/uptime; echo "${up%.*}${up#*.}0"; } # 10 ms resolution
+margin=$(( TTL_MS / 10 )); [ "$margin" -ge 50 ] || margin=50
+# 32 random bytes in hex (hex digits are base64url characters too): the lease key, the proof
+# that the lease is ours.
+key=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
+owner="$(hostname)-$$-sh"
+
+# field NAME JSON: a number or string field of a flat JSON object.
+field() { printf '%s' "$2" | sed -n "s/.*\"$1\":\"\{0,1\}\([^\",}]*\)\"\{0,1\}.*/\1/p"; }
+
+# call ACTION BODY: POST to the lease API; prints "STATUS BODY".
+call() {
+  curl -sS -o "$state/answer" -w '%{http_code}' -X POST -H 'content-type: application/json' \
+    ${AUTH:+-H "$AUTH"} --max-time "$(( TTL_MS / 1000 + 1 ))" \
+    --data "$2" "$SERVER/v1/leases/$JOB/$1" || echo 000
+}
+
+# grant SENT_MS: records the deadline and token of the answer in $state/answer.
+grant() {
+  a=$(cat "$state/answer")
+  ttl=$(field ttl_ms "$a"); gen=$(field generation "$a"); tok=$(field token "$a")
+  echo "$gen" >"$state/generation"
+  echo "${tok:-$gen}" >"$state/token.next" && mv "$state/token.next" "$state/token"
+  echo $(( $1 + ttl - margin )) >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"
+}
+
+sent=$(now_ms)
+status=$(call claim "{\"owner\":\"$owner\",\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}")
+if [ "$status" != 200 ]; then
+  echo "worker: no lease on $JOB: $(field detail "$(cat "$state/answer")")" >&2; exit 3
+fi
+grant "$sent"
+echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
+
+# The keeper: renews every third of the TTL; marks the lease lost when refused.
+(
+  while :; do
+    sleep "$(( TTL_MS / 3000 )).$(( TTL_MS / 3 % 1000 / 100 ))"
+    [ "$(now_ms)" -lt "$(cat "$state/deadline")" ] || exit 0
+    sent=$(now_ms)
+    body="{\"owner\":\"$owner\",\"generation\":$(cat "$state/generation"),\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"
+    case $(call renew "$body") in
+      200) grant "$sent" ;;
+      403|409|410) echo 0 >"$state/deadline"; exit 0 ;;
+      *) ;; # no answer: the deadline stands
+    esac
+  done
+) &
+keeper=$!
+
+n=0
+while [ "$n" -lt "$WRITES" ]; do
+  n=$((n + 1))
+  if [ "$(now_ms)" -ge "$(cat "$state/deadline")" ]; then
+    echo "worker: lease lost; not sending" >&2; exit 75
+  fi
+  token=$(cat "$state/token")
+  if [ "$n" = 2 ] && [ -n "${STALL_BEFORE_SEND:-}" ]; then
+    # A whole-worker pause (GC, SIGSTOP) between deciding to send and sending: renewals stop.
+    kill -STOP "$keeper"; sleep "$STALL_BEFORE_SEND"; kill -CONT "$keeper"
+  fi
+  code=$(curl -sS -o /dev/null -w '%{http_code}' -X POST -H "X-Fencing-Job: $JOB" \
+    -H "X-Fencing-Token: $token" --data "write $n" "$DESTINATION" || echo 000)
+  echo "WRITE $n $code"
+  case $code in
+    2??) ;;
+    409) exit 75 ;; # a newer holder exists: stop, do not complete
+    *) exit 1 ;;
+  esac
+done
+kill "$keeper" 2>/dev/null || true
+body="{\"owner\":\"$owner\",\"generation\":$(cat "$state/generation"),\"lease_key\":\"$key\"}"
+[ "$(call complete "$body")" = 200 ] || exit 75
+echo "worker: done; the job is completed" >&2
+exit 0
