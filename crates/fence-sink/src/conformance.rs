@@ -344,6 +344,14 @@ pub async fn keys_are_scoped_per_job<S: IdempotencyStore>(store: S, _advance: Ad
     );
 }
 
+fn page(idle_for: Duration, after: Option<&crate::IdleJob>, limit: usize) -> crate::IdlePage<'_> {
+    crate::IdlePage {
+        idle_for,
+        after,
+        limit,
+    }
+}
+
 /// Jobs stamped long enough ago are listed oldest first, in pages; one is deleted only while
 /// its stamp is the one listed (nothing accepted since), and then reads as never seen.
 pub async fn idle_jobs_are_listed_oldest_first_and_forgotten_only_if_unchanged<
@@ -363,14 +371,17 @@ pub async fn idle_jobs_are_listed_oldest_first_and_forgotten_only_if_unchanged<
         tick().await;
     }
     assert!(
-        store.idle(LONG, None, 10).await.unwrap().is_empty(),
+        store.idle(page(LONG, None, 10)).await.unwrap().is_empty(),
         "nothing is an hour old"
     );
-    let all = store.idle(Duration::ZERO, None, 10).await.unwrap();
+    let all = store.idle(page(Duration::ZERO, None, 10)).await.unwrap();
     let jobs: Vec<&JobId> = all.iter().map(|i| &i.job).collect();
     assert_eq!(jobs, [&a, &b, &c], "oldest first");
-    let first = store.idle(Duration::ZERO, None, 2).await.unwrap();
-    let rest = store.idle(Duration::ZERO, first.last(), 2).await.unwrap();
+    let first = store.idle(page(Duration::ZERO, None, 2)).await.unwrap();
+    let rest = store
+        .idle(page(Duration::ZERO, first.last(), 2))
+        .await
+        .unwrap();
     assert_eq!(
         first.len() + rest.len(),
         3,

@@ -40,6 +40,6 @@ pub use gate::CacheStats;
 pub use idempotency::IdempotencyConfig;
 pub use outcome::OutcomeUnknown;
 pub use store::{
-    Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, IdleJob, MemoryStore,
-    SledStore, StoreError, StoredResponse, Verdict,
+    Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage,
+    MemoryStore, SledStore, StoreError, StoredResponse, Verdict,
 };

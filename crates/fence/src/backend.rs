@@ -8,8 +8,8 @@ use fence_lease::{
     LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, PgLeaseStore, PgTable, SledLeaseStore,
 };
 use fence_sink::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, SledStore, StoreError,
-    Verdict,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, SledStore,
+    StoreError, Verdict,
     postgres::{PgStore, PgTables},
 };
 use std::time::Duration;
@@ -224,15 +224,10 @@ impl GenerationStore for SinkBackend {
         }
     }
 
-    async fn idle(
-        &self,
-        idle_for: Duration,
-        after: Option<&IdleJob>,
-        limit: usize,
-    ) -> Result<Vec<IdleJob>, StoreError> {
+    async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
         match self {
-            Self::Sled(s) => s.idle(idle_for, after, limit).await,
-            Self::Postgres(s) => s.idle(idle_for, after, limit).await,
+            Self::Sled(s) => s.idle(page).await,
+            Self::Postgres(s) => s.idle(page).await,
         }
     }
 

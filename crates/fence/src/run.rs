@@ -126,6 +126,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             return Err(e.context("cannot start the watchdog; the job was released"));
         }
     };
+    group.keep_informed(lease.view()).await;
     let spawned = Command::new(program)
         .args(rest)
         .process_group(group.pgid.as_raw())
@@ -149,7 +150,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                 .context(format!("cannot start {program:?}; the job was released")));
         }
     };
-    group.keep_informed(lease.view());
     let keeper = token_file.keep_current(lease.view());
     let lost = supervise(&mut child, &group, &lease, &mut signals, args.grace).await?;
     keeper.abort();
@@ -217,21 +217,29 @@ impl Group {
         })
     }
 
-    /// Tells the watchdog, every [`HEARTBEAT`], how long the lease has left: one line of
-    /// milliseconds. Stops when the lease is lost, leaving the last deadline in force.
-    fn keep_informed(&mut self, lease: LeaseView) {
+    /// Tells the watchdog how long the lease has left (one line of milliseconds) now, and
+    /// then every [`HEARTBEAT`]. Stops when the lease is lost, leaving the last deadline in
+    /// force.
+    async fn keep_informed(&mut self, lease: LeaseView) {
+        use tokio::io::AsyncWriteExt;
         let Some(mut pipe) = self.pipe.take() else {
             return;
         };
+        let tell = |lease: &LeaseView| {
+            let left = lease.deadline().saturating_duration_since(Instant::now());
+            format!("{}\n", left.as_millis())
+        };
+        // The first deadline is told before the command starts, so the watchdog has one
+        // even if `fence run` freezes at once.
+        if pipe.write_all(tell(&lease).as_bytes()).await.is_err() {
+            return;
+        }
         self.heartbeat = Some(tokio::spawn(async move {
-            use tokio::io::AsyncWriteExt;
             while !lease.is_lost() {
-                let left = lease.deadline().saturating_duration_since(Instant::now());
-                let line = format!("{}\n", left.as_millis());
-                if pipe.write_all(line.as_bytes()).await.is_err() {
+                tokio::time::sleep(HEARTBEAT).await;
+                if pipe.write_all(tell(&lease).as_bytes()).await.is_err() {
                     return;
                 }
-                tokio::time::sleep(HEARTBEAT).await;
             }
             // Keep the pipe open: closing it would stop the group, which is `supervise`'s
             // decision once it sees the loss.

@@ -119,15 +119,10 @@ fn a_stranger_who_knows_owner_and_generation_changes_nothing() {
     let tokens = dir.path().join("holder-token");
     std::fs::write(&tokens, HOLDER).unwrap();
     let tokens = tokens.to_str().unwrap();
-    let claimed = fence(&[
-        "claim",
-        "--server",
-        &url,
-        "--auth-token-file",
-        tokens,
-        "--job",
-        "other",
-    ]);
+    let claimed = fence_line(&format!(
+        "claim --server {} --auth-token-file {} --job other",
+        url, tokens
+    ));
     let lease = json(&claimed);
     let key = lease["lease_key"].as_str().unwrap().to_owned();
     let renewed = Command::new(FENCE)

@@ -57,9 +57,10 @@ fn server_killed_with_sigkill_keeps_every_acknowledged_claim() {
     let mut acked = Vec::new();
     for i in 0..10 {
         let job = format!("job-{i}");
-        let out = fence(&[
-            "claim", "--server", &url, "--job", &job, "--owner", "w", "--ttl", "1h",
-        ]);
+        let out = fence_line(&format!(
+            "claim --server {} --job {} --owner w --ttl 1h",
+            url, job
+        ));
         assert_eq!(out.status.code(), Some(0));
         acked.push((job, json(&out)["generation"].as_u64().unwrap()));
     }
@@ -172,14 +173,16 @@ fn fence_run_completes_on_success_and_releases_on_failure() {
         "free"
     );
 
-    let held = fence(&[
-        "claim", "--server", &url, "--job", "j3", "--owner", "other", "--ttl", "1h",
-    ]);
+    let held = fence_line(&format!(
+        "claim --server {} --job j3 --owner other --ttl 1h",
+        url
+    ));
     assert_eq!(held.status.code(), Some(0));
     let start = Instant::now();
-    let blocked = fence(&[
-        "run", "--server", &url, "--job", "j3", "--wait", "500ms", "--", "true",
-    ]);
+    let blocked = fence_line(&format!(
+        "run --server {} --job j3 --wait 500ms -- true",
+        url
+    ));
     assert_eq!(blocked.status.code(), Some(3));
     assert!(
         start.elapsed() >= Duration::from_millis(500),
@@ -393,17 +396,10 @@ fn server_and_proxy_exit_0_on_sigterm_and_keep_their_data() {
 fn fence_run_releases_the_job_when_the_command_cannot_start() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(dir.path());
-    let out = fence(&[
-        "run",
-        "--server",
-        &url,
-        "--job",
-        "j",
-        "--ttl",
-        "1h",
-        "--",
-        "/nonexistent/command",
-    ]);
+    let out = fence_line(&format!(
+        "run --server {} --job j --ttl 1h -- /nonexistent/command",
+        url
+    ));
     assert_eq!(out.status.code(), Some(1));
     assert!(String::from_utf8_lossy(&out.stderr).contains("the job was released"));
     assert_eq!(
@@ -481,9 +477,10 @@ fn the_server_caps_ttls_at_max_ttl_and_forgets_idle_jobs() {
         "1s",
     ]);
     let url = format!("http://{addr}");
-    let lease = json(&fence(&[
-        "claim", "--server", &url, "--job", "j", "--ttl", "1h",
-    ]));
+    let lease = json(&fence_line(&format!(
+        "claim --server {} --job j --ttl 1h",
+        url
+    )));
     assert_eq!(lease["ttl_ms"], 10_000, "capped: {lease}");
     assert_eq!(release(&url, "j", &lease).status.code(), Some(0));
     std::thread::sleep(Duration::from_millis(1_600));

@@ -146,17 +146,10 @@ fn on_success_release_lets_a_nightly_job_run_again() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(dir.path());
     for round in 1..=2 {
-        let out = fence(&[
-            "run",
-            "--server",
-            &url,
-            "--job",
-            "nightly",
-            "--on-success",
-            "release",
-            "--",
-            "true",
-        ]);
+        let out = fence_line(&format!(
+            "run --server {} --job nightly --on-success release -- true",
+            url
+        ));
         assert_eq!(
             out.status.code(),
             Some(0),
@@ -167,17 +160,10 @@ fn on_success_release_lets_a_nightly_job_run_again() {
         assert_eq!(record["state"], "free", "round {round}");
         assert_eq!(record["generation"], round);
     }
-    let out = fence(&[
-        "run",
-        "--server",
-        &url,
-        "--job",
-        "x",
-        "--on-success",
-        "later",
-        "--",
-        "true",
-    ]);
+    let out = fence_line(&format!(
+        "run --server {} --job x --on-success later -- true",
+        url
+    ));
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("complete"));
 }

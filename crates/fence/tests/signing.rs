@@ -252,9 +252,10 @@ fn cluster(dir: &Path, signing: &Path, verify: &[&Path]) -> Cluster {
 }
 
 fn claim(server: &str, job: &str, owner: &str, ttl: &str) -> serde_json::Value {
-    let out = fence(&[
-        "claim", "--server", server, "--job", job, "--owner", owner, "--ttl", ttl,
-    ]);
+    let out = fence_line(&format!(
+        "claim --server {} --job {} --owner {} --ttl {}",
+        server, job, owner, ttl
+    ));
     assert_success(&out);
     serde_json::from_slice::<serde_json::Value>(&out.stdout).unwrap()
 }

@@ -34,17 +34,10 @@ fn the_lease_server_speaks_https_to_every_client() {
     let (status, body) = curl(&ca.ca, &[&format!("{url}/healthz")]);
     assert_eq!(status, 200, "{body}");
 
-    let out = fence(&[
-        "claim",
-        "--server",
-        &url,
-        "--ca-cert",
-        ca_path,
-        "--job",
-        "j1",
-        "--ttl",
-        "30s",
-    ]);
+    let out = fence_line(&format!(
+        "claim --server {} --ca-cert {} --job j1 --ttl 30s",
+        url, ca_path
+    ));
     assert_success(&out);
     let lease = json(&out);
     assert_eq!(lease["generation"], 1);
@@ -63,42 +56,22 @@ fn the_lease_server_speaks_https_to_every_client() {
         "j1",
     ]);
     assert_eq!(out.status.code(), Some(1));
-    let out = fence(&[
-        "status",
-        "--server",
-        &url,
-        "--ca-cert",
-        ca_path,
-        "--job",
-        "j1",
-    ]);
+    let out = fence_line(&format!(
+        "status --server {} --ca-cert {} --job j1",
+        url, ca_path
+    ));
     assert_eq!(json(&out)["state"], "held");
 
     // fence run renews over HTTPS and completes.
-    let out = fence(&[
-        "run",
-        "--server",
-        &url,
-        "--ca-cert",
-        ca_path,
-        "--job",
-        "j2",
-        "--ttl",
-        "1s",
-        "--",
-        "sleep",
-        "1.5",
-    ]);
+    let out = fence_line(&format!(
+        "run --server {} --ca-cert {} --job j2 --ttl 1s -- sleep 1.5",
+        url, ca_path
+    ));
     assert_success(&out);
-    let out = fence(&[
-        "status",
-        "--server",
-        &url,
-        "--ca-cert",
-        ca_path,
-        "--job",
-        "j2",
-    ]);
+    let out = fence_line(&format!(
+        "status --server {} --ca-cert {} --job j2",
+        url, ca_path
+    ));
     assert_eq!(json(&out)["state"], "completed");
 }
 

@@ -17,7 +17,7 @@ use dashmap::DashMap;
 use fence_core::{Generation, JobId};
 
 use super::{Gate, Gates};
-use crate::store::{GenerationStore, StoreError};
+use crate::store::{GenerationStore, IdlePage, StoreError};
 
 /// One job's entry in the map.
 #[derive(Debug)]
@@ -186,7 +186,14 @@ impl<St: GenerationStore> Gates<St> {
         let mut after = None;
         let mut forgotten = 0;
         loop {
-            let page = self.store.idle(idle_for, after.as_ref(), batch).await?;
+            let page = self
+                .store
+                .idle(IdlePage {
+                    idle_for,
+                    after: after.as_ref(),
+                    limit: batch,
+                })
+                .await?;
             for idle in &page {
                 if self.let_go(&idle.job) && self.store.forget(idle).await? {
                     forgotten += 1;

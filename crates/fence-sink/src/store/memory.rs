@@ -10,7 +10,7 @@ use fence_core::{Generation, JobId, headers::IdempotencyKey};
 use fence_storage::clock::{Clock, SystemClock};
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, STAMP_GRANULE_MS,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, STAMP_GRANULE_MS,
     StoreError, Verdict, ms, record,
 };
 
@@ -87,12 +87,12 @@ impl GenerationStore for MemoryStore {
             .unwrap_or_default())
     }
 
-    async fn idle(
-        &self,
-        idle_for: Duration,
-        after: Option<&IdleJob>,
-        limit: usize,
-    ) -> Result<Vec<IdleJob>, StoreError> {
+    async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
+        let IdlePage {
+            idle_for,
+            after,
+            limit,
+        } = page;
         let before_ms = self.clock.now_ms().saturating_sub(ms(idle_for));
         use std::ops::Bound;
         let inner = self.lock();

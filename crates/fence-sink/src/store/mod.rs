@@ -66,6 +66,19 @@ pub struct IdleJob {
     pub job: JobId,
 }
 
+/// Which idle jobs [`GenerationStore::idle`] lists: those stamped at least `idle_for` ago by
+/// the store's clock, oldest first, after `after` (the last of the previous page), at most
+/// `limit`.
+#[derive(Debug, Clone, Copy)]
+pub struct IdlePage<'a> {
+    /// How long ago a job was stamped, at least.
+    pub idle_for: Duration,
+    /// Where the previous page ended.
+    pub after: Option<&'a IdleJob>,
+    /// The most jobs to list.
+    pub limit: usize,
+}
+
 /// Durable per-job highest generations, each stamped with when it was last accepted.
 pub trait GenerationStore: Send + Sync + 'static {
     /// Atomically: if `token` is at least the stored highest, make it the highest, stamp the
@@ -86,16 +99,13 @@ pub trait GenerationStore: Send + Sync + 'static {
         false
     }
 
-    /// Up to `limit` jobs stamped at least `idle_for` ago by the store's clock, oldest
-    /// first, after `after` (the last of the previous page). A store that cannot forget
-    /// answers none (the default).
+    /// A page of idle jobs (see [`IdlePage`]). A store that cannot forget answers none (the
+    /// default).
     fn idle(
         &self,
-        idle_for: Duration,
-        after: Option<&IdleJob>,
-        limit: usize,
+        page: IdlePage<'_>,
     ) -> impl Future<Output = Result<Vec<IdleJob>, StoreError>> + Send {
-        let _ = (idle_for, after, limit);
+        let _ = page;
         async { Ok(Vec::new()) }
     }
 

@@ -9,7 +9,7 @@ use fence_storage::{
 };
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, STAMP_GRANULE_MS,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, STAMP_GRANULE_MS,
     StoreError, Verdict, ms, record,
 };
 
@@ -202,12 +202,12 @@ impl GenerationStore for SledStore {
         Ok(Self::decode_generation(job, raw.as_deref())?.0)
     }
 
-    async fn idle(
-        &self,
-        idle_for: Duration,
-        after: Option<&IdleJob>,
-        limit: usize,
-    ) -> Result<Vec<IdleJob>, StoreError> {
+    async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
+        let IdlePage {
+            idle_for,
+            after,
+            limit,
+        } = page;
         let before_ms = self.clock.now_ms().saturating_sub(ms(idle_for));
         let start = match after {
             Some(a) => {

@@ -24,6 +24,11 @@ impl Drop for Proc {
     }
 }
 
+/// `fence` with the white-space separated arguments of `line` (none of which has a space).
+pub fn fence_line(line: &str) -> Output {
+    fence(&line.split_whitespace().collect::<Vec<_>>())
+}
+
 pub fn fence(args: &[&str]) -> Output {
     Command::new(FENCE)
         .args(args)

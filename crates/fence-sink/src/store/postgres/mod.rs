@@ -21,7 +21,7 @@ use fence_storage::postgres::{Ident, IdentError, MigrateError, NOW_MS, SetupErro
 use tokio_postgres::GenericClient;
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, STAMP_GRANULE_MS,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, STAMP_GRANULE_MS,
     StoreError, Verdict, record::Record,
 };
 
@@ -260,12 +260,12 @@ impl GenerationStore for PgStore {
         true
     }
 
-    async fn idle(
-        &self,
-        idle_for: Duration,
-        after: Option<&IdleJob>,
-        limit: usize,
-    ) -> Result<Vec<IdleJob>, StoreError> {
+    async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
+        let IdlePage {
+            idle_for,
+            after,
+            limit,
+        } = page;
         let client = self.pool.get().await.map_err(io)?;
         let t = &self.tables.generations;
         let idle_ms = i64::try_from(idle_for.as_millis()).unwrap_or(i64::MAX);
