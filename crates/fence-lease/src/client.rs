@@ -124,7 +124,9 @@ impl<S: LeaseStore> LeaseClient<S> {
             .map_err(|_| ClaimError::Store(StoreError::Timeout(budget)))??;
         let grant = match outcome {
             Outcome::Granted(grant) => grant,
-            Outcome::Held { owner, expires_in } => {
+            Outcome::Held {
+                owner, expires_in, ..
+            } => {
                 return Err(ClaimError::Held {
                     job,
                     owner,

@@ -93,9 +93,11 @@ pub async fn first_claim_is_generation_one_and_excludes_others<S: LeaseStore>(
     {
         Outcome::Held {
             owner: o,
+            generation,
             expires_in,
         } => {
             assert_eq!(o, owner("a"));
+            assert_eq!(generation, Generation::new(1), "the holder's generation");
             assert!(
                 expires_in > Duration::ZERO && expires_in <= TTL.as_duration(),
                 "{expires_in:?}"

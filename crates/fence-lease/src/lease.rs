@@ -206,9 +206,9 @@ impl Shared {
     fn lose(&self, reason: LossReason) {
         if self.reason.set(reason.clone()).is_ok() {
             if reason == LossReason::Finished {
-                tracing::debug!(job = %self.job, token = %self.token, "lease handle finished");
+                tracing::debug!(job = %self.job, generation = self.token.get(), "lease handle finished");
             } else {
-                tracing::warn!(job = %self.job, token = %self.token, %reason, "lease lost");
+                tracing::warn!(job = %self.job, generation = self.token.get(), %reason, "lease lost");
             }
         }
         self.lost.cancel();

@@ -36,7 +36,7 @@ pub use fence::{
     Fence, FenceLayer, FencePredicate, Fenced, ForgetError, Maintenance, ResponseFuture,
 };
 pub use fence_storage::BoxError;
-pub use gate::CacheStats;
+pub use gate::{CacheStats, JobFence};
 pub use idempotency::IdempotencyConfig;
 pub use outcome::OutcomeUnknown;
 pub use store::{

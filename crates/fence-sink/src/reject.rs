@@ -72,6 +72,7 @@ pub(crate) fn stale(
             "job {job}: token {token} is below generation {highest}, which this destination has already seen; a newer lease holder exists"
         ),
     };
+    tracing::info!(job = %job, generation = token.get(), highest = highest.get(), "stale token rejected");
     Problem::new(ProblemType::StaleToken, detail)
         .with_job(job)
         .with_token(token.get())
@@ -93,6 +94,7 @@ pub(crate) fn drain_timeout(job: JobId, token: FencingToken, highest: Generation
     let detail = format!(
         "job {job}: token {token} was newer than every token before it, so older tokens are refused from now on, but requests with older tokens were still in flight when the drain limit ran out; retry"
     );
+    tracing::warn!(job = %job, generation = token.get(), highest = highest.get(), "newer token gave up waiting for older requests (drain timeout)");
     Problem::new(ProblemType::DrainTimeout, detail)
         .with_job(job)
         .with_token(token.get())
@@ -117,11 +119,18 @@ pub(crate) fn body_too_large(job: &JobId, key: &IdempotencyKey, limit: usize) ->
     Problem::new(ProblemType::PayloadTooLarge, detail).with_job(job.clone())
 }
 
-pub(crate) fn body_timeout(job: &JobId, limit: std::time::Duration) -> Problem {
+pub(crate) fn body_timeout(
+    job: &JobId,
+    token: FencingToken,
+    limit: std::time::Duration,
+) -> Problem {
     let detail = format!(
         "job {job}: the request body did not arrive within {limit:?} of admission; the service did not see the request"
     );
-    Problem::new(ProblemType::BodyTimeout, detail).with_job(job.clone())
+    tracing::info!(job = %job, generation = token.get(), "request body too slow: cut at the body deadline");
+    Problem::new(ProblemType::BodyTimeout, detail)
+        .with_job(job.clone())
+        .with_token(token.get())
 }
 
 pub(crate) fn overloaded(job: &JobId, max: usize) -> Problem {

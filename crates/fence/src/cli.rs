@@ -33,9 +33,23 @@ The bearer secret comes from --auth-token-file or, without it, from FENCE_AUTH_T
     after_help = "Start here: `fence demo` runs the worked example end to end."
 )]
 pub struct Cli {
+    /// Log lines as text (default) or as JSON objects, one a line, for a log shipper.
+    /// RUST_LOG sets the level (default: info; e.g. RUST_LOG=debug or fence=debug).
+    #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "FENCE_LOG_FORMAT")]
+    pub log_format: LogFormat,
     /// What to do.
     #[command(subcommand)]
     pub command: Cmd,
+}
+
+/// How log events are written (to stderr).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum LogFormat {
+    /// One human-readable line per event.
+    Text,
+    /// One JSON object per event: `timestamp`, `level`, `target`, `fields` (with `message`,
+    /// and `job` and `generation` on every decision).
+    Json,
 }
 
 /// The commands of `fence`.
@@ -117,9 +131,21 @@ Example:
     /// With an auth file on the server, only the jobs the secret covers are listed.
     #[command(after_help = EXIT_CODES)]
     Leases(LeasesCmd),
+    /// Print a shell completion script: `fence completions bash > /etc/bash_completion.d/fence`.
+    Completions(CompletionsCmd),
+    /// Print the manual page (roff): `fence man > fence.1 && man ./fence.1`.
+    Man,
     /// Runs the watchdog of `fence run`'s command group (internal).
     #[command(hide = true)]
     Watchdog(WatchdogCmd),
+}
+
+/// The flags of `fence completions`.
+#[derive(Args, Debug)]
+pub struct CompletionsCmd {
+    /// The shell: bash, zsh, fish, elvish or powershell.
+    #[arg(value_enum)]
+    pub shell: clap_complete::Shell,
 }
 
 /// Where a listener listens, with TLS or not, and its limits.

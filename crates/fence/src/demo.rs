@@ -338,7 +338,10 @@ pub async fn run() -> anyhow::Result<i32> {
     let highest = problem.as_ref().and_then(|p| p.highest);
     t.say(
         "network",
-        format!("delivers A's held-up write (token 7) -> {status} {kind}, highest {highest:?}"),
+        format!(
+            "delivers A's held-up write (token 7) -> {status} {kind}, highest {}",
+            highest.map_or_else(|| "unknown".to_owned(), |h| h.to_string())
+        ),
     );
     t.check(
         status == 409

@@ -5,19 +5,30 @@ use std::process::ExitCode;
 use clap::Parser;
 use fence::{
     calls::{Call, call},
-    cli::{Cli, Cmd},
+    cli::{Cli, Cmd, LogFormat},
     run,
 };
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
-        )
-        .with_writer(std::io::stderr)
-        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
-        .init();
+    // The demo prints a timeline of its own: the servers' and the library's log lines would
+    // cut into it, so only errors show unless RUST_LOG asks for more.
+    let default = if matches!(cli.command, Cmd::Demo) {
+        "error"
+    } else {
+        "info"
+    };
+    let filter =
+        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    match cli.log_format {
+        LogFormat::Json => logs.json().init(),
+        LogFormat::Text => logs
+            .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+            .init(),
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -58,6 +69,18 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
             .await
         }
         Cmd::Watchdog(a) => run::watchdog(a.grace).await,
+        Cmd::Completions(a) => {
+            let mut cmd = <Cli as clap::CommandFactory>::command();
+            clap_complete::generate(a.shell, &mut cmd, "fence", &mut std::io::stdout());
+            Ok(0)
+        }
+        Cmd::Man => {
+            let cmd = <Cli as clap::CommandFactory>::command();
+            clap_mangen::Man::new(cmd)
+                .render(&mut std::io::stdout())
+                .map_err(|e| anyhow::anyhow!("cannot write the manual page: {e}"))?;
+            Ok(0)
+        }
         Cmd::Leases(a) => fence::calls::leases(a).await,
         Cmd::Claim(a) => call(Call::Claim(a)).await,
         Cmd::Renew(a) => call(Call::Renew(a)).await,

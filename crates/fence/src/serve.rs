@@ -8,7 +8,6 @@ use std::{sync::Arc, time::Duration};
 use anyhow::Context as _;
 use fence_core::signing::TokenSigner;
 use fence_lease::{LeaseStore, SigningLeaseStore};
-use metrics_exporter_prometheus::PrometheusHandle;
 use tokio::{net::TcpListener, sync::watch};
 
 use crate::{
@@ -20,12 +19,6 @@ use crate::{
     listen::{Limits, Listener},
     server::ServerOptions,
 };
-
-fn install_metrics() -> anyhow::Result<PrometheusHandle> {
-    metrics_exporter_prometheus::PrometheusBuilder::new()
-        .install_recorder()
-        .context("installing the metrics recorder")
-}
 
 /// Resolves on SIGINT or SIGTERM.
 pub async fn shutdown_signal() {
@@ -115,7 +108,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
             "--forget-after is not available with --store postgres:// in this release: the floor across several servers on one database is not built yet",
         ));
     }
-    let handle = install_metrics()?;
+    let handle = crate::telemetry::install()?;
     let tcp = bind(a.listen, "--listen").await?;
     let store = backend.lease_store().await?;
     if let Some(auth) = &auth {
@@ -244,7 +237,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         config.workers = usize::from(workers);
     }
     config.check().map_err(Usage::from_error)?;
-    let handle = install_metrics()?;
+    let handle = crate::telemetry::install()?;
     let tcp = bind(a.listen, "--listen").await?;
     let admin = bind(a.admin_listen, "--admin-listen").await?;
     let store = backend.sink_store().await?;
@@ -262,7 +255,9 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         );
         format!("{}:{port}", authority.host())
     });
-    let health = crate::proxy::Health::new(Arc::new(store.clone()), upstream);
+    let layer = crate::proxy::build_layer(store.clone(), &config).map_err(Usage::from_error)?;
+    let health =
+        crate::proxy::Health::new(Arc::new(store.clone()), upstream).with_fence(layer.clone());
     let admin = Listener::new(admin, tls.map(tokio_rustls::TlsAcceptor::from), limits);
     let admin_addr = admin.local_addr()?;
     let admin_task = tokio::spawn(crate::proxy::serve_admin(
@@ -282,7 +277,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         store = backend.name(),
         "fence proxy ready"
     );
-    let result = crate::proxy::serve(tcp, store.clone(), config, stopped(rx)).await;
+    let result = crate::proxy::serve_with(tcp, layer, config, stopped(rx)).await;
     store.flush()?;
     signal.abort();
     admin_task.abort();

@@ -347,6 +347,7 @@ fn refused(status: StatusCode, body: &[u8]) -> Result<Outcome, StoreError> {
             owner: p
                 .owner
                 .ok_or_else(|| StoreError::Protocol("lease-held without an owner".into()))?,
+            generation,
             expires_in: Duration::from_millis(p.expires_in_ms.unwrap_or(0)),
         }),
         ProblemType::JobCompleted => Ok(Outcome::Completed {

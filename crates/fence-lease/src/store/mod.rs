@@ -98,6 +98,16 @@ impl LeaseOp {
         }
     }
 
+    /// The generation it acts on (none for a claim).
+    pub fn generation(&self) -> Option<Generation> {
+        match self {
+            Self::Claim { .. } => None,
+            Self::Renew { generation, .. }
+            | Self::Release { generation, .. }
+            | Self::Complete { generation, .. } => Some(*generation),
+        }
+    }
+
     /// The lease key it carries.
     pub fn key(&self) -> &LeaseKey {
         match self {
@@ -121,6 +131,8 @@ pub enum Outcome {
     Held {
         /// The holder.
         owner: Owner,
+        /// The holder's generation.
+        generation: Generation,
         /// How long its lease has left.
         expires_in: Duration,
     },

@@ -382,6 +382,7 @@ impl PgLeaseStore {
                     let expires_in = s.expires_in();
                     return Ok(Outcome::Held {
                         owner: s.owner.expect("held implies an owner"),
+                        generation: s.generation,
                         expires_in,
                     });
                 }

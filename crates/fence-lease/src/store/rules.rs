@@ -261,6 +261,7 @@ fn claim(
             LeaseState::Held => {
                 let held = Outcome::Held {
                     owner: s.owner.clone().expect("held implies an owner"),
+                    generation: s.generation,
                     expires_in: Duration::from_millis(s.lease_until_ms - now_ms),
                 };
                 return Ok((None, held));

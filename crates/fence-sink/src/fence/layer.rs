@@ -14,7 +14,7 @@ use super::{
 };
 use crate::{
     GenerationStore, IdempotencyConfig, IdempotencyStore,
-    gate::{CacheStats, Gates, Limits},
+    gate::{CacheStats, Gates, JobFence, Limits},
 };
 use fence_storage::clock::{Clock, SystemClock};
 
@@ -329,6 +329,20 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// store, shared by every clone of this layer.
     pub fn cache_stats(&self) -> CacheStats {
         self.shared.gates.stats()
+    }
+
+    /// Admitted requests still running, over every job (walks the cache: for a metric).
+    pub fn in_flight(&self) -> usize {
+        self.shared.gates.in_flight()
+    }
+
+    /// `job`'s highest generation and its admitted requests still running, from memory, or
+    /// from the store when the job is not cached.
+    ///
+    /// # Errors
+    /// When the store fails.
+    pub async fn job(&self, job: &fence_core::JobId) -> Result<JobFence, crate::StoreError> {
+        self.shared.gates.peek(job).await
     }
 }
 

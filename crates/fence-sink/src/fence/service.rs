@@ -242,6 +242,7 @@ where
                 store: &**gates.store(),
                 config: idempotency,
                 job: &job,
+                token,
                 key,
                 budget: &shared.budget,
                 max_buffered: config.max_buffered_bytes,
@@ -254,7 +255,8 @@ where
         }
         _ => {
             count("accepted");
-            streamed(&mut inner, parts, body, deadline, config.body_timeout, &job).await
+            let limit = config.body_timeout;
+            streamed(&mut inner, parts, body, (deadline, limit), &job, token).await
         }
     };
     // The effect is done (or failed): a newer token may proceed, unless the service could
@@ -275,9 +277,9 @@ async fn streamed<S, ReqB, ResB>(
     inner: &mut S,
     parts: Parts,
     body: ReqB,
-    deadline: tokio::time::Instant,
-    limit: std::time::Duration,
+    (deadline, limit): (tokio::time::Instant, std::time::Duration),
     job: &JobId,
+    token: FencingToken,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
@@ -297,7 +299,7 @@ where
         return Ok(response.map(ResponseBody::inner));
     }
     count("body_timeout");
-    let mut answer = reject(reject::body_timeout(job, limit), None);
+    let mut answer = reject(reject::body_timeout(job, token, limit), None);
     if response.extensions().get::<OutcomeUnknown>().is_some() {
         answer.extensions_mut().insert(OutcomeUnknown);
     }

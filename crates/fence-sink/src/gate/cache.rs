@@ -73,6 +73,16 @@ impl Slot {
     }
 }
 
+/// A job's fence as a layer sees it: [`FenceLayer::job`](crate::FenceLayer::job).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct JobFence {
+    /// The highest generation accepted (0: none, or forgotten).
+    pub highest: Generation,
+    /// Admitted requests of the job still running.
+    pub in_flight: usize,
+}
+
 /// How the job cache has served lookups since the layer was built.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[non_exhaustive]
@@ -205,6 +215,39 @@ impl<St: GenerationStore> Gates<St> {
             after = page.last().cloned();
             tokio::task::yield_now().await;
         }
+    }
+
+    /// What the layer knows of `job` now: its highest generation and how many admitted
+    /// requests are still running; read from the store when the job is not cached.
+    pub(crate) async fn peek(&self, job: &JobId) -> Result<JobFence, StoreError> {
+        let cached = self.map.get(job).and_then(|slot| match &*slot {
+            Slot::Idle(highest, _) => Some((*highest, 0)),
+            Slot::Active(gate) if gate.loaded.initialized() => {
+                let s = gate.lock();
+                Some((s.highest, s.current + s.draining))
+            }
+            Slot::Active(_) => None,
+        });
+        let (highest, in_flight) = match cached {
+            Some(known) => known,
+            None => (self.store.highest(job).await?, 0),
+        };
+        Ok(JobFence { highest, in_flight })
+    }
+
+    /// Admitted requests still running, over every job (a walk over the map: for a metric,
+    /// not for a request path).
+    pub(crate) fn in_flight(&self) -> usize {
+        self.map
+            .iter()
+            .map(|entry| match entry.value() {
+                Slot::Active(gate) => {
+                    let s = gate.lock();
+                    s.current + s.draining
+                }
+                Slot::Idle(..) => 0,
+            })
+            .sum()
     }
 
     /// Takes `job` out of the map unless a request holds its gate; whether it is out.

@@ -40,7 +40,7 @@ use tokio::{
     time::Instant,
 };
 
-pub use self::cache::CacheStats;
+pub use self::cache::{CacheStats, JobFence};
 use self::cache::{Made, Map};
 use crate::detach::Detachable;
 use crate::store::{GenerationStore, StoreError, Verdict};

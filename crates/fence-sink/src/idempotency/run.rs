@@ -35,6 +35,7 @@ pub(crate) struct Keyed<'a, St> {
     pub(crate) store: &'a St,
     pub(crate) config: &'a IdempotencyConfig,
     pub(crate) job: &'a JobId,
+    pub(crate) token: fence_core::FencingToken,
     pub(crate) key: &'a IdempotencyKey,
     /// The memory every clone of the layer holds for bodies, and its cap.
     pub(crate) budget: &'a Arc<Budget>,
@@ -125,7 +126,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             Err(_) => {
                 count("body_timeout");
                 return Err(reject(
-                    reject::body_timeout(self.job, self.body_timeout),
+                    reject::body_timeout(self.job, self.token, self.body_timeout),
                     None,
                 ));
             }

@@ -5,12 +5,14 @@
 //!   does not (the proxy then refuses fenced requests too).
 //! - `GET /readyz`: 200 when the store answers and the upstream accepts a connection, 503
 //!   otherwise, naming which.
+//! - `GET /v1/fence/{job}`: `{"job", "highest", "in_flight"}`, the job's fence as the proxy
+//!   sees it.
 
 use std::{convert::Infallible, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use bytes::Bytes;
 use fence_core::{JobId, Problem, ProblemType};
-use fence_sink::GenerationStore;
+use fence_sink::{FenceLayer, GenerationStore, IdempotencyStore, JobFence};
 use http::{
     HeaderValue, Method, Request, Response, StatusCode,
     header::{ALLOW, CONTENT_TYPE},
@@ -22,13 +24,23 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use crate::listen::Listener;
 
 type Check = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
+type JobCheck = Pin<Box<dyn Future<Output = Result<JobFence, String>> + Send>>;
 
-/// How the admin listener tells whether the proxy can work: its store answers, its upstream
-/// accepts connections.
+/// How the admin listener tells whether the proxy can work (its store answers, its upstream
+/// accepts connections) and what its fence holds.
 #[derive(Clone)]
 pub struct Health {
     store: Arc<dyn Fn() -> Check + Send + Sync>,
     upstream: Option<String>,
+    fence: Option<FenceView>,
+}
+
+/// What the admin listener reads of the proxy's fence.
+#[derive(Clone)]
+struct FenceView {
+    job: Arc<dyn Fn(JobId) -> JobCheck + Send + Sync>,
+    /// Cached jobs, requests in flight, buffered bytes.
+    gauges: Arc<dyn Fn() -> (usize, usize, usize) + Send + Sync>,
 }
 
 /// How long one probe may take.
@@ -54,7 +66,45 @@ impl Health {
                 }
             })
         });
-        Self { store, upstream }
+        Self {
+            store,
+            upstream,
+            fence: None,
+        }
+    }
+
+    /// Also serves `GET /v1/fence/{job}` and the fence's gauges from `layer` (a clone of the
+    /// proxy's: it sees the same jobs).
+    #[must_use]
+    pub fn with_fence<St: GenerationStore + IdempotencyStore>(
+        mut self,
+        layer: FenceLayer<St>,
+    ) -> Self {
+        let reader = layer.clone();
+        let job: Arc<dyn Fn(JobId) -> JobCheck + Send + Sync> = Arc::new(move |job| {
+            let layer = reader.clone();
+            Box::pin(async move {
+                match tokio::time::timeout(PROBE_TIMEOUT, layer.job(&job)).await {
+                    Ok(Ok(fence)) => Ok(fence),
+                    Ok(Err(e)) => Err(format!(
+                        "the fence store failed: {}",
+                        fence_storage::error_chain(&e)
+                    )),
+                    Err(_) => Err(format!(
+                        "the fence store did not answer within {PROBE_TIMEOUT:?}"
+                    )),
+                }
+            })
+        });
+        let gauges = Arc::new(move || {
+            (
+                layer.cached_jobs(),
+                layer.in_flight(),
+                layer.buffered_bytes(),
+            )
+        });
+        self.fence = Some(FenceView { job, gauges });
+        self
     }
 
     async fn upstream(&self) -> Result<(), String> {
@@ -111,8 +161,19 @@ async fn admin(
         *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
         response
     };
+    if let (Some(fence), Some(raw)) = (&health.fence, req.uri().path().strip_prefix("/v1/fence/")) {
+        return job_fence(fence, raw, get).await;
+    }
     match req.uri().path() {
-        "/metrics" if get => text("text/plain; version=0.0.4", handle.render()),
+        "/metrics" if get => {
+            if let Some(fence) = &health.fence {
+                let (cached, in_flight, buffered) = (fence.gauges)();
+                metrics::gauge!("fence_proxy_cached_jobs").set(cached as f64);
+                metrics::gauge!("fence_proxy_in_flight").set(in_flight as f64);
+                metrics::gauge!("fence_proxy_buffered_bytes").set(buffered as f64);
+            }
+            text("text/plain; version=0.0.4", handle.render())
+        }
         "/healthz" if get => match (health.store)().await {
             Ok(()) => text("text/plain; charset=utf-8", "ok\n".to_owned()),
             Err(why) => unavailable(why),
@@ -146,8 +207,66 @@ async fn admin(
         }
         path => Problem::new(
             ProblemType::NotFound,
-            format!("{path} is not served here; see GET /metrics, /healthz and /readyz"),
+            format!(
+                "{path} is not served here; see GET /metrics, /healthz, /readyz and /v1/fence/{{job}}"
+            ),
         )
         .to_response(),
     }
+}
+
+/// `GET /v1/fence/{job}`: the job's highest generation and requests in flight, as JSON.
+async fn job_fence(fence: &FenceView, raw: &str, get: bool) -> Response<Full<Bytes>> {
+    if !get {
+        return Problem::new(
+            ProblemType::MethodNotAllowed,
+            "/v1/fence/{job}: only GET and HEAD are allowed",
+        )
+        .to_response();
+    }
+    let job = percent_decode(raw)
+        .ok_or_else(|| "the job in the path is not valid percent-encoded UTF-8".to_owned())
+        .and_then(|j| JobId::new(j).map_err(|e| format!("job (in the path): {e}")));
+    let job = match job {
+        Ok(job) => job,
+        Err(detail) => return Problem::new(ProblemType::BadRequest, detail).to_response(),
+    };
+    match (fence.job)(job.clone()).await {
+        Ok(f) => {
+            let body = serde_json::json!({
+                "job": job.as_str(),
+                "highest": f.highest.get(),
+                "in_flight": f.in_flight,
+            });
+            let mut response = Response::new(Full::from(body.to_string()));
+            response
+                .headers_mut()
+                .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+            response
+        }
+        Err(detail) => {
+            let mut response =
+                Problem::new(ProblemType::StoreUnavailable, detail).to_response::<Full<Bytes>>();
+            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
+            response
+        }
+    }
+}
+
+/// `%XX` sequences decoded; `None` when they do not make UTF-8.
+fn percent_decode(s: &str) -> Option<String> {
+    let bytes = s.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'%' {
+            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
+            out.push(u8::from_str_radix(hex, 16).ok()?);
+            i += 3;
+        } else {
+            out.push(bytes[i]);
+            i += 1;
+        }
+    }
+    String::from_utf8(out).ok()
 }

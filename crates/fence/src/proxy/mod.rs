@@ -75,10 +75,19 @@ pub async fn serve<St>(
 where
     St: GenerationStore + IdempotencyStore,
 {
-    let target = Arc::new(Target::parse(
-        &config.upstream,
-        config.upstream_ca_cert.as_deref(),
-    )?);
+    let layer = build_layer(layer_store, &config)?;
+    serve_with(listener, layer, config, shutdown).await
+}
+
+/// The fence of a proxy with `config` over `layer_store`, for [`serve_with`]; a clone of it
+/// sees the same jobs (the admin listener reads them).
+///
+/// # Errors
+/// When the forgetting settings are refused (see [`FenceLayer::forget_after`]).
+pub fn build_layer<St>(layer_store: St, config: &ProxyConfig) -> anyhow::Result<FenceLayer<St>>
+where
+    St: GenerationStore + IdempotencyStore,
+{
     let mut layer = FenceLayer::new(layer_store).store_timeout(config.store_timeout);
     if let Some(methods) = &config.fence_methods {
         layer = layer.fence_methods(methods.iter().cloned());
@@ -97,7 +106,7 @@ where
     } else {
         layer.allow_missing_token()
     };
-    layer = match config.idempotency {
+    layer = match config.idempotency.clone() {
         Some(idempotency) => layer.idempotency(idempotency.store_timeout(config.store_timeout)),
         None => layer.without_idempotency(),
     };
@@ -107,6 +116,26 @@ where
     if let Some(after) = config.forget_after {
         layer = layer.forget_after(after, config.max_lease_ttl)?;
     }
+    Ok(layer)
+}
+
+/// [`serve`] with a fence built by [`build_layer`].
+///
+/// # Errors
+/// As [`serve`].
+pub async fn serve_with<St>(
+    listener: TcpListener,
+    layer: FenceLayer<St>,
+    config: ProxyConfig,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()>
+where
+    St: GenerationStore + IdempotencyStore,
+{
+    let target = Arc::new(Target::parse(
+        &config.upstream,
+        config.upstream_ca_cert.as_deref(),
+    )?);
     // Expired idempotency records are swept off the store while the proxy runs, and idle
     // jobs forgotten if asked.
     let _maintenance = layer.spawn_maintenance();

@@ -4,11 +4,14 @@ use std::time::Instant;
 
 use axum::{
     body::Body,
-    http::{HeaderValue, header::CONTENT_TYPE, header::WWW_AUTHENTICATE},
+    http::{
+        HeaderValue,
+        header::{CONTENT_TYPE, RETRY_AFTER, WWW_AUTHENTICATE},
+    },
     response::{IntoResponse, Response},
 };
 use fence_core::{
-    JobId, Owner, Problem, ProblemType,
+    Generation, JobId, Owner, Problem, ProblemType,
     lease_api::{Action, LeaseBody, RecordBody},
 };
 use fence_lease::{LeaseRecord, Outcome, StoreError};
@@ -19,13 +22,21 @@ pub(super) type Answer = Result<Response, Problem>;
 
 /// A problem as a response; a 401 says how to authenticate.
 pub(super) fn problem_response(p: Problem) -> Response {
-    let unauthenticated = p.kind == ProblemType::Unauthenticated;
+    let kind = p.kind;
     let mut response = p.to_response::<Body>();
-    if unauthenticated {
-        response.headers_mut().insert(
-            WWW_AUTHENTICATE,
-            HeaderValue::from_static("Bearer realm=\"fence\""),
-        );
+    match kind {
+        ProblemType::Unauthenticated => {
+            response.headers_mut().insert(
+                WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"fence\""),
+            );
+        }
+        ProblemType::StoreUnavailable => {
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from_static("1"));
+        }
+        _ => {}
     }
     response
 }
@@ -56,11 +67,14 @@ pub(super) fn bad(detail: impl Into<String>) -> Problem {
     Problem::new(ProblemType::BadRequest, detail)
 }
 
+/// A store failure: 503 with `Retry-After`, since nothing was decided and a retry may find
+/// the store back. The cause goes to the server's log only: a database's error text names
+/// tables and hosts, and anyone who can connect reads the answer.
 pub(super) fn store_failed(e: &StoreError) -> Problem {
     tracing::error!(error = %error_chain(e), "lease store failed");
     Problem::new(
-        ProblemType::Internal,
-        format!("the lease store failed: {}", error_chain(e)),
+        ProblemType::StoreUnavailable,
+        "the lease store did not answer; nothing was decided, retry (the server's log has the cause)",
     )
 }
 
@@ -82,7 +96,14 @@ pub fn record_body(r: &LeaseRecord) -> RecordBody {
 
 /// The HTTP answer to what the store decided, logged as one event with the job and the
 /// generation (never the lease key).
-pub(super) fn answer(job: JobId, owner: &Owner, action: Action, outcome: Outcome) -> Answer {
+/// `asked` is the generation the request named (none for a claim).
+pub(super) fn answer(
+    job: JobId,
+    owner: &Owner,
+    asked: Option<Generation>,
+    action: Action,
+    outcome: Outcome,
+) -> Answer {
     let what = match action {
         Action::Claim => "claim",
         Action::Renew => "renewal",
@@ -92,9 +113,9 @@ pub(super) fn answer(job: JobId, owner: &Owner, action: Action, outcome: Outcome
     match outcome {
         Outcome::Granted(g) => {
             if action == Action::Claim {
-                tracing::info!(job = %job, generation = %g.generation, owner = %owner, ttl_ms = g.ttl.as_millis(), "claim granted");
+                tracing::info!(job = %job, generation = g.generation.get(), owner = %owner, ttl_ms = g.ttl.as_millis(), "claim granted");
             } else {
-                tracing::debug!(job = %job, generation = %g.generation, owner = %owner, "lease renewed");
+                tracing::debug!(job = %job, generation = g.generation.get(), owner = %owner, "lease renewed");
             }
             Ok(json(&LeaseBody {
                 job,
@@ -106,25 +127,27 @@ pub(super) fn answer(job: JobId, owner: &Owner, action: Action, outcome: Outcome
             }))
         }
         Outcome::Done(record) => {
-            tracing::info!(job = %job, generation = %record.generation, owner = %owner, state = %record.state, "lease {}d", if action == Action::Complete { "complete" } else { "release" });
+            tracing::info!(job = %job, generation = record.generation.get(), owner = %owner, state = %record.state, "lease {}d", if action == Action::Complete { "complete" } else { "release" });
             Ok(json(&record_body(&record)))
         }
         Outcome::Held {
             owner: holder,
+            generation,
             expires_in,
         } => {
             let ms = u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX);
-            tracing::info!(job = %job, owner = %owner, holder = %holder, expires_in_ms = ms, "claim refused: held");
+            tracing::info!(job = %job, generation = generation.get(), owner = %owner, holder = %holder, expires_in_ms = ms, "claim refused: held");
             Err(Problem::new(
                 ProblemType::LeaseHeld,
                 format!("job {job} is held by {holder} for another {ms} ms"),
             )
             .with_job(job)
             .with_owner(Some(holder))
+            .with_generation(generation.get())
             .with_expires_in_ms(ms))
         }
         Outcome::Completed { owner, generation } => {
-            tracing::info!(job = %job, generation = %generation, "claim refused: completed");
+            tracing::info!(job = %job, generation = generation.get(), "claim refused: completed");
             Err(Problem::new(
                 ProblemType::JobCompleted,
                 format!(
@@ -136,7 +159,7 @@ pub(super) fn answer(job: JobId, owner: &Owner, action: Action, outcome: Outcome
             .with_generation(generation.get()))
         }
         Outcome::KeyMismatch => {
-            tracing::warn!(job = %job, owner = %owner, "{what} refused: wrong lease key");
+            tracing::warn!(job = %job, generation = asked.map(Generation::get), owner = %owner, "{what} refused: wrong lease key");
             Err(Problem::new(
                 ProblemType::LeaseKeyMismatch,
                 format!(
@@ -152,7 +175,7 @@ pub(super) fn answer(job: JobId, owner: &Owner, action: Action, outcome: Outcome
             let who = holder
                 .as_ref()
                 .map_or_else(|| "nobody".to_owned(), ToString::to_string);
-            tracing::info!(job = %job, generation = %generation, owner = %owner, "{what} refused: lease lost");
+            tracing::info!(job = %job, generation = asked.map(Generation::get), current = generation.get(), owner = %owner, "{what} refused: lease lost");
             Err(Problem::new(
                 ProblemType::LeaseLost,
                 format!(

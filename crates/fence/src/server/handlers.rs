@@ -14,7 +14,6 @@ use fence_core::{
     lease_api::{Action, BodyError, ClaimRequest, FinishRequest, MAX_REQUEST_BODY, RenewRequest},
 };
 use fence_lease::{LeaseOp, LeaseStore};
-use fence_storage::error_chain;
 use http_body_util::{BodyExt, Limited};
 
 use super::{
@@ -118,13 +117,13 @@ pub(super) async fn act<S: LeaseStore>(
         let job = job_of(job)?;
         authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
         let op = operation(action, body, app.options.max_ttl).await?;
-        let owner = op.owner().clone();
+        let (owner, asked) = (op.owner().clone(), op.generation());
         let outcome = app
             .store
             .apply(&job, op)
             .await
             .map_err(|e| store_failed(&e))?;
-        answer(job, &owner, action, outcome)
+        answer(job, &owner, asked, action, outcome)
     }
     .await;
     finish(action.as_str(), started, answer)
@@ -159,10 +158,7 @@ pub(super) async fn healthz<S: LeaseStore>(State(app): State<Arc<AppState<S>>>) 
     let probe: JobId = "fence-healthz".parse().expect("valid job id");
     match app.store.get(&probe).await {
         Ok(_) => (StatusCode::OK, "ok\n").into_response(),
-        Err(e) => problem_response(Problem::new(
-            ProblemType::StoreUnavailable,
-            format!("the lease store failed: {}", error_chain(&e)),
-        )),
+        Err(e) => problem_response(store_failed(&e)),
     }
 }
 

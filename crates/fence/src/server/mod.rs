@@ -51,6 +51,16 @@ struct AppState<S> {
     options: ServerOptions,
 }
 
+/// The lease API as OpenAPI 3.1, served at `/openapi.json` (no secret needed).
+pub const OPENAPI: &str = include_str!("../../../../docs/openapi.json");
+
+async fn openapi() -> impl axum::response::IntoResponse {
+    (
+        [(axum::http::header::CONTENT_TYPE, "application/json")],
+        OPENAPI,
+    )
+}
+
 /// The lease API router over `store`.
 pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
     let state = Arc::new(AppState { store, options });
@@ -60,6 +70,7 @@ pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
         .route("/v1/leases/{job}", get(handlers::status::<S>))
         .route("/healthz", get(handlers::healthz::<S>))
         .route("/metrics", get(handlers::render_metrics::<S>))
+        .route("/openapi.json", get(openapi))
         .fallback(handlers::not_found)
         .method_not_allowed_fallback(handlers::method_not_allowed)
         .with_state(state)

@@ -192,6 +192,29 @@ pub fn start_proxy_with(upstream: &str, extra: &[&str]) -> (Proc, String) {
     start_ready(&args)
 }
 
+/// [`start_proxy_with`], returning also the admin listener's address (from the ready line).
+pub fn start_proxy_admin(upstream: &str, extra: &[&str]) -> (Proc, String, String) {
+    let mut args = vec![
+        "proxy",
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--upstream",
+        upstream,
+    ];
+    args.extend_from_slice(extra);
+    let (proc, addr, log) = start_logged(&args, "info");
+    let ready = log.wait_for("ready");
+    let admin = ready
+        .split("admin=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("the ready line names the admin address")
+        .to_owned();
+    (proc, addr, admin)
+}
+
 /// `fence proxy` with sled in `dir` in front of the upstream at `upstream` (`host:port`).
 pub fn start_proxy(dir: &Path, upstream: &str) -> (Proc, String) {
     let upstream = format!("http://{upstream}");
@@ -226,6 +249,20 @@ pub fn start_ready(args: &[&str]) -> (Proc, String) {
 pub struct Log(std::sync::Arc<std::sync::Mutex<Vec<String>>>);
 
 impl Log {
+    /// Keeps every line `from` writes, on a thread of its own.
+    pub fn follow(&self, from: impl std::io::Read + Send + 'static) {
+        self.follow_lines(BufReader::new(from).lines());
+    }
+
+    fn follow_lines(&self, lines: impl Iterator<Item = std::io::Result<String>> + Send + 'static) {
+        let keep = self.clone();
+        std::thread::spawn(move || {
+            for line in lines.map_while(Result::ok) {
+                keep.0.lock().unwrap().push(line);
+            }
+        });
+    }
+
     pub fn text(&self) -> String {
         self.0.lock().unwrap().join("\n")
     }
@@ -289,13 +326,14 @@ pub fn start_command(mut command: Command) -> (Proc, String, Log) {
         {
             break rest.split_whitespace().next().unwrap().to_owned();
         }
-    };
-    let keep = log.clone();
-    std::thread::spawn(move || {
-        for line in lines.map_while(Result::ok) {
-            keep.0.lock().unwrap().push(line);
+        // The same line under --log-format json.
+        if line.contains("ready")
+            && let Some(rest) = line.split("\"listen\":\"").nth(1)
+        {
+            break rest.split('"').next().unwrap().to_owned();
         }
-    });
+    };
+    log.follow_lines(lines);
     (Proc(child), addr, log)
 }
 

@@ -1,0 +1,127 @@
+//! What operators see: one Prometheus recorder with real histograms, HELP on every family.
+//!
+//! Latencies are histograms with fixed buckets (not summaries, which read 0 after a quiet
+//! minute and cannot be added up across instances). Gauges are set from the state itself:
+//! the server counts its leases every [`COUNT_EVERY`]; the proxy reads its cache when
+//! `/metrics` is scraped.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use fence_core::lease_api::{LeaseState, ListQuery, MAX_LIST_LIMIT};
+use fence_lease::LeaseStore;
+use metrics::{Unit, describe_counter, describe_gauge, describe_histogram};
+use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
+
+/// Bucket bounds of every `*_seconds` histogram: 0.5 ms to 10 s.
+const BUCKETS: [f64; 14] = [
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0,
+];
+
+/// How often the lease server counts its jobs and held leases for the gauges.
+pub const COUNT_EVERY: Duration = Duration::from_secs(15);
+
+/// Installs the process's metrics recorder and describes every metric fence exports.
+///
+/// # Errors
+/// When a recorder is installed already.
+pub fn install() -> anyhow::Result<PrometheusHandle> {
+    let handle = PrometheusBuilder::new()
+        .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &BUCKETS)
+        .context("configuring the latency buckets")?
+        .install_recorder()
+        .context("installing the metrics recorder")?;
+    describe();
+    Ok(handle)
+}
+
+fn describe() {
+    describe_counter!(
+        "fence_lease_requests_total",
+        Unit::Count,
+        "Lease API requests answered, by operation (claim, renew, release, complete, status, list) and outcome (ok, or the problem type)."
+    );
+    describe_histogram!(
+        "fence_lease_request_seconds",
+        Unit::Seconds,
+        "Time to answer a lease API request, by operation, store write included."
+    );
+    describe_gauge!(
+        "fence_lease_jobs",
+        Unit::Count,
+        "Jobs the lease store holds a record of (counted every 15 s)."
+    );
+    describe_gauge!(
+        "fence_lease_held",
+        Unit::Count,
+        "Jobs whose lease is held now (counted every 15 s)."
+    );
+    describe_counter!(
+        "fence_sink_requests_total",
+        Unit::Count,
+        "Requests the fence decided on, by outcome: accepted, stale, expired, missing, malformed, invalid_signature, drain_timeout, body_timeout, overloaded, replayed, store_error and more."
+    );
+    describe_counter!(
+        "fence_proxy_upstream_requests_total",
+        Unit::Count,
+        "Requests the proxy sent upstream, by outcome: ok, unavailable, timeout, bad_target."
+    );
+    describe_histogram!(
+        "fence_proxy_upstream_seconds",
+        Unit::Seconds,
+        "Time from sending a request upstream to its response head, by outcome."
+    );
+    describe_gauge!(
+        "fence_proxy_cached_jobs",
+        Unit::Count,
+        "Jobs the proxy's fence holds in memory (read when /metrics is scraped)."
+    );
+    describe_gauge!(
+        "fence_proxy_in_flight",
+        Unit::Count,
+        "Admitted requests still running, over every job (read when /metrics is scraped)."
+    );
+    describe_gauge!(
+        "fence_proxy_buffered_bytes",
+        Unit::Bytes,
+        "Bytes of bodies the fence holds in memory: buffered idempotent requests, captured responses, replays."
+    );
+}
+
+/// Counts `store`'s jobs and held leases into the gauges every [`COUNT_EVERY`], until the
+/// returned task is aborted. A page at a time, so a large store costs a scan per count, not
+/// a pause.
+pub fn count_leases<S: LeaseStore + Clone>(store: S) -> tokio::task::JoinHandle<()> {
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(COUNT_EVERY);
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let mut query = ListQuery {
+                limit: Some(MAX_LIST_LIMIT),
+                ..ListQuery::default()
+            };
+            let (mut jobs, mut held) = (0u64, 0u64);
+            loop {
+                let Ok(page) = store.list(&query).await else {
+                    break; // the store failed: keep the last counts
+                };
+                jobs += page.leases.len() as u64;
+                held += page
+                    .leases
+                    .iter()
+                    .filter(|r| r.state == LeaseState::Held)
+                    .count() as u64;
+                match page.next {
+                    Some(next) => query.after = Some(next),
+                    None => {
+                        metrics::gauge!("fence_lease_jobs").set(jobs as f64);
+                        metrics::gauge!("fence_lease_held").set(held as f64);
+                        break;
+                    }
+                }
+                tokio::task::yield_now().await;
+            }
+        }
+    })
+}
