@@ -315,8 +315,14 @@ async fn finish(
     };
     match finished {
         Ok(record) => {
+            // 1, 2, 3 and 75 are also fence run's own codes: say whose this one is.
+            let whose = if matches!(code, 1 | 2 | EXIT_NOT_OBTAINED | EXIT_LOST) {
+                " (the command's own code, not fence run's)"
+            } else {
+                ""
+            };
             eprintln!(
-                "fence run: the command exited {code}; the job is {}",
+                "fence run: the command exited {code}{whose}; the job is {}",
                 record.state
             );
             Ok(code)

@@ -24,7 +24,7 @@ fn demo_runs_the_worked_example() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        stdout.contains("409 Conflict urn:fence:stale-token, highest Some(8)"),
+        stdout.contains("409 Conflict urn:fence:stale-token, highest 8"),
         "{stdout}"
     );
     assert!(stdout.contains("PASS"), "{stdout}");

@@ -77,17 +77,7 @@ fn metrics_of_server_and_proxy_parse_with_help_types_and_histograms() {
     let data = dir.path().join("proxy");
     let (_proxy, proxy, admin) =
         start_proxy_admin(&upstream, &["--data-dir", data.to_str().unwrap()]);
-    let write = |token: &str| {
-        http_status(
-            &proxy,
-            "POST",
-            "/w",
-            &[
-                ("X-Fencing-Job", "m1".to_owned()),
-                ("X-Fencing-Token", token.to_owned()),
-            ],
-        )
-    };
+    let write = |token: &str| fenced_post(&proxy, "/w", "m1", token);
     assert_eq!(write("2"), 200);
     assert_eq!(write("1"), 409);
     let p = scrape(&admin, None);
@@ -171,37 +161,24 @@ fn every_decision_is_one_json_event_with_job_and_generation() {
     );
     let server = format!("http://{server}");
     let upstream = format!("http://{}", start_upstream());
+    let (proxy_data, verify) = (dir.path().join("proxy"), keys.join("fence-verify.pem"));
     let (_proxy, proxy, proxy_log) = start_logged(
-        &[
-            "--log-format",
-            "json",
-            "proxy",
-            "--listen",
-            "127.0.0.1:0",
-            "--admin-listen",
-            "127.0.0.1:0",
-            "--upstream",
+        &proxy_args(
             &upstream,
-            "--data-dir",
-            dir.path().join("proxy").to_str().unwrap(),
-            "--verify-key",
-            keys.join("fence-verify.pem").to_str().unwrap(),
-            "--clock-skew",
-            "0s",
-        ],
+            &[
+                "--log-format",
+                "json",
+                "--data-dir",
+                proxy_data.to_str().unwrap(),
+                "--verify-key",
+                verify.to_str().unwrap(),
+                "--clock-skew",
+                "0s",
+            ],
+        ),
         "info",
     );
-    let write = |job: &str, token: &str| {
-        http_status(
-            &proxy,
-            "POST",
-            "/w",
-            &[
-                ("X-Fencing-Job", job.to_owned()),
-                ("X-Fencing-Token", token.to_owned()),
-            ],
-        )
-    };
+    let write = |job: &str, token: &str| fenced_post(&proxy, "/w", job, token);
 
     // A refused claim.
     let a = claim_as(&server, "j", "worker-a", "300ms").unwrap();

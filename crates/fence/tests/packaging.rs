@@ -4,7 +4,7 @@
 
 mod common;
 
-use std::{collections::BTreeSet, path::PathBuf};
+use std::{collections::BTreeSet, path::PathBuf, process::Command};
 
 use common::*;
 
@@ -106,4 +106,282 @@ fn both_licenses_named_by_the_manifests_are_there() {
     assert!(repo("Cargo.toml").contains(r#"license = "MIT OR Apache-2.0""#));
     assert!(repo("LICENSE-MIT").contains("Permission is hereby granted"));
     assert!(repo("LICENSE-APACHE").contains("Apache License"));
+}
+
+/// The README's fenced code blocks of one language, each with the `## ` section it is in.
+fn readme_blocks(lang: &str) -> Vec<(String, String)> {
+    let text = repo("README.md");
+    let mut blocks = Vec::new();
+    let (mut section, mut current) = (String::new(), None::<String>);
+    for line in text.lines() {
+        match &mut current {
+            None if line.starts_with("## ") => section = line[3..].to_owned(),
+            None if line.trim_start().starts_with("```") => {
+                let tag = line.trim_start().trim_start_matches('`');
+                if tag.split(',').next() == Some(lang) {
+                    current = Some(String::new());
+                } else if !tag.is_empty() {
+                    current = Some("\u{0}skip".to_owned());
+                }
+            }
+            Some(block) if line.trim_start().starts_with("```") => {
+                if !block.starts_with('\u{0}') {
+                    blocks.push((section.clone(), std::mem::take(block)));
+                }
+                current = None;
+            }
+            Some(block) => {
+                block.push_str(line);
+                block.push('\n');
+            }
+            None => {}
+        }
+    }
+    blocks
+}
+
+/// A shell block's commands: `\` continuations and multi-line quotes joined, comments and
+/// blank lines dropped.
+fn commands(block: &str) -> Vec<String> {
+    let mut out = Vec::new();
+    let mut command = String::new();
+    for line in block.lines() {
+        if command.is_empty() && (line.trim().is_empty() || line.trim_start().starts_with('#')) {
+            continue;
+        }
+        command.push_str(line);
+        command.push('\n');
+        let open_quote = command.matches('\'').count() % 2 == 1;
+        if !open_quote && !line.ends_with('\\') {
+            out.push(command.trim_end().to_owned());
+            command.clear();
+        }
+    }
+    out
+}
+
+/// A free port on 127.0.0.1 (free when asked; the tests that use it start soon after).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Every `rust` block of the README is, line for line, part of an example that `cargo test`
+/// builds: a renamed type or method breaks the build, not the reader.
+#[test]
+fn the_readme_rust_blocks_are_taken_from_examples_that_build() {
+    let examples: Vec<(String, String)> =
+        std::fs::read_dir(PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../examples"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "rs"))
+            .map(|p| {
+                let text = std::fs::read_to_string(&p).unwrap();
+                (p.display().to_string(), text)
+            })
+            .collect();
+    let blocks = readme_blocks("rust");
+    assert!(blocks.len() >= 2, "{blocks:?}");
+    for (section, block) in blocks {
+        let wanted: Vec<&str> = block
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        let found = examples.iter().find(|(_, text)| {
+            let lines: BTreeSet<&str> = text.lines().map(str::trim).collect();
+            wanted.iter().all(|l| lines.contains(l))
+        });
+        assert!(
+            found.is_some(),
+            "README ({section}): this block is not part of any example:\n{block}"
+        );
+    }
+}
+
+/// Every command of the README's shell blocks, run in a sandbox: the tour in one shell as a
+/// reader would (its servers in the background), every other runnable block in a shell of its
+/// own. Paths under /etc and /var/lib move to a temporary directory, the ports to free ones,
+/// `leases.internal` to localhost with a test CA's certificate. A block that names a host the
+/// sandbox cannot have (PostgreSQL on `db`) or elides flags with `...` has each of its fence
+/// commands' flags checked against `--help` instead; `cargo` lines must be the ones `.ci/run`
+/// and the harness's soak instructions stand behind.
+#[test]
+fn every_command_of_the_readme_runs() {
+    let ca = TestCa::new();
+    let sandbox = tempfile::tempdir().unwrap();
+    let root = sandbox.path();
+    for dir in ["etc/fence/tls", "var/lib/fence", "home", "work"] {
+        std::fs::create_dir_all(root.join(dir)).unwrap();
+    }
+    for (from, to) in [
+        (&ca.cert, "cert.pem"),
+        (&ca.key, "key.pem"),
+        (&ca.ca, "ca.pem"),
+    ] {
+        let target = root.join("etc/fence/tls").join(to);
+        std::fs::copy(from, &target).unwrap();
+        std::fs::set_permissions(
+            &target,
+            <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+        )
+        .unwrap();
+    }
+    let [server, proxy, admin, upstream, tls] = [(); 5].map(|()| free_port());
+    let moved = |text: &str| {
+        text.replace("0.0.0.0:7700", &format!("127.0.0.1:{tls}"))
+            .replace("leases.internal:7700", &format!("localhost:{tls}"))
+            .replace("/etc/fence", &format!("{}/etc/fence", root.display()))
+            .replace(
+                "/var/lib/fence",
+                &format!("{}/var/lib/fence", root.display()),
+            )
+            .replace("7700", &server.to_string())
+            .replace("7801", &admin.to_string())
+            .replace("7800", &proxy.to_string())
+            .replace("8080", &upstream.to_string())
+    };
+    let allowed_cargo = [
+        "cargo run --release -p fence -- demo",
+        "cargo test --workspace",
+        "FENCE_SOAK_SECS=3600 FENCE_SOAK_SEED=42 cargo test -p fence --test fault_injection -- --nocapture fenced",
+    ];
+    let ci = repo(".ci/run");
+    assert!(
+        ci.lines().any(|l| l.trim() == "cargo test --workspace"),
+        "{ci}"
+    );
+
+    // Scripts to run: the tour as one, every other runnable block alone.
+    let mut scripts: Vec<(String, Vec<String>)> = Vec::new();
+    let mut checked = 0;
+    for (section, block) in readme_blocks("sh") {
+        let commands: Vec<String> = commands(&block)
+            .into_iter()
+            .map(|c| c.split("   #").next().unwrap().trim_end().to_owned())
+            .collect();
+        let (cargo, rest): (Vec<String>, Vec<String>) =
+            commands.into_iter().partition(|c| c.contains("cargo "));
+        for c in &cargo {
+            let c = c.split('#').next().unwrap().trim();
+            assert!(
+                allowed_cargo.contains(&c),
+                "README ({section}): unchecked {c:?}"
+            );
+        }
+        if rest.is_empty() {
+            continue;
+        }
+        if block.contains("...") || block.contains("@db/") {
+            for c in rest.iter().filter(|c| c.starts_with("fence ")) {
+                let words: Vec<&str> = c.split_whitespace().filter(|w| *w != "\\").collect();
+                check_command(&format!("README ({section})"), &words);
+                checked += 1;
+            }
+            continue;
+        }
+        match scripts.last_mut() {
+            Some((s, commands)) if *s == section && section == "A 5-minute tour" => {
+                commands.extend(rest);
+            }
+            _ => scripts.push((section, rest)),
+        }
+    }
+    assert!(checked >= 4, "flag-checked only {checked} commands");
+    assert!(scripts.len() >= 2, "{scripts:?}");
+
+    let path = format!(
+        "{}:{}",
+        PathBuf::from(FENCE).parent().unwrap().display(),
+        std::env::var("PATH").unwrap_or_default()
+    );
+    let mut outputs = Vec::new();
+    for (section, commands) in &scripts {
+        let mut script = String::from(
+            "set -eu\n\
+             trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null' EXIT\n\
+             wait_port() { for _ in $(seq 150); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.1; done; echo \"nothing listens on port $1\" >&2; return 1; }\n",
+        );
+        for (n, command) in commands.iter().enumerate() {
+            let command = moved(command);
+            let background = if command.starts_with("fence server") {
+                let env = if command.contains("--listen") {
+                    String::new()
+                } else {
+                    format!("FENCE_LISTEN=127.0.0.1:{server} ")
+                };
+                let port = listen_port(&command).unwrap_or(server);
+                Some((format!("{env}{command}"), port))
+            } else if command.starts_with("fence proxy") {
+                let mut env = String::new();
+                if !command.contains("--listen") {
+                    env.push_str(&format!("FENCE_LISTEN=127.0.0.1:{proxy} "));
+                }
+                if !command.contains("--admin-listen") {
+                    env.push_str(&format!("FENCE_ADMIN_LISTEN=127.0.0.1:{admin} "));
+                }
+                let port = listen_port(&command).unwrap_or(proxy);
+                Some((format!("{env}{command}"), port))
+            } else if command.starts_with("python3 -c") {
+                Some((command.clone(), upstream))
+            } else {
+                None
+            };
+            match background {
+                Some((command, port)) => script.push_str(&format!(
+                    "{command} > bg-{n}.log 2>&1 &\nwait_port {port}\n"
+                )),
+                None => script.push_str(&format!("{command}\n")),
+            }
+        }
+        // What the upstream received, for the checks below.
+        script.push_str("cat bg-*.log >&2\n");
+        let out = Command::new("bash")
+            .arg("-c")
+            .arg(&script)
+            .current_dir(root.join("work"))
+            .env("PATH", &path)
+            .env("HOME", root.join("home"))
+            .env("RUST_LOG", "warn")
+            .env_remove("FENCE_SERVER")
+            .output()
+            .unwrap();
+        let text = format!(
+            "{}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            out.status.success(),
+            "README ({section}) failed ({:?}):\n{script}\n---\n{text}",
+            out.status
+        );
+        outputs.push(text);
+    }
+    let tour = &outputs[0];
+    for expected in [
+        "urn:fence:stale-token",
+        r#"{"job":"invoice-42","highest":8,"in_flight":0}"#,
+        "the job is completed",
+        r#"/reports b'{"rows": 1234}"#,
+        "\"generation\":1",
+    ] {
+        assert!(
+            tour.contains(expected),
+            "the tour lacks {expected:?}:\n{tour}"
+        );
+    }
+}
+
+fn listen_port(command: &str) -> Option<u16> {
+    let rest = command.split("--listen ").nth(1)?;
+    rest.split_whitespace()
+        .next()?
+        .rsplit(':')
+        .next()?
+        .parse()
+        .ok()
 }

@@ -172,17 +172,10 @@ fn unusable_key_files_stop_server_and_proxy_at_start_with_one_line_and_exit_2() 
             (&ec, "not an Ed25519 private key in PEM"),
         ],
     );
-    let proxy = [
-        "proxy",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
+    let proxy = proxy_args(
         "http://127.0.0.1:9",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+        &["--data-dir", data.to_str().unwrap()],
+    );
     refused_at_start(
         &proxy,
         "--verify-key",
@@ -261,15 +254,7 @@ fn claim(server: &str, job: &str, owner: &str, ttl: &str) -> serde_json::Value {
 }
 
 fn write(proxy: &str, job: &str, token: &str) -> u16 {
-    http_status(
-        proxy,
-        "POST",
-        "/ledger",
-        &[
-            ("X-Fencing-Job", job.to_owned()),
-            ("X-Fencing-Token", token.to_owned()),
-        ],
-    )
+    fenced_post(proxy, "/ledger", job, token)
 }
 
 #[test]

@@ -233,12 +233,20 @@ async fn job_fence(fence: &FenceView, raw: &str, get: bool) -> Response<Full<Byt
     };
     match (fence.job)(job.clone()).await {
         Ok(f) => {
-            let body = serde_json::json!({
-                "job": job.as_str(),
-                "highest": f.highest.get(),
-                "in_flight": f.in_flight,
-            });
-            let mut response = Response::new(Full::from(body.to_string()));
+            /// The contract's member order, for people reading it with curl.
+            #[derive(serde::Serialize)]
+            struct View<'a> {
+                job: &'a str,
+                highest: u64,
+                in_flight: usize,
+            }
+            let body = serde_json::to_string(&View {
+                job: job.as_str(),
+                highest: f.highest.get(),
+                in_flight: f.in_flight,
+            })
+            .unwrap_or_default();
+            let mut response = Response::new(Full::from(body));
             response
                 .headers_mut()
                 .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));

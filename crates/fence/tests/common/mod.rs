@@ -179,6 +179,11 @@ pub fn start_upstream() -> String {
 /// `fence proxy` on ephemeral ports (its admin listener too) in front of `upstream` (an
 /// `http://` URL), with `extra` arguments; waits until it is ready.
 pub fn start_proxy_with(upstream: &str, extra: &[&str]) -> (Proc, String) {
+    start_ready(&proxy_args(upstream, extra))
+}
+
+/// `fence proxy` arguments for ephemeral ports in front of `upstream`, then `extra`.
+pub fn proxy_args<'a>(upstream: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     let mut args = vec![
         "proxy",
         "--listen",
@@ -189,22 +194,12 @@ pub fn start_proxy_with(upstream: &str, extra: &[&str]) -> (Proc, String) {
         upstream,
     ];
     args.extend_from_slice(extra);
-    start_ready(&args)
+    args
 }
 
 /// [`start_proxy_with`], returning also the admin listener's address (from the ready line).
 pub fn start_proxy_admin(upstream: &str, extra: &[&str]) -> (Proc, String, String) {
-    let mut args = vec![
-        "proxy",
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
-        "--upstream",
-        upstream,
-    ];
-    args.extend_from_slice(extra);
-    let (proc, addr, log) = start_logged(&args, "info");
+    let (proc, addr, log) = start_logged(&proxy_args(upstream, extra), "info");
     let ready = log.wait_for("ready");
     let admin = ready
         .split("admin=")
@@ -219,6 +214,19 @@ pub fn start_proxy_admin(upstream: &str, extra: &[&str]) -> (Proc, String, Strin
 pub fn start_proxy(dir: &Path, upstream: &str) -> (Proc, String) {
     let upstream = format!("http://{upstream}");
     start_proxy_with(&upstream, &["--data-dir", dir.to_str().unwrap()])
+}
+
+/// A fenced `POST path` through `proxy` with job and token headers: the status.
+pub fn fenced_post(proxy: &str, path: &str, job: &str, token: &str) -> u16 {
+    http_status(
+        proxy,
+        "POST",
+        path,
+        &[
+            ("X-Fencing-Job", job.to_owned()),
+            ("X-Fencing-Token", token.to_owned()),
+        ],
+    )
 }
 
 /// `fence release` of the lease `fence claim` printed as `lease`.
