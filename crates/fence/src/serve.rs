@@ -103,11 +103,6 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     }
     let (tls, limits) = listen_options(&a.listener, &[b"h2", b"http/1.1"])?;
     let backend = Backend::choose(a.storage).map_err(Usage::from_error)?;
-    if a.forget_after.is_some() && backend.name() == "postgres" {
-        return Err(Usage::error(
-            "--forget-after is not available with --store postgres:// in this release: the floor across several servers on one database is not built yet",
-        ));
-    }
     let handle = crate::telemetry::install()?;
     let tcp = bind(a.listen, "--listen").await?;
     let store = backend.lease_store().await?;

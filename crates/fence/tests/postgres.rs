@@ -2,7 +2,7 @@
 
 mod common;
 
-use std::process::Output;
+use std::{process::Output, time::Duration};
 
 use common::*;
 
@@ -98,4 +98,41 @@ fn the_postgres_lease_store_signs_too() {
         lease["expires_at_ms"].as_u64().unwrap(),
         parts[2]
     ));
+}
+
+/// Two lease servers on one database, both forgetting (contract section 8): a job released on
+/// one is forgotten, and a claim on the other, of that job or of one never seen, starts
+/// above every generation forgotten.
+#[test]
+fn two_servers_forgetting_on_one_database_start_above_the_floor() {
+    let url = database_url().unwrap();
+    let schema = unique_schema("forget");
+    let (_a, a) = start_pg_server(&url, &schema, &["--forget-after", "1s"]);
+    let (_b, b) = start_pg_server(&url, &schema, &["--forget-after", "1s"]);
+    let (a, b) = (format!("http://{a}"), format!("http://{b}"));
+    let claim = |server: &str, job: &str| {
+        json(&fence_line(&format!(
+            "claim --server {server} --job {job} --ttl 1s"
+        )))
+    };
+    for (n, server) in [&a, &b, &a].into_iter().enumerate() {
+        let lease = claim(server, "x");
+        assert_eq!(lease["generation"], n + 1);
+        assert_success(&release(server, "x", &lease));
+    }
+    // Forgotten within a second or so, as either server sees it.
+    let deadline = std::time::Instant::now() + Duration::from_secs(15);
+    loop {
+        let status = fence_line(&format!("status --server {b} --job x"));
+        if status.status.code() == Some(1) {
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "x was never forgotten: {status:?}"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(claim(&b, "x")["generation"], 4, "above the floor, 3");
+    assert_eq!(claim(&a, "never-seen")["generation"], 4);
 }

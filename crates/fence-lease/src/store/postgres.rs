@@ -2,6 +2,14 @@
 //!
 //! Every decision is one SQL statement, and the database's clock (`clock_timestamp()`)
 //! decides expiry.
+//!
+//! Forgetting (contract section 8) keeps the durable floor in the table itself, as the row of
+//! the job `''` (no job id is empty, and listing starts after it). A claim reads the floor
+//! for the generation a new row starts at, under `FOR SHARE`; forgetting locks the floor row
+//! `FOR UPDATE` before it deletes anything and raises it in the same transaction. So a claim
+//! either runs before a forgetting transaction (and the job's row is still there to update,
+//! or the forgetting skips it as changed) or waits for it and reads the raised floor: no
+//! claim, on any server sharing the table, starts a job at or below a generation it had.
 
 use std::{sync::Arc, time::Duration};
 
@@ -81,6 +89,8 @@ impl std::fmt::Debug for PgLeaseStore {
 
 struct Sql {
     claim: String,
+    lock_floor: String,
+    forget: String,
     renew: String,
     release: String,
     complete: String,
@@ -98,9 +108,11 @@ impl Sql {
     fn new(t: &str) -> Self {
         // $1 job, $2 owner, $3 ttl_ms, $4 clock offset, $5 key hash. A holder that claims
         // again with its key keeps its generation (the retry of a lost answer).
+        // A new row starts above the floor, read under a share lock (see the module's notes).
         let claim = format!(
             "INSERT INTO {t} AS t (job, owner, generation, lease_until_ms, changed_ms, key_hash, completed)
-             VALUES ($1, $2, 1, {now} + $3::bigint, {now}, $5, false)
+             VALUES ($1, $2, (SELECT f.generation + 1 FROM {t} f WHERE f.job = '' FOR SHARE),
+                     {now} + $3::bigint, {now}, $5, false)
              ON CONFLICT (job) DO UPDATE SET
                generation = CASE WHEN t.owner = excluded.owner AND t.key_hash = excluded.key_hash
                                       AND t.lease_until_ms > excluded.changed_ms
@@ -157,8 +169,31 @@ impl Sql {
             "SELECT owner, generation::text, lease_until_ms, completed, {now} FROM {t} WHERE job = $1",
             now = now_ms(2)
         );
+        // Forgetting, in a transaction that has locked the floor row first (`lock_floor`):
+        // $1 idle ms, $2 how many, $3 clock offset. Rows unchanged for $1 whose lease ended
+        // at least $1 ago (so none is held) go, oldest first, and the floor rises to the
+        // highest generation among them. Rows a claim holds locked are skipped, and a row a
+        // claim changed meanwhile fails the outer condition when it is checked again.
+        let lock_floor = format!("SELECT 1 FROM {t} WHERE job = '' FOR UPDATE");
+        let idle = format!(
+            "changed_ms <= {now} - $1::bigint AND lease_until_ms <= {now} - $1::bigint",
+            now = now_ms(3)
+        );
+        let forget = format!(
+            "WITH gone AS (
+               DELETE FROM {t} WHERE job IN (
+                 SELECT job FROM {t} WHERE job <> '' AND {idle}
+                 ORDER BY changed_ms LIMIT $2 FOR UPDATE SKIP LOCKED)
+               AND job <> '' AND {idle}
+               RETURNING generation)
+             UPDATE {t} SET generation = GREATEST(generation, (SELECT max(generation) FROM gone))
+             WHERE job = '' AND EXISTS (SELECT 1 FROM gone)
+             RETURNING (SELECT count(*) FROM gone)"
+        );
         Self {
             claim,
+            lock_floor,
+            forget,
             renew,
             release,
             complete,
@@ -284,7 +319,11 @@ impl PgLeaseStore {
                completed boolean NOT NULL DEFAULT false
              );
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS key_hash bytea NOT NULL DEFAULT ''::bytea;
-             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS changed_ms bigint NOT NULL DEFAULT 0;"
+             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS changed_ms bigint NOT NULL DEFAULT 0;
+             INSERT INTO {t} (job, owner, generation, lease_until_ms, completed, changed_ms)
+               VALUES ('', NULL, 0, 0, true, 0) ON CONFLICT (job) DO NOTHING;
+             CREATE INDEX IF NOT EXISTS {table}_changed_ms ON {t} (changed_ms);",
+            table = self.table.table
         );
         fence_storage::postgres::migrate(&self.pool, &self.table.schema, &ddl).await
     }
@@ -455,6 +494,27 @@ impl LeaseStore for PgLeaseStore {
         Ok(self.snapshot(job).await?.map(|s| s.record(job)))
     }
 
+    async fn forget_idle(&self, idle_for: Duration, limit: usize) -> Result<usize, StoreError> {
+        let idle = i64::try_from(idle_for.as_millis()).unwrap_or(i64::MAX);
+        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
+        let mut client = self.pool.get().await.map_err(StoreError::io)?;
+        let tx = client.transaction().await.map_err(StoreError::io)?;
+        // The floor first: claims of new rows wait for this transaction from here on.
+        tx.execute(&self.sql.lock_floor, &[])
+            .await
+            .map_err(StoreError::io)?;
+        let row = tx
+            .query_opt(&self.sql.forget, &[&idle, &limit, &self.offset()])
+            .await
+            .map_err(StoreError::io)?;
+        tx.commit().await.map_err(StoreError::io)?;
+        let gone: i64 = match row {
+            Some(row) => row.try_get(0).map_err(StoreError::io)?,
+            None => 0,
+        };
+        Ok(usize::try_from(gone).unwrap_or(0))
+    }
+
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
         // Rows in job order after `after` with the prefix (a range on the primary key), at
         // most MAX_LIST_SCAN of them; the state is decided on the database's clock.
@@ -530,6 +590,138 @@ mod tests {
         assert_eq!(
             (rec.generation, rec.state),
             (Generation::new(1), LeaseState::Completed)
+        );
+    }
+
+    fn granted(outcome: Outcome) -> Generation {
+        match outcome {
+            Outcome::Granted(g) => g.generation,
+            other => panic!("{other:?}"),
+        }
+    }
+
+    /// Contract section 8 on PostgreSQL: idle jobs go, held ones stay, and a job claimed
+    /// again, or for the first time, from this store or another on the same table (a
+    /// restart, a second server), starts above every generation forgotten.
+    #[tokio::test]
+    async fn forgets_idle_jobs_and_every_store_on_the_table_starts_above_the_floor() {
+        const IDLE: Duration = Duration::from_secs(3600);
+        let store = fresh().await.unwrap();
+        let owner: Owner = "w".parse().unwrap();
+        let short = Ttl::from_millis(10_000).unwrap();
+        let (a, c, held) = (
+            "a".parse::<JobId>().unwrap(),
+            "c".parse::<JobId>().unwrap(),
+            "held".parse::<JobId>().unwrap(),
+        );
+        let key = crate::new_lease_key().unwrap();
+        let g = granted(store.claim(&a, &owner, &key, short).await.unwrap());
+        store.complete(&a, &owner, g, &key).await.unwrap();
+        for _ in 0..4 {
+            let g = granted(store.claim(&c, &owner, &key, short).await.unwrap());
+            store.release(&c, &owner, g, &key).await.unwrap();
+        }
+        assert_eq!(
+            granted(store.claim(&c, &owner, &key, short).await.unwrap()),
+            Generation::new(5)
+        );
+        let day = Ttl::from_millis(24 * 3600 * 1000).unwrap();
+        store.claim(&held, &owner, &key, day).await.unwrap();
+        assert_eq!(
+            store.forget_idle(IDLE, 100).await.unwrap(),
+            0,
+            "none idle yet"
+        );
+        store.shift_clock_ms(i64::try_from((IDLE + Duration::from_secs(11)).as_millis()).unwrap());
+        assert_eq!(store.forget_idle(IDLE, 100).await.unwrap(), 2, "a and c");
+        assert_eq!(store.forget_idle(IDLE, 100).await.unwrap(), 0);
+        assert!(store.get(&a).await.unwrap().is_none());
+        assert!(store.get(&c).await.unwrap().is_none());
+        assert!(
+            store.get(&held).await.unwrap().is_some(),
+            "a held lease stays"
+        );
+        let listed = store.list(&ListQuery::default()).await.unwrap();
+        assert_eq!(
+            listed.leases.len(),
+            1,
+            "the floor row is never listed: {listed:?}"
+        );
+        // A completed job forgotten may run again, above everything it had.
+        let again = granted(store.claim(&a, &owner, &key, short).await.unwrap());
+        assert_eq!(again, Generation::new(6), "the floor is 5 (c's)");
+        // Another store on the same table: a restarted or second server.
+        let other = PgLeaseStore::connect(
+            &fence_storage::postgres::test_database_url(),
+            store.table.clone(),
+        )
+        .await
+        .unwrap();
+        other.migrate().await.unwrap();
+        let fresh_job = "never-seen".parse().unwrap();
+        assert_eq!(
+            granted(other.claim(&fresh_job, &owner, &key, short).await.unwrap()),
+            Generation::new(6)
+        );
+        assert_eq!(
+            granted(other.claim(&c, &owner, &key, short).await.unwrap()),
+            Generation::new(6)
+        );
+    }
+
+    /// Claims race forgetting that deletes every released job at once: no job is ever
+    /// granted the same generation twice, which it would be if a claim started a new row
+    /// from a floor read before a forgetting it raced.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn claims_racing_forgetting_never_reuse_a_generation() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        let store = fresh().await.unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let forgetter = {
+            let (store, stop) = (store.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut forgotten = 0;
+                while !stop.load(Ordering::SeqCst) {
+                    forgotten += store.forget_idle(Duration::ZERO, 20).await.unwrap();
+                }
+                forgotten
+            })
+        };
+        let mut workers = Vec::new();
+        for w in 0..6 {
+            let store = store.clone();
+            workers.push(tokio::spawn(async move {
+                let owner: Owner = format!("w{w}").parse().unwrap();
+                let ttl = Ttl::from_millis(10_000).unwrap();
+                let mut grants = Vec::new();
+                for i in 0..120 {
+                    let job: JobId = format!("j{}", (i * 7 + w) % 4).parse().unwrap();
+                    let key = crate::new_lease_key().unwrap();
+                    if let Outcome::Granted(g) = store.claim(&job, &owner, &key, ttl).await.unwrap()
+                    {
+                        grants.push((job.clone(), g.generation));
+                        store
+                            .release(&job, &owner, g.generation, &key)
+                            .await
+                            .unwrap();
+                    }
+                }
+                grants
+            }));
+        }
+        let mut seen = std::collections::HashSet::new();
+        let mut total = 0;
+        for w in workers {
+            for grant in w.await.unwrap() {
+                total += 1;
+                assert!(seen.insert(grant.clone()), "generation reused: {grant:?}");
+            }
+        }
+        stop.store(true, Ordering::SeqCst);
+        let forgotten = forgetter.await.unwrap();
+        assert!(
+            total > 100 && forgotten > 20,
+            "{total} grants, {forgotten} forgotten"
         );
     }
 }
