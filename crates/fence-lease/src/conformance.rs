@@ -26,7 +26,7 @@ use crate::{LeaseKey, LeaseState, LeaseStore, Outcome, Ttl};
 #[doc(hidden)]
 pub use fence_storage as __storage;
 
-pub use fence_storage::clock::{Advance, advance_fn};
+pub use fence_storage::clock::{Advance, advance_fn, ms};
 
 /// Generates one `#[tokio::test]` per conformance case for the backend made by `$make`.
 #[macro_export]
@@ -118,7 +118,7 @@ pub async fn holder_reclaim_extends_same_generation<S: LeaseStore>(store: S, adv
         Outcome::Granted(g) => g,
         other => panic!("{other:?}"),
     };
-    advance(Duration::from_secs(10));
+    advance(ms(Duration::from_secs(10)));
     let again = match store
         .claim(&j, &owner("a"), &key_of(&owner("a")), TTL)
         .await
@@ -145,7 +145,7 @@ pub async fn worked_example_stale_holder_is_rejected<S: LeaseStore>(store: S, ad
     }
     let ga = granted(&store, &j, &a).await;
     assert_eq!(ga, Generation::new(7));
-    advance(TTL.as_duration() + Duration::from_millis(1));
+    advance(ms(TTL.as_duration() + Duration::from_millis(1)));
     let gb = granted(&store, &j, &b).await;
     assert_eq!(gb, Generation::new(8));
     let lost = Outcome::Lost {
@@ -172,12 +172,12 @@ pub async fn worked_example_stale_holder_is_rejected<S: LeaseStore>(store: S, ad
 pub async fn renew_requires_owner_and_generation<S: LeaseStore>(store: S, advance: Advance) {
     let (j, a) = (job("conf-renew"), owner("a"));
     let g = granted(&store, &j, &a).await;
-    advance(Duration::from_secs(20));
+    advance(ms(Duration::from_secs(20)));
     match store.renew(&j, &a, g, &key_of(&a), TTL).await.unwrap() {
         Outcome::Granted(grant) => assert_eq!(grant.generation, g),
         other => panic!("{other:?}"),
     }
-    advance(Duration::from_secs(20)); // 40 s after the claim, 20 s after the renewal: still held
+    advance(ms(Duration::from_secs(20))); // 40 s after the claim, 20 s after the renewal: still held
     assert_eq!(
         store.get(&j).await.unwrap().unwrap().state,
         LeaseState::Held
@@ -216,7 +216,7 @@ pub async fn renew_after_expiry_succeeds_until_reclaimed<S: LeaseStore>(
 ) {
     let (j, a) = (job("conf-expired"), owner("a"));
     let g = granted(&store, &j, &a).await;
-    advance(TTL.as_duration() * 2);
+    advance(ms(TTL.as_duration() * 2));
     let rec = store.get(&j).await.unwrap().unwrap();
     assert_eq!(
         (rec.state, rec.owner.as_ref(), rec.expires_in),
@@ -267,7 +267,7 @@ pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
         ),
         other => panic!("{other:?}"),
     }
-    advance(TTL.as_duration() * 3);
+    advance(ms(TTL.as_duration() * 3));
     for o in [&a, &owner("b")] {
         assert_eq!(
             store.claim(&j, o, &key_of(o), TTL).await.unwrap(),
@@ -303,7 +303,7 @@ pub async fn get_reports_every_state<S: LeaseStore>(store: S, advance: Advance) 
         (LeaseState::Held, Some(&a), g)
     );
     assert!(held.expires_in > Duration::from_secs(29) && held.expires_in <= TTL.as_duration());
-    advance(TTL.as_duration());
+    advance(ms(TTL.as_duration()));
     let expired = store.get(&j).await.unwrap().unwrap();
     assert_eq!(
         (expired.state, expired.owner.as_ref(), expired.expires_in),
@@ -311,26 +311,45 @@ pub async fn get_reports_every_state<S: LeaseStore>(store: S, advance: Advance) 
     );
 }
 
-/// The store's clock jumping backwards keeps generations monotonic and claims exclusive.
+/// The store's clock jumping backwards keeps generations monotonic and claims exclusive:
+/// after each lease ends and the next owner claims, the clock jumps back by two TTLs, which
+/// makes the newest lease look held for longer (expiry is the store's clock), never an older
+/// one current again.
 pub async fn clock_jumps_never_lower_a_generation<S: LeaseStore>(store: S, advance: Advance) {
     let (j, a, b) = (job("conf-jump"), owner("a"), owner("b"));
+    let ttl = ms(TTL.as_duration());
     let mut last = Generation::ZERO;
-    for round in 0..5 {
-        let o = if round % 2 == 0 { &a } else { &b };
+    for round in 0..3 {
+        let (o, other) = if round % 2 == 0 { (&a, &b) } else { (&b, &a) };
         let g = granted(&store, &j, o).await;
         assert!(g > last, "generation went from {last} to {g}");
-        last = g;
-        advance(TTL.as_duration() + Duration::from_secs(1));
+        advance(ttl + 1_000); // o's lease ends
+        let next = granted(&store, &j, other).await;
+        assert_eq!(
+            Some(next),
+            g.next(),
+            "the next owner gets the next generation"
+        );
+        advance(-2 * ttl); // the clock jumps back
+        assert!(
+            matches!(
+                store.claim(&j, o, &key_of(o), TTL).await.unwrap(),
+                Outcome::Held { generation, .. } if generation == next
+            ),
+            "after the jump the newest lease is still the one held"
+        );
+        let record = store.get(&j).await.unwrap().expect("a record");
+        assert_eq!(record.generation, next, "no generation went back");
+        advance(3 * ttl + 1_000); // well past every lease again
+        assert!(
+            matches!(
+                store.renew(&j, o, g, &key_of(o), TTL).await.unwrap(),
+                Outcome::Lost { generation, .. } if generation == next
+            ),
+            "the older lease never comes back"
+        );
+        last = next;
     }
-    // A lease that has not expired stays exclusive whatever the clock did before.
-    assert!(matches!(
-        store.claim(&j, &a, &key_of(&a), TTL).await.unwrap(),
-        Outcome::Granted(_)
-    ));
-    assert!(matches!(
-        store.claim(&j, &b, &key_of(&b), TTL).await.unwrap(),
-        Outcome::Held { .. }
-    ));
 }
 
 /// Two jobs never affect each other's generations.
@@ -427,7 +446,7 @@ pub async fn knowing_owner_and_generation_without_the_key_changes_nothing<S: Lea
         Outcome::Lost { .. }
     ));
     // After expiry too (state expired, nobody claimed since): the key is still needed.
-    advance(TTL.as_duration() * 2);
+    advance(ms(TTL.as_duration() * 2));
     assert_eq!(
         store.complete(&j, &a, g, &wrong).await.unwrap(),
         Outcome::KeyMismatch

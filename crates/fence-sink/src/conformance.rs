@@ -20,7 +20,7 @@ use crate::{
 #[doc(hidden)]
 pub use fence_storage as __storage;
 
-pub use fence_storage::clock::{Advance, advance_fn};
+pub use fence_storage::clock::{Advance, advance_fn, ms};
 
 /// Generates one `#[tokio::test]` per conformance case for the store made by `$make`.
 #[macro_export]
@@ -298,7 +298,7 @@ pub async fn in_flight_and_retention_expire<S: IdempotencyStore>(store: S, advan
         )
         .await
         .unwrap();
-    advance(Duration::from_millis(20));
+    advance(ms(Duration::from_millis(20)));
     assert_eq!(store.purge_expired().await.unwrap(), 2);
     assert_eq!(
         store
@@ -362,7 +362,7 @@ pub async fn idle_jobs_are_listed_oldest_first_and_forgotten_only_if_unchanged<
 ) {
     // Stamps are milliseconds of the store's clock (a manual one, or the database's).
     let tick = || async {
-        advance(Duration::from_millis(3));
+        advance(ms(Duration::from_millis(3)));
         tokio::time::sleep(Duration::from_millis(3)).await;
     };
     let (a, b, c) = (job("idle-a"), job("idle-b"), job("idle-c"));

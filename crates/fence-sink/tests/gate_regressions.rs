@@ -180,9 +180,11 @@ fn post_job(job: &str, token: u64) -> Request<String> {
         .unwrap()
 }
 
-/// Passes that collapse idle gates and evict jobs (every 64 gates made, and past capacity)
+/// Passes that collapse idle gates and evict jobs (every 256 gates made, and past capacity)
 /// run while one job has a request in flight and a bump waiting behind it: they must leave
-/// that job's gate alone, and every collapsed job must keep its highest generation.
+/// that job's gate alone (a *new* request of the newer token still waits for the old one,
+/// which it would not on a gate rebuilt from the store), and every cached job keeps its
+/// highest generation.
 #[tokio::test]
 async fn collapsing_and_evicting_passes_leave_busy_jobs_alone() {
     let release = Arc::new(Notify::new());
@@ -227,6 +229,15 @@ async fn collapsing_and_evicting_passes_leave_busy_jobs_alone() {
         assert_eq!(stale.status(), StatusCode::CONFLICT, "{job}");
     }
     assert!(!six.is_finished(), "the bump of 6 still waits for 5");
+    // A second request of 6 arrives now: the job's gate must be the one that counts 5 in
+    // flight. Had a pass evicted or collapsed it, a gate rebuilt from the store (highest 6,
+    // nothing in flight) would let it through while 5 still runs.
+    let another_six = tokio::spawn(svc.clone().oneshot(post_job("busy", 6)));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert!(
+        !another_six.is_finished(),
+        "a newer token passed while an older request of its job was in flight"
+    );
     assert_eq!(
         svc.clone()
             .oneshot(post_job("busy", 4))
@@ -239,8 +250,66 @@ async fn collapsing_and_evicting_passes_leave_busy_jobs_alone() {
     release.notify_waiters();
     assert_eq!(five.await.unwrap().unwrap().status(), 200);
     assert_eq!(six.await.unwrap().unwrap().status(), 200);
+    assert_eq!(another_six.await.unwrap().unwrap().status(), 200);
     assert_eq!(
         svc.oneshot(post_job("busy", 5)).await.unwrap().status(),
+        StatusCode::CONFLICT
+    );
+}
+
+/// A memory store that says it is shared, as PostgreSQL is: several sinks (processes) write
+/// to it, so a highest cached by one of them may be out of date.
+#[derive(Clone, Default)]
+struct Shared(MemoryStore);
+
+impl GenerationStore for Shared {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        self.0.observe(job, token).await
+    }
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        self.0.highest(job).await
+    }
+    fn is_shared(&self) -> bool {
+        true
+    }
+}
+
+impl IdempotencyStore for Shared {
+    async fn begin(&self, attempt: Attempt<'_>, d: Duration) -> Result<Begin, StoreError> {
+        self.0.begin(attempt, d).await
+    }
+    async fn finish(&self, attempt: Attempt<'_>, o: Finish) -> Result<(), StoreError> {
+        self.0.finish(attempt, o).await
+    }
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        self.0.purge_expired().await
+    }
+}
+
+/// Two sinks on one shared store: after sink B accepts 6, sink A, whose memory still says 5,
+/// must not let 5 through from memory; the store has the last word on every request.
+#[tokio::test]
+async fn a_sink_on_a_shared_store_never_answers_from_an_outdated_memory() {
+    let store = Shared::default();
+    let ok = || {
+        service_fn(|_: Request<RequestBody<String>>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        })
+    };
+    let a = FenceLayer::new(store.clone()).layer(ok());
+    let b = FenceLayer::new(store).layer(ok());
+    assert_eq!(a.clone().oneshot(post(5)).await.unwrap().status(), 200);
+    assert_eq!(a.clone().oneshot(post(5)).await.unwrap().status(), 200);
+    assert_eq!(b.clone().oneshot(post(6)).await.unwrap().status(), 200);
+    assert_eq!(
+        a.clone().oneshot(post(5)).await.unwrap().status(),
+        StatusCode::CONFLICT,
+        "sink A let a stale token through from memory"
+    );
+    // And A has learnt: 6 passes there, 5 stays refused.
+    assert_eq!(a.clone().oneshot(post(6)).await.unwrap().status(), 200);
+    assert_eq!(
+        a.oneshot(post(5)).await.unwrap().status(),
         StatusCode::CONFLICT
     );
 }

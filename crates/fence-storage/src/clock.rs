@@ -93,6 +93,15 @@ impl ManualClock {
         );
     }
 
+    /// Moves the clock by `ms`, backwards when negative (a clock jump), never below 0.
+    pub fn shift_ms(&self, ms: i64) {
+        let _ = self
+            .now_ms
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
+                Some(now.saturating_add_signed(ms))
+            });
+    }
+
     /// Sets the clock, also backwards (a clock jump).
     pub fn set_ms(&self, now_ms: u64) {
         self.now_ms.store(now_ms, Ordering::SeqCst);
@@ -134,11 +143,17 @@ impl Clock for TokioClock {
     }
 }
 
-/// Moves a store's clock forward: how a conformance suite makes time pass for a backend
-/// whatever its clock is (a [`ManualClock`], or a database's clock shifted by a test hook).
-pub type Advance = Box<dyn Fn(Duration) + Send + Sync>;
+/// Moves a store's clock by a signed number of milliseconds (negative: the clock jumps
+/// backwards): how a conformance suite makes time pass, or jump, for a backend whatever its
+/// clock is (a [`ManualClock`], or a database's clock shifted by a test hook).
+pub type Advance = Box<dyn Fn(i64) + Send + Sync>;
 
 /// An [`Advance`] for a [`ManualClock`].
 pub fn advance_fn(clock: ManualClock) -> Advance {
-    Box::new(move |d| clock.advance(d))
+    Box::new(move |ms| clock.shift_ms(ms))
+}
+
+/// `d` in milliseconds, as an [`Advance`] forward.
+pub fn ms(d: Duration) -> i64 {
+    i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }

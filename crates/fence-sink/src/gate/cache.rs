@@ -63,6 +63,12 @@ impl Slot {
     }
 
     /// Turns a quiet gate that only the map holds back into [`Slot::Idle`].
+    ///
+    /// Both tests matter: a busy gate is never quiet, but a waiter woken when the last older
+    /// request finished holds a gate that is quiet until it runs again. Folding that gate
+    /// would leave the waiter deciding on an orphan while new requests get a fresh gate, and
+    /// a newer token could then pass beside it. No test here reaches that window (between a
+    /// wake-up and the waiter's next poll); a model checker of the gate would (issue 20).
     fn collapse(&mut self) {
         if let Slot::Active(gate) = self
             && Arc::strong_count(gate) == 1

@@ -111,6 +111,9 @@ pub(crate) struct Gate {
 }
 
 impl Gate {
+    /// A gate rebuilt from a collapsed entry. Were `highest` lost here (0), nothing unsafe
+    /// would follow, only a store write: every token above a gate's `highest` is bumped
+    /// through the store, which answers stale for anything below its own highest.
     fn idle(highest: Generation, touched_ms: u64) -> Self {
         Self {
             loaded: OnceCell::new_with(Some(())),
@@ -149,6 +152,9 @@ struct Unsettled<'a> {
 impl Drop for Unsettled<'_> {
     fn drop(&mut self) {
         let mut s = self.gate.lock();
+        // While this bump runs, `bumping` is this token (only `decide` sets it, and only when
+        // it is empty; only `settle` or this clears it), so the check never fails today: it
+        // keeps this guard correct should a second bump ever be allowed to start.
         if s.bumping == Some(self.token) {
             s.bumping = None;
         }
