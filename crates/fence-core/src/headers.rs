@@ -38,6 +38,12 @@ pub enum HeaderError {
         /// Its name.
         header: HeaderName,
     },
+    /// A gRPC binary header named like ours (`x-fencing-token-bin`, ...): fencing metadata
+    /// is ASCII, and a token sent that way must not pass as "no token".
+    Binary {
+        /// The ASCII name it stands for.
+        header: HeaderName,
+    },
     /// A header was present with an empty value.
     Empty {
         /// Its name.
@@ -73,6 +79,12 @@ impl fmt::Display for HeaderError {
                 write!(f, "header {} appears more than once", display_name(header))
             }
             Self::Empty { header } => write!(f, "header {} is empty", display_name(header)),
+            Self::Binary { header } => write!(
+                f,
+                "header {}-Bin: fencing metadata is ASCII; send {} instead of the binary form",
+                display_name(header),
+                display_name(header)
+            ),
             Self::Incomplete { present, missing } => write!(
                 f,
                 "header {} is present but {} is missing; send both or neither",
@@ -109,11 +121,28 @@ fn display_name(h: &HeaderName) -> &'static str {
     }
 }
 
-/// The single non-empty value of `name`, `Ok(None)` when absent.
+/// The gRPC binary form of one of our header names.
+fn binary_name(h: &HeaderName) -> &'static str {
+    match h.as_str() {
+        "x-fencing-job" => "x-fencing-job-bin",
+        "x-fencing-token" => "x-fencing-token-bin",
+        "idempotency-key" => "idempotency-key-bin",
+        _ => "",
+    }
+}
+
+/// The single non-empty value of `name`, `Ok(None)` when absent; its gRPC binary form
+/// (`name-bin`) is refused.
 fn single<'a>(
     map: &'a HeaderMap,
     name: &HeaderName,
 ) -> Result<Option<&'a HeaderValue>, HeaderError> {
+    let binary = binary_name(name);
+    if !binary.is_empty() && map.contains_key(binary) {
+        return Err(HeaderError::Binary {
+            header: name.clone(),
+        });
+    }
     let mut values = map.get_all(name).iter();
     let Some(first) = values.next() else {
         return Ok(None);

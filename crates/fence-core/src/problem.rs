@@ -122,6 +122,51 @@ problem_types! {
     Internal => "urn:fence:internal", 500, "Internal error";
 }
 
+impl ProblemType {
+    /// The gRPC status code a fenced gRPC call is answered with for this problem (contract
+    /// section 9; the rows the contract does not list map by meaning).
+    pub const fn grpc_code(self) -> u8 {
+        match self {
+            Self::StaleToken
+            | Self::TokenExpired
+            | Self::IdempotencyInFlight
+            | Self::LeaseHeld
+            | Self::LeaseLost => 10, // ABORTED
+            Self::MissingToken
+            | Self::IdempotencyKeyMismatch
+            | Self::IdempotencyNotReplayable
+            | Self::JobCompleted => 9, // FAILED_PRECONDITION
+            Self::MalformedToken | Self::BadRequest => 3, // INVALID_ARGUMENT
+            Self::InvalidSignature | Self::Forbidden | Self::LeaseKeyMismatch => 7, // PERMISSION_DENIED
+            Self::StoreUnavailable
+            | Self::DrainTimeout
+            | Self::Overloaded
+            | Self::UpstreamUnavailable => 14, // UNAVAILABLE
+            Self::BodyTimeout | Self::UpstreamTimeout => 4, // DEADLINE_EXCEEDED
+            Self::PayloadTooLarge => 8,                     // RESOURCE_EXHAUSTED
+            Self::Unauthenticated => 16,                    // UNAUTHENTICATED
+            Self::UnknownJob | Self::NotFound => 5,         // NOT_FOUND
+            Self::MethodNotAllowed => 12,                   // UNIMPLEMENTED
+            Self::Internal => 13,                           // INTERNAL
+        }
+    }
+}
+
+/// `text` as a `grpc-message` value: UTF-8, with every byte outside printable ASCII and every
+/// `%` percent-encoded, as the gRPC HTTP/2 protocol asks.
+pub fn grpc_message(text: &str) -> String {
+    use fmt::Write as _;
+    let mut out = String::with_capacity(text.len());
+    for &b in text.as_bytes() {
+        if (0x20..=0x7e).contains(&b) && b != b'%' {
+            out.push(char::from(b));
+        } else {
+            let _ = write!(out, "%{b:02X}");
+        }
+    }
+    out
+}
+
 impl fmt::Display for ProblemType {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.uri())

@@ -1105,3 +1105,57 @@ async fn an_upstream_connection_unused_past_the_idle_timeout_is_not_reused() {
     assert_eq!(requests.load(Ordering::SeqCst), 3);
     proxy.shutdown().await;
 }
+
+/// A gRPC client over h2c through the proxy (contract section 9): a stale call is answered
+/// the gRPC way (HTTP 200, `grpc-status: 10`, `fence-highest`) by the proxy itself, and
+/// never reaches the upstream.
+#[tokio::test]
+async fn a_grpc_call_with_a_stale_token_is_aborted_by_the_proxy() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    let call = |token: &str| {
+        let mut sender = sender.clone();
+        let req = Request::post(format!("http://{}/ledger.Ledger/Charge", proxy.addr))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("x-fencing-job", "invoice-42")
+            .header("x-fencing-token", token)
+            .body(full("\0\0\0\0\0"))
+            .unwrap();
+        async move { sender.send_request(req).await.unwrap() }
+    };
+    let passed = call("8").await;
+    assert_eq!(passed.status(), 200);
+    assert!(passed.headers().get("grpc-status").is_none());
+    assert_eq!(upstream.seen().len(), 1, "token 8 reached the upstream");
+    let stale = call("7").await;
+    assert_eq!(stale.status(), 200, "a gRPC answer");
+    let header = |name: &str| {
+        stale
+            .headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    assert_eq!(header("grpc-status").as_deref(), Some("10"));
+    assert_eq!(header("fence-highest").as_deref(), Some("8"));
+    assert_eq!(
+        header("fence-problem-type").as_deref(),
+        Some("urn:fence:stale-token")
+    );
+    assert_eq!(header("content-type").as_deref(), Some("application/grpc"));
+    tokio::time::sleep(Duration::from_millis(50)).await;
+    assert_eq!(
+        upstream.seen().len(),
+        1,
+        "the stale call never reached the upstream"
+    );
+    proxy.shutdown().await;
+}

@@ -20,6 +20,8 @@ pin_project! {
     pub struct ResponseFuture<F, B, E> {
         #[pin]
         kind: Kind<F, B, E>,
+        // A gRPC call: a rejection is answered the gRPC way.
+        grpc: bool,
     }
 }
 
@@ -36,6 +38,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     pub(crate) fn unfenced(future: F) -> Self {
         Self {
             kind: Kind::Unfenced { future },
+            grpc: false,
         }
     }
 
@@ -44,6 +47,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
             kind: Kind::Rejected {
                 response: Some(response),
             },
+            grpc: false,
         }
     }
 
@@ -65,7 +69,14 @@ impl<F, B, E> ResponseFuture<F, B, E> {
                     Detachable::cancelled_with_caller(future)
                 },
             },
+            grpc: false,
         }
+    }
+
+    /// Answers rejections the gRPC way when `grpc` (the request is a gRPC call).
+    pub(crate) fn grpc(mut self, grpc: bool) -> Self {
+        self.grpc = grpc;
+        self
     }
 }
 
@@ -76,12 +87,20 @@ where
     type Output = Result<Response<ResponseBody<B>>, E>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
-            KindProj::Unfenced { future } => future.poll(cx).map_ok(|r| r.map(ResponseBody::inner)),
+        let this = self.project();
+        let answer = match this.kind.project() {
+            KindProj::Unfenced { future } => {
+                return future.poll(cx).map_ok(|r| r.map(ResponseBody::inner));
+            }
             KindProj::Rejected { response } => {
                 Poll::Ready(Ok(response.take().expect("polled after completion")))
             }
             KindProj::Fenced { future } => Pin::new(future).poll(cx),
+        };
+        if *this.grpc {
+            answer.map_ok(crate::reject::grpc)
+        } else {
+            answer
         }
     }
 }

@@ -167,6 +167,7 @@ where
     fn call(&mut self, req: Request<ReqB>) -> Self::Future {
         let (parts, body) = req.into_parts();
         let config = &self.shared.config;
+        let grpc = reject::is_grpc(&parts.headers);
         let checked = if config.is_fenced(&parts) {
             config.check(&parts)
         } else {
@@ -179,7 +180,9 @@ where
                 let request = Request::from_parts(parts, RequestBody::inner(body));
                 return ResponseFuture::unfenced(self.inner.call(request));
             }
-            Checked::Rejected(problem) => return ResponseFuture::rejected(reject(problem, None)),
+            Checked::Rejected(problem) => {
+                return ResponseFuture::rejected(reject(problem, None)).grpc(grpc);
+            }
         };
         // The service that poll_ready made ready is the one the future calls.
         let clone = self.inner.clone();
@@ -191,7 +194,7 @@ where
         // With run_to_completion, the request's guard lives in the future, which a caller
         // that goes away hands to a task: it is released when the effect is over, not when
         // the caller stops waiting.
-        ResponseFuture::fenced(Box::pin(future), detach)
+        ResponseFuture::fenced(Box::pin(future), detach).grpc(grpc)
     }
 }
 
@@ -295,7 +298,13 @@ where
     let fired = Arc::new(AtomicBool::new(false));
     let body = RequestBody::timed(body, deadline, limit, fired.clone());
     let response = inner.call(Request::from_parts(parts, body)).await?;
-    if !fired.load(Ordering::Relaxed) || response.status().is_success() {
+    // A gRPC service answers a failed call with HTTP 200 and a `grpc-status` other than 0
+    // in its headers (a trailers-only answer): that is no success either.
+    let grpc_failed = response
+        .headers()
+        .get("grpc-status")
+        .is_some_and(|status| status.as_bytes() != b"0");
+    if !fired.load(Ordering::Relaxed) || (response.status().is_success() && !grpc_failed) {
         return Ok(response.map(ResponseBody::inner));
     }
     count("body_timeout");

@@ -1,0 +1,393 @@
+//! gRPC calls through the fence (contract section 9): every rejection is a gRPC answer, HTTP
+//! 200 with `grpc-status`, `grpc-message`, `fence-problem-type` and `fence-highest`, so a gRPC
+//! client reports a status instead of a transport error; and nothing rejected reaches the
+//! service.
+
+use std::{
+    convert::Infallible,
+    pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    task::{Context, Poll},
+    time::Duration,
+};
+
+use bytes::Bytes;
+use fence_core::{
+    Generation, JobId,
+    signing::{TokenSigner, TokenVerifier},
+};
+use fence_sink::{
+    Attempt, Begin, FenceLayer, Finish, GenerationStore, IdempotencyStore, MemoryStore,
+    RequestBody, StoreError, Verdict,
+};
+use http::{HeaderMap, Request, Response};
+use http_body::{Body, Frame};
+use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
+use tokio::sync::Notify;
+use tower::{Layer, Service, ServiceExt, service_fn};
+
+type In = UnsyncBoxBody<Bytes, Infallible>;
+
+/// A body that sends one frame and then nothing: a client stream that stalled.
+struct Stalled(Option<Bytes>);
+
+impl Body for Stalled {
+    type Data = Bytes;
+    type Error = Infallible;
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        match self.0.take() {
+            Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
+            None => Poll::Pending,
+        }
+    }
+}
+
+fn body(text: &'static str) -> In {
+    UnsyncBoxBody::new(http_body_util::Full::new(Bytes::from_static(
+        text.as_bytes(),
+    )))
+}
+
+/// A unary gRPC call to `/ledger.Ledger/Charge` with `metadata` (name, value).
+fn call(metadata: &[(&str, &str)], payload: In) -> Request<In> {
+    let mut builder = Request::post("http://sink/ledger.Ledger/Charge")
+        .header("content-type", "application/grpc")
+        .header("te", "trailers");
+    for (name, value) in metadata {
+        builder = builder.header(*name, *value);
+    }
+    builder.body(payload).unwrap()
+}
+
+fn fenced(job: &str, token: &str) -> Request<In> {
+    call(
+        &[("x-fencing-job", job), ("x-fencing-token", token)],
+        body("\0\0\0\0\0"),
+    )
+}
+
+/// The ledger: counts calls; `/slow` payloads ("slow") wait for `release`.
+#[derive(Clone, Default)]
+struct Ledger {
+    calls: Arc<AtomicUsize>,
+    release: Arc<Notify>,
+}
+
+impl Service<Request<RequestBody<In>>> for Ledger {
+    type Response = Response<http_body_util::Full<Bytes>>;
+    type Error = Infallible;
+    type Future =
+        Pin<Box<dyn std::future::Future<Output = Result<Self::Response, Infallible>> + Send>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<RequestBody<In>>) -> Self::Future {
+        self.calls.fetch_add(1, Ordering::SeqCst);
+        let release = self.release.clone();
+        Box::pin(async move {
+            let Ok(payload) = req.into_body().collect().await.map(|b| b.to_bytes()) else {
+                // As tonic does when the request stream fails: a trailers-only INTERNAL.
+                let mut response = Response::new(http_body_util::Full::new(Bytes::new()));
+                let headers = response.headers_mut();
+                headers.insert("content-type", "application/grpc".parse().unwrap());
+                headers.insert("grpc-status", "13".parse().unwrap());
+                return Ok(response);
+            };
+            if payload.as_ref() == b"slow" {
+                release.notified().await;
+            }
+            let mut response =
+                Response::new(http_body_util::Full::new(Bytes::from_static(b"\0\0\0\0\0")));
+            response
+                .headers_mut()
+                .insert("content-type", "application/grpc".parse().unwrap());
+            Ok(response)
+        })
+    }
+}
+
+/// A gRPC answer: HTTP status, headers, and whether it had a body.
+struct Answer {
+    http: u16,
+    headers: HeaderMap,
+    body: Bytes,
+}
+
+impl Answer {
+    async fn of<B: Body<Data = Bytes>>(r: Response<B>) -> Self
+    where
+        B::Error: std::fmt::Debug,
+    {
+        let (head, body) = r.into_parts();
+        Self {
+            http: head.status.as_u16(),
+            headers: head.headers,
+            body: body.collect().await.unwrap().to_bytes(),
+        }
+    }
+
+    fn header(&self, name: &str) -> Option<&str> {
+        self.headers.get(name).map(|v| v.to_str().unwrap())
+    }
+
+    /// A trailers-only gRPC answer with `code` and problem `urn`.
+    fn status(&self, code: u8, urn: &str) {
+        assert_eq!(
+            self.http, 200,
+            "a gRPC answer is HTTP 200: {:?}",
+            self.headers
+        );
+        assert_eq!(self.header("content-type"), Some("application/grpc"));
+        assert_eq!(
+            self.header("grpc-status"),
+            Some(code.to_string().as_str()),
+            "{:?}",
+            self.headers
+        );
+        assert_eq!(
+            self.header("fence-problem-type"),
+            Some(urn),
+            "{:?}",
+            self.headers
+        );
+        let message = self.header("grpc-message").expect("grpc-message");
+        assert!(!message.is_empty() && message.is_ascii(), "{message}");
+        assert!(self.body.is_empty(), "trailers-only: no message body");
+    }
+}
+
+async fn send<S>(svc: &S, req: Request<In>) -> Answer
+where
+    S: Service<
+            Request<In>,
+            Response = Response<fence_sink::ResponseBody<http_body_util::Full<Bytes>>>,
+            Error = Infallible,
+        > + Clone,
+{
+    Answer::of(svc.clone().oneshot(req).await.unwrap()).await
+}
+
+/// The seed's worked example over gRPC: B's token 8 passes, A's stale 7 gets ABORTED with
+/// `fence-highest: 8` and never reaches the ledger.
+#[tokio::test]
+async fn a_stale_call_is_aborted_with_the_highest_generation() {
+    let ledger = Ledger::default();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(ledger.clone());
+    let ok = send(&svc, fenced("invoice-42", "8")).await;
+    assert_eq!(
+        (ok.http, ok.header("grpc-status")),
+        (200, None),
+        "passed through"
+    );
+    let stale = send(&svc, fenced("invoice-42", "7")).await;
+    stale.status(10, "urn:fence:stale-token");
+    assert_eq!(stale.header("fence-highest"), Some("8"));
+    assert!(stale.header("grpc-message").unwrap().contains("token 7"));
+    assert_eq!(
+        ledger.calls.load(Ordering::SeqCst),
+        1,
+        "the stale call never ran"
+    );
+}
+
+/// Missing and malformed metadata: FAILED_PRECONDITION and INVALID_ARGUMENT, including the
+/// binary form of our names, repeated and empty values; never a panic, never the ledger.
+#[tokio::test]
+async fn missing_and_malformed_metadata() {
+    let ledger = Ledger::default();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(ledger.clone());
+    send(&svc, call(&[], body("")))
+        .await
+        .status(9, "urn:fence:missing-token");
+    for metadata in [
+        vec![("x-fencing-job", "j"), ("x-fencing-token", "seven")],
+        vec![("x-fencing-job", "j"), ("x-fencing-token", "1.5")],
+        vec![("x-fencing-job", "j"), ("x-fencing-token", "")],
+        vec![
+            ("x-fencing-job", "j"),
+            ("x-fencing-token", "7"),
+            ("x-fencing-token", "8"),
+        ],
+        vec![("x-fencing-job", "j"), ("x-fencing-token-bin", "AAc=")],
+        vec![
+            ("x-fencing-job", "j"),
+            ("x-fencing-token", "7"),
+            ("x-fencing-token-bin", "AAc="),
+        ],
+        vec![
+            ("x-fencing-job", "j"),
+            ("x-fencing-token", "7"),
+            ("idempotency-key-bin", "AA=="),
+        ],
+        vec![("x-fencing-job", "j")],
+    ] {
+        let answer = send(&svc, call(&metadata, body(""))).await;
+        answer.status(3, "urn:fence:malformed-token");
+    }
+    assert_eq!(ledger.calls.load(Ordering::SeqCst), 0);
+}
+
+/// A grpc-message is percent-encoded: a job id with `%` and the detail's text arrive intact.
+#[tokio::test]
+async fn the_message_is_percent_encoded() {
+    let svc = FenceLayer::new(MemoryStore::new()).layer(Ledger::default());
+    send(&svc, fenced("100%-done", "8")).await;
+    let stale = send(&svc, fenced("100%-done", "7")).await;
+    let message = stale.header("grpc-message").unwrap();
+    assert!(message.contains("job 100%25-done"), "{message}");
+}
+
+const LATER: u64 = 4_000_000_000_000;
+
+/// Signed tokens: unsigned or forged is PERMISSION_DENIED, a lease that ended is ABORTED.
+#[tokio::test]
+async fn signatures_and_expiry() {
+    let signer = TokenSigner::from_seed([7; 32]);
+    let layer = FenceLayer::new(MemoryStore::new())
+        .require_signatures(TokenVerifier::new([signer.verify_key()]));
+    let svc = layer.layer(Ledger::default());
+    send(&svc, fenced("j", "5"))
+        .await
+        .status(7, "urn:fence:invalid-signature");
+    let job: JobId = "j".parse().unwrap();
+    let ended = signer.sign(&job, Generation::new(5), 1_000);
+    send(&svc, fenced("j", &ended))
+        .await
+        .status(10, "urn:fence:token-expired");
+    let good = signer.sign(&job, Generation::new(5), LATER);
+    assert_eq!(
+        send(&svc, fenced("j", &good)).await.header("grpc-status"),
+        None
+    );
+}
+
+/// Every call fails.
+#[derive(Clone)]
+struct Broken;
+
+impl GenerationStore for Broken {
+    async fn observe(&self, _: &JobId, _: Generation) -> Result<Verdict, StoreError> {
+        Err(StoreError::Io("disk on fire".into()))
+    }
+    async fn highest(&self, _: &JobId) -> Result<Generation, StoreError> {
+        Err(StoreError::Io("disk on fire".into()))
+    }
+}
+
+impl IdempotencyStore for Broken {
+    async fn begin(&self, _: Attempt<'_>, _: Duration) -> Result<Begin, StoreError> {
+        Err(StoreError::Io("disk on fire".into()))
+    }
+    async fn finish(&self, _: Attempt<'_>, _: Finish) -> Result<(), StoreError> {
+        Err(StoreError::Io("disk on fire".into()))
+    }
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        Ok(0)
+    }
+}
+
+/// A store that fails, and older calls that do not finish: UNAVAILABLE, with Retry-After
+/// kept as metadata.
+#[tokio::test(start_paused = true)]
+async fn store_failure_and_drain_timeout_are_unavailable() {
+    let broken = FenceLayer::new(Broken).layer(Ledger::default());
+    let answer = send(&broken, fenced("j", "1")).await;
+    answer.status(14, "urn:fence:store-unavailable");
+    assert!(answer.header("retry-after").is_some());
+
+    let ledger = Ledger::default();
+    let svc = FenceLayer::new(MemoryStore::new())
+        .drain_timeout(Duration::from_millis(100))
+        .layer(ledger.clone());
+    let slow = tokio::spawn(svc.clone().oneshot(call(
+        &[("x-fencing-job", "j"), ("x-fencing-token", "1")],
+        body("slow"),
+    )));
+    while ledger.calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    send(&svc, fenced("j", "2"))
+        .await
+        .status(14, "urn:fence:drain-timeout");
+    ledger.release.notify_waiters();
+    assert_eq!(slow.await.unwrap().unwrap().status(), 200);
+}
+
+/// Idempotency-Key as metadata: the same key in flight is ABORTED, the same key for another
+/// call is FAILED_PRECONDITION.
+#[tokio::test]
+async fn idempotency_in_flight_and_mismatch() {
+    let ledger = Ledger::default();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(ledger.clone());
+    let keyed = |payload: &'static str| {
+        call(
+            &[
+                ("x-fencing-job", "j"),
+                ("x-fencing-token", "1"),
+                ("idempotency-key", "charge-1"),
+            ],
+            body(payload),
+        )
+    };
+    let first = tokio::spawn(svc.clone().oneshot(keyed("slow")));
+    while ledger.calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    send(&svc, keyed("slow"))
+        .await
+        .status(10, "urn:fence:idempotency-in-flight");
+    ledger.release.notify_waiters();
+    assert_eq!(first.await.unwrap().unwrap().status(), 200);
+    send(&svc, keyed("other"))
+        .await
+        .status(9, "urn:fence:idempotency-key-mismatch");
+    assert_eq!(ledger.calls.load(Ordering::SeqCst), 1);
+}
+
+/// A client stream that stalls past the body deadline: DEADLINE_EXCEEDED.
+#[tokio::test(start_paused = true)]
+async fn a_stalled_client_stream_is_deadline_exceeded() {
+    let svc = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_millis(200))
+        .layer(Ledger::default());
+    let stalled = UnsyncBoxBody::new(Stalled(Some(Bytes::from_static(b"\0\0"))));
+    let answer = send(
+        &svc,
+        call(&[("x-fencing-job", "j"), ("x-fencing-token", "1")], stalled),
+    )
+    .await;
+    answer.status(4, "urn:fence:body-timeout");
+}
+
+/// The same layer still answers plain HTTP with problem+json.
+#[tokio::test]
+async fn plain_http_is_unchanged() {
+    let svc = FenceLayer::new(MemoryStore::new()).layer(service_fn(
+        |_: Request<RequestBody<In>>| async {
+            Ok::<_, Infallible>(Response::new(http_body_util::Full::new(Bytes::new())))
+        },
+    ));
+    let request = |t: &str| {
+        Request::post("/x")
+            .header("x-fencing-job", "j")
+            .header("x-fencing-token", t)
+            .body(body(""))
+            .unwrap()
+    };
+    svc.clone().oneshot(request("8")).await.unwrap();
+    let answer = Answer::of(svc.oneshot(request("7")).await.unwrap()).await;
+    assert_eq!(answer.http, 409);
+    assert_eq!(
+        answer.header("content-type"),
+        Some("application/problem+json")
+    );
+    assert_eq!(answer.header("grpc-status"), None);
+}
