@@ -464,7 +464,8 @@ pub struct FinishCmd {
     pub generation: u64,
     /// The lease key `fence claim` printed. Prefer FENCE_LEASE_KEY: a flag's value shows in
     /// the process list.
-    #[arg(long, env = "FENCE_LEASE_KEY", hide_env_values = true, value_parser = parse_lease_key)]
+    /// (A key may start with `-`: base64url uses it.)
+    #[arg(long, env = "FENCE_LEASE_KEY", hide_env_values = true, allow_hyphen_values = true, value_parser = parse_lease_key)]
     pub lease_key: LeaseKey,
 }
 

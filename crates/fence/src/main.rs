@@ -13,10 +13,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     // The demo prints a timeline of its own: the servers' and the library's log lines would
     // cut into it, so only errors show unless RUST_LOG asks for more.
+    // PostgreSQL's NOTICEs (a migration's "already exists, skipping") are not news.
     let default = if matches!(cli.command, Cmd::Demo) {
         "error"
     } else {
-        "info"
+        "info,tokio_postgres::connection=warn"
     };
     let filter =
         tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());

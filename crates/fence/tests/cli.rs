@@ -492,3 +492,29 @@ fn the_server_caps_ttls_at_max_ttl_and_forgets_idle_jobs() {
     let fresh = json(&fence(&["claim", "--server", &url, "--job", "never-seen"]));
     assert_eq!(fresh["generation"], 2, "a new job starts at floor + 1");
 }
+
+/// Lease keys are base64url, so one in 64 starts with `-`: `--lease-key -Ab...` is a key,
+/// not an unknown flag (found when such a key made a test fail now and then).
+#[test]
+fn a_lease_key_that_starts_with_a_dash_is_a_key() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let lease = json(&fence_line(&format!("claim --server {url} --job dash")));
+    let key = format!("-{}", "A".repeat(30));
+    let out = fence(&[
+        "release",
+        "--server",
+        &url,
+        "--job",
+        "dash",
+        "--owner",
+        lease["owner"].as_str().unwrap(),
+        "--generation",
+        "1",
+        "--lease-key",
+        &key,
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("unexpected argument"), "{stderr}");
+    assert!(stderr.contains("lease key"), "the server judged the key: {stderr}");
+}

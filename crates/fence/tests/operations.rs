@@ -181,7 +181,9 @@ fn every_decision_is_one_json_event_with_job_and_generation() {
     let write = |job: &str, token: &str| fenced_post(&proxy, "/w", job, token);
 
     // A refused claim.
-    let a = claim_as(&server, "j", "worker-a", "300ms").unwrap();
+    // A's lease is short, but long enough for its first write on a loaded machine.
+    let claimed = std::time::Instant::now();
+    let a = claim_as(&server, "j", "worker-a", "2s").unwrap();
     one_event(&server_log, "claim granted", "j", 1);
     claim_as(&server, "j", "worker-b", "30s").expect_err("held");
     one_event(&server_log, "claim refused", "j", 1);
@@ -189,7 +191,10 @@ fn every_decision_is_one_json_event_with_job_and_generation() {
     // An expired token: A's lease ran out and nobody claimed since.
     let token_a = a["token"].as_str().unwrap().to_owned();
     assert_eq!(write("j", &token_a), 200);
-    std::thread::sleep(Duration::from_millis(400));
+    std::thread::sleep(
+        (claimed + Duration::from_millis(2_300))
+            .saturating_duration_since(std::time::Instant::now()),
+    );
     assert_eq!(write("j", &token_a), 409);
     one_event(&proxy_log, "expired token", "j", 1);
 
@@ -772,95 +777,4 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
         missing.is_empty(),
         "documented but never produced here: {missing:?}"
     );
-}
-
-/// A TCP relay in front of the test database that can be cut, as a network partition or a
-/// database crash would.
-struct Relay {
-    url: String,
-    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    streams: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
-}
-
-impl Relay {
-    fn to(url: &str) -> Self {
-        use std::{
-            io::copy,
-            net::{TcpListener, TcpStream},
-            sync::atomic::Ordering,
-        };
-        let rest = url.split_once('@').map_or(url, |(_, rest)| rest);
-        let target = rest.split('/').next().unwrap().to_owned();
-        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
-        let port = listener.local_addr().unwrap().port();
-        let relayed = url.replacen(&target, &format!("127.0.0.1:{port}"), 1);
-        let relay = Relay {
-            url: relayed,
-            open: std::sync::Arc::new(true.into()),
-            streams: std::sync::Arc::default(),
-        };
-        let (open, streams) = (relay.open.clone(), relay.streams.clone());
-        std::thread::spawn(move || {
-            for client in listener.incoming().map_while(Result::ok) {
-                if !open.load(Ordering::SeqCst) {
-                    continue; // dropped: closed at once
-                }
-                let Ok(server) = TcpStream::connect(&target) else {
-                    continue;
-                };
-                let pipe = |mut from: TcpStream, mut to: TcpStream| {
-                    std::thread::spawn(move || {
-                        let _ = copy(&mut from, &mut to);
-                        let _ = to.shutdown(std::net::Shutdown::Both);
-                    });
-                };
-                let mut kept = streams.lock().unwrap();
-                kept.push(client.try_clone().unwrap());
-                kept.push(server.try_clone().unwrap());
-                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
-                pipe(server, client);
-            }
-        });
-        relay
-    }
-
-    fn cut(&self) {
-        self.open.store(false, std::sync::atomic::Ordering::SeqCst);
-        for s in self.streams.lock().unwrap().drain(..) {
-            let _ = s.shutdown(std::net::Shutdown::Both);
-        }
-    }
-}
-
-/// Completions for the shells operators use, and a manual page, from the same definition as
-/// `--help`: every subcommand and a deep flag are in them.
-#[test]
-fn completions_and_the_manual_page_cover_every_command() {
-    for (shell, marker) in [
-        ("bash", "complete -F"),
-        ("zsh", "#compdef fence"),
-        ("fish", "complete -c fence"),
-    ] {
-        let out = fence(&["completions", shell]);
-        assert_success(&out);
-        let text = String::from_utf8(out.stdout).unwrap();
-        assert!(text.contains(marker), "{shell}: {text}");
-        for word in ["server", "proxy", "run", "leases", "max-buffered-bytes"] {
-            assert!(text.contains(word), "{shell} completion lacks {word}");
-        }
-    }
-    let bad = fence(&["completions", "cmd.exe"]);
-    assert_eq!(bad.status.code(), Some(2));
-    let man = fence(&["man"]);
-    assert_success(&man);
-    let page = String::from_utf8(man.stdout).unwrap();
-    assert!(
-        page.starts_with(".ie") || page.starts_with(".TH"),
-        "{}",
-        &page[..80]
-    );
-    assert!(page.contains(".TH fence 1"), "{}", &page[..200]);
-    for word in ["server", "proxy", "run", "keygen", "completions"] {
-        assert!(page.contains(word), "the manual page lacks {word}");
-    }
 }

@@ -136,3 +136,68 @@ fn two_servers_forgetting_on_one_database_start_above_the_floor() {
     assert_eq!(claim(&b, "x")["generation"], 4, "above the floor, 3");
     assert_eq!(claim(&a, "never-seen")["generation"], 4);
 }
+
+/// PostgreSQL goes away and comes back (a relay in front of it is cut, then reopened): the
+/// lease server and the proxy answer 503 `store-unavailable` meanwhile, never 500 and never
+/// from an outdated memory (the proxy's store is shared, so even a request of the current
+/// generation needs the database), and both serve again once it is back, without a restart.
+#[test]
+fn a_database_outage_is_503_and_both_recover_without_a_restart() {
+    let url = database_url().unwrap();
+    let relay = Relay::to(&url);
+    let schema = unique_schema("outage");
+    let (_s, server) = start_pg_server(&relay.url, &schema, &[]);
+    let upstream = format!("http://{}", start_upstream());
+    let (_p, proxy, admin) =
+        start_proxy_admin(&upstream, &["--store", &relay.url, "--pg-schema", &schema]);
+    let claim_body = r#"{"owner":"w","lease_key":"k0123456789abcdefghijk"}"#;
+    let claim = |job: &str| {
+        bearer_call(
+            &server,
+            "POST",
+            &format!("/v1/leases/{job}/claim"),
+            None,
+            claim_body,
+        )
+    };
+    assert_eq!(claim("before").0, 200);
+    assert_eq!(fenced_post(&proxy, "/w", "j", "1"), 200);
+
+    relay.cut();
+    let (status, answer) = claim("during");
+    assert_eq!(status, 503, "{answer}");
+    assert!(answer.contains("urn:fence:store-unavailable"), "{answer}");
+    assert!(
+        !answer.contains("relation") && !answer.contains("127.0.0.1"),
+        "no database text: {answer}"
+    );
+    assert_eq!(bearer_call(&server, "GET", "/healthz", None, "").0, 503);
+    assert_eq!(
+        fenced_post(&proxy, "/w", "j", "2"),
+        503,
+        "a bump needs the store"
+    );
+    assert_eq!(
+        fenced_post(&proxy, "/w", "j", "1"),
+        503,
+        "so does the current generation"
+    );
+    assert_eq!(bearer_call(&admin, "GET", "/healthz", None, "").0, 503);
+
+    relay.reopen();
+    let deadline = std::time::Instant::now() + Duration::from_secs(20);
+    while claim("after").0 != 200 || fenced_post(&proxy, "/w", "j", "2") != 200 {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "no recovery within 20 s"
+        );
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    assert_eq!(bearer_call(&server, "GET", "/healthz", None, "").0, 200);
+    assert_eq!(bearer_call(&admin, "GET", "/healthz", None, "").0, 200);
+    assert_eq!(
+        fenced_post(&proxy, "/w", "j", "1"),
+        409,
+        "the fence held through the outage"
+    );
+}

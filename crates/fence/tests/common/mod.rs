@@ -200,7 +200,7 @@ pub fn proxy_args<'a>(upstream: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
 /// [`start_proxy_with`], returning also the admin listener's address (from the ready line).
 pub fn start_proxy_admin(upstream: &str, extra: &[&str]) -> (Proc, String, String) {
     let (proc, addr, log) = start_logged(&proxy_args(upstream, extra), "info");
-    let ready = log.wait_for("ready");
+    let ready = log.wait_for("proxy ready");
     let admin = ready
         .split("admin=")
         .nth(1)
@@ -479,4 +479,101 @@ pub fn curl(ca: &Path, args: &[&str]) -> (u16, String) {
         code.trim().parse().unwrap_or(0),
         format!("{body}{}", String::from_utf8_lossy(&out.stderr)),
     )
+}
+
+/// A TCP relay in front of the test database that can be cut, as a network partition or a
+/// database crash would.
+pub struct Relay {
+    pub url: String,
+    open: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    streams: std::sync::Arc<std::sync::Mutex<Vec<std::net::TcpStream>>>,
+}
+
+impl Relay {
+    pub fn to(url: &str) -> Self {
+        use std::{
+            io::copy,
+            net::{TcpListener, TcpStream},
+            sync::atomic::Ordering,
+        };
+        let rest = url.split_once('@').map_or(url, |(_, rest)| rest);
+        let target = rest.split('/').next().unwrap().to_owned();
+        let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let relayed = url.replacen(&target, &format!("127.0.0.1:{port}"), 1);
+        let relay = Relay {
+            url: relayed,
+            open: std::sync::Arc::new(true.into()),
+            streams: std::sync::Arc::default(),
+        };
+        let (open, streams) = (relay.open.clone(), relay.streams.clone());
+        std::thread::spawn(move || {
+            for client in listener.incoming().map_while(Result::ok) {
+                if !open.load(Ordering::SeqCst) {
+                    continue; // dropped: closed at once
+                }
+                let Ok(server) = TcpStream::connect(&target) else {
+                    continue;
+                };
+                let pipe = |mut from: TcpStream, mut to: TcpStream| {
+                    std::thread::spawn(move || {
+                        let _ = copy(&mut from, &mut to);
+                        let _ = to.shutdown(std::net::Shutdown::Both);
+                    });
+                };
+                let mut kept = streams.lock().unwrap();
+                kept.push(client.try_clone().unwrap());
+                kept.push(server.try_clone().unwrap());
+                pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
+                pipe(server, client);
+            }
+        });
+        relay
+    }
+
+    /// Lets new connections through again (the database is back).
+    pub fn reopen(&self) {
+        self.open.store(true, std::sync::atomic::Ordering::SeqCst);
+    }
+
+    /// Closes every connection through the relay and refuses new ones.
+    pub fn cut(&self) {
+        self.open.store(false, std::sync::atomic::Ordering::SeqCst);
+        for s in self.streams.lock().unwrap().drain(..) {
+            let _ = s.shutdown(std::net::Shutdown::Both);
+        }
+    }
+}
+
+/// Completions for the shells operators use, and a manual page, from the same definition as
+/// `--help`: every subcommand and a deep flag are in them.
+#[test]
+fn completions_and_the_manual_page_cover_every_command() {
+    for (shell, marker) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef fence"),
+        ("fish", "complete -c fence"),
+    ] {
+        let out = fence(&["completions", shell]);
+        assert_success(&out);
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.contains(marker), "{shell}: {text}");
+        for word in ["server", "proxy", "run", "leases", "max-buffered-bytes"] {
+            assert!(text.contains(word), "{shell} completion lacks {word}");
+        }
+    }
+    let bad = fence(&["completions", "cmd.exe"]);
+    assert_eq!(bad.status.code(), Some(2));
+    let man = fence(&["man"]);
+    assert_success(&man);
+    let page = String::from_utf8(man.stdout).unwrap();
+    assert!(
+        page.starts_with(".ie") || page.starts_with(".TH"),
+        "{}",
+        &page[..80]
+    );
+    assert!(page.contains(".TH fence 1"), "{}", &page[..200]);
+    for word in ["server", "proxy", "run", "keygen", "completions"] {
+        assert!(page.contains(word), "the manual page lacks {word}");
+    }
 }
