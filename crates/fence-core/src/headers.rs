@@ -286,6 +286,32 @@ pub fn job_header_value(job: &JobId) -> HeaderValue {
 pub struct IdempotencyKey(Box<str>);
 
 impl IdempotencyKey {
+    /// The key of one step of a job, the same for every holder of every generation:
+    /// `fence-` and the unpadded base64url SHA-256 of `fence-step-v1`, a zero byte, the job
+    /// id, a zero byte and the step name (49 characters). A new holder that repeats a step a
+    /// stale holder already sent to a third-party API with this key is deduplicated by that
+    /// API for as long as it keeps keys. Any language can compute it:
+    ///
+    /// ```
+    /// # use fence_core::{JobId, headers::IdempotencyKey};
+    /// let job: JobId = "invoice-42".parse()?;
+    /// let key = IdempotencyKey::for_step(&job, "charge");
+    /// assert_eq!(key.as_str(), "fence-94_3LSyI-83UpFvMYZSTMad586VO_w3O3VjtR9m8yGY");
+    /// assert_ne!(key, IdempotencyKey::for_step(&job, "refund"));
+    /// # Ok::<(), Box<dyn std::error::Error>>(())
+    /// ```
+    pub fn for_step(job: &JobId, step: &str) -> Self {
+        use base64::{Engine, engine::general_purpose::URL_SAFE_NO_PAD};
+        use sha2::{Digest, Sha256};
+        let mut hash = Sha256::new();
+        hash.update(b"fence-step-v1\0");
+        hash.update(job.as_str().as_bytes());
+        hash.update(b"\0");
+        hash.update(step.as_bytes());
+        let digest = URL_SAFE_NO_PAD.encode(hash.finalize());
+        Self(format!("fence-{digest}").into_boxed_str())
+    }
+
     /// Parses a header value: an RFC 8941 sf-string or a bare token of 1 to 255 visible
     /// ASCII characters.
     ///

@@ -131,6 +131,12 @@ Example:
     /// With an auth file on the server, only the jobs the secret covers are listed.
     #[command(after_help = EXIT_CODES)]
     Leases(LeasesCmd),
+    /// Print the idempotency key of one step of a job, for a third-party API that
+    /// deduplicates by key (a payment provider): the same for every holder of every
+    /// generation, so a new holder repeating a step a stale holder already sent is
+    /// deduplicated by the provider. In a `fence run` command:
+    /// `curl -H "Idempotency-Key: $(fence idempotency-key --job "$FENCE_JOB" --step charge)" ...`
+    IdempotencyKey(IdempotencyKeyCmd),
     /// Print a shell completion script: `fence completions bash > /etc/bash_completion.d/fence`.
     Completions(CompletionsCmd),
     /// Print the manual page (roff): `fence man > fence.1 && man ./fence.1`.
@@ -138,6 +144,17 @@ Example:
     /// Runs the watchdog of `fence run`'s command group (internal).
     #[command(hide = true)]
     Watchdog(WatchdogCmd),
+}
+
+/// The flags of `fence idempotency-key`.
+#[derive(Args, Debug)]
+pub struct IdempotencyKeyCmd {
+    /// The job.
+    #[arg(long, env = "FENCE_JOB")]
+    pub job: JobId,
+    /// The step's name within the job, as the worker calls it (`charge`, `email-receipt`).
+    #[arg(long)]
+    pub step: String,
 }
 
 /// The flags of `fence completions`.
@@ -399,6 +416,15 @@ pub enum OnSuccess {
     Release,
 }
 
+/// What `fence run` does with the job when `--max-duration` stops the command.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum OnMaxDuration {
+    /// Release it.
+    Release,
+    /// Stop renewing and let the lease run out.
+    Expire,
+}
+
 /// The flags of `fence run`.
 #[derive(Args, Debug)]
 pub struct RunCmd {
@@ -420,6 +446,20 @@ pub struct RunCmd {
     /// What to do with the job when the command exits 0.
     #[arg(long, value_enum, default_value = "complete", env = "FENCE_ON_SUCCESS")]
     pub on_success: OnSuccess,
+    /// Stop the command when it has run this long, however well the lease renews (1s to
+    /// 365d): SIGTERM to its group, SIGKILL after --grace, exit 124.
+    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_max_duration, env = "FENCE_MAX_DURATION")]
+    pub max_duration: Option<Duration>,
+    /// What to do with the job when --max-duration stops the command: release it (free for
+    /// the next run at once) or let the lease expire (nobody can claim it until the TTL has
+    /// passed, so a command that ignored SIGTERM is long gone).
+    #[arg(
+        long,
+        value_enum,
+        default_value = "release",
+        env = "FENCE_ON_MAX_DURATION"
+    )]
+    pub on_max_duration: OnMaxDuration,
     /// The command to run, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,

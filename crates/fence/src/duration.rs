@@ -35,6 +35,19 @@ pub fn parse_timeout(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// `fence run --max-duration`: 1 s to 365 days. Longer is no limit at all, and a limit
+/// shorter than a second would stop a command before it could do anything.
+///
+/// # Errors
+/// As [`parse_duration`], and for a value outside 1 s to 365 d.
+pub fn parse_max_duration(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_secs(1) || d > Duration::from_secs(365 * 86_400) {
+        return Err(format!("{s:?}: --max-duration must be from 1s to 365d"));
+    }
+    Ok(d)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

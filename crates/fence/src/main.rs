@@ -65,6 +65,7 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
                 wait: a.wait,
                 grace: a.grace,
                 on_success: a.on_success,
+                max_duration: a.max_duration.map(|d| (d, a.on_max_duration)),
                 command: a.command,
             })
             .await
@@ -73,6 +74,13 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Completions(a) => {
             let mut cmd = <Cli as clap::CommandFactory>::command();
             clap_complete::generate(a.shell, &mut cmd, "fence", &mut std::io::stdout());
+            Ok(0)
+        }
+        Cmd::IdempotencyKey(a) => {
+            println!(
+                "{}",
+                fence_core::headers::IdempotencyKey::for_step(&a.job, &a.step)
+            );
             Ok(0)
         }
         Cmd::Man => {

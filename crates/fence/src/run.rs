@@ -11,8 +11,9 @@
 //!
 //! Exit codes: 0 (the command exited 0; the job was completed or released), 3 (the lease
 //! could not be obtained within `--wait`, or the job is completed), 75 (the lease was lost
-//! while the command ran), 1 (fence itself failed), 128+N (the command was killed by signal
-//! N), otherwise the command's own code (the job was released).
+//! while the command ran), 124 (`--max-duration` passed and the command was stopped), 1
+//! (fence itself failed), 128+N (the command was killed by signal N), otherwise the
+//! command's own code (the job was released).
 
 use std::{path::PathBuf, process::Stdio, time::Duration};
 
@@ -32,12 +33,14 @@ use tokio::{
     time::Instant,
 };
 
-use crate::cli::{OnSuccess, ServerConn};
+use crate::cli::{OnMaxDuration, OnSuccess, ServerConn};
 
 /// Exit code when the lease was lost while the command ran (EX_TEMPFAIL).
 pub const EXIT_LOST: i32 = 75;
 /// Exit code when the lease could not be obtained.
 pub const EXIT_NOT_OBTAINED: i32 = 3;
+/// Exit code when `--max-duration` passed and the command was stopped (as `timeout(1)`).
+pub const EXIT_MAX_DURATION: i32 = 124;
 
 /// What `fence run` was asked to do.
 #[derive(Debug)]
@@ -56,6 +59,8 @@ pub struct RunArgs {
     pub grace: Duration,
     /// What to do with the job when the command exits 0.
     pub on_success: OnSuccess,
+    /// Stop the command after this long, and what to do with the job then.
+    pub max_duration: Option<(Duration, OnMaxDuration)>,
     /// The command and its arguments.
     pub command: Vec<String>,
 }
@@ -151,8 +156,17 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         }
     };
     let keeper = token_file.keep_current(lease.view());
-    let lost = supervise(&mut child, &group, &lease, &mut signals, args.grace).await?;
+    let limit = args.max_duration.map(|(d, _)| (Instant::now() + d, d));
+    let ended = supervise(&mut child, &group, &lease, &mut signals, args.grace, limit).await?;
     keeper.abort();
+    let lost = match ended {
+        Ended::Exited(status) => Some(status),
+        Ended::Lost => None,
+        Ended::OutOfTime => {
+            group.stop().await;
+            return Ok(out_of_time(lease, args.max_duration).await);
+        }
+    };
     let status = match lost {
         // Exited after the local deadline: perhaps because the watchdog, acting on that
         // deadline, stopped it first. Its exit code says nothing about its work then, and
@@ -273,32 +287,77 @@ impl Group {
 
 /// Waits for the command, passing signals on to its group. `Ok(Some(status))` when it
 /// exited on its own; `Ok(None)` when the lease was lost and the group was stopped.
+/// How the command's run ended.
+enum Ended {
+    /// It exited on its own.
+    Exited(std::process::ExitStatus),
+    /// The lease was lost; it was stopped.
+    Lost,
+    /// `--max-duration` passed; it was stopped.
+    OutOfTime,
+}
+
 async fn supervise(
     child: &mut Child,
     group: &Group,
     lease: &Lease<HttpLeaseStore>,
     signals: &mut Signals,
     grace: Duration,
-) -> anyhow::Result<Option<std::process::ExitStatus>> {
+    limit: Option<(Instant, Duration)>,
+) -> anyhow::Result<Ended> {
     let lost = lease.lost();
     tokio::pin!(lost);
-    loop {
+    let out_of_time = async {
+        match limit {
+            Some((at, _)) => tokio::time::sleep_until(at).await,
+            None => std::future::pending().await,
+        }
+    };
+    tokio::pin!(out_of_time);
+    let (ended, why) = loop {
         tokio::select! {
-            status = child.wait() => return Ok(Some(status?)),
+            status = child.wait() => return Ok(Ended::Exited(status?)),
             sig = signals.next() => group.signal(sig),
             () = &mut lost => {
                 let reason = lease.loss_reason().map_or_else(|| "unknown".to_owned(), |r| r.to_string());
-                eprintln!("fence run: lease lost ({reason}); sending SIGTERM to the command's group");
-                group.signal(Signal::SIGTERM);
-                if tokio::time::timeout(grace, child.wait()).await.is_err() {
-                    eprintln!("fence run: the command did not exit within {grace:?}; sending SIGKILL to its group");
-                    group.signal(Signal::SIGKILL);
-                    child.wait().await?;
-                }
-                return Ok(None);
+                break (Ended::Lost, format!("lease lost ({reason})"));
+            }
+            () = &mut out_of_time => {
+                let d = limit.map(|(_, d)| d).unwrap_or_default();
+                break (Ended::OutOfTime, format!("--max-duration {} passed", humantime::format_duration(d)));
             }
         }
+    };
+    eprintln!("fence run: {why}; sending SIGTERM to the command's group");
+    group.signal(Signal::SIGTERM);
+    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+        eprintln!(
+            "fence run: the command did not exit within {grace:?}; sending SIGKILL to its group"
+        );
+        group.signal(Signal::SIGKILL);
+        child.wait().await?;
     }
+    Ok(ended)
+}
+
+/// The command was stopped at `--max-duration`: the job is released, or left to expire.
+async fn out_of_time(lease: Lease<HttpLeaseStore>, max: Option<(Duration, OnMaxDuration)>) -> i32 {
+    match max.map(|(_, on)| on) {
+        Some(OnMaxDuration::Expire) => {
+            drop(lease); // no more renewals
+            eprintln!(
+                "fence run: the job is left to expire, at most one TTL after its last renewal"
+            );
+        }
+        _ => match lease.release().await {
+            Ok(record) => eprintln!("fence run: the job is {}", record.state),
+            Err(e) => eprintln!(
+                "fence run: releasing the job failed ({}); it expires on its own",
+                fence_storage::error_chain(&e)
+            ),
+        },
+    }
+    EXIT_MAX_DURATION
 }
 
 /// Completes or releases the job after the command exited with `status`.

@@ -516,5 +516,25 @@ fn a_lease_key_that_starts_with_a_dash_is_a_key() {
     ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(!stderr.contains("unexpected argument"), "{stderr}");
-    assert!(stderr.contains("lease key"), "the server judged the key: {stderr}");
+    assert!(
+        stderr.contains("lease key"),
+        "the server judged the key: {stderr}"
+    );
+}
+
+/// `fence idempotency-key` prints the key of a job's step that every holder derives alike,
+/// as docs/protocol.md describes it (computed here independently, as another language would).
+#[test]
+fn the_idempotency_key_of_a_step_is_the_same_for_every_holder() {
+    let out = fence(&["idempotency-key", "--job", "invoice-42", "--step", "charge"]);
+    assert_success(&out);
+    let key = String::from_utf8(out.stdout).unwrap();
+    assert_eq!(
+        key.trim(),
+        "fence-94_3LSyI-83UpFvMYZSTMad586VO_w3O3VjtR9m8yGY"
+    );
+    let other = fence(&["idempotency-key", "--job", "invoice-42", "--step", "refund"]);
+    assert_ne!(String::from_utf8(other.stdout).unwrap(), key);
+    let bad = fence(&["idempotency-key", "--job", "a b", "--step", "charge"]);
+    assert_eq!(bad.status.code(), Some(2));
 }

@@ -167,3 +167,66 @@ fn on_success_release_lets_a_nightly_job_run_again() {
     assert_eq!(out.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&out.stderr).contains("complete"));
 }
+
+/// `--max-duration` stops the command's whole tree when it passes, however well the lease
+/// renews, and exits 124; the job is released, or with `--on-max-duration expire` left held
+/// until its lease runs out. Absurd limits are refused before anything runs.
+#[test]
+fn max_duration_stops_the_tree_and_releases_or_lets_expire() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("pid");
+    let started = Instant::now();
+    let out = Command::new(FENCE)
+        .args(["run", "--server", &url, "--job", "capped", "--ttl", "1s"])
+        .args(["--max-duration", "2s", "--grace", "500ms", "--", "sh", "-c"])
+        .arg(tree_script(&pid_file, true))
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(124), "{stderr}");
+    assert!(stderr.contains("--max-duration 2s passed"), "{stderr}");
+    let took = started.elapsed();
+    assert!(
+        took >= Duration::from_secs(2) && took < Duration::from_secs(10),
+        "stopped after {took:?}, renewals (TTL 1s) did not keep it going"
+    );
+    gone_within(pid_in(&pid_file), Duration::from_secs(5));
+    let record = json(&fence(&["status", "--server", &url, "--job", "capped"]));
+    assert_eq!(record["state"], "free", "released");
+
+    let out = fence_line(&format!(
+        "run --server {url} --job left --ttl 3s --max-duration 1s --on-max-duration expire -- sleep 30"
+    ));
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    let record = json(&fence(&["status", "--server", &url, "--job", "left"]));
+    assert_eq!(
+        record["state"], "held",
+        "left to expire, not released: {record}"
+    );
+    let other = fence_line(&format!("claim --server {url} --job left"));
+    assert_eq!(
+        other.status.code(),
+        Some(3),
+        "nobody can claim it before it expires"
+    );
+
+    for bad in ["0s", "500ms", "-5s", "400d", "soon"] {
+        let flag = format!("--max-duration={bad}");
+        let out = fence(&[
+            "run", "--server", &url, "--job", "never", &flag, "--", "true",
+        ]);
+        assert_eq!(out.status.code(), Some(2), "{bad}");
+        assert!(
+            String::from_utf8_lossy(&out.stderr).contains("max-duration"),
+            "{bad}: {out:?}"
+        );
+    }
+    let never = fence(&["status", "--server", &url, "--job", "never"]);
+    assert_eq!(
+        never.status.code(),
+        Some(1),
+        "nothing ran, nothing was claimed"
+    );
+}

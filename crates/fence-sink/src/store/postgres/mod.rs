@@ -31,6 +31,10 @@ pub struct PgTables {
     generations: String,
     idempotency: String,
     schema: Ident,
+    /// The SQL fence's functions: `schema.observe` and `schema.require` for the default
+    /// prefix `sink`, `schema.{prefix}_observe` and `schema.{prefix}_require` for another.
+    observe_fn: String,
+    require_fn: String,
 }
 
 impl Default for PgTables {
@@ -51,9 +55,19 @@ impl PgTables {
         let table = |suffix: &str| {
             Ident::new("table", &format!("{prefix}_{suffix}")).map(|t| format!("{schema}.{t}"))
         };
+        let function = |name: &str| {
+            let name = if prefix == "sink" {
+                name.to_owned()
+            } else {
+                format!("{prefix}_{name}")
+            };
+            Ident::new("function", &name).map(|f| format!("{schema}.{f}"))
+        };
         Ok(Self {
             generations: table("generations")?,
             idempotency: table("idempotency")?,
+            observe_fn: function("observe")?,
+            require_fn: function("require")?,
             schema,
         })
     }
@@ -196,7 +210,10 @@ impl PgStore {
             generations,
             idempotency,
             schema,
+            observe_fn,
+            require_fn,
         } = &self.tables;
+        let now = fence_storage::postgres::NOW_MS;
         // An index name is unqualified and lives in the table's schema.
         let stamps_index = format!(
             "{}_stamps",
@@ -218,7 +235,41 @@ impl PgStore {
                record bytea NOT NULL,
                live_until_ms bigint NOT NULL,
                PRIMARY KEY (job, key)
-             );"
+             );
+             -- The SQL fence (contract section 11): the same decision as check_in_transaction,
+             -- on the same table, for writers in any language.
+             CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric) RETURNS boolean
+             LANGUAGE plpgsql AS $fence$
+             DECLARE h numeric;
+             BEGIN
+               IF p_job IS NULL OR p_token IS NULL OR octet_length(p_job) NOT BETWEEN 1 AND 256
+                  OR p_job !~ '^[\x21-\x7e]+$' OR p_token < 0 OR p_token > 18446744073709551615
+                  OR p_token <> trunc(p_token) THEN
+                 RAISE EXCEPTION 'malformed fencing job or token: job %, token %', p_job, p_token
+                   USING ERRCODE = '22023';
+               END IF;
+               INSERT INTO {generations} AS g (job, highest, touched_ms) VALUES (p_job, p_token, {now})
+                 ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms
+                 WHERE g.highest < excluded.highest
+                    OR (g.highest = excluded.highest AND g.touched_ms + {STAMP_GRANULE_MS} <= excluded.touched_ms);
+               IF FOUND THEN
+                 RETURN true;
+               END IF;
+               SELECT g.highest INTO h FROM {generations} g WHERE g.job = p_job FOR SHARE;
+               RETURN h <= p_token;
+             END
+             $fence$;
+             CREATE OR REPLACE FUNCTION {require_fn}(p_job text, p_token numeric) RETURNS void
+             LANGUAGE plpgsql AS $fence$
+             DECLARE h numeric;
+             BEGIN
+               IF NOT {observe_fn}(p_job, p_token) THEN
+                 SELECT g.highest INTO h FROM {generations} g WHERE g.job = p_job;
+                 RAISE EXCEPTION 'stale fencing token: job %, token %, highest %', p_job, p_token, h
+                   USING ERRCODE = 'ZF409';
+               END IF;
+             END
+             $fence$;"
         );
         fence_storage::postgres::migrate(&self.pool, schema, &ddl).await
     }

@@ -148,3 +148,85 @@ async fn two_sinks_share_one_fence() {
         }
     );
 }
+
+/// The SQL fence (contract section 11): `observe` and `require` decide on the same table as
+/// the store, so a token the layer accepted makes a lower one stale for a writer in SQL, and
+/// the other way round; bad input is SQLSTATE 22023, a stale token ZF409 with the highest.
+#[tokio::test]
+async fn the_sql_fence_is_the_same_fence() {
+    let Some(store) = fresh().await else { return };
+    let (observe, require) = (&store.tables.observe_fn, &store.tables.require_fn);
+    let url = fence_storage::postgres::test_database_url();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let sql_observe = |job: &'static str, token: &'static str| {
+        let (client, sql) = (&client, format!("SELECT {observe}($1, $2::text::numeric)"));
+        async move {
+            client
+                .query_one(&sql, &[&job, &token])
+                .await
+                .map(|row| row.get::<_, bool>(0))
+        }
+    };
+    let job: JobId = "sql-job".parse().unwrap();
+    assert_eq!(
+        store.observe(&job, Generation::new(7)).await.unwrap(),
+        Verdict::Accepted
+    );
+    assert!(!sql_observe("sql-job", "6").await.unwrap(), "stale in SQL");
+    assert!(sql_observe("sql-job", "7").await.unwrap(), "current in SQL");
+    assert!(sql_observe("sql-job", "9").await.unwrap(), "raised in SQL");
+    assert_eq!(
+        store.observe(&job, Generation::new(8)).await.unwrap(),
+        Verdict::Stale {
+            highest: Generation::new(9)
+        },
+        "the layer sees what SQL raised"
+    );
+    let stale = client
+        .execute(&format!("SELECT {require}('sql-job', 8)"), &[])
+        .await
+        .unwrap_err();
+    let db = stale.as_db_error().expect("a database error");
+    assert_eq!(db.code().code(), "ZF409");
+    assert_eq!(
+        db.message(),
+        "stale fencing token: job sql-job, token 8, highest 9"
+    );
+    client
+        .execute(&format!("SELECT {require}('sql-job', 9)"), &[])
+        .await
+        .unwrap();
+    for (bad_job, bad_token) in [
+        ("", "1"),
+        ("a b", "1"),
+        ("sql-job", "-1"),
+        ("sql-job", "1.5"),
+        ("sql-job", "18446744073709551616"),
+    ] {
+        let e = sql_observe(bad_job, bad_token).await.unwrap_err();
+        assert_eq!(
+            e.as_db_error().map(|d| d.code().code()),
+            Some("22023"),
+            "{bad_job:?} {bad_token}: {e}"
+        );
+    }
+    assert_eq!(
+        store.highest(&job).await.unwrap(),
+        Generation::new(9),
+        "bad input changed nothing"
+    );
+}
+
+#[test]
+fn the_default_tables_have_the_contract_function_names() {
+    let t = PgTables::default();
+    assert_eq!(
+        (t.observe_fn.as_str(), t.require_fn.as_str()),
+        ("fence.observe", "fence.require")
+    );
+    let other = PgTables::new("fence", "billing").unwrap();
+    assert_eq!(other.observe_fn, "fence.billing_observe");
+}
