@@ -778,3 +778,36 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
         "documented but never produced here: {missing:?}"
     );
 }
+
+/// Completions for the shells operators use, and a manual page, from the same definition as
+/// `--help`: every subcommand and a deep flag are in them.
+#[test]
+fn completions_and_the_manual_page_cover_every_command() {
+    for (shell, marker) in [
+        ("bash", "complete -F"),
+        ("zsh", "#compdef fence"),
+        ("fish", "complete -c fence"),
+    ] {
+        let out = fence(&["completions", shell]);
+        assert_success(&out);
+        let text = String::from_utf8(out.stdout).unwrap();
+        assert!(text.contains(marker), "{shell}: {text}");
+        for word in ["server", "proxy", "run", "leases", "max-buffered-bytes"] {
+            assert!(text.contains(word), "{shell} completion lacks {word}");
+        }
+    }
+    let bad = fence(&["completions", "cmd.exe"]);
+    assert_eq!(bad.status.code(), Some(2));
+    let man = fence(&["man"]);
+    assert_success(&man);
+    let page = String::from_utf8(man.stdout).unwrap();
+    assert!(
+        page.starts_with(".ie") || page.starts_with(".TH"),
+        "{}",
+        &page[..80]
+    );
+    assert!(page.contains(".TH fence 1"), "{}", &page[..200]);
+    for word in ["server", "proxy", "run", "keygen", "completions"] {
+        assert!(page.contains(word), "the manual page lacks {word}");
+    }
+}

@@ -116,17 +116,47 @@ pub(super) async fn act<S: LeaseStore>(
     let answer = async {
         let job = job_of(job)?;
         authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
+        let wait = wait_of(uri.query(), action)?;
         let op = operation(action, body, app.options.max_ttl).await?;
         let (owner, asked) = (op.owner().clone(), op.generation());
-        let outcome = app
-            .store
-            .apply(&job, op)
-            .await
-            .map_err(|e| store_failed(&e))?;
+        let outcome = match wait {
+            Some(wait) => app.waiters.claim(&*app.store, &job, op, wait).await,
+            None => app.store.apply(&job, op).await,
+        }
+        .map_err(|e| store_failed(&e))?;
+        if matches!(outcome, fence_lease::Outcome::Done(_)) {
+            app.waiters.changed(&job); // released or completed: a waiting claim may go
+        }
         answer(job, &owner, asked, action, outcome)
     }
     .await;
     finish(action.as_str(), started, answer)
+}
+
+/// The `wait` of a claim's query (`?wait=10s`, at most [`wait::MAX_WAIT`]); `None` for none
+/// or zero. Any other parameter, or `wait` on another action, is a bad request.
+fn wait_of(query: Option<&str>, action: Action) -> Result<Option<std::time::Duration>, Problem> {
+    let Some(query) = query.filter(|q| !q.is_empty()) else {
+        return Ok(None);
+    };
+    let mut wait = None;
+    for pair in query.split('&') {
+        let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        if name != "wait" || action != Action::Claim || wait.is_some() {
+            return Err(bad(format!(
+                "{name}: not a parameter of {}; only a claim takes one, wait (once)",
+                action.as_str()
+            )));
+        }
+        let d = crate::duration::parse_duration(value).map_err(|e| bad(format!("wait: {e}")))?;
+        if d > super::wait::MAX_WAIT {
+            return Err(bad(format!(
+                "wait: {value} is longer than the most a claim may wait, 60s"
+            )));
+        }
+        wait = Some(d);
+    }
+    Ok(wait.filter(|d| !d.is_zero()))
 }
 
 /// `GET /v1/leases/{job}`.

@@ -19,6 +19,7 @@ mod answer;
 mod guard;
 mod handlers;
 mod list;
+mod wait;
 
 use std::sync::Arc;
 
@@ -49,6 +50,7 @@ pub struct ServerOptions {
 struct AppState<S> {
     store: Arc<S>,
     options: ServerOptions,
+    waiters: wait::Waiters,
 }
 
 /// The lease API as OpenAPI 3.1, served at `/openapi.json` (no secret needed).
@@ -63,7 +65,11 @@ async fn openapi() -> impl axum::response::IntoResponse {
 
 /// The lease API router over `store`.
 pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
-    let state = Arc::new(AppState { store, options });
+    let state = Arc::new(AppState {
+        store,
+        options,
+        waiters: wait::Waiters::default(),
+    });
     Router::new()
         .route("/v1/leases", get(list::list::<S>))
         .route("/v1/leases/{job}/{action}", post(handlers::act::<S>))

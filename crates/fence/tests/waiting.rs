@@ -1,0 +1,150 @@
+//! Waiting claims (contract section 11): `claim?wait=D` holds the request while the job is
+//! held and answers as soon as it can be claimed (released, completed elsewhere, expired),
+//! first come, first served among waiters; 409 when the wait ends, 410 at once for a
+//! completed job, 400 for a bad or too long wait.
+
+mod common;
+
+use std::{
+    thread,
+    time::{Duration, Instant},
+};
+
+use common::*;
+
+fn claim_body(owner: &str) -> String {
+    format!(r#"{{"owner":"{owner}","lease_key":"{owner}-0123456789abcdefghijk","ttl_ms":30000}}"#)
+}
+
+/// A claim by `owner`, waiting up to `wait`: (status, body, how long it took).
+fn claim(addr: &str, job: &str, owner: &str, wait: &str) -> (u16, serde_json::Value, Duration) {
+    let started = Instant::now();
+    let path = if wait.is_empty() {
+        format!("/v1/leases/{job}/claim")
+    } else {
+        format!("/v1/leases/{job}/claim?wait={wait}")
+    };
+    let (status, answer) = bearer_call(addr, "POST", &path, None, &claim_body(owner));
+    let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+    (
+        status,
+        serde_json::from_str(body).unwrap_or_default(),
+        started.elapsed(),
+    )
+}
+
+fn release(addr: &str, job: &str, owner: &str, generation: u64) -> u16 {
+    let body = format!(
+        r#"{{"owner":"{owner}","generation":{generation},"lease_key":"{owner}-0123456789abcdefghijk"}}"#
+    );
+    bearer_call(
+        addr,
+        "POST",
+        &format!("/v1/leases/{job}/release"),
+        None,
+        &body,
+    )
+    .0
+}
+
+#[test]
+fn a_waiting_claim_gets_the_job_when_it_is_released_and_waiters_go_in_order() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let addr = url.trim_start_matches("http://").to_owned();
+    assert_eq!(claim(&addr, "j", "a", "").0, 200);
+
+    let b = {
+        let addr = addr.clone();
+        thread::spawn(move || claim(&addr, "j", "b", "10s"))
+    };
+    thread::sleep(Duration::from_millis(200));
+    let c = {
+        let addr = addr.clone();
+        thread::spawn(move || claim(&addr, "j", "c", "10s"))
+    };
+    thread::sleep(Duration::from_millis(300));
+    let released = Instant::now();
+    assert_eq!(release(&addr, "j", "a", 1), 200);
+    let (status, lease, _) = b.join().unwrap();
+    assert_eq!(
+        (status, lease["generation"].as_u64()),
+        (200, Some(2)),
+        "{lease}"
+    );
+    assert_eq!(lease["owner"], "b", "the first waiter first");
+    assert!(
+        released.elapsed() < Duration::from_millis(1_000),
+        "granted soon after the release (woken by it, or at worst by the 250 ms poll): {:?}",
+        released.elapsed()
+    );
+    thread::sleep(Duration::from_millis(300));
+    assert!(!c.is_finished(), "c still waits: b holds the job");
+    assert_eq!(release(&addr, "j", "b", 2), 200);
+    let (status, lease, _) = c.join().unwrap();
+    assert_eq!(
+        (status, lease["owner"].as_str()),
+        (200, Some("c")),
+        "{lease}"
+    );
+    assert_eq!(lease["generation"], 3);
+}
+
+#[test]
+fn a_waiting_claim_gets_an_expired_job_and_gives_up_at_the_end_of_its_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let addr = url.trim_start_matches("http://").to_owned();
+    let short = r#"{"owner":"a","lease_key":"a-0123456789abcdefghijk","ttl_ms":600}"#;
+    assert_eq!(
+        bearer_call(&addr, "POST", "/v1/leases/e/claim", None, short).0,
+        200
+    );
+    let (status, lease, took) = claim(&addr, "e", "b", "5s");
+    assert_eq!(status, 200, "{lease}");
+    assert_eq!(lease["generation"], 2);
+    assert!(
+        took < Duration::from_millis(2_000),
+        "granted at expiry: {took:?}"
+    );
+
+    let (status, problem, took) = claim(&addr, "e", "c", "700ms");
+    assert_eq!(status, 409, "{problem}");
+    assert_eq!(problem["type"], "urn:fence:lease-held");
+    assert!(
+        took >= Duration::from_millis(700) && took < Duration::from_millis(3_000),
+        "{took:?}"
+    );
+}
+
+#[test]
+fn completed_jobs_and_bad_waits_answer_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let addr = url.trim_start_matches("http://").to_owned();
+    assert_eq!(claim(&addr, "done", "a", "").0, 200);
+    let body = r#"{"owner":"a","generation":1,"lease_key":"a-0123456789abcdefghijk"}"#;
+    assert_eq!(
+        bearer_call(&addr, "POST", "/v1/leases/done/complete", None, body).0,
+        200
+    );
+    let (status, _, took) = claim(&addr, "done", "b", "30s");
+    assert_eq!(status, 410);
+    assert!(took < Duration::from_secs(2), "{took:?}");
+
+    for (path, why) in [
+        ("/v1/leases/x/claim?wait=61s", "60s"),
+        ("/v1/leases/x/claim?wait=soon", "wait"),
+        ("/v1/leases/x/claim?wait=1s&wait=2s", "once"),
+        ("/v1/leases/x/claim?hold=1s", "hold"),
+    ] {
+        let (status, answer) = bearer_call(&addr, "POST", path, None, &claim_body("b"));
+        assert_eq!(status, 400, "{path}: {answer}");
+        assert!(answer.contains(why), "{path}: {answer}");
+    }
+    let renew = r#"{"owner":"a","generation":1,"lease_key":"a-0123456789abcdefghijk"}"#;
+    let (status, answer) = bearer_call(&addr, "POST", "/v1/leases/x/renew?wait=1s", None, renew);
+    assert_eq!(status, 400, "{answer}");
+    let never = bearer_call(&addr, "GET", "/v1/leases/x", None, "").0;
+    assert_eq!(never, 404, "nothing was claimed by a bad request");
+}
