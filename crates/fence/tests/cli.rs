@@ -538,3 +538,31 @@ fn the_idempotency_key_of_a_step_is_the_same_for_every_holder() {
     let bad = fence(&["idempotency-key", "--job", "a b", "--step", "charge"]);
     assert_eq!(bad.status.code(), Some(2));
 }
+
+/// A data directory another fence process holds: one line naming it, exit 1, for the server
+/// and for the proxy (issue 19 saw `Os { code: 11, kind: WouldBlock }` here).
+#[test]
+fn a_data_directory_in_use_is_one_line_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, _url) = start_server(dir.path());
+    let path = dir.path().to_str().unwrap();
+    for args in [
+        vec!["server", "--listen", "127.0.0.1:0", "--data-dir", path],
+        proxy_args("http://127.0.0.1:9", &["--data-dir", path]),
+    ] {
+        let out = fence(&args);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{stderr}");
+        assert_eq!(stderr.trim().lines().count(), 1, "{stderr}");
+        assert!(
+            stderr.contains(&format!(
+                "another fence process is using the data directory {path}"
+            )),
+            "{stderr}"
+        );
+        assert!(
+            !stderr.contains("WouldBlock") && !stderr.contains("ready"),
+            "{stderr}"
+        );
+    }
+}
