@@ -1041,14 +1041,7 @@ async fn an_http2_client_gets_its_concurrent_requests_through_at_once() {
     let mut cfg = config(upstream.url());
     cfg.workers = 1;
     let proxy = Proxy::start(MemoryStore::new(), cfg).await;
-    let stream = TcpStream::connect(proxy.addr).await.unwrap();
-    let (sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(connection);
+    let sender = h2c(proxy.addr).await;
 
     // Five streams on one connection, each held by the upstream until released: they can
     // only all start if each got an upstream connection of its own.
@@ -1113,14 +1106,7 @@ async fn an_upstream_connection_unused_past_the_idle_timeout_is_not_reused() {
 async fn a_grpc_call_with_a_stale_token_is_aborted_by_the_proxy() {
     let upstream = Upstream::start().await;
     let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
-    let stream = TcpStream::connect(proxy.addr).await.unwrap();
-    let (sender, connection) = hyper::client::conn::http2::handshake(
-        hyper_util::rt::TokioExecutor::new(),
-        TokioIo::new(stream),
-    )
-    .await
-    .unwrap();
-    tokio::spawn(connection);
+    let sender = h2c(proxy.addr).await;
     let call = |token: &str| {
         let mut sender = sender.clone();
         let req = Request::post(format!("http://{}/ledger.Ledger/Charge", proxy.addr))
@@ -1158,4 +1144,17 @@ async fn a_grpc_call_with_a_stale_token_is_aborted_by_the_proxy() {
         "the stale call never reached the upstream"
     );
     proxy.shutdown().await;
+}
+
+/// An HTTP/2 (prior knowledge) client connection to `addr`, driven in a task of its own.
+async fn h2c(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<TestBody> {
+    let stream = TcpStream::connect(addr).await.unwrap();
+    let (sender, connection) = hyper::client::conn::http2::handshake(
+        hyper_util::rt::TokioExecutor::new(),
+        TokioIo::new(stream),
+    )
+    .await
+    .unwrap();
+    tokio::spawn(connection);
+    sender
 }
