@@ -1,6 +1,8 @@
 //! `HttpLeaseStore` against a real `fence server` router on loopback: the lease conformance
 //! suite, and the Lease handle over HTTP.
 
+mod common;
+
 use std::{sync::Arc, time::Duration};
 
 use fence_lease::{
@@ -28,20 +30,43 @@ fence_lease::lease_store_conformance!(|| async {
     Some((HttpLeaseStore::new(&url).unwrap(), advance_fn(clock)))
 });
 
-#[tokio::test]
-async fn unreachable_server_counts_toward_the_deadline() {
+/// A lease whose server becomes unreachable (the network to it is cut) is lost at its local
+/// deadline, send time + TTL - margin, measured from the last renewal that succeeded: not
+/// earlier (the failed renewals do not end it) and not much later (the keeper does not wait
+/// for a failed call to time out first). A client of a server that never answered cannot
+/// claim at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_unreachable_server_ends_the_lease_at_its_local_deadline() {
     let clock = ManualClock::new(1_700_000_000_000);
-    let url = serve(clock).await;
+    let relay = common::Relay::to(&serve(clock).await);
     let client = LeaseClient::new(
-        HttpLeaseStore::new(&url)
+        HttpLeaseStore::new(&relay.url)
             .unwrap()
-            .timeout(Duration::from_secs(1)),
+            .timeout(Duration::from_secs(5)),
     )
-    .ttl(Ttl::from_millis(600).unwrap());
+    .ttl(Ttl::from_millis(1_000).unwrap());
     let lease = client.claim("remote".parse().unwrap()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    tokio::time::sleep(Duration::from_millis(1_200)).await;
     assert!(lease.token().is_some(), "renewals over HTTP keep it");
-    // A client pointed at a closed port: every renewal fails, and the deadline still governs.
+    relay.cut();
+    let deadline = lease.deadline();
+    let waited = tokio::time::timeout(Duration::from_secs(5), lease.lost()).await;
+    assert!(
+        waited.is_ok(),
+        "never lost although the server is unreachable"
+    );
+    let lost_at = tokio::time::Instant::now();
+    assert!(
+        lost_at + Duration::from_millis(5) >= deadline,
+        "lost {:?} before its deadline",
+        deadline - lost_at
+    );
+    assert!(
+        lost_at <= deadline + Duration::from_millis(300),
+        "lost {:?} after its deadline",
+        lost_at - deadline
+    );
+    // A client pointed at a closed port cannot claim at all.
     let dead = {
         let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
         format!("http://{}", l.local_addr().unwrap())

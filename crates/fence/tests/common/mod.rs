@@ -481,8 +481,8 @@ pub fn curl(ca: &Path, args: &[&str]) -> (u16, String) {
     )
 }
 
-/// A TCP relay in front of the test database that can be cut, as a network partition or a
-/// database crash would.
+/// A TCP relay in front of a server (the test database, a lease server) that can be cut, as
+/// a network partition or a crash would.
 pub struct Relay {
     pub url: String,
     open: std::sync::Arc<std::sync::atomic::AtomicBool>,
@@ -496,8 +496,10 @@ impl Relay {
             net::{TcpListener, TcpStream},
             sync::atomic::Ordering,
         };
-        let rest = url.split_once('@').map_or(url, |(_, rest)| rest);
-        let target = rest.split('/').next().unwrap().to_owned();
+        // host:port, after any scheme and user, before any path: postgres:// and http://.
+        let rest = url.split_once("://").map_or(url, |(_, rest)| rest);
+        let rest = rest.split_once('@').map_or(rest, |(_, rest)| rest);
+        let target = rest.split(['/', '?']).next().unwrap().to_owned();
         let listener = TcpListener::bind("127.0.0.1:0").unwrap();
         let port = listener.local_addr().unwrap().port();
         let relayed = url.replacen(&target, &format!("127.0.0.1:{port}"), 1);
