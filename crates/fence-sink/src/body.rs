@@ -78,7 +78,7 @@ pin_project! {
             limit: Duration,
             fired: Arc<AtomicBool>,
         },
-        Bytes { bytes: Option<Bytes>, held: Option<Reservation> },
+        Bytes { bytes: Option<Bytes>, trailers: Option<HeaderMap>, held: Option<Reservation> },
         Prefixed {
             prefix: Option<Bytes>,
             trailers: Option<HeaderMap>,
@@ -92,6 +92,7 @@ impl<B> Kind<B> {
     fn bytes(bytes: Bytes, held: Option<Reservation>) -> Self {
         Kind::Bytes {
             bytes: if bytes.is_empty() { None } else { Some(bytes) },
+            trailers: None,
             held,
         }
     }
@@ -143,10 +144,18 @@ impl<B> ResponseBody<B> {
         }
     }
 
-    /// Bytes the layer holds under `held` (a replay, a captured response).
-    pub(crate) fn held(bytes: Bytes, held: Option<Reservation>) -> Self {
+    /// Bytes the layer holds under `held` (a replay, a captured response), then `trailers`.
+    pub(crate) fn held(
+        bytes: Bytes,
+        trailers: Option<HeaderMap>,
+        held: Option<Reservation>,
+    ) -> Self {
         Self {
-            kind: Kind::bytes(bytes, held),
+            kind: Kind::Bytes {
+                bytes: if bytes.is_empty() { None } else { Some(bytes) },
+                trailers,
+                held,
+            },
         }
     }
 
@@ -208,7 +217,15 @@ where
                 ready => ready.map_err(Into::into),
             }
         }
-        KindProj::Bytes { bytes, .. } => Poll::Ready(bytes.take().map(|b| Ok(Frame::data(b)))),
+        KindProj::Bytes {
+            bytes, trailers, ..
+        } => Poll::Ready(
+            bytes
+                .take()
+                .map(Frame::data)
+                .or_else(|| trailers.take().map(Frame::trailers))
+                .map(Ok),
+        ),
         KindProj::Prefixed {
             prefix,
             trailers,
@@ -229,7 +246,9 @@ where
 fn end_kind<B: Body>(kind: &Kind<B>) -> bool {
     match kind {
         Kind::Inner { body } | Kind::Timed { body, .. } => body.is_end_stream(),
-        Kind::Bytes { bytes, .. } => bytes.is_none(),
+        Kind::Bytes {
+            bytes, trailers, ..
+        } => bytes.is_none() && trailers.is_none(),
         Kind::Prefixed {
             prefix,
             trailers,

@@ -75,10 +75,13 @@ fn response(body: &'static str) -> StoredResponse {
     let mut headers = HeaderMap::new();
     headers.append("x-many", HeaderValue::from_static("1"));
     headers.append("x-many", HeaderValue::from_static("2"));
+    let mut trailers = HeaderMap::new();
+    trailers.append("grpc-status", HeaderValue::from_static("0"));
     StoredResponse {
         status: StatusCode::CREATED,
         headers,
         body: Bytes::from_static(body.as_bytes()),
+        trailers: Some(Box::new(trailers)),
     }
 }
 

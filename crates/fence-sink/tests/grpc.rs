@@ -391,3 +391,73 @@ async fn plain_http_is_unchanged() {
     );
     assert_eq!(answer.header("grpc-status"), None);
 }
+
+/// Idempotent replay of a gRPC answer (contract section 9): a retry with the same key gets
+/// the stored message *and* its trailers (`grpc-status: 0`), and the ledger ran once; the
+/// same holds after the answer went through a store's encoding (sled).
+#[tokio::test]
+async fn a_replayed_grpc_answer_carries_its_trailers() {
+    let dir = tempfile::tempdir().unwrap();
+    check_replay(FenceLayer::new(MemoryStore::new())).await;
+    check_replay(FenceLayer::new(
+        fence_sink::SledStore::open(dir.path()).unwrap(),
+    ))
+    .await;
+}
+
+async fn check_replay<St>(layer: FenceLayer<St>)
+where
+    St: GenerationStore + IdempotencyStore,
+{
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let svc = layer.layer(service_fn(move |_: Request<RequestBody<In>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async {
+            let mut trailers = HeaderMap::new();
+            trailers.insert("grpc-status", "0".parse().unwrap());
+            trailers.insert("grpc-message", "charged".parse().unwrap());
+            let body = http_body_util::Full::new(Bytes::from_static(b"\0\0\0\0\x02ok"))
+                .with_trailers(async move { Some(Ok::<_, Infallible>(trailers)) });
+            let mut response = Response::new(body);
+            response
+                .headers_mut()
+                .insert("content-type", "application/grpc".parse().unwrap());
+            Ok::<_, Infallible>(response)
+        }
+    }));
+    let keyed = || {
+        call(
+            &[
+                ("x-fencing-job", "j"),
+                ("x-fencing-token", "1"),
+                ("idempotency-key", "charge-1"),
+            ],
+            body("\0\0\0\0\0"),
+        )
+    };
+    let mut answers = Vec::new();
+    for _ in 0..2 {
+        let response = svc.clone().oneshot(keyed()).await.unwrap();
+        let replayed = response.headers().get("idempotent-replayed").is_some();
+        assert!(
+            response.headers().get("fence-problem-type").is_none(),
+            "{:?}",
+            response.headers()
+        );
+        let collected = response.into_body().collect().await.unwrap();
+        let trailers = collected.trailers().cloned();
+        answers.push((replayed, collected.to_bytes(), trailers));
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the ledger ran once");
+    let (first, second) = (&answers[0], &answers[1]);
+    assert!(
+        !first.0 && second.0,
+        "the second answer is the replay: {answers:?}"
+    );
+    assert_eq!(first.1, second.1, "the same message");
+    let trailers = second.2.as_ref().expect("the replay ends with trailers");
+    assert_eq!(trailers.get("grpc-status").unwrap(), "0");
+    assert_eq!(trailers.get("grpc-message").unwrap(), "charged");
+    assert_eq!(first.2, second.2);
+}

@@ -203,11 +203,12 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .expect("nothing taken fits any budget");
         let limit = self.config.max_response_body;
         match capture(body, limit, &mut held, self.max_buffered).await {
-            Captured::Whole(bytes) => {
+            Captured::Whole(bytes, trailers) => {
                 let stored = StoredResponse {
                     status: head.status,
                     headers: head.headers.clone(),
                     body: bytes.clone(),
+                    trailers: trailers.clone().map(Box::new),
                 };
                 let retention = self.config.retention;
                 let outcome = Finish::Store {
@@ -215,7 +216,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                     retention,
                 };
                 self.finish(fingerprint, outcome).await;
-                Response::from_parts(head, ResponseBody::held(bytes, Some(held)))
+                Response::from_parts(head, ResponseBody::held(bytes, trailers, Some(held)))
             }
             Captured::TooLarge(prefix, trailers, rest) => {
                 let retention = self.config.retention;
@@ -260,7 +261,11 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
 }
 
 fn replay<B>(stored: StoredResponse, held: Reservation) -> Answer<B> {
-    let mut response = Response::new(ResponseBody::held(stored.body, Some(held)));
+    let mut response = Response::new(ResponseBody::held(
+        stored.body,
+        stored.trailers.map(|t| *t),
+        Some(held),
+    ));
     *response.status_mut() = stored.status;
     *response.headers_mut() = stored.headers;
     response
@@ -270,26 +275,27 @@ fn replay<B>(stored: StoredResponse, held: Reservation) -> Answer<B> {
 }
 
 enum Captured<B> {
-    Whole(Bytes),
+    /// All of it: the data, and the trailers it ended with.
+    Whole(Bytes, Option<HeaderMap>),
     /// The prefix read, trailers if the body ended with them, and the rest of the body.
     TooLarge(Bytes, Option<HeaderMap>, Pin<Box<B>>),
     Failed(BoxError),
 }
 
-/// Reads a response body up to `limit` bytes, each taken from `held` under `max`: all of it,
-/// or what was read so far and the rest of the body to stream on (the body is then not
-/// stored: a retry gets 409 not-replayable). A body with trailers is not stored either
-/// (their order against the data cannot be replayed faithfully by every client), but passed
-/// on whole.
+/// Reads a response body up to `limit` bytes, each taken from `held` under `max`: all of it
+/// (with the trailers it ended with: a gRPC answer's status), or what was read so far and the
+/// rest of the body to stream on (the body is then not stored: a retry gets 409
+/// not-replayable). Trailers are a body's last frame, so data then trailers replays it
+/// faithfully; a body that goes on after its trailers has failed.
 async fn capture<B>(body: B, limit: usize, held: &mut Reservation, max: usize) -> Captured<B>
 where
     B: FenceBody,
 {
     let mut body = Box::pin(body);
     let mut buf = BytesMut::new();
-    loop {
+    let trailers = loop {
         match body.frame().await {
-            None => return Captured::Whole(buf.freeze()),
+            None => return Captured::Whole(buf.freeze(), None),
             Some(Err(e)) => return Captured::Failed(e.into()),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
@@ -299,10 +305,14 @@ where
                         return Captured::TooLarge(buf.freeze(), None, body);
                     }
                 }
-                Err(frame) => {
-                    return Captured::TooLarge(buf.freeze(), frame.into_trailers().ok(), body);
-                }
+                Err(frame) => break frame.into_trailers().ok(),
             },
         }
+    };
+    // Trailers end a body: anything after them breaks the protocol.
+    match body.frame().await {
+        None => Captured::Whole(buf.freeze(), trailers),
+        Some(Err(e)) => Captured::Failed(e.into()),
+        Some(Ok(_)) => Captured::Failed("a frame after the trailers".into()),
     }
 }

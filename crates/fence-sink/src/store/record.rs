@@ -44,6 +44,8 @@ pub struct StoredResponse {
     pub headers: HeaderMap,
     /// The body.
     pub body: Bytes,
+    /// The trailers the body ended with (a gRPC answer's `grpc-status`), if any.
+    pub trailers: Option<Box<HeaderMap>>,
 }
 
 /// A (job, key) record as stored.
@@ -161,16 +163,13 @@ impl Record {
                 out.extend_from_slice(&expires_ms.to_be_bytes());
                 if let Some(r) = response {
                     out.extend_from_slice(&r.status.as_u16().to_be_bytes());
-                    out.extend_from_slice(
-                        &u32::try_from(r.headers.len())
-                            .unwrap_or(u32::MAX)
-                            .to_be_bytes(),
-                    );
-                    for (name, value) in &r.headers {
-                        put(&mut out, name.as_str().as_bytes());
-                        put(&mut out, value.as_bytes());
-                    }
+                    put_headers(&mut out, &r.headers);
                     put(&mut out, &r.body);
+                    // Trailers last, when there are any: a record written before trailers
+                    // were kept ends after the body and decodes as having none.
+                    if let Some(trailers) = &r.trailers {
+                        put_headers(&mut out, trailers);
+                    }
                 }
             }
         }
@@ -197,16 +196,13 @@ impl Record {
                     r.take(2)?.try_into().map_err(|_| "status")?,
                 ))
                 .map_err(|_| "invalid status")?;
-                let count = u32::from_be_bytes(r.take(4)?.try_into().map_err(|_| "count")?);
-                let mut headers = HeaderMap::new();
-                for _ in 0..count {
-                    let name =
-                        HeaderName::from_bytes(r.chunk()?).map_err(|_| "invalid header name")?;
-                    let value =
-                        HeaderValue::from_bytes(r.chunk()?).map_err(|_| "invalid header value")?;
-                    headers.append(name, value);
-                }
+                let headers = r.headers()?;
                 let body = Bytes::copy_from_slice(r.chunk()?);
+                let trailers = if r.0.is_empty() {
+                    None
+                } else {
+                    Some(Box::new(r.headers()?))
+                };
                 Ok(Self::Done {
                     fingerprint,
                     expires_ms: time,
@@ -214,11 +210,25 @@ impl Record {
                         status,
                         headers,
                         body,
+                        trailers,
                     }),
                 })
             }
             _ => Err("unknown record tag"),
         }
+    }
+}
+
+/// A count, then each (name, value) in order, repeated names included.
+fn put_headers(out: &mut Vec<u8>, headers: &HeaderMap) {
+    out.extend_from_slice(
+        &u32::try_from(headers.len())
+            .unwrap_or(u32::MAX)
+            .to_be_bytes(),
+    );
+    for (name, value) in headers {
+        put(out, name.as_str().as_bytes());
+        put(out, value.as_bytes());
     }
 }
 
@@ -230,6 +240,19 @@ fn put(out: &mut Vec<u8>, bytes: &[u8]) {
 struct Reader<'a>(&'a [u8]);
 
 impl<'a> Reader<'a> {
+    /// What [`put_headers`] wrote.
+    fn headers(&mut self) -> Result<HeaderMap, &'static str> {
+        let count = u32::from_be_bytes(self.take(4)?.try_into().map_err(|_| "count")?);
+        let mut headers = HeaderMap::new();
+        for _ in 0..count {
+            let name = HeaderName::from_bytes(self.chunk()?).map_err(|_| "invalid header name")?;
+            let value =
+                HeaderValue::from_bytes(self.chunk()?).map_err(|_| "invalid header value")?;
+            headers.append(name, value);
+        }
+        Ok(headers)
+    }
+
     fn take(&mut self, n: usize) -> Result<&'a [u8], &'static str> {
         if self.0.len() < n {
             return Err("record is truncated");
@@ -265,10 +288,17 @@ mod tests {
             "content-type",
             HeaderValue::from_bytes(b"text/\xffplain").unwrap(),
         );
+        let mut trailers = HeaderMap::new();
+        trailers.append("grpc-status", HeaderValue::from_static("0"));
         let resp = StoredResponse {
             status: StatusCode::CREATED,
             headers,
             body: Bytes::from_static(b"\0\x01hello"),
+            trailers: None,
+        };
+        let with_trailers = StoredResponse {
+            trailers: Some(Box::new(trailers)),
+            ..resp.clone()
         };
         for rec in [
             Record::InFlight {
@@ -284,6 +314,11 @@ mod tests {
                 fingerprint: fp,
                 expires_ms: 11,
                 response: Some(resp),
+            },
+            Record::Done {
+                fingerprint: fp,
+                expires_ms: 12,
+                response: Some(with_trailers),
             },
         ] {
             assert_eq!(Record::decode(&rec.encode()).unwrap(), rec);
