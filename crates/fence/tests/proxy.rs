@@ -1103,51 +1103,135 @@ async fn an_upstream_connection_unused_past_the_idle_timeout_is_not_reused() {
     proxy.shutdown().await;
 }
 
-/// A gRPC client over h2c through the proxy (contract section 9): a stale call is answered
-/// the gRPC way (HTTP 200, `grpc-status: 10`, `fence-highest`) by the proxy itself, and
-/// never reaches the upstream.
+/// What an h2c gRPC upstream saw: version, path, `te`, token, and the request bytes.
+type GrpcSeen = Arc<Mutex<Vec<(http::Version, String, Option<String>, String, Bytes)>>>;
+
+/// A gRPC-shaped upstream over h2c: reads the whole (streamed) request, answers one
+/// message, then trailers `grpc-status: 0`.
+async fn grpc_upstream() -> (Uri, GrpcSeen) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let seen: GrpcSeen = Arc::default();
+    let log = seen.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let log = log.clone();
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let log = log.clone();
+                async move {
+                    let (parts, body) = req.into_parts();
+                    let bytes = body.collect().await.unwrap().to_bytes();
+                    let header =
+                        |n: &str| parts.headers.get(n).map(|v| v.to_str().unwrap().to_owned());
+                    log.lock().unwrap().push((
+                        parts.version,
+                        parts.uri.path().to_owned(),
+                        header("te"),
+                        header("x-fencing-token").unwrap_or_default(),
+                        bytes,
+                    ));
+                    let mut trailers = HeaderMap::new();
+                    trailers.insert("grpc-status", HeaderValue::from_static("0"));
+                    let body = Full::new(Bytes::from_static(b"\0\0\0\0\x02ok"))
+                        .with_trailers(async move { Some(Ok(trailers)) });
+                    let mut response = Response::new(body);
+                    response
+                        .headers_mut()
+                        .insert("content-type", HeaderValue::from_static("application/grpc"));
+                    Ok::<_, std::convert::Infallible>(response)
+                }
+            });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service),
+            );
+        }
+    });
+    (format!("http://{addr}").parse().unwrap(), seen)
+}
+
+/// gRPC through the proxy (contract section 9): a client-streaming call over h2c reaches an
+/// h2c upstream over HTTP/2 with every message and `te: trailers`, and its answer comes back
+/// with the upstream's trailers; a stale call is the proxy's own ABORTED, never forwarded.
 #[tokio::test]
-async fn a_grpc_call_with_a_stale_token_is_aborted_by_the_proxy() {
-    let upstream = Upstream::start().await;
-    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+async fn grpc_calls_reach_an_h2c_upstream_with_their_trailers() {
+    let (url, seen) = grpc_upstream().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(url)).await;
     let sender = h2c(proxy.addr).await;
-    let call = |token: &str| {
+    let call = |token: &'static str, messages: Vec<&'static [u8]>| {
         let mut sender = sender.clone();
-        let req = Request::post(format!("http://{}/ledger.Ledger/Charge", proxy.addr))
+        let (tx, rx) = mpsc::channel::<Bytes>(4);
+        let body = Channel(rx).boxed();
+        let req = Request::post(format!("http://{}/ledger.Ledger/Record", proxy.addr))
             .header("content-type", "application/grpc")
             .header("te", "trailers")
-            .header("x-fencing-job", "invoice-42")
+            .header("x-fencing-job", "grpc-job")
             .header("x-fencing-token", token)
-            .body(full("\0\0\0\0\0"))
+            .body(body)
             .unwrap();
-        async move { sender.send_request(req).await.unwrap() }
+        async move {
+            let pending = tokio::spawn(async move { sender.send_request(req).await.unwrap() });
+            for m in messages {
+                tx.send(Bytes::from_static(m)).await.unwrap();
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+            drop(tx);
+            let response = pending.await.unwrap();
+            let status = response.status();
+            let headers = response.headers().clone();
+            let collected = response.into_body().collect().await.unwrap();
+            let trailers = collected.trailers().cloned();
+            (status, headers, collected.to_bytes(), trailers)
+        }
     };
-    let passed = call("8").await;
-    assert_eq!(passed.status(), 200);
-    assert!(passed.headers().get("grpc-status").is_none());
-    assert_eq!(upstream.seen().len(), 1, "token 8 reached the upstream");
-    let stale = call("7").await;
-    assert_eq!(stale.status(), 200, "a gRPC answer");
-    let header = |name: &str| {
-        stale
-            .headers()
-            .get(name)
-            .map(|v| v.to_str().unwrap().to_owned())
-    };
-    assert_eq!(header("grpc-status").as_deref(), Some("10"));
-    assert_eq!(header("fence-highest").as_deref(), Some("8"));
+    let (status, _, body, trailers) = call(
+        "5",
+        vec![b"\0\0\0\0\x01a", b"\0\0\0\0\x01b", b"\0\0\0\0\x01c"],
+    )
+    .await;
+    assert_eq!(status, 200);
+    assert_eq!(body.as_ref(), b"\0\0\0\0\x02ok");
+    let trailers = trailers.expect("the upstream's trailers reach the client");
+    assert_eq!(trailers.get("grpc-status").unwrap(), "0");
+    {
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1);
+        let (version, path, te, token, bytes) = &seen[0];
+        assert_eq!(*version, http::Version::HTTP_2, "HTTP/2 to the upstream");
+        assert_eq!(path, "/ledger.Ledger/Record");
+        assert_eq!(te.as_deref(), Some("trailers"));
+        assert_eq!(token, "5");
+        assert_eq!(
+            bytes.as_ref(),
+            b"\0\0\0\0\x01a\0\0\0\0\x01b\0\0\0\0\x01c",
+            "every message"
+        );
+    }
+    let (status, headers, _, _) = call("4", vec![b"\0\0\0\0\x01z"]).await;
+    assert_eq!(status, 200);
+    assert_eq!(headers.get("grpc-status").unwrap(), "10");
+    assert_eq!(headers.get("fence-highest").unwrap(), "5");
     assert_eq!(
-        header("fence-problem-type").as_deref(),
-        Some("urn:fence:stale-token")
-    );
-    assert_eq!(header("content-type").as_deref(), Some("application/grpc"));
-    tokio::time::sleep(Duration::from_millis(50)).await;
-    assert_eq!(
-        upstream.seen().len(),
+        seen.lock().unwrap().len(),
         1,
-        "the stale call never reached the upstream"
+        "the stale call was not forwarded"
     );
     proxy.shutdown().await;
+}
+
+/// A request body that sends what arrives on its channel, and ends when the channel closes:
+/// a client stream.
+struct Channel(mpsc::Receiver<Bytes>);
+
+impl Body for Channel {
+    type Data = Bytes;
+    type Error = BoxError;
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+        self.0.poll_recv(cx).map(|m| m.map(|b| Ok(Frame::data(b))))
+    }
 }
 
 /// An HTTP/2 (prior knowledge) client connection to `addr`, driven in a task of its own.
@@ -1161,4 +1245,38 @@ async fn h2c(addr: SocketAddr) -> hyper::client::conn::http2::SendRequest<TestBo
     .unwrap();
     tokio::spawn(connection);
     sender
+}
+
+/// The proxy's own failures reach a gRPC client as gRPC statuses too: an upstream that
+/// cannot be reached is UNAVAILABLE (HTTP 200, `grpc-status: 14`), not an HTTP 502.
+#[tokio::test]
+async fn an_unreachable_upstream_is_unavailable_to_a_grpc_client() {
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let url: Uri = format!("http://{closed}").parse().unwrap();
+    let proxy = Proxy::start(MemoryStore::new(), config(url)).await;
+    let mut sender = h2c(proxy.addr).await;
+    let req = Request::post(format!("http://{}/ledger.Ledger/Charge", proxy.addr))
+        .header("content-type", "application/grpc")
+        .header("x-fencing-job", "down")
+        .header("x-fencing-token", "1")
+        .body(full("\0\0\0\0\0"))
+        .unwrap();
+    let response = sender.send_request(req).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let header = |n: &str| {
+        response
+            .headers()
+            .get(n)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    assert_eq!(header("grpc-status").as_deref(), Some("14"));
+    assert_eq!(
+        header("fence-problem-type").as_deref(),
+        Some("urn:fence:upstream-unavailable")
+    );
+    assert!(header("grpc-message").is_some_and(|m| m.contains("upstream")));
+    proxy.shutdown().await;
 }

@@ -192,7 +192,13 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             // The effect may have happened: the in-flight record stays until its timeout.
             return response.map(ResponseBody::inner);
         }
-        if !(self.config.store_statuses)(response.status()) {
+        // A gRPC error answered in the headers alone (trailers-only, HTTP 200) is not an
+        // answer to keep: like a server error, the call is forgotten and may be retried.
+        let grpc_error = response
+            .headers()
+            .get("grpc-status")
+            .is_some_and(|status| status.as_bytes() != b"0");
+        if grpc_error || !(self.config.store_statuses)(response.status()) {
             self.finish(fingerprint, Finish::Forget).await;
             return response.map(ResponseBody::inner);
         }

@@ -127,6 +127,10 @@ pub(super) struct Target {
         tokio_rustls::TlsConnector,
         rustls::pki_types::ServerName<'static>,
     )>,
+    /// For `https://`, the same offering only `h2` by ALPN: how gRPC calls connect.
+    pub(super) tls_h2: Option<tokio_rustls::TlsConnector>,
+    /// `http` or `https`, for the absolute URIs of HTTP/2 requests.
+    pub(super) scheme: Scheme,
     /// The `Host` the upstream sees (unless `preserve_host`).
     pub(super) host: HeaderValue,
     /// The upstream's path without a trailing `/` (empty for none), joined before every path.
@@ -162,20 +166,28 @@ impl Target {
         let prefix = uri.path().trim_end_matches('/').to_owned();
         let host = HeaderValue::from_str(authority.as_str())
             .with_context(|| format!("upstream {uri}: the host is not a valid Host header"))?;
-        let tls = if *scheme == Scheme::HTTPS {
-            let config = fence_storage::tls::client_config(ca_cert, &[b"http/1.1"])
-                .with_context(|| format!("upstream {uri}: cannot set up TLS"))?;
+        let (tls, tls_h2) = if *scheme == Scheme::HTTPS {
+            let connector = |alpn: &[&[u8]]| {
+                fence_storage::tls::client_config(ca_cert, alpn)
+                    .map(|config| tokio_rustls::TlsConnector::from(Arc::new(config)))
+                    .with_context(|| format!("upstream {uri}: cannot set up TLS"))
+            };
             let name = rustls::pki_types::ServerName::try_from(
                 authority.host().trim_matches(['[', ']']).to_owned(),
             )
             .with_context(|| format!("upstream {uri}: the host is not a TLS server name"))?;
-            Some((tokio_rustls::TlsConnector::from(Arc::new(config)), name))
+            (
+                Some((connector(&[b"http/1.1"])?, name)),
+                Some(connector(&[b"h2"])?),
+            )
         } else {
-            None
+            (None, None)
         };
         Ok(Self {
             authority: authority.clone(),
             tls,
+            tls_h2,
+            scheme: scheme.clone(),
             host,
             display: format!("{scheme}://{authority}{prefix}"),
             prefix,

@@ -1,11 +1,15 @@
-//! Kept-alive HTTP/1.1 connections from one worker thread to the upstream.
+//! Kept-alive HTTP/1.1 connections from one worker thread to the upstream, and one HTTP/2
+//! connection for gRPC calls.
 
 use std::time::Duration;
 
 use fence_sink::RequestBody;
 use fence_storage::BoxError;
 use http::{Request, Response};
-use hyper::{body::Incoming, client::conn::http1::SendRequest};
+use hyper::{
+    body::Incoming,
+    client::conn::{http1::SendRequest, http2},
+};
 use hyper_util::rt::TokioIo;
 use tokio::{net::TcpStream, time::Instant};
 
@@ -28,6 +32,11 @@ pub(super) struct UpstreamConns {
     )>,
     idle: std::sync::Mutex<Vec<Idle>>,
     idle_timeout: Duration,
+    /// For `https://`: TLS offering `h2`, for the HTTP/2 connection.
+    tls_h2: Option<tokio_rustls::TlsConnector>,
+    /// This worker's HTTP/2 connection, opened by the first gRPC call and shared by every
+    /// call after it (HTTP/2 multiplexes); opened again once it has closed.
+    h2: tokio::sync::Mutex<Option<http2::SendRequest<RequestBody<Incoming>>>>,
 }
 
 /// A kept-alive connection and when it was last handed back.
@@ -60,6 +69,8 @@ impl UpstreamConns {
             tls: target.tls.clone(),
             idle: std::sync::Mutex::default(),
             idle_timeout,
+            tls_h2: target.tls_h2.clone(),
+            h2: tokio::sync::Mutex::default(),
         }
     }
 
@@ -124,6 +135,55 @@ impl UpstreamConns {
             }
         }
     }
+}
+
+impl UpstreamConns {
+    /// This worker's HTTP/2 connection, opened (h2c, or TLS with ALPN `h2`) if there is none
+    /// or it closed.
+    async fn h2(&self) -> Result<http2::SendRequest<RequestBody<Incoming>>, BoxError> {
+        let mut slot = self.h2.lock().await;
+        if let Some(conn) = slot.as_ref().filter(|c| !c.is_closed()) {
+            return Ok(conn.clone());
+        }
+        let stream = TcpStream::connect(&self.addr).await?;
+        let _ = stream.set_nodelay(true);
+        let conn = match (&self.tls_h2, &self.tls) {
+            (Some(connector), Some((_, name))) => {
+                handshake_h2(connector.connect(name.clone(), stream).await?).await?
+            }
+            _ => handshake_h2(stream).await?,
+        };
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// Sends a gRPC call over this worker's HTTP/2 connection: trailers and streams both
+    /// ways, as gRPC needs.
+    pub(super) async fn send_h2(
+        &self,
+        req: Request<RequestBody<Incoming>>,
+    ) -> Result<Response<Incoming>, SendFailed> {
+        let mut conn = self.h2().await.map_err(SendFailed::Connect)?;
+        conn.ready()
+            .await
+            .map_err(|e| SendFailed::Connect(e.into()))?;
+        conn.send_request(req).await.map_err(SendFailed::Request)
+    }
+}
+
+/// An HTTP/2 connection over `io`, driven on this worker's runtime.
+async fn handshake_h2<I>(io: I) -> Result<http2::SendRequest<RequestBody<Incoming>>, BoxError>
+where
+    I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
+{
+    let (conn, connection) =
+        http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(io)).await?;
+    tokio::spawn(async move {
+        if let Err(e) = connection.await {
+            tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");
+        }
+    });
+    Ok(conn)
 }
 
 /// An HTTP/1.1 connection over `io`, driven on this worker's runtime next to the requests

@@ -88,8 +88,24 @@ impl Upstream {
             .headers
             .insert(headers::X_FORWARDED_PROTO, self.proto.clone());
 
-        let request = self.conns.send(Request::from_parts(parts, body));
-        match tokio::time::timeout(self.timeout, request).await {
+        let grpc = is_grpc(&parts.headers);
+        if grpc && let Err(e) = self.as_h2(&mut parts) {
+            self.outcomes.bad_target.record(started);
+            return problem(Problem::new(
+                ProblemType::BadRequest,
+                format!(
+                    "the gRPC call cannot be forwarded to {}: {e}",
+                    self.target.display
+                ),
+            ));
+        }
+        let request = Request::from_parts(parts, body);
+        let sent = if grpc {
+            tokio::time::timeout(self.timeout, self.conns.send_h2(request)).await
+        } else {
+            tokio::time::timeout(self.timeout, self.conns.send(request)).await
+        };
+        let response = match sent {
             Ok(Ok(response)) => {
                 self.outcomes.ok.record(started);
                 let (mut head, body) = response.into_parts();
@@ -132,7 +148,96 @@ impl Upstream {
                 response.extensions_mut().insert(fence_sink::OutcomeUnknown);
                 response
             }
+        };
+        if grpc {
+            grpc_problem(response)
+        } else {
+            response
         }
+    }
+}
+
+/// The proxy's own problem answered to a gRPC client the gRPC way (contract section 9):
+/// HTTP 200, `grpc-status` by the problem's type, `grpc-message` its detail. Answers of the
+/// upstream pass unchanged.
+fn grpc_problem(response: Response<UpstreamBody>) -> Response<UpstreamBody> {
+    let (mut head, body) = response.into_parts();
+    let Either::Right(full) = body else {
+        return Response::from_parts(head, body);
+    };
+    let Some(kind) = head
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .filter(|t| t.as_bytes() == b"application/problem+json")
+        .and(head.extensions.get::<ProblemType>().copied())
+    else {
+        return Response::from_parts(head, Either::Right(full));
+    };
+    let detail = head
+        .extensions
+        .remove::<ProblemDetail>()
+        .map(|d| d.0)
+        .unwrap_or_default();
+    head.status = http::StatusCode::OK;
+    head.headers.remove(http::header::CONTENT_LENGTH);
+    head.headers.insert(
+        http::header::CONTENT_TYPE,
+        http::HeaderValue::from_static("application/grpc"),
+    );
+    head.headers.insert(
+        "grpc-status",
+        http::HeaderValue::from(u16::from(kind.grpc_code())),
+    );
+    if let Ok(message) = http::HeaderValue::try_from(fence_core::problem::grpc_message(&detail)) {
+        head.headers.insert("grpc-message", message);
+    }
+    head.headers.insert(
+        "fence-problem-type",
+        http::HeaderValue::from_static(kind.uri()),
+    );
+    Response::from_parts(head, Either::Right(Full::new(Bytes::new())))
+}
+
+/// The detail of the proxy's own problem, kept for a gRPC answer.
+#[derive(Clone)]
+struct ProblemDetail(String);
+
+/// Whether a request is a gRPC call, to go to the upstream over HTTP/2 (gRPC-Web, which
+/// works over HTTP/1.1, is not).
+fn is_grpc(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .map(http::HeaderValue::as_bytes)
+        .is_some_and(|t| {
+            t.starts_with(b"application/grpc") && !t.starts_with(b"application/grpc-web")
+        })
+}
+
+impl Upstream {
+    /// Turns an upstream request made for HTTP/1.1 into one for HTTP/2: an absolute URI whose
+    /// authority is the `Host` it would have carried, no `Host` header, and `te: trailers`,
+    /// which gRPC servers expect and HTTP/2 allows.
+    fn as_h2(&self, parts: &mut http::request::Parts) -> Result<(), http::Error> {
+        let host = parts
+            .headers
+            .remove(http::header::HOST)
+            .unwrap_or_else(|| self.target.host.clone());
+        let authority = http::uri::Authority::try_from(host.as_bytes())?;
+        let path = parts
+            .uri
+            .path_and_query()
+            .cloned()
+            .unwrap_or_else(|| http::uri::PathAndQuery::from_static("/"));
+        parts.uri = http::Uri::builder()
+            .scheme(self.target.scheme.clone())
+            .authority(authority)
+            .path_and_query(path)
+            .build()?;
+        parts.version = http::Version::HTTP_2;
+        parts
+            .headers
+            .insert(http::header::TE, http::HeaderValue::from_static("trailers"));
+        Ok(())
     }
 }
 
@@ -153,5 +258,9 @@ fn client_body_failed(e: &hyper::Error) -> bool {
 }
 
 fn problem(p: Problem) -> Response<UpstreamBody> {
-    p.to_response::<Full<Bytes>>().map(Either::Right)
+    let (kind, detail) = (p.kind, ProblemDetail(p.detail.clone()));
+    let mut response = p.to_response::<Full<Bytes>>().map(Either::Right);
+    response.extensions_mut().insert(kind);
+    response.extensions_mut().insert(detail);
+    response
 }
