@@ -302,7 +302,7 @@ fn every_command_of_the_readme_runs() {
     for (section, commands) in &scripts {
         let mut script = String::from(
             "set -eu\n\
-             trap 'kill $(jobs -p) 2>/dev/null; wait 2>/dev/null' EXIT\n\
+             trap 'kill $(jobs -p) 2>/dev/null || true; wait 2>/dev/null' EXIT\n\
              wait_port() { for _ in $(seq 150); do (exec 3<>/dev/tcp/127.0.0.1/$1) 2>/dev/null && return 0; sleep 0.1; done; echo \"nothing listens on port $1\" >&2; return 1; }\n",
         );
         for (n, command) in commands.iter().enumerate() {
