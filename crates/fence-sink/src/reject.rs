@@ -46,11 +46,15 @@ pub(crate) struct Rejection {
 }
 
 /// Whether a request is a gRPC call (contract section 9): its content type starts with
-/// `application/grpc`.
+/// `application/grpc`. gRPC-Web (`application/grpc-web`) is not: its clients read HTTP
+/// statuses, and the proxy sends it over HTTP/1.1 like any request.
 pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
     headers
         .get(http::header::CONTENT_TYPE)
-        .is_some_and(|v| v.as_bytes().starts_with(b"application/grpc"))
+        .map(HeaderValue::as_bytes)
+        .is_some_and(|t| {
+            t.starts_with(b"application/grpc") && !t.starts_with(b"application/grpc-web")
+        })
 }
 
 /// A rejection answered the gRPC way (contract section 9): HTTP 200, no body, and in the

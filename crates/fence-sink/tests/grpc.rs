@@ -461,3 +461,64 @@ where
     assert_eq!(trailers.get("grpc-message").unwrap(), "charged");
     assert_eq!(first.2, second.2);
 }
+
+/// A gRPC call that failed with its status in the trailers (after headers or messages) is
+/// not kept for replay: a retry with the same key runs it again.
+#[tokio::test]
+async fn a_failed_grpc_answer_is_not_replayed() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(service_fn(
+        move |_: Request<RequestBody<In>>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async {
+                let mut trailers = HeaderMap::new();
+                trailers.insert("grpc-status", "14".parse().unwrap());
+                let body = http_body_util::Full::new(Bytes::from_static(b"\0\0\0\0\0"))
+                    .with_trailers(async move { Some(Ok::<_, Infallible>(trailers)) });
+                let mut response = Response::new(body);
+                response
+                    .headers_mut()
+                    .insert("content-type", "application/grpc".parse().unwrap());
+                Ok::<_, Infallible>(response)
+            }
+        },
+    ));
+    for _ in 0..2 {
+        let req = call(
+            &[
+                ("x-fencing-job", "j"),
+                ("x-fencing-token", "1"),
+                ("idempotency-key", "retry-me"),
+            ],
+            body(""),
+        );
+        let response = svc.clone().oneshot(req).await.unwrap();
+        assert!(response.headers().get("idempotent-replayed").is_none());
+        let trailers = response
+            .into_body()
+            .collect()
+            .await
+            .unwrap()
+            .trailers()
+            .cloned();
+        assert_eq!(trailers.unwrap().get("grpc-status").unwrap(), "14");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "the retry ran again");
+}
+
+/// gRPC-Web reads HTTP statuses: its rejections stay problem+json.
+#[tokio::test]
+async fn grpc_web_keeps_http_answers() {
+    let svc = FenceLayer::new(MemoryStore::new()).layer(Ledger::default());
+    send(&svc, fenced("w", "8")).await;
+    let req = Request::post("http://sink/ledger.Ledger/Charge")
+        .header("content-type", "application/grpc-web+proto")
+        .header("x-fencing-job", "w")
+        .header("x-fencing-token", "7")
+        .body(body(""))
+        .unwrap();
+    let answer = send(&svc, req).await;
+    assert_eq!(answer.http, 409);
+    assert_eq!(answer.header("grpc-status"), None);
+}

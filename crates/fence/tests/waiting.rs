@@ -64,6 +64,15 @@ fn a_waiting_claim_gets_the_job_when_it_is_released_and_waiters_go_in_order() {
         thread::spawn(move || claim(&addr, "j", "c", "10s"))
     };
     thread::sleep(Duration::from_millis(300));
+    // The holder retries its claim with its key (its answer was lost), with a wait: it gets
+    // its lease back at once, not behind the strangers waiting for the job.
+    let (status, lease, took) = claim(&addr, "j", "a", "10s");
+    assert_eq!(
+        (status, lease["generation"].as_u64()),
+        (200, Some(1)),
+        "{lease}"
+    );
+    assert!(took < Duration::from_secs(2), "the holder queued: {took:?}");
     let released = Instant::now();
     assert_eq!(release(&addr, "j", "a", 1), 200);
     let (status, lease, _) = b.join().unwrap();

@@ -209,6 +209,12 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .expect("nothing taken fits any budget");
         let limit = self.config.max_response_body;
         match capture(body, limit, &mut held, self.max_buffered).await {
+            Captured::Whole(bytes, trailers) if grpc_failed(trailers.as_ref()) => {
+                // A gRPC call that failed (its status in the trailers): forgotten, like a
+                // server error, so a retry runs it again instead of replaying the failure.
+                self.finish(fingerprint, Finish::Forget).await;
+                Response::from_parts(head, ResponseBody::held(bytes, trailers, Some(held)))
+            }
             Captured::Whole(bytes, trailers) => {
                 let stored = StoredResponse {
                     status: head.status,
@@ -278,6 +284,13 @@ fn replay<B>(stored: StoredResponse, held: Reservation) -> Answer<B> {
         .headers_mut()
         .insert(IDEMPOTENT_REPLAYED, HeaderValue::from_static("true"));
     response
+}
+
+/// Whether `trailers` carry a gRPC status other than 0 (OK).
+fn grpc_failed(trailers: Option<&HeaderMap>) -> bool {
+    trailers
+        .and_then(|t| t.get("grpc-status"))
+        .is_some_and(|status| status.as_bytes() != b"0")
 }
 
 enum Captured<B> {

@@ -53,6 +53,11 @@ pub(super) enum SendFailed {
     Request(hyper::Error),
 }
 
+/// How long opening a connection to the upstream may take (TCP, TLS, HTTP/2 handshake). A
+/// connection that could not be opened carried no request: a failure here is a plain 502,
+/// never an unknown outcome.
+const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// More idle connections than this per worker are closed instead of kept.
 const MAX_IDLE_PER_WORKER: usize = 256;
 
@@ -118,7 +123,7 @@ impl UpstreamConns {
         loop {
             let (mut conn, reused) = match self.take_ready() {
                 Some(conn) => (conn, true),
-                None => (self.connect().await.map_err(SendFailed::Connect)?, false),
+                None => (within_connect_timeout(self.connect()).await?, false),
             };
             match conn.try_send_request(req).await {
                 Ok(response) => {
@@ -163,11 +168,25 @@ impl UpstreamConns {
         &self,
         req: Request<RequestBody<Incoming>>,
     ) -> Result<Response<Incoming>, SendFailed> {
-        let mut conn = self.h2().await.map_err(SendFailed::Connect)?;
+        // Calls of this worker wait for one connection to open (at most CONNECT_TIMEOUT)
+        // rather than each opening its own.
+        let mut conn = within_connect_timeout(self.h2()).await?;
         conn.ready()
             .await
             .map_err(|e| SendFailed::Connect(e.into()))?;
         conn.send_request(req).await.map_err(SendFailed::Request)
+    }
+}
+
+/// `connect`, failing as [`SendFailed::Connect`] after [`CONNECT_TIMEOUT`].
+async fn within_connect_timeout<T>(
+    connect: impl std::future::Future<Output = Result<T, BoxError>>,
+) -> Result<T, SendFailed> {
+    match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
+        Ok(result) => result.map_err(SendFailed::Connect),
+        Err(_) => Err(SendFailed::Connect(
+            format!("no connection to the upstream within {CONNECT_TIMEOUT:?}").into(),
+        )),
     }
 }
 

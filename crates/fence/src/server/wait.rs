@@ -1,11 +1,14 @@
 //! Waiting claims (contract section 11): `POST /v1/leases/{job}/claim?wait=DURATION` holds
 //! the request while the job is held, until it can be claimed or the wait ends.
 //!
-//! Waiters on one job queue on a fair semaphore of one permit, so they are served first come,
-//! first served; the one at the head tries the claim again when a release or completion on
-//! this server wakes it, when the lease it saw was due to expire, and at least every
-//! [`POLL`] (another server on the same database may have let the job go). Entries are
-//! removed when the last waiter of a job leaves.
+//! A waiting claim first tries once, like any claim: a job that is free is taken at once, and
+//! the holder's own retry (same owner and key, after a lost answer) gets its lease back
+//! instead of queueing behind strangers. Then waiters on one job queue on a fair semaphore
+//! of one permit, so they are served first come, first served; the one at the head tries
+//! again when a release or completion on this server wakes it, when the lease it saw was due
+//! to expire, and at least every [`POLL`] (another server on the same database may have let
+//! the job go). Entries are removed when the last waiter of a job leaves, also when a waiter
+//! goes away mid-wait (its client disconnected).
 
 use std::{sync::Arc, time::Duration};
 
@@ -35,6 +38,23 @@ pub(super) struct Waiters {
     jobs: DashMap<JobId, Arc<Queue>>,
 }
 
+/// One waiter's place: when it goes (answered, or its request dropped mid-wait), the last
+/// waiter of a job takes the job's entry away.
+struct Waiting<'a> {
+    waiters: &'a Waiters,
+    job: &'a JobId,
+    queue: Option<Arc<Queue>>,
+}
+
+impl Drop for Waiting<'_> {
+    fn drop(&mut self) {
+        drop(self.queue.take());
+        self.waiters
+            .jobs
+            .remove_if(self.job, |_, q| Arc::strong_count(q) == 1);
+    }
+}
+
 impl Waiters {
     /// Wakes the waiters of `job`: it was released or completed here.
     pub(super) fn changed(&self, job: &JobId) {
@@ -53,6 +73,10 @@ impl Waiters {
         wait: Duration,
     ) -> Result<Outcome, StoreError> {
         let deadline = Instant::now() + wait;
+        let first = store.apply(job, op.clone()).await?;
+        if !matches!(first, Outcome::Held { .. }) {
+            return Ok(first);
+        }
         let queue = self
             .jobs
             .entry(job.clone())
@@ -63,11 +87,13 @@ impl Waiters {
                 })
             })
             .clone();
-        let outcome = Self::queued(&queue, store, job, op, deadline).await;
-        drop(queue);
-        // The last waiter of the job takes its entry away.
-        self.jobs.remove_if(job, |_, q| Arc::strong_count(q) == 1);
-        outcome
+        let waiting = Waiting {
+            waiters: self,
+            job,
+            queue: Some(queue),
+        };
+        let queue = waiting.queue.as_deref().expect("set above");
+        Self::queued(queue, store, job, op, deadline).await
     }
 
     async fn queued<S: LeaseStore>(
