@@ -1,4 +1,4 @@
-//! Fresh lease keys from the operating system's random source.
+//! Keys a worker uses: fresh lease keys from the OS's random source, derived idempotency keys.
 
 use fence_core::secret::LeaseKey;
 
@@ -12,6 +12,17 @@ pub fn new_lease_key() -> Result<LeaseKey, getrandom::Error> {
     Ok(LeaseKey::from_random(&bytes))
 }
 
+impl crate::LeaseView {
+    /// The idempotency key of `step` of this job, for a third-party API that deduplicates by
+    /// key but cannot check a fencing token: the same for every holder of every generation,
+    /// so a new holder repeating a step a stale holder already sent is deduplicated by the
+    /// API (for as long as it keeps keys). See
+    /// [`IdempotencyKey::for_step`](fence_core::headers::IdempotencyKey::for_step).
+    pub fn idempotency_key(&self, step: &str) -> fence_core::headers::IdempotencyKey {
+        fence_core::headers::IdempotencyKey::for_step(self.job(), step)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     #[test]
@@ -22,5 +33,21 @@ mod tests {
         );
         assert_ne!(a, b);
         assert_eq!(a.expose().len(), 43);
+    }
+
+    #[tokio::test]
+    async fn a_lease_derives_the_step_key_of_its_own_job() {
+        let client = crate::LeaseClient::new(crate::MemoryLeaseStore::new());
+        let job: fence_core::JobId = "invoice-42".parse().unwrap();
+        let lease = client.claim(job.clone()).await.unwrap();
+        let key = lease.idempotency_key("charge");
+        assert_eq!(
+            key,
+            fence_core::headers::IdempotencyKey::for_step(&job, "charge")
+        );
+        assert_eq!(
+            key.as_str(),
+            "fence-94_3LSyI-83UpFvMYZSTMad586VO_w3O3VjtR9m8yGY"
+        );
     }
 }

@@ -253,14 +253,6 @@ impl LeaseView {
         self.shared.token()
     }
 
-    /// The idempotency key of `step` of this job, for a third-party API that deduplicates
-    /// by key but cannot check a fencing token: the same for every holder, so a new holder
-    /// repeating a step that a stale holder already sent is deduplicated by the API (for as
-    /// long as it keeps keys). See [`IdempotencyKey::for_step`].
-    pub fn idempotency_key(&self, step: &str) -> fence_core::headers::IdempotencyKey {
-        fence_core::headers::IdempotencyKey::for_step(&self.shared.job, step)
-    }
-
     /// The token as `X-Fencing-Token` carries it (the server's signed string when it signs),
     /// while the lease is held; `None` from the moment it is lost.
     pub fn token_string(&self) -> Option<String> {

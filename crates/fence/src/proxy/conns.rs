@@ -1,5 +1,4 @@
-//! Kept-alive HTTP/1.1 connections from one worker thread to the upstream, and one HTTP/2
-//! connection for gRPC calls.
+//! Connections from one worker thread to the upstream: HTTP/1.1 kept alive, HTTP/2 for gRPC.
 
 use std::time::Duration;
 

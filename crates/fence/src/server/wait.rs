@@ -1,5 +1,7 @@
-//! Waiting claims (contract section 11): `POST /v1/leases/{job}/claim?wait=DURATION` holds
-//! the request while the job is held, until it can be claimed or the wait ends.
+//! Waiting claims: `claim?wait=D` holds the request until the job can be claimed.
+//!
+//! Contract section 11: `POST /v1/leases/{job}/claim?wait=DURATION` holds the request while
+//! the job is held, until it can be claimed or the wait ends.
 //!
 //! A waiting claim first tries once, like any claim: a job that is free is taken at once, and
 //! the holder's own retry (same owner and key, after a lost answer) gets its lease back

@@ -1,0 +1,181 @@
+//! The PostgreSQL lease store against the local database: conformance and its own cases.
+use super::*;
+
+/// A store on a table of its own, so parallel tests do not share jobs.
+async fn fresh() -> Option<PgLeaseStore> {
+    let url = fence_storage::postgres::test_database_url();
+    let table = PgTable::new("fence_test", &format!("leases_{:016x}", fastrand::u64(..))).unwrap();
+    let store = PgLeaseStore::connect(&url, table).await.unwrap();
+    store.migrate().await.unwrap();
+    Some(store)
+}
+
+crate::lease_store_conformance!(|| async {
+    let store = fresh().await?;
+    let shifter = store.clone();
+    let advance: crate::conformance::Advance = Box::new(move |ms| shifter.shift_clock_ms(ms));
+    Some((store, advance))
+});
+
+#[test]
+fn table_names_are_checked() {
+    assert!(PgTable::new("fence", "leases").is_ok());
+    for (s, t) in [
+        ("", "x"),
+        ("Fence", "x"),
+        ("fence", "x;drop"),
+        ("fence", "1x"),
+        ("a.b", "x"),
+    ] {
+        assert!(PgTable::new(s, t).is_err(), "{s}.{t}");
+    }
+}
+
+#[tokio::test]
+async fn migrate_is_idempotent_and_generations_never_reset() {
+    let Some(store) = fresh().await else { return };
+    store.migrate().await.unwrap();
+    let (j, a) = ("j".parse().unwrap(), "a".parse().unwrap());
+    let key = crate::new_lease_key().unwrap();
+    let Outcome::Granted(g) = store.claim(&j, &a, &key, Ttl::DEFAULT).await.unwrap() else {
+        panic!()
+    };
+    store.complete(&j, &a, g.generation, &key).await.unwrap();
+    store.migrate().await.unwrap();
+    let rec = store.get(&j).await.unwrap().unwrap();
+    assert_eq!(
+        (rec.generation, rec.state),
+        (Generation::new(1), LeaseState::Completed)
+    );
+}
+
+fn granted(outcome: Outcome) -> Generation {
+    match outcome {
+        Outcome::Granted(g) => g.generation,
+        other => panic!("{other:?}"),
+    }
+}
+
+/// Contract section 8 on PostgreSQL: idle jobs go, held ones stay, and a job claimed
+/// again, or for the first time, from this store or another on the same table (a
+/// restart, a second server), starts above every generation forgotten.
+#[tokio::test]
+async fn forgets_idle_jobs_and_every_store_on_the_table_starts_above_the_floor() {
+    const IDLE: Duration = Duration::from_secs(3600);
+    let store = fresh().await.unwrap();
+    let owner: Owner = "w".parse().unwrap();
+    let short = Ttl::from_millis(10_000).unwrap();
+    let (a, c, held) = (
+        "a".parse::<JobId>().unwrap(),
+        "c".parse::<JobId>().unwrap(),
+        "held".parse::<JobId>().unwrap(),
+    );
+    let key = crate::new_lease_key().unwrap();
+    let g = granted(store.claim(&a, &owner, &key, short).await.unwrap());
+    store.complete(&a, &owner, g, &key).await.unwrap();
+    for _ in 0..4 {
+        let g = granted(store.claim(&c, &owner, &key, short).await.unwrap());
+        store.release(&c, &owner, g, &key).await.unwrap();
+    }
+    assert_eq!(
+        granted(store.claim(&c, &owner, &key, short).await.unwrap()),
+        Generation::new(5)
+    );
+    let day = Ttl::from_millis(24 * 3600 * 1000).unwrap();
+    store.claim(&held, &owner, &key, day).await.unwrap();
+    assert_eq!(
+        store.forget_idle(IDLE, 100).await.unwrap(),
+        0,
+        "none idle yet"
+    );
+    store.shift_clock_ms(i64::try_from((IDLE + Duration::from_secs(11)).as_millis()).unwrap());
+    assert_eq!(store.forget_idle(IDLE, 100).await.unwrap(), 2, "a and c");
+    assert_eq!(store.forget_idle(IDLE, 100).await.unwrap(), 0);
+    assert!(store.get(&a).await.unwrap().is_none());
+    assert!(store.get(&c).await.unwrap().is_none());
+    assert!(
+        store.get(&held).await.unwrap().is_some(),
+        "a held lease stays"
+    );
+    let listed = store.list(&ListQuery::default()).await.unwrap();
+    assert_eq!(
+        listed.leases.len(),
+        1,
+        "the floor row is never listed: {listed:?}"
+    );
+    // A completed job forgotten may run again, above everything it had.
+    let again = granted(store.claim(&a, &owner, &key, short).await.unwrap());
+    assert_eq!(again, Generation::new(6), "the floor is 5 (c's)");
+    // Another store on the same table: a restarted or second server.
+    let other = PgLeaseStore::connect(
+        &fence_storage::postgres::test_database_url(),
+        store.table.clone(),
+    )
+    .await
+    .unwrap();
+    other.migrate().await.unwrap();
+    let fresh_job = "never-seen".parse().unwrap();
+    assert_eq!(
+        granted(other.claim(&fresh_job, &owner, &key, short).await.unwrap()),
+        Generation::new(6)
+    );
+    assert_eq!(
+        granted(other.claim(&c, &owner, &key, short).await.unwrap()),
+        Generation::new(6)
+    );
+}
+
+/// Claims race forgetting that deletes every released job at once: no job is ever
+/// granted the same generation twice, which it would be if a claim started a new row
+/// from a floor read before a forgetting it raced.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn claims_racing_forgetting_never_reuse_a_generation() {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let store = fresh().await.unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let forgetter = {
+        let (store, stop) = (store.clone(), stop.clone());
+        tokio::spawn(async move {
+            let mut forgotten = 0;
+            while !stop.load(Ordering::SeqCst) {
+                forgotten += store.forget_idle(Duration::ZERO, 20).await.unwrap();
+            }
+            forgotten
+        })
+    };
+    let mut workers = Vec::new();
+    for w in 0..6 {
+        let store = store.clone();
+        workers.push(tokio::spawn(async move {
+            let owner: Owner = format!("w{w}").parse().unwrap();
+            let ttl = Ttl::from_millis(10_000).unwrap();
+            let mut grants = Vec::new();
+            for i in 0..120 {
+                let job: JobId = format!("j{}", (i * 7 + w) % 4).parse().unwrap();
+                let key = crate::new_lease_key().unwrap();
+                if let Outcome::Granted(g) = store.claim(&job, &owner, &key, ttl).await.unwrap() {
+                    grants.push((job.clone(), g.generation));
+                    store
+                        .release(&job, &owner, g.generation, &key)
+                        .await
+                        .unwrap();
+                }
+            }
+            grants
+        }));
+    }
+    let mut seen = std::collections::HashSet::new();
+    let mut total = 0;
+    for w in workers {
+        for grant in w.await.unwrap() {
+            total += 1;
+            assert!(seen.insert(grant.clone()), "generation reused: {grant:?}");
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    let forgotten = forgetter.await.unwrap();
+    assert!(
+        total > 100 && forgotten > 20,
+        "{total} grants, {forgotten} forgotten"
+    );
+}
