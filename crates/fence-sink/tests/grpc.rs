@@ -414,16 +414,10 @@ where
     let svc = layer.layer(service_fn(move |_: Request<RequestBody<In>>| {
         counted.fetch_add(1, Ordering::SeqCst);
         async {
-            let mut trailers = HeaderMap::new();
-            trailers.insert("grpc-status", "0".parse().unwrap());
-            trailers.insert("grpc-message", "charged".parse().unwrap());
-            let body = http_body_util::Full::new(Bytes::from_static(b"\0\0\0\0\x02ok"))
-                .with_trailers(async move { Some(Ok::<_, Infallible>(trailers)) });
-            let mut response = Response::new(body);
-            response
-                .headers_mut()
-                .insert("content-type", "application/grpc".parse().unwrap());
-            Ok::<_, Infallible>(response)
+            Ok::<_, Infallible>(answer(
+                b"\0\0\0\0\x02ok",
+                &[("grpc-status", "0"), ("grpc-message", "charged")],
+            ))
         }
     }));
     let keyed = || {
@@ -471,17 +465,7 @@ async fn a_failed_grpc_answer_is_not_replayed() {
     let svc = FenceLayer::new(MemoryStore::new()).layer(service_fn(
         move |_: Request<RequestBody<In>>| {
             counted.fetch_add(1, Ordering::SeqCst);
-            async {
-                let mut trailers = HeaderMap::new();
-                trailers.insert("grpc-status", "14".parse().unwrap());
-                let body = http_body_util::Full::new(Bytes::from_static(b"\0\0\0\0\0"))
-                    .with_trailers(async move { Some(Ok::<_, Infallible>(trailers)) });
-                let mut response = Response::new(body);
-                response
-                    .headers_mut()
-                    .insert("content-type", "application/grpc".parse().unwrap());
-                Ok::<_, Infallible>(response)
-            }
+            async { Ok::<_, Infallible>(answer(b"\0\0\0\0\0", &[("grpc-status", "14")])) }
         },
     ));
     for _ in 0..2 {
@@ -521,4 +505,22 @@ async fn grpc_web_keeps_http_answers() {
     let answer = send(&svc, req).await;
     assert_eq!(answer.http, 409);
     assert_eq!(answer.header("grpc-status"), None);
+}
+
+/// A gRPC answer: one message `message`, then `trailers`.
+fn answer(
+    message: &'static [u8],
+    trailers: &[(&'static str, &'static str)],
+) -> Response<impl Body<Data = Bytes, Error = Infallible> + use<>> {
+    let mut map = HeaderMap::new();
+    for (name, value) in trailers {
+        map.insert(*name, value.parse().unwrap());
+    }
+    let body = http_body_util::Full::new(Bytes::from_static(message))
+        .with_trailers(async move { Some(Ok::<_, Infallible>(map)) });
+    let mut response = Response::new(body);
+    response
+        .headers_mut()
+        .insert("content-type", "application/grpc".parse().unwrap());
+    response
 }
