@@ -333,6 +333,31 @@ impl Problem {
         serde_json::to_vec(self).unwrap_or_else(|_| b"{}".to_vec())
     }
 
+    /// Turns the head of this problem's response into a gRPC answer (contract section 9):
+    /// HTTP 200, `content-type: application/grpc`, `grpc-status` by [`ProblemType::grpc_code`],
+    /// `grpc-message` (the detail, percent-encoded), `fence-problem-type` and, where it
+    /// applies, `fence-highest`. The caller sends it with an empty body (a trailers-only
+    /// answer); other headers (`Retry-After`) stay as metadata.
+    pub fn to_grpc_head(&self, status: &mut StatusCode, headers: &mut http::HeaderMap) {
+        *status = StatusCode::OK;
+        headers.remove(http::header::CONTENT_LENGTH);
+        headers.insert(CONTENT_TYPE, HeaderValue::from_static("application/grpc"));
+        headers.insert(
+            "grpc-status",
+            HeaderValue::from(u16::from(self.kind.grpc_code())),
+        );
+        if let Ok(message) = HeaderValue::try_from(grpc_message(&self.detail)) {
+            headers.insert("grpc-message", message);
+        }
+        headers.insert(
+            "fence-problem-type",
+            HeaderValue::from_static(self.kind.uri()),
+        );
+        if let Some(highest) = self.highest {
+            headers.insert("fence-highest", HeaderValue::from(highest));
+        }
+    }
+
     /// An HTTP response carrying this problem.
     pub fn to_response<B: From<Vec<u8>>>(&self) -> http::Response<B> {
         let mut response = http::Response::new(B::from(self.to_json()));

@@ -16,33 +16,20 @@ use crate::body::ResponseBody;
 /// How long a client should wait before retrying a 503 or an in-flight 409.
 pub(crate) const RETRY: Option<Duration> = Some(Duration::from_secs(1));
 
-/// A problem+json response, with `Retry-After` where the client should come back.
+/// A problem+json response, with `Retry-After` where the client should come back. The problem
+/// stays in its extensions: a gRPC call gets the same answer the gRPC way ([`grpc`]).
 pub(crate) fn reject<B>(
     problem: Problem,
     retry_after: Option<Duration>,
 ) -> Response<ResponseBody<B>> {
-    let rejection = Rejection {
-        kind: problem.kind,
-        detail: problem.detail.clone(),
-        highest: problem.highest,
-    };
     let mut response: Response<ResponseBody<B>> = problem.to_response();
     if let Some(after) = retry_after {
         response
             .headers_mut()
             .insert(RETRY_AFTER, HeaderValue::from(after.as_secs().max(1)));
     }
-    response.extensions_mut().insert(rejection);
+    response.extensions_mut().insert(problem);
     response
-}
-
-/// What a rejection answered, kept in its response's extensions: a gRPC call gets the same
-/// answer the gRPC way ([`grpc`]).
-#[derive(Debug, Clone)]
-pub(crate) struct Rejection {
-    kind: ProblemType,
-    detail: String,
-    highest: Option<u64>,
 }
 
 /// Whether a request is a gRPC call (contract section 9): its content type starts with
@@ -57,39 +44,15 @@ pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
         })
 }
 
-/// A rejection answered the gRPC way (contract section 9): HTTP 200, no body, and in the
-/// headers (a "trailers-only" answer) `grpc-status`, `grpc-message` (the problem's detail),
-/// `fence-problem-type` and, where it applies, `fence-highest`. `Retry-After` stays as
-/// metadata. Any other response passes unchanged.
-pub(crate) fn grpc<B>(mut response: Response<ResponseBody<B>>) -> Response<ResponseBody<B>> {
-    let Some(r) = response.extensions_mut().remove::<Rejection>() else {
-        return response;
+/// A rejection answered the gRPC way (contract section 9): see [`Problem::to_grpc_head`].
+/// Any other response passes unchanged.
+pub(crate) fn grpc<B>(response: Response<ResponseBody<B>>) -> Response<ResponseBody<B>> {
+    let (mut head, body) = response.into_parts();
+    let Some(problem) = head.extensions.remove::<Problem>() else {
+        return Response::from_parts(head, body);
     };
-    let header = |text: String| {
-        HeaderValue::try_from(text)
-            .unwrap_or_else(|_| HeaderValue::from_static("fence rejected the call"))
-    };
-    *response.status_mut() = http::StatusCode::OK;
-    *response.body_mut() = ResponseBody::full(bytes::Bytes::new());
-    let headers = response.headers_mut();
-    headers.remove(http::header::CONTENT_LENGTH);
-    headers.insert(
-        http::header::CONTENT_TYPE,
-        HeaderValue::from_static("application/grpc"),
-    );
-    headers.insert(
-        "grpc-status",
-        HeaderValue::from(u16::from(r.kind.grpc_code())),
-    );
-    headers.insert(
-        "grpc-message",
-        header(fence_core::problem::grpc_message(&r.detail)),
-    );
-    headers.insert("fence-problem-type", HeaderValue::from_static(r.kind.uri()));
-    if let Some(highest) = r.highest {
-        headers.insert("fence-highest", HeaderValue::from(highest));
-    }
-    response
+    problem.to_grpc_head(&mut head.status, &mut head.headers);
+    Response::from_parts(head, ResponseBody::full(bytes::Bytes::new()))
 }
 
 pub(crate) fn malformed(e: &HeaderError) -> Problem {

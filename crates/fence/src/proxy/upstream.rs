@@ -157,50 +157,16 @@ impl Upstream {
     }
 }
 
-/// The proxy's own problem answered to a gRPC client the gRPC way (contract section 9):
-/// HTTP 200, `grpc-status` by the problem's type, `grpc-message` its detail. Answers of the
-/// upstream pass unchanged.
+/// The proxy's own problem answered to a gRPC client the gRPC way (contract section 9): see
+/// [`Problem::to_grpc_head`]. Answers of the upstream pass unchanged.
 fn grpc_problem(response: Response<UpstreamBody>) -> Response<UpstreamBody> {
     let (mut head, body) = response.into_parts();
-    let Either::Right(full) = body else {
+    let Some(problem) = head.extensions.remove::<Problem>() else {
         return Response::from_parts(head, body);
     };
-    let Some(kind) = head
-        .headers
-        .get(http::header::CONTENT_TYPE)
-        .filter(|t| t.as_bytes() == b"application/problem+json")
-        .and(head.extensions.get::<ProblemType>().copied())
-    else {
-        return Response::from_parts(head, Either::Right(full));
-    };
-    let detail = head
-        .extensions
-        .remove::<ProblemDetail>()
-        .map(|d| d.0)
-        .unwrap_or_default();
-    head.status = http::StatusCode::OK;
-    head.headers.remove(http::header::CONTENT_LENGTH);
-    head.headers.insert(
-        http::header::CONTENT_TYPE,
-        http::HeaderValue::from_static("application/grpc"),
-    );
-    head.headers.insert(
-        "grpc-status",
-        http::HeaderValue::from(u16::from(kind.grpc_code())),
-    );
-    if let Ok(message) = http::HeaderValue::try_from(fence_core::problem::grpc_message(&detail)) {
-        head.headers.insert("grpc-message", message);
-    }
-    head.headers.insert(
-        "fence-problem-type",
-        http::HeaderValue::from_static(kind.uri()),
-    );
+    problem.to_grpc_head(&mut head.status, &mut head.headers);
     Response::from_parts(head, Either::Right(Full::new(Bytes::new())))
 }
-
-/// The detail of the proxy's own problem, kept for a gRPC answer.
-#[derive(Clone)]
-struct ProblemDetail(String);
 
 /// Whether a request is a gRPC call, to go to the upstream over HTTP/2 (gRPC-Web, which
 /// works over HTTP/1.1, is not).
@@ -257,10 +223,9 @@ fn client_body_failed(e: &hyper::Error) -> bool {
     false
 }
 
+/// The proxy's own problem; the problem stays in its extensions for [`grpc_problem`].
 fn problem(p: Problem) -> Response<UpstreamBody> {
-    let (kind, detail) = (p.kind, ProblemDetail(p.detail.clone()));
     let mut response = p.to_response::<Full<Bytes>>().map(Either::Right);
-    response.extensions_mut().insert(kind);
-    response.extensions_mut().insert(detail);
+    response.extensions_mut().insert(p);
     response
 }
