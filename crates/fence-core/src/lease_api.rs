@@ -356,8 +356,8 @@ impl ListQuery {
         let mut seen: Vec<String> = Vec::new();
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, raw) = pair.split_once('=').unwrap_or((pair, ""));
-            let key = percent_decode(key).map_err(|e| BodyError::new("query", e))?;
-            let value = percent_decode(raw).map_err(|e| BodyError::new(key.as_str(), e))?;
+            let key = percent_decode(key, true).map_err(|e| BodyError::new("query", e))?;
+            let value = percent_decode(raw, true).map_err(|e| BodyError::new(key.as_str(), e))?;
             if seen.contains(&key) {
                 return Err(BodyError::new(key, "given more than once"));
             }
@@ -453,7 +453,17 @@ fn percent_encode(s: &str) -> String {
     out
 }
 
-fn percent_decode(s: &str) -> Result<String, &'static str> {
+/// A percent-encoded path segment (a job id in `/v1/leases/{job}` or the proxy's
+/// `/v1/fence/{job}`), decoded: `%XX` sequences, no `+` for space.
+///
+/// # Errors
+/// A `%` not followed by two hex digits, or bytes that are not UTF-8 once decoded.
+pub fn decode_path_segment(s: &str) -> Result<String, &'static str> {
+    percent_decode(s, false)
+}
+
+/// `%XX` sequences decoded, and `+` as a space when `plus_is_space` (a query).
+fn percent_decode(s: &str, plus_is_space: bool) -> Result<String, &'static str> {
     let bytes = s.as_bytes();
     let mut out = Vec::with_capacity(bytes.len());
     let mut i = 0;
@@ -468,7 +478,7 @@ fn percent_decode(s: &str) -> Result<String, &'static str> {
                 out.push(hex);
                 i += 3;
             }
-            b'+' => {
+            b'+' if plus_is_space => {
                 out.push(b' ');
                 i += 1;
             }

@@ -224,8 +224,8 @@ async fn job_fence(fence: &FenceView, raw: &str, get: bool) -> Response<Full<Byt
         )
         .to_response();
     }
-    let job = percent_decode(raw)
-        .ok_or_else(|| "the job in the path is not valid percent-encoded UTF-8".to_owned())
+    let job = fence_core::lease_api::decode_path_segment(raw)
+        .map_err(|e| format!("job (in the path): {e}"))
         .and_then(|j| JobId::new(j).map_err(|e| format!("job (in the path): {e}")));
     let job = match job {
         Ok(job) => job,
@@ -259,22 +259,4 @@ async fn job_fence(fence: &FenceView, raw: &str, get: bool) -> Response<Full<Byt
             response
         }
     }
-}
-
-/// `%XX` sequences decoded; `None` when they do not make UTF-8.
-fn percent_decode(s: &str) -> Option<String> {
-    let bytes = s.as_bytes();
-    let mut out = Vec::with_capacity(bytes.len());
-    let mut i = 0;
-    while i < bytes.len() {
-        if bytes[i] == b'%' {
-            let hex = std::str::from_utf8(bytes.get(i + 1..i + 3)?).ok()?;
-            out.push(u8::from_str_radix(hex, 16).ok()?);
-            i += 3;
-        } else {
-            out.push(bytes[i]);
-            i += 1;
-        }
-    }
-    String::from_utf8(out).ok()
 }
