@@ -39,6 +39,8 @@ pub enum Action {
     Release,
     /// `POST /v1/leases/{job}/complete`.
     Complete,
+    /// `POST /v1/leases/{job}/revoke` (an operator's; contract section 11).
+    Revoke,
 }
 
 impl Action {
@@ -49,17 +51,19 @@ impl Action {
             "renew" => Some(Self::Renew),
             "release" => Some(Self::Release),
             "complete" => Some(Self::Complete),
+            "revoke" => Some(Self::Revoke),
             _ => None,
         }
     }
 
-    /// The path segment: `claim`, `renew`, `release` or `complete`.
+    /// The path segment: `claim`, `renew`, `release`, `complete` or `revoke`.
     pub const fn as_str(self) -> &'static str {
         match self {
             Self::Claim => "claim",
             Self::Renew => "renew",
             Self::Release => "release",
             Self::Complete => "complete",
+            Self::Revoke => "revoke",
         }
     }
 }
@@ -248,6 +252,45 @@ impl FinishRequest {
     }
 }
 
+/// The longest `reason` a revoke may give, in bytes.
+pub const MAX_REASON_LEN: usize = 512;
+
+/// `POST /v1/leases/{job}/revoke`: an operator ends the current lease at once.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
+pub struct RevokeRequest {
+    /// Why, for the server's log (at most [`MAX_REASON_LEN`] bytes, no control characters).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+}
+
+impl RevokeRequest {
+    /// Parses a request body, strictly; an empty body is a revoke without a reason.
+    ///
+    /// # Errors
+    /// When it is not a JSON object with at most a valid `reason`.
+    pub fn from_json(bytes: &[u8]) -> Result<Self, BodyError> {
+        if bytes.iter().all(u8::is_ascii_whitespace) {
+            return Ok(Self::default());
+        }
+        let f = Fields::parse(bytes, &["reason"])?;
+        let reason = match f.0.get("reason") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s.len() > MAX_REASON_LEN => {
+                return Err(BodyError::new(
+                    "reason",
+                    format!("longer than {MAX_REASON_LEN} bytes"),
+                ));
+            }
+            Some(Value::String(s)) if s.chars().any(char::is_control) => {
+                return Err(BodyError::new("reason", "must not hold control characters"));
+            }
+            Some(Value::String(s)) => Some(s.clone()),
+            Some(_) => return Err(BodyError::new("reason", "must be a string")),
+        };
+        Ok(Self { reason })
+    }
+}
+
 /// A granted lease: the answer to a successful claim or renewal.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct LeaseBody {
@@ -312,6 +355,10 @@ pub struct RecordBody {
     pub state: LeaseState,
     /// How long the lease has left (0 unless held).
     pub expires_in_ms: u64,
+    /// Only in a revoke's answer from a server that signs tokens: the signed token of the
+    /// raised generation, for `fence revoke --sink` to push to sinks (contract section 11).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub token: Option<String>,
 }
 
 /// `GET /v1/leases?state=S&prefix=P&after=JOB&limit=N`: a page of leases in job id order.
@@ -441,7 +488,7 @@ pub struct ListBody {
 }
 
 /// Everything but unreserved characters, percent-encoded.
-fn percent_encode(s: &str) -> String {
+pub(crate) fn percent_encode(s: &str) -> String {
     let mut out = String::new();
     for b in s.bytes() {
         if b.is_ascii_alphanumeric() || matches!(b, b'-' | b'.' | b'_' | b'~') {
@@ -492,89 +539,4 @@ fn percent_decode(s: &str, plus_is_space: bool) -> Result<String, &'static str> 
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn paths_percent_encode_the_job() {
-        let job: JobId = "a/b%c?d#e f".replace(' ', "+").parse().unwrap();
-        assert_eq!(
-            lease_path(&job, Some(Action::Claim)),
-            "/v1/leases/a%2Fb%25c%3Fd%23e%2Bf/claim"
-        );
-        assert_eq!(
-            lease_path(&"x~_.-9".parse().unwrap(), None),
-            "/v1/leases/x~_.-9"
-        );
-    }
-
-    #[test]
-    fn requests_round_trip_and_bad_ones_name_the_field() {
-        let key = "k".repeat(22);
-        let renew = RenewRequest {
-            owner: "w".parse().unwrap(),
-            generation: Generation::new(u64::MAX),
-            lease_key: key.parse().unwrap(),
-            ttl: Ttl::MIN,
-        };
-        let json = serde_json::to_string(&renew).unwrap();
-        assert_eq!(
-            json,
-            format!(
-                r#"{{"owner":"w","generation":18446744073709551615,"lease_key":"{key}","ttl_ms":100}}"#
-            )
-        );
-        assert_eq!(RenewRequest::from_json(json.as_bytes()).unwrap(), renew);
-        let claim = ClaimRequest::from_json(
-            format!(r#"{{"owner": "w", "lease_key": "{key}"}}"#).as_bytes(),
-        )
-        .unwrap();
-        assert_eq!(claim.ttl, Ttl::DEFAULT, "ttl_ms defaults to 30 s");
-        let with_key = |rest: &str| format!(r#"{{"lease_key": "{key}", {rest}}}"#);
-        for (body, want) in [
-            ("[]".to_owned(), "body: must be a JSON object"),
-            (with_key(r#""generation": 1"#), "owner: missing"),
-            (
-                with_key(r#""owner": "w", "generation": -1"#),
-                "generation: must be an integer from 0",
-            ),
-            (
-                with_key(r#""owner": "w", "generation": 1, "ttl_ms": 5"#),
-                "ttl_ms: unknown field",
-            ),
-            (
-                r#"{"owner": "w", "generation": 1}"#.into(),
-                "lease_key: missing",
-            ),
-            (
-                r#"{"owner": "w", "generation": 1, "lease_key": 7}"#.into(),
-                "lease_key: must be a string",
-            ),
-            (
-                r#"{"owner": "w", "generation": 1, "lease_key": ""}"#.into(),
-                "lease_key: must be 22 to 128",
-            ),
-        ] {
-            let e = FinishRequest::from_json(body.as_bytes()).unwrap_err();
-            assert!(e.to_string().starts_with(want), "{e} lacks {want}");
-        }
-    }
-
-    #[test]
-    fn states_are_lower_case_words() {
-        for (state, word) in [
-            (LeaseState::Free, "free"),
-            (LeaseState::Held, "held"),
-            (LeaseState::Expired, "expired"),
-            (LeaseState::Completed, "completed"),
-        ] {
-            assert_eq!(serde_json::to_value(state).unwrap(), word);
-            assert_eq!(state.as_str(), word);
-            assert_eq!(
-                serde_json::from_value::<LeaseState>(word.into()).unwrap(),
-                state
-            );
-        }
-        assert!(serde_json::from_value::<LeaseState>("Held".into()).is_err());
-    }
-}
+mod tests;

@@ -26,6 +26,7 @@ pub mod problem;
 pub mod secret;
 #[cfg(feature = "signing")]
 pub mod signing;
+pub mod sink_api;
 mod ttl;
 
 pub use generation::{FencingToken, Generation, ParseTokenError};

@@ -110,42 +110,64 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// the lease would have been useless, [`ClaimError::Timing`] for a margin or renewal
     /// interval that does not fit the TTL.
     pub async fn claim(&self, job: JobId) -> Result<Lease<S>, ClaimError> {
+        self.claim_waiting(job, Duration::ZERO).await
+    }
+
+    /// [`claim`](Self::claim), waiting up to `wait` while another owner holds the job: the
+    /// lease comes the moment the job frees (released, expired, revoked), ahead of later
+    /// waiters when the store is a lease server (its waiting claims, contract section 11);
+    /// other stores are polled. [`ClaimError::Held`] only once the wait is over.
+    ///
+    /// The lease's local deadline still runs from when the claim was sent, so a claim that
+    /// waited long is renewed once at once, and the lease's deadline runs from that renewal.
+    ///
+    /// # Errors
+    /// As [`claim`](Self::claim).
+    pub async fn claim_waiting(&self, job: JobId, wait: Duration) -> Result<Lease<S>, ClaimError> {
         let timing = Timing::new(self.ttl, self.margin, self.renew_every)?;
         // A second claim by this owner would get the same lease back (the contract's retry
         // rule): two tasks would then both hold one job. Refuse it here.
         let held = HeldMark::take(&self.held, &job)
             .ok_or_else(|| ClaimError::AlreadyHeld { job: job.clone() })?;
         let key = crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?;
-        let t_send = Instant::now();
+        let mut t_send = Instant::now();
         let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
-        let claim = self.store.claim(&job, &self.owner, &key, self.ttl);
-        let outcome = tokio::time::timeout(budget, claim)
-            .await
-            .map_err(|_| ClaimError::Store(StoreError::Timeout(budget)))??;
-        let grant = match outcome {
-            Outcome::Granted(grant) => grant,
-            Outcome::Held {
-                owner, expires_in, ..
-            } => {
-                return Err(ClaimError::Held {
-                    job,
-                    owner,
-                    expires_in,
-                });
-            }
-            Outcome::Completed { owner, generation } => {
-                return Err(ClaimError::Completed {
-                    job,
-                    owner,
-                    generation,
-                });
-            }
-            other => {
-                return Err(ClaimError::Store(StoreError::Protocol(format!(
-                    "a claim was answered with {other:?}"
-                ))));
+        let claim = async {
+            if wait.is_zero() {
+                self.store.claim(&job, &self.owner, &key, self.ttl).await
+            } else {
+                let store = &self.store;
+                store
+                    .claim_waiting(&job, &self.owner, &key, self.ttl, wait)
+                    .await
             }
         };
+        let outcome = tokio::time::timeout(budget + wait, claim)
+            .await
+            .map_err(|_| ClaimError::Store(StoreError::Timeout(budget + wait)))??;
+        let mut grant = granted(&job, outcome)?;
+        // Granted after a long wait: how long the lease has left on the server is unknown
+        // here (only that it started after t_send), so renew now and count from this send.
+        let left = timing
+            .deadline(t_send, grant.ttl)
+            .saturating_duration_since(Instant::now());
+        if left < budget * 2 / 3 {
+            t_send = Instant::now();
+            let renew = self
+                .store
+                .renew(&job, &self.owner, grant.generation, &key, self.ttl);
+            let renewed = tokio::time::timeout(budget, renew).await;
+            match renewed {
+                Ok(Ok(Outcome::Granted(g))) => grant = g,
+                Ok(Ok(other)) => {
+                    return Err(ClaimError::Store(StoreError::Protocol(format!(
+                        "the renewal right after a waiting claim was answered with {other:?}"
+                    ))));
+                }
+                Ok(Err(e)) => return Err(ClaimError::Store(e)),
+                Err(_) => return Err(ClaimError::Store(StoreError::Timeout(budget))),
+            }
+        }
         let token = grant.generation.token().ok_or_else(|| {
             ClaimError::Store(StoreError::Protocol(
                 "the store granted generation 0".into(),
@@ -165,6 +187,29 @@ impl<S: LeaseStore> LeaseClient<S> {
             ttl: grant.ttl,
         };
         Ok(Lease::start(self.store.clone(), granted, timing, held))
+    }
+}
+
+/// The grant in a claim's outcome, or why there is none.
+fn granted(job: &JobId, outcome: Outcome) -> Result<crate::Grant, ClaimError> {
+    let job = job.clone();
+    match outcome {
+        Outcome::Granted(grant) => Ok(grant),
+        Outcome::Held {
+            owner, expires_in, ..
+        } => Err(ClaimError::Held {
+            job,
+            owner,
+            expires_in,
+        }),
+        Outcome::Completed { owner, generation } => Err(ClaimError::Completed {
+            job,
+            owner,
+            generation,
+        }),
+        other => Err(ClaimError::Store(StoreError::Protocol(format!(
+            "a claim was answered with {other:?}"
+        )))),
     }
 }
 

@@ -21,7 +21,7 @@ use std::{
 
 use fence_core::{Generation, JobId, Owner};
 
-use crate::{LeaseKey, LeaseState, LeaseStore, Outcome, Ttl};
+use crate::{LeaseKey, LeaseOp, LeaseState, LeaseStore, Outcome, Ttl};
 
 #[doc(hidden)]
 pub use fence_storage as __storage;
@@ -40,6 +40,7 @@ macro_rules! lease_store_conformance {
             renew_after_expiry_succeeds_until_reclaimed,
             release_frees_and_keeps_generation,
             complete_is_final,
+            revoke_ends_the_lease_and_raises_the_generation,
             get_reports_every_state,
             clock_jumps_never_lower_a_generation,
             knowing_owner_and_generation_without_the_key_changes_nothing,
@@ -289,6 +290,59 @@ pub async fn complete_is_final<S: LeaseStore>(store: S, advance: Advance) {
         store.release(&j, &a, g, &key_of(&a)).await.unwrap(),
         Outcome::Lost { .. }
     ));
+    assert_eq!(store.get(&j).await.unwrap().unwrap().generation, g);
+}
+
+/// An operator's revoke frees the job one generation up: the holder has lost it, the next
+/// claim gets the generation after; an unknown or completed job is refused, unchanged.
+pub async fn revoke_ends_the_lease_and_raises_the_generation<S: LeaseStore>(
+    store: S,
+    advance: Advance,
+) {
+    let (j, a, b) = (job("conf-revoke"), owner("a"), owner("b"));
+    let unknown = store.apply(&j, LeaseOp::Revoke).await.unwrap();
+    assert_eq!(
+        (unknown, store.get(&j).await.unwrap()),
+        (Outcome::Unknown, None)
+    );
+    let Outcome::Granted(grant) = store.claim(&j, &a, &key_of(&a), TTL).await.unwrap() else {
+        panic!("a claims a new job")
+    };
+    let g = grant.generation;
+    let Outcome::Revoked(r) = store.apply(&j, LeaseOp::Revoke).await.unwrap() else {
+        panic!("a held job is revoked")
+    };
+    let up = |g: Generation, n: u64| Generation::new(g.get() + n);
+    assert_eq!(
+        (r.record.state, r.record.owner, r.record.generation),
+        (LeaseState::Free, None, up(g, 1))
+    );
+    assert_eq!(r.expires_at_ms, Some(grant.expires_at_ms)); // when its tokens end
+    let lost = store.complete(&j, &a, g, &key_of(&a)).await.unwrap();
+    assert_eq!(
+        lost,
+        Outcome::Lost {
+            owner: None,
+            generation: up(g, 1)
+        }
+    );
+    assert_eq!(store.get(&j).await.unwrap().unwrap().generation, up(g, 1));
+    assert_eq!(granted(&store, &j, &b).await, up(g, 2));
+    // An expired lease: the revoked tokens ended already, so the revoke's own ends now.
+    advance(ms(TTL.as_duration() * 2));
+    let Outcome::Revoked(r) = store.apply(&j, LeaseOp::Revoke).await.unwrap() else {
+        panic!("an expired job is revoked")
+    };
+    assert_eq!(r.record.generation, up(g, 3));
+    assert!(r.expires_at_ms.unwrap() >= grant.expires_at_ms + TTL.as_millis());
+    let g = granted(&store, &j, &a).await;
+    assert_eq!(g, up(grant.generation, 4));
+    store.complete(&j, &a, g, &key_of(&a)).await.unwrap();
+    let completed = Outcome::Completed {
+        owner: Some(a.clone()),
+        generation: g,
+    };
+    assert_eq!(store.apply(&j, LeaseOp::Revoke).await.unwrap(), completed);
     assert_eq!(store.get(&j).await.unwrap().unwrap().generation, g);
 }
 

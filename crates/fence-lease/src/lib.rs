@@ -46,7 +46,8 @@ pub use lease::{FinishError, Lease, LeaseView, LossReason, TimingError, TokenUpd
 pub use owner::default_owner;
 pub use store::{
     BearerToken, Grant, HttpLeaseStore, HttpOptions, LeaseOp, LeaseRecord, LeaseStore, ListPage,
-    MemoryLeaseStore, Outcome, SigningLeaseStore, SledLeaseStore, StoreError, TokenError, UrlError,
+    MemoryLeaseStore, Outcome, Revocation, SigningLeaseStore, SledLeaseStore, StoreError,
+    TokenError, UrlError,
 };
 
 #[cfg(feature = "postgres")]

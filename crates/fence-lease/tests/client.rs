@@ -370,3 +370,51 @@ async fn timing_that_cannot_work_is_refused() {
     // The default at 100 ms: margin 50 ms, renewal every 33 ms.
     assert!(base.claim(job()).await.is_ok());
 }
+
+/// A claim that waits while another owner holds the job gets the lease when that lease
+/// expires; because its local deadline still runs from when the claim was sent (long ago),
+/// it renews at once, so the lease it returns is alive and keeps its full margin.
+#[tokio::test(start_paused = true)]
+async fn a_claim_that_waited_renews_at_once_and_holds_a_live_lease() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let store = Arc::new(MemoryLeaseStore::with_clock(clock));
+    let ttl = Ttl::from_millis(1_000).unwrap();
+    // A claims, then crashes: no renewal, no release.
+    let key = fence_lease::new_lease_key().unwrap();
+    let a: Owner = "a".parse().unwrap();
+    let held = store.claim(&job(), &a, &key, ttl).await.unwrap();
+    assert!(matches!(held, Outcome::Granted(_)));
+    let b = LeaseClient::from_arc(store.clone())
+        .owner("b".parse().unwrap())
+        .ttl(ttl);
+    // Without waiting: held.
+    assert!(matches!(b.claim(job()).await, Err(ClaimError::Held { .. })));
+    // B waits for A's lease to run out.
+    let started = Instant::now();
+    let lease = b
+        .claim_waiting(job(), Duration::from_secs(10))
+        .await
+        .unwrap();
+    let waited = started.elapsed();
+    assert!(waited >= Duration::from_millis(900), "{waited:?}");
+    assert!(waited < Duration::from_secs(3), "{waited:?}");
+    assert_eq!(lease.generation(), Generation::new(2));
+    assert!(
+        !lease.is_lost(),
+        "the lease is alive when it is handed over"
+    );
+    // Its deadline runs from the renewal: it survives most of a TTL from now.
+    tokio::time::sleep(Duration::from_millis(700)).await;
+    assert!(!lease.is_lost());
+    let record = store.get(&job()).await.unwrap().unwrap();
+    assert_eq!(record.state, LeaseState::Held);
+    // A wait that ends while the job is held: Held, after the wait.
+    let c = LeaseClient::from_arc(store.clone()).owner("c".parse().unwrap());
+    let started = Instant::now();
+    let refused = c.claim_waiting(job(), Duration::from_millis(300)).await;
+    assert!(
+        matches!(refused, Err(ClaimError::Held { .. })),
+        "{refused:?}"
+    );
+    assert!(started.elapsed() >= Duration::from_millis(300));
+}

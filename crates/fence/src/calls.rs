@@ -1,14 +1,18 @@
-//! The one-shot lease calls of the command line: claim, renew, release, complete, status, leases.
+//! The one-shot lease calls of the command line: claim, renew, release, complete, status, leases, revoke.
 
 use anyhow::Context as _;
 use fence_core::{
     Generation,
-    lease_api::{Action, ClaimRequest, FinishRequest, ListBody, ListQuery, RenewRequest},
+    lease_api::{
+        Action, ClaimRequest, FinishRequest, ListBody, ListQuery, RecordBody, RenewRequest,
+        RevokeRequest,
+    },
+    sink_api::{AdvanceRequest, FenceView, fence_path},
 };
 use fence_lease::{BearerToken, HttpLeaseStore, HttpOptions};
 use http::StatusCode;
 
-use crate::cli::{ClaimCmd, FinishCmd, LeasesCmd, RenewCmd, ServerConn, ServerUrl};
+use crate::cli::{ClaimCmd, FinishCmd, LeasesCmd, RenewCmd, RevokeCmd, ServerConn, ServerUrl};
 
 /// What a one-shot call sends.
 #[derive(Debug)]
@@ -195,4 +199,78 @@ pub async fn leases(a: LeasesCmd) -> anyhow::Result<i32> {
             None => return Ok(0),
         }
     }
+}
+
+/// `fence revoke`: revokes the lease, prints the record, then pushes the signed token of the
+/// new generation to each `--sink`, saying on stderr what each answered.
+///
+/// # Errors
+/// When a URL is unusable or the server cannot be reached.
+pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
+    // Every sink URL is checked before anything is revoked.
+    let options = HttpOptions {
+        ca_cert: a.at.conn.ca_cert.clone(),
+        ..HttpOptions::default()
+    };
+    let sinks = a
+        .sink
+        .iter()
+        .map(|url| {
+            HttpLeaseStore::with_options(url, options.clone())
+                .with_context(|| format!("--sink {url}"))
+                .map_err(crate::Usage::from_error)
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let server = connect(&a.at.conn)?;
+    let body = RevokeRequest { reason: a.reason };
+    let (status, answer) = server
+        .call(&a.at.job, Some(Action::Revoke), Some(&body))
+        .await
+        .with_context(|| format!("cannot reach {}", server.base_url()))?;
+    print_answer(status, String::from_utf8_lossy(&answer).trim_end());
+    if status != StatusCode::OK || sinks.is_empty() {
+        return Ok(exit_code(status));
+    }
+    let record: RecordBody =
+        serde_json::from_slice(&answer).context("the server's answer is not a lease record")?;
+    let Some(token) = record.token else {
+        eprintln!(
+            "fence: the server signs no tokens (no --signing-key), so there is nothing a sink would trust to push; the lease is revoked, and the sinks refuse the old holder once the next holder writes"
+        );
+        return Ok(1);
+    };
+    let (job, push) = (&a.at.job, AdvanceRequest { token });
+    let mut code = 0;
+    for sink in &sinks {
+        let url = sink.base_url();
+        match sink.send(&fence_path(job), Some(&push)).await {
+            Ok((StatusCode::OK, bytes)) => match serde_json::from_slice::<FenceView>(&bytes) {
+                Ok(view) => eprintln!(
+                    "fence: {url}: job {job} is fenced at generation {}",
+                    view.highest
+                ),
+                Err(e) => {
+                    eprintln!("fence: {url}: answered 200 but not a fence view: {e}");
+                    code = 1;
+                }
+            },
+            Ok((status, bytes)) => {
+                let problem: Option<fence_core::Problem> = serde_json::from_slice(&bytes).ok();
+                let detail = problem.map_or_else(
+                    || String::from_utf8_lossy(&bytes).into_owned(),
+                    |p| p.detail,
+                );
+                eprintln!("fence: {url}: the push was refused, {status}: {detail}");
+                code = 1;
+            }
+            Err(e) => {
+                eprintln!(
+                    "fence: {url}: the push failed: {}",
+                    fence_storage::error_chain(&e)
+                );
+                code = 1;
+            }
+        }
+    }
+    Ok(code)
 }

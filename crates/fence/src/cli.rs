@@ -12,12 +12,13 @@ use http::Method;
 use crate::duration::{parse_duration, parse_timeout};
 
 const EXIT_CODES: &str = "\
-Exit codes of the lease calls (claim, renew, release, complete, status, leases):
+Exit codes of the lease calls (claim, renew, release, complete, status, leases, revoke):
   0  success; the server's JSON answer is printed on stdout
   3  the lease is held by another owner, lost, or the job is completed
   2  bad usage (also a 400, 401 or 403 from the server: a bad request, a missing or unknown
      secret, a job the secret does not cover, a wrong lease key)
-  1  anything else (server unreachable, unknown job for status, server error)
+  1  anything else (server unreachable, unknown job for status or revoke, server error,
+     and for revoke a --sink push that failed: the revoke itself stands)
 
 The bearer secret comes from --auth-token-file or, without it, from FENCE_AUTH_TOKEN.";
 
@@ -126,6 +127,14 @@ Example:
     /// Print a job's lease record as JSON.
     #[command(after_help = EXIT_CODES)]
     Status(StatusCmd),
+    /// Take a job's lease away from its holder at once (an operator's; needs a secret whose
+    /// auth-file line ends with +revoke) and print the record: free, one generation up. The
+    /// holder's next renewal fails. With --sink, the raised generation is also pushed to
+    /// each sink's admin listener (a server with --signing-key signs it), so the holder's
+    /// writes are refused there from now on, not only after the next holder writes.
+    /// Example: `fence revoke --server URL --job j --reason stuck --sink http://127.0.0.1:7801`
+    #[command(after_help = EXIT_CODES)]
+    Revoke(RevokeCmd),
     /// List leases, one JSON record a line, in job id order (every page of GET /v1/leases).
     ///
     /// With an auth file on the server, only the jobs the secret covers are listed.
@@ -507,6 +516,21 @@ pub struct FinishCmd {
     /// (A key may start with `-`: base64url uses it.)
     #[arg(long, env = "FENCE_LEASE_KEY", hide_env_values = true, allow_hyphen_values = true, value_parser = parse_lease_key)]
     pub lease_key: LeaseKey,
+}
+
+/// The flags of `fence revoke`.
+#[derive(Args, Debug)]
+pub struct RevokeCmd {
+    /// The server and the job.
+    #[command(flatten)]
+    pub at: ServerUrl,
+    /// Why, for the server's log.
+    #[arg(long)]
+    pub reason: Option<String>,
+    /// A sink's admin URL (`fence proxy --admin-listen`) to push the new generation to;
+    /// repeat for several.
+    #[arg(long, value_name = "URL")]
+    pub sink: Vec<String>,
 }
 
 /// The flags of `fence status`.

@@ -91,6 +91,7 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Leases(a) => fence::calls::leases(a).await,
+        Cmd::Revoke(a) => fence::calls::revoke(a).await,
         Cmd::Claim(a) => call(Call::Claim(a)).await,
         Cmd::Renew(a) => call(Call::Renew(a)).await,
         Cmd::Release(a) => call(Call::Release(a)).await,

@@ -405,7 +405,9 @@ async fn claim_within(
     let give_up = Instant::now() + wait;
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
     loop {
-        let pause = match client.claim(job.clone()).await {
+        // The server holds the claim until the job frees (first come, first served).
+        let left = give_up.saturating_duration_since(Instant::now());
+        let pause = match client.claim_waiting(job.clone(), left).await {
             Ok(lease) => return Ok(Some(lease)),
             Err(ClaimError::Completed { generation, .. }) => {
                 eprintln!(
@@ -422,7 +424,7 @@ async fn claim_within(
                     );
                     return Ok(None);
                 }
-                expires_in.min(backoff.next_pause())
+                Duration::ZERO // the server's wait ended early: ask again
             }
             Err(e @ ClaimError::Timing(_)) => return Err(e.into()),
             Err(e) => {

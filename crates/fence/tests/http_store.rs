@@ -1,5 +1,6 @@
 //! `HttpLeaseStore` against a real `fence server` router on loopback: the lease conformance
-//! suite, and the Lease handle over HTTP.
+//! suite (the server signs tokens, as a revoke's answer says its lease's end only in its
+//! token), and the Lease handle over HTTP.
 
 mod common;
 
@@ -11,7 +12,9 @@ use fence_lease::{
 
 async fn serve(clock: ManualClock) -> String {
     let dir = tempfile::tempdir().unwrap().keep();
-    let store = Arc::new(SledLeaseStore::open_with_clock(dir, Arc::new(clock)).unwrap());
+    let store = SledLeaseStore::open_with_clock(dir, Arc::new(clock)).unwrap();
+    let signer = fence_core::signing::TokenSigner::from_seed([3; 32]);
+    let store = Arc::new(fence_lease::SigningLeaseStore::new(store, signer));
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {

@@ -303,7 +303,11 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
         serde_json::from_str(include_str!("../../../docs/openapi.json")).unwrap();
     let dir = tempfile::tempdir().unwrap();
     let auth = dir.path().join("clients");
-    std::fs::write(&auth, format!("ops {OPS} *\nbilling {BILLING} inv-*\n")).unwrap();
+    std::fs::write(
+        &auth,
+        format!("ops {OPS} * +revoke\nbilling {BILLING} inv-*\n"),
+    )
+    .unwrap();
     std::fs::set_permissions(
         &auth,
         <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
@@ -339,6 +343,7 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
     let renew_path = "/v1/leases/{job}/renew";
     let release_path = "/v1/leases/{job}/release";
     let complete_path = "/v1/leases/{job}/complete";
+    let revoke_path = "/v1/leases/{job}/revoke";
     // (documented path, method, status, server, concrete path, bearer, body), in order:
     // earlier rows set up later ones.
     let rows: Vec<Row> = vec![
@@ -584,6 +589,69 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
             "/v1/leases/c/claim".into(),
             ops,
             claim("w"),
+        ),
+        (
+            revoke_path,
+            "POST",
+            200,
+            &sled,
+            "/v1/leases/r/revoke".into(),
+            ops,
+            r#"{"reason":"test"}"#.into(),
+        ),
+        (
+            revoke_path,
+            "POST",
+            400,
+            &sled,
+            "/v1/leases/r/revoke".into(),
+            ops,
+            r#"{"why":1}"#.into(),
+        ),
+        (
+            revoke_path,
+            "POST",
+            401,
+            &sled,
+            "/v1/leases/r/revoke".into(),
+            None,
+            String::new(),
+        ),
+        (
+            revoke_path,
+            "POST",
+            403,
+            &sled,
+            "/v1/leases/inv-1/revoke".into(),
+            billing,
+            String::new(),
+        ),
+        (
+            revoke_path,
+            "POST",
+            404,
+            &sled,
+            "/v1/leases/never/revoke".into(),
+            ops,
+            String::new(),
+        ),
+        (
+            revoke_path,
+            "POST",
+            410,
+            &sled,
+            "/v1/leases/c/revoke".into(),
+            ops,
+            String::new(),
+        ),
+        (
+            revoke_path,
+            "POST",
+            503,
+            &broken,
+            "/v1/leases/r/revoke".into(),
+            None,
+            String::new(),
         ),
         (
             lease,

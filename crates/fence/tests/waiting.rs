@@ -157,3 +157,54 @@ fn completed_jobs_and_bad_waits_answer_at_once() {
     let never = bearer_call(&addr, "GET", "/v1/leases/x", None, "").0;
     assert_eq!(never, 404, "nothing was claimed by a bad request");
 }
+
+/// `fence run --wait` waits on the server (one waiting claim), not by polling: it starts
+/// the moment the holder releases, and the server never answered it `lease-held`.
+#[test]
+fn fence_run_wait_uses_the_servers_waiting_claim() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let addr = url.trim_start_matches("http://").to_owned();
+    assert_eq!(claim(&addr, "r", "a", "").0, 200);
+    let run = {
+        let url = url.clone();
+        thread::spawn(move || {
+            let started = Instant::now();
+            let out = fence(&[
+                "run", "--server", &url, "--job", "r", "--wait", "20s", "--", "true",
+            ]);
+            (out, started.elapsed())
+        })
+    };
+    thread::sleep(Duration::from_millis(1_500));
+    assert!(!run.is_finished(), "fence run waits while a holds the job");
+    let released = Instant::now();
+    assert_eq!(release(&addr, "r", "a", 1), 200);
+    let (out, _) = run.join().unwrap();
+    assert_success(&out);
+    assert!(
+        released.elapsed() < Duration::from_millis(1_500),
+        "ran soon after the release: {:?}",
+        released.elapsed()
+    );
+    let (_, metrics) = bearer_call(&addr, "GET", "/metrics", None, "");
+    let held = metrics
+        .lines()
+        .find(|l| l.starts_with("fence_lease_requests_total") && l.contains(r#"outcome="held""#));
+    assert_eq!(
+        held, None,
+        "no claim was refused as held: fence run did not poll"
+    );
+    let granted = metrics
+        .lines()
+        .find(|l| {
+            l.starts_with("fence_lease_requests_total")
+                && l.contains(r#"op="claim""#)
+                && l.contains(r#"outcome="ok""#)
+        })
+        .unwrap_or_default();
+    assert!(
+        granted.ends_with(" 2"),
+        "a's claim and fence run's: {granted}"
+    );
+}

@@ -6,11 +6,12 @@ use std::{fmt, path::PathBuf, time::Duration};
 
 use bytes::Bytes;
 use fence_core::{
-    Generation, JobId, Problem, ProblemType, Ttl,
+    Generation, JobId, Owner, Problem, ProblemType, Ttl,
     lease_api::{
         Action, ClaimRequest, FinishRequest, LeaseBody, ListBody, ListQuery, RecordBody,
-        RenewRequest, lease_path,
+        RenewRequest, RevokeRequest, lease_path,
     },
+    secret::LeaseKey,
 };
 use fence_storage::tls::TlsError;
 use http::{
@@ -24,7 +25,7 @@ use hyper_util::{
     rt::TokioExecutor,
 };
 
-use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError};
+use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, StoreError};
 
 /// The lease API of a `fence server`, as a [`LeaseStore`], over `http://` or `https://`.
 ///
@@ -251,6 +252,16 @@ impl HttpLeaseStore {
         path: &str,
         body: Option<&impl serde::Serialize>,
     ) -> Result<(StatusCode, Bytes), StoreError> {
+        self.send_within(path, body, self.timeout).await
+    }
+
+    /// [`send`](Self::send) with its own timeout.
+    async fn send_within(
+        &self,
+        path: &str,
+        body: Option<&impl serde::Serialize>,
+        timeout: Duration,
+    ) -> Result<(StatusCode, Bytes), StoreError> {
         let mut req = Request::builder().uri(format!("{}{path}", self.base));
         if let Some(bearer) = &self.bearer {
             req = req.header(AUTHORIZATION, bearer.clone());
@@ -275,9 +286,9 @@ impl HttpLeaseStore {
                 .to_bytes();
             Ok((status, bytes))
         };
-        tokio::time::timeout(self.timeout, exchange)
+        tokio::time::timeout(timeout, exchange)
             .await
-            .map_err(|_| StoreError::Timeout(self.timeout))?
+            .map_err(|_| StoreError::Timeout(timeout))?
     }
 }
 
@@ -359,11 +370,88 @@ fn refused(status: StatusCode, body: &[u8]) -> Result<Outcome, StoreError> {
             generation,
         }),
         ProblemType::LeaseKeyMismatch => Ok(Outcome::KeyMismatch),
+        ProblemType::UnknownJob => Ok(Outcome::Unknown),
         _ => Err(unexpected(status, body)),
     }
 }
 
+impl HttpLeaseStore {
+    /// [`LeaseOp::Revoke`] with a reason for the server's log. Needs a bearer secret allowed
+    /// to revoke when the server has an auth file.
+    ///
+    /// # Errors
+    /// As [`LeaseStore::apply`]: the server unreachable, refusing this client, or answering
+    /// something else than the contract.
+    pub async fn revoke(&self, job: &JobId, reason: Option<String>) -> Result<Outcome, StoreError> {
+        let body = RevokeRequest { reason };
+        let (status, bytes) = self.call(job, Some(Action::Revoke), Some(&body)).await?;
+        match status {
+            StatusCode::OK => {
+                let body: RecordBody = decode(status, &bytes)?;
+                // A signed token says when the revoked lease ends: `<g>.<expires_at_ms>.<sig>`.
+                let expires_at_ms = body
+                    .token
+                    .as_deref()
+                    .and_then(|t| t.split('.').nth(1))
+                    .and_then(|ms| ms.parse().ok());
+                let token = body.token.clone();
+                Ok(Outcome::Revoked(Revocation {
+                    record: from_body(body),
+                    expires_at_ms,
+                    token,
+                }))
+            }
+            StatusCode::CONFLICT | StatusCode::GONE | StatusCode::NOT_FOUND => {
+                refused(status, &bytes)
+            }
+            _ => Err(unexpected(status, &bytes)),
+        }
+    }
+}
+
 impl LeaseStore for HttpLeaseStore {
+    /// The server's waiting claim (`?wait=`), as long as the server allows (60 s) per
+    /// request; a longer wait asks again with what is left.
+    async fn claim_waiting(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        ttl: Ttl,
+        wait: Duration,
+    ) -> Result<Outcome, StoreError> {
+        const MOST: Duration = Duration::from_secs(60);
+        let end = tokio::time::Instant::now() + wait;
+        loop {
+            let left = end.saturating_duration_since(tokio::time::Instant::now());
+            let this = left.min(MOST);
+            if this.is_zero() {
+                return self.claim(job, owner, key, ttl).await;
+            }
+            let body = ClaimRequest {
+                owner: owner.clone(),
+                lease_key: key.clone(),
+                ttl,
+            };
+            let path = format!(
+                "{}?wait={}ms",
+                lease_path(job, Some(Action::Claim)),
+                this.as_millis()
+            );
+            let (status, bytes) = self
+                .send_within(&path, Some(&body), self.timeout + this)
+                .await?;
+            let outcome = match status {
+                StatusCode::OK => Outcome::Granted(grant(status, &bytes)?),
+                StatusCode::CONFLICT | StatusCode::GONE => refused(status, &bytes)?,
+                _ => return Err(unexpected(status, &bytes)),
+            };
+            if !matches!(outcome, Outcome::Held { .. }) || left <= MOST {
+                return Ok(outcome);
+            }
+        }
+    }
+
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         // A claim or renewal answers a lease; a release or completion, the record.
         let grants = matches!(op, LeaseOp::Claim { .. } | LeaseOp::Renew { .. });
@@ -413,6 +501,7 @@ impl LeaseStore for HttpLeaseStore {
                 };
                 self.call(job, Some(action), Some(&body)).await?
             }
+            LeaseOp::Revoke => return self.revoke(job, None).await,
         };
         match status {
             StatusCode::OK if grants => Ok(Outcome::Granted(grant(status, &bytes)?)),

@@ -85,36 +85,42 @@ pub enum LeaseOp {
         /// The key it claimed with.
         key: LeaseKey,
     },
+    /// An operator's: end the current lease at once and raise the generation by one, so
+    /// nobody holds it and every token of the ended lease is below the job's generation
+    /// (contract section 11). Any state but completed; the job must have a record.
+    Revoke,
 }
 
 impl LeaseOp {
-    /// Who asks.
-    pub fn owner(&self) -> &Owner {
+    /// Who asks (nobody for a revoke, which no holder asks for).
+    pub fn owner(&self) -> Option<&Owner> {
         match self {
             Self::Claim { owner, .. }
             | Self::Renew { owner, .. }
             | Self::Release { owner, .. }
-            | Self::Complete { owner, .. } => owner,
+            | Self::Complete { owner, .. } => Some(owner),
+            Self::Revoke => None,
         }
     }
 
-    /// The generation it acts on (none for a claim).
+    /// The generation it acts on (none for a claim or a revoke).
     pub fn generation(&self) -> Option<Generation> {
         match self {
-            Self::Claim { .. } => None,
+            Self::Claim { .. } | Self::Revoke => None,
             Self::Renew { generation, .. }
             | Self::Release { generation, .. }
             | Self::Complete { generation, .. } => Some(*generation),
         }
     }
 
-    /// The lease key it carries.
-    pub fn key(&self) -> &LeaseKey {
+    /// The lease key it carries (none for a revoke).
+    pub fn key(&self) -> Option<&LeaseKey> {
         match self {
             Self::Claim { key, .. }
             | Self::Renew { key, .. }
             | Self::Release { key, .. }
-            | Self::Complete { key, .. } => key,
+            | Self::Complete { key, .. } => Some(key),
+            Self::Revoke => None,
         }
     }
 }
@@ -143,6 +149,10 @@ pub enum Outcome {
         /// The generation it was completed under.
         generation: Generation,
     },
+    /// A revoke succeeded: the lease ended and the generation went up by one.
+    Revoked(Revocation),
+    /// A revoke named a job the store has no record of (never claimed, or forgotten).
+    Unknown,
     /// A renewal, release or completion by the owner and generation that hold the job, but
     /// with another lease key; nothing changed.
     KeyMismatch,
@@ -202,6 +212,37 @@ pub trait LeaseStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
         let (owner, key) = (owner.clone(), key.clone());
         self.apply(job, LeaseOp::Claim { owner, key, ttl })
+    }
+
+    /// [`LeaseOp::Claim`], waiting up to `wait` while another owner holds the job: returns
+    /// as soon as the claim is granted, the job is completed, or the wait is over (then
+    /// `Held`, as without waiting). This default polls, backing off from 10 ms to 500 ms and
+    /// never past the wait's end; [`HttpLeaseStore`] lets the server wait instead, which
+    /// hands the job over the moment it frees, first come first served (contract section 11).
+    fn claim_waiting(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        ttl: Ttl,
+        wait: Duration,
+    ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
+        async move {
+            let end = tokio::time::Instant::now() + wait;
+            let mut pause = Duration::from_millis(10);
+            loop {
+                let outcome = self.claim(job, owner, key, ttl).await?;
+                let now = tokio::time::Instant::now();
+                let Outcome::Held { expires_in, .. } = &outcome else {
+                    return Ok(outcome);
+                };
+                if now >= end {
+                    return Ok(outcome);
+                }
+                tokio::time::sleep(pause.min(*expires_in).min(end - now)).await;
+                pause = (pause * 2).min(Duration::from_millis(500));
+            }
+        }
     }
 
     /// [`LeaseOp::Renew`].
@@ -310,6 +351,21 @@ pub struct Grant {
     /// The signed token string (`<generation>.<expires_at_ms>.<signature>`) when the store
     /// signs tokens
     /// (contract section 6); the lease client sends it exactly as given.
+    pub token: Option<String>,
+}
+
+/// What a revoke did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Revocation {
+    /// The record as it now stands: free, at the raised generation.
+    pub record: LeaseRecord,
+    /// When the revoked lease would have expired (the revoke's time if it already had), on
+    /// the store's clock, in ms since the Unix epoch: until then a token of the revoked
+    /// lease may still pass a sink that was not told. The revoke's own token ends then too.
+    /// `None` only from a remote store that signs no tokens (the answer does not say).
+    pub expires_at_ms: Option<u64>,
+    /// The signed token of the raised generation when the store signs tokens, for pushing
+    /// to sinks (`POST /v1/fence/{job}`).
     pub token: Option<String>,
 }
 

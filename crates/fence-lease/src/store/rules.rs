@@ -10,7 +10,7 @@ use fence_core::{
     secret::{LeaseKey, SecretHash},
 };
 
-use super::{Grant, LeaseOp, LeaseRecord, Outcome, StoreError};
+use super::{Grant, LeaseOp, LeaseRecord, Outcome, Revocation, StoreError};
 
 /// A job's lease as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,6 +144,7 @@ pub(crate) fn decide(
 ) -> Decision<Outcome> {
     match op {
         LeaseOp::Claim { owner, key, ttl } => claim(job, cur, floor, owner, key, *ttl, now_ms),
+        LeaseOp::Revoke => revoke(job, cur, now_ms),
         LeaseOp::Renew {
             owner,
             generation,
@@ -196,6 +197,37 @@ pub(crate) fn decide(
             ))
         }
     }
+}
+
+/// An operator's revoke: any record but a completed one goes free at the next generation.
+fn revoke(job: &JobId, cur: Option<&Stored>, now_ms: u64) -> Decision<Outcome> {
+    let Some(s) = cur else {
+        return Ok((None, Outcome::Unknown));
+    };
+    if s.completed {
+        let completed = Outcome::Completed {
+            owner: s.owner.clone(),
+            generation: s.generation,
+        };
+        return Ok((None, completed));
+    }
+    let generation = s
+        .generation
+        .next()
+        .ok_or_else(|| StoreError::GenerationExhausted(job.clone()))?;
+    let new = Stored {
+        generation,
+        owner: None,
+        lease_until_ms: 0,
+        changed_ms: now_ms,
+        ..s.clone()
+    };
+    let revoked = Revocation {
+        record: new.record(job, now_ms),
+        expires_at_ms: Some(s.lease_until_ms.max(now_ms)),
+        token: None,
+    };
+    Ok((Some(new), Outcome::Revoked(revoked)))
 }
 
 /// The stored record when `owner` at `generation` with `key` may renew, release or complete

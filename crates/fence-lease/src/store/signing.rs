@@ -43,6 +43,13 @@ impl<S: LeaseStore> LeaseStore for SigningLeaseStore<S> {
                 g.token = Some(self.signer.sign(job, g.generation, g.expires_at_ms));
                 Outcome::Granted(g)
             }
+            Outcome::Revoked(mut r) => {
+                if let Some(expires_at_ms) = r.expires_at_ms {
+                    let generation = r.record.generation;
+                    r.token = Some(self.signer.sign(job, generation, expires_at_ms));
+                }
+                Outcome::Revoked(r)
+            }
             other => other,
         })
     }

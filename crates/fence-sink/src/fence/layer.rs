@@ -63,7 +63,7 @@ pub enum ForgetError {
 /// # let _ = layer;
 /// ```
 pub struct FenceLayer<St> {
-    shared: Arc<Shared<St>>,
+    pub(super) shared: Arc<Shared<St>>,
 }
 
 impl<St> Clone for FenceLayer<St> {

@@ -21,6 +21,7 @@
 //! # Ok(()) }
 //! ```
 
+mod advance;
 mod future;
 mod layer;
 mod maintenance;

@@ -85,7 +85,7 @@ impl<S, St> Fence<S, St> {
 }
 
 /// What the headers of a fenced request ask for.
-enum Checked {
+pub(super) enum Checked {
     /// Fence `job` at `token`.
     Fence {
         job: JobId,
@@ -101,7 +101,7 @@ enum Checked {
 impl Config {
     /// Checks the headers of a fenced request, in the contract's order: well-formed (400),
     /// present (428), signed (403).
-    fn check(&self, parts: &Parts) -> Checked {
+    pub(super) fn check(&self, parts: &Parts) -> Checked {
         let headers = FencingHeaders::from_headers(&parts.headers)
             .and_then(|f| Ok((f, IdempotencyKey::from_headers(&parts.headers)?)));
         let (fencing, key) = match headers {
@@ -198,7 +198,7 @@ where
     }
 }
 
-async fn fenced<S, St, ReqB, ResB>(
+pub(super) async fn fenced<S, St, ReqB, ResB>(
     mut inner: S,
     shared: Arc<Shared<St>>,
     request: Request<ReqB>,

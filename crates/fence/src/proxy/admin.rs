@@ -7,11 +7,17 @@
 //!   otherwise, naming which.
 //! - `GET /v1/fence/{job}`: `{"job", "highest", "in_flight"}`, the job's fence as the proxy
 //!   sees it.
+//! - `POST /v1/fence/{job}` `{"token"}`: raises the job's highest generation to a signed
+//!   token's (what `fence revoke --sink` pushes); 200 `{"job", "highest"}`. Needs verify
+//!   keys: the signature is what makes a push trustworthy.
 
 use std::{convert::Infallible, future::Future, pin::Pin, sync::Arc, time::Duration};
 
 use bytes::Bytes;
-use fence_core::{JobId, Problem, ProblemType};
+use fence_core::{
+    JobId, Problem, ProblemType,
+    sink_api::{AdvanceRequest, FenceView as SinkFence},
+};
 use fence_sink::{FenceLayer, GenerationStore, IdempotencyStore, JobFence};
 use http::{
     HeaderValue, Method, Request, Response, StatusCode,
@@ -25,6 +31,7 @@ use crate::listen::Listener;
 
 type Check = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 type JobCheck = Pin<Box<dyn Future<Output = Result<JobFence, String>> + Send>>;
+type Push = Pin<Box<dyn Future<Output = Result<u64, Problem>> + Send>>;
 
 /// How the admin listener tells whether the proxy can work (its store answers, its upstream
 /// accepts connections) and what its fence holds.
@@ -39,6 +46,8 @@ pub struct Health {
 #[derive(Clone)]
 struct FenceView {
     job: Arc<dyn Fn(JobId) -> JobCheck + Send + Sync>,
+    /// Raises a job to a signed token's generation.
+    advance: Arc<dyn Fn(JobId, String) -> Push + Send + Sync>,
     /// Cached jobs, requests in flight, buffered bytes.
     gauges: Arc<dyn Fn() -> (usize, usize, usize) + Send + Sync>,
 }
@@ -96,6 +105,12 @@ impl Health {
                 }
             })
         });
+        let pusher = layer.clone();
+        let advance: Arc<dyn Fn(JobId, String) -> Push + Send + Sync> =
+            Arc::new(move |job, token| {
+                let layer = pusher.clone();
+                Box::pin(async move { layer.advance(&job, &token).await })
+            });
         let gauges = Arc::new(move || {
             (
                 layer.cached_jobs(),
@@ -103,7 +118,11 @@ impl Health {
                 layer.buffered_bytes(),
             )
         });
-        self.fence = Some(FenceView { job, gauges });
+        self.fence = Some(FenceView {
+            job,
+            advance,
+            gauges,
+        });
         self
     }
 
@@ -135,7 +154,7 @@ pub async fn serve_admin(
         let (handle, health) = (handle.clone(), health.clone());
         hyper::service::service_fn(move |req: Request<Incoming>| {
             let (handle, health) = (handle.clone(), health.clone());
-            async move { Ok::<_, Infallible>(admin(&handle, &health, &req).await) }
+            async move { Ok::<_, Infallible>(admin(&handle, &health, req).await) }
         })
     })
     .await;
@@ -145,7 +164,7 @@ pub async fn serve_admin(
 async fn admin(
     handle: &PrometheusHandle,
     health: &Health,
-    req: &Request<Incoming>,
+    req: Request<Incoming>,
 ) -> Response<Full<Bytes>> {
     let get = matches!(*req.method(), Method::GET | Method::HEAD);
     let text = |content_type: &'static str, body: String| {
@@ -162,7 +181,8 @@ async fn admin(
         response
     };
     if let (Some(fence), Some(raw)) = (&health.fence, req.uri().path().strip_prefix("/v1/fence/")) {
-        return job_fence(fence, raw, get).await;
+        let raw = raw.to_owned();
+        return job_fence(fence, &raw, req).await;
     }
     match req.uri().path() {
         "/metrics" if get => {
@@ -215,14 +235,20 @@ async fn admin(
     }
 }
 
-/// `GET /v1/fence/{job}`: the job's highest generation and requests in flight, as JSON.
-async fn job_fence(fence: &FenceView, raw: &str, get: bool) -> Response<Full<Bytes>> {
-    if !get {
-        return Problem::new(
+/// `GET /v1/fence/{job}`: the job's highest generation and requests in flight, as JSON;
+/// `POST` with `{"token"}`: raise it to the token's generation.
+async fn job_fence(fence: &FenceView, raw: &str, req: Request<Incoming>) -> Response<Full<Bytes>> {
+    let method = req.method().clone();
+    if !matches!(method, Method::GET | Method::HEAD | Method::POST) {
+        let mut response = Problem::new(
             ProblemType::MethodNotAllowed,
-            "/v1/fence/{job}: only GET and HEAD are allowed",
+            "/v1/fence/{job}: only GET, HEAD and POST are allowed",
         )
-        .to_response();
+        .to_response::<Full<Bytes>>();
+        response
+            .headers_mut()
+            .insert(ALLOW, HeaderValue::from_static("GET, HEAD, POST"));
+        return response;
     }
     let job = fence_core::lease_api::decode_path_segment(raw)
         .map_err(|e| format!("job (in the path): {e}"))
@@ -231,27 +257,15 @@ async fn job_fence(fence: &FenceView, raw: &str, get: bool) -> Response<Full<Byt
         Ok(job) => job,
         Err(detail) => return Problem::new(ProblemType::BadRequest, detail).to_response(),
     };
+    if method == Method::POST {
+        return push(fence, job, req.into_body()).await;
+    }
     match (fence.job)(job.clone()).await {
-        Ok(f) => {
-            /// The contract's member order, for people reading it with curl.
-            #[derive(serde::Serialize)]
-            struct View<'a> {
-                job: &'a str,
-                highest: u64,
-                in_flight: usize,
-            }
-            let body = serde_json::to_string(&View {
-                job: job.as_str(),
-                highest: f.highest.get(),
-                in_flight: f.in_flight,
-            })
-            .unwrap_or_default();
-            let mut response = Response::new(Full::from(body));
-            response
-                .headers_mut()
-                .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
-            response
-        }
+        Ok(f) => json_response(&SinkFence {
+            job,
+            highest: f.highest.get(),
+            in_flight: Some(f.in_flight),
+        }),
         Err(detail) => {
             let mut response =
                 Problem::new(ProblemType::StoreUnavailable, detail).to_response::<Full<Bytes>>();
@@ -259,4 +273,48 @@ async fn job_fence(fence: &FenceView, raw: &str, get: bool) -> Response<Full<Byt
             response
         }
     }
+}
+
+/// The largest push body read, in bytes.
+const MAX_PUSH_BODY: usize = 4 * 1024;
+
+/// `POST /v1/fence/{job}`: reads `{"token"}` (at most [`MAX_PUSH_BODY`] bytes, within
+/// [`PROBE_TIMEOUT`]) and raises the job's fence to it.
+async fn push(fence: &FenceView, job: JobId, body: Incoming) -> Response<Full<Bytes>> {
+    use http_body_util::{BodyExt, Limited};
+    let bad = |detail: String| Problem::new(ProblemType::BadRequest, detail).to_response();
+    let read = tokio::time::timeout(PROBE_TIMEOUT, Limited::new(body, MAX_PUSH_BODY).collect());
+    let bytes = match read.await {
+        Ok(Ok(collected)) => collected.to_bytes(),
+        Ok(Err(e)) => {
+            return bad(format!(
+                "body: not read (at most {MAX_PUSH_BODY} bytes): {e}"
+            ));
+        }
+        Err(_) => return bad(format!("body: not received within {PROBE_TIMEOUT:?}")),
+    };
+    let token = match AdvanceRequest::from_json(&bytes) {
+        Ok(push) => push.token,
+        Err(e) => return bad(e.to_string()),
+    };
+    match (fence.advance)(job.clone(), token).await {
+        Ok(highest) => {
+            tracing::warn!(job = %job, generation = highest, "fence raised by a push (revoke)");
+            json_response(&SinkFence {
+                job,
+                highest,
+                in_flight: None,
+            })
+        }
+        Err(problem) => problem.to_response(),
+    }
+}
+
+fn json_response(view: &SinkFence) -> Response<Full<Bytes>> {
+    let body = serde_json::to_string(view).unwrap_or_default();
+    let mut response = Response::new(Full::from(body));
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
 }

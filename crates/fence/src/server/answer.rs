@@ -91,24 +91,36 @@ pub fn record_body(r: &LeaseRecord) -> RecordBody {
         generation: r.generation,
         state: r.state,
         expires_in_ms: u64::try_from(r.expires_in.as_millis()).unwrap_or(u64::MAX),
+        token: None,
     }
+}
+
+/// What a request asked for, as the answer and its log need it.
+pub(super) struct Asking<'a> {
+    /// Who asks (nobody for a revoke).
+    pub(super) owner: Option<&'a Owner>,
+    /// The generation the request named (none for a claim or a revoke).
+    pub(super) generation: Option<Generation>,
+    pub(super) action: Action,
+    /// A revoke's reason.
+    pub(super) reason: Option<String>,
 }
 
 /// The HTTP answer to what the store decided, logged as one event with the job and the
 /// generation (never the lease key).
-/// `asked` is the generation the request named (none for a claim).
-pub(super) fn answer(
-    job: JobId,
-    owner: &Owner,
-    asked: Option<Generation>,
-    action: Action,
-    outcome: Outcome,
-) -> Answer {
+pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answer {
+    let Asking {
+        action,
+        generation: asked,
+        ..
+    } = *asking;
+    let owner = asking.owner.map_or("-", Owner::as_str);
     let what = match action {
         Action::Claim => "claim",
         Action::Renew => "renewal",
         Action::Release => "release",
         Action::Complete => "completion",
+        Action::Revoke => "revoke",
     };
     match outcome {
         Outcome::Granted(g) => {
@@ -117,9 +129,12 @@ pub(super) fn answer(
             } else {
                 tracing::debug!(job = %job, generation = g.generation.get(), owner = %owner, "lease renewed");
             }
+            let owner = asking.owner.cloned().ok_or_else(|| {
+                Problem::new(ProblemType::Internal, "a lease granted to nobody")
+            })?;
             Ok(json(&LeaseBody {
                 job,
-                owner: owner.clone(),
+                owner,
                 generation: g.generation,
                 ttl_ms: g.ttl.as_millis(),
                 expires_at_ms: g.expires_at_ms,
@@ -186,6 +201,18 @@ pub(super) fn answer(
             .with_owner(holder)
             .with_generation(generation.get()))
         }
+        Outcome::Revoked(r) => {
+            let reason = asking.reason.as_deref().unwrap_or("");
+            tracing::warn!(job = %job, generation = r.record.generation.get(), reason, "lease revoked");
+            let mut body = record_body(&r.record);
+            body.token = r.token;
+            Ok(json(&body))
+        }
+        Outcome::Unknown => Err(Problem::new(
+            ProblemType::UnknownJob,
+            format!("job {job} has never been claimed, or was forgotten (--forget-after): there is no lease to {action}"),
+        )
+        .with_job(job)),
         _ => Err(Problem::new(ProblemType::Internal, "unknown lease outcome")),
     }
 }

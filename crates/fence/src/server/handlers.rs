@@ -11,14 +11,17 @@ use axum::{
 use bytes::Bytes;
 use fence_core::{
     JobId, Problem, ProblemType, Ttl,
-    lease_api::{Action, BodyError, ClaimRequest, FinishRequest, MAX_REQUEST_BODY, RenewRequest},
+    lease_api::{
+        Action, BodyError, ClaimRequest, FinishRequest, MAX_REQUEST_BODY, RenewRequest,
+        RevokeRequest,
+    },
 };
 use fence_lease::{LeaseOp, LeaseStore};
 use http_body_util::{BodyExt, Limited};
 
 use super::{
     AppState,
-    answer::{answer, bad, finish, json, problem_response, record_body, store_failed},
+    answer::{Asking, answer, bad, finish, json, problem_response, record_body, store_failed},
     guard::authorize,
 };
 
@@ -46,58 +49,70 @@ async fn parse<T>(
     parse(&bytes).map_err(|e| bad(e.to_string()))
 }
 
-/// The operation a request body asks for, its TTL capped at `max_ttl`.
-async fn operation(action: Action, body: Body, max_ttl: Option<Ttl>) -> Result<LeaseOp, Problem> {
+/// The operation a request body asks for, its TTL capped at `max_ttl`, and a revoke's
+/// reason.
+async fn operation(
+    action: Action,
+    body: Body,
+    max_ttl: Option<Ttl>,
+) -> Result<(LeaseOp, Option<String>), Problem> {
     let cap = |ttl: Ttl| max_ttl.map_or(ttl, |max| ttl.min(max));
-    Ok(match action {
-        Action::Claim => {
-            let ClaimRequest {
-                owner,
-                lease_key: key,
-                ttl,
-            } = parse(body, ClaimRequest::from_json).await?;
-            let ttl = cap(ttl);
-            LeaseOp::Claim { owner, key, ttl }
-        }
-        Action::Renew => {
-            let RenewRequest {
-                owner,
-                generation,
-                lease_key: key,
-                ttl,
-            } = parse(body, RenewRequest::from_json).await?;
-            let ttl = cap(ttl);
-            LeaseOp::Renew {
-                owner,
-                generation,
-                key,
-                ttl,
+    Ok((
+        match action {
+            Action::Revoke => {
+                let RevokeRequest { reason } = parse(body, RevokeRequest::from_json).await?;
+                return Ok((LeaseOp::Revoke, reason));
             }
-        }
-        Action::Release | Action::Complete => {
-            let FinishRequest {
-                owner,
-                generation,
-                lease_key: key,
-            } = parse(body, FinishRequest::from_json).await?;
-            if action == Action::Complete {
-                LeaseOp::Complete {
+            Action::Claim => {
+                let ClaimRequest {
+                    owner,
+                    lease_key: key,
+                    ttl,
+                } = parse(body, ClaimRequest::from_json).await?;
+                let ttl = cap(ttl);
+                LeaseOp::Claim { owner, key, ttl }
+            }
+            Action::Renew => {
+                let RenewRequest {
+                    owner,
+                    generation,
+                    lease_key: key,
+                    ttl,
+                } = parse(body, RenewRequest::from_json).await?;
+                let ttl = cap(ttl);
+                LeaseOp::Renew {
                     owner,
                     generation,
                     key,
-                }
-            } else {
-                LeaseOp::Release {
-                    owner,
-                    generation,
-                    key,
+                    ttl,
                 }
             }
-        }
-    })
+            Action::Release | Action::Complete => {
+                let FinishRequest {
+                    owner,
+                    generation,
+                    lease_key: key,
+                } = parse(body, FinishRequest::from_json).await?;
+                if action == Action::Complete {
+                    LeaseOp::Complete {
+                        owner,
+                        generation,
+                        key,
+                    }
+                } else {
+                    LeaseOp::Release {
+                        owner,
+                        generation,
+                        key,
+                    }
+                }
+            }
+        },
+        None,
+    ))
 }
 
-/// `POST /v1/leases/{job}/claim|renew|release|complete`.
+/// `POST /v1/leases/{job}/claim|renew|release|complete|revoke`.
 pub(super) async fn act<S: LeaseStore>(
     State(app): State<Arc<AppState<S>>>,
     method: Method,
@@ -115,19 +130,35 @@ pub(super) async fn act<S: LeaseStore>(
     let job = path.map(|Path((job, _))| job);
     let answer = async {
         let job = job_of(job)?;
-        authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
+        let caller = authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
+        if action == Action::Revoke
+            && let Some(caller) = caller.filter(|c| !c.client().may_revoke())
+        {
+            return Err(Problem::new(
+                ProblemType::Forbidden,
+                format!(
+                    "client {} may not revoke leases: its line in the auth file does not end with +revoke",
+                    caller.client().name()
+                ),
+            )
+            .with_job(job));
+        }
         let wait = wait_of(uri.query(), action)?;
-        let op = operation(action, body, app.options.max_ttl).await?;
-        let (owner, asked) = (op.owner().clone(), op.generation());
+        let (op, reason) = operation(action, body, app.options.max_ttl).await?;
+        let (owner, asked) = (op.owner().cloned(), op.generation());
         let outcome = match wait {
             Some(wait) => app.waiters.claim(&*app.store, &job, op, wait).await,
             None => app.store.apply(&job, op).await,
         }
         .map_err(|e| store_failed(&e))?;
-        if matches!(outcome, fence_lease::Outcome::Done(_)) {
-            app.waiters.changed(&job); // released or completed: a waiting claim may go
+        if matches!(
+            outcome,
+            fence_lease::Outcome::Done(_) | fence_lease::Outcome::Revoked(_)
+        ) {
+            app.waiters.changed(&job); // released, completed or revoked: a waiting claim may go
         }
-        answer(job, &owner, asked, action, outcome)
+        let asking = Asking { owner: owner.as_ref(), generation: asked, action, reason };
+        answer(job, &asking, outcome)
     }
     .await;
     finish(action.as_str(), started, answer)
@@ -211,7 +242,7 @@ pub(super) async fn render_metrics<S: LeaseStore>(
 
 pub(super) async fn not_found(method: Method, uri: Uri) -> Response {
     let detail = format!(
-        "{method} {} is not part of the lease API; see POST /v1/leases/{{job}}/claim|renew|release|complete, GET /v1/leases/{{job}} and GET /v1/leases",
+        "{method} {} is not part of the lease API; see POST /v1/leases/{{job}}/claim|renew|release|complete|revoke, GET /v1/leases/{{job}} and GET /v1/leases",
         uri.path()
     );
     problem_response(Problem::new(ProblemType::NotFound, detail))
@@ -219,7 +250,7 @@ pub(super) async fn not_found(method: Method, uri: Uri) -> Response {
 
 pub(super) async fn method_not_allowed(method: Method, uri: Uri) -> Response {
     let detail = format!(
-        "{method} {} is not allowed: claim, renew, release and complete are POST; a job's record and the list are GET",
+        "{method} {} is not allowed: claim, renew, release, complete and revoke are POST; a job's record and the list are GET",
         uri.path()
     );
     problem_response(Problem::new(ProblemType::MethodNotAllowed, detail))

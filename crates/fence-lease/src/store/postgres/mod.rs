@@ -94,6 +94,7 @@ struct Sql {
     renew: String,
     release: String,
     complete: String,
+    revoke: String,
     get: String,
     list: String,
 }
@@ -191,6 +192,7 @@ impl Sql {
              RETURNING (SELECT count(*) FROM gone)"
         );
         Self {
+            revoke: revoke::sql(t),
             claim,
             lock_floor,
             forget,
@@ -433,7 +435,10 @@ impl PgLeaseStore {
 
 impl LeaseStore for PgLeaseStore {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
-        let hash = op.key().hash();
+        let Some(key) = op.key() else {
+            return self.revoke_row(job).await;
+        };
+        let hash = key.hash();
         let hash = &hash.as_bytes()[..];
         let (owner, g) = match &op {
             LeaseOp::Claim { owner, key, ttl } => {
@@ -472,6 +477,7 @@ impl LeaseStore for PgLeaseStore {
             | LeaseOp::Complete {
                 owner, generation, ..
             } => (owner, generation),
+            LeaseOp::Revoke => return self.revoke_row(job).await,
         };
         let sql = match op {
             LeaseOp::Complete { .. } => &self.sql.complete,
@@ -538,5 +544,6 @@ impl LeaseStore for PgLeaseStore {
     }
 }
 
+mod revoke;
 #[cfg(test)]
 mod tests;

@@ -1,0 +1,227 @@
+//! Operator revoke (contract section 11), against the real binaries: `fence revoke` ends a
+//! lease at once, one generation up, only for a client allowed `+revoke`; with `--sink` the
+//! signed new generation is pushed to proxies, which refuse the old holder's writes from then
+//! on, before any new holder has written. Bad input changes nothing.
+
+mod common;
+
+use std::{os::unix::fs::PermissionsExt, path::Path, process::Command};
+
+use common::*;
+
+const OPS: &str = "ops-0123456789abcdef-secret";
+const WORKER: &str = "worker-0123456789abcdef-secret";
+
+/// `fence ARGS` with the bearer secret `secret` in FENCE_AUTH_TOKEN.
+fn fence_as(secret: &str, args: &[&str]) -> std::process::Output {
+    Command::new(FENCE)
+        .args(args)
+        .env("FENCE_AUTH_TOKEN", secret)
+        .env("RUST_LOG", "warn")
+        .output()
+        .expect("fence runs")
+}
+
+fn stdout_json(out: &std::process::Output) -> serde_json::Value {
+    serde_json::from_slice(&out.stdout).unwrap_or_else(|_| {
+        panic!(
+            "not JSON: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+fn setup(dir: &Path) -> (String, String) {
+    assert_success(&fence(&["keygen", "--out", dir.to_str().unwrap()]));
+    let auth = dir.join("clients");
+    std::fs::write(&auth, format!("ops {OPS} * +revoke\nworker {WORKER} *\n")).unwrap();
+    std::fs::set_permissions(&auth, std::fs::Permissions::from_mode(0o600)).unwrap();
+    (
+        auth.display().to_string(),
+        dir.join("fence-signing.pem").display().to_string(),
+    )
+}
+
+/// A fenced POST through `proxy` with a signed token: (status, answer).
+fn write(proxy: &str, job: &str, token: &str) -> (u16, String) {
+    let headers = [
+        ("X-Fencing-Job", job.to_owned()),
+        ("X-Fencing-Token", token.to_owned()),
+    ];
+    exchange(proxy, "POST", "/charge", &headers, "")
+}
+
+#[test]
+fn revoke_ends_the_lease_and_the_pushed_generation_fences_the_old_holder_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (auth, signing) = setup(dir.path());
+    let data = dir.path().join("data");
+    let (_server, addr) = start_ready(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        data.to_str().unwrap(),
+        "--auth-file",
+        &auth,
+        "--signing-key",
+        &signing,
+    ]);
+    let server = format!("http://{addr}");
+    let upstream = format!("http://{}", start_upstream());
+    let verify = dir.path().join("fence-verify.pem").display().to_string();
+    let sled = dir.path().join("proxy").display().to_string();
+    let (_proxy, proxy, admin) =
+        start_proxy_admin(&upstream, &["--verify-key", &verify, "--data-dir", &sled]);
+    let sink = format!("http://{admin}");
+
+    let claimed = fence_as(WORKER, &["claim", "--server", &server, "--job", "pay-1"]);
+    assert_success(&claimed);
+    let lease = stdout_json(&claimed);
+    let old_token = lease["token"].as_str().expect("a signed token").to_owned();
+    assert_eq!(write(&proxy, "pay-1", &old_token).0, 200);
+
+    // A client without +revoke, an unknown job, a reason with a control character: refused,
+    // nothing changed.
+    let revoke = |secret: &str, job: &str, extra: &[&str]| {
+        let mut args = vec!["revoke", "--server", &server, "--job", job];
+        args.extend_from_slice(extra);
+        fence_as(secret, &args)
+    };
+    let out = revoke(WORKER, "pay-1", &[]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert_eq!(stdout_json(&out)["type"], "urn:fence:forbidden");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("+revoke"),
+        "{out:?}"
+    );
+    let out = revoke(OPS, "never-claimed", &[]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(stdout_json(&out)["type"], "urn:fence:unknown-job");
+    let out = revoke(OPS, "pay-1", &["--reason", "bell\u{7}"]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let out = revoke(OPS, "pay-1", &["--sink", "not a url"]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "a bad --sink is refused before revoking"
+    );
+    let status = fence_as(WORKER, &["status", "--server", &server, "--job", "pay-1"]);
+    let record = stdout_json(&status);
+    assert_eq!(
+        (record["state"].as_str(), record["generation"].as_u64()),
+        (Some("held"), Some(1))
+    );
+
+    // The operator revokes and pushes to the proxy.
+    let out = revoke(
+        OPS,
+        "pay-1",
+        &["--reason", "stuck for an hour", "--sink", &sink],
+    );
+    assert_success(&out);
+    let record = stdout_json(&out);
+    assert_eq!(
+        (
+            record["state"].as_str(),
+            record["generation"].as_u64(),
+            record["owner"].is_null()
+        ),
+        (Some("free"), Some(2), true),
+        "{record}"
+    );
+    let pushed = record["token"]
+        .as_str()
+        .expect("the signed token of generation 2");
+    assert!(pushed.starts_with("2."), "{pushed}");
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("fenced at generation 2"),
+        "{out:?}"
+    );
+
+    // Nobody has written at generation 2, yet the old holder's write is refused.
+    let (status, answer) = write(&proxy, "pay-1", &old_token);
+    assert_eq!(status, 409, "{answer}");
+    assert!(answer.contains("urn:fence:stale-token"), "{answer}");
+    let (status, view) = exchange(&admin, "GET", "/v1/fence/pay-1", &[], "");
+    assert_eq!(status, 200);
+    assert!(view.contains(r#""highest":2"#), "{view}");
+    // Its renewal is lease-lost (exit 3).
+    let renew = fence_as(
+        WORKER,
+        &[
+            "renew",
+            "--server",
+            &server,
+            "--job",
+            "pay-1",
+            "--owner",
+            lease["owner"].as_str().unwrap(),
+            "--generation",
+            "1",
+            "--lease-key",
+            lease["lease_key"].as_str().unwrap(),
+        ],
+    );
+    assert_eq!(renew.status.code(), Some(3), "{renew:?}");
+    assert_eq!(stdout_json(&renew)["type"], "urn:fence:lease-lost");
+
+    // Pushes the proxy must not take: forged, for another job, stale, malformed.
+    let push =
+        |job: &str, body: &str| exchange(&admin, "POST", &format!("/v1/fence/{job}"), &[], body);
+    let forged = format!(r#"{{"token":"9.{}.{}"}}"#, u64::MAX / 2, "A".repeat(86));
+    let (status, answer) = push("pay-1", &forged);
+    assert_eq!(status, 403, "{answer}");
+    assert!(answer.contains("urn:fence:invalid-signature"), "{answer}");
+    let (status, answer) = push("other-job", &format!(r#"{{"token":"{pushed}"}}"#));
+    assert_eq!(
+        status, 403,
+        "a token signed for pay-1 does not raise other-job: {answer}"
+    );
+    for bad in ["", "{}", r#"{"token":7}"#, r#"{"token":"2","x":1}"#] {
+        let (status, answer) = push("pay-1", bad);
+        assert_eq!(status, 400, "{bad}: {answer}");
+    }
+    let (status, view) = push("pay-1", &format!(r#"{{"token":"{old_token}"}}"#));
+    assert_eq!(
+        status, 200,
+        "a push at or below the highest changes nothing: {view}"
+    );
+    assert!(view.contains(r#""highest":2"#), "{view}");
+
+    // The next claim gets the generation after the revoked one, and writes.
+    let claimed = fence_as(WORKER, &["claim", "--server", &server, "--job", "pay-1"]);
+    let lease = stdout_json(&claimed);
+    assert_eq!(lease["generation"], 3, "{lease}");
+    assert_eq!(
+        write(&proxy, "pay-1", lease["token"].as_str().unwrap()).0,
+        200
+    );
+}
+
+#[test]
+fn a_proxy_without_verify_keys_takes_no_pushed_generation() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = format!("http://{}", start_upstream());
+    let (_proxy, proxy, admin) =
+        start_proxy_admin(&upstream, &["--data-dir", dir.path().to_str().unwrap()]);
+    let (status, answer) = exchange(
+        &admin,
+        "POST",
+        "/v1/fence/j",
+        &[],
+        &format!(r#"{{"token":"{}"}}"#, u64::MAX),
+    );
+    assert_eq!(status, 403, "{answer}");
+    assert!(answer.contains("no verify key"), "{answer}");
+    let headers = [
+        ("X-Fencing-Job", "j".to_owned()),
+        ("X-Fencing-Token", "5".to_owned()),
+    ];
+    assert_eq!(
+        exchange(&proxy, "POST", "/", &headers, "").0,
+        200,
+        "j was not raised"
+    );
+}
