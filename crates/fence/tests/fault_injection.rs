@@ -8,6 +8,10 @@
 //! arrives, the harshest reading of a partial request). A history checker then looks for any effect applied
 //! after a newer token's effect, reused generations and acknowledged writes that never
 //! landed. A negative control runs the same with fencing disabled and must find violations.
+//! In the SQL mode the proxy keeps its fence in PostgreSQL, two of the workers write their
+//! effects straight into the database inside transactions that call the SQL fence
+//! (`require`), and the upstream writes the proxied effects the same way: one fence for both
+//! kinds of writer, and the effects' commit order is what the checker reads.
 //!
 //! Quick mode runs in CI. Soak: `FENCE_SOAK_SECS=3600 FENCE_SOAK_SEED=42 cargo test -p fence
 //! --release --test fault_injection -- --nocapture fenced`.
@@ -65,8 +69,14 @@ impl Rng {
 async fn fault_worker() {
     let spec = std::env::var(WORKER_ENV).expect("started by the harness");
     let parts: Vec<&str> = spec.split(' ').collect();
-    let [server, proxy, id, jobs, secs, seed, window] = parts.as_slice() else {
+    let [server, proxy, id, jobs, secs, seed, window, sql @ ..] = parts.as_slice() else {
         panic!("bad spec {spec}")
+    };
+    // `<database url> <schema>`: this worker writes its effects with SQL, not through the
+    // proxy.
+    let sql = match sql {
+        [url, schema] => Some(SqlWriter::connect(url, schema).await),
+        _ => None,
     };
     let (id, jobs, secs, window): (u64, u64, u64, u64) = (
         id.parse().unwrap(),
@@ -142,6 +152,20 @@ async fn fault_worker() {
         }
         for i in 0..1 + rng.below(6) {
             seq += 1;
+            if let Some(sql) = &sql {
+                if lease.is_lost() {
+                    println!("REFUSED {job} {generation}");
+                    break;
+                }
+                // Held up between the check and the write, like a request in the network.
+                tokio::time::sleep(Duration::from_millis(delay)).await;
+                match sql.write(&job, generation, id, seq).await {
+                    Ok(()) => println!("ACK {job} {generation} {id} {seq}"),
+                    Err(status) => println!("REJECTED {job} {generation} {status}"),
+                }
+                tokio::time::sleep(Duration::from_millis(rng.below(40))).await;
+                continue;
+            }
             let req = Request::post(format!("{proxy}/effects"))
                 .header("x-worker", id)
                 .header("x-seq", seq)
@@ -231,6 +255,103 @@ fn misbehave(proxy: &str, job: &str, token: &str, cut: bool, keyed: bool, stall:
         }
         tokio::time::sleep(stall).await;
     });
+}
+
+/// A writer of effects into PostgreSQL, each in a transaction that first calls the SQL
+/// fence `schema.require(job, token)`, sharing the proxy's fence table.
+struct SqlWriter {
+    client: tokio::sync::Mutex<tokio_postgres::Client>,
+    require: String,
+    insert: String,
+}
+
+impl SqlWriter {
+    async fn connect(url: &str, schema: &str) -> Self {
+        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .expect("the database answers");
+        tokio::spawn(connection);
+        Self {
+            client: tokio::sync::Mutex::new(client),
+            require: format!("SELECT {schema}.require($1, $2::text::numeric)"),
+            insert: format!(
+                "INSERT INTO {schema}.effects (job, token, worker, seq) VALUES ($1, $2, $3, $4)"
+            ),
+        }
+    }
+
+    /// One effect: `Err(409)` when the fence refused it (SQLSTATE ZF409), `Err(503)` when
+    /// the database failed; nothing written then.
+    async fn write(&self, job: &str, token: u64, worker: u64, seq: u64) -> Result<(), u16> {
+        let fail = |e: tokio_postgres::Error| match e.code().map(|c| c.code()) {
+            Some("ZF409") => 409,
+            _ => 503,
+        };
+        let mut client = self.client.lock().await;
+        let tx = client.transaction().await.map_err(fail)?;
+        let text = token.to_string();
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 2] = [&job, &text];
+        tx.execute(&self.require, &params).await.map_err(fail)?;
+        let (token, worker, seq) = (token as i64, worker as i64, seq as i64);
+        let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&job, &token, &worker, &seq];
+        tx.execute(&self.insert, &params).await.map_err(fail)?;
+        tx.commit().await.map_err(fail)
+    }
+}
+
+/// The upstream of the SQL mode: writes every proxied effect like a SQL worker does (the
+/// fence checked again in the effect's own transaction), after a short pause so requests
+/// are in flight during generation bumps; 409 when the fence refuses it.
+async fn start_sql_upstream(url: &str, schema: &str, seed: u64) -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let mut writers: Vec<Arc<SqlWriter>> = Vec::new();
+    for _ in 0..4 {
+        writers.push(Arc::new(SqlWriter::connect(url, schema).await));
+    }
+    let rng = Arc::new(Mutex::new(Rng(seed | 1)));
+    tokio::spawn(async move {
+        let mut next = 0usize;
+        while let Ok((stream, _)) = listener.accept().await {
+            next += 1;
+            let (writer, rng) = (writers[next % writers.len()].clone(), rng.clone());
+            tokio::spawn(async move {
+                let svc = service_fn(move |req: Request<Incoming>| {
+                    let (writer, rng) = (writer.clone(), rng.clone());
+                    async move {
+                        let h = |n: &str| {
+                            req.headers()
+                                .get(n)
+                                .and_then(|v| v.to_str().ok())
+                                .unwrap_or("")
+                                .to_owned()
+                        };
+                        let token: u64 = h("x-fencing-token").parse().unwrap_or(0);
+                        let slow = rng.lock().unwrap().below(15);
+                        tokio::time::sleep(Duration::from_millis(slow)).await;
+                        let (worker, seq) = (h("x-worker"), h("x-seq"));
+                        let written = writer
+                            .write(
+                                &h("x-fencing-job"),
+                                token,
+                                worker.parse().unwrap_or(0),
+                                seq.parse().unwrap_or(0),
+                            )
+                            .await;
+                        let mut response = Response::new(Full::new(Bytes::from_static(b"ok")));
+                        if let Err(status) = written {
+                            *response.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
+                        }
+                        Ok::<_, Infallible>(response)
+                    }
+                });
+                let _ = http1::Builder::new()
+                    .serve_connection(TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    format!("http://{addr}")
 }
 
 // ------------------------------------------------------------------------------------------
@@ -334,6 +455,8 @@ struct Report {
     reused_generations: Vec<String>,
     lost_acks: Vec<String>,
     claims: usize,
+    /// Effects written by the SQL workers (SQL mode).
+    sql_effects: usize,
     /// How long the first write of each generation took, in ms (it waits for older
     /// requests of its job, stalled ones included).
     first_latencies: Vec<u64>,
@@ -470,6 +593,8 @@ enum Mode {
     Forgetting,
     /// Fencing disabled: the negative control.
     Unfenced,
+    /// The proxy's fence in PostgreSQL, shared with workers writing through the SQL fence.
+    Sql,
 }
 
 async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
@@ -485,7 +610,43 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
         );
     }
     let log_path = dir.path().join("effects.log");
-    let upstream = start_logging_upstream(&log_path, seed).await;
+    // The SQL mode's database, schema and effects table.
+    let sql = if mode == Mode::Sql {
+        let url =
+            database_url().expect("DATABASE_URL names the test database (the SQL mode needs it)");
+        let schema = unique_schema("fault_sql");
+        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .unwrap();
+        tokio::spawn(connection);
+        client
+            .batch_execute(&format!(
+                "CREATE SCHEMA {schema}; CREATE TABLE {schema}.effects (
+                   id bigserial PRIMARY KEY, job text NOT NULL, token bigint NOT NULL,
+                   worker bigint NOT NULL, seq bigint NOT NULL)"
+            ))
+            .await
+            .unwrap();
+        Some((url, schema, client))
+    } else {
+        None
+    };
+    let upstream = match &sql {
+        Some((url, schema, _)) => {
+            // The fence's table and functions exist before the upstream or a worker uses
+            // them (the proxy would create them too).
+            use fence_sink::postgres::{PgStore, PgTables};
+            let tables = PgTables::new(schema, "sink").unwrap();
+            PgStore::connect(url, tables)
+                .await
+                .unwrap()
+                .migrate()
+                .await
+                .unwrap();
+            start_sql_upstream(url, schema, seed).await
+        }
+        None => start_logging_upstream(&log_path, seed).await,
+    };
     let (server_port, proxy_port) = (free_port(), free_port());
     let leases = dir.path().join("leases");
     let sink = dir.path().join("sink");
@@ -525,13 +686,22 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             "127.0.0.1:0".into(),
             "--upstream".into(),
             upstream.clone(),
-            "--data-dir".into(),
-            sink.to_str().unwrap().into(),
             "--drain-timeout".into(),
             "2s".into(),
             "--body-timeout".into(),
             "1s".into(),
         ];
+        match &sql {
+            Some((url, schema, _)) => {
+                args.extend([
+                    "--store".into(),
+                    url.clone(),
+                    "--pg-schema".into(),
+                    schema.clone(),
+                ]);
+            }
+            None => args.extend(["--data-dir".into(), sink.to_str().unwrap().into()]),
+        }
         if !fencing {
             args.push("--unsafe-no-fence".into());
         }
@@ -588,8 +758,13 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                 }
                 None => Command::new(std::env::current_exe().unwrap()),
             };
+            // In the SQL mode the last two workers write with SQL.
+            let sql = match &sql {
+                Some((url, schema, _)) if id >= workers - 2 => format!(" {url} {schema}"),
+                _ => String::new(),
+            };
             cmd.args(["fault_worker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
-                .env(WORKER_ENV, format!("http://127.0.0.1:{server_port} http://127.0.0.1:{proxy_port} {id} {jobs} {secs} {seed} {window}"))
+                .env(WORKER_ENV, format!("http://127.0.0.1:{server_port} http://127.0.0.1:{proxy_port} {id} {jobs} {secs} {seed} {window}{sql}"))
                 .env("RUST_LOG", "off")
                 .stdout(Stdio::piped())
                 .stderr(Stdio::null())
@@ -724,6 +899,35 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
         .faults
         .entry("more workers than jobs (6 on 3)")
         .or_default() += 1;
+    if let Some((_, schema, client)) = &sql {
+        // Commit order per job: each effect's transaction held the job's fence row from its
+        // check to its commit, so ids of one job rise in commit order.
+        let rows = client
+            .query(
+                &format!("SELECT job, token, worker, seq FROM {schema}.effects ORDER BY id"),
+                &[],
+            )
+            .await
+            .unwrap();
+        let effects: Vec<Effect> = rows
+            .iter()
+            .map(|r| Effect {
+                job: r.get(0),
+                token: r.get::<_, i64>(1) as u64,
+                worker: r.get::<_, i64>(2) as u64,
+                seq: r.get::<_, i64>(3) as u64,
+            })
+            .collect();
+        report.sql_effects = effects
+            .iter()
+            .filter(|e| e.worker >= workers - 2 && e.worker < 100)
+            .count();
+        check(&effects, &logs, &mut report);
+        let _ = client
+            .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+            .await;
+        return report;
+    }
     let effects: Vec<Effect> = std::fs::read_to_string(&log_path)
         .unwrap()
         .lines()
@@ -833,5 +1037,36 @@ async fn negative_control_without_fencing_finds_violations() {
     }
     panic!(
         "seed {seed}: with fencing disabled no stale effect landed in 3 rounds: the harness is not injecting enough faults"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sql_writers_and_the_proxy_share_one_fence_without_violations() {
+    let (seed, secs) = seed_and_secs(20);
+    println!(
+        "fault injection with SQL writers: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
+    );
+    let report = run(seed, secs, Mode::Sql).await;
+    report.print("fenced in PostgreSQL, SQL writers beside the proxy's", seed);
+    println!(
+        "{:<40} {:>8}",
+        "effects written by SQL workers", report.sql_effects
+    );
+    assert!(report.sql_effects > 0, "seed {seed}: no SQL worker wrote");
+    assert!(
+        report.effects > report.sql_effects,
+        "seed {seed}: nothing came through the proxy"
+    );
+    assert_eq!(
+        report.violations(),
+        0,
+        "seed {seed}: {:?} {:?}",
+        report.stale_effects,
+        report.reused_generations
+    );
+    assert!(
+        report.lost_acks.is_empty(),
+        "seed {seed}: {:?}",
+        report.lost_acks
     );
 }
