@@ -1,0 +1,169 @@
+//! The SQL fence from other languages (contract section 11): `examples/python/sql_writer.py`
+//! (psycopg 3) and `examples/go/sql_writer.go` (pgx v4) against the real database, on the
+//! table the sink's PostgreSQL store uses. A stale writer's transaction is refused after a
+//! newer generation committed, and a newer writer waits for an older one's open transaction.
+//!
+//! Needs `DATABASE_URL`, `python3` with psycopg (`pip install "psycopg[binary]"`), and Go with
+//! pgx from Debian (`apt-get install golang-go golang-github-jackc-pgx-v4-dev`); `.ci/run`
+//! installs them. Without them these tests fail, saying what is missing.
+
+use std::{
+    path::{Path, PathBuf},
+    process::{Command, Output},
+    time::{Duration, Instant},
+};
+
+use fence_sink::{
+    GenerationStore,
+    postgres::{PgStore, PgTables},
+};
+
+fn database_url() -> String {
+    std::env::var("DATABASE_URL")
+        .expect("DATABASE_URL names the test database (postgres://postgres@127.0.0.1:5432/test)")
+}
+
+/// A fresh schema with the fence (migrated by the sink's store) and a `charges` table.
+async fn setup(name: &str) -> (PgStore, String, tokio_postgres::Client) {
+    let url = database_url();
+    use std::hash::{BuildHasher, RandomState};
+    let schema = format!(
+        "sqlclients_{name}_{:08x}",
+        RandomState::new().hash_one(std::time::SystemTime::now()) & 0xffff_ffff
+    );
+    let store = PgStore::connect(&url, PgTables::new(&schema, "sink").unwrap())
+        .await
+        .unwrap();
+    store.migrate().await.unwrap();
+    let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    client
+        .batch_execute(&format!(
+            "CREATE TABLE {schema}.charges (id bigserial PRIMARY KEY, job text NOT NULL,
+               token bigint NOT NULL, amount bigint NOT NULL)"
+        ))
+        .await
+        .unwrap();
+    (store, schema, client)
+}
+
+async fn charged(client: &tokio_postgres::Client, schema: &str, job: &str) -> Vec<i64> {
+    client
+        .query(
+            &format!("SELECT token FROM {schema}.charges WHERE job = $1 ORDER BY id"),
+            &[&job],
+        )
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect()
+}
+
+fn root() -> &'static Path {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// Runs `writer` (a command line) with DSN SCHEMA JOB TOKEN AMOUNT and extra arguments.
+fn write(writer: &[String], schema: &str, job: &str, token: u64, extra: &[&str]) -> Output {
+    let mut cmd = Command::new(&writer[0]);
+    cmd.args(&writer[1..])
+        .args([&database_url(), schema, job, &token.to_string(), "10"])
+        .args(extra);
+    cmd.output().unwrap_or_else(|e| panic!("{writer:?} cannot start: {e}"))
+}
+
+fn python_writer() -> Vec<String> {
+    let check = Command::new("python3").args(["-c", "import psycopg"]).output();
+    assert!(
+        check.is_ok_and(|o| o.status.success()),
+        "python3 with psycopg 3 is needed: pip install \"psycopg[binary]\""
+    );
+    let script = root().join("examples/python/sql_writer.py");
+    vec!["python3".into(), script.display().to_string()]
+}
+
+/// Builds the Go example with Debian's Go and pgx (GOPATH mode: no module download).
+fn go_writer(dir: &Path) -> Vec<String> {
+    let binary: PathBuf = dir.join("sql_writer");
+    let out = Command::new("go")
+        .args(["build", "-o"])
+        .arg(&binary)
+        .arg(root().join("examples/go/sql_writer.go"))
+        .env("GO111MODULE", "off")
+        .env("GOPATH", "/usr/share/gocode")
+        .env("GOCACHE", dir.join("gocache"))
+        .output()
+        .expect("Go is needed: apt-get install golang-go golang-github-jackc-pgx-v4-dev");
+    assert!(
+        out.status.success(),
+        "go build failed (is golang-github-jackc-pgx-v4-dev installed?): {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    vec![binary.display().to_string()]
+}
+
+/// Writes at 7 and 8, then a stale 7: refused (exit 3), nothing written; the sink's store
+/// sees what the SQL writers did (one fence).
+async fn stale_writer_is_refused(writer: &[String], name: &str) {
+    let (store, schema, client) = setup(name).await;
+    let job = format!("invoice-{name}");
+    for token in [7, 8] {
+        let out = write(writer, &schema, &job, token, &[]);
+        assert_eq!(out.status.code(), Some(0), "token {token}: {out:?}");
+    }
+    let highest = store.highest(&job.parse().unwrap()).await.unwrap();
+    assert_eq!(highest.get(), 8, "the proxy's store reads the SQL writers' fence");
+    let out = write(writer, &schema, &job, 7, &[]);
+    assert_eq!(out.status.code(), Some(3), "a stale writer is refused: {out:?}");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains(&format!("stale fencing token: job {job}, token 7, highest 8")),
+        "{said}"
+    );
+    assert_eq!(charged(&client, &schema, &job).await, [7, 8], "nothing stale written");
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
+    let writer = python_writer();
+    stale_writer_is_refused(&writer, "py").await;
+
+    // A writer whose transaction holds the fence row open (it checked 9, then pauses before
+    // its insert): the newer writer (10) waits for its commit, so the effects land in order.
+    let (_store, schema, client) = setup("pyhold").await;
+    let (older, newer) = {
+        let (w, s) = (writer.clone(), schema.clone());
+        let older = std::thread::spawn(move || write(&w, &s, "held", 9, &["1.5"]));
+        std::thread::sleep(Duration::from_millis(400));
+        let started = Instant::now();
+        let newer = write(&writer, &schema, "held", 10, &[]);
+        assert!(
+            started.elapsed() >= Duration::from_millis(700),
+            "the newer writer did not wait for the older one's transaction: {:?}",
+            started.elapsed()
+        );
+        (older.join().unwrap(), newer)
+    };
+    assert_eq!((older.status.code(), newer.status.code()), (Some(0), Some(0)));
+    assert_eq!(charged(&client, &schema, "held").await, [9, 10]);
+    let stale = write(&writer, &schema, "held", 9, &[]);
+    assert_eq!(stale.status.code(), Some(3));
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .unwrap();
+}
+
+#[tokio::test]
+async fn go_writers_share_the_fence_and_a_stale_one_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let writer = go_writer(dir.path());
+    stale_writer_is_refused(&writer, "go").await;
+}
