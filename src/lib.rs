@@ -1,5 +1,8 @@
 //! Helpers shared by fence's examples and cross-crate tests: a tiny HTTP server to send
-//! fenced requests to, and child processes that are killed when the test ends.
+//! fenced requests to, child processes that are killed when the test ends, and the ledger
+//! gRPC service.
+
+pub mod ledger;
 
 use std::{convert::Infallible, net::SocketAddr, process::Child};
 

@@ -72,11 +72,14 @@ fn write(writer: &[String], schema: &str, job: &str, token: u64, extra: &[&str])
     cmd.args(&writer[1..])
         .args([&database_url(), schema, job, &token.to_string(), "10"])
         .args(extra);
-    cmd.output().unwrap_or_else(|e| panic!("{writer:?} cannot start: {e}"))
+    cmd.output()
+        .unwrap_or_else(|e| panic!("{writer:?} cannot start: {e}"))
 }
 
 fn python_writer() -> Vec<String> {
-    let check = Command::new("python3").args(["-c", "import psycopg"]).output();
+    let check = Command::new("python3")
+        .args(["-c", "import psycopg"])
+        .output();
     assert!(
         check.is_ok_and(|o| o.status.success()),
         "python3 with psycopg 3 is needed: pip install \"psycopg[binary]\""
@@ -115,15 +118,29 @@ async fn stale_writer_is_refused(writer: &[String], name: &str) {
         assert_eq!(out.status.code(), Some(0), "token {token}: {out:?}");
     }
     let highest = store.highest(&job.parse().unwrap()).await.unwrap();
-    assert_eq!(highest.get(), 8, "the proxy's store reads the SQL writers' fence");
+    assert_eq!(
+        highest.get(),
+        8,
+        "the proxy's store reads the SQL writers' fence"
+    );
     let out = write(writer, &schema, &job, 7, &[]);
-    assert_eq!(out.status.code(), Some(3), "a stale writer is refused: {out:?}");
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "a stale writer is refused: {out:?}"
+    );
     let said = String::from_utf8_lossy(&out.stderr);
     assert!(
-        said.contains(&format!("stale fencing token: job {job}, token 7, highest 8")),
+        said.contains(&format!(
+            "stale fencing token: job {job}, token 7, highest 8"
+        )),
         "{said}"
     );
-    assert_eq!(charged(&client, &schema, &job).await, [7, 8], "nothing stale written");
+    assert_eq!(
+        charged(&client, &schema, &job).await,
+        [7, 8],
+        "nothing stale written"
+    );
     client
         .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
         .await
@@ -151,7 +168,10 @@ async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
         );
         (older.join().unwrap(), newer)
     };
-    assert_eq!((older.status.code(), newer.status.code()), (Some(0), Some(0)));
+    assert_eq!(
+        (older.status.code(), newer.status.code()),
+        (Some(0), Some(0))
+    );
     assert_eq!(charged(&client, &schema, "held").await, [9, 10]);
     let stale = write(&writer, &schema, "held", 9, &[]);
     assert_eq!(stale.status.code(), Some(3));

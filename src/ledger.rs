@@ -1,0 +1,92 @@
+//! The ledger gRPC service of the examples and tests (`examples/proto/ledger.proto`): books
+//! every charge that reaches it, with the fencing metadata it came with.
+
+use std::sync::{Arc, Mutex};
+
+use tonic::{Request, Response, Status, Streaming};
+
+/// The code generated from `ledger.proto` (package `ledger.v1`).
+#[allow(missing_docs, unreachable_pub, clippy::all)]
+pub mod proto {
+    tonic::include_proto!("ledger.v1");
+}
+
+use proto::{ChargeReply, ChargeRequest, ledger_server::Ledger};
+
+/// One booked charge.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Entry {
+    /// Its number, from 1.
+    pub entry: u64,
+    /// The account charged.
+    pub account: String,
+    /// The amount.
+    pub amount_cents: i64,
+    /// The `x-fencing-job` metadata of its call, if any.
+    pub job: Option<String>,
+    /// The `x-fencing-token` metadata of its call, if any.
+    pub token: Option<String>,
+}
+
+/// A ledger in memory. Clones share the books.
+#[derive(Debug, Clone, Default)]
+pub struct Books {
+    entries: Arc<Mutex<Vec<Entry>>>,
+}
+
+impl Books {
+    /// Every charge booked so far, in order.
+    pub fn entries(&self) -> Vec<Entry> {
+        self.entries
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    fn book(&self, request: &ChargeRequest, metadata: &tonic::metadata::MetadataMap) -> u64 {
+        let text = |name: &str| {
+            metadata
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let mut entries = self.entries.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = entries.len() as u64 + 1;
+        entries.push(Entry {
+            entry,
+            account: request.account.clone(),
+            amount_cents: request.amount_cents,
+            job: text("x-fencing-job"),
+            token: text("x-fencing-token"),
+        });
+        entry
+    }
+}
+
+#[tonic::async_trait]
+impl Ledger for Books {
+    async fn charge(
+        &self,
+        request: Request<ChargeRequest>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        let entry = self.book(request.get_ref(), request.metadata());
+        Ok(Response::new(ChargeReply { entry, booked: 1 }))
+    }
+
+    async fn charge_many(
+        &self,
+        request: Request<Streaming<ChargeRequest>>,
+    ) -> Result<Response<ChargeReply>, Status> {
+        let metadata = request.metadata().clone();
+        let mut stream = request.into_inner();
+        let mut charges = Vec::new();
+        while let Some(charge) = stream.message().await? {
+            charges.push(charge);
+        }
+        let (mut entry, booked) = (0, u32::try_from(charges.len()).unwrap_or(u32::MAX));
+        for charge in &charges {
+            entry = self.book(charge, &metadata);
+        }
+        Ok(Response::new(ChargeReply { entry, booked }))
+    }
+}
