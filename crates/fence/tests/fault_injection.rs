@@ -11,7 +11,9 @@
 //! In the SQL mode the proxy keeps its fence in PostgreSQL, two of the workers write their
 //! effects straight into the database inside transactions that call the SQL fence
 //! (`require`), and the upstream writes the proxied effects the same way: one fence for both
-//! kinds of writer, and the effects' commit order is what the checker reads.
+//! kinds of writer, and the effects' commit order is what the checker reads. In the gRPC
+//! mode the upstream is a tonic gRPC service and the workers call it through the proxy with
+//! generated tonic clients on a `Channel` under `FencingLayer`.
 //!
 //! Quick mode runs in CI. Soak: `FENCE_SOAK_SECS=3600 FENCE_SOAK_SEED=42 cargo test -p fence
 //! --release --test fault_injection -- --nocapture fenced`.
@@ -78,6 +80,15 @@ async fn fault_worker() {
         [url, schema] => Some(SqlWriter::connect(url, schema).await),
         _ => None,
     };
+    // `grpc`: this worker calls the ledger through the proxy with a tonic client.
+    let grpc = match sql {
+        None if parts.last() == Some(&"grpc") => Some(
+            tonic::transport::Channel::from_shared(proxy.to_string())
+                .unwrap()
+                .connect_lazy(),
+        ),
+        _ => None,
+    };
     let (id, jobs, secs, window): (u64, u64, u64, u64) = (
         id.parse().unwrap(),
         jobs.parse().unwrap(),
@@ -135,7 +146,7 @@ async fn fault_worker() {
             .service(net);
         // Now and then, a request whose body stalls mid-way, or that is cut mid-body: the
         // newer holder of this job must not wait on it for longer than the body deadline.
-        if let (0, Some(token)) = (rng.below(6), lease.token_string()) {
+        if let (0, Some(token), None) = (rng.below(6), lease.token_string(), &grpc) {
             let cut = rng.below(2) == 0;
             let keyed = rng.below(2) == 0;
             let stall = Duration::from_millis(rng.below(3 * TTL_MS));
@@ -162,6 +173,31 @@ async fn fault_worker() {
                 match sql.write(&job, generation, id, seq).await {
                     Ok(()) => println!("ACK {job} {generation} {id} {seq}"),
                     Err(status) => println!("REJECTED {job} {generation} {status}"),
+                }
+                tokio::time::sleep(Duration::from_millis(rng.below(40))).await;
+                continue;
+            }
+            if let Some(channel) = &grpc {
+                let outcome = grpc_charge(channel, &lease, delay, id, seq).await;
+                if i == 0 {
+                    println!("FIRSTLAT {}", outcome.1);
+                }
+                match outcome.0 {
+                    Ok(()) => println!("ACK {job} {generation} {id} {seq}"),
+                    Err(status) => {
+                        let lost = std::error::Error::source(&status)
+                            .is_some_and(|e| e.downcast_ref::<fence_lease::LeaseLost>().is_some());
+                        match status.metadata().get("fence-problem-type") {
+                            _ if lost => println!("REFUSED {job} {generation}"),
+                            Some(_) => {
+                                println!(
+                                    "REJECTED {job} {generation} grpc-{}",
+                                    status.code() as i32
+                                )
+                            }
+                            None => println!("NETERR {job} {generation}"),
+                        }
+                    }
                 }
                 tokio::time::sleep(Duration::from_millis(rng.below(40))).await;
                 continue;
@@ -200,6 +236,45 @@ async fn fault_worker() {
         // Writes still held in the network arrive before the worker ends.
         tokio::time::sleep(Duration::from_secs(6)).await;
     }
+}
+
+/// One charge through the proxy with a generated tonic client on `channel`, stamped by the
+/// lease's `FencingLayer`, held up `delay_ms` between being stamped and being sent; the
+/// account names the worker and the sequence number. Returns the outcome and its latency.
+async fn grpc_charge(
+    channel: &tonic::transport::Channel,
+    lease: &fence_lease::Lease<HttpLeaseStore>,
+    delay_ms: u64,
+    id: u64,
+    seq: u64,
+) -> (Result<(), tonic::Status>, u128) {
+    use fence_suite::ledger::proto::{ChargeRequest, ledger_client::LedgerClient};
+    let net = {
+        let channel = channel.clone();
+        tower::service_fn(move |req: http::Request<tonic::body::Body>| {
+            let mut channel = channel.clone();
+            async move {
+                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                // A channel must be ready before each call.
+                channel.ready().await?.call(req).await
+            }
+        })
+    };
+    let svc = ServiceBuilder::new()
+        .layer(lease.fencing_layer())
+        .service(net);
+    let mut ledger = LedgerClient::new(svc);
+    let sent = Instant::now();
+    let request = ChargeRequest {
+        account: format!("{id}:{seq}"),
+        amount_cents: 1,
+    };
+    let result = tokio::time::timeout(Duration::from_secs(10), ledger.charge(request)).await;
+    let result = match result {
+        Ok(r) => r.map(drop),
+        Err(_) => Err(tonic::Status::deadline_exceeded("no answer in 10 s")),
+    };
+    (result, sent.elapsed().as_millis())
 }
 
 /// Sends one write with `token` after `hold`, straight to the proxy (the lease layer would
@@ -430,6 +505,77 @@ async fn start_logging_upstream(log_path: &std::path::Path, seed: u64) -> String
     format!("http://{addr}")
 }
 
+/// The gRPC upstream: the ledger, logging every charge it receives like the HTTP upstream
+/// (job, token, worker, sequence from the account `worker:seq`, receive time), synced
+/// before it answers, then answering slowly.
+async fn start_grpc_upstream(log_path: &std::path::Path, seed: u64) -> String {
+    use fence_suite::ledger::proto::{
+        ChargeReply, ChargeRequest,
+        ledger_server::{Ledger, LedgerServer},
+    };
+    struct Logged {
+        log: Mutex<std::fs::File>,
+        rng: Mutex<Rng>,
+    }
+    impl Logged {
+        fn book(&self, c: &ChargeRequest, m: &tonic::metadata::MetadataMap) {
+            use std::io::Write;
+            let h = |n: &str| m.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
+            let token = h("x-fencing-token").split('.').next().unwrap_or("0");
+            let (worker, seq) = c.account.split_once(':').unwrap_or(("0", "0"));
+            let ms = std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_millis();
+            let line = format!("{} {token} {worker} {seq} {ms}\n", h("x-fencing-job"));
+            let mut file = self.log.lock().unwrap();
+            file.write_all(line.as_bytes()).unwrap();
+            file.sync_data().unwrap();
+        }
+    }
+    #[tonic::async_trait]
+    impl Ledger for Logged {
+        async fn charge(
+            &self,
+            request: tonic::Request<ChargeRequest>,
+        ) -> Result<tonic::Response<ChargeReply>, tonic::Status> {
+            self.book(request.get_ref(), request.metadata());
+            let slow = self.rng.lock().unwrap().below(15);
+            tokio::time::sleep(Duration::from_millis(slow)).await;
+            Ok(tonic::Response::new(ChargeReply {
+                entry: 0,
+                booked: 1,
+            }))
+        }
+        async fn charge_many(
+            &self,
+            _: tonic::Request<tonic::Streaming<ChargeRequest>>,
+        ) -> Result<tonic::Response<ChargeReply>, tonic::Status> {
+            Err(tonic::Status::unimplemented(
+                "the harness sends unary charges",
+            ))
+        }
+    }
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log_path)
+        .unwrap();
+    let logged = Logged {
+        log: Mutex::new(file),
+        rng: Mutex::new(Rng(seed | 1)),
+    };
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    tokio::spawn(async move {
+        tonic::transport::Server::builder()
+            .add_service(LedgerServer::new(logged))
+            .serve_with_incoming(tonic::transport::server::TcpIncoming::from(listener))
+            .await
+    });
+    format!("http://{addr}")
+}
+
 /// A port that is free now and stays ours across restarts of the server and the proxy.
 ///
 /// Not one the kernel hands out by itself (`bind` to port 0, or the local end of an outgoing
@@ -555,7 +701,11 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
                 }
             }
             ["REJECTED", _, _, status] => {
-                *report.outcomes.entry(format!("HTTP {status}")).or_default() += 1
+                let kind = match status.strip_prefix("grpc-") {
+                    Some(code) => format!("gRPC status {code}"),
+                    None => format!("HTTP {status}"),
+                };
+                *report.outcomes.entry(kind).or_default() += 1
             }
             ["REFUSED", ..] => {
                 *report
@@ -595,6 +745,8 @@ enum Mode {
     Unfenced,
     /// The proxy's fence in PostgreSQL, shared with workers writing through the SQL fence.
     Sql,
+    /// A gRPC upstream, and workers calling it with tonic clients through the proxy.
+    Grpc,
 }
 
 async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
@@ -645,6 +797,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                 .unwrap();
             start_sql_upstream(url, schema, seed).await
         }
+        None if mode == Mode::Grpc => start_grpc_upstream(&log_path, seed).await,
         None => start_logging_upstream(&log_path, seed).await,
     };
     let (server_port, proxy_port) = (free_port(), free_port());
@@ -761,6 +914,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             // In the SQL mode the last two workers write with SQL.
             let sql = match &sql {
                 Some((url, schema, _)) if id >= workers - 2 => format!(" {url} {schema}"),
+                _ if mode == Mode::Grpc => " grpc".to_owned(),
                 _ => String::new(),
             };
             cmd.args(["fault_worker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
@@ -786,7 +940,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
         .stdout(Stdio::null())
         .status()
         .is_ok_and(|s| s.success());
-    if curl {
+    if curl && mode != Mode::Grpc {
         let script = r#"n=0; start=$(date +%s); end=$(( start + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); shift=0; if [ "$WINDOW" -gt 0 ]; then shift=$(( ( $(date +%s) - start ) / WINDOW * JOBS )); fi; SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((shift + n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done; exit 9'; sleep 0.05; done"#;
         children.push(
             Command::new("sh")
@@ -1056,6 +1210,43 @@ async fn sql_writers_and_the_proxy_share_one_fence_without_violations() {
     assert!(
         report.effects > report.sql_effects,
         "seed {seed}: nothing came through the proxy"
+    );
+    assert_eq!(
+        report.violations(),
+        0,
+        "seed {seed}: {:?} {:?}",
+        report.stale_effects,
+        report.reused_generations
+    );
+    assert!(
+        report.lost_acks.is_empty(),
+        "seed {seed}: {:?}",
+        report.lost_acks
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_workers_through_the_proxy_have_no_violations() {
+    let (seed, secs) = seed_and_secs(20);
+    println!(
+        "fault injection with gRPC workers: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
+    );
+    let report = run(seed, secs, Mode::Grpc).await;
+    report.print(
+        "gRPC: tonic workers through the proxy to a tonic ledger",
+        seed,
+    );
+    assert!(
+        report.effects > 0,
+        "seed {seed}: no charge reached the ledger"
+    );
+    assert!(
+        report
+            .outcomes
+            .keys()
+            .any(|k| k.starts_with("gRPC status ")),
+        "seed {seed}: no call was refused by the fence the gRPC way: {:?}",
+        report.outcomes
     );
     assert_eq!(
         report.violations(),
