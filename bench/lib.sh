@@ -49,6 +49,28 @@ header() {
   echo
 }
 
+# nginx_run DIR HTTP_BLOCK: writes DIR/nginx.conf (a worker per core, in the foreground,
+# logs and temporary files in DIR, no access log) with HTTP_BLOCK inside its `http { }`,
+# and becomes that nginx: run it in the background and keep its pid.
+nginx_run() {
+  local dir=$1 block=$2
+  mkdir -p "$dir"
+  cat > "$dir/nginx.conf" <<CONF
+worker_processes auto;
+daemon off;
+pid $dir/nginx.pid;
+error_log $dir/error.log warn;
+events { worker_connections 4096; }
+http {
+  access_log off;
+  client_body_temp_path $dir/body;
+  proxy_temp_path $dir/proxy;
+$block
+}
+CONF
+  exec nginx -p "$dir" -c "$dir/nginx.conf"
+}
+
 # wait_http URL: until URL answers (any status), at most 10 s.
 wait_http() {
   for _ in $(seq 1 100); do

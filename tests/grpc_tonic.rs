@@ -19,6 +19,7 @@ use fence_suite::ledger::{
 use tonic::{
     Code, Request, Status,
     codegen::tokio_stream::wrappers::ReceiverStream,
+    service::Routes,
     transport::{Channel, Server, server::TcpIncoming},
 };
 use tower::ServiceBuilder;
@@ -28,23 +29,30 @@ async fn serve<St>(layer: FenceLayer<St>) -> (Channel, Books)
 where
     St: GenerationStore + IdempotencyStore,
 {
+    let books = Books::default();
+    let routes = Routes::new(LedgerServer::new(books.clone()));
+    let server = Server::builder().layer(layer).add_routes(routes);
+    (
+        listen(|incoming| server.serve_with_incoming(incoming)).await,
+        books,
+    )
+}
+
+/// Runs the server `serve` makes on a loopback port; returns a channel to it.
+async fn listen<F, Fut>(serve: F) -> Channel
+where
+    F: FnOnce(TcpIncoming) -> Fut,
+    Fut: std::future::Future + Send + 'static,
+    Fut::Output: Send,
+{
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    let books = Books::default();
-    let service = LedgerServer::new(books.clone());
-    tokio::spawn(async move {
-        Server::builder()
-            .layer(layer)
-            .add_service(service)
-            .serve_with_incoming(TcpIncoming::from(listener))
-            .await
-    });
-    let channel = Channel::from_shared(format!("http://{addr}"))
+    tokio::spawn(serve(TcpIncoming::from(listener)));
+    Channel::from_shared(format!("http://{addr}"))
         .unwrap()
         .connect()
         .await
-        .unwrap();
-    (channel, books)
+        .unwrap()
 }
 
 fn charge(account: &str) -> ChargeRequest {
@@ -355,4 +363,29 @@ async fn a_client_stream_is_fenced_at_its_start_and_a_newer_token_waits_for_it()
         .map(|e| e.token.unwrap())
         .collect();
     assert_eq!(tokens, ["1", "1", "2"]);
+}
+
+/// The layer on one routed service rather than the whole server: the ledger's routes are
+/// fenced (through tonic's axum router), and the server serves them like any other.
+#[tokio::test]
+async fn the_layer_on_a_routed_service() {
+    let books = Books::default();
+    let fenced: axum::Router = Routes::new(LedgerServer::new(books.clone()))
+        .into_axum_router()
+        .layer(FenceLayer::new(MemoryStore::new()));
+    let server = Server::builder().add_routes(Routes::from(fenced));
+    let channel = listen(|incoming| server.serve_with_incoming(incoming)).await;
+    let at = |token: &'static str| [("x-fencing-job", "r"), ("x-fencing-token", token)];
+    assert_eq!(call(&channel, &at("5"), "a").await.unwrap(), 1);
+    assert_problem(
+        call(&channel, &at("4"), "b").await,
+        Code::Aborted,
+        "urn:fence:stale-token",
+    );
+    assert_problem(
+        call(&channel, &[], "c").await,
+        Code::FailedPrecondition,
+        "urn:fence:missing-token",
+    );
+    assert_eq!(books.entries().len(), 1);
 }

@@ -62,6 +62,13 @@ async fn charged(client: &tokio_postgres::Client, schema: &str, job: &str) -> Ve
         .collect()
 }
 
+async fn drop_schema(client: &tokio_postgres::Client, schema: &str) {
+    client
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await
+        .unwrap();
+}
+
 fn root() -> &'static Path {
     Path::new(env!("CARGO_MANIFEST_DIR"))
 }
@@ -141,10 +148,7 @@ async fn stale_writer_is_refused(writer: &[String], name: &str) {
         [7, 8],
         "nothing stale written"
     );
-    client
-        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
-        .await
-        .unwrap();
+    drop_schema(&client, &schema).await;
 }
 
 #[tokio::test]
@@ -175,10 +179,7 @@ async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
     assert_eq!(charged(&client, &schema, "held").await, [9, 10]);
     let stale = write(&writer, &schema, "held", 9, &[]);
     assert_eq!(stale.status.code(), Some(3));
-    client
-        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
-        .await
-        .unwrap();
+    drop_schema(&client, &schema).await;
 }
 
 #[tokio::test]

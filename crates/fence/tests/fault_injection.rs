@@ -1099,6 +1099,22 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     report
 }
 
+/// No stale effect, no generation granted twice, no acknowledged write lost.
+fn assert_clean(report: &Report, seed: u64) {
+    assert_eq!(
+        report.violations(),
+        0,
+        "seed {seed}: {:?} {:?}",
+        report.stale_effects,
+        report.reused_generations
+    );
+    assert!(
+        report.lost_acks.is_empty(),
+        "seed {seed}: {:?}",
+        report.lost_acks
+    );
+}
+
 fn seed_and_secs(default_secs: u64) -> (u64, u64) {
     let seed = std::env::var("FENCE_SOAK_SEED")
         .ok()
@@ -1126,18 +1142,7 @@ async fn fenced_run_has_no_violations() {
         report.effects > 0,
         "no effect was applied at all: the harness did not run"
     );
-    assert_eq!(
-        report.violations(),
-        0,
-        "seed {seed}: {:?} {:?}",
-        report.stale_effects,
-        report.reused_generations
-    );
-    assert!(
-        report.lost_acks.is_empty(),
-        "seed {seed}: {:?}",
-        report.lost_acks
-    );
+    assert_clean(&report, seed);
     // Stalled bodies are cut at the 1 s body deadline; nothing else may hold a newer holder
     // up for longer than the 2 s drain limit plus scheduling slack.
     assert!(
@@ -1211,18 +1216,7 @@ async fn sql_writers_and_the_proxy_share_one_fence_without_violations() {
         report.effects > report.sql_effects,
         "seed {seed}: nothing came through the proxy"
     );
-    assert_eq!(
-        report.violations(),
-        0,
-        "seed {seed}: {:?} {:?}",
-        report.stale_effects,
-        report.reused_generations
-    );
-    assert!(
-        report.lost_acks.is_empty(),
-        "seed {seed}: {:?}",
-        report.lost_acks
-    );
+    assert_clean(&report, seed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1248,16 +1242,5 @@ async fn grpc_workers_through_the_proxy_have_no_violations() {
         "seed {seed}: no call was refused by the fence the gRPC way: {:?}",
         report.outcomes
     );
-    assert_eq!(
-        report.violations(),
-        0,
-        "seed {seed}: {:?} {:?}",
-        report.stale_effects,
-        report.reused_generations
-    );
-    assert!(
-        report.lost_acks.is_empty(),
-        "seed {seed}: {:?}",
-        report.lost_acks
-    );
+    assert_clean(&report, seed);
 }
