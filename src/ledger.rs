@@ -1,5 +1,6 @@
 //! The ledger gRPC service of the examples and tests (`examples/proto/ledger.proto`): books
-//! every charge that reaches it, with the fencing metadata it came with.
+//! every charge that reaches it, with the fencing metadata it came with. A charge to an
+//! account named `slow-<ms>` takes that long (tests hold a call in flight with it).
 
 use std::sync::{Arc, Mutex};
 
@@ -69,6 +70,10 @@ impl Ledger for Books {
         &self,
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
+        if let Some(ms) = request.get_ref().account.strip_prefix("slow-") {
+            let ms = ms.parse().unwrap_or(0u64).min(60_000);
+            tokio::time::sleep(std::time::Duration::from_millis(ms)).await;
+        }
         let entry = self.book(request.get_ref(), request.metadata());
         Ok(Response::new(ChargeReply { entry, booked: 1 }))
     }

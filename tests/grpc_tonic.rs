@@ -389,3 +389,49 @@ async fn the_layer_on_a_routed_service() {
     );
     assert_eq!(books.entries().len(), 1);
 }
+
+/// The two rows that need a call in flight or a stalled stream: the same idempotency key
+/// while its first call still runs is ABORTED (`idempotency-in-flight`), and a keyed client
+/// stream that stalls past the body deadline is DEADLINE_EXCEEDED (`body-timeout`).
+#[tokio::test]
+async fn in_flight_keys_and_stalled_keyed_streams() {
+    let layer = FenceLayer::new(MemoryStore::new()).body_timeout(Duration::from_millis(300));
+    let (channel, books) = serve(layer).await;
+    let keyed = [
+        ("x-fencing-job", "k"),
+        ("x-fencing-token", "1"),
+        ("idempotency-key", "slow-charge"),
+    ];
+    let first = {
+        let channel = channel.clone();
+        tokio::spawn(async move { call(&channel, &keyed, "slow-800").await })
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let again = call(&channel, &keyed, "slow-800").await;
+    assert_problem(again, Code::Aborted, "urn:fence:idempotency-in-flight");
+    assert_eq!(
+        first.await.unwrap().unwrap(),
+        1,
+        "the first call finishes, booked once"
+    );
+
+    let (tx, rx) = tokio::sync::mpsc::channel(1);
+    let mut request = Request::new(ReceiverStream::new(rx));
+    let m = request.metadata_mut();
+    m.insert("x-fencing-job", "k".parse().unwrap());
+    m.insert("x-fencing-token", "1".parse().unwrap());
+    m.insert("idempotency-key", "stalled-stream".parse().unwrap());
+    tx.send(charge("s1")).await.unwrap();
+    let mut client = LedgerClient::new(channel.clone());
+    let stalled = tokio::time::timeout(Duration::from_secs(5), client.charge_many(request))
+        .await
+        .expect("an answer, not a hang")
+        .unwrap_err();
+    assert_eq!(stalled.code(), Code::DeadlineExceeded, "{stalled:?}");
+    drop(tx);
+    assert_eq!(
+        books.entries().len(),
+        1,
+        "the stalled stream booked nothing"
+    );
+}
