@@ -46,18 +46,7 @@ $bin/examples/bench_sink bare "$bare" >/dev/null & pids+=($!)
 p() { RUST_LOG=warn $bin/fence proxy --listen "$1" --admin-listen "$2" --upstream "http://$bare" --data-dir "$tmp/$3" "${@:4}" & pids+=($!); }
 p "$proxy" 127.0.0.1:19320 proxy
 p "$proxys" 127.0.0.1:19321 proxys "${tls[@]}"
-mkdir -p "$tmp/nginx"
-cat > "$tmp/nginx/nginx.conf" <<CONF
-worker_processes auto;
-daemon off;
-pid $tmp/nginx/nginx.pid;
-error_log $tmp/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $tmp/nginx/body;
-  proxy_temp_path $tmp/nginx/proxy;
-  upstream bare { server $bare; keepalive 128; }
+nginx_run "$tmp/nginx" "  upstream bare { server $bare; keepalive 128; }
   server {
     listen $nginx;
     listen $nginxs ssl;
@@ -66,12 +55,9 @@ http {
     location / {
       proxy_pass http://bare;
       proxy_http_version 1.1;
-      proxy_set_header Connection "";
+      proxy_set_header Connection \"\";
     }
-  }
-}
-CONF
-nginx -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" & pids+=($!)
+  }" & pids+=($!)
 for a in "$plain" "$authed" "$proxy" "$nginx" "$bare"; do wait_http "http://$a/healthz"; done
 for a in "$https" "$both" "$proxys" "$nginxs"; do wait_http "https://$a/healthz" || true; done
 claim_renewable "http://$plain"

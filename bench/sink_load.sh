@@ -28,29 +28,15 @@ $bin/examples/bench_sink fenced "$layer" "$tmp/layer" >/dev/null & pids+=($!)
 RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen 127.0.0.1:19004 \
   --upstream "http://$bare" --data-dir "$tmp/proxy" & pids+=($!)
 $bin/examples/bench_sink proxy "$hyperp" "$bare" >/dev/null & pids+=($!)
-mkdir -p "$tmp/nginx"
-cat > "$tmp/nginx/nginx.conf" <<CONF
-worker_processes auto;
-daemon off;
-pid $tmp/nginx/nginx.pid;
-error_log $tmp/nginx/error.log warn;
-events { worker_connections 4096; }
-http {
-  access_log off;
-  client_body_temp_path $tmp/nginx/body;
-  proxy_temp_path $tmp/nginx/proxy;
-  upstream bare { server $bare; keepalive 128; }
+nginx_run "$tmp/nginx" "  upstream bare { server $bare; keepalive 128; }
   server {
     listen $nginx;
     location / {
       proxy_pass http://bare;
       proxy_http_version 1.1;
-      proxy_set_header Connection "";
+      proxy_set_header Connection \"\";
     }
-  }
-}
-CONF
-nginx -p "$tmp/nginx" -c "$tmp/nginx/nginx.conf" & pids+=($!)
+  }" & pids+=($!)
 for a in "$bare" "$layer" "$proxy" "$hyperp" "$nginx"; do wait_http "http://$a/"; done
 
 out=$tmp/rows

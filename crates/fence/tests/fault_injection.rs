@@ -378,45 +378,72 @@ impl SqlWriter {
 /// fence checked again in the effect's own transaction), after a short pause so requests
 /// are in flight during generation bumps; 409 when the fence refuses it.
 async fn start_sql_upstream(url: &str, schema: &str, seed: u64) -> String {
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
     let mut writers: Vec<Arc<SqlWriter>> = Vec::new();
     for _ in 0..4 {
         writers.push(Arc::new(SqlWriter::connect(url, schema).await));
     }
+    let (writers, next) = (
+        Arc::new(writers),
+        Arc::new(std::sync::atomic::AtomicUsize::new(0)),
+    );
     let rng = Arc::new(Mutex::new(Rng(seed | 1)));
+    serve_effects(move |e: Asked| {
+        let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        let (writer, slow) = (
+            writers[n % writers.len()].clone(),
+            rng.lock().unwrap().below(15),
+        );
+        async move {
+            tokio::time::sleep(Duration::from_millis(slow)).await;
+            match writer.write(&e.job, e.token, e.worker, e.seq).await {
+                Ok(()) => 200,
+                Err(status) => status,
+            }
+        }
+    })
+    .await
+}
+
+/// What a request to an upstream asks for: the job, the token's generation, the worker and
+/// its sequence number.
+struct Asked {
+    job: String,
+    token: u64,
+    worker: u64,
+    seq: u64,
+}
+
+impl Asked {
+    fn of(headers: &http::HeaderMap) -> Self {
+        let h = |n: &str| headers.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
+        let number = |s: &str| s.parse().unwrap_or(0);
+        Self {
+            job: h("x-fencing-job").to_owned(),
+            token: number(h("x-fencing-token").split('.').next().unwrap_or("0")),
+            worker: number(h("x-worker")),
+            seq: number(h("x-seq")),
+        }
+    }
+}
+
+/// Serves HTTP/1.1 on a loopback port: each request is answered, empty, with the status
+/// `handle` returns for what it asks.
+async fn serve_effects<F, Fut>(handle: F) -> String
+where
+    F: Fn(Asked) -> Fut + Clone + Send + Sync + 'static,
+    Fut: std::future::Future<Output = u16> + Send,
+{
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
     tokio::spawn(async move {
-        let mut next = 0usize;
         while let Ok((stream, _)) = listener.accept().await {
-            next += 1;
-            let (writer, rng) = (writers[next % writers.len()].clone(), rng.clone());
+            let handle = handle.clone();
             tokio::spawn(async move {
                 let svc = service_fn(move |req: Request<Incoming>| {
-                    let (writer, rng) = (writer.clone(), rng.clone());
+                    let answer = handle(Asked::of(req.headers()));
                     async move {
-                        let h = |n: &str| {
-                            req.headers()
-                                .get(n)
-                                .and_then(|v| v.to_str().ok())
-                                .unwrap_or("")
-                                .to_owned()
-                        };
-                        let token: u64 = h("x-fencing-token").parse().unwrap_or(0);
-                        let slow = rng.lock().unwrap().below(15);
-                        tokio::time::sleep(Duration::from_millis(slow)).await;
-                        let (worker, seq) = (h("x-worker"), h("x-seq"));
-                        let written = writer
-                            .write(
-                                &h("x-fencing-job"),
-                                token,
-                                worker.parse().unwrap_or(0),
-                                seq.parse().unwrap_or(0),
-                            )
-                            .await;
                         let mut response = Response::new(Full::new(Bytes::from_static(b"ok")));
-                        if let Err(status) = written {
-                            *response.status_mut() = hyper::StatusCode::from_u16(status).unwrap();
-                        }
+                        *response.status_mut() = hyper::StatusCode::from_u16(answer.await).unwrap();
                         Ok::<_, Infallible>(response)
                     }
                 });
@@ -427,6 +454,34 @@ async fn start_sql_upstream(url: &str, schema: &str, seed: u64) -> String {
         }
     });
     format!("http://{addr}")
+}
+
+/// The effects log of the HTTP and gRPC upstreams: one line an effect (job, token, worker,
+/// sequence, receive time in ms), synced before the effect is answered; one writer at a
+/// time, so the file's order is the order of arrival.
+struct EffectLog(Mutex<std::fs::File>);
+
+impl EffectLog {
+    fn open(path: &std::path::Path) -> Self {
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(path)
+            .unwrap();
+        Self(Mutex::new(file))
+    }
+
+    fn append(&self, e: &Asked) {
+        use std::io::Write;
+        let ms = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_millis();
+        let line = format!("{} {} {} {} {ms}\n", e.job, e.token, e.worker, e.seq);
+        let mut file = self.0.lock().unwrap();
+        file.write_all(line.as_bytes()).unwrap();
+        file.sync_data().unwrap();
+    }
 }
 
 // ------------------------------------------------------------------------------------------
@@ -441,68 +496,20 @@ struct Effect {
     seq: u64,
 }
 
-/// The upstream: appends every effect to a durable log (one line each: job, token, worker,
-/// sequence, receive time in ms; synced before the answer) when it arrives, then answers
-/// slowly (so requests are in flight during generation bumps).
+/// The upstream: logs every effect when it arrives (`EffectLog`), then answers slowly (so
+/// requests are in flight during generation bumps).
 async fn start_logging_upstream(log_path: &std::path::Path, seed: u64) -> String {
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log_path)
-        .unwrap();
-    let log = Arc::new(Mutex::new(file));
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let addr = listener.local_addr().unwrap();
+    let log = Arc::new(EffectLog::open(log_path));
     let rng = Arc::new(Mutex::new(Rng(seed | 1)));
-    tokio::spawn(async move {
-        while let Ok((stream, _)) = listener.accept().await {
-            let (log, rng) = (log.clone(), rng.clone());
-            tokio::spawn(async move {
-                let svc = service_fn(move |req: Request<Incoming>| {
-                    let (log, rng) = (log.clone(), rng.clone());
-                    async move {
-                        let h = |n: &str| {
-                            req.headers()
-                                .get(n)
-                                .and_then(|v| v.to_str().ok())
-                                .unwrap_or("")
-                                .to_owned()
-                        };
-                        let token = h("x-fencing-token")
-                            .split('.')
-                            .next()
-                            .unwrap_or("0")
-                            .parse()
-                            .unwrap_or(0);
-                        let received_ms = std::time::SystemTime::now()
-                            .duration_since(std::time::UNIX_EPOCH)
-                            .unwrap()
-                            .as_millis();
-                        let line = format!(
-                            "{} {token} {} {} {received_ms}\n",
-                            h("x-fencing-job"),
-                            h("x-worker").parse::<u64>().unwrap_or(0),
-                            h("x-seq").parse::<u64>().unwrap_or(0)
-                        );
-                        {
-                            // One writer at a time: the file's order is the order of arrival.
-                            use std::io::Write;
-                            let mut file = log.lock().unwrap();
-                            file.write_all(line.as_bytes()).unwrap();
-                            file.sync_data().unwrap();
-                        }
-                        let slow = rng.lock().unwrap().below(15);
-                        tokio::time::sleep(Duration::from_millis(slow)).await;
-                        Ok::<_, Infallible>(Response::new(Full::new(Bytes::from_static(b"ok"))))
-                    }
-                });
-                let _ = http1::Builder::new()
-                    .serve_connection(TokioIo::new(stream), svc)
-                    .await;
-            });
+    serve_effects(move |e: Asked| {
+        log.append(&e);
+        let slow = rng.lock().unwrap().below(15);
+        async move {
+            tokio::time::sleep(Duration::from_millis(slow)).await;
+            200
         }
-    });
-    format!("http://{addr}")
+    })
+    .await
 }
 
 /// The gRPC upstream: the ledger, logging every charge it receives like the HTTP upstream
@@ -514,23 +521,16 @@ async fn start_grpc_upstream(log_path: &std::path::Path, seed: u64) -> String {
         ledger_server::{Ledger, LedgerServer},
     };
     struct Logged {
-        log: Mutex<std::fs::File>,
+        log: EffectLog,
         rng: Mutex<Rng>,
     }
     impl Logged {
+        /// A charge's effect: the account names the worker and sequence, `worker:seq`.
         fn book(&self, c: &ChargeRequest, m: &tonic::metadata::MetadataMap) {
-            use std::io::Write;
-            let h = |n: &str| m.get(n).and_then(|v| v.to_str().ok()).unwrap_or("");
-            let token = h("x-fencing-token").split('.').next().unwrap_or("0");
+            let mut effect = Asked::of(&m.clone().into_headers());
             let (worker, seq) = c.account.split_once(':').unwrap_or(("0", "0"));
-            let ms = std::time::SystemTime::now()
-                .duration_since(std::time::UNIX_EPOCH)
-                .unwrap()
-                .as_millis();
-            let line = format!("{} {token} {worker} {seq} {ms}\n", h("x-fencing-job"));
-            let mut file = self.log.lock().unwrap();
-            file.write_all(line.as_bytes()).unwrap();
-            file.sync_data().unwrap();
+            (effect.worker, effect.seq) = (worker.parse().unwrap_or(0), seq.parse().unwrap_or(0));
+            self.log.append(&effect);
         }
     }
     #[tonic::async_trait]
@@ -556,13 +556,8 @@ async fn start_grpc_upstream(log_path: &std::path::Path, seed: u64) -> String {
             ))
         }
     }
-    let file = std::fs::OpenOptions::new()
-        .create(true)
-        .append(true)
-        .open(log_path)
-        .unwrap();
     let logged = Logged {
-        log: Mutex::new(file),
+        log: EffectLog::open(log_path),
         rng: Mutex::new(Rng(seed | 1)),
     };
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
