@@ -878,14 +878,16 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     let mut report_faults: BTreeMap<&'static str, u64> = BTreeMap::new();
     let (workers, jobs) = (6u64, 3u64);
     // Two workers run with their clocks shifted by 30 s and running 5% slow or fast
-    // (libfaketime), when it is installed.
-    let faketime = std::env::var_os("FENCE_FAULT_NO_FAKETIME").is_none()
-        && Command::new("faketime")
-            .arg("-f")
-            .arg("+0")
-            .arg("true")
-            .status()
-            .is_ok_and(|s| s.success());
+    // (libfaketime), when it is installed. The library is preloaded into the worker itself,
+    // not run through the `faketime` wrapper, which forks: a SIGSTOP would stop the wrapper
+    // and leave the worker running.
+    let libfaketime = [
+        "/usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1",
+        "/usr/lib/faketime/libfaketime.so.1",
+    ]
+    .into_iter()
+    .find(|p| std::path::Path::new(p).exists());
+    let faketime = std::env::var_os("FENCE_FAULT_NO_FAKETIME").is_none() && libfaketime.is_some();
     if !faketime {
         println!(
             "note: faketime not installed (apt-get install faketime): no worker runs with a skewed clock"
@@ -898,14 +900,10 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                 1 if faketime => Some("-30s x1.05"),
                 _ => None,
             };
-            let mut cmd = match skew {
-                Some(spec) => {
-                    let mut c = Command::new("faketime");
-                    c.arg("-f").arg(spec).arg(std::env::current_exe().unwrap());
-                    c
-                }
-                None => Command::new(std::env::current_exe().unwrap()),
-            };
+            let mut cmd = Command::new(std::env::current_exe().unwrap());
+            if let (Some(spec), Some(lib)) = (skew, libfaketime) {
+                cmd.env("LD_PRELOAD", lib).env("FAKETIME", spec);
+            }
             // In the SQL mode the last two workers write with SQL.
             let sql = match &sql {
                 Some((url, schema, _)) if id >= workers - 2 => format!(" {url} {schema}"),
@@ -927,6 +925,11 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             .or_default() += 2;
     }
     let pids: Vec<u32> = children.iter().map(Child::id).collect();
+    let skewed_pids: Vec<u32> = if faketime {
+        pids[..2].to_vec()
+    } else {
+        Vec::new()
+    };
     // One more worker is a shell script under `fence run`: it reads FENCE_TOKEN once and
     // writes with curl, as scripts do; fence run stops it when the lease is lost. It exits
     // non-zero so fence run releases the job (exit 0 would complete it, for good).
@@ -936,7 +939,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
         .status()
         .is_ok_and(|s| s.success());
     if curl && mode != Mode::Grpc {
-        let script = r#"n=0; start=$(date +%s); end=$(( start + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); shift=0; if [ "$WINDOW" -gt 0 ]; then shift=$(( ( $(date +%s) - start ) / WINDOW * JOBS )); fi; SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((shift + n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done; exit 9'; sleep 0.05; done"#;
+        let script = r#"n=0; start=$(date +%s); end=$(( start + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); shift=0; if [ "$WINDOW" -gt 0 ]; then shift=$(( ( $(date +%s) - start ) / WINDOW * JOBS )); fi; SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((shift + n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'echo "CLAIM $FENCE_JOB ${FENCE_TOKEN%%.*} $FENCE_OWNER"; for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done; exit 9'; sleep 0.05; done"#;
         children.push(
             Command::new("sh")
                 .arg("-c")
@@ -956,9 +959,27 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
         *report_faults
             .entry("a worker under fence run (curl script)")
             .or_default() += 1;
+    } else if curl {
+        println!("note: the gRPC mode has no worker under fence run (it writes HTTP/1.1)");
     } else {
         println!("note: curl not installed: no worker runs under fence run");
     }
+    // Every worker's output is read while it runs: a pipe nobody reads fills up in a long
+    // soak and blocks the worker.
+    let readers: Vec<std::thread::JoinHandle<String>> = children
+        .into_iter()
+        .map(|mut child| {
+            std::thread::spawn(move || {
+                use std::io::Read;
+                let mut out = String::new();
+                if let Some(mut pipe) = child.stdout.take() {
+                    let _ = pipe.read_to_string(&mut out);
+                }
+                let _ = child.wait();
+                out
+            })
+        })
+        .collect();
     let mut report = Report {
         faults: report_faults,
         ..Report::default()
@@ -966,12 +987,31 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     let mut rng = Rng(seed | 1);
     let end = Instant::now() + Duration::from_secs(secs);
     let mut stoppers = Vec::new();
+    let mut round = 0u64;
     while Instant::now() + Duration::from_millis(1_500) < end {
         tokio::time::sleep(Duration::from_millis(150 + rng.below(350))).await;
-        match rng.below(10) {
+        // The first rounds take each kind of fault once, so a quick run has all of them;
+        // then they are drawn at random. The first stop is of a skewed worker, when any.
+        round += 1;
+        let kind = match round {
+            1 => 0,
+            2 => 6,
+            3 => 9,
+            _ => rng.below(10),
+        };
+        match kind {
             0..=5 => {
                 // Stop a worker past its lease, then let it go on.
-                let pid = pids[rng.below(workers) as usize];
+                let pid = match skewed_pids.first() {
+                    Some(&skewed) if round == 1 => skewed,
+                    _ => pids[rng.below(workers) as usize],
+                };
+                if skewed_pids.contains(&pid) {
+                    *report
+                        .faults
+                        .entry("of which a skewed-clock worker")
+                        .or_default() += 1;
+                }
                 let mut pause = TTL_MS * 3 / 2 + rng.below(TTL_MS);
                 if mode == Mode::Forgetting && rng.below(3) == 0 {
                     // Past the proxy's forget-after (4 s): the stale write then meets a
@@ -1019,10 +1059,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
         let _ = s.await;
     }
     let logs: Vec<String> = tokio::task::spawn_blocking(move || {
-        children
-            .into_iter()
-            .map(|c| String::from_utf8_lossy(&c.wait_with_output().unwrap().stdout).into_owned())
-            .collect()
+        readers.into_iter().map(|r| r.join().unwrap()).collect()
     })
     .await
     .unwrap();
@@ -1094,8 +1131,20 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     report
 }
 
-/// No stale effect, no generation granted twice, no acknowledged write lost.
+/// Every kind of fault happened, and no stale effect, no generation granted twice, no
+/// acknowledged write lost.
 fn assert_clean(report: &Report, seed: u64) {
+    for kind in [
+        "worker SIGSTOP past its lease",
+        "proxy SIGKILL + restart",
+        "server SIGKILL + restart, clock jump",
+    ] {
+        assert!(
+            report.faults.get(kind).is_some_and(|n| *n > 0),
+            "seed {seed}: no {kind:?}: {:?}",
+            report.faults
+        );
+    }
     assert_eq!(
         report.violations(),
         0,
@@ -1133,6 +1182,12 @@ async fn fenced_run_has_no_violations() {
     );
     let report = run(seed, secs, Mode::Fenced).await;
     report.print("fenced", seed);
+    let refused = |k: &str| report.outcomes.get(k).copied().unwrap_or(0);
+    assert!(
+        refused("refused by layer") + refused("HTTP 409") > 0,
+        "seed {seed}: no stale write was refused at all, by the layer or the proxy: {:?}",
+        report.outcomes
+    );
     assert!(
         report.effects > 0,
         "no effect was applied at all: the harness did not run"
@@ -1238,4 +1293,55 @@ async fn grpc_workers_through_the_proxy_have_no_violations() {
         report.outcomes
     );
     assert_clean(&report, seed);
+}
+
+// ------------------------------------------------------------------------------------------
+// The checker, on histories with a known violation: each check can fail.
+// ------------------------------------------------------------------------------------------
+
+fn effect(job: &str, token: u64, worker: u64, seq: u64) -> Effect {
+    Effect {
+        job: job.into(),
+        token,
+        worker,
+        seq,
+    }
+}
+
+#[test]
+fn the_checker_finds_each_kind_of_violation() {
+    let effects = [
+        effect("a", 2, 1, 1),
+        effect("b", 1, 2, 1),
+        effect("a", 3, 1, 2),
+    ];
+    let clean = "CLAIM a 2 w1\nACK a 2 1 1\nCLAIM a 3 w1\nACK a 3 1 2\nCLAIM b 1 w2\nACK b 1 2 1\n";
+    let mut report = Report::default();
+    check(&effects, &[clean.into()], &mut report);
+    assert_eq!(
+        (report.violations(), report.lost_acks.len()),
+        (0, 0),
+        "{report:?}"
+    );
+
+    // A lower token applied after a higher one of the same job.
+    let mut stale = effects.to_vec();
+    stale.push(effect("a", 2, 3, 9));
+    let mut report = Report::default();
+    check(&stale, &[clean.into()], &mut report);
+    assert_eq!(report.stale_effects.len(), 1, "{report:?}");
+
+    // One generation granted to two owners, in two workers' logs.
+    let mut report = Report::default();
+    check(
+        &effects,
+        &[clean.into(), "CLAIM a 3 w9\n".into()],
+        &mut report,
+    );
+    assert_eq!(report.reused_generations.len(), 1, "{report:?}");
+
+    // An acknowledged write that never reached the upstream.
+    let mut report = Report::default();
+    check(&effects, &[format!("{clean}ACK a 3 1 77\n")], &mut report);
+    assert_eq!(report.lost_acks.len(), 1, "{report:?}");
 }
