@@ -12,7 +12,8 @@ end
 
 function init(args)
   mode = args[1] or "same"
-  job = "bench-" .. id .. "-" .. tostring(os.time())
+  -- A second argument names the jobs apart, for several wrk runs at once.
+  job = (args[2] or "bench") .. "-" .. id .. "-" .. tostring(os.time())
   wrk.method = "POST"
   wrk.body = "x"
 end
