@@ -37,6 +37,11 @@ fn tokens_corpus() {
 }
 
 #[test]
+fn token_parse_corpus() {
+    replay("token_parse", checks::token_parse);
+}
+
+#[test]
 fn lease_api_corpus() {
     replay("lease_api", checks::lease_api);
 }
