@@ -388,12 +388,13 @@ impl HttpLeaseStore {
         match status {
             StatusCode::OK => {
                 let body: RecordBody = decode(status, &bytes)?;
-                // A signed token says when the revoked lease ends: `<g>.<expires_at_ms>.<sig>`.
+                // A signed token says when the revoked lease ends (the contract's token parser).
                 let expires_at_ms = body
                     .token
                     .as_deref()
-                    .and_then(|t| t.split('.').nth(1))
-                    .and_then(|ms| ms.parse().ok());
+                    .and_then(|t| fence_core::headers::parse_token(t.as_bytes()).ok())
+                    .and_then(|(_, signed)| signed)
+                    .map(|s| s.expires_at_ms);
                 let token = body.token.clone();
                 Ok(Outcome::Revoked(Revocation {
                     record: from_body(body),
