@@ -29,7 +29,8 @@ fn replay(target: &str, check: fn(&[u8])) {
 /// Every target's corpus through its check; a failure names the target and the file.
 #[test]
 fn every_corpus_replays_through_its_check() {
-    let targets: [(&str, fn(&[u8])); 6] = [
+    type Check = fn(&[u8]);
+    let targets: [(&str, Check); 6] = [
         ("headers", checks::headers),
         ("tokens", checks::tokens),
         ("token_parse", checks::token_parse),
