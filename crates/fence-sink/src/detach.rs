@@ -20,6 +20,10 @@ pub(crate) struct Detachable<T> {
 }
 
 fn finish_in_a_task<T: 'static>(future: BoxFuture<T>) {
+    #[cfg(test)]
+    let Some(future) = under_shuttle::finish(future) else {
+        return;
+    };
     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
         // The box moves, the future inside it does not: it stays pinned.
         runtime.spawn(async move {
@@ -64,5 +68,52 @@ impl<T> Drop for Detachable<T> {
         if let (Some(future), Some(detach)) = (self.future.take(), self.detach) {
             detach(future);
         }
+    }
+}
+
+/// In the gate's model check (tests only), a detached future becomes a shuttle task that the
+/// check awaits, so every schedule of it is explored too.
+#[cfg(test)]
+pub(crate) mod under_shuttle {
+    use std::cell::RefCell;
+
+    use super::BoxFuture;
+
+    thread_local! {
+        static TASKS: RefCell<Option<Vec<shuttle::future::JoinHandle<()>>>> =
+            const { RefCell::new(None) };
+    }
+
+    /// From now on, on this thread, detached futures run as shuttle tasks.
+    pub(crate) fn start() {
+        TASKS.with(|t| *t.borrow_mut() = Some(Vec::new()));
+    }
+
+    /// The shuttle tasks detached since the last call.
+    pub(crate) fn take() -> Vec<shuttle::future::JoinHandle<()>> {
+        TASKS.with(|t| {
+            t.borrow_mut()
+                .as_mut()
+                .map(std::mem::take)
+                .unwrap_or_default()
+        })
+    }
+
+    /// Detached futures go to tokio again.
+    pub(crate) fn stop() {
+        TASKS.with(|t| *t.borrow_mut() = None);
+    }
+
+    /// `None` when `future` was handed to a shuttle task.
+    pub(super) fn finish<T: 'static>(future: BoxFuture<T>) -> Option<BoxFuture<T>> {
+        if TASKS.with(|t| t.borrow().is_none()) {
+            return Some(future);
+        }
+        // Spawning is a scheduling point: no borrow is held across it.
+        let task = shuttle::future::spawn(async move {
+            let _ = future.await;
+        });
+        TASKS.with(|t| t.borrow_mut().get_or_insert_default().push(task));
+        None
     }
 }

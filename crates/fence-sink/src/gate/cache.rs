@@ -16,7 +16,7 @@ use std::{
 use dashmap::DashMap;
 use fence_core::{Generation, JobId};
 
-use super::{Gate, Gates};
+use super::{Gate, Gates, Mutant, broken};
 use crate::store::{GenerationStore, IdlePage, StoreError};
 
 /// One job's entry in the map.
@@ -58,7 +58,7 @@ impl Slot {
     fn unheld(&self) -> bool {
         match self {
             Slot::Idle(..) => true,
-            Slot::Active(gate) => Arc::strong_count(gate) == 1,
+            Slot::Active(gate) => Arc::strong_count(gate) == 1 || broken(Mutant::EvictHeld),
         }
     }
 
@@ -67,11 +67,11 @@ impl Slot {
     /// Both tests matter: a busy gate is never quiet, but a waiter woken when the last older
     /// request finished holds a gate that is quiet until it runs again. Folding that gate
     /// would leave the waiter deciding on an orphan while new requests get a fresh gate, and
-    /// a newer token could then pass beside it. No test here reaches that window (between a
-    /// wake-up and the waiter's next poll); a model checker of the gate would (issue 20).
+    /// a newer token could then pass beside it. Only the gate's model check reaches that
+    /// window (between a wake-up and the waiter's next poll): see `model.rs`.
     fn collapse(&mut self) {
         if let Slot::Active(gate) = self
-            && Arc::strong_count(gate) == 1
+            && (Arc::strong_count(gate) == 1 || broken(Mutant::CollapseHeld))
             && let Some((highest, touched_ms)) = gate.quiet()
         {
             *self = Slot::Idle(highest, touched_ms);
@@ -149,7 +149,7 @@ impl<St: GenerationStore> Gates<St> {
 
     /// Every quiet gate nobody holds among `jobs` becomes [`Slot::Idle`]; the busy ones are
     /// listed again for the next pass.
-    fn collapse_idle(&self, jobs: Vec<JobId>) {
+    pub(super) fn collapse_idle(&self, jobs: Vec<JobId>) {
         let mut busy = Vec::new();
         for job in jobs {
             if let Some(mut slot) = self.map.get_mut(&job) {
@@ -257,7 +257,7 @@ impl<St: GenerationStore> Gates<St> {
     }
 
     /// Takes `job` out of the map unless a request holds its gate; whether it is out.
-    fn let_go(&self, job: &JobId) -> bool {
+    pub(super) fn let_go(&self, job: &JobId) -> bool {
         // Atomic with the check: nobody can take the gate between the test and the removal.
         self.map.remove_if(job, |_, slot| slot.unheld()).is_some() || !self.map.contains_key(job)
     }

@@ -32,6 +32,8 @@ use std::{
 };
 
 mod cache;
+#[cfg(test)]
+mod model;
 
 use dashmap::DashMap;
 use fence_core::{Generation, JobId};
@@ -44,6 +46,34 @@ pub use self::cache::{CacheStats, JobFence};
 use self::cache::{Made, Map};
 use crate::detach::Detachable;
 use crate::store::{GenerationStore, StoreError, Verdict};
+
+/// Deliberately broken variants of the gate, which its model check must catch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Mutant {
+    /// [`cache::Slot::collapse`] folds a gate that a woken waiter still holds.
+    CollapseHeld,
+    /// Eviction and forgetting take out a gate that requests still hold.
+    EvictHeld,
+    /// The last older request to finish does not wake the newer ones waiting for it.
+    DrainUnnotified,
+}
+
+#[cfg(test)]
+thread_local! {
+    static MUTANT: std::cell::Cell<Option<Mutant>> = const { std::cell::Cell::new(None) };
+}
+
+/// Whether the model check asked for `mutant` on this thread; always `false` outside tests.
+#[inline(always)]
+fn broken(mutant: Mutant) -> bool {
+    #[cfg(test)]
+    return MUTANT.with(|m| m.get() == Some(mutant));
+    #[cfg(not(test))]
+    {
+        let _ = mutant;
+        false
+    }
+}
 
 /// What a gate decided for one request.
 #[derive(Debug)]
@@ -196,7 +226,7 @@ impl Drop for InFlight {
         }
         // Older than `highest`: counted in `draining` since the raise.
         s.draining -= 1;
-        let drained = s.draining == 0;
+        let drained = s.draining == 0 && !broken(Mutant::DrainUnnotified);
         drop(s);
         if drained {
             self.gate.changed.notify_waiters();
