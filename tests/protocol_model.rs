@@ -1,0 +1,437 @@
+//! The whole protocol, simulated on paused time with the real parts: a lease store that signs
+//! tokens (its own skewed clock), two or three workers on `LeaseClient` (renewing in the
+//! background, local deadlines, stalls of up to three leases), a network that delays every
+//! message by its own random time and so reorders them, and a sink (`FenceLayer` on the
+//! memory store, its own skewed clock, forgetting idle jobs) in front of a service that
+//! records what it applied.
+//!
+//! Checked in every run:
+//! - the sink: no write is applied with a generation below one applied before, across
+//!   expiry, release, forgetting and reordering;
+//! - the workers: no worker sends a write for generation `g` (the fencing layer lets it out)
+//!   once the store has granted a newer generation: two workers never both believe they
+//!   hold the job. Local deadlines run on tokio's clock, the store's expiry on its own.
+//!
+//! And over all runs: stale writes did arrive (409 stale-token), expired ones too (409
+//! token-expired), so the properties were put to the test. `FENCE_PROTOCOL_MODEL_CASES`
+//! asks for a deeper run than CI's.
+
+use std::{
+    convert::Infallible,
+    panic::{AssertUnwindSafe, catch_unwind},
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicU64, Ordering::Relaxed},
+    },
+    time::Duration,
+};
+
+use fence_core::{
+    JobId,
+    lease_api::ListQuery,
+    signing::{TokenSigner, TokenVerifier},
+};
+use fence_lease::{
+    ClaimError, LeaseClient, LeaseOp, LeaseRecord, LeaseStore, ListPage, MemoryLeaseStore, Outcome,
+    SigningLeaseStore, StoreError, Ttl,
+};
+use fence_sink::{FenceLayer, MemoryStore, RequestBody};
+use fence_storage::clock::TokioClock;
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use proptest::prelude::*;
+use tokio::time::{Instant, sleep};
+use tower::{Layer, ServiceExt, service_fn};
+
+const START: u64 = 1_700_000_000_000;
+const SKEW: Duration = Duration::from_millis(500);
+const MAX_TTL: Duration = Duration::from_millis(1_000);
+
+fn job() -> JobId {
+    "ledger-7".parse().expect("a job id")
+}
+
+/// One run's choices.
+#[derive(Debug, Clone)]
+struct Run {
+    workers: usize,
+    ttl_ms: u64,
+    /// Largest delay of a lease call, each way.
+    lease_delay_ms: u64,
+    /// Largest delay of a write on its way to the sink.
+    write_delay_ms: u64,
+    /// In a thousand, how often a worker stalls before a write.
+    stall_per_mille: u32,
+    /// The store's and the sink's clocks against tokio's (within the skew allowed between them).
+    store_offset_ms: i64,
+    sink_offset_ms: i64,
+    seed: u64,
+}
+
+fn run() -> impl Strategy<Value = Run> {
+    (
+        2usize..=3,
+        200u64..=1_000,
+        0u64..=150,
+        0u64..=2_500,
+        0u32..=400,
+        -250i64..=250,
+        -250i64..=250,
+        any::<u64>(),
+    )
+        .prop_map(
+            |(workers, ttl_ms, lease_delay_ms, write_delay_ms, stall, so, ko, seed)| Run {
+                workers,
+                ttl_ms,
+                lease_delay_ms,
+                write_delay_ms,
+                stall_per_mille: stall,
+                store_offset_ms: so,
+                sink_offset_ms: ko,
+                seed,
+            },
+        )
+}
+
+/// What happened, on tokio's clock.
+#[derive(Debug, Default)]
+struct History {
+    /// When the store granted each generation (a claim, not a renewal).
+    granted: Vec<(u64, Instant)>,
+    /// Writes the fencing layer let out: generation, when.
+    sent: Vec<(u64, Instant)>,
+    /// Writes the sink's service applied, in order.
+    applied: Vec<u64>,
+}
+
+/// How the sink answered the writes, over many runs: the checks are known to have met stale
+/// and expired writes only if it refused some.
+#[derive(Debug, Default)]
+struct Answers {
+    applied: AtomicU64,
+    stale: AtomicU64,
+    expired: AtomicU64,
+}
+
+/// The protocol as built, or with one part broken on purpose: the checks must see each break.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Variant {
+    AsBuilt,
+    /// The destination has no fence: every write reaches the service.
+    UnfencedSink,
+    /// The worker keeps the token it was granted and sends with it whether or not the lease
+    /// is lost (no local deadline, no fencing layer).
+    WorkerIgnoresLoss,
+}
+
+/// The lease store behind a network: each call waits a random time on the way there and on
+/// the way back, and the history notes when a claim was granted.
+struct Net<S> {
+    inner: S,
+    max_delay_ms: u64,
+    rng: Mutex<fastrand::Rng>,
+    history: Arc<Mutex<History>>,
+}
+
+impl<S> Net<S> {
+    fn delay(&self) -> Duration {
+        let mut rng = self.rng.lock().expect("rng");
+        Duration::from_millis(rng.u64(0..=self.max_delay_ms))
+    }
+}
+
+impl<S: LeaseStore> LeaseStore for Net<S> {
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        sleep(self.delay()).await;
+        let claim = matches!(op, LeaseOp::Claim { .. });
+        let outcome = self.inner.apply(job, op).await?;
+        if claim && let Outcome::Granted(grant) = &outcome {
+            let mut h = self.history.lock().expect("history");
+            let g = grant.generation.get();
+            if !h.granted.iter().any(|&(seen, _)| seen == g) {
+                h.granted.push((g, Instant::now()));
+            }
+        }
+        sleep(self.delay()).await;
+        Ok(outcome)
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        self.inner.get(job).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
+    }
+}
+
+fn generation_of(req: &Request<String>) -> u64 {
+    let token = req
+        .headers()
+        .get("x-fencing-token")
+        .and_then(|v| v.to_str().ok())
+        .expect("the fencing layer stamps a token");
+    token
+        .split('.')
+        .next()
+        .and_then(|g| g.parse().ok())
+        .expect("a token starts with its generation")
+}
+
+#[allow(clippy::too_many_arguments)] // one simulated process: its id, its world
+async fn worker(
+    id: usize,
+    run: Run,
+    variant: Variant,
+    answers: Arc<Answers>,
+    client: LeaseClient<Net<SigningLeaseStore<MemoryLeaseStore>>>,
+    sink: Arc<FenceLayer<MemoryStore>>,
+    history: Arc<Mutex<History>>,
+    until: Instant,
+) {
+    let mut rng = fastrand::Rng::with_seed(run.seed ^ (id as u64 + 1).wrapping_mul(0x9e37));
+    let ttl = Duration::from_millis(run.ttl_ms);
+    while Instant::now() < until {
+        let lease = match client.claim(job()).await {
+            Ok(lease) => lease,
+            // Held, or no answer in time (the network is slow): try again later, as a worker does.
+            Err(ClaimError::Held { .. } | ClaimError::Store(_)) => {
+                sleep(Duration::from_millis(rng.u64(10..=run.ttl_ms / 2))).await;
+                continue;
+            }
+            Err(e) => panic!("worker {id}: claim failed: {e:?}"),
+        };
+        let granted = lease.token_string().unwrap_or_default();
+        for _ in 0..rng.usize(1..=6) {
+            if rng.u32(0..1000) < run.stall_per_mille {
+                sleep(ttl.mul_f64(rng.f64() * 3.0)).await; // a pause, a slow disk, SIGSTOP
+            }
+            let (history, sink) = (history.clone(), sink.clone());
+            let write_delay = Duration::from_millis(rng.u64(0..=run.write_delay_ms));
+            // The wire: noted as sent the moment the worker lets the write out, then delayed,
+            // then the sink.
+            let wire = service_fn(move |req: Request<String>| {
+                let (history, sink) = (history.clone(), sink.clone());
+                let generation = generation_of(&req);
+                history
+                    .lock()
+                    .expect("history")
+                    .sent
+                    .push((generation, Instant::now()));
+                async move {
+                    sleep(write_delay).await;
+                    let applied = history.clone();
+                    let service = service_fn(move |req: Request<RequestBody<String>>| {
+                        let g = generation_of_body(&req);
+                        applied.lock().expect("history").applied.push(g);
+                        async { Ok::<_, Infallible>(Response::new(String::new())) }
+                    });
+                    sink.layer(service).oneshot(req).await
+                }
+            });
+            let req = Request::post("/ledger")
+                .body(String::new())
+                .expect("a request");
+            // In flight on its own: the worker goes on while its write travels.
+            let answers = answers.clone();
+            if variant == Variant::WorkerIgnoresLoss {
+                let mut req = req;
+                req.headers_mut()
+                    .insert("x-fencing-job", job().as_str().parse().expect("a header"));
+                req.headers_mut()
+                    .insert("x-fencing-token", granted.parse().expect("a token header"));
+                tokio::spawn(async move {
+                    let Ok(response) = wire.oneshot(req).await;
+                    count(response, &answers).await;
+                });
+            } else {
+                let sent = lease.fencing_layer().layer(wire).oneshot(req);
+                tokio::spawn(async move {
+                    if let Ok(response) = sent.await {
+                        count(response, &answers).await;
+                    }
+                });
+            }
+            sleep(Duration::from_millis(rng.u64(0..=run.ttl_ms / 4))).await;
+            if lease.is_lost() {
+                break;
+            }
+        }
+        if !lease.is_lost() {
+            let _ = lease.release().await;
+        }
+    }
+}
+
+fn generation_of_body(req: &Request<RequestBody<String>>) -> u64 {
+    req.headers()
+        .get("x-fencing-token")
+        .and_then(|v| v.to_str().ok())
+        .and_then(|t| t.split('.').next()?.parse().ok())
+        .expect("a fenced request has its token")
+}
+
+async fn count(response: Response<fence_sink::ResponseBody<String>>, answers: &Answers) {
+    let status = response.status();
+    let body = response
+        .into_body()
+        .collect()
+        .await
+        .map(|b| b.to_bytes())
+        .unwrap_or_default();
+    match status {
+        StatusCode::OK => answers.applied.fetch_add(1, Relaxed),
+        StatusCode::CONFLICT => {
+            let problem: serde_json::Value = serde_json::from_slice(&body).unwrap_or_default();
+            match problem["type"].as_str() {
+                Some("urn:fence:stale-token") => answers.stale.fetch_add(1, Relaxed),
+                Some("urn:fence:token-expired") => answers.expired.fetch_add(1, Relaxed),
+                other => panic!("the sink answered 409 {other:?}"),
+            }
+        }
+        other => panic!(
+            "the sink answered {other}: {}",
+            String::from_utf8_lossy(&body)
+        ),
+    };
+}
+
+fn simulate(run: &Run, variant: Variant, answers: &Arc<Answers>) {
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_time()
+        .start_paused(true)
+        .build()
+        .expect("a runtime");
+    rt.block_on(async {
+        let history = Arc::new(Mutex::new(History::default()));
+        let signer = TokenSigner::from_seed([9; 32]);
+        let store_clock = TokioClock::new(START, run.store_offset_ms);
+        let store = Net {
+            inner: SigningLeaseStore::new(
+                MemoryLeaseStore::with_clock(Arc::new(store_clock)),
+                signer.clone(),
+            ),
+            max_delay_ms: run.lease_delay_ms,
+            rng: Mutex::new(fastrand::Rng::with_seed(run.seed)),
+            history: history.clone(),
+        };
+        let sink = FenceLayer::new(MemoryStore::with_clock(Arc::new(TokioClock::new(
+            START,
+            run.sink_offset_ms,
+        ))))
+        .require_signatures(TokenVerifier::new([signer.verify_key()]))
+        .clock(Arc::new(TokioClock::new(START, run.sink_offset_ms)))
+        .clock_skew(SKEW)
+        .forget_after(MAX_TTL + 2 * SKEW, MAX_TTL)
+        .expect("forgetting bounds");
+        let sink = Arc::new(match variant {
+            Variant::UnfencedSink => sink.fence_when(|_| false),
+            _ => sink,
+        });
+        let _upkeep = sink.spawn_maintenance();
+        let client = LeaseClient::from_arc(Arc::new(store))
+            .ttl(Ttl::from_millis(run.ttl_ms).expect("a ttl in range"));
+        let until = Instant::now() + Duration::from_millis(run.ttl_ms * 20);
+        let workers: Vec<_> = (0..run.workers)
+            .map(|id| {
+                let client = client
+                    .clone()
+                    .owner(format!("w{id}").parse().expect("owner"));
+                tokio::spawn(worker(
+                    id,
+                    run.clone(),
+                    variant,
+                    answers.clone(),
+                    client,
+                    sink.clone(),
+                    history.clone(),
+                    until,
+                ))
+            })
+            .collect();
+        for w in workers {
+            w.await.expect("a worker");
+        }
+        // Every write still travelling lands.
+        sleep(Duration::from_millis(run.write_delay_ms + 10 * run.ttl_ms)).await;
+        check(&history.lock().expect("history"));
+    });
+}
+
+fn check(h: &History) {
+    for pair in h.applied.windows(2) {
+        assert!(
+            pair[0] <= pair[1],
+            "the sink applied generation {} after {}: {:?}",
+            pair[1],
+            pair[0],
+            h.applied
+        );
+    }
+    for &(g, sent) in &h.sent {
+        if let Some(&(newer, at)) = h.granted.iter().find(|&&(n, at)| n > g && at <= sent) {
+            panic!(
+                "a write of generation {g} left at {sent:?}, after generation {newer} was granted at {at:?}"
+            );
+        }
+    }
+}
+
+fn cases() -> u32 {
+    std::env::var("FENCE_PROTOCOL_MODEL_CASES")
+        .ok()
+        .and_then(|n| n.parse().ok())
+        .unwrap_or(48)
+}
+
+/// Runs `cases` random runs of `variant`; the first failure's message, if any.
+fn explore(variant: Variant, cases: u32, answers: &Arc<Answers>) -> Result<(), String> {
+    let mut runner = proptest::test_runner::TestRunner::new(ProptestConfig {
+        cases,
+        max_shrink_iters: if variant == Variant::AsBuilt { 1024 } else { 0 },
+        failure_persistence: None,
+        ..ProptestConfig::default()
+    });
+    runner
+        .run(&run(), |run| {
+            simulate(&run, variant, answers);
+            Ok(())
+        })
+        .map_err(|e| e.to_string())
+}
+
+#[test]
+fn no_stale_write_is_applied_and_no_two_workers_hold_the_job() {
+    let answers = Arc::new(Answers::default());
+    explore(Variant::AsBuilt, cases(), &answers).unwrap();
+    let (applied, stale, expired) = (
+        answers.applied.load(Relaxed),
+        answers.stale.load(Relaxed),
+        answers.expired.load(Relaxed),
+    );
+    eprintln!("{applied} writes applied, {stale} refused as stale, {expired} as expired");
+    assert!(
+        applied > 0 && stale > 0 && expired > 0,
+        "the runs met no stale or no expired write"
+    );
+}
+
+#[test]
+fn each_broken_part_is_caught() {
+    for (variant, finding) in [
+        (Variant::UnfencedSink, "the sink applied generation"),
+        (Variant::WorkerIgnoresLoss, "was granted at"),
+    ] {
+        // The panics are the point here: keep their backtraces out of the output.
+        let found = catch_unwind(AssertUnwindSafe(|| explore(variant, 32, &Arc::default())));
+        let said = match found {
+            Ok(Ok(())) => panic!("the checks missed {variant:?}"),
+            Ok(Err(said)) => said,
+            Err(_) => panic!("{variant:?} panicked outside the checks"),
+        };
+        assert!(
+            said.contains(finding),
+            "{variant:?} was caught, but not by the check meant for it: {said}"
+        );
+    }
+}
