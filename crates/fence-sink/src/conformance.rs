@@ -85,6 +85,32 @@ fn response(body: &'static str) -> StoredResponse {
     }
 }
 
+/// Starts `attempt` (it must be new) and stores `body` as its response for `retention`.
+async fn start_and_store<S: IdempotencyStore>(
+    store: &S,
+    attempt: Attempt<'_>,
+    body: &'static str,
+    retention: Duration,
+) {
+    assert_eq!(store.begin(attempt, LONG).await.unwrap(), Begin::Started);
+    store_response(store, attempt, body, retention).await;
+}
+
+/// Finishes `attempt` by storing `body` as its response for `retention`.
+async fn store_response<S: IdempotencyStore>(
+    store: &S,
+    attempt: Attempt<'_>,
+    body: &'static str,
+    retention: Duration,
+) {
+    let response = response(body);
+    let done = Finish::Store {
+        response,
+        retention,
+    };
+    store.finish(attempt, done).await.unwrap();
+}
+
 const LONG: Duration = Duration::from_secs(3600);
 
 /// The first token is accepted; anything lower afterwards is stale and names the highest.
@@ -178,16 +204,7 @@ pub async fn begin_then_in_flight_then_replay<S: IdempotencyStore>(store: S, _ad
         store.begin(at(&j, &k, &f), LONG).await.unwrap(),
         Begin::InFlight
     );
-    store
-        .finish(
-            at(&j, &k, &f),
-            Finish::Store {
-                response: response("done"),
-                retention: LONG,
-            },
-        )
-        .await
-        .unwrap();
+    store_response(&store, at(&j, &k, &f), "done", LONG).await;
     assert_eq!(
         store.begin(at(&j, &k, &f), LONG).await.unwrap(),
         Begin::Replay(response("done"))
@@ -205,16 +222,7 @@ pub async fn mismatched_fingerprint_is_reported<S: IdempotencyStore>(store: S, _
         store.begin(at(&j, &k, &fp("b")), LONG).await.unwrap(),
         Begin::Mismatch
     );
-    store
-        .finish(
-            at(&j, &k, &fp("a")),
-            Finish::Store {
-                response: response("x"),
-                retention: LONG,
-            },
-        )
-        .await
-        .unwrap();
+    store_response(&store, at(&j, &k, &fp("a")), "x", LONG).await;
     assert_eq!(
         store.begin(at(&j, &k, &fp("b")), LONG).await.unwrap(),
         Begin::Mismatch
@@ -273,34 +281,8 @@ pub async fn in_flight_and_retention_expire<S: IdempotencyStore>(store: S, advan
             .unwrap(),
         Begin::Started
     );
-    assert_eq!(
-        store.begin(at(&j, &key("kept"), &f), LONG).await.unwrap(),
-        Begin::Started
-    );
-    store
-        .finish(
-            at(&j, &key("kept"), &f),
-            Finish::Store {
-                response: response("k"),
-                retention: LONG,
-            },
-        )
-        .await
-        .unwrap();
-    assert_eq!(
-        store.begin(at(&j, &key("old"), &f), LONG).await.unwrap(),
-        Begin::Started
-    );
-    store
-        .finish(
-            at(&j, &key("old"), &f),
-            Finish::Store {
-                response: response("o"),
-                retention: short,
-            },
-        )
-        .await
-        .unwrap();
+    start_and_store(&store, at(&j, &key("kept"), &f), "k", LONG).await;
+    start_and_store(&store, at(&j, &key("old"), &f), "o", short).await;
     advance(ms(Duration::from_millis(20)));
     assert_eq!(store.purge_expired().await.unwrap(), 2);
     assert_eq!(
@@ -331,16 +313,7 @@ pub async fn keys_are_scoped_per_job<S: IdempotencyStore>(store: S, _advance: Ad
         store.begin(at(&job("idem-y"), &k, &f), LONG).await.unwrap(),
         Begin::Started
     );
-    store
-        .finish(
-            at(&job("idem-x"), &k, &f),
-            Finish::Store {
-                response: response("x"),
-                retention: LONG,
-            },
-        )
-        .await
-        .unwrap();
+    store_response(&store, at(&job("idem-x"), &k, &f), "x", LONG).await;
     assert_eq!(
         store.begin(at(&job("idem-y"), &k, &f), LONG).await.unwrap(),
         Begin::InFlight

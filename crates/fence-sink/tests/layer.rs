@@ -1567,6 +1567,130 @@ async fn a_crashed_in_flight_record_blocks_the_key_until_the_in_flight_timeout()
     assert_eq!(app.calls(), 2);
 }
 
+#[tokio::test]
+async fn a_keyed_body_above_the_fingerprint_limit_gets_413_and_never_runs() {
+    let (app, _started) = App::new();
+    let svc = FenceLayer::new(MemoryStore::new())
+        .idempotency(IdempotencyConfig::default().max_request_body(8))
+        .layer(app.clone());
+    let big = send(&svc, keyed(JOB, 1, "k", "123456789")).await;
+    let problem = big.problem(413, "urn:fence:payload-too-large");
+    assert!(problem.detail.contains("8 bytes"), "{}", problem.detail);
+    assert_eq!(app.calls(), 0, "a refused body reached the service");
+    assert_eq!(
+        send(&svc, keyed(JOB, 1, "k2", "12345678")).await.status,
+        201
+    );
+    assert_eq!(app.calls(), 1);
+}
+
+/// A memory store that counts the idempotency records its sweeps purge.
+#[derive(Clone)]
+struct Swept {
+    inner: MemoryStore,
+    purged: Arc<AtomicUsize>,
+}
+
+impl GenerationStore for Swept {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        self.inner.observe(job, token).await
+    }
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        self.inner.highest(job).await
+    }
+}
+
+impl IdempotencyStore for Swept {
+    async fn begin(&self, attempt: Attempt<'_>, d: Duration) -> Result<Begin, StoreError> {
+        self.inner.begin(attempt, d).await
+    }
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
+        self.inner.finish(attempt, outcome).await
+    }
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        let n = self.inner.purge_expired().await?;
+        self.purged.fetch_add(n, Ordering::SeqCst);
+        Ok(n)
+    }
+}
+
+/// The defaults as documented: a stored response replays for 24 hours, then the key runs
+/// again; the maintenance task sweeps the expired record within a minute, on its own; an
+/// in-flight record whose request vanished blocks its key for 5 minutes, no longer.
+#[tokio::test(start_paused = true)]
+async fn by_default_records_replay_for_a_day_are_swept_and_in_flight_ones_give_up_after_5_minutes()
+{
+    let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
+    let store = Swept {
+        inner: MemoryStore::with_clock(Arc::new(clock.clone())),
+        purged: Arc::default(),
+    };
+    let layer = FenceLayer::new(store.clone());
+    let _upkeep = layer.spawn_maintenance();
+    let (app, mut started) = App::new();
+    let svc = layer.layer(app.clone());
+    // Both clocks move together, a second at a time (the store's decides expiry, tokio's
+    // runs the sweeper).
+    let pass = |secs: u64| {
+        let clock = clock.clone();
+        async move {
+            for _ in 0..secs {
+                clock.advance(Duration::from_secs(1));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    // Every answer within 10 s (paused time): a request that waits on the service fails.
+    let ask = |req| {
+        let svc = svc.clone();
+        async move {
+            tokio::time::timeout(Duration::from_secs(10), send(&svc, req))
+                .await
+                .expect("an answer: the request did not reach a held service")
+        }
+    };
+
+    pass(30).await; // off the sweeper's beat
+    assert_eq!(ask(keyed(JOB, 1, "day", "x")).await.status, 201);
+    pass(24 * 3600 - 5).await;
+    let replay = ask(keyed(JOB, 1, "day", "x")).await;
+    assert_eq!((replay.replayed(), app.calls()), (Some("true"), 1));
+    assert_eq!(store.purged.load(Ordering::SeqCst), 0, "swept before 24 h");
+    pass(5).await; // 24 h since the record was stored: expired
+    let mut waited = 0;
+    while store.purged.load(Ordering::SeqCst) == 0 {
+        assert!(
+            waited < 60,
+            "no sweep within a minute of the record's expiry"
+        );
+        pass(1).await;
+        waited += 1;
+    }
+    let again = ask(keyed(JOB, 1, "day", "x")).await;
+    assert_eq!(
+        (again.status, again.replayed(), app.calls()),
+        (StatusCode::CREATED, None, 2)
+    );
+
+    // A request that vanished mid-flight: its key answers 409 until 5 minutes have passed.
+    while started.try_recv().is_ok() {}
+    let crashed = tokio::spawn(svc.clone().oneshot(keyed_to("/hold", JOB, 1, "gone", "x")));
+    assert_eq!(started_within(&mut started).await, "1 /hold");
+    crashed.abort();
+    assert!(crashed.await.unwrap_err().is_cancelled());
+    pass(299).await;
+    ask(keyed_to("/hold", JOB, 1, "gone", "x"))
+        .await
+        .problem(409, "urn:fence:idempotency-in-flight");
+    pass(2).await;
+    app.release.notify_one();
+    let retried = ask(keyed_to("/hold", JOB, 1, "gone", "x")).await;
+    assert_eq!(
+        (retried.status, retried.replayed()),
+        (StatusCode::CREATED, None)
+    );
+}
+
 // ---------------------------------------------------------------------------------------
 // 8. Arbitrary header bytes
 // ---------------------------------------------------------------------------------------

@@ -799,77 +799,48 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     let leases = dir.path().join("leases");
     let sink = dir.path().join("sink");
     let start_server = |offset: i64| {
-        let mut args: Vec<String> = [
-            "server".to_owned(),
-            "--listen".into(),
-            format!("127.0.0.1:{server_port}"),
-            "--data-dir".into(),
-            leases.to_str().unwrap().into(),
-            "--clock-offset-ms".into(),
-            offset.to_string(),
-        ]
-        .into();
+        let listen = format!("127.0.0.1:{server_port}");
+        let offset = offset.to_string();
+        let mut args = vec![
+            "server",
+            "--listen",
+            &listen,
+            "--data-dir",
+            leases.to_str().unwrap(),
+            "--clock-offset-ms",
+            &offset,
+        ];
+        let key = keys.join("fence-signing.pem");
         if mode == Mode::Forgetting {
-            let key = keys.join("fence-signing.pem");
-            for a in [
-                "--signing-key",
-                key.to_str().unwrap(),
-                "--max-ttl",
-                "1s",
-                "--forget-after",
-                "2s",
-            ] {
-                args.push(a.into());
-            }
+            args.extend(["--signing-key", key.to_str().unwrap()]);
+            args.extend(["--max-ttl", "1s", "--forget-after", "2s"]);
         }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         start_ready(&args).0
     };
     let start_proxy = || {
+        let listen = format!("127.0.0.1:{proxy_port}");
         let mut args = vec![
-            "proxy".to_owned(),
-            "--listen".into(),
-            format!("127.0.0.1:{proxy_port}"),
-            "--admin-listen".into(),
-            "127.0.0.1:0".into(),
-            "--upstream".into(),
-            upstream.clone(),
-            "--drain-timeout".into(),
-            "2s".into(),
-            "--body-timeout".into(),
-            "1s".into(),
+            "proxy",
+            "--listen",
+            &listen,
+            "--admin-listen",
+            "127.0.0.1:0",
         ];
+        args.extend(["--upstream", &upstream]);
+        args.extend(["--drain-timeout", "2s", "--body-timeout", "1s"]);
         match &sql {
-            Some((url, schema, _)) => {
-                args.extend([
-                    "--store".into(),
-                    url.clone(),
-                    "--pg-schema".into(),
-                    schema.clone(),
-                ]);
-            }
-            None => args.extend(["--data-dir".into(), sink.to_str().unwrap().into()]),
+            Some((url, schema, _)) => args.extend(["--store", url, "--pg-schema", schema]),
+            None => args.extend(["--data-dir", sink.to_str().unwrap()]),
         }
         if !fencing {
-            args.push("--unsafe-no-fence".into());
+            args.push("--unsafe-no-fence");
         }
+        let key = keys.join("fence-verify.pem");
         if mode == Mode::Forgetting {
             // The server's clock jumps by up to a TTL (600 ms): the skew covers it.
-            let key = keys.join("fence-verify.pem");
-            for a in [
-                "--verify-key",
-                key.to_str().unwrap(),
-                "--clock-skew",
-                "1s",
-                "--max-lease-ttl",
-                "1s",
-                "--forget-after",
-                "4s",
-            ] {
-                args.push(a.into());
-            }
+            args.extend(["--verify-key", key.to_str().unwrap(), "--clock-skew", "1s"]);
+            args.extend(["--max-lease-ttl", "1s", "--forget-after", "4s"]);
         }
-        let args: Vec<&str> = args.iter().map(String::as_str).collect();
         start_ready(&args).0
     };
     let window: u64 = if mode == Mode::Forgetting { 3 } else { 0 };
