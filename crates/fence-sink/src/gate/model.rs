@@ -284,27 +284,16 @@ fn iterations() -> usize {
 const ITERATIONS: usize = 5_000;
 
 #[test]
-fn a_newer_token_waits_for_older_ones_while_the_gate_is_swept() {
-    explore(PctScheduler::new(3, iterations()), SWEPT, false);
-    explore(RandomScheduler::new(iterations()), SWEPT, false);
-}
-
-#[test]
-fn requests_that_give_up_leave_nothing_behind() {
-    explore(PctScheduler::new(3, iterations()), GIVING_UP, false);
-    explore(RandomScheduler::new(iterations()), GIVING_UP, false);
-}
-
-#[test]
-fn tokens_arriving_newest_first_keep_the_order() {
-    explore(PctScheduler::new(3, iterations()), DESCENDING, false);
-    explore(RandomScheduler::new(iterations()), DESCENDING, false);
-}
-
-#[test]
-fn a_shared_store_keeps_the_order_in_one_sink() {
-    explore(PctScheduler::new(3, iterations()), SHARED, true);
-    explore(RandomScheduler::new(iterations()), SHARED, true);
+fn every_scenario_keeps_the_order_wakes_every_waiter_and_leaks_nothing() {
+    for (tasks, shared) in [
+        (SWEPT, false),
+        (GIVING_UP, false),
+        (DESCENDING, false),
+        (SHARED, true),
+    ] {
+        explore(PctScheduler::new(3, iterations()), tasks, shared);
+        explore(RandomScheduler::new(iterations()), tasks, shared);
+    }
 }
 
 /// What a panic said.
