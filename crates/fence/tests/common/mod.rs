@@ -16,8 +16,10 @@ pub struct Proc(pub Child);
 
 impl Drop for Proc {
     fn drop(&mut self) {
+        // Reaped already if it was killed on purpose: then `kill` has nobody to wake.
         let _ = Command::new("kill")
             .args(["-CONT", &self.0.id().to_string()])
+            .stderr(std::process::Stdio::null())
             .status();
         let _ = self.0.kill();
         let _ = self.0.wait();
