@@ -302,6 +302,59 @@ fn bad_flags_exit_2_with_a_message() {
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach"));
 }
 
+/// A keyed request the upstream has (and may have acted on) when the proxy is SIGKILLed:
+/// after the restart its record is still in flight, so the client's retry gets 409 and is
+/// not run a second time. (The in-flight record was once written without waiting for the
+/// disk; the fault harness then found writes applied twice.)
+#[test]
+fn a_keyed_request_in_flight_when_the_proxy_is_killed_is_not_run_twice() {
+    let dir = tempfile::tempdir().unwrap();
+    // An upstream that takes the request and never answers: its effect may have happened.
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream = listener.local_addr().unwrap().to_string();
+    let (got, arrived) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        for stream in listener.incoming().flatten() {
+            let got = got.clone();
+            std::thread::spawn(move || {
+                let mut lines = BufReader::new(&stream).lines();
+                while lines.next().is_some_and(|l| l.is_ok_and(|l| !l.is_empty())) {}
+                let _ = got.send(());
+                std::thread::sleep(Duration::from_secs(30));
+                drop(stream);
+            });
+        }
+    });
+    let (proxy, addr) = start_proxy(dir.path(), &upstream);
+    let headers = vec![
+        ("X-Fencing-Job", "job-pay".to_owned()),
+        ("X-Fencing-Token", "3".to_owned()),
+        ("Idempotency-Key", "\"pay-1\"".to_owned()),
+    ];
+    let first = {
+        let (addr, headers) = (addr.clone(), headers.clone());
+        std::thread::spawn(move || exchange(&addr, "POST", "/pay", &headers, "10 EUR"))
+    };
+    arrived
+        .recv_timeout(Duration::from_secs(10))
+        .expect("the upstream got the request");
+    signal(&proxy, "-KILL");
+    drop(proxy);
+    let _ = first.join();
+
+    let (_proxy, addr) = start_proxy(dir.path(), &upstream);
+    let (status, answer) = exchange(&addr, "POST", "/pay", &headers, "10 EUR");
+    assert_eq!(status, 409, "{answer}");
+    assert!(
+        answer.contains("urn:fence:idempotency-in-flight"),
+        "{answer}"
+    );
+    assert!(
+        arrived.try_recv().is_err(),
+        "the retry reached the upstream: the effect could run twice"
+    );
+}
+
 #[test]
 fn proxy_killed_with_sigkill_keeps_every_accepted_generation() {
     let dir = tempfile::tempdir().unwrap();

@@ -208,19 +208,40 @@ async fn fault_worker() {
                 tokio::time::sleep(Duration::from_millis(rng.below(40))).await;
                 continue;
             }
-            let req = Request::post(format!("{proxy}/effects"))
-                .header("x-worker", id)
-                .header("x-seq", seq)
-                .body(Full::new(Bytes::from(format!("w{id} s{seq}"))))
-                .unwrap();
+            // Every write carries an Idempotency-Key and is retried, the same request, after
+            // a network error or a 5xx while the lease holds: a retry whose first try did
+            // land must be replayed (or refused as in flight), never applied twice, and a
+            // replayed 2xx must stand for an effect the upstream really applied.
             let sent = Instant::now();
-            let result = svc.ready().await.unwrap().call(req).await;
+            let mut attempt = 0;
+            let result = loop {
+                attempt += 1;
+                let req = Request::post(format!("{proxy}/effects"))
+                    .header("x-worker", id)
+                    .header("x-seq", seq)
+                    .header("idempotency-key", format!("\"w{id}-s{seq}\""))
+                    .body(Full::new(Bytes::from(format!("w{id} s{seq}"))))
+                    .unwrap();
+                let result = svc.ready().await.unwrap().call(req).await;
+                let again = match &result {
+                    Ok(resp) => resp.status().is_server_error(),
+                    Err(e) => !e.is::<fence_lease::LeaseLost>(),
+                };
+                if !again || attempt == 3 || lease.is_lost() {
+                    break result;
+                }
+                println!("RETRIED {job} {generation}");
+                tokio::time::sleep(Duration::from_millis(100)).await;
+            };
             if i == 0 {
                 // The first write of a generation is the one that raises the job at the proxy.
                 println!("FIRSTLAT {}", sent.elapsed().as_millis());
             }
             match result {
                 Ok(resp) if resp.status().is_success() => {
+                    if resp.headers().contains_key("idempotent-replayed") {
+                        println!("REPLAYED {job} {generation}");
+                    }
                     println!("ACK {job} {generation} {id} {seq}")
                 }
                 Ok(resp) => println!("REJECTED {job} {generation} {}", resp.status().as_u16()),
@@ -360,7 +381,10 @@ impl SqlWriter {
             client: tokio::sync::Mutex::new(None),
             require: fenced.then(|| format!("SELECT {schema}.require($1, $2::text::numeric)")),
             insert: format!(
-                "INSERT INTO {schema}.effects (job, token, worker, seq) VALUES ($1, $2, $3, $4)"
+                // Idempotent by (worker, seq), as a destination that takes retries must be:
+                // a commit whose answer a restart cut off, retried, is not applied twice.
+                "INSERT INTO {schema}.effects (job, token, worker, seq) VALUES ($1, $2, $3, $4)
+                 ON CONFLICT (worker, seq) WHERE seq > 0 DO NOTHING"
             ),
         };
         *writer.client.lock().await = Some(writer.open().await.expect("the database answers"));
@@ -674,6 +698,8 @@ struct Report {
     stale_effects: Vec<String>,
     reused_generations: Vec<String>,
     lost_acks: Vec<String>,
+    /// One write (worker, sequence number) applied more than once.
+    duplicate_effects: Vec<String>,
     claims: usize,
     /// Effects written by the SQL workers (SQL mode).
     sql_effects: usize,
@@ -693,7 +719,7 @@ impl Report {
     }
 
     fn violations(&self) -> usize {
-        self.stale_effects.len() + self.reused_generations.len()
+        self.stale_effects.len() + self.reused_generations.len() + self.duplicate_effects.len()
     }
 
     fn print(&self, title: &str, seed: u64) {
@@ -722,6 +748,11 @@ impl Report {
         );
         println!(
             "{:<40} {:>8}",
+            "violations: a write applied twice",
+            self.duplicate_effects.len()
+        );
+        println!(
+            "{:<40} {:>8}",
             "lost acknowledgements",
             self.lost_acks.len()
         );
@@ -734,6 +765,7 @@ impl Report {
             .stale_effects
             .iter()
             .chain(&self.reused_generations)
+            .chain(&self.duplicate_effects)
             .chain(&self.lost_acks)
             .take(5)
         {
@@ -755,6 +787,17 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
             ));
         }
         *h = (*h).max(e.token);
+    }
+    // Each write is applied at most once, retried or not (sequence 0: requests that are not
+    // numbered, such as the stalled bodies).
+    let mut times: BTreeMap<(u64, u64), usize> = BTreeMap::new();
+    for e in effects.iter().filter(|e| e.seq > 0) {
+        *times.entry((e.worker, e.seq)).or_default() += 1;
+    }
+    for ((worker, seq), n) in times.into_iter().filter(|(_, n)| *n > 1) {
+        report
+            .duplicate_effects
+            .push(format!("worker {worker} seq {seq} applied {n} times"));
     }
     let applied: HashSet<(u64, u64)> = effects.iter().map(|e| (e.worker, e.seq)).collect();
     let mut owners: BTreeMap<(String, u64), BTreeSet<String>> = BTreeMap::new();
@@ -788,6 +831,18 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
                     .or_default() += 1
             }
             ["NETERR", ..] => *report.outcomes.entry("network error".into()).or_default() += 1,
+            ["RETRIED", ..] => {
+                *report
+                    .outcomes
+                    .entry("a retry (same Idempotency-Key)".into())
+                    .or_default() += 1
+            }
+            ["REPLAYED", ..] => {
+                *report
+                    .outcomes
+                    .entry("a 2xx replayed from its record".into())
+                    .or_default() += 1
+            }
             ["FIRSTLAT", ms] => report.first_latencies.push(ms.parse().unwrap_or(0)),
             ["MISBEHAVED", ..] => {
                 *report
@@ -866,7 +921,8 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             .batch_execute(&format!(
                 "CREATE SCHEMA {schema}; CREATE TABLE {schema}.effects (
                    id bigserial PRIMARY KEY, job text NOT NULL, token bigint NOT NULL,
-                   worker bigint NOT NULL, seq bigint NOT NULL)"
+                   worker bigint NOT NULL, seq bigint NOT NULL);
+                 CREATE UNIQUE INDEX ON {schema}.effects (worker, seq) WHERE seq > 0"
             ))
             .await
             .unwrap();
@@ -1569,4 +1625,11 @@ fn the_checker_finds_each_kind_of_violation() {
     let mut report = Report::default();
     check(&effects, &[format!("{clean}ACK a 3 1 77\n")], &mut report);
     assert_eq!(report.lost_acks.len(), 1, "{report:?}");
+
+    // One write applied twice (a retry that ran again instead of being replayed).
+    let mut twice = effects.to_vec();
+    twice.push(effect("a", 3, 1, 2));
+    let mut report = Report::default();
+    check(&twice, &[clean.into()], &mut report);
+    assert_eq!(report.duplicate_effects.len(), 1, "{report:?}");
 }

@@ -275,10 +275,12 @@ impl GenerationStore for SledStore {
 impl IdempotencyStore for SledStore {
     async fn begin(&self, attempt: Attempt<'_>, in_flight: Duration) -> Result<Begin, StoreError> {
         let k = record_key(attempt.job, attempt.key);
-        // The in-flight record is written but not waited on: losing it in a crash ends the
-        // same way as its timeout running out (a retry runs again), and the completion,
-        // which is waited on, flushes it anyway. One disk sync per request instead of two.
-        self.update_record(attempt.job, &k, false, |cur| {
+        // On disk before the request goes on: a crash after the service acted must leave the
+        // record in flight, so a retry gets 409 instead of running the effect again. (It
+        // was not waited on once, to save a sync; the fault harness's duplicate check then
+        // found writes applied twice after a proxy was killed.) Group commit shares the
+        // sync among the requests of the moment.
+        self.update_record(attempt.job, &k, true, |cur| {
             let (write, answer) =
                 record::begin(cur, attempt.fingerprint, ms(in_flight), self.clock.now_ms());
             (write.map(Some), answer)
