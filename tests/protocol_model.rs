@@ -102,6 +102,9 @@ struct History {
     sent: Vec<(u64, Instant)>,
     /// Writes the sink's service applied, in order.
     applied: Vec<u64>,
+    /// The tasks carrying writes and reading their answers: awaited before the checks, so an
+    /// answer the model does not expect (a 503, an unknown 409) fails the run.
+    writes: Vec<tokio::task::JoinHandle<()>>,
 }
 
 /// How the sink answered the writes, over many runs: the checks are known to have met stale
@@ -206,12 +209,12 @@ async fn worker(
             if rng.u32(0..1000) < run.stall_per_mille {
                 sleep(ttl.mul_f64(rng.f64() * 3.0)).await; // a pause, a slow disk, SIGSTOP
             }
-            let (history, sink) = (history.clone(), sink.clone());
+            let (on_wire, sink) = (history.clone(), sink.clone());
             let write_delay = Duration::from_millis(rng.u64(0..=run.write_delay_ms));
             // The wire: noted as sent the moment the worker lets the write out, then delayed,
             // then the sink.
             let wire = service_fn(move |req: Request<String>| {
-                let (history, sink) = (history.clone(), sink.clone());
+                let (history, sink) = (on_wire.clone(), sink.clone());
                 let generation = generation_of(&req);
                 history
                     .lock()
@@ -240,17 +243,19 @@ async fn worker(
                     .insert("x-fencing-job", job().as_str().parse().expect("a header"));
                 req.headers_mut()
                     .insert("x-fencing-token", granted.parse().expect("a token header"));
-                tokio::spawn(async move {
+                let write = tokio::spawn(async move {
                     let Ok(response) = wire.oneshot(req).await;
                     count(response, &answers).await;
                 });
+                history.lock().expect("history").writes.push(write);
             } else {
                 let sent = lease.fencing_layer().layer(wire).oneshot(req);
-                tokio::spawn(async move {
+                let write = tokio::spawn(async move {
                     if let Ok(response) = sent.await {
                         count(response, &answers).await;
                     }
                 });
+                history.lock().expect("history").writes.push(write);
             }
             sleep(Duration::from_millis(rng.u64(0..=run.ttl_ms / 4))).await;
             if lease.is_lost() {
@@ -352,8 +357,13 @@ fn simulate(run: &Run, variant: Variant, answers: &Arc<Answers>) {
         for w in workers {
             w.await.expect("a worker");
         }
-        // Every write still travelling lands.
-        sleep(Duration::from_millis(run.write_delay_ms + 10 * run.ttl_ms)).await;
+        // Every write still travelling lands, and its answer is read.
+        let writes = std::mem::take(&mut history.lock().expect("history").writes);
+        for write in writes {
+            write
+                .await
+                .expect("a write's answer was one the model expects");
+        }
         check(&history.lock().expect("history"));
     });
 }

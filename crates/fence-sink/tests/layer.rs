@@ -1577,11 +1577,51 @@ async fn a_keyed_body_above_the_fingerprint_limit_gets_413_and_never_runs() {
     let problem = big.problem(413, "urn:fence:payload-too-large");
     assert!(problem.detail.contains("8 bytes"), "{}", problem.detail);
     assert_eq!(app.calls(), 0, "a refused body reached the service");
-    assert_eq!(
-        send(&svc, keyed(JOB, 1, "k2", "12345678")).await.status,
-        201
-    );
+    // The refusal left no record: the same key with a body within the limit runs.
+    assert_eq!(send(&svc, keyed(JOB, 1, "k", "12345678")).await.status, 201);
     assert_eq!(app.calls(), 1);
+}
+
+/// A response body that sends a few bytes and then fails, as when the upstream goes away.
+struct BreaksOff(bool);
+
+impl Body for BreaksOff {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
+        if self.0 {
+            return Poll::Ready(Some(Err(std::io::Error::other("the upstream went away"))));
+        }
+        self.0 = true;
+        Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
+            b"part",
+        )))))
+    }
+}
+
+/// The service answered, then its body broke off: it acted, so a retry with the key must
+/// not run it again (409 not-replayable, the service called once).
+#[tokio::test]
+async fn a_response_that_breaks_off_is_not_run_again_on_retry() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(tower::service_fn(
+        move |_req: Request<RequestBody<String>>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(BreaksOff(false))) }
+        },
+    ));
+    send(&svc, keyed(JOB, 1, "k", "x"))
+        .await
+        .problem(500, "urn:fence:internal");
+    send(&svc, keyed(JOB, 1, "k", "x"))
+        .await
+        .problem(409, "urn:fence:idempotency-not-replayable");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the effect ran twice");
 }
 
 /// A memory store that counts the idempotency records its sweeps purge.

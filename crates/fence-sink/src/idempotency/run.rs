@@ -238,7 +238,11 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                 Response::from_parts(head, body)
             }
             Captured::Failed(e) => {
-                self.finish(fingerprint, Finish::Forget).await;
+                // The service answered (a status it keeps), so it acted; its body broke off.
+                // A retry must not run it again, and there is nothing whole to replay.
+                let retention = self.config.retention;
+                self.finish(fingerprint, Finish::TooLarge { retention })
+                    .await;
                 reject(reject::response_body_failed(self.job, &e), None)
             }
         }

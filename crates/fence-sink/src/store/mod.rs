@@ -143,8 +143,8 @@ pub enum Finish {
         /// How long to keep it.
         retention: Duration,
     },
-    /// The response was too large: remember for `retention` that the request ran, but that
-    /// it cannot be replayed.
+    /// The response was too large to store, or its body broke off: remember for `retention`
+    /// that the request ran, but that it cannot be replayed.
     TooLarge {
         /// How long to remember it.
         retention: Duration,
