@@ -177,7 +177,7 @@ async fn fault_worker() {
                 // Held up between the check and the write, like a request in the network.
                 tokio::time::sleep(Duration::from_millis(delay)).await;
                 match sql.write(&job, generation, id, seq).await {
-                    Ok(()) => println!("ACK {job} {generation} {id} {seq}"),
+                    Ok(_) => println!("ACK {job} {generation} {id} {seq}"),
                     Err(status) => println!("REJECTED {job} {generation} {status}"),
                 }
                 tokio::time::sleep(Duration::from_millis(rng.below(40))).await;
@@ -213,6 +213,7 @@ async fn fault_worker() {
             // land must be replayed (or refused as in flight), never applied twice, and a
             // replayed 2xx must stand for an effect the upstream really applied.
             let sent = Instant::now();
+            let mut first_try = None;
             let mut attempt = 0;
             let result = loop {
                 attempt += 1;
@@ -223,6 +224,7 @@ async fn fault_worker() {
                     .body(Full::new(Bytes::from(format!("w{id} s{seq}"))))
                     .unwrap();
                 let result = svc.ready().await.unwrap().call(req).await;
+                first_try.get_or_insert(sent.elapsed());
                 let again = match &result {
                     Ok(resp) => resp.status().is_server_error(),
                     Err(e) => !e.is::<fence_lease::LeaseLost>(),
@@ -233,9 +235,10 @@ async fn fault_worker() {
                 println!("RETRIED {job} {generation}");
                 tokio::time::sleep(Duration::from_millis(100)).await;
             };
-            if i == 0 {
-                // The first write of a generation is the one that raises the job at the proxy.
-                println!("FIRSTLAT {}", sent.elapsed().as_millis());
+            if let (0, Some(took)) = (i, first_try) {
+                // The first write of a generation is the one that raises the job at the proxy
+                // (its first try: retries wait on purpose).
+                println!("FIRSTLAT {}", took.as_millis());
             }
             match result {
                 Ok(resp) if resp.status().is_success() => {
@@ -382,9 +385,11 @@ impl SqlWriter {
             require: fenced.then(|| format!("SELECT {schema}.require($1, $2::text::numeric)")),
             insert: format!(
                 // Idempotent by (worker, seq), as a destination that takes retries must be:
-                // a commit whose answer a restart cut off, retried, is not applied twice.
+                // a commit whose answer a restart cut off, retried, is not applied twice. A
+                // repeat is counted (`arrivals`), so the upstream can tell which it was.
                 "INSERT INTO {schema}.effects (job, token, worker, seq) VALUES ($1, $2, $3, $4)
-                 ON CONFLICT (worker, seq) WHERE seq > 0 DO NOTHING"
+                 ON CONFLICT (worker, seq) WHERE seq > 0
+                 DO UPDATE SET arrivals = {schema}.effects.arrivals + 1 RETURNING arrivals"
             ),
         };
         *writer.client.lock().await = Some(writer.open().await.expect("the database answers"));
@@ -398,12 +403,15 @@ impl SqlWriter {
         Ok(client)
     }
 
-    /// One effect: `Err(409)` when the fence refused it (SQLSTATE ZF409), `Err(503)` when
-    /// the database failed; nothing written then.
-    async fn write(&self, job: &str, token: u64, worker: u64, seq: u64) -> Result<(), u16> {
-        let fail = |e: tokio_postgres::Error| match e.code().map(|c| c.code()) {
-            Some("ZF409") => 409,
-            _ => 503,
+    /// One effect: how many times this (worker, seq) has arrived, counting this one;
+    /// `Err(409)` when the fence refused it (SQLSTATE ZF409), `Err(503)` when the database
+    /// failed (then it may or may not have committed).
+    async fn write(&self, job: &str, token: u64, worker: u64, seq: u64) -> Result<i32, u16> {
+        let fail = |e: tokio_postgres::Error| -> u16 {
+            match e.code().map(|c| c.code()) {
+                Some("ZF409") => 409,
+                _ => 503,
+            }
         };
         let mut slot = self.client.lock().await;
         if slot.as_ref().is_none_or(tokio_postgres::Client::is_closed) {
@@ -418,21 +426,29 @@ impl SqlWriter {
         }
         let (token, worker, seq) = (token as i64, worker as i64, seq as i64);
         let params: [&(dyn tokio_postgres::types::ToSql + Sync); 4] = [&job, &token, &worker, &seq];
-        tx.execute(&self.insert, &params).await.map_err(fail)?;
-        tx.commit().await.map_err(fail)
+        let row = tx.query_one(&self.insert, &params).await.map_err(fail)?;
+        tx.commit().await.map_err(fail)?;
+        Ok(row.get(0))
     }
 }
 
+/// What the SQL upstream answered each (worker, seq), arrival by arrival.
+type Answered = BTreeMap<(u64, u64), Vec<u16>>;
+
 /// The upstream of the SQL mode: writes every proxied effect like a SQL worker does (the
-/// fence checked again in the effect's own transaction), after a short pause so requests
-/// are in flight during generation bumps; 409 when the fence refuses it.
+/// fence checked again in the effect's own transaction, unless `fenced` is off), after a
+/// short pause so requests are in flight during generation bumps; 409 when the fence
+/// refuses it. A write that arrives again is a violation (returned in the list) unless
+/// every earlier arrival had finished with a 5xx: the proxy forgets those, and a retry may
+/// run again (the idempotent insert absorbs it); after a 2xx or 4xx, or while the first is
+/// still running, the proxy should have replayed or refused it.
 async fn start_sql_upstream(
     url: &str,
     schema: &str,
     seed: u64,
     slowest_ms: u64,
     fenced: bool,
-) -> String {
+) -> (String, Arc<Mutex<Vec<String>>>) {
     let mut writers: Vec<Arc<SqlWriter>> = Vec::new();
     for _ in 0..4 {
         writers.push(Arc::new(SqlWriter::with_fence(url, schema, fenced).await));
@@ -442,21 +458,38 @@ async fn start_sql_upstream(
         Arc::new(std::sync::atomic::AtomicUsize::new(0)),
     );
     let rng = Arc::new(Mutex::new(Rng(seed | 1)));
-    serve_effects(move |e: Asked| {
+    let answered: Arc<Mutex<Answered>> = Arc::default();
+    let repeats: Arc<Mutex<Vec<String>>> = Arc::default();
+    let found = repeats.clone();
+    let url = serve_effects(move |e: Asked| {
         let n = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         let (writer, slow) = (
             writers[n % writers.len()].clone(),
             rng.lock().unwrap().below(slowest_ms),
         );
+        let (answered, repeats) = (answered.clone(), repeats.clone());
         async move {
             tokio::time::sleep(Duration::from_millis(slow)).await;
-            match writer.write(&e.job, e.token, e.worker, e.seq).await {
-                Ok(()) => 200,
-                Err(status) => status,
+            let result = writer.write(&e.job, e.token, e.worker, e.seq).await;
+            let status = result.map_or_else(|status| status, |_| 200);
+            let mut answered = answered.lock().unwrap();
+            let earlier = answered.entry((e.worker, e.seq)).or_default();
+            if let Ok(arrivals) = result
+                && arrivals > 1
+                && (earlier.len() + 1 != arrivals as usize
+                    || earlier.iter().any(|s| *s < 500))
+            {
+                repeats.lock().unwrap().push(format!(
+                    "worker {} seq {} reached the upstream again (arrival {arrivals}) after answers {earlier:?}",
+                    e.worker, e.seq
+                ));
             }
+            earlier.push(status);
+            status
         }
     })
-    .await
+    .await;
+    (url, found)
 }
 
 /// What a request to an upstream asks for: the job, the token's generation, the worker and
@@ -921,7 +954,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             .batch_execute(&format!(
                 "CREATE SCHEMA {schema}; CREATE TABLE {schema}.effects (
                    id bigserial PRIMARY KEY, job text NOT NULL, token bigint NOT NULL,
-                   worker bigint NOT NULL, seq bigint NOT NULL);
+                   worker bigint NOT NULL, seq bigint NOT NULL, arrivals int NOT NULL DEFAULT 1);
                  CREATE UNIQUE INDEX ON {schema}.effects (worker, seq) WHERE seq > 0"
             ))
             .await
@@ -930,6 +963,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     } else {
         None
     };
+    let mut upstream_repeats: Arc<Mutex<Vec<String>>> = Arc::default();
     let upstream = match &sql {
         Some((url, schema, _)) => {
             // The fence's table and functions exist before the upstream or a worker uses
@@ -947,7 +981,9 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             // and another proxy passes the newer holder's token.
             let slowest = if mode.multi_node() { 1_200 } else { 15 };
             let ordered = mode != Mode::MultiNodeUnordered;
-            start_sql_upstream(url, schema, seed, slowest, ordered).await
+            let (url, repeats) = start_sql_upstream(url, schema, seed, slowest, ordered).await;
+            upstream_repeats = repeats;
+            url
         }
         None if mode == Mode::Grpc => start_grpc_upstream(&log_path, seed).await,
         None => start_logging_upstream(&log_path, seed).await,
@@ -1322,6 +1358,9 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             .filter(|e| e.worker >= workers - 2 && e.worker < 100)
             .count();
         check(&effects, &logs, &mut report);
+        // The table holds each write once: what the upstream saw arrive again is the check.
+        let repeats = std::mem::take(&mut *upstream_repeats.lock().unwrap());
+        report.duplicate_effects.extend(repeats);
         let _ = client
             .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
             .await;
