@@ -385,6 +385,39 @@ impl PgLeaseStore {
         })
     }
 
+    /// [`LeaseOp::Renew`]: one statement, extending the lease while owner, generation and
+    /// key still match.
+    async fn renew_row(
+        &self,
+        job: &JobId,
+        owner: &Owner,
+        generation: Generation,
+        key: &LeaseKey,
+        ttl: Ttl,
+    ) -> Result<Outcome, StoreError> {
+        let hash = key.hash();
+        let params: [&(dyn ToSql + Sync); 6] = [
+            &job.as_str(),
+            &owner.as_str(),
+            &generation.get().to_string(),
+            &millis(ttl),
+            &self.offset(),
+            &&hash.as_bytes()[..],
+        ];
+        match self.query(&self.sql.renew, &params).await? {
+            Some(row) => {
+                let until: i64 = row.try_get(0).map_err(StoreError::io)?;
+                Ok(Outcome::Granted(Grant {
+                    generation,
+                    ttl,
+                    expires_at_ms: u64::try_from(until).unwrap_or(0),
+                    token: None,
+                }))
+            }
+            None => self.refused(job, owner, generation).await,
+        }
+    }
+
     async fn claim_row(
         &self,
         job: &JobId,
@@ -435,60 +468,35 @@ impl PgLeaseStore {
 
 impl LeaseStore for PgLeaseStore {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
-        let Some(key) = op.key() else {
-            return self.revoke_row(job).await;
-        };
-        let hash = key.hash();
-        let hash = &hash.as_bytes()[..];
-        let (owner, g) = match &op {
+        let (owner, g, key, sql) = match &op {
             LeaseOp::Claim { owner, key, ttl } => {
                 return self.claim_row(job, owner, key, *ttl).await;
             }
+            LeaseOp::Revoke => return self.revoke_row(job).await,
             LeaseOp::Renew {
                 owner,
                 generation,
+                key,
                 ttl,
-                ..
-            } => {
-                let params: [&(dyn ToSql + Sync); 6] = [
-                    &job.as_str(),
-                    &owner.as_str(),
-                    &generation.get().to_string(),
-                    &millis(*ttl),
-                    &self.offset(),
-                    &hash,
-                ];
-                return match self.query(&self.sql.renew, &params).await? {
-                    Some(row) => {
-                        let until: i64 = row.try_get(0).map_err(StoreError::io)?;
-                        Ok(Outcome::Granted(Grant {
-                            generation: *generation,
-                            ttl: *ttl,
-                            expires_at_ms: u64::try_from(until).unwrap_or(0),
-                            token: None,
-                        }))
-                    }
-                    None => self.refused(job, owner, *generation).await,
-                };
-            }
+            } => return self.renew_row(job, owner, *generation, key, *ttl).await,
             LeaseOp::Release {
-                owner, generation, ..
-            }
-            | LeaseOp::Complete {
-                owner, generation, ..
-            } => (owner, generation),
-            LeaseOp::Revoke => return self.revoke_row(job).await,
+                owner,
+                generation,
+                key,
+            } => (owner, generation, key, &self.sql.release),
+            LeaseOp::Complete {
+                owner,
+                generation,
+                key,
+            } => (owner, generation, key, &self.sql.complete),
         };
-        let sql = match op {
-            LeaseOp::Complete { .. } => &self.sql.complete,
-            _ => &self.sql.release,
-        };
+        let hash = key.hash();
         let params: [&(dyn ToSql + Sync); 5] = [
             &job.as_str(),
             &owner.as_str(),
             &g.get().to_string(),
             &self.offset(),
-            &hash,
+            &&hash.as_bytes()[..],
         ];
         match self.query(sql, &params).await? {
             Some(row) => Ok(Outcome::Done(Snapshot::from_row(job, &row)?.record(job))),
