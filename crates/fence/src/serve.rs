@@ -210,10 +210,12 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         config.fence_methods = Some(Vec::new());
     }
     config.require_token = !a.allow_missing_token;
+    let hold = a.unknown_outcome_hold.unwrap_or(a.upstream_timeout);
     config.idempotency = (!a.no_idempotency).then(|| {
         fence_sink::IdempotencyConfig::default()
             .retention(a.idempotency_retention)
             .max_response_body(a.idempotency_max_body)
+            .in_flight_timeout(in_flight_timeout(a.body_timeout, a.upstream_timeout, hold))
     });
     config.drain_timeout = a.drain_timeout;
     config.upstream_timeout = a.upstream_timeout;
@@ -221,7 +223,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     config.clock_skew = a.clock_skew;
     config.forget_after = a.forget_after;
     config.max_lease_ttl = a.max_lease_ttl.as_duration();
-    config.unknown_outcome_hold = a.unknown_outcome_hold.unwrap_or(a.upstream_timeout);
+    config.unknown_outcome_hold = hold;
     config.max_buffered_bytes = usize::try_from(a.max_buffered_bytes).unwrap_or(usize::MAX);
     config.preserve_host = a.preserve_host;
     config.verifier = verifier;
@@ -277,4 +279,28 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     signal.abort();
     admin_task.abort();
     result
+}
+
+/// How long an `Idempotency-Key`'s in-flight record blocks retries: at least the default 5
+/// minutes, and longer than one attempt can still act (its body, its time upstream, the hold
+/// after an unknown outcome), so a retry never runs beside an attempt that is still going.
+fn in_flight_timeout(body: Duration, upstream: Duration, hold: Duration) -> Duration {
+    let longest = body.saturating_add(upstream).saturating_add(hold);
+    longest.max(Duration::from_secs(300))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn an_in_flight_record_outlives_the_longest_attempt() {
+        let s = Duration::from_secs;
+        assert_eq!(in_flight_timeout(s(30), s(60), s(60)), s(300));
+        assert_eq!(in_flight_timeout(s(30), s(600), s(600)), s(1230));
+        assert_eq!(
+            in_flight_timeout(s(1), s(24 * 3600), s(24 * 3600)),
+            s(1 + 48 * 3600)
+        );
+    }
 }
