@@ -229,11 +229,12 @@ async fn fault_worker() {
                     Ok(resp) => resp.status().is_server_error(),
                     Err(e) => !e.is::<fence_lease::LeaseLost>(),
                 };
-                if !again || attempt == 3 || lease.is_lost() {
+                // Up to 5 tries over about 1.5 s: long enough for a killed proxy to be back.
+                if !again || attempt == 5 || lease.is_lost() {
                     break result;
                 }
                 println!("RETRIED {job} {generation}");
-                tokio::time::sleep(Duration::from_millis(100)).await;
+                tokio::time::sleep(Duration::from_millis(50 << attempt)).await;
             };
             if let (0, Some(took)) = (i, first_try) {
                 // The first write of a generation is the one that raises the job at the proxy
