@@ -86,6 +86,43 @@ async fn a_withdrawn_higher_bump_does_not_outlive_the_running_one() {
     );
 }
 
+/// While a newer token's durable write runs, a token between the highest and it learns that
+/// a newer token is waiting; a token below the highest is told the highest.
+#[tokio::test]
+async fn a_token_behind_a_running_bump_is_told_which_token_waits() {
+    let store = Gated::default();
+    let svc = FenceLayer::new(store.clone())
+        .drain_timeout(Duration::from_secs(3600))
+        .layer(service_fn(|_r: Request<RequestBody<String>>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }));
+    assert_eq!(svc.clone().oneshot(post(5)).await.unwrap().status(), 200);
+    store.gated.store(true, std::sync::atomic::Ordering::SeqCst);
+    let seven = tokio::spawn(svc.clone().oneshot(post(7))); // its durable write now waits
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let detail = |resp: Response<fence_sink::ResponseBody<String>>| async move {
+        assert_eq!(resp.status(), StatusCode::CONFLICT);
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap()
+            .to_bytes();
+        let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        problem["detail"].as_str().unwrap().to_owned()
+    };
+    let six = detail(svc.clone().oneshot(post(6)).await.unwrap()).await;
+    assert!(
+        six.contains("older than token 7, which is waiting"),
+        "{six}"
+    );
+    let four = detail(svc.clone().oneshot(post(4)).await.unwrap()).await;
+    assert!(four.contains("below generation 5"), "{four}");
+    store
+        .gated
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    store.go.notify_waiters();
+    assert_eq!(seven.await.unwrap().unwrap().status(), 200);
+}
+
 #[tokio::test]
 async fn a_bump_whose_store_panics_does_not_wedge_the_job() {
     let store = Gated::default();
