@@ -1204,17 +1204,34 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                     Some(&skewed) if round == 1 => skewed,
                     _ => pids[rng.below(workers) as usize],
                 };
+                let mut pause = TTL_MS * 3 / 2 + rng.below(TTL_MS);
+                // Past the proxy's forget-after (4 s), with forgetting on: the stale write then
+                // meets a job the proxy no longer remembers.
+                let past_forget = mode == Mode::Forgetting && rng.below(3) == 0;
+                if past_forget {
+                    pause = 4_500 + rng.below(1_500);
+                }
+                // Counted only when it took effect: a worker whose time is up (one on a fast
+                // clock ends early) cannot be stopped.
+                let stopped = Command::new("kill")
+                    .args(["-STOP", &pid.to_string()])
+                    .stderr(Stdio::null())
+                    .status()
+                    .is_ok_and(|s| s.success());
+                if !stopped {
+                    *report
+                        .faults
+                        .entry("(worker stop not done: the worker had ended)")
+                        .or_default() += 1;
+                    continue;
+                }
                 if skewed_pids.contains(&pid) {
                     *report
                         .faults
                         .entry("of which a skewed-clock worker")
                         .or_default() += 1;
                 }
-                let mut pause = TTL_MS * 3 / 2 + rng.below(TTL_MS);
-                if mode == Mode::Forgetting && rng.below(3) == 0 {
-                    // Past the proxy's forget-after (4 s): the stale write then meets a
-                    // job the proxy no longer remembers.
-                    pause = 4_500 + rng.below(1_500);
+                if past_forget {
                     *report
                         .faults
                         .entry("worker SIGSTOP past forget-after")
@@ -1224,13 +1241,11 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                     .faults
                     .entry("worker SIGSTOP past its lease")
                     .or_default() += 1;
-                let _ = Command::new("kill")
-                    .args(["-STOP", &pid.to_string()])
-                    .status();
                 stoppers.push(tokio::spawn(async move {
                     tokio::time::sleep(Duration::from_millis(pause)).await;
                     let _ = Command::new("kill")
                         .args(["-CONT", &pid.to_string()])
+                        .stderr(Stdio::null())
                         .status();
                 }));
             }
