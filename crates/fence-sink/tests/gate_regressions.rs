@@ -86,16 +86,28 @@ async fn a_withdrawn_higher_bump_does_not_outlive_the_running_one() {
     );
 }
 
+/// A layer on `store` (a clone shares its state) with a drain limit of an hour, in front of a service that answers 200.
+fn answering(
+    store: Gated,
+) -> impl tower::Service<
+    Request<String>,
+    Response = Response<fence_sink::ResponseBody<String>>,
+    Error = Infallible,
+    Future: Send,
+> + Clone {
+    FenceLayer::new(store)
+        .drain_timeout(Duration::from_secs(3600))
+        .layer(service_fn(|_r: Request<RequestBody<String>>| async {
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }))
+}
+
 /// While a newer token's durable write runs, a token between the highest and it learns that
 /// a newer token is waiting; a token below the highest is told the highest.
 #[tokio::test]
 async fn a_token_behind_a_running_bump_is_told_which_token_waits() {
     let store = Gated::default();
-    let svc = FenceLayer::new(store.clone())
-        .drain_timeout(Duration::from_secs(3600))
-        .layer(service_fn(|_r: Request<RequestBody<String>>| async {
-            Ok::<_, Infallible>(Response::new(String::new()))
-        }));
+    let svc = answering(store.clone());
     assert_eq!(svc.clone().oneshot(post(5)).await.unwrap().status(), 200);
     store.gated.store(true, std::sync::atomic::Ordering::SeqCst);
     let seven = tokio::spawn(svc.clone().oneshot(post(7))); // its durable write now waits
@@ -126,11 +138,7 @@ async fn a_token_behind_a_running_bump_is_told_which_token_waits() {
 #[tokio::test]
 async fn a_bump_whose_store_panics_does_not_wedge_the_job() {
     let store = Gated::default();
-    let svc = FenceLayer::new(store.clone())
-        .drain_timeout(Duration::from_secs(3600))
-        .layer(service_fn(|_r: Request<RequestBody<String>>| async {
-            Ok::<_, Infallible>(Response::new(String::new()))
-        }));
+    let svc = answering(store.clone());
     assert_eq!(svc.clone().oneshot(post(5)).await.unwrap().status(), 200);
     store.panic_at.store(6, std::sync::atomic::Ordering::SeqCst);
     let six = tokio::spawn(svc.clone().oneshot(post(6)));

@@ -1298,8 +1298,12 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                     .entry("PostgreSQL restart (immediate)")
                     .or_default() += 1;
                 last_restart = Some(Instant::now());
-                let ok = tokio::task::spawn_blocking(restart_postgres).await.unwrap();
-                assert!(ok, "pg_ctlcluster restart failed");
+                let restart = tokio::task::spawn_blocking(restart_postgres);
+                let ok = tokio::time::timeout(Duration::from_secs(60), restart).await;
+                assert!(
+                    ok.is_ok_and(|done| done.unwrap()),
+                    "pg_ctlcluster restart failed or took over 60 s"
+                );
             }
             _ => {
                 let url = &sql.as_ref().expect("multi-node runs on PostgreSQL").0;
@@ -1429,9 +1433,10 @@ fn assert_no_violations(report: &Report, seed: u64) {
     assert_eq!(
         report.violations(),
         0,
-        "seed {seed}: {:?} {:?}",
+        "seed {seed}: {:?} {:?} {:?}",
         report.stale_effects,
-        report.reused_generations
+        report.reused_generations,
+        report.duplicate_effects
     );
     assert!(
         report.lost_acks.is_empty(),
@@ -1505,28 +1510,42 @@ async fn forgetting_run_has_no_violations() {
     assert_eq!(
         report.violations(),
         0,
-        "seed {seed}: {:?} {:?}",
+        "seed {seed}: {:?} {:?} {:?}",
         report.stale_effects,
-        report.reused_generations
+        report.reused_generations,
+        report.duplicate_effects
     );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn negative_control_without_fencing_finds_violations() {
-    // Up to three rounds (seeds derived from the printed one): the faults are random, and one
-    // round without a violation can happen by chance; three in a row means too few faults.
+    // The faults are random, and one round without a violation can happen by chance; three
+    // in a row means too few faults.
     let (seed, secs) = seed_and_secs(15);
-    for round in 0..3u64 {
+    finds_stale_effects(
+        Mode::Unfenced,
+        seed,
+        secs,
+        3,
+        "negative control: fencing disabled",
+    )
+    .await;
+}
+
+/// Runs `mode` for up to `rounds` rounds (seeds derived from `seed`) until one applies a stale
+/// or out-of-order effect; panics if none does.
+async fn finds_stale_effects(mode: Mode, seed: u64, secs: u64, rounds: u64, title: &str) {
+    for round in 0..rounds {
         let round_seed = seed.wrapping_add(round);
-        println!("negative control: seed {round_seed}, {secs} s");
-        let report = run(round_seed, secs, Mode::Unfenced).await;
-        report.print("negative control: fencing disabled", round_seed);
+        println!("{title}: seed {round_seed}, {secs} s");
+        let report = run(round_seed, secs, mode).await;
+        report.print(title, round_seed);
         if !report.stale_effects.is_empty() {
             return;
         }
     }
     panic!(
-        "seed {seed}: with fencing disabled no stale effect landed in 3 rounds: the harness is not injecting enough faults"
+        "seed {seed}, {title}: no stale or out-of-order effect in {rounds} rounds: the harness is not injecting enough faults"
     );
 }
 
@@ -1591,18 +1610,8 @@ async fn without_the_fence_in_the_effects_transaction_proxies_reorder_effects() 
     // About two out-of-order effects in 30 s on 2 cores: up to four rounds make a run that
     // finds none a sign of a harness that stopped racing, not of chance.
     let (seed, secs) = seed_and_secs(30);
-    for round in 0..4u64 {
-        let round_seed = seed.wrapping_add(round);
-        println!("multi-node negative control: seed {round_seed}, {secs} s");
-        let report = run(round_seed, secs, Mode::MultiNodeUnordered).await;
-        report.print("multi-node, upstream without the SQL fence", round_seed);
-        if !report.stale_effects.is_empty() {
-            return;
-        }
-    }
-    panic!(
-        "seed {seed}: without the SQL fence in the upstream, 4 rounds found no effect out of order across proxies"
-    );
+    let title = "multi-node negative control, upstream without the SQL fence";
+    finds_stale_effects(Mode::MultiNodeUnordered, seed, secs, 4, title).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
