@@ -8,6 +8,12 @@ set -euo pipefail
 
 need() { command -v "$1" >/dev/null || { echo "$1 is needed: apt-get install ${2:-$1}" >&2; exit 1; }; }
 
+# need_database: DATABASE_URL set and pgbench installed, for the scripts that measure SQL.
+need_database() {
+  : "${DATABASE_URL:?set DATABASE_URL (../shared/services.sh postgres prints it)}"
+  need pgbench postgresql-contrib
+}
+
 # wrk latency figures ("114.00us", "1.24ms", "2.00s") in microseconds.
 to_us() { awk '{v=$1; u=v; sub(/[0-9.]+/, "", u); sub(/[a-z]+$/, "", v);
   f = (u=="us") ? 1 : (u=="ms") ? 1000 : (u=="s") ? 1000000 : 1; printf "%.0f\n", v*f}' <<<"$1"; }
@@ -70,6 +76,14 @@ $block
 CONF
   exec nginx -p "$dir" -c "$dir/nginx.conf"
 }
+
+# NGINX_PASS_BARE: the location block that proxies everything to upstream `bare` over
+# kept-alive HTTP/1.1 connections, for nginx_run's HTTP_BLOCK.
+NGINX_PASS_BARE='    location / {
+      proxy_pass http://bare;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+    }'
 
 # wait_http URL: until URL answers (any status), at most 10 s.
 wait_http() {

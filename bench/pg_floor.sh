@@ -8,8 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib.sh
 secs=${1:-5}; rounds=${2:-3}
-: "${DATABASE_URL:?set DATABASE_URL (../shared/services.sh postgres prints it)}"
-need pgbench postgresql-contrib
+need_database
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"; psql "$DATABASE_URL" -qc "DROP TABLE IF EXISTS fence_bench_floor" >/dev/null 2>&1 || true' EXIT
 psql "$DATABASE_URL" -q >/dev/null <<'SQL'
 DROP TABLE IF EXISTS fence_bench_floor;

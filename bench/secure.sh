@@ -52,11 +52,7 @@ nginx_run "$tmp/nginx" "  upstream bare { server $bare; keepalive 128; }
     listen $nginxs ssl;
     ssl_certificate $tmp/cert.pem;
     ssl_certificate_key $tmp/key.pem;
-    location / {
-      proxy_pass http://bare;
-      proxy_http_version 1.1;
-      proxy_set_header Connection \"\";
-    }
+$NGINX_PASS_BARE
   }" & pids+=($!)
 for a in "$plain" "$authed" "$proxy" "$nginx" "$bare"; do wait_http "http://$a/healthz"; done
 for a in "$https" "$both" "$proxys" "$nginxs"; do wait_http "https://$a/healthz" || true; done

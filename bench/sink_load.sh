@@ -31,11 +31,7 @@ $bin/examples/bench_sink proxy "$hyperp" "$bare" >/dev/null & pids+=($!)
 nginx_run "$tmp/nginx" "  upstream bare { server $bare; keepalive 128; }
   server {
     listen $nginx;
-    location / {
-      proxy_pass http://bare;
-      proxy_http_version 1.1;
-      proxy_set_header Connection \"\";
-    }
+$NGINX_PASS_BARE
   }" & pids+=($!)
 for a in "$bare" "$layer" "$proxy" "$hyperp" "$nginx"; do wait_http "http://$a/"; done
 

@@ -87,6 +87,21 @@ fn meta<'a>(status: &'a Status, name: &str) -> Option<&'a str> {
     status.metadata().get(name).and_then(|v| v.to_str().ok())
 }
 
+/// [`call`] with the fencing metadata of `job` at `token`.
+async fn fenced_call(
+    channel: &Channel,
+    job: &str,
+    token: &str,
+    account: &str,
+) -> Result<u64, Status> {
+    call(
+        channel,
+        &[("x-fencing-job", job), ("x-fencing-token", token)],
+        account,
+    )
+    .await
+}
+
 fn assert_problem(result: Result<u64, Status>, code: Code, problem: &str) -> Status {
     let status = result.expect_err("the fence refuses this call");
     assert_eq!(status.code(), code, "{status:?}");
@@ -145,12 +160,7 @@ async fn worked_example_over_grpc() {
     fenced(&lease_b).charge(charge("b")).await.unwrap();
 
     // A's call, stamped before the stall and delayed in the network.
-    let late = call(
-        &channel,
-        &[("x-fencing-job", "invoice-42"), ("x-fencing-token", "7")],
-        "a",
-    )
-    .await;
+    let late = fenced_call(&channel, "invoice-42", "7", "a").await;
     let status = assert_problem(late, Code::Aborted, "urn:fence:stale-token");
     assert_eq!(meta(&status, "fence-highest"), Some("8"));
 
@@ -297,12 +307,7 @@ async fn an_unreachable_store_is_unavailable() {
         .await
         .unwrap();
     let (channel, books) = serve(FenceLayer::new(down).store_timeout(Duration::from_secs(2))).await;
-    let result = call(
-        &channel,
-        &[("x-fencing-job", "j"), ("x-fencing-token", "3")],
-        "x",
-    )
-    .await;
+    let result = fenced_call(&channel, "j", "3", "x").await;
     assert_problem(result, Code::Unavailable, "urn:fence:store-unavailable");
     assert!(books.entries().is_empty());
 }
@@ -330,12 +335,7 @@ async fn a_client_stream_is_fenced_at_its_start_and_a_newer_token_waits_for_it()
     tx.send(charge("s1")).await.unwrap();
     tokio::time::sleep(Duration::from_millis(200)).await;
     // Token 2 arrives while the stream of token 1 is open: it waits, then gives up.
-    let newer = call(
-        &channel,
-        &[("x-fencing-job", "s"), ("x-fencing-token", "2")],
-        "n",
-    )
-    .await;
+    let newer = fenced_call(&channel, "s", "2", "n").await;
     assert_problem(newer, Code::Unavailable, "urn:fence:drain-timeout");
     // The open stream goes on under token 1 and is booked when it ends.
     tx.send(charge("s2")).await.unwrap();
@@ -343,19 +343,9 @@ async fn a_client_stream_is_fenced_at_its_start_and_a_newer_token_waits_for_it()
     let reply = stream.await.unwrap().unwrap().into_inner();
     assert_eq!(reply.booked, 2);
     // Now token 2 passes, and token 1 is stale.
-    let newer = call(
-        &channel,
-        &[("x-fencing-job", "s"), ("x-fencing-token", "2")],
-        "n",
-    )
-    .await;
+    let newer = fenced_call(&channel, "s", "2", "n").await;
     assert!(newer.is_ok(), "{newer:?}");
-    let old = call(
-        &channel,
-        &[("x-fencing-job", "s"), ("x-fencing-token", "1")],
-        "o",
-    )
-    .await;
+    let old = fenced_call(&channel, "s", "1", "o").await;
     assert_problem(old, Code::Aborted, "urn:fence:stale-token");
     let tokens: Vec<_> = books
         .entries()

@@ -41,19 +41,10 @@ async fn legacy_client_sends_fencing_headers_until_the_lease_is_lost() {
 
     // The store's clock runs ahead and another worker claims: the next renewal is refused.
     clock.advance(Duration::from_secs(1));
-    let other = "other".parse().unwrap();
-    assert!(matches!(
-        store
-            .claim(
-                &"job-9".parse().unwrap(),
-                &other,
-                &fence_lease::new_lease_key().unwrap(),
-                Ttl::DEFAULT,
-            )
-            .await
-            .unwrap(),
-        fence_lease::Outcome::Granted(_)
-    ));
+    let (job, other) = ("job-9".parse().unwrap(), "other".parse().unwrap());
+    let key = fence_lease::new_lease_key().unwrap();
+    let claimed = store.claim(&job, &other, &key, Ttl::DEFAULT).await.unwrap();
+    assert!(matches!(claimed, fence_lease::Outcome::Granted(_)));
     tokio::time::timeout(Duration::from_secs(2), lease.lost())
         .await
         .expect("lost within the ttl");

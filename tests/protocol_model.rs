@@ -278,12 +278,11 @@ fn generation_of_body(req: &Request<RequestBody<String>>) -> u64 {
 
 async fn count(response: Response<fence_sink::ResponseBody<String>>, answers: &Answers) {
     let status = response.status();
-    let body = response
-        .into_body()
-        .collect()
-        .await
-        .map(|b| b.to_bytes())
-        .unwrap_or_default();
+    // A body that failed to arrive counts as empty: the status decides.
+    let body = match response.into_body().collect().await {
+        Ok(collected) => collected.to_bytes(),
+        Err(_) => Default::default(),
+    };
     match status {
         StatusCode::OK => answers.applied.fetch_add(1, Relaxed),
         StatusCode::CONFLICT => {

@@ -75,10 +75,12 @@ async fn a_stale_and_a_new_holder_sending_the_same_step_are_charged_once() {
     let key_a = lease_a.view().idempotency_key("charge");
     assert_eq!(charge(&mut provider, &key_a).await, ("ch_1".into(), false));
     clock.advance(Duration::from_secs(5));
-    let b = LeaseClient::from_arc(store.clone())
+    let lease_b = LeaseClient::from_arc(store.clone())
         .owner("b".parse().unwrap())
-        .ttl(ttl);
-    let lease_b = b.claim(job.clone()).await.unwrap();
+        .ttl(ttl)
+        .claim(job.clone())
+        .await
+        .unwrap();
     assert_eq!(lease_b.generation().get(), 2);
     let key_b = lease_b.view().idempotency_key("charge");
     assert_eq!(key_a, key_b, "the same step of the same job: the same key");

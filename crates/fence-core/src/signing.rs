@@ -111,19 +111,29 @@ pub enum KeyError {
 }
 
 /// Reads a PEM file and says which kind of key it claims to hold.
-fn read_pem(path: &Path) -> Result<(String, Option<&'static str>), KeyError> {
+/// The PEM text of `path`, refused when it holds the other kind of key than `wanted`
+/// (`"private"` or `"public"`), with `hint` saying which file goes where.
+fn read_pem(path: &Path, wanted: &'static str, hint: &'static str) -> Result<String, KeyError> {
     let text = std::fs::read_to_string(path).map_err(|source| KeyError::Read {
         path: path.to_owned(),
         source,
     })?;
-    let kind = if text.contains("-----BEGIN PRIVATE KEY-----") {
-        Some("private")
+    let found = if text.contains("-----BEGIN PRIVATE KEY-----") {
+        "private"
     } else if text.contains("-----BEGIN PUBLIC KEY-----") {
-        Some("public")
+        "public"
     } else {
-        None
+        wanted // neither: the key parser says what is wrong with it
     };
-    Ok((text, kind))
+    if found != wanted {
+        return Err(KeyError::WrongKind {
+            path: path.to_owned(),
+            found,
+            wanted,
+            hint,
+        });
+    }
+    Ok(text)
 }
 
 impl TokenSigner {
@@ -141,15 +151,8 @@ impl TokenSigner {
     /// # Errors
     /// As [`KeyError`] says, naming the file.
     pub fn from_file(path: &Path) -> Result<Self, KeyError> {
-        let (text, kind) = read_pem(path)?;
-        if kind == Some("public") {
-            return Err(KeyError::WrongKind {
-                path: path.to_owned(),
-                found: "public",
-                wanted: "private",
-                hint: "give the signing key, fence-signing.pem, to fence server --signing-key",
-            });
-        }
+        let hint = "give the signing key, fence-signing.pem, to fence server --signing-key";
+        let text = read_pem(path, "private", hint)?;
         #[cfg(unix)]
         {
             use std::os::unix::fs::PermissionsExt;
@@ -228,15 +231,8 @@ impl VerifyKey {
     /// # Errors
     /// As [`KeyError`] says, naming the file.
     pub fn from_file(path: &Path) -> Result<Self, KeyError> {
-        let (text, kind) = read_pem(path)?;
-        if kind == Some("private") {
-            return Err(KeyError::WrongKind {
-                path: path.to_owned(),
-                found: "private",
-                wanted: "public",
-                hint: "give the verify key, fence-verify.pem, to fence proxy --verify-key; keep the private key on the lease server",
-            });
-        }
+        let hint = "give the verify key, fence-verify.pem, to fence proxy --verify-key; keep the private key on the lease server";
+        let text = read_pem(path, "public", hint)?;
         VerifyingKey::from_public_key_pem(&text)
             .map(Self)
             .map_err(|e| KeyError::Invalid {

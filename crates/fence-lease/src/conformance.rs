@@ -21,7 +21,7 @@ use std::{
 
 use fence_core::{Generation, JobId, Owner};
 
-use crate::{LeaseKey, LeaseOp, LeaseState, LeaseStore, Outcome, Ttl};
+use crate::{Grant, LeaseKey, LeaseOp, LeaseState, LeaseStore, Outcome, Ttl};
 
 #[doc(hidden)]
 pub use fence_storage as __storage;
@@ -73,8 +73,13 @@ fn stranger_key() -> LeaseKey {
 const TTL: Ttl = Ttl::DEFAULT;
 
 async fn granted<S: LeaseStore>(store: &S, j: &JobId, o: &Owner) -> Generation {
+    grant_of(store, j, o).await.generation
+}
+
+/// `o` claims `j` with its own key and must be granted it: the grant.
+async fn grant_of<S: LeaseStore>(store: &S, j: &JobId, o: &Owner) -> Grant {
     match store.claim(j, o, &key_of(o), TTL).await.expect("claim") {
-        Outcome::Granted(g) => g.generation,
+        Outcome::Granted(g) => g,
         other => panic!("{o} expected to be granted {j}, got {other:?}"),
     }
 }
@@ -111,23 +116,9 @@ pub async fn first_claim_is_generation_one_and_excludes_others<S: LeaseStore>(
 /// A claim by the current holder returns its lease, extended, with the same generation.
 pub async fn holder_reclaim_extends_same_generation<S: LeaseStore>(store: S, advance: Advance) {
     let j = job("conf-reclaim");
-    let first = match store
-        .claim(&j, &owner("a"), &key_of(&owner("a")), TTL)
-        .await
-        .unwrap()
-    {
-        Outcome::Granted(g) => g,
-        other => panic!("{other:?}"),
-    };
+    let first = grant_of(&store, &j, &owner("a")).await;
     advance(ms(Duration::from_secs(10)));
-    let again = match store
-        .claim(&j, &owner("a"), &key_of(&owner("a")), TTL)
-        .await
-        .unwrap()
-    {
-        Outcome::Granted(g) => g,
-        other => panic!("{other:?}"),
-    };
+    let again = grant_of(&store, &j, &owner("a")).await;
     assert_eq!(again.generation, first.generation);
     assert!(
         again.expires_at_ms >= first.expires_at_ms + 9_000,
@@ -305,9 +296,7 @@ pub async fn revoke_ends_the_lease_and_raises_the_generation<S: LeaseStore>(
         (unknown, store.get(&j).await.unwrap()),
         (Outcome::Unknown, None)
     );
-    let Outcome::Granted(grant) = store.claim(&j, &a, &key_of(&a), TTL).await.unwrap() else {
-        panic!("a claims a new job")
-    };
+    let grant = grant_of(&store, &j, &a).await;
     let g = grant.generation;
     let Outcome::Revoked(r) = store.apply(&j, LeaseOp::Revoke).await.unwrap() else {
         panic!("a held job is revoked")

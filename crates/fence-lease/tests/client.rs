@@ -199,11 +199,7 @@ async fn lost_fires_before_store_expiry_whatever_the_ttl_and_clock_offset() {
             let latency = Duration::from_millis(ttl_ms / 20);
             let store = Stallable::new(clock.clone(), latency);
             let ttl = Ttl::from_millis(ttl_ms).unwrap();
-            let lease = LeaseClient::new(store.clone())
-                .ttl(ttl)
-                .claim(job())
-                .await
-                .unwrap();
+            let lease = claim_with_ttl(&store, ttl).await;
             // Let a few renewals succeed, then stall the worker.
             tokio::time::sleep(ttl.as_duration() * 2).await;
             assert!(!lease.is_lost(), "ttl {ttl_ms}: renewals should keep it");
@@ -229,11 +225,7 @@ async fn a_grant_shorter_than_asked_is_renewed_in_time_and_lost_before_it_ends()
     let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
     let mut store = Stallable::new(clock, Duration::from_millis(5));
     store.max_ttl = Ttl::from_millis(1_000).unwrap();
-    let lease = LeaseClient::new(store.clone())
-        .ttl(Ttl::from_millis(60_000).unwrap())
-        .claim(job())
-        .await
-        .unwrap();
+    let lease = claim_with_ttl(&store, Ttl::from_millis(60_000).unwrap()).await;
     tokio::time::sleep(Duration::from_secs(20)).await;
     assert!(
         !lease.is_lost(),
@@ -253,11 +245,7 @@ async fn superseded_renewal_loses_at_once() {
     let clock = Arc::new(ManualClock::new(1_700_000_000_000));
     let store = MemoryLeaseStore::with_clock(clock.clone());
     let ttl = Ttl::from_millis(3_000).unwrap();
-    let lease = LeaseClient::new(store.clone())
-        .ttl(ttl)
-        .claim(job())
-        .await
-        .unwrap();
+    let lease = claim_with_ttl(&store, ttl).await;
     // The store's clock jumps past expiry (the worker's does not) and B claims.
     clock.advance(Duration::from_secs(4));
     let b: Owner = "b".parse().unwrap();
@@ -307,11 +295,7 @@ async fn failing_renewals_count_toward_the_deadline() {
 #[tokio::test(start_paused = true)]
 async fn a_retry_that_succeeds_in_time_keeps_the_lease() {
     let store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::ZERO);
-    let lease = LeaseClient::new(store.clone())
-        .ttl(Ttl::from_millis(1_000).unwrap())
-        .claim(job())
-        .await
-        .unwrap();
+    let lease = claim_with_ttl(&store, Ttl::from_millis(1_000).unwrap()).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
     store.failing.store(true, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_millis(500)).await;
@@ -417,4 +401,13 @@ async fn a_claim_that_waited_renews_at_once_and_holds_a_live_lease() {
         "{refused:?}"
     );
     assert!(started.elapsed() >= Duration::from_millis(300));
+}
+
+/// A client on `store` claims [`job`] with `ttl`: the lease.
+async fn claim_with_ttl<S: LeaseStore + Clone>(store: &S, ttl: Ttl) -> Lease<S> {
+    LeaseClient::new(store.clone())
+        .ttl(ttl)
+        .claim(job())
+        .await
+        .unwrap()
 }

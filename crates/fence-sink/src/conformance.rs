@@ -272,26 +272,16 @@ pub async fn too_large_is_not_replayable<S: IdempotencyStore>(store: S, _advance
 /// An in-flight record past its timeout and a completed one past its retention are gone:
 /// the key runs again, and purging deletes them.
 pub async fn in_flight_and_retention_expire<S: IdempotencyStore>(store: S, advance: Advance) {
-    let (j, f) = (job("idem-5"), fp("body"));
+    let (j, f, crashed) = (job("idem-5"), fp("body"), key("crashed"));
     let short = Duration::from_millis(1);
-    assert_eq!(
-        store
-            .begin(at(&j, &key("crashed"), &f), short)
-            .await
-            .unwrap(),
-        Begin::Started
-    );
+    let begin = store.begin(at(&j, &crashed, &f), short).await.unwrap();
+    assert_eq!(begin, Begin::Started);
     start_and_store(&store, at(&j, &key("kept"), &f), "k", LONG).await;
     start_and_store(&store, at(&j, &key("old"), &f), "o", short).await;
     advance(ms(Duration::from_millis(20)));
     assert_eq!(store.purge_expired().await.unwrap(), 2);
-    assert_eq!(
-        store
-            .begin(at(&j, &key("crashed"), &f), LONG)
-            .await
-            .unwrap(),
-        Begin::Started
-    );
+    let begin = store.begin(at(&j, &crashed, &f), LONG).await.unwrap();
+    assert_eq!(begin, Begin::Started, "a crashed attempt's key runs again");
     assert_eq!(
         store.begin(at(&j, &key("old"), &f), LONG).await.unwrap(),
         Begin::Started

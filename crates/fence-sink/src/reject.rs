@@ -68,6 +68,13 @@ pub(crate) fn missing(parts: &http::request::Parts) -> Problem {
     Problem::new(ProblemType::MissingToken, detail)
 }
 
+/// A problem about `job`'s `token`.
+fn about(kind: ProblemType, job: JobId, token: FencingToken, detail: String) -> Problem {
+    Problem::new(kind, detail)
+        .with_job(job)
+        .with_token(token.get())
+}
+
 pub(crate) fn invalid_signature(job: JobId, token: FencingToken, signed: bool) -> Problem {
     let detail = if signed {
         format!(
@@ -78,9 +85,7 @@ pub(crate) fn invalid_signature(job: JobId, token: FencingToken, signed: bool) -
             "job {job}: this destination requires signed tokens (<generation>.<expires_at_ms>.<signature>, as the lease server returned it); token {token} carries no signature"
         )
     };
-    Problem::new(ProblemType::InvalidSignature, detail)
-        .with_job(job)
-        .with_token(token.get())
+    about(ProblemType::InvalidSignature, job, token, detail)
 }
 
 pub(crate) fn stale(
@@ -98,10 +103,7 @@ pub(crate) fn stale(
         ),
     };
     tracing::info!(job = %job, generation = token.get(), highest = highest.get(), "stale token rejected");
-    Problem::new(ProblemType::StaleToken, detail)
-        .with_job(job)
-        .with_token(token.get())
-        .with_highest(highest.get())
+    about(ProblemType::StaleToken, job, token, detail).with_highest(highest.get())
 }
 
 pub(crate) fn expired(job: JobId, token: FencingToken, expires_at_ms: u64) -> Problem {
@@ -109,10 +111,7 @@ pub(crate) fn expired(job: JobId, token: FencingToken, expires_at_ms: u64) -> Pr
         "job {job}: token {token} belongs to a lease that ended at {expires_at_ms} ms (Unix time, lease server's clock), beyond the allowed clock skew; a newer holder may have the job: stop work on it"
     );
     tracing::info!(job = %job, generation = token.get(), expires_at_ms, "expired token rejected");
-    Problem::new(ProblemType::TokenExpired, detail)
-        .with_job(job)
-        .with_token(token.get())
-        .with_expires_at_ms(expires_at_ms)
+    about(ProblemType::TokenExpired, job, token, detail).with_expires_at_ms(expires_at_ms)
 }
 
 pub(crate) fn drain_timeout(job: JobId, token: FencingToken, highest: Generation) -> Problem {
@@ -120,10 +119,7 @@ pub(crate) fn drain_timeout(job: JobId, token: FencingToken, highest: Generation
         "job {job}: token {token} was newer than every token before it, so older tokens are refused from now on, but requests with older tokens were still in flight when the drain limit ran out; retry"
     );
     tracing::warn!(job = %job, generation = token.get(), highest = highest.get(), "newer token gave up waiting for older requests (drain timeout)");
-    Problem::new(ProblemType::DrainTimeout, detail)
-        .with_job(job)
-        .with_token(token.get())
-        .with_highest(highest.get())
+    about(ProblemType::DrainTimeout, job, token, detail).with_highest(highest.get())
 }
 
 pub(crate) fn store_failed(
@@ -153,9 +149,7 @@ pub(crate) fn body_timeout(
         "job {job}: the request body did not arrive within {limit:?} of admission; the service did not see the request"
     );
     tracing::info!(job = %job, generation = token.get(), "request body too slow: cut at the body deadline");
-    Problem::new(ProblemType::BodyTimeout, detail)
-        .with_job(job.clone())
-        .with_token(token.get())
+    about(ProblemType::BodyTimeout, job.clone(), token, detail)
 }
 
 pub(crate) fn overloaded(job: &JobId, max: usize) -> Problem {

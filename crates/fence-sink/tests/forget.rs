@@ -2,16 +2,11 @@
 //! lease ended is refused by itself, so a sink may forget idle jobs (and be restored from an
 //! old backup) without letting a stale write through.
 
-use std::{
-    collections::BTreeMap,
-    convert::Infallible,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
-    time::Duration,
-};
+mod common;
 
+use std::{collections::BTreeMap, convert::Infallible, sync::Arc, time::Duration};
+
+use common::CountingSink;
 use fence_core::{
     Generation, JobId,
     signing::{TokenSigner, TokenVerifier},
@@ -22,7 +17,6 @@ use fence_sink::{
 };
 use fence_storage::clock::{Clock, ManualClock};
 use http::{Request, Response, StatusCode};
-use http_body_util::BodyExt;
 use proptest::prelude::*;
 use tower::{Layer, ServiceExt, service_fn};
 
@@ -40,41 +34,33 @@ fn sign(signer: &TokenSigner, generation: u64, expires_at_ms: u64) -> String {
     signer.sign(&job(), Generation::new(generation), expires_at_ms)
 }
 
-struct Sink<St> {
-    layer: FenceLayer<St>,
-    calls: Arc<AtomicUsize>,
+/// A sink checking signatures and expiry on `clock`, forgetting after [`FORGET`].
+fn new_sink<St: GenerationStore + IdempotencyStore>(
+    store: St,
+    signer: &TokenSigner,
+    clock: &ManualClock,
+) -> CountingSink<St> {
+    let layer = FenceLayer::new(store)
+        .require_signatures(TokenVerifier::new([signer.verify_key()]))
+        .clock(Arc::new(clock.clone()))
+        .clock_skew(SKEW)
+        .forget_after(FORGET, MAX_TTL)
+        .unwrap();
+    CountingSink::new(layer)
 }
 
-impl<St: GenerationStore + IdempotencyStore> Sink<St> {
-    fn new(store: St, signer: &TokenSigner, clock: &ManualClock) -> Self {
-        let layer = FenceLayer::new(store)
-            .require_signatures(TokenVerifier::new([signer.verify_key()]))
-            .clock(Arc::new(clock.clone()))
-            .clock_skew(SKEW)
-            .forget_after(FORGET, MAX_TTL)
-            .unwrap();
-        Self {
-            layer,
-            calls: Arc::default(),
-        }
-    }
-
-    async fn write(&self, token: &str) -> (StatusCode, serde_json::Value) {
-        let calls = self.calls.clone();
-        let inner = service_fn(move |_req: Request<RequestBody<String>>| {
-            calls.fetch_add(1, Ordering::SeqCst);
-            async { Ok::<_, Infallible>(Response::new(String::from("done"))) }
-        });
-        let req = Request::post("/")
-            .header("x-fencing-job", job().as_str())
-            .header("x-fencing-token", token)
-            .body(String::new())
-            .unwrap();
-        let resp = self.layer.layer(inner).oneshot(req).await.unwrap();
-        let status = resp.status();
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        (status, serde_json::from_slice(&body).unwrap_or_default())
-    }
+/// A sink on a memory store, its clock at [`START`], trusting `signer`.
+fn in_memory() -> (
+    ManualClock,
+    TokenSigner,
+    MemoryStore,
+    CountingSink<MemoryStore>,
+) {
+    let clock = ManualClock::new(START);
+    let signer = TokenSigner::from_seed([7; 32]);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let sink = new_sink(store.clone(), &signer, &clock);
+    (clock, signer, store, sink)
 }
 
 /// Moves both clocks: the sink's (stamps, expiry) and tokio's (the forgetting task).
@@ -91,25 +77,21 @@ async fn pass(clock: &ManualClock, d: Duration) {
 async fn a_token_whose_lease_ended_is_409_token_expired_beyond_the_skew() {
     let clock = ManualClock::new(START);
     let signer = TokenSigner::from_seed([7; 32]);
-    let sink = Sink::new(
+    let sink = new_sink(
         MemoryStore::with_clock(Arc::new(clock.clone())),
         &signer,
         &clock,
     );
     let t = sign(&signer, 1, START + 10_000);
-    assert_eq!(sink.write(&t).await.0, StatusCode::OK);
+    assert_eq!(sink.send(job().as_str(), &t).await.0, StatusCode::OK);
     clock.advance(Duration::from_millis(10_000 + 5_000)); // at the end plus the skew: still in
-    assert_eq!(sink.write(&t).await.0, StatusCode::OK);
+    assert_eq!(sink.send(job().as_str(), &t).await.0, StatusCode::OK);
     clock.advance(Duration::from_millis(1));
-    let (status, problem) = sink.write(&t).await;
+    let (status, problem) = sink.send(job().as_str(), &t).await;
     assert_eq!(status, StatusCode::CONFLICT, "{problem}");
     assert_eq!(problem["type"], "urn:fence:token-expired");
     assert_eq!(problem["expires_at_ms"], START + 10_000);
-    assert_eq!(
-        sink.calls.load(Ordering::SeqCst),
-        2,
-        "the service saw no expired write"
-    );
+    assert_eq!(sink.calls(), 2, "the service saw no expired write");
     // Without verify keys an expiry cannot be trusted, so it is ignored.
     let open = FenceLayer::new(MemoryStore::new()).clock(Arc::new(clock.clone()));
     let inner = service_fn(|_r: Request<RequestBody<String>>| async {
@@ -146,17 +128,14 @@ fn forgetting_without_signatures_or_too_soon_is_refused() {
 /// forgets the job, then the stale worker's write arrives: 409 token-expired.
 #[tokio::test(start_paused = true)]
 async fn a_stale_write_after_the_job_is_forgotten_is_refused_as_expired() {
-    let clock = ManualClock::new(START);
-    let signer = TokenSigner::from_seed([7; 32]);
-    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
-    let sink = Sink::new(store.clone(), &signer, &clock);
+    let (clock, signer, store, sink) = in_memory();
     let _upkeep: Maintenance = sink.layer.spawn_maintenance();
     let old = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
-    assert_eq!(sink.write(&old).await.0, StatusCode::OK);
+    assert_eq!(sink.send(job().as_str(), &old).await.0, StatusCode::OK);
     // Worker 1 stalls; its lease runs out; worker 2 claims generation 2 and writes.
     pass(&clock, MAX_TTL).await;
     let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
-    assert_eq!(sink.write(&new).await.0, StatusCode::OK);
+    assert_eq!(sink.send(job().as_str(), &new).await.0, StatusCode::OK);
     // Nothing more for a while: the sink forgets the job, on disk and in memory.
     pass(&clock, FORGET + Duration::from_secs(10)).await;
     assert_eq!(
@@ -166,35 +145,32 @@ async fn a_stale_write_after_the_job_is_forgotten_is_refused_as_expired() {
     );
     assert_eq!(sink.layer.cached_jobs(), 0, "forgotten in memory");
     // Worker 1 wakes up and writes: its token's lease ended long ago.
-    let (status, problem) = sink.write(&old).await;
+    let (status, problem) = sink.send(job().as_str(), &old).await;
     assert_eq!(status, StatusCode::CONFLICT, "{problem}");
     assert_eq!(problem["type"], "urn:fence:token-expired");
     // The live holder, renewed, goes on.
     let renewed = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
-    assert_eq!(sink.write(&renewed).await.0, StatusCode::OK);
+    assert_eq!(sink.send(job().as_str(), &renewed).await.0, StatusCode::OK);
 }
 
 /// Proof (b): the old lease was *released* early (its token's end still ahead when the new
 /// holder claims), and the stale write is held in the network until after forgetting.
 #[tokio::test(start_paused = true)]
 async fn a_released_leases_write_held_until_after_forgetting_is_refused() {
-    let clock = ManualClock::new(START);
-    let signer = TokenSigner::from_seed([7; 32]);
-    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
-    let sink = Sink::new(store.clone(), &signer, &clock);
+    let (clock, signer, store, sink) = in_memory();
     let _upkeep = sink.layer.spawn_maintenance();
     let old = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
     // Worker 1 releases after a second; worker 2 claims at once and writes.
     pass(&clock, Duration::from_secs(1)).await;
     let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
-    assert_eq!(sink.write(&new).await.0, StatusCode::OK);
+    assert_eq!(sink.send(job().as_str(), &new).await.0, StatusCode::OK);
     // Worker 1's write, sent before its release, is stuck in the network this long:
     pass(&clock, FORGET + Duration::from_secs(10)).await;
     assert_eq!(store.highest(&job()).await.unwrap(), Generation::ZERO);
-    let (status, problem) = sink.write(&old).await;
+    let (status, problem) = sink.send(job().as_str(), &old).await;
     assert_eq!(status, StatusCode::CONFLICT, "{problem}");
     assert_eq!(problem["type"], "urn:fence:token-expired");
-    assert_eq!(sink.calls.load(Ordering::SeqCst), 1);
+    assert_eq!(sink.calls(), 1);
 }
 
 /// Proof (c): the sink's data directory is replaced by a copy taken before the new
@@ -209,31 +185,31 @@ async fn a_sink_restored_from_an_old_backup_still_refuses_the_stale_write() {
     let (live, backup) = (dir.path().join("live"), dir.path().join("backup"));
     let old = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
     {
-        let sink = Sink::new(
+        let sink = new_sink(
             SledStore::open_with_clock(&live, Arc::new(clock.clone())).unwrap(),
             &signer,
             &clock,
         );
-        assert_eq!(sink.write(&old).await.0, StatusCode::OK);
+        assert_eq!(sink.send(job().as_str(), &old).await.0, StatusCode::OK);
         sink.layer.store().flush().unwrap();
     }
     copy_dir(&live, &backup);
     clock.advance(MAX_TTL); // worker 1 stalls past its lease
     {
-        let sink = Sink::new(
+        let sink = new_sink(
             SledStore::open_with_clock(&live, Arc::new(clock.clone())).unwrap(),
             &signer,
             &clock,
         );
         let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
-        assert_eq!(sink.write(&new).await.0, StatusCode::OK);
+        assert_eq!(sink.send(job().as_str(), &new).await.0, StatusCode::OK);
     }
     // Disaster: the live directory is lost; the backup (highest 1) comes back.
     let restored = SledStore::open_with_clock(&backup, Arc::new(clock.clone())).unwrap();
     assert_eq!(restored.highest(&job()).await.unwrap(), Generation::new(1));
-    let sink = Sink::new(restored, &signer, &clock);
+    let sink = new_sink(restored, &signer, &clock);
     clock.advance(SKEW + Duration::from_millis(1));
-    let (status, problem) = sink.write(&old).await;
+    let (status, problem) = sink.send(job().as_str(), &old).await;
     assert_eq!(status, StatusCode::CONFLICT, "{problem}");
     assert_eq!(problem["type"], "urn:fence:token-expired");
 }
@@ -295,7 +271,7 @@ proptest! {
             let sink_clock = ManualClock::new(START);
             let signer = TokenSigner::from_seed([9; 32]);
             let store = MemoryStore::with_clock(Arc::new(sink_clock.clone()));
-            let mut sink = Sink::new(store.clone(), &signer, &sink_clock);
+            let mut sink = new_sink(store.clone(), &signer, &sink_clock);
             let mut upkeep = sink.layer.spawn_maintenance();
             let server_now = |c: &ManualClock| c.now_ms().saturating_add_signed(server_offset_s * 1000);
             // The lease server: generation, when the current lease ends (server clock).
@@ -325,7 +301,7 @@ proptest! {
                     }
                     Step::Write { age } => {
                         let Some((g, token)) = issued.iter().rev().nth(age).cloned() else { continue };
-                        let (status, _) = sink.write(&token).await;
+                        let (status, _) = sink.send(job().as_str(), &token).await;
                         history.insert(i, (g, status.as_u16()));
                         if status == StatusCode::OK {
                             assert!(g >= accepted_max, "step {i}: accepted {g} after {accepted_max}: {history:?}");
@@ -335,7 +311,7 @@ proptest! {
                     Step::Wait { s } => pass(&sink_clock, Duration::from_secs(s)).await,
                     Step::Restart => {
                         upkeep.stop().await;
-                        sink = Sink::new(store.clone(), &signer, &sink_clock);
+                        sink = new_sink(store.clone(), &signer, &sink_clock);
                         upkeep = sink.layer.spawn_maintenance();
                     }
                 }
@@ -347,10 +323,7 @@ proptest! {
 /// A job with a request in flight is never forgotten, however long the request takes.
 #[tokio::test(start_paused = true)]
 async fn a_job_with_a_request_in_flight_is_not_forgotten() {
-    let clock = ManualClock::new(START);
-    let signer = TokenSigner::from_seed([7; 32]);
-    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
-    let sink = Sink::new(store.clone(), &signer, &clock);
+    let (clock, signer, store, sink) = in_memory();
     let _upkeep = sink.layer.spawn_maintenance();
     let release = Arc::new(tokio::sync::Notify::new());
     let inner = {

@@ -11,7 +11,7 @@ use fence_sink::{
 };
 use http::{Request, Response, StatusCode};
 use tokio::sync::{Notify, mpsc};
-use tower::{Layer, ServiceExt, service_fn};
+use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 
 /// A memory store whose `observe` waits for a go-ahead when `gated` is set, and panics on
 /// the token `panic_at` (0: never).
@@ -155,22 +155,7 @@ async fn a_bump_whose_store_panics_does_not_wedge_the_job() {
 
 #[tokio::test]
 async fn a_superseded_waiter_gets_409_at_once() {
-    let (started_tx, mut started) = mpsc::unbounded_channel();
-    let release = Arc::new(Notify::new());
-    let inner = {
-        let release = release.clone();
-        service_fn(move |r: Request<RequestBody<String>>| {
-            let (release, started_tx) = (release.clone(), started_tx.clone());
-            async move {
-                let token = r.headers()["x-fencing-token"].to_str().unwrap().to_owned();
-                let _ = started_tx.send(token.clone());
-                if token == "5" {
-                    release.notified().await;
-                }
-                Ok::<_, Infallible>(Response::new(String::new()))
-            }
-        })
-    };
+    let (inner, mut started, release) = holding(|_, token| token == "5");
     let svc = FenceLayer::new(MemoryStore::new())
         .drain_timeout(Duration::from_secs(30))
         .layer(inner);
@@ -217,6 +202,32 @@ async fn clones_with_other_limits_still_share_one_fence() {
     );
 }
 
+/// A service that sends each request's token to the returned channel as it starts, and
+/// holds the requests `hold(job, token)` picks until the returned `Notify` wakes them.
+fn holding(hold: fn(&str, &str) -> bool) -> (Held, mpsc::UnboundedReceiver<String>, Arc<Notify>) {
+    let (started_tx, started) = mpsc::unbounded_channel();
+    let release = Arc::new(Notify::new());
+    let svc = {
+        let release = release.clone();
+        service_fn(move |r: Request<RequestBody<String>>| {
+            let (release, started_tx) = (release.clone(), started_tx.clone());
+            async move {
+                let job = r.headers()["x-fencing-job"].to_str().unwrap().to_owned();
+                let token = r.headers()["x-fencing-token"].to_str().unwrap().to_owned();
+                let _ = started_tx.send(token.clone());
+                if hold(&job, &token) {
+                    release.notified().await;
+                }
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }
+        })
+    };
+    (BoxCloneSyncService::new(svc), started, release)
+}
+
+/// The service [`holding`] makes.
+type Held = BoxCloneSyncService<Request<RequestBody<String>>, Response<String>, Infallible>;
+
 fn post_job(job: &str, token: u64) -> Request<String> {
     Request::post("/")
         .header("x-fencing-job", job)
@@ -232,28 +243,13 @@ fn post_job(job: &str, token: u64) -> Request<String> {
 /// highest generation.
 #[tokio::test]
 async fn collapsing_and_evicting_passes_leave_busy_jobs_alone() {
-    let release = Arc::new(Notify::new());
-    let (started_tx, mut started) = mpsc::unbounded_channel();
-    let inner = {
-        let release = release.clone();
-        service_fn(move |r: Request<RequestBody<String>>| {
-            let (release, started_tx) = (release.clone(), started_tx.clone());
-            async move {
-                let job = r.headers()["x-fencing-job"].to_str().unwrap().to_owned();
-                if job == "busy" && r.headers()["x-fencing-token"] == "5" {
-                    let _ = started_tx.send(());
-                    release.notified().await;
-                }
-                Ok::<_, Infallible>(Response::new(String::new()))
-            }
-        })
-    };
+    let (inner, mut started, release) = holding(|job, token| job == "busy" && token == "5");
     let layer = FenceLayer::new(MemoryStore::new())
         .max_cached_jobs(100)
         .drain_timeout(Duration::from_secs(30));
     let svc = layer.layer(inner);
     let five = tokio::spawn(svc.clone().oneshot(post_job("busy", 5)));
-    started.recv().await.unwrap();
+    assert_eq!(started.recv().await.unwrap(), "5");
     let six = tokio::spawn(svc.clone().oneshot(post_job("busy", 6))); // waits for 5
     tokio::time::sleep(Duration::from_millis(20)).await;
     for i in 0..500u64 {

@@ -3,18 +3,14 @@
 //! client reports a status instead of a transport error; and nothing rejected reaches the
 //! service.
 
-use std::{
-    convert::Infallible,
-    pin::Pin,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
-    task::{Context, Poll},
-    time::Duration,
-};
+mod common;
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::task::{Context, Poll};
+use std::{convert::Infallible, pin::Pin, sync::Arc, time::Duration};
 
 use bytes::Bytes;
+use common::Partial;
 use fence_core::{
     Generation, JobId,
     signing::{TokenSigner, TokenVerifier},
@@ -24,29 +20,12 @@ use fence_sink::{
     RequestBody, StoreError, Verdict,
 };
 use http::{HeaderMap, Request, Response};
-use http_body::{Body, Frame};
+use http_body::Body;
 use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
 use tokio::sync::Notify;
 use tower::{Layer, Service, ServiceExt, service_fn};
 
 type In = UnsyncBoxBody<Bytes, Infallible>;
-
-/// A body that sends one frame and then nothing: a client stream that stalled.
-struct Stalled(Option<Bytes>);
-
-impl Body for Stalled {
-    type Data = Bytes;
-    type Error = Infallible;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        match self.0.take() {
-            Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
-            None => Poll::Pending,
-        }
-    }
-}
 
 fn body(text: &'static str) -> In {
     UnsyncBoxBody::new(http_body_util::Full::new(Bytes::from_static(
@@ -358,7 +337,7 @@ async fn a_stalled_client_stream_is_deadline_exceeded() {
     let svc = FenceLayer::new(MemoryStore::new())
         .body_timeout(Duration::from_millis(200))
         .layer(Ledger::default());
-    let stalled = UnsyncBoxBody::new(Stalled(Some(Bytes::from_static(b"\0\0"))));
+    let stalled = UnsyncBoxBody::new(Partial::<Infallible>::stalls_after(b"\0\0"));
     let answer = send(
         &svc,
         call(&[("x-fencing-job", "j"), ("x-fencing-token", "1")], stalled),

@@ -2,6 +2,8 @@
 //! a body that does not arrive is cut at the body deadline, a request of unknown outcome is
 //! held for a bounded time, and the bytes held in memory have a cap.
 
+mod common;
+
 use std::{
     convert::Infallible,
     pin::Pin,
@@ -11,41 +13,20 @@ use std::{
 };
 
 use bytes::Bytes;
+use common::Partial;
 use fence_core::{Generation, JobId};
 use fence_sink::{
     BodyTimeout, FenceLayer, GenerationStore, MemoryStore, OutcomeUnknown, RequestBody,
 };
 use http::{Request, Response, StatusCode};
-use http_body::{Body, Frame};
 use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
 use tokio::time::Instant;
 use tower::{Layer, Service, ServiceExt};
 
 type In = UnsyncBoxBody<Bytes, std::io::Error>;
 
-/// A body that sends `first` and then nothing, ever: a client that stalled mid-body.
-struct Stalled {
-    first: Option<Bytes>,
-}
-
-impl Body for Stalled {
-    type Data = Bytes;
-    type Error = std::io::Error;
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Self::Error>>> {
-        match self.first.take() {
-            Some(b) => Poll::Ready(Some(Ok(Frame::data(b)))),
-            None => Poll::Pending,
-        }
-    }
-}
-
 fn stalled() -> In {
-    UnsyncBoxBody::new(Stalled {
-        first: Some(Bytes::from_static(b"ab")),
-    })
+    UnsyncBoxBody::new(Partial::stalls_after(b"ab"))
 }
 
 fn full(text: &'static str) -> In {

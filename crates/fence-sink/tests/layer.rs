@@ -1,5 +1,7 @@
 //! Integration tests of `FenceLayer`/`Fence` against `docs/protocol.md` section 3: statuses and problem bodies, generation ordering, idempotency, restarts, and the layer under tower-test, axum and hyper.
 
+mod common;
+
 use std::{
     collections::HashMap,
     convert::Infallible,
@@ -14,6 +16,7 @@ use std::{
 };
 
 use bytes::Bytes;
+use common::Partial;
 use fence_core::{FencingToken, Generation, JobId, Problem};
 use fence_sink::{
     Attempt, Begin, FenceLayer, Fenced, Finish, GenerationStore, IdempotencyConfig,
@@ -1582,27 +1585,6 @@ async fn a_keyed_body_above_the_fingerprint_limit_gets_413_and_never_runs() {
     assert_eq!(app.calls(), 1);
 }
 
-/// A response body that sends a few bytes and then fails, as when the upstream goes away.
-struct BreaksOff(bool);
-
-impl Body for BreaksOff {
-    type Data = Bytes;
-    type Error = std::io::Error;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        _: &mut Context<'_>,
-    ) -> Poll<Option<Result<http_body::Frame<Bytes>, Self::Error>>> {
-        if self.0 {
-            return Poll::Ready(Some(Err(std::io::Error::other("the upstream went away"))));
-        }
-        self.0 = true;
-        Poll::Ready(Some(Ok(http_body::Frame::data(Bytes::from_static(
-            b"part",
-        )))))
-    }
-}
-
 /// The service answered, then its body broke off: it acted, so a retry with the key must
 /// not run it again (409 not-replayable, the service called once).
 #[tokio::test]
@@ -1612,7 +1594,12 @@ async fn a_response_that_breaks_off_is_not_run_again_on_retry() {
     let svc = FenceLayer::new(MemoryStore::new()).layer(tower::service_fn(
         move |_req: Request<RequestBody<String>>| {
             counted.fetch_add(1, Ordering::SeqCst);
-            async { Ok::<_, Infallible>(Response::new(BreaksOff(false))) }
+            async {
+                Ok::<_, Infallible>(Response::new(Partial::fails_after(
+                    b"part",
+                    std::io::Error::other("the upstream went away"),
+                )))
+            }
         },
     ));
     send(&svc, keyed(JOB, 1, "k", "x"))

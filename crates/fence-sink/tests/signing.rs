@@ -1,21 +1,17 @@
 //! Signed tokens at the destination (contract section 6): forged, unsigned and rotated-out
 //! tokens get 403, never reach the service and never move `highest`.
 
-use std::{
-    convert::Infallible,
-    sync::{
-        Arc,
-        atomic::{AtomicUsize, Ordering},
-    },
-};
+mod common;
 
+use std::convert::Infallible;
+
+use common::CountingSink;
 use fence_core::{
     Generation, JobId,
     signing::{TokenSigner, TokenVerifier},
 };
 use fence_sink::{FenceLayer, MemoryStore, RequestBody};
-use http::{Request, Response, StatusCode};
-use http_body_util::BodyExt;
+use http::{Request, Response};
 use tower::{Layer, ServiceExt, service_fn};
 
 fn signer(seed: u8) -> TokenSigner {
@@ -38,41 +34,14 @@ fn signature(token: &str) -> &str {
     token.rsplit('.').next().unwrap()
 }
 
-struct Sink {
-    layer: FenceLayer<MemoryStore>,
-    calls: Arc<AtomicUsize>,
-}
-
-impl Sink {
-    fn new(verifier: TokenVerifier) -> Self {
-        Self {
-            layer: FenceLayer::new(MemoryStore::new()).require_signatures(verifier),
-            calls: Arc::default(),
-        }
-    }
-
-    async fn send(&self, job: &str, token: &str) -> (StatusCode, serde_json::Value) {
-        let calls = self.calls.clone();
-        let inner = service_fn(move |_req: Request<RequestBody<String>>| {
-            calls.fetch_add(1, Ordering::SeqCst);
-            async { Ok::<_, Infallible>(Response::new(String::from("done"))) }
-        });
-        let req = Request::post("/")
-            .header("x-fencing-job", job)
-            .header("x-fencing-token", token)
-            .body(String::new())
-            .unwrap();
-        let resp = self.layer.layer(inner).oneshot(req).await.unwrap();
-        let status = resp.status();
-        let body = resp.into_body().collect().await.unwrap().to_bytes();
-        (status, serde_json::from_slice(&body).unwrap_or_default())
-    }
+fn new_sink(verifier: TokenVerifier) -> CountingSink<MemoryStore> {
+    CountingSink::new(FenceLayer::new(MemoryStore::new()).require_signatures(verifier))
 }
 
 #[tokio::test]
 async fn forged_tokens_get_403_and_never_move_highest() {
     let (key, other) = (signer(1), signer(2));
-    let sink = Sink::new(TokenVerifier::new([key.verify_key()]));
+    let sink = new_sink(TokenVerifier::new([key.verify_key()]));
     assert_eq!(sink.send("job", &token(&key, "job", 5)).await.0, 200);
     let good = token(&key, "job", 6);
     let sig6 = signature(&good);
@@ -107,11 +76,7 @@ async fn forged_tokens_get_403_and_never_move_highest() {
         assert_eq!(status, 400, "{bad}");
         assert_eq!(problem["type"], "urn:fence:malformed-token", "{bad}");
     }
-    assert_eq!(
-        sink.calls.load(Ordering::SeqCst),
-        1,
-        "no forged request reached the service"
-    );
+    assert_eq!(sink.calls(), 1, "no forged request reached the service");
     // highest is still 5: the legitimate holder of 5 keeps writing, and 6 then bumps.
     assert_eq!(sink.send("job", &token(&key, "job", 5)).await.0, 200);
     assert_eq!(sink.send("job", &good).await.0, 200);
@@ -125,7 +90,7 @@ async fn forged_tokens_get_403_and_never_move_highest() {
 #[tokio::test]
 async fn rotated_out_keys_are_rejected_once_removed() {
     let (old, new) = (signer(3), signer(4));
-    let during = Sink::new(TokenVerifier::new([old.verify_key(), new.verify_key()]));
+    let during = new_sink(TokenVerifier::new([old.verify_key(), new.verify_key()]));
     assert_eq!(
         during.send("j", &token(&old, "j", 1)).await.0,
         200,
@@ -136,7 +101,7 @@ async fn rotated_out_keys_are_rejected_once_removed() {
         200,
         "the new key is listed"
     );
-    let after = Sink::new(TokenVerifier::new([new.verify_key()]));
+    let after = new_sink(TokenVerifier::new([new.verify_key()]));
     assert_eq!(
         after.send("j", &token(&old, "j", 1)).await.0,
         403,

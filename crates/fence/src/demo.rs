@@ -313,16 +313,12 @@ pub async fn run() -> anyhow::Result<i32> {
         lease_b.generation() == Generation::new(8),
         "B holds generation 8",
     );
-    let mut b_http = ServiceBuilder::new()
+    let b_http = ServiceBuilder::new()
         .layer(lease_b.fencing_layer())
         .service(direct);
-    let (status, _) = b_http
-        .ready()
-        .await
-        .map_err(anyhow_box)?
-        .call(post("B: charge 10 EUR")?)
-        .await
-        .map_err(anyhow_box)?;
+    // B's only write: its client is used once.
+    let b_write = b_http.oneshot(post("B: charge 10 EUR")?);
+    let (status, _) = b_write.await.map_err(anyhow_box)?;
     t.say(
         "B",
         format!("POST /ledger \"B: charge 10 EUR\" with token 8 -> {status}"),

@@ -71,6 +71,14 @@ async fn bind(addr: std::net::SocketAddr, what: &str) -> anyhow::Result<TcpListe
         .map_err(Usage::from_error)
 }
 
+/// `load(path)` when a path was given; its error is a usage error (exit 2).
+fn load_if_given<T, E: Into<anyhow::Error>>(
+    path: Option<&std::path::Path>,
+    load: impl FnOnce(&std::path::Path) -> Result<T, E>,
+) -> anyhow::Result<Option<T>> {
+    path.map(load).transpose().map_err(Usage::from_error)
+}
+
 /// `fence server`.
 ///
 /// # Errors
@@ -80,18 +88,8 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     #[cfg(feature = "test-hooks")]
     crate::test_hooks::set_clock_offset_ms(a.clock_offset_ms);
     // Everything the flags name first: a bad file stops the server before it listens.
-    let signer = a
-        .signing_key
-        .as_deref()
-        .map(TokenSigner::from_file)
-        .transpose()
-        .map_err(Usage::from_error)?;
-    let auth = a
-        .auth_file
-        .as_deref()
-        .map(Auth::load)
-        .transpose()
-        .map_err(Usage::from_error)?;
+    let signer = load_if_given(a.signing_key.as_deref(), TokenSigner::from_file)?;
+    let auth = load_if_given(a.auth_file.as_deref(), Auth::load)?;
     if auth.is_none() && !a.listen.ip().is_loopback() {
         if !a.insecure_no_auth {
             return Err(Usage::error(format!(

@@ -33,17 +33,15 @@ fn a_stranger_who_knows_owner_and_generation_changes_nothing() {
             .success()
     );
     let (_server, addr, log) = start_logged(
-        &[
-            "server",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
+        &server_args(
             dir.path().join("data").to_str().unwrap(),
-            "--auth-file",
-            auth.to_str().unwrap(),
-            "--signing-key",
-            keys.join("fence-signing.pem").to_str().unwrap(),
-        ],
+            &[
+                "--auth-file",
+                auth.to_str().unwrap(),
+                "--signing-key",
+                keys.join("fence-signing.pem").to_str().unwrap(),
+            ],
+        ),
         "trace",
     );
     let url = format!("http://{addr}");

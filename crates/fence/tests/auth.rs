@@ -37,15 +37,10 @@ fn secrets_and_patterns_decide_who_may_do_what_and_sighup_reloads() {
         &format!("# name secret patterns\nops {OPS} *\nbilling {BILLING} inv-* receipt\n"),
     );
     let (server, addr, log) = start_logged(
-        &[
-            "server",
-            "--listen",
-            "127.0.0.1:0",
-            "--data-dir",
+        &server_args(
             dir.path().join("data").to_str().unwrap(),
-            "--auth-file",
-            auth.to_str().unwrap(),
-        ],
+            &["--auth-file", auth.to_str().unwrap()],
+        ),
         "trace",
     );
     let url = format!("http://{addr}");
@@ -74,48 +69,23 @@ fn secrets_and_patterns_decide_who_may_do_what_and_sighup_reloads() {
     assert_eq!(status, 200, "health stays open for load balancers");
 
     // Inside and outside the client's patterns.
-    let (status, answer) = call(
-        &addr,
-        "POST",
-        "/v1/leases/inv-1/claim",
-        Some(BILLING),
-        claim_body,
-    );
+    let claim_as = |secret: &str, job: &str| {
+        let path = format!("/v1/leases/{job}/claim");
+        call(&addr, "POST", &path, Some(secret), claim_body)
+    };
+    let (status, answer) = claim_as(BILLING, "inv-1");
     assert_eq!(status, 200, "{answer}");
-    let (status, answer) = call(
-        &addr,
-        "POST",
-        "/v1/leases/receipt/claim",
-        Some(BILLING),
-        claim_body,
-    );
+    let (status, answer) = claim_as(BILLING, "receipt");
     assert_eq!(status, 200, "an exact pattern: {answer}");
     for job in ["pay-1", "receipt2", "inv"] {
-        let (status, answer) = call(
-            &addr,
-            "POST",
-            &format!("/v1/leases/{job}/claim"),
-            Some(BILLING),
-            claim_body,
-        );
+        let (status, answer) = claim_as(BILLING, job);
         assert_eq!(status, 403, "{job}: {answer}");
         assert!(answer.contains("urn:fence:forbidden"), "{answer}");
-        let (status, _) = call(
-            &addr,
-            "GET",
-            &format!("/v1/leases/{job}"),
-            Some(BILLING),
-            "",
-        );
+        let path = format!("/v1/leases/{job}");
+        let (status, _) = call(&addr, "GET", &path, Some(BILLING), "");
         assert_eq!(status, 403, "GET {job}");
     }
-    let (status, answer) = call(
-        &addr,
-        "POST",
-        "/v1/leases/pay-1/claim",
-        Some(OPS),
-        claim_body,
-    );
+    let (status, answer) = claim_as(OPS, "pay-1");
     assert_eq!(status, 200, "{answer}");
 
     // The list shows each client only its own jobs.

@@ -413,13 +413,7 @@ fn server_and_proxy_exit_0_on_sigterm_and_keep_their_data() {
         .code(),
         Some(0)
     );
-    signal(&server, "-TERM");
-    let mut server = server;
-    assert_eq!(
-        server.0.wait().unwrap().code(),
-        Some(0),
-        "fence server exits 0 on SIGTERM"
-    );
+    exits_0_on(server, "-TERM", "fence server");
     let (_server, url) = start_server(&dir.path().join("leases"));
     assert_eq!(
         json(&fence(&["status", "--server", &url, "--job", "graceful"]))["generation"],
@@ -433,13 +427,7 @@ fn server_and_proxy_exit_0_on_sigterm_and_keep_their_data() {
         ("X-Fencing-Token", "3".to_owned()),
     ];
     assert_eq!(http_status(&addr, "POST", "/", &fenced), 200);
-    signal(&proxy, "-INT");
-    let mut proxy = proxy;
-    assert_eq!(
-        proxy.0.wait().unwrap().code(),
-        Some(0),
-        "fence proxy exits 0 on SIGINT"
-    );
+    exits_0_on(proxy, "-INT", "fence proxy");
     let (_proxy, addr) = start_proxy(&dir.path().join("proxy"), &upstream);
     let stale = vec![
         ("X-Fencing-Job", "graceful".to_owned()),
@@ -521,17 +509,10 @@ fn forgetting_and_max_ttl_settings_are_checked_at_start() {
 #[test]
 fn the_server_caps_ttls_at_max_ttl_and_forgets_idle_jobs() {
     let dir = tempfile::tempdir().unwrap();
-    let (_server, addr) = start_ready(&[
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
+    let (_server, addr) = start_ready(&server_args(
         dir.path().to_str().unwrap(),
-        "--max-ttl",
-        "10s",
-        "--forget-after",
-        "1s",
-    ]);
+        &["--max-ttl", "10s", "--forget-after", "1s"],
+    ));
     let url = format!("http://{addr}");
     let lease = json(&fence_line(&format!(
         "claim --server {} --job j --ttl 1h",
@@ -621,4 +602,14 @@ fn a_data_directory_in_use_is_one_line_naming_it() {
             "{stderr}"
         );
     }
+}
+
+/// Sends `sig` to `p` and asserts that it exits 0.
+fn exits_0_on(mut p: Proc, sig: &str, what: &str) {
+    signal(&p, sig);
+    assert_eq!(
+        p.0.wait().unwrap().code(),
+        Some(0),
+        "{what} exits 0 on {sig}"
+    );
 }

@@ -743,6 +743,11 @@ struct Report {
 }
 
 impl Report {
+    /// Counts `n` more faults of `kind`.
+    fn fault(&mut self, kind: &'static str, n: u64) {
+        *self.faults.entry(kind).or_default() += n;
+    }
+
     /// The 99th percentile of the first writes' latencies, in ms (0 without any).
     fn first_write_p99(&self) -> u64 {
         let mut v = self.first_latencies.clone();
@@ -1213,60 +1218,34 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                 }
                 // Counted only when it took effect: a worker whose time is up (one on a fast
                 // clock ends early) cannot be stopped.
-                let stopped = Command::new("kill")
-                    .args(["-STOP", &pid.to_string()])
-                    .stderr(Stdio::null())
-                    .status()
-                    .is_ok_and(|s| s.success());
-                if !stopped {
-                    *report
-                        .faults
-                        .entry("(worker stop not done: the worker had ended)")
-                        .or_default() += 1;
+                let Some(stopper) = stop_for(pid, pause) else {
+                    report.fault("(worker stop not done: the worker had ended)", 1);
                     continue;
-                }
+                };
                 if skewed_pids.contains(&pid) {
-                    *report
-                        .faults
-                        .entry("of which a skewed-clock worker")
-                        .or_default() += 1;
+                    report.fault("of which a skewed-clock worker", 1);
                 }
                 if past_forget {
-                    *report
-                        .faults
-                        .entry("worker SIGSTOP past forget-after")
-                        .or_default() += 1;
+                    report.fault("worker SIGSTOP past forget-after", 1);
                 }
-                *report
-                    .faults
-                    .entry("worker SIGSTOP past its lease")
-                    .or_default() += 1;
-                stoppers.push(tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(pause)).await;
-                    let _ = Command::new("kill")
-                        .args(["-CONT", &pid.to_string()])
-                        .stderr(Stdio::null())
-                        .status();
-                }));
+                report.fault("worker SIGSTOP past its lease", 1);
+                stoppers.push(stopper);
             }
             6..=7 => {
-                *report.faults.entry("proxy SIGKILL + restart").or_default() += 1;
+                report.fault("proxy SIGKILL + restart", 1);
                 let i = rng.below(proxies_n as u64) as usize;
                 kill_and_reap(&mut proxies[i]); // its port is free again before the restart
                 proxies[i] = start_proxy(i);
             }
             8..=9 if mode.multi_node() => {
-                *report.faults.entry("server SIGKILL + restart").or_default() += 1;
+                report.fault("server SIGKILL + restart", 1);
                 let i = rng.below(servers_n as u64) as usize;
                 kill_and_reap(&mut servers[i]);
                 servers[i] = start_server(i, 0);
             }
             8..=9 => {
                 // The lease server dies and comes back with its clock jumped (either way).
-                *report
-                    .faults
-                    .entry("server SIGKILL + restart, clock jump")
-                    .or_default() += 1;
+                report.fault("server SIGKILL + restart, clock jump", 1);
                 kill_and_reap(&mut servers[0]);
                 let jump = rng.below(2 * TTL_MS) as i64 - TTL_MS as i64;
                 servers[0] = start_server(0, jump);
@@ -1274,29 +1253,14 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             10 => {
                 // A proxy stops with whatever it admitted still to forward; the others go
                 // on, and newer tokens pass there meanwhile.
-                *report
-                    .faults
-                    .entry("proxy SIGSTOP for 0.5 to 1.5 s")
-                    .or_default() += 1;
                 let pid = proxies[rng.below(proxies_n as u64) as usize].0.id();
-                let pause = 500 + rng.below(1_000);
-                let _ = Command::new("kill")
-                    .args(["-STOP", &pid.to_string()])
-                    .status();
-                stoppers.push(tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(pause)).await;
-                    // Gone meanwhile if it was killed (and restarted under another pid).
-                    let _ = Command::new("kill")
-                        .args(["-CONT", &pid.to_string()])
-                        .stderr(Stdio::null())
-                        .status();
-                }));
+                if let Some(stopper) = stop_for(pid, 500 + rng.below(1_000)) {
+                    report.fault("proxy SIGSTOP for 0.5 to 1.5 s", 1);
+                    stoppers.push(stopper);
+                }
             }
             12 if last_restart.is_none_or(|at| at.elapsed() > Duration::from_secs(15)) => {
-                *report
-                    .faults
-                    .entry("PostgreSQL restart (immediate)")
-                    .or_default() += 1;
+                report.fault("PostgreSQL restart (immediate)", 1);
                 last_restart = Some(Instant::now());
                 let restart = tokio::task::spawn_blocking(restart_postgres);
                 let ok = tokio::time::timeout(Duration::from_secs(60), restart).await;
@@ -1308,14 +1272,8 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             _ => {
                 let url = &sql.as_ref().expect("multi-node runs on PostgreSQL").0;
                 let dropped = drop_connections(url).await;
-                *report
-                    .faults
-                    .entry("database connections dropped (pg_terminate_backend)")
-                    .or_default() += 1;
-                *report
-                    .faults
-                    .entry("of which connections ended")
-                    .or_default() += dropped;
+                report.fault("database connections dropped (pg_terminate_backend)", 1);
+                report.fault("of which connections ended", dropped);
             }
         }
     }
@@ -1345,10 +1303,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             .or_default() += 1;
     }
     drop((proxies, servers));
-    *report
-        .faults
-        .entry("more workers than jobs (6 on 3)")
-        .or_default() += 1;
+    report.fault("more workers than jobs (6 on 3)", 1);
     if let Some((url, schema, _)) = &sql {
         // A connection of its own: a restart or a dropped pool may have ended the first.
         let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
@@ -1445,6 +1400,25 @@ fn assert_no_violations(report: &Report, seed: u64) {
     );
 }
 
+/// Stops process `pid` (SIGSTOP) and lets it go on after `ms` (SIGCONT; a process killed
+/// meanwhile is gone, and the signal goes nowhere). `None` when the stop did not take
+/// effect: the process had ended.
+fn stop_for(pid: u32, ms: u64) -> Option<tokio::task::JoinHandle<()>> {
+    let kill = move |sig: &str| {
+        Command::new("kill")
+            .args([sig, &pid.to_string()])
+            .stderr(Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    kill("-STOP").then(|| {
+        tokio::spawn(async move {
+            tokio::time::sleep(Duration::from_millis(ms)).await;
+            kill("-CONT");
+        })
+    })
+}
+
 fn seed_and_secs(default_secs: u64) -> (u64, u64) {
     let seed = std::env::var("FENCE_SOAK_SEED")
         .ok()
@@ -1460,14 +1434,21 @@ fn seed_and_secs(default_secs: u64) -> (u64, u64) {
     (seed, secs)
 }
 
+/// One run of `mode` with the seed and length from the environment (`default_secs` when
+/// unset), announced first with what replays it, and its report printed under `title`.
+async fn soak(mode: Mode, default_secs: u64, title: &str) -> (Report, u64) {
+    let (seed, secs) = seed_and_secs(default_secs);
+    println!(
+        "{title}: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
+    );
+    let report = run(seed, secs, mode).await;
+    report.print(title, seed);
+    (report, seed)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fenced_run_has_no_violations() {
-    let (seed, secs) = seed_and_secs(20);
-    println!(
-        "fault injection: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
-    );
-    let report = run(seed, secs, Mode::Fenced).await;
-    report.print("fenced", seed);
+    let (report, seed) = soak(Mode::Fenced, 20, "fault injection, fenced").await;
     let refused = |k: &str| report.outcomes.get(k).copied().unwrap_or(0);
     assert!(
         refused("refused by layer") + refused("HTTP 409") > 0,
@@ -1490,15 +1471,8 @@ async fn fenced_run_has_no_violations() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn forgetting_run_has_no_violations() {
-    let (seed, secs) = seed_and_secs(20);
-    println!(
-        "fault injection with forgetting: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
-    );
-    let report = run(seed, secs, Mode::Forgetting).await;
-    report.print(
-        "fenced, forgetting after 4 s (proxy) and 2 s (server)",
-        seed,
-    );
+    const TITLE: &str = "fault injection, forgetting after 4 s (proxy) and 2 s (server)";
+    let (report, seed) = soak(Mode::Forgetting, 20, TITLE).await;
     assert!(report.effects > 0, "no effect was applied at all");
     assert!(
         report
@@ -1507,14 +1481,7 @@ async fn forgetting_run_has_no_violations() {
         "seed {seed}: the run did not exercise forgetting: {:?}",
         report.faults
     );
-    assert_eq!(
-        report.violations(),
-        0,
-        "seed {seed}: {:?} {:?} {:?}",
-        report.stale_effects,
-        report.reused_generations,
-        report.duplicate_effects
-    );
+    assert_no_violations(&report, seed);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -1551,12 +1518,8 @@ async fn finds_stale_effects(mode: Mode, seed: u64, secs: u64, rounds: u64, titl
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_writers_and_the_proxy_share_one_fence_without_violations() {
-    let (seed, secs) = seed_and_secs(20);
-    println!(
-        "fault injection with SQL writers: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
-    );
-    let report = run(seed, secs, Mode::Sql).await;
-    report.print("fenced in PostgreSQL, SQL writers beside the proxy's", seed);
+    let title = "fault injection, fenced in PostgreSQL, SQL writers beside the proxy's";
+    let (report, seed) = soak(Mode::Sql, 20, title).await;
     println!(
         "{:<40} {:>8}",
         "effects written by SQL workers", report.sql_effects
@@ -1576,12 +1539,8 @@ async fn sql_writers_and_the_proxy_share_one_fence_without_violations() {
 /// connections dropped, one server's clock 30 s ahead.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn several_servers_and_proxies_on_one_database_have_no_violations() {
-    let (seed, secs) = seed_and_secs(30);
-    println!(
-        "multi-node fault injection: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
-    );
-    let report = run(seed, secs, Mode::MultiNode).await;
-    report.print("2 servers and 3 proxies on one PostgreSQL", seed);
+    let title = "multi-node fault injection, 2 servers and 3 proxies on one PostgreSQL";
+    let (report, seed) = soak(Mode::MultiNode, 30, title).await;
     assert!(report.sql_effects > 0, "seed {seed}: no SQL worker wrote");
     assert!(
         report.effects > report.sql_effects,
@@ -1616,15 +1575,8 @@ async fn without_the_fence_in_the_effects_transaction_proxies_reorder_effects() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_workers_through_the_proxy_have_no_violations() {
-    let (seed, secs) = seed_and_secs(20);
-    println!(
-        "fault injection with gRPC workers: seed {seed}, {secs} s (replay with FENCE_SOAK_SEED={seed} FENCE_SOAK_SECS={secs})"
-    );
-    let report = run(seed, secs, Mode::Grpc).await;
-    report.print(
-        "gRPC: tonic workers through the proxy to a tonic ledger",
-        seed,
-    );
+    let title = "fault injection, gRPC: tonic workers through the proxy to a tonic ledger";
+    let (report, seed) = soak(Mode::Grpc, 20, title).await;
     assert!(
         report.effects > 0,
         "seed {seed}: no charge reached the ledger"

@@ -189,15 +189,10 @@ async fn two_thousand_idle_connections_do_not_cost_a_worker_its_lease() {
 #[test]
 fn a_slowloris_is_cut_off_at_the_header_timeout() {
     let dir = tempfile::tempdir().unwrap();
-    let (_server, addr) = start_ready(&[
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
+    let (_server, addr) = start_ready(&server_args(
         dir.path().to_str().unwrap(),
-        "--header-timeout",
-        "2s",
-    ]);
+        &["--header-timeout", "2s"],
+    ));
     let mut stream = TcpStream::connect(&addr).unwrap();
     let started = Instant::now();
     let head = b"GET /healthz HTTP/1.1\r\nHost: x\r\nX-Padding: aaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaaa\r\n\r\n";

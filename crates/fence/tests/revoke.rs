@@ -57,17 +57,10 @@ fn revoke_ends_the_lease_and_the_pushed_generation_fences_the_old_holder_at_once
     let dir = tempfile::tempdir().unwrap();
     let (auth, signing) = setup(dir.path());
     let data = dir.path().join("data");
-    let (_server, addr) = start_ready(&[
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
+    let (_server, addr) = start_ready(&server_args(
         data.to_str().unwrap(),
-        "--auth-file",
-        &auth,
-        "--signing-key",
-        &signing,
-    ]);
+        &["--auth-file", &auth, "--signing-key", &signing],
+    ));
     let server = format!("http://{addr}");
     let upstream = format!("http://{}", start_upstream());
     let verify = dir.path().join("fence-verify.pem").display().to_string();

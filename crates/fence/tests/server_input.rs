@@ -38,175 +38,41 @@ async fn every_bad_request_is_a_400_naming_the_field() {
     let renew = "/v1/leases/j/renew";
     let big = format!(r#"{{"owner": "{}"}}"#, "a".repeat(20_000));
     let long_job = format!("/v1/leases/{}", "j".repeat(257));
+    #[rustfmt::skip]
     let cases: Vec<(&str, &str, String, &str)> = vec![
         ("POST", claim, "".into(), "body: not valid JSON"),
         ("POST", claim, "{".into(), "body: not valid JSON"),
         ("POST", claim, "[]".into(), "body: must be a JSON object"),
         ("POST", claim, "null".into(), "body: must be a JSON object"),
-        (
-            "POST",
-            claim,
-            r#"{"ttl_ms": 1000}"#.into(),
-            "owner: missing",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": 7}"#.into(),
-            "owner: must be a string",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": ""}"#.into(),
-            "owner: owner is empty",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "a b"}"#.into(),
-            "owner: owner has byte 0x20",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "é"}"#.into(),
-            "owner: owner has byte 0xC3",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w"}"#.into(),
-            "lease_key: missing",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": "short"}"#.into(),
-            "lease_key: ",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": ""}"#.into(),
-            "lease_key: ",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": 12345678901234567890123}"#.into(),
-            "lease_key: must be a string",
-        ),
-        (
-            "POST",
-            claim,
-            format!(r#"{{"owner": "w", "lease_key": "{}"}}"#, "k".repeat(129)),
-            "lease_key: ",
-        ),
-        (
-            "POST",
-            renew,
-            r#"{"owner": "w", "generation": 1}"#.into(),
-            "lease_key: missing",
-        ),
-        (
-            "POST",
-            "/v1/leases/j/complete",
-            r#"{"owner": "w", "generation": 1, "lease_key": null}"#.into(),
-            "lease_key: ",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghij+"}"#.into(),
-            "lease_key: ",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 99}"#.into(),
-            "ttl_ms: ttl of 99 ms is below",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 86400001}"#.into(),
-            "ttl_ms: ttl of 86400001 ms is above",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": -1}"#.into(),
-            "ttl_ms: must be an integer from 0",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 1.5}"#.into(),
-            "ttl_ms: must be an integer from 0",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": "1000"}"#.into(),
-            "ttl_ms: must be an integer",
-        ),
-        (
-            "POST",
-            claim,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "extra": 1}"#.into(),
-            "extra: unknown field",
-        ),
+        ("POST", claim, r#"{"ttl_ms": 1000}"#.into(), "owner: missing"),
+        ("POST", claim, r#"{"owner": 7}"#.into(), "owner: must be a string"),
+        ("POST", claim, r#"{"owner": ""}"#.into(), "owner: owner is empty"),
+        ("POST", claim, r#"{"owner": "a b"}"#.into(), "owner: owner has byte 0x20"),
+        ("POST", claim, r#"{"owner": "é"}"#.into(), "owner: owner has byte 0xC3"),
+        ("POST", claim, r#"{"owner": "w"}"#.into(), "lease_key: missing"),
+        ("POST", claim, r#"{"owner": "w", "lease_key": "short"}"#.into(), "lease_key: "),
+        ("POST", claim, r#"{"owner": "w", "lease_key": ""}"#.into(), "lease_key: "),
+        ("POST", claim, r#"{"owner": "w", "lease_key": 12345678901234567890123}"#.into(), "lease_key: must be a string"),
+        ("POST", claim, format!(r#"{{"owner": "w", "lease_key": "{}"}}"#, "k".repeat(129)), "lease_key: "),
+        ("POST", renew, r#"{"owner": "w", "generation": 1}"#.into(), "lease_key: missing"),
+        ("POST", "/v1/leases/j/complete", r#"{"owner": "w", "generation": 1, "lease_key": null}"#.into(), "lease_key: "),
+        ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghij+"}"#.into(), "lease_key: "),
+        ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 99}"#.into(), "ttl_ms: ttl of 99 ms is below"),
+        ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 86400001}"#.into(), "ttl_ms: ttl of 86400001 ms is above"),
+        ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": -1}"#.into(), "ttl_ms: must be an integer from 0"),
+        ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": 1.5}"#.into(), "ttl_ms: must be an integer from 0"),
+        ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": "1000"}"#.into(), "ttl_ms: must be an integer"),
+        ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "extra": 1}"#.into(), "extra: unknown field"),
         ("POST", claim, big, "body: larger than"),
-        (
-            "POST",
-            renew,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(),
-            "generation: missing",
-        ),
-        (
-            "POST",
-            renew,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": 18446744073709551616}"#.into(),
-            "generation: must be an integer",
-        ),
-        (
-            "POST",
-            renew,
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": "1"}"#.into(),
-            "generation: must be an integer",
-        ),
-        (
-            "POST",
-            "/v1/leases/j/release",
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": 1, "ttl_ms": 5}"#.into(),
-            "ttl_ms: unknown field",
-        ),
-        (
-            "POST",
-            "/v1/leases/j/complete",
-            r#"{"generation": 1}"#.into(),
-            "owner: missing",
-        ),
-        (
-            "POST",
-            "/v1/leases/a%20b/claim",
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(),
-            "job (in the path): job id has byte 0x20",
-        ),
-        (
-            "POST",
-            "/v1/leases/%FF/claim",
-            r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(),
-            "job",
-        ),
+        ("POST", renew, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(), "generation: missing"),
+        ("POST", renew, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": 18446744073709551616}"#.into(), "generation: must be an integer"),
+        ("POST", renew, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": "1"}"#.into(), "generation: must be an integer"),
+        ("POST", "/v1/leases/j/release", r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": 1, "ttl_ms": 5}"#.into(), "ttl_ms: unknown field"),
+        ("POST", "/v1/leases/j/complete", r#"{"generation": 1}"#.into(), "owner: missing"),
+        ("POST", "/v1/leases/a%20b/claim", r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(), "job (in the path): job id has byte 0x20"),
+        ("POST", "/v1/leases/%FF/claim", r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(), "job"),
         ("GET", "/v1/leases/%00", String::new(), "job (in the path)"),
-        (
-            "GET",
-            &long_job,
-            String::new(),
-            "job (in the path): job id is 257 bytes",
-        ),
+        ("GET", &long_job, String::new(), "job (in the path): job id is 257 bytes"),
     ];
     for (method, path, body, want) in cases {
         let (status, problem) = call(method, path, body.clone()).await;
@@ -319,43 +185,26 @@ async fn bad_authorization_headers_are_401_never_5xx() {
         huge.into_bytes(),
         b"Bearer \xff\xfe".to_vec(),
     ];
-    for value in values {
+    // `GET /v1/leases/j` with these Authorization headers, to a fresh server: the status.
+    let get = |values: &[&[u8]]| {
         let router = fence::server::router(Arc::new(MemoryLeaseStore::new()), options());
-        let req = Request::builder()
-            .method("GET")
-            .uri("/v1/leases/j")
-            .header(
-                "authorization",
-                http::HeaderValue::from_bytes(&value).unwrap(),
-            )
-            .body(Body::empty())
-            .unwrap();
-        let resp = router.oneshot(req).await.unwrap();
-        assert_eq!(resp.status(), StatusCode::UNAUTHORIZED, "{value:?}");
+        let mut req = Request::builder().uri("/v1/leases/j");
+        for v in values {
+            req = req.header("authorization", http::HeaderValue::from_bytes(v).unwrap());
+        }
+        let req = req.body(Body::empty()).unwrap();
+        async move { router.oneshot(req).await.unwrap().status() }
+    };
+    for value in values {
+        assert_eq!(get(&[&value]).await, StatusCode::UNAUTHORIZED, "{value:?}");
     }
     // Two Authorization headers are ambiguous: refused, even when one is right.
-    let router = fence::server::router(Arc::new(MemoryLeaseStore::new()), options());
-    let req = Request::builder()
-        .uri("/v1/leases/j")
-        .header("authorization", "Bearer ops-0123456789abcdef-secret")
-        .header("authorization", "Bearer other-0123456789abcdef")
-        .body(Body::empty())
-        .unwrap();
-    assert_eq!(
-        router.oneshot(req).await.unwrap().status(),
-        StatusCode::UNAUTHORIZED
-    );
+    let right: &[u8] = b"Bearer ops-0123456789abcdef-secret";
+    let other: &[u8] = b"Bearer other-0123456789abcdef";
+    assert_eq!(get(&[right, other]).await, StatusCode::UNAUTHORIZED);
     // The right one, case-insensitive scheme: the job is unknown, not the caller.
-    let router = fence::server::router(Arc::new(MemoryLeaseStore::new()), options());
-    let req = Request::builder()
-        .uri("/v1/leases/j")
-        .header("authorization", "bearer ops-0123456789abcdef-secret")
-        .body(Body::empty())
-        .unwrap();
-    assert_eq!(
-        router.oneshot(req).await.unwrap().status(),
-        StatusCode::NOT_FOUND
-    );
+    let lower: &[u8] = b"bearer ops-0123456789abcdef-secret";
+    assert_eq!(get(&[lower]).await, StatusCode::NOT_FOUND);
 }
 
 #[tokio::test]

@@ -25,15 +25,8 @@ fn openssl_pair(dir: &Path) -> (PathBuf, PathBuf) {
     let private = dir.join("openssl-signing.pem");
     let public = dir.join("openssl-verify.pem");
     let run = |args: &[&str]| {
-        let out = Command::new("openssl")
-            .args(args)
-            .output()
-            .expect("openssl is installed (apt install openssl)");
-        assert!(
-            out.status.success(),
-            "openssl {args:?}: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
+        let openssl = Command::new("openssl").args(args).output();
+        assert_success(&openssl.expect("openssl is installed (apt install openssl)"));
     };
     run(&[
         "genpkey",
@@ -153,13 +146,7 @@ fn unusable_key_files_stop_server_and_proxy_at_start_with_one_line_and_exit_2() 
     assert!(status.success());
     let missing = dir.path().join("missing.pem");
     let data = dir.path().join("data");
-    let server = [
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        data.to_str().unwrap(),
-    ];
+    let server = server_args(data.to_str().unwrap(), &[]);
     refused_at_start(
         &server,
         "--signing-key",
@@ -216,15 +203,10 @@ struct Cluster {
 }
 
 fn cluster(dir: &Path, signing: &Path, verify: &[&Path]) -> Cluster {
-    let (server_proc, server) = start_ready(&[
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
+    let (server_proc, server) = start_ready(&server_args(
         dir.join("leases").to_str().unwrap(),
-        "--signing-key",
-        signing.to_str().unwrap(),
-    ]);
+        &["--signing-key", signing.to_str().unwrap()],
+    ));
     let upstream = format!("http://{}", start_upstream());
     let mut extra = vec![
         "--data-dir".to_owned(),

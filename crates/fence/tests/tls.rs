@@ -9,15 +9,10 @@ use std::{process::Command, time::Duration};
 use common::*;
 
 fn start_tls_server(ca: &TestCa, dir: &std::path::Path) -> (Proc, String) {
-    let mut args: Vec<String> = [
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.to_str().unwrap(),
-    ]
-    .map(String::from)
-    .into();
+    let mut args: Vec<String> = server_args(dir.to_str().unwrap(), &[])
+        .into_iter()
+        .map(String::from)
+        .collect();
     args.extend(ca.server_args());
     let args: Vec<&str> = args.iter().map(String::as_str).collect();
     let (proc, addr) = start_ready(&args);

@@ -49,10 +49,7 @@ fn release(addr: &str, job: &str, owner: &str, generation: u64) -> u16 {
 
 #[test]
 fn a_waiting_claim_gets_the_job_when_it_is_released_and_waiters_go_in_order() {
-    let dir = tempfile::tempdir().unwrap();
-    let (_server, url) = start_server(dir.path());
-    let addr = url.trim_start_matches("http://").to_owned();
-    assert_eq!(claim(&addr, "j", "a", "").0, 200);
+    let (_dir, _server, _url, addr) = server_with_a_holding("j");
 
     let b = {
         let addr = addr.clone();
@@ -101,9 +98,7 @@ fn a_waiting_claim_gets_the_job_when_it_is_released_and_waiters_go_in_order() {
 
 #[test]
 fn a_waiting_claim_gets_an_expired_job_and_gives_up_at_the_end_of_its_wait() {
-    let dir = tempfile::tempdir().unwrap();
-    let (_server, url) = start_server(dir.path());
-    let addr = url.trim_start_matches("http://").to_owned();
+    let (_dir, _server, _url, addr) = server();
     let short = r#"{"owner":"a","lease_key":"a-0123456789abcdefghijk","ttl_ms":600}"#;
     assert_eq!(
         bearer_call(&addr, "POST", "/v1/leases/e/claim", None, short).0,
@@ -128,10 +123,7 @@ fn a_waiting_claim_gets_an_expired_job_and_gives_up_at_the_end_of_its_wait() {
 
 #[test]
 fn completed_jobs_and_bad_waits_answer_at_once() {
-    let dir = tempfile::tempdir().unwrap();
-    let (_server, url) = start_server(dir.path());
-    let addr = url.trim_start_matches("http://").to_owned();
-    assert_eq!(claim(&addr, "done", "a", "").0, 200);
+    let (_dir, _server, _url, addr) = server_with_a_holding("done");
     let body = r#"{"owner":"a","generation":1,"lease_key":"a-0123456789abcdefghijk"}"#;
     assert_eq!(
         bearer_call(&addr, "POST", "/v1/leases/done/complete", None, body).0,
@@ -162,10 +154,7 @@ fn completed_jobs_and_bad_waits_answer_at_once() {
 /// the moment the holder releases, and the server never answered it `lease-held`.
 #[test]
 fn fence_run_wait_uses_the_servers_waiting_claim() {
-    let dir = tempfile::tempdir().unwrap();
-    let (_server, url) = start_server(dir.path());
-    let addr = url.trim_start_matches("http://").to_owned();
-    assert_eq!(claim(&addr, "r", "a", "").0, 200);
+    let (_dir, _server, url, addr) = server_with_a_holding("r");
     let run = {
         let url = url.clone();
         thread::spawn(move || {
@@ -207,4 +196,20 @@ fn fence_run_wait_uses_the_servers_waiting_claim() {
         granted.ends_with(" 2"),
         "a's claim and fence run's: {granted}"
     );
+}
+
+/// [`server`], with owner `a` holding `job`.
+fn server_with_a_holding(job: &str) -> (tempfile::TempDir, Proc, String, String) {
+    let (dir, server, url, addr) = server();
+    assert_eq!(claim(&addr, job, "a", "").0, 200, "a claims {job}");
+    (dir, server, url, addr)
+}
+
+/// A lease server in a temporary directory: the directory, the process, its URL and its
+/// address (`host:port`).
+fn server() -> (tempfile::TempDir, Proc, String, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let addr = url.trim_start_matches("http://").to_owned();
+    (dir, server, url, addr)
 }

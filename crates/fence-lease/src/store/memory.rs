@@ -3,6 +3,7 @@
 use std::{
     collections::HashMap,
     sync::{Arc, Mutex},
+    time::Duration,
 };
 
 use fence_core::{Generation, JobId, lease_api::ListQuery};
@@ -66,11 +67,7 @@ impl LeaseStore for MemoryLeaseStore {
         Ok(self.leases().jobs.get(job).map(|s| s.record(job, now)))
     }
 
-    async fn forget_idle(
-        &self,
-        idle_for: std::time::Duration,
-        limit: usize,
-    ) -> Result<usize, StoreError> {
+    async fn forget_idle(&self, idle_for: Duration, limit: usize) -> Result<usize, StoreError> {
         let now = self.clock.now_ms();
         let idle_ms = u64::try_from(idle_for.as_millis()).unwrap_or(u64::MAX);
         let mut leases = self.leases();

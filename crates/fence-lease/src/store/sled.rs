@@ -1,6 +1,6 @@
 //! A durable lease store embedded in the process, on sled, with group commit.
 
-use std::{path::Path, sync::Arc};
+use std::{path::Path, sync::Arc, time::Duration};
 
 use fence_core::{Generation, JobId, lease_api::ListQuery};
 use fence_storage::{
@@ -27,19 +27,11 @@ pub struct SledLeaseStore {
 const FLOOR: &[u8] = b"floor";
 
 impl SledLeaseStore {
-    /// Opens (or creates) the store in directory `path`, on the system clock.
+    /// The lease store in directory `path` (created if missing), deciding expiry on `clock`.
     ///
     /// # Errors
-    /// When the directory cannot be opened as a database: [`OpenError::Locked`] while
-    /// another process uses it, the other variants for permissions or corrupt files.
-    pub fn open(path: impl AsRef<Path>) -> Result<Self, OpenError> {
-        Self::open_with_clock(path, Arc::new(SystemClock::new()))
-    }
-
-    /// Opens the store on `clock`.
-    ///
-    /// # Errors
-    /// As [`open`](Self::open).
+    /// As [`DurableDb::open`]: [`OpenError::Locked`] while another process uses the
+    /// directory, the other variants for permissions or corrupt files.
     pub fn open_with_clock(
         path: impl AsRef<Path>,
         clock: Arc<dyn Clock>,
@@ -51,6 +43,15 @@ impl SledLeaseStore {
             db,
             clock,
         })
+    }
+
+    /// The lease store in directory `path` (created if missing), deciding expiry on the
+    /// system clock.
+    ///
+    /// # Errors
+    /// As [`open_with_clock`](Self::open_with_clock).
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, OpenError> {
+        Self::open_with_clock(path, Arc::new(SystemClock::new()))
     }
 
     /// The highest generation ever forgotten, with its raw value for a compare-and-swap.
@@ -125,11 +126,7 @@ impl LeaseStore for SledLeaseStore {
         Ok(Some(stored.record(job, self.clock.now_ms())))
     }
 
-    async fn forget_idle(
-        &self,
-        idle_for: std::time::Duration,
-        limit: usize,
-    ) -> Result<usize, StoreError> {
+    async fn forget_idle(&self, idle_for: Duration, limit: usize) -> Result<usize, StoreError> {
         let now = self.clock.now_ms();
         let idle_ms = u64::try_from(idle_for.as_millis()).unwrap_or(u64::MAX);
         let mut batch = Vec::new();

@@ -320,13 +320,16 @@ fn message(payload: &(dyn std::any::Any + Send)) -> String {
         .unwrap_or_default()
 }
 
+/// Each broken variant, with what the check meant for it says when it finds it.
+const BROKEN: [(Mutant, &str); 3] = [
+    (Mutant::CollapseHeld, "reached the service"),
+    (Mutant::EvictHeld, "reached the service"),
+    (Mutant::DrainUnnotified, "deadlock"),
+];
+
 #[test]
 fn each_broken_variant_is_caught() {
-    for (mutant, finding) in [
-        (Mutant::CollapseHeld, "reached the service"),
-        (Mutant::EvictHeld, "reached the service"),
-        (Mutant::DrainUnnotified, "deadlock"),
-    ] {
+    for (mutant, finding) in BROKEN {
         MUTANT.with(|m| m.set(Some(mutant)));
         let caught = catch_unwind(AssertUnwindSafe(|| {
             explore(RandomScheduler::new_from_seed(7, ITERATIONS), SWEPT, false);

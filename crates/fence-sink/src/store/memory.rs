@@ -88,20 +88,17 @@ impl GenerationStore for MemoryStore {
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
-        let IdlePage {
-            idle_for,
-            after,
-            limit,
-        } = page;
-        let before_ms = self.clock.now_ms().saturating_sub(ms(idle_for));
+        let before_ms = self.clock.now_ms().saturating_sub(ms(page.idle_for));
         use std::ops::Bound;
         let inner = self.lock();
-        let start = after.map_or(Bound::Unbounded, |a| Bound::Excluded(a.clone()));
+        let start = page
+            .after
+            .map_or(Bound::Unbounded, |a| Bound::Excluded(a.clone()));
         Ok(inner
             .by_stamp
             .range((start, Bound::Unbounded))
             .take_while(|i| i.touched_ms < before_ms)
-            .take(limit)
+            .take(page.limit)
             .cloned()
             .collect())
     }

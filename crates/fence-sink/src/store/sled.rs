@@ -47,11 +47,11 @@ fn record_key(job: &JobId, key: &IdempotencyKey) -> Vec<u8> {
 }
 
 impl SledStore {
-    /// Opens (or creates) the store in directory `path`, on the system clock.
+    /// Opens (or creates) the generation and idempotency store in directory `path`, with
+    /// idempotency records expiring on the system clock.
     ///
     /// # Errors
-    /// When the directory cannot be opened as a database: [`OpenError::Locked`] while
-    /// another process uses it, the other variants for permissions or corrupt files.
+    /// As [`DurableDb::open`].
     pub fn open(path: impl AsRef<Path>) -> Result<Self, OpenError> {
         Self::open_with_clock(path, Arc::new(SystemClock::new()))
     }
@@ -59,7 +59,8 @@ impl SledStore {
     /// Opens the store with idempotency records expiring on `clock`.
     ///
     /// # Errors
-    /// As [`open`](Self::open).
+    /// As [`DurableDb::open`]: [`OpenError::Locked`] while another process uses the
+    /// directory, the other variants for permissions or corrupt files.
     pub fn open_with_clock(
         path: impl AsRef<Path>,
         clock: Arc<dyn Clock>,
@@ -203,13 +204,8 @@ impl GenerationStore for SledStore {
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
-        let IdlePage {
-            idle_for,
-            after,
-            limit,
-        } = page;
-        let before_ms = self.clock.now_ms().saturating_sub(ms(idle_for));
-        let start = match after {
+        let before_ms = self.clock.now_ms().saturating_sub(ms(page.idle_for));
+        let start = match page.after {
             Some(a) => {
                 std::ops::Bound::Excluded(stamp_key(a.touched_ms, a.job.as_str().as_bytes()))
             }
@@ -232,7 +228,7 @@ impl GenerationStore for SledStore {
                 touched_ms: u64::from_be_bytes(*touched),
                 job,
             });
-            if out.len() >= limit {
+            if out.len() >= page.limit {
                 break;
             }
         }
@@ -332,6 +328,8 @@ mod tests {
     use super::*;
     use crate::{Fingerprint, conformance::at};
 
+    const MINUTE: Duration = Duration::from_secs(60);
+
     crate::sink_store_conformance!(|| async {
         let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
         let dir = tempfile::tempdir().unwrap().keep();
@@ -396,13 +394,8 @@ mod tests {
         {
             let store = SledStore::open(dir.path()).unwrap();
             store.observe(&j, Generation::new(41)).await.unwrap();
-            assert_eq!(
-                store
-                    .begin(at(&j, &k, &f), Duration::from_secs(60))
-                    .await
-                    .unwrap(),
-                Begin::Started
-            );
+            let begin = store.begin(at(&j, &k, &f), MINUTE).await.unwrap();
+            assert_eq!(begin, Begin::Started);
         }
         let store = SledStore::open(dir.path()).unwrap();
         assert_eq!(
@@ -411,12 +404,11 @@ mod tests {
                 highest: Generation::new(41)
             }
         );
+        let begin = store.begin(at(&j, &k, &f), MINUTE).await.unwrap();
         assert_eq!(
-            store
-                .begin(at(&j, &k, &f), Duration::from_secs(60))
-                .await
-                .unwrap(),
-            Begin::InFlight
+            begin,
+            Begin::InFlight,
+            "the in-flight record survived the restart"
         );
         store.generations.insert("bad", &b"xyz"[..]).unwrap();
         let err = store

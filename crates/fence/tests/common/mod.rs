@@ -41,14 +41,15 @@ pub fn fence(args: &[&str]) -> Output {
 
 /// Starts `fence server` on an ephemeral port and returns it with its URL.
 pub fn start_server(dir: &Path) -> (Proc, String) {
-    let (proc, addr) = start_ready(&[
-        "server",
-        "--listen",
-        "127.0.0.1:0",
-        "--data-dir",
-        dir.to_str().unwrap(),
-    ]);
+    let (proc, addr) = start_ready(&server_args(dir.to_str().unwrap(), &[]));
     (proc, format!("http://{addr}"))
+}
+
+/// `fence server` arguments for an ephemeral port and sled in `data_dir`, then `extra`.
+pub fn server_args<'a>(data_dir: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
+    let mut args = vec!["server", "--listen", "127.0.0.1:0", "--data-dir", data_dir];
+    args.extend_from_slice(extra);
+    args
 }
 
 /// Fails, showing what the command said, unless it exited 0.

@@ -312,16 +312,11 @@ impl GenerationStore for PgStore {
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
-        let IdlePage {
-            idle_for,
-            after,
-            limit,
-        } = page;
         let client = self.pool.get().await.map_err(io)?;
         let t = &self.tables.generations;
-        let idle_ms = i64::try_from(idle_for.as_millis()).unwrap_or(i64::MAX);
-        let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let (after_ms, after_job) = match after {
+        let idle_ms = i64::try_from(page.idle_for.as_millis()).unwrap_or(i64::MAX);
+        let limit = i64::try_from(page.limit).unwrap_or(i64::MAX);
+        let (after_ms, after_job) = match page.after {
             Some(a) => (
                 i64::try_from(a.touched_ms).unwrap_or(i64::MAX),
                 a.job.as_str(),
