@@ -64,8 +64,10 @@ async fn an_unreachable_server_ends_the_lease_at_its_local_deadline() {
         "lost {:?} before its deadline",
         deadline - lost_at
     );
+    // Well before the 5 s request timeout, which is what a client that waited for its
+    // renewal to fail (instead of its deadline) would take; the slack is for a loaded machine.
     assert!(
-        lost_at <= deadline + Duration::from_millis(300),
+        lost_at <= deadline + Duration::from_millis(1_500),
         "lost {:?} after its deadline",
         lost_at - deadline
     );

@@ -214,8 +214,10 @@ fn a_slowloris_is_cut_off_at_the_header_timeout() {
         assert_eq!(n, 0, "the server answered a slowloris");
         started.elapsed()
     });
+    // Cut at about 2 s; the whole head would take 24 s at this pace, so 8 s tells a cut
+    // from a slowloris that got through, with room for a loaded machine.
     assert!(
-        cut_at < Duration::from_millis(3_500),
+        cut_at < Duration::from_secs(8),
         "the connection lived {cut_at:?} sending a byte every 250 ms"
     );
     // The server still answers others.

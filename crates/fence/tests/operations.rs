@@ -180,21 +180,22 @@ fn every_decision_is_one_json_event_with_job_and_generation() {
     );
     let write = |job: &str, token: &str| fenced_post(&proxy, "/w", job, token);
 
-    // A refused claim.
-    // A's lease is short, but long enough for its first write on a loaded machine.
-    let claimed = std::time::Instant::now();
-    let a = claim_as(&server, "j", "worker-a", "2s").unwrap();
+    // A's lease is short: its first write goes at once, before anything else can eat into it.
+    let a = claim_as(&server, "j", "worker-a", "3s").unwrap();
+    let token_a = a["token"].as_str().unwrap().to_owned();
+    assert_eq!(write("j", &token_a), 200);
     one_event(&server_log, "claim granted", "j", 1);
+    // A refused claim.
     claim_as(&server, "j", "worker-b", "30s").expect_err("held");
     one_event(&server_log, "claim refused", "j", 1);
 
-    // An expired token: A's lease ran out and nobody claimed since.
-    let token_a = a["token"].as_str().unwrap().to_owned();
-    assert_eq!(write("j", &token_a), 200);
-    std::thread::sleep(
-        (claimed + Duration::from_millis(2_300))
-            .saturating_duration_since(std::time::Instant::now()),
-    );
+    // An expired token: A's lease ran out (by the end its token carries, on this machine's
+    // clock, which the server and the proxy share; no skew allowed) and nobody claimed since.
+    let expires_at_ms = a["expires_at_ms"].as_u64().unwrap();
+    eventually("A's lease ends", Duration::from_secs(10), || {
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
+        now.unwrap().as_millis() > u128::from(expires_at_ms) + 50
+    });
     assert_eq!(write("j", &token_a), 409);
     one_event(&proxy_log, "expired token", "j", 1);
 

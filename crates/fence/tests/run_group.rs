@@ -134,10 +134,14 @@ fn a_frozen_fence_run_has_its_group_stopped_at_the_lease_deadline() {
     // fence run stops answering anything, as in a long GC pause: nobody renews, and only
     // the watchdog is left to act on the deadline it was last told.
     signal(&run, "-STOP");
-    let took = gone_within(sleep, Duration::from_secs(4));
+    // When the lease ends on the server: no later than this reading plus what it had left.
+    let record = json(&fence(&["status", "--server", &url, "--job", "frozen"]));
+    let ends = Instant::now() + Duration::from_millis(record["expires_in_ms"].as_u64().unwrap());
+    gone_within(sleep, Duration::from_secs(4));
+    let late = Instant::now().saturating_duration_since(ends);
     assert!(
-        took < Duration::from_millis(1_500),
-        "the group outlived the 1 s lease: {took:?}"
+        late < Duration::from_secs(1),
+        "the group outlived the lease by {late:?} (scheduling slack aside, it stops before)"
     );
 }
 
@@ -197,7 +201,7 @@ fn max_duration_stops_the_tree_and_releases_or_lets_expire() {
     assert_eq!(record["state"], "free", "released");
 
     let out = fence_line(&format!(
-        "run --server {url} --job left --ttl 3s --max-duration 1s --on-max-duration expire -- sleep 30"
+        "run --server {url} --job left --ttl 30s --max-duration 1s --on-max-duration expire -- sleep 30"
     ));
     assert_eq!(out.status.code(), Some(124), "{out:?}");
     let record = json(&fence(&["status", "--server", &url, "--job", "left"]));

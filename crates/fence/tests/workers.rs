@@ -132,10 +132,21 @@ fn a_worker_stalled_past_its_lease_is_refused_at_the_destination() {
     for lang in ["python", "sh"] {
         let job = format!("{lang}-stall");
         let stalled = match lang {
-            "python" => python(&s, &job, 600, 2, 2.0),
-            _ => shell(&s, &job, 600, 2, Some("2")),
+            "python" => python(&s, &job, 600, 2, 5.0),
+            _ => shell(&s, &job, 600, 2, Some("5")),
         };
-        std::thread::sleep(Duration::from_millis(1_200)); // stalled, its lease has run out
+        // From its claim (however long the interpreter took to start), past its 600 ms lease;
+        // its 5 s stall leaves the newer holder time to claim and write on a loaded machine.
+        eventually(
+            &format!("{lang}: the first worker claims"),
+            Duration::from_secs(10),
+            || {
+                fence(&["status", "--server", &s.server, "--job", &job])
+                    .status
+                    .success()
+            },
+        );
+        std::thread::sleep(Duration::from_millis(900));
         let newer = match lang {
             "python" => python(&s, &job, 10_000, 1, 0.0),
             _ => shell(&s, &job, 10_000, 1, None),

@@ -52,6 +52,20 @@ pub fn server_args<'a>(data_dir: &'a str, extra: &[&'a str]) -> Vec<&'a str> {
     args
 }
 
+/// Polls `done` every 20 ms until it holds; fails, naming `what`, if it does not within
+/// `within`. For a condition that becomes true at a time the test cannot know exactly (a
+/// background pass, a process reacting to a signal): a fixed sleep would race it under load.
+pub fn eventually(what: &str, within: Duration, mut done: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + within;
+    while !done() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "not within {within:?}: {what}"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
 /// Fails, showing what the command said, unless it exited 0.
 pub fn assert_success(out: &Output) {
     assert_eq!(
@@ -87,7 +101,19 @@ pub fn exchange(
     headers: &[(&str, String)],
     body: &str,
 ) -> (u16, String) {
-    use std::io::{Read, Write};
+    read_answer(send_request(addr, method, path, headers, body))
+}
+
+/// The first half of [`exchange`]: the request is on the wire when this returns, and the
+/// connection waits for [`read_answer`].
+pub fn send_request(
+    addr: &str,
+    method: &str,
+    path: &str,
+    headers: &[(&str, String)],
+    body: &str,
+) -> std::net::TcpStream {
+    use std::io::Write;
     let mut stream = std::net::TcpStream::connect(addr).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(10)))
@@ -102,6 +128,12 @@ pub fn exchange(
     req.push_str("\r\n");
     req.push_str(body);
     stream.write_all(req.as_bytes()).unwrap();
+    stream
+}
+
+/// The second half of [`exchange`]: the whole answer and its status (0 when none came).
+pub fn read_answer(mut stream: std::net::TcpStream) -> (u16, String) {
+    use std::io::Read;
     let mut answer = String::new();
     let _ = stream.read_to_string(&mut answer);
     let status = answer
