@@ -398,10 +398,7 @@ impl SqlWriter {
     }
 
     async fn open(&self) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
-        let (client, connection) =
-            tokio_postgres::connect(&self.url, tokio_postgres::NoTls).await?;
-        tokio::spawn(connection);
-        Ok(client)
+        connect(&self.url).await
     }
 
     /// One effect: how many times this (worker, seq) has arrived, counting this one;
@@ -697,13 +694,19 @@ fn restart_postgres() -> bool {
         .is_ok_and(|s| s.success())
 }
 
+/// A connection to `url` of its own, driven in the background.
+async fn connect(url: &str) -> Result<tokio_postgres::Client, tokio_postgres::Error> {
+    let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls).await?;
+    tokio::spawn(connection);
+    Ok(client)
+}
+
 /// Ends every other connection to the test database (the servers' and proxies' pools, the
 /// writers'); how many.
 async fn drop_connections(url: &str) -> u64 {
-    let Ok((client, connection)) = tokio_postgres::connect(url, tokio_postgres::NoTls).await else {
+    let Ok(client) = connect(url).await else {
         return 0;
     };
-    tokio::spawn(connection);
     client
         .query(
             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity
@@ -952,10 +955,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
         let url =
             database_url().expect("DATABASE_URL names the test database (the SQL mode needs it)");
         let schema = unique_schema("fault_sql");
-        let (client, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(connection);
+        let client = connect(&url).await.unwrap();
         client
             .batch_execute(&format!(
                 "CREATE SCHEMA {schema}; CREATE TABLE {schema}.effects (
@@ -1306,10 +1306,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     report.fault("more workers than jobs (6 on 3)", 1);
     if let Some((url, schema, _)) = &sql {
         // A connection of its own: a restart or a dropped pool may have ended the first.
-        let (client, connection) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .unwrap();
-        tokio::spawn(connection);
+        let client = connect(url).await.unwrap();
         // Commit order per job: each effect's transaction held the job's fence row from its
         // check to its commit, so ids of one job rise in commit order.
         let rows = client
