@@ -16,7 +16,7 @@ async fn legacy_client_sends_fencing_headers_until_the_lease_is_lost() {
     let (addr, mut seen) = fence_suite::spawn_echo_server().await.unwrap();
     let clock = ManualClock::new(1_700_000_000_000);
     let store = MemoryLeaseStore::with_clock(Arc::new(clock.clone()));
-    let client = LeaseClient::new(store.clone()).ttl(Ttl::from_millis(300).unwrap());
+    let client = LeaseClient::new(store.clone()).ttl(Ttl::from_millis(1_000).unwrap());
     let lease = client.claim("job-9".parse().unwrap()).await.unwrap();
     let mut http = ServiceBuilder::new()
         .layer(lease.fencing_layer())
@@ -36,11 +36,11 @@ async fn legacy_client_sends_fencing_headers_until_the_lease_is_lost() {
             (s.job.as_deref(), s.token.as_deref()),
             (Some("job-9"), Some("1"))
         );
-        tokio::time::sleep(Duration::from_millis(150)).await; // renewals keep it across ttl
+        tokio::time::sleep(Duration::from_millis(400)).await; // renewals keep it across ttl
     }
 
     // The store's clock runs ahead and another worker claims: the next renewal is refused.
-    clock.advance(Duration::from_secs(1));
+    clock.advance(Duration::from_secs(2));
     let (job, other) = ("job-9".parse().unwrap(), "other".parse().unwrap());
     let key = fence_lease::new_lease_key().unwrap();
     let claimed = store.claim(&job, &other, &key, Ttl::DEFAULT).await.unwrap();

@@ -162,7 +162,25 @@ async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
     let (older, newer) = {
         let (w, s) = (writer.clone(), schema.clone());
         let older = std::thread::spawn(move || write(&w, &s, "held", 9, &["1.5"]));
-        std::thread::sleep(Duration::from_millis(400));
+        // Until the older writer holds the row: its transaction idles after `require`.
+        let holding = format!(
+            "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' \
+             AND query LIKE '%{schema}.require%'"
+        );
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while client
+            .query_one(&holding, &[])
+            .await
+            .unwrap()
+            .get::<_, i64>(0)
+            == 0
+        {
+            assert!(
+                Instant::now() < deadline,
+                "the older writer never held the row"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
         let started = Instant::now();
         let newer = write(&writer, &schema, "held", 10, &[]);
         assert!(

@@ -53,7 +53,7 @@ fn post(addr: &str, token: &str) -> u16 {
 fn slow_body_case(key: Option<&str>) {
     let dir = tempfile::tempdir().unwrap();
     let upstream = format!("http://{}", start_upstream());
-    let (_proxy, proxy) = start_proxy_with(
+    let (_proxy, proxy, admin) = start_proxy_admin(
         &upstream,
         &[
             "--data-dir",
@@ -65,20 +65,34 @@ fn slow_body_case(key: Option<&str>) {
         ],
     );
     assert_eq!(post(&proxy, "1"), 200);
+    // The job's fence as the proxy's admin listener shows it.
+    let fence = |field: &str| {
+        let (_, answer) = exchange(&admin, "GET", "/v1/fence/j", &[], "");
+        let body = answer.split("\r\n\r\n").nth(1).unwrap_or_default();
+        serde_json::from_str::<serde_json::Value>(body).unwrap_or_default()[field].as_u64()
+    };
     let stuck = stall(&proxy, 1, key, "0123456789");
-    std::thread::sleep(Duration::from_millis(200)); // admitted, reading the body
+    eventually(
+        "the stalled request is admitted",
+        Duration::from_secs(10),
+        || fence("in_flight") == Some(1),
+    );
     let started = Instant::now();
     let newer = std::thread::spawn({
         let proxy = proxy.clone();
         move || post(&proxy, "2")
     });
-    std::thread::sleep(Duration::from_millis(200));
-    // Token 2 raised the job at once: the old holder cannot start anything new.
+    // Token 2 raises the job at once: the old holder cannot start anything new.
+    eventually("token 2 raises the job", Duration::from_secs(10), || {
+        fence("highest") == Some(2)
+    });
     assert_eq!(post(&proxy, "1"), 409, "{key:?}");
     assert_eq!(newer.join().unwrap(), 200, "{key:?}");
+    // The stalled request was admitted before `started`, so its 2 s body deadline ends
+    // sooner; the 10 s drain limit is what a fence jammed by the body would wait for.
     let waited = started.elapsed();
     assert!(
-        waited < Duration::from_millis(2_900),
+        waited < Duration::from_secs(4),
         "{key:?}: the newer holder waited {waited:?}, more than the 2 s body deadline allows"
     );
     let text = answer(stuck);

@@ -84,10 +84,10 @@ async fn the_lease_client_library_claims_and_renews_over_https() {
         },
     )
     .unwrap();
-    let client = LeaseClient::new(store).ttl(Ttl::from_millis(600).unwrap());
+    let client = LeaseClient::new(store).ttl(Ttl::from_millis(1_000).unwrap());
     let lease = client.claim("lib-job".parse().unwrap()).await.unwrap();
     let view = lease.view();
-    tokio::time::sleep(Duration::from_millis(1_500)).await; // two renewals at least
+    tokio::time::sleep(Duration::from_millis(2_500)).await; // two leases long: renewed
     assert!(
         !view.is_lost(),
         "the keeper renewed over HTTPS: {:?}",
