@@ -535,5 +535,60 @@ mod tests {
             Err(HeaderError::Repeated { .. })
         ));
         assert_eq!(IdempotencyKey::from_headers(&HeaderMap::new()), Ok(None));
+        let key = IdempotencyKey::from_bytes(b"order-7").unwrap();
+        assert_eq!(
+            (key.to_string(), format!("{key:?}")),
+            ("order-7".into(), r#""order-7""#.into())
+        );
+        let e = IdempotencyKey::from_headers(&map(&[(&IDEMPOTENCY_KEY, b"")])).unwrap_err();
+        assert_eq!(e.to_string(), "header Idempotency-Key is empty");
+    }
+
+    /// gRPC clients may send any metadata in binary form (`name-bin`): for the fencing
+    /// headers and the key that form is refused by name, with or without the ASCII one, so a
+    /// client is told what to send instead of being treated as unfenced.
+    #[test]
+    fn binary_forms_are_refused_by_name() {
+        let bin = |name: &'static str| HeaderName::from_static(name);
+        let cases = [
+            (bin("x-fencing-job-bin"), "header X-Fencing-Job-Bin"),
+            (bin("x-fencing-token-bin"), "header X-Fencing-Token-Bin"),
+        ];
+        for (name, want) in cases {
+            for with_ascii in [false, true] {
+                let mut m = map(&[(&name, b"AAAA")]);
+                if with_ascii {
+                    insert_fencing(&mut m, &"j".parse().unwrap(), FencingToken::new(7).unwrap());
+                }
+                let e = FencingHeaders::from_headers(&m).unwrap_err();
+                assert!(matches!(e, HeaderError::Binary { .. }), "{name}: {e:?}");
+                assert!(e.to_string().starts_with(want), "{name}: {e}");
+            }
+        }
+        let m = map(&[(&bin("idempotency-key-bin"), b"AAAA")]);
+        let e = IdempotencyKey::from_headers(&m).unwrap_err();
+        assert!(
+            e.to_string().starts_with("header Idempotency-Key-Bin"),
+            "{e}"
+        );
+        // Other binary metadata is none of the fence's business.
+        let m = map(&[(&bin("trace-bin"), b"AAAA")]);
+        assert_eq!(FencingHeaders::from_headers(&m), Ok(None));
+        assert_eq!(IdempotencyKey::from_headers(&m), Ok(None));
+    }
+
+    /// The parse errors of the job and the token stay reachable as the error's source.
+    #[test]
+    fn parse_errors_keep_their_source() {
+        use std::error::Error as _;
+        let (j, t) = (&X_FENCING_JOB, &X_FENCING_TOKEN);
+        let job = FencingHeaders::from_headers(&map(&[(j, b"a b"), (t, b"7")])).unwrap_err();
+        let token = FencingHeaders::from_headers(&map(&[(j, b"j"), (t, b"0")])).unwrap_err();
+        for (e, source) in [(&job, "job id has byte 0x20"), (&token, "is 0")] {
+            let got = e.source().map(ToString::to_string).unwrap_or_default();
+            assert!(got.contains(source), "{e}: source {got:?}");
+        }
+        let empty = FencingHeaders::from_headers(&map(&[(j, b""), (t, b"7")])).unwrap_err();
+        assert!(empty.source().is_none(), "{empty}");
     }
 }

@@ -307,6 +307,21 @@ mod tests {
         ([0xff; 32], "x", u64::MAX, u64::MAX),
     ];
 
+    /// A signer's Debug names its public key, which an operator can compare with the
+    /// proxies' --verify-key, and never its private key (logs are read by many).
+    #[test]
+    fn debug_shows_the_public_key_only() {
+        let signer = TokenSigner::from_seed([9; 32]);
+        let public = URL_SAFE_NO_PAD.encode(signer.verify_key().0.as_bytes());
+        let private = URL_SAFE_NO_PAD.encode([9u8; 32]);
+        let shown = format!("{signer:?}");
+        assert_eq!(
+            shown,
+            format!("TokenSigner {{ verify_key: VerifyKey({public}), .. }}")
+        );
+        assert!(!shown.contains(&private), "{shown}");
+    }
+
     #[test]
     fn vectors_are_stable() {
         let want = include_str!("../tests/vectors.txt");

@@ -135,3 +135,110 @@ async fn a_held_lease_is_never_forgotten() {
     assert_eq!(store.forget_idle(IDLE, 100).await.unwrap(), 0);
     assert!(store.get(&j).await.unwrap().is_some());
 }
+
+/// A record is forgotten once it has been idle for the whole window counted from its last
+/// change and from its lease's end, whichever is later, whatever changed it: released,
+/// completed or revoked while held, or completed or released after its lease ran out
+/// (allowed while nobody claimed since). A completed job forgotten early could run again
+/// early; one forgotten late keeps the store larger.
+async fn forgets_from_the_last_change<S: LeaseStore>(store: S, clock: &ManualClock) {
+    const SECOND: Duration = Duration::from_secs(1);
+    let idle = 60 * SECOND;
+    let owner: Owner = "w".parse().unwrap();
+    // 10 s leases, claimed at 0 s.
+    let mut held = Vec::new();
+    for j in [
+        "released",
+        "completed",
+        "revoked",
+        "completed-late",
+        "released-late",
+    ] {
+        let (g, k) = claim(&store, &job(j)).await;
+        held.push((job(j), g, k));
+    }
+    let [released, completed, revoked, completed_late, released_late] = &held[..] else {
+        unreachable!()
+    };
+    clock.advance(5 * SECOND); // 5 s: in the lease
+    store
+        .release(&released.0, &owner, released.1, &released.2)
+        .await
+        .unwrap();
+    store
+        .complete(&completed.0, &owner, completed.1, &completed.2)
+        .await
+        .unwrap();
+    assert!(matches!(
+        store
+            .apply(&revoked.0, fence_lease::LeaseOp::Revoke)
+            .await
+            .unwrap(),
+        Outcome::Revoked(_)
+    ));
+    clock.advance(15 * SECOND); // 20 s: past the leases' end at 10 s
+    let (j, g, k) = completed_late;
+    assert!(matches!(
+        store.complete(j, &owner, *g, k).await.unwrap(),
+        Outcome::Done(_)
+    ));
+    let (j, g, k) = released_late;
+    assert!(matches!(
+        store.release(j, &owner, *g, k).await.unwrap(),
+        Outcome::Done(_)
+    ));
+
+    let forgotten = |want: &'static [&'static str]| {
+        let (store, held) = (&store, &held);
+        async move {
+            let mut gone = Vec::new();
+            for (j, _, _) in held {
+                if store.get(j).await.unwrap().is_none() {
+                    gone.push(j.as_str().to_owned());
+                }
+            }
+            let at = fence_lease::Clock::now_ms(clock) - START;
+            assert_eq!(gone, want, "forgotten at {at} ms");
+        }
+    };
+    clock.advance(40 * SECOND); // 60 s: 55 s after the changes at 5 s
+    assert_eq!(
+        store.forget_idle(idle, 100).await.unwrap(),
+        0,
+        "nothing idle for 60 s"
+    );
+    forgotten(&[]).await;
+    clock.advance(7 * SECOND); // 67 s: 62 s after the changes, 57 s after the leases' end
+    assert_eq!(store.forget_idle(idle, 100).await.unwrap(), 3);
+    forgotten(&["released", "completed", "revoked"]).await;
+    clock.advance(8 * SECOND); // 75 s: 65 s after the leases' end, 55 s after the late changes
+    assert_eq!(
+        store.forget_idle(idle, 100).await.unwrap(),
+        0,
+        "changed at 20 s"
+    );
+    clock.advance(5 * SECOND); // 80 s
+    assert_eq!(store.forget_idle(idle, 100).await.unwrap(), 2);
+    forgotten(&[
+        "released",
+        "completed",
+        "revoked",
+        "completed-late",
+        "released-late",
+    ])
+    .await;
+}
+
+#[tokio::test]
+async fn each_store_forgets_from_the_last_change() {
+    let clock = ManualClock::new(START);
+    forgets_from_the_last_change(
+        MemoryLeaseStore::with_clock(Arc::new(clock.clone())),
+        &clock,
+    )
+    .await;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(START);
+    let sled = SledLeaseStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    forgets_from_the_last_change(sled, &clock).await;
+}
