@@ -36,8 +36,10 @@ async fn legacy_client_sends_fencing_headers_until_the_lease_is_lost() {
             (s.job.as_deref(), s.token.as_deref()),
             (Some("job-9"), Some("1"))
         );
-        tokio::time::sleep(Duration::from_millis(400)).await; // renewals keep it across ttl
+        tokio::time::sleep(Duration::from_millis(400)).await;
     }
+    // 1.2 s after the claim, past a 1 s lease: only renewals can have kept it.
+    assert!(!lease.is_lost(), "renewals keep the lease across its ttl");
 
     // The store's clock runs ahead and another worker claims: the next renewal is refused.
     clock.advance(Duration::from_secs(2));

@@ -110,7 +110,6 @@ pub enum KeyError {
     },
 }
 
-/// Reads a PEM file and says which kind of key it claims to hold.
 /// The PEM text of `path`, refused when it holds the other kind of key than `wanted`
 /// (`"private"` or `"public"`), with `hint` saying which file goes where.
 fn read_pem(path: &Path, wanted: &'static str, hint: &'static str) -> Result<String, KeyError> {

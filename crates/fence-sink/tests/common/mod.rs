@@ -1,5 +1,4 @@
-//! What several of the sink's test binaries share: a layer in front of a service that
-//! counts the requests reaching it, and bodies that stall or break off.
+//! What several of the sink's test binaries share: a counting service, partial bodies.
 #![allow(dead_code, unreachable_pub)] // each test binary uses its own subset
 
 use std::convert::Infallible;
