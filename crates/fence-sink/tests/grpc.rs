@@ -470,6 +470,40 @@ async fn a_failed_grpc_answer_is_not_replayed() {
     assert_eq!(calls.load(Ordering::SeqCst), 2, "the retry ran again");
 }
 
+/// A gRPC error answered in the headers alone (trailers-only: HTTP 200, `grpc-status` in the
+/// head, no body) is forgotten like one in the trailers: a retry with the key runs again.
+#[tokio::test]
+async fn a_trailers_only_grpc_error_is_not_replayed() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(service_fn(
+        move |_: Request<RequestBody<In>>| {
+            counted.fetch_add(1, Ordering::SeqCst);
+            let response = Response::builder()
+                .header("content-type", "application/grpc")
+                .header("grpc-status", "14")
+                .body(http_body_util::Empty::<Bytes>::new())
+                .unwrap();
+            async { Ok::<_, Infallible>(response) }
+        },
+    ));
+    for _ in 0..2 {
+        let metadata = [
+            ("x-fencing-job", "j"),
+            ("x-fencing-token", "1"),
+            ("idempotency-key", "retry-me"),
+        ];
+        let response = svc
+            .clone()
+            .oneshot(call(&metadata, body("")))
+            .await
+            .unwrap();
+        assert!(response.headers().get("idempotent-replayed").is_none());
+        assert_eq!(response.headers()["grpc-status"], "14");
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "the retry ran again");
+}
+
 /// gRPC-Web reads HTTP statuses: its rejections stay problem+json.
 #[tokio::test]
 async fn grpc_web_keeps_http_answers() {

@@ -1611,11 +1611,23 @@ async fn a_response_that_breaks_off_is_not_run_again_on_retry() {
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the effect ran twice");
 }
 
-/// A memory store that counts the idempotency records its sweeps purge.
+/// A memory store that counts the idempotency records its sweeps purge, and takes
+/// `begin_delay` to start a keyed request.
 #[derive(Clone)]
 struct Swept {
     inner: MemoryStore,
     purged: Arc<AtomicUsize>,
+    begin_delay: Duration,
+}
+
+impl Swept {
+    fn on(clock: &fence_storage::clock::ManualClock) -> Self {
+        Self {
+            inner: MemoryStore::with_clock(Arc::new(clock.clone())),
+            purged: Arc::default(),
+            begin_delay: Duration::ZERO,
+        }
+    }
 }
 
 impl GenerationStore for Swept {
@@ -1629,6 +1641,7 @@ impl GenerationStore for Swept {
 
 impl IdempotencyStore for Swept {
     async fn begin(&self, attempt: Attempt<'_>, d: Duration) -> Result<Begin, StoreError> {
+        tokio::time::sleep(self.begin_delay).await;
         self.inner.begin(attempt, d).await
     }
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
@@ -1648,10 +1661,7 @@ impl IdempotencyStore for Swept {
 async fn by_default_records_replay_for_a_day_are_swept_and_in_flight_ones_give_up_after_5_minutes()
 {
     let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
-    let store = Swept {
-        inner: MemoryStore::with_clock(Arc::new(clock.clone())),
-        purged: Arc::default(),
-    };
+    let store = Swept::on(&clock);
     let layer = FenceLayer::new(store.clone());
     let _upkeep = layer.spawn_maintenance();
     let (app, mut started) = App::new();
@@ -2062,4 +2072,62 @@ async fn run_to_completion_keeps_a_dropped_request_in_flight() {
         };
         assert_eq!(*log.lock().unwrap(), want, "detached: {detached}");
     }
+}
+
+/// Settings other than the defaults take effect: records kept 10 minutes and swept every
+/// 10 s, only 2xx answers stored (a 4xx runs again on a retry), and a store that takes
+/// longer than the idempotency store timeout to start a keyed request is a 503.
+#[tokio::test(start_paused = true)]
+async fn idempotency_settings_other_than_the_defaults_take_effect() {
+    let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
+    let mut store = Swept::on(&clock);
+    let config = IdempotencyConfig::default()
+        .retention(Duration::from_secs(600))
+        .sweep_every(Duration::from_secs(10))
+        .store_statuses(|s| s.is_success())
+        .store_timeout(Duration::from_millis(100));
+    let layer = FenceLayer::new(store.clone()).idempotency(config.clone());
+    let _upkeep = layer.spawn_maintenance();
+    let (app, _started) = App::new();
+    let svc = layer.layer(app.clone());
+    let pass = |secs: u64| {
+        let clock = clock.clone();
+        async move {
+            for _ in 0..secs {
+                clock.advance(Duration::from_secs(1));
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+        }
+    };
+    pass(35).await; // off the beat of both a 10 s and a 60 s sweeper
+    assert_eq!(send(&svc, keyed(JOB, 1, "ten", "x")).await.status, 201);
+    pass(595).await;
+    let replay = send(&svc, keyed(JOB, 1, "ten", "x")).await;
+    assert_eq!((replay.replayed(), app.calls()), (Some("true"), 1));
+    pass(5).await; // 10 minutes since the record was stored: expired
+    let mut waited = 0;
+    while store.purged.load(Ordering::SeqCst) == 0 {
+        assert!(waited < 11, "no sweep within 10 s of the record's expiry");
+        pass(1).await;
+        waited += 1;
+    }
+    let again = send(&svc, keyed(JOB, 1, "ten", "x")).await;
+    assert_eq!((again.replayed(), app.calls()), (None, 2));
+
+    let teapot = || with_header(keyed(JOB, 1, "tea", "x"), "x-status", "418");
+    assert_eq!(send(&svc, teapot()).await.status, 418);
+    let retried = send(&svc, teapot()).await;
+    assert_eq!(
+        (retried.status.as_u16(), retried.replayed(), app.calls()),
+        (418, None, 4)
+    );
+
+    store.begin_delay = Duration::from_secs(1);
+    let slow = FenceLayer::new(store)
+        .idempotency(config)
+        .layer(app.clone());
+    send(&slow, keyed(JOB, 1, "slow", "x"))
+        .await
+        .problem(503, "urn:fence:store-unavailable");
+    assert_eq!(app.calls(), 4, "nothing ran without its record");
 }
