@@ -143,7 +143,13 @@ async fn fault_worker() {
                 let http = http.clone();
                 async move {
                     tokio::time::sleep(Duration::from_millis(delay)).await;
-                    http.request(req).await
+                    // A deadline on the answer: a 75-minute soak ended with one worker
+                    // waiting forever, no socket open and no timer set, and this was the
+                    // worker's only wait without a deadline of its own.
+                    match tokio::time::timeout(Duration::from_secs(10), http.request(req)).await {
+                        Ok(answer) => answer.map_err(fence_storage::BoxError::from),
+                        Err(_) => Err("no answer within 10 s".into()),
+                    }
                 }
             })
         };
