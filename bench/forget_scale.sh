@@ -5,12 +5,16 @@
 # jobs are live. Every REPORT jobs: jobs written, rate, resident memory and data directory
 # size of the target. Appends a section to BENCHMARKS.md.
 #
-# Usage: bench/forget_scale.sh [JOBS=10000000] [REPORT=1000000] [FORGET=10s]   (CONNS=8)
+# MODE=arenas instead compares two runs that both forget, under glibc malloc's default arenas
+# and under MALLOC_ARENA_MAX=2: does what is left of a rise in RSS belong to the allocator?
+#
+# Usage: bench/forget_scale.sh [JOBS=10000000] [REPORT=1000000] [FORGET=10s]   (CONNS=8, MODE=keep)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib.sh
-jobs=${1:-10000000}; report=${2:-1000000}; forget=${3:-10s}; conns=${CONNS:-8}
+jobs=${1:-10000000}; report=${2:-1000000}; forget=${3:-10s}; conns=${CONNS:-8}; mode=${MODE:-keep}
 need curl
+case "$mode" in keep|arenas) ;; *) echo "MODE is keep or arenas, not $mode" >&2; exit 2 ;; esac
 cargo build --release -q -p fence --bin fence
 cargo build --release -q --example forget_load --example bench_sink -p fence-suite
 bin=target/release
@@ -28,41 +32,52 @@ run() { # name target addr key ttl_ms pid dir
   $bin/examples/forget_load "$2" "$3" "$4" "$jobs" "$conns" "$5" "$report" "$6" "$7" \
     | while read -r line; do echo "$1 $line" | tee -a "$out" >&2; done
 }
-proxy_run() { # name extra-flags...
-  local name=$1; shift
-  RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen "$admin" --upstream "http://$bare" \
+proxy_run() { # name environment (one VAR=value, or "-": none) extra-flags...
+  local name=$1 envs=$2; shift 2
+  env ${envs#-} RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen "$admin" --upstream "http://$bare" \
     --data-dir "$tmp/$name" --verify-key "$tmp/keys/fence-verify.pem" --no-idempotency "$@" &
   local pid=$!
   wait_http "http://$admin/healthz"
   run "$name" proxy "$proxy" "$tmp/keys/fence-signing.pem" 2000 "$pid" "$tmp/$name"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
-server_run() { # name extra-flags...
-  local name=$1; shift
-  RUST_LOG=warn $bin/fence server --listen "$server" --data-dir "$tmp/$name" "$@" &
+server_run() { # name environment (one VAR=value, or "-": none) extra-flags...
+  local name=$1 envs=$2; shift 2
+  env ${envs#-} RUST_LOG=warn $bin/fence server --listen "$server" --data-dir "$tmp/$name" "$@" &
   local pid=$!
   wait_http "http://$server/healthz"
   run "$name" server "http://$server" - 1000 "$pid" "$tmp/$name"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
-proxy_run proxy-keep
-proxy_run proxy-forget --forget-after "$forget" --max-lease-ttl 2s --clock-skew 1s
-server_run server-keep
-server_run server-forget --forget-after "$forget"
+proxy_forget=(--forget-after "$forget" --max-lease-ttl 2s --clock-skew 1s)
+if [ "$mode" = arenas ]; then
+  title="Bounded state, RSS and malloc arenas: $jobs distinct jobs, forgetting after $forget"
+  a=default b=arena2 a_label="default arenas" b_label="MALLOC_ARENA_MAX=2"
+  proxy_run proxy-default - "${proxy_forget[@]}"
+  proxy_run proxy-arena2 MALLOC_ARENA_MAX=2 "${proxy_forget[@]}"
+  server_run server-default - --forget-after "$forget"
+  server_run server-arena2 MALLOC_ARENA_MAX=2 --forget-after "$forget"
+else
+  title="Bounded state: $jobs distinct jobs, ${conns} connections, forget-after $forget"
+  a=keep b=forget a_label=kept b_label=forgetting
+  proxy_run proxy-keep -
+  proxy_run proxy-forget - "${proxy_forget[@]}"
+  server_run server-keep -
+  server_run server-forget - --forget-after "$forget"
+fi
 
 {
-  header "Bounded state: $jobs distinct jobs, ${conns} connections, forget-after $forget" \
-    "CONNS=$conns bench/forget_scale.sh $jobs $report $forget"
+  header "$title" "CONNS=$conns MODE=$mode bench/forget_scale.sh $jobs $report $forget"
   echo "Each proxy job is one write with a signed token (a durable bump; idempotency off);"
   echo "each server job a claim and a release. Sizes at each report: resident memory (RSS)"
   echo "and data directory, in MiB; the rate is jobs per second since the previous report."
   echo
   for kind in proxy server; do
-    echo "| jobs written | $kind: rate, kept | RSS MiB | disk MiB | $kind: rate, forgetting | RSS MiB | disk MiB |"
+    echo "| jobs written | $kind: rate, $a_label | RSS MiB | disk MiB | $kind: rate, $b_label | RSS MiB | disk MiB |"
     echo "|---|---|---|---|---|---|---|"
     join -j 1 \
-      <(awk -v n="$kind-keep" -v r="$report" '$1==n {printf "%d %s %s %s\n", int($2/r+0.5)*r, $4, $5, $6}' "$out" | sort -k1,1) \
-      <(awk -v n="$kind-forget" -v r="$report" '$1==n {printf "%d %s %s %s\n", int($2/r+0.5)*r, $4, $5, $6}' "$out" | sort -k1,1) \
+      <(awk -v n="$kind-$a" -v r="$report" '$1==n {printf "%d %s %s %s\n", int($2/r+0.5)*r, $4, $5, $6}' "$out" | sort -k1,1) \
+      <(awk -v n="$kind-$b" -v r="$report" '$1==n {printf "%d %s %s %s\n", int($2/r+0.5)*r, $4, $5, $6}' "$out" | sort -k1,1) \
       | sort -n -k1,1 | awk '{printf "| %d | %d | %d | %d | %d | %d | %d |\n", $1, $2, $3, $4, $5, $6, $7}'
     echo
   done
