@@ -2131,3 +2131,15 @@ async fn idempotency_settings_other_than_the_defaults_take_effect() {
         .problem(503, "urn:fence:store-unavailable");
     assert_eq!(app.calls(), 4, "nothing ran without its record");
 }
+
+/// The settings show in Debug (for a configuration dump at start-up); the status filter, a
+/// closure, is left out.
+#[test]
+fn idempotency_settings_show_in_debug() {
+    let config = IdempotencyConfig::default().retention(Duration::from_secs(7));
+    let shown = format!("{config:?}");
+    assert!(
+        shown.starts_with("IdempotencyConfig {") && shown.contains("retention: 7s"),
+        "{shown}"
+    );
+}
