@@ -99,8 +99,16 @@ struct Inner {
     _lock: File,
 }
 
+/// sled's page cache, per database. sled's own default is 1 GiB, and under churn (jobs
+/// written once and forgotten) it fills with pages of keys long gone: resident memory then
+/// climbs toward the cache's size while the data on disk stays flat (BENCHMARKS.md, "where
+/// the resident memory went"). 128 MiB holds the pages of a few hundred thousand live jobs;
+/// more live jobs than that are read back from the operating system's file cache.
+pub const CACHE_BYTES: u64 = 128 << 20;
+
 impl DurableDb {
-    /// Opens (or creates) the database in directory `path`, locking it for this process.
+    /// Opens (or creates) the database in directory `path`, locking it for this process,
+    /// with a page cache of [`CACHE_BYTES`].
     ///
     /// sled releases its own file lock from a background thread shortly after the last
     /// handle is dropped, so a database reopened at once in the same process can find it
@@ -134,7 +142,11 @@ impl DurableDb {
         }
         let give_up = Instant::now() + Duration::from_secs(2);
         let db = loop {
-            match sled::Config::new().path(path).open() {
+            match sled::Config::new()
+                .path(path)
+                .cache_capacity(CACHE_BYTES)
+                .open()
+            {
                 // Our own handle that is still closing (see above).
                 Err(sled::Error::Io(_)) if Instant::now() < give_up => {
                     thread::sleep(Duration::from_millis(10));
