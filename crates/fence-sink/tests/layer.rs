@@ -1654,6 +1654,15 @@ impl IdempotencyStore for Swept {
     }
 }
 
+/// Moves both clocks together, a second at a time, `secs` times: the store's (it decides
+/// expiry) and tokio's (it runs the sweeper).
+async fn pass(clock: &fence_storage::clock::ManualClock, secs: u64) {
+    for _ in 0..secs {
+        clock.advance(Duration::from_secs(1));
+        tokio::time::sleep(Duration::from_secs(1)).await;
+    }
+}
+
 /// The defaults as documented: a stored response replays for 24 hours, then the key runs
 /// again; the maintenance task sweeps the expired record within a minute, on its own; an
 /// in-flight record whose request vanished blocks its key for 5 minutes, no longer.
@@ -1666,17 +1675,7 @@ async fn by_default_records_replay_for_a_day_are_swept_and_in_flight_ones_give_u
     let _upkeep = layer.spawn_maintenance();
     let (app, mut started) = App::new();
     let svc = layer.layer(app.clone());
-    // Both clocks move together, a second at a time (the store's decides expiry, tokio's
-    // runs the sweeper).
-    let pass = |secs: u64| {
-        let clock = clock.clone();
-        async move {
-            for _ in 0..secs {
-                clock.advance(Duration::from_secs(1));
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    };
+    let pass = |secs: u64| pass(&clock, secs);
     // Every answer within 10 s (paused time): a request that waits on the service fails.
     let ask = |req| {
         let svc = svc.clone();
@@ -2090,15 +2089,7 @@ async fn idempotency_settings_other_than_the_defaults_take_effect() {
     let _upkeep = layer.spawn_maintenance();
     let (app, _started) = App::new();
     let svc = layer.layer(app.clone());
-    let pass = |secs: u64| {
-        let clock = clock.clone();
-        async move {
-            for _ in 0..secs {
-                clock.advance(Duration::from_secs(1));
-                tokio::time::sleep(Duration::from_secs(1)).await;
-            }
-        }
-    };
+    let pass = |secs: u64| pass(&clock, secs);
     pass(35).await; // off the beat of both a 10 s and a 60 s sweeper
     assert_eq!(send(&svc, keyed(JOB, 1, "ten", "x")).await.status, 201);
     pass(595).await;
