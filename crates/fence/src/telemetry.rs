@@ -56,6 +56,11 @@ fn describe() {
         Unit::Count,
         "Jobs whose lease is held now (counted every 15 s)."
     );
+    describe_gauge!(
+        "fence_lease_waiting_claims",
+        Unit::Count,
+        "Claims waiting for a held job (claim?wait=), over every job."
+    );
     describe_counter!(
         "fence_sink_requests_total",
         Unit::Count,

@@ -67,12 +67,19 @@ fn release(addr: &str, job: &str, owner: &str, generation: u64) -> u16 {
 fn a_waiting_claim_gets_the_job_when_it_is_released_and_waiters_go_in_order() {
     let (_dir, _server, _url, addr) = server_with_a_holding("j");
 
-    // b's request is on the wire before c's is sent (not merely its thread started), and
-    // the server has had a moment to take it in.
+    // b waits (the server counts it) before c is sent, and c before the holder comes back.
+    let waiting = |n: u32| {
+        eventually(&format!("{n} claims wait"), Duration::from_secs(10), || {
+            let (_, metrics) = bearer_call(&addr, "GET", "/metrics", None, "");
+            metrics
+                .lines()
+                .any(|l| l == format!("fence_lease_waiting_claims {n}"))
+        })
+    };
     let b = wait_in_line(&addr, "j", "b");
-    thread::sleep(Duration::from_millis(200));
+    waiting(1);
     let c = wait_in_line(&addr, "j", "c");
-    thread::sleep(Duration::from_millis(300));
+    waiting(2);
     // The holder retries its claim with its key (its answer was lost), with a wait: it gets
     // its lease back at once, not behind the strangers waiting for the job.
     let (status, lease, took) = claim(&addr, "j", "a", "10s");

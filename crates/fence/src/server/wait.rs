@@ -50,6 +50,7 @@ struct Waiting<'a> {
 
 impl Drop for Waiting<'_> {
     fn drop(&mut self) {
+        metrics::gauge!("fence_lease_waiting_claims").decrement(1);
         drop(self.queue.take());
         self.waiters
             .jobs
@@ -89,6 +90,7 @@ impl Waiters {
                 })
             })
             .clone();
+        metrics::gauge!("fence_lease_waiting_claims").increment(1);
         let waiting = Waiting {
             waiters: self,
             job,
