@@ -46,10 +46,11 @@ fn a_stranger_who_knows_owner_and_generation_changes_nothing() {
     );
     let url = format!("http://{addr}");
 
-    // The holder: `fence run` with a 1 s lease around a 3 s command; it must renew throughout.
+    // The holder: `fence run` with a 2 s lease around a 5 s command; it must renew throughout
+    // (2 s, not less: a renewal that a loaded test machine delays must not lose the lease).
     let mut worker = Command::new(FENCE)
         .args([
-            "run", "--server", &url, "--job", "nightly", "--ttl", "1s", "--", "sleep", "3",
+            "run", "--server", &url, "--job", "nightly", "--ttl", "2s", "--", "sleep", "5",
         ])
         .env("FENCE_AUTH_TOKEN", HOLDER)
         .env("RUST_LOG", "warn")
@@ -102,7 +103,7 @@ fn a_stranger_who_knows_owner_and_generation_changes_nothing() {
     assert_eq!(status, 409, "{answer}");
     assert!(answer.contains("urn:fence:lease-held"), "{answer}");
 
-    // The holder never noticed: it renewed past three TTLs and completed the job.
+    // The holder never noticed: it renewed past two TTLs and completed the job.
     let out = worker_output(&mut worker);
     assert_eq!(out.0, Some(0), "{}", out.1);
     let (_, answer) = call(&addr, "GET", "/v1/leases/nightly", STRANGER, "");

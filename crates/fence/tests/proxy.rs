@@ -14,8 +14,9 @@ use std::{
 };
 
 use bytes::Bytes;
-use fence::proxy::{ProxyConfig, serve, serve_admin};
-use fence_sink::{GenerationStore, IdempotencyStore, MemoryStore, SledStore};
+use fence::proxy::{ProxyConfig, build_layer, serve, serve_admin, serve_with};
+use fence_core::JobId;
+use fence_sink::{GenerationStore, IdempotencyStore, JobFence, MemoryStore, SledStore};
 use http::{HeaderMap, HeaderValue, Method, Request, Response, StatusCode, Uri};
 use http_body_util::{BodyExt, Full, combinators::BoxBody};
 use hyper::body::{Body, Frame, Incoming};
@@ -209,10 +210,14 @@ impl Upstream {
 // ---------------------------------------------------------------------------------------
 // The proxy and a client.
 
+/// What the proxy's fence knows of one job now (the admin listener's `/v1/fence/{job}`).
+type JobView = Box<dyn Fn(&str) -> Pin<Box<dyn Future<Output = JobFence> + Send>> + Send + Sync>;
+
 struct Proxy {
     addr: SocketAddr,
     stop: Option<oneshot::Sender<()>>,
     task: JoinHandle<anyhow::Result<()>>,
+    view: JobView,
 }
 
 impl Proxy {
@@ -223,14 +228,41 @@ impl Proxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (stop, stopped) = oneshot::channel::<()>();
-        let task = tokio::spawn(serve(listener, store, config, async {
+        let layer = build_layer(store, &config).unwrap();
+        let fence = layer.clone();
+        let view: JobView = Box::new(move |job| {
+            let (fence, job) = (fence.clone(), JobId::new(job).unwrap());
+            Box::pin(async move { fence.job(&job).await.unwrap() })
+        });
+        let task = tokio::spawn(serve_with(listener, layer, config, async {
             let _ = stopped.await;
         }));
         Self {
             addr,
             stop: Some(stop),
             task,
+            view,
         }
+    }
+
+    /// Waits until `token` of `job` is at its gate: raised to the job's highest, not yet
+    /// through, with `older` admitted requests still running ahead of it. From then on a
+    /// correct fence keeps it there until those requests end, so a test's look at the
+    /// upstream starts from a known state rather than after a guessed delay.
+    async fn wait_at_gate(&self, job: &str, token: u64, older: usize) {
+        timeout(WAIT, async {
+            loop {
+                let seen = (self.view)(job).await;
+                if seen.highest.get() == token && seen.in_flight == older {
+                    return;
+                }
+                tokio::time::sleep(Duration::from_millis(5)).await;
+            }
+        })
+        .await
+        .unwrap_or_else(|_| {
+            panic!("token {token} of {job} never waited behind {older} older requests")
+        });
     }
 
     /// Signals shutdown and waits until `serve` returned.
@@ -703,23 +735,35 @@ async fn idempotency_key_is_replayed_through_the_proxy() {
 /// token 7 request stays in flight until the upstream answered it, so token 8 waits.
 #[tokio::test]
 async fn a_disconnected_client_does_not_let_a_newer_token_overtake() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
     let upstream = Upstream::start().await;
     let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
 
     let addr = proxy.addr;
-    let old = tokio::spawn(async move {
-        send(addr, fenced("/slow", "job-x", 7).body(full("old")).unwrap()).await
-    });
+    let mut old = TcpStream::connect(addr).await.unwrap();
+    old.write_all(
+        b"POST /slow HTTP/1.1\r\nHost: client.example\r\nX-Fencing-Job: job-x\r\n\
+          X-Fencing-Token: 7\r\nContent-Length: 3\r\n\r\nold",
+    )
+    .await
+    .unwrap();
     upstream.wait_for_event("start 7").await;
-    old.abort();
-    assert!(old.await.unwrap_err().is_cancelled());
-    // Give the proxy time to notice the closed connection.
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // The client goes away; the proxy closing its side too shows it has seen that.
+    old.shutdown().await.unwrap();
+    let mut rest = Vec::new();
+    timeout(WAIT, old.read_to_end(&mut rest))
+        .await
+        .expect("the proxy closes a connection whose client went away")
+        .unwrap();
+    assert!(rest.is_empty(), "{}", String::from_utf8_lossy(&rest));
 
     let newer = tokio::spawn(async move {
         send(addr, fenced("/fast", "job-x", 8).body(full("new")).unwrap()).await
     });
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // Token 8 is raised and waits behind token 7, which still counts as in flight although
+    // its client is gone; a fence that let it through would do so within this window.
+    proxy.wait_at_gate("job-x", 8, 1).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
     assert_eq!(
         upstream.event_names(),
         ["start 7"],
@@ -898,7 +942,8 @@ async fn every_worker_thread_enforces_one_fence() {
     let newer = tokio::spawn(async move {
         send(addr, fenced("/fast", "job-w", 6).body(full("new")).unwrap()).await
     });
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    proxy.wait_at_gate("job-w", 6, 6).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
     assert!(
         !newer.is_finished(),
         "token 6 overtook running token-5 requests"
