@@ -8,11 +8,16 @@
 # MODE=arenas instead compares two runs that both forget, under glibc malloc's default arenas
 # and under MALLOC_ARENA_MAX=2: does what is left of a rise in RSS belong to the allocator?
 #
-# Usage: bench/forget_scale.sh [JOBS=10000000] [REPORT=1000000] [FORGET=10s]   (CONNS=8, MODE=keep)
+# KINDS=server (or proxy) runs one of the two; KEEP_JOBS=N stops the runs without forgetting
+# at N jobs (they grow linearly, and a 10-million-job kept run takes as long as the rest).
+#
+# Usage: bench/forget_scale.sh [JOBS=10000000] [REPORT=1000000] [FORGET=10s]
+#        (CONNS=8, MODE=keep, KINDS="proxy server", KEEP_JOBS=JOBS)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 source bench/lib.sh
 jobs=${1:-10000000}; report=${2:-1000000}; forget=${3:-10s}; conns=${CONNS:-8}; mode=${MODE:-keep}
+kinds=${KINDS:-proxy server}; keep_jobs=${KEEP_JOBS:-$jobs}
 need curl
 case "$mode" in keep|arenas) ;; *) echo "MODE is keep or arenas, not $mode" >&2; exit 2 ;; esac
 cargo build --release -q -p fence --bin fence
@@ -29,7 +34,9 @@ wait_http "http://$bare/"
 out=$tmp/rows
 run() { # name target addr key ttl_ms pid dir
   echo "== $1" >&2
-  $bin/examples/forget_load "$2" "$3" "$4" "$jobs" "$conns" "$5" "$report" "$6" "$7" \
+  local n=$jobs
+  case "$1" in *-keep) n=$keep_jobs ;; esac
+  $bin/examples/forget_load "$2" "$3" "$4" "$n" "$conns" "$5" "$report" "$6" "$7" \
     | while read -r line; do echo "$1 $line" | tee -a "$out" >&2; done
 }
 proxy_run() { # name environment (one VAR=value, or "-": none) extra-flags...
@@ -60,25 +67,29 @@ if [ "$mode" = arenas ]; then
 else
   title="Bounded state: $jobs distinct jobs, ${conns} connections, forget-after $forget"
   a=keep b=forget a_label=kept b_label=forgetting
-  proxy_run proxy-keep -
-  proxy_run proxy-forget - "${proxy_forget[@]}"
-  server_run server-keep -
-  server_run server-forget - --forget-after "$forget"
+  case " $kinds " in *" proxy "*)
+    proxy_run proxy-keep -
+    proxy_run proxy-forget - "${proxy_forget[@]}" ;;
+  esac
+  case " $kinds " in *" server "*)
+    server_run server-keep -
+    server_run server-forget - --forget-after "$forget" ;;
+  esac
 fi
 
 {
-  header "$title" "CONNS=$conns MODE=$mode bench/forget_scale.sh $jobs $report $forget"
+  header "$title" "CONNS=$conns MODE=$mode KINDS=\"$kinds\" KEEP_JOBS=$keep_jobs bench/forget_scale.sh $jobs $report $forget"
   echo "Each proxy job is one write with a signed token (a durable bump; idempotency off);"
   echo "each server job a claim and a release. Sizes at each report: resident memory (RSS)"
   echo "and data directory, in MiB; the rate is jobs per second since the previous report."
   echo
-  for kind in proxy server; do
+  for kind in $kinds; do
     echo "| jobs written | $kind: rate, $a_label | RSS MiB | disk MiB | $kind: rate, $b_label | RSS MiB | disk MiB |"
     echo "|---|---|---|---|---|---|---|"
-    join -j 1 \
+    join -j 1 -a 2 -e - -o 0,1.2,1.3,1.4,2.2,2.3,2.4 \
       <(awk -v n="$kind-$a" -v r="$report" '$1==n {printf "%d %s %s %s\n", int($2/r+0.5)*r, $4, $5, $6}' "$out" | sort -k1,1) \
       <(awk -v n="$kind-$b" -v r="$report" '$1==n {printf "%d %s %s %s\n", int($2/r+0.5)*r, $4, $5, $6}' "$out" | sort -k1,1) \
-      | sort -n -k1,1 | awk '{printf "| %d | %d | %d | %d | %d | %d | %d |\n", $1, $2, $3, $4, $5, $6, $7}'
+      | sort -n -k1,1 | awk '{printf "| %s | %s | %s | %s | %s | %s | %s |\n", $1, $2, $3, $4, $5, $6, $7}'
     echo
   done
 } | tee -a BENCHMARKS.md
