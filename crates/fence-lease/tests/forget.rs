@@ -242,3 +242,54 @@ async fn each_store_forgets_from_the_last_change() {
     let sled = SledLeaseStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
     forgets_from_the_last_change(sled, &clock).await;
 }
+
+/// Calls `forget_idle` with `limit` until a call forgets fewer (a pass, as `fence server`
+/// runs one); how many each call forgot.
+async fn pass<S: LeaseStore>(store: &S, limit: usize) -> Vec<usize> {
+    let mut counts = Vec::new();
+    loop {
+        let n = store.forget_idle(IDLE, limit).await.unwrap();
+        counts.push(n);
+        if n < limit {
+            return counts;
+        }
+    }
+}
+
+/// Batches smaller than what there is to forget: a pass still forgets every idle job, also
+/// the ones that became idle behind where an earlier batch stopped (a store that resumes
+/// each batch where the last one ended must wrap around to the start).
+async fn batches_cover_every_idle_job<S: LeaseStore>(store: S, clock: &ManualClock) {
+    let owner: Owner = "w".parse().unwrap();
+    let jobs: Vec<JobId> = (0..30).map(|i| job(&format!("j{i:02}"))).collect();
+    for j in jobs.iter().step_by(2) {
+        let (g, k) = claim(&store, j).await;
+        store.release(j, &owner, g, &k).await.unwrap();
+    }
+    clock.advance(IDLE + Duration::from_secs(11));
+    // The odd jobs are claimed now: held, and changed too recently to be forgotten.
+    for j in jobs.iter().skip(1).step_by(2) {
+        claim(&store, j).await;
+    }
+    // One batch of 4 of the 15 even jobs; the rest of them wait for the next pass.
+    assert_eq!(store.forget_idle(IDLE, 4).await.unwrap(), 4);
+    // Then the odd jobs' leases end and stay unchanged: they are idle too, before and
+    // after where that batch stopped.
+    clock.advance(IDLE + Duration::from_secs(11));
+    assert_eq!(pass(&store, 4).await, [4, 4, 4, 4, 4, 4, 2]);
+    for j in &jobs {
+        assert!(store.get(j).await.unwrap().is_none(), "{j} is forgotten");
+    }
+    assert_eq!(pass(&store, 4).await, [0], "nothing is left");
+}
+
+#[tokio::test]
+async fn each_store_forgets_every_idle_job_in_small_batches() {
+    let clock = ManualClock::new(START);
+    let memory = MemoryLeaseStore::with_clock(Arc::new(clock.clone()));
+    batches_cover_every_idle_job(memory, &clock).await;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(START);
+    let sled = SledLeaseStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    batches_cover_every_idle_job(sled, &clock).await;
+}

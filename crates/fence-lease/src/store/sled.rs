@@ -1,6 +1,11 @@
 //! A durable lease store embedded in the process, on sled, with group commit.
 
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{
+    ops::Bound,
+    path::Path,
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
+};
 
 use fence_core::{Generation, JobId, lease_api::ListQuery};
 use fence_storage::{
@@ -22,6 +27,10 @@ pub struct SledLeaseStore {
     meta: sled::Tree,
     db: DurableDb,
     clock: Arc<dyn Clock>,
+    /// The key after which the next [`forget_idle`](LeaseStore::forget_idle) batch reads on
+    /// (it wraps around to the start): a pass of batches reads the tree once, instead of
+    /// every batch reading again from the start past the jobs it kept.
+    forget_from: Arc<Mutex<Option<sled::IVec>>>,
 }
 
 const FLOOR: &[u8] = b"floor";
@@ -42,6 +51,7 @@ impl SledLeaseStore {
             meta: db.tree("meta")?,
             db,
             clock,
+            forget_from: Arc::default(),
         })
     }
 
@@ -131,7 +141,23 @@ impl LeaseStore for SledLeaseStore {
         let idle_ms = u64::try_from(idle_for.as_millis()).unwrap_or(u64::MAX);
         let mut batch = Vec::new();
         let mut top = Generation::ZERO;
-        for item in &self.tree {
+        let from = self
+            .forget_from
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        // From the last batch's end to the end of the tree, then from the start up to it.
+        let (after, before) = match from {
+            Some(key) => (
+                (Bound::Excluded(key.clone()), Bound::Unbounded),
+                (Bound::Unbounded, Bound::Included(key)),
+            ),
+            None => (
+                (Bound::Unbounded, Bound::Unbounded),
+                (Bound::Unbounded, Bound::Excluded(sled::IVec::default())),
+            ),
+        };
+        for item in self.tree.range(after).chain(self.tree.range(before)) {
             let (key, value) = item.map_err(StoreError::io)?;
             let Ok(job) = JobId::from_bytes(&key) else {
                 continue;
@@ -141,6 +167,11 @@ impl LeaseStore for SledLeaseStore {
                 top = top.max(stored.generation);
                 batch.push((key, value));
                 if batch.len() >= limit {
+                    let last = batch.last().map(|(key, _)| key.clone());
+                    *self
+                        .forget_from
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner) = last;
                     break;
                 }
             }
@@ -180,7 +211,6 @@ impl LeaseStore for SledLeaseStore {
     }
 
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
-        use std::ops::Bound;
         let prefix = query.prefix.as_deref().unwrap_or_default().as_bytes();
         let after = query.after.as_ref().map(|a| a.as_str().as_bytes());
         let start = match after {
