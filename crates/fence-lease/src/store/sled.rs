@@ -147,17 +147,10 @@ impl LeaseStore for SledLeaseStore {
             .unwrap_or_else(PoisonError::into_inner)
             .take();
         // From the last batch's end to the end of the tree, then from the start up to it.
-        let (after, before) = match from {
-            Some(key) => (
-                (Bound::Excluded(key.clone()), Bound::Unbounded),
-                (Bound::Unbounded, Bound::Included(key)),
-            ),
-            None => (
-                (Bound::Unbounded, Bound::Unbounded),
-                (Bound::Unbounded, Bound::Excluded(sled::IVec::default())),
-            ),
-        };
-        for item in self.tree.range(after).chain(self.tree.range(before)) {
+        let after = from.clone().map_or(Bound::Unbounded, Bound::Excluded);
+        let before = from.map(|key| self.tree.range((Bound::Unbounded, Bound::Included(key))));
+        let items = self.tree.range((after, Bound::Unbounded));
+        for item in items.chain(before.into_iter().flatten()) {
             let (key, value) = item.map_err(StoreError::io)?;
             let Ok(job) = JobId::from_bytes(&key) else {
                 continue;
