@@ -4,6 +4,12 @@
 //! minute and cannot be added up across instances). Gauges are set from the state itself:
 //! the server counts its leases every [`COUNT_EVERY`]; the proxy reads its cache when
 //! `/metrics` is scraped.
+//!
+//! The recorder keeps every histogram sample it is given until someone folds them into the
+//! buckets: rendering `/metrics` does, and so does [`upkeep`], which [`install`] spawns every
+//! [`UPKEEP_EVERY`]. Without it, a process nobody scrapes holds each request's latency sample
+//! for ever: the lease server grew by about 35 bytes per request (65 MiB to 399 MiB over ten
+//! million claims) until this ran.
 
 use std::time::Duration;
 
@@ -21,18 +27,37 @@ const BUCKETS: [f64; 14] = [
 /// How often the lease server counts its jobs and held leases for the gauges.
 pub const COUNT_EVERY: Duration = Duration::from_secs(15);
 
-/// Installs the process's metrics recorder and describes every metric fence exports.
+/// How often the recorder folds the histogram samples it holds into their buckets, so the
+/// memory they take stays bounded by the request rate over this period.
+pub const UPKEEP_EVERY: Duration = Duration::from_secs(5);
+
+/// Installs the process's metrics recorder, describes every metric fence exports and spawns
+/// its [`upkeep`] on the current Tokio runtime.
 ///
 /// # Errors
-/// When a recorder is installed already.
+/// When a recorder is installed already, or when called outside a Tokio runtime.
 pub fn install() -> anyhow::Result<PrometheusHandle> {
+    let runtime = tokio::runtime::Handle::try_current()
+        .context("the metrics recorder needs a Tokio runtime for its upkeep")?;
     let handle = PrometheusBuilder::new()
         .set_buckets_for_metric(Matcher::Suffix("_seconds".into()), &BUCKETS)
         .context("configuring the latency buckets")?
         .install_recorder()
         .context("installing the metrics recorder")?;
     describe();
+    runtime.spawn(upkeep(handle.clone()));
     Ok(handle)
+}
+
+/// Folds the recorder's pending histogram samples into their buckets every
+/// [`UPKEEP_EVERY`], for as long as the runtime runs.
+pub async fn upkeep(handle: PrometheusHandle) {
+    let mut tick = tokio::time::interval(UPKEEP_EVERY);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tick.tick().await;
+        handle.run_upkeep();
+    }
 }
 
 fn describe() {
