@@ -359,3 +359,38 @@ async fn a_job_with_a_request_in_flight_is_not_forgotten() {
         "forgotten once idle"
     );
 }
+
+/// Jobs a previous process accepted, which this one never held in memory (a restart on
+/// the same data directory), are forgotten from the store too, in pages: the pass goes on
+/// past a full page.
+#[tokio::test(start_paused = true)]
+async fn jobs_only_the_store_remembers_are_forgotten_too() {
+    let (clock, signer, store, before) = in_memory();
+    let jobs: Vec<String> = (0..1_100).map(|i| format!("order-{i}")).collect();
+    for (i, j) in jobs.iter().enumerate() {
+        let job: JobId = j.parse().unwrap();
+        let t = signer.sign(&job, Generation::new(i as u64 + 1), START + 10_000);
+        assert_eq!(before.send(j, &t).await.0, StatusCode::OK, "{j}");
+    }
+    drop(before);
+    let after = new_sink(store.clone(), &signer, &clock);
+    assert_eq!(
+        after.layer.cached_jobs(),
+        0,
+        "the restarted sink holds nothing yet"
+    );
+    clock.advance(FORGET + Duration::from_secs(10));
+    // The first forgetting pass starts at once; let it, and only it, run.
+    let _upkeep = after.layer.spawn_maintenance();
+    for _ in 0..100 {
+        tokio::task::yield_now().await;
+    }
+    for j in [&jobs[0], &jobs[999], &jobs[1_099]] {
+        let job: JobId = j.parse().unwrap();
+        assert_eq!(
+            store.highest(&job).await.unwrap(),
+            Generation::ZERO,
+            "{j} forgotten in one pass"
+        );
+    }
+}

@@ -13,12 +13,13 @@ use http::{Request, Response, StatusCode};
 use tokio::sync::{Notify, mpsc};
 use tower::{Layer, ServiceExt, service_fn, util::BoxCloneSyncService};
 
-/// A memory store whose `observe` waits for a go-ahead when `gated` is set, and panics on
-/// the token `panic_at` (0: never).
+/// A memory store whose `observe` waits for a go-ahead when `gated` is set, whose `highest`
+/// does when `reads_gated` is, and which panics on the token `panic_at` (0: never).
 #[derive(Clone, Default)]
 struct Gated {
     inner: MemoryStore,
     gated: Arc<std::sync::atomic::AtomicBool>,
+    reads_gated: Arc<std::sync::atomic::AtomicBool>,
     go: Arc<Notify>,
     panic_at: Arc<std::sync::atomic::AtomicU64>,
 }
@@ -34,6 +35,9 @@ impl GenerationStore for Gated {
         self.inner.observe(job, token).await
     }
     async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        if self.reads_gated.load(std::sync::atomic::Ordering::SeqCst) {
+            self.go.notified().await;
+        }
         self.inner.highest(job).await
     }
 }
@@ -356,4 +360,81 @@ async fn a_sink_on_a_shared_store_never_answers_from_an_outdated_memory() {
         a.oneshot(post(5)).await.unwrap().status(),
         StatusCode::CONFLICT
     );
+}
+
+/// What the layer reports to operators (`in_flight()`, `job()`; the proxy's metrics and
+/// admin endpoint) counts the admitted requests still running, the ones of the current
+/// generation and the older ones a bump waits for, and reads a job it does not hold in
+/// memory from the store.
+#[tokio::test(start_paused = true)]
+async fn the_layer_reports_running_requests_and_reads_uncached_jobs_from_the_store() {
+    let (inner, mut started, release) = holding(|_, token| token == "3");
+    let store = MemoryStore::new();
+    let layer = FenceLayer::new(store.clone()).drain_timeout(Duration::from_secs(30));
+    let svc = layer.layer(inner);
+    let job: JobId = "busy".parse().unwrap();
+    assert_eq!(layer.in_flight(), 0);
+
+    let three = tokio::spawn(svc.clone().oneshot(post_job("busy", 3)));
+    assert_eq!(started.recv().await.unwrap(), "3");
+    let fence = layer.job(&job).await.unwrap();
+    assert_eq!((fence.highest, fence.in_flight), (Generation::new(3), 1));
+    assert_eq!(
+        layer.in_flight(),
+        1,
+        "one request of the current generation"
+    );
+
+    // 4 waits for 3 to finish: 3 is now an older request draining, still running.
+    let four = tokio::spawn(svc.clone().oneshot(post_job("busy", 4)));
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    assert!(!four.is_finished(), "4 waits for 3");
+    assert_eq!(layer.in_flight(), 1, "one older request draining");
+    assert_eq!(layer.job(&job).await.unwrap().in_flight, 1);
+
+    release.notify_waiters();
+    assert_eq!(three.await.unwrap().unwrap().status(), 200);
+    assert_eq!(four.await.unwrap().unwrap().status(), 200);
+    assert_eq!(layer.in_flight(), 0, "nothing runs any more");
+    let fence = layer.job(&job).await.unwrap();
+    assert_eq!((fence.highest, fence.in_flight), (Generation::new(4), 0));
+
+    // A layer that never saw the job (a restart on the same store) reads it from the store.
+    let fresh = FenceLayer::new(store);
+    assert_eq!(fresh.cached_jobs(), 0);
+    let fence = fresh.job(&job).await.unwrap();
+    assert_eq!((fence.highest, fence.in_flight), (Generation::new(4), 0));
+    let unknown = fresh.job(&"never-seen".parse().unwrap()).await.unwrap();
+    assert_eq!((unknown.highest, unknown.in_flight), (Generation::ZERO, 0));
+}
+
+/// A job whose first request is still reading its highest generation from the store is
+/// not reported as highest 0: `job()` reads the store itself rather than the gate that is
+/// not loaded yet.
+#[tokio::test(start_paused = true)]
+async fn a_job_being_loaded_is_reported_from_the_store() {
+    let store = Gated::default();
+    let job: JobId = "slow".parse().unwrap();
+    store.inner.observe(&job, Generation::new(3)).await.unwrap();
+    let layer = FenceLayer::new(store.clone());
+    let svc = layer.layer(service_fn(|_r: Request<RequestBody<String>>| async {
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    store
+        .reads_gated
+        .store(true, std::sync::atomic::Ordering::SeqCst);
+    let request = tokio::spawn(svc.oneshot(post_job("slow", 3)));
+    tokio::time::sleep(Duration::from_millis(10)).await; // the gate exists, loading
+    let peek = tokio::spawn({
+        let (layer, job) = (layer.clone(), job.clone());
+        async move { layer.job(&job).await }
+    });
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    store
+        .reads_gated
+        .store(false, std::sync::atomic::Ordering::SeqCst);
+    store.go.notify_waiters();
+    let fence = peek.await.unwrap().unwrap();
+    assert_eq!(fence.highest, Generation::new(3), "read from the store");
+    assert_eq!(request.await.unwrap().unwrap().status(), 200);
 }
