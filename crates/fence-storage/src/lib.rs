@@ -2,7 +2,7 @@
 //!
 //! - [`disk`]: sled opened under a lock file, with group commit so every acknowledged write is
 //!   on disk without a sync per write.
-//! - [`postgres`] (feature `postgres`): the connection pool, checked SQL identifiers, the
+//! - `postgres` (only with the feature `postgres`): the connection pool, checked SQL identifiers, the
 //!   database's clock in SQL and migrations serialised by an advisory lock.
 //! - [`clock`]: the wall clock a store decides expiry with, injectable for tests.
 //! - [`tls`]: rustls configurations from PEM files, one crypto provider for every connection.

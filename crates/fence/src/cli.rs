@@ -2,6 +2,9 @@
 //!
 //! Every flag of `fence server`, `fence proxy` and `fence run` can also be set by an
 //! environment variable `FENCE_<FLAG>` (`--data-dir` is `FENCE_DATA_DIR`); `--help` names it.
+// The doc comments below are `--help` text first: placeholders such as `<hostname>` are
+// written for the terminal, where backticks would show; rustdoc need not read them as HTML.
+#![allow(rustdoc::invalid_html_tags)]
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
