@@ -52,12 +52,19 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
 /// Folds the recorder's pending histogram samples into their buckets every
 /// [`UPKEEP_EVERY`], for as long as the runtime runs.
 pub async fn upkeep(handle: PrometheusHandle) {
-    let mut tick = tokio::time::interval(UPKEEP_EVERY);
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    let mut tick = every(UPKEEP_EVERY);
     loop {
         tick.tick().await;
         handle.run_upkeep();
     }
+}
+
+/// A timer for background work every `period`: a late tick delays the next ones rather than
+/// firing a burst to catch up.
+fn every(period: Duration) -> tokio::time::Interval {
+    let mut tick = tokio::time::interval(period);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    tick
 }
 
 fn describe() {
@@ -123,8 +130,7 @@ fn describe() {
 /// a pause.
 pub fn count_leases<S: LeaseStore + Clone>(store: S) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let mut tick = tokio::time::interval(COUNT_EVERY);
-        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut tick = every(COUNT_EVERY);
         loop {
             tick.tick().await;
             let mut query = ListQuery {
