@@ -74,7 +74,13 @@ fn root() -> &'static Path {
 }
 
 /// Runs `writer` (a command line) with DSN SCHEMA JOB TOKEN AMOUNT and extra arguments.
-fn write(writer: &[String], schema: &str, job: &str, token: u64, extra: &[&str]) -> Output {
+fn write(
+    writer: &[String],
+    schema: &str,
+    job: &str,
+    token: impl std::fmt::Display,
+    extra: &[&str],
+) -> Output {
     let mut cmd = Command::new(&writer[0]);
     cmd.args(&writer[1..])
         .args([&database_url(), schema, job, &token.to_string(), "10"])
@@ -148,6 +154,38 @@ async fn stale_writer_is_refused(writer: &[String], name: &str) {
         [7, 8],
         "nothing stale written"
     );
+
+    // The sinks on the fence forget idle jobs: a plain token is refused (the writer cannot
+    // be told from a stale one of a forgotten job), a signed one counts with its lease end.
+    store
+        .announce_forgetting(true, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let out = write(writer, &schema, &job, 9, &[]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "a plain token while forgetting: {said}"
+    );
+    assert!(said.contains("forget idle jobs"), "{said}");
+    let signature = "A".repeat(86); // the database does not verify it; the sinks do
+    let ms = |d: std::time::Duration| d.as_millis() as u64;
+    let now = ms(std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap());
+    let ended = format!("9.{}.{signature}", now - 60_000);
+    let out = write(writer, &schema, &job, &ended, &[]);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "an ended lease is stale: {out:?}"
+    );
+    assert!(String::from_utf8_lossy(&out.stderr).contains("expired fencing token"));
+    let live = format!("9.{}.{signature}", now + 30_000);
+    let out = write(writer, &schema, &job, &live, &[]);
+    assert_eq!(out.status.code(), Some(0), "a live signed token: {out:?}");
+    assert_eq!(charged(&client, &schema, &job).await, [7, 8, 9]);
     drop_schema(&client, &schema).await;
 }
 

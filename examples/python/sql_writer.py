@@ -4,7 +4,10 @@
 It writes one effect (a charge) for a job at a fencing token, in one transaction that first
 calls `require(job, token)`: when a newer holder of the job has already written (through
 this fence, a `fence proxy` or the Rust layer on the same database), the fence raises
-SQLSTATE ZF409 and the transaction, the charge with it, rolls back.
+SQLSTATE ZF409 and the transaction, the charge with it, rolls back. TOKEN is the token as the
+lease server returned it: a plain generation, or a signed token `G.EXPIRES_AT_MS.SIGNATURE`,
+whose lease end is then passed too (`require(job, token, expires_at_ms)`: stale once the
+lease has ended, which the fence needs while its sinks forget idle jobs).
 
     python3 sql_writer.py DSN SCHEMA JOB TOKEN AMOUNT [HOLD_SECONDS]
 
@@ -19,16 +22,30 @@ import time
 import psycopg
 
 
+def parse_token(token):
+    """(generation, lease end in ms or None) of a plain or signed token string."""
+    parts = token.split(".")
+    if len(parts) == 3:
+        return int(parts[0]), int(parts[1])
+    return int(token), None
+
+
 def charge(conn, schema, job, token, amount, hold=0.0):
     """Writes the charge under the fence; False when the token is stale (nothing written)."""
+    generation, expires_at_ms = parse_token(str(token))
     try:
         with conn.transaction():
             # First in the transaction: the job's fence row stays locked until COMMIT.
-            conn.execute(f"SELECT {schema}.require(%s, %s)", (job, token))
+            if expires_at_ms is None:
+                conn.execute(f"SELECT {schema}.require(%s, %s)", (job, generation))
+            else:
+                conn.execute(
+                    f"SELECT {schema}.require(%s, %s, %s)", (job, generation, expires_at_ms)
+                )
             time.sleep(hold)
             conn.execute(
                 f"INSERT INTO {schema}.charges (job, token, amount) VALUES (%s, %s, %s)",
-                (job, token, amount),
+                (job, generation, amount),
             )
         return True
     except psycopg.Error as e:
@@ -42,7 +59,7 @@ def main():
     dsn, schema, job, token, amount = sys.argv[1:6]
     hold = float(sys.argv[6]) if len(sys.argv) > 6 else 0.0
     with psycopg.connect(dsn, autocommit=True) as conn:
-        written = charge(conn, schema, job, int(token), int(amount), hold)
+        written = charge(conn, schema, job, token, int(amount), hold)
     sys.exit(0 if written else 3)
 
 

@@ -105,6 +105,45 @@ pub enum SetupError {
 /// How many connections one store keeps at most.
 pub const POOL_SIZE: usize = 16;
 
+/// A pooled connection that goes back to the pool only when its user says it is done
+/// ([`Checkout::done`]). Dropped otherwise (its request went away mid-statement), it is
+/// taken out of the pool and closed: the statement may still be waiting in the database
+/// (on a row lock, say), and the next user of the connection would queue behind it. The pool
+/// opens a new connection in its place when one is needed.
+#[derive(Debug)]
+pub struct Checkout(Option<deadpool_postgres::Object>);
+
+impl Checkout {
+    /// A connection of `pool`, within the pool's timeout.
+    ///
+    /// # Errors
+    /// When the pool has none to give and cannot open one in time.
+    pub async fn of(pool: &Pool) -> Result<Self, deadpool_postgres::PoolError> {
+        Ok(Self(Some(pool.get().await?)))
+    }
+
+    /// Every statement of this checkout has ended: the connection goes back to the pool.
+    pub fn done(mut self) {
+        drop(self.0.take());
+    }
+}
+
+impl std::ops::Deref for Checkout {
+    type Target = deadpool_postgres::Object;
+
+    fn deref(&self) -> &Self::Target {
+        self.0.as_ref().expect("present until done or dropped")
+    }
+}
+
+impl Drop for Checkout {
+    fn drop(&mut self) {
+        if let Some(object) = self.0.take() {
+            drop(deadpool_postgres::Object::take(object));
+        }
+    }
+}
+
 /// How long a store waits for a connection from its pool, or for a new one to be made.
 pub const POOL_TIMEOUT: Duration = Duration::from_secs(10);
 
@@ -260,6 +299,12 @@ fn tls_for(ssl: SslMode, root_cert: Option<&Path>) -> Result<rustls::ClientConfi
     })
 }
 
+/// How long a session of the fence's pools waits for a row lock before its statement fails.
+pub const SESSION_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
+
+/// How long any statement of the fence's pools may run.
+pub const SESSION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+
 /// A pool of up to [`POOL_SIZE`] connections to `url` (`postgres://user@host:port/db`).
 /// Connections are made when first needed, so a database that is down now is not an error.
 ///
@@ -282,6 +327,17 @@ pub fn connect_pool(url: &str) -> Result<Pool, SetupError> {
     } = options(url)?;
     let mut config: tokio_postgres::Config = url.parse().map_err(SetupError::Url)?;
     fill_password(&mut config, passfile);
+    // Every wait of the fence's own sessions has a deadline (a row lock held by a writer's
+    // open transaction is a wait too): a stalled writer holds up its own job for at most
+    // SESSION_LOCK_TIMEOUT, and no query keeps a pooled connection busy for longer than
+    // SESSION_STATEMENT_TIMEOUT. Options in the URL come after these, so they win.
+    let options = format!(
+        "-c lock_timeout={}ms -c statement_timeout={}ms {}",
+        SESSION_LOCK_TIMEOUT.as_millis(),
+        SESSION_STATEMENT_TIMEOUT.as_millis(),
+        config.get_options().unwrap_or_default()
+    );
+    config.options(options.trim_end());
     let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls_for(ssl, root_cert.as_deref())?);
     let manager = Manager::from_config(
         config,
@@ -323,20 +379,66 @@ pub enum MigrateError {
 /// (from any process) by an advisory lock, so concurrent `CREATE ... IF NOT EXISTS` do not
 /// race. Write `ddl` so that it can run any number of times.
 ///
+/// A `ddl` already applied to `schema` (recorded by its MD5 in `{schema}.fence_migrations`)
+/// is not run again: its statements would take table locks (`ALTER TABLE` even when there is
+/// nothing to alter) and so wait behind every writer's open transaction, failing a restart at
+/// the fence's `lock_timeout` and holding up every session queued behind the lock meanwhile.
+/// A new `ddl` (an upgrade) still needs those locks: a lock timeout then is retried, five
+/// times in all, a second apart.
+///
 /// # Errors
 /// When the database cannot be reached or refuses the statements.
 pub async fn migrate(pool: &Pool, schema: &Ident, ddl: &str) -> Result<(), MigrateError> {
-    let client = pool.get().await.map_err(MigrateError::Connect)?;
-    client
-        .batch_execute(&format!(
-            "BEGIN;
-             SELECT pg_advisory_xact_lock(hashtext('fence-migrate:{schema}'));
-             CREATE SCHEMA IF NOT EXISTS {schema};
-             {ddl}
-             COMMIT;"
-        ))
-        .await
-        .map_err(MigrateError::Refused)
+    let mut client = pool.get().await.map_err(MigrateError::Connect)?;
+    let mut attempt = 1;
+    loop {
+        match migrate_once(&mut client, schema, ddl).await {
+            Err(e)
+                if attempt < 5
+                    && e.code() == Some(&tokio_postgres::error::SqlState::LOCK_NOT_AVAILABLE) =>
+            {
+                attempt += 1;
+                tokio::time::sleep(Duration::from_secs(1)).await;
+            }
+            other => return other.map_err(MigrateError::Refused),
+        }
+    }
+}
+
+async fn migrate_once(
+    client: &mut deadpool_postgres::Object,
+    schema: &Ident,
+    ddl: &str,
+) -> Result<(), tokio_postgres::Error> {
+    let tx = client.transaction().await?;
+    tx.execute(
+        "SELECT pg_advisory_xact_lock(hashtext($1))",
+        &[&format!("fence-migrate:{schema}")],
+    )
+    .await?;
+    tx.batch_execute(&format!(
+        "CREATE SCHEMA IF NOT EXISTS {schema};
+         CREATE TABLE IF NOT EXISTS {schema}.fence_migrations (
+             ddl_md5 text PRIMARY KEY,
+             applied_at timestamptz NOT NULL DEFAULT now()
+         );"
+    ))
+    .await?;
+    let applied = tx
+        .query_opt(
+            &format!("SELECT 1 FROM {schema}.fence_migrations WHERE ddl_md5 = md5($1)"),
+            &[&ddl],
+        )
+        .await?;
+    if applied.is_none() {
+        tx.batch_execute(ddl).await?;
+        tx.execute(
+            &format!("INSERT INTO {schema}.fence_migrations (ddl_md5) VALUES (md5($1))"),
+            &[&ddl],
+        )
+        .await?;
+    }
+    tx.commit().await
 }
 
 #[cfg(test)]

@@ -83,7 +83,20 @@ pub fn certificates(
 pub fn server_config(cert: &Path, key: &Path, alpn: &[&[u8]]) -> Result<ServerConfig, TlsError> {
     let chain = certificates("certificate file", cert)?;
     let key_path = key;
-    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| file_error("key file", key, e))?;
+    let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
+        // The usual mix-up: the certificate given where its key belongs.
+        let holds_certificate = std::fs::read_to_string(key)
+            .is_ok_and(|text| text.contains("-----BEGIN CERTIFICATE-----"));
+        if holds_certificate {
+            file_error(
+                "key file",
+                key,
+                "it holds a certificate, not a private key: give the key (-----BEGIN PRIVATE KEY-----, e.g. server-key.pem of `fence tls init`) here and the certificate to --tls-cert",
+            )
+        } else {
+            file_error("key file", key, e)
+        }
+    })?;
     let mut config = ServerConfig::builder_with_provider(provider())
         .with_safe_default_protocol_versions()
         .map_err(TlsError::Rustls)?

@@ -17,12 +17,12 @@ use std::time::Duration;
 
 use deadpool_postgres::Pool;
 use fence_core::{Generation, JobId};
-use fence_storage::postgres::{Ident, IdentError, MigrateError, NOW_MS, SetupError};
+use fence_storage::postgres::{Checkout, Ident, IdentError, MigrateError, NOW_MS, SetupError};
 use tokio_postgres::GenericClient;
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, STAMP_GRANULE_MS,
-    StoreError, Verdict, record::Record,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded,
+    STAMP_AHEAD_MS, StoreError, Verdict,
 };
 
 /// Where the tables live: `schema.prefix_generations` and `schema.prefix_idempotency`.
@@ -32,9 +32,13 @@ pub struct PgTables {
     idempotency: String,
     schema: Ident,
     /// The SQL fence's functions: `schema.observe` and `schema.require` for the default
-    /// prefix `sink`, `schema.{prefix}_observe` and `schema.{prefix}_require` for another.
+    /// prefix `sink`, `schema.{prefix}_observe` and `schema.{prefix}_require` for another;
+    /// and the decision both share, `schema.{prefix}_accept`, which writers are not granted.
     observe_fn: String,
     require_fn: String,
+    accept_fn: String,
+    /// One row: whether the sinks on these tables forget idle jobs, and their clock skew.
+    settings: String,
 }
 
 impl Default for PgTables {
@@ -68,6 +72,8 @@ impl PgTables {
             idempotency: table("idempotency")?,
             observe_fn: function("observe")?,
             require_fn: function("require")?,
+            accept_fn: table("accept")?,
+            settings: table("settings")?,
             schema,
         })
     }
@@ -117,9 +123,110 @@ fn io(e: impl Into<fence_storage::BoxError>) -> StoreError {
 /// # Ok(()) }
 /// ```
 ///
+/// It calls the SQL fence's functions (section 11 of docs/protocol.md), so the role needs
+/// what a writer is granted, plus `SELECT` on the table to name the highest when stale.
+/// While the sinks on these tables forget idle jobs, the function refuses a check without
+/// the token's lease end (SQLSTATE `ZF428`): use [`check_in_transaction_expiring`].
+///
 /// # Errors
-/// When the statement fails.
+/// When a statement fails.
 pub async fn check_in_transaction(
+    client: &impl GenericClient,
+    tables: &PgTables,
+    job: &JobId,
+    token: Generation,
+) -> Result<Verdict, StoreError> {
+    let accepted: bool = client
+        .query_one(
+            &format!("SELECT {}($1, $2::text::numeric)", tables.observe_fn),
+            &[&job.as_str(), &token.get().to_string()],
+        )
+        .await
+        .map_err(io)?
+        .try_get(0)
+        .map_err(io)?;
+    verdict(client, tables, job, accepted).await
+}
+
+/// [`check_in_transaction`] for a signed token: also stale (the function returns false)
+/// when its lease ended at `expires_at_ms` longer than the sinks' clock skew ago, by the
+/// database's clock. The form to use while sinks forget idle jobs.
+///
+/// # Errors
+/// When a statement fails.
+pub async fn check_in_transaction_expiring(
+    client: &impl GenericClient,
+    tables: &PgTables,
+    job: &JobId,
+    token: Generation,
+    expires_at_ms: u64,
+) -> Result<Verdict, StoreError> {
+    let expires = i64::try_from(expires_at_ms).unwrap_or(i64::MAX);
+    let accepted: bool = client
+        .query_one(
+            &format!(
+                "SELECT {}($1, $2::text::numeric, $3::bigint)",
+                tables.observe_fn
+            ),
+            &[&job.as_str(), &token.get().to_string(), &expires],
+        )
+        .await
+        .map_err(io)?
+        .try_get(0)
+        .map_err(io)?;
+    verdict(client, tables, job, accepted).await
+}
+
+/// Accepted, or stale with the highest stored.
+async fn verdict(
+    client: &impl GenericClient,
+    tables: &PgTables,
+    job: &JobId,
+    accepted: bool,
+) -> Result<Verdict, StoreError> {
+    if accepted {
+        return Ok(Verdict::Accepted);
+    }
+    // Forgotten (no row, 0): an expired token of a job nobody holds.
+    let highest = read_highest(client, tables, job).await?;
+    Ok(Verdict::Stale { highest })
+}
+
+/// The highest generation stored for `job` (0 when it has no row).
+async fn read_highest(
+    client: &impl GenericClient,
+    tables: &PgTables,
+    job: &JobId,
+) -> Result<Generation, StoreError> {
+    let row = client
+        .query_opt(
+            &format!(
+                "SELECT highest::text FROM {} WHERE job = $1",
+                tables.generations
+            ),
+            &[&job.as_str()],
+        )
+        .await
+        .map_err(io)?;
+    match row {
+        None => Ok(Generation::ZERO),
+        Some(row) => parse_highest(job, &row.try_get::<_, String>(0).map_err(io)?),
+    }
+}
+
+/// A `highest` read as text (numeric(20, 0) does not fit a bigint).
+fn parse_highest(job: &JobId, text: &str) -> Result<Generation, StoreError> {
+    text.parse()
+        .map(Generation::new)
+        .map_err(|_| StoreError::Corrupt {
+            job: job.clone(),
+            reason: "highest out of range",
+        })
+}
+
+/// The store's own decision (the proxy's and the layer's; they checked the token's expiry
+/// themselves): the table, directly, as the functions do.
+async fn decide(
     client: &impl GenericClient,
     tables: &PgTables,
     job: &JobId,
@@ -127,16 +234,20 @@ pub async fn check_in_transaction(
 ) -> Result<Verdict, StoreError> {
     let t = &tables.generations;
     let now = fence_storage::postgres::NOW_MS;
-    // Raised, or equal with a stamp at least a second old: (re)stamped with the database's
-    // clock. Equal and stamped lately, or lower: nothing written.
+    // Raised, or equal with less than half of its stamp ahead left: (re)stamped ahead of the
+    // database's clock (a raise also records its time). Equal and stamped lately, or lower:
+    // nothing written.
     let bumped = client
         .query_opt(
             &format!(
-                "INSERT INTO {t} AS g (job, highest, touched_ms) VALUES ($1, $2::text::numeric, {now})
-                 ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms
+                "INSERT INTO {t} AS g (job, highest, touched_ms, raised_ms)
+                   VALUES ($1, $2::text::numeric, {now} + {STAMP_AHEAD_MS}, {now})
+                 ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms,
+                   raised_ms = CASE WHEN g.highest < excluded.highest THEN excluded.raised_ms ELSE g.raised_ms END
                  WHERE g.highest < excluded.highest
-                    OR (g.highest = excluded.highest AND g.touched_ms + {STAMP_GRANULE_MS} <= excluded.touched_ms)
-                 RETURNING 1"
+                    OR (g.highest = excluded.highest AND g.touched_ms < excluded.touched_ms - {half})
+                 RETURNING 1",
+                half = STAMP_AHEAD_MS / 2
             ),
             &[&job.as_str(), &token.get().to_string()],
         )
@@ -153,11 +264,7 @@ pub async fn check_in_transaction(
         )
         .await
         .map_err(io)?;
-    let highest: String = row.try_get(0).map_err(io)?;
-    let highest = Generation::new(highest.parse().map_err(|_| StoreError::Corrupt {
-        job: job.clone(),
-        reason: "highest out of range",
-    })?);
+    let highest = parse_highest(job, &row.try_get::<_, String>(0).map_err(io)?)?;
     Ok(if highest > token {
         Verdict::Stale { highest }
     } else {
@@ -180,7 +287,7 @@ impl PgStore {
     }
 
     /// Test hook (feature `test-hooks`): shifts the database clock, as this store reads it
-    /// for idempotency records, by `ms` (cumulative).
+    /// for idempotency records and idle jobs, by `ms` (cumulative).
     #[cfg(any(test, feature = "test-hooks"))]
     pub fn shift_clock_ms(&self, ms: i64) {
         self.offset_ms
@@ -195,6 +302,35 @@ impl PgStore {
         0
     }
 
+    /// Records, for the SQL fence's writers, whether the sinks on these tables forget idle
+    /// jobs and the clock skew they allow (one row for all of them: give every sink on one
+    /// database the same settings). While they forget, `observe` and `require` without the
+    /// token's lease end are refused (SQLSTATE `ZF428`): a stale writer of a forgotten job
+    /// would otherwise pass as a new job's first (docs/protocol.md section 11).
+    ///
+    /// # Errors
+    /// When the database cannot be reached or refuses the write.
+    pub async fn announce_forgetting(
+        &self,
+        forgetting: bool,
+        clock_skew: Duration,
+    ) -> Result<(), StoreError> {
+        let client = self.pool.get().await.map_err(io)?;
+        client
+            .execute(
+                &format!(
+                    "INSERT INTO {} (one, forgetting, clock_skew_ms) VALUES (true, $1, $2)
+                     ON CONFLICT (one) DO UPDATE SET forgetting = excluded.forgetting,
+                       clock_skew_ms = excluded.clock_skew_ms",
+                    self.tables.settings
+                ),
+                &[&forgetting, &ms(clock_skew)],
+            )
+            .await
+            .map_err(io)?;
+        Ok(())
+    }
+
     /// The tables, for [`check_in_transaction`].
     pub fn tables(&self) -> &PgTables {
         &self.tables
@@ -206,105 +342,33 @@ impl PgStore {
     /// # Errors
     /// When the database cannot be reached or refuses the DDL.
     pub async fn migrate(&self) -> Result<(), MigrateError> {
-        let PgTables {
-            generations,
-            idempotency,
-            schema,
-            observe_fn,
-            require_fn,
-        } = &self.tables;
-        let now = fence_storage::postgres::NOW_MS;
-        // An index name is unqualified and lives in the table's schema.
-        let stamps_index = format!(
-            "{}_stamps",
-            generations.rsplit('.').next().unwrap_or(generations)
-        );
-        let ddl = format!(
-            "CREATE TABLE IF NOT EXISTS {generations} (
-               job text PRIMARY KEY,
-               highest numeric(20, 0) NOT NULL CHECK (highest >= 0 AND highest <= 18446744073709551615),
-               touched_ms bigint NOT NULL DEFAULT 0
-             );
-             ALTER TABLE {generations} ADD COLUMN IF NOT EXISTS touched_ms bigint NOT NULL DEFAULT 0;
-             CREATE INDEX IF NOT EXISTS {stamps_index} ON {generations} (touched_ms, job);
-             CREATE TABLE IF NOT EXISTS {idempotency} (
-               job text NOT NULL,
-               key text NOT NULL,
-               fingerprint bytea NOT NULL,
-               in_flight boolean NOT NULL,
-               record bytea NOT NULL,
-               live_until_ms bigint NOT NULL,
-               PRIMARY KEY (job, key)
-             );
-             -- The SQL fence (contract section 11): the same decision as check_in_transaction,
-             -- on the same table, for writers in any language.
-             CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric) RETURNS boolean
-             LANGUAGE plpgsql AS $fence$
-             DECLARE h numeric;
-             BEGIN
-               IF p_job IS NULL OR p_token IS NULL OR octet_length(p_job) NOT BETWEEN 1 AND 256
-                  OR p_job !~ '^[\x21-\x7e]+$' OR p_token < 0 OR p_token > 18446744073709551615
-                  OR p_token <> trunc(p_token) THEN
-                 RAISE EXCEPTION 'malformed fencing job or token: job %, token %', p_job, p_token
-                   USING ERRCODE = '22023';
-               END IF;
-               INSERT INTO {generations} AS g (job, highest, touched_ms) VALUES (p_job, p_token, {now})
-                 ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms
-                 WHERE g.highest < excluded.highest
-                    OR (g.highest = excluded.highest AND g.touched_ms + {STAMP_GRANULE_MS} <= excluded.touched_ms);
-               IF FOUND THEN
-                 RETURN true;
-               END IF;
-               SELECT g.highest INTO h FROM {generations} g WHERE g.job = p_job FOR SHARE;
-               RETURN h <= p_token;
-             END
-             $fence$;
-             CREATE OR REPLACE FUNCTION {require_fn}(p_job text, p_token numeric) RETURNS void
-             LANGUAGE plpgsql AS $fence$
-             DECLARE h numeric;
-             BEGIN
-               IF NOT {observe_fn}(p_job, p_token) THEN
-                 SELECT g.highest INTO h FROM {generations} g WHERE g.job = p_job;
-                 RAISE EXCEPTION 'stale fencing token: job %, token %, highest %', p_job, p_token, h
-                   USING ERRCODE = 'ZF409';
-               END IF;
-             END
-             $fence$;"
-        );
-        fence_storage::postgres::migrate(&self.pool, schema, &ddl).await
+        let ddl = schema::ddl(&self.tables);
+        fence_storage::postgres::migrate(&self.pool, &self.tables.schema, &ddl).await
     }
 }
 
 impl GenerationStore for PgStore {
     async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
-        check_in_transaction(&**client, &self.tables, job, token).await
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
+        let verdict = decide(&***client, &self.tables, job, token).await;
+        client.done();
+        verdict
     }
 
     async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
-        let row = client
-            .query_opt(
-                &format!(
-                    "SELECT highest::text FROM {} WHERE job = $1",
-                    self.tables.generations
-                ),
-                &[&job.as_str()],
-            )
-            .await
-            .map_err(io)?;
-        match row {
-            None => Ok(Generation::ZERO),
-            Some(r) => {
-                let text: String = r.try_get(0).map_err(io)?;
-                text.parse()
-                    .map(Generation::new)
-                    .map_err(|_| StoreError::Corrupt {
-                        job: job.clone(),
-                        reason: "highest out of range",
-                    })
-            }
-        }
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
+        let highest = read_highest(&***client, &self.tables, job).await;
+        client.done();
+        highest
+    }
+
+    /// No stamps: proxies on one database cannot tell a crashed process's admissions from a
+    /// live one's, and a live proxy's are not waited for either (docs/protocol.md section 5).
+    /// On PostgreSQL the order of effects across proxies and across their restarts is kept
+    /// by `require` in the effect's own transaction. (The stamps are still written: they
+    /// bound forgetting.)
+    async fn load(&self, job: &JobId) -> Result<Loaded, StoreError> {
+        Ok(Loaded::new(self.highest(job).await?))
     }
 
     fn is_shared(&self) -> bool {
@@ -327,10 +391,11 @@ impl GenerationStore for PgStore {
             .query(
                 &format!(
                     "SELECT touched_ms, job FROM {t}
-                     WHERE touched_ms < {NOW_MS} - $1 AND (touched_ms, job) > ($2, $3)
-                     ORDER BY touched_ms, job LIMIT $4"
+                     WHERE touched_ms < {now} - $1 AND (touched_ms, job) > ($2, $3)
+                     ORDER BY touched_ms, job LIMIT $4",
+                    now = now_ms(5)
                 ),
-                &[&idle_ms, &after_ms, &after_job, &limit],
+                &[&idle_ms, &after_ms, &after_job, &limit, &self.offset()],
             )
             .await
             .map_err(io)?;
@@ -374,114 +439,24 @@ fn ms(d: Duration) -> i64 {
     i64::try_from(d.as_millis()).unwrap_or(i64::MAX)
 }
 
+/// An attempt id as the `bigint` column keeps it (the same 64 bits).
+fn signed(id: u64) -> i64 {
+    i64::from_be_bytes(id.to_be_bytes())
+}
+
 impl IdempotencyStore for PgStore {
     async fn begin(&self, attempt: Attempt<'_>, in_flight: Duration) -> Result<Begin, StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
-        let t = &self.tables.idempotency;
-        let record = Record::InFlight {
-            fingerprint: *attempt.fingerprint,
-            until_ms: 0,
-        }
-        .encode();
-        // One statement decides: a new record, or one that is no longer live, is taken over.
-        let started = client
-            .query_opt(
-                &format!(
-                    "INSERT INTO {t} AS i (job, key, fingerprint, in_flight, record, live_until_ms)
-                     VALUES ($1, $2, $3, true, $4, {now} + $5::bigint)
-                     ON CONFLICT (job, key) DO UPDATE SET fingerprint = excluded.fingerprint, in_flight = true,
-                       record = excluded.record, live_until_ms = excluded.live_until_ms
-                     WHERE i.live_until_ms <= {now}
-                     RETURNING 1",
-                    now = now_ms(6)
-                ),
-                &[
-                    &attempt.job.as_str(),
-                    &attempt.key.as_str(),
-                    &&attempt.fingerprint.0[..],
-                    &record,
-                    &ms(in_flight),
-                    &self.offset(),
-                ],
-            )
-            .await
-            .map_err(io)?;
-        if started.is_some() {
-            return Ok(Begin::Started);
-        }
-        let row = client
-            .query_opt(
-                &format!("SELECT record FROM {t} WHERE job = $1 AND key = $2"),
-                &[&attempt.job.as_str(), &attempt.key.as_str()],
-            )
-            .await
-            .map_err(io)?;
-        let Some(row) = row else {
-            // Deleted in between (a forgotten 5xx): the next attempt starts it.
-            return Ok(Begin::InFlight);
-        };
-        let bytes: Vec<u8> = row.try_get(0).map_err(io)?;
-        let record = Record::decode(&bytes).map_err(|reason| StoreError::Corrupt {
-            job: attempt.job.clone(),
-            reason,
-        })?;
-        Ok(if record.fingerprint() != attempt.fingerprint {
-            Begin::Mismatch
-        } else {
-            match record {
-                Record::InFlight { .. } => Begin::InFlight,
-                Record::Done {
-                    response: Some(r), ..
-                } => Begin::Replay(r),
-                Record::Done { response: None, .. } => Begin::NotReplayable,
-            }
-        })
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
+        let begun = self.begin_on(&client, attempt, in_flight).await;
+        client.done();
+        begun
     }
 
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
-        let t = &self.tables.idempotency;
-        let mine = "job = $1 AND key = $2 AND fingerprint = $3 AND in_flight";
-        let (job_s, key_s, fp_s) = (
-            attempt.job.as_str(),
-            attempt.key.as_str(),
-            &attempt.fingerprint.0[..],
-        );
-        let response = match outcome {
-            Finish::Forget => {
-                client
-                    .execute(
-                        &format!("DELETE FROM {t} WHERE {mine}"),
-                        &[&job_s, &key_s, &fp_s],
-                    )
-                    .await
-                    .map_err(io)?;
-                return Ok(());
-            }
-            Finish::Store {
-                response,
-                retention,
-            } => (Some(response), retention),
-            Finish::TooLarge { retention } => (None, retention),
-        };
-        let (response, retention) = response;
-        let record = Record::Done {
-            fingerprint: *attempt.fingerprint,
-            expires_ms: 0,
-            response,
-        }
-        .encode();
-        client
-            .execute(
-                &format!(
-                    "UPDATE {t} SET in_flight = false, record = $4, live_until_ms = {now} + $5::bigint WHERE {mine}",
-                    now = now_ms(6)
-                ),
-                &[&job_s, &key_s, &fp_s, &record, &ms(retention), &self.offset()],
-            )
-            .await
-            .map_err(io)?;
-        Ok(())
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
+        let finished = self.finish_on(&client, attempt, outcome).await;
+        client.done();
+        finished
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
@@ -501,5 +476,7 @@ impl IdempotencyStore for PgStore {
     }
 }
 
+mod idempotency;
+mod schema;
 #[cfg(test)]
 mod tests;

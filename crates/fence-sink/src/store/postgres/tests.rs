@@ -3,10 +3,39 @@ use super::*;
 
 async fn fresh() -> Option<PgStore> {
     let url = fence_storage::postgres::test_database_url();
+    leftovers_dropped(&url).await;
     let tables = PgTables::new("fence_test", &format!("sink_{:016x}", rand_u64())).unwrap();
     let store = PgStore::connect(&url, tables).await.unwrap();
     store.migrate().await.unwrap();
     Some(store)
+}
+
+/// What earlier runs of these tests left in `fence_test` (each test makes tables of its own
+/// and the conformance suite has no teardown), dropped once per run before any test starts:
+/// the test database holds one run's tables at most.
+async fn leftovers_dropped(url: &str) {
+    static ONCE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    ONCE.get_or_init(|| async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .expect("the test database answers");
+        tokio::spawn(conn);
+        let rows = client
+            .query(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'fence_test'
+                   AND (tablename LIKE 'sink\\_%' OR tablename LIKE 'effects\\_%')",
+                &[],
+            )
+            .await
+            .unwrap();
+        for row in rows {
+            let table: String = row.get(0);
+            let _ = client
+                .batch_execute(&format!("DROP TABLE IF EXISTS fence_test.{table} CASCADE"))
+                .await;
+        }
+    })
+    .await;
 }
 
 fn rand_u64() -> u64 {
@@ -229,4 +258,167 @@ fn the_default_tables_have_the_contract_function_names() {
     );
     let other = PgTables::new("fence", "billing").unwrap();
     assert_eq!(other.observe_fn, "fence.billing_observe");
+}
+
+/// A session on the test database as a superuser (to make and drop roles).
+async fn admin() -> tokio_postgres::Client {
+    let url = fence_storage::postgres::test_database_url();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    client
+}
+
+fn code(e: &tokio_postgres::Error) -> Option<&str> {
+    e.as_db_error().map(|d| d.code().code())
+}
+
+/// The SQL functions are the boundary: a writer role granted what docs/protocol.md section
+/// 11 lists (USAGE on the schema, EXECUTE on observe and require) calls the fence, and can
+/// neither write the table (to lower a job) nor call the shared decision directly. Roles
+/// are cluster-wide: this one is named per run and dropped.
+#[tokio::test]
+async fn a_writer_role_can_call_the_fence_but_not_lower_it() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let job: JobId = "role-job".parse().unwrap();
+    assert_eq!(
+        store.observe(&job, Generation::new(6)).await.unwrap(),
+        Verdict::Accepted
+    );
+    let role = format!("fence_writer_{:08x}", rand_u64() & 0xffff_ffff);
+    let su = admin().await;
+    su.batch_execute(&format!(
+        "CREATE ROLE {role} NOLOGIN;
+         GRANT USAGE ON SCHEMA {schema} TO {role};
+         GRANT EXECUTE ON FUNCTION {o}(text, numeric), {o}(text, numeric, bigint),
+           {r}(text, numeric), {r}(text, numeric, bigint) TO {role};",
+        schema = t.schema,
+        o = t.observe_fn,
+        r = t.require_fn
+    ))
+    .await
+    .unwrap();
+    let outcome = async {
+        su.batch_execute(&format!("SET ROLE {role}")).await.unwrap();
+        let lowered = su
+            .execute(
+                &format!(
+                    "UPDATE {} SET highest = 1 WHERE job = 'role-job'",
+                    t.generations
+                ),
+                &[],
+            )
+            .await;
+        let direct = su
+            .query_one(&format!("SELECT {}('role-job', 99)", t.accept_fn), &[])
+            .await;
+        let stale = su
+            .query_one(&format!("SELECT {}('role-job', 5)", t.require_fn), &[])
+            .await;
+        let newer = su
+            .query_one(&format!("SELECT {}('role-job', 7)", t.observe_fn), &[])
+            .await;
+        su.batch_execute("RESET ROLE").await.unwrap();
+        (lowered, direct, stale, newer)
+    }
+    .await;
+    su.batch_execute(&format!("DROP OWNED BY {role}; DROP ROLE {role}"))
+        .await
+        .unwrap();
+    let (lowered, direct, stale, newer) = outcome;
+    assert_eq!(
+        code(&lowered.unwrap_err()),
+        Some("42501"),
+        "the table is writable"
+    );
+    assert_eq!(
+        code(&direct.unwrap_err()),
+        Some("42501"),
+        "accept is callable"
+    );
+    assert_eq!(code(&stale.unwrap_err()), Some("ZF409"));
+    assert!(newer.unwrap().get::<_, bool>(0));
+    assert_eq!(store.highest(&job).await.unwrap(), Generation::new(7));
+}
+
+/// While the sinks forget idle jobs, a check without the token's lease end is refused
+/// (ZF428), and one with an ended lease is stale, also for a job the sink has forgotten.
+#[tokio::test]
+async fn while_sinks_forget_a_writer_must_give_the_lease_end() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let su = admin().await;
+    let now: i64 = su
+        .query_one(&format!("SELECT {}", fence_storage::postgres::NOW_MS), &[])
+        .await
+        .unwrap()
+        .get(0);
+    let job: JobId = "forgotten-job".parse().unwrap();
+    // Forgetting off: the two-argument form works.
+    let plain = su
+        .query_one(&format!("SELECT {}('forgotten-job', 3)", t.observe_fn), &[])
+        .await;
+    assert!(plain.unwrap().get::<_, bool>(0));
+    store
+        .announce_forgetting(true, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let refused = su
+        .query_one(&format!("SELECT {}('forgotten-job', 4)", t.require_fn), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), Some("ZF428"), "{refused}");
+    // The job is forgotten (its row deleted); the stale holder's lease ended a minute ago.
+    su.execute(
+        &format!("DELETE FROM {} WHERE job = 'forgotten-job'", t.generations),
+        &[],
+    )
+    .await
+    .unwrap();
+    let ended = now - 60_000;
+    let stale = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 2, $1)", t.require_fn),
+            &[&ended],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&stale), Some("ZF409"), "{stale}");
+    let message = stale.as_db_error().map(|d| d.message().to_owned());
+    assert!(
+        message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("expired fencing token")),
+        "{message:?}"
+    );
+    let mut client = admin().await;
+    let tx = client.transaction().await.unwrap();
+    assert_eq!(
+        check_in_transaction_expiring(&tx, &t, &job, Generation::new(2), ended as u64)
+            .await
+            .unwrap(),
+        Verdict::Stale {
+            highest: Generation::ZERO
+        }
+    );
+    tx.rollback().await.unwrap();
+    // A live holder's token (its lease ends in 30 s) is accepted.
+    let live = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 5, $1)", t.observe_fn),
+            &[&(now + 30_000)],
+        )
+        .await
+        .unwrap();
+    assert!(live.get::<_, bool>(0));
+    store
+        .announce_forgetting(false, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let again = su
+        .query_one(&format!("SELECT {}('forgotten-job', 5)", t.observe_fn), &[])
+        .await;
+    assert!(again.unwrap().get::<_, bool>(0), "forgetting off again");
 }

@@ -1,0 +1,140 @@
+//! The DDL of the sink's PostgreSQL store: its tables, and the SQL fence's functions.
+
+use super::{PgTables, STAMP_AHEAD_MS};
+
+/// What [`PgStore::migrate`](super::PgStore::migrate) runs: idempotent, in one transaction.
+pub(super) fn ddl(tables: &PgTables) -> String {
+    let PgTables {
+        generations,
+        idempotency,
+        schema: _,
+        observe_fn,
+        require_fn,
+        accept_fn,
+        settings,
+    } = tables;
+    let now = fence_storage::postgres::NOW_MS;
+    let half = STAMP_AHEAD_MS / 2;
+    // An index name is unqualified and lives in the table's schema.
+    let stamps_index = format!(
+        "{}_stamps",
+        generations.rsplit('.').next().unwrap_or(generations)
+    );
+    let ddl = format!(
+        "CREATE TABLE IF NOT EXISTS {generations} (
+           job text PRIMARY KEY,
+           highest numeric(20, 0) NOT NULL CHECK (highest >= 0 AND highest <= 18446744073709551615),
+           touched_ms bigint NOT NULL DEFAULT 0
+         );
+         ALTER TABLE {generations} ADD COLUMN IF NOT EXISTS touched_ms bigint NOT NULL DEFAULT 0;
+         -- When highest was last raised (0: before this column, then the stamp counts).
+         ALTER TABLE {generations} ADD COLUMN IF NOT EXISTS raised_ms bigint NOT NULL DEFAULT 0;
+         CREATE INDEX IF NOT EXISTS {stamps_index} ON {generations} (touched_ms, job);
+         CREATE TABLE IF NOT EXISTS {idempotency} (
+           job text NOT NULL,
+           key text NOT NULL,
+           fingerprint bytea NOT NULL,
+           in_flight boolean NOT NULL,
+           record bytea NOT NULL,
+           live_until_ms bigint NOT NULL,
+           PRIMARY KEY (job, key)
+         );
+         -- The attempt that began an in-flight record (0: before attempts were kept),
+         -- and the generation it was admitted with.
+         ALTER TABLE {idempotency} ADD COLUMN IF NOT EXISTS attempt bigint NOT NULL DEFAULT 0;
+         ALTER TABLE {idempotency} ADD COLUMN IF NOT EXISTS generation numeric(20, 0) NOT NULL DEFAULT 0;
+         -- Whether the sinks on these tables forget idle jobs (then a check needs the
+         -- token's lease end), and their allowed clock skew: one row, kept by them.
+         CREATE TABLE IF NOT EXISTS {settings} (
+           one boolean PRIMARY KEY DEFAULT true CHECK (one),
+           forgetting boolean NOT NULL,
+           clock_skew_ms bigint NOT NULL
+         );
+         -- The SQL fence (contract section 11): the store's decision, on the same table,
+         -- for writers in any language. The functions run as their owner (the fence's
+         -- role) with a fixed search_path: a writer needs EXECUTE on them and nothing
+         -- on the tables, so it cannot lower the fence. Nobody but the owner may call
+         -- the shared decision itself.
+         CREATE OR REPLACE FUNCTION {accept_fn}(p_job text, p_token numeric) RETURNS boolean
+         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         DECLARE h numeric;
+         BEGIN
+           IF p_job IS NULL OR p_token IS NULL OR octet_length(p_job) NOT BETWEEN 1 AND 256
+              OR p_job !~ '^[\x21-\x7e]+$' OR p_token < 0 OR p_token > 18446744073709551615
+              OR p_token <> trunc(p_token) THEN
+             RAISE EXCEPTION 'malformed fencing job or token: job %, token %', p_job, p_token
+               USING ERRCODE = '22023';
+           END IF;
+           INSERT INTO {generations} AS g (job, highest, touched_ms, raised_ms)
+               VALUES (p_job, p_token, {now} + {STAMP_AHEAD_MS}, {now})
+             ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms,
+               raised_ms = CASE WHEN g.highest < excluded.highest THEN excluded.raised_ms ELSE g.raised_ms END
+             WHERE g.highest < excluded.highest
+                OR (g.highest = excluded.highest AND g.touched_ms < excluded.touched_ms - {half});
+           IF FOUND THEN
+             RETURN true;
+           END IF;
+           SELECT g.highest INTO h FROM {generations} g WHERE g.job = p_job FOR SHARE;
+           RETURN h <= p_token;
+         END
+         $fence$;
+         REVOKE ALL ON FUNCTION {accept_fn}(text, numeric) FROM PUBLIC;
+         CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric) RETURNS boolean
+         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         BEGIN
+           IF EXISTS (SELECT 1 FROM {settings} WHERE forgetting) THEN
+             RAISE EXCEPTION 'the sinks on this fence forget idle jobs: a check needs the token''s lease end (%(job, token, expires_at_ms))', 'observe'
+               USING ERRCODE = 'ZF428';
+           END IF;
+           RETURN {accept_fn}(p_job, p_token);
+         END
+         $fence$;
+         CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric, p_expires_at_ms bigint)
+         RETURNS boolean
+         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         DECLARE skew bigint;
+         BEGIN
+           IF p_expires_at_ms IS NULL OR p_expires_at_ms < 0 THEN
+             RAISE EXCEPTION 'malformed lease end: %', p_expires_at_ms USING ERRCODE = '22023';
+           END IF;
+           SELECT s.clock_skew_ms INTO skew FROM {settings} s;
+           IF p_expires_at_ms + coalesce(skew, 5000) < {now} THEN
+             RETURN false; -- the token's lease ended: stale, as at the sinks
+           END IF;
+           RETURN {accept_fn}(p_job, p_token);
+         END
+         $fence$;
+         CREATE OR REPLACE FUNCTION {require_fn}(p_job text, p_token numeric) RETURNS void
+         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         DECLARE h numeric;
+         BEGIN
+           IF NOT {observe_fn}(p_job, p_token) THEN
+             SELECT g.highest INTO h FROM {generations} g WHERE g.job = p_job;
+             RAISE EXCEPTION 'stale fencing token: job %, token %, highest %', p_job, p_token, h
+               USING ERRCODE = 'ZF409';
+           END IF;
+         END
+         $fence$;
+         CREATE OR REPLACE FUNCTION {require_fn}(p_job text, p_token numeric, p_expires_at_ms bigint)
+         RETURNS void
+         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         DECLARE h numeric;
+         BEGIN
+           IF NOT {observe_fn}(p_job, p_token, p_expires_at_ms) THEN
+             SELECT g.highest INTO h FROM {generations} g WHERE g.job = p_job;
+             IF h IS NULL OR h <= p_token THEN
+               RAISE EXCEPTION 'expired fencing token: job %, token %, its lease ended at % ms', p_job, p_token, p_expires_at_ms
+                 USING ERRCODE = 'ZF409';
+             END IF;
+             RAISE EXCEPTION 'stale fencing token: job %, token %, highest %', p_job, p_token, h
+               USING ERRCODE = 'ZF409';
+           END IF;
+         END
+         $fence$;
+         REVOKE ALL ON FUNCTION {observe_fn}(text, numeric) FROM PUBLIC;
+         REVOKE ALL ON FUNCTION {observe_fn}(text, numeric, bigint) FROM PUBLIC;
+         REVOKE ALL ON FUNCTION {require_fn}(text, numeric) FROM PUBLIC;
+         REVOKE ALL ON FUNCTION {require_fn}(text, numeric, bigint) FROM PUBLIC;"
+    );
+    ddl
+}
