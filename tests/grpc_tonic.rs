@@ -198,7 +198,7 @@ async fn the_section_9_mapping_as_a_tonic_client_sees_it() {
         .clock_skew(Duration::from_secs(1));
     let (channel, books) = serve(layer).await;
     let job: JobId = "j".parse().unwrap();
-    let far = 4_000_000_000_000;
+    let far = fence_storage::clock::system_now_ms() + 3_600_000; // within the longest lease
     let signed = |g: u64, until: u64| signer.sign(&job, fence_core::Generation::new(g), until);
     let with = |token: &str| {
         [("x-fencing-job", "j"), ("x-fencing-token", token)].map(|(n, v)| (n, v.to_owned()))

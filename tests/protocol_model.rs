@@ -12,9 +12,14 @@
 //!   once the store has granted a newer generation: two workers never both believe they
 //!   hold the job. Local deadlines run on tokio's clock, the store's expiry on its own.
 //!
+//! Every run has two acts with a quiet time between, long enough for the sink to forget the
+//! job, and some writes are held in the network across it: they meet a job the sink has
+//! forgotten while the second act's holders write.
+//!
 //! And over all runs: stale writes did arrive (409 stale-token), expired ones too (409
-//! token-expired), so the properties were put to the test. `FENCE_PROTOCOL_MODEL_CASES`
-//! asks for a deeper run than CI's.
+//! token-expired), the sink forgot the job between the acts and held writes met it
+//! forgotten, so the properties were put to the test. `FENCE_PROTOCOL_MODEL_CASES` asks for
+//! a deeper run than CI's.
 
 use std::{
     convert::Infallible,
@@ -35,12 +40,12 @@ use fence_lease::{
     ClaimError, LeaseClient, LeaseOp, LeaseRecord, LeaseStore, ListPage, MemoryLeaseStore, Outcome,
     SigningLeaseStore, StoreError, Ttl,
 };
-use fence_sink::{FenceLayer, MemoryStore, RequestBody};
+use fence_sink::{FenceLayer, GenerationStore, MemoryStore, RequestBody};
 use fence_storage::clock::TokioClock;
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
 use proptest::prelude::*;
-use tokio::time::{Instant, sleep};
+use tokio::time::{Instant, sleep, sleep_until};
 use tower::{Layer, ServiceExt, service_fn};
 
 const START: u64 = 1_700_000_000_000;
@@ -62,6 +67,9 @@ struct Run {
     write_delay_ms: u64,
     /// In a thousand, how often a worker stalls before a write.
     stall_per_mille: u32,
+    /// In a thousand, how often a write is held in the network for the whole quiet time
+    /// between the acts (it lands after the sink forgot the job).
+    held_per_mille: u32,
     /// The store's and the sink's clocks against tokio's (within the skew allowed between them).
     store_offset_ms: i64,
     sink_offset_ms: i64,
@@ -75,17 +83,19 @@ fn run() -> impl Strategy<Value = Run> {
         0u64..=150,
         0u64..=2_500,
         0u32..=400,
+        20u32..=150,
         -250i64..=250,
         -250i64..=250,
         any::<u64>(),
     )
         .prop_map(
-            |(workers, ttl_ms, lease_delay_ms, write_delay_ms, stall, so, ko, seed)| Run {
+            |(workers, ttl_ms, lease_delay_ms, write_delay_ms, stall, held, so, ko, seed)| Run {
                 workers,
                 ttl_ms,
                 lease_delay_ms,
                 write_delay_ms,
                 stall_per_mille: stall,
+                held_per_mille: held,
                 store_offset_ms: so,
                 sink_offset_ms: ko,
                 seed,
@@ -114,6 +124,10 @@ struct Answers {
     applied: AtomicU64,
     stale: AtomicU64,
     expired: AtomicU64,
+    /// Runs in which the sink had forgotten the job when the second act began.
+    forgotten: AtomicU64,
+    /// Held writes that reached the sink while it had the job forgotten.
+    met_forgotten: AtomicU64,
 }
 
 /// The protocol as built, or with one part broken on purpose: the checks must see each break.
@@ -125,7 +139,47 @@ enum Variant {
     /// The worker keeps the token it was granted and sends with it whether or not the lease
     /// is lost (no local deadline, no fencing layer).
     WorkerIgnoresLoss,
+    /// The sink forgets as built but a held write's lease end goes unchecked: it arrives with
+    /// its token signed again to end just after it arrives, as a sink that skipped the check
+    /// would see any token.
+    SinkSkipsExpiry,
 }
+
+/// What a worker's act works with: the answers, its lease client, the sink, the history and
+/// (in [`Variant::SinkSkipsExpiry`]) the forger.
+type World<'a> = (
+    &'a Arc<Answers>,
+    &'a LeaseClient<Net<SigningLeaseStore<MemoryLeaseStore>>>,
+    &'a Arc<FenceLayer<MemoryStore>>,
+    &'a Arc<Mutex<History>>,
+    &'a Arc<Option<Forger>>,
+);
+
+/// Signs a held write's token again, to end half a second after it reaches the sink (by the
+/// sink's clock): what a sink that skipped the lease-end check would make of any token.
+struct Forger {
+    signer: TokenSigner,
+    clock: TokioClock,
+}
+
+impl Forger {
+    fn renew<B>(&self, req: &mut Request<B>, generation: u64) {
+        use fence_storage::clock::Clock;
+        let ends = self.clock.now_ms() + 500;
+        let token = self
+            .signer
+            .sign(&job(), fence_core::Generation::new(generation), ends);
+        req.headers_mut()
+            .insert("x-fencing-token", token.parse().expect("a token header"));
+    }
+}
+
+/// The quiet time between the two acts: the sink forgets a job `D` (`MAX_TTL` + 2 × `SKEW`)
+/// after its stamp, which runs up to `STAMP_AHEAD_MS` ahead of the last admission; the last
+/// write of the first act may leave after a stall (up to three TTLs) and travel 2.5 s; a
+/// pass runs every `D`/8; a second of slack.
+const QUIET: Duration =
+    Duration::from_millis(fence_sink::STAMP_AHEAD_MS + 2_000 + 3_000 + 2_500 + 1_000);
 
 /// The lease store behind a network: each call waits a random time on the way there and on
 /// the way back, and the history notes when a claim was granted.
@@ -190,9 +244,27 @@ async fn worker(
     client: LeaseClient<Net<SigningLeaseStore<MemoryLeaseStore>>>,
     sink: Arc<FenceLayer<MemoryStore>>,
     history: Arc<Mutex<History>>,
-    until: Instant,
+    forger: Arc<Option<Forger>>,
+    acts: [(Instant, Instant); 2],
 ) {
     let mut rng = fastrand::Rng::with_seed(run.seed ^ (id as u64 + 1).wrapping_mul(0x9e37));
+    for (begins, ends) in acts {
+        tokio::time::sleep_until(begins).await;
+        let world = (&answers, &client, &sink, &history, &forger);
+        act(id, &run, variant, world, &mut rng, ends).await;
+    }
+}
+
+/// One act of a worker: claims, writes, stalls, until `until`.
+async fn act(
+    id: usize,
+    run: &Run,
+    variant: Variant,
+    world: World<'_>,
+    rng: &mut fastrand::Rng,
+    until: Instant,
+) {
+    let (answers, client, sink, history, forger) = world;
     let ttl = Duration::from_millis(run.ttl_ms);
     while Instant::now() < until {
         let lease = match client.claim(job()).await {
@@ -210,7 +282,14 @@ async fn worker(
                 sleep(ttl.mul_f64(rng.f64() * 3.0)).await; // a pause, a slow disk, SIGSTOP
             }
             let (on_wire, sink) = (history.clone(), sink.clone());
-            let write_delay = Duration::from_millis(rng.u64(0..=run.write_delay_ms));
+            let held = rng.u32(0..1000) < run.held_per_mille;
+            let write_delay = if held {
+                QUIET + Duration::from_millis(rng.u64(0..=run.ttl_ms * 5))
+            } else {
+                Duration::from_millis(rng.u64(0..=run.write_delay_ms))
+            };
+            let answered = answers.clone();
+            let forger = forger.clone();
             // The wire: noted as sent the moment the worker lets the write out, then delayed,
             // then the sink.
             let wire = service_fn(move |req: Request<String>| {
@@ -221,8 +300,22 @@ async fn worker(
                     .expect("history")
                     .sent
                     .push((generation, Instant::now()));
+                let (answered, forger) = (answered.clone(), forger.clone());
                 async move {
                     sleep(write_delay).await;
+                    let mut req = req;
+                    if let (true, Some(forger)) = (held, forger.as_ref()) {
+                        forger.renew(&mut req, generation);
+                    }
+                    if held
+                        && sink
+                            .store()
+                            .highest(&job())
+                            .await
+                            .is_ok_and(|h| h.get() == 0)
+                    {
+                        answered.met_forgotten.fetch_add(1, Relaxed);
+                    }
                     let applied = history.clone();
                     let service = service_fn(move |req: Request<RequestBody<String>>| {
                         let g = generation_of_body(&req);
@@ -333,9 +426,16 @@ fn simulate(run: &Run, variant: Variant, answers: &Arc<Answers>) {
             _ => sink,
         });
         let _upkeep = sink.spawn_maintenance();
+        let forger = (variant == Variant::SinkSkipsExpiry).then(|| Forger {
+            signer: signer.clone(),
+            clock: TokioClock::new(START, run.sink_offset_ms),
+        });
+        let forger = Arc::new(forger);
         let client = LeaseClient::from_arc(Arc::new(store))
             .ttl(Ttl::from_millis(run.ttl_ms).expect("a ttl in range"));
-        let until = Instant::now() + Duration::from_millis(run.ttl_ms * 20);
+        let act = Duration::from_millis(run.ttl_ms * 20);
+        let first = (Instant::now(), Instant::now() + act);
+        let second = (first.1 + QUIET, first.1 + QUIET + act / 2);
         let workers: Vec<_> = (0..run.workers)
             .map(|id| {
                 let client = client
@@ -349,10 +449,21 @@ fn simulate(run: &Run, variant: Variant, answers: &Arc<Answers>) {
                     client,
                     sink.clone(),
                     history.clone(),
-                    until,
+                    forger.clone(),
+                    [first, second],
                 ))
             })
             .collect();
+        // Between the acts: the sink forgot the job (its store reads it as never seen).
+        sleep_until(second.0).await;
+        if sink
+            .store()
+            .highest(&job())
+            .await
+            .is_ok_and(|h| h.get() == 0)
+        {
+            answers.forgotten.fetch_add(1, Relaxed);
+        }
         for w in workers {
             w.await.expect("a worker");
         }
@@ -422,16 +533,30 @@ fn explore(variant: Variant, cases: u32, answers: &Arc<Answers>) -> Result<(), S
 fn no_stale_write_is_applied_and_no_two_workers_hold_the_job() {
     let answers = Arc::new(Answers::default());
     explore(Variant::AsBuilt, cases(), &answers).unwrap();
+    let load = |n: &AtomicU64| n.load(Relaxed);
     let (applied, stale, expired) = (
-        answers.applied.load(Relaxed),
-        answers.stale.load(Relaxed),
-        answers.expired.load(Relaxed),
+        load(&answers.applied),
+        load(&answers.stale),
+        load(&answers.expired),
     );
-    eprintln!("{applied} writes applied, {stale} refused as stale, {expired} as expired");
+    let (forgotten, met) = (load(&answers.forgotten), load(&answers.met_forgotten));
+    eprintln!(
+        "{applied} writes applied, {stale} refused as stale, {expired} as expired; \
+         the job forgotten between the acts in {forgotten} of {} runs, {met} held writes met it forgotten",
+        cases()
+    );
     assert!(
         applied > 0 && stale > 0 && expired > 0,
         "the runs met no stale or no expired write"
     );
+    // Forgetting happened while writes were travelling, and they met the job forgotten: a
+    // sink that never forgot, or forgot only once nothing was left to arrive, fails here.
+    assert_eq!(
+        forgotten,
+        u64::from(cases()),
+        "a run in which the sink did not forget"
+    );
+    assert!(met > 0, "no held write met the job forgotten");
 }
 
 #[test]
@@ -439,6 +564,7 @@ fn each_broken_part_is_caught() {
     for (variant, finding) in [
         (Variant::UnfencedSink, "the sink applied generation"),
         (Variant::WorkerIgnoresLoss, "was granted at"),
+        (Variant::SinkSkipsExpiry, "the sink applied generation"),
     ] {
         // The panics are the point here: keep their backtraces out of the output.
         let found = catch_unwind(AssertUnwindSafe(|| explore(variant, 64, &Arc::default())));

@@ -19,7 +19,10 @@ use tower::{Service, ServiceExt, service_fn};
 type Body = http_body_util::Empty<bytes::Bytes>;
 
 /// A lease end far in the future (2096).
-const LATER: u64 = 4_000_000_000_000;
+/// A lease end an hour from when the bench starts: a token that ends later than any lease
+/// the server may grant (24 h by default) is refused, and would bench the refusal.
+static LATER_MS: std::sync::LazyLock<u64> =
+    std::sync::LazyLock::new(|| fence_storage::clock::system_now_ms() + 3_600_000);
 
 fn request(job: &str, token: u64, key: Option<u64>) -> Request<Body> {
     let mut r = Request::post("/effects")
@@ -75,13 +78,15 @@ fn bench(c: &mut Criterion) {
     let signer = fence_core::signing::TokenSigner::from_seed([7; 32]);
     let verifier = fence_core::signing::TokenVerifier::new([signer.verify_key()]);
     let job: fence_core::JobId = "signed".parse().unwrap();
-    let signed = signer.sign(&job, fence_core::Generation::new(1), LATER);
+    let signed = signer.sign(&job, fence_core::Generation::new(1), *LATER_MS);
     let signature = signed.rsplit('.').next().unwrap().to_owned();
     g.bench_function("sign a token", |b| {
-        b.iter(|| signer.sign(&job, fence_core::Generation::new(1), LATER))
+        b.iter(|| signer.sign(&job, fence_core::Generation::new(1), *LATER_MS))
     });
     g.bench_function("verify a token", |b| {
-        b.iter(|| assert!(verifier.verify(&job, fence_core::Generation::new(1), LATER, &signature)))
+        b.iter(|| {
+            assert!(verifier.verify(&job, fence_core::Generation::new(1), *LATER_MS, &signature))
+        })
     });
     let signing_layer =
         FenceLayer::new(fence_sink::MemoryStore::new()).require_signatures(verifier);
@@ -112,7 +117,11 @@ fn bench(c: &mut Criterion) {
     let tokens: Vec<(String, String)> = (0..10_000)
         .map(|i| {
             let job = format!("miss-{i}");
-            let token = signer.sign(&job.parse().unwrap(), fence_core::Generation::new(1), LATER);
+            let token = signer.sign(
+                &job.parse().unwrap(),
+                fence_core::Generation::new(1),
+                *LATER_MS,
+            );
             (job, token)
         })
         .collect();

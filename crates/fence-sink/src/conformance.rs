@@ -38,20 +38,38 @@ macro_rules! sink_store_conformance {
             in_flight_and_retention_expire,
             keys_are_scoped_per_job,
             idle_jobs_are_listed_oldest_first_and_forgotten_only_if_unchanged,
+            only_the_attempt_that_began_a_record_finishes_or_forgets_it,
+            a_newer_generation_takes_over_an_older_generations_in_flight_record,
         );
     };
 }
 
-/// The attempt of `fingerprint` at (`job`, `key`).
+/// The attempt of `fingerprint` at (`job`, `key`): one attempt per fingerprint (its id is
+/// made of the fingerprint's bytes), of generation 1.
 pub fn at<'a>(
     job: &'a JobId,
     key: &'a IdempotencyKey,
     fingerprint: &'a Fingerprint,
 ) -> Attempt<'a> {
+    let mut id = [0; 8];
+    id.copy_from_slice(&fingerprint.0[..8]);
+    attempt(job, key, fingerprint, u64::from_be_bytes(id) | 1, 1)
+}
+
+/// Attempt `id` of `fingerprint` at (`job`, `key`), admitted with a token of `generation`.
+pub fn attempt<'a>(
+    job: &'a JobId,
+    key: &'a IdempotencyKey,
+    fingerprint: &'a Fingerprint,
+    id: u64,
+    generation: u64,
+) -> Attempt<'a> {
     Attempt {
         job,
         key,
         fingerprint,
+        id,
+        generation: Generation::new(generation),
     }
 }
 
@@ -252,6 +270,119 @@ pub async fn forget_lets_the_key_run_again<S: IdempotencyStore>(store: S, _advan
     );
 }
 
+/// An attempt that outlived its in-flight timeout has lost its record, as a worker that
+/// outlived its lease has lost the job: its late answer, or its forgetting after a 5xx,
+/// changes nothing of the record its successor began.
+pub async fn only_the_attempt_that_began_a_record_finishes_or_forgets_it<S: IdempotencyStore>(
+    store: S,
+    advance: Advance,
+) {
+    let (j, k, f) = (job("idem-attempts"), key("k"), fp("body"));
+    let first = attempt(&j, &k, &f, 11, 1);
+    let second = attempt(&j, &k, &f, 22, 1);
+    let short = Duration::from_millis(5);
+    assert_eq!(store.begin(first, short).await.unwrap(), Begin::Started);
+    advance(ms(Duration::from_millis(20))); // the first attempt's record times out
+    assert_eq!(store.begin(second, LONG).await.unwrap(), Begin::Started);
+    // The first attempt answers late, then is told to forget (a 5xx): neither touches the
+    // second attempt's record.
+    store
+        .finish(
+            first,
+            Finish::Store {
+                response: response("late"),
+                retention: LONG,
+            },
+        )
+        .await
+        .unwrap();
+    store.finish(first, Finish::Forget).await.unwrap();
+    let third = attempt(&j, &k, &f, 33, 1);
+    assert_eq!(
+        store.begin(third, LONG).await.unwrap(),
+        Begin::InFlight,
+        "the second attempt's record is still in flight"
+    );
+    store
+        .finish(
+            second,
+            Finish::Store {
+                response: response("second"),
+                retention: LONG,
+            },
+        )
+        .await
+        .unwrap();
+    match store.begin(third, LONG).await.unwrap() {
+        Begin::Replay(r) => assert_eq!(r.body, Bytes::from_static(b"second")),
+        other => panic!("expected the second attempt's answer, got {other:?}"),
+    }
+}
+
+/// A newer generation's request with the same key (a derived key: same step, another
+/// holder) takes over an in-flight record of an older generation, whatever its body: the
+/// fence admits it only once the older request has ended. A completed record is not taken
+/// over: the step was done, and its answer stands.
+pub async fn a_newer_generation_takes_over_an_older_generations_in_flight_record<
+    S: IdempotencyStore,
+>(
+    store: S,
+    _advance: Advance,
+) {
+    let (j, k) = (job("idem-generations"), key("charge"));
+    let (old_body, new_body) = (
+        fp("amount=10 by the old holder"),
+        fp("amount=10 by the new"),
+    );
+    let old = attempt(&j, &k, &old_body, 1, 7);
+    assert_eq!(store.begin(old, LONG).await.unwrap(), Begin::Started);
+    let same_generation = attempt(&j, &k, &new_body, 2, 7);
+    assert_eq!(
+        store.begin(same_generation, LONG).await.unwrap(),
+        Begin::Mismatch,
+        "within one generation a key still names one request"
+    );
+    let newer = attempt(&j, &k, &new_body, 3, 8);
+    assert_eq!(store.begin(newer, LONG).await.unwrap(), Begin::Started);
+    // The old attempt's answer, if it ever comes, is not kept.
+    store
+        .finish(
+            old,
+            Finish::Store {
+                response: response("old"),
+                retention: LONG,
+            },
+        )
+        .await
+        .unwrap();
+    store
+        .finish(
+            newer,
+            Finish::Store {
+                response: response("new"),
+                retention: LONG,
+            },
+        )
+        .await
+        .unwrap();
+    match store
+        .begin(attempt(&j, &k, &new_body, 4, 8), LONG)
+        .await
+        .unwrap()
+    {
+        Begin::Replay(r) => assert_eq!(r.body, Bytes::from_static(b"new")),
+        other => panic!("expected the newer attempt's answer, got {other:?}"),
+    }
+    assert_eq!(
+        store
+            .begin(attempt(&j, &k, &old_body, 5, 9), LONG)
+            .await
+            .unwrap(),
+        Begin::Mismatch,
+        "a completed record is not taken over"
+    );
+}
+
 /// A response too large to store leaves a record that refuses replays and re-runs.
 pub async fn too_large_is_not_replayable<S: IdempotencyStore>(store: S, _advance: Advance) {
     let (j, k, f) = (job("idem-4"), key("k4"), fp("body"));
@@ -340,6 +471,15 @@ pub async fn idle_jobs_are_listed_oldest_first_and_forgotten_only_if_unchanged<
         store.idle(page(LONG, None, 10)).await.unwrap().is_empty(),
         "nothing is an hour old"
     );
+    assert!(
+        store
+            .idle(page(Duration::ZERO, None, 10))
+            .await
+            .unwrap()
+            .is_empty(),
+        "a job is stamped ahead: it is not idle the moment it was accepted"
+    );
+    advance(ms(Duration::from_millis(crate::STAMP_AHEAD_MS)));
     let all = store.idle(page(Duration::ZERO, None, 10)).await.unwrap();
     let jobs: Vec<&JobId> = all.iter().map(|i| &i.job).collect();
     assert_eq!(jobs, [&a, &b, &c], "oldest first");

@@ -20,8 +20,9 @@ mod detach;
 pub mod fence;
 mod gate;
 pub mod idempotency;
-mod metrics;
+pub mod metrics;
 mod outcome;
+pub mod refusals;
 mod reject;
 mod store;
 
@@ -39,7 +40,8 @@ pub use fence_storage::BoxError;
 pub use gate::{CacheStats, JobFence};
 pub use idempotency::IdempotencyConfig;
 pub use outcome::OutcomeUnknown;
+pub use refusals::PeerAddr;
 pub use store::{
     Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage,
-    MemoryStore, SledStore, StoreError, StoredResponse, Verdict,
+    Loaded, MemoryStore, Prior, STAMP_AHEAD_MS, SledStore, StoreError, StoredResponse, Verdict,
 };

@@ -2,9 +2,31 @@
 //!
 //! They go through the `metrics` facade; exporters are the application's choice.
 
-/// Counts one request with `outcome`: `accepted`, `stale`, `malformed`, `missing`,
-/// `missing_allowed`, `unfenced`, `replayed`, `in_flight_conflict`, `mismatch`,
-/// `not_replayable`, `drain_timeout` or `store_error`.
+/// Counts one request with `outcome`, one of [`OUTCOMES`].
 pub(crate) fn count(outcome: &'static str) {
+    debug_assert!(OUTCOMES.contains(&outcome), "{outcome} is not in OUTCOMES");
     metrics::counter!("fence_sink_requests_total", "outcome" => outcome).increment(1);
 }
+
+/// Every outcome the layer counts requests under, for the metric's HELP text and its test.
+pub const OUTCOMES: &[&str] = &[
+    "accepted",
+    "stale",
+    "expired",
+    "too_long_lived",
+    "missing",
+    "missing_allowed",
+    "malformed",
+    "invalid_signature",
+    "unfenced",
+    "replayed",
+    "in_flight_conflict",
+    "mismatch",
+    "not_replayable",
+    "too_large",
+    "body_failed",
+    "body_timeout",
+    "drain_timeout",
+    "overloaded",
+    "store_error",
+];

@@ -102,7 +102,6 @@ pub(crate) fn stale(
             "job {job}: token {token} is below generation {highest}, which this destination has already seen; a newer lease holder exists"
         ),
     };
-    tracing::info!(job = %job, generation = token.get(), highest = highest.get(), "stale token rejected");
     about(ProblemType::StaleToken, job, token, detail).with_highest(highest.get())
 }
 
@@ -110,15 +109,25 @@ pub(crate) fn expired(job: JobId, token: FencingToken, expires_at_ms: u64) -> Pr
     let detail = format!(
         "job {job}: token {token} belongs to a lease that ended at {expires_at_ms} ms (Unix time, lease server's clock), beyond the allowed clock skew; a newer holder may have the job: stop work on it"
     );
-    tracing::info!(job = %job, generation = token.get(), expires_at_ms, "expired token rejected");
     about(ProblemType::TokenExpired, job, token, detail).with_expires_at_ms(expires_at_ms)
+}
+
+pub(crate) fn too_long_lived(
+    job: JobId,
+    token: FencingToken,
+    expires_at_ms: u64,
+    latest_ms: u64,
+) -> Problem {
+    let detail = format!(
+        "job {job}: token {token} claims a lease ending at {expires_at_ms} ms (Unix time), after {latest_ms} ms, the latest this destination accepts (now plus its longest lease TTL plus the clock skew): the lease server grants longer leases than this destination allows; its --max-ttl must not exceed the destination's --max-lease-ttl"
+    );
+    about(ProblemType::TokenTooLongLived, job, token, detail).with_expires_at_ms(expires_at_ms)
 }
 
 pub(crate) fn drain_timeout(job: JobId, token: FencingToken, highest: Generation) -> Problem {
     let detail = format!(
         "job {job}: token {token} was newer than every token before it, so older tokens are refused from now on, but requests with older tokens were still in flight when the drain limit ran out; retry"
     );
-    tracing::warn!(job = %job, generation = token.get(), highest = highest.get(), "newer token gave up waiting for older requests (drain timeout)");
     about(ProblemType::DrainTimeout, job, token, detail).with_highest(highest.get())
 }
 
@@ -128,7 +137,6 @@ pub(crate) fn store_failed(
     e: &(dyn std::error::Error + 'static),
 ) -> Problem {
     let cause = fence_storage::error_chain(e);
-    tracing::warn!(job = %job, error = %cause, "the {which} store failed");
     let detail = format!("job {job}: the {which} store failed: {cause}");
     Problem::new(ProblemType::StoreUnavailable, detail).with_job(job.clone())
 }
@@ -148,7 +156,6 @@ pub(crate) fn body_timeout(
     let detail = format!(
         "job {job}: the request body did not arrive within {limit:?} of admission; the service did not see the request"
     );
-    tracing::info!(job = %job, generation = token.get(), "request body too slow: cut at the body deadline");
     about(ProblemType::BodyTimeout, job.clone(), token, detail)
 }
 

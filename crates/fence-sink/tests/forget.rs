@@ -13,7 +13,7 @@ use fence_core::{
 };
 use fence_sink::{
     FenceLayer, ForgetError, GenerationStore, IdempotencyStore, Maintenance, MemoryStore,
-    RequestBody, SledStore,
+    RequestBody, STAMP_AHEAD_MS, SledStore,
 };
 use fence_storage::clock::{Clock, ManualClock};
 use http::{Request, Response, StatusCode};
@@ -24,6 +24,9 @@ const START: u64 = 1_700_000_000_000;
 const SKEW: Duration = Duration::from_secs(5);
 const MAX_TTL: Duration = Duration::from_secs(30);
 const FORGET: Duration = Duration::from_secs(60); // >= 30 s + 2 x 5 s
+/// Long enough after a job's last request for it to be forgotten: [`FORGET`] past its stamp,
+/// which is written [`STAMP_AHEAD_MS`] ahead, and a little more.
+const FORGOTTEN: Duration = Duration::from_secs(60 + STAMP_AHEAD_MS / 1_000 + 10);
 
 fn job() -> JobId {
     "invoice-42".parse().unwrap()
@@ -45,7 +48,11 @@ fn new_sink<St: GenerationStore + IdempotencyStore>(
         .clock(Arc::new(clock.clone()))
         .clock_skew(SKEW)
         .forget_after(FORGET, MAX_TTL)
-        .unwrap();
+        .unwrap()
+        // A sink reopened here had nothing running when it stopped: its newer holder need
+        // not wait for one (tests/restart.rs is about that wait).
+        .longest_request(Duration::ZERO)
+        .unknown_outcome_hold(Duration::ZERO);
     CountingSink::new(layer)
 }
 
@@ -137,7 +144,7 @@ async fn a_stale_write_after_the_job_is_forgotten_is_refused_as_expired() {
     let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
     assert_eq!(sink.send(job().as_str(), &new).await.0, StatusCode::OK);
     // Nothing more for a while: the sink forgets the job, on disk and in memory.
-    pass(&clock, FORGET + Duration::from_secs(10)).await;
+    pass(&clock, FORGOTTEN).await;
     assert_eq!(
         store.highest(&job()).await.unwrap(),
         Generation::ZERO,
@@ -153,6 +160,47 @@ async fn a_stale_write_after_the_job_is_forgotten_is_refused_as_expired() {
     assert_eq!(sink.send(job().as_str(), &renewed).await.0, StatusCode::OK);
 }
 
+/// The attack of issue 30: a sink forgot a job whose newer generations it had seen; a token
+/// of an older generation, validly signed by a lease server with a longer maximum TTL than
+/// the sink was told (an hour ahead), arrives. It is refused for outliving the window the
+/// sink forgets by (403 token-too-long-lived), before and after the forgetting alike; a
+/// token ending exactly at the window's edge still passes.
+#[tokio::test(start_paused = true)]
+async fn a_token_that_outlives_the_window_is_refused_before_and_after_forgetting() {
+    let (clock, signer, store, sink) = in_memory();
+    let _upkeep = sink.layer.spawn_maintenance();
+    let edge = |c: &ManualClock| c.now_ms() + (MAX_TTL + SKEW).as_millis() as u64;
+    for generation in [4, 5] {
+        let t = sign(&signer, generation, edge(&clock));
+        assert_eq!(sink.send(job().as_str(), &t).await.0, StatusCode::OK);
+    }
+    let hour_ahead = |c: &ManualClock| c.now_ms() + 3_600_000;
+    let long = sign(&signer, 6, hour_ahead(&clock));
+    let (status, problem) = sink.send(job().as_str(), &long).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    assert_eq!(problem["type"], "urn:fence:token-too-long-lived");
+    assert_eq!(problem["expires_at_ms"], hour_ahead(&clock));
+    pass(&clock, FORGOTTEN).await;
+    assert_eq!(
+        store.highest(&job()).await.unwrap(),
+        Generation::ZERO,
+        "forgotten"
+    );
+    let stale = sign(&signer, 3, hour_ahead(&clock));
+    let (status, problem) = sink.send(job().as_str(), &stale).await;
+    assert_eq!(status, StatusCode::FORBIDDEN, "{problem}");
+    assert_eq!(problem["type"], "urn:fence:token-too-long-lived");
+    assert_eq!(sink.calls(), 2, "no write of a too long-lived token ran");
+    // One millisecond inside the window is a lease the server may grant: it passes.
+    let fresh = sign(&signer, 7, edge(&clock));
+    assert_eq!(sink.send(job().as_str(), &fresh).await.0, StatusCode::OK);
+    let over = sign(&signer, 7, edge(&clock) + 1);
+    assert_eq!(
+        sink.send(job().as_str(), &over).await.0,
+        StatusCode::FORBIDDEN
+    );
+}
+
 /// Proof (b): the old lease was *released* early (its token's end still ahead when the new
 /// holder claims), and the stale write is held in the network until after forgetting.
 #[tokio::test(start_paused = true)]
@@ -165,7 +213,7 @@ async fn a_released_leases_write_held_until_after_forgetting_is_refused() {
     let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
     assert_eq!(sink.send(job().as_str(), &new).await.0, StatusCode::OK);
     // Worker 1's write, sent before its release, is stuck in the network this long:
-    pass(&clock, FORGET + Duration::from_secs(10)).await;
+    pass(&clock, FORGOTTEN).await;
     assert_eq!(store.highest(&job()).await.unwrap(), Generation::ZERO);
     let (status, problem) = sink.send(job().as_str(), &old).await;
     assert_eq!(status, StatusCode::CONFLICT, "{problem}");
@@ -336,7 +384,7 @@ async fn a_job_with_a_request_in_flight_is_not_forgotten() {
             }
         })
     };
-    let token = sign(&signer, 3, START + 10 * FORGET.as_millis() as u64);
+    let token = sign(&signer, 3, START + MAX_TTL.as_millis() as u64);
     let req = Request::post("/")
         .header("x-fencing-job", job().as_str())
         .header("x-fencing-token", &token)
@@ -352,7 +400,7 @@ async fn a_job_with_a_request_in_flight_is_not_forgotten() {
     );
     release.notify_one();
     assert_eq!(slow.await.unwrap().unwrap().status(), StatusCode::OK);
-    pass(&clock, FORGET + Duration::from_secs(10)).await;
+    pass(&clock, FORGOTTEN).await;
     assert_eq!(
         store.highest(&job()).await.unwrap(),
         Generation::ZERO,
@@ -379,7 +427,7 @@ async fn jobs_only_the_store_remembers_are_forgotten_too() {
         0,
         "the restarted sink holds nothing yet"
     );
-    clock.advance(FORGET + Duration::from_secs(10));
+    clock.advance(FORGOTTEN);
     // The first forgetting pass starts at once; let it, and only it, run.
     let _upkeep = after.layer.spawn_maintenance();
     for _ in 0..100 {

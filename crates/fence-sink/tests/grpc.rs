@@ -224,8 +224,6 @@ async fn the_message_is_percent_encoded() {
     assert!(message.contains("job 100%25-done"), "{message}");
 }
 
-const LATER: u64 = 4_000_000_000_000;
-
 /// Signed tokens: unsigned or forged is PERMISSION_DENIED, a lease that ended is ABORTED.
 #[tokio::test]
 async fn signatures_and_expiry() {
@@ -241,7 +239,11 @@ async fn signatures_and_expiry() {
     send(&svc, fenced("j", &ended))
         .await
         .status(10, "urn:fence:token-expired");
-    let good = signer.sign(&job, Generation::new(5), LATER);
+    let good = signer.sign(
+        &job,
+        Generation::new(5),
+        fence_storage::clock::system_now_ms() + 60_000,
+    );
     assert_eq!(
         send(&svc, fenced("j", &good)).await.header("grpc-status"),
         None

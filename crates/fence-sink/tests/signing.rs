@@ -18,14 +18,20 @@ fn signer(seed: u8) -> TokenSigner {
     TokenSigner::from_seed([seed; 32])
 }
 
-/// A lease end far in the future (2096): these tests are about signatures, not expiry.
-const LATER: u64 = 4_000_000_000_000;
+/// A lease end an hour from now (once, for the whole test binary): these tests are about
+/// signatures, not expiry, and a lease longer than any the server grants is refused.
+static LATER_MS: std::sync::LazyLock<u64> =
+    std::sync::LazyLock::new(|| fence_storage::clock::system_now_ms() + 3_600_000);
+
+fn later() -> u64 {
+    *LATER_MS
+}
 
 fn token(s: &TokenSigner, job: &str, generation: u64) -> String {
     s.sign(
         &job.parse::<JobId>().unwrap(),
         Generation::new(generation),
-        LATER,
+        later(),
     )
 }
 
@@ -48,11 +54,11 @@ async fn forged_tokens_get_403_and_never_move_highest() {
     let refused = [
         token(&other, "job", 6), // right syntax, wrong key
         token(&key, "other-job", 6).replace("other-job", "job"), // a valid signature for another job
-        format!("6.{LATER}.{}", signature(&token(&key, "job", 7))), // for another generation
-        format!("6.{}.{sig6}", LATER + 1),                       // for another lease end
-        format!("6.{LATER}.{}", "A".repeat(86)),                 // well-formed garbage
+        format!("6.{}.{}", later(), signature(&token(&key, "job", 7))), // for another generation
+        format!("6.{}.{sig6}", later() + 1),                     // for another lease end
+        format!("6.{}.{}", later(), "A".repeat(86)),             // well-formed garbage
         "18446744073709551615".into(), // the attacker's huge number, unsigned
-        format!("18446744073709551615.{LATER}.{sig6}"),
+        format!("18446744073709551615.{}.{sig6}", later()),
         "6".into(), // unsigned
     ];
     for forged in &refused {
@@ -63,10 +69,10 @@ async fn forged_tokens_get_403_and_never_move_highest() {
     }
     // Not of either syntax: 400, whatever the keys.
     let malformed = [
-        format!("6.{LATER}.{}", &sig6[..sig6.len() - 2]), // truncated
-        format!("6.{LATER}.{sig6}=="),                    // padded
-        format!("6.{LATER}.{}", "+".repeat(86)),          // standard base64, not base64url
-        format!("6.{sig6}"),                              // version 1: two parts
+        format!("6.{}.{}", later(), &sig6[..sig6.len() - 2]), // truncated
+        format!("6.{}.{sig6}==", later()),                    // padded
+        format!("6.{}.{}", later(), "+".repeat(86)),          // standard base64, not base64url
+        format!("6.{sig6}"),                                  // version 1: two parts
         "6.".into(),
         "x.abc".into(),
         "1.5".into(),

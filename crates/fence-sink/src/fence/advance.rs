@@ -33,7 +33,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// let signer = TokenSigner::from_seed([7; 32]);
     /// let verifier = TokenVerifier::new([signer.verify_key()]);
     /// let layer = FenceLayer::new(MemoryStore::new()).require_signatures(verifier);
-    /// let (job, far, g) = ("job-1".parse()?, 4_000_000_000_000, Generation::new);
+    /// let far = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH)?.as_millis() as u64 + 60_000;
+    /// let (job, g) = ("job-1".parse()?, Generation::new);
     /// assert_eq!(layer.advance(&job, &signer.sign(&job, g(9), far)).await?, 9);
     /// assert_eq!(layer.advance(&job, &signer.sign(&job, g(4), far)).await?, 9);
     /// assert!(layer.advance(&job, "9").await.is_err()); // not signed

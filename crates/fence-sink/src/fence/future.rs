@@ -12,6 +12,7 @@ use pin_project_lite::pin_project;
 use crate::{
     body::ResponseBody,
     detach::{BoxFuture, Detachable},
+    refusals::Asked,
 };
 
 pin_project! {
@@ -22,6 +23,8 @@ pin_project! {
         kind: Kind<F, B, E>,
         // A gRPC call: a rejection is answered the gRPC way.
         grpc: bool,
+        // What a request that may be refused asked, for the refusal log.
+        asked: Option<Asked>,
     }
 }
 
@@ -39,6 +42,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
         Self {
             kind: Kind::Unfenced { future },
             grpc: false,
+            asked: None,
         }
     }
 
@@ -48,6 +52,7 @@ impl<F, B, E> ResponseFuture<F, B, E> {
                 response: Some(response),
             },
             grpc: false,
+            asked: None,
         }
     }
 
@@ -70,12 +75,19 @@ impl<F, B, E> ResponseFuture<F, B, E> {
                 },
             },
             grpc: false,
+            asked: None,
         }
     }
 
     /// Answers rejections the gRPC way when `grpc` (the request is a gRPC call).
     pub(crate) fn grpc(mut self, grpc: bool) -> Self {
         self.grpc = grpc;
+        self
+    }
+
+    /// Logs the answer if it is a refusal, as one to `asked`.
+    pub(crate) fn asked(mut self, asked: Asked) -> Self {
+        self.asked = Some(asked);
         self
     }
 }
@@ -97,6 +109,9 @@ where
             }
             KindProj::Fenced { future } => Pin::new(future).poll(cx),
         };
+        if let (Some(asked), Poll::Ready(Ok(response))) = (this.asked.as_ref(), &answer) {
+            asked.log_if_refused(response);
+        }
         if *this.grpc {
             answer.map_ok(crate::reject::grpc)
         } else {

@@ -14,7 +14,7 @@ use super::{
 };
 use crate::{
     GenerationStore, IdempotencyConfig, IdempotencyStore,
-    gate::{CacheStats, Gates, JobFence, Limits},
+    gate::{CacheStats, Gates, JobFence, Limits, Restart},
 };
 use fence_storage::clock::{Clock, SystemClock};
 
@@ -110,13 +110,17 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
                 max_cached_jobs: 100_000,
                 store_timeout: Duration::from_secs(5),
                 drain_timeout: Duration::from_secs(10),
-                touch_every: None,
+                restart: Restart {
+                    longest_request: Duration::from_secs(60),
+                    hold: Duration::from_secs(60),
+                },
             },
             body_timeout: Duration::from_secs(30),
             unknown_outcome_hold: Duration::from_secs(60),
             max_buffered_bytes: 256 << 20,
             clock: Arc::new(SystemClock::new()),
             clock_skew: Duration::from_secs(5),
+            max_lease_ttl: Duration::from_secs(24 * 3600),
             forget_after: None,
         };
         Self {
@@ -194,8 +198,27 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// flight this long after its answer (default 60 s; a proxy sets its upstream timeout),
     /// so a newer generation does not pass while the upstream may still act on the old
     /// request. Zero lets it go at once.
+    ///
+    /// The same hold applies after a restart to what the process before may have left
+    /// running: see [`longest_request`](Self::longest_request).
     pub fn unknown_outcome_hold(mut self, hold: Duration) -> Self {
-        self.config().unknown_outcome_hold = hold;
+        let config = self.config();
+        config.unknown_outcome_hold = hold;
+        config.limits.restart.hold = hold;
+        self
+    }
+
+    /// The longest an admitted request may run before the service gives up on it (default
+    /// 60 s; a proxy sets its upstream timeout). After a restart over a durable store, a job
+    /// whose last admission by the process before was at `t` (its stamp, written before the
+    /// request went on) lets no newer token pass until `min(t + this, the restart) +` the
+    /// [unknown-outcome hold](Self::unknown_outcome_hold), and no request of its highest
+    /// token either while requests of older tokens may still run: the process before may
+    /// have left them running, and nobody knows their outcome. Jobs idle for longer wait
+    /// for nothing. Zero for both (a service whose effects die with its process) turns the
+    /// wait off.
+    pub fn longest_request(mut self, longest: Duration) -> Self {
+        self.config().limits.restart.longest_request = longest;
         self
     }
 
@@ -229,6 +252,28 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         self
     }
 
+    /// Test hook (feature `test-hooks`): after a restart, wait for nothing the process
+    /// before may have left running, whatever the hold: the negative control of the wait
+    /// [`longest_request`](Self::longest_request) describes.
+    #[cfg(feature = "test-hooks")]
+    pub fn without_restart_hold(mut self) -> Self {
+        self.config().limits.restart = Restart {
+            longest_request: Duration::ZERO,
+            hold: Duration::ZERO,
+        };
+        self
+    }
+
+    /// The longest lease the lease server grants (its `--max-ttl`; default 24 h). With
+    /// [`require_signatures`](Self::require_signatures), a token whose lease ends later
+    /// than now plus this plus the [clock skew](Self::clock_skew) is 409
+    /// `urn:fence:token-too-long`: no lease the server grants can end so late, and
+    /// forgetting relies on every token ending within that window.
+    pub fn max_lease_ttl(mut self, max_ttl: Duration) -> Self {
+        self.config().max_lease_ttl = max_ttl;
+        self
+    }
+
     /// Forgets a job with no admitted request for `after`, in memory and in the store, from
     /// [`spawn_maintenance`](Self::spawn_maintenance)'s background task (contract section
     /// 8). Safe only because signed tokens expire: call it after
@@ -252,8 +297,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             });
         }
         config.forget_after = Some(after);
-        // A job in use renews its stamp in the store this often, so it is not forgotten.
-        config.limits.touch_every = Some(after / 8);
+        // The window every token must end within (see `max_lease_ttl`).
+        config.max_lease_ttl = max_ttl;
         Ok(self)
     }
 

@@ -26,6 +26,7 @@ use crate::{
     gate::Admission,
     idempotency::Keyed,
     metrics::count,
+    refusals::Asked,
     reject::{self, RETRY, reject},
 };
 
@@ -134,12 +135,29 @@ impl Config {
                 count("invalid_signature");
                 return Checked::Rejected(reject::invalid_signature(job, token, signed.is_some()));
             }
-            // Verified, so its lease end can be trusted: a lease that ended is stale.
+            // Verified, so its lease end can be trusted: a lease that ended is stale, and one
+            // that ends later than any lease the server may grant is refused, so forgetting
+            // never meets a token that outlives its window (contract section 8).
             if let Some(s) = &signed {
                 let skew = u64::try_from(self.clock_skew.as_millis()).unwrap_or(u64::MAX);
-                if s.expires_at_ms.saturating_add(skew) < self.clock.now_ms() {
+                let now = self.clock.now_ms();
+                if s.expires_at_ms.saturating_add(skew) < now {
                     count("expired");
                     return Checked::Rejected(reject::expired(job, token, s.expires_at_ms));
+                }
+                let latest = now
+                    .saturating_add(
+                        u64::try_from(self.max_lease_ttl.as_millis()).unwrap_or(u64::MAX),
+                    )
+                    .saturating_add(skew);
+                if s.expires_at_ms > latest {
+                    count("too_long_lived");
+                    return Checked::Rejected(reject::too_long_lived(
+                        job,
+                        token,
+                        s.expires_at_ms,
+                        latest,
+                    ));
                 }
             }
         }
@@ -181,9 +199,12 @@ where
                 return ResponseFuture::unfenced(self.inner.call(request));
             }
             Checked::Rejected(problem) => {
-                return ResponseFuture::rejected(reject(problem, None)).grpc(grpc);
+                return ResponseFuture::rejected(reject(problem, None))
+                    .grpc(grpc)
+                    .asked(Asked::of(&parts));
             }
         };
+        let asked = Asked::of(&parts);
         // The service that poll_ready made ready is the one the future calls.
         let clone = self.inner.clone();
         let inner = std::mem::replace(&mut self.inner, clone);
@@ -194,7 +215,9 @@ where
         // With run_to_completion, the request's guard lives in the future, which a caller
         // that goes away hands to a task: it is released when the effect is over, not when
         // the caller stops waiting.
-        ResponseFuture::fenced(Box::pin(future), detach).grpc(grpc)
+        ResponseFuture::fenced(Box::pin(future), detach)
+            .grpc(grpc)
+            .asked(asked)
     }
 }
 
@@ -213,6 +236,32 @@ where
     St: GenerationStore + IdempotencyStore,
 {
     let Shared { config, gates, .. } = &*shared;
+    let deadline = tokio::time::Instant::now() + config.body_timeout;
+    let keyed = match (&key, &config.idempotency) {
+        (Some(key), Some(idempotency)) => Some(Keyed {
+            store: gates.store(),
+            config: idempotency,
+            job: &job,
+            token,
+            key,
+            budget: &shared.budget,
+            max_buffered: config.max_buffered_bytes,
+            deadline,
+            body_timeout: config.body_timeout,
+            attempt: crate::idempotency::attempt_id(),
+        }),
+        _ => None,
+    };
+    // A request that is buffered (it has an Idempotency-Key) is read whole before the fence
+    // admits it: until then it has reached nobody, holds up no newer token, and a newer
+    // token raised meanwhile makes it stale (docs/protocol.md section 3, "Bodies").
+    let request = match keyed {
+        Some(keyed) => match keyed.read(request).await {
+            Ok(read) => Ready::Read(keyed, read),
+            Err(answer) => return Ok(answer),
+        },
+        None => Ready::Streamed(request),
+    };
     let now_ms = config.clock.now_ms();
     let guard = match gates
         .admit(&job, token.generation(), config.limits, now_ms)
@@ -233,32 +282,22 @@ where
             return Ok(reject(problem, RETRY));
         }
     };
-    let (mut parts, body) = request.into_parts();
-    parts.extensions.insert(Fenced {
+    let fenced = Fenced {
         job: job.clone(),
         token,
-    });
-    let deadline = tokio::time::Instant::now() + config.body_timeout;
-    let response = match (&key, &config.idempotency) {
-        (Some(key), Some(idempotency)) => {
-            let keyed = Keyed {
-                store: &**gates.store(),
-                config: idempotency,
-                job: &job,
-                token,
-                key,
-                budget: &shared.budget,
-                max_buffered: config.max_buffered_bytes,
-                deadline,
-                body_timeout: config.body_timeout,
-            };
-            keyed
-                .run(&mut inner, Request::from_parts(parts, body))
-                .await
+    };
+    let response = match request {
+        Ready::Read(keyed, (mut parts, bytes, held)) => {
+            parts.extensions.insert(fenced);
+            keyed.run(&mut inner, (parts, bytes, held)).await
         }
-        _ => {
+        Ready::Streamed(request) => {
+            let (mut parts, body) = request.into_parts();
+            parts.extensions.insert(fenced);
             count("accepted");
             let limit = config.body_timeout;
+            // A streamed body's deadline counts from admission: the service has its head.
+            let deadline = tokio::time::Instant::now() + limit;
             streamed(&mut inner, parts, body, (deadline, limit), &job, token).await
         }
     };
@@ -271,6 +310,16 @@ where
         _ => drop(guard),
     }
     response
+}
+
+/// A request as the fence admits it: read whole (it has an `Idempotency-Key`), or with its
+/// body still to stream.
+enum Ready<'a, St, ReqB> {
+    Read(
+        Keyed<'a, St>,
+        (Parts, bytes::Bytes, crate::budget::Reservation),
+    ),
+    Streamed(Request<ReqB>),
 }
 
 /// Passes a request on with its body streamed under the deadline. When the body ran out of

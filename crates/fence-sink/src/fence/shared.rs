@@ -37,6 +37,9 @@ pub(crate) struct Config {
     pub(crate) clock: Arc<dyn Clock>,
     /// How far the lease server's clock may be ahead of this one.
     pub(crate) clock_skew: Duration,
+    /// The longest lease the lease server grants: a signed token may end at most this (plus
+    /// the skew) after now.
+    pub(crate) max_lease_ttl: Duration,
     /// Forget a job with no admitted request for this long (contract section 8).
     pub(crate) forget_after: Option<Duration>,
 }

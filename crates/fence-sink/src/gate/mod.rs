@@ -21,7 +21,9 @@
 //! durable write. Only gates nobody holds are evicted (`remove_if` on the map's own
 //! reference), and a new gate loads `highest` from the store before it decides.
 //!
-//! The map of gates, with idle jobs kept small, eviction and forgetting, is in [`cache`].
+//! The map of gates, with idle jobs kept small, eviction and forgetting, is in [`cache`]; what
+//! a restart leaves running, and how long a newer token waits for it, in [`restart`]; the
+//! guards of admitted requests and running bumps in [`flight`].
 
 use std::{
     sync::{
@@ -32,8 +34,10 @@ use std::{
 };
 
 mod cache;
+mod flight;
 #[cfg(test)]
 mod model;
+mod restart;
 
 use dashmap::DashMap;
 use fence_core::{Generation, JobId};
@@ -44,8 +48,11 @@ use tokio::{
 
 pub use self::cache::{CacheStats, JobFence};
 use self::cache::{Made, Map};
+pub(crate) use self::flight::InFlight;
+use self::flight::Unsettled;
+pub(crate) use self::restart::Restart;
 use crate::detach::Detachable;
-use crate::store::{GenerationStore, StoreError, Verdict};
+use crate::store::{GenerationStore, STAMP_AHEAD_MS, StoreError, Verdict};
 
 /// Deliberately broken variants of the gate, which its model check must catch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -98,13 +105,23 @@ enum Step {
         highest: Generation,
         pending: Option<Generation>,
     },
-    /// Through; with `touch`, the job's stamp is due to be renewed in the store.
-    Current {
-        guard: InFlight,
-        touch: bool,
-    },
-    Bump,
-    Wait,
+    /// Through, once the job's stamp covers it (see [`Stamp`]).
+    Current { guard: InFlight, stamp: Stamp },
+    /// Raise `highest` to the token; whether older requests may still be running then.
+    Bump { older_running: bool },
+    /// Wait for a change, or until the instant given (a restart's hold ends).
+    Wait(Option<Instant>),
+}
+
+/// What an admitted request needs of the job's durable stamp.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Stamp {
+    /// The stamp covers it, with time to spare.
+    Covered,
+    /// The stamp covers it, but is due: renew it in the background.
+    Renew,
+    /// The stamp does not cover it: write one before the request goes on.
+    First,
 }
 
 #[derive(Debug, Default)]
@@ -117,8 +134,19 @@ struct GateState {
     draining: usize,
     /// The token whose durable write is running, if any.
     bumping: Option<Generation>,
-    /// When the store last stamped the job, as far as this process knows (0: unknown).
-    touched_ms: u64,
+    /// Admissions before this (ms, the layer's clock) are covered by the job's durable
+    /// stamp (0: not known to be covered).
+    covered_until_ms: u64,
+    /// A renewal of the stamp is running in the background.
+    stamping: bool,
+    /// Requests of generation `highest` that the process before this one admitted may still
+    /// be running until then.
+    prior_current: Option<Instant>,
+    /// Requests of older generations that the process before admitted may still be running
+    /// until then.
+    prior_older: Option<Instant>,
+    /// Calls of a shared store for this job running now (at most [`STORE_CALLS_PER_JOB`]).
+    store_calls: usize,
 }
 
 impl GateState {
@@ -129,7 +157,15 @@ impl GateState {
             self.draining += self.current;
             self.current = 0;
             self.highest = to;
+            self.prior_older = self.prior_older.max(self.prior_current.take());
         }
+    }
+
+    /// When requests older than `highest` may still be running in the process before, if
+    /// that is still ahead.
+    fn prior_older_pending(&self) -> Option<Instant> {
+        // The clock is read only while there is such a time.
+        self.prior_older.filter(|until| *until > Instant::now())
     }
 }
 
@@ -140,16 +176,32 @@ pub(crate) struct Gate {
     changed: Notify,
 }
 
+/// How many of a shared store's connections one job's requests may use at once: a job whose
+/// row a stalled SQL writer holds locked ties up that many of the pool's connections, not
+/// all of them.
+pub(crate) const STORE_CALLS_PER_JOB: usize = 4;
+
+/// One of a job's [`STORE_CALLS_PER_JOB`] turns at a shared store, given back when dropped
+/// (the call ended, or its request went away).
+struct Turn<'a>(&'a Gate);
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.0.lock().store_calls -= 1;
+        self.0.changed.notify_waiters();
+    }
+}
+
 impl Gate {
     /// A gate rebuilt from a collapsed entry. Were `highest` lost here (0), nothing unsafe
     /// would follow, only a store write: every token above a gate's `highest` is bumped
     /// through the store, which answers stale for anything below its own highest.
-    fn idle(highest: Generation, touched_ms: u64) -> Self {
+    fn idle(highest: Generation, covered_until_ms: u64) -> Self {
         Self {
             loaded: OnceCell::new_with(Some(())),
             state: Mutex::new(GateState {
                 highest,
-                touched_ms,
+                covered_until_ms,
                 ..GateState::default()
             }),
             changed: Notify::new(),
@@ -161,76 +213,18 @@ impl Gate {
     }
 
     /// The highest generation and stamp, when the gate holds nothing but those: loaded,
-    /// nothing in flight, no bump pending or running.
+    /// nothing in flight, no bump pending or running, no stamp being renewed, and nothing
+    /// an earlier process admitted still to wait for.
     fn quiet(&self) -> Option<(Generation, u64)> {
         if !self.loaded.initialized() {
             return None;
         }
         let s = self.lock();
-        (s.current == 0 && s.draining == 0 && s.bumping.is_none())
-            .then_some((s.highest, s.touched_ms))
-    }
-}
-
-/// Clears a bump's mark when its task ends without settling (a panic in the store, or the
-/// runtime shutting down), so the job is not left waiting on a bump that will never finish.
-struct Unsettled<'a> {
-    gate: &'a Gate,
-    token: Generation,
-}
-
-impl Drop for Unsettled<'_> {
-    fn drop(&mut self) {
-        let mut s = self.gate.lock();
-        // While this bump runs, `bumping` is this token (only `decide` sets it, and only when
-        // it is empty; only `settle` or this clears it), so the check never fails today: it
-        // keeps this guard correct should a second bump ever be allowed to start.
-        if s.bumping == Some(self.token) {
-            s.bumping = None;
-        }
-        drop(s);
-        self.gate.changed.notify_waiters();
-    }
-}
-
-/// Marks one admitted request in flight; dropping it lets a newer generation that waits for
-/// it proceed.
-#[derive(Debug)]
-pub(crate) struct InFlight {
-    gate: Arc<Gate>,
-    generation: Generation,
-}
-
-impl InFlight {
-    /// Keeps the request counted in flight for `hold` more (after an unknown outcome: the
-    /// upstream may still act on it), then lets it go. Without a runtime to wait on, at once.
-    pub(crate) fn hold(self, hold: Duration) {
-        if hold.is_zero() {
-            return;
-        }
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(async move {
-                tokio::time::sleep(hold).await;
-                drop(self);
-            });
-        }
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let mut s = self.gate.lock();
-        if self.generation == s.highest {
-            s.current -= 1;
-            return;
-        }
-        // Older than `highest`: counted in `draining` since the raise.
-        s.draining -= 1;
-        let drained = s.draining == 0 && !broken(Mutant::DrainUnnotified);
-        drop(s);
-        if drained {
-            self.gate.changed.notify_waiters();
-        }
+        let now = Instant::now();
+        let prior =
+            s.prior_older.is_some_and(|t| t > now) || s.prior_current.is_some_and(|t| t > now);
+        (s.current == 0 && s.draining == 0 && s.bumping.is_none() && !s.stamping && !prior)
+            .then_some((s.highest, s.covered_until_ms))
     }
 }
 
@@ -244,9 +238,8 @@ pub(crate) struct Limits {
     pub(crate) store_timeout: Duration,
     /// For older in-flight requests to finish before a newer generation passes.
     pub(crate) drain_timeout: Duration,
-    /// When forgetting is on: how old a job's stamp in the store may get while requests are
-    /// admitted before one of them renews it (in the background).
-    pub(crate) touch_every: Option<Duration>,
+    /// What a process before this one may still have running (see the module's docs).
+    pub(crate) restart: Restart,
 }
 
 /// All gates of one layer and its clones.
@@ -289,11 +282,22 @@ impl<St: GenerationStore> Gates<St> {
         self.map.len()
     }
 
-    async fn load(&self, gate: &Gate, job: &JobId, timeout: Duration) -> Result<(), StoreError> {
+    async fn load(
+        &self,
+        gate: &Gate,
+        job: &JobId,
+        limits: Limits,
+        now_ms: u64,
+    ) -> Result<(), StoreError> {
+        let timeout = limits.store_timeout;
         let init = gate.loaded.get_or_try_init(|| async {
             self.reads.fetch_add(1, Relaxed);
-            let highest = self.store.highest(job).await?;
-            gate.lock().raise(highest);
+            let loaded = self.store.load(job).await?;
+            let mut s = gate.lock();
+            s.raise(loaded.highest);
+            if let Some(prior) = loaded.prior {
+                s.load_prior(prior, limits.restart, now_ms);
+            }
             Ok::<_, StoreError>(())
         });
         tokio::time::timeout(timeout, init)
@@ -304,11 +308,28 @@ impl<St: GenerationStore> Gates<St> {
 
     async fn observe(
         &self,
+        gate: &Gate,
         job: &JobId,
         token: Generation,
         timeout: Duration,
     ) -> Result<Verdict, StoreError> {
-        tokio::time::timeout(timeout, self.store.observe(job, token))
+        let call = async {
+            let _turn = loop {
+                let notified = gate.changed.notified();
+                tokio::pin!(notified);
+                notified.as_mut().enable(); // registered before the check: no wake-up is missed
+                {
+                    let mut s = gate.lock();
+                    if s.store_calls < STORE_CALLS_PER_JOB {
+                        s.store_calls += 1;
+                        break Turn(gate);
+                    }
+                }
+                notified.await;
+            };
+            self.store.observe(job, token).await
+        };
+        tokio::time::timeout(timeout, call)
             .await
             .map_err(|_| StoreError::Timeout(timeout))?
     }
@@ -325,7 +346,7 @@ impl<St: GenerationStore> Gates<St> {
         now_ms: u64,
     ) -> Admission {
         let gate = &self.gate(job, limits.max_cached_jobs);
-        if let Err(e) = self.load(gate, job, limits.store_timeout).await {
+        if let Err(e) = self.load(gate, job, limits, now_ms).await {
             return Admission::StoreFailed(e);
         }
         let deadline = Instant::now() + limits.drain_timeout;
@@ -333,26 +354,36 @@ impl<St: GenerationStore> Gates<St> {
             let notified = gate.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable(); // registered before the check: no wake-up is missed
-            match self.decide(gate, token, limits.touch_every, now_ms) {
+            match self.decide(gate, token, now_ms) {
                 Step::Stale { highest, pending } => return Admission::Stale { highest, pending },
-                Step::Current { guard, .. } if self.store.is_shared() => {
-                    // The store stamps the job on this very call.
-                    return self
+                Step::Current { guard, stamp }
+                    if self.store.is_shared() || stamp == Stamp::First =>
+                {
+                    // A shared store is asked every time (and stamps the job on that call);
+                    // otherwise the stamp must cover this request before it goes on.
+                    let admitted = self
                         .confirm(gate, job, token, guard, limits.store_timeout)
                         .await;
+                    if matches!(admitted, Admission::Admitted(_)) {
+                        // That call stamped the job (a renewal due is done with it).
+                        Self::stamped(gate, now_ms, stamp == Stamp::Renew);
+                    } else if stamp == Stamp::Renew {
+                        gate.lock().stamping = false;
+                    }
+                    return admitted;
                 }
-                Step::Current { guard, touch } => {
-                    if touch {
-                        self.touch(job, token, limits.store_timeout);
+                Step::Current { guard, stamp } => {
+                    if stamp == Stamp::Renew {
+                        self.touch(gate, job, token, limits.store_timeout, now_ms);
                     }
                     return Admission::Admitted(guard);
                 }
-                Step::Bump => {
+                Step::Bump { older_running } => {
                     match self
                         .bump(
                             gate.clone(),
                             job.clone(),
-                            token,
+                            (token, older_running),
                             limits.store_timeout,
                             now_ms,
                         )
@@ -363,35 +394,64 @@ impl<St: GenerationStore> Gates<St> {
                         Err(refused) => return refused,
                     }
                 }
-                Step::Wait => {}
-            }
-            if tokio::time::timeout_at(deadline, notified).await.is_err() {
-                let highest = gate.lock().highest;
-                return Admission::DrainTimeout { highest };
+                Step::Wait(until) => {
+                    // What an earlier process may still be running ends after the drain
+                    // limit: say so now rather than at the limit.
+                    if until.is_some_and(|u| u > deadline) {
+                        let highest = gate.lock().highest;
+                        return Admission::DrainTimeout { highest };
+                    }
+                    let wake = until.map_or(deadline, |u| u.min(deadline));
+                    if tokio::time::timeout_at(wake, notified).await.is_err()
+                        && Instant::now() >= deadline
+                    {
+                        let highest = gate.lock().highest;
+                        return Admission::DrainTimeout { highest };
+                    }
+                }
             }
         }
     }
 
-    /// Renews `job`'s stamp in the store, in the background (a failure only means the job
-    /// may be forgotten and reloaded sooner).
-    fn touch(&self, job: &JobId, token: Generation, timeout: Duration) {
+    /// The job's stamp was written at `now_ms` (the layer's clock): admissions for half of
+    /// [`STAMP_AHEAD_MS`] from then are covered.
+    fn stamped(gate: &Gate, now_ms: u64, renewal: bool) {
+        let mut s = gate.lock();
+        s.covered_until_ms = s
+            .covered_until_ms
+            .max(now_ms.saturating_add(STAMP_AHEAD_MS / 2));
+        if renewal {
+            s.stamping = false;
+        }
+    }
+
+    /// Renews `job`'s stamp in the store, in the background, before the one that covers its
+    /// requests runs out (a failure only means the next request writes one first).
+    fn touch(
+        &self,
+        gate: &Arc<Gate>,
+        job: &JobId,
+        token: Generation,
+        timeout: Duration,
+        now_ms: u64,
+    ) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            gate.lock().stamping = false;
             return;
         };
-        let (store, job) = (self.store.clone(), job.clone());
+        let (store, job, gate) = (self.store.clone(), job.clone(), gate.clone());
         runtime.spawn(async move {
-            let _ = tokio::time::timeout(timeout, store.observe(&job, token)).await;
+            let done = tokio::time::timeout(timeout, store.observe(&job, token)).await;
+            if let Ok(Ok(Verdict::Accepted)) = done {
+                Self::stamped(&gate, now_ms, true);
+            } else {
+                gate.lock().stamping = false;
+            }
         });
     }
 
     /// One look at the gate, under its lock.
-    fn decide(
-        &self,
-        gate: &Arc<Gate>,
-        token: Generation,
-        touch_every: Option<Duration>,
-        now_ms: u64,
-    ) -> Step {
+    fn decide(&self, gate: &Arc<Gate>, token: Generation, now_ms: u64) -> Step {
         let mut s = gate.lock();
         let newest = s.bumping.map_or(s.highest, |b| b.max(s.highest));
         if token < newest {
@@ -401,32 +461,40 @@ impl<St: GenerationStore> Gates<St> {
             };
         }
         if token == s.highest {
-            if s.draining > 0 {
-                return Step::Wait;
+            let prior = s.prior_older_pending();
+            if s.draining > 0 || prior.is_some() {
+                return Step::Wait(prior);
             }
             s.current += 1;
-            let touch = touch_every.is_some_and(|every| {
-                now_ms.saturating_sub(s.touched_ms)
-                    >= u64::try_from(every.as_millis()).unwrap_or(u64::MAX)
-            });
-            if touch {
-                s.touched_ms = now_ms;
-            }
+            let stamp = if now_ms >= s.covered_until_ms {
+                Stamp::First
+            } else if !s.stamping && now_ms.saturating_add(STAMP_AHEAD_MS / 4) >= s.covered_until_ms
+            {
+                s.stamping = true;
+                Stamp::Renew
+            } else {
+                Stamp::Covered
+            };
             return Step::Current {
                 guard: InFlight {
                     gate: gate.clone(),
                     generation: token,
                 },
-                touch,
+                stamp,
             };
         }
         // token > highest: raise it, one durable write at a time per job; a request above a
         // write that is running waits for it, then raises again.
         if s.bumping.is_some() {
-            return Step::Wait;
+            return Step::Wait(None);
         }
         s.bumping = Some(token);
-        Step::Bump
+        let now = Instant::now();
+        let older_running = s.current > 0
+            || s.draining > 0
+            || s.prior_current.is_some_and(|t| t > now)
+            || s.prior_older.is_some_and(|t| t > now);
+        Step::Bump { older_running }
     }
 
     /// With a shared store, other processes may have moved on: the store has the last word.
@@ -438,7 +506,7 @@ impl<St: GenerationStore> Gates<St> {
         guard: InFlight,
         timeout: Duration,
     ) -> Admission {
-        match self.observe(job, token, timeout).await {
+        match self.observe(gate, job, token, timeout).await {
             Ok(Verdict::Accepted) => Admission::Admitted(guard),
             Ok(Verdict::Stale { highest }) => {
                 drop(guard);
@@ -460,14 +528,17 @@ impl<St: GenerationStore> Gates<St> {
         self: &Arc<Self>,
         gate: Arc<Gate>,
         job: JobId,
-        token: Generation,
+        (token, older_running): (Generation, bool),
         timeout: Duration,
         now_ms: u64,
     ) -> Result<(), Admission> {
         let gates = self.clone();
         Detachable::finishing(Box::pin(async move {
             let unsettled = Unsettled { gate: &gate, token };
-            let result = gates.observe(&job, token, timeout).await;
+            let raise = gates.store.raise(&job, token, older_running);
+            let result = tokio::time::timeout(timeout, raise)
+                .await
+                .unwrap_or(Err(StoreError::Timeout(timeout)));
             std::mem::forget(unsettled);
             let settled = Self::settle(&gate, token, result, now_ms);
             gate.changed.notify_waiters();
@@ -487,7 +558,10 @@ impl<St: GenerationStore> Gates<St> {
         match result {
             Ok(Verdict::Accepted) => {
                 s.raise(token);
-                s.touched_ms = now_ms; // the store stamped it just now
+                // The store stamped it just now.
+                s.covered_until_ms = s
+                    .covered_until_ms
+                    .max(now_ms.saturating_add(STAMP_AHEAD_MS / 2));
                 Ok(())
             }
             Ok(Verdict::Stale { highest }) => {

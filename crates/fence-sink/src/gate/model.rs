@@ -34,7 +34,7 @@ use shuttle::{
     scheduler::{PctScheduler, RandomScheduler, Scheduler},
 };
 
-use super::{Admission, Gates, Limits, MUTANT, Mutant, cache::Slot};
+use super::{Admission, Gates, Limits, MUTANT, Mutant, Restart, cache::Slot};
 use crate::{
     detach::under_shuttle,
     store::{GenerationStore, StoreError, Verdict},
@@ -144,7 +144,10 @@ const LIMITS: Limits = Limits {
     max_cached_jobs: 16,
     store_timeout: Duration::from_secs(3600),
     drain_timeout: Duration::from_secs(3600),
-    touch_every: None,
+    restart: Restart {
+        longest_request: Duration::ZERO,
+        hold: Duration::ZERO,
+    },
 };
 
 /// `fut`'s output, or `None` when it was not ready within `polls` polls (it is dropped then).

@@ -23,7 +23,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use http::StatusCode;
 
-pub(crate) use self::run::Keyed;
+pub(crate) use self::run::{Keyed, attempt_id};
 
 /// Which responses are stored for replay.
 pub type StatusFilter = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
@@ -38,6 +38,7 @@ pub struct IdempotencyConfig {
     pub(crate) store_statuses: StatusFilter,
     pub(crate) sweep_every: Duration,
     pub(crate) store_timeout: Duration,
+    pub(crate) scope_headers: Vec<http::HeaderName>,
 }
 
 impl Default for IdempotencyConfig {
@@ -53,6 +54,7 @@ impl Default for IdempotencyConfig {
             store_statuses: Arc::new(|s: StatusCode| s.is_success() || s.is_client_error()),
             sweep_every: Duration::from_secs(60),
             store_timeout: Duration::from_secs(5),
+            scope_headers: Vec::new(),
         }
     }
 }
@@ -64,6 +66,7 @@ impl fmt::Debug for IdempotencyConfig {
             .field("max_response_body", &self.max_response_body)
             .field("retention", &self.retention)
             .field("in_flight_timeout", &self.in_flight_timeout)
+            .field("scope_headers", &self.scope_headers)
             .finish_non_exhaustive()
     }
 }
@@ -108,6 +111,17 @@ impl IdempotencyConfig {
     /// Gives the store this long per call before answering 503 (default 5 s).
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
         self.store_timeout = timeout;
+        self
+    }
+
+    /// Makes the values of these request headers part of what makes two requests "the same"
+    /// (for a multi-tenant upstream: `authorization`): a stored answer is then replayed only
+    /// to a request with the same values, and the same key with other values is 422
+    /// `idempotency-key-mismatch` instead of another tenant's answer. Off by default, because
+    /// a derived key (`lease.idempotency_key(step)`) must deduplicate across holders that send
+    /// other credentials.
+    pub fn scope_headers(mut self, names: impl IntoIterator<Item = http::HeaderName>) -> Self {
+        self.scope_headers = names.into_iter().collect();
         self
     }
 

@@ -32,7 +32,7 @@ use crate::{
 
 /// One (job, key) and where its record lives.
 pub(crate) struct Keyed<'a, St> {
-    pub(crate) store: &'a St,
+    pub(crate) store: &'a Arc<St>,
     pub(crate) config: &'a IdempotencyConfig,
     pub(crate) job: &'a JobId,
     pub(crate) token: fence_core::FencingToken,
@@ -43,6 +43,13 @@ pub(crate) struct Keyed<'a, St> {
     /// When the request body must have arrived, and the limit that set it.
     pub(crate) deadline: Instant,
     pub(crate) body_timeout: Duration,
+    /// This attempt's id (random, not 0): its in-flight record is its own.
+    pub(crate) attempt: u64,
+}
+
+/// A fresh attempt id: random, never 0 (which marks records from before ids were kept).
+pub(crate) fn attempt_id() -> u64 {
+    fastrand::u64(1..)
 }
 
 /// Why a request body was not read whole.
@@ -55,24 +62,33 @@ enum ReadFailure {
 type Answer<B> = Response<ResponseBody<B>>;
 
 impl<St: IdempotencyStore> Keyed<'_, St> {
-    /// Runs `request` once per (job, key): the first time through `inner`, later from the
-    /// record.
+    /// Runs a request whose body [`read`](Self::read) has read once per (job, key): the
+    /// first time through `inner`, later from the record.
     pub(crate) async fn run<S, ReqB, ResB>(
         &self,
         inner: &mut S,
-        request: Request<ReqB>,
+        (parts, bytes, held): (Parts, Bytes, Reservation),
     ) -> Result<Answer<ResB>, S::Error>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
         ReqB: FenceBody,
         ResB: FenceBody,
     {
-        let (parts, bytes, held) = match self.read(request).await {
-            Ok(read) => read,
-            Err(answer) => return Ok(answer),
-        };
         let path = parts.uri.path_and_query().map_or("/", |p| p.as_str());
-        let fingerprint = Fingerprint::of(&parts.method, path, &bytes);
+        let scope: Vec<Vec<&[u8]>> = self
+            .config
+            .scope_headers
+            .iter()
+            .map(|name| {
+                parts
+                    .headers
+                    .get_all(name)
+                    .iter()
+                    .map(http::HeaderValue::as_bytes)
+                    .collect()
+            })
+            .collect();
+        let fingerprint = Fingerprint::scoped(&parts.method, path, &scope, &bytes);
         if let Err(answer) = self.begin(&fingerprint).await {
             return Ok(answer);
         }
@@ -89,7 +105,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     /// the answer when the body cannot be had: 408 past the deadline, 413 over the
     /// fingerprinting limit, 503 over the budget, 400 when it fails. The service sees none
     /// of those requests.
-    async fn read<ReqB, B>(
+    pub(crate) async fn read<ReqB, B>(
         &self,
         request: Request<ReqB>,
     ) -> Result<(Parts, Bytes, Reservation), Answer<B>>
@@ -133,13 +149,17 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         };
         Err(match failure {
             ReadFailure::TooLarge => {
+                count("too_large");
                 reject(reject::body_too_large(self.job, self.key, limit), None)
             }
             ReadFailure::Overloaded => {
                 count("overloaded");
                 reject(reject::overloaded(self.job, self.max_buffered), RETRY)
             }
-            ReadFailure::Body(e) => reject(reject::request_body_failed(self.job, &e), None),
+            ReadFailure::Body(e) => {
+                count("body_failed");
+                reject(reject::request_body_failed(self.job, &e), None)
+            }
         })
     }
 
@@ -152,6 +172,13 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let (job, key) = (self.job, self.key);
         let (problem, retry) = match begun {
             Ok(Begin::Started) => return Ok(()),
+            Err(e @ StoreError::Timeout(_)) => {
+                // The record may have been written after all: nothing ran, so it must not
+                // block its key. Give it up, if it is this attempt's, in the background.
+                self.release_unknown_begin(fingerprint);
+                count("store_error");
+                (reject::store_failed(job, "idempotency", &e), RETRY)
+            }
             Ok(Begin::Replay(stored)) => {
                 let Some(held) = self.budget.reserve(stored.body.len(), self.max_buffered) else {
                     count("overloaded");
@@ -262,7 +289,39 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             job: self.job,
             key: self.key,
             fingerprint,
+            id: self.attempt,
+            generation: self.token.generation(),
         }
+    }
+
+    /// After a `begin` whose outcome is unknown (it timed out), forgets the in-flight record
+    /// it may have written, in a task of its own (the store only deletes a record this
+    /// attempt began; without a runtime, or if that fails too, the record times out).
+    fn release_unknown_begin(&self, fingerprint: &Fingerprint) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let (store, job, key, fingerprint) = (
+            self.store.clone(),
+            self.job.clone(),
+            self.key.clone(),
+            *fingerprint,
+        );
+        let (id, generation, limit) = (
+            self.attempt,
+            self.token.generation(),
+            self.config.store_timeout,
+        );
+        runtime.spawn(async move {
+            let attempt = Attempt {
+                job: &job,
+                key: &key,
+                fingerprint: &fingerprint,
+                id,
+                generation,
+            };
+            let _ = tokio::time::timeout(limit, store.finish(attempt, Finish::Forget)).await;
+        });
     }
 
     async fn timed<T>(

@@ -10,8 +10,8 @@ use fence_core::{Generation, JobId, headers::IdempotencyKey};
 use fence_storage::clock::{Clock, SystemClock};
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, STAMP_GRANULE_MS,
-    StoreError, Verdict, ms, record,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, STAMP_AHEAD_MS,
+    StoreError, Verdict, ms, record, stamp_due,
 };
 
 /// Highest generations and idempotency records in memory.
@@ -29,7 +29,8 @@ impl Default for MemoryStore {
 
 #[derive(Debug, Default)]
 struct Inner {
-    /// Per job: the highest generation and when it was last accepted.
+    /// Per job: the highest generation and its stamp (ahead of the last acceptance). Nothing
+    /// outlives the process, so [`GenerationStore::load`] reports no stamps.
     highest: HashMap<JobId, (Generation, u64)>,
     /// The same stamps, oldest first.
     by_stamp: BTreeSet<IdleJob>,
@@ -63,16 +64,17 @@ impl GenerationStore for MemoryStore {
         if token < highest {
             return Ok(Verdict::Stale { highest });
         }
-        if token == highest && touched.saturating_add(STAMP_GRANULE_MS) > now {
+        if token == highest && !stamp_due(touched, now) {
             return Ok(Verdict::Accepted); // stamped lately
         }
-        inner.highest.insert(job.clone(), (token, now));
+        let stamp = now.saturating_add(STAMP_AHEAD_MS);
+        inner.highest.insert(job.clone(), (token, stamp));
         inner.by_stamp.remove(&IdleJob {
             touched_ms: touched,
             job: job.clone(),
         });
         inner.by_stamp.insert(IdleJob {
-            touched_ms: now,
+            touched_ms: stamp,
             job: job.clone(),
         });
         Ok(Verdict::Accepted)
@@ -122,7 +124,7 @@ impl IdempotencyStore for MemoryStore {
         let k = (attempt.job.clone(), attempt.key.clone());
         let (write, answer) = record::begin(
             inner.records.get(&k),
-            attempt.fingerprint,
+            &attempt,
             ms(in_flight),
             self.clock.now_ms(),
         );
@@ -136,7 +138,7 @@ impl IdempotencyStore for MemoryStore {
         let mut inner = self.lock();
         let k = (attempt.job.clone(), attempt.key.clone());
         let now = self.clock.now_ms();
-        match record::finish(inner.records.get(&k), attempt.fingerprint, outcome, now) {
+        match record::finish(inner.records.get(&k), &attempt, outcome, now) {
             Some(Some(r)) => {
                 inner.records.insert(k, r);
             }

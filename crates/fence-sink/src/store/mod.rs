@@ -52,9 +52,68 @@ pub enum Verdict {
     },
 }
 
-/// An accepted token equal to the highest re-stamps its job only when the stamp is at least
-/// this old (ms), so a store asked on every request writes at most once a second per job.
-pub(crate) const STAMP_GRANULE_MS: u64 = 1_000;
+/// How far ahead of its clock a store stamps a job it accepts (ms): the stamp is a time by
+/// which every admission of the job had happened (docs/protocol.md, "After a restart").
+/// A token equal to the highest re-stamps its job only when less than half of this is left,
+/// so a store asked on every request writes at most once every few seconds per job.
+pub const STAMP_AHEAD_MS: u64 = 10_000;
+
+/// Whether a job stamped `touched_ms` must be stamped again at `now_ms` for an accepted token
+/// equal to its highest.
+pub(crate) fn stamp_due(touched_ms: u64, now_ms: u64) -> bool {
+    touched_ms < now_ms.saturating_add(STAMP_AHEAD_MS / 2)
+}
+
+/// A job as a gate loads it from the store: its highest generation and, where the store
+/// keeps them, the stamps that bound what an earlier process may still have running.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct Loaded {
+    /// The highest generation stored (0 when none).
+    pub highest: Generation,
+    /// The stamps, in the store's clock; `None` for a store that no earlier process could
+    /// have used (memory) or a job with no record.
+    pub prior: Option<Prior>,
+}
+
+impl Loaded {
+    /// A job with `highest` and no stamps.
+    pub fn new(highest: Generation) -> Self {
+        Self {
+            highest,
+            prior: None,
+        }
+    }
+}
+
+/// What bounds the requests an earlier process admitted for a job, all in ms of the store's
+/// clock: it admitted none after `admitted_until_ms`, none of a generation below the highest
+/// after `raised_ms`, and it had ended by `opened_ms` (when this process opened the store).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[non_exhaustive]
+pub struct Prior {
+    /// Every admission of the job happened before this (the job's stamp, written ahead).
+    pub admitted_until_ms: u64,
+    /// When `highest` was last raised while requests of older generations may have been
+    /// running (0: none were); none of those were admitted after it.
+    pub raised_ms: u64,
+    /// When this process opened the store: any earlier process had ended by then.
+    pub opened_ms: u64,
+    /// The store's clock as it answered.
+    pub now_ms: u64,
+}
+
+impl Prior {
+    /// The stamps of a stored job.
+    pub fn new(admitted_until_ms: u64, raised_ms: u64, opened_ms: u64, now_ms: u64) -> Self {
+        Self {
+            admitted_until_ms,
+            raised_ms,
+            opened_ms,
+            now_ms,
+        }
+    }
+}
 
 /// A job whose stamp is older than asked, for [`GenerationStore::idle`]: where the next
 /// page starts, and what [`GenerationStore::forget`] must still find to delete it.
@@ -82,16 +141,41 @@ pub struct IdlePage<'a> {
 /// Durable per-job highest generations, each stamped with when it was last accepted.
 pub trait GenerationStore: Send + Sync + 'static {
     /// Atomically: if `token` is at least the stored highest, make it the highest, stamp the
-    /// job with the store's clock (on disk before this returns) and accept; otherwise report
-    /// the highest.
+    /// job [`STAMP_AHEAD_MS`] ahead of the store's clock when it is raised or less than half
+    /// of that is left (on disk before this returns; a raise also records when it happened)
+    /// and accept; otherwise report the highest.
     fn observe(
         &self,
         job: &JobId,
         token: Generation,
     ) -> impl Future<Output = Result<Verdict, StoreError>> + Send;
 
+    /// As [`observe`](Self::observe), for a token above the highest the caller knows of:
+    /// `older_running` says whether requests of older generations may still be running.
+    /// A store that keeps [`Prior`] stamps records the raise's time only when they may (so
+    /// that after a restart the new highest waits only when something older could still
+    /// land); the default records it always, as `observe` does.
+    fn raise(
+        &self,
+        job: &JobId,
+        token: Generation,
+        older_running: bool,
+    ) -> impl Future<Output = Result<Verdict, StoreError>> + Send {
+        let _ = older_running;
+        self.observe(job, token)
+    }
+
     /// The highest generation stored for `job` (0 when none), to fill a cache.
     fn highest(&self, job: &JobId) -> impl Future<Output = Result<Generation, StoreError>> + Send;
+
+    /// The job as a gate loads it: [`highest`](Self::highest) and, for a store that outlives
+    /// its process, the stamps of [`Prior`]. The default has no stamps: right for a store
+    /// that dies with its process (memory), wrong for any other, and for a wrapper around one
+    /// (delegate it), since a restart would then forget what may still be running.
+    fn load(&self, job: &JobId) -> impl Future<Output = Result<Loaded, StoreError>> + Send {
+        let highest = self.highest(job);
+        async move { Ok(Loaded::new(highest.await?)) }
+    }
 
     /// Whether other processes share this store: then a cached highest can be out of date,
     /// and the layer asks the store on every request instead of answering from memory.
@@ -155,7 +239,9 @@ pub enum Finish {
     Forget,
 }
 
-/// One attempt of an idempotent request: its (job, key) record and its fingerprint.
+/// One attempt of an idempotent request: its (job, key) record, its fingerprint, and what
+/// tells it from every other attempt (an in-flight record belongs to the attempt that began
+/// it, as a job belongs to the holder of its lease).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Attempt<'a> {
     /// The job.
@@ -164,20 +250,29 @@ pub struct Attempt<'a> {
     pub key: &'a IdempotencyKey,
     /// What makes two requests the same request.
     pub fingerprint: &'a Fingerprint,
+    /// This attempt's own random id (not 0): only the attempt that began an in-flight
+    /// record may finish or forget it.
+    pub id: u64,
+    /// The generation of the token the request was admitted with: an in-flight record of an
+    /// older generation is taken over (the fence admitted this one only once the older
+    /// request had finished, or its unknown outcome's hold had ended).
+    pub generation: Generation,
 }
 
 /// Durable per-(job, key) idempotency records.
 pub trait IdempotencyStore: Send + Sync + 'static {
     /// Atomically: when no live record exists for (job, key) (none, an in-flight record whose
-    /// `in_flight` ran out, or a completed one older than its retention), write an
-    /// in-flight record and answer `Started`; otherwise compare fingerprints and answer.
+    /// `in_flight` ran out or that an older generation began, or a completed one older than
+    /// its retention), write an in-flight record of this attempt and answer `Started`;
+    /// otherwise compare fingerprints and answer.
     fn begin(
         &self,
         attempt: Attempt<'_>,
         in_flight: Duration,
     ) -> impl Future<Output = Result<Begin, StoreError>> + Send;
 
-    /// Completes what `begin` started.
+    /// Completes what `begin` started, if the record is still this attempt's (in flight,
+    /// begun by `attempt.id`); otherwise changes nothing: a successor owns it.
     fn finish(
         &self,
         attempt: Attempt<'_>,

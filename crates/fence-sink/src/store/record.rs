@@ -16,12 +16,35 @@ pub struct Fingerprint(pub [u8; 32]);
 impl Fingerprint {
     /// The fingerprint of a request.
     pub fn of(method: &Method, path_and_query: &str, body: &[u8]) -> Self {
+        Self::scoped(method, path_and_query, &[], body)
+    }
+
+    /// The fingerprint of a request, with the values of the headers it is scoped by (each
+    /// header's values in order; no value at all counts apart from an empty one).
+    pub fn scoped(
+        method: &Method,
+        path_and_query: &str,
+        scope: &[Vec<&[u8]>],
+        body: &[u8],
+    ) -> Self {
         let mut h = Sha256::new();
         h.update(method.as_str().as_bytes());
         h.update([0]);
         h.update(path_and_query.as_bytes());
         h.update([0]);
         h.update(body);
+        for values in scope {
+            // After the body, with lengths: a fingerprint without scope stays what it was.
+            h.update(
+                u64::try_from(values.len())
+                    .unwrap_or(u64::MAX)
+                    .to_be_bytes(),
+            );
+            for v in values {
+                h.update(u64::try_from(v.len()).unwrap_or(u64::MAX).to_be_bytes());
+                h.update(v);
+            }
+        }
         Self(h.finalize().into())
     }
 }
@@ -54,6 +77,11 @@ pub(crate) enum Record {
     InFlight {
         fingerprint: Fingerprint,
         until_ms: u64,
+        /// The attempt that began it: only that one may finish or forget it (0: written
+        /// before attempts were told apart; any attempt with its fingerprint may).
+        attempt: u64,
+        /// The generation of the token it was admitted with (0: not known).
+        generation: u64,
     },
     Done {
         fingerprint: Fingerprint,
@@ -77,15 +105,51 @@ impl Record {
     }
 }
 
+impl Record {
+    /// Whether `attempt` may finish or forget this record: it is in flight, and it began it.
+    pub(crate) fn belongs_to(&self, attempt: &super::Attempt<'_>) -> bool {
+        match self {
+            Self::InFlight {
+                attempt: 0,
+                fingerprint,
+                ..
+            } => fingerprint == attempt.fingerprint,
+            Self::InFlight { attempt: id, .. } => *id == attempt.id,
+            Self::Done { .. } => false,
+        }
+    }
+
+    /// Whether a newer generation's `attempt` takes this record over: it is in flight for
+    /// an older generation, whose request the fence has let go of before admitting the
+    /// newer one (it finished, or its unknown outcome's hold ended), so nothing of it can
+    /// still be running.
+    pub(crate) fn superseded_by(&self, attempt: &super::Attempt<'_>) -> bool {
+        // 0: written before generations were kept; its attempt is not known to be over.
+        matches!(self, Self::InFlight { generation, .. }
+            if *generation != 0 && *generation < attempt.generation.get())
+    }
+}
+
+/// The in-flight record `attempt` writes when it begins.
+pub(crate) fn in_flight(attempt: &super::Attempt<'_>, until_ms: u64) -> Record {
+    Record::InFlight {
+        fingerprint: *attempt.fingerprint,
+        until_ms,
+        attempt: attempt.id,
+        generation: attempt.generation.get(),
+    }
+}
+
 /// The decision of `begin`: what to write (if anything) and the answer.
 pub(crate) fn begin(
     cur: Option<&Record>,
-    fingerprint: &Fingerprint,
+    attempt: &super::Attempt<'_>,
     in_flight_ms: u64,
     now_ms: u64,
 ) -> (Option<Record>, Begin) {
+    let fingerprint = attempt.fingerprint;
     match cur {
-        Some(r) if r.is_live(now_ms) => {
+        Some(r) if r.is_live(now_ms) && !r.superseded_by(attempt) => {
             let answer = if r.fingerprint() != fingerprint {
                 Begin::Mismatch
             } else {
@@ -100,29 +164,24 @@ pub(crate) fn begin(
             };
             (None, answer)
         }
-        _ => {
-            let until_ms = now_ms.saturating_add(in_flight_ms);
-            (
-                Some(Record::InFlight {
-                    fingerprint: *fingerprint,
-                    until_ms,
-                }),
-                Begin::Started,
-            )
-        }
+        _ => (
+            Some(in_flight(attempt, now_ms.saturating_add(in_flight_ms))),
+            Begin::Started,
+        ),
     }
 }
 
-/// What `finish` does to the stored record: `None` leaves it alone (it is not ours any more),
-/// `Some(None)` deletes it, `Some(Some(r))` writes `r`.
+/// What `finish` does to the stored record: `None` leaves it alone (it is not ours: another
+/// attempt began it, or it is done), `Some(None)` deletes it, `Some(Some(r))` writes `r`.
 pub(crate) fn finish(
     cur: Option<&Record>,
-    fingerprint: &Fingerprint,
+    attempt: &super::Attempt<'_>,
     outcome: Finish,
     now_ms: u64,
 ) -> Option<Option<Record>> {
+    let fingerprint = attempt.fingerprint;
     match cur {
-        Some(Record::InFlight { fingerprint: f, .. }) if f == fingerprint => {
+        Some(r) if r.belongs_to(attempt) => {
             let (response, retention) = match outcome {
                 Finish::Store {
                     response,
@@ -148,10 +207,15 @@ impl Record {
             Self::InFlight {
                 fingerprint,
                 until_ms,
+                attempt,
+                generation,
             } => {
                 out.push(1);
                 out.extend_from_slice(&fingerprint.0);
                 out.extend_from_slice(&until_ms.to_be_bytes());
+                // Records written before attempts were kept end here (41 bytes).
+                out.extend_from_slice(&attempt.to_be_bytes());
+                out.extend_from_slice(&generation.to_be_bytes());
             }
             Self::Done {
                 fingerprint,
@@ -182,9 +246,17 @@ impl Record {
         let fingerprint = Fingerprint(r.take(32)?.try_into().map_err(|_| "short fingerprint")?);
         let time = r.u64()?;
         match tag {
+            1 if r.0.is_empty() => Ok(Self::InFlight {
+                fingerprint,
+                until_ms: time,
+                attempt: 0,
+                generation: 0,
+            }),
             1 => Ok(Self::InFlight {
                 fingerprint,
                 until_ms: time,
+                attempt: r.u64()?,
+                generation: r.u64()?,
             }),
             2 if r.0.is_empty() => Ok(Self::Done {
                 fingerprint,
@@ -304,6 +376,8 @@ mod tests {
             Record::InFlight {
                 fingerprint: fp,
                 until_ms: 9,
+                attempt: 7,
+                generation: 3,
             },
             Record::Done {
                 fingerprint: fp,

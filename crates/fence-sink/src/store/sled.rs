@@ -9,13 +9,15 @@ use fence_storage::{
 };
 
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, STAMP_GRANULE_MS,
-    StoreError, Verdict, ms, record,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, Prior,
+    STAMP_AHEAD_MS, StoreError, Verdict, ms, record, stamp_due,
 };
 
-/// Highest generations with their stamps (tree `generations`: job → generation and stamp,
-/// 8 bytes big-endian each), the same stamps in time order (tree `stamps`: stamp and job →
-/// nothing) and idempotency records (tree `idempotency`) in a sled database.
+/// Highest generations with their stamps (tree `generations`: job → generation, stamp and
+/// the time of the last raise, 8 bytes big-endian each; records written before the raise was
+/// kept have 16 bytes and count their stamp as the raise), the same stamps in time order
+/// (tree `stamps`: stamp and job → nothing) and idempotency records (tree `idempotency`) in
+/// a sled database.
 #[derive(Debug, Clone)]
 pub struct SledStore {
     generations: sled::Tree,
@@ -23,6 +25,9 @@ pub struct SledStore {
     records: sled::Tree,
     db: DurableDb,
     clock: Arc<dyn Clock>,
+    /// When this process opened the database (its clock): an earlier one had ended by then
+    /// (the directory's lock is held while a process has it open).
+    opened_ms: u64,
 }
 
 /// The key of a job's stamp in the `stamps` tree.
@@ -71,6 +76,7 @@ impl SledStore {
             stamps: db.tree("stamps")?,
             records: db.tree("idempotency")?,
             db,
+            opened_ms: clock.now_ms(),
             clock,
         };
         store.repair_stamps();
@@ -107,23 +113,30 @@ impl SledStore {
         self.generations.len()
     }
 
-    /// A job's stored generation and stamp ((0, 0) when none).
-    fn decode_generation(job: &JobId, raw: Option<&[u8]>) -> Result<(Generation, u64), StoreError> {
+    /// A job's stored generation, stamp and last raise ((0, 0, 0) when none).
+    fn decode_generation(
+        job: &JobId,
+        raw: Option<&[u8]>,
+    ) -> Result<(Generation, u64, u64), StoreError> {
         let Some(b) = raw else {
-            return Ok((Generation::ZERO, 0));
+            return Ok((Generation::ZERO, 0, 0));
         };
         let corrupt = || StoreError::Corrupt {
             job: job.clone(),
-            reason: "generation record is not 16 bytes",
+            reason: "generation record is not 16 or 24 bytes",
         };
-        let b = <[u8; 16]>::try_from(b).map_err(|_| corrupt())?;
-        let (generation, touched) = b.split_at(8);
-        let word = |s: &[u8]| {
-            <[u8; 8]>::try_from(s)
+        if b.len() != 16 && b.len() != 24 {
+            return Err(corrupt());
+        }
+        let word = |i: usize| {
+            b.get(i * 8..i * 8 + 8)
+                .and_then(|s| <[u8; 8]>::try_from(s).ok())
                 .map(u64::from_be_bytes)
-                .map_err(|_| corrupt())
+                .ok_or_else(corrupt)
         };
-        Ok((Generation::new(word(generation)?), word(touched)?))
+        let touched = word(1)?;
+        let raised = if b.len() == 24 { word(2)? } else { touched };
+        Ok((Generation::new(word(0)?), touched, raised))
     }
 
     /// Applies a change to one idempotency record with compare-and-swap, then (if `durable`)
@@ -163,22 +176,35 @@ impl SledStore {
     }
 }
 
-impl GenerationStore for SledStore {
-    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+impl SledStore {
+    /// `observe` and `raise`: a raise records its time when older requests may be running.
+    async fn accept(
+        &self,
+        job: &JobId,
+        token: Generation,
+        older_running: bool,
+    ) -> Result<Verdict, StoreError> {
         let key = job.as_str().as_bytes();
         loop {
             let raw = self.generations.get(key).map_err(io)?;
-            let (highest, touched) = Self::decode_generation(job, raw.as_deref())?;
+            let (highest, touched, raised) = Self::decode_generation(job, raw.as_deref())?;
             if token < highest {
                 return Ok(Verdict::Stale { highest });
             }
             let now = self.clock.now_ms();
-            if token == highest && touched.saturating_add(STAMP_GRANULE_MS) > now {
+            if token == highest && raw.is_some() && !stamp_due(touched, now) {
                 break; // stamped lately: make sure it is on disk too
             }
-            let mut new = [0u8; 16];
+            let stamp = now.saturating_add(STAMP_AHEAD_MS);
+            let raised = match (token > highest || raw.is_none(), older_running) {
+                (true, true) => now,
+                (true, false) => 0,
+                (false, _) => raised,
+            };
+            let mut new = [0u8; 24];
             new[..8].copy_from_slice(&token.get().to_be_bytes());
-            new[8..].copy_from_slice(&now.to_be_bytes());
+            new[8..16].copy_from_slice(&stamp.to_be_bytes());
+            new[16..].copy_from_slice(&raised.to_be_bytes());
             if self
                 .generations
                 .compare_and_swap(key, raw.clone(), Some(&new[..]))
@@ -186,9 +212,9 @@ impl GenerationStore for SledStore {
                 .is_ok()
             {
                 self.stamps
-                    .insert(stamp_key(now, key), &[][..])
+                    .insert(stamp_key(stamp, key), &[][..])
                     .map_err(io)?;
-                if raw.is_some() && touched != now {
+                if raw.is_some() && touched != stamp {
                     self.stamps.remove(stamp_key(touched, key)).map_err(io)?;
                 }
                 break;
@@ -197,10 +223,36 @@ impl GenerationStore for SledStore {
         self.db.commit().await.map_err(io)?;
         Ok(Verdict::Accepted)
     }
+}
+
+impl GenerationStore for SledStore {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        self.accept(job, token, true).await
+    }
+
+    async fn raise(
+        &self,
+        job: &JobId,
+        token: Generation,
+        older_running: bool,
+    ) -> Result<Verdict, StoreError> {
+        self.accept(job, token, older_running).await
+    }
 
     async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
         let raw = self.generations.get(job.as_str().as_bytes()).map_err(io)?;
         Ok(Self::decode_generation(job, raw.as_deref())?.0)
+    }
+
+    async fn load(&self, job: &JobId) -> Result<Loaded, StoreError> {
+        let raw = self.generations.get(job.as_str().as_bytes()).map_err(io)?;
+        let (highest, touched, raised) = Self::decode_generation(job, raw.as_deref())?;
+        Ok(Loaded {
+            highest,
+            prior: raw
+                .is_some()
+                .then(|| Prior::new(touched, raised, self.opened_ms, self.clock.now_ms())),
+        })
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
@@ -238,7 +290,7 @@ impl GenerationStore for SledStore {
     async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
         let key = idle.job.as_str().as_bytes();
         let raw = self.generations.get(key).map_err(io)?;
-        let (_, touched) = Self::decode_generation(&idle.job, raw.as_deref())?;
+        let (_, touched, _) = Self::decode_generation(&idle.job, raw.as_deref())?;
         if raw.is_none() || touched != idle.touched_ms {
             // Stamped again since, or gone: the entry was left behind (by a crash between
             // the two writes); put the right one in its place.
@@ -277,8 +329,7 @@ impl IdempotencyStore for SledStore {
         // found writes applied twice after a proxy was killed.) Group commit shares the
         // sync among the requests of the moment.
         self.update_record(attempt.job, &k, true, |cur| {
-            let (write, answer) =
-                record::begin(cur, attempt.fingerprint, ms(in_flight), self.clock.now_ms());
+            let (write, answer) = record::begin(cur, &attempt, ms(in_flight), self.clock.now_ms());
             (write.map(Some), answer)
         })
         .await
@@ -288,10 +339,7 @@ impl IdempotencyStore for SledStore {
         let k = record_key(attempt.job, attempt.key);
         self.update_record(attempt.job, &k, true, |cur| {
             let now = self.clock.now_ms();
-            (
-                record::finish(cur, attempt.fingerprint, outcome.clone(), now),
-                (),
-            )
+            (record::finish(cur, &attempt, outcome.clone(), now), ())
         })
         .await
     }
@@ -417,7 +465,7 @@ mod tests {
             .unwrap_err();
         assert_eq!(
             err.to_string(),
-            "stored record of job bad is corrupt: generation record is not 16 bytes"
+            "stored record of job bad is corrupt: generation record is not 16 or 24 bytes"
         );
     }
 }

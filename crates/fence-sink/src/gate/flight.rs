@@ -1,0 +1,69 @@
+//! The guards a gate hands out: one per admitted request, one per running bump.
+
+use std::{sync::Arc, time::Duration};
+
+use fence_core::Generation;
+
+use super::{Gate, Mutant, broken};
+
+/// Clears a bump's mark when its task ends without settling (a panic in the store, or the
+/// runtime shutting down), so the job is not left waiting on a bump that will never finish.
+pub(super) struct Unsettled<'a> {
+    pub(super) gate: &'a Gate,
+    pub(super) token: Generation,
+}
+
+impl Drop for Unsettled<'_> {
+    fn drop(&mut self) {
+        let mut s = self.gate.lock();
+        // While this bump runs, `bumping` is this token (only `decide` sets it, and only when
+        // it is empty; only `settle` or this clears it), so the check never fails today: it
+        // keeps this guard correct should a second bump ever be allowed to start.
+        if s.bumping == Some(self.token) {
+            s.bumping = None;
+        }
+        drop(s);
+        self.gate.changed.notify_waiters();
+    }
+}
+
+/// Marks one admitted request in flight; dropping it lets a newer generation that waits for
+/// it proceed.
+#[derive(Debug)]
+pub(crate) struct InFlight {
+    pub(super) gate: Arc<Gate>,
+    pub(super) generation: Generation,
+}
+
+impl InFlight {
+    /// Keeps the request counted in flight for `hold` more (after an unknown outcome: the
+    /// upstream may still act on it), then lets it go. Without a runtime to wait on, at once.
+    pub(crate) fn hold(self, hold: Duration) {
+        if hold.is_zero() {
+            return;
+        }
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(async move {
+                tokio::time::sleep(hold).await;
+                drop(self);
+            });
+        }
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut s = self.gate.lock();
+        if self.generation == s.highest {
+            s.current -= 1;
+            return;
+        }
+        // Older than `highest`: counted in `draining` since the raise.
+        s.draining -= 1;
+        let drained = s.draining == 0 && !broken(Mutant::DrainUnnotified);
+        drop(s);
+        if drained {
+            self.gate.changed.notify_waiters();
+        }
+    }
+}

@@ -1,0 +1,190 @@
+//! One log event for each refusal, with the request it refused, rate-limited per kind and peer.
+//!
+//! The layer logs every answer it gives instead of the service (a stale or missing token, a
+//! bad header, a drain timeout, ...) as one event: the problem type and status, the job, token
+//! and highest where they apply, the request's method and path, and its peer when the server
+//! put a [`PeerAddr`] in the request's extensions (`fence proxy` does). A flood cannot fill a
+//! disk: past [`PER_WINDOW`] events of one kind from one peer in [`WINDOW`], the rest are
+//! counted, and the next event of that kind and peer says how many were left out
+//! (`suppressed`). The lease server logs its refusals through the same [`log`].
+
+use std::{
+    collections::HashMap,
+    net::{IpAddr, SocketAddr},
+    sync::{LazyLock, Mutex},
+    time::{Duration, Instant},
+};
+
+use fence_core::Problem;
+use http::{Method, StatusCode};
+
+/// The peer of a request, for the refusal log: a server puts it in each request's
+/// extensions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PeerAddr(pub SocketAddr);
+
+/// How long one window of the rate limit lasts.
+pub const WINDOW: Duration = Duration::from_secs(10);
+/// How many events of one kind from one peer are logged per [`WINDOW`].
+pub const PER_WINDOW: u32 = 10;
+/// How many (kind, peer) pairs are tracked at once; past it the counts start over.
+const MAX_TRACKED: usize = 10_000;
+
+/// What a refused request asked, kept until its answer is known.
+#[derive(Debug, Clone)]
+pub(crate) struct Asked {
+    method: Method,
+    uri: http::Uri,
+    peer: Option<IpAddr>,
+}
+
+impl Asked {
+    pub(crate) fn of(parts: &http::request::Parts) -> Self {
+        Self {
+            method: parts.method.clone(),
+            uri: parts.uri.clone(),
+            peer: parts.extensions.get::<PeerAddr>().map(|p| p.0.ip()),
+        }
+    }
+
+    /// Logs `response` when it is a refusal (a problem in its extensions).
+    pub(crate) fn log_if_refused<B>(&self, response: &http::Response<B>) {
+        if let Some(problem) = response.extensions().get::<Problem>() {
+            log(problem, &self.method, self.uri.path(), self.peer, None);
+        }
+    }
+}
+
+/// Logs one refusal: `problem`, answered to `method path` from `peer` (and the auth-file
+/// `client`, when known), unless the rate limit for its kind and peer is spent.
+pub fn log(
+    problem: &Problem,
+    method: &Method,
+    path: &str,
+    peer: Option<IpAddr>,
+    client: Option<&str>,
+) {
+    let Some(suppressed) = admit(problem.kind.uri(), peer) else {
+        return;
+    };
+    let job = problem.job.as_ref().map(fence_core::JobId::as_str);
+    let peer = peer.map(tracing::field::display);
+    let kind = problem.kind.uri();
+    let name = kind
+        .strip_prefix("urn:fence:")
+        .unwrap_or(kind)
+        .replace('-', " ");
+    // The token's generation, or the lease's for the lease API's refusals.
+    let generation = problem.token.or(problem.generation);
+    macro_rules! refused {
+        ($level:ident) => {
+            tracing::$level!(
+                r#type = kind,
+                status = problem.status,
+                job,
+                generation,
+                highest = problem.highest,
+                method = %method,
+                path,
+                peer,
+                client,
+                suppressed = (suppressed > 0).then_some(suppressed),
+                "refused ({name}): {}",
+                problem.detail
+            )
+        };
+    }
+    // What a client did wrong, or the fence working as it should (a stale token), is news
+    // at info; a missing secret, a forbidden job or a failing store at warn.
+    match problem.status_code() {
+        StatusCode::UNAUTHORIZED | StatusCode::FORBIDDEN => refused!(warn),
+        s if s.is_server_error() => refused!(warn),
+        _ => refused!(info),
+    }
+}
+
+/// Logs a failed TLS handshake from `peer`, rate-limited like refusals.
+pub fn log_handshake_failure(peer: SocketAddr, error: &(dyn std::error::Error + 'static)) {
+    let Some(suppressed) = admit("tls-handshake", Some(peer.ip())) else {
+        return;
+    };
+    tracing::warn!(
+        peer = %peer.ip(),
+        error = %fence_storage::error_chain(error),
+        suppressed = (suppressed > 0).then_some(suppressed),
+        "TLS handshake failed"
+    );
+}
+
+#[derive(Debug)]
+struct Window {
+    start: Instant,
+    logged: u32,
+    suppressed: u64,
+}
+
+/// The windows of the rate limit, by kind and peer.
+type Windows = HashMap<(&'static str, Option<IpAddr>), Window>;
+
+static LIMIT: LazyLock<Mutex<Windows>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+
+/// `Some(how many were left out since the last logged one)` when an event of `kind` from
+/// `peer` is to be logged now; `None` when it is counted instead.
+fn admit(kind: &'static str, peer: Option<IpAddr>) -> Option<u64> {
+    let now = Instant::now();
+    let mut windows = LIMIT
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    if windows.len() >= MAX_TRACKED && !windows.contains_key(&(kind, peer)) {
+        windows.clear();
+    }
+    let w = windows.entry((kind, peer)).or_insert(Window {
+        start: now,
+        logged: 0,
+        suppressed: 0,
+    });
+    if now.duration_since(w.start) >= WINDOW {
+        w.start = now;
+        w.logged = 0;
+    }
+    if w.logged < PER_WINDOW {
+        w.logged += 1;
+        Some(std::mem::take(&mut w.suppressed))
+    } else {
+        w.suppressed += 1;
+        None
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_flood_from_one_peer_is_counted_not_logged_and_others_are_not_held_back() {
+        let flooder: IpAddr = "192.0.2.7".parse().unwrap();
+        let other: IpAddr = "192.0.2.8".parse().unwrap();
+        let kind = "urn:test:flood";
+        for _ in 0..PER_WINDOW {
+            assert_eq!(admit(kind, Some(flooder)), Some(0));
+        }
+        for _ in 0..25 {
+            assert_eq!(admit(kind, Some(flooder)), None);
+        }
+        assert_eq!(admit(kind, Some(other)), Some(0), "another peer is logged");
+        assert_eq!(
+            admit("urn:test:other", Some(flooder)),
+            Some(0),
+            "another kind too"
+        );
+        // The next window's first event says how many were left out.
+        LIMIT
+            .lock()
+            .unwrap()
+            .get_mut(&(kind, Some(flooder)))
+            .unwrap()
+            .start -= WINDOW;
+        assert_eq!(admit(kind, Some(flooder)), Some(25));
+        assert_eq!(admit(kind, Some(flooder)), Some(0));
+    }
+}

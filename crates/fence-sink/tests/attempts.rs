@@ -1,0 +1,250 @@
+//! An idempotency record belongs to its attempt (issue 30; docs/protocol.md section 3):
+//! a `begin` whose outcome is unknown does not block its key, and a newer holder's request
+//! with the same (derived) key is not held up by an older holder's record.
+
+use std::{
+    convert::Infallible,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use fence_core::{Generation, JobId};
+use fence_sink::{
+    Attempt, Begin, FenceLayer, Finish, GenerationStore, IdempotencyConfig, IdempotencyStore,
+    MemoryStore, OutcomeUnknown, RequestBody, StoreError, Verdict,
+};
+use http::{Request, Response, StatusCode};
+use tower::{Layer, ServiceExt, service_fn};
+
+/// A memory store whose `begin`, while `slow` is set, writes its record and then takes
+/// longer than any store timeout to say so.
+#[derive(Clone, Default)]
+struct SlowBegin {
+    inner: MemoryStore,
+    slow: Arc<AtomicBool>,
+}
+
+impl GenerationStore for SlowBegin {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        self.inner.observe(job, token).await
+    }
+
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        self.inner.highest(job).await
+    }
+}
+
+impl IdempotencyStore for SlowBegin {
+    async fn begin(&self, attempt: Attempt<'_>, for_: Duration) -> Result<Begin, StoreError> {
+        let begun = self.inner.begin(attempt, for_).await;
+        if self.slow.load(Ordering::SeqCst) {
+            tokio::time::sleep(Duration::from_secs(3600)).await;
+        }
+        begun
+    }
+
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
+        self.inner.finish(attempt, outcome).await
+    }
+
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        self.inner.purge_expired().await
+    }
+}
+
+/// A keyed POST of `job` with `token` and `body`, to a service that counts its calls and
+/// answers 200 (or, with `unknown`, marks its answer as of unknown outcome, as the proxy
+/// does after an upstream failure).
+async fn send<St: GenerationStore + IdempotencyStore>(
+    layer: &FenceLayer<St>,
+    calls: &Arc<AtomicUsize>,
+    token: u64,
+    body: &str,
+    unknown: bool,
+) -> StatusCode {
+    let calls = calls.clone();
+    let inner = service_fn(move |_req: Request<RequestBody<String>>| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        async move {
+            let mut response = Response::new(String::new());
+            if unknown {
+                *response.status_mut() = StatusCode::BAD_GATEWAY;
+                response.extensions_mut().insert(OutcomeUnknown);
+            }
+            Ok::<_, Infallible>(response)
+        }
+    });
+    let req = Request::post("/charges")
+        .header("x-fencing-job", "job")
+        .header("x-fencing-token", token.to_string())
+        .header("idempotency-key", "fence-derived-charge")
+        .body(body.to_owned())
+        .unwrap();
+    layer.layer(inner).oneshot(req).await.unwrap().status()
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_begin_that_timed_out_does_not_block_its_key() {
+    let store = SlowBegin::default();
+    let layer = FenceLayer::new(store.clone())
+        .idempotency(IdempotencyConfig::default().store_timeout(Duration::from_millis(100)));
+    let calls = Arc::default();
+    store.slow.store(true, Ordering::SeqCst);
+    assert_eq!(
+        send(&layer, &calls, 1, "pay 5", false).await,
+        StatusCode::SERVICE_UNAVAILABLE
+    );
+    store.slow.store(false, Ordering::SeqCst);
+    // The record was written, but nothing ran: the retry runs at once (not 409 in flight
+    // until the record's 5-minute timeout).
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    assert_eq!(
+        send(&layer, &calls, 1, "pay 5", false).await,
+        StatusCode::OK
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_newer_holder_with_the_same_key_runs_once_the_older_unknown_outcome_is_held_out() {
+    let hold = Duration::from_secs(2);
+    let layer = FenceLayer::new(MemoryStore::new())
+        .unknown_outcome_hold(hold)
+        .drain_timeout(Duration::from_secs(10));
+    let calls = Arc::default();
+    // The old holder's request fails upstream with an unknown outcome: its record stays in
+    // flight, its slot is held.
+    assert_eq!(
+        send(&layer, &calls, 7, "amount=10 (holder 7)", true).await,
+        StatusCode::BAD_GATEWAY
+    );
+    // The newer holder, same derived key, another body: it waits out the hold, then runs
+    // (the older record is taken over, not 422 until its in-flight timeout).
+    let started = tokio::time::Instant::now();
+    assert_eq!(
+        send(&layer, &calls, 8, "amount=10 (holder 8)", false).await,
+        StatusCode::OK
+    );
+    assert!(started.elapsed() >= hold, "it passed inside the hold");
+    assert!(started.elapsed() < hold + Duration::from_secs(1));
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+    // Its own retry is answered from its record.
+    assert_eq!(
+        send(&layer, &calls, 8, "amount=10 (holder 8)", false).await,
+        StatusCode::OK
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 2, "the retry ran again");
+}
+
+/// A body whose frames come from a channel: the client sends them when the test says.
+struct Trickle(tokio::sync::mpsc::Receiver<bytes::Bytes>);
+
+impl http_body::Body for Trickle {
+    type Data = bytes::Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<http_body::Frame<bytes::Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|frame| frame.map(|b| Ok(http_body::Frame::data(b))))
+    }
+}
+
+/// The newer holder waits only for what reached the service: an older holder's buffered
+/// request (it has an Idempotency-Key) whose body is still arriving holds nobody up, and
+/// once a newer token was raised it is refused when its body is in, never passed on
+/// (issue 31).
+#[tokio::test(start_paused = true)]
+async fn a_half_sent_buffered_body_holds_no_newer_holder_up() {
+    let layer = FenceLayer::new(MemoryStore::new()).drain_timeout(Duration::from_secs(10));
+    let calls: Arc<AtomicUsize> = Arc::default();
+    let service = |calls: Arc<AtomicUsize>| {
+        service_fn(move |_req: Request<RequestBody<Trickle>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(String::new())) }
+        })
+    };
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    tx.send(bytes::Bytes::from_static(b"amount="))
+        .await
+        .unwrap();
+    let old = Request::post("/charges")
+        .header("x-fencing-job", "job")
+        .header("x-fencing-token", "7")
+        .header("idempotency-key", "old-1")
+        .body(Trickle(rx))
+        .unwrap();
+    let old = tokio::spawn(layer.layer(service(calls.clone())).oneshot(old));
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    // The newer holder passes at once: nothing of the old request reached the service.
+    let started = tokio::time::Instant::now();
+    assert_eq!(
+        send(&layer, &calls, 8, "amount=5", false).await,
+        StatusCode::OK
+    );
+    assert_eq!(started.elapsed(), Duration::ZERO, "the newer holder waited");
+    // The old body completes: the request is stale now, and never reaches the service.
+    tx.send(bytes::Bytes::from_static(b"10")).await.unwrap();
+    drop(tx);
+    let answer = old.await.unwrap().unwrap();
+    assert_eq!(answer.status(), StatusCode::CONFLICT);
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the stale request was passed on"
+    );
+}
+
+/// With `scope_headers(authorization)`, one tenant's stored answer is never replayed to
+/// another: the same key and body under another `Authorization` is 422. Without it (the
+/// default, for derived keys across holders) the answer is replayed (issue 31).
+#[tokio::test]
+async fn answers_scoped_by_a_header_are_not_replayed_to_another_value() {
+    let call = |layer: FenceLayer<MemoryStore>, auth: &'static str| async move {
+        let inner = service_fn(move |_req: Request<RequestBody<String>>| async move {
+            Ok::<_, Infallible>(Response::new(format!("answer for {auth}")))
+        });
+        let req = Request::post("/statements")
+            .header("x-fencing-job", "job")
+            .header("x-fencing-token", "1")
+            .header("idempotency-key", "k")
+            .header("authorization", auth)
+            .body(String::new())
+            .unwrap();
+        let resp = layer.layer(inner).oneshot(req).await.unwrap();
+        let status = resp.status();
+        let body = http_body_util::BodyExt::collect(resp.into_body())
+            .await
+            .unwrap();
+        (
+            status,
+            String::from_utf8_lossy(&body.to_bytes()).into_owned(),
+        )
+    };
+    let scoped = FenceLayer::new(MemoryStore::new())
+        .idempotency(IdempotencyConfig::default().scope_headers([http::header::AUTHORIZATION]));
+    assert_eq!(call(scoped.clone(), "Bearer a").await.0, StatusCode::OK);
+    let (status, body) = call(scoped.clone(), "Bearer b").await;
+    assert_eq!(status, StatusCode::UNPROCESSABLE_ENTITY, "{body}");
+    assert!(!body.contains("answer for Bearer a"), "{body}");
+    let (status, body) = call(scoped, "Bearer a").await;
+    assert_eq!(
+        (status, body.as_str()),
+        (StatusCode::OK, "answer for Bearer a")
+    );
+    // The default shares the answer across credentials (a derived key's use).
+    let open = FenceLayer::new(MemoryStore::new());
+    assert_eq!(call(open.clone(), "Bearer a").await.0, StatusCode::OK);
+    let (_, body) = call(open, "Bearer b").await;
+    assert_eq!(body, "answer for Bearer a");
+}

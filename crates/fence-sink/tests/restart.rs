@@ -1,0 +1,230 @@
+//! After a restart over the same sled store, a newer token waits for what the process before
+//! may have left running (docs/protocol.md section 3, "After a restart"), and nothing else does.
+//!
+//! A process that dies forgets its in-flight counts, while a request it passed on may still
+//! commit where it went. In these tests the first process admits requests to a service that
+//! never answers them (still running when the process dies), the second opens the same
+//! directory and is asked for newer tokens. The stores' wall clock is a manual one (so hours
+//! can pass between two requests); the waits are real, and each is checked from below: an
+//! answer before its hold ended is the failure, which no slow machine can cause.
+
+use std::{
+    convert::Infallible,
+    path::Path,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use fence_sink::{FenceLayer, RequestBody, SledStore};
+use fence_storage::clock::{Clock, ManualClock};
+use http::{Request, Response, StatusCode};
+use tokio::time::Instant;
+use tower::{Layer, ServiceExt, service_fn};
+
+/// The proxy's upstream timeout, and its unknown-outcome hold.
+const LONGEST: Duration = Duration::from_secs(3);
+const HOLD: Duration = Duration::from_millis(1_500);
+
+/// One process's fence over the store in `dir`, in front of a service that counts its calls
+/// and, with `hang`, never answers.
+struct Process {
+    layer: FenceLayer<SledStore>,
+    calls: Arc<AtomicUsize>,
+    hang: bool,
+}
+
+impl Process {
+    fn open(dir: &Path, clock: &ManualClock, drain: Duration, hang: bool) -> Self {
+        let clock: Arc<dyn Clock> = Arc::new(clock.clone());
+        let store = SledStore::open_with_clock(dir, clock.clone()).expect("sled opens");
+        let layer = FenceLayer::new(store)
+            .clock(clock.clone())
+            .without_idempotency()
+            .longest_request(LONGEST)
+            .unknown_outcome_hold(HOLD)
+            .drain_timeout(drain);
+        Self {
+            layer,
+            calls: Arc::default(),
+            hang,
+        }
+    }
+
+    /// Sends a fenced POST in a task of its own; its status when it is answered.
+    fn send(&self, job: &str, token: u64) -> tokio::task::JoinHandle<StatusCode> {
+        let (calls, hang) = (self.calls.clone(), self.hang);
+        let inner = service_fn(move |_req: Request<RequestBody<String>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if hang {
+                    std::future::pending::<()>().await;
+                }
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }
+        });
+        let svc = self.layer.layer(inner);
+        let req = Request::post("/")
+            .header("x-fencing-job", job)
+            .header("x-fencing-token", token.to_string())
+            .body(String::new())
+            .unwrap();
+        tokio::spawn(async move { svc.oneshot(req).await.unwrap().status() })
+    }
+
+    async fn status(&self, job: &str, token: u64) -> StatusCode {
+        self.send(job, token).await.unwrap()
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+}
+
+/// Lets spawned tasks get as far as they can.
+async fn settle() {
+    tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// A request's status and how long after `since` it was answered.
+async fn answered(
+    request: tokio::task::JoinHandle<StatusCode>,
+    since: Instant,
+) -> (StatusCode, Duration) {
+    let status = request.await.unwrap();
+    (status, since.elapsed())
+}
+
+/// The processes before: job `idle` written with token 3 long ago; job `busy` raised to 4 (with
+/// nothing older running) by a process that dies with two requests of 4 still running.
+/// Returns the directory.
+async fn first_process(clock: &ManualClock) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    let answers = Process::open(dir.path(), clock, Duration::from_secs(60), false);
+    assert_eq!(answers.status("idle", 3).await, StatusCode::OK);
+    assert_eq!(answers.status("busy", 3).await, StatusCode::OK);
+    drop(answers);
+    clock.advance(Duration::from_secs(300));
+    let p = Process::open(dir.path(), clock, Duration::from_secs(60), true);
+    let running = [p.send("busy", 4), p.send("busy", 4)];
+    settle().await;
+    assert_eq!(
+        p.layer.in_flight(),
+        2,
+        "the busy job's requests are running"
+    );
+    // The process dies: its tasks and every in-memory count go with it.
+    for r in running {
+        r.abort();
+        let _ = r.await;
+    }
+    drop(p);
+    dir
+}
+
+#[tokio::test]
+async fn a_newer_token_waits_for_what_the_process_before_left_running() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = first_process(&clock).await;
+    clock.advance(Duration::from_secs(1)); // the restart takes a second
+    let opened = Instant::now();
+    let p = Process::open(dir.path(), &clock, Duration::from_secs(60), false);
+
+    // A job idle for longer than any request may run waits for nothing: a wait would be
+    // the whole hold.
+    let asked = Instant::now();
+    assert_eq!(p.status("idle", 4).await, StatusCode::OK);
+    assert!(
+        asked.elapsed() < HOLD,
+        "the idle job's newer token waited {:?}, as if it had been busy",
+        asked.elapsed()
+    );
+    // The busy job's holder goes on at once: when 4 was raised nothing older was running.
+    assert_eq!(p.status("busy", 4).await, StatusCode::OK);
+    assert_eq!(p.calls(), 2);
+
+    // A newer token is raised at once (4 is stale from then on) and then waits until the
+    // requests of 4 could no longer be running: the hold, from the restart (which came
+    // before their upstream timeout ran out).
+    let newer = p.send("busy", 5);
+    settle().await;
+    assert_eq!(p.status("busy", 4).await, StatusCode::CONFLICT);
+    let (status, after) = answered(newer, opened).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        after >= HOLD,
+        "token 5 passed {after:?} after the restart, inside the {HOLD:?} hold"
+    );
+    assert!(
+        after < HOLD + Duration::from_secs(5),
+        "token 5 waited {after:?}"
+    );
+    assert_eq!(p.calls(), 3);
+}
+
+#[tokio::test]
+async fn a_wait_longer_than_the_drain_limit_is_answered_at_once_with_the_token_raised() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = first_process(&clock).await;
+    let opened = Instant::now();
+    let p = Process::open(dir.path(), &clock, Duration::from_millis(500), false);
+    let (status, after) = answered(p.send("busy", 5), opened).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE);
+    assert!(
+        after < HOLD,
+        "it waited {after:?} for a hold it could not outlast"
+    );
+    // Newer token first: the old holder is fenced although the newer one did not pass.
+    assert_eq!(p.status("busy", 4).await, StatusCode::CONFLICT);
+    assert_eq!(p.calls(), 0);
+    tokio::time::sleep_until(opened + HOLD).await;
+    assert_eq!(p.status("busy", 5).await, StatusCode::OK);
+}
+
+#[tokio::test]
+async fn the_highest_token_waits_when_older_ones_were_still_running_at_its_raise() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let p = Process::open(dir.path(), &clock, Duration::from_secs(60), true);
+        let old = p.send("job", 1);
+        settle().await;
+        // Raised while 1 runs: 2 waits for it, and the process dies meanwhile.
+        let newer = p.send("job", 2);
+        settle().await;
+        assert_eq!(p.calls(), 1);
+        for r in [old, newer] {
+            r.abort();
+            let _ = r.await;
+        }
+    }
+    let opened = Instant::now();
+    let p = Process::open(dir.path(), &clock, Duration::from_secs(60), false);
+    let (status, after) = answered(p.send("job", 2), opened).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        after >= HOLD,
+        "2 passed {after:?} after the restart while 1 could still run"
+    );
+}
+
+#[tokio::test]
+async fn without_a_longest_request_and_hold_nothing_waits() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = first_process(&clock).await;
+    let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let layer = FenceLayer::new(store)
+        .clock(Arc::new(clock.clone()))
+        .without_idempotency()
+        .longest_request(Duration::ZERO)
+        .unknown_outcome_hold(Duration::ZERO)
+        .drain_timeout(Duration::from_millis(100));
+    let p = Process {
+        layer,
+        calls: Arc::default(),
+        hang: false,
+    };
+    assert_eq!(p.status("busy", 5).await, StatusCode::OK);
+}
