@@ -108,13 +108,50 @@ impl BodyError {
 /// A JSON object holding only the fields a request may have.
 struct Fields(Map<String, Value>);
 
+/// A top-level JSON object whose keys are each given once: a repeated one is refused rather
+/// than read as the last (strict bodies, docs/protocol.md section 4).
+struct UniqueObject(Result<Map<String, Value>, String>);
+
+impl<'de> serde::Deserialize<'de> for UniqueObject {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Visit;
+        impl<'de> serde::de::Visitor<'de> for Visit {
+            type Value = UniqueObject;
+            fn expecting(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str("a JSON object")
+            }
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut access: A,
+            ) -> Result<UniqueObject, A::Error> {
+                let mut map = Map::new();
+                let mut repeated = None;
+                while let Some((key, value)) = access.next_entry::<String, Value>()? {
+                    if map.contains_key(&key) {
+                        repeated.get_or_insert(key);
+                    } else {
+                        map.insert(key, value);
+                    }
+                }
+                Ok(UniqueObject(repeated.map_or(Ok(map), Err)))
+            }
+        }
+        d.deserialize_any(Visit)
+    }
+}
+
 impl Fields {
     fn parse(bytes: &[u8], allowed: &[&str]) -> Result<Self, BodyError> {
-        let value: Value = serde_json::from_slice(bytes)
-            .map_err(|e| BodyError::new("body", format!("not valid JSON: {e}")))?;
-        let Value::Object(map) = value else {
-            return Err(BodyError::new("body", "must be a JSON object"));
-        };
+        let object: UniqueObject = serde_json::from_slice(bytes).map_err(|e| {
+            if e.is_data() {
+                BodyError::new("body", "must be a JSON object")
+            } else {
+                BodyError::new("body", format!("not valid JSON: {e}"))
+            }
+        })?;
+        let map = object
+            .0
+            .map_err(|key| BodyError::new(key, "given twice; each field at most once"))?;
         if let Some(unknown) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
             return Err(BodyError::new(
                 unknown.as_str(),

@@ -89,10 +89,16 @@ problem_types! {
     InvalidSignature => "urn:fence:invalid-signature", 403, "Invalid fencing token signature";
     /// 409: a signed token whose lease has ended, by the sink's clock and allowed skew.
     TokenExpired => "urn:fence:token-expired", 409, "Fencing token expired";
+    /// 403: a signed token whose lease ends later than any lease the destination allows
+    /// (now plus its longest lease TTL plus the clock skew; added by fence).
+    TokenTooLongLived => "urn:fence:token-too-long-lived", 403, "Fencing token outlives the destination's window";
     /// 408: a fenced request's body did not arrive within the body limit.
     BodyTimeout => "urn:fence:body-timeout", 408, "Request body too slow";
     /// 503: the sink holds as many buffered bytes as it may; retry later (added by fence).
     Overloaded => "urn:fence:overloaded", 503, "Too much buffered";
+    /// 429: the lease server holds as many waiting claims as it may, in all or for this
+    /// client; retry after `Retry-After` (added by fence).
+    TooManyWaiters => "urn:fence:too-many-waiters", 429, "Too many waiting claims";
     /// 409: another owner holds an unexpired lease on the job.
     LeaseHeld => "urn:fence:lease-held", 409, "Lease held by another owner";
     /// 410: the job is completed and can no longer be claimed.
@@ -135,6 +141,7 @@ impl ProblemType {
             Self::MissingToken
             | Self::IdempotencyKeyMismatch
             | Self::IdempotencyNotReplayable
+            | Self::TokenTooLongLived
             | Self::JobCompleted => 9, // FAILED_PRECONDITION
             Self::MalformedToken | Self::BadRequest => 3, // INVALID_ARGUMENT
             Self::InvalidSignature | Self::Forbidden | Self::LeaseKeyMismatch => 7, // PERMISSION_DENIED
@@ -143,7 +150,7 @@ impl ProblemType {
             | Self::Overloaded
             | Self::UpstreamUnavailable => 14, // UNAVAILABLE
             Self::BodyTimeout | Self::UpstreamTimeout => 4, // DEADLINE_EXCEEDED
-            Self::PayloadTooLarge => 8,                     // RESOURCE_EXHAUSTED
+            Self::PayloadTooLarge | Self::TooManyWaiters => 8, // RESOURCE_EXHAUSTED
             Self::Unauthenticated => 16,                    // UNAUTHENTICATED
             Self::UnknownJob | Self::NotFound => 5,         // NOT_FOUND
             Self::MethodNotAllowed => 12,                   // UNIMPLEMENTED

@@ -14,7 +14,7 @@
 
 use std::{sync::Arc, time::Duration};
 
-use fence_core::{Generation, JobId, Owner, Ttl};
+use fence_core::{Generation, JobId, Owner, Ttl, secret::LeaseKey};
 use tokio::time::Instant;
 
 use crate::{
@@ -168,12 +168,84 @@ impl<S: LeaseStore> LeaseClient<S> {
                 Err(_) => return Err(ClaimError::Store(StoreError::Timeout(budget))),
             }
         }
+        self.start(job, key, grant, t_send, timing, held)
+    }
+
+    /// Takes over a lease this owner claimed elsewhere (`fence claim` in another process, a
+    /// worker that restarted), given its generation and lease key: renews it at once and, when
+    /// granted, starts a keeper as [`claim`](Self::claim) does. The local deadline runs from
+    /// that renewal's send.
+    ///
+    /// # Errors
+    /// [`ClaimError::NotHeld`] when the store has moved on (another owner or generation) or the
+    /// key is not the lease's; otherwise as [`claim`](Self::claim).
+    pub async fn resume(
+        &self,
+        job: JobId,
+        generation: Generation,
+        key: LeaseKey,
+    ) -> Result<Lease<S>, ClaimError> {
+        let timing = Timing::new(self.ttl, self.margin, self.renew_every)?;
+        let held = HeldMark::take(&self.held, &job)
+            .ok_or_else(|| ClaimError::AlreadyHeld { job: job.clone() })?;
+        let t_send = Instant::now();
+        let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
+        let renew = self
+            .store
+            .renew(&job, &self.owner, generation, &key, self.ttl);
+        let not_held = |why: String| ClaimError::NotHeld {
+            job: job.clone(),
+            generation,
+            why,
+        };
+        let grant = match tokio::time::timeout(budget, renew).await {
+            Ok(Ok(Outcome::Granted(grant))) => grant,
+            Ok(Ok(Outcome::Lost {
+                owner,
+                generation: now,
+            })) => {
+                let holder = owner.map_or_else(|| "nobody".to_owned(), |o| o.to_string());
+                return Err(not_held(format!(
+                    "it is at generation {now}, held by {holder}"
+                )));
+            }
+            Ok(Ok(Outcome::KeyMismatch)) => {
+                return Err(not_held(
+                    "the lease key is not the one it was claimed with".into(),
+                ));
+            }
+            Ok(Ok(Outcome::Completed { generation: g, .. })) => {
+                return Err(not_held(format!("it was completed at generation {g}")));
+            }
+            Ok(Ok(other)) => {
+                return Err(ClaimError::Store(StoreError::Protocol(format!(
+                    "a renewal was answered with {other:?}"
+                ))));
+            }
+            Ok(Err(e)) => return Err(ClaimError::Store(e)),
+            Err(_) => return Err(ClaimError::Store(StoreError::Timeout(budget))),
+        };
+        self.start(job, key, grant, t_send, timing, held)
+    }
+
+    /// The lease of `grant` (asked for at `t_send`), its keeper started; an error when the
+    /// grant came too late to be of use.
+    fn start(
+        &self,
+        job: JobId,
+        key: LeaseKey,
+        grant: crate::Grant,
+        t_send: Instant,
+        timing: Timing,
+        held: HeldMark,
+    ) -> Result<Lease<S>, ClaimError> {
         let token = grant.generation.token().ok_or_else(|| {
             ClaimError::Store(StoreError::Protocol(
                 "the store granted generation 0".into(),
             ))
         })?;
         if Instant::now() >= timing.deadline(t_send, grant.ttl) {
+            let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
             return Err(ClaimError::Store(StoreError::Timeout(budget)));
         }
         let header = token_header(token, grant.token.as_deref())?;
@@ -252,4 +324,14 @@ pub enum ClaimError {
     /// The client's timing does not fit the TTL.
     #[error(transparent)]
     Timing(#[from] TimingError),
+    /// [`LeaseClient::resume`] of a lease the store no longer has this owner hold.
+    #[error("job {job}: the lease of generation {generation} is not held any more: {why}")]
+    NotHeld {
+        /// The job.
+        job: JobId,
+        /// The generation that was to be resumed.
+        generation: Generation,
+        /// What the store said instead.
+        why: String,
+    },
 }

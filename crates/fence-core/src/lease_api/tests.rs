@@ -83,3 +83,15 @@ fn states_are_lower_case_words() {
     }
     assert!(serde_json::from_value::<LeaseState>("Held".into()).is_err());
 }
+
+#[test]
+fn a_field_given_twice_is_refused_not_read_as_the_last() {
+    let key = "k".repeat(22);
+    let body = format!(r#"{{"owner": "a", "lease_key": "{key}", "owner": "b"}}"#);
+    let e = ClaimRequest::from_json(body.as_bytes()).unwrap_err();
+    assert!(e.to_string().starts_with("owner: given twice"), "{e}");
+    let e = ClaimRequest::from_json(b"[1]").unwrap_err();
+    assert!(e.to_string().contains("must be a JSON object"), "{e}");
+    let e = ClaimRequest::from_json(b"{\"owner\":").unwrap_err();
+    assert!(e.to_string().contains("not valid JSON"), "{e}");
+}

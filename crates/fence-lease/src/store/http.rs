@@ -2,7 +2,14 @@
 //!
 //! Every decision is one HTTP call of the lease API, and the server's clock decides.
 
-use std::{fmt, path::PathBuf, time::Duration};
+use std::{
+    path::PathBuf,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
 
 use bytes::Bytes;
 use fence_core::{
@@ -25,7 +32,10 @@ use hyper_util::{
     rt::TokioExecutor,
 };
 
-use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, StoreError};
+use super::{
+    Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, StoreError,
+    bearer::BearerToken,
+};
 
 /// The lease API of a `fence server`, as a [`LeaseStore`], over `http://` or `https://`.
 ///
@@ -42,57 +52,23 @@ use super::{Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocati
 /// let lease = LeaseClient::new(store).claim("invoice-42".parse()?).await?;
 /// # Ok(()) }
 /// ```
+///
+/// Several servers that share one database act as one lease service: give their URLs
+/// separated by commas (`http://a:7700,http://b:7700`). A call goes to the server that
+/// answered last; it moves on to the next only when a connection could not be made (refused,
+/// unreachable, TLS handshake failed), never once a request may have reached a server, so no
+/// decision is ever asked of two servers.
 #[derive(Debug, Clone)]
 pub struct HttpLeaseStore {
+    /// What was given, for messages: one URL or several, comma-separated.
     base: String,
+    /// Each server's base URL, without a trailing slash.
+    servers: Arc<[String]>,
+    /// The index of the server that answered last.
+    preferred: Arc<AtomicUsize>,
     client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
     bearer: Option<HeaderValue>,
     timeout: Duration,
-}
-
-/// A bearer secret for `Authorization: Bearer`; never printed.
-#[derive(Clone, PartialEq, Eq)]
-pub struct BearerToken(Box<str>);
-
-impl BearerToken {
-    /// A token: 16 to 256 visible ASCII characters (surrounding white space, such as the
-    /// newline at the end of a file, is trimmed).
-    ///
-    /// # Errors
-    /// When it is shorter, longer, or holds anything else; the error never repeats it.
-    pub fn new(token: impl AsRef<str>) -> Result<Self, TokenError> {
-        let token = token.as_ref().trim();
-        if !(16..=256).contains(&token.len()) {
-            return Err(TokenError::Length(token.len()));
-        }
-        if !token.bytes().all(|b| (0x21..=0x7e).contains(&b)) {
-            return Err(TokenError::Character);
-        }
-        Ok(Self(token.into()))
-    }
-
-    /// The token itself. Never log it.
-    pub fn expose(&self) -> &str {
-        &self.0
-    }
-}
-
-impl fmt::Debug for BearerToken {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.write_str("BearerToken(<redacted>)")
-    }
-}
-
-/// Why a bearer token was refused.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum TokenError {
-    /// Fewer than 16 or more than 256 characters.
-    #[error("a bearer token must be 16 to 256 characters, this one has {0}")]
-    Length(usize),
-    /// A character outside visible ASCII.
-    #[error("a bearer token must be visible ASCII (no spaces)")]
-    Character,
 }
 
 /// How [`HttpLeaseStore`] talks to its server.
@@ -159,30 +135,36 @@ impl HttpLeaseStore {
         Self::with_options(base_url, HttpOptions::default())
     }
 
-    /// A store at `base_url` with `options`.
+    /// A store at `base_url` with `options`: one URL, or several separated by commas for
+    /// servers that share one database (see [`HttpLeaseStore`] for when a call moves on).
     ///
     /// # Errors
-    /// When `base_url` is not an `http://` or `https://` URL with a host, or TLS cannot be
-    /// set up from `options.ca_cert`.
+    /// When an entry of `base_url` is not an `http://` or `https://` URL with a host, or TLS
+    /// cannot be set up from `options.ca_cert`.
     pub fn with_options(base_url: &str, options: HttpOptions) -> Result<Self, UrlError> {
-        let trimmed = base_url.trim_end_matches('/');
-        let uri: Uri = trimmed.parse().map_err(|source| UrlError::Invalid {
-            url: base_url.to_owned(),
-            source,
-        })?;
-        let https = match uri.scheme_str() {
-            Some("https") => true,
-            Some("http") => false,
-            _ => {
+        let mut servers = Vec::new();
+        let mut any_https = false;
+        for one in base_url.split(',').map(str::trim) {
+            let trimmed = one.trim_end_matches('/');
+            let uri: Uri = trimmed.parse().map_err(|source| UrlError::Invalid {
+                url: one.to_owned(),
+                source,
+            })?;
+            match uri.scheme_str() {
+                Some("https") => any_https = true,
+                Some("http") => {}
+                _ => {
+                    return Err(UrlError::Unsupported {
+                        url: one.to_owned(),
+                    });
+                }
+            }
+            if uri.host().is_none() {
                 return Err(UrlError::Unsupported {
-                    url: base_url.to_owned(),
+                    url: one.to_owned(),
                 });
             }
-        };
-        if uri.host().is_none() {
-            return Err(UrlError::Unsupported {
-                url: base_url.to_owned(),
-            });
+            servers.push(trimmed.to_owned());
         }
         let tls_error = |source| UrlError::Tls {
             url: base_url.to_owned(),
@@ -190,7 +172,7 @@ impl HttpLeaseStore {
         };
         // Roots are only read when they are needed: an http:// store on a machine without
         // any does not fail.
-        let tls = if https {
+        let tls = if any_https {
             fence_storage::tls::client_config(options.ca_cert.as_deref(), &[]).map_err(tls_error)?
         } else {
             fence_storage::tls::encrypt_only_config().map_err(tls_error)?
@@ -208,7 +190,9 @@ impl HttpLeaseStore {
             value
         });
         Ok(Self {
-            base: trimmed.to_owned(),
+            base: servers.join(","),
+            servers: servers.into(),
+            preferred: Arc::new(AtomicUsize::new(0)),
             client,
             bearer,
             timeout: options.timeout,
@@ -221,7 +205,7 @@ impl HttpLeaseStore {
         self
     }
 
-    /// The server's base URL.
+    /// The server's base URL (the servers', comma-separated, when several were given).
     pub fn base_url(&self) -> &str {
         &self.base
     }
@@ -262,22 +246,45 @@ impl HttpLeaseStore {
         body: Option<&impl serde::Serialize>,
         timeout: Duration,
     ) -> Result<(StatusCode, Bytes), StoreError> {
-        let mut req = Request::builder().uri(format!("{}{path}", self.base));
-        if let Some(bearer) = &self.bearer {
-            req = req.header(AUTHORIZATION, bearer.clone());
-        }
         let body = match body {
-            Some(v) => {
-                req = req
-                    .method(Method::POST)
-                    .header(CONTENT_TYPE, "application/json");
-                Full::new(Bytes::from(serde_json::to_vec(v).map_err(StoreError::io)?))
-            }
-            None => Full::new(Bytes::new()),
+            Some(v) => Some(Bytes::from(serde_json::to_vec(v).map_err(StoreError::io)?)),
+            None => None,
         };
-        let req = req.body(body).map_err(StoreError::io)?;
+        let request = |server: &str| {
+            let mut req = Request::builder().uri(format!("{server}{path}"));
+            if let Some(bearer) = &self.bearer {
+                req = req.header(AUTHORIZATION, bearer.clone());
+            }
+            let body = match &body {
+                Some(bytes) => {
+                    req = req
+                        .method(Method::POST)
+                        .header(CONTENT_TYPE, "application/json");
+                    Full::new(bytes.clone())
+                }
+                None => Full::new(Bytes::new()),
+            };
+            req.body(body).map_err(StoreError::io)
+        };
         let exchange = async {
-            let resp = self.client.request(req).await.map_err(StoreError::io)?;
+            let n = self.servers.len();
+            let first = self.preferred.load(Ordering::Relaxed) % n;
+            let mut tried = 0;
+            let resp = loop {
+                let i = (first + tried) % n;
+                match self.client.request(request(&self.servers[i])?).await {
+                    Ok(resp) => {
+                        if tried > 0 {
+                            self.preferred.store(i, Ordering::Relaxed);
+                        }
+                        break resp;
+                    }
+                    // No connection was made, so no request reached this server: the next
+                    // one may be asked. Any other failure may have reached it: never.
+                    Err(e) if e.is_connect() && tried + 1 < n => tried += 1,
+                    Err(e) => return Err(StoreError::io(e)),
+                }
+            };
             let status = resp.status();
             let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
                 .collect()
@@ -411,6 +418,11 @@ impl HttpLeaseStore {
 }
 
 impl LeaseStore for HttpLeaseStore {
+    /// The server decides for every client that reaches it.
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     /// The server's waiting claim (`?wait=`), as long as the server allows (60 s) per
     /// request; a longer wait asks again with what is left.
     async fn claim_waiting(
@@ -555,5 +567,10 @@ mod tests {
                 .base_url(),
             "http://127.0.0.1:7700"
         );
+        let two = HttpLeaseStore::new("http://a:7700/, https://b:7700").unwrap();
+        assert_eq!(two.base_url(), "http://a:7700,https://b:7700");
+        for bad in ["http://a:7700,", "http://a:7700,ftp://b", ",http://a"] {
+            assert!(HttpLeaseStore::new(bad).is_err(), "{bad}");
+        }
     }
 }

@@ -14,6 +14,7 @@
 //! # Ok(()) }
 //! ```
 
+mod bearer;
 mod http;
 mod memory;
 #[cfg(feature = "postgres")]
@@ -33,7 +34,8 @@ use fence_core::{
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PgLeaseStore, PgTable};
 pub use self::{
-    http::{BearerToken, HttpLeaseStore, HttpOptions, TokenError, UrlError},
+    bearer::{BearerToken, TokenError},
+    http::{HttpLeaseStore, HttpOptions, UrlError},
     memory::MemoryLeaseStore,
     signing::SigningLeaseStore,
     sled::SledLeaseStore,
@@ -200,6 +202,13 @@ pub trait LeaseStore: Send + Sync + 'static {
     ) -> impl Future<Output = Result<usize, StoreError>> + Send {
         let _ = (idle_for, limit);
         async { Ok(0) }
+    }
+
+    /// Whether other processes decide on this store too (a database several servers share):
+    /// then a job may change without this process seeing the call, and a waiting claim
+    /// looks again now and then instead of only when woken. Default: false.
+    fn is_shared(&self) -> bool {
+        false
     }
 
     /// [`LeaseOp::Claim`].

@@ -58,6 +58,10 @@ impl<S: LeaseStore> LeaseStore for SigningLeaseStore<S> {
         self.inner.get(job).await
     }
 
+    fn is_shared(&self) -> bool {
+        self.inner.is_shared()
+    }
+
     async fn forget_idle(
         &self,
         idle_for: std::time::Duration,

@@ -350,8 +350,14 @@ impl PgLeaseStore {
         sql: &str,
         params: &[&(dyn ToSql + Sync)],
     ) -> Result<Option<Row>, StoreError> {
-        let client = self.pool.get().await.map_err(StoreError::io)?;
-        client.query_opt(sql, params).await.map_err(StoreError::io)
+        // Given back only once the statement ended: a claim whose client went away may
+        // still wait on a row lock, and the next request would queue behind it.
+        let client = fence_storage::postgres::Checkout::of(&self.pool)
+            .await
+            .map_err(StoreError::io)?;
+        let row = client.query_opt(sql, params).await.map_err(StoreError::io);
+        client.done();
+        row
     }
 
     async fn snapshot(&self, job: &JobId) -> Result<Option<Snapshot>, StoreError> {
@@ -467,6 +473,11 @@ impl PgLeaseStore {
 }
 
 impl LeaseStore for PgLeaseStore {
+    /// Several servers may share the database.
+    fn is_shared(&self) -> bool {
+        true
+    }
+
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         let (owner, g, key, sql) = match &op {
             LeaseOp::Claim { owner, key, ttl } => {

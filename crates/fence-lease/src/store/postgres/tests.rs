@@ -4,10 +4,39 @@ use super::*;
 /// A store on a table of its own, so parallel tests do not share jobs.
 async fn fresh() -> Option<PgLeaseStore> {
     let url = fence_storage::postgres::test_database_url();
+    leftovers_dropped(&url).await;
     let table = PgTable::new("fence_test", &format!("leases_{:016x}", fastrand::u64(..))).unwrap();
     let store = PgLeaseStore::connect(&url, table).await.unwrap();
     store.migrate().await.unwrap();
     Some(store)
+}
+
+/// What earlier runs of these tests left in `fence_test` (each test makes tables of its own
+/// and the conformance suite has no teardown), dropped once per run before any test starts:
+/// the test database holds one run's tables at most.
+async fn leftovers_dropped(url: &str) {
+    static ONCE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
+    ONCE.get_or_init(|| async {
+        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
+            .await
+            .expect("the test database answers");
+        tokio::spawn(conn);
+        let rows = client
+            .query(
+                "SELECT tablename FROM pg_tables WHERE schemaname = 'fence_test'
+                   AND tablename LIKE 'leases\\_%'",
+                &[],
+            )
+            .await
+            .unwrap();
+        for row in rows {
+            let table: String = row.get(0);
+            let _ = client
+                .batch_execute(&format!("DROP TABLE IF EXISTS fence_test.{table} CASCADE"))
+                .await;
+        }
+    })
+    .await;
 }
 
 crate::lease_store_conformance!(|| async {
