@@ -198,6 +198,12 @@ impl AuthFile {
             let mut patterns = Vec::new();
             let mut revoke = false;
             for word in words {
+                if word.starts_with('#') {
+                    // A job id may hold '#': a trailing comment would be read as patterns.
+                    return Err(bad(format!(
+                        "{word:?}: a comment takes a line of its own (starting with #); a pattern cannot start with #"
+                    )));
+                }
                 if revoke {
                     return Err(bad(format!(
                         "{word:?} after +revoke: +revoke ends the line (name secret patterns... +revoke)"
@@ -306,6 +312,20 @@ impl AuthFile {
     }
 }
 
+/// The bearer secret of `headers`: exactly one `Authorization: Bearer <secret>`, not empty.
+pub fn bearer_secret(headers: &http::HeaderMap) -> Option<&[u8]> {
+    let mut values = headers.get_all(http::header::AUTHORIZATION).iter();
+    let secret = match (values.next(), values.next()) {
+        (Some(value), None) => value
+            .as_bytes()
+            .split_at_checked(7)
+            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case(b"bearer "))
+            .map(|(_, secret)| secret.trim_ascii()),
+        _ => None,
+    };
+    secret.filter(|s| !s.is_empty())
+}
+
 /// The current auth file of a server, reloaded on SIGHUP.
 #[derive(Debug, Clone)]
 pub struct Auth {
@@ -323,6 +343,20 @@ impl Auth {
             path: path.to_owned(),
             current: Arc::new(RwLock::new(Arc::new(AuthFile::load(path)?))),
         })
+    }
+
+    /// Whether `headers` carry exactly one `Authorization: Bearer <secret>` with a secret
+    /// of the file as of now.
+    pub fn knows(&self, headers: &http::HeaderMap) -> bool {
+        self.name_of(headers).is_some()
+    }
+
+    /// The name of the client whose secret `headers` carry, if one does.
+    pub fn name_of(&self, headers: &http::HeaderMap) -> Option<String> {
+        let secret = bearer_secret(headers)?;
+        let file = self.current();
+        file.index_of(secret)
+            .map(|i| file.client(i).name().to_owned())
     }
 
     /// The clients as of now.
@@ -394,6 +428,10 @@ mod tests {
             ("a short *", "is 5 characters"),
             ("a 0123456789abcdef a*b", "'*' may only end"),
             ("a 0123456789abcdef * +revoke x", "+revoke ends the line"),
+            (
+                "# ok\na 0123456789abcdef * # billing",
+                "line 2: \"#\": a comment takes a line of its own",
+            ),
             (&format!("a {} *", "s".repeat(257)), "at most 256"),
             ("a 0123456789abcdef \u{7f}", "pattern"),
             (

@@ -2,17 +2,20 @@
 
 use anyhow::Context as _;
 use fence_core::{
-    Generation,
+    Generation, JobId, Owner,
     lease_api::{
         Action, ClaimRequest, FinishRequest, ListBody, ListQuery, RecordBody, RenewRequest,
         RevokeRequest,
     },
+    secret::LeaseKey,
     sink_api::{AdvanceRequest, FenceView, fence_path},
 };
 use fence_lease::{BearerToken, HttpLeaseStore, HttpOptions};
 use http::StatusCode;
 
-use crate::cli::{ClaimCmd, FinishCmd, LeasesCmd, RenewCmd, RevokeCmd, ServerConn, ServerUrl};
+use crate::cli::{
+    ClaimCmd, FinishCmd, HealthcheckCmd, LeasesCmd, RenewCmd, RevokeCmd, ServerConn, ServerUrl,
+};
 
 /// What a one-shot call sends.
 #[derive(Debug)]
@@ -48,6 +51,103 @@ pub fn bearer(file: Option<&std::path::Path>) -> anyhow::Result<Option<BearerTok
     Ok(Some(BearerToken::new(token).with_context(|| {
         format!("the bearer secret in {source}")
     })?))
+}
+
+/// A lease a command acts on: from `--lease FILE` (the JSON `fence claim` printed) or from
+/// `--job`, `--owner`, `--generation` and `--lease-key`.
+#[derive(Debug)]
+pub struct LeaseRef {
+    /// The job.
+    pub job: JobId,
+    /// Its holder.
+    pub owner: Owner,
+    /// The generation held.
+    pub generation: Generation,
+    /// The proof of the lease.
+    pub key: LeaseKey,
+}
+
+impl LeaseRef {
+    /// The lease `a` names.
+    ///
+    /// # Errors
+    /// A usage error naming the file and the field when `--lease` cannot be read or lacks a
+    /// field, or names another job than `--job`.
+    pub fn of(a: &FinishCmd) -> anyhow::Result<Self> {
+        let Some(path) = &a.lease else {
+            // clap requires all four when --lease is absent.
+            let missing = || {
+                crate::Usage::error("give --lease, or --job, --owner, --generation and --lease-key")
+            };
+            return Ok(Self {
+                job: a.job.clone().ok_or_else(missing)?,
+                owner: a.owner.clone().ok_or_else(missing)?,
+                generation: Generation::new(a.generation.ok_or_else(missing)?),
+                key: a.lease_key.clone().ok_or_else(missing)?,
+            });
+        };
+        let (text, source) = if path.as_os_str() == "-" {
+            let mut text = String::new();
+            std::io::Read::read_to_string(
+                &mut std::io::Read::take(std::io::stdin(), 64 * 1024),
+                &mut text,
+            )
+            .map_err(|e| crate::Usage::error(format!("cannot read --lease - (stdin): {e}")))?;
+            (text, "--lease - (stdin)".to_owned())
+        } else {
+            let text = std::fs::read_to_string(path).map_err(|e| {
+                crate::Usage::error(format!("cannot read --lease {}: {e}", path.display()))
+            })?;
+            (text, format!("--lease {}", path.display()))
+        };
+        let lease = Self::parse(&text).map_err(|e| {
+            crate::Usage::error(format!(
+                "{source}: {e} (expected the JSON `fence claim` printed)"
+            ))
+        })?;
+        if let Some(job) = &a.job
+            && *job != lease.job
+        {
+            return Err(crate::Usage::error(format!(
+                "{source} is a lease of job {}, not of --job {job} (or FENCE_JOB)",
+                lease.job
+            )));
+        }
+        Ok(lease)
+    }
+
+    /// The lease in `text`, or what is wrong with it (never the key itself).
+    fn parse(text: &str) -> Result<Self, String> {
+        let value: serde_json::Value =
+            serde_json::from_str(text.trim()).map_err(|e| format!("not JSON: {e}"))?;
+        let field = |name: &str| {
+            value
+                .get(name)
+                .ok_or_else(|| format!("no \"{name}\" field"))
+        };
+        let text_of = |name: &str| {
+            field(name)?
+                .as_str()
+                .ok_or_else(|| format!("\"{name}\" is not a string"))
+        };
+        let job: JobId = text_of("job")?
+            .parse()
+            .map_err(|e| format!("\"job\": {e}"))?;
+        let owner: Owner = text_of("owner")?
+            .parse()
+            .map_err(|e| format!("\"owner\": {e}"))?;
+        let generation = field("generation")?
+            .as_u64()
+            .ok_or("\"generation\" is not an integer from 0 to 2^64 - 1")?;
+        let key =
+            LeaseKey::new(text_of("lease_key")?).map_err(|e| format!("\"lease_key\": {e}"))?;
+        Ok(Self {
+            job,
+            owner,
+            generation: Generation::new(generation),
+            key,
+        })
+    }
 }
 
 /// The HTTP lease store a command talks to.
@@ -96,7 +196,8 @@ fn print_answer(status: StatusCode, answer: &str) {
 /// When the server URL is invalid or the server cannot be reached.
 pub async fn call(call: Call) -> anyhow::Result<i32> {
     let mut key = None;
-    let (at, action, body): (&ServerUrl, Option<Action>, Option<serde_json::Value>) = match &call {
+    type At<'a> = (&'a ServerConn, JobId);
+    let (at, action, body): (At<'_>, Option<Action>, Option<serde_json::Value>) = match &call {
         Call::Claim(a) => {
             let owner = a.owner.clone().unwrap_or_else(fence_lease::default_owner);
             let lease_key = fence_lease::new_lease_key()
@@ -108,20 +209,21 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
                 ttl: a.ttl,
             };
             (
-                &a.at,
+                (&a.at.conn, a.at.job.clone()),
                 Some(Action::Claim),
                 Some(serde_json::to_value(body)?),
             )
         }
         Call::Renew(a) => {
+            let lease = LeaseRef::of(&a.lease)?;
             let body = RenewRequest {
-                owner: a.lease.owner.clone(),
-                generation: Generation::new(a.lease.generation),
-                lease_key: a.lease.lease_key.clone(),
+                owner: lease.owner,
+                generation: lease.generation,
+                lease_key: lease.key,
                 ttl: a.ttl,
             };
             (
-                &a.lease.at,
+                (&a.lease.conn, lease.job),
                 Some(Action::Renew),
                 Some(serde_json::to_value(body)?),
             )
@@ -132,18 +234,24 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
             } else {
                 Action::Release
             };
+            let lease = LeaseRef::of(a)?;
             let body = FinishRequest {
-                owner: a.owner.clone(),
-                generation: Generation::new(a.generation),
-                lease_key: a.lease_key.clone(),
+                owner: lease.owner,
+                generation: lease.generation,
+                lease_key: lease.key,
             };
-            (&a.at, Some(action), Some(serde_json::to_value(body)?))
+            (
+                (&a.conn, lease.job),
+                Some(action),
+                Some(serde_json::to_value(body)?),
+            )
         }
-        Call::Status(at) => (at, None, None),
+        Call::Status(at) => ((&at.conn, at.job.clone()), None, None),
     };
-    let server = connect(&at.conn)?;
+    let (conn, job) = at;
+    let server = connect(conn)?;
     let (status, answer) = server
-        .call(&at.job, action, body.as_ref())
+        .call(&job, action, body.as_ref())
         .await
         .with_context(|| format!("cannot reach {}", server.base_url()))?;
     let printed = match (key, status) {
@@ -273,4 +381,36 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
         }
     }
     Ok(code)
+}
+
+/// `fence healthcheck`: 0 when `GET {url}/healthz` answers 200, else 1 with what it answered.
+///
+/// # Errors
+/// A usage error for an unusable URL or CA file.
+pub async fn healthcheck(a: HealthcheckCmd) -> anyhow::Result<i32> {
+    let options = HttpOptions {
+        ca_cert: a.ca_cert.clone(),
+        timeout: a.timeout,
+        ..HttpOptions::default()
+    };
+    let target = HttpLeaseStore::with_options(&a.url, options).map_err(crate::Usage::from_error)?;
+    match target.send("/healthz", None::<&()>).await {
+        Ok((StatusCode::OK, _)) => Ok(0),
+        Ok((status, body)) => {
+            eprintln!(
+                "fence healthcheck: {}/healthz answered {status}: {}",
+                target.base_url(),
+                String::from_utf8_lossy(&body).trim_end()
+            );
+            Ok(1)
+        }
+        Err(e) => {
+            eprintln!(
+                "fence healthcheck: {}/healthz: {}",
+                target.base_url(),
+                fence_storage::error_chain(&e)
+            );
+            Ok(1)
+        }
+    }
 }

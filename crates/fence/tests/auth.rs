@@ -183,6 +183,11 @@ fn an_auth_file_others_can_read_or_that_is_broken_stops_the_start() {
         ("ops tooshort *\n", "characters"),
         (&format!("ops {OPS}\n") as &str, "no job pattern"),
         (&format!("ops {OPS} a*b\n") as &str, "'*' may only end"),
+        // A trailing comment would make `#` and its words job patterns: refused, by line.
+        (
+            &format!("# operators\nops {OPS} * # everyone\n") as &str,
+            "line 2: \"#\": a comment takes a line of its own",
+        ),
     ] {
         write_auth(&auth, text);
         let (code, stderr) = start(&auth);
@@ -214,5 +219,89 @@ fn a_listener_beyond_loopback_needs_an_auth_file() {
             stderr.contains("without --auth-file") && stderr.contains("--insecure-no-auth"),
             "{stderr}"
         );
+    }
+}
+
+/// Secrets never cross a network in clear: a server beyond loopback without TLS is refused
+/// unless the operator says --insecure-no-tls, and the proxy's unauthenticated admin
+/// listener stays on loopback (issue 31). Refused before anything is bound.
+#[test]
+fn a_listener_beyond_loopback_needs_tls_and_the_admin_port_stays_on_loopback() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = Command::new(FENCE)
+        .args([
+            "server",
+            "--listen",
+            "192.0.2.1:7700",
+            "--insecure-no-auth",
+            "--data-dir",
+        ])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("without TLS") && stderr.contains("--insecure-no-tls"),
+        "{stderr}"
+    );
+    let out = Command::new(FENCE)
+        .args([
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "0.0.0.0:0",
+        ])
+        .args(["--upstream", "http://127.0.0.1:9", "--data-dir"])
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("loopback only"), "{stderr}");
+    // Secrets of its own are not enough: they would cross the network in clear.
+    let admins = dir.path().join("admins");
+    write_auth(&admins, &format!("ops {OPS} *\n"));
+    let out = Command::new(FENCE)
+        .args([
+            "proxy",
+            "--listen",
+            "127.0.0.1:0",
+            "--admin-listen",
+            "0.0.0.0:0",
+        ])
+        .args(["--upstream", "http://127.0.0.1:9", "--admin-auth-file"])
+        .arg(&admins)
+        .arg("--data-dir")
+        .arg(dir.path())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("and TLS"), "{stderr}");
+}
+
+/// With --admin-auth-file, every admin request needs one of its secrets (issue 31).
+#[test]
+fn the_admin_listener_takes_secrets_of_its_own() {
+    let dir = tempfile::tempdir().unwrap();
+    let admins = dir.path().join("admins");
+    write_auth(&admins, &format!("ops {OPS} *\n"));
+    let data = dir.path().join("data");
+    let extra = ["--data-dir", data.to_str().unwrap(), "--admin-auth-file"];
+    let upstream = start_upstream();
+    let (_proxy, _addr, admin) = start_proxy_admin(
+        &format!("http://{upstream}"),
+        &[&extra[..], &[admins.to_str().unwrap()]].concat(),
+    );
+    for path in ["/metrics", "/healthz", "/v1/fence/job-1"] {
+        for bearer in [None, Some(BILLING)] {
+            let (status, answer) = call(&admin, "GET", path, bearer, "");
+            assert_eq!(status, 401, "{path} {bearer:?}: {answer}");
+            assert!(answer.contains("--admin-auth-file"), "{answer}");
+        }
+        let (status, answer) = call(&admin, "GET", path, Some(OPS), "");
+        assert_eq!(status, 200, "{path}: {answer}");
     }
 }

@@ -121,3 +121,37 @@ async fn unary_and_client_streaming_calls_through_the_proxy() {
         "the stale call never reached the ledger"
     );
 }
+
+/// A gRPC-typed call to an upstream that speaks only HTTP/1.1 is answered at once (UNAVAILABLE)
+/// and is a *known* failure: the upstream never understood a request, so the next holder of
+/// the job passes at once instead of waiting out an unknown outcome's hold (issue 31).
+#[test]
+fn a_grpc_call_to_an_http1_upstream_holds_nobody_up() {
+    let upstream = format!("http://{}", start_upstream());
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_owned();
+    // A short drain limit: a held slot would show as 503 drain-timeout within a second.
+    let (_proxy, addr) =
+        start_proxy_with(&upstream, &["--data-dir", &data, "--drain-timeout", "1s"]);
+    let (status, answer) = exchange(
+        &addr,
+        "POST",
+        "/ledger.Ledger/Charge",
+        &[
+            ("X-Fencing-Job", "g".to_owned()),
+            ("X-Fencing-Token", "3".to_owned()),
+            ("content-type", "application/grpc".to_owned()),
+        ],
+        "\0\0\0\0\0",
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("grpc-status: 14"), "{answer}");
+    assert!(answer.contains("does not speak HTTP/2"), "{answer}");
+    let started = std::time::Instant::now();
+    assert_eq!(fenced_post(&addr, "/effects", "g", "4"), 200);
+    assert!(
+        started.elapsed() < Duration::from_millis(900),
+        "the newer holder waited {:?}",
+        started.elapsed()
+    );
+}

@@ -72,11 +72,21 @@ fn slow_body_case(key: Option<&str>) {
         serde_json::from_str::<serde_json::Value>(body).unwrap_or_default()[field].as_u64()
     };
     let stuck = stall(&proxy, 1, key, "0123456789");
-    eventually(
-        "the stalled request is admitted",
-        Duration::from_secs(10),
-        || fence("in_flight") == Some(1),
-    );
+    if key.is_none() {
+        eventually(
+            "the stalled request is admitted",
+            Duration::from_secs(10),
+            || fence("in_flight") == Some(1),
+        );
+    } else {
+        // A buffered request is read whole before the fence admits it: it holds no slot.
+        std::thread::sleep(Duration::from_millis(300));
+        assert_eq!(
+            fence("in_flight"),
+            Some(0),
+            "a half-sent buffered body was admitted"
+        );
+    }
     let started = Instant::now();
     let newer = std::thread::spawn({
         let proxy = proxy.clone();
@@ -95,6 +105,14 @@ fn slow_body_case(key: Option<&str>) {
         waited < Duration::from_secs(4),
         "{key:?}: the newer holder waited {waited:?}, more than the 2 s body deadline allows"
     );
+    if key.is_some() {
+        // Nothing of the buffered request reached the upstream: nothing to wait for.
+        assert!(
+            waited < Duration::from_secs(1),
+            "the newer holder waited {waited:?} for a body that never reached the upstream"
+        );
+        println!("newer holder's wait behind a stalled buffered body: {waited:?}");
+    }
     let text = answer(stuck);
     assert!(
         text.starts_with("HTTP/1.1 408") && text.contains("urn:fence:body-timeout"),
@@ -104,6 +122,7 @@ fn slow_body_case(key: Option<&str>) {
 
 #[test]
 fn a_body_that_never_finishes_delays_the_newer_holder_by_the_body_deadline_at_most() {
+    // buffered: read whole before admission, it delays nobody; streamed: at most the deadline
     slow_body_case(Some("k1")); // buffered: the upstream never sees it
     slow_body_case(None); // streamed: the upstream sees a prefix, never a whole request
 }
@@ -288,6 +307,67 @@ fn frame(kind: u8, flags: u8, stream: u32, payload: &[u8]) -> Vec<u8> {
     f
 }
 
+/// An HTTP/2 connection with no stream open is closed at the idle timeout, although it
+/// answers every ping (hyper's keepalive alone kept it for good; issue 31).
+#[test]
+fn an_idle_h2c_connection_is_closed_at_the_idle_timeout() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, addr) = start_ready(&server_args(
+        dir.path().to_str().unwrap(),
+        &["--idle-timeout", "1s", "--h2-keepalive", "300ms"],
+    ));
+    let mut stream = TcpStream::connect(&addr).unwrap();
+    let mut out = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n".to_vec();
+    out.extend(frame(0x4, 0, 0, &[])); // SETTINGS, empty
+    // One request first: GET /healthz, then nothing but answers to the server's pings.
+    let headers = [
+        0x82, 0x86, 0x44, 0x08, b'/', b'h', b'e', b'a', b'l', b't', b'h', b'z', 0x41, 0x01, b'x',
+    ];
+    out.extend(frame(0x1, 0x4 | 0x1, 1, &headers));
+    stream.write_all(&out).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(1)))
+        .unwrap();
+    let started = Instant::now();
+    let (mut pings, mut closed) = (0, None);
+    while started.elapsed() < Duration::from_secs(8) {
+        let mut head = [0u8; 9];
+        match stream.read_exact(&mut head) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) if e.kind() == std::io::ErrorKind::TimedOut => continue,
+            Err(_) => {
+                closed = Some(started.elapsed());
+                break;
+            }
+        }
+        let len = usize::from(head[0]) << 16 | usize::from(head[1]) << 8 | usize::from(head[2]);
+        let mut payload = vec![0u8; len];
+        if stream.read_exact(&mut payload).is_err() {
+            closed = Some(started.elapsed());
+            break;
+        }
+        match head[3] {
+            0x4 if head[4] & 0x1 == 0 => stream.write_all(&frame(0x4, 0x1, 0, &[])).unwrap(),
+            0x6 if head[4] & 0x1 == 0 => {
+                pings += 1;
+                stream.write_all(&frame(0x6, 0x1, 0, &payload)).unwrap(); // PING ACK
+            }
+            0x7 => {} // GOAWAY: the close follows
+            _ => {}
+        }
+    }
+    let closed = closed.expect("the idle h2c connection was still open after 8 s");
+    assert!(
+        pings > 0,
+        "the server never pinged: the test proves nothing"
+    );
+    assert!(
+        closed >= Duration::from_millis(900) && closed < Duration::from_secs(5),
+        "closed after {closed:?}, with --idle-timeout 1s"
+    );
+}
+
 #[test]
 fn an_h2c_stream_flood_is_held_to_the_stream_limit() {
     let dir = tempfile::tempdir().unwrap();
@@ -368,4 +448,81 @@ fn tokens_of_neither_syntax_are_400_without_verify_keys() {
     }
     let sig86 = "A".repeat(86);
     assert_eq!(post(&proxy, &format!("7.1700000000000.{sig86}")), 200);
+}
+
+/// The lease server gives a request's body a deadline too: a `Content-Length: 500` and one
+/// byte is 408 body-timeout, not a connection slot held for good (issue 31).
+#[test]
+fn a_lease_request_body_that_never_comes_is_408() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, addr) = start_server(dir.path());
+    let addr = addr.trim_start_matches("http://").to_owned();
+    let mut stream = TcpStream::connect(&addr).unwrap();
+    stream
+        .write_all(b"POST /v1/leases/j/claim HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 500\r\n\r\n{")
+        .unwrap();
+    let started = Instant::now();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(15)))
+        .unwrap();
+    let mut text = Vec::new();
+    let mut chunk = [0u8; 4096];
+    while !String::from_utf8_lossy(&text).contains("}") {
+        match stream.read(&mut chunk) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => text.extend_from_slice(&chunk[..n]),
+        }
+    }
+    let text = String::from_utf8_lossy(&text);
+    assert!(
+        text.starts_with("HTTP/1.1 408") && text.contains("urn:fence:body-timeout"),
+        "{text}"
+    );
+    assert!(
+        started.elapsed() < Duration::from_secs(12),
+        "{:?}",
+        started.elapsed()
+    );
+}
+
+/// `--idempotency-scope-header authorization`: one tenant's stored answer is not replayed to
+/// another (the same key under another Authorization is 422), its own retry is (issue 31).
+#[test]
+fn stored_answers_can_be_scoped_by_a_header() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = format!("http://{}", start_upstream());
+    let (_proxy, proxy) = start_proxy_with(
+        &upstream,
+        &[
+            "--data-dir",
+            dir.path().to_str().unwrap(),
+            "--idempotency-scope-header",
+            "authorization",
+        ],
+    );
+    let keyed = |auth: &str| {
+        exchange(
+            &proxy,
+            "POST",
+            "/statements",
+            &[
+                ("X-Fencing-Job", "j".to_owned()),
+                ("X-Fencing-Token", "1".to_owned()),
+                ("Idempotency-Key", "k".to_owned()),
+                ("Authorization", auth.to_owned()),
+            ],
+            "same body",
+        )
+    };
+    assert_eq!(keyed("Bearer tenant-a").0, 200);
+    let (status, answer) = keyed("Bearer tenant-b");
+    assert_eq!(status, 422, "{answer}");
+    let (status, answer) = keyed("Bearer tenant-a");
+    assert_eq!(status, 200);
+    assert!(
+        answer
+            .to_ascii_lowercase()
+            .contains("idempotent-replayed: true"),
+        "{answer}"
+    );
 }

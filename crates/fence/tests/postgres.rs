@@ -194,3 +194,74 @@ fn a_database_outage_is_503_and_both_recover_without_a_restart() {
         "the fence held through the outage"
     );
 }
+
+/// A SQL writer that stops inside its transaction after `require` holds its job's fence row.
+/// The proxy's check of that job waits at most the session lock timeout (503, and the
+/// connection is free again), and other jobs pass meanwhile, however many requests of the
+/// stuck job come (issue 31).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stalled_sql_writer_holds_up_only_its_own_job_for_a_bounded_time() {
+    let url = database_url().unwrap();
+    let schema = unique_schema("stall");
+    let upstream = format!("http://{}", start_upstream());
+    let args = ["--store", &url, "--pg-schema", &schema];
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let (upstream, args) = (upstream.clone(), args.map(str::to_owned));
+        move || {
+            start_proxy_with(
+                &upstream,
+                &args.iter().map(String::as_str).collect::<Vec<_>>(),
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let post = |job: &'static str, token: &'static str| {
+        let addr = addr.clone();
+        tokio::task::spawn_blocking(move || {
+            let started = std::time::Instant::now();
+            (
+                fenced_post(&addr, "/effects", job, token),
+                started.elapsed(),
+            )
+        })
+    };
+    assert_eq!(post("stuck", "5").await.unwrap().0, 200);
+    // The writer: a transaction that checked the fence and then stalls.
+    let (mut writer, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let tx = writer.transaction().await.unwrap();
+    tx.execute(&format!("SELECT {schema}.require('stuck', 5)"), &[])
+        .await
+        .unwrap();
+    // More requests of the stuck job than the proxy's pool has connections (16): each job
+    // may use 4 of them at once, so the others stay free for other jobs.
+    let stuck: Vec<_> = (0..24).map(|_| post("stuck", "5")).collect();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    for job in ["free-a", "free-b", "free-c"] {
+        let (status, took) = post(job, "1").await.unwrap();
+        assert_eq!(status, 200, "{job}");
+        assert!(took < Duration::from_millis(1_500), "{job} waited {took:?}");
+    }
+    for s in stuck {
+        let (status, took) = s.await.unwrap();
+        assert_eq!(status, 503, "the stuck job's check should give up");
+        // Each statement waits at most the lock timeout (2 s), and runs at most the
+        // statement timeout (5 s).
+        assert!(
+            took < Duration::from_millis(5_500),
+            "the stuck job waited {took:?}"
+        );
+    }
+    tx.rollback().await.unwrap();
+    assert_eq!(post("stuck", "5").await.unwrap().0, 200, "free again");
+    let (drop, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let _ = drop
+        .batch_execute(&format!("DROP SCHEMA {schema} CASCADE"))
+        .await;
+}

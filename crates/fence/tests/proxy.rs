@@ -381,6 +381,7 @@ async fn accepted_request_reaches_upstream_with_forwarding_headers_and_no_hop_by
         .header("te", "trailers")
         .header("trailer", "x-checksum")
         .header("x-forwarded-for", "203.0.113.9")
+        .header("via", "1.1 edge")
         .body(full("hello"))
         .unwrap();
     let answer = send(proxy.addr, req).await;
@@ -420,6 +421,11 @@ async fn accepted_request_reaches_upstream_with_forwarding_headers_and_no_hop_by
     assert_eq!(h.get("x-fencing-token").unwrap(), "5");
     assert_eq!(h.get("x-forwarded-for").unwrap(), "203.0.113.9, 127.0.0.1");
     assert_eq!(h.get("x-forwarded-proto").unwrap(), "http");
+    assert_eq!(
+        h.get("via").unwrap(),
+        "1.1 edge, 1.1 fence",
+        "RFC 9110 7.6.3"
+    );
     assert_eq!(h.get("host").unwrap(), upstream.addr.to_string().as_str());
     assert_eq!(h.get("x-forwarded-host").unwrap(), "client.example");
     for gone in [
@@ -438,9 +444,10 @@ async fn accepted_request_reaches_upstream_with_forwarding_headers_and_no_hop_by
     }
     proxy.shutdown().await;
 
-    // preserve_host: the upstream sees the client's Host.
+    // preserve_host: the upstream sees the client's Host; and Via can be turned off.
     let mut preserving = config(upstream.url());
     preserving.preserve_host = true;
+    preserving.via = false;
     let proxy = Proxy::start(MemoryStore::new(), preserving).await;
     let answer = send(
         proxy.addr,
@@ -452,6 +459,7 @@ async fn accepted_request_reaches_upstream_with_forwarding_headers_and_no_hop_by
     assert_eq!(s.uri.path(), "/plain");
     assert_eq!(s.headers.get("host").unwrap(), "client.example");
     assert!(s.headers.get("x-forwarded-host").is_none());
+    assert!(s.headers.get("via").is_none(), "via: false adds none");
     assert_eq!(s.headers.get("x-forwarded-for").unwrap(), "127.0.0.1");
     proxy.shutdown().await;
 }

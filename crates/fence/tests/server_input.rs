@@ -64,6 +64,7 @@ async fn every_bad_request_is_a_400_naming_the_field() {
         ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "ttl_ms": "1000"}"#.into(), "ttl_ms: must be an integer"),
         ("POST", claim, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "extra": 1}"#.into(), "extra: unknown field"),
         ("POST", claim, big, "body: larger than"),
+        ("POST", claim, r#"{"owner": "w", "owner": "x", "lease_key": "k0123456789abcdefghijk"}"#.into(), "owner: given twice"),
         ("POST", renew, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk"}"#.into(), "generation: missing"),
         ("POST", renew, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": 18446744073709551616}"#.into(), "generation: must be an integer"),
         ("POST", renew, r#"{"owner": "w", "lease_key": "k0123456789abcdefghijk", "generation": "1"}"#.into(), "generation: must be an integer"),

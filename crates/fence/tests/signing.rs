@@ -203,6 +203,11 @@ struct Cluster {
 }
 
 fn cluster(dir: &Path, signing: &Path, verify: &[&Path]) -> Cluster {
+    cluster_with(dir, signing, verify, &[])
+}
+
+/// As [`cluster`], with more flags for the proxy.
+fn cluster_with(dir: &Path, signing: &Path, verify: &[&Path], proxy_flags: &[&str]) -> Cluster {
     let (server_proc, server) = start_ready(&server_args(
         dir.join("leases").to_str().unwrap(),
         &["--signing-key", signing.to_str().unwrap()],
@@ -216,6 +221,7 @@ fn cluster(dir: &Path, signing: &Path, verify: &[&Path]) -> Cluster {
         extra.push("--verify-key".into());
         extra.push(key.to_str().unwrap().into());
     }
+    extra.extend(proxy_flags.iter().map(|f| (*f).to_owned()));
     let extra: Vec<&str> = extra.iter().map(String::as_str).collect();
     let (proxy_proc, proxy) = start_proxy_with(&upstream, &extra);
     Cluster {
@@ -313,6 +319,60 @@ fn worked_example_with_signing_at_both_ends_and_an_attacker() {
         !stderr.contains(sig),
         "fence run printed the token: {stderr}"
     );
+}
+
+/// Issue 30's attack through the binaries: the lease server grants an hour (its default
+/// --max-ttl is a day), the proxy forgets after 3 s and was told leases last 1 s at most. A
+/// token claiming an hour of life would outlive the proxy's memory of the job, so it is
+/// refused (403 token-too-long-lived) before it can write; a lease within the proxy's bound
+/// writes.
+#[test]
+fn a_signed_token_that_outlives_the_proxys_window_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    keygen(&keys);
+    let c = cluster_with(
+        dir.path(),
+        &keys.join("fence-signing.pem"),
+        &[&keys.join("fence-verify.pem")],
+        &[
+            "--max-lease-ttl",
+            "1s",
+            "--clock-skew",
+            "1s",
+            "--forget-after",
+            "3s",
+        ],
+    );
+    let short = claim(&c.server, "j", "a", "1s");
+    let short = short["token"].as_str().unwrap().to_owned();
+    assert_eq!(write(&c.proxy, "j", &short), 200);
+    let released = fence_line(&format!(
+        "revoke --server {} --job j --reason test",
+        c.server
+    ));
+    assert_success(&released);
+    let long = claim(&c.server, "j", "b", "1h");
+    let long = long["token"].as_str().unwrap().to_owned();
+    let refused = exchange(
+        &c.proxy,
+        "POST",
+        "/ledger",
+        &[
+            ("X-Fencing-Job", "j".to_owned()),
+            ("X-Fencing-Token", long.clone()),
+        ],
+        "",
+    );
+    assert_eq!(refused.0, 403, "{}", refused.1);
+    assert!(
+        refused.1.contains("urn:fence:token-too-long-lived"),
+        "{}",
+        refused.1
+    );
+    // (After forgetting the same holds: fence-sink's tests/forget.rs, on paused time.)
+    let fresh = claim(&c.server, "k", "c", "1s");
+    assert_eq!(write(&c.proxy, "k", fresh["token"].as_str().unwrap()), 200);
 }
 
 #[test]

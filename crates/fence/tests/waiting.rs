@@ -236,3 +236,128 @@ fn server() -> (tempfile::TempDir, Proc, String, String) {
     let addr = url.trim_start_matches("http://").to_owned();
     (dir, server, url, addr)
 }
+
+/// Waiting claims are bounded: past `--max-waiting-claims` a claim that would wait is 429
+/// `too-many-waiters` with `Retry-After`, at once, and a place is free again once a waiter
+/// is answered (issue 31).
+#[test]
+fn past_the_most_waiting_claims_a_claim_is_429_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_owned();
+    let (_server, addr) = start_ready(&server_args(&data, &["--max-waiting-claims", "2"]));
+    assert_eq!(claim(&addr, "j", "a", "").0, 200);
+    let (b, c) = (wait_in_line(&addr, "j", "b"), wait_in_line(&addr, "j", "c"));
+    eventually("two claims wait", Duration::from_secs(10), || {
+        let (_, metrics) = bearer_call(&addr, "GET", "/metrics", None, "");
+        metrics.lines().any(|l| l == "fence_lease_waiting_claims 2")
+    });
+    let path = "/v1/leases/j/claim?wait=10s";
+    let started = Instant::now();
+    let (status, answer) = bearer_call(&addr, "POST", path, None, &claim_body("d"));
+    assert_eq!(status, 429, "{answer}");
+    assert!(started.elapsed() < Duration::from_secs(2));
+    assert!(answer.contains("urn:fence:too-many-waiters"), "{answer}");
+    assert!(
+        answer.to_ascii_lowercase().contains("retry-after: 1"),
+        "{answer}"
+    );
+    // A claim that need not wait is not refused: the holder's own retry gets its lease.
+    assert_eq!(claim(&addr, "j", "a", "10s").0, 200);
+    assert_eq!(release(&addr, "j", "a", 1), 200);
+    assert_eq!(b.join().unwrap().0, 200, "the first waiter gets the job");
+    assert_eq!(
+        claim(&addr, "j", "d", "1s").0,
+        409,
+        "a place is free again: it waits"
+    );
+    drop(c);
+}
+
+/// Per client: with an auth file, one client's waiting claims past
+/// --max-waiting-claims-per-client are 429 at once while another client's still wait; and a
+/// revoke wakes the first waiter, as a release does (issue 31).
+#[test]
+fn one_clients_waiting_claims_are_capped_and_a_revoke_wakes_the_first_waiter() {
+    use std::os::unix::fs::PermissionsExt;
+    const ALPHA: &str = "alpha-0123456789abcdef";
+    const BETA: &str = "beta-0123456789abcdefg";
+    const OPS: &str = "ops-0123456789abcdefghi";
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("clients");
+    std::fs::write(
+        &auth,
+        format!("alpha {ALPHA} *\nbeta {BETA} *\nops {OPS} * +revoke\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&auth, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let data = dir.path().join("data");
+    let (_server, addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &[
+            "--auth-file",
+            auth.to_str().unwrap(),
+            "--max-waiting-claims-per-client",
+            "2",
+        ],
+    ));
+    let bearer = |secret: &str| vec![("Authorization", format!("Bearer {secret}"))];
+    let waiting = |secret: &str, owner: &str| {
+        let sent = send_request(
+            &addr,
+            "POST",
+            "/v1/leases/j/claim?wait=10s",
+            &bearer(secret),
+            &claim_body(owner),
+        );
+        thread::spawn(move || read_answer(sent))
+    };
+    let gauge_is = |n: u32| {
+        let (_, metrics) = bearer_call(&addr, "GET", "/metrics", Some(OPS), "");
+        metrics
+            .lines()
+            .any(|l| l == format!("fence_lease_waiting_claims {n}"))
+    };
+    let (status, answer) = bearer_call(
+        &addr,
+        "POST",
+        "/v1/leases/j/claim",
+        Some(ALPHA),
+        &claim_body("h"),
+    );
+    assert_eq!(status, 200, "{answer}");
+    let first = waiting(ALPHA, "a1");
+    eventually("alpha's first claim waits", Duration::from_secs(10), || {
+        gauge_is(1)
+    });
+    let second = waiting(ALPHA, "a2");
+    eventually("alpha's two claims wait", Duration::from_secs(10), || {
+        gauge_is(2)
+    });
+    let (status, answer) = bearer_call(
+        &addr,
+        "POST",
+        "/v1/leases/j/claim?wait=10s",
+        Some(ALPHA),
+        &claim_body("a3"),
+    );
+    assert_eq!(status, 429, "alpha's third waiting claim: {answer}");
+    assert!(answer.contains("urn:fence:too-many-waiters"), "{answer}");
+    let other = waiting(BETA, "b1");
+    eventually(
+        "beta's claim waits beside alpha's",
+        Duration::from_secs(10),
+        || gauge_is(3),
+    );
+    let (status, answer) = bearer_call(
+        &addr,
+        "POST",
+        "/v1/leases/j/revoke",
+        Some(OPS),
+        r#"{"reason":"test"}"#,
+    );
+    assert_eq!(status, 200, "{answer}");
+    let (status, answer) = first.join().unwrap();
+    assert_eq!(status, 200, "the revoke woke the first waiter: {answer}");
+    assert!(answer.contains("\"owner\":\"a1\""), "{answer}");
+    drop((second, other));
+}

@@ -40,6 +40,9 @@ pub struct Health {
     store: Arc<dyn Fn() -> Check + Send + Sync>,
     upstream: Option<String>,
     fence: Option<FenceView>,
+    /// The admin listener's own clients (`--admin-auth-file`): without one of their
+    /// secrets, every request is 401.
+    auth: Option<crate::auth::Auth>,
 }
 
 /// What the admin listener reads of the proxy's fence.
@@ -79,7 +82,15 @@ impl Health {
             store,
             upstream,
             fence: None,
+            auth: None,
         }
+    }
+
+    /// Answers only requests with a bearer secret of `auth` (401 otherwise), when given.
+    #[must_use]
+    pub fn with_auth(mut self, auth: Option<crate::auth::Auth>) -> Self {
+        self.auth = auth;
+        self
     }
 
     /// Also serves `GET /v1/fence/{job}` and the fence's gauges from `layer` (a clone of the
@@ -180,6 +191,22 @@ async fn admin(
         *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
         response
     };
+    if health
+        .auth
+        .as_ref()
+        .is_some_and(|auth| !auth.knows(req.headers()))
+    {
+        let mut response = Problem::new(
+            ProblemType::Unauthenticated,
+            "this admin listener needs a client secret (--admin-auth-file): send Authorization: Bearer <secret>",
+        )
+        .to_response::<Full<Bytes>>();
+        response.headers_mut().insert(
+            http::header::WWW_AUTHENTICATE,
+            HeaderValue::from_static("Bearer"),
+        );
+        return response;
+    }
     if let (Some(fence), Some(raw)) = (&health.fence, req.uri().path().strip_prefix("/v1/fence/")) {
         let raw = raw.to_owned();
         return job_fence(fence, &raw, req).await;
@@ -198,18 +225,18 @@ async fn admin(
             Ok(()) => text("text/plain; charset=utf-8", "ok\n".to_owned()),
             Err(why) => unavailable(why),
         },
-        "/readyz" if get => {
-            let store = (health.store)().await;
-            match store.and(health.upstream().await) {
+        "/readyz" if get => match (health.store)().await {
+            Err(why) => unavailable(why),
+            Ok(()) => match health.upstream().await {
                 Ok(()) => text("text/plain; charset=utf-8", "ready\n".to_owned()),
                 Err(why) => {
-                    let mut response = Problem::new(ProblemType::UpstreamUnavailable, why)
-                        .to_response::<Full<Bytes>>();
-                    *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-                    response
+                    // Not ready is 503 whatever the cause: the body says the same status.
+                    let mut problem = Problem::new(ProblemType::UpstreamUnavailable, why);
+                    problem.status = StatusCode::SERVICE_UNAVAILABLE.as_u16();
+                    problem.to_response::<Full<Bytes>>()
                 }
-            }
-        }
+            },
+        },
         "/metrics" | "/healthz" | "/readyz" => {
             let p = Problem::new(
                 ProblemType::MethodNotAllowed,

@@ -53,6 +53,9 @@ pub struct ProxyConfig {
     /// Whether the upstream sees the client's `Host` (true) or its own authority, with the
     /// client's `Host` in `X-Forwarded-Host` (false, the default).
     pub preserve_host: bool,
+    /// Whether forwarded requests get `Via: <version> fence` appended (true, the default;
+    /// RFC 9110 section 7.6.3).
+    pub via: bool,
     /// Require signed tokens valid under one of these keys (contract section 6).
     pub verifier: Option<fence_core::signing::TokenVerifier>,
     /// How many threads serve connections, each on a runtime of its own with its own
@@ -64,6 +67,10 @@ pub struct ProxyConfig {
     pub tls: Option<Arc<rustls::ServerConfig>>,
     /// The listener's limits: first-request deadline, idle time, connections, HTTP/2.
     pub limits: Limits,
+    /// Test hook (feature `test-hooks`): after a restart, wait for nothing the process before
+    /// passed on (the fault harness's negative control for the restart hold).
+    #[cfg(feature = "test-hooks")]
+    pub unsafe_no_restart_hold: bool,
 }
 
 impl ProxyConfig {
@@ -85,11 +92,14 @@ impl ProxyConfig {
             max_lease_ttl: Duration::from_secs(24 * 3600),
             upstream_idle_timeout: Duration::from_secs(90),
             preserve_host: false,
+            via: true,
             verifier: None,
             workers: std::thread::available_parallelism().map_or(1, std::num::NonZero::get),
             upstream_ca_cert: None,
             tls: None,
             limits: Limits::default(),
+            #[cfg(feature = "test-hooks")]
+            unsafe_no_restart_hold: false,
         }
     }
 

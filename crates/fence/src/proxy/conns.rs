@@ -1,6 +1,6 @@
 //! Connections from one worker thread to the upstream: HTTP/1.1 kept alive, HTTP/2 for gRPC.
 
-use std::time::Duration;
+use std::{sync::Arc, time::Duration};
 
 use fence_sink::RequestBody;
 use fence_storage::BoxError;
@@ -34,8 +34,94 @@ pub(super) struct UpstreamConns {
     /// For `https://`: TLS offering `h2`, for the HTTP/2 connection.
     tls_h2: Option<tokio_rustls::TlsConnector>,
     /// This worker's HTTP/2 connection, opened by the first gRPC call and shared by every
-    /// call after it (HTTP/2 multiplexes); opened again once it has closed.
-    h2: tokio::sync::Mutex<Option<http2::SendRequest<RequestBody<Incoming>>>>,
+    /// call after it (HTTP/2 multiplexes); opened again once it has closed. With it, whether
+    /// the upstream has spoken HTTP/2 on it.
+    h2: tokio::sync::Mutex<Option<(http2::SendRequest<RequestBody<Incoming>>, Preface)>>,
+}
+
+/// Whether the peer of an HTTP/2 connection has sent what every HTTP/2 server sends first, a
+/// SETTINGS frame. A peer that has not (an HTTP/1.1 server answering the connection preface
+/// with an error, or nothing at all) cannot have acted on a request of that connection: a
+/// failure there is known, not an unknown outcome.
+#[derive(Clone, Default)]
+pub(super) struct Preface(Arc<std::sync::atomic::AtomicBool>);
+
+impl Preface {
+    fn spoken(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire)
+    }
+}
+
+/// An upstream stream whose first bytes read are checked for an HTTP/2 SETTINGS frame
+/// (a 9-byte frame header whose fourth byte, the type, is 0x4).
+struct Sniffed<I> {
+    io: I,
+    seen: [u8; 4],
+    read: usize,
+    preface: Preface,
+}
+
+impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Sniffed<I> {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        let before = buf.filled().len();
+        let polled = std::pin::Pin::new(&mut self.io).poll_read(cx, buf);
+        let this = &mut *self;
+        if this.read < this.seen.len() {
+            for &b in &buf.filled()[before..] {
+                if this.read == this.seen.len() {
+                    break;
+                }
+                this.seen[this.read] = b;
+                this.read += 1;
+            }
+            if this.read == this.seen.len() && this.seen[3] == 0x4 {
+                this.preface
+                    .0
+                    .store(true, std::sync::atomic::Ordering::Release);
+            }
+        }
+        polled
+    }
+}
+
+impl<I: tokio::io::AsyncWrite + Unpin> tokio::io::AsyncWrite for Sniffed<I> {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+
+    fn poll_write_vectored(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.io.is_write_vectored()
+    }
 }
 
 /// A kept-alive connection and when it was last handed back.
@@ -144,21 +230,23 @@ impl UpstreamConns {
 impl UpstreamConns {
     /// This worker's HTTP/2 connection, opened (h2c, or TLS with ALPN `h2`) if there is none
     /// or it closed.
-    async fn h2(&self) -> Result<http2::SendRequest<RequestBody<Incoming>>, BoxError> {
+    async fn h2(&self) -> Result<(http2::SendRequest<RequestBody<Incoming>>, Preface), BoxError> {
         let mut slot = self.h2.lock().await;
-        if let Some(conn) = slot.as_ref().filter(|c| !c.is_closed()) {
+        if let Some(conn) = slot.as_ref().filter(|c| !c.0.is_closed()) {
             return Ok(conn.clone());
         }
         let stream = TcpStream::connect(&self.addr).await?;
         let _ = stream.set_nodelay(true);
+        let preface = Preface::default();
         let conn = match (&self.tls_h2, &self.tls) {
             (Some(connector), Some((_, name))) => {
-                handshake_h2(connector.connect(name.clone(), stream).await?).await?
+                let tls = connector.connect(name.clone(), stream).await?;
+                handshake_h2(sniffed(tls, &preface)).await?
             }
-            _ => handshake_h2(stream).await?,
+            _ => handshake_h2(sniffed(stream, &preface)).await?,
         };
-        *slot = Some(conn.clone());
-        Ok(conn)
+        *slot = Some((conn.clone(), preface.clone()));
+        Ok((conn, preface))
     }
 
     /// Sends a gRPC call over this worker's HTTP/2 connection: trailers and streams both
@@ -169,11 +257,30 @@ impl UpstreamConns {
     ) -> Result<Response<Incoming>, SendFailed> {
         // Calls of this worker wait for one connection to open (at most CONNECT_TIMEOUT)
         // rather than each opening its own.
-        let mut conn = within_connect_timeout(self.h2()).await?;
+        let (mut conn, preface) = within_connect_timeout(self.h2()).await?;
         conn.ready()
             .await
             .map_err(|e| SendFailed::Connect(e.into()))?;
-        conn.send_request(req).await.map_err(SendFailed::Request)
+        conn.send_request(req).await.map_err(|e| {
+            if preface.spoken() {
+                SendFailed::Request(e)
+            } else {
+                // Not an HTTP/2 server (or none that got as far as its first frame): it
+                // cannot have acted on the call.
+                SendFailed::Connect(
+                    format!("the upstream does not speak HTTP/2 (gRPC needs it): {e}").into(),
+                )
+            }
+        })
+    }
+}
+
+fn sniffed<I>(io: I, preface: &Preface) -> Sniffed<I> {
+    Sniffed {
+        io,
+        seen: [0; 4],
+        read: 0,
+        preface: preface.clone(),
     }
 }
 

@@ -3,7 +3,11 @@
 use std::net::SocketAddr;
 
 use fence_core::headers::{IDEMPOTENCY_KEY, X_FENCING_JOB, X_FENCING_TOKEN};
-use http::{HeaderMap, HeaderName, HeaderValue, Uri, Version, header::HOST, request::Parts};
+use http::{
+    HeaderMap, HeaderName, HeaderValue, Uri, Version,
+    header::{HOST, VIA},
+    request::Parts,
+};
 
 use super::config::Target;
 
@@ -40,8 +44,14 @@ impl ClientAddr {
 
 /// Turns a client's request head into the upstream's: hop-by-hop headers removed, `Host`
 /// set (the upstream's, or the client's with `preserve_host`), `X-Forwarded-For`, `-Host`
-/// and `-Proto` added, the target `uri` and HTTP/1.1.
-pub(super) fn to_upstream(parts: &mut Parts, uri: Uri, target: &Target, preserve_host: bool) {
+/// and `-Proto` added, `Via` appended (with `via`), the target `uri` and HTTP/1.1.
+pub(super) fn to_upstream(
+    parts: &mut Parts,
+    uri: Uri,
+    target: &Target,
+    preserve_host: bool,
+    via: bool,
+) {
     let original_host = parts.headers.get(HOST).cloned().or_else(|| {
         parts
             .uri
@@ -66,6 +76,9 @@ pub(super) fn to_upstream(parts: &mut Parts, uri: Uri, target: &Target, preserve
     }
     if let Some(ClientAddr(ip)) = parts.extensions.get::<ClientAddr>() {
         append_forwarded_for(headers, ip);
+    }
+    if via {
+        append_via(headers, parts.version);
     }
     parts.uri = uri;
     // The upstream connections speak HTTP/1.1, whatever the client spoke to us.
@@ -99,29 +112,47 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, request: bool) {
     }
 }
 
+/// Appends this proxy to `Via` as `<the client's protocol version> fence` (RFC 9110 section
+/// 7.6.3), after any earlier proxies, joined into one line.
+fn append_via(headers: &mut HeaderMap, version: Version) {
+    let ours: &'static str = match version {
+        Version::HTTP_09 => "0.9 fence",
+        Version::HTTP_10 => "1.0 fence",
+        Version::HTTP_2 => "2 fence",
+        Version::HTTP_3 => "3 fence",
+        _ => "1.1 fence",
+    };
+    append_joined(headers, &VIA, &HeaderValue::from_static(ours));
+}
+
 /// Appends the client's IP to `X-Forwarded-For`, joining earlier values into one line.
 fn append_forwarded_for(headers: &mut HeaderMap, ip: &HeaderValue) {
-    if !headers.contains_key(&X_FORWARDED_FOR) {
-        headers.insert(X_FORWARDED_FOR, ip.clone());
+    append_joined(headers, &X_FORWARDED_FOR, ip);
+}
+
+/// Appends `value` to the list header `name`, joining earlier values into one line.
+fn append_joined(headers: &mut HeaderMap, name: &HeaderName, value: &HeaderValue) {
+    if !headers.contains_key(name) {
+        headers.insert(name.clone(), value.clone());
         return;
     }
     let mut joined: Vec<u8> = Vec::new();
-    for value in headers.get_all(&X_FORWARDED_FOR) {
-        let value = value.as_bytes().trim_ascii();
-        if !value.is_empty() {
-            joined.extend_from_slice(value);
+    for earlier in headers.get_all(name) {
+        let earlier = earlier.as_bytes().trim_ascii();
+        if !earlier.is_empty() {
+            joined.extend_from_slice(earlier);
             joined.extend_from_slice(b", ");
         }
     }
-    joined.extend_from_slice(ip.as_bytes());
+    joined.extend_from_slice(value.as_bytes());
     match HeaderValue::from_bytes(&joined) {
-        Ok(value) => {
-            headers.insert(X_FORWARDED_FOR, value);
+        Ok(joined) => {
+            headers.insert(name.clone(), joined);
         }
         Err(_) => {
             // Earlier values were valid header bytes, so this cannot happen; still, never
-            // lose the client's address.
-            headers.append(X_FORWARDED_FOR, ip.clone());
+            // lose what is appended.
+            headers.append(name.clone(), value.clone());
         }
     }
 }

@@ -99,8 +99,11 @@ where
         .drain_timeout(config.drain_timeout)
         .body_timeout(config.body_timeout)
         .unknown_outcome_hold(config.unknown_outcome_hold)
+        // After a restart: what the process before passed on may run this long upstream.
+        .longest_request(config.upstream_timeout)
         .max_buffered_bytes(config.max_buffered_bytes)
-        .clock_skew(config.clock_skew);
+        .clock_skew(config.clock_skew)
+        .max_lease_ttl(config.max_lease_ttl);
     layer = if config.require_token {
         layer.require_token()
     } else {
@@ -115,6 +118,10 @@ where
     }
     if let Some(after) = config.forget_after {
         layer = layer.forget_after(after, config.max_lease_ttl)?;
+    }
+    #[cfg(feature = "test-hooks")]
+    if config.unsafe_no_restart_hold {
+        layer = layer.without_restart_hold();
     }
     Ok(layer)
 }
@@ -150,7 +157,10 @@ where
         .context("taking the listening socket off the runtime")?;
     let workers = config.workers.max(1);
     // One connection limit for the whole proxy, whichever worker accepts.
-    let slots = crate::listen::Slots::new(config.limits.max_connections);
+    let slots = crate::listen::Slots::new(
+        config.limits.max_connections,
+        config.limits.max_connections_per_peer,
+    );
     let tls = config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     let (stop, stopped) = watch::channel(false);
     let (ended, mut ends) = mpsc::unbounded_channel::<anyhow::Result<()>>();
@@ -169,6 +179,7 @@ where
                     timeout: config.upstream_timeout,
                     idle_timeout: config.upstream_idle_timeout,
                     preserve_host: config.preserve_host,
+                    via: config.via,
                     stopped: stopped.clone(),
                 };
                 let report = ended.clone();

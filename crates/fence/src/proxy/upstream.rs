@@ -38,6 +38,8 @@ pub(super) struct Upstream {
     pub(super) target: Arc<Target>,
     pub(super) timeout: Duration,
     pub(super) preserve_host: bool,
+    /// Whether to append `Via`.
+    pub(super) via: bool,
     /// `X-Forwarded-Proto`: how the client reached the proxy.
     pub(super) proto: http::HeaderValue,
     /// Counts this copy for graceful shutdown (see `Worker::run`).
@@ -83,7 +85,7 @@ impl Upstream {
                 ));
             }
         };
-        headers::to_upstream(&mut parts, uri, &self.target, self.preserve_host);
+        headers::to_upstream(&mut parts, uri, &self.target, self.preserve_host, self.via);
         parts
             .headers
             .insert(headers::X_FORWARDED_PROTO, self.proto.clone());

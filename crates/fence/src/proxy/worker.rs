@@ -32,6 +32,7 @@ pub(super) struct Worker<St> {
     pub(super) timeout: Duration,
     pub(super) idle_timeout: Duration,
     pub(super) preserve_host: bool,
+    pub(super) via: bool,
     pub(super) stopped: watch::Receiver<bool>,
 }
 
@@ -60,17 +61,27 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 target: self.target,
                 timeout: self.timeout,
                 preserve_host: self.preserve_host,
+                via: self.via,
                 proto: http::HeaderValue::from_static(proto),
                 _running: running,
             });
-            let listener = Listener::new(listener, self.tls, self.limits).sharing(self.slots);
+            // A connection whose fenced request got through (2xx) is closed for room after
+            // those that never had one.
+            let listener = Listener::new(listener, self.tls, self.limits)
+                .sharing(self.slots)
+                .authenticated_by(crate::listen::Credential {
+                    header: "x-fencing-token",
+                    accepted: |status| status.is_success(),
+                });
             let mut stopped = self.stopped;
             let shutdown = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };
             let deadline = crate::listen::serve(listener, shutdown, move |peer| {
                 let (fence, client) = (fence.clone(), ClientAddr::new(peer));
-                hyper::service::service_fn(move |req| handle(fence.clone(), client.clone(), req))
+                hyper::service::service_fn(move |req| {
+                    handle(fence.clone(), client.clone(), peer, req)
+                })
             })
             .await;
             if tokio::time::timeout_at(deadline, finished.recv())
@@ -91,11 +102,13 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
 async fn handle<St>(
     fence: Fence<Upstream, St>,
     client: ClientAddr,
+    peer: std::net::SocketAddr,
     mut req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible>
 where
     St: GenerationStore + IdempotencyStore,
 {
     req.extensions_mut().insert(client);
+    req.extensions_mut().insert(fence_sink::PeerAddr(peer));
     fence.oneshot(req).await
 }

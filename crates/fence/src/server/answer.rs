@@ -24,6 +24,8 @@ pub(super) type Answer = Result<Response, Problem>;
 pub(super) fn problem_response(p: Problem) -> Response {
     let kind = p.kind;
     let mut response = p.to_response::<Body>();
+    // For the refusal log (`mark_authenticated`).
+    response.extensions_mut().insert(p);
     match kind {
         ProblemType::Unauthenticated => {
             response.headers_mut().insert(
@@ -31,7 +33,7 @@ pub(super) fn problem_response(p: Problem) -> Response {
                 HeaderValue::from_static("Bearer realm=\"fence\""),
             );
         }
-        ProblemType::StoreUnavailable => {
+        ProblemType::StoreUnavailable | ProblemType::TooManyWaiters => {
             response
                 .headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from_static("1"));
@@ -45,23 +47,49 @@ pub(super) fn problem_response(p: Problem) -> Response {
 pub(super) fn finish(op: &'static str, started: Instant, answer: Answer) -> Response {
     let outcome = match &answer {
         Ok(_) => "ok",
-        Err(p) => match p.kind {
-            ProblemType::LeaseHeld => "held",
-            ProblemType::LeaseLost => "lost",
-            ProblemType::LeaseKeyMismatch => "key_mismatch",
-            ProblemType::JobCompleted => "completed",
-            ProblemType::UnknownJob => "unknown",
-            ProblemType::BadRequest => "bad_request",
-            ProblemType::Unauthenticated => "unauthenticated",
-            ProblemType::Forbidden => "forbidden",
-            _ => "error",
-        },
+        Err(p) => outcome_of(p.kind),
     };
     metrics::counter!("fence_lease_requests_total", "op" => op, "outcome" => outcome).increment(1);
     metrics::histogram!("fence_lease_request_seconds", "op" => op)
         .record(started.elapsed().as_secs_f64());
     answer.unwrap_or_else(problem_response)
 }
+
+/// The `outcome` label of a refusal: one of [`LEASE_OUTCOMES`].
+pub(super) const fn outcome_of(kind: ProblemType) -> &'static str {
+    match kind {
+        ProblemType::LeaseHeld => "held",
+        ProblemType::LeaseLost => "lost",
+        ProblemType::LeaseKeyMismatch => "key_mismatch",
+        ProblemType::JobCompleted => "completed",
+        ProblemType::UnknownJob => "unknown",
+        ProblemType::BadRequest => "bad_request",
+        ProblemType::Unauthenticated => "unauthenticated",
+        ProblemType::Forbidden => "forbidden",
+        ProblemType::TooManyWaiters => "too_many_waiters",
+        _ => "error",
+    }
+}
+
+/// The `op` labels of `fence_lease_requests_total`, for its HELP text.
+pub const LEASE_OPS: &[&str] = &[
+    "claim", "renew", "release", "complete", "revoke", "status", "list",
+];
+
+/// The `outcome` labels of `fence_lease_requests_total`, for its HELP text.
+pub const LEASE_OUTCOMES: &[&str] = &[
+    "ok",
+    "held",
+    "lost",
+    "key_mismatch",
+    "completed",
+    "unknown",
+    "bad_request",
+    "unauthenticated",
+    "forbidden",
+    "too_many_waiters",
+    "error",
+];
 
 pub(super) fn bad(detail: impl Into<String>) -> Problem {
     Problem::new(ProblemType::BadRequest, detail)
@@ -104,6 +132,8 @@ pub(super) struct Asking<'a> {
     pub(super) action: Action,
     /// A revoke's reason.
     pub(super) reason: Option<String>,
+    /// The auth-file client that asks (none without an auth file).
+    pub(super) client: Option<String>,
 }
 
 /// The HTTP answer to what the store decided, logged as one event with the job and the
@@ -203,7 +233,8 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
         }
         Outcome::Revoked(r) => {
             let reason = asking.reason.as_deref().unwrap_or("");
-            tracing::warn!(job = %job, generation = r.record.generation.get(), reason, "lease revoked");
+            let by = asking.client.as_deref();
+            tracing::warn!(job = %job, generation = r.record.generation.get(), reason, by, "lease revoked");
             let mut body = record_body(&r.record);
             body.token = r.token;
             Ok(json(&body))

@@ -1,6 +1,6 @@
 //! The bearer check of every `/v1/` request: 401 without a known secret, 403 outside its jobs.
 
-use axum::http::{HeaderMap, header::AUTHORIZATION};
+use axum::http::HeaderMap;
 use fence_core::{JobId, Problem, ProblemType};
 
 use crate::auth::{AuthFile, Client};
@@ -32,16 +32,7 @@ pub(super) fn authorize(
     let Some(auth) = auth else {
         return Ok(None);
     };
-    let mut values = headers.get_all(AUTHORIZATION).iter();
-    let secret = match (values.next(), values.next()) {
-        (Some(value), None) => value
-            .as_bytes()
-            .split_at_checked(7)
-            .filter(|(scheme, _)| scheme.eq_ignore_ascii_case(b"bearer "))
-            .map(|(_, secret)| secret.trim_ascii()),
-        _ => None,
-    };
-    let Some(secret) = secret.filter(|s| !s.is_empty()) else {
+    let Some(secret) = crate::auth::bearer_secret(headers) else {
         return Err(Problem::new(
             ProblemType::Unauthenticated,
             "this server needs a client secret: send Authorization: Bearer <secret> (fence commands read it from --auth-token-file or FENCE_AUTH_TOKEN)",

@@ -34,12 +34,27 @@ fn job_of(path: Result<String, PathRejection>) -> Result<JobId, Problem> {
     JobId::new(raw).map_err(|e| bad(format!("job (in the path): {e}")))
 }
 
-/// Reads a request body of at most [`MAX_REQUEST_BODY`] bytes and parses it with `parse`.
+/// How long a lease API request's body may take to arrive once its head has: a body that
+/// trickles (or never comes, after a `Content-Length`) would hold a connection slot for good.
+pub(super) const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Reads a request body of at most [`MAX_REQUEST_BODY`] bytes within [`BODY_TIMEOUT`] and
+/// parses it with `parse`.
 async fn parse<T>(
     body: Body,
     parse: impl FnOnce(&[u8]) -> Result<T, BodyError>,
 ) -> Result<T, Problem> {
-    let bytes: Bytes = match Limited::new(body, MAX_REQUEST_BODY).collect().await {
+    let read = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_REQUEST_BODY).collect());
+    let Ok(read) = read.await else {
+        return Err(Problem::new(
+            ProblemType::BodyTimeout,
+            format!(
+                "body: not in within {} s of the request's head; send it whole, promptly",
+                BODY_TIMEOUT.as_secs()
+            ),
+        ));
+    };
+    let bytes: Bytes = match read {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
             return Err(bad(format!("body: larger than {MAX_REQUEST_BODY} bytes")));
@@ -132,7 +147,7 @@ pub(super) async fn act<S: LeaseStore>(
         let job = job_of(job)?;
         let caller = authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
         if action == Action::Revoke
-            && let Some(caller) = caller.filter(|c| !c.client().may_revoke())
+            && let Some(caller) = caller.as_ref().filter(|c| !c.client().may_revoke())
         {
             return Err(Problem::new(
                 ProblemType::Forbidden,
@@ -147,17 +162,33 @@ pub(super) async fn act<S: LeaseStore>(
         let (op, reason) = operation(action, body, app.options.max_ttl).await?;
         let (owner, asked) = (op.owner().cloned(), op.generation());
         let outcome = match wait {
-            Some(wait) => app.waiters.claim(&*app.store, &job, op, wait).await,
-            None => app.store.apply(&job, op).await,
-        }
-        .map_err(|e| store_failed(&e))?;
+            Some(wait) => {
+                // Bounded per client and in all: a place is held while the claim waits.
+                let client = caller.as_ref().map_or("", |c| c.client().name());
+                let waited = app.waiters.claim(&*app.store, &job, op, (wait, client)).await;
+                let waited = waited.map_err(|e| store_failed(&e))?;
+                waited.map_err(|too_many| {
+                    let detail = match too_many {
+                        super::wait::TooMany::Total(n) => format!(
+                            "the server holds its most waiting claims ({n}, --max-waiting-claims); claim again later"
+                        ),
+                        super::wait::TooMany::Client(n) => format!(
+                            "this client has its most waiting claims ({n}, --max-waiting-claims-per-client); claim again later"
+                        ),
+                    };
+                    Problem::new(ProblemType::TooManyWaiters, detail).with_job(job.clone())
+                })
+            }
+            None => app.store.apply(&job, op).await.map_err(|e| store_failed(&e)),
+        }?;
         if matches!(
             outcome,
             fence_lease::Outcome::Done(_) | fence_lease::Outcome::Revoked(_)
         ) {
             app.waiters.changed(&job); // released, completed or revoked: a waiting claim may go
         }
-        let asking = Asking { owner: owner.as_ref(), generation: asked, action, reason };
+        let client = caller.as_ref().map(|c| c.client().name().to_owned());
+        let asking = Asking { owner: owner.as_ref(), generation: asked, action, reason, client };
         answer(job, &asking, outcome)
     }
     .await;
@@ -179,7 +210,8 @@ fn wait_of(query: Option<&str>, action: Action) -> Result<Option<std::time::Dura
                 action.as_str()
             )));
         }
-        let d = crate::duration::parse_duration(value).map_err(|e| bad(format!("wait: {e}")))?;
+        let d =
+            crate::duration::parse_wire_duration(value).map_err(|e| bad(format!("wait: {e}")))?;
         if d > super::wait::MAX_WAIT {
             return Err(bad(format!(
                 "wait: {value} is longer than the most a claim may wait, 60s"
@@ -213,7 +245,8 @@ pub(super) async fn status<S: LeaseStore>(
     finish("status", started, answer)
 }
 
-/// `GET /healthz`: 200 when the store answers a read, 503 when it does not. No secret needed.
+/// `GET /healthz` and `GET /readyz`: 200 when the store answers a read (the server is then
+/// ready for lease calls), 503 `store-unavailable` when it does not. No secret needed.
 pub(super) async fn healthz<S: LeaseStore>(State(app): State<Arc<AppState<S>>>) -> Response {
     // A read through the store proves it answers.
     let probe: JobId = "fence-healthz".parse().expect("valid job id");

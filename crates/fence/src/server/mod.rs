@@ -16,6 +16,7 @@
 #![allow(clippy::result_large_err)]
 
 mod answer;
+pub use answer::{LEASE_OPS, LEASE_OUTCOMES};
 mod guard;
 mod handlers;
 mod list;
@@ -31,6 +32,7 @@ use fence_lease::LeaseStore;
 use metrics_exporter_prometheus::PrometheusHandle;
 
 pub use answer::record_body;
+pub use wait::WaitLimits;
 
 use crate::auth::Auth;
 
@@ -45,6 +47,8 @@ pub struct ServerOptions {
     pub public_metrics: bool,
     /// The longest lease granted: claims and renewals asking more get this (`--max-ttl`).
     pub max_ttl: Option<fence_core::Ttl>,
+    /// How many claims may wait (`claim?wait=`) at once, in all and per client.
+    pub waiting: WaitLimits,
 }
 
 struct AppState<S> {
@@ -65,19 +69,67 @@ async fn openapi() -> impl axum::response::IntoResponse {
 
 /// The lease API router over `store`.
 pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
+    let waiters = wait::Waiters::new(options.waiting);
     let state = Arc::new(AppState {
         store,
         options,
-        waiters: wait::Waiters::default(),
+        waiters,
     });
     Router::new()
         .route("/v1/leases", get(list::list::<S>))
         .route("/v1/leases/{job}/{action}", post(handlers::act::<S>))
         .route("/v1/leases/{job}", get(handlers::status::<S>))
         .route("/healthz", get(handlers::healthz::<S>))
+        .route("/readyz", get(handlers::healthz::<S>))
         .route("/metrics", get(handlers::render_metrics::<S>))
         .route("/openapi.json", get(openapi))
         .fallback(handlers::not_found)
         .method_not_allowed_fallback(handlers::method_not_allowed)
+        .layer(axum::middleware::from_fn_with_state(
+            state.clone(),
+            mark_authenticated::<S>,
+        ))
         .with_state(state)
+}
+
+/// Marks the answer to a request that carried a secret of the auth file: its connection is
+/// then closed for room after those that never did (`crate::listen`).
+///
+/// It also logs each refusal once (`fence_sink::refusals`: problem type, job, method, path,
+/// peer and client, rate-limited per kind and peer), except the lease decisions the
+/// handlers log themselves with their owner and generation (held, completed, lost, wrong
+/// lease key).
+async fn mark_authenticated<S: LeaseStore>(
+    axum::extract::State(app): axum::extract::State<Arc<AppState<S>>>,
+    req: axum::extract::Request,
+    next: axum::middleware::Next,
+) -> axum::response::Response {
+    let client = app
+        .options
+        .auth
+        .as_ref()
+        .and_then(|auth| auth.name_of(req.headers()));
+    let (method, uri) = (req.method().clone(), req.uri().clone());
+    let peer = req
+        .extensions()
+        .get::<fence_sink::PeerAddr>()
+        .map(|p| p.0.ip());
+    let mut response = next.run(req).await;
+    if let Some(problem) = response.extensions().get::<fence_core::Problem>()
+        && !matches!(
+            problem.kind,
+            fence_core::ProblemType::LeaseHeld
+                | fence_core::ProblemType::JobCompleted
+                | fence_core::ProblemType::LeaseLost
+                | fence_core::ProblemType::LeaseKeyMismatch
+        )
+    {
+        fence_sink::refusals::log(problem, &method, uri.path(), peer, client.as_deref());
+    }
+    if client.is_some() {
+        response
+            .extensions_mut()
+            .insert(crate::listen::Authenticated);
+    }
+    response
 }

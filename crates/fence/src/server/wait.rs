@@ -7,9 +7,10 @@
 //! the holder's own retry (same owner and key, after a lost answer) gets its lease back
 //! instead of queueing behind strangers. Then waiters on one job queue on a fair semaphore
 //! of one permit, so they are served first come, first served; the one at the head tries
-//! again when a release or completion on this server wakes it, when the lease it saw was due
-//! to expire, and at least every [`POLL`] (another server on the same database may have let
-//! the job go). Entries are removed when the last waiter of a job leaves, also when a waiter
+//! again when a release, completion or revocation on this server wakes it, or when the lease
+//! it saw was due to expire; nobody else asks the store while waiting. On a shared store
+//! ([`LeaseStore::is_shared`]: another server on the same database may let the job go) the
+//! head also looks at least every [`POLL`]. Entries are removed when the last waiter of a job leaves, also when a waiter
 //! goes away mid-wait (its client disconnected).
 
 use std::{sync::Arc, time::Duration};
@@ -34,10 +35,59 @@ struct Queue {
     changed: Notify,
 }
 
-/// The jobs with claims waiting on them.
+/// How many claims may wait at once: in all, and per client (an auth-file client, or every
+/// caller together on a server without one).
+#[derive(Debug, Clone, Copy)]
+pub struct WaitLimits {
+    /// Waiting claims over every client.
+    pub total: usize,
+    /// Waiting claims of one client.
+    pub per_client: usize,
+}
+
+impl Default for WaitLimits {
+    /// 10,000 in all, 1,000 per client.
+    fn default() -> Self {
+        Self {
+            total: 10_000,
+            per_client: 1_000,
+        }
+    }
+}
+
+/// A claim that may not wait: the server holds as many waiting claims as it may.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum TooMany {
+    /// In all.
+    Total(usize),
+    /// Of this client.
+    Client(usize),
+}
+
+/// The jobs with claims waiting on them, and how many wait per client.
 #[derive(Debug, Default)]
 pub(super) struct Waiters {
     jobs: DashMap<JobId, Arc<Queue>>,
+    limits: WaitLimits,
+    total: std::sync::atomic::AtomicUsize,
+    clients: DashMap<String, usize>,
+}
+
+/// A client's place among the waiting claims, given back when the claim is answered or goes.
+pub(super) struct Slot<'a> {
+    waiters: &'a Waiters,
+    client: String,
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        use std::sync::atomic::Ordering::Relaxed;
+        self.waiters.total.fetch_sub(1, Relaxed);
+        self.waiters.clients.remove_if_mut(&self.client, |_, n| {
+            *n -= 1;
+            *n == 0
+        });
+    }
 }
 
 /// One waiter's place: when it goes (answered, or its request dropped mid-wait), the last
@@ -59,6 +109,40 @@ impl Drop for Waiting<'_> {
 }
 
 impl Waiters {
+    /// Waiters bounded by `limits`.
+    pub(super) fn new(limits: WaitLimits) -> Self {
+        Self {
+            limits,
+            ..Self::default()
+        }
+    }
+
+    /// A place for one more waiting claim of `client`, unless that would pass a limit.
+    pub(super) fn slot(&self, client: &str) -> Result<Slot<'_>, TooMany> {
+        use std::sync::atomic::Ordering::Relaxed;
+        let mut count = self.clients.entry(client.to_owned()).or_insert(0);
+        if *count >= self.limits.per_client {
+            let held = *count;
+            drop(count);
+            self.clients.remove_if(client, |_, n| *n == 0);
+            return Err(TooMany::Client(held));
+        }
+        if self.total.fetch_add(1, Relaxed) >= self.limits.total {
+            self.total.fetch_sub(1, Relaxed);
+            let empty = *count == 0;
+            drop(count);
+            if empty {
+                self.clients.remove_if(client, |_, n| *n == 0);
+            }
+            return Err(TooMany::Total(self.limits.total));
+        }
+        *count += 1;
+        Ok(Slot {
+            waiters: self,
+            client: client.to_owned(),
+        })
+    }
+
     /// Wakes the waiters of `job`: it was released or completed here.
     pub(super) fn changed(&self, job: &JobId) {
         if let Some(queue) = self.jobs.get(job) {
@@ -66,20 +150,26 @@ impl Waiters {
         }
     }
 
-    /// Claims `job` with `op`, waiting up to `wait` while it is held by someone else. The
-    /// answer is the store's last one: granted, completed, or still held when the wait ended.
+    /// Claims `job` with `op` for `client`, waiting up to `wait` while it is held by someone
+    /// else. The answer is the store's last one: granted, completed, or still held when the
+    /// wait ended; or, when the claim would have to wait past a limit, [`TooMany`].
     pub(super) async fn claim<S: LeaseStore>(
         &self,
         store: &S,
         job: &JobId,
         op: LeaseOp,
-        wait: Duration,
-    ) -> Result<Outcome, StoreError> {
+        (wait, client): (Duration, &str),
+    ) -> Result<Result<Outcome, TooMany>, StoreError> {
         let deadline = Instant::now() + wait;
         let first = store.apply(job, op.clone()).await?;
         if !matches!(first, Outcome::Held { .. }) {
-            return Ok(first);
+            return Ok(Ok(first));
         }
+        // Only a claim that must wait takes a place.
+        let _place = match self.slot(client) {
+            Ok(place) => place,
+            Err(too_many) => return Ok(Err(too_many)),
+        };
         let queue = self
             .jobs
             .entry(job.clone())
@@ -97,7 +187,7 @@ impl Waiters {
             queue: Some(queue),
         };
         let queue = waiting.queue.as_deref().expect("set above");
-        Self::queued(queue, store, job, op, deadline).await
+        Self::queued(queue, store, job, op, deadline).await.map(Ok)
     }
 
     async fn queued<S: LeaseStore>(
@@ -111,6 +201,7 @@ impl Waiters {
         let Ok(Ok(_head)) = tokio::time::timeout_at(deadline, queue.head.acquire()).await else {
             return store.apply(job, op).await;
         };
+        let poll = if store.is_shared() { POLL } else { MAX_WAIT };
         loop {
             let woken = queue.changed.notified();
             tokio::pin!(woken);
@@ -123,10 +214,101 @@ impl Waiters {
             if now >= deadline {
                 return Ok(outcome);
             }
-            let next = (now + (*expires_in + Duration::from_millis(5)).min(POLL)).min(deadline);
+            let next = (now + (*expires_in + Duration::from_millis(5)).min(poll)).min(deadline);
             tokio::select! {
                 () = tokio::time::sleep_until(next) => {}
                 () = &mut woken => {}
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering::Relaxed};
+
+    use fence_core::{Owner, Ttl, secret::LeaseKey};
+    use fence_lease::{LeaseRecord, ListPage, MemoryLeaseStore};
+    use fence_storage::clock::TokioClock;
+
+    use super::*;
+
+    /// A store on tokio's clock that counts its calls, shared or not as asked.
+    struct Counting {
+        inner: MemoryLeaseStore,
+        calls: AtomicUsize,
+        shared: bool,
+    }
+
+    impl LeaseStore for Counting {
+        async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+            self.calls.fetch_add(1, Relaxed);
+            self.inner.apply(job, op).await
+        }
+        async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+            self.inner.get(job).await
+        }
+        async fn list(
+            &self,
+            query: &fence_core::lease_api::ListQuery,
+        ) -> Result<ListPage, StoreError> {
+            self.inner.list(query).await
+        }
+        fn is_shared(&self) -> bool {
+            self.shared
+        }
+    }
+
+    fn claim(owner: &str) -> LeaseOp {
+        LeaseOp::Claim {
+            owner: owner.parse().map(|o: Owner| o).unwrap(),
+            key: LeaseKey::from_random(&[3; 32]),
+            ttl: Ttl::from_millis(10_000).unwrap(),
+        }
+    }
+
+    /// Waiters ask the store when woken or when the lease they saw ends, not on a timer:
+    /// ten waiters on a job held for 10 s, for 5 s, cost one try each and nothing more
+    /// (the poll of a shared store, 250 ms, would have cost 20 more).
+    #[tokio::test(start_paused = true)]
+    async fn waiting_claims_cost_no_store_call_per_tick() {
+        for shared in [false, true] {
+            let store = Arc::new(Counting {
+                inner: MemoryLeaseStore::with_clock(Arc::new(TokioClock::new(0, 0))),
+                calls: AtomicUsize::new(0),
+                shared,
+            });
+            let job: JobId = "busy".parse().unwrap();
+            store.apply(&job, claim("holder")).await.unwrap();
+            let waiters = Arc::new(Waiters::new(WaitLimits::default()));
+            let tasks: Vec<_> = (0..10)
+                .map(|i| {
+                    let (store, waiters, job) = (store.clone(), waiters.clone(), job.clone());
+                    tokio::spawn(async move {
+                        let wait = (Duration::from_secs(5), "c");
+                        let op = claim(&format!("w{i}"));
+                        waiters.claim(&*store, &job, op, wait).await
+                    })
+                })
+                .collect();
+            for t in tasks {
+                let outcome = t.await.unwrap().unwrap().unwrap();
+                assert!(matches!(outcome, Outcome::Held { .. }), "{outcome:?}");
+            }
+            let calls = store.calls.load(Relaxed);
+            // The holder's claim; each waiter's first try, and one last when its wait ends;
+            // the head of the queue's try when it got there.
+            let unpolled = 1 + 2 * 10 + 1;
+            if shared {
+                assert!(
+                    calls > unpolled + 10,
+                    "a shared store is polled: {calls} calls"
+                );
+            } else {
+                assert_eq!(
+                    calls, unpolled,
+                    "not polled when no other server can change it"
+                );
             }
         }
     }

@@ -386,13 +386,62 @@ pub fn database_url() -> Option<String> {
     Some(fence_storage::postgres::test_database_url())
 }
 
-/// A schema name of its own for one test.
-pub fn unique_schema(prefix: &str) -> String {
+/// A schema name of its own for one test. The schema is dropped, with everything in it,
+/// when this goes out of scope, the test passing or not: tests leave nothing in the test
+/// database. Declare it before the servers that use it, so they stop first.
+pub fn unique_schema(prefix: &str) -> Schema {
     use std::hash::{BuildHasher, RandomState};
-    format!(
+    Schema(format!(
         "{prefix}_{:012x}",
         RandomState::new().hash_one(std::time::SystemTime::now()) & 0xffff_ffff_ffff
-    )
+    ))
+}
+
+/// See [`unique_schema`].
+#[derive(Debug)]
+pub struct Schema(String);
+
+impl std::ops::Deref for Schema {
+    type Target = str;
+
+    fn deref(&self) -> &str {
+        &self.0
+    }
+}
+
+impl std::fmt::Display for Schema {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl Drop for Schema {
+    fn drop(&mut self) {
+        let (url, name) = (fence_storage::postgres::test_database_url(), self.0.clone());
+        // A thread and a runtime of its own: this may run inside a test's runtime.
+        let dropped = std::thread::spawn(move || {
+            let Ok(rt) = tokio::runtime::Builder::new_current_thread()
+                .enable_all()
+                .build()
+            else {
+                return;
+            };
+            rt.block_on(async {
+                let drop_it = async {
+                    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+                        .await
+                        .ok()?;
+                    tokio::spawn(conn);
+                    client
+                        .batch_execute(&format!("DROP SCHEMA IF EXISTS {name} CASCADE"))
+                        .await
+                        .ok()
+                };
+                let _ = tokio::time::timeout(Duration::from_secs(10), drop_it).await;
+            });
+        });
+        let _ = dropped.join();
+    }
 }
 
 /// `fence claim --job JOB --ttl 30s` from `racers` processes started at once, spread over

@@ -8,28 +8,32 @@
 //! - later request heads of a kept-alive HTTP/1.1 connection must arrive within
 //!   [`Limits::idle_timeout`] of the previous answer (hyper counts the idle wait and the
 //!   header read as one);
-//! - at most [`Limits::max_connections`] are open. At the cap, a newcomer takes the place of
-//!   the oldest connection that has not sent a request head yet (an idle flood cannot queue
-//!   ahead of real clients, who send theirs at once); when every connection has asked for
-//!   something, newcomers wait in the kernel's backlog. Established connections (a worker's
-//!   kept-alive renewals) are never closed for room;
+//! - at most [`Limits::max_connections`] are open, at most
+//!   [`Limits::max_connections_per_peer`] from one IP address (see [`Slots`]). At the cap, an
+//!   idle connection of the peer that holds the most is closed gracefully, unauthenticated
+//!   ones first ([`Listener::authenticated_by`]); when every connection is answering a
+//!   request, newcomers wait in the kernel's backlog. A newcomer is never reset for room;
 //! - HTTP/2 (h2c by its preface, or ALPN `h2` over TLS) pings every
-//!   [`Limits::h2_keepalive`] and closes a peer that does not answer, and allows at most
+//!   [`Limits::h2_keepalive`] and closes a peer that does not answer, closes a connection
+//!   with no stream open for [`Limits::idle_timeout`], and allows at most
 //!   [`Limits::h2_max_streams`] concurrent streams per connection.
 
+mod slots;
+
+pub use slots::Slots;
+use slots::{Seat, Tracked};
+
 use std::{
-    collections::VecDeque,
     future::Future,
     net::SocketAddr,
-    sync::{
-        Arc, Mutex, Weak,
-        atomic::{AtomicBool, Ordering},
-    },
+    pin::Pin,
+    sync::{Arc, atomic::Ordering},
+    task::{Context, Poll},
     time::Duration,
 };
 
 use fence_storage::BoxError;
-use http::{Request, Response};
+use http::{Request, Response, StatusCode};
 use hyper::{
     body::{Body, Incoming},
     server::conn::{http1, http2},
@@ -38,7 +42,7 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, TcpStream},
-    sync::{Semaphore, watch},
+    sync::watch,
     task::JoinSet,
     time::Instant,
 };
@@ -56,6 +60,8 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Open connections at most (default: 10,000, or what the file limit leaves room for).
     pub max_connections: usize,
+    /// Open connections from one IP address at most (default: half of `max_connections`).
+    pub max_connections_per_peer: usize,
     /// Concurrent HTTP/2 streams per connection at most (default 100).
     pub h2_max_streams: u32,
     /// HTTP/2 keepalive ping interval; a peer silent for as long again is closed (default
@@ -69,6 +75,7 @@ impl Default for Limits {
             header_timeout: Duration::from_secs(10),
             idle_timeout: Duration::from_secs(60),
             max_connections: default_max_connections(),
+            max_connections_per_peer: default_max_connections().div_ceil(2),
             h2_max_streams: 100,
             h2_keepalive: Duration::from_secs(20),
         }
@@ -84,96 +91,48 @@ pub fn default_max_connections() -> usize {
     (room.saturating_sub(64) / 2).clamp(16, 10_000)
 }
 
-/// The connections a listener (or several, sharing a socket) may hold, and those among them
-/// that have not sent a request head yet, oldest first: the ones to close for room.
-#[derive(Debug)]
-pub struct Slots {
-    permits: Arc<Semaphore>,
-    fresh: Mutex<VecDeque<Weak<Fresh>>>,
-    max: usize,
-}
-
-/// A connection until its first request head: closed early if a newcomer needs its slot.
-#[derive(Debug, Default)]
-struct Fresh {
-    asked: AtomicBool,
-    evict: tokio::sync::Notify,
-}
-
-impl Fresh {
-    /// Resolves at `deadline`, or when the connection is picked to make room.
-    async fn cut_off(&self, deadline: Instant) {
-        tokio::select! {
-            () = tokio::time::sleep_until(deadline) => {}
-            () = self.evict.notified() => tracing::debug!("closing a connection with no request yet to make room"),
-        }
-    }
-}
-
-impl Slots {
-    /// Room for `max` connections (at least 1).
-    pub fn new(max: usize) -> Arc<Self> {
-        let max = max.max(1);
-        Arc::new(Self {
-            permits: Arc::new(Semaphore::new(max)),
-            fresh: Mutex::default(),
-            max,
-        })
-    }
-
-    fn lock(&self) -> std::sync::MutexGuard<'_, VecDeque<Weak<Fresh>>> {
-        self.fresh
-            .lock()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-    }
-
-    /// Lists a new connection as one to close first for room, until it asks for something.
-    fn register(&self, fresh: &Arc<Fresh>) {
-        let mut list = self.lock();
-        list.push_back(Arc::downgrade(fresh));
-        if list.len() > 2 * self.max + 64 {
-            // Connections that asked or ended stay listed until here: now and then, drop them.
-            list.retain(|w| {
-                w.upgrade()
-                    .is_some_and(|f| !f.asked.load(Ordering::Acquire))
-            });
-        }
-    }
-
-    /// Asks the oldest connection that has not sent a request head yet to close; false when
-    /// there is none.
-    fn evict_one(&self) -> bool {
-        let mut list = self.lock();
-        while let Some(weak) = list.pop_front() {
-            if let Some(fresh) = weak.upgrade()
-                && !fresh.asked.load(Ordering::Acquire)
-            {
-                fresh.evict.notify_one();
-                return true;
-            }
-        }
-        false
-    }
-}
-
 /// A bound socket, with TLS or without, and its limits.
 pub struct Listener {
     tcp: TcpListener,
     tls: Option<TlsAcceptor>,
     limits: Limits,
     slots: Arc<Slots>,
+    credential: Option<Credential>,
+}
+
+/// Put in an answer's extensions by a service that checked the request's credential and
+/// found it good: the connection counts as authenticated from then on.
+#[derive(Debug, Clone, Copy)]
+pub struct Authenticated;
+
+/// What makes a connection authenticated, for a service that does not say so itself
+/// ([`Authenticated`]): a request that carried `header` and got an answer `accepted` allows.
+#[derive(Debug, Clone, Copy)]
+pub struct Credential {
+    /// The header that carries the credential (`authorization`, say), in lower case.
+    pub header: &'static str,
+    /// Whether an answer shows the credential was good (not 401, say).
+    pub accepted: fn(StatusCode) -> bool,
 }
 
 impl Listener {
     /// Serves `tcp` in plain HTTP, or HTTPS with `tls`, within `limits`.
     pub fn new(tcp: TcpListener, tls: Option<TlsAcceptor>, limits: Limits) -> Self {
-        let slots = Slots::new(limits.max_connections);
+        let slots = Slots::new(limits.max_connections, limits.max_connections_per_peer);
         Self {
             tcp,
             tls,
             limits,
             slots,
+            credential: None,
         }
+    }
+
+    /// Counts a connection as authenticated once a request on it carried `credential` and
+    /// was accepted: at the cap, those are closed for room last. Without, none is.
+    pub fn authenticated_by(mut self, credential: Credential) -> Self {
+        self.credential = Some(credential);
+        self
     }
 
     /// Counts its connections against `slots`, shared with other listeners (the workers of
@@ -245,22 +204,23 @@ where
         tls,
         limits,
         slots,
+        credential,
     } = listener;
     let (stop, stopped) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
     loop {
-        // At the connection limit, close the oldest connection that has not asked for
-        // anything yet, and wait for a slot: the kernel's backlog holds newcomers meanwhile,
-        // and connections that asked for something are not disturbed.
-        let permit = match slots.permits.clone().try_acquire_owned() {
+        // At the connection limit, close an idle connection of the peer that holds the
+        // most, and wait for a slot: the kernel's backlog holds newcomers meanwhile, and
+        // connections answering a request are not disturbed.
+        let permit = match slots.permits().clone().try_acquire_owned() {
             Ok(permit) => permit,
             Err(tokio::sync::TryAcquireError::Closed) => break,
             Err(tokio::sync::TryAcquireError::NoPermits) => {
-                slots.evict_one();
+                slots.evict_for_room();
                 tokio::select! {
                     () = &mut shutdown => break,
-                    permit = slots.permits.clone().acquire_owned() => match permit {
+                    permit = slots.permits().clone().acquire_owned() => match permit {
                         Ok(permit) => permit,
                         Err(_) => break,
                     },
@@ -272,20 +232,21 @@ where
             () = &mut shutdown => break,
             accepted = tcp.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    let fresh = Arc::new(Fresh::default());
-                    slots.register(&fresh);
+                    // Over its address's cap with every connection busy: closed at once.
+                    let Some(seat) = slots.seat(peer.ip(), permit) else {
+                        tracing::debug!(peer = %peer.ip(), "refusing a connection: its address holds its cap (--max-connections-per-peer), all busy");
+                        continue;
+                    };
                     let conn = Conn {
                         stream,
                         tls: tls.clone(),
                         limits,
                         stop: stopped.clone(),
-                        fresh,
+                        seat,
+                        credential,
                     };
                     let service = make(peer);
-                    connections.spawn(async move {
-                        conn.serve(service).await;
-                        drop(permit);
-                    });
+                    connections.spawn(conn.serve(service));
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
@@ -320,7 +281,16 @@ struct Conn {
     tls: Option<TlsAcceptor>,
     limits: Limits,
     stop: watch::Receiver<bool>,
-    fresh: Arc<Fresh>,
+    seat: Seat,
+    credential: Option<Credential>,
+}
+
+/// Resolves at `deadline`, or when the connection is picked to make room.
+async fn cut_off(conn: &Tracked, deadline: Instant) {
+    tokio::select! {
+        () = tokio::time::sleep_until(deadline) => {}
+        () = conn.evict.notified() => tracing::debug!("closing a connection with no request yet to make room"),
+    }
 }
 
 /// The HTTP/2 client preface: a plain-text connection that starts with it speaks h2c.
@@ -337,26 +307,36 @@ impl Conn {
             tls,
             limits,
             stop,
-            fresh,
+            seat,
+            credential,
         } = self;
         let _ = stream.set_nodelay(true);
+        let peer = stream.peer_addr();
         let deadline = Instant::now() + limits.header_timeout;
+        let fresh = seat.conn.clone();
         // A request head has arrived once the service is first called.
         let service = Marked {
             inner: service,
-            fresh: fresh.clone(),
+            conn: fresh.clone(),
+            credential,
         };
         match tls {
             Some(acceptor) => {
                 let stream = tokio::select! {
                     accepted = acceptor.accept(stream) => match accepted {
                         Ok(stream) => stream,
-                        Err(_) => return, // a failed handshake: nothing to answer
+                        // A failed handshake: nothing to answer, but the operator hears of it.
+                        Err(e) => {
+                            if let Ok(peer) = peer {
+                                fence_sink::refusals::log_handshake_failure(peer, &e);
+                            }
+                            return;
+                        }
                     },
-                    () = fresh.cut_off(deadline) => return,
+                    () = cut_off(&fresh, deadline) => return,
                 };
                 let h2 = stream.get_ref().1.alpn_protocol() == Some(b"h2".as_slice());
-                drive(stream, h2, service, limits, deadline, fresh, stop).await;
+                drive(stream, h2, service, limits, deadline, &fresh, stop).await;
             }
             None => {
                 let h2 = tokio::select! {
@@ -364,11 +344,12 @@ impl Conn {
                         Some(h2) => h2,
                         None => return, // gone
                     },
-                    () = fresh.cut_off(deadline) => return, // silent until the deadline
+                    () = cut_off(&fresh, deadline) => return, // silent until the deadline
                 };
-                drive(stream, h2, service, limits, deadline, fresh, stop).await;
+                drive(stream, h2, service, limits, deadline, &fresh, stop).await;
             }
         }
+        drop(seat);
     }
 }
 
@@ -401,7 +382,7 @@ async fn drive<I, S, B>(
     service: Marked<S>,
     limits: Limits,
     deadline: Instant,
-    fresh: Arc<Fresh>,
+    tracked: &Tracked,
     mut stop: watch::Receiver<bool>,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
@@ -426,16 +407,34 @@ async fn drive<I, S, B>(
         Box::pin(builder.serve_connection(io, service))
     };
     let first_head = async {
-        fresh.cut_off(deadline).await;
-        if fresh.asked.load(Ordering::Acquire) {
+        tokio::time::sleep_until(deadline).await;
+        if tracked.asked.load(Ordering::Acquire) {
             std::future::pending::<()>().await; // in time: no more deadline
         }
+    };
+    let idle = async {
+        if !h2 {
+            std::future::pending::<()>().await; // hyper's header timeout covers HTTP/1.1
+        }
+        idle_for(tracked, limits.idle_timeout).await;
     };
     let result = tokio::select! {
         result = conn.as_mut() => result,
         () = first_head => {
             tracing::debug!("closing a connection that sent no request head in time");
             return;
+        }
+        () = tracked.evict.notified() => {
+            if !tracked.asked.load(Ordering::Acquire) {
+                return; // nothing asked, nothing to finish
+            }
+            conn.as_mut().shut_down();
+            tokio::time::timeout(SHUTDOWN_GRACE, conn).await.unwrap_or(Ok(()))
+        }
+        () = idle => {
+            tracing::debug!("closing an HTTP/2 connection with no stream open for the idle timeout");
+            conn.as_mut().shut_down();
+            tokio::time::timeout(SHUTDOWN_GRACE, conn).await.unwrap_or(Ok(()))
         }
         () = async {
             // The guard `wait_for` returns must not live across the await below.
@@ -447,6 +446,17 @@ async fn drive<I, S, B>(
     };
     if let Err(e) = result {
         tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
+
+/// Resolves once `conn` has had no request running for `idle`.
+async fn idle_for(conn: &Tracked, idle: Duration) {
+    loop {
+        match conn.idle_since() {
+            Some(since) if since + idle <= Instant::now() => return,
+            Some(since) => tokio::time::sleep_until(since + idle).await,
+            None => tokio::time::sleep(idle).await,
+        }
     }
 }
 
@@ -479,23 +489,73 @@ where
     }
 }
 
-/// The service of a connection, marking that a request head arrived.
+/// The service of a connection: notes each request's start and answer on the connection's
+/// [`Tracked`] (busy or idle, authenticated or not).
 #[derive(Clone)]
 struct Marked<S> {
     inner: S,
-    fresh: Arc<Fresh>,
+    conn: Arc<Tracked>,
+    credential: Option<Credential>,
 }
 
-impl<S, R> hyper::service::Service<R> for Marked<S>
+impl<S, B, R> hyper::service::Service<Request<R>> for Marked<S>
 where
-    S: hyper::service::Service<R>,
+    S: hyper::service::Service<Request<R>, Response = Response<B>>,
 {
     type Response = S::Response;
     type Error = S::Error;
-    type Future = S::Future;
+    type Future = Answering<S::Future>;
 
-    fn call(&self, req: R) -> Self::Future {
-        self.fresh.asked.store(true, Ordering::Release);
-        self.inner.call(req)
+    fn call(&self, req: Request<R>) -> Self::Future {
+        self.conn.begin();
+        let credential = self
+            .credential
+            .filter(|c| req.headers().contains_key(c.header))
+            .map(|c| c.accepted);
+        Answering {
+            inner: self.inner.call(req),
+            conn: Some(self.conn.clone()),
+            credential,
+        }
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// A request being answered: its connection is busy until the answer's head.
+    struct Answering<F> {
+        #[pin]
+        inner: F,
+        conn: Option<Arc<Tracked>>,
+        credential: Option<fn(StatusCode) -> bool>,
+    }
+
+    impl<F> PinnedDrop for Answering<F> {
+        fn drop(this: Pin<&mut Self>) {
+            // Dropped unanswered (the connection went away): no longer busy either.
+            if let Some(conn) = this.project().conn.take() {
+                conn.done(false);
+            }
+        }
+    }
+}
+
+impl<F, B, E> Future for Answering<F>
+where
+    F: Future<Output = Result<Response<B>, E>>,
+{
+    type Output = F::Output;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let this = self.project();
+        let answer = std::task::ready!(this.inner.poll(cx));
+        if let Some(conn) = this.conn.take() {
+            let accepted = match (&answer, *this.credential) {
+                (Ok(response), _) if response.extensions().get::<Authenticated>().is_some() => true,
+                (Ok(response), Some(accepted)) => accepted(response.status()),
+                _ => false,
+            };
+            conn.done(accepted);
+        }
+        Poll::Ready(answer)
     }
 }

@@ -1,0 +1,290 @@
+//! Who holds a listener's connections, and which of them to close when there is no room.
+//!
+//! Every connection is seated by its peer's IP address. A peer holds at most
+//! [`Slots::per_peer`] (clients behind one NAT address share it); a newcomer beyond that
+//! takes the place of its own peer's oldest idle connection, or is closed at once when all
+//! of them are busy. At the listener's cap, [`Slots::evict_for_room`] asks one idle connection
+//! to close: of the peer that holds the most, unauthenticated ones first (a connection is
+//! authenticated once a request on it carried a credential the service accepted). A
+//! connection answering a request is never picked; a picked one closes gracefully.
+
+use std::{
+    cmp::Reverse,
+    collections::HashMap,
+    net::IpAddr,
+    sync::{
+        Arc, Mutex,
+        atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering},
+    },
+};
+
+use tokio::{
+    sync::{Notify, OwnedSemaphorePermit, Semaphore},
+    time::Instant,
+};
+
+/// One open connection, as the slots see it.
+#[derive(Debug)]
+pub(super) struct Tracked {
+    /// Rises with every accept: the lowest is the oldest.
+    id: u64,
+    /// It has sent a request head.
+    pub(super) asked: AtomicBool,
+    /// Requests being answered now (until their response head).
+    busy: AtomicUsize,
+    /// A request on it carried a credential the service accepted.
+    authenticated: AtomicBool,
+    /// When a request last began or got its answer, in ms since the slots began.
+    active_ms: AtomicU64,
+    /// Notified when it is picked to make room: it closes gracefully then.
+    pub(super) evict: Notify,
+    evicted: AtomicBool,
+    epoch: Instant,
+}
+
+impl Tracked {
+    /// Asks it to close; false when it was asked before.
+    fn pick(&self) -> bool {
+        let first = !self.evicted.swap(true, Ordering::AcqRel);
+        if first {
+            self.evict.notify_one();
+        }
+        first
+    }
+
+    fn idle(&self) -> bool {
+        self.busy.load(Ordering::Acquire) == 0 && !self.evicted.load(Ordering::Acquire)
+    }
+
+    fn touch(&self) {
+        let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX);
+        self.active_ms.store(ms, Ordering::Release);
+    }
+
+    /// A request head arrived: busy until [`done`](Self::done).
+    pub(super) fn begin(&self) {
+        self.asked.store(true, Ordering::Release);
+        self.busy.fetch_add(1, Ordering::AcqRel);
+        self.touch();
+    }
+
+    /// A request got its answer; `authenticated` when it carried an accepted credential.
+    pub(super) fn done(&self, authenticated: bool) {
+        if authenticated {
+            self.authenticated.store(true, Ordering::Release);
+        }
+        self.busy.fetch_sub(1, Ordering::AcqRel);
+        self.touch();
+    }
+
+    /// When the connection has had no request running since: the last activity, or `None`
+    /// while one runs.
+    pub(super) fn idle_since(&self) -> Option<Instant> {
+        (self.busy.load(Ordering::Acquire) == 0).then(|| {
+            self.epoch + std::time::Duration::from_millis(self.active_ms.load(Ordering::Acquire))
+        })
+    }
+}
+
+/// The connections one listener (or several, sharing a socket) may hold.
+#[derive(Debug)]
+pub struct Slots {
+    permits: Arc<Semaphore>,
+    peers: Mutex<HashMap<IpAddr, HashMap<u64, Arc<Tracked>>>>,
+    next_id: AtomicU64,
+    per_peer: usize,
+    epoch: Instant,
+}
+
+/// A connection's seat: gives back its slot and its place in its peer's count when dropped.
+#[derive(Debug)]
+pub(super) struct Seat {
+    slots: Arc<Slots>,
+    peer: IpAddr,
+    pub(super) conn: Arc<Tracked>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for Seat {
+    fn drop(&mut self) {
+        let mut peers = self.slots.lock();
+        if let Some(mine) = peers.get_mut(&self.peer) {
+            mine.remove(&self.conn.id);
+            if mine.is_empty() {
+                peers.remove(&self.peer);
+            }
+        }
+    }
+}
+
+/// The oldest idle connection among `conns` with `authenticated` as given.
+fn oldest_idle<'a>(
+    conns: impl Iterator<Item = &'a Arc<Tracked>>,
+    authenticated: bool,
+) -> Option<&'a Arc<Tracked>> {
+    conns
+        .filter(|c| c.idle() && c.authenticated.load(Ordering::Acquire) == authenticated)
+        .min_by_key(|c| c.id)
+}
+
+impl Slots {
+    /// Room for `max` connections, `per_peer` of them from any one address (each at least 1).
+    pub fn new(max: usize, per_peer: usize) -> Arc<Self> {
+        Arc::new(Self {
+            permits: Arc::new(Semaphore::new(max.max(1))),
+            peers: Mutex::default(),
+            next_id: AtomicU64::new(0),
+            per_peer: per_peer.max(1),
+            epoch: Instant::now(),
+        })
+    }
+
+    fn lock(&self) -> std::sync::MutexGuard<'_, HashMap<IpAddr, HashMap<u64, Arc<Tracked>>>> {
+        self.peers
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    pub(super) fn permits(&self) -> &Arc<Semaphore> {
+        &self.permits
+    }
+
+    /// Seats a connection from `peer` on `permit`; `None` when the peer holds its cap and
+    /// none of its connections is idle to make room (the newcomer is to be closed).
+    pub(super) fn seat(
+        self: &Arc<Self>,
+        peer: IpAddr,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<Seat> {
+        let mut peers = self.lock();
+        let mine = peers.entry(peer).or_default();
+        let leaving = mine
+            .values()
+            .filter(|c| c.evicted.load(Ordering::Acquire))
+            .count();
+        if mine.len() - leaving >= self.per_peer {
+            let victim =
+                oldest_idle(mine.values(), false).or_else(|| oldest_idle(mine.values(), true));
+            match victim {
+                Some(victim) => {
+                    victim.pick();
+                    tracing::debug!(%peer, "closing an idle connection of a peer at its cap, for its newcomer");
+                }
+                None => {
+                    if mine.is_empty() {
+                        peers.remove(&peer);
+                    }
+                    return None;
+                }
+            }
+        }
+        let conn = Arc::new(Tracked {
+            id: self.next_id.fetch_add(1, Ordering::Relaxed),
+            asked: AtomicBool::new(false),
+            busy: AtomicUsize::new(0),
+            authenticated: AtomicBool::new(false),
+            active_ms: AtomicU64::new(0),
+            evict: Notify::new(),
+            evicted: AtomicBool::new(false),
+            epoch: self.epoch,
+        });
+        conn.touch();
+        mine.insert(conn.id, conn.clone());
+        Some(Seat {
+            slots: self.clone(),
+            peer,
+            conn,
+            _permit: permit,
+        })
+    }
+
+    /// At the cap: asks one idle connection to close, of the peer that holds the most,
+    /// unauthenticated ones before authenticated ones; false when every connection is busy
+    /// or already closing.
+    pub(super) fn evict_for_room(&self) -> bool {
+        let peers = self.lock();
+        let mut heaviest: Vec<&HashMap<u64, Arc<Tracked>>> = peers.values().collect();
+        heaviest.sort_by_key(|mine| Reverse(mine.len()));
+        for authenticated in [false, true] {
+            for mine in &heaviest {
+                if let Some(victim) = oldest_idle(mine.values(), authenticated)
+                    && victim.pick()
+                {
+                    tracing::debug!(
+                        authenticated,
+                        held = mine.len(),
+                        "closing an idle connection of the peer that holds the most, to make room"
+                    );
+                    return true;
+                }
+            }
+        }
+        false
+    }
+
+    /// Connections open now from `peer`.
+    #[cfg(test)]
+    fn held_by(&self, peer: IpAddr) -> usize {
+        self.lock().get(&peer).map_or(0, HashMap::len)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seat(slots: &Arc<Slots>, peer: &str) -> Option<Seat> {
+        let permit = slots.permits().clone().try_acquire_owned().ok()?;
+        slots.seat(peer.parse().unwrap(), permit)
+    }
+
+    #[tokio::test]
+    async fn a_peer_at_its_cap_gives_up_its_own_idle_connection_or_its_newcomer() {
+        let slots = Slots::new(10, 2);
+        let a = seat(&slots, "127.0.0.2").unwrap();
+        let b = seat(&slots, "127.0.0.2").unwrap();
+        a.conn.begin(); // busy
+        // The third takes the place of b, the idle one, which is asked to close.
+        let c = seat(&slots, "127.0.0.2").unwrap();
+        assert!(b.conn.evicted.load(Ordering::Acquire));
+        assert!(!a.conn.evicted.load(Ordering::Acquire));
+        drop(b);
+        c.conn.begin();
+        // Now both are busy: the newcomer is refused; another peer is not affected.
+        assert!(seat(&slots, "127.0.0.2").is_none());
+        assert!(seat(&slots, "127.0.0.1").is_some());
+        assert_eq!(slots.held_by("127.0.0.2".parse().unwrap()), 2);
+    }
+
+    #[tokio::test]
+    async fn room_is_made_from_the_heaviest_peer_unauthenticated_first() {
+        let slots = Slots::new(10, 10);
+        let worker = seat(&slots, "127.0.0.1").unwrap();
+        worker.conn.begin();
+        worker.conn.done(true); // idle, authenticated
+        let lone = seat(&slots, "127.0.0.3").unwrap(); // idle, 1 held
+        let flood: Vec<Seat> = (0..3).map(|_| seat(&slots, "127.0.0.2").unwrap()).collect();
+        flood[0].conn.begin(); // busy: never picked
+        flood[1].conn.begin();
+        flood[1].conn.done(true); // authenticated
+        assert!(slots.evict_for_room());
+        assert!(
+            flood[2].conn.evicted.load(Ordering::Acquire),
+            "the heaviest peer's idle, unauthenticated one"
+        );
+        assert!(slots.evict_for_room());
+        assert!(
+            lone.conn.evicted.load(Ordering::Acquire),
+            "then unauthenticated ones of lighter peers"
+        );
+        assert!(slots.evict_for_room());
+        assert!(
+            flood[1].conn.evicted.load(Ordering::Acquire),
+            "then authenticated ones, heaviest first"
+        );
+        assert!(slots.evict_for_room());
+        assert!(worker.conn.evicted.load(Ordering::Acquire));
+        assert!(!slots.evict_for_room(), "only a busy one is left");
+        assert!(!flood[0].conn.evicted.load(Ordering::Acquire));
+    }
+}
