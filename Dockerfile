@@ -1,12 +1,20 @@
-# fence in a container: built with the `dist` profile, run as a user of its own.
+# fence in a container: built with the `dist` profile, run as a user of its own (uid 10001).
 #
 #   docker build -t fence .
-#   docker run --rm -p 7700:7700 -v fence-leases:/var/lib/fence \
-#     -v /etc/fence:/etc/fence:ro fence                     # the lease server (the default)
-#   docker run --rm fence proxy --help                       # or any other fence command
+#   fence keygen --out ./etc && fence tls init ./etc/tls --name leases.internal
+#   printf 'billing %s inv-*\n' "$(head -c 32 /dev/urandom | base64)" > ./etc/clients
+#   chmod 600 ./etc/clients ./etc/fence-signing.pem && sudo chown -R 10001 ./etc
+#   docker run -d -p 7700:7700 -v fence-leases:/var/lib/fence -v "$PWD/etc:/etc/fence:ro" fence
+#   docker run -d -p 7800:7800 -e FENCE_UPSTREAM=http://billing:8080 \
+#     -v fence-proxy:/var/lib/fence -v "$PWD/etc/fence-verify.pem:/etc/fence/fence-verify.pem:ro" fence proxy
+#   docker run --rm fence claim --help                       # or any other fence command
 #
-# The default command serves the lease API on all interfaces, so it needs TLS and an auth
-# file (fence refuses to listen beyond loopback without one): mount them at /etc/fence.
+# contrib/docker/entrypoint.sh sets each role's defaults as FENCE_* variables (any of them
+# can be given with -e instead): the server on 0.0.0.0:7700 with TLS and the auth file from
+# /etc/fence (fence refuses to listen beyond loopback without both), signing with
+# /etc/fence/fence-signing.pem when mounted; the proxy on 0.0.0.0:7800, its admin port on the
+# container's loopback (7801, for the health check), verifying with
+# /etc/fence/fence-verify.pem when mounted. The mounted files must be readable by uid 10001.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .
@@ -18,9 +26,12 @@ RUN apt-get update \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --system --uid 10001 --home-dir /var/lib/fence --create-home --shell /usr/sbin/nologin fence
 COPY --from=build /src/target/dist/fence /usr/local/bin/fence
+COPY contrib/docker/entrypoint.sh /usr/local/bin/fence-entrypoint
 USER fence
 WORKDIR /var/lib/fence
 VOLUME ["/var/lib/fence"]
-EXPOSE 7700 7800 7801
-ENTRYPOINT ["/usr/local/bin/fence"]
-CMD ["server", "--listen", "0.0.0.0:7700", "--data-dir", "/var/lib/fence/leases", "--auth-file", "/etc/fence/clients", "--tls-cert", "/etc/fence/tls/cert.pem", "--tls-key", "/etc/fence/tls/key.pem"]
+EXPOSE 7700 7800
+HEALTHCHECK --interval=10s --timeout=5s --start-period=10s --retries=3 \
+  CMD ["/usr/local/bin/fence-entrypoint", "healthcheck"]
+ENTRYPOINT ["/usr/local/bin/fence-entrypoint"]
+CMD ["server"]

@@ -8,8 +8,8 @@ use fence_lease::{
     LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, PgLeaseStore, PgTable, SledLeaseStore,
 };
 use fence_sink::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, SledStore,
-    StoreError, Verdict,
+    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded,
+    SledStore, StoreError, Verdict,
     postgres::{PgStore, PgTables},
 };
 use std::time::Duration;
@@ -168,6 +168,13 @@ impl LeaseStore for LeaseBackend {
         }
     }
 
+    fn is_shared(&self) -> bool {
+        match self {
+            Self::Sled(s) => s.is_shared(),
+            Self::Postgres(s) => s.is_shared(),
+        }
+    }
+
     async fn forget_idle(
         &self,
         idle_for: Duration,
@@ -214,6 +221,27 @@ impl GenerationStore for SinkBackend {
         match self {
             Self::Sled(s) => s.highest(job).await,
             Self::Postgres(s) => s.highest(job).await,
+        }
+    }
+
+    // Both stores outlive the process: their stamps must reach the gate (the trait's
+    // defaults would drop them, and a restart would forget what was still running).
+    async fn load(&self, job: &JobId) -> Result<Loaded, StoreError> {
+        match self {
+            Self::Sled(s) => s.load(job).await,
+            Self::Postgres(s) => s.load(job).await,
+        }
+    }
+
+    async fn raise(
+        &self,
+        job: &JobId,
+        token: Generation,
+        older_running: bool,
+    ) -> Result<Verdict, StoreError> {
+        match self {
+            Self::Sled(s) => s.raise(job, token, older_running).await,
+            Self::Postgres(s) => s.raise(job, token, older_running).await,
         }
     }
 

@@ -2,12 +2,36 @@
 
 use std::time::Duration;
 
-/// Parses a duration in humantime's syntax (`500ms`, `10s`, `1.5s`, `1m30s`, `2h`, `7d`); a
-/// bare number is seconds.
+/// Parses a command-line duration in humantime's syntax (`500ms`, `10s`, `1.5s`, `1m30s`,
+/// `2h`, `7d`). A unit is required: `--ttl 30` could mean seconds or milliseconds to a
+/// reader, so it is refused with the fix in the message; so is a negative duration.
 ///
 /// # Errors
 /// A message naming what is wrong, for clap to print.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    if let Some(rest) = s.strip_prefix('-') {
+        return Err(format!(
+            "{s:?}: a duration cannot be negative; write how long, like {}",
+            if rest.is_empty() { "5s" } else { rest }
+        ));
+    }
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
+        return Err(format!(
+            "{s:?} has no unit; write {s}s for seconds or {s}ms for milliseconds (units: ms, s, m, h, d)"
+        ));
+    }
+    humantime::parse_duration(s).map_err(|e| {
+        format!("{s:?} is not a duration ({e}); write it like 500ms, 1.5s, 2m or 1h30m")
+    })
+}
+
+/// The `wait` of a claim on the wire (`?wait=10s`): as [`parse_duration`], and a bare
+/// number is seconds, as protocol version 2 allowed.
+///
+/// # Errors
+/// As [`parse_duration`].
+pub fn parse_wire_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
         return s
@@ -15,9 +39,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             .map(Duration::from_secs)
             .map_err(|_| format!("{s:?}: the number is too large"));
     }
-    humantime::parse_duration(s).map_err(|e| {
-        format!("{s:?} is not a duration ({e}); write it like 500ms, 1.5s, 2m or 1h30m")
-    })
+    parse_duration(s)
 }
 
 /// A timeout flag: a duration from 1 ms to 24 h. Zero would mean "never wait" to some
@@ -72,10 +94,15 @@ mod tests {
             ("1m30s", ms(90_000)),
             ("1h", ms(3_600_000)),
             ("7d", ms(7 * 86_400_000)),
-            ("7", ms(7_000)),
         ] {
             assert_eq!(parse_duration(text), Ok(want), "{text}");
+            assert_eq!(parse_wire_duration(text), Ok(want), "{text}");
         }
+        assert_eq!(
+            parse_wire_duration("7"),
+            Ok(ms(7_000)),
+            "the wire's bare seconds"
+        );
         for bad in [
             "",
             "ms",
@@ -84,8 +111,18 @@ mod tests {
             "3x",
             "99999999999999999999s",
             "99999999999999999999",
+            "30",
+            "0.5",
+            "-5s",
         ] {
             assert!(parse_duration(bad).is_err(), "{bad}");
         }
+        let unitless = parse_duration("30").unwrap_err();
+        assert!(
+            unitless.contains("30s") && unitless.contains("30ms"),
+            "{unitless}"
+        );
+        let negative = parse_duration("-5s").unwrap_err();
+        assert!(negative.contains("cannot be negative"), "{negative}");
     }
 }

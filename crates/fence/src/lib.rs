@@ -9,6 +9,8 @@ pub mod calls;
 pub mod cli;
 pub mod demo;
 pub mod duration;
+pub mod hints;
+pub mod keepalive;
 pub mod keys;
 pub mod listen;
 pub mod proxy;
@@ -18,6 +20,7 @@ pub mod server;
 pub mod telemetry;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;
+pub mod tls_init;
 
 /// A mistake in how `fence` was called: a flag's value or a file it names cannot be used.
 /// The command prints it as one line and exits 2.

@@ -40,10 +40,21 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    match runtime.block_on(dispatch(cli.command)) {
+    // keepalive reads stdin on a blocking thread that may never return: the runtime must not
+    // wait for it when keepalive is done.
+    let reads_stdin = matches!(cli.command, Cmd::Keepalive(_));
+    let result = runtime.block_on(dispatch(cli.command));
+    if reads_stdin {
+        runtime.shutdown_background();
+    }
+    match result {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => {
-            eprintln!("fence: {e:#}");
+            let said = format!("{e:#}");
+            eprintln!("fence: {said}");
+            if let Some(hint) = fence::hints::hint(&said) {
+                eprintln!("fence: hint: {hint}");
+            }
             ExitCode::from(if e.is::<fence::Usage>() { 2 } else { 1 })
         }
     }
@@ -72,9 +83,10 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
         }
         Cmd::Watchdog(a) => run::watchdog(a.grace).await,
         Cmd::Completions(a) => {
-            let mut cmd = <Cli as clap::CommandFactory>::command();
-            clap_complete::generate(a.shell, &mut cmd, "fence", &mut std::io::stdout());
-            Ok(0)
+            let mut cmd = fence::cli::shown_commands();
+            let mut script = Vec::new();
+            clap_complete::generate(a.shell, &mut cmd, "fence", &mut script);
+            print_all(&script, "the completion script")
         }
         Cmd::IdempotencyKey(a) => {
             println!(
@@ -84,11 +96,11 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
             Ok(0)
         }
         Cmd::Man => {
-            let cmd = <Cli as clap::CommandFactory>::command();
-            clap_mangen::Man::new(cmd)
-                .render(&mut std::io::stdout())
-                .map_err(|e| anyhow::anyhow!("cannot write the manual page: {e}"))?;
-            Ok(0)
+            let mut page = Vec::new();
+            clap_mangen::Man::new(fence::cli::shown_commands())
+                .render(&mut page)
+                .map_err(|e| anyhow::anyhow!("cannot render the manual page: {e}"))?;
+            print_all(&page, "the manual page")
         }
         Cmd::Leases(a) => fence::calls::leases(a).await,
         Cmd::Revoke(a) => fence::calls::revoke(a).await,
@@ -97,5 +109,33 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Release(a) => call(Call::Release(a)).await,
         Cmd::Complete(a) => call(Call::Complete(a)).await,
         Cmd::Status(a) => call(Call::Status(a.at)).await,
+        Cmd::Keepalive(a) => fence::keepalive::keepalive(a).await,
+        Cmd::Healthcheck(a) => fence::calls::healthcheck(a).await,
+        Cmd::Tls(fence::cli::TlsCmd::Init(a)) => {
+            let made = fence::tls_init::init(&a)?;
+            println!(
+                "wrote a private CA and a server certificate in {}:\n  --ca-cert {}   (every client; keep ca-key.pem offline)\n  --tls-cert {} --tls-key {}   (the server or proxy)",
+                a.dir.display(),
+                made.ca.display(),
+                made.cert.display(),
+                made.key.display()
+            );
+            for (cert, key) in &made.clients {
+                println!("  client: {} and {}", cert.display(), key.display());
+            }
+            Ok(0)
+        }
+    }
+}
+
+/// Writes `bytes` to stdout. A reader that closed the pipe early (`| head -1`) is no error:
+/// it had what it wanted.
+fn print_all(bytes: &[u8], what: &str) -> anyhow::Result<i32> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match out.write_all(bytes).and_then(|()| out.flush()) {
+        Ok(()) => Ok(0),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(0),
+        Err(e) => Err(anyhow::anyhow!("cannot write {what}: {e}")),
     }
 }

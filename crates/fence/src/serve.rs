@@ -61,6 +61,10 @@ fn listen_options(
     if let Some(max) = args.max_connections {
         limits.max_connections = usize::try_from(max).unwrap_or(usize::MAX);
     }
+    limits.max_connections_per_peer = match args.max_connections_per_peer {
+        Some(max) => usize::try_from(max).unwrap_or(usize::MAX),
+        None => limits.max_connections.div_ceil(2),
+    };
     Ok((tls, limits))
 }
 
@@ -100,6 +104,15 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
         tracing::warn!(listen = %a.listen, "--insecure-no-auth: the lease API is open to anyone who can reach it");
     }
     let (tls, limits) = listen_options(&a.listener, &[b"h2", b"http/1.1"])?;
+    if tls.is_none() && !a.listen.ip().is_loopback() {
+        if !a.insecure_no_tls {
+            return Err(Usage::error(format!(
+                "refusing to listen on {} without TLS: lease keys and bearer secrets would cross the network in clear; give --tls-cert and --tls-key, or --insecure-no-tls for a private network you vouch for",
+                a.listen
+            )));
+        }
+        tracing::warn!(listen = %a.listen, "--insecure-no-tls: lease keys and bearer secrets cross the network in clear");
+    }
     let backend = Backend::choose(a.storage).map_err(Usage::from_error)?;
     let handle = crate::telemetry::install()?;
     let tcp = bind(a.listen, "--listen").await?;
@@ -113,10 +126,17 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
         auth,
         public_metrics: a.public_metrics,
         max_ttl: Some(a.max_ttl),
+        waiting: crate::server::WaitLimits {
+            total: a.max_waiting_claims as usize,
+            per_client: a.max_waiting_claims_per_client as usize,
+        },
     };
     let _forgetting = a
         .forget_after
         .map(|after| forget_leases(store.clone(), after));
+    let _counting = AbortOnDrop(crate::telemetry::count_leases(store.clone()));
+    // The router marks answers to requests with a known secret: those connections are
+    // closed for room after the others.
     let listener = Listener::new(tcp, tls.map(tokio_rustls::TlsAcceptor::from), limits);
     tracing::info!(
         listen = %listener.local_addr()?,
@@ -186,8 +206,15 @@ impl Drop for AbortOnDrop {
 /// Serves the lease API over `store` until SIGINT or SIGTERM.
 async fn serve_leases<S: LeaseStore>(listener: Listener, store: S, options: ServerOptions) {
     let router = crate::server::router(Arc::new(store), options);
-    crate::listen::serve(listener, shutdown_signal(), move |_| {
-        hyper_util::service::TowerToHyperService::new(router.clone())
+    crate::listen::serve(listener, shutdown_signal(), move |peer| {
+        // The peer goes into each request, for the refusal log.
+        let with_peer = tower::ServiceBuilder::new()
+            .map_request(move |mut req: http::Request<hyper::body::Incoming>| {
+                req.extensions_mut().insert(fence_sink::PeerAddr(peer));
+                req
+            })
+            .service(router.clone());
+        hyper_util::service::TowerToHyperService::new(with_peer)
     })
     .await;
 }
@@ -207,12 +234,17 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     if a.unsafe_no_fence {
         config.fence_methods = Some(Vec::new());
     }
+    #[cfg(feature = "test-hooks")]
+    {
+        config.unsafe_no_restart_hold = a.unsafe_no_restart_hold;
+    }
     config.require_token = !a.allow_missing_token;
     let hold = a.unknown_outcome_hold.unwrap_or(a.upstream_timeout);
     config.idempotency = (!a.no_idempotency).then(|| {
         fence_sink::IdempotencyConfig::default()
             .retention(a.idempotency_retention)
             .max_response_body(a.idempotency_max_body)
+            .scope_headers(a.idempotency_scope_header.clone())
             .in_flight_timeout(in_flight_timeout(a.body_timeout, a.upstream_timeout, hold))
     });
     config.drain_timeout = a.drain_timeout;
@@ -224,6 +256,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     config.unknown_outcome_hold = hold;
     config.max_buffered_bytes = usize::try_from(a.max_buffered_bytes).unwrap_or(usize::MAX);
     config.preserve_host = a.preserve_host;
+    config.via = !a.no_via;
     config.verifier = verifier;
     config.upstream_ca_cert = a.upstream_ca_cert;
     config.tls = tls.clone();
@@ -233,9 +266,28 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     }
     config.check().map_err(Usage::from_error)?;
     let handle = crate::telemetry::install()?;
+    let admin_auth = load_if_given(a.admin_auth_file.as_deref(), Auth::load)?;
+    if !a.admin_listen.ip().is_loopback() && (admin_auth.is_none() || tls.is_none()) {
+        // Off loopback, only with secrets of its own, and those only over TLS
+        // (docs/protocol.md section 10).
+        return Err(Usage::error(format!(
+            "refusing --admin-listen {}: the admin listener (/metrics, /v1/fence/{{job}}, the revoke push) listens off loopback only with --admin-auth-file and TLS (--tls-cert, --tls-key), so that its secrets never cross the network in clear",
+            a.admin_listen
+        )));
+    }
+    if let Some(auth) = &admin_auth {
+        auth.reload_on_sighup()
+            .context("installing the SIGHUP handler")?;
+    }
     let tcp = bind(a.listen, "--listen").await?;
     let admin = bind(a.admin_listen, "--admin-listen").await?;
     let store = backend.sink_store().await?;
+    if let crate::backend::SinkBackend::Postgres(pg) = &store {
+        // SQL writers on these tables check expiry while this proxy forgets (section 11).
+        pg.announce_forgetting(a.forget_after.is_some(), a.clock_skew)
+            .await
+            .context("recording the forgetting settings in PostgreSQL")?;
+    }
     let (tx, rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -258,7 +310,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let admin_task = tokio::spawn(crate::proxy::serve_admin(
         admin,
         handle,
-        health,
+        health.with_auth(admin_auth),
         stopped(rx.clone()),
     ));
     let signal = tokio::spawn(async move {

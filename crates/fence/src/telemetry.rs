@@ -45,6 +45,12 @@ pub fn install() -> anyhow::Result<PrometheusHandle> {
         .install_recorder()
         .context("installing the metrics recorder")?;
     describe();
+    metrics::gauge!(
+        "fence_build_info",
+        "version" => env!("CARGO_PKG_VERSION"),
+        "protocol" => "2"
+    )
+    .set(1.0);
     runtime.spawn(upkeep(handle.clone()));
     Ok(handle)
 }
@@ -71,7 +77,11 @@ fn describe() {
     describe_counter!(
         "fence_lease_requests_total",
         Unit::Count,
-        "Lease API requests answered, by operation (claim, renew, release, complete, status, list) and outcome (ok, or the problem type)."
+        format!(
+            "Lease API requests answered, by op ({}) and outcome ({}).",
+            crate::server::LEASE_OPS.join(", "),
+            crate::server::LEASE_OUTCOMES.join(", ")
+        )
     );
     describe_histogram!(
         "fence_lease_request_seconds",
@@ -96,7 +106,15 @@ fn describe() {
     describe_counter!(
         "fence_sink_requests_total",
         Unit::Count,
-        "Requests the fence decided on, by outcome: accepted, stale, expired, missing, malformed, invalid_signature, drain_timeout, body_timeout, overloaded, replayed, store_error and more."
+        format!(
+            "Requests the fence decided on, by outcome ({}).",
+            fence_sink::metrics::OUTCOMES.join(", ")
+        )
+    );
+    describe_gauge!(
+        "fence_build_info",
+        Unit::Count,
+        "Always 1; its labels say which build runs: version (of the fence package) and the protocol version."
     );
     describe_counter!(
         "fence_proxy_upstream_requests_total",
@@ -125,14 +143,14 @@ fn describe() {
     );
 }
 
-/// Counts `store`'s jobs and held leases into the gauges every [`COUNT_EVERY`], until the
+/// Counts `store`'s jobs and held leases into the gauges at once and then every
+/// [`COUNT_EVERY`] (or 19 times as long as a count took, when that is longer), until the
 /// returned task is aborted. A page at a time, so a large store costs a scan per count, not
 /// a pause.
 pub fn count_leases<S: LeaseStore + Clone>(store: S) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
-        let mut tick = every(COUNT_EVERY);
         loop {
-            tick.tick().await;
+            let started = tokio::time::Instant::now();
             let mut query = ListQuery {
                 limit: Some(MAX_LIST_LIMIT),
                 ..ListQuery::default()
@@ -158,6 +176,9 @@ pub fn count_leases<S: LeaseStore + Clone>(store: S) -> tokio::task::JoinHandle<
                 }
                 tokio::task::yield_now().await;
             }
+            // A store of millions of jobs takes a while to count: wait at least 19 times as
+            // long as the count took, so counting never costs more than 5% of a core.
+            tokio::time::sleep(COUNT_EVERY.max(started.elapsed() * 19)).await;
         }
     })
 }

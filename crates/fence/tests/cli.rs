@@ -174,6 +174,33 @@ fn fence_run_completes_on_success_and_releases_on_failure() {
         json(&fence(&["status", "--server", &url, "--job", "j2"]))["state"],
         "free"
     );
+    // A signal death is worded as one, and a code fence run also uses is flagged.
+    let killed = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--job",
+        "j4",
+        "--",
+        "sh",
+        "-c",
+        "kill -KILL $$",
+    ]);
+    let said = String::from_utf8_lossy(&killed.stderr);
+    assert_eq!(killed.status.code(), Some(137), "{said}");
+    assert!(
+        said.contains("was killed by SIGKILL (signal 9; exit code 137)"),
+        "{said}"
+    );
+    let own = fence(&[
+        "run", "--server", &url, "--job", "j5", "--", "sh", "-c", "exit 3",
+    ]);
+    let said = String::from_utf8_lossy(&own.stderr);
+    assert_eq!(own.status.code(), Some(3), "{said}");
+    assert!(
+        said.contains("exited 3 (the command's own code, not fence run's)"),
+        "{said}"
+    );
 
     let held = fence_line(&format!(
         "claim --server {} --job j3 --owner other --ttl 1h",
@@ -220,6 +247,19 @@ fn bad_flags_exit_2_with_a_message() {
         ),
         ("claim|--job|j|--ttl|25h".into(), "above the maximum"),
         ("claim|--job|j|--ttl|ten".into(), "not a duration"),
+        // A duration always has a unit, and a negative one is named as such, not taken
+        // for an unknown flag.
+        ("claim|--job|j|--ttl|30".into(), "has no unit; write 30s"),
+        ("claim|--job|j|--ttl|0.5".into(), "has no unit; write 0.5s"),
+        ("claim|--job|j|--ttl|-5s".into(), "cannot be negative"),
+        (
+            "run|--job|j|--grace|-1s|--|true".into(),
+            "cannot be negative",
+        ),
+        (
+            "server|--data-dir|x|--idle-timeout|60".into(),
+            "has no unit; write 60s",
+        ),
         (
             "renew|--job|j|--owner|o|--generation|-1".into(),
             "generation",
@@ -617,4 +657,190 @@ fn exits_0_on(mut p: Proc, sig: &str, what: &str) {
         Some(0),
         "{what} exits 0 on {sig}"
     );
+}
+
+/// A CLI for scripts (issue 34): renew, release and complete take the claim's JSON from a
+/// file or stdin; `fence keepalive` renews it while stdin is open (copying it to stdout),
+/// exits 75 the moment it is lost, and 0 (the lease still held) when stdin closes.
+#[test]
+fn scripts_pass_the_claims_json_and_keepalive_renews_until_stdin_closes() {
+    use std::io::{Read, Write};
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let claim = |job: &str| {
+        let out = fence(&["claim", "--server", &url, "--job", job, "--ttl", "1s"]);
+        assert_success(&out);
+        let file = dir.path().join(format!("{}.json", job.replace('/', "_")));
+        std::fs::write(&file, &out.stdout).unwrap();
+        file
+    };
+    let with_stdin = |args: &[&str], input: &[u8]| {
+        let mut child = Command::new(FENCE)
+            .args(args)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        child.stdin.take().unwrap().write_all(input).unwrap();
+        child.wait_with_output().unwrap()
+    };
+    // The one-shot calls, from a file and from stdin, on a job id that needs encoding.
+    let lease = claim("a/b");
+    let file = lease.to_str().unwrap();
+    assert_success(&fence(&["renew", "--server", &url, "--lease", file]));
+    let text = std::fs::read(&lease).unwrap();
+    let released = with_stdin(&["release", "--server", &url, "--lease", "-"], &text);
+    assert_success(&released);
+    assert_eq!(json(&released)["state"], "free");
+    let other = fence(&["complete", "--server", &url, "--lease", file, "--job", "c"]);
+    assert_eq!(other.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&other.stderr).contains("not of --job c"));
+    let broken = with_stdin(
+        &["release", "--server", &url, "--lease", "-"],
+        b"{\"job\":\"x\"}",
+    );
+    assert_eq!(broken.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&broken.stderr).contains("no \"owner\" field"));
+
+    // keepalive: renewed past its 1 s TTL while stdin is open, then lost at a revoke: 75.
+    let lease = claim("kept");
+    let mut kept = Command::new(FENCE)
+        .args(["keepalive", "--server", &url, "--ttl", "1s", "--lease"])
+        .arg(&lease)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = kept.stdin.take().unwrap();
+    input.write_all(b"progress 1\n").unwrap();
+    let mut echoed = BufReader::new(kept.stdout.take().unwrap());
+    let mut line = String::new();
+    echoed.read_line(&mut line).unwrap();
+    assert_eq!(line, "progress 1\n", "stdin is copied to stdout");
+    std::thread::sleep(Duration::from_millis(2_500));
+    let status = json(&fence(&["status", "--server", &url, "--job", "kept"]));
+    assert_eq!(status["state"], "held", "renewed past its TTL: {status}");
+    let revoked = Instant::now();
+    assert_success(&fence(&["revoke", "--server", &url, "--job", "kept"]));
+    let code = kept.wait().unwrap().code();
+    let mut said = String::new();
+    kept.stderr
+        .take()
+        .unwrap()
+        .read_to_string(&mut said)
+        .unwrap();
+    assert_eq!(code, Some(75), "{said}");
+    assert!(said.contains("is lost"), "{said}");
+    assert!(
+        revoked.elapsed() < Duration::from_secs(2),
+        "{:?}",
+        revoked.elapsed()
+    );
+    drop(input);
+
+    // Closing stdin ends it with 0, the lease still held for the script to complete.
+    let lease = claim("closed");
+    let out = with_stdin(
+        &[
+            "keepalive",
+            "--server",
+            &url,
+            "--lease",
+            lease.to_str().unwrap(),
+        ],
+        b"",
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let done = fence(&[
+        "complete",
+        "--server",
+        &url,
+        "--lease",
+        lease.to_str().unwrap(),
+    ]);
+    assert_success(&done);
+    assert_eq!(json(&done)["state"], "completed");
+    // Its lifeline cannot also be where the lease comes from.
+    let out = fence(&["keepalive", "--server", &url, "--lease", "-"]);
+    assert_eq!(out.status.code(), Some(2));
+}
+
+/// `--server` with several URLs (servers on one database): a server that cannot be
+/// connected to is passed over; one that took the request and failed is not, since the
+/// request may have been decided there (issue 34).
+#[test]
+fn several_servers_fail_over_on_connection_errors_only() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    // Nothing listens on a port we bound and closed.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let both = format!("{dead},{url}");
+    let claimed = fence(&["claim", "--server", &both, "--job", "over"]);
+    assert_success(&claimed);
+    assert_eq!(json(&claimed)["generation"], 1);
+    let lease = dir.path().join("lease.json");
+    std::fs::write(&lease, &claimed.stdout).unwrap();
+    let run = fence(&["run", "--server", &both, "--job", "run-over", "--", "true"]);
+    assert_success(&run);
+    // A "server" that reads the request and closes without an answer: the request may have
+    // been decided there, so the live server is not asked.
+    let taker = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let taken = format!("http://{}", taker.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in taker.incoming().flatten() {
+            let mut reader = BufReader::new(&stream);
+            let mut line = String::new();
+            while reader.read_line(&mut line).is_ok_and(|n| n > 2) {
+                line.clear();
+            }
+            drop(stream);
+        }
+    });
+    let out = fence(&[
+        "claim",
+        "--server",
+        &format!("{taken},{url}"),
+        "--job",
+        "not-over",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = fence(&["status", "--server", &url, "--job", "not-over"]);
+    assert_eq!(
+        status.status.code(),
+        Some(1),
+        "the live server was not asked"
+    );
+    assert!(String::from_utf8_lossy(&status.stdout).contains("urn:fence:unknown-job"));
+}
+
+/// A server that is down: fence run says so once, then how often again (issue 34: it said
+/// the same line nine times a second).
+#[test]
+fn a_repeated_warning_is_said_once_with_a_count() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let out = fence(&[
+        "run", "--server", &dead, "--job", "j", "--wait", "2s", "--", "true",
+    ]);
+    assert_eq!(out.status.code(), Some(1));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(said.matches("claim failed, retrying").count(), 1, "{said}");
+    assert!(said.contains("(the warning above came"), "{said}");
 }

@@ -71,7 +71,47 @@ fn metrics_of_server_and_proxy_parse_with_help_types_and_histograms() {
         b.len() >= 10 && b.contains(&0.001) && b.contains(&1.0),
         "{b:?}"
     );
-    assert!(s.docs.contains_key("fence_lease_requests_total"));
+    // HELP names every label value, the revoke included.
+    let help = &s.docs["fence_lease_requests_total"];
+    for word in [
+        "revoke",
+        "status",
+        "list",
+        "too_many_waiters",
+        "key_mismatch",
+    ] {
+        assert!(help.contains(word), "{help}");
+    }
+    let build = s
+        .samples
+        .iter()
+        .find(|x| x.metric == "fence_build_info")
+        .expect("fence_build_info");
+    assert_eq!(build.labels.get("version"), Some(env!("CARGO_PKG_VERSION")));
+    // The held-lease and known-job gauges: counted at start (and every 15 s), so a server
+    // started again on the same data shows the lease claimed before.
+    assert_eq!(
+        json(&fence_line(&format!("claim --server {server} --job m2")))["generation"],
+        1
+    );
+    drop(_server);
+    let (_server, server) = start_server(&dir.path().join("leases"));
+    let addr = server.trim_start_matches("http://").to_owned();
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    loop {
+        let s = scrape(&addr, None);
+        let counted = s.samples.iter().any(|x| x.metric == "fence_lease_jobs");
+        if counted {
+            assert_eq!(gauge(&s, "fence_lease_jobs"), 2.0, "m1 and m2");
+            assert_eq!(gauge(&s, "fence_lease_held"), 2.0, "m1 and m2 are held");
+            break;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the leases were never counted"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
 
     let upstream = format!("http://{}", start_upstream());
     let data = dir.path().join("proxy");
@@ -84,6 +124,10 @@ fn metrics_of_server_and_proxy_parse_with_help_types_and_histograms() {
     let b = buckets(&p, "fence_proxy_upstream_seconds");
     assert!(b.len() >= 10, "{b:?}");
     assert_eq!(gauge(&p, "fence_proxy_cached_jobs"), 1.0);
+    let help = &p.docs["fence_sink_requests_total"];
+    for word in ["too_large", "body_failed", "too_long_lived", "stale"] {
+        assert!(help.contains(word), "{help}");
+    }
     assert_eq!(gauge(&p, "fence_proxy_in_flight"), 0.0);
     // The proxy's view of one job.
     let (status, answer) = bearer_call(&admin, "GET", "/v1/fence/m1", None, "");
@@ -197,7 +241,7 @@ fn every_decision_is_one_json_event_with_job_and_generation() {
         now.unwrap().as_millis() > u128::from(expires_at_ms) + 50
     });
     assert_eq!(write("j", &token_a), 409);
-    one_event(&proxy_log, "expired token", "j", 1);
+    one_event(&proxy_log, "refused (token expired)", "j", 1);
 
     // A stale token: B holds generation 2 and wrote; A (still within its own expiry on
     // another job) writes with generation 1.
@@ -206,7 +250,7 @@ fn every_decision_is_one_json_event_with_job_and_generation() {
     let k2 = claim_as(&server, "k", "worker-b", "30s").unwrap();
     assert_eq!(write("k", k2["token"].as_str().unwrap()), 200);
     assert_eq!(write("k", k["token"].as_str().unwrap()), 409);
-    one_event(&proxy_log, "stale token", "k", 1);
+    one_event(&proxy_log, "refused (stale token)", "k", 1);
 
     // A lost lease, seen by the server: A renews after B claimed.
     let b = claim_as(&server, "j", "worker-b", "30s").unwrap();
@@ -322,12 +366,33 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
     // unusable.
     let url = database_url().unwrap();
     let relay = Relay::to(&url);
-    let (_p, broken) = start_pg_server(&relay.url, &unique_schema("openapi"), &[]);
+    let schema = unique_schema("openapi");
+    let (_p, broken) = start_pg_server(&relay.url, &schema, &[]);
     relay.cut();
 
     let key = "k0123456789abcdefghijk";
     let other_key = "x0123456789abcdefghijk";
     let claim = |owner: &str| format!(r#"{{"owner":"{owner}","lease_key":"{key}"}}"#);
+    // A server with room for one waiting claim, taken: the next waiting claim is 429.
+    let (_t, tiny) = start_ready(&server_args(
+        dir.path().join("tiny").to_str().unwrap(),
+        &["--max-waiting-claims", "1"],
+    ));
+    assert_eq!(
+        bearer_call(&tiny, "POST", "/v1/leases/w/claim", None, &claim("w")).0,
+        200
+    );
+    let _waiter = send_request(
+        &tiny,
+        "POST",
+        "/v1/leases/w/claim?wait=30s",
+        &[],
+        &claim("u"),
+    );
+    eventually("a claim waits", Duration::from_secs(10), || {
+        let (_, metrics) = bearer_call(&tiny, "GET", "/metrics", None, "");
+        metrics.lines().any(|l| l == "fence_lease_waiting_claims 1")
+    });
     let held = |g: u64, k: &str| {
         format!(r#"{{"owner":"w","generation":{g},"lease_key":"{k}","ttl_ms":30000}}"#)
     };
@@ -352,6 +417,7 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
         (claim_path, "POST", 403, &sled, "/v1/leases/a/claim".into(), billing, claim("w")),
         (claim_path, "POST", 409, &sled, "/v1/leases/a/claim".into(), ops, claim("v")),
         (claim_path, "POST", 503, &broken, "/v1/leases/a/claim".into(), None, claim("w")),
+        (claim_path, "POST", 429, &tiny, "/v1/leases/w/claim?wait=5s".into(), None, claim("v")),
         (renew_path, "POST", 200, &sled, "/v1/leases/a/renew".into(), ops, held(1, key)),
         (renew_path, "POST", 400, &sled, "/v1/leases/a/renew".into(), ops, "{}".into()),
         (renew_path, "POST", 401, &sled, "/v1/leases/a/renew".into(), None, held(1, key)),
@@ -390,6 +456,8 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
         ("/v1/leases", "GET", 503, &broken, "/v1/leases".into(), None, String::new()),
         ("/healthz", "GET", 200, &sled, "/healthz".into(), None, String::new()),
         ("/healthz", "GET", 503, &broken, "/healthz".into(), None, String::new()),
+        ("/readyz", "GET", 200, &sled, "/readyz".into(), None, String::new()),
+        ("/readyz", "GET", 503, &broken, "/readyz".into(), None, String::new()),
         ("/openapi.json", "GET", 200, &sled, "/openapi.json".into(), None, String::new()),
         ("/metrics", "GET", 200, &sled, "/metrics".into(), ops, String::new()),
         ("/metrics", "GET", 401, &sled, "/metrics".into(), None, String::new()),
@@ -468,6 +536,28 @@ fn completions_and_the_manual_page_cover_every_command() {
         for word in ["server", "proxy", "run", "leases", "max-buffered-bytes"] {
             assert!(text.contains(word), "{shell} completion lacks {word}");
         }
+        // `watchdog` is fence run's own, hidden from --help: not offered on Tab either.
+        assert!(
+            !text.contains("watchdog"),
+            "{shell} completion offers watchdog"
+        );
+    }
+    // A reader that stops early (`| head -1`) closes the pipe: no panic, exit 0.
+    for what in [&["completions", "bash"][..], &["man"][..]] {
+        let (reader, writer) = std::io::pipe().unwrap();
+        drop(reader); // closed before fence writes a byte
+        let out = Command::new(FENCE)
+            .args(what)
+            .stdout(writer)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{what:?} into a closed pipe: {stderr}"
+        );
+        assert!(!stderr.contains("panicked"), "{what:?}: {stderr}");
     }
     let bad = fence(&["completions", "cmd.exe"]);
     assert_eq!(bad.status.code(), Some(2));
@@ -483,4 +573,189 @@ fn completions_and_the_manual_page_cover_every_command() {
     for word in ["server", "proxy", "run", "keygen", "completions"] {
         assert!(page.contains(word), "the manual page lacks {word}");
     }
+    assert!(!page.contains("watchdog"), "the manual page shows watchdog");
+}
+
+/// `/readyz` on both (issue 34): the server's is 200 while its store answers; the proxy's is
+/// 200 once the upstream accepts a connection and 503 while it does not, the problem body
+/// saying 503 too (it said 502, its type's own status, under an HTTP 503).
+#[test]
+fn readiness_probes_answer_what_their_status_says() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, server) = start_server(&dir.path().join("leases"));
+    let addr = server.trim_start_matches("http://");
+    let (status, answer) = bearer_call(addr, "GET", "/readyz", None, "");
+    assert_eq!(status, 200, "{answer}");
+
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let data = dir.path().join("proxy");
+    let (_proxy, _, admin) = start_proxy_admin(&dead, &["--data-dir", data.to_str().unwrap()]);
+    let (status, answer) = bearer_call(&admin, "GET", "/readyz", None, "");
+    assert_eq!(status, 503, "{answer}");
+    let body: serde_json::Value =
+        serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap()).unwrap();
+    assert_eq!(body["status"], 503, "{body}");
+    assert_eq!(body["type"], "urn:fence:upstream-unavailable", "{body}");
+
+    let upstream = format!("http://{}", start_upstream());
+    let data = dir.path().join("proxy2");
+    let (_proxy, _, admin) = start_proxy_admin(&upstream, &["--data-dir", data.to_str().unwrap()]);
+    let (status, answer) = bearer_call(&admin, "GET", "/readyz", None, "");
+    assert_eq!(status, 200, "{answer}");
+}
+
+/// One JSON log event per refusal (issue 34), at the server and the proxy: the problem type
+/// and status, job, method, path, peer and auth client where they apply; a failed TLS
+/// handshake with its peer; and a flood of one kind from one peer rate-limited.
+#[test]
+fn every_refusal_is_one_json_event_with_the_request() {
+    use std::os::unix::fs::PermissionsExt;
+    const OPS: &str = "ops-0123456789abcdefghij";
+    const BILLING: &str = "billing-0123456789abcdefg";
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("clients");
+    std::fs::write(
+        &auth,
+        format!("ops {OPS} * +revoke\nbilling {BILLING} inv-*\n"),
+    )
+    .unwrap();
+    std::fs::set_permissions(&auth, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let ca = TestCa::new();
+    let data = dir.path().join("leases");
+    let mut args = vec![
+        "--log-format".to_owned(),
+        "json".into(),
+        "server".into(),
+        "--listen".into(),
+        "127.0.0.1:0".into(),
+        "--data-dir".into(),
+        data.to_str().unwrap().into(),
+        "--auth-file".into(),
+        auth.to_str().unwrap().into(),
+    ];
+    args.extend(ca.server_args());
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    let (_server, addr, log) = start_logged(&args, "info");
+    let url = format!("https://localhost:{}", addr.rsplit(':').next().unwrap());
+    let refusals = |log: &Log, kind: &str| -> Vec<serde_json::Value> {
+        log.text()
+            .lines()
+            .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+            .filter(|e| e["fields"]["type"] == kind)
+            .map(|e| e["fields"].clone())
+            .collect()
+    };
+    let one = |log: &Log, kind: &str| -> serde_json::Value {
+        eventually(kind, Duration::from_secs(5), || {
+            !refusals(log, kind).is_empty()
+        });
+        let found = refusals(log, kind);
+        assert_eq!(found.len(), 1, "{kind}: {found:?}");
+        found[0].clone()
+    };
+    let ca_file = ca.ca.to_str().unwrap().to_owned();
+    let with = |secret: Option<&str>, args: &[&str]| {
+        let mut c = Command::new(FENCE);
+        c.args(args).args(["--server", &url, "--ca-cert", &ca_file]);
+        match secret {
+            Some(s) => c.env("FENCE_AUTH_TOKEN", s),
+            None => c.env_remove("FENCE_AUTH_TOKEN"),
+        };
+        c.output().unwrap()
+    };
+    // 401: no secret.
+    let out = with(None, &["status", "--job", "inv-1"]);
+    assert_eq!(out.status.code(), Some(2));
+    let e = one(&log, "urn:fence:unauthenticated");
+    assert_eq!(e["status"], 401);
+    assert_eq!(e["method"], "GET");
+    assert_eq!(e["path"], "/v1/leases/inv-1");
+    assert_eq!(e["peer"], "127.0.0.1");
+    assert!(
+        e["message"]
+            .as_str()
+            .unwrap()
+            .starts_with("refused (unauthenticated)"),
+        "{e}"
+    );
+    // 403: a revoke by a client without +revoke, named.
+    let out = with(
+        Some(BILLING),
+        &["revoke", "--job", "inv-1", "--reason", "test"],
+    );
+    assert_eq!(out.status.code(), Some(2));
+    let e = one(&log, "urn:fence:forbidden");
+    assert_eq!(
+        (e["client"].as_str(), e["job"].as_str()),
+        (Some("billing"), Some("inv-1"))
+    );
+    assert_eq!(e["path"], "/v1/leases/inv-1/revoke");
+    // Who revoked, and why.
+    assert_success(&with(Some(BILLING), &["claim", "--job", "inv-3"]));
+    assert_success(&with(
+        Some(OPS),
+        &["revoke", "--job", "inv-3", "--reason", "stuck"],
+    ));
+    eventually("the revoke event", Duration::from_secs(5), || {
+        log.text().contains("lease revoked")
+    });
+    let revoked: serde_json::Value = log
+        .text()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .find(|e| e["fields"]["message"] == "lease revoked")
+        .unwrap();
+    assert_eq!(
+        (
+            revoked["fields"]["by"].as_str(),
+            revoked["fields"]["reason"].as_str()
+        ),
+        (Some("ops"), Some("stuck"))
+    );
+    // A failed TLS handshake, with its peer.
+    let plain = format!("http://localhost:{}", addr.rsplit(':').next().unwrap());
+    let _ = fence(&["status", "--server", &plain, "--job", "j"]);
+    eventually("the handshake event", Duration::from_secs(5), || {
+        log.text().contains("TLS handshake failed")
+    });
+    // A flood of one kind from one peer: at most 10 events in 10 s.
+    for _ in 0..15 {
+        let _ = with(None, &["status", "--job", "inv-1"]);
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    let n = refusals(&log, "urn:fence:unauthenticated").len();
+    assert_eq!(n, 10, "16 refusals of one kind from one peer, 10 logged");
+
+    // The proxy: a missing token (428), a malformed one (400), a stale one (409).
+    let upstream = format!("http://{}", start_upstream());
+    let data = dir.path().join("proxy");
+    let (_proxy, proxy, plog) = start_logged(
+        &proxy_args(
+            &upstream,
+            &["--log-format", "json", "--data-dir", data.to_str().unwrap()],
+        ),
+        "info",
+    );
+    let (status, _) = exchange(&proxy, "POST", "/charges", &[], "");
+    assert_eq!(status, 428);
+    let e = one(&plog, "urn:fence:missing-token");
+    assert_eq!(
+        (e["method"].as_str(), e["path"].as_str()),
+        (Some("POST"), Some("/charges"))
+    );
+    assert_eq!(e["peer"], "127.0.0.1");
+    assert_eq!(fenced_post(&proxy, "/charges", "inv-2", "x7"), 400);
+    let e = one(&plog, "urn:fence:malformed-token");
+    assert_eq!(e["status"], 400);
+    assert_eq!(fenced_post(&proxy, "/charges", "inv-2", "8"), 200);
+    assert_eq!(fenced_post(&proxy, "/charges", "inv-2", "7"), 409);
+    let e = one(&plog, "urn:fence:stale-token");
+    assert_eq!(
+        (e["generation"].as_u64(), e["highest"].as_u64()),
+        (Some(7), Some(8))
+    );
+    assert_eq!(e["path"], "/charges");
 }

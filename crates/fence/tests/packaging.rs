@@ -1,6 +1,8 @@
 //! The Dockerfile and the systemd units name flags, paths and variables that must exist: a
-//! renamed flag would otherwise only show when an operator's service fails to start. Nothing
-//! is built with Docker here; every `--flag` they pass is checked against `fence --help`.
+//! renamed flag would otherwise only show when an operator's service fails to start. The
+//! units pass `systemd-analyze verify` and run together as shipped; nothing is built with
+//! Docker here (no daemon), so every `--flag` the Dockerfile passes is checked against
+//! `fence --help`.
 
 mod common;
 
@@ -84,21 +86,135 @@ fn the_dockerfile_builds_the_dist_profile_and_runs_as_a_user() {
     );
     assert!(text.contains("--profile dist") && text.contains("/src/target/dist/fence"));
     assert!(text.contains("USER fence"), "not root");
-    let cmd = text
+    let exec_form = |prefix: &str| -> Vec<String> {
+        let line = text
+            .lines()
+            .find_map(|l| l.strip_prefix(prefix))
+            .unwrap_or_else(|| panic!("no {prefix}"));
+        serde_json::from_str(line).unwrap_or_else(|e| panic!("{prefix} in exec form: {e}"))
+    };
+    assert_eq!(
+        exec_form("ENTRYPOINT "),
+        ["/usr/local/bin/fence-entrypoint"]
+    );
+    assert_eq!(exec_form("CMD "), ["server"]);
+    assert!(text.contains("COPY contrib/docker/entrypoint.sh /usr/local/bin/fence-entrypoint"));
+    assert!(text.contains(r#"CMD ["/usr/local/bin/fence-entrypoint", "healthcheck"]"#));
+    // EXPOSEd ports are the ones the roles listen on beyond loopback; the admin port is not.
+    let exposed = text
         .lines()
-        .find_map(|l| l.strip_prefix("CMD "))
-        .expect("a CMD");
-    let cmd: Vec<String> = serde_json::from_str(cmd).expect("CMD in exec form");
-    let entry = text
-        .lines()
-        .find_map(|l| l.strip_prefix("ENTRYPOINT "))
-        .expect("an ENTRYPOINT");
-    let entry: Vec<String> = serde_json::from_str(entry).unwrap();
-    let words: Vec<&str> = entry.iter().chain(&cmd).map(String::as_str).collect();
-    check_command("Dockerfile", &words);
-    for port in ["7700", "7800", "7801"] {
-        assert!(text.contains(port), "EXPOSE {port}");
+        .find_map(|l| l.strip_prefix("EXPOSE "))
+        .unwrap();
+    assert_eq!(
+        exposed.split_whitespace().collect::<Vec<_>>(),
+        ["7700", "7800"]
+    );
+    let ignore = repo(".dockerignore");
+    for kept_out in ["target/", ".git/"] {
+        assert!(
+            ignore.lines().any(|l| l == kept_out),
+            ".dockerignore lacks {kept_out}"
+        );
     }
+}
+
+/// The image's entrypoint, run here as the image would run it (no Docker daemon on this
+/// machine: the image itself is not built): each role starts with its defaults from the
+/// mounted files, its health check passes, an operator's FENCE_* setting wins, and any other
+/// command goes to fence as it is.
+#[test]
+fn the_image_entrypoint_starts_each_role_from_mounted_files() {
+    let dir = tempfile::tempdir().unwrap();
+    let (etc, state) = (dir.path().join("etc"), dir.path().join("state"));
+    std::fs::create_dir_all(&state).unwrap();
+    assert_success(&fence(&["keygen", "--out", etc.to_str().unwrap()]));
+    assert_success(&fence(&[
+        "tls",
+        "init",
+        etc.join("tls").to_str().unwrap(),
+        "--name",
+        "localhost",
+    ]));
+    std::fs::write(etc.join("clients"), "ops ops-0123456789abcdefghij *\n").unwrap();
+    std::fs::set_permissions(
+        etc.join("clients"),
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+    )
+    .unwrap();
+    let script =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../contrib/docker/entrypoint.sh");
+    let entry = |args: &[&str]| {
+        let mut c = Command::new("sh");
+        c.arg(&script)
+            .args(args)
+            .env("FENCE_ETC", &etc)
+            .env("FENCE_STATE", &state)
+            .env("FENCE_BIN", FENCE)
+            .env("RUST_LOG", "info");
+        c
+    };
+    let health = || entry(&["healthcheck"]).output().unwrap();
+    assert_eq!(health().status.code(), Some(1), "nothing started yet");
+
+    // The server: the port given (beyond loopback it would be 0.0.0.0:7700), TLS, the auth
+    // file and the signing key from the mounted files.
+    let port = free_port();
+    let mut server = entry(&["server"]);
+    server.env("FENCE_LISTEN", format!("127.0.0.1:{port}"));
+    let (_server, _, log) = start_command(server);
+    let ready = log.wait_for("fence server ready");
+    assert!(
+        ready.contains("scheme=\"https\"") || ready.contains("scheme=https"),
+        "{ready}"
+    );
+    assert!(
+        ready.contains("signing=\"on\"") || ready.contains("signing=on"),
+        "{ready}"
+    );
+    assert!(
+        ready.contains("auth=\"on\"") || ready.contains("auth=on"),
+        "{ready}"
+    );
+    let out = health();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+
+    // The proxy, in a container of its own: its admin port on loopback, the verify key.
+    let state2 = dir.path().join("state2");
+    std::fs::create_dir_all(&state2).unwrap();
+    let (proxy_port, admin_port) = (free_port(), free_port());
+    let upstream = format!("http://{}", start_upstream());
+    let mut proxy = entry(&["proxy"]);
+    proxy
+        .env("FENCE_STATE", &state2)
+        .env("FENCE_LISTEN", format!("127.0.0.1:{proxy_port}"))
+        .env("FENCE_ADMIN_LISTEN", format!("127.0.0.1:{admin_port}"))
+        .env("FENCE_UPSTREAM", &upstream);
+    let (_proxy, proxy_addr, _log) = start_command(proxy);
+    let out = entry(&["healthcheck"])
+        .env("FENCE_STATE", &state2)
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert_eq!(
+        fenced_post(&proxy_addr, "/w", "j", "5"),
+        403,
+        "the mounted verify key is in force: an unsigned token is refused"
+    );
+    // Anything else is fence's own.
+    let out = entry(&["idempotency-key", "--job", "j", "--step", "s"])
+        .output()
+        .unwrap();
+    assert_success(&out);
 }
 
 #[test]
@@ -231,14 +347,20 @@ fn every_command_of_the_readme_runs() {
         .unwrap();
     }
     let [server, proxy, admin, upstream, tls] = [(); 5].map(|()| free_port());
+    let [signed, signed_proxy, signed_admin] = [(); 3].map(|()| free_port());
     let moved = |text: &str| {
-        text.replace("0.0.0.0:7700", &format!("127.0.0.1:{tls}"))
+        text.replace("0.0.0.0:7443", &format!("127.0.0.1:{tls}"))
+            .replace("localhost:7443", &format!("localhost:{tls}"))
+            .replace("0.0.0.0:7700", &format!("127.0.0.1:{tls}"))
             .replace("leases.internal:7700", &format!("localhost:{tls}"))
             .replace("/etc/fence", &format!("{}/etc/fence", root.display()))
             .replace(
                 "/var/lib/fence",
                 &format!("{}/var/lib/fence", root.display()),
             )
+            .replace("7710", &signed.to_string())
+            .replace("7810", &signed_proxy.to_string())
+            .replace("7811", &signed_admin.to_string())
             .replace("7700", &server.to_string())
             .replace("7801", &admin.to_string())
             .replace("7800", &proxy.to_string())
@@ -247,7 +369,8 @@ fn every_command_of_the_readme_runs() {
     let allowed_cargo = [
         "cargo run --release -p fence -- demo",
         "cargo test --workspace",
-        "FENCE_SOAK_SECS=3600 FENCE_SOAK_SEED=42 cargo test -p fence --test fault_injection -- --nocapture fenced",
+        // The soak needs the test hooks, which only the workspace's test build turns on.
+        "FENCE_SOAK_SECS=3600 FENCE_SOAK_SEED=42 cargo test -p fence --features test-hooks --test fault_injection -- --nocapture --exact fenced_run_has_no_violations",
     ];
     let ci = repo(".ci/run");
     assert!(
@@ -365,6 +488,9 @@ fn every_command_of_the_readme_runs() {
     for expected in [
         "urn:fence:stale-token",
         r#"{"job":"invoice-42","highest":8,"in_flight":0}"#,
+        // The revoke pushed to the sink, and the old holder's write refused after it.
+        "job refund-9 is fenced at generation 2",
+        "job refund-9: token 1 is below generation 2",
         "the job is completed",
         r#"/reports b'{"rows": 1234}"#,
         "\"generation\":1",
@@ -384,4 +510,144 @@ fn listen_port(command: &str) -> Option<u16> {
         .next()?
         .parse()
         .ok()
+}
+
+/// The systemd units as shipped (issue 34): `systemd-analyze verify` accepts both, with the
+/// binary where ExecStart expects it (under a root of the test's own), without a word; and
+/// their ExecStart lines, run with the files their comments tell an operator to make (one
+/// `fence keygen`, one `fence tls init`, the auth file), agree: the server signs, the proxy
+/// verifies, and a holder's write goes through while a stale one is refused.
+#[test]
+fn the_systemd_units_verify_and_work_together_as_shipped() {
+    let root = tempfile::tempdir().unwrap();
+    let r = root.path();
+    for dir in [
+        "usr/local/bin",
+        "usr/lib/systemd",
+        "bin",
+        "etc/systemd/system",
+        "etc/fence",
+        "var/lib",
+    ] {
+        std::fs::create_dir_all(r.join(dir)).unwrap();
+    }
+    std::fs::copy(FENCE, r.join("usr/local/bin/fence")).unwrap();
+    std::fs::copy("/bin/kill", r.join("bin/kill")).unwrap();
+    let copied = Command::new("cp")
+        .args(["-r", "/usr/lib/systemd/system"])
+        .arg(r.join("usr/lib/systemd/"))
+        .status()
+        .unwrap();
+    assert!(
+        copied.success(),
+        "systemd's own units are needed (apt-get install systemd)"
+    );
+    let units = ["fence-server.service", "fence-proxy.service"];
+    for unit in units {
+        std::fs::write(
+            r.join("etc/systemd/system").join(unit),
+            repo(&format!("contrib/systemd/{unit}")),
+        )
+        .unwrap();
+    }
+    let out = Command::new("systemd-analyze")
+        .arg("verify")
+        .arg(format!("--root={}", r.display()))
+        .args(units.map(|u| format!("/etc/systemd/system/{u}")))
+        .output()
+        .expect("systemd-analyze is installed (apt-get install systemd)");
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        out.status.success() && said.trim().is_empty(),
+        "systemd-analyze verify: {said}"
+    );
+
+    // What the comments say to make, under the test's root.
+    let etc = r.join("etc/fence");
+    assert_success(&fence(&["keygen", "--out", etc.to_str().unwrap()]));
+    assert_success(&fence(&[
+        "tls",
+        "init",
+        etc.join("tls").to_str().unwrap(),
+        "--name",
+        "localhost",
+    ]));
+    let secret = "billing-0123456789abcdef0123";
+    std::fs::write(etc.join("clients"), format!("billing {secret} inv-*\n")).unwrap();
+    std::fs::set_permissions(
+        etc.join("clients"),
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+    )
+    .unwrap();
+    let [server_port, proxy_port, admin_port] = [(); 3].map(|()| free_port());
+    let exec = |unit: &str| -> Vec<String> {
+        let text = repo(&format!("contrib/systemd/{unit}"));
+        let credential = text
+            .lines()
+            .find_map(|l| l.strip_prefix("LoadCredential="))
+            .and_then(|c| c.split_once(':'))
+            .map(|(name, from)| (format!("%d/{name}"), from.to_owned()))
+            .expect("a credential");
+        text.lines()
+            .find_map(|l| l.strip_prefix("ExecStart=/usr/local/bin/fence "))
+            .unwrap()
+            .replace(&credential.0, &credential.1)
+            .replace("/etc/fence", etc.to_str().unwrap())
+            .replace("%S", r.join("var/lib").to_str().unwrap())
+            .replace("0.0.0.0:7700", &format!("127.0.0.1:{server_port}"))
+            .replace("127.0.0.1:7800", &format!("127.0.0.1:{proxy_port}"))
+            .replace("127.0.0.1:7801", &format!("127.0.0.1:{admin_port}"))
+            .split_whitespace()
+            .map(String::from)
+            .collect()
+    };
+    let server_args = exec("fence-server.service");
+    let args: Vec<&str> = server_args.iter().map(String::as_str).collect();
+    let (_server, _) = start_ready(&args);
+    let upstream = format!("http://{}", start_upstream());
+    let proxy_args = exec("fence-proxy.service");
+    let mut proxy = Command::new(FENCE);
+    proxy.args(&proxy_args).env("FENCE_UPSTREAM", &upstream);
+    let (_proxy, proxy_addr, _log) = start_command(proxy);
+
+    let secret_file = r.join("billing.secret");
+    std::fs::write(&secret_file, secret).unwrap();
+    let server = format!("https://localhost:{server_port}");
+    let claim = |owner: &str| {
+        let out = fence(&[
+            "claim",
+            "--server",
+            &server,
+            "--ca-cert",
+            etc.join("tls/ca.pem").to_str().unwrap(),
+            "--auth-token-file",
+            secret_file.to_str().unwrap(),
+            "--job",
+            "inv-1",
+            "--owner",
+            owner,
+            "--ttl",
+            "1s",
+        ]);
+        assert_success(&out);
+        json(&out)["token"]
+            .as_str()
+            .expect("a signed token")
+            .to_owned()
+    };
+    let old = claim("a");
+    assert_eq!(fenced_post(&proxy_addr, "/w", "inv-1", &old), 200);
+    std::thread::sleep(std::time::Duration::from_millis(1_100));
+    let new = claim("b");
+    assert_eq!(fenced_post(&proxy_addr, "/w", "inv-1", &new), 200);
+    assert_eq!(
+        fenced_post(&proxy_addr, "/w", "inv-1", &old),
+        409,
+        "the stale holder"
+    );
+    assert_eq!(
+        fenced_post(&proxy_addr, "/w", "inv-1", "99"),
+        403,
+        "an unsigned token"
+    );
 }

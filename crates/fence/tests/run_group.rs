@@ -134,19 +134,31 @@ fn a_frozen_fence_run_has_its_group_stopped_at_the_lease_deadline() {
     // fence run stops answering anything, as in a long GC pause: nobody renews, and only
     // the watchdog is left to act on the deadline it was last told.
     signal(&run, "-STOP");
-    // When the lease ends on the server, at the latest: counted from before the question,
-    // what the answer says it had left.
-    let asked = Instant::now();
-    let record = json(&fence(&["status", "--server", &url, "--job", "frozen"]));
-    let ends = asked + Duration::from_millis(record["expires_in_ms"].as_u64().unwrap());
-    gone_within(sleep, Duration::from_secs(4));
-    let late = Instant::now().saturating_duration_since(ends);
-    // The watchdog stops the group at the local deadline, 100 ms before the lease ends; a
-    // second of slack for a loaded machine, where a missing watchdog would leave it 1000 s.
+    // Another worker claims the job the moment the server lets it. Judged there, where it
+    // matters: when the server grants the job to someone else, the frozen run's group must
+    // already be gone (a missing or late watchdog leaves it running for 1000 s).
+    let started = Instant::now();
+    loop {
+        let claim = fence(&["claim", "--server", &url, "--job", "frozen", "--ttl", "30s"]);
+        if claim.status.success() {
+            break;
+        }
+        assert_eq!(
+            claim.status.code(),
+            Some(3),
+            "held by the frozen run, or granted: {claim:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the server never let the job go"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
     assert!(
-        late < Duration::from_secs(1),
-        "the group outlived the lease by {late:?}"
+        !alive(sleep),
+        "the server granted the job to another worker while the frozen run's group still ran"
     );
+    signal(&run, "-CONT");
 }
 
 #[test]
@@ -237,4 +249,54 @@ fn max_duration_stops_the_tree_and_releases_or_lets_expire() {
         Some(1),
         "nothing ran, nothing was claimed"
     );
+}
+
+/// A grandchild that left the command's group with `setsid` is stopped too: `fence run` is
+/// the subreaper of the command's tree and stops what left the group with it (issue 31).
+#[test]
+fn a_setsid_escapee_is_stopped_when_the_lease_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("escapee.pid");
+    // The escapee ignores SIGTERM too: only the SIGKILL after the grace ends it. It writes
+    // its own pid once `setsid` has made it a session leader: `$!` in the parent can be read
+    // before the child has left the session (seen in CI, where the session read 0).
+    let script = format!(
+        "setsid sh -c 'trap \"\" TERM; echo $$ > {}; exec sleep 1000' & wait",
+        pid_file.display()
+    );
+    let mut run = spawn_run(
+        &url,
+        "escape",
+        &["--ttl", "1s", "--grace", "500ms"],
+        &script,
+    );
+    let escapee = pid_in(&pid_file);
+    // Whatever happens, the escapee does not outlive the test.
+    struct Reap(u32);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .args(["-9", &self.0.to_string()])
+                .status();
+        }
+    }
+    let _reap = Reap(escapee);
+    let stat = std::fs::read_to_string(format!("/proc/{escapee}/stat")).unwrap();
+    let fields: Vec<&str> = stat
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .collect();
+    // After the name: state, ppid, pgrp, session.
+    assert_eq!(
+        fields[3],
+        escapee.to_string(),
+        "the sleep leads a session of its own"
+    );
+    signal(&server, "-STOP"); // renewals go unanswered: the lease is lost within 1 s
+    gone_within(escapee, Duration::from_secs(5));
+    assert_eq!(run.0.wait().unwrap().code(), Some(75));
+    signal(&server, "-CONT");
 }

@@ -208,3 +208,158 @@ fn unusable_tls_files_stop_the_start_with_one_line_and_exit_2() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+/// TLS in one command (issue 34): `fence tls init` makes a CA and a server certificate that
+/// the server serves and the client verifies by name; the usual mistakes each get a hint: a
+/// self-signed certificate from `openssl req -x509` (marked CA:TRUE) as --ca-cert, http:// to
+/// a TLS port, an unknown issuer, the certificate given as the key. Nothing is overwritten.
+#[test]
+fn tls_init_makes_what_a_tls_server_needs_and_mistakes_get_hints() {
+    let dir = tempfile::tempdir().unwrap();
+    let tls = dir.path().join("tls");
+    let made = fence(&[
+        "tls",
+        "init",
+        tls.to_str().unwrap(),
+        "--name",
+        "localhost",
+        "--ip",
+        "127.0.0.1",
+        "--client",
+        "billing",
+    ]);
+    assert_success(&made);
+    let file = |name: &str| tls.join(name).to_str().unwrap().to_owned();
+    for (name, mode) in [
+        ("ca.pem", 0o644),
+        ("ca-key.pem", 0o600),
+        ("server.pem", 0o644),
+        ("server-key.pem", 0o600),
+        ("client-billing.pem", 0o644),
+        ("client-billing-key.pem", 0o600),
+    ] {
+        let meta = std::fs::metadata(tls.join(name)).unwrap();
+        assert_eq!(
+            std::os::unix::fs::PermissionsExt::mode(&meta.permissions()) & 0o777,
+            mode,
+            "{name}"
+        );
+    }
+    let again = fence(&["tls", "init", tls.to_str().unwrap()]);
+    assert_eq!(again.status.code(), Some(2), "never overwrites");
+    let data = dir.path().join("data");
+    let (_server, addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &[
+            "--tls-cert",
+            &file("server.pem"),
+            "--tls-key",
+            &file("server-key.pem"),
+        ],
+    ));
+    let port = addr.rsplit(':').next().unwrap().to_owned();
+    for host in ["localhost", "127.0.0.1"] {
+        let url = format!("https://{host}:{port}");
+        let out = fence(&[
+            "claim",
+            "--server",
+            &url,
+            "--ca-cert",
+            &file("ca.pem"),
+            "--job",
+            host,
+        ]);
+        assert_success(&out);
+    }
+    // curl, as an operator would check it.
+    let (status, _) = curl(
+        &tls.join("ca.pem"),
+        &[&format!("https://localhost:{port}/healthz")],
+    );
+    assert_eq!(status, 200);
+
+    let hint_of = |args: &[&str]| {
+        let out = fence(args);
+        assert_ne!(out.status.code(), Some(0), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let https = format!("https://127.0.0.1:{port}");
+    let said = hint_of(&[
+        "status",
+        "--server",
+        &format!("http://127.0.0.1:{port}"),
+        "--job",
+        "j",
+    ]);
+    assert!(
+        said.contains("hint: the server answered in TLS: use https://"),
+        "{said}"
+    );
+    let said = hint_of(&["status", "--server", &https, "--job", "j"]);
+    assert!(
+        said.contains("hint: the server's certificate is not signed by a CA"),
+        "{said}"
+    );
+    // The server certificate of a self-signed openssl recipe, given as its own CA.
+    let selfsigned = dir.path().join("self.pem");
+    let openssl = Command::new("openssl")
+        .args([
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:prime256v1",
+        ])
+        .args(["-nodes", "-days", "30", "-subj", "/CN=localhost"])
+        .args(["-addext", "subjectAltName=DNS:localhost,IP:127.0.0.1"])
+        .arg("-keyout")
+        .arg(dir.path().join("self-key.pem"))
+        .arg("-out")
+        .arg(&selfsigned)
+        .output()
+        .expect("openssl is installed (apt-get install openssl)");
+    assert!(openssl.status.success(), "{openssl:?}");
+    let data = dir.path().join("data2");
+    let (_self_server, self_addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &[
+            "--tls-cert",
+            selfsigned.to_str().unwrap(),
+            "--tls-key",
+            dir.path().join("self-key.pem").to_str().unwrap(),
+        ],
+    ));
+    let said = hint_of(&[
+        "status",
+        "--server",
+        &format!("https://{self_addr}"),
+        "--ca-cert",
+        selfsigned.to_str().unwrap(),
+        "--job",
+        "j",
+    ]);
+    assert!(
+        said.contains("hint: the server's certificate is marked as a CA"),
+        "{said}"
+    );
+    assert!(said.contains("fence tls init DIR"), "{said}");
+    // The certificate given as the key.
+    let out = fence(&[
+        "server",
+        "--listen",
+        "127.0.0.1:0",
+        "--data-dir",
+        dir.path().join("data3").to_str().unwrap(),
+        "--tls-cert",
+        &file("server.pem"),
+        "--tls-key",
+        &file("server.pem"),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        said.contains("it holds a certificate, not a private key"),
+        "{said}"
+    );
+}

@@ -15,7 +15,7 @@
 //! (fence itself failed), 128+N (the command was killed by signal N), otherwise the
 //! command's own code (the job was released).
 
-use std::{path::PathBuf, process::Stdio, time::Duration};
+use std::{process::Stdio, time::Duration};
 
 use anyhow::Context as _;
 use fence_core::JobId;
@@ -32,6 +32,13 @@ use tokio::{
     signal::unix::{Signal as Stream, SignalKind, signal},
     time::Instant,
 };
+
+mod procs;
+mod token_file;
+mod words;
+use procs::{descendants, others_in_group};
+use token_file::TokenFile;
+use words::{Repeats, ended_how};
 
 use crate::cli::{OnMaxDuration, OnSuccess, ServerConn};
 
@@ -97,6 +104,11 @@ impl Signals {
 /// When the server URL is invalid or the command cannot be started.
 pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let mut signals = Signals::install().context("installing signal handlers")?;
+    // Orphaned descendants (a grandchild that left the group with setsid, once its parent
+    // is gone) become ours rather than init's, so they are found and stopped with the rest.
+    if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
+        tracing::debug!(error = %e, "cannot become the subreaper of the command's tree");
+    }
     let store = crate::calls::connect(&args.conn)?;
     let mut client = LeaseClient::new(store).ttl(args.ttl);
     if let Some(owner) = args.owner.clone() {
@@ -173,8 +185,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         // the lease is not ours to complete.
         Some(status) if lease.is_lost() => {
             eprintln!(
-                "fence run: the command exited {} after the lease was lost",
-                exit_code(status)
+                "fence run: the command {} after the lease was lost; fence run exits {EXIT_LOST}",
+                ended_how(status)
             );
             group.stop().await;
             return Ok(EXIT_LOST);
@@ -264,11 +276,44 @@ impl Group {
     fn signal(&self, sig: Signal) {
         // The group may be gone already; nothing to do then.
         let _ = killpg(self.pgid, sig);
+        // And whatever of the command's tree left the group (setsid, setpgid).
+        for pid in self.escapees() {
+            let _ = nix::sys::signal::kill(pid, sig);
+        }
+    }
+
+    /// The descendants of `fence run` outside the command's group (the watchdog leads the
+    /// group): processes of the command that left it.
+    fn escapees(&self) -> Vec<Pid> {
+        descendants(Pid::this())
+            .into_iter()
+            .filter(|(_, pgrp)| *pgrp != self.pgid)
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
+    /// Stops the command's processes that left its group: SIGTERM, then SIGKILL once
+    /// `grace` has passed with any still there.
+    async fn stop_escapees(&self, grace: Duration) {
+        if self.escapees().is_empty() {
+            return;
+        }
+        for pid in self.escapees() {
+            let _ = nix::sys::signal::kill(pid, Signal::SIGTERM);
+        }
+        let until = Instant::now() + grace;
+        while Instant::now() < until && !self.escapees().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for pid in self.escapees() {
+            let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+        }
     }
 
     /// Stops whatever is left in the group (SIGTERM, SIGKILL after the grace) and waits for
     /// the watchdog to end.
     async fn stop(mut self) {
+        self.stop_escapees(self.grace).await;
         drop(self.pipe.take());
         if let Some(heartbeat) = self.heartbeat.take() {
             heartbeat.abort();
@@ -330,6 +375,7 @@ async fn supervise(
     };
     eprintln!("fence run: {why}; sending SIGTERM to the command's group");
     group.signal(Signal::SIGTERM);
+    let started = Instant::now();
     if tokio::time::timeout(grace, child.wait()).await.is_err() {
         eprintln!(
             "fence run: the command did not exit within {grace:?}; sending SIGKILL to its group"
@@ -337,6 +383,10 @@ async fn supervise(
         group.signal(Signal::SIGKILL);
         child.wait().await?;
     }
+    // What left the group has what is left of the grace.
+    group
+        .stop_escapees(grace.saturating_sub(started.elapsed()))
+        .await;
     Ok(ended)
 }
 
@@ -374,14 +424,9 @@ async fn finish(
     };
     match finished {
         Ok(record) => {
-            // 1, 2, 3 and 75 are also fence run's own codes: say whose this one is.
-            let whose = if matches!(code, 1 | 2 | EXIT_NOT_OBTAINED | EXIT_LOST) {
-                " (the command's own code, not fence run's)"
-            } else {
-                ""
-            };
             eprintln!(
-                "fence run: the command exited {code}{whose}; the job is {}",
+                "fence run: the command {}; the job is {}",
+                ended_how(status),
                 record.state
             );
             Ok(code)
@@ -389,7 +434,8 @@ async fn finish(
         Err(FinishError::Lost { owner, generation }) => {
             let holder = owner.map_or_else(|| "nobody".to_owned(), |o| o.to_string());
             eprintln!(
-                "fence run: the command exited {code}, but the lease was lost (now generation {generation}, held by {holder})"
+                "fence run: the command {}, but the lease was lost (now generation {generation}, held by {holder}); fence run exits {EXIT_LOST}",
+                ended_how(status)
             );
             Ok(EXIT_LOST)
         }
@@ -404,6 +450,7 @@ async fn claim_within(
 ) -> anyhow::Result<Option<Lease<HttpLeaseStore>>> {
     let give_up = Instant::now() + wait;
     let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
+    let mut warnings = Repeats::default();
     loop {
         // The server holds the claim until the job frees (first come, first served).
         let left = give_up.saturating_duration_since(Instant::now());
@@ -429,13 +476,14 @@ async fn claim_within(
             Err(e @ ClaimError::Timing(_)) => return Err(e.into()),
             Err(e) => {
                 if Instant::now() >= give_up {
+                    warnings.flush();
                     return Err(anyhow::Error::new(e)
                         .context(format!("could not claim {job} within --wait {wait:?}")));
                 }
-                eprintln!(
+                warnings.say(format!(
                     "fence run: claim failed, retrying: {}",
                     fence_storage::error_chain(&e)
-                );
+                ));
                 backoff.next_pause()
             }
         };
@@ -453,48 +501,6 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
     status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-}
-
-/// `FENCE_TOKEN_FILE`: a file, in a directory only this user can read, that always holds the
-/// lease's latest token (replaced atomically), for a command that outlives its first token.
-struct TokenFile {
-    dir: tempfile::TempDir,
-}
-
-impl TokenFile {
-    fn new(token: &str) -> anyhow::Result<Self> {
-        let dir = tempfile::Builder::new()
-            .prefix("fence-run-")
-            .tempdir()
-            .context("creating the directory of FENCE_TOKEN_FILE")?;
-        let file = Self { dir };
-        file.write(token)?;
-        Ok(file)
-    }
-
-    fn path(&self) -> PathBuf {
-        self.dir.path().join("token")
-    }
-
-    fn write(&self, token: &str) -> anyhow::Result<()> {
-        let next = self.dir.path().join("token.next");
-        std::fs::write(&next, format!("{token}\n")).context("writing FENCE_TOKEN_FILE")?;
-        std::fs::rename(&next, self.path()).context("replacing FENCE_TOKEN_FILE")
-    }
-
-    /// Rewrites the file whenever the lease's token changes (a renewal signs a new one).
-    fn keep_current(&self, lease: LeaseView) -> tokio::task::JoinHandle<()> {
-        let (dir, path) = (self.dir.path().to_owned(), self.path());
-        tokio::spawn(async move {
-            let mut tokens = lease.tokens();
-            while let Some(token) = tokens.next().await {
-                let next = dir.join("token.next");
-                if std::fs::write(&next, format!("{token}\n")).is_ok() {
-                    let _ = std::fs::rename(&next, &path);
-                }
-            }
-        })
-    }
 }
 
 /// `fence watchdog`: leads the command's group. It stops the group (SIGTERM, then SIGKILL
@@ -554,35 +560,4 @@ pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
     // The watchdog is in the group too: this ends it as well.
     let _ = killpg(pgid, Signal::SIGKILL);
     Ok(0)
-}
-
-/// Whether a live process other than this one is in process group `pgid` (Linux `/proc`).
-fn others_in_group(pgid: Pid) -> bool {
-    let me = std::process::id();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return true; // cannot tell: assume so, and let the grace run out
-    };
-    entries.flatten().any(|entry| {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            return false;
-        };
-        if pid == me {
-            return false;
-        }
-        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
-            return false;
-        };
-        // After the command name in parentheses: state, ppid, pgrp.
-        let Some((_, rest)) = stat.rsplit_once(')') else {
-            return false;
-        };
-        let mut fields = rest.split_whitespace();
-        let state = fields.next().unwrap_or("Z");
-        let pgrp = fields.nth(1).and_then(|f| f.parse::<i32>().ok());
-        state != "Z" && state != "X" && pgrp == Some(pgid.as_raw())
-    })
 }

@@ -10,9 +10,15 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fence_core::{JobId, Owner, Ttl, secret::LeaseKey};
-use http::Method;
 
 use crate::duration::{parse_duration, parse_timeout};
+
+mod proxy;
+mod small;
+mod tls;
+pub use proxy::ProxyArgs;
+pub use small::{CompletionsCmd, HealthcheckCmd};
+pub use tls::{TlsCmd, TlsInitCmd};
 
 const EXIT_CODES: &str = "\
 Exit codes of the lease calls (claim, renew, release, complete, status, leases, revoke):
@@ -112,6 +118,9 @@ Example:
     /// `fence proxy --verify-key`. A destination that requires signatures cannot be locked out
     /// by a forged huge token. Keys made by `openssl genpkey -algorithm ed25519` work too.
     Keygen(KeygenCmd),
+    /// TLS certificates for the listeners in one command: `fence tls init DIR`.
+    #[command(subcommand)]
+    Tls(TlsCmd),
     /// Claim a job once and print the lease as JSON, with its lease key.
     ///
     /// The printed "lease_key" is the only proof that the lease is yours: pass it to renew,
@@ -130,6 +139,29 @@ Example:
     /// Print a job's lease record as JSON.
     #[command(after_help = EXIT_CODES)]
     Status(StatusCmd),
+    /// Keep a lease (from `fence claim`) renewed until stdin closes or SIGTERM, SIGINT or
+    /// SIGHUP arrives; exit 75 the moment it is lost.
+    ///
+    /// For a shell script that does its own work under a lease: whatever arrives on stdin is
+    /// copied to stdout, so `./work.sh | fence keepalive --lease lease.json` renews while
+    /// work.sh runs and ends when it does. The deadline is measured as `fence run`'s: from the
+    /// moment each renewal was sent, less a margin (a tenth of the TTL, at least 50 ms), so
+    /// 75 comes before the server's expiry. keepalive only renews: when it exits 0 the lease
+    /// is still held until its TTL, for the script to complete or release
+    /// (`fence complete --lease lease.json`). To have the work stopped at the loss, use
+    /// `fence run`.
+    #[command(after_help = "\
+Exit codes of fence keepalive:
+  0   stdin closed or a signal arrived; the lease is still held (until its TTL)
+  75  the lease was lost (a renewal refused, or none answered before the local deadline),
+      or it was not held any more when keepalive started
+  2   bad usage (also a 400, 401 or 403 from the server)
+  1   anything else (the server unreachable at start)
+
+Example:
+  fence claim --job nightly --ttl 30s > lease.json
+  ./export.sh | fence keepalive --lease lease.json --ttl 30s && fence complete --lease lease.json")]
+    Keepalive(KeepaliveCmd),
     /// Take a job's lease away from its holder at once (an operator's; needs a secret whose
     /// auth-file line ends with +revoke) and print the record: free, one generation up. The
     /// holder's next renewal fails. With --sink, the raised generation is also pushed to
@@ -149,6 +181,12 @@ Example:
     /// deduplicated by the provider. In a `fence run` command:
     /// `curl -H "Idempotency-Key: $(fence idempotency-key --job "$FENCE_JOB" --step charge)" ...`
     IdempotencyKey(IdempotencyKeyCmd),
+    /// Exit 0 when a fence server's or proxy's /healthz answers 200, else 1: for container
+    /// and service health checks where curl is not installed.
+    ///
+    /// Example: `fence healthcheck --url http://127.0.0.1:7801` (a proxy's admin listener),
+    /// `fence healthcheck --url https://localhost:7700 --ca-cert /etc/fence/tls/ca.pem`.
+    Healthcheck(HealthcheckCmd),
     /// Print a shell completion script: `fence completions bash > /etc/bash_completion.d/fence`.
     Completions(CompletionsCmd),
     /// Print the manual page (roff): `fence man > fence.1 && man ./fence.1`.
@@ -167,14 +205,6 @@ pub struct IdempotencyKeyCmd {
     /// The step's name within the job, as the worker calls it (`charge`, `email-receipt`).
     #[arg(long)]
     pub step: String,
-}
-
-/// The flags of `fence completions`.
-#[derive(Args, Debug)]
-pub struct CompletionsCmd {
-    /// The shell: bash, zsh, fish, elvish or powershell.
-    #[arg(value_enum)]
-    pub shell: clap_complete::Shell,
 }
 
 /// Where a listener listens, with TLS or not, and its limits.
@@ -198,20 +228,28 @@ pub struct ListenArgs {
     pub tls_key: Option<PathBuf>,
     /// How long a new connection has to send its first request head, TLS handshake
     /// included; a connection that sends nothing, or one byte a second, is closed then.
-    #[arg(long, default_value = "10s", value_parser = parse_timeout, env = "FENCE_HEADER_TIMEOUT")]
+    #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = parse_timeout, env = "FENCE_HEADER_TIMEOUT")]
     pub header_timeout: Duration,
     /// How long a kept-alive connection may sit between an answer and the next request head.
-    #[arg(long, default_value = "60s", value_parser = parse_timeout, env = "FENCE_IDLE_TIMEOUT")]
+    #[arg(long, allow_hyphen_values = true, default_value = "60s", value_parser = parse_timeout, env = "FENCE_IDLE_TIMEOUT")]
     pub idle_timeout: Duration,
-    /// Open connections at most; beyond, new ones wait until one closes while established
-    /// ones go on. Default: 10,000, or half of what the file limit (ulimit -n) leaves.
+    /// Open connections at most. At the cap, an idle connection of the address that holds
+    /// the most is closed (unauthenticated ones first: those that never sent an accepted
+    /// secret, or for the proxy a fenced request that got through); when all are answering,
+    /// newcomers wait in the kernel's backlog. Default: 10,000, or half of what the file
+    /// limit (ulimit -n) leaves.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS")]
     pub max_connections: Option<u32>,
+    /// Open connections from one IP address at most: clients behind one NAT address share
+    /// it. A newcomer beyond takes the place of that address's oldest idle connection, or is
+    /// closed at once when all of them are answering. Default: half of --max-connections.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS_PER_PEER")]
+    pub max_connections_per_peer: Option<u32>,
     /// Concurrent HTTP/2 streams per connection at most.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000), env = "FENCE_H2_MAX_STREAMS")]
     pub h2_max_streams: u32,
     /// HTTP/2 keepalive: a ping this often; a peer silent for as long again is closed.
-    #[arg(long, default_value = "20s", value_parser = parse_timeout, env = "FENCE_H2_KEEPALIVE")]
+    #[arg(long, allow_hyphen_values = true, default_value = "20s", value_parser = parse_timeout, env = "FENCE_H2_KEEPALIVE")]
     pub h2_keepalive: Duration,
 }
 
@@ -237,6 +275,19 @@ pub struct ServerArgs {
     /// any job.
     #[arg(long, conflicts_with = "auth_file", env = "FENCE_INSECURE_NO_AUTH")]
     pub insecure_no_auth: bool,
+    /// Listen on an address other than loopback without --tls-cert/--tls-key: lease keys and
+    /// bearer secrets then cross the network in clear. Only for a private network you vouch
+    /// for; a warning is logged at every start.
+    #[arg(long, env = "FENCE_INSECURE_NO_TLS")]
+    pub insecure_no_tls: bool,
+    /// The most claims that may wait at once (claim?wait=), over every client; past it a
+    /// waiting claim is 429 too-many-waiters with Retry-After.
+    #[arg(long, value_name = "N", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..), env = "FENCE_MAX_WAITING_CLAIMS")]
+    pub max_waiting_claims: u32,
+    /// The most claims one auth-file client may have waiting at once (all callers together
+    /// count as one client on a server without --auth-file).
+    #[arg(long, value_name = "N", default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..), env = "FENCE_MAX_WAITING_CLAIMS_PER_CLIENT")]
+    pub max_waiting_claims_per_client: u32,
     /// Serve GET /metrics without a bearer secret (it needs one with --auth-file).
     #[arg(long, env = "FENCE_PUBLIC_METRICS")]
     pub public_metrics: bool,
@@ -248,13 +299,13 @@ pub struct ServerArgs {
     /// The longest lease granted (100ms to 24h): claims and renewals asking more get this,
     /// reported in their ttl_ms. Sinks that forget jobs must know it (their
     /// --max-lease-ttl).
-    #[arg(long, value_name = "TTL", default_value = "24h", value_parser = parse_ttl, env = "FENCE_MAX_TTL")]
+    #[arg(long, allow_hyphen_values = true, value_name = "TTL", default_value = "24h", value_parser = parse_ttl, env = "FENCE_MAX_TTL")]
     pub max_ttl: Ttl,
     /// Delete jobs that are free, expired or completed and unchanged for this long (1s to
     /// 10 years), in the background; the store keeps the highest generation it ever forgot,
     /// and a job claimed again starts above it. A forgotten completed job may run again.
     /// Default: never forget.
-    #[arg(long, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
     pub forget_after: Option<Duration>,
     /// Test hook (feature `test-hooks`, never in a shipped binary): shift the server's clock
     /// by this many milliseconds (negative: behind).
@@ -270,109 +321,6 @@ pub struct KeygenCmd {
     /// are never overwritten).
     #[arg(long)]
     pub out: PathBuf,
-}
-
-/// The flags of `fence proxy`.
-#[derive(Args, Debug)]
-pub struct ProxyArgs {
-    /// Address to listen on.
-    #[arg(long, default_value = "127.0.0.1:7800", env = "FENCE_LISTEN")]
-    pub listen: SocketAddr,
-    /// TLS and connection limits of both listeners (--listen and --admin-listen).
-    #[command(flatten)]
-    pub listener: ListenArgs,
-    /// The service to protect: http://host:port[/prefix] or https://host:port[/prefix].
-    #[arg(long, env = "FENCE_UPSTREAM")]
-    pub upstream: http::Uri,
-    /// Trust only this CA (PEM, one or more certificates) for an https:// upstream, instead
-    /// of the system's roots.
-    #[arg(long, value_name = "FILE", env = "FENCE_UPSTREAM_CA_CERT")]
-    pub upstream_ca_cert: Option<PathBuf>,
-    /// Where the fence records (highest generation per job, idempotency records) are kept.
-    #[command(flatten)]
-    pub storage: StorageArgs,
-    /// Address of GET /metrics and GET /healthz, apart from the proxied paths. Two proxies
-    /// on one host need two.
-    #[arg(long, default_value = "127.0.0.1:7801", env = "FENCE_ADMIN_LISTEN")]
-    pub admin_listen: SocketAddr,
-    /// Methods that are fenced, comma separated. Default: every method but GET, HEAD,
-    /// OPTIONS and TRACE, so a method this list does not know fails closed.
-    #[arg(long, value_delimiter = ',', env = "FENCE_FENCE_METHODS")]
-    pub fence_methods: Option<Vec<Method>>,
-    /// Answer 428 to fenced requests without fencing headers (the default).
-    #[arg(
-        long,
-        conflicts_with = "allow_missing_token",
-        env = "FENCE_REQUIRE_TOKEN"
-    )]
-    pub require_token: bool,
-    /// Let fenced requests without fencing headers through.
-    #[arg(long, env = "FENCE_ALLOW_MISSING_TOKEN")]
-    pub allow_missing_token: bool,
-    /// Ignore Idempotency-Key headers (they are still checked for syntax).
-    #[arg(long, env = "FENCE_NO_IDEMPOTENCY")]
-    pub no_idempotency: bool,
-    /// How long completed idempotency records are kept.
-    #[arg(long, default_value = "24h", value_parser = parse_duration, env = "FENCE_IDEMPOTENCY_RETENTION")]
-    pub idempotency_retention: Duration,
-    /// Largest response body stored for replay, in bytes.
-    #[arg(long, default_value_t = 1 << 20, env = "FENCE_IDEMPOTENCY_MAX_BODY")]
-    pub idempotency_max_body: usize,
-    /// How long a newer token waits for older in-flight requests before 503.
-    #[arg(long, default_value = "10s", value_parser = parse_timeout, env = "FENCE_DRAIN_TIMEOUT")]
-    pub drain_timeout: Duration,
-    /// How long a request may take upstream before 504.
-    #[arg(long, default_value = "60s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_TIMEOUT")]
-    pub upstream_timeout: Duration,
-    /// How long a fenced request's body may take to arrive, from admission. A slower body
-    /// is cut: 408 body-timeout, and with Idempotency-Key the upstream never sees it; so one
-    /// slow client delays a job's newer holder by this much at most.
-    #[arg(long, default_value = "30s", value_parser = parse_timeout, env = "FENCE_BODY_TIMEOUT")]
-    pub body_timeout: Duration,
-    /// After an answer of unknown outcome (504, or a 502 after the request was written), how
-    /// long the request still counts as in flight for its job, so a newer generation does not
-    /// pass while the upstream may still act on it. Default: --upstream-timeout.
-    #[arg(long, value_parser = parse_duration, env = "FENCE_UNKNOWN_OUTCOME_HOLD")]
-    pub unknown_outcome_hold: Option<Duration>,
-    /// The most bytes of bodies held in memory at once (buffered idempotent requests,
-    /// responses captured for replay, replays); past it: 503 overloaded with Retry-After.
-    #[arg(long, value_name = "BYTES", default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(1..), env = "FENCE_MAX_BUFFERED_BYTES")]
-    pub max_buffered_bytes: u64,
-    /// Require signed tokens valid under this public key (SPKI PEM, from `fence keygen` or
-    /// openssl); repeat it to accept several keys during a rotation. Unsigned or forged
-    /// tokens get 403.
-    #[arg(
-        long,
-        value_name = "FILE",
-        env = "FENCE_VERIFY_KEY",
-        value_delimiter = ','
-    )]
-    pub verify_key: Vec<PathBuf>,
-    /// How far the lease server's clock may be ahead of this proxy's: with --verify-key, a
-    /// token whose lease ended longer ago than this is 409 token-expired.
-    #[arg(long, default_value = "5s", value_parser = parse_duration, env = "FENCE_CLOCK_SKEW")]
-    pub clock_skew: Duration,
-    /// Forget a job with no admitted request for this long, on disk and in memory (1s to
-    /// 10 years; default: never). Needs --verify-key, and at least --max-lease-ttl plus
-    /// twice --clock-skew: a stale write to a forgotten job is then still refused, as
-    /// token-expired.
-    #[arg(long, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
-    pub forget_after: Option<Duration>,
-    /// The longest lease the lease server grants (its --max-ttl), for --forget-after.
-    #[arg(long, value_name = "TTL", default_value = "24h", value_parser = parse_ttl, env = "FENCE_MAX_LEASE_TTL")]
-    pub max_lease_ttl: Ttl,
-    /// Test hook (feature `test-hooks`, never in a shipped binary): fence nothing, the
-    /// fault-injection harness's negative control.
-    #[cfg(feature = "test-hooks")]
-    #[arg(long, hide = true)]
-    pub unsafe_no_fence: bool,
-    /// Send the client's Host header upstream instead of the upstream's authority.
-    #[arg(long, env = "FENCE_PRESERVE_HOST")]
-    pub preserve_host: bool,
-    /// Threads serving connections, each with its own upstream connection pool; a
-    /// connection stays on one thread. Default: one per CPU core.
-    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024), env = "FENCE_WORKERS")]
-    pub workers: Option<u16>,
 }
 
 /// Where a server or proxy keeps its state: sled in `--data-dir`, or PostgreSQL.
@@ -395,7 +343,10 @@ pub struct StorageArgs {
 /// How a command reaches the lease server.
 #[derive(Args, Debug, Clone)]
 pub struct ServerConn {
-    /// The lease server: http://host:port or https://host:port.
+    /// The lease server: http://host:port or https://host:port; several servers that share
+    /// one database separated by commas (http://a:7700,http://b:7700): a call moves to the
+    /// next only when no connection could be made to one, never once a request may have
+    /// reached it.
     #[arg(long, env = "FENCE_SERVER", default_value = "http://127.0.0.1:7700")]
     pub server: String,
     /// Trust only this CA (PEM, one or more certificates) for an https:// server, instead of
@@ -447,20 +398,20 @@ pub struct RunCmd {
     #[arg(long, env = "FENCE_OWNER")]
     pub owner: Option<Owner>,
     /// Lease duration: 100ms to 24h.
-    #[arg(long, default_value = "30s", value_parser = parse_ttl, env = "FENCE_TTL")]
+    #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl, env = "FENCE_TTL")]
     pub ttl: Ttl,
     /// Keep retrying this long while the job is held by someone else.
-    #[arg(long, default_value = "0s", value_parser = parse_duration, env = "FENCE_WAIT")]
+    #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = parse_duration, env = "FENCE_WAIT")]
     pub wait: Duration,
     /// Time between SIGTERM and SIGKILL after the lease is lost.
-    #[arg(long, default_value = "5s", value_parser = parse_duration, env = "FENCE_GRACE")]
+    #[arg(long, allow_hyphen_values = true, default_value = "5s", value_parser = parse_duration, env = "FENCE_GRACE")]
     pub grace: Duration,
     /// What to do with the job when the command exits 0.
     #[arg(long, value_enum, default_value = "complete", env = "FENCE_ON_SUCCESS")]
     pub on_success: OnSuccess,
     /// Stop the command when it has run this long, however well the lease renews (1s to
     /// 365d): SIGTERM to its group, SIGKILL after --grace, exit 124.
-    #[arg(long, value_name = "DURATION", value_parser = crate::duration::parse_max_duration, env = "FENCE_MAX_DURATION")]
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = crate::duration::parse_max_duration, env = "FENCE_MAX_DURATION")]
     pub max_duration: Option<Duration>,
     /// What to do with the job when --max-duration stops the command: release it (free for
     /// the next run at once) or let the lease expire (nobody can claim it until the TTL has
@@ -487,7 +438,7 @@ pub struct ClaimCmd {
     #[arg(long)]
     pub owner: Option<Owner>,
     /// Lease duration: 100ms to 24h.
-    #[arg(long, default_value = "30s", value_parser = parse_ttl)]
+    #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl)]
     pub ttl: Ttl,
 }
 
@@ -498,27 +449,49 @@ pub struct RenewCmd {
     #[command(flatten)]
     pub lease: FinishCmd,
     /// Lease duration: 100ms to 24h.
-    #[arg(long, default_value = "30s", value_parser = parse_ttl)]
+    #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl)]
     pub ttl: Ttl,
 }
 
-/// The flags of `fence release` and `fence complete`.
+/// Which lease `fence renew`, `release`, `complete` and `keepalive` act on: the JSON
+/// `fence claim` printed (`--lease`), or its parts one flag each.
 #[derive(Args, Debug)]
 pub struct FinishCmd {
-    /// The server and the job.
+    /// The lease server.
     #[command(flatten)]
-    pub at: ServerUrl,
+    pub conn: ServerConn,
+    /// The lease as `fence claim` printed it (its job, owner, generation and lease_key are
+    /// read from it): a file, or - for stdin. Instead of --job, --owner, --generation and
+    /// --lease-key, so a script need not take the JSON apart:
+    /// `fence claim --job j > lease.json && fence complete --lease lease.json`.
+    /// Keep the file private (chmod 600): the lease key in it is the proof of the lease.
+    #[arg(long, value_name = "FILE", conflicts_with_all = ["owner", "generation", "lease_key"])]
+    pub lease: Option<PathBuf>,
+    /// The job id (1 to 256 visible ASCII characters).
+    #[arg(long, env = "FENCE_JOB", required_unless_present = "lease")]
+    pub job: Option<JobId>,
     /// The owner that holds the lease.
-    #[arg(long)]
-    pub owner: Owner,
+    #[arg(long, required_unless_present = "lease")]
+    pub owner: Option<Owner>,
     /// The generation of the lease.
-    #[arg(long)]
-    pub generation: u64,
+    #[arg(long, required_unless_present = "lease")]
+    pub generation: Option<u64>,
     /// The lease key `fence claim` printed. Prefer FENCE_LEASE_KEY: a flag's value shows in
     /// the process list.
     /// (A key may start with `-`: base64url uses it.)
-    #[arg(long, env = "FENCE_LEASE_KEY", hide_env_values = true, allow_hyphen_values = true, value_parser = parse_lease_key)]
-    pub lease_key: LeaseKey,
+    #[arg(long, env = "FENCE_LEASE_KEY", hide_env_values = true, allow_hyphen_values = true, value_parser = parse_lease_key, required_unless_present = "lease")]
+    pub lease_key: Option<LeaseKey>,
+}
+
+/// The flags of `fence keepalive`.
+#[derive(Args, Debug)]
+pub struct KeepaliveCmd {
+    /// The lease.
+    #[command(flatten)]
+    pub lease: FinishCmd,
+    /// Lease duration asked for at each renewal: 100ms to 24h.
+    #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl)]
+    pub ttl: Ttl,
 }
 
 /// The flags of `fence revoke`.
@@ -562,7 +535,7 @@ pub struct LeasesCmd {
 #[derive(Args, Debug)]
 pub struct WatchdogCmd {
     /// Between SIGTERM and SIGKILL to the group.
-    #[arg(long, value_parser = parse_duration)]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
     pub grace: Duration,
 }
 
@@ -592,4 +565,26 @@ pub fn parse_forget_after(s: &str) -> Result<Duration, String> {
 /// A message naming what is wrong (never the key), for clap to print.
 pub fn parse_lease_key(s: &str) -> Result<LeaseKey, String> {
     LeaseKey::new(s.trim()).map_err(|e| format!("the lease key {e}"))
+}
+
+/// The command line as completions and the manual page show it: every command and flag a
+/// user may type, without the hidden ones (`watchdog`, which `fence run` starts itself).
+/// clap's generators walk hidden subcommands too and `clap::Command` cannot remove one, so
+/// the root is put together again from `Cli`'s own arguments and its visible subcommands.
+#[must_use]
+pub fn shown_commands() -> clap::Command {
+    let full = <Cli as clap::CommandFactory>::command();
+    let mut shown = clap::Command::new("fence")
+        .version(env!("CARGO_PKG_VERSION"))
+        .about(full.get_about().cloned().unwrap_or_default())
+        .long_about(full.get_long_about().cloned().unwrap_or_default())
+        .after_help(full.get_after_help().cloned().unwrap_or_default())
+        .subcommand_required(true);
+    for arg in full.get_arguments() {
+        shown = shown.arg(arg.clone());
+    }
+    for sub in full.get_subcommands().filter(|s| !s.is_hide_set()) {
+        shown = shown.subcommand(sub.clone());
+    }
+    shown
 }

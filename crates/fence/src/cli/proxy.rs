@@ -1,0 +1,147 @@
+//! The flags of `fence proxy`.
+// The doc comments below are `--help` text first (see the parent module).
+#![allow(rustdoc::invalid_html_tags)]
+
+use std::{net::SocketAddr, path::PathBuf, time::Duration};
+
+use clap::Args;
+use fence_core::Ttl;
+use http::Method;
+
+use super::{ListenArgs, StorageArgs, parse_forget_after, parse_ttl};
+use crate::duration::{parse_duration, parse_timeout};
+
+/// The flags of `fence proxy`.
+#[derive(Args, Debug)]
+pub struct ProxyArgs {
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1:7800", env = "FENCE_LISTEN")]
+    pub listen: SocketAddr,
+    /// TLS and connection limits of both listeners (--listen and --admin-listen).
+    #[command(flatten)]
+    pub listener: ListenArgs,
+    /// The service to protect: http://host:port[/prefix] or https://host:port[/prefix].
+    #[arg(long, env = "FENCE_UPSTREAM")]
+    pub upstream: http::Uri,
+    /// Trust only this CA (PEM, one or more certificates) for an https:// upstream, instead
+    /// of the system's roots.
+    #[arg(long, value_name = "FILE", env = "FENCE_UPSTREAM_CA_CERT")]
+    pub upstream_ca_cert: Option<PathBuf>,
+    /// Where the fence records (highest generation per job, idempotency records) are kept.
+    #[command(flatten)]
+    pub storage: StorageArgs,
+    /// Address of GET /metrics and GET /healthz, apart from the proxied paths. Two proxies
+    /// on one host need two. Loopback only, unless the proxy serves TLS (--tls-cert) and the
+    /// admin listener has --admin-auth-file: any other address is refused.
+    #[arg(long, default_value = "127.0.0.1:7801", env = "FENCE_ADMIN_LISTEN")]
+    pub admin_listen: SocketAddr,
+    /// Clients of the admin listener, in the lease server's --auth-file format (name
+    /// secret patterns; the patterns are not used); every admin request then needs
+    /// Authorization: Bearer <secret>, else 401. Reloaded on SIGHUP.
+    #[arg(long, value_name = "FILE", env = "FENCE_ADMIN_AUTH_FILE")]
+    pub admin_auth_file: Option<PathBuf>,
+    /// Methods that are fenced, comma separated. Default: every method but GET, HEAD,
+    /// OPTIONS and TRACE, so a method this list does not know fails closed.
+    #[arg(long, value_delimiter = ',', env = "FENCE_FENCE_METHODS")]
+    pub fence_methods: Option<Vec<Method>>,
+    /// Answer 428 to fenced requests without fencing headers (the default).
+    #[arg(
+        long,
+        conflicts_with = "allow_missing_token",
+        env = "FENCE_REQUIRE_TOKEN"
+    )]
+    pub require_token: bool,
+    /// Let fenced requests without fencing headers through.
+    #[arg(long, env = "FENCE_ALLOW_MISSING_TOKEN")]
+    pub allow_missing_token: bool,
+    /// Ignore Idempotency-Key headers (they are still checked for syntax).
+    #[arg(long, env = "FENCE_NO_IDEMPOTENCY")]
+    pub no_idempotency: bool,
+    /// How long completed idempotency records are kept.
+    #[arg(long, allow_hyphen_values = true, default_value = "24h", value_parser = parse_duration, env = "FENCE_IDEMPOTENCY_RETENTION")]
+    pub idempotency_retention: Duration,
+    /// Scope stored idempotent answers by this request header (repeatable; e.g.
+    /// authorization, for a multi-tenant upstream): an answer is replayed only to a request
+    /// with the same values, and the same key with others is 422. Off by default: derived
+    /// keys must deduplicate across holders that send other credentials.
+    #[arg(
+        long,
+        value_name = "HEADER",
+        env = "FENCE_IDEMPOTENCY_SCOPE_HEADER",
+        value_delimiter = ','
+    )]
+    pub idempotency_scope_header: Vec<http::HeaderName>,
+    /// Largest response body stored for replay, in bytes.
+    #[arg(long, default_value_t = 1 << 20, env = "FENCE_IDEMPOTENCY_MAX_BODY")]
+    pub idempotency_max_body: usize,
+    /// How long a newer token waits for older in-flight requests before 503.
+    #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = parse_timeout, env = "FENCE_DRAIN_TIMEOUT")]
+    pub drain_timeout: Duration,
+    /// How long a request may take upstream before 504. After a restart, a job that had
+    /// requests admitted within this (plus --unknown-outcome-hold) before it lets no newer
+    /// token through until they could no longer be running upstream.
+    #[arg(long, allow_hyphen_values = true, default_value = "60s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_TIMEOUT")]
+    pub upstream_timeout: Duration,
+    /// How long a fenced request's body may take to arrive, from admission. A slower body
+    /// is cut: 408 body-timeout, and with Idempotency-Key the upstream never sees it; so one
+    /// slow client delays a job's newer holder by this much at most.
+    #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_timeout, env = "FENCE_BODY_TIMEOUT")]
+    pub body_timeout: Duration,
+    /// After an answer of unknown outcome (504, or a 502 after the request was written), how
+    /// long the request still counts as in flight for its job, so a newer generation does not
+    /// pass while the upstream may still act on it. Default: --upstream-timeout.
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, env = "FENCE_UNKNOWN_OUTCOME_HOLD")]
+    pub unknown_outcome_hold: Option<Duration>,
+    /// The most bytes of bodies held in memory at once (buffered idempotent requests,
+    /// responses captured for replay, replays); past it: 503 overloaded with Retry-After.
+    #[arg(long, value_name = "BYTES", default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(1..), env = "FENCE_MAX_BUFFERED_BYTES")]
+    pub max_buffered_bytes: u64,
+    /// Require signed tokens valid under this public key (SPKI PEM, from `fence keygen` or
+    /// openssl); repeat it to accept several keys during a rotation. Unsigned or forged
+    /// tokens get 403.
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "FENCE_VERIFY_KEY",
+        value_delimiter = ','
+    )]
+    pub verify_key: Vec<PathBuf>,
+    /// How far the lease server's clock may be ahead of this proxy's: with --verify-key, a
+    /// token whose lease ended longer ago than this is 409 token-expired.
+    #[arg(long, allow_hyphen_values = true, default_value = "5s", value_parser = parse_duration, env = "FENCE_CLOCK_SKEW")]
+    pub clock_skew: Duration,
+    /// Forget a job with no admitted request for this long, on disk and in memory (1s to
+    /// 10 years; default: never). Needs --verify-key, and at least --max-lease-ttl plus
+    /// twice --clock-skew: a stale write to a forgotten job is then still refused, as
+    /// token-expired.
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
+    pub forget_after: Option<Duration>,
+    /// The longest lease the lease server grants: keep it equal to the server's --max-ttl.
+    /// With --verify-key, a token whose lease ends later than now plus this plus
+    /// --clock-skew is refused (403 token-too-long-lived), so no lease-server setting can
+    /// outlive --forget-after's window.
+    #[arg(long, allow_hyphen_values = true, value_name = "TTL", default_value = "24h", value_parser = parse_ttl, env = "FENCE_MAX_LEASE_TTL")]
+    pub max_lease_ttl: Ttl,
+    /// Test hook (feature `test-hooks`, never in a shipped binary): fence nothing, the
+    /// fault-injection harness's negative control.
+    #[cfg(feature = "test-hooks")]
+    #[arg(long, hide = true)]
+    pub unsafe_no_fence: bool,
+    /// Test hook (feature `test-hooks`): after a restart, let newer tokens pass at once,
+    /// forgetting what the process before may have left running upstream: the negative
+    /// control of the restart hold.
+    #[cfg(feature = "test-hooks")]
+    #[arg(long, hide = true)]
+    pub unsafe_no_restart_hold: bool,
+    /// Send the client's Host header upstream instead of the upstream's authority.
+    #[arg(long, env = "FENCE_PRESERVE_HOST")]
+    pub preserve_host: bool,
+    /// Add no `Via: <version> fence` to forwarded requests (RFC 9110 section 7.6.3); by
+    /// default the proxy names itself there, as a proxy should.
+    #[arg(long, env = "FENCE_NO_VIA")]
+    pub no_via: bool,
+    /// Threads serving connections, each with its own upstream connection pool; a
+    /// connection stays on one thread. Default: one per CPU core.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024), env = "FENCE_WORKERS")]
+    pub workers: Option<u16>,
+}

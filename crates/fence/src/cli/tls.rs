@@ -1,0 +1,47 @@
+//! The flags of `fence tls`.
+// The doc comments below are `--help` text first.
+#![allow(rustdoc::invalid_html_tags)]
+
+use std::path::PathBuf;
+
+use clap::{Args, Subcommand};
+
+/// `fence tls`.
+#[derive(Subcommand, Debug)]
+pub enum TlsCmd {
+    /// Make a private CA and a server certificate (and client certificates on request) in
+    /// DIR: ca.pem (every client's --ca-cert), ca-key.pem, server.pem (--tls-cert),
+    /// server-key.pem (--tls-key), client-NAME.pem and client-NAME-key.pem. Keys are ECDSA
+    /// P-256, mode 0600; nothing is ever overwritten.
+    ///
+    /// The server certificate is for the --name and --ip given (default: localhost,
+    /// 127.0.0.1 and ::1): name every address clients will use, as they check it. Keep
+    /// ca-key.pem offline; with it, anyone can make certificates your clients trust.
+    #[command(after_help = "\
+Example:
+  fence tls init /etc/fence/tls --name leases.internal --ip 10.0.0.5
+  fence server --listen 0.0.0.0:7700 --tls-cert /etc/fence/tls/server.pem \\
+    --tls-key /etc/fence/tls/server-key.pem --auth-file /etc/fence/clients --data-dir DIR
+  fence claim --server https://leases.internal:7700 --ca-cert /etc/fence/tls/ca.pem --job j")]
+    Init(TlsInitCmd),
+}
+
+/// The flags of `fence tls init`.
+#[derive(Args, Debug)]
+pub struct TlsInitCmd {
+    /// Directory to write the files into (created if missing).
+    pub dir: PathBuf,
+    /// A DNS name the server is reached by; repeat for several.
+    #[arg(long, value_name = "DNS_NAME")]
+    pub name: Vec<String>,
+    /// An IP address the server is reached by; repeat for several.
+    #[arg(long, value_name = "IP")]
+    pub ip: Vec<std::net::IpAddr>,
+    /// Also make a client certificate (for peers that check client certificates, such as
+    /// PostgreSQL's clientcert=verify-full); repeat for several.
+    #[arg(long, value_name = "NAME")]
+    pub client: Vec<String>,
+    /// How long the server and client certificates are valid, in days (the CA: ten years).
+    #[arg(long, default_value_t = 825, value_parser = clap::value_parser!(u32).range(1..=3650))]
+    pub days: u32,
+}

@@ -1,0 +1,100 @@
+//! `fence keepalive`: keeps a lease claimed elsewhere renewed until stdin closes or a signal.
+
+use std::time::Duration;
+
+use fence_lease::{ClaimError, LeaseClient};
+use tokio::{
+    io::{AsyncReadExt, AsyncWriteExt},
+    signal::unix::{SignalKind, signal},
+};
+
+use crate::{
+    calls::{LeaseRef, connect},
+    cli::KeepaliveCmd,
+    run::EXIT_LOST,
+};
+
+/// `fence keepalive`: resumes the lease (one renewal at once), then renews it in the
+/// background, copying stdin to stdout, until stdin closes or SIGTERM, SIGINT or SIGHUP
+/// arrives (exit 0, the lease still held) or the lease is lost (exit 75).
+///
+/// # Errors
+/// A usage error for a bad `--lease` or `--lease -` (stdin is keepalive's lifeline); an
+/// error when the server cannot be reached at start.
+pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
+    if a.lease
+        .lease
+        .as_deref()
+        .is_some_and(|p| p.as_os_str() == "-")
+    {
+        return Err(crate::Usage::error(
+            "keepalive reads stdin until it closes, so its --lease must be a file, not -",
+        ));
+    }
+    let lease = LeaseRef::of(&a.lease)?;
+    let store = connect(&a.lease.conn)?;
+    let client = LeaseClient::new(store).owner(lease.owner).ttl(a.ttl);
+    let (job, generation) = (lease.job.clone(), lease.generation);
+    let held = match client.resume(lease.job, lease.generation, lease.key).await {
+        Ok(held) => held,
+        Err(e @ ClaimError::NotHeld { .. }) => {
+            eprintln!("fence keepalive: {e}");
+            return Ok(EXIT_LOST);
+        }
+        Err(e) => {
+            return Err(anyhow::Error::new(e).context(format!(
+                "could not renew job {job} (generation {generation})"
+            )));
+        }
+    };
+    let (mut term, mut int, mut hup) = (
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+        signal(SignalKind::hangup())?,
+    );
+    let mut stdin = tokio::io::stdin();
+    let mut stdout = Some(tokio::io::stdout());
+    let mut buf = vec![0u8; 16 * 1024];
+    let lost = held.lost();
+    tokio::pin!(lost);
+    loop {
+        tokio::select! {
+            () = &mut lost => {
+                let why = held
+                    .loss_reason()
+                    .map_or_else(|| "lost".to_owned(), |r| r.to_string());
+                eprintln!("fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}");
+                return Ok(EXIT_LOST);
+            }
+            read = stdin.read(&mut buf) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    // A reader that went away is no reason to stop renewing.
+                    if let Some(out) = &mut stdout
+                        && (out.write_all(&buf[..n]).await.is_err() || out.flush().await.is_err())
+                    {
+                        stdout = None;
+                    }
+                }
+            },
+            _ = term.recv() => break,
+            _ = int.recv() => break,
+            _ = hup.recv() => break,
+        }
+    }
+    // One last look: a lease lost just now is reported as lost, not as kept.
+    if held.is_lost() {
+        eprintln!("fence keepalive: the lease of job {job} (generation {generation}) is lost");
+        return Ok(EXIT_LOST);
+    }
+    let left = held
+        .deadline()
+        .saturating_duration_since(tokio::time::Instant::now());
+    eprintln!(
+        "fence keepalive: stopped renewing job {job} (generation {generation}); it is still held for about {}",
+        humantime::format_duration(Duration::from_millis(left.as_millis() as u64))
+    );
+    // Dropping the lease stops its keeper; it neither releases nor completes.
+    drop(held);
+    Ok(0)
+}
