@@ -14,6 +14,8 @@
 # pause would: that write then carries a stale token, and a fenced destination refuses it.
 set -eu
 : "${SERVER:?}" "${DESTINATION:?}" "${JOB:?}"
+LC_ALL=C; export LC_ALL
+case $JOB in *[!!-~]*) echo "worker: job id $JOB: only visible ASCII (0x21 to 0x7E) is allowed" >&2; exit 1 ;; esac
 TTL_MS=${TTL_MS:-30000}; WRITES=${WRITES:-3}
 AUTH=${FENCE_AUTH_TOKEN:+Authorization: Bearer $FENCE_AUTH_TOKEN}
 state=$(mktemp -d); trap 'kill "$keeper" 2>/dev/null || true; rm -rf "$state"' EXIT
@@ -26,14 +28,31 @@ margin=$(( TTL_MS / 10 )); [ "$margin" -ge 50 ] || margin=50
 key=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
 owner="$(hostname)-$$-sh"
 
-# field NAME JSON: a number or string field of a flat JSON object.
-field() { printf '%s' "$2" | sed -n "s/.*\"$1\":\"\{0,1\}\([^\",}]*\)\"\{0,1\}.*/\1/p"; }
+# field NAME JSON: a string (escapes kept) or number field of a flat JSON object.
+field() {
+  v=$(printf '%s' "$2" | sed -n "s/.*\"$1\":\"\(\([^\"\\\\]*\(\\\\.\)*\)*\)\".*/\1/p")
+  [ -n "$v" ] || v=$(printf '%s' "$2" | sed -n "s/.*\"$1\":\([0-9][0-9]*\).*/\1/p")
+  printf '%s' "$v"
+}
+
+# The job id percent-encoded for the URL path: every byte but A-Z a-z 0-9 - . _ ~ as %XX.
+encode() {
+  s=$1
+  while [ -n "$s" ]; do
+    rest=${s#?}; c=${s%"$rest"}; s=$rest
+    case $c in
+      [A-Za-z0-9._~-]) printf '%s' "$c" ;;
+      *) printf '%%%02X' "'$c" ;;
+    esac
+  done
+}
+job_path=$(encode "$JOB")
 
 # call ACTION BODY: POST to the lease API; prints "STATUS BODY".
 call() {
   curl -sS -o "$state/answer" -w '%{http_code}' -X POST -H 'content-type: application/json' \
     ${AUTH:+-H "$AUTH"} --max-time "$(( TTL_MS / 1000 + 1 ))" \
-    --data "$2" "$SERVER/v1/leases/$JOB/$1" || echo 000
+    --data "$2" "$SERVER/v1/leases/$job_path/$1" || echo 000
 }
 
 # grant SENT_MS: records the deadline and token of the answer in $state/answer.

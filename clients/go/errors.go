@@ -1,0 +1,135 @@
+// Errors of the fence client: a lease lost locally, and problem+json answers.
+
+package fence
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"strconv"
+	"strings"
+	"time"
+)
+
+var (
+	// ErrLeaseLost: the lease is lost; stop all work and effects on the job. Returned (as a
+	// *LeaseLostError) by Lease.Token and the RoundTripper once the local deadline passed or the
+	// server refused a renewal; a *ProblemError of type lease-lost or lease-key-mismatch
+	// matches it too.
+	ErrLeaseLost = errors.New("fence: lease lost")
+	// ErrInvalidJobID: a job id that is not 1 to 256 visible ASCII characters; nothing was sent.
+	ErrInvalidJobID = errors.New("fence: invalid job id")
+	// ErrUnreachable: no answer from the lease server (refused, reset, timed out, TLS).
+	ErrUnreachable = errors.New("fence: lease server unreachable")
+	// ErrProtocol: an answer that does not follow the contract.
+	ErrProtocol = errors.New("fence: protocol error")
+
+	// ErrLeaseHeld matches a *ProblemError of type urn:fence:lease-held.
+	ErrLeaseHeld = errors.New("fence: lease held")
+	// ErrJobCompleted matches a *ProblemError of type urn:fence:job-completed.
+	ErrJobCompleted = errors.New("fence: job completed")
+	// ErrLeaseRefused matches a *ProblemError of type urn:fence:lease-lost or
+	// urn:fence:lease-key-mismatch (which match ErrLeaseLost too).
+	ErrLeaseRefused = errors.New("fence: lease refused by the server")
+	// ErrStaleToken matches a destination's urn:fence:stale-token or urn:fence:token-expired.
+	ErrStaleToken = errors.New("fence: stale token")
+)
+
+// LeaseLostError says why a lease is lost. errors.Is(err, ErrLeaseLost) holds.
+type LeaseLostError struct {
+	Job        string
+	Generation uint64
+	Reason     string
+}
+
+func (e *LeaseLostError) Error() string {
+	return fmt.Sprintf("the lease on job %s (generation %d) is lost: %s", e.Job, e.Generation, e.Reason)
+}
+
+// Is makes errors.Is(err, ErrLeaseLost) hold.
+func (e *LeaseLostError) Is(target error) bool { return target == ErrLeaseLost }
+
+// ProblemError is a refusal answered as application/problem+json (RFC 9457). Members holds
+// every member of the object, Job, Owner, Generation and Highest the common ones.
+type ProblemError struct {
+	Type       string
+	Title      string
+	Status     int
+	Detail     string
+	Job        string
+	Owner      string // "" when the problem says null or nothing
+	Generation uint64
+	// Highest is the destination's highest token, as it wrote it, for stale-token problems.
+	Highest     string
+	ExpiresInMs uint64
+	RetryAfter  time.Duration
+	Members     map[string]json.RawMessage
+}
+
+func (e *ProblemError) Error() string {
+	return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Detail)
+}
+
+// Is matches the sentinel of the problem's type: ErrLeaseHeld, ErrJobCompleted,
+// ErrLeaseRefused (and ErrLeaseLost), ErrStaleToken.
+func (e *ProblemError) Is(target error) bool {
+	switch e.Type {
+	case "urn:fence:lease-held":
+		return target == ErrLeaseHeld
+	case "urn:fence:job-completed":
+		return target == ErrJobCompleted
+	case "urn:fence:lease-lost", "urn:fence:lease-key-mismatch":
+		return target == ErrLeaseRefused || target == ErrLeaseLost
+	case "urn:fence:stale-token", "urn:fence:token-expired":
+		return target == ErrStaleToken
+	}
+	return false
+}
+
+func problemFrom(status int, header http.Header, body []byte) *ProblemError {
+	p := &ProblemError{Status: status, Type: "about:blank"}
+	if secs, err := strconv.ParseFloat(header.Get("Retry-After"), 64); err == nil {
+		p.RetryAfter = time.Duration(secs * float64(time.Second))
+	}
+	var members map[string]json.RawMessage
+	if strings.Contains(strings.ToLower(header.Get("Content-Type")), "json") &&
+		json.Unmarshal(body, &members) == nil && members["type"] != nil &&
+		json.Unmarshal(members["type"], &p.Type) == nil {
+		p.Members = members
+		_ = json.Unmarshal(members["title"], &p.Title)
+		_ = json.Unmarshal(members["status"], &p.Status)
+		_ = json.Unmarshal(members["detail"], &p.Detail)
+		_ = json.Unmarshal(members["job"], &p.Job)
+		_ = json.Unmarshal(members["owner"], &p.Owner)
+		_ = json.Unmarshal(members["generation"], &p.Generation)
+		_ = json.Unmarshal(members["expires_in_ms"], &p.ExpiresInMs)
+		if h := members["highest"]; h != nil {
+			var s string
+			if json.Unmarshal(h, &s) == nil {
+				p.Highest = s
+			} else {
+				p.Highest = string(h)
+			}
+		}
+		return p
+	}
+	p.Detail = strings.TrimSpace(string(body))
+	if len(p.Detail) > 500 {
+		p.Detail = p.Detail[:500]
+	}
+	return p
+}
+
+// ProblemFromResponse returns the *ProblemError of a response that is not 2xx (for a
+// destination's 409 stale-token, one matching ErrStaleToken), reading and closing its body;
+// nil for a success, whose body is left alone.
+func ProblemFromResponse(resp *http.Response) error {
+	if resp.StatusCode < 400 {
+		return nil
+	}
+	defer resp.Body.Close()
+	body, _ := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	return problemFrom(resp.StatusCode, resp.Header, body)
+}

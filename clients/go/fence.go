@@ -1,0 +1,227 @@
+// Package fence is a client for fence lease servers: it claims a job, keeps the lease
+// renewed in the background, and sends the newest fencing token with every write, refusing to
+// send once the lease is lost.
+//
+//	client, err := fence.NewClient("http://127.0.0.1:7700", fence.Options{TTL: 10 * time.Second})
+//	err = client.Run(ctx, "invoice-42", func(ctx context.Context, lease *fence.Lease) error {
+//		hc := &http.Client{Transport: lease.Transport(nil)} // refuses once ctx is done
+//		resp, err := hc.Post("http://127.0.0.1:7800/ledger", "text/plain", strings.NewReader("charge"))
+//		if err == nil {
+//			resp.Body.Close()
+//		}
+//		return err
+//	}, fence.RunOptions{})
+//
+// The wire contract is docs/protocol.md of the fence repository.
+package fence
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net/http"
+	"time"
+)
+
+// Clock reads the time the lease's deadline is measured on. The default, time.Now, carries
+// the monotonic clock in its readings; tests inject clocks whose wall time is off.
+type Clock interface {
+	Now() time.Time
+}
+
+type systemClock struct{}
+
+func (systemClock) Now() time.Time { return time.Now() }
+
+// Options of a Client. The zero value asks 30 s leases under DefaultOwner().
+type Options struct {
+	// Owner to claim under; default DefaultOwner().
+	Owner string
+	// TTL asked for, 100 ms to 24 h; default 30 s.
+	TTL time.Duration
+	// AuthToken is the bearer secret; else read from AuthTokenFile, else FENCE_AUTH_TOKEN.
+	AuthToken     string
+	AuthTokenFile string
+	// CAFile holds PEM certificates that replace the system roots for an https:// server;
+	// default FENCE_CA_CERT.
+	CAFile string
+	// Margin before the lease's end; default 10% of the granted TTL, at least 50 ms.
+	Margin time.Duration
+	// Timeout bounds calls other than claims and renewals; default 10 s.
+	Timeout time.Duration
+	// Clock; default the system clock.
+	Clock Clock
+}
+
+// Client claims leases from one lease server under one owner name. Safe for concurrent use.
+type Client struct {
+	t      *transport
+	owner  string
+	ttl    time.Duration
+	margin time.Duration
+	clock  Clock
+}
+
+// NewClient makes a client of server ("" means FENCE_SERVER, else http://127.0.0.1:7700).
+func NewClient(server string, opts Options) (*Client, error) {
+	t, err := newTransport(server, &opts)
+	if err != nil {
+		return nil, err
+	}
+	c := &Client{t: t, owner: opts.Owner, ttl: opts.TTL, margin: opts.Margin, clock: opts.Clock}
+	if c.owner == "" {
+		c.owner = DefaultOwner()
+	} else if err := CheckJob(c.owner); err != nil {
+		return nil, fmt.Errorf("fence: owner: %w", err)
+	}
+	if c.ttl == 0 {
+		c.ttl = 30 * time.Second
+	}
+	if err := checkTTL(c.ttl); err != nil {
+		return nil, err
+	}
+	if c.margin < 0 || c.margin >= c.ttl {
+		return nil, errors.New("fence: the safety margin must be shorter than the TTL")
+	}
+	if c.clock == nil {
+		c.clock = systemClock{}
+	}
+	return c, nil
+}
+
+func checkTTL(ttl time.Duration) error {
+	if ttl < 100*time.Millisecond || ttl > 24*time.Hour || ttl%time.Millisecond != 0 {
+		return fmt.Errorf("fence: a lease TTL is 100 ms to 24 h in whole ms, not %v", ttl)
+	}
+	return nil
+}
+
+// Owner is the owner name this client claims under.
+func (c *Client) Owner() string { return c.owner }
+
+// Claim claims job and starts its keeper. Errors: a *ProblemError matching ErrLeaseHeld or
+// ErrJobCompleted (or another refusal), ErrUnreachable, and ErrInvalidJobID before sending.
+func (c *Client) Claim(ctx context.Context, job string) (*Lease, error) {
+	return c.ClaimWaiting(ctx, job, 0)
+}
+
+// ClaimWaiting is Claim, the server holding the claim up to wait while the job is held and
+// answering the moment it frees (asked again every 60 s). A claim that waited long is renewed
+// once at once, and its deadline counts from that renewal.
+func (c *Client) ClaimWaiting(ctx context.Context, job string, wait time.Duration) (*Lease, error) {
+	return c.claim(ctx, job, wait, c.ttl)
+}
+
+func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration) (*Lease, error) {
+	enc, err := EncodeJob(job)
+	if err != nil {
+		return nil, err
+	}
+	key, err := newLeaseKey()
+	if err != nil {
+		return nil, err
+	}
+	ttlMs := uint64(ttl / time.Millisecond)
+	body := map[string]any{"owner": c.owner, "lease_key": key, "ttl_ms": ttlMs}
+	budget := ttl - marginOf(ttl, c.margin)
+	waitUntil := c.clock.Now().Add(wait)
+	var a leaseAnswer
+	var sent time.Time
+	for {
+		chunk := waitUntil.Sub(c.clock.Now())
+		if chunk > 60*time.Second {
+			chunk = 60 * time.Second
+		}
+		chunk = chunk.Truncate(time.Millisecond)
+		path := "/v1/leases/" + enc + "/claim"
+		if chunk > 0 {
+			path += fmt.Sprintf("?wait=%dms", chunk.Milliseconds())
+		} else {
+			chunk = 0
+		}
+		sent = c.clock.Now()
+		err = c.t.call(ctx, http.MethodPost, path, body, budget+chunk, &a)
+		if err == nil {
+			break
+		}
+		if !errors.Is(err, ErrLeaseHeld) || chunk == 0 || !c.clock.Now().Before(waitUntil) || ctx.Err() != nil {
+			return nil, err
+		}
+	}
+	if a.Generation == 0 {
+		return nil, fmt.Errorf("%w: a claim of %s granted generation 0", ErrProtocol, job)
+	}
+	lctx, cancel := context.WithCancel(context.Background())
+	l := &Lease{t: c.t, clock: c.clock, job: job, owner: c.owner, generation: a.Generation, key: key,
+		askedTTLMs: ttlMs, margin: c.margin, ctx: lctx, cancel: cancel, finished: make(chan struct{})}
+	if _, err := l.setGrant(sent, a, true); err != nil {
+		cancel()
+		return nil, err
+	}
+	// A claim that waited long arrives with little time left: renew once, now, and count the
+	// deadline from this send (against the grant, which may be shorter than asked).
+	usable := l.Deadline().Sub(sent)
+	if l.Deadline().Sub(c.clock.Now()) < usable*2/3 {
+		sent = c.clock.Now()
+		rctx, rcancel := context.WithTimeout(ctx, usable)
+		a, err := l.sendRenew(rctx)
+		rcancel()
+		if err == nil {
+			_, err = l.setGrant(sent, a, true)
+		}
+		if err != nil {
+			cancel()
+			return nil, err
+		}
+	}
+	if !c.clock.Now().Before(l.Deadline()) {
+		cancel()
+		return nil, fmt.Errorf("%w: the lease on %s was granted too late to be of use", ErrUnreachable, job)
+	}
+	go l.keep()
+	return l, nil
+}
+
+// RunOptions of Client.Run.
+type RunOptions struct {
+	// Wait at the server up to this long while the job is held.
+	Wait time.Duration
+	// OnSuccessRelease releases the job when fn returns nil, for a job that runs again;
+	// the default completes it.
+	OnSuccessRelease bool
+}
+
+// Run claims job, runs fn under the lease's context, completes the job when fn returns nil
+// (releases it with OnSuccessRelease) and releases it when fn fails. A lease lost while fn
+// ran is released, not completed, and Run returns the *LeaseLostError.
+func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Context, lease *Lease) error, opts RunOptions) error {
+	lease, err := c.ClaimWaiting(ctx, job, opts.Wait)
+	if err != nil {
+		return err
+	}
+	if err := fn(lease.Context(), lease); err != nil {
+		_, _ = lease.Release(context.Background()) // fn's own error is what counts
+		return err
+	}
+	if lost := lease.Err(); lost != nil {
+		_, _ = lease.Release(context.Background()) // never complete a job whose lease was lost
+		return lost
+	}
+	if opts.OnSuccessRelease {
+		_, err = lease.Release(ctx)
+	} else {
+		_, err = lease.Complete(ctx)
+	}
+	return err
+}
+
+// Status is the job's lease record; a *ProblemError 404 unknown-job for a job never claimed.
+func (c *Client) Status(ctx context.Context, job string) (Record, error) {
+	var rec Record
+	enc, err := EncodeJob(job)
+	if err != nil {
+		return rec, err
+	}
+	err = c.t.call(ctx, http.MethodGet, "/v1/leases/"+enc, nil, 0, &rec)
+	return rec, err
+}

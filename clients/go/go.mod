@@ -1,0 +1,3 @@
+module example.invalid/fence/clients/go
+
+go 1.19

@@ -1,0 +1,344 @@
+// A held lease: its keeper renews it, and it knows the moment it can no longer be trusted.
+//
+// The local deadline is send time + granted TTL - margin on the client's Clock (by default
+// time.Now, whose readings carry the monotonic clock), where send time is read before the
+// claim or renewal went out. The server's expires_at_ms never enters it, so an offset between
+// this machine's wall clock and the server's changes nothing.
+
+package fence
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"math/rand"
+	"net/http"
+	"strconv"
+	"strings"
+	"sync"
+	"time"
+)
+
+const (
+	reasonDeadline = "the local deadline passed before a renewal succeeded"
+	reasonFinished = "the lease was released, completed or abandoned"
+)
+
+// Lease is a held lease, renewed every third of its TTL by a keeper goroutine until it is
+// released, completed, abandoned or lost. Its methods are safe for concurrent use.
+type Lease struct {
+	t          *transport
+	clock      Clock
+	job        string
+	owner      string
+	generation uint64
+	key        string
+	askedTTLMs uint64
+	margin     time.Duration
+
+	ctx      context.Context
+	cancel   context.CancelFunc
+	finished chan struct{}
+	finish   sync.Once
+
+	mu          sync.Mutex
+	token       string
+	deadline    time.Time
+	sent        time.Time
+	ttl         time.Duration
+	expiresAtMs uint64
+	reason      string
+	renewHook   func(ctx context.Context) (leaseAnswer, error) // tests pause renewals with it
+}
+
+// Job is the job id.
+func (l *Lease) Job() string { return l.job }
+
+// Owner is the owner name the lease was claimed under.
+func (l *Lease) Owner() string { return l.owner }
+
+// Generation is the generation this lease was granted.
+func (l *Lease) Generation() uint64 { return l.generation }
+
+// Context is cancelled the moment the lease is lost (no later than the local deadline, also
+// when the server stops answering) or finished; Err says why. Run the job's work under it.
+func (l *Lease) Context() context.Context { return l.ctx }
+
+// Done is Context().Done().
+func (l *Lease) Done() <-chan struct{} { return l.ctx.Done() }
+
+// Token is the newest fencing token, exactly as the server returned it (a signing server's
+// <generation>.<expires_at_ms>.<signature>, else the generation in decimal); a
+// *LeaseLostError (errors.Is ErrLeaseLost) from the moment the lease is lost.
+func (l *Lease) Token() (string, error) {
+	l.mu.Lock()
+	if l.reason == "" && l.clock.Now().Before(l.deadline) {
+		defer l.mu.Unlock()
+		return l.token, nil
+	}
+	reason := l.reason
+	l.mu.Unlock()
+	if reason == "" {
+		reason = reasonDeadline
+	}
+	l.declareLost(reason)
+	return "", &LeaseLostError{Job: l.job, Generation: l.generation, Reason: reason}
+}
+
+// Err is nil while the lease is held, else a *LeaseLostError saying why it is lost.
+func (l *Lease) Err() error {
+	_, err := l.Token()
+	return err
+}
+
+// Deadline is the local deadline on the client's clock: lost then unless renewed before.
+func (l *Lease) Deadline() time.Time {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.deadline
+}
+
+// TTL is the TTL the server granted last.
+func (l *Lease) TTL() time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.ttl
+}
+
+// ExpiresAtMs is the server's expiry of the last grant, in ms since the epoch on the
+// server's clock (informational: the client never uses it for its own deadline).
+func (l *Lease) ExpiresAtMs() uint64 {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.expiresAtMs
+}
+
+// IdempotencyKey is the derived Idempotency-Key of a step of this job (contract section 11).
+func (l *Lease) IdempotencyKey(step string) string { return IdempotencyKey(l.job, step) }
+
+// Header sets X-Fencing-Job and X-Fencing-Token on h; a *LeaseLostError once lost.
+func (l *Lease) Header(h http.Header) error {
+	token, err := l.Token()
+	if err != nil {
+		return err
+	}
+	h.Set("X-Fencing-Job", l.job)
+	h.Set("X-Fencing-Token", token)
+	return nil
+}
+
+// Release frees the job for another claim. A *ProblemError matching ErrLeaseRefused when the
+// server no longer records this lease.
+func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx, "release") }
+
+// Complete marks the job done for good. The server decides: a *ProblemError matching
+// ErrLeaseRefused (409 lease-lost) when someone else took over.
+func (l *Lease) Complete(ctx context.Context) (Record, error) { return l.end(ctx, "complete") }
+
+// Abandon stops renewing and lets the lease expire on the server; nothing is sent.
+func (l *Lease) Abandon() {
+	l.finish.Do(func() { close(l.finished) })
+	l.declareLost(reasonFinished)
+}
+
+func (l *Lease) end(ctx context.Context, action string) (Record, error) {
+	l.Abandon() // nothing is sent under this lease from now on, whatever the answer
+	var rec Record
+	body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key}
+	err := l.t.call(ctx, http.MethodPost, l.path(action), body, 0, &rec)
+	return rec, err
+}
+
+func (l *Lease) path(action string) string {
+	enc, _ := EncodeJob(l.job) // checked at claim
+	return "/v1/leases/" + enc + "/" + action
+}
+
+// declareLost is the one place a lease is declared lost. Final: nothing un-loses it.
+func (l *Lease) declareLost(reason string) {
+	l.mu.Lock()
+	if l.reason == "" {
+		l.reason = reason
+	}
+	l.mu.Unlock()
+	l.cancel()
+}
+
+// setGrant takes a claim's or renewal's answer sent at sent; false when the lease was lost
+// before it arrived (loss is final: a late answer changes nothing).
+func (l *Lease) setGrant(sent time.Time, a leaseAnswer, first bool) (bool, error) {
+	if a.Generation != l.generation {
+		return false, fmt.Errorf("%w: the server granted generation %d of %s, expected %d", ErrProtocol, a.Generation, l.job, l.generation)
+	}
+	if a.TTLMs == nil || a.ExpiresAtMs == nil {
+		return false, fmt.Errorf("%w: a lease answer without ttl_ms and expires_at_ms", ErrProtocol)
+	}
+	token := strconv.FormatUint(l.generation, 10)
+	if a.Token != nil {
+		if !strings.HasPrefix(*a.Token, token+".") {
+			return false, fmt.Errorf("%w: the server signed token %q for generation %d", ErrProtocol, *a.Token, l.generation)
+		}
+		token = *a.Token
+	}
+	ttl := time.Duration(*a.TTLMs) * time.Millisecond
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if !first && (l.reason != "" || !l.clock.Now().Before(l.deadline)) {
+		return false, nil
+	}
+	l.token, l.ttl, l.expiresAtMs, l.sent = token, ttl, *a.ExpiresAtMs, sent
+	usable := ttl - marginOf(ttl, l.margin)
+	if usable < 0 {
+		usable = 0
+	}
+	l.deadline = sent.Add(usable)
+	return true, nil
+}
+
+func marginOf(ttl, configured time.Duration) time.Duration {
+	if configured > 0 {
+		return configured
+	}
+	if m := ttl / 10; m > 50*time.Millisecond {
+		return m.Truncate(time.Millisecond)
+	}
+	return 50 * time.Millisecond
+}
+
+func (l *Lease) sendRenew(ctx context.Context) (leaseAnswer, error) {
+	l.mu.Lock()
+	hook := l.renewHook
+	l.mu.Unlock()
+	if hook != nil {
+		return hook(ctx)
+	}
+	var a leaseAnswer
+	body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key, "ttl_ms": l.askedTTLMs}
+	deadline, _ := ctx.Deadline()
+	err := l.t.call(ctx, http.MethodPost, l.path("renew"), body, time.Until(deadline), &a)
+	return a, err
+}
+
+// wait returns after d, or false at once when the lease is finished.
+func (l *Lease) wait(d time.Duration) bool {
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-l.finished:
+		return false
+	case <-timer.C:
+		return true
+	}
+}
+
+// keep renews every third of the TTL until lost or finished. Every wait, a hanging renewal's
+// included, ends at the deadline at the latest, so the context is cancelled on time.
+func (l *Lease) keep() {
+	l.mu.Lock()
+	next := l.sent.Add(l.ttl / 3)
+	l.mu.Unlock()
+	for {
+		deadline := l.Deadline()
+		until := next
+		if deadline.Before(until) {
+			until = deadline
+		}
+		if !l.wait(until.Sub(l.clock.Now())) || l.ctx.Err() != nil {
+			return
+		}
+		sent := l.clock.Now()
+		if !sent.Before(deadline) {
+			l.declareLost(reasonDeadline)
+			return
+		}
+		left := deadline.Sub(sent)
+		rctx, cancel := context.WithTimeout(context.Background(), left)
+		type outcome struct {
+			a   leaseAnswer
+			err error
+		}
+		done := make(chan outcome, 1)
+		go func() {
+			a, err := l.sendRenew(rctx)
+			done <- outcome{a, err}
+		}()
+		timer := time.NewTimer(left)
+		var o outcome
+		select {
+		case o = <-done:
+		case <-timer.C:
+			cancel()
+			l.declareLost(reasonDeadline)
+			return
+		case <-l.finished:
+			timer.Stop()
+			cancel()
+			return
+		}
+		timer.Stop()
+		cancel()
+		if o.err == nil {
+			ok, err := l.setGrant(sent, o.a, false)
+			if err == nil {
+				if !ok {
+					return
+				}
+				next = sent.Add(l.TTL() / 3)
+				continue
+			}
+			o.err = err
+		}
+		if errors.Is(o.err, ErrLeaseRefused) || errors.Is(o.err, ErrJobCompleted) {
+			l.declareLost("the server refused the renewal: " + o.err.Error())
+			return
+		}
+		// No answer, or a refusal that decides nothing (503, 5xx): the deadline stands. Retry
+		// at a steady, jittered pace so the last chance before the deadline is not skipped.
+		pause := l.TTL() / 12
+		if pause < 10*time.Millisecond {
+			pause = 10 * time.Millisecond
+		} else if pause > time.Second {
+			pause = time.Second
+		}
+		next = l.clock.Now().Add(time.Duration(float64(pause) * (0.8 + 0.2*rand.Float64())))
+	}
+}
+
+// Transport returns an http.RoundTripper that stamps X-Fencing-Job and X-Fencing-Token on
+// every request, read as the request goes out, and refuses (a *LeaseLostError, errors.Is
+// ErrLeaseLost, wrapped by http.Client in a *url.Error) without sending once the lease's
+// context is done. base nil means http.DefaultTransport.
+func (l *Lease) Transport(base http.RoundTripper) http.RoundTripper {
+	if base == nil {
+		base = http.DefaultTransport
+	}
+	return &fencingTransport{lease: l, base: base}
+}
+
+type fencingTransport struct {
+	lease *Lease
+	base  http.RoundTripper
+}
+
+func (f *fencingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	token, err := f.lease.Token()
+	if err != nil {
+		if req.Body != nil {
+			req.Body.Close() // a RoundTripper closes the body, also on errors
+		}
+		return nil, err
+	}
+	out := req.Clone(req.Context()) // a RoundTripper must not modify the caller's request
+	out.Header.Set("X-Fencing-Job", f.lease.job)
+	out.Header.Set("X-Fencing-Token", token)
+	return f.base.RoundTrip(out)
+}
+
+// String describes the lease without its key: fmt's %v and %s print this, never the lease
+// key, which proves the holder and stays out of logs.
+func (l *Lease) String() string {
+	return fmt.Sprintf("fence.Lease{job: %q, generation: %d}", l.job, l.generation)
+}
+
+// GoString is String, for %#v.
+func (l *Lease) GoString() string { return l.String() }

@@ -1,0 +1,175 @@
+// Auth, TLS, waiting claims, refusals as errors, job-id checks, derived idempotency keys.
+
+package fence
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+)
+
+const secret = "s3cret-s3cret-s3cret"
+
+func TestBearerTokenAndCAFile(t *testing.T) {
+	ctx := context.Background()
+	dir := t.TempDir()
+	cert, key := filepath.Join(dir, "cert.pem"), filepath.Join(dir, "key.pem")
+	out, err := exec.Command("openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:P-256", "-nodes",
+		"-keyout", key, "-out", cert, "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1").CombinedOutput()
+	if err != nil {
+		t.Fatalf("openssl: %v %s", err, out)
+	}
+	auth := filepath.Join(dir, "auth")
+	if err := os.WriteFile(auth, []byte("workers "+secret+" tls-*\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	tokenFile := filepath.Join(dir, "token")
+	if err := os.WriteFile(tokenFile, []byte("  "+secret+"\n"), 0o600); err != nil {
+		t.Fatal(err)
+	}
+	s := newStack(t, stackOpts{noProxy: true, scheme: "https", serverArgs: []string{"--tls-cert", cert, "--tls-key", key, "--auth-file", auth}})
+	t.Setenv("FENCE_AUTH_TOKEN", "")
+	t.Setenv("FENCE_CA_CERT", "")
+	noop := func(context.Context, *Lease) error { return nil }
+
+	if err := mustClient(t, s.serverURL, Options{AuthToken: secret, CAFile: cert, TTL: time.Second}).Run(ctx, "tls-1", noop, RunOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if err := mustClient(t, s.serverURL, Options{AuthTokenFile: tokenFile, CAFile: cert}).Run(ctx, "tls-2", noop, RunOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	t.Setenv("FENCE_AUTH_TOKEN", secret)
+	t.Setenv("FENCE_CA_CERT", cert)
+	env := mustClient(t, s.serverURL, Options{})
+	if err := env.Run(ctx, "tls-3", noop, RunOptions{}); err != nil {
+		t.Fatal(err)
+	}
+	if rec, err := env.Status(ctx, "tls-3"); err != nil || rec.State != "completed" {
+		t.Fatalf("%+v %v", rec, err)
+	}
+	var pe *ProblemError
+	if _, err := env.Claim(ctx, "other-job"); !errors.As(err, &pe) || pe.Status != 403 || pe.Type != "urn:fence:forbidden" {
+		t.Fatalf("outside the patterns: %v", err)
+	}
+	t.Setenv("FENCE_AUTH_TOKEN", "")
+	if _, err := mustClient(t, s.serverURL, Options{}).Claim(ctx, "tls-4"); !errors.As(err, &pe) || pe.Status != 401 || pe.Type != "urn:fence:unauthenticated" {
+		t.Fatalf("without a token: %v", err)
+	}
+	t.Setenv("FENCE_CA_CERT", "")
+	_, err = mustClient(t, s.serverURL, Options{AuthToken: secret}).Claim(ctx, "tls-5") // the system roots do not know it
+	if !errors.Is(err, ErrUnreachable) || !strings.Contains(err.Error(), "certificate") {
+		t.Fatalf("without the CA file: %v", err)
+	}
+}
+
+func TestWaitingClaimAndRefusals(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	holder := mustClient(t, s.serverURL, Options{Owner: "holder", TTL: time.Second})
+	waiter := mustClient(t, s.serverURL, Options{Owner: "waiter", TTL: 1500 * time.Millisecond})
+	held, err := holder.Claim(ctx, "wait-job")
+	if err != nil {
+		t.Fatal(err)
+	}
+	held.Abandon() // stops renewing: it runs out at the server in about a second
+	var pe *ProblemError
+	_, err = waiter.Claim(ctx, "wait-job")
+	if !errors.Is(err, ErrLeaseHeld) || !errors.As(err, &pe) || pe.Status != 409 || pe.Owner != "holder" || pe.ExpiresInMs == 0 || pe.ExpiresInMs > 1000 {
+		t.Fatalf("a held job: %v %+v", err, pe)
+	}
+	started := time.Now()
+	lease, err := waiter.ClaimWaiting(ctx, "wait-job", 5*time.Second)
+	took := time.Since(started)
+	if err != nil || lease.Generation() != 2 || took < 500*time.Millisecond || took > 2*time.Second {
+		t.Fatalf("waiting claim: %v after %v", err, took)
+	}
+	// It waited most of a second of its 1.35 s of usable time: renewed at once, so the
+	// deadline counts from that renewal, not from the claim sent a second ago.
+	if left := time.Until(lease.Deadline()); left < 900*time.Millisecond {
+		t.Fatalf("only %v left after a waiting claim", left)
+	}
+	if _, err := lease.Complete(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := waiter.ClaimWaiting(ctx, "wait-job", time.Second); !errors.Is(err, ErrJobCompleted) || !errors.As(err, &pe) || pe.Status != 410 || pe.Generation != 2 {
+		t.Fatalf("a completed job: %v", err)
+	}
+	if _, err := waiter.Status(ctx, "never-claimed"); !errors.As(err, &pe) || pe.Status != 404 || pe.Type != "urn:fence:unknown-job" {
+		t.Fatalf("an unknown job: %v", err)
+	}
+}
+
+func TestRenewalsFollowAShorterGrant(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--max-ttl", "600ms"}})
+	lease, err := mustClient(t, s.serverURL, Options{TTL: 30 * time.Second}).Claim(ctx, "capped")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if lease.TTL() != 600*time.Millisecond || time.Until(lease.Deadline()) > 600*time.Millisecond {
+		t.Fatalf("ttl %v, deadline in %v", lease.TTL(), time.Until(lease.Deadline()))
+	}
+	time.Sleep(time.Second) // renewed every 200 ms, not every 10 s
+	if err := lease.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lease.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
+func TestInvalidJobIDsAreRefusedBeforeSending(t *testing.T) {
+	nobody := mustClient(t, "http://127.0.0.1:9", Options{Owner: "ids"}) // would fail to connect if it sent
+	for _, id := range []string{"a b", "", strings.Repeat("x", 257), "caf\u00e9", "tab\there", "\x7f"} {
+		if _, err := nobody.Claim(context.Background(), id); !errors.Is(err, ErrInvalidJobID) {
+			t.Fatalf("%q: %v", id, err)
+		}
+		if _, err := nobody.Status(context.Background(), id); !errors.Is(err, ErrInvalidJobID) {
+			t.Fatalf("%q: %v", id, err)
+		}
+	}
+}
+
+func TestEncodingIsExactlyTheUnreservedSet(t *testing.T) {
+	for in, want := range map[string]string{"a/b": "a%2Fb", "a%b": "a%25b", "a?b#c": "a%3Fb%23c", "a+b": "a%2Bb", "Az09-._~": "Az09-._~"} {
+		if got, err := EncodeJob(in); err != nil || got != want {
+			t.Fatalf("EncodeJob(%q) = %q, %v; want %q", in, got, err, want)
+		}
+	}
+}
+
+func TestIdempotencyKeyMatchesTheBinary(t *testing.T) {
+	out, err := exec.Command(fenceBin(t), "idempotency-key", "--job", "invoice-42", "--step", "charge").Output()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got, want := IdempotencyKey("invoice-42", "charge"), strings.TrimSpace(string(out)); got != want {
+		t.Fatalf("%q, want %q", got, want)
+	}
+}
+
+func TestTimingOptionsAreChecked(t *testing.T) {
+	for _, o := range []Options{{TTL: 50 * time.Millisecond}, {TTL: time.Second, Margin: time.Second}} {
+		if _, err := NewClient("http://127.0.0.1:9", o); err == nil {
+			t.Fatalf("%+v accepted", o)
+		}
+	}
+	if _, err := NewClient("127.0.0.1:7700", Options{}); err == nil {
+		t.Fatal("a server URL without a scheme accepted")
+	}
+}
+
+func TestPrintingALeaseNeverShowsItsKey(t *testing.T) {
+	l := &Lease{job: "inv-42", generation: 7, key: "secret-lease-key-0123456789"}
+	for _, format := range []string{"%v", "%s", "%+v", "%#v"} {
+		if out := fmt.Sprintf(format, l); strings.Contains(out, l.key) {
+			t.Fatalf("%s shows the lease key: %s", format, out)
+		}
+	}
+}

@@ -1,0 +1,223 @@
+// The wire half of the client: job ids in paths, HTTP calls to the lease server.
+
+package fence
+
+import (
+	"bytes"
+	"context"
+	"crypto/rand"
+	"crypto/sha256"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/base64"
+	"encoding/hex"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/http"
+	"os"
+	"strings"
+	"time"
+)
+
+// CheckJob returns nil if job is a valid job id (1 to 256 bytes, each visible ASCII 0x21 to
+// 0x7E), else an error matching ErrInvalidJobID: a space or anything outside visible ASCII
+// never leaves the client.
+func CheckJob(job string) error {
+	if len(job) < 1 || len(job) > 256 {
+		return fmt.Errorf("%w: a job id has 1 to 256 bytes, not %d", ErrInvalidJobID, len(job))
+	}
+	for i := 0; i < len(job); i++ {
+		if c := job[i]; c < 0x21 || c > 0x7e {
+			return fmt.Errorf("%w: job id %q has byte 0x%02x at offset %d: only visible ASCII (0x21 to 0x7E) is allowed",
+				ErrInvalidJobID, job, c, i)
+		}
+	}
+	return nil
+}
+
+func unreserved(c byte) bool {
+	return 'A' <= c && c <= 'Z' || 'a' <= c && c <= 'z' || '0' <= c && c <= '9' ||
+		c == '-' || c == '.' || c == '_' || c == '~'
+}
+
+// EncodeJob percent-encodes a job id for a URL path: every byte but A-Z a-z 0-9 - . _ ~.
+func EncodeJob(job string) (string, error) {
+	if err := CheckJob(job); err != nil {
+		return "", err
+	}
+	var b strings.Builder
+	for i := 0; i < len(job); i++ {
+		if c := job[i]; unreserved(c) {
+			b.WriteByte(c)
+		} else {
+			fmt.Fprintf(&b, "%%%02X", c)
+		}
+	}
+	return b.String(), nil
+}
+
+// IdempotencyKey is the derived Idempotency-Key of one step of a job (contract section 11):
+// the same for every holder of every generation, for third-party APIs that deduplicate by key.
+func IdempotencyKey(job, step string) string {
+	h := sha256.New()
+	h.Write([]byte("fence-step-v1\x00"))
+	h.Write([]byte(job))
+	h.Write([]byte{0})
+	h.Write([]byte(step))
+	return "fence-" + base64.RawURLEncoding.EncodeToString(h.Sum(nil))
+}
+
+// DefaultOwner is <hostname>-<pid>-<random>, unique per process incarnation.
+func DefaultOwner() string {
+	host, _ := os.Hostname()
+	clean := []byte(host)
+	for i, c := range clean {
+		if c < 0x21 || c > 0x7e {
+			clean[i] = '-'
+		}
+	}
+	if len(clean) == 0 {
+		clean = []byte("host")
+	} else if len(clean) > 200 {
+		clean = clean[:200]
+	}
+	var r [4]byte
+	_, _ = rand.Read(r[:])
+	return fmt.Sprintf("%s-%d-%s", clean, os.Getpid(), hex.EncodeToString(r[:]))
+}
+
+func newLeaseKey() (string, error) {
+	var b [32]byte
+	if _, err := rand.Read(b[:]); err != nil {
+		return "", err
+	}
+	return base64.RawURLEncoding.EncodeToString(b[:]), nil // 43 characters
+}
+
+type transport struct {
+	server  string
+	header  http.Header
+	http    *http.Client
+	timeout time.Duration
+}
+
+func newTransport(server string, opts *Options) (*transport, error) {
+	if server == "" {
+		server = os.Getenv("FENCE_SERVER")
+	}
+	if server == "" {
+		server = "http://127.0.0.1:7700"
+	}
+	server = strings.TrimRight(server, "/")
+	if !strings.HasPrefix(server, "http://") && !strings.HasPrefix(server, "https://") {
+		return nil, fmt.Errorf("fence: the server URL must start with http:// or https://, not %q", server)
+	}
+	secret := opts.AuthToken
+	if opts.AuthToken != "" && opts.AuthTokenFile != "" {
+		return nil, errors.New("fence: give AuthToken or AuthTokenFile, not both")
+	}
+	if opts.AuthTokenFile != "" {
+		b, err := os.ReadFile(opts.AuthTokenFile)
+		if err != nil {
+			return nil, fmt.Errorf("fence: reading the auth token file: %w", err)
+		}
+		if secret = strings.TrimSpace(string(b)); secret == "" {
+			return nil, fmt.Errorf("fence: the auth token file %s is empty", opts.AuthTokenFile)
+		}
+	}
+	if secret == "" {
+		secret = os.Getenv("FENCE_AUTH_TOKEN")
+	}
+	t := &transport{server: server, header: http.Header{"Accept": {"application/json"}}, timeout: opts.Timeout}
+	if t.timeout <= 0 {
+		t.timeout = 10 * time.Second
+	}
+	if secret != "" {
+		t.header.Set("Authorization", "Bearer "+secret)
+	}
+	base := http.DefaultTransport.(*http.Transport).Clone()
+	base.Proxy = nil // the lease server is reached directly, never through an environment proxy
+	caFile := opts.CAFile
+	if caFile == "" {
+		caFile = os.Getenv("FENCE_CA_CERT")
+	}
+	if caFile != "" {
+		pem, err := os.ReadFile(caFile)
+		if err != nil {
+			return nil, fmt.Errorf("fence: reading the CA file: %w", err)
+		}
+		pool := x509.NewCertPool() // replaces the system roots, as curl --cacert does
+		if !pool.AppendCertsFromPEM(pem) {
+			return nil, fmt.Errorf("fence: no certificate in the CA file %s", caFile)
+		}
+		base.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
+	}
+	t.http = &http.Client{Transport: base, CheckRedirect: func(*http.Request, []*http.Request) error {
+		return http.ErrUseLastResponse
+	}}
+	return t, nil
+}
+
+// call sends one request and decodes a 2xx JSON answer into out; else the problem as an error.
+func (t *transport) call(ctx context.Context, method, path string, body any, timeout time.Duration, out any) error {
+	if timeout <= 0 {
+		timeout = t.timeout
+	}
+	ctx, cancel := context.WithTimeout(ctx, timeout)
+	defer cancel()
+	var reader io.Reader
+	if body != nil {
+		b, err := json.Marshal(body)
+		if err != nil {
+			return err
+		}
+		reader = bytes.NewReader(b)
+	}
+	req, err := http.NewRequestWithContext(ctx, method, t.server+path, reader)
+	if err != nil {
+		return fmt.Errorf("%w: %v", ErrProtocol, err)
+	}
+	for k, v := range t.header {
+		req.Header[k] = v
+	}
+	if body != nil {
+		req.Header.Set("Content-Type", "application/json")
+	}
+	resp, err := t.http.Do(req)
+	if err != nil {
+		return fmt.Errorf("%w: %s %s%s: %v", ErrUnreachable, method, t.server, path, err)
+	}
+	defer resp.Body.Close()
+	payload, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
+	if err != nil {
+		return fmt.Errorf("%w: %s %s%s: %v", ErrUnreachable, method, t.server, path, err)
+	}
+	if resp.StatusCode < 200 || resp.StatusCode > 299 {
+		return problemFrom(resp.StatusCode, resp.Header, payload)
+	}
+	if err := json.Unmarshal(payload, out); err != nil {
+		return fmt.Errorf("%w: %s %s%s: %v: %.200s", ErrProtocol, method, t.server, path, err, payload)
+	}
+	return nil
+}
+
+// leaseAnswer is a claim's or renewal's 200.
+type leaseAnswer struct {
+	Job         string  `json:"job"`
+	Owner       string  `json:"owner"`
+	Generation  uint64  `json:"generation"`
+	TTLMs       *uint64 `json:"ttl_ms"`
+	ExpiresAtMs *uint64 `json:"expires_at_ms"`
+	Token       *string `json:"token"`
+}
+
+// Record is a job's lease record (status, release, complete).
+type Record struct {
+	Job         string `json:"job"`
+	Owner       string `json:"owner"` // "" when nobody (null)
+	Generation  uint64 `json:"generation"`
+	State       string `json:"state"` // free, held, expired or completed
+	ExpiresInMs uint64 `json:"expires_in_ms"`
+}

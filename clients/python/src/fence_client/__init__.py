@@ -1,0 +1,28 @@
+"""A client for fence lease servers: claim a job, keep the lease renewed, and send the newest
+fencing token with every write, refusing to send once the lease is lost.
+
+    from fence_client import Client
+    from fence_client.requests import FenceAuth
+
+    client = Client("http://127.0.0.1:7700", ttl=10)
+    with client.claim("invoice-42") as lease:        # completes on a clean exit
+        session.post("http://127.0.0.1:7800/ledger", data="charge", auth=FenceAuth(lease))
+
+The asyncio twin is :mod:`fence_client.aio`; adapters for ``requests`` and ``httpx`` are
+:mod:`fence_client.requests` and :mod:`fence_client.httpx`. The wire contract is
+``docs/protocol.md`` of the fence repository.
+"""
+
+from ._errors import (FenceError, InvalidJobId, JobCompleted, LeaseHeld, LeaseLost, LeaseRefused,
+                      ProblemError, ProtocolError, ServerUnreachable, StaleToken, problem_error)
+from ._wire import check_job, encode_job, idempotency_key
+from .aio import AsyncClient, AsyncLease
+from .client import Client, Lease
+
+__all__ = [
+    "AsyncClient", "AsyncLease", "Client", "FenceError", "InvalidJobId", "JobCompleted",
+    "Lease", "LeaseHeld", "LeaseLost", "LeaseRefused", "ProblemError", "ProtocolError",
+    "ServerUnreachable", "StaleToken", "check_job", "encode_job", "idempotency_key",
+    "problem_error",
+]
+__version__ = "0.1.0"

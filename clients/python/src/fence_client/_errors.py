@@ -1,0 +1,137 @@
+"""The errors of the fence client: a lease lost locally, and problem+json answers."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Dict, Mapping, Optional, Type
+
+
+class FenceError(Exception):
+    """Base class of every error this package raises."""
+
+
+class InvalidJobId(FenceError, ValueError):
+    """A job id that is not 1 to 256 visible ASCII characters; nothing was sent."""
+
+
+class ServerUnreachable(FenceError):
+    """No answer from the lease server (refused, reset, timed out, TLS failure).
+
+    The outcome of the request is unknown; the cause is kept as ``__cause__``.
+    """
+
+
+class ProtocolError(FenceError):
+    """An answer of the lease server that does not follow the contract."""
+
+
+class LeaseLost(FenceError):
+    """The lease is lost: stop all work and effects on the job; nothing was sent.
+
+    Raised by ``lease.token``, ``lease.headers()`` and the ``requests``/``httpx``
+    adapters once the local deadline has passed or the server refused a renewal.
+    ``LeaseRefused`` (the server's own 409 ``lease-lost`` or 403 ``lease-key-mismatch``)
+    is a ``LeaseLost`` too, so one ``except LeaseLost`` covers both.
+    """
+
+    def __init__(self, job: str, generation: int, reason: str) -> None:
+        super().__init__(f"the lease on job {job} (generation {generation}) is lost: {reason}")
+        self.job = job
+        self.generation = generation
+        self.reason = reason
+
+
+class ProblemError(FenceError):
+    """A refusal answered as ``application/problem+json`` (RFC 9457).
+
+    ``type`` is the problem type (``urn:fence:lease-held``), ``status`` the HTTP status,
+    ``detail`` the explanation, ``problem`` the whole object (with members such as
+    ``job``, ``owner``, ``generation``, ``highest``), ``retry_after`` the seconds of a
+    ``Retry-After`` header, if any.
+    """
+
+    type: str
+    status: int
+    title: str
+    detail: str
+    problem: Dict[str, Any]
+    retry_after: Optional[float]
+
+    def __init__(self, problem: Dict[str, Any], status: int,
+                 retry_after: Optional[float] = None) -> None:
+        self.problem = problem
+        self.type = str(problem.get("type", "about:blank"))
+        self.status = int(problem.get("status", status))
+        self.title = str(problem.get("title", ""))
+        self.detail = str(problem.get("detail", ""))
+        self.retry_after = retry_after
+        # Not super(): LeaseRefused is also a LeaseLost, whose constructor takes other arguments.
+        FenceError.__init__(self, f"{self.status} {self.type}: {self.detail}")
+
+    def __getattr__(self, name: str) -> Any:
+        # Problem members (job, owner, generation, highest, expires_in_ms...) as attributes.
+        problem = self.__dict__.get("problem", {})
+        if name in problem:
+            return problem[name]
+        raise AttributeError(name)
+
+
+class LeaseHeld(ProblemError):
+    """409 ``urn:fence:lease-held``: another owner holds the job (``owner``, ``expires_in_ms``)."""
+
+
+class JobCompleted(ProblemError):
+    """410 ``urn:fence:job-completed``: the job is done; do not run it."""
+
+
+class LeaseRefused(ProblemError, LeaseLost):
+    """The server says this lease is no longer ours: 409 ``urn:fence:lease-lost`` or
+    403 ``urn:fence:lease-key-mismatch``. Stop all work at once; do not complete."""
+
+    def __init__(self, problem: Dict[str, Any], status: int,
+                 retry_after: Optional[float] = None) -> None:
+        ProblemError.__init__(self, problem, status, retry_after)
+        self.reason = f"the server refused it: {self.type}: {self.detail}"
+        generation = problem.get("generation")
+        self.generation = generation if isinstance(generation, int) else 0
+
+
+class StaleToken(ProblemError):
+    """409 ``urn:fence:stale-token`` or ``urn:fence:token-expired`` from a destination:
+    a newer holder exists; stop, do not retry, do not complete."""
+
+
+_BY_TYPE: Dict[str, Type[ProblemError]] = {
+    "urn:fence:lease-held": LeaseHeld,
+    "urn:fence:job-completed": JobCompleted,
+    "urn:fence:lease-lost": LeaseRefused,
+    "urn:fence:lease-key-mismatch": LeaseRefused,
+    "urn:fence:stale-token": StaleToken,
+    "urn:fence:token-expired": StaleToken,
+}
+
+
+def problem_error(status: int, headers: Mapping[str, str], body: bytes) -> ProblemError:
+    """The error for a non-2xx answer: its problem+json, or a problem made from the status."""
+    problem: Any = None
+    content_type = ""
+    retry_after: Optional[float] = None
+    for name, value in headers.items():
+        lowered = name.lower()
+        if lowered == "content-type":
+            content_type = value.lower()
+        elif lowered == "retry-after":
+            try:
+                retry_after = float(value)
+            except ValueError:
+                retry_after = None
+    if "json" in content_type:
+        try:
+            problem = json.loads(body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            problem = None
+    if not isinstance(problem, dict) or not isinstance(problem.get("type"), str):
+        text = body.decode("utf-8", "replace").strip()
+        problem = {"type": "about:blank", "status": status, "title": "", "detail": text[:500]}
+    cls = _BY_TYPE.get(problem["type"], ProblemError)
+    return cls(problem, status, retry_after)

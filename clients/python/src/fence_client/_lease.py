@@ -1,0 +1,179 @@
+"""What a held lease knows, shared by the thread and asyncio flavours: its newest token, its
+local deadline, and the one place it is declared lost.
+
+The deadline is *send time + granted TTL - margin* on the monotonic clock, where send time is
+noted before the claim or renewal went out; the server's ``expires_at_ms`` never enters it, so
+an offset between this machine's wall clock and the server's changes nothing.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+from typing import Any, Dict, Optional
+
+from ._errors import JobCompleted, LeaseLost, LeaseRefused, ProtocolError
+from ._wire import (Transport, encode_job, grant_token, idempotency_key, margin_ms, monotonic,
+                    wait_param)
+
+DEADLINE_PASSED = "the local deadline passed before a renewal succeeded"
+FINISHED = "the lease was released, completed or abandoned"
+
+ON_SUCCESS = ("complete", "release")
+
+
+class LeaseCore:
+    """The state of one lease; subclasses add the lost event and the keeper."""
+
+    def __init__(self, transport: Transport, job: str, owner: str, key: str, generation: int,
+                 asked_ttl_ms: int, margin: Optional[float], on_success: str) -> None:
+        if on_success not in ON_SUCCESS:
+            raise ValueError(f"on_success is 'complete' or 'release', not {on_success!r}")
+        self.job = job
+        self.owner = owner
+        self.generation = generation
+        self.on_success = on_success
+        self._transport = transport
+        self._key = key
+        self._asked_ttl_ms = asked_ttl_ms
+        self._margin = margin
+        self._lock = threading.RLock()
+        self._token = ""
+        self._deadline = 0.0
+        self._sent = 0.0
+        self._ttl_ms = 0
+        self._expires_at_ms = 0
+        self._reason: Optional[str] = None
+
+    # -- what a worker reads -------------------------------------------------------------
+
+    @property
+    def token(self) -> str:
+        """The newest fencing token, exactly as the server returned it (a signing server's
+        ``<generation>.<expires_at_ms>.<signature>``, else the generation in decimal).
+
+        Raises :class:`LeaseLost` from the moment the lease is lost: past the local deadline,
+        after a refused renewal, after release or completion."""
+        with self._lock:
+            if self._reason is None and monotonic() < self._deadline:
+                return self._token
+            reason = self._reason or DEADLINE_PASSED
+        self._declare_lost(reason)
+        raise LeaseLost(self.job, self.generation, reason)
+
+    def headers(self) -> Dict[str, str]:
+        """``X-Fencing-Job`` and ``X-Fencing-Token`` for a write; raises :class:`LeaseLost`."""
+        return {"X-Fencing-Job": self.job, "X-Fencing-Token": self.token}
+
+    def is_lost(self) -> bool:
+        """Whether the lease is lost, the local deadline checked too."""
+        try:
+            self.token
+        except LeaseLost:
+            return True
+        return False
+
+    @property
+    def loss_reason(self) -> Optional[str]:
+        """Why the lease was lost, once it is."""
+        return self._reason
+
+    @property
+    def deadline(self) -> float:
+        """The local deadline on ``time.monotonic()``: lost at this instant unless renewed."""
+        with self._lock:
+            return self._deadline
+
+    @property
+    def ttl(self) -> float:
+        """The TTL the server granted last, in seconds."""
+        with self._lock:
+            return self._ttl_ms / 1000
+
+    @property
+    def expires_at_ms(self) -> int:
+        """The server's expiry of the last grant, on the *server's* clock (informational: the
+        client never uses it for its own deadline)."""
+        with self._lock:
+            return self._expires_at_ms
+
+    def idempotency_key(self, step: str) -> str:
+        """The derived ``Idempotency-Key`` of a step of this job (contract section 11)."""
+        return idempotency_key(self.job, step)
+
+    def __repr__(self) -> str:
+        state = f"lost: {self._reason}" if self._reason else "held"
+        return f"<{type(self).__name__} job={self.job!r} generation={self.generation} {state}>"
+
+    # -- the keeper's half ---------------------------------------------------------------
+
+    def _set_grant(self, sent: float, answer: Dict[str, Any], first: bool = False) -> bool:
+        """Takes a claim's or renewal's answer sent at ``sent``; False when the lease was lost
+        before it arrived (loss is final: a late answer changes nothing)."""
+        token, ttl_ms, expires_at_ms = grant_token(self.job, self.generation, answer)
+        with self._lock:
+            if not first and (self._reason is not None or monotonic() >= self._deadline):
+                return False
+            self._token = token
+            self._ttl_ms = ttl_ms
+            self._expires_at_ms = expires_at_ms
+            self._sent = sent
+            self._deadline = sent + max(ttl_ms - margin_ms(ttl_ms, self._margin), 0) / 1000
+        return True
+
+    def _declare_lost(self, reason: str) -> None:
+        """The one place a lease is declared lost. Final: nothing un-loses it."""
+        with self._lock:
+            if self._reason is None:
+                self._reason = reason
+        self._signal_lost()
+
+    def _signal_lost(self) -> None:
+        raise NotImplementedError
+
+    def _renew_every(self) -> float:
+        with self._lock:
+            return self._ttl_ms / 3000
+
+    def _retry_pause(self) -> float:
+        # Steady, so that the last chance before the deadline is not skipped; jittered, so
+        # many workers do not all retry at once when a server comes back.
+        pause = min(max(self._renew_every() / 4, 0.01), 1.0)
+        return pause * random.uniform(0.8, 1.0)
+
+    def _after_renewal(self, sent: float, answer: Optional[Dict[str, Any]] = None,
+                       error: Optional[BaseException] = None) -> Optional[float]:
+        """Applies a renewal's outcome: the monotonic time of the next renewal, or None when
+        the keeper is done (lost, or the answer came after the deadline)."""
+        if error is None and answer is not None:
+            try:
+                if not self._set_grant(sent, answer):
+                    return None
+                return sent + self._renew_every()
+            except ProtocolError as e:
+                error = e
+        if isinstance(error, (LeaseRefused, JobCompleted)):
+            self._declare_lost(f"the server refused the renewal: {error}")
+            return None
+        # No answer, or a refusal that decides nothing (503, 5xx): the deadline stands.
+        return monotonic() + self._retry_pause()
+
+    def _path(self, action: str) -> str:
+        return f"/v1/leases/{encode_job(self.job)}/{action}"
+
+    def _send_renew(self, timeout: float) -> Dict[str, Any]:
+        """One renewal (blocking); the keeper calls it, tests replace it to pause renewals."""
+        body = {"owner": self.owner, "generation": self.generation, "lease_key": self._key,
+                "ttl_ms": self._asked_ttl_ms}
+        return self._transport.call("POST", self._path("renew"), body, timeout=timeout)
+
+    def _send_finish(self, action: str) -> Dict[str, Any]:
+        body = {"owner": self.owner, "generation": self.generation, "lease_key": self._key}
+        return self._transport.call("POST", self._path(action), body)
+
+
+def claim_path(job: str, wait_s: float) -> str:
+    """The claim URL path of ``job``, waiting up to ``wait_s`` seconds (at most 60) at the server."""
+    path = f"/v1/leases/{encode_job(job)}/claim"
+    return path + (f"?wait={wait_param(wait_s)}" if wait_s > 0 else "")
+

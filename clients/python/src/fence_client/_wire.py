@@ -1,0 +1,201 @@
+"""The wire half of the client: job ids in paths, HTTP calls to the lease server, timing."""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import json
+import os
+import secrets
+import socket
+import ssl
+import threading
+import time
+import urllib.error
+import urllib.request
+from typing import Any, Callable, Dict, Optional, Tuple, TypeVar, Union
+
+from ._errors import InvalidJobId, ProtocolError, ServerUnreachable, problem_error
+
+PathLike = Union[str, "os.PathLike[str]"]
+
+_UNRESERVED = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-._~")
+
+
+def check_job(job: str) -> str:
+    """Returns ``job`` if it is a valid job id (1 to 256 bytes of visible ASCII, 0x21 to 0x7E),
+    else raises :class:`InvalidJobId`: a space or anything outside visible ASCII is refused
+    here, before anything is sent."""
+    if not isinstance(job, str):
+        raise InvalidJobId(f"a job id is a str, not {type(job).__name__}")
+    if not 1 <= len(job) <= 256:
+        raise InvalidJobId(f"a job id has 1 to 256 characters, not {len(job)}")
+    for i, ch in enumerate(job):
+        if not 0x21 <= ord(ch) <= 0x7E:
+            raise InvalidJobId(
+                f"job id {job!r} has {ch!r} at offset {i}: only visible ASCII (0x21 to 0x7E) is allowed")
+    return job
+
+
+def encode_job(job: str) -> str:
+    """The job id percent-encoded for a URL path: every byte but ``A-Z a-z 0-9 - . _ ~``."""
+    return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in check_job(job).encode("ascii"))
+
+
+def idempotency_key(job: str, step: str) -> str:
+    """The derived ``Idempotency-Key`` of one step of a job (contract section 11): the same for
+    every holder of every generation, for third-party APIs that deduplicate by key."""
+    digest = hashlib.sha256(b"fence-step-v1\0" + check_job(job).encode("ascii") + b"\0"
+                            + step.encode("utf-8")).digest()
+    return "fence-" + base64.urlsafe_b64encode(digest).decode("ascii").rstrip("=")
+
+
+def default_owner() -> str:
+    """``<hostname>-<pid>-<random>``, unique per process incarnation."""
+    host = "".join(c if 0x21 <= ord(c) <= 0x7E else "-" for c in socket.gethostname()) or "host"
+    return f"{host[:200]}-{os.getpid()}-{secrets.token_hex(4)}"
+
+
+def new_lease_key() -> str:
+    """43 base64url characters from 32 OS random bytes: the proof that a lease is ours."""
+    return secrets.token_urlsafe(32)
+
+
+def ttl_to_ms(ttl: float) -> int:
+    ms = int(round(ttl * 1000))
+    if not 100 <= ms <= 86_400_000:
+        raise ValueError(f"a lease TTL is 0.1 s to 24 h, not {ttl!r} s")
+    return ms
+
+
+def margin_ms(granted_ms: int, margin: Optional[float]) -> int:
+    """The safety margin of a grant: 10% of its TTL, at least 50 ms, unless configured."""
+    if margin is not None:
+        return int(round(margin * 1000))
+    return max(granted_ms // 10, 50)
+
+
+def wait_param(seconds: float) -> str:
+    return f"{max(1, int(seconds * 1000))}ms"
+
+
+def read_auth_token(auth_token: Optional[str], auth_token_file: Optional[PathLike]) -> Optional[str]:
+    """The bearer secret: given, else read from the file (white space trimmed), else
+    ``FENCE_AUTH_TOKEN``, else none."""
+    if auth_token is not None and auth_token_file is not None:
+        raise ValueError("give auth_token or auth_token_file, not both")
+    if auth_token_file is not None:
+        with open(auth_token_file, encoding="utf-8") as f:
+            auth_token = f.read().strip()
+        if not auth_token:
+            raise ValueError(f"the auth token file {os.fspath(auth_token_file)} is empty")
+    if auth_token is None:
+        auth_token = os.environ.get("FENCE_AUTH_TOKEN") or None
+    return auth_token
+
+
+class Transport:
+    """Blocking HTTP calls to one lease server (``urllib``; thread safe)."""
+
+    def __init__(self, server: Optional[str], auth_token: Optional[str],
+                 auth_token_file: Optional[PathLike], ca_file: Optional[PathLike],
+                 timeout: float) -> None:
+        server = server or os.environ.get("FENCE_SERVER") or "http://127.0.0.1:7700"
+        if not server.startswith(("http://", "https://")):
+            raise ValueError(f"the server URL must start with http:// or https://, not {server!r}")
+        self.server = server.rstrip("/")
+        self.timeout = timeout
+        secret = read_auth_token(auth_token, auth_token_file)
+        self._headers = {"accept": "application/json"}
+        if secret:
+            self._headers["authorization"] = f"Bearer {secret}"
+        if ca_file is None:
+            ca_file = os.environ.get("FENCE_CA_CERT") or None
+        # With a CA file, its certificates replace the system roots (as curl --cacert does).
+        context = ssl.create_default_context(cafile=os.fspath(ca_file) if ca_file else None)
+        self._opener = urllib.request.build_opener(
+            urllib.request.HTTPSHandler(context=context),
+            # The lease server is reached directly, never through an environment proxy.
+            urllib.request.ProxyHandler({}))
+
+    def call(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
+             timeout: Optional[float] = None) -> Dict[str, Any]:
+        """One request; the decoded JSON answer on 2xx, else the problem as an exception."""
+        data = None if body is None else json.dumps(body).encode("utf-8")
+        headers = dict(self._headers)
+        if data is not None:
+            headers["content-type"] = "application/json"
+        request = urllib.request.Request(self.server + path, data=data, method=method,
+                                         headers=headers)
+        wait = self.timeout if timeout is None else max(timeout, 0.001)
+        try:
+            with self._opener.open(request, timeout=wait) as response:
+                payload = response.read()
+        except urllib.error.HTTPError as e:
+            try:
+                payload = e.read()
+            except OSError:
+                payload = b""
+            raise problem_error(e.code, dict(e.headers.items()), payload) from None
+        except (OSError, urllib.error.URLError, ValueError) as e:
+            # http.client's RemoteDisconnected is an OSError; a truncated answer a ValueError.
+            raise ServerUnreachable(f"{method} {self.server}{path}: {e}") from e
+        try:
+            answer = json.loads(payload.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ProtocolError(f"{method} {self.server}{path}: not JSON: {payload[:200]!r}") from e
+        if not isinstance(answer, dict):
+            raise ProtocolError(f"{method} {self.server}{path}: not a JSON object")
+        return answer
+
+
+T = TypeVar("T")
+
+
+class Timeout(Exception):
+    """A bounded call did not finish in time (internal)."""
+
+
+def bounded(fn: Callable[[], T], timeout: float) -> T:
+    """Runs ``fn`` in a thread of its own and waits for it at most ``timeout`` seconds.
+
+    The keeper uses it so that a renewal hanging on a server that stopped answering cannot
+    hold the lost signal past the deadline; a late answer is dropped.
+    """
+    done = threading.Event()
+    result: Dict[str, Any] = {}
+
+    def run() -> None:
+        try:
+            result["value"] = fn()
+        except BaseException as e:  # handed to the waiting thread
+            result["error"] = e
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="fence-renewal", daemon=True).start()
+    if not done.wait(max(timeout, 0.0)):
+        raise Timeout()
+    if "error" in result:
+        raise result["error"]
+    return result["value"]  # type: ignore[no-any-return]
+
+
+def monotonic() -> float:
+    return time.monotonic()
+
+
+def grant_token(job: str, generation: int, answer: Dict[str, Any]) -> Tuple[str, int, int]:
+    """(token, granted ttl_ms, expires_at_ms) of a lease answer for ``generation``."""
+    if answer.get("generation") != generation:
+        raise ProtocolError(
+            f"the server granted generation {answer.get('generation')!r} of {job}, expected {generation}")
+    token = answer.get("token")
+    if token is None:
+        token = str(generation)
+    elif not isinstance(token, str) or not token.startswith(f"{generation}."):
+        raise ProtocolError(f"the server signed token {token!r} for generation {generation}")
+    ttl_ms, expires_at_ms = answer.get("ttl_ms"), answer.get("expires_at_ms")
+    if not isinstance(ttl_ms, int) or not isinstance(expires_at_ms, int):
+        raise ProtocolError(f"a lease answer without ttl_ms and expires_at_ms: {answer!r}")
+    return token, ttl_ms, expires_at_ms

@@ -1,0 +1,205 @@
+"""The asyncio twin of :mod:`fence_client.client`: the same names, awaited.
+
+    client = AsyncClient("http://127.0.0.1:7700", ttl=10)
+    async with client.claim("invoice-42") as lease:     # completes on a clean exit
+        await http.post(url, content=..., auth=FenceAuth(lease))     # fence_client.httpx
+
+The keeper is a task of the running loop; each call to the lease server runs the standard
+library's HTTP client in a worker thread, and every wait of the keeper is bounded by the local
+deadline, so ``lease.lost`` is set on time even while a renewal hangs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from types import TracebackType
+from typing import Any, Dict, Generator, Optional, Type
+
+from ._errors import FenceError, LeaseHeld, LeaseLost, ProtocolError, ServerUnreachable
+from ._lease import DEADLINE_PASSED, FINISHED, LeaseCore, claim_path
+from ._wire import (PathLike, Transport, check_job, default_owner, encode_job, margin_ms,
+                    monotonic, new_lease_key, ttl_to_ms)
+
+
+class AsyncLease(LeaseCore):
+    """A held lease renewed by a task; ``lost`` is an :class:`asyncio.Event`. ``async with``
+    completes on a clean exit (releases with ``on_success="release"``), releases on an
+    exception, and raises :class:`LeaseLost` on exit when the lease was lost inside."""
+
+    lost: asyncio.Event
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._loop = asyncio.get_running_loop()
+        self.lost = asyncio.Event()
+        self._finished = asyncio.Event()
+        self._keeper: Optional["asyncio.Task[None]"] = None
+
+    def _signal_lost(self) -> None:
+        try:
+            running = asyncio.get_running_loop()
+        except RuntimeError:
+            running = None
+        if running is self._loop:
+            self.lost.set()
+        elif not self._loop.is_closed():
+            # Declared from another thread (a sync adapter used off the loop).
+            self._loop.call_soon_threadsafe(self.lost.set)
+
+    def _start(self) -> None:
+        self._keeper = self._loop.create_task(self._keep(), name=f"fence-keeper {self.job}")
+
+    async def _keep(self) -> None:
+        next_at: Optional[float] = self._sent + self._renew_every()
+        while next_at is not None:
+            deadline = self.deadline
+            try:
+                await asyncio.wait_for(self._finished.wait(),
+                                       max(0.0, min(next_at, deadline) - monotonic()))
+                return
+            except asyncio.TimeoutError:
+                pass
+            if self.lost.is_set():
+                return
+            sent = monotonic()
+            if sent >= deadline:
+                return self._declare_lost(DEADLINE_PASSED)
+            try:
+                answer = await asyncio.wait_for(self._renew(deadline - sent), deadline - sent)
+            except asyncio.TimeoutError:
+                return self._declare_lost(DEADLINE_PASSED)
+            except FenceError as e:
+                next_at = self._after_renewal(sent, error=e)
+            else:
+                next_at = self._after_renewal(sent, answer=answer)
+
+    async def _renew(self, timeout: float) -> Dict[str, Any]:
+        return await asyncio.to_thread(self._send_renew, timeout)
+
+    async def release(self) -> Dict[str, Any]:
+        """Frees the job; the record. :class:`LeaseRefused` when the lease is not ours."""
+        return await self._finish("release")
+
+    async def complete(self) -> Dict[str, Any]:
+        """Marks the job done; the record. :class:`LeaseRefused` when someone took over."""
+        return await self._finish("complete")
+
+    def abandon(self) -> None:
+        """Stops renewing and lets the lease expire on the server; nothing is sent."""
+        self._finished.set()
+        self._declare_lost(FINISHED)
+
+    async def _finish(self, action: str) -> Dict[str, Any]:
+        self.abandon()
+        return await asyncio.to_thread(self._send_finish, action)
+
+    async def __aenter__(self) -> "AsyncLease":
+        return self
+
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]],
+                        exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        if exc_type is not None:
+            try:
+                await self.release()
+            except FenceError:
+                pass
+            return
+        if self.is_lost():
+            reason = self.loss_reason or DEADLINE_PASSED
+            try:
+                await self.release()
+            except FenceError:
+                pass
+            raise LeaseLost(self.job, self.generation, reason)
+        if self.on_success == "complete":
+            await self.complete()
+        else:
+            await self.release()
+
+
+class _Claim:
+    """What ``AsyncClient.claim`` returns: await it for the lease, or ``async with`` it."""
+
+    def __init__(self, client: "AsyncClient", job: str, wait: float, ttl: Optional[float],
+                 on_success: str) -> None:
+        self._args = (client, job, wait, ttl, on_success)
+        self._lease: Optional[AsyncLease] = None
+
+    def __await__(self) -> Generator[Any, None, AsyncLease]:
+        client, job, wait, ttl, on_success = self._args
+        return client._claim(job, wait, ttl, on_success).__await__()
+
+    async def __aenter__(self) -> AsyncLease:
+        self._lease = await self
+        return self._lease
+
+    async def __aexit__(self, exc_type: Optional[Type[BaseException]],
+                        exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        assert self._lease is not None
+        await self._lease.__aexit__(exc_type, exc, tb)
+
+
+class AsyncClient:
+    """The asyncio twin of :class:`fence_client.Client`, with the same options."""
+
+    def __init__(self, server: Optional[str] = None, *, owner: Optional[str] = None,
+                 ttl: float = 30.0, auth_token: Optional[str] = None,
+                 auth_token_file: Optional[PathLike] = None, ca_file: Optional[PathLike] = None,
+                 margin: Optional[float] = None, timeout: float = 10.0) -> None:
+        self._transport = Transport(server, auth_token, auth_token_file, ca_file, timeout)
+        self.owner = check_job(owner) if owner is not None else default_owner()
+        self.ttl_ms = ttl_to_ms(ttl)
+        if margin is not None and not 0 <= margin * 1000 < self.ttl_ms:
+            raise ValueError("the safety margin must be shorter than the TTL")
+        self._margin = margin
+
+    @property
+    def server(self) -> str:
+        return self._transport.server
+
+    def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
+              on_success: str = "complete") -> _Claim:
+        """``await client.claim(job)`` or ``async with client.claim(job) as lease``; as
+        :meth:`fence_client.Client.claim`."""
+        check_job(job)
+        return _Claim(self, job, wait, ttl, on_success)
+
+    async def _claim(self, job: str, wait: float, ttl: Optional[float],
+                     on_success: str) -> AsyncLease:
+        ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
+        key = new_lease_key()
+        body = {"owner": self.owner, "lease_key": key, "ttl_ms": ttl_ms}
+        budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
+        wait_until = monotonic() + max(wait, 0.0)
+        while True:
+            chunk = min(wait_until - monotonic(), 60.0)
+            chunk = chunk if chunk >= 0.001 else 0.0
+            sent = monotonic()
+            try:
+                answer = await asyncio.to_thread(self._transport.call, "POST",
+                                                 claim_path(job, chunk), body,
+                                                 budget + chunk)
+                break
+            except LeaseHeld:
+                if chunk <= 0 or monotonic() >= wait_until:
+                    raise
+        generation = answer.get("generation")
+        if not isinstance(generation, int) or generation < 1:
+            raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
+        lease = AsyncLease(self._transport, job, self.owner, key, generation, ttl_ms,
+                           self._margin, on_success)
+        lease._set_grant(sent, answer, first=True)
+        # A claim that waited long: renew once, now, as the thread client does.
+        usable = lease.deadline - sent
+        if lease.deadline - monotonic() < usable * 2 / 3:
+            sent = monotonic()
+            lease._set_grant(sent, await lease._renew(usable), first=True)
+        if monotonic() >= lease.deadline:
+            raise ServerUnreachable(f"the lease on {job} was granted too late to be of use")
+        lease._start()
+        return lease
+
+    async def status(self, job: str) -> Dict[str, Any]:
+        """The job's lease record, as :meth:`fence_client.Client.status`."""
+        path = f"/v1/leases/{encode_job(job)}"
+        return await asyncio.to_thread(self._transport.call, "GET", path)

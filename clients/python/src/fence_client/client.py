@@ -1,0 +1,180 @@
+"""The blocking client: claims a job and keeps the lease renewed in a background thread.
+
+    client = Client("http://127.0.0.1:7700", ttl=10)
+    with client.claim("invoice-42") as lease:        # completes on a clean exit
+        session.post(url, data=..., auth=FenceAuth(lease))
+"""
+
+from __future__ import annotations
+
+import threading
+from types import TracebackType
+from typing import Any, Dict, Optional, Type
+
+from ._errors import FenceError, LeaseHeld, LeaseLost, ProtocolError, ServerUnreachable
+from ._lease import DEADLINE_PASSED, FINISHED, LeaseCore, claim_path
+from ._wire import (PathLike, Timeout, Transport, bounded, check_job, default_owner, encode_job,
+                    margin_ms, monotonic, new_lease_key, ttl_to_ms)
+
+
+class Lease(LeaseCore):
+    """A held lease, renewed every third of its TTL by a keeper thread until it is released,
+    completed, abandoned or lost.
+
+    ``lost`` is a :class:`threading.Event` set the moment the lease is lost: no later than the
+    local deadline, also when the server stops answering. Used as a context manager, the
+    lease completes on a clean exit (releases with ``on_success="release"``) and releases
+    when the block raises; a lease lost inside the block raises :class:`LeaseLost` on exit.
+    """
+
+    lost: threading.Event
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.lost = threading.Event()
+        self._finished = threading.Event()
+        self._keeper: Optional[threading.Thread] = None
+
+    def _signal_lost(self) -> None:
+        self.lost.set()
+
+    def _start(self) -> None:
+        self._keeper = threading.Thread(target=self._keep, name=f"fence-keeper {self.job}",
+                                        daemon=True)
+        self._keeper.start()
+
+    def _keep(self) -> None:
+        next_at: Optional[float] = self._sent + self._renew_every()
+        while next_at is not None:
+            deadline = self.deadline
+            # Every wait ends at the deadline at the latest: loss fires on time.
+            if self._finished.wait(max(0.0, min(next_at, deadline) - monotonic())):
+                return
+            if self.lost.is_set():
+                return
+            sent = monotonic()
+            if sent >= deadline:
+                return self._declare_lost(DEADLINE_PASSED)
+            try:
+                answer = bounded(lambda: self._send_renew(deadline - sent), deadline - sent)
+            except Timeout:
+                return self._declare_lost(DEADLINE_PASSED)
+            except FenceError as e:
+                next_at = self._after_renewal(sent, error=e)
+            else:
+                next_at = self._after_renewal(sent, answer=answer)
+
+    def release(self) -> Dict[str, Any]:
+        """Frees the job for another claim; the record (``state`` ``free``). Raises
+        :class:`LeaseRefused` when the server no longer records this lease."""
+        return self._finish("release")
+
+    def complete(self) -> Dict[str, Any]:
+        """Marks the job done for good; the record (``state`` ``completed``). The server
+        decides: :class:`LeaseRefused` (409 ``lease-lost``) when someone else took over."""
+        return self._finish("complete")
+
+    def abandon(self) -> None:
+        """Stops renewing and lets the lease expire on the server; no request is sent."""
+        self._finished.set()
+        self._declare_lost(FINISHED)
+
+    def _finish(self, action: str) -> Dict[str, Any]:
+        self.abandon()  # nothing is sent under this lease from now on, whatever the answer
+        return self._send_finish(action)
+
+    def __enter__(self) -> "Lease":
+        return self
+
+    def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
+                 tb: Optional[TracebackType]) -> None:
+        if exc_type is not None:
+            try:
+                self.release()
+            except FenceError:
+                pass  # the block's own exception is what the caller must see
+            return
+        if self.is_lost():
+            reason = self.loss_reason or DEADLINE_PASSED
+            try:
+                self.release()  # never complete a job whose lease was lost on the way
+            except FenceError:
+                pass
+            raise LeaseLost(self.job, self.generation, reason)
+        if self.on_success == "complete":
+            self.complete()
+        else:
+            self.release()
+
+
+class Client:
+    """A client of one lease server, claiming under one owner name.
+
+    ``ttl`` and ``wait`` are seconds. The bearer secret is ``auth_token``, or read from
+    ``auth_token_file``, or ``FENCE_AUTH_TOKEN``; ``ca_file`` (or ``FENCE_CA_CERT``) replaces
+    the system roots for an ``https://`` server. ``margin`` overrides the safety margin (10%
+    of the TTL, at least 50 ms); ``timeout`` bounds calls other than renewals.
+    """
+
+    def __init__(self, server: Optional[str] = None, *, owner: Optional[str] = None,
+                 ttl: float = 30.0, auth_token: Optional[str] = None,
+                 auth_token_file: Optional[PathLike] = None, ca_file: Optional[PathLike] = None,
+                 margin: Optional[float] = None, timeout: float = 10.0) -> None:
+        self._transport = Transport(server, auth_token, auth_token_file, ca_file, timeout)
+        self.owner = check_job(owner) if owner is not None else default_owner()
+        self.ttl_ms = ttl_to_ms(ttl)
+        if margin is not None and not 0 <= margin * 1000 < self.ttl_ms:
+            raise ValueError("the safety margin must be shorter than the TTL")
+        self._margin = margin
+
+    @property
+    def server(self) -> str:
+        return self._transport.server
+
+    def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
+              on_success: str = "complete") -> Lease:
+        """Claims ``job`` and starts its keeper. With ``wait`` (seconds) the server holds the
+        claim while the job is held and answers the moment it frees (asked again every 60 s).
+
+        Raises :class:`LeaseHeld` (still held when the wait ends), :class:`JobCompleted`,
+        :class:`ServerUnreachable`, :class:`ProblemError` for other refusals, and
+        :class:`InvalidJobId` before sending anything."""
+        check_job(job)
+        ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
+        key = new_lease_key()
+        body = {"owner": self.owner, "lease_key": key, "ttl_ms": ttl_ms}
+        budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
+        wait_until = monotonic() + max(wait, 0.0)
+        while True:
+            chunk = min(wait_until - monotonic(), 60.0)
+            chunk = chunk if chunk >= 0.001 else 0.0
+            sent = monotonic()
+            try:
+                answer = self._transport.call("POST", claim_path(job, chunk), body,
+                                              timeout=budget + chunk)
+                break
+            except LeaseHeld:
+                if chunk <= 0 or monotonic() >= wait_until:
+                    raise
+        generation = answer.get("generation")
+        if not isinstance(generation, int) or generation < 1:
+            raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
+        lease = Lease(self._transport, job, self.owner, key, generation, ttl_ms, self._margin,
+                      on_success)
+        lease._set_grant(sent, answer, first=True)
+        # A claim that waited long arrives with little time left: renew once, now, and count
+        # the deadline from this send. (Usable time of the grant, which may be shorter than
+        # what was asked.)
+        usable = lease.deadline - sent
+        if lease.deadline - monotonic() < usable * 2 / 3:
+            sent = monotonic()
+            lease._set_grant(sent, lease._send_renew(usable), first=True)
+        if monotonic() >= lease.deadline:
+            raise ServerUnreachable(f"the lease on {job} was granted too late to be of use")
+        lease._start()
+        return lease
+
+    def status(self, job: str) -> Dict[str, Any]:
+        """The job's lease record: ``job``, ``owner``, ``generation``, ``state``,
+        ``expires_in_ms``. Raises :class:`ProblemError` 404 ``unknown-job``."""
+        return self._transport.call("GET", f"/v1/leases/{encode_job(job)}")

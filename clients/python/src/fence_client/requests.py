@@ -1,0 +1,44 @@
+"""The ``requests`` adapter: an auth hook that stamps ``X-Fencing-Job`` and ``X-Fencing-Token``
+on every request and raises :class:`~fence_client.LeaseLost` instead of sending once the lease
+is lost.
+
+    session.post(url, data=body, auth=FenceAuth(lease))
+    session.auth = FenceAuth(lease)                     # or for every request of a session
+"""
+
+from __future__ import annotations
+
+from typing import Optional, Union
+
+import requests
+from requests.auth import AuthBase
+
+from ._errors import ProblemError, problem_error
+from .aio import AsyncLease
+from .client import Lease
+
+
+class FenceAuth(AuthBase):
+    """Stamps the lease's headers, read when the request is prepared, just before it is
+    sent (redirects included). ``auth`` is another hook to apply first (the destination's
+    own credentials)."""
+
+    def __init__(self, lease: Union[Lease, AsyncLease], auth: Optional[AuthBase] = None) -> None:
+        self.lease = lease
+        self.auth = auth
+
+    def __call__(self, r: requests.PreparedRequest) -> requests.PreparedRequest:
+        if self.auth is not None:
+            r = self.auth(r)
+        r.headers.update(self.lease.headers())  # raises LeaseLost: nothing is sent
+        return r
+
+
+def raise_for_problem(response: requests.Response) -> None:
+    """Raises the :class:`~fence_client.ProblemError` of a non-2xx answer (for a destination's
+    409 ``stale-token``, :class:`~fence_client.StaleToken`); nothing on success."""
+    if response.status_code >= 400:
+        raise problem_error(response.status_code, dict(response.headers), response.content)
+
+
+__all__ = ["FenceAuth", "ProblemError", "raise_for_problem"]

@@ -1,0 +1,105 @@
+"""Auth, TLS, waiting claims, refusals as exceptions, derived idempotency keys."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+
+from conftest import fence_bin
+from fence_client import (Client, JobCompleted, LeaseHeld, ProblemError, ServerUnreachable,
+                          idempotency_key)
+from fence_client._wire import monotonic
+
+SECRET = "s3cret-s3cret-s3cret"
+
+
+def test_bearer_token_and_ca_file(stack, tmp_path, monkeypatch):
+    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "ec", "-pkeyopt",
+                    "ec_paramgen_curve:P-256", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1", "-addext",
+                    "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    auth = tmp_path / "auth"
+    auth.write_text(f"workers {SECRET} tls-*\n")
+    auth.chmod(0o600)
+    token_file = tmp_path / "token"
+    token_file.write_text(f"  {SECRET}\n")
+    s = stack(proxy=False, scheme="https", server_args=[
+        "--tls-cert", str(cert), "--tls-key", str(key), "--auth-file", str(auth)])
+    monkeypatch.delenv("FENCE_AUTH_TOKEN", raising=False)
+    monkeypatch.delenv("FENCE_CA_CERT", raising=False)
+
+    with Client(s.server_url, auth_token=SECRET, ca_file=cert, ttl=1.0).claim("tls-1") as lease:
+        assert lease.generation == 1
+    with Client(s.server_url, auth_token_file=token_file, ca_file=cert).claim("tls-2"):
+        pass
+    monkeypatch.setenv("FENCE_AUTH_TOKEN", SECRET)
+    monkeypatch.setenv("FENCE_CA_CERT", str(cert))
+    with Client(s.server_url).claim("tls-3"):
+        pass
+    assert Client(s.server_url).status("tls-3")["state"] == "completed"
+    with pytest.raises(ProblemError) as forbidden:
+        Client(s.server_url).claim("other-job")
+    assert (forbidden.value.status, forbidden.value.type) == (403, "urn:fence:forbidden")
+    monkeypatch.delenv("FENCE_AUTH_TOKEN")
+    with pytest.raises(ProblemError) as unauthenticated:
+        Client(s.server_url, ca_file=cert).claim("tls-4")
+    assert unauthenticated.value.status == 401
+    assert unauthenticated.value.type == "urn:fence:unauthenticated"
+    monkeypatch.delenv("FENCE_CA_CERT")
+    with pytest.raises(ServerUnreachable) as untrusted:  # the system roots do not know it
+        Client(s.server_url, auth_token=SECRET).claim("tls-5")
+    assert "CERTIFICATE_VERIFY_FAILED" in str(untrusted.value)
+
+
+def test_waiting_claim_and_refusals(stack):
+    s = stack(proxy=False)
+    holder = Client(s.server_url, owner="holder", ttl=1.0)
+    waiter = Client(s.server_url, owner="waiter", ttl=1.5)
+    held = holder.claim("wait-job")
+    held.abandon()  # stops renewing: the lease runs out at the server in about a second
+    with pytest.raises(LeaseHeld) as refused:
+        waiter.claim("wait-job")
+    assert (refused.value.status, refused.value.type) == (409, "urn:fence:lease-held")
+    assert refused.value.owner == "holder" and 0 < refused.value.expires_in_ms <= 1000
+    started = monotonic()
+    lease = waiter.claim("wait-job", wait=5.0)
+    took = monotonic() - started
+    assert lease.generation == 2 and 0.5 < took < 2.0, took
+    # It waited most of a second of its 1.35 s of usable time: renewed at once, so the
+    # deadline counts from that renewal, not from the claim sent a second ago.
+    assert lease.deadline - monotonic() > 0.9, lease.deadline - monotonic()
+    lease.complete()
+    with pytest.raises(JobCompleted) as completed:
+        waiter.claim("wait-job", wait=1.0)
+    assert (completed.value.status, completed.value.generation) == (410, 2)
+    with pytest.raises(ProblemError) as unknown:
+        waiter.status("never-claimed")
+    assert (unknown.value.status, unknown.value.type) == (404, "urn:fence:unknown-job")
+
+
+def test_renewals_follow_a_shorter_grant(stack):
+    s = stack(proxy=False, server_args=["--max-ttl", "600ms"])
+    lease = Client(s.server_url, ttl=30.0).claim("capped")
+    assert lease.ttl == 0.6
+    assert lease.deadline - monotonic() < 0.6  # counted from the grant, not from what was asked
+    time.sleep(1.0)  # renewed every 200 ms, not every 10 s
+    assert not lease.is_lost()
+    lease.release()
+
+
+def test_idempotency_key_matches_the_binary():
+    out = subprocess.run([fence_bin(), "idempotency-key", "--job", "invoice-42", "--step",
+                          "charge"], check=True, capture_output=True, text=True).stdout.strip()
+    assert idempotency_key("invoice-42", "charge") == out
+
+
+def test_timing_options_are_checked():
+    with pytest.raises(ValueError):
+        Client("http://127.0.0.1:9", ttl=0.05)
+    with pytest.raises(ValueError):
+        Client("http://127.0.0.1:9", ttl=1.0, margin=1.0)
+    with pytest.raises(ValueError):
+        Client("127.0.0.1:7700")

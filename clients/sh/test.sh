@@ -1,0 +1,82 @@
+#!/usr/bin/env bash
+# examples/sh/worker.sh against the real binaries: the worked example on a job id that needs
+# percent-encoding (A claims generation 7, stalls past its lease, B claims 8 and writes, A's
+# late write is refused 409 and A does not complete), then job ids a/b a%b a?b#c a+b, each
+# revoked while its worker writes to a slow service: the keeper's refused renewal must stop
+# the worker before its next write.
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd); worker=${WORKER_SH:-$here/../../examples/sh/worker.sh}
+FENCE=$(realpath -m "${FENCE_BIN:-$here/../../target/debug/fence}")
+[ -x "$FENCE" ] || { echo "sh: FAIL: the fence binary is missing at $FENCE: build it or set FENCE_BIN" >&2; exit 1; }
+tmp=$(mktemp -d); pids=()
+trap 'for p in "${pids[@]}"; do kill -CONT "$p"; kill "$p"; done 2>/dev/null; rm -rf "$tmp"' EXIT
+fail() { echo "sh: FAIL: $*" >&2; exit 1; }
+ready() { for _ in $(seq 150); do grep -q "$2" "$1" 2>/dev/null && return; sleep 0.1; done; fail "no '$2' in $1: $(cat "$1")"; }
+start() { "$FENCE" "${@:2}" 2>"$tmp/$1.log" & pids+=($!); ready "$tmp/$1.log" ' ready '; addr=$(grep -o 'listen=[^ ]*' "$tmp/$1.log" | head -1 | cut -d= -f2); }
+# The service: logs "path job token body" per write; /slow answers after a second.
+python3 -c 'import http.server as h, sys, time
+class H(h.BaseHTTPRequestHandler):
+    def do_POST(s):
+        b = s.rfile.read(int(s.headers["content-length"] or 0)).decode()
+        j, t = s.headers["x-fencing-job"], s.headers["x-fencing-token"]
+        open(sys.argv[1] + ".log", "a").write(f"{s.path} {j} {t} {b}\n")
+        time.sleep(1 if s.path == "/slow" else 0); s.send_response(200); s.send_header("content-length", "0"); s.end_headers()
+    def log_message(s, *a): pass
+srv = h.ThreadingHTTPServer(("127.0.0.1", 0), H); open(sys.argv[1], "w").write(str(srv.server_port)); srv.serve_forever()' "$tmp/up" & pids+=($!)
+ready "$tmp/up" .
+start server server --listen 127.0.0.1:0 --data-dir "$tmp/leases"; S=http://$addr
+start proxy proxy --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --upstream "http://127.0.0.1:$(cat "$tmp/up")" --data-dir "$tmp/sink"; P=http://$addr
+run() { SERVER=$S DESTINATION=$P/$1 JOB=$2 TTL_MS=$3 WRITES=$4 sh "$worker"; }
+
+job=inv/42
+for _ in 1 2 3 4 5 6; do "$FENCE" claim --server "$S" --job "$job" --ttl 100ms >/dev/null; sleep 0.15; done
+STALL_BEFORE_SEND=5 run ledger "$job" 600 2 >"$tmp/a" 2>&1 & a=$!
+ready "$tmp/a" 'holding inv/42 at generation 7'; sleep 0.9 # past A's lease, on the server too
+run ledger "$job" 10000 1 >"$tmp/b" 2>&1 || fail "B: $(cat "$tmp/b")"
+grep -q 'generation 8' "$tmp/b" || fail "B: $(cat "$tmp/b")"
+code=0; wait "$a" || code=$?
+[ "$code" = 75 ] && grep -q 'WRITE 2 409' "$tmp/a" || fail "A ($code): $(cat "$tmp/a")"
+"$FENCE" status --server "$S" --job "$job" | grep -q '"job":"inv/42","owner":"[^"]*","generation":8,"state":"completed"' || fail "status of $job"
+[ "$(cut -d' ' -f1-4 "$tmp/up.log")" = "$(printf '/ledger inv/42 7 write\n/ledger inv/42 8 write')" ] || fail "ledger: $(cat "$tmp/up.log")"
+
+n=0
+for job in 'a/b' 'a%b' 'a?b#c' 'a+b'; do n=$((n + 1))
+  run slow "$job" 1500 3 >"$tmp/w$n" 2>&1 & w=$!
+  ready "$tmp/w$n" "holding $job at generation 1"
+  "$FENCE" status --server "$S" --job "$job" | grep -qF "\"job\":\"$job\"" || fail "status of $job"
+  "$FENCE" revoke --server "$S" --job "$job" --reason test >/dev/null
+  code=0; wait "$w" || code=$?
+  [ "$code" = 75 ] && grep -q 'lease lost; not sending' "$tmp/w$n" || fail "$job ($code): $(cat "$tmp/w$n")"
+  [ "$(grep -cF "/slow $job 1 " "$tmp/up.log")" = 1 ] || fail "$job: $(cat "$tmp/up.log")"
+done
+
+# A server that stops answering, with the worker's wall clock right and an hour off either
+# way (libfaketime; the keeper measures on /proc/uptime, which it does not fake): writes of
+# a second each under a 1.5 s lease; after the second write the server is SIGSTOPped. The
+# local deadline (at most 1.35 s after the last renewal was sent) must stop the worker before
+# a fifth write: at most two more go out after the stop, and it exits 75 without completing.
+lib=
+for l in /usr/lib/x86_64-linux-gnu/faketime/libfaketime.so.1 /usr/lib/faketime/libfaketime.so.1; do
+  [ -e "$l" ] && lib=$l && break
+done
+[ -n "$lib" ] || fail "libfaketime is missing: apt-get install faketime"
+for offset in none +1h -1h; do
+  job="stopped/$offset"
+  if [ "$offset" = none ]; then envs=(); else
+    envs=(LD_PRELOAD="$lib" FAKETIME="$offset" FAKETIME_DONT_FAKE_MONOTONIC=1)
+    skew=$(( $(env "${envs[@]}" date +%s) - $(date +%s) ))
+    [ "${skew#-}" -gt 3500 ] || fail "$offset: faketime did not take (skew $skew s)"
+  fi
+  env ${envs[@]+"${envs[@]}"} SERVER=$S DESTINATION=$P/slow JOB=$job TTL_MS=1500 WRITES=6 \
+    sh "$worker" >"$tmp/s$offset" 2>&1 & w=$!
+  ready "$tmp/s$offset" 'WRITE 2 200'
+  kill -STOP "${pids[1]}"
+  code=0; wait "$w" || code=$?
+  kill -CONT "${pids[1]}"
+  [ "$code" = 75 ] && grep -q 'lease lost; not sending' "$tmp/s$offset" || fail "$job ($code): $(cat "$tmp/s$offset")"
+  sent=$(grep -cF "/slow $job 1 " "$tmp/up.log" || true)
+  [ "$sent" -ge 2 ] && [ "$sent" -le 4 ] || fail "$job: $sent writes reached the service (2 to 4 expected): $(cat "$tmp/s$offset")"
+  "$FENCE" status --server "$S" --job "$job" | grep -q '"generation":1' || fail "status of $job"
+  "$FENCE" status --server "$S" --job "$job" | grep -qv '"state":"completed"' || fail "$job was completed"
+done
+echo "sh: ok: the worked example, 4 encoded job ids, and a stopped server (clock right, +1h, -1h) with examples/sh/worker.sh"

@@ -1,0 +1,132 @@
+// Types of fence-client (hand-written; the package is plain JavaScript ESM).
+
+export interface ClientOptions {
+  /** The lease server's URL; default FENCE_SERVER, else http://127.0.0.1:7700. */
+  server?: string;
+  /** The owner name to claim under; default `<hostname>-<pid>-<random>`. */
+  owner?: string;
+  /** The lease TTL asked for, 100 to 86,400,000 ms; default 30,000. */
+  ttlMs?: number;
+  /** The bearer secret; default read from `authTokenFile`, else FENCE_AUTH_TOKEN. */
+  authToken?: string;
+  /** A file holding the bearer secret (surrounding white space trimmed). */
+  authTokenFile?: string;
+  /** PEM certificates that replace the system roots for an https:// server; default FENCE_CA_CERT. */
+  caFile?: string;
+  /** The safety margin before the lease's end; default 10% of the granted TTL, at least 50 ms. */
+  marginMs?: number;
+  /** Bounds calls other than claims and renewals; default 10,000 ms. */
+  timeoutMs?: number;
+}
+
+export interface ClaimOptions {
+  /** Wait at the server up to this long while another owner holds the job (asked again every 60 s). */
+  waitMs?: number;
+  /** The TTL for this claim, instead of the client's. */
+  ttlMs?: number;
+}
+
+export interface RunOptions extends ClaimOptions {
+  /** What a resolved callback does to the job; default 'complete'. */
+  onSuccess?: 'complete' | 'release';
+}
+
+/** A lease record (GET /v1/leases/{job}, release, complete). */
+export interface LeaseRecord {
+  job: string;
+  owner: string | null;
+  generation: bigint;
+  state: 'free' | 'held' | 'expired' | 'completed';
+  expires_in_ms: number;
+}
+
+export class Client {
+  constructor(options?: ClientOptions);
+  readonly server: string;
+  readonly owner: string;
+  readonly ttlMs: number;
+  /** Claims `job` and starts its keeper. Rejects with LeaseHeld, JobCompleted, ProblemError, ServerUnreachable; throws InvalidJobId before sending. */
+  claim(job: string, options?: ClaimOptions): Promise<Lease>;
+  /** Claims, runs `fn`, completes on success (or releases with onSuccess 'release'), releases on a throw; rejects with LeaseLost when the lease was lost meanwhile. */
+  run<T>(job: string, fn: (lease: Lease) => Promise<T>, options?: RunOptions): Promise<T>;
+  status(job: string): Promise<LeaseRecord>;
+  /** Closes idle keep-alive connections to the server. */
+  close(): void;
+}
+
+export class Lease {
+  private constructor();
+  readonly job: string;
+  readonly owner: string;
+  readonly generation: bigint;
+  /** Aborts the moment the lease is lost; its `reason` is a LeaseLost. */
+  readonly signal: AbortSignal;
+  /** The newest token as the server returned it; throws LeaseLost once the lease is lost. */
+  readonly token: string;
+  readonly lossReason: string | null;
+  /** The local deadline on performance.now(). */
+  readonly deadline: number;
+  /** The TTL granted last, in ms. */
+  readonly ttlMs: number;
+  /** The server's expiry of the last grant, on the server's clock (informational only). */
+  readonly expiresAtMs: number;
+  /** A fetch that stamps X-Fencing-Job and X-Fencing-Token and throws LeaseLost instead of sending after loss. */
+  readonly fetch: typeof fetch;
+  /** X-Fencing-Job and X-Fencing-Token; throws LeaseLost. */
+  headers(): { 'X-Fencing-Job': string; 'X-Fencing-Token': string };
+  isLost(): boolean;
+  idempotencyKey(step: string): string;
+  release(): Promise<LeaseRecord>;
+  complete(): Promise<LeaseRecord>;
+  /** Stops renewing and lets the lease expire on the server; sends nothing. */
+  abandon(): void;
+}
+
+/** A fetch that stamps the lease's headers and throws LeaseLost instead of sending after loss. */
+export function fencedFetch(lease: Lease, fetchImpl?: typeof fetch): typeof fetch;
+
+export function checkJob(job: string): string;
+/** Percent-encodes every byte but A-Z a-z 0-9 - . _ ~; throws InvalidJobId. */
+export function encodeJob(job: string): string;
+/** The derived Idempotency-Key of a step of a job (contract section 11). */
+export function idempotencyKey(job: string, step: string): string;
+
+export class FenceError extends Error {}
+export class InvalidJobId extends FenceError {}
+export class ServerUnreachable extends FenceError {}
+export class ProtocolError extends FenceError {}
+/** The lease is lost; nothing was sent. `instanceof LeaseLost` also holds for a LeaseRefused. */
+export class LeaseLost extends FenceError {
+  constructor(job: string, generation: bigint, reason: string);
+  readonly job: string;
+  readonly generation: bigint;
+  readonly reason: string;
+}
+export interface Problem {
+  type: string;
+  status?: number;
+  title?: string;
+  detail?: string;
+  [member: string]: unknown;
+}
+export class ProblemError extends FenceError {
+  constructor(problem: Problem, status: number, retryAfter?: number | null);
+  readonly problem: Problem;
+  readonly type: string;
+  readonly status: number;
+  readonly title: string;
+  readonly detail: string;
+  readonly retryAfter: number | null;
+}
+export class LeaseHeld extends ProblemError {}
+export class JobCompleted extends ProblemError {}
+export class LeaseRefused extends ProblemError {
+  readonly job: string;
+  readonly generation: bigint;
+  readonly reason: string;
+}
+export class StaleToken extends ProblemError {}
+export function problemError(status: number, contentType: string | null | undefined, body: string,
+  retryAfter?: string | null): ProblemError;
+/** Throws the ProblemError of a non-2xx fetch Response (a StaleToken for 409 stale-token). */
+export function raiseForProblem(response: Response): Promise<void>;

@@ -1,0 +1,124 @@
+// The errors of the fence client: a lease lost locally, and problem+json answers.
+
+import { parseJson } from './json.js';
+
+/** Base class of every error this package throws. */
+export class FenceError extends Error {
+  constructor(message, options) {
+    super(message, options);
+    this.name = new.target.name;
+  }
+}
+
+/** A job id that is not 1 to 256 visible ASCII characters; nothing was sent. */
+export class InvalidJobId extends FenceError {}
+
+/** No answer from the lease server (refused, reset, timed out, TLS); the cause is `cause`. */
+export class ServerUnreachable extends FenceError {}
+
+/** An answer of the lease server that does not follow the contract. */
+export class ProtocolError extends FenceError {}
+
+/**
+ * The lease is lost: stop all work and effects on the job; nothing was sent. Thrown by
+ * `lease.token`, `lease.headers()` and `lease.fetch` once the local deadline passed or the
+ * server refused a renewal; `lease.signal` aborts with it. `err instanceof LeaseLost` also
+ * holds for a `LeaseRefused` (the server's own 409 lease-lost / 403 lease-key-mismatch).
+ */
+export class LeaseLost extends FenceError {
+  constructor(job, generation, reason) {
+    super(`the lease on job ${job} (generation ${generation}) is lost: ${reason}`);
+    this.job = job;
+    this.generation = generation;
+    this.reason = reason;
+  }
+
+  static [Symbol.hasInstance](value) {
+    if (Function.prototype[Symbol.hasInstance].call(this, value)) return true;
+    return this === LeaseLost && Function.prototype[Symbol.hasInstance].call(LeaseRefused, value);
+  }
+}
+
+/**
+ * A refusal answered as application/problem+json (RFC 9457): `type` (`urn:fence:...`),
+ * `status`, `title`, `detail`, the whole object as `problem` (members such as `job`, `owner`,
+ * `generation`, `highest`), and `retryAfter` (seconds) when the answer had `Retry-After`.
+ */
+export class ProblemError extends FenceError {
+  constructor(problem, status, retryAfter = null) {
+    const type = String(problem.type ?? 'about:blank');
+    const st = Number(problem.status ?? status);
+    const detail = String(problem.detail ?? '');
+    super(`${st} ${type}: ${detail}`);
+    this.problem = problem;
+    this.type = type;
+    this.status = st;
+    this.title = String(problem.title ?? '');
+    this.detail = detail;
+    this.retryAfter = retryAfter;
+  }
+}
+
+/** 409 urn:fence:lease-held: another owner holds the job (`problem.owner`, `problem.expires_in_ms`). */
+export class LeaseHeld extends ProblemError {}
+
+/** 410 urn:fence:job-completed: the job is done; do not run it. */
+export class JobCompleted extends ProblemError {}
+
+/** 409 urn:fence:lease-lost or 403 urn:fence:lease-key-mismatch: this lease is not ours any more. */
+export class LeaseRefused extends ProblemError {
+  constructor(problem, status, retryAfter) {
+    super(problem, status, retryAfter);
+    this.job = problem.job;
+    this.generation = typeof problem.generation === 'bigint' ? problem.generation : 0n;
+    this.reason = `the server refused it: ${this.type}: ${this.detail}`;
+  }
+}
+
+/** 409 urn:fence:stale-token or urn:fence:token-expired from a destination: a newer holder exists. */
+export class StaleToken extends ProblemError {}
+
+const BY_TYPE = {
+  'urn:fence:lease-held': LeaseHeld,
+  'urn:fence:job-completed': JobCompleted,
+  'urn:fence:lease-lost': LeaseRefused,
+  'urn:fence:lease-key-mismatch': LeaseRefused,
+  'urn:fence:stale-token': StaleToken,
+  'urn:fence:token-expired': StaleToken,
+};
+
+/**
+ * The error of a non-2xx answer: its problem+json, or a problem made from the status.
+ * @param {number} status
+ * @param {string | null | undefined} contentType
+ * @param {string} body
+ * @param {string | null | undefined} retryAfter
+ */
+export function problemError(status, contentType, body, retryAfter) {
+  let problem = null;
+  if ((contentType ?? '').toLowerCase().includes('json')) {
+    try {
+      problem = parseJson(body);
+    } catch {
+      problem = null;
+    }
+  }
+  if (problem === null || typeof problem !== 'object' || typeof problem.type !== 'string') {
+    problem = { type: 'about:blank', status, title: '', detail: String(body).trim().slice(0, 500) };
+  }
+  const seconds = retryAfter == null || retryAfter === '' ? null : Number(retryAfter);
+  const Cls = BY_TYPE[problem.type] ?? ProblemError;
+  return new Cls(problem, status, Number.isFinite(seconds) ? seconds : null);
+}
+
+/**
+ * Throws the ProblemError of a fetch Response that is not 2xx (for a destination's 409
+ * stale-token, a StaleToken); resolves on success. Reads the body of a failed response.
+ * @param {Response} response
+ */
+export async function raiseForProblem(response) {
+  if (response.status < 400) return;
+  const body = await response.text();
+  throw problemError(response.status, response.headers.get('content-type'), body,
+    response.headers.get('retry-after'));
+}

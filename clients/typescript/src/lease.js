@@ -1,0 +1,241 @@
+// A held lease: its keeper renews it, and it knows the moment it can no longer be trusted.
+//
+// The local deadline is send time + granted TTL - margin on the monotonic clock
+// (performance.now()), where send time is noted before the claim or renewal went out. The
+// server's expires_at_ms never enters it, so an offset between this machine's wall clock and
+// the server's changes nothing.
+
+import { JobCompleted, LeaseLost, LeaseRefused, ProtocolError } from './errors.js';
+import { encodeJob, grantOf, idempotencyKey, marginOf, now } from './wire.js';
+
+export const DEADLINE_PASSED = 'the local deadline passed before a renewal succeeded';
+export const FINISHED = 'the lease was released, completed or abandoned';
+
+const TIMED_OUT = Symbol('timed out');
+
+export class Lease {
+  #transport;
+  #key;
+  #askedTtlMs;
+  #marginMs;
+  #token = '';
+  #deadline = 0;
+  #sent = 0;
+  #ttlMs = 0;
+  #expiresAtMs = 0;
+  #reason = null;
+  #controller = new AbortController();
+  #finished = false;
+  #wake = null;
+  #keeper = null;
+
+  /** @internal Made by Client.claim. */
+  constructor(transport, job, owner, key, generation, askedTtlMs, marginMs) {
+    this.#transport = transport;
+    this.job = job;
+    this.owner = owner;
+    this.generation = generation;
+    this.#key = key;
+    this.#askedTtlMs = askedTtlMs;
+    this.#marginMs = marginMs;
+    /** A fetch that stamps this lease's headers and throws LeaseLost instead of sending. */
+    this.fetch = fencedFetch(this);
+  }
+
+  /** Aborts the moment the lease is lost (its reason a LeaseLost); pass it to your own work. */
+  get signal() {
+    return this.#controller.signal;
+  }
+
+  /**
+   * The newest fencing token, exactly as the server returned it (a signing server's
+   * `<generation>.<expires_at_ms>.<signature>`, else the generation in decimal). Throws
+   * LeaseLost from the moment the lease is lost.
+   */
+  get token() {
+    if (this.#reason === null && now() < this.#deadline) return this.#token;
+    const reason = this.#reason ?? DEADLINE_PASSED;
+    this.#declareLost(reason);
+    throw new LeaseLost(this.job, this.generation, reason);
+  }
+
+  /** X-Fencing-Job and X-Fencing-Token for a write; throws LeaseLost. */
+  headers() {
+    return { 'X-Fencing-Job': this.job, 'X-Fencing-Token': this.token };
+  }
+
+  /** Whether the lease is lost, the local deadline checked too. */
+  isLost() {
+    try {
+      void this.token;
+      return false;
+    } catch (e) {
+      if (e instanceof LeaseLost) return true;
+      throw e;
+    }
+  }
+
+  /** Why the lease was lost, once it is; else null. */
+  get lossReason() {
+    return this.#reason;
+  }
+
+  /** The local deadline on performance.now(): lost at this instant unless renewed before. */
+  get deadline() {
+    return this.#deadline;
+  }
+
+  /** The TTL the server granted last, in milliseconds. */
+  get ttlMs() {
+    return this.#ttlMs;
+  }
+
+  /** The server's expiry of the last grant, on the server's clock (informational only). */
+  get expiresAtMs() {
+    return this.#expiresAtMs;
+  }
+
+  /** The derived Idempotency-Key of a step of this job (contract section 11). */
+  idempotencyKey(step) {
+    return idempotencyKey(this.job, step);
+  }
+
+  /** Frees the job for another claim; resolves to the record. LeaseRefused when not ours. */
+  release() {
+    return this.#finish('release');
+  }
+
+  /** Marks the job done for good; the server decides (LeaseRefused when someone took over). */
+  complete() {
+    return this.#finish('complete');
+  }
+
+  /** Stops renewing and lets the lease expire on the server; nothing is sent. */
+  abandon() {
+    this.#finished = true;
+    this.#wake?.();
+    this.#declareLost(FINISHED);
+  }
+
+  async #finish(action) {
+    this.abandon(); // nothing is sent under this lease from now on, whatever the answer
+    return this.#transport.call('POST', this.#path(action),
+      { owner: this.owner, generation: this.generation, lease_key: this.#key });
+  }
+
+  /** @internal One renewal; the keeper calls it, tests replace it to pause renewals. */
+  _sendRenew(timeoutMs) {
+    const body = { owner: this.owner, generation: this.generation, lease_key: this.#key, ttl_ms: this.#askedTtlMs };
+    return this.#transport.call('POST', this.#path('renew'), body, timeoutMs);
+  }
+
+  /** @internal Takes a claim's or renewal's answer sent at `sent`; false when lost before. */
+  _setGrant(sent, answer, first = false) {
+    const { token, ttlMs, expiresAtMs } = grantOf(this.job, this.generation, answer);
+    if (!first && (this.#reason !== null || now() >= this.#deadline)) return false; // loss is final
+    this.#token = token;
+    this.#ttlMs = ttlMs;
+    this.#expiresAtMs = expiresAtMs;
+    this.#sent = sent;
+    this.#deadline = sent + Math.max(ttlMs - marginOf(ttlMs, this.#marginMs), 0);
+    return true;
+  }
+
+  /** @internal */
+  _start() {
+    // A bug in the keeper must not leave the lease looking held.
+    this.#keeper = this.#keep().catch((e) => this.#declareLost(`the keeper failed: ${e}`));
+  }
+
+  /** The one place a lease is declared lost. Final: nothing un-loses it. */
+  #declareLost(reason) {
+    if (this.#reason === null) this.#reason = reason;
+    if (!this.#controller.signal.aborted) {
+      this.#controller.abort(new LeaseLost(this.job, this.generation, this.#reason));
+    }
+  }
+
+  #path(action) {
+    return `/v1/leases/${encodeJob(this.job)}/${action}`;
+  }
+
+  #renewEvery() {
+    return this.#ttlMs / 3;
+  }
+
+  // Sleeps until `at` (monotonic ms), or until the lease is finished.
+  #sleepUntil(at) {
+    return new Promise((resolve) => {
+      const timer = setTimeout(() => {
+        this.#wake = null;
+        resolve();
+      }, Math.max(at - now(), 0));
+      this.#wake = () => {
+        clearTimeout(timer);
+        this.#wake = null;
+        resolve();
+      };
+    });
+  }
+
+  // Renews every third of the TTL until lost or finished. Every wait, a hanging renewal's
+  // included, ends at the deadline at the latest, so the signal aborts on time.
+  async #keep() {
+    let next = this.#sent + this.#renewEvery();
+    for (;;) {
+      const deadline = this.#deadline;
+      await this.#sleepUntil(Math.min(next, deadline));
+      if (this.#finished || this.#reason !== null) return;
+      const sent = now();
+      if (sent >= deadline) return this.#declareLost(DEADLINE_PASSED);
+      let timer;
+      const outcome = await Promise.race([
+        this._sendRenew(deadline - sent).then((answer) => ({ answer }), (error) => ({ error })),
+        new Promise((resolve) => { timer = setTimeout(() => resolve(TIMED_OUT), Math.max(deadline - now(), 0)); }),
+      ]);
+      clearTimeout(timer);
+      if (outcome === TIMED_OUT) return this.#declareLost(DEADLINE_PASSED);
+      if (this.#finished) return;
+      next = this.#afterRenewal(sent, outcome);
+      if (next === null) return;
+    }
+  }
+
+  // Applies a renewal's outcome: when to renew next, or null when the keeper is done.
+  #afterRenewal(sent, { answer, error }) {
+    if (error === undefined) {
+      try {
+        if (!this._setGrant(sent, answer)) return null;
+        return sent + this.#renewEvery();
+      } catch (e) {
+        if (!(e instanceof ProtocolError)) throw e;
+        error = e;
+      }
+    }
+    if (error instanceof LeaseRefused || error instanceof JobCompleted) {
+      this.#declareLost(`the server refused the renewal: ${error.message}`);
+      return null;
+    }
+    // No answer, or a refusal that decides nothing (503, 5xx): the deadline stands. Retry at
+    // a steady, jittered pace so the last chance before the deadline is not skipped.
+    const pause = Math.min(Math.max(this.#renewEvery() / 4, 10), 1000);
+    return now() + pause * (0.8 + 0.2 * Math.random());
+  }
+}
+
+/**
+ * A fetch-compatible function that stamps the lease's X-Fencing-Job and X-Fencing-Token on
+ * every request, read at the moment of the call, and rejects with LeaseLost instead of sending
+ * once the lease is lost.
+ * @param {Lease} lease
+ * @param {typeof fetch} [fetchImpl]
+ * @returns {typeof fetch}
+ */
+export function fencedFetch(lease, fetchImpl = globalThis.fetch) {
+  return async (input, init = {}) => {
+    const fencing = lease.headers(); // rejects with LeaseLost: nothing is sent
+    const headers = new Headers(init.headers ?? (input instanceof Request ? input.headers : undefined));
+    for (const [name, value] of Object.entries(fencing)) headers.set(name, value);
+    return fetchImpl(input, { ...init, headers });
+  };
+}

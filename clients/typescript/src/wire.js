@@ -1,0 +1,199 @@
+// The wire half of the client: job ids in paths, HTTP calls to the lease server, timing.
+//
+// Lease calls use node:http and node:https rather than fetch: a CA file must replace the
+// system roots (https' `ca` option), and a path must go out exactly as encoded (the WHATWG URL
+// parser behind fetch would resolve a job id `.` or `..` away as a dot segment).
+
+import { createHash, randomBytes } from 'node:crypto';
+import { readFileSync } from 'node:fs';
+import http from 'node:http';
+import https from 'node:https';
+import { hostname } from 'node:os';
+
+import { InvalidJobId, ProtocolError, ServerUnreachable, problemError } from './errors.js';
+import { parseJson, stringifyJson } from './json.js';
+
+const UNRESERVED = /[A-Za-z0-9\-._~]/;
+
+/**
+ * Returns `job` if it is a valid job id (1 to 256 bytes, each visible ASCII 0x21 to 0x7E),
+ * else throws InvalidJobId: a space or anything outside visible ASCII never leaves the client.
+ * @param {string} job
+ */
+export function checkJob(job) {
+  if (typeof job !== 'string') throw new InvalidJobId(`a job id is a string, not ${typeof job}`);
+  if (job.length < 1 || job.length > 256) {
+    throw new InvalidJobId(`a job id has 1 to 256 characters, not ${job.length}`);
+  }
+  for (let i = 0; i < job.length; i++) {
+    const c = job.charCodeAt(i);
+    if (c < 0x21 || c > 0x7e) {
+      throw new InvalidJobId(
+        `job id ${JSON.stringify(job)} has ${JSON.stringify(job[i])} at offset ${i}: only visible ASCII (0x21 to 0x7E) is allowed`,
+      );
+    }
+  }
+  return job;
+}
+
+/**
+ * The job id percent-encoded for a URL path: every byte but A-Z a-z 0-9 - . _ ~.
+ * @param {string} job
+ */
+export function encodeJob(job) {
+  let out = '';
+  for (const ch of checkJob(job)) {
+    out += UNRESERVED.test(ch) ? ch : `%${ch.charCodeAt(0).toString(16).toUpperCase().padStart(2, '0')}`;
+  }
+  return out;
+}
+
+/**
+ * The derived Idempotency-Key of one step of a job (contract section 11): the same for every
+ * holder of every generation, for third-party APIs that deduplicate by key.
+ * @param {string} job
+ * @param {string} step
+ */
+export function idempotencyKey(job, step) {
+  const digest = createHash('sha256')
+    .update(Buffer.concat([Buffer.from('fence-step-v1\0'), Buffer.from(checkJob(job), 'ascii'),
+      Buffer.from('\0'), Buffer.from(step, 'utf8')]))
+    .digest();
+  return `fence-${digest.toString('base64url')}`;
+}
+
+/** `<hostname>-<pid>-<random>`, unique per process incarnation. */
+export function defaultOwner() {
+  const host = hostname().replace(/[^\x21-\x7e]/g, '-').slice(0, 200) || 'host';
+  return `${host}-${process.pid}-${randomBytes(4).toString('hex')}`;
+}
+
+/** 43 base64url characters from 32 OS random bytes: the proof that a lease is ours. */
+export function newLeaseKey() {
+  return randomBytes(32).toString('base64url');
+}
+
+/** The monotonic clock, in milliseconds. */
+export const now = () => performance.now();
+
+/**
+ * The safety margin of a grant: 10% of its TTL, at least 50 ms, unless configured.
+ * @param {number} grantedMs
+ * @param {number | undefined} marginMs
+ */
+export function marginOf(grantedMs, marginMs) {
+  return marginMs ?? Math.max(Math.floor(grantedMs / 10), 50);
+}
+
+/** Blocking-free HTTP calls to one lease server. */
+export class Transport {
+  /**
+   * @param {{server?: string, authToken?: string, authTokenFile?: string, caFile?: string, timeoutMs?: number}} options
+   */
+  constructor(options) {
+    const server = (options.server ?? process.env.FENCE_SERVER ?? 'http://127.0.0.1:7700').replace(/\/+$/, '');
+    const url = new URL(server);
+    if (url.protocol !== 'http:' && url.protocol !== 'https:') {
+      throw new TypeError(`the server URL must start with http:// or https://, not ${server}`);
+    }
+    this.server = server;
+    this.base = url.pathname.replace(/\/+$/, '');
+    this.timeoutMs = options.timeoutMs ?? 10_000;
+    if (options.authToken != null && options.authTokenFile != null) {
+      throw new TypeError('give authToken or authTokenFile, not both');
+    }
+    let secret = options.authToken;
+    if (options.authTokenFile != null) {
+      secret = readFileSync(options.authTokenFile, 'utf8').trim();
+      if (!secret) throw new TypeError(`the auth token file ${options.authTokenFile} is empty`);
+    }
+    secret ??= process.env.FENCE_AUTH_TOKEN || undefined;
+    this.headers = { accept: 'application/json' };
+    if (secret) this.headers.authorization = `Bearer ${secret}`;
+    const caFile = options.caFile ?? (process.env.FENCE_CA_CERT || undefined);
+    const secure = url.protocol === 'https:';
+    this.module = secure ? https : http;
+    // With a CA file, its certificates replace the system roots (as curl --cacert does).
+    const agentOptions = { keepAlive: true, ...(secure && caFile ? { ca: readFileSync(caFile) } : {}) };
+    this.agent = new this.module.Agent(agentOptions);
+    this.target = { protocol: url.protocol, hostname: url.hostname.replace(/^\[|\]$/g, ''), port: url.port };
+  }
+
+  /**
+   * One request: the decoded JSON answer on 2xx, else the problem as an error.
+   * @param {string} method
+   * @param {string} path
+   * @param {object} [body]
+   * @param {number} [timeoutMs]
+   * @returns {Promise<any>}
+   */
+  call(method, path, body, timeoutMs) {
+    const data = body === undefined ? undefined : Buffer.from(stringifyJson(body));
+    const headers = { ...this.headers };
+    if (data) {
+      headers['content-type'] = 'application/json';
+      headers['content-length'] = String(data.length);
+    }
+    const wait = Math.max(timeoutMs ?? this.timeoutMs, 1);
+    const what = `${method} ${this.server}${path}`;
+    return new Promise((resolve, reject) => {
+      const req = this.module.request({ ...this.target, agent: this.agent, method, path: this.base + path, headers });
+      const timer = setTimeout(() => req.destroy(new Error(`no answer within ${Math.round(wait)} ms`)), wait);
+      req.on('error', (e) => {
+        clearTimeout(timer);
+        reject(new ServerUnreachable(`${what}: ${e.message}`, { cause: e }));
+      });
+      req.on('response', (res) => {
+        const chunks = [];
+        res.on('data', (c) => chunks.push(c));
+        res.on('error', (e) => {
+          clearTimeout(timer);
+          reject(new ServerUnreachable(`${what}: ${e.message}`, { cause: e }));
+        });
+        res.on('end', () => {
+          clearTimeout(timer);
+          const text = Buffer.concat(chunks).toString('utf8');
+          const status = res.statusCode ?? 0;
+          if (status < 200 || status > 299) {
+            reject(problemError(status, res.headers['content-type'], text, res.headers['retry-after']));
+            return;
+          }
+          try {
+            const answer = parseJson(text);
+            if (answer === null || typeof answer !== 'object') throw new Error('not an object');
+            resolve(answer);
+          } catch (e) {
+            reject(new ProtocolError(`${what}: not a JSON object: ${text.slice(0, 200)}`, { cause: e }));
+          }
+        });
+      });
+      req.end(data);
+    });
+  }
+
+  close() {
+    this.agent.destroy();
+  }
+}
+
+/**
+ * (token, ttl_ms, expires_at_ms) of a lease answer for `generation`.
+ * @param {string} job
+ * @param {bigint} generation
+ * @param {any} answer
+ */
+export function grantOf(job, generation, answer) {
+  if (typeof answer.generation !== 'bigint' || answer.generation !== generation) {
+    throw new ProtocolError(`the server granted generation ${answer.generation} of ${job}, expected ${generation}`);
+  }
+  let token = answer.token;
+  if (token === undefined || token === null) {
+    token = String(generation);
+  } else if (typeof token !== 'string' || !token.startsWith(`${generation}.`)) {
+    throw new ProtocolError(`the server signed token ${JSON.stringify(token)} for generation ${generation}`);
+  }
+  if (!Number.isInteger(answer.ttl_ms) || !Number.isInteger(answer.expires_at_ms)) {
+    throw new ProtocolError(`a lease answer without ttl_ms and expires_at_ms: ${JSON.stringify(answer)}`);
+  }
+  return { token, ttlMs: answer.ttl_ms, expiresAtMs: answer.expires_at_ms };
+}

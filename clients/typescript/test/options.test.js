@@ -1,0 +1,100 @@
+// Auth, TLS, waiting claims, refusals as errors, derived idempotency keys.
+
+import assert from 'node:assert/strict';
+import { execFileSync } from 'node:child_process';
+import { chmodSync, writeFileSync } from 'node:fs';
+import { join } from 'node:path';
+import { test } from 'node:test';
+
+import { Client, JobCompleted, LeaseHeld, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
+import { fenceBin, sleep, stack } from './helpers.js';
+
+const SECRET = 's3cret-s3cret-s3cret';
+
+test('bearer token and CA file', async (t) => {
+  const s0 = await stack(t, { proxy: false }); // only for its temporary directory
+  const cert = join(s0.dir, 'cert.pem');
+  const key = join(s0.dir, 'key.pem');
+  execFileSync('openssl', ['req', '-x509', '-newkey', 'ec', '-pkeyopt', 'ec_paramgen_curve:P-256', '-nodes',
+    '-keyout', key, '-out', cert, '-days', '1', '-subj', '/CN=127.0.0.1', '-addext', 'subjectAltName=IP:127.0.0.1'], { stdio: 'ignore' });
+  const auth = join(s0.dir, 'auth');
+  writeFileSync(auth, `workers ${SECRET} tls-*\n`);
+  chmodSync(auth, 0o600);
+  const tokenFile = join(s0.dir, 'token');
+  writeFileSync(tokenFile, `  ${SECRET}\n`);
+  const s = await stack(t, { proxy: false, scheme: 'https', serverArgs: ['--tls-cert', cert, '--tls-key', key, '--auth-file', auth] });
+  const saved = { token: process.env.FENCE_AUTH_TOKEN, ca: process.env.FENCE_CA_CERT };
+  t.after(() => {
+    for (const [name, value] of [['FENCE_AUTH_TOKEN', saved.token], ['FENCE_CA_CERT', saved.ca]]) {
+      if (value === undefined) delete process.env[name]; else process.env[name] = value;
+    }
+  });
+  delete process.env.FENCE_AUTH_TOKEN;
+  delete process.env.FENCE_CA_CERT;
+
+  const clients = [];
+  const make = (options) => { const c = new Client({ server: s.serverUrl, ...options }); clients.push(c); return c; };
+  t.after(() => clients.forEach((c) => c.close()));
+  await make({ authToken: SECRET, caFile: cert, ttlMs: 1000 }).run('tls-1', async (l) => assert.equal(l.generation, 1n));
+  await make({ authTokenFile: tokenFile, caFile: cert }).run('tls-2', async () => {});
+  process.env.FENCE_AUTH_TOKEN = SECRET;
+  process.env.FENCE_CA_CERT = cert;
+  await make({}).run('tls-3', async () => {});
+  assert.equal((await make({}).status('tls-3')).state, 'completed');
+  await assert.rejects(make({}).claim('other-job'), (e) => e instanceof ProblemError && e.status === 403 && e.type === 'urn:fence:forbidden');
+  delete process.env.FENCE_AUTH_TOKEN;
+  await assert.rejects(make({ caFile: cert }).claim('tls-4'),
+    (e) => e instanceof ProblemError && e.status === 401 && e.type === 'urn:fence:unauthenticated');
+  delete process.env.FENCE_CA_CERT;
+  await assert.rejects(make({ authToken: SECRET }).claim('tls-5'), // the system roots do not know it
+    (e) => e instanceof ServerUnreachable && /self.signed|certificate/i.test(e.message));
+});
+
+test('waiting claim and refusals', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const holder = new Client({ server: s.serverUrl, owner: 'holder', ttlMs: 1000 });
+  const waiter = new Client({ server: s.serverUrl, owner: 'waiter', ttlMs: 1500 });
+  t.after(() => { holder.close(); waiter.close(); });
+  (await holder.claim('wait-job')).abandon(); // stops renewing: it runs out in about a second
+  await assert.rejects(waiter.claim('wait-job'), (e) => {
+    assert.ok(e instanceof LeaseHeld);
+    assert.deepEqual([e.status, e.type, e.problem.owner], [409, 'urn:fence:lease-held', 'holder']);
+    assert.ok(e.problem.expires_in_ms > 0 && e.problem.expires_in_ms <= 1000);
+    return true;
+  });
+  const started = performance.now();
+  const lease = await waiter.claim('wait-job', { waitMs: 5000 });
+  const took = performance.now() - started;
+  assert.ok(lease.generation === 2n && took > 500 && took < 2000, String(took));
+  // It waited most of a second of its 1.35 s of usable time: renewed at once, so the deadline
+  // counts from that renewal, not from the claim sent a second ago.
+  assert.ok(lease.deadline - performance.now() > 900, String(lease.deadline - performance.now()));
+  await lease.complete();
+  await assert.rejects(waiter.claim('wait-job', { waitMs: 1000 }),
+    (e) => e instanceof JobCompleted && e.status === 410 && e.problem.generation === 2n);
+  await assert.rejects(waiter.status('never-claimed'),
+    (e) => e instanceof ProblemError && e.status === 404 && e.type === 'urn:fence:unknown-job');
+});
+
+test('renewals follow a shorter grant', async (t) => {
+  const s = await stack(t, { proxy: false, serverArgs: ['--max-ttl', '600ms'] });
+  const client = new Client({ server: s.serverUrl, ttlMs: 30_000 });
+  t.after(() => client.close());
+  const lease = await client.claim('capped');
+  assert.equal(lease.ttlMs, 600);
+  assert.ok(lease.deadline - performance.now() < 600);
+  await sleep(1000); // renewed every 200 ms, not every 10 s
+  assert.equal(lease.isLost(), false);
+  await lease.release();
+});
+
+test('idempotency key matches the binary', () => {
+  const out = execFileSync(fenceBin(), ['idempotency-key', '--job', 'invoice-42', '--step', 'charge']).toString().trim();
+  assert.equal(idempotencyKey('invoice-42', 'charge'), out);
+});
+
+test('timing options are checked', () => {
+  assert.throws(() => new Client({ server: 'http://127.0.0.1:9', ttlMs: 50 }), RangeError);
+  assert.throws(() => new Client({ server: 'http://127.0.0.1:9', ttlMs: 1000, marginMs: 1000 }), RangeError);
+  assert.throws(() => new Client({ server: 'ftp://127.0.0.1:7700' }), TypeError);
+});
