@@ -125,6 +125,9 @@ pub enum UrlError {
 /// The largest answer the client reads from a server.
 const MAX_ANSWER: usize = 64 * 1024;
 
+/// The longest one connection attempt may take when there are other servers to try.
+const MAX_CONNECT_SHARE: Duration = Duration::from_secs(2);
+
 impl HttpLeaseStore {
     /// A store at `base_url` (`http://host:port` or `https://host:port`, verified against
     /// the system's roots), with a 10 s timeout per call and no bearer secret.
@@ -177,11 +180,20 @@ impl HttpLeaseStore {
         } else {
             fence_storage::tls::encrypt_only_config().map_err(tls_error)?
         };
+        // With several servers, one that drops connection attempts silently must not use
+        // up the whole call: each attempt gets its share of the timeout, at most 2 s, so
+        // the next server is still asked in time. A lone server may take the whole call.
+        let mut http = HttpConnector::new();
+        http.enforce_http(false);
+        if servers.len() > 1 {
+            let share = options.timeout / u32::try_from(servers.len()).unwrap_or(u32::MAX);
+            http.set_connect_timeout(Some(share.min(MAX_CONNECT_SHARE)));
+        }
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
-            .build();
+            .wrap_connector(http);
         let client = Client::builder(TokioExecutor::new()).build(connector);
         let bearer = options.bearer.map(|b| {
             let mut value = HeaderValue::from_str(&format!("Bearer {}", b.expose()))

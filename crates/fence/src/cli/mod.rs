@@ -474,7 +474,7 @@ pub struct FinishCmd {
     #[arg(long, required_unless_present = "lease")]
     pub owner: Option<Owner>,
     /// The generation of the lease.
-    #[arg(long, required_unless_present = "lease")]
+    #[arg(long, required_unless_present = "lease", allow_hyphen_values = true)]
     pub generation: Option<u64>,
     /// The lease key `fence claim` printed. Prefer FENCE_LEASE_KEY: a flag's value shows in
     /// the process list.
@@ -492,6 +492,11 @@ pub struct KeepaliveCmd {
     /// Lease duration asked for at each renewal: 100ms to 24h.
     #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl)]
     pub ttl: Ttl,
+    /// Keep the lease's current token in this file (mode 0600, replaced atomically, a
+    /// newline after it): read it before each write, since a renewal of a signed lease
+    /// signs a new token.
+    #[arg(long, value_name = "PATH")]
+    pub token_file: Option<PathBuf>,
 }
 
 /// The flags of `fence revoke`.
