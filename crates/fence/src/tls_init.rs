@@ -58,16 +58,21 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
             there.display()
         )));
     }
-    let names: Vec<String> = if a.name.is_empty() && a.ip.is_empty() {
-        vec!["localhost".into()]
-    } else {
-        a.name.clone()
-    };
-    let ips: Vec<IpAddr> = if a.name.is_empty() && a.ip.is_empty() {
-        vec!["127.0.0.1".parse()?, "::1".parse()?]
-    } else {
-        a.ip.clone()
-    };
+    // The machine itself is always named too: a health check, `fence healthcheck` or an
+    // operator's curl on the server's own host then works without a name of its own.
+    let mut names = a.name.clone();
+    if !names.iter().any(|n| n.eq_ignore_ascii_case("localhost")) {
+        names.push("localhost".into());
+    }
+    let mut ips = a.ip.clone();
+    for local in [
+        IpAddr::from([127, 0, 0, 1]),
+        IpAddr::from([0u16, 0, 0, 0, 0, 0, 0, 1]),
+    ] {
+        if !ips.contains(&local) {
+            ips.push(local);
+        }
+    }
     std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
 
     let ca_key = KeyPair::generate().context("making the CA's key")?;

@@ -14,8 +14,9 @@ pub enum TlsCmd {
     /// server-key.pem (--tls-key), client-NAME.pem and client-NAME-key.pem. Keys are ECDSA
     /// P-256, mode 0600; nothing is ever overwritten.
     ///
-    /// The server certificate is for the --name and --ip given (default: localhost,
-    /// 127.0.0.1 and ::1): name every address clients will use, as they check it. Keep
+    /// The server certificate is for the --name and --ip given, and always for localhost,
+    /// 127.0.0.1 and ::1 (so checks on the server's own host work): name every address
+    /// clients will use, as they check it. Keep
     /// ca-key.pem offline; with it, anyone can make certificates your clients trust.
     #[command(after_help = "\
 Example:
