@@ -6,7 +6,8 @@
 //! put a [`PeerAddr`] in the request's extensions (`fence proxy` does). A flood cannot fill a
 //! disk: past [`PER_WINDOW`] events of one kind from one peer in [`WINDOW`], the rest are
 //! counted, and the next event of that kind and peer says how many were left out
-//! (`suppressed`). The lease server logs its refusals through the same [`log`].
+//! (`suppressed`); and past [`ALL_PER_WINDOW`] from all peers together, so that many peers
+//! cannot add up to a flood either. The lease server logs its refusals through the same [`log`].
 
 use std::{
     collections::HashMap,
@@ -27,6 +28,8 @@ pub struct PeerAddr(pub SocketAddr);
 pub const WINDOW: Duration = Duration::from_secs(10);
 /// How many events of one kind from one peer are logged per [`WINDOW`].
 pub const PER_WINDOW: u32 = 10;
+/// How many events are logged per [`WINDOW`] from all peers together.
+pub const ALL_PER_WINDOW: u32 = 1_000;
 /// How many (kind, peer) pairs are tracked at once; past it the counts start over.
 const MAX_TRACKED: usize = 10_000;
 
@@ -123,37 +126,72 @@ struct Window {
     suppressed: u64,
 }
 
-/// The windows of the rate limit, by kind and peer.
-type Windows = HashMap<(&'static str, Option<IpAddr>), Window>;
+impl Window {
+    fn new(now: Instant) -> Self {
+        Self {
+            start: now,
+            logged: 0,
+            suppressed: 0,
+        }
+    }
 
-static LIMIT: LazyLock<Mutex<Windows>> = LazyLock::new(|| Mutex::new(HashMap::new()));
+    /// Starts a new window when this one is over.
+    fn roll(&mut self, now: Instant) {
+        if now.duration_since(self.start) >= WINDOW {
+            self.start = now;
+            self.logged = 0;
+        }
+    }
+}
 
-/// `Some(how many were left out since the last logged one)` when an event of `kind` from
-/// `peer` is to be logged now; `None` when it is counted instead.
+/// The rate limit: a window per kind and peer, and one over all of them, so that many
+/// peers (an IPv6 prefix holds plenty) cannot log more than [`ALL_PER_WINDOW`] lines per
+/// [`WINDOW`] between them.
+#[derive(Debug)]
+struct Limiter {
+    windows: HashMap<(&'static str, Option<IpAddr>), Window>,
+    all: Window,
+}
+
+impl Limiter {
+    fn new() -> Self {
+        Self {
+            windows: HashMap::new(),
+            all: Window::new(Instant::now()),
+        }
+    }
+
+    /// `Some(how many were left out since the last logged one)` when an event of `kind`
+    /// from `peer` is to be logged now; `None` when it is counted instead.
+    fn admit(&mut self, kind: &'static str, peer: Option<IpAddr>, now: Instant) -> Option<u64> {
+        if self.windows.len() >= MAX_TRACKED && !self.windows.contains_key(&(kind, peer)) {
+            self.windows.clear();
+        }
+        self.all.roll(now);
+        let w = self
+            .windows
+            .entry((kind, peer))
+            .or_insert_with(|| Window::new(now));
+        w.roll(now);
+        if w.logged < PER_WINDOW && self.all.logged < ALL_PER_WINDOW {
+            w.logged += 1;
+            self.all.logged += 1;
+            Some(std::mem::take(&mut w.suppressed))
+        } else {
+            w.suppressed += 1;
+            None
+        }
+    }
+}
+
+static LIMIT: LazyLock<Mutex<Limiter>> = LazyLock::new(|| Mutex::new(Limiter::new()));
+
+/// [`Limiter::admit`] on the process's limiter, now.
 fn admit(kind: &'static str, peer: Option<IpAddr>) -> Option<u64> {
-    let now = Instant::now();
-    let mut windows = LIMIT
+    LIMIT
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner);
-    if windows.len() >= MAX_TRACKED && !windows.contains_key(&(kind, peer)) {
-        windows.clear();
-    }
-    let w = windows.entry((kind, peer)).or_insert(Window {
-        start: now,
-        logged: 0,
-        suppressed: 0,
-    });
-    if now.duration_since(w.start) >= WINDOW {
-        w.start = now;
-        w.logged = 0;
-    }
-    if w.logged < PER_WINDOW {
-        w.logged += 1;
-        Some(std::mem::take(&mut w.suppressed))
-    } else {
-        w.suppressed += 1;
-        None
-    }
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+        .admit(kind, peer, Instant::now())
 }
 
 #[cfg(test)]
@@ -162,29 +200,53 @@ mod tests {
 
     #[test]
     fn a_flood_from_one_peer_is_counted_not_logged_and_others_are_not_held_back() {
+        let mut limit = Limiter::new();
+        let now = Instant::now();
         let flooder: IpAddr = "192.0.2.7".parse().unwrap();
         let other: IpAddr = "192.0.2.8".parse().unwrap();
         let kind = "urn:test:flood";
         for _ in 0..PER_WINDOW {
-            assert_eq!(admit(kind, Some(flooder)), Some(0));
+            assert_eq!(limit.admit(kind, Some(flooder), now), Some(0));
         }
         for _ in 0..25 {
-            assert_eq!(admit(kind, Some(flooder)), None);
+            assert_eq!(limit.admit(kind, Some(flooder), now), None);
         }
-        assert_eq!(admit(kind, Some(other)), Some(0), "another peer is logged");
         assert_eq!(
-            admit("urn:test:other", Some(flooder)),
+            limit.admit(kind, Some(other), now),
+            Some(0),
+            "another peer is logged"
+        );
+        assert_eq!(
+            limit.admit("urn:test:other", Some(flooder), now),
             Some(0),
             "another kind too"
         );
         // The next window's first event says how many were left out.
-        LIMIT
-            .lock()
-            .unwrap()
-            .get_mut(&(kind, Some(flooder)))
-            .unwrap()
-            .start -= WINDOW;
-        assert_eq!(admit(kind, Some(flooder)), Some(25));
-        assert_eq!(admit(kind, Some(flooder)), Some(0));
+        let later = now + WINDOW;
+        assert_eq!(limit.admit(kind, Some(flooder), later), Some(25));
+        assert_eq!(limit.admit(kind, Some(flooder), later), Some(0));
+    }
+
+    #[test]
+    fn many_peers_together_log_no_more_than_the_global_budget() {
+        let mut limit = Limiter::new();
+        let now = Instant::now();
+        let kind = "urn:test:spread";
+        let peer = |i: u32| {
+            Some(IpAddr::from(
+                (0x2001_0db8_u128 << 96 | u128::from(i)).to_be_bytes(),
+            ))
+        };
+        let mut logged = 0;
+        for i in 0..(2 * ALL_PER_WINDOW) {
+            logged += u32::from(limit.admit(kind, peer(i), now).is_some());
+        }
+        assert_eq!(logged, ALL_PER_WINDOW);
+        // Each peer left out hears about it in the next window.
+        let later = now + WINDOW;
+        assert_eq!(
+            limit.admit(kind, peer(2 * ALL_PER_WINDOW - 1), later),
+            Some(1)
+        );
     }
 }
