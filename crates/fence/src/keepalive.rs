@@ -2,6 +2,8 @@
 
 use std::time::Duration;
 
+use anyhow::Context as _;
+
 use fence_lease::{ClaimError, LeaseClient};
 use tokio::{
     io::{AsyncReadExt, AsyncWriteExt},
@@ -11,8 +13,22 @@ use tokio::{
 use crate::{
     calls::{LeaseRef, connect},
     cli::KeepaliveCmd,
-    run::EXIT_LOST,
+    run::{
+        EXIT_LOST,
+        token_file::{keep_token_current, write_token},
+    },
 };
+
+/// Stops the token file's task when keepalive returns, however it returns.
+struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        if let Some(task) = &self.0 {
+            task.abort();
+        }
+    }
+}
 
 /// `fence keepalive`: resumes the lease (one renewal at once), then renews it in the
 /// background, copying stdin to stdout, until stdin closes or SIGTERM, SIGINT or SIGHUP
@@ -47,6 +63,23 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
             )));
         }
     };
+    // The token file is written before anything is said or copied: a script that waits
+    // for keepalive's first output finds it there.
+    let keeper = match &a.token_file {
+        Some(path) => {
+            let Some(token) = held.token_string() else {
+                eprintln!(
+                    "fence keepalive: the lease of job {job} (generation {generation}) is lost"
+                );
+                return Ok(EXIT_LOST);
+            };
+            write_token(path, &token)
+                .with_context(|| format!("cannot write --token-file {}", path.display()))?;
+            Some(keep_token_current(path.clone(), held.view()))
+        }
+        None => None,
+    };
+    let _keeper = AbortOnDrop(keeper);
     let (mut term, mut int, mut hup) = (
         signal(SignalKind::terminate())?,
         signal(SignalKind::interrupt())?,

@@ -393,3 +393,74 @@ fn keys_made_by_openssl_sign_and_verify_and_rotation_accepts_both() {
     let foreign = foreign["token"].as_str().unwrap();
     assert_eq!(write(&c.proxy, "nightly", foreign), 403);
 }
+
+/// `fence keepalive --token-file` (issue 34): each renewal of a signed lease signs a new
+/// token with a later expiry, and the file always holds the current one, readable by its
+/// owner only. A script that reads the file before each write keeps writing after the
+/// claim's own token has expired.
+#[test]
+fn keepalive_keeps_the_current_signed_token_in_its_token_file() {
+    use std::io::Write as _;
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    keygen(&keys);
+    // Clocks here agree: a token is expired 200 ms after its lease ends (default: 5 s).
+    let c = cluster_with(
+        dir.path(),
+        &keys.join("fence-signing.pem"),
+        &[&keys.join("fence-verify.pem")],
+        &["--clock-skew", "200ms"],
+    );
+    let job = "kept-signed";
+    let claimed = claim(&c.server, job, "script", "1s");
+    let first = claimed["token"].as_str().unwrap().to_owned();
+    let lease = dir.path().join("lease.json");
+    std::fs::write(&lease, claimed.to_string()).unwrap();
+    let token_file = dir.path().join("token");
+    let mut kept = Command::new(FENCE)
+        .args(["keepalive", "--server", &c.server, "--ttl", "1s", "--lease"])
+        .arg(&lease)
+        .arg("--token-file")
+        .arg(&token_file)
+        .stdin(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut input = kept.stdin.take().unwrap();
+    let current = || {
+        std::fs::read_to_string(&token_file)
+            .map(|t| t.trim_end().to_owned())
+            .unwrap_or_default()
+    };
+    // Past the claim's expiry, renewed at least once more.
+    std::thread::sleep(std::time::Duration::from_millis(1_500));
+    eventually(
+        "a renewal's token in the file",
+        std::time::Duration::from_secs(5),
+        || {
+            let now = current();
+            !now.is_empty() && now != first
+        },
+    );
+    let mode = std::fs::metadata(&token_file).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o600);
+    assert_ne!(
+        write(&c.proxy, job, &first),
+        200,
+        "the claim's own token has expired"
+    );
+    assert_eq!(
+        write(&c.proxy, job, &current()),
+        200,
+        "the file's token writes"
+    );
+    input.write_all(b"done\n").unwrap();
+    drop(input);
+    let out = kept.wait_with_output().unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}

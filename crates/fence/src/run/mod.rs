@@ -34,7 +34,7 @@ use tokio::{
 };
 
 mod procs;
-mod token_file;
+pub(crate) mod token_file;
 mod words;
 use procs::{descendants, others_in_group};
 use token_file::TokenFile;
