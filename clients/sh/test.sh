@@ -77,6 +77,6 @@ for offset in none +1h -1h; do
   sent=$(grep -cF "/slow $job 1 " "$tmp/up.log" || true)
   [ "$sent" -ge 2 ] && [ "$sent" -le 4 ] || fail "$job: $sent writes reached the service (2 to 4 expected): $(cat "$tmp/s$offset")"
   "$FENCE" status --server "$S" --job "$job" | grep -q '"generation":1' || fail "status of $job"
-  "$FENCE" status --server "$S" --job "$job" | grep -qv '"state":"completed"' || fail "$job was completed"
+  ! "$FENCE" status --server "$S" --job "$job" | grep -q '"state":"completed"' || fail "$job was completed"
 done
 echo "sh: ok: the worked example, 4 encoded job ids, and a stopped server (clock right, +1h, -1h) with examples/sh/worker.sh"

@@ -217,6 +217,11 @@ impl<S: LeaseStore> LeaseClient<S> {
             Ok(Ok(Outcome::Completed { generation: g, .. })) => {
                 return Err(not_held(format!("it was completed at generation {g}")));
             }
+            Ok(Ok(Outcome::Unknown)) => {
+                return Err(not_held(
+                    "the store has no record of the job (never claimed, or forgotten)".into(),
+                ));
+            }
             Ok(Ok(other)) => {
                 return Err(ClaimError::Store(StoreError::Protocol(format!(
                     "a renewal was answered with {other:?}"

@@ -411,3 +411,38 @@ async fn claim_with_ttl<S: LeaseStore + Clone>(store: &S, ttl: Ttl) -> Lease<S> 
         .await
         .unwrap()
 }
+
+/// A store with no record of any job (it forgot them): renewals are answered "unknown job".
+#[derive(Debug, Clone, Default)]
+struct Forgotten(MemoryLeaseStore);
+
+impl LeaseStore for Forgotten {
+    async fn apply(&self, _job: &JobId, _op: LeaseOp) -> Result<Outcome, StoreError> {
+        Ok(Outcome::Unknown)
+    }
+
+    async fn get(&self, _job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        Ok(None)
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.0.list(query).await
+    }
+}
+
+/// Resuming a lease the store no longer knows of says it is not held (what `fence
+/// keepalive` turns into exit 75), not that the store broke the protocol.
+#[tokio::test]
+async fn resuming_a_forgotten_job_says_it_is_not_held() {
+    let client = LeaseClient::new(Forgotten::default()).owner("script".parse().unwrap());
+    let key = fence_lease::LeaseKey::new("an-old-lease-key-0123456789abcdef").unwrap();
+    let err = client
+        .resume(job(), Generation::new(4), key)
+        .await
+        .map(|_| ())
+        .unwrap_err();
+    assert!(
+        matches!(&err, ClaimError::NotHeld { why, .. } if why.contains("no record")),
+        "{err:?}"
+    );
+}

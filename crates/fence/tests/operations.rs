@@ -4,7 +4,11 @@
 
 mod common;
 
-use std::{collections::BTreeSet, process::Command, time::Duration};
+use std::{
+    collections::BTreeSet,
+    process::Command,
+    time::{Duration, Instant},
+};
 
 use common::*;
 
@@ -666,7 +670,8 @@ fn every_refusal_is_one_json_event_with_the_request() {
         };
         c.output().unwrap()
     };
-    // 401: no secret.
+    // 401: no secret. The rate limit's window for this kind and peer starts here.
+    let window = Instant::now();
     let out = with(None, &["status", "--job", "inv-1"]);
     assert_eq!(out.status.code(), Some(2));
     let e = one(&log, "urn:fence:unauthenticated");
@@ -727,7 +732,12 @@ fn every_refusal_is_one_json_event_with_the_request() {
     }
     std::thread::sleep(Duration::from_millis(300));
     let n = refusals(&log, "urn:fence:unauthenticated").len();
-    assert_eq!(n, 10, "16 refusals of one kind from one peer, 10 logged");
+    if window.elapsed() < Duration::from_secs(9) {
+        assert_eq!(n, 10, "16 refusals of one kind from one peer, 10 logged");
+    } else {
+        // A slow run reached the next window, which logs some again: still not all 16.
+        assert!((10..16).contains(&n), "{n} of 16 refusals logged");
+    }
 
     // The proxy: a missing token (428), a malformed one (400), a stale one (409).
     let upstream = format!("http://{}", start_upstream());
