@@ -25,6 +25,11 @@ use serde_json::{Map, Value};
 
 use crate::{Generation, JobId, Owner, Ttl, secret::LeaseKey};
 
+mod revoke;
+mod wait;
+pub use revoke::{MAX_REASON_LEN, RevokeRequest};
+pub use wait::{MAX_WAIT_MS, WAIT_PATTERN, parse_wait};
+
 /// The largest request body a lease server reads, in bytes.
 pub const MAX_REQUEST_BODY: usize = 16 * 1024;
 
@@ -140,6 +145,19 @@ impl<'de> serde::Deserialize<'de> for UniqueObject {
     }
 }
 
+/// A JSON number that is a whole number from 0 to 2^64-1, as JSON Schema's `integer` reads
+/// one: `7` and also `7.0`. A number with a fraction part is taken only below 2^53, where
+/// it is exactly the integer its text says (`9007199254740993.0` is not read as ...992).
+fn whole_number(n: &serde_json::Number) -> Option<u64> {
+    const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
+    n.as_u64().or_else(|| {
+        n.as_f64()
+            .filter(|f| f.fract() == 0.0 && (0.0..EXACT).contains(f))
+            // In range and whole, so the cast is exact.
+            .map(|f| f as u64)
+    })
+}
+
 impl Fields {
     fn parse(bytes: &[u8], allowed: &[&str]) -> Result<Self, BodyError> {
         let object: UniqueObject = serde_json::from_slice(bytes).map_err(|e| {
@@ -182,7 +200,7 @@ impl Fields {
     fn u64(&self, field: &str) -> Result<Option<u64>, BodyError> {
         match self.0.get(field) {
             None => Ok(None),
-            Some(Value::Number(n)) => n.as_u64().map(Some).ok_or_else(|| {
+            Some(Value::Number(n)) => whole_number(n).map(Some).ok_or_else(|| {
                 BodyError::new(
                     field,
                     format!("must be an integer from 0 to 18446744073709551615, got {n}"),
@@ -199,9 +217,20 @@ impl Fields {
     }
 
     fn ttl(&self) -> Result<Ttl, BodyError> {
-        match self.u64("ttl_ms")? {
+        match self.0.get("ttl_ms") {
             None => Ok(Ttl::DEFAULT),
-            Some(ms) => Ttl::from_millis(ms).map_err(|e| BodyError::new("ttl_ms", e)),
+            Some(Value::Number(n)) => match whole_number(n) {
+                Some(ms) => Ttl::from_millis(ms).map_err(|e| BodyError::new("ttl_ms", e)),
+                None => Err(BodyError::new(
+                    "ttl_ms",
+                    format!(
+                        "must be an integer from {} to {} (milliseconds), got {n}",
+                        Ttl::MIN.as_millis(),
+                        Ttl::MAX.as_millis()
+                    ),
+                )),
+            },
+            Some(_) => Err(BodyError::new("ttl_ms", "must be an integer")),
         }
     }
 }
@@ -286,45 +315,6 @@ impl FinishRequest {
             generation: f.generation()?,
             lease_key: f.lease_key()?,
         })
-    }
-}
-
-/// The longest `reason` a revoke may give, in bytes.
-pub const MAX_REASON_LEN: usize = 512;
-
-/// `POST /v1/leases/{job}/revoke`: an operator ends the current lease at once.
-#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize)]
-pub struct RevokeRequest {
-    /// Why, for the server's log (at most [`MAX_REASON_LEN`] bytes, no control characters).
-    #[serde(skip_serializing_if = "Option::is_none")]
-    pub reason: Option<String>,
-}
-
-impl RevokeRequest {
-    /// Parses a request body, strictly; an empty body is a revoke without a reason.
-    ///
-    /// # Errors
-    /// When it is not a JSON object with at most a valid `reason`.
-    pub fn from_json(bytes: &[u8]) -> Result<Self, BodyError> {
-        if bytes.iter().all(u8::is_ascii_whitespace) {
-            return Ok(Self::default());
-        }
-        let f = Fields::parse(bytes, &["reason"])?;
-        let reason = match f.0.get("reason") {
-            None | Some(Value::Null) => None,
-            Some(Value::String(s)) if s.len() > MAX_REASON_LEN => {
-                return Err(BodyError::new(
-                    "reason",
-                    format!("longer than {MAX_REASON_LEN} bytes"),
-                ));
-            }
-            Some(Value::String(s)) if s.chars().any(char::is_control) => {
-                return Err(BodyError::new("reason", "must not hold control characters"));
-            }
-            Some(Value::String(s)) => Some(s.clone()),
-            Some(_) => return Err(BodyError::new("reason", "must be a string")),
-        };
-        Ok(Self { reason })
     }
 }
 
@@ -473,9 +463,9 @@ impl ListQuery {
                 }
                 "limit" => {
                     q.limit = Some(
-                        value
-                            .parse::<u16>()
-                            .ok()
+                        Some(value.as_str())
+                            .filter(|v| v.bytes().all(|b| b.is_ascii_digit()))
+                            .and_then(|v| v.parse::<u16>().ok())
                             .filter(|n| (1..=MAX_LIST_LIMIT).contains(n))
                             .ok_or_else(|| {
                                 BodyError::new(

@@ -26,22 +26,6 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     })
 }
 
-/// The `wait` of a claim on the wire (`?wait=10s`): as [`parse_duration`], and a bare
-/// number is seconds, as protocol version 2 allowed.
-///
-/// # Errors
-/// As [`parse_duration`].
-pub fn parse_wire_duration(s: &str) -> Result<Duration, String> {
-    let s = s.trim();
-    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
-        return s
-            .parse::<u64>()
-            .map(Duration::from_secs)
-            .map_err(|_| format!("{s:?}: the number is too large"));
-    }
-    parse_duration(s)
-}
-
 /// A timeout flag: a duration from 1 ms to 24 h. Zero would mean "never wait" to some
 /// readers and "wait forever" to others; neither is what a deadline is for.
 ///
@@ -66,6 +50,30 @@ pub fn parse_max_duration(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
     if d < Duration::from_secs(1) || d > Duration::from_secs(365 * 86_400) {
         return Err(format!("{s:?}: --max-duration must be from 1s to 365d"));
+    }
+    Ok(d)
+}
+
+/// A `--forget-after` duration: 1 s to 10 years.
+///
+/// # Errors
+/// As [`parse_duration`], and outside that range.
+pub fn parse_forget_after(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_secs(1) || d > Duration::from_secs(10 * 365 * 24 * 3600) {
+        return Err(format!("{s:?}: --forget-after must be from 1s to 10 years"));
+    }
+    Ok(d)
+}
+
+/// `--max-claim-wait`: 1 ms to 60 s, the most the protocol lets a claim ask.
+///
+/// # Errors
+/// As [`parse_duration`], and outside that range.
+pub fn parse_claim_wait(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_millis(1) || d > Duration::from_secs(60) {
+        return Err(format!("{s:?}: --max-claim-wait must be from 1ms to 60s"));
     }
     Ok(d)
 }
@@ -96,13 +104,7 @@ mod tests {
             ("7d", ms(7 * 86_400_000)),
         ] {
             assert_eq!(parse_duration(text), Ok(want), "{text}");
-            assert_eq!(parse_wire_duration(text), Ok(want), "{text}");
         }
-        assert_eq!(
-            parse_wire_duration("7"),
-            Ok(ms(7_000)),
-            "the wire's bare seconds"
-        );
         for bad in [
             "",
             "ms",

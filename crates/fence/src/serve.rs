@@ -129,6 +129,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
         waiting: crate::server::WaitLimits {
             total: a.max_waiting_claims as usize,
             per_client: a.max_waiting_claims_per_client as usize,
+            longest: a.max_claim_wait,
         },
     };
     let _forgetting = a

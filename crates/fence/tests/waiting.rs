@@ -361,3 +361,38 @@ fn one_clients_waiting_claims_are_capped_and_a_revoke_wakes_the_first_waiter() {
     assert!(answer.contains("\"owner\":\"a1\""), "{answer}");
     drop((second, other));
 }
+
+/// `--max-claim-wait`: the server holds a waiting claim no longer than it says, whatever
+/// the claim asked (the protocol allows up to 60 s), and answers 409 lease-held then; a
+/// claim asking less keeps its own wait. `1.5s`, `010s` and `1m` are not waits on the wire.
+#[test]
+fn the_server_holds_a_claim_no_longer_than_max_claim_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("leases");
+    let (_server, addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &["--max-claim-wait", "500ms"],
+    ));
+    assert_eq!(claim(&addr, "held", "a", "").0, 200);
+    let (status, body, took) = claim(&addr, "held", "b", "30s");
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["type"], "urn:fence:lease-held");
+    assert!(
+        (Duration::from_millis(450)..Duration::from_secs(5)).contains(&took),
+        "held {took:?}"
+    );
+    let (status, _, took) = claim(&addr, "held", "b", "200ms");
+    assert_eq!(status, 409);
+    assert!(
+        took < Duration::from_millis(450),
+        "its own shorter wait: {took:?}"
+    );
+    for wait in ["1.5s", "010s", "1m", "60001ms"] {
+        let (status, body, _) = claim(&addr, "held", "b", wait);
+        assert_eq!(status, 400, "{wait}: {body}");
+    }
+    for wait in ["0", "1", "60", "0ms", "60000ms"] {
+        let (status, body, _) = claim(&addr, "free-now", "b", wait);
+        assert!(status == 200, "{wait}: {body}");
+    }
+}

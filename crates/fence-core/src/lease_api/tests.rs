@@ -95,3 +95,145 @@ fn a_field_given_twice_is_refused_not_read_as_the_last() {
     let e = ClaimRequest::from_json(b"{\"owner\":").unwrap_err();
     assert!(e.to_string().contains("not valid JSON"), "{e}");
 }
+
+/// Every value of the forms the pattern describes, and the near misses, parse exactly
+/// when [`WAIT_PATTERN`] says they match (checked against the pattern's own alternatives
+/// written out: ms 0 to 60000, s or none 0 to 60, no leading zeros).
+#[test]
+fn the_wait_grammar_is_exactly_its_pattern() {
+    let matches = |v: &str| {
+        let (digits, limit) = if let Some(d) = v.strip_suffix("ms") {
+            (d, 60_000)
+        } else if let Some(d) = v.strip_suffix('s') {
+            (d, 60)
+        } else {
+            (v, 60)
+        };
+        !digits.is_empty()
+            && digits.bytes().all(|b| b.is_ascii_digit())
+            && (digits == "0" || !digits.starts_with('0'))
+            && digits.len() <= 5
+            && digits.parse::<u64>().is_ok_and(|n| n <= limit)
+    };
+    let mut values = Vec::new();
+    for n in (0..=61_000)
+        .step_by(7)
+        .chain([59, 60, 61, 59_999, 60_000, 60_001])
+    {
+        for unit in ["ms", "s", "", "m", "S", " ms"] {
+            values.push(format!("{n}{unit}"));
+            values.push(format!("0{n}{unit}"));
+        }
+    }
+    values.extend(
+        [
+            "",
+            "ms",
+            "s",
+            "-1s",
+            "+1s",
+            "1.5s",
+            "1e3ms",
+            "10 s",
+            "1m",
+            "soon",
+            "99999999999999999999ms",
+        ]
+        .map(String::from),
+    );
+    for v in &values {
+        assert_eq!(parse_wait(v).is_ok(), matches(v), "{v:?}");
+    }
+    assert_eq!(
+        parse_wait("60").unwrap(),
+        std::time::Duration::from_secs(60)
+    );
+    assert_eq!(
+        parse_wait("250ms").unwrap(),
+        std::time::Duration::from_millis(250)
+    );
+    assert!(parse_wait("61s").unwrap_err().contains("60s"));
+}
+
+/// The OpenAPI document served at `/openapi.json` states the rules these types enforce:
+/// the wait pattern, the id and key patterns and lengths, the reason's length, the TTL and
+/// list ranges.
+#[test]
+fn the_openapi_document_states_the_enforced_rules() {
+    let doc: Value = serde_json::from_str(include_str!("../../../../docs/openapi.json")).unwrap();
+    let schema = |name: &str| doc["components"]["schemas"][name].clone();
+    let wait = doc["paths"]["/v1/leases/{job}/claim"]["post"]["parameters"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "wait")
+        .unwrap()["schema"]
+        .clone();
+    assert_eq!(wait["pattern"], WAIT_PATTERN);
+    for id in ["JobId", "Owner"] {
+        assert_eq!(schema(id)["pattern"], "^[!-~]+$", "{id}");
+        assert_eq!(schema(id)["minLength"], 1, "{id}");
+        assert_eq!(schema(id)["maxLength"], crate::MAX_ID_LEN, "{id}");
+    }
+    assert_eq!(schema("LeaseKey")["minLength"], LeaseKey::MIN_LEN);
+    assert_eq!(schema("LeaseKey")["maxLength"], LeaseKey::MAX_LEN);
+    assert_eq!(schema("TtlMs")["minimum"], Ttl::MIN.as_millis());
+    assert_eq!(schema("TtlMs")["maximum"], Ttl::MAX.as_millis());
+    assert_eq!(
+        schema("RevokeRequest")["properties"]["reason"]["maxLength"],
+        MAX_REASON_LEN
+    );
+    let list = &doc["paths"]["/v1/leases"]["get"]["parameters"];
+    let limit = list
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|p| p["name"] == "limit")
+        .unwrap();
+    assert_eq!(limit["schema"]["maximum"], MAX_LIST_LIMIT);
+}
+
+#[test]
+fn out_of_range_numbers_state_the_range_enforced() {
+    let key = "k".repeat(22);
+    let err = ClaimRequest::from_json(
+        format!(r#"{{"owner":"w","lease_key":"{key}","ttl_ms":-1}}"#).as_bytes(),
+    )
+    .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "ttl_ms: must be an integer from 100 to 86400000 (milliseconds), got -1"
+    );
+    let long = "é".repeat(MAX_REASON_LEN);
+    let ok = RevokeRequest::from_json(format!(r#"{{"reason":"{long}"}}"#).as_bytes());
+    assert!(
+        ok.is_ok(),
+        "512 characters are allowed, whatever their bytes"
+    );
+    let err =
+        RevokeRequest::from_json(format!(r#"{{"reason":"{long}e"}}"#).as_bytes()).unwrap_err();
+    assert!(err.to_string().contains("512 characters"), "{err}");
+    assert!(ListQuery::from_query("limit=+5").is_err());
+    assert!(ListQuery::from_query("limit=5").is_ok());
+}
+
+/// JSON Schema's `integer` admits `7.0`; so do the bodies, where the number is exact.
+#[test]
+fn whole_numbers_written_with_a_fraction_are_integers_where_exact() {
+    let key = "k".repeat(22);
+    let renew = |g: &str| {
+        RenewRequest::from_json(
+            format!(r#"{{"owner":"w","lease_key":"{key}","generation":{g},"ttl_ms":1000.0}}"#)
+                .as_bytes(),
+        )
+    };
+    assert_eq!(renew("7.0").unwrap().generation, Generation::new(7));
+    assert_eq!(renew("7").unwrap().generation, Generation::new(7));
+    for refused in ["7.5", "-1.0", "9007199254740993.0", "1e300", "-0.5"] {
+        assert!(renew(refused).is_err(), "{refused}");
+    }
+    assert_eq!(
+        renew("18446744073709551615").unwrap().generation,
+        Generation::new(u64::MAX)
+    );
+}

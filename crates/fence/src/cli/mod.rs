@@ -11,6 +11,7 @@ use std::{net::SocketAddr, path::PathBuf, time::Duration};
 use clap::{Args, Parser, Subcommand, ValueEnum};
 use fence_core::{JobId, Owner, Ttl, secret::LeaseKey};
 
+pub use crate::duration::{parse_claim_wait, parse_forget_after};
 use crate::duration::{parse_duration, parse_timeout};
 
 mod proxy;
@@ -288,6 +289,11 @@ pub struct ServerArgs {
     /// count as one client on a server without --auth-file).
     #[arg(long, value_name = "N", default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..), env = "FENCE_MAX_WAITING_CLAIMS_PER_CLIENT")]
     pub max_waiting_claims_per_client: u32,
+    /// The longest the server holds one waiting claim (1ms to 60s): a claim asking to wait
+    /// longer is answered when this much has passed (409 lease-held if still held), as
+    /// clients that wait in a loop expect.
+    #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_claim_wait, env = "FENCE_MAX_CLAIM_WAIT")]
+    pub max_claim_wait: Duration,
     /// Serve GET /metrics without a bearer secret (it needs one with --auth-file).
     #[arg(long, env = "FENCE_PUBLIC_METRICS")]
     pub public_metrics: bool,
@@ -550,18 +556,6 @@ pub struct WatchdogCmd {
 /// A message naming what is wrong, for clap to print.
 pub fn parse_ttl(s: &str) -> Result<Ttl, String> {
     Ttl::new(parse_duration(s)?).map_err(|e| e.to_string())
-}
-
-/// A `--forget-after` duration: 1 s to 10 years.
-///
-/// # Errors
-/// As [`parse_duration`], and outside that range.
-pub fn parse_forget_after(s: &str) -> Result<Duration, String> {
-    let d = parse_duration(s)?;
-    if d < Duration::from_secs(1) || d > Duration::from_secs(10 * 365 * 24 * 3600) {
-        return Err(format!("{s:?}: --forget-after must be from 1s to 10 years"));
-    }
-    Ok(d)
 }
 
 /// A lease key as `fence claim` printed it.

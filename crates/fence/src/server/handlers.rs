@@ -158,7 +158,7 @@ pub(super) async fn act<S: LeaseStore>(
             )
             .with_job(job));
         }
-        let wait = wait_of(uri.query(), action)?;
+        let wait = wait_of(uri.query(), action)?.map(|w| w.min(app.options.waiting.longest));
         let (op, reason) = operation(action, body, app.options.max_ttl).await?;
         let (owner, asked) = (op.owner().cloned(), op.generation());
         let outcome = match wait {
@@ -195,7 +195,7 @@ pub(super) async fn act<S: LeaseStore>(
     finish(action.as_str(), started, answer)
 }
 
-/// The `wait` of a claim's query (`?wait=10s`, at most [`wait::MAX_WAIT`]); `None` for none
+/// The `wait` of a claim's query (`?wait=10s`, [`fence_core::lease_api::WAIT_PATTERN`]); `None` for none
 /// or zero. Any other parameter, or `wait` on another action, is a bad request.
 fn wait_of(query: Option<&str>, action: Action) -> Result<Option<std::time::Duration>, Problem> {
     let Some(query) = query.filter(|q| !q.is_empty()) else {
@@ -210,13 +210,7 @@ fn wait_of(query: Option<&str>, action: Action) -> Result<Option<std::time::Dura
                 action.as_str()
             )));
         }
-        let d =
-            crate::duration::parse_wire_duration(value).map_err(|e| bad(format!("wait: {e}")))?;
-        if d > super::wait::MAX_WAIT {
-            return Err(bad(format!(
-                "wait: {value} is longer than the most a claim may wait, 60s"
-            )));
-        }
+        let d = fence_core::lease_api::parse_wait(value).map_err(|e| bad(format!("wait: {e}")))?;
         wait = Some(d);
     }
     Ok(wait.filter(|d| !d.is_zero()))

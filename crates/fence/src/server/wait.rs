@@ -43,14 +43,18 @@ pub struct WaitLimits {
     pub total: usize,
     /// Waiting claims of one client.
     pub per_client: usize,
+    /// The longest one claim is held: a longer `wait` (the protocol allows 60 s) is
+    /// served as this (`--max-claim-wait`).
+    pub longest: Duration,
 }
 
 impl Default for WaitLimits {
-    /// 10,000 in all, 1,000 per client.
+    /// 10,000 in all, 1,000 per client, each held up to 60 s.
     fn default() -> Self {
         Self {
             total: 10_000,
             per_client: 1_000,
+            longest: MAX_WAIT,
         }
     }
 }
