@@ -18,9 +18,9 @@ use fence_sink::{
     postgres::{PgStore, PgTables},
 };
 
+/// The test database, as every PostgreSQL test finds it.
 fn database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .expect("DATABASE_URL names the test database (postgres://postgres@127.0.0.1:5432/test)")
+    fence_storage::postgres::test_database_url()
 }
 
 /// A fresh schema with the fence (migrated by the sink's store) and a `charges` table.

@@ -19,6 +19,8 @@ use std::{
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 
+pub mod throwaway;
+
 /// The database's clock in milliseconds since the Unix epoch, as an SQL expression. Every
 /// decision about time that a PostgreSQL store makes reads this clock, never a process's.
 pub const NOW_MS: &str = "(floor(extract(epoch from clock_timestamp()) * 1000))::bigint";
@@ -355,12 +357,33 @@ pub fn connect_pool(url: &str) -> Result<Pool, SetupError> {
         .map_err(SetupError::Pool)
 }
 
-/// The database the PostgreSQL tests use: `DATABASE_URL`, else the local server as
-/// `../shared/services.sh postgres` sets it up (trust auth, database `test`). A test that
-/// cannot reach it fails with the connection error: it never passes without running.
+/// The database the PostgreSQL tests use: `DATABASE_URL`; else the local server on
+/// 127.0.0.1:5432 (trust auth, database `test`) when it answers; else a throwaway cluster
+/// started from the local PostgreSQL binaries ([`throwaway`]), as also with
+/// `FENCE_TEST_POSTGRES=throwaway`. A test that cannot reach its database fails with the
+/// connection error: it never passes without running.
+///
+/// # Panics
+/// When a throwaway cluster is needed and cannot be started; the message names the
+/// package to install when PostgreSQL's binaries are missing.
 pub fn test_database_url() -> String {
-    std::env::var("DATABASE_URL")
-        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".to_owned())
+    let forced = std::env::var("FENCE_TEST_POSTGRES").is_ok_and(|v| v == "throwaway");
+    if !forced {
+        if let Ok(url) = std::env::var("DATABASE_URL") {
+            return url;
+        }
+        let local = std::net::SocketAddr::from(([127, 0, 0, 1], 5432));
+        if std::net::TcpStream::connect_timeout(&local, Duration::from_secs(1)).is_ok() {
+            return "postgres://postgres@127.0.0.1:5432/test".to_owned();
+        }
+    }
+    throwaway::url().unwrap_or_else(|why| panic!("{why}"))
+}
+
+/// Restarts the test database at once when it is a [`throwaway`] cluster this process uses;
+/// `false` otherwise.
+pub fn restart_throwaway_test_database() -> bool {
+    throwaway::restart()
 }
 
 /// Why a migration failed.

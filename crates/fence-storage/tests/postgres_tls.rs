@@ -13,11 +13,14 @@ fn database() -> (String, String) {
         Path::new(SNAKEOIL).exists(),
         "{SNAKEOIL} is missing: apt install ssl-cert, and ssl = on in postgresql.conf"
     );
-    let rest = url
-        .strip_prefix("postgres://postgres@127.0.0.1:5432/")
-        .expect("DATABASE_URL as services.sh prints it");
-    let db = rest.split('?').next().unwrap_or(rest).to_owned();
-    (url, db)
+    // postgres://postgres@127.0.0.1:PORT/DB[?...], as the local server, services.sh or the
+    // throwaway cluster give it.
+    let (port, rest) = url
+        .strip_prefix("postgres://postgres@127.0.0.1:")
+        .and_then(|r| r.split_once('/'))
+        .expect("a test database at postgres://postgres@127.0.0.1:PORT/DB");
+    let db = rest.split('?').next().unwrap_or(rest);
+    (url.clone(), format!("{port}/{db}"))
 }
 
 /// Whether the pool's connection is encrypted, as the server sees it.
@@ -40,7 +43,8 @@ async fn encrypted(url: &str) -> Result<bool, String> {
 #[tokio::test]
 async fn each_sslmode_does_what_libpq_does() {
     let (_, db) = database();
-    let at = |host: &str, query: &str| format!("postgres://postgres@{host}:5432/{db}?{query}");
+    // `db` is PORT/DATABASE.
+    let at = |host: &str, query: &str| format!("postgres://postgres@{host}:{db}?{query}");
     assert!(
         !encrypted(&at("127.0.0.1", "sslmode=disable"))
             .await
