@@ -32,6 +32,10 @@ use hyper_util::{
     rt::TokioExecutor,
 };
 
+mod connect;
+
+use connect::{Budgeted, MAX_CONNECT_SHARE};
+
 use super::{
     Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, StoreError,
     bearer::BearerToken,
@@ -66,7 +70,7 @@ pub struct HttpLeaseStore {
     servers: Arc<[String]>,
     /// The index of the server that answered last.
     preferred: Arc<AtomicUsize>,
-    client: Client<HttpsConnector<HttpConnector>, Full<Bytes>>,
+    client: Client<HttpsConnector<Budgeted<HttpConnector>>, Full<Bytes>>,
     bearer: Option<HeaderValue>,
     timeout: Duration,
 }
@@ -125,9 +129,6 @@ pub enum UrlError {
 /// The largest answer the client reads from a server.
 const MAX_ANSWER: usize = 64 * 1024;
 
-/// The longest one connection attempt may take when there are other servers to try.
-const MAX_CONNECT_SHARE: Duration = Duration::from_secs(2);
-
 impl HttpLeaseStore {
     /// A store at `base_url` (`http://host:port` or `https://host:port`, verified against
     /// the system's roots), with a 10 s timeout per call and no bearer secret.
@@ -173,22 +174,16 @@ impl HttpLeaseStore {
             url: base_url.to_owned(),
             source,
         };
-        // Roots are only read when they are needed: an http:// store on a machine without
-        // any does not fail.
+        // Roots are read only when needed: an http:// store needs none on the machine.
         let tls = if any_https {
             fence_storage::tls::client_config(options.ca_cert.as_deref(), &[]).map_err(tls_error)?
         } else {
             fence_storage::tls::encrypt_only_config().map_err(tls_error)?
         };
-        // With several servers, one that drops connection attempts silently must not use
-        // up the whole call: each attempt gets its share of the timeout, at most 2 s, so
-        // the next server is still asked in time. A lone server may take the whole call.
+        // Connection attempts end at the budget each call sets (see `send_within`).
         let mut http = HttpConnector::new();
         http.enforce_http(false);
-        if servers.len() > 1 {
-            let share = options.timeout / u32::try_from(servers.len()).unwrap_or(u32::MAX);
-            http.set_connect_timeout(Some(share.min(MAX_CONNECT_SHARE)));
-        }
+        let http = Budgeted(http);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
@@ -278,13 +273,22 @@ impl HttpLeaseStore {
             };
             req.body(body).map_err(StoreError::io)
         };
+        let deadline = tokio::time::Instant::now() + timeout;
         let exchange = async {
             let n = self.servers.len();
             let first = self.preferred.load(Ordering::Relaxed) % n;
             let mut tried = 0;
             let resp = loop {
                 let i = (first + tried) % n;
-                match self.client.request(request(&self.servers[i])?).await {
+                // A silent server must not use up the call while others are left to try:
+                // its share of what is left, at most 2 s; the last one may take it all.
+                let left_to_try = u32::try_from(n - tried).unwrap_or(u32::MAX);
+                let budget = (left_to_try > 1).then(|| {
+                    let left = deadline.saturating_duration_since(tokio::time::Instant::now());
+                    (left / left_to_try).min(MAX_CONNECT_SHARE)
+                });
+                let sent = connect::within(budget, self.client.request(request(&self.servers[i])?));
+                match sent.await {
                     Ok(resp) => {
                         if tried > 0 {
                             self.preferred.store(i, Ordering::Relaxed);
@@ -463,6 +467,7 @@ impl LeaseStore for HttpLeaseStore {
                 lease_path(job, Some(Action::Claim)),
                 this.as_millis()
             );
+            let asked = tokio::time::Instant::now();
             let (status, bytes) = self
                 .send_within(&path, Some(&body), self.timeout + this)
                 .await?;
@@ -471,8 +476,15 @@ impl LeaseStore for HttpLeaseStore {
                 StatusCode::CONFLICT | StatusCode::GONE => refused(status, &bytes)?,
                 _ => return Err(unexpected(status, &bytes)),
             };
-            if !matches!(outcome, Outcome::Held { .. }) || left <= MOST {
+            // Still held: ask again with what is left, also when the server held the claim
+            // for less than asked (its --max-claim-wait); never more than 20 times a second.
+            let now = tokio::time::Instant::now();
+            if !matches!(outcome, Outcome::Held { .. }) || now >= end {
                 return Ok(outcome);
+            }
+            let pause = (asked + Duration::from_millis(50)).min(end);
+            if pause > now {
+                tokio::time::sleep_until(pause).await;
             }
         }
     }
