@@ -380,9 +380,9 @@ pub fn test_database_url() -> String {
     throwaway::url().unwrap_or_else(|why| panic!("{why}"))
 }
 
-/// Restarts the test database at once when it is a [`throwaway`] cluster this process uses;
-/// `false` otherwise.
-pub fn restart_throwaway_test_database() -> bool {
+/// Restarts the test database at once when it is a [`throwaway`] cluster this process uses:
+/// `None` when it is not, else whether the restart succeeded.
+pub fn restart_throwaway_test_database() -> Option<bool> {
     throwaway::restart()
 }
 

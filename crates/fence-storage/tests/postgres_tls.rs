@@ -6,21 +6,23 @@ use std::path::Path;
 
 const SNAKEOIL: &str = "/etc/ssl/certs/ssl-cert-snakeoil.pem";
 
-/// The test database, as every PostgreSQL test finds it.
+/// The test database, as every PostgreSQL test finds it: its user (with the password, if
+/// any) and PORT/DATABASE.
 fn database() -> (String, String) {
     let url = fence_storage::postgres::test_database_url();
     assert!(
         Path::new(SNAKEOIL).exists(),
         "{SNAKEOIL} is missing: apt install ssl-cert, and ssl = on in postgresql.conf"
     );
-    // postgres://postgres@127.0.0.1:PORT/DB[?...], as the local server, services.sh or the
-    // throwaway cluster give it.
-    let (port, rest) = url
-        .strip_prefix("postgres://postgres@127.0.0.1:")
-        .and_then(|r| r.split_once('/'))
-        .expect("a test database at postgres://postgres@127.0.0.1:PORT/DB");
+    // postgres://postgres[:PASSWORD]@127.0.0.1:PORT/DB[?...], as the local server,
+    // services.sh or the throwaway cluster give it.
+    let (user, rest) = url
+        .strip_prefix("postgres://")
+        .and_then(|r| r.split_once("@127.0.0.1:"))
+        .expect("a test database at postgres://postgres[:PASSWORD]@127.0.0.1:PORT/DB");
+    let (port, rest) = rest.split_once('/').expect("a database name");
     let db = rest.split('?').next().unwrap_or(rest);
-    (url.clone(), format!("{port}/{db}"))
+    (user.to_owned(), format!("{port}/{db}"))
 }
 
 /// Whether the pool's connection is encrypted, as the server sees it.
@@ -42,9 +44,9 @@ async fn encrypted(url: &str) -> Result<bool, String> {
 
 #[tokio::test]
 async fn each_sslmode_does_what_libpq_does() {
-    let (_, db) = database();
-    // `db` is PORT/DATABASE.
-    let at = |host: &str, query: &str| format!("postgres://postgres@{host}:{db}?{query}");
+    // `user` is postgres[:PASSWORD], `db` is PORT/DATABASE.
+    let (user, db) = database();
+    let at = |host: &str, query: &str| format!("postgres://{user}@{host}:{db}?{query}");
     assert!(
         !encrypted(&at("127.0.0.1", "sslmode=disable"))
             .await

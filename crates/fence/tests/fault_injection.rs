@@ -967,8 +967,10 @@ fn kill_and_reap(p: &mut Proc) {
 /// Restarts the local PostgreSQL cluster at once (`-m immediate`: no checkpoint, crash
 /// recovery on start); whether it came back.
 fn restart_postgres() -> bool {
-    if fence_storage::postgres::restart_throwaway_test_database() {
-        return true;
+    // A throwaway cluster (no DATABASE_URL, no local server) restarts itself; the system's
+    // clusters are never touched then.
+    if let Some(restarted) = fence_storage::postgres::restart_throwaway_test_database() {
+        return restarted;
     }
     let Some(version) = std::fs::read_dir("/etc/postgresql").ok().and_then(|d| {
         d.filter_map(|e| e.ok()?.file_name().into_string().ok())

@@ -9,16 +9,19 @@
 //! [`IDLE_SECS`] seconds. One exclusive `start.lock` orders starting against stopping.
 //!
 //! `initdb` refuses to run as root: as root, the cluster is made and run as the `postgres`
-//! user (or `nobody`), through `runuser`.
+//! user (or `nobody`), through `runuser`; the directory itself stays root's, and only the
+//! cluster's `data` and `run` (its socket) are that user's. The directory is named by user
+//! id, must be the user's own and not writable by others, and the cluster asks for a random
+//! password (scram) even on loopback, so other local users cannot use it. Linux only (it reads
+//! `/proc` and uses util-linux's `flock`).
 
 use std::{
     fs::File,
-    net::{SocketAddr, TcpListener, TcpStream},
+    net::TcpListener,
     os::unix::fs::MetadataExt as _,
     path::{Path, PathBuf},
     process::{Command, Stdio},
     sync::OnceLock,
-    time::Duration,
 };
 
 /// How long the cluster outlives its last user, in seconds: long enough to span the gaps
@@ -41,6 +44,14 @@ struct Cluster {
     _users: File,
 }
 
+impl Cluster {
+    fn pg_ctl(&self) -> Command {
+        let mut c = self.run_as.command(&self.bin.join("pg_ctl"));
+        c.arg("-D").arg(self.dir.join("data"));
+        c
+    }
+}
+
 /// Who runs the cluster's programs: this user, or (as root) another one through `runuser`.
 #[derive(Debug, Clone)]
 enum RunAs {
@@ -60,11 +71,11 @@ impl RunAs {
         }
     }
 
-    /// The words of [`command`](Self::command), for the watchdog's shell.
-    fn prefix(&self) -> String {
+    /// The user for the watchdog (`-` for this one).
+    fn name(&self) -> &str {
         match self {
-            Self::Me => String::new(),
-            Self::User(user) => format!("runuser -u {user} -- "),
+            Self::Me => "-",
+            Self::User(user) => user,
         }
     }
 }
@@ -81,31 +92,41 @@ pub fn url() -> Result<String, String> {
 }
 
 /// Restarts the throwaway cluster at once (`pg_ctl restart -m immediate`), for tests of what
-/// a database restart does; `false` when this process uses no throwaway cluster or the
-/// restart failed.
-pub fn restart() -> bool {
+/// a database restart does: `None` when this process uses no throwaway cluster, else whether
+/// the restart succeeded. It holds `start.lock` meanwhile, so no other process takes the
+/// stopped cluster for a missing one.
+pub fn restart() -> Option<bool> {
     let Some(Ok(c)) = HELD.get() else {
-        return false;
+        return None;
     };
-    let data = c.dir.join("data");
-    c.run_as
-        .command(&c.bin.join("pg_ctl"))
-        .args(["-D"])
-        .arg(&data)
-        .args(["-m", "immediate", "-w", "-t", "60", "restart"])
+    let Ok(lock) = open(&c.dir.join("start.lock")) else {
+        return Some(false);
+    };
+    if lock.lock().is_err() {
+        return Some(false);
+    }
+    let done = c
+        .pg_ctl()
         .arg("-l")
-        .arg(c.dir.join("server.log"))
+        .arg(c.dir.join("run/server.log"))
+        .args(["-m", "immediate", "-w", "-t", "60", "restart"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
-        .is_ok_and(|s| s.success())
+        .is_ok_and(|s| s.success());
+    Some(done)
 }
 
 fn find_or_start() -> Result<Cluster, String> {
     let bin = server_binaries().ok_or_else(|| {
         format!("no PostgreSQL answers on 127.0.0.1:5432, DATABASE_URL is not set, and no initdb was found to start one for the tests: {INSTALL}")
     })?;
-    let run_as = if running_as_root() {
+    if Command::new("flock").arg("--version").output().is_err() {
+        return Err("the throwaway PostgreSQL needs util-linux's flock (apt install util-linux), or set DATABASE_URL".into());
+    }
+    let me =
+        my_uid().ok_or("the throwaway PostgreSQL needs Linux's /proc (or set DATABASE_URL)")?;
+    let run_as = if me == 0 {
         let user = ["postgres", "nobody"]
             .into_iter()
             .find(|u| id(u, "-u").is_some())
@@ -114,9 +135,8 @@ fn find_or_start() -> Result<Cluster, String> {
     } else {
         RunAs::Me
     };
-    let user = std::env::var("USER").unwrap_or_else(|_| "user".into());
-    let dir = std::env::temp_dir().join(format!("fence-test-postgres-{user}"));
-    std::fs::create_dir_all(&dir).map_err(|e| format!("cannot create {}: {e}", dir.display()))?;
+    let dir = std::env::temp_dir().join(format!("fence-test-postgres-{me}"));
+    own_dir(&dir, me, if me == 0 { 0o755 } else { 0o700 })?;
     let start_lock = open(&dir.join("start.lock"))?;
     start_lock
         .lock()
@@ -125,46 +145,86 @@ fn find_or_start() -> Result<Cluster, String> {
     users
         .lock_shared()
         .map_err(|e| format!("cannot lock {}/users: {e}", dir.display()))?;
-    let url = match running_port(&dir) {
-        Some(port) => {
-            if !watchdog_alive(&dir) {
-                spawn_watchdog(&dir, &bin, &run_as)?;
-            }
-            test_url(port)
-        }
-        None => start(&dir, &bin, &run_as)?,
-    };
-    drop(start_lock);
-    Ok(Cluster {
-        url,
+    let mut cluster = Cluster {
+        url: String::new(),
         dir,
         run_as,
         bin,
         _users: users,
-    })
+    };
+    cluster.url = match running(&cluster) {
+        Some(url) => {
+            if !watchdog_alive(&cluster.dir) {
+                spawn_watchdog(&cluster)?;
+            }
+            url
+        }
+        None => start(&cluster)?,
+    };
+    drop(start_lock);
+    Ok(cluster)
 }
 
-fn start(dir: &Path, bin: &Path, run_as: &RunAs) -> Result<String, String> {
-    let data = dir.join("data");
-    // Whatever an earlier run left (it crashed, or its watchdog was killed) goes first.
-    let _ = std::fs::remove_dir_all(&data);
-    let _ = std::fs::remove_file(dir.join("port"));
-    if let RunAs::User(user) = run_as {
-        let (uid, gid) = (id(user, "-u"), id(user, "-g"));
-        let (Some(uid), Some(gid)) = (uid, gid) else {
-            return Err(format!("cannot look up user {user}"));
-        };
-        std::os::unix::fs::chown(dir, Some(uid), Some(gid))
-            .map_err(|e| format!("cannot give {} to {user}: {e}", dir.display()))?;
+/// The URL of the cluster an earlier process started, when `pg_ctl status` says it runs.
+fn running(c: &Cluster) -> Option<String> {
+    let up = c
+        .pg_ctl()
+        .arg("status")
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status()
+        .is_ok_and(|s| s.success());
+    if !up {
+        return None;
     }
-    run(
-        run_as
-            .command(&bin.join("initdb"))
+    let port = std::fs::read_to_string(c.dir.join("port")).ok()?;
+    let password = std::fs::read_to_string(c.dir.join("password")).ok()?;
+    Some(test_url(port.trim().parse().ok()?, password.trim()))
+}
+
+fn start(c: &Cluster) -> Result<String, String> {
+    let (dir, data, run_dir) = (&c.dir, c.dir.join("data"), c.dir.join("run"));
+    // A cluster that is not running is leftovers (a crash, a killed watchdog): start over.
+    let _ = c
+        .pg_ctl()
+        .args(["-m", "immediate", "stop"])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .status();
+    for leftover in [&data, &run_dir] {
+        let _ = std::fs::remove_dir_all(leftover);
+    }
+    for file in ["port", "password"] {
+        let _ = std::fs::remove_file(dir.join(file));
+    }
+    for sub in [&data, &run_dir] {
+        std::fs::create_dir(sub).map_err(|e| format!("cannot create {}: {e}", sub.display()))?;
+        set_mode(sub, 0o700)?;
+        if let RunAs::User(user) = &c.run_as {
+            let (Some(uid), Some(gid)) = (id(user, "-u"), id(user, "-g")) else {
+                return Err(format!("cannot look up user {user}"));
+            };
+            std::os::unix::fs::chown(sub, Some(uid), Some(gid))
+                .map_err(|e| format!("cannot give {} to {user}: {e}", sub.display()))?;
+        }
+    }
+    let password = random_hex()?;
+    let pwfile = run_dir.join("pwfile");
+    std::fs::write(&pwfile, format!("{password}\n"))
+        .map_err(|e| format!("cannot write {}: {e}", pwfile.display()))?;
+    if let RunAs::User(user) = &c.run_as {
+        let (uid, gid) = (id(user, "-u"), id(user, "-g"));
+        let _ = std::os::unix::fs::chown(&pwfile, uid, gid);
+    }
+    let made = run(
+        c.run_as
+            .command(&c.bin.join("initdb"))
             .arg("-D")
             .arg(&data)
+            .arg(format!("--pwfile={}", pwfile.display()))
             .args([
                 "-A",
-                "trust",
+                "scram-sha-256",
                 "-U",
                 "postgres",
                 "-E",
@@ -173,11 +233,13 @@ fn start(dir: &Path, bin: &Path, run_as: &RunAs) -> Result<String, String> {
                 "--no-sync",
             ]),
         "initdb",
-    )?;
+    );
+    let _ = std::fs::remove_file(&pwfile);
+    made?;
     let port = free_port()?;
     let options = format!(
         "-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400",
-        dir.display()
+        run_dir.display()
     );
     // PostgreSQL's TLS tests need ssl = on; Debian's snakeoil pair serves, where readable.
     let (cert, key) = (
@@ -185,90 +247,87 @@ fn start(dir: &Path, bin: &Path, run_as: &RunAs) -> Result<String, String> {
         "/etc/ssl/private/ssl-cert-snakeoil.key",
     );
     let with_ssl = format!("{options} -c ssl=on -c ssl_cert_file={cert} -c ssl_key_file={key}");
-    let pg_ctl = |options: &str| {
+    let pg_start = |options: &str| {
         run(
-            run_as
-                .command(&bin.join("pg_ctl"))
-                .arg("-D")
-                .arg(&data)
+            c.pg_ctl()
                 .arg("-l")
-                .arg(dir.join("server.log"))
+                .arg(run_dir.join("server.log"))
                 .args(["-w", "-t", "60", "-o", options, "start"]),
             "pg_ctl start",
         )
     };
-    if !(Path::new(key).exists() && pg_ctl(&with_ssl).is_ok()) {
-        pg_ctl(&options)?;
+    if !(Path::new(key).exists() && pg_start(&with_ssl).is_ok()) {
+        pg_start(&options)?;
     }
-    run(
-        run_as.command(&bin.join("createdb")).args([
-            "-h",
-            "127.0.0.1",
-            "-p",
-            &port.to_string(),
-            "-U",
-            "postgres",
-            "test",
-        ]),
-        "createdb",
-    )?;
-    std::fs::write(dir.join("port"), port.to_string())
-        .map_err(|e| format!("cannot write {}/port: {e}", dir.display()))?;
-    spawn_watchdog(dir, bin, run_as)?;
-    Ok(test_url(port))
+    // From here on a failure stops the server again: nothing is left running unwatched.
+    let finish = || -> Result<(), String> {
+        run(
+            c.run_as
+                .command(&c.bin.join("createdb"))
+                .args([
+                    "-h",
+                    "127.0.0.1",
+                    "-p",
+                    &port.to_string(),
+                    "-U",
+                    "postgres",
+                    "test",
+                ])
+                .env("PGPASSWORD", &password),
+            "createdb",
+        )?;
+        write_private(&dir.join("password"), &password)?;
+        write_private(&dir.join("port"), &port.to_string())?;
+        spawn_watchdog(c)
+    };
+    if let Err(e) = finish() {
+        let _ = c.pg_ctl().args(["-m", "immediate", "stop"]).output();
+        return Err(e);
+    }
+    Ok(test_url(port, &password))
 }
 
-fn test_url(port: u16) -> String {
-    format!("postgres://postgres@127.0.0.1:{port}/test")
-}
-
-/// The port of a cluster an earlier process started, if it answers.
-fn running_port(dir: &Path) -> Option<u16> {
-    let port: u16 = std::fs::read_to_string(dir.join("port"))
-        .ok()?
-        .trim()
-        .parse()
-        .ok()?;
-    let addr = SocketAddr::from(([127, 0, 0, 1], port));
-    TcpStream::connect_timeout(&addr, Duration::from_secs(1)).ok()?;
-    Some(port)
+fn test_url(port: u16, password: &str) -> String {
+    format!("postgres://postgres:{password}@127.0.0.1:{port}/test")
 }
 
 /// Starts the watchdog: once nobody has held `users` for [`IDLE_SECS`] seconds, it stops the
 /// cluster and removes its data (under `start.lock`, so no process starts using it
-/// meanwhile).
-fn spawn_watchdog(dir: &Path, bin: &Path, run_as: &RunAs) -> Result<(), String> {
+/// meanwhile). Its pid goes to `watchdog.pid` before `start.lock` is let go.
+fn spawn_watchdog(c: &Cluster) -> Result<(), String> {
+    // Everything variable comes in as an argument: nothing is spliced into the script.
     let script = format!(
-        r#"cd "$1" || exit 1
-echo $$ > watchdog.pid
+        r#"dir=$1 pg_ctl=$2 user=$3
+cd "$dir" || exit 1
 idle=0
 while sleep 1; do
-  exec 9>start.lock
-  flock 9
+  exec 9<start.lock
+  flock 9 || exit 1
   if flock -n -x users true; then idle=$((idle + 1)); else idle=0; fi
   if [ "$idle" -ge {IDLE_SECS} ]; then
-    {prefix}"{pg_ctl}" -D "$1/data" -m immediate stop >/dev/null 2>&1
-    rm -rf data port server.log watchdog.pid
+    if [ "$user" = - ]; then "$pg_ctl" -D "$dir/data" -m immediate stop
+    else runuser -u "$user" -- "$pg_ctl" -D "$dir/data" -m immediate stop; fi >/dev/null 2>&1
+    rm -rf data run port password watchdog.pid
     exit 0
   fi
-  exec 9>&-
-done"#,
-        prefix = run_as.prefix(),
-        pg_ctl = bin.join("pg_ctl").display(),
+  exec 9<&-
+done"#
     );
     let mut watchdog = Command::new("sh");
     watchdog
         .args(["-c", &script, "fence-test-postgres-watchdog"])
-        .arg(dir)
+        .arg(&c.dir)
+        .arg(c.bin.join("pg_ctl"))
+        .arg(c.run_as.name())
         .stdin(Stdio::null())
         .stdout(Stdio::null())
         .stderr(Stdio::null());
     // Its own process group: a Ctrl-C to cargo test does not stop the cleanup.
     std::os::unix::process::CommandExt::process_group(&mut watchdog, 0);
-    watchdog
+    let child = watchdog
         .spawn()
         .map_err(|e| format!("cannot start the throwaway PostgreSQL's watchdog (sh): {e}"))?;
-    Ok(())
+    write_private(&c.dir.join("watchdog.pid"), &child.id().to_string())
 }
 
 fn watchdog_alive(dir: &Path) -> bool {
@@ -276,6 +335,61 @@ fn watchdog_alive(dir: &Path) -> bool {
         .ok()
         .and_then(|pid| pid.trim().parse::<u32>().ok())
         .is_some_and(|pid| Path::new(&format!("/proc/{pid}")).exists())
+}
+
+/// Makes `dir` if it is missing; either way it must be a directory (not a link) of `uid`
+/// that nobody else can write, with `mode`.
+fn own_dir(dir: &Path, uid: u32, mode: u32) -> Result<(), String> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => {}
+        Err(e) if e.kind() == std::io::ErrorKind::AlreadyExists => {}
+        Err(e) => return Err(format!("cannot create {}: {e}", dir.display())),
+    }
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let ours = meta.file_type().is_dir() && meta.uid() == uid;
+    if !ours {
+        return Err(format!(
+            "{} is not a directory of user {uid}: remove it, or set DATABASE_URL",
+            dir.display()
+        ));
+    }
+    set_mode(dir, mode)
+}
+
+fn set_mode(path: &Path, mode: u32) -> Result<(), String> {
+    use std::os::unix::fs::PermissionsExt as _;
+    std::fs::set_permissions(path, std::fs::Permissions::from_mode(mode))
+        .map_err(|e| format!("cannot set the mode of {}: {e}", path.display()))
+}
+
+/// Writes a file only this user can read.
+fn write_private(path: &Path, text: &str) -> Result<(), String> {
+    use std::os::unix::fs::OpenOptionsExt as _;
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create(true)
+        .truncate(true)
+        .mode(0o600)
+        .custom_flags(O_NOFOLLOW)
+        .open(path)
+        .and_then(|mut f| std::io::Write::write_all(&mut f, text.as_bytes()));
+    written.map_err(|e| format!("cannot write {}: {e}", path.display()))
+}
+
+/// `O_NOFOLLOW` on Linux: a link where a file is expected is refused, not followed.
+const O_NOFOLLOW: i32 = 0o400_000;
+
+fn random_hex() -> Result<String, String> {
+    use std::io::Read as _;
+    let mut bytes = [0u8; 16];
+    File::open("/dev/urandom")
+        .and_then(|mut f| f.read_exact(&mut bytes))
+        .map_err(|e| format!("cannot read /dev/urandom: {e}"))?;
+    Ok(bytes.iter().map(|b| format!("{b:02x}")).collect())
+}
+
+fn my_uid() -> Option<u32> {
+    std::fs::metadata("/proc/self").ok().map(|m| m.uid())
 }
 
 /// The directory of `initdb`, `pg_ctl` and `createdb`: on the PATH, else the newest of
@@ -311,10 +425,6 @@ fn server_binaries() -> Option<PathBuf> {
     has(&dir).then_some(dir)
 }
 
-fn running_as_root() -> bool {
-    std::fs::metadata("/proc/self").is_ok_and(|m| m.uid() == 0)
-}
-
 /// `id -u user` or `id -g user`.
 fn id(user: &str, which: &str) -> Option<u32> {
     let out = Command::new("id").args([which, user]).output().ok()?;
@@ -325,10 +435,13 @@ fn id(user: &str, which: &str) -> Option<u32> {
 }
 
 fn open(path: &Path) -> Result<File, String> {
+    use std::os::unix::fs::OpenOptionsExt as _;
     std::fs::OpenOptions::new()
         .create(true)
         .truncate(false)
         .write(true)
+        .mode(0o644)
+        .custom_flags(O_NOFOLLOW)
         .open(path)
         .map_err(|e| format!("cannot open {}: {e}", path.display()))
 }
