@@ -145,9 +145,11 @@ impl<'de> serde::Deserialize<'de> for UniqueObject {
     }
 }
 
-/// A JSON number that is a whole number from 0 to 2^64-1, as JSON Schema's `integer` reads
-/// one: `7` and also `7.0`. A number with a fraction part is taken only below 2^53, where
-/// it is exactly the integer its text says (`9007199254740993.0` is not read as ...992).
+/// A JSON number that is a whole number from 0 to 2^64-1: `7`, and also `7.0` as JSON
+/// Schema's `integer` admits it, but a number written with a fraction or an exponent only
+/// below 2^53, where it is exactly the integer its text says (`9007199254740993.0` is not
+/// read as ...992). Above that, such a number is refused although JSON Schema would call it
+/// an integer: exactness of a generation matters more (docs/protocol.md section 4).
 fn whole_number(n: &serde_json::Number) -> Option<u64> {
     const EXACT: f64 = 9_007_199_254_740_992.0; // 2^53
     n.as_u64().or_else(|| {
@@ -534,6 +536,14 @@ pub(crate) fn percent_encode(s: &str) -> String {
 /// A `%` not followed by two hex digits, or bytes that are not UTF-8 once decoded.
 pub fn decode_path_segment(s: &str) -> Result<String, &'static str> {
     percent_decode(s, false)
+}
+
+/// One name or value of a query string, decoded: `%XX` sequences, and `+` as a space.
+///
+/// # Errors
+/// A malformed `%` sequence, or bytes that are not UTF-8.
+pub fn decode_query_component(s: &str) -> Result<String, &'static str> {
+    percent_decode(s, true)
 }
 
 /// `%XX` sequences decoded, and `+` as a space when `plus_is_space` (a query).

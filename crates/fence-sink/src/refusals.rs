@@ -178,20 +178,41 @@ impl Limiter {
             self.all.logged += 1;
             Some(std::mem::take(&mut w.suppressed))
         } else {
+            if w.logged < PER_WINDOW {
+                // Held back by the budget over all peers, not by this peer's own.
+                self.all.suppressed += 1;
+            }
             w.suppressed += 1;
             None
         }
+    }
+
+    /// How many events the budget over all peers has held back since this was last asked.
+    fn take_held_back_by_all(&mut self) -> u64 {
+        std::mem::take(&mut self.all.suppressed)
     }
 }
 
 static LIMIT: LazyLock<Mutex<Limiter>> = LazyLock::new(|| Mutex::new(Limiter::new()));
 
-/// [`Limiter::admit`] on the process's limiter, now.
+/// [`Limiter::admit`] on the process's limiter, now. An admitted event first says, in an
+/// event of its own, how many the budget over all peers held back before it: a flood from
+/// many peers leaves that trace even when none of them comes back.
 fn admit(kind: &'static str, peer: Option<IpAddr>) -> Option<u64> {
-    LIMIT
+    let mut limit = LIMIT
         .lock()
-        .unwrap_or_else(std::sync::PoisonError::into_inner)
-        .admit(kind, peer, Instant::now())
+        .unwrap_or_else(std::sync::PoisonError::into_inner);
+    let admitted = limit.admit(kind, peer, Instant::now());
+    if admitted.is_some() {
+        let held_back = limit.take_held_back_by_all();
+        if held_back > 0 {
+            tracing::warn!(
+                suppressed = held_back,
+                "refusal log: {held_back} events from all peers together were left out (at most {ALL_PER_WINDOW} per {WINDOW:?})"
+            );
+        }
+    }
+    admitted
 }
 
 #[cfg(test)]
@@ -242,6 +263,8 @@ mod tests {
             logged += u32::from(limit.admit(kind, peer(i), now).is_some());
         }
         assert_eq!(logged, ALL_PER_WINDOW);
+        assert_eq!(limit.take_held_back_by_all(), u64::from(ALL_PER_WINDOW));
+        assert_eq!(limit.take_held_back_by_all(), 0);
         // Each peer left out hears about it in the next window.
         let later = now + WINDOW;
         assert_eq!(

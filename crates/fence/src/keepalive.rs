@@ -67,6 +67,7 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
     // for keepalive's first output finds it there.
     let keeper = match &a.token_file {
         Some(path) => {
+            let updates = held.tokens();
             let Some(token) = held.token_string() else {
                 eprintln!(
                     "fence keepalive: the lease of job {job} (generation {generation}) is lost"
@@ -75,7 +76,7 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
             };
             write_token(path, &token)
                 .with_context(|| format!("cannot write --token-file {}", path.display()))?;
-            Some(keep_token_current(path.clone(), held.view()))
+            Some(keep_token_current(path.clone(), updates))
         }
         None => None,
     };

@@ -117,6 +117,8 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let Some(lease) = claim_within(&client, &args.job, args.wait).await? else {
         return Ok(EXIT_NOT_OBTAINED);
     };
+    // Subscribed before the token is read: a renewal from now on reaches FENCE_TOKEN_FILE.
+    let token_updates = lease.tokens();
     let Some(token) = lease.token_string() else {
         eprintln!(
             "fence run: the lease on {} was lost right after the claim; not running the command",
@@ -167,7 +169,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                 .context(format!("cannot start {program:?}; the job was released")));
         }
     };
-    let keeper = token_file.keep_current(lease.view());
+    let keeper = token_file.keep_current(token_updates);
     let limit = args.max_duration.map(|(d, _)| (Instant::now() + d, d));
     let ended = supervise(&mut child, &group, &lease, &mut signals, args.grace, limit).await?;
     keeper.abort();

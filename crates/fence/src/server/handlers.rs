@@ -202,15 +202,21 @@ fn wait_of(query: Option<&str>, action: Action) -> Result<Option<std::time::Dura
         return Ok(None);
     };
     let mut wait = None;
-    for pair in query.split('&') {
+    // As any query string is read: empty pairs skipped, names and values percent-decoded.
+    for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (name, value) = pair.split_once('=').unwrap_or((pair, ""));
+        let decode = |part: &str| {
+            fence_core::lease_api::decode_query_component(part)
+                .map_err(|e| bad(format!("query: {e}")))
+        };
+        let (name, value) = (decode(name)?, decode(value)?);
         if name != "wait" || action != Action::Claim || wait.is_some() {
             return Err(bad(format!(
                 "{name}: not a parameter of {}; only a claim takes one, wait (once)",
                 action.as_str()
             )));
         }
-        let d = fence_core::lease_api::parse_wait(value).map_err(|e| bad(format!("wait: {e}")))?;
+        let d = fence_core::lease_api::parse_wait(&value).map_err(|e| bad(format!("wait: {e}")))?;
         wait = Some(d);
     }
     Ok(wait.filter(|d| !d.is_zero()))
