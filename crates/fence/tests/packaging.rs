@@ -462,16 +462,49 @@ fn every_command_of_the_readme_runs() {
         }
         // What the upstream received, for the checks below.
         script.push_str("cat bg-*.log >&2\n");
-        let out = Command::new("bash")
+        // The tour runs as a reader runs it: not as root (as root, as `nobody`), in an empty
+        // directory of its own, so nothing in it may need root's files or privileges.
+        let tour = section == "A 5-minute tour";
+        let work = root.join(if tour { "tour" } else { "work" });
+        let mut bash = if tour && running_as_root() {
+            std::fs::create_dir_all(&work).unwrap();
+            let nobody = |which: &str| -> u32 {
+                let out = Command::new("id").args([which, "nobody"]).output().unwrap();
+                String::from_utf8_lossy(&out.stdout).trim().parse().unwrap()
+            };
+            for dir in [root.to_path_buf(), work.clone(), root.join("home")] {
+                if dir != root {
+                    std::os::unix::fs::chown(&dir, Some(nobody("-u")), Some(nobody("-g"))).unwrap();
+                }
+                let mode = if dir == root { 0o755 } else { 0o700 };
+                std::fs::set_permissions(
+                    &dir,
+                    <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(mode),
+                )
+                .unwrap();
+            }
+            script.insert_str(0, &format!("export HOME={}\n", root.join("home").display()));
+            let mut c = Command::new("runuser");
+            c.args(["-u", "nobody", "--", "bash"]);
+            c
+        } else {
+            std::fs::create_dir_all(&work).unwrap();
+            Command::new("bash")
+        };
+        let out = bash
             .arg("-c")
             .arg(&script)
-            .current_dir(root.join("work"))
+            .current_dir(&work)
             .env("PATH", &path)
             .env("HOME", root.join("home"))
             .env("RUST_LOG", "warn")
             .env_remove("FENCE_SERVER")
             .output()
             .unwrap();
+        if tour {
+            let left: Vec<_> = std::fs::read_dir(&work).unwrap().flatten().collect();
+            assert!(!left.is_empty(), "the tour ran in {}", work.display());
+        }
         let text = format!(
             "{}\n{}",
             String::from_utf8_lossy(&out.stdout),
@@ -500,6 +533,10 @@ fn every_command_of_the_readme_runs() {
             "the tour lacks {expected:?}:\n{tour}"
         );
     }
+}
+
+fn running_as_root() -> bool {
+    std::os::unix::fs::MetadataExt::uid(&std::fs::metadata("/proc/self").unwrap()) == 0
 }
 
 fn listen_port(command: &str) -> Option<u16> {

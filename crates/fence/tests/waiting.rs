@@ -49,6 +49,16 @@ fn wait_in_line(
     })
 }
 
+/// Waits until the server counts `n` waiting claims.
+fn waiting_claims(addr: &str, n: u32) {
+    eventually(&format!("{n} claims wait"), Duration::from_secs(10), || {
+        let (_, metrics) = bearer_call(addr, "GET", "/metrics", None, "");
+        metrics
+            .lines()
+            .any(|l| l == format!("fence_lease_waiting_claims {n}"))
+    });
+}
+
 fn release(addr: &str, job: &str, owner: &str, generation: u64) -> u16 {
     let body = format!(
         r#"{{"owner":"{owner}","generation":{generation},"lease_key":"{owner}-0123456789abcdefghijk"}}"#
@@ -68,18 +78,10 @@ fn a_waiting_claim_gets_the_job_when_it_is_released_and_waiters_go_in_order() {
     let (_dir, _server, _url, addr) = server_with_a_holding("j");
 
     // b waits (the server counts it) before c is sent, and c before the holder comes back.
-    let waiting = |n: u32| {
-        eventually(&format!("{n} claims wait"), Duration::from_secs(10), || {
-            let (_, metrics) = bearer_call(&addr, "GET", "/metrics", None, "");
-            metrics
-                .lines()
-                .any(|l| l == format!("fence_lease_waiting_claims {n}"))
-        })
-    };
     let b = wait_in_line(&addr, "j", "b");
-    waiting(1);
+    waiting_claims(&addr, 1);
     let c = wait_in_line(&addr, "j", "c");
-    waiting(2);
+    waiting_claims(&addr, 2);
     // The holder retries its claim with its key (its answer was lost), with a wait: it gets
     // its lease back at once, not behind the strangers waiting for the job.
     let (status, lease, took) = claim(&addr, "j", "a", "10s");
@@ -246,11 +248,11 @@ fn past_the_most_waiting_claims_a_claim_is_429_at_once() {
     let data = dir.path().to_str().unwrap().to_owned();
     let (_server, addr) = start_ready(&server_args(&data, &["--max-waiting-claims", "2"]));
     assert_eq!(claim(&addr, "j", "a", "").0, 200);
-    let (b, c) = (wait_in_line(&addr, "j", "b"), wait_in_line(&addr, "j", "c"));
-    eventually("two claims wait", Duration::from_secs(10), || {
-        let (_, metrics) = bearer_call(&addr, "GET", "/metrics", None, "");
-        metrics.lines().any(|l| l == "fence_lease_waiting_claims 2")
-    });
+    // b is in line before c is sent: two connections sent at once may arrive either way.
+    let b = wait_in_line(&addr, "j", "b");
+    waiting_claims(&addr, 1);
+    let c = wait_in_line(&addr, "j", "c");
+    waiting_claims(&addr, 2);
     let path = "/v1/leases/j/claim?wait=10s";
     let started = Instant::now();
     let (status, answer) = bearer_call(&addr, "POST", path, None, &claim_body("d"));
@@ -391,8 +393,47 @@ fn the_server_holds_a_claim_no_longer_than_max_claim_wait() {
         let (status, body, _) = claim(&addr, "held", "b", wait);
         assert_eq!(status, 400, "{wait}: {body}");
     }
-    for wait in ["0", "1", "60", "0ms", "60000ms"] {
+    for wait in ["0", "1", "60", "0ms", "60000ms", "1%30ms", "5s&"] {
         let (status, body, _) = claim(&addr, "free-now", "b", wait);
         assert!(status == 200, "{wait}: {body}");
     }
+}
+
+/// A server that holds claims for less than a client asks (`--max-claim-wait`): the client
+/// asks again with what is left until its own wait ends (`fence run --wait`, through
+/// `HttpLeaseStore::claim_waiting`), and gets the job when the holder's lease runs out.
+#[test]
+fn a_client_keeps_waiting_past_the_servers_max_claim_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("leases");
+    let (_server, addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &["--max-claim-wait", "200ms"],
+    ));
+    let short = r#"{"owner":"a","lease_key":"a-0123456789abcdefghijk","ttl_ms":1500}"#;
+    let (status, answer) = bearer_call(&addr, "POST", "/v1/leases/handed/claim", None, short);
+    assert_eq!(status, 200, "{answer}");
+    let started = Instant::now();
+    let out = fence(&[
+        "run",
+        "--server",
+        &format!("http://{addr}"),
+        "--job",
+        "handed",
+        "--wait",
+        "10s",
+        "--",
+        "true",
+    ]);
+    let took = started.elapsed();
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        (Duration::from_millis(1_000)..Duration::from_secs(6)).contains(&took),
+        "granted after {took:?}"
+    );
 }
