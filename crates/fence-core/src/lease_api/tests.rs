@@ -96,25 +96,13 @@ fn a_field_given_twice_is_refused_not_read_as_the_last() {
     assert!(e.to_string().contains("not valid JSON"), "{e}");
 }
 
-/// Every value of the forms the pattern describes, and the near misses, parse exactly
-/// when [`WAIT_PATTERN`] says they match (checked against the pattern's own alternatives
-/// written out: ms 0 to 60000, s or none 0 to 60, no leading zeros).
+/// The wait parser accepts exactly what [`WAIT_PATTERN`] matches, run as a regular
+/// expression (as a client generated from the OpenAPI document runs it), over every value of
+/// the forms it describes and the near misses.
 #[test]
 fn the_wait_grammar_is_exactly_its_pattern() {
-    let matches = |v: &str| {
-        let (digits, limit) = if let Some(d) = v.strip_suffix("ms") {
-            (d, 60_000)
-        } else if let Some(d) = v.strip_suffix('s') {
-            (d, 60)
-        } else {
-            (v, 60)
-        };
-        !digits.is_empty()
-            && digits.bytes().all(|b| b.is_ascii_digit())
-            && (digits == "0" || !digits.starts_with('0'))
-            && digits.len() <= 5
-            && digits.parse::<u64>().is_ok_and(|n| n <= limit)
-    };
+    let pattern = regex::Regex::new(WAIT_PATTERN).unwrap();
+    let matches = |v: &str| pattern.is_match(v);
     let mut values = Vec::new();
     for n in (0..=61_000)
         .step_by(7)
@@ -184,13 +172,42 @@ fn the_openapi_document_states_the_enforced_rules() {
         MAX_REASON_LEN
     );
     let list = &doc["paths"]["/v1/leases"]["get"]["parameters"];
-    let limit = list
-        .as_array()
-        .unwrap()
-        .iter()
-        .find(|p| p["name"] == "limit")
-        .unwrap();
-    assert_eq!(limit["schema"]["maximum"], MAX_LIST_LIMIT);
+    let param = |name: &str| {
+        list.as_array()
+            .unwrap()
+            .iter()
+            .find(|p| p["name"] == name)
+            .unwrap()["schema"]
+            .clone()
+    };
+    assert_eq!(param("limit")["maximum"], MAX_LIST_LIMIT);
+    assert_eq!(param("after")["$ref"], "#/components/schemas/JobId");
+    assert_eq!(param("prefix")["maxLength"], crate::MAX_ID_LEN);
+
+    // The patterns, run as regular expressions, against the parsers.
+    let re = |p: &Value| regex::Regex::new(p.as_str().unwrap()).unwrap();
+    let (job_id, prefix) = (
+        re(&schema("JobId")["pattern"]),
+        re(&param("prefix")["pattern"]),
+    );
+    let reason = re(&schema("RevokeRequest")["properties"]["reason"]["pattern"]);
+    for s in [
+        "a", "a/b", "a%b", "~!", "a b", "é", "a\tb", "\u{7f}", "x\n", "",
+    ] {
+        let id_ok = JobId::new(s).is_ok();
+        assert_eq!(job_id.is_match(s) && !s.is_empty(), id_ok, "job id {s:?}");
+        let listed = ListQuery::from_query(&format!("prefix={}", percent_encode(s))).is_ok();
+        assert_eq!(prefix.is_match(s), listed, "prefix {s:?}");
+        let body = serde_json::json!({ "reason": s }).to_string();
+        assert_eq!(
+            reason.is_match(s),
+            RevokeRequest::from_json(body.as_bytes()).is_ok(),
+            "reason {s:?}"
+        );
+    }
+    for control in ["\u{0}", "\u{1f}", "\u{80}", "\u{9f}"] {
+        assert!(!reason.is_match(&format!("a{control}b")), "{control:?}");
+    }
 }
 
 #[test]
