@@ -91,8 +91,8 @@ pub fn url() -> Result<String, String> {
         .map_err(Clone::clone)
 }
 
-/// Restarts the throwaway cluster at once (`pg_ctl restart -m immediate`), for tests of what
-/// a database restart does: `None` when this process uses no throwaway cluster, else whether
+/// Restarts the throwaway cluster (`pg_ctl restart -m fast`, as `pg_ctlcluster restart`
+/// does by default), for tests of what a database restart does: `None` when this process uses no throwaway cluster, else whether
 /// the restart succeeded. It holds `start.lock` meanwhile, so no other process takes the
 /// stopped cluster for a missing one.
 pub fn restart() -> Option<bool> {
@@ -109,7 +109,7 @@ pub fn restart() -> Option<bool> {
         .pg_ctl()
         .arg("-l")
         .arg(c.dir.join("run/server.log"))
-        .args(["-m", "immediate", "-w", "-t", "60", "restart"])
+        .args(["-m", "fast", "-w", "-t", "60", "restart"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
