@@ -32,7 +32,18 @@ async fn database_restart_during_renewals() {
     let throwaway = fence_storage::postgres::restart_throwaway_test_database;
     let version = cluster();
     let schema = unique_schema("rst");
-    let (_server, addr) = start_pg_server(&url, &schema, &[]);
+    let (_server, addr, log) = start_logged(
+        &[
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--store",
+            &url,
+            "--pg-schema",
+            &schema,
+        ],
+        "info",
+    );
     let store = HttpLeaseStore::new(&format!("http://{addr}"))
         .unwrap()
         .timeout(Duration::from_secs(2));
@@ -96,7 +107,8 @@ async fn database_restart_during_renewals() {
         None => loop {
             assert!(
                 resumed.elapsed() < Duration::from_secs(20),
-                "no answer from the server after the restart"
+                "no answer from the server after the restart; its log:\n{}",
+                log.text()
             );
             match b.claim("restart-job".parse().unwrap()).await {
                 Ok(l) => {

@@ -91,8 +91,8 @@ pub fn url() -> Result<String, String> {
         .map_err(Clone::clone)
 }
 
-/// Restarts the throwaway cluster (`pg_ctl restart -m fast`, as `pg_ctlcluster restart`
-/// does by default), for tests of what a database restart does: `None` when this process uses no throwaway cluster, else whether
+/// Restarts the throwaway cluster at once (`pg_ctl restart -m immediate`, a crash and
+/// recovery), for tests of what a database restart does: `None` when this process uses no throwaway cluster, else whether
 /// the restart succeeded. It holds `start.lock` meanwhile, so no other process takes the
 /// stopped cluster for a missing one.
 pub fn restart() -> Option<bool> {
@@ -109,7 +109,7 @@ pub fn restart() -> Option<bool> {
         .pg_ctl()
         .arg("-l")
         .arg(c.dir.join("run/server.log"))
-        .args(["-m", "fast", "-w", "-t", "60", "restart"])
+        .args(["-m", "immediate", "-w", "-t", "60", "restart"])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .status()
@@ -237,8 +237,11 @@ fn start(c: &Cluster) -> Result<String, String> {
     let _ = std::fs::remove_file(&pwfile);
     made?;
     let port = free_port()?;
+    // fsync off: the cluster lives for one test run and the machine is not expected to
+    // crash under it. Commits stay synchronous, though: a commit is in the WAL before it is
+    // answered, so a crash of PostgreSQL itself (the restart tests' `immediate`) loses none.
     let options = format!(
-        "-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={} -c fsync=off -c synchronous_commit=off -c full_page_writes=off -c max_connections=400",
+        "-c listen_addresses=127.0.0.1 -p {port} -c unix_socket_directories={} -c fsync=off -c max_connections=400",
         run_dir.display()
     );
     // PostgreSQL's TLS tests need ssl = on; Debian's snakeoil pair serves, where readable.
