@@ -399,9 +399,9 @@ fn the_server_holds_a_claim_no_longer_than_max_claim_wait() {
     }
 }
 
-/// A server that holds claims for less than a client asks (`--max-claim-wait`): the client
-/// asks again with what is left until its own wait ends (`fence run --wait`, through
-/// `HttpLeaseStore::claim_waiting`), and gets the job when the holder's lease runs out.
+/// A server that holds claims for less than a client asks (`--max-claim-wait`): the lease
+/// client's one waiting claim asks again with what is left until its own wait ends, and
+/// gets the job when the holder's lease runs out; `fence run --wait` too.
 #[test]
 fn a_client_keeps_waiting_past_the_servers_max_claim_wait() {
     let dir = tempfile::tempdir().unwrap();
@@ -413,13 +413,36 @@ fn a_client_keeps_waiting_past_the_servers_max_claim_wait() {
     let short = r#"{"owner":"a","lease_key":"a-0123456789abcdefghijk","ttl_ms":1500}"#;
     let (status, answer) = bearer_call(&addr, "POST", "/v1/leases/handed/claim", None, short);
     assert_eq!(status, 200, "{answer}");
+    // The lease client itself: one claim_waiting of 10 s.
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let started = Instant::now();
+    let granted = rt.block_on(async {
+        let store = fence_lease::HttpLeaseStore::new(&format!("http://{addr}")).unwrap();
+        let client = fence_lease::LeaseClient::new(store).owner("b".parse().unwrap());
+        let lease = client
+            .claim_waiting("handed".parse().unwrap(), Duration::from_secs(10))
+            .await;
+        lease.map(|l| l.generation().get())
+    });
+    let took = started.elapsed();
+    assert_eq!(granted.unwrap(), 2, "granted after {took:?}");
+    assert!(
+        (Duration::from_millis(1_000)..Duration::from_secs(6)).contains(&took),
+        "granted after {took:?}"
+    );
+    // fence run --wait, on a job held again.
+    let (status, answer) = bearer_call(&addr, "POST", "/v1/leases/handed2/claim", None, short);
+    assert_eq!(status, 200, "{answer}");
     let started = Instant::now();
     let out = fence(&[
         "run",
         "--server",
         &format!("http://{addr}"),
         "--job",
-        "handed",
+        "handed2",
         "--wait",
         "10s",
         "--",
