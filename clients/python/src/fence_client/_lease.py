@@ -13,8 +13,8 @@ import threading
 from typing import Any, Dict, Optional
 
 from ._errors import JobCompleted, LeaseLost, LeaseRefused, ProtocolError
-from ._wire import (Transport, encode_job, grant_token, idempotency_key, margin_ms, monotonic,
-                    wait_param)
+from ._wire import (PathLike, Transport, check_job, default_owner, encode_job, grant_token,
+                    idempotency_key, margin_ms, monotonic, ttl_to_ms, wait_param)
 
 DEADLINE_PASSED = "the local deadline passed before a renewal succeeded"
 FINISHED = "the lease was released, completed or abandoned"
@@ -177,3 +177,22 @@ def claim_path(job: str, wait_s: float) -> str:
     path = f"/v1/leases/{encode_job(job)}/claim"
     return path + (f"?wait={wait_param(wait_s)}" if wait_s > 0 else "")
 
+
+class ClientCore:
+    """The options both clients take, checked once: the server's transport, the owner, the
+    TTL and the safety margin."""
+
+    def __init__(self, server: Optional[str] = None, *, owner: Optional[str] = None,
+                 ttl: float = 30.0, auth_token: Optional[str] = None,
+                 auth_token_file: Optional[PathLike] = None, ca_file: Optional[PathLike] = None,
+                 margin: Optional[float] = None, timeout: float = 10.0) -> None:
+        self._transport = Transport(server, auth_token, auth_token_file, ca_file, timeout)
+        self.owner = check_job(owner) if owner is not None else default_owner()
+        self.ttl_ms = ttl_to_ms(ttl)
+        if margin is not None and not 0 <= margin * 1000 < self.ttl_ms:
+            raise ValueError("the safety margin must be shorter than the TTL")
+        self._margin = margin
+
+    @property
+    def server(self) -> str:
+        return self._transport.server

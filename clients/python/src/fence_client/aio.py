@@ -16,9 +16,8 @@ from types import TracebackType
 from typing import Any, Dict, Generator, Optional, Type
 
 from ._errors import FenceError, LeaseHeld, LeaseLost, ProtocolError, ServerUnreachable
-from ._lease import DEADLINE_PASSED, FINISHED, LeaseCore, claim_path
-from ._wire import (PathLike, Transport, check_job, default_owner, encode_job, margin_ms,
-                    monotonic, new_lease_key, ttl_to_ms)
+from ._lease import DEADLINE_PASSED, FINISHED, ClientCore, LeaseCore, claim_path
+from ._wire import check_job, encode_job, margin_ms, monotonic, new_lease_key, ttl_to_ms
 
 
 class AsyncLease(LeaseCore):
@@ -139,23 +138,8 @@ class _Claim:
         await self._lease.__aexit__(exc_type, exc, tb)
 
 
-class AsyncClient:
+class AsyncClient(ClientCore):
     """The asyncio twin of :class:`fence_client.Client`, with the same options."""
-
-    def __init__(self, server: Optional[str] = None, *, owner: Optional[str] = None,
-                 ttl: float = 30.0, auth_token: Optional[str] = None,
-                 auth_token_file: Optional[PathLike] = None, ca_file: Optional[PathLike] = None,
-                 margin: Optional[float] = None, timeout: float = 10.0) -> None:
-        self._transport = Transport(server, auth_token, auth_token_file, ca_file, timeout)
-        self.owner = check_job(owner) if owner is not None else default_owner()
-        self.ttl_ms = ttl_to_ms(ttl)
-        if margin is not None and not 0 <= margin * 1000 < self.ttl_ms:
-            raise ValueError("the safety margin must be shorter than the TTL")
-        self._margin = margin
-
-    @property
-    def server(self) -> str:
-        return self._transport.server
 
     def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
               on_success: str = "complete") -> _Claim:
