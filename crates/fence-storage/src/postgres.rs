@@ -386,6 +386,36 @@ pub fn restart_throwaway_test_database() -> Option<bool> {
     throwaway::restart()
 }
 
+/// Drops the tables of schema `fence_test` in the test database at `url` whose names match
+/// any of the SQL `LIKE` patterns: what earlier runs of a store's tests left there (each
+/// test makes tables of its own, and the conformance suites have no teardown). Call it once
+/// per run, before any test starts, so the test database holds one run's tables at most.
+///
+/// # Panics
+/// When the test database does not answer: the tests would fail anyway.
+pub async fn drop_test_tables(url: &str, like: &[&str]) {
+    let pool = connect_pool(url).expect("the test database's URL is valid");
+    let client = pool.get().await.expect("the test database answers");
+    let like: Vec<String> = like.iter().map(|p| (*p).to_owned()).collect();
+    let rows = client
+        .query(
+            "SELECT tablename FROM pg_tables WHERE schemaname = 'fence_test'
+               AND tablename LIKE ANY($1)",
+            &[&like],
+        )
+        .await
+        .expect("the test database lists its tables");
+    for row in rows {
+        let table: String = row.get(0);
+        let _ = client
+            .batch_execute(&format!(
+                "DROP TABLE IF EXISTS fence_test.\"{}\" CASCADE",
+                table.replace('"', "\"\"")
+            ))
+            .await;
+    }
+}
+
 /// Why a migration failed.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]

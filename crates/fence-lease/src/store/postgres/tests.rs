@@ -11,32 +11,12 @@ async fn fresh() -> Option<PgLeaseStore> {
     Some(store)
 }
 
-/// What earlier runs of these tests left in `fence_test` (each test makes tables of its own
-/// and the conformance suite has no teardown), dropped once per run before any test starts:
-/// the test database holds one run's tables at most.
+/// What earlier runs of these tests left in `fence_test`, dropped once per run before any
+/// test starts.
 async fn leftovers_dropped(url: &str) {
     static ONCE: tokio::sync::OnceCell<()> = tokio::sync::OnceCell::const_new();
-    ONCE.get_or_init(|| async {
-        let (client, conn) = tokio_postgres::connect(url, tokio_postgres::NoTls)
-            .await
-            .expect("the test database answers");
-        tokio::spawn(conn);
-        let rows = client
-            .query(
-                "SELECT tablename FROM pg_tables WHERE schemaname = 'fence_test'
-                   AND tablename LIKE 'leases\\_%'",
-                &[],
-            )
-            .await
-            .unwrap();
-        for row in rows {
-            let table: String = row.get(0);
-            let _ = client
-                .batch_execute(&format!("DROP TABLE IF EXISTS fence_test.{table} CASCADE"))
-                .await;
-        }
-    })
-    .await;
+    ONCE.get_or_init(|| fence_storage::postgres::drop_test_tables(url, &["leases\\_%"]))
+        .await;
 }
 
 crate::lease_store_conformance!(|| async {
