@@ -85,13 +85,8 @@ fn flood_against(extra: &[&str], nofile: Option<u64>) {
     let url = format!("http://{addr}");
     let target: std::net::SocketAddr = addr.parse().unwrap();
 
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
     // The flood takes what it can before the worker comes.
-    let (stop, held) = start_flood(&rt, target);
+    let (rt, stop, held) = start_flood(target);
     std::thread::sleep(Duration::from_secs(2));
 
     // The worker: a 2 s lease around an 8 s command; a renewal that fails loses the lease
@@ -140,12 +135,17 @@ fn flood_against(extra: &[&str], nofile: Option<u64>) {
     );
 }
 
-/// Starts `rt`'s flood of four times [`CAP`] connections from 127.0.0.2 against `target` and
-/// waits until it holds at least half the cap; the flag that stops it, and its count.
+/// Starts a flood of four times [`CAP`] connections from 127.0.0.2 against `target`, on a
+/// runtime of its own, and waits until it holds at least half the cap: the runtime (keep it
+/// until the end), the flag that stops the flood, and its count.
 fn start_flood(
-    rt: &tokio::runtime::Runtime,
     target: std::net::SocketAddr,
-) -> (Arc<AtomicBool>, Arc<AtomicU64>) {
+) -> (tokio::runtime::Runtime, Arc<AtomicBool>, Arc<AtomicU64>) {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let held = Arc::new(AtomicU64::new(0));
     for _ in 0..4 * CAP {
@@ -156,7 +156,7 @@ fn start_flood(
         Duration::from_secs(20),
         || held.load(Ordering::Relaxed) as usize >= CAP / 2,
     );
-    (stop, held)
+    (rt, stop, held)
 }
 
 /// Enough file descriptors in this process for the flood (four times the cap, and more).
@@ -214,12 +214,7 @@ fn a_flood_of_the_proxy_from_one_address_turns_no_worker_away() {
         ],
     );
     let target: std::net::SocketAddr = proxy.parse().unwrap();
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
-    let (stop, held) = start_flood(&rt, target);
+    let (rt, stop, held) = start_flood(target);
     std::thread::sleep(Duration::from_secs(2));
     let began = Instant::now();
     let (mut written, mut slowest) = (0, Duration::ZERO);

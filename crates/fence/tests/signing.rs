@@ -206,6 +206,19 @@ fn cluster(dir: &Path, signing: &Path, verify: &[&Path]) -> Cluster {
     cluster_with(dir, signing, verify, &[])
 }
 
+/// A key pair made by `fence keygen` in `dir/keys`, and a [`cluster_with`] that signs with
+/// it and verifies with it, with `proxy_flags`.
+fn keyed_cluster(dir: &Path, proxy_flags: &[&str]) -> Cluster {
+    let keys = dir.join("keys");
+    keygen(&keys);
+    cluster_with(
+        dir,
+        &keys.join("fence-signing.pem"),
+        &[&keys.join("fence-verify.pem")],
+        proxy_flags,
+    )
+}
+
 /// As [`cluster`], with more flags for the proxy.
 fn cluster_with(dir: &Path, signing: &Path, verify: &[&Path], proxy_flags: &[&str]) -> Cluster {
     let (server_proc, server) = start_ready(&server_args(
@@ -248,13 +261,7 @@ fn write(proxy: &str, job: &str, token: &str) -> u16 {
 #[test]
 fn worked_example_with_signing_at_both_ends_and_an_attacker() {
     let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys");
-    keygen(&keys);
-    let c = cluster(
-        dir.path(),
-        &keys.join("fence-signing.pem"),
-        &[&keys.join("fence-verify.pem")],
-    );
+    let c = keyed_cluster(dir.path(), &[]);
     let job = "invoice-42";
     let a = claim(&c.server, job, "worker-a", "300ms");
     let token_a = a["token"]
@@ -329,12 +336,8 @@ fn worked_example_with_signing_at_both_ends_and_an_attacker() {
 #[test]
 fn a_signed_token_that_outlives_the_proxys_window_is_refused() {
     let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys");
-    keygen(&keys);
-    let c = cluster_with(
+    let c = keyed_cluster(
         dir.path(),
-        &keys.join("fence-signing.pem"),
-        &[&keys.join("fence-verify.pem")],
         &[
             "--max-lease-ttl",
             "1s",
@@ -402,15 +405,8 @@ fn keys_made_by_openssl_sign_and_verify_and_rotation_accepts_both() {
 fn keepalive_keeps_the_current_signed_token_in_its_token_file() {
     use std::io::Write as _;
     let dir = tempfile::tempdir().unwrap();
-    let keys = dir.path().join("keys");
-    keygen(&keys);
     // Clocks here agree: a token is expired 200 ms after its lease ends (default: 5 s).
-    let c = cluster_with(
-        dir.path(),
-        &keys.join("fence-signing.pem"),
-        &[&keys.join("fence-verify.pem")],
-        &["--clock-skew", "200ms"],
-    );
+    let c = keyed_cluster(dir.path(), &["--clock-skew", "200ms"]);
     let job = "kept-signed";
     let claimed = claim(&c.server, job, "script", "1s");
     let first = claimed["token"].as_str().unwrap().to_owned();
