@@ -44,6 +44,17 @@ macro_rules! conformance_cases {
     };
 }
 
+/// What a store hears of changes made by other processes sharing it (a database's
+/// notifications: `postgres::listen`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Notice {
+    /// A change, named by its payload (a job id, say).
+    Payload(String),
+    /// Changes may have been missed (a new session, a receiver that lagged behind): look
+    /// again at everything a notice would have named.
+    Missed,
+}
+
 /// A boxed error source, as stores keep the cause of an I/O failure.
 pub type BoxError = Box<dyn std::error::Error + Send + Sync>;
 

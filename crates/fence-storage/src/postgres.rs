@@ -19,7 +19,10 @@ use std::{
 
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 
+mod listen;
 pub mod throwaway;
+
+pub use listen::{Listener, channel_name, listen};
 
 /// The database's clock in milliseconds since the Unix epoch, as an SQL expression. Every
 /// decision about time that a PostgreSQL store makes reads this clock, never a process's.
@@ -307,20 +310,17 @@ pub const SESSION_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long any statement of the fence's pools may run.
 pub const SESSION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// A pool of up to [`POOL_SIZE`] connections to `url` (`postgres://user@host:port/db`).
-/// Connections are made when first needed, so a database that is down now is not an error.
-///
-/// TLS follows libpq's `sslmode`: `disable`, `prefer` (the default; unverified; `allow` is
-/// read as `prefer`), `require` (encrypted, unverified, unless `sslrootcert` is given: then
-/// as `verify-ca`), `verify-ca` (the certificate checked against `sslrootcert` or the
-/// system roots) and `verify-full` (and its host name too). Without a password in the
-/// string, `PGPASSWORD` or the passfile (`passfile=`, `PGPASSFILE`, `~/.pgpass`) gives it, so
-/// it need not appear on a command line.
-///
-/// # Errors
-/// When `url` is not a valid connection string, names an unknown `sslmode`, or a root
-/// certificate file cannot be read.
-pub fn connect_pool(url: &str) -> Result<Pool, SetupError> {
+/// The configuration and TLS connector of one of the fence's sessions to `url`, as
+/// [`connect_pool`] describes; [`listen`] opens its session with them too.
+fn session(
+    url: &str,
+) -> Result<
+    (
+        tokio_postgres::Config,
+        tokio_postgres_rustls::MakeRustlsConnect,
+    ),
+    SetupError,
+> {
     let Options {
         url,
         ssl,
@@ -341,6 +341,24 @@ pub fn connect_pool(url: &str) -> Result<Pool, SetupError> {
     );
     config.options(options.trim_end());
     let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls_for(ssl, root_cert.as_deref())?);
+    Ok((config, tls))
+}
+
+/// A pool of up to [`POOL_SIZE`] connections to `url` (`postgres://user@host:port/db`).
+/// Connections are made when first needed, so a database that is down now is not an error.
+///
+/// TLS follows libpq's `sslmode`: `disable`, `prefer` (the default; unverified; `allow` is
+/// read as `prefer`), `require` (encrypted, unverified, unless `sslrootcert` is given: then
+/// as `verify-ca`), `verify-ca` (the certificate checked against `sslrootcert` or the
+/// system roots) and `verify-full` (and its host name too). Without a password in the
+/// string, `PGPASSWORD` or the passfile (`passfile=`, `PGPASSFILE`, `~/.pgpass`) gives it, so
+/// it need not appear on a command line.
+///
+/// # Errors
+/// When `url` is not a valid connection string, names an unknown `sslmode`, or a root
+/// certificate file cannot be read.
+pub fn connect_pool(url: &str) -> Result<Pool, SetupError> {
+    let (config, tls) = session(url)?;
     let manager = Manager::from_config(
         config,
         tls,

@@ -175,6 +175,13 @@ impl LeaseStore for LeaseBackend {
         }
     }
 
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<fence_storage::Notice>> {
+        match self {
+            Self::Sled(s) => s.changes(),
+            Self::Postgres(s) => s.changes(),
+        }
+    }
+
     async fn forget_idle(
         &self,
         idle_for: Duration,

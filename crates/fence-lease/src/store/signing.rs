@@ -62,6 +62,10 @@ impl<S: LeaseStore> LeaseStore for SigningLeaseStore<S> {
         self.inner.is_shared()
     }
 
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<fence_storage::Notice>> {
+        self.inner.changes()
+    }
+
     async fn forget_idle(
         &self,
         idle_for: std::time::Duration,

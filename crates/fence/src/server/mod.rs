@@ -70,11 +70,16 @@ async fn openapi() -> impl axum::response::IntoResponse {
 /// The lease API router over `store`.
 pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
     let waiters = wait::Waiters::new(options.waiting);
+    let changes = store.changes();
+    waiters.set_fed(changes.is_some());
     let state = Arc::new(AppState {
         store,
         options,
         waiters,
     });
+    if let Some(changes) = changes {
+        tokio::spawn(wake_on_changes(Arc::downgrade(&state), changes));
+    }
     Router::new()
         .route("/v1/leases", get(list::list::<S>))
         .route("/v1/leases/{job}/{action}", post(handlers::act::<S>))
@@ -90,6 +95,31 @@ pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
             mark_authenticated::<S>,
         ))
         .with_state(state)
+}
+
+/// Wakes the claims waiting on jobs that other servers let go, until the router is gone.
+async fn wake_on_changes<S>(
+    state: std::sync::Weak<AppState<S>>,
+    mut changes: tokio::sync::broadcast::Receiver<fence_storage::Notice>,
+) {
+    use fence_storage::Notice;
+    use tokio::sync::broadcast::error::RecvError;
+    loop {
+        let notice = match changes.recv().await {
+            Ok(notice) => notice,
+            Err(RecvError::Lagged(_)) => Notice::Missed,
+            Err(RecvError::Closed) => return,
+        };
+        let Some(state) = state.upgrade() else { return };
+        match notice {
+            Notice::Payload(job) => {
+                if let Ok(job) = job.parse() {
+                    state.waiters.changed(&job);
+                }
+            }
+            Notice::Missed => state.waiters.changed_all(),
+        }
+    }
 }
 
 /// Marks the answer to a request that carried a secret of the auth file: its connection is

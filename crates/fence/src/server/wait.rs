@@ -7,10 +7,12 @@
 //! the holder's own retry (same owner and key, after a lost answer) gets its lease back
 //! instead of queueing behind strangers. Then waiters on one job queue on a fair semaphore
 //! of one permit, so they are served first come, first served; the one at the head tries
-//! again when a release, completion or revocation on this server wakes it, or when the lease
-//! it saw was due to expire; nobody else asks the store while waiting. On a shared store
-//! ([`LeaseStore::is_shared`]: another server on the same database may let the job go) the
-//! head also looks at least every [`POLL`]. Entries are removed when the last waiter of a job leaves, also when a waiter
+//! again when a release, completion or revocation wakes it (on this server, or on another
+//! server sharing the store when the store says so: [`LeaseStore::changes`], PostgreSQL's
+//! `LISTEN`), or when the lease it saw is due to expire; nobody else asks the store while
+//! waiting. On a shared store the head also looks at least every [`POLL`] (every
+//! [`FED_POLL`] when the store says what other servers change, as a backstop). Entries are
+//! removed when the last waiter of a job leaves, also when a waiter
 //! goes away mid-wait (its client disconnected).
 
 use std::{sync::Arc, time::Duration};
@@ -26,8 +28,13 @@ use tokio::{
 /// The longest `wait` a claim may ask for.
 pub(super) const MAX_WAIT: Duration = Duration::from_secs(60);
 
-/// How often the head waiter looks again without being woken.
+/// How often the head waiter looks again without being woken, on a shared store that does
+/// not say what other servers change.
 const POLL: Duration = Duration::from_millis(250);
+
+/// The same on a shared store that says what other servers let go ([`LeaseStore::changes`]):
+/// only a backstop, since a lost session of the store's says it may have missed some.
+const FED_POLL: Duration = Duration::from_secs(2);
 
 #[derive(Debug)]
 struct Queue {
@@ -75,6 +82,8 @@ pub(super) struct Waiters {
     limits: WaitLimits,
     total: std::sync::atomic::AtomicUsize,
     clients: DashMap<String, usize>,
+    /// Whether what other servers let go wakes the waiters ([`Waiters::set_fed`]).
+    fed: std::sync::atomic::AtomicBool,
 }
 
 /// A client's place among the waiting claims, given back when the claim is answered or goes.
@@ -147,9 +156,23 @@ impl Waiters {
         })
     }
 
-    /// Wakes the waiters of `job`: it was released or completed here.
+    /// Says that the store's changes wake these waiters ([`LeaseStore::changes`]): a shared
+    /// store is then looked at only every [`FED_POLL`].
+    pub(super) fn set_fed(&self, fed: bool) {
+        self.fed.store(fed, std::sync::atomic::Ordering::Relaxed);
+    }
+
+    /// Wakes the waiters of `job`: it was released, completed or revoked, here or by
+    /// another server.
     pub(super) fn changed(&self, job: &JobId) {
         if let Some(queue) = self.jobs.get(job) {
+            queue.changed.notify_waiters();
+        }
+    }
+
+    /// Wakes the head waiter of every job: changes may have gone unheard.
+    pub(super) fn changed_all(&self) {
+        for queue in &self.jobs {
             queue.changed.notify_waiters();
         }
     }
@@ -191,7 +214,17 @@ impl Waiters {
             queue: Some(queue),
         };
         let queue = waiting.queue.as_deref().expect("set above");
-        Self::queued(queue, store, job, op, deadline).await.map(Ok)
+        let poll = match (
+            store.is_shared(),
+            self.fed.load(std::sync::atomic::Ordering::Relaxed),
+        ) {
+            (false, _) => MAX_WAIT,
+            (true, false) => POLL,
+            (true, true) => FED_POLL,
+        };
+        Self::queued(queue, store, job, op, (deadline, poll))
+            .await
+            .map(Ok)
     }
 
     async fn queued<S: LeaseStore>(
@@ -199,13 +232,12 @@ impl Waiters {
         store: &S,
         job: &JobId,
         op: LeaseOp,
-        deadline: Instant,
+        (deadline, poll): (Instant, Duration),
     ) -> Result<Outcome, StoreError> {
         // Behind earlier waiters; when the wait ends in the queue, one last try decides.
         let Ok(Ok(_head)) = tokio::time::timeout_at(deadline, queue.head.acquire()).await else {
             return store.apply(job, op).await;
         };
-        let poll = if store.is_shared() { POLL } else { MAX_WAIT };
         loop {
             let woken = queue.changed.notified();
             tokio::pin!(woken);
@@ -218,7 +250,9 @@ impl Waiters {
             if now >= deadline {
                 return Ok(outcome);
             }
-            let next = (now + (*expires_in + Duration::from_millis(5)).min(poll)).min(deadline);
+            // Just past the lease's end on the store's clock (whole ms): the try then finds
+            // it expired, or says how little is left.
+            let next = (now + (*expires_in + Duration::from_millis(1)).min(poll)).min(deadline);
             tokio::select! {
                 () = tokio::time::sleep_until(next) => {}
                 () = &mut woken => {}

@@ -56,6 +56,14 @@ impl PgTable {
     fn qualified(&self) -> String {
         format!("{}.{}", self.schema, self.table)
     }
+
+    /// The channel every server on this table notifies when it lets a job go (the payload is
+    /// the job id) and listens on: `schema.table`, or a hash of it when longer than
+    /// PostgreSQL's 63 bytes ([`fence_storage::postgres::channel_name`]).
+    #[must_use]
+    pub fn channel(&self) -> String {
+        fence_storage::postgres::channel_name(&self.qualified())
+    }
 }
 
 /// The lease store in PostgreSQL.
@@ -75,6 +83,10 @@ pub struct PgLeaseStore {
     pool: Pool,
     table: PgTable,
     sql: Arc<Sql>,
+    /// The connection string, for the session that listens for other servers' changes.
+    url: Arc<str>,
+    /// That session, started by the first [`LeaseStore::changes`].
+    listener: Arc<std::sync::OnceLock<Option<fence_storage::postgres::Listener>>>,
     #[cfg(any(test, feature = "test-hooks"))]
     offset_ms: Arc<std::sync::atomic::AtomicI64>,
 }
@@ -106,7 +118,7 @@ fn now_ms(offset_param: usize) -> String {
 }
 
 impl Sql {
-    fn new(t: &str) -> Self {
+    fn new(t: &str, channel: &str) -> Self {
         // $1 job, $2 owner, $3 ttl_ms, $4 clock offset, $5 key hash. A holder that claims
         // again with its key keeps its generation (the retry of a lost answer).
         // A new row starts above the floor, read under a share lock (see the module's notes).
@@ -140,8 +152,9 @@ impl Sql {
             now = now_ms(5)
         );
         // $4 clock offset, $5 key hash; returns the row as `get` does.
+        // The channel is `[a-z0-9_.]` (PgTable's names, or a hash): safe as a literal.
         let returning = format!(
-            "RETURNING owner, generation::text, lease_until_ms, completed, {}",
+            "RETURNING owner, generation::text, lease_until_ms, completed, {}, pg_notify('{channel}', job)",
             now_ms(4)
         );
         let release = format!(
@@ -192,7 +205,7 @@ impl Sql {
              RETURNING (SELECT count(*) FROM gone)"
         );
         Self {
-            revoke: revoke::sql(t),
+            revoke: revoke::sql(t, channel),
             claim,
             lock_floor,
             forget,
@@ -295,11 +308,13 @@ impl PgLeaseStore {
     /// When `url` is not a valid connection string.
     pub async fn connect(url: &str, table: PgTable) -> Result<Self, SetupError> {
         let pool = fence_storage::postgres::connect_pool(url)?;
-        let sql = Arc::new(Sql::new(&table.qualified()));
+        let sql = Arc::new(Sql::new(&table.qualified(), &table.channel()));
         Ok(Self {
             pool,
             table,
             sql,
+            url: url.into(),
+            listener: Arc::default(),
             #[cfg(any(test, feature = "test-hooks"))]
             offset_ms: Arc::default(),
         })
@@ -355,7 +370,12 @@ impl PgLeaseStore {
         let client = fence_storage::postgres::Checkout::of(&self.pool)
             .await
             .map_err(StoreError::io)?;
-        let row = client.query_opt(sql, params).await.map_err(StoreError::io);
+        // Prepared once per connection: every later call is one round trip, not two.
+        let row = match client.prepare_cached(sql).await {
+            Ok(statement) => client.query_opt(&statement, params).await,
+            Err(e) => Err(e),
+        };
+        let row = row.map_err(StoreError::io);
         client.done();
         row
     }
@@ -476,6 +496,20 @@ impl LeaseStore for PgLeaseStore {
     /// Several servers may share the database.
     fn is_shared(&self) -> bool {
         true
+    }
+
+    /// Releases, completions and revokes of every server on this table: each is a
+    /// `pg_notify` on the table's channel ([`PgTable::channel`]) in the same statement, heard
+    /// on one session of this store's own, started by the first call (inside a tokio runtime;
+    /// `None` outside one).
+    fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<fence_storage::Notice>> {
+        tokio::runtime::Handle::try_current().ok()?;
+        let listener = self
+            .listener
+            .get_or_init(|| fence_storage::postgres::listen(&self.url, &self.table.channel()).ok());
+        listener
+            .as_ref()
+            .map(fence_storage::postgres::Listener::subscribe)
     }
 
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {

@@ -8,7 +8,8 @@ use crate::store::{LeaseRecord, Outcome, Revocation, StoreError};
 /// `$1` job, `$2` clock offset. A row that is not completed and below the last generation
 /// goes free at the next one; returns the new generation and when the revoked lease would
 /// have ended (now, if it already had).
-pub(super) fn sql(t: &str) -> String {
+/// The row changed is announced on `channel` (waiting claims on other servers wake).
+pub(super) fn sql(t: &str, channel: &str) -> String {
     format!(
         "WITH old AS (
            SELECT job, lease_until_ms FROM {t}
@@ -18,7 +19,7 @@ pub(super) fn sql(t: &str) -> String {
          UPDATE {t} AS t SET generation = t.generation + 1, owner = NULL,
            lease_until_ms = 0, changed_ms = {now}
          FROM old WHERE t.job = old.job
-         RETURNING t.generation::text, GREATEST(old.lease_until_ms, {now})",
+         RETURNING t.generation::text, GREATEST(old.lease_until_ms, {now}), pg_notify('{channel}', t.job)",
         now = now_ms(2)
     )
 }
