@@ -1,5 +1,7 @@
-//! `LISTEN` on a channel, kept up across lost connections: what several processes sharing one
-//! database use to tell each other that something changed (a lease let go, say).
+//! `LISTEN` on a channel, kept up across lost connections.
+//!
+//! Several processes sharing one database tell each other this way that something changed
+//! (a lease let go, say).
 //!
 //! [`listen`] starts a task holding one session of its own (not one of a pool: a pooled
 //! connection would stop listening when given back) that forwards each notification's

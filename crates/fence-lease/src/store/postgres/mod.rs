@@ -57,9 +57,8 @@ impl PgTable {
         format!("{}.{}", self.schema, self.table)
     }
 
-    /// The channel every server on this table notifies when it lets a job go (the payload is
-    /// the job id) and listens on: `schema.table`, or a hash of it when longer than
-    /// PostgreSQL's 63 bytes ([`fence_storage::postgres::channel_name`]).
+    /// The channel servers on this table notify when they let a job go (payload: the job id)
+    /// and listen on ([`fence_storage::postgres::channel_name`] of `schema.table`).
     #[must_use]
     pub fn channel(&self) -> String {
         fence_storage::postgres::channel_name(&self.qualified())
@@ -498,10 +497,9 @@ impl LeaseStore for PgLeaseStore {
         true
     }
 
-    /// Releases, completions and revokes of every server on this table: each is a
-    /// `pg_notify` on the table's channel ([`PgTable::channel`]) in the same statement, heard
-    /// on one session of this store's own, started by the first call (inside a tokio runtime;
-    /// `None` outside one).
+    /// Releases, completions and revokes of every server on this table (`pg_notify` on
+    /// [`PgTable::channel`] in their statement), heard on one session of this store's own,
+    /// started by the first call (inside a tokio runtime; `None` outside one).
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<fence_storage::Notice>> {
         tokio::runtime::Handle::try_current().ok()?;
         let listener = self
