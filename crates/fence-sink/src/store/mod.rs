@@ -119,7 +119,8 @@ impl Prior {
 /// page starts, and what [`GenerationStore::forget`] must still find to delete it.
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct IdleJob {
-    /// When the store last stamped the job (ms since the Unix epoch, the store's clock).
+    /// When the store last stamped the job (ms since the Unix epoch, the store's clock; the
+    /// sled store rounds it up to a whole second, so a job may be listed up to a second late).
     pub touched_ms: u64,
     /// The job.
     pub job: JobId,
