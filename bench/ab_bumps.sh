@@ -8,7 +8,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."; source bench/lib.sh
 A=${1:?usage: bench/ab_bumps.sh DIR_A DIR_B}; B=${2:?usage: bench/ab_bumps.sh DIR_A DIR_B}
-tmp=$(mktemp -d -p target); pids=()
+tmp=$(mktemp -d -p "$PWD/target"); pids=()
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$tmp"; }
 trap cleanup EXIT
 "$A/bench_sink" bare 127.0.0.1:19602 >/dev/null & pids+=($!)

@@ -256,7 +256,8 @@ where
     // admits it: until then it has reached nobody, holds up no newer token, and a newer
     // token raised meanwhile makes it stale (docs/protocol.md section 3, "Bodies").
     let request = match keyed {
-        Some(keyed) => match keyed.read(request).await {
+        // Boxed, as `run` below: requests without a key do not carry their futures.
+        Some(keyed) => match Box::pin(keyed.read(request)).await {
             Ok(read) => Ready::Read(keyed, read),
             Err(answer) => return Ok(answer),
         },
@@ -289,7 +290,7 @@ where
     let response = match request {
         Ready::Read(keyed, (mut parts, bytes, held)) => {
             parts.extensions.insert(fenced);
-            keyed.run(&mut inner, (parts, bytes, held)).await
+            Box::pin(keyed.run(&mut inner, (parts, bytes, held))).await
         }
         Ready::Streamed(request) => {
             let (mut parts, body) = request.into_parts();

@@ -208,7 +208,12 @@ impl UpstreamConns {
         loop {
             let (mut conn, reused) = match self.take_ready() {
                 Some(conn) => (conn, true),
-                None => (within_connect_timeout(self.connect()).await?, false),
+                // Boxed: connecting (TCP, TLS, handshake) is a future of several KiB that
+                // every request's future would otherwise carry and copy, connected or not.
+                None => (
+                    within_connect_timeout(Box::pin(self.connect())).await?,
+                    false,
+                ),
             };
             match conn.try_send_request(req).await {
                 Ok(response) => {

@@ -103,7 +103,8 @@ impl Upstream {
         }
         let request = Request::from_parts(parts, body);
         let sent = if grpc {
-            tokio::time::timeout(self.timeout, self.conns.send_h2(request)).await
+            // Boxed, like connecting: the HTTP/1.1 path's future stays small (issue 32).
+            tokio::time::timeout(self.timeout, Box::pin(self.conns.send_h2(request))).await
         } else {
             tokio::time::timeout(self.timeout, self.conns.send(request)).await
         };
