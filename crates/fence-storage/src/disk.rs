@@ -4,9 +4,10 @@
 //! synchronous `flush` per request costs a disk sync each. [`DurableDb::commit`] makes every
 //! write durable with one `flush` shared by all writers that queued before it began: a
 //! writer applies its change to sled, then awaits `commit`; one flusher thread takes every
-//! waiter queued so far, calls `flush()` once, then `fdatasync` on sled's file (sled's own
-//! sync survives a killed process but not a power cut: see `flush`), and wakes them all.
-//! Every write done before a flush begins is covered by it.
+//! waiter queued so far, calls `flush()` once, then syncs what sled leaves unsynced (its
+//! own sync survives a killed process but not a power cut: see `sync`), and wakes them all.
+//! Every write done before a flush begins is covered by it. A failed flush fails every later
+//! commit: the process must be restarted.
 //!
 //! A directory is held by one process at a time: [`DurableDb::open`] takes an exclusive lock
 //! on `fence.lock` in it first, and says [`OpenError::Locked`] when another process has it.
@@ -32,6 +33,10 @@ use std::{
 };
 
 use tokio::sync::oneshot;
+
+mod sync;
+
+use sync::Syncer;
 
 /// The lock file every fence database directory holds while open.
 pub const LOCK_FILE: &str = "fence.lock";
@@ -72,7 +77,8 @@ pub enum OpenError {
 #[derive(Debug, Clone, thiserror::Error)]
 #[non_exhaustive]
 pub enum CommitError {
-    /// sled's flush failed; the write may be lost on crash.
+    /// sled's flush or a sync after it failed; the write may be lost on crash, and every
+    /// later commit fails too until the process restarts (see `sync`).
     #[error("flushing sled to disk failed")]
     Flush(#[source] Arc<sled::Error>),
     /// The flusher thread is gone (the store is shutting down).
@@ -96,8 +102,8 @@ struct Inner {
     tx: Option<mpsc::Sender<Waiter>>,
     thread: Option<thread::JoinHandle<()>>,
     db: sled::Db,
-    /// sled's log file, synced after each flush.
-    log: File,
+    /// sled's flush and the syncs it leaves out (`sync`), shared with the flusher thread.
+    syncer: Arc<Syncer>,
     /// Dropped last: the directory stays locked until sled has let go of it.
     _lock: File,
 }
@@ -163,38 +169,32 @@ impl DurableDb {
                 Ok(db) => break db,
             }
         };
-        // sled's own file, for the sync sled leaves out (see `flush`); and the directory's
-        // entries (a new database's files) on disk too.
-        let log = File::open(path.join(SLED_LOG)).map_err(directory)?;
+        // The directory's entries (a new database's files) on disk too.
         File::open(path)
             .and_then(|dir| dir.sync_all())
             .map_err(directory)?;
-        Ok(Self::start(path.to_owned(), db, lock, log))
+        let syncer = Syncer::new(db.clone(), path).map_err(directory)?;
+        Ok(Self::start(path.to_owned(), db, lock, Arc::new(syncer)))
     }
 
-    fn start(path: PathBuf, db: sled::Db, lock: File, log: File) -> Self {
+    fn start(path: PathBuf, db: sled::Db, lock: File, syncer: Arc<Syncer>) -> Self {
         let (tx, rx) = mpsc::channel::<Waiter>();
-        // Without a second handle on sled's file there is no flusher thread, and every commit
-        // flushes on its own caller's thread (`commit`).
-        let thread = log.try_clone().ok().and_then(|flusher_log| {
-            let flusher = db.clone();
-            thread::Builder::new()
-                .name("fence-flusher".into())
-                .spawn(move || {
-                    let mut batch = Vec::new();
-                    while let Ok(first) = rx.recv() {
-                        batch.push(first);
-                        batch.extend(rx.try_iter());
-                        let result = flush(&flusher, &flusher_log);
-                        for waiter in batch.drain(..) {
-                            // A waiter that went away (its request was cancelled) needs no
-                            // answer.
-                            let _ = waiter.send(result.clone());
-                        }
+        let flusher = syncer.clone();
+        let thread = thread::Builder::new()
+            .name("fence-flusher".into())
+            .spawn(move || {
+                let mut batch = Vec::new();
+                while let Ok(first) = rx.recv() {
+                    batch.push(first);
+                    batch.extend(rx.try_iter());
+                    let result = flusher.flush();
+                    for waiter in batch.drain(..) {
+                        // A waiter that went away (its request was cancelled) needs no answer.
+                        let _ = waiter.send(result.clone());
                     }
-                })
-                .ok()
-        });
+                }
+            })
+            .ok();
         let tx = thread.as_ref().map(|_| tx);
         Self {
             inner: Arc::new(Inner {
@@ -202,7 +202,7 @@ impl DurableDb {
                 tx,
                 thread,
                 db,
-                log,
+                syncer,
                 _lock: lock,
             }),
         }
@@ -241,7 +241,7 @@ impl DurableDb {
     /// # Errors
     /// When the flush fails.
     pub fn flush_now(&self) -> Result<(), CommitError> {
-        flush(&self.inner.db, &self.inner.log)
+        self.inner.syncer.flush()
     }
 
     /// How much space the database takes on disk, in bytes.
@@ -251,25 +251,6 @@ impl DurableDb {
     pub fn size_on_disk(&self) -> sled::Result<u64> {
         self.inner.db.size_on_disk()
     }
-}
-
-/// The file sled 0.34 keeps its log and pages in, inside the database's directory.
-const SLED_LOG: &str = "db";
-
-/// sled's flush, then `fdatasync` of its file. On Linux sled 0.34 ends a flush with
-/// `sync_file_range(WAIT_BEFORE | WRITE | WAIT_AFTER)`, which waits for the pages to reach
-/// the device but neither flushes the device's write cache nor writes the file's size when the
-/// log grew: enough to survive the process being killed, not a power cut or a kernel crash.
-/// The `fdatasync` that follows makes the flushed writes durable in the sense the product
-/// promises (`man 2 sync_file_range`: "there are no guarantees that the data will be
-/// available after a crash"). It finds the data already written, so it costs the device's
-/// cache flush and the size update (BENCHMARKS.md, issue 32).
-fn flush(db: &sled::Db, log: &File) -> Result<(), CommitError> {
-    db.flush()
-        .map(drop)
-        .map_err(|e| CommitError::Flush(Arc::new(e)))?;
-    log.sync_data()
-        .map_err(|e| CommitError::Flush(Arc::new(sled::Error::Io(e))))
 }
 
 impl Drop for Inner {
