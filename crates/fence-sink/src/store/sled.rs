@@ -47,6 +47,15 @@ fn stamp_bucket(touched_ms: u64) -> u64 {
         .saturating_mul(STAMP_BUCKET_MS)
 }
 
+/// The tree saying which format the other trees are in.
+fn db_format(db: &DurableDb) -> Result<sled::Tree, OpenError> {
+    db.tree("format")
+}
+
+/// The `format` key of the `stamps` tree, and its value since entries are whole seconds.
+const STAMPS_KEY: &[u8] = b"stamps";
+const STAMPS_FORMAT: &[u8] = b"whole-seconds";
+
 /// The key of a job's entry in the `stamps` tree: its stamp's [`stamp_bucket`], then the job.
 fn stamp_key(touched_ms: u64, job: &[u8]) -> Vec<u8> {
     let touched_ms = stamp_bucket(touched_ms);
@@ -97,15 +106,22 @@ impl SledStore {
             opened_ms: clock.now_ms(),
             clock,
         };
-        store.repair_stamps();
+        store.repair_stamps(&db_format(&store.db)?);
         Ok(store)
     }
 
     /// A crash between a job's write and its stamp's can leave the `stamps` tree short of a
     /// job (which would then never be forgotten) or holding an old stamp (skipped when
-    /// read): when the counts differ, rebuild it from `generations`.
-    fn repair_stamps(&self) {
-        if self.stamps.len() == self.generations.len() {
+    /// read): when the counts differ, rebuild it from `generations`. Also when the tree is
+    /// of a build before its entries were rounded to whole seconds ([`STAMPS_FORMAT`] not
+    /// in `format`): its exact keys would never be found to be removed.
+    fn repair_stamps(&self, format: &sled::Tree) {
+        let current = format
+            .get(STAMPS_KEY)
+            .ok()
+            .flatten()
+            .is_some_and(|v| *v == *STAMPS_FORMAT);
+        if current && self.stamps.len() == self.generations.len() {
             return;
         }
         let _ = self.stamps.clear();
@@ -116,6 +132,8 @@ impl SledStore {
                     .insert(stamp_key(u64::from_be_bytes(touched), &job), &[][..]);
             }
         }
+        // After the entries: a crash before sled has both on disk rebuilds again.
+        let _ = format.insert(STAMPS_KEY, STAMPS_FORMAT);
     }
 
     /// Flushes everything to disk now (graceful shutdown).
@@ -405,6 +423,38 @@ mod tests {
         let store = SledStore::open_with_clock(dir, Arc::new(clock.clone())).unwrap();
         Some((store, crate::conformance::advance_fn(clock)))
     });
+
+    /// A database of a build that kept exact stamps is rebuilt to whole seconds at open, so
+    /// that forgetting finds and removes its entries.
+    #[tokio::test]
+    async fn exact_stamps_of_an_older_build_are_rebuilt_to_whole_seconds() {
+        let dir = tempfile::tempdir().unwrap();
+        let clock = fence_storage::clock::ManualClock::new(1_700_000_000_123);
+        let job: JobId = "old-build".parse().unwrap();
+        {
+            let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+            store.observe(&job, Generation::new(3)).await.unwrap();
+        }
+        {
+            // What the older build left: the exact stamp as key, and no format.
+            let db = DurableDb::open(dir.path()).unwrap();
+            let stamps = db.tree("stamps").unwrap();
+            stamps.clear().unwrap();
+            let mut exact = (1_700_000_010_123_u64).to_be_bytes().to_vec();
+            exact.extend_from_slice(job.as_str().as_bytes());
+            stamps.insert(exact, &[][..]).unwrap();
+            db.tree("format").unwrap().clear().unwrap();
+            db.commit().await.unwrap();
+        }
+        let store = SledStore::open_with_clock(dir.path(), Arc::new(clock)).unwrap();
+        let keys: Vec<u64> = store
+            .stamps
+            .iter()
+            .keys()
+            .map(|k| u64::from_be_bytes(k.unwrap()[..8].try_into().unwrap()))
+            .collect();
+        assert_eq!(keys, [1_700_000_011_000], "rounded up to the second");
+    }
 
     #[derive(Debug, Clone)]
     enum Op {
