@@ -51,8 +51,11 @@ pub enum Notice {
     /// A change, named by its payload (a job id, say).
     Payload(String),
     /// Changes may have been missed (a new session, a receiver that lagged behind): look
-    /// again at everything a notice would have named.
+    /// again at everything a notice would have named. Also says that changes are heard
+    /// (again) from now on.
     Missed,
+    /// The session that hears changes is lost: until the next `Missed`, none is heard.
+    Lost,
 }
 
 /// A boxed error source, as stores keep the cause of an I/O failure.

@@ -39,6 +39,7 @@ async fn notifications_arrive_and_a_lost_session_says_it_may_have_missed_some() 
         .await
         .unwrap();
     assert_eq!(cut, 1, "one listening session to cut");
+    assert_eq!(next(&mut rx).await, Notice::Lost, "the loss is said");
     assert_eq!(
         next(&mut rx).await,
         Notice::Missed,

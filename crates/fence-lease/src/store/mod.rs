@@ -212,9 +212,10 @@ pub trait LeaseStore: Send + Sync + 'static {
     }
 
     /// On a shared store, the jobs other processes let go (released, completed, revoked), as
-    /// they do it: [`Notice::Payload`](fence_storage::Notice) carries the job id, and
-    /// `Missed` says some may have gone unheard (look at every job again). A waiting claim
-    /// is woken by them instead of its next look. `None` (the default): the store cannot
+    /// they do it: [`Notice::Payload`](fence_storage::Notice) carries the job id, `Missed`
+    /// says some may have gone unheard (look at every job again) and that changes are heard
+    /// from now on, `Lost` that none is heard until the next `Missed`. A waiting claim is
+    /// woken by them instead of its next look. `None` (the default): the store cannot
     /// tell, or no other process decides on it.
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<fence_storage::Notice>> {
         None

@@ -8,7 +8,9 @@
 //! payload as [`Notice::Payload`]. Whenever its session is new (at start and after a lost
 //! connection, a restarted database, a failed liveness check), it says [`Notice::Missed`]
 //! once `LISTEN` is in place: anything sent while nobody listened was lost, so whoever acts
-//! on notices looks again at everything. The task ends when the [`Listener`] is dropped.
+//! on notices looks again at everything. When a session it listened on is lost it says
+//! [`Notice::Lost`], so whoever relies on notices knows to look for itself meanwhile. The
+//! task ends when the [`Listener`] is dropped.
 
 use std::time::Duration;
 
@@ -87,6 +89,7 @@ pub fn listen(url: &str, channel: &str) -> Result<Listener, SetupError> {
         let mut pause = Duration::from_millis(100);
         loop {
             if session_until_lost(&config, tls.clone(), &statement, &tx).await {
+                let _ = tx.send(Notice::Lost);
                 pause = Duration::from_millis(100);
             }
             tokio::time::sleep(pause).await;

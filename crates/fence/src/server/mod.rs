@@ -70,8 +70,8 @@ async fn openapi() -> impl axum::response::IntoResponse {
 /// The lease API router over `store`.
 pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
     let waiters = wait::Waiters::new(options.waiting);
+    // Fed once the store says it hears other servers (its first `Missed`), not before.
     let changes = store.changes();
-    waiters.set_fed(changes.is_some());
     let state = Arc::new(AppState {
         store,
         options,
@@ -105,19 +105,27 @@ async fn wake_on_changes<S>(
     use fence_storage::Notice;
     use tokio::sync::broadcast::error::RecvError;
     loop {
-        let notice = match changes.recv().await {
-            Ok(notice) => notice,
-            Err(RecvError::Lagged(_)) => Notice::Missed,
-            Err(RecvError::Closed) => return,
-        };
+        let notice = changes.recv().await;
         let Some(state) = state.upgrade() else { return };
         match notice {
-            Notice::Payload(job) => {
+            Ok(Notice::Payload(job)) => {
                 if let Ok(job) = job.parse() {
                     state.waiters.changed(&job);
                 }
             }
-            Notice::Missed => state.waiters.changed_all(),
+            // Heard from now on, and what was sent before may be lost: everyone looks.
+            Ok(Notice::Missed) => {
+                state.waiters.set_fed(true);
+                state.waiters.changed_all();
+            }
+            // Deaf until the next `Missed`: everyone looks now, and then as often as
+            // without notices.
+            Ok(Notice::Lost) => {
+                state.waiters.set_fed(false);
+                state.waiters.changed_all();
+            }
+            Err(RecvError::Lagged(_)) => state.waiters.changed_all(),
+            Err(RecvError::Closed) => return,
         }
     }
 }

@@ -156,8 +156,9 @@ impl Waiters {
         })
     }
 
-    /// Says that the store's changes wake these waiters ([`LeaseStore::changes`]): a shared
-    /// store is then looked at only every [`FED_POLL`].
+    /// Says whether the store's changes wake these waiters now ([`LeaseStore::changes`], its
+    /// session listening): a shared store is then looked at only every [`FED_POLL`], else
+    /// every [`POLL`]. Waiters asleep are woken by the caller to choose again.
     pub(super) fn set_fed(&self, fed: bool) {
         self.fed.store(fed, std::sync::atomic::Ordering::Relaxed);
     }
