@@ -19,11 +19,7 @@ RUST_LOG=warn "$A/fence" proxy --listen 127.0.0.1:19910 --admin-listen 127.0.0.1
   --upstream "http://$bare" --data-dir "$tmp/a" & pids+=($!)
 RUST_LOG=warn "$B/fence" proxy --listen 127.0.0.1:19920 --admin-listen 127.0.0.1:19921 \
   --upstream "http://$bare" --data-dir "$tmp/b" & pids+=($!)
-nginx_run "$tmp/nginx" "  upstream bare { server $bare; keepalive 128; }
-  server {
-    listen $nginx;
-$NGINX_PASS_BARE
-  }" & pids+=($!)
+nginx_pass_bare "$tmp/nginx" "$nginx" "$bare" & pids+=($!)
 for a in "$bare" 127.0.0.1:19910 127.0.0.1:19920 "$nginx"; do wait_http "http://$a/"; done
 out=$tmp/rows
 for i in $(seq 1 "$rounds"); do for c in 8 64; do

@@ -85,6 +85,16 @@ NGINX_PASS_BARE='    location / {
       proxy_set_header Connection "";
     }'
 
+# nginx_pass_bare DIR LISTEN BARE: nginx_run with one server on LISTEN passing everything to
+# the bare service at BARE over kept-alive connections (128 idle kept): run it in the background.
+nginx_pass_bare() {
+  nginx_run "$1" "  upstream bare { server $3; keepalive 128; }
+  server {
+    listen $2;
+$NGINX_PASS_BARE
+  }"
+}
+
 # wait_http URL: until URL answers (any status), at most 10 s.
 wait_http() {
   for _ in $(seq 1 100); do

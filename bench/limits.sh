@@ -36,11 +36,7 @@ $bin/examples/bench_sink bare "$bare" >/dev/null & pids+=($!)
 $bin/examples/bench_sink fenced "$layer" "$tmp/layer" >/dev/null & pids+=($!)
 RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen 127.0.0.1:19304 \
   --upstream "http://$bare" --data-dir "$tmp/proxy" & pids+=($!)
-nginx_run "$tmp/nginx" "  upstream bare { server $bare; keepalive 128; }
-  server {
-    listen $nginx;
-$NGINX_PASS_BARE
-  }" & pids+=($!)
+nginx_pass_bare "$tmp/nginx" "$nginx" "$bare" & pids+=($!)
 for a in "$server" "$bare" "$layer" "$proxy" "$nginx"; do wait_http "http://$a/healthz"; done
 claim_renewable "$server"
 

@@ -28,11 +28,7 @@ $bin/examples/bench_sink fenced "$layer" "$tmp/layer" >/dev/null & pids+=($!)
 RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen 127.0.0.1:19004 \
   --upstream "http://$bare" --data-dir "$tmp/proxy" & pids+=($!)
 $bin/examples/bench_sink proxy "$hyperp" "$bare" >/dev/null & pids+=($!)
-nginx_run "$tmp/nginx" "  upstream bare { server $bare; keepalive 128; }
-  server {
-    listen $nginx;
-$NGINX_PASS_BARE
-  }" & pids+=($!)
+nginx_pass_bare "$tmp/nginx" "$nginx" "$bare" & pids+=($!)
 for a in "$bare" "$layer" "$proxy" "$hyperp" "$nginx"; do wait_http "http://$a/"; done
 
 out=$tmp/rows
