@@ -215,25 +215,30 @@ impl Waiters {
             queue: Some(queue),
         };
         let queue = waiting.queue.as_deref().expect("set above");
-        let poll = match (
+        self.queued(queue, store, job, op, deadline).await.map(Ok)
+    }
+
+    /// How long the head waiter may sleep unprompted now: on a store only this process
+    /// decides on, until the lease it saw ends; on a shared one, [`POLL`], or [`FED_POLL`]
+    /// while the store's changes are heard (read at every turn: `set_fed` may flip).
+    fn poll<S: LeaseStore>(&self, store: &S) -> Duration {
+        match (
             store.is_shared(),
             self.fed.load(std::sync::atomic::Ordering::Relaxed),
         ) {
             (false, _) => MAX_WAIT,
             (true, false) => POLL,
             (true, true) => FED_POLL,
-        };
-        Self::queued(queue, store, job, op, (deadline, poll))
-            .await
-            .map(Ok)
+        }
     }
 
     async fn queued<S: LeaseStore>(
+        &self,
         queue: &Queue,
         store: &S,
         job: &JobId,
         op: LeaseOp,
-        (deadline, poll): (Instant, Duration),
+        deadline: Instant,
     ) -> Result<Outcome, StoreError> {
         // Behind earlier waiters; when the wait ends in the queue, one last try decides.
         let Ok(Ok(_head)) = tokio::time::timeout_at(deadline, queue.head.acquire()).await else {
@@ -253,6 +258,7 @@ impl Waiters {
             }
             // Just past the lease's end on the store's clock (whole ms): the try then finds
             // it expired, or says how little is left.
+            let poll = self.poll(store);
             let next = (now + (*expires_in + Duration::from_millis(1)).min(poll)).min(deadline);
             tokio::select! {
                 () = tokio::time::sleep_until(next) => {}
