@@ -22,7 +22,7 @@ use super::{
 };
 use crate::{
     GenerationStore, IdempotencyStore, OutcomeUnknown,
-    body::{FenceBody, RequestBody, ResponseBody},
+    body::{self, FenceBody, RequestBody, ResponseBody},
     gate::Admission,
     idempotency::Keyed,
     metrics::count,
@@ -199,9 +199,21 @@ where
                 return ResponseFuture::unfenced(self.inner.call(request));
             }
             Checked::Rejected(problem) => {
-                return ResponseFuture::rejected(reject(problem, None))
-                    .grpc(grpc)
-                    .asked(Asked::of(&parts));
+                let asked = Asked::of(&parts);
+                let answer = reject(problem, None);
+                let future = if parts.version == http::Version::HTTP_2 && !body.is_end_stream() {
+                    let version = parts.version;
+                    ResponseFuture::fenced(
+                        Box::pin(async move {
+                            body::discard(version, body).await;
+                            Ok(answer)
+                        }),
+                        false,
+                    )
+                } else {
+                    ResponseFuture::rejected(answer)
+                };
+                return future.grpc(grpc).asked(asked);
             }
         };
         let asked = Asked::of(&parts);
@@ -264,23 +276,39 @@ where
         None => Ready::Streamed(request),
     };
     let now_ms = config.clock.now_ms();
-    let guard = match gates
+    let (problem, retry) = match gates
         .admit(&job, token.generation(), config.limits, now_ms)
         .await
     {
-        Admission::Admitted(guard) => guard,
+        Admission::Admitted(guard) => (Ok(guard), None),
         Admission::Stale { highest, pending } => {
             count("stale");
-            return Ok(reject(reject::stale(job, token, highest, pending), None));
+            (
+                Err(reject::stale(job.clone(), token, highest, pending)),
+                None,
+            )
         }
         Admission::DrainTimeout { highest } => {
             count("drain_timeout");
-            return Ok(reject(reject::drain_timeout(job, token, highest), RETRY));
+            (
+                Err(reject::drain_timeout(job.clone(), token, highest)),
+                RETRY,
+            )
         }
         Admission::StoreFailed(e) => {
             count("store_error");
             let problem = reject::store_failed(&job, "generation", &e).with_token(token.get());
-            return Ok(reject(problem, RETRY));
+            (Err(problem), RETRY)
+        }
+    };
+    let guard = match problem {
+        Ok(guard) => guard,
+        Err(problem) => {
+            if let Ready::Streamed(request) = request {
+                let (parts, body) = request.into_parts();
+                body::discard(parts.version, body).await;
+            }
+            return Ok(reject(problem, retry));
         }
     };
     let fenced = Fenced {
