@@ -59,7 +59,13 @@ async fn take(store: &HttpLeaseStore, job: &JobId, mode: &str) -> Instant {
     loop {
         let outcome = if !mode.starts_with("poll") {
             store
-                .claim_waiting(job, &owner, &key, Ttl::DEFAULT, Duration::from_secs(20))
+                .claim_waiting(
+                    job,
+                    &owner,
+                    &key,
+                    Ttl::DEFAULT.into(),
+                    Duration::from_secs(20),
+                )
                 .await
         } else {
             store.claim(job, &owner, &key, Ttl::DEFAULT).await

@@ -26,8 +26,13 @@ var (
 	// ErrProtocol: an answer that does not follow the contract.
 	ErrProtocol = errors.New("fence: protocol error")
 
-	// ErrLeaseHeld matches a *ProblemError of type urn:fence:lease-held.
+	// ErrLeaseHeld matches a *ProblemError of type urn:fence:lease-held, and of type
+	// urn:fence:lock-delay (nobody can claim the job for now either).
 	ErrLeaseHeld = errors.New("fence: lease held")
+	// ErrLockDelay matches a *ProblemError of type urn:fence:lock-delay: the job's last lease
+	// expired and its lock-delay runs for ClaimableInMs (Owner and Generation are the expired
+	// lease's).
+	ErrLockDelay = errors.New("fence: lock-delay running")
 	// ErrJobCompleted matches a *ProblemError of type urn:fence:job-completed.
 	ErrJobCompleted = errors.New("fence: job completed")
 	// ErrLeaseRefused matches a *ProblemError of type urn:fence:lease-lost or
@@ -64,7 +69,9 @@ type ProblemError struct {
 	// Highest is the destination's highest token, as it wrote it, for stale-token problems.
 	Highest     string
 	ExpiresInMs uint64
-	RetryAfter  time.Duration
+	// ClaimableInMs is how long until the job can be claimed, for lock-delay problems.
+	ClaimableInMs uint64
+	RetryAfter    time.Duration
 	Members     map[string]json.RawMessage
 }
 
@@ -78,6 +85,8 @@ func (e *ProblemError) Is(target error) bool {
 	switch e.Type {
 	case "urn:fence:lease-held":
 		return target == ErrLeaseHeld
+	case "urn:fence:lock-delay":
+		return target == ErrLockDelay || target == ErrLeaseHeld
 	case "urn:fence:job-completed":
 		return target == ErrJobCompleted
 	case "urn:fence:lease-lost", "urn:fence:lease-key-mismatch":
@@ -105,6 +114,7 @@ func problemFrom(status int, header http.Header, body []byte) *ProblemError {
 		_ = json.Unmarshal(members["owner"], &p.Owner)
 		_ = json.Unmarshal(members["generation"], &p.Generation)
 		_ = json.Unmarshal(members["expires_in_ms"], &p.ExpiresInMs)
+		_ = json.Unmarshal(members["claimable_in_ms"], &p.ClaimableInMs)
 		if h := members["highest"]; h != nil {
 			var s string
 			if json.Unmarshal(h, &s) == nil {

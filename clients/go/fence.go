@@ -51,6 +51,9 @@ type Options struct {
 	Timeout time.Duration
 	// Clock; default the system clock.
 	Clock Clock
+	// LockDelay of this client's leases, 0 to 24 h in whole ms: if one expires, nobody can
+	// claim its job until this long after its end. Zero: the server's default.
+	LockDelay time.Duration
 }
 
 // Client claims leases from one lease server under one owner name. Safe for concurrent use.
@@ -60,6 +63,7 @@ type Client struct {
 	ttl    time.Duration
 	margin time.Duration
 	clock  Clock
+	delay  time.Duration
 }
 
 // NewClient makes a client of server ("" means FENCE_SERVER, else http://127.0.0.1:7700).
@@ -68,7 +72,10 @@ func NewClient(server string, opts Options) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{t: t, owner: opts.Owner, ttl: opts.TTL, margin: opts.Margin, clock: opts.Clock}
+	c := &Client{t: t, owner: opts.Owner, ttl: opts.TTL, margin: opts.Margin, clock: opts.Clock, delay: opts.LockDelay}
+	if c.delay < 0 || c.delay > 24*time.Hour || c.delay%time.Millisecond != 0 {
+		return nil, fmt.Errorf("fence: a lock-delay is 0 to 24 h in whole ms, not %v", c.delay)
+	}
 	if c.owner == "" {
 		c.owner = DefaultOwner()
 	} else if err := CheckJob(c.owner); err != nil {
@@ -123,6 +130,9 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 	}
 	ttlMs := uint64(ttl / time.Millisecond)
 	body := map[string]any{"owner": c.owner, "lease_key": key, "ttl_ms": ttlMs}
+	if c.delay > 0 {
+		body["lock_delay_ms"] = uint64(c.delay / time.Millisecond)
+	}
 	budget := ttl - marginOf(ttl, c.margin)
 	waitUntil := c.clock.Now().Add(wait)
 	var a leaseAnswer

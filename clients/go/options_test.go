@@ -105,6 +105,37 @@ func TestWaitingClaimAndRefusals(t *testing.T) {
 	}
 }
 
+func TestLockDelayKeepsAnExpiredJobAndAWaitingClaimWaitsItOut(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	stalled := mustClient(t, s.serverURL, Options{Owner: "stalled", TTL: time.Second, LockDelay: 2 * time.Second})
+	next := mustClient(t, s.serverURL, Options{Owner: "next", TTL: 5 * time.Second})
+	held, err := stalled.Claim(ctx, "delayed")
+	if err != nil {
+		t.Fatal(err)
+	}
+	held.Abandon() // expires in about a second; its 2 s delay follows
+	time.Sleep(1200 * time.Millisecond)
+	var pe *ProblemError
+	_, err = next.Claim(ctx, "delayed")
+	if !errors.Is(err, ErrLockDelay) || !errors.Is(err, ErrLeaseHeld) || !errors.As(err, &pe) || pe.Status != 409 ||
+		pe.Owner != "stalled" || pe.Generation != 1 || pe.ClaimableInMs < 1000 || pe.ClaimableInMs > 2000 ||
+		(pe.RetryAfter != time.Second && pe.RetryAfter != 2*time.Second) {
+		t.Fatalf("a claim during the lock-delay: %v %+v", err, pe)
+	}
+	started := time.Now()
+	lease, err := next.ClaimWaiting(ctx, "delayed", 5*time.Second)
+	if err != nil || lease.Generation() != 2 || time.Since(started) < 800*time.Millisecond {
+		t.Fatalf("waiting out the lock-delay: %v after %v", err, time.Since(started))
+	}
+	if _, err := lease.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := NewClient(s.serverURL, Options{LockDelay: -time.Second}); err == nil {
+		t.Fatal("a negative lock-delay was taken")
+	}
+}
+
 func TestRenewalsFollowAShorterGrant(t *testing.T) {
 	ctx := context.Background()
 	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--max-ttl", "600ms"}})

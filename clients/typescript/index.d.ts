@@ -17,6 +17,8 @@ export interface ClientOptions {
   marginMs?: number;
   /** Bounds calls other than claims and renewals; default 10,000 ms. */
   timeoutMs?: number;
+  /** Lock-delay of this client's leases, 0 to 86,400,000 ms: if one expires, nobody can claim its job until this long after its end. Default: the server's. */
+  lockDelayMs?: number;
 }
 
 export interface ClaimOptions {
@@ -24,6 +26,8 @@ export interface ClaimOptions {
   waitMs?: number;
   /** The TTL for this claim, instead of the client's. */
   ttlMs?: number;
+  /** The lock-delay of this claim's lease, instead of the client's. */
+  lockDelayMs?: number;
 }
 
 export interface RunOptions extends ClaimOptions {
@@ -45,7 +49,8 @@ export class Client {
   readonly server: string;
   readonly owner: string;
   readonly ttlMs: number;
-  /** Claims `job` and starts its keeper. Rejects with LeaseHeld, JobCompleted, ProblemError, ServerUnreachable; throws InvalidJobId before sending. */
+  readonly lockDelayMs: number | undefined;
+  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, ProblemError, ServerUnreachable; throws InvalidJobId before sending. */
   claim(job: string, options?: ClaimOptions): Promise<Lease>;
   /** Claims, runs `fn`, completes on success (or releases with onSuccess 'release'), releases on a throw; rejects with LeaseLost when the lease was lost meanwhile. */
   run<T>(job: string, fn: (lease: Lease) => Promise<T>, options?: RunOptions): Promise<T>;
@@ -119,6 +124,7 @@ export class ProblemError extends FenceError {
   readonly retryAfter: number | null;
 }
 export class LeaseHeld extends ProblemError {}
+export class LockDelay extends LeaseHeld {}
 export class JobCompleted extends ProblemError {}
 export class LeaseRefused extends ProblemError {
   readonly job: string;

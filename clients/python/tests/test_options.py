@@ -2,14 +2,16 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import time
 
 import pytest
 
 from conftest import fence_bin
-from fence_client import (Client, JobCompleted, LeaseHeld, ProblemError, ServerUnreachable,
-                          idempotency_key)
+from fence_client import (Client, JobCompleted, LeaseHeld, LockDelay, ProblemError,
+                          ServerUnreachable, idempotency_key)
+from fence_client.aio import AsyncClient
 from fence_client._wire import monotonic
 
 SECRET = "s3cret-s3cret-s3cret"
@@ -78,6 +80,41 @@ def test_waiting_claim_and_refusals(stack):
     with pytest.raises(ProblemError) as unknown:
         waiter.status("never-claimed")
     assert (unknown.value.status, unknown.value.type) == (404, "urn:fence:unknown-job")
+
+
+def test_lock_delay_keeps_an_expired_job_and_a_waiting_claim_waits_it_out(stack):
+    s = stack(proxy=False)
+    stalled = Client(s.server_url, owner="stalled", ttl=1.0, lock_delay=2.0).claim("delayed")
+    stalled.abandon()  # the lease expires in about a second; its 2 s delay follows
+    time.sleep(1.2)
+    nxt = Client(s.server_url, owner="next", ttl=5.0)
+    with pytest.raises(LockDelay) as refused:
+        nxt.claim("delayed")
+    assert isinstance(refused.value, LeaseHeld)  # code that handles a held job handles this
+    assert (refused.value.status, refused.value.type) == (409, "urn:fence:lock-delay")
+    assert refused.value.owner == "stalled" and refused.value.generation == 1
+    assert 1000 <= refused.value.claimable_in_ms <= 2000, refused.value.problem
+    assert refused.value.retry_after in (1, 2)
+    started = monotonic()
+    lease = nxt.claim("delayed", wait=5.0)
+    assert lease.generation == 2 and monotonic() - started > 0.8
+    lease.release()
+    # A claim's own lock-delay beats the client's; 0 means none.
+    quick = Client(s.server_url, owner="quick", ttl=1.0, lock_delay=3600.0)
+    quick.claim("own-zero", lock_delay=0).abandon()
+    time.sleep(1.2)
+    nxt.claim("own-zero").release()
+    with pytest.raises(ValueError):
+        Client(s.server_url, lock_delay=-1)
+
+    async def from_asyncio() -> None:
+        aclient = AsyncClient(s.server_url, owner="async", ttl=1.0, lock_delay=2.0)
+        (await aclient.claim("async-delayed")).abandon()
+        await asyncio.sleep(1.2)
+        with pytest.raises(LockDelay):
+            await AsyncClient(s.server_url, owner="other").claim("async-delayed")
+
+    asyncio.run(from_asyncio())
 
 
 def test_renewals_follow_a_shorter_grant(stack):

@@ -62,6 +62,13 @@ export class ProblemError extends FenceError {
 /** 409 urn:fence:lease-held: another owner holds the job (`problem.owner`, `problem.expires_in_ms`). */
 export class LeaseHeld extends ProblemError {}
 
+/**
+ * 409 urn:fence:lock-delay: the job's last lease expired and its lock-delay runs; nobody can
+ * claim it for `problem.claimable_in_ms` (`problem.owner` and `problem.generation` are the
+ * expired lease's). A LeaseHeld, so code that waits for a held job waits for this too.
+ */
+export class LockDelay extends LeaseHeld {}
+
 /** 410 urn:fence:job-completed: the job is done; do not run it. */
 export class JobCompleted extends ProblemError {}
 
@@ -80,6 +87,7 @@ export class StaleToken extends ProblemError {}
 
 const BY_TYPE = {
   'urn:fence:lease-held': LeaseHeld,
+  'urn:fence:lock-delay': LockDelay,
   'urn:fence:job-completed': JobCompleted,
   'urn:fence:lease-lost': LeaseRefused,
   'urn:fence:lease-key-mismatch': LeaseRefused,

@@ -14,6 +14,13 @@ export * from './errors.js';
 export { Lease, fencedFetch } from './lease.js';
 export { checkJob, encodeJob, idempotencyKey } from './wire.js';
 
+function checkLockDelay(delayMs) {
+  if (delayMs !== undefined && !(Number.isInteger(delayMs) && delayMs >= 0 && delayMs <= 86_400_000)) {
+    throw new RangeError(`a lock-delay is 0 to 86400000 ms, not ${delayMs}`);
+  }
+  return delayMs;
+}
+
 function checkTtl(ttlMs) {
   if (!Number.isInteger(ttlMs) || ttlMs < 100 || ttlMs > 86_400_000) {
     throw new RangeError(`a lease TTL is 100 to 86400000 ms, not ${ttlMs}`);
@@ -36,6 +43,7 @@ export class Client {
       throw new RangeError('the safety margin must be shorter than the TTL');
     }
     this.marginMs = options.marginMs;
+    this.lockDelayMs = checkLockDelay(options.lockDelayMs);
   }
 
   get server() {
@@ -46,7 +54,7 @@ export class Client {
    * Claims `job` and starts its keeper. With `waitMs` the server holds the claim while the job
    * is held and answers the moment it frees (asked again every 60 s).
    * @param {string} job
-   * @param {{waitMs?: number, ttlMs?: number}} [options]
+   * @param {{waitMs?: number, ttlMs?: number, lockDelayMs?: number}} [options]
    * @returns {Promise<Lease>}
    */
   async claim(job, options = {}) {
@@ -54,6 +62,8 @@ export class Client {
     const ttlMs = checkTtl(options.ttlMs ?? this.ttlMs);
     const key = newLeaseKey();
     const body = { owner: this.owner, lease_key: key, ttl_ms: ttlMs };
+    const lockDelayMs = checkLockDelay(options.lockDelayMs ?? this.lockDelayMs);
+    if (lockDelayMs !== undefined) body.lock_delay_ms = lockDelayMs;
     const budget = ttlMs - marginOf(ttlMs, this.marginMs);
     const waitUntil = now() + Math.max(options.waitMs ?? 0, 0);
     let answer;

@@ -6,7 +6,7 @@ import { chmodSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'node:test';
 
-import { Client, JobCompleted, LeaseHeld, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
+import { Client, JobCompleted, LeaseHeld, LockDelay, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
 import { fenceBin, sleep, stack } from './helpers.js';
 
 const SECRET = 's3cret-s3cret-s3cret';
@@ -74,6 +74,31 @@ test('waiting claim and refusals', async (t) => {
     (e) => e instanceof JobCompleted && e.status === 410 && e.problem.generation === 2n);
   await assert.rejects(waiter.status('never-claimed'),
     (e) => e instanceof ProblemError && e.status === 404 && e.type === 'urn:fence:unknown-job');
+});
+
+test('lock-delay keeps an expired job, and a waiting claim waits it out', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const stalled = new Client({ server: s.serverUrl, owner: 'stalled', ttlMs: 1000, lockDelayMs: 2000 });
+  const next = new Client({ server: s.serverUrl, owner: 'next', ttlMs: 5000 });
+  t.after(() => { stalled.close(); next.close(); });
+  (await stalled.claim('delayed')).abandon(); // expires in about a second; its 2 s delay follows
+  await sleep(1200);
+  await assert.rejects(next.claim('delayed'), (e) => {
+    assert.ok(e instanceof LockDelay && e instanceof LeaseHeld);
+    assert.deepEqual([e.status, e.type, e.problem.owner, e.problem.generation], [409, 'urn:fence:lock-delay', 'stalled', 1n]);
+    assert.ok(e.problem.claimable_in_ms >= 1000 && e.problem.claimable_in_ms <= 2000, String(e.problem.claimable_in_ms));
+    assert.ok(e.retryAfter === 1 || e.retryAfter === 2, String(e.retryAfter));
+    return true;
+  });
+  const started = performance.now();
+  const lease = await next.claim('delayed', { waitMs: 5000 });
+  assert.ok(lease.generation === 2n && performance.now() - started > 800);
+  await lease.release();
+  // A claim's own lock-delay beats the client's; 0 means none.
+  (await stalled.claim('own-zero', { lockDelayMs: 0 })).abandon();
+  await sleep(1200);
+  await (await next.claim('own-zero')).release();
+  assert.throws(() => new Client({ server: s.serverUrl, lockDelayMs: -1 }), RangeError);
 });
 
 test('renewals follow a shorter grant', async (t) => {

@@ -10,7 +10,7 @@
 //! let job = "invoice-42".parse()?;
 //! assert_eq!(lease_path(&job, Some(Action::Claim)), "/v1/leases/invoice-42/claim");
 //! let lease_key = LeaseKey::from_random(&[9; 32]); // from the OS's random source, really
-//! let body = ClaimRequest { owner: "worker-a".parse()?, lease_key, ttl: Ttl::from_millis(10_000)? };
+//! let body = ClaimRequest { owner: "worker-a".parse()?, lease_key, ttl: Ttl::from_millis(10_000)?, lock_delay: None };
 //! let json = serde_json::to_vec(&body)?;
 //! assert_eq!(ClaimRequest::from_json(&json)?, body);
 //! let err = ClaimRequest::from_json(br#"{"owner": "w", "lease_key": "short"}"#).unwrap_err();
@@ -25,8 +25,10 @@ use serde_json::{Map, Value};
 
 use crate::{Generation, JobId, Owner, Ttl, secret::LeaseKey};
 
+mod claim;
 mod revoke;
 mod wait;
+pub use claim::ClaimRequest;
 pub use revoke::{MAX_REASON_LEN, RevokeRequest};
 pub use wait::{MAX_WAIT_MS, WAIT_PATTERN, parse_wait};
 
@@ -234,33 +236,6 @@ impl Fields {
             },
             Some(_) => Err(BodyError::new("ttl_ms", "must be an integer")),
         }
-    }
-}
-
-/// `POST /v1/leases/{job}/claim`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
-pub struct ClaimRequest {
-    /// Who claims.
-    pub owner: Owner,
-    /// The secret that will prove this claim's lease is the caller's (a fresh one per claim).
-    pub lease_key: LeaseKey,
-    /// How long the lease should last (`ttl_ms`; 30 s when left out).
-    #[serde(rename = "ttl_ms")]
-    pub ttl: Ttl,
-}
-
-impl ClaimRequest {
-    /// Parses a request body, strictly.
-    ///
-    /// # Errors
-    /// When it is not a JSON object of exactly these fields with valid values.
-    pub fn from_json(bytes: &[u8]) -> Result<Self, BodyError> {
-        let f = Fields::parse(bytes, &["owner", "lease_key", "ttl_ms"])?;
-        Ok(Self {
-            owner: f.owner()?,
-            lease_key: f.lease_key()?,
-            ttl: f.ttl()?,
-        })
     }
 }
 

@@ -101,6 +101,9 @@ problem_types! {
     TooManyWaiters => "urn:fence:too-many-waiters", 429, "Too many waiting claims";
     /// 409: another owner holds an unexpired lease on the job.
     LeaseHeld => "urn:fence:lease-held", 409, "Lease held by another owner";
+    /// 409: the job's last lease expired and its lock-delay is still running: nobody can
+    /// claim it for `claimable_in_ms` (contract section 12; added by fence).
+    LockDelay => "urn:fence:lock-delay", 409, "Lock-delay running";
     /// 410: the job is completed and can no longer be claimed.
     JobCompleted => "urn:fence:job-completed", 410, "Job completed";
     /// 409: the caller's owner and generation no longer hold the job.
@@ -137,6 +140,7 @@ impl ProblemType {
             | Self::TokenExpired
             | Self::IdempotencyInFlight
             | Self::LeaseHeld
+            | Self::LockDelay
             | Self::LeaseLost => 10, // ABORTED
             Self::MissingToken
             | Self::IdempotencyKeyMismatch
@@ -228,6 +232,9 @@ pub struct Problem {
     /// When the token's lease ended, in ms since the Unix epoch (token-expired).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expires_at_ms: Option<u64>,
+    /// How long until the job can be claimed again (lock-delay).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claimable_in_ms: Option<u64>,
 }
 
 impl Serialize for Problem {
@@ -251,7 +258,10 @@ impl Serialize for Problem {
         }
         let names_owner = matches!(
             self.kind,
-            ProblemType::LeaseHeld | ProblemType::LeaseLost | ProblemType::JobCompleted
+            ProblemType::LeaseHeld
+                | ProblemType::LockDelay
+                | ProblemType::LeaseLost
+                | ProblemType::JobCompleted
         );
         if self.owner.is_some() || names_owner {
             m.serialize_entry("owner", &self.owner)?;
@@ -264,6 +274,9 @@ impl Serialize for Problem {
         }
         if let Some(ms) = self.expires_at_ms {
             m.serialize_entry("expires_at_ms", &ms)?;
+        }
+        if let Some(ms) = self.claimable_in_ms {
+            m.serialize_entry("claimable_in_ms", &ms)?;
         }
         m.end()
     }
@@ -284,6 +297,7 @@ impl Problem {
             generation: None,
             expires_in_ms: None,
             expires_at_ms: None,
+            claimable_in_ms: None,
         }
     }
 
@@ -326,6 +340,12 @@ impl Problem {
     /// Names when the token's lease ended.
     pub fn with_expires_at_ms(mut self, ms: u64) -> Self {
         self.expires_at_ms = Some(ms);
+        self
+    }
+
+    /// Says how long until the job can be claimed again (lock-delay).
+    pub fn with_claimable_in_ms(mut self, ms: u64) -> Self {
+        self.claimable_in_ms = Some(ms);
         self
     }
 

@@ -28,8 +28,10 @@ pub struct LeaseClient<S> {
     store: Arc<S>,
     owner: Owner,
     ttl: Ttl,
+    lock_delay: Option<Duration>,
     renew_every: Option<Duration>,
     margin: Option<Duration>,
+    progress_within: Option<Duration>,
     /// Jobs held by live handles of this owner (shared by clones).
     held: HeldJobs,
 }
@@ -40,7 +42,9 @@ impl<S> Clone for LeaseClient<S> {
             store: self.store.clone(),
             owner: self.owner.clone(),
             ttl: self.ttl,
+            lock_delay: self.lock_delay,
             renew_every: self.renew_every,
+            progress_within: self.progress_within,
             margin: self.margin,
             held: self.held.clone(),
         }
@@ -59,7 +63,9 @@ impl<S: LeaseStore> LeaseClient<S> {
             store,
             owner: default_owner(),
             ttl: Ttl::DEFAULT,
+            lock_delay: None,
             renew_every: None,
+            progress_within: None,
             margin: None,
             held: Arc::default(),
         }
@@ -75,6 +81,27 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// Asks for leases of `ttl`.
     pub fn ttl(mut self, ttl: Ttl) -> Self {
         self.ttl = ttl;
+        self
+    }
+
+    /// Claims with a lock-delay of `delay` instead of the store's default: if a lease of this
+    /// client *expires* (its holder stalled or died, rather than released or completed it),
+    /// nobody can claim the job until `delay` after the lease's end (contract section 12).
+    /// For effects the fence cannot reach; at most [`Ttl::MAX`].
+    pub fn lock_delay(mut self, delay: Duration) -> Self {
+        self.lock_delay = Some(delay);
+        self
+    }
+
+    /// Binds renewals to progress: the keeper renews a lease only while the worker called
+    /// [`progress`](crate::LeaseView::progress) within `within` (the claim counts as the first
+    /// call). A worker that hangs or live-locks, still alive but no longer advancing, then
+    /// loses its lease ([`LossReason::NoProgress`](crate::LossReason::NoProgress)) at the
+    /// first renewal after `within` has passed, and the lease expires at the store. Off by
+    /// default: without it the keeper renews for as long as the process lives. Choose
+    /// `within` longer than the longest step between two reports.
+    pub fn progress_within(mut self, within: Duration) -> Self {
+        self.progress_within = Some(within);
         self
     }
 
@@ -124,7 +151,8 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// # Errors
     /// As [`claim`](Self::claim).
     pub async fn claim_waiting(&self, job: JobId, wait: Duration) -> Result<Lease<S>, ClaimError> {
-        let timing = Timing::new(self.ttl, self.margin, self.renew_every)?;
+        let timing = Timing::new(self.ttl, self.margin, self.renew_every)?
+            .with_progress(self.progress_within)?;
         // A second claim by this owner would get the same lease back (the contract's retry
         // rule): two tasks would then both hold one job. Refuse it here.
         let held = HeldMark::take(&self.held, &job)
@@ -132,13 +160,17 @@ impl<S: LeaseStore> LeaseClient<S> {
         let key = crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?;
         let mut t_send = Instant::now();
         let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
+        let terms = crate::ClaimTerms {
+            ttl: self.ttl,
+            lock_delay: self.lock_delay,
+        };
         let claim = async {
             if wait.is_zero() {
-                self.store.claim(&job, &self.owner, &key, self.ttl).await
+                self.store.apply(&job, terms.op(&self.owner, &key)).await
             } else {
                 let store = &self.store;
                 store
-                    .claim_waiting(&job, &self.owner, &key, self.ttl, wait)
+                    .claim_waiting(&job, &self.owner, &key, terms, wait)
                     .await
             }
         };
@@ -185,7 +217,8 @@ impl<S: LeaseStore> LeaseClient<S> {
         generation: Generation,
         key: LeaseKey,
     ) -> Result<Lease<S>, ClaimError> {
-        let timing = Timing::new(self.ttl, self.margin, self.renew_every)?;
+        let timing = Timing::new(self.ttl, self.margin, self.renew_every)?
+            .with_progress(self.progress_within)?;
         let held = HeldMark::take(&self.held, &job)
             .ok_or_else(|| ClaimError::AlreadyHeld { job: job.clone() })?;
         let t_send = Instant::now();
@@ -273,11 +306,24 @@ fn granted(job: &JobId, outcome: Outcome) -> Result<crate::Grant, ClaimError> {
     match outcome {
         Outcome::Granted(grant) => Ok(grant),
         Outcome::Held {
-            owner, expires_in, ..
+            owner,
+            expires_in,
+            lock_delay: false,
+            ..
         } => Err(ClaimError::Held {
             job,
             owner,
             expires_in,
+        }),
+        Outcome::Held {
+            owner,
+            expires_in,
+            lock_delay: true,
+            ..
+        } => Err(ClaimError::LockDelay {
+            job,
+            owner,
+            claimable_in: expires_in,
         }),
         Outcome::Completed { owner, generation } => Err(ClaimError::Completed {
             job,
@@ -303,6 +349,18 @@ pub enum ClaimError {
         owner: Owner,
         /// How long its lease has left.
         expires_in: Duration,
+    },
+    /// The job's last lease expired and its lock-delay runs (contract section 12).
+    #[error(
+        "job {job}: the lease of {owner} expired and its lock-delay lets nobody claim it for another {claimable_in:?}"
+    )]
+    LockDelay {
+        /// The job.
+        job: JobId,
+        /// The holder whose lease expired.
+        owner: Owner,
+        /// How long until the job can be claimed.
+        claimable_in: Duration,
     },
     /// The job is completed.
     #[error("job {job} is completed (generation {generation})")]

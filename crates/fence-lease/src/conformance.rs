@@ -28,6 +28,9 @@ pub use fence_storage as __storage;
 
 pub use fence_storage::clock::{Advance, advance_fn, ms};
 
+mod lock_delay;
+pub use lock_delay::*;
+
 /// Generates one `#[tokio::test]` per conformance case for the backend made by `$make`.
 #[macro_export]
 macro_rules! lease_store_conformance {
@@ -48,6 +51,9 @@ macro_rules! lease_store_conformance {
             list_pages_through_jobs_in_order_by_state_and_prefix,
             jobs_are_independent,
             competing_claims_have_one_winner_per_round,
+            an_expired_lease_keeps_the_job_for_its_lock_delay,
+            the_holder_renews_during_its_lock_delay,
+            release_and_revoke_free_the_job_without_lock_delay,
         );
     };
 }
@@ -102,6 +108,7 @@ pub async fn first_claim_is_generation_one_and_excludes_others<S: LeaseStore>(
             owner: o,
             generation,
             expires_in,
+            lock_delay: false,
         } => {
             assert_eq!(o, owner("a"));
             assert_eq!(generation, Generation::new(1), "the holder's generation");

@@ -43,90 +43,10 @@ use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{Backoff, LeaseRecord, LeaseStore, Outcome, StoreError};
 
-/// The client's timing settings, applied to each grant: a store may grant less than it was
-/// asked for, and the margin and the renewal interval then follow the grant.
-#[derive(Debug, Clone, Copy)]
-pub(crate) struct Timing {
-    /// The TTL asked for.
-    pub(crate) ttl: Ttl,
-    /// Set by [`LeaseClient::safety_margin`](crate::LeaseClient::safety_margin); else 10% of
-    /// the grant, at least 50 ms.
-    margin: Option<Duration>,
-    /// Set by [`LeaseClient::renew_every`](crate::LeaseClient::renew_every); else a third of
-    /// the grant.
-    renew_every: Option<Duration>,
-}
+mod timing;
 
-/// A safety margin or renewal interval that does not fit the TTL asked for.
-#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
-#[non_exhaustive]
-pub enum TimingError {
-    /// The margin leaves no time to hold the lease.
-    #[error("invalid lease timing: safety margin {margin:?} is not shorter than the ttl {ttl:?}")]
-    Margin {
-        /// The margin.
-        margin: Duration,
-        /// The TTL asked for.
-        ttl: Duration,
-    },
-    /// The renewal interval is zero, or a renewal would come after the local deadline.
-    #[error(
-        "invalid lease timing: renewal interval {every:?} must be above zero and shorter than ttl minus margin ({fits:?})"
-    )]
-    RenewEvery {
-        /// The interval.
-        every: Duration,
-        /// The TTL asked for, minus the margin.
-        fits: Duration,
-    },
-}
-
-impl Timing {
-    /// Checks the settings against the TTL asked for; a shorter grant later falls back to a
-    /// third of it (see [`Self::renew_every`]).
-    pub(crate) fn new(
-        ttl: Ttl,
-        margin: Option<Duration>,
-        renew_every: Option<Duration>,
-    ) -> Result<Self, TimingError> {
-        let timing = Self {
-            ttl,
-            margin,
-            renew_every,
-        };
-        let ttl = ttl.as_duration();
-        let margin = timing.margin(timing.ttl);
-        if margin >= ttl {
-            return Err(TimingError::Margin { margin, ttl });
-        }
-        let every = renew_every.unwrap_or(ttl / 3);
-        let fits = ttl - margin;
-        if every.is_zero() || every >= fits {
-            return Err(TimingError::RenewEvery { every, fits });
-        }
-        Ok(timing)
-    }
-
-    pub(crate) fn margin(&self, granted: Ttl) -> Duration {
-        self.margin
-            .unwrap_or_else(|| (granted.as_duration() / 10).max(Duration::from_millis(50)))
-    }
-
-    /// How long after a grant was asked for to renew it: the configured interval while it
-    /// fits the grant (shorter than the grant minus the margin), else a third of the grant.
-    pub(crate) fn renew_every(&self, granted: Ttl) -> Duration {
-        let granted_d = granted.as_duration();
-        let fits = granted_d.saturating_sub(self.margin(granted));
-        self.renew_every
-            .filter(|every| *every < fits)
-            .unwrap_or(granted_d / 3)
-    }
-
-    /// `t_send + granted - margin`; a grant shorter than the margin gives no time at all.
-    pub(crate) fn deadline(&self, t_send: Instant, granted: Ttl) -> Instant {
-        t_send + granted.as_duration().saturating_sub(self.margin(granted))
-    }
-}
+pub(crate) use timing::Timing;
+pub use timing::TimingError;
 
 /// Why a lease was lost.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -144,6 +64,12 @@ pub enum LossReason {
     /// The store refused this lease's key: something else holds the job under our owner
     /// and generation, so this handle cannot be sure of anything.
     KeyRefused,
+    /// The worker reported no progress ([`LeaseView::progress`]) for longer than the client's
+    /// [`progress_within`](crate::LeaseClient::progress_within): the keeper stopped renewing.
+    NoProgress {
+        /// The interval that passed without progress.
+        within: Duration,
+    },
     /// The handle was released, completed or dropped.
     Finished,
 }
@@ -170,6 +96,10 @@ impl fmt::Display for LossReason {
                 )
             }
             Self::KeyRefused => f.write_str("the store refused this lease's key"),
+            Self::NoProgress { within } => write!(
+                f,
+                "the worker reported no progress for {within:?}; renewals stopped"
+            ),
             Self::Finished => f.write_str("the lease was released, completed or dropped"),
         }
     }
@@ -187,6 +117,8 @@ struct Shared {
     header: watch::Sender<http::HeaderValue>,
     base: Instant,
     deadline_nanos: AtomicU64,
+    /// When the worker last reported progress (the claim counts), in nanoseconds since `base`.
+    progress_nanos: AtomicU64,
     lost: CancellationToken,
     reason: OnceLock<LossReason>,
 }
@@ -194,6 +126,10 @@ struct Shared {
 impl Shared {
     fn deadline(&self) -> Instant {
         self.base + Duration::from_nanos(self.deadline_nanos.load(Ordering::Acquire))
+    }
+
+    fn last_progress(&self) -> Instant {
+        self.base + Duration::from_nanos(self.progress_nanos.load(Ordering::Acquire))
     }
 
     fn set_deadline(&self, deadline: Instant) {
@@ -274,6 +210,22 @@ impl LeaseView {
             changes: self.shared.header.subscribe(),
             lost: Box::pin(self.shared.lost.clone().cancelled_owned()),
         }
+    }
+
+    /// Reports that the worker is making progress. With the client's
+    /// [`progress_within`](crate::LeaseClient::progress_within), the keeper renews only while
+    /// this was called within that interval (the claim counts as the first report); a worker
+    /// that hangs or live-locks then loses its lease like any other loss, and the lease
+    /// expires at the store. Without it, this does nothing. Cheap: one atomic store.
+    pub fn progress(&self) {
+        let shared = &self.shared;
+        let nanos = u64::try_from(
+            Instant::now()
+                .saturating_duration_since(shared.base)
+                .as_nanos(),
+        )
+        .unwrap_or(u64::MAX);
+        shared.progress_nanos.fetch_max(nanos, Ordering::AcqRel);
     }
 
     /// Whether the lease is lost (checking the local deadline too).
@@ -409,6 +361,7 @@ impl<S: LeaseStore> Lease<S> {
             header: watch::Sender::new(header),
             base: t_send,
             deadline_nanos: AtomicU64::new(0),
+            progress_nanos: AtomicU64::new(0),
             lost: CancellationToken::new(),
             reason: OnceLock::new(),
         });
@@ -550,6 +503,13 @@ async fn keep<S: LeaseStore>(
         }
         if Instant::now() >= deadline {
             return shared.lose(LossReason::DeadlinePassed);
+        }
+        // A worker that stopped reporting progress is hung or live-locked: no more renewals.
+        // The lease is not released: it expires at the store (and any lock-delay follows).
+        if let Some(within) = timing.progress_within
+            && shared.last_progress() + within < Instant::now()
+        {
+            return shared.lose(LossReason::NoProgress { within });
         }
         let t_send = Instant::now();
         let renewal = tokio::select! {

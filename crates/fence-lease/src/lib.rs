@@ -45,8 +45,8 @@ pub use layer::{Fencing, FencingLayer, LeaseLost, ResponseFuture};
 pub use lease::{FinishError, Lease, LeaseView, LossReason, TimingError, TokenUpdates};
 pub use owner::default_owner;
 pub use store::{
-    BearerToken, Grant, HttpLeaseStore, HttpOptions, LeaseOp, LeaseRecord, LeaseStore, ListPage,
-    MemoryLeaseStore, Outcome, Revocation, SigningLeaseStore, SledLeaseStore, StoreError,
+    BearerToken, ClaimTerms, Grant, HttpLeaseStore, HttpOptions, LeaseOp, LeaseRecord, LeaseStore,
+    ListPage, MemoryLeaseStore, Outcome, Revocation, SigningLeaseStore, SledLeaseStore, StoreError,
     TokenError, UrlError,
 };
 

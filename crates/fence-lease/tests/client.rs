@@ -46,10 +46,16 @@ impl Stallable {
 impl LeaseStore for Stallable {
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         let op = match op {
-            LeaseOp::Claim { owner, key, ttl } => LeaseOp::Claim {
+            LeaseOp::Claim {
+                owner,
+                key,
+                ttl,
+                lock_delay,
+            } => LeaseOp::Claim {
                 owner,
                 key,
                 ttl: ttl.min(self.max_ttl),
+                lock_delay,
             },
             LeaseOp::Renew {
                 owner,
@@ -445,4 +451,68 @@ async fn resuming_a_forgotten_job_says_it_is_not_held() {
         matches!(&err, ClaimError::NotHeld { why, .. } if why.contains("no record")),
         "{err:?}"
     );
+}
+
+/// With `progress_within`, a worker that keeps reporting progress keeps its lease through
+/// many renewals; once it stops (hung, live-locked), the keeper stops renewing at the first
+/// renewal past the interval, the lease is lost with `NoProgress`, and it is not released:
+/// the store lets it expire, the next claim gets the next generation.
+#[tokio::test(start_paused = true)]
+async fn a_worker_that_stops_reporting_progress_loses_its_lease_and_it_expires() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let store = Stallable::new(clock, Duration::from_millis(5));
+    let ttl = Ttl::from_millis(3_000).unwrap(); // renewals every second
+    let a = LeaseClient::new(store.clone())
+        .owner("worker-a".parse().unwrap())
+        .ttl(ttl)
+        .progress_within(Duration::from_secs(2));
+    let lease = a.claim(job()).await.unwrap();
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        lease.progress();
+    }
+    assert!(
+        !lease.is_lost(),
+        "10 s of steady progress: {:?}",
+        lease.loss_reason()
+    );
+    let stopped = Instant::now();
+    tokio::time::timeout(Duration::from_secs(10), lease.lost())
+        .await
+        .expect("lost within 10 s of the last progress");
+    assert_eq!(
+        lease.loss_reason(),
+        Some(LossReason::NoProgress {
+            within: Duration::from_secs(2)
+        })
+    );
+    let after = stopped.elapsed();
+    assert!(
+        after >= Duration::from_secs(2) && after <= Duration::from_secs(3),
+        "lost {after:?} after the last progress"
+    );
+    // Not released: still held at the store until its TTL runs out, then the next generation.
+    let record = store.inner.get(&job()).await.unwrap().unwrap();
+    assert_eq!(record.state, LeaseState::Held);
+    tokio::time::sleep(ttl.as_duration()).await;
+    let b = LeaseClient::new(store.clone()).owner("worker-b".parse().unwrap());
+    assert_eq!(
+        b.claim(job()).await.unwrap().generation().get(),
+        lease.generation().get() + 1
+    );
+
+    // Without progress_within, progress() does nothing and nothing is required of it.
+    let c = LeaseClient::new(store.clone())
+        .owner("worker-c".parse().unwrap())
+        .ttl(ttl);
+    let free = c.claim("unbound".parse().unwrap()).await.unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(!free.is_lost());
+    assert!(matches!(
+        LeaseClient::new(store)
+            .progress_within(Duration::ZERO)
+            .claim(job())
+            .await,
+        Err(ClaimError::Timing(_))
+    ));
 }

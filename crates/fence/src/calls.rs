@@ -207,6 +207,7 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
                 owner,
                 lease_key,
                 ttl: a.ttl,
+                lock_delay: a.lock_delay,
             };
             (
                 (&a.at.conn, a.at.job.clone()),

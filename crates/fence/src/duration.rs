@@ -66,6 +66,30 @@ pub fn parse_forget_after(s: &str) -> Result<Duration, String> {
     Ok(d)
 }
 
+/// `--lock-delay`: 0 to 24 h (the longest lease).
+///
+/// # Errors
+/// As [`parse_duration`], and outside that range.
+pub fn parse_lock_delay(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d > fence_core::Ttl::MAX.as_duration() {
+        return Err(format!("{s:?}: --lock-delay must be from 0s to 24h"));
+    }
+    Ok(d)
+}
+
+/// `--progress-within`: 10 ms to 24 h.
+///
+/// # Errors
+/// As [`parse_duration`], and outside that range.
+pub fn parse_progress_within(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_millis(10) || d > Duration::from_secs(86_400) {
+        return Err(format!("{s:?}: --progress-within must be from 10ms to 24h"));
+    }
+    Ok(d)
+}
+
 /// `--max-claim-wait`: 1 ms to 60 s, the most the protocol lets a claim ask.
 ///
 /// # Errors

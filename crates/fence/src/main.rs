@@ -73,6 +73,8 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
                 job: a.at.job,
                 owner: a.owner,
                 ttl: a.ttl,
+                lock_delay: a.lock_delay,
+                progress: a.progress_file.map(|f| (f, a.progress_within)),
                 wait: a.wait,
                 grace: a.grace,
                 on_success: a.on_success,

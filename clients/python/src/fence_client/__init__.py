@@ -14,14 +14,16 @@ The asyncio twin is :mod:`fence_client.aio`; adapters for ``requests`` and ``htt
 """
 
 from ._errors import (FenceError, InvalidJobId, JobCompleted, LeaseHeld, LeaseLost, LeaseRefused,
-                      ProblemError, ProtocolError, ServerUnreachable, StaleToken, problem_error)
+                      LockDelay, ProblemError, ProtocolError, ServerUnreachable, StaleToken,
+                      problem_error)
 from ._wire import check_job, encode_job, idempotency_key
 from .aio import AsyncClient, AsyncLease
 from .client import Client, Lease
 
 __all__ = [
     "AsyncClient", "AsyncLease", "Client", "FenceError", "InvalidJobId", "JobCompleted",
-    "Lease", "LeaseHeld", "LeaseLost", "LeaseRefused", "ProblemError", "ProtocolError",
+    "Lease", "LeaseHeld", "LeaseLost", "LeaseRefused", "LockDelay", "ProblemError",
+    "ProtocolError",
     "ServerUnreachable", "StaleToken", "check_job", "encode_job", "idempotency_key",
     "problem_error",
 ]

@@ -80,6 +80,12 @@ class LeaseHeld(ProblemError):
     """409 ``urn:fence:lease-held``: another owner holds the job (``owner``, ``expires_in_ms``)."""
 
 
+class LockDelay(LeaseHeld):
+    """409 ``urn:fence:lock-delay``: the job's last lease expired and its lock-delay runs;
+    nobody can claim it for ``claimable_in_ms`` (``owner`` and ``generation`` are the expired
+    lease's). A :class:`LeaseHeld`, so code that waits for a held job waits for this too."""
+
+
 class JobCompleted(ProblemError):
     """410 ``urn:fence:job-completed``: the job is done; do not run it."""
 
@@ -103,6 +109,7 @@ class StaleToken(ProblemError):
 
 _BY_TYPE: Dict[str, Type[ProblemError]] = {
     "urn:fence:lease-held": LeaseHeld,
+    "urn:fence:lock-delay": LockDelay,
     "urn:fence:job-completed": JobCompleted,
     "urn:fence:lease-lost": LeaseRefused,
     "urn:fence:lease-key-mismatch": LeaseRefused,

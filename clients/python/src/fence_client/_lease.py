@@ -14,7 +14,8 @@ from typing import Any, Dict, Optional
 
 from ._errors import JobCompleted, LeaseLost, LeaseRefused, ProtocolError
 from ._wire import (PathLike, Transport, check_job, default_owner, encode_job, grant_token,
-                    idempotency_key, margin_ms, monotonic, ttl_to_ms, wait_param)
+                    idempotency_key, lock_delay_to_ms, margin_ms, monotonic, ttl_to_ms,
+                    wait_param)
 
 DEADLINE_PASSED = "the local deadline passed before a renewal succeeded"
 FINISHED = "the lease was released, completed or abandoned"
@@ -185,13 +186,23 @@ class ClientCore:
     def __init__(self, server: Optional[str] = None, *, owner: Optional[str] = None,
                  ttl: float = 30.0, auth_token: Optional[str] = None,
                  auth_token_file: Optional[PathLike] = None, ca_file: Optional[PathLike] = None,
-                 margin: Optional[float] = None, timeout: float = 10.0) -> None:
+                 margin: Optional[float] = None, timeout: float = 10.0,
+                 lock_delay: Optional[float] = None) -> None:
         self._transport = Transport(server, auth_token, auth_token_file, ca_file, timeout)
         self.owner = check_job(owner) if owner is not None else default_owner()
         self.ttl_ms = ttl_to_ms(ttl)
+        self.lock_delay_ms = lock_delay_to_ms(lock_delay)
         if margin is not None and not 0 <= margin * 1000 < self.ttl_ms:
             raise ValueError("the safety margin must be shorter than the TTL")
         self._margin = margin
+
+    def _claim_body(self, key: str, ttl_ms: int, lock_delay: Optional[float]) -> Dict[str, Any]:
+        """A claim's body; the lock-delay of the call, else the client's, else the server's."""
+        body: Dict[str, Any] = {"owner": self.owner, "lease_key": key, "ttl_ms": ttl_ms}
+        delay_ms = lock_delay_to_ms(lock_delay) if lock_delay is not None else self.lock_delay_ms
+        if delay_ms is not None:
+            body["lock_delay_ms"] = delay_ms
+        return body
 
     @property
     def server(self) -> str:

@@ -68,6 +68,16 @@ def ttl_to_ms(ttl: float) -> int:
     return ms
 
 
+def lock_delay_to_ms(delay: Optional[float]) -> Optional[int]:
+    """A lock-delay in seconds as the wire's ``lock_delay_ms`` (0 to 24 h), or None."""
+    if delay is None:
+        return None
+    ms = int(round(delay * 1000))
+    if not 0 <= ms <= 86_400_000:
+        raise ValueError(f"a lock-delay is 0 to 24 h, not {delay!r} s")
+    return ms
+
+
 def margin_ms(granted_ms: int, margin: Optional[float]) -> int:
     """The safety margin of a grant: 10% of its TTL, at least 50 ms, unless configured."""
     if margin is not None:

@@ -120,13 +120,13 @@ class _Claim:
     """What ``AsyncClient.claim`` returns: await it for the lease, or ``async with`` it."""
 
     def __init__(self, client: "AsyncClient", job: str, wait: float, ttl: Optional[float],
-                 on_success: str) -> None:
-        self._args = (client, job, wait, ttl, on_success)
+                 on_success: str, lock_delay: Optional[float]) -> None:
+        self._args = (client, job, wait, ttl, on_success, lock_delay)
         self._lease: Optional[AsyncLease] = None
 
     def __await__(self) -> Generator[Any, None, AsyncLease]:
-        client, job, wait, ttl, on_success = self._args
-        return client._claim(job, wait, ttl, on_success).__await__()
+        client, job, wait, ttl, on_success, lock_delay = self._args
+        return client._claim(job, wait, ttl, on_success, lock_delay).__await__()
 
     async def __aenter__(self) -> AsyncLease:
         self._lease = await self
@@ -142,17 +142,17 @@ class AsyncClient(ClientCore):
     """The asyncio twin of :class:`fence_client.Client`, with the same options."""
 
     def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
-              on_success: str = "complete") -> _Claim:
+              on_success: str = "complete", lock_delay: Optional[float] = None) -> _Claim:
         """``await client.claim(job)`` or ``async with client.claim(job) as lease``; as
         :meth:`fence_client.Client.claim`."""
         check_job(job)
-        return _Claim(self, job, wait, ttl, on_success)
+        return _Claim(self, job, wait, ttl, on_success, lock_delay)
 
     async def _claim(self, job: str, wait: float, ttl: Optional[float],
-                     on_success: str) -> AsyncLease:
+                     on_success: str, lock_delay: Optional[float] = None) -> AsyncLease:
         ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
         key = new_lease_key()
-        body = {"owner": self.owner, "lease_key": key, "ttl_ms": ttl_ms}
+        body = self._claim_body(key, ttl_ms, lock_delay)
         budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
         wait_until = monotonic() + max(wait, 0.0)
         while True:

@@ -114,20 +114,25 @@ class Client(ClientCore):
     ``auth_token_file``, or ``FENCE_AUTH_TOKEN``; ``ca_file`` (or ``FENCE_CA_CERT``) replaces
     the system roots for an ``https://`` server. ``margin`` overrides the safety margin (10%
     of the TTL, at least 50 ms); ``timeout`` bounds calls other than renewals.
+    ``lock_delay`` (seconds) is the lock-delay of this client's leases: if one *expires*,
+    nobody can claim its job until that long after its end (default: the server's).
     """
 
     def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
-              on_success: str = "complete") -> Lease:
+              on_success: str = "complete", lock_delay: Optional[float] = None) -> Lease:
         """Claims ``job`` and starts its keeper. With ``wait`` (seconds) the server holds the
         claim while the job is held and answers the moment it frees (asked again every 60 s).
 
-        Raises :class:`LeaseHeld` (still held when the wait ends), :class:`JobCompleted`,
+        ``lock_delay`` (seconds) overrides the client's lock-delay for this lease.
+
+        Raises :class:`LeaseHeld` (still held when the wait ends; :class:`LockDelay`, one of
+        them, while an expired lease's lock-delay runs), :class:`JobCompleted`,
         :class:`ServerUnreachable`, :class:`ProblemError` for other refusals, and
         :class:`InvalidJobId` before sending anything."""
         check_job(job)
         ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
         key = new_lease_key()
-        body = {"owner": self.owner, "lease_key": key, "ttl_ms": ttl_ms}
+        body = self._claim_body(key, ttl_ms, lock_delay)
         budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
         wait_until = monotonic() + max(wait, 0.0)
         while True:

@@ -13,10 +13,10 @@ use std::{
 
 use bytes::Bytes;
 use fence_core::{
-    Generation, JobId, Owner, Problem, ProblemType, Ttl,
+    JobId, Owner, Problem, ProblemType,
     lease_api::{
-        Action, ClaimRequest, FinishRequest, LeaseBody, ListBody, ListQuery, RecordBody,
-        RenewRequest, RevokeRequest, lease_path,
+        Action, ClaimRequest, FinishRequest, ListBody, ListQuery, RecordBody, RenewRequest,
+        RevokeRequest, lease_path,
     },
     secret::LeaseKey,
 };
@@ -32,12 +32,14 @@ use hyper_util::{
     rt::TokioExecutor,
 };
 
+mod answers;
 mod connect;
 
+use answers::{decode, from_body, grant, record, refused, unexpected};
 use connect::{Budgeted, MAX_CONNECT_SHARE};
 
 use super::{
-    Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, StoreError,
+    ClaimTerms, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, StoreError,
     bearer::BearerToken,
 };
 
@@ -315,89 +317,6 @@ impl HttpLeaseStore {
     }
 }
 
-fn unexpected(status: StatusCode, body: &[u8]) -> StoreError {
-    match serde_json::from_slice::<Problem>(body) {
-        Ok(p)
-            if matches!(
-                p.kind,
-                ProblemType::Unauthenticated | ProblemType::Forbidden
-            ) =>
-        {
-            StoreError::Denied {
-                status: status.as_u16(),
-                detail: p.detail,
-            }
-        }
-        Ok(p) => StoreError::Protocol(format!("{status}: {} ({})", p.detail, p.kind)),
-        Err(_) => StoreError::Protocol(format!(
-            "{status}: {}",
-            String::from_utf8_lossy(&body[..body.len().min(200)])
-        )),
-    }
-}
-
-fn decode<T: serde::de::DeserializeOwned>(
-    status: StatusCode,
-    body: &[u8],
-) -> Result<T, StoreError> {
-    serde_json::from_slice(body)
-        .map_err(|e| StoreError::Protocol(format!("{status} with an unreadable body: {e}")))
-}
-
-fn grant(status: StatusCode, body: &[u8]) -> Result<Grant, StoreError> {
-    let lease: LeaseBody = decode(status, body)?;
-    let ttl = Ttl::from_millis(lease.ttl_ms)
-        .map_err(|e| StoreError::Protocol(format!("server granted an invalid ttl: {e}")))?;
-    Ok(Grant {
-        generation: lease.generation,
-        ttl,
-        expires_at_ms: lease.expires_at_ms,
-        token: lease.token,
-    })
-}
-
-fn record(status: StatusCode, body: &[u8]) -> Result<LeaseRecord, StoreError> {
-    decode(status, body).map(from_body)
-}
-
-fn from_body(r: RecordBody) -> LeaseRecord {
-    LeaseRecord {
-        job: r.job,
-        owner: r.owner,
-        generation: r.generation,
-        state: r.state,
-        expires_in: Duration::from_millis(r.expires_in_ms),
-    }
-}
-
-/// The outcome a refusal stands for, by its problem type.
-fn refused(status: StatusCode, body: &[u8]) -> Result<Outcome, StoreError> {
-    let Ok(p) = serde_json::from_slice::<Problem>(body) else {
-        return Err(unexpected(status, body));
-    };
-    let generation = Generation::new(p.generation.unwrap_or(0));
-    match p.kind {
-        ProblemType::LeaseHeld => Ok(Outcome::Held {
-            owner: p
-                .owner
-                .ok_or_else(|| StoreError::Protocol("lease-held without an owner".into()))?,
-            generation,
-            expires_in: Duration::from_millis(p.expires_in_ms.unwrap_or(0)),
-        }),
-        ProblemType::JobCompleted => Ok(Outcome::Completed {
-            owner: p.owner,
-            generation,
-        }),
-        ProblemType::LeaseLost => Ok(Outcome::Lost {
-            owner: p.owner,
-            generation,
-        }),
-        ProblemType::LeaseKeyMismatch => Ok(Outcome::KeyMismatch),
-        ProblemType::UnknownJob => Ok(Outcome::Unknown),
-        _ => Err(unexpected(status, body)),
-    }
-}
-
 impl HttpLeaseStore {
     /// [`LeaseOp::Revoke`] with a reason for the server's log. Needs a bearer secret allowed
     /// to revoke when the server has an auth file.
@@ -446,7 +365,7 @@ impl LeaseStore for HttpLeaseStore {
         job: &JobId,
         owner: &Owner,
         key: &LeaseKey,
-        ttl: Ttl,
+        terms: ClaimTerms,
         wait: Duration,
     ) -> Result<Outcome, StoreError> {
         const MOST: Duration = Duration::from_secs(60);
@@ -455,12 +374,13 @@ impl LeaseStore for HttpLeaseStore {
             let left = end.saturating_duration_since(tokio::time::Instant::now());
             let this = left.min(MOST);
             if this.is_zero() {
-                return self.claim(job, owner, key, ttl).await;
+                return self.apply(job, terms.op(owner, key)).await;
             }
             let body = ClaimRequest {
                 owner: owner.clone(),
                 lease_key: key.clone(),
-                ttl,
+                ttl: terms.ttl,
+                lock_delay: terms.lock_delay,
             };
             let path = format!(
                 "{}?wait={}ms",
@@ -498,11 +418,17 @@ impl LeaseStore for HttpLeaseStore {
             Action::Release
         };
         let (status, bytes) = match op {
-            LeaseOp::Claim { owner, key, ttl } => {
+            LeaseOp::Claim {
+                owner,
+                key,
+                ttl,
+                lock_delay,
+            } => {
                 let body = ClaimRequest {
                     owner,
                     lease_key: key,
                     ttl,
+                    lock_delay,
                 };
                 self.call(job, Some(Action::Claim), Some(&body)).await?
             }

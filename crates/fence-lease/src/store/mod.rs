@@ -55,6 +55,11 @@ pub enum LeaseOp {
         key: LeaseKey,
         /// For how long.
         ttl: Ttl,
+        /// If this lease *expires* (is not released, completed or revoked), nobody can claim
+        /// the job for this long after its end (contract section 12). `None`: the store's
+        /// default, which is none for the memory, sled and PostgreSQL stores and the lease
+        /// server's `--lock-delay` over HTTP.
+        lock_delay: Option<Duration>,
     },
     /// Extend the lease while `owner` and `generation` still match and the job is not
     /// completed (also after expiry, if nobody has claimed since).
@@ -127,6 +132,38 @@ impl LeaseOp {
     }
 }
 
+/// What a claim asks for besides who claims: how long the lease lasts, and its lock-delay
+/// (`None`: the store's default; see [`LeaseOp::Claim`]). A [`Ttl`] alone is terms without
+/// a lock-delay of their own.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ClaimTerms {
+    /// How long the lease lasts.
+    pub ttl: Ttl,
+    /// How long nobody can claim the job after the lease *expires*.
+    pub lock_delay: Option<Duration>,
+}
+
+impl From<Ttl> for ClaimTerms {
+    fn from(ttl: Ttl) -> Self {
+        Self {
+            ttl,
+            lock_delay: None,
+        }
+    }
+}
+
+impl ClaimTerms {
+    /// The claim of `owner` with `key` on these terms.
+    pub fn op(&self, owner: &Owner, key: &LeaseKey) -> LeaseOp {
+        LeaseOp::Claim {
+            owner: owner.clone(),
+            key: key.clone(),
+            ttl: self.ttl,
+            lock_delay: self.lock_delay,
+        }
+    }
+}
+
 /// What a lease store decided.
 #[derive(Debug, Clone, PartialEq, Eq)]
 #[non_exhaustive]
@@ -141,8 +178,13 @@ pub enum Outcome {
         owner: Owner,
         /// The holder's generation.
         generation: Generation,
-        /// How long its lease has left.
+        /// How long its lease has left; with `lock_delay`, how long until the job can be
+        /// claimed.
         expires_in: Duration,
+        /// The lease expired and its lock-delay runs: nobody can claim the job for
+        /// `expires_in` (contract section 12). `owner` and `generation` are the expired
+        /// lease's.
+        lock_delay: bool,
     },
     /// A claim found the job completed: it can never be claimed again.
     Completed {
@@ -229,8 +271,7 @@ pub trait LeaseStore: Send + Sync + 'static {
         key: &LeaseKey,
         ttl: Ttl,
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
-        let (owner, key) = (owner.clone(), key.clone());
-        self.apply(job, LeaseOp::Claim { owner, key, ttl })
+        self.apply(job, ClaimTerms::from(ttl).op(owner, key))
     }
 
     /// [`LeaseOp::Claim`], waiting up to `wait` while another owner holds the job: returns
@@ -243,14 +284,14 @@ pub trait LeaseStore: Send + Sync + 'static {
         job: &JobId,
         owner: &Owner,
         key: &LeaseKey,
-        ttl: Ttl,
+        terms: ClaimTerms,
         wait: Duration,
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
         async move {
             let end = tokio::time::Instant::now() + wait;
             let mut pause = Duration::from_millis(10);
             loop {
-                let outcome = self.claim(job, owner, key, ttl).await?;
+                let outcome = self.apply(job, terms.op(owner, key)).await?;
                 let now = tokio::time::Instant::now();
                 let Outcome::Held { expires_in, .. } = &outcome else {
                     return Ok(outcome);

@@ -24,13 +24,17 @@ pub(crate) struct Stored {
     /// clock: what forgetting measures "unchanged for D" by.
     pub(crate) changed_ms: u64,
     pub(crate) completed: bool,
+    /// The lock-delay the holder claimed with: once its lease *expires*, the job cannot be
+    /// claimed until `lease_until_ms + lock_delay_ms` (contract section 12).
+    pub(crate) lock_delay_ms: u64,
 }
 
 /// What a decision does: the record to write (if any) and the answer.
 pub(crate) type Decision<T> = Result<(Option<Stored>, T), StoreError>;
 
-/// The format version of an encoded record.
-const VERSION: u8 = 2;
+/// The format version of an encoded record: 3 added the lock-delay; 2 (without it) is still
+/// read, as a delay of 0.
+const VERSION: u8 = 3;
 
 impl Stored {
     pub(crate) fn state(&self, now_ms: u64) -> LeaseState {
@@ -46,11 +50,21 @@ impl Stored {
     }
 
     /// Whether forgetting may delete it: free, expired or completed, and unchanged for
-    /// `idle_ms` (contract section 8). A held lease is never forgotten.
+    /// `idle_ms` (contract section 8). A held lease is never forgotten, nor an expired one
+    /// whose lock-delay runs (forgetting it would let the next claim in at once).
     pub(crate) fn forgettable(&self, now_ms: u64, idle_ms: u64) -> bool {
         self.state(now_ms) != LeaseState::Held
             && self.changed_ms.saturating_add(idle_ms) <= now_ms
             && self.lease_until_ms.saturating_add(idle_ms) <= now_ms
+            && self.delay_left(now_ms).is_none()
+    }
+
+    /// While the lease has expired and its lock-delay runs: how long until the job can be
+    /// claimed. `None` when free, held, completed, or past the delay.
+    pub(crate) fn delay_left(&self, now_ms: u64) -> Option<Duration> {
+        let until = self.lease_until_ms.saturating_add(self.lock_delay_ms);
+        (self.state(now_ms) == LeaseState::Expired && now_ms < until)
+            .then(|| Duration::from_millis(until - now_ms))
     }
 
     pub(crate) fn record(&self, job: &JobId, now_ms: u64) -> LeaseRecord {
@@ -70,12 +84,13 @@ impl Stored {
 
     pub(crate) fn encode(&self) -> Vec<u8> {
         let owner = self.owner.as_ref().map_or("", Owner::as_str).as_bytes();
-        let mut out = Vec::with_capacity(2 + 24 + 32 + owner.len());
+        let mut out = Vec::with_capacity(2 + 32 + 32 + owner.len());
         out.push(VERSION);
         out.push(u8::from(self.completed) | (u8::from(self.owner.is_some()) << 1));
         out.extend_from_slice(&self.generation.get().to_be_bytes());
         out.extend_from_slice(&self.lease_until_ms.to_be_bytes());
         out.extend_from_slice(&self.changed_ms.to_be_bytes());
+        out.extend_from_slice(&self.lock_delay_ms.to_be_bytes());
         out.extend_from_slice(self.key.as_bytes());
         out.extend_from_slice(owner);
         out
@@ -89,9 +104,12 @@ impl Stored {
         let [version, flags, rest @ ..] = bytes else {
             return Err(corrupt("record is too short"));
         };
-        if *version != VERSION {
-            return Err(corrupt("unknown record format version"));
-        }
+        // Version 2 has no lock-delay: the key follows `changed` directly.
+        let delay_len = match *version {
+            2 => 0,
+            VERSION => 8,
+            _ => return Err(corrupt("unknown record format version")),
+        };
         let u64_at = |at: usize| -> Result<u64, StoreError> {
             rest.get(at..at + 8)
                 .and_then(|b| b.try_into().ok())
@@ -99,12 +117,14 @@ impl Stored {
                 .ok_or_else(|| corrupt("record is too short"))
         };
         let (generation, until, changed) = (u64_at(0)?, u64_at(8)?, u64_at(16)?);
+        let lock_delay_ms = if delay_len == 0 { 0 } else { u64_at(24)? };
+        let key_at = 24 + delay_len;
         let key: [u8; 32] = rest
-            .get(24..56)
+            .get(key_at..key_at + 32)
             .and_then(|b| b.try_into().ok())
             .ok_or_else(|| corrupt("record is too short"))?;
         let owner = if flags & 2 != 0 {
-            let owner = rest.get(56..).unwrap_or_default();
+            let owner = rest.get(key_at + 32..).unwrap_or_default();
             Some(Owner::from_bytes(owner).map_err(|_| corrupt("owner is not visible ASCII"))?)
         } else {
             None
@@ -116,6 +136,7 @@ impl Stored {
             lease_until_ms: until,
             changed_ms: changed,
             completed: flags & 1 != 0,
+            lock_delay_ms,
         })
     }
 }
@@ -143,7 +164,16 @@ pub(crate) fn decide(
     now_ms: u64,
 ) -> Decision<Outcome> {
     match op {
-        LeaseOp::Claim { owner, key, ttl } => claim(job, cur, floor, owner, key, *ttl, now_ms),
+        LeaseOp::Claim {
+            owner,
+            key,
+            ttl,
+            lock_delay,
+        } => {
+            let delay = lock_delay.unwrap_or_default();
+            let terms = (*ttl, u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
+            claim(job, cur, floor, owner, key, terms, now_ms)
+        }
         LeaseOp::Revoke => revoke(job, cur, now_ms),
         LeaseOp::Renew {
             owner,
@@ -266,7 +296,7 @@ fn claim(
     floor: Generation,
     owner: &Owner,
     key: &LeaseKey,
-    ttl: Ttl,
+    (ttl, lock_delay_ms): (Ttl, u64),
     now_ms: u64,
 ) -> Decision<Outcome> {
     let current = cur.map_or(floor, |s| s.generation);
@@ -295,10 +325,20 @@ fn claim(
                     owner: s.owner.clone().expect("held implies an owner"),
                     generation: s.generation,
                     expires_in: Duration::from_millis(s.lease_until_ms - now_ms),
+                    lock_delay: false,
                 };
                 return Ok((None, held));
             }
             _ => {}
+        }
+        if let Some(left) = s.delay_left(now_ms) {
+            let delayed = Outcome::Held {
+                owner: s.owner.clone().expect("expired implies an owner"),
+                generation: s.generation,
+                expires_in: left,
+                lock_delay: true,
+            };
+            return Ok((None, delayed));
         }
     }
     let generation = current
@@ -312,6 +352,7 @@ fn claim(
         lease_until_ms: until,
         changed_ms: now_ms,
         completed: false,
+        lock_delay_ms,
     };
     Ok((Some(new), Outcome::Granted(g)))
 }
@@ -331,6 +372,7 @@ mod tests {
                 lease_until_ms: 5,
                 changed_ms: 3,
                 completed: true,
+                lock_delay_ms: 7,
             },
             Stored {
                 generation: Generation::ZERO,
@@ -339,6 +381,7 @@ mod tests {
                 lease_until_ms: 0,
                 changed_ms: 0,
                 completed: false,
+                lock_delay_ms: 0,
             },
         ] {
             assert_eq!(Stored::decode(&job, &s.encode()).unwrap(), s);
@@ -350,8 +393,32 @@ mod tests {
         let mut spaced = vec![2, 2];
         spaced.extend_from_slice(&[0; 56]);
         spaced.push(b' ');
-        for bad in [&b""[..], &[2], &[1, 0], &[2, 0, 0, 0], &spaced] {
+        for bad in [&b""[..], &[2], &[1, 0], &[4, 0], &[2, 0, 0, 0], &spaced] {
             assert!(Stored::decode(&job, bad).is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn a_record_of_format_2_reads_as_one_without_lock_delay() {
+        let job: JobId = "j".parse().unwrap();
+        let mut v2 = vec![2, 2];
+        for n in [9u64, 5, 3] {
+            v2.extend_from_slice(&n.to_be_bytes());
+        }
+        v2.extend_from_slice(&[1; 32]);
+        v2.extend_from_slice(b"w");
+        let s = Stored::decode(&job, &v2).unwrap();
+        assert_eq!(
+            s,
+            Stored {
+                generation: Generation::new(9),
+                owner: Some("w".parse().unwrap()),
+                key: SecretHash::from_bytes([1; 32]),
+                lease_until_ms: 5,
+                changed_ms: 3,
+                completed: false,
+                lock_delay_ms: 0,
+            }
+        );
     }
 }

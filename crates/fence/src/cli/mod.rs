@@ -14,9 +14,13 @@ use fence_core::{JobId, Owner, Ttl, secret::LeaseKey};
 pub use crate::duration::{parse_claim_wait, parse_forget_after};
 use crate::duration::{parse_duration, parse_timeout};
 
+mod calls;
 mod proxy;
 mod small;
 mod tls;
+pub use calls::{
+    ClaimCmd, FinishCmd, KeepaliveCmd, LeasesCmd, RenewCmd, RevokeCmd, StatusCmd, WatchdogCmd,
+};
 pub use proxy::ProxyArgs;
 pub use small::{CompletionsCmd, HealthcheckCmd};
 pub use tls::{TlsCmd, TlsInitCmd};
@@ -307,6 +311,13 @@ pub struct ServerArgs {
     /// --max-lease-ttl).
     #[arg(long, allow_hyphen_values = true, value_name = "TTL", default_value = "24h", value_parser = parse_ttl, env = "FENCE_MAX_TTL")]
     pub max_ttl: Ttl,
+    /// Lock-delay of claims that name none (0s to 24h): when a lease expires (its holder
+    /// stalled or died; not a release, completion or revoke), nobody can claim the job
+    /// until this long after the lease's end; a claim meanwhile is 409 lock-delay with the
+    /// time left, a waiting claim waits it out. For effects the fence cannot reach; a
+    /// weaker protection than the fence. Default: none.
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = crate::duration::parse_lock_delay, env = "FENCE_LOCK_DELAY")]
+    pub lock_delay: Option<Duration>,
     /// Delete jobs that are free, expired or completed and unchanged for this long (1s to
     /// 10 years), in the background; the store keeps the highest generation it ever forgot,
     /// and a job claimed again starts above it. A forgotten completed job may run again.
@@ -406,6 +417,21 @@ pub struct RunCmd {
     /// Lease duration: 100ms to 24h.
     #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl, env = "FENCE_TTL")]
     pub ttl: Ttl,
+    /// If the lease expires (this process stalled or died rather than finished), nobody can
+    /// claim the job until this long after the lease's end (0s to 24h; default: the
+    /// server's --lock-delay).
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = crate::duration::parse_lock_delay, env = "FENCE_LOCK_DELAY")]
+    pub lock_delay: Option<Duration>,
+    /// Renew the lease only while this file's modification time moves (the command touches
+    /// it as it makes progress; its path is in FENCE_PROGRESS_FILE): a command that hangs or
+    /// live-locks, alive but no longer advancing, loses the lease once --progress-within
+    /// passes without a change, and is stopped like on any loss (exit 75). The lease then
+    /// expires at the server. Default: renew for as long as the command runs.
+    #[arg(long, value_name = "FILE", env = "FENCE_PROGRESS_FILE")]
+    pub progress_file: Option<PathBuf>,
+    /// With --progress-file: the longest the file may stand still (10ms to 24h).
+    #[arg(long, allow_hyphen_values = true, value_name = "DURATION", default_value = "60s", value_parser = crate::duration::parse_progress_within, requires = "progress_file", env = "FENCE_PROGRESS_WITHIN")]
+    pub progress_within: Duration,
     /// Keep retrying this long while the job is held by someone else.
     #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = parse_duration, env = "FENCE_WAIT")]
     pub wait: Duration,
@@ -432,122 +458,6 @@ pub struct RunCmd {
     /// The command to run, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,
-}
-
-/// The flags of `fence claim`.
-#[derive(Args, Debug)]
-pub struct ClaimCmd {
-    /// The server and the job.
-    #[command(flatten)]
-    pub at: ServerUrl,
-    /// The owner to claim as (default: <hostname>-<pid>-<random>; it is in the answer).
-    #[arg(long)]
-    pub owner: Option<Owner>,
-    /// Lease duration: 100ms to 24h.
-    #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl)]
-    pub ttl: Ttl,
-}
-
-/// The flags of `fence renew`.
-#[derive(Args, Debug)]
-pub struct RenewCmd {
-    /// The lease.
-    #[command(flatten)]
-    pub lease: FinishCmd,
-    /// Lease duration: 100ms to 24h.
-    #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl)]
-    pub ttl: Ttl,
-}
-
-/// Which lease `fence renew`, `release`, `complete` and `keepalive` act on: the JSON
-/// `fence claim` printed (`--lease`), or its parts one flag each.
-#[derive(Args, Debug)]
-pub struct FinishCmd {
-    /// The lease server.
-    #[command(flatten)]
-    pub conn: ServerConn,
-    /// The lease as `fence claim` printed it (its job, owner, generation and lease_key are
-    /// read from it): a file, or - for stdin. Instead of --job, --owner, --generation and
-    /// --lease-key, so a script need not take the JSON apart:
-    /// `fence claim --job j > lease.json && fence complete --lease lease.json`.
-    /// Keep the file private (chmod 600): the lease key in it is the proof of the lease.
-    #[arg(long, value_name = "FILE", conflicts_with_all = ["owner", "generation", "lease_key"])]
-    pub lease: Option<PathBuf>,
-    /// The job id (1 to 256 visible ASCII characters).
-    #[arg(long, env = "FENCE_JOB", required_unless_present = "lease")]
-    pub job: Option<JobId>,
-    /// The owner that holds the lease.
-    #[arg(long, required_unless_present = "lease")]
-    pub owner: Option<Owner>,
-    /// The generation of the lease.
-    #[arg(long, required_unless_present = "lease", allow_hyphen_values = true)]
-    pub generation: Option<u64>,
-    /// The lease key `fence claim` printed. Prefer FENCE_LEASE_KEY: a flag's value shows in
-    /// the process list.
-    /// (A key may start with `-`: base64url uses it.)
-    #[arg(long, env = "FENCE_LEASE_KEY", hide_env_values = true, allow_hyphen_values = true, value_parser = parse_lease_key, required_unless_present = "lease")]
-    pub lease_key: Option<LeaseKey>,
-}
-
-/// The flags of `fence keepalive`.
-#[derive(Args, Debug)]
-pub struct KeepaliveCmd {
-    /// The lease.
-    #[command(flatten)]
-    pub lease: FinishCmd,
-    /// Lease duration asked for at each renewal: 100ms to 24h.
-    #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_ttl)]
-    pub ttl: Ttl,
-    /// Keep the lease's current token in this file (mode 0600, replaced atomically, a
-    /// newline after it): read it before each write, since a renewal of a signed lease
-    /// signs a new token.
-    #[arg(long, value_name = "PATH")]
-    pub token_file: Option<PathBuf>,
-}
-
-/// The flags of `fence revoke`.
-#[derive(Args, Debug)]
-pub struct RevokeCmd {
-    /// The server and the job.
-    #[command(flatten)]
-    pub at: ServerUrl,
-    /// Why, for the server's log.
-    #[arg(long)]
-    pub reason: Option<String>,
-    /// A sink's admin URL (`fence proxy --admin-listen`) to push the new generation to;
-    /// repeat for several.
-    #[arg(long, value_name = "URL")]
-    pub sink: Vec<String>,
-}
-
-/// The flags of `fence status`.
-#[derive(Args, Debug)]
-pub struct StatusCmd {
-    /// The server and the job.
-    #[command(flatten)]
-    pub at: ServerUrl,
-}
-
-/// The flags of `fence leases`.
-#[derive(Args, Debug)]
-pub struct LeasesCmd {
-    /// The lease server.
-    #[command(flatten)]
-    pub conn: ServerConn,
-    /// Only leases in this state: free, held, expired or completed.
-    #[arg(long, value_parser = ["free", "held", "expired", "completed"])]
-    pub state: Option<String>,
-    /// Only jobs whose id starts with this.
-    #[arg(long)]
-    pub prefix: Option<String>,
-}
-
-/// The flags of `fence watchdog`.
-#[derive(Args, Debug)]
-pub struct WatchdogCmd {
-    /// Between SIGTERM and SIGKILL to the group.
-    #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
-    pub grace: Duration,
 }
 
 /// A lease duration: 100ms to 24h, in the syntax of [`parse_duration`].

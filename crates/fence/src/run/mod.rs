@@ -34,6 +34,7 @@ use tokio::{
 };
 
 mod procs;
+mod progress;
 pub(crate) mod token_file;
 mod words;
 use procs::{descendants, others_in_group};
@@ -60,6 +61,10 @@ pub struct RunArgs {
     pub owner: Option<fence_core::Owner>,
     /// The lease's TTL.
     pub ttl: Ttl,
+    /// The lease's lock-delay (`None`: the server's default).
+    pub lock_delay: Option<Duration>,
+    /// Renew only while this file's modification time moves, checked against this interval.
+    pub progress: Option<(std::path::PathBuf, Duration)>,
     /// How long to keep trying while the job is held.
     pub wait: Duration,
     /// Between SIGTERM and SIGKILL after the lease is lost.
@@ -111,6 +116,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     }
     let store = crate::calls::connect(&args.conn)?;
     let mut client = LeaseClient::new(store).ttl(args.ttl);
+    if let Some(delay) = args.lock_delay {
+        client = client.lock_delay(delay);
+    }
+    if let Some((_, within)) = &args.progress {
+        client = client.progress_within(*within);
+    }
     if let Some(owner) = args.owner.clone() {
         client = client.owner(owner);
     }
@@ -146,7 +157,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         }
     };
     group.keep_informed(lease.view()).await;
-    let spawned = Command::new(program)
+    let mut command = Command::new(program);
+    if let Some((file, within)) = &args.progress {
+        command.env("FENCE_PROGRESS_FILE", file);
+        progress::watch(file.clone(), lease.view(), *within);
+    }
+    let spawned = command
         .args(rest)
         .process_group(group.pgid.as_raw())
         .env("FENCE_JOB", args.job.as_str())
@@ -474,6 +490,19 @@ async fn claim_within(
                     return Ok(None);
                 }
                 Duration::ZERO // the server's wait ended early: ask again
+            }
+            Err(ClaimError::LockDelay {
+                owner,
+                claimable_in,
+                ..
+            }) => {
+                if Instant::now() >= give_up {
+                    eprintln!(
+                        "fence run: the lease of {owner} on job {job} expired and its lock-delay keeps the job for another {claimable_in:?}; gave up after --wait {wait:?}"
+                    );
+                    return Ok(None);
+                }
+                Duration::ZERO
             }
             Err(e @ ClaimError::Timing(_)) => return Err(e.into()),
             Err(e) => {

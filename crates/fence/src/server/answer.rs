@@ -38,6 +38,17 @@ pub(super) fn problem_response(p: Problem) -> Response {
                 .headers_mut()
                 .insert(RETRY_AFTER, HeaderValue::from_static("1"));
         }
+        ProblemType::LockDelay => {
+            // Whole seconds, rounded up: a client that comes back then finds the job free.
+            let secs = response
+                .extensions()
+                .get::<Problem>()
+                .and_then(|p| p.claimable_in_ms)
+                .map_or(1, |ms| ms.div_ceil(1000).max(1));
+            response
+                .headers_mut()
+                .insert(RETRY_AFTER, HeaderValue::from(secs));
+        }
         _ => {}
     }
     response
@@ -179,6 +190,26 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
             owner: holder,
             generation,
             expires_in,
+            lock_delay: true,
+        } => {
+            let ms = u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX);
+            tracing::info!(job = %job, generation = generation.get(), owner = %owner, holder = %holder, claimable_in_ms = ms, "claim refused: lock-delay");
+            Err(Problem::new(
+                ProblemType::LockDelay,
+                format!(
+                    "job {job}: the lease of {holder} (generation {generation}) expired and its lock-delay lets nobody claim the job for another {ms} ms"
+                ),
+            )
+            .with_job(job)
+            .with_owner(Some(holder))
+            .with_generation(generation.get())
+            .with_claimable_in_ms(ms))
+        }
+        Outcome::Held {
+            owner: holder,
+            generation,
+            expires_in,
+            ..
         } => {
             let ms = u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX);
             tracing::info!(job = %job, generation = generation.get(), owner = %owner, holder = %holder, expires_in_ms = ms, "claim refused: held");

@@ -64,14 +64,14 @@ async fn parse<T>(
     parse(&bytes).map_err(|e| bad(e.to_string()))
 }
 
-/// The operation a request body asks for, its TTL capped at `max_ttl`, and a revoke's
-/// reason.
+/// The operation a request body asks for, its TTL capped at `--max-ttl` and a claim's
+/// lock-delay the server's default when it names none, and a revoke's reason.
 async fn operation(
     action: Action,
     body: Body,
-    max_ttl: Option<Ttl>,
+    options: &super::ServerOptions,
 ) -> Result<(LeaseOp, Option<String>), Problem> {
-    let cap = |ttl: Ttl| max_ttl.map_or(ttl, |max| ttl.min(max));
+    let cap = |ttl: Ttl| options.max_ttl.map_or(ttl, |max| ttl.min(max));
     Ok((
         match action {
             Action::Revoke => {
@@ -83,9 +83,16 @@ async fn operation(
                     owner,
                     lease_key: key,
                     ttl,
+                    lock_delay,
                 } = parse(body, ClaimRequest::from_json).await?;
                 let ttl = cap(ttl);
-                LeaseOp::Claim { owner, key, ttl }
+                let lock_delay = lock_delay.or(options.lock_delay);
+                LeaseOp::Claim {
+                    owner,
+                    key,
+                    ttl,
+                    lock_delay,
+                }
             }
             Action::Renew => {
                 let RenewRequest {
@@ -159,7 +166,7 @@ pub(super) async fn act<S: LeaseStore>(
             .with_job(job));
         }
         let wait = wait_of(uri.query(), action)?.map(|w| w.min(app.options.waiting.longest));
-        let (op, reason) = operation(action, body, app.options.max_ttl).await?;
+        let (op, reason) = operation(action, body, &app.options).await?;
         let (owner, asked) = (op.owner().cloned(), op.generation());
         let outcome = match wait {
             Some(wait) => {

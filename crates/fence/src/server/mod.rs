@@ -47,6 +47,8 @@ pub struct ServerOptions {
     pub public_metrics: bool,
     /// The longest lease granted: claims and renewals asking more get this (`--max-ttl`).
     pub max_ttl: Option<fence_core::Ttl>,
+    /// The lock-delay of a claim that names none (`--lock-delay`; contract section 12).
+    pub lock_delay: Option<std::time::Duration>,
     /// How many claims may wait (`claim?wait=`) at once, in all and per client.
     pub waiting: WaitLimits,
 }

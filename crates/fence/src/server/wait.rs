@@ -309,6 +309,7 @@ mod tests {
             owner: owner.parse().map(|o: Owner| o).unwrap(),
             key: LeaseKey::from_random(&[3; 32]),
             ttl: Ttl::from_millis(10_000).unwrap(),
+            lock_delay: None,
         }
     }
 

@@ -100,6 +100,7 @@ impl std::fmt::Debug for PgLeaseStore {
 
 struct Sql {
     claim: String,
+    claim_refused: String,
     lock_floor: String,
     forget: String,
     renew: String,
@@ -118,28 +119,6 @@ fn now_ms(offset_param: usize) -> String {
 
 impl Sql {
     fn new(t: &str, channel: &str) -> Self {
-        // $1 job, $2 owner, $3 ttl_ms, $4 clock offset, $5 key hash. A holder that claims
-        // again with its key keeps its generation (the retry of a lost answer).
-        // A new row starts above the floor, read under a share lock (see the module's notes).
-        let claim = format!(
-            "INSERT INTO {t} AS t (job, owner, generation, lease_until_ms, changed_ms, key_hash, completed)
-             VALUES ($1, $2, (SELECT f.generation + 1 FROM {t} f WHERE f.job = '' FOR SHARE),
-                     {now} + $3::bigint, {now}, $5, false)
-             ON CONFLICT (job) DO UPDATE SET
-               generation = CASE WHEN t.owner = excluded.owner AND t.key_hash = excluded.key_hash
-                                      AND t.lease_until_ms > excluded.changed_ms
-                            THEN t.generation ELSE t.generation + 1 END,
-               owner = excluded.owner,
-               key_hash = excluded.key_hash,
-               lease_until_ms = excluded.lease_until_ms,
-               changed_ms = excluded.changed_ms
-             WHERE NOT t.completed
-               AND (t.owner IS NULL
-                    OR (t.owner = excluded.owner AND t.key_hash = excluded.key_hash)
-                    OR t.lease_until_ms <= excluded.changed_ms)
-             RETURNING t.generation::text, t.lease_until_ms",
-            now = now_ms(4)
-        );
         // Renew, release and complete need owner, generation and key: $1 job, $2 owner,
         // $3 generation, then their own parameters.
         let holder = "job = $1 AND owner = $2 AND generation = $3::text::numeric AND NOT completed";
@@ -189,7 +168,8 @@ impl Sql {
         // claim changed meanwhile fails the outer condition when it is checked again.
         let lock_floor = format!("SELECT 1 FROM {t} WHERE job = '' FOR UPDATE");
         let idle = format!(
-            "changed_ms <= {now} - $1::bigint AND lease_until_ms <= {now} - $1::bigint",
+            "changed_ms <= {now} - $1::bigint AND lease_until_ms <= {now} - $1::bigint
+             AND lease_until_ms + lock_delay_ms <= {now}",
             now = now_ms(3)
         );
         let forget = format!(
@@ -205,7 +185,8 @@ impl Sql {
         );
         Self {
             revoke: revoke::sql(t, channel),
-            claim,
+            claim: claim::sql(t),
+            claim_refused: claim::refused_sql(t),
             lock_floor,
             forget,
             renew,
@@ -336,6 +317,7 @@ impl PgLeaseStore {
              );
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS key_hash bytea NOT NULL DEFAULT ''::bytea;
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS changed_ms bigint NOT NULL DEFAULT 0;
+             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lock_delay_ms bigint NOT NULL DEFAULT 0;
              INSERT INTO {t} (job, owner, generation, lease_until_ms, completed, changed_ms)
                VALUES ('', NULL, 0, 0, true, 0) ON CONFLICT (job) DO NOTHING;
              CREATE INDEX IF NOT EXISTS {table}_changed_ms ON {t} (changed_ms);",
@@ -442,53 +424,6 @@ impl PgLeaseStore {
             None => self.refused(job, owner, generation).await,
         }
     }
-
-    async fn claim_row(
-        &self,
-        job: &JobId,
-        owner: &Owner,
-        key: &LeaseKey,
-        ttl: Ttl,
-    ) -> Result<Outcome, StoreError> {
-        let hash = key.hash();
-        let hash = &hash.as_bytes()[..];
-        loop {
-            let params: [&(dyn ToSql + Sync); 5] = [
-                &job.as_str(),
-                &owner.as_str(),
-                &millis(ttl),
-                &self.offset(),
-                &hash,
-            ];
-            if let Some(row) = self.query(&self.sql.claim, &params).await? {
-                let until: i64 = row.try_get(1).map_err(StoreError::io)?;
-                return Ok(Outcome::Granted(Grant {
-                    generation: generation(job, &row, 0)?,
-                    ttl,
-                    expires_at_ms: u64::try_from(until).unwrap_or(0),
-                    token: None,
-                }));
-            }
-            // Refused; read why. If the holder let go in between, decide again.
-            match self.snapshot(job).await? {
-                Some(s) if s.completed => {
-                    return Ok(Outcome::Completed {
-                        owner: s.owner,
-                        generation: s.generation,
-                    });
-                }
-                Some(s) if s.state() == LeaseState::Held => {
-                    let expires_in = s.expires_in();
-                    return Ok(Outcome::Held {
-                        owner: s.owner.expect("held implies an owner"),
-                        generation: s.generation,
-                        expires_in,
-                    });
-                }
-                _ => continue,
-            }
-        }
-    }
 }
 
 impl LeaseStore for PgLeaseStore {
@@ -512,8 +447,14 @@ impl LeaseStore for PgLeaseStore {
 
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         let (owner, g, key, sql) = match &op {
-            LeaseOp::Claim { owner, key, ttl } => {
-                return self.claim_row(job, owner, key, *ttl).await;
+            LeaseOp::Claim {
+                owner,
+                key,
+                ttl,
+                lock_delay,
+            } => {
+                let delay = lock_delay.unwrap_or_default();
+                return self.claim_row(job, owner, key, *ttl, delay).await;
             }
             LeaseOp::Revoke => return self.revoke_row(job).await,
             LeaseOp::Renew {
@@ -595,6 +536,7 @@ impl LeaseStore for PgLeaseStore {
     }
 }
 
+mod claim;
 mod revoke;
 #[cfg(test)]
 mod tests;
