@@ -72,7 +72,7 @@ type ProblemError struct {
 	// ClaimableInMs is how long until the job can be claimed, for lock-delay problems.
 	ClaimableInMs uint64
 	RetryAfter    time.Duration
-	Members     map[string]json.RawMessage
+	Members       map[string]json.RawMessage
 }
 
 func (e *ProblemError) Error() string {

@@ -51,6 +51,9 @@ type Options struct {
 	Timeout time.Duration
 	// Clock; default the system clock.
 	Clock Clock
+	// ProgressWithin binds renewals to progress: the keeper renews only while Lease.Progress
+	// was called this recently (the claim counts). Zero: unbound (the default).
+	ProgressWithin time.Duration
 	// LockDelay of this client's leases, 0 to 24 h in whole ms: if one expires, nobody can
 	// claim its job until this long after its end. Zero: the server's default.
 	LockDelay time.Duration
@@ -64,6 +67,7 @@ type Client struct {
 	margin time.Duration
 	clock  Clock
 	delay  time.Duration
+	within time.Duration
 }
 
 // NewClient makes a client of server ("" means FENCE_SERVER, else http://127.0.0.1:7700).
@@ -72,7 +76,10 @@ func NewClient(server string, opts Options) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{t: t, owner: opts.Owner, ttl: opts.TTL, margin: opts.Margin, clock: opts.Clock, delay: opts.LockDelay}
+	c := &Client{t: t, owner: opts.Owner, ttl: opts.TTL, margin: opts.Margin, clock: opts.Clock, delay: opts.LockDelay, within: opts.ProgressWithin}
+	if c.within < 0 {
+		return nil, fmt.Errorf("fence: ProgressWithin must not be negative, not %v", c.within)
+	}
 	if c.delay < 0 || c.delay > 24*time.Hour || c.delay%time.Millisecond != 0 {
 		return nil, fmt.Errorf("fence: a lock-delay is 0 to 24 h in whole ms, not %v", c.delay)
 	}
@@ -163,7 +170,8 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 	}
 	lctx, cancel := context.WithCancel(context.Background())
 	l := &Lease{t: c.t, clock: c.clock, job: job, owner: c.owner, generation: a.Generation, key: key,
-		askedTTLMs: ttlMs, margin: c.margin, ctx: lctx, cancel: cancel, finished: make(chan struct{})}
+		askedTTLMs: ttlMs, margin: c.margin, ctx: lctx, cancel: cancel, finished: make(chan struct{}),
+		progressWithin: c.within, lastProgress: sent}
 	if _, err := l.setGrant(sent, a, true); err != nil {
 		cancel()
 		return nil, err

@@ -49,6 +49,20 @@ type Lease struct {
 	expiresAtMs uint64
 	reason      string
 	renewHook   func(ctx context.Context) (leaseAnswer, error) // tests pause renewals with it
+
+	// progressWithin bounds renewals to progress (0: unbound); lastProgress is the last report.
+	progressWithin time.Duration
+	lastProgress   time.Time
+}
+
+// Progress reports that the worker is making progress. With Options.ProgressWithin, the keeper
+// renews only while this was called that recently (the claim counts as the first report); a
+// worker that hangs then loses its lease, which expires at the server. Without it, this does
+// nothing.
+func (l *Lease) Progress() {
+	l.mu.Lock()
+	l.lastProgress = l.clock.Now()
+	l.mu.Unlock()
 }
 
 // Job is the job id.
@@ -249,6 +263,13 @@ func (l *Lease) keep() {
 		sent := l.clock.Now()
 		if !sent.Before(deadline) {
 			l.declareLost(reasonDeadline)
+			return
+		}
+		l.mu.Lock()
+		stalled := l.progressWithin > 0 && sent.Sub(l.lastProgress) > l.progressWithin
+		l.mu.Unlock()
+		if stalled {
+			l.declareLost(fmt.Sprintf("the worker reported no progress for %v; renewals stopped", l.progressWithin))
 			return
 		}
 		left := deadline.Sub(sent)

@@ -136,6 +136,34 @@ func TestLockDelayKeepsAnExpiredJobAndAWaitingClaimWaitsItOut(t *testing.T) {
 	}
 }
 
+func TestAWorkerThatStopsReportingProgressLosesItsLease(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	c := mustClient(t, s.serverURL, Options{Owner: "bound", TTL: 900 * time.Millisecond, ProgressWithin: 600 * time.Millisecond})
+	lease, err := c.Claim(ctx, "bound-job")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for i := 0; i < 10; i++ { // 2 s of steady progress: renewed every 300 ms
+		time.Sleep(200 * time.Millisecond)
+		lease.Progress()
+	}
+	if err := lease.Err(); err != nil {
+		t.Fatalf("lost despite progress: %v", err)
+	}
+	select {
+	case <-lease.Done():
+	case <-time.After(2 * time.Second):
+		t.Fatal("still held 2 s after the last progress")
+	}
+	if err := lease.Err(); !errors.Is(err, ErrLeaseLost) || !strings.Contains(err.Error(), "no progress") {
+		t.Fatalf("lost how: %v", err)
+	}
+	if _, err := NewClient(s.serverURL, Options{ProgressWithin: -time.Second}); err == nil {
+		t.Fatal("a negative ProgressWithin was taken")
+	}
+}
+
 func TestRenewalsFollowAShorterGrant(t *testing.T) {
 	ctx := context.Background()
 	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--max-ttl", "600ms"}})

@@ -17,6 +17,8 @@ export interface ClientOptions {
   marginMs?: number;
   /** Bounds calls other than claims and renewals; default 10,000 ms. */
   timeoutMs?: number;
+  /** Renew only while `lease.progress()` was called this recently (ms; the claim counts); default: unbound. */
+  progressWithinMs?: number;
   /** Lock-delay of this client's leases, 0 to 86,400,000 ms: if one expires, nobody can claim its job until this long after its end. Default: the server's. */
   lockDelayMs?: number;
 }
@@ -85,6 +87,8 @@ export class Lease {
   complete(): Promise<LeaseRecord>;
   /** Stops renewing and lets the lease expire on the server; sends nothing. */
   abandon(): void;
+  /** Reports progress: with the client's progressWithinMs, the keeper renews only while this was called that recently. */
+  progress(): void;
 }
 
 /** A fetch that stamps the lease's headers and throws LeaseLost instead of sending after loss. */

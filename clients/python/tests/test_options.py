@@ -117,6 +117,22 @@ def test_lock_delay_keeps_an_expired_job_and_a_waiting_claim_waits_it_out(stack)
     asyncio.run(from_asyncio())
 
 
+def test_a_worker_that_stops_reporting_progress_loses_its_lease(stack):
+    s = stack(proxy=False)
+    client = Client(s.server_url, owner="bound", ttl=0.9, progress_within=0.6)
+    lease = client.claim("bound-job")
+    for _ in range(10):  # 2 s of steady progress: renewed every 300 ms
+        time.sleep(0.2)
+        lease.progress()
+    assert not lease.is_lost()
+    assert lease.lost.wait(2.0), "still held 2 s after the last progress"
+    assert "no progress" in (lease.loss_reason or "")
+    # Not released: still held at the server until it expires.
+    assert client.status("bound-job")["state"] == "held"
+    with pytest.raises(ValueError):
+        Client(s.server_url, progress_within=0)
+
+
 def test_renewals_follow_a_shorter_grant(stack):
     s = stack(proxy=False, server_args=["--max-ttl", "600ms"])
     lease = Client(s.server_url, ttl=30.0).claim("capped")

@@ -44,6 +44,10 @@ export class Client {
     }
     this.marginMs = options.marginMs;
     this.lockDelayMs = checkLockDelay(options.lockDelayMs);
+    if (options.progressWithinMs !== undefined && !(options.progressWithinMs > 0)) {
+      throw new RangeError('progressWithinMs must be above zero');
+    }
+    this.progressWithinMs = options.progressWithinMs;
   }
 
   get server() {
@@ -83,7 +87,8 @@ export class Client {
     if (typeof answer.generation !== 'bigint' || answer.generation < 1n) {
       throw new ProtocolError(`a claim of ${job} granted generation ${answer.generation}`);
     }
-    const lease = new Lease(this.#transport, job, this.owner, key, answer.generation, ttlMs, this.marginMs);
+    const lease = new Lease(this.#transport, job, this.owner, key, answer.generation, ttlMs, this.marginMs,
+      this.progressWithinMs);
     lease._setGrant(sent, answer, true);
     // A claim that waited long arrives with little time left: renew once, now, and count the
     // deadline from this send (against the grant, which may be shorter than asked).

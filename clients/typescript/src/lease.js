@@ -28,9 +28,12 @@ export class Lease {
   #finished = false;
   #wake = null;
   #keeper = null;
+  #progressWithinMs;
+  #lastProgress = now(); // the claim counts as the first report
 
   /** @internal Made by Client.claim. */
-  constructor(transport, job, owner, key, generation, askedTtlMs, marginMs) {
+  constructor(transport, job, owner, key, generation, askedTtlMs, marginMs, progressWithinMs) {
+    this.#progressWithinMs = progressWithinMs;
     this.#transport = transport;
     this.job = job;
     this.owner = owner;
@@ -57,6 +60,15 @@ export class Lease {
     const reason = this.#reason ?? DEADLINE_PASSED;
     this.#declareLost(reason);
     throw new LeaseLost(this.job, this.generation, reason);
+  }
+
+  /**
+   * Reports that the worker is making progress. With the client's `progressWithinMs`, the
+   * keeper renews only while this was called that recently (the claim counts); a worker that
+   * hangs then loses its lease, which expires at the server. Without it, this does nothing.
+   */
+  progress() {
+    this.#lastProgress = now();
   }
 
   /** X-Fencing-Job and X-Fencing-Token for a write; throws LeaseLost. */
@@ -188,6 +200,9 @@ export class Lease {
       if (this.#finished || this.#reason !== null) return;
       const sent = now();
       if (sent >= deadline) return this.#declareLost(DEADLINE_PASSED);
+      if (this.#progressWithinMs !== undefined && sent - this.#lastProgress > this.#progressWithinMs) {
+        return this.#declareLost(`the worker reported no progress for ${this.#progressWithinMs} ms; renewals stopped`);
+      }
       let timer;
       const outcome = await Promise.race([
         this._sendRenew(deadline - sent).then((answer) => ({ answer }), (error) => ({ error })),

@@ -101,6 +101,22 @@ test('lock-delay keeps an expired job, and a waiting claim waits it out', async 
   assert.throws(() => new Client({ server: s.serverUrl, lockDelayMs: -1 }), RangeError);
 });
 
+test('a worker that stops reporting progress loses its lease', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const client = new Client({ server: s.serverUrl, owner: 'bound', ttlMs: 900, progressWithinMs: 600 });
+  t.after(() => client.close());
+  const lease = await client.claim('bound-job');
+  for (let i = 0; i < 10; i++) { // 2 s of steady progress: renewed every 300 ms
+    await sleep(200);
+    lease.progress();
+  }
+  assert.ok(!lease.isLost(), String(lease.lossReason));
+  await sleep(1500);
+  assert.ok(lease.isLost() && /no progress/.test(lease.lossReason), String(lease.lossReason));
+  assert.throws(() => new Client({ server: s.serverUrl, progressWithinMs: 0 }), RangeError);
+  lease.abandon();
+});
+
 test('renewals follow a shorter grant', async (t) => {
   const s = await stack(t, { proxy: false, serverArgs: ['--max-ttl', '600ms'] });
   const client = new Client({ server: s.serverUrl, ttlMs: 30_000 });

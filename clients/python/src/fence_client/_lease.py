@@ -27,7 +27,8 @@ class LeaseCore:
     """The state of one lease; subclasses add the lost event and the keeper."""
 
     def __init__(self, transport: Transport, job: str, owner: str, key: str, generation: int,
-                 asked_ttl_ms: int, margin: Optional[float], on_success: str) -> None:
+                 asked_ttl_ms: int, margin: Optional[float], on_success: str,
+                 progress_within: Optional[float] = None) -> None:
         if on_success not in ON_SUCCESS:
             raise ValueError(f"on_success is 'complete' or 'release', not {on_success!r}")
         self.job = job
@@ -45,6 +46,8 @@ class LeaseCore:
         self._ttl_ms = 0
         self._expires_at_ms = 0
         self._reason: Optional[str] = None
+        self._progress_within = progress_within
+        self._last_progress = monotonic()  # the claim counts as the first report
 
     # -- what a worker reads -------------------------------------------------------------
 
@@ -61,6 +64,14 @@ class LeaseCore:
             reason = self._reason or DEADLINE_PASSED
         self._declare_lost(reason)
         raise LeaseLost(self.job, self.generation, reason)
+
+    def progress(self) -> None:
+        """Reports that the worker is making progress. With the client's ``progress_within``,
+        the keeper renews only while this was called within that many seconds (the claim
+        counts); a worker that hangs then loses its lease, which expires at the server.
+        Without it, this does nothing."""
+        with self._lock:
+            self._last_progress = monotonic()
 
     def headers(self) -> Dict[str, str]:
         """``X-Fencing-Job`` and ``X-Fencing-Token`` for a write; raises :class:`LeaseLost`."""
@@ -121,6 +132,14 @@ class LeaseCore:
             self._sent = sent
             self._deadline = sent + max(ttl_ms - margin_ms(ttl_ms, self._margin), 0) / 1000
         return True
+
+    def _stalled(self, now: float) -> Optional[str]:
+        """Why the keeper must stop renewing, if the worker reported no progress in time."""
+        with self._lock:
+            within, last = self._progress_within, self._last_progress
+        if within is not None and now - last > within:
+            return f"the worker reported no progress for {within} s; renewals stopped"
+        return None
 
     def _declare_lost(self, reason: str) -> None:
         """The one place a lease is declared lost. Final: nothing un-loses it."""
@@ -187,11 +206,15 @@ class ClientCore:
                  ttl: float = 30.0, auth_token: Optional[str] = None,
                  auth_token_file: Optional[PathLike] = None, ca_file: Optional[PathLike] = None,
                  margin: Optional[float] = None, timeout: float = 10.0,
-                 lock_delay: Optional[float] = None) -> None:
+                 lock_delay: Optional[float] = None,
+                 progress_within: Optional[float] = None) -> None:
         self._transport = Transport(server, auth_token, auth_token_file, ca_file, timeout)
         self.owner = check_job(owner) if owner is not None else default_owner()
         self.ttl_ms = ttl_to_ms(ttl)
         self.lock_delay_ms = lock_delay_to_ms(lock_delay)
+        if progress_within is not None and not progress_within > 0:
+            raise ValueError("progress_within must be above zero")
+        self.progress_within = progress_within
         if margin is not None and not 0 <= margin * 1000 < self.ttl_ms:
             raise ValueError("the safety margin must be shorter than the TTL")
         self._margin = margin

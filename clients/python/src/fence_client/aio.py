@@ -63,6 +63,9 @@ class AsyncLease(LeaseCore):
             sent = monotonic()
             if sent >= deadline:
                 return self._declare_lost(DEADLINE_PASSED)
+            stalled = self._stalled(sent)
+            if stalled is not None:
+                return self._declare_lost(stalled)
             try:
                 answer = await asyncio.wait_for(self._renew(deadline - sent), deadline - sent)
             except asyncio.TimeoutError:
@@ -171,7 +174,7 @@ class AsyncClient(ClientCore):
         if not isinstance(generation, int) or generation < 1:
             raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
         lease = AsyncLease(self._transport, job, self.owner, key, generation, ttl_ms,
-                           self._margin, on_success)
+                           self._margin, on_success, self.progress_within)
         lease._set_grant(sent, answer, first=True)
         # A claim that waited long: renew once, now, as the thread client does.
         usable = lease.deadline - sent

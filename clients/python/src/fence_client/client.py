@@ -55,6 +55,9 @@ class Lease(LeaseCore):
             sent = monotonic()
             if sent >= deadline:
                 return self._declare_lost(DEADLINE_PASSED)
+            stalled = self._stalled(sent)
+            if stalled is not None:
+                return self._declare_lost(stalled)
             try:
                 answer = bounded(lambda: self._send_renew(deadline - sent), deadline - sent)
             except Timeout:
@@ -116,6 +119,8 @@ class Client(ClientCore):
     of the TTL, at least 50 ms); ``timeout`` bounds calls other than renewals.
     ``lock_delay`` (seconds) is the lock-delay of this client's leases: if one *expires*,
     nobody can claim its job until that long after its end (default: the server's).
+    ``progress_within`` (seconds) binds renewals to progress: the keeper renews only while
+    ``lease.progress()`` was called that recently (the claim counts); off by default.
     """
 
     def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
@@ -150,7 +155,7 @@ class Client(ClientCore):
         if not isinstance(generation, int) or generation < 1:
             raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
         lease = Lease(self._transport, job, self.owner, key, generation, ttl_ms, self._margin,
-                      on_success)
+                      on_success, self.progress_within)
         lease._set_grant(sent, answer, first=True)
         # A claim that waited long arrives with little time left: renew once, now, and count
         # the deadline from this send. (Usable time of the grant, which may be shorter than
