@@ -171,7 +171,7 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 	lctx, cancel := context.WithCancel(context.Background())
 	l := &Lease{t: c.t, clock: c.clock, job: job, owner: c.owner, generation: a.Generation, key: key,
 		askedTTLMs: ttlMs, margin: c.margin, ctx: lctx, cancel: cancel, finished: make(chan struct{}),
-		progressWithin: c.within, lastProgress: sent}
+		progressWithin: c.within, lastProgress: sent, resumed: a.Checkpoint}
 	if _, err := l.setGrant(sent, a, true); err != nil {
 		cancel()
 		return nil, err

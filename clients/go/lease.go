@@ -50,6 +50,9 @@ type Lease struct {
 	reason      string
 	renewHook   func(ctx context.Context) (leaseAnswer, error) // tests pause renewals with it
 
+	// resumed is the checkpoint the claim returned.
+	resumed *Checkpoint
+
 	// progressWithin bounds renewals to progress (0: unbound); lastProgress is the last report.
 	progressWithin time.Duration
 	lastProgress   time.Time
@@ -160,6 +163,27 @@ func (l *Lease) end(ctx context.Context, action string) (Record, error) {
 	var rec Record
 	body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key}
 	err := l.t.call(ctx, http.MethodPost, l.path(action), body, 0, &rec)
+	return rec, err
+}
+
+// Checkpoint is the job's last checkpoint as the claim returned it (the generation that saved
+// it), or nil: resume from it, not from the start.
+func (l *Lease) Checkpoint() *Checkpoint { return l.resumed }
+
+// SaveCheckpoint saves data (text, up to the server's limit, 8 KiB by default) as the job's
+// checkpoint under this lease; the next claim returns it. A *LeaseLostError without sending
+// once the lease is lost; a *ProblemError matching ErrLeaseRefused when a newer holder exists
+// (the lease is then lost), or of status 413 past the limit.
+func (l *Lease) SaveCheckpoint(ctx context.Context, data string) (Record, error) {
+	var rec Record
+	if _, err := l.Token(); err != nil {
+		return rec, err
+	}
+	body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key, "checkpoint": data}
+	err := l.t.call(ctx, http.MethodPost, l.path("checkpoint"), body, 0, &rec)
+	if errors.Is(err, ErrLeaseRefused) {
+		l.declareLost("the server refused the checkpoint: " + err.Error())
+	}
 	return rec, err
 }
 

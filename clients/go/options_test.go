@@ -164,6 +164,36 @@ func TestAWorkerThatStopsReportingProgressLosesItsLease(t *testing.T) {
 	}
 }
 
+func TestACheckpointGoesToTheNextHolder(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	first := mustClient(t, s.serverURL, Options{Owner: "first", TTL: time.Second})
+	second := mustClient(t, s.serverURL, Options{Owner: "second"})
+	a, err := first.Claim(ctx, "resumable")
+	if err != nil || a.Checkpoint() != nil {
+		t.Fatalf("claim: %v, checkpoint %+v", err, a.Checkpoint())
+	}
+	if rec, err := a.SaveCheckpoint(ctx, "rows 0-999 done"); err != nil || rec.Generation != 1 {
+		t.Fatalf("save: %v %+v", err, rec)
+	}
+	var pe *ProblemError
+	if _, err := a.SaveCheckpoint(ctx, strings.Repeat("x", 8193)); !errors.As(err, &pe) || pe.Status != 413 {
+		t.Fatalf("a checkpoint past the limit: %v", err)
+	}
+	a.Abandon()
+	time.Sleep(1200 * time.Millisecond)
+	b, err := second.Claim(ctx, "resumable")
+	if err != nil || b.Checkpoint() == nil || *b.Checkpoint() != (Checkpoint{Generation: 1, Data: "rows 0-999 done"}) {
+		t.Fatalf("the next claim: %v, checkpoint %+v", err, b.Checkpoint())
+	}
+	if _, err := a.SaveCheckpoint(ctx, "stale"); !errors.Is(err, ErrLeaseLost) {
+		t.Fatalf("a lost lease saved: %v", err)
+	}
+	if _, err := b.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestRenewalsFollowAShorterGrant(t *testing.T) {
 	ctx := context.Background()
 	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--max-ttl", "600ms"}})

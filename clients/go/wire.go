@@ -211,6 +211,15 @@ type leaseAnswer struct {
 	TTLMs       *uint64 `json:"ttl_ms"`
 	ExpiresAtMs *uint64 `json:"expires_at_ms"`
 	Token       *string `json:"token"`
+	// Checkpoint is a claim's: the job's last checkpoint, if any.
+	Checkpoint *Checkpoint `json:"checkpoint"`
+}
+
+// Checkpoint is a job's saved progress as a claim returns it: the text, and the generation
+// whose holder saved it.
+type Checkpoint struct {
+	Generation uint64 `json:"generation"`
+	Data       string `json:"data"`
 }
 
 // Record is a job's lease record (status, release, complete).

@@ -87,6 +87,10 @@ export class Lease {
   complete(): Promise<LeaseRecord>;
   /** Stops renewing and lets the lease expire on the server; sends nothing. */
   abandon(): void;
+  /** The job's last checkpoint as the claim returned it (the generation that saved it), or null. */
+  readonly checkpoint: { generation: bigint; data: string } | null;
+  /** Saves `data` as the job's checkpoint under this lease; LeaseLost/LeaseRefused once it is not ours. */
+  saveCheckpoint(data: string): Promise<LeaseRecord>;
   /** Reports progress: with the client's progressWithinMs, the keeper renews only while this was called that recently. */
   progress(): void;
 }

@@ -9,7 +9,7 @@ import time
 import pytest
 
 from conftest import fence_bin
-from fence_client import (Client, JobCompleted, LeaseHeld, LockDelay, ProblemError,
+from fence_client import (Client, JobCompleted, LeaseHeld, LeaseLost, LockDelay, ProblemError,
                           ServerUnreachable, idempotency_key)
 from fence_client.aio import AsyncClient
 from fence_client._wire import monotonic
@@ -131,6 +131,33 @@ def test_a_worker_that_stops_reporting_progress_loses_its_lease(stack):
     assert client.status("bound-job")["state"] == "held"
     with pytest.raises(ValueError):
         Client(s.server_url, progress_within=0)
+
+
+def test_a_checkpoint_goes_to_the_next_holder_and_a_stale_save_is_refused(stack):
+    s = stack(proxy=False)
+    first = Client(s.server_url, owner="first", ttl=1.0).claim("resumable")
+    assert first.checkpoint is None
+    record = first.save_checkpoint("rows 0-999 done")
+    assert record["generation"] == 1
+    with pytest.raises(ProblemError) as big:
+        first.save_checkpoint("x" * 8193)
+    assert (big.value.status, big.value.type) == (413, "urn:fence:payload-too-large")
+    first.abandon()  # stops renewing: the lease runs out at the server
+    time.sleep(1.2)
+    second = Client(s.server_url, owner="second").claim("resumable")
+    assert second.checkpoint == {"generation": 1, "data": "rows 0-999 done"}
+    with pytest.raises(LeaseLost):  # lost here already: nothing is sent
+        first.save_checkpoint("rows 0-1999 done")
+    second.save_checkpoint("rows 0-2999 done")
+    second.release()
+
+    async def from_asyncio() -> None:
+        lease = await AsyncClient(s.server_url, owner="third").claim("resumable")
+        assert lease.checkpoint == {"generation": 2, "data": "rows 0-2999 done"}
+        await lease.save_checkpoint("all done")
+        await lease.complete()
+
+    asyncio.run(from_asyncio())
 
 
 def test_renewals_follow_a_shorter_grant(stack):

@@ -89,6 +89,7 @@ export class Client {
     }
     const lease = new Lease(this.#transport, job, this.owner, key, answer.generation, ttlMs, this.marginMs,
       this.progressWithinMs);
+    lease._resume(answer.checkpoint);
     lease._setGrant(sent, answer, true);
     // A claim that waited long arrives with little time left: renew once, now, and count the
     // deadline from this send (against the grant, which may be shorter than asked).

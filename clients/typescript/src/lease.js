@@ -29,6 +29,7 @@ export class Lease {
   #wake = null;
   #keeper = null;
   #progressWithinMs;
+  #resumed = null;
   #lastProgress = now(); // the claim counts as the first report
 
   /** @internal Made by Client.claim. */
@@ -69,6 +70,38 @@ export class Lease {
    */
   progress() {
     this.#lastProgress = now();
+  }
+
+  /**
+   * The job's last checkpoint as the claim returned it, `{generation, data}` (the generation
+   * whose holder saved it), or null: resume from it, not from the start.
+   */
+  get checkpoint() {
+    return this.#resumed;
+  }
+
+  /** @internal */
+  _resume(checkpoint) {
+    this.#resumed = checkpoint ?? null;
+  }
+
+  /**
+   * Saves `data` (text, up to the server's limit, 8 KiB by default) as the job's checkpoint
+   * under this lease; the next claim returns it. Resolves to the record. Throws LeaseLost
+   * without sending once the lease is lost; rejects with LeaseRefused when the server says a
+   * newer holder exists (the lease is then lost), ProblemError 413 past the limit.
+   * @param {string} data
+   */
+  async saveCheckpoint(data) {
+    if (typeof data !== 'string') throw new TypeError('a checkpoint is text: base64-encode bytes');
+    void this.token; // throws LeaseLost once the lease is lost here
+    const body = { owner: this.owner, generation: this.generation, lease_key: this.#key, checkpoint: data };
+    try {
+      return await this.#transport.call('POST', this.#path('checkpoint'), body);
+    } catch (e) {
+      if (e instanceof LeaseRefused) this.#declareLost(`the server refused the checkpoint: ${e.message}`);
+      throw e;
+    }
   }
 
   /** X-Fencing-Job and X-Fencing-Token for a write; throws LeaseLost. */

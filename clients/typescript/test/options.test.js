@@ -6,7 +6,7 @@ import { chmodSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'node:test';
 
-import { Client, JobCompleted, LeaseHeld, LockDelay, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
+import { Client, JobCompleted, LeaseHeld, LeaseLost, LockDelay, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
 import { fenceBin, sleep, stack } from './helpers.js';
 
 const SECRET = 's3cret-s3cret-s3cret';
@@ -115,6 +115,25 @@ test('a worker that stops reporting progress loses its lease', async (t) => {
   assert.ok(lease.isLost() && /no progress/.test(lease.lossReason), String(lease.lossReason));
   assert.throws(() => new Client({ server: s.serverUrl, progressWithinMs: 0 }), RangeError);
   lease.abandon();
+});
+
+test('a checkpoint goes to the next holder', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const first = new Client({ server: s.serverUrl, owner: 'first', ttlMs: 1000 });
+  const second = new Client({ server: s.serverUrl, owner: 'second' });
+  t.after(() => { first.close(); second.close(); });
+  const a = await first.claim('resumable');
+  assert.equal(a.checkpoint, null);
+  const record = await a.saveCheckpoint('rows 0-999 done');
+  assert.equal(record.generation, 1n);
+  await assert.rejects(a.saveCheckpoint('x'.repeat(8193)), (e) => e instanceof ProblemError && e.status === 413);
+  a.abandon();
+  await sleep(1200);
+  const b = await second.claim('resumable');
+  assert.deepEqual(b.checkpoint, { generation: 1n, data: 'rows 0-999 done' });
+  await assert.rejects(a.saveCheckpoint('stale'), LeaseLost);
+  await b.saveCheckpoint('rows 0-2999 done');
+  await b.release();
 });
 
 test('renewals follow a shorter grant', async (t) => {

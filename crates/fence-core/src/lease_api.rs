@@ -25,9 +25,14 @@ use serde_json::{Map, Value};
 
 use crate::{Generation, JobId, Owner, Ttl, secret::LeaseKey};
 
+mod checkpoint;
 mod claim;
 mod revoke;
 mod wait;
+pub use checkpoint::{
+    Checkpoint, CheckpointRequest, DEFAULT_MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_BODY,
+    MAX_CHECKPOINT_BYTES,
+};
 pub use claim::ClaimRequest;
 pub use revoke::{MAX_REASON_LEN, RevokeRequest};
 pub use wait::{MAX_WAIT_MS, WAIT_PATTERN, parse_wait};
@@ -48,6 +53,8 @@ pub enum Action {
     Complete,
     /// `POST /v1/leases/{job}/revoke` (an operator's; contract section 11).
     Revoke,
+    /// `POST /v1/leases/{job}/checkpoint` (the holder saves its progress; section 14).
+    Checkpoint,
 }
 
 impl Action {
@@ -59,6 +66,7 @@ impl Action {
             "release" => Some(Self::Release),
             "complete" => Some(Self::Complete),
             "revoke" => Some(Self::Revoke),
+            "checkpoint" => Some(Self::Checkpoint),
             _ => None,
         }
     }
@@ -71,6 +79,7 @@ impl Action {
             Self::Release => "release",
             Self::Complete => "complete",
             Self::Revoke => "revoke",
+            Self::Checkpoint => "checkpoint",
         }
     }
 }
@@ -311,6 +320,10 @@ pub struct LeaseBody {
     /// The signed token string, when the server signs tokens (contract section 6).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub token: Option<String>,
+    /// A claim's answer: the job's last checkpoint and the generation that saved it, if any
+    /// (contract section 14).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checkpoint: Option<Checkpoint>,
 }
 
 /// The state of a job's lease.

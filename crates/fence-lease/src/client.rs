@@ -190,7 +190,11 @@ impl<S: LeaseStore> LeaseClient<S> {
                 .renew(&job, &self.owner, grant.generation, &key, self.ttl);
             let renewed = tokio::time::timeout(budget, renew).await;
             match renewed {
-                Ok(Ok(Outcome::Granted(g))) => grant = g,
+                Ok(Ok(Outcome::Granted(mut g))) => {
+                    // The checkpoint comes with the claim, not the renewal.
+                    g.checkpoint = grant.checkpoint.take();
+                    grant = g;
+                }
                 Ok(Ok(other)) => {
                     return Err(ClaimError::Store(StoreError::Protocol(format!(
                         "the renewal right after a waiting claim was answered with {other:?}"
@@ -295,6 +299,7 @@ impl<S: LeaseStore> LeaseClient<S> {
             header,
             t_send,
             ttl: grant.ttl,
+            checkpoint: grant.checkpoint,
         };
         Ok(Lease::start(self.store.clone(), granted, timing, held))
     }

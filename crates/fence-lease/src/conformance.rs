@@ -28,7 +28,11 @@ pub use fence_storage as __storage;
 
 pub use fence_storage::clock::{Advance, advance_fn, ms};
 
+mod checkpoint;
+mod list;
 mod lock_delay;
+pub use checkpoint::*;
+pub use list::*;
 pub use lock_delay::*;
 
 /// Generates one `#[tokio::test]` per conformance case for the backend made by `$make`.
@@ -54,6 +58,7 @@ macro_rules! lease_store_conformance {
             an_expired_lease_keeps_the_job_for_its_lock_delay,
             the_holder_renews_during_its_lock_delay,
             release_and_revoke_free_the_job_without_lock_delay,
+            a_checkpoint_passes_to_the_next_holder_and_a_stale_one_is_refused,
         );
     };
 }
@@ -538,63 +543,4 @@ pub async fn a_claim_retried_with_another_key_is_refused<S: LeaseStore>(
         store.renew(&j, &a, g, &key_of(&a), TTL).await.unwrap(),
         Outcome::Granted(_)
     ));
-}
-
-/// The list: job id order, pages that end with `next`, and the state and prefix filters.
-pub async fn list_pages_through_jobs_in_order_by_state_and_prefix<S: LeaseStore>(
-    store: S,
-    _advance: Advance,
-) {
-    use fence_core::lease_api::ListQuery;
-    let a = owner("a");
-    // list-0 .. list-9: even ones held, odd ones released (free); others- elsewhere.
-    for i in 0..10 {
-        let j = job(&format!("list-{i}"));
-        let g = granted(&store, &j, &a).await;
-        if i % 2 == 1 {
-            store.release(&j, &a, g, &key_of(&a)).await.unwrap();
-        }
-    }
-    granted(&store, &job("other"), &a).await;
-    let prefix = Some("list-".to_owned());
-    let mut seen = Vec::new();
-    let mut after = None;
-    loop {
-        let page = store
-            .list(&ListQuery {
-                prefix: prefix.clone(),
-                after: after.clone(),
-                limit: Some(3),
-                ..ListQuery::default()
-            })
-            .await
-            .unwrap();
-        assert!(page.leases.len() <= 3, "{page:?}");
-        seen.extend(page.leases.iter().map(|r| r.job.to_string()));
-        match page.next {
-            Some(next) => after = Some(next),
-            None => break,
-        }
-    }
-    let want: Vec<String> = (0..10).map(|i| format!("list-{i}")).collect();
-    assert_eq!(seen, want, "every job once, in order, and only the prefix");
-    let held = store
-        .list(&ListQuery {
-            state: Some(LeaseState::Held),
-            prefix: prefix.clone(),
-            ..ListQuery::default()
-        })
-        .await
-        .unwrap();
-    let held: Vec<String> = held.leases.iter().map(|r| r.job.to_string()).collect();
-    assert_eq!(held, ["list-0", "list-2", "list-4", "list-6", "list-8"]);
-    let rest = store
-        .list(&ListQuery {
-            after: Some(job("list-8")),
-            ..ListQuery::default()
-        })
-        .await
-        .unwrap();
-    let rest: Vec<String> = rest.leases.iter().map(|r| r.job.to_string()).collect();
-    assert_eq!(rest, ["list-9", "other"]);
 }

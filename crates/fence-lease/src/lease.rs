@@ -37,12 +37,16 @@ use std::{
     time::Duration,
 };
 
-use fence_core::{FencingToken, Generation, JobId, Owner, Ttl, secret::LeaseKey};
+use fence_core::{
+    FencingToken, Generation, JobId, Owner, Ttl, lease_api::Checkpoint, secret::LeaseKey,
+};
 use tokio::{sync::watch, task::JoinHandle, time::Instant};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
 use crate::{Backoff, LeaseRecord, LeaseStore, Outcome, StoreError};
 
+mod checkpoint;
+pub use checkpoint::Checkpointer;
 mod timing;
 
 pub(crate) use timing::Timing;
@@ -305,6 +309,8 @@ pub struct Lease<S> {
     view: LeaseView,
     store: Arc<S>,
     keeper: JoinHandle<()>,
+    /// The checkpoint the claim returned (contract section 14).
+    resumed: Option<Checkpoint>,
     _held: HeldMark,
 }
 
@@ -352,6 +358,7 @@ impl<S: LeaseStore> Lease<S> {
             header,
             t_send,
             ttl,
+            checkpoint,
         } = granted;
         let shared = Arc::new(Shared {
             job,
@@ -373,6 +380,7 @@ impl<S: LeaseStore> Lease<S> {
             view: LeaseView { shared },
             store,
             keeper,
+            resumed: checkpoint,
             _held: held,
         }
     }
@@ -390,6 +398,8 @@ pub(crate) struct Granted {
     pub(crate) t_send: Instant,
     /// The TTL the store granted.
     pub(crate) ttl: Ttl,
+    /// The job's last checkpoint, as the claim returned it.
+    pub(crate) checkpoint: Option<Checkpoint>,
 }
 
 impl<S> std::ops::Deref for Lease<S> {
@@ -424,6 +434,9 @@ pub enum FinishError {
     /// The store failed; the outcome is unknown.
     #[error("the lease store failed")]
     Store(#[from] StoreError),
+    /// The lease is lost locally (past its deadline, superseded, finished): nothing was sent.
+    #[error("the lease is lost: {0}")]
+    LostLocally(LossReason),
 }
 
 impl<S: LeaseStore> Lease<S> {

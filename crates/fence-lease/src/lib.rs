@@ -42,7 +42,9 @@ pub use fence_core::{
 pub use fence_storage::clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use key::new_lease_key;
 pub use layer::{Fencing, FencingLayer, LeaseLost, ResponseFuture};
-pub use lease::{FinishError, Lease, LeaseView, LossReason, TimingError, TokenUpdates};
+pub use lease::{
+    Checkpointer, FinishError, Lease, LeaseView, LossReason, TimingError, TokenUpdates,
+};
 pub use owner::default_owner;
 pub use store::{
     BearerToken, ClaimTerms, Grant, HttpLeaseStore, HttpOptions, LeaseOp, LeaseRecord, LeaseStore,

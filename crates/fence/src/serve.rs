@@ -127,6 +127,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
         public_metrics: a.public_metrics,
         max_ttl: Some(a.max_ttl),
         lock_delay: a.lock_delay,
+        max_checkpoint_bytes: Some(a.max_checkpoint_bytes as usize),
         waiting: crate::server::WaitLimits {
             total: a.max_waiting_claims as usize,
             per_client: a.max_waiting_claims_per_client as usize,

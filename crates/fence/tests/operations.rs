@@ -409,6 +409,10 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
     let release_path = "/v1/leases/{job}/release";
     let complete_path = "/v1/leases/{job}/complete";
     let revoke_path = "/v1/leases/{job}/revoke";
+    let checkpoint_path = "/v1/leases/{job}/checkpoint";
+    let save = |g: u64, k: &str, data: &str| {
+        format!(r#"{{"owner":"w","generation":{g},"lease_key":"{k}","checkpoint":"{data}"}}"#)
+    };
     // (documented path, method, status, server, concrete path, bearer, body), in order:
     // earlier rows set up later ones.
     #[rustfmt::skip]
@@ -428,6 +432,13 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
         (renew_path, "POST", 403, &sled, "/v1/leases/a/renew".into(), ops, held(1, other_key)),
         (renew_path, "POST", 409, &sled, "/v1/leases/a/renew".into(), ops, held(7, key)),
         (renew_path, "POST", 503, &broken, "/v1/leases/a/renew".into(), None, held(1, key)),
+        (checkpoint_path, "POST", 200, &sled, "/v1/leases/a/checkpoint".into(), ops, save(1, key, "step 2")),
+        (checkpoint_path, "POST", 400, &sled, "/v1/leases/a/checkpoint".into(), ops, finish(1, key)),
+        (checkpoint_path, "POST", 401, &sled, "/v1/leases/a/checkpoint".into(), None, save(1, key, "x")),
+        (checkpoint_path, "POST", 403, &sled, "/v1/leases/a/checkpoint".into(), ops, save(1, other_key, "x")),
+        (checkpoint_path, "POST", 409, &sled, "/v1/leases/a/checkpoint".into(), ops, save(7, key, "x")),
+        (checkpoint_path, "POST", 413, &sled, "/v1/leases/a/checkpoint".into(), ops, save(1, key, &"x".repeat(8193))),
+        (checkpoint_path, "POST", 503, &broken, "/v1/leases/a/checkpoint".into(), None, save(1, key, "x")),
         (release_path, "POST", 200, &sled, "/v1/leases/r/release".into(), ops, finish(1, key)),
         (release_path, "POST", 400, &sled, "/v1/leases/r/release".into(), ops, "[".into()),
         (release_path, "POST", 401, &sled, "/v1/leases/r/release".into(), None, finish(1, key)),

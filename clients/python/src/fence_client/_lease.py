@@ -48,6 +48,7 @@ class LeaseCore:
         self._reason: Optional[str] = None
         self._progress_within = progress_within
         self._last_progress = monotonic()  # the claim counts as the first report
+        self._resumed: Optional[Dict[str, Any]] = None
 
     # -- what a worker reads -------------------------------------------------------------
 
@@ -64,6 +65,25 @@ class LeaseCore:
             reason = self._reason or DEADLINE_PASSED
         self._declare_lost(reason)
         raise LeaseLost(self.job, self.generation, reason)
+
+    @property
+    def checkpoint(self) -> Optional[Dict[str, Any]]:
+        """The job's last checkpoint as the claim returned it, ``{"generation", "data"}`` (the
+        generation whose holder saved it), or None: resume from it, not from the start."""
+        return self._resumed
+
+    def _send_checkpoint(self, data: str) -> Dict[str, Any]:
+        """Saves ``data`` under this lease (blocking); a refusal ends the lease here too."""
+        if not isinstance(data, str):
+            raise TypeError("a checkpoint is text: base64-encode bytes")
+        self.token  # raises LeaseLost without sending once the lease is lost here
+        body = {"owner": self.owner, "generation": self.generation, "lease_key": self._key,
+                "checkpoint": data}
+        try:
+            return self._transport.call("POST", self._path("checkpoint"), body)
+        except LeaseRefused as e:
+            self._declare_lost(f"the server refused the checkpoint: {e}")
+            raise
 
     def progress(self) -> None:
         """Reports that the worker is making progress. With the client's ``progress_within``,

@@ -78,6 +78,10 @@ class AsyncLease(LeaseCore):
     async def _renew(self, timeout: float) -> Dict[str, Any]:
         return await asyncio.to_thread(self._send_renew, timeout)
 
+    async def save_checkpoint(self, data: str) -> Dict[str, Any]:
+        """As :meth:`fence_client.Lease.save_checkpoint`."""
+        return await asyncio.to_thread(self._send_checkpoint, data)
+
     async def release(self) -> Dict[str, Any]:
         """Frees the job; the record. :class:`LeaseRefused` when the lease is not ours."""
         return await self._finish("release")
@@ -175,6 +179,7 @@ class AsyncClient(ClientCore):
             raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
         lease = AsyncLease(self._transport, job, self.owner, key, generation, ttl_ms,
                            self._margin, on_success, self.progress_within)
+        lease._resumed = answer.get("checkpoint")
         lease._set_grant(sent, answer, first=True)
         # A claim that waited long: renew once, now, as the thread client does.
         usable = lease.deadline - sent

@@ -67,6 +67,14 @@ class Lease(LeaseCore):
             else:
                 next_at = self._after_renewal(sent, answer=answer)
 
+    def save_checkpoint(self, data: str) -> Dict[str, Any]:
+        """Saves ``data`` (text, up to the server's limit, 8 KiB by default) as the job's
+        checkpoint under this lease; the next claim returns it. The record. Raises
+        :class:`LeaseLost` without sending once the lease is lost, :class:`LeaseRefused` when
+        the server says a newer holder exists (the lease is then lost), and
+        :class:`ProblemError` 413 ``payload-too-large`` past the limit."""
+        return self._send_checkpoint(data)
+
     def release(self) -> Dict[str, Any]:
         """Frees the job for another claim; the record (``state`` ``free``). Raises
         :class:`LeaseRefused` when the server no longer records this lease."""
@@ -156,6 +164,7 @@ class Client(ClientCore):
             raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
         lease = Lease(self._transport, job, self.owner, key, generation, ttl_ms, self._margin,
                       on_success, self.progress_within)
+        lease._resumed = answer.get("checkpoint")
         lease._set_grant(sent, answer, first=True)
         # A claim that waited long arrives with little time left: renew once, now, and count
         # the deadline from this send. (Usable time of the grant, which may be shorter than

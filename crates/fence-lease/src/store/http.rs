@@ -15,8 +15,8 @@ use bytes::Bytes;
 use fence_core::{
     JobId, Owner, Problem, ProblemType,
     lease_api::{
-        Action, ClaimRequest, FinishRequest, ListBody, ListQuery, RecordBody, RenewRequest,
-        RevokeRequest, lease_path,
+        Action, CheckpointRequest, ClaimRequest, FinishRequest, ListBody, ListQuery, RecordBody,
+        RenewRequest, RevokeRequest, lease_path,
     },
     secret::LeaseKey,
 };
@@ -463,6 +463,21 @@ impl LeaseStore for HttpLeaseStore {
                     lease_key: key,
                 };
                 self.call(job, Some(action), Some(&body)).await?
+            }
+            LeaseOp::Checkpoint {
+                owner,
+                generation,
+                key,
+                data,
+            } => {
+                let body = CheckpointRequest {
+                    owner,
+                    generation,
+                    lease_key: key,
+                    checkpoint: data,
+                };
+                self.call(job, Some(Action::Checkpoint), Some(&body))
+                    .await?
             }
             LeaseOp::Revoke => return self.revoke(job, None).await,
         };

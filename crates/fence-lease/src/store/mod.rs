@@ -92,6 +92,20 @@ pub enum LeaseOp {
         /// The key it claimed with.
         key: LeaseKey,
     },
+    /// Save `data` as the job's checkpoint under the same condition as a renewal (owner,
+    /// generation and key still hold it, not completed); the next claim returns it with this
+    /// generation (contract section 14). The store keeps it as given: the size limit is the
+    /// caller's to enforce.
+    Checkpoint {
+        /// The holder.
+        owner: Owner,
+        /// Its generation.
+        generation: Generation,
+        /// The key it claimed with.
+        key: LeaseKey,
+        /// The checkpoint.
+        data: String,
+    },
     /// An operator's: end the current lease at once and raise the generation by one, so
     /// nobody holds it and every token of the ended lease is below the job's generation
     /// (contract section 11). Any state but completed; the job must have a record.
@@ -105,7 +119,8 @@ impl LeaseOp {
             Self::Claim { owner, .. }
             | Self::Renew { owner, .. }
             | Self::Release { owner, .. }
-            | Self::Complete { owner, .. } => Some(owner),
+            | Self::Complete { owner, .. }
+            | Self::Checkpoint { owner, .. } => Some(owner),
             Self::Revoke => None,
         }
     }
@@ -116,7 +131,8 @@ impl LeaseOp {
             Self::Claim { .. } | Self::Revoke => None,
             Self::Renew { generation, .. }
             | Self::Release { generation, .. }
-            | Self::Complete { generation, .. } => Some(*generation),
+            | Self::Complete { generation, .. }
+            | Self::Checkpoint { generation, .. } => Some(*generation),
         }
     }
 
@@ -126,7 +142,8 @@ impl LeaseOp {
             Self::Claim { key, .. }
             | Self::Renew { key, .. }
             | Self::Release { key, .. }
-            | Self::Complete { key, .. } => Some(key),
+            | Self::Complete { key, .. }
+            | Self::Checkpoint { key, .. } => Some(key),
             Self::Revoke => None,
         }
     }
@@ -412,6 +429,9 @@ pub struct Grant {
     /// signs tokens
     /// (contract section 6); the lease client sends it exactly as given.
     pub token: Option<String>,
+    /// A claim's grant: the job's last checkpoint and the generation that saved it
+    /// (contract section 14). `None` for renewals and jobs without one.
+    pub checkpoint: Option<fence_core::lease_api::Checkpoint>,
 }
 
 /// What a revoke did.

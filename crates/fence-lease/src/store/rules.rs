@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use fence_core::{
     Generation, JobId, Owner, Ttl,
-    lease_api::LeaseState,
+    lease_api::{Checkpoint, LeaseState},
     secret::{LeaseKey, SecretHash},
 };
 
@@ -27,13 +27,15 @@ pub(crate) struct Stored {
     /// The lock-delay the holder claimed with: once its lease *expires*, the job cannot be
     /// claimed until `lease_until_ms + lock_delay_ms` (contract section 12).
     pub(crate) lock_delay_ms: u64,
+    /// The last checkpoint and the generation that saved it (contract section 14).
+    pub(crate) checkpoint: Option<(Generation, String)>,
 }
 
 /// What a decision does: the record to write (if any) and the answer.
 pub(crate) type Decision<T> = Result<(Option<Stored>, T), StoreError>;
 
-/// The format version of an encoded record: 3 added the lock-delay; 2 (without it) is still
-/// read, as a delay of 0.
+/// The format version of an encoded record: 3 added the lock-delay and the checkpoint; 2
+/// (without them) is still read, as no delay and no checkpoint.
 const VERSION: u8 = 3;
 
 impl Stored {
@@ -84,13 +86,25 @@ impl Stored {
 
     pub(crate) fn encode(&self) -> Vec<u8> {
         let owner = self.owner.as_ref().map_or("", Owner::as_str).as_bytes();
-        let mut out = Vec::with_capacity(2 + 32 + 32 + owner.len());
+        let checkpoint = self.checkpoint.as_ref();
+        let saved = checkpoint.map_or(0, |(_, data)| 12 + data.len());
+        let mut out = Vec::with_capacity(2 + 32 + saved + 32 + owner.len());
         out.push(VERSION);
-        out.push(u8::from(self.completed) | (u8::from(self.owner.is_some()) << 1));
+        out.push(
+            u8::from(self.completed)
+                | (u8::from(self.owner.is_some()) << 1)
+                | (u8::from(checkpoint.is_some()) << 2),
+        );
         out.extend_from_slice(&self.generation.get().to_be_bytes());
         out.extend_from_slice(&self.lease_until_ms.to_be_bytes());
         out.extend_from_slice(&self.changed_ms.to_be_bytes());
         out.extend_from_slice(&self.lock_delay_ms.to_be_bytes());
+        if let Some((generation, data)) = checkpoint {
+            let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
+            out.extend_from_slice(&generation.get().to_be_bytes());
+            out.extend_from_slice(&len.to_be_bytes());
+            out.extend_from_slice(&data.as_bytes()[..len as usize]);
+        }
         out.extend_from_slice(self.key.as_bytes());
         out.extend_from_slice(owner);
         out
@@ -118,7 +132,25 @@ impl Stored {
         };
         let (generation, until, changed) = (u64_at(0)?, u64_at(8)?, u64_at(16)?);
         let lock_delay_ms = if delay_len == 0 { 0 } else { u64_at(24)? };
-        let key_at = 24 + delay_len;
+        let mut key_at = 24 + delay_len;
+        let checkpoint = if flags & 4 != 0 {
+            let generation = Generation::new(u64_at(key_at)?);
+            let len = rest
+                .get(key_at + 8..key_at + 12)
+                .and_then(|b| b.try_into().ok())
+                .map(u32::from_be_bytes)
+                .ok_or_else(|| corrupt("record is too short"))? as usize;
+            let data = rest
+                .get(key_at + 12..key_at + 12 + len)
+                .ok_or_else(|| corrupt("record is too short"))?;
+            let data = std::str::from_utf8(data)
+                .map_err(|_| corrupt("checkpoint is not UTF-8"))?
+                .to_owned();
+            key_at += 12 + len;
+            Some((generation, data))
+        } else {
+            None
+        };
         let key: [u8; 32] = rest
             .get(key_at..key_at + 32)
             .and_then(|b| b.try_into().ok())
@@ -137,6 +169,7 @@ impl Stored {
             changed_ms: changed,
             completed: flags & 1 != 0,
             lock_delay_ms,
+            checkpoint,
         })
     }
 }
@@ -150,8 +183,17 @@ fn grant(generation: Generation, ttl: Ttl, now_ms: u64) -> (u64, Grant) {
             ttl,
             expires_at_ms: until,
             token: None,
+            checkpoint: None,
         },
     )
+}
+
+/// A stored checkpoint as a claim returns it.
+fn saved(s: &Stored) -> Option<Checkpoint> {
+    s.checkpoint.as_ref().map(|(generation, data)| Checkpoint {
+        generation: *generation,
+        data: data.clone(),
+    })
 }
 
 /// Decides `op` on the stored record `cur` at `now_ms`. `floor` is the highest generation the
@@ -175,6 +217,23 @@ pub(crate) fn decide(
             claim(job, cur, floor, owner, key, terms, now_ms)
         }
         LeaseOp::Revoke => revoke(job, cur, now_ms),
+        LeaseOp::Checkpoint {
+            owner,
+            generation,
+            key,
+            data,
+        } => Ok(held_by(cur, owner, *generation, key).map_or_else(
+            |refused| (None, refused),
+            |s| {
+                let new = Stored {
+                    checkpoint: Some((*generation, data.clone())),
+                    changed_ms: now_ms,
+                    ..s.clone()
+                };
+                let record = new.record(job, now_ms);
+                (Some(new), Outcome::Done(record))
+            },
+        )),
         LeaseOp::Renew {
             owner,
             generation,
@@ -312,7 +371,8 @@ fn claim(
             LeaseState::Held if s.owner.as_ref() == Some(owner) && s.key == key.hash() => {
                 // The holder claims again with its key (a retry after a lost answer): same
                 // generation, extended.
-                let (until, g) = grant(s.generation, ttl, now_ms);
+                let (until, mut g) = grant(s.generation, ttl, now_ms);
+                g.checkpoint = saved(s);
                 let new = Stored {
                     lease_until_ms: until,
                     changed_ms: now_ms,
@@ -344,7 +404,8 @@ fn claim(
     let generation = current
         .next()
         .ok_or_else(|| StoreError::GenerationExhausted(job.clone()))?;
-    let (until, g) = grant(generation, ttl, now_ms);
+    let (until, mut g) = grant(generation, ttl, now_ms);
+    g.checkpoint = cur.and_then(saved);
     let new = Stored {
         generation,
         owner: Some(owner.clone()),
@@ -353,6 +414,7 @@ fn claim(
         changed_ms: now_ms,
         completed: false,
         lock_delay_ms,
+        checkpoint: cur.and_then(|s| s.checkpoint.clone()),
     };
     Ok((Some(new), Outcome::Granted(g)))
 }
@@ -373,6 +435,7 @@ mod tests {
                 changed_ms: 3,
                 completed: true,
                 lock_delay_ms: 7,
+                checkpoint: Some((Generation::new(3), "step 4 of 9: ünïcode".to_owned())),
             },
             Stored {
                 generation: Generation::ZERO,
@@ -382,6 +445,7 @@ mod tests {
                 changed_ms: 0,
                 completed: false,
                 lock_delay_ms: 0,
+                checkpoint: None,
             },
         ] {
             assert_eq!(Stored::decode(&job, &s.encode()).unwrap(), s);
@@ -418,6 +482,7 @@ mod tests {
                 changed_ms: 3,
                 completed: false,
                 lock_delay_ms: 0,
+                checkpoint: None,
             }
         );
     }

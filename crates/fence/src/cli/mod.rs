@@ -318,6 +318,10 @@ pub struct ServerArgs {
     /// weaker protection than the fence. Default: none.
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = crate::duration::parse_lock_delay, env = "FENCE_LOCK_DELAY")]
     pub lock_delay: Option<Duration>,
+    /// The largest checkpoint a holder may save with its lease (POST .../checkpoint), in
+    /// bytes of UTF-8 text (1 to 65536); a larger one is 413 payload-too-large.
+    #[arg(long, value_name = "BYTES", default_value_t = 8192, value_parser = clap::value_parser!(u32).range(1..=65536), env = "FENCE_MAX_CHECKPOINT_BYTES")]
+    pub max_checkpoint_bytes: u32,
     /// Delete jobs that are free, expired or completed and unchanged for this long (1s to
     /// 10 years), in the background; the store keeps the highest generation it ever forgot,
     /// and a job claimed again starts above it. A forgotten completed job may run again.

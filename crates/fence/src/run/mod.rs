@@ -19,9 +19,7 @@ use std::{process::Stdio, time::Duration};
 
 use anyhow::Context as _;
 use fence_core::JobId;
-use fence_lease::{
-    Backoff, ClaimError, FinishError, HttpLeaseStore, Lease, LeaseClient, LeaseView, Ttl,
-};
+use fence_lease::{FinishError, HttpLeaseStore, Lease, LeaseClient, LeaseView, Ttl};
 use nix::{
     sys::signal::{Signal, killpg},
     unistd::Pid,
@@ -33,13 +31,17 @@ use tokio::{
     time::Instant,
 };
 
+mod checkpoint;
+mod claim;
 mod procs;
 mod progress;
 pub(crate) mod token_file;
 mod words;
+use checkpoint::CheckpointFile;
+use claim::claim_within;
 use procs::{descendants, others_in_group};
 use token_file::TokenFile;
-use words::{Repeats, ended_how};
+use words::ended_how;
 
 use crate::cli::{OnMaxDuration, OnSuccess, ServerConn};
 
@@ -145,6 +147,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         lease.generation()
     );
     let token_file = TokenFile::new(&token)?;
+    let resumed = lease.resumed_from();
+    let checkpoint =
+        CheckpointFile::seed(token_file.checkpoint_path(), resumed, lease.checkpointer())
+            .context("writing FENCE_CHECKPOINT_FILE")?;
     let Some((program, rest)) = args.command.split_first() else {
         let _ = lease.release().await;
         anyhow::bail!("no command given");
@@ -158,6 +164,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     };
     group.keep_informed(lease.view()).await;
     let mut command = Command::new(program);
+    command.env("FENCE_CHECKPOINT_FILE", checkpoint.path());
+    if let Some(resumed) = resumed {
+        command.env(
+            "FENCE_CHECKPOINT_GENERATION",
+            resumed.generation.to_string(),
+        );
+    }
+    let saving = checkpoint.start();
     if let Some((file, within)) = &args.progress {
         command.env("FENCE_PROGRESS_FILE", file);
         progress::watch(file.clone(), lease.view(), *within);
@@ -188,6 +202,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let keeper = token_file.keep_current(token_updates);
     let limit = args.max_duration.map(|(d, _)| (Instant::now() + d, d));
     let ended = supervise(&mut child, &group, &lease, &mut signals, args.grace, limit).await?;
+    saving.finish().await; // the command's last checkpoint, before the job is given up
     keeper.abort();
     let lost = match ended {
         Ended::Exited(status) => Some(status),
@@ -458,72 +473,6 @@ async fn finish(
             Ok(EXIT_LOST)
         }
         Err(e) => Err(anyhow::Error::new(e).context("finishing the lease failed")),
-    }
-}
-
-async fn claim_within(
-    client: &LeaseClient<HttpLeaseStore>,
-    job: &JobId,
-    wait: Duration,
-) -> anyhow::Result<Option<Lease<HttpLeaseStore>>> {
-    let give_up = Instant::now() + wait;
-    let mut backoff = Backoff::new(Duration::from_millis(100), Duration::from_secs(2));
-    let mut warnings = Repeats::default();
-    loop {
-        // The server holds the claim until the job frees (first come, first served).
-        let left = give_up.saturating_duration_since(Instant::now());
-        let pause = match client.claim_waiting(job.clone(), left).await {
-            Ok(lease) => return Ok(Some(lease)),
-            Err(ClaimError::Completed { generation, .. }) => {
-                eprintln!(
-                    "fence run: job {job} is completed (generation {generation}); not running the command"
-                );
-                return Ok(None);
-            }
-            Err(ClaimError::Held {
-                owner, expires_in, ..
-            }) => {
-                if Instant::now() >= give_up {
-                    eprintln!(
-                        "fence run: job {job} is held by {owner} for another {expires_in:?}; gave up after --wait {wait:?}"
-                    );
-                    return Ok(None);
-                }
-                Duration::ZERO // the server's wait ended early: ask again
-            }
-            Err(ClaimError::LockDelay {
-                owner,
-                claimable_in,
-                ..
-            }) => {
-                if Instant::now() >= give_up {
-                    eprintln!(
-                        "fence run: the lease of {owner} on job {job} expired and its lock-delay keeps the job for another {claimable_in:?}; gave up after --wait {wait:?}"
-                    );
-                    return Ok(None);
-                }
-                Duration::ZERO
-            }
-            Err(e @ ClaimError::Timing(_)) => return Err(e.into()),
-            Err(e) => {
-                if Instant::now() >= give_up {
-                    warnings.flush();
-                    return Err(anyhow::Error::new(e)
-                        .context(format!("could not claim {job} within --wait {wait:?}")));
-                }
-                warnings.say(format!(
-                    "fence run: claim failed, retrying: {}",
-                    fence_storage::error_chain(&e)
-                ));
-                backoff.next_pause()
-            }
-        };
-        tokio::time::sleep(
-            pause
-                .min(give_up.saturating_duration_since(Instant::now()))
-                .max(Duration::from_millis(10)),
-        )
-        .await;
     }
 }
 

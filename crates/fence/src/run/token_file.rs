@@ -29,6 +29,11 @@ impl TokenFile {
         self.dir.path().join("token")
     }
 
+    /// `FENCE_CHECKPOINT_FILE`, beside the token in the same private directory.
+    pub(super) fn checkpoint_path(&self) -> PathBuf {
+        self.dir.path().join("checkpoint")
+    }
+
     /// Rewrites the file whenever the lease's token changes (a renewal signs a new one):
     /// `updates` taken before the token the file was made with was read, so none is missed.
     pub(super) fn keep_current(&self, updates: TokenUpdates) -> tokio::task::JoinHandle<()> {
@@ -40,6 +45,12 @@ impl TokenFile {
 /// the new one, never part of one) and readable by this user only: a new file is made beside
 /// it (mode 0600, a name of its own, never following a link) and renamed over it.
 pub(crate) fn write_token(path: &Path, token: &str) -> std::io::Result<()> {
+    write_bytes(path, format!("{token}\n").as_bytes())
+}
+
+/// Replaces `path` with `bytes` as [`write_token`] does: atomically, readable by this user
+/// only.
+pub(crate) fn write_bytes(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     let dir = match path.parent() {
         Some(p) if !p.as_os_str().is_empty() => p,
         _ => Path::new("."),
@@ -47,7 +58,7 @@ pub(crate) fn write_token(path: &Path, token: &str) -> std::io::Result<()> {
     let mut next = tempfile::Builder::new()
         .prefix(".fence-token-")
         .tempfile_in(dir)?;
-    next.write_all(format!("{token}\n").as_bytes())?;
+    next.write_all(bytes)?;
     next.persist(path).map(drop).map_err(|e| e.error)
 }
 

@@ -162,6 +162,7 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
         Action::Release => "release",
         Action::Complete => "completion",
         Action::Revoke => "revoke",
+        Action::Checkpoint => "checkpoint",
     };
     match outcome {
         Outcome::Granted(g) => {
@@ -180,10 +181,16 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
                 ttl_ms: g.ttl.as_millis(),
                 expires_at_ms: g.expires_at_ms,
                 token: g.token,
+                checkpoint: g.checkpoint,
             }))
         }
         Outcome::Done(record) => {
-            tracing::info!(job = %job, generation = record.generation.get(), owner = %owner, state = %record.state, "lease {}d", if action == Action::Complete { "complete" } else { "release" });
+            let done = match action {
+                Action::Complete => "lease completed",
+                Action::Checkpoint => "checkpoint saved",
+                _ => "lease released",
+            };
+            tracing::info!(job = %job, generation = record.generation.get(), owner = %owner, state = %record.state, "{done}");
             Ok(json(&record_body(&record)))
         }
         Outcome::Held {

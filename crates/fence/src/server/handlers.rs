@@ -12,8 +12,8 @@ use bytes::Bytes;
 use fence_core::{
     JobId, Problem, ProblemType, Ttl,
     lease_api::{
-        Action, BodyError, ClaimRequest, FinishRequest, MAX_REQUEST_BODY, RenewRequest,
-        RevokeRequest,
+        Action, BodyError, CheckpointRequest, ClaimRequest, DEFAULT_MAX_CHECKPOINT_BYTES,
+        FinishRequest, MAX_CHECKPOINT_BODY, MAX_REQUEST_BODY, RenewRequest, RevokeRequest,
     },
 };
 use fence_lease::{LeaseOp, LeaseStore};
@@ -44,7 +44,16 @@ async fn parse<T>(
     body: Body,
     parse: impl FnOnce(&[u8]) -> Result<T, BodyError>,
 ) -> Result<T, Problem> {
-    let read = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, MAX_REQUEST_BODY).collect());
+    parse_within(body, MAX_REQUEST_BODY, parse).await
+}
+
+/// [`parse`], for a body of at most `limit` bytes.
+async fn parse_within<T>(
+    body: Body,
+    limit: usize,
+    parse: impl FnOnce(&[u8]) -> Result<T, BodyError>,
+) -> Result<T, Problem> {
+    let read = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, limit).collect());
     let Ok(read) = read.await else {
         return Err(Problem::new(
             ProblemType::BodyTimeout,
@@ -57,7 +66,7 @@ async fn parse<T>(
     let bytes: Bytes = match read {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return Err(bad(format!("body: larger than {MAX_REQUEST_BODY} bytes")));
+            return Err(bad(format!("body: larger than {limit} bytes")));
         }
         Err(e) => return Err(bad(format!("body: could not be read: {e}"))),
     };
@@ -107,6 +116,32 @@ async fn operation(
                     generation,
                     key,
                     ttl,
+                }
+            }
+            Action::Checkpoint => {
+                let CheckpointRequest {
+                    owner,
+                    generation,
+                    lease_key: key,
+                    checkpoint: data,
+                } = parse_within(body, MAX_CHECKPOINT_BODY, CheckpointRequest::from_json).await?;
+                let most = options
+                    .max_checkpoint_bytes
+                    .unwrap_or(DEFAULT_MAX_CHECKPOINT_BYTES);
+                if data.len() > most {
+                    return Err(Problem::new(
+                        ProblemType::PayloadTooLarge,
+                        format!(
+                            "checkpoint: {} bytes of UTF-8, more than this server takes ({most}, --max-checkpoint-bytes); save less, or a reference to where the rest is",
+                            data.len()
+                        ),
+                    ));
+                }
+                LeaseOp::Checkpoint {
+                    owner,
+                    generation,
+                    key,
+                    data,
                 }
             }
             Action::Release | Action::Complete => {
@@ -191,7 +226,8 @@ pub(super) async fn act<S: LeaseStore>(
         if matches!(
             outcome,
             fence_lease::Outcome::Done(_) | fence_lease::Outcome::Revoked(_)
-        ) {
+        ) && action != Action::Checkpoint
+        {
             app.waiters.changed(&job); // released, completed or revoked: a waiting claim may go
         }
         let client = caller.as_ref().map(|c| c.client().name().to_owned());

@@ -49,6 +49,9 @@ pub struct ServerOptions {
     pub max_ttl: Option<fence_core::Ttl>,
     /// The lock-delay of a claim that names none (`--lock-delay`; contract section 12).
     pub lock_delay: Option<std::time::Duration>,
+    /// The largest checkpoint taken, in bytes of UTF-8 (`--max-checkpoint-bytes`; `None`:
+    /// [`DEFAULT_MAX_CHECKPOINT_BYTES`](fence_core::lease_api::DEFAULT_MAX_CHECKPOINT_BYTES)).
+    pub max_checkpoint_bytes: Option<usize>,
     /// How many claims may wait (`claim?wait=`) at once, in all and per client.
     pub waiting: WaitLimits,
 }

@@ -48,6 +48,7 @@ pub(super) fn grant(status: StatusCode, body: &[u8]) -> Result<Grant, StoreError
         ttl,
         expires_at_ms: lease.expires_at_ms,
         token: lease.token,
+        checkpoint: lease.checkpoint,
     })
 }
 

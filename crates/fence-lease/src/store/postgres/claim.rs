@@ -1,8 +1,12 @@
-//! A claim in PostgreSQL: one statement decides; a refusal is read back to say why.
+//! A claim and a checkpoint in PostgreSQL: one statement decides, a refusal is read back.
 
 use std::time::Duration;
 
-use fence_core::{JobId, Owner, Ttl, lease_api::LeaseState, secret::LeaseKey};
+use fence_core::{
+    JobId, Owner, Ttl,
+    lease_api::{Checkpoint, LeaseState},
+    secret::LeaseKey,
+};
 use tokio_postgres::types::ToSql;
 
 use super::{PgLeaseStore, Snapshot, generation, millis, now_ms};
@@ -12,7 +16,7 @@ use crate::store::{Grant, Outcome, StoreError};
 /// A holder that claims again with its key while its lease runs keeps its generation (the
 /// retry of a lost answer). A lease that expired is claimable once its lock-delay is over
 /// too (contract section 12). A new row starts above the floor, read under a share lock (see
-/// the module's notes). Returns the generation and the lease's end.
+/// the module's notes). Returns the generation, the lease's end and the job's checkpoint.
 pub(super) fn sql(t: &str) -> String {
     format!(
         "INSERT INTO {t} AS t (job, owner, generation, lease_until_ms, changed_ms, key_hash, completed, lock_delay_ms)
@@ -32,7 +36,19 @@ pub(super) fn sql(t: &str) -> String {
                 OR (t.owner = excluded.owner AND t.key_hash = excluded.key_hash
                     AND t.lease_until_ms > excluded.changed_ms)
                 OR t.lease_until_ms + t.lock_delay_ms <= excluded.changed_ms)
-         RETURNING t.generation::text, t.lease_until_ms",
+         RETURNING t.generation::text, t.lease_until_ms, t.checkpoint, t.checkpoint_generation::text",
+        now = now_ms(4)
+    )
+}
+
+/// `$1` job, `$2` owner, `$3` generation, `$4` clock offset, `$5` key hash, `$6` checkpoint:
+/// saved while owner, generation and key hold the job (as a renewal's condition), with the
+/// generation that saved it. Returns the row as `get` does.
+pub(super) fn checkpoint_sql(t: &str, holder: &str) -> String {
+    format!(
+        "UPDATE {t} SET checkpoint = $6, checkpoint_generation = generation, changed_ms = {now}
+         WHERE {holder} AND key_hash = $5
+         RETURNING owner, generation::text, lease_until_ms, completed, {now}",
         now = now_ms(4)
     )
 }
@@ -68,11 +84,20 @@ impl PgLeaseStore {
             ];
             if let Some(row) = self.query(&self.sql.claim, &params).await? {
                 let until: i64 = row.try_get(1).map_err(StoreError::io)?;
+                let data: Option<String> = row.try_get(2).map_err(StoreError::io)?;
+                let checkpoint = match data {
+                    Some(data) => Some(Checkpoint {
+                        generation: generation(job, &row, 3)?,
+                        data,
+                    }),
+                    None => None,
+                };
                 return Ok(Outcome::Granted(Grant {
                     generation: generation(job, &row, 0)?,
                     ttl,
                     expires_at_ms: u64::try_from(until).unwrap_or(0),
                     token: None,
+                    checkpoint,
                 }));
             }
             // Refused; read why. If the holder let go in between, decide again.

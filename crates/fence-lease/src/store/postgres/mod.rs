@@ -101,6 +101,7 @@ impl std::fmt::Debug for PgLeaseStore {
 struct Sql {
     claim: String,
     claim_refused: String,
+    checkpoint: String,
     lock_floor: String,
     forget: String,
     renew: String,
@@ -187,6 +188,7 @@ impl Sql {
             revoke: revoke::sql(t, channel),
             claim: claim::sql(t),
             claim_refused: claim::refused_sql(t),
+            checkpoint: claim::checkpoint_sql(t, holder),
             lock_floor,
             forget,
             renew,
@@ -318,6 +320,8 @@ impl PgLeaseStore {
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS key_hash bytea NOT NULL DEFAULT ''::bytea;
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS changed_ms bigint NOT NULL DEFAULT 0;
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lock_delay_ms bigint NOT NULL DEFAULT 0;
+             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS checkpoint text;
+             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS checkpoint_generation numeric(20, 0);
              INSERT INTO {t} (job, owner, generation, lease_until_ms, completed, changed_ms)
                VALUES ('', NULL, 0, 0, true, 0) ON CONFLICT (job) DO NOTHING;
              CREATE INDEX IF NOT EXISTS {table}_changed_ms ON {t} (changed_ms);",
@@ -419,6 +423,7 @@ impl PgLeaseStore {
                     ttl,
                     expires_at_ms: u64::try_from(until).unwrap_or(0),
                     token: None,
+                    checkpoint: None,
                 }))
             }
             None => self.refused(job, owner, generation).await,
@@ -473,16 +478,32 @@ impl LeaseStore for PgLeaseStore {
                 generation,
                 key,
             } => (owner, generation, key, &self.sql.complete),
+            LeaseOp::Checkpoint {
+                owner,
+                generation,
+                key,
+                ..
+            } => (owner, generation, key, &self.sql.checkpoint),
         };
         let hash = key.hash();
-        let params: [&(dyn ToSql + Sync); 5] = [
+        let data = match &op {
+            LeaseOp::Checkpoint { data, .. } => Some(data.as_str()),
+            _ => None,
+        };
+        let params: [&(dyn ToSql + Sync); 6] = [
             &job.as_str(),
             &owner.as_str(),
             &g.get().to_string(),
             &self.offset(),
             &&hash.as_bytes()[..],
+            &data,
         ];
-        match self.query(sql, &params).await? {
+        let params = if data.is_some() {
+            &params[..]
+        } else {
+            &params[..5]
+        };
+        match self.query(sql, params).await? {
             Some(row) => Ok(Outcome::Done(Snapshot::from_row(job, &row)?.record(job))),
             None => self.refused(job, owner, *g).await,
         }

@@ -1,0 +1,129 @@
+//! Checkpoints through `fence server` and `fence run` (contract section 14): the holder saves
+//! progress with its lease, the next claim gets it back with the generation that saved it, a
+//! stale holder's save is refused, and the size limit is the server's.
+
+mod common;
+
+use common::*;
+
+fn body(answer: &str) -> serde_json::Value {
+    serde_json::from_str(answer.split("\r\n\r\n").nth(1).unwrap_or_default()).unwrap_or_default()
+}
+
+fn claim(addr: &str, job: &str, owner: &str, ttl_ms: u64) -> (u16, serde_json::Value) {
+    let req = format!(
+        r#"{{"owner":"{owner}","lease_key":"{owner}-0123456789abcdefghijk","ttl_ms":{ttl_ms}}}"#
+    );
+    let (status, answer) =
+        bearer_call(addr, "POST", &format!("/v1/leases/{job}/claim"), None, &req);
+    (status, body(&answer))
+}
+
+fn save(
+    addr: &str,
+    job: &str,
+    owner: &str,
+    generation: u64,
+    data: &str,
+) -> (u16, serde_json::Value) {
+    let req = serde_json::json!({
+        "owner": owner,
+        "generation": generation,
+        "lease_key": format!("{owner}-0123456789abcdefghijk"),
+        "checkpoint": data,
+    });
+    let path = format!("/v1/leases/{job}/checkpoint");
+    let (status, answer) = bearer_call(addr, "POST", &path, None, &req.to_string());
+    (status, body(&answer))
+}
+
+#[test]
+fn a_checkpoint_goes_to_the_next_holder_and_a_stale_holders_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_owned();
+    let (_server, addr) = start_ready(&server_args(&data, &["--max-checkpoint-bytes", "8192"]));
+    let (status, a) = claim(&addr, "export", "a", 1000);
+    assert_eq!(status, 200, "{a}");
+    assert!(a.get("checkpoint").is_none(), "{a}");
+
+    // 8,000 bytes of control characters: 48 KB of JSON, past the 16 KiB of other calls.
+    let escaped = "\u{1}".repeat(8000);
+    let (status, saved) = save(&addr, "export", "a", 1, &escaped);
+    assert_eq!(status, 200, "{saved}");
+    let (status, saved) = save(&addr, "export", "a", 1, "rows 0-999 done");
+    assert_eq!(status, 200, "{saved}");
+    assert_eq!(saved["generation"], 1, "{saved}");
+    let (status, big) = save(&addr, "export", "a", 1, &"x".repeat(8193));
+    assert_eq!(status, 413, "{big}");
+    assert_eq!(big["type"], "urn:fence:payload-too-large", "{big}");
+    assert!(
+        big["detail"]
+            .as_str()
+            .unwrap()
+            .contains("--max-checkpoint-bytes"),
+        "{big}"
+    );
+
+    std::thread::sleep(std::time::Duration::from_millis(1200)); // a's lease expires
+    let (status, b) = claim(&addr, "export", "b", 30_000);
+    assert_eq!(status, 200, "{b}");
+    assert_eq!(b["generation"], 2, "{b}");
+    assert_eq!(
+        b["checkpoint"],
+        serde_json::json!({"generation": 1, "data": "rows 0-999 done"}),
+        "{b}"
+    );
+    // a wakes up and saves: refused like a renewal, naming b.
+    let (status, stale) = save(&addr, "export", "a", 1, "rows 0-1999 done");
+    assert_eq!(status, 409, "{stale}");
+    assert_eq!(stale["type"], "urn:fence:lease-lost", "{stale}");
+    assert_eq!(stale["owner"], "b", "{stale}");
+    let (status, again) = claim(&addr, "export", "b", 30_000);
+    assert_eq!(
+        (status, &again["checkpoint"]["data"]),
+        (200, &"rows 0-999 done".into())
+    );
+
+    let (status, bad) = save(&addr, "export", "b", 2, "");
+    assert_eq!(status, 200, "an empty checkpoint is one: {bad}");
+    let missing = r#"{"owner":"b","generation":2,"lease_key":"b-0123456789abcdefghijk"}"#;
+    let (status, answer) =
+        bearer_call(&addr, "POST", "/v1/leases/export/checkpoint", None, missing);
+    assert_eq!(status, 400, "{answer}");
+    assert!(answer.contains("checkpoint: missing"), "{answer}");
+}
+
+#[test]
+fn fence_run_passes_the_checkpoint_in_and_out_through_a_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(&dir.path().join("leases"));
+    // The first run saves its progress, then fails: the job is released, not completed.
+    let out = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--job",
+        "resumable",
+        "--",
+        "sh",
+        "-c",
+        r#"test -f "$FENCE_CHECKPOINT_FILE" && test ! -s "$FENCE_CHECKPOINT_FILE" || exit 9
+           test -z "$FENCE_CHECKPOINT_GENERATION" || exit 8
+           printf 'step 3 of 5' > "$FENCE_CHECKPOINT_FILE"; exit 1"#,
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    // The next run starts from it, and knows which generation wrote it.
+    let out = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--job",
+        "resumable",
+        "--",
+        "sh",
+        "-c",
+        r#"test "$(cat "$FENCE_CHECKPOINT_FILE")" = 'step 3 of 5' || exit 9
+           test "$FENCE_CHECKPOINT_GENERATION" = 1 || exit 8"#,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+}
