@@ -4,6 +4,8 @@
 -- renew: requests renew the jobs "PREFIX-0" .. "PREFIX-<CLIENTS-1>", claimed beforehand by
 --        owner "o" with lease key KEY (generation 1); thread k takes the jobs j with
 --        j mod threads == k.
+-- checkpoint: as renew, but each request saves a checkpoint of SIZE bytes (a fourth argument,
+--        default 64) under the same leases (contract section 14).
 -- Every body carries the lease key KEY (contract v2 section 4).
 local threads = {}
 local KEY = "benchkey-0123456789abcdef"
@@ -17,6 +19,7 @@ end
 
 function init(args)
   mode, prefix, clients = args[1], args[2], tonumber(args[3] or "1")
+  data = string.rep("x", tonumber(args[4] or "64"))
   n = 0
   wrk.method = "POST"
   wrk.headers["Content-Type"] = "application/json"
@@ -34,6 +37,10 @@ function request()
       '{"owner":"o' .. id .. '","lease_key":"' .. KEY .. '","ttl_ms":30000}')
   end
   local j = mine[(n % #mine) + 1]
+  if mode == "checkpoint" then
+    return wrk.format(nil, "/v1/leases/" .. prefix .. "-" .. j .. "/checkpoint", nil,
+      '{"owner":"o","generation":1,"lease_key":"' .. KEY .. '","checkpoint":"' .. data .. '"}')
+  end
   return wrk.format(nil, "/v1/leases/" .. prefix .. "-" .. j .. "/renew", nil,
     '{"owner":"o","generation":1,"lease_key":"' .. KEY .. '","ttl_ms":30000}')
 end

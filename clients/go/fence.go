@@ -55,7 +55,8 @@ type Options struct {
 	// was called this recently (the claim counts). Zero: unbound (the default).
 	ProgressWithin time.Duration
 	// LockDelay of this client's leases, 0 to 24 h in whole ms: if one expires, nobody can
-	// claim its job until this long after its end. Zero: the server's default.
+	// claim its job until this long after its end. Zero: the server's default (so a Go client
+	// cannot ask for no delay where the server's --lock-delay sets one).
 	LockDelay time.Duration
 }
 

@@ -87,9 +87,9 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// Claims with a lock-delay of `delay` instead of the store's default: if a lease of this
     /// client *expires* (its holder stalled or died, rather than released or completed it),
     /// nobody can claim the job until `delay` after the lease's end (contract section 12).
-    /// For effects the fence cannot reach; at most [`Ttl::MAX`].
+    /// For effects the fence cannot reach; longer than [`Ttl::MAX`] counts as [`Ttl::MAX`].
     pub fn lock_delay(mut self, delay: Duration) -> Self {
-        self.lock_delay = Some(delay);
+        self.lock_delay = Some(delay.min(Ttl::MAX.as_duration()));
         self
     }
 
@@ -99,9 +99,10 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// loses its lease ([`LossReason::NoProgress`](crate::LossReason::NoProgress)) at the
     /// first renewal after `within` has passed, and the lease expires at the store. Off by
     /// default: without it the keeper renews for as long as the process lives. Choose
-    /// `within` longer than the longest step between two reports.
+    /// `within` longer than the longest step between two reports (at most 24 h: longer
+    /// counts as 24 h).
     pub fn progress_within(mut self, within: Duration) -> Self {
-        self.progress_within = Some(within);
+        self.progress_within = Some(within.min(Ttl::MAX.as_duration()));
         self
     }
 

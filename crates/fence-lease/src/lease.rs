@@ -520,7 +520,10 @@ async fn keep<S: LeaseStore>(
         // A worker that stopped reporting progress is hung or live-locked: no more renewals.
         // The lease is not released: it expires at the store (and any lock-delay follows).
         if let Some(within) = timing.progress_within
-            && shared.last_progress() + within < Instant::now()
+            && shared
+                .last_progress()
+                .checked_add(within)
+                .is_some_and(|due| due < Instant::now())
         {
             return shared.lose(LossReason::NoProgress { within });
         }

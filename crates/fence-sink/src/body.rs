@@ -59,7 +59,8 @@ pub(crate) const DISCARD_WAIT: Duration = Duration::from_secs(1);
 /// clients then fail the whole exchange instead of reading the answer (curl 7.88, Debian 12's:
 /// "(92) Stream error in the HTTP/2 framing layer"). nginx discards a refused body the same
 /// way. HTTP/1.1 needs none of it (hyper reads or closes after the answer), and reading a body
-/// there would send a `100 Continue` the client waited for.
+/// there would send a `100 Continue` the client waited for. gRPC calls are answered at once
+/// (their clients read an early answer, and a stream's body may not end while they wait).
 pub(crate) async fn discard<B: FenceBody>(version: http::Version, body: B) {
     use http_body_util::BodyExt;
     if version != http::Version::HTTP_2 || body.is_end_stream() {

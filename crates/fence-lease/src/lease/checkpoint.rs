@@ -10,7 +10,10 @@ use crate::{LeaseOp, LeaseRecord, LeaseStore, Outcome, StoreError};
 impl<S: LeaseStore> Lease<S> {
     /// The job's last checkpoint as the claim returned it, with the generation that saved it
     /// (a holder before this one, or this lease's own claim retried); `None` for a job that
-    /// never saved one. Resume from it rather than from the start.
+    /// never saved one. Resume from it rather than from the start. Always `None` after
+    /// [`LeaseClient::resume`](crate::LeaseClient::resume), which takes a lease over by
+    /// renewing it: a worker that restarts should claim instead (the same owner and key get
+    /// the same lease back, with the checkpoint).
     pub fn resumed_from(&self) -> Option<&Checkpoint> {
         self.resumed.as_ref()
     }

@@ -129,7 +129,7 @@ pub enum UrlError {
 }
 
 /// The largest answer the client reads from a server.
-const MAX_ANSWER: usize = 64 * 1024;
+const MAX_ANSWER: usize = fence_core::lease_api::MAX_CHECKPOINT_BODY + 4096;
 
 impl HttpLeaseStore {
     /// A store at `base_url` (`http://host:port` or `https://host:port`, verified against

@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use fence_core::{
     Generation, JobId, Owner, Ttl,
-    lease_api::{Checkpoint, LeaseState},
+    lease_api::{Checkpoint, LeaseState, MAX_CHECKPOINT_BYTES},
     secret::{LeaseKey, SecretHash},
 };
 
@@ -89,7 +89,10 @@ impl Stored {
         let checkpoint = self.checkpoint.as_ref();
         let saved = checkpoint.map_or(0, |(_, data)| 12 + data.len());
         let mut out = Vec::with_capacity(2 + 32 + saved + 32 + owner.len());
-        out.push(VERSION);
+        // A record without a lock-delay or a checkpoint keeps format 2, which an older build
+        // still reads (a rollback loses nothing it knew of).
+        let plain = self.lock_delay_ms == 0 && checkpoint.is_none();
+        out.push(if plain { 2 } else { VERSION });
         out.push(
             u8::from(self.completed)
                 | (u8::from(self.owner.is_some()) << 1)
@@ -98,7 +101,9 @@ impl Stored {
         out.extend_from_slice(&self.generation.get().to_be_bytes());
         out.extend_from_slice(&self.lease_until_ms.to_be_bytes());
         out.extend_from_slice(&self.changed_ms.to_be_bytes());
-        out.extend_from_slice(&self.lock_delay_ms.to_be_bytes());
+        if !plain {
+            out.extend_from_slice(&self.lock_delay_ms.to_be_bytes());
+        }
         if let Some((generation, data)) = checkpoint {
             let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
             out.extend_from_slice(&generation.get().to_be_bytes());
@@ -118,10 +123,11 @@ impl Stored {
         let [version, flags, rest @ ..] = bytes else {
             return Err(corrupt("record is too short"));
         };
-        // Version 2 has no lock-delay: the key follows `changed` directly.
+        // Version 2 has no lock-delay and no checkpoint: the key follows `changed` directly.
         let delay_len = match *version {
-            2 => 0,
-            VERSION => 8,
+            2 if flags & !3 == 0 => 0,
+            VERSION if flags & !7 == 0 => 8,
+            2 | VERSION => return Err(corrupt("unknown flags")),
             _ => return Err(corrupt("unknown record format version")),
         };
         let u64_at = |at: usize| -> Result<u64, StoreError> {
@@ -139,14 +145,18 @@ impl Stored {
                 .get(key_at + 8..key_at + 12)
                 .and_then(|b| b.try_into().ok())
                 .map(u32::from_be_bytes)
-                .ok_or_else(|| corrupt("record is too short"))? as usize;
+                .ok_or_else(|| corrupt("record is too short"))?;
+            let end = usize::try_from(len)
+                .ok()
+                .and_then(|len| (key_at + 12).checked_add(len))
+                .ok_or_else(|| corrupt("record is too short"))?;
             let data = rest
-                .get(key_at + 12..key_at + 12 + len)
+                .get(key_at + 12..end)
                 .ok_or_else(|| corrupt("record is too short"))?;
             let data = std::str::from_utf8(data)
                 .map_err(|_| corrupt("checkpoint is not UTF-8"))?
                 .to_owned();
-            key_at += 12 + len;
+            key_at = end;
             Some((generation, data))
         } else {
             None
@@ -212,11 +222,18 @@ pub(crate) fn decide(
             ttl,
             lock_delay,
         } => {
-            let delay = lock_delay.unwrap_or_default();
+            // At most the longest lease (24 h), whoever asks.
+            let delay = lock_delay.unwrap_or_default().min(Ttl::MAX.as_duration());
             let terms = (*ttl, u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
             claim(job, cur, floor, owner, key, terms, now_ms)
         }
         LeaseOp::Revoke => revoke(job, cur, now_ms),
+        LeaseOp::Checkpoint { data, .. } if data.len() > MAX_CHECKPOINT_BYTES => {
+            Err(StoreError::Protocol(format!(
+                "a checkpoint of {} bytes is more than any store keeps ({MAX_CHECKPOINT_BYTES})",
+                data.len()
+            )))
+        }
         LeaseOp::Checkpoint {
             owner,
             generation,
@@ -485,5 +502,16 @@ mod tests {
                 checkpoint: None,
             }
         );
+        // And a record without a delay or a checkpoint is written in format 2 again, so a
+        // rollback to a build that reads only format 2 loses nothing it knew of.
+        assert_eq!(s.encode(), v2);
+        let delayed = Stored {
+            lock_delay_ms: 1,
+            ..s
+        };
+        assert_eq!(delayed.encode()[0], 3);
+        let mut bad_flag = v2.clone();
+        bad_flag[1] |= 4; // a checkpoint flag in format 2
+        assert!(Stored::decode(&job, &bad_flag).is_err());
     }
 }

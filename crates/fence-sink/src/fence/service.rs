@@ -201,18 +201,19 @@ where
             Checked::Rejected(problem) => {
                 let asked = Asked::of(&parts);
                 let answer = reject(problem, None);
-                let future = if parts.version == http::Version::HTTP_2 && !body.is_end_stream() {
-                    let version = parts.version;
-                    ResponseFuture::fenced(
-                        Box::pin(async move {
-                            body::discard(version, body).await;
-                            Ok(answer)
-                        }),
-                        false,
-                    )
-                } else {
-                    ResponseFuture::rejected(answer)
-                };
+                let future =
+                    if parts.version == http::Version::HTTP_2 && !grpc && !body.is_end_stream() {
+                        let version = parts.version;
+                        ResponseFuture::fenced(
+                            Box::pin(async move {
+                                body::discard(version, body).await;
+                                Ok(answer)
+                            }),
+                            false,
+                        )
+                    } else {
+                        ResponseFuture::rejected(answer)
+                    };
                 return future.grpc(grpc).asked(asked);
             }
         };
@@ -304,7 +305,12 @@ where
     let guard = match problem {
         Ok(guard) => guard,
         Err(problem) => {
-            if let Ready::Streamed(request) = request {
+            // The inner service's readiness (a permit of a concurrency limit, a buffer slot)
+            // is not held while the refused body drains.
+            drop(inner);
+            if let Ready::Streamed(request) = request
+                && !reject::is_grpc(request.headers())
+            {
                 let (parts, body) = request.into_parts();
                 body::discard(parts.version, body).await;
             }

@@ -6,14 +6,16 @@
 //! second), and once more when the command has exited, before the job is completed or
 //! released: the next run of the job starts from it. A save the server refuses as too large
 //! or that is not UTF-8 is skipped with a warning; a stale lease's save is refused by the
-//! server, so a run that lost its lease never overwrites its successor's progress.
+//! server, so a run that lost its lease never overwrites its successor's progress. The file
+//! may be read while the command writes it: commands should write a file beside it and
+//! rename it over (as `mv` does), so that a save never holds half a checkpoint.
 
 use std::{
     path::{Path, PathBuf},
     time::{Duration, SystemTime},
 };
 
-use fence_core::lease_api::Checkpoint;
+use fence_core::lease_api::{Checkpoint, MAX_CHECKPOINT_BYTES};
 use fence_lease::{Checkpointer, HttpLeaseStore};
 use tokio::{sync::Mutex, task::JoinHandle};
 
@@ -31,6 +33,7 @@ pub(super) struct CheckpointFile {
 /// Saves the file's changes every second until [`Saving::finish`].
 pub(super) struct Saving {
     file: std::sync::Arc<CheckpointFile>,
+    stop: tokio::sync::watch::Sender<bool>,
     task: JoinHandle<()>,
 }
 
@@ -60,47 +63,74 @@ impl CheckpointFile {
     pub(super) fn start(self) -> Saving {
         let file = std::sync::Arc::new(self);
         let watched = file.clone();
+        let (stop, mut stopped) = tokio::sync::watch::channel(false);
         let task = tokio::spawn(async move {
             let mut tick = tokio::time::interval(EVERY);
             loop {
-                tick.tick().await;
-                watched.save_if_changed().await;
+                tokio::select! {
+                    _ = stopped.changed() => return,
+                    _ = tick.tick() => watched.save_if_changed().await,
+                }
             }
         });
-        Saving { file, task }
+        Saving { file, stop, task }
     }
 
+    /// Saves the file if it changed since the last save. A change is marked saved once the
+    /// store took it, or refused it for good (too large, not UTF-8, the lease lost): a save
+    /// that failed for a while (the server did not answer) is tried again.
     async fn save_if_changed(&self) {
         let mut seen = self.seen.lock().await;
         let now = stamp(&self.path);
         if now.is_none() || now == *seen {
             return;
         }
-        *seen = now;
-        let data = match std::fs::read(&self.path).map(String::from_utf8) {
-            Ok(Ok(data)) => data,
-            Ok(Err(_)) => {
-                tracing::warn!(path = %self.path.display(), "the checkpoint file is not UTF-8 text; not saved (base64-encode bytes)");
-                return;
-            }
-            Err(e) => {
-                tracing::warn!(path = %self.path.display(), error = %e, "cannot read the checkpoint file");
-                return;
-            }
-        };
-        match self.saver.save(data).await {
-            Ok(_) => tracing::debug!(path = %self.path.display(), "checkpoint saved"),
-            Err(e) => {
-                tracing::warn!(error = %fence_storage::error_chain(&e), "the checkpoint was not saved");
-            }
+        match self.read() {
+            Ok(data) => match self.saver.save(data).await {
+                Ok(_) => tracing::debug!(path = %self.path.display(), "checkpoint saved"),
+                Err(e @ fence_lease::FinishError::Store(_)) => {
+                    let error = fence_storage::error_chain(&e);
+                    if !error.contains("413") && !error.contains("payload-too-large") {
+                        tracing::warn!(%error, "the checkpoint was not saved; trying again");
+                        return;
+                    }
+                    tracing::warn!(%error, "the checkpoint was not saved");
+                }
+                Err(e) => {
+                    tracing::warn!(error = %fence_storage::error_chain(&e), "the checkpoint was not saved");
+                }
+            },
+            Err(why) => tracing::warn!(path = %self.path.display(), "{why}; not saved"),
         }
+        *seen = now;
+    }
+
+    /// The file's text: at most [`MAX_CHECKPOINT_BYTES`] of UTF-8 (read no further).
+    fn read(&self) -> Result<String, String> {
+        use std::io::Read as _;
+        let file = std::fs::File::open(&self.path)
+            .map_err(|e| format!("cannot read the checkpoint file: {e}"))?;
+        let mut bytes = Vec::new();
+        let limit = MAX_CHECKPOINT_BYTES as u64;
+        file.take(limit + 1)
+            .read_to_end(&mut bytes)
+            .map_err(|e| format!("cannot read the checkpoint file: {e}"))?;
+        if bytes.len() as u64 > limit {
+            return Err(format!(
+                "the checkpoint file holds more than {limit} bytes, more than any server takes"
+            ));
+        }
+        String::from_utf8(bytes)
+            .map_err(|_| "the checkpoint file is not UTF-8 text (base64-encode bytes)".to_owned())
     }
 }
 
 impl Saving {
-    /// Stops looking every second and saves a last change, if any (the command has exited).
+    /// Stops looking every second (a save under way finishes first) and saves a last change,
+    /// if any: the command has exited.
     pub(super) async fn finish(self) {
-        self.task.abort();
+        let _ = self.stop.send(true);
+        let _ = self.task.await;
         self.file.save_if_changed().await;
     }
 }

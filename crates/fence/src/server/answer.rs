@@ -78,13 +78,22 @@ pub(super) const fn outcome_of(kind: ProblemType) -> &'static str {
         ProblemType::Unauthenticated => "unauthenticated",
         ProblemType::Forbidden => "forbidden",
         ProblemType::TooManyWaiters => "too_many_waiters",
+        ProblemType::LockDelay => "lock_delay",
+        ProblemType::PayloadTooLarge => "too_large",
         _ => "error",
     }
 }
 
 /// The `op` labels of `fence_lease_requests_total`, for its HELP text.
 pub const LEASE_OPS: &[&str] = &[
-    "claim", "renew", "release", "complete", "revoke", "status", "list",
+    "claim",
+    "renew",
+    "release",
+    "complete",
+    "revoke",
+    "checkpoint",
+    "status",
+    "list",
 ];
 
 /// The `outcome` labels of `fence_lease_requests_total`, for its HELP text.
@@ -99,6 +108,8 @@ pub const LEASE_OUTCOMES: &[&str] = &[
     "unauthenticated",
     "forbidden",
     "too_many_waiters",
+    "lock_delay",
+    "too_large",
     "error",
 ];
 

@@ -30,12 +30,14 @@ pub(super) fn sql(t: &str) -> String {
            key_hash = excluded.key_hash,
            lease_until_ms = excluded.lease_until_ms,
            changed_ms = excluded.changed_ms,
-           lock_delay_ms = excluded.lock_delay_ms
+           lock_delay_ms = CASE WHEN t.owner = excluded.owner AND t.key_hash = excluded.key_hash
+                                     AND t.lease_until_ms > excluded.changed_ms
+                           THEN t.lock_delay_ms ELSE excluded.lock_delay_ms END
          WHERE NOT t.completed
            AND (t.owner IS NULL
                 OR (t.owner = excluded.owner AND t.key_hash = excluded.key_hash
                     AND t.lease_until_ms > excluded.changed_ms)
-                OR t.lease_until_ms + t.lock_delay_ms <= excluded.changed_ms)
+                OR t.lease_until_ms <= excluded.changed_ms - t.lock_delay_ms)
          RETURNING t.generation::text, t.lease_until_ms, t.checkpoint, t.checkpoint_generation::text",
         now = now_ms(4)
     )
@@ -72,7 +74,9 @@ impl PgLeaseStore {
     ) -> Result<Outcome, StoreError> {
         let hash = key.hash();
         let hash = &hash.as_bytes()[..];
-        let delay = i64::try_from(lock_delay.as_millis()).unwrap_or(i64::MAX);
+        // At most the longest lease (24 h), whoever asks: the SQL never overflows.
+        let delay = lock_delay.min(Ttl::MAX.as_duration());
+        let delay = i64::try_from(delay.as_millis()).unwrap_or(i64::MAX);
         loop {
             let params: [&(dyn ToSql + Sync); 6] = [
                 &job.as_str(),

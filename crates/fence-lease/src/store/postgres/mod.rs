@@ -170,7 +170,7 @@ impl Sql {
         let lock_floor = format!("SELECT 1 FROM {t} WHERE job = '' FOR UPDATE");
         let idle = format!(
             "changed_ms <= {now} - $1::bigint AND lease_until_ms <= {now} - $1::bigint
-             AND lease_until_ms + lock_delay_ms <= {now}",
+             AND (completed OR owner IS NULL OR lease_until_ms <= {now} - lock_delay_ms)",
             now = now_ms(3)
         );
         let forget = format!(
@@ -451,6 +451,15 @@ impl LeaseStore for PgLeaseStore {
     }
 
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        let most = fence_core::lease_api::MAX_CHECKPOINT_BYTES;
+        if let LeaseOp::Checkpoint { data, .. } = &op
+            && data.len() > most
+        {
+            return Err(StoreError::Protocol(format!(
+                "a checkpoint of {} bytes is more than any store keeps ({most})",
+                data.len()
+            )));
+        }
         let (owner, g, key, sql) = match &op {
             LeaseOp::Claim {
                 owner,
