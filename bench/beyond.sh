@@ -40,11 +40,19 @@ row() { local name=$1 c=$2; shift 2; wrk_row "$name-$c" -t2 -c"$c" -d"${secs}s" 
 for i in $(seq 1 "$rounds"); do
   for c in $conns; do
     echo "round $i of $rounds, $c connections" >&2
-    row renew "$c" -s bench/lease.lua "http://$server" -- renew r "$c"
-    row ckpt64 "$c" -s bench/lease.lua "http://$server" -- checkpoint r "$c" 64
-    row ckpt8k "$c" -s bench/lease.lua "http://$server" -- checkpoint r "$c" 8192
-    row claim "$c" -s bench/lease.lua "http://$server" -- claim "c$i-$c" "$c"
-    row delayed "$c" -s "$tmp/delayed.lua" "http://$server" -- "d$i-$c"
+    # Each case follows the others' writes in turn (odd rounds forward, even rounds backward):
+    # a case right after a burst of new records pays for sled's work on them.
+    cases=(renew ckpt64 ckpt8k claim delayed)
+    if [ $((i % 2)) = 0 ]; then cases=(delayed claim ckpt8k ckpt64 renew); fi
+    for k in "${cases[@]}"; do
+      case $k in
+        renew) row renew "$c" -s bench/lease.lua "http://$server" -- renew r "$c" ;;
+        ckpt64) row ckpt64 "$c" -s bench/lease.lua "http://$server" -- checkpoint r "$c" 64 ;;
+        ckpt8k) row ckpt8k "$c" -s bench/lease.lua "http://$server" -- checkpoint r "$c" 8192 ;;
+        claim) row claim "$c" -s bench/lease.lua "http://$server" -- claim "c$i-$c" "$c" ;;
+        delayed) row delayed "$c" -s "$tmp/delayed.lua" "http://$server" -- "d$i-$c" ;;
+      esac
+    done
   done
 done
 
