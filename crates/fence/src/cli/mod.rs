@@ -95,8 +95,10 @@ pub enum Cmd {
     ///
     /// The command runs in a process group of its own with FENCE_JOB, FENCE_TOKEN (the
     /// token when the lease was claimed), FENCE_TOKEN_FILE (a file that always holds the
-    /// latest token), FENCE_SERVER and FENCE_OWNER in its environment. The lease is renewed
-    /// in the background. When it is lost the whole group gets SIGTERM at once, and SIGKILL
+    /// latest token), FENCE_SERVER, FENCE_OWNER and FENCE_CHECKPOINT_FILE (the job's last
+    /// checkpoint, empty when none, FENCE_CHECKPOINT_GENERATION naming who saved it; what the
+    /// command writes there is saved with the lease for the next run to resume from) in its
+    /// environment. The lease is renewed in the background. When it is lost the whole group gets SIGTERM at once, and SIGKILL
     /// after --grace; the same happens if `fence run` itself dies, even by SIGKILL. When the
     /// command exits 0 the job is completed (or released, with --on-success release);
     /// otherwise it is released. SIGINT, SIGTERM and SIGHUP are passed on to the group.
