@@ -136,6 +136,21 @@ impl LeaseOp {
         }
     }
 
+    /// An error for a checkpoint larger than any store keeps
+    /// ([`MAX_CHECKPOINT_BYTES`](fence_core::lease_api::MAX_CHECKPOINT_BYTES)), whoever asks.
+    pub(crate) fn check_size(&self) -> Result<(), StoreError> {
+        let most = fence_core::lease_api::MAX_CHECKPOINT_BYTES;
+        match self {
+            Self::Checkpoint { data, .. } if data.len() > most => {
+                Err(StoreError::Protocol(format!(
+                    "a checkpoint of {} bytes is more than any store keeps ({most})",
+                    data.len()
+                )))
+            }
+            _ => Ok(()),
+        }
+    }
+
     /// The lease key it carries (none for a revoke).
     pub fn key(&self) -> Option<&LeaseKey> {
         match self {

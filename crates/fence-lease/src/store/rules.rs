@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use fence_core::{
     Generation, JobId, Owner, Ttl,
-    lease_api::{Checkpoint, LeaseState, MAX_CHECKPOINT_BYTES},
+    lease_api::{Checkpoint, LeaseState},
     secret::{LeaseKey, SecretHash},
 };
 
@@ -215,6 +215,7 @@ pub(crate) fn decide(
     op: &LeaseOp,
     now_ms: u64,
 ) -> Decision<Outcome> {
+    op.check_size()?;
     match op {
         LeaseOp::Claim {
             owner,
@@ -228,12 +229,6 @@ pub(crate) fn decide(
             claim(job, cur, floor, owner, key, terms, now_ms)
         }
         LeaseOp::Revoke => revoke(job, cur, now_ms),
-        LeaseOp::Checkpoint { data, .. } if data.len() > MAX_CHECKPOINT_BYTES => {
-            Err(StoreError::Protocol(format!(
-                "a checkpoint of {} bytes is more than any store keeps ({MAX_CHECKPOINT_BYTES})",
-                data.len()
-            )))
-        }
         LeaseOp::Checkpoint {
             owner,
             generation,

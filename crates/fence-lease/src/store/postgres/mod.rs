@@ -451,15 +451,7 @@ impl LeaseStore for PgLeaseStore {
     }
 
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
-        let most = fence_core::lease_api::MAX_CHECKPOINT_BYTES;
-        if let LeaseOp::Checkpoint { data, .. } = &op
-            && data.len() > most
-        {
-            return Err(StoreError::Protocol(format!(
-                "a checkpoint of {} bytes is more than any store keeps ({most})",
-                data.len()
-            )));
-        }
+        op.check_size()?;
         let (owner, g, key, sql) = match &op {
             LeaseOp::Claim {
                 owner,
