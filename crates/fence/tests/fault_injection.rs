@@ -1859,12 +1859,19 @@ async fn fenced_run_has_no_violations() {
         "no effect was applied at all: the harness did not run"
     );
     assert_clean(&report, seed);
-    // Stalled bodies are cut at the 1 s body deadline; nothing else may hold a newer holder
-    // up for longer than the 2 s drain limit plus scheduling slack (its time at the upstream,
-    // up to SLOWEST_WORK, is not counted: that is the destination's, not the fence's).
+    // What may hold a newer holder's first write up, by design: older requests in flight at
+    // this proxy, for at most the 2 s drain limit (stalled bodies are cut at 1 s), and, after a
+    // proxy restart, what the killed process may have left running: the restart hold of
+    // SLOWEST_WORK + 500 ms. The two waits overlap, so their sum plus 500 ms of scheduling
+    // slack bounds the first write (its time at the upstream is not counted: that is the
+    // destination's, not the fence's). The bound catches a job jammed for longer (a request
+    // kind the gate forgets to let go holds the next holder for its upstream timeout and
+    // more), not a regression of speed: that is for the benchmarks. (A bound of 3 s, the drain
+    // limit alone, failed on seeds whose first write came just after a proxy restart: 3.1 s.)
+    let bound = 2_000 + SLOWEST_WORK.as_millis() as u64 + 500 + 500;
     assert!(
-        report.first_write_p99() < 3_000,
-        "seed {seed}: the newer holder's first write took {} ms at p99",
+        report.first_write_p99() < bound,
+        "seed {seed}: the newer holder's first write took {} ms at p99 (bound {bound} ms)",
         report.first_write_p99()
     );
 }
