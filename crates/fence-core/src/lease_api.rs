@@ -28,6 +28,7 @@ use crate::{Generation, JobId, Owner, Ttl, secret::LeaseKey};
 mod checkpoint;
 mod claim;
 mod revoke;
+mod semaphore;
 mod wait;
 pub use checkpoint::{
     Checkpoint, CheckpointRequest, DEFAULT_MAX_CHECKPOINT_BYTES, MAX_CHECKPOINT_BODY,
@@ -35,6 +36,10 @@ pub use checkpoint::{
 };
 pub use claim::ClaimRequest;
 pub use revoke::{MAX_REASON_LEN, RevokeRequest};
+pub use semaphore::{
+    MAX_RESOURCE_LEN, MAX_SLOTS, ResourceError, SLOT_SEPARATOR, SemaphoreClaimRequest, SlotBody,
+    check_resource, reserved, slot_job, slot_of,
+};
 pub use wait::{MAX_WAIT_MS, WAIT_PATTERN, parse_wait};
 
 /// The largest request body a lease server reads, in bytes.
@@ -88,6 +93,12 @@ impl fmt::Display for Action {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.write_str(self.as_str())
     }
+}
+
+/// The path of a semaphore claim, `/v1/semaphores/{resource}/claim`, with the resource
+/// percent-encoded (contract section 15).
+pub fn semaphore_claim_path(resource: &JobId) -> String {
+    format!("/v1/semaphores/{}/claim", percent_encode(resource.as_str()))
 }
 
 /// The path of a lease operation, `/v1/leases/{job}` plus `/claim`, `/renew`, `/release` or

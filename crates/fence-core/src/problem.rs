@@ -104,6 +104,9 @@ problem_types! {
     /// 409: the job's last lease expired and its lock-delay is still running: nobody can
     /// claim it for `claimable_in_ms` (contract section 12; added by fence).
     LockDelay => "urn:fence:lock-delay", 409, "Lock-delay running";
+    /// 409: a semaphore claim named another number of slots than the one in force while a
+    /// slot is held; `slots` is the one in force (contract section 15; added by fence).
+    SemaphoreSize => "urn:fence:semaphore-size", 409, "Semaphore has another number of slots";
     /// 410: the job is completed and can no longer be claimed.
     JobCompleted => "urn:fence:job-completed", 410, "Job completed";
     /// 409: the caller's owner and generation no longer hold the job.
@@ -146,6 +149,7 @@ impl ProblemType {
             | Self::IdempotencyKeyMismatch
             | Self::IdempotencyNotReplayable
             | Self::TokenTooLongLived
+            | Self::SemaphoreSize
             | Self::JobCompleted => 9, // FAILED_PRECONDITION
             Self::MalformedToken | Self::BadRequest => 3, // INVALID_ARGUMENT
             Self::InvalidSignature | Self::Forbidden | Self::LeaseKeyMismatch => 7, // PERMISSION_DENIED
@@ -235,6 +239,9 @@ pub struct Problem {
     /// How long until the job can be claimed again (lock-delay).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub claimable_in_ms: Option<u64>,
+    /// The number of slots in force (semaphore-size).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub slots: Option<u32>,
 }
 
 impl Serialize for Problem {
@@ -278,6 +285,9 @@ impl Serialize for Problem {
         if let Some(ms) = self.claimable_in_ms {
             m.serialize_entry("claimable_in_ms", &ms)?;
         }
+        if let Some(slots) = self.slots {
+            m.serialize_entry("slots", &slots)?;
+        }
         m.end()
     }
 }
@@ -298,6 +308,7 @@ impl Problem {
             expires_in_ms: None,
             expires_at_ms: None,
             claimable_in_ms: None,
+            slots: None,
         }
     }
 
@@ -346,6 +357,12 @@ impl Problem {
     /// Says how long until the job can be claimed again (lock-delay).
     pub fn with_claimable_in_ms(mut self, ms: u64) -> Self {
         self.claimable_in_ms = Some(ms);
+        self
+    }
+
+    /// Names the number of slots in force (semaphore-size).
+    pub fn with_slots(mut self, slots: u32) -> Self {
+        self.slots = Some(slots);
         self
     }
 
@@ -425,6 +442,7 @@ mod tests {
             ("urn:fence:unauthenticated", 401),
             ("urn:fence:forbidden", 403),
             ("urn:fence:lease-held", 409),
+            ("urn:fence:semaphore-size", 409),
             ("urn:fence:job-completed", 410),
             ("urn:fence:lease-lost", 409),
             ("urn:fence:unknown-job", 404),

@@ -159,7 +159,7 @@ impl<S: LeaseStore> LeaseClient<S> {
         let held = HeldMark::take(&self.held, &job)
             .ok_or_else(|| ClaimError::AlreadyHeld { job: job.clone() })?;
         let key = crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?;
-        let mut t_send = Instant::now();
+        let t_send = Instant::now();
         let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
         let terms = crate::ClaimTerms {
             ttl: self.ttl,
@@ -178,7 +178,92 @@ impl<S: LeaseStore> LeaseClient<S> {
         let outcome = tokio::time::timeout(budget + wait, claim)
             .await
             .map_err(|_| ClaimError::Store(StoreError::Timeout(budget + wait)))??;
-        let mut grant = granted(&job, outcome)?;
+        let grant = granted(&job, outcome)?;
+        self.after_grant(job, key, grant, t_send, timing, held)
+            .await
+    }
+
+    /// Claims a slot of the semaphore `resource` with `slots` slots (contract section 15)
+    /// and starts its keeper: the lease is the slot's, on job `resource#k`, its fencing job;
+    /// renewals, release and checkpoints go to that job like any lease's. At most `slots`
+    /// leases of the resource exist at once; the number of slots is fixed while any slot is
+    /// held. Waits up to `wait` while every slot is taken, asking again as slots are due to
+    /// free (every 10 ms to 500 ms).
+    ///
+    /// # Errors
+    /// [`ClaimError::Held`] naming the slot that frees first when every slot is still taken
+    /// after `wait` (or [`ClaimError::LockDelay`] when that slot's delay runs),
+    /// [`ClaimError::SemaphoreSize`] while slots are held under another number of slots;
+    /// otherwise as [`claim`](Self::claim).
+    pub async fn claim_slot(
+        &self,
+        resource: JobId,
+        slots: u32,
+        wait: Duration,
+    ) -> Result<Lease<S>, ClaimError> {
+        let timing = Timing::new(self.ttl, self.margin, self.renew_every)?
+            .with_progress(self.progress_within)?;
+        let key = crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?;
+        let t_send = Instant::now();
+        let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
+        let terms = crate::ClaimTerms {
+            ttl: self.ttl,
+            lock_delay: self.lock_delay,
+        };
+        let end = t_send + wait;
+        let claim = async {
+            let mut pause = Duration::from_millis(10);
+            loop {
+                let claim = self
+                    .store
+                    .claim_slot(&resource, &self.owner, &key, terms, slots)
+                    .await?;
+                let now = Instant::now();
+                match &claim.outcome {
+                    Outcome::Held { expires_in, .. } if now < end => {
+                        tokio::time::sleep(pause.min(*expires_in).min(end - now)).await;
+                        pause = (pause * 2).min(Duration::from_millis(500));
+                    }
+                    _ => return Ok::<_, StoreError>(claim),
+                }
+            }
+        };
+        let claim = tokio::time::timeout(budget + wait, claim)
+            .await
+            .map_err(|_| ClaimError::Store(StoreError::Timeout(budget + wait)))??;
+        if let Outcome::SemaphoreSize { slots: in_force } = claim.outcome {
+            return Err(ClaimError::SemaphoreSize {
+                resource,
+                asked: slots,
+                in_force,
+            });
+        }
+        let Some(slot) = claim.slot else {
+            return Err(ClaimError::Store(StoreError::Protocol(format!(
+                "a semaphore claim was answered with {:?} and no slot",
+                claim.outcome
+            ))));
+        };
+        let job = fence_core::lease_api::slot_job(&resource, slot);
+        let grant = granted(&job, claim.outcome)?;
+        let held = HeldMark::take(&self.held, &job)
+            .ok_or_else(|| ClaimError::AlreadyHeld { job: job.clone() })?;
+        self.after_grant(job, key, grant, t_send, timing, held)
+            .await
+    }
+
+    /// The lease of a claim granted `grant` (asked for at `t_send`); after a long wait it is
+    /// renewed first, so its local deadline runs from a known send.
+    async fn after_grant(
+        &self,
+        job: JobId,
+        key: LeaseKey,
+        mut grant: crate::Grant,
+        mut t_send: Instant,
+        timing: Timing,
+        held: HeldMark,
+    ) -> Result<Lease<S>, ClaimError> {
+        let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
         // Granted after a long wait: how long the lease has left on the server is unknown
         // here (only that it started after t_send), so renew now and count from this send.
         let left = timing
@@ -377,6 +462,19 @@ pub enum ClaimError {
         owner: Option<Owner>,
         /// Its last generation.
         generation: Generation,
+    },
+    /// A semaphore claim named another number of slots than the one in force while slots
+    /// of the resource are held (contract section 15).
+    #[error(
+        "semaphore {resource} has {in_force} slots while any is held; this claim asked for {asked}"
+    )]
+    SemaphoreSize {
+        /// The resource.
+        resource: JobId,
+        /// The number of slots this claim asked for.
+        asked: u32,
+        /// The number in force.
+        in_force: u32,
     },
     /// The store failed.
     #[error("claim failed")]

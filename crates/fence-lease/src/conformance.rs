@@ -31,9 +31,11 @@ pub use fence_storage::clock::{Advance, advance_fn, ms};
 mod checkpoint;
 mod list;
 mod lock_delay;
+mod semaphore;
 pub use checkpoint::*;
 pub use list::*;
 pub use lock_delay::*;
+pub use semaphore::*;
 
 /// Generates one `#[tokio::test]` per conformance case for the backend made by `$make`.
 #[macro_export]
@@ -59,6 +61,9 @@ macro_rules! lease_store_conformance {
             the_holder_renews_during_its_lock_delay,
             release_and_revoke_free_the_job_without_lock_delay,
             a_checkpoint_passes_to_the_next_holder_and_a_stale_one_is_refused,
+            racing_claimers_of_a_semaphore_get_exactly_its_slots,
+            a_semaphore_keeps_its_number_of_slots_while_held,
+            slots_are_taken_only_through_their_semaphore,
         );
     };
 }

@@ -48,8 +48,8 @@ pub use lease::{
 pub use owner::default_owner;
 pub use store::{
     BearerToken, ClaimTerms, Grant, HttpLeaseStore, HttpOptions, LeaseOp, LeaseRecord, LeaseStore,
-    ListPage, MemoryLeaseStore, Outcome, Revocation, SigningLeaseStore, SledLeaseStore, StoreError,
-    TokenError, UrlError,
+    ListPage, MemoryLeaseStore, Outcome, Revocation, SigningLeaseStore, SledLeaseStore, SlotClaim,
+    StoreError, TokenError, UrlError,
 };
 
 #[cfg(feature = "postgres")]

@@ -39,7 +39,14 @@ impl ClaimRequest {
     /// # Errors
     /// When it is not a JSON object of exactly these fields with valid values.
     pub fn from_json(bytes: &[u8]) -> Result<Self, BodyError> {
-        let f = Fields::parse(bytes, &["owner", "lease_key", "ttl_ms", "lock_delay_ms"])?;
+        Self::from_fields(&Fields::parse(
+            bytes,
+            &["owner", "lease_key", "ttl_ms", "lock_delay_ms"],
+        )?)
+    }
+
+    /// The claim's fields of a parsed body (also a semaphore claim's).
+    pub(super) fn from_fields(f: &Fields) -> Result<Self, BodyError> {
         let lock_delay = match f.u64("lock_delay_ms")? {
             Some(ms) if ms > Ttl::MAX.as_millis() => {
                 return Err(BodyError::new(

@@ -16,7 +16,8 @@ use fence_core::{
     JobId, Owner, Problem, ProblemType,
     lease_api::{
         Action, CheckpointRequest, ClaimRequest, FinishRequest, ListBody, ListQuery, RecordBody,
-        RenewRequest, RevokeRequest, lease_path,
+        RenewRequest, RevokeRequest, SemaphoreClaimRequest, SlotBody, lease_path,
+        semaphore_claim_path, slot_of,
     },
     secret::LeaseKey,
 };
@@ -39,8 +40,8 @@ use answers::{decode, from_body, grant, record, refused, unexpected};
 use connect::{Budgeted, MAX_CONNECT_SHARE};
 
 use super::{
-    ClaimTerms, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, StoreError,
-    bearer::BearerToken,
+    ClaimTerms, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, SlotClaim,
+    StoreError, bearer::BearerToken,
 };
 
 /// The lease API of a `fence server`, as a [`LeaseStore`], over `http://` or `https://`.
@@ -489,6 +490,51 @@ impl LeaseStore for HttpLeaseStore {
             }
             _ => Err(unexpected(status, &bytes)),
         }
+    }
+
+    /// `POST /v1/semaphores/{resource}/claim`.
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        terms: ClaimTerms,
+        slots: u32,
+    ) -> Result<SlotClaim, StoreError> {
+        let body = SemaphoreClaimRequest {
+            claim: ClaimRequest {
+                owner: owner.clone(),
+                lease_key: key.clone(),
+                ttl: terms.ttl,
+                lock_delay: terms.lock_delay,
+            },
+            slots,
+        };
+        let path = semaphore_claim_path(resource);
+        let (status, bytes) = self.send(&path, Some(&body)).await?;
+        if status == StatusCode::OK {
+            let answer: SlotBody = decode(status, &bytes)?;
+            if slot_of(&answer.lease.job) != Some((resource.as_str(), answer.slot)) {
+                return Err(StoreError::Protocol(format!(
+                    "the server granted job {} as slot {} of {resource}",
+                    answer.lease.job, answer.slot
+                )));
+            }
+            return Ok(SlotClaim {
+                slot: Some(answer.slot),
+                outcome: Outcome::Granted(grant(status, &bytes)?),
+            });
+        }
+        if !matches!(status, StatusCode::CONFLICT | StatusCode::GONE) {
+            return Err(unexpected(status, &bytes));
+        }
+        let outcome = refused(status, &bytes)?;
+        // A refusal names the slot it is about (the one that frees first), if any.
+        let slot = serde_json::from_slice::<Problem>(&bytes)
+            .ok()
+            .and_then(|p| p.job)
+            .and_then(|job| slot_of(&job).map(|(_, slot)| slot));
+        Ok(SlotClaim { slot, outcome })
     }
 
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {

@@ -1,7 +1,7 @@
 //! A lease store in process memory, for tests and single-process tools.
 
 use std::{
-    collections::HashMap,
+    collections::BTreeMap,
     sync::{Arc, Mutex},
     time::Duration,
 };
@@ -9,7 +9,12 @@ use std::{
 use fence_core::{Generation, JobId, lease_api::ListQuery};
 use fence_storage::clock::{Clock, SystemClock};
 
-use super::{LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError, page, rules};
+use fence_core::{Owner, secret::LeaseKey};
+
+use super::{
+    ClaimTerms, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, SlotClaim, StoreError,
+    check_slot_claim, page, rules, slot_prefix, slot_records,
+};
 
 /// A lease store in memory: the same rules as every backend, nothing on disk.
 #[derive(Debug, Clone)]
@@ -21,7 +26,7 @@ pub struct MemoryLeaseStore {
 /// The records, and the highest generation ever forgotten.
 #[derive(Debug, Default)]
 struct Leases {
-    jobs: HashMap<JobId, rules::Stored>,
+    jobs: BTreeMap<JobId, rules::Stored>,
     floor: Generation,
 }
 
@@ -58,6 +63,42 @@ impl LeaseStore for MemoryLeaseStore {
         let (new, out) = rules::decide(job, leases.jobs.get(job), floor, &op, self.clock.now_ms())?;
         if let Some(new) = new {
             leases.jobs.insert(job.clone(), new);
+        }
+        Ok(out)
+    }
+
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        terms: ClaimTerms,
+        slots: u32,
+    ) -> Result<SlotClaim, StoreError> {
+        check_slot_claim(resource, slots)?;
+        let now = self.clock.now_ms();
+        // The whole decision under the map's lock: nothing changes between reading the slots
+        // and writing the one granted.
+        let mut leases = self.leases();
+        let prefix = slot_prefix(resource);
+        let records = slot_records(
+            leases
+                .jobs
+                .range(prefix.clone()..)
+                .take_while(|(job, _)| job.as_str().starts_with(prefix.as_str()))
+                .map(|(job, s)| Ok((job.clone(), s.clone()))),
+        )?;
+        let (new, out) = rules::claim_slot(
+            resource,
+            &records,
+            leases.floor,
+            (owner, key),
+            (terms, slots),
+            now,
+        )?;
+        if let Some((slot, new)) = new {
+            let job = fence_core::lease_api::slot_job(resource, slot);
+            leases.jobs.insert(job, new);
         }
         Ok(out)
     }

@@ -22,6 +22,7 @@ mod postgres;
 pub(crate) mod rules;
 mod signing;
 mod sled;
+mod slots;
 
 use std::{future::Future, time::Duration};
 
@@ -33,6 +34,7 @@ use fence_core::{
 
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PgLeaseStore, PgTable};
+pub(crate) use self::slots::{check_slot_claim, slot_prefix, slot_records};
 pub use self::{
     bearer::{BearerToken, TokenError},
     http::{HttpLeaseStore, HttpOptions, UrlError},
@@ -136,9 +138,11 @@ impl LeaseOp {
         }
     }
 
-    /// An error for a checkpoint larger than any store keeps
-    /// ([`MAX_CHECKPOINT_BYTES`](fence_core::lease_api::MAX_CHECKPOINT_BYTES)), whoever asks.
-    pub(crate) fn check_size(&self) -> Result<(), StoreError> {
+    /// An error when no store may decide it for `job`, whoever asks: a checkpoint larger
+    /// than any store keeps ([`MAX_CHECKPOINT_BYTES`](fence_core::lease_api::MAX_CHECKPOINT_BYTES)),
+    /// a plain claim of a job id holding `#` (only a semaphore claim takes a slot), or a
+    /// completion of a semaphore's slot (a slot is released, so the resource keeps its N).
+    pub(crate) fn check(&self, job: &JobId) -> Result<(), StoreError> {
         let most = fence_core::lease_api::MAX_CHECKPOINT_BYTES;
         match self {
             Self::Checkpoint { data, .. } if data.len() > most => {
@@ -146,6 +150,18 @@ impl LeaseOp {
                     "a checkpoint of {} bytes is more than any store keeps ({most})",
                     data.len()
                 )))
+            }
+            Self::Claim { .. } if fence_core::lease_api::reserved(job) => {
+                Err(StoreError::Reserved {
+                    job: job.clone(),
+                    reason: "job ids holding '#' are semaphore slots, taken only by a claim of their semaphore (POST /v1/semaphores/{resource}/claim)",
+                })
+            }
+            Self::Complete { .. } if fence_core::lease_api::slot_of(job).is_some() => {
+                Err(StoreError::Reserved {
+                    job: job.clone(),
+                    reason: "a semaphore's slot is released, never completed: a completed slot would take it from the semaphore for good",
+                })
             }
             _ => Ok(()),
         }
@@ -229,6 +245,12 @@ pub enum Outcome {
     Revoked(Revocation),
     /// A revoke named a job the store has no record of (never claimed, or forgotten).
     Unknown,
+    /// A semaphore claim named another number of slots than `slots`, the one in force while
+    /// any slot is held or in its lock-delay (contract section 15); nothing changed.
+    SemaphoreSize {
+        /// The number of slots in force.
+        slots: u32,
+    },
     /// A renewal, release or completion by the owner and generation that hold the job, but
     /// with another lease key; nothing changed.
     KeyMismatch,
@@ -240,6 +262,19 @@ pub enum Outcome {
         /// The current generation.
         generation: Generation,
     },
+}
+
+/// What a semaphore claim decided ([`LeaseStore::claim_slot`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SlotClaim {
+    /// The slot the outcome is about: the one granted; when every slot is taken
+    /// ([`Outcome::Held`]), the one that frees first; `None` when the claim was refused as a
+    /// whole ([`Outcome::SemaphoreSize`]). Its job id is
+    /// [`slot_job`](fence_core::lease_api::slot_job)`(resource, slot)`.
+    pub slot: Option<u32>,
+    /// `Granted`, `Held` (every slot taken: the holder of the slot that frees first, and
+    /// when), `SemaphoreSize`, or `Completed` when that slot was completed by an older build.
+    pub outcome: Outcome,
 }
 
 /// Shared storage of leases. Every call is one atomic decision made on the store's own
@@ -293,6 +328,31 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// tell, or no other process decides on it.
     fn changes(&self) -> Option<tokio::sync::broadcast::Receiver<fence_storage::Notice>> {
         None
+    }
+
+    /// A semaphore claim (contract section 15): one of `slots` slots of `resource`, each a
+    /// lease of its own on job `resource#k`, atomically with the resource's number of slots.
+    /// Refused as a whole ([`Outcome::SemaphoreSize`]) while a slot is taken under another
+    /// number; gives a holder that claims again with its key its own slot back; else claims
+    /// the lowest-numbered claimable slot by the plain claim rule. `resource` must pass
+    /// [`check_resource`](fence_core::lease_api::check_resource) and `slots` be 1 to
+    /// [`MAX_SLOTS`](fence_core::lease_api::MAX_SLOTS). The default: a store without
+    /// semaphores, which refuses.
+    fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        terms: ClaimTerms,
+        slots: u32,
+    ) -> impl Future<Output = Result<SlotClaim, StoreError>> + Send {
+        let _ = (owner, key, terms, slots);
+        let resource = resource.clone();
+        async move {
+            Err(StoreError::Protocol(format!(
+                "this lease store has no semaphores (claiming a slot of {resource})"
+            )))
+        }
     }
 
     /// [`LeaseOp::Claim`].
@@ -504,6 +564,15 @@ pub enum StoreError {
     /// A remote store answered something this client does not understand.
     #[error("lease store answered unexpectedly: {0}")]
     Protocol(String),
+    /// The operation is not allowed on this job id, whoever asks: a plain claim of a
+    /// semaphore's slot, or its completion (contract section 15).
+    #[error("job {job} cannot be claimed or completed this way: {reason}")]
+    Reserved {
+        /// The job.
+        job: JobId,
+        /// Why.
+        reason: &'static str,
+    },
     /// A remote store refused the caller: no valid bearer secret (401), or one that does
     /// not cover the job (403).
     #[error("the lease server refused this client: {detail}")]

@@ -10,7 +10,9 @@ use fence_core::{
     secret::{LeaseKey, SecretHash},
 };
 
-use super::{Grant, LeaseOp, LeaseRecord, Outcome, Revocation, StoreError};
+use fence_core::lease_api::slot_job;
+
+use super::{ClaimTerms, Grant, LeaseOp, LeaseRecord, Outcome, Revocation, SlotClaim, StoreError};
 
 /// A job's lease as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -29,13 +31,17 @@ pub(crate) struct Stored {
     pub(crate) lock_delay_ms: u64,
     /// The last checkpoint and the generation that saved it (contract section 14).
     pub(crate) checkpoint: Option<(Generation, String)>,
+    /// A semaphore slot's: the resource's number of slots its holder claimed with, which
+    /// stays in force while the slot is held (contract section 15); 0 for a plain job.
+    pub(crate) slots: u32,
 }
 
 /// What a decision does: the record to write (if any) and the answer.
 pub(crate) type Decision<T> = Result<(Option<Stored>, T), StoreError>;
 
-/// The format version of an encoded record: 3 added the lock-delay and the checkpoint; 2
-/// (without them) is still read, as no delay and no checkpoint.
+/// The format version of an encoded record: 3 added the lock-delay, the checkpoint and a
+/// slot's number of slots (flag 8); 2 (without them) is still read, as no delay, no
+/// checkpoint and a plain job.
 const VERSION: u8 = 3;
 
 impl Stored {
@@ -91,18 +97,22 @@ impl Stored {
         let mut out = Vec::with_capacity(2 + 32 + saved + 32 + owner.len());
         // A record without a lock-delay or a checkpoint keeps format 2, which an older build
         // still reads (a rollback loses nothing it knew of).
-        let plain = self.lock_delay_ms == 0 && checkpoint.is_none();
+        let plain = self.lock_delay_ms == 0 && checkpoint.is_none() && self.slots == 0;
         out.push(if plain { 2 } else { VERSION });
         out.push(
             u8::from(self.completed)
                 | (u8::from(self.owner.is_some()) << 1)
-                | (u8::from(checkpoint.is_some()) << 2),
+                | (u8::from(checkpoint.is_some()) << 2)
+                | (u8::from(self.slots != 0) << 3),
         );
         out.extend_from_slice(&self.generation.get().to_be_bytes());
         out.extend_from_slice(&self.lease_until_ms.to_be_bytes());
         out.extend_from_slice(&self.changed_ms.to_be_bytes());
         if !plain {
             out.extend_from_slice(&self.lock_delay_ms.to_be_bytes());
+        }
+        if self.slots != 0 {
+            out.extend_from_slice(&self.slots.to_be_bytes());
         }
         if let Some((generation, data)) = checkpoint {
             let len = u32::try_from(data.len()).unwrap_or(u32::MAX);
@@ -126,7 +136,7 @@ impl Stored {
         // Version 2 has no lock-delay and no checkpoint: the key follows `changed` directly.
         let delay_len = match *version {
             2 if flags & !3 == 0 => 0,
-            VERSION if flags & !7 == 0 => 8,
+            VERSION if flags & !15 == 0 => 8,
             2 | VERSION => return Err(corrupt("unknown flags")),
             _ => return Err(corrupt("unknown record format version")),
         };
@@ -139,6 +149,20 @@ impl Stored {
         let (generation, until, changed) = (u64_at(0)?, u64_at(8)?, u64_at(16)?);
         let lock_delay_ms = if delay_len == 0 { 0 } else { u64_at(24)? };
         let mut key_at = 24 + delay_len;
+        let slots = if flags & 8 != 0 {
+            let slots = rest
+                .get(key_at..key_at + 4)
+                .and_then(|b| b.try_into().ok())
+                .map(u32::from_be_bytes)
+                .ok_or_else(|| corrupt("record is too short"))?;
+            if slots == 0 {
+                return Err(corrupt("a slot's number of slots is 0"));
+            }
+            key_at += 4;
+            slots
+        } else {
+            0
+        };
         let checkpoint = if flags & 4 != 0 {
             let generation = Generation::new(u64_at(key_at)?);
             let len = rest
@@ -180,7 +204,13 @@ impl Stored {
             completed: flags & 1 != 0,
             lock_delay_ms,
             checkpoint,
+            slots,
         })
+    }
+
+    /// Whether the job cannot be claimed now: held, or expired with its lock-delay running.
+    pub(crate) fn taken(&self, now_ms: u64) -> bool {
+        self.state(now_ms) == LeaseState::Held || self.delay_left(now_ms).is_some()
     }
 }
 
@@ -215,7 +245,7 @@ pub(crate) fn decide(
     op: &LeaseOp,
     now_ms: u64,
 ) -> Decision<Outcome> {
-    op.check_size()?;
+    op.check(job)?;
     match op {
         LeaseOp::Claim {
             owner,
@@ -223,10 +253,11 @@ pub(crate) fn decide(
             ttl,
             lock_delay,
         } => {
-            // At most the longest lease (24 h), whoever asks.
-            let delay = lock_delay.unwrap_or_default().min(Ttl::MAX.as_duration());
-            let terms = (*ttl, u64::try_from(delay.as_millis()).unwrap_or(u64::MAX));
-            claim(job, cur, floor, owner, key, terms, now_ms)
+            let terms = ClaimTerms {
+                ttl: *ttl,
+                lock_delay: *lock_delay,
+            };
+            claim(job, cur, floor, owner, key, (terms, 0), now_ms)
         }
         LeaseOp::Revoke => revoke(job, cur, now_ms),
         LeaseOp::Checkpoint {
@@ -361,15 +392,23 @@ fn held_by<'a>(
     }
 }
 
+/// The claim rule, for a plain job (`slots` 0) or a semaphore's slot.
 fn claim(
     job: &JobId,
     cur: Option<&Stored>,
     floor: Generation,
     owner: &Owner,
     key: &LeaseKey,
-    (ttl, lock_delay_ms): (Ttl, u64),
+    (terms, slots): (ClaimTerms, u32),
     now_ms: u64,
 ) -> Decision<Outcome> {
+    let ttl = terms.ttl;
+    // At most the longest lease (24 h), whoever asks.
+    let delay = terms
+        .lock_delay
+        .unwrap_or_default()
+        .min(Ttl::MAX.as_duration());
+    let lock_delay_ms = u64::try_from(delay.as_millis()).unwrap_or(u64::MAX);
     let current = cur.map_or(floor, |s| s.generation);
     if let Some(s) = cur {
         match s.state(now_ms) {
@@ -427,8 +466,89 @@ fn claim(
         completed: false,
         lock_delay_ms,
         checkpoint: cur.and_then(|s| s.checkpoint.clone()),
+        slots,
     };
     Ok((Some(new), Outcome::Granted(g)))
+}
+
+/// A semaphore claim (contract section 15) decided on `taken`, every record of the
+/// resource's slots as read under the caller's lock on the resource (slot number, record;
+/// any order, slots past `slots` included). Returns the slot to write with its new record,
+/// or none, and the answer. The caller writes the record only if the slot's record is still
+/// the one it read (else it decides again).
+pub(crate) fn claim_slot(
+    resource: &JobId,
+    records: &[(u32, Stored)],
+    floor: Generation,
+    (owner, key): (&Owner, &LeaseKey),
+    (terms, slots): (ClaimTerms, u32),
+    now_ms: u64,
+) -> Result<(Option<(u32, Stored)>, SlotClaim), StoreError> {
+    let refused = |slot, outcome| Ok((None, SlotClaim { slot, outcome }));
+    // The number of slots in force: any taken slot's. Another is refused as a whole.
+    let in_force = records
+        .iter()
+        .find(|(_, s)| s.slots != 0 && s.slots != slots && s.taken(now_ms));
+    if let Some((_, s)) = in_force {
+        return refused(None, Outcome::SemaphoreSize { slots: s.slots });
+    }
+    let record = |slot: u32| records.iter().find(|(k, _)| *k == slot).map(|(_, s)| s);
+    // A holder that claims again with its key gets its own slot back (the retry of a lost
+    // answer), never a second one.
+    let mine = records.iter().find(|(_, s)| {
+        s.state(now_ms) == LeaseState::Held
+            && s.owner.as_ref() == Some(owner)
+            && s.key == key.hash()
+    });
+    let candidates: Vec<u32> = match mine {
+        Some((slot, _)) => vec![*slot],
+        None => (1..=slots).collect(),
+    };
+    let mut first_free: Option<(u32, Outcome)> = None;
+    for slot in candidates {
+        let job = slot_job(resource, slot);
+        let (new, outcome) = claim(
+            &job,
+            record(slot),
+            floor,
+            owner,
+            key,
+            (terms, slots),
+            now_ms,
+        )?;
+        match (new, outcome) {
+            (Some(new), outcome) => {
+                return Ok((
+                    Some((slot, new)),
+                    SlotClaim {
+                        slot: Some(slot),
+                        outcome,
+                    },
+                ));
+            }
+            (None, outcome @ Outcome::Held { .. }) => {
+                let sooner = match (&first_free, &outcome) {
+                    (None, _) => true,
+                    (
+                        Some((_, Outcome::Held { expires_in: a, .. })),
+                        Outcome::Held { expires_in: b, .. },
+                    ) => b < a,
+                    _ => false,
+                };
+                if sooner {
+                    first_free = Some((slot, outcome));
+                }
+            }
+            // A completed slot (an older build's) stays taken for good.
+            (None, _) => {}
+        }
+    }
+    match first_free {
+        Some((slot, held)) => refused(Some(slot), held),
+        None => Err(StoreError::Protocol(format!(
+            "every slot of {resource} is completed: a semaphore's slots are released, never completed"
+        ))),
+    }
 }
 
 #[cfg(test)]
@@ -448,6 +568,7 @@ mod tests {
                 completed: true,
                 lock_delay_ms: 7,
                 checkpoint: Some((Generation::new(3), "step 4 of 9: ünïcode".to_owned())),
+                slots: 3,
             },
             Stored {
                 generation: Generation::ZERO,
@@ -458,6 +579,7 @@ mod tests {
                 completed: false,
                 lock_delay_ms: 0,
                 checkpoint: None,
+                slots: 0,
             },
         ] {
             assert_eq!(Stored::decode(&job, &s.encode()).unwrap(), s);
@@ -495,6 +617,7 @@ mod tests {
                 completed: false,
                 lock_delay_ms: 0,
                 checkpoint: None,
+                slots: 0,
             }
         );
         // And a record without a delay or a checkpoint is written in format 2 again, so a

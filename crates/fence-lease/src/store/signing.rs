@@ -1,8 +1,15 @@
 //! A lease store that signs the fencing token of every lease it grants (contract section 6).
 
-use fence_core::{JobId, lease_api::ListQuery, signing::TokenSigner};
+use fence_core::{
+    JobId, Owner,
+    lease_api::{ListQuery, slot_job},
+    secret::LeaseKey,
+    signing::TokenSigner,
+};
 
-use super::{LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError};
+use super::{
+    ClaimTerms, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, SlotClaim, StoreError,
+};
 
 /// Wraps any [`LeaseStore`] so that every granted lease carries its signed token string.
 ///
@@ -56,6 +63,26 @@ impl<S: LeaseStore> LeaseStore for SigningLeaseStore<S> {
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
         self.inner.get(job).await
+    }
+
+    /// Signs a granted slot's token for the slot's job, its fencing job.
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        terms: ClaimTerms,
+        slots: u32,
+    ) -> Result<SlotClaim, StoreError> {
+        let mut claim = self
+            .inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await?;
+        if let (Some(slot), Outcome::Granted(g)) = (claim.slot, &mut claim.outcome) {
+            let job = slot_job(resource, slot);
+            g.token = Some(self.signer.sign(&job, g.generation, g.expires_at_ms));
+        }
+        Ok(claim)
     }
 
     fn is_shared(&self) -> bool {

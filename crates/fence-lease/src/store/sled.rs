@@ -13,7 +13,12 @@ use fence_storage::{
     disk::{DurableDb, OpenError},
 };
 
-use super::{LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, StoreError, page, rules};
+use fence_core::{Owner, lease_api::slot_job, secret::LeaseKey};
+
+use super::{
+    ClaimTerms, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, SlotClaim, StoreError,
+    check_slot_claim, page, rules, slot_prefix, slot_records,
+};
 
 /// A lease store in a sled database on local disk.
 ///
@@ -31,6 +36,11 @@ pub struct SledLeaseStore {
     /// (it wraps around to the start): a pass of batches reads the tree once, instead of
     /// every batch reading again from the start past the jobs it kept.
     forget_from: Arc<Mutex<Option<sled::IVec>>>,
+    /// Held while a semaphore claim reads a resource's slots and writes the one it grants:
+    /// only semaphore claims take slots (a plain claim of one is refused), so no two decide
+    /// on the same slots at once (renewals, releases and forgetting may change a slot in
+    /// between; the compare-and-swap catches that and the claim decides again).
+    slot_claims: Arc<tokio::sync::Mutex<()>>,
 }
 
 const FLOOR: &[u8] = b"floor";
@@ -52,6 +62,7 @@ impl SledLeaseStore {
             db,
             clock,
             forget_from: Arc::default(),
+            slot_claims: Arc::default(),
         })
     }
 
@@ -122,6 +133,66 @@ impl LeaseStore for SledLeaseStore {
             self.db.commit().await.map_err(StoreError::io)?;
             return Ok(out);
         }
+    }
+
+    /// Decides under the store's slot-claim lock, then waits until it is durable.
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        terms: ClaimTerms,
+        slots: u32,
+    ) -> Result<SlotClaim, StoreError> {
+        check_slot_claim(resource, slots)?;
+        let prefix = slot_prefix(resource);
+        let out = {
+            let _one_at_a_time = self.slot_claims.lock().await;
+            loop {
+                let mut raws = Vec::new();
+                let items = self.tree.scan_prefix(prefix.as_str()).map(|item| {
+                    let (key, value) = item.map_err(StoreError::io)?;
+                    let Ok(job) = JobId::from_bytes(&key) else {
+                        return Err(StoreError::Corrupt {
+                            job: prefix.clone(),
+                            reason: "a key under the resource's prefix is not a job id",
+                        });
+                    };
+                    let stored = rules::Stored::decode(&job, &value)?;
+                    raws.push((job.clone(), value));
+                    Ok((job, stored))
+                });
+                let records = slot_records(items)?;
+                // Read after the records, as in `apply`.
+                let (floor, _) = self.floor()?;
+                let now = self.clock.now_ms();
+                let (new, out) = rules::claim_slot(
+                    resource,
+                    &records,
+                    floor,
+                    (owner, key),
+                    (terms, slots),
+                    now,
+                )?;
+                let Some((slot, new)) = new else { break out };
+                let job = slot_job(resource, slot);
+                let old = raws
+                    .into_iter()
+                    .find(|(j, _)| *j == job)
+                    .map(|(_, value)| value);
+                let swapped = self
+                    .tree
+                    .compare_and_swap(job.as_str().as_bytes(), old, Some(new.encode()))
+                    .map_err(StoreError::io)?;
+                if swapped.is_ok() {
+                    break out;
+                }
+                // A renewal, release or forgetting changed the slot meanwhile: decide again.
+            }
+        };
+        // Also when nothing was written, as in `apply`.
+        self.db.commit().await.map_err(StoreError::io)?;
+        Ok(out)
     }
 
     async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {

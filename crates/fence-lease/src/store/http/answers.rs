@@ -99,6 +99,11 @@ pub(super) fn refused(status: StatusCode, body: &[u8]) -> Result<Outcome, StoreE
         }),
         ProblemType::LeaseKeyMismatch => Ok(Outcome::KeyMismatch),
         ProblemType::UnknownJob => Ok(Outcome::Unknown),
+        ProblemType::SemaphoreSize => Ok(Outcome::SemaphoreSize {
+            slots: p
+                .slots
+                .ok_or_else(|| StoreError::Protocol("semaphore-size without slots".into()))?,
+        }),
         _ => Err(unexpected(status, body)),
     }
 }

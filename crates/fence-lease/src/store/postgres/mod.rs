@@ -23,7 +23,8 @@ use fence_storage::postgres::{Ident, IdentError, MigrateError, NOW_MS, SetupErro
 use tokio_postgres::{Row, types::ToSql};
 
 use super::{
-    Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, MAX_LIST_SCAN, Outcome, StoreError, page,
+    ClaimTerms, Grant, LeaseOp, LeaseRecord, LeaseStore, ListPage, MAX_LIST_SCAN, Outcome,
+    SlotClaim, StoreError, page,
 };
 
 /// Where the lease table lives: `schema.table`, both plain lower-case SQL identifiers.
@@ -110,6 +111,7 @@ struct Sql {
     revoke: String,
     get: String,
     list: String,
+    slots: slots::SlotSql,
 }
 
 /// The database's clock in ms since the Unix epoch, plus the offset parameter `$N` (always
@@ -196,6 +198,7 @@ impl Sql {
             complete,
             get,
             list,
+            slots: slots::SlotSql::new(t),
         }
     }
 }
@@ -322,6 +325,7 @@ impl PgLeaseStore {
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS lock_delay_ms bigint NOT NULL DEFAULT 0;
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS checkpoint text;
              ALTER TABLE {t} ADD COLUMN IF NOT EXISTS checkpoint_generation numeric(20, 0);
+             ALTER TABLE {t} ADD COLUMN IF NOT EXISTS slots integer NOT NULL DEFAULT 0;
              INSERT INTO {t} (job, owner, generation, lease_until_ms, completed, changed_ms)
                VALUES ('', NULL, 0, 0, true, 0) ON CONFLICT (job) DO NOTHING;
              CREATE INDEX IF NOT EXISTS {table}_changed_ms ON {t} (changed_ms);",
@@ -451,7 +455,7 @@ impl LeaseStore for PgLeaseStore {
     }
 
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
-        op.check_size()?;
+        op.check(job)?;
         let (owner, g, key, sql) = match &op {
             LeaseOp::Claim {
                 owner,
@@ -514,6 +518,18 @@ impl LeaseStore for PgLeaseStore {
         Ok(self.snapshot(job).await?.map(|s| s.record(job)))
     }
 
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &Owner,
+        key: &LeaseKey,
+        terms: ClaimTerms,
+        slots: u32,
+    ) -> Result<SlotClaim, StoreError> {
+        self.claim_slot_rows(resource, owner, key, terms, slots)
+            .await
+    }
+
     async fn forget_idle(&self, idle_for: Duration, limit: usize) -> Result<usize, StoreError> {
         let idle = i64::try_from(idle_for.as_millis()).unwrap_or(i64::MAX);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
@@ -560,5 +576,6 @@ impl LeaseStore for PgLeaseStore {
 
 mod claim;
 mod revoke;
+mod slots;
 #[cfg(test)]
 mod tests;
