@@ -44,6 +44,19 @@ impl Stallable {
 }
 
 impl LeaseStore for Stallable {
+    async fn claim_slot(
+        &self,
+        resource: &fence_core::JobId,
+        owner: &fence_core::Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, fence_lease::StoreError> {
+        self.inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await
+    }
+
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         let op = match op {
             LeaseOp::Claim {
@@ -423,6 +436,17 @@ async fn claim_with_ttl<S: LeaseStore + Clone>(store: &S, ttl: Ttl) -> Lease<S> 
 struct Forgotten(MemoryLeaseStore);
 
 impl LeaseStore for Forgotten {
+    async fn claim_slot(
+        &self,
+        resource: &fence_core::JobId,
+        owner: &fence_core::Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, fence_lease::StoreError> {
+        self.0.claim_slot(resource, owner, key, terms, slots).await
+    }
+
     async fn apply(&self, _job: &JobId, _op: LeaseOp) -> Result<Outcome, StoreError> {
         Ok(Outcome::Unknown)
     }

@@ -168,6 +168,20 @@ impl LeaseStore for LeaseBackend {
         }
     }
 
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &fence_core::Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, fence_lease::StoreError> {
+        match self {
+            Self::Sled(s) => s.claim_slot(resource, owner, key, terms, slots).await,
+            Self::Postgres(s) => s.claim_slot(resource, owner, key, terms, slots).await,
+        }
+    }
+
     fn is_shared(&self) -> bool {
         match self {
             Self::Sled(s) => s.is_shared(),

@@ -64,6 +64,19 @@ impl Freezable {
 }
 
 impl LeaseStore for Freezable {
+    async fn claim_slot(
+        &self,
+        resource: &fence_core::JobId,
+        owner: &fence_core::Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, fence_lease::StoreError> {
+        self.inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await
+    }
+
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
         if matches!(op, LeaseOp::Renew { .. }) {
             self.thawed().await;

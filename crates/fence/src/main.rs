@@ -75,6 +75,7 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
                 ttl: a.ttl,
                 lock_delay: a.lock_delay,
                 progress: a.progress_file.map(|f| (f, a.progress_within)),
+                slots: a.slots,
                 wait: a.wait,
                 grace: a.grace,
                 on_success: a.on_success,

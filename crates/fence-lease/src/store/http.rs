@@ -411,6 +411,8 @@ impl LeaseStore for HttpLeaseStore {
     }
 
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        // What no server takes is refused here, as every store refuses it.
+        op.check(job)?;
         // A claim or renewal answers a lease; a release or completion, the record.
         let grants = matches!(op, LeaseOp::Claim { .. } | LeaseOp::Renew { .. });
         let finish = if matches!(op, LeaseOp::Complete { .. }) {

@@ -336,8 +336,8 @@ pub trait LeaseStore: Send + Sync + 'static {
     /// number; gives a holder that claims again with its key its own slot back; else claims
     /// the lowest-numbered claimable slot by the plain claim rule. `resource` must pass
     /// [`check_resource`](fence_core::lease_api::check_resource) and `slots` be 1 to
-    /// [`MAX_SLOTS`](fence_core::lease_api::MAX_SLOTS). The default: a store without
-    /// semaphores, which refuses.
+    /// [`MAX_SLOTS`](fence_core::lease_api::MAX_SLOTS). No default: a wrapper that forgot
+    /// to pass it on would refuse semaphores only in production.
     fn claim_slot(
         &self,
         resource: &JobId,
@@ -345,15 +345,7 @@ pub trait LeaseStore: Send + Sync + 'static {
         key: &LeaseKey,
         terms: ClaimTerms,
         slots: u32,
-    ) -> impl Future<Output = Result<SlotClaim, StoreError>> + Send {
-        let _ = (owner, key, terms, slots);
-        let resource = resource.clone();
-        async move {
-            Err(StoreError::Protocol(format!(
-                "this lease store has no semaphores (claiming a slot of {resource})"
-            )))
-        }
-    }
+    ) -> impl Future<Output = Result<SlotClaim, StoreError>> + Send;
 
     /// [`LeaseOp::Claim`].
     fn claim(

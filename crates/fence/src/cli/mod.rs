@@ -438,7 +438,15 @@ pub struct RunCmd {
     /// With --progress-file: the longest the file may stand still (10ms to 24h).
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", default_value = "60s", value_parser = crate::duration::parse_progress_within, requires = "progress_file", env = "FENCE_PROGRESS_WITHIN")]
     pub progress_within: Duration,
-    /// Keep retrying this long while the job is held by someone else.
+    /// Run as one of at most N holders of the job, a fenced semaphore (1 to 1000): the
+    /// job names the resource, and the lease is one of its N slots, whose fencing job
+    /// (`<job>#<slot>`) is in FENCE_JOB (the resource in FENCE_RESOURCE). A stale holder of
+    /// a slot is refused at a fence proxy once the slot is granted again. N is fixed while
+    /// any slot is held. On exit 0 the slot is released (a slot is never completed).
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), env = "FENCE_SLOTS")]
+    pub slots: Option<u32>,
+    /// Keep retrying this long while the job is held by someone else (with --slots: while
+    /// every slot is taken).
     #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = parse_duration, env = "FENCE_WAIT")]
     pub wait: Duration,
     /// Time between SIGTERM and SIGKILL after the lease is lost.

@@ -38,7 +38,7 @@ mod progress;
 pub(crate) mod token_file;
 mod words;
 use checkpoint::CheckpointFile;
-use claim::claim_within;
+use claim::{claim_slot_within, claim_within};
 use procs::{descendants, others_in_group};
 use token_file::TokenFile;
 use words::ended_how;
@@ -67,6 +67,8 @@ pub struct RunArgs {
     pub lock_delay: Option<Duration>,
     /// Renew only while this file's modification time moves, checked against this interval.
     pub progress: Option<(std::path::PathBuf, Duration)>,
+    /// Claim a slot of a semaphore of this many slots, `job` being its resource.
+    pub slots: Option<u32>,
     /// How long to keep trying while the job is held.
     pub wait: Duration,
     /// Between SIGTERM and SIGKILL after the lease is lost.
@@ -127,22 +129,31 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     if let Some(owner) = args.owner.clone() {
         client = client.owner(owner);
     }
-    let Some(lease) = claim_within(&client, &args.job, args.wait).await? else {
+    let claimed = match args.slots {
+        Some(slots) => claim_slot_within(&client, &args.job, slots, args.wait).await?,
+        None => claim_within(&client, &args.job, args.wait).await?,
+    };
+    let Some(lease) = claimed else {
         return Ok(EXIT_NOT_OBTAINED);
     };
+    // A semaphore's slot is released when the command exits 0, never completed.
+    let on_success = match args.slots {
+        Some(_) => OnSuccess::Release,
+        None => args.on_success,
+    };
+    let resource = args.slots.map(|_| args.job.clone());
+    let job = lease.job().clone();
     // Subscribed before the token is read: a renewal from now on reaches FENCE_TOKEN_FILE.
     let token_updates = lease.tokens();
     let Some(token) = lease.token_string() else {
         eprintln!(
-            "fence run: the lease on {} was lost right after the claim; not running the command",
-            args.job
+            "fence run: the lease on {job} was lost right after the claim; not running the command"
         );
         return Ok(EXIT_LOST);
     };
     // The token is not a secret, but a signed one is long; the generation says it all.
     eprintln!(
-        "fence run: holding {} as {} at generation {}",
-        args.job,
+        "fence run: holding {job} as {} at generation {}",
         client.owner_id(),
         lease.generation()
     );
@@ -165,6 +176,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     group.keep_informed(lease.view()).await;
     let mut command = Command::new(program);
     command.env("FENCE_CHECKPOINT_FILE", checkpoint.path());
+    match &resource {
+        Some(resource) => command.env("FENCE_RESOURCE", resource.as_str()),
+        None => command.env_remove("FENCE_RESOURCE"),
+    };
     if let Some(resumed) = resumed {
         command.env(
             "FENCE_CHECKPOINT_GENERATION",
@@ -179,7 +194,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let spawned = command
         .args(rest)
         .process_group(group.pgid.as_raw())
-        .env("FENCE_JOB", args.job.as_str())
+        .env("FENCE_JOB", job.as_str())
         .env("FENCE_TOKEN", &token)
         .env("FENCE_TOKEN_FILE", token_file.path())
         .env("FENCE_SERVER", &args.conn.server)
@@ -233,7 +248,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     // The command is gone; so must be anything it left running in its group, before the
     // lease is given up.
     group.stop().await;
-    finish(lease, status, args.on_success).await
+    finish(lease, status, on_success).await
 }
 
 /// The command's group: a watchdog process leads it and stops the group when `fence run`

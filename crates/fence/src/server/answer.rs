@@ -80,6 +80,7 @@ pub(super) const fn outcome_of(kind: ProblemType) -> &'static str {
         ProblemType::TooManyWaiters => "too_many_waiters",
         ProblemType::LockDelay => "lock_delay",
         ProblemType::PayloadTooLarge => "too_large",
+        ProblemType::SemaphoreSize => "semaphore_size",
         _ => "error",
     }
 }
@@ -92,6 +93,7 @@ pub const LEASE_OPS: &[&str] = &[
     "complete",
     "revoke",
     "checkpoint",
+    "claim_slot",
     "status",
     "list",
 ];
@@ -110,6 +112,7 @@ pub const LEASE_OUTCOMES: &[&str] = &[
     "too_many_waiters",
     "lock_delay",
     "too_large",
+    "semaphore_size",
     "error",
 ];
 
@@ -126,6 +129,15 @@ pub(super) fn store_failed(e: &StoreError) -> Problem {
         ProblemType::StoreUnavailable,
         "the lease store did not answer; nothing was decided, retry (the server's log has the cause)",
     )
+}
+
+/// A store's error: 400 for what no store may do for that job id (a plain claim of a
+/// semaphore's slot, a slot's completion), else [`store_failed`].
+pub(super) fn store_error(e: &StoreError) -> Problem {
+    match e {
+        StoreError::Reserved { job, .. } => bad(e.to_string()).with_job(job.clone()),
+        _ => store_failed(e),
+    }
 }
 
 pub(super) fn json(value: &impl serde::Serialize) -> Response {

@@ -21,11 +21,13 @@ use http_body_util::{BodyExt, Limited};
 
 use super::{
     AppState,
-    answer::{Asking, answer, bad, finish, json, problem_response, record_body, store_failed},
+    answer::{
+        Asking, answer, bad, finish, json, problem_response, record_body, store_error, store_failed,
+    },
     guard::authorize,
 };
 
-fn job_of(path: Result<String, PathRejection>) -> Result<JobId, Problem> {
+pub(super) fn job_of(path: Result<String, PathRejection>) -> Result<JobId, Problem> {
     let raw = path.map_err(|e| {
         bad(format!(
             "job: the path segment is not valid percent-encoded UTF-8: {e}"
@@ -40,7 +42,7 @@ pub(super) const BODY_TIMEOUT: std::time::Duration = std::time::Duration::from_s
 
 /// Reads a request body of at most [`MAX_REQUEST_BODY`] bytes within [`BODY_TIMEOUT`] and
 /// parses it with `parse`.
-async fn parse<T>(
+pub(super) async fn parse<T>(
     body: Body,
     parse: impl FnOnce(&[u8]) -> Result<T, BodyError>,
 ) -> Result<T, Problem> {
@@ -208,7 +210,7 @@ pub(super) async fn act<S: LeaseStore>(
                 // Bounded per client and in all: a place is held while the claim waits.
                 let client = caller.as_ref().map_or("", |c| c.client().name());
                 let waited = app.waiters.claim(&*app.store, &job, op, (wait, client)).await;
-                let waited = waited.map_err(|e| store_failed(&e))?;
+                let waited = waited.map_err(|e| store_error(&e))?;
                 waited.map_err(|too_many| {
                     let detail = match too_many {
                         super::wait::TooMany::Total(n) => format!(
@@ -221,7 +223,7 @@ pub(super) async fn act<S: LeaseStore>(
                     Problem::new(ProblemType::TooManyWaiters, detail).with_job(job.clone())
                 })
             }
-            None => app.store.apply(&job, op).await.map_err(|e| store_failed(&e)),
+            None => app.store.apply(&job, op).await.map_err(|e| store_error(&e)),
         }?;
         if matches!(
             outcome,
@@ -318,7 +320,7 @@ pub(super) async fn render_metrics<S: LeaseStore>(
 
 pub(super) async fn not_found(method: Method, uri: Uri) -> Response {
     let detail = format!(
-        "{method} {} is not part of the lease API; see POST /v1/leases/{{job}}/claim|renew|release|complete|revoke, GET /v1/leases/{{job}} and GET /v1/leases",
+        "{method} {} is not part of the lease API; see POST /v1/leases/{{job}}/claim|renew|release|complete|revoke|checkpoint, POST /v1/semaphores/{{resource}}/claim, GET /v1/leases/{{job}} and GET /v1/leases",
         uri.path()
     );
     problem_response(Problem::new(ProblemType::NotFound, detail))

@@ -20,6 +20,7 @@ pub use answer::{LEASE_OPS, LEASE_OUTCOMES};
 mod guard;
 mod handlers;
 mod list;
+mod semaphore;
 mod wait;
 
 use std::sync::Arc;
@@ -89,6 +90,10 @@ pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
         .route("/v1/leases", get(list::list::<S>))
         .route("/v1/leases/{job}/{action}", post(handlers::act::<S>))
         .route("/v1/leases/{job}", get(handlers::status::<S>))
+        .route(
+            "/v1/semaphores/{resource}/claim",
+            post(semaphore::claim::<S>),
+        )
         .route("/healthz", get(handlers::healthz::<S>))
         .route("/readyz", get(handlers::healthz::<S>))
         .route("/metrics", get(handlers::render_metrics::<S>))

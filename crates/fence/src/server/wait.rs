@@ -286,6 +286,19 @@ mod tests {
     }
 
     impl LeaseStore for Counting {
+        async fn claim_slot(
+            &self,
+            resource: &fence_core::JobId,
+            owner: &fence_core::Owner,
+            key: &fence_core::secret::LeaseKey,
+            terms: fence_lease::ClaimTerms,
+            slots: u32,
+        ) -> Result<fence_lease::SlotClaim, fence_lease::StoreError> {
+            self.inner
+                .claim_slot(resource, owner, key, terms, slots)
+                .await
+        }
+
         async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
             self.calls.fetch_add(1, Relaxed);
             self.inner.apply(job, op).await
