@@ -15,16 +15,25 @@ from urllib.parse import unquote
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 
-# docs/openapi.json, components.schemas.JobId.
+# docs/openapi.json, components.schemas: JobId; PlainJobId (a plain claim's: no '#', which
+# only semaphore slots' job ids hold); Resource (a semaphore's).
 JOB_ID = re.compile(r"[!-~]{1,256}")
+PLAIN_JOB_ID = re.compile(r"[!-\"$-~]{1,256}")
+RESOURCE = re.compile(r"[!-\"$-~]{1,251}")
 
 
 def _job_is_valid(case) -> bool:
-    job = (case.path_parameters or {}).get("job")
-    if job is None:
+    params = case.path_parameters or {}
+    if case.path.endswith("/claim") and "job" in params:
+        pattern, value = PLAIN_JOB_ID, params["job"]
+    elif "resource" in params:
+        pattern, value = RESOURCE, params["resource"]
+    elif "job" in params:
+        pattern, value = JOB_ID, params["job"]
+    else:
         return True
     # schemathesis keeps path parameters percent-encoded, as sent.
-    return JOB_ID.fullmatch(unquote(job, errors="replace")) is not None
+    return pattern.fullmatch(unquote(value, errors="replace")) is not None
 
 
 @schemathesis.check

@@ -410,6 +410,10 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
     let complete_path = "/v1/leases/{job}/complete";
     let revoke_path = "/v1/leases/{job}/revoke";
     let checkpoint_path = "/v1/leases/{job}/checkpoint";
+    let slot_path = "/v1/semaphores/{resource}/claim";
+    let slot = |owner: &str, slots: u32| {
+        format!(r#"{{"owner":"{owner}","lease_key":"{key}","slots":{slots}}}"#)
+    };
     let save = |g: u64, k: &str, data: &str| {
         format!(r#"{{"owner":"w","generation":{g},"lease_key":"{k}","checkpoint":"{data}"}}"#)
     };
@@ -426,6 +430,12 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
         (claim_path, "POST", 409, &sled, "/v1/leases/a/claim".into(), ops, claim("v")),
         (claim_path, "POST", 503, &broken, "/v1/leases/a/claim".into(), None, claim("w")),
         (claim_path, "POST", 429, &tiny, "/v1/leases/w/claim?wait=5s".into(), None, claim("v")),
+        (slot_path, "POST", 200, &sled, "/v1/semaphores/s/claim".into(), ops, slot("w", 1)),
+        (slot_path, "POST", 400, &sled, "/v1/semaphores/s%23/claim".into(), ops, slot("w", 1)),
+        (slot_path, "POST", 401, &sled, "/v1/semaphores/s/claim".into(), None, slot("w", 1)),
+        (slot_path, "POST", 403, &sled, "/v1/semaphores/s/claim".into(), billing, slot("w", 1)),
+        (slot_path, "POST", 409, &sled, "/v1/semaphores/s/claim".into(), ops, slot("v", 1)),
+        (slot_path, "POST", 503, &broken, "/v1/semaphores/s/claim".into(), None, slot("w", 1)),
         (renew_path, "POST", 200, &sled, "/v1/leases/a/renew".into(), ops, held(1, key)),
         (renew_path, "POST", 400, &sled, "/v1/leases/a/renew".into(), ops, "{}".into()),
         (renew_path, "POST", 401, &sled, "/v1/leases/a/renew".into(), None, held(1, key)),

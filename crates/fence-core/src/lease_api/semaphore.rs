@@ -1,6 +1,6 @@
-//! Fenced semaphores (contract section 15): a resource with N slots, each slot a lease of
-//! its own whose fencing job is `{resource}#{slot}`.
+//! Fenced semaphores (contract section 15): a resource's N slots, each a lease of its own.
 //!
+//! A slot's fencing job is `{resource}#{slot}`.
 //! `#` is reserved: a plain claim of a job id holding it is refused, so no plain job can
 //! take a slot's place, and the only way to a slot is a semaphore claim, which keeps the
 //! resource's N. Every other verb (renew, release, checkpoint, revoke, the sink's fence)

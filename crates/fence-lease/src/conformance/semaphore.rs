@@ -8,7 +8,7 @@ use std::{
 
 use fence_core::{Generation, JobId, Owner, lease_api::slot_job};
 
-use crate::{ClaimTerms, LeaseStore, Outcome, SlotClaim, StoreError};
+use crate::{ClaimTerms, LeaseState, LeaseStore, Outcome, SlotClaim, StoreError};
 
 use super::{Advance, TTL, job, key_of, ms, owner};
 
@@ -201,9 +201,10 @@ pub async fn a_semaphore_keeps_its_number_of_slots_while_held<S: LeaseStore>(
     assert_eq!(refused.outcome, Outcome::SemaphoreSize { slots: 3 });
 }
 
-/// A slot is reached only through its semaphore: a plain claim of a job id holding `#` and
-/// the completion of a slot are refused, whoever asks; so are a resource holding `#` and a
-/// number of slots out of 1 to 1,000. The slot's other verbs are a plain lease's.
+/// A slot is reached only through its semaphore: a plain claim of a job id holding `#` is
+/// refused, whoever asks; so are a resource holding `#` and a number of slots out of 1 to
+/// 1,000. The slot's other verbs are a plain lease's, but its completion releases it (a
+/// completed slot would be lost to the semaphore for good).
 pub async fn slots_are_taken_only_through_their_semaphore<S: LeaseStore>(
     store: S,
     _advance: Advance,
@@ -234,21 +235,22 @@ pub async fn slots_are_taken_only_through_their_semaphore<S: LeaseStore>(
             "{resource} with {slots} slots: {refused:?}"
         );
     }
+    // Completing a slot one does not hold is answered as for any job: lost.
+    let stranger = store
+        .complete(&slot, &a, Generation::new(1), &key_of(&a))
+        .await;
+    assert!(matches!(stranger, Ok(Outcome::Lost { .. })), "{stranger:?}");
     let (n, g) = slot_of(&store, &resource, &a, 1).await;
     assert_eq!(n, 1);
-    let completed = store.complete(&slot, &a, g, &key_of(&a)).await;
-    assert!(
-        matches!(completed, Err(StoreError::Reserved { .. })),
-        "{completed:?}"
-    );
     assert!(matches!(
         store.renew(&slot, &a, g, &key_of(&a), TTL).await.unwrap(),
         Outcome::Granted(_)
     ));
-    assert!(matches!(
-        store.release(&slot, &a, g, &key_of(&a)).await.unwrap(),
-        Outcome::Done(_)
-    ));
+    // Completed by its holder, a slot is released: free, and claimed again.
+    match store.complete(&slot, &a, g, &key_of(&a)).await.unwrap() {
+        Outcome::Done(record) => assert_eq!(record.state, LeaseState::Free, "{record:?}"),
+        other => panic!("{other:?}"),
+    }
     // Released slots are claimed again at the next generation.
     assert_eq!(
         slot_of(&store, &resource, &owner("b"), 1).await,

@@ -88,7 +88,7 @@ impl LeaseStore for MemoryLeaseStore {
                 .take_while(|(job, _)| job.as_str().starts_with(prefix.as_str()))
                 .map(|(job, s)| Ok((job.clone(), s.clone()))),
         )?;
-        let (new, out) = rules::claim_slot(
+        let (new, out) = super::decide_slot(
             resource,
             &records,
             leases.floor,

@@ -34,7 +34,7 @@ use fence_core::{
 
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PgLeaseStore, PgTable};
-pub(crate) use self::slots::{check_slot_claim, slot_prefix, slot_records};
+pub(crate) use self::slots::{check_slot_claim, decide_slot, slot_prefix, slot_records};
 pub use self::{
     bearer::{BearerToken, TokenError},
     http::{HttpLeaseStore, HttpOptions, UrlError},
@@ -85,7 +85,7 @@ pub enum LeaseOp {
         key: LeaseKey,
     },
     /// Mark the job completed under the same condition as a renewal; it can never be
-    /// claimed again.
+    /// claimed again. A semaphore's slot is released instead (contract section 15).
     Complete {
         /// The holder.
         owner: Owner,
@@ -140,8 +140,7 @@ impl LeaseOp {
 
     /// An error when no store may decide it for `job`, whoever asks: a checkpoint larger
     /// than any store keeps ([`MAX_CHECKPOINT_BYTES`](fence_core::lease_api::MAX_CHECKPOINT_BYTES)),
-    /// a plain claim of a job id holding `#` (only a semaphore claim takes a slot), or a
-    /// completion of a semaphore's slot (a slot is released, so the resource keeps its N).
+    /// or a plain claim of a job id holding `#` (only a semaphore claim takes a slot).
     pub(crate) fn check(&self, job: &JobId) -> Result<(), StoreError> {
         let most = fence_core::lease_api::MAX_CHECKPOINT_BYTES;
         match self {
@@ -157,14 +156,14 @@ impl LeaseOp {
                     reason: "job ids holding '#' are semaphore slots, taken only by a claim of their semaphore (POST /v1/semaphores/{resource}/claim)",
                 })
             }
-            Self::Complete { .. } if fence_core::lease_api::slot_of(job).is_some() => {
-                Err(StoreError::Reserved {
-                    job: job.clone(),
-                    reason: "a semaphore's slot is released, never completed: a completed slot would take it from the semaphore for good",
-                })
-            }
             _ => Ok(()),
         }
+    }
+
+    /// Whether it completes a semaphore's slot: stores release the slot instead (a
+    /// completed slot would take it from the semaphore for good; contract section 15).
+    pub(crate) fn completes_a_slot(&self, job: &JobId) -> bool {
+        matches!(self, Self::Complete { .. }) && fence_core::lease_api::slot_of(job).is_some()
     }
 
     /// The lease key it carries (none for a revoke).
@@ -557,8 +556,8 @@ pub enum StoreError {
     #[error("lease store answered unexpectedly: {0}")]
     Protocol(String),
     /// The operation is not allowed on this job id, whoever asks: a plain claim of a
-    /// semaphore's slot, or its completion (contract section 15).
-    #[error("job {job} cannot be claimed or completed this way: {reason}")]
+    /// semaphore's slot (contract section 15).
+    #[error("job {job} cannot be claimed this way: {reason}")]
     Reserved {
         /// The job.
         job: JobId,

@@ -10,9 +10,7 @@ use fence_core::{
     secret::{LeaseKey, SecretHash},
 };
 
-use fence_core::lease_api::slot_job;
-
-use super::{ClaimTerms, Grant, LeaseOp, LeaseRecord, Outcome, Revocation, SlotClaim, StoreError};
+use super::{ClaimTerms, Grant, LeaseOp, LeaseRecord, Outcome, Revocation, StoreError};
 
 /// A job's lease as stored.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -304,7 +302,8 @@ pub(crate) fn decide(
             generation,
             key,
         } => {
-            let complete = matches!(op, LeaseOp::Complete { .. });
+            // A slot is released, never completed.
+            let complete = matches!(op, LeaseOp::Complete { .. }) && !op.completes_a_slot(job);
             Ok(held_by(cur, owner, *generation, key).map_or_else(
                 |refused| (None, refused),
                 |s| {
@@ -393,7 +392,7 @@ fn held_by<'a>(
 }
 
 /// The claim rule, for a plain job (`slots` 0) or a semaphore's slot.
-fn claim(
+pub(super) fn claim(
     job: &JobId,
     cur: Option<&Stored>,
     floor: Generation,
@@ -469,86 +468,6 @@ fn claim(
         slots,
     };
     Ok((Some(new), Outcome::Granted(g)))
-}
-
-/// A semaphore claim (contract section 15) decided on `taken`, every record of the
-/// resource's slots as read under the caller's lock on the resource (slot number, record;
-/// any order, slots past `slots` included). Returns the slot to write with its new record,
-/// or none, and the answer. The caller writes the record only if the slot's record is still
-/// the one it read (else it decides again).
-pub(crate) fn claim_slot(
-    resource: &JobId,
-    records: &[(u32, Stored)],
-    floor: Generation,
-    (owner, key): (&Owner, &LeaseKey),
-    (terms, slots): (ClaimTerms, u32),
-    now_ms: u64,
-) -> Result<(Option<(u32, Stored)>, SlotClaim), StoreError> {
-    let refused = |slot, outcome| Ok((None, SlotClaim { slot, outcome }));
-    // The number of slots in force: any taken slot's. Another is refused as a whole.
-    let in_force = records
-        .iter()
-        .find(|(_, s)| s.slots != 0 && s.slots != slots && s.taken(now_ms));
-    if let Some((_, s)) = in_force {
-        return refused(None, Outcome::SemaphoreSize { slots: s.slots });
-    }
-    let record = |slot: u32| records.iter().find(|(k, _)| *k == slot).map(|(_, s)| s);
-    // A holder that claims again with its key gets its own slot back (the retry of a lost
-    // answer), never a second one.
-    let mine = records.iter().find(|(_, s)| {
-        s.state(now_ms) == LeaseState::Held
-            && s.owner.as_ref() == Some(owner)
-            && s.key == key.hash()
-    });
-    let candidates: Vec<u32> = match mine {
-        Some((slot, _)) => vec![*slot],
-        None => (1..=slots).collect(),
-    };
-    let mut first_free: Option<(u32, Outcome)> = None;
-    for slot in candidates {
-        let job = slot_job(resource, slot);
-        let (new, outcome) = claim(
-            &job,
-            record(slot),
-            floor,
-            owner,
-            key,
-            (terms, slots),
-            now_ms,
-        )?;
-        match (new, outcome) {
-            (Some(new), outcome) => {
-                return Ok((
-                    Some((slot, new)),
-                    SlotClaim {
-                        slot: Some(slot),
-                        outcome,
-                    },
-                ));
-            }
-            (None, outcome @ Outcome::Held { .. }) => {
-                let sooner = match (&first_free, &outcome) {
-                    (None, _) => true,
-                    (
-                        Some((_, Outcome::Held { expires_in: a, .. })),
-                        Outcome::Held { expires_in: b, .. },
-                    ) => b < a,
-                    _ => false,
-                };
-                if sooner {
-                    first_free = Some((slot, outcome));
-                }
-            }
-            // A completed slot (an older build's) stays taken for good.
-            (None, _) => {}
-        }
-    }
-    match first_free {
-        Some((slot, held)) => refused(Some(slot), held),
-        None => Err(StoreError::Protocol(format!(
-            "every slot of {resource} is completed: a semaphore's slots are released, never completed"
-        ))),
-    }
 }
 
 #[cfg(test)]

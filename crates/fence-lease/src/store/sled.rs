@@ -166,7 +166,7 @@ impl LeaseStore for SledLeaseStore {
                 // Read after the records, as in `apply`.
                 let (floor, _) = self.floor()?;
                 let now = self.clock.now_ms();
-                let (new, out) = rules::claim_slot(
+                let (new, out) = super::decide_slot(
                     resource,
                     &records,
                     floor,

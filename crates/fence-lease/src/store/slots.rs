@@ -1,12 +1,17 @@
-//! What every store that decides semaphore claims in Rust shares (contract section 15): the
-//! checks of a claim, and the resource's slot records out of a scan by prefix.
+//! What every store that decides semaphore claims in Rust shares (contract section 15).
+//!
+//! The checks of a claim, the resource's slot records out of a scan by prefix, and the rule.
 
 use fence_core::{
-    JobId,
-    lease_api::{MAX_SLOTS, SLOT_SEPARATOR, check_resource, slot_of},
+    Generation, JobId, Owner,
+    lease_api::{LeaseState, MAX_SLOTS, SLOT_SEPARATOR, check_resource, slot_job, slot_of},
+    secret::LeaseKey,
 };
 
-use super::{StoreError, rules::Stored};
+use super::{
+    ClaimTerms, Outcome, SlotClaim, StoreError,
+    rules::{self, Stored},
+};
 
 /// Refuses a semaphore claim no store decides: a resource that cannot name a semaphore, or
 /// a number of slots out of 1 to [`MAX_SLOTS`].
@@ -42,4 +47,84 @@ pub(crate) fn slot_records<'a>(
         }
     }
     Ok(out)
+}
+
+/// A semaphore claim (contract section 15) decided on `taken`, every record of the
+/// resource's slots as read under the caller's lock on the resource (slot number, record;
+/// any order, slots past `slots` included). Returns the slot to write with its new record,
+/// or none, and the answer. The caller writes the record only if the slot's record is still
+/// the one it read (else it decides again).
+pub(crate) fn decide_slot(
+    resource: &JobId,
+    records: &[(u32, Stored)],
+    floor: Generation,
+    (owner, key): (&Owner, &LeaseKey),
+    (terms, slots): (ClaimTerms, u32),
+    now_ms: u64,
+) -> Result<(Option<(u32, Stored)>, SlotClaim), StoreError> {
+    let refused = |slot, outcome| Ok((None, SlotClaim { slot, outcome }));
+    // The number of slots in force: any taken slot's. Another is refused as a whole.
+    let in_force = records
+        .iter()
+        .find(|(_, s)| s.slots != 0 && s.slots != slots && s.taken(now_ms));
+    if let Some((_, s)) = in_force {
+        return refused(None, Outcome::SemaphoreSize { slots: s.slots });
+    }
+    let record = |slot: u32| records.iter().find(|(k, _)| *k == slot).map(|(_, s)| s);
+    // A holder that claims again with its key gets its own slot back (the retry of a lost
+    // answer), never a second one.
+    let mine = records.iter().find(|(_, s)| {
+        s.state(now_ms) == LeaseState::Held
+            && s.owner.as_ref() == Some(owner)
+            && s.key == key.hash()
+    });
+    let candidates: Vec<u32> = match mine {
+        Some((slot, _)) => vec![*slot],
+        None => (1..=slots).collect(),
+    };
+    let mut first_free: Option<(u32, Outcome)> = None;
+    for slot in candidates {
+        let job = slot_job(resource, slot);
+        let (new, outcome) = rules::claim(
+            &job,
+            record(slot),
+            floor,
+            owner,
+            key,
+            (terms, slots),
+            now_ms,
+        )?;
+        match (new, outcome) {
+            (Some(new), outcome) => {
+                return Ok((
+                    Some((slot, new)),
+                    SlotClaim {
+                        slot: Some(slot),
+                        outcome,
+                    },
+                ));
+            }
+            (None, outcome @ Outcome::Held { .. }) => {
+                let sooner = match (&first_free, &outcome) {
+                    (None, _) => true,
+                    (
+                        Some((_, Outcome::Held { expires_in: a, .. })),
+                        Outcome::Held { expires_in: b, .. },
+                    ) => b < a,
+                    _ => false,
+                };
+                if sooner {
+                    first_free = Some((slot, outcome));
+                }
+            }
+            // A completed slot (an older build's) stays taken for good.
+            (None, _) => {}
+        }
+    }
+    match first_free {
+        Some((slot, held)) => refused(Some(slot), held),
+        None => Err(StoreError::Protocol(format!(
+            "every slot of {resource} is completed: a semaphore's slots are released, never completed"
+        ))),
+    }
 }

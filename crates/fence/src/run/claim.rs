@@ -1,5 +1,6 @@
-//! `fence run`'s claim: waiting while the job (or every slot of a semaphore) is held, within
-//! `--wait`.
+//! `fence run`'s claim: waiting while the job (or every slot of a semaphore) is held.
+//!
+//! It waits no longer than `--wait`.
 
 use std::{future::Future, time::Duration};
 

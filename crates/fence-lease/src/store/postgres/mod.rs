@@ -482,6 +482,11 @@ impl LeaseStore for PgLeaseStore {
                 owner,
                 generation,
                 key,
+            } if op.completes_a_slot(job) => (owner, generation, key, &self.sql.release),
+            LeaseOp::Complete {
+                owner,
+                generation,
+                key,
             } => (owner, generation, key, &self.sql.complete),
             LeaseOp::Checkpoint {
                 owner,

@@ -148,7 +148,7 @@ impl PgLeaseStore {
             Some(row) => generation(resource, &row, 0)?,
             None => Generation::ZERO,
         };
-        let (new, out) = crate::store::rules::claim_slot(
+        let (new, out) = crate::store::decide_slot(
             resource,
             &records,
             floor,
