@@ -18,7 +18,9 @@
 //! the SQL mode's writers, and adds proxies stopped with requests in flight, PostgreSQL
 //! restarted (`-m immediate`) and every database connection dropped; its negative control
 //! writes the upstream's effects without the SQL fence and must find effects out of order
-//! across proxies.
+//! across proxies. The semaphore mode has six workers and a `fence run --slots` script claim
+//! slots of one semaphore of two (stops, proxy and server kills, no clock jumps): per slot no
+//! stale effect, and it counts the most leases writing with unexpired tokens at once (≤ 2).
 //!
 //! Quick mode runs in CI. Soak: `FENCE_SOAK_SECS=3600 FENCE_SOAK_SEED=42 cargo test -p fence
 //! --features test-hooks --test fault_injection -- --nocapture --exact
@@ -70,6 +72,52 @@ impl Rng {
     }
 }
 
+/// The resource of the semaphore mode; its slots are the jobs `sem#1` to `sem#N`.
+const SEMAPHORE: &str = "sem";
+
+/// The wall clock in ms since the Unix epoch: one clock for every process of a run (the
+/// semaphore mode runs no worker under libfaketime and no server with a clock offset).
+fn wall_ms() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_millis() as u64)
+}
+
+/// The most leases of the semaphore that sent writes with unexpired tokens at one time: each
+/// lease (slot job, generation) counts from its grant (`HOLD`) to its last write stamped
+/// before its local deadline (`SEND`); ends sort before starts at the same millisecond.
+fn most_writers_at_once(worker_logs: &[String]) -> usize {
+    let mut spans: BTreeMap<(String, u64), (Option<u64>, Option<u64>)> = BTreeMap::new();
+    for line in worker_logs.iter().flat_map(|l| l.lines()) {
+        let f: Vec<&str> = line.split_whitespace().collect();
+        if let ["HOLD" | "SEND", job, generation, at] = f.as_slice() {
+            let (Ok(generation), Ok(at)) = (generation.parse(), at.parse::<u64>()) else {
+                continue;
+            };
+            let span = spans.entry(((*job).to_owned(), generation)).or_default();
+            if f[0] == "HOLD" {
+                span.0 = Some(at);
+            } else {
+                span.1 = Some(span.1.map_or(at, |end: u64| end.max(at)));
+            }
+        }
+    }
+    let mut events: Vec<(u64, i32)> = Vec::new();
+    for (start, end) in spans.values() {
+        if let (Some(start), Some(end)) = (start, end) {
+            events.push((*start, 1));
+            events.push((*end, -1));
+        }
+    }
+    events.sort_unstable(); // -1 before 1 at the same time
+    let (mut now, mut most) = (0i32, 0i32);
+    for (_, step) in events {
+        now += step;
+        most = most.max(now);
+    }
+    most as usize
+}
+
 // ------------------------------------------------------------------------------------------
 // The worker process
 // ------------------------------------------------------------------------------------------
@@ -90,6 +138,8 @@ async fn fault_worker() {
         [url, schema, "ignore-expiry"] => Some(SqlWriter::connect(url, schema, true).await),
         _ => None,
     };
+    // `slots`: this worker claims a slot of the semaphore SEMAPHORE, of `jobs` slots.
+    let slots = parts.last() == Some(&"slots");
     // `grpc`: this worker calls the ledger through the proxy with a tonic client.
     let grpc = match sql {
         None if parts.last() == Some(&"grpc") => Some(
@@ -131,7 +181,15 @@ async fn fault_worker() {
             .checked_div(window)
             .map_or(0, |w| w * jobs);
         let job = format!("job-{}", shift + rng.below(jobs));
-        let lease = match client.claim(job.parse().unwrap()).await {
+        let claimed = if slots {
+            let resource = SEMAPHORE.parse().unwrap();
+            client
+                .claim_slot(resource, jobs as u32, Duration::ZERO)
+                .await
+        } else {
+            client.claim(job.parse().unwrap()).await
+        };
+        let lease = match claimed {
             Ok(lease) => lease,
             Err(ClaimError::Held { .. }) => {
                 tokio::time::sleep(Duration::from_millis(10 + rng.below(60))).await;
@@ -143,7 +201,11 @@ async fn fault_worker() {
             }
         };
         let generation = lease.generation().get();
+        let job = lease.job().to_string(); // a slot's job, in the semaphore mode
         println!("CLAIM {job} {generation} {}", client.owner_id());
+        if slots {
+            println!("HOLD {job} {generation} {}", wall_ms());
+        }
         hold(true);
         // Between being stamped with the token and being sent, a request may be held up (a
         // pause, a slow network): the window a stale write slips through.
@@ -242,6 +304,14 @@ async fn fault_worker() {
                     .header("idempotency-key", format!("\"w{id}-s{seq}\""))
                     .body(Full::new(Bytes::from(format!("w{id} s{seq}"))))
                     .unwrap();
+                if slots {
+                    // The wall clock first, then the lease's local deadline: a write logged
+                    // here was stamped with a token that was still good at that time.
+                    let now = wall_ms();
+                    if tokio::time::Instant::now() < lease.deadline() && !lease.is_lost() {
+                        println!("SEND {job} {generation} {now}");
+                    }
+                }
                 let result = svc.ready().await.unwrap().call(req).await;
                 first_try.get_or_insert_with(|| {
                     let upstream = result.as_ref().ok().and_then(|r| {
@@ -1046,6 +1116,10 @@ struct Report {
     /// requests of its job, stalled ones included); over HTTP without its time at the
     /// upstream.
     first_latencies: Vec<u64>,
+    /// Claims per job (the semaphore mode's slots among them).
+    claims_by_job: BTreeMap<String, usize>,
+    /// The most leases that sent writes with unexpired tokens at one time (semaphore mode).
+    most_writers: usize,
 }
 
 impl Report {
@@ -1106,6 +1180,12 @@ impl Report {
             "newer holder's first write, p99 ms",
             self.first_write_p99()
         );
+        if self.most_writers > 0 {
+            println!(
+                "{:<40} {:>8}",
+                "most leases writing at once, unexpired", self.most_writers
+            );
+        }
         for v in self
             .stale_effects
             .iter()
@@ -1151,6 +1231,7 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
         match f.as_slice() {
             ["CLAIM", job, generation, owner] => {
                 report.claims += 1;
+                *report.claims_by_job.entry((*job).to_owned()).or_default() += 1;
                 owners
                     .entry(((*job).to_owned(), generation.parse().unwrap()))
                     .or_default()
@@ -1198,6 +1279,7 @@ fn check(effects: &[Effect], worker_logs: &[String], report: &mut Report) {
             _ => {}
         }
     }
+    report.most_writers = most_writers_at_once(worker_logs);
     for ((job, generation), who) in owners {
         if who.len() > 1 {
             report.reused_generations.push(format!(
@@ -1234,6 +1316,10 @@ enum Mode {
     /// The same, with an upstream that writes without the SQL fence: nothing orders effects
     /// across proxies then (the negative control of `MultiNode`).
     MultiNodeUnordered,
+    /// Workers claim slots of one fenced semaphore of 2 slots, more workers than slots;
+    /// every clock is the machine's (no skewed workers, no server clock jumps), so the
+    /// writers with unexpired tokens at once can be counted.
+    Semaphore,
 }
 
 impl Mode {
@@ -1337,7 +1423,9 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     ]
     .into_iter()
     .find(|p| std::path::Path::new(p).exists());
-    let faketime = std::env::var_os("FENCE_FAULT_NO_FAKETIME").is_none() && libfaketime.is_some();
+    let faketime = std::env::var_os("FENCE_FAULT_NO_FAKETIME").is_none()
+        && libfaketime.is_some()
+        && mode != Mode::Semaphore;
     let leases = dir.path().join("leases");
     let sink = dir.path().join("sink");
     let start_server = |i: usize, offset: i64| {
@@ -1401,12 +1489,16 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
     let mut servers: Vec<Proc> = (0..servers_n).map(|i| start_server(i, 0)).collect();
     let mut proxies: Vec<Proc> = (0..proxies_n).map(start_proxy).collect();
     let mut report_faults: BTreeMap<&'static str, u64> = BTreeMap::new();
-    let (workers, jobs) = (6u64, 3u64);
+    // In the semaphore mode `jobs` is the number of slots.
+    let (workers, jobs) = match mode {
+        Mode::Semaphore => (6u64, 2u64),
+        _ => (6u64, 3u64),
+    };
     // Two workers run with their clocks shifted by 30 s and running 5% slow or fast
     // (libfaketime), when it is installed. The library is preloaded into the worker itself,
     // not run through the `faketime` wrapper, which forks: a SIGSTOP would stop the wrapper
     // and leave the worker running.
-    if !faketime {
+    if !faketime && mode != Mode::Semaphore {
         println!(
             "note: faketime not installed (apt-get install faketime): no worker runs with a skewed clock"
         );
@@ -1429,6 +1521,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                     format!(" {url} {schema}{ignore}")
                 }
                 _ if mode == Mode::Grpc => " grpc".to_owned(),
+                _ if mode == Mode::Semaphore => " slots".to_owned(),
                 _ => String::new(),
             };
             cmd.args(["fault_worker", "--exact", "--ignored", "--nocapture", "--test-threads=1"])
@@ -1466,7 +1559,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
         .status()
         .is_ok_and(|s| s.success());
     if curl && mode != Mode::Grpc {
-        let script = r#"n=0; start=$(date +%s); end=$(( start + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); shift=0; if [ "$WINDOW" -gt 0 ]; then shift=$(( ( $(date +%s) - start ) / WINDOW * JOBS )); fi; SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "job-$((shift + n % JOBS))" --ttl 600ms --grace 300ms -- sh -c 'echo "CLAIM $FENCE_JOB ${FENCE_TOKEN%%.*} $FENCE_OWNER"; for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done; exit 9'; sleep 0.05; done"#;
+        let script = r#"n=0; start=$(date +%s); end=$(( start + SECS )); while [ "$(date +%s)" -lt "$end" ]; do n=$((n + 1)); shift=0; if [ "$WINDOW" -gt 0 ]; then shift=$(( ( $(date +%s) - start ) / WINDOW * JOBS )); fi; SEQ0=$((n * 10)) "$FENCE_BIN" run --server "$SERVER" --job "${SEMAPHORE:-job-$((shift + n % JOBS))}" ${SEMAPHORE:+--slots "$JOBS"} --ttl 600ms --grace 300ms -- sh -c 'echo "CLAIM $FENCE_JOB ${FENCE_TOKEN%%.*} $FENCE_OWNER"; for i in 1 2 3; do s=$((SEQ0 + i)); code=$(curl -s -o /dev/null -w "%{http_code}" -X POST -H "X-Fencing-Job: $FENCE_JOB" -H "X-Fencing-Token: $FENCE_TOKEN" -H "x-worker: 100" -H "x-seq: $s" "$PROXY/effects"); if [ "$code" = 200 ]; then echo "ACK $FENCE_JOB ${FENCE_TOKEN%%.*} 100 $s"; else echo "REJECTED $FENCE_JOB ${FENCE_TOKEN%%.*} $code"; fi; sleep 0.05; done; exit 9'; sleep 0.05; done"#;
         children.push(
             Command::new("sh")
                 .arg("-c")
@@ -1474,6 +1567,14 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                 .env("SECS", secs.to_string())
                 .env("JOBS", jobs.to_string())
                 .env("WINDOW", window.to_string())
+                .env(
+                    "SEMAPHORE",
+                    if mode == Mode::Semaphore {
+                        SEMAPHORE
+                    } else {
+                        ""
+                    },
+                )
                 .env("FENCE_BIN", FENCE)
                 .env("SERVER", format!("http://127.0.0.1:{}", server_ports[0]))
                 .env(
@@ -1591,7 +1692,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                 kill_and_reap(&mut proxies[i]); // its port is free again before the restart
                 proxies[i] = start_proxy(i);
             }
-            8..=9 if mode.multi_node() => {
+            8..=9 if mode.multi_node() || mode == Mode::Semaphore => {
                 report.fault("server SIGKILL + restart", 1);
                 let i = rng.below(servers_n as u64) as usize;
                 kill_and_reap(&mut servers[i]);
@@ -1703,7 +1804,13 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
             .or_default() += 1;
     }
     drop((proxies, servers));
-    report.fault("more workers than jobs (6 on 3)", 1);
+    report.fault(
+        match mode {
+            Mode::Semaphore => "more workers than slots (6 on 2)",
+            _ => "more workers than jobs (6 on 3)",
+        },
+        1,
+    );
     if let Some((url, schema, _)) = &sql {
         // A connection of its own: a restart or a dropped pool may have ended the first.
         let client = connect(url).await.unwrap();
@@ -1873,6 +1980,53 @@ async fn fenced_run_has_no_violations() {
         report.first_write_p99() < bound,
         "seed {seed}: the newer holder's first write took {} ms at p99 (bound {bound} ms)",
         report.first_write_p99()
+    );
+}
+
+/// The count of the semaphore mode sees leases that overlap, and only those: a hand-over at
+/// the same millisecond is not an overlap, a lease without writes is not counted.
+#[test]
+fn most_writers_at_once_counts_overlapping_leases() {
+    let logs = [
+        "HOLD sem#1 1 100\nSEND sem#1 1 150\nSEND sem#1 1 200\nHOLD sem#1 2 200\nSEND sem#1 2 300"
+            .to_owned(),
+        "HOLD sem#2 1 120\nSEND sem#2 1 250\nHOLD sem#2 2 260\n".to_owned(),
+    ];
+    assert_eq!(most_writers_at_once(&logs), 2);
+    let three = ["HOLD sem#3 1 140\nSEND sem#3 1 160".to_owned()];
+    let all: Vec<String> = logs.iter().chain(&three).cloned().collect();
+    assert_eq!(most_writers_at_once(&all), 3);
+}
+
+/// The semaphore mode (contract section 15): 6 workers and a `fence run --slots` script on
+/// a semaphore of 2 slots, with stops past the lease and proxy and server kills. Per slot,
+/// no stale effect; and never more than 2 leases writing with unexpired tokens at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn semaphore_run_has_no_violations() {
+    let title = "fault injection, a semaphore of 2 slots";
+    let (report, seed) = soak(Mode::Semaphore, 20, title).await;
+    // No clock jumps here: the count below needs one clock.
+    let kinds = [
+        "worker SIGSTOP past its lease",
+        "proxy SIGKILL + restart",
+        "server SIGKILL + restart",
+    ];
+    assert_faults(&report, seed, &kinds);
+    assert_no_violations(&report, seed);
+    let slots = report
+        .claims_by_job
+        .keys()
+        .filter(|job| job.starts_with("sem#"))
+        .count();
+    assert_eq!(slots, 2, "seed {seed}: claims of {slots} slots, not 2");
+    assert!(
+        report.most_writers > 0,
+        "seed {seed}: no lease wrote at all: the count checked nothing"
+    );
+    assert!(
+        report.most_writers <= 2,
+        "seed {seed}: {} leases of a 2-slot semaphore wrote with unexpired tokens at once",
+        report.most_writers
     );
 }
 
