@@ -19,7 +19,8 @@ var (
 	// server refused a renewal; a *ProblemError of type lease-lost or lease-key-mismatch
 	// matches it too.
 	ErrLeaseLost = errors.New("fence: lease lost")
-	// ErrInvalidJobID: a job id that is not 1 to 256 visible ASCII characters; nothing was sent.
+	// ErrInvalidJobID: a job id that is not 1 to 256 visible ASCII characters, or a semaphore's
+	// resource name that is not 1 to 251 of them without '#'; nothing was sent.
 	ErrInvalidJobID = errors.New("fence: invalid job id")
 	// ErrUnreachable: no answer from the lease server (refused, reset, timed out, TLS).
 	ErrUnreachable = errors.New("fence: lease server unreachable")
@@ -27,12 +28,17 @@ var (
 	ErrProtocol = errors.New("fence: protocol error")
 
 	// ErrLeaseHeld matches a *ProblemError of type urn:fence:lease-held, and of type
-	// urn:fence:lock-delay (nobody can claim the job for now either).
+	// urn:fence:lock-delay (nobody can claim the job for now either). For a semaphore claim,
+	// every slot is taken, and the problem's Job is the slot that frees first.
 	ErrLeaseHeld = errors.New("fence: lease held")
 	// ErrLockDelay matches a *ProblemError of type urn:fence:lock-delay: the job's last lease
 	// expired and its lock-delay runs for ClaimableInMs (Owner and Generation are the expired
 	// lease's).
 	ErrLockDelay = errors.New("fence: lock-delay running")
+	// ErrSemaphoreSize matches a *ProblemError of type urn:fence:semaphore-size: slots of the
+	// resource are held (or in their lock-delay) under another number of slots, the problem's
+	// Slots. The number of slots changes only while none of them is held.
+	ErrSemaphoreSize = errors.New("fence: semaphore has another number of slots")
 	// ErrJobCompleted matches a *ProblemError of type urn:fence:job-completed.
 	ErrJobCompleted = errors.New("fence: job completed")
 	// ErrLeaseRefused matches a *ProblemError of type urn:fence:lease-lost or
@@ -71,22 +77,26 @@ type ProblemError struct {
 	ExpiresInMs uint64
 	// ClaimableInMs is how long until the job can be claimed, for lock-delay problems.
 	ClaimableInMs uint64
-	RetryAfter    time.Duration
-	Members       map[string]json.RawMessage
+	// Slots is the number of slots in force, for semaphore-size problems.
+	Slots      int
+	RetryAfter time.Duration
+	Members    map[string]json.RawMessage
 }
 
 func (e *ProblemError) Error() string {
 	return fmt.Sprintf("%d %s: %s", e.Status, e.Type, e.Detail)
 }
 
-// Is matches the sentinel of the problem's type: ErrLeaseHeld, ErrJobCompleted,
-// ErrLeaseRefused (and ErrLeaseLost), ErrStaleToken.
+// Is matches the sentinel of the problem's type: ErrLeaseHeld (and ErrLockDelay),
+// ErrSemaphoreSize, ErrJobCompleted, ErrLeaseRefused (and ErrLeaseLost), ErrStaleToken.
 func (e *ProblemError) Is(target error) bool {
 	switch e.Type {
 	case "urn:fence:lease-held":
 		return target == ErrLeaseHeld
 	case "urn:fence:lock-delay":
 		return target == ErrLockDelay || target == ErrLeaseHeld
+	case "urn:fence:semaphore-size":
+		return target == ErrSemaphoreSize
 	case "urn:fence:job-completed":
 		return target == ErrJobCompleted
 	case "urn:fence:lease-lost", "urn:fence:lease-key-mismatch":
@@ -115,6 +125,7 @@ func problemFrom(status int, header http.Header, body []byte) *ProblemError {
 		_ = json.Unmarshal(members["generation"], &p.Generation)
 		_ = json.Unmarshal(members["expires_in_ms"], &p.ExpiresInMs)
 		_ = json.Unmarshal(members["claimable_in_ms"], &p.ClaimableInMs)
+		_ = json.Unmarshal(members["slots"], &p.Slots)
 		if h := members["highest"]; h != nil {
 			var s string
 			if json.Unmarshal(h, &s) == nil {

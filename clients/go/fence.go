@@ -12,6 +12,10 @@
 //		return err
 //	}, fence.RunOptions{})
 //
+//	slot, err := client.ClaimSlot(ctx, "exports", 3, 5*time.Second) // a semaphore: one of 3 slots
+//	// ... slot.Job() is "exports#2"; write with slot.Transport(nil) ...
+//	_, err = slot.Release(ctx) // or slot.Complete(ctx): completing a slot releases it too
+//
 // The wire contract is docs/protocol.md of the fence repository.
 package fence
 
@@ -20,6 +24,7 @@ import (
 	"errors"
 	"fmt"
 	"net/http"
+	"strconv"
 	"time"
 )
 
@@ -137,10 +142,7 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 		return nil, err
 	}
 	ttlMs := uint64(ttl / time.Millisecond)
-	body := map[string]any{"owner": c.owner, "lease_key": key, "ttl_ms": ttlMs}
-	if c.delay > 0 {
-		body["lock_delay_ms"] = uint64(c.delay / time.Millisecond)
-	}
+	body := c.claimBody(key, ttlMs)
 	budget := ttl - marginOf(ttl, c.margin)
 	waitUntil := c.clock.Now().Add(wait)
 	var a leaseAnswer
@@ -166,13 +168,126 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 			return nil, err
 		}
 	}
+	return c.startLease(ctx, job, key, ttlMs, sent, a)
+}
+
+// A semaphore claim is not held at the server: while every slot is taken, the client asks again
+// after a pause that starts here and doubles up to the cap.
+const (
+	slotBackoffFirst = 10 * time.Millisecond
+	slotBackoffMax   = 500 * time.Millisecond
+)
+
+// ClaimSlot claims one slot of semaphore resource, of slots slots (1 to 1000; contract section
+// 15), and starts its keeper. The lease is an ordinary one on the slot's job, "<resource>#<slot>"
+// (Job; Resource and Slot): renew, release, complete, checkpoint and the fencing headers work on
+// it as on any job's. Release or complete it when done: completing a slot releases it (the
+// server frees the slot; the Record's State is "free").
+//
+// The server never waits on a semaphore claim: with wait the client asks again while every slot
+// is taken, after pauses of 10 ms doubling up to 500 ms (shorter when the slot that frees first
+// frees sooner), until wait is over or ctx is done. Each call claims under a lease key of its
+// own: two calls hold two slots, even under one owner.
+//
+// Errors: a *ProblemError matching ErrLeaseHeld (every slot taken when the wait ends; its Job is
+// the slot that frees first; ErrLockDelay too while that slot's lock-delay runs) or
+// ErrSemaphoreSize (slots of the resource are held under another number, its Slots), or another
+// refusal; ErrUnreachable; and before sending, ErrInvalidJobID for a resource name that is not 1
+// to 251 visible ASCII bytes or holds '#', an error for slots outside 1 to 1000.
+func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait time.Duration) (*Lease, error) {
+	if err := CheckResource(resource); err != nil {
+		return nil, err
+	}
+	if err := checkSlots(slots); err != nil {
+		return nil, err
+	}
+	enc, err := EncodeJob(resource)
+	if err != nil {
+		return nil, err
+	}
+	key, err := newLeaseKey()
+	if err != nil {
+		return nil, err
+	}
+	ttlMs := uint64(c.ttl / time.Millisecond)
+	body := c.claimBody(key, ttlMs)
+	body["slots"] = slots
+	budget := c.ttl - marginOf(c.ttl, c.margin)
+	path := "/v1/semaphores/" + enc + "/claim"
+	waitUntil := c.clock.Now().Add(wait)
+	backoff := slotBackoffFirst
+	var a leaseAnswer
+	var sent time.Time
+	for {
+		sent = c.clock.Now()
+		err = c.t.call(ctx, http.MethodPost, path, body, budget, &a)
+		if err == nil {
+			break
+		}
+		left := waitUntil.Sub(c.clock.Now())
+		var held *ProblemError
+		if !errors.Is(err, ErrLeaseHeld) || !errors.As(err, &held) || left <= 0 || ctx.Err() != nil {
+			return nil, err
+		}
+		pause := heldPause(held, backoff)
+		if pause > left {
+			pause = left
+		}
+		timer := time.NewTimer(pause)
+		select {
+		case <-ctx.Done():
+			timer.Stop()
+			return nil, ctx.Err()
+		case <-timer.C:
+		}
+		if backoff *= 2; backoff > slotBackoffMax {
+			backoff = slotBackoffMax
+		}
+	}
+	if a.Slot < 1 || a.Slot > slots || a.Job != resource+"#"+strconv.Itoa(a.Slot) || a.Resource != resource {
+		return nil, fmt.Errorf("%w: a claim of semaphore %s (%d slots) was answered with job %q, slot %d",
+			ErrProtocol, resource, slots, a.Job, a.Slot)
+	}
+	return c.startLease(ctx, a.Job, key, ttlMs, sent, a)
+}
+
+// heldPause is how long to pause before asking for a slot again: until the slot that frees
+// first may be free (the problem's expires_in_ms, or claimable_in_ms in a lock-delay), at most
+// backoff, at least 1 ms.
+func heldPause(held *ProblemError, backoff time.Duration) time.Duration {
+	hint, given := held.ExpiresInMs, held.Members["expires_in_ms"] != nil
+	if held.Members["claimable_in_ms"] != nil {
+		hint, given = held.ClaimableInMs, true
+	}
+	pause := backoff
+	if d := time.Duration(hint) * time.Millisecond; given && d < pause {
+		pause = d
+	}
+	if pause < time.Millisecond {
+		pause = time.Millisecond
+	}
+	return pause
+}
+
+// claimBody is a claim's body; the lock-delay of the client, else the server's.
+func (c *Client) claimBody(key string, ttlMs uint64) map[string]any {
+	body := map[string]any{"owner": c.owner, "lease_key": key, "ttl_ms": ttlMs}
+	if c.delay > 0 {
+		body["lock_delay_ms"] = uint64(c.delay / time.Millisecond)
+	}
+	return body
+}
+
+// startLease makes the lease a claim sent at sent was granted (a semaphore slot's when a names
+// its resource and slot) and starts its keeper.
+func (c *Client) startLease(ctx context.Context, job, key string, ttlMs uint64, sent time.Time, a leaseAnswer) (*Lease, error) {
 	if a.Generation == 0 {
 		return nil, fmt.Errorf("%w: a claim of %s granted generation 0", ErrProtocol, job)
 	}
 	lctx, cancel := context.WithCancel(context.Background())
 	l := &Lease{t: c.t, clock: c.clock, job: job, owner: c.owner, generation: a.Generation, key: key,
 		askedTTLMs: ttlMs, margin: c.margin, ctx: lctx, cancel: cancel, finished: make(chan struct{}),
-		progressWithin: c.within, lastProgress: sent, resumed: a.Checkpoint}
+		progressWithin: c.within, lastProgress: sent, resumed: a.Checkpoint, resource: a.Resource, slot: a.Slot}
 	if _, err := l.setGrant(sent, a, true); err != nil {
 		cancel()
 		return nil, err

@@ -53,6 +53,11 @@ type Lease struct {
 	// resumed is the checkpoint the claim returned.
 	resumed *Checkpoint
 
+	// resource and slot are a semaphore slot's lease's (job is "<resource>#<slot>"); "" and 0
+	// for a plain lease.
+	resource string
+	slot     int
+
 	// progressWithin bounds renewals to progress (0: unbound); lastProgress is the last report.
 	progressWithin time.Duration
 	lastProgress   time.Time
@@ -76,6 +81,14 @@ func (l *Lease) Owner() string { return l.owner }
 
 // Generation is the generation this lease was granted.
 func (l *Lease) Generation() uint64 { return l.generation }
+
+// Resource is the semaphore whose slot this lease holds (Job is "<resource>#<slot>"); "" for a
+// plain lease.
+func (l *Lease) Resource() string { return l.resource }
+
+// Slot is the number of the semaphore slot this lease holds, 1 to the number of slots; 0 for a
+// plain lease.
+func (l *Lease) Slot() int { return l.slot }
 
 // Context is cancelled the moment the lease is lost (no later than the local deadline, also
 // when the server stops answering) or finished; Err says why. Run the job's work under it.
@@ -149,7 +162,9 @@ func (l *Lease) Header(h http.Header) error {
 func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx, "release") }
 
 // Complete marks the job done for good. The server decides: a *ProblemError matching
-// ErrLeaseRefused (409 lease-lost) when someone else took over.
+// ErrLeaseRefused (409 lease-lost) when someone else took over. Completing a semaphore slot
+// releases it: the server frees the slot (the Record's State is "free") and it can be claimed
+// again, at the next generation.
 func (l *Lease) Complete(ctx context.Context) (Record, error) { return l.end(ctx, "complete") }
 
 // Abandon stops renewing and lets the lease expire on the server; nothing is sent.

@@ -239,8 +239,9 @@ func TestServerStopsAnswering(t *testing.T) {
 }
 
 // Job ids that need percent-encoding round-trip through claim, status, the proxy and a revoke
-// (whose refused renewal must cancel the context).
-var jobIDs = []string{"a/b", "a%b", "a?b#c", "a+b", "a%2Fb", "..", ".", "~x_y-z.", "\"'\\<>{}|^`!$&()*,;=:@["}
+// (whose refused renewal must cancel the context). A '#' is a semaphore slot's
+// ("<resource>#<slot>"): the last id is the slot of resource "a?b", claimed as one.
+var jobIDs = []string{"a/b", "a%b", "a?b", "a+b", "a%2Fb", "..", ".", "~x_y-z.", "\"'\\<>{}|^`!$&()*,;=:@[", "a?b#1"}
 
 func TestJobIDs(t *testing.T) {
 	ctx := context.Background()
@@ -248,7 +249,11 @@ func TestJobIDs(t *testing.T) {
 	c := mustClient(t, s.serverURL, Options{Owner: "ids", TTL: time.Second})
 	var leases []*Lease
 	for _, id := range jobIDs {
-		l, err := c.Claim(ctx, id)
+		claim := func() (*Lease, error) { return c.Claim(ctx, id) }
+		if strings.HasSuffix(id, "#1") {
+			claim = func() (*Lease, error) { return c.ClaimSlot(ctx, strings.TrimSuffix(id, "#1"), 1, 0) }
+		}
+		l, err := claim()
 		if err != nil {
 			t.Fatalf("%q: %v", id, err)
 		}

@@ -37,6 +37,35 @@ func CheckJob(job string) error {
 	return nil
 }
 
+// MaxSlots is the most slots a semaphore has.
+const MaxSlots = 1000
+
+// CheckResource returns nil if resource can name a semaphore: a job id of at most 251 bytes (its
+// slots' job ids <resource>#<slot> add '#' and up to 4 digits) without '#', which separates a
+// resource from its slot number; else an error matching ErrInvalidJobID, before anything is
+// sent.
+func CheckResource(resource string) error {
+	if len(resource) > 251 {
+		return fmt.Errorf("%w: a resource name has 1 to 251 bytes, not %d (its slots' job ids add '#' and up to 4 digits)",
+			ErrInvalidJobID, len(resource))
+	}
+	if err := CheckJob(resource); err != nil {
+		return err
+	}
+	if strings.Contains(resource, "#") {
+		return fmt.Errorf("%w: resource name %q holds '#', which separates a resource from its slot number in a slot's job id",
+			ErrInvalidJobID, resource)
+	}
+	return nil
+}
+
+func checkSlots(slots int) error {
+	if slots < 1 || slots > MaxSlots {
+		return fmt.Errorf("fence: a semaphore has 1 to %d slots, not %d", MaxSlots, slots)
+	}
+	return nil
+}
+
 func unreserved(c byte) bool {
 	return 'A' <= c && c <= 'Z' || 'a' <= c && c <= 'z' || '0' <= c && c <= '9' ||
 		c == '-' || c == '.' || c == '_' || c == '~'
@@ -213,6 +242,9 @@ type leaseAnswer struct {
 	Token       *string `json:"token"`
 	// Checkpoint is a claim's: the job's last checkpoint, if any.
 	Checkpoint *Checkpoint `json:"checkpoint"`
+	// Resource and Slot are a semaphore claim's: Job is "<Resource>#<Slot>".
+	Resource string `json:"resource"`
+	Slot     int    `json:"slot"`
 }
 
 // Checkpoint is a job's saved progress as a claim returns it: the text, and the generation

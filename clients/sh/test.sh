@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # examples/sh/worker.sh against the real binaries: the worked example on a job id that needs
 # percent-encoding (A claims generation 7, stalls past its lease, B claims 8 and writes, A's
-# late write is refused 409 and A does not complete), then job ids a/b a%b a?b#c a+b, each
-# revoked while its worker writes to a slow service: the keeper's refused renewal must stop
-# the worker before its next write.
+# late write is refused 409 and A does not complete), then job ids a/b a%b a?b&c a+b (a '#'
+# is a semaphore slot's, refused to a plain claim), each revoked while its worker writes to a
+# slow service: the keeper's refused renewal must stop the worker before its next write.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); worker=${WORKER_SH:-$here/../../examples/sh/worker.sh}
 FENCE=$(realpath -m "${FENCE_BIN:-$here/../../target/debug/fence}")
@@ -40,7 +40,7 @@ code=0; wait "$a" || code=$?
 [ "$(cut -d' ' -f1-4 "$tmp/up.log")" = "$(printf '/ledger inv/42 7 write\n/ledger inv/42 8 write')" ] || fail "ledger: $(cat "$tmp/up.log")"
 
 n=0
-for job in 'a/b' 'a%b' 'a?b#c' 'a+b'; do n=$((n + 1))
+for job in 'a/b' 'a%b' 'a?b&c' 'a+b'; do n=$((n + 1))
   run slow "$job" 1500 3 >"$tmp/w$n" 2>&1 & w=$!
   ready "$tmp/w$n" "holding $job at generation 1"
   "$FENCE" status --server "$S" --job "$job" | grep -qF "\"job\":\"$job\"" || fail "status of $job"

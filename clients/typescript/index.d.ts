@@ -32,6 +32,16 @@ export interface ClaimOptions {
   lockDelayMs?: number;
 }
 
+/** Options of Client.claimSlot. */
+export interface ClaimSlotOptions {
+  /** Ask again up to this long while every slot is taken (the server never waits on a semaphore claim): after pauses of 10 ms doubling up to 500 ms, shorter when the slot that frees first frees sooner. */
+  waitMs?: number;
+  /** The TTL for this claim, instead of the client's. */
+  ttlMs?: number;
+  /** The lock-delay of this claim's lease, instead of the client's. */
+  lockDelayMs?: number;
+}
+
 export interface RunOptions extends ClaimOptions {
   /** What a resolved callback does to the job; default 'complete'. */
   onSuccess?: 'complete' | 'release';
@@ -54,6 +64,11 @@ export class Client {
   readonly lockDelayMs: number | undefined;
   /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, ProblemError, ServerUnreachable; throws InvalidJobId before sending. */
   claim(job: string, options?: ClaimOptions): Promise<Lease>;
+  /**
+   * Claims one of `slots` (1 to 1000) slots of semaphore `resource` and starts its keeper: a lease on the slot's job `<resource>#<slot>`, with `resource` and `slot` set. Release or complete it when done: completing a slot releases it (the server frees the slot; the record's `state` is 'free').
+   * Rejects with LeaseHeld (every slot taken when the wait ends; `problem.job` is the slot that frees first; LockDelay in its lock-delay), SemaphoreSize (held under another number of slots), ProblemError, ServerUnreachable; before sending, with InvalidJobId for a resource that is not 1 to 251 visible ASCII characters or holds '#', RangeError for slots outside 1 to 1000.
+   */
+  claimSlot(resource: string, slots: number, options?: ClaimSlotOptions): Promise<Lease>;
   /** Claims, runs `fn`, completes on success (or releases with onSuccess 'release'), releases on a throw; rejects with LeaseLost when the lease was lost meanwhile. */
   run<T>(job: string, fn: (lease: Lease) => Promise<T>, options?: RunOptions): Promise<T>;
   status(job: string): Promise<LeaseRecord>;
@@ -66,6 +81,10 @@ export class Lease {
   readonly job: string;
   readonly owner: string;
   readonly generation: bigint;
+  /** A semaphore slot's resource (`job` is `<resource>#<slot>`); undefined for a plain lease. */
+  readonly resource: string | undefined;
+  /** A semaphore slot's number, 1 to the number of slots; undefined for a plain lease. */
+  readonly slot: number | undefined;
   /** Aborts the moment the lease is lost; its `reason` is a LeaseLost. */
   readonly signal: AbortSignal;
   /** The newest token as the server returned it; throws LeaseLost once the lease is lost. */
@@ -84,6 +103,7 @@ export class Lease {
   isLost(): boolean;
   idempotencyKey(step: string): string;
   release(): Promise<LeaseRecord>;
+  /** Marks the job done (LeaseRefused when someone took over). On a semaphore slot it releases the slot: the server frees it and the record's `state` is 'free'. */
   complete(): Promise<LeaseRecord>;
   /** Stops renewing and lets the lease expire on the server; sends nothing. */
   abandon(): void;
@@ -133,6 +153,11 @@ export class ProblemError extends FenceError {
 }
 export class LeaseHeld extends ProblemError {}
 export class LockDelay extends LeaseHeld {}
+/** 409 urn:fence:semaphore-size: slots of the resource are held under another number, `slots`. */
+export class SemaphoreSize extends ProblemError {
+  /** The number of slots in force. */
+  readonly slots: number;
+}
 export class JobCompleted extends ProblemError {}
 export class LeaseRefused extends ProblemError {
   readonly job: string;

@@ -10,7 +10,10 @@ export class FenceError extends Error {
   }
 }
 
-/** A job id that is not 1 to 256 visible ASCII characters; nothing was sent. */
+/**
+ * A job id that is not 1 to 256 visible ASCII characters, or a semaphore's resource name that
+ * is not 1 to 251 of them without '#'; nothing was sent.
+ */
 export class InvalidJobId extends FenceError {}
 
 /** No answer from the lease server (refused, reset, timed out, TLS); the cause is `cause`. */
@@ -59,7 +62,10 @@ export class ProblemError extends FenceError {
   }
 }
 
-/** 409 urn:fence:lease-held: another owner holds the job (`problem.owner`, `problem.expires_in_ms`). */
+/**
+ * 409 urn:fence:lease-held: another owner holds the job (`problem.owner`, `problem.expires_in_ms`).
+ * For a semaphore claim: every slot is taken, and `problem.job` is the slot that frees first.
+ */
 export class LeaseHeld extends ProblemError {}
 
 /**
@@ -68,6 +74,18 @@ export class LeaseHeld extends ProblemError {}
  * expired lease's). A LeaseHeld, so code that waits for a held job waits for this too.
  */
 export class LockDelay extends LeaseHeld {}
+
+/**
+ * 409 urn:fence:semaphore-size: slots of the resource are held (or in their lock-delay) under
+ * another number of slots; `slots` is the number in force. The number of slots of a resource
+ * changes only while none of its slots is held: claim with `slots`, or later.
+ */
+export class SemaphoreSize extends ProblemError {
+  constructor(problem, status, retryAfter) {
+    super(problem, status, retryAfter);
+    this.slots = Number.isInteger(problem.slots) ? problem.slots : 0;
+  }
+}
 
 /** 410 urn:fence:job-completed: the job is done; do not run it. */
 export class JobCompleted extends ProblemError {}
@@ -89,6 +107,7 @@ const BY_TYPE = {
   'urn:fence:lease-held': LeaseHeld,
   'urn:fence:lock-delay': LockDelay,
   'urn:fence:job-completed': JobCompleted,
+  'urn:fence:semaphore-size': SemaphoreSize,
   'urn:fence:lease-lost': LeaseRefused,
   'urn:fence:lease-key-mismatch': LeaseRefused,
   'urn:fence:stale-token': StaleToken,

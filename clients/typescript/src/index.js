@@ -5,14 +5,38 @@
 //   await client.run('invoice-42', async (lease) => {        // completes when fn resolves
 //     await lease.fetch('http://127.0.0.1:7800/ledger', { method: 'POST', body: 'charge' });
 //   });
+//   const slot = await client.claimSlot('exports', 3);         // one of 3 slots: job exports#2
+//   try { /* lease.fetch(...) */ } finally { await slot.release(); }
 
 import { LeaseHeld, LeaseLost, ProtocolError, ServerUnreachable } from './errors.js';
 import { DEADLINE_PASSED, Lease } from './lease.js';
-import { Transport, checkJob, defaultOwner, encodeJob, marginOf, newLeaseKey, now } from './wire.js';
+import {
+  Transport, checkJob, checkResource, checkSlots, defaultOwner, encodeJob, marginOf, newLeaseKey, now,
+} from './wire.js';
 
 export * from './errors.js';
 export { Lease, fencedFetch } from './lease.js';
 export { checkJob, encodeJob, idempotencyKey } from './wire.js';
+
+// A semaphore claim is not held at the server: while every slot is taken, the client asks again
+// after a pause that starts here and doubles up to the cap (ms).
+const SLOT_BACKOFF_FIRST_MS = 10;
+const SLOT_BACKOFF_MAX_MS = 500;
+
+const pause = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+
+/**
+ * How long to pause before asking for a slot again: until the slot that frees first may be free
+ * (the problem's expires_in_ms, or claimable_in_ms in a lock-delay), at most `backoffMs`, at
+ * least 1 ms.
+ * @param {LeaseHeld} error
+ * @param {number} backoffMs
+ */
+function heldPause(error, backoffMs) {
+  const hint = error.problem.claimable_in_ms ?? error.problem.expires_in_ms;
+  const ms = typeof hint === 'number' && hint >= 0 ? Math.min(hint, backoffMs) : backoffMs;
+  return Math.max(ms, 1);
+}
 
 function checkLockDelay(delayMs) {
   if (delayMs !== undefined && !(Number.isInteger(delayMs) && delayMs >= 0 && delayMs <= 86_400_000)) {
@@ -63,12 +87,7 @@ export class Client {
    */
   async claim(job, options = {}) {
     checkJob(job);
-    const ttlMs = checkTtl(options.ttlMs ?? this.ttlMs);
-    const key = newLeaseKey();
-    const body = { owner: this.owner, lease_key: key, ttl_ms: ttlMs };
-    const lockDelayMs = checkLockDelay(options.lockDelayMs ?? this.lockDelayMs);
-    if (lockDelayMs !== undefined) body.lock_delay_ms = lockDelayMs;
-    const budget = ttlMs - marginOf(ttlMs, this.marginMs);
+    const { key, body, ttlMs, budget } = this.#claimBody(options);
     const waitUntil = now() + Math.max(options.waitMs ?? 0, 0);
     let answer;
     let sent;
@@ -84,12 +103,78 @@ export class Client {
         if (!(e instanceof LeaseHeld) || chunk === 0 || now() >= waitUntil) throw e;
       }
     }
+    return this.#leaseFrom(job, key, ttlMs, sent, answer);
+  }
+
+  /**
+   * Claims one of the `slots` slots of semaphore `resource` (contract section 15) and starts its
+   * keeper. The lease is an ordinary one on the slot's job, `<resource>#<slot>` (`lease.job`;
+   * `lease.resource`, `lease.slot`): renew, release, complete, checkpoint and the fencing headers
+   * work on it as on any job's. Release or complete it when done: completing a slot releases it
+   * (the server frees the slot; the record's `state` is 'free').
+   *
+   * The server never waits on a semaphore claim: with `waitMs` the client asks again while every
+   * slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter when the slot that frees
+   * first frees sooner), until `waitMs` is over. Each call claims under a lease key of its own:
+   * two calls hold two slots, even under one owner.
+   *
+   * Rejects with LeaseHeld (every slot taken when the wait ends; `problem.job` is the slot that
+   * frees first; LockDelay while its lock-delay runs), SemaphoreSize (slots of the resource are
+   * held under another number, its `slots`), ProblemError, ServerUnreachable; and before
+   * sending anything with InvalidJobId for a resource name that is not 1 to 251 visible ASCII
+   * characters or holds '#', RangeError for `slots` outside 1 to 1000.
+   * @param {string} resource
+   * @param {number} slots
+   * @param {{waitMs?: number, ttlMs?: number, lockDelayMs?: number}} [options]
+   * @returns {Promise<Lease>}
+   */
+  async claimSlot(resource, slots, options = {}) {
+    const path = `/v1/semaphores/${encodeJob(checkResource(resource))}/claim`;
+    checkSlots(slots);
+    const { key, body, ttlMs, budget } = this.#claimBody(options);
+    body.slots = slots;
+    const waitUntil = now() + Math.max(options.waitMs ?? 0, 0);
+    let backoff = SLOT_BACKOFF_FIRST_MS;
+    let answer;
+    let sent;
+    for (;;) {
+      sent = now();
+      try {
+        answer = await this.#transport.call('POST', path, body, budget);
+        break;
+      } catch (e) {
+        const left = waitUntil - now();
+        if (!(e instanceof LeaseHeld) || left <= 0) throw e;
+        await pause(Math.min(heldPause(e, backoff), left));
+        backoff = Math.min(backoff * 2, SLOT_BACKOFF_MAX_MS);
+      }
+    }
+    const { job, slot } = answer;
+    if (!Number.isInteger(slot) || slot < 1 || slot > slots || job !== `${resource}#${slot}` || answer.resource !== resource) {
+      throw new ProtocolError(`a claim of semaphore ${resource} (${slots} slots) was answered with job ${job}, slot ${slot}`);
+    }
+    return this.#leaseFrom(job, key, ttlMs, sent, answer, { resource, slot });
+  }
+
+  // A claim's lease key, body, TTL and time budget per request (ms); the options checked here.
+  #claimBody(options) {
+    const ttlMs = checkTtl(options.ttlMs ?? this.ttlMs);
+    const key = newLeaseKey();
+    const body = { owner: this.owner, lease_key: key, ttl_ms: ttlMs };
+    const lockDelayMs = checkLockDelay(options.lockDelayMs ?? this.lockDelayMs);
+    if (lockDelayMs !== undefined) body.lock_delay_ms = lockDelayMs;
+    return { key, body, ttlMs, budget: ttlMs - marginOf(ttlMs, this.marginMs) };
+  }
+
+  // The lease a claim sent at `sent` was granted, its keeper started.
+  async #leaseFrom(job, key, ttlMs, sent, answer, slot) {
     if (typeof answer.generation !== 'bigint' || answer.generation < 1n) {
       throw new ProtocolError(`a claim of ${job} granted generation ${answer.generation}`);
     }
     const lease = new Lease(this.#transport, job, this.owner, key, answer.generation, ttlMs, this.marginMs,
       this.progressWithinMs);
     lease._resume(answer.checkpoint);
+    if (slot !== undefined) lease._slotOf(slot.resource, slot.slot);
     lease._setGrant(sent, answer, true);
     // A claim that waited long arrives with little time left: renew once, now, and count the
     // deadline from this send (against the grant, which may be shorter than asked).

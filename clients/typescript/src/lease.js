@@ -39,6 +39,9 @@ export class Lease {
     this.job = job;
     this.owner = owner;
     this.generation = generation;
+    /** A semaphore slot's lease: its resource and slot number (job is `<resource>#<slot>`). */
+    this.resource = undefined;
+    this.slot = undefined;
     this.#key = key;
     this.#askedTtlMs = askedTtlMs;
     this.#marginMs = marginMs;
@@ -83,6 +86,12 @@ export class Lease {
   /** @internal */
   _resume(checkpoint) {
     this.#resumed = checkpoint ?? null;
+  }
+
+  /** @internal Made a semaphore slot's lease by Client.claimSlot. */
+  _slotOf(resource, slot) {
+    this.resource = resource;
+    this.slot = slot;
   }
 
   /**
@@ -150,7 +159,11 @@ export class Lease {
     return this.#finish('release');
   }
 
-  /** Marks the job done for good; the server decides (LeaseRefused when someone took over). */
+  /**
+   * Marks the job done for good; the server decides (LeaseRefused when someone took over).
+   * Completing a semaphore slot releases it: the server frees the slot (the record's `state` is
+   * 'free') and it can be claimed again, at the next generation.
+   */
   complete() {
     return this.#finish('complete');
   }

@@ -36,6 +36,39 @@ export function checkJob(job) {
   return job;
 }
 
+/** The most slots a semaphore has. */
+export const MAX_SLOTS = 1000;
+
+/**
+ * Returns `resource` if it can name a semaphore: a job id of at most 251 characters (its slots'
+ * job ids `<resource>#<slot>` add '#' and up to 4 digits) without '#', which separates a
+ * resource from its slot number; else throws InvalidJobId, before anything is sent.
+ * @param {string} resource
+ */
+export function checkResource(resource) {
+  if (typeof resource !== 'string') throw new InvalidJobId(`a resource name is a string, not ${typeof resource}`);
+  if (resource.length > 251) {
+    throw new InvalidJobId(`a resource name has 1 to 251 characters, not ${resource.length} (its slots' job ids add '#' and up to 4 digits)`);
+  }
+  checkJob(resource);
+  if (resource.includes('#')) {
+    throw new InvalidJobId(`resource name ${JSON.stringify(resource)} holds '#', which separates a resource from its slot number in a slot's job id`);
+  }
+  return resource;
+}
+
+/**
+ * Returns `slots` if it is a semaphore's number of slots, an integer from 1 to 1000; else
+ * throws RangeError, before anything is sent.
+ * @param {number} slots
+ */
+export function checkSlots(slots) {
+  if (!Number.isInteger(slots) || slots < 1 || slots > MAX_SLOTS) {
+    throw new RangeError(`a semaphore has 1 to ${MAX_SLOTS} slots, not ${slots}`);
+  }
+  return slots;
+}
+
 /**
  * The job id percent-encoded for a URL path: every byte but A-Z a-z 0-9 - . _ ~.
  * @param {string} job

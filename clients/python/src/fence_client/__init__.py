@@ -7,6 +7,8 @@ fencing token with every write, refusing to send once the lease is lost.
     client = Client("http://127.0.0.1:7700", ttl=10)
     with client.claim("invoice-42") as lease:        # completes on a clean exit
         session.post("http://127.0.0.1:7800/ledger", data="charge", auth=FenceAuth(lease))
+    with client.claim_slot("exports", 3) as lease:   # a semaphore: one of 3 slots, released on exit
+        ...
 
 The asyncio twin is :mod:`fence_client.aio`; adapters for ``requests`` and ``httpx`` are
 :mod:`fence_client.requests` and :mod:`fence_client.httpx`. The wire contract is
@@ -14,8 +16,8 @@ The asyncio twin is :mod:`fence_client.aio`; adapters for ``requests`` and ``htt
 """
 
 from ._errors import (FenceError, InvalidJobId, JobCompleted, LeaseHeld, LeaseLost, LeaseRefused,
-                      LockDelay, ProblemError, ProtocolError, ServerUnreachable, StaleToken,
-                      problem_error)
+                      LockDelay, ProblemError, ProtocolError, SemaphoreSize, ServerUnreachable,
+                      StaleToken, problem_error)
 from ._wire import check_job, encode_job, idempotency_key
 from .aio import AsyncClient, AsyncLease
 from .client import Client, Lease
@@ -23,7 +25,7 @@ from .client import Client, Lease
 __all__ = [
     "AsyncClient", "AsyncLease", "Client", "FenceError", "InvalidJobId", "JobCompleted",
     "Lease", "LeaseHeld", "LeaseLost", "LeaseRefused", "LockDelay", "ProblemError",
-    "ProtocolError",
+    "ProtocolError", "SemaphoreSize",
     "ServerUnreachable", "StaleToken", "check_job", "encode_job", "idempotency_key",
     "problem_error",
 ]

@@ -11,7 +11,8 @@ class FenceError(Exception):
 
 
 class InvalidJobId(FenceError, ValueError):
-    """A job id that is not 1 to 256 visible ASCII characters; nothing was sent."""
+    """A job id that is not 1 to 256 visible ASCII characters, or a semaphore's resource name
+    that is not 1 to 251 of them without ``#``; nothing was sent."""
 
 
 class ServerUnreachable(FenceError):
@@ -77,13 +78,28 @@ class ProblemError(FenceError):
 
 
 class LeaseHeld(ProblemError):
-    """409 ``urn:fence:lease-held``: another owner holds the job (``owner``, ``expires_in_ms``)."""
+    """409 ``urn:fence:lease-held``: another owner holds the job (``owner``, ``expires_in_ms``).
+    For a semaphore claim: every slot is taken, and ``job`` is the slot that frees first."""
 
 
 class LockDelay(LeaseHeld):
     """409 ``urn:fence:lock-delay``: the job's last lease expired and its lock-delay runs;
     nobody can claim it for ``claimable_in_ms`` (``owner`` and ``generation`` are the expired
     lease's). A :class:`LeaseHeld`, so code that waits for a held job waits for this too."""
+
+
+class SemaphoreSize(ProblemError):
+    """409 ``urn:fence:semaphore-size``: slots of the resource are held (or in their lock-delay)
+    under another number of slots; ``slots`` is the number in force. The number of slots of a
+    resource changes only while none of its slots is held: claim with ``slots``, or later."""
+
+    slots: int
+
+    def __init__(self, problem: Dict[str, Any], status: int,
+                 retry_after: Optional[float] = None) -> None:
+        ProblemError.__init__(self, problem, status, retry_after)
+        slots = problem.get("slots")
+        self.slots = slots if isinstance(slots, int) and not isinstance(slots, bool) else 0
 
 
 class JobCompleted(ProblemError):
@@ -111,6 +127,7 @@ _BY_TYPE: Dict[str, Type[ProblemError]] = {
     "urn:fence:lease-held": LeaseHeld,
     "urn:fence:lock-delay": LockDelay,
     "urn:fence:job-completed": JobCompleted,
+    "urn:fence:semaphore-size": SemaphoreSize,
     "urn:fence:lease-lost": LeaseRefused,
     "urn:fence:lease-key-mismatch": LeaseRefused,
     "urn:fence:stale-token": StaleToken,

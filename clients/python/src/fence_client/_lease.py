@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import random
 import threading
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
-from ._errors import JobCompleted, LeaseLost, LeaseRefused, ProtocolError
-from ._wire import (PathLike, Transport, check_job, default_owner, encode_job, grant_token,
-                    idempotency_key, lock_delay_to_ms, margin_ms, monotonic, ttl_to_ms,
-                    wait_param)
+from ._errors import JobCompleted, LeaseHeld, LeaseLost, LeaseRefused, ProtocolError
+from ._wire import (PathLike, Transport, check_job, check_resource, check_slots, default_owner,
+                    encode_job, grant_token, idempotency_key, lock_delay_to_ms, margin_ms,
+                    monotonic, new_lease_key, ttl_to_ms, wait_param)
 
 DEADLINE_PASSED = "the local deadline passed before a renewal succeeded"
 FINISHED = "the lease was released, completed or abandoned"
 
 ON_SUCCESS = ("complete", "release")
+
+# A semaphore claim is not held at the server: while every slot is taken, the client asks
+# again after a pause that starts here and doubles up to the cap (seconds).
+SLOT_BACKOFF_FIRST = 0.01
+SLOT_BACKOFF_MAX = 0.5
 
 
 class LeaseCore:
@@ -49,6 +54,9 @@ class LeaseCore:
         self._progress_within = progress_within
         self._last_progress = monotonic()  # the claim counts as the first report
         self._resumed: Optional[Dict[str, Any]] = None
+        # A semaphore slot's lease: its resource and slot number (job is "<resource>#<slot>").
+        self.resource: Optional[str] = None
+        self.slot: Optional[int] = None
 
     # -- what a worker reads -------------------------------------------------------------
 
@@ -218,6 +226,32 @@ def claim_path(job: str, wait_s: float) -> str:
     return path + (f"?wait={wait_param(wait_s)}" if wait_s > 0 else "")
 
 
+def semaphore_claim_path(resource: str) -> str:
+    """The claim URL path of a semaphore (no query: the server never waits on it)."""
+    return f"/v1/semaphores/{encode_job(check_resource(resource))}/claim"
+
+
+def slot_of(resource: str, slots: int, answer: Dict[str, Any]) -> Tuple[str, int]:
+    """(job, slot) of a semaphore claim's answer, checked against what was asked."""
+    job, slot = answer.get("job"), answer.get("slot")
+    if (not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot <= slots
+            or job != f"{resource}#{slot}" or answer.get("resource") != resource):
+        raise ProtocolError(f"a claim of semaphore {resource} ({slots} slots) was answered with"
+                            f" job {job!r}, slot {slot!r}")
+    return job, slot
+
+
+def held_pause(error: LeaseHeld, backoff: float) -> float:
+    """How long to pause before asking for a slot again: until the slot that frees first may be
+    free (the problem's ``expires_in_ms``, or ``claimable_in_ms`` in a lock-delay), at most
+    ``backoff`` seconds, at least a millisecond."""
+    hint = error.problem.get("claimable_in_ms", error.problem.get("expires_in_ms"))
+    pause = backoff
+    if isinstance(hint, (int, float)) and not isinstance(hint, bool) and hint >= 0:
+        pause = min(hint / 1000, backoff)
+    return max(pause, 0.001)
+
+
 class ClientCore:
     """The options both clients take, checked once: the server's transport, the owner, the
     TTL and the safety margin."""
@@ -246,6 +280,19 @@ class ClientCore:
         if delay_ms is not None:
             body["lock_delay_ms"] = delay_ms
         return body
+
+    def _slot_claim(self, resource: str, slots: int, ttl: Optional[float],
+                    lock_delay: Optional[float]) -> Tuple[str, Dict[str, Any], str, int, float]:
+        """A semaphore claim's path, body, lease key, TTL (ms) and time budget per request
+        (seconds); the resource and slots are checked here, before anything is sent."""
+        path = semaphore_claim_path(resource)
+        check_slots(slots)
+        ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
+        key = new_lease_key()
+        body = self._claim_body(key, ttl_ms, lock_delay)
+        body["slots"] = slots
+        budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
+        return path, body, key, ttl_ms, budget
 
     @property
     def server(self) -> str:

@@ -37,6 +37,34 @@ def check_job(job: str) -> str:
     return job
 
 
+MAX_SLOTS = 1000
+
+
+def check_resource(resource: str) -> str:
+    """Returns ``resource`` if it can name a semaphore: a job id of at most 251 characters (its
+    slots' job ids ``<resource>#<slot>`` add ``#`` and up to 4 digits) without ``#``, which
+    separates a resource from its slot number; else raises :class:`InvalidJobId`, before
+    anything is sent."""
+    if not isinstance(resource, str):
+        raise InvalidJobId(f"a resource name is a str, not {type(resource).__name__}")
+    if len(resource) > 251:
+        raise InvalidJobId(f"a resource name has 1 to 251 characters, not {len(resource)}"
+                           " (its slots' job ids add '#' and up to 4 digits)")
+    check_job(resource)
+    if "#" in resource:
+        raise InvalidJobId(f"resource name {resource!r} holds '#', which separates a resource"
+                           " from its slot number in a slot's job id")
+    return resource
+
+
+def check_slots(slots: int) -> int:
+    """Returns ``slots`` if it is a semaphore's number of slots, an int from 1 to 1000; else
+    raises ValueError, before anything is sent."""
+    if isinstance(slots, bool) or not isinstance(slots, int) or not 1 <= slots <= MAX_SLOTS:
+        raise ValueError(f"a semaphore has 1 to {MAX_SLOTS} slots, not {slots!r}")
+    return slots
+
+
 def encode_job(job: str) -> str:
     """The job id percent-encoded for a URL path: every byte but ``A-Z a-z 0-9 - . _ ~``."""
     return "".join(chr(b) if b in _UNRESERVED else f"%{b:02X}" for b in check_job(job).encode("ascii"))

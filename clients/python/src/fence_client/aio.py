@@ -3,6 +3,8 @@
     client = AsyncClient("http://127.0.0.1:7700", ttl=10)
     async with client.claim("invoice-42") as lease:     # completes on a clean exit
         await http.post(url, content=..., auth=FenceAuth(lease))     # fence_client.httpx
+    async with client.claim_slot("exports", 3) as lease:  # one of 3 slots; released on exit
+        ...
 
 The keeper is a task of the running loop; each call to the lease server runs the standard
 library's HTTP client in a worker thread, and every wait of the keeper is bounded by the local
@@ -13,11 +15,13 @@ from __future__ import annotations
 
 import asyncio
 from types import TracebackType
-from typing import Any, Dict, Generator, Optional, Type
+from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, Type
 
 from ._errors import FenceError, LeaseHeld, LeaseLost, ProtocolError, ServerUnreachable
-from ._lease import DEADLINE_PASSED, FINISHED, ClientCore, LeaseCore, claim_path
-from ._wire import check_job, encode_job, margin_ms, monotonic, new_lease_key, ttl_to_ms
+from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
+                     LeaseCore, claim_path, held_pause, semaphore_claim_path, slot_of)
+from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic, new_lease_key,
+                    ttl_to_ms)
 
 
 class AsyncLease(LeaseCore):
@@ -87,7 +91,8 @@ class AsyncLease(LeaseCore):
         return await self._finish("release")
 
     async def complete(self) -> Dict[str, Any]:
-        """Marks the job done; the record. :class:`LeaseRefused` when someone took over."""
+        """Marks the job done; the record. :class:`LeaseRefused` when someone took over.
+        Completing a semaphore slot releases it (the server frees the slot: ``state`` ``free``)."""
         return await self._finish("complete")
 
     def abandon(self) -> None:
@@ -124,16 +129,15 @@ class AsyncLease(LeaseCore):
 
 
 class _Claim:
-    """What ``AsyncClient.claim`` returns: await it for the lease, or ``async with`` it."""
+    """What ``AsyncClient.claim`` and ``claim_slot`` return: await it for the lease, or
+    ``async with`` it."""
 
-    def __init__(self, client: "AsyncClient", job: str, wait: float, ttl: Optional[float],
-                 on_success: str, lock_delay: Optional[float]) -> None:
-        self._args = (client, job, wait, ttl, on_success, lock_delay)
+    def __init__(self, claim: Callable[[], Awaitable[AsyncLease]]) -> None:
+        self._claim = claim
         self._lease: Optional[AsyncLease] = None
 
     def __await__(self) -> Generator[Any, None, AsyncLease]:
-        client, job, wait, ttl, on_success, lock_delay = self._args
-        return client._claim(job, wait, ttl, on_success, lock_delay).__await__()
+        return self._claim().__await__()
 
     async def __aenter__(self) -> AsyncLease:
         self._lease = await self
@@ -153,7 +157,36 @@ class AsyncClient(ClientCore):
         """``await client.claim(job)`` or ``async with client.claim(job) as lease``; as
         :meth:`fence_client.Client.claim`."""
         check_job(job)
-        return _Claim(self, job, wait, ttl, on_success, lock_delay)
+        return _Claim(lambda: self._claim(job, wait, ttl, on_success, lock_delay))
+
+    def claim_slot(self, resource: str, slots: int, *, wait: float = 0.0,
+                   ttl: Optional[float] = None, lock_delay: Optional[float] = None) -> _Claim:
+        """``await client.claim_slot(resource, slots)`` or ``async with
+        client.claim_slot(resource, slots) as lease`` (released on exit); as
+        :meth:`fence_client.Client.claim_slot`."""
+        semaphore_claim_path(resource)
+        check_slots(slots)
+        return _Claim(lambda: self._claim_slot(resource, slots, wait, ttl, lock_delay))
+
+    async def _claim_slot(self, resource: str, slots: int, wait: float, ttl: Optional[float],
+                          lock_delay: Optional[float]) -> AsyncLease:
+        path, body, key, ttl_ms, budget = self._slot_claim(resource, slots, ttl, lock_delay)
+        wait_until = monotonic() + max(wait, 0.0)
+        backoff = SLOT_BACKOFF_FIRST
+        while True:
+            sent = monotonic()
+            try:
+                answer = await asyncio.to_thread(self._transport.call, "POST", path, body,
+                                                 budget)
+                break
+            except LeaseHeld as e:
+                left = wait_until - monotonic()
+                if left <= 0:
+                    raise
+                await asyncio.sleep(min(held_pause(e, backoff), left))
+                backoff = min(backoff * 2, SLOT_BACKOFF_MAX)
+        job, slot = slot_of(resource, slots, answer)
+        return await self._lease_from(job, key, ttl_ms, "release", sent, answer, (resource, slot))
 
     async def _claim(self, job: str, wait: float, ttl: Optional[float],
                      on_success: str, lock_delay: Optional[float] = None) -> AsyncLease:
@@ -174,12 +207,20 @@ class AsyncClient(ClientCore):
             except LeaseHeld:
                 if chunk <= 0 or monotonic() >= wait_until:
                     raise
+        return await self._lease_from(job, key, ttl_ms, on_success, sent, answer)
+
+    async def _lease_from(self, job: str, key: str, ttl_ms: int, on_success: str, sent: float,
+                          answer: Dict[str, Any],
+                          slot: Optional[Tuple[str, int]] = None) -> AsyncLease:
+        """The lease a claim sent at ``sent`` was granted, its keeper started."""
         generation = answer.get("generation")
         if not isinstance(generation, int) or generation < 1:
             raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
         lease = AsyncLease(self._transport, job, self.owner, key, generation, ttl_ms,
                            self._margin, on_success, self.progress_within)
         lease._resumed = answer.get("checkpoint")
+        if slot is not None:
+            lease.resource, lease.slot = slot
         lease._set_grant(sent, answer, first=True)
         # A claim that waited long: renew once, now, as the thread client does.
         usable = lease.deadline - sent

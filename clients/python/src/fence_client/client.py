@@ -3,16 +3,20 @@
     client = Client("http://127.0.0.1:7700", ttl=10)
     with client.claim("invoice-42") as lease:        # completes on a clean exit
         session.post(url, data=..., auth=FenceAuth(lease))
+    with client.claim_slot("exports", 3) as lease:  # one of 3 slots; released on exit
+        session.post(url, data=..., auth=FenceAuth(lease))   # X-Fencing-Job: exports#2
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from types import TracebackType
-from typing import Any, Dict, Optional, Type
+from typing import Any, Dict, Optional, Tuple, Type
 
 from ._errors import FenceError, LeaseHeld, LeaseLost, ProtocolError, ServerUnreachable
-from ._lease import DEADLINE_PASSED, FINISHED, ClientCore, LeaseCore, claim_path
+from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
+                     LeaseCore, claim_path, held_pause, slot_of)
 from ._wire import (Timeout, bounded, check_job, encode_job, margin_ms, monotonic, new_lease_key,
                     ttl_to_ms)
 
@@ -82,7 +86,9 @@ class Lease(LeaseCore):
 
     def complete(self) -> Dict[str, Any]:
         """Marks the job done for good; the record (``state`` ``completed``). The server
-        decides: :class:`LeaseRefused` (409 ``lease-lost``) when someone else took over."""
+        decides: :class:`LeaseRefused` (409 ``lease-lost``) when someone else took over.
+        Completing a semaphore slot releases it: the server frees the slot (the record's
+        ``state`` is ``free``) and it can be claimed again, at the next generation."""
         return self._finish("complete")
 
     def abandon(self) -> None:
@@ -159,12 +165,56 @@ class Client(ClientCore):
             except LeaseHeld:
                 if chunk <= 0 or monotonic() >= wait_until:
                     raise
+        return self._lease_from(job, key, ttl_ms, on_success, sent, answer)
+
+    def claim_slot(self, resource: str, slots: int, *, wait: float = 0.0,
+                   ttl: Optional[float] = None, lock_delay: Optional[float] = None) -> Lease:
+        """Claims one of the ``slots`` slots of semaphore ``resource`` (contract section 15) and
+        starts its keeper. The lease is an ordinary one on the slot's job,
+        ``<resource>#<slot>`` (``lease.job``; ``lease.resource``, ``lease.slot``): renew,
+        release, complete, checkpoint and the fencing headers work on it as on any job's;
+        completing a slot releases it (the server frees the slot, ``state`` ``free``). Used as
+        a context manager it releases on exit.
+
+        The server never waits on a semaphore claim: with ``wait`` (seconds) the client asks
+        again while every slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter
+        when the slot that frees first frees sooner), until ``wait`` is over. Each call claims
+        under a lease key of its own: two calls hold two slots, even under one owner.
+
+        Raises :class:`LeaseHeld` (every slot taken when the wait ends; its ``job`` is the
+        slot that frees first; :class:`LockDelay` while that slot's lock-delay runs),
+        :class:`SemaphoreSize` (slots of the resource are held under another number, its
+        ``slots``), :class:`ServerUnreachable`, :class:`ProblemError` for other refusals, and
+        before sending anything :class:`InvalidJobId` for a resource name that is not 1 to 251
+        visible ASCII characters or holds ``#``, ValueError for ``slots`` outside 1 to 1000."""
+        path, body, key, ttl_ms, budget = self._slot_claim(resource, slots, ttl, lock_delay)
+        wait_until = monotonic() + max(wait, 0.0)
+        backoff = SLOT_BACKOFF_FIRST
+        while True:
+            sent = monotonic()
+            try:
+                answer = self._transport.call("POST", path, body, timeout=budget)
+                break
+            except LeaseHeld as e:
+                left = wait_until - monotonic()
+                if left <= 0:
+                    raise
+                time.sleep(min(held_pause(e, backoff), left))
+                backoff = min(backoff * 2, SLOT_BACKOFF_MAX)
+        job, slot = slot_of(resource, slots, answer)
+        return self._lease_from(job, key, ttl_ms, "release", sent, answer, (resource, slot))
+
+    def _lease_from(self, job: str, key: str, ttl_ms: int, on_success: str, sent: float,
+                    answer: Dict[str, Any], slot: Optional[Tuple[str, int]] = None) -> Lease:
+        """The lease a claim sent at ``sent`` was granted, its keeper started."""
         generation = answer.get("generation")
         if not isinstance(generation, int) or generation < 1:
             raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
         lease = Lease(self._transport, job, self.owner, key, generation, ttl_ms, self._margin,
                       on_success, self.progress_within)
         lease._resumed = answer.get("checkpoint")
+        if slot is not None:
+            lease.resource, lease.slot = slot
         lease._set_grant(sent, answer, first=True)
         # A claim that waited long arrives with little time left: renew once, now, and count
         # the deadline from this send. (Usable time of the grant, which may be shorter than

@@ -1,0 +1,171 @@
+// Fenced semaphores (contract section 15): N slots, each a lease of its own on the job
+// `<resource>#<slot>`. Racing claimers, a completed slot (released), another number of slots, a
+// stale slot holder, a claim that waits for a slot, and names and sizes refused before sending.
+
+import assert from 'node:assert/strict';
+import { test } from 'node:test';
+
+import {
+  Client, InvalidJobId, LeaseHeld, LeaseLost, LeaseRefused, LockDelay, ProblemError, SemaphoreSize, ServerUnreachable,
+} from '../src/index.js';
+import { abortedWithin, raw, sleep, stack } from './helpers.js';
+
+/** A whole-keeper pause (GC, SIGSTOP): from now on no renewal reaches the server. */
+function pauseRenewals(lease) {
+  let resume;
+  const resumed = new Promise((r) => { resume = r; });
+  lease._sendRenew = async () => {
+    await Promise.race([resumed, sleep(30_000)]);
+    throw new ServerUnreachable('the worker was paused');
+  };
+  return resume;
+}
+
+test('three racing claimers of two slots', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const clients = [0, 1, 2].map((n) => new Client({ server: s.serverUrl, owner: `racer-${n}`, ttlMs: 5000 }));
+  t.after(() => clients.forEach((c) => c.close()));
+  const outcomes = await Promise.allSettled(clients.map((c) => c.claimSlot('res', 2)));
+  const leases = outcomes.filter((o) => o.status === 'fulfilled').map((o) => o.value);
+  const refused = outcomes.filter((o) => o.status === 'rejected').map((o) => o.reason);
+  assert.equal(leases.length, 2, String(refused));
+  assert.deepEqual(leases.map((l) => l.job).sort(), ['res#1', 'res#2']);
+  for (const lease of leases) {
+    assert.deepEqual([lease.resource, lease.job, lease.generation], ['res', `res#${lease.slot}`, 1n]);
+    assert.equal(lease.headers()['X-Fencing-Job'], lease.job);
+    const record = await clients[0].status(lease.job);
+    assert.deepEqual([record.state, record.owner], ['held', lease.owner]);
+  }
+  assert.equal(refused.length, 1);
+  const [e] = refused;
+  assert.ok(e instanceof LeaseHeld && !(e instanceof LockDelay), String(e));
+  assert.deepEqual([e.status, e.type], [409, 'urn:fence:lease-held']);
+  assert.ok(['res#1', 'res#2'].includes(e.problem.job), e.problem.job);
+  assert.ok(leases.some((l) => l.owner === e.problem.owner), e.problem.owner);
+  assert.ok(e.problem.expires_in_ms > 0 && e.problem.expires_in_ms <= 5000, String(e.problem.expires_in_ms));
+  // A plain lease has no resource and no slot; a plain claim of a slot's job is refused.
+  const plain = await clients[0].claim('plain-job');
+  assert.deepEqual([plain.resource, plain.slot], [undefined, undefined]);
+  await plain.release();
+  await assert.rejects(clients[0].claim('res#3'),
+    (err) => err instanceof ProblemError && err.status === 400 && err.type === 'urn:fence:bad-request');
+  for (const lease of leases) assert.equal((await lease.release()).state, 'free');
+});
+
+test('completing a slot releases it', async (t) => {
+  // complete() on a slot is sent as for any lease; the server frees the slot (state free) and
+  // the next claimer gets the same slot job at the next generation. A stale holder's complete
+  // is 409 lease-lost.
+  const s = await stack(t, { proxy: false });
+  const first = new Client({ server: s.serverUrl, owner: 'slot-first', ttlMs: 5000 });
+  const second = new Client({ server: s.serverUrl, owner: 'slot-second', ttlMs: 5000 });
+  t.after(() => { first.close(); second.close(); });
+  const lease = await first.claimSlot('once', 1);
+  assert.deepEqual([lease.job, lease.slot, lease.generation], ['once#1', 1, 1n]);
+  const record = await lease.complete();
+  assert.equal(record.state, 'free');
+  assert.equal(lease.isLost(), true);
+  assert.equal((await first.status('once#1')).state, 'free');
+  const again = await second.claimSlot('once', 1);
+  assert.deepEqual([again.job, again.slot, again.generation, again.owner], ['once#1', 1, 2n, 'slot-second']);
+  await assert.rejects(lease.complete(), // generation 1 is no longer the holder
+    (e) => e instanceof LeaseRefused && e.status === 409 && e.type === 'urn:fence:lease-lost');
+  assert.equal((await again.complete()).state, 'free');
+});
+
+test('another number of slots while slots are held', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const client = new Client({ server: s.serverUrl, owner: 'sizer', ttlMs: 5000 });
+  t.after(() => client.close());
+  const first = await client.claimSlot('sized', 2);
+  for (const other of [3, 1]) {
+    await assert.rejects(client.claimSlot('sized', other), (e) => {
+      assert.ok(e instanceof SemaphoreSize && !(e instanceof LeaseHeld), String(e));
+      assert.deepEqual([e.status, e.type, e.slots], [409, 'urn:fence:semaphore-size', 2]);
+      return true;
+    });
+  }
+  const second = await client.claimSlot('sized', 2); // the number in force is still taken
+  assert.deepEqual([first.slot, second.slot].sort(), [1, 2]);
+  await first.release();
+  await second.release();
+  const third = await client.claimSlot('sized', 3); // no slot held: the number may change
+  assert.deepEqual([third.job, third.slot], ['sized#1', 1]);
+  await third.release();
+});
+
+test('a stale slot holder is fenced off', async (t) => {
+  const s = await stack(t);
+  const ledger = `${s.proxyUrl}/ledger`;
+  const a = new Client({ server: s.serverUrl, owner: 'slot-a', ttlMs: 1000, marginMs: 100 });
+  const b = new Client({ server: s.serverUrl, owner: 'slot-b', ttlMs: 5000 });
+  t.after(() => { a.close(); b.close(); });
+  const leaseA = await a.claimSlot('pool', 1);
+  assert.deepEqual([leaseA.job, leaseA.slot, leaseA.generation], ['pool#1', 1, 1n]);
+  await leaseA.saveCheckpoint('half done');
+  assert.equal((await leaseA.fetch(ledger, { method: 'POST', body: 'A: write' })).status, 200);
+  const lateToken = leaseA.token;
+  const resume = pauseRenewals(leaseA); // A stalls: no renewal reaches the server
+  t.after(resume);
+  await abortedWithin(leaseA.signal, 2000, "A's signal aborts");
+  assert.ok(Date.now() < leaseA.expiresAtMs, "before the server's expiry");
+  await assert.rejects(leaseA.fetch(ledger, { method: 'POST', body: 'A: late' }), LeaseLost);
+  const leaseB = await b.claimSlot('pool', 1, { waitMs: 3000 }); // granted once A's lease expired
+  assert.deepEqual([leaseB.job, leaseB.slot, leaseB.generation], ['pool#1', 1, 2n]);
+  assert.deepEqual(leaseB.checkpoint, { generation: 1n, data: 'half done' });
+  assert.equal((await leaseB.fetch(ledger, { method: 'POST', body: 'B: write' })).status, 200);
+  // A's held-up write, sent raw: the proxy refuses the slot's older generation.
+  const late = await raw('POST', ledger, { 'X-Fencing-Job': 'pool#1', 'X-Fencing-Token': lateToken }, 'A: late');
+  assert.deepEqual([late.status, late.body.type], [409, 'urn:fence:stale-token']);
+  // The stale lease's renewal and release are refused by the server.
+  delete leaseA._sendRenew; // the class's own renewal again
+  await assert.rejects(leaseA._sendRenew(1000),
+    (e) => e instanceof LeaseRefused && e.type === 'urn:fence:lease-lost' && e.generation === 2n);
+  await assert.rejects(leaseA.release(),
+    (e) => e instanceof LeaseRefused && e.problem.owner === 'slot-b' && e.generation === 2n);
+  await assert.rejects(leaseA.saveCheckpoint('stale'), LeaseLost); // lost here already: nothing sent
+  assert.equal(leaseB.isLost(), false);
+  assert.equal((await leaseB.release()).state, 'free');
+  assert.deepEqual(s.upstream.seen.map((w) => [w.job, w.token, w.body]),
+    [['pool#1', '1', 'A: write'], ['pool#1', '2', 'B: write']]);
+});
+
+test('a waiting claim gets a slot once one is released', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const holders = [0, 1].map((n) => new Client({ server: s.serverUrl, owner: `holder-${n}`, ttlMs: 5000 }));
+  const waiter = new Client({ server: s.serverUrl, owner: 'waiter', ttlMs: 5000 });
+  t.after(() => { holders.forEach((c) => c.close()); waiter.close(); });
+  const held = [];
+  for (const c of holders) held.push(await c.claimSlot('busy', 2));
+  // Every slot taken for the whole wait: LeaseHeld once the wait is over, not before.
+  let started = performance.now();
+  await assert.rejects(waiter.claimSlot('busy', 2, { waitMs: 400 }),
+    (e) => e instanceof LeaseHeld && ['busy#1', 'busy#2'].includes(e.problem.job));
+  let took = performance.now() - started;
+  assert.ok(took >= 400 && took < 1000, String(took));
+  started = performance.now();
+  const [lease] = await Promise.all([
+    waiter.claimSlot('busy', 2, { waitMs: 5000 }),
+    sleep(500).then(() => held[1].release()),
+  ]);
+  took = performance.now() - started;
+  assert.ok(took > 400 && took < 1500, String(took)); // polled: got the slot soon after its release
+  assert.deepEqual([lease.job, lease.slot, lease.generation], [held[1].job, held[1].slot, 2n]);
+  assert.equal((await waiter.status(lease.job)).owner, 'waiter');
+  await lease.release();
+  await held[0].release();
+});
+
+test('bad resource names and numbers of slots are refused before sending', async (t) => {
+  const nobody = new Client({ server: 'http://127.0.0.1:9', owner: 'sem' }); // would fail to connect if it sent
+  t.after(() => nobody.close());
+  for (const resource of ['a#b', '#', 'a b', '', 'x'.repeat(252), 'caf\u00e9']) {
+    await assert.rejects(nobody.claimSlot(resource, 2), InvalidJobId, JSON.stringify(resource));
+  }
+  for (const slots of [0, 1001, -1, 2.5, '2', undefined]) {
+    await assert.rejects(nobody.claimSlot('res', slots), RangeError, String(slots));
+  }
+  for (const slots of [1, 1000]) { // the bounds themselves are sizes: they fail only to connect
+    await assert.rejects(nobody.claimSlot('x'.repeat(251), slots), ServerUnreachable);
+  }
+});
