@@ -220,6 +220,19 @@ impl<S: LeaseStore> LeaseStore for Net<S> {
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
         self.inner.list(query).await
     }
+
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &fence_core::Owner,
+        key: &fence_lease::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, StoreError> {
+        self.inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await
+    }
 }
 
 fn generation_of(req: &Request<String>) -> u64 {

@@ -152,10 +152,11 @@ pub async fn racing_claimers_of_a_semaphore_get_exactly_its_slots<S: LeaseStore>
     }
 }
 
-/// The number of slots is fixed while any slot is held: a claim naming another is refused
-/// as a whole with the number in force, also one naming fewer; once every slot is free
-/// (released or expired) another number takes over. A holder that claims again with its key
-/// gets its own slot back, not a second one.
+/// The number of slots is fixed while any slot has a holder, even one whose lease expired
+/// (it may still renew, as for any job): a claim naming another number is refused as a
+/// whole with the number in force, also one naming fewer; once every slot is free
+/// (released, revoked or forgotten) another number takes over. A holder that claims again
+/// with its key gets its own slot back, not a second one.
 pub async fn a_semaphore_keeps_its_number_of_slots_while_held<S: LeaseStore>(
     store: S,
     advance: Advance,
@@ -189,14 +190,29 @@ pub async fn a_semaphore_keeps_its_number_of_slots_while_held<S: LeaseStore>(
     ));
     // With slot 1 free, b's retry still gets its own slot 2, not a second slot.
     assert_eq!(slot_of(&store, &resource, &b, 2).await, (2, gb));
+    // b's lease expires. Its holder may still renew it while nobody claimed it since, as
+    // for any job: so its slot still counts, and another number is still refused (else b,
+    // renewing, and the new number's holders would be more than either number).
     advance(ms(TTL.as_duration() + Duration::from_secs(1)));
+    let refused = slot_claim(&store, &resource, &c, 3).await;
+    assert_eq!(refused.outcome, Outcome::SemaphoreSize { slots: 2 });
+    let job_b = slot_job(&resource, 2);
+    assert!(matches!(
+        store.renew(&job_b, &b, gb, &key_of(&b), TTL).await.unwrap(),
+        Outcome::Granted(_)
+    ));
+    // Released, every slot is free: another number takes over.
+    assert!(matches!(
+        store.release(&job_b, &b, gb, &key_of(&b)).await.unwrap(),
+        Outcome::Done(_)
+    ));
     let slots: BTreeSet<u32> = [
         slot_of(&store, &resource, &c, 3).await.0,
         slot_of(&store, &resource, &a, 3).await.0,
         slot_of(&store, &resource, &b, 3).await.0,
     ]
     .into();
-    assert_eq!(slots, [1, 2, 3].into(), "three slots once 2 were free");
+    assert_eq!(slots, [1, 2, 3].into(), "three slots once both were free");
     let refused = slot_claim(&store, &resource, &owner("d"), 2).await;
     assert_eq!(refused.outcome, Outcome::SemaphoreSize { slots: 3 });
 }

@@ -503,6 +503,7 @@ impl LeaseStore for HttpLeaseStore {
         terms: ClaimTerms,
         slots: u32,
     ) -> Result<SlotClaim, StoreError> {
+        super::check_slot_claim(resource, slots)?;
         let body = SemaphoreClaimRequest {
             claim: ClaimRequest {
                 owner: owner.clone(),
@@ -535,7 +536,9 @@ impl LeaseStore for HttpLeaseStore {
         let slot = serde_json::from_slice::<Problem>(&bytes)
             .ok()
             .and_then(|p| p.job)
-            .and_then(|job| slot_of(&job).map(|(_, slot)| slot));
+            .and_then(|job| {
+                slot_of(&job).and_then(|(of, slot)| (of == resource.as_str()).then_some(slot))
+            });
         Ok(SlotClaim { slot, outcome })
     }
 

@@ -160,12 +160,6 @@ impl LeaseOp {
         }
     }
 
-    /// Whether it completes a semaphore's slot: stores release the slot instead (a
-    /// completed slot would take it from the semaphore for good; contract section 15).
-    pub(crate) fn completes_a_slot(&self, job: &JobId) -> bool {
-        matches!(self, Self::Complete { .. }) && fence_core::lease_api::slot_of(job).is_some()
-    }
-
     /// The lease key it carries (none for a revoke).
     pub fn key(&self) -> Option<&LeaseKey> {
         match self {

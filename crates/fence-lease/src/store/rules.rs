@@ -93,8 +93,8 @@ impl Stored {
         let checkpoint = self.checkpoint.as_ref();
         let saved = checkpoint.map_or(0, |(_, data)| 12 + data.len());
         let mut out = Vec::with_capacity(2 + 32 + saved + 32 + owner.len());
-        // A record without a lock-delay or a checkpoint keeps format 2, which an older build
-        // still reads (a rollback loses nothing it knew of).
+        // A record without a lock-delay, a checkpoint or a number of slots keeps format 2,
+        // which an older build still reads (a rollback loses nothing it knew of).
         let plain = self.lock_delay_ms == 0 && checkpoint.is_none() && self.slots == 0;
         out.push(if plain { 2 } else { VERSION });
         out.push(
@@ -205,11 +205,6 @@ impl Stored {
             slots,
         })
     }
-
-    /// Whether the job cannot be claimed now: held, or expired with its lock-delay running.
-    pub(crate) fn taken(&self, now_ms: u64) -> bool {
-        self.state(now_ms) == LeaseState::Held || self.delay_left(now_ms).is_some()
-    }
 }
 
 fn grant(generation: Generation, ttl: Ttl, now_ms: u64) -> (u64, Grant) {
@@ -302,12 +297,12 @@ pub(crate) fn decide(
             generation,
             key,
         } => {
-            // A slot is released, never completed.
-            let complete = matches!(op, LeaseOp::Complete { .. }) && !op.completes_a_slot(job);
+            let complete = matches!(op, LeaseOp::Complete { .. });
             Ok(held_by(cur, owner, *generation, key).map_or_else(
                 |refused| (None, refused),
                 |s| {
-                    let new = if complete {
+                    // A semaphore's slot is released, never completed (section 15).
+                    let new = if complete && s.slots == 0 {
                         Stored {
                             completed: true,
                             lease_until_ms: now_ms.min(s.lease_until_ms),

@@ -34,8 +34,9 @@ pub(crate) fn slot_prefix(resource: &JobId) -> JobId {
 }
 
 /// The slot records among `(job, record)` pairs read by the prefix of `resource`'s slots:
-/// those whose job id is a slot of it (other job ids holding `#`, from before `#` was
-/// reserved, are left out), decoded.
+/// those whose job id is a slot of it (`resource#k`, k from 1 to 1,000 without leading
+/// zeros), decoded; other job ids under the prefix (from before `#` was reserved) are left
+/// out. A plain job of a slot's name from then keeps its record (its `slots` is 0).
 pub(crate) fn slot_records<'a>(
     items: impl Iterator<Item = Result<(JobId, Stored), StoreError>> + 'a,
 ) -> Result<Vec<(u32, Stored)>, StoreError> {
@@ -63,10 +64,12 @@ pub(crate) fn decide_slot(
     now_ms: u64,
 ) -> Result<(Option<(u32, Stored)>, SlotClaim), StoreError> {
     let refused = |slot, outcome| Ok((None, SlotClaim { slot, outcome }));
-    // The number of slots in force: any taken slot's. Another is refused as a whole.
+    // The number of slots in force: that of any slot with a holder, held or expired (the
+    // holder of an expired lease may still renew it while nobody claimed it since, as for any
+    // job, so its slot still counts). Another number is refused as a whole.
     let in_force = records
         .iter()
-        .find(|(_, s)| s.slots != 0 && s.slots != slots && s.taken(now_ms));
+        .find(|(_, s)| s.slots != 0 && s.slots != slots && s.owner.is_some() && !s.completed);
     if let Some((_, s)) = in_force {
         return refused(None, Outcome::SemaphoreSize { slots: s.slots });
     }
@@ -83,6 +86,7 @@ pub(crate) fn decide_slot(
         None => (1..=slots).collect(),
     };
     let mut first_free: Option<(u32, Outcome)> = None;
+    let mut completed: Option<(u32, Outcome)> = None;
     for slot in candidates {
         let job = slot_job(resource, slot);
         let (new, outcome) = rules::claim(
@@ -117,14 +121,17 @@ pub(crate) fn decide_slot(
                     first_free = Some((slot, outcome));
                 }
             }
-            // A completed slot (an older build's) stays taken for good.
-            (None, _) => {}
+            // A completed slot (of a plain job of that name, from before '#' was reserved)
+            // stays taken for good.
+            (None, outcome) => {
+                completed.get_or_insert((slot, outcome));
+            }
         }
     }
-    match first_free {
-        Some((slot, held)) => refused(Some(slot), held),
+    match first_free.or(completed) {
+        Some((slot, refusal)) => refused(Some(slot), refusal),
         None => Err(StoreError::Protocol(format!(
-            "every slot of {resource} is completed: a semaphore's slots are released, never completed"
+            "no slot of {resource} was decided: an empty semaphore"
         ))),
     }
 }

@@ -132,7 +132,7 @@ pub(super) fn store_failed(e: &StoreError) -> Problem {
 }
 
 /// A store's error: 400 for what no store may do for that job id (a plain claim of a
-/// semaphore's slot, a slot's completion), else [`store_failed`].
+/// semaphore's slot), else [`store_failed`].
 pub(super) fn store_error(e: &StoreError) -> Problem {
     match e {
         StoreError::Reserved { job, .. } => bad(e.to_string()).with_job(job.clone()),

@@ -38,7 +38,7 @@ pub(super) async fn claim<S: LeaseStore>(
             .map_err(|p| bad(p.detail.replace("job (in the path)", "resource (in the path)")))?;
         check_resource(&resource).map_err(|e| bad(format!("resource: {e}")))?;
         let caller = authorize(app.options.auth.as_ref(), &headers, None)?;
-        if let Some(query) = uri.query().filter(|q| !q.is_empty()) {
+        if let Some(query) = uri.query() {
             return Err(bad(format!(
                 "{query}: a semaphore claim takes no parameters (it does not wait at the server: claim again after Retry-After)"
             )));

@@ -144,9 +144,11 @@ impl Sql {
              {returning}",
             now = now_ms(4)
         );
+        // A semaphore's slot (slots > 0) is released instead: never completed (section 15).
         let complete = format!(
-            "UPDATE {t} SET completed = true, changed_ms = {now},
-               lease_until_ms = LEAST(lease_until_ms, {now})
+            "UPDATE {t} SET completed = (slots = 0), changed_ms = {now},
+               owner = CASE WHEN slots = 0 THEN owner END,
+               lease_until_ms = CASE WHEN slots = 0 THEN LEAST(lease_until_ms, {now}) ELSE 0 END
              WHERE {holder} AND key_hash = $5
              {returning}",
             now = now_ms(4)
@@ -478,11 +480,6 @@ impl LeaseStore for PgLeaseStore {
                 generation,
                 key,
             } => (owner, generation, key, &self.sql.release),
-            LeaseOp::Complete {
-                owner,
-                generation,
-                key,
-            } if op.completes_a_slot(job) => (owner, generation, key, &self.sql.release),
             LeaseOp::Complete {
                 owner,
                 generation,
