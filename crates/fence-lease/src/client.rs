@@ -201,6 +201,7 @@ impl<S: LeaseStore> LeaseClient<S> {
         slots: u32,
         wait: Duration,
     ) -> Result<Lease<S>, ClaimError> {
+        crate::store::check_slot_claim(&resource, slots)?;
         let timing = Timing::new(self.ttl, self.margin, self.renew_every)?
             .with_progress(self.progress_within)?;
         let key = crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?;
@@ -246,8 +247,15 @@ impl<S: LeaseStore> LeaseClient<S> {
         };
         let job = fence_core::lease_api::slot_job(&resource, slot);
         let grant = granted(&job, claim.outcome)?;
-        let held = HeldMark::take(&self.held, &job)
-            .ok_or_else(|| ClaimError::AlreadyHeld { job: job.clone() })?;
+        let Some(held) = HeldMark::take(&self.held, &job) else {
+            // Not ours to keep twice: give the slot just granted back rather than let it
+            // stand idle until it expires.
+            let release = self
+                .store
+                .release(&job, &self.owner, grant.generation, &key);
+            let _ = tokio::time::timeout(budget, release).await;
+            return Err(ClaimError::AlreadyHeld { job });
+        };
         self.after_grant(job, key, grant, t_send, timing, held)
             .await
     }
