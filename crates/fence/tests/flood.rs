@@ -159,6 +159,20 @@ fn start_flood(
     (rt, stop, held)
 }
 
+/// Held by each test for its whole run: two floods at once (cargo runs a binary's tests in
+/// parallel) share this process's file descriptors and the machine's two cores, and a CI run
+/// saw the proxy's worker wait 3.1 s behind both; one flood at a time is what each test
+/// means to measure.
+static ONE_FLOOD: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
+/// One flood at a time in this process (see [`ONE_FLOOD`]); a test that failed while
+/// holding it does not stop the other.
+fn one_flood() -> std::sync::MutexGuard<'static, ()> {
+    ONE_FLOOD
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}
+
 /// Enough file descriptors in this process for the flood (four times the cap, and more).
 fn raise_file_limit() {
     use nix::sys::resource::{Resource, getrlimit, setrlimit};
@@ -173,6 +187,7 @@ fn raise_file_limit() {
 
 #[test]
 fn a_flood_from_one_address_starves_nobody() {
+    let _one = one_flood();
     raise_file_limit();
     // The flooder may take every slot (its cap is the server's): the server makes room by
     // closing the idle connections of the address that holds the most.
@@ -197,6 +212,7 @@ fn a_flood_from_one_address_starves_nobody() {
 /// on a new connection every 100 ms for 7 s: every write is answered 200.
 #[test]
 fn a_flood_of_the_proxy_from_one_address_turns_no_worker_away() {
+    let _one = one_flood();
     raise_file_limit();
     let dir = tempfile::tempdir().unwrap();
     let upstream = format!("http://{}", start_upstream());
