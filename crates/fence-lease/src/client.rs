@@ -186,9 +186,11 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// Claims a slot of the semaphore `resource` with `slots` slots (contract section 15)
     /// and starts its keeper: the lease is the slot's, on job `resource#k`, its fencing job;
     /// renewals, release and checkpoints go to that job like any lease's. At most `slots`
-    /// leases of the resource exist at once; the number of slots is fixed while any slot is
-    /// held. Waits up to `wait` while every slot is taken, asking again as slots are due to
-    /// free (every 10 ms to 500 ms).
+    /// leases of the resource exist at once; the number of slots is fixed while any slot has
+    /// a holder. Waits up to `wait` while every slot is taken, asking again as slots are due
+    /// to free (every 10 ms to 500 ms); within `wait`, a claim whose answer was lost (an I/O
+    /// error or a timeout) is asked again with the same lease key, so a grant that was lost
+    /// comes back as that slot, not a second one.
     ///
     /// # Errors
     /// [`ClaimError::Held`] naming the slot that frees first when every slot is still taken
@@ -215,11 +217,22 @@ impl<S: LeaseStore> LeaseClient<S> {
         let claim = async {
             let mut pause = Duration::from_millis(10);
             loop {
-                let claim = self
+                let asked = self
                     .store
                     .claim_slot(&resource, &self.owner, &key, terms, slots)
-                    .await?;
+                    .await;
                 let now = Instant::now();
+                let claim = match asked {
+                    Ok(claim) => claim,
+                    // The answer was lost, and it may have been a grant: ask again with the
+                    // same key, which gets that slot back rather than a second one.
+                    Err(StoreError::Io(_) | StoreError::Timeout(_)) if now < end => {
+                        tokio::time::sleep(pause.min(end - now)).await;
+                        pause = (pause * 2).min(Duration::from_millis(500));
+                        continue;
+                    }
+                    Err(e) => return Err(e),
+                };
                 match &claim.outcome {
                     Outcome::Held { expires_in, .. } if now < end => {
                         tokio::time::sleep(pause.min(*expires_in).min(end - now)).await;

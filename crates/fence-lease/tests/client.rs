@@ -540,3 +540,72 @@ async fn a_worker_that_stops_reporting_progress_loses_its_lease_and_it_expires()
         Err(ClaimError::Timing(_))
     ));
 }
+
+/// A store that decides every semaphore claim but loses the answer to the first one, as a
+/// connection cut after the server granted.
+#[derive(Debug, Default)]
+struct LosesFirstSlotAnswer {
+    inner: MemoryLeaseStore,
+    lost_one: AtomicBool,
+}
+
+impl LeaseStore for LosesFirstSlotAnswer {
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        self.inner.apply(job, op).await
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        self.inner.get(job).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
+    }
+
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, StoreError> {
+        let decided = self
+            .inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await?;
+        if !self.lost_one.swap(true, Ordering::SeqCst) {
+            return Err(StoreError::io(BoxError::from("connection reset")));
+        }
+        Ok(decided)
+    }
+}
+
+/// A semaphore claim whose grant was lost on the way back is asked again with the same
+/// lease key while the wait lasts: the client holds the slot the store granted, and no
+/// second slot stands idle until it expires.
+#[tokio::test]
+async fn a_lost_slot_grant_is_asked_again_for_the_same_slot() {
+    let store = Arc::new(LosesFirstSlotAnswer::default());
+    let client = LeaseClient::from_arc(store.clone()).owner("w".parse().unwrap());
+    let resource: JobId = "pool".parse().unwrap();
+    let lease = client
+        .claim_slot(resource, 2, Duration::from_secs(1))
+        .await
+        .expect("the slot, after the lost answer");
+    assert!(store.lost_one.load(Ordering::SeqCst), "no answer was lost");
+    assert_eq!(lease.job().as_str(), "pool#1");
+    assert_eq!(lease.generation(), Generation::new(1));
+    let second = store.get(&"pool#2".parse().unwrap()).await.unwrap();
+    assert_eq!(second, None, "a second slot was taken: {second:?}");
+    // Without a wait, the lost answer is the caller's to handle.
+    let store = Arc::new(LosesFirstSlotAnswer::default());
+    let client = LeaseClient::from_arc(store).owner("w".parse().unwrap());
+    let lost = client
+        .claim_slot("pool".parse().unwrap(), 2, Duration::ZERO)
+        .await;
+    assert!(
+        matches!(lost, Err(ClaimError::Store(StoreError::Io(_)))),
+        "{lost:?}"
+    );
+}
