@@ -18,7 +18,7 @@ use fence_core::{Generation, JobId, Owner, Ttl, secret::LeaseKey};
 use tokio::time::Instant;
 
 use crate::{
-    LeaseStore, Outcome, StoreError, default_owner,
+    LeaseStore, Outcome, SlotClaim, StoreError, default_owner,
     lease::{Granted, HeldJobs, HeldMark, Lease, Timing, TimingError, token_header},
 };
 
@@ -188,7 +188,7 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// renewals, release and checkpoints go to that job like any lease's. At most `slots`
     /// leases of the resource exist at once; the number of slots is fixed while any slot has
     /// a holder. Waits up to `wait` while every slot is taken, asking again as slots are due
-    /// to free (every 10 ms to 500 ms); within `wait`, a claim whose answer was lost (an I/O
+    /// to free (every 10 ms to 500 ms, with jitter); within `wait`, a claim whose answer was lost (an I/O
     /// error or a timeout) is asked again with the same lease key, so a grant that was lost
     /// comes back as that slot, not a second one.
     ///
@@ -215,30 +215,31 @@ impl<S: LeaseStore> LeaseClient<S> {
         };
         let end = t_send + wait;
         let claim = async {
-            let mut pause = Duration::from_millis(10);
+            let mut backoff =
+                crate::Backoff::new(Duration::from_millis(10), MAX_SLOT_POLL);
             loop {
                 let asked = self
                     .store
                     .claim_slot(&resource, &self.owner, &key, terms, slots)
                     .await;
                 let now = Instant::now();
-                let claim = match asked {
-                    Ok(claim) => claim,
+                let again_in = match &asked {
+                    // Every slot taken: ask again, at the latest when the first frees.
+                    Ok(SlotClaim {
+                        outcome: Outcome::Held { expires_in, .. },
+                        ..
+                    }) => Some(*expires_in),
                     // The answer was lost, and it may have been a grant: ask again with the
                     // same key, which gets that slot back rather than a second one.
-                    Err(StoreError::Io(_) | StoreError::Timeout(_)) if now < end => {
-                        tokio::time::sleep(pause.min(end - now)).await;
-                        pause = (pause * 2).min(Duration::from_millis(500));
-                        continue;
-                    }
-                    Err(e) => return Err(e),
+                    Err(StoreError::Io(_) | StoreError::Timeout(_)) => Some(MAX_SLOT_POLL),
+                    _ => None,
                 };
-                match &claim.outcome {
-                    Outcome::Held { expires_in, .. } if now < end => {
-                        tokio::time::sleep(pause.min(*expires_in).min(end - now)).await;
-                        pause = (pause * 2).min(Duration::from_millis(500));
+                match again_in {
+                    Some(at_most) if now < end => {
+                        let pause = backoff.next_pause().min(at_most).min(end - now);
+                        tokio::time::sleep(pause).await;
                     }
-                    _ => return Ok::<_, StoreError>(claim),
+                    _ => return asked,
                 }
             }
         };
@@ -447,6 +448,9 @@ fn granted(job: &JobId, outcome: Outcome) -> Result<crate::Grant, ClaimError> {
         )))),
     }
 }
+
+/// The longest pause between two semaphore claims of one [`LeaseClient::claim_slot`].
+const MAX_SLOT_POLL: Duration = Duration::from_millis(500);
 
 /// Why a claim did not give a lease.
 #[derive(Debug, thiserror::Error)]
