@@ -215,8 +215,7 @@ impl<S: LeaseStore> LeaseClient<S> {
         };
         let end = t_send + wait;
         let claim = async {
-            let mut backoff =
-                crate::Backoff::new(Duration::from_millis(10), MAX_SLOT_POLL);
+            let mut backoff = crate::Backoff::new(Duration::from_millis(10), MAX_SLOT_POLL);
             loop {
                 let asked = self
                     .store

@@ -50,7 +50,7 @@ pub(crate) fn slot_records<'a>(
     Ok(out)
 }
 
-/// A semaphore claim (contract section 15) decided on `taken`, every record of the
+/// A semaphore claim (contract section 15) decided on `records`, every record of the
 /// resource's slots as read under the caller's lock on the resource (slot number, record;
 /// any order, slots past `slots` included). Returns the slot to write with its new record,
 /// or none, and the answer. The caller writes the record only if the slot's record is still

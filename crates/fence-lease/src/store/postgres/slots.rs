@@ -8,24 +8,25 @@
 //! claim of a slot is refused before any SQL runs, so only this transaction takes slots.
 
 use fence_core::{
-    Generation, JobId, Owner,
-    lease_api::{SLOT_SEPARATOR, slot_job},
+    JobId, Owner,
+    lease_api::slot_job,
     secret::{LeaseKey, SecretHash},
 };
 use tokio_postgres::types::ToSql;
 
 use super::{PgLeaseStore, generation};
 use crate::store::{
-    ClaimTerms, SlotClaim, StoreError, check_slot_claim, rules::Stored, slot_records,
+    ClaimTerms, SlotClaim, StoreError, check_slot_claim, rules::Stored, slot_prefix, slot_records,
 };
 
 /// The statements of a semaphore claim on table `t`.
 pub(super) struct SlotSql {
     /// `$1` the lock's name: one lock per table and resource.
     lock: String,
-    /// `$1` the slots' prefix, `$2` clock offset: the slots' rows, locked, and the clock.
+    /// `$1` the slots' prefix: the slots' rows, locked.
     rows: String,
-    /// The floor, read under a share lock as a plain claim reads it.
+    /// `$1` clock offset: the floor, read under a share lock as a plain claim reads it, and
+    /// the database's clock (read once the rows are locked).
     floor: String,
     /// `$1` job, `$2` owner, `$3` generation, `$4` lease end, `$5` now, `$6` key hash,
     /// `$7` lock-delay, `$8` slots.
@@ -34,17 +35,19 @@ pub(super) struct SlotSql {
 
 impl SlotSql {
     pub(super) fn new(t: &str) -> Self {
-        let now = super::now_ms(2);
         Self {
             lock: "SELECT pg_advisory_xact_lock(hashtextextended($1, 0))".to_owned(),
             rows: format!(
                 "SELECT job, owner, generation::text, lease_until_ms, changed_ms, completed,
                         key_hash, lock_delay_ms, slots, checkpoint,
-                        checkpoint_generation::text, {now}
+                        checkpoint_generation::text
                  FROM {t} WHERE job COLLATE \"C\" >= $1 AND starts_with(job, $1)
                  ORDER BY job COLLATE \"C\" FOR UPDATE"
             ),
-            floor: format!("SELECT generation::text FROM {t} WHERE job = '' FOR SHARE"),
+            floor: format!(
+                "SELECT generation::text, {} FROM {t} WHERE job = '' FOR SHARE",
+                super::now_ms(1)
+            ),
             write: format!(
                 "INSERT INTO {t} AS t (job, owner, generation, lease_until_ms, changed_ms,
                                        key_hash, completed, lock_delay_ms, slots)
@@ -108,7 +111,7 @@ impl PgLeaseStore {
     ) -> Result<SlotClaim, StoreError> {
         check_slot_claim(resource, slots)?;
         let sql = &self.sql.slots;
-        let prefix = format!("{resource}{SLOT_SEPARATOR}");
+        let prefix = slot_prefix(resource);
         let lock = format!("fence-slots {} {resource}", self.table.qualified());
         let mut client = self.pool.get().await.map_err(StoreError::io)?;
         let tx = client.transaction().await.map_err(StoreError::io)?;
@@ -116,38 +119,25 @@ impl PgLeaseStore {
             .await
             .map_err(StoreError::io)?;
         let rows = tx
-            .query(&sql.rows, &[&prefix, &self.offset()])
+            .query(&sql.rows, &[&prefix.as_str()])
             .await
             .map_err(StoreError::io)?;
-        let mut now_ms = None;
         let records = slot_records(rows.iter().map(|row| {
             let job: String = row.try_get(0).map_err(StoreError::io)?;
             let job = JobId::new(job).map_err(|_| StoreError::Corrupt {
                 job: resource.clone(),
                 reason: "a slot's job id is not visible ASCII",
             })?;
-            now_ms = Some(row.try_get::<_, i64>(11).map_err(StoreError::io)?);
             Ok((job.clone(), stored(&job, row)?))
         }))?;
-        let now_ms = match now_ms {
-            Some(now) => now,
-            None => {
-                let row = tx
-                    .query_one(&format!("SELECT {}", super::now_ms(1)), &[&self.offset()])
-                    .await
-                    .map_err(StoreError::io)?;
-                row.try_get(0).map_err(StoreError::io)?
-            }
-        };
-        let now_ms = u64::try_from(now_ms).unwrap_or(0);
-        let floor = match tx
-            .query_opt(&sql.floor, &[])
+        // The floor row is there from `migrate` on (a plain claim needs it too).
+        let row = tx
+            .query_one(&sql.floor, &[&self.offset()])
             .await
-            .map_err(StoreError::io)?
-        {
-            Some(row) => generation(resource, &row, 0)?,
-            None => Generation::ZERO,
-        };
+            .map_err(StoreError::io)?;
+        let floor = generation(resource, &row, 0)?;
+        let now_ms: i64 = row.try_get(1).map_err(StoreError::io)?;
+        let now_ms = u64::try_from(now_ms).unwrap_or(0);
         let (new, out) = crate::store::decide_slot(
             resource,
             &records,
