@@ -1,13 +1,12 @@
-//! sled on local disk, opened under a lock file, with group commit.
+//! sled on local disk, opened under a lock file, with a write-ahead log for group commit.
 //!
-//! sled's `flush_async` deadlocks under concurrent load (spacejam/sled#1241), and a
-//! synchronous `flush` per request costs a disk sync each. [`DurableDb::commit`] makes every
-//! write durable with one `flush` shared by all writers that queued before it began: a
-//! writer applies its change to sled, then awaits `commit`; one flusher thread takes every
-//! waiter queued so far, calls `flush()` once, then syncs what sled leaves unsynced (its
-//! own sync survives a killed process but not a power cut: see `sync`), and wakes them all.
-//! Every write done before a flush begins is covered by it. A failed flush fails every later
-//! commit: the process must be restarted.
+//! Every write goes through a [`Tree`]: it is applied to sled and its after-image appended to
+//! the log's buffer under one lock. [`DurableDb::commit`] waits until every write made before
+//! it is on disk: one writer thread appends all that was buffered with one `fdatasync` per
+//! batch, shared by every writer of the moment (`log`). sled itself is flushed in the
+//! background, every few seconds, and the log behind it deleted; on open, what the log holds
+//! is replayed into sled first. A failed write or sync fails every later commit: the process
+//! must be restarted.
 //!
 //! A directory is held by one process at a time: [`DurableDb::open`] takes an exclusive lock
 //! on `fence.lock` in it first, and says [`OpenError::Locked`] when another process has it.
@@ -27,16 +26,18 @@
 use std::{
     fs::{File, TryLockError},
     path::{Path, PathBuf},
-    sync::{Arc, mpsc},
+    sync::Arc,
     thread,
     time::{Duration, Instant},
 };
 
-use tokio::sync::oneshot;
-
+mod log;
 mod sync;
+mod tree;
 
+use log::{Limits, Log};
 use sync::Syncer;
+pub use tree::Tree;
 
 /// The lock file every fence database directory holds while open.
 pub const LOCK_FILE: &str = "fence.lock";
@@ -71,6 +72,16 @@ pub enum OpenError {
         #[source]
         source: sled::Error,
     },
+    /// The write-ahead log left by the last process could not be replayed: writes it
+    /// acknowledged would be lost, so the database is not opened.
+    #[error("cannot replay the write-ahead log in {path}")]
+    Log {
+        /// The log's directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: Box<dyn std::error::Error + Send + Sync>,
+    },
 }
 
 /// Why a write could not be made durable.
@@ -81,16 +92,18 @@ pub enum CommitError {
     /// later commit fails too until the process restarts (see `sync`).
     #[error("flushing sled to disk failed")]
     Flush(#[source] Arc<sled::Error>),
-    /// The flusher thread is gone (the store is shutting down).
-    #[error("the flusher thread has stopped")]
+    /// Writing or syncing the write-ahead log failed; every later commit fails too until the
+    /// process restarts.
+    #[error("writing the write-ahead log failed")]
+    Log(#[source] Arc<std::io::Error>),
+    /// The log's writer thread is gone (the store is shutting down).
+    #[error("the log writer has stopped")]
     Closed,
 }
 
-type Waiter = oneshot::Sender<Result<(), CommitError>>;
-
-/// A sled database held by this process, with one flusher thread. Cloning shares both; the
-/// thread stops (after a last flush) and the directory is unlocked when the last clone is
-/// dropped.
+/// A sled database held by this process, with its write-ahead log. Cloning shares both; the
+/// log is written out, sled flushed and the directory unlocked when the last clone (and the
+/// last [`Tree`]) is dropped.
 #[derive(Debug, Clone)]
 pub struct DurableDb {
     inner: Arc<Inner>,
@@ -98,11 +111,12 @@ pub struct DurableDb {
 
 #[derive(Debug)]
 struct Inner {
+    /// Dropped first (fields drop in order): it writes what is buffered and checkpoints it
+    /// into sled, before sled's handle goes and the directory is unlocked.
+    log: Log,
     path: PathBuf,
-    tx: Option<mpsc::Sender<Waiter>>,
-    thread: Option<thread::JoinHandle<()>>,
     db: sled::Db,
-    /// sled's flush and the syncs it leaves out (`sync`), shared with the flusher thread.
+    /// sled's flush and the syncs it leaves out (`sync`), shared with the log's checkpoints.
     syncer: Arc<Syncer>,
     /// Dropped last: the directory stays locked until sled has let go of it.
     _lock: File,
@@ -117,7 +131,8 @@ pub const CACHE_BYTES: u64 = 128 << 20;
 
 impl DurableDb {
     /// Opens (or creates) the database in directory `path`, locking it for this process,
-    /// with a page cache of [`CACHE_BYTES`].
+    /// with a page cache of [`CACHE_BYTES`], and replays the write-ahead log a previous
+    /// process left.
     ///
     /// sled releases its own file lock from a background thread shortly after the last
     /// handle is dropped, so a database reopened at once in the same process can find it
@@ -125,15 +140,26 @@ impl DurableDb {
     /// closing handle, and sled is given up to 2 s to let go.
     ///
     /// # Errors
-    /// [`OpenError::Locked`] when another process holds the directory; the other variants
-    /// when it cannot be created, locked or opened.
+    /// [`OpenError::Locked`] when another process holds the directory; [`OpenError::Log`]
+    /// when the log cannot be replayed; the other variants when the directory cannot be
+    /// created, locked or opened.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, OpenError> {
-        let path = path.as_ref();
+        Self::open_with(
+            path.as_ref(),
+            Limits {
+                age: log::SEGMENT_AGE,
+                bytes: log::SEGMENT_BYTES,
+            },
+        )
+    }
+
+    fn open_with(path: &Path, limits: Limits) -> Result<Self, OpenError> {
         let directory = |source| OpenError::Directory {
             path: path.to_owned(),
             source,
         };
-        std::fs::create_dir_all(path).map_err(directory)?;
+        let log_dir = path.join(log::LOG_DIR);
+        std::fs::create_dir_all(&log_dir).map_err(directory)?;
         let lock = File::options()
             .create(true)
             .truncate(false)
@@ -151,9 +177,11 @@ impl DurableDb {
         }
         let give_up = Instant::now() + Duration::from_secs(2);
         let db = loop {
+            // No flushes of sled's own: the log's checkpoints flush it.
             match sled::Config::new()
                 .path(path)
                 .cache_capacity(CACHE_BYTES)
+                .flush_every_ms(None)
                 .open()
             {
                 // Our own handle that is still closing (see above).
@@ -169,74 +197,60 @@ impl DurableDb {
                 Ok(db) => break db,
             }
         };
-        // The directory's entries (a new database's files) on disk too.
+        // The directory's entries (a new database's files, the log's directory) on disk too.
         File::open(path)
             .and_then(|dir| dir.sync_all())
             .map_err(directory)?;
-        let syncer = Syncer::new(db.clone(), path).map_err(directory)?;
-        Ok(Self::start(path.to_owned(), db, lock, Arc::new(syncer)))
-    }
-
-    fn start(path: PathBuf, db: sled::Db, lock: File, syncer: Arc<Syncer>) -> Self {
-        let (tx, rx) = mpsc::channel::<Waiter>();
-        let flusher = syncer.clone();
-        let thread = thread::Builder::new()
-            .name("fence-flusher".into())
-            .spawn(move || {
-                let mut batch = Vec::new();
-                while let Ok(first) = rx.recv() {
-                    batch.push(first);
-                    batch.extend(rx.try_iter());
-                    let result = flusher.flush();
-                    for waiter in batch.drain(..) {
-                        // A waiter that went away (its request was cancelled) needs no answer.
-                        let _ = waiter.send(result.clone());
-                    }
-                }
-            })
-            .ok();
-        let tx = thread.as_ref().map(|_| tx);
-        Self {
+        let syncer = Arc::new(Syncer::new(db.clone(), path).map_err(directory)?);
+        let (_, next) = log::replay(&db, &syncer, &log_dir).map_err(|e| OpenError::Log {
+            path: log_dir.clone(),
+            source: Box::new(e),
+        })?;
+        let log = Log::start(log_dir, next, syncer.clone(), limits).map_err(directory)?;
+        Ok(Self {
             inner: Arc::new(Inner {
-                path,
-                tx,
-                thread,
+                path: path.to_owned(),
                 db,
                 syncer,
+                log,
                 _lock: lock,
             }),
-        }
+        })
     }
 
-    /// Opens (or creates) the tree `name`.
+    /// Opens (or creates) the tree `name`: reads as sled's, writes through the log.
     ///
     /// # Errors
-    /// When sled fails.
-    pub fn tree(&self, name: &str) -> Result<sled::Tree, OpenError> {
-        self.inner
-            .db
-            .open_tree(name)
-            .map_err(|source| OpenError::Sled {
-                path: self.inner.path.clone(),
-                source,
-            })
+    /// When sled fails, or `name` is longer than 255 bytes.
+    pub fn tree(&self, name: &str) -> Result<Tree, OpenError> {
+        let sled_error = |source| OpenError::Sled {
+            path: self.inner.path.clone(),
+            source,
+        };
+        if name.len() > 255 {
+            return Err(sled_error(sled::Error::Unsupported(format!(
+                "a tree name of {} bytes (at most 255)",
+                name.len()
+            ))));
+        }
+        let tree = self.inner.db.open_tree(name).map_err(sled_error)?;
+        Ok(Tree::new(tree, name, self.clone()))
+    }
+
+    fn log(&self) -> &log::Shared {
+        &self.inner.log.shared
     }
 
     /// Waits until every write made before this call is on disk.
     ///
     /// # Errors
-    /// When the flush fails or the flusher thread has stopped.
+    /// When writing the log failed (now or before) or its writer has stopped.
     pub async fn commit(&self) -> Result<(), CommitError> {
-        let Some(sender) = &self.inner.tx else {
-            // No flusher thread could be started: flush on this thread instead.
-            return self.flush_now();
-        };
-        let (tx, rx) = oneshot::channel();
-        sender.send(tx).map_err(|_| CommitError::Closed)?;
-        rx.await.map_err(|_| CommitError::Closed)?
+        self.log().commit().await
     }
 
-    /// Flushes synchronously on the calling thread (shutdown, tools).
+    /// Flushes sled synchronously on the calling thread (shutdown, tools): every write made
+    /// before this call is in sled's files on disk.
     ///
     /// # Errors
     /// When the flush fails.
@@ -244,7 +258,7 @@ impl DurableDb {
         self.inner.syncer.flush()
     }
 
-    /// How much space the database takes on disk, in bytes.
+    /// How much space the database takes on disk, in bytes (sled's files, not the log's).
     ///
     /// # Errors
     /// When sled cannot tell.
@@ -253,58 +267,5 @@ impl DurableDb {
     }
 }
 
-impl Drop for Inner {
-    fn drop(&mut self) {
-        // Closing the channel ends the thread once it has answered everyone queued; joining
-        // it releases its handle on the database before the directory is unlocked.
-        drop(self.tx.take());
-        if let Some(thread) = self.thread.take() {
-            let _ = thread.join();
-        }
-    }
-}
-
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn many_waiters_share_flushes_and_all_see_their_writes_after_reopen() {
-        let dir = tempfile::tempdir().unwrap();
-        {
-            let db = DurableDb::open(dir.path()).unwrap();
-            let tree = db.tree("t").unwrap();
-            let mut tasks = Vec::new();
-            for i in 0u64..200 {
-                let (db, tree) = (db.clone(), tree.clone());
-                tasks.push(tokio::spawn(async move {
-                    tree.insert(i.to_be_bytes(), &i.to_be_bytes()).unwrap();
-                    db.commit().await.unwrap();
-                }));
-            }
-            for t in tasks {
-                t.await.unwrap();
-            }
-        }
-        let db = DurableDb::open(dir.path()).unwrap();
-        assert_eq!(db.tree("t").unwrap().len(), 200);
-    }
-
-    #[test]
-    fn a_directory_in_use_is_refused_by_name_and_free_again_once_closed() {
-        let dir = tempfile::tempdir().unwrap();
-        let first = DurableDb::open(dir.path()).unwrap();
-        // Another process holding it looks the same as another open file description.
-        let err = DurableDb::open(dir.path()).unwrap_err();
-        assert!(matches!(err, OpenError::Locked { .. }), "{err:?}");
-        assert_eq!(
-            err.to_string(),
-            format!(
-                "another fence process is using the data directory {}; stop it or choose another directory",
-                dir.path().display()
-            )
-        );
-        drop(first);
-        DurableDb::open(dir.path()).expect("unlocked once closed");
-    }
-}
+mod tests;

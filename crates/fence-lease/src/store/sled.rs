@@ -10,7 +10,7 @@ use std::{
 use fence_core::{Generation, JobId, lease_api::ListQuery};
 use fence_storage::{
     clock::{Clock, SystemClock},
-    disk::{DurableDb, OpenError},
+    disk::{DurableDb, OpenError, Tree},
 };
 
 use fence_core::{Owner, lease_api::slot_job, secret::LeaseKey};
@@ -27,9 +27,9 @@ use super::{
 /// then the caller waits for a group commit shared with every other writer.
 #[derive(Debug, Clone)]
 pub struct SledLeaseStore {
-    tree: sled::Tree,
+    tree: Tree,
     /// `floor`: the highest generation ever forgotten (8 bytes big-endian).
-    meta: sled::Tree,
+    meta: Tree,
     db: DurableDb,
     clock: Arc<dyn Clock>,
     /// The key after which the next [`forget_idle`](LeaseStore::forget_idle) batch reads on

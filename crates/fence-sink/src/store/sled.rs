@@ -5,7 +5,7 @@ use std::{path::Path, sync::Arc, time::Duration};
 use fence_core::{Generation, JobId, headers::IdempotencyKey};
 use fence_storage::{
     clock::{Clock, SystemClock},
-    disk::{DurableDb, OpenError},
+    disk::{DurableDb, OpenError, Tree},
 };
 
 use super::{
@@ -20,9 +20,9 @@ use super::{
 /// a sled database.
 #[derive(Debug, Clone)]
 pub struct SledStore {
-    generations: sled::Tree,
-    stamps: sled::Tree,
-    records: sled::Tree,
+    generations: Tree,
+    stamps: Tree,
+    records: Tree,
     db: DurableDb,
     clock: Arc<dyn Clock>,
     /// When this process opened the database (its clock): an earlier one had ended by then
@@ -48,7 +48,7 @@ fn stamp_bucket(touched_ms: u64) -> u64 {
 }
 
 /// The tree saying which format the other trees are in.
-fn db_format(db: &DurableDb) -> Result<sled::Tree, OpenError> {
+fn db_format(db: &DurableDb) -> Result<Tree, OpenError> {
     db.tree("format")
 }
 
@@ -115,7 +115,7 @@ impl SledStore {
     /// read): when the counts differ, rebuild it from `generations`. Also when the tree is
     /// of a build before its entries were rounded to whole seconds ([`STAMPS_FORMAT`] not
     /// in `format`): its exact keys would never be found to be removed.
-    fn repair_stamps(&self, format: &sled::Tree) {
+    fn repair_stamps(&self, format: &Tree) {
         let current = format
             .get(STAMPS_KEY)
             .ok()

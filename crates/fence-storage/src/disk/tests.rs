@@ -1,0 +1,254 @@
+//! The durable database's tests: group commit, the directory lock, the log's replay after a crash.
+
+use std::{
+    io::{BufRead, BufReader},
+    process::{Command, Stdio},
+};
+
+use super::*;
+
+/// Small segments, checkpointed often: a crash test crosses many checkpoints.
+const SMALL: Limits = Limits {
+    age: Duration::from_millis(20),
+    bytes: 64 << 10,
+};
+
+/// The environment variable that makes [`acknowledged_writes_survive_a_killed_process`] the
+/// child that writes until it is killed.
+const CHILD: &str = "FENCE_DISK_CRASH_CHILD";
+
+/// Writers, keys each writer cycles through.
+const WRITERS: u64 = 8;
+const KEYS: u64 = 50;
+
+fn key(writer: u64, n: u64) -> [u8; 16] {
+    let mut k = [0; 16];
+    k[..8].copy_from_slice(&writer.to_be_bytes());
+    k[8..].copy_from_slice(&(n % KEYS).to_be_bytes());
+    k
+}
+
+/// The child: writers overwrite their keys with counts and print each count once it is
+/// committed, until the process is killed.
+async fn write_until_killed(dir: &str) -> ! {
+    let db = DurableDb::open_with(Path::new(dir), SMALL).unwrap();
+    let tree = db.tree("t").unwrap();
+    for writer in 0..WRITERS {
+        let (db, tree) = (db.clone(), tree.clone());
+        tokio::spawn(async move {
+            for n in 0.. {
+                tree.insert(key(writer, n), &n.to_be_bytes()).unwrap();
+                if n % 7 == 3 {
+                    // Some writes removed again: a removal is acknowledged like a write.
+                    tree.remove(key(writer, n)).unwrap();
+                }
+                db.commit().await.unwrap();
+                println!("{writer} {n}");
+            }
+        });
+    }
+    std::future::pending().await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn acknowledged_writes_survive_a_killed_process() {
+    if let Ok(dir) = std::env::var(CHILD) {
+        write_until_killed(&dir).await;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    for round in 0..3 {
+        let mut child = Command::new(std::env::current_exe().unwrap())
+            .args([
+                "disk::tests::acknowledged_writes_survive_a_killed_process",
+                "--exact",
+                "--nocapture",
+                "--test-threads=1",
+            ])
+            .env(CHILD, dir.path())
+            .stdout(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let reader = std::thread::spawn(move || {
+            let mut acked = std::collections::HashMap::new();
+            for line in lines.map_while(Result::ok) {
+                let mut words = line.split(' ').map(|w| w.parse::<u64>());
+                if let (Some(Ok(writer)), Some(Ok(n))) = (words.next(), words.next()) {
+                    acked.insert(key(writer, n), n);
+                }
+            }
+            acked
+        });
+        // Long enough for many checkpoints (every 20 ms) and writes in the log behind them.
+        std::thread::sleep(Duration::from_millis(600 + 300 * round));
+        child.kill().unwrap();
+        child.wait().unwrap();
+        let acked = reader.join().unwrap();
+        assert!(
+            acked.len() > 20,
+            "round {round}: the child acknowledged too little to judge"
+        );
+        let db = DurableDb::open(dir.path()).unwrap();
+        let tree = db.tree("t").unwrap();
+        for (k, n) in acked {
+            let stored = tree
+                .get(k)
+                .unwrap()
+                .map(|v| u64::from_be_bytes(v[..].try_into().unwrap()));
+            // The acknowledged write, or the next one of the same key: a writer waits for its
+            // commit before its next write, but the kill can come between a commit and its
+            // line, so the key's next write (KEYS later) may be in flight, or done unseen.
+            let removed = |n: u64| n % 7 == 3;
+            match stored {
+                Some(m) => assert!(
+                    (m == n && !removed(n)) || m == n + KEYS,
+                    "round {round}: {k:?} holds {m}, {n} was acknowledged"
+                ),
+                None => assert!(
+                    removed(n) || removed(n + KEYS),
+                    "round {round}: {k:?} is gone, {n} was acknowledged"
+                ),
+            }
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_close_leaves_no_log_and_a_torn_last_record_is_ignored() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_dir = dir.path().join(log::LOG_DIR);
+    {
+        let db = DurableDb::open(dir.path()).unwrap();
+        db.tree("t").unwrap().insert("a", "1").unwrap();
+        db.commit().await.unwrap();
+    }
+    assert_eq!(
+        std::fs::read_dir(&log_dir).unwrap().count(),
+        0,
+        "a clean close checkpoints and deletes the log"
+    );
+    // A log as a crash leaves it: a whole record, then one cut short.
+    let mut bytes = Vec::new();
+    log::Op::Put {
+        tree: b"t",
+        key: b"b",
+        value: b"2",
+    }
+    .encode(&mut bytes);
+    let whole = bytes.len();
+    log::Op::Put {
+        tree: b"t",
+        key: b"c",
+        value: b"3",
+    }
+    .encode(&mut bytes);
+    std::fs::write(log_dir.join(format!("{:020}.log", 7)), &bytes[..whole + 5]).unwrap();
+    let db = DurableDb::open(dir.path()).unwrap();
+    let tree = db.tree("t").unwrap();
+    assert_eq!(tree.get("a").unwrap().as_deref(), Some(&b"1"[..]));
+    assert_eq!(
+        tree.get("b").unwrap().as_deref(),
+        Some(&b"2"[..]),
+        "the whole record is replayed"
+    );
+    assert_eq!(tree.get("c").unwrap(), None, "the torn one is not");
+    let left: Vec<_> = std::fs::read_dir(&log_dir)
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert_eq!(
+        left,
+        [std::ffi::OsString::from(format!("{:020}.log", 8))],
+        "replayed segments are deleted; the next one is numbered after them"
+    );
+}
+
+#[test]
+fn a_segment_damaged_before_the_last_refuses_to_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_dir = dir.path().join(log::LOG_DIR);
+    std::fs::create_dir_all(&log_dir).unwrap();
+    let mut bytes = Vec::new();
+    log::Op::Put {
+        tree: b"t",
+        key: b"b",
+        value: b"2",
+    }
+    .encode(&mut bytes);
+    let mut damaged = bytes.clone();
+    damaged.push(1); // a stray byte after the last whole record
+    std::fs::write(log_dir.join(format!("{:020}.log", 1)), &damaged).unwrap();
+    std::fs::write(log_dir.join(format!("{:020}.log", 2)), &bytes).unwrap();
+    let err = DurableDb::open(dir.path()).unwrap_err();
+    assert!(matches!(err, OpenError::Log { .. }), "{err:?}");
+    assert!(
+        crate::error_chain(&err).contains("00000000000000000001.log is damaged"),
+        "{}",
+        crate::error_chain(&err)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_commit_with_nothing_unsynced_returns_at_once_and_checkpoints_delete_old_segments() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = DurableDb::open_with(dir.path(), SMALL).unwrap();
+    let tree = db.tree("t").unwrap();
+    for i in 0u64..50 {
+        tree.insert(i.to_be_bytes(), &[0u8; 100][..]).unwrap();
+        db.commit().await.unwrap();
+        tokio::time::sleep(Duration::from_millis(2)).await;
+    }
+    // Nothing written since: no round trip to the writer thread.
+    db.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    tree.insert("last", "x").unwrap();
+    db.commit().await.unwrap();
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let segments = std::fs::read_dir(dir.path().join(log::LOG_DIR))
+        .unwrap()
+        .count();
+    assert!(
+        segments <= 2,
+        "{segments} segments left: checkpoints delete the ones behind"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn many_waiters_share_flushes_and_all_see_their_writes_after_reopen() {
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let db = DurableDb::open(dir.path()).unwrap();
+        let tree = db.tree("t").unwrap();
+        let mut tasks = Vec::new();
+        for i in 0u64..200 {
+            let (db, tree) = (db.clone(), tree.clone());
+            tasks.push(tokio::spawn(async move {
+                tree.insert(i.to_be_bytes(), &i.to_be_bytes()).unwrap();
+                db.commit().await.unwrap();
+            }));
+        }
+        for t in tasks {
+            t.await.unwrap();
+        }
+    }
+    let db = DurableDb::open(dir.path()).unwrap();
+    assert_eq!(db.tree("t").unwrap().len(), 200);
+}
+
+#[test]
+fn a_directory_in_use_is_refused_by_name_and_free_again_once_closed() {
+    let dir = tempfile::tempdir().unwrap();
+    let first = DurableDb::open(dir.path()).unwrap();
+    // Another process holding it looks the same as another open file description.
+    let err = DurableDb::open(dir.path()).unwrap_err();
+    assert!(matches!(err, OpenError::Locked { .. }), "{err:?}");
+    assert_eq!(
+        err.to_string(),
+        format!(
+            "another fence process is using the data directory {}; stop it or choose another directory",
+            dir.path().display()
+        )
+    );
+    drop(first);
+    DurableDb::open(dir.path()).expect("unlocked once closed");
+}
