@@ -2,25 +2,28 @@
 //!
 //! A write is applied to sled and its record appended to an in-memory buffer under one lock
 //! ([`Shared::lock`]), so the log holds the writes to each key in the order sled applied them.
-//! One writer thread takes everything buffered so far, appends it to the current segment
-//! file with one `write` and one `fdatasync`, then answers every commit that was waiting for
-//! it: one sync per batch, with no other thread in between (sled's own flush hands its
-//! buffers to a pool of I/O threads and syncs twice). A commit that finds nothing unsynced
-//! returns at once.
+//! One writer thread takes everything buffered so far, writes it to the current segment as
+//! one frame ([`format`]) with one `write` and one `fdatasync`, then answers every commit
+//! that was waiting for it: one sync per batch, with no other thread in between (sled's own
+//! flush hands its buffers to a pool of I/O threads and syncs twice). A commit that finds
+//! nothing unsynced returns at once.
 //!
 //! Segments are checkpointed, not kept: every [`SEGMENT_AGE`] (or [`SEGMENT_BYTES`]) the
-//! writer starts a new segment and hands the old one to a checkpoint thread, which flushes
-//! sled (and syncs what it leaves out, [`super::sync`]) and then deletes the old segments.
-//! Every record in them was applied to sled before they were closed, so before that flush
-//! began: sled holds them on disk when they are deleted. On open, the segments left are
-//! replayed into sled in order (each record sets or removes one key, so replaying twice
-//! gives the same result), sled is flushed, and they are deleted. A record cut short or
-//! failing its checksum ends the replay; it can only be the last one written, which no
-//! commit had waited for.
+//! writer ends the segment, starts the next and hands the old one to a checkpoint thread,
+//! which flushes sled (and syncs what it leaves out, [`super::sync`]) and then deletes the
+//! old segments. Every record in them was applied to sled before they were closed, so
+//! before that flush began: sled holds them on disk when they are deleted. One of them is
+//! kept as the next segment's file, filled to [`SEGMENT_BYTES`] beforehand: writing inside a
+//! file's length, `fdatasync` has no size to record, which on this machine's ext4 halves its
+//! cost (BENCHMARKS.md). On open, the segments left are replayed into sled in order (each
+//! record sets or removes one key, so replaying twice gives the same result), sled is
+//! flushed, and they are deleted. A frame cut short or failing its checksum ends the replay;
+//! it can only be the last one written, which no commit had waited for.
 
 use std::{
     fs::File,
-    io::{self, Write},
+    io,
+    os::unix::fs::FileExt,
     path::{Path, PathBuf},
     sync::{
         Arc, Condvar, Mutex, MutexGuard, PoisonError,
@@ -35,6 +38,12 @@ use tokio::sync::oneshot;
 
 use super::{CommitError, sync::Syncer};
 
+mod format;
+
+pub(super) use format::Op;
+#[cfg(test)]
+pub(super) use format::frame;
+
 /// The directory, inside the database's, that holds the log's segments.
 pub(super) const LOG_DIR: &str = "log";
 
@@ -47,104 +56,7 @@ pub(super) const SEGMENT_BYTES: u64 = 16 << 20;
 /// How long the writer sleeps when nobody waits, before writing what was buffered anyway.
 const IDLE: Duration = Duration::from_secs(1);
 
-/// Each record's header: the payload's length and its CRC-32, 4 bytes each, little-endian.
-const HEADER: usize = 8;
-
 pub(super) type Waiter = oneshot::Sender<Result<(), CommitError>>;
-
-/// One write, as the log records it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(super) enum Op<'a> {
-    /// `key` now holds `value` in `tree`.
-    Put {
-        tree: &'a [u8],
-        key: &'a [u8],
-        value: &'a [u8],
-    },
-    /// `key` is gone from `tree`.
-    Remove { tree: &'a [u8], key: &'a [u8] },
-    /// `tree` is empty.
-    Clear { tree: &'a [u8] },
-}
-
-const PUT: u8 = 1;
-const REMOVE: u8 = 2;
-const CLEAR: u8 = 3;
-
-impl Op<'_> {
-    /// Appends this record (header and payload) to `buf`.
-    pub(super) fn encode(&self, buf: &mut Vec<u8>) {
-        let start = buf.len();
-        buf.extend_from_slice(&[0; HEADER]);
-        let (kind, tree, key, value) = match *self {
-            Op::Put { tree, key, value } => (PUT, tree, Some(key), Some(value)),
-            Op::Remove { tree, key } => (REMOVE, tree, Some(key), None),
-            Op::Clear { tree } => (CLEAR, tree, None, None),
-        };
-        buf.push(kind);
-        // Tree names are ours and short (`DurableDb::tree` refuses longer ones).
-        buf.push(u8::try_from(tree.len()).unwrap_or(u8::MAX));
-        buf.extend_from_slice(&tree[..tree.len().min(255)]);
-        for part in [key, value].into_iter().flatten() {
-            buf.extend_from_slice(&len32(part.len()).to_le_bytes());
-            buf.extend_from_slice(part);
-        }
-        let payload = &buf[start + HEADER..];
-        let (len, crc) = (len32(payload.len()), crc32fast::hash(payload));
-        buf[start..start + 4].copy_from_slice(&len.to_le_bytes());
-        buf[start + 4..start + HEADER].copy_from_slice(&crc.to_le_bytes());
-    }
-}
-
-/// A length as the log stores it. sled keeps keys and values far below 4 GiB.
-fn len32(n: usize) -> u32 {
-    u32::try_from(n).unwrap_or(u32::MAX)
-}
-
-/// The records at the start of `bytes`, up to the first one cut short or damaged, and how many
-/// bytes they take.
-pub(super) fn decode(bytes: &[u8]) -> (Vec<Op<'_>>, usize) {
-    let mut ops = Vec::new();
-    let mut at = 0;
-    while let Some((op, next)) = decode_one(bytes, at) {
-        ops.push(op);
-        at = next;
-    }
-    (ops, at)
-}
-
-fn decode_one(bytes: &[u8], at: usize) -> Option<(Op<'_>, usize)> {
-    let word = |i: usize| -> Option<u32> {
-        Some(u32::from_le_bytes(bytes.get(i..i + 4)?.try_into().ok()?))
-    };
-    let len = usize::try_from(word(at)?).ok()?;
-    let crc = word(at + 4)?;
-    let start = at + HEADER;
-    let payload = bytes.get(start..start.checked_add(len)?)?;
-    if crc32fast::hash(payload) != crc {
-        return None;
-    }
-    let (&kind, rest) = payload.split_first()?;
-    let (&tree_len, rest) = rest.split_first()?;
-    let (tree, mut rest) = rest.split_at_checked(usize::from(tree_len))?;
-    let mut part = || -> Option<&[u8]> {
-        let (n, tail) = rest.split_first_chunk::<4>()?;
-        let (part, tail) = tail.split_at_checked(usize::try_from(u32::from_le_bytes(*n)).ok()?)?;
-        rest = tail;
-        Some(part)
-    };
-    let op = match kind {
-        PUT => Op::Put {
-            tree,
-            key: part()?,
-            value: part()?,
-        },
-        REMOVE => Op::Remove { tree, key: part()? },
-        CLEAR => Op::Clear { tree },
-        _ => return None,
-    };
-    rest.is_empty().then_some((op, start + len))
-}
 
 /// Why the log left on disk could not be replayed.
 #[derive(Debug, thiserror::Error)]
@@ -154,12 +66,21 @@ pub(super) enum ReplayError {
     #[error("cannot write the log's records to sled")]
     Sled(#[from] sled::Error),
     #[error(
-        "the log segment {0} is damaged before its end (only the last segment's last record can be cut short by a crash)"
+        "the log segment {0} has no end, yet a later one exists (a crash only cuts the last segment short)"
     )]
-    Damaged(PathBuf),
+    Unended(PathBuf),
+    #[error(
+        "the log segment {path} holds a frame at byte {at} that passes its checksum but does not read"
+    )]
+    Undecodable { path: PathBuf, at: usize },
     #[error("cannot flush sled after replaying the log")]
     Flush(#[source] CommitError),
 }
+
+/// The file kept for the next segment, filled to [`SEGMENT_BYTES`]; and the name it is filled
+/// under (a crash leaves a half-filled one there, never under `SPARE`).
+const SPARE: &str = "spare";
+const FILLING: &str = "spare.filling";
 
 /// The segments in `dir`, in the order they were written.
 fn segments(dir: &Path) -> io::Result<Vec<(u64, PathBuf)>> {
@@ -187,6 +108,13 @@ fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
 }
 
+fn remove_if_there(path: &Path) -> io::Result<()> {
+    match std::fs::remove_file(path) {
+        Err(e) if e.kind() != io::ErrorKind::NotFound => Err(e),
+        _ => Ok(()),
+    }
+}
+
 /// Replays the segments in `dir` into `db`, makes sled durable, deletes them; answers how
 /// many records were replayed and the number the next segment takes.
 pub(super) fn replay(
@@ -196,13 +124,16 @@ pub(super) fn replay(
 ) -> Result<(usize, u64), ReplayError> {
     let found = segments(dir)?;
     let mut replayed = 0;
-    for (i, (_, path)) in found.iter().enumerate() {
+    for (i, (number, path)) in found.iter().enumerate() {
         let bytes = std::fs::read(path)?;
-        let (ops, used) = decode(&bytes);
-        if used < bytes.len() && i + 1 < found.len() {
-            return Err(ReplayError::Damaged(path.clone()));
+        let segment = format::read(&bytes, *number).map_err(|e| ReplayError::Undecodable {
+            path: path.clone(),
+            at: e.at,
+        })?;
+        if !segment.ended && i + 1 < found.len() {
+            return Err(ReplayError::Unended(path.clone()));
         }
-        for op in &ops {
+        for op in &segment.ops {
             match *op {
                 Op::Put { tree, key, value } => {
                     db.open_tree(tree)?.insert(key, value)?;
@@ -213,9 +144,13 @@ pub(super) fn replay(
                 Op::Clear { tree } => db.open_tree(tree)?.clear()?,
             }
         }
-        replayed += ops.len();
+        replayed += segment.ops.len();
     }
     let next = found.last().map_or(1, |(n, _)| n.saturating_add(1));
+    // A kept file holds frames of earlier segments; numbers start again after those found,
+    // which may be below them (none found): never reuse it in another process.
+    remove_if_there(&dir.join(FILLING))?;
+    remove_if_there(&dir.join(SPARE))?;
     if !found.is_empty() {
         syncer.flush().map_err(ReplayError::Flush)?;
         for (_, path) in &found {
@@ -302,7 +237,7 @@ pub(super) struct Log {
     checkpointer: Option<thread::JoinHandle<()>>,
 }
 
-/// When the writer starts a new segment.
+/// When the writer starts a new segment, and the size a kept segment file is filled to.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Limits {
     pub(super) age: Duration,
@@ -331,7 +266,7 @@ impl Log {
                 .spawn(move || {
                     while let Ok(first) = closed_rx.recv() {
                         let upto = closed_rx.try_iter().fold(first, u64::max);
-                        if let Err(e) = checkpoint(&syncer, &dir, upto) {
+                        if let Err(e) = checkpoint(&syncer, &dir, upto, Some(limits.bytes)) {
                             for waiter in shared.fail(e.clone()) {
                                 let _ = waiter.send(Err(e.clone()));
                             }
@@ -367,60 +302,116 @@ impl Drop for Log {
         {
             let _ = thread.join();
         }
-        if self.shared.lock().failed.is_none() {
-            let _ = checkpoint(&self.syncer, &self.dir, u64::MAX);
+        if self.shared.lock().failed.is_none()
+            && checkpoint(&self.syncer, &self.dir, u64::MAX, None).is_ok()
+        {
+            let _ = remove_if_there(&self.dir.join(SPARE));
+            let _ = sync_dir(&self.dir);
         }
     }
 }
 
 /// Flushes sled, then deletes every segment up to `upto`: their records were applied to
-/// sled before they were closed, so before this flush began.
-fn checkpoint(syncer: &Syncer, dir: &Path, upto: u64) -> Result<(), CommitError> {
+/// sled before they were closed, so before this flush began. With `keep`, the last of them
+/// becomes the spare (when there is none), filled to `keep` bytes.
+fn checkpoint(
+    syncer: &Syncer,
+    dir: &Path,
+    upto: u64,
+    keep: Option<u64>,
+) -> Result<(), CommitError> {
     syncer.flush()?;
     let io = |e: io::Error| CommitError::Log(Arc::new(e));
-    let mut removed = false;
-    for (number, path) in segments(dir).map_err(io)? {
-        if number <= upto {
-            std::fs::remove_file(path).map_err(io)?;
-            removed = true;
-        }
+    let mut done: Vec<PathBuf> = segments(dir)
+        .map_err(io)?
+        .into_iter()
+        .filter(|(number, _)| *number <= upto)
+        .map(|(_, path)| path)
+        .collect();
+    let spare = match keep {
+        Some(bytes) if !dir.join(SPARE).exists() => done.pop().map(|path| (path, bytes)),
+        _ => None,
+    };
+    if let Some((path, _)) = &spare {
+        std::fs::rename(path, dir.join(FILLING)).map_err(io)?;
     }
-    if removed {
+    for path in &done {
+        std::fs::remove_file(path).map_err(io)?;
+    }
+    if spare.is_some() || !done.is_empty() {
+        sync_dir(dir).map_err(io)?;
+    }
+    if let Some((_, bytes)) = spare {
+        fill(&dir.join(FILLING), bytes).map_err(io)?;
+        std::fs::rename(dir.join(FILLING), dir.join(SPARE)).map_err(io)?;
         sync_dir(dir).map_err(io)?;
     }
     Ok(())
+}
+
+/// Writes zeros from the end of the file at `path` to `bytes`, and syncs it.
+fn fill(path: &Path, bytes: u64) -> io::Result<()> {
+    let file = File::options().write(true).open(path)?;
+    let zeros = vec![0u8; 1 << 20];
+    let mut at = file.metadata()?.len();
+    while at < bytes {
+        let n = usize::try_from((bytes - at).min(zeros.len() as u64)).unwrap_or(zeros.len());
+        file.write_all_at(&zeros[..n], at)?;
+        at += n as u64;
+    }
+    file.sync_all()
 }
 
 /// The segment being written.
 struct Segment {
     number: u64,
     file: File,
+    /// Where the next frame goes.
     len: u64,
     opened: Instant,
+    frame: Vec<u8>,
 }
 
 impl Segment {
-    /// A new, empty segment, its directory entry on disk before any record is.
+    /// Segment `number`, in the spare's file when there is one, else in a new one; its
+    /// directory entry on disk before any record is.
     fn create(dir: &Path, number: u64) -> io::Result<Self> {
-        let file = File::options()
-            .create_new(true)
-            .append(true)
-            .open(segment_path(dir, number))?;
+        let path = segment_path(dir, number);
+        let file = match std::fs::rename(dir.join(SPARE), &path) {
+            Ok(()) => File::options().write(true).open(&path)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                File::options().create_new(true).write(true).open(&path)?
+            }
+            Err(e) => return Err(e),
+        };
         sync_dir(dir)?;
         Ok(Self {
             number,
             file,
             len: 0,
             opened: Instant::now(),
+            frame: Vec::new(),
         })
     }
 
-    fn append(&mut self, bytes: &[u8]) -> io::Result<()> {
-        self.file.write_all(bytes)?;
+    /// Writes `body` as one frame (empty: the segment's end) and syncs it.
+    fn append(&mut self, body: &[u8]) -> io::Result<()> {
+        self.frame.clear();
+        format::frame(self.number, body, &mut self.frame);
+        self.file.write_all_at(&self.frame, self.len)?;
         self.file.sync_data()?;
-        self.len += bytes.len() as u64;
+        self.len += self.frame.len() as u64;
         Ok(())
     }
+}
+
+/// Ends `segment` and starts the next; answers the ended one's number.
+fn rotate(dir: &Path, segment: &mut Segment) -> io::Result<u64> {
+    // On disk before the next segment exists: replay takes a segment without its end for
+    // the last one written.
+    segment.append(&[])?;
+    let next = Segment::create(dir, segment.number + 1)?;
+    Ok(std::mem::replace(segment, next).number)
 }
 
 fn write_loop(
@@ -431,6 +422,12 @@ fn write_loop(
     limits: Limits,
 ) {
     let mut batch = Vec::new();
+    let fail = |e: io::Error, waiters: Vec<Waiter>| {
+        let e = CommitError::Log(Arc::new(e));
+        for waiter in waiters.into_iter().chain(shared.fail(e.clone())) {
+            let _ = waiter.send(Err(e.clone()));
+        }
+    };
     loop {
         let (end, waiters, closing) = {
             let mut state = shared.lock();
@@ -447,18 +444,11 @@ fn write_loop(
             std::mem::swap(&mut batch, &mut state.buf);
             (state.end, std::mem::take(&mut state.waiters), state.closing)
         };
-        let written = if batch.is_empty() {
-            Ok(())
-        } else {
-            segment.append(&batch)
-        };
-        batch.clear();
-        if let Err(e) = written {
-            let e = CommitError::Log(Arc::new(e));
-            for waiter in waiters.into_iter().chain(shared.fail(e.clone())) {
-                let _ = waiter.send(Err(e.clone()));
+        if !batch.is_empty() {
+            if let Err(e) = segment.append(&batch) {
+                return fail(e, waiters);
             }
-            return;
+            batch.clear();
         }
         shared.synced.store(end, Ordering::Release);
         for waiter in waiters {
@@ -471,89 +461,12 @@ fn write_loop(
         let due = segment.len >= limits.bytes
             || (segment.len > 0 && segment.opened.elapsed() >= limits.age);
         if due {
-            match Segment::create(dir, segment.number + 1) {
-                Ok(next) => {
-                    let old = std::mem::replace(&mut segment, next);
-                    let _ = closed.send(old.number);
+            match rotate(dir, &mut segment) {
+                Ok(ended) => {
+                    let _ = closed.send(ended);
                 }
-                Err(e) => {
-                    let e = CommitError::Log(Arc::new(e));
-                    for waiter in shared.fail(e.clone()) {
-                        let _ = waiter.send(Err(e.clone()));
-                    }
-                    return;
-                }
+                Err(e) => return fail(e, Vec::new()),
             }
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn encoded(ops: &[Op<'_>]) -> Vec<u8> {
-        let mut buf = Vec::new();
-        for op in ops {
-            op.encode(&mut buf);
-        }
-        buf
-    }
-
-    #[test]
-    fn records_read_back_as_written_and_stop_at_the_first_damaged_one() {
-        let ops = [
-            Op::Put {
-                tree: b"leases",
-                key: b"job-1",
-                value: &[7; 300],
-            },
-            Op::Remove {
-                tree: b"leases",
-                key: b"",
-            },
-            Op::Clear { tree: b"stamps" },
-            Op::Put {
-                tree: b"",
-                key: b"k",
-                value: b"",
-            },
-        ];
-        let bytes = encoded(&ops);
-        assert_eq!(decode(&bytes), (ops.to_vec(), bytes.len()));
-        // Cut anywhere inside the last record: the others still read, the cut one does not.
-        let last = encoded(&ops[..3]).len();
-        for cut in last..bytes.len() {
-            assert_eq!(
-                decode(&bytes[..cut]),
-                (ops[..3].to_vec(), last),
-                "cut at {cut}"
-            );
-        }
-        // One flipped bit anywhere in a record ends the replay before it.
-        for at in 0..bytes.len() {
-            let mut damaged = bytes.clone();
-            damaged[at] ^= 0x10;
-            let (read, used) = decode(&damaged);
-            assert!(used <= at, "a record read past a damaged byte at {at}");
-            assert_eq!(read, ops[..read.len()].to_vec());
-        }
-    }
-
-    #[test]
-    fn any_bytes_decode_without_panicking() {
-        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
-        for len in 0..2_000 {
-            let bytes: Vec<u8> = (0..len % 97)
-                .map(|_| {
-                    seed ^= seed << 13;
-                    seed ^= seed >> 7;
-                    seed ^= seed << 17;
-                    seed as u8
-                })
-                .collect();
-            let (_, used) = decode(&bytes);
-            assert!(used <= bytes.len());
         }
     }
 }

@@ -127,22 +127,11 @@ async fn a_clean_close_leaves_no_log_and_a_torn_last_record_is_ignored() {
         0,
         "a clean close checkpoints and deletes the log"
     );
-    // A log as a crash leaves it: a whole record, then one cut short.
-    let mut bytes = Vec::new();
-    log::Op::Put {
-        tree: b"t",
-        key: b"b",
-        value: b"2",
-    }
-    .encode(&mut bytes);
-    let whole = bytes.len();
-    log::Op::Put {
-        tree: b"t",
-        key: b"c",
-        value: b"3",
-    }
-    .encode(&mut bytes);
-    std::fs::write(log_dir.join(format!("{:020}.log", 7)), &bytes[..whole + 5]).unwrap();
+    // A log as a crash leaves it: a whole frame, then one cut short.
+    let mut file = segment(7, &[(b"b", b"2")]);
+    let whole = file.len();
+    file.extend(segment(7, &[(b"c", b"3")]));
+    std::fs::write(log_dir.join(format!("{:020}.log", 7)), &file[..whole + 5]).unwrap();
     let db = DurableDb::open(dir.path()).unwrap();
     let tree = db.tree("t").unwrap();
     assert_eq!(tree.get("a").unwrap().as_deref(), Some(&b"1"[..]));
@@ -163,29 +152,53 @@ async fn a_clean_close_leaves_no_log_and_a_torn_last_record_is_ignored() {
     );
 }
 
+/// One frame of segment `number` putting each (key, value) in tree `t`.
+fn segment(number: u64, puts: &[(&[u8], &[u8])]) -> Vec<u8> {
+    let mut body = Vec::new();
+    for (key, value) in puts {
+        log::Op::Put {
+            tree: b"t",
+            key,
+            value,
+        }
+        .encode(&mut body);
+    }
+    let mut out = Vec::new();
+    log::frame(number, &body, &mut out);
+    out
+}
+
 #[test]
-fn a_segment_damaged_before_the_last_refuses_to_open() {
+fn a_segment_without_its_end_before_the_last_refuses_to_open() {
     let dir = tempfile::tempdir().unwrap();
     let log_dir = dir.path().join(log::LOG_DIR);
     std::fs::create_dir_all(&log_dir).unwrap();
-    let mut bytes = Vec::new();
-    log::Op::Put {
-        tree: b"t",
-        key: b"b",
-        value: b"2",
-    }
-    .encode(&mut bytes);
-    let mut damaged = bytes.clone();
-    damaged.push(1); // a stray byte after the last whole record
-    std::fs::write(log_dir.join(format!("{:020}.log", 1)), &damaged).unwrap();
-    std::fs::write(log_dir.join(format!("{:020}.log", 2)), &bytes).unwrap();
+    // Segment 1 cut short (damaged or lost its end), yet segment 2 exists.
+    std::fs::write(
+        log_dir.join(format!("{:020}.log", 1)),
+        segment(1, &[(b"a", b"1")]),
+    )
+    .unwrap();
+    std::fs::write(
+        log_dir.join(format!("{:020}.log", 2)),
+        segment(2, &[(b"b", b"2")]),
+    )
+    .unwrap();
     let err = DurableDb::open(dir.path()).unwrap_err();
     assert!(matches!(err, OpenError::Log { .. }), "{err:?}");
     assert!(
-        crate::error_chain(&err).contains("00000000000000000001.log is damaged"),
+        crate::error_chain(&err).contains("00000000000000000001.log has no end"),
         "{}",
         crate::error_chain(&err)
     );
+    // With its end, both are replayed.
+    let mut ended = segment(1, &[(b"a", b"1")]);
+    log::frame(1, &[], &mut ended);
+    std::fs::write(log_dir.join(format!("{:020}.log", 1)), ended).unwrap();
+    let db = DurableDb::open(dir.path()).unwrap();
+    let tree = db.tree("t").unwrap();
+    assert_eq!(tree.get("a").unwrap().as_deref(), Some(&b"1"[..]));
+    assert_eq!(tree.get("b").unwrap().as_deref(), Some(&b"2"[..]));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

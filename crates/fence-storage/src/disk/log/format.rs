@@ -1,0 +1,248 @@
+//! The log's format on disk: frames of records, each frame checked against its segment's number.
+//!
+//! A segment is a sequence of frames, one per batch the writer synced: the body's length
+//! (u32), a CRC-32 of the segment's number (u64) followed by the body (u32), both
+//! little-endian, then the body: records back to back. A frame with an empty body ends the
+//! segment (written and synced before the next segment is created). Segment files are
+//! reused, so what follows the last frame written may be zeros or frames of the file's
+//! earlier use: those fail the check against the new number and end the reading.
+
+/// A frame's header: the body's length and its checksum.
+pub(super) const FRAME_HEADER: usize = 8;
+
+/// One write, as the log records it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(in crate::disk) enum Op<'a> {
+    /// `key` now holds `value` in `tree`.
+    Put {
+        tree: &'a [u8],
+        key: &'a [u8],
+        value: &'a [u8],
+    },
+    /// `key` is gone from `tree`.
+    Remove { tree: &'a [u8], key: &'a [u8] },
+    /// `tree` is empty.
+    Clear { tree: &'a [u8] },
+}
+
+const PUT: u8 = 1;
+const REMOVE: u8 = 2;
+const CLEAR: u8 = 3;
+
+impl Op<'_> {
+    /// Appends this record to `buf`: its kind, the tree's name (a length byte: names are at
+    /// most 255 bytes, `DurableDb::tree` checks), then the key and value, each after its
+    /// length (u32, little-endian).
+    pub(in crate::disk) fn encode(&self, buf: &mut Vec<u8>) {
+        let (kind, tree, key, value) = match *self {
+            Op::Put { tree, key, value } => (PUT, tree, Some(key), Some(value)),
+            Op::Remove { tree, key } => (REMOVE, tree, Some(key), None),
+            Op::Clear { tree } => (CLEAR, tree, None, None),
+        };
+        let tree = &tree[..tree.len().min(255)];
+        buf.push(kind);
+        buf.push(u8::try_from(tree.len()).unwrap_or(u8::MAX));
+        buf.extend_from_slice(tree);
+        for part in [key, value].into_iter().flatten() {
+            buf.extend_from_slice(&len32(part.len()).to_le_bytes());
+            buf.extend_from_slice(part);
+        }
+    }
+}
+
+/// A length as the log stores it. sled keeps keys and values far below 4 GiB.
+fn len32(n: usize) -> u32 {
+    u32::try_from(n).unwrap_or(u32::MAX)
+}
+
+fn checksum(segment: u64, body: &[u8]) -> u32 {
+    let mut hasher = crc32fast::Hasher::new();
+    hasher.update(&segment.to_le_bytes());
+    hasher.update(body);
+    hasher.finalize()
+}
+
+/// Appends one frame holding `body` (a batch of records; empty: the segment's end) for
+/// segment `segment` to `out`.
+pub(in crate::disk) fn frame(segment: u64, body: &[u8], out: &mut Vec<u8>) {
+    out.extend_from_slice(&len32(body.len()).to_le_bytes());
+    out.extend_from_slice(&checksum(segment, body).to_le_bytes());
+    out.extend_from_slice(body);
+}
+
+/// What a segment's file holds.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Segment<'a> {
+    /// The records of every whole frame, in order.
+    pub(super) ops: Vec<Op<'a>>,
+    /// Whether the frames end with the segment's end.
+    pub(super) ended: bool,
+}
+
+/// A frame passed its checksum but its records do not read: not something a crash does.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) struct Undecodable {
+    /// Where the frame starts.
+    pub(super) at: usize,
+}
+
+/// Reads segment `segment` from its file's bytes: frames up to its end, or up to the first
+/// frame cut short, damaged or left from the file's earlier use.
+pub(super) fn read(bytes: &[u8], segment: u64) -> Result<Segment<'_>, Undecodable> {
+    let mut ops = Vec::new();
+    let mut at = 0;
+    while let Some(body) = frame_at(bytes, at, segment) {
+        if body.is_empty() {
+            return Ok(Segment { ops, ended: true });
+        }
+        records(body, &mut ops).ok_or(Undecodable { at })?;
+        at += FRAME_HEADER + body.len();
+    }
+    Ok(Segment { ops, ended: false })
+}
+
+fn frame_at(bytes: &[u8], at: usize, segment: u64) -> Option<&[u8]> {
+    let header = bytes.get(at..at.checked_add(FRAME_HEADER)?)?;
+    let (len, crc) = header.split_first_chunk::<4>()?;
+    let len = usize::try_from(u32::from_le_bytes(*len)).ok()?;
+    let crc = u32::from_le_bytes(crc.try_into().ok()?);
+    let start = at + FRAME_HEADER;
+    let body = bytes.get(start..start.checked_add(len)?)?;
+    (checksum(segment, body) == crc).then_some(body)
+}
+
+/// Appends the records of `body` to `ops`; `None` when it does not read to its end.
+fn records<'a>(mut body: &'a [u8], ops: &mut Vec<Op<'a>>) -> Option<()> {
+    while !body.is_empty() {
+        let (&kind, rest) = body.split_first()?;
+        let (&tree_len, rest) = rest.split_first()?;
+        let (tree, mut rest) = rest.split_at_checked(usize::from(tree_len))?;
+        let mut part = || -> Option<&'a [u8]> {
+            let (n, tail) = rest.split_first_chunk::<4>()?;
+            let n = usize::try_from(u32::from_le_bytes(*n)).ok()?;
+            let (part, tail) = tail.split_at_checked(n)?;
+            rest = tail;
+            Some(part)
+        };
+        let op = match kind {
+            PUT => Op::Put {
+                tree,
+                key: part()?,
+                value: part()?,
+            },
+            REMOVE => Op::Remove { tree, key: part()? },
+            CLEAR => Op::Clear { tree },
+            _ => return None,
+        };
+        ops.push(op);
+        body = rest;
+    }
+    Some(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OPS: [Op<'static>; 4] = [
+        Op::Put {
+            tree: b"leases",
+            key: b"job-1",
+            value: &[7; 300],
+        },
+        Op::Remove {
+            tree: b"leases",
+            key: b"",
+        },
+        Op::Clear { tree: b"stamps" },
+        Op::Put {
+            tree: b"",
+            key: b"k",
+            value: b"",
+        },
+    ];
+
+    /// Segment 5's file: OPS in two frames (two batches), then its end if `end`; and where
+    /// the second frame starts.
+    fn file(end: bool) -> (Vec<u8>, usize) {
+        let mut out = Vec::new();
+        let mut second = 0;
+        for batch in [&OPS[..3], &OPS[3..]] {
+            second = out.len();
+            let mut body = Vec::new();
+            batch.iter().for_each(|op| op.encode(&mut body));
+            frame(5, &body, &mut out);
+        }
+        if end {
+            frame(5, &[], &mut out);
+        }
+        (out, second)
+    }
+
+    #[test]
+    fn frames_read_back_as_written_up_to_the_end_of_the_segment() {
+        let (mut bytes, _) = file(true);
+        // What follows the end (the file's earlier use) is not read.
+        frame(5, &[9, 9, 9], &mut bytes);
+        assert_eq!(
+            read(&bytes, 5),
+            Ok(Segment {
+                ops: OPS.to_vec(),
+                ended: true
+            })
+        );
+    }
+
+    #[test]
+    fn reading_stops_at_a_cut_a_damaged_byte_zeros_or_another_segments_frame() {
+        let (bytes, first) = file(false);
+        for cut in first..bytes.len() {
+            let got = read(&bytes[..cut], 5).unwrap();
+            assert_eq!(got.ops, OPS[..3].to_vec(), "cut at {cut}");
+            assert!(!got.ended);
+        }
+        for at in 0..bytes.len() {
+            let mut damaged = bytes.clone();
+            damaged[at] ^= 0x10;
+            let got = read(&damaged, 5).unwrap_or_else(|e| panic!("at {at}: {e:?}"));
+            let expected = if at < first { 0 } else { 3 };
+            assert_eq!(got.ops, OPS[..expected].to_vec(), "damaged at {at}");
+        }
+        let mut zeros = bytes.clone();
+        zeros.extend_from_slice(&[0; 64]);
+        assert_eq!(read(&zeros, 5).unwrap().ops, OPS.to_vec());
+        assert_eq!(
+            read(&bytes, 4).unwrap().ops,
+            [],
+            "a frame written for another segment (the file's earlier use) is not read"
+        );
+    }
+
+    #[test]
+    fn a_frame_that_passes_its_checksum_but_does_not_read_is_refused() {
+        let mut bytes = Vec::new();
+        frame(1, &[PUT, 200], &mut bytes);
+        assert_eq!(read(&bytes, 1), Err(Undecodable { at: 0 }));
+    }
+
+    #[test]
+    fn any_bytes_read_without_panicking() {
+        let mut seed = 0x2545_f491_4f6c_dd1d_u64;
+        for len in 0..3_000 {
+            let mut bytes: Vec<u8> = (0..len % 97)
+                .map(|_| {
+                    seed ^= seed << 13;
+                    seed ^= seed >> 7;
+                    seed ^= seed << 17;
+                    seed as u8
+                })
+                .collect();
+            // Half of them in a frame that passes its check, so the records are read too.
+            if len % 2 == 0 {
+                let body = std::mem::take(&mut bytes);
+                frame(3, &body, &mut bytes);
+            }
+            let _ = read(&bytes, 3);
+        }
+    }
+}
