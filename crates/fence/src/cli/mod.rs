@@ -349,7 +349,8 @@ pub struct KeygenCmd {
 /// Where a server or proxy keeps its state: sled in `--data-dir`, or PostgreSQL.
 #[derive(Args, Debug, Clone)]
 pub struct StorageArgs {
-    /// Directory of the database (created if missing); not used with --store postgres://.
+    /// Directory of the database (created if missing): sled's files and the write-ahead log
+    /// in log/ (replayed at start after a crash); not used with --store postgres://.
     #[arg(long, required_unless_present = "store", env = "FENCE_DATA_DIR")]
     pub data_dir: Option<PathBuf>,
     /// Keep the state in PostgreSQL instead (postgres://user@host:port/db, with
