@@ -22,6 +22,7 @@
 
 use std::{
     fs::File,
+    hash::{BuildHasher, RandomState},
     io,
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
@@ -42,7 +43,7 @@ mod format;
 
 pub(super) use format::Op;
 #[cfg(test)]
-pub(super) use format::frame;
+pub(super) use format::{frame, header};
 
 /// The directory, inside the database's, that holds the log's segments.
 pub(super) const LOG_DIR: &str = "log";
@@ -123,8 +124,16 @@ pub(super) fn replay(
     dir: &Path,
 ) -> Result<(usize, u64), ReplayError> {
     let found = segments(dir)?;
+    // Checkpoints delete segments oldest first, after a flush that covers every segment up
+    // to the one deleted: where a number is missing (a power cut that kept some deletions
+    // and not others), everything before the gap is in sled, and replaying it would put
+    // back values older than later ones sled holds.
+    let from = found
+        .windows(2)
+        .rposition(|w| w[0].0.checked_add(1) != Some(w[1].0))
+        .map_or(0, |i| i + 1);
     let mut replayed = 0;
-    for (i, (number, path)) in found.iter().enumerate() {
+    for (i, (number, path)) in found.iter().enumerate().skip(from) {
         let bytes = std::fs::read(path)?;
         let segment = format::read(&bytes, *number).map_err(|e| ReplayError::Undecodable {
             path: path.clone(),
@@ -328,24 +337,30 @@ fn checkpoint(
         .filter(|(number, _)| *number <= upto)
         .map(|(_, path)| path)
         .collect();
-    let spare = match keep {
-        Some(bytes) if !dir.join(SPARE).exists() => done.pop().map(|path| (path, bytes)),
-        _ => None,
-    };
-    if let Some((path, _)) = &spare {
-        std::fs::rename(path, dir.join(FILLING)).map_err(io)?;
+    if done.is_empty() {
+        return Ok(());
     }
+    // The newest is kept for the next segment (when no file is kept yet) and goes last: the
+    // others are deleted oldest first, so a crash in between leaves the newest ones in a
+    // row, never a gap in the numbers (see `replay`).
+    let kept = keep
+        .filter(|_| !dir.join(SPARE).exists())
+        .and_then(|bytes| done.pop().map(|path| (path, bytes)));
     for path in &done {
         std::fs::remove_file(path).map_err(io)?;
     }
-    if spare.is_some() || !done.is_empty() {
-        sync_dir(dir).map_err(io)?;
+    if let Some((path, bytes)) = kept {
+        let filling = dir.join(FILLING);
+        let made = std::fs::rename(&path, &filling)
+            .and_then(|()| fill(&filling, bytes))
+            .and_then(|()| std::fs::rename(&filling, dir.join(SPARE)));
+        if made.is_err() {
+            // Only a speed-up (a full disk, say): the next segment is a new file instead.
+            remove_if_there(&filling).map_err(io)?;
+            remove_if_there(&path).map_err(io)?;
+        }
     }
-    if let Some((_, bytes)) = spare {
-        fill(&dir.join(FILLING), bytes).map_err(io)?;
-        std::fs::rename(dir.join(FILLING), dir.join(SPARE)).map_err(io)?;
-        sync_dir(dir).map_err(io)?;
-    }
+    sync_dir(dir).map_err(io)?;
     Ok(())
 }
 
@@ -365,6 +380,7 @@ fn fill(path: &Path, bytes: u64) -> io::Result<()> {
 /// The segment being written.
 struct Segment {
     number: u64,
+    salt: u64,
     file: File,
     /// Where the next frame goes.
     len: u64,
@@ -384,20 +400,37 @@ impl Segment {
             }
             Err(e) => return Err(e),
         };
+        // A salt no earlier use of the file (nor any client) could know: std's hasher keys
+        // are drawn from the operating system's randomness.
+        let salt = RandomState::new().hash_one(number);
+        file.write_all_at(&format::header(salt), 0)?;
+        file.sync_data()?;
         sync_dir(dir)?;
         Ok(Self {
             number,
+            salt,
             file,
-            len: 0,
+            len: format::SEGMENT_HEADER as u64,
             opened: Instant::now(),
             frame: Vec::new(),
         })
     }
 
+    /// Whether a frame was written since the header.
+    fn has_frames(&self) -> bool {
+        self.len > format::SEGMENT_HEADER as u64
+    }
+
     /// Writes `body` as one frame (empty: the segment's end) and syncs it.
     fn append(&mut self, body: &[u8]) -> io::Result<()> {
+        if u32::try_from(body.len()).is_err() {
+            // The frame's length is 32 bits (sled's values are far smaller; so is a batch).
+            return Err(io::Error::other(
+                "a batch of 4 GiB or more cannot be logged",
+            ));
+        }
         self.frame.clear();
-        format::frame(self.number, body, &mut self.frame);
+        format::frame(self.number, self.salt, body, &mut self.frame);
         self.file.write_all_at(&self.frame, self.len)?;
         self.file.sync_data()?;
         self.len += self.frame.len() as u64;
@@ -459,7 +492,7 @@ fn write_loop(
             return;
         }
         let due = segment.len >= limits.bytes
-            || (segment.len > 0 && segment.opened.elapsed() >= limits.age);
+            || (segment.has_frames() && segment.opened.elapsed() >= limits.age);
         if due {
             match rotate(dir, &mut segment) {
                 Ok(ended) => {

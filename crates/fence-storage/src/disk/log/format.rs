@@ -1,14 +1,31 @@
 //! The log's format on disk: frames of records, each frame checked against its segment's number.
 //!
-//! A segment is a sequence of frames, one per batch the writer synced: the body's length
-//! (u32), a CRC-32 of the segment's number (u64) followed by the body (u32), both
-//! little-endian, then the body: records back to back. A frame with an empty body ends the
-//! segment (written and synced before the next segment is created). Segment files are
-//! reused, so what follows the last frame written may be zeros or frames of the file's
-//! earlier use: those fail the check against the new number and end the reading.
+//! A segment starts with a header, [`MAGIC`] then a salt (u64, little-endian) drawn at random
+//! when the segment was created, synced before any frame is written. Then come frames, one
+//! per batch the writer synced: the body's length (u32), a CRC-32 of the segment's number and
+//! salt (u64 each) followed by the body (u32), both little-endian, then the body: records
+//! back to back. A frame with an empty body ends the segment (written and synced before the
+//! next segment is created). Segment files are reused, so what follows the last frame
+//! written may be zeros or bytes of the file's earlier use (frames, and inside them values
+//! a client chose): none of them can pass the check without the new salt, which was never
+//! written anywhere but in this header.
 
 /// A frame's header: the body's length and its checksum.
 pub(super) const FRAME_HEADER: usize = 8;
+
+/// What a segment file starts with, before its salt.
+const MAGIC: &[u8; 8] = b"fencelog";
+
+/// A segment's header: [`MAGIC`] and the salt.
+pub(in crate::disk) const SEGMENT_HEADER: usize = 16;
+
+/// The header of a segment whose frames are checked with `salt`.
+pub(in crate::disk) fn header(salt: u64) -> [u8; SEGMENT_HEADER] {
+    let mut h = [0; SEGMENT_HEADER];
+    h[..8].copy_from_slice(MAGIC);
+    h[8..].copy_from_slice(&salt.to_le_bytes());
+    h
+}
 
 /// One write, as the log records it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -55,18 +72,19 @@ fn len32(n: usize) -> u32 {
     u32::try_from(n).unwrap_or(u32::MAX)
 }
 
-fn checksum(segment: u64, body: &[u8]) -> u32 {
+fn checksum(segment: u64, salt: u64, body: &[u8]) -> u32 {
     let mut hasher = crc32fast::Hasher::new();
     hasher.update(&segment.to_le_bytes());
+    hasher.update(&salt.to_le_bytes());
     hasher.update(body);
     hasher.finalize()
 }
 
 /// Appends one frame holding `body` (a batch of records; empty: the segment's end) for
-/// segment `segment` to `out`.
-pub(in crate::disk) fn frame(segment: u64, body: &[u8], out: &mut Vec<u8>) {
+/// segment `segment` with salt `salt` to `out`.
+pub(in crate::disk) fn frame(segment: u64, salt: u64, body: &[u8], out: &mut Vec<u8>) {
     out.extend_from_slice(&len32(body.len()).to_le_bytes());
-    out.extend_from_slice(&checksum(segment, body).to_le_bytes());
+    out.extend_from_slice(&checksum(segment, salt, body).to_le_bytes());
     out.extend_from_slice(body);
 }
 
@@ -87,11 +105,18 @@ pub(super) struct Undecodable {
 }
 
 /// Reads segment `segment` from its file's bytes: frames up to its end, or up to the first
-/// frame cut short, damaged or left from the file's earlier use.
+/// frame cut short, damaged or left from the file's earlier use. A file without a whole
+/// header holds nothing (a crash while it was being created).
 pub(super) fn read(bytes: &[u8], segment: u64) -> Result<Segment<'_>, Undecodable> {
     let mut ops = Vec::new();
-    let mut at = 0;
-    while let Some(body) = frame_at(bytes, at, segment) {
+    let salt = match bytes.split_first_chunk::<SEGMENT_HEADER>() {
+        Some((h, _)) if h.starts_with(MAGIC) => {
+            u64::from_le_bytes(h[8..].try_into().unwrap_or_default())
+        }
+        _ => return Ok(Segment { ops, ended: false }),
+    };
+    let mut at = SEGMENT_HEADER;
+    while let Some(body) = frame_at(bytes, at, segment, salt) {
         if body.is_empty() {
             return Ok(Segment { ops, ended: true });
         }
@@ -101,14 +126,14 @@ pub(super) fn read(bytes: &[u8], segment: u64) -> Result<Segment<'_>, Undecodabl
     Ok(Segment { ops, ended: false })
 }
 
-fn frame_at(bytes: &[u8], at: usize, segment: u64) -> Option<&[u8]> {
+fn frame_at(bytes: &[u8], at: usize, segment: u64, salt: u64) -> Option<&[u8]> {
     let header = bytes.get(at..at.checked_add(FRAME_HEADER)?)?;
     let (len, crc) = header.split_first_chunk::<4>()?;
     let len = usize::try_from(u32::from_le_bytes(*len)).ok()?;
     let crc = u32::from_le_bytes(crc.try_into().ok()?);
     let start = at + FRAME_HEADER;
     let body = bytes.get(start..start.checked_add(len)?)?;
-    (checksum(segment, body) == crc).then_some(body)
+    (checksum(segment, salt, body) == crc).then_some(body)
 }
 
 /// Appends the records of `body` to `ops`; `None` when it does not read to its end.
@@ -162,19 +187,21 @@ mod tests {
         },
     ];
 
+    const SALT: u64 = 0x5eed;
+
     /// Segment 5's file: OPS in two frames (two batches), then its end if `end`; and where
     /// the second frame starts.
     fn file(end: bool) -> (Vec<u8>, usize) {
-        let mut out = Vec::new();
+        let mut out = header(SALT).to_vec();
         let mut second = 0;
         for batch in [&OPS[..3], &OPS[3..]] {
             second = out.len();
             let mut body = Vec::new();
             batch.iter().for_each(|op| op.encode(&mut body));
-            frame(5, &body, &mut out);
+            frame(5, SALT, &body, &mut out);
         }
         if end {
-            frame(5, &[], &mut out);
+            frame(5, SALT, &[], &mut out);
         }
         (out, second)
     }
@@ -183,7 +210,7 @@ mod tests {
     fn frames_read_back_as_written_up_to_the_end_of_the_segment() {
         let (mut bytes, _) = file(true);
         // What follows the end (the file's earlier use) is not read.
-        frame(5, &[9, 9, 9], &mut bytes);
+        frame(5, SALT, &[9, 9, 9], &mut bytes);
         assert_eq!(
             read(&bytes, 5),
             Ok(Segment {
@@ -205,6 +232,7 @@ mod tests {
             let mut damaged = bytes.clone();
             damaged[at] ^= 0x10;
             let got = read(&damaged, 5).unwrap_or_else(|e| panic!("at {at}: {e:?}"));
+            // The header's salt is checked through every frame.
             let expected = if at < first { 0 } else { 3 };
             assert_eq!(got.ops, OPS[..expected].to_vec(), "damaged at {at}");
         }
@@ -216,13 +244,21 @@ mod tests {
             [],
             "a frame written for another segment (the file's earlier use) is not read"
         );
+        let mut resalted = bytes.clone();
+        resalted[..SEGMENT_HEADER].copy_from_slice(&header(SALT + 1));
+        assert_eq!(
+            read(&resalted, 5).unwrap().ops,
+            [],
+            "a frame written under another salt (the same number in another file) is not read"
+        );
+        assert_eq!(read(&bytes[..SEGMENT_HEADER - 1], 5).unwrap().ops, []);
     }
 
     #[test]
     fn a_frame_that_passes_its_checksum_but_does_not_read_is_refused() {
-        let mut bytes = Vec::new();
-        frame(1, &[PUT, 200], &mut bytes);
-        assert_eq!(read(&bytes, 1), Err(Undecodable { at: 0 }));
+        let mut bytes = header(SALT).to_vec();
+        frame(1, SALT, &[PUT, 200], &mut bytes);
+        assert_eq!(read(&bytes, 1), Err(Undecodable { at: SEGMENT_HEADER }));
     }
 
     #[test]
@@ -240,7 +276,8 @@ mod tests {
             // Half of them in a frame that passes its check, so the records are read too.
             if len % 2 == 0 {
                 let body = std::mem::take(&mut bytes);
-                frame(3, &body, &mut bytes);
+                bytes.extend_from_slice(&header(SALT));
+                frame(3, SALT, &body, &mut bytes);
             }
             let _ = read(&bytes, 3);
         }
