@@ -316,8 +316,12 @@ async fn a_retry_that_succeeds_in_time_keeps_the_lease() {
     let store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::ZERO);
     let lease = claim_with_ttl(&store, Ttl::from_millis(1_000).unwrap()).await;
     tokio::time::sleep(Duration::from_secs(5)).await;
+    // Renewals every 333 ms, failed ones retried every 42-83 ms (jittered), deadline 900 ms
+    // after the last good renewal was sent: a failure of 400 ms is always survived (at worst
+    // 333 + 400 + 83 = 816 ms). With 500 ms the worst case, 916 ms, passed the deadline in
+    // about one run in thirty: the lease was rightly lost, and the test flaked.
     store.failing.store(true, Ordering::SeqCst);
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    tokio::time::sleep(Duration::from_millis(400)).await;
     store.failing.store(false, Ordering::SeqCst);
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(lease.token().map(FencingToken::get), Some(1));
