@@ -202,7 +202,7 @@ impl DurableDb {
             .and_then(|dir| dir.sync_all())
             .map_err(directory)?;
         let syncer = Arc::new(Syncer::new(db.clone(), path).map_err(directory)?);
-        let (_, next) = log::replay(&db, &syncer, &log_dir).map_err(|e| OpenError::Log {
+        let next = log::replay(&db, &syncer, &log_dir).map_err(|e| OpenError::Log {
             path: log_dir.clone(),
             source: Box::new(e),
         })?;

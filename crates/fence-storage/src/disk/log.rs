@@ -116,13 +116,9 @@ fn remove_if_there(path: &Path) -> io::Result<()> {
     }
 }
 
-/// Replays the segments in `dir` into `db`, makes sled durable, deletes them; answers how
-/// many records were replayed and the number the next segment takes.
-pub(super) fn replay(
-    db: &sled::Db,
-    syncer: &Syncer,
-    dir: &Path,
-) -> Result<(usize, u64), ReplayError> {
+/// Replays the segments in `dir` into `db`, makes sled durable, deletes them; answers the
+/// number the next segment takes.
+pub(super) fn replay(db: &sled::Db, syncer: &Syncer, dir: &Path) -> Result<u64, ReplayError> {
     let found = segments(dir)?;
     // Checkpoints delete segments oldest first, after a flush that covers every segment up
     // to the one deleted: where a number is missing (a power cut that kept some deletions
@@ -132,7 +128,6 @@ pub(super) fn replay(
         .windows(2)
         .rposition(|w| w[0].0.checked_add(1) != Some(w[1].0))
         .map_or(0, |i| i + 1);
-    let mut replayed = 0;
     for (i, (number, path)) in found.iter().enumerate().skip(from) {
         let bytes = std::fs::read(path)?;
         let segment = format::read(&bytes, *number).map_err(|e| ReplayError::Undecodable {
@@ -153,7 +148,6 @@ pub(super) fn replay(
                 Op::Clear { tree } => db.open_tree(tree)?.clear()?,
             }
         }
-        replayed += segment.ops.len();
     }
     let next = found.last().map_or(1, |(n, _)| n.saturating_add(1));
     // A kept file holds frames of earlier segments; numbers start again after those found,
@@ -167,7 +161,7 @@ pub(super) fn replay(
         }
         sync_dir(dir)?;
     }
-    Ok((replayed, next))
+    Ok(next)
 }
 
 /// What writers, committers and the log's threads share.

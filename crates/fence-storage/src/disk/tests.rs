@@ -113,15 +113,22 @@ async fn acknowledged_writes_survive_a_killed_process() {
     }
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_clean_close_leaves_no_log_and_a_torn_last_record_is_ignored() {
+/// A database that held `key` = `value` in tree `t` and was closed cleanly; and its log's
+/// directory.
+async fn closed_with(key: &str, value: &str) -> (tempfile::TempDir, PathBuf) {
     let dir = tempfile::tempdir().unwrap();
-    let log_dir = dir.path().join(log::LOG_DIR);
     {
         let db = DurableDb::open(dir.path()).unwrap();
-        db.tree("t").unwrap().insert("a", "1").unwrap();
+        db.tree("t").unwrap().insert(key, value).unwrap();
         db.commit().await.unwrap();
     }
+    let log_dir = dir.path().join(log::LOG_DIR);
+    (dir, log_dir)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_clean_close_leaves_no_log_and_a_torn_last_record_is_ignored() {
+    let (dir, log_dir) = closed_with("a", "1").await;
     assert_eq!(
         std::fs::read_dir(&log_dir).unwrap().count(),
         0,
@@ -206,13 +213,7 @@ fn a_segment_without_its_end_before_the_last_refuses_to_open() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn segments_before_a_gap_in_the_numbers_are_not_replayed() {
-    let dir = tempfile::tempdir().unwrap();
-    let log_dir = dir.path().join(log::LOG_DIR);
-    {
-        let db = DurableDb::open(dir.path()).unwrap();
-        db.tree("t").unwrap().insert("k", "new").unwrap();
-        db.commit().await.unwrap();
-    }
+    let (dir, log_dir) = closed_with("k", "new").await;
     // As a power cut can leave a checkpoint's deletions: segment 1 (an older value of k,
     // flushed into sled before segment 2 was deleted) kept, 2 gone, 3 the live one.
     let mut old = segment(1, &[(b"k", b"old")]);
