@@ -104,9 +104,19 @@ pub enum CommitError {
 /// A sled database held by this process, with its write-ahead log. Cloning shares both; the
 /// log is written out, sled flushed and the directory unlocked when the last clone (and the
 /// last [`Tree`]) is dropped.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct DurableDb {
     inner: Arc<Inner>,
+}
+
+/// The directory only: sled's own `Debug` prints the trees' contents (stored records, key
+/// hashes, idempotency responses), which have no place in a log line that prints a store.
+impl std::fmt::Debug for DurableDb {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DurableDb")
+            .field("path", &self.inner.path)
+            .finish_non_exhaustive()
+    }
 }
 
 #[derive(Debug)]

@@ -173,7 +173,7 @@ pub(super) struct Shared {
     synced: AtomicU64,
 }
 
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(super) struct State {
     /// Records not handed to the writer yet.
     buf: Vec<u8>,
@@ -183,6 +183,20 @@ pub(super) struct State {
     closing: bool,
     /// The first failure, answered to every commit after it.
     failed: Option<CommitError>,
+}
+
+/// Sizes and counts only: the buffer holds stored records (idempotency responses, key hashes),
+/// which have no place in a log line that prints a store.
+impl std::fmt::Debug for State {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("State")
+            .field("buffered_bytes", &self.buf.len())
+            .field("end", &self.end)
+            .field("waiters", &self.waiters.len())
+            .field("closing", &self.closing)
+            .field("failed", &self.failed)
+            .finish()
+    }
 }
 
 impl State {

@@ -298,3 +298,22 @@ fn a_directory_in_use_is_refused_by_name_and_free_again_once_closed() {
     drop(first);
     DurableDb::open(dir.path()).expect("unlocked once closed");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_store_printed_for_debugging_shows_no_stored_value() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = DurableDb::open(dir.path()).unwrap();
+    let tree = db.tree("t").unwrap();
+    tree.insert("k", "a-stored-secret").unwrap();
+    for printed in [format!("{db:?}"), format!("{tree:?}")] {
+        assert!(!printed.contains("a-stored-secret"), "{printed}");
+        // Bytes print as numbers in a Vec's Debug: not those either.
+        let as_numbers = format!("{:?}", b"a-stored-secret");
+        assert!(!printed.contains(&as_numbers[1..20]), "{printed}");
+    }
+    db.commit().await.unwrap();
+    assert!(
+        !format!("{db:?}").contains("a-stored-secret"),
+        "nor once it is in sled"
+    );
+}

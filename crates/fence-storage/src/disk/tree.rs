@@ -10,11 +10,21 @@ use super::{DurableDb, log::Op};
 /// record buffered for the log under one lock, so a write another caller can read is in the
 /// log before any later [`DurableDb::commit`] is counted. A write is on disk once a commit
 /// made after it returns. Keeps the database open while it lives.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub struct Tree {
     tree: sled::Tree,
     name: Arc<[u8]>,
     db: DurableDb,
+}
+
+/// The tree's name and database only, not its contents (see `DurableDb`'s `Debug`).
+impl std::fmt::Debug for Tree {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Tree")
+            .field("name", &String::from_utf8_lossy(&self.name))
+            .field("db", &self.db)
+            .finish()
+    }
 }
 
 impl Tree {
