@@ -22,14 +22,7 @@ $bin/examples/grpc_load serve bare "$bare" & pids+=($!)
 $bin/examples/grpc_load serve layer "$layer" "$tmp/layer" & pids+=($!)
 RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen 127.0.0.1:19104 \
   --upstream "http://$bare" --data-dir "$tmp/proxy" & pids+=($!)
-# Without the keepalive_requests lines nginx closes a connection after 1000 requests,
-# failing the calls in flight on it.
-nginx_run "$tmp/nginx" "  keepalive_requests 1000000;
-  upstream bare { server $bare; keepalive 128; keepalive_requests 1000000; }
-  server {
-    listen $nginx http2;
-    location / { grpc_pass grpc://bare; }
-  }" & pids+=($!)
+nginx_grpc_pass "$tmp/nginx" "$nginx" "$bare" & pids+=($!)
 sleep 2
 out=$tmp/rows
 for i in $(seq 1 "$rounds"); do

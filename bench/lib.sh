@@ -95,6 +95,19 @@ $NGINX_PASS_BARE
   }"
 }
 
+# nginx_grpc_pass DIR LISTEN BARE: nginx_run with one HTTP/2 server on LISTEN passing every
+# gRPC call to the bare tonic service at BARE (grpc_pass, kept-alive upstream connections):
+# run it in the background. Without the keepalive_requests lines nginx closes a connection
+# after 1000 requests, failing the calls in flight on it.
+nginx_grpc_pass() {
+  nginx_run "$1" "  keepalive_requests 1000000;
+  upstream bare { server $3; keepalive 128; keepalive_requests 1000000; }
+  server {
+    listen $2 http2;
+    location / { grpc_pass grpc://bare; }
+  }"
+}
+
 # wait_http URL: until URL answers (any status), at most 10 s.
 wait_http() {
   for _ in $(seq 1 100); do
@@ -102,6 +115,16 @@ wait_http() {
     sleep 0.1
   done
   echo "nothing answers at $1" >&2; return 1
+}
+
+# wait_tcp HOST:PORT: until something accepts connections there, at most 10 s (for servers
+# that speak only HTTP/2, which curl's plain request cannot ask).
+wait_tcp() {
+  for _ in $(seq 1 100); do
+    (exec 3<>"/dev/tcp/${1%:*}/${1##*:}") 2>/dev/null && return 0
+    sleep 0.1
+  done
+  echo "nothing listens at $1" >&2; return 1
 }
 
 # claim_renewable URL [CURL_ARGS...]: jobs r-0 .. r-63 claimed by owner "o" with lease key

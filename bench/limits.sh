@@ -12,7 +12,8 @@
 # alternating rounds, medians. Bounds: a claim or renewal cannot beat the disk or the
 # status answer, and with one client not one sync after one round trip
 # (1/(1/disk + 1/status)); a bump cannot beat the disk or the same-generation proxy (layer:
-# the bare service). gRPC: bench/grpc.sh (its own section).
+# the bare service). gRPC: unary calls (examples/grpc_load.rs, as bench/grpc.sh) to the bare
+# tonic ledger, through `fence proxy` and through nginx grpc_pass, CONNS callers each.
 # Installs wrk, nginx and curl with apt when missing. Appends a section to BENCHMARKS.md.
 #
 # Usage: bench/limits.sh [SECONDS=5] [ROUNDS=3]   (PROFILE=release, CONNS="1 8 64")
@@ -24,20 +25,25 @@ for tool in wrk:wrk nginx:nginx-light curl:curl; do
   command -v "${tool%%:*}" >/dev/null || apt-get install -y -qq "${tool#*:}" >/dev/null
 done
 cargo build --profile "$profile" -q -p fence --bin fence
-cargo build --profile "$profile" -q --example bench_sink --example disk_probe
+cargo build --profile "$profile" -q --example bench_sink --example disk_probe --example grpc_load
 bin=target/$profile
 tmp=$(mktemp -d -p "$PWD/target"); pids=()   # on the disk fence's data lives on
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$tmp"; }
 trap cleanup EXIT
 server=127.0.0.1:19301 bare=127.0.0.1:19302 proxy=127.0.0.1:19303 nginx=127.0.0.1:19305
-layer=127.0.0.1:19306
+layer=127.0.0.1:19306 gbare=127.0.0.1:19307 gproxy=127.0.0.1:19308 gnginx=127.0.0.1:19310
 RUST_LOG=warn $bin/fence server --listen "$server" --data-dir "$tmp/server" & pids+=($!)
 $bin/examples/bench_sink bare "$bare" >/dev/null & pids+=($!)
 $bin/examples/bench_sink fenced "$layer" "$tmp/layer" >/dev/null & pids+=($!)
 RUST_LOG=warn $bin/fence proxy --listen "$proxy" --admin-listen 127.0.0.1:19304 \
   --upstream "http://$bare" --data-dir "$tmp/proxy" & pids+=($!)
 nginx_pass_bare "$tmp/nginx" "$nginx" "$bare" & pids+=($!)
-for a in "$server" "$bare" "$layer" "$proxy" "$nginx"; do wait_http "http://$a/healthz"; done
+$bin/examples/grpc_load serve bare "$gbare" & pids+=($!)
+RUST_LOG=warn $bin/fence proxy --listen "$gproxy" --admin-listen 127.0.0.1:19309 \
+  --upstream "http://$gbare" --data-dir "$tmp/gproxy" & pids+=($!)
+nginx_grpc_pass "$tmp/gnginx" "$gnginx" "$gbare" & pids+=($!)
+for a in "$server" "$bare" "$layer" "$proxy" "$nginx" "$gproxy"; do wait_http "http://$a/healthz"; done
+for a in "$gbare" "$gnginx"; do wait_tcp "$a"; done
 claim_renewable "$server"
 
 out=$tmp/rows
@@ -45,6 +51,10 @@ row() { # case connections wrk-arguments...
   local name=$1 c=$2; shift 2
   local t=$(( c < 2 ? 1 : 2 ))
   wrk_row "$name-$c" -t"$t" -c"$c" -d"${secs}s" "$@" | tee -a "$out"
+}
+grpc_row() { # case connections URL: CONNS callers (grpc_load), in wrk_row's columns
+  echo "$1-$2 $($bin/examples/grpc_load load "$3" "$2" "$secs" | awk '{ print $1, $2, $3, 0, $4 }')" |
+    tee -a "$out"
 }
 for i in $(seq 1 "$rounds"); do
   for c in $conns; do
@@ -58,6 +68,9 @@ for i in $(seq 1 "$rounds"); do
     row proxy "$c" -s bench/fenced.lua "http://$proxy/" -- same
     row pbump "$c" -s bench/fenced.lua "http://$proxy/" -- spread "p$i-$c" $((4 * c))
     row lbump "$c" -s bench/fenced.lua "http://$layer/" -- spread "l$i-$c" $((4 * c))
+    grpc_row gbare "$c" "http://$gbare"
+    grpc_row gnginx "$c" "http://$gnginx"
+    grpc_row gproxy "$c" "http://$gproxy"
   done
 done
 
@@ -68,14 +81,14 @@ verdict() { awk -v r="$1" -v g="$2" 'BEGIN { print (r + 0 >= g) ? "met" : "not m
     "PROFILE=$profile bench/limits.sh $secs $rounds"
   echo "Medians, requests (or records) per second; errors and non-2xx answers summed over the rounds."
   echo
-  echo "| connections | disk | status | claims | renewals | bare | nginx | proxy | bumps, proxy | bumps, layer | non-2xx / errors |"
-  echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
+  echo "| connections | disk | status | claims | renewals | bare | nginx | proxy | bumps, proxy | bumps, layer | gRPC bare | gRPC nginx | gRPC proxy | non-2xx / errors |"
+  echo "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"
   for c in $conns; do
     bad=0
-    for k in status claim renew bare nginx proxy pbump lbump; do
+    for k in status claim renew bare nginx proxy pbump lbump gbare gnginx gproxy; do
       bad=$((bad + $(case_sum "$out" "$k-$c" 5) + $(case_sum "$out" "$k-$c" 6)))
     done
-    echo "| $c | $(m disk-$c) | $(m status-$c) | $(m claim-$c) | $(m renew-$c) | $(m bare-$c) | $(m nginx-$c) | $(m proxy-$c) | $(m pbump-$c) | $(m lbump-$c) | $bad |"
+    echo "| $c | $(m disk-$c) | $(m status-$c) | $(m claim-$c) | $(m renew-$c) | $(m bare-$c) | $(m nginx-$c) | $(m proxy-$c) | $(m pbump-$c) | $(m lbump-$c) | $(m gbare-$c) | $(m gnginx-$c) | $(m gproxy-$c) | $bad |"
   done
   echo
   echo "| what | connections | fence | bound | ratio | goal | verdict |"
@@ -99,6 +112,8 @@ verdict() { awk -v r="$1" -v g="$2" 'BEGIN { print (r + 0 >= g) ? "met" : "not m
     echo "| a new generation per request, layer | $c | $(m lbump-$c) | $lb | $r | 0.9 | $(verdict "$r" 0.9) |"
     r=$(ratio "$p" "$(m nginx-$c)")
     echo "| fence proxy vs nginx proxy_pass, same generation | $c | $p | $(m nginx-$c) | $r | 1.0 | $(verdict "$r" 1.0) |"
+    r=$(ratio "$(m gproxy-$c)" "$(m gnginx-$c)")
+    echo "| gRPC through fence proxy vs nginx grpc_pass | $c | $(m gproxy-$c) | $(m gnginx-$c) | $r | 1.0 | $(verdict "$r" 1.0) |"
   done
   echo
   echo "Rounds (case-connections, req/s, p50 µs, p99 µs, non-2xx, socket errors):"
