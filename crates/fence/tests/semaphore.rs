@@ -195,6 +195,31 @@ fn fence_run_takes_a_slot_and_releases_it() {
         (200, &"free".into()),
         "{answer}"
     );
+    // Asking to complete a slot is refused before anything is claimed or run.
+    let ran = dir.path().join("ran");
+    let out = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--job",
+        "exp",
+        "--slots",
+        "2",
+        "--on-success",
+        "complete",
+        "--",
+        "touch",
+        &ran.display().to_string(),
+    ]);
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        stderr.contains("--on-success complete cannot be used with --slots"),
+        "{stderr}"
+    );
+    assert!(!ran.exists(), "the command ran");
+    let (_, answer) = bearer_call(&addr, "GET", "/v1/leases/exp%231", None, "");
+    assert_eq!(body_of(&answer)["generation"], 1, "{answer}");
 
     // Both slots taken: not obtained (exit 3), saying why; another N: the N in force.
     let (s1, _, _) = claim_slot(&addr, "exp", "x", 2);

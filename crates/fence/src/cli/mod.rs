@@ -454,9 +454,10 @@ pub struct RunCmd {
     /// Time between SIGTERM and SIGKILL after the lease is lost.
     #[arg(long, allow_hyphen_values = true, default_value = "5s", value_parser = parse_duration, env = "FENCE_GRACE")]
     pub grace: Duration,
-    /// What to do with the job when the command exits 0.
-    #[arg(long, value_enum, default_value = "complete", env = "FENCE_ON_SUCCESS")]
-    pub on_success: OnSuccess,
+    /// What to do with the job when the command exits 0 [default: complete]. With --slots
+    /// the slot is released, and asking to complete it is refused (exit 2).
+    #[arg(long, value_enum, env = "FENCE_ON_SUCCESS")]
+    pub on_success: Option<OnSuccess>,
     /// Stop the command when it has run this long, however well the lease renews (1s to
     /// 365d): SIGTERM to its group, SIGKILL after --grace, exit 124.
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = crate::duration::parse_max_duration, env = "FENCE_MAX_DURATION")]

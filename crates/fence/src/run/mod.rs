@@ -73,8 +73,9 @@ pub struct RunArgs {
     pub wait: Duration,
     /// Between SIGTERM and SIGKILL after the lease is lost.
     pub grace: Duration,
-    /// What to do with the job when the command exits 0.
-    pub on_success: OnSuccess,
+    /// What to do with the job when the command exits 0 (`None`: complete it, or with
+    /// `slots` release the slot; completing a slot is refused).
+    pub on_success: Option<OnSuccess>,
     /// Stop the command after this long, and what to do with the job then.
     pub max_duration: Option<(Duration, OnMaxDuration)>,
     /// The command and its arguments.
@@ -112,6 +113,18 @@ impl Signals {
 /// # Errors
 /// When the server URL is invalid or the command cannot be started.
 pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
+    // A semaphore's slot is released when the command exits 0, never completed.
+    let on_success = match (args.slots, args.on_success) {
+        (Some(_), Some(OnSuccess::Complete)) => {
+            return Err(crate::Usage::error(
+                "--on-success complete cannot be used with --slots: a semaphore's slot is \
+                 released when the command exits 0, never completed (leave --on-success out, \
+                 or give --on-success release)",
+            ));
+        }
+        (Some(_), _) => OnSuccess::Release,
+        (None, on_success) => on_success.unwrap_or(OnSuccess::Complete),
+    };
     let mut signals = Signals::install().context("installing signal handlers")?;
     // Orphaned descendants (a grandchild that left the group with setsid, once its parent
     // is gone) become ours rather than init's, so they are found and stopped with the rest.
@@ -135,11 +148,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     };
     let Some(lease) = claimed else {
         return Ok(EXIT_NOT_OBTAINED);
-    };
-    // A semaphore's slot is released when the command exits 0, never completed.
-    let on_success = match args.slots {
-        Some(_) => OnSuccess::Release,
-        None => args.on_success,
     };
     let resource = args.slots.map(|_| args.job.clone());
     let job = lease.job().clone();
