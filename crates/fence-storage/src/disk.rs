@@ -99,6 +99,10 @@ pub enum CommitError {
     /// The log's writer thread is gone (the store is shutting down).
     #[error("the log writer has stopped")]
     Closed,
+    /// The disk did not confirm the write in time ([`DurableDb::commit_within`]); it may
+    /// still reach the disk, and later commits may succeed once the disk answers.
+    #[error("the disk did not confirm the write within {0:?}")]
+    TimedOut(Duration),
 }
 
 /// A sled database held by this process, with its write-ahead log. Cloning shares both; the
@@ -257,6 +261,29 @@ impl DurableDb {
     /// When writing the log failed (now or before) or its writer has stopped.
     pub async fn commit(&self) -> Result<(), CommitError> {
         self.log().commit().await
+    }
+
+    /// [`commit`](Self::commit), giving up after `within` ([`CommitError::TimedOut`]) when
+    /// the disk does not answer: a stalled disk then fails requests instead of holding
+    /// them, and their connections, for as long as it stalls.
+    ///
+    /// # Errors
+    /// As `commit`, and when `within` runs out first.
+    pub async fn commit_within(&self, within: Duration) -> Result<(), CommitError> {
+        tokio::time::timeout(within, self.commit())
+            .await
+            .unwrap_or(Err(CommitError::TimedOut(within)))
+    }
+
+    /// Holds the log's writer before its next write while the answer lives: a disk that
+    /// does not answer, for tests (never in a shipped binary).
+    #[cfg(any(test, feature = "test-hooks"))]
+    #[doc(hidden)]
+    pub fn stall_log(&self) -> std::sync::MutexGuard<'_, ()> {
+        self.log()
+            .stall
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
     }
 
     /// Flushes sled synchronously on the calling thread (shutdown, tools): every write made

@@ -10,7 +10,7 @@ use std::{
 use fence_core::{Generation, JobId, lease_api::ListQuery};
 use fence_storage::{
     clock::{Clock, SystemClock},
-    disk::{DurableDb, OpenError, Tree},
+    disk::{CommitError, DurableDb, OpenError, Tree},
 };
 
 use fence_core::{Owner, lease_api::slot_job, secret::LeaseKey};
@@ -46,6 +46,10 @@ pub struct SledLeaseStore {
 const FLOOR: &[u8] = b"floor";
 
 impl SledLeaseStore {
+    /// The longest a decision waits for the disk to confirm it: as long as a PostgreSQL
+    /// store's statements may run (`fence_storage::postgres::SESSION_STATEMENT_TIMEOUT`).
+    pub const COMMIT_TIMEOUT: Duration = Duration::from_secs(5);
+
     /// The lease store in directory `path` (created if missing), deciding expiry on `clock`.
     ///
     /// # Errors
@@ -90,6 +94,19 @@ impl SledLeaseStore {
         Ok((floor, raw))
     }
 
+    /// Waits until every write made so far is on disk, for at most [`Self::COMMIT_TIMEOUT`]: a
+    /// disk that stalls fails the requests waiting on it (503, outcome unknown) instead of
+    /// holding them and their connections for as long as it stalls.
+    async fn durable(&self) -> Result<(), StoreError> {
+        self.db
+            .commit_within(Self::COMMIT_TIMEOUT)
+            .await
+            .map_err(|e| match e {
+                CommitError::TimedOut(within) => StoreError::Timeout(within),
+                e => StoreError::io(e),
+            })
+    }
+
     /// Flushes everything to disk now (graceful shutdown).
     ///
     /// # Errors
@@ -130,7 +147,7 @@ impl LeaseStore for SledLeaseStore {
             // Also when nothing was written: the answer may rest on another caller's write
             // that is not on disk yet. Answer only once it is, so no observer ever sees a
             // generation a crash could take back.
-            self.db.commit().await.map_err(StoreError::io)?;
+            self.durable().await?;
             return Ok(out);
         }
     }
@@ -191,7 +208,7 @@ impl LeaseStore for SledLeaseStore {
             }
         };
         // Also when nothing was written, as in `apply`.
-        self.db.commit().await.map_err(StoreError::io)?;
+        self.durable().await?;
         Ok(out)
     }
 
@@ -203,7 +220,7 @@ impl LeaseStore for SledLeaseStore {
         let Some(raw) = raw else { return Ok(None) };
         let stored = rules::Stored::decode(job, &raw)?;
         // Answer only what is on disk (see `apply`).
-        self.db.commit().await.map_err(StoreError::io)?;
+        self.durable().await?;
         Ok(Some(stored.record(job, self.clock.now_ms())))
     }
 
@@ -259,7 +276,7 @@ impl LeaseStore for SledLeaseStore {
                 break;
             }
         }
-        self.db.commit().await.map_err(StoreError::io)?;
+        self.durable().await?;
         let mut forgotten = 0;
         for (key, value) in batch {
             // Only if unchanged since it was read: a claim in between keeps its record.
@@ -296,7 +313,7 @@ impl LeaseStore for SledLeaseStore {
             });
         let page = page(query, records)?;
         // Answer only what is on disk (see `apply`).
-        self.db.commit().await.map_err(StoreError::io)?;
+        self.durable().await?;
         Ok(page)
     }
 }
@@ -318,6 +335,42 @@ mod tests {
         let store = SledLeaseStore::open_with_clock(dir.keep(), Arc::new(clock.clone())).unwrap();
         Some((store, advance_fn(clock)))
     });
+
+    /// A disk that stops answering fails the decisions waiting on it after
+    /// `COMMIT_TIMEOUT` (paused time: at once), and the store works again once the disk
+    /// answers.
+    #[cfg(feature = "test-hooks")]
+    #[tokio::test(start_paused = true)]
+    // The guard held across awaits is the stalled disk: the log's writer, another thread,
+    // waits on it; nothing on this task does.
+    #[allow(clippy::await_holding_lock)]
+    async fn a_stalled_disk_fails_decisions_in_time() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledLeaseStore::open(dir.path()).unwrap();
+        let job: JobId = "stall".parse().unwrap();
+        let (owner, key): (Owner, _) = ("a".parse().unwrap(), crate::new_lease_key().unwrap());
+        let stalled = store.db.stall_log();
+        let failed = tokio::time::timeout(
+            SledLeaseStore::COMMIT_TIMEOUT * 2,
+            store.claim(&job, &owner, &key, Ttl::DEFAULT),
+        )
+        .await
+        .expect("the claim waited on the stalled disk past COMMIT_TIMEOUT");
+        assert!(
+            matches!(failed, Err(StoreError::Timeout(d)) if d == SledLeaseStore::COMMIT_TIMEOUT),
+            "{failed:?}"
+        );
+        drop(stalled);
+        // The log's writer is a thread on the real clock: from here the runtime's is too.
+        tokio::time::resume();
+        // The claim took effect after all; retried with the same owner and key, it is the
+        // same lease.
+        let retried = store.claim(&job, &owner, &key, Ttl::DEFAULT).await.unwrap();
+        assert!(
+            matches!(&retried, Outcome::Granted(grant) if grant.generation.get() == 1),
+            "{retried:?}"
+        );
+    }
 
     #[tokio::test]
     async fn generations_and_expiry_survive_reopen() {

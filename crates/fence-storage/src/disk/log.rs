@@ -171,6 +171,9 @@ pub(super) struct Shared {
     work: Condvar,
     /// How many records are on disk (the count of the last batch synced).
     synced: AtomicU64,
+    /// Taken by the writer before each write: a test holds it to stall the disk.
+    #[cfg(any(test, feature = "test-hooks"))]
+    pub(super) stall: Mutex<()>,
 }
 
 #[derive(Default)]
@@ -273,6 +276,8 @@ impl Log {
             state: Mutex::default(),
             work: Condvar::new(),
             synced: AtomicU64::new(0),
+            #[cfg(any(test, feature = "test-hooks"))]
+            stall: Mutex::default(),
         });
         let segment = Segment::create(&dir, next)?;
         let (closed_tx, closed_rx) = mpsc::channel::<u64>();
@@ -485,6 +490,8 @@ fn write_loop(
             std::mem::swap(&mut batch, &mut state.buf);
             (state.end, std::mem::take(&mut state.waiters), state.closing)
         };
+        #[cfg(any(test, feature = "test-hooks"))]
+        drop(shared.stall.lock().unwrap_or_else(PoisonError::into_inner));
         if !batch.is_empty() {
             if let Err(e) = segment.append(&batch) {
                 return fail(e, waiters);

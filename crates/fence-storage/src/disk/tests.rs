@@ -317,3 +317,36 @@ async fn a_store_printed_for_debugging_shows_no_stored_value() {
         "nor once it is in sled"
     );
 }
+
+#[tokio::test]
+// The guard held across awaits is the stalled disk: the log's writer, another thread,
+// waits on it; nothing on this task does.
+#[allow(clippy::await_holding_lock)]
+async fn a_commit_gives_up_when_the_disk_stalls_and_the_write_lands_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = DurableDb::open(dir.path()).unwrap();
+    let tree = db.tree("t").unwrap();
+    tree.insert("k", "before").unwrap();
+    db.commit().await.unwrap();
+    let stalled = db.stall_log();
+    tree.insert("k", "during").unwrap();
+    let within = Duration::from_millis(100);
+    let asked = Instant::now();
+    let failed = tokio::time::timeout(Duration::from_secs(5), db.commit_within(within))
+        .await
+        .expect("commit_within waited past its deadline");
+    assert!(
+        matches!(failed, Err(CommitError::TimedOut(d)) if d == within),
+        "{failed:?}"
+    );
+    assert!(asked.elapsed() >= within);
+    // The disk answers again: the write waited for lands, and commits succeed.
+    drop(stalled);
+    db.commit_within(Duration::from_secs(10)).await.unwrap();
+    drop((tree, db));
+    let db = DurableDb::open(dir.path()).unwrap();
+    assert_eq!(
+        db.tree("t").unwrap().get("k").unwrap().as_deref(),
+        Some(&b"during"[..])
+    );
+}

@@ -136,6 +136,17 @@ pub(super) fn store_failed(e: &StoreError) -> Problem {
 pub(super) fn store_error(e: &StoreError) -> Problem {
     match e {
         StoreError::Reserved { job, .. } => bad(e.to_string()).with_job(job.clone()),
+        StoreError::Timeout(within) => {
+            tracing::error!(error = %error_chain(e), "lease store timed out");
+            Problem::new(
+                ProblemType::StoreUnavailable,
+                format!(
+                    "the lease store did not confirm within {within:?} that the decision is on \
+                     disk; whether it took effect is unknown: retry with the same owner and \
+                     lease key (a claim retried so gets the same lease back)"
+                ),
+            )
+        }
         _ => store_failed(e),
     }
 }
@@ -306,5 +317,38 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
         )
         .with_job(job)),
         _ => Err(Problem::new(ProblemType::Internal, "unknown lease outcome")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A store that timed out may have decided: its answer must not say nothing was.
+    #[test]
+    fn a_store_timeout_says_the_outcome_is_unknown_and_how_to_retry() {
+        let within = std::time::Duration::from_secs(5);
+        let timed_out = store_error(&StoreError::Timeout(within));
+        assert_eq!(
+            (timed_out.kind, timed_out.status),
+            (ProblemType::StoreUnavailable, 503)
+        );
+        assert!(
+            timed_out.detail.contains("within 5s"),
+            "{}",
+            timed_out.detail
+        );
+        assert!(timed_out.detail.contains("unknown"), "{}", timed_out.detail);
+        assert!(
+            timed_out.detail.contains("same owner and lease key"),
+            "{}",
+            timed_out.detail
+        );
+        let failed = store_error(&StoreError::io(std::io::Error::other("disk gone")));
+        assert!(
+            failed.detail.contains("nothing was decided"),
+            "{}",
+            failed.detail
+        );
     }
 }
