@@ -13,7 +13,8 @@
 # status answer, and with one client not one sync after one round trip
 # (1/(1/disk + 1/status)); a bump cannot beat the disk or the same-generation proxy (layer:
 # the bare service). gRPC: unary calls (examples/grpc_load.rs, as bench/grpc.sh) to the bare
-# tonic ledger, through `fence proxy` and through nginx grpc_pass, CONNS callers each.
+# tonic ledger, through `fence proxy` and through nginx grpc_pass: as many calls in flight
+# as the row's connections (1, 8, 64 callers over 1, 1 and 8 HTTP/2 connections).
 # Installs wrk, nginx and curl with apt when missing. Appends a section to BENCHMARKS.md.
 #
 # Usage: bench/limits.sh [SECONDS=5] [ROUNDS=3]   (PROFILE=release, CONNS="1 8 64")
@@ -52,9 +53,11 @@ row() { # case connections wrk-arguments...
   local t=$(( c < 2 ? 1 : 2 ))
   wrk_row "$name-$c" -t"$t" -c"$c" -d"${secs}s" "$@" | tee -a "$out"
 }
-grpc_row() { # case connections URL: CONNS callers (grpc_load), in wrk_row's columns
-  echo "$1-$2 $($bin/examples/grpc_load load "$3" "$2" "$secs" | awk '{ print $1, $2, $3, 0, $4 }')" |
-    tee -a "$out"
+grpc_row() { # case callers URL: that many unary calls in flight (grpc_load: over
+  # ceil(callers/8) HTTP/2 connections), in wrk_row's columns
+  local r
+  r=$($bin/examples/grpc_load load "$3" "$2" "$secs")
+  echo "$1-$2 $(echo "$r" | awk '{ print $1, $2, $3, 0, $4 }')" | tee -a "$out"
 }
 for i in $(seq 1 "$rounds"); do
   for c in $conns; do
@@ -113,7 +116,7 @@ verdict() { awk -v r="$1" -v g="$2" 'BEGIN { print (r + 0 >= g) ? "met" : "not m
     r=$(ratio "$p" "$(m nginx-$c)")
     echo "| fence proxy vs nginx proxy_pass, same generation | $c | $p | $(m nginx-$c) | $r | 1.0 | $(verdict "$r" 1.0) |"
     r=$(ratio "$(m gproxy-$c)" "$(m gnginx-$c)")
-    echo "| gRPC through fence proxy vs nginx grpc_pass | $c | $(m gproxy-$c) | $(m gnginx-$c) | $r | 1.0 | $(verdict "$r" 1.0) |"
+    echo "| gRPC through fence proxy vs nginx grpc_pass ($c callers) | $c | $(m gproxy-$c) | $(m gnginx-$c) | $r | 1.0 | $(verdict "$r" 1.0) |"
   done
   echo
   echo "Rounds (case-connections, req/s, p50 µs, p99 µs, non-2xx, socket errors):"
