@@ -214,7 +214,7 @@ fn fence_run_takes_a_slot_and_releases_it() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(
-        stderr.contains("--on-success complete cannot be used with --slots"),
+        stderr.contains("--on-success complete (or FENCE_ON_SUCCESS=complete) cannot be used"),
         "{stderr}"
     );
     assert!(!ran.exists(), "the command ran");

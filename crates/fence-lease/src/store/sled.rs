@@ -217,11 +217,13 @@ impl LeaseStore for SledLeaseStore {
             .tree
             .get(job.as_str().as_bytes())
             .map_err(StoreError::io)?;
-        let Some(raw) = raw else { return Ok(None) };
-        let stored = rules::Stored::decode(job, &raw)?;
-        // Answer only what is on disk (see `apply`).
+        let stored = raw
+            .map(|raw| rules::Stored::decode(job, &raw))
+            .transpose()?;
+        // Answer only what is on disk (see `apply`); also for no record, so that a server
+        // whose disk stalls says so at `/healthz` (a status of a job never claimed).
         self.durable().await?;
-        Ok(Some(stored.record(job, self.clock.now_ms())))
+        Ok(stored.map(|stored| stored.record(job, self.clock.now_ms())))
     }
 
     async fn forget_idle(&self, idle_for: Duration, limit: usize) -> Result<usize, StoreError> {
@@ -360,11 +362,26 @@ mod tests {
             matches!(failed, Err(StoreError::Timeout(d)) if d == SledLeaseStore::COMMIT_TIMEOUT),
             "{failed:?}"
         );
+        // A status, even of a job never claimed (what `/healthz` reads), says so too.
+        let probe: JobId = "never-claimed".parse().unwrap();
+        let status = tokio::time::timeout(SledLeaseStore::COMMIT_TIMEOUT * 2, store.get(&probe))
+            .await
+            .expect("the status waited on the stalled disk past COMMIT_TIMEOUT");
+        assert!(matches!(status, Err(StoreError::Timeout(_))), "{status:?}");
         drop(stalled);
         // The log's writer is a thread on the real clock: from here the runtime's is too.
         tokio::time::resume();
-        // The claim took effect after all; retried with the same owner and key, it is the
-        // same lease.
+        // The claim took effect after all: another owner finds it held, and a retry with
+        // the same owner and key is the same lease.
+        let other: Owner = "b".parse().unwrap();
+        let held = store
+            .claim(&job, &other, &crate::new_lease_key().unwrap(), Ttl::DEFAULT)
+            .await
+            .unwrap();
+        assert!(
+            matches!(&held, Outcome::Held { owner: holder, generation, .. } if *holder == owner && generation.get() == 1),
+            "{held:?}"
+        );
         let retried = store.claim(&job, &owner, &key, Ttl::DEFAULT).await.unwrap();
         assert!(
             matches!(&retried, Outcome::Granted(grant) if grant.generation.get() == 1),

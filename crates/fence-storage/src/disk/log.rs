@@ -59,6 +59,9 @@ const IDLE: Duration = Duration::from_secs(1);
 
 pub(super) type Waiter = oneshot::Sender<Result<(), CommitError>>;
 
+/// From how many waiters on the list the ones that went away are dropped (see `commit`).
+pub(super) const PRUNE_FROM: usize = 1024;
+
 /// Why the log left on disk could not be replayed.
 #[derive(Debug, thiserror::Error)]
 pub(super) enum ReplayError {
@@ -232,10 +235,22 @@ impl Shared {
             if state.waiters.is_empty() {
                 self.work.notify_one();
             }
+            // While the disk stalls, commits that gave up (`commit_within`) leave their
+            // waiter behind and their callers retry: drop those that nobody waits on any
+            // more, at each doubling of the list, so it holds about what is waited on.
+            let waiting = state.waiters.len();
+            if waiting >= PRUNE_FROM && waiting.is_power_of_two() {
+                state.waiters.retain(|waiter| !waiter.is_closed());
+            }
             state.waiters.push(tx);
             rx
         };
         rx.await.map_err(|_| CommitError::Closed)?
+    }
+
+    #[cfg(test)]
+    pub(super) fn waiting(&self) -> usize {
+        self.lock().waiters.len()
     }
 
     fn fail(&self, e: CommitError) -> Vec<Waiter> {

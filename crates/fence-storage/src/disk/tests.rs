@@ -350,3 +350,28 @@ async fn a_commit_gives_up_when_the_disk_stalls_and_the_write_lands_after() {
         Some(&b"during"[..])
     );
 }
+
+// The guard held across awaits is the stalled disk, as above.
+#[allow(clippy::await_holding_lock)]
+#[tokio::test]
+async fn commits_that_gave_up_do_not_pile_up_while_the_disk_stalls() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = DurableDb::open(dir.path()).unwrap();
+    let tree = db.tree("t").unwrap();
+    let stalled = db.stall_log();
+    tree.insert("k", "v").unwrap();
+    for _ in 0..3 * log::PRUNE_FROM {
+        let gave_up = db.commit_within(Duration::ZERO).await;
+        assert!(
+            matches!(gave_up, Err(CommitError::TimedOut(_))),
+            "{gave_up:?}"
+        );
+    }
+    assert!(
+        db.log().waiting() <= log::PRUNE_FROM,
+        "{} waiters kept for commits that gave up",
+        db.log().waiting()
+    );
+    drop(stalled);
+    db.commit_within(Duration::from_secs(10)).await.unwrap();
+}

@@ -117,9 +117,10 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let on_success = match (args.slots, args.on_success) {
         (Some(_), Some(OnSuccess::Complete)) => {
             return Err(crate::Usage::error(
-                "--on-success complete cannot be used with --slots: a semaphore's slot is \
-                 released when the command exits 0, never completed (leave --on-success out, \
-                 or give --on-success release)",
+                "--on-success complete (or FENCE_ON_SUCCESS=complete) cannot be used with \
+                 --slots (or FENCE_SLOTS): a semaphore's slot is released when the command \
+                 exits 0, never completed (leave --on-success out, or give --on-success \
+                 release)",
             ));
         }
         (Some(_), _) => OnSuccess::Release,

@@ -143,7 +143,8 @@ pub(super) fn store_error(e: &StoreError) -> Problem {
                 format!(
                     "the lease store did not confirm within {within:?} that the decision is on \
                      disk; whether it took effect is unknown: retry with the same owner and \
-                     lease key (a claim retried so gets the same lease back)"
+                     lease key (a claim retried so gets the same lease back while it has not \
+                     expired; a release or completion that took effect answers lease-lost)"
                 ),
             )
         }
