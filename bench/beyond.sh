@@ -89,9 +89,5 @@ m() { case_median "$out" "$1" 2; }
     echo "| $c | $r | $(m ckpt64-$c) | $(ratio "$(m ckpt64-$c)" "$r") | $(m ckpt8k-$c) | $(ratio "$(m ckpt8k-$c)" "$r") | $cl | $(m delayed-$c) | $(ratio "$(m delayed-$c)" "$cl") | $(m slot-$c) | $(ratio "$(m slot-$c)" "$cl") | $bad |"
   done
   echo
-  echo "Rounds (case-connections, req/s, p50 µs, p99 µs, non-2xx, socket errors):"
-  echo
-  echo '```'
-  cat "$out"
-  echo '```'
+  wrk_rounds "$out"
 } | tee -a BENCHMARKS.md

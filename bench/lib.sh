@@ -39,6 +39,16 @@ case_median() { awk -v c="$2" -v k="$3" '$1==c {print $k}' "$1" | median; }
 # case_sum FILE CASE COLUMN: the sum of COLUMN over CASE's rounds.
 case_sum() { awk -v c="$2" -v k="$3" '$1==c {s+=$k} END {print s+0}' "$1"; }
 
+# wrk_rounds FILE: the rounds wrk_row wrote to FILE, as the fenced block a BENCHMARKS.md
+# section ends with.
+wrk_rounds() {
+  echo "Rounds (case-connections, req/s, p50 µs, p99 µs, non-2xx, socket errors):"
+  echo
+  echo '```'
+  cat "$1"
+  echo '```'
+}
+
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2f", a/b; else print "n/a" }'; }
 
 header() {

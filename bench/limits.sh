@@ -119,9 +119,5 @@ verdict() { awk -v r="$1" -v g="$2" 'BEGIN { print (r + 0 >= g) ? "met" : "not m
     echo "| gRPC through fence proxy vs nginx grpc_pass ($c callers) | $c | $(m gproxy-$c) | $(m gnginx-$c) | $r | 1.0 | $(verdict "$r" 1.0) |"
   done
   echo
-  echo "Rounds (case-connections, req/s, p50 µs, p99 µs, non-2xx, socket errors):"
-  echo
-  echo '```'
-  cat "$out"
-  echo '```'
+  wrk_rounds "$out"
 } | tee -a BENCHMARKS.md

@@ -65,9 +65,5 @@ d=$(m disk) b=$(m bare); lb=$(( d < b ? d : b ))   # the layer's bound, as in be
   echo "| claims at fence server (bound: status answer) | $(m claim) | $(m claim-nowait) | $(m status) | $(ratio "$(m claim)" "$(m status)") | $(ratio "$(m claim-nowait)" "$(m status)") | $(bad claim) / $(bad claim-nowait) |"
   echo "| bumps through FenceLayer (bound: disk or bare service, the smaller) | $(m lbump) | $(m lbump-nowait) | $lb | $(ratio "$(m lbump)" "$lb") | $(ratio "$(m lbump-nowait)" "$lb") | $(bad lbump) / $(bad lbump-nowait) |"
   echo
-  echo "Rounds (case-connections, req/s, p50 µs, p99 µs, non-2xx, socket errors):"
-  echo
-  echo '```'
-  cat "$out"
-  echo '```'
+  wrk_rounds "$out"
 } | tee -a BENCHMARKS.md
