@@ -39,6 +39,11 @@ use log::{Limits, Log};
 use sync::Syncer;
 pub use tree::Tree;
 
+/// How long one write and sync of the log may take before writes are refused, unapplied,
+/// until it ends: a stalled disk then answers 503 instead of letting writes that are not on
+/// disk be read, and their records pile up in memory.
+pub const STALLED_AFTER: Duration = Duration::from_secs(5);
+
 /// The lock file every fence database directory holds while open.
 pub const LOCK_FILE: &str = "fence.lock";
 
@@ -163,6 +168,7 @@ impl DurableDb {
             Limits {
                 age: log::SEGMENT_AGE,
                 bytes: log::SEGMENT_BYTES,
+                stall: STALLED_AFTER,
             },
         )
     }

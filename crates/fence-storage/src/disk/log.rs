@@ -40,10 +40,12 @@ use tokio::sync::oneshot;
 use super::{CommitError, sync::Syncer};
 
 mod format;
+mod rounds;
 
 pub(super) use format::Op;
 #[cfg(test)]
 pub(super) use format::{frame, header};
+use rounds::Rounds;
 
 /// The directory, inside the database's, that holds the log's segments.
 pub(super) const LOG_DIR: &str = "log";
@@ -174,6 +176,8 @@ pub(super) struct Shared {
     work: Condvar,
     /// How many records are on disk (the count of the last batch synced).
     synced: AtomicU64,
+    /// The writer's rounds, timed: what decides whether writes are taken.
+    pub(super) rounds: Rounds,
     /// Taken by the writer before each write: a test holds it to stall the disk.
     #[cfg(any(test, feature = "test-hooks"))]
     pub(super) stall: Mutex<()>,
@@ -254,6 +258,7 @@ impl Shared {
     }
 
     fn fail(&self, e: CommitError) -> Vec<Waiter> {
+        self.rounds.fail();
         let mut state = self.lock();
         state.failed.get_or_insert(e);
         state.buf = Vec::new();
@@ -272,11 +277,13 @@ pub(super) struct Log {
     checkpointer: Option<thread::JoinHandle<()>>,
 }
 
-/// When the writer starts a new segment, and the size a kept segment file is filled to.
+/// When the writer starts a new segment, the size a kept segment file is filled to, and how
+/// long one round of the writer may last before writes are refused.
 #[derive(Debug, Clone, Copy)]
 pub(super) struct Limits {
     pub(super) age: Duration,
     pub(super) bytes: u64,
+    pub(super) stall: Duration,
 }
 
 impl Log {
@@ -291,6 +298,7 @@ impl Log {
             state: Mutex::default(),
             work: Condvar::new(),
             synced: AtomicU64::new(0),
+            rounds: Rounds::new(limits.stall),
             #[cfg(any(test, feature = "test-hooks"))]
             stall: Mutex::default(),
         });
@@ -505,6 +513,7 @@ fn write_loop(
             std::mem::swap(&mut batch, &mut state.buf);
             (state.end, std::mem::take(&mut state.waiters), state.closing)
         };
+        shared.rounds.begin();
         #[cfg(any(test, feature = "test-hooks"))]
         drop(shared.stall.lock().unwrap_or_else(PoisonError::into_inner));
         if !batch.is_empty() {
@@ -513,6 +522,7 @@ fn write_loop(
             }
             batch.clear();
         }
+        shared.rounds.end();
         shared.synced.store(end, Ordering::Release);
         for waiter in waiters {
             // A waiter that went away (its request was cancelled) needs no answer.
@@ -524,7 +534,10 @@ fn write_loop(
         let due = segment.len >= limits.bytes
             || (segment.has_frames() && segment.opened.elapsed() >= limits.age);
         if due {
-            match rotate(dir, &mut segment) {
+            shared.rounds.begin();
+            let rotated = rotate(dir, &mut segment);
+            shared.rounds.end();
+            match rotated {
                 Ok(ended) => {
                     let _ = closed.send(ended);
                 }

@@ -11,6 +11,7 @@ use super::*;
 const SMALL: Limits = Limits {
     age: Duration::from_millis(20),
     bytes: 64 << 10,
+    stall: STALLED_AFTER,
 };
 
 /// The environment variable that makes [`acknowledged_writes_survive_a_killed_process`] the
@@ -374,4 +375,50 @@ async fn commits_that_gave_up_do_not_pile_up_while_the_disk_stalls() {
     );
     drop(stalled);
     db.commit_within(Duration::from_secs(10)).await.unwrap();
+}
+
+// The guard held across awaits is the stalled disk, as above.
+#[allow(clippy::await_holding_lock)]
+#[tokio::test]
+async fn writes_are_refused_unapplied_while_the_disk_stalls_and_taken_again_after() {
+    let dir = tempfile::tempdir().unwrap();
+    let stall = Duration::from_millis(200);
+    let db = DurableDb::open_with(dir.path(), Limits { stall, ..SMALL }).unwrap();
+    let tree = db.tree("t").unwrap();
+    tree.insert("a", "1").unwrap();
+    db.commit().await.unwrap();
+    let stalled = db.stall_log();
+    // Within the limit a write is still taken (its commit waits for the disk).
+    tree.insert("b", "1").unwrap();
+    let waiting = {
+        let db = db.clone();
+        tokio::spawn(async move { db.commit_within(Duration::from_secs(30)).await })
+    };
+    // Past it, decisions are refused and not applied; bookkeeping beside a decision already
+    // made is still taken.
+    tokio::time::sleep(stall * 3).await;
+    let refused = tree
+        .compare_and_swap("c", None::<&[u8]>, Some("1"))
+        .unwrap_err();
+    let text = refused.to_string();
+    assert!(
+        matches!(&refused, sled::Error::Io(e) if e.kind() == std::io::ErrorKind::TimedOut)
+            && text.contains("refused"),
+        "{text}"
+    );
+    assert_eq!(tree.get("c").unwrap(), None);
+    tree.insert("d", "1").unwrap();
+    // The disk answers: the write taken before lands, and writes are taken again.
+    drop(stalled);
+    waiting.await.unwrap().unwrap();
+    tree.compare_and_swap("c", None::<&[u8]>, Some("1"))
+        .unwrap()
+        .unwrap();
+    db.commit().await.unwrap();
+    drop((tree, db));
+    let db = DurableDb::open(dir.path()).unwrap();
+    let tree = db.tree("t").unwrap();
+    for key in ["a", "b", "c", "d"] {
+        assert_eq!(tree.get(key).unwrap().as_deref(), Some(&b"1"[..]), "{key}");
+    }
 }

@@ -72,8 +72,12 @@ impl Tree {
     /// Sets `key` to `new` (removes it when `None`) if it holds `old` (is absent when `None`),
     /// as sled's `compare_and_swap`; logged when it swapped.
     ///
+    /// The decision verb: refused, unapplied, while the disk stalls or after the log failed
+    /// ([`super::STALLED_AFTER`]), so no decision is made that cannot be made durable. The
+    /// other writes follow a decision already made (bookkeeping beside it) and are taken.
+    ///
     /// # Errors
-    /// When sled fails.
+    /// When sled fails, the disk stalls or the log has failed.
     pub fn compare_and_swap<K, OV, NV>(
         &self,
         key: K,
@@ -87,6 +91,7 @@ impl Tree {
     {
         let key = key.as_ref();
         let new = new.map(Into::into);
+        self.db.log().rounds.writable()?;
         let mut log = self.db.log().lock();
         let swapped = self.tree.compare_and_swap(key, old, new.clone())?;
         if swapped.is_ok() {
