@@ -160,7 +160,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
         }
         None => serve_leases(listener, store.clone(), options).await,
     }
-    store.flush()?;
+    final_flush(move || store.flush()).await?;
     tracing::info!("fence server stopped");
     Ok(())
 }
@@ -328,10 +328,45 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         "fence proxy ready"
     );
     let result = crate::proxy::serve_with(tcp, layer, config, stopped(rx)).await;
-    store.flush()?;
+    final_flush(move || store.flush()).await?;
     signal.abort();
     admin_task.abort();
     result
+}
+
+/// How long the last flush at shutdown may take (see [`final_flush`]).
+const FLUSH_DEADLINE: Duration = Duration::from_secs(10);
+
+/// The last flush at shutdown, given up after [`FLUSH_DEADLINE`]: a disk that stopped
+/// answering must not hold the process past its supervisor's patience (systemd's stop
+/// timeout would SIGKILL it anyway). Giving up loses nothing acknowledged: every write
+/// that was answered is in the write-ahead log, replayed at the next start. The process
+/// then exits with status 1 at once, without waiting for the flush's thread.
+async fn final_flush(
+    flush: impl FnOnce() -> anyhow::Result<()> + Send + 'static,
+) -> anyhow::Result<()> {
+    match flush_within(FLUSH_DEADLINE, flush).await {
+        Some(result) => result,
+        None => {
+            tracing::error!(
+                deadline = ?FLUSH_DEADLINE,
+                "the last flush of the database did not finish in time; exiting without it: acknowledged writes are in the write-ahead log and are replayed at the next start"
+            );
+            std::process::exit(1);
+        }
+    }
+}
+
+/// Runs `flush` on a blocking thread: its result, or `None` when `deadline` passed first.
+async fn flush_within(
+    deadline: Duration,
+    flush: impl FnOnce() -> anyhow::Result<()> + Send + 'static,
+) -> Option<anyhow::Result<()>> {
+    match tokio::time::timeout(deadline, tokio::task::spawn_blocking(flush)).await {
+        Ok(Ok(result)) => Some(result),
+        Ok(Err(failed)) => Some(Err(anyhow::anyhow!("the last flush failed: {failed}"))),
+        Err(_) => None,
+    }
 }
 
 /// How long an `Idempotency-Key`'s in-flight record blocks retries: at least the default 5
@@ -355,5 +390,28 @@ mod tests {
             in_flight_timeout(s(1), s(24 * 3600), s(24 * 3600)),
             s(1 + 48 * 3600)
         );
+    }
+
+    #[tokio::test]
+    async fn a_last_flush_that_hangs_is_given_up_at_its_deadline() {
+        let deadline = Duration::from_millis(50);
+        let (release, hung) = std::sync::mpsc::channel::<()>();
+        let began = std::time::Instant::now();
+        let given_up = flush_within(deadline, move || {
+            // A disk that does not answer until the test lets it go.
+            let _ = hung.recv_timeout(Duration::from_secs(30));
+            Ok(())
+        })
+        .await;
+        assert!(given_up.is_none(), "a hung flush was waited for");
+        assert!(began.elapsed() < Duration::from_secs(20));
+        drop(release);
+        // A flush that ends in time is waited for, and its error kept.
+        assert!(matches!(
+            flush_within(deadline * 100, || Ok(())).await,
+            Some(Ok(()))
+        ));
+        let failed = flush_within(deadline * 100, || Err(anyhow::anyhow!("disk gone"))).await;
+        assert_eq!(failed.unwrap().unwrap_err().to_string(), "disk gone");
     }
 }
