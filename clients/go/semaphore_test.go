@@ -6,8 +6,10 @@ package fence
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
+	"io"
 	"net/http"
 	"sort"
 	"strings"
@@ -297,5 +299,83 @@ func TestBadResourceNamesAndNumbersOfSlotsAreRefusedBeforeSending(t *testing.T) 
 		if _, err := nobody.ClaimSlot(ctx, strings.Repeat("x", 251), slots, 0); !errors.Is(err, ErrUnreachable) {
 			t.Fatalf("%d slots: %v", slots, err)
 		}
+	}
+}
+
+// losingTransport passes requests on, but the answer to the first semaphore claim of owner
+// "lossy" is lost on its way back (as a connection cut after the request): it is kept in lost.
+type losingTransport struct {
+	next  http.RoundTripper
+	mu    sync.Mutex
+	lost  []map[string]any
+	sends []time.Time
+}
+
+func (l *losingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
+	mine := false
+	if strings.Contains(req.URL.Path, "/v1/semaphores/lossy") && req.GetBody != nil {
+		if body, err := req.GetBody(); err == nil {
+			raw, _ := io.ReadAll(body)
+			mine = strings.Contains(string(raw), `"owner":"lossy"`)
+		}
+	}
+	if mine {
+		l.mu.Lock()
+		l.sends = append(l.sends, time.Now())
+		l.mu.Unlock()
+	}
+	resp, err := l.next.RoundTrip(req)
+	if err != nil || !mine {
+		return resp, err
+	}
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	if len(l.lost) > 0 {
+		return resp, nil
+	}
+	var answer map[string]any
+	_ = json.NewDecoder(resp.Body).Decode(&answer)
+	resp.Body.Close()
+	l.lost = append(l.lost, answer)
+	return nil, errors.New("the answer was lost on its way back")
+}
+
+func TestALostAnswerToASlotClaimGetsThatSlotBackNotASecond(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	c := mustClient(t, s.serverURL, Options{Owner: "lossy", TTL: 5 * time.Second})
+	losing := &losingTransport{next: c.t.http.Transport}
+	c.t.http.Transport = losing
+	other := mustClient(t, s.serverURL, Options{Owner: "other", TTL: 5 * time.Second})
+	lease, err := c.ClaimSlot(ctx, "lossy", 2, 3*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	// The retry carried the same key: the slot the lost answer granted, not a second one, so
+	// the other slot is still free for someone else.
+	if len(losing.lost) != 1 || losing.lost[0]["job"] != lease.Job() || fmt.Sprint(losing.lost[0]["generation"]) != fmt.Sprint(lease.Generation()) {
+		t.Fatalf("lost %v, lease %s generation %d", losing.lost, lease.Job(), lease.Generation())
+	}
+	second, err := other.ClaimSlot(ctx, "lossy", 2, 0)
+	if err != nil || second.Slot() == lease.Slot() {
+		t.Fatalf("the other slot: %v, %v", second, err)
+	}
+	// Its deadline counts from the send that was granted (the first), not the retry's.
+	if len(losing.sends) != 2 || !losing.sends[1].After(losing.sends[0]) {
+		t.Fatalf("sends %v", losing.sends)
+	}
+	usable := 5*time.Second - marginOf(5*time.Second, 0)
+	if lease.Deadline().After(losing.sends[0].Add(usable)) {
+		t.Fatalf("deadline %v after the first send, more than %v", lease.Deadline().Sub(losing.sends[0]), usable)
+	}
+	for _, held := range []*Lease{second, lease} {
+		if _, err := held.Release(ctx); err != nil {
+			t.Fatal(err)
+		}
+	}
+	// Without a wait the lost answer is the caller's to handle, as before.
+	losing.lost = nil
+	if _, err := c.ClaimSlot(ctx, "lossy-now", 2, 0); !errors.Is(err, ErrUnreachable) {
+		t.Fatalf("without a wait: %v", err)
 	}
 }

@@ -15,7 +15,7 @@ import requests
 from conftest import raw
 from fence_client import (AsyncClient, Client, InvalidJobId, LeaseHeld, LeaseLost, LeaseRefused,
                           LockDelay, ProblemError, SemaphoreSize, ServerUnreachable)
-from fence_client._wire import monotonic
+from fence_client._wire import margin_ms, monotonic
 from fence_client.requests import FenceAuth
 
 
@@ -260,3 +260,61 @@ def test_bad_numbers_of_slots_are_refused_before_sending(slots):
     for ok in (1, 1000):
         with pytest.raises(ServerUnreachable):
             nobody.claim_slot("x" * 251, ok)
+
+
+def lose_first_slot_answer(client, monkeypatch) -> list:
+    """The first semaphore claim reaches the server and is decided, but its answer is lost on
+    the way back (as a connection cut after the request): the answers lost, and when each
+    claim was sent (``client.sends``), for the test."""
+    real = client._transport.call
+    lost: list = []
+    client.sends = []
+
+    def losing(method, path, body=None, timeout=None):
+        if "/v1/semaphores/" in path:
+            client.sends.append(monotonic())
+        answer = real(method, path, body, timeout=timeout)
+        if "/v1/semaphores/" in path and not lost:
+            lost.append(answer)
+            raise ServerUnreachable("the answer was lost on its way back")
+        return answer
+
+    monkeypatch.setattr(client._transport, "call", losing)
+    return lost
+
+
+def test_a_lost_answer_to_a_slot_claim_gets_that_slot_back_not_a_second(stack, monkeypatch):
+    s = stack(proxy=False)
+    other = Client(s.server_url, owner="other", ttl=5.0)
+
+    def only_that_slot(lease, lost, resource, sends):
+        # The retry carried the same key: the slot the lost answer granted, not a second one,
+        # so the other slot is still free for someone else.
+        assert lost and (lost[0]["job"], lost[0]["generation"]) == (lease.job, lease.generation)
+        # Its deadline counts from the send that was granted (the first), not the retry's.
+        assert len(sends) == 2 and sends[1] > sends[0], sends
+        usable = (5000 - margin_ms(5000, None)) / 1000
+        assert lease.deadline <= sends[0] + usable, (lease.deadline - sends[0], usable)
+        second = other.claim_slot(resource, 2)
+        assert second.slot != lease.slot
+        assert second.release()["state"] == "free"
+
+    client = Client(s.server_url, owner="lossy", ttl=5.0)
+    lost = lose_first_slot_answer(client, monkeypatch)
+    lease = client.claim_slot("lossy", 2, wait=3.0)
+    only_that_slot(lease, lost, "lossy", client.sends)
+    assert lease.release()["state"] == "free"
+
+    async def from_asyncio() -> None:
+        aclient = AsyncClient(s.server_url, owner="lossy-async", ttl=5.0)
+        lost = lose_first_slot_answer(aclient, monkeypatch)
+        lease = await aclient.claim_slot("alossy", 2, wait=3.0)
+        only_that_slot(lease, lost, "alossy", aclient.sends)
+        assert (await lease.release())["state"] == "free"
+
+    asyncio.run(from_asyncio())
+    # Without a wait the lost answer is the caller's to handle, as before.
+    client = Client(s.server_url, owner="lossy-now", ttl=5.0)
+    lose_first_slot_answer(client, monkeypatch)
+    with pytest.raises(ServerUnreachable):
+        client.claim_slot("lossy-now", 2)

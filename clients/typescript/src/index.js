@@ -8,7 +8,7 @@
 //   const slot = await client.claimSlot('exports', 3);         // one of 3 slots: job exports#2
 //   try { /* lease.fetch(...) */ } finally { await slot.release(); }
 
-import { LeaseHeld, LeaseLost, ProtocolError, ServerUnreachable } from './errors.js';
+import { LeaseHeld, LeaseLost, ProblemError, ProtocolError, ServerUnreachable } from './errors.js';
 import { DEADLINE_PASSED, Lease } from './lease.js';
 import {
   Transport, checkJob, checkResource, checkSlots, defaultOwner, encodeJob, marginOf, newLeaseKey, now,
@@ -116,7 +116,10 @@ export class Client {
    * The server never waits on a semaphore claim: with `waitMs` the client asks again while every
    * slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter when the slot that frees
    * first frees sooner), until `waitMs` is over. Each call claims under a lease key of its own:
-   * two calls hold two slots, even under one owner.
+   * two calls hold two slots, even under one owner. Within `waitMs`, a claim whose answer was
+   * lost (ServerUnreachable, a timeout, a 503) is asked again with the same key, so a grant that
+   * was lost comes back as that slot rather than a second one, its deadline counted from the
+   * first of those sends.
    *
    * Rejects with LeaseHeld (every slot taken when the wait ends; `problem.job` is the slot that
    * frees first; LockDelay while its lock-delay runs), SemaphoreSize (slots of the resource are
@@ -137,6 +140,9 @@ export class Client {
     let backoff = SLOT_BACKOFF_FIRST_MS;
     let answer;
     let sent;
+    // The first send whose answer was lost: it may have been granted, and the lease's deadline
+    // then counts from it.
+    let firstLost;
     for (;;) {
       sent = now();
       try {
@@ -144,11 +150,21 @@ export class Client {
         break;
       } catch (e) {
         const left = waitUntil - now();
-        if (!(e instanceof LeaseHeld) || left <= 0) throw e;
-        await pause(Math.min(heldPause(e, backoff), left));
+        let wait;
+        if (e instanceof LeaseHeld) {
+          // Every slot taken, none of them this key's: no earlier send was granted.
+          firstLost = undefined;
+          wait = heldPause(e, backoff);
+        } else if (e instanceof ServerUnreachable || (e instanceof ProblemError && e.status === 503)) {
+          firstLost ??= sent;
+          wait = backoff;
+        }
+        if (wait === undefined || left <= 0) throw e;
+        await pause(Math.min(wait, left));
         backoff = Math.min(backoff * 2, SLOT_BACKOFF_MAX_MS);
       }
     }
+    sent = firstLost ?? sent;
     const { job, slot } = answer;
     if (!Number.isInteger(slot) || slot < 1 || slot > slots || job !== `${resource}#${slot}` || answer.resource !== resource) {
       throw new ProtocolError(`a claim of semaphore ${resource} (${slots} slots) was answered with job ${job}, slot ${slot}`);

@@ -8,6 +8,7 @@ import { test } from 'node:test';
 import {
   Client, InvalidJobId, LeaseHeld, LeaseLost, LeaseRefused, LockDelay, ProblemError, SemaphoreSize, ServerUnreachable,
 } from '../src/index.js';
+import { Transport, marginOf, now } from '../src/wire.js';
 import { abortedWithin, raw, sleep, stack } from './helpers.js';
 
 /** A whole-keeper pause (GC, SIGSTOP): from now on no renewal reaches the server. */
@@ -168,4 +169,41 @@ test('bad resource names and numbers of slots are refused before sending', async
   for (const slots of [1, 1000]) { // the bounds themselves are sizes: they fail only to connect
     await assert.rejects(nobody.claimSlot('x'.repeat(251), slots), ServerUnreachable);
   }
+});
+
+test('a lost answer to a slot claim gets that slot back, not a second', async (t) => {
+  // The first claim of the resource reaches the server and is decided, but its answer is lost on
+  // the way back (as a connection cut after the request).
+  const s = await stack(t, { proxy: false });
+  const real = Transport.prototype.call;
+  const lost = [];
+  const sends = [];
+  Transport.prototype.call = async function losing(method, path, body, timeoutMs) {
+    const mine = path.includes('/v1/semaphores/lossy') && body?.owner === 'lossy';
+    if (mine) sends.push(now());
+    const answer = await real.call(this, method, path, body, timeoutMs);
+    if (mine && lost.length === 0) {
+      lost.push(answer);
+      throw new ServerUnreachable('the answer was lost on its way back');
+    }
+    return answer;
+  };
+  t.after(() => { Transport.prototype.call = real; });
+  const client = new Client({ server: s.serverUrl, owner: 'lossy', ttlMs: 5000 });
+  const other = new Client({ server: s.serverUrl, owner: 'other', ttlMs: 5000 });
+  t.after(() => { client.close(); other.close(); });
+  const lease = await client.claimSlot('lossy', 2, { waitMs: 3000 });
+  // The retry carried the same key: the slot the lost answer granted, not a second one, so the
+  // other slot is still free for someone else.
+  assert.deepEqual([lost[0].job, lost[0].generation], [lease.job, lease.generation]);
+  const second = await other.claimSlot('lossy', 2);
+  assert.notEqual(second.slot, lease.slot);
+  // Its deadline counts from the send that was granted (the first), not the retry's.
+  assert.ok(sends.length === 2 && sends[1] > sends[0], String(sends));
+  const usable = 5000 - marginOf(5000, undefined);
+  assert.ok(lease.deadline <= sends[0] + usable, `${lease.deadline - sends[0]} > ${usable}`);
+  for (const held of [second, lease]) assert.equal((await held.release()).state, 'free');
+  // Without a wait the lost answer is the caller's to handle, as before.
+  lost.length = 0;
+  await assert.rejects(client.claimSlot('lossy-now', 2), (e) => e instanceof ServerUnreachable);
 });
