@@ -87,6 +87,9 @@ pub struct PgLeaseStore {
     url: Arc<str>,
     /// That session, started by the first [`LeaseStore::changes`].
     listener: Arc<std::sync::OnceLock<Option<fence_storage::postgres::Listener>>>,
+    /// Semaphore claims take their resource's turn here before a pooled connection (see
+    /// `slots`).
+    slot_turns: Arc<slots::Turns>,
     #[cfg(any(test, feature = "test-hooks"))]
     offset_ms: Arc<std::sync::atomic::AtomicI64>,
 }
@@ -302,6 +305,7 @@ impl PgLeaseStore {
             sql,
             url: url.into(),
             listener: Arc::default(),
+            slot_turns: Arc::default(),
             #[cfg(any(test, feature = "test-hooks"))]
             offset_ms: Arc::default(),
         })

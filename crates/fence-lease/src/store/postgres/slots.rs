@@ -6,18 +6,59 @@
 //! floor row `FOR SHARE` (as a plain claim does), decides with the same Rust rule as the
 //! memory and sled stores on the database's clock, and writes the slot it grants. A plain
 //! claim of a slot is refused before any SQL runs, so only this transaction takes slots.
+//!
+//! Claims of one resource on this server first queue for its turn in memory ([`Turns`]),
+//! then take a pooled connection: without that, a burst of claims of one busy semaphore
+//! would each hold a connection while waiting for the advisory lock, and take the whole
+//! pool from every other job's requests.
 
 use fence_core::{
     JobId, Owner,
     lease_api::slot_job,
     secret::{LeaseKey, SecretHash},
 };
+use fence_storage::postgres::POOL_TIMEOUT;
 use tokio_postgres::types::ToSql;
 
 use super::{PgLeaseStore, generation};
 use crate::store::{
     ClaimTerms, SlotClaim, StoreError, check_slot_claim, rules::Stored, slot_prefix, slot_records,
 };
+
+/// How many turns resources are spread over: claims of resources that share one wait for
+/// each other (a transaction each, milliseconds), and at most this many connections wait
+/// for advisory locks at once.
+const TURNS: usize = 64;
+
+/// The in-memory turns of semaphore claims, one per group of resources.
+pub(super) struct Turns([tokio::sync::Mutex<()>; TURNS]);
+
+impl Default for Turns {
+    fn default() -> Self {
+        Self(std::array::from_fn(|_| tokio::sync::Mutex::new(())))
+    }
+}
+
+impl Turns {
+    /// Waits for `resource`'s turn, at most [`POOL_TIMEOUT`] (as long as a pooled
+    /// connection is waited for).
+    async fn take(&self, resource: &JobId) -> Result<tokio::sync::MutexGuard<'_, ()>, StoreError> {
+        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
+        let hashed = BuildHasherDefault::<DefaultHasher>::default().hash_one(resource.as_str());
+        let turn = &self.0[usize::try_from(hashed % TURNS as u64).unwrap_or(0)];
+        tokio::time::timeout(POOL_TIMEOUT, turn.lock())
+            .await
+            .map_err(|_| {
+                StoreError::io(std::io::Error::new(
+                    std::io::ErrorKind::TimedOut,
+                    format!(
+                        "semaphore claims of {resource} queued for more than {} s on this server",
+                        POOL_TIMEOUT.as_secs()
+                    ),
+                ))
+            })
+    }
+}
 
 /// The statements of a semaphore claim on table `t`.
 pub(super) struct SlotSql {
@@ -113,6 +154,7 @@ impl PgLeaseStore {
         let sql = &self.sql.slots;
         let prefix = slot_prefix(resource);
         let lock = format!("fence-slots {} {resource}", self.table.qualified());
+        let _turn = self.slot_turns.take(resource).await?;
         let mut client = self.pool.get().await.map_err(StoreError::io)?;
         let tx = client.transaction().await.map_err(StoreError::io)?;
         tx.execute(&sql.lock, &[&lock])

@@ -188,3 +188,37 @@ async fn claims_racing_forgetting_never_reuse_a_generation() {
         "{total} grants, {forgotten} forgotten"
     );
 }
+
+/// A burst of semaphore claims of one resource takes one pooled connection at a time (the
+/// rest queue for the resource's turn in memory), so it cannot take the pool from other
+/// jobs' requests while it waits for the resource's advisory lock; and every claim is
+/// answered, two of them with a slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_burst_of_claims_of_one_semaphore_holds_one_pooled_connection() {
+    let store = fresh().await.unwrap();
+    let before = store.pool.status().size;
+    let resource: JobId = "busy".parse().unwrap();
+    let claims: Vec<_> = (0..40)
+        .map(|i| {
+            let (store, resource) = (store.clone(), resource.clone());
+            tokio::spawn(async move {
+                let owner: Owner = format!("w{i}").parse().unwrap();
+                let key = crate::new_lease_key().unwrap();
+                let terms = ClaimTerms::from(Ttl::from_millis(10_000).unwrap());
+                store.claim_slot(&resource, &owner, &key, terms, 2).await
+            })
+        })
+        .collect();
+    let mut granted = 0;
+    for claim in claims {
+        if let Outcome::Granted(_) = claim.await.unwrap().unwrap().outcome {
+            granted += 1;
+        }
+    }
+    assert_eq!(granted, 2);
+    let after = store.pool.status().size;
+    assert!(
+        after <= before.max(1) + 1,
+        "40 claims of one semaphore opened {after} pooled connections (from {before})"
+    );
+}
