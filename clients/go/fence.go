@@ -188,9 +188,9 @@ const (
 // is taken, after pauses of 10 ms doubling up to 500 ms (shorter when the slot that frees first
 // frees sooner), until wait is over or ctx is done. Each call claims under a lease key of its
 // own: two calls hold two slots, even under one owner. Within wait, a claim whose answer was
-// lost (ErrUnreachable, a timeout, a 503) is asked again with the same key, so a grant that was
-// lost comes back as that slot rather than a second one, its deadline counted from the first of
-// those sends.
+// lost (ErrUnreachable, a timeout, a 503 after its Retry-After) is asked again with the same
+// key, so a grant that was lost comes back as that slot rather than a second one (extended
+// from the retry's decision).
 //
 // Errors: a *ProblemError matching ErrLeaseHeld (every slot taken when the wait ends; its Job is
 // the slot that frees first; ErrLockDelay too while that slot's lock-delay runs) or
@@ -220,16 +220,11 @@ func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait
 	waitUntil := c.clock.Now().Add(wait)
 	backoff := slotBackoffFirst
 	var a leaseAnswer
-	// sent is the send the granted lease's deadline counts from; firstLost the first send whose
-	// answer was lost (it may have been granted), if any since the last refusal.
-	var sent, firstLost time.Time
+	var sent time.Time
 	for {
 		sent = c.clock.Now()
 		err = c.t.call(ctx, http.MethodPost, path, body, budget, &a)
 		if err == nil {
-			if !firstLost.IsZero() {
-				sent = firstLost
-			}
 			break
 		}
 		left := waitUntil.Sub(c.clock.Now())
@@ -240,14 +235,14 @@ func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait
 		var refused *ProblemError
 		switch {
 		case errors.Is(err, ErrLeaseHeld) && errors.As(err, &refused):
-			// Every slot taken, none of them this key's: no earlier send was granted.
-			firstLost = time.Time{}
 			pause = heldPause(refused, backoff)
-		case errors.Is(err, ErrUnreachable) || (errors.As(err, &refused) && refused.Status == http.StatusServiceUnavailable):
-			if firstLost.IsZero() {
-				firstLost = sent
-			}
+		case errors.Is(err, ErrUnreachable):
+			// The answer was lost, and it may have been a grant: the same key gets that slot back.
 			pause = backoff
+		case errors.As(err, &refused) && refused.Status == http.StatusServiceUnavailable:
+			if pause = backoff; refused.RetryAfter > pause {
+				pause = refused.RetryAfter
+			}
 		default:
 			return nil, err
 		}

@@ -303,12 +303,15 @@ func TestBadResourceNamesAndNumbersOfSlotsAreRefusedBeforeSending(t *testing.T) 
 }
 
 // losingTransport passes requests on, but the answer to the first semaphore claim of owner
-// "lossy" is lost on its way back (as a connection cut after the request): it is kept in lost.
+// "lossy" is lost on its way back and replaced: by a transport error (a connection cut after
+// the request) when unconfirmed is false, else by a 503 store-unavailable with Retry-After:
+// 0.3. The answer lost is kept in lost, and when each of that owner's claims was sent in sends.
 type losingTransport struct {
-	next  http.RoundTripper
-	mu    sync.Mutex
-	lost  []map[string]any
-	sends []time.Time
+	next        http.RoundTripper
+	unconfirmed bool
+	mu          sync.Mutex
+	lost        []map[string]any
+	sends       []time.Time
 }
 
 func (l *losingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
@@ -337,45 +340,60 @@ func (l *losingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	_ = json.NewDecoder(resp.Body).Decode(&answer)
 	resp.Body.Close()
 	l.lost = append(l.lost, answer)
-	return nil, errors.New("the answer was lost on its way back")
+	if !l.unconfirmed {
+		return nil, errors.New("the answer was lost on its way back")
+	}
+	problem := `{"type":"urn:fence:store-unavailable","status":503,"detail":"the store did not confirm the decision within 5 s"}`
+	return &http.Response{
+		StatusCode: http.StatusServiceUnavailable,
+		Header:     http.Header{"Content-Type": {"application/problem+json"}, "Retry-After": {"0.3"}},
+		Body:       io.NopCloser(strings.NewReader(problem)),
+		Request:    req,
+	}, nil
 }
 
 func TestALostAnswerToASlotClaimGetsThatSlotBackNotASecond(t *testing.T) {
-	ctx := context.Background()
-	s := newStack(t, stackOpts{noProxy: true})
-	c := mustClient(t, s.serverURL, Options{Owner: "lossy", TTL: 5 * time.Second})
-	losing := &losingTransport{next: c.t.http.Transport}
-	c.t.http.Transport = losing
-	other := mustClient(t, s.serverURL, Options{Owner: "other", TTL: 5 * time.Second})
-	lease, err := c.ClaimSlot(ctx, "lossy", 2, 3*time.Second)
-	if err != nil {
-		t.Fatal(err)
-	}
-	// The retry carried the same key: the slot the lost answer granted, not a second one, so
-	// the other slot is still free for someone else.
-	if len(losing.lost) != 1 || losing.lost[0]["job"] != lease.Job() || fmt.Sprint(losing.lost[0]["generation"]) != fmt.Sprint(lease.Generation()) {
-		t.Fatalf("lost %v, lease %s generation %d", losing.lost, lease.Job(), lease.Generation())
-	}
-	second, err := other.ClaimSlot(ctx, "lossy", 2, 0)
-	if err != nil || second.Slot() == lease.Slot() {
-		t.Fatalf("the other slot: %v, %v", second, err)
-	}
-	// Its deadline counts from the send that was granted (the first), not the retry's.
-	if len(losing.sends) != 2 || !losing.sends[1].After(losing.sends[0]) {
-		t.Fatalf("sends %v", losing.sends)
-	}
-	usable := 5*time.Second - marginOf(5*time.Second, 0)
-	if lease.Deadline().After(losing.sends[0].Add(usable)) {
-		t.Fatalf("deadline %v after the first send, more than %v", lease.Deadline().Sub(losing.sends[0]), usable)
-	}
-	for _, held := range []*Lease{second, lease} {
-		if _, err := held.Release(ctx); err != nil {
-			t.Fatal(err)
-		}
-	}
-	// Without a wait the lost answer is the caller's to handle, as before.
-	losing.lost = nil
-	if _, err := c.ClaimSlot(ctx, "lossy-now", 2, 0); !errors.Is(err, ErrUnreachable) {
-		t.Fatalf("without a wait: %v", err)
+	for _, unconfirmed := range []bool{false, true} {
+		t.Run(fmt.Sprintf("503=%v", unconfirmed), func(t *testing.T) {
+			ctx := context.Background()
+			s := newStack(t, stackOpts{noProxy: true})
+			c := mustClient(t, s.serverURL, Options{Owner: "lossy", TTL: 5 * time.Second})
+			losing := &losingTransport{next: c.t.http.Transport, unconfirmed: unconfirmed}
+			c.t.http.Transport = losing
+			other := mustClient(t, s.serverURL, Options{Owner: "other", TTL: 5 * time.Second})
+			lease, err := c.ClaimSlot(ctx, "lossy", 2, 3*time.Second)
+			if err != nil {
+				t.Fatal(err)
+			}
+			// The retry carried the same key: the slot the lost answer granted, not a second
+			// one, so the other slot is still free for someone else.
+			if len(losing.lost) != 1 || losing.lost[0]["job"] != lease.Job() || fmt.Sprint(losing.lost[0]["generation"]) != fmt.Sprint(lease.Generation()) {
+				t.Fatalf("lost %v, lease %s generation %d", losing.lost, lease.Job(), lease.Generation())
+			}
+			second, err := other.ClaimSlot(ctx, "lossy", 2, 0)
+			if err != nil || second.Slot() == lease.Slot() {
+				t.Fatalf("the other slot: %v, %v", second, err)
+			}
+			// Asked again once, after the 503's Retry-After when there was one.
+			after := time.Duration(0)
+			if unconfirmed {
+				after = 300 * time.Millisecond
+			}
+			if len(losing.sends) != 2 || losing.sends[1].Sub(losing.sends[0]) < after {
+				t.Fatalf("sends %v, expected the second %v after the first", losing.sends, after)
+			}
+			for _, held := range []*Lease{second, lease} {
+				if _, err := held.Release(ctx); err != nil {
+					t.Fatal(err)
+				}
+			}
+			// Without a wait the lost answer is the caller's to handle, as before.
+			losing.lost = nil
+			_, err = c.ClaimSlot(ctx, "lossy-now", 2, 0)
+			var refused *ProblemError
+			if unconfirmed && !(errors.As(err, &refused) && refused.Status == 503) || !unconfirmed && !errors.Is(err, ErrUnreachable) {
+				t.Fatalf("without a wait: %v", err)
+			}
+		})
 	}
 }

@@ -117,9 +117,9 @@ export class Client {
    * slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter when the slot that frees
    * first frees sooner), until `waitMs` is over. Each call claims under a lease key of its own:
    * two calls hold two slots, even under one owner. Within `waitMs`, a claim whose answer was
-   * lost (ServerUnreachable, a timeout, a 503) is asked again with the same key, so a grant that
-   * was lost comes back as that slot rather than a second one, its deadline counted from the
-   * first of those sends.
+   * lost (ServerUnreachable, a timeout, a 503, after its Retry-After) is asked again with the
+   * same key, so a grant that was lost comes back as that slot rather than a second one
+   * (extended from the retry's decision).
    *
    * Rejects with LeaseHeld (every slot taken when the wait ends; `problem.job` is the slot that
    * frees first; LockDelay while its lock-delay runs), SemaphoreSize (slots of the resource are
@@ -140,9 +140,6 @@ export class Client {
     let backoff = SLOT_BACKOFF_FIRST_MS;
     let answer;
     let sent;
-    // The first send whose answer was lost: it may have been granted, and the lease's deadline
-    // then counts from it.
-    let firstLost;
     for (;;) {
       sent = now();
       try {
@@ -152,19 +149,18 @@ export class Client {
         const left = waitUntil - now();
         let wait;
         if (e instanceof LeaseHeld) {
-          // Every slot taken, none of them this key's: no earlier send was granted.
-          firstLost = undefined;
           wait = heldPause(e, backoff);
-        } else if (e instanceof ServerUnreachable || (e instanceof ProblemError && e.status === 503)) {
-          firstLost ??= sent;
+        } else if (e instanceof ServerUnreachable) {
+          // The answer was lost, and it may have been a grant: the same key gets that slot back.
           wait = backoff;
+        } else if (e instanceof ProblemError && e.status === 503) {
+          wait = Math.max(backoff, (e.retryAfter ?? 0) * 1000);
         }
         if (wait === undefined || left <= 0) throw e;
         await pause(Math.min(wait, left));
         backoff = Math.min(backoff * 2, SLOT_BACKOFF_MAX_MS);
       }
     }
-    sent = firstLost ?? sent;
     const { job, slot } = answer;
     if (!Number.isInteger(slot) || slot < 1 || slot > slots || job !== `${resource}#${slot}` || answer.resource !== resource) {
       throw new ProtocolError(`a claim of semaphore ${resource} (${slots} slots) was answered with job ${job}, slot ${slot}`);

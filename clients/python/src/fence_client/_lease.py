@@ -253,41 +253,26 @@ def held_pause(error: LeaseHeld, backoff: float) -> float:
     return max(pause, 0.001)
 
 
-class SlotRetry:
-    """When a semaphore claim is asked again, and what its lease's deadline counts from.
+def slot_retry_pause(error: FenceError, backoff: float, left: float) -> Optional[float]:
+    """Seconds to pause before a semaphore claim is asked again (``left`` seconds of its wait
+    remain), or None when ``error`` is to be raised.
 
-    Every slot taken: asked again after :func:`held_pause`. An answer lost (the server
-    unreachable, a timeout, a 503) may have been a grant: asked again with the same key,
-    which gets that slot back rather than a second one, and the lease's deadline counts from
-    the first send whose answer was lost. Anything else, or no time left: raised."""
-
-    def __init__(self) -> None:
-        self._sent = 0.0
-        self._first_lost: Optional[float] = None
-
-    def send(self, now: float) -> None:
-        """A claim goes out at ``now``."""
-        self._sent = now
-
-    def counted_from(self) -> float:
-        """The send the granted lease's deadline counts from."""
-        return self._sent if self._first_lost is None else self._first_lost
-
-    def pause(self, error: FenceError, backoff: float, left: float) -> Optional[float]:
-        """Seconds to pause before asking again (``left`` seconds of the wait remain), or
-        None when ``error`` is to be raised."""
-        if isinstance(error, LeaseHeld):
-            # Taken slots, and none of them this key's: no earlier send was granted.
-            self._first_lost = None
-            pause = held_pause(error, backoff)
-        elif isinstance(error, ServerUnreachable) or (
-                isinstance(error, ProblemError) and error.status == 503):
-            if self._first_lost is None:
-                self._first_lost = self._sent
-            pause = backoff
-        else:
-            return None
-        return min(pause, left) if left > 0 else None
+    Every slot taken: after :func:`held_pause`. An answer lost (the server unreachable, a
+    timeout, a 503) may have been a grant: asked again with the same key, which gets that slot
+    back, extended from the retry's decision (contract section 4), rather than a second one;
+    after ``backoff``, or the 503's ``Retry-After`` when longer. Anything else, or no time
+    left: raised."""
+    if left <= 0:
+        return None
+    if isinstance(error, LeaseHeld):
+        pause = held_pause(error, backoff)
+    elif isinstance(error, ServerUnreachable):
+        pause = backoff
+    elif isinstance(error, ProblemError) and error.status == 503:
+        pause = max(backoff, error.retry_after or 0.0)
+    else:
+        return None
+    return min(pause, left)
 
 
 class ClientCore:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import hashlib
+import http.client
 import json
 import os
 import secrets
@@ -175,8 +176,9 @@ class Transport:
             except OSError:
                 payload = b""
             raise problem_error(e.code, dict(e.headers.items()), payload) from None
-        except (OSError, urllib.error.URLError, ValueError) as e:
-            # http.client's RemoteDisconnected is an OSError; a truncated answer a ValueError.
+        except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as e:
+            # http.client's RemoteDisconnected is an OSError; a truncated answer an
+            # IncompleteRead (an HTTPException) or a ValueError.
             raise ServerUnreachable(f"{method} {self.server}{path}: {e}") from e
         try:
             answer = json.loads(payload.decode("utf-8"))

@@ -20,7 +20,7 @@ from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, T
 from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolError,
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
-                     LeaseCore, SlotRetry, claim_path, held_pause, semaphore_claim_path, slot_of)
+                     LeaseCore, claim_path, semaphore_claim_path, slot_of, slot_retry_pause)
 from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic, new_lease_key,
                     ttl_to_ms)
 
@@ -174,22 +174,20 @@ class AsyncClient(ClientCore):
         path, body, key, ttl_ms, budget = self._slot_claim(resource, slots, ttl, lock_delay)
         wait_until = monotonic() + max(wait, 0.0)
         backoff = SLOT_BACKOFF_FIRST
-        retry = SlotRetry()
         while True:
-            retry.send(monotonic())
+            sent = monotonic()
             try:
                 answer = await asyncio.to_thread(self._transport.call, "POST", path, body,
                                                  budget)
                 break
             except (LeaseHeld, ServerUnreachable, ProblemError) as e:
-                pause = retry.pause(e, backoff, wait_until - monotonic())
+                pause = slot_retry_pause(e, backoff, wait_until - monotonic())
                 if pause is None:
                     raise
                 await asyncio.sleep(pause)
                 backoff = min(backoff * 2, SLOT_BACKOFF_MAX)
         job, slot = slot_of(resource, slots, answer)
-        return await self._lease_from(job, key, ttl_ms, "release", retry.counted_from(), answer,
-                                           (resource, slot))
+        return await self._lease_from(job, key, ttl_ms, "release", sent, answer, (resource, slot))
 
     async def _claim(self, job: str, wait: float, ttl: Optional[float],
                      on_success: str, lock_delay: Optional[float] = None) -> AsyncLease:

@@ -17,7 +17,7 @@ from typing import Any, Dict, Optional, Tuple, Type
 from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolError,
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
-                     LeaseCore, SlotRetry, claim_path, held_pause, slot_of)
+                     LeaseCore, claim_path, slot_of, slot_retry_pause)
 from ._wire import (Timeout, bounded, check_job, encode_job, margin_ms, monotonic, new_lease_key,
                     ttl_to_ms)
 
@@ -181,9 +181,9 @@ class Client(ClientCore):
         again while every slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter
         when the slot that frees first frees sooner), until ``wait`` is over. Each call claims
         under a lease key of its own: two calls hold two slots, even under one owner. Within
-        ``wait``, a claim whose answer was lost (the server unreachable, a timeout, a 503) is
-        asked again with the same key, so a grant that was lost comes back as that slot rather
-        than a second one, its deadline counted from the first of those sends.
+        ``wait``, a claim whose answer was lost (the server unreachable, a timeout; a 503 after
+        its ``Retry-After``) is asked again with the same key, so a grant that was lost comes
+        back as that slot rather than a second one (extended from the retry's decision).
 
         Raises :class:`LeaseHeld` (every slot taken when the wait ends; its ``job`` is the
         slot that frees first; :class:`LockDelay` while that slot's lock-delay runs),
@@ -194,21 +194,19 @@ class Client(ClientCore):
         path, body, key, ttl_ms, budget = self._slot_claim(resource, slots, ttl, lock_delay)
         wait_until = monotonic() + max(wait, 0.0)
         backoff = SLOT_BACKOFF_FIRST
-        retry = SlotRetry()
         while True:
-            retry.send(monotonic())
+            sent = monotonic()
             try:
                 answer = self._transport.call("POST", path, body, timeout=budget)
                 break
             except (LeaseHeld, ServerUnreachable, ProblemError) as e:
-                pause = retry.pause(e, backoff, wait_until - monotonic())
+                pause = slot_retry_pause(e, backoff, wait_until - monotonic())
                 if pause is None:
                     raise
                 time.sleep(pause)
                 backoff = min(backoff * 2, SLOT_BACKOFF_MAX)
         job, slot = slot_of(resource, slots, answer)
-        return self._lease_from(job, key, ttl_ms, "release", retry.counted_from(), answer,
-                                (resource, slot))
+        return self._lease_from(job, key, ttl_ms, "release", sent, answer, (resource, slot))
 
     def _lease_from(self, job: str, key: str, ttl_ms: int, on_success: str, sent: float,
                     answer: Dict[str, Any], slot: Optional[Tuple[str, int]] = None) -> Lease:
