@@ -26,16 +26,23 @@ use crate::store::{
 };
 
 /// How many turns resources are spread over: claims of resources that share one wait for
-/// each other (a transaction each, milliseconds), and at most this many connections wait
-/// for advisory locks at once.
-const TURNS: usize = 64;
+/// each other (a transaction each, milliseconds), and at most this many of the pool's
+/// connections are held by semaphore claims at once, however many resources are busy.
+const TURNS: usize = fence_storage::postgres::POOL_SIZE / 2;
 
-/// The in-memory turns of semaphore claims, one per group of resources.
-pub(super) struct Turns([tokio::sync::Mutex<()>; TURNS]);
+/// The in-memory turns of semaphore claims, one per group of resources; which group a
+/// resource falls in is drawn per process, so nobody can pick names that share another's.
+pub(super) struct Turns {
+    turns: [tokio::sync::Mutex<()>; TURNS],
+    hasher: std::hash::RandomState,
+}
 
 impl Default for Turns {
     fn default() -> Self {
-        Self(std::array::from_fn(|_| tokio::sync::Mutex::new(())))
+        Self {
+            turns: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
+            hasher: std::hash::RandomState::new(),
+        }
     }
 }
 
@@ -43,9 +50,9 @@ impl Turns {
     /// Waits for `resource`'s turn, at most [`POOL_TIMEOUT`] (as long as a pooled
     /// connection is waited for).
     async fn take(&self, resource: &JobId) -> Result<tokio::sync::MutexGuard<'_, ()>, StoreError> {
-        use std::hash::{BuildHasher, BuildHasherDefault, DefaultHasher};
-        let hashed = BuildHasherDefault::<DefaultHasher>::default().hash_one(resource.as_str());
-        let turn = &self.0[usize::try_from(hashed % TURNS as u64).unwrap_or(0)];
+        use std::hash::BuildHasher;
+        let hashed = self.hasher.hash_one(resource.as_str());
+        let turn = &self.turns[usize::try_from(hashed % TURNS as u64).unwrap_or(0)];
         tokio::time::timeout(POOL_TIMEOUT, turn.lock())
             .await
             .map_err(|_| {

@@ -190,11 +190,11 @@ async fn claims_racing_forgetting_never_reuse_a_generation() {
 }
 
 /// A burst of semaphore claims of one resource takes one pooled connection at a time (the
-/// rest queue for the resource's turn in memory), so it cannot take the pool from other
-/// jobs' requests while it waits for the resource's advisory lock; and every claim is
-/// answered, two of them with a slot.
+/// rest queue for the resource's turn in memory), and claims of many busy resources at most
+/// half the pool, so they cannot take the pool from other jobs' requests while they wait
+/// for advisory locks; every claim is answered, and one busy resource grants its two slots.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_burst_of_claims_of_one_semaphore_holds_one_pooled_connection() {
+async fn bursts_of_semaphore_claims_hold_at_most_half_the_pool() {
     let store = fresh().await.unwrap();
     let before = store.pool.status().size;
     let resource: JobId = "busy".parse().unwrap();
@@ -220,5 +220,30 @@ async fn a_burst_of_claims_of_one_semaphore_holds_one_pooled_connection() {
     assert!(
         after <= before.max(1) + 1,
         "40 claims of one semaphore opened {after} pooled connections (from {before})"
+    );
+    // Claims of 40 busy resources at once hold at most half the pool between them, leaving
+    // the rest to other jobs' requests.
+    let claims: Vec<_> = (0..40)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let resource: JobId = format!("busy-{i}").parse().unwrap();
+                let owner: Owner = format!("w{i}").parse().unwrap();
+                let key = crate::new_lease_key().unwrap();
+                let terms = ClaimTerms::from(Ttl::from_millis(10_000).unwrap());
+                store.claim_slot(&resource, &owner, &key, terms, 2).await
+            })
+        })
+        .collect();
+    for claim in claims {
+        claim.await.unwrap().unwrap();
+    }
+    let (most, half) = (
+        store.pool.status().size,
+        fence_storage::postgres::POOL_SIZE / 2,
+    );
+    assert!(
+        most <= half,
+        "claims of 40 semaphores opened {most} pooled connections (at most {half} were to be held)"
     );
 }
