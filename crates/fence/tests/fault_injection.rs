@@ -404,6 +404,33 @@ async fn grpc_charge(
     (result, sent.elapsed().as_millis())
 }
 
+/// A lease client of the forced cases, at the lease server `server`: 2 s per request, the
+/// run's TTL.
+fn forced_client(server: &str) -> LeaseClient<HttpLeaseStore> {
+    let store = HttpLeaseStore::new(server)
+        .unwrap()
+        .timeout(Duration::from_secs(2));
+    LeaseClient::new(store).ttl(Ttl::from_millis(TTL_MS).unwrap())
+}
+
+/// Claims `job` with `client`, asking again every 50 ms for up to `within` (a server that
+/// is restarting, a lease still held): the lease, or the last refusal.
+async fn claim_within(
+    client: &LeaseClient<HttpLeaseStore>,
+    job: &str,
+    within: Duration,
+) -> Result<fence_lease::Lease<HttpLeaseStore>, ClaimError> {
+    let began = Instant::now();
+    loop {
+        match client.claim(job.parse().unwrap()).await {
+            Err(_) if began.elapsed() < within => {
+                tokio::time::sleep(Duration::from_millis(50)).await
+            }
+            answered => return answered,
+        }
+    }
+}
+
 /// Writes job `forced-forgotten` with SQL under two leases, one after the other; waits until
 /// the proxy has forgotten the job (its fence row is gone); then writes once more with the
 /// first lease's token, its lease long over. A writer that passes its token's lease end is
@@ -417,10 +444,7 @@ async fn stale_sql_write_after_forgetting(
 ) -> String {
     const JOB: &str = "forced-forgotten";
     let writer = SqlWriter::connect(url, schema, ignore_expiry).await;
-    let store = HttpLeaseStore::new(server)
-        .unwrap()
-        .timeout(Duration::from_secs(2));
-    let client = LeaseClient::new(store).ttl(Ttl::from_millis(TTL_MS).unwrap());
+    let client = forced_client(server);
     let mut out = String::new();
     let write = async |generation: u64, end: Option<u64>, seq: u64| match writer
         .write(JOB, generation, end, 900, seq)
@@ -431,17 +455,9 @@ async fn stale_sql_write_after_forgetting(
     };
     let mut first = None;
     for seq in 1..=2 {
-        let began = Instant::now();
-        let lease = loop {
-            match client.claim(JOB.parse().unwrap()).await {
-                Ok(lease) => break lease,
-                Err(e) => assert!(
-                    began.elapsed() < Duration::from_secs(10),
-                    "claiming {JOB}: {e}"
-                ),
-            }
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        };
+        let lease = claim_within(&client, JOB, Duration::from_secs(10))
+            .await
+            .unwrap_or_else(|e| panic!("claiming {JOB}: {e}"));
         let generation = lease.generation().get();
         let end = lease.token_string().as_deref().and_then(lease_end);
         out += &format!("CLAIM {JOB} {generation} {}\n", client.owner_id());
@@ -537,20 +553,11 @@ async fn reorder_across_proxies(servers: &[String], first: &str, second: &str) -
     // would hold the newer write back.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let claim = async |server: &str| {
-        let store = HttpLeaseStore::new(server)
-            .unwrap()
-            .timeout(Duration::from_secs(2));
-        let client = LeaseClient::new(store).ttl(Ttl::from_millis(TTL_MS).unwrap());
-        let began = Instant::now();
-        loop {
-            match client.claim(JOB.parse().unwrap()).await {
-                Ok(lease) => break Some((lease, client.owner_id().to_string())),
-                Err(_) if began.elapsed() < Duration::from_secs(15) => {
-                    tokio::time::sleep(Duration::from_millis(50)).await
-                }
-                Err(_) => break None,
-            }
-        }
+        let client = forced_client(server);
+        let lease = claim_within(&client, JOB, Duration::from_secs(15))
+            .await
+            .ok()?;
+        Some((lease, client.owner_id().to_string()))
     };
     let Some((older, owner)) = claim(&servers[0]).await else {
         return format!("REJECTED {JOB} 0 never-claimed\n");
@@ -618,10 +625,7 @@ async fn stale_http_write(proxy: &str) -> String {
 /// again once the proxy has forgotten the job.
 async fn first_write_to_forget(server: &str, proxy: &str) -> Option<(String, u64)> {
     const JOB: &str = "forced-forgotten";
-    let store = HttpLeaseStore::new(server)
-        .unwrap()
-        .timeout(Duration::from_secs(2));
-    let client = LeaseClient::new(store).ttl(Ttl::from_millis(TTL_MS).unwrap());
+    let client = forced_client(server);
     let lease = client.claim(JOB.parse().unwrap()).await.ok()?;
     let token = lease.token_string()?;
     let generation = lease.generation().get();

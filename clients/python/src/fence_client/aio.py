@@ -180,7 +180,7 @@ class AsyncClient(ClientCore):
                 answer = await asyncio.to_thread(self._transport.call, "POST", path, body,
                                                  budget)
                 break
-            except (LeaseHeld, ServerUnreachable, ProblemError) as e:
+            except (ServerUnreachable, ProblemError) as e:  # LeaseHeld is a ProblemError
                 pause = slot_retry_pause(e, backoff, wait_until - monotonic())
                 if pause is None:
                     raise

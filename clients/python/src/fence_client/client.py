@@ -199,7 +199,7 @@ class Client(ClientCore):
             try:
                 answer = self._transport.call("POST", path, body, timeout=budget)
                 break
-            except (LeaseHeld, ServerUnreachable, ProblemError) as e:
+            except (ServerUnreachable, ProblemError) as e:  # LeaseHeld is a ProblemError
                 pause = slot_retry_pause(e, backoff, wait_until - monotonic())
                 if pause is None:
                     raise

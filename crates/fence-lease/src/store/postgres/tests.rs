@@ -189,6 +189,28 @@ async fn claims_racing_forgetting_never_reuse_a_generation() {
     );
 }
 
+/// 40 semaphore claims of 2 slots at once, claim `i` of resource `resource(i)` by owner
+/// `w{i}`: their answers, in that order.
+async fn burst(store: &PgLeaseStore, resource: fn(usize) -> String) -> Vec<SlotClaim> {
+    let claims: Vec<_> = (0..40)
+        .map(|i| {
+            let store = store.clone();
+            tokio::spawn(async move {
+                let resource: JobId = resource(i).parse().unwrap();
+                let owner: Owner = format!("w{i}").parse().unwrap();
+                let key = crate::new_lease_key().unwrap();
+                let terms = ClaimTerms::from(Ttl::from_millis(10_000).unwrap());
+                store.claim_slot(&resource, &owner, &key, terms, 2).await
+            })
+        })
+        .collect();
+    let mut answers = Vec::new();
+    for claim in claims {
+        answers.push(claim.await.unwrap().unwrap());
+    }
+    answers
+}
+
 /// A burst of semaphore claims of one resource takes one pooled connection at a time (the
 /// rest queue for the resource's turn in memory), and claims of many busy resources at most
 /// half the pool, so they cannot take the pool from other jobs' requests while they wait
@@ -197,24 +219,11 @@ async fn claims_racing_forgetting_never_reuse_a_generation() {
 async fn bursts_of_semaphore_claims_hold_at_most_half_the_pool() {
     let store = fresh().await.unwrap();
     let before = store.pool.status().size;
-    let resource: JobId = "busy".parse().unwrap();
-    let claims: Vec<_> = (0..40)
-        .map(|i| {
-            let (store, resource) = (store.clone(), resource.clone());
-            tokio::spawn(async move {
-                let owner: Owner = format!("w{i}").parse().unwrap();
-                let key = crate::new_lease_key().unwrap();
-                let terms = ClaimTerms::from(Ttl::from_millis(10_000).unwrap());
-                store.claim_slot(&resource, &owner, &key, terms, 2).await
-            })
-        })
-        .collect();
-    let mut granted = 0;
-    for claim in claims {
-        if let Outcome::Granted(_) = claim.await.unwrap().unwrap().outcome {
-            granted += 1;
-        }
-    }
+    let answers = burst(&store, |_| "busy".to_owned()).await;
+    let granted = answers
+        .iter()
+        .filter(|a| matches!(a.outcome, Outcome::Granted(_)))
+        .count();
     assert_eq!(granted, 2);
     let after = store.pool.status().size;
     assert!(
@@ -223,21 +232,7 @@ async fn bursts_of_semaphore_claims_hold_at_most_half_the_pool() {
     );
     // Claims of 40 busy resources at once hold at most half the pool between them, leaving
     // the rest to other jobs' requests.
-    let claims: Vec<_> = (0..40)
-        .map(|i| {
-            let store = store.clone();
-            tokio::spawn(async move {
-                let resource: JobId = format!("busy-{i}").parse().unwrap();
-                let owner: Owner = format!("w{i}").parse().unwrap();
-                let key = crate::new_lease_key().unwrap();
-                let terms = ClaimTerms::from(Ttl::from_millis(10_000).unwrap());
-                store.claim_slot(&resource, &owner, &key, terms, 2).await
-            })
-        })
-        .collect();
-    for claim in claims {
-        claim.await.unwrap().unwrap();
-    }
+    burst(&store, |i| format!("busy-{i}")).await;
     let (most, half) = (
         store.pool.status().size,
         fence_storage::postgres::POOL_SIZE / 2,
