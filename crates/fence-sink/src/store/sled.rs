@@ -175,13 +175,16 @@ impl SledStore {
         Ok((Generation::new(word(0)?), touched, raised))
     }
 
-    /// Applies a change to one idempotency record with compare-and-swap, then (if `durable`)
-    /// waits for the group commit.
+    /// Applies a change to one idempotency record with compare-and-swap, then waits for the
+    /// group commit. A `begin` is a decision, refused while the disk stalls; a `finish`
+    /// records what an effect that already ran answered, and is taken then (see
+    /// `Tree::compare_and_swap_outcome`): refused, the record would stay in flight until its
+    /// timeout and a retry after it would run the effect again.
     async fn update_record<T>(
         &self,
         job: &JobId,
         key: &[u8],
-        durable: bool,
+        write: Write,
         mut f: impl FnMut(Option<&record::Record>) -> (Option<Option<record::Record>>, T),
     ) -> Result<T, StoreError> {
         let out = loop {
@@ -194,22 +197,28 @@ impl SledStore {
                     job: job.clone(),
                     reason,
                 })?;
-            let (write, out) = f(cur.as_ref());
-            let Some(new) = write else { return Ok(out) };
-            match self
-                .records
-                .compare_and_swap(key, raw, new.map(|r| r.encode()))
-                .map_err(io)?
-            {
+            let (change, out) = f(cur.as_ref());
+            let Some(new) = change else { return Ok(out) };
+            let new = new.map(|r| r.encode());
+            let swapped = match write {
+                Write::Decision => self.records.compare_and_swap(key, raw, new),
+                Write::Outcome => self.records.compare_and_swap_outcome(key, raw, new),
+            };
+            match swapped.map_err(io)? {
                 Ok(()) => break out,
                 Err(_) => continue,
             }
         };
-        if durable {
-            self.db.commit().await.map_err(io)?;
-        }
+        self.db.commit().await.map_err(io)?;
         Ok(out)
     }
+}
+
+/// Which compare-and-swap an idempotency record's change is written with.
+#[derive(Clone, Copy)]
+enum Write {
+    Decision,
+    Outcome,
 }
 
 impl SledStore {
@@ -367,7 +376,7 @@ impl IdempotencyStore for SledStore {
         // was not waited on once, to save a sync; the fault harness's duplicate check then
         // found writes applied twice after a proxy was killed.) Group commit shares the
         // sync among the requests of the moment.
-        self.update_record(attempt.job, &k, true, |cur| {
+        self.update_record(attempt.job, &k, Write::Decision, |cur| {
             let (write, answer) = record::begin(cur, &attempt, ms(in_flight), self.clock.now_ms());
             (write.map(Some), answer)
         })
@@ -376,7 +385,7 @@ impl IdempotencyStore for SledStore {
 
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         let k = record_key(attempt.job, attempt.key);
-        self.update_record(attempt.job, &k, true, |cur| {
+        self.update_record(attempt.job, &k, Write::Outcome, |cur| {
             let now = self.clock.now_ms();
             (record::finish(cur, &attempt, outcome.clone(), now), ())
         })
@@ -407,136 +416,4 @@ impl IdempotencyStore for SledStore {
 }
 
 #[cfg(test)]
-mod tests {
-    use std::collections::BTreeMap;
-
-    use proptest::prelude::*;
-
-    use super::*;
-    use crate::{Fingerprint, conformance::at};
-
-    const MINUTE: Duration = Duration::from_secs(60);
-
-    crate::sink_store_conformance!(|| async {
-        let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
-        let dir = tempfile::tempdir().unwrap().keep();
-        let store = SledStore::open_with_clock(dir, Arc::new(clock.clone())).unwrap();
-        Some((store, crate::conformance::advance_fn(clock)))
-    });
-
-    /// A database of a build that kept exact stamps is rebuilt to whole seconds at open, so
-    /// that forgetting finds and removes its entries.
-    #[tokio::test]
-    async fn exact_stamps_of_an_older_build_are_rebuilt_to_whole_seconds() {
-        let dir = tempfile::tempdir().unwrap();
-        let clock = fence_storage::clock::ManualClock::new(1_700_000_000_123);
-        let job: JobId = "old-build".parse().unwrap();
-        {
-            let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
-            store.observe(&job, Generation::new(3)).await.unwrap();
-        }
-        {
-            // What the older build left: the exact stamp as key, and no format.
-            let db = DurableDb::open(dir.path()).unwrap();
-            let stamps = db.tree("stamps").unwrap();
-            stamps.clear().unwrap();
-            let mut exact = (1_700_000_010_123_u64).to_be_bytes().to_vec();
-            exact.extend_from_slice(job.as_str().as_bytes());
-            stamps.insert(exact, &[][..]).unwrap();
-            db.tree("format").unwrap().clear().unwrap();
-            db.commit().await.unwrap();
-        }
-        let store = SledStore::open_with_clock(dir.path(), Arc::new(clock)).unwrap();
-        let keys: Vec<u64> = store
-            .stamps
-            .iter()
-            .keys()
-            .map(|k| u64::from_be_bytes(k.unwrap()[..8].try_into().unwrap()))
-            .collect();
-        assert_eq!(keys, [1_700_000_011_000], "rounded up to the second");
-    }
-
-    #[derive(Debug, Clone)]
-    enum Op {
-        Observe { job: u8, token: u64 },
-        Reopen,
-    }
-
-    fn op() -> impl Strategy<Value = Op> {
-        prop_oneof![
-            8 => (0u8..4, 1u64..20).prop_map(|(job, token)| Op::Observe { job, token }),
-            1 => Just(Op::Reopen),
-        ]
-    }
-
-    proptest! {
-        #![proptest_config(ProptestConfig::with_cases(64))]
-        /// The store behaves as a per-job maximum in a BTreeMap, across reopens.
-        #[test]
-        fn matches_a_btreemap_model_across_reopens(ops in proptest::collection::vec(op(), 1..40)) {
-            let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
-            let dir = tempfile::tempdir().unwrap();
-            let mut store = Some(SledStore::open(dir.path()).unwrap());
-            let mut model: BTreeMap<u8, u64> = BTreeMap::new();
-            for op in ops {
-                match op {
-                    Op::Observe { job, token } => {
-                        let j: JobId = format!("job-{job}").parse().unwrap();
-                        let got = rt.block_on(store.as_ref().unwrap().observe(&j, Generation::new(token))).unwrap();
-                        let highest = model.entry(job).or_insert(0);
-                        let want = if token < *highest { Verdict::Stale { highest: Generation::new(*highest) } } else { Verdict::Accepted };
-                        *highest = (*highest).max(token);
-                        prop_assert_eq!(got, want);
-                    }
-                    Op::Reopen => {
-                        drop(store.take());
-                        store = Some(SledStore::open(dir.path()).unwrap());
-                    }
-                }
-            }
-            let store = store.unwrap();
-            for (job, highest) in model {
-                let j: JobId = format!("job-{job}").parse().unwrap();
-                prop_assert_eq!(rt.block_on(store.highest(&j)).unwrap(), Generation::new(highest));
-            }
-        }
-    }
-
-    #[tokio::test]
-    async fn records_survive_reopen_and_corruption_is_an_error() {
-        let dir = tempfile::tempdir().unwrap();
-        let (j, k) = (
-            "j".parse::<JobId>().unwrap(),
-            IdempotencyKey::from_bytes(b"k").unwrap(),
-        );
-        let f = Fingerprint::of(&http::Method::POST, "/", b"");
-        {
-            let store = SledStore::open(dir.path()).unwrap();
-            store.observe(&j, Generation::new(41)).await.unwrap();
-            let begin = store.begin(at(&j, &k, &f), MINUTE).await.unwrap();
-            assert_eq!(begin, Begin::Started);
-        }
-        let store = SledStore::open(dir.path()).unwrap();
-        assert_eq!(
-            store.observe(&j, Generation::new(40)).await.unwrap(),
-            Verdict::Stale {
-                highest: Generation::new(41)
-            }
-        );
-        let begin = store.begin(at(&j, &k, &f), MINUTE).await.unwrap();
-        assert_eq!(
-            begin,
-            Begin::InFlight,
-            "the in-flight record survived the restart"
-        );
-        store.generations.insert("bad", &b"xyz"[..]).unwrap();
-        let err = store
-            .observe(&"bad".parse().unwrap(), Generation::new(1))
-            .await
-            .unwrap_err();
-        assert_eq!(
-            err.to_string(),
-            "stored record of job bad is corrupt: generation record is not 16 or 24 bytes"
-        );
-    }
-}
+mod tests;

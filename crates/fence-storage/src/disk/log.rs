@@ -210,6 +210,15 @@ impl std::fmt::Debug for State {
 }
 
 impl State {
+    /// Whether a decision may still be applied under this lock: not once the log failed
+    /// (its records would be dropped, see `push`).
+    pub(super) fn taking(&self) -> sled::Result<()> {
+        match self.failed {
+            None => Ok(()),
+            Some(_) => Err(rounds::failed()),
+        }
+    }
+
     /// Buffers one record. Call with the lock held since the write was applied to sled.
     pub(super) fn push(&mut self, op: Op<'_>) {
         if self.failed.is_none() {
@@ -255,6 +264,15 @@ impl Shared {
     #[cfg(test)]
     pub(super) fn waiting(&self) -> usize {
         self.lock().waiters.len()
+    }
+
+    /// Fails the log as a failed write would, for tests.
+    #[cfg(test)]
+    pub(super) fn fail_for_test(&self) {
+        let e = CommitError::Log(Arc::new(io::Error::other("failed for a test")));
+        for waiter in self.fail(e.clone()) {
+            let _ = waiter.send(Err(e.clone()));
+        }
     }
 
     fn fail(&self, e: CommitError) -> Vec<Waiter> {

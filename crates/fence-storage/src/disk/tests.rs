@@ -408,6 +408,10 @@ async fn writes_are_refused_unapplied_while_the_disk_stalls_and_taken_again_afte
     );
     assert_eq!(tree.get("c").unwrap(), None);
     tree.insert("d", "1").unwrap();
+    // The outcome of an effect that already ran is taken too: refused, it would be lost.
+    tree.compare_and_swap_outcome("e", None::<&[u8]>, Some("1"))
+        .unwrap()
+        .unwrap();
     // The disk answers: the write taken before lands, and writes are taken again.
     drop(stalled);
     waiting.await.unwrap().unwrap();
@@ -418,7 +422,25 @@ async fn writes_are_refused_unapplied_while_the_disk_stalls_and_taken_again_afte
     drop((tree, db));
     let db = DurableDb::open(dir.path()).unwrap();
     let tree = db.tree("t").unwrap();
-    for key in ["a", "b", "c", "d"] {
+    for key in ["a", "b", "c", "d", "e"] {
         assert_eq!(tree.get(key).unwrap().as_deref(), Some(&b"1"[..]), "{key}");
     }
+}
+
+#[tokio::test]
+async fn once_the_log_failed_no_swap_is_applied() {
+    let dir = tempfile::tempdir().unwrap();
+    let db = DurableDb::open_with(dir.path(), SMALL).unwrap();
+    let tree = db.tree("t").unwrap();
+    db.log().fail_for_test();
+    for swapped in [
+        tree.compare_and_swap("a", None::<&[u8]>, Some("1")),
+        // No stall check of its own: refused by the check under the log's lock.
+        tree.compare_and_swap_outcome("a", None::<&[u8]>, Some("1")),
+    ] {
+        let text = swapped.unwrap_err().to_string();
+        assert!(text.contains("failed earlier"), "{text}");
+    }
+    assert_eq!(tree.get("a").unwrap(), None);
+    assert!(db.commit().await.is_err());
 }

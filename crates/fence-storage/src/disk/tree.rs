@@ -73,8 +73,9 @@ impl Tree {
     /// as sled's `compare_and_swap`; logged when it swapped.
     ///
     /// The decision verb: refused, unapplied, while the disk stalls or after the log failed
-    /// ([`super::STALLED_AFTER`]), so no decision is made that cannot be made durable. The
-    /// other writes follow a decision already made (bookkeeping beside it) and are taken.
+    /// ([`super::STALLED_AFTER`]), so no decision is made that cannot be made durable. What
+    /// follows from a decision already made is written with
+    /// [`compare_and_swap_outcome`](Self::compare_and_swap_outcome) or the other writes.
     ///
     /// # Errors
     /// When sled fails, the disk stalls or the log has failed.
@@ -89,10 +90,42 @@ impl Tree {
         OV: AsRef<[u8]>,
         NV: Into<IVec>,
     {
-        let key = key.as_ref();
-        let new = new.map(Into::into);
         self.db.log().rounds.writable()?;
+        self.swap_logged(key.as_ref(), old, new.map(Into::into))
+    }
+
+    /// [`compare_and_swap`](Self::compare_and_swap) for what follows from a decision already
+    /// made and acted on (the outcome of an effect that ran): taken while the disk stalls,
+    /// like the other writes beside a decision, and refused, unapplied, only once the log
+    /// has failed. Refusing it during a stall would drop the record of an effect that
+    /// already happened, and a retry would run the effect again.
+    ///
+    /// # Errors
+    /// When sled fails or the log has failed.
+    pub fn compare_and_swap_outcome<K, OV, NV>(
+        &self,
+        key: K,
+        old: Option<OV>,
+        new: Option<NV>,
+    ) -> sled::Result<Result<(), CompareAndSwapError>>
+    where
+        K: AsRef<[u8]>,
+        OV: AsRef<[u8]>,
+        NV: Into<IVec>,
+    {
+        self.swap_logged(key.as_ref(), old, new.map(Into::into))
+    }
+
+    fn swap_logged<OV: AsRef<[u8]>>(
+        &self,
+        key: &[u8],
+        old: Option<OV>,
+        new: Option<IVec>,
+    ) -> sled::Result<Result<(), CompareAndSwapError>> {
         let mut log = self.db.log().lock();
+        // Checked again under the lock the log fails under: a swap that passed the check
+        // above as the log failed would be applied and read with no record behind it.
+        log.taking()?;
         let swapped = self.tree.compare_and_swap(key, old, new.clone())?;
         if swapped.is_ok() {
             log.push(self.op(key, new.as_deref()));

@@ -19,6 +19,13 @@ pub(in crate::disk) struct Rounds {
     broken: AtomicBool,
 }
 
+/// The error a write is refused with once the log failed.
+pub(in crate::disk) fn failed() -> sled::Error {
+    sled::Error::Io(io::Error::other(
+        "the write-ahead log failed earlier: writes are refused until the process restarts",
+    ))
+}
+
 impl Rounds {
     pub(super) fn new(limit: Duration) -> Self {
         Self {
@@ -39,9 +46,7 @@ impl Rounds {
     /// An I/O error of kind `TimedOut` (stalled) or `Other` (failed) that says so.
     pub(in crate::disk) fn writable(&self) -> sled::Result<()> {
         if self.broken.load(Ordering::Acquire) {
-            return Err(sled::Error::Io(io::Error::other(
-                "the write-ahead log failed earlier: writes are refused until the process restarts",
-            )));
+            return Err(failed());
         }
         let began = self.began.load(Ordering::Acquire);
         if began == 0 {

@@ -1,0 +1,205 @@
+//! The sled sink store's own tests, beside the conformance suite every sink store passes.
+
+use std::collections::BTreeMap;
+
+use proptest::prelude::*;
+
+use super::*;
+use crate::{Fingerprint, conformance::at};
+
+const MINUTE: Duration = Duration::from_secs(60);
+
+crate::sink_store_conformance!(|| async {
+    let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap().keep();
+    let store = SledStore::open_with_clock(dir, Arc::new(clock.clone())).unwrap();
+    Some((store, crate::conformance::advance_fn(clock)))
+});
+
+/// The response of an effect that ran is kept while the disk stalls (a new request's
+/// record is refused then): refused, the record would stay in flight, and a retry after
+/// its timeout would run the effect again. The stall check is on the real clock (the
+/// log's writer is a thread), so this waits out `STALLED_AFTER`.
+#[cfg(feature = "test-hooks")]
+#[tokio::test]
+// The guard held across awaits is the stalled disk: the log's writer, another thread,
+// waits on it; nothing on this task does.
+#[allow(clippy::await_holding_lock)]
+async fn an_effects_response_is_kept_while_the_disk_stalls() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    let job: JobId = "stall".parse().unwrap();
+    let (key, other) = (
+        IdempotencyKey::from_bytes(b"k1").unwrap(),
+        IdempotencyKey::from_bytes(b"k2").unwrap(),
+    );
+    let fp = Fingerprint::of(&http::Method::POST, "/pay", b"{}");
+    let done = crate::conformance::attempt(&job, &key, &fp, 7, 1);
+    assert_eq!(store.begin(done, MINUTE).await.unwrap(), Begin::Started);
+    let stalled = store.db.stall_log();
+    // A request that came before the stall waits for the disk: the log's writer is in
+    // its round from here on.
+    let waiting = {
+        let (store, job, fp) = (store.clone(), job.clone(), fp);
+        tokio::spawn(async move {
+            let key = IdempotencyKey::from_bytes(b"k0").unwrap();
+            let attempt = crate::conformance::attempt(&job, &key, &fp, 5, 1);
+            store.begin(attempt, MINUTE).await
+        })
+    };
+    tokio::time::sleep(fence_storage::disk::STALLED_AFTER + Duration::from_millis(500)).await;
+    // A new request is refused while the disk stalls...
+    let refused = tokio::time::timeout(
+        Duration::from_secs(5),
+        store.begin(crate::conformance::attempt(&job, &other, &fp, 9, 1), MINUTE),
+    )
+    .await
+    .expect("a new request waited on the stalled disk instead of being refused");
+    assert!(matches!(refused, Err(StoreError::Io(_))), "{refused:?}");
+    // ...the response of the one that ran is taken, and lands once the disk answers.
+    let response = crate::StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: bytes::Bytes::from_static(b"paid"),
+        trailers: None,
+    };
+    let finishing = {
+        let store = store.clone();
+        let (job, key, fp, response) = (job.clone(), key.clone(), fp, response.clone());
+        tokio::spawn(async move {
+            let done = crate::conformance::attempt(&job, &key, &fp, 7, 1);
+            let outcome = Finish::Store {
+                response,
+                retention: MINUTE,
+            };
+            store.finish(done, outcome).await
+        })
+    };
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    drop(stalled);
+    finishing.await.unwrap().unwrap();
+    assert_eq!(waiting.await.unwrap().unwrap(), Begin::Started);
+    drop(store);
+    let store = SledStore::open(dir.path()).unwrap();
+    let retry = crate::conformance::attempt(&job, &key, &fp, 8, 1);
+    assert_eq!(
+        store.begin(retry, MINUTE).await.unwrap(),
+        Begin::Replay(response)
+    );
+}
+
+/// A database of a build that kept exact stamps is rebuilt to whole seconds at open, so
+/// that forgetting finds and removes its entries.
+#[tokio::test]
+async fn exact_stamps_of_an_older_build_are_rebuilt_to_whole_seconds() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = fence_storage::clock::ManualClock::new(1_700_000_000_123);
+    let job: JobId = "old-build".parse().unwrap();
+    {
+        let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+        store.observe(&job, Generation::new(3)).await.unwrap();
+    }
+    {
+        // What the older build left: the exact stamp as key, and no format.
+        let db = DurableDb::open(dir.path()).unwrap();
+        let stamps = db.tree("stamps").unwrap();
+        stamps.clear().unwrap();
+        let mut exact = (1_700_000_010_123_u64).to_be_bytes().to_vec();
+        exact.extend_from_slice(job.as_str().as_bytes());
+        stamps.insert(exact, &[][..]).unwrap();
+        db.tree("format").unwrap().clear().unwrap();
+        db.commit().await.unwrap();
+    }
+    let store = SledStore::open_with_clock(dir.path(), Arc::new(clock)).unwrap();
+    let keys: Vec<u64> = store
+        .stamps
+        .iter()
+        .keys()
+        .map(|k| u64::from_be_bytes(k.unwrap()[..8].try_into().unwrap()))
+        .collect();
+    assert_eq!(keys, [1_700_000_011_000], "rounded up to the second");
+}
+
+#[derive(Debug, Clone)]
+enum Op {
+    Observe { job: u8, token: u64 },
+    Reopen,
+}
+
+fn op() -> impl Strategy<Value = Op> {
+    prop_oneof![
+        8 => (0u8..4, 1u64..20).prop_map(|(job, token)| Op::Observe { job, token }),
+        1 => Just(Op::Reopen),
+    ]
+}
+
+proptest! {
+    #![proptest_config(ProptestConfig::with_cases(64))]
+    /// The store behaves as a per-job maximum in a BTreeMap, across reopens.
+    #[test]
+    fn matches_a_btreemap_model_across_reopens(ops in proptest::collection::vec(op(), 1..40)) {
+        let rt = tokio::runtime::Builder::new_current_thread().enable_all().build().unwrap();
+        let dir = tempfile::tempdir().unwrap();
+        let mut store = Some(SledStore::open(dir.path()).unwrap());
+        let mut model: BTreeMap<u8, u64> = BTreeMap::new();
+        for op in ops {
+            match op {
+                Op::Observe { job, token } => {
+                    let j: JobId = format!("job-{job}").parse().unwrap();
+                    let got = rt.block_on(store.as_ref().unwrap().observe(&j, Generation::new(token))).unwrap();
+                    let highest = model.entry(job).or_insert(0);
+                    let want = if token < *highest { Verdict::Stale { highest: Generation::new(*highest) } } else { Verdict::Accepted };
+                    *highest = (*highest).max(token);
+                    prop_assert_eq!(got, want);
+                }
+                Op::Reopen => {
+                    drop(store.take());
+                    store = Some(SledStore::open(dir.path()).unwrap());
+                }
+            }
+        }
+        let store = store.unwrap();
+        for (job, highest) in model {
+            let j: JobId = format!("job-{job}").parse().unwrap();
+            prop_assert_eq!(rt.block_on(store.highest(&j)).unwrap(), Generation::new(highest));
+        }
+    }
+}
+
+#[tokio::test]
+async fn records_survive_reopen_and_corruption_is_an_error() {
+    let dir = tempfile::tempdir().unwrap();
+    let (j, k) = (
+        "j".parse::<JobId>().unwrap(),
+        IdempotencyKey::from_bytes(b"k").unwrap(),
+    );
+    let f = Fingerprint::of(&http::Method::POST, "/", b"");
+    {
+        let store = SledStore::open(dir.path()).unwrap();
+        store.observe(&j, Generation::new(41)).await.unwrap();
+        let begin = store.begin(at(&j, &k, &f), MINUTE).await.unwrap();
+        assert_eq!(begin, Begin::Started);
+    }
+    let store = SledStore::open(dir.path()).unwrap();
+    assert_eq!(
+        store.observe(&j, Generation::new(40)).await.unwrap(),
+        Verdict::Stale {
+            highest: Generation::new(41)
+        }
+    );
+    let begin = store.begin(at(&j, &k, &f), MINUTE).await.unwrap();
+    assert_eq!(
+        begin,
+        Begin::InFlight,
+        "the in-flight record survived the restart"
+    );
+    store.generations.insert("bad", &b"xyz"[..]).unwrap();
+    let err = store
+        .observe(&"bad".parse().unwrap(), Generation::new(1))
+        .await
+        .unwrap_err();
+    assert_eq!(
+        err.to_string(),
+        "stored record of job bad is corrupt: generation record is not 16 or 24 bytes"
+    );
+}
