@@ -141,6 +141,14 @@ impl std::ops::Deref for Checkout {
     }
 }
 
+/// For a transaction (`transaction` takes the connection mutably); the checkout still
+/// decides whether the connection goes back to the pool.
+impl std::ops::DerefMut for Checkout {
+    fn deref_mut(&mut self) -> &mut Self::Target {
+        self.0.as_mut().expect("present until done or dropped")
+    }
+}
+
 impl Drop for Checkout {
     fn drop(&mut self) {
         if let Some(object) = self.0.take() {

@@ -17,7 +17,9 @@ use fence_core::{
     lease_api::slot_job,
     secret::{LeaseKey, SecretHash},
 };
-use fence_storage::postgres::POOL_TIMEOUT;
+use std::{collections::HashMap, sync::Arc};
+
+use fence_storage::postgres::{Checkout, POOL_TIMEOUT};
 use tokio_postgres::types::ToSql;
 
 use super::{PgLeaseStore, generation};
@@ -25,52 +27,114 @@ use crate::store::{
     ClaimTerms, SlotClaim, StoreError, check_slot_claim, rules::Stored, slot_prefix, slot_records,
 };
 
-/// How many turns resources are spread over: claims of resources that share one wait for
-/// each other (a transaction each, milliseconds), and at most this many of the pool's
-/// connections are held by semaphore claims at once, however many resources are busy.
-const TURNS: usize = fence_storage::postgres::POOL_SIZE / 2;
+/// How many semaphore claims (of different resources) may hold a pooled connection at once:
+/// half the pool, however many resources are busy.
+const PERMITS: usize = fence_storage::postgres::POOL_SIZE / 2;
 
-/// The in-memory turns of semaphore claims, one per group of resources; which group a
-/// resource falls in is drawn per process, so nobody can pick names that share another's.
+/// The in-memory turns of semaphore claims on this server: claims of one resource queue for
+/// it one at a time (each waits for the advisory lock in the database otherwise, holding a
+/// connection), then for one of [`PERMITS`]. A busy resource thus holds at most one permit,
+/// and claims of other resources never queue behind its claims.
+#[derive(Default)]
 pub(super) struct Turns {
-    turns: [tokio::sync::Mutex<()>; TURNS],
-    hasher: std::hash::RandomState,
+    /// One queue per resource with a claim in flight here; an entry goes with its last user.
+    queues: std::sync::Mutex<HashMap<JobId, Arc<tokio::sync::Mutex<()>>>>,
+    permits: Permits,
 }
 
-impl Default for Turns {
+struct Permits(tokio::sync::Semaphore);
+
+impl Default for Permits {
     fn default() -> Self {
-        Self {
-            turns: std::array::from_fn(|_| tokio::sync::Mutex::new(())),
-            hasher: std::hash::RandomState::new(),
+        Self(tokio::sync::Semaphore::new(PERMITS))
+    }
+}
+
+/// A semaphore claim's turn: its resource's queue and a permit, until dropped.
+pub(super) struct Turn<'a> {
+    turns: &'a Turns,
+    resource: JobId,
+    queue: Option<Arc<tokio::sync::Mutex<()>>>,
+    held: Option<(
+        tokio::sync::OwnedMutexGuard<()>,
+        tokio::sync::SemaphorePermit<'a>,
+    )>,
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.held = None;
+        let mut queues = self
+            .turns
+            .queues
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        // Under the map's lock, where queues are handed out: the map's and this one are the
+        // last references, so nobody else waits on it.
+        if let Some(queue) = self.queue.take()
+            && Arc::strong_count(&queue) == 2
+            && queues
+                .get(&self.resource)
+                .is_some_and(|q| Arc::ptr_eq(q, &queue))
+        {
+            queues.remove(&self.resource);
         }
     }
 }
 
 impl Turns {
-    /// Waits for `resource`'s turn, at most [`POOL_TIMEOUT`] (as long as a pooled
-    /// connection is waited for).
-    async fn take(&self, resource: &JobId) -> Result<tokio::sync::MutexGuard<'_, ()>, StoreError> {
-        use std::hash::BuildHasher;
-        let hashed = self.hasher.hash_one(resource.as_str());
-        let turn = &self.turns[usize::try_from(hashed % TURNS as u64).unwrap_or(0)];
-        tokio::time::timeout(POOL_TIMEOUT, turn.lock())
+    /// Waits for `resource`'s turn and a permit, both by `deadline`.
+    pub(super) async fn take(
+        &self,
+        resource: &JobId,
+        deadline: tokio::time::Instant,
+    ) -> Result<Turn<'_>, StoreError> {
+        let queue = self
+            .queues
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .entry(resource.clone())
+            .or_default()
+            .clone();
+        let mut turn = Turn {
+            turns: self,
+            resource: resource.clone(),
+            queue: Some(queue.clone()),
+            held: None,
+        };
+        let late = |what: &str| {
+            StoreError::io(std::io::Error::new(
+                std::io::ErrorKind::TimedOut,
+                format!(
+                    "a semaphore claim of {resource} waited more than {} s on this server for {what}",
+                    POOL_TIMEOUT.as_secs()
+                ),
+            ))
+        };
+        let mine = tokio::time::timeout_at(deadline, queue.lock_owned())
             .await
-            .map_err(|_| {
-                StoreError::io(std::io::Error::new(
-                    std::io::ErrorKind::TimedOut,
-                    format!(
-                        "semaphore claims of {resource} queued for more than {} s on this server",
-                        POOL_TIMEOUT.as_secs()
-                    ),
-                ))
-            })
+            .map_err(|_| late("the claims of the same resource before it"))?;
+        let permit = tokio::time::timeout_at(deadline, self.permits.0.acquire())
+            .await
+            .map_err(|_| late("the claims of other resources"))?
+            .map_err(|_| late("a permit (closed)"))?;
+        turn.held = Some((mine, permit));
+        Ok(turn)
+    }
+
+    #[cfg(test)]
+    fn queued_resources(&self) -> usize {
+        self.queues
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .len()
     }
 }
 
 /// The statements of a semaphore claim on table `t`.
 pub(super) struct SlotSql {
     /// `$1` the lock's name: one lock per table and resource.
-    lock: String,
+    pub(super) lock: String,
     /// `$1` the slots' prefix: the slots' rows, locked.
     rows: String,
     /// `$1` clock offset: the floor, read under a share lock as a plain claim reads it, and
@@ -158,11 +222,34 @@ impl PgLeaseStore {
         slots: u32,
     ) -> Result<SlotClaim, StoreError> {
         check_slot_claim(resource, slots)?;
+        // One deadline for the turn, the permit and the connection: the pool's timeout.
+        let deadline = tokio::time::Instant::now() + POOL_TIMEOUT;
+        let _turn = self.slot_turns.take(resource, deadline).await?;
+        // Given back only once the transaction ended: a claim whose client went away may
+        // still wait on the advisory lock, and the next user would queue behind it.
+        let mut client = tokio::time::timeout_at(deadline, Checkout::of(&self.pool))
+            .await
+            .map_err(|_| StoreError::Timeout(POOL_TIMEOUT))?
+            .map_err(StoreError::io)?;
+        let decided = self
+            .decide_slot_rows(&mut client, resource, (owner, key), terms, slots)
+            .await;
+        client.done();
+        decided
+    }
+
+    /// The claim's transaction on `client`.
+    async fn decide_slot_rows(
+        &self,
+        client: &mut Checkout,
+        resource: &JobId,
+        (owner, key): (&Owner, &LeaseKey),
+        terms: ClaimTerms,
+        slots: u32,
+    ) -> Result<SlotClaim, StoreError> {
         let sql = &self.sql.slots;
         let prefix = slot_prefix(resource);
         let lock = format!("fence-slots {} {resource}", self.table.qualified());
-        let _turn = self.slot_turns.take(resource).await?;
-        let mut client = self.pool.get().await.map_err(StoreError::io)?;
         let tx = client.transaction().await.map_err(StoreError::io)?;
         tx.execute(&sql.lock, &[&lock])
             .await
@@ -214,5 +301,79 @@ impl PgLeaseStore {
         }
         tx.commit().await.map_err(StoreError::io)?;
         Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use tokio::time::{Instant, timeout};
+
+    use super::*;
+
+    fn job(s: &str) -> JobId {
+        s.parse().unwrap()
+    }
+
+    /// Claims of a busy resource queue behind each other, holding no permit while they
+    /// wait, and not behind other resources' claims; at most `PERMITS` resources go on at
+    /// once; nothing is kept once every claim left.
+    #[tokio::test(start_paused = true)]
+    async fn a_busy_resource_holds_one_permit_and_delays_no_other() {
+        let turns = Arc::new(Turns::default());
+        let later = Instant::now() + Duration::from_secs(60);
+        let hot = turns.take(&job("hot"), later).await.unwrap();
+        // A second claim of the same resource, queued behind the first until it is done.
+        let (got, mut second) = tokio::sync::oneshot::channel();
+        let queued = {
+            let turns = turns.clone();
+            tokio::spawn(async move {
+                let turn = turns.take(&job("hot"), later).await.unwrap();
+                let _ = got.send(());
+                drop(turn);
+            })
+        };
+        let short = Duration::from_millis(50);
+        tokio::time::sleep(short).await;
+        assert!(
+            second.try_recv().is_err(),
+            "the second claim waits for the first"
+        );
+        let mut others = Vec::new();
+        for i in 1..PERMITS {
+            let other = timeout(short, turns.take(&job(&format!("r{i}")), later)).await;
+            others.push(other.expect("another resource does not wait").unwrap());
+        }
+        assert!(
+            timeout(short, turns.take(&job("one-too-many"), later))
+                .await
+                .is_err(),
+            "all {PERMITS} permits are held"
+        );
+        drop(others);
+        drop(hot);
+        queued.await.unwrap();
+        assert!(second.try_recv().is_ok());
+        assert_eq!(turns.queued_resources(), 0);
+    }
+
+    /// A claim that waited past its deadline says which wait it was, and leaves nothing.
+    #[tokio::test(start_paused = true)]
+    async fn a_turn_waited_for_past_the_deadline_is_an_error() {
+        let turns = Turns::default();
+        let held = turns
+            .take(&job("hot"), Instant::now() + Duration::from_secs(60))
+            .await
+            .unwrap();
+        let late = turns
+            .take(&job("hot"), Instant::now() + Duration::from_secs(1))
+            .await
+            .err()
+            .expect("the deadline passed");
+        let text = fence_storage::error_chain(&late);
+        assert!(text.contains("claims of the same resource"), "{text}");
+        drop(held);
+        assert_eq!(turns.queued_resources(), 0);
     }
 }

@@ -242,3 +242,40 @@ async fn bursts_of_semaphore_claims_hold_at_most_half_the_pool() {
         "claims of 40 semaphores opened {most} pooled connections (at most {half} were to be held)"
     );
 }
+
+/// A semaphore claim whose caller went away while it waited for the resource's advisory lock
+/// (held here as a stalled claim on another server would hold it) gives its connection to
+/// nobody: every connection the pool hands out afterwards answers at once, instead of
+/// queueing behind the abandoned wait.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_semaphore_claim_that_went_away_leaves_no_waiting_connection_in_the_pool() {
+    let store = fresh().await.unwrap();
+    let resource: JobId = "stalled-elsewhere".parse().unwrap();
+    let lock = format!("fence-slots {} {resource}", store.table.qualified());
+    let mut holder = store.pool.get().await.unwrap();
+    let held = holder.transaction().await.unwrap();
+    held.execute(&store.sql.slots.lock, &[&lock]).await.unwrap();
+    let owner: Owner = "w".parse().unwrap();
+    let key = crate::new_lease_key().unwrap();
+    let terms = ClaimTerms::from(Ttl::from_millis(10_000).unwrap());
+    let gone = tokio::time::timeout(
+        Duration::from_millis(300),
+        store.claim_slot(&resource, &owner, &key, terms, 2),
+    )
+    .await;
+    assert!(gone.is_err(), "the claim waited for the advisory lock");
+    let idle = store.pool.status().available;
+    let mut conns = Vec::new();
+    for _ in 0..idle {
+        conns.push(store.pool.get().await.unwrap());
+    }
+    for conn in &conns {
+        // Well within the claim's 2 s lock timeout, after which the database itself would
+        // end the abandoned wait.
+        tokio::time::timeout(Duration::from_secs(1), conn.query_one("SELECT 1", &[]))
+            .await
+            .expect("a pooled connection was still waiting for the advisory lock")
+            .unwrap();
+    }
+    held.rollback().await.unwrap();
+}
