@@ -337,6 +337,11 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
 /// How long the last flush at shutdown may take (see [`final_flush`]).
 const FLUSH_DEADLINE: Duration = Duration::from_secs(10);
 
+/// How long the process may take to end once its last flush began: the flush, then closing
+/// the database (the log's writer joined, a last checkpoint) as the runtime drops the tasks
+/// that held it. A disk that stops answering after the flush holds the process no longer.
+const EXIT_DEADLINE: Duration = Duration::from_secs(20);
+
 /// The last flush at shutdown, given up after [`FLUSH_DEADLINE`]: a disk that stopped
 /// answering must not hold the process past its supervisor's patience (systemd's stop
 /// timeout would SIGKILL it anyway). Giving up loses nothing acknowledged: every write
@@ -345,6 +350,13 @@ const FLUSH_DEADLINE: Duration = Duration::from_secs(10);
 async fn final_flush(
     flush: impl FnOnce() -> anyhow::Result<()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    after(EXIT_DEADLINE, || {
+        tracing::error!(
+            deadline = ?EXIT_DEADLINE,
+            "closing the database at shutdown did not finish in time; exiting without it: acknowledged writes are in the write-ahead log and are replayed at the next start"
+        );
+        std::process::exit(1);
+    });
     match flush_within(FLUSH_DEADLINE, flush).await {
         Some(result) => result,
         None => {
@@ -354,6 +366,20 @@ async fn final_flush(
             );
             std::process::exit(1);
         }
+    }
+}
+
+/// Runs `then` on a thread of its own after `deadline`, unless the process ended first (the
+/// thread is not joined). Failing to start the thread only loses the deadline.
+fn after(deadline: Duration, then: impl FnOnce() + Send + 'static) {
+    let started = std::thread::Builder::new()
+        .name("fence-exit-deadline".into())
+        .spawn(move || {
+            std::thread::sleep(deadline);
+            then();
+        });
+    if let Err(e) = started {
+        tracing::warn!(error = %e, "cannot start the shutdown deadline's thread; shutting down without it");
     }
 }
 
@@ -390,6 +416,26 @@ mod tests {
             in_flight_timeout(s(1), s(24 * 3600), s(24 * 3600)),
             s(1 + 48 * 3600)
         );
+    }
+
+    /// What ends the process when closing the database hangs runs at its deadline, not
+    /// before, and off the thread that hangs.
+    #[test]
+    fn the_exit_deadline_runs_at_its_deadline_on_its_own_thread() {
+        let (ran, runs) = std::sync::mpsc::channel();
+        let began = std::time::Instant::now();
+        let deadline = Duration::from_millis(100);
+        after(deadline, move || {
+            let _ = ran.send((
+                began.elapsed(),
+                std::thread::current().name().map(String::from),
+            ));
+        });
+        let (at, thread) = runs
+            .recv_timeout(Duration::from_secs(20))
+            .expect("the deadline's action ran");
+        assert!(at >= deadline, "ran after {at:?}");
+        assert_eq!(thread.as_deref(), Some("fence-exit-deadline"));
     }
 
     #[tokio::test]
