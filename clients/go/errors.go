@@ -7,6 +7,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"math"
 	"net/http"
 	"strconv"
 	"strings"
@@ -107,10 +108,16 @@ func (e *ProblemError) Is(target error) bool {
 	return false
 }
 
+// MaxRetryAfter is the most of a Retry-After a client waits for; its own wait still applies.
+const MaxRetryAfter = 60 * time.Second
+
 func problemFrom(status int, header http.Header, body []byte) *ProblemError {
 	p := &ProblemError{Status: status, Type: "about:blank"}
-	if secs, err := strconv.ParseFloat(header.Get("Retry-After"), 64); err == nil {
-		p.RetryAfter = time.Duration(secs * float64(time.Second))
+	// Seconds, at most MaxRetryAfter: an HTTP-date, a negative or not-a-number value is no
+	// answer (backoff decides), and a huge one no reason to wait for days (nor a float too
+	// large for a Duration, whose conversion differs between platforms).
+	if secs, err := strconv.ParseFloat(header.Get("Retry-After"), 64); err == nil && secs >= 0 {
+		p.RetryAfter = time.Duration(math.Min(secs, MaxRetryAfter.Seconds()) * float64(time.Second))
 	}
 	var members map[string]json.RawMessage
 	if strings.Contains(strings.ToLower(header.Get("Content-Type")), "json") &&

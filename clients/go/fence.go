@@ -188,7 +188,7 @@ const (
 // is taken, after pauses of 10 ms doubling up to 500 ms (shorter when the slot that frees first
 // frees sooner), until wait is over or ctx is done. Each call claims under a lease key of its
 // own: two calls hold two slots, even under one owner. Within wait, a claim whose answer was
-// lost (ErrUnreachable, a timeout, a 503 after its Retry-After) is asked again with the same
+// lost (ErrUnreachable, a timeout, a 502, 503 or 504 after its Retry-After) is asked again with the same
 // key, so a grant that was lost comes back as that slot rather than a second one (extended
 // from the retry's decision).
 //
@@ -239,7 +239,8 @@ func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait
 		case errors.Is(err, ErrUnreachable):
 			// The answer was lost, and it may have been a grant: the same key gets that slot back.
 			pause = backoff
-		case errors.As(err, &refused) && refused.Status == http.StatusServiceUnavailable:
+		case errors.As(err, &refused) && (refused.Status == http.StatusBadGateway ||
+			refused.Status == http.StatusServiceUnavailable || refused.Status == http.StatusGatewayTimeout):
 			if pause = backoff; refused.RetryAfter > pause {
 				pause = refused.RetryAfter
 			}

@@ -304,12 +304,13 @@ func TestBadResourceNamesAndNumbersOfSlotsAreRefusedBeforeSending(t *testing.T) 
 
 // losingTransport passes requests on, but the answer to the first semaphore claim of owner
 // "lossy" is lost on its way back and replaced: by a transport error (a connection cut after
-// the request) when unconfirmed is false, else by a 503 store-unavailable with Retry-After:
-// 0.3. The answer lost is kept in lost, and when each of that owner's claims was sent in sends.
+// the request) when status is 0, by a 503 store-unavailable with Retry-After: 0.3 when it is
+// 503, by a gateway's 502 page when it is 502. The answer lost is kept in lost, and when each
+// of that owner's claims was sent in sends.
 type losingTransport struct {
-	next        http.RoundTripper
-	unconfirmed bool
-	mu          sync.Mutex
+	next   http.RoundTripper
+	status int
+	mu     sync.Mutex
 	lost        []map[string]any
 	sends       []time.Time
 }
@@ -340,8 +341,16 @@ func (l *losingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	_ = json.NewDecoder(resp.Body).Decode(&answer)
 	resp.Body.Close()
 	l.lost = append(l.lost, answer)
-	if !l.unconfirmed {
+	switch l.status {
+	case 0:
 		return nil, errors.New("the answer was lost on its way back")
+	case http.StatusBadGateway:
+		return &http.Response{
+			StatusCode: http.StatusBadGateway,
+			Header:     http.Header{"Content-Type": {"text/html"}},
+			Body:       io.NopCloser(strings.NewReader("<html>502 Bad Gateway</html>")),
+			Request:    req,
+		}, nil
 	}
 	problem := `{"type":"urn:fence:store-unavailable","status":503,"detail":"the store did not confirm the decision within 5 s"}`
 	return &http.Response{
@@ -353,12 +362,12 @@ func (l *losingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 }
 
 func TestALostAnswerToASlotClaimGetsThatSlotBackNotASecond(t *testing.T) {
-	for _, unconfirmed := range []bool{false, true} {
-		t.Run(fmt.Sprintf("503=%v", unconfirmed), func(t *testing.T) {
+	for _, status := range []int{0, http.StatusServiceUnavailable, http.StatusBadGateway} {
+		t.Run(fmt.Sprintf("lost as %d", status), func(t *testing.T) {
 			ctx := context.Background()
 			s := newStack(t, stackOpts{noProxy: true})
 			c := mustClient(t, s.serverURL, Options{Owner: "lossy", TTL: 5 * time.Second})
-			losing := &losingTransport{next: c.t.http.Transport, unconfirmed: unconfirmed}
+			losing := &losingTransport{next: c.t.http.Transport, status: status}
 			c.t.http.Transport = losing
 			other := mustClient(t, s.serverURL, Options{Owner: "other", TTL: 5 * time.Second})
 			lease, err := c.ClaimSlot(ctx, "lossy", 2, 3*time.Second)
@@ -376,7 +385,7 @@ func TestALostAnswerToASlotClaimGetsThatSlotBackNotASecond(t *testing.T) {
 			}
 			// Asked again once, after the 503's Retry-After when there was one.
 			after := time.Duration(0)
-			if unconfirmed {
+			if status == http.StatusServiceUnavailable {
 				after = 300 * time.Millisecond
 			}
 			if len(losing.sends) != 2 || losing.sends[1].Sub(losing.sends[0]) < after {
@@ -391,9 +400,23 @@ func TestALostAnswerToASlotClaimGetsThatSlotBackNotASecond(t *testing.T) {
 			losing.lost = nil
 			_, err = c.ClaimSlot(ctx, "lossy-now", 2, 0)
 			var refused *ProblemError
-			if unconfirmed && !(errors.As(err, &refused) && refused.Status == 503) || !unconfirmed && !errors.Is(err, ErrUnreachable) {
+			if status != 0 && !(errors.As(err, &refused) && refused.Status == status) || status == 0 && !errors.Is(err, ErrUnreachable) {
 				t.Fatalf("without a wait: %v", err)
 			}
 		})
+	}
+}
+
+func TestARetryAfterIsSecondsAtMostAMinute(t *testing.T) {
+	// A huge one would wait for days (or overflow a Duration); an HTTP-date, a negative or
+	// not-a-number value is none, and backoff decides.
+	for value, want := range map[string]time.Duration{
+		"2": 2 * time.Second, "0.3": 300 * time.Millisecond, "99999999999": MaxRetryAfter,
+		"+Inf": MaxRetryAfter, "-1": 0, "NaN": 0, "Wed, 21 Oct 2026 07:28:00 GMT": 0,
+	} {
+		got := problemFrom(503, http.Header{"Retry-After": {value}}, nil).RetryAfter
+		if got != want {
+			t.Errorf("Retry-After %q: %v, want %v", value, got, want)
+		}
 	}
 }

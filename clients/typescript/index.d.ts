@@ -34,7 +34,7 @@ export interface ClaimOptions {
 
 /** Options of Client.claimSlot. */
 export interface ClaimSlotOptions {
-  /** Ask again up to this long while every slot is taken (the server never waits on a semaphore claim): after pauses of 10 ms doubling up to 500 ms, shorter when the slot that frees first frees sooner. Within it, a claim whose answer was lost (ServerUnreachable, a timeout, a 503 after its Retry-After) is asked again with the same key: a lost grant comes back as that slot, not a second one. */
+  /** Ask again up to this long while every slot is taken (the server never waits on a semaphore claim): after pauses of 10 ms doubling up to 500 ms, shorter when the slot that frees first frees sooner. Within it, a claim whose answer was lost (ServerUnreachable, a timeout, a 502, 503 or 504 after its Retry-After, at most 60 s) is asked again with the same key: a lost grant comes back as that slot, not a second one. */
   waitMs?: number;
   /** The TTL for this claim, instead of the client's. */
   ttlMs?: number;

@@ -288,9 +288,13 @@ UNCONFIRMED = {"type": "urn:fence:store-unavailable", "status": 503,
                "detail": "the store did not confirm the decision within 5 s"}
 
 
+GATEWAY = {"type": "about:blank", "status": 502, "detail": "<html>502 Bad Gateway</html>"}
+
+
 @pytest.mark.parametrize("lost_as", [ServerUnreachable("the answer was lost on its way back"),
-                                     ProblemError(UNCONFIRMED, 503, retry_after=0.3)],
-                         ids=["unreachable", "503"])
+                                     ProblemError(UNCONFIRMED, 503, retry_after=0.3),
+                                     ProblemError(GATEWAY, 502)],
+                         ids=["unreachable", "503", "502 of a gateway"])
 def test_a_lost_answer_to_a_slot_claim_gets_that_slot_back_not_a_second(stack, monkeypatch,
                                                                           lost_as):
     s = stack(proxy=False)
@@ -304,7 +308,7 @@ def test_a_lost_answer_to_a_slot_claim_gets_that_slot_back_not_a_second(stack, m
         assert second.slot != lease.slot
         assert second.release()["state"] == "free"
         # Asked again once, after the 503's Retry-After when there was one.
-        after = lost_as.retry_after if isinstance(lost_as, ProblemError) else 0.0
+        after = (lost_as.retry_after or 0.0) if isinstance(lost_as, ProblemError) else 0.0
         assert len(sends) == 2 and sends[1] - sends[0] >= after, (sends, after)
 
     client = Client(s.server_url, owner="lossy", ttl=5.0)
@@ -326,3 +330,13 @@ def test_a_lost_answer_to_a_slot_claim_gets_that_slot_back_not_a_second(stack, m
     lose_first_slot_answer(client, monkeypatch, lost_as)
     with pytest.raises(type(lost_as)):
         client.claim_slot("lossy-now", 2)
+
+
+def test_retry_after_is_seconds_at_most_a_minute():
+    """A Retry-After is waited for in seconds, at most 60 (a huge one would sleep for days, or
+    overflow the sleep); an HTTP-date, a negative or not-a-number value is none (backoff)."""
+    from fence_client._errors import MAX_RETRY_AFTER, problem_error
+    for value, seconds in [("2", 2.0), ("0.3", 0.3), ("99999999999", MAX_RETRY_AFTER),
+                           ("inf", MAX_RETRY_AFTER), ("-1", None), ("nan", None),
+                           ("Wed, 21 Oct 2026 07:28:00 GMT", None)]:
+        assert problem_error(503, {"Retry-After": value}, b"").retry_after == seconds, value

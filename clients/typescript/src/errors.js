@@ -114,6 +114,9 @@ const BY_TYPE = {
   'urn:fence:token-expired': StaleToken,
 };
 
+/** The most of a `Retry-After` a client waits for (seconds); its own wait still applies. */
+export const MAX_RETRY_AFTER = 60;
+
 /**
  * The error of a non-2xx answer: its problem+json, or a problem made from the status.
  * @param {number} status
@@ -133,9 +136,12 @@ export function problemError(status, contentType, body, retryAfter) {
   if (problem === null || typeof problem !== 'object' || typeof problem.type !== 'string') {
     problem = { type: 'about:blank', status, title: '', detail: String(body).trim().slice(0, 500) };
   }
-  const seconds = retryAfter == null || retryAfter === '' ? null : Number(retryAfter);
+  // Seconds, at most MAX_RETRY_AFTER: an HTTP-date, a negative or not-a-number value is no
+  // answer (backoff decides), and a huge one no reason to wait for days (a timer past 2^31 ms
+  // would fire at once).
+  const seconds = retryAfter == null || retryAfter === '' ? NaN : Number(retryAfter);
   const Cls = BY_TYPE[problem.type] ?? ProblemError;
-  return new Cls(problem, status, Number.isFinite(seconds) ? seconds : null);
+  return new Cls(problem, status, seconds >= 0 ? Math.min(seconds, MAX_RETRY_AFTER) : null);
 }
 
 /**

@@ -117,7 +117,7 @@ export class Client {
    * slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter when the slot that frees
    * first frees sooner), until `waitMs` is over. Each call claims under a lease key of its own:
    * two calls hold two slots, even under one owner. Within `waitMs`, a claim whose answer was
-   * lost (ServerUnreachable, a timeout, a 503, after its Retry-After) is asked again with the
+   * lost (ServerUnreachable, a timeout, a 502, 503 or 504 after its Retry-After) is asked again with the
    * same key, so a grant that was lost comes back as that slot rather than a second one
    * (extended from the retry's decision).
    *
@@ -153,7 +153,7 @@ export class Client {
         } else if (e instanceof ServerUnreachable) {
           // The answer was lost, and it may have been a grant: the same key gets that slot back.
           wait = backoff;
-        } else if (e instanceof ProblemError && e.status === 503) {
+        } else if (e instanceof ProblemError && [502, 503, 504].includes(e.status)) {
           wait = Math.max(backoff, (e.retryAfter ?? 0) * 1000);
         }
         if (wait === undefined || left <= 0) throw e;

@@ -8,6 +8,7 @@ import { test } from 'node:test';
 import {
   Client, InvalidJobId, LeaseHeld, LeaseLost, LeaseRefused, LockDelay, ProblemError, SemaphoreSize, ServerUnreachable,
 } from '../src/index.js';
+import { MAX_RETRY_AFTER, problemError } from '../src/errors.js';
 import { Transport, now } from '../src/wire.js';
 import { abortedWithin, raw, sleep, stack } from './helpers.js';
 
@@ -175,6 +176,8 @@ for (const [name, lostAs] of [
   ['unreachable', () => new ServerUnreachable('the answer was lost on its way back')],
   ['503', () => new ProblemError({ type: 'urn:fence:store-unavailable', status: 503,
     detail: 'the store did not confirm the decision within 5 s' }, 503, 0.3)],
+  ['502 of a gateway', () => new ProblemError({ type: 'about:blank', status: 502,
+    detail: '<html>502 Bad Gateway</html>' }, 502, null)],
 ]) {
   test(`a lost answer (${name}) to a slot claim gets that slot back, not a second`, async (t) => {
     // The first claim of the resource reaches the server and is decided, but its answer is lost
@@ -212,3 +215,12 @@ for (const [name, lostAs] of [
     await assert.rejects(client.claimSlot('lossy-now', 2), (e) => e.constructor === lostAs().constructor);
   });
 }
+
+test('a Retry-After is seconds, at most a minute', () => {
+  // A huge one would wait for days (or, past 2^31 ms, fire at once); an HTTP-date, a negative
+  // or not-a-number value is none, and backoff decides.
+  for (const [value, seconds] of [['2', 2], ['0.3', 0.3], ['99999999999', MAX_RETRY_AFTER],
+    ['Infinity', MAX_RETRY_AFTER], ['-1', null], ['NaN', null], ['Wed, 21 Oct 2026 07:28:00 GMT', null]]) {
+    assert.equal(problemError(503, 'text/plain', '', value).retryAfter, seconds, value);
+  }
+});

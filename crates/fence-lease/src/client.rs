@@ -189,8 +189,8 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// leases of the resource exist at once; the number of slots is fixed while any slot has
     /// a holder. Waits up to `wait` while every slot is taken, asking again as slots are due
     /// to free (every 10 ms to 500 ms, with jitter); within `wait`, a claim whose answer was lost (an I/O
-    /// error or a timeout) is asked again with the same lease key, so a grant that was lost
-    /// comes back as that slot, not a second one.
+    /// error, a timeout, or a 502, 503 or 504 after its `Retry-After`) is asked again with
+    /// the same lease key, so a grant that was lost comes back as that slot, not a second one.
     ///
     /// # Errors
     /// [`ClaimError::Held`] naming the slot that frees first when every slot is still taken
@@ -227,16 +227,21 @@ impl<S: LeaseStore> LeaseClient<S> {
                     Ok(SlotClaim {
                         outcome: Outcome::Held { expires_in, .. },
                         ..
-                    }) => Some(*expires_in),
+                    }) => Some(backoff.next_pause().min(*expires_in)),
                     // The answer was lost, and it may have been a grant: ask again with the
                     // same key, which gets that slot back rather than a second one.
-                    Err(StoreError::Io(_) | StoreError::Timeout(_)) => Some(MAX_SLOT_POLL),
+                    Err(StoreError::Io(_) | StoreError::Timeout(_)) => {
+                        Some(backoff.next_pause().min(MAX_SLOT_POLL))
+                    }
+                    // The same from a 502, 503 or 504, after its `Retry-After` when longer.
+                    Err(StoreError::Unavailable { retry_after, .. }) => {
+                        Some(backoff.next_pause().max(retry_after.unwrap_or_default()))
+                    }
                     _ => None,
                 };
                 match again_in {
-                    Some(at_most) if now < end => {
-                        let pause = backoff.next_pause().min(at_most).min(end - now);
-                        tokio::time::sleep(pause).await;
+                    Some(pause) if now < end => {
+                        tokio::time::sleep(pause.min(end - now)).await;
                     }
                     _ => return asked,
                 }

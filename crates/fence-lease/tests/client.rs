@@ -551,6 +551,8 @@ async fn a_worker_that_stops_reporting_progress_loses_its_lease_and_it_expires()
 struct LosesFirstSlotAnswer {
     inner: MemoryLeaseStore,
     lost_one: AtomicBool,
+    /// The lost answer is a 503 with `Retry-After` (this long) instead of a cut connection.
+    unavailable_for: Option<Duration>,
 }
 
 impl LeaseStore for LosesFirstSlotAnswer {
@@ -579,7 +581,14 @@ impl LeaseStore for LosesFirstSlotAnswer {
             .claim_slot(resource, owner, key, terms, slots)
             .await?;
         if !self.lost_one.swap(true, Ordering::SeqCst) {
-            return Err(StoreError::io(BoxError::from("connection reset")));
+            return Err(match self.unavailable_for {
+                None => StoreError::io(BoxError::from("connection reset")),
+                Some(after) => StoreError::Unavailable {
+                    status: 503,
+                    detail: "the disk did not confirm the write within 5s".into(),
+                    retry_after: Some(after),
+                },
+            });
         }
         Ok(decided)
     }
@@ -612,4 +621,25 @@ async fn a_lost_slot_grant_is_asked_again_for_the_same_slot() {
         matches!(lost, Err(ClaimError::Store(StoreError::Io(_)))),
         "{lost:?}"
     );
+    // Lost as a 503 (the server decided, then could not confirm in time): asked again
+    // after its Retry-After, for the same slot.
+    let after = Duration::from_millis(300);
+    let store = Arc::new(LosesFirstSlotAnswer {
+        unavailable_for: Some(after),
+        ..LosesFirstSlotAnswer::default()
+    });
+    let client = LeaseClient::from_arc(store.clone()).owner("w".parse().unwrap());
+    let began = std::time::Instant::now();
+    let lease = client
+        .claim_slot("pool".parse().unwrap(), 2, Duration::from_secs(5))
+        .await
+        .expect("the slot, after the 503");
+    assert!(
+        began.elapsed() >= after,
+        "asked again after {:?}",
+        began.elapsed()
+    );
+    assert_eq!(lease.job().as_str(), "pool#1");
+    let second = store.get(&"pool#2".parse().unwrap()).await.unwrap();
+    assert_eq!(second, None, "a second slot was taken: {second:?}");
 }

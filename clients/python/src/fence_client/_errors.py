@@ -135,6 +135,10 @@ _BY_TYPE: Dict[str, Type[ProblemError]] = {
 }
 
 
+#: The most of a ``Retry-After`` a client waits for (seconds); its own wait still applies.
+MAX_RETRY_AFTER = 60.0
+
+
 def problem_error(status: int, headers: Mapping[str, str], body: bytes) -> ProblemError:
     """The error for a non-2xx answer: its problem+json, or a problem made from the status."""
     problem: Any = None
@@ -149,6 +153,10 @@ def problem_error(status: int, headers: Mapping[str, str], body: bytes) -> Probl
                 retry_after = float(value)
             except ValueError:
                 retry_after = None
+            # Seconds, at most MAX_RETRY_AFTER: an HTTP-date, a negative or not-a-number
+            # value is no answer (backoff decides), and a huge one no reason to sleep for days.
+            if retry_after is not None:
+                retry_after = min(retry_after, MAX_RETRY_AFTER) if retry_after >= 0.0 else None
     if "json" in content_type:
         try:
             problem = json.loads(body.decode("utf-8"))

@@ -258,9 +258,10 @@ def slot_retry_pause(error: FenceError, backoff: float, left: float) -> Optional
     remain), or None when ``error`` is to be raised.
 
     Every slot taken: after :func:`held_pause`. An answer lost (the server unreachable, a
-    timeout, a 503) may have been a grant: asked again with the same key, which gets that slot
-    back, extended from the retry's decision (contract section 4), rather than a second one;
-    after ``backoff``, or the 503's ``Retry-After`` when longer. Anything else, or no time
+    timeout, a 502, 503 or 504 of the server or a gateway) may have been a grant: asked again
+    with the same key, which gets that slot back, extended from the retry's decision (contract
+    section 4), rather than a second one; after ``backoff``, or the answer's ``Retry-After``
+    when longer. Anything else, or no time
     left: raised."""
     if left <= 0:
         return None
@@ -268,7 +269,7 @@ def slot_retry_pause(error: FenceError, backoff: float, left: float) -> Optional
         pause = held_pause(error, backoff)
     elif isinstance(error, ServerUnreachable):
         pause = backoff
-    elif isinstance(error, ProblemError) and error.status == 503:
+    elif isinstance(error, ProblemError) and error.status in (502, 503, 504):
         pause = max(backoff, error.retry_after or 0.0)
     else:
         return None

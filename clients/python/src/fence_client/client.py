@@ -181,9 +181,10 @@ class Client(ClientCore):
         again while every slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter
         when the slot that frees first frees sooner), until ``wait`` is over. Each call claims
         under a lease key of its own: two calls hold two slots, even under one owner. Within
-        ``wait``, a claim whose answer was lost (the server unreachable, a timeout; a 503 after
-        its ``Retry-After``) is asked again with the same key, so a grant that was lost comes
-        back as that slot rather than a second one (extended from the retry's decision).
+        ``wait``, a claim whose answer was lost (the server unreachable, a timeout; a 502, 503
+        or 504 after its ``Retry-After``, at most 60 s) is asked again with the same key, so a
+        grant that was lost comes back as that slot rather than a second one (extended from the
+        retry's decision).
 
         Raises :class:`LeaseHeld` (every slot taken when the wait ends; its ``job`` is the
         slot that frees first; :class:`LockDelay` while that slot's lock-delay runs),

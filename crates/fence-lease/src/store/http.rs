@@ -305,12 +305,16 @@ impl HttpLeaseStore {
                 }
             };
             let status = resp.status();
+            let retry_after = resp.headers().get(http::header::RETRY_AFTER).cloned();
             let bytes = Limited::new(resp.into_body(), MAX_ANSWER)
                 .collect()
                 .await
                 .map_err(StoreError::Io)?
                 .to_bytes();
-            Ok((status, bytes))
+            match answers::unavailable(status, retry_after.as_ref(), &bytes) {
+                Some(unavailable) => Err(unavailable),
+                None => Ok((status, bytes)),
+            }
         };
         tokio::time::timeout(timeout, exchange)
             .await

@@ -549,6 +549,19 @@ pub enum StoreError {
     /// A remote store answered something this client does not understand.
     #[error("lease store answered unexpectedly: {0}")]
     Protocol(String),
+    /// A remote store, or a gateway in front of it, answered 502, 503 or 504: it could not
+    /// decide, or not confirm its decision in time, so whether the request took effect may
+    /// be unknown. Retry with backoff, after `retry_after` when given: a claim asked again
+    /// with the same owner and lease key gets the same lease back.
+    #[error("the lease server is unavailable ({status}): {detail}")]
+    Unavailable {
+        /// The HTTP status.
+        status: u16,
+        /// The server's detail, or the start of a gateway's body.
+        detail: String,
+        /// The answer's `Retry-After` in seconds, when it had one.
+        retry_after: Option<Duration>,
+    },
     /// The operation is not allowed on this job id, whoever asks: a plain claim of a
     /// semaphore's slot (contract section 15).
     #[error("job {job} cannot be claimed this way: {reason}")]

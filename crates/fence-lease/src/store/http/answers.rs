@@ -10,6 +10,39 @@ use http::StatusCode;
 
 use crate::store::{Grant, LeaseRecord, Outcome, StoreError};
 
+/// The most of a `Retry-After` a client waits for: a longer one (or a server's mistake) is
+/// taken as this, and the caller's own deadline still applies.
+pub(super) const MAX_RETRY_AFTER: Duration = Duration::from_secs(60);
+
+/// A 502, 503 or 504, whoever answered it (the server, or a gateway in front of it), as
+/// [`StoreError::Unavailable`]: the caller may not know whether its request took effect.
+pub(super) fn unavailable(
+    status: StatusCode,
+    retry_after: Option<&http::HeaderValue>,
+    body: &[u8],
+) -> Option<StoreError> {
+    if !matches!(
+        status,
+        StatusCode::BAD_GATEWAY | StatusCode::SERVICE_UNAVAILABLE | StatusCode::GATEWAY_TIMEOUT
+    ) {
+        return None;
+    }
+    // Seconds only: an HTTP-date (or anything else) is no answer, and backoff decides.
+    let retry_after = retry_after
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|secs| Duration::from_secs(secs).min(MAX_RETRY_AFTER));
+    let detail = match serde_json::from_slice::<Problem>(body) {
+        Ok(p) => p.detail,
+        Err(_) => String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+    };
+    Some(StoreError::Unavailable {
+        status: status.as_u16(),
+        detail,
+        retry_after,
+    })
+}
+
 pub(super) fn unexpected(status: StatusCode, body: &[u8]) -> StoreError {
     match serde_json::from_slice::<Problem>(body) {
         Ok(p)
@@ -105,5 +138,60 @@ pub(super) fn refused(status: StatusCode, body: &[u8]) -> Result<Outcome, StoreE
                 .ok_or_else(|| StoreError::Protocol("semaphore-size without slots".into()))?,
         }),
         _ => Err(unexpected(status, body)),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn header(v: &str) -> http::HeaderValue {
+        http::HeaderValue::from_str(v).unwrap()
+    }
+
+    /// 502, 503 and 504 are unavailable whoever answered, with the server's detail and a
+    /// `Retry-After` in seconds, capped; anything else is not.
+    #[test]
+    fn gateway_and_unavailable_answers_are_unavailable_with_their_retry_after() {
+        let problem = br#"{"type":"urn:fence:store-unavailable","title":"t","status":503,"detail":"the disk did not confirm"}"#;
+        let got = unavailable(StatusCode::SERVICE_UNAVAILABLE, Some(&header("2")), problem);
+        assert!(
+            matches!(&got, Some(StoreError::Unavailable { status: 503, detail, retry_after: Some(d) })
+                if detail == "the disk did not confirm" && *d == Duration::from_secs(2)),
+            "{got:?}"
+        );
+        for (status, after) in [
+            (StatusCode::BAD_GATEWAY, None),
+            (
+                StatusCode::GATEWAY_TIMEOUT,
+                Some(header("Wed, 21 Oct 2026 07:28:00 GMT")),
+            ),
+            (StatusCode::SERVICE_UNAVAILABLE, Some(header("-1"))),
+        ] {
+            let got = unavailable(status, after.as_ref(), b"<html>bad gateway</html>");
+            assert!(
+                matches!(&got, Some(StoreError::Unavailable { detail, retry_after: None, .. })
+                    if detail == "<html>bad gateway</html>"),
+                "{status}: {got:?}"
+            );
+        }
+        let huge = unavailable(
+            StatusCode::SERVICE_UNAVAILABLE,
+            Some(&header("99999999999")),
+            b"",
+        );
+        assert!(
+            matches!(huge, Some(StoreError::Unavailable { retry_after: Some(d), .. }) if d == MAX_RETRY_AFTER)
+        );
+        for status in [
+            StatusCode::INTERNAL_SERVER_ERROR,
+            StatusCode::CONFLICT,
+            StatusCode::OK,
+        ] {
+            assert!(
+                unavailable(status, Some(&header("1")), b"").is_none(),
+                "{status}"
+            );
+        }
     }
 }
