@@ -80,12 +80,44 @@ pub(crate) async fn discard<B: FenceBody>(version: http::Version, body: B) {
     let _ = tokio::time::timeout(DISCARD_WAIT, read).await;
 }
 
+/// An admitted request's place in flight while its bodies stream (contract: a call counts
+/// as in flight until the service's answer ends), shared by its request body, its response
+/// body and the layer: `release` runs once all of them ended or were dropped, told whether
+/// the outcome became unknown meanwhile (the service failed, or its answer broke off).
+pub(crate) struct Streaming {
+    release: Option<Box<dyn FnOnce(bool) + Send + Sync>>,
+    unknown: AtomicBool,
+}
+
+impl Streaming {
+    pub(crate) fn new(release: impl FnOnce(bool) + Send + Sync + 'static) -> Arc<Self> {
+        Arc::new(Self {
+            release: Some(Box::new(release)),
+            unknown: AtomicBool::new(false),
+        })
+    }
+
+    /// The service's outcome is unknown: the release holds the request in flight longer.
+    pub(crate) fn unknown(&self) {
+        self.unknown.store(true, Ordering::Relaxed);
+    }
+}
+
+impl Drop for Streaming {
+    fn drop(&mut self) {
+        if let Some(release) = self.release.take() {
+            release(self.unknown.load(Ordering::Relaxed));
+        }
+    }
+}
+
 pin_project! {
     /// The body of a request as the inner service sees it: the client's body, or the same
     /// bytes after the layer read them to fingerprint an idempotent request.
     pub struct RequestBody<B> {
         #[pin]
         kind: Kind<B>,
+        flight: Option<Arc<Streaming>>,
     }
 }
 
@@ -96,6 +128,7 @@ pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
+        flight: Option<Arc<Streaming>>,
     }
 }
 
@@ -135,6 +168,7 @@ impl<B> RequestBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
+            flight: None,
         }
     }
 
@@ -154,12 +188,20 @@ impl<B> RequestBody<B> {
                 limit,
                 fired,
             },
+            flight: None,
         }
+    }
+
+    /// Counts the request in flight until this body ended or was dropped.
+    pub(crate) fn in_flight(mut self, flight: Arc<Streaming>) -> Self {
+        self.flight = Some(flight);
+        self
     }
 
     pub(crate) fn buffered(bytes: Bytes, held: Reservation) -> Self {
         Self {
             kind: Kind::bytes(bytes, Some(held)),
+            flight: None,
         }
     }
 }
@@ -168,12 +210,21 @@ impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
+            flight: None,
         }
+    }
+
+    /// Counts the request in flight until this body ended or was dropped; an error from it
+    /// makes the outcome unknown.
+    pub(crate) fn in_flight(mut self, flight: Arc<Streaming>) -> Self {
+        self.flight = Some(flight);
+        self
     }
 
     pub(crate) fn full(bytes: Bytes) -> Self {
         Self {
             kind: Kind::bytes(bytes, None),
+            flight: None,
         }
     }
 
@@ -189,6 +240,7 @@ impl<B> ResponseBody<B> {
                 trailers,
                 held,
             },
+            flight: None,
         }
     }
 
@@ -205,6 +257,7 @@ impl<B> ResponseBody<B> {
                 rest,
                 held,
             },
+            flight: None,
         }
     }
 }
@@ -314,8 +367,11 @@ fn hint_kind<B: Body>(kind: &Kind<B>) -> SizeHint {
     }
 }
 
+/// `$unknown_on_error`: whether an error of the body makes the service's outcome unknown (a
+/// response that broke off: the service may still act; a request body that failed is the
+/// client's, and the service never had a whole request).
 macro_rules! impl_body {
-    ($t:ident) => {
+    ($t:ident, $unknown_on_error:expr) => {
         impl<B> Body for $t<B>
         where
             B: Body<Data = Bytes>,
@@ -328,7 +384,21 @@ macro_rules! impl_body {
                 self: Pin<&mut Self>,
                 cx: &mut Context<'_>,
             ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-                poll_kind(self.project().kind, cx)
+                let this = self.project();
+                let polled = poll_kind(this.kind, cx);
+                match &polled {
+                    // Ended: its part of the request's time in flight is over.
+                    Poll::Ready(None) => *this.flight = None,
+                    Poll::Ready(Some(Err(_))) => {
+                        if let Some(flight) = this.flight.take()
+                            && $unknown_on_error
+                        {
+                            flight.unknown();
+                        }
+                    }
+                    _ => {}
+                }
+                polled
             }
 
             fn is_end_stream(&self) -> bool {
@@ -342,8 +412,8 @@ macro_rules! impl_body {
     };
 }
 
-impl_body!(RequestBody);
-impl_body!(ResponseBody);
+impl_body!(RequestBody, false);
+impl_body!(ResponseBody, true);
 
 impl<B> std::fmt::Debug for RequestBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -22,7 +22,7 @@ use super::{
 };
 use crate::{
     GenerationStore, IdempotencyStore, OutcomeUnknown,
-    body::{self, FenceBody, RequestBody, ResponseBody},
+    body::{self, FenceBody, RequestBody, ResponseBody, Streaming},
     gate::Admission,
     idempotency::Keyed,
     metrics::count,
@@ -321,10 +321,18 @@ where
         job: job.clone(),
         token,
     };
-    let response = match request {
+    let hold = config.unknown_outcome_hold;
+    match request {
         Ready::Read(keyed, (mut parts, bytes, held)) => {
             parts.extensions.insert(fenced);
-            Box::pin(keyed.run(&mut inner, (parts, bytes, held))).await
+            let response = Box::pin(keyed.run(&mut inner, (parts, bytes, held))).await;
+            // The effect is done (its answer read whole): a newer token may proceed, unless
+            // the service could not tell (or failed) and may still act on the request.
+            match &response {
+                Ok(r) if r.extensions().get::<OutcomeUnknown>().is_none() => drop(guard),
+                _ => guard.hold(hold),
+            }
+            response
         }
         Ready::Streamed(request) => {
             let (mut parts, body) = request.into_parts();
@@ -333,18 +341,26 @@ where
             let limit = config.body_timeout;
             // A streamed body's deadline counts from admission: the service has its head.
             let deadline = tokio::time::Instant::now() + limit;
-            streamed(&mut inner, parts, body, (deadline, limit), &job, token).await
+            // In flight until the request's body and the service's answer have both ended
+            // (a streaming call goes on after its answer's head), held longer when the
+            // outcome became unknown on the way.
+            let flight = Streaming::new(move |unknown| {
+                if unknown {
+                    guard.hold(hold);
+                }
+            });
+            streamed(
+                &mut inner,
+                parts,
+                body,
+                (deadline, limit),
+                &job,
+                token,
+                flight,
+            )
+            .await
         }
-    };
-    // The effect is done (or failed): a newer token may proceed, unless the service could
-    // not tell and the upstream may still act on the request.
-    match &response {
-        Ok(r) if r.extensions().get::<OutcomeUnknown>().is_some() => {
-            guard.hold(config.unknown_outcome_hold);
-        }
-        _ => drop(guard),
     }
-    response
 }
 
 /// A request as the fence admits it: read whole (it has an `Idempotency-Key`), or with its
@@ -367,21 +383,30 @@ async fn streamed<S, ReqB, ResB>(
     (deadline, limit): (tokio::time::Instant, std::time::Duration),
     job: &JobId,
     token: FencingToken,
+    flight: Arc<Streaming>,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
     ReqB: FenceBody,
     ResB: FenceBody,
 {
-    if body.is_end_stream() {
-        let response = inner
-            .call(Request::from_parts(parts, RequestBody::inner(body)))
-            .await;
-        return response.map(|r| r.map(ResponseBody::inner));
-    }
     let fired = Arc::new(AtomicBool::new(false));
-    let body = RequestBody::timed(body, deadline, limit, fired.clone());
-    let response = inner.call(Request::from_parts(parts, body)).await?;
+    let body = if body.is_end_stream() {
+        RequestBody::inner(body)
+    } else {
+        RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone())
+    };
+    let response = match inner.call(Request::from_parts(parts, body)).await {
+        Ok(response) => response,
+        Err(e) => {
+            // The service failed: whether it acted is unknown.
+            flight.unknown();
+            return Err(e);
+        }
+    };
+    if response.extensions().get::<OutcomeUnknown>().is_some() {
+        flight.unknown();
+    }
     // A gRPC service answers a failed call with HTTP 200 and a `grpc-status` other than 0
     // in its headers (a trailers-only answer): that is no success either.
     let grpc_failed = response
@@ -389,7 +414,7 @@ where
         .get("grpc-status")
         .is_some_and(|status| status.as_bytes() != b"0");
     if !fired.load(Ordering::Relaxed) || (response.status().is_success() && !grpc_failed) {
-        return Ok(response.map(ResponseBody::inner));
+        return Ok(response.map(|body| ResponseBody::inner(body).in_flight(flight)));
     }
     count("body_timeout");
     let mut answer = reject(reject::body_timeout(job, token, limit), None);
