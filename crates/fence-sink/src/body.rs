@@ -80,10 +80,10 @@ pub(crate) async fn discard<B: FenceBody>(version: http::Version, body: B) {
     let _ = tokio::time::timeout(DISCARD_WAIT, read).await;
 }
 
-/// An admitted request's place in flight while its bodies stream (contract: a call counts
-/// as in flight until the service's answer ends), shared by its request body, its response
-/// body and the layer: `release` runs once all of them ended or were dropped, told whether
-/// the outcome became unknown meanwhile (the service failed, or its answer broke off).
+/// An admitted request's place in flight while its body streams, shared by the request body
+/// and the layer: `release` runs once both are done with it (the body ended, failed or was
+/// dropped; the service answered), told whether the outcome became unknown meanwhile (the
+/// service failed instead of answering, or said it could not tell).
 pub(crate) struct Streaming {
     release: Option<Box<dyn FnOnce(bool) + Send + Sync>>,
     unknown: AtomicBool,
@@ -128,7 +128,6 @@ pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
-        flight: Option<Arc<Streaming>>,
     }
 }
 
@@ -210,21 +209,12 @@ impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
-            flight: None,
         }
-    }
-
-    /// Counts the request in flight until this body ended or was dropped; an error from it
-    /// makes the outcome unknown.
-    pub(crate) fn in_flight(mut self, flight: Arc<Streaming>) -> Self {
-        self.flight = Some(flight);
-        self
     }
 
     pub(crate) fn full(bytes: Bytes) -> Self {
         Self {
             kind: Kind::bytes(bytes, None),
-            flight: None,
         }
     }
 
@@ -240,7 +230,6 @@ impl<B> ResponseBody<B> {
                 trailers,
                 held,
             },
-            flight: None,
         }
     }
 
@@ -257,7 +246,6 @@ impl<B> ResponseBody<B> {
                 rest,
                 held,
             },
-            flight: None,
         }
     }
 }
@@ -367,11 +355,8 @@ fn hint_kind<B: Body>(kind: &Kind<B>) -> SizeHint {
     }
 }
 
-/// `$unknown_on_error`: whether an error of the body makes the service's outcome unknown (a
-/// response that broke off: the service may still act; a request body that failed is the
-/// client's, and the service never had a whole request).
 macro_rules! impl_body {
-    ($t:ident, $unknown_on_error:expr) => {
+    ($t:ident, |$this:ident, $polled:ident| $after:block) => {
         impl<B> Body for $t<B>
         where
             B: Body<Data = Bytes>,
@@ -384,21 +369,10 @@ macro_rules! impl_body {
                 self: Pin<&mut Self>,
                 cx: &mut Context<'_>,
             ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-                let this = self.project();
-                let polled = poll_kind(this.kind, cx);
-                match &polled {
-                    // Ended: its part of the request's time in flight is over.
-                    Poll::Ready(None) => *this.flight = None,
-                    Poll::Ready(Some(Err(_))) => {
-                        if let Some(flight) = this.flight.take()
-                            && $unknown_on_error
-                        {
-                            flight.unknown();
-                        }
-                    }
-                    _ => {}
-                }
-                polled
+                let $this = self.project();
+                let $polled = poll_kind($this.kind, cx);
+                $after
+                $polled
             }
 
             fn is_end_stream(&self) -> bool {
@@ -412,8 +386,14 @@ macro_rules! impl_body {
     };
 }
 
-impl_body!(RequestBody, false);
-impl_body!(ResponseBody, true);
+// A request body that ended (or failed: the service never had a whole request) ends its part
+// of the request's time in flight.
+impl_body!(RequestBody, |this, polled| {
+    if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+        *this.flight = None;
+    }
+});
+impl_body!(ResponseBody, |_this, _polled| {});
 
 impl<B> std::fmt::Debug for RequestBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

@@ -341,9 +341,9 @@ where
             let limit = config.body_timeout;
             // A streamed body's deadline counts from admission: the service has its head.
             let deadline = tokio::time::Instant::now() + limit;
-            // In flight until the request's body and the service's answer have both ended
-            // (a streaming call goes on after its answer's head), held longer when the
-            // outcome became unknown on the way.
+            // In flight until the service answered and the request's body has ended (a
+            // streaming call goes on after its answer's head), held longer when the outcome
+            // became unknown.
             let flight = Streaming::new(move |unknown| {
                 if unknown {
                     guard.hold(hold);
@@ -414,7 +414,7 @@ where
         .get("grpc-status")
         .is_some_and(|status| status.as_bytes() != b"0");
     if !fired.load(Ordering::Relaxed) || (response.status().is_success() && !grpc_failed) {
-        return Ok(response.map(|body| ResponseBody::inner(body).in_flight(flight)));
+        return Ok(response.map(ResponseBody::inner));
     }
     count("body_timeout");
     let mut answer = reject(reject::body_timeout(job, token, limit), None);
