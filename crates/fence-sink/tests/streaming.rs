@@ -1,4 +1,4 @@
-//! A streaming call through `FenceLayer` counts as in flight until the service answered and the call's request body has ended (docs/protocol.md section 3, "In flight").
+//! A streaming call through `FenceLayer` counts as in flight until the service answered and the call's request body has ended, and an answer kept for an `Idempotency-Key` is read for at most the body deadline (docs/protocol.md section 3).
 
 use std::{
     convert::Infallible,
@@ -169,4 +169,41 @@ async fn a_stalled_streaming_request_lets_go_at_its_body_deadline() {
         "token 8 waited {waited:?} for 7's stalled request (body deadline 5 s)"
     );
     drop(messages7);
+}
+
+/// An answer to keep for an `Idempotency-Key` whose body stalls holds a newer token back
+/// only until the body deadline: it then streams on to its client unkept (a retry of the key
+/// gets 409 not-replayable), and the newer token goes on.
+#[tokio::test(start_paused = true)]
+async fn a_stalled_answer_to_keep_lets_go_at_the_body_deadline() {
+    let app = Streams::default();
+    let svc = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(5))
+        .drain_timeout(Duration::from_secs(60))
+        .layer(app.clone());
+    let keyed = |token| {
+        let mut request = call(token, String::from("pay 5"));
+        request
+            .headers_mut()
+            .insert("idempotency-key", "k1".parse().unwrap());
+        request
+    };
+    let paying7 = tokio::spawn(svc.clone().oneshot(keyed(7)));
+    settle().await;
+    assert_eq!(app.log(), ["start 7", "effect 7 pay 5", "end 7"]);
+    let began = tokio::time::Instant::now();
+    let answer8 = svc.clone().oneshot(call(8, String::new())).await.unwrap();
+    assert_eq!(answer8.status(), 200);
+    let waited = began.elapsed();
+    assert!(
+        (Duration::from_secs(3)..Duration::from_secs(10)).contains(&waited),
+        "token 8 waited {waited:?} for 7's stalled answer (body deadline 5 s)"
+    );
+    // Token 7's client gets the whole answer once the service sends it.
+    let answer7 = paying7.await.unwrap().unwrap();
+    let stalled = app.answers.lock().unwrap().remove(0);
+    stalled.send(Bytes::from("paid")).unwrap();
+    drop(stalled);
+    let body = answer7.into_body().collect().await.unwrap().to_bytes();
+    assert_eq!(body, "paid");
 }

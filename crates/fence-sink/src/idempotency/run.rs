@@ -235,7 +235,10 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .reserve(0, usize::MAX)
             .expect("nothing taken fits any budget");
         let limit = self.config.max_response_body;
-        match capture(body, limit, &mut held, self.max_buffered).await {
+        // The answer to keep must arrive within the body deadline of its head: one that
+        // stalls is streamed on unkept (not replayable), and lets a newer token go on.
+        let by = Instant::now() + self.body_timeout;
+        match capture(body, (limit, by), &mut held, self.max_buffered).await {
             Captured::Whole(bytes, trailers) if grpc_failed(trailers.as_ref()) => {
                 // A gRPC call that failed (its status in the trailers): forgotten, like a
                 // server error, so a retry runs it again instead of replaying the failure.
@@ -364,19 +367,27 @@ enum Captured<B> {
     Failed(BoxError),
 }
 
-/// Reads a response body up to `limit` bytes, each taken from `held` under `max`: all of it
-/// (with the trailers it ended with: a gRPC answer's status), or what was read so far and the
-/// rest of the body to stream on (the body is then not stored: a retry gets 409
-/// not-replayable). Trailers are a body's last frame, so data then trailers replays it
-/// faithfully; a body that goes on after its trailers has failed.
-async fn capture<B>(body: B, limit: usize, held: &mut Reservation, max: usize) -> Captured<B>
+/// Reads a response body up to `limit` bytes and until `by`, each byte taken from `held`
+/// under `max`: all of it (with the trailers it ended with: a gRPC answer's status), or what
+/// was read so far and the rest of the body to stream on (the body is then not stored: a
+/// retry gets 409 not-replayable). Trailers are a body's last frame, so data then trailers
+/// replays it faithfully; a body that goes on after its trailers has failed.
+async fn capture<B>(
+    body: B,
+    (limit, by): (usize, Instant),
+    held: &mut Reservation,
+    max: usize,
+) -> Captured<B>
 where
     B: FenceBody,
 {
     let mut body = Box::pin(body);
     let mut buf = BytesMut::new();
     let trailers = loop {
-        match body.frame().await {
+        let Ok(frame) = tokio::time::timeout_at(by, body.frame()).await else {
+            return Captured::TooLarge(buf.freeze(), None, body);
+        };
+        match frame {
             None => return Captured::Whole(buf.freeze(), None),
             Some(Err(e)) => return Captured::Failed(e.into()),
             Some(Ok(frame)) => match frame.into_data() {
@@ -392,9 +403,10 @@ where
         }
     };
     // Trailers end a body: anything after them breaks the protocol.
-    match body.frame().await {
-        None => Captured::Whole(buf.freeze(), trailers),
-        Some(Err(e)) => Captured::Failed(e.into()),
-        Some(Ok(_)) => Captured::Failed("a frame after the trailers".into()),
+    match tokio::time::timeout_at(by, body.frame()).await {
+        Ok(None) => Captured::Whole(buf.freeze(), trailers),
+        Ok(Some(Err(e))) => Captured::Failed(e.into()),
+        Ok(Some(Ok(_))) => Captured::Failed("a frame after the trailers".into()),
+        Err(_) => Captured::Failed("no end after the trailers within the body deadline".into()),
     }
 }
