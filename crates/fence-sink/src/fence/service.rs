@@ -24,7 +24,7 @@ use crate::{
     GenerationStore, IdempotencyStore, OutcomeUnknown,
     body::{self, FenceBody, RequestBody, ResponseBody, Streaming},
     gate::Admission,
-    idempotency::Keyed,
+    idempotency::{Finishing, Keyed},
     metrics::count,
     refusals::Asked,
     reject::{self, RETRY, reject},
@@ -325,11 +325,25 @@ where
     match request {
         Ready::Read(keyed, (mut parts, bytes, held)) => {
             parts.extensions.insert(fenced);
-            let response = Box::pin(keyed.run(&mut inner, (parts, bytes, held))).await;
+            let mut response = Box::pin(keyed.run(&mut inner, (parts, bytes, held))).await;
+            let finishing = response
+                .as_mut()
+                .ok()
+                .and_then(|r| r.extensions_mut().remove::<Finishing>());
             // The effect is done (its answer read whole): a newer token may proceed, unless
-            // the service could not tell (or failed) and may still act on the request.
-            match &response {
-                Ok(r) if r.extensions().get::<OutcomeUnknown>().is_none() => drop(guard),
+            // the service could not tell (or failed) and may still act on the request, or
+            // its record is still being completed (a newer request with its key would run
+            // the step again).
+            match (&response, finishing) {
+                (_, Some(finishing)) => {
+                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                        runtime.spawn(async move {
+                            finishing.done().await;
+                            drop(guard);
+                        });
+                    }
+                }
+                (Ok(r), None) if r.extensions().get::<OutcomeUnknown>().is_none() => drop(guard),
                 _ => guard.hold(hold),
             }
             response

@@ -61,6 +61,24 @@ enum ReadFailure {
 
 type Answer<B> = Response<ResponseBody<B>>;
 
+/// The first pause and the longest between retries of a record's completion that failed.
+const FINISH_RETRY_FIRST: Duration = Duration::from_millis(100);
+const FINISH_RETRY_MOST: Duration = Duration::from_secs(5);
+
+/// On an answer whose record could not be completed: the completion is retried in the
+/// background until it lands or the record's in-flight timeout passes, and the request stays
+/// in flight until then. Otherwise a newer token's request with the same key would take the
+/// record over and run the step again, although it ran.
+#[derive(Clone, Debug)]
+pub(crate) struct Finishing(tokio::sync::watch::Receiver<bool>);
+
+impl Finishing {
+    /// Returns once the completion landed or was given up.
+    pub(crate) async fn done(mut self) {
+        let _ = self.0.wait_for(|done| *done).await;
+    }
+}
+
 impl<St: IdempotencyStore> Keyed<'_, St> {
     /// Runs a request whose body [`read`](Self::read) has read once per (job, key): the
     /// first time through `inner`, later from the record.
@@ -226,8 +244,8 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .get("grpc-status")
             .is_some_and(|status| status.as_bytes() != b"0");
         if grpc_error || !(self.config.store_statuses)(response.status()) {
-            self.finish(fingerprint, Finish::Forget).await;
-            return response.map(ResponseBody::inner);
+            let finishing = self.finish(fingerprint, Finish::Forget).await;
+            return marked(response.map(ResponseBody::inner), finishing);
         }
         let (head, body) = response.into_parts();
         let mut held = self
@@ -238,53 +256,95 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         // The answer to keep must arrive within the body deadline of its head: one that
         // stalls is streamed on unkept (not replayable), and lets a newer token go on.
         let by = Instant::now() + self.body_timeout;
-        match capture(body, (limit, by), &mut held, self.max_buffered).await {
-            Captured::Whole(bytes, trailers) if grpc_failed(trailers.as_ref()) => {
-                // A gRPC call that failed (its status in the trailers): forgotten, like a
-                // server error, so a retry runs it again instead of replaying the failure.
-                self.finish(fingerprint, Finish::Forget).await;
-                Response::from_parts(head, ResponseBody::held(bytes, trailers, Some(held)))
-            }
-            Captured::Whole(bytes, trailers) => {
-                let stored = StoredResponse {
-                    status: head.status,
-                    headers: head.headers.clone(),
-                    body: bytes.clone(),
-                    trailers: trailers.clone().map(Box::new),
-                };
-                let retention = self.config.retention;
-                let outcome = Finish::Store {
-                    response: stored,
-                    retention,
-                };
-                self.finish(fingerprint, outcome).await;
-                Response::from_parts(head, ResponseBody::held(bytes, trailers, Some(held)))
-            }
-            Captured::TooLarge(prefix, trailers, rest) => {
-                let retention = self.config.retention;
-                self.finish(fingerprint, Finish::TooLarge { retention })
-                    .await;
-                let body = ResponseBody::prefixed(prefix, trailers, rest, Some(held));
-                Response::from_parts(head, body)
-            }
-            Captured::Failed(e) => {
-                // The service answered (a status it keeps), so it acted; its body broke off.
-                // A retry must not run it again, and there is nothing whole to replay.
-                let retention = self.config.retention;
-                self.finish(fingerprint, Finish::TooLarge { retention })
-                    .await;
-                reject(reject::response_body_failed(self.job, &e), None)
-            }
-        }
+        let (answer, finishing) =
+            match capture(body, (limit, by), &mut held, self.max_buffered).await {
+                Captured::Whole(bytes, trailers) if grpc_failed(trailers.as_ref()) => {
+                    // A gRPC call that failed (its status in the trailers): forgotten, like a
+                    // server error, so a retry runs it again instead of replaying the failure.
+                    let finishing = self.finish(fingerprint, Finish::Forget).await;
+                    let body = ResponseBody::held(bytes, trailers, Some(held));
+                    (Response::from_parts(head, body), finishing)
+                }
+                Captured::Whole(bytes, trailers) => {
+                    let stored = StoredResponse {
+                        status: head.status,
+                        headers: head.headers.clone(),
+                        body: bytes.clone(),
+                        trailers: trailers.clone().map(Box::new),
+                    };
+                    let retention = self.config.retention;
+                    let outcome = Finish::Store {
+                        response: stored,
+                        retention,
+                    };
+                    let finishing = self.finish(fingerprint, outcome).await;
+                    let body = ResponseBody::held(bytes, trailers, Some(held));
+                    (Response::from_parts(head, body), finishing)
+                }
+                Captured::TooLarge(prefix, trailers, rest) => {
+                    let retention = self.config.retention;
+                    let finishing = self
+                        .finish(fingerprint, Finish::TooLarge { retention })
+                        .await;
+                    let body = ResponseBody::prefixed(prefix, trailers, rest, Some(held));
+                    (Response::from_parts(head, body), finishing)
+                }
+                Captured::Failed(e) => {
+                    // The service answered (a status it keeps), so it acted; its body broke off.
+                    // A retry must not run it again, and there is nothing whole to replay.
+                    let retention = self.config.retention;
+                    let finishing = self
+                        .finish(fingerprint, Finish::TooLarge { retention })
+                        .await;
+                    (
+                        reject(reject::response_body_failed(self.job, &e), None),
+                        finishing,
+                    )
+                }
+            };
+        marked(answer, finishing)
     }
 
-    async fn finish(&self, fingerprint: &Fingerprint, outcome: Finish) {
+    /// Completes the record; `Some` when that failed and goes on in the background (see
+    /// [`Finishing`]).
+    async fn finish(&self, fingerprint: &Fingerprint, outcome: Finish) -> Option<Finishing> {
         let attempt = self.attempt(fingerprint);
-        let finished = self.timed(self.store.finish(attempt, outcome)).await;
-        if let Err(e) = finished {
-            // The in-flight record stays until its timeout: retries get 409, never a second run.
-            tracing::warn!(job = %self.job, error = %fence_storage::error_chain(&e), "completing an idempotency record failed");
-        }
+        let finished = self
+            .timed(self.store.finish(attempt, outcome.clone()))
+            .await;
+        let e = finished.err()?;
+        tracing::warn!(job = %self.job, error = %fence_storage::error_chain(&e), "completing an idempotency record failed; retrying in the background while the job's newer tokens wait");
+        let (done, finishing) = tokio::sync::watch::channel(false);
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return None;
+        };
+        let store = self.store.clone();
+        let (job, key, id) = (self.job.clone(), self.key.clone(), self.attempt);
+        let (fingerprint, generation) = (*fingerprint, self.token.generation());
+        let (limit, until) = (
+            self.config.store_timeout,
+            Instant::now() + self.config.in_flight_timeout,
+        );
+        runtime.spawn(async move {
+            let mut pause = FINISH_RETRY_FIRST;
+            while Instant::now() < until {
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(FINISH_RETRY_MOST);
+                let attempt = Attempt {
+                    job: &job,
+                    key: &key,
+                    fingerprint: &fingerprint,
+                    id,
+                    generation,
+                };
+                let again = tokio::time::timeout(limit, store.finish(attempt, outcome.clone()));
+                if let Ok(Ok(())) = again.await {
+                    break;
+                }
+            }
+            let _ = done.send(true);
+        });
+        Some(Finishing(finishing))
     }
 
     fn attempt<'a>(&'a self, fingerprint: &'a Fingerprint) -> Attempt<'a> {
@@ -336,6 +396,14 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .await
             .map_err(|_| StoreError::Timeout(limit))?
     }
+}
+
+/// `answer`, carrying `finishing` when its record's completion goes on in the background.
+fn marked<B>(mut answer: Answer<B>, finishing: Option<Finishing>) -> Answer<B> {
+    if let Some(finishing) = finishing {
+        answer.extensions_mut().insert(finishing);
+    }
+    answer
 }
 
 fn replay<B>(stored: StoredResponse, held: Reservation) -> Answer<B> {
