@@ -24,7 +24,7 @@ use pin_project_lite::pin_project;
 use fence_storage::BoxError;
 use tokio::time::{Instant, Sleep};
 
-use crate::budget::Reservation;
+use crate::{budget::Reservation, gate::InFlight};
 
 /// The error a fenced request's body yields to the inner service when it did not arrive
 /// within the layer's [`body_timeout`](crate::FenceLayer::body_timeout) of admission. The
@@ -81,23 +81,25 @@ pub(crate) async fn discard<B: FenceBody>(version: http::Version, body: B) {
 }
 
 /// An admitted request's place in flight while its body streams, shared by the request body
-/// and the layer: `release` runs once both are done with it (the body ended, failed or was
-/// dropped; the service answered), told whether the outcome became unknown meanwhile (the
-/// service failed instead of answering, or said it could not tell).
+/// and the layer: the guard goes once both are done with it (the body ended, failed or was
+/// dropped; the service answered), held for `hold` more when the outcome became unknown
+/// meanwhile (the service failed instead of answering, or said it could not tell).
 pub(crate) struct Streaming {
-    release: Option<Box<dyn FnOnce(bool) + Send + Sync>>,
+    guard: Option<InFlight>,
+    hold: Duration,
     unknown: AtomicBool,
 }
 
 impl Streaming {
-    pub(crate) fn new(release: impl FnOnce(bool) + Send + Sync + 'static) -> Arc<Self> {
+    pub(crate) fn new(guard: InFlight, hold: Duration) -> Arc<Self> {
         Arc::new(Self {
-            release: Some(Box::new(release)),
+            guard: Some(guard),
+            hold,
             unknown: AtomicBool::new(false),
         })
     }
 
-    /// The service's outcome is unknown: the release holds the request in flight longer.
+    /// The service's outcome is unknown: the guard is held for `hold` when it goes.
     pub(crate) fn unknown(&self) {
         self.unknown.store(true, Ordering::Relaxed);
     }
@@ -105,8 +107,10 @@ impl Streaming {
 
 impl Drop for Streaming {
     fn drop(&mut self) {
-        if let Some(release) = self.release.take() {
-            release(self.unknown.load(Ordering::Relaxed));
+        if let Some(guard) = self.guard.take()
+            && self.unknown.load(Ordering::Relaxed)
+        {
+            guard.hold(self.hold);
         }
     }
 }

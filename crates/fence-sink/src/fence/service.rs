@@ -358,11 +358,7 @@ where
             // In flight until the service answered and the request's body has ended (a
             // streaming call goes on after its answer's head), held longer when the outcome
             // became unknown.
-            let flight = Streaming::new(move |unknown| {
-                if unknown {
-                    guard.hold(hold);
-                }
-            });
+            let flight = Streaming::new(guard, hold);
             streamed(
                 &mut inner,
                 parts,

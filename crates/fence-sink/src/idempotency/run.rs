@@ -61,6 +61,27 @@ enum ReadFailure {
 
 type Answer<B> = Response<ResponseBody<B>>;
 
+/// An [`Attempt`] whose parts it owns.
+struct OwnedAttempt {
+    job: JobId,
+    key: IdempotencyKey,
+    fingerprint: Fingerprint,
+    id: u64,
+    generation: fence_core::Generation,
+}
+
+impl OwnedAttempt {
+    fn attempt(&self) -> Attempt<'_> {
+        Attempt {
+            job: &self.job,
+            key: &self.key,
+            fingerprint: &self.fingerprint,
+            id: self.id,
+            generation: self.generation,
+        }
+    }
+}
+
 /// The first pause and the longest between retries of a record's completion that failed.
 const FINISH_RETRY_FIRST: Duration = Duration::from_millis(100);
 const FINISH_RETRY_MOST: Duration = Duration::from_secs(5);
@@ -319,8 +340,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             return None;
         };
         let store = self.store.clone();
-        let (job, key, id) = (self.job.clone(), self.key.clone(), self.attempt);
-        let (fingerprint, generation) = (*fingerprint, self.token.generation());
+        let owned = self.owned(fingerprint);
         let (limit, until) = (
             self.config.store_timeout,
             Instant::now() + self.config.in_flight_timeout,
@@ -330,14 +350,8 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             while Instant::now() < until {
                 tokio::time::sleep(pause).await;
                 pause = (pause * 2).min(FINISH_RETRY_MOST);
-                let attempt = Attempt {
-                    job: &job,
-                    key: &key,
-                    fingerprint: &fingerprint,
-                    id,
-                    generation,
-                };
-                let again = tokio::time::timeout(limit, store.finish(attempt, outcome.clone()));
+                let again =
+                    tokio::time::timeout(limit, store.finish(owned.attempt(), outcome.clone()));
                 if let Ok(Ok(())) = again.await {
                     break;
                 }
@@ -364,27 +378,23 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
-        let (store, job, key, fingerprint) = (
-            self.store.clone(),
-            self.job.clone(),
-            self.key.clone(),
-            *fingerprint,
-        );
-        let (id, generation, limit) = (
-            self.attempt,
-            self.token.generation(),
-            self.config.store_timeout,
-        );
+        let (store, owned) = (self.store.clone(), self.owned(fingerprint));
+        let limit = self.config.store_timeout;
         runtime.spawn(async move {
-            let attempt = Attempt {
-                job: &job,
-                key: &key,
-                fingerprint: &fingerprint,
-                id,
-                generation,
-            };
-            let _ = tokio::time::timeout(limit, store.finish(attempt, Finish::Forget)).await;
+            let forget = store.finish(owned.attempt(), Finish::Forget);
+            let _ = tokio::time::timeout(limit, forget).await;
         });
+    }
+
+    /// This attempt, owned: for a task that outlives the request.
+    fn owned(&self, fingerprint: &Fingerprint) -> OwnedAttempt {
+        OwnedAttempt {
+            job: self.job.clone(),
+            key: self.key.clone(),
+            fingerprint: *fingerprint,
+            id: self.attempt,
+            generation: self.token.generation(),
+        }
     }
 
     async fn timed<T>(
