@@ -221,6 +221,74 @@ async fn a_released_leases_write_held_until_after_forgetting_is_refused() {
     assert_eq!(sink.calls(), 1);
 }
 
+/// Proof (d): the stale write carries an `Idempotency-Key`, so its body is read whole
+/// before the fence looks at the job, and the body takes long enough (within the body
+/// deadline) for the job to be forgotten meanwhile, with the forgetting window as short as
+/// the sink allows. Its token was valid when it arrived and has ended when it is admitted:
+/// refused, as at arrival.
+#[tokio::test(start_paused = true)]
+async fn a_stale_keyed_write_whose_body_outlasts_forgetting_is_refused() {
+    let clock = ManualClock::new(START);
+    let signer = TokenSigner::from_seed([7; 32]);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let shortest = MAX_TTL + 2 * SKEW;
+    let layer = FenceLayer::new(store.clone())
+        .require_signatures(TokenVerifier::new([signer.verify_key()]))
+        .clock(Arc::new(clock.clone()))
+        .clock_skew(SKEW)
+        .forget_after(shortest, MAX_TTL)
+        .unwrap()
+        .body_timeout(Duration::from_secs(30))
+        .longest_request(Duration::ZERO)
+        .unknown_outcome_hold(Duration::ZERO);
+    let sink = CountingSink::new(layer);
+    let _upkeep = sink.layer.spawn_maintenance();
+    let old = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
+    // Worker 1 releases after a second; worker 2 claims at once and writes.
+    pass(&clock, Duration::from_secs(1)).await;
+    let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
+    assert_eq!(sink.send(job().as_str(), &new).await.0, StatusCode::OK);
+    // Worker 1's keyed write arrives a second before its lease's end plus the skew, and
+    // its body trickles in.
+    pass(&clock, MAX_TTL + SKEW - Duration::from_secs(2)).await;
+    let (chunks, body) = common::Channel::new();
+    let req = Request::post("/")
+        .header("x-fencing-job", job().as_str())
+        .header("x-fencing-token", &old)
+        .header("idempotency-key", "step-1")
+        .body(body)
+        .unwrap();
+    let calls = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let inner = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<RequestBody<common::Channel>>| {
+            calls.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new(String::new())) }
+        })
+    };
+    let stale = tokio::spawn(sink.layer.layer(inner).oneshot(req));
+    chunks.send("half".into()).unwrap();
+    // Arrived (its headers checked) before the clocks move on.
+    pass(&clock, Duration::from_millis(1)).await;
+    pass(&clock, Duration::from_secs(25)).await;
+    assert_eq!(
+        store.highest(&job()).await.unwrap(),
+        Generation::ZERO,
+        "the job was forgotten while the body was read"
+    );
+    chunks
+        .send(" and the rest".into())
+        .expect("the body is still being read");
+    drop(chunks);
+    let answer = stale.await.unwrap().unwrap();
+    assert_eq!(
+        answer.status(),
+        StatusCode::CONFLICT,
+        "a token whose lease ended while its body was read was admitted to a forgotten job"
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+}
+
 /// Proof (c): the sink's data directory is replaced by a copy taken before the new
 /// holder's writes (a restore from backup); the stale write is still refused.
 // Real time: sled commits on a thread of its own, which paused time would outrun. No

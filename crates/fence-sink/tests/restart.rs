@@ -228,3 +228,66 @@ async fn without_a_longest_request_and_hold_nothing_waits() {
     };
     assert_eq!(p.status("busy", 5).await, StatusCode::OK);
 }
+
+/// A request that waited for older ones is stamped by its admission, not its arrival: the
+/// stamp it is covered by (which a restart counts from) must not end before it went on.
+#[tokio::test]
+async fn a_request_admitted_after_a_long_wait_is_stamped_at_its_admission() {
+    use fence_sink::GenerationStore;
+
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    let wall: Arc<dyn Clock> = Arc::new(clock.clone());
+    let store = SledStore::open_with_clock(dir.path(), wall.clone()).unwrap();
+    let layer = FenceLayer::new(store.clone())
+        .clock(wall)
+        .without_idempotency()
+        .longest_request(LONGEST)
+        .unknown_outcome_hold(HOLD)
+        .drain_timeout(Duration::from_secs(60));
+    // Token 1's request runs until the test lets it end.
+    let running = Arc::new(tokio::sync::Semaphore::new(0));
+    let inner = {
+        let running = running.clone();
+        service_fn(move |req: Request<RequestBody<String>>| {
+            let running = running.clone();
+            async move {
+                if req.headers()["x-fencing-token"] == "1" {
+                    let _ = running.acquire().await;
+                }
+                Ok::<_, Infallible>(Response::new(String::new()))
+            }
+        })
+    };
+    let send = |token: u64| {
+        let svc = layer.layer(inner.clone());
+        let req = Request::post("/")
+            .header("x-fencing-job", "job")
+            .header("x-fencing-token", token.to_string())
+            .body(String::new())
+            .unwrap();
+        tokio::spawn(async move { svc.oneshot(req).await.unwrap().status() })
+    };
+    let older = send(1);
+    settle().await;
+    // Raised at once, then waits for 1: its arrival is covered by the raise's stamp.
+    let newer = send(2);
+    settle().await;
+    // 1 runs longer than that stamp covers, then ends: 2 goes on only now.
+    clock.advance(Duration::from_secs(12));
+    running.add_permits(1);
+    assert_eq!(older.await.unwrap(), StatusCode::OK);
+    assert_eq!(newer.await.unwrap(), StatusCode::OK);
+    let admitted = clock.now_ms();
+    let loaded = store.load(&"job".parse().unwrap()).await.unwrap();
+    let stamp = loaded
+        .prior
+        .expect("a sled job has stamps")
+        .admitted_until_ms;
+    assert!(
+        stamp >= admitted,
+        "token 2 was admitted at {admitted} but the job's stamp ends at {stamp}: a restart \
+         would stop waiting for it {} ms early",
+        admitted - stamp
+    );
+}

@@ -1,44 +1,22 @@
 //! A streaming call through `FenceLayer` counts as in flight until the service answered and the call's request body has ended, and an answer kept for an `Idempotency-Key` is read for at most the body deadline (docs/protocol.md section 3).
 
+mod common;
+
 use std::{
     convert::Infallible,
-    pin::Pin,
     sync::{Arc, Mutex},
     task::{Context, Poll},
     time::Duration,
 };
 
 use bytes::Bytes;
+use common::Channel;
 use fence_sink::{FenceLayer, Fenced, MemoryStore};
 use http::{Request, Response};
-use http_body::{Body, Frame};
+use http_body::Body;
 use http_body_util::BodyExt;
 use tokio::sync::mpsc;
 use tower::{Layer, Service, ServiceExt};
-
-/// A body whose frames a test sends, one `Bytes` each; it ends when the sender is dropped.
-struct Channel(mpsc::UnboundedReceiver<Bytes>);
-
-impl Channel {
-    fn new() -> (mpsc::UnboundedSender<Bytes>, Self) {
-        let (tx, rx) = mpsc::unbounded_channel();
-        (tx, Self(rx))
-    }
-}
-
-impl Body for Channel {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|frame| frame.map(|b| Ok(Frame::data(b))))
-    }
-}
 
 /// A streaming service: it answers every call at once (the answer's head), then applies
 /// each message of the request's body as it arrives (`effect <token> <message>`), as a gRPC

@@ -73,7 +73,15 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         };
         let generation = token.generation().get();
         let request = Request::from_parts(parts, body);
-        let Ok(response) = fenced(Nothing, self.shared.clone(), request, job, token, None).await;
+        let Ok(response) = fenced(
+            Nothing,
+            self.shared.clone(),
+            request,
+            job,
+            token,
+            (None, None),
+        )
+        .await;
         if response.status() == StatusCode::OK {
             return Ok(generation);
         }

@@ -92,6 +92,9 @@ pub(super) enum Checked {
         job: JobId,
         token: FencingToken,
         key: Option<IdempotencyKey>,
+        /// The verified lease end of a signed token (ms, Unix time), checked again at
+        /// admission.
+        lease_end: Option<u64>,
     },
     /// No fencing headers, and the layer lets such requests through.
     Pass,
@@ -139,12 +142,12 @@ impl Config {
             // that ends later than any lease the server may grant is refused, so forgetting
             // never meets a token that outlives its window (contract section 8).
             if let Some(s) = &signed {
-                let skew = u64::try_from(self.clock_skew.as_millis()).unwrap_or(u64::MAX);
                 let now = self.clock.now_ms();
-                if s.expires_at_ms.saturating_add(skew) < now {
+                if self.ended(s.expires_at_ms, now) {
                     count("expired");
                     return Checked::Rejected(reject::expired(job, token, s.expires_at_ms));
                 }
+                let skew = u64::try_from(self.clock_skew.as_millis()).unwrap_or(u64::MAX);
                 let latest = now
                     .saturating_add(
                         u64::try_from(self.max_lease_ttl.as_millis()).unwrap_or(u64::MAX),
@@ -161,7 +164,21 @@ impl Config {
                 }
             }
         }
-        Checked::Fence { job, token, key }
+        let lease_end = signed
+            .filter(|_| self.signatures.is_some())
+            .map(|s| s.expires_at_ms);
+        Checked::Fence {
+            job,
+            token,
+            key,
+            lease_end,
+        }
+    }
+
+    /// Whether a lease that ends at `expires_at_ms` has ended at `now_ms`, beyond the skew.
+    fn ended(&self, expires_at_ms: u64, now_ms: u64) -> bool {
+        let skew = u64::try_from(self.clock_skew.as_millis()).unwrap_or(u64::MAX);
+        expires_at_ms.saturating_add(skew) < now_ms
     }
 }
 
@@ -193,7 +210,12 @@ where
             Checked::Pass
         };
         let (job, token, key) = match checked {
-            Checked::Fence { job, token, key } => (job, token, key),
+            Checked::Fence {
+                job,
+                token,
+                key,
+                lease_end,
+            } => (job, token, (key, lease_end)),
             Checked::Pass => {
                 let request = Request::from_parts(parts, RequestBody::inner(body));
                 return ResponseFuture::unfenced(self.inner.call(request));
@@ -234,13 +256,15 @@ where
     }
 }
 
+/// Fences one request that carries `job` and `token`, with its `Idempotency-Key` and the
+/// verified lease end of a signed token.
 pub(super) async fn fenced<S, St, ReqB, ResB>(
     mut inner: S,
     shared: Arc<Shared<St>>,
     request: Request<ReqB>,
     job: JobId,
     token: FencingToken,
-    key: Option<IdempotencyKey>,
+    (key, lease_end): (Option<IdempotencyKey>, Option<u64>),
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
@@ -276,27 +300,37 @@ where
         },
         None => Ready::Streamed(request),
     };
-    let now_ms = config.clock.now_ms();
-    let (problem, retry) = match gates
-        .admit(&job, token.generation(), config.limits, now_ms)
-        .await
-    {
-        Admission::Admitted(guard) => (Ok(guard), None),
-        Admission::Stale { highest, pending } => {
+    // Its lease may have ended while the body was read (up to the body deadline, longer
+    // than forgetting's margin): a job forgotten meanwhile must not meet it unchecked
+    // (contract section 8).
+    let ended = lease_end.filter(|end| config.ended(*end, config.clock.now_ms()));
+    let admission = match ended {
+        Some(end) => Err(end),
+        None => Ok(gates
+            .admit(&job, token.generation(), config.limits, &*config.clock)
+            .await),
+    };
+    let (problem, retry) = match admission {
+        Err(end) => {
+            count("expired");
+            (Err(reject::expired(job.clone(), token, end)), None)
+        }
+        Ok(Admission::Admitted(guard)) => (Ok(guard), None),
+        Ok(Admission::Stale { highest, pending }) => {
             count("stale");
             (
                 Err(reject::stale(job.clone(), token, highest, pending)),
                 None,
             )
         }
-        Admission::DrainTimeout { highest } => {
+        Ok(Admission::DrainTimeout { highest }) => {
             count("drain_timeout");
             (
                 Err(reject::drain_timeout(job.clone(), token, highest)),
                 RETRY,
             )
         }
-        Admission::StoreFailed(e) => {
+        Ok(Admission::StoreFailed(e)) => {
             count("store_error");
             let problem = reject::store_failed(&job, "generation", &e).with_token(token.get());
             (Err(problem), RETRY)

@@ -41,6 +41,7 @@ mod restart;
 
 use dashmap::DashMap;
 use fence_core::{Generation, JobId};
+use fence_storage::clock::Clock;
 use tokio::{
     sync::{Notify, OnceCell},
     time::Instant,
@@ -334,7 +335,9 @@ impl<St: GenerationStore> Gates<St> {
             .map_err(|_| StoreError::Timeout(timeout))?
     }
 
-    /// Decides one request of `job` carrying `token`, at `now_ms` by the layer's clock.
+    /// Decides one request of `job` carrying `token`, by the layer's `clock`: read again at
+    /// every look at the gate, so a request admitted after a long wait is judged by the
+    /// stamp's cover at its admission, not at its arrival.
     ///
     /// Cancel-safe: a bump whose durable write has started finishes (and updates the gate)
     /// in a task of its own when the request goes away.
@@ -343,10 +346,10 @@ impl<St: GenerationStore> Gates<St> {
         job: &JobId,
         token: Generation,
         limits: Limits,
-        now_ms: u64,
+        clock: &dyn Clock,
     ) -> Admission {
         let gate = &self.gate(job, limits.max_cached_jobs);
-        if let Err(e) = self.load(gate, job, limits, now_ms).await {
+        if let Err(e) = self.load(gate, job, limits, clock.now_ms()).await {
             return Admission::StoreFailed(e);
         }
         let deadline = Instant::now() + limits.drain_timeout;
@@ -354,6 +357,9 @@ impl<St: GenerationStore> Gates<St> {
             let notified = gate.changed.notified();
             tokio::pin!(notified);
             notified.as_mut().enable(); // registered before the check: no wake-up is missed
+            // Now, not when the request arrived: a wait for older requests or a raise may
+            // have outlasted the stamp that covered it then.
+            let now_ms = clock.now_ms();
             match self.decide(gate, token, now_ms) {
                 Step::Stale { highest, pending } => return Admission::Stale { highest, pending },
                 Step::Current { guard, stamp }

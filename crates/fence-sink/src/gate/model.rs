@@ -28,6 +28,7 @@ use std::{
 };
 
 use fence_core::{Generation, JobId};
+use fence_storage::clock::ManualClock;
 use shuttle::{
     Config, Runner,
     future::{block_on, spawn, yield_now},
@@ -176,7 +177,8 @@ async fn request(gates: Arc<Gates<Yielding>>, effects: Arc<Mutex<Effects>>, task
             for _ in 0..after {
                 yield_now().await;
             }
-            let admit = gates.admit(&job, Generation::new(token), LIMITS, 0);
+            let clock = ManualClock::new(0);
+            let admit = gates.admit(&job, Generation::new(token), LIMITS, &clock);
             match within(admit, gives_up).await {
                 Some(Admission::Admitted(guard)) => {
                     effects.lock().expect("effects").start(token);

@@ -13,6 +13,7 @@ use http_body::{Body, Frame};
 use fence_sink::{FenceLayer, GenerationStore, IdempotencyStore, RequestBody};
 use http::{Request, Response, StatusCode};
 use http_body_util::BodyExt;
+use tokio::sync::mpsc;
 use tower::{Layer, ServiceExt, service_fn};
 
 /// `layer` in front of a service answering 200 `done` that counts its calls.
@@ -94,5 +95,29 @@ impl<E: Unpin> Body for Partial<E> {
             Some(e) => Poll::Ready(Some(Err(e))),
             None => Poll::Pending,
         }
+    }
+}
+
+/// A body whose frames a test sends, one `Bytes` each; it ends when the sender is dropped.
+pub struct Channel(mpsc::UnboundedReceiver<Bytes>);
+
+impl Channel {
+    pub fn new() -> (mpsc::UnboundedSender<Bytes>, Self) {
+        let (tx, rx) = mpsc::unbounded_channel();
+        (tx, Self(rx))
+    }
+}
+
+impl Body for Channel {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|frame| frame.map(|b| Ok(Frame::data(b))))
     }
 }
