@@ -158,7 +158,7 @@ async fn stale_writer_is_refused(writer: &[String], name: &str) {
     // The sinks on the fence forget idle jobs: a plain token is refused (the writer cannot
     // be told from a stale one of a forgotten job), a signed one counts with its lease end.
     store
-        .announce_forgetting(true, Duration::from_secs(5))
+        .announce_forgetting(true, Duration::from_secs(5), Duration::from_secs(3600))
         .await
         .unwrap();
     let out = write(writer, &schema, &job, 9, &[]);

@@ -42,6 +42,7 @@ pub use idempotency::IdempotencyConfig;
 pub use outcome::OutcomeUnknown;
 pub use refusals::PeerAddr;
 pub use store::{
-    Attempt, Begin, Fingerprint, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage,
-    Loaded, MemoryStore, Prior, STAMP_AHEAD_MS, SledStore, StoreError, StoredResponse, Verdict,
+    Attempt, Begin, DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, Fingerprint, Finish,
+    GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, MemoryStore, Prior,
+    STAMP_AHEAD_MS, SledStore, StoreError, StoredResponse, Verdict,
 };

@@ -287,9 +287,13 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let store = backend.sink_store().await?;
     if let crate::backend::SinkBackend::Postgres(pg) = &store {
         // SQL writers on these tables check expiry while this proxy forgets (section 11).
-        pg.announce_forgetting(a.forget_after.is_some(), a.clock_skew)
-            .await
-            .context("recording the forgetting settings in PostgreSQL")?;
+        pg.announce_forgetting(
+            a.forget_after.is_some(),
+            a.clock_skew,
+            a.max_lease_ttl.as_duration(),
+        )
+        .await
+        .context("recording the forgetting settings in PostgreSQL")?;
     }
     let (tx, rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {

@@ -119,8 +119,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             unknown_outcome_hold: Duration::from_secs(60),
             max_buffered_bytes: 256 << 20,
             clock: Arc::new(SystemClock::new()),
-            clock_skew: Duration::from_secs(5),
-            max_lease_ttl: Duration::from_secs(24 * 3600),
+            clock_skew: crate::store::DEFAULT_CLOCK_SKEW,
+            max_lease_ttl: crate::store::DEFAULT_MAX_LEASE_TTL,
             forget_after: None,
         };
         Self {

@@ -58,6 +58,14 @@ pub enum Verdict {
 /// so a store asked on every request writes at most once every few seconds per job.
 pub const STAMP_AHEAD_MS: u64 = 10_000;
 
+/// The longest lease a destination accepts unless told otherwise (`FenceLayer::max_lease_ttl`,
+/// `fence proxy --max-lease-ttl`): a signed token claiming a later lease end is refused.
+pub const DEFAULT_MAX_LEASE_TTL: Duration = Duration::from_secs(24 * 3600);
+
+/// How far apart a destination allows its clock and the lease server's unless told otherwise
+/// (`FenceLayer::clock_skew`, `fence proxy --clock-skew`).
+pub const DEFAULT_CLOCK_SKEW: Duration = Duration::from_secs(5);
+
 /// Whether a job stamped `touched_ms` must be stamped again at `now_ms` for an accepted token
 /// equal to its highest.
 pub(crate) fn stamp_due(touched_ms: u64, now_ms: u64) -> bool {

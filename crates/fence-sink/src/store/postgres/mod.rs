@@ -86,6 +86,9 @@ impl PgTables {
 pub struct PgStore {
     pool: Pool,
     tables: PgTables,
+    /// Set once this process has recorded, before its first delete, that the sinks on these
+    /// tables forget idle jobs.
+    forgetting: std::sync::Arc<std::sync::atomic::AtomicBool>,
     #[cfg(any(test, feature = "test-hooks"))]
     offset_ms: std::sync::Arc<std::sync::atomic::AtomicI64>,
 }
@@ -281,6 +284,7 @@ impl PgStore {
         Ok(Self {
             pool: fence_storage::postgres::connect_pool(url)?,
             tables,
+            forgetting: std::sync::Arc::default(),
             #[cfg(any(test, feature = "test-hooks"))]
             offset_ms: std::sync::Arc::default(),
         })
@@ -302,11 +306,18 @@ impl PgStore {
         0
     }
 
-    /// Records, for the SQL fence's writers, whether the sinks on these tables forget idle
-    /// jobs and the clock skew they allow (one row for all of them: give every sink on one
-    /// database the same settings). While they forget, `observe` and `require` without the
-    /// token's lease end are refused (SQLSTATE `ZF428`): a stale writer of a forgotten job
-    /// would otherwise pass as a new job's first (docs/protocol.md section 11).
+    /// Records, for the SQL fence's writers, that the sinks on these tables forget idle jobs
+    /// (when `forgetting`), the clock skew they allow and the longest lease they accept (one
+    /// row for all of them). While they forget, `observe` and `require` without the token's
+    /// lease end are refused (SQLSTATE `ZF428`): a stale writer of a forgotten job would
+    /// otherwise pass as a new job's first; a lease end later than now plus the longest
+    /// lease plus the skew is refused (`ZF403`), as at the sinks (docs/protocol.md section 11).
+    ///
+    /// What is recorded only ever gets stricter, whoever records it: forgetting, once on,
+    /// stays on (a job forgotten before cannot be told from a new one, and a sink started
+    /// without `--forget-after` must not switch the check off for the others), and the skew
+    /// and the longest lease are the smallest any sink has recorded. To undo it, an operator
+    /// deletes the row, knowing that.
     ///
     /// # Errors
     /// When the database cannot be reached or refuses the write.
@@ -314,20 +325,54 @@ impl PgStore {
         &self,
         forgetting: bool,
         clock_skew: Duration,
+        max_lease_ttl: Duration,
     ) -> Result<(), StoreError> {
         let client = self.pool.get().await.map_err(io)?;
         client
             .execute(
                 &format!(
-                    "INSERT INTO {} (one, forgetting, clock_skew_ms) VALUES (true, $1, $2)
-                     ON CONFLICT (one) DO UPDATE SET forgetting = excluded.forgetting,
-                       clock_skew_ms = excluded.clock_skew_ms",
-                    self.tables.settings
+                    "INSERT INTO {settings} AS s (one, forgetting, clock_skew_ms, max_lease_ttl_ms)
+                       VALUES (true, $1, $2, $3)
+                     ON CONFLICT (one) DO UPDATE SET
+                       forgetting = s.forgetting OR excluded.forgetting,
+                       clock_skew_ms = LEAST(s.clock_skew_ms, excluded.clock_skew_ms),
+                       max_lease_ttl_ms = LEAST(s.max_lease_ttl_ms, excluded.max_lease_ttl_ms)",
+                    settings = self.tables.settings
                 ),
-                &[&forgetting, &ms(clock_skew)],
+                &[&forgetting, &ms(clock_skew), &ms(max_lease_ttl)],
             )
             .await
             .map_err(io)?;
+        if forgetting {
+            self.forgetting
+                .store(true, std::sync::atomic::Ordering::Release);
+        }
+        Ok(())
+    }
+
+    /// Records that these tables' jobs are forgotten, before this process deletes the
+    /// first (a layer that forgets without [`announce_forgetting`](Self::announce_forgetting)
+    /// still switches the SQL fence's lease-end check on; the skew and the longest lease
+    /// stay as recorded, or the defaults).
+    async fn forgetting_recorded(&self) -> Result<(), StoreError> {
+        if self.forgetting.load(std::sync::atomic::Ordering::Acquire) {
+            return Ok(());
+        }
+        let client = self.pool.get().await.map_err(io)?;
+        client
+            .execute(
+                &format!(
+                    "INSERT INTO {settings} AS s (one, forgetting, clock_skew_ms)
+                       VALUES (true, true, $1)
+                     ON CONFLICT (one) DO UPDATE SET forgetting = true",
+                    settings = self.tables.settings
+                ),
+                &[&ms(super::DEFAULT_CLOCK_SKEW)],
+            )
+            .await
+            .map_err(io)?;
+        self.forgetting
+            .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
     }
 
@@ -414,6 +459,7 @@ impl GenerationStore for PgStore {
     }
 
     async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
+        self.forgetting_recorded().await?;
         let client = self.pool.get().await.map_err(io)?;
         let touched = i64::try_from(idle.touched_ms).unwrap_or(i64::MAX);
         let n = client

@@ -1,6 +1,7 @@
 //! The DDL of the sink's PostgreSQL store: its tables, and the SQL fence's functions.
 
-use super::{PgTables, STAMP_AHEAD_MS};
+use super::{PgTables, STAMP_AHEAD_MS, ms};
+use crate::store::{DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL};
 
 /// What [`PgStore::migrate`](super::PgStore::migrate) runs: idempotent, in one transaction.
 pub(super) fn ddl(tables: &PgTables) -> String {
@@ -15,6 +16,8 @@ pub(super) fn ddl(tables: &PgTables) -> String {
     } = tables;
     let now = fence_storage::postgres::NOW_MS;
     let half = STAMP_AHEAD_MS / 2;
+    let default_max_lease_ttl_ms = ms(DEFAULT_MAX_LEASE_TTL);
+    let default_skew_ms = ms(DEFAULT_CLOCK_SKEW);
     // An index name is unqualified and lives in the table's schema.
     let stamps_index = format!(
         "{}_stamps",
@@ -50,6 +53,9 @@ pub(super) fn ddl(tables: &PgTables) -> String {
            forgetting boolean NOT NULL,
            clock_skew_ms bigint NOT NULL
          );
+         -- The longest lease any of them accepts (NULL: the default, 24 h): a lease end
+         -- beyond it is refused, as at the sinks.
+         ALTER TABLE {settings} ADD COLUMN IF NOT EXISTS max_lease_ttl_ms bigint;
          -- The SQL fence (contract section 11): the store's decision, on the same table,
          -- for writers in any language. The functions run as their owner (the fence's
          -- role) with a fixed search_path: a writer needs EXECUTE on them and nothing
@@ -92,14 +98,22 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric, p_expires_at_ms bigint)
          RETURNS boolean
          LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
-         DECLARE skew bigint;
+         DECLARE skew bigint; longest bigint; latest bigint;
          BEGIN
            IF p_expires_at_ms IS NULL OR p_expires_at_ms < 0 THEN
              RAISE EXCEPTION 'malformed lease end: %', p_expires_at_ms USING ERRCODE = '22023';
            END IF;
-           SELECT s.clock_skew_ms INTO skew FROM {settings} s;
-           IF p_expires_at_ms + coalesce(skew, 5000) < {now} THEN
+           SELECT s.clock_skew_ms, s.max_lease_ttl_ms INTO skew, longest FROM {settings} s;
+           skew := coalesce(skew, {default_skew_ms});
+           IF p_expires_at_ms + skew < {now} THEN
              RETURN false; -- the token's lease ended: stale, as at the sinks
+           END IF;
+           -- No lease the sinks accept ends later: a token claiming one could outlive the
+           -- window they forget by (contract section 8).
+           latest := {now} + coalesce(longest, {default_max_lease_ttl_ms}) + skew;
+           IF p_expires_at_ms > latest THEN
+             RAISE EXCEPTION 'fencing token of job % claims a lease ending at % ms, after % ms, the latest the sinks accept (now plus their longest lease TTL plus the clock skew)', p_job, p_expires_at_ms, latest
+               USING ERRCODE = 'ZF403';
            END IF;
            RETURN {accept_fn}(p_job, p_token);
          END

@@ -344,7 +344,7 @@ async fn while_sinks_forget_a_writer_must_give_the_lease_end() {
         .await;
     assert!(plain.unwrap().get::<_, bool>(0));
     store
-        .announce_forgetting(true, Duration::from_secs(5))
+        .announce_forgetting(true, Duration::from_secs(5), Duration::from_secs(3600))
         .await
         .unwrap();
     let refused = su
@@ -395,12 +395,82 @@ async fn while_sinks_forget_a_writer_must_give_the_lease_end() {
         .await
         .unwrap();
     assert!(live.get::<_, bool>(0));
-    store
-        .announce_forgetting(false, Duration::from_secs(5))
+    // A token claiming a lease longer than any the sinks accept (an hour here) plus the
+    // skew: refused, as at the sinks, so it cannot outlive the window they forget by.
+    let edge = now + 3_600_000 + 5_000;
+    let too_long = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 6, $1)", t.observe_fn),
+            &[&(edge + 60_000)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&too_long), Some("ZF403"), "{too_long}");
+    assert_eq!(store.highest(&job).await.unwrap(), Generation::new(5));
+    let within = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 6, $1)", t.observe_fn),
+            &[&(now + 3_600_000)],
+        )
         .await
         .unwrap();
-    let again = su
-        .query_one(&format!("SELECT {}('forgotten-job', 5)", t.observe_fn), &[])
+    assert!(within.get::<_, bool>(0));
+    // Another sink on these tables starts without forgetting (and a longer lease): the
+    // check stays on, for the jobs the first one forgot, and the lease bound stays.
+    store
+        .announce_forgetting(
+            false,
+            Duration::from_secs(5),
+            Duration::from_secs(24 * 3600),
+        )
+        .await
+        .unwrap();
+    let still = su
+        .query_one(&format!("SELECT {}('forgotten-job', 7)", t.observe_fn), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&still), Some("ZF428"), "{still}");
+    let too_long = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 7, $1)", t.observe_fn),
+            &[&(edge + 60_000)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&too_long), Some("ZF403"), "{too_long}");
+}
+
+/// A layer that forgets on PostgreSQL without announcing it (the library, not the proxy)
+/// still switches the SQL fence's lease-end check on before it deletes a job.
+#[tokio::test]
+async fn forgetting_a_job_switches_the_sql_check_on() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let su = admin().await;
+    let job: JobId = "idle-job".parse().unwrap();
+    assert_eq!(
+        store.observe(&job, Generation::new(3)).await.unwrap(),
+        Verdict::Accepted
+    );
+    let plain = su
+        .query_one(&format!("SELECT {}('idle-job', 3)", t.observe_fn), &[])
         .await;
-    assert!(again.unwrap().get::<_, bool>(0), "forgetting off again");
+    assert!(plain.unwrap().get::<_, bool>(0), "not forgetting yet");
+    store.shift_clock_ms(10 * 60_000);
+    let idle = store
+        .idle(IdlePage {
+            idle_for: Duration::from_secs(60),
+            after: None,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    let idle = idle.iter().find(|i| i.job == job).expect("idle").clone();
+    assert!(store.forget(&idle).await.unwrap(), "forgotten");
+    // A stale writer of the forgotten job cannot pass as its first.
+    let refused = su
+        .query_one(&format!("SELECT {}('idle-job', 2)", t.require_fn), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), Some("ZF428"), "{refused}");
 }
