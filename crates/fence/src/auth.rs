@@ -185,13 +185,13 @@ impl AuthFile {
             };
             if secret.len() > MAX_SECRET_LEN {
                 return Err(bad(format!(
-                    "the secret of {name} is {} characters; at most {MAX_SECRET_LEN} are sent by fence clients",
+                    "the secret (the second word) is {} characters; at most {MAX_SECRET_LEN} are sent by fence clients",
                     secret.len()
                 )));
             }
             if secret.len() < MIN_SECRET_LEN {
                 return Err(bad(format!(
-                    "the secret of {name} is {} characters; use at least {MIN_SECRET_LEN} random ones (head -c 32 /dev/urandom | base64)",
+                    "the secret (the second word) is {} characters; use at least {MIN_SECRET_LEN} random ones (head -c 32 /dev/urandom | base64)",
                     secret.len()
                 )));
             }
@@ -226,7 +226,7 @@ impl AuthFile {
             }
             if patterns.is_empty() {
                 return Err(bad(format!(
-                    "client {name} has no job pattern; give at least one (* for every job)"
+                    "the client has no job pattern (expected <name> <secret> <job-pattern>...); give at least one (* for every job)"
                 )));
             }
             let secret = SecretHash::of(secret.as_bytes());
@@ -443,6 +443,12 @@ mod tests {
                 "line 2: client a appears twice",
             ),
             ("# nothing\n", "no client"),
+            // The name left out: the secret stands where the name goes, and is not echoed.
+            ("0123456789abcdef-secret inv-*", "is 5 characters"),
+            (
+                "0123456789abcdef-secret invoice-reports-2024-*",
+                "no job pattern",
+            ),
         ] {
             let e = AuthFile::parse(text).unwrap_err().to_string();
             assert!(e.contains(want), "{text:?}: {e}");
