@@ -70,6 +70,7 @@ pub fn attempt<'a>(
         fingerprint,
         id,
         generation: Generation::new(generation),
+        settled_after: Duration::ZERO,
     }
 }
 

@@ -286,6 +286,7 @@ where
             deadline,
             body_timeout: config.body_timeout,
             attempt: crate::idempotency::attempt_id(),
+            settled_after: config.limits.restart.settled_after(),
         }),
         _ => None,
     };

@@ -27,6 +27,14 @@ pub(crate) struct Restart {
     pub(crate) hold: Duration,
 }
 
+impl Restart {
+    /// How long after its admission a request can no longer be running, outcome unknown
+    /// included.
+    pub(crate) fn settled_after(&self) -> Duration {
+        self.longest_request.saturating_add(self.hold)
+    }
+}
+
 impl GateState {
     /// Takes the stamps of a job loaded from the store, at `now_ms` by the layer's clock.
     pub(super) fn load_prior(&mut self, prior: Prior, restart: Restart, now_ms: u64) {

@@ -45,6 +45,8 @@ pub(crate) struct Keyed<'a, St> {
     pub(crate) body_timeout: Duration,
     /// This attempt's id (random, not 0): its in-flight record is its own.
     pub(crate) attempt: u64,
+    /// See [`Attempt::settled_after`].
+    pub(crate) settled_after: Duration,
 }
 
 /// A fresh attempt id: random, never 0 (which marks records from before ids were kept).
@@ -78,6 +80,8 @@ impl OwnedAttempt {
             fingerprint: &self.fingerprint,
             id: self.id,
             generation: self.generation,
+            // Only ever finished or forgotten, which takes nothing over.
+            settled_after: Duration::ZERO,
         }
     }
 }
@@ -368,6 +372,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             fingerprint,
             id: self.attempt,
             generation: self.token.generation(),
+            settled_after: self.settled_after,
         }
     }
 

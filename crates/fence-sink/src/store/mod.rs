@@ -266,6 +266,12 @@ pub struct Attempt<'a> {
     /// older generation is taken over (the fence admitted this one only once the older
     /// request had finished, or its unknown outcome's hold had ended).
     pub generation: Generation,
+    /// How long after it began an attempt can no longer be running (the layer's longest
+    /// request plus its unknown-outcome hold). A store
+    /// shared by several processes ([`GenerationStore::is_shared`]) takes an older
+    /// generation's in-flight record over only once that long has passed since it began:
+    /// the fence of this process drained only the requests this process admitted.
+    pub settled_after: Duration,
 }
 
 /// Durable per-(job, key) idempotency records.

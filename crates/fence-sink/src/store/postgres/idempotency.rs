@@ -18,17 +18,22 @@ impl PgStore {
         let t = &self.tables.idempotency;
         let record = crate::store::record::in_flight(&attempt, 0).encode();
         // One statement decides: a new record, one that is no longer live, or one in flight
-        // for an older generation (the fence let that request go first), is taken over.
+        // for an older generation that can no longer be running, is taken over. Several
+        // processes share these tables, and the fence of this one drained only the requests
+        // it admitted: the older attempt may be running through another (or through this
+        // one's process before a restart) until `settled_after` from its start.
         let started = client
             .query_opt(
                 &format!(
-                    "INSERT INTO {t} AS i (job, key, fingerprint, in_flight, record, live_until_ms, attempt, generation)
-                     VALUES ($1, $2, $3, true, $4, {now} + $5::bigint, $7, $8::text::numeric)
+                    "INSERT INTO {t} AS i (job, key, fingerprint, in_flight, record, live_until_ms, attempt, generation, begun_ms)
+                     VALUES ($1, $2, $3, true, $4, {now} + $5::bigint, $7, $8::text::numeric, {now})
                      ON CONFLICT (job, key) DO UPDATE SET fingerprint = excluded.fingerprint, in_flight = true,
                        record = excluded.record, live_until_ms = excluded.live_until_ms,
-                       attempt = excluded.attempt, generation = excluded.generation
+                       attempt = excluded.attempt, generation = excluded.generation,
+                       begun_ms = excluded.begun_ms
                      WHERE i.live_until_ms <= {now}
-                        OR (i.in_flight AND i.generation > 0 AND i.generation < excluded.generation)
+                        OR (i.in_flight AND i.generation > 0 AND i.generation < excluded.generation
+                            AND i.begun_ms > 0 AND i.begun_ms + $9::bigint <= {now})
                      RETURNING 1",
                     now = now_ms(6)
                 ),
@@ -41,6 +46,7 @@ impl PgStore {
                     &self.offset(),
                     &signed(attempt.id),
                     &attempt.generation.get().to_string(),
+                    &ms(attempt.settled_after),
                 ],
             )
             .await

@@ -474,3 +474,39 @@ async fn forgetting_a_job_switches_the_sql_check_on() {
         .unwrap_err();
     assert_eq!(code(&refused), Some("ZF428"), "{refused}");
 }
+
+/// An older generation's in-flight record is taken over by a newer one only once its attempt
+/// can no longer be running anywhere: `settled_after` from when it began.
+#[tokio::test]
+async fn a_newer_generation_takes_a_record_over_once_the_older_attempt_has_settled() {
+    use crate::store::{Attempt, Begin, Fingerprint, IdempotencyStore};
+    let Some(store) = fresh().await else { return };
+    let job: JobId = "step-job".parse().unwrap();
+    let key = fence_core::headers::IdempotencyKey::from_bytes(b"step").unwrap();
+    let fingerprint = Fingerprint::of(&http::Method::POST, "/", b"charge");
+    let attempt = |id: u64, generation: u64| Attempt {
+        job: &job,
+        key: &key,
+        fingerprint: &fingerprint,
+        id,
+        generation: Generation::new(generation),
+        settled_after: Duration::from_secs(60),
+    };
+    let in_flight = Duration::from_secs(300);
+    assert_eq!(
+        store.begin(attempt(11, 1), in_flight).await.unwrap(),
+        Begin::Started
+    );
+    store.shift_clock_ms(59_000);
+    assert_eq!(
+        store.begin(attempt(12, 2), in_flight).await.unwrap(),
+        Begin::InFlight,
+        "taken over while the older attempt may still run"
+    );
+    store.shift_clock_ms(1_000);
+    assert_eq!(
+        store.begin(attempt(13, 2), in_flight).await.unwrap(),
+        Begin::Started,
+        "not taken over once the older attempt has settled"
+    );
+}
