@@ -248,6 +248,19 @@ func (l *Lease) setGrant(sent time.Time, a leaseAnswer, first bool) (bool, error
 	return true, nil
 }
 
+// renewEvery is a third of the grant, but never later than halfway to the deadline: a fixed
+// margin may take most of a grant the server cut short (its --max-ttl).
+func renewEvery(ttl, margin time.Duration) time.Duration {
+	every := ttl / 3
+	if half := (ttl - marginOf(ttl, margin)) / 2; half < every {
+		every = half
+	}
+	if every < 10*time.Millisecond {
+		every = 10 * time.Millisecond
+	}
+	return every
+}
+
 func marginOf(ttl, configured time.Duration) time.Duration {
 	if configured > 0 {
 		return configured
@@ -288,7 +301,7 @@ func (l *Lease) wait(d time.Duration) bool {
 // included, ends at the deadline at the latest, so the context is cancelled on time.
 func (l *Lease) keep() {
 	l.mu.Lock()
-	next := l.sent.Add(l.ttl / 3)
+	next := l.sent.Add(renewEvery(l.ttl, l.margin))
 	l.mu.Unlock()
 	for {
 		deadline := l.Deadline()
@@ -343,7 +356,7 @@ func (l *Lease) keep() {
 				if !ok {
 					return
 				}
-				next = sent.Add(l.TTL() / 3)
+				next = sent.Add(renewEvery(l.TTL(), l.margin))
 				continue
 			}
 			o.err = err

@@ -194,6 +194,25 @@ func TestACheckpointGoesToTheNextHolder(t *testing.T) {
 	}
 }
 
+// 30 s asked, 2 s granted, 1.5 s margin: the deadline is 0.5 s after each send, before a
+// third of the grant; renewals come halfway to it.
+func TestAFixedMarginThatTakesMostOfACappedGrantStillRenewsInTime(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--max-ttl", "2s"}})
+	c := mustClient(t, s.serverURL, Options{TTL: 30 * time.Second, Margin: 1500 * time.Millisecond})
+	lease, err := c.Claim(ctx, "capped-margin")
+	if err != nil {
+		t.Fatal(err)
+	}
+	time.Sleep(2 * time.Second)
+	if err := lease.Err(); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lease.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+}
+
 func TestRenewalsFollowAShorterGrant(t *testing.T) {
 	ctx := context.Background()
 	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--max-ttl", "600ms"}})

@@ -170,6 +170,16 @@ def test_renewals_follow_a_shorter_grant(stack):
     lease.release()
 
 
+def test_a_fixed_margin_that_takes_most_of_a_capped_grant_still_renews_in_time(stack):
+    # 30 s asked, 2 s granted, 1.5 s margin: the deadline is 0.5 s after each send, before a
+    # third of the grant; renewals come halfway to it.
+    s = stack(proxy=False, server_args=["--max-ttl", "2s"])
+    lease = Client(s.server_url, ttl=30.0, margin=1.5).claim("capped-margin")
+    time.sleep(2.0)
+    assert not lease.is_lost(), lease.loss_reason
+    lease.release()
+
+
 def test_idempotency_key_matches_the_binary():
     out = subprocess.run([fence_bin(), "idempotency-key", "--job", "invoice-42", "--step",
                           "charge"], check=True, capture_output=True, text=True).stdout.strip()

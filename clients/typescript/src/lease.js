@@ -217,8 +217,11 @@ export class Lease {
     return `/v1/leases/${encodeJob(this.job)}/${action}`;
   }
 
+  // A third of the grant, but never later than halfway to the deadline: a fixed margin may
+  // take most of a grant the server cut short (its --max-ttl).
   #renewEvery() {
-    return this.#ttlMs / 3;
+    const usable = Math.max(this.#ttlMs - marginOf(this.#ttlMs, this.#marginMs), 0);
+    return Math.max(Math.min(this.#ttlMs / 3, usable / 2), 10);
   }
 
   // Sleeps until `at` (monotonic ms), or until the lease is finished.

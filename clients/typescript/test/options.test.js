@@ -148,6 +148,18 @@ test('renewals follow a shorter grant', async (t) => {
   await lease.release();
 });
 
+test('a fixed margin that takes most of a capped grant still renews in time', async (t) => {
+  // 30 s asked, 2 s granted, 1.5 s margin: the deadline is 0.5 s after each send, before a
+  // third of the grant; renewals come halfway to it.
+  const s = await stack(t, { proxy: false, serverArgs: ['--max-ttl', '2s'] });
+  const client = new Client({ server: s.serverUrl, ttlMs: 30_000, marginMs: 1_500 });
+  t.after(() => client.close());
+  const lease = await client.claim('capped-margin');
+  await sleep(2000);
+  assert.equal(lease.isLost(), false, String(lease.lossReason));
+  await lease.release();
+});
+
 test('idempotency key matches the binary', () => {
   const out = execFileSync(fenceBin(), ['idempotency-key', '--job', 'invoice-42', '--step', 'charge']).toString().trim();
   assert.equal(idempotencyKey('invoice-42', 'charge'), out);

@@ -106,7 +106,8 @@ impl<S: LeaseStore> LeaseClient<S> {
         self
     }
 
-    /// Renews every `every` instead of every `ttl / 3`.
+    /// Renews every `every` instead of every `ttl / 3` (or halfway to the local deadline, when
+    /// a fixed margin leaves less of a shorter grant).
     pub fn renew_every(mut self, every: Duration) -> Self {
         self.renew_every = Some(every);
         self
@@ -398,6 +399,13 @@ impl<S: LeaseStore> LeaseClient<S> {
                 "the store granted generation 0".into(),
             ))
         })?;
+        if timing.leaves_no_time(grant.ttl) {
+            return Err(ClaimError::GrantTooShort {
+                job,
+                granted: grant.ttl.as_duration(),
+                margin: timing.margin(grant.ttl),
+            });
+        }
         if Instant::now() >= timing.deadline(t_send, grant.ttl) {
             let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
             return Err(ClaimError::Store(StoreError::Timeout(budget)));
@@ -520,6 +528,20 @@ pub enum ClaimError {
     /// The client's timing does not fit the TTL.
     #[error(transparent)]
     Timing(#[from] TimingError),
+    /// The store granted a lease no longer than the client's safety margin (a server-side
+    /// cap, `fence server --max-ttl`, below the TTL asked for): it could not be held for any
+    /// time, and is left to expire.
+    #[error(
+        "job {job}: the store granted a lease of {granted:?}, not longer than the safety margin {margin:?}, so it could not be held at all; lower the client's safety margin or raise the server's maximum TTL"
+    )]
+    GrantTooShort {
+        /// The job.
+        job: JobId,
+        /// The TTL granted.
+        granted: Duration,
+        /// The client's safety margin.
+        margin: Duration,
+    },
     /// [`LeaseClient::resume`] of a lease the store no longer has this owner hold.
     #[error("job {job}: the lease of generation {generation} is not held any more: {why}")]
     NotHeld {

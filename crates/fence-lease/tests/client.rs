@@ -258,6 +258,44 @@ async fn a_grant_shorter_than_asked_is_renewed_in_time_and_lost_before_it_ends()
     );
 }
 
+/// A fixed safety margin that takes most of a grant the store cut short: the keeper renews
+/// within what the margin leaves (not on a third of the grant, after the local deadline),
+/// and a grant no longer than the margin is refused by name, not as a timeout.
+#[tokio::test(start_paused = true)]
+async fn a_fixed_margin_and_a_capped_grant_still_renew_before_the_deadline() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let mut store = Stallable::new(clock, Duration::from_millis(5));
+    store.max_ttl = Ttl::from_millis(20_000).unwrap();
+    let client = LeaseClient::new(store.clone())
+        .ttl(Ttl::from_millis(60_000).unwrap())
+        .safety_margin(Duration::from_secs(15));
+    let lease = client.claim(job()).await.unwrap();
+    let first = lease.deadline();
+    // The deadline is 5 s after the claim; a third of the grant would be 6.7 s.
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(
+        !lease.is_lost(),
+        "lost a 20 s grant with a 15 s margin: {:?}",
+        lease.loss_reason()
+    );
+    assert!(lease.deadline() > first, "never renewed");
+    lease.release().await.unwrap();
+
+    store.max_ttl = Ttl::from_millis(10_000).unwrap();
+    let client = LeaseClient::new(store.clone())
+        .ttl(Ttl::from_millis(60_000).unwrap())
+        .safety_margin(Duration::from_secs(15));
+    match client.claim(job()).await {
+        Err(ClaimError::GrantTooShort {
+            granted, margin, ..
+        }) => assert_eq!(
+            (granted, margin),
+            (Duration::from_secs(10), Duration::from_secs(15))
+        ),
+        other => panic!("{:?}", other.map(|l| l.generation())),
+    }
+}
+
 /// A renewal answered `Lost` loses the lease at once, before the local deadline.
 #[tokio::test(start_paused = true)]
 async fn superseded_renewal_loses_at_once() {

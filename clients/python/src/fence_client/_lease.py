@@ -181,8 +181,11 @@ class LeaseCore:
         raise NotImplementedError
 
     def _renew_every(self) -> float:
+        # A third of the grant, but never later than halfway to the deadline: a fixed
+        # margin may take most of a grant the server cut short (its --max-ttl).
         with self._lock:
-            return self._ttl_ms / 3000
+            usable_ms = max(self._ttl_ms - margin_ms(self._ttl_ms, self._margin), 0)
+            return max(min(self._ttl_ms / 3, usable_ms / 2), 10) / 1000
 
     def _retry_pause(self) -> float:
         # Steady, so that the last chance before the deadline is not skipped; jittered, so

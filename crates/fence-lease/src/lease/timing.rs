@@ -91,13 +91,20 @@ impl Timing {
     }
 
     /// How long after a grant was asked for to renew it: the configured interval while it
-    /// fits the grant (shorter than the grant minus the margin), else a third of the grant.
+    /// fits the grant (shorter than the grant minus the margin), else a third of the grant,
+    /// and never later than halfway to the local deadline (a fixed margin may take most of
+    /// a grant the store cut short).
     pub(crate) fn renew_every(&self, granted: Ttl) -> Duration {
         let granted_d = granted.as_duration();
         let fits = granted_d.saturating_sub(self.margin(granted));
         self.renew_every
             .filter(|every| *every < fits)
-            .unwrap_or(granted_d / 3)
+            .unwrap_or_else(|| (granted_d / 3).min(fits / 2))
+    }
+
+    /// Whether a grant leaves no time to hold the lease: it is not longer than the margin.
+    pub(crate) fn leaves_no_time(&self, granted: Ttl) -> bool {
+        granted.as_duration() <= self.margin(granted)
     }
 
     /// `t_send + granted - margin`; a grant shorter than the margin gives no time at all.
