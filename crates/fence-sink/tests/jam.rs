@@ -16,7 +16,8 @@ use bytes::Bytes;
 use common::Partial;
 use fence_core::{Generation, JobId};
 use fence_sink::{
-    BodyTimeout, FenceLayer, GenerationStore, MemoryStore, OutcomeUnknown, RequestBody,
+    Attempt, Begin, BodyTimeout, FenceLayer, Finish, GenerationStore, IdempotencyStore,
+    MemoryStore, OutcomeUnknown, RequestBody, StoreError, Verdict,
 };
 use http::{Request, Response, StatusCode};
 use http_body_util::{BodyExt, combinators::UnsyncBoxBody};
@@ -106,9 +107,10 @@ fn log_of(log: &Log) -> Vec<String> {
     log.lock().unwrap().clone()
 }
 
-type Fenced = fence_sink::Fence<App, MemoryStore>;
-
-async fn send(svc: &Fenced, req: Request<In>) -> (StatusCode, String, http::HeaderMap) {
+async fn send<St: GenerationStore + IdempotencyStore>(
+    svc: &fence_sink::Fence<App, St>,
+    req: Request<In>,
+) -> (StatusCode, String, http::HeaderMap) {
     let response = svc.clone().oneshot(req).await.unwrap();
     let (head, body) = response.into_parts();
     let body = body.collect().await.unwrap().to_bytes();
@@ -272,4 +274,96 @@ async fn buffered_bytes_have_a_cap_and_past_it_nothing_is_passed_on() {
     assert_eq!(status, StatusCode::CONFLICT, "{text}");
     assert!(text.contains("not-replayable"), "{text}");
     assert_eq!(layer.buffered_bytes(), 0, "every byte given back");
+}
+
+/// A store other processes share whose calls stall once `stuck` is set (a SQL writer holds
+/// the job's row), counting the calls running at once.
+#[derive(Clone, Default)]
+struct Stuck {
+    inner: MemoryStore,
+    stuck: Arc<std::sync::atomic::AtomicBool>,
+    running: Arc<std::sync::atomic::AtomicUsize>,
+    most: Arc<std::sync::atomic::AtomicUsize>,
+}
+
+impl Stuck {
+    async fn call<T>(&self, f: impl std::future::Future<Output = T>) -> T {
+        use std::sync::atomic::Ordering::SeqCst;
+        if self.stuck.load(SeqCst) {
+            let now = self.running.fetch_add(1, SeqCst) + 1;
+            self.most.fetch_max(now, SeqCst);
+            std::future::pending::<()>().await;
+        }
+        f.await
+    }
+}
+
+impl GenerationStore for Stuck {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        self.call(self.inner.observe(job, token)).await
+    }
+
+    async fn raise(
+        &self,
+        job: &JobId,
+        token: Generation,
+        older_running: bool,
+    ) -> Result<Verdict, StoreError> {
+        self.call(self.inner.raise(job, token, older_running)).await
+    }
+
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        self.inner.highest(job).await
+    }
+
+    fn is_shared(&self) -> bool {
+        true
+    }
+}
+
+impl IdempotencyStore for Stuck {
+    async fn begin(&self, attempt: Attempt<'_>, in_flight: Duration) -> Result<Begin, StoreError> {
+        self.inner.begin(attempt, in_flight).await
+    }
+
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
+        self.inner.finish(attempt, outcome).await
+    }
+
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        self.inner.purge_expired().await
+    }
+}
+
+/// A job whose store calls stall (a writer holds its row in a shared store) takes at most
+/// four of the store's connections, its newer token's raise included: the rest stay free for
+/// other jobs (docs/protocol.md section 11).
+#[tokio::test(start_paused = true)]
+async fn a_stalled_job_holds_at_most_four_store_calls_its_raise_included() {
+    let store = Stuck::default();
+    let layer = FenceLayer::new(store.clone()).without_idempotency();
+    let svc = layer.layer(service(Log::default()));
+    assert!(
+        send(&svc, request("/", 5, None, full("")))
+            .await
+            .0
+            .is_success()
+    );
+    store.stuck.store(true, std::sync::atomic::Ordering::SeqCst);
+    let mut waiting = Vec::new();
+    for token in [5, 5, 5, 5, 5, 6] {
+        let svc = svc.clone();
+        waiting.push(tokio::spawn(async move {
+            send(&svc, request("/", token, None, full(""))).await.0
+        }));
+        settle().await;
+    }
+    assert_eq!(
+        store.most.load(std::sync::atomic::Ordering::SeqCst),
+        4,
+        "calls of the stalled job running at once"
+    );
+    for w in waiting {
+        assert_eq!(w.await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
+    }
 }

@@ -315,24 +315,29 @@ impl<St: GenerationStore> Gates<St> {
         timeout: Duration,
     ) -> Result<Verdict, StoreError> {
         let call = async {
-            let _turn = loop {
-                let notified = gate.changed.notified();
-                tokio::pin!(notified);
-                notified.as_mut().enable(); // registered before the check: no wake-up is missed
-                {
-                    let mut s = gate.lock();
-                    if s.store_calls < STORE_CALLS_PER_JOB {
-                        s.store_calls += 1;
-                        break Turn(gate);
-                    }
-                }
-                notified.await;
-            };
+            let _turn = Self::turn(gate).await;
             self.store.observe(job, token).await
         };
         tokio::time::timeout(timeout, call)
             .await
             .map_err(|_| StoreError::Timeout(timeout))?
+    }
+
+    /// One of the job's [`STORE_CALLS_PER_JOB`] turns at the store.
+    async fn turn(gate: &Gate) -> Turn<'_> {
+        loop {
+            let notified = gate.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable(); // registered before the check: no wake-up is missed
+            {
+                let mut s = gate.lock();
+                if s.store_calls < STORE_CALLS_PER_JOB {
+                    s.store_calls += 1;
+                    return Turn(gate);
+                }
+            }
+            notified.await;
+        }
     }
 
     /// Decides one request of `job` carrying `token`, by the layer's `clock`: read again at
@@ -541,7 +546,12 @@ impl<St: GenerationStore> Gates<St> {
         let gates = self.clone();
         Detachable::finishing(Box::pin(async move {
             let unsettled = Unsettled { gate: &gate, token };
-            let raise = gates.store.raise(&job, token, older_running);
+            // Within the job's turns, like its checks: a job whose row a stalled writer holds
+            // takes at most STORE_CALLS_PER_JOB of a shared store's connections in all.
+            let raise = async {
+                let _turn = Self::turn(&gate).await;
+                gates.store.raise(&job, token, older_running).await
+            };
             let result = tokio::time::timeout(timeout, raise)
                 .await
                 .unwrap_or(Err(StoreError::Timeout(timeout)));
