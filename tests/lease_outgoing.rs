@@ -69,3 +69,67 @@ async fn legacy_client_sends_fencing_headers_until_the_lease_is_lost() {
         "the server must not have seen the refused request"
     );
 }
+
+/// hyper's client does nothing until its future is polled: a request handed over while the
+/// lease was held and polled after it was lost is refused then, and never reaches the server.
+#[tokio::test]
+async fn a_request_handed_over_before_the_loss_and_polled_after_it_is_not_sent() {
+    let (addr, mut seen) = fence_suite::spawn_echo_server().await.unwrap();
+    let client = LeaseClient::new(MemoryLeaseStore::new());
+    let lease = client.claim("job-10".parse().unwrap()).await.unwrap();
+    let mut http = ServiceBuilder::new()
+        .layer(lease.fencing_layer())
+        .service(Client::builder(TokioExecutor::new()).build_http::<Empty<Bytes>>());
+    let url = format!("http://{addr}/effect");
+    let pending = http
+        .ready()
+        .await
+        .unwrap()
+        .call(http::Request::post(&url).body(Empty::new()).unwrap());
+    let view = lease.view();
+    lease.release().await.unwrap();
+    assert!(view.is_lost());
+    let err = pending.await.unwrap_err();
+    let lost = err.downcast_ref::<LeaseLost>().expect("a LeaseLost error");
+    assert!(!lost.in_flight, "{lost}");
+    assert!(lost.to_string().starts_with("not sent"), "{lost}");
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    assert!(seen.try_recv().is_err(), "the server saw the request");
+}
+
+/// A request still on its way when the lease is lost (the destination has not answered) is
+/// abandoned at once: the caller learns of the loss instead of waiting on the network.
+#[tokio::test]
+async fn a_request_in_flight_when_the_lease_is_lost_is_abandoned() {
+    let client = LeaseClient::new(MemoryLeaseStore::new());
+    let lease = client.claim("job-11".parse().unwrap()).await.unwrap();
+    let started = Arc::new(tokio::sync::Notify::new());
+    let inner = {
+        let started = started.clone();
+        tower::service_fn(move |_req: http::Request<()>| {
+            let started = started.clone();
+            async move {
+                started.notify_one();
+                std::future::pending::<Result<(), std::convert::Infallible>>().await
+            }
+        })
+    };
+    let mut http = ServiceBuilder::new()
+        .layer(lease.fencing_layer())
+        .service(inner);
+    let call = http.ready().await.unwrap().call(http::Request::new(()));
+    let answer = tokio::spawn(call);
+    started.notified().await;
+    lease.release().await.unwrap();
+    let err = tokio::time::timeout(Duration::from_secs(5), answer)
+        .await
+        .expect("abandoned at the loss, not left waiting")
+        .unwrap()
+        .unwrap_err();
+    let lost = err.downcast_ref::<LeaseLost>().expect("a LeaseLost error");
+    assert!(lost.in_flight, "{lost}");
+    assert!(
+        lost.to_string().starts_with("abandoned in flight"),
+        "{lost}"
+    );
+}

@@ -33,12 +33,17 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use fence_storage::BoxError;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use crate::{Lease, LeaseStore, LeaseView, LossReason};
 
-/// The error a [`Fencing`] service returns instead of sending once its lease is lost.
+/// The error a [`Fencing`] service returns instead of sending once its lease is lost, or
+/// instead of the answer when the lease was lost while the request was on its way.
 #[derive(Debug, Clone, thiserror::Error)]
-#[error("not sent: the lease on job {job} (generation {generation}) is lost: {reason}")]
+#[error(
+    "{}: the lease on job {job} (generation {generation}) is lost: {reason}",
+    if *in_flight { "abandoned in flight (whether the destination acted on it is unknown; its fence decides)" } else { "not sent" }
+)]
 pub struct LeaseLost {
     /// The job.
     pub job: JobId,
@@ -46,6 +51,21 @@ pub struct LeaseLost {
     pub generation: Generation,
     /// Why.
     pub reason: LossReason,
+    /// Whether the inner service had started on the request when the loss was seen: it was
+    /// then dropped before its answer, and may have reached the destination. `false`: the
+    /// inner service never saw it.
+    pub in_flight: bool,
+}
+
+impl LeaseLost {
+    fn of(lease: &LeaseView, in_flight: bool) -> Self {
+        Self {
+            job: lease.job().clone(),
+            generation: lease.generation(),
+            reason: lease.loss_reason().unwrap_or(LossReason::DeadlinePassed),
+            in_flight,
+        }
+    }
 }
 
 impl<S: LeaseStore> Lease<S> {
@@ -81,9 +101,11 @@ impl<S> Layer<S> for FencingLayer {
 /// Sets `X-Fencing-Job` and `X-Fencing-Token` on every request while the lease is held;
 /// fails with [`LeaseLost`] without calling the inner service once it is not.
 ///
-/// The check happens when the request is handed over; a request the inner service has
-/// already accepted (queued in a connection pool, say) is out of the lease's reach, which is
-/// why the destination must check the token too.
+/// The lease is checked when the request is handed over and again when its future is first
+/// polled (a lazy client such as hyper's does nothing before), and the request is abandoned
+/// (the caller gets [`LeaseLost`] with `in_flight` set, and drops the inner future with it)
+/// when the lease is lost before its answer's head arrives. What already left the process is
+/// out of the lease's reach, which is why the destination must check the token too.
 #[derive(Debug, Clone)]
 pub struct Fencing<S> {
     inner: S,
@@ -137,19 +159,15 @@ where
                 ResponseFuture {
                     kind: Kind::Sent {
                         future: self.inner.call(req),
+                        lost: self.lease.lost(),
+                        lease: self.lease.clone(),
+                        polled: false,
                     },
                 }
             }
             None => ResponseFuture {
                 kind: Kind::Refused {
-                    error: Some(LeaseLost {
-                        job: self.lease.job().clone(),
-                        generation: self.lease.generation(),
-                        reason: self
-                            .lease
-                            .loss_reason()
-                            .unwrap_or(LossReason::DeadlinePassed),
-                    }),
+                    error: Some(LeaseLost::of(&self.lease, false)),
                 },
             },
         }
@@ -167,7 +185,14 @@ pin_project! {
 pin_project! {
     #[project = KindProj]
     enum Kind<F> {
-        Sent { #[pin] future: F },
+        Sent {
+            #[pin]
+            future: F,
+            #[pin]
+            lost: WaitForCancellationFutureOwned,
+            lease: LeaseView,
+            polled: bool,
+        },
         Refused { error: Option<LeaseLost> },
     }
 }
@@ -181,7 +206,28 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Sent { future } => future.poll(cx).map_err(Into::into),
+            KindProj::Sent {
+                future,
+                lost,
+                lease,
+                polled,
+            } => {
+                if !*polled {
+                    *polled = true;
+                    // Lost between the hand-over and now: a lazy inner future has sent nothing.
+                    if lease.is_lost() {
+                        return Poll::Ready(Err(LeaseLost::of(lease, false).into()));
+                    }
+                }
+                if let Poll::Ready(answer) = future.poll(cx) {
+                    return Poll::Ready(answer.map_err(Into::into));
+                }
+                // Lost while on its way: dropped with this future (the caller drops it).
+                match lost.poll(cx) {
+                    Poll::Ready(()) => Poll::Ready(Err(LeaseLost::of(lease, true).into())),
+                    Poll::Pending => Poll::Pending,
+                }
+            }
             KindProj::Refused { error } => {
                 Poll::Ready(Err(error.take().expect("polled after completion").into()))
             }
