@@ -12,6 +12,8 @@
 //! # Ok(()) }
 //! ```
 
+mod unsettled;
+
 use std::{sync::Arc, time::Duration};
 
 use fence_core::{Generation, JobId, Owner, Ttl, secret::LeaseKey};
@@ -34,6 +36,8 @@ pub struct LeaseClient<S> {
     progress_within: Option<Duration>,
     /// Jobs held by live handles of this owner (shared by clones).
     held: HeldJobs,
+    /// Keys of claims whose answers were lost, for the next claim of their jobs.
+    unsettled: Arc<unsettled::Unsettled>,
 }
 
 impl<S> Clone for LeaseClient<S> {
@@ -47,6 +51,7 @@ impl<S> Clone for LeaseClient<S> {
             progress_within: self.progress_within,
             margin: self.margin,
             held: self.held.clone(),
+            unsettled: self.unsettled.clone(),
         }
     }
 }
@@ -68,6 +73,7 @@ impl<S: LeaseStore> LeaseClient<S> {
             progress_within: None,
             margin: None,
             held: Arc::default(),
+            unsettled: Arc::default(),
         }
     }
 
@@ -131,6 +137,11 @@ impl<S: LeaseStore> LeaseClient<S> {
 
     /// Claims `job` and starts a keeper task that renews it in the background.
     ///
+    /// When a claim's answer is lost (an I/O error, a timeout, a 502, 503 or 504), it may have
+    /// been granted: the next claim of the job by this client or its clones, within the TTL,
+    /// asks with the same lease key, so that grant comes back rather than the job being
+    /// reported held, by this owner, until it expires.
+    ///
     /// Must be called within a tokio runtime.
     ///
     /// # Errors
@@ -159,7 +170,12 @@ impl<S: LeaseStore> LeaseClient<S> {
         // rule): two tasks would then both hold one job. Refuse it here.
         let held = HeldMark::take(&self.held, &job)
             .ok_or_else(|| ClaimError::AlreadyHeld { job: job.clone() })?;
-        let key = crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?;
+        // The key of an earlier claim of this job whose answer was lost: if it was granted,
+        // this claim gets that lease back instead of being told the job is held (by us).
+        let key = match self.unsettled.take(&job) {
+            Some(key) => key,
+            None => crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?,
+        };
         let t_send = Instant::now();
         let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
         let terms = crate::ClaimTerms {
@@ -178,8 +194,15 @@ impl<S: LeaseStore> LeaseClient<S> {
         };
         let outcome = tokio::time::timeout(budget + wait, claim)
             .await
-            .map_err(|_| ClaimError::Store(StoreError::Timeout(budget + wait)))??;
-        let grant = granted(&job, outcome)?;
+            .unwrap_or(Err(StoreError::Timeout(budget + wait)));
+        if let Err(StoreError::Io(_) | StoreError::Timeout(_) | StoreError::Unavailable { .. }) =
+            &outcome
+        {
+            // Perhaps granted, for at most the TTL from now.
+            let until = Instant::now() + self.ttl.as_duration();
+            self.unsettled.keep(job.clone(), key.clone(), until);
+        }
+        let grant = granted(&job, outcome?)?;
         self.after_grant(job, key, grant, t_send, timing, held)
             .await
     }

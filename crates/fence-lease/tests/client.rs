@@ -502,6 +502,76 @@ impl LeaseStore for Forgotten {
     }
 }
 
+/// A store that decides the first claim and then loses its answer (a 503 after the write, a
+/// gateway's 502, a cut connection).
+#[derive(Debug, Clone, Default)]
+struct LosesFirstClaimAnswer {
+    inner: MemoryLeaseStore,
+    lost: Arc<AtomicBool>,
+}
+
+impl LeaseStore for LosesFirstClaimAnswer {
+    async fn claim_slot(
+        &self,
+        resource: &fence_core::JobId,
+        owner: &fence_core::Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, fence_lease::StoreError> {
+        self.inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await
+    }
+
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        let claim = matches!(op, LeaseOp::Claim { .. });
+        let outcome = self.inner.apply(job, op).await?;
+        if claim && !self.lost.swap(true, Ordering::SeqCst) {
+            return Err(StoreError::Unavailable {
+                status: 503,
+                detail: "the answer was lost after the decision".into(),
+                retry_after: None,
+            });
+        }
+        Ok(outcome)
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        self.inner.get(job).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
+    }
+}
+
+/// A claim whose answer was lost may have been granted: the client's next claim of the job
+/// asks with the same lease key and gets that lease back, instead of being told for a whole
+/// TTL that the job is held by this very owner.
+#[tokio::test]
+async fn a_claim_after_one_whose_answer_was_lost_gets_that_lease_back() {
+    let store = LosesFirstClaimAnswer::default();
+    let client = LeaseClient::new(store.clone()).owner("worker".parse().unwrap());
+    let first = client.claim(job()).await.map(|l| l.generation());
+    assert!(
+        matches!(
+            first,
+            Err(ClaimError::Store(StoreError::Unavailable { .. }))
+        ),
+        "{first:?}"
+    );
+    let lease = client
+        .claim(job())
+        .await
+        .expect("the lost grant, asked again");
+    assert_eq!(lease.generation(), Generation::new(1));
+    lease.release().await.unwrap();
+    // Settled: the next claim is a claim like any other.
+    let next = client.claim(job()).await.unwrap();
+    assert_eq!(next.generation(), Generation::new(2));
+}
+
 /// Resuming a lease the store no longer knows of says it is not held (what `fence
 /// keepalive` turns into exit 75), not that the store broke the protocol.
 #[tokio::test]
