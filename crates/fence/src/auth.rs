@@ -225,9 +225,9 @@ impl AuthFile {
                 }
             }
             if patterns.is_empty() {
-                return Err(bad(format!(
-                    "the client has no job pattern (expected <name> <secret> <job-pattern>...); give at least one (* for every job)"
-                )));
+                return Err(bad(
+                    "the client has no job pattern (expected <name> <secret> <job-pattern>...); give at least one (* for every job)".into(),
+                ));
             }
             let secret = SecretHash::of(secret.as_bytes());
             if clients.iter().any(|c| c.name == name) {
