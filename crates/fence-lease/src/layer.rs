@@ -33,16 +33,14 @@ use tower_layer::Layer;
 use tower_service::Service;
 
 use fence_storage::BoxError;
-use tokio_util::sync::WaitForCancellationFutureOwned;
 
 use crate::{Lease, LeaseStore, LeaseView, LossReason};
 
-/// The error a [`Fencing`] service returns instead of sending once its lease is lost, or
-/// instead of the answer when the lease was lost while the request was on its way.
+/// The error a [`Fencing`] service returns instead of sending once its lease is lost.
 #[derive(Debug, Clone, thiserror::Error)]
 #[error(
     "{}: the lease on job {job} (generation {generation}) is lost: {reason}",
-    if *in_flight { "abandoned in flight (whether the destination acted on it is unknown; its fence decides)" } else { "not sent" }
+    if *handed_over { "not sent by this layer (it had handed the request over before the loss: a lazy client such as hyper's sends nothing before this poll, an eager one such as a buffer may have)" } else { "not sent" }
 )]
 pub struct LeaseLost {
     /// The job.
@@ -51,19 +49,20 @@ pub struct LeaseLost {
     pub generation: Generation,
     /// Why.
     pub reason: LossReason,
-    /// Whether the inner service had started on the request when the loss was seen: it was
-    /// then dropped before its answer, and may have reached the destination. `false`: the
-    /// inner service never saw it.
-    pub in_flight: bool,
+    /// Whether the inner service's `call` had already run when the loss was seen (at the
+    /// first poll of its future): a lazy inner service (hyper's client) then sent nothing,
+    /// an eager one (a buffer, tonic's `Channel`) may have. `false`: the inner service never
+    /// saw the request.
+    pub handed_over: bool,
 }
 
 impl LeaseLost {
-    fn of(lease: &LeaseView, in_flight: bool) -> Self {
+    fn of(lease: &LeaseView, handed_over: bool) -> Self {
         Self {
             job: lease.job().clone(),
             generation: lease.generation(),
             reason: lease.loss_reason().unwrap_or(LossReason::DeadlinePassed),
-            in_flight,
+            handed_over,
         }
     }
 }
@@ -102,10 +101,10 @@ impl<S> Layer<S> for FencingLayer {
 /// fails with [`LeaseLost`] without calling the inner service once it is not.
 ///
 /// The lease is checked when the request is handed over and again when its future is first
-/// polled (a lazy client such as hyper's does nothing before), and the request is abandoned
-/// (the caller gets [`LeaseLost`] with `in_flight` set, and drops the inner future with it)
-/// when the lease is lost before its answer's head arrives. What already left the process is
-/// out of the lease's reach, which is why the destination must check the token too.
+/// polled (a lazy client such as hyper's sends nothing before). A request whose future has
+/// started is on its way and gets its real answer, even if the lease is lost meanwhile: what
+/// has left the process is out of the lease's reach, which is why the destination must check
+/// the token too (the worked example's delayed write shows it refused there).
 #[derive(Debug, Clone)]
 pub struct Fencing<S> {
     inner: S,
@@ -159,9 +158,7 @@ where
                 ResponseFuture {
                     kind: Kind::Sent {
                         future: self.inner.call(req),
-                        lost: self.lease.lost(),
-                        lease: self.lease.clone(),
-                        polled: false,
+                        lease: Some(self.lease.clone()),
                     },
                 }
             }
@@ -188,10 +185,8 @@ pin_project! {
         Sent {
             #[pin]
             future: F,
-            #[pin]
-            lost: WaitForCancellationFutureOwned,
-            lease: LeaseView,
-            polled: bool,
+            // Until the first poll: looked at once more then.
+            lease: Option<LeaseView>,
         },
         Refused { error: Option<LeaseLost> },
     }
@@ -206,27 +201,14 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Sent {
-                future,
-                lost,
-                lease,
-                polled,
-            } => {
-                if !*polled {
-                    *polled = true;
-                    // Lost between the hand-over and now: a lazy inner future has sent nothing.
-                    if lease.is_lost() {
-                        return Poll::Ready(Err(LeaseLost::of(lease, false).into()));
-                    }
+            KindProj::Sent { future, lease } => {
+                // Lost between the hand-over and now: a lazy inner future has sent nothing.
+                if let Some(lease) = lease.take()
+                    && lease.is_lost()
+                {
+                    return Poll::Ready(Err(LeaseLost::of(&lease, true).into()));
                 }
-                if let Poll::Ready(answer) = future.poll(cx) {
-                    return Poll::Ready(answer.map_err(Into::into));
-                }
-                // Lost while on its way: dropped with this future (the caller drops it).
-                match lost.poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Err(LeaseLost::of(lease, true).into())),
-                    Poll::Pending => Poll::Pending,
-                }
+                future.poll(cx).map_err(Into::into)
             }
             KindProj::Refused { error } => {
                 Poll::Ready(Err(error.take().expect("polled after completion").into()))
