@@ -74,6 +74,9 @@ type Client struct {
 	clock  Clock
 	delay  time.Duration
 	within time.Duration
+	// unsettled keeps the keys of claims whose answers were lost, for the next claim of
+	// their jobs.
+	unsettled *unsettledKeys
 }
 
 // NewClient makes a client of server ("" means FENCE_SERVER, else http://127.0.0.1:7700).
@@ -82,7 +85,7 @@ func NewClient(server string, opts Options) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	c := &Client{t: t, owner: opts.Owner, ttl: opts.TTL, margin: opts.Margin, clock: opts.Clock, delay: opts.LockDelay, within: opts.ProgressWithin}
+	c := &Client{t: t, owner: opts.Owner, ttl: opts.TTL, margin: opts.Margin, clock: opts.Clock, delay: opts.LockDelay, within: opts.ProgressWithin, unsettled: &unsettledKeys{}}
 	if c.within < 0 {
 		return nil, fmt.Errorf("fence: ProgressWithin must not be negative, not %v", c.within)
 	}
@@ -121,6 +124,9 @@ func (c *Client) Owner() string { return c.owner }
 
 // Claim claims job and starts its keeper. Errors: a *ProblemError matching ErrLeaseHeld or
 // ErrJobCompleted (or another refusal), ErrUnreachable, and ErrInvalidJobID before sending.
+// After a claim whose answer was lost (ErrUnreachable, a 502, 503 or 504: it may have been
+// granted), the next claim of the job asks with the same lease key, so that grant comes back
+// rather than the job being held, by this owner, until it expires.
 func (c *Client) Claim(ctx context.Context, job string) (*Lease, error) {
 	return c.ClaimWaiting(ctx, job, 0)
 }
@@ -137,9 +143,13 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 	if err != nil {
 		return nil, err
 	}
-	key, err := newLeaseKey()
-	if err != nil {
-		return nil, err
+	// The key of an earlier claim of this job whose answer was lost, while that claim may
+	// still hold the job: asked with it, the server gives that lease back.
+	key, kept := c.unsettled.take(job, c.clock.Now())
+	if !kept {
+		if key, err = newLeaseKey(); err != nil {
+			return nil, err
+		}
 	}
 	ttlMs := uint64(ttl / time.Millisecond)
 	body := c.claimBody(key, ttlMs)
@@ -163,6 +173,10 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 		err = c.t.call(ctx, http.MethodPost, path, body, budget+chunk, &a)
 		if err == nil {
 			break
+		}
+		if answerLost(err) {
+			now := c.clock.Now()
+			c.unsettled.keep(job, key, now.Add(ttl), now)
 		}
 		if !errors.Is(err, ErrLeaseHeld) || chunk == 0 || !c.clock.Now().Before(waitUntil) || ctx.Err() != nil {
 			return nil, err
@@ -239,8 +253,8 @@ func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait
 		case errors.Is(err, ErrUnreachable):
 			// The answer was lost, and it may have been a grant: the same key gets that slot back.
 			pause = backoff
-		case errors.As(err, &refused) && (refused.Status == http.StatusBadGateway ||
-			refused.Status == http.StatusServiceUnavailable || refused.Status == http.StatusGatewayTimeout):
+		case answerLost(err) && errors.As(err, &refused):
+			// The same, after the answer's Retry-After when it had a longer one.
 			if pause = backoff; refused.RetryAfter > pause {
 				pause = refused.RetryAfter
 			}

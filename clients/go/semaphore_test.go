@@ -306,18 +306,22 @@ func TestBadResourceNamesAndNumbersOfSlotsAreRefusedBeforeSending(t *testing.T) 
 // "lossy" is lost on its way back and replaced: by a transport error (a connection cut after
 // the request) when status is 0, by a 503 store-unavailable with Retry-After: 0.3 when it is
 // 503, by a gateway's 502 page when it is 502. The answer lost is kept in lost, and when each
-// of that owner's claims was sent in sends.
+// of that owner's claims was sent in sends. With path set, the claims lost are those whose
+// path starts with it instead.
 type losingTransport struct {
 	next   http.RoundTripper
 	status int
+	path   string
 	mu     sync.Mutex
-	lost        []map[string]any
-	sends       []time.Time
+	lost   []map[string]any
+	sends  []time.Time
 }
 
 func (l *losingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
 	mine := false
-	if strings.Contains(req.URL.Path, "/v1/semaphores/lossy") && req.GetBody != nil {
+	if l.path != "" {
+		mine = strings.HasPrefix(req.URL.Path, l.path)
+	} else if strings.Contains(req.URL.Path, "/v1/semaphores/lossy") && req.GetBody != nil {
 		if body, err := req.GetBody(); err == nil {
 			raw, _ := io.ReadAll(body)
 			mine = strings.Contains(string(raw), `"owner":"lossy"`)
@@ -402,6 +406,41 @@ func TestALostAnswerToASlotClaimGetsThatSlotBackNotASecond(t *testing.T) {
 			var refused *ProblemError
 			if status != 0 && !(errors.As(err, &refused) && refused.Status == status) || status == 0 && !errors.Is(err, ErrUnreachable) {
 				t.Fatalf("without a wait: %v", err)
+			}
+		})
+	}
+}
+
+// A claim whose answer was lost may have been granted: the next claim of the job asks with the
+// same key and gets that lease back, instead of the job being held, by this owner, for the
+// whole TTL.
+func TestAClaimAfterOneWhoseAnswerWasLostGetsThatLeaseBack(t *testing.T) {
+	for _, status := range []int{0, http.StatusServiceUnavailable, http.StatusBadGateway} {
+		t.Run(fmt.Sprintf("lost as %d", status), func(t *testing.T) {
+			ctx := context.Background()
+			s := newStack(t, stackOpts{noProxy: true})
+			c := mustClient(t, s.serverURL, Options{Owner: "lossy", TTL: 30 * time.Second})
+			losing := &losingTransport{next: c.t.http.Transport, status: status, path: "/v1/leases/plain-lossy/claim"}
+			c.t.http.Transport = losing
+			if _, err := c.Claim(ctx, "plain-lossy"); err == nil {
+				t.Fatal("the lost answer was not an error")
+			}
+			lease, err := c.Claim(ctx, "plain-lossy")
+			if err != nil {
+				t.Fatalf("the lost grant, asked again: %v", err)
+			}
+			if len(losing.lost) != 1 || fmt.Sprint(losing.lost[0]["generation"]) != "1" || lease.Generation() != 1 {
+				t.Fatalf("lost %v, lease generation %d", losing.lost, lease.Generation())
+			}
+			if _, err := lease.Release(ctx); err != nil {
+				t.Fatal(err)
+			}
+			next, err := c.Claim(ctx, "plain-lossy") // settled: a claim like any other
+			if err != nil || next.Generation() != 2 {
+				t.Fatalf("next claim: %v, %v", next, err)
+			}
+			if _, err := next.Release(ctx); err != nil {
+				t.Fatal(err)
 			}
 		})
 	}

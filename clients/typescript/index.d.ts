@@ -62,7 +62,7 @@ export class Client {
   readonly owner: string;
   readonly ttlMs: number;
   readonly lockDelayMs: number | undefined;
-  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, ProblemError, ServerUnreachable; throws InvalidJobId before sending. */
+  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504), the next claim of the job asks with the same lease key, so a lost grant comes back. */
   claim(job: string, options?: ClaimOptions): Promise<Lease>;
   /**
    * Claims one of `slots` (1 to 1000) slots of semaphore `resource` and starts its keeper: a lease on the slot's job `<resource>#<slot>`, with `resource` and `slot` set. Release or complete it when done: completing a slot releases it (the server frees the slot; the record's `state` is 'free').

@@ -193,3 +193,51 @@ def test_timing_options_are_checked():
         Client("http://127.0.0.1:9", ttl=1.0, margin=1.0)
     with pytest.raises(ValueError):
         Client("127.0.0.1:7700")
+
+
+def lose_first_claim_answer(client, monkeypatch, lost_as: Exception) -> list:
+    """The first claim reaches the server and is decided, but ``lost_as`` is raised instead of
+    its answer: the answers lost, for the test."""
+    real = client._transport.call
+    lost: list = []
+
+    def losing(method, path, body=None, timeout=None):
+        answer = real(method, path, body, timeout=timeout)
+        if path.startswith("/v1/leases/") and "/claim" in path and not lost:
+            lost.append(answer)
+            raise lost_as
+        return answer
+
+    monkeypatch.setattr(client._transport, "call", losing)
+    return lost
+
+
+@pytest.mark.parametrize("lost_as", [
+    ServerUnreachable("the answer was lost on its way back"),
+    ProblemError({"type": "urn:fence:store-unavailable", "status": 503,
+                  "detail": "the store did not confirm the decision within 5 s"}, 503),
+    ProblemError({"type": "about:blank", "status": 502, "detail": "bad gateway"}, 502),
+], ids=["unreachable", "503", "502 of a gateway"])
+def test_a_claim_after_one_whose_answer_was_lost_gets_that_lease_back(stack, monkeypatch,
+                                                                        lost_as):
+    # Asked again with a new key, the job would be held (by this owner) for the whole TTL.
+    s = stack(proxy=False)
+    client = Client(s.server_url, owner="lossy", ttl=30.0)
+    lost = lose_first_claim_answer(client, monkeypatch, lost_as)
+    with pytest.raises(type(lost_as)):
+        client.claim("lossy")
+    lease = client.claim("lossy")
+    assert lease.generation == lost[0]["generation"] == 1
+    lease.release()
+    assert client.claim("lossy").generation == 2  # settled: a claim like any other
+
+    async def from_asyncio() -> None:
+        aclient = AsyncClient(s.server_url, owner="lossy-async", ttl=30.0)
+        lost = lose_first_claim_answer(aclient, monkeypatch, lost_as)
+        with pytest.raises(type(lost_as)):
+            await aclient.claim("alossy")
+        lease = await aclient.claim("alossy")
+        assert lease.generation == lost[0]["generation"] == 1
+        await lease.release()
+
+    asyncio.run(from_asyncio())

@@ -25,6 +25,18 @@ const SLOT_BACKOFF_MAX_MS = 500;
 
 const pause = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
+// The most lease keys of claims with lost answers a client keeps (see Client#unsettled).
+const MAX_UNSETTLED = 10_000;
+
+/**
+ * Whether a claim's answer was lost (the server unreachable, a timeout, a 502, 503 or 504 of the
+ * server or a gateway): it may have been a grant, which the same lease key gets back.
+ * @param {unknown} error
+ */
+function answerLost(error) {
+  return error instanceof ServerUnreachable || (error instanceof ProblemError && [502, 503, 504].includes(error.status));
+}
+
 /**
  * How long to pause before asking for a slot again: until the slot that frees first may be free
  * (the problem's expires_in_ms, or claimable_in_ms in a lock-delay), at most `backoffMs`, at
@@ -55,6 +67,10 @@ function checkTtl(ttlMs) {
 /** A client of one lease server, claiming under one owner name. */
 export class Client {
   #transport;
+  // Lease keys of claims whose answers were lost, by job: {key, until} (monotonic ms until
+  // which a lease such a claim won could still be held). The next claim of the job asks with
+  // it, so a lost grant comes back instead of the job being held, by this owner, until then.
+  #unsettled = new Map();
 
   /**
    * @param {import('../index.js').ClientOptions} [options]
@@ -80,14 +96,19 @@ export class Client {
 
   /**
    * Claims `job` and starts its keeper. With `waitMs` the server holds the claim while the job
-   * is held and answers the moment it frees (asked again every 60 s).
+   * is held and answers the moment it frees (asked again every 60 s). After a claim whose answer
+   * was lost (ServerUnreachable, a 502, 503 or 504: it may have been granted), the next claim of
+   * the job asks with the same lease key, so that grant comes back rather than the job being
+   * held, by this owner, until it expires.
    * @param {string} job
    * @param {{waitMs?: number, ttlMs?: number, lockDelayMs?: number}} [options]
    * @returns {Promise<Lease>}
    */
   async claim(job, options = {}) {
     checkJob(job);
-    const { key, body, ttlMs, budget } = this.#claimBody(options);
+    const kept = this.#unsettled.get(job);
+    this.#unsettled.delete(job);
+    const { key, body, ttlMs, budget } = this.#claimBody(options, kept !== undefined && now() < kept.until ? kept.key : undefined);
     const waitUntil = now() + Math.max(options.waitMs ?? 0, 0);
     let answer;
     let sent;
@@ -100,6 +121,7 @@ export class Client {
         answer = await this.#transport.call('POST', path, body, budget + chunk);
         break;
       } catch (e) {
+        if (answerLost(e)) this.#keepUnsettled(job, key, now() + ttlMs);
         if (!(e instanceof LeaseHeld) || chunk === 0 || now() >= waitUntil) throw e;
       }
     }
@@ -150,11 +172,10 @@ export class Client {
         let wait;
         if (e instanceof LeaseHeld) {
           wait = heldPause(e, backoff);
-        } else if (e instanceof ServerUnreachable) {
-          // The answer was lost, and it may have been a grant: the same key gets that slot back.
-          wait = backoff;
-        } else if (e instanceof ProblemError && [502, 503, 504].includes(e.status)) {
-          wait = Math.max(backoff, (e.retryAfter ?? 0) * 1000);
+        } else if (answerLost(e)) {
+          // The answer was lost, and it may have been a grant: the same key gets that slot
+          // back, after the answer's Retry-After when it had a longer one.
+          wait = Math.max(backoff, (e instanceof ProblemError ? e.retryAfter ?? 0 : 0) * 1000);
         }
         if (wait === undefined || left <= 0) throw e;
         await pause(Math.min(wait, left));
@@ -169,9 +190,18 @@ export class Client {
   }
 
   // A claim's lease key, body, TTL and time budget per request (ms); the options checked here.
-  #claimBody(options) {
+  // Keeps `key` for the next claim of `job` until `until`; past MAX_UNSETTLED keys, expired
+  // ones go first, then new ones are not kept.
+  #keepUnsettled(job, key, until) {
+    if (this.#unsettled.size >= MAX_UNSETTLED) {
+      const t = now();
+      for (const [j, k] of this.#unsettled) if (k.until <= t) this.#unsettled.delete(j);
+    }
+    if (this.#unsettled.size < MAX_UNSETTLED) this.#unsettled.set(job, { key, until });
+  }
+
+  #claimBody(options, key = newLeaseKey()) {
     const ttlMs = checkTtl(options.ttlMs ?? this.ttlMs);
-    const key = newLeaseKey();
     const body = { owner: this.owner, lease_key: key, ttl_ms: ttlMs };
     const lockDelayMs = checkLockDelay(options.lockDelayMs ?? this.lockDelayMs);
     if (lockDelayMs !== undefined) body.lock_delay_ms = lockDelayMs;

@@ -224,3 +224,37 @@ test('a Retry-After is seconds, at most a minute', () => {
     assert.equal(problemError(503, 'text/plain', '', value).retryAfter, seconds, value);
   }
 });
+
+for (const [name, lostAs] of [
+  ['unreachable', () => new ServerUnreachable('the answer was lost on its way back')],
+  ['503', () => new ProblemError({ type: 'urn:fence:store-unavailable', status: 503,
+    detail: 'the store did not confirm the decision within 5 s' }, 503, null)],
+  ['502 of a gateway', () => new ProblemError({ type: 'about:blank', status: 502,
+    detail: '<html>502 Bad Gateway</html>' }, 502, null)],
+]) {
+  test(`a claim after one whose answer was lost (${name}) gets that lease back`, async (t) => {
+    // Asked again with a new key, the job would be held (by this owner) for the whole TTL.
+    const s = await stack(t, { proxy: false });
+    const real = Transport.prototype.call;
+    const lost = [];
+    Transport.prototype.call = async function losing(method, path, body, timeoutMs) {
+      const answer = await real.call(this, method, path, body, timeoutMs);
+      if (path.startsWith('/v1/leases/plain-lossy/claim') && lost.length === 0) {
+        lost.push(answer);
+        throw lostAs();
+      }
+      return answer;
+    };
+    t.after(() => { Transport.prototype.call = real; });
+    const client = new Client({ server: s.serverUrl, owner: 'lossy', ttlMs: 30_000 });
+    t.after(() => client.close());
+    await assert.rejects(client.claim('plain-lossy'), (e) => e.constructor === lostAs().constructor);
+    const lease = await client.claim('plain-lossy');
+    assert.equal(lease.generation, lost[0].generation);
+    assert.equal(lease.generation, 1n);
+    await lease.release();
+    const next = await client.claim('plain-lossy'); // settled: a claim like any other
+    assert.equal(next.generation, 2n);
+    await next.release();
+  });
+}

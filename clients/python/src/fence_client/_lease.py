@@ -279,6 +279,10 @@ def slot_retry_pause(error: FenceError, backoff: float, left: float) -> Optional
     return min(pause, left)
 
 
+MAX_UNSETTLED = 10_000
+"""The most lease keys of claims with lost answers a client keeps."""
+
+
 class ClientCore:
     """The options both clients take, checked once: the server's transport, the owner, the
     TTL and the safety margin."""
@@ -299,6 +303,36 @@ class ClientCore:
         if margin is not None and not 0 <= margin * 1000 < self.ttl_ms:
             raise ValueError("the safety margin must be shorter than the TTL")
         self._margin = margin
+        # Lease keys of claims whose answers were lost, by job: (key, monotonic time until
+        # which a lease it won could still be held).
+        self._unsettled: Dict[str, Tuple[str, float]] = {}
+        self._unsettled_lock = threading.Lock()
+
+    def _claim_key(self, job: str) -> str:
+        """The key for a claim of ``job``: the key of its last claim whose answer was lost,
+        while a lease that claim may have won could still be held (asked again with it, the
+        server gives that lease back instead of answering that the job is held, by this owner,
+        until it expires); else a new one."""
+        with self._unsettled_lock:
+            kept = self._unsettled.pop(job, None)
+        if kept is not None and monotonic() < kept[1]:
+            return kept[0]
+        return new_lease_key()
+
+    def _claim_failed(self, job: str, key: str, ttl_ms: int, error: BaseException) -> None:
+        """Keeps ``key`` for the next claim of ``job`` when ``error`` means the claim's answer
+        was lost (the server unreachable, a timeout, a 502, 503 or 504): it may have been a
+        grant. At most MAX_UNSETTLED keys are kept; expired ones go first."""
+        lost = isinstance(error, ServerUnreachable) or (
+            isinstance(error, ProblemError) and error.status in (502, 503, 504))
+        if not lost:
+            return
+        now = monotonic()
+        with self._unsettled_lock:
+            if len(self._unsettled) >= MAX_UNSETTLED:
+                self._unsettled = {j: k for j, k in self._unsettled.items() if now < k[1]}
+            if len(self._unsettled) < MAX_UNSETTLED:
+                self._unsettled[job] = (key, now + ttl_ms / 1000)
 
     def _claim_body(self, key: str, ttl_ms: int, lock_delay: Optional[float]) -> Dict[str, Any]:
         """A claim's body; the lock-delay of the call, else the client's, else the server's."""

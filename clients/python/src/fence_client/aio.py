@@ -21,7 +21,7 @@ from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolEr
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
                      LeaseCore, claim_path, semaphore_claim_path, slot_of, slot_retry_pause)
-from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic, new_lease_key,
+from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic,
                     ttl_to_ms)
 
 
@@ -192,7 +192,7 @@ class AsyncClient(ClientCore):
     async def _claim(self, job: str, wait: float, ttl: Optional[float],
                      on_success: str, lock_delay: Optional[float] = None) -> AsyncLease:
         ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
-        key = new_lease_key()
+        key = self._claim_key(job)
         body = self._claim_body(key, ttl_ms, lock_delay)
         budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
         wait_until = monotonic() + max(wait, 0.0)
@@ -208,6 +208,9 @@ class AsyncClient(ClientCore):
             except LeaseHeld:
                 if chunk <= 0 or monotonic() >= wait_until:
                     raise
+            except FenceError as e:
+                self._claim_failed(job, key, ttl_ms, e)
+                raise
         return await self._lease_from(job, key, ttl_ms, on_success, sent, answer)
 
     async def _lease_from(self, job: str, key: str, ttl_ms: int, on_success: str, sent: float,

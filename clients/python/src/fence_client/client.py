@@ -18,7 +18,7 @@ from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolEr
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
                      LeaseCore, claim_path, slot_of, slot_retry_pause)
-from ._wire import (Timeout, bounded, check_job, encode_job, margin_ms, monotonic, new_lease_key,
+from ._wire import (Timeout, bounded, check_job, encode_job, margin_ms, monotonic,
                     ttl_to_ms)
 
 
@@ -151,7 +151,7 @@ class Client(ClientCore):
         :class:`InvalidJobId` before sending anything."""
         check_job(job)
         ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
-        key = new_lease_key()
+        key = self._claim_key(job)
         body = self._claim_body(key, ttl_ms, lock_delay)
         budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
         wait_until = monotonic() + max(wait, 0.0)
@@ -166,6 +166,9 @@ class Client(ClientCore):
             except LeaseHeld:
                 if chunk <= 0 or monotonic() >= wait_until:
                     raise
+            except FenceError as e:
+                self._claim_failed(job, key, ttl_ms, e)
+                raise
         return self._lease_from(job, key, ttl_ms, on_success, sent, answer)
 
     def claim_slot(self, resource: str, slots: int, *, wait: float = 0.0,
