@@ -96,7 +96,7 @@ pub(crate) fn stale(
 ) -> Problem {
     let detail = match pending {
         Some(newer) => format!(
-            "job {job}: token {token} is older than token {newer}, which is waiting for older requests to finish before it is applied; a newer lease holder exists"
+            "job {job}: token {token} is older than token {newer}, which a newer lease holder has presented (it is applied once older requests have finished and its write is on disk); a newer lease holder exists"
         ),
         None => format!(
             "job {job}: token {token} is below generation {highest}, which this destination has already seen; a newer lease holder exists"

@@ -277,13 +277,18 @@ async fn buffered_bytes_have_a_cap_and_past_it_nothing_is_passed_on() {
 }
 
 /// A store other processes share whose calls stall once `stuck` is set (a SQL writer holds
-/// the job's row), counting the calls running at once.
+/// the job's row), counting the calls running at once; with `slow_raises`, a raise is written
+/// and then answered only after that long (a disk that confirms late).
 #[derive(Clone, Default)]
 struct Stuck {
     inner: MemoryStore,
     stuck: Arc<std::sync::atomic::AtomicBool>,
     running: Arc<std::sync::atomic::AtomicUsize>,
     most: Arc<std::sync::atomic::AtomicUsize>,
+    /// Milliseconds; 0: answered at once.
+    slow_raises: Arc<std::sync::atomic::AtomicU64>,
+    /// Whether other processes share it (then every request asks it).
+    shared: bool,
 }
 
 impl Stuck {
@@ -309,7 +314,10 @@ impl GenerationStore for Stuck {
         token: Generation,
         older_running: bool,
     ) -> Result<Verdict, StoreError> {
-        self.call(self.inner.raise(job, token, older_running)).await
+        let raised = self.call(self.inner.raise(job, token, older_running)).await;
+        let late = self.slow_raises.load(std::sync::atomic::Ordering::SeqCst);
+        tokio::time::sleep(Duration::from_millis(late)).await;
+        raised
     }
 
     async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
@@ -317,7 +325,7 @@ impl GenerationStore for Stuck {
     }
 
     fn is_shared(&self) -> bool {
-        true
+        self.shared
     }
 }
 
@@ -340,7 +348,10 @@ impl IdempotencyStore for Stuck {
 /// other jobs (docs/protocol.md section 11).
 #[tokio::test(start_paused = true)]
 async fn a_stalled_job_holds_at_most_four_store_calls_its_raise_included() {
-    let store = Stuck::default();
+    let store = Stuck {
+        shared: true,
+        ..Stuck::default()
+    };
     let layer = FenceLayer::new(store.clone()).without_idempotency();
     let svc = layer.layer(service(Log::default()));
     assert!(
@@ -366,4 +377,66 @@ async fn a_stalled_job_holds_at_most_four_store_calls_its_raise_included() {
     for w in waiting {
         assert_eq!(w.await.unwrap(), StatusCode::SERVICE_UNAVAILABLE);
     }
+}
+
+/// A raise that timed out may still have been written: a holder of the newer token exists, so
+/// the older token is refused from then on, not admitted from memory as if nothing happened
+/// (a restart would count from that raise and not wait for what the older token still ran).
+/// The store is one process's: its stamp still covers the older token, which the gate would
+/// admit without asking it.
+#[tokio::test(start_paused = true)]
+async fn after_a_raise_that_timed_out_the_older_token_is_refused() {
+    let store = Stuck::default();
+    let layer = FenceLayer::new(store.clone())
+        .without_idempotency()
+        .store_timeout(Duration::from_secs(1));
+    let svc = layer.layer(service(Log::default()));
+    assert!(
+        send(&svc, request("/", 5, None, full("")))
+            .await
+            .0
+            .is_success()
+    );
+    // The disk now confirms raises late: written, answered after the store timeout.
+    store
+        .slow_raises
+        .store(2_000, std::sync::atomic::Ordering::SeqCst);
+    let (status, body, _) = send(&svc, request("/", 6, None, full(""))).await;
+    assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{body}");
+    assert_eq!(
+        store.inner.highest(&job()).await.unwrap(),
+        Generation::new(6)
+    );
+    let (status, body, _) = send(&svc, request("/", 5, None, full(""))).await;
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "the older token was admitted after its raise timed out: {body}"
+    );
+    // The disk answers in time again. Many other jobs come and go meanwhile (a pass folds
+    // quiet gates away every 256 new ones): this job's gate is not folded with what it knows.
+    store
+        .slow_raises
+        .store(0, std::sync::atomic::Ordering::SeqCst);
+    for other in 0..300 {
+        let mut req = request("/", 1, None, full(""));
+        let job = format!("other-{other}").parse().unwrap();
+        req.headers_mut().insert("x-fencing-job", job);
+        assert!(send(&svc, req).await.0.is_success());
+    }
+    let (status, body, _) = send(&svc, request("/", 5, None, full(""))).await;
+    assert_eq!(
+        status,
+        StatusCode::CONFLICT,
+        "admitted again once its gate was folded: {body}"
+    );
+    // The newer holder's retry writes its token, and goes on.
+    assert!(
+        send(&svc, request("/", 6, None, full("")))
+            .await
+            .0
+            .is_success()
+    );
+    let (status, _, _) = send(&svc, request("/", 5, None, full(""))).await;
+    assert_eq!(status, StatusCode::CONFLICT);
 }

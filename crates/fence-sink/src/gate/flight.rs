@@ -1,10 +1,46 @@
-//! The guards a gate hands out: one per admitted request, one per running bump.
+//! The guards a gate hands out: one per admitted request, one per running bump, one per call
+//! of the store.
 
 use std::{sync::Arc, time::Duration};
 
 use fence_core::Generation;
 
 use super::{Gate, Mutant, broken};
+
+/// How many of a shared store's connections one job's requests may use at once: a job whose
+/// row a stalled SQL writer holds locked ties up that many of the pool's connections, not
+/// all of them.
+pub(crate) const STORE_CALLS_PER_JOB: usize = 4;
+
+/// One of a job's [`STORE_CALLS_PER_JOB`] turns at the store, given back when dropped (the
+/// call ended, or its request went away).
+pub(super) struct Turn<'a>(&'a Gate);
+
+impl<'a> Turn<'a> {
+    /// Waits for one of `gate`'s turns.
+    pub(super) async fn take(gate: &'a Gate) -> Self {
+        loop {
+            let notified = gate.changed.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable(); // registered before the check: no wake-up is missed
+            {
+                let mut s = gate.lock();
+                if s.store_calls < STORE_CALLS_PER_JOB {
+                    s.store_calls += 1;
+                    return Self(gate);
+                }
+            }
+            notified.await;
+        }
+    }
+}
+
+impl Drop for Turn<'_> {
+    fn drop(&mut self) {
+        self.0.lock().store_calls -= 1;
+        self.0.changed.notify_waiters();
+    }
+}
 
 /// Clears a bump's mark when its task ends without settling (a panic in the store, or the
 /// runtime shutting down), so the job is not left waiting on a bump that will never finish.

@@ -50,7 +50,7 @@ use tokio::{
 pub use self::cache::{CacheStats, JobFence};
 use self::cache::{Made, Map};
 pub(crate) use self::flight::InFlight;
-use self::flight::Unsettled;
+use self::flight::{Turn, Unsettled};
 pub(crate) use self::restart::Restart;
 use crate::detach::Detachable;
 use crate::store::{GenerationStore, STAMP_AHEAD_MS, StoreError, Verdict};
@@ -97,7 +97,8 @@ pub(crate) enum Admission {
     },
     /// Older requests did not finish within the drain limit; `highest` is raised already.
     DrainTimeout { highest: Generation },
-    /// The store failed or timed out; nothing changed.
+    /// The store failed or timed out. For a newer token's raise, its write may have landed:
+    /// older tokens are refused from then on (see `GateState::unsure`).
     StoreFailed(StoreError),
 }
 
@@ -135,6 +136,10 @@ struct GateState {
     draining: usize,
     /// The token whose durable write is running, if any.
     bumping: Option<Generation>,
+    /// The highest token whose durable write failed or timed out: it may be on disk, and a
+    /// holder of it exists, so tokens below it are refused as stale; its next request writes
+    /// it again.
+    unsure: Generation,
     /// Admissions before this (ms, the layer's clock) are covered by the job's durable
     /// stamp (0: not known to be covered).
     covered_until_ms: u64,
@@ -146,7 +151,8 @@ struct GateState {
     /// Requests of older generations that the process before admitted may still be running
     /// until then.
     prior_older: Option<Instant>,
-    /// Calls of a shared store for this job running now (at most [`STORE_CALLS_PER_JOB`]).
+    /// Calls of the store for this job running now (at most
+    /// [`STORE_CALLS_PER_JOB`](flight::STORE_CALLS_PER_JOB)).
     store_calls: usize,
 }
 
@@ -177,22 +183,6 @@ pub(crate) struct Gate {
     changed: Notify,
 }
 
-/// How many of a shared store's connections one job's requests may use at once: a job whose
-/// row a stalled SQL writer holds locked ties up that many of the pool's connections, not
-/// all of them.
-pub(crate) const STORE_CALLS_PER_JOB: usize = 4;
-
-/// One of a job's [`STORE_CALLS_PER_JOB`] turns at a shared store, given back when dropped
-/// (the call ended, or its request went away).
-struct Turn<'a>(&'a Gate);
-
-impl Drop for Turn<'_> {
-    fn drop(&mut self) {
-        self.0.lock().store_calls -= 1;
-        self.0.changed.notify_waiters();
-    }
-}
-
 impl Gate {
     /// A gate rebuilt from a collapsed entry. Were `highest` lost here (0), nothing unsafe
     /// would follow, only a store write: every token above a gate's `highest` is bumped
@@ -214,8 +204,8 @@ impl Gate {
     }
 
     /// The highest generation and stamp, when the gate holds nothing but those: loaded,
-    /// nothing in flight, no bump pending or running, no stamp being renewed, and nothing
-    /// an earlier process admitted still to wait for.
+    /// nothing in flight, no bump pending, running or of unknown outcome, no stamp being
+    /// renewed, and nothing an earlier process admitted still to wait for.
     fn quiet(&self) -> Option<(Generation, u64)> {
         if !self.loaded.initialized() {
             return None;
@@ -224,8 +214,9 @@ impl Gate {
         let now = Instant::now();
         let prior =
             s.prior_older.is_some_and(|t| t > now) || s.prior_current.is_some_and(|t| t > now);
-        (s.current == 0 && s.draining == 0 && s.bumping.is_none() && !s.stamping && !prior)
-            .then_some((s.highest, s.covered_until_ms))
+        let unsure = s.unsure > s.highest;
+        let busy = s.current > 0 || s.draining > 0 || s.bumping.is_some() || s.stamping;
+        (!busy && !prior && !unsure).then_some((s.highest, s.covered_until_ms))
     }
 }
 
@@ -315,29 +306,12 @@ impl<St: GenerationStore> Gates<St> {
         timeout: Duration,
     ) -> Result<Verdict, StoreError> {
         let call = async {
-            let _turn = Self::turn(gate).await;
+            let _turn = Turn::take(gate).await;
             self.store.observe(job, token).await
         };
         tokio::time::timeout(timeout, call)
             .await
             .map_err(|_| StoreError::Timeout(timeout))?
-    }
-
-    /// One of the job's [`STORE_CALLS_PER_JOB`] turns at the store.
-    async fn turn(gate: &Gate) -> Turn<'_> {
-        loop {
-            let notified = gate.changed.notified();
-            tokio::pin!(notified);
-            notified.as_mut().enable(); // registered before the check: no wake-up is missed
-            {
-                let mut s = gate.lock();
-                if s.store_calls < STORE_CALLS_PER_JOB {
-                    s.store_calls += 1;
-                    return Turn(gate);
-                }
-            }
-            notified.await;
-        }
     }
 
     /// Decides one request of `job` carrying `token`, by the layer's `clock`: read again at
@@ -464,11 +438,12 @@ impl<St: GenerationStore> Gates<St> {
     /// One look at the gate, under its lock.
     fn decide(&self, gate: &Arc<Gate>, token: Generation, now_ms: u64) -> Step {
         let mut s = gate.lock();
-        let newest = s.bumping.map_or(s.highest, |b| b.max(s.highest));
-        if token < newest {
+        // A raise running, or one whose write may have landed: newer than `highest`.
+        let pending = s.bumping.max((s.unsure > s.highest).then_some(s.unsure));
+        if token < pending.map_or(s.highest, |p| p.max(s.highest)) {
             return Step::Stale {
                 highest: s.highest,
-                pending: s.bumping.filter(|b| token >= s.highest && token < *b),
+                pending: pending.filter(|p| token >= s.highest && token < *p),
             };
         }
         if token == s.highest {
@@ -549,7 +524,7 @@ impl<St: GenerationStore> Gates<St> {
             // Within the job's turns, like its checks: a job whose row a stalled writer holds
             // takes at most STORE_CALLS_PER_JOB of a shared store's connections in all.
             let raise = async {
-                let _turn = Self::turn(&gate).await;
+                let _turn = Turn::take(&gate).await;
                 gates.store.raise(&job, token, older_running).await
             };
             let result = tokio::time::timeout(timeout, raise)
@@ -587,7 +562,10 @@ impl<St: GenerationStore> Gates<St> {
                     pending: None,
                 })
             }
-            Err(e) => Err(Admission::StoreFailed(e)),
+            Err(e) => {
+                s.unsure = s.unsure.max(token);
+                Err(Admission::StoreFailed(e))
+            }
         }
     }
 }
