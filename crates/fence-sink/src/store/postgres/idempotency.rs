@@ -21,19 +21,20 @@ impl PgStore {
         // for an older generation that can no longer be running, is taken over. Several
         // processes share these tables, and the fence of this one drained only the requests
         // it admitted: the older attempt may be running through another (or through this
-        // one's process before a restart) until `settled_after` from its start.
+        // one's process before a restart) until `settles_ms`, which the process that began
+        // it set from its own longest request and hold (`Attempt::settled_after`).
         let started = client
             .query_opt(
                 &format!(
-                    "INSERT INTO {t} AS i (job, key, fingerprint, in_flight, record, live_until_ms, attempt, generation, begun_ms)
-                     VALUES ($1, $2, $3, true, $4, {now} + $5::bigint, $7, $8::text::numeric, {now})
+                    "INSERT INTO {t} AS i (job, key, fingerprint, in_flight, record, live_until_ms, attempt, generation, settles_ms)
+                     VALUES ($1, $2, $3, true, $4, {now} + $5::bigint, $7, $8::text::numeric, {now} + $9::bigint)
                      ON CONFLICT (job, key) DO UPDATE SET fingerprint = excluded.fingerprint, in_flight = true,
                        record = excluded.record, live_until_ms = excluded.live_until_ms,
                        attempt = excluded.attempt, generation = excluded.generation,
-                       begun_ms = excluded.begun_ms
+                       settles_ms = excluded.settles_ms
                      WHERE i.live_until_ms <= {now}
                         OR (i.in_flight AND i.generation > 0 AND i.generation < excluded.generation
-                            AND i.begun_ms > 0 AND i.begun_ms + $9::bigint <= {now})
+                            AND i.settles_ms > 0 AND i.settles_ms <= {now})
                      RETURNING 1",
                     now = now_ms(6)
                 ),
@@ -70,6 +71,15 @@ impl PgStore {
             job: attempt.job.clone(),
             reason,
         })?;
+        if let Record::InFlight { generation, .. } = record
+            && generation != 0
+            && generation < attempt.generation.get()
+        {
+            // An older generation's attempt that may still be running: this one waits for
+            // it, whatever its own body (a newer holder's request for the same step may
+            // differ), rather than being told the key was used for another request.
+            return Ok(Begin::InFlight);
+        }
         Ok(if record.fingerprint() != attempt.fingerprint {
             Begin::Mismatch
         } else {

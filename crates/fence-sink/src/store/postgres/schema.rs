@@ -46,9 +46,10 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          -- and the generation it was admitted with.
          ALTER TABLE {idempotency} ADD COLUMN IF NOT EXISTS attempt bigint NOT NULL DEFAULT 0;
          ALTER TABLE {idempotency} ADD COLUMN IF NOT EXISTS generation numeric(20, 0) NOT NULL DEFAULT 0;
-         -- When the in-flight record's attempt began (0: before this column): a newer
-         -- generation takes it over only once it can no longer be running anywhere.
-         ALTER TABLE {idempotency} ADD COLUMN IF NOT EXISTS begun_ms bigint NOT NULL DEFAULT 0;
+         -- When the in-flight record's attempt can no longer be running, by the settings of
+         -- the process that began it (0: before this column): a newer generation takes it
+         -- over only from then on.
+         ALTER TABLE {idempotency} ADD COLUMN IF NOT EXISTS settles_ms bigint NOT NULL DEFAULT 0;
          -- Whether the sinks on these tables forget idle jobs (then a check needs the
          -- token's lease end), and their allowed clock skew: one row, kept by them.
          CREATE TABLE IF NOT EXISTS {settings} (

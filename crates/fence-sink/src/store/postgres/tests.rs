@@ -484,28 +484,44 @@ async fn a_newer_generation_takes_a_record_over_once_the_older_attempt_has_settl
     let job: JobId = "step-job".parse().unwrap();
     let key = fence_core::headers::IdempotencyKey::from_bytes(b"step").unwrap();
     let fingerprint = Fingerprint::of(&http::Method::POST, "/", b"charge");
-    let attempt = |id: u64, generation: u64| Attempt {
+    let other = Fingerprint::of(
+        &http::Method::POST,
+        "/",
+        b"charge, as the newer holder says it",
+    );
+    let attempt = |id: u64, generation: u64, fingerprint, settled_s| Attempt {
         job: &job,
         key: &key,
-        fingerprint: &fingerprint,
+        fingerprint,
         id,
         generation: Generation::new(generation),
-        settled_after: Duration::from_secs(60),
+        settled_after: Duration::from_secs(settled_s),
     };
     let in_flight = Duration::from_secs(300);
+    // Begun by a process whose requests may run for 60 s.
     assert_eq!(
-        store.begin(attempt(11, 1), in_flight).await.unwrap(),
+        store
+            .begin(attempt(11, 1, &fingerprint, 60), in_flight)
+            .await
+            .unwrap(),
         Begin::Started
     );
     store.shift_clock_ms(59_000);
-    assert_eq!(
-        store.begin(attempt(12, 2), in_flight).await.unwrap(),
-        Begin::InFlight,
-        "taken over while the older attempt may still run"
-    );
+    // A process that settles at once, asking with another body: it still waits, on the
+    // beginner's settings, and is not told the key was used for another request.
+    for fp in [&fingerprint, &other] {
+        assert_eq!(
+            store.begin(attempt(12, 2, fp, 0), in_flight).await.unwrap(),
+            Begin::InFlight,
+            "taken over while the older attempt may still run"
+        );
+    }
     store.shift_clock_ms(1_000);
     assert_eq!(
-        store.begin(attempt(13, 2), in_flight).await.unwrap(),
+        store
+            .begin(attempt(13, 2, &other, 0), in_flight)
+            .await
+            .unwrap(),
         Begin::Started,
         "not taken over once the older attempt has settled"
     );
