@@ -1,5 +1,4 @@
-//! The guards a gate hands out: one per admitted request, one per running bump, one per call
-//! of the store.
+//! The guards a gate hands out: per admitted request, per running bump, per store call.
 
 use std::{sync::Arc, time::Duration};
 
