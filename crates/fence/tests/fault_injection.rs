@@ -434,8 +434,9 @@ async fn claim_within(
 /// Writes job `forced-forgotten` with SQL under two leases, one after the other; waits until
 /// the proxy has forgotten the job (its fence row is gone); then writes once more with the
 /// first lease's token, its lease long over. A writer that passes its token's lease end is
-/// refused (expired); one that claims a year (`ignore_expiry`) is taken for a new job's first
-/// writer and commits after the newer generation: a stale effect. Its lines, for the checker.
+/// refused (expired); one that always claims a lease end a full TTL ahead (`ignore_expiry`)
+/// is taken for a new job's first writer and commits after the newer generation: a stale
+/// effect. Its lines, for the checker.
 async fn stale_sql_write_after_forgetting(
     server: &str,
     url: &str,
@@ -755,7 +756,8 @@ struct SqlWriter {
     require: Option<String>,
     /// The same with the token's lease end, as writers must call it when sinks forget.
     require_expiring: String,
-    /// Claims every lease ends in a year (the SQL forgetting mode's negative control).
+    /// Claims every lease ends a full TTL from now, the latest the sinks accept (the SQL
+    /// forgetting mode's negative control: the database cannot tell it from a live lease).
     ignore_expiry: bool,
     insert: String,
 }
@@ -815,12 +817,13 @@ impl SqlWriter {
         }
         let client = slot.as_mut().expect("connected just now");
         let tx = client.transaction().await.map_err(fail)?;
-        let year_ahead = || {
+        // The proxy's --max-lease-ttl here: a later end is refused as too long-lived (ZF403).
+        let ttl_ahead = || {
             let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH);
-            now.map_or(0, |d| d.as_millis() as u64) + 365 * 86_400_000
+            now.map_or(0, |d| d.as_millis() as u64) + 1_000
         };
         let expires = match expires_at_ms {
-            Some(_) if self.ignore_expiry => Some(year_ahead()),
+            Some(_) if self.ignore_expiry => Some(ttl_ahead()),
             other => other,
         };
         let text = token.to_string();
@@ -1448,8 +1451,9 @@ enum Mode {
     /// The proxy's fence in PostgreSQL, shared with workers writing through the SQL fence
     /// (with their tokens' lease ends), signed tokens, and the proxy forgetting idle jobs.
     Sql,
-    /// The same, with SQL writers that claim every lease ends in a year: the database cannot
-    /// tell a stale token of a job the proxy forgot (the negative control of `Sql`).
+    /// The same, with SQL writers that claim every lease ends a full TTL from now: the
+    /// database cannot tell a stale token of a job the proxy forgot (the negative control of
+    /// `Sql`).
     SqlIgnoresExpiry,
     /// A gRPC upstream, and workers calling it with tonic clients through the proxy.
     Grpc,
@@ -2287,7 +2291,7 @@ async fn sql_writers_and_the_proxy_share_one_fence_without_violations() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sql_writers_that_ignore_their_lease_end_commit_stale_effects_of_forgotten_jobs() {
-    let title = "negative control: SQL writers claiming a year-long lease, the proxy forgetting";
+    let title = "negative control: SQL writers claiming a full TTL left on every lease, the proxy forgetting";
     let (report, seed) = soak(Mode::SqlIgnoresExpiry, 10, title).await;
     assert!(
         !report.stale_effects.is_empty(),
