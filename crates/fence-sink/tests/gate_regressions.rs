@@ -127,7 +127,7 @@ async fn a_token_behind_a_running_bump_is_told_which_token_waits() {
     };
     let six = detail(svc.clone().oneshot(post(6)).await.unwrap()).await;
     assert!(
-        six.contains("older than token 7, which is waiting"),
+        six.contains("older than token 7, which a newer lease holder has presented"),
         "{six}"
     );
     let four = detail(svc.clone().oneshot(post(4)).await.unwrap()).await;

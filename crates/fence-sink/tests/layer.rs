@@ -805,9 +805,6 @@ async fn store_failure_on_bump_and_on_idempotency_gets_503_then_recovers() {
     assert_eq!(send(&svc, post(JOB, 5)).await.status, 201);
 
     store.fail.store(true, Ordering::SeqCst);
-    let bump = send(&svc, post(JOB, 6)).await;
-    bump.problem(503, "urn:fence:store-unavailable");
-    bump.retry_after();
     let idem = send(&svc, keyed(JOB, 5, "k", "")).await;
     idem.problem(503, "urn:fence:store-unavailable");
     idem.retry_after();
@@ -818,6 +815,19 @@ async fn store_failure_on_bump_and_on_idempotency_gets_503_then_recovers() {
     );
     // The cached generation still answers without the store.
     assert_eq!(send(&svc, post(JOB, 5)).await.status, 201);
+    let bump = send(&svc, post(JOB, 6)).await;
+    bump.problem(503, "urn:fence:store-unavailable");
+    bump.retry_after();
+    assert_eq!(
+        app.calls(),
+        2,
+        "the bump was passed on although the store failed"
+    );
+    // A holder of 6 exists, and whether its write landed is unknown: 5 is refused from now
+    // on, which needs nothing from the store.
+    send(&svc, post(JOB, 5))
+        .await
+        .problem(409, "urn:fence:stale-token");
 
     store.fail.store(false, Ordering::SeqCst);
     assert_eq!(

@@ -132,8 +132,9 @@ fn two_servers_forgetting_on_one_database_start_above_the_floor() {
 
 /// PostgreSQL goes away and comes back (a relay in front of it is cut, then reopened): the
 /// lease server and the proxy answer 503 `store-unavailable` meanwhile, never 500 and never
-/// from an outdated memory (the proxy's store is shared, so even a request of the current
-/// generation needs the database), and both serve again once it is back, without a restart.
+/// admitting from an outdated memory (the proxy's store is shared, so even a request of the
+/// current generation needs the database; a refusal of a token older than one presented
+/// needs nothing), and both serve again once it is back, without a restart.
 #[test]
 fn a_database_outage_is_503_and_both_recover_without_a_restart() {
     let url = database_url().unwrap();
@@ -166,14 +167,21 @@ fn a_database_outage_is_503_and_both_recover_without_a_restart() {
     );
     assert_eq!(bearer_call(&server, "GET", "/healthz", None, "").0, 503);
     assert_eq!(
+        fenced_post(&proxy, "/w", "j", "1"),
+        503,
+        "the current generation needs the store too"
+    );
+    assert_eq!(
         fenced_post(&proxy, "/w", "j", "2"),
         503,
         "a bump needs the store"
     );
+    // A holder of 2 exists and its write's outcome is unknown: 1 is refused from now on,
+    // which needs nothing from the store (it admits nothing).
     assert_eq!(
         fenced_post(&proxy, "/w", "j", "1"),
-        503,
-        "so does the current generation"
+        409,
+        "the older token after a failed raise"
     );
     assert_eq!(bearer_call(&admin, "GET", "/healthz", None, "").0, 503);
 
