@@ -195,9 +195,7 @@ impl<S: LeaseStore> LeaseClient<S> {
         let outcome = tokio::time::timeout(budget + wait, claim)
             .await
             .unwrap_or(Err(StoreError::Timeout(budget + wait)));
-        if let Err(StoreError::Io(_) | StoreError::Timeout(_) | StoreError::Unavailable { .. }) =
-            &outcome
-        {
+        if outcome.as_ref().is_err_and(StoreError::answer_lost) {
             // Perhaps granted, for at most the TTL from now.
             let until = Instant::now() + self.ttl.as_duration();
             self.unsettled.keep(job.clone(), key.clone(), until);

@@ -583,6 +583,16 @@ pub enum StoreError {
 }
 
 impl StoreError {
+    /// Whether the answer to a call was lost (an I/O error, a timeout, a 502, 503 or 504):
+    /// the store may have decided it, and the same call with the same lease key gets that
+    /// decision back.
+    pub fn answer_lost(&self) -> bool {
+        matches!(
+            self,
+            Self::Io(_) | Self::Timeout(_) | Self::Unavailable { .. }
+        )
+    }
+
     /// Wraps an I/O failure, keeping it as the source.
     pub fn io(e: impl Into<fence_storage::BoxError>) -> Self {
         Self::Io(e.into())

@@ -147,7 +147,7 @@ impl Config {
                     count("expired");
                     return Checked::Rejected(reject::expired(job, token, s.expires_at_ms));
                 }
-                let skew = u64::try_from(self.clock_skew.as_millis()).unwrap_or(u64::MAX);
+                let skew = self.skew_ms();
                 let latest = now
                     .saturating_add(
                         u64::try_from(self.max_lease_ttl.as_millis()).unwrap_or(u64::MAX),
@@ -177,8 +177,11 @@ impl Config {
 
     /// Whether a lease that ends at `expires_at_ms` has ended at `now_ms`, beyond the skew.
     fn ended(&self, expires_at_ms: u64, now_ms: u64) -> bool {
-        let skew = u64::try_from(self.clock_skew.as_millis()).unwrap_or(u64::MAX);
-        expires_at_ms.saturating_add(skew) < now_ms
+        expires_at_ms.saturating_add(self.skew_ms()) < now_ms
+    }
+
+    fn skew_ms(&self) -> u64 {
+        u64::try_from(self.clock_skew.as_millis()).unwrap_or(u64::MAX)
     }
 }
 
