@@ -12,7 +12,11 @@
 //! # Ok(()) }
 //! ```
 
+mod error;
 mod unsettled;
+
+pub use error::ClaimError;
+use error::granted;
 
 use std::{sync::Arc, time::Duration};
 
@@ -21,7 +25,7 @@ use tokio::time::Instant;
 
 use crate::{
     LeaseStore, Outcome, SlotClaim, StoreError, default_owner,
-    lease::{Granted, HeldJobs, HeldMark, Lease, Timing, TimingError, token_header},
+    lease::{Granted, HeldJobs, HeldMark, Lease, Timing, token_header},
 };
 
 /// Claims leases from a store for one owner.
@@ -137,10 +141,13 @@ impl<S: LeaseStore> LeaseClient<S> {
 
     /// Claims `job` and starts a keeper task that renews it in the background.
     ///
-    /// When a claim's answer is lost (an I/O error, a timeout, a 502, 503 or 504), it may have
-    /// been granted: the next claim of the job by this client or its clones, within the TTL,
-    /// asks with the same lease key, so that grant comes back rather than the job being
-    /// reported held, by this owner, until it expires.
+    /// When a claim's answer is lost (an I/O error, a timeout, a 502, 503 or 504) or its
+    /// future is dropped before it settles (the caller's own timeout, a cancelled task), it
+    /// may have been granted: the next claim of the job by this client or its clones, within
+    /// the TTL, asks with the same lease key, so that grant comes back rather than the job
+    /// being reported held, by this owner, until it expires. A grant this client will not use
+    /// (no longer than the safety margin, come after the local deadline, or not renewed after
+    /// a long wait) is released in the background.
     ///
     /// Must be called within a tokio runtime.
     ///
@@ -176,6 +183,15 @@ impl<S: LeaseStore> LeaseClient<S> {
             Some(key) => key,
             None => crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?,
         };
+        // Kept for the next claim of the job unless this claim settles: its answer lost, its
+        // caller gone mid-claim (a timeout, a cancelled task) or its grant abandoned, a lease
+        // it won may be held, and that claim asked with this key gets it back.
+        let mut pending = unsettled::Pending::new(
+            self.unsettled.clone(),
+            job.clone(),
+            key.clone(),
+            self.ttl.as_duration(),
+        );
         let t_send = Instant::now();
         let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
         let terms = crate::ClaimTerms {
@@ -195,14 +211,17 @@ impl<S: LeaseStore> LeaseClient<S> {
         let outcome = tokio::time::timeout(budget + wait, claim)
             .await
             .unwrap_or(Err(StoreError::Timeout(budget + wait)));
-        if outcome.as_ref().is_err_and(StoreError::answer_lost) {
-            // Perhaps granted, for at most the TTL from now.
-            let until = Instant::now() + self.ttl.as_duration();
-            self.unsettled.keep(job.clone(), key.clone(), until);
+        if outcome.as_ref().is_err_and(|e| !e.answer_lost()) {
+            pending.settle(); // refused before any decision
         }
-        let grant = granted(&job, outcome?)?;
-        self.after_grant(job, key, grant, t_send, timing, held)
-            .await
+        let grant = granted(&job, outcome?).inspect_err(|_| pending.settle())?;
+        let lease = self
+            .after_grant(job, key, grant, t_send, timing, held)
+            .await;
+        if lease.is_ok() {
+            pending.settle();
+        }
+        lease
     }
 
     /// Claims a slot of the semaphore `resource` with `slots` slots (contract section 15)
@@ -330,15 +349,41 @@ impl<S: LeaseStore> LeaseClient<S> {
                     grant = g;
                 }
                 Ok(Ok(other)) => {
+                    self.abandon(&job, grant.generation, &key, budget);
                     return Err(ClaimError::Store(StoreError::Protocol(format!(
                         "the renewal right after a waiting claim was answered with {other:?}"
                     ))));
                 }
-                Ok(Err(e)) => return Err(ClaimError::Store(e)),
-                Err(_) => return Err(ClaimError::Store(StoreError::Timeout(budget))),
+                Ok(Err(e)) => {
+                    self.abandon(&job, grant.generation, &key, budget);
+                    return Err(ClaimError::Store(e));
+                }
+                Err(_) => {
+                    self.abandon(&job, grant.generation, &key, budget);
+                    return Err(ClaimError::Store(StoreError::Timeout(budget)));
+                }
             }
         }
-        self.start(job, key, grant, t_send, timing, held)
+        let generation = grant.generation;
+        self.start(job.clone(), key.clone(), grant, t_send, timing, held)
+            .inspect_err(|_| self.abandon(&job, generation, &key, budget))
+    }
+
+    /// Gives back, in the background within `within`, a grant this client will not use (too
+    /// short, come too late, or not renewed after a wait), so its job does not stand idle
+    /// until it expires. Safe: no request ever carried its token. A release that fails leaves
+    /// it to expire.
+    fn abandon(&self, job: &JobId, generation: Generation, key: &LeaseKey, within: Duration) {
+        let (store, job, owner, key) = (
+            self.store.clone(),
+            job.clone(),
+            self.owner.clone(),
+            key.clone(),
+        );
+        tokio::spawn(async move {
+            let release = store.release(&job, &owner, generation, &key);
+            let _ = tokio::time::timeout(within, release).await;
+        });
     }
 
     /// Takes over a lease this owner claimed elsewhere (`fence claim` in another process, a
@@ -446,131 +491,5 @@ impl<S: LeaseStore> LeaseClient<S> {
     }
 }
 
-/// The grant in a claim's outcome, or why there is none.
-fn granted(job: &JobId, outcome: Outcome) -> Result<crate::Grant, ClaimError> {
-    let job = job.clone();
-    match outcome {
-        Outcome::Granted(grant) => Ok(grant),
-        Outcome::Held {
-            owner,
-            expires_in,
-            lock_delay: false,
-            ..
-        } => Err(ClaimError::Held {
-            job,
-            owner,
-            expires_in,
-        }),
-        Outcome::Held {
-            owner,
-            expires_in,
-            lock_delay: true,
-            ..
-        } => Err(ClaimError::LockDelay {
-            job,
-            owner,
-            claimable_in: expires_in,
-        }),
-        Outcome::Completed { owner, generation } => Err(ClaimError::Completed {
-            job,
-            owner,
-            generation,
-        }),
-        other => Err(ClaimError::Store(StoreError::Protocol(format!(
-            "a claim was answered with {other:?}"
-        )))),
-    }
-}
-
 /// The longest pause between two semaphore claims of one [`LeaseClient::claim_slot`].
 const MAX_SLOT_POLL: Duration = Duration::from_millis(500);
-
-/// Why a claim did not give a lease.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum ClaimError {
-    /// Another owner holds an unexpired lease.
-    #[error("job {job} is held by {owner} for another {expires_in:?}")]
-    Held {
-        /// The job.
-        job: JobId,
-        /// The holder.
-        owner: Owner,
-        /// How long its lease has left.
-        expires_in: Duration,
-    },
-    /// The job's last lease expired and its lock-delay runs (contract section 12).
-    #[error(
-        "job {job}: the lease of {owner} expired and its lock-delay lets nobody claim it for another {claimable_in:?}"
-    )]
-    LockDelay {
-        /// The job.
-        job: JobId,
-        /// The holder whose lease expired.
-        owner: Owner,
-        /// How long until the job can be claimed.
-        claimable_in: Duration,
-    },
-    /// The job is completed.
-    #[error("job {job} is completed (generation {generation})")]
-    Completed {
-        /// The job.
-        job: JobId,
-        /// Who completed it.
-        owner: Option<Owner>,
-        /// Its last generation.
-        generation: Generation,
-    },
-    /// A semaphore claim named another number of slots than the one in force while slots
-    /// of the resource are held (contract section 15).
-    #[error(
-        "semaphore {resource} has {in_force} slots while any is held; this claim asked for {asked}"
-    )]
-    SemaphoreSize {
-        /// The resource.
-        resource: JobId,
-        /// The number of slots this claim asked for.
-        asked: u32,
-        /// The number in force.
-        in_force: u32,
-    },
-    /// The store failed.
-    #[error("claim failed")]
-    Store(#[from] StoreError),
-    /// A live handle of this client (same owner) already holds the job; a second claim would
-    /// get the same lease and generation back.
-    #[error(
-        "job {job} is already held by another handle of this client (owner); drop or finish it first"
-    )]
-    AlreadyHeld {
-        /// The job.
-        job: JobId,
-    },
-    /// The client's timing does not fit the TTL.
-    #[error(transparent)]
-    Timing(#[from] TimingError),
-    /// The store granted a lease no longer than the client's safety margin (a server-side
-    /// cap, `fence server --max-ttl`, below the TTL asked for): it could not be held for any
-    /// time, and is left to expire.
-    #[error(
-        "job {job}: the store granted a lease of {granted:?}, not longer than the safety margin {margin:?}, so it could not be held at all; lower the client's safety margin or raise the server's maximum TTL"
-    )]
-    GrantTooShort {
-        /// The job.
-        job: JobId,
-        /// The TTL granted.
-        granted: Duration,
-        /// The client's safety margin.
-        margin: Duration,
-    },
-    /// [`LeaseClient::resume`] of a lease the store no longer has this owner hold.
-    #[error("job {job}: the lease of generation {generation} is not held any more: {why}")]
-    NotHeld {
-        /// The job.
-        job: JobId,
-        /// The generation that was to be resumed.
-        generation: Generation,
-        /// What the store said instead.
-        why: String,
-    },
-}

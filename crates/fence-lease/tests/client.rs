@@ -572,6 +572,87 @@ async fn a_claim_after_one_whose_answer_was_lost_gets_that_lease_back() {
     assert_eq!(next.generation(), Generation::new(2));
 }
 
+/// A store that decides the first claim and then never answers (a hung connection).
+#[derive(Debug, Clone, Default)]
+struct HangsAfterFirstClaim {
+    inner: MemoryLeaseStore,
+    hung: Arc<AtomicBool>,
+}
+
+impl LeaseStore for HangsAfterFirstClaim {
+    async fn claim_slot(
+        &self,
+        resource: &fence_core::JobId,
+        owner: &fence_core::Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, fence_lease::StoreError> {
+        self.inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await
+    }
+
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        let claim = matches!(op, LeaseOp::Claim { .. });
+        let outcome = self.inner.apply(job, op).await?;
+        if claim && !self.hung.swap(true, Ordering::SeqCst) {
+            std::future::pending::<()>().await;
+        }
+        Ok(outcome)
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        self.inner.get(job).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
+    }
+}
+
+/// A claim its caller gave up on (its own timeout dropped the future) may have been granted:
+/// the next claim of the job gets that lease back, not "held by this very owner" for a TTL.
+#[tokio::test(start_paused = true)]
+async fn a_claim_after_one_its_caller_dropped_gets_that_lease_back() {
+    let store = HangsAfterFirstClaim::default();
+    let client = LeaseClient::new(store.clone()).owner("worker".parse().unwrap());
+    let first = tokio::time::timeout(Duration::from_secs(1), client.claim(job())).await;
+    assert!(first.is_err(), "the first claim's answer never comes");
+    let lease = client
+        .claim(job())
+        .await
+        .expect("the grant its dropped claim won, asked again");
+    assert_eq!(lease.generation(), Generation::new(1));
+    lease.release().await.unwrap();
+}
+
+/// A grant too short to hold is given back at once, not left standing until it expires: the
+/// next worker claims the job without waiting.
+#[tokio::test(start_paused = true)]
+async fn a_grant_too_short_to_hold_is_released_for_the_next_worker() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let mut store = Stallable::new(clock, Duration::from_millis(5));
+    store.max_ttl = Ttl::from_millis(10_000).unwrap();
+    let cautious = LeaseClient::new(store.clone())
+        .owner("cautious".parse().unwrap())
+        .ttl(Ttl::from_millis(60_000).unwrap())
+        .safety_margin(Duration::from_secs(15));
+    let refused = cautious.claim(job()).await.map(|l| l.generation());
+    assert!(
+        matches!(refused, Err(ClaimError::GrantTooShort { .. })),
+        "{refused:?}"
+    );
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    let next = LeaseClient::new(store.clone())
+        .owner("next".parse().unwrap())
+        .ttl(Ttl::from_millis(10_000).unwrap())
+        .claim(job())
+        .await
+        .expect("the job, given back by the client that could not hold it");
+    assert_eq!(next.generation(), Generation::new(2));
+}
+
 /// Resuming a lease the store no longer knows of says it is not held (what `fence
 /// keepalive` turns into exit 75), not that the store broke the protocol.
 #[tokio::test]

@@ -8,7 +8,8 @@
 
 use std::{
     collections::HashMap,
-    sync::{Mutex, PoisonError},
+    sync::{Arc, Mutex, PoisonError},
+    time::Duration,
 };
 
 use fence_core::{JobId, secret::LeaseKey};
@@ -40,6 +41,45 @@ impl Unsettled {
         }
         if kept.len() < MAX_KEPT {
             kept.insert(job, (key, until));
+        }
+    }
+}
+
+/// A claim's key on its way: kept for the next claim of its job when dropped unsettled (its
+/// answer lost, its caller gone mid-claim, its grant abandoned), as a lease it won could still
+/// be held for up to `ttl`.
+#[derive(Debug)]
+pub(crate) struct Pending {
+    kept: Arc<Unsettled>,
+    job: JobId,
+    key: LeaseKey,
+    ttl: Duration,
+    settled: bool,
+}
+
+impl Pending {
+    /// Watches the claim of `job` with `key`, asked for `ttl`.
+    pub(crate) fn new(kept: Arc<Unsettled>, job: JobId, key: LeaseKey, ttl: Duration) -> Self {
+        Self {
+            kept,
+            job,
+            key,
+            ttl,
+            settled: false,
+        }
+    }
+
+    /// The claim was refused, or its lease started: nothing to keep.
+    pub(crate) fn settle(&mut self) {
+        self.settled = true;
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        if !self.settled {
+            let until = Instant::now() + self.ttl;
+            self.kept.keep(self.job.clone(), self.key.clone(), until);
         }
     }
 }
