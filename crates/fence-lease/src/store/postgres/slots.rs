@@ -35,18 +35,18 @@ const PERMITS: usize = fence_storage::postgres::POOL_SIZE / 2;
 /// it one at a time (each waits for the advisory lock in the database otherwise, holding a
 /// connection), then for one of [`PERMITS`]. A busy resource thus holds at most one permit,
 /// and claims of other resources never queue behind its claims.
-#[derive(Default)]
 pub(super) struct Turns {
     /// One queue per resource with a claim in flight here; an entry goes with its last user.
     queues: std::sync::Mutex<HashMap<JobId, Arc<tokio::sync::Mutex<()>>>>,
-    permits: Permits,
+    permits: tokio::sync::Semaphore,
 }
 
-struct Permits(tokio::sync::Semaphore);
-
-impl Default for Permits {
+impl Default for Turns {
     fn default() -> Self {
-        Self(tokio::sync::Semaphore::new(PERMITS))
+        Self {
+            queues: std::sync::Mutex::default(),
+            permits: tokio::sync::Semaphore::new(PERMITS),
+        }
     }
 }
 
@@ -102,19 +102,19 @@ impl Turns {
             queue: Some(queue.clone()),
             held: None,
         };
+        let waited = deadline.saturating_duration_since(tokio::time::Instant::now());
         let late = |what: &str| {
             StoreError::io(std::io::Error::new(
                 std::io::ErrorKind::TimedOut,
                 format!(
-                    "a semaphore claim of {resource} waited more than {} s on this server for {what}",
-                    POOL_TIMEOUT.as_secs()
+                    "a semaphore claim of {resource} waited {waited:?} on this server for {what}"
                 ),
             ))
         };
         let mine = tokio::time::timeout_at(deadline, queue.lock_owned())
             .await
             .map_err(|_| late("the claims of the same resource before it"))?;
-        let permit = tokio::time::timeout_at(deadline, self.permits.0.acquire())
+        let permit = tokio::time::timeout_at(deadline, self.permits.acquire())
             .await
             .map_err(|_| late("the claims of other resources"))?
             .map_err(|_| late("a permit (closed)"))?;
