@@ -27,6 +27,10 @@ var (
 	ErrUnreachable = errors.New("fence: lease server unreachable")
 	// ErrProtocol: an answer that does not follow the contract.
 	ErrProtocol = errors.New("fence: protocol error")
+	// ErrGrantTooShort: the server granted a lease no longer than the client's safety margin
+	// (its --max-ttl is below the TTL asked for): it could not be held at all, and is given
+	// back at once. Lower the client's Margin or raise the server's maximum TTL.
+	ErrGrantTooShort = errors.New("fence: grant too short")
 
 	// ErrLeaseHeld matches a *ProblemError of type urn:fence:lease-held, and of type
 	// urn:fence:lock-delay (nobody can claim the job for now either). For a semaphore claim,

@@ -181,6 +181,16 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 		if !errors.Is(err, ErrLeaseHeld) || chunk == 0 || !c.clock.Now().Before(waitUntil) || ctx.Err() != nil {
 			return nil, err
 		}
+		// A server that holds claims only briefly (its --max-claim-wait) would otherwise be
+		// asked again at once, round trip after round trip: at most one claim per 50 ms.
+		if pause := minWaitingClaimGap - c.clock.Now().Sub(sent); pause > 0 {
+			if left := waitUntil.Sub(c.clock.Now()); left < pause {
+				pause = left
+			}
+			if err := sleepCtx(ctx, pause); err != nil {
+				return nil, err
+			}
+		}
 	}
 	return c.startLease(ctx, job, key, ttlMs, sent, a)
 }
@@ -264,12 +274,8 @@ func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait
 		if pause > left {
 			pause = left
 		}
-		timer := time.NewTimer(pause)
-		select {
-		case <-ctx.Done():
-			timer.Stop()
-			return nil, ctx.Err()
-		case <-timer.C:
+		if err := sleepCtx(ctx, pause); err != nil {
+			return nil, err
 		}
 		if backoff *= 2; backoff > slotBackoffMax {
 			backoff = slotBackoffMax
@@ -280,6 +286,21 @@ func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait
 			ErrProtocol, resource, slots, a.Job, a.Slot)
 	}
 	return c.startLease(ctx, a.Job, key, ttlMs, sent, a)
+}
+
+// minWaitingClaimGap is the least time between two sends of one waiting claim.
+const minWaitingClaimGap = 50 * time.Millisecond
+
+// sleepCtx pauses for d, or until ctx is done (its error then).
+func sleepCtx(ctx context.Context, d time.Duration) error {
+	timer := time.NewTimer(d)
+	defer timer.Stop()
+	select {
+	case <-ctx.Done():
+		return ctx.Err()
+	case <-timer.C:
+		return nil
+	}
 }
 
 // heldPause is how long to pause before asking for a slot again: until the slot that frees
@@ -323,6 +344,11 @@ func (c *Client) startLease(ctx context.Context, job, key string, ttlMs uint64, 
 		cancel()
 		return nil, err
 	}
+	if !l.Deadline().After(sent) {
+		l.giveBack()
+		return nil, fmt.Errorf("%w: job %s: the server granted a lease of %v, not longer than the safety margin of %v, so it could not be held at all; lower the client's safety margin or raise the server's maximum TTL",
+			ErrGrantTooShort, job, l.TTL(), marginOf(l.TTL(), c.margin))
+	}
 	// A claim that waited long arrives with little time left: renew once, now, and count the
 	// deadline from this send (against the grant, which may be shorter than asked).
 	usable := l.Deadline().Sub(sent)
@@ -335,12 +361,12 @@ func (c *Client) startLease(ctx context.Context, job, key string, ttlMs uint64, 
 			_, err = l.setGrant(sent, a, true)
 		}
 		if err != nil {
-			cancel()
+			l.giveBack() // not renewed: not held for a known time
 			return nil, err
 		}
 	}
 	if !c.clock.Now().Before(l.Deadline()) {
-		cancel()
+		l.giveBack()
 		return nil, fmt.Errorf("%w: the lease on %s was granted too late to be of use", ErrUnreachable, job)
 	}
 	go l.keep()

@@ -173,6 +173,14 @@ func (l *Lease) Abandon() {
 	l.declareLost(reasonFinished)
 }
 
+// giveBack releases, in the background, a grant the client will not use (too short, come too
+// late, or not renewed after a wait): no request carried its token, and the next worker need
+// not wait for its expiry. A release that fails leaves it to expire.
+func (l *Lease) giveBack() {
+	l.Abandon()
+	go func() { _, _ = l.end(context.Background(), "release") }()
+}
+
 func (l *Lease) end(ctx context.Context, action string) (Record, error) {
 	l.Abandon() // nothing is sent under this lease from now on, whatever the answer
 	var rec Record
@@ -354,6 +362,9 @@ func (l *Lease) keep() {
 			ok, err := l.setGrant(sent, o.a, false)
 			if err == nil {
 				if !ok {
+					// The answer came after the deadline (or the lease was lost meanwhile):
+					// it changes nothing, and the lease is lost, which must be signalled.
+					l.declareLost(reasonDeadline)
 					return
 				}
 				next = sent.Add(renewEvery(l.TTL(), l.margin))

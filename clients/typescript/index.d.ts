@@ -62,7 +62,7 @@ export class Client {
   readonly owner: string;
   readonly ttlMs: number;
   readonly lockDelayMs: number | undefined;
-  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504), the next claim of the job asks with the same lease key, so a lost grant comes back. */
+  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, GrantTooShort (a grant no longer than the safety margin, given back), ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504), the next claim of the job asks with the same lease key, so a lost grant comes back. */
   claim(job: string, options?: ClaimOptions): Promise<Lease>;
   /**
    * Claims one of `slots` (1 to 1000) slots of semaphore `resource` and starts its keeper: a lease on the slot's job `<resource>#<slot>`, with `resource` and `slot` set. Release or complete it when done: completing a slot releases it (the server frees the slot; the record's `state` is 'free').
@@ -128,6 +128,13 @@ export class FenceError extends Error {}
 export class InvalidJobId extends FenceError {}
 export class ServerUnreachable extends FenceError {}
 export class ProtocolError extends FenceError {}
+/** The server granted a lease no longer than the client's safety margin (its --max-ttl below the TTL asked for): it could not be held at all, and is given back at once. */
+export class GrantTooShort extends FenceError {
+  constructor(job: string, grantedMs: number, marginMs: number);
+  readonly job: string;
+  readonly grantedMs: number;
+  readonly marginMs: number;
+}
 /** The lease is lost; nothing was sent. `instanceof LeaseLost` also holds for a LeaseRefused. */
 export class LeaseLost extends FenceError {
   constructor(job: string, generation: bigint, reason: string);

@@ -23,6 +23,20 @@ export class ServerUnreachable extends FenceError {}
 export class ProtocolError extends FenceError {}
 
 /**
+ * The server granted a lease no longer than the client's safety margin (its --max-ttl is below
+ * the TTL asked for): it could not be held at all, and is given back at once. Lower the
+ * client's margin or raise the server's maximum TTL.
+ */
+export class GrantTooShort extends FenceError {
+  constructor(job, grantedMs, marginMs) {
+    super(`job ${job}: the server granted a lease of ${grantedMs} ms, not longer than the safety margin of ${marginMs} ms, so it could not be held at all; lower the client's safety margin or raise the server's maximum TTL`);
+    this.job = job;
+    this.grantedMs = grantedMs;
+    this.marginMs = marginMs;
+  }
+}
+
+/**
  * The lease is lost: stop all work and effects on the job; nothing was sent. Thrown by
  * `lease.token`, `lease.headers()` and `lease.fetch` once the local deadline passed or the
  * server refused a renewal; `lease.signal` aborts with it. `err instanceof LeaseLost` also

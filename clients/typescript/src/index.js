@@ -8,7 +8,7 @@
 //   const slot = await client.claimSlot('exports', 3);         // one of 3 slots: job exports#2
 //   try { /* lease.fetch(...) */ } finally { await slot.release(); }
 
-import { LeaseHeld, LeaseLost, ProblemError, ProtocolError, ServerUnreachable } from './errors.js';
+import { GrantTooShort, LeaseHeld, LeaseLost, ProblemError, ProtocolError, ServerUnreachable } from './errors.js';
 import { DEADLINE_PASSED, Lease } from './lease.js';
 import {
   Transport, checkJob, checkResource, checkSlots, defaultOwner, encodeJob, marginOf, newLeaseKey, now,
@@ -22,6 +22,8 @@ export { checkJob, encodeJob, idempotencyKey } from './wire.js';
 // after a pause that starts here and doubles up to the cap (ms).
 const SLOT_BACKOFF_FIRST_MS = 10;
 const SLOT_BACKOFF_MAX_MS = 500;
+// The least time between two sends of one waiting claim.
+const MIN_WAITING_CLAIM_GAP_MS = 50;
 
 const pause = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 
@@ -124,6 +126,10 @@ export class Client {
         if (answerLost(e)) this.#keepUnsettled(job, key, now() + ttlMs);
         if (!(e instanceof LeaseHeld) || chunk === 0 || now() >= waitUntil) throw e;
       }
+      // A server that holds claims only briefly (its --max-claim-wait) would otherwise be asked
+      // again at once, round trip after round trip: at most one claim per 50 ms.
+      const gap = Math.min(sent + MIN_WAITING_CLAIM_GAP_MS - now(), waitUntil - now());
+      if (gap > 0) await pause(gap);
     }
     return this.#leaseFrom(job, key, ttlMs, sent, answer);
   }
@@ -218,14 +224,24 @@ export class Client {
     lease._resume(answer.checkpoint);
     if (slot !== undefined) lease._slotOf(slot.resource, slot.slot);
     lease._setGrant(sent, answer, true);
+    if (lease.deadline <= sent) {
+      lease._giveBack();
+      throw new GrantTooShort(job, lease.ttlMs, marginOf(lease.ttlMs, this.marginMs));
+    }
     // A claim that waited long arrives with little time left: renew once, now, and count the
     // deadline from this send (against the grant, which may be shorter than asked).
     const usable = lease.deadline - sent;
     if (lease.deadline - now() < (usable * 2) / 3) {
       sent = now();
-      lease._setGrant(sent, await lease._sendRenew(usable), true);
+      try {
+        lease._setGrant(sent, await lease._sendRenew(usable), true);
+      } catch (e) {
+        lease._giveBack(); // not renewed: not held for a known time
+        throw e;
+      }
     }
     if (now() >= lease.deadline) {
+      lease._giveBack();
       throw new ServerUnreachable(`the lease on ${job} was granted too late to be of use`);
     }
     lease._start();

@@ -181,6 +181,15 @@ export class Lease {
       { owner: this.owner, generation: this.generation, lease_key: this.#key });
   }
 
+  /**
+   * @internal Releases, in the background, a grant the client will not use (too short, come too
+   * late, or not renewed after a wait): no request carried its token, and the next worker need
+   * not wait for its expiry. A release that fails leaves it to expire.
+   */
+  _giveBack() {
+    this.#finish('release').catch(() => {});
+  }
+
   /** @internal One renewal; the keeper calls it, tests replace it to pause renewals. */
   _sendRenew(timeoutMs) {
     const body = { owner: this.owner, generation: this.generation, lease_key: this.#key, ttl_ms: this.#askedTtlMs };
@@ -269,7 +278,12 @@ export class Lease {
   #afterRenewal(sent, { answer, error }) {
     if (error === undefined) {
       try {
-        if (!this._setGrant(sent, answer)) return null;
+        if (!this._setGrant(sent, answer)) {
+          // The answer came after the deadline (or the lease was lost meanwhile): it changes
+          // nothing, and the lease is lost, which must be signalled.
+          this.#declareLost(DEADLINE_PASSED);
+          return null;
+        }
         return sent + this.#renewEvery();
       } catch (e) {
         if (!(e instanceof ProtocolError)) throw e;

@@ -15,16 +15,16 @@ The asyncio twin is :mod:`fence_client.aio`; adapters for ``requests`` and ``htt
 ``docs/protocol.md`` of the fence repository.
 """
 
-from ._errors import (FenceError, InvalidJobId, JobCompleted, LeaseHeld, LeaseLost, LeaseRefused,
-                      LockDelay, ProblemError, ProtocolError, SemaphoreSize, ServerUnreachable,
-                      StaleToken, problem_error)
+from ._errors import (FenceError, GrantTooShort, InvalidJobId, JobCompleted, LeaseHeld,
+                      LeaseLost, LeaseRefused, LockDelay, ProblemError, ProtocolError,
+                      SemaphoreSize, ServerUnreachable, StaleToken, problem_error)
 from ._wire import check_job, encode_job, idempotency_key
 from .aio import AsyncClient, AsyncLease
 from .client import Client, Lease
 
 __all__ = [
-    "AsyncClient", "AsyncLease", "Client", "FenceError", "InvalidJobId", "JobCompleted",
-    "Lease", "LeaseHeld", "LeaseLost", "LeaseRefused", "LockDelay", "ProblemError",
+    "AsyncClient", "AsyncLease", "Client", "FenceError", "GrantTooShort", "InvalidJobId",
+    "JobCompleted", "Lease", "LeaseHeld", "LeaseLost", "LeaseRefused", "LockDelay", "ProblemError",
     "ProtocolError", "SemaphoreSize",
     "ServerUnreachable", "StaleToken", "check_job", "encode_job", "idempotency_key",
     "problem_error",

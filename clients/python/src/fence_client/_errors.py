@@ -26,6 +26,20 @@ class ProtocolError(FenceError):
     """An answer of the lease server that does not follow the contract."""
 
 
+class GrantTooShort(FenceError):
+    """The server granted a lease no longer than the client's safety margin (its ``--max-ttl``
+    is below the TTL asked for): it could not be held at all, and is given back at once. Lower
+    the client's margin or raise the server's maximum TTL. ``job``; ``granted`` and ``margin``
+    in seconds."""
+
+    def __init__(self, job: str, granted: float, margin: float) -> None:
+        self.job, self.granted, self.margin = job, granted, margin
+        super().__init__(
+            f"job {job}: the server granted a lease of {granted} s, not longer than the safety "
+            f"margin of {margin} s, so it could not be held at all; lower the client's safety "
+            "margin or raise the server's maximum TTL")
+
+
 class LeaseLost(FenceError):
     """The lease is lost: stop all work and effects on the job; nothing was sent.
 
@@ -62,7 +76,9 @@ class ProblemError(FenceError):
                  retry_after: Optional[float] = None) -> None:
         self.problem = problem
         self.type = str(problem.get("type", "about:blank"))
-        self.status = int(problem.get("status", status))
+        # The answer's own status when the problem's is missing or not a number.
+        member = problem.get("status")
+        self.status = member if type(member) is int and 100 <= member <= 599 else status
         self.title = str(problem.get("title", ""))
         self.detail = str(problem.get("detail", ""))
         self.retry_after = retry_after

@@ -12,8 +12,8 @@ import random
 import threading
 from typing import Any, Dict, Optional, Tuple
 
-from ._errors import (FenceError, JobCompleted, LeaseHeld, LeaseLost, LeaseRefused, ProblemError,
-                      ProtocolError, ServerUnreachable)
+from ._errors import (FenceError, GrantTooShort, JobCompleted, LeaseHeld, LeaseLost,
+                      LeaseRefused, ProblemError, ProtocolError, ServerUnreachable)
 from ._wire import (PathLike, Transport, check_job, check_resource, check_slots, default_owner,
                     encode_job, grant_token, idempotency_key, lock_delay_to_ms, margin_ms,
                     monotonic, new_lease_key, ttl_to_ms, wait_param)
@@ -27,6 +27,36 @@ ON_SUCCESS = ("complete", "release")
 # again after a pause that starts here and doubles up to the cap (seconds).
 SLOT_BACKOFF_FIRST = 0.01
 SLOT_BACKOFF_MAX = 0.5
+
+# The least time between two sends of one waiting claim (seconds): a server that holds
+# claims only briefly (its --max-claim-wait) is not asked round trip after round trip.
+MIN_WAITING_CLAIM_GAP = 0.05
+
+
+def give_back(lease: "LeaseCore") -> None:
+    """Releases, in the background, a grant this client will not use (too short, or come too
+    late): no request carried its token, and the next worker need not wait for its expiry. A
+    release that fails leaves it to expire."""
+    def release() -> None:
+        try:
+            lease._send_finish("release")
+        except Exception:  # noqa: BLE001 - best effort: it expires otherwise
+            pass
+    threading.Thread(target=release, name=f"fence-give-back-{lease.job}", daemon=True).start()
+
+
+def check_grant(lease: "LeaseCore", sent: float, margin: Optional[float]) -> None:
+    """Raises :class:`GrantTooShort` (the grant given back) when the grant of a claim sent at
+    ``sent`` leaves no time before the safety margin."""
+    if lease.deadline <= sent:
+        give_back(lease)
+        ttl_ms = lease._ttl_ms
+        raise GrantTooShort(lease.job, ttl_ms / 1000, margin_ms(ttl_ms, margin) / 1000)
+
+
+def waiting_claim_gap(sent: float, wait_until: float) -> float:
+    """How long a waiting claim sent at ``sent`` pauses before it asks again (seconds)."""
+    return max(min(sent + MIN_WAITING_CLAIM_GAP, wait_until) - monotonic(), 0.0)
 
 
 class LeaseCore:
@@ -200,6 +230,9 @@ class LeaseCore:
         if error is None and answer is not None:
             try:
                 if not self._set_grant(sent, answer):
+                    # The answer came after the deadline (or the lease was lost meanwhile):
+                    # it changes nothing, and the lease is lost, which must be signalled.
+                    self._declare_lost(DEADLINE_PASSED)
                     return None
                 return sent + self._renew_every()
             except ProtocolError as e:

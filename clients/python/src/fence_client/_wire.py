@@ -173,7 +173,7 @@ class Transport:
         except urllib.error.HTTPError as e:
             try:
                 payload = e.read()
-            except OSError:
+            except (OSError, http.client.HTTPException):  # a cut body: IncompleteRead
                 payload = b""
             raise problem_error(e.code, dict(e.headers.items()), payload) from None
         except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as e:

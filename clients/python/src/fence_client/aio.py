@@ -20,7 +20,8 @@ from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, T
 from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolError,
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
-                     LeaseCore, claim_path, semaphore_claim_path, slot_of, slot_retry_pause)
+                     LeaseCore, check_grant, claim_path, give_back, semaphore_claim_path,
+                     slot_of, slot_retry_pause, waiting_claim_gap)
 from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic,
                     ttl_to_ms)
 
@@ -75,7 +76,7 @@ class AsyncLease(LeaseCore):
                 answer = await asyncio.wait_for(self._renew(deadline - sent), deadline - sent)
             except asyncio.TimeoutError:
                 return self._declare_lost(DEADLINE_PASSED)
-            except FenceError as e:
+            except Exception as e:  # noqa: BLE001 - any failure is a renewal without an answer
                 next_at = self._after_renewal(sent, error=e)
             else:
                 next_at = self._after_renewal(sent, answer=answer)
@@ -211,6 +212,7 @@ class AsyncClient(ClientCore):
             except FenceError as e:
                 self._claim_failed(job, key, ttl_ms, e)
                 raise
+            await asyncio.sleep(waiting_claim_gap(sent, wait_until))
         return await self._lease_from(job, key, ttl_ms, on_success, sent, answer)
 
     async def _lease_from(self, job: str, key: str, ttl_ms: int, on_success: str, sent: float,
@@ -226,12 +228,18 @@ class AsyncClient(ClientCore):
         if slot is not None:
             lease.resource, lease.slot = slot
         lease._set_grant(sent, answer, first=True)
+        check_grant(lease, sent, self._margin)
         # A claim that waited long: renew once, now, as the thread client does.
         usable = lease.deadline - sent
         if lease.deadline - monotonic() < usable * 2 / 3:
             sent = monotonic()
-            lease._set_grant(sent, await lease._renew(usable), first=True)
+            try:
+                lease._set_grant(sent, await lease._renew(usable), first=True)
+            except BaseException:
+                give_back(lease)  # not renewed: not held for a known time
+                raise
         if monotonic() >= lease.deadline:
+            give_back(lease)
             raise ServerUnreachable(f"the lease on {job} was granted too late to be of use")
         lease._start()
         return lease

@@ -17,7 +17,8 @@ from typing import Any, Dict, Optional, Tuple, Type
 from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolError,
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
-                     LeaseCore, claim_path, slot_of, slot_retry_pause)
+                     LeaseCore, check_grant, claim_path, give_back, slot_of, slot_retry_pause,
+                     waiting_claim_gap)
 from ._wire import (Timeout, bounded, check_job, encode_job, margin_ms, monotonic,
                     ttl_to_ms)
 
@@ -67,7 +68,7 @@ class Lease(LeaseCore):
                 answer = bounded(lambda: self._send_renew(deadline - sent), deadline - sent)
             except Timeout:
                 return self._declare_lost(DEADLINE_PASSED)
-            except FenceError as e:
+            except Exception as e:  # noqa: BLE001 - any failure is a renewal without an answer
                 next_at = self._after_renewal(sent, error=e)
             else:
                 next_at = self._after_renewal(sent, answer=answer)
@@ -169,6 +170,7 @@ class Client(ClientCore):
             except FenceError as e:
                 self._claim_failed(job, key, ttl_ms, e)
                 raise
+            time.sleep(waiting_claim_gap(sent, wait_until))
         return self._lease_from(job, key, ttl_ms, on_success, sent, answer)
 
     def claim_slot(self, resource: str, slots: int, *, wait: float = 0.0,
@@ -224,14 +226,20 @@ class Client(ClientCore):
         if slot is not None:
             lease.resource, lease.slot = slot
         lease._set_grant(sent, answer, first=True)
+        check_grant(lease, sent, self._margin)
         # A claim that waited long arrives with little time left: renew once, now, and count
         # the deadline from this send. (Usable time of the grant, which may be shorter than
         # what was asked.)
         usable = lease.deadline - sent
         if lease.deadline - monotonic() < usable * 2 / 3:
             sent = monotonic()
-            lease._set_grant(sent, lease._send_renew(usable), first=True)
+            try:
+                lease._set_grant(sent, lease._send_renew(usable), first=True)
+            except BaseException:
+                give_back(lease)  # not renewed: not held for a known time
+                raise
         if monotonic() >= lease.deadline:
+            give_back(lease)
             raise ServerUnreachable(f"the lease on {job} was granted too late to be of use")
         lease._start()
         return lease

@@ -8,7 +8,7 @@ is lost.
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Any, Optional, Union
 
 import requests
 from requests.auth import AuthBase
@@ -20,8 +20,14 @@ from .client import Lease
 
 class FenceAuth(AuthBase):
     """Stamps the lease's headers, read when the request is prepared, just before it is
-    sent (redirects included). ``auth`` is another hook to apply first (the destination's
-    own credentials)."""
+    sent, and again before each redirect is followed (``requests`` does not run auth hooks
+    for redirects itself): once the lease is lost, :class:`~fence_client.LeaseLost` is raised
+    instead of sending. ``auth`` is another hook to apply first (the destination's own
+    credentials).
+
+    Retries inside urllib3 (``HTTPAdapter(max_retries=...)``) resend the request as it was
+    prepared, token included, without this check; the destination's fence still refuses it
+    once a newer holder exists."""
 
     def __init__(self, lease: Union[Lease, AsyncLease], auth: Optional[AuthBase] = None) -> None:
         self.lease = lease
@@ -31,7 +37,15 @@ class FenceAuth(AuthBase):
         if self.auth is not None:
             r = self.auth(r)
         r.headers.update(self.lease.headers())  # raises LeaseLost: nothing is sent
+        r.register_hook("response", self._before_redirect)
         return r
+
+    def _before_redirect(self, response: requests.Response, **_: Any) -> requests.Response:
+        # The redirect is built from this request: stamped afresh, or LeaseLost raised
+        # before it is sent.
+        if response.is_redirect and response.request is not None:
+            response.request.headers.update(self.lease.headers())
+        return response
 
 
 def raise_for_problem(response: requests.Response) -> None:

@@ -1,0 +1,105 @@
+// The keeper and waiting claims at the edges: an answer that arrives after the deadline, a
+// server that holds waiting claims only briefly.
+
+package fence
+
+import (
+	"context"
+	"errors"
+	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
+	"strings"
+	"sync/atomic"
+	"testing"
+	"time"
+)
+
+// jumpClock is the system clock plus an offset a test moves forward.
+type jumpClock struct{ offset atomic.Int64 }
+
+func (c *jumpClock) Now() time.Time { return time.Now().Add(time.Duration(c.offset.Load())) }
+
+// A renewal whose answer is applied after the deadline changes nothing, and the lease is lost:
+// its context must be done, or work under it never stops and no renewal is sent again.
+func TestARenewalAnsweredAfterTheDeadlineSignalsTheLoss(t *testing.T) {
+	s := newStack(t, stackOpts{noProxy: true})
+	clock := &jumpClock{}
+	l, err := mustClient(t, s.serverURL, Options{Owner: "late", TTL: time.Second, Clock: clock}).Claim(context.Background(), "late-answer")
+	if err != nil {
+		t.Fatal(err)
+	}
+	l.mu.Lock()
+	l.renewHook = func(ctx context.Context) (leaseAnswer, error) {
+		var a leaseAnswer
+		body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key, "ttl_ms": l.askedTTLMs}
+		err := l.t.call(ctx, http.MethodPost, l.path("renew"), body, time.Second, &a)
+		clock.offset.Store(int64(time.Hour)) // the answer is looked at after the deadline
+		return a, err
+	}
+	l.mu.Unlock()
+	lostWithin(t, l, 3*time.Second)
+	if err := l.Err(); !errors.Is(err, ErrLeaseLost) {
+		t.Fatalf("after a late answer: %v", err)
+	}
+}
+
+// A server whose --max-claim-wait is short answers waiting claims at once: the client must not
+// ask again round trip after round trip for the whole wait.
+func TestAWaitingClaimAsksAtMostEvery50msWhateverTheServerHolds(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--max-claim-wait", "1ms"}})
+	target, err := url.Parse(s.serverURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	var claims atomic.Int64
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	counting := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/claim") {
+			claims.Add(1)
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	defer counting.Close()
+	holder, err := mustClient(t, s.serverURL, Options{Owner: "holder", TTL: 10 * time.Second}).Claim(ctx, "paced")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer holder.Release(ctx)
+	waiter := mustClient(t, counting.URL, Options{Owner: "waiter"})
+	if _, err := waiter.ClaimWaiting(ctx, "paced", 500*time.Millisecond); !errors.Is(err, ErrLeaseHeld) {
+		t.Fatalf("still held after the wait: %v", err)
+	}
+	// 500 ms at one claim per 50 ms: about 10 (a loop without a pause sends hundreds).
+	if n := claims.Load(); n < 2 || n > 20 {
+		t.Fatalf("%d claims in 500 ms", n)
+	}
+}
+
+// 30 s asked, 1 s granted (the server's --max-ttl), 1.5 s margin: no time to hold it. The
+// error names it, and the grant is given back for the next worker at once.
+func TestAGrantNoLongerThanTheMarginIsNamedAndGivenBack(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--max-ttl", "1s"}})
+	cautious := mustClient(t, s.serverURL, Options{Owner: "cautious", TTL: 30 * time.Second, Margin: 1500 * time.Millisecond})
+	if _, err := cautious.Claim(ctx, "short"); !errors.Is(err, ErrGrantTooShort) || !strings.Contains(err.Error(), "1s, not longer than the safety margin of 1.5s") {
+		t.Fatalf("a grant shorter than the margin: %v", err)
+	}
+	next := mustClient(t, s.serverURL, Options{Owner: "next"})
+	for until := time.Now().Add(2 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		rec, err := next.Status(ctx, "short")
+		if err == nil && rec.State == "free" {
+			break
+		}
+		if time.Now().After(until) {
+			t.Fatalf("the short grant was not given back within 2 s: %+v %v", rec, err)
+		}
+	}
+	lease, err := next.Claim(ctx, "short")
+	if err != nil || lease.Generation() != 2 {
+		t.Fatalf("the next worker: %v", err)
+	}
+	_, _ = lease.Release(ctx)
+}

@@ -1,0 +1,155 @@
+"""The keeper and the adapters at the edges: a renewal answered after the deadline, a renewal
+that fails in an unexpected way, a server that holds waiting claims only briefly, a redirect
+followed after the lease was lost."""
+
+from __future__ import annotations
+
+import asyncio
+import http.client
+import http.server
+import json
+import threading
+import time
+from typing import Any, List
+
+import pytest
+import requests
+
+import fence_client._lease
+import fence_client._wire
+from conftest import wait_for
+from fence_client import Client, GrantTooShort, LeaseHeld, LeaseLost
+from fence_client._errors import problem_error
+from fence_client.aio import AsyncClient
+from fence_client.requests import FenceAuth
+
+
+def answered_after_the_deadline(lease, monkeypatch) -> None:
+    """Renewals reach the server, but their answers are looked at an hour later (the worker's
+    clock moved on: a long pause between the answer and its check)."""
+    real_send = type(lease)._send_renew
+    real_clock = fence_client._wire.monotonic
+    offset: List[float] = [0.0]
+
+    def send(timeout: float):
+        answer = real_send(lease, timeout)
+        offset[0] = 3600.0
+        return answer
+
+    monkeypatch.setattr(fence_client._lease, "monotonic", lambda: real_clock() + offset[0])
+    monkeypatch.setattr(lease, "_send_renew", send)
+
+
+def test_a_renewal_answered_after_the_deadline_signals_the_loss(stack, monkeypatch):
+    s = stack(proxy=False)
+    lease = Client(s.server_url, owner="late", ttl=1.0).claim("late-answer")
+    answered_after_the_deadline(lease, monkeypatch)
+    assert lease.lost.wait(3.0), "the loss was never signalled"
+    assert lease.is_lost()
+
+    async def from_asyncio() -> None:
+        alease = await AsyncClient(s.server_url, owner="late-async", ttl=1.0).claim("alate")
+        answered_after_the_deadline(alease, monkeypatch)
+        await asyncio.wait_for(alease.lost.wait(), 3.0)
+
+    asyncio.run(from_asyncio())
+
+
+def test_a_renewal_that_fails_unexpectedly_is_retried_not_the_end_of_the_keeper(stack,
+                                                                               monkeypatch):
+    s = stack(proxy=False)
+    lease = Client(s.server_url, owner="cut", ttl=1.0).claim("cut-answer")
+    real_send = type(lease)._send_renew
+    failures: List[int] = []
+
+    def send(timeout: float):
+        if not failures:
+            failures.append(1)
+            raise http.client.IncompleteRead(b"")  # a cut body, not a FenceError
+        return real_send(lease, timeout)
+
+    monkeypatch.setattr(lease, "_send_renew", send)
+    time.sleep(1.5)  # past the claim's deadline: only a later renewal keeps the lease
+    assert failures and not lease.is_lost(), lease.loss_reason
+    lease.release()
+
+
+def test_a_problem_with_a_status_that_is_not_a_number_keeps_the_answers_status():
+    for member in (None, "503", True, 7, 1000, [503]):
+        body = json.dumps({"type": "urn:fence:store-unavailable", "status": member,
+                           "detail": "x"}).encode()
+        error = problem_error(503, {"content-type": "application/problem+json"}, body)
+        assert error.status == 503, (member, error.status)
+
+
+def test_a_waiting_claim_asks_at_most_every_50ms_whatever_the_server_holds_it_for(stack,
+                                                                               monkeypatch):
+    s = stack(proxy=False, server_args=["--max-claim-wait", "1ms"])
+    holder = Client(s.server_url, owner="holder", ttl=10.0).claim("paced")
+    waiter = Client(s.server_url, owner="waiter")
+    real_call = waiter._transport.call
+    claims: List[str] = []
+
+    def counting(method, path, body=None, timeout=None):
+        if "/claim" in path:
+            claims.append(path)
+        return real_call(method, path, body, timeout=timeout)
+
+    monkeypatch.setattr(waiter._transport, "call", counting)
+    with pytest.raises(LeaseHeld):
+        waiter.claim("paced", wait=0.5)
+    holder.release()
+    # 500 ms at one claim per 50 ms: about 10 (a loop without a pause sends hundreds).
+    assert 2 <= len(claims) <= 20, len(claims)
+
+
+def test_a_redirect_after_the_lease_was_lost_is_not_followed(stack):
+    s = stack(proxy=False)
+    lease = Client(s.server_url, owner="redirected", ttl=5.0).claim("redirected")
+    reached: List[Any] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            if self.path == "/slow":
+                lease.abandon()  # lost while the destination took its time
+                self.send_response(307)
+                self.send_header("location", "/target")
+            else:
+                reached.append(self.headers.get("x-fencing-token"))
+                self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        with pytest.raises(LeaseLost):
+            requests.post(f"http://127.0.0.1:{server.server_address[1]}/slow", data=b"x",
+                          auth=FenceAuth(lease), timeout=5)
+        assert reached == [], "the redirect was followed with the lost lease's token"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_grant_no_longer_than_the_margin_is_named_and_given_back(stack):
+    # 30 s asked, 1 s granted (the server's --max-ttl), 1.5 s margin: no time to hold it.
+    s = stack(proxy=False, server_args=["--max-ttl", "1s"])
+    with pytest.raises(GrantTooShort) as refused:
+        Client(s.server_url, owner="cautious", ttl=30.0, margin=1.5).claim("short")
+    assert (refused.value.granted, refused.value.margin) == (1.0, 1.5)
+    wait_for("the short grant given back", 2.0,
+             lambda: Client(s.server_url).status("short")["state"] == "free")
+    assert Client(s.server_url, owner="next").claim("short").generation == 2
+
+    async def from_asyncio() -> None:
+        with pytest.raises(GrantTooShort):
+            await AsyncClient(s.server_url, owner="acautious", ttl=30.0, margin=1.5).claim("ashort")
+        wait_for("the short grant given back", 2.0,
+                 lambda: Client(s.server_url).status("ashort")["state"] == "free")
+
+    asyncio.run(from_asyncio())
