@@ -99,3 +99,112 @@ async fn a_request_handed_over_before_the_loss_and_polled_after_it_is_not_sent()
     tokio::time::sleep(Duration::from_millis(200)).await;
     assert!(seen.try_recv().is_err(), "the server saw the request");
 }
+
+/// What the destination saw of one streamed body.
+#[derive(Debug, PartialEq)]
+enum BodyEvent {
+    Chunk(Vec<u8>),
+    Ended,
+    Failed,
+}
+
+/// A server that reports each body frame as it arrives, and how the body ended.
+async fn spawn_body_recorder() -> (
+    std::net::SocketAddr,
+    tokio::sync::mpsc::UnboundedReceiver<BodyEvent>,
+) {
+    use http_body_util::BodyExt;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let tx = tx.clone();
+            tokio::spawn(async move {
+                let svc =
+                    hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                        let tx = tx.clone();
+                        async move {
+                            let mut body = req.into_body();
+                            let end = loop {
+                                match body.frame().await {
+                                    Some(Ok(frame)) => {
+                                        if let Ok(data) = frame.into_data() {
+                                            let _ = tx.send(BodyEvent::Chunk(data.to_vec()));
+                                        }
+                                    }
+                                    Some(Err(_)) => break BodyEvent::Failed,
+                                    None => break BodyEvent::Ended,
+                                }
+                            };
+                            let _ = tx.send(end);
+                            Ok::<_, std::convert::Infallible>(http::Response::new(
+                                Empty::<Bytes>::new(),
+                            ))
+                        }
+                    });
+                let _ = hyper::server::conn::http1::Builder::new()
+                    .serve_connection(hyper_util::rt::TokioIo::new(stream), svc)
+                    .await;
+            });
+        }
+    });
+    (addr, rx)
+}
+
+/// A body whose frames the test sends; it ends when the sender is dropped.
+struct Frames(tokio::sync::mpsc::UnboundedReceiver<Bytes>);
+
+impl hyper::body::Body for Frames {
+    type Data = Bytes;
+    type Error = std::convert::Infallible;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Bytes>, Self::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|b| b.map(|b| Ok(hyper::body::Frame::data(b))))
+    }
+}
+
+/// The destination's next report, within 5 s.
+async fn next(events: &mut tokio::sync::mpsc::UnboundedReceiver<BodyEvent>) -> Option<BodyEvent> {
+    tokio::time::timeout(Duration::from_secs(5), events.recv())
+        .await
+        .expect("the destination reports within 5 s")
+}
+
+/// An upload streamed under a lease, its body wrapped with `fence_body`, stops at the loss:
+/// the destination gets what was sent before and then a body that never completes, not the
+/// rest of the upload followed by a clean end it would commit.
+#[tokio::test]
+async fn a_fenced_body_stops_flowing_when_the_lease_is_lost() {
+    let (addr, mut events) = spawn_body_recorder().await;
+    let lease = LeaseClient::new(MemoryLeaseStore::new())
+        .claim("upload-1".parse().unwrap())
+        .await
+        .unwrap();
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let mut http = ServiceBuilder::new().layer(lease.fencing_layer()).service(
+        Client::builder(TokioExecutor::new()).build_http::<fence_lease::FencedBody<Frames>>(),
+    );
+    let request = http::Request::post(format!("http://{addr}/upload"))
+        .body(lease.view().fence_body(Frames(rx)))
+        .unwrap();
+    let call = tokio::spawn(http.ready().await.unwrap().call(request));
+
+    tx.send(Bytes::from_static(b"first")).unwrap();
+    assert_eq!(
+        next(&mut events).await,
+        Some(BodyEvent::Chunk(b"first".to_vec()))
+    );
+    lease.release().await.unwrap();
+    tx.send(Bytes::from_static(b"second")).unwrap();
+    drop(tx); // unfenced, the body would now end cleanly
+    assert_eq!(next(&mut events).await, Some(BodyEvent::Failed));
+    call.await
+        .unwrap()
+        .expect_err("the upload was cut short, not answered");
+}

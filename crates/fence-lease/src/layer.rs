@@ -20,6 +20,10 @@
 //! # Ok(()) }
 //! ```
 
+mod body;
+
+pub use body::FencedBody;
+
 use std::{
     future::Future,
     pin::Pin,
@@ -104,7 +108,9 @@ impl<S> Layer<S> for FencingLayer {
 /// polled (a lazy client such as hyper's sends nothing before). A request whose future has
 /// started is on its way and gets its real answer, even if the lease is lost meanwhile: what
 /// has left the process is out of the lease's reach, which is why the destination must check
-/// the token too (the worked example's delayed write shows it refused there).
+/// the token too (the worked example's delayed write shows it refused there). A streamed
+/// request body keeps flowing after the loss unless it is wrapped with
+/// [`LeaseView::fence_body`], which ends it then.
 #[derive(Debug, Clone)]
 pub struct Fencing<S> {
     inner: S,

@@ -41,7 +41,7 @@ pub use fence_core::{
 };
 pub use fence_storage::clock::{Clock, ManualClock, SystemClock, TokioClock};
 pub use key::new_lease_key;
-pub use layer::{Fencing, FencingLayer, LeaseLost, ResponseFuture};
+pub use layer::{FencedBody, Fencing, FencingLayer, LeaseLost, ResponseFuture};
 pub use lease::{
     Checkpointer, FinishError, Lease, LeaseView, LossReason, TimingError, TokenUpdates,
 };
