@@ -121,6 +121,9 @@ struct Shared {
     header: watch::Sender<http::HeaderValue>,
     base: Instant,
     deadline_nanos: AtomicU64,
+    /// The last granted renewal's (or the claim's) send time plus its TTL, in nanoseconds
+    /// since `base`: the store cannot end the lease before (it counts from receiving it).
+    store_end_nanos: AtomicU64,
     /// When the worker last reported progress (the claim counts), in nanoseconds since `base`.
     progress_nanos: AtomicU64,
     lost: CancellationToken,
@@ -136,10 +139,16 @@ impl Shared {
         self.base + Duration::from_nanos(self.progress_nanos.load(Ordering::Acquire))
     }
 
-    fn set_deadline(&self, deadline: Instant) {
-        let nanos = u64::try_from(deadline.saturating_duration_since(self.base).as_nanos())
-            .unwrap_or(u64::MAX);
-        self.deadline_nanos.store(nanos, Ordering::Release);
+    /// The local deadline and the earliest end at the store of a grant of `ttl` asked for at
+    /// `t_send`.
+    fn set_deadline(&self, deadline: Instant, t_send: Instant, ttl: Ttl) {
+        let nanos = |at: Instant| {
+            u64::try_from(at.saturating_duration_since(self.base).as_nanos()).unwrap_or(u64::MAX)
+        };
+        self.store_end_nanos
+            .store(nanos(t_send + ttl.as_duration()), Ordering::Release);
+        self.deadline_nanos
+            .store(nanos(deadline), Ordering::Release);
     }
 
     /// The one place a lease is declared lost. Final: nothing un-loses it.
@@ -245,6 +254,16 @@ impl LeaseView {
     /// The local deadline: the lease is lost at this instant unless renewed before.
     pub fn deadline(&self) -> Instant {
         self.shared.deadline()
+    }
+
+    /// The earliest instant the store can end this lease if it is not renewed again: the
+    /// last granted claim's or renewal's send time plus its TTL (the store counts from when
+    /// it received it, later; a lock-delay adds to it). Between the local
+    /// [`deadline`](Self::deadline) and this instant lies the safety margin: what a worker
+    /// has to stop its effects in once the deadline passed, before anyone else can hold the
+    /// job.
+    pub fn earliest_store_expiry(&self) -> Instant {
+        self.shared.base + Duration::from_nanos(self.shared.store_end_nanos.load(Ordering::Acquire))
     }
 
     /// Resolves when the lease is lost.
@@ -368,11 +387,12 @@ impl<S: LeaseStore> Lease<S> {
             header: watch::Sender::new(header),
             base: t_send,
             deadline_nanos: AtomicU64::new(0),
+            store_end_nanos: AtomicU64::new(0),
             progress_nanos: AtomicU64::new(0),
             lost: CancellationToken::new(),
             reason: OnceLock::new(),
         });
-        shared.set_deadline(timing.deadline(t_send, ttl));
+        shared.set_deadline(timing.deadline(t_send, ttl), t_send, ttl);
         tracing::debug!(job = %shared.job, token = %token, "lease claimed");
         let first_renewal = t_send + timing.renew_every(ttl);
         let keeper = tokio::spawn(keep(shared.clone(), store.clone(), timing, first_renewal));
@@ -540,7 +560,7 @@ async fn keep<S: LeaseStore>(
                 if shared.token().is_none() {
                     return;
                 }
-                shared.set_deadline(timing.deadline(t_send, grant.ttl));
+                shared.set_deadline(timing.deadline(t_send, grant.ttl), t_send, grant.ttl);
                 next = t_send + timing.renew_every(grant.ttl);
                 if let Some(signed) = grant.token.as_deref() {
                     match token_header(shared.token, Some(signed)) {

@@ -21,10 +21,21 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
             "{s:?} has no unit; write {s}s for seconds or {s}ms for milliseconds (units: ms, s, m, h, d)"
         ));
     }
-    humantime::parse_duration(s).map_err(|e| {
+    let d = humantime::parse_duration(s).map_err(|e| {
         format!("{s:?} is not a duration ({e}); write it like 500ms, 1.5s, 2m or 1h30m")
-    })
+    })?;
+    // Every duration is added to a clock reading somewhere: past this, the sum would not fit
+    // one, and no wait, grace or retention is meant to outlast it.
+    if d > MAX_DURATION {
+        return Err(format!(
+            "{s:?} is longer than any flag takes (at most 100 years)"
+        ));
+    }
+    Ok(d)
 }
+
+/// The longest duration any flag takes: 100 years (humantime's, of 365.25 days).
+const MAX_DURATION: Duration = Duration::from_secs(100 * 31_557_600);
 
 /// A timeout flag: a duration from 1 ms to 24 h. Zero would mean "never wait" to some
 /// readers and "wait forever" to others; neither is what a deadline is for.
@@ -105,6 +116,18 @@ pub fn parse_claim_wait(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `fence run --wait 300000000000y` panicked adding the wait to the clock.
+    #[test]
+    fn absurdly_long_durations_are_refused_not_added_to_a_clock() {
+        assert!(parse_duration("300000000000y").is_err());
+        assert!(parse_duration("101y").is_err());
+        assert_eq!(parse_duration("100y"), Ok(MAX_DURATION));
+        for ok in ["1ms", "365d", "50y"] {
+            let d = parse_duration(ok).unwrap();
+            assert!(tokio::time::Instant::now().checked_add(d).is_some(), "{ok}");
+        }
+    }
 
     #[test]
     fn timeouts_are_never_zero_or_unbounded() {

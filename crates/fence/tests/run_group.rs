@@ -92,12 +92,38 @@ fn a_lost_lease_stops_the_grandchildren_too() {
         assert_eq!(run.0.wait().unwrap().code(), Some(75), "{job}");
         signal(&server, "-CONT");
         if ignore_term {
+            // The lease ran out: SIGKILL within the 100 ms margin, not after the 500 ms
+            // grace, so nothing runs once the server can let another owner claim the job.
             assert!(
-                took >= Duration::from_millis(400),
-                "{job}: SIGKILL came only after the grace ({took:?})"
+                took >= Duration::from_millis(300),
+                "{job}: gone before the lease could have run out ({took:?})"
             );
         }
     }
+}
+
+/// A command that ignores SIGTERM, with a grace far longer than the lease's safety margin:
+/// when the lease runs out the SIGKILL still lands before the server could let another owner
+/// claim the job, judged by when the command is gone.
+#[test]
+fn a_stubborn_command_is_killed_before_the_lease_can_expire_whatever_the_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("stubborn.pid");
+    let mut run = spawn_run(
+        &url,
+        "stubborn-grace",
+        &["--ttl", "1s", "--grace", "10s"],
+        &tree_script(&pid_file, true),
+    );
+    let sleep = pid_in(&pid_file);
+    signal(&server, "-STOP"); // renewals go unanswered from now on
+    // The last renewal was sent at most a third of the TTL ago: the server cannot end the
+    // lease later than 1 s from now. Slack for scheduling on a busy machine: 2.5 s in all,
+    // far below the 10 s grace.
+    gone_within(sleep, Duration::from_millis(2_500));
+    assert_eq!(run.0.wait().unwrap().code(), Some(75));
+    signal(&server, "-CONT");
 }
 
 #[test]
@@ -159,6 +185,71 @@ fn a_frozen_fence_run_has_its_group_stopped_at_the_lease_deadline() {
         "the server granted the job to another worker while the frozen run's group still ran"
     );
     signal(&run, "-CONT");
+}
+
+/// As above with `fence run` frozen and a stubborn command: the watchdog's SIGKILL too lands
+/// before the server lets another worker claim the job, whatever `--grace` says.
+#[test]
+fn a_frozen_fence_run_has_a_stubborn_group_killed_before_the_job_can_be_claimed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("frozen-stubborn.pid");
+    let run = spawn_run(
+        &url,
+        "frozen-stubborn",
+        &["--ttl", "1s", "--grace", "10s"],
+        &tree_script(&pid_file, true),
+    );
+    let sleep = pid_in(&pid_file);
+    signal(&run, "-STOP");
+    let started = Instant::now();
+    loop {
+        let claim = fence(&[
+            "claim",
+            "--server",
+            &url,
+            "--job",
+            "frozen-stubborn",
+            "--ttl",
+            "30s",
+        ]);
+        if claim.status.success() {
+            break;
+        }
+        assert_eq!(claim.status.code(), Some(3), "{claim:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "the server never let the job go"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert!(
+        !alive(sleep),
+        "the server granted the job to another worker while the frozen run's stubborn group still ran"
+    );
+    signal(&run, "-CONT");
+}
+
+/// A short lease's deadline is never stale at the watchdog: under a 150 ms lease (renewed
+/// every 50 ms, its deadline at most 100 ms ahead) a healthy command is not stopped by a
+/// watchdog that heard of the deadline only every 100 ms (exit 143). A renewal late on a
+/// busy machine may lose the lease for real: 75 is fence run's own, judged loss.
+#[test]
+fn a_short_lease_does_not_get_a_healthy_command_stopped_by_the_watchdog() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    for n in 0..3 {
+        let job = format!("short-{n}");
+        let out = fence(&[
+            "run", "--server", &url, "--job", &job, "--ttl", "150ms", "--", "sh", "-c", "sleep 1",
+        ]);
+        assert!(
+            matches!(out.status.code(), Some(0 | 75)),
+            "{job}: {:?} {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 #[test]

@@ -95,7 +95,7 @@ pub enum Cmd {
     ///
     /// The command runs in a process group of its own with FENCE_JOB, FENCE_TOKEN (the
     /// token when the lease was claimed), FENCE_TOKEN_FILE (a file that always holds the
-    /// latest token), FENCE_SERVER, FENCE_OWNER and FENCE_CHECKPOINT_FILE (the job's last
+    /// latest token, emptied once the lease is lost), FENCE_SERVER, FENCE_OWNER and FENCE_CHECKPOINT_FILE (the job's last
     /// checkpoint, empty when none, FENCE_CHECKPOINT_GENERATION naming who saved it; what the
     /// command writes there is saved with the lease for the next run to resume from) in its
     /// environment. The lease is renewed in the background. When it is lost the whole group gets SIGTERM at once, and SIGKILL
@@ -451,7 +451,10 @@ pub struct RunCmd {
     /// every slot is taken).
     #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = parse_duration, env = "FENCE_WAIT")]
     pub wait: Duration,
-    /// Time between SIGTERM and SIGKILL after the lease is lost.
+    /// Time between SIGTERM and SIGKILL after the lease is lost. When it ran out (rather than
+    /// being taken over), the SIGKILL comes sooner if the server could otherwise let another
+    /// owner claim the job first: within the safety margin (a tenth of --ttl) plus
+    /// --lock-delay.
     #[arg(long, allow_hyphen_values = true, default_value = "5s", value_parser = parse_duration, env = "FENCE_GRACE")]
     pub grace: Duration,
     /// What to do with the job when the command exits 0 [default: complete]. With --slots

@@ -19,13 +19,12 @@ use std::{process::Stdio, time::Duration};
 
 use anyhow::Context as _;
 use fence_core::JobId;
-use fence_lease::{FinishError, HttpLeaseStore, Lease, LeaseClient, LeaseView, Ttl};
+use fence_lease::{FinishError, HttpLeaseStore, Lease, LeaseClient, LeaseView, LossReason, Ttl};
 use nix::{
     sys::signal::{Signal, killpg},
     unistd::Pid,
 };
 use tokio::{
-    io::AsyncReadExt,
     process::{Child, ChildStdin, Command},
     signal::unix::{Signal as Stream, SignalKind, signal},
     time::Instant,
@@ -36,11 +35,14 @@ mod claim;
 mod procs;
 mod progress;
 pub(crate) mod token_file;
+mod watchdog;
 mod words;
 use checkpoint::CheckpointFile;
 use claim::{claim_slot_within, claim_within};
-use procs::{descendants, others_in_group};
+use procs::descendants;
 use token_file::TokenFile;
+use watchdog::kill_within;
+pub use watchdog::watchdog;
 use words::ended_how;
 
 use crate::cli::{OnMaxDuration, OnSuccess, ServerConn};
@@ -175,7 +177,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         let _ = lease.release().await;
         anyhow::bail!("no command given");
     };
-    let mut group = match Group::start(args.grace) {
+    let mut group = match Group::start(args.grace, args.lock_delay.unwrap_or_default()) {
         Ok(group) => group,
         Err(e) => {
             let _ = lease.release().await;
@@ -225,7 +227,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     };
     let keeper = token_file.keep_current(token_updates);
     let limit = args.max_duration.map(|(d, _)| (Instant::now() + d, d));
-    let ended = supervise(&mut child, &group, &lease, &mut signals, args.grace, limit).await?;
+    let stop = Stop {
+        grace: args.grace,
+        lock_delay: args.lock_delay.unwrap_or_default(),
+    };
+    let ended = supervise(&mut child, &group, &lease, &mut signals, stop, limit).await?;
     saving.finish().await; // the command's last checkpoint, before the job is given up
     keeper.abort();
     let lost = match ended {
@@ -268,13 +274,14 @@ struct Group {
     heartbeat: Option<tokio::task::JoinHandle<()>>,
     pgid: Pid,
     grace: Duration,
+    lock_delay: Duration,
 }
 
 /// How often `fence run` tells the watchdog the time left on the lease.
 const HEARTBEAT: Duration = Duration::from_millis(100);
 
 impl Group {
-    fn start(grace: Duration) -> anyhow::Result<Self> {
+    fn start(grace: Duration, lock_delay: Duration) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("finding the fence executable")?;
         let mut watchdog = Command::new(exe)
             .args(["watchdog", "--grace"])
@@ -297,6 +304,7 @@ impl Group {
             heartbeat: None,
             pgid: Pid::from_raw(pid),
             grace,
+            lock_delay,
         })
     }
 
@@ -308,9 +316,19 @@ impl Group {
         let Some(mut pipe) = self.pipe.take() else {
             return;
         };
-        let tell = |lease: &LeaseView| {
-            let left = lease.deadline().saturating_duration_since(Instant::now());
-            format!("{}\n", left.as_millis())
+        // The time left to the deadline, and to the last moment the group may live once
+        // the deadline passed (before the store can end the lease).
+        let lock_delay = self.lock_delay;
+        let tell = move |lease: &LeaseView| {
+            let now = Instant::now();
+            let left = lease.deadline().saturating_duration_since(now);
+            let kill = left
+                + Stop {
+                    grace: Duration::MAX,
+                    lock_delay,
+                }
+                .grace_of_expiring(lease, lease.deadline().max(now));
+            format!("{} {}\n", left.as_millis(), kill.as_millis())
         };
         // The first deadline is told before the command starts, so the watchdog has one
         // even if `fence run` freezes at once.
@@ -319,7 +337,10 @@ impl Group {
         }
         self.heartbeat = Some(tokio::spawn(async move {
             while !lease.is_lost() {
-                tokio::time::sleep(HEARTBEAT).await;
+                // Every 100 ms, and four times before a deadline that is nearer: a short
+                // lease's deadline is never stale at the watchdog.
+                let left = lease.deadline().saturating_duration_since(Instant::now());
+                tokio::time::sleep((left / 4).clamp(Duration::from_millis(5), HEARTBEAT)).await;
                 if pipe.write_all(tell(&lease).as_bytes()).await.is_err() {
                     return;
                 }
@@ -399,12 +420,36 @@ enum Ended {
     OutOfTime,
 }
 
+/// How the command is stopped: SIGTERM, then SIGKILL after `grace`, cut short where the
+/// store could otherwise let another owner claim the job first.
+#[derive(Clone, Copy)]
+struct Stop {
+    grace: Duration,
+    /// `--lock-delay`: after an expiry, nobody can claim the job for this long.
+    lock_delay: Duration,
+}
+
+impl Stop {
+    /// The grace left, at `now`, to a command whose lease `lease` ran out (its deadline
+    /// passed or its renewals stopped): until just before the store can end the lease,
+    /// whatever `--grace` says. The lease may still be held at the store: the next owner
+    /// cannot claim the job before then, so the command is gone before anyone else holds it.
+    fn grace_of_expiring(self, lease: &LeaseView, now: Instant) -> Duration {
+        kill_within(
+            self.grace,
+            lease.earliest_store_expiry() + self.lock_delay,
+            lease.deadline(),
+            now,
+        )
+    }
+}
+
 async fn supervise(
     child: &mut Child,
     group: &Group,
     lease: &Lease<HttpLeaseStore>,
     signals: &mut Signals,
-    grace: Duration,
+    stop: Stop,
     limit: Option<(Instant, Duration)>,
 ) -> anyhow::Result<Ended> {
     let lost = lease.lost();
@@ -430,9 +475,28 @@ async fn supervise(
             }
         }
     };
-    eprintln!("fence run: {why}; sending SIGTERM to the command's group");
-    group.signal(Signal::SIGTERM);
+    // Run out rather than taken over: the store may still hold the lease, and the command
+    // must be gone before it can let anyone else claim the job.
+    let expiring = matches!(
+        lease.loss_reason(),
+        Some(LossReason::DeadlinePassed | LossReason::NoProgress { .. })
+    );
     let started = Instant::now();
+    let grace = if expiring {
+        stop.grace_of_expiring(&lease.view(), started)
+    } else {
+        stop.grace
+    };
+    if grace < stop.grace {
+        eprintln!(
+            "fence run: {why}; sending SIGTERM to the command's group, SIGKILL within {grace:?} \
+             (--grace {:?} cut short: the server may let another owner claim the job then)",
+            stop.grace
+        );
+    } else {
+        eprintln!("fence run: {why}; sending SIGTERM to the command's group");
+    }
+    group.signal(Signal::SIGTERM);
     if tokio::time::timeout(grace, child.wait()).await.is_err() {
         eprintln!(
             "fence run: the command did not exit within {grace:?}; sending SIGKILL to its group"
@@ -505,63 +569,4 @@ fn exit_code(status: std::process::ExitStatus) -> i32 {
     status
         .code()
         .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
-}
-
-/// `fence watchdog`: leads the command's group. It stops the group (SIGTERM, then SIGKILL
-/// after `grace` unless the group is empty by then) when its stdin, `fence run`'s pipe,
-/// closes, or when the last time left on the lease that `fence run` wrote there (one line of
-/// milliseconds) runs out. It ignores the signals sent to the group, so it outlives the
-/// SIGTERM it sends.
-///
-/// # Errors
-/// When its signal handlers cannot be installed.
-pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
-    let mut signals = Signals::install().context("installing signal handlers")?;
-    let mut stdin = tokio::io::stdin();
-    let mut buf = [0u8; 256];
-    let mut line = Vec::new();
-    let mut deadline: Option<Instant> = None;
-    loop {
-        let expiry = async {
-            match deadline {
-                Some(at) => tokio::time::sleep_until(at).await,
-                None => std::future::pending().await,
-            }
-        };
-        tokio::select! {
-            read = stdin.read(&mut buf) => match read {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    for &b in &buf[..n] {
-                        if b == b'\n' {
-                            let left = std::str::from_utf8(&line).ok().and_then(|l| l.parse::<u64>().ok());
-                            if let Some(ms) = left {
-                                deadline = Some(Instant::now() + Duration::from_millis(ms));
-                            }
-                            line.clear();
-                        } else if line.len() < 32 {
-                            line.push(b);
-                        }
-                    }
-                }
-            },
-            () = expiry => break,
-            _ = signals.next() => {}
-        }
-    }
-    let pgid = nix::unistd::getpgrp();
-    let _ = killpg(pgid, Signal::SIGTERM);
-    let until = Instant::now() + grace;
-    while Instant::now() < until {
-        if !others_in_group(pgid) {
-            return Ok(0);
-        }
-        tokio::select! {
-            () = tokio::time::sleep(Duration::from_millis(20)) => {}
-            _ = signals.next() => {}
-        }
-    }
-    // The watchdog is in the group too: this ends it as well.
-    let _ = killpg(pgid, Signal::SIGKILL);
-    Ok(0)
 }

@@ -9,7 +9,8 @@ use anyhow::Context as _;
 use fence_lease::TokenUpdates;
 
 /// `FENCE_TOKEN_FILE`: a file, in a directory only this user can read, that always holds the
-/// lease's latest token (replaced atomically), for a command that outlives its first token.
+/// lease's latest token (replaced atomically), for a command that outlives its first token;
+/// empty once the lease is lost.
 pub(super) struct TokenFile {
     dir: tempfile::TempDir,
 }
@@ -62,8 +63,9 @@ pub(crate) fn write_bytes(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
     next.persist(path).map(drop).map_err(|e| e.error)
 }
 
-/// Rewrites `path` with [`write_token`] at each of `updates`, until the lease ends or the
-/// task is aborted.
+/// Rewrites `path` with [`write_token`] at each of `updates`, and empties it the moment the
+/// lease is lost (a command that reads it before each write must not find a token the lease
+/// no longer backs), until then or until the task is aborted.
 pub(crate) fn keep_token_current(
     path: PathBuf,
     mut updates: TokenUpdates,
@@ -74,5 +76,37 @@ pub(crate) fn keep_token_current(
                 tracing::warn!(path = %path.display(), error = %e, "cannot update the token file");
             }
         }
+        if let Err(e) = write_bytes(&path, b"") {
+            tracing::warn!(path = %path.display(), error = %e, "cannot empty the token file of a lost lease");
+        }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use fence_lease::{LeaseClient, MemoryLeaseStore};
+
+    use super::*;
+
+    /// A command reading FENCE_TOKEN_FILE before each write finds no token once the lease is
+    /// lost, not the last one, which a destination would still accept.
+    #[tokio::test]
+    async fn the_token_file_is_emptied_when_the_lease_is_lost() {
+        let lease = LeaseClient::new(MemoryLeaseStore::new())
+            .claim("tokens".parse().unwrap())
+            .await
+            .unwrap();
+        let updates = lease.tokens();
+        let file = TokenFile::new(&lease.token_string().unwrap()).unwrap();
+        let keeper = file.keep_current(updates);
+        assert_eq!(std::fs::read_to_string(file.path()).unwrap(), "1\n");
+        lease.release().await.unwrap();
+        tokio::time::timeout(Duration::from_secs(5), keeper)
+            .await
+            .expect("the keeper ends with the lease")
+            .unwrap();
+        assert_eq!(std::fs::read_to_string(file.path()).unwrap(), "");
+    }
 }

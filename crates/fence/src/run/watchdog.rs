@@ -1,0 +1,142 @@
+//! `fence watchdog`, which stops `fence run`'s command group when `fence run` dies or freezes.
+//!
+//! Also the arithmetic of how long a stopping command may take before its SIGKILL.
+
+use std::time::Duration;
+
+use anyhow::Context as _;
+use nix::sys::signal::{Signal, killpg};
+use tokio::{io::AsyncReadExt, time::Instant};
+
+use super::{Signals, procs::others_in_group};
+
+/// `grace`, cut to end before `store_end` by a quarter of the safety margin (the time between
+/// the local `deadline` and `store_end`), at most 100 ms, as slack for the kill to land.
+pub(super) fn kill_within(
+    grace: Duration,
+    store_end: Instant,
+    deadline: Instant,
+    now: Instant,
+) -> Duration {
+    let slack = (store_end.saturating_duration_since(deadline) / 4).min(Duration::from_millis(100));
+    grace.min(
+        store_end
+            .saturating_duration_since(now)
+            .saturating_sub(slack),
+    )
+}
+
+/// `fence watchdog`: leads the command's group. It stops the group (SIGTERM, then SIGKILL
+/// after `grace` unless the group is empty by then) when its stdin, `fence run`'s pipe,
+/// closes, or when the last time left on the lease that `fence run` wrote there (one line of
+/// milliseconds) runs out. It ignores the signals sent to the group, so it outlives the
+/// SIGTERM it sends.
+///
+/// # Errors
+/// When its signal handlers cannot be installed.
+pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
+    let mut signals = Signals::install().context("installing signal handlers")?;
+    let mut stdin = tokio::io::stdin();
+    let mut buf = [0u8; 256];
+    let mut line = Vec::new();
+    let mut deadline: Option<Instant> = None;
+    // The last moment the group may live once the deadline passed, as last told.
+    let mut kill_by: Option<Instant> = None;
+    let mut expired = false;
+    loop {
+        let expiry = async {
+            match deadline {
+                Some(at) => tokio::time::sleep_until(at).await,
+                None => std::future::pending().await,
+            }
+        };
+        tokio::select! {
+            read = stdin.read(&mut buf) => match read {
+                Ok(0) | Err(_) => break,
+                Ok(n) => {
+                    for &b in &buf[..n] {
+                        if b == b'\n' {
+                            let now = Instant::now();
+                            let mut told = std::str::from_utf8(&line).ok().into_iter()
+                                .flat_map(str::split_whitespace)
+                                .map(|word| word.parse::<u64>().ok().map(|ms| now + Duration::from_millis(ms)));
+                            if let Some(Some(at)) = told.next() {
+                                deadline = Some(at);
+                                kill_by = told.next().flatten();
+                            }
+                            line.clear();
+                        } else if line.len() < 32 {
+                            line.push(b);
+                        }
+                    }
+                }
+            },
+            () = expiry => {
+                expired = true;
+                break;
+            }
+            _ = signals.next() => {}
+        }
+    }
+    let pgid = nix::unistd::getpgrp();
+    let _ = killpg(pgid, Signal::SIGTERM);
+    let mut until = Instant::now() + grace;
+    // fence run stopped telling (frozen): the lease is no longer renewed, and the group must
+    // be gone before the store can let anyone else claim the job, whatever --grace says.
+    if expired && let Some(kill_by) = kill_by {
+        until = until.min(kill_by);
+    }
+    while Instant::now() < until {
+        if !others_in_group(pgid) {
+            return Ok(0);
+        }
+        tokio::select! {
+            () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            _ = signals.next() => {}
+        }
+    }
+    // The watchdog is in the group too: this ends it as well.
+    let _ = killpg(pgid, Signal::SIGKILL);
+    Ok(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kill_lands_before_the_store_can_end_the_lease_whatever_the_grace() {
+        let ms = Duration::from_millis;
+        let deadline = Instant::now();
+        // ttl 30 s: a 3 s margin, 100 ms of slack. At the deadline, --grace 5s is cut to 2.9 s.
+        let store_end = deadline + ms(3_000);
+        assert_eq!(
+            kill_within(ms(5_000), store_end, deadline, deadline),
+            ms(2_900)
+        );
+        // A shorter grace stands.
+        assert_eq!(
+            kill_within(ms(1_000), store_end, deadline, deadline),
+            ms(1_000)
+        );
+        // Seen 2 s late (a slow loop): what is left of the margin, less the slack.
+        assert_eq!(
+            kill_within(ms(5_000), store_end, deadline, deadline + ms(2_000)),
+            ms(900)
+        );
+        // ttl 1 s: a 100 ms margin, 25 ms of slack.
+        let store_end = deadline + ms(100);
+        assert_eq!(kill_within(ms(500), store_end, deadline, deadline), ms(75));
+        // Past the store's end: at once.
+        assert_eq!(
+            kill_within(ms(500), store_end, deadline, deadline + ms(200)),
+            ms(0)
+        );
+        // A lock-delay of 10 s (added to the store's end) leaves the grace alone.
+        let store_end = deadline + ms(100) + ms(10_000);
+        assert_eq!(
+            kill_within(ms(5_000), store_end, deadline, deadline),
+            ms(5_000)
+        );
+    }
+}
