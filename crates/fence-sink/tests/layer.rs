@@ -744,6 +744,18 @@ async fn unfenced_methods_pass_and_fence_methods_and_fence_when_change_that() {
     send(&methods, request(Method::GET, "/charge", &[], ""))
         .await
         .problem(428, "urn:fence:missing-token");
+    // A method in other capitals is fenced too: an upstream may well read `get` as GET.
+    let lower = Method::from_bytes(b"get").unwrap();
+    send(&methods, request(lower, "/charge", &[], ""))
+        .await
+        .problem(428, "urn:fence:missing-token");
+    // And with the default list, `get` is not GET: fenced.
+    send(
+        &default,
+        request(Method::from_bytes(b"get").unwrap(), "/charge", &[], ""),
+    )
+    .await
+    .problem(428, "urn:fence:missing-token");
     assert_eq!(
         send(&methods, request(Method::POST, "/charge", &[], ""))
             .await

@@ -137,8 +137,9 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         &mut Arc::make_mut(&mut self.shared).config
     }
 
-    /// Fences requests with exactly these methods; others pass unfenced (the default fences
-    /// every method but GET, HEAD, OPTIONS and TRACE).
+    /// Fences requests with these methods, in any letter case (`post` too, which an upstream
+    /// may read as POST); others pass unfenced (the default fences every method but GET,
+    /// HEAD, OPTIONS and TRACE, in exactly those capitals).
     pub fn fence_methods(mut self, methods: impl IntoIterator<Item = Method>) -> Self {
         let config = self.config();
         config.methods = Some(methods.into_iter().collect());

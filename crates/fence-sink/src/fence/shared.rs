@@ -49,7 +49,11 @@ impl Config {
         match &self.predicate {
             Some(p) => p(parts),
             None => match &self.methods {
-                Some(methods) => methods.contains(&parts.method),
+                // Methods are case-sensitive to HTTP, but not to every upstream: `post` is
+                // fenced with POST rather than let through to one that reads it as POST.
+                Some(methods) => methods
+                    .iter()
+                    .any(|m| m.as_str().eq_ignore_ascii_case(parts.method.as_str())),
                 None => !matches!(
                     parts.method,
                     Method::GET | Method::HEAD | Method::OPTIONS | Method::TRACE

@@ -40,8 +40,9 @@ pub struct ProxyArgs {
     /// Authorization: Bearer <secret>, else 401. Reloaded on SIGHUP.
     #[arg(long, value_name = "FILE", env = "FENCE_ADMIN_AUTH_FILE")]
     pub admin_auth_file: Option<PathBuf>,
-    /// Methods that are fenced, comma separated. Default: every method but GET, HEAD,
-    /// OPTIONS and TRACE, so a method this list does not know fails closed.
+    /// Methods that are fenced, comma separated, matched in any letter case (`post` is fenced
+    /// with POST). Default: every method but GET, HEAD, OPTIONS and TRACE (in exactly those
+    /// capitals), so a method this list does not know fails closed.
     #[arg(long, value_delimiter = ',', env = "FENCE_FENCE_METHODS")]
     pub fence_methods: Option<Vec<Method>>,
     /// Answer 428 to fenced requests without fencing headers (the default).
