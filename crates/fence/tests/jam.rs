@@ -526,3 +526,85 @@ fn stored_answers_can_be_scoped_by_a_header() {
         "{answer}"
     );
 }
+
+/// One request on a new kept-alive connection; the connection, once its answer (the test
+/// upstream's `ok`) is read.
+fn kept_alive(addr: &str, method: &str, token: &str) -> TcpStream {
+    let mut stream = TcpStream::connect(addr).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(10)))
+        .unwrap();
+    write!(
+        stream,
+        "{method} /charge HTTP/1.1\r\nHost: x\r\nX-Fencing-Job: j\r\nX-Fencing-Token: {token}\r\nContent-Length: 0\r\n\r\n"
+    )
+    .unwrap();
+    let mut seen = Vec::new();
+    let mut buf = [0u8; 1024];
+    while !seen.ends_with(b"ok\n") {
+        let n = stream.read(&mut buf).unwrap();
+        assert!(
+            n > 0,
+            "closed before the answer: {:?}",
+            String::from_utf8_lossy(&seen)
+        );
+        seen.extend_from_slice(&buf[..n]);
+    }
+    assert!(
+        seen.starts_with(b"HTTP/1.1 200"),
+        "{:?}",
+        String::from_utf8_lossy(&seen)
+    );
+    stream
+}
+
+/// Whether the proxy closed `stream` (end of stream within `within`), rather than leaving
+/// it open.
+fn closed_within(stream: &mut TcpStream, within: Duration) -> bool {
+    stream.set_read_timeout(Some(within)).unwrap();
+    matches!(stream.read(&mut [0u8; 64]), Ok(0) | Err(_)) && {
+        // A timeout is an error too: tell it from a close.
+        stream.set_nonblocking(true).unwrap();
+        let closed = matches!(stream.read(&mut [0u8; 64]), Ok(0));
+        stream.set_nonblocking(false).unwrap();
+        closed
+    }
+}
+
+/// At the connection cap, an idle connection whose only request was a GET that merely carried
+/// an X-Fencing-Token header (nothing the fence judged) is closed for room before an older
+/// one whose fenced POST the fence admitted: a header anyone can send does not make a
+/// connection count as authenticated.
+#[test]
+fn a_token_header_the_fence_never_judged_does_not_shield_a_connection_from_eviction() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = format!("http://{}", start_upstream());
+    let (_proxy, proxy) = start_proxy_with(
+        &upstream,
+        &[
+            "--data-dir",
+            dir.path().to_str().unwrap(),
+            "--max-connections",
+            "3",
+            "--max-connections-per-peer",
+            "3",
+            // One accept loop: with more, each holds a slot of the cap while it waits.
+            "--workers",
+            "1",
+        ],
+    );
+    let mut admitted = kept_alive(&proxy, "POST", "1");
+    std::thread::sleep(Duration::from_millis(50)); // the older of the two
+    let mut header_only = kept_alive(&proxy, "GET", "junk");
+    // A newcomer takes the last place: the cap is reached, and the oldest idle connection of
+    // those that count as unauthenticated is closed to keep room.
+    assert_eq!(http_status(&proxy, "GET", "/healthz", &[]), 200);
+    assert!(
+        closed_within(&mut header_only, Duration::from_secs(5)),
+        "the connection that only showed a token header was kept"
+    );
+    assert!(
+        !closed_within(&mut admitted, Duration::from_millis(300)),
+        "the connection whose fenced request was admitted was closed for room"
+    );
+}

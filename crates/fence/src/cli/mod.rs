@@ -242,7 +242,8 @@ pub struct ListenArgs {
     pub idle_timeout: Duration,
     /// Open connections at most. At the cap, an idle connection of the address that holds
     /// the most is closed (unauthenticated ones first: those that never sent an accepted
-    /// secret, or for the proxy a fenced request that got through); when all are answering,
+    /// secret, or for the proxy a request the fence admitted that the upstream answered with
+    /// a success, not a mere X-Fencing-Token header on a GET); when all are answering,
     /// newcomers wait in the kernel's backlog. Default: 10,000, or half of what the file
     /// limit (ulimit -n) leaves.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS")]

@@ -11,7 +11,7 @@
 //! - at most [`Limits::max_connections`] are open, at most
 //!   [`Limits::max_connections_per_peer`] from one IP address (see [`Slots`]). At the cap, an
 //!   idle connection of the peer that holds the most is closed gracefully, unauthenticated
-//!   ones first ([`Listener::authenticated_by`]); when every connection is answering a
+//!   ones first (a service marks an answer [`Authenticated`]); when every connection is answering a
 //!   request, newcomers wait in the kernel's backlog. A newcomer is never reset for room;
 //! - HTTP/2 (h2c by its preface, or ALPN `h2` over TLS) pings every
 //!   [`Limits::h2_keepalive`] and closes a peer that does not answer, closes a connection
@@ -33,7 +33,7 @@ use std::{
 };
 
 use fence_storage::BoxError;
-use http::{Request, Response, StatusCode};
+use http::{Request, Response};
 use hyper::{
     body::{Body, Incoming},
     server::conn::{http1, http2},
@@ -97,23 +97,13 @@ pub struct Listener {
     tls: Option<TlsAcceptor>,
     limits: Limits,
     slots: Arc<Slots>,
-    credential: Option<Credential>,
 }
 
 /// Put in an answer's extensions by a service that checked the request's credential and
-/// found it good: the connection counts as authenticated from then on.
+/// found it good: the connection counts as authenticated from then on, and is closed for room
+/// after those that never were. A header's mere presence is not enough: anyone can send one.
 #[derive(Debug, Clone, Copy)]
 pub struct Authenticated;
-
-/// What makes a connection authenticated, for a service that does not say so itself
-/// ([`Authenticated`]): a request that carried `header` and got an answer `accepted` allows.
-#[derive(Debug, Clone, Copy)]
-pub struct Credential {
-    /// The header that carries the credential (`authorization`, say), in lower case.
-    pub header: &'static str,
-    /// Whether an answer shows the credential was good (not 401, say).
-    pub accepted: fn(StatusCode) -> bool,
-}
 
 impl Listener {
     /// Serves `tcp` in plain HTTP, or HTTPS with `tls`, within `limits`.
@@ -124,15 +114,7 @@ impl Listener {
             tls,
             limits,
             slots,
-            credential: None,
         }
-    }
-
-    /// Counts a connection as authenticated once a request on it carried `credential` and
-    /// was accepted: at the cap, those are closed for room last. Without, none is.
-    pub fn authenticated_by(mut self, credential: Credential) -> Self {
-        self.credential = Some(credential);
-        self
     }
 
     /// Counts its connections against `slots`, shared with other listeners (the workers of
@@ -204,7 +186,6 @@ where
         tls,
         limits,
         slots,
-        credential,
     } = listener;
     let (stop, stopped) = watch::channel(false);
     let mut connections = JoinSet::new();
@@ -243,7 +224,6 @@ where
                         limits,
                         stop: stopped.clone(),
                         seat,
-                        credential,
                     };
                     let service = make(peer);
                     connections.spawn(conn.serve(service));
@@ -282,7 +262,6 @@ struct Conn {
     limits: Limits,
     stop: watch::Receiver<bool>,
     seat: Seat,
-    credential: Option<Credential>,
 }
 
 /// Resolves at `deadline`, or when the connection is picked to make room.
@@ -308,7 +287,6 @@ impl Conn {
             limits,
             stop,
             seat,
-            credential,
         } = self;
         let _ = stream.set_nodelay(true);
         let peer = stream.peer_addr();
@@ -318,7 +296,6 @@ impl Conn {
         let service = Marked {
             inner: service,
             conn: fresh.clone(),
-            credential,
         };
         match tls {
             Some(acceptor) => {
@@ -495,7 +472,6 @@ where
 struct Marked<S> {
     inner: S,
     conn: Arc<Tracked>,
-    credential: Option<Credential>,
 }
 
 impl<S, B, R> hyper::service::Service<Request<R>> for Marked<S>
@@ -508,14 +484,9 @@ where
 
     fn call(&self, req: Request<R>) -> Self::Future {
         self.conn.begin();
-        let credential = self
-            .credential
-            .filter(|c| req.headers().contains_key(c.header))
-            .map(|c| c.accepted);
         Answering {
             inner: self.inner.call(req),
             conn: Some(self.conn.clone()),
-            credential,
         }
     }
 }
@@ -526,7 +497,6 @@ pin_project_lite::pin_project! {
         #[pin]
         inner: F,
         conn: Option<Arc<Tracked>>,
-        credential: Option<fn(StatusCode) -> bool>,
     }
 
     impl<F> PinnedDrop for Answering<F> {
@@ -549,11 +519,9 @@ where
         let this = self.project();
         let answer = std::task::ready!(this.inner.poll(cx));
         if let Some(conn) = this.conn.take() {
-            let accepted = match (&answer, *this.credential) {
-                (Ok(response), _) if response.extensions().get::<Authenticated>().is_some() => true,
-                (Ok(response), Some(accepted)) => accepted(response.status()),
-                _ => false,
-            };
+            let accepted = answer
+                .as_ref()
+                .is_ok_and(|response| response.extensions().get::<Authenticated>().is_some());
             conn.done(accepted);
         }
         Poll::Ready(answer)

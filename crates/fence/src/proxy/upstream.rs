@@ -65,6 +65,10 @@ impl Upstream {
     async fn forward(self, req: Request<RequestBody<Incoming>>) -> Response<UpstreamBody> {
         let started = Instant::now();
         let (mut parts, body) = req.into_parts();
+        // Admitted by the fence (a signed token verified, with --verify-key): its connection
+        // counts as authenticated once the upstream accepts it. Not a mere X-Fencing-Token
+        // header on a request the fence never judged (a GET).
+        let admitted = parts.extensions.get::<fence_sink::Fenced>().is_some();
         if parts.method == Method::CONNECT {
             self.outcomes.bad_target.record(started);
             return problem(Problem::new(
@@ -113,6 +117,9 @@ impl Upstream {
                 self.outcomes.ok.record(started);
                 let (mut head, body) = response.into_parts();
                 strip_hop_by_hop(&mut head.headers, false);
+                if admitted && head.status.is_success() {
+                    head.extensions.insert(crate::listen::Authenticated);
+                }
                 Response::from_parts(head, Either::Left(body))
             }
             Ok(Err(failed)) => {

@@ -65,14 +65,10 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 proto: http::HeaderValue::from_static(proto),
                 _running: running,
             });
-            // A connection whose fenced request got through (2xx) is closed for room after
-            // those that never had one.
-            let listener = Listener::new(listener, self.tls, self.limits)
-                .sharing(self.slots)
-                .authenticated_by(crate::listen::Credential {
-                    header: "x-fencing-token",
-                    accepted: |status| status.is_success(),
-                });
+            // A connection whose fenced request got through (the fence admitted it and the
+            // upstream answered 2xx, marked by `Upstream`) is closed for room after those that
+            // never had one.
+            let listener = Listener::new(listener, self.tls, self.limits).sharing(self.slots);
             let mut stopped = self.stopped;
             let shutdown = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
