@@ -120,7 +120,7 @@ pub enum ClaimError {
         /// The client's safety margin.
         margin: Duration,
     },
-    /// [`LeaseClient::resume`] of a lease the store no longer has this owner hold.
+    /// [`LeaseClient::resume`](crate::LeaseClient::resume) of a lease the store no longer has this owner hold.
     #[error("job {job}: the lease of generation {generation} is not held any more: {why}")]
     NotHeld {
         /// The job.
