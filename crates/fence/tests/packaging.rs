@@ -277,12 +277,25 @@ fn commands(block: &str) -> Vec<String> {
 }
 
 /// A free port on 127.0.0.1 (free when asked; the tests that use it start soon after).
+///
+/// Picked below the kernel's ephemeral range (32768 and up here): a port asked of the kernel
+/// (`:0`) and given back can be handed at once to any other test binding `:0`, and the
+/// README's server then fails to bind while `wait_port` finds the other process listening.
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(0);
+    let seed = std::process::id().wrapping_mul(7_919)
+        ^ std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.subsec_nanos());
+    for _ in 0..12_000 {
+        let n = seed.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed).wrapping_mul(97));
+        let port = 20_000 + u16::try_from(n % 12_000).unwrap_or(0);
+        if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
+    panic!("no free port on 127.0.0.1 from 20000 to 31999");
 }
 
 /// Every `rust` block of the README is, line for line, part of an example that `cargo test`
