@@ -74,6 +74,27 @@ fn spawn_run(url: &str, job: &str, extra: &[&str], script: &str) -> Proc {
     )
 }
 
+/// Claims `job` as another worker the moment the server lets it (within 10 s).
+fn claim_once_free(url: &str, job: &str) {
+    let started = Instant::now();
+    loop {
+        let claim = fence(&["claim", "--server", url, "--job", job, "--ttl", "30s"]);
+        if claim.status.success() {
+            return;
+        }
+        assert_eq!(
+            claim.status.code(),
+            Some(3),
+            "{job}: held by the frozen run, or granted: {claim:?}"
+        );
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "{job}: the server never let the job go"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
 #[test]
 fn a_lost_lease_stops_the_grandchildren_too() {
     let dir = tempfile::tempdir().unwrap();
@@ -163,23 +184,7 @@ fn a_frozen_fence_run_has_its_group_stopped_at_the_lease_deadline() {
     // Another worker claims the job the moment the server lets it. Judged there, where it
     // matters: when the server grants the job to someone else, the frozen run's group must
     // already be gone (a missing or late watchdog leaves it running for 1000 s).
-    let started = Instant::now();
-    loop {
-        let claim = fence(&["claim", "--server", &url, "--job", "frozen", "--ttl", "30s"]);
-        if claim.status.success() {
-            break;
-        }
-        assert_eq!(
-            claim.status.code(),
-            Some(3),
-            "held by the frozen run, or granted: {claim:?}"
-        );
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the server never let the job go"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    claim_once_free(&url, "frozen");
     assert!(
         !alive(sleep),
         "the server granted the job to another worker while the frozen run's group still ran"
@@ -202,27 +207,7 @@ fn a_frozen_fence_run_has_a_stubborn_group_killed_before_the_job_can_be_claimed(
     );
     let sleep = pid_in(&pid_file);
     signal(&run, "-STOP");
-    let started = Instant::now();
-    loop {
-        let claim = fence(&[
-            "claim",
-            "--server",
-            &url,
-            "--job",
-            "frozen-stubborn",
-            "--ttl",
-            "30s",
-        ]);
-        if claim.status.success() {
-            break;
-        }
-        assert_eq!(claim.status.code(), Some(3), "{claim:?}");
-        assert!(
-            started.elapsed() < Duration::from_secs(10),
-            "the server never let the job go"
-        );
-        std::thread::sleep(Duration::from_millis(5));
-    }
+    claim_once_free(&url, "frozen-stubborn");
     assert!(
         !alive(sleep),
         "the server granted the job to another worker while the frozen run's stubborn group still ran"
@@ -250,6 +235,38 @@ fn a_short_lease_does_not_get_a_healthy_command_stopped_by_the_watchdog() {
             String::from_utf8_lossy(&out.stderr)
         );
     }
+}
+
+/// Ctrl-C during a long `--wait` ends the wait at once (exit 130) and never starts the
+/// command; it was held until the claim returned, then handed to the command just started.
+#[test]
+fn ctrl_c_while_waiting_for_the_lease_ends_the_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let held = fence(&["claim", "--server", &url, "--job", "busy", "--ttl", "60s"]);
+    assert_success(&held);
+    let ran = dir.path().join("ran");
+    let mut run = spawn_run(
+        &url,
+        "busy",
+        &["--wait", "60s"],
+        &format!("touch {}", ran.display()),
+    );
+    std::thread::sleep(Duration::from_millis(500));
+    signal(&run, "-INT");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = run.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(5),
+            "fence run still waits for the lease 5 s after Ctrl-C"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(130));
+    assert!(!ran.exists(), "the command ran after Ctrl-C");
 }
 
 #[test]

@@ -111,7 +111,8 @@ itself exits 3 or 75 is told apart only by fence run's last line on stderr):
         after --grace), or it exited 0 after its lease was lost
   1     fence itself failed (server unreachable, command not found)
   2     bad usage
-  128+N the command was killed by signal N (fence run passes the signal on)
+  128+N the command was killed by signal N (fence run passes the signal on), or fence
+        run got signal N while waiting for the lease (the command never ran)
   other the command's own non-zero exit code; the job was released
 
 Example:

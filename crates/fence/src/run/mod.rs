@@ -12,8 +12,8 @@
 //! Exit codes: 0 (the command exited 0; the job was completed or released), 3 (the lease
 //! could not be obtained within `--wait`, or the job is completed), 75 (the lease was lost
 //! while the command ran), 124 (`--max-duration` passed and the command was stopped), 1
-//! (fence itself failed), 128+N (the command was killed by signal N), otherwise the
-//! command's own code (the job was released).
+//! (fence itself failed), 128+N (the command was killed by signal N, or `fence run` got it
+//! while waiting for the lease), otherwise the command's own code (the job was released).
 
 use std::{process::Stdio, time::Duration};
 
@@ -145,9 +145,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     if let Some(owner) = args.owner.clone() {
         client = client.owner(owner);
     }
-    let claimed = match args.slots {
-        Some(slots) => claim_slot_within(&client, &args.job, slots, args.wait).await?,
-        None => claim_within(&client, &args.job, args.wait).await?,
+    let claim = async {
+        match args.slots {
+            Some(slots) => claim_slot_within(&client, &args.job, slots, args.wait).await,
+            None => claim_within(&client, &args.job, args.wait).await,
+        }
+    };
+    // Ctrl-C (or a service manager's SIGTERM) during a long --wait ends the wait, rather than
+    // being held until the claim returns and then handed to a command just started.
+    let claimed = tokio::select! {
+        claimed = claim => claimed?,
+        sig = signals.next() => {
+            eprintln!("fence run: {sig} while waiting for the lease; the command was not started");
+            return Ok(128 + sig as i32);
+        }
     };
     let Some(lease) = claimed else {
         return Ok(EXIT_NOT_OBTAINED);
