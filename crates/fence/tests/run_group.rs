@@ -269,6 +269,30 @@ fn ctrl_c_while_waiting_for_the_lease_ends_the_wait() {
     assert!(!ran.exists(), "the command ran after Ctrl-C");
 }
 
+/// fence run failing after its claim (here its token file cannot be made: TMPDIR is
+/// missing) exits 1 and gives the job back, rather than leaving it held for the whole TTL.
+#[test]
+fn a_failure_after_the_claim_releases_the_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let out = Command::new(FENCE)
+        .args(["run", "--server", &url, "--job", "no-tmp", "--ttl", "60s"])
+        .args(["--", "true"])
+        .env("TMPDIR", dir.path().join("missing"))
+        .env("RUST_LOG", "warn")
+        .output()
+        .unwrap();
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let status = fence(&["status", "--server", &url, "--job", "no-tmp"]);
+    assert_success(&status);
+    assert_eq!(json(&status)["state"], "free", "{status:?}");
+}
+
 #[test]
 fn on_success_release_lets_a_nightly_job_run_again() {
     let dir = tempfile::tempdir().unwrap();

@@ -41,7 +41,7 @@ use checkpoint::CheckpointFile;
 use claim::{claim_slot_within, claim_within};
 use procs::descendants;
 use token_file::TokenFile;
-use watchdog::kill_within;
+use watchdog::Stop;
 pub use watchdog::watchdog;
 use words::ended_how;
 
@@ -179,11 +179,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         client.owner_id(),
         lease.generation()
     );
-    let token_file = TokenFile::new(&token)?;
     let resumed = lease.resumed_from();
-    let checkpoint =
+    let files = TokenFile::new(&token).and_then(|token_file| {
         CheckpointFile::seed(token_file.checkpoint_path(), resumed, lease.checkpointer())
-            .context("writing FENCE_CHECKPOINT_FILE")?;
+            .context("writing FENCE_CHECKPOINT_FILE")
+            .map(|checkpoint| (token_file, checkpoint))
+    });
+    let (token_file, checkpoint) = match files {
+        Ok(files) => files,
+        Err(e) => {
+            // Give the job back at once instead of leaving it held for the whole ttl.
+            let _ = lease.release().await;
+            return Err(e.context("the job was released"));
+        }
+    };
     let Some((program, rest)) = args.command.split_first() else {
         let _ = lease.release().await;
         anyhow::bail!("no command given");
@@ -242,7 +251,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         grace: args.grace,
         lock_delay: args.lock_delay.unwrap_or_default(),
     };
-    let ended = supervise(&mut child, &group, &lease, &mut signals, stop, limit).await?;
+    let ended = match supervise(&mut child, &group, &lease, &mut signals, stop, limit).await {
+        Ok(ended) => ended,
+        Err(e) => {
+            // Waiting for the command failed: stop what is left of it, and give the job back.
+            group.signal(Signal::SIGKILL);
+            group.stop().await;
+            let _ = lease.release().await;
+            return Err(e.context("the command's group was stopped and the job released"));
+        }
+    };
     saving.finish().await; // the command's last checkpoint, before the job is given up
     keeper.abort();
     let lost = match ended {
@@ -429,30 +447,6 @@ enum Ended {
     Lost,
     /// `--max-duration` passed; it was stopped.
     OutOfTime,
-}
-
-/// How the command is stopped: SIGTERM, then SIGKILL after `grace`, cut short where the
-/// store could otherwise let another owner claim the job first.
-#[derive(Clone, Copy)]
-struct Stop {
-    grace: Duration,
-    /// `--lock-delay`: after an expiry, nobody can claim the job for this long.
-    lock_delay: Duration,
-}
-
-impl Stop {
-    /// The grace left, at `now`, to a command whose lease `lease` ran out (its deadline
-    /// passed or its renewals stopped): until just before the store can end the lease,
-    /// whatever `--grace` says. The lease may still be held at the store: the next owner
-    /// cannot claim the job before then, so the command is gone before anyone else holds it.
-    fn grace_of_expiring(self, lease: &LeaseView, now: Instant) -> Duration {
-        kill_within(
-            self.grace,
-            lease.earliest_store_expiry() + self.lock_delay,
-            lease.deadline(),
-            now,
-        )
-    }
 }
 
 async fn supervise(

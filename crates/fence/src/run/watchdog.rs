@@ -5,19 +5,39 @@
 use std::time::Duration;
 
 use anyhow::Context as _;
+use fence_lease::LeaseView;
 use nix::sys::signal::{Signal, killpg};
 use tokio::{io::AsyncReadExt, time::Instant};
 
 use super::{Signals, procs::others_in_group};
 
+/// How the command is stopped: SIGTERM, then SIGKILL after `grace`, cut short where the
+/// store could otherwise let another owner claim the job first.
+#[derive(Clone, Copy)]
+pub(super) struct Stop {
+    pub(super) grace: Duration,
+    /// `--lock-delay`: after an expiry, nobody can claim the job for this long.
+    pub(super) lock_delay: Duration,
+}
+
+impl Stop {
+    /// The grace left, at `now`, to a command whose lease `lease` ran out (its deadline
+    /// passed or its renewals stopped): until just before the store can end the lease,
+    /// whatever `--grace` says. The lease may still be held at the store: the next owner
+    /// cannot claim the job before then, so the command is gone before anyone else holds it.
+    pub(super) fn grace_of_expiring(self, lease: &LeaseView, now: Instant) -> Duration {
+        kill_within(
+            self.grace,
+            lease.earliest_store_expiry() + self.lock_delay,
+            lease.deadline(),
+            now,
+        )
+    }
+}
+
 /// `grace`, cut to end before `store_end` by a quarter of the safety margin (the time between
 /// the local `deadline` and `store_end`), at most 100 ms, as slack for the kill to land.
-pub(super) fn kill_within(
-    grace: Duration,
-    store_end: Instant,
-    deadline: Instant,
-    now: Instant,
-) -> Duration {
+fn kill_within(grace: Duration, store_end: Instant, deadline: Instant, now: Instant) -> Duration {
     let slack = (store_end.saturating_duration_since(deadline) / 4).min(Duration::from_millis(100));
     grace.min(
         store_end
