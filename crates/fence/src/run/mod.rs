@@ -197,7 +197,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         let _ = lease.release().await;
         anyhow::bail!("no command given");
     };
-    let mut group = match Group::start(args.grace, args.lock_delay.unwrap_or_default()) {
+    let stop = Stop {
+        grace: args.grace,
+        lock_delay: args.lock_delay.unwrap_or_default(),
+    };
+    let mut group = match Group::start(stop) {
         Ok(group) => group,
         Err(e) => {
             let _ = lease.release().await;
@@ -247,10 +251,6 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     };
     let keeper = token_file.keep_current(token_updates);
     let limit = args.max_duration.map(|(d, _)| (Instant::now() + d, d));
-    let stop = Stop {
-        grace: args.grace,
-        lock_delay: args.lock_delay.unwrap_or_default(),
-    };
     let ended = match supervise(&mut child, &group, &lease, &mut signals, stop, limit).await {
         Ok(ended) => ended,
         Err(e) => {
@@ -302,19 +302,18 @@ struct Group {
     pipe: Option<ChildStdin>,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
     pgid: Pid,
-    grace: Duration,
-    lock_delay: Duration,
+    stop: Stop,
 }
 
 /// How often `fence run` tells the watchdog the time left on the lease.
 const HEARTBEAT: Duration = Duration::from_millis(100);
 
 impl Group {
-    fn start(grace: Duration, lock_delay: Duration) -> anyhow::Result<Self> {
+    fn start(stop: Stop) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("finding the fence executable")?;
         let mut watchdog = Command::new(exe)
             .args(["watchdog", "--grace"])
-            .arg(format!("{}ms", grace.as_millis()))
+            .arg(format!("{}ms", stop.grace.as_millis()))
             .process_group(0)
             .stdin(Stdio::piped())
             .stdout(Stdio::null())
@@ -332,8 +331,7 @@ impl Group {
             pipe,
             heartbeat: None,
             pgid: Pid::from_raw(pid),
-            grace,
-            lock_delay,
+            stop,
         })
     }
 
@@ -347,16 +345,11 @@ impl Group {
         };
         // The time left to the deadline, and to the last moment the group may live once
         // the deadline passed (before the store can end the lease).
-        let lock_delay = self.lock_delay;
+        let stop = self.stop;
         let tell = move |lease: &LeaseView| {
             let now = Instant::now();
             let left = lease.deadline().saturating_duration_since(now);
-            let kill = left
-                + Stop {
-                    grace: Duration::MAX,
-                    lock_delay,
-                }
-                .grace_of_expiring(lease, lease.deadline().max(now));
+            let kill = stop.last_moment(lease).saturating_duration_since(now);
             format!("{} {}\n", left.as_millis(), kill.as_millis())
         };
         // The first deadline is told before the command starts, so the watchdog has one
@@ -420,13 +413,13 @@ impl Group {
     /// Stops whatever is left in the group (SIGTERM, SIGKILL after the grace) and waits for
     /// the watchdog to end.
     async fn stop(mut self) {
-        self.stop_escapees(self.grace).await;
+        self.stop_escapees(self.stop.grace).await;
         drop(self.pipe.take());
         if let Some(heartbeat) = self.heartbeat.take() {
             heartbeat.abort();
             let _ = heartbeat.await; // the pipe it holds is closed once it has ended
         }
-        let limit = self.grace + Duration::from_secs(2);
+        let limit = self.stop.grace + Duration::from_secs(2);
         if tokio::time::timeout(limit, self.watchdog.wait())
             .await
             .is_err()

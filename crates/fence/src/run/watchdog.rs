@@ -21,35 +21,38 @@ pub(super) struct Stop {
 }
 
 impl Stop {
-    /// The grace left, at `now`, to a command whose lease `lease` ran out (its deadline
-    /// passed or its renewals stopped): until just before the store can end the lease,
-    /// whatever `--grace` says. The lease may still be held at the store: the next owner
-    /// cannot claim the job before then, so the command is gone before anyone else holds it.
-    pub(super) fn grace_of_expiring(self, lease: &LeaseView, now: Instant) -> Duration {
-        kill_within(
-            self.grace,
+    /// The last moment a command whose lease `lease` ran out (its deadline passed or its
+    /// renewals stopped) may live: see [`last_moment_of`]. The lease may still be held at the
+    /// store: the next owner cannot claim the job before then, so the command is gone before
+    /// anyone else holds it.
+    pub(super) fn last_moment(self, lease: &LeaseView) -> Instant {
+        last_moment_of(
             lease.earliest_store_expiry() + self.lock_delay,
             lease.deadline(),
-            now,
         )
+    }
+
+    /// The grace left at `now` to such a command: `--grace`, cut to end at its
+    /// [`last_moment`](Self::last_moment).
+    pub(super) fn grace_of_expiring(self, lease: &LeaseView, now: Instant) -> Duration {
+        self.grace
+            .min(self.last_moment(lease).saturating_duration_since(now))
     }
 }
 
-/// `grace`, cut to end before `store_end` by a quarter of the safety margin (the time between
-/// the local `deadline` and `store_end`), at most 100 ms, as slack for the kill to land.
-fn kill_within(grace: Duration, store_end: Instant, deadline: Instant, now: Instant) -> Duration {
+/// Just before `store_end` (the store's end of the lease, plus any lock-delay), by a quarter
+/// of the safety margin (the time between the local `deadline` and `store_end`), at most
+/// 100 ms, as slack for the kill to land.
+fn last_moment_of(store_end: Instant, deadline: Instant) -> Instant {
     let slack = (store_end.saturating_duration_since(deadline) / 4).min(Duration::from_millis(100));
-    grace.min(
-        store_end
-            .saturating_duration_since(now)
-            .saturating_sub(slack),
-    )
+    store_end.checked_sub(slack).unwrap_or(store_end)
 }
 
 /// `fence watchdog`: leads the command's group. It stops the group (SIGTERM, then SIGKILL
 /// after `grace` unless the group is empty by then) when its stdin, `fence run`'s pipe,
-/// closes, or when the last time left on the lease that `fence run` wrote there (one line of
-/// milliseconds) runs out. It ignores the signals sent to the group, so it outlives the
+/// closes, or when the last time left on the lease that `fence run` wrote there runs out
+/// (each line: the milliseconds left to the deadline, then to the last moment the group may
+/// live, which then bounds the grace). It ignores the signals sent to the group, so it outlives the
 /// SIGTERM it sends.
 ///
 /// # Errors
@@ -123,6 +126,16 @@ pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// `grace`, cut to end at [`last_moment_of`] (what `Stop::grace_of_expiring` computes).
+    fn kill_within(
+        grace: Duration,
+        store_end: Instant,
+        deadline: Instant,
+        now: Instant,
+    ) -> Duration {
+        grace.min(last_moment_of(store_end, deadline).saturating_duration_since(now))
+    }
 
     #[test]
     fn the_kill_lands_before_the_store_can_end_the_lease_whatever_the_grace() {
