@@ -326,46 +326,44 @@ impl<S: LeaseStore> LeaseClient<S> {
         job: JobId,
         key: LeaseKey,
         mut grant: crate::Grant,
-        mut t_send: Instant,
+        t_send: Instant,
         timing: Timing,
         held: HeldMark,
     ) -> Result<Lease<S>, ClaimError> {
         let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
         // Granted after a long wait: how long the lease has left on the server is unknown
         // here (only that it started after t_send), so renew now and count from this send.
-        let left = timing
-            .deadline(t_send, grant.ttl)
-            .saturating_duration_since(Instant::now());
-        if left < budget * 2 / 3 {
-            t_send = Instant::now();
+        let generation = grant.generation;
+        let renewed = async {
+            let left = timing
+                .deadline(t_send, grant.ttl)
+                .saturating_duration_since(Instant::now());
+            if left >= budget * 2 / 3 {
+                return Ok((grant, t_send));
+            }
+            let t_send = Instant::now();
             let renew = self
                 .store
                 .renew(&job, &self.owner, grant.generation, &key, self.ttl);
-            let renewed = tokio::time::timeout(budget, renew).await;
-            match renewed {
+            match tokio::time::timeout(budget, renew).await {
                 Ok(Ok(Outcome::Granted(mut g))) => {
                     // The checkpoint comes with the claim, not the renewal.
                     g.checkpoint = grant.checkpoint.take();
-                    grant = g;
+                    Ok((g, t_send))
                 }
-                Ok(Ok(other)) => {
-                    self.abandon(&job, grant.generation, &key, budget);
-                    return Err(ClaimError::Store(StoreError::Protocol(format!(
-                        "the renewal right after a waiting claim was answered with {other:?}"
-                    ))));
-                }
-                Ok(Err(e)) => {
-                    self.abandon(&job, grant.generation, &key, budget);
-                    return Err(ClaimError::Store(e));
-                }
-                Err(_) => {
-                    self.abandon(&job, grant.generation, &key, budget);
-                    return Err(ClaimError::Store(StoreError::Timeout(budget)));
-                }
+                Ok(Ok(other)) => Err(ClaimError::Store(StoreError::Protocol(format!(
+                    "the renewal right after a waiting claim was answered with {other:?}"
+                )))),
+                Ok(Err(e)) => Err(ClaimError::Store(e)),
+                Err(_) => Err(ClaimError::Store(StoreError::Timeout(budget))),
             }
         }
-        let generation = grant.generation;
-        self.start(job.clone(), key.clone(), grant, t_send, timing, held)
+        .await;
+        // Not renewed, or of no use: given back rather than left to expire.
+        renewed
+            .and_then(|(grant, t_send)| {
+                self.start(job.clone(), key.clone(), grant, t_send, timing, held)
+            })
             .inspect_err(|_| self.abandon(&job, generation, &key, budget))
     }
 
