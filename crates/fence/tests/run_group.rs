@@ -215,6 +215,57 @@ fn a_frozen_fence_run_has_a_stubborn_group_killed_before_the_job_can_be_claimed(
     signal(&run, "-CONT");
 }
 
+/// `fence run` SIGKILLed (the OOM killer, a careless `kill -9`) with a stubborn command: the
+/// lease is renewed no more, and the watchdog, which cannot tell that end from a clean one,
+/// still kills the group before the server lets another worker claim the job, whatever
+/// `--grace` says.
+#[test]
+fn a_sigkilled_fence_run_has_a_stubborn_group_killed_before_the_job_can_be_claimed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("killed-stubborn.pid");
+    let run = spawn_run(
+        &url,
+        "killed-stubborn",
+        &["--ttl", "1s", "--grace", "10s"],
+        &tree_script(&pid_file, true),
+    );
+    let sleep = pid_in(&pid_file);
+    signal(&run, "-KILL");
+    claim_once_free(&url, "killed-stubborn");
+    assert!(
+        !alive(sleep),
+        "the server granted the job to another worker while the killed run's stubborn group still ran"
+    );
+}
+
+/// The command exits on SIGTERM, but leaves in its group a process that ignores it: when the
+/// lease ran out, that leftover too is killed before the server could let another owner claim
+/// the job, not after the full `--grace`.
+#[test]
+fn a_stubborn_leftover_is_killed_before_the_lease_can_expire() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("leftover.pid");
+    let script = format!(
+        "sh -c \"trap '' TERM; exec sleep 1000\" & echo $! > {}; wait",
+        pid_file.display()
+    );
+    let mut run = spawn_run(
+        &url,
+        "stubborn-leftover",
+        &["--ttl", "1s", "--grace", "10s"],
+        &script,
+    );
+    let sleep = pid_in(&pid_file);
+    signal(&server, "-STOP"); // renewals go unanswered from now on
+    // As in the test above: the server cannot end the lease later than 1 s from now; 2.5 s in
+    // all with slack, far below the 10 s grace.
+    gone_within(sleep, Duration::from_millis(2_500));
+    assert_eq!(run.0.wait().unwrap().code(), Some(75));
+    signal(&server, "-CONT");
+}
+
 /// A short lease's deadline is never stale at the watchdog: under a 150 ms lease (renewed
 /// every 50 ms, its deadline at most 100 ms ahead) a healthy command is not stopped by a
 /// watchdog that heard of the deadline only every 100 ms (exit 143). A renewal late on a

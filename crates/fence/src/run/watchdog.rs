@@ -52,8 +52,9 @@ fn last_moment_of(store_end: Instant, deadline: Instant) -> Instant {
 /// after `grace` unless the group is empty by then) when its stdin, `fence run`'s pipe,
 /// closes, or when the last time left on the lease that `fence run` wrote there runs out
 /// (each line: the milliseconds left to the deadline, then to the last moment the group may
-/// live, which then bounds the grace). It ignores the signals sent to the group, so it outlives the
-/// SIGTERM it sends.
+/// live). Either way that last moment bounds the grace: a closed pipe may mean `fence run` was
+/// SIGKILLed, and nobody renews the lease then. It ignores the signals sent to the group, so
+/// it outlives the SIGTERM it sends.
 ///
 /// # Errors
 /// When its signal handlers cannot be installed.
@@ -65,7 +66,6 @@ pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
     let mut deadline: Option<Instant> = None;
     // The last moment the group may live once the deadline passed, as last told.
     let mut kill_by: Option<Instant> = None;
-    let mut expired = false;
     loop {
         let expiry = async {
             match deadline {
@@ -94,19 +94,18 @@ pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
                     }
                 }
             },
-            () = expiry => {
-                expired = true;
-                break;
-            }
+            () = expiry => break,
             _ = signals.next() => {}
         }
     }
     let pgid = nix::unistd::getpgrp();
     let _ = killpg(pgid, Signal::SIGTERM);
     let mut until = Instant::now() + grace;
-    // fence run stopped telling (frozen): the lease is no longer renewed, and the group must
-    // be gone before the store can let anyone else claim the job, whatever --grace says.
-    if expired && let Some(kill_by) = kill_by {
+    // fence run stopped telling (frozen) or closed the pipe (done, or killed: its end cannot
+    // tell which). Either way nobody may renew the lease from now on, and the group must be
+    // gone before the store can let anyone else claim the job, whatever --grace says. After a
+    // clean end the group is empty already, or holds what the command left behind.
+    if let Some(kill_by) = kill_by {
         until = until.min(kill_by);
     }
     while Instant::now() < until {
