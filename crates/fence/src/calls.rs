@@ -53,6 +53,20 @@ pub fn bearer(file: Option<&std::path::Path>) -> anyhow::Result<Option<BearerTok
     })?))
 }
 
+/// The job in FENCE_JOB, where set: `--job`'s stand-in when no `--lease` file is given.
+fn job_from_env() -> anyhow::Result<Option<JobId>> {
+    match std::env::var("FENCE_JOB") {
+        Ok(text) => text
+            .parse()
+            .map(Some)
+            .map_err(|e| crate::Usage::error(format!("FENCE_JOB: {e}"))),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(crate::Usage::error(
+            "FENCE_JOB is not valid UTF-8 (a job id is 1 to 256 visible ASCII characters)",
+        )),
+    }
+}
+
 /// A lease a command acts on: from `--lease FILE` (the JSON `fence claim` printed) or from
 /// `--job`, `--owner`, `--generation` and `--lease-key`.
 #[derive(Debug)]
@@ -75,12 +89,18 @@ impl LeaseRef {
     /// field, or names another job than `--job`.
     pub fn of(a: &FinishCmd) -> anyhow::Result<Self> {
         let Some(path) = &a.lease else {
-            // clap requires all four when --lease is absent.
+            // clap requires the owner, generation and key when --lease is absent.
             let missing = || {
-                crate::Usage::error("give --lease, or --job, --owner, --generation and --lease-key")
+                crate::Usage::error(
+                    "give --lease, or --job (or FENCE_JOB), --owner, --generation and --lease-key",
+                )
+            };
+            let job = match &a.job {
+                Some(job) => Some(job.clone()),
+                None => job_from_env()?,
             };
             return Ok(Self {
-                job: a.job.clone().ok_or_else(missing)?,
+                job: job.ok_or_else(missing)?,
                 owner: a.owner.clone().ok_or_else(missing)?,
                 generation: Generation::new(a.generation.ok_or_else(missing)?),
                 key: a.lease_key.clone().ok_or_else(missing)?,
@@ -109,7 +129,7 @@ impl LeaseRef {
             && *job != lease.job
         {
             return Err(crate::Usage::error(format!(
-                "{source} is a lease of job {}, not of --job {job} (or FENCE_JOB)",
+                "{source} is a lease of job {}, not of --job {job}",
                 lease.job
             )));
         }

@@ -696,6 +696,32 @@ fn scripts_pass_the_claims_json_and_keepalive_renews_until_stdin_closes() {
     let other = fence(&["complete", "--server", &url, "--lease", file, "--job", "c"]);
     assert_eq!(other.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&other.stderr).contains("not of --job c"));
+    // Under `fence run`, FENCE_JOB names that run's job: a lease file of another job is
+    // finished as the file says, not refused as a mismatch.
+    let nested = claim("nested");
+    let out = Command::new(FENCE)
+        .args(["complete", "--server", &url, "--lease"])
+        .arg(&nested)
+        .env("FENCE_JOB", "outer")
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert_eq!(json(&out)["state"], "completed");
+    // Without --lease, FENCE_JOB still stands in for --job.
+    let claimed = fence(&[
+        "claim", "--server", &url, "--job", "from-env", "--ttl", "3s",
+    ]);
+    let body = json(&claimed);
+    let generation = body["generation"].to_string();
+    let out = Command::new(FENCE)
+        .args(["release", "--server", &url, "--owner"])
+        .args([body["owner"].as_str().unwrap(), "--generation", &generation])
+        .env("FENCE_JOB", "from-env")
+        .env("FENCE_LEASE_KEY", body["lease_key"].as_str().unwrap())
+        .output()
+        .unwrap();
+    assert_success(&out);
+    assert_eq!(json(&out)["state"], "free");
     let broken = with_stdin(
         &["release", "--server", &url, "--lease", "-"],
         b"{\"job\":\"x\"}",

@@ -53,8 +53,11 @@ pub struct FinishCmd {
     /// Keep the file private (chmod 600): the lease key in it is the proof of the lease.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["owner", "generation", "lease_key"])]
     pub lease: Option<PathBuf>,
-    /// The job id (1 to 256 visible ASCII characters).
-    #[arg(long, env = "FENCE_JOB", required_unless_present = "lease")]
+    /// The job id (1 to 256 visible ASCII characters). Without --lease, FENCE_JOB stands in
+    /// for it. With --lease, only this flag is checked against the file: FENCE_JOB, which
+    /// `fence run` exports for its own job, is not, so a command run under it can finish the
+    /// lease of another job from its file.
+    #[arg(long)]
     pub job: Option<JobId>,
     /// The owner that holds the lease.
     #[arg(long, required_unless_present = "lease")]
