@@ -43,10 +43,12 @@ use fence_core::{
 use tokio::{sync::watch, task::JoinHandle, time::Instant};
 use tokio_util::sync::{CancellationToken, WaitForCancellationFutureOwned};
 
-use crate::{Backoff, LeaseRecord, LeaseStore, Outcome, StoreError};
+use crate::{Backoff, LeaseStore, Outcome, StoreError};
 
 mod checkpoint;
 pub use checkpoint::Checkpointer;
+mod finish;
+pub use finish::FinishError;
 mod timing;
 
 pub(crate) use timing::Timing;
@@ -433,77 +435,6 @@ impl<S> Drop for Lease<S> {
     fn drop(&mut self) {
         self.keeper.abort();
         self.view.shared.lose(LossReason::Finished);
-    }
-}
-
-/// Why a release or completion was refused.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum FinishError {
-    /// The store says the caller no longer holds the lease: nothing changed.
-    #[error("the lease was lost: current owner {owner:?}, generation {generation}")]
-    Lost {
-        /// The current owner.
-        owner: Option<Owner>,
-        /// The current generation.
-        generation: Generation,
-    },
-    /// The store refused this lease's key; nothing changed.
-    #[error("the store refused the lease key")]
-    KeyMismatch,
-    /// The store failed; the outcome is unknown.
-    #[error("the lease store failed")]
-    Store(#[from] StoreError),
-    /// The lease is lost locally (past its deadline, superseded, finished): nothing was sent.
-    #[error("the lease is lost: {0}")]
-    LostLocally(LossReason),
-}
-
-impl<S: LeaseStore> Lease<S> {
-    /// A view to hand to observers that must not end the lease.
-    pub fn view(&self) -> LeaseView {
-        self.view.clone()
-    }
-
-    /// Marks the job completed. The layer stops sending at once, whatever the store answers.
-    ///
-    /// # Errors
-    /// [`FinishError::Lost`] when the store no longer records this owner and generation.
-    pub async fn complete(self) -> Result<LeaseRecord, FinishError> {
-        self.finish(true).await
-    }
-
-    /// Frees the job for another claim. The layer stops sending at once.
-    ///
-    /// # Errors
-    /// As [`complete`](Self::complete).
-    pub async fn release(self) -> Result<LeaseRecord, FinishError> {
-        self.finish(false).await
-    }
-
-    async fn finish(self, complete: bool) -> Result<LeaseRecord, FinishError> {
-        self.keeper.abort();
-        let shared = &self.view.shared;
-        shared.lose(LossReason::Finished);
-        let (job, owner, generation, key) = (
-            &shared.job,
-            &shared.owner,
-            shared.token.generation(),
-            &shared.key,
-        );
-        let outcome = if complete {
-            self.store.complete(job, owner, generation, key).await?
-        } else {
-            self.store.release(job, owner, generation, key).await?
-        };
-        match outcome {
-            Outcome::Done(record) => Ok(record),
-            Outcome::Lost { owner, generation } => Err(FinishError::Lost { owner, generation }),
-            Outcome::KeyMismatch => Err(FinishError::KeyMismatch),
-            other => Err(FinishError::Store(StoreError::Protocol(format!(
-                "the store answered a release or completion with {other:?}"
-            )))),
-        }
     }
 }
 

@@ -1,0 +1,181 @@
+//! Releasing and completing through a store that fails for a while: the call is tried again
+//! until the store could end the lease on its own, and an attempt applied before its answer
+//! was lost counts as done, not as a lost lease.
+
+use std::{
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use fence_core::{Generation, JobId, lease_api::ListQuery};
+use fence_lease::{
+    FinishError, LeaseClient, LeaseOp, LeaseRecord, LeaseState, LeaseStore, ListPage,
+    MemoryLeaseStore, Outcome, StoreError, Ttl,
+};
+use tokio::time::Instant;
+
+/// A store whose next `failures` releases and completions fail: applied first and their
+/// answer lost (`applied`), or failed before they reached it.
+#[derive(Debug, Clone, Default)]
+struct FailsFinish {
+    inner: MemoryLeaseStore,
+    failures: Arc<AtomicUsize>,
+    applied: bool,
+    attempts: Arc<AtomicUsize>,
+}
+
+impl FailsFinish {
+    fn new(failures: usize, applied: bool) -> Self {
+        Self {
+            failures: Arc::new(AtomicUsize::new(failures)),
+            applied,
+            ..Self::default()
+        }
+    }
+}
+
+impl LeaseStore for FailsFinish {
+    async fn claim_slot(
+        &self,
+        resource: &JobId,
+        owner: &fence_core::Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, StoreError> {
+        self.inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await
+    }
+
+    async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        if !matches!(op, LeaseOp::Release { .. } | LeaseOp::Complete { .. }) {
+            return self.inner.apply(job, op).await;
+        }
+        self.attempts.fetch_add(1, Ordering::SeqCst);
+        let failing = self
+            .failures
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
+            .is_ok();
+        if !failing {
+            return self.inner.apply(job, op).await;
+        }
+        if self.applied {
+            self.inner.apply(job, op).await?;
+            return Err(StoreError::Unavailable {
+                status: 503,
+                detail: "the answer was lost after the decision".into(),
+                retry_after: None,
+            });
+        }
+        Err(StoreError::Io("connection refused".into()))
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        self.inner.get(job).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
+    }
+}
+
+fn job() -> JobId {
+    "nightly-report".parse().unwrap()
+}
+
+fn client(store: &FailsFinish) -> LeaseClient<FailsFinish> {
+    LeaseClient::new(store.clone())
+        .owner("worker".parse().unwrap())
+        .ttl(Ttl::new(Duration::from_secs(30)).unwrap())
+}
+
+async fn state_of(store: &FailsFinish) -> LeaseState {
+    store.inner.get(&job()).await.unwrap().unwrap().state
+}
+
+/// A completion whose first two attempts never reached the store completes on the third.
+#[tokio::test(start_paused = true)]
+async fn a_completion_is_tried_again_through_a_passing_failure() {
+    let store = FailsFinish::new(2, false);
+    let lease = client(&store).claim(job()).await.unwrap();
+    let record = lease
+        .complete()
+        .await
+        .expect("completed on the third attempt");
+    assert_eq!(record.state, LeaseState::Completed);
+    assert_eq!(store.attempts.load(Ordering::SeqCst), 3);
+    assert_eq!(state_of(&store).await, LeaseState::Completed);
+}
+
+/// A completion applied before its answer was lost: the retry is refused as "not held", and
+/// that refusal (this owner, this generation, completed) is the completion, not a loss.
+#[tokio::test(start_paused = true)]
+async fn a_completion_whose_answer_was_lost_is_done_not_lost() {
+    let store = FailsFinish::new(1, true);
+    let lease = client(&store).claim(job()).await.unwrap();
+    let record = lease
+        .complete()
+        .await
+        .expect("the first attempt completed it");
+    assert_eq!(record.state, LeaseState::Completed);
+    assert_eq!(record.generation, Generation::new(1));
+    assert_eq!(record.owner, Some("worker".parse().unwrap()));
+    assert_eq!(state_of(&store).await, LeaseState::Completed);
+}
+
+/// The same for a release: nobody holds the generation any more.
+#[tokio::test(start_paused = true)]
+async fn a_release_whose_answer_was_lost_is_done_not_lost() {
+    let store = FailsFinish::new(1, true);
+    let lease = client(&store).claim(job()).await.unwrap();
+    let record = lease
+        .release()
+        .await
+        .expect("the first attempt released it");
+    assert_eq!((record.state, record.owner), (LeaseState::Free, None));
+    assert_eq!(state_of(&store).await, LeaseState::Free);
+}
+
+/// A store that keeps failing is asked until it could end the lease on its own, no longer:
+/// the failure is then the caller's, with the job left to expire.
+#[tokio::test(start_paused = true)]
+async fn a_store_that_keeps_failing_is_given_up_on_at_the_lease_s_end() {
+    let store = FailsFinish::new(usize::MAX, false);
+    let lease = client(&store).claim(job()).await.unwrap();
+    let store_end = lease.view().earliest_store_expiry();
+    let started = Instant::now();
+    let finished = lease.complete().await;
+    assert!(
+        matches!(finished, Err(FinishError::Store(StoreError::Io(_)))),
+        "{finished:?}"
+    );
+    assert!(Instant::now() <= store_end, "tried past the lease's end");
+    assert!(
+        started.elapsed() >= Duration::from_secs(25),
+        "gave up after {:?}, long before the lease's end",
+        started.elapsed()
+    );
+    assert!(store.attempts.load(Ordering::SeqCst) > 10);
+    assert_eq!(state_of(&store).await, LeaseState::Held);
+}
+
+/// A refusal is final: another holder's generation is a lost lease, asked once.
+#[tokio::test(start_paused = true)]
+async fn a_refusal_is_not_retried() {
+    let store = FailsFinish::new(0, false);
+    let lease = client(&store).claim(job()).await.unwrap();
+    store.inner.apply(&job(), LeaseOp::Revoke).await.unwrap();
+    let finished = lease.complete().await;
+    assert!(
+        matches!(
+            finished,
+            Err(FinishError::Lost { generation, .. }) if generation == Generation::new(2)
+        ),
+        "{finished:?}"
+    );
+    assert_eq!(store.attempts.load(Ordering::SeqCst), 1);
+}
