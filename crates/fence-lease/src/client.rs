@@ -183,9 +183,9 @@ impl<S: LeaseStore> LeaseClient<S> {
             Some(key) => key,
             None => crate::new_lease_key().map_err(|e| ClaimError::Store(StoreError::io(e)))?,
         };
-        // Kept for the next claim of the job unless this claim settles: its answer lost, its
-        // caller gone mid-claim (a timeout, a cancelled task) or its grant abandoned, a lease
-        // it won may be held, and that claim asked with this key gets it back.
+        // Kept for the next claim of the job unless this claim settles: its answer lost or its
+        // caller gone mid-claim (a timeout, a cancelled task), a lease it won may be held, and
+        // that claim asked with this key gets it back.
         let mut pending = unsettled::Pending::new(
             self.unsettled.clone(),
             job.clone(),
@@ -218,9 +218,10 @@ impl<S: LeaseStore> LeaseClient<S> {
         let lease = self
             .after_grant(job, key, grant, t_send, timing, held)
             .await;
-        if lease.is_ok() {
-            pending.settle();
-        }
+        // Granted: the key is the lease's now, or, for a grant abandoned, kept by `abandon`
+        // only once its release failed. Kept before, the next claim could get the grant back
+        // just before the release in flight frees the job under it.
+        pending.settle();
         lease
     }
 
@@ -370,17 +371,23 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// Gives back, in the background within `within`, a grant this client will not use (too
     /// short, come too late, or not renewed after a wait), so its job does not stand idle
     /// until it expires. Safe: no request ever carried its token. A release that fails leaves
-    /// it to expire.
+    /// it to expire, and only then is its key kept for the next claim of the job (which gets
+    /// the grant back): kept while the release is on its way, that claim could be granted
+    /// just before the release frees the job under it.
     fn abandon(&self, job: &JobId, generation: Generation, key: &LeaseKey, within: Duration) {
-        let (store, job, owner, key) = (
+        let (store, unsettled, job, owner, key) = (
             self.store.clone(),
+            self.unsettled.clone(),
             job.clone(),
             self.owner.clone(),
             key.clone(),
         );
+        let ttl = self.ttl.as_duration();
         tokio::spawn(async move {
             let release = store.release(&job, &owner, generation, &key);
-            let _ = tokio::time::timeout(within, release).await;
+            if let Err(_) | Ok(Err(_)) = tokio::time::timeout(within, release).await {
+                unsettled.keep(job, key, Instant::now() + ttl);
+            }
         });
     }
 

@@ -653,6 +653,94 @@ async fn a_grant_too_short_to_hold_is_released_for_the_next_worker() {
     assert_eq!(next.generation(), Generation::new(2));
 }
 
+/// A store whose first claim is granted for 1 s whatever was asked (so the client renews it
+/// at once), whose first renewal fails, and whose releases take 50 ms to land.
+#[derive(Debug, Clone, Default)]
+struct ShortFirstGrantSlowRelease {
+    inner: MemoryLeaseStore,
+    claimed: Arc<AtomicBool>,
+    renewed: Arc<AtomicBool>,
+}
+
+impl LeaseStore for ShortFirstGrantSlowRelease {
+    async fn claim_slot(
+        &self,
+        resource: &fence_core::JobId,
+        owner: &fence_core::Owner,
+        key: &fence_core::secret::LeaseKey,
+        terms: fence_lease::ClaimTerms,
+        slots: u32,
+    ) -> Result<fence_lease::SlotClaim, fence_lease::StoreError> {
+        self.inner
+            .claim_slot(resource, owner, key, terms, slots)
+            .await
+    }
+
+    async fn apply(&self, job: &JobId, mut op: LeaseOp) -> Result<Outcome, StoreError> {
+        match &mut op {
+            LeaseOp::Claim { ttl, .. } if !self.claimed.swap(true, Ordering::SeqCst) => {
+                *ttl = Ttl::from_millis(1_000).unwrap();
+            }
+            LeaseOp::Renew { .. } if !self.renewed.swap(true, Ordering::SeqCst) => {
+                return Err(StoreError::io("connection refused"));
+            }
+            LeaseOp::Release { .. } => tokio::time::sleep(Duration::from_millis(50)).await,
+            _ => {}
+        }
+        self.inner.apply(job, op).await
+    }
+
+    async fn get(&self, job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        self.inner.get(job).await
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        self.inner.list(query).await
+    }
+}
+
+/// A grant given back in the background (here: granted too short, and its renewal failed) is
+/// not handed to the client's next claim while the
+/// release is on its way: that claim would get the grant back, and the release landing after
+/// it would free the job under a lease the client believes it holds.
+#[tokio::test(start_paused = true)]
+async fn a_claim_right_after_an_abandoned_grant_is_not_freed_under_it() {
+    let store = ShortFirstGrantSlowRelease::default();
+    let client = LeaseClient::new(store.clone())
+        .owner("worker".parse().unwrap())
+        .ttl(Ttl::from_millis(60_000).unwrap());
+    // Granted, but not renewed: the grant is given back in the background.
+    let refused = client.claim(job()).await.map(|l| l.generation());
+    assert!(
+        matches!(refused, Err(ClaimError::Store(StoreError::Io(_)))),
+        "{refused:?}"
+    );
+    // Asked again at once, until granted (the job is held until the release lands).
+    let started = Instant::now();
+    let lease = loop {
+        match client.claim(job()).await {
+            Ok(lease) => break lease,
+            Err(ClaimError::Held { .. }) => {
+                assert!(started.elapsed() < Duration::from_secs(5), "never granted");
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+            Err(e) => panic!("{e:?}"),
+        }
+    };
+    tokio::time::sleep(Duration::from_millis(200)).await; // any release in flight has landed
+    let record = store.inner.get(&job()).await.unwrap().unwrap();
+    assert_eq!(
+        (record.state, record.owner, record.generation),
+        (
+            LeaseState::Held,
+            Some("worker".parse().unwrap()),
+            lease.generation()
+        ),
+        "the job was freed under the lease the client holds"
+    );
+    assert!(!lease.is_lost());
+}
+
 /// Resuming a lease the store no longer knows of says it is not held (what `fence
 /// keepalive` turns into exit 75), not that the store broke the protocol.
 #[tokio::test]

@@ -46,8 +46,9 @@ impl Unsettled {
 }
 
 /// A claim's key on its way: kept for the next claim of its job when dropped unsettled (its
-/// answer lost, its caller gone mid-claim, its grant abandoned), as a lease it won could still
-/// be held for up to `ttl`.
+/// answer lost, its caller gone mid-claim), as a lease it won could still be held for up to
+/// `ttl`. A grant the client abandons is settled: its key is kept only if giving it back
+/// fails.
 #[derive(Debug)]
 pub(crate) struct Pending {
     kept: Arc<Unsettled>,
