@@ -164,6 +164,7 @@ where
     let tls = config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     let (stop, stopped) = watch::channel(false);
     let (ended, mut ends) = mpsc::unbounded_channel::<anyhow::Result<()>>();
+    let serving = worker::Serving::count();
     for n in 0..workers {
         let started = listener
             .try_clone()
@@ -181,6 +182,7 @@ where
                     preserve_host: config.preserve_host,
                     via: config.via,
                     stopped: stopped.clone(),
+                    serving: worker::Serving::join(&serving),
                 };
                 let report = ended.clone();
                 std::thread::Builder::new()

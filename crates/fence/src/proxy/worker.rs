@@ -34,6 +34,46 @@ pub(super) struct Worker<St> {
     pub(super) preserve_host: bool,
     pub(super) via: bool,
     pub(super) stopped: watch::Receiver<bool>,
+    /// This worker's place among those still serving.
+    pub(super) serving: Serving,
+}
+
+/// How long past its own shutdown deadline a worker waits for the others.
+const OTHERS_SLACK: Duration = Duration::from_secs(1);
+
+/// The workers still serving, counted: each holds one `Serving` until its own requests are
+/// over. The tasks a worker's runtime runs after its requests (a hold after an unknown
+/// outcome, an idempotency record being finished) hold guards of the fence the workers share:
+/// dropped with the runtime while another worker still serves, such a guard would let that
+/// worker admit a newer token the hold exists to keep back. So a worker that has finished
+/// keeps driving its runtime until every worker has (or its deadline has passed).
+pub(super) struct Serving(Arc<watch::Sender<usize>>);
+
+impl Serving {
+    /// A new count, with nobody serving yet.
+    pub(super) fn count() -> Arc<watch::Sender<usize>> {
+        Arc::new(watch::Sender::new(0))
+    }
+
+    /// One more worker serving, counted in `count` until dropped.
+    pub(super) fn join(count: &Arc<watch::Sender<usize>>) -> Self {
+        count.send_modify(|n| *n += 1);
+        Self(count.clone())
+    }
+
+    /// This worker has finished: waits, driving its runtime, until every worker has, or
+    /// until `deadline` (plus a second's slack for a worker that finished at its own).
+    async fn finished(self, deadline: tokio::time::Instant) {
+        let mut all = self.0.subscribe();
+        drop(self);
+        let _ = tokio::time::timeout_at(deadline + OTHERS_SLACK, all.wait_for(|n| *n == 0)).await;
+    }
+}
+
+impl Drop for Serving {
+    fn drop(&mut self) {
+        self.0.send_modify(|n| *n = n.saturating_sub(1));
+    }
 }
 
 impl<St: GenerationStore + IdempotencyStore> Worker<St> {
@@ -69,7 +109,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             // upstream answered 2xx, marked by `Upstream`) is closed for room after those that
             // never had one.
             let listener = Listener::new(listener, self.tls, self.limits).sharing(self.slots);
-            let mut stopped = self.stopped;
+            let (mut stopped, serving) = (self.stopped, self.serving);
             let shutdown = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };
@@ -86,6 +126,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             {
                 tracing::warn!("shutdown grace ran out with upstream requests still running");
             }
+            serving.finished(deadline).await;
             Ok(())
         })
     }
@@ -107,4 +148,32 @@ where
     req.extensions_mut().insert(client);
     req.extensions_mut().insert(fence_sink::PeerAddr(peer));
     fence.oneshot(req).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A worker that finished waits for the others before its runtime (and the holds on it)
+    /// goes, and no longer than its deadline for one that never finishes.
+    #[tokio::test(start_paused = true)]
+    async fn a_finished_worker_waits_for_the_others_within_its_deadline() {
+        let count = Serving::count();
+        let (first, second) = (Serving::join(&count), Serving::join(&count));
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(30);
+        let waiting = tokio::spawn(first.finished(deadline));
+        tokio::time::sleep(Duration::from_secs(5)).await;
+        assert!(!waiting.is_finished(), "gone while another worker serves");
+        drop(second);
+        tokio::time::timeout(Duration::from_millis(10), waiting)
+            .await
+            .expect("free the moment the last worker finished")
+            .unwrap();
+
+        // One that never finishes (its thread stuck) is waited for until the deadline only.
+        let (first, _stuck) = (Serving::join(&count), Serving::join(&count));
+        let started = tokio::time::Instant::now();
+        first.finished(started + Duration::from_secs(30)).await;
+        assert_eq!(started.elapsed(), Duration::from_secs(30) + OTHERS_SLACK);
+    }
 }
