@@ -83,9 +83,10 @@ pub(crate) async fn discard<B: FenceBody>(version: http::Version, body: B) {
 /// An admitted request's place in flight while its body streams, shared by the request body
 /// and the layer: the guard goes once both are done with it (the body ended, failed or was
 /// dropped; the service answered), held for `hold` more when the outcome became unknown
-/// meanwhile (the service failed instead of answering, or said it could not tell).
+/// meanwhile (the service failed instead of answering, or said it could not tell), or when
+/// the body was still on its way at its deadline ([`overdue`](Self::overdue)).
 pub(crate) struct Streaming {
-    guard: Option<InFlight>,
+    guard: std::sync::Mutex<Option<InFlight>>,
     hold: Duration,
     unknown: AtomicBool,
 }
@@ -93,7 +94,7 @@ pub(crate) struct Streaming {
 impl Streaming {
     pub(crate) fn new(guard: InFlight, hold: Duration) -> Arc<Self> {
         Arc::new(Self {
-            guard: Some(guard),
+            guard: std::sync::Mutex::new(Some(guard)),
             hold,
             unknown: AtomicBool::new(false),
         })
@@ -103,11 +104,31 @@ impl Streaming {
     pub(crate) fn unknown(&self) {
         self.unknown.store(true, Ordering::Relaxed);
     }
+
+    /// The body's deadline passed with the body unfinished and unpolled (a service that
+    /// answered, then stopped reading): it yields nothing more once asked, but what it
+    /// passed on may still be on its way to the service, which may act on it. The guard
+    /// goes now, held for `hold`, rather than whenever the service drops the body.
+    pub(crate) fn overdue(&self) {
+        let guard = self
+            .guard
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(guard) = guard {
+            guard.hold(self.hold);
+        }
+    }
 }
 
 impl Drop for Streaming {
     fn drop(&mut self) {
-        if let Some(guard) = self.guard.take()
+        let guard = self
+            .guard
+            .get_mut()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+            .take();
+        if let Some(guard) = guard
             && self.unknown.load(Ordering::Relaxed)
         {
             guard.hold(self.hold);
@@ -279,6 +300,13 @@ where
         } => {
             if fired.load(Ordering::Relaxed) {
                 return Poll::Ready(None); // the error was the body's last frame
+            }
+            // Past the deadline nothing more is passed on, even what already arrived: a
+            // service that reads slowly must not get the rest after the request stopped
+            // counting as in flight.
+            if Instant::now() >= *deadline {
+                fired.store(true, Ordering::Relaxed);
+                return Poll::Ready(Some(Err(BodyTimeout { limit: *limit }.into())));
             }
             match body.poll_frame(cx) {
                 Poll::Pending => match sleep

@@ -25,6 +25,8 @@ use tower::{Layer, Service, ServiceExt};
 struct Streams {
     log: Arc<Mutex<Vec<String>>>,
     answers: Arc<Mutex<Vec<mpsc::UnboundedSender<Bytes>>>>,
+    /// How long after answering it starts reading the request's body (zero: at once).
+    reads_after: Duration,
 }
 
 impl Streams {
@@ -51,8 +53,9 @@ where
             .get::<Fenced>()
             .map_or("-".to_owned(), |f| f.token.to_string());
         self.log.lock().unwrap().push(format!("start {token}"));
-        let log = self.log.clone();
+        let (log, reads_after) = (self.log.clone(), self.reads_after);
         tokio::spawn(async move {
+            tokio::time::sleep(reads_after).await;
             let mut body = std::pin::pin!(req.into_body());
             while let Some(Ok(frame)) = body.frame().await {
                 if let Some(data) = frame.data_ref() {
@@ -145,6 +148,64 @@ async fn a_stalled_streaming_request_lets_go_at_its_body_deadline() {
     assert!(
         (Duration::from_secs(4)..Duration::from_secs(10)).contains(&waited),
         "token 8 waited {waited:?} for 7's stalled request (body deadline 5 s)"
+    );
+    drop(messages7);
+}
+
+/// A service that answers, then stops reading a request whose messages have all arrived,
+/// never asks the body for its deadline: the deadline is kept all the same. The request lets
+/// go at its body deadline plus the unknown-outcome hold (what it passed on may still be on
+/// its way), not when the service drops the body, nor at the newer token's drain limit.
+#[tokio::test(start_paused = true)]
+async fn a_request_the_service_stops_reading_lets_go_at_its_deadline_and_hold() {
+    let app = Streams {
+        reads_after: Duration::from_secs(1_000),
+        ..Streams::default()
+    };
+    let svc = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(5))
+        .unknown_outcome_hold(Duration::from_secs(3))
+        .drain_timeout(Duration::from_secs(60))
+        .layer(app.clone());
+    let (messages7, body7) = Channel::new();
+    messages7.send(Bytes::from("a")).unwrap();
+    let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
+    let began = tokio::time::Instant::now();
+    let answer8 = svc.clone().oneshot(call(8, String::new())).await.unwrap();
+    let waited = began.elapsed();
+    assert_eq!(answer8.status(), 200, "token 8 waited {waited:?}");
+    assert!(
+        (Duration::from_secs(8)..Duration::from_secs(10)).contains(&waited),
+        "token 8 waited {waited:?} (body deadline 5 s, hold 3 s)"
+    );
+    drop(messages7);
+}
+
+/// Judged where effects commit: a message that arrived before the body deadline but is read
+/// by the service only after it (a slow reader) is not passed on, since the request no
+/// longer counts as in flight and a newer token may have gone ahead.
+#[tokio::test(start_paused = true)]
+async fn a_message_read_after_the_body_deadline_is_not_passed_on() {
+    let app = Streams {
+        reads_after: Duration::from_secs(10),
+        ..Streams::default()
+    };
+    let svc = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(5))
+        .unknown_outcome_hold(Duration::from_secs(3))
+        .drain_timeout(Duration::from_secs(60))
+        .layer(app.clone());
+    let (messages7, body7) = Channel::new();
+    messages7.send(Bytes::from("a")).unwrap();
+    let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
+    let answer8 = svc.clone().oneshot(call(8, String::new())).await.unwrap();
+    assert_eq!(answer8.status(), 200);
+    tokio::time::sleep(Duration::from_secs(15)).await;
+    let log = app.log();
+    let newer = log.iter().position(|l| l == "start 8").unwrap();
+    assert!(
+        !log[newer..].iter().any(|l| l.starts_with("effect 7")),
+        "token 7's message took effect after token 8 started: {log:?}"
     );
     drop(messages7);
 }

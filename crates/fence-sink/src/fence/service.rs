@@ -455,6 +455,20 @@ where
     if response.extensions().get::<OutcomeUnknown>().is_some() {
         flight.unknown();
     }
+    // Answered before its body ended (a streaming call, an upload answered early): a service
+    // that then stops reading never polls the body to its deadline, so the deadline is kept
+    // here as well.
+    if Arc::strong_count(&flight) > 1
+        && let Ok(runtime) = tokio::runtime::Handle::try_current()
+    {
+        let flight = Arc::downgrade(&flight);
+        runtime.spawn(async move {
+            tokio::time::sleep_until(deadline).await;
+            if let Some(flight) = flight.upgrade() {
+                flight.overdue();
+            }
+        });
+    }
     // A gRPC service answers a failed call with HTTP 200 and a `grpc-status` other than 0
     // in its headers (a trailers-only answer): that is no success either.
     let grpc_failed = response

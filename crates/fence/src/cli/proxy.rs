@@ -79,8 +79,9 @@ pub struct ProxyArgs {
     #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = parse_timeout, env = "FENCE_DRAIN_TIMEOUT")]
     pub drain_timeout: Duration,
     /// How long a request may take upstream before 504. After a restart, a job that had
-    /// requests admitted within this (plus --unknown-outcome-hold) before it lets no newer
-    /// token through until they could no longer be running upstream.
+    /// requests admitted within this (or --body-timeout, if longer; plus
+    /// --unknown-outcome-hold) before it lets no newer token through until they could no
+    /// longer be running upstream.
     #[arg(long, allow_hyphen_values = true, default_value = "60s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_TIMEOUT")]
     pub upstream_timeout: Duration,
     /// How long a fenced request's body may take to arrive, from admission. A slower body

@@ -99,8 +99,10 @@ where
         .drain_timeout(config.drain_timeout)
         .body_timeout(config.body_timeout)
         .unknown_outcome_hold(config.unknown_outcome_hold)
-        // After a restart: what the process before passed on may run this long upstream.
-        .longest_request(config.upstream_timeout)
+        // After a restart: what the process before passed on may run this long upstream:
+        // until its answer's head (the upstream timeout) or, for a body the upstream goes on
+        // reading after answering, until the body deadline, whichever is later.
+        .longest_request(config.upstream_timeout.max(config.body_timeout))
         .max_buffered_bytes(config.max_buffered_bytes)
         .clock_skew(config.clock_skew)
         .max_lease_ttl(config.max_lease_ttl);
