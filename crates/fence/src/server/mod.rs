@@ -19,6 +19,7 @@ mod answer;
 pub use answer::{LEASE_OPS, LEASE_OUTCOMES};
 mod guard;
 mod handlers;
+mod health;
 mod list;
 mod semaphore;
 mod wait;
@@ -61,6 +62,7 @@ struct AppState<S> {
     store: Arc<S>,
     options: ServerOptions,
     waiters: wait::Waiters,
+    health: health::Health,
 }
 
 /// The lease API as OpenAPI 3.1, served at `/openapi.json` (no secret needed).
@@ -82,6 +84,7 @@ pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
         store,
         options,
         waiters,
+        health: health::Health::default(),
     });
     if let Some(changes) = changes {
         tokio::spawn(wake_on_changes(Arc::downgrade(&state), changes));

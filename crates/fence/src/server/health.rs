@@ -1,0 +1,75 @@
+//! `GET /healthz` and `/readyz`: one probe of the store at a time, its answer shared for a second.
+//!
+//! The probes need no secret, so a flood of them must not reach the store one by one: on
+//! PostgreSQL each would take a connection of the pool that claims and renewals wait for.
+
+use std::time::Duration;
+
+use fence_core::problem::Problem;
+use tokio::{sync::Mutex, time::Instant};
+
+/// How long a probe's answer is given to the probes that follow.
+const FRESH: Duration = Duration::from_secs(1);
+
+/// The last probe of the store, and when it answered.
+#[derive(Debug, Default)]
+pub(super) struct Health {
+    last: Mutex<Option<(Instant, Result<(), Problem>)>>,
+}
+
+impl Health {
+    /// The answer of a probe of the store less than a second old, or of `probe`, run now
+    /// while the probes that come meanwhile wait for it.
+    pub(super) async fn check(
+        &self,
+        probe: impl Future<Output = Result<(), Problem>>,
+    ) -> Result<(), Problem> {
+        let mut last = self.last.lock().await;
+        if let Some((at, answer)) = &*last
+            && at.elapsed() < FRESH
+        {
+            return answer.clone();
+        }
+        let answer = probe.await;
+        *last = Some((Instant::now(), answer.clone()));
+        answer
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    };
+
+    use super::*;
+
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_of_probes_reaches_the_store_once_a_second() {
+        let health = Arc::new(Health::default());
+        let asked = Arc::new(AtomicUsize::new(0));
+        let probe = |asked: Arc<AtomicUsize>| async move {
+            asked.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await; // a slow store
+            Ok(())
+        };
+        let flood: Vec<_> = (0..100)
+            .map(|_| {
+                let (health, asked) = (health.clone(), asked.clone());
+                tokio::spawn(async move { health.check(probe(asked)).await })
+            })
+            .collect();
+        for answer in flood {
+            assert_eq!(answer.await.unwrap(), Ok(()));
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "one probe for the flood");
+        tokio::time::sleep(FRESH).await;
+        health.check(probe(asked.clone())).await.unwrap();
+        assert_eq!(
+            asked.load(Ordering::SeqCst),
+            2,
+            "a stale answer is not given"
+        );
+    }
+}
