@@ -526,3 +526,45 @@ async fn a_newer_generation_takes_a_record_over_once_the_older_attempt_has_settl
         "not taken over once the older attempt has settled"
     );
 }
+
+/// Expired idempotency records are purged in batches through an index on their expiry, so a
+/// table grown to millions of them is purged a batch per statement, each well within the
+/// statement timeout, rather than by one statement that times out and purges nothing.
+#[tokio::test]
+async fn expired_records_are_purged_in_batches_through_an_index() {
+    let Some(store) = fresh().await else { return };
+    let url = fence_storage::postgres::test_database_url();
+    let (client, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(conn);
+    let table = &store.tables().idempotency;
+    client
+        .batch_execute(&format!(
+            "INSERT INTO {table} (job, key, fingerprint, in_flight, record, live_until_ms) \
+             SELECT 'job', 'k' || n, '\\x00', false, '\\x00', 1 FROM generate_series(1, 2500) n; \
+             INSERT INTO {table} (job, key, fingerprint, in_flight, record, live_until_ms) \
+             VALUES ('job', 'live', '\\x00', false, '\\x00', 9223372036854775807)"
+        ))
+        .await
+        .unwrap();
+    // More than two batches: the purge goes on until a batch comes back short.
+    assert_eq!(store.purge_expired().await.unwrap(), 2500);
+    let left: i64 = client
+        .query_one(&format!("SELECT count(*) FROM {table}"), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(left, 1, "the live record stays");
+    let (schema, name) = table.split_once('.').unwrap();
+    let indexed: i64 = client
+        .query_one(
+            "SELECT count(*) FROM pg_indexes WHERE schemaname = $1 AND tablename = $2 \
+             AND indexdef LIKE '%(live_until_ms)%'",
+            &[&schema, &name],
+        )
+        .await
+        .unwrap()
+        .get(0);
+    assert_eq!(indexed, 1, "no index on live_until_ms");
+}
