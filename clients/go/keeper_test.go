@@ -103,3 +103,79 @@ func TestAGrantNoLongerThanTheMarginIsNamedAndGivenBack(t *testing.T) {
 	}
 	_, _ = lease.Release(ctx)
 }
+
+// flakyFront fronts the lease server; its next failures releases or completions are cut off
+// with no answer: after the server decided them (their answer lost) when applied, before
+// otherwise. It counts the releases and completions it saw.
+func flakyFront(t *testing.T, serverURL string, failures int32, applied bool) (string, *atomic.Int32) {
+	target, err := url.Parse(serverURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	finishes := &atomic.Int32{}
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/release") || strings.HasSuffix(r.URL.Path, "/complete") {
+			if finishes.Add(1) <= failures {
+				if applied {
+					proxy.ServeHTTP(httptest.NewRecorder(), r)
+				}
+				panic(http.ErrAbortHandler) // the connection is cut: no answer
+			}
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(front.Close)
+	return front.URL, finishes
+}
+
+// A completion the server applied but whose answer was lost is retried; the retry's refusal
+// (this owner, this generation, completed) is the completion, not a lost lease.
+func TestACompletionWhoseAnswerWasLostIsDoneNotLost(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	front, finishes := flakyFront(t, s.serverURL, 1, true)
+	l, err := mustClient(t, front, Options{Owner: "finisher", TTL: 30 * time.Second}).Claim(ctx, "report")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := l.Complete(ctx)
+	if err != nil || rec.State != "completed" || rec.Owner != "finisher" || finishes.Load() != 2 {
+		t.Fatalf("completed after a lost answer: %+v %v (%d attempts)", rec, err, finishes.Load())
+	}
+	if rec, err := mustClient(t, s.serverURL, Options{}).Status(ctx, "report"); err != nil || rec.State != "completed" {
+		t.Fatalf("the server's record: %+v %v", rec, err)
+	}
+}
+
+// A release that never reached the server is sent again until it does.
+func TestAReleaseThatNeverReachedTheServerIsSentAgain(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	front, finishes := flakyFront(t, s.serverURL, 2, false)
+	l, err := mustClient(t, front, Options{Owner: "finisher", TTL: 30 * time.Second}).Claim(ctx, "blip")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := l.Release(ctx)
+	if err != nil || rec.State != "free" || finishes.Load() != 3 {
+		t.Fatalf("released after two failures: %+v %v (%d attempts)", rec, err, finishes.Load())
+	}
+}
+
+// A server that keeps failing is asked until it could end the lease on its own, no longer.
+func TestAServerThatKeepsFailingAReleaseIsGivenUpOnAtTheLeasesEnd(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	front, finishes := flakyFront(t, s.serverURL, 1000, false)
+	l, err := mustClient(t, front, Options{Owner: "finisher", TTL: time.Second}).Claim(ctx, "down")
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := time.Now()
+	_, err = l.Release(ctx)
+	took := time.Since(started)
+	if !errors.Is(err, ErrUnreachable) || took < 500*time.Millisecond || took > 1500*time.Millisecond || finishes.Load() <= 2 {
+		t.Fatalf("gave up after %v with %v (%d attempts; the lease ends 1 s after its claim)", took, err, finishes.Load())
+	}
+}

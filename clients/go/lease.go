@@ -158,7 +158,9 @@ func (l *Lease) Header(h http.Header) error {
 }
 
 // Release frees the job for another claim. A *ProblemError matching ErrLeaseRefused when the
-// server no longer records this lease.
+// server no longer records this lease. A server that fails to answer (ErrUnreachable, a 502,
+// 503 or 504) is asked again until it could end the lease on its own (or ctx is done); a retry
+// that finds the earlier attempt applied returns the record it left.
 func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx, "release") }
 
 // Complete marks the job done for good. The server decides: a *ProblemError matching
@@ -181,12 +183,52 @@ func (l *Lease) giveBack() {
 	go func() { _, _ = l.end(context.Background(), "release") }()
 }
 
+// A release or completion the server failed to answer is sent again after a pause that starts
+// here and doubles up to the cap, until the server could end the lease on its own.
+const (
+	finishPauseFirst = 100 * time.Millisecond
+	finishPauseMax   = time.Second
+)
+
+// end releases or completes. A server that fails to answer (unreachable, a timeout, a 502, 503
+// or 504) is asked again until it could end the lease on its own: a passing blip at the end of
+// a job must not leave it to expire and run again. A retry refused with lease-lost at this
+// generation, by nobody (released) or by this owner (completed: the only refusal that leaves
+// both in place), finds the earlier attempt applied: the record it left is returned.
 func (l *Lease) end(ctx context.Context, action string) (Record, error) {
 	l.Abandon() // nothing is sent under this lease from now on, whatever the answer
-	var rec Record
 	body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key}
-	err := l.t.call(ctx, http.MethodPost, l.path(action), body, 0, &rec)
-	return rec, err
+	l.mu.Lock()
+	until := l.sent.Add(l.ttl)
+	l.mu.Unlock()
+	pause, unsure := finishPauseFirst, false
+	for {
+		var rec Record
+		err := l.t.call(ctx, http.MethodPost, l.path(action), body, 0, &rec)
+		if err == nil {
+			return rec, nil
+		}
+		var refused *ProblemError
+		if unsure && errors.Is(err, ErrLeaseRefused) && errors.As(err, &refused) &&
+			refused.Status == http.StatusConflict && refused.Generation == l.generation &&
+			(refused.Owner == "" || refused.Owner == l.owner) {
+			state := "completed"
+			if refused.Owner == "" {
+				state = "free"
+			}
+			return Record{Job: l.job, Owner: refused.Owner, Generation: l.generation, State: state}, nil
+		}
+		if !answerLost(err) || !l.clock.Now().Add(pause).Before(until) || ctx.Err() != nil {
+			return rec, err
+		}
+		unsure = true
+		if serr := sleepCtx(ctx, pause); serr != nil {
+			return rec, err
+		}
+		if pause *= 2; pause > finishPauseMax {
+			pause = finishPauseMax
+		}
+	}
 }
 
 // Checkpoint is the job's last checkpoint as the claim returned it (the generation that saved

@@ -18,7 +18,7 @@ import requests
 import fence_client._lease
 import fence_client._wire
 from conftest import wait_for
-from fence_client import Client, GrantTooShort, LeaseHeld, LeaseLost
+from fence_client import Client, GrantTooShort, LeaseHeld, LeaseLost, ServerUnreachable
 from fence_client._errors import problem_error
 from fence_client.aio import AsyncClient
 from fence_client.requests import FenceAuth
@@ -153,3 +153,53 @@ def test_a_grant_no_longer_than_the_margin_is_named_and_given_back(stack):
                  lambda: Client(s.server_url).status("ashort")["state"] == "free")
 
     asyncio.run(from_asyncio())
+
+
+def failing_finishes(lease, monkeypatch, failures: int, applied: bool) -> List[str]:
+    """The lease's next ``failures`` releases or completions fail as if the server never
+    answered: after reaching it (their answer lost) when ``applied``, before otherwise."""
+    real_call = lease._transport.call
+    sent: List[str] = []
+
+    def call(method, path, body=None, timeout=None):
+        if path.endswith(("/release", "/complete")):
+            sent.append(path)
+            if len(sent) <= failures:
+                if applied:
+                    real_call(method, path, body, timeout)
+                raise ServerUnreachable("the answer was lost")
+        return real_call(method, path, body, timeout)
+
+    monkeypatch.setattr(lease._transport, "call", call)
+    return sent
+
+
+def test_a_completion_whose_answer_was_lost_is_done_not_lost(stack, monkeypatch):
+    s = stack(proxy=False)
+    lease = Client(s.server_url, owner="finisher", ttl=30.0).claim("report")
+    sent = failing_finishes(lease, monkeypatch, 1, applied=True)
+    record = lease.complete()
+    assert (record["state"], record["owner"], len(sent)) == ("completed", "finisher", 2)
+    assert Client(s.server_url).status("report")["state"] == "completed"
+
+    async def from_asyncio() -> None:
+        alease = await AsyncClient(s.server_url, owner="afinisher", ttl=30.0).claim("areport")
+        asent = failing_finishes(alease, monkeypatch, 2, applied=False)
+        arecord = await alease.release()
+        assert (arecord["state"], len(asent)) == ("free", 3)
+
+    asyncio.run(from_asyncio())
+    assert Client(s.server_url).status("areport")["state"] == "free"
+
+
+def test_a_server_that_keeps_failing_a_release_is_given_up_on_at_the_lease_s_end(stack,
+                                                                                 monkeypatch):
+    s = stack(proxy=False)
+    lease = Client(s.server_url, owner="finisher", ttl=1.0).claim("blip")
+    sent = failing_finishes(lease, monkeypatch, 1_000, applied=False)
+    started = time.monotonic()
+    with pytest.raises(ServerUnreachable):
+        lease.release()
+    took = time.monotonic() - started
+    assert 0.5 < took < 1.5, f"gave up after {took:.2f} s (the lease ends 1 s after its claim)"
+    assert len(sent) > 2

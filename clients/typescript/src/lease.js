@@ -5,13 +5,18 @@
 // server's expires_at_ms never enters it, so an offset between this machine's wall clock and
 // the server's changes nothing.
 
-import { JobCompleted, LeaseLost, LeaseRefused, ProtocolError } from './errors.js';
+import { JobCompleted, LeaseLost, LeaseRefused, ProblemError, ProtocolError, ServerUnreachable } from './errors.js';
 import { encodeJob, grantOf, idempotencyKey, marginOf, now } from './wire.js';
 
 export const DEADLINE_PASSED = 'the local deadline passed before a renewal succeeded';
 export const FINISHED = 'the lease was released, completed or abandoned';
 
 const TIMED_OUT = Symbol('timed out');
+
+// A release or completion the server failed to answer is sent again after a pause that starts
+// here and doubles up to the cap (ms), until the server could end the lease on its own.
+const FINISH_PAUSE_FIRST_MS = 100;
+const FINISH_PAUSE_MAX_MS = 1000;
 
 export class Lease {
   #transport;
@@ -175,10 +180,33 @@ export class Lease {
     this.#declareLost(FINISHED);
   }
 
+  // A server that fails to answer (unreachable, a timeout, a 502, 503 or 504) is asked again
+  // until it could end the lease on its own: a passing blip at the end of a job must not leave
+  // it to expire and run again. A retry refused with lease-lost at this generation, by nobody
+  // (released) or by this owner (completed: the only refusal that leaves both in place), finds
+  // the earlier attempt applied: the record it left is returned.
   async #finish(action) {
     this.abandon(); // nothing is sent under this lease from now on, whatever the answer
-    return this.#transport.call('POST', this.#path(action),
-      { owner: this.owner, generation: this.generation, lease_key: this.#key });
+    const body = { owner: this.owner, generation: this.generation, lease_key: this.#key };
+    const until = this.#sent + this.#ttlMs;
+    let pauseMs = FINISH_PAUSE_FIRST_MS;
+    let unsure = false;
+    for (;;) {
+      try {
+        return await this.#transport.call('POST', this.#path(action), body);
+      } catch (e) {
+        if (e instanceof LeaseRefused) {
+          const holder = e.problem.owner ?? null;
+          if (!unsure || e.status !== 409 || e.generation !== this.generation || (holder !== null && holder !== this.owner)) throw e;
+          return { job: this.job, owner: holder, generation: this.generation, state: holder === null ? 'free' : 'completed', expires_in_ms: 0 };
+        }
+        const lost = e instanceof ServerUnreachable || (e instanceof ProblemError && [502, 503, 504].includes(e.status));
+        if (!lost || now() + pauseMs >= until) throw e;
+        unsure = true;
+        await new Promise((resolve) => setTimeout(resolve, pauseMs));
+        pauseMs = Math.min(pauseMs * 2, FINISH_PAUSE_MAX_MS);
+      }
+    }
   }
 
   /**

@@ -70,3 +70,71 @@ test('a grant no longer than the margin is named and given back', async (t) => {
   assert.equal(lease.generation, 2n);
   await lease.release();
 });
+
+// A front for the lease server whose next `failures` releases or completions fail as if the
+// server never answered: forwarded first (their answer lost) when `applied`, not otherwise.
+async function flakyFront(t, serverUrl, failures, applied) {
+  const target = new URL(serverUrl);
+  const seen = { finishes: 0 };
+  const front = http.createServer((req, res) => {
+    const finishing = /\/(release|complete)$/.test(req.url.split('?')[0]);
+    if (finishing) seen.finishes += 1;
+    const failing = finishing && seen.finishes <= failures;
+    if (failing && !applied) {
+      req.resume();
+      req.on('end', () => res.destroy());
+      return;
+    }
+    const out = http.request({ host: target.hostname, port: target.port, method: req.method, path: req.url, headers: req.headers }, (answer) => {
+      if (failing) {
+        answer.resume();
+        answer.on('end', () => res.destroy());
+        return;
+      }
+      res.writeHead(answer.statusCode, answer.headers);
+      answer.pipe(res);
+    });
+    out.on('error', () => res.destroy());
+    req.pipe(out);
+  });
+  await new Promise((r) => front.listen(0, '127.0.0.1', r));
+  t.after(() => front.close());
+  return { url: `http://127.0.0.1:${front.address().port}`, seen };
+}
+
+test('a completion whose answer was lost is done, not lost', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const front = await flakyFront(t, s.serverUrl, 1, true);
+  const client = new Client({ server: front.url, owner: 'finisher', ttlMs: 30_000 });
+  const direct = new Client({ server: s.serverUrl });
+  t.after(() => { client.close(); direct.close(); });
+  const lease = await client.claim('report');
+  const record = await lease.complete();
+  assert.deepEqual([record.state, record.owner, front.seen.finishes], ['completed', 'finisher', 2]);
+  assert.equal((await direct.status('report')).state, 'completed');
+});
+
+test('a release that never reached the server is sent again', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const front = await flakyFront(t, s.serverUrl, 2, false);
+  const client = new Client({ server: front.url, owner: 'finisher', ttlMs: 30_000 });
+  const direct = new Client({ server: s.serverUrl });
+  t.after(() => { client.close(); direct.close(); });
+  const lease = await client.claim('blip');
+  const record = await lease.release();
+  assert.deepEqual([record.state, front.seen.finishes], ['free', 3]);
+  assert.equal((await direct.status('blip')).state, 'free');
+});
+
+test('a server that keeps failing a release is given up on at the lease\'s end', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const front = await flakyFront(t, s.serverUrl, 1_000, false);
+  const client = new Client({ server: front.url, owner: 'finisher', ttlMs: 1000 });
+  t.after(() => client.close());
+  const lease = await client.claim('down');
+  const started = performance.now();
+  await assert.rejects(lease.release(), (e) => e.name === 'ServerUnreachable' || e.constructor.name === 'ServerUnreachable');
+  const took = performance.now() - started;
+  assert.ok(took > 500 && took < 1500, `gave up after ${took} ms (the lease ends 1 s after its claim)`);
+  assert.ok(front.seen.finishes > 2, `${front.seen.finishes} attempts`);
+});

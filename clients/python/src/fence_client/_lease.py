@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from typing import Any, Dict, Optional, Tuple
 
 from ._errors import (FenceError, GrantTooShort, JobCompleted, LeaseHeld, LeaseLost,
@@ -31,6 +32,11 @@ SLOT_BACKOFF_MAX = 0.5
 # The least time between two sends of one waiting claim (seconds): a server that holds
 # claims only briefly (its --max-claim-wait) is not asked round trip after round trip.
 MIN_WAITING_CLAIM_GAP = 0.05
+
+# A release or completion the server failed to answer is sent again after a pause that starts
+# here and doubles up to the cap (seconds), until the server could end the lease on its own.
+FINISH_PAUSE_FIRST = 0.1
+FINISH_PAUSE_MAX = 1.0
 
 
 def give_back(lease: "LeaseCore") -> None:
@@ -253,8 +259,33 @@ class LeaseCore:
         return self._transport.call("POST", self._path("renew"), body, timeout=timeout)
 
     def _send_finish(self, action: str) -> Dict[str, Any]:
+        """Releases or completes. A server that fails to answer (unreachable, a timeout, a 502,
+        503 or 504) is asked again until it could end the lease on its own: a passing blip at
+        the end of a job must not leave it to expire and run again. A retry refused with
+        ``lease-lost`` at this generation, by nobody (released) or by this owner (completed:
+        the only refusal that leaves both in place), finds the earlier attempt applied: the
+        record it left is returned."""
         body = {"owner": self.owner, "generation": self.generation, "lease_key": self._key}
-        return self._transport.call("POST", self._path(action), body)
+        with self._lock:
+            until = self._sent + self._ttl_ms / 1000
+        pause, unsure = FINISH_PAUSE_FIRST, False
+        while True:
+            try:
+                return self._transport.call("POST", self._path(action), body)
+            except LeaseRefused as e:
+                holder = e.problem.get("owner")
+                if not (unsure and e.status == 409 and e.generation == self.generation
+                        and holder in (None, self.owner)):
+                    raise
+                return {"job": self.job, "owner": holder, "generation": self.generation,
+                        "state": "free" if holder is None else "completed", "expires_in_ms": 0}
+            except (ServerUnreachable, ProblemError) as e:
+                lost = isinstance(e, ServerUnreachable) or e.status in (502, 503, 504)
+                if not lost or monotonic() + pause >= until:
+                    raise
+                unsure = True
+                time.sleep(pause)
+                pause = min(pause * 2, FINISH_PAUSE_MAX)
 
 
 def claim_path(job: str, wait_s: float) -> str:
