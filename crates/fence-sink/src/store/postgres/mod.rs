@@ -89,6 +89,8 @@ pub struct PgStore {
     /// Set once this process has recorded, before its first delete, that the sinks on these
     /// tables forget idle jobs.
     forgetting: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Set once this process has seen the index the purge uses built (see `purge.rs`).
+    expiry_indexed: std::sync::Arc<std::sync::atomic::AtomicBool>,
     #[cfg(any(test, feature = "test-hooks"))]
     offset_ms: std::sync::Arc<std::sync::atomic::AtomicI64>,
 }
@@ -285,6 +287,7 @@ impl PgStore {
             pool: fence_storage::postgres::connect_pool(url)?,
             tables,
             forgetting: std::sync::Arc::default(),
+            expiry_indexed: std::sync::Arc::default(),
             #[cfg(any(test, feature = "test-hooks"))]
             offset_ms: std::sync::Arc::default(),
         })
@@ -477,12 +480,6 @@ impl GenerationStore for PgStore {
 }
 
 /// The database's clock plus the offset parameter `$N` (0 outside the fault tests).
-/// The expired idempotency records one statement of a purge deletes at most.
-const PURGE_BATCH: u64 = 1_000;
-
-/// The most statements one purge runs (what is left waits for the next pass).
-const MAX_PURGE_BATCHES: usize = 1_000;
-
 fn now_ms(offset_param: usize) -> String {
     format!("({NOW_MS} + ${offset_param}::bigint)")
 }
@@ -511,31 +508,14 @@ impl IdempotencyStore for PgStore {
         finished
     }
 
-    /// In batches of [`PURGE_BATCH`] rows found through the index on `live_until_ms`, each
-    /// its own statement: one `DELETE` of a table grown to millions of expired rows would
-    /// outlast the statement timeout every time, roll back, and never purge anything. Rows
-    /// another sink is deleting are skipped, not waited for.
+    /// See [`purge`](Self::purge) (in `purge.rs`).
     async fn purge_expired(&self) -> Result<usize, StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
-        let table = &self.tables.idempotency;
-        let sql = format!(
-            "DELETE FROM {table} WHERE (job, key) IN (SELECT job, key FROM {table} \
-             WHERE live_until_ms <= {} LIMIT {PURGE_BATCH} FOR UPDATE SKIP LOCKED)",
-            now_ms(1)
-        );
-        let mut purged = 0usize;
-        for _ in 0..MAX_PURGE_BATCHES {
-            let n = client.execute(&sql, &[&self.offset()]).await.map_err(io)?;
-            purged = purged.saturating_add(usize::try_from(n).unwrap_or(usize::MAX));
-            if n < PURGE_BATCH {
-                break;
-            }
-        }
-        Ok(purged)
+        self.purge().await
     }
 }
 
 mod idempotency;
+mod purge;
 mod schema;
 #[cfg(test)]
 mod tests;

@@ -23,10 +23,6 @@ pub(super) fn ddl(tables: &PgTables) -> String {
         "{}_stamps",
         generations.rsplit('.').next().unwrap_or(generations)
     );
-    let expiry_index = format!(
-        "{}_expiry",
-        idempotency.rsplit('.').next().unwrap_or(idempotency)
-    );
     let ddl = format!(
         "CREATE TABLE IF NOT EXISTS {generations} (
            job text PRIMARY KEY,
@@ -54,8 +50,6 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          -- the process that began it (0: before this column): a newer generation takes it
          -- over only from then on.
          ALTER TABLE {idempotency} ADD COLUMN IF NOT EXISTS settles_ms bigint NOT NULL DEFAULT 0;
-         -- The purge of expired records finds them here, a batch at a time.
-         CREATE INDEX IF NOT EXISTS {expiry_index} ON {idempotency} (live_until_ms);
          -- Whether the sinks on these tables forget idle jobs (then a check needs the
          -- token's lease end), and their allowed clock skew: one row, kept by them.
          CREATE TABLE IF NOT EXISTS {settings} (
