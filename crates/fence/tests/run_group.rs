@@ -266,6 +266,31 @@ fn a_stubborn_leftover_is_killed_before_the_lease_can_expire() {
     signal(&server, "-CONT");
 }
 
+/// After a clean end (the command exited 0, the lease still held and renewed until the job is
+/// completed), what the command left in its group gets the whole `--grace` to finish, even
+/// when that is longer than the lease: nobody else can claim the job meanwhile.
+#[test]
+fn a_leftover_after_a_clean_end_gets_the_whole_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let done = dir.path().join("leftover-finished");
+    let script = format!(
+        "sh -c \"trap '' TERM; sleep 2; echo finished > {}\" & exit 0",
+        done.display()
+    );
+    let mut run = spawn_run(
+        &url,
+        "clean-end",
+        &["--ttl", "1s", "--grace", "5s"],
+        &script,
+    );
+    assert_eq!(run.0.wait().unwrap().code(), Some(0));
+    assert!(
+        done.exists(),
+        "the leftover was killed before its grace was over"
+    );
+}
+
 /// A short lease's deadline is never stale at the watchdog: under a 150 ms lease (renewed
 /// every 50 ms, its deadline at most 100 ms ahead) a healthy command is not stopped by a
 /// watchdog that heard of the deadline only every 100 ms (exit 143). A renewal late on a

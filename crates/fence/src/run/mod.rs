@@ -301,6 +301,8 @@ struct Group {
     watchdog: Child,
     pipe: Option<ChildStdin>,
     heartbeat: Option<tokio::task::JoinHandle<()>>,
+    /// Tells the heartbeat to end: with a last line `done` while the lease is held.
+    done: Option<tokio::sync::oneshot::Sender<()>>,
     pgid: Pid,
     stop: Stop,
 }
@@ -330,6 +332,7 @@ impl Group {
             watchdog,
             pipe,
             heartbeat: None,
+            done: None,
             pgid: Pid::from_raw(pid),
             stop,
         })
@@ -337,7 +340,9 @@ impl Group {
 
     /// Tells the watchdog how long the lease has left (one line of milliseconds) now, and
     /// then every [`HEARTBEAT`]. Stops when the lease is lost, leaving the last deadline in
-    /// force.
+    /// force. At [`stop`](Self::stop) it says `done` if the lease is still held (renewed
+    /// until the job is finished, so what is left of the group gets the whole grace); a pipe
+    /// closed without it (the lease lost, or `fence run` killed) has the grace cut short.
     async fn keep_informed(&mut self, lease: LeaseView) {
         use tokio::io::AsyncWriteExt;
         let Some(mut pipe) = self.pipe.take() else {
@@ -357,19 +362,30 @@ impl Group {
         if pipe.write_all(tell(&lease).as_bytes()).await.is_err() {
             return;
         }
+        let (done, mut stopping) = tokio::sync::oneshot::channel::<()>();
+        self.done = Some(done);
         self.heartbeat = Some(tokio::spawn(async move {
             while !lease.is_lost() {
                 // Every 100 ms, and four times before a deadline that is nearer: a short
                 // lease's deadline is never stale at the watchdog.
                 let left = lease.deadline().saturating_duration_since(Instant::now());
-                tokio::time::sleep((left / 4).clamp(Duration::from_millis(5), HEARTBEAT)).await;
+                let pause = (left / 4).clamp(Duration::from_millis(5), HEARTBEAT);
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    _ = &mut stopping => {
+                        if !lease.is_lost() {
+                            let _ = pipe.write_all(b"done\n").await;
+                        }
+                        return;
+                    }
+                }
                 if pipe.write_all(tell(&lease).as_bytes()).await.is_err() {
                     return;
                 }
             }
-            // Keep the pipe open: closing it would stop the group, which is `supervise`'s
-            // decision once it sees the loss.
-            std::future::pending::<()>().await;
+            // Keep the pipe open until `stop`: closing it would stop the group, which is
+            // `supervise`'s decision once it sees the loss.
+            let _ = stopping.await;
         }));
     }
 
@@ -415,9 +431,19 @@ impl Group {
     async fn stop(mut self) {
         self.stop_escapees(self.stop.grace).await;
         drop(self.pipe.take());
-        if let Some(heartbeat) = self.heartbeat.take() {
-            heartbeat.abort();
-            let _ = heartbeat.await; // the pipe it holds is closed once it has ended
+        if let Some(done) = self.done.take() {
+            let _ = done.send(());
+        }
+        if let Some(mut heartbeat) = self.heartbeat.take() {
+            // It says `done` (a write to a pipe the watchdog reads) and ends; the pipe it
+            // holds is closed once it has ended.
+            if tokio::time::timeout(Duration::from_secs(1), &mut heartbeat)
+                .await
+                .is_err()
+            {
+                heartbeat.abort();
+                let _ = heartbeat.await;
+            }
         }
         let limit = self.stop.grace + Duration::from_secs(2);
         if tokio::time::timeout(limit, self.watchdog.wait())

@@ -52,9 +52,10 @@ fn last_moment_of(store_end: Instant, deadline: Instant) -> Instant {
 /// after `grace` unless the group is empty by then) when its stdin, `fence run`'s pipe,
 /// closes, or when the last time left on the lease that `fence run` wrote there runs out
 /// (each line: the milliseconds left to the deadline, then to the last moment the group may
-/// live). Either way that last moment bounds the grace: a closed pipe may mean `fence run` was
-/// SIGKILLed, and nobody renews the lease then. It ignores the signals sent to the group, so
-/// it outlives the SIGTERM it sends.
+/// live). Either way that last moment bounds the grace, unless `fence run` said `done` before
+/// closing the pipe (it ends cleanly, the lease held): a pipe closed without it may mean
+/// `fence run` was SIGKILLed, and nobody renews the lease then. It ignores the signals sent to
+/// the group, so it outlives the SIGTERM it sends.
 ///
 /// # Errors
 /// When its signal handlers cannot be installed.
@@ -66,6 +67,8 @@ pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
     let mut deadline: Option<Instant> = None;
     // The last moment the group may live once the deadline passed, as last told.
     let mut kill_by: Option<Instant> = None;
+    // `fence run` said `done`: it ends cleanly with the lease held and renewed meanwhile.
+    let mut clean = false;
     loop {
         let expiry = async {
             match deadline {
@@ -83,7 +86,9 @@ pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
                             let mut told = std::str::from_utf8(&line).ok().into_iter()
                                 .flat_map(str::split_whitespace)
                                 .map(|word| word.parse::<u64>().ok().map(|ms| now + Duration::from_millis(ms)));
-                            if let Some(Some(at)) = told.next() {
+                            if line == b"done" {
+                                clean = true;
+                            } else if let Some(Some(at)) = told.next() {
                                 deadline = Some(at);
                                 kill_by = told.next().flatten();
                             }
@@ -94,18 +99,21 @@ pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
                     }
                 }
             },
-            () = expiry => break,
+            () = expiry => {
+                clean = false;
+                break;
+            }
             _ = signals.next() => {}
         }
     }
     let pgid = nix::unistd::getpgrp();
     let _ = killpg(pgid, Signal::SIGTERM);
     let mut until = Instant::now() + grace;
-    // fence run stopped telling (frozen) or closed the pipe (done, or killed: its end cannot
-    // tell which). Either way nobody may renew the lease from now on, and the group must be
-    // gone before the store can let anyone else claim the job, whatever --grace says. After a
-    // clean end the group is empty already, or holds what the command left behind.
-    if let Some(kill_by) = kill_by {
+    // fence run stopped telling (frozen), or closed the pipe without saying `done` (the lease
+    // lost, or fence run killed): nobody may renew the lease from now on, and the group must
+    // be gone before the store can let anyone else claim the job, whatever --grace says.
+    // After `done` the lease is renewed until the job is finished: the whole grace.
+    if !clean && let Some(kill_by) = kill_by {
         until = until.min(kill_by);
     }
     while Instant::now() < until {
