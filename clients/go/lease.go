@@ -159,8 +159,8 @@ func (l *Lease) Header(h http.Header) error {
 
 // Release frees the job for another claim. A *ProblemError matching ErrLeaseRefused when the
 // server no longer records this lease. A server that fails to answer (ErrUnreachable, a 502,
-// 503 or 504) is asked again until it could end the lease on its own (or ctx is done); a retry
-// that finds the earlier attempt applied returns the record it left.
+// 503 or 504) is asked again until it could end the lease on its own (a minute at most, or
+// until ctx is done); a retry that finds the earlier attempt applied returns the record it left.
 func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx, "release") }
 
 // Complete marks the job done for good. The server decides: a *ProblemError matching
@@ -188,10 +188,13 @@ func (l *Lease) giveBack() {
 const (
 	finishPauseFirst = 100 * time.Millisecond
 	finishPauseMax   = time.Second
+	// finishRetryWindow bounds the retries, whatever the lease has left.
+	finishRetryWindow = time.Minute
 )
 
 // end releases or completes. A server that fails to answer (unreachable, a timeout, a 502, 503
-// or 504) is asked again until it could end the lease on its own: a passing blip at the end of
+// or 504) is asked again until it could end the lease on its own (a minute at most): a passing
+// blip at the end of
 // a job must not leave it to expire and run again. A retry refused with lease-lost at this
 // generation, by nobody (released) or by this owner (completed: the only refusal that leaves
 // both in place), finds the earlier attempt applied: the record it left is returned.
@@ -201,6 +204,9 @@ func (l *Lease) end(ctx context.Context, action string) (Record, error) {
 	l.mu.Lock()
 	until := l.sent.Add(l.ttl)
 	l.mu.Unlock()
+	if limit := l.clock.Now().Add(finishRetryWindow); limit.Before(until) {
+		until = limit
+	}
 	pause, unsure := finishPauseFirst, false
 	for {
 		var rec Record

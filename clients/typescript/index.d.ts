@@ -102,7 +102,7 @@ export class Lease {
   headers(): { 'X-Fencing-Job': string; 'X-Fencing-Token': string };
   isLost(): boolean;
   idempotencyKey(step: string): string;
-  /** Frees the job; the record (LeaseRefused when not ours). A server that fails to answer (ServerUnreachable, a 502, 503 or 504) is asked again until it could end the lease on its own; a retry that finds the earlier attempt applied resolves to the record it left. */
+  /** Frees the job; the record (LeaseRefused when not ours). A server that fails to answer (ServerUnreachable, a 502, 503 or 504) is asked again until it could end the lease on its own (a minute at most); a retry that finds the earlier attempt applied resolves to the record it left. */
   release(): Promise<LeaseRecord>;
   /** Marks the job done (LeaseRefused when someone took over), retried as release() is. On a semaphore slot it releases the slot: the server frees it and the record's `state` is 'free'. */
   complete(): Promise<LeaseRecord>;

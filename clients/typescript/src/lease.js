@@ -17,6 +17,8 @@ const TIMED_OUT = Symbol('timed out');
 // here and doubles up to the cap (ms), until the server could end the lease on its own.
 const FINISH_PAUSE_FIRST_MS = 100;
 const FINISH_PAUSE_MAX_MS = 1000;
+// ... and for a minute at most, whatever the lease has left.
+const FINISH_RETRY_WINDOW_MS = 60_000;
 
 export class Lease {
   #transport;
@@ -181,14 +183,14 @@ export class Lease {
   }
 
   // A server that fails to answer (unreachable, a timeout, a 502, 503 or 504) is asked again
-  // until it could end the lease on its own: a passing blip at the end of a job must not leave
+  // until it could end the lease on its own (a minute at most): a passing blip at the end of a job must not leave
   // it to expire and run again. A retry refused with lease-lost at this generation, by nobody
   // (released) or by this owner (completed: the only refusal that leaves both in place), finds
   // the earlier attempt applied: the record it left is returned.
   async #finish(action) {
     this.abandon(); // nothing is sent under this lease from now on, whatever the answer
     const body = { owner: this.owner, generation: this.generation, lease_key: this.#key };
-    const until = this.#sent + this.#ttlMs;
+    const until = Math.min(this.#sent + this.#ttlMs, now() + FINISH_RETRY_WINDOW_MS);
     let pauseMs = FINISH_PAUSE_FIRST_MS;
     let unsure = false;
     for (;;) {

@@ -179,3 +179,23 @@ async fn a_refusal_is_not_retried() {
     );
     assert_eq!(store.attempts.load(Ordering::SeqCst), 1);
 }
+
+/// A long lease is not retried for its whole life: a minute at most, so a caller at the end of
+/// a job (fence run) is not held for hours by a server that is down.
+#[tokio::test(start_paused = true)]
+async fn a_long_lease_is_retried_for_a_minute_at_most() {
+    let store = FailsFinish::new(usize::MAX, false);
+    let lease = LeaseClient::new(store.clone())
+        .owner("worker".parse().unwrap())
+        .ttl(Ttl::new(Duration::from_secs(3_600)).unwrap())
+        .claim(job())
+        .await
+        .unwrap();
+    let started = Instant::now();
+    assert!(lease.release().await.is_err());
+    let took = started.elapsed();
+    assert!(
+        (Duration::from_secs(55)..=Duration::from_secs(60)).contains(&took),
+        "gave up after {took:?}"
+    );
+}

@@ -345,6 +345,37 @@ fn ctrl_c_while_waiting_for_the_lease_ends_the_wait() {
     assert!(!ran.exists(), "the command ran after Ctrl-C");
 }
 
+/// The server gone when the command has exited: fence run asks it again and again to complete
+/// the job (a passing failure must not leave a completed job to run again), but SIGTERM (a
+/// service manager stopping it) ends that at once, the lease left to expire.
+#[test]
+fn sigterm_while_the_completion_is_retried_ends_the_retries() {
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, url) = start_server(dir.path());
+    let mut run = spawn_run(&url, "unfinished", &["--ttl", "30s"], "sleep 1");
+    std::thread::sleep(Duration::from_millis(300));
+    server.0.kill().unwrap();
+    server.0.wait().unwrap();
+    std::thread::sleep(Duration::from_millis(1_500)); // the command has exited 0: retrying
+    assert!(
+        run.0.try_wait().unwrap().is_none(),
+        "fence run gave up at once"
+    );
+    signal(&run, "-TERM");
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = run.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(3),
+            "fence run still retries the completion 3 s after SIGTERM"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert_eq!(status.code(), Some(143));
+}
+
 /// fence run failing after its claim (here its token file cannot be made: TMPDIR is
 /// missing) exits 1 and gives the job back, rather than leaving it held for the whole TTL.
 #[test]

@@ -37,6 +37,8 @@ MIN_WAITING_CLAIM_GAP = 0.05
 # here and doubles up to the cap (seconds), until the server could end the lease on its own.
 FINISH_PAUSE_FIRST = 0.1
 FINISH_PAUSE_MAX = 1.0
+# ... and for a minute at most, whatever the lease has left.
+FINISH_RETRY_WINDOW = 60.0
 
 
 def give_back(lease: "LeaseCore") -> None:
@@ -260,14 +262,15 @@ class LeaseCore:
 
     def _send_finish(self, action: str) -> Dict[str, Any]:
         """Releases or completes. A server that fails to answer (unreachable, a timeout, a 502,
-        503 or 504) is asked again until it could end the lease on its own: a passing blip at
+        503 or 504) is asked again until it could end the lease on its own (a minute at most): a
+        passing blip at
         the end of a job must not leave it to expire and run again. A retry refused with
         ``lease-lost`` at this generation, by nobody (released) or by this owner (completed:
         the only refusal that leaves both in place), finds the earlier attempt applied: the
         record it left is returned."""
         body = {"owner": self.owner, "generation": self.generation, "lease_key": self._key}
         with self._lock:
-            until = self._sent + self._ttl_ms / 1000
+            until = min(self._sent + self._ttl_ms / 1000, monotonic() + FINISH_RETRY_WINDOW)
         pause, unsure = FINISH_PAUSE_FIRST, False
         while True:
             try:

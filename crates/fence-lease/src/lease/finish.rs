@@ -2,7 +2,7 @@
 //!
 //! A release or completion that fails in the store (no answer, a timeout, a 503) is tried
 //! again, with the same owner, generation and key, until the store could end the lease on its
-//! own: a passing blip at the end of a job must not leave it to expire and run again. A retry
+//! own (a minute at most): a passing blip at the end of a job must not leave it to expire and run again. A retry
 //! may find its earlier attempt applied after all; the store then refuses the retry, and the
 //! refusal says so: at this generation, nobody holds the job (released), or this owner holds it
 //! completed (only a completion can leave owner and generation in place and refuse them).
@@ -42,6 +42,10 @@ pub enum FinishError {
 /// The first pause between attempts, and the longest.
 const RETRY_PAUSES: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(1));
 
+/// The longest a release or completion is retried, whatever the lease has left: a caller
+/// (`fence run` at the end of a job) is not kept for hours by a long lease.
+pub(crate) const RETRY_WINDOW: Duration = Duration::from_secs(60);
+
 impl<S: LeaseStore> Lease<S> {
     /// A view to hand to observers that must not end the lease.
     pub fn view(&self) -> LeaseView {
@@ -50,7 +54,8 @@ impl<S: LeaseStore> Lease<S> {
 
     /// Marks the job completed. The layer stops sending at once, whatever the store answers.
     /// A store that fails (unreachable, timing out, unavailable) is asked again until it
-    /// could end the lease on its own (the lease's earliest expiry at the store).
+    /// could end the lease on its own (the lease's earliest expiry at the store), for a
+    /// minute at most.
     ///
     /// # Errors
     /// [`FinishError::Lost`] when the store no longer records this owner and generation;
@@ -73,8 +78,12 @@ impl<S: LeaseStore> Lease<S> {
         let shared = &self.view.shared;
         shared.lose(LossReason::Finished);
         // No renewal is sent from now on: past this moment the store may end the lease (and
-        // let another owner claim the job) without us, so retrying is pointless.
-        let until = self.view.earliest_store_expiry();
+        // let another owner claim the job) without us, so retrying is pointless; and a
+        // minute at most.
+        let until = self
+            .view
+            .earliest_store_expiry()
+            .min(Instant::now() + RETRY_WINDOW);
         let (job, owner, generation, key) = (
             &shared.job,
             &shared.owner,

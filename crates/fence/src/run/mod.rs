@@ -19,7 +19,7 @@ use std::{process::Stdio, time::Duration};
 
 use anyhow::Context as _;
 use fence_core::JobId;
-use fence_lease::{FinishError, HttpLeaseStore, Lease, LeaseClient, LeaseView, LossReason, Ttl};
+use fence_lease::{HttpLeaseStore, Lease, LeaseClient, LeaseView, LossReason, Ttl};
 use nix::{
     sys::signal::{Signal, killpg},
     unistd::Pid,
@@ -32,6 +32,7 @@ use tokio::{
 
 mod checkpoint;
 mod claim;
+mod finish;
 mod procs;
 mod progress;
 pub(crate) mod token_file;
@@ -39,6 +40,7 @@ mod watchdog;
 mod words;
 use checkpoint::CheckpointFile;
 use claim::{claim_slot_within, claim_within};
+use finish::{finish, give_back, out_of_time};
 use procs::descendants;
 use token_file::TokenFile;
 use watchdog::Stop;
@@ -189,12 +191,12 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         Ok(files) => files,
         Err(e) => {
             // Give the job back at once instead of leaving it held for the whole ttl.
-            let _ = lease.release().await;
+            give_back(lease, &mut signals).await;
             return Err(e.context("the job was released"));
         }
     };
     let Some((program, rest)) = args.command.split_first() else {
-        let _ = lease.release().await;
+        give_back(lease, &mut signals).await;
         anyhow::bail!("no command given");
     };
     let stop = Stop {
@@ -204,7 +206,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let mut group = match Group::start(stop) {
         Ok(group) => group,
         Err(e) => {
-            let _ = lease.release().await;
+            give_back(lease, &mut signals).await;
             return Err(e.context("cannot start the watchdog; the job was released"));
         }
     };
@@ -244,7 +246,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         Err(e) => {
             group.stop().await;
             // Give the job back at once instead of leaving it held for the whole ttl.
-            let _ = lease.release().await;
+            give_back(lease, &mut signals).await;
             return Err(anyhow::Error::new(e)
                 .context(format!("cannot start {program:?}; the job was released")));
         }
@@ -257,7 +259,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             // Waiting for the command failed: stop what is left of it, and give the job back.
             group.signal(Signal::SIGKILL);
             group.stop().await;
-            let _ = lease.release().await;
+            give_back(lease, &mut signals).await;
             return Err(e.context("the command's group was stopped and the job released"));
         }
     };
@@ -268,7 +270,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         Ended::Lost => None,
         Ended::OutOfTime => {
             group.stop().await;
-            return Ok(out_of_time(lease, args.max_duration).await);
+            return Ok(out_of_time(lease, args.max_duration, &mut signals).await);
         }
     };
     let status = match lost {
@@ -292,7 +294,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     // The command is gone; so must be anything it left running in its group, before the
     // lease is given up.
     group.stop().await;
-    finish(lease, status, on_success).await
+    finish(lease, status, on_success, &mut signals).await
 }
 
 /// The command's group: a watchdog process leads it and stops the group when `fence run`
@@ -533,64 +535,4 @@ async fn supervise(
         .stop_escapees(grace.saturating_sub(started.elapsed()))
         .await;
     Ok(ended)
-}
-
-/// The command was stopped at `--max-duration`: the job is released, or left to expire.
-async fn out_of_time(lease: Lease<HttpLeaseStore>, max: Option<(Duration, OnMaxDuration)>) -> i32 {
-    match max.map(|(_, on)| on) {
-        Some(OnMaxDuration::Expire) => {
-            drop(lease); // no more renewals
-            eprintln!(
-                "fence run: the job is left to expire, at most one TTL after its last renewal"
-            );
-        }
-        _ => match lease.release().await {
-            Ok(record) => eprintln!("fence run: the job is {}", record.state),
-            Err(e) => eprintln!(
-                "fence run: releasing the job failed ({}); it expires on its own",
-                fence_storage::error_chain(&e)
-            ),
-        },
-    }
-    EXIT_MAX_DURATION
-}
-
-/// Completes or releases the job after the command exited with `status`.
-async fn finish(
-    lease: Lease<HttpLeaseStore>,
-    status: std::process::ExitStatus,
-    on_success: OnSuccess,
-) -> anyhow::Result<i32> {
-    let code = exit_code(status);
-    let finished = if code == 0 && on_success == OnSuccess::Complete {
-        lease.complete().await
-    } else {
-        lease.release().await
-    };
-    match finished {
-        Ok(record) => {
-            eprintln!(
-                "fence run: the command {}; the job is {}",
-                ended_how(status),
-                record.state
-            );
-            Ok(code)
-        }
-        Err(FinishError::Lost { owner, generation }) => {
-            let holder = owner.map_or_else(|| "nobody".to_owned(), |o| o.to_string());
-            eprintln!(
-                "fence run: the command {}, but the lease was lost (now generation {generation}, held by {holder}); fence run exits {EXIT_LOST}",
-                ended_how(status)
-            );
-            Ok(EXIT_LOST)
-        }
-        Err(e) => Err(anyhow::Error::new(e).context("finishing the lease failed")),
-    }
-}
-
-fn exit_code(status: std::process::ExitStatus) -> i32 {
-    use std::os::unix::process::ExitStatusExt;
-    status
-        .code()
-        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
 }

@@ -1,0 +1,108 @@
+//! How `fence run` gives up the lease it held, and what a signal meanwhile does.
+//!
+//! Completed or released after the command, released or left to expire at `--max-duration`,
+//! given back after a failure of its own.
+//!
+//! A release or completion is retried while the server fails to answer (up to a minute, see
+//! [`Lease::complete`]); SIGINT, SIGTERM or SIGHUP meanwhile ends the wait, and the lease is
+//! left to expire on its own.
+
+use std::time::Duration;
+
+use fence_lease::{FinishError, HttpLeaseStore, Lease};
+use nix::sys::signal::Signal;
+
+use super::{EXIT_LOST, EXIT_MAX_DURATION, Signals, words::ended_how};
+use crate::cli::{OnMaxDuration, OnSuccess};
+
+/// `finishing`, or the signal that came first (and `fence run` says so).
+async fn or_signal<T>(
+    signals: &mut Signals,
+    finishing: impl Future<Output = T>,
+) -> Result<T, Signal> {
+    tokio::select! {
+        finished = finishing => Ok(finished),
+        sig = signals.next() => {
+            eprintln!("fence run: {sig} while giving up the lease; it is left to expire on its own");
+            Err(sig)
+        }
+    }
+}
+
+/// Releases the job after a failure of `fence run`'s own, rather than leaving it held for its
+/// whole TTL; a failure of the release, or a signal meanwhile, leaves it to expire.
+pub(super) async fn give_back(lease: Lease<HttpLeaseStore>, signals: &mut Signals) {
+    let _ = or_signal(signals, lease.release()).await;
+}
+
+/// The command was stopped at `--max-duration`: the job is released, or left to expire.
+pub(super) async fn out_of_time(
+    lease: Lease<HttpLeaseStore>,
+    max: Option<(Duration, OnMaxDuration)>,
+    signals: &mut Signals,
+) -> i32 {
+    match max.map(|(_, on)| on) {
+        Some(OnMaxDuration::Expire) => {
+            drop(lease); // no more renewals
+            eprintln!(
+                "fence run: the job is left to expire, at most one TTL after its last renewal"
+            );
+        }
+        _ => match or_signal(signals, lease.release()).await {
+            Ok(Ok(record)) => eprintln!("fence run: the job is {}", record.state),
+            Ok(Err(e)) => eprintln!(
+                "fence run: releasing the job failed ({}); it expires on its own",
+                fence_storage::error_chain(&e)
+            ),
+            Err(sig) => return 128 + sig as i32,
+        },
+    }
+    EXIT_MAX_DURATION
+}
+
+/// Completes or releases the job after the command exited with `status`.
+pub(super) async fn finish(
+    lease: Lease<HttpLeaseStore>,
+    status: std::process::ExitStatus,
+    on_success: OnSuccess,
+    signals: &mut Signals,
+) -> anyhow::Result<i32> {
+    let code = exit_code(status);
+    let finishing = async {
+        if code == 0 && on_success == OnSuccess::Complete {
+            lease.complete().await
+        } else {
+            lease.release().await
+        }
+    };
+    let finished = match or_signal(signals, finishing).await {
+        Ok(finished) => finished,
+        Err(sig) => return Ok(128 + sig as i32),
+    };
+    match finished {
+        Ok(record) => {
+            eprintln!(
+                "fence run: the command {}; the job is {}",
+                ended_how(status),
+                record.state
+            );
+            Ok(code)
+        }
+        Err(FinishError::Lost { owner, generation }) => {
+            let holder = owner.map_or_else(|| "nobody".to_owned(), |o| o.to_string());
+            eprintln!(
+                "fence run: the command {}, but the lease was lost (now generation {generation}, held by {holder}); fence run exits {EXIT_LOST}",
+                ended_how(status)
+            );
+            Ok(EXIT_LOST)
+        }
+        Err(e) => Err(anyhow::Error::new(e).context("finishing the lease failed")),
+    }
+}
+
+fn exit_code(status: std::process::ExitStatus) -> i32 {
+    use std::os::unix::process::ExitStatusExt;
+    status
+        .code()
+        .unwrap_or_else(|| 128 + status.signal().unwrap_or(0))
+}
