@@ -218,9 +218,8 @@ impl<S: LeaseStore> LeaseClient<S> {
         let lease = self
             .after_grant(job, key, grant, t_send, timing, held)
             .await;
-        // Granted: the key is the lease's now, or, for a grant abandoned, kept by `abandon`
-        // only once its release failed. Kept before, the next claim could get the grant back
-        // just before the release in flight frees the job under it.
+        // Granted: the key is the lease's now, or, for a grant abandoned, not to be reused (a
+        // release of it may land after a claim that got the grant back with it).
         pending.settle();
         lease
     }
@@ -370,24 +369,20 @@ impl<S: LeaseStore> LeaseClient<S> {
 
     /// Gives back, in the background within `within`, a grant this client will not use (too
     /// short, come too late, or not renewed after a wait), so its job does not stand idle
-    /// until it expires. Safe: no request ever carried its token. A release that fails leaves
-    /// it to expire, and only then is its key kept for the next claim of the job (which gets
-    /// the grant back): kept while the release is on its way, that claim could be granted
-    /// just before the release frees the job under it.
+    /// until it expires. Safe: no request ever carried its token. Its key is not kept for the
+    /// next claim of the job: that claim, asked with it, would get the grant back, and a
+    /// release still on its way (or one that timed out here and lands late) would then free
+    /// the job under it. A release that fails leaves the grant to expire.
     fn abandon(&self, job: &JobId, generation: Generation, key: &LeaseKey, within: Duration) {
-        let (store, unsettled, job, owner, key) = (
+        let (store, job, owner, key) = (
             self.store.clone(),
-            self.unsettled.clone(),
             job.clone(),
             self.owner.clone(),
             key.clone(),
         );
-        let ttl = self.ttl.as_duration();
         tokio::spawn(async move {
             let release = store.release(&job, &owner, generation, &key);
-            if let Err(_) | Ok(Err(_)) = tokio::time::timeout(within, release).await {
-                unsettled.keep(job, key, Instant::now() + ttl);
-            }
+            let _ = tokio::time::timeout(within, release).await;
         });
     }
 

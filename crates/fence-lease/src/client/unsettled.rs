@@ -47,8 +47,8 @@ impl Unsettled {
 
 /// A claim's key on its way: kept for the next claim of its job when dropped unsettled (its
 /// answer lost, its caller gone mid-claim), as a lease it won could still be held for up to
-/// `ttl`. A grant the client abandons is settled: its key is kept only if giving it back
-/// fails.
+/// `ttl`. A grant the client abandons is settled: its key is not kept (a release of it may
+/// still land), and if giving it back fails the job waits for the grant's expiry.
 #[derive(Debug)]
 pub(crate) struct Pending {
     kept: Arc<Unsettled>,

@@ -421,6 +421,10 @@ enum Ready<'a, St, ReqB> {
     Streamed(Request<ReqB>),
 }
 
+/// How long after its body deadline a request answered before its body ended is taken for
+/// one whose service stopped reading (see `streamed`).
+const OVERDUE_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
+
 /// Passes a request on with its body streamed under the deadline. When the body ran out of
 /// time and the service did not answer with a success, the client gets 408 (keeping the
 /// service's [`OutcomeUnknown`], if any).
@@ -457,13 +461,15 @@ where
     }
     // Answered before its body ended (a streaming call, an upload answered early): a service
     // that then stops reading never polls the body to its deadline, so the deadline is kept
-    // here as well.
+    // here as well. A little after it: a service still reading gets the body's own
+    // `BodyTimeout` first, which lets the request go at once as it always has; only one that
+    // stopped reading is held.
     if Arc::strong_count(&flight) > 1
         && let Ok(runtime) = tokio::runtime::Handle::try_current()
     {
         let flight = Arc::downgrade(&flight);
         runtime.spawn(async move {
-            tokio::time::sleep_until(deadline).await;
+            tokio::time::sleep_until(deadline + OVERDUE_AFTER).await;
             if let Some(flight) = flight.upgrade() {
                 flight.overdue();
             }
