@@ -291,6 +291,33 @@ fn a_leftover_after_a_clean_end_gets_the_whole_grace() {
     );
 }
 
+/// As above, but the lease server stops answering as the command exits: the lease can no
+/// longer be renewed, so the leftover that ignores SIGTERM is killed before the server could
+/// let another owner claim the job, not after the whole 10 s grace.
+#[test]
+fn a_leftover_after_a_clean_end_is_killed_once_the_lease_cannot_be_renewed() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("clean-leftover.pid");
+    let script = format!(
+        "sh -c \"trap '' TERM; exec sleep 1000\" & echo $! > {}; sleep 0.3; exit 0",
+        pid_file.display()
+    );
+    let mut run = spawn_run(
+        &url,
+        "clean-stuck",
+        &["--ttl", "1s", "--grace", "10s"],
+        &script,
+    );
+    let leftover = pid_in(&pid_file);
+    signal(&server, "-STOP"); // renewals go unanswered from now on
+    // The server cannot end the lease later than 1 s from now: 2.5 s with slack, far below
+    // the 10 s grace.
+    gone_within(leftover, Duration::from_millis(2_500));
+    signal(&server, "-CONT");
+    let _ = run.0.wait();
+}
+
 /// A short lease's deadline is never stale at the watchdog: under a 150 ms lease (renewed
 /// every 50 ms, its deadline at most 100 ms ahead) a healthy command is not stopped by a
 /// watchdog that heard of the deadline only every 100 ms (exit 143). A renewal late on a

@@ -4,8 +4,8 @@
 //! given back after a failure of its own.
 //!
 //! A release or completion is retried while the server fails to answer (up to a minute, see
-//! [`Lease::complete`]); SIGINT, SIGTERM or SIGHUP meanwhile ends the wait, and the lease is
-//! left to expire on its own.
+//! [`Lease::complete`]); SIGINT, SIGTERM or SIGHUP meanwhile ends the wait (after its first
+//! two seconds), and the lease is left to expire on its own.
 
 use std::time::Duration;
 
@@ -15,14 +15,24 @@ use nix::sys::signal::Signal;
 use super::{EXIT_LOST, EXIT_MAX_DURATION, Signals, words::ended_how};
 use crate::cli::{OnMaxDuration, OnSuccess};
 
-/// `finishing`, or the signal that came first (and `fence run` says so).
+/// How long giving up the lease goes on before a signal ends it: a signal already pending
+/// (sent to the command and to `fence run` together, or during the grace) must not skip the
+/// first attempts, which usually succeed at once.
+const SIGNALS_AFTER: Duration = Duration::from_secs(2);
+
+/// `finishing`, or, from [`SIGNALS_AFTER`] on, the signal that came first (and `fence run`
+/// says so).
 async fn or_signal<T>(
     signals: &mut Signals,
     finishing: impl Future<Output = T>,
 ) -> Result<T, Signal> {
+    let signalled = async {
+        tokio::time::sleep(SIGNALS_AFTER).await;
+        signals.next().await
+    };
     tokio::select! {
         finished = finishing => Ok(finished),
-        sig = signals.next() => {
+        sig = signalled => {
             eprintln!("fence run: {sig} while giving up the lease; it is left to expire on its own");
             Err(sig)
         }

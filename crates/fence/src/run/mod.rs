@@ -367,6 +367,7 @@ impl Group {
         let (done, mut stopping) = tokio::sync::oneshot::channel::<()>();
         self.done = Some(done);
         self.heartbeat = Some(tokio::spawn(async move {
+            let mut said_done = false;
             while !lease.is_lost() {
                 // Every 100 ms, and four times before a deadline that is nearer: a short
                 // lease's deadline is never stale at the watchdog.
@@ -374,20 +375,28 @@ impl Group {
                 let pause = (left / 4).clamp(Duration::from_millis(5), HEARTBEAT);
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
-                    _ = &mut stopping => {
-                        if !lease.is_lost() {
-                            let _ = pipe.write_all(b"done\n").await;
+                    _ = &mut stopping, if !said_done => {
+                        // A clean end: the watchdog stops the group, with the whole grace
+                        // while the deadlines told here keep coming.
+                        said_done = true;
+                        if pipe.write_all(b"done\n").await.is_err() {
+                            return;
                         }
-                        return;
                     }
                 }
                 if pipe.write_all(tell(&lease).as_bytes()).await.is_err() {
                     return;
                 }
             }
-            // Keep the pipe open until `stop`: closing it would stop the group, which is
-            // `supervise`'s decision once it sees the loss.
-            let _ = stopping.await;
+            // Lost: nothing more is told. Before the end, the pipe stays open until `stop`
+            // (closing it would stop the group, which is `supervise`'s decision once it sees
+            // the loss), then closes without `done`; after it, the watchdog has stopped the
+            // group and cuts its grace once the last deadline told has passed.
+            if !said_done {
+                let _ = stopping.await;
+            } else {
+                std::future::pending::<()>().await;
+            }
         }));
     }
 
@@ -433,19 +442,14 @@ impl Group {
     async fn stop(mut self) {
         self.stop_escapees(self.stop.grace).await;
         drop(self.pipe.take());
-        if let Some(done) = self.done.take() {
-            let _ = done.send(());
-        }
-        if let Some(mut heartbeat) = self.heartbeat.take() {
-            // It says `done` (a write to a pipe the watchdog reads) and ends; the pipe it
-            // holds is closed once it has ended.
-            if tokio::time::timeout(Duration::from_secs(1), &mut heartbeat)
-                .await
-                .is_err()
-            {
-                heartbeat.abort();
-                let _ = heartbeat.await;
+        // With a heartbeat: `done` if the lease is held, and deadlines on while the watchdog
+        // stops the group. Without one (it never started), closing the pipe stops the group.
+        let heartbeat = self.heartbeat.take();
+        match self.done.take() {
+            Some(done) if heartbeat.is_some() => {
+                let _ = done.send(());
             }
+            _ => {}
         }
         let limit = self.stop.grace + Duration::from_secs(2);
         if tokio::time::timeout(limit, self.watchdog.wait())
@@ -454,6 +458,9 @@ impl Group {
         {
             self.signal(Signal::SIGKILL);
             let _ = self.watchdog.wait().await;
+        }
+        if let Some(heartbeat) = heartbeat {
+            heartbeat.abort(); // its pipe closes
         }
     }
 }

@@ -52,82 +52,136 @@ fn last_moment_of(store_end: Instant, deadline: Instant) -> Instant {
 /// after `grace` unless the group is empty by then) when its stdin, `fence run`'s pipe,
 /// closes, or when the last time left on the lease that `fence run` wrote there runs out
 /// (each line: the milliseconds left to the deadline, then to the last moment the group may
-/// live). Either way that last moment bounds the grace, unless `fence run` said `done` before
-/// closing the pipe (it ends cleanly, the lease held): a pipe closed without it may mean
-/// `fence run` was SIGKILLed, and nobody renews the lease then. It ignores the signals sent to
-/// the group, so it outlives the SIGTERM it sends.
+/// live), or when `fence run` says `done` (a clean end). That last moment bounds the grace
+/// unless, after `done`, `fence run` keeps telling deadlines that have not passed (the lease
+/// is renewed until the job is finished): a pipe closed, or deadlines no longer told, may mean
+/// `fence run` was killed or its lease lost, and nobody renews the lease then. It ignores the
+/// signals sent to the group, so it outlives the SIGTERM it sends.
 ///
 /// # Errors
 /// When its signal handlers cannot be installed.
 pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
     let mut signals = Signals::install().context("installing signal handlers")?;
-    let mut stdin = tokio::io::stdin();
-    let mut buf = [0u8; 256];
-    let mut line = Vec::new();
-    let mut deadline: Option<Instant> = None;
-    // The last moment the group may live once the deadline passed, as last told.
-    let mut kill_by: Option<Instant> = None;
-    // `fence run` said `done`: it ends cleanly with the lease held and renewed meanwhile.
-    let mut clean = false;
+    let mut pipe = Pipe::default();
+    // Until the pipe closes, the deadline passes, or fence run says `done`.
     loop {
-        let expiry = async {
-            match deadline {
-                Some(at) => tokio::time::sleep_until(at).await,
-                None => std::future::pending().await,
-            }
-        };
+        let expiry = until_or_never(pipe.told.deadline);
         tokio::select! {
-            read = stdin.read(&mut buf) => match read {
-                Ok(0) | Err(_) => break,
-                Ok(n) => {
-                    for &b in &buf[..n] {
-                        if b == b'\n' {
-                            let now = Instant::now();
-                            let mut told = std::str::from_utf8(&line).ok().into_iter()
-                                .flat_map(str::split_whitespace)
-                                .map(|word| word.parse::<u64>().ok().map(|ms| now + Duration::from_millis(ms)));
-                            if line == b"done" {
-                                clean = true;
-                            } else if let Some(Some(at)) = told.next() {
-                                deadline = Some(at);
-                                kill_by = told.next().flatten();
-                            }
-                            line.clear();
-                        } else if line.len() < 32 {
-                            line.push(b);
-                        }
-                    }
-                }
-            },
-            () = expiry => {
-                clean = false;
-                break;
-            }
+            () = pipe.read() => if !pipe.open || pipe.told.done { break },
+            () = expiry => break,
             _ = signals.next() => {}
         }
     }
     let pgid = nix::unistd::getpgrp();
     let _ = killpg(pgid, Signal::SIGTERM);
-    let mut until = Instant::now() + grace;
-    // fence run stopped telling (frozen), or closed the pipe without saying `done` (the lease
-    // lost, or fence run killed): nobody may renew the lease from now on, and the group must
-    // be gone before the store can let anyone else claim the job, whatever --grace says.
-    // After `done` the lease is renewed until the job is finished: the whole grace.
-    if !clean && let Some(kill_by) = kill_by {
-        until = until.min(kill_by);
-    }
-    while Instant::now() < until {
+    let until = Instant::now() + grace;
+    loop {
+        // After `done`, while fence run keeps telling deadlines that have not passed, the
+        // lease is renewed until the job is finished: the whole grace. Otherwise (fence run
+        // frozen, killed, or its lease lost) nobody renews it, and the group must be gone
+        // before the store can let anyone else claim the job, whatever --grace says.
+        let told = &pipe.told;
+        let renewed = told.done && pipe.open && told.deadline.is_some_and(|at| Instant::now() < at);
+        let end = match told.kill_by {
+            Some(kill_by) if !renewed => until.min(kill_by),
+            _ => until,
+        };
+        if Instant::now() >= end {
+            break;
+        }
         if !others_in_group(pgid) {
             return Ok(0);
         }
         tokio::select! {
             () = tokio::time::sleep(Duration::from_millis(20)) => {}
+            () = pipe.read(), if pipe.open => {}
             _ = signals.next() => {}
         }
     }
     // The watchdog is in the group too: this ends it as well.
     let _ = killpg(pgid, Signal::SIGKILL);
     Ok(0)
+}
+
+async fn until_or_never(at: Option<Instant>) {
+    match at {
+        Some(at) => tokio::time::sleep_until(at).await,
+        None => std::future::pending().await,
+    }
+}
+
+/// What `fence run` last told the watchdog.
+#[derive(Default)]
+struct Told {
+    /// The lease's local deadline.
+    deadline: Option<Instant>,
+    /// The last moment the group may live once the deadline passed.
+    kill_by: Option<Instant>,
+    /// `fence run` is ending cleanly, the lease held (and renewed while it keeps telling).
+    done: bool,
+}
+
+/// `fence run`'s pipe (the watchdog's stdin): one line per heartbeat, `left_ms kill_ms`, or
+/// `done`.
+struct Pipe {
+    stdin: tokio::io::Stdin,
+    buf: [u8; 256],
+    line: Vec<u8>,
+    open: bool,
+    told: Told,
+}
+
+impl Default for Pipe {
+    fn default() -> Self {
+        Self {
+            stdin: tokio::io::stdin(),
+            buf: [0; 256],
+            line: Vec::new(),
+            open: true,
+            told: Told::default(),
+        }
+    }
+}
+
+impl Pipe {
+    /// Reads what is there (waiting for it), taking each whole line; closed at its end.
+    async fn read(&mut self) {
+        let n = match self.stdin.read(&mut self.buf).await {
+            Ok(0) | Err(_) => {
+                self.open = false;
+                return;
+            }
+            Ok(n) => n,
+        };
+        for i in 0..n {
+            let b = self.buf[i];
+            if b != b'\n' {
+                if self.line.len() < 32 {
+                    self.line.push(b);
+                }
+                continue;
+            }
+            let now = Instant::now();
+            if self.line == b"done" {
+                self.told.done = true;
+            } else {
+                let mut told = std::str::from_utf8(&self.line)
+                    .ok()
+                    .into_iter()
+                    .flat_map(str::split_whitespace)
+                    .map(|word| {
+                        word.parse::<u64>()
+                            .ok()
+                            .map(|ms| now + Duration::from_millis(ms))
+                    });
+                if let Some(Some(at)) = told.next() {
+                    self.told.deadline = Some(at);
+                    self.told.kill_by = told.next().flatten();
+                }
+            }
+            self.line.clear();
+        }
+    }
 }
 
 #[cfg(test)]
