@@ -89,8 +89,8 @@ pub struct PgStore {
     /// Set once this process has recorded, before its first delete, that the sinks on these
     /// tables forget idle jobs.
     forgetting: std::sync::Arc<std::sync::atomic::AtomicBool>,
-    /// Set once this process has seen the index the purge uses built (see `purge.rs`).
-    expiry_indexed: std::sync::Arc<std::sync::atomic::AtomicBool>,
+    /// Where the index the purge uses stands, as this process knows (see `purge.rs`).
+    expiry_index: std::sync::Arc<std::sync::atomic::AtomicU8>,
     #[cfg(any(test, feature = "test-hooks"))]
     offset_ms: std::sync::Arc<std::sync::atomic::AtomicI64>,
 }
@@ -287,7 +287,7 @@ impl PgStore {
             pool: fence_storage::postgres::connect_pool(url)?,
             tables,
             forgetting: std::sync::Arc::default(),
-            expiry_indexed: std::sync::Arc::default(),
+            expiry_index: std::sync::Arc::default(),
             #[cfg(any(test, feature = "test-hooks"))]
             offset_ms: std::sync::Arc::default(),
         })
@@ -508,7 +508,7 @@ impl IdempotencyStore for PgStore {
         finished
     }
 
-    /// See [`purge`](Self::purge) (in `purge.rs`).
+    /// In batches, through an index on their expiry that the first purge builds (`purge.rs`).
     async fn purge_expired(&self) -> Result<usize, StoreError> {
         self.purge().await
     }

@@ -3,11 +3,14 @@
 //! One `DELETE` of a table grown to millions of expired records (24 h of keys at a few hundred
 //! a second) outlasts the sessions' statement timeout every time, rolls back, and purges
 //! nothing, so the table grows without bound. Batches of [`PURGE_BATCH`], each a statement of
-//! its own, go through an index on `live_until_ms`. The index is built by the purge itself,
-//! `CONCURRENTLY` and outside the migration: a plain build in the migration's transaction would
-//! block every proxy's writes to the table, and time out on a large one at each start.
+//! its own, go through an index on `live_until_ms`. The index is built `CONCURRENTLY` in the
+//! background, outside the migration: a plain build in the migration's transaction would block
+//! every proxy's writes to the table, and time out on a large one at each start.
 
-use std::{sync::atomic::Ordering, time::Duration};
+use std::{
+    sync::atomic::{AtomicU8, Ordering},
+    time::Duration,
+};
 
 use super::{PgStore, io, now_ms};
 use crate::store::StoreError;
@@ -22,22 +25,19 @@ pub(super) const MAX_PURGE_BATCHES: usize = 1_000;
 const BUILD_TIMEOUT: Duration = Duration::from_secs(3_600);
 const BUILD_LOCK_TIMEOUT: Duration = Duration::from_secs(60);
 
+/// Where the index stands, as this process knows: not known to be there (a purge then starts
+/// a build), being built by this process, or there and valid.
+const UNKNOWN: u8 = 0;
+const BUILDING: u8 = 1;
+const READY: u8 = 2;
+
 impl PgStore {
     /// Deletes expired records, a batch per statement until a batch comes back short (at most
-    /// [`MAX_PURGE_BATCHES`]); rows another sink is deleting are skipped, not waited for. The
-    /// first purge of the process builds the index if it is missing; a build that fails is
-    /// logged and tried again at the next purge, which goes on without it meanwhile.
+    /// [`MAX_PURGE_BATCHES`]); rows another sink is deleting are skipped, not waited for.
+    /// While the index is not known to be there, a build starts in the background and this
+    /// purge goes on without it.
     pub(super) async fn purge(&self) -> Result<usize, StoreError> {
-        if !self.expiry_indexed.load(Ordering::Relaxed) {
-            match self.build_expiry_index().await {
-                Ok(()) => self.expiry_indexed.store(true, Ordering::Relaxed),
-                Err(e) => tracing::warn!(
-                    error = %fence_storage::error_chain(&e),
-                    table = %self.tables.idempotency,
-                    "building the index of idempotency records' expiry failed; purging without it"
-                ),
-            }
-        }
+        self.index_expiry_in_background();
         let client = self.pool.get().await.map_err(io)?;
         let table = &self.tables.idempotency;
         let sql = format!(
@@ -56,27 +56,73 @@ impl PgStore {
         Ok(purged)
     }
 
-    /// `CREATE INDEX CONCURRENTLY` (writes go on meanwhile) on `live_until_ms`, under longer
-    /// timeouts than the sessions' own, restored after; an index a failed build left invalid
-    /// is dropped and built again.
-    async fn build_expiry_index(&self) -> Result<(), StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
-        let (schema, table) = (&self.tables.schema, &self.tables.idempotency);
+    /// Starts [`build_expiry_index`](Self::build_expiry_index) in a task of its own unless
+    /// the index is known to be there or this process is building it.
+    fn index_expiry_in_background(&self) {
+        let state: &AtomicU8 = &self.expiry_index;
+        if state
+            .compare_exchange(UNKNOWN, BUILDING, Ordering::AcqRel, Ordering::Acquire)
+            .is_err()
+        {
+            return;
+        }
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            state.store(UNKNOWN, Ordering::Release);
+            return;
+        };
+        let store = self.clone();
+        runtime.spawn(async move {
+            let next = match store.build_expiry_index().await {
+                Ok(true) => READY,
+                Ok(false) => UNKNOWN, // another process builds it: looked at again next purge
+                Err(e) => {
+                    tracing::warn!(
+                        error = %fence_storage::error_chain(&e),
+                        table = %store.tables.idempotency,
+                        "building the index of idempotency records' expiry failed; purging without it, trying again at the next purge"
+                    );
+                    UNKNOWN
+                }
+            };
+            store.expiry_index.store(next, Ordering::Release);
+        });
+    }
+
+    /// Whether the index is there and valid, after building it if need be: `CREATE INDEX
+    /// CONCURRENTLY` (writes go on meanwhile), by one process at a time (an advisory lock; false
+    /// when another holds it), an index a failed build left invalid dropped first. On a
+    /// connection taken out of the pool, under longer timeouts than the sessions' own: it is
+    /// closed after, even when the build is cancelled, never handed to another caller.
+    async fn build_expiry_index(&self) -> Result<bool, StoreError> {
+        let client = deadpool_postgres::Object::take(self.pool.get().await.map_err(io)?);
+        let (schema, table) = (self.tables.schema.to_string(), &self.tables.idempotency);
         let name = format!(
             "{}_expiry",
             table.rsplit('.').next().unwrap_or(table.as_str())
         );
-        let invalid = client
-            .query_opt(
-                "SELECT NOT i.indisvalid FROM pg_index i \
-                 JOIN pg_class c ON c.oid = i.indexrelid \
-                 JOIN pg_namespace n ON n.oid = c.relnamespace \
-                 WHERE n.nspname = $1 AND c.relname = $2",
-                &[&schema.to_string(), &name],
+        let valid_sql = "SELECT i.indisvalid FROM pg_index i \
+                         JOIN pg_class c ON c.oid = i.indexrelid \
+                         JOIN pg_namespace n ON n.oid = c.relnamespace \
+                         WHERE n.nspname = $1 AND c.relname = $2";
+        let valid = client
+            .query_opt(valid_sql, &[&schema, &name])
+            .await
+            .map_err(io)?
+            .map(|row| row.get::<_, bool>(0));
+        if valid == Some(true) {
+            return Ok(true);
+        }
+        let locked: bool = client
+            .query_one(
+                "SELECT pg_try_advisory_lock(hashtext($1))",
+                &[&format!("{schema}.{name}")],
             )
             .await
             .map_err(io)?
-            .is_some_and(|row| row.get::<_, bool>(0));
+            .get(0);
+        if !locked {
+            return Ok(false);
+        }
         client
             .batch_execute(&format!(
                 "SET statement_timeout = {}; SET lock_timeout = {}",
@@ -85,26 +131,29 @@ impl PgStore {
             ))
             .await
             .map_err(io)?;
-        let built = async {
-            if invalid {
-                client
-                    .batch_execute(&format!(
-                        "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}"
-                    ))
-                    .await?;
-            }
+        // Looked at again under the lock: an invalid index now is a failed build's.
+        let valid = client
+            .query_opt(valid_sql, &[&schema, &name])
+            .await
+            .map_err(io)?
+            .map(|row| row.get::<_, bool>(0));
+        if valid == Some(false) {
+            client
+                .batch_execute(&format!(
+                    "DROP INDEX CONCURRENTLY IF EXISTS {schema}.{name}"
+                ))
+                .await
+                .map_err(io)?;
+        }
+        if valid != Some(true) {
             client
                 .batch_execute(&format!(
                     "CREATE INDEX CONCURRENTLY IF NOT EXISTS {name} ON {table} (live_until_ms)"
                 ))
                 .await
+                .map_err(io)?;
         }
-        .await;
-        // Back to the timeouts the session was opened with, before it returns to the pool.
-        let reset = client
-            .batch_execute("RESET statement_timeout; RESET lock_timeout")
-            .await;
-        built.map_err(io)?;
-        reset.map_err(io)
+        // The connection (and with it the advisory lock) goes when `client` is dropped.
+        Ok(true)
     }
 }
