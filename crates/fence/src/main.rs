@@ -40,9 +40,9 @@ fn main() -> ExitCode {
             return ExitCode::from(1);
         }
     };
-    // keepalive reads stdin on a blocking thread that may never return: the runtime must not
-    // wait for it when keepalive is done.
-    let reads_stdin = matches!(cli.command, Cmd::Keepalive(_));
+    // keepalive and the watchdog read stdin on a blocking thread that may never return: the
+    // runtime must not wait for it when they are done.
+    let reads_stdin = matches!(cli.command, Cmd::Keepalive(_) | Cmd::Watchdog(_));
     let result = runtime.block_on(dispatch(cli.command));
     if reads_stdin {
         runtime.shutdown_background();

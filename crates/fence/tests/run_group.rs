@@ -566,3 +566,37 @@ fn a_setsid_escapee_is_stopped_when_the_lease_is_lost() {
     assert_eq!(run.0.wait().unwrap().code(), Some(75));
     signal(&server, "-CONT");
 }
+
+/// A command that exits 0 leaving a stubborn process outside its group (`setsid`): while
+/// `fence run` waits out its grace, the lease server stops answering. Once the lease is lost
+/// the escapee is killed by the lease's last moment, not after the whole 10 s grace.
+#[test]
+fn a_setsid_escapee_after_a_clean_end_is_killed_once_the_lease_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("clean-escapee.pid");
+    let script = format!(
+        "setsid sh -c 'trap \"\" TERM; echo $$ > {}; exec sleep 1000' & sleep 0.3; exit 0",
+        pid_file.display()
+    );
+    let mut run = spawn_run(
+        &url,
+        "clean-escape",
+        &["--ttl", "1s", "--grace", "10s"],
+        &script,
+    );
+    let escapee = pid_in(&pid_file);
+    struct Reap(u32);
+    impl Drop for Reap {
+        fn drop(&mut self) {
+            let _ = Command::new("kill")
+                .args(["-9", &self.0.to_string()])
+                .status();
+        }
+    }
+    let _reap = Reap(escapee);
+    signal(&server, "-STOP"); // renewals go unanswered from now on
+    gone_within(escapee, Duration::from_millis(2_500));
+    signal(&server, "-CONT");
+    let _ = run.0.wait();
+}

@@ -305,6 +305,8 @@ struct Group {
     heartbeat: Option<tokio::task::JoinHandle<()>>,
     /// Tells the heartbeat to end: with a last line `done` while the lease is held.
     done: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The lease the group runs under, once the heartbeat tells the watchdog of it.
+    lease: Option<LeaseView>,
     pgid: Pid,
     stop: Stop,
 }
@@ -335,6 +337,7 @@ impl Group {
             pipe,
             heartbeat: None,
             done: None,
+            lease: None,
             pgid: Pid::from_raw(pid),
             stop,
         })
@@ -350,6 +353,7 @@ impl Group {
         let Some(mut pipe) = self.pipe.take() else {
             return;
         };
+        self.lease = Some(lease.clone());
         // The time left to the deadline, and to the last moment the group may live once
         // the deadline passed (before the store can end the lease).
         let stop = self.stop;
@@ -376,6 +380,10 @@ impl Group {
                 tokio::select! {
                     () = tokio::time::sleep(pause) => {}
                     _ = &mut stopping, if !said_done => {
+                        // Lost meanwhile: the pipe closes without `done`.
+                        if lease.is_lost() {
+                            return;
+                        }
                         // A clean end: the watchdog stops the group, with the whole grace
                         // while the deadlines told here keep coming.
                         said_done = true;
@@ -388,14 +396,12 @@ impl Group {
                     return;
                 }
             }
-            // Lost: nothing more is told. Before the end, the pipe stays open until `stop`
-            // (closing it would stop the group, which is `supervise`'s decision once it sees
-            // the loss), then closes without `done`; after it, the watchdog has stopped the
-            // group and cuts its grace once the last deadline told has passed.
+            // Lost: nothing more is told, and the pipe closes without `done`: before the end,
+            // only at `stop` (closing it earlier would stop the group, which is `supervise`'s
+            // decision once it sees the loss); after `done`, at once, and the watchdog cuts
+            // the grace of the group it is stopping.
             if !said_done {
                 let _ = stopping.await;
-            } else {
-                std::future::pending::<()>().await;
             }
         }));
     }
@@ -420,7 +426,8 @@ impl Group {
     }
 
     /// Stops the command's processes that left its group: SIGTERM, then SIGKILL once
-    /// `grace` has passed with any still there.
+    /// `grace` has passed with any still there, or sooner once the lease is lost, by its last
+    /// moment (see [`Stop::last_moment`]).
     async fn stop_escapees(&self, grace: Duration) {
         if self.escapees().is_empty() {
             return;
@@ -428,8 +435,12 @@ impl Group {
         for pid in self.escapees() {
             let _ = nix::sys::signal::kill(pid, Signal::SIGTERM);
         }
-        let until = Instant::now() + grace;
-        while Instant::now() < until && !self.escapees().is_empty() {
+        let granted = Instant::now() + grace;
+        let until = || match &self.lease {
+            Some(lease) if lease.is_lost() => granted.min(self.stop.last_moment(lease)),
+            _ => granted,
+        };
+        while Instant::now() < until() && !self.escapees().is_empty() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         for pid in self.escapees() {
