@@ -18,15 +18,18 @@ pub(super) struct Health {
 }
 
 impl Health {
-    /// The answer of a probe of the store less than a second old, or of `probe`, run now
-    /// while the probes that come meanwhile wait for it.
+    /// The answer of a probe of the store that ended while this one waited for it (whatever
+    /// it said), or of a success less than a second old; otherwise of `probe`, run now while
+    /// the probes that come meanwhile wait for it. A failure is not given to a probe asked
+    /// after it: the store that came back is seen at once.
     pub(super) async fn check(
         &self,
         probe: impl Future<Output = Result<(), Problem>>,
     ) -> Result<(), Problem> {
+        let asked = Instant::now();
         let mut last = self.last.lock().await;
         if let Some((at, answer)) = &*last
-            && at.elapsed() < FRESH
+            && (*at > asked || (answer.is_ok() && at.elapsed() < FRESH))
         {
             return answer.clone();
         }
@@ -71,5 +74,31 @@ mod tests {
             2,
             "a stale answer is not given"
         );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_failure_serves_only_the_probes_that_waited_for_it() {
+        let health = Arc::new(Health::default());
+        let asked = Arc::new(AtomicUsize::new(0));
+        let failing = |asked: Arc<AtomicUsize>| async move {
+            asked.fetch_add(1, Ordering::SeqCst);
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            Err(Problem::new(
+                fence_core::problem::ProblemType::StoreUnavailable,
+                "down",
+            ))
+        };
+        let flood: Vec<_> = (0..20)
+            .map(|_| {
+                let (health, asked) = (health.clone(), asked.clone());
+                tokio::spawn(async move { health.check(failing(asked)).await })
+            })
+            .collect();
+        for answer in flood {
+            assert!(answer.await.unwrap().is_err());
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "one probe for the flood");
+        // The store is back: the next probe asks it, rather than repeating the failure.
+        assert_eq!(health.check(async { Ok(()) }).await, Ok(()));
     }
 }
