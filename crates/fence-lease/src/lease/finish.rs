@@ -2,10 +2,11 @@
 //!
 //! A release or completion that fails in the store (no answer, a timeout, a 503) is tried
 //! again, with the same owner, generation and key, until the store could end the lease on its
-//! own (a minute at most): a passing blip at the end of a job must not leave it to expire and run again. A retry
-//! may find its earlier attempt applied after all; the store then refuses the retry, and the
-//! refusal says so: at this generation, nobody holds the job (released), or this owner holds it
-//! completed (only a completion can leave owner and generation in place and refuse them).
+//! own (a minute at most): a passing blip at the end of a job must not leave it to expire and
+//! run again. A retry may find its earlier attempt applied after all; the store then refuses
+//! the retry, and the refusal says so: at this generation, nobody holds the job (released), or
+//! this owner holds it completed (only a completion can leave owner and generation in place
+//! and refuse them).
 
 use std::time::Duration;
 
@@ -44,7 +45,7 @@ const RETRY_PAUSES: (Duration, Duration) = (Duration::from_millis(100), Duration
 
 /// The longest a release or completion is retried, whatever the lease has left: a caller
 /// (`fence run` at the end of a job) is not kept for hours by a long lease.
-pub(crate) const RETRY_WINDOW: Duration = Duration::from_secs(60);
+const RETRY_WINDOW: Duration = Duration::from_secs(60);
 
 impl<S: LeaseStore> Lease<S> {
     /// A view to hand to observers that must not end the lease.

@@ -453,14 +453,11 @@ impl Group {
     async fn stop(mut self) {
         self.stop_escapees(self.stop.grace).await;
         drop(self.pipe.take());
-        // With a heartbeat: `done` if the lease is held, and deadlines on while the watchdog
-        // stops the group. Without one (it never started), closing the pipe stops the group.
+        // With a heartbeat (`done` is set with it): `done` if the lease is held, and deadlines
+        // on while the watchdog stops the group. Without one, closing the pipe stops the group.
         let heartbeat = self.heartbeat.take();
-        match self.done.take() {
-            Some(done) if heartbeat.is_some() => {
-                let _ = done.send(());
-            }
-            _ => {}
+        if let Some(done) = self.done.take() {
+            let _ = done.send(());
         }
         let limit = self.stop.grace + Duration::from_secs(2);
         if tokio::time::timeout(limit, self.watchdog.wait())

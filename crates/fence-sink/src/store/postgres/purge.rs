@@ -16,10 +16,10 @@ use super::{PgStore, io, now_ms};
 use crate::store::StoreError;
 
 /// The expired idempotency records one statement of a purge deletes at most.
-pub(super) const PURGE_BATCH: u64 = 1_000;
+const PURGE_BATCH: u64 = 1_000;
 
 /// The most statements one purge runs (what is left waits for the next pass).
-pub(super) const MAX_PURGE_BATCHES: usize = 1_000;
+const MAX_PURGE_BATCHES: usize = 1_000;
 
 /// How long the index's build may take, and wait for the transactions it must outlast.
 const BUILD_TIMEOUT: Duration = Duration::from_secs(3_600);
@@ -100,16 +100,21 @@ impl PgStore {
             "{}_expiry",
             table.rsplit('.').next().unwrap_or(table.as_str())
         );
-        let valid_sql = "SELECT i.indisvalid FROM pg_index i \
-                         JOIN pg_class c ON c.oid = i.indexrelid \
-                         JOIN pg_namespace n ON n.oid = c.relnamespace \
-                         WHERE n.nspname = $1 AND c.relname = $2";
-        let valid = client
-            .query_opt(valid_sql, &[&schema, &name])
-            .await
-            .map_err(io)?
-            .map(|row| row.get::<_, bool>(0));
-        if valid == Some(true) {
+        // Whether the index exists (`None`: not), and is valid.
+        let valid = || async {
+            client
+                .query_opt(
+                    "SELECT i.indisvalid FROM pg_index i \
+                     JOIN pg_class c ON c.oid = i.indexrelid \
+                     JOIN pg_namespace n ON n.oid = c.relnamespace \
+                     WHERE n.nspname = $1 AND c.relname = $2",
+                    &[&schema, &name],
+                )
+                .await
+                .map(|row| row.map(|row| row.get::<_, bool>(0)))
+                .map_err(io)
+        };
+        if valid().await? == Some(true) {
             return Ok(true);
         }
         let locked: bool = client
@@ -132,11 +137,7 @@ impl PgStore {
             .await
             .map_err(io)?;
         // Looked at again under the lock: an invalid index now is a failed build's.
-        let valid = client
-            .query_opt(valid_sql, &[&schema, &name])
-            .await
-            .map_err(io)?
-            .map(|row| row.get::<_, bool>(0));
+        let valid = valid().await?;
         if valid == Some(false) {
             client
                 .batch_execute(&format!(
