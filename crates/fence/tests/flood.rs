@@ -129,8 +129,14 @@ fn flood_against(extra: &[&str], nofile: Option<u64>) {
         "the worker lost its lease under the flood: {}",
         String::from_utf8_lossy(&out.stderr)
     );
+    // Quiet, the slowest is answered in milliseconds. But a newcomer queues in the kernel's
+    // backlog behind the flooder's reconnects, and when that backlog is full its SYN is
+    // dropped and sent again after 1 s, then 3 s: a CI run on a loaded machine saw 3.8 s
+    // (11 newcomers in 7 s, against 35 here alone). Starvation is a newcomer never answered
+    // (before issue 31: reset, or waiting for the flood to end); at most two dropped SYNs
+    // is the bound.
     assert!(
-        slowest < Duration::from_secs(3),
+        slowest < Duration::from_secs(7),
         "an honest newcomer waited {slowest:?}"
     );
 }
@@ -250,8 +256,9 @@ fn a_flood_of_the_proxy_from_one_address_turns_no_worker_away() {
         flooding as usize >= CAP / 2,
         "the flood let go ({flooding} held): the test proved nothing"
     );
+    // At most two dropped SYNs, as for the lease server (see `flood_against`).
     assert!(
-        slowest < Duration::from_secs(3),
+        slowest < Duration::from_secs(7),
         "a write waited {slowest:?}"
     );
 }

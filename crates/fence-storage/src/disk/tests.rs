@@ -70,18 +70,29 @@ async fn acknowledged_writes_survive_a_killed_process() {
             .spawn()
             .unwrap();
         let lines = BufReader::new(child.stdout.take().unwrap()).lines();
+        let seen = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+        let counted = seen.clone();
         let reader = std::thread::spawn(move || {
             let mut acked = std::collections::HashMap::new();
             for line in lines.map_while(Result::ok) {
                 let mut words = line.split(' ').map(|w| w.parse::<u64>());
                 if let (Some(Ok(writer)), Some(Ok(n))) = (words.next(), words.next()) {
                     acked.insert(key(writer, n), n);
+                    counted.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 }
             }
             acked
         });
-        // Long enough for many checkpoints (every 20 ms) and writes in the log behind them.
+        // Long enough for many checkpoints (every 20 ms) and writes in the log behind them,
+        // and for enough acknowledgements to judge however loaded the machine is (bounded:
+        // a child that acknowledges nothing in a minute fails the assertion below).
         std::thread::sleep(Duration::from_millis(600 + 300 * round));
+        let waiting = std::time::Instant::now();
+        while seen.load(std::sync::atomic::Ordering::Relaxed) < 200
+            && waiting.elapsed() < Duration::from_secs(60)
+        {
+            std::thread::sleep(Duration::from_millis(20));
+        }
         child.kill().unwrap();
         child.wait().unwrap();
         let acked = reader.join().unwrap();
