@@ -585,19 +585,16 @@ fn a_token_header_the_fence_never_judged_does_not_shield_a_connection_from_evict
             "--data-dir",
             dir.path().to_str().unwrap(),
             "--max-connections",
-            "3",
+            "2",
             "--max-connections-per-peer",
-            "3",
-            // One accept loop: with more, each holds a slot of the cap while it waits.
-            "--workers",
-            "1",
+            "2",
         ],
     );
     let mut admitted = kept_alive(&proxy, "POST", "1");
     std::thread::sleep(Duration::from_millis(50)); // the older of the two
     let mut header_only = kept_alive(&proxy, "GET", "junk");
-    // A newcomer takes the last place: the cap is reached, and the oldest idle connection of
-    // those that count as unauthenticated is closed to keep room.
+    // The cap is reached: a newcomer waits until the oldest idle connection of those that
+    // count as unauthenticated is closed for its room.
     assert_eq!(http_status(&proxy, "GET", "/healthz", &[]), 200);
     assert!(
         closed_within(&mut header_only, Duration::from_secs(5)),

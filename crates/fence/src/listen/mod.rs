@@ -9,17 +9,23 @@
 //!   [`Limits::idle_timeout`] of the previous answer (hyper counts the idle wait and the
 //!   header read as one);
 //! - at most [`Limits::max_connections`] are open, at most
-//!   [`Limits::max_connections_per_peer`] from one IP address (see [`Slots`]). At the cap, an
-//!   idle connection of the peer that holds the most is closed gracefully, unauthenticated
-//!   ones first (a service marks an answer [`Authenticated`]); when every connection is answering a
-//!   request, newcomers wait in the kernel's backlog. A newcomer is never reset for room;
+//!   [`Limits::max_connections_per_peer`] from one IP address (see [`Slots`]). At the cap,
+//!   newcomers wait in a lobby of up to 64 (open files beyond the cap), and for each an idle
+//!   connection of the peer that holds the most is closed gracefully, unauthenticated ones
+//!   first (a service marks an answer [`Authenticated`]); when every connection is answering
+//!   a request, they wait for one to finish. The lobby seats the address that holds the
+//!   fewest connections first; when it is full, the newest newcomer of the address that holds
+//!   the most is closed unanswered. So a flood's reconnects cannot queue ahead of other
+//!   addresses, as they would in the kernel's first-come backlog;
 //! - HTTP/2 (h2c by its preface, or ALPN `h2` over TLS) pings every
 //!   [`Limits::h2_keepalive`] and closes a peer that does not answer, closes a connection
 //!   with no stream open for [`Limits::idle_timeout`], and allows at most
 //!   [`Limits::h2_max_streams`] concurrent streams per connection.
 
+mod lobby;
 mod slots;
 
+use lobby::{LOBBY, Lobby, Waiting};
 pub use slots::Slots;
 use slots::{Seat, Tracked};
 
@@ -42,11 +48,15 @@ use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::{
     io::{AsyncRead, AsyncWrite},
     net::{TcpListener, TcpStream},
-    sync::watch,
+    sync::{OwnedSemaphorePermit, watch},
     task::JoinSet,
     time::Instant,
 };
 use tokio_rustls::TlsAcceptor;
+
+/// How often a listener at its cap with newcomers waiting looks for a connection that became
+/// idle, to close it for room.
+const RECHECK: Duration = Duration::from_millis(100);
 
 /// How long in-flight connections and requests may take to finish after shutdown begins.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
@@ -190,43 +200,37 @@ where
     let (stop, stopped) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
-    loop {
-        // At the connection limit, close an idle connection of the peer that holds the
-        // most, and wait for a slot: the kernel's backlog holds newcomers meanwhile, and
-        // connections answering a request are not disturbed.
-        let permit = match slots.permits().clone().try_acquire_owned() {
-            Ok(permit) => permit,
-            Err(tokio::sync::TryAcquireError::Closed) => break,
-            Err(tokio::sync::TryAcquireError::NoPermits) => {
-                slots.evict_for_room();
-                tokio::select! {
-                    () = &mut shutdown => break,
-                    permit = slots.permits().clone().acquire_owned() => match permit {
-                        Ok(permit) => permit,
-                        Err(_) => break,
-                    },
-                    Some(_) = connections.join_next(), if !connections.is_empty() => continue,
+    let mut lobby = Lobby::new(LOBBY);
+    let door = Door {
+        tls,
+        limits,
+        stopped,
+        slots: slots.clone(),
+    };
+    'serving: loop {
+        // Seat whoever waits while there is room: the lightest address first (see `lobby`).
+        while !lobby.is_empty() {
+            match slots.permits().clone().try_acquire_owned() {
+                Ok(permit) => {
+                    if let Some((conn, peer)) = door.seat_next(&mut lobby, permit) {
+                        connections.spawn(conn.serve(make(peer)));
+                    }
                 }
+                Err(tokio::sync::TryAcquireError::Closed) => break 'serving,
+                Err(tokio::sync::TryAcquireError::NoPermits) => break,
             }
-        };
+        }
+        // At the cap with newcomers waiting: one idle connection of the address that holds
+        // the most is asked to close for each (connections answering a request are not
+        // disturbed; when all are, newcomers wait for one to finish).
+        while lobby.len() > slots.leaving() && slots.evict_for_room() {}
+        let expiry = lobby.first_deadline(limits.header_timeout);
         tokio::select! {
             () = &mut shutdown => break,
             accepted = tcp.accept() => match accepted {
                 Ok((stream, peer)) => {
-                    // Over its address's cap with every connection busy: closed at once.
-                    let Some(seat) = slots.seat(peer.ip(), permit) else {
-                        tracing::debug!(peer = %peer.ip(), "refusing a connection: its address holds its cap (--max-connections-per-peer), all busy");
-                        continue;
-                    };
-                    let conn = Conn {
-                        stream,
-                        tls: tls.clone(),
-                        limits,
-                        stop: stopped.clone(),
-                        seat,
-                    };
-                    let service = make(peer);
-                    connections.spawn(conn.serve(service));
+                    let since = Instant::now();
+                    lobby.admit(Waiting { stream, peer, since }, &slots);
                 }
                 Err(e) => {
                     // Out of file descriptors and the like: back off instead of spinning.
@@ -234,10 +238,24 @@ where
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
+            permit = slots.permits().clone().acquire_owned(), if !lobby.is_empty() => {
+                let Ok(permit) = permit else { break };
+                if let Some((conn, peer)) = door.seat_next(&mut lobby, permit) {
+                    connections.spawn(conn.serve(make(peer)));
+                }
+            }
+            () = tokio::time::sleep_until(expiry.unwrap_or_else(Instant::now)), if expiry.is_some() => {
+                lobby.expire(Instant::now(), limits.header_timeout);
+            }
+            // A busy connection that became idle can make room: look again (nothing wakes
+            // this loop when one does, and a seat freed only when one closed on its own,
+            // at its idle timeout, while newcomers waited).
+            () = tokio::time::sleep(RECHECK), if !lobby.is_empty() => {}
             Some(_) = connections.join_next(), if !connections.is_empty() => {}
         }
     }
     drop(tcp);
+    drop(lobby); // the newcomers not seated yet: closed unanswered
     drop(make);
     let deadline = Instant::now() + SHUTDOWN_GRACE;
     let _ = stop.send(true);
@@ -255,6 +273,43 @@ where
     deadline
 }
 
+/// What seats a waiting connection: the listener's TLS, limits, slots and stop signal.
+struct Door {
+    tls: Option<TlsAcceptor>,
+    limits: Limits,
+    stopped: watch::Receiver<bool>,
+    slots: Arc<Slots>,
+}
+
+impl Door {
+    /// Seats the lobby's next connection on `permit`, with its peer; `None` when the lobby
+    /// is empty, or its address holds its cap with every connection busy (it is closed).
+    fn seat_next(
+        &self,
+        lobby: &mut Lobby,
+        permit: OwnedSemaphorePermit,
+    ) -> Option<(Conn, SocketAddr)> {
+        let Waiting {
+            stream,
+            peer,
+            since,
+        } = lobby.next(&self.slots)?;
+        let Some(seat) = self.slots.seat(peer.ip(), permit) else {
+            tracing::debug!(peer = %peer.ip(), "refusing a connection: its address holds its cap (--max-connections-per-peer), all busy");
+            return None;
+        };
+        let conn = Conn {
+            stream,
+            tls: self.tls.clone(),
+            limits: self.limits,
+            stop: self.stopped.clone(),
+            seat,
+            since,
+        };
+        Some((conn, peer))
+    }
+}
+
 /// One accepted connection.
 struct Conn {
     stream: TcpStream,
@@ -262,6 +317,8 @@ struct Conn {
     limits: Limits,
     stop: watch::Receiver<bool>,
     seat: Seat,
+    /// When it was accepted: its first-request deadline counts from here.
+    since: Instant,
 }
 
 /// Resolves at `deadline`, or when the connection is picked to make room.
@@ -287,10 +344,11 @@ impl Conn {
             limits,
             stop,
             seat,
+            since,
         } = self;
         let _ = stream.set_nodelay(true);
         let peer = stream.peer_addr();
-        let deadline = Instant::now() + limits.header_timeout;
+        let deadline = since + limits.header_timeout;
         let fresh = seat.conn.clone();
         // A request head has arrived once the service is first called.
         let service = Marked {

@@ -94,6 +94,8 @@ pub struct Slots {
     next_id: AtomicU64,
     per_peer: usize,
     epoch: Instant,
+    /// Connections asked to close for room that have not closed yet.
+    leaving: AtomicUsize,
 }
 
 /// A connection's seat: gives back its slot and its place in its peer's count when dropped.
@@ -108,6 +110,9 @@ pub(super) struct Seat {
 impl Drop for Seat {
     fn drop(&mut self) {
         let mut peers = self.slots.lock();
+        if self.conn.evicted.load(Ordering::Acquire) {
+            self.slots.leaving.fetch_sub(1, Ordering::AcqRel);
+        }
         if let Some(mine) = peers.get_mut(&self.peer) {
             mine.remove(&self.conn.id);
             if mine.is_empty() {
@@ -136,6 +141,7 @@ impl Slots {
             next_id: AtomicU64::new(0),
             per_peer: per_peer.max(1),
             epoch: Instant::now(),
+            leaving: AtomicUsize::new(0),
         })
     }
 
@@ -167,7 +173,9 @@ impl Slots {
                 oldest_idle(mine.values(), false).or_else(|| oldest_idle(mine.values(), true));
             match victim {
                 Some(victim) => {
-                    victim.pick();
+                    if victim.pick() {
+                        self.leaving.fetch_add(1, Ordering::AcqRel);
+                    }
                     tracing::debug!(%peer, "closing an idle connection of a peer at its cap, for its newcomer");
                 }
                 None => {
@@ -210,6 +218,7 @@ impl Slots {
                 if let Some(victim) = oldest_idle(mine.values(), authenticated)
                     && victim.pick()
                 {
+                    self.leaving.fetch_add(1, Ordering::AcqRel);
                     tracing::debug!(
                         authenticated,
                         held = mine.len(),
@@ -222,10 +231,23 @@ impl Slots {
         false
     }
 
+    /// Connections asked to close for room that have not closed yet: the room on its way.
+    pub(super) fn leaving(&self) -> usize {
+        self.leaving.load(Ordering::Acquire)
+    }
+
+    /// Connections open now from each of `peers`, in order.
+    pub(super) fn held_by_each(&self, peers: impl Iterator<Item = IpAddr>) -> Vec<usize> {
+        let held = self.lock();
+        peers
+            .map(|peer| held.get(&peer).map_or(0, HashMap::len))
+            .collect()
+    }
+
     /// Connections open now from `peer`.
     #[cfg(test)]
     fn held_by(&self, peer: IpAddr) -> usize {
-        self.lock().get(&peer).map_or(0, HashMap::len)
+        self.held_by_each(std::iter::once(peer))[0]
     }
 }
 
