@@ -37,14 +37,23 @@ pub enum Call {
 /// # Errors
 /// When the file cannot be read, or the secret is not a valid bearer token.
 pub fn bearer(file: Option<&std::path::Path>) -> anyhow::Result<Option<BearerToken>> {
+    secret(file, "--auth-token-file", "FENCE_AUTH_TOKEN")
+}
+
+/// The bearer secret in `file` (given as `flag`), or else in the environment variable `var`.
+fn secret(
+    file: Option<&std::path::Path>,
+    flag: &str,
+    var: &str,
+) -> anyhow::Result<Option<BearerToken>> {
     let (token, source) = match file {
         Some(file) => (
             std::fs::read_to_string(file)
-                .with_context(|| format!("cannot read --auth-token-file {}", file.display()))?,
-            format!("--auth-token-file {}", file.display()),
+                .with_context(|| format!("cannot read {flag} {}", file.display()))?,
+            format!("{flag} {}", file.display()),
         ),
-        None => match std::env::var("FENCE_AUTH_TOKEN") {
-            Ok(token) => (token, "FENCE_AUTH_TOKEN".to_owned()),
+        None => match std::env::var(var) {
+            Ok(token) => (token, var.to_owned()),
             Err(_) => return Ok(None),
         },
     };
@@ -336,9 +345,15 @@ pub async fn leases(a: LeasesCmd) -> anyhow::Result<i32> {
 /// # Errors
 /// When a URL is unusable or the server cannot be reached.
 pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
-    // Every sink URL is checked before anything is revoked.
+    // Every sink URL, and the sinks' secret, is checked before anything is revoked.
     let options = HttpOptions {
-        ca_cert: a.at.conn.ca_cert.clone(),
+        ca_cert: a.sink_ca_cert.clone().or_else(|| a.at.conn.ca_cert.clone()),
+        bearer: secret(
+            a.sink_auth_token_file.as_deref(),
+            "--sink-auth-token-file",
+            "FENCE_SINK_AUTH_TOKEN",
+        )
+        .map_err(crate::Usage::from_error)?,
         ..HttpOptions::default()
     };
     let sinks = a

@@ -218,3 +218,85 @@ fn a_proxy_without_verify_keys_takes_no_pushed_generation() {
         "j was not raised"
     );
 }
+
+/// A sink whose admin listener wants secrets of its own (`--admin-auth-file`, required off
+/// loopback) takes the push with the sinks' secret (`--sink-auth-token-file` or
+/// FENCE_SINK_AUTH_TOKEN); the lease server's secret is not sent to it. Before, no secret
+/// was sent and every such sink answered 401: a revoked holder kept passing it.
+#[test]
+fn a_push_carries_the_sinks_secret_and_not_the_lease_servers() {
+    const ADMIN: &str = "admin-0123456789abcdef-secret";
+    let dir = tempfile::tempdir().unwrap();
+    let (auth, signing) = setup(dir.path());
+    let data = dir.path().join("data");
+    let (_server, addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &["--auth-file", &auth, "--signing-key", &signing],
+    ));
+    let server = format!("http://{addr}");
+    let admins = dir.path().join("admins");
+    std::fs::write(&admins, format!("ops {ADMIN} *\n")).unwrap();
+    std::fs::set_permissions(&admins, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let verify = dir.path().join("fence-verify.pem").display().to_string();
+    let sled = dir.path().join("proxy").display().to_string();
+    let upstream = format!("http://{}", start_upstream());
+    let (_proxy, proxy, admin) = start_proxy_admin(
+        &upstream,
+        &[
+            "--verify-key",
+            &verify,
+            "--data-dir",
+            &sled,
+            "--admin-auth-file",
+            admins.to_str().unwrap(),
+        ],
+    );
+    let sink = format!("http://{admin}");
+    let highest = || {
+        let bearer = [("Authorization", format!("Bearer {ADMIN}"))];
+        let (status, view) = exchange(&admin, "GET", "/v1/fence/pay-2", &bearer, "");
+        assert_eq!(status, 200, "{view}");
+        let body = view.split("\r\n\r\n").nth(1).unwrap_or_default();
+        serde_json::from_str::<serde_json::Value>(body).unwrap()["highest"].as_u64()
+    };
+
+    let claimed = fence_as(WORKER, &["claim", "--server", &server, "--job", "pay-2"]);
+    assert_success(&claimed);
+    let old_token = stdout_json(&claimed)["token"].as_str().unwrap().to_owned();
+    assert_eq!(write(&proxy, "pay-2", &old_token).0, 200);
+    assert_eq!(highest(), Some(1));
+
+    // Without the sinks' secret: revoked at the server, refused by the sink, exit 1.
+    let revoke = |job: &str, extra: &[(&str, &str)]| {
+        let mut command = Command::new(FENCE);
+        command
+            .args(["revoke", "--server", &server, "--job", job, "--sink", &sink])
+            .env("FENCE_AUTH_TOKEN", OPS)
+            .env("RUST_LOG", "warn");
+        for (k, v) in extra {
+            command.env(k, v);
+        }
+        command.output().unwrap()
+    };
+    let out = revoke("pay-2", &[]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("401"), "{stderr}");
+    assert!(!stderr.contains(OPS), "a secret in the output: {stderr}");
+    assert_eq!(highest(), Some(1));
+
+    // With it (a file here): the sink is fenced at the revoked generation.
+    let secret_file = dir.path().join("sink-secret");
+    std::fs::write(&secret_file, format!("{ADMIN}\n")).unwrap();
+    let secret_path = secret_file.to_str().unwrap();
+    let out = revoke("pay-2", &[("FENCE_SINK_AUTH_TOKEN_FILE", secret_path)]);
+    assert_success(&out);
+    let revoked = stdout_json(&out)["generation"].as_u64();
+    assert_eq!(highest(), revoked);
+    let (status, answer) = write(&proxy, "pay-2", &old_token);
+    assert_eq!(status, 409, "{answer}");
+    // And from the environment.
+    let out = revoke("pay-2", &[("FENCE_SINK_AUTH_TOKEN", ADMIN)]);
+    assert_success(&out);
+    assert_eq!(highest(), stdout_json(&out)["generation"].as_u64());
+}

@@ -101,6 +101,15 @@ pub struct RevokeCmd {
     /// repeat for several.
     #[arg(long, value_name = "URL")]
     pub sink: Vec<String>,
+    /// Read the bearer secret of the sinks' admin listeners (`fence proxy
+    /// --admin-auth-file`) from this file; without it, FENCE_SINK_AUTH_TOKEN is used when
+    /// set. The lease server's secret is never sent to a sink.
+    #[arg(long, value_name = "FILE", env = "FENCE_SINK_AUTH_TOKEN_FILE")]
+    pub sink_auth_token_file: Option<PathBuf>,
+    /// Trust only this CA (PEM) for https:// sinks. Default: --ca-cert's, or the system's
+    /// roots.
+    #[arg(long, value_name = "FILE", env = "FENCE_SINK_CA_CERT")]
+    pub sink_ca_cert: Option<PathBuf>,
 }
 
 /// The flags of `fence status`.
