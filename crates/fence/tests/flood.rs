@@ -329,3 +329,57 @@ fn at_the_cap_a_newcomer_is_not_queued_behind_another_address() {
     );
     drop(flood);
 }
+
+/// An address at its own cap with every connection busy gets its newcomers closed at once:
+/// they never wait for room, so no other address's idle connection is closed for them. Two
+/// idle kept-alive connections of 127.0.0.1 stay open while 127.0.0.2, at its cap of two
+/// busy waiting claims, sends twenty more (the listener at its cap of four).
+#[test]
+fn newcomers_that_could_never_be_seated_close_nobody_else() {
+    use std::io::{Read, Write};
+    let _one = one_flood();
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, addr, log) = start_logged(
+        &server_args(
+            dir.path().to_str().unwrap(),
+            &["--max-connections", "4", "--max-connections-per-peer", "2"],
+        ),
+        "fence=debug",
+    );
+    let target: std::net::SocketAddr = addr.parse().unwrap();
+    let held = r#"{"owner":"holder","lease_key":"holder-0123456789abcdefghijk","ttl_ms":120000}"#;
+    let (status, answer) = bearer_call(&addr, "POST", "/v1/leases/busy/claim", None, held);
+    assert_eq!(status, 200, "{answer}");
+    // Two idle connections of 127.0.0.1, each answered once and kept alive.
+    let ask = b"GET /healthz HTTP/1.1\r\nhost: idle\r\n\r\n";
+    let answered = |stream: &mut std::net::TcpStream| {
+        stream.write_all(ask).unwrap();
+        let mut buf = [0u8; 1024];
+        stream
+            .set_read_timeout(Some(Duration::from_secs(5)))
+            .unwrap();
+        let n = stream.read(&mut buf).unwrap_or(0);
+        String::from_utf8_lossy(&buf[..n]).starts_with("HTTP/1.1 200")
+    };
+    let mut idle: Vec<std::net::TcpStream> = (0..2)
+        .map(|_| std::net::TcpStream::connect(target).unwrap())
+        .collect();
+    for stream in &mut idle {
+        assert!(answered(stream));
+    }
+    // 127.0.0.2 at its cap, both busy; then twenty more of its newcomers.
+    let mut flood: Vec<_> = (0..2)
+        .map(|n| waiting_claim(target, "127.0.0.2", n))
+        .collect();
+    std::thread::sleep(Duration::from_millis(300));
+    flood.extend((2..22).map(|n| waiting_claim(target, "127.0.0.2", n)));
+    std::thread::sleep(Duration::from_millis(800));
+    for (n, stream) in idle.iter_mut().enumerate() {
+        assert!(
+            answered(stream),
+            "idle connection {n} of 127.0.0.1 was closed for newcomers that could not be seated: {}",
+            log.text()
+        );
+    }
+    drop(flood);
+}

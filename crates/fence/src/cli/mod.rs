@@ -245,9 +245,11 @@ pub struct ListenArgs {
     /// the most is closed (unauthenticated ones first: those that never sent an accepted
     /// secret, or for the proxy a request the fence admitted that the upstream answered with
     /// a success, not a mere X-Fencing-Token header on a GET); when all are answering,
-    /// newcomers wait. Up to 64 newcomers wait beyond the cap, the address that holds the
-    /// fewest seated first; when more come, the newest of the address that holds the most is
-    /// closed unanswered. Default: 10,000, or half of what the file limit (ulimit -n) leaves.
+    /// newcomers wait for one to finish. Up to 64 newcomers per accept loop (the proxy runs
+    /// one per worker) wait beyond the cap, the address that holds the fewest seated first;
+    /// when more come, the newest of the address that holds the most is closed unanswered (a
+    /// lone load balancer then sees refused connections: raise the cap). Default: 10,000, or
+    /// half of what the file limit (ulimit -n) leaves.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS")]
     pub max_connections: Option<u32>,
     /// Open connections from one IP address at most: clients behind one NAT address share

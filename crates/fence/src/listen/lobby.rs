@@ -55,9 +55,14 @@ impl Lobby {
     /// the address that holds the most, seated and waiting (perhaps `newcomer` itself).
     pub(super) fn admit(&mut self, newcomer: Waiting, slots: &Slots) {
         self.waiting.push_back(newcomer);
-        if self.waiting.len() <= self.max {
-            return;
+        if self.waiting.len() > self.max {
+            self.shed(slots);
         }
+    }
+
+    /// Closes the newest waiting connection of the address that holds the most, seated and
+    /// waiting: when the lobby is full, or the process is out of open files.
+    pub(super) fn shed(&mut self, slots: &Slots) {
         let weight = self.weights(slots);
         let heaviest = weight.iter().copied().max().unwrap_or(0);
         if let Some(at) = weight.iter().rposition(|&w| w == heaviest)

@@ -10,13 +10,14 @@
 //!   header read as one);
 //! - at most [`Limits::max_connections`] are open, at most
 //!   [`Limits::max_connections_per_peer`] from one IP address (see [`Slots`]). At the cap,
-//!   newcomers wait in a lobby of up to 64 (open files beyond the cap), and for each an idle
-//!   connection of the peer that holds the most is closed gracefully, unauthenticated ones
-//!   first (a service marks an answer [`Authenticated`]); when every connection is answering
-//!   a request, they wait for one to finish. The lobby seats the address that holds the
+//!   newcomers wait in a lobby of up to 64 per accept loop (open files beyond the cap), and
+//!   for each an idle connection of the peer that holds the most is closed gracefully,
+//!   unauthenticated ones first (a service marks an answer [`Authenticated`]); when every
+//!   connection is answering a request, they wait for one to finish. The lobby seats the address that holds the
 //!   fewest connections first; when it is full, the newest newcomer of the address that holds
 //!   the most is closed unanswered. So a flood's reconnects cannot queue ahead of other
-//!   addresses, as they would in the kernel's first-come backlog;
+//!   addresses, as they would in the kernel's first-come backlog. A newcomer whose address
+//!   holds its own cap with every connection busy is closed at once, as before;
 //! - HTTP/2 (h2c by its preface, or ALPN `h2` over TLS) pings every
 //!   [`Limits::h2_keepalive`] and closes a peer that does not answer, closes a connection
 //!   with no stream open for [`Limits::idle_timeout`], and allows at most
@@ -200,7 +201,7 @@ where
     let (stop, stopped) = watch::channel(false);
     let mut connections = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
-    let mut lobby = Lobby::new(LOBBY);
+    let (mut lobby, mut look) = (Lobby::new(LOBBY), true);
     let door = Door {
         tls,
         limits,
@@ -220,21 +221,33 @@ where
                 Err(tokio::sync::TryAcquireError::NoPermits) => break,
             }
         }
-        // At the cap with newcomers waiting: one idle connection of the address that holds
-        // the most is asked to close for each (connections answering a request are not
-        // disturbed; when all are, newcomers wait for one to finish).
-        while lobby.len() > slots.leaving() && slots.evict_for_room() {}
+        // At the cap, one idle connection of the address that holds the most is asked to
+        // close for each newcomer waiting. A look that found none (a scan under the slots'
+        // lock) is repeated when a connection ended, or at the next recheck, not per newcomer.
+        while look && lobby.len() > slots.leaving() {
+            if !slots.evict_for_room() {
+                look = false;
+            }
+        }
         let expiry = lobby.first_deadline(limits.header_timeout);
         tokio::select! {
             () = &mut shutdown => break,
             accepted = tcp.accept() => match accepted {
+                // Its address holds its cap, all busy: closed at once, as `seat` would.
+                Ok((_, peer)) if !slots.could_seat(peer.ip()) => {
+                    tracing::debug!(peer = %peer.ip(), "refusing a connection: its address holds its cap (--max-connections-per-peer), all busy");
+                }
                 Ok((stream, peer)) => {
                     let since = Instant::now();
                     lobby.admit(Waiting { stream, peer, since }, &slots);
                 }
                 Err(e) => {
-                    // Out of file descriptors and the like: back off instead of spinning.
+                    // Out of file descriptors and the like: free one if a newcomer waits,
+                    // and back off instead of spinning.
                     tracing::warn!(error = %e, "accepting a connection failed");
+                    if !lobby.is_empty() {
+                        lobby.shed(&slots);
+                    }
                     tokio::time::sleep(Duration::from_millis(50)).await;
                 }
             },
@@ -247,11 +260,9 @@ where
             () = tokio::time::sleep_until(expiry.unwrap_or_else(Instant::now)), if expiry.is_some() => {
                 lobby.expire(Instant::now(), limits.header_timeout);
             }
-            // A busy connection that became idle can make room: look again (nothing wakes
-            // this loop when one does, and a seat freed only when one closed on its own,
-            // at its idle timeout, while newcomers waited).
-            () = tokio::time::sleep(RECHECK), if !lobby.is_empty() => {}
-            Some(_) = connections.join_next(), if !connections.is_empty() => {}
+            // Nothing wakes this loop when a busy connection becomes idle: look again.
+            () = tokio::time::sleep(RECHECK), if !lobby.is_empty() => look = true,
+            Some(_) = connections.join_next(), if !connections.is_empty() => look = true,
         }
     }
     drop(tcp);

@@ -231,6 +231,21 @@ impl Slots {
         false
     }
 
+    /// Whether a newcomer from `peer` could be seated: not when the peer holds its cap with
+    /// every connection answering a request and none leaving ([`seat`](Self::seat) would
+    /// close it), so it need not wait, nor have room made for it.
+    pub(super) fn could_seat(&self, peer: IpAddr) -> bool {
+        let peers = self.lock();
+        let Some(mine) = peers.get(&peer) else {
+            return true;
+        };
+        let leaving = mine
+            .values()
+            .filter(|c| c.evicted.load(Ordering::Acquire))
+            .count();
+        mine.len() - leaving < self.per_peer || mine.values().any(|c| c.idle())
+    }
+
     /// Connections asked to close for room that have not closed yet: the room on its way.
     pub(super) fn leaving(&self) -> usize {
         self.leaving.load(Ordering::Acquire)
