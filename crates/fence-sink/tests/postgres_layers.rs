@@ -1,6 +1,7 @@
 //! Several processes' layers on one PostgreSQL store (docs/protocol.md section 5, "Several
 //! sinks"): a newer generation's retry of a step that another process is still running waits
-//! for it, and is then replayed its answer; the step runs once.
+//! for it, and is then replayed its answer; the step runs once. And a layer that forgets
+//! gives the SQL fence on its tables the window its tokens end within.
 #![cfg(feature = "postgres")]
 
 use std::{
@@ -98,4 +99,66 @@ async fn a_newer_generation_waits_for_a_step_another_process_is_running() {
         (StatusCode::OK, "charged by Some(1)")
     );
     assert_eq!(steps.load(Ordering::SeqCst), 1);
+}
+
+/// A library layer that forgets on PostgreSQL gives the SQL fence its window before it
+/// forgets anything: a token claiming a lease longer than the layer's longest (an hour here)
+/// is refused by SQL too, as by the layer. Before, only the proxy announced it; a layer's
+/// first forget recorded the 24 h default, and such a token, of a job the layer forgot,
+/// passed the SQL fence as the job's first.
+#[tokio::test]
+async fn a_forgetting_layer_gives_the_sql_fence_its_longest_lease() {
+    let url = fence_storage::postgres::test_database_url();
+    let prefix = format!("forget_{:016x}", fastrand::u64(..));
+    let tables = PgTables::new("fence_test", &prefix).expect("valid names");
+    let store = PgStore::connect(&url, tables).await.unwrap();
+    store.migrate().await.unwrap();
+    let (su, connection) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .unwrap();
+    tokio::spawn(connection);
+    let signer = fence_core::signing::TokenSigner::from_seed([7; 32]);
+    let layer = FenceLayer::new(store)
+        .require_signatures(fence_core::signing::TokenVerifier::new([
+            signer.verify_key()
+        ]))
+        .clock_skew(Duration::from_secs(1))
+        .forget_after(Duration::from_secs(3_700), Duration::from_secs(3_600))
+        .unwrap();
+    let _upkeep = layer.spawn_maintenance();
+    let now: i64 = su
+        .query_one(&format!("SELECT {}", fence_storage::postgres::NOW_MS), &[])
+        .await
+        .unwrap()
+        .get(0);
+    let observe = format!("SELECT fence_test.{prefix}_observe('never-seen', 1, $1)");
+    let two_hours = now + 2 * 3_600_000;
+    // The first forgetting pass runs at once (its interval's first tick).
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    let refused = loop {
+        match su.query_one(&observe, &[&two_hours]).await {
+            Err(e) => break e,
+            Ok(_) => {
+                // Taken: undo it and look again, within the deadline.
+                su.execute(
+                    &format!(
+                        "DELETE FROM fence_test.{prefix}_generations WHERE job = 'never-seen'"
+                    ),
+                    &[],
+                )
+                .await
+                .unwrap();
+                assert!(
+                    tokio::time::Instant::now() < deadline,
+                    "the SQL fence still takes a token two hours long"
+                );
+                tokio::time::sleep(Duration::from_millis(50)).await;
+            }
+        }
+    };
+    let code = refused.as_db_error().map(|d| d.code().code().to_owned());
+    assert_eq!(code.as_deref(), Some("ZF403"), "{refused}");
+    // Within the hour (and the skew): taken.
+    let within = su.query_one(&observe, &[&(now + 3_600_000)]).await.unwrap();
+    assert!(within.get::<_, bool>(0));
 }

@@ -286,6 +286,17 @@ impl GenerationStore for SinkBackend {
             Self::Postgres(s) => s.forget(idle).await,
         }
     }
+
+    async fn forgetting_within(
+        &self,
+        clock_skew: std::time::Duration,
+        max_lease_ttl: std::time::Duration,
+    ) -> Result<(), StoreError> {
+        match self {
+            Self::Sled(s) => s.forgetting_within(clock_skew, max_lease_ttl).await,
+            Self::Postgres(s) => s.forgetting_within(clock_skew, max_lease_ttl).await,
+        }
+    }
 }
 
 impl IdempotencyStore for SinkBackend {

@@ -8,7 +8,7 @@ use tower_layer::Layer;
 
 use super::{
     Fence,
-    maintenance::Maintenance,
+    maintenance::{Forgetting, Maintenance},
     shared::{Config, Shared},
     signature::Signatures,
 };
@@ -358,7 +358,12 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     pub fn spawn_maintenance(&self) -> Maintenance {
         let config = &self.shared.config;
         let sweep = config.idempotency.as_ref().map(|c| c.sweep_every);
-        Maintenance::spawn(&self.shared.gates, sweep, config.forget_after)
+        let forget = config.forget_after.map(|after| Forgetting {
+            after,
+            clock_skew: config.clock_skew,
+            max_lease_ttl: config.max_lease_ttl,
+        });
+        Maintenance::spawn(&self.shared.gates, sweep, forget)
     }
 
     /// The store.

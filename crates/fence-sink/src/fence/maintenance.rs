@@ -20,13 +20,16 @@ pub struct Maintenance {
 }
 
 impl Maintenance {
-    /// Sweeps idempotency records every `sweep`, and forgets jobs idle for `forget_after`
+    /// Sweeps idempotency records every `sweep`, and forgets jobs idle for `forget.after`
     /// every eighth of it (at most a minute, at least 10 ms); none of either: nothing to do.
+    /// Before the first job is forgotten, the store is told the window tokens end within
+    /// ([`GenerationStore::forgetting_within`]); until it has taken it, nothing is forgotten.
     pub(crate) fn spawn<St: GenerationStore + IdempotencyStore>(
         gates: &Arc<Gates<St>>,
         sweep: Option<Duration>,
-        forget_after: Option<Duration>,
+        forget: Option<Forgetting>,
     ) -> Self {
+        let forget_after = forget.map(|f| f.after);
         if sweep.is_none() && forget_after.is_none() {
             return Self { task: None };
         }
@@ -39,6 +42,7 @@ impl Maintenance {
         let mut sweeps = sweep.map(every);
         let mut forgets = forget_after.map(|d| every((d / 8).min(Duration::from_secs(60))));
         let task = tokio::spawn(async move {
+            let mut told = false;
             loop {
                 let (sweep_now, forget_now) = tokio::select! {
                     _ = async { sweeps.as_mut()?.tick().await; Some(()) }, if sweeps.is_some() => (true, false),
@@ -48,8 +52,21 @@ impl Maintenance {
                 if sweep_now {
                     sweep_once(&**gates.store()).await;
                 }
-                if let (true, Some(after)) = (forget_now, forget_after) {
-                    match gates.forget_idle(after, FORGET_BATCH).await {
+                if let (true, Some(forget)) = (forget_now, forget) {
+                    if !told {
+                        let store = gates.store();
+                        match store
+                            .forgetting_within(forget.clock_skew, forget.max_lease_ttl)
+                            .await
+                        {
+                            Ok(()) => told = true,
+                            Err(e) => {
+                                tracing::warn!(error = %fence_storage::error_chain(&e), "telling the store the tokens' window failed; nothing is forgotten until it takes it");
+                                continue;
+                            }
+                        }
+                    }
+                    match gates.forget_idle(forget.after, FORGET_BATCH).await {
                         Ok(0) => {}
                         Ok(n) => tracing::debug!(forgotten = n, "idle jobs forgotten"),
                         Err(e) => {
@@ -69,6 +86,15 @@ impl Maintenance {
             let _ = task.await;
         }
     }
+}
+
+/// A layer's forgetting: after how long idle, and the window every token it admits ends
+/// within (its clock skew and longest lease).
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Forgetting {
+    pub(crate) after: Duration,
+    pub(crate) clock_skew: Duration,
+    pub(crate) max_lease_ttl: Duration,
 }
 
 async fn sweep_once<St: IdempotencyStore>(store: &St) {

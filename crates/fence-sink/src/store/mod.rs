@@ -208,6 +208,20 @@ pub trait GenerationStore: Send + Sync + 'static {
         let _ = idle;
         async { Ok(false) }
     }
+
+    /// Told by a layer that forgets, before its first [`forget`](Self::forget), the window
+    /// every token it admits ends within: the clock skew it allows and the longest lease. A
+    /// store with a fence of its own beside the layer's (PostgreSQL's SQL fence) records them
+    /// so that fence refuses, once a job is forgotten, what the layer refuses; the default
+    /// keeps nothing. A wrapper around another store delegates it.
+    fn forgetting_within(
+        &self,
+        clock_skew: Duration,
+        max_lease_ttl: Duration,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = (clock_skew, max_lease_ttl);
+        async { Ok(()) }
+    }
 }
 
 /// What [`IdempotencyStore::begin`] found.

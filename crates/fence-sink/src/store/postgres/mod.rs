@@ -461,6 +461,15 @@ impl GenerationStore for PgStore {
         Ok(out)
     }
 
+    async fn forgetting_within(
+        &self,
+        clock_skew: Duration,
+        max_lease_ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.announce_forgetting(true, clock_skew, max_lease_ttl)
+            .await
+    }
+
     async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
         self.forgetting_recorded().await?;
         let client = self.pool.get().await.map_err(io)?;
