@@ -361,7 +361,7 @@ impl Group {
             let now = Instant::now();
             let left = lease.deadline().saturating_duration_since(now);
             let kill = stop.last_moment(lease).saturating_duration_since(now);
-            format!("{} {}\n", left.as_millis(), kill.as_millis())
+            watchdog::told(left, kill)
         };
         // The first deadline is told before the command starts, so the watchdog has one
         // even if `fence run` freezes at once.

@@ -40,6 +40,20 @@ impl Stop {
     }
 }
 
+/// The line that tells the watchdog the time `left` to the lease's local deadline and to the
+/// last moment `kill` the group may live, in milliseconds. The deadline is rounded up: a
+/// command the watchdog stops at it must find the lease lost when `fence run` looks, or its
+/// exit would be taken for the command's own and the lease finished (a CI run saw a release
+/// tried against a stopped server, exit 1 for 75). The last moment is rounded down, to stay
+/// before the store can end the lease.
+pub(super) fn told(left: Duration, kill: Duration) -> String {
+    format!(
+        "{} {}\n",
+        left.as_nanos().div_ceil(1_000_000),
+        kill.as_millis()
+    )
+}
+
 /// Just before `store_end` (the store's end of the lease, plus any lock-delay), by a quarter
 /// of the safety margin (the time between the local `deadline` and `store_end`), at most
 /// 100 ms, as slack for the kill to land.
@@ -196,6 +210,15 @@ mod tests {
         now: Instant,
     ) -> Duration {
         grace.min(last_moment_of(store_end, deadline).saturating_duration_since(now))
+    }
+
+    #[test]
+    fn the_deadline_is_told_no_earlier_and_the_last_moment_no_later_than_they_are() {
+        let us = Duration::from_micros;
+        assert_eq!(told(us(1_500), us(2_500)), "2 2\n");
+        assert_eq!(told(us(1_000), us(2_999)), "1 2\n");
+        assert_eq!(told(us(1), us(999)), "1 0\n");
+        assert_eq!(told(Duration::ZERO, Duration::ZERO), "0 0\n");
     }
 
     #[test]
