@@ -127,3 +127,109 @@ fn fence_run_passes_the_checkpoint_in_and_out_through_a_file() {
     ]);
     assert_eq!(out.status.code(), Some(0), "{out:?}");
 }
+
+/// One HTTP/1.1 message from `reader`: its head and body (by `content-length`), or `None`
+/// at the end of the stream.
+fn read_message(reader: &mut impl std::io::BufRead) -> Option<(String, Vec<u8>)> {
+    let mut head = String::new();
+    loop {
+        let mut line = String::new();
+        if reader.read_line(&mut line).ok()? == 0 {
+            return None;
+        }
+        head.push_str(&line);
+        if line == "\r\n" {
+            break;
+        }
+    }
+    let length = head
+        .lines()
+        .find_map(|l| {
+            let (name, value) = l.split_once(':')?;
+            name.eq_ignore_ascii_case("content-length")
+                .then(|| value.trim().parse::<usize>().ok())?
+        })
+        .unwrap_or(0);
+    let mut body = vec![0; length];
+    reader.read_exact(&mut body).ok()?;
+    Some((head, body))
+}
+
+/// A front for the lease server at `server` that answers the first `fail` checkpoint saves
+/// 503, and passes everything else on (one upstream connection per request); its address.
+fn failing_checkpoints(server: String, fail: usize) -> String {
+    use std::io::{BufReader, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let failed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(mut client) = client else { continue };
+            let (server, failed) = (server.clone(), failed.clone());
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(client.try_clone().unwrap());
+                while let Some((head, body)) = read_message(&mut reader) {
+                    let saving = head.contains("/checkpoint ");
+                    if saving && failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < fail {
+                        let problem = r#"{"type":"urn:fence:store-unavailable","title":"unavailable","status":503,"detail":"a test front"}"#;
+                        let answer = format!(
+                            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\ncontent-length: {}\r\n\r\n{problem}",
+                            problem.len()
+                        );
+                        if client.write_all(answer.as_bytes()).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    let mut upstream = std::net::TcpStream::connect(&server).unwrap();
+                    upstream.write_all(head.as_bytes()).unwrap();
+                    upstream.write_all(&body).unwrap();
+                    let mut answers = BufReader::new(upstream);
+                    let Some((head, body)) = read_message(&mut answers) else {
+                        return;
+                    };
+                    if client.write_all(head.as_bytes()).is_err()
+                        || client.write_all(&body).is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    addr
+}
+
+/// The command's last checkpoint, saved after it exited, is tried again when the server
+/// fails to take it (here three 503s), before the job is released: the next run resumes
+/// from it. Before, one failure lost it, and the next run repeated the steps.
+#[test]
+fn fence_runs_last_checkpoint_is_saved_through_a_passing_failure() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(&dir.path().join("leases"));
+    let front = failing_checkpoints(url.trim_start_matches("http://").to_owned(), 3);
+    let out = fence(&[
+        "run",
+        "--server",
+        &format!("http://{front}"),
+        "--job",
+        "resumable",
+        "--",
+        "sh",
+        "-c",
+        r#"printf 'step 4 of 5' > "$FENCE_CHECKPOINT_FILE"; exit 1"#,
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let out = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--job",
+        "resumable",
+        "--",
+        "sh",
+        "-c",
+        r#"test "$(cat "$FENCE_CHECKPOINT_FILE")" = 'step 4 of 5' || exit 9"#,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+}

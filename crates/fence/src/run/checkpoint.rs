@@ -4,7 +4,8 @@
 //! the job has none; `FENCE_CHECKPOINT_GENERATION` names the generation that saved it). While
 //! the command runs, each change of the file is saved under the lease (looked at every
 //! second), and once more when the command has exited, before the job is completed or
-//! released: the next run of the job starts from it. A save the server refuses as too large
+//! released (tried again while the server fails to take it, for a minute at most): the next
+//! run of the job starts from it. A save the server refuses as too large
 //! or that is not UTF-8 is skipped with a warning; a stale lease's save is refused by the
 //! server, so a run that lost its lease never overwrites its successor's progress. The file
 //! may be read while the command writes it: commands should write a file beside it and
@@ -16,11 +17,17 @@ use std::{
 };
 
 use fence_core::lease_api::{Checkpoint, MAX_CHECKPOINT_BYTES};
-use fence_lease::{Checkpointer, HttpLeaseStore};
+use fence_lease::{Checkpointer, HttpLeaseStore, LeaseView};
 use tokio::{sync::Mutex, task::JoinHandle};
 
 /// How often the file is looked at.
 const EVERY: Duration = Duration::from_secs(1);
+
+/// The last save, when the server fails to take it, is tried again after a pause that starts
+/// here and doubles up to a second, while the lease is held, for a minute at most.
+const LAST_PAUSE_FIRST: Duration = Duration::from_millis(100);
+const LAST_PAUSE_MAX: Duration = Duration::from_secs(1);
+const LAST_WINDOW: Duration = Duration::from_secs(60);
 
 /// The file and what was last saved of it.
 pub(super) struct CheckpointFile {
@@ -69,7 +76,9 @@ impl CheckpointFile {
             loop {
                 tokio::select! {
                     _ = stopped.changed() => return,
-                    _ = tick.tick() => watched.save_if_changed().await,
+                    _ = tick.tick() => {
+                        watched.save_if_changed().await;
+                    }
                 }
             }
         });
@@ -78,12 +87,13 @@ impl CheckpointFile {
 
     /// Saves the file if it changed since the last save. A change is marked saved once the
     /// store took it, or refused it for good (too large, not UTF-8, the lease lost): a save
-    /// that failed for a while (the server did not answer) is tried again.
-    async fn save_if_changed(&self) {
+    /// that failed for a while (the server did not answer) is tried again. False when it is
+    /// to be tried again.
+    async fn save_if_changed(&self) -> bool {
         let mut seen = self.seen.lock().await;
         let now = stamp(&self.path);
         if now.is_none() || now == *seen {
-            return;
+            return true;
         }
         match self.read() {
             Ok(data) => match self.saver.save(data).await {
@@ -92,7 +102,7 @@ impl CheckpointFile {
                     let error = fence_storage::error_chain(&e);
                     if !error.contains("413") && !error.contains("payload-too-large") {
                         tracing::warn!(%error, "the checkpoint was not saved; trying again");
-                        return;
+                        return false;
                     }
                     tracing::warn!(%error, "the checkpoint was not saved");
                 }
@@ -103,6 +113,7 @@ impl CheckpointFile {
             Err(why) => tracing::warn!(path = %self.path.display(), "{why}; not saved"),
         }
         *seen = now;
+        true
     }
 
     /// The file's text: at most [`MAX_CHECKPOINT_BYTES`] of UTF-8 (read no further).
@@ -127,10 +138,21 @@ impl CheckpointFile {
 
 impl Saving {
     /// Stops looking every second (a save under way finishes first) and saves a last change,
-    /// if any: the command has exited.
-    pub(super) async fn finish(self) {
+    /// if any: the command has exited. A last save the server fails to take (no answer, a
+    /// 503) is tried again while `lease` is held, for a minute at most: the next run resumes
+    /// from it, and the job is given up only after.
+    pub(super) async fn finish(self, lease: &LeaseView) {
         let _ = self.stop.send(true);
         let _ = self.task.await;
-        self.file.save_if_changed().await;
+        let until = tokio::time::Instant::now() + LAST_WINDOW;
+        let mut pause = LAST_PAUSE_FIRST;
+        while !self.file.save_if_changed().await {
+            if lease.is_lost() || tokio::time::Instant::now() + pause >= until {
+                tracing::warn!("the command's last checkpoint was not saved");
+                return;
+            }
+            tokio::time::sleep(pause).await;
+            pause = (pause * 2).min(LAST_PAUSE_MAX);
+        }
     }
 }

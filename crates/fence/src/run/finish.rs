@@ -26,6 +26,20 @@ async fn or_signal<T>(
     signals: &mut Signals,
     finishing: impl Future<Output = T>,
 ) -> Result<T, Signal> {
+    or_signal_saying(
+        signals,
+        finishing,
+        "while giving up the lease; it is left to expire on its own",
+    )
+    .await
+}
+
+/// [`or_signal`], with `what` said after the signal's name.
+pub(super) async fn or_signal_saying<T>(
+    signals: &mut Signals,
+    finishing: impl Future<Output = T>,
+    what: &str,
+) -> Result<T, Signal> {
     let signalled = async {
         tokio::time::sleep(SIGNALS_AFTER).await;
         signals.next().await
@@ -33,7 +47,7 @@ async fn or_signal<T>(
     tokio::select! {
         finished = finishing => Ok(finished),
         sig = signalled => {
-            eprintln!("fence run: {sig} while giving up the lease; it is left to expire on its own");
+            eprintln!("fence run: {sig} {what}");
             Err(sig)
         }
     }

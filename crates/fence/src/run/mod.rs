@@ -263,7 +263,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             return Err(e.context("the command's group was stopped and the job released"));
         }
     };
-    saving.finish().await; // the command's last checkpoint, before the job is given up
+    // The command's last checkpoint, before the job is given up; a signal ends its retries.
+    let _ = finish::or_signal_saying(
+        &mut signals,
+        saving.finish(&lease),
+        "while the last checkpoint was retried; it is not saved, and the job is given up",
+    )
+    .await;
     keeper.abort();
     let lost = match ended {
         Ended::Exited(status) => Some(status),
