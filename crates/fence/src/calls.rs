@@ -383,11 +383,23 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
         );
         return Ok(1);
     };
-    let (job, push) = (&a.at.job, AdvanceRequest { token });
+    // All at once: a revoked free job's token ends at the revoke (section 11), so a sink
+    // reached only after others timed out could refuse it as expired.
+    let push = std::sync::Arc::new(AdvanceRequest { token });
+    let mut pushes = tokio::task::JoinSet::new();
+    for (n, sink) in sinks.into_iter().enumerate() {
+        let (path, push) = (fence_path(&a.at.job), push.clone());
+        pushes.spawn(async move {
+            let sent = sink.send(&path, Some(&*push)).await;
+            (n, sink.base_url().to_owned(), sent)
+        });
+    }
+    let mut answers = pushes.join_all().await;
+    answers.sort_by_key(|(n, _, _)| *n);
+    let job = &a.at.job;
     let mut code = 0;
-    for sink in &sinks {
-        let url = sink.base_url();
-        match sink.send(&fence_path(job), Some(&push)).await {
+    for (_, url, sent) in answers {
+        match sent {
             Ok((StatusCode::OK, bytes)) => match serde_json::from_slice::<FenceView>(&bytes) {
                 Ok(view) => eprintln!(
                     "fence: {url}: job {job} is fenced at generation {}",

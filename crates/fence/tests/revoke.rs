@@ -300,3 +300,75 @@ fn a_push_carries_the_sinks_secret_and_not_the_lease_servers() {
     assert_success(&out);
     assert_eq!(highest(), stdout_json(&out)["generation"].as_u64());
 }
+
+/// Revoking a released job pushes a token that ends at the revoke: the pushes go out at
+/// once, so a sink that never answers (its 10 s timeout) does not hold back the others past
+/// their clock skew. Before, they went one after another, and the sink after the dead one
+/// refused the push as expired.
+#[test]
+fn pushes_go_to_every_sink_at_once() {
+    let dir = tempfile::tempdir().unwrap();
+    let (auth, signing) = setup(dir.path());
+    let data = dir.path().join("data");
+    let (_server, addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &["--auth-file", &auth, "--signing-key", &signing],
+    ));
+    let server = format!("http://{addr}");
+    let upstream = format!("http://{}", start_upstream());
+    let verify = dir.path().join("fence-verify.pem").display().to_string();
+    let sled = dir.path().join("proxy").display().to_string();
+    let (_proxy, proxy, admin) = start_proxy_admin(
+        &upstream,
+        &[
+            "--verify-key",
+            &verify,
+            "--data-dir",
+            &sled,
+            "--clock-skew",
+            "1s",
+        ],
+    );
+    // A sink that takes the connection and never answers.
+    let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let dead_url = format!("http://{}", dead.local_addr().unwrap());
+
+    let claimed = fence_as(WORKER, &["claim", "--server", &server, "--job", "pay-3"]);
+    assert_success(&claimed);
+    let lease = stdout_json(&claimed);
+    let old_token = lease["token"].as_str().unwrap().to_owned();
+    assert_eq!(write(&proxy, "pay-3", &old_token).0, 200);
+    assert_success(&fence_as(
+        WORKER,
+        &[
+            "release",
+            "--server",
+            &server,
+            "--job",
+            "pay-3",
+            "--owner",
+            lease["owner"].as_str().unwrap(),
+            "--generation",
+            "1",
+            "--lease-key",
+            lease["lease_key"].as_str().unwrap(),
+        ],
+    ));
+    let sink = format!("http://{admin}");
+    let out = fence_as(
+        OPS,
+        &[
+            "revoke", "--server", &server, "--job", "pay-3", "--sink", &dead_url, "--sink", &sink,
+        ],
+    );
+    assert_eq!(
+        out.status.code(),
+        Some(1),
+        "the dead sink's push failed: {out:?}"
+    );
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("fenced at generation 2"), "{stderr}");
+    let (status, answer) = write(&proxy, "pay-3", &old_token);
+    assert_eq!(status, 409, "{answer}");
+    drop(dead);
+}
