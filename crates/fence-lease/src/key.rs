@@ -16,7 +16,9 @@ impl crate::LeaseView {
     /// The idempotency key of `step` of this job, for a third-party API that deduplicates by
     /// key but cannot check a fencing token: the same for every holder of every generation,
     /// so a new holder repeating a step a stale holder already sent is deduplicated by the
-    /// API (for as long as it keeps keys). See
+    /// API (for as long as it keeps keys). A semaphore slot's key is the slot's (`exports#1`):
+    /// successive holders of one slot share it, whatever unit of work each does, so name the
+    /// unit in `step` there. See
     /// [`IdempotencyKey::for_step`](fence_core::headers::IdempotencyKey::for_step).
     pub fn idempotency_key(&self, step: &str) -> fence_core::headers::IdempotencyKey {
         fence_core::headers::IdempotencyKey::for_step(self.job(), step)
