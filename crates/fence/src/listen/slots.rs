@@ -39,17 +39,31 @@ pub(super) struct Tracked {
     /// Notified when it is picked to make room: it closes gracefully then.
     pub(super) evict: Notify,
     evicted: AtomicBool,
+    /// Counted in the slots' `leaving` (picked while idle, not closed, no request begun).
+    counted: AtomicBool,
+    /// The slots' count of connections picked to make room that have not closed yet.
+    leaving: Arc<AtomicUsize>,
     epoch: Instant,
 }
 
 impl Tracked {
-    /// Asks it to close; false when it was asked before.
+    /// Asks it to close, counted as room on its way; false when it was asked before.
     fn pick(&self) -> bool {
         let first = !self.evicted.swap(true, Ordering::AcqRel);
         if first {
+            self.counted.store(true, Ordering::Release);
+            self.leaving.fetch_add(1, Ordering::AcqRel);
             self.evict.notify_one();
         }
         first
+    }
+
+    /// No longer counted as room on its way: it closed, or a request began on it after it
+    /// was picked (its graceful close waits for that request, as long as it takes).
+    fn uncount(&self) {
+        if self.counted.swap(false, Ordering::AcqRel) {
+            self.leaving.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 
     fn idle(&self) -> bool {
@@ -65,6 +79,7 @@ impl Tracked {
     pub(super) fn begin(&self) {
         self.asked.store(true, Ordering::Release);
         self.busy.fetch_add(1, Ordering::AcqRel);
+        self.uncount();
         self.touch();
     }
 
@@ -94,8 +109,8 @@ pub struct Slots {
     next_id: AtomicU64,
     per_peer: usize,
     epoch: Instant,
-    /// Connections asked to close for room that have not closed yet.
-    leaving: AtomicUsize,
+    /// Connections asked to close for room that have not closed yet, nor begun a request.
+    leaving: Arc<AtomicUsize>,
 }
 
 /// A connection's seat: gives back its slot and its place in its peer's count when dropped.
@@ -110,9 +125,7 @@ pub(super) struct Seat {
 impl Drop for Seat {
     fn drop(&mut self) {
         let mut peers = self.slots.lock();
-        if self.conn.evicted.load(Ordering::Acquire) {
-            self.slots.leaving.fetch_sub(1, Ordering::AcqRel);
-        }
+        self.conn.uncount();
         if let Some(mine) = peers.get_mut(&self.peer) {
             mine.remove(&self.conn.id);
             if mine.is_empty() {
@@ -141,7 +154,7 @@ impl Slots {
             next_id: AtomicU64::new(0),
             per_peer: per_peer.max(1),
             epoch: Instant::now(),
-            leaving: AtomicUsize::new(0),
+            leaving: Arc::default(),
         })
     }
 
@@ -173,9 +186,7 @@ impl Slots {
                 oldest_idle(mine.values(), false).or_else(|| oldest_idle(mine.values(), true));
             match victim {
                 Some(victim) => {
-                    if victim.pick() {
-                        self.leaving.fetch_add(1, Ordering::AcqRel);
-                    }
+                    victim.pick();
                     tracing::debug!(%peer, "closing an idle connection of a peer at its cap, for its newcomer");
                 }
                 None => {
@@ -194,6 +205,8 @@ impl Slots {
             active_ms: AtomicU64::new(0),
             evict: Notify::new(),
             evicted: AtomicBool::new(false),
+            counted: AtomicBool::new(false),
+            leaving: self.leaving.clone(),
             epoch: self.epoch,
         });
         conn.touch();
@@ -218,7 +231,6 @@ impl Slots {
                 if let Some(victim) = oldest_idle(mine.values(), authenticated)
                     && victim.pick()
                 {
-                    self.leaving.fetch_add(1, Ordering::AcqRel);
                     tracing::debug!(
                         authenticated,
                         held = mine.len(),
@@ -291,6 +303,27 @@ mod tests {
         assert!(seat(&slots, "127.0.0.2").is_none());
         assert!(seat(&slots, "127.0.0.1").is_some());
         assert_eq!(slots.held_by("127.0.0.2".parse().unwrap()), 2);
+    }
+
+    /// A connection picked for room counts as room on its way until it closes, or until a
+    /// request begins on it (its close then waits for that request): newcomers waiting for
+    /// room are not left waiting on it.
+    #[tokio::test]
+    async fn room_on_its_way_is_counted_once_and_not_for_a_connection_that_got_busy() {
+        let slots = Slots::new(10, 10);
+        let (a, b) = (
+            seat(&slots, "127.0.0.2").unwrap(),
+            seat(&slots, "127.0.0.2").unwrap(),
+        );
+        assert!(slots.evict_for_room());
+        assert!(slots.evict_for_room());
+        assert_eq!(slots.leaving(), 2);
+        a.conn.begin(); // a request arrived as it was picked
+        assert_eq!(slots.leaving(), 1);
+        drop(a);
+        assert_eq!(slots.leaving(), 1);
+        drop(b);
+        assert_eq!(slots.leaving(), 0);
     }
 
     #[tokio::test]
