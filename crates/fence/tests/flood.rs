@@ -265,8 +265,13 @@ fn a_flood_of_the_proxy_from_one_address_turns_no_worker_away() {
 }
 
 /// A waiting claim from `source` on the held job `busy` (it keeps its connection busy for
-/// 2 s): sent, not read; the stream is returned to keep the connection open.
-fn waiting_claim(target: std::net::SocketAddr, source: &str, n: usize) -> std::net::TcpStream {
+/// `wait`, such as `2s`): sent, not read; the stream is returned to keep the connection open.
+fn waiting_claim(
+    target: std::net::SocketAddr,
+    source: &str,
+    n: usize,
+    wait: &str,
+) -> std::net::TcpStream {
     use std::io::Write;
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -282,7 +287,7 @@ fn waiting_claim(target: std::net::SocketAddr, source: &str, n: usize) -> std::n
         r#"{{"owner":"flood-{n}","lease_key":"flood-{n}-0123456789abcdefghijk","ttl_ms":60000}}"#
     );
     let head = format!(
-        "POST /v1/leases/busy/claim?wait=2s HTTP/1.1\r\nhost: flood\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        "POST /v1/leases/busy/claim?wait={wait} HTTP/1.1\r\nhost: flood\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
         body.len()
     );
     stream.write_all(head.as_bytes()).unwrap();
@@ -291,8 +296,10 @@ fn waiting_claim(target: std::net::SocketAddr, source: &str, n: usize) -> std::n
 
 /// At the cap with every connection busy, newcomers are seated lightest address first, not
 /// first come: a newcomer from 127.0.0.1 queued behind 100 connections of 127.0.0.2 (each a
-/// 2 s waiting claim, four seats) is answered at the first free seat. In the kernel's
-/// first-come backlog it waited for all 100: about 50 s.
+/// 2 s waiting claim, four seats; 127.0.0.2 may hold more, so its newcomers wait too) is
+/// answered at the first free seat, while 127.0.0.2 keeps reconnecting. In the kernel's
+/// first-come backlog it waited for all 100: about 50 s; in a first-come lobby, until its
+/// first-request deadline.
 #[test]
 fn at_the_cap_a_newcomer_is_not_queued_behind_another_address() {
     let _one = one_flood();
@@ -300,7 +307,12 @@ fn at_the_cap_a_newcomer_is_not_queued_behind_another_address() {
     let (_server, addr, log) = start_logged(
         &server_args(
             dir.path().to_str().unwrap(),
-            &["--max-connections", "4", "--max-connections-per-peer", "4"],
+            &[
+                "--max-connections",
+                "4",
+                "--max-connections-per-peer",
+                "1000",
+            ],
         ),
         "fence=debug",
     );
@@ -310,14 +322,31 @@ fn at_the_cap_a_newcomer_is_not_queued_behind_another_address() {
     assert_eq!(status, 200, "{answer}");
     // Four seats busy for 2 s, then a hundred more waiting behind them.
     let mut flood: Vec<_> = (0..4)
-        .map(|n| waiting_claim(target, "127.0.0.2", n))
+        .map(|n| waiting_claim(target, "127.0.0.2", n, "2s"))
         .collect();
     std::thread::sleep(Duration::from_millis(300));
-    flood.extend((4..104).map(|n| waiting_claim(target, "127.0.0.2", n)));
+    flood.extend((4..104).map(|n| waiting_claim(target, "127.0.0.2", n, "2s")));
+    // And 127.0.0.2 keeps reconnecting, every 20 ms, while the newcomer waits: the loop's
+    // look for an idle connection must still come (a timer remade on every accept never
+    // fired).
+    let stop = Arc::new(AtomicBool::new(false));
+    let reconnecting = {
+        let stop = stop.clone();
+        std::thread::spawn(move || {
+            let mut n = 1_000;
+            while !stop.load(Ordering::Relaxed) {
+                drop(waiting_claim(target, "127.0.0.2", n, "2s"));
+                n += 1;
+                std::thread::sleep(Duration::from_millis(20));
+            }
+        })
+    };
     std::thread::sleep(Duration::from_millis(300));
     let began = Instant::now();
     let (status, answer) = bearer_call(&addr, "GET", "/healthz", None, "");
     let waited = began.elapsed();
+    stop.store(true, Ordering::Relaxed);
+    reconnecting.join().unwrap();
     assert_eq!(status, 200, "{answer}");
     println!("a newcomer behind 100 busy connections of another address waited {waited:?}");
     // The first seat frees about 1.4 s in (the first four claims' 2 s wait): one round of
@@ -369,10 +398,12 @@ fn newcomers_that_could_never_be_seated_close_nobody_else() {
     }
     // 127.0.0.2 at its cap, both busy; then twenty more of its newcomers.
     let mut flood: Vec<_> = (0..2)
-        .map(|n| waiting_claim(target, "127.0.0.2", n))
+        .map(|n| waiting_claim(target, "127.0.0.2", n, "20s"))
         .collect();
-    std::thread::sleep(Duration::from_millis(300));
-    flood.extend((2..22).map(|n| waiting_claim(target, "127.0.0.2", n)));
+    // Both claims waiting (for 20 s) before the newcomers come: a loaded machine may take a
+    // while to read them.
+    std::thread::sleep(Duration::from_millis(1_000));
+    flood.extend((2..22).map(|n| waiting_claim(target, "127.0.0.2", n, "20s")));
     std::thread::sleep(Duration::from_millis(800));
     for (n, stream) in idle.iter_mut().enumerate() {
         assert!(

@@ -55,8 +55,7 @@ use tokio::{
 };
 use tokio_rustls::TlsAcceptor;
 
-/// How often a listener at its cap with newcomers waiting looks for a connection that became
-/// idle, to close it for room.
+/// How often a listener at its cap with newcomers waiting looks for a newly idle connection.
 const RECHECK: Duration = Duration::from_millis(100);
 
 /// How long in-flight connections and requests may take to finish after shutdown begins.
@@ -202,6 +201,9 @@ where
     let mut connections = JoinSet::new();
     let mut shutdown = std::pin::pin!(shutdown);
     let (mut lobby, mut look) = (Lobby::new(LOBBY), true);
+    // One timer for the loop: a sleep remade on each pass never fires under steady accepts.
+    let mut recheck = tokio::time::interval(RECHECK);
+    recheck.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     let door = Door {
         tls,
         limits,
@@ -261,7 +263,7 @@ where
                 lobby.expire(Instant::now(), limits.header_timeout);
             }
             // Nothing wakes this loop when a busy connection becomes idle: look again.
-            () = tokio::time::sleep(RECHECK), if !lobby.is_empty() => look = true,
+            _ = recheck.tick(), if !lobby.is_empty() => look = true,
             Some(_) = connections.join_next(), if !connections.is_empty() => look = true,
         }
     }

@@ -49,10 +49,14 @@ pub(super) struct Tracked {
 impl Tracked {
     /// Asks it to close, counted as room on its way; false when it was asked before.
     fn pick(&self) -> bool {
-        let first = !self.evicted.swap(true, Ordering::AcqRel);
+        let first = !self.evicted.swap(true, Ordering::SeqCst);
         if first {
-            self.counted.store(true, Ordering::Release);
-            self.leaving.fetch_add(1, Ordering::AcqRel);
+            self.counted.store(true, Ordering::SeqCst);
+            self.leaving.fetch_add(1, Ordering::SeqCst);
+            // A request that began meanwhile may have found it not yet counted.
+            if self.busy.load(Ordering::SeqCst) > 0 {
+                self.uncount();
+            }
             self.evict.notify_one();
         }
         first
@@ -61,8 +65,8 @@ impl Tracked {
     /// No longer counted as room on its way: it closed, or a request began on it after it
     /// was picked (its graceful close waits for that request, as long as it takes).
     fn uncount(&self) {
-        if self.counted.swap(false, Ordering::AcqRel) {
-            self.leaving.fetch_sub(1, Ordering::AcqRel);
+        if self.counted.swap(false, Ordering::SeqCst) {
+            self.leaving.fetch_sub(1, Ordering::SeqCst);
         }
     }
 
@@ -78,7 +82,7 @@ impl Tracked {
     /// A request head arrived: busy until [`done`](Self::done).
     pub(super) fn begin(&self) {
         self.asked.store(true, Ordering::Release);
-        self.busy.fetch_add(1, Ordering::AcqRel);
+        self.busy.fetch_add(1, Ordering::SeqCst);
         self.uncount();
         self.touch();
     }
