@@ -4,6 +4,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use common::*;
 
 fn body(answer: &str) -> serde_json::Value {
@@ -64,7 +66,7 @@ fn a_checkpoint_goes_to_the_next_holder_and_a_stale_holders_is_refused() {
         "{big}"
     );
 
-    std::thread::sleep(std::time::Duration::from_millis(1200)); // a's lease expires
+    std::thread::sleep(Duration::from_millis(1200)); // a's lease expires
     let (status, b) = claim(&addr, "export", "b", 30_000);
     assert_eq!(status, 200, "{b}");
     assert_eq!(b["generation"], 2, "{b}");
@@ -232,4 +234,48 @@ fn fence_runs_last_checkpoint_is_saved_through_a_passing_failure() {
         r#"test "$(cat "$FENCE_CHECKPOINT_FILE")" = 'step 4 of 5' || exit 9"#,
     ]);
     assert_eq!(out.status.code(), Some(0), "{out:?}");
+}
+
+/// SIGTERM while the last checkpoint is retried (the server never takes it) ends `fence run`
+/// at once, exit 143, the job left to expire: the signal is not used up by the retries and
+/// then forgotten while the job is given up.
+#[test]
+fn sigterm_while_the_last_checkpoint_is_retried_ends_fence_run() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(&dir.path().join("leases"));
+    let front = failing_checkpoints(url.trim_start_matches("http://").to_owned(), usize::MAX);
+    let run = std::process::Command::new(FENCE)
+        .args([
+            "run",
+            "--server",
+            &format!("http://{front}"),
+            "--job",
+            "stuck",
+        ])
+        .args(["--", "sh", "-c"])
+        .arg(r#"printf 'step 2 of 5' > "$FENCE_CHECKPOINT_FILE""#)
+        .env("RUST_LOG", "warn")
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Past the first 2 s, when signals count.
+    std::thread::sleep(Duration::from_secs(3));
+    let pid = nix::unistd::Pid::from_raw(i32::try_from(run.id()).unwrap());
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
+    let sent = std::time::Instant::now();
+    let out = run.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(143), "{stderr}");
+    assert!(sent.elapsed() < Duration::from_secs(2), "{stderr}");
+    assert!(stderr.contains("left to expire"), "{stderr}");
+    // Not completed: held until it expires.
+    let (status, answer) = bearer_call(
+        url.trim_start_matches("http://"),
+        "GET",
+        "/v1/leases/stuck",
+        None,
+        "",
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains(r#""state":"held""#), "{answer}");
 }

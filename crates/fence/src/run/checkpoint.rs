@@ -98,13 +98,12 @@ impl CheckpointFile {
         match self.read() {
             Ok(data) => match self.saver.save(data).await {
                 Ok(_) => tracing::debug!(path = %self.path.display(), "checkpoint saved"),
-                Err(e @ fence_lease::FinishError::Store(_)) => {
+                // The server did not answer (unreachable, a timeout, a 502, 503 or 504): again.
+                // Any other refusal (too large, a bad request, the lease lost) is final.
+                Err(fence_lease::FinishError::Store(e)) if e.answer_lost() => {
                     let error = fence_storage::error_chain(&e);
-                    if !error.contains("413") && !error.contains("payload-too-large") {
-                        tracing::warn!(%error, "the checkpoint was not saved; trying again");
-                        return false;
-                    }
-                    tracing::warn!(%error, "the checkpoint was not saved");
+                    tracing::warn!(%error, "the checkpoint was not saved; trying again");
+                    return false;
                 }
                 Err(e) => {
                     tracing::warn!(error = %fence_storage::error_chain(&e), "the checkpoint was not saved");
@@ -146,13 +145,19 @@ impl Saving {
         let _ = self.task.await;
         let until = tokio::time::Instant::now() + LAST_WINDOW;
         let mut pause = LAST_PAUSE_FIRST;
-        while !self.file.save_if_changed().await {
-            if lease.is_lost() || tokio::time::Instant::now() + pause >= until {
-                tracing::warn!("the command's last checkpoint was not saved");
-                return;
+        loop {
+            // Each attempt is cut at the window's end too: one can take the store's timeout.
+            match tokio::time::timeout_at(until, self.file.save_if_changed()).await {
+                Ok(true) => return,
+                Ok(false) if !lease.is_lost() && tokio::time::Instant::now() + pause < until => {
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(LAST_PAUSE_MAX);
+                }
+                _ => {
+                    tracing::warn!("the command's last checkpoint was not saved");
+                    return;
+                }
             }
-            tokio::time::sleep(pause).await;
-            pause = (pause * 2).min(LAST_PAUSE_MAX);
         }
     }
 }

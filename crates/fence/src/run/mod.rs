@@ -263,19 +263,26 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             return Err(e.context("the command's group was stopped and the job released"));
         }
     };
-    // The command's last checkpoint, before the job is given up; a signal ends its retries.
-    let _ = finish::or_signal_saying(
+    // The command is gone (or stopped); so must be anything it left running in its group,
+    // before its last checkpoint is saved and the lease is given up.
+    group.stop().await;
+    // The last checkpoint: a signal ends its retries, and the job is then left to expire,
+    // as a signal while the lease is given up would.
+    let saved = finish::or_signal_saying(
         &mut signals,
         saving.finish(&lease),
-        "while the last checkpoint was retried; it is not saved, and the job is given up",
+        "while the last checkpoint was retried; it is not saved, and the job is left to expire on its own",
     )
     .await;
     keeper.abort();
+    if let Err(sig) = saved {
+        drop(lease); // no more renewals
+        return Ok(128 + sig as i32);
+    }
     let lost = match ended {
         Ended::Exited(status) => Some(status),
         Ended::Lost => None,
         Ended::OutOfTime => {
-            group.stop().await;
             return Ok(out_of_time(lease, args.max_duration, &mut signals).await);
         }
     };
@@ -288,18 +295,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                 "fence run: the command {} after the lease was lost; fence run exits {EXIT_LOST}",
                 ended_how(status)
             );
-            group.stop().await;
             return Ok(EXIT_LOST);
         }
         Some(status) => status,
-        None => {
-            group.stop().await;
-            return Ok(EXIT_LOST);
-        }
+        None => return Ok(EXIT_LOST),
     };
-    // The command is gone; so must be anything it left running in its group, before the
-    // lease is given up.
-    group.stop().await;
     finish(lease, status, on_success, &mut signals).await
 }
 
