@@ -158,12 +158,17 @@ fn read_message(reader: &mut impl std::io::BufRead) -> Option<(String, Vec<u8>)>
 }
 
 /// A front for the lease server at `server` that answers the first `fail` checkpoint saves
-/// 503, and passes everything else on (one upstream connection per request); its address.
-fn failing_checkpoints(server: String, fail: usize) -> String {
+/// 503, and passes everything else on (one upstream connection per request); its address,
+/// and how many saves it has been sent.
+fn failing_checkpoints(
+    server: String,
+    fail: usize,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::io::{BufReader, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
     let failed = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let saves = failed.clone();
     std::thread::spawn(move || {
         for client in listener.incoming() {
             let Ok(mut client) = client else { continue };
@@ -199,7 +204,7 @@ fn failing_checkpoints(server: String, fail: usize) -> String {
             });
         }
     });
-    addr
+    (addr, saves)
 }
 
 /// The command's last checkpoint, saved after it exited, is tried again when the server
@@ -209,7 +214,7 @@ fn failing_checkpoints(server: String, fail: usize) -> String {
 fn fence_runs_last_checkpoint_is_saved_through_a_passing_failure() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(&dir.path().join("leases"));
-    let front = failing_checkpoints(url.trim_start_matches("http://").to_owned(), 3);
+    let (front, _) = failing_checkpoints(url.trim_start_matches("http://").to_owned(), 3);
     let out = fence(&[
         "run",
         "--server",
@@ -243,7 +248,8 @@ fn fence_runs_last_checkpoint_is_saved_through_a_passing_failure() {
 fn sigterm_while_the_last_checkpoint_is_retried_ends_fence_run() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(&dir.path().join("leases"));
-    let front = failing_checkpoints(url.trim_start_matches("http://").to_owned(), usize::MAX);
+    let (front, saves) =
+        failing_checkpoints(url.trim_start_matches("http://").to_owned(), usize::MAX);
     let run = std::process::Command::new(FENCE)
         .args([
             "run",
@@ -258,8 +264,13 @@ fn sigterm_while_the_last_checkpoint_is_retried_ends_fence_run() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    // Past the first 2 s, when signals count.
-    std::thread::sleep(Duration::from_secs(3));
+    // The retries under way, and past their first 2 s, when signals count.
+    eventually(
+        "the last checkpoint is retried",
+        Duration::from_secs(30),
+        || saves.load(std::sync::atomic::Ordering::SeqCst) >= 1,
+    );
+    std::thread::sleep(Duration::from_millis(2_500));
     let pid = nix::unistd::Pid::from_raw(i32::try_from(run.id()).unwrap());
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGTERM).unwrap();
     let sent = std::time::Instant::now();

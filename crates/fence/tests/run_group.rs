@@ -291,6 +291,43 @@ fn a_leftover_after_a_clean_end_gets_the_whole_grace() {
     );
 }
 
+/// A command that exits 0 holding its lease completes the job, even when its progress
+/// window (`--progress-within`) runs out afterwards, while a leftover takes its grace:
+/// nothing is left to make progress then. Stop 50's first version checked the lease after
+/// that grace and exited 75 without completing.
+#[test]
+fn a_clean_end_completes_though_the_progress_window_passes_during_the_grace() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let progress = dir.path().join("progress");
+    let script = format!(
+        "touch {}; sh -c \"trap '' TERM; sleep 2.5\" & exit 0",
+        progress.display()
+    );
+    let progress_arg = progress.display().to_string();
+    let mut run = spawn_run(
+        &url,
+        "progress-then-grace",
+        &[
+            "--ttl",
+            "1s",
+            "--grace",
+            "5s",
+            "--progress-file",
+            &progress_arg,
+            "--progress-within",
+            "500ms",
+        ],
+        &script,
+    );
+    assert_eq!(run.0.wait().unwrap().code(), Some(0));
+    let status = fence(&["status", "--server", &url, "--job", "progress-then-grace"]);
+    assert!(
+        String::from_utf8_lossy(&status.stdout).contains(r#""state":"completed""#),
+        "{status:?}"
+    );
+}
+
 /// As above, but the lease server stops answering as the command exits: the lease can no
 /// longer be renewed, so the leftover that ignores SIGTERM is killed before the server could
 /// let another owner claim the job, not after the whole 10 s grace.

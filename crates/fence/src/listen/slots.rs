@@ -51,8 +51,9 @@ impl Tracked {
     fn pick(&self) -> bool {
         let first = !self.evicted.swap(true, Ordering::SeqCst);
         if first {
-            self.counted.store(true, Ordering::SeqCst);
+            // Counted first, flagged after: an uncount in between finds nothing to take back.
             self.leaving.fetch_add(1, Ordering::SeqCst);
+            self.counted.store(true, Ordering::SeqCst);
             // A request that began meanwhile may have found it not yet counted.
             if self.busy.load(Ordering::SeqCst) > 0 {
                 self.uncount();

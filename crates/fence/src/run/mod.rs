@@ -263,6 +263,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
             return Err(e.context("the command's group was stopped and the job released"));
         }
     };
+    // Whether the lease was lost while the command ran, as it ended: what follows (its
+    // group's grace, the last checkpoint's retries) can outlast the lease's progress window
+    // with nothing left to make progress, and the store still takes a completion then as
+    // long as nobody claimed the job.
+    let lost_while_running = lease.is_lost();
     // The command is gone (or stopped); so must be anything it left running in its group,
     // before its last checkpoint is saved and the lease is given up.
     group.stop().await;
@@ -290,7 +295,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         // Exited after the local deadline: perhaps because the watchdog, acting on that
         // deadline, stopped it first. Its exit code says nothing about its work then, and
         // the lease is not ours to complete.
-        Some(status) if lease.is_lost() => {
+        Some(status) if lost_while_running => {
             eprintln!(
                 "fence run: the command {} after the lease was lost; fence run exits {EXIT_LOST}",
                 ended_how(status)
