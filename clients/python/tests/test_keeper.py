@@ -203,3 +203,27 @@ def test_a_server_that_keeps_failing_a_release_is_given_up_on_at_the_lease_s_end
     took = time.monotonic() - started
     assert 0.5 < took < 1.5, f"gave up after {took:.2f} s (the lease ends 1 s after its claim)"
     assert len(sent) > 2
+
+
+def test_cancelling_an_asyncio_release_stops_its_retries(stack, monkeypatch):
+    """Cancelling ``release()`` stops the retries in its worker thread. Before, they went on
+    until the lease could end (10 s here), unseen, and ``asyncio.run`` waited for them."""
+    s = stack(proxy=False)
+    sent: List[List[str]] = []
+
+    async def cancelled_release() -> None:
+        alease = await AsyncClient(s.server_url, owner="canceller", ttl=10.0).claim("acancel")
+        sent.append(failing_finishes(alease, monkeypatch, 1_000, applied=False))
+        task = asyncio.create_task(alease.release())
+        await asyncio.sleep(0.5)  # a few attempts, 100 and 200 ms apart
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+    started = time.monotonic()
+    asyncio.run(cancelled_release())  # waits for the worker thread at its exit
+    took = time.monotonic() - started
+    attempts = len(sent[0])
+    assert took < 3.0, f"the retries went on after the cancel: {took:.1f} s, {attempts} attempts"
+    time.sleep(0.5)
+    assert len(sent[0]) == attempts

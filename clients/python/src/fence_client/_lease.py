@@ -260,14 +260,16 @@ class LeaseCore:
                 "ttl_ms": self._asked_ttl_ms}
         return self._transport.call("POST", self._path("renew"), body, timeout=timeout)
 
-    def _send_finish(self, action: str) -> Dict[str, Any]:
+    def _send_finish(self, action: str,
+                     cancelled: Optional[threading.Event] = None) -> Dict[str, Any]:
         """Releases or completes. A server that fails to answer (unreachable, a timeout, a 502,
         503 or 504) is asked again until it could end the lease on its own (a minute at most): a
         passing blip at
         the end of a job must not leave it to expire and run again. A retry refused with
         ``lease-lost`` at this generation, by nobody (released) or by this owner (completed:
         the only refusal that leaves both in place), finds the earlier attempt applied: the
-        record it left is returned."""
+        record it left is returned. Once ``cancelled`` is set (the asyncio caller was
+        cancelled), no further attempt is made: the last failure is raised."""
         body = {"owner": self.owner, "generation": self.generation, "lease_key": self._key}
         with self._lock:
             until = min(self._sent + self._ttl_ms / 1000, monotonic() + FINISH_RETRY_WINDOW)
@@ -287,7 +289,10 @@ class LeaseCore:
                 if not lost or monotonic() + pause >= until:
                     raise
                 unsure = True
-                time.sleep(pause)
+                if cancelled is None:
+                    time.sleep(pause)
+                elif cancelled.wait(pause):
+                    raise
                 pause = min(pause * 2, FINISH_PAUSE_MAX)
 
 

@@ -14,6 +14,7 @@ deadline, so ``lease.lost`` is set on time even while a renewal hangs.
 from __future__ import annotations
 
 import asyncio
+import threading
 from types import TracebackType
 from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, Type
 
@@ -104,7 +105,14 @@ class AsyncLease(LeaseCore):
 
     async def _finish(self, action: str) -> Dict[str, Any]:
         self.abandon()
-        return await asyncio.to_thread(self._send_finish, action)
+        # Cancelling the caller cannot stop the thread's call under way, but it stops the
+        # retries after it (they would otherwise go on for up to a minute, unseen).
+        cancelled = threading.Event()
+        try:
+            return await asyncio.to_thread(self._send_finish, action, cancelled)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
 
     async def __aenter__(self) -> "AsyncLease":
         return self
