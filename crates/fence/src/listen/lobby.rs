@@ -76,10 +76,11 @@ impl Lobby {
     /// the longest waiting among equals.
     pub(super) fn next(&mut self, slots: &Slots) -> Option<Waiting> {
         let held = slots.held_by_each(self.waiting.iter().map(|w| w.peer.ip()));
+        // The first of the minimum: the longest waiting among equals.
         let lightest = held
             .iter()
             .enumerate()
-            .min_by_key(|&(at, &h)| (h, at))
+            .min_by_key(|&(_, &h)| h)
             .map(|(at, _)| at)?;
         self.waiting.remove(lightest)
     }

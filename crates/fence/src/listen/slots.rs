@@ -182,11 +182,7 @@ impl Slots {
     ) -> Option<Seat> {
         let mut peers = self.lock();
         let mine = peers.entry(peer).or_default();
-        let leaving = mine
-            .values()
-            .filter(|c| c.evicted.load(Ordering::Acquire))
-            .count();
-        if mine.len() - leaving >= self.per_peer {
+        if self.at_its_cap(mine) {
             let victim =
                 oldest_idle(mine.values(), false).or_else(|| oldest_idle(mine.values(), true));
             match victim {
@@ -253,14 +249,18 @@ impl Slots {
     /// close it), so it need not wait, nor have room made for it.
     pub(super) fn could_seat(&self, peer: IpAddr) -> bool {
         let peers = self.lock();
-        let Some(mine) = peers.get(&peer) else {
-            return true;
-        };
+        peers
+            .get(&peer)
+            .is_none_or(|mine| !self.at_its_cap(mine) || mine.values().any(|c| c.idle()))
+    }
+
+    /// Whether a peer holding `mine` holds its cap, not counting those already leaving.
+    fn at_its_cap(&self, mine: &HashMap<u64, Arc<Tracked>>) -> bool {
         let leaving = mine
             .values()
             .filter(|c| c.evicted.load(Ordering::Acquire))
             .count();
-        mine.len() - leaving < self.per_peer || mine.values().any(|c| c.idle())
+        mine.len() - leaving >= self.per_peer
     }
 
     /// Connections asked to close for room that have not closed yet: the room on its way.

@@ -17,16 +17,15 @@ use std::{
 };
 
 use fence_core::lease_api::{Checkpoint, MAX_CHECKPOINT_BYTES};
-use fence_lease::{Checkpointer, HttpLeaseStore, LeaseView};
+use fence_lease::{Backoff, Checkpointer, HttpLeaseStore, LeaseView};
 use tokio::{sync::Mutex, task::JoinHandle};
 
 /// How often the file is looked at.
 const EVERY: Duration = Duration::from_secs(1);
 
-/// The last save, when the server fails to take it, is tried again after a pause that starts
-/// here and doubles up to a second, while the lease is held, for a minute at most.
-const LAST_PAUSE_FIRST: Duration = Duration::from_millis(100);
-const LAST_PAUSE_MAX: Duration = Duration::from_secs(1);
+/// The last save, when the server fails to take it, is tried again after pauses of about
+/// 100 ms doubling up to a second, while the lease is held, for a minute at most.
+const LAST_PAUSES: (Duration, Duration) = (Duration::from_millis(100), Duration::from_secs(1));
 const LAST_WINDOW: Duration = Duration::from_secs(60);
 
 /// The file and what was last saved of it.
@@ -144,14 +143,15 @@ impl Saving {
         let _ = self.stop.send(true);
         let _ = self.task.await;
         let until = tokio::time::Instant::now() + LAST_WINDOW;
-        let mut pause = LAST_PAUSE_FIRST;
+        let mut pauses = Backoff::new(LAST_PAUSES.0, LAST_PAUSES.1);
         loop {
             // Each attempt is cut at the window's end too: one can take the store's timeout.
-            match tokio::time::timeout_at(until, self.file.save_if_changed()).await {
+            let saved = tokio::time::timeout_at(until, self.file.save_if_changed()).await;
+            let pause = pauses.next_pause();
+            match saved {
                 Ok(true) => return,
                 Ok(false) if !lease.is_lost() && tokio::time::Instant::now() + pause < until => {
                     tokio::time::sleep(pause).await;
-                    pause = (pause * 2).min(LAST_PAUSE_MAX);
                 }
                 _ => {
                     tracing::warn!("the command's last checkpoint was not saved");
