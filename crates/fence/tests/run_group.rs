@@ -268,28 +268,35 @@ fn a_stubborn_leftover_is_killed_before_the_lease_can_expire() {
 
 /// After a clean end (the command exited 0, the lease still held and renewed until the job is
 /// completed), what the command left in its group gets the whole `--grace` to finish, even
-/// when that is longer than the lease: nobody else can claim the job meanwhile. A 2 s lease
-/// (a leftover of 4 s): a CI run with this binary's tests all at once on two cores once
-/// missed a renewal of a 1 s lease, and the lost lease rightly cut the grace short.
+/// when that is longer than the lease: nobody else can claim the job meanwhile. A 6 s lease
+/// (renewed every 2 s) and a leftover of 8 s: CI runs with this binary's tests all at once
+/// on two cores missed renewals of a 1 s and then of a 2 s lease (a renewal answered more
+/// than 1.1 s after it was sent), and the lease lost locally rightly cut the grace short.
+/// What `fence run` said is shown on failure, so a lost lease is told from a killed leftover.
 #[test]
 fn a_leftover_after_a_clean_end_gets_the_whole_grace() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(dir.path());
     let done = dir.path().join("leftover-finished");
+    let said = dir.path().join("fence-run.stderr");
     let script = format!(
-        "sh -c \"trap '' TERM; sleep 4; echo finished > {}\" & exit 0",
+        "sh -c \"trap '' TERM; sleep 8; echo finished > {}\" & exit 0",
         done.display()
     );
-    let mut run = spawn_run(
-        &url,
-        "clean-end",
-        &["--ttl", "2s", "--grace", "8s"],
-        &script,
-    );
-    assert_eq!(run.0.wait().unwrap().code(), Some(0));
+    let mut run = Command::new(FENCE)
+        .args(["run", "--server", &url, "--job", "clean-end"])
+        .args(["--ttl", "6s", "--grace", "14s"])
+        .args(["--", "sh", "-c", &script])
+        .env("RUST_LOG", "warn")
+        .stderr(std::fs::File::create(&said).unwrap())
+        .spawn()
+        .unwrap();
+    let code = run.wait().unwrap().code();
+    let said = std::fs::read_to_string(&said).unwrap_or_default();
+    assert_eq!(code, Some(0), "fence run said: {said}");
     assert!(
         done.exists(),
-        "the leftover was killed before its grace was over"
+        "the leftover was killed before its grace was over; fence run said: {said}"
     );
 }
 
