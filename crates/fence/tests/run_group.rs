@@ -54,6 +54,17 @@ fn gone_within(pid: u32, limit: Duration) -> Duration {
     start.elapsed()
 }
 
+/// Script text that starts `body` in the background, in a shell that ignores SIGTERM, and
+/// goes on only once that shell has set its trap (it touches `ready` then): a SIGTERM sent
+/// to the group before the trap, as a loaded CI machine allowed, kills it as if it did not
+/// ignore it. `$!` after it is that shell's pid.
+fn stubborn_in_background(body: &str, ready: &Path) -> String {
+    format!(
+        "sh -c \"trap '' TERM; touch {r}; {body}\" & while [ ! -e {r} ]; do sleep 0.01; done",
+        r = ready.display()
+    )
+}
+
 /// A shell that starts `sleep 1000` in the background, writes its pid, and waits. With
 /// `ignore_term` the shell and the sleep ignore SIGTERM, so only SIGKILL stops them.
 fn tree_script(pid_file: &Path, ignore_term: bool) -> String {
@@ -248,7 +259,8 @@ fn a_stubborn_leftover_is_killed_before_the_lease_can_expire() {
     let (server, url) = start_server(dir.path());
     let pid_file = dir.path().join("leftover.pid");
     let script = format!(
-        "sh -c \"trap '' TERM; exec sleep 1000\" & echo $! > {}; wait",
+        "{}; echo $! > {}; wait",
+        stubborn_in_background("exec sleep 1000", &dir.path().join("ready")),
         pid_file.display()
     );
     let mut run = spawn_run(
@@ -268,11 +280,10 @@ fn a_stubborn_leftover_is_killed_before_the_lease_can_expire() {
 
 /// After a clean end (the command exited 0, the lease still held and renewed until the job is
 /// completed), what the command left in its group gets the whole `--grace` to finish, even
-/// when that is longer than the lease: nobody else can claim the job meanwhile. A 6 s lease
-/// (renewed every 2 s) and a leftover of 8 s: CI runs with this binary's tests all at once
-/// on two cores missed renewals of a 1 s and then of a 2 s lease (a renewal answered more
-/// than 1.1 s after it was sent), and the lease lost locally rightly cut the grace short.
-/// What `fence run` said is shown on failure, so a lost lease is told from a killed leftover.
+/// when that is longer than the lease: nobody else can claim the job meanwhile. A 3 s lease
+/// and a leftover of 5 s. CI runs failed this test three times: fence run's words, kept
+/// since, showed no lost lease; the leftover shell had been started but had not yet set
+/// its trap when the clean end's SIGTERM came (the command now waits for it).
 #[test]
 fn a_leftover_after_a_clean_end_gets_the_whole_grace() {
     let dir = tempfile::tempdir().unwrap();
@@ -280,12 +291,15 @@ fn a_leftover_after_a_clean_end_gets_the_whole_grace() {
     let done = dir.path().join("leftover-finished");
     let said = dir.path().join("fence-run.stderr");
     let script = format!(
-        "sh -c \"trap '' TERM; sleep 8; echo finished > {}\" & exit 0",
-        done.display()
+        "{}; exit 0",
+        stubborn_in_background(
+            &format!("sleep 5; echo finished > {}", done.display()),
+            &dir.path().join("ready")
+        )
     );
     let mut run = Command::new(FENCE)
         .args(["run", "--server", &url, "--job", "clean-end"])
-        .args(["--ttl", "6s", "--grace", "14s"])
+        .args(["--ttl", "3s", "--grace", "10s"])
         .args(["--", "sh", "-c", &script])
         .env("RUST_LOG", "warn")
         .stderr(std::fs::File::create(&said).unwrap())
@@ -303,15 +317,18 @@ fn a_leftover_after_a_clean_end_gets_the_whole_grace() {
 /// A command that exits 0 holding its lease completes the job, even when its progress
 /// window (`--progress-within`) runs out afterwards, while a leftover takes its grace:
 /// nothing is left to make progress then. Stop 50's first version checked the lease after
-/// that grace and exited 75 without completing.
+/// that grace and exited 75 without completing. A 3 s lease with a 1 s window, lost locally
+/// by about 3.7 s, during the leftover's 5 s; not a 1 s lease with a 500 ms window, which a
+/// command started slowly on a loaded machine could lose before it exits.
 #[test]
 fn a_clean_end_completes_though_the_progress_window_passes_during_the_grace() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(dir.path());
     let progress = dir.path().join("progress");
     let script = format!(
-        "touch {}; sh -c \"trap '' TERM; sleep 2.5\" & exit 0",
-        progress.display()
+        "touch {}; {}; exit 0",
+        progress.display(),
+        stubborn_in_background("sleep 5", &dir.path().join("ready"))
     );
     let progress_arg = progress.display().to_string();
     let mut run = spawn_run(
@@ -319,13 +336,13 @@ fn a_clean_end_completes_though_the_progress_window_passes_during_the_grace() {
         "progress-then-grace",
         &[
             "--ttl",
-            "1s",
+            "3s",
             "--grace",
-            "5s",
+            "8s",
             "--progress-file",
             &progress_arg,
             "--progress-within",
-            "500ms",
+            "1s",
         ],
         &script,
     );
@@ -346,7 +363,8 @@ fn a_leftover_after_a_clean_end_is_killed_once_the_lease_cannot_be_renewed() {
     let (server, url) = start_server(dir.path());
     let pid_file = dir.path().join("clean-leftover.pid");
     let script = format!(
-        "sh -c \"trap '' TERM; exec sleep 1000\" & echo $! > {}; sleep 0.3; exit 0",
+        "{}; echo $! > {}; sleep 0.3; exit 0",
+        stubborn_in_background("exec sleep 1000", &dir.path().join("ready")),
         pid_file.display()
     );
     let mut run = spawn_run(
@@ -401,7 +419,12 @@ fn ctrl_c_while_waiting_for_the_lease_ends_the_wait() {
         &["--wait", "60s"],
         &format!("touch {}", ran.display()),
     );
-    std::thread::sleep(Duration::from_millis(500));
+    // Its claim waits at the server (its signal handlers are in place before it claims).
+    let addr = url.trim_start_matches("http://").to_owned();
+    eventually("fence run's claim waits", Duration::from_secs(10), || {
+        let (_, metrics) = bearer_call(&addr, "GET", "/metrics", None, "");
+        metrics.lines().any(|l| l == "fence_lease_waiting_claims 1")
+    });
     signal(&run, "-INT");
     let started = Instant::now();
     let status = loop {
@@ -425,10 +448,29 @@ fn ctrl_c_while_waiting_for_the_lease_ends_the_wait() {
 fn sigterm_while_the_completion_is_retried_ends_the_retries() {
     let dir = tempfile::tempdir().unwrap();
     let (mut server, url) = start_server(dir.path());
-    let mut run = spawn_run(&url, "unfinished", &["--ttl", "30s"], "sleep 1");
-    std::thread::sleep(Duration::from_millis(300));
+    let (go, ended) = (dir.path().join("go"), dir.path().join("ended"));
+    // The command ends once the server is gone.
+    let mut run = spawn_run(
+        &url,
+        "unfinished",
+        &["--ttl", "30s"],
+        &format!(
+            "while [ ! -e {} ]; do sleep 0.05; done; touch {}",
+            go.display(),
+            ended.display()
+        ),
+    );
+    // Claimed (not a fixed pause: a claim not yet made when the server dies exits 1).
+    eventually("fence run claims", Duration::from_secs(10), || {
+        let status = fence(&["status", "--server", &url, "--job", "unfinished"]);
+        String::from_utf8_lossy(&status.stdout).contains(r#""state":"held""#)
+    });
     server.0.kill().unwrap();
     server.0.wait().unwrap();
+    std::fs::write(&go, "").unwrap();
+    eventually("the command ends", Duration::from_secs(10), || {
+        ended.exists()
+    });
     std::thread::sleep(Duration::from_millis(1_500)); // the command has exited 0: retrying
     assert!(
         run.0.try_wait().unwrap().is_none(),
@@ -510,19 +552,21 @@ fn max_duration_stops_the_tree_and_releases_or_lets_expire() {
     let pid_file = dir.path().join("pid");
     let started = Instant::now();
     let out = Command::new(FENCE)
-        .args(["run", "--server", &url, "--job", "capped", "--ttl", "1s"])
-        .args(["--max-duration", "2s", "--grace", "500ms", "--", "sh", "-c"])
+        .args(["run", "--server", &url, "--job", "capped", "--ttl", "3s"])
+        .args(["--max-duration", "4s", "--grace", "500ms", "--", "sh", "-c"])
         .arg(tree_script(&pid_file, true))
         .env("RUST_LOG", "warn")
         .output()
         .unwrap();
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(124), "{stderr}");
-    assert!(stderr.contains("--max-duration 2s passed"), "{stderr}");
+    assert!(stderr.contains("--max-duration 4s passed"), "{stderr}");
+    // Past a TTL: renewals kept it going. A 3 s lease, not 1 s: one renewal answered 0.6 s
+    // late on a loaded CI machine would lose a 1 s lease (exit 75).
     let took = started.elapsed();
     assert!(
-        took >= Duration::from_secs(2) && took < Duration::from_secs(10),
-        "stopped after {took:?}, renewals (TTL 1s) did not keep it going"
+        took >= Duration::from_secs(4) && took < Duration::from_secs(12),
+        "stopped after {took:?}, renewals (TTL 3s) did not keep it going"
     );
     gone_within(pid_in(&pid_file), Duration::from_secs(5));
     let record = json(&fence(&["status", "--server", &url, "--job", "capped"]));
