@@ -10,7 +10,7 @@ use fence_core::{
     secret::LeaseKey,
     sink_api::{AdvanceRequest, FenceView, fence_path},
 };
-use fence_lease::{BearerToken, HttpLeaseStore, HttpOptions};
+use fence_lease::{BearerToken, HttpLeaseStore, HttpOptions, StoreError};
 use http::StatusCode;
 
 use crate::cli::{
@@ -420,15 +420,25 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
                 code = 1;
             }
             Err(e) => {
-                eprintln!(
-                    "fence: {url}: the push failed: {}",
-                    fence_storage::error_chain(&e)
-                );
+                eprintln!("fence: {url}: the push failed: {}", sink_failure(&e));
                 code = 1;
             }
         }
     }
     Ok(code)
+}
+
+/// Why a push to a sink failed, in a sink's words: the HTTP client is the lease client,
+/// whose errors speak of "the lease store".
+fn sink_failure(e: &StoreError) -> String {
+    match e {
+        StoreError::Timeout(limit) => format!("the sink did not answer within {limit:?}"),
+        StoreError::Io(source) => format!(
+            "the sink could not be reached: {}",
+            fence_storage::error_chain(source.as_ref())
+        ),
+        other => fence_storage::error_chain(other),
+    }
 }
 
 /// `fence healthcheck`: 0 when `GET {url}/healthz` answers 200, else 1 with what it answered.

@@ -368,6 +368,14 @@ fn pushes_go_to_every_sink_at_once() {
     );
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("fenced at generation 2"), "{stderr}");
+    // In a sink's words, not the lease client's.
+    assert!(
+        stderr.contains(&format!(
+            "{dead_url}: the push failed: the sink did not answer within"
+        )),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("lease store"), "{stderr}");
     let (status, answer) = write(&proxy, "pay-3", &old_token);
     assert_eq!(status, 409, "{answer}");
     drop(dead);
