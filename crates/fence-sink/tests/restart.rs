@@ -83,9 +83,34 @@ impl Process {
     }
 }
 
-/// Lets spawned tasks get as far as they can.
+/// Lets spawned tasks get as far as they can (for what must NOT happen: a slow machine only
+/// makes such a check weaker, never fails it).
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(100)).await;
+}
+
+/// Lets spawned tasks get on until `done` holds, within 10 s: what must happen goes through
+/// the store's disk writes, which a fixed pause would race on a loaded machine.
+async fn until(what: &str, mut done: impl FnMut() -> bool) {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while !done() {
+        assert!(Instant::now() < deadline, "not within 10 s: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Waits (within 10 s) until `store` holds `generation` as `job`'s highest.
+async fn until_raised(store: &SledStore, job: &str, generation: u64) {
+    use fence_sink::GenerationStore;
+    let job = job.parse().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(10);
+    while store.highest(&job).await.unwrap().get() < generation {
+        assert!(
+            Instant::now() < deadline,
+            "not within 10 s: {job} raised to {generation}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
 }
 
 /// A request's status and how long after `since` it was answered.
@@ -109,12 +134,10 @@ async fn first_process(clock: &ManualClock) -> tempfile::TempDir {
     clock.advance(Duration::from_secs(300));
     let p = Process::open(dir.path(), clock, Duration::from_secs(60), true);
     let running = [p.send("busy", 4), p.send("busy", 4)];
-    settle().await;
-    assert_eq!(
-        p.layer.in_flight(),
-        2,
-        "the busy job's requests are running"
-    );
+    until("the busy job's two requests are running", || {
+        p.layer.in_flight() == 2
+    })
+    .await;
     // The process dies: its tasks and every in-memory count go with it.
     for r in running {
         r.abort();
@@ -149,7 +172,7 @@ async fn a_newer_token_waits_for_what_the_process_before_left_running() {
     // requests of 4 could no longer be running: the hold, from the restart (which came
     // before their upstream timeout ran out).
     let newer = p.send("busy", 5);
-    settle().await;
+    until_raised(p.layer.store(), "busy", 5).await;
     assert_eq!(p.status("busy", 4).await, StatusCode::CONFLICT);
     let (status, after) = answered(newer, opened).await;
     assert_eq!(status, StatusCode::OK);
@@ -190,9 +213,10 @@ async fn the_highest_token_waits_when_older_ones_were_still_running_at_its_raise
     {
         let p = Process::open(dir.path(), &clock, Duration::from_secs(60), true);
         let old = p.send("job", 1);
-        settle().await;
+        until("1 runs", || p.calls() == 1).await;
         // Raised while 1 runs: 2 waits for it, and the process dies meanwhile.
         let newer = p.send("job", 2);
+        until_raised(p.layer.store(), "job", 2).await;
         settle().await;
         assert_eq!(p.calls(), 1);
         for r in [old, newer] {
@@ -269,9 +293,10 @@ async fn a_request_admitted_after_a_long_wait_is_stamped_at_its_admission() {
         tokio::spawn(async move { svc.oneshot(req).await.unwrap().status() })
     };
     let older = send(1);
-    settle().await;
+    until("1 runs", || layer.in_flight() == 1).await;
     // Raised at once, then waits for 1: its arrival is covered by the raise's stamp.
     let newer = send(2);
+    until_raised(&store, "job", 2).await;
     settle().await;
     // 1 runs longer than that stamp covers, then ends: 2 goes on only now.
     clock.advance(Duration::from_secs(12));

@@ -46,11 +46,12 @@ fn a_stranger_who_knows_owner_and_generation_changes_nothing() {
     );
     let url = format!("http://{addr}");
 
-    // The holder: `fence run` with a 2 s lease around a 5 s command; it must renew throughout
-    // (2 s, not less: a renewal that a loaded test machine delays must not lose the lease).
+    // The holder: `fence run` with a 4 s lease around a 9 s command; it must renew throughout
+    // (4 s, not less: a renewal that a loaded test machine delays, here to a server logging
+    // at trace level, must not lose the lease; CI lost a 2 s lease elsewhere that way).
     let mut worker = Command::new(FENCE)
         .args([
-            "run", "--server", &url, "--job", "nightly", "--ttl", "2s", "--", "sleep", "5",
+            "run", "--server", &url, "--job", "nightly", "--ttl", "4s", "--", "sleep", "9",
         ])
         .env("FENCE_AUTH_TOKEN", HOLDER)
         .env("RUST_LOG", "warn")

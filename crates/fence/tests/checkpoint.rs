@@ -44,7 +44,8 @@ fn a_checkpoint_goes_to_the_next_holder_and_a_stale_holders_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let data = dir.path().to_str().unwrap().to_owned();
     let (_server, addr) = start_ready(&server_args(&data, &["--max-checkpoint-bytes", "8192"]));
-    let (status, a) = claim(&addr, "export", "a", 1000);
+    // 3 s: the saves that follow must find a's lease held, on a loaded machine too.
+    let (status, a) = claim(&addr, "export", "a", 3000);
     assert_eq!(status, 200, "{a}");
     assert!(a.get("checkpoint").is_none(), "{a}");
 
@@ -66,7 +67,7 @@ fn a_checkpoint_goes_to_the_next_holder_and_a_stale_holders_is_refused() {
         "{big}"
     );
 
-    std::thread::sleep(Duration::from_millis(1200)); // a's lease expires
+    std::thread::sleep(Duration::from_millis(3200)); // a's lease expires
     let (status, b) = claim(&addr, "export", "b", 30_000);
     assert_eq!(status, 200, "{b}");
     assert_eq!(b["generation"], 2, "{b}");

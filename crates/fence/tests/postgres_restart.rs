@@ -70,9 +70,12 @@ async fn database_restart_during_renewals() {
 
     // Meanwhile B keeps trying to claim. Whenever it is granted, A must already have stopped
     // believing it holds the job. Go on until the restart is over and the service answers.
+    // B's lease is longer than A's: right after the restart, one renewal answered late while
+    // the pool reconnects must not lose it (this test is about renewals working again).
+    let ttl_b = Ttl::from_millis(4_000).unwrap();
     let b = LeaseClient::new(store.clone())
         .owner("worker-b".parse().unwrap())
-        .ttl(ttl);
+        .ttl(ttl_b);
     let started = Instant::now();
     let (mut errors, mut lease_b) = (0, None);
     loop {
@@ -135,7 +138,7 @@ async fn database_restart_during_renewals() {
         "generations +1, nothing reused"
     );
     // Two TTLs: B's lease outlives them only if its renewals go through.
-    tokio::time::sleep(ttl.as_duration() * 2).await;
+    tokio::time::sleep(ttl_b.as_duration() * 2).await;
     assert!(
         lease_b.token().is_some(),
         "B's renewals work after the restart"

@@ -13,7 +13,9 @@ fn a_command_that_touches_its_progress_file_keeps_the_lease() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(&dir.path().join("leases"));
     let progress = dir.path().join("progress");
-    // 3 s of work, touching the file every 200 ms, under a 1 s lease bound to 700 ms.
+    // 7 s of work (past two TTLs), touching the file every 200 ms, under a 3 s lease bound
+    // to 1.5 s. Not a 1 s lease: one renewal answered 0.6 s late, on a loaded CI machine,
+    // would lose it.
     let out = fence(&[
         "run",
         "--server",
@@ -21,15 +23,15 @@ fn a_command_that_touches_its_progress_file_keeps_the_lease() {
         "--job",
         "steady",
         "--ttl",
-        "1s",
+        "3s",
         "--progress-file",
         progress.to_str().unwrap(),
         "--progress-within",
-        "700ms",
+        "1500ms",
         "--",
         "sh",
         "-c",
-        r#"test "$FENCE_PROGRESS_FILE" = "$0" || exit 9; i=0; while [ $i -lt 15 ]; do touch "$0"; sleep 0.2; i=$((i+1)); done"#,
+        r#"test "$FENCE_PROGRESS_FILE" = "$0" || exit 9; i=0; while [ $i -lt 35 ]; do touch "$0"; sleep 0.2; i=$((i+1)); done"#,
         progress.to_str().unwrap(),
     ]);
     assert_eq!(out.status.code(), Some(0), "{out:?}");

@@ -8,8 +8,9 @@ use std::time::Duration;
 
 use common::*;
 
-/// A semaphore claim of `resource` with `slots` slots by `owner` with a 1 s lease: (status,
-/// the answer as sent, its body as JSON).
+/// A semaphore claim of `resource` with `slots` slots by `owner` with a 3 s lease (the claims
+/// that follow the first must find it held, on a loaded machine too): (status, the answer as
+/// sent, its body as JSON).
 fn claim_slot(
     addr: &str,
     resource: &str,
@@ -17,7 +18,7 @@ fn claim_slot(
     slots: u32,
 ) -> (u16, String, serde_json::Value) {
     let body = format!(
-        r#"{{"owner":"{owner}","lease_key":"{owner}-0123456789abcdefghijk","ttl_ms":1000,"slots":{slots}}}"#
+        r#"{{"owner":"{owner}","lease_key":"{owner}-0123456789abcdefghijk","ttl_ms":3000,"slots":{slots}}}"#
     );
     let path = format!("/v1/semaphores/{resource}/claim");
     let (status, answer) = bearer_call(addr, "POST", &path, None, &body);
@@ -88,7 +89,7 @@ fn a_stale_slot_holder_is_refused_at_the_proxy_once_its_slot_is_granted_again() 
 
     // a writes under slot 1, stalls past its lease; c gets slot 1 at generation 2.
     assert_eq!(fenced_post(&proxy, "/charge", "exports#1", "1"), 200);
-    std::thread::sleep(Duration::from_millis(1_200));
+    std::thread::sleep(Duration::from_millis(3_200));
     let (status, _, c) = claim_slot(&addr, "exports", "c", 2);
     assert_eq!(status, 200, "{c}");
     assert_eq!(
@@ -240,7 +241,7 @@ fn fence_run_takes_a_slot_and_releases_it() {
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert!(stderr.contains("has 2 slots while any is held"), "{stderr}");
-    // With --wait, it runs once a slot frees (the 1 s leases expire).
+    // With --wait, it runs once a slot frees (the 3 s leases expire).
     let out = fence(&[
         "run",
         "--server",
@@ -250,7 +251,7 @@ fn fence_run_takes_a_slot_and_releases_it() {
         "--slots",
         "2",
         "--wait",
-        "5s",
+        "15s",
         "--",
         "sh",
         "-c",

@@ -408,13 +408,14 @@ fn keepalive_keeps_the_current_signed_token_in_its_token_file() {
     // Clocks here agree: a token is expired 200 ms after its lease ends (default: 5 s).
     let c = keyed_cluster(dir.path(), &["--clock-skew", "200ms"]);
     let job = "kept-signed";
-    let claimed = claim(&c.server, job, "script", "1s");
+    // 3 s leases: a keepalive started slowly on a loaded machine still renews in time.
+    let claimed = claim(&c.server, job, "script", "3s");
     let first = claimed["token"].as_str().unwrap().to_owned();
     let lease = dir.path().join("lease.json");
     std::fs::write(&lease, claimed.to_string()).unwrap();
     let token_file = dir.path().join("token");
     let mut kept = Command::new(FENCE)
-        .args(["keepalive", "--server", &c.server, "--ttl", "1s", "--lease"])
+        .args(["keepalive", "--server", &c.server, "--ttl", "3s", "--lease"])
         .arg(&lease)
         .arg("--token-file")
         .arg(&token_file)
@@ -428,8 +429,8 @@ fn keepalive_keeps_the_current_signed_token_in_its_token_file() {
             .map(|t| t.trim_end().to_owned())
             .unwrap_or_default()
     };
-    // Past the claim's expiry, renewed at least once more.
-    std::thread::sleep(std::time::Duration::from_millis(1_500));
+    // Past the claim's expiry (and the 200 ms skew), renewed at least once more.
+    std::thread::sleep(std::time::Duration::from_millis(3_500));
     eventually(
         "a renewal's token in the file",
         std::time::Duration::from_secs(5),

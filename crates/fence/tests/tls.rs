@@ -57,9 +57,10 @@ fn the_lease_server_speaks_https_to_every_client() {
     ));
     assert_eq!(json(&out)["state"], "held");
 
-    // fence run renews over HTTPS and completes.
+    // fence run renews over HTTPS and completes: a command running past the lease (3 s, so
+    // that one renewal answered late on a loaded machine does not lose it).
     let out = fence_line(&format!(
-        "run --server {} --ca-cert {} --job j2 --ttl 1s -- sleep 1.5",
+        "run --server {} --ca-cert {} --job j2 --ttl 3s -- sleep 4.5",
         url, ca_path
     ));
     assert_success(&out);
@@ -84,10 +85,10 @@ async fn the_lease_client_library_claims_and_renews_over_https() {
         },
     )
     .unwrap();
-    let client = LeaseClient::new(store).ttl(Ttl::from_millis(1_000).unwrap());
+    let client = LeaseClient::new(store).ttl(Ttl::from_millis(3_000).unwrap());
     let lease = client.claim("lib-job".parse().unwrap()).await.unwrap();
     let view = lease.view();
-    tokio::time::sleep(Duration::from_millis(2_500)).await; // two leases long: renewed
+    tokio::time::sleep(Duration::from_millis(7_500)).await; // two leases long: renewed
     assert!(
         !view.is_lost(),
         "the keeper renewed over HTTPS: {:?}",

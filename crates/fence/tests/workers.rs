@@ -106,8 +106,9 @@ fn finished(child: std::process::Child) -> (Option<i32>, String) {
 fn python_and_shell_workers_run_a_job_to_completion_through_the_proxy() {
     let s = setup();
     for (name, child) in [
-        ("python", python(&s, "py-job", 1_000, 3, 0.0)),
-        ("sh", shell(&s, "sh-job", 1_500, 3, None)),
+        // 5 s leases: one renewal answered late on a loaded machine must not lose them.
+        ("python", python(&s, "py-job", 5_000, 3, 0.0)),
+        ("sh", shell(&s, "sh-job", 5_000, 3, None)),
     ] {
         let (code, said) = finished(child);
         assert_eq!(code, Some(0), "{name}: {said}");
@@ -135,18 +136,17 @@ fn a_worker_stalled_past_its_lease_is_refused_at_the_destination() {
             "python" => python(&s, &job, 600, 2, 5.0),
             _ => shell(&s, &job, 600, 2, Some("5")),
         };
-        // From its claim (however long the interpreter took to start), past its 600 ms lease;
-        // its 5 s stall leaves the newer holder time to claim and write on a loaded machine.
+        // Until its 600 ms lease has expired at the server (however long the interpreter
+        // took to start, and its first write and renewals); its 5 s stall leaves the newer
+        // holder time to claim and write on a loaded machine.
         eventually(
-            &format!("{lang}: the first worker claims"),
-            Duration::from_secs(10),
+            &format!("{lang}: the first worker's lease expires"),
+            Duration::from_secs(15),
             || {
-                fence(&["status", "--server", &s.server, "--job", &job])
-                    .status
-                    .success()
+                let status = fence(&["status", "--server", &s.server, "--job", &job]);
+                String::from_utf8_lossy(&status.stdout).contains(r#""state":"expired""#)
             },
         );
-        std::thread::sleep(Duration::from_millis(900));
         let newer = match lang {
             "python" => python(&s, &job, 10_000, 1, 0.0),
             _ => shell(&s, &job, 10_000, 1, None),
