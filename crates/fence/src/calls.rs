@@ -429,14 +429,28 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
 }
 
 /// Why a push to a sink failed, in a sink's words: the HTTP client is the lease client,
-/// whose errors speak of "the lease store".
+/// whose errors speak of "the lease store" and "the lease server".
 fn sink_failure(e: &StoreError) -> String {
     match e {
-        StoreError::Timeout(limit) => format!("the sink did not answer within {limit:?}"),
-        StoreError::Io(source) => format!(
-            "the sink could not be reached: {}",
-            fence_storage::error_chain(source.as_ref())
-        ),
+        StoreError::Timeout(limit) => {
+            format!("the sink did not answer within {limit:?} (it may have taken the push)")
+        }
+        StoreError::Io(source) => {
+            let chain = fence_storage::error_chain(source.as_ref());
+            let connect = source
+                .downcast_ref::<hyper_util::client::legacy::Error>()
+                .is_some_and(hyper_util::client::legacy::Error::is_connect);
+            if connect {
+                format!("the sink could not be reached: {chain}")
+            } else {
+                format!("the exchange with the sink failed (it may have taken the push): {chain}")
+            }
+        }
+        // A 502, 503 or 504: the sink (or a gateway in front of it) answered, and could not
+        // decide, or not in time.
+        StoreError::Unavailable { status, detail, .. } => {
+            format!("the sink answered {status}: {detail}")
+        }
         other => fence_storage::error_chain(other),
     }
 }

@@ -329,9 +329,28 @@ fn pushes_go_to_every_sink_at_once() {
             "1s",
         ],
     );
-    // A sink that takes the connection and never answers.
+    // A sink that takes the connection and never answers; one that answers 503 (its fence
+    // store failing); one where nothing listens.
     let dead = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let dead_url = format!("http://{}", dead.local_addr().unwrap());
+    let busy = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let busy_url = format!("http://{}", busy.local_addr().unwrap());
+    std::thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        if let Ok((mut stream, _)) = busy.accept() {
+            let _ = stream.read(&mut [0; 8192]);
+            let body = r#"{"type":"urn:fence:store-unavailable","title":"Store unavailable","status":503,"detail":"the fence store failed"}"#;
+            let _ = write!(
+                stream,
+                "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let gone_url = {
+        let gone = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", gone.local_addr().unwrap())
+    };
 
     let claimed = fence_as(WORKER, &["claim", "--server", &server, "--job", "pay-3"]);
     assert_success(&claimed);
@@ -359,6 +378,7 @@ fn pushes_go_to_every_sink_at_once() {
         OPS,
         &[
             "revoke", "--server", &server, "--job", "pay-3", "--sink", &dead_url, "--sink", &sink,
+            "--sink", &busy_url, "--sink", &gone_url,
         ],
     );
     assert_eq!(
@@ -375,7 +395,22 @@ fn pushes_go_to_every_sink_at_once() {
         )),
         "{stderr}"
     );
-    assert!(!stderr.contains("lease store"), "{stderr}");
+    assert!(
+        stderr.contains(&format!(
+            "{busy_url}: the push failed: the sink answered 503: the fence store failed"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        stderr.contains(&format!(
+            "{gone_url}: the push failed: the sink could not be reached"
+        )),
+        "{stderr}"
+    );
+    assert!(
+        !stderr.contains("lease store") && !stderr.contains("lease server"),
+        "{stderr}"
+    );
     let (status, answer) = write(&proxy, "pay-3", &old_token);
     assert_eq!(status, 409, "{answer}");
     drop(dead);
