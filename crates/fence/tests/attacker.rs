@@ -48,7 +48,7 @@ fn a_stranger_who_knows_owner_and_generation_changes_nothing() {
 
     // The holder: `fence run` with a 4 s lease around a 9 s command; it must renew throughout
     // (4 s, not less: a renewal that a loaded test machine delays, here to a server logging
-    // at trace level, must not lose the lease; CI lost a 2 s lease elsewhere that way).
+    // at trace level, must not lose the lease; a 2 s lease is lost by one renewal 1.1 s late).
     let mut worker = Command::new(FENCE)
         .args([
             "run", "--server", &url, "--job", "nightly", "--ttl", "4s", "--", "sleep", "9",

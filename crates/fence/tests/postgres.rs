@@ -276,11 +276,13 @@ async fn a_stalled_sql_writer_holds_up_only_its_own_job_for_a_bounded_time() {
 
 /// Hand-over across servers (issue 32): a claim waiting on server B for a job held through
 /// server A is woken by A's release itself (`pg_notify`, heard on B's `LISTEN`), not by B's
-/// next look. The holder's lease has 60 s left and B looks unprompted only every 2 s from
-/// when the claim began to wait (B counts it waiting before the release is sent), so a
-/// grant answered within 1.2 s of the release can only be the notification. The grant is
-/// timed on the claim's own answer, not on a whole `fence run`, whose start and finish a
-/// loaded machine slows.
+/// next look. The holder's lease has 60 s left, and B looks unprompted only every 2 s from
+/// when the claim began to wait (B counts it waiting before the release is sent). Each
+/// round's grant must come within 1.2 s of the release; a round is proof only when it also
+/// came within 2 s of the claim being sent, before B could have looked on its own. A loaded
+/// machine can make a round inconclusive (the release slow to send), never wrong: rounds go
+/// on until three are proof, ten at most. The grant is timed on the claim's own answer, not
+/// on a whole `fence run`, whose start and finish a loaded machine slows.
 #[test]
 fn a_release_on_one_server_wakes_a_claim_waiting_on_the_other() {
     let Some(url) = database_url() else { return };
@@ -288,11 +290,18 @@ fn a_release_on_one_server_wakes_a_claim_waiting_on_the_other() {
     let (_a, addr_a) = start_pg_server(&url, &schema, &[]);
     let (_b, addr_b) = start_pg_server(&url, &schema, &[]);
     let a = format!("http://{addr_a}");
-    for round in 0..3 {
-        let job = format!("handover-{round}");
+    let (mut proofs, mut rounds) = (0, 0);
+    while proofs < 3 {
+        assert!(
+            rounds < 10,
+            "only {proofs} of {rounds} rounds were answered before B's own look could come"
+        );
+        let job = format!("handover-{rounds}");
+        rounds += 1;
         let out = fence(&["claim", "--server", &a, "--job", &job, "--ttl", "60s"]);
         assert_success(&out);
         let lease: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+        let asked = std::time::Instant::now();
         let waiter = {
             let (addr_b, path) = (addr_b.clone(), format!("/v1/leases/{job}/claim?wait=30s"));
             std::thread::spawn(move || {
@@ -312,12 +321,15 @@ fn a_release_on_one_server_wakes_a_claim_waiting_on_the_other() {
         assert_success(&release(&a, &job, &lease));
         let released = std::time::Instant::now();
         let ((status, answer), answered) = waiter.join().unwrap();
-        assert_eq!(status, 200, "round {round}: {answer}");
+        assert_eq!(status, 200, "{job}: {answer}");
         let took = answered.saturating_duration_since(released);
         assert!(
             took < Duration::from_millis(1_200),
-            "round {round}: the waiter on B got the job {took:?} after A's release: \
-             woken by its own look, not by the release"
+            "{job}: the waiter on B got the job {took:?} after A's release: woken by its own \
+             look, not by the release"
         );
+        if answered < asked + Duration::from_secs(2) {
+            proofs += 1;
+        }
     }
 }

@@ -57,10 +57,12 @@ fn gone_within(pid: u32, limit: Duration) -> Duration {
 /// Script text that starts `body` in the background, in a shell that ignores SIGTERM, and
 /// goes on only once that shell has set its trap (it touches `ready` then): a SIGTERM sent
 /// to the group before the trap, as a loaded CI machine allowed, kills it as if it did not
-/// ignore it. `$!` after it is that shell's pid.
+/// ignore it. `$!` after it is that shell's pid. The wait is bounded (about 10 s), so a shell
+/// that never gets there fails the test rather than hanging it.
 fn stubborn_in_background(body: &str, ready: &Path) -> String {
     format!(
-        "sh -c \"trap '' TERM; touch {r}; {body}\" & while [ ! -e {r} ]; do sleep 0.01; done",
+        "sh -c \"trap '' TERM; touch {r}; {body}\" & n=0; \
+         while [ ! -e {r} ] && [ $n -lt 1000 ]; do sleep 0.01; n=$((n+1)); done",
         r = ready.display()
     )
 }
@@ -317,18 +319,19 @@ fn a_leftover_after_a_clean_end_gets_the_whole_grace() {
 /// A command that exits 0 holding its lease completes the job, even when its progress
 /// window (`--progress-within`) runs out afterwards, while a leftover takes its grace:
 /// nothing is left to make progress then. Stop 50's first version checked the lease after
-/// that grace and exited 75 without completing. A 3 s lease with a 1 s window, lost locally
-/// by about 3.7 s, during the leftover's 5 s; not a 1 s lease with a 500 ms window, which a
-/// command started slowly on a loaded machine could lose before it exits.
+/// that grace and exited 75 without completing. A 3 s lease with a 1 s window: the lease is
+/// lost at the first renewal after the window (1 to 2 s after the command's last touch),
+/// during the leftover's 5 s. The command touches the file again once its leftover is
+/// started, so a slow start on a loaded machine does not use up the window before it exits.
 #[test]
 fn a_clean_end_completes_though_the_progress_window_passes_during_the_grace() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(dir.path());
     let progress = dir.path().join("progress");
     let script = format!(
-        "touch {}; {}; exit 0",
-        progress.display(),
-        stubborn_in_background("sleep 5", &dir.path().join("ready"))
+        "touch {p}; {}; touch {p}; exit 0",
+        stubborn_in_background("sleep 5", &dir.path().join("ready")),
+        p = progress.display(),
     );
     let progress_arg = progress.display().to_string();
     let mut run = spawn_run(
