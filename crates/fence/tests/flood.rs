@@ -347,8 +347,13 @@ fn at_the_cap_a_newcomer_is_not_queued_behind_another_address() {
     let waited = began.elapsed();
     stop.store(true, Ordering::Relaxed);
     reconnecting.join().unwrap();
-    assert_eq!(status, 200, "{answer}");
     println!("a newcomer behind 100 busy connections of another address waited {waited:?}");
+    assert_eq!(
+        status,
+        200,
+        "answered {answer:?} after {waited:?}; the server's log:\n{}",
+        log.text()
+    );
     // The first seat frees about 1.4 s in (the first four claims' 2 s wait): one round of
     // waiting claims, not 25.
     assert!(

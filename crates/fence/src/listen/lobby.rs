@@ -85,6 +85,23 @@ impl Lobby {
         self.waiting.remove(lightest)
     }
 
+    /// At the cap: asks one idle connection to close for each newcomer waiting beyond the
+    /// room already on its way, only of addresses that hold at least as many connections as
+    /// the lightest address waiting (see [`Slots::evict_for_room`]); false when none could be
+    /// picked, to look again when a connection ends or at the recheck.
+    pub(super) fn make_room(&self, slots: &Slots) -> bool {
+        let held = slots.held_by_each(self.waiting.iter().map(|w| w.peer.ip()));
+        let Some(fewest) = held.into_iter().min() else {
+            return true;
+        };
+        while self.len() > slots.leaving() {
+            if !slots.evict_for_room(fewest) {
+                return false;
+            }
+        }
+        true
+    }
+
     /// When the longest waiting connection's first-request deadline passes.
     pub(super) fn first_deadline(&self, header_timeout: Duration) -> Option<Instant> {
         self.waiting.front().map(|w| w.since + header_timeout)
@@ -160,6 +177,38 @@ mod tests {
             .map(|w| w.peer.ip().to_string())
             .collect();
         assert_eq!(order, ["127.0.0.1", "127.0.0.3", "127.0.0.2"]);
+    }
+
+    /// Room is made for the lightest address waiting, never from a lighter one: with a flood's
+    /// newcomer alone in the lobby, the idle connection of 127.0.0.1 (one held) stays; a
+    /// newcomer of 127.0.0.3 (none held) may have it.
+    #[tokio::test]
+    async fn room_is_made_only_from_addresses_holding_at_least_the_lightest_waiting() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let slots = Slots::new(4, 10);
+        let seat = |peer: &str| {
+            let permit = slots.permits().clone().try_acquire_owned().unwrap();
+            slots.seat(peer.parse().unwrap(), permit).unwrap()
+        };
+        let _light = seat("127.0.0.1"); // idle
+        let flood: Vec<_> = (0..3).map(|_| seat("127.0.0.2")).collect();
+        for seat in &flood {
+            seat.conn.begin(); // busy
+        }
+        let mut lobby = Lobby::new(8);
+        lobby.admit(from("127.0.0.2", &listener).await, &slots);
+        assert!(!lobby.make_room(&slots), "nothing to close for 127.0.0.2");
+        assert_eq!(slots.leaving(), 0, "127.0.0.1's connection stays");
+        lobby.admit(from("127.0.0.3", &listener).await, &slots);
+        assert!(
+            !lobby.make_room(&slots),
+            "one closed, none left for the second"
+        );
+        assert_eq!(
+            slots.leaving(),
+            1,
+            "127.0.0.1's connection makes room for 127.0.0.3"
+        );
     }
 
     #[tokio::test]

@@ -11,8 +11,9 @@
 //! - at most [`Limits::max_connections`] are open, at most
 //!   [`Limits::max_connections_per_peer`] from one IP address (see [`Slots`]). At the cap,
 //!   newcomers wait in a lobby of up to 64 per accept loop (open files beyond the cap), and
-//!   for each an idle connection of the peer that holds the most is closed gracefully,
-//!   unauthenticated ones first (a service marks an answer [`Authenticated`]); when every
+//!   for each an idle connection of the peer that holds the most (and at least as many as
+//!   the lightest address waiting) is closed gracefully, unauthenticated ones first (a
+//!   service marks an answer [`Authenticated`]); when every
 //!   connection is answering a request, they wait for one to finish. The lobby seats the address that holds the
 //!   fewest connections first; when it is full, the newest newcomer of the address that holds
 //!   the most is closed unanswered. So a flood's reconnects cannot queue ahead of other
@@ -226,11 +227,7 @@ where
         // At the cap, one idle connection of the address that holds the most is asked to
         // close for each newcomer waiting. A look that found none (a scan under the slots'
         // lock) is repeated when a connection ended, or at the next recheck, not per newcomer.
-        while look && lobby.len() > slots.leaving() {
-            if !slots.evict_for_room() {
-                look = false;
-            }
-        }
+        look = look && lobby.make_room(&slots);
         let expiry = lobby.first_deadline(limits.header_timeout);
         tokio::select! {
             () = &mut shutdown => break,
