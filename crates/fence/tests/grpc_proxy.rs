@@ -147,10 +147,12 @@ fn a_grpc_call_to_an_http1_upstream_holds_nobody_up() {
     assert_eq!(status, 200, "{answer}");
     assert!(answer.contains("grpc-status: 14"), "{answer}");
     assert!(answer.contains("does not speak HTTP/2"), "{answer}");
+    // A held slot would answer 503 drain-timeout after 1 s: the status tells it; the time
+    // only bounds it (not 900 ms: a loaded machine's slow answer is not a held slot).
     let started = std::time::Instant::now();
     assert_eq!(fenced_post(&addr, "/effects", "g", "4"), 200);
     assert!(
-        started.elapsed() < Duration::from_millis(900),
+        started.elapsed() < Duration::from_secs(5),
         "the newer holder waited {:?}",
         started.elapsed()
     );

@@ -261,10 +261,18 @@ async fn a_commit_with_nothing_unsynced_returns_at_once_and_checkpoints_delete_o
     tokio::time::sleep(Duration::from_millis(200)).await;
     tree.insert("last", "x").unwrap();
     db.commit().await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let segments = std::fs::read_dir(dir.path().join(log::LOG_DIR))
-        .unwrap()
-        .count();
+    // The checkpoint runs in the background: looked for until it has, within 10 s (a fixed
+    // pause would race it on a loaded machine).
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    let segments = loop {
+        let segments = std::fs::read_dir(dir.path().join(log::LOG_DIR))
+            .unwrap()
+            .count();
+        if segments <= 2 || std::time::Instant::now() >= deadline {
+            break segments;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
     assert!(
         segments <= 2,
         "{segments} segments left: checkpoints delete the ones behind"
