@@ -10,7 +10,11 @@
 //! the backlog keeps moving, and only the address crowding others out is turned away. A
 //! waiting connection counts its wait against its first-request deadline.
 
-use std::{collections::VecDeque, net::SocketAddr, time::Duration};
+use std::{
+    collections::{HashMap, VecDeque},
+    net::{IpAddr, SocketAddr},
+    time::Duration,
+};
 
 use tokio::{net::TcpStream, time::Instant};
 
@@ -86,20 +90,35 @@ impl Lobby {
     }
 
     /// At the cap: asks one idle connection to close for each newcomer waiting beyond the
-    /// room already on its way, only of addresses that hold at least as many connections as
-    /// the lightest address waiting (see [`Slots::evict_for_room`]); false when none could be
-    /// picked, to look again when a connection ends or at the recheck.
+    /// room already on its way, in the order they will be seated (the lightest address first,
+    /// each seat adding to its address): the room on its way goes to the first ones; each of
+    /// the others gets room only from its own address or one holding more than it will (see
+    /// [`Slots::evict_for_room`]). False when one could not get any, to look again when a
+    /// connection ends or at the recheck.
     pub(super) fn make_room(&self, slots: &Slots) -> bool {
-        let held = slots.held_by_each(self.waiting.iter().map(|w| w.peer.ip()));
-        let Some(fewest) = held.into_iter().min() else {
+        let on_its_way = slots.leaving();
+        if self.len() <= on_its_way {
             return true;
-        };
-        while self.len() > slots.leaving() {
-            if !slots.evict_for_room(fewest) {
-                return false;
-            }
         }
-        true
+        let peers: Vec<IpAddr> = self.waiting.iter().map(|w| w.peer.ip()).collect();
+        let mut held: HashMap<IpAddr, usize> = peers
+            .iter()
+            .copied()
+            .zip(slots.held_by_each(peers.iter().copied()))
+            .collect();
+        let mut left = peers;
+        let mut order = Vec::with_capacity(left.len());
+        while let Some(at) = (0..left.len()).min_by_key(|&i| held[&left[i]]) {
+            let peer = left.remove(at);
+            let holding = held
+                .get_mut(&peer)
+                .map_or(0, |h| std::mem::replace(h, *h + 1));
+            order.push((peer, holding));
+        }
+        order
+            .into_iter()
+            .skip(on_its_way)
+            .all(|(peer, holding)| slots.evict_for_room(peer, holding))
     }
 
     /// When the longest waiting connection's first-request deadline passes.
@@ -179,18 +198,19 @@ mod tests {
         assert_eq!(order, ["127.0.0.1", "127.0.0.3", "127.0.0.2"]);
     }
 
-    /// Room is made for the lightest address waiting, never from a lighter one: with a flood's
-    /// newcomer alone in the lobby, the idle connection of 127.0.0.1 (one held) stays; a
-    /// newcomer of 127.0.0.3 (none held) may have it.
+    /// Room is made for each newcomer only from an address holding more than it will: with a
+    /// flood's newcomer alone in the lobby, the idle connections of 127.0.0.1 and 127.0.0.4
+    /// (one each) stay; a newcomer of 127.0.0.3 (none held) may have one of them, and the
+    /// flood's newcomer still none.
     #[tokio::test]
-    async fn room_is_made_only_from_addresses_holding_at_least_the_lightest_waiting() {
+    async fn room_is_made_for_each_newcomer_only_from_addresses_holding_more() {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-        let slots = Slots::new(4, 10);
+        let slots = Slots::new(5, 10);
         let seat = |peer: &str| {
             let permit = slots.permits().clone().try_acquire_owned().unwrap();
             slots.seat(peer.parse().unwrap(), permit).unwrap()
         };
-        let _light = seat("127.0.0.1"); // idle
+        let _light = [seat("127.0.0.1"), seat("127.0.0.4")]; // idle
         let flood: Vec<_> = (0..3).map(|_| seat("127.0.0.2")).collect();
         for seat in &flood {
             seat.conn.begin(); // busy
@@ -198,16 +218,16 @@ mod tests {
         let mut lobby = Lobby::new(8);
         lobby.admit(from("127.0.0.2", &listener).await, &slots);
         assert!(!lobby.make_room(&slots), "nothing to close for 127.0.0.2");
-        assert_eq!(slots.leaving(), 0, "127.0.0.1's connection stays");
+        assert_eq!(slots.leaving(), 0, "the light connections stay");
         lobby.admit(from("127.0.0.3", &listener).await, &slots);
         assert!(
             !lobby.make_room(&slots),
-            "one closed, none left for the second"
+            "one closed, none for the flood's newcomer"
         );
         assert_eq!(
             slots.leaving(),
             1,
-            "127.0.0.1's connection makes room for 127.0.0.3"
+            "one light connection makes room for 127.0.0.3, the other stays"
         );
     }
 

@@ -11,8 +11,8 @@
 //! - at most [`Limits::max_connections`] are open, at most
 //!   [`Limits::max_connections_per_peer`] from one IP address (see [`Slots`]). At the cap,
 //!   newcomers wait in a lobby of up to 64 per accept loop (open files beyond the cap), and
-//!   for each an idle connection of the peer that holds the most (and at least as many as
-//!   the lightest address waiting) is closed gracefully, unauthenticated ones first (a
+//!   for each an idle connection of the peer that holds the most (its own, or one holding
+//!   more than its address will) is closed gracefully, unauthenticated ones first (a
 //!   service marks an answer [`Authenticated`]); when every
 //!   connection is answering a request, they wait for one to finish. The lobby seats the address that holds the
 //!   fewest connections first; when it is full, the newest newcomer of the address that holds

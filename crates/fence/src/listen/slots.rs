@@ -4,8 +4,9 @@
 //! [`Slots::per_peer`] (clients behind one NAT address share it); a newcomer beyond that
 //! takes the place of its own peer's oldest idle connection, or is closed at once when all
 //! of them are busy. At the listener's cap, [`Slots::evict_for_room`] asks one idle connection
-//! to close: of the peer that holds the most, unauthenticated ones first (a connection is
-//! authenticated once a request on it carried a credential the service accepted). A
+//! to close for a newcomer: of the peer that holds the most, unauthenticated ones first (a
+//! connection is authenticated once a request on it carried a credential the service
+//! accepted), and only of the newcomer's own peer or of one holding more than it does. A
 //! connection answering a request is never picked; a picked one closes gracefully.
 
 use std::{
@@ -220,19 +221,22 @@ impl Slots {
         })
     }
 
-    /// At the cap: asks one idle connection to close, of the peer that holds the most,
-    /// unauthenticated ones before authenticated ones, among the peers that hold at least
-    /// `at_least` (what the lightest address waiting holds: a lighter peer's connection is
-    /// never closed for a heavier one's newcomer); false when none of theirs is idle.
-    pub(super) fn evict_for_room(&self, at_least: usize) -> bool {
+    /// At the cap: asks one idle connection to close for a newcomer from `for_peer`, which
+    /// will hold `holding` connections when it is seated: of the peer that holds the most,
+    /// unauthenticated ones first, and only of `for_peer` itself or of a peer holding more
+    /// than `holding` (those already asked to close not counted), so a lighter peer never
+    /// gives up a connection to a heavier one's newcomer. False when none may be picked.
+    pub(super) fn evict_for_room(&self, for_peer: IpAddr, holding: usize) -> bool {
         let peers = self.lock();
-        let mut heaviest: Vec<&HashMap<u64, Arc<Tracked>>> = peers
-            .values()
-            .filter(|mine| mine.len() >= at_least)
+        let mut heaviest: Vec<(usize, &HashMap<u64, Arc<Tracked>>)> = peers
+            .iter()
+            .map(|(peer, mine)| (*peer, Self::staying(mine), mine))
+            .filter(|&(peer, staying, _)| peer == for_peer || staying > holding)
+            .map(|(_, staying, mine)| (staying, mine))
             .collect();
-        heaviest.sort_by_key(|mine| Reverse(mine.len()));
+        heaviest.sort_by_key(|&(staying, _)| Reverse(staying));
         for authenticated in [false, true] {
-            for mine in &heaviest {
+            for (_, mine) in &heaviest {
                 if let Some(victim) = oldest_idle(mine.values(), authenticated)
                     && victim.pick()
                 {
@@ -248,6 +252,15 @@ impl Slots {
         false
     }
 
+    /// A peer's connections not asked to close.
+    fn staying(mine: &HashMap<u64, Arc<Tracked>>) -> usize {
+        mine.len()
+            - mine
+                .values()
+                .filter(|c| c.evicted.load(Ordering::Acquire))
+                .count()
+    }
+
     /// Whether a newcomer from `peer` could be seated: not when the peer holds its cap with
     /// every connection answering a request and none leaving ([`seat`](Self::seat) would
     /// close it), so it need not wait, nor have room made for it.
@@ -260,11 +273,7 @@ impl Slots {
 
     /// Whether a peer holding `mine` holds its cap, not counting those already leaving.
     fn at_its_cap(&self, mine: &HashMap<u64, Arc<Tracked>>) -> bool {
-        let leaving = mine
-            .values()
-            .filter(|c| c.evicted.load(Ordering::Acquire))
-            .count();
-        mine.len() - leaving >= self.per_peer
+        Self::staying(mine) >= self.per_peer
     }
 
     /// Connections asked to close for room that have not closed yet: the room on its way.
@@ -324,8 +333,8 @@ mod tests {
             seat(&slots, "127.0.0.2").unwrap(),
             seat(&slots, "127.0.0.2").unwrap(),
         );
-        assert!(slots.evict_for_room(0));
-        assert!(slots.evict_for_room(0));
+        assert!(slots.evict_for_room(elsewhere(), 0));
+        assert!(slots.evict_for_room(elsewhere(), 0));
         assert_eq!(slots.leaving(), 2);
         a.conn.begin(); // a request arrived as it was picked
         assert_eq!(slots.leaving(), 1);
@@ -346,47 +355,73 @@ mod tests {
         flood[0].conn.begin(); // busy: never picked
         flood[1].conn.begin();
         flood[1].conn.done(true); // authenticated
-        assert!(slots.evict_for_room(0));
+        assert!(slots.evict_for_room(elsewhere(), 0));
         assert!(
             flood[2].conn.evicted.load(Ordering::Acquire),
             "the heaviest peer's idle, unauthenticated one"
         );
-        assert!(slots.evict_for_room(0));
+        assert!(slots.evict_for_room(elsewhere(), 0));
         assert!(
             lone.conn.evicted.load(Ordering::Acquire),
             "then unauthenticated ones of lighter peers"
         );
-        assert!(slots.evict_for_room(0));
+        assert!(slots.evict_for_room(elsewhere(), 0));
         assert!(
             flood[1].conn.evicted.load(Ordering::Acquire),
             "then authenticated ones, heaviest first"
         );
-        assert!(slots.evict_for_room(0));
+        assert!(slots.evict_for_room(elsewhere(), 0));
         assert!(worker.conn.evicted.load(Ordering::Acquire));
-        assert!(!slots.evict_for_room(0), "only a busy one is left");
+        assert!(
+            !slots.evict_for_room(elsewhere(), 0),
+            "only a busy one is left"
+        );
         assert!(!flood[0].conn.evicted.load(Ordering::Acquire));
     }
 
-    /// Room for a newcomer whose address holds three is made only from peers holding three
-    /// or more: a CI run saw the connection of 127.0.0.1 (one held, just seated, its request
+    /// A newcomer's address that holds no connection.
+    fn elsewhere() -> IpAddr {
+        "127.0.0.9".parse().unwrap()
+    }
+
+    /// Room for a newcomer is made only from its own peer or from one holding more than it
+    /// will: a CI run saw the connection of 127.0.0.1 (one held, just seated, its request
     /// not yet read) closed for a flood's newcomers.
     #[tokio::test]
-    async fn room_is_never_made_from_a_lighter_peer() {
+    async fn room_is_never_made_from_a_peer_that_would_then_hold_less() {
         let slots = Slots::new(10, 10);
         let light = seat(&slots, "127.0.0.1").unwrap(); // idle, 1 held
         let flood: Vec<Seat> = (0..3).map(|_| seat(&slots, "127.0.0.2").unwrap()).collect();
         for seat in &flood {
             seat.conn.begin();
         }
+        let flooder = "127.0.0.2".parse().unwrap();
+        assert!(!slots.evict_for_room(flooder, 3), "nothing of its own idle");
         assert!(
-            !slots.evict_for_room(3),
-            "no peer holding three has an idle one"
+            !slots.evict_for_room(elsewhere(), 1),
+            "a newcomer that will hold one takes nothing from a peer holding one"
         );
         assert!(!light.conn.evicted.load(Ordering::Acquire));
-        assert!(
-            slots.evict_for_room(1),
-            "for a newcomer of an address holding one"
-        );
+        assert!(slots.evict_for_room(elsewhere(), 0));
         assert!(light.conn.evicted.load(Ordering::Acquire));
+    }
+
+    /// Connections already asked to close do not count: the second of two newcomers from a
+    /// peer holding none (it will hold one) takes nothing from a peer whose two idle
+    /// connections are down to one staying.
+    #[tokio::test]
+    async fn a_peer_is_not_drained_below_the_newcomers_it_makes_room_for() {
+        let slots = Slots::new(10, 10);
+        let light: Vec<Seat> = (0..2).map(|_| seat(&slots, "127.0.0.1").unwrap()).collect();
+        assert!(slots.evict_for_room(elsewhere(), 0));
+        assert!(
+            !slots.evict_for_room(elsewhere(), 1),
+            "one of its two already leaves: 1 is not more than 1"
+        );
+        let evicted = light
+            .iter()
+            .filter(|s| s.conn.evicted.load(Ordering::Acquire))
+            .count();
+        assert_eq!(evicted, 1);
     }
 }
