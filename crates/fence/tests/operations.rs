@@ -393,10 +393,7 @@ fn every_documented_status_comes_from_the_real_server_as_documented() {
         &[],
         &claim("u"),
     );
-    eventually("a claim waits", Duration::from_secs(10), || {
-        let (_, metrics) = bearer_call(&tiny, "GET", "/metrics", None, "");
-        metrics.lines().any(|l| l == "fence_lease_waiting_claims 1")
-    });
+    waiting_claims(&tiny, 1);
     let held = |g: u64, k: &str| {
         format!(r#"{{"owner":"w","generation":{g},"lease_key":"{k}","ttl_ms":30000}}"#)
     };

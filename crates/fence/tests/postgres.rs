@@ -310,14 +310,7 @@ fn a_release_on_one_server_wakes_a_claim_waiting_on_the_other() {
                 (answer, std::time::Instant::now())
             })
         };
-        eventually(
-            "B counts the claim waiting",
-            Duration::from_secs(10),
-            || {
-                let (_, metrics) = bearer_call(&addr_b, "GET", "/metrics", None, "");
-                metrics.lines().any(|l| l == "fence_lease_waiting_claims 1")
-            },
-        );
+        waiting_claims(&addr_b, 1); // B counts the claim waiting
         assert_success(&release(&a, &job, &lease));
         let released = std::time::Instant::now();
         let ((status, answer), answered) = waiter.join().unwrap();

@@ -423,11 +423,7 @@ fn ctrl_c_while_waiting_for_the_lease_ends_the_wait() {
         &format!("touch {}", ran.display()),
     );
     // Its claim waits at the server (its signal handlers are in place before it claims).
-    let addr = url.trim_start_matches("http://").to_owned();
-    eventually("fence run's claim waits", Duration::from_secs(10), || {
-        let (_, metrics) = bearer_call(&addr, "GET", "/metrics", None, "");
-        metrics.lines().any(|l| l == "fence_lease_waiting_claims 1")
-    });
+    waiting_claims(url.trim_start_matches("http://"), 1);
     signal(&run, "-INT");
     let started = Instant::now();
     let status = loop {

@@ -49,16 +49,6 @@ fn wait_in_line(
     })
 }
 
-/// Waits until the server counts `n` waiting claims.
-fn waiting_claims(addr: &str, n: u32) {
-    eventually(&format!("{n} claims wait"), Duration::from_secs(10), || {
-        let (_, metrics) = bearer_call(addr, "GET", "/metrics", None, "");
-        metrics
-            .lines()
-            .any(|l| l == format!("fence_lease_waiting_claims {n}"))
-    });
-}
-
 fn release(addr: &str, job: &str, owner: &str, generation: u64) -> u16 {
     let body = format!(
         r#"{{"owner":"{owner}","generation":{generation},"lease_key":"{owner}-0123456789abcdefghijk"}}"#

@@ -110,10 +110,9 @@ impl Lobby {
         let mut order = Vec::with_capacity(left.len());
         while let Some(at) = (0..left.len()).min_by_key(|&i| held[&left[i]]) {
             let peer = left.remove(at);
-            let holding = held
-                .get_mut(&peer)
-                .map_or(0, |h| std::mem::replace(h, *h + 1));
-            order.push((peer, holding));
+            let seats = held.entry(peer).or_default();
+            order.push((peer, *seats));
+            *seats += 1;
         }
         order
             .into_iter()

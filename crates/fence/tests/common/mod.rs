@@ -66,6 +66,17 @@ pub fn eventually(what: &str, within: Duration, mut done: impl FnMut() -> bool) 
     }
 }
 
+/// Waits (within 10 s) until the lease server at `addr` (no auth on `/metrics`) counts `n`
+/// waiting claims.
+pub fn waiting_claims(addr: &str, n: u32) {
+    eventually(&format!("{n} claims wait"), Duration::from_secs(10), || {
+        let (_, metrics) = bearer_call(addr, "GET", "/metrics", None, "");
+        metrics
+            .lines()
+            .any(|l| l == format!("fence_lease_waiting_claims {n}"))
+    });
+}
+
 /// Fails, showing what the command said, unless it exited 0.
 pub fn assert_success(out: &Output) {
     assert_eq!(
