@@ -316,3 +316,93 @@ async fn a_request_admitted_after_a_long_wait_is_stamped_at_its_admission() {
         admitted - stamp
     );
 }
+
+/// Forgetting does not cut the wait short: a job whose only record of the request the dead
+/// process left running is its stamp is not forgotten before that request has settled, even
+/// when `forget_after` is shorter than the longest request plus the hold.
+#[tokio::test]
+async fn forgetting_waits_for_what_the_process_before_left_running() {
+    use fence_core::{
+        Generation,
+        signing::{TokenSigner, TokenVerifier},
+    };
+    use fence_sink::{GenerationStore, STAMP_AHEAD_MS};
+
+    // Forgetting after 1 s (leases of at most 1 s, no skew); a hold longer than the stamp
+    // written ahead plus that, so the job is "idle for 1 s" well inside its hold.
+    const FORGET: Duration = Duration::from_secs(1);
+    const LONG_HOLD: Duration = Duration::from_millis(STAMP_AHEAD_MS + 3_000);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let signer = TokenSigner::from_seed([9; 32]);
+    let open = |dir: &Path| {
+        let wall: Arc<dyn Clock> = Arc::new(clock.clone());
+        let store = SledStore::open_with_clock(dir, wall.clone()).expect("sled opens");
+        FenceLayer::new(store)
+            .clock(wall)
+            .without_idempotency()
+            .require_signatures(TokenVerifier::new([signer.verify_key()]))
+            .clock_skew(Duration::ZERO)
+            .forget_after(FORGET, FORGET)
+            .unwrap()
+            .longest_request(LONGEST)
+            .unknown_outcome_hold(LONG_HOLD)
+            .drain_timeout(Duration::from_secs(60))
+    };
+    let send = |layer: &FenceLayer<SledStore>, generation: u64, hang: bool| {
+        let inner = service_fn(move |_req: Request<RequestBody<String>>| async move {
+            if hang {
+                std::future::pending::<()>().await;
+            }
+            Ok::<_, Infallible>(Response::new(String::new()))
+        });
+        let token = signer.sign(
+            &"busy".parse().unwrap(),
+            Generation::new(generation),
+            clock.now_ms() + FORGET.as_millis() as u64,
+        );
+        let req = Request::post("/")
+            .header("x-fencing-job", "busy")
+            .header("x-fencing-token", token)
+            .body(String::new())
+            .unwrap();
+        let svc = layer.layer(inner);
+        tokio::spawn(async move { svc.oneshot(req).await.unwrap().status() })
+    };
+
+    let dir = tempfile::tempdir().unwrap();
+    {
+        // The first process admits 4 to an upstream that never answers, and dies.
+        let layer = open(dir.path());
+        let running = send(&layer, 4, true);
+        until("4 runs", || layer.in_flight() == 1).await;
+        running.abort();
+        let _ = running.await;
+    }
+    clock.advance(Duration::from_secs(1)); // the restart takes a second
+    let layer = open(dir.path());
+    let _upkeep = layer.spawn_maintenance();
+    let opened = clock.now_ms();
+    // Past the job's stamp plus `FORGET` (forgetting would be due), 1.5 s before the hold
+    // after the restart ends; forgetting passes (every 125 ms) get a second to run.
+    clock.advance(Duration::from_millis(STAMP_AHEAD_MS + 1_500));
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    assert_eq!(
+        layer
+            .store()
+            .highest(&"busy".parse().unwrap())
+            .await
+            .unwrap(),
+        Generation::new(4),
+        "the job was forgotten while the request of 4 the process before passed on may \
+         still run"
+    );
+    let asked = Instant::now();
+    let (status, after) = answered(send(&layer, 5, false), asked).await;
+    assert_eq!(status, StatusCode::OK);
+    let left = Duration::from_millis(opened + LONG_HOLD.as_millis() as u64 - clock.now_ms());
+    assert!(
+        after >= left - Duration::from_millis(100),
+        "5 passed {after:?} after it was asked, {left:?} before the hold after the restart \
+         ended"
+    );
+}

@@ -266,6 +266,13 @@ impl GenerationStore for SinkBackend {
         }
     }
 
+    fn outlives_process(&self) -> bool {
+        match self {
+            Self::Sled(s) => s.outlives_process(),
+            Self::Postgres(s) => s.outlives_process(),
+        }
+    }
+
     fn is_shared(&self) -> bool {
         match self {
             Self::Sled(s) => s.is_shared(),

@@ -1057,9 +1057,14 @@ struct Effect {
 }
 
 /// Long enough for the proxy to have forgotten a job idle since (its `--forget-after 4s`,
-/// counted from a stamp up to `STAMP_AHEAD_MS` ahead of the last admission, a pass every
-/// half second, and a second of slack): the stops and held writes meant to outlast it.
-const PAST_FORGETTING_MS: u64 = 4_000 + fence_sink::STAMP_AHEAD_MS + 500 + 1_000;
+/// which it stretches to what a request of a crashed proxy may still run: the upstream
+/// timeout, 3 s, plus the hold, [`SLOWEST_WORK`] + 500 ms; counted from a stamp up to
+/// `STAMP_AHEAD_MS` ahead of the last admission, a pass every eighth of that, and a second of
+/// slack): the stops and held writes meant to outlast it.
+const PAST_FORGETTING_MS: u64 = {
+    let forgets_after = 3_000 + SLOWEST_WORK.as_millis() as u64 + 500;
+    forgets_after + fence_sink::STAMP_AHEAD_MS + forgets_after / 8 + 1_000
+};
 
 /// The header in which the HTTP upstream says how long a request was there, in ms.
 const UPSTREAM_MS: &str = "x-upstream-ms";

@@ -279,7 +279,12 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// [`spawn_maintenance`](Self::spawn_maintenance)'s background task (contract section
     /// 8). Safe only because signed tokens expire: call it after
     /// [`require_signatures`](Self::require_signatures), with `max_ttl` the longest lease the
-    /// lease server grants (its `--max-ttl`).
+    /// lease server grants (its `--max-ttl`). On a store that outlives its process
+    /// ([`GenerationStore::outlives_process`]: sled, PostgreSQL), a job is never forgotten sooner than
+    /// [`longest_request`](Self::longest_request) plus the
+    /// [unknown-outcome hold](Self::unknown_outcome_hold) after its last admission: after a
+    /// restart, its stamps are all that makes a newer token wait for what the process before
+    /// left running.
     ///
     /// # Errors
     /// Without verify keys, or when `after` is shorter than `max_ttl` plus twice the clock
@@ -359,7 +364,15 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         let config = &self.shared.config;
         let sweep = config.idempotency.as_ref().map(|c| c.sweep_every);
         let forget = config.forget_after.map(|after| Forgetting {
-            after,
+            // Never before what a process before this one may have left running on the job
+            // has settled: a job's stamps are all a restarted process knows of it, and a job
+            // forgotten (its record deleted) would let a newer token pass at once while an
+            // older request of the dead process can still commit where it went.
+            after: if self.shared.gates.store().outlives_process() {
+                after.max(config.limits.restart.settled_after())
+            } else {
+                after
+            },
             clock_skew: config.clock_skew,
             max_lease_ttl: config.max_lease_ttl,
         });

@@ -57,6 +57,11 @@ impl MemoryStore {
 }
 
 impl GenerationStore for MemoryStore {
+    /// Its jobs die with the process: no later process waits on what this one left running.
+    fn outlives_process(&self) -> bool {
+        false
+    }
+
     async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
         let now = self.clock.now_ms();
         let mut inner = self.lock();

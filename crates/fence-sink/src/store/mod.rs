@@ -186,6 +186,14 @@ pub trait GenerationStore: Send + Sync + 'static {
         async move { Ok(Loaded::new(highest.await?)) }
     }
 
+    /// Whether the store outlives its process, so that a later process loads the jobs'
+    /// [`Prior`] stamps: a layer that forgets on it then never deletes a job before what an
+    /// earlier process may have left running on it has settled (the default, the safe side).
+    /// A store that dies with its process (memory) answers `false`.
+    fn outlives_process(&self) -> bool {
+        true
+    }
+
     /// Whether other processes share this store: then a cached highest can be out of date,
     /// and the layer asks the store on every request instead of answering from memory.
     fn is_shared(&self) -> bool {
