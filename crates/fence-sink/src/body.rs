@@ -143,6 +143,9 @@ pin_project! {
         #[pin]
         kind: Kind<B>,
         flight: Option<Arc<Streaming>>,
+        // Whether a failure of the body leaves the service's outcome unknown (see
+        // `failure_is_unknown`).
+        failure_unknown: bool,
     }
 }
 
@@ -193,6 +196,7 @@ impl<B> RequestBody<B> {
         Self {
             kind: Kind::Inner { body },
             flight: None,
+            failure_unknown: false,
         }
     }
 
@@ -213,6 +217,7 @@ impl<B> RequestBody<B> {
                 fired,
             },
             flight: None,
+            failure_unknown: false,
         }
     }
 
@@ -222,10 +227,20 @@ impl<B> RequestBody<B> {
         self
     }
 
+    /// A failure of this body (the client reset its stream, or the body deadline passed)
+    /// leaves the service's outcome unknown: a gRPC call's messages that arrived whole may
+    /// be being acted on when the stream fails, and only the service knows. The request is
+    /// then held for the unknown-outcome hold, not let go at once.
+    pub(crate) fn failure_is_unknown(mut self) -> Self {
+        self.failure_unknown = true;
+        self
+    }
+
     pub(crate) fn buffered(bytes: Bytes, held: Reservation) -> Self {
         Self {
             kind: Kind::bytes(bytes, Some(held)),
             flight: None,
+            failure_unknown: false,
         }
     }
 }
@@ -422,6 +437,11 @@ macro_rules! impl_body {
 // of the request's time in flight.
 impl_body!(RequestBody, |this, polled| {
     if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
+        if let (Poll::Ready(Some(Err(_))), true, Some(flight)) =
+            (&polled, *this.failure_unknown, this.flight.as_ref())
+        {
+            flight.unknown();
+        }
         *this.flight = None;
     }
 });

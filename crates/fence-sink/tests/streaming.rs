@@ -82,6 +82,32 @@ fn call<B>(token: u64, body: B) -> Request<B> {
         .unwrap()
 }
 
+/// An HTTP upload that the service answers before it has read it all: not a gRPC call.
+fn upload<B>(token: u64, body: B) -> Request<B> {
+    let mut request = call(token, body);
+    request
+        .headers_mut()
+        .insert("content-type", "application/octet-stream".parse().unwrap());
+    request
+}
+
+/// A request body whose frames a test sends, or fails (as a client's reset stream does).
+struct Resettable(mpsc::UnboundedReceiver<Result<Bytes, std::io::Error>>);
+
+impl Body for Resettable {
+    type Data = Bytes;
+    type Error = std::io::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<http_body::Frame<Bytes>, std::io::Error>>> {
+        self.0
+            .poll_recv(cx)
+            .map(|frame| frame.map(|r| r.map(http_body::Frame::data)))
+    }
+}
+
 /// With paused time: returns once every other task is blocked, the clock moved 1 ms.
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -130,19 +156,19 @@ async fn a_streaming_call_is_in_flight_until_its_request_ends() {
     drop(answer7);
 }
 
-/// A request that stops sending holds a newer token back only until its body deadline:
-/// the body then fails (the service never gets a whole request) and lets go.
+/// An upload that stops sending holds a newer token back only until its body deadline: the
+/// body then fails (the service never gets a whole request) and lets go.
 #[tokio::test(start_paused = true)]
-async fn a_stalled_streaming_request_lets_go_at_its_body_deadline() {
+async fn a_stalled_upload_lets_go_at_its_body_deadline() {
     let app = Streams::default();
     let svc = FenceLayer::new(MemoryStore::new())
         .body_timeout(Duration::from_secs(5))
         .drain_timeout(Duration::from_secs(60))
         .layer(app.clone());
     let (messages7, body7) = Channel::new();
-    let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
+    let _answer7 = svc.clone().oneshot(upload(7, body7)).await.unwrap();
     let began = tokio::time::Instant::now();
-    let answer8 = svc.clone().oneshot(call(8, String::new())).await.unwrap();
+    let answer8 = svc.clone().oneshot(upload(8, String::new())).await.unwrap();
     assert_eq!(answer8.status(), 200);
     let waited = began.elapsed();
     assert!(
@@ -150,6 +176,54 @@ async fn a_stalled_streaming_request_lets_go_at_its_body_deadline() {
         "token 8 waited {waited:?} for 7's stalled request (body deadline 5 s)"
     );
     drop(messages7);
+}
+
+/// A gRPC call's stream carries whole messages: when it fails after the answer's head (the
+/// body deadline passed, or the client reset it), the service may still be acting on the
+/// messages it got, so the call holds its job for the unknown-outcome hold from then on.
+#[tokio::test(start_paused = true)]
+async fn a_failed_grpc_stream_holds_its_job_for_the_hold() {
+    let app = Streams::default();
+    let svc = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(5))
+        .unknown_outcome_hold(Duration::from_secs(3))
+        .drain_timeout(Duration::from_secs(60))
+        .layer(app.clone());
+
+    // Stalled to its body deadline (5 s), then held (3 s).
+    let (messages7, body7) = Channel::new();
+    messages7.send(Bytes::from("a")).unwrap();
+    let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
+    let began = tokio::time::Instant::now();
+    let answer8 = svc.clone().oneshot(call(8, String::new())).await.unwrap();
+    assert_eq!(answer8.status(), 200);
+    let waited = began.elapsed();
+    assert!(
+        (Duration::from_secs(8)..Duration::from_secs(10)).contains(&waited),
+        "token 8 waited {waited:?} for 7's stalled gRPC stream (body deadline 5 s, hold 3 s)"
+    );
+    drop(messages7);
+
+    // Reset by its client after a message: held from the reset.
+    let (messages9, body9) = mpsc::unbounded_channel();
+    messages9.send(Ok(Bytes::from("b"))).unwrap();
+    let _answer9 = svc
+        .clone()
+        .oneshot(call(9, Resettable(body9)))
+        .await
+        .unwrap();
+    settle().await;
+    messages9
+        .send(Err(std::io::Error::other("stream reset by the client")))
+        .unwrap();
+    let began = tokio::time::Instant::now();
+    let answer10 = svc.clone().oneshot(call(10, String::new())).await.unwrap();
+    assert_eq!(answer10.status(), 200);
+    let waited = began.elapsed();
+    assert!(
+        (Duration::from_secs(3)..Duration::from_secs(5)).contains(&waited),
+        "token 10 waited {waited:?} after 9's gRPC stream was reset (hold 3 s)"
+    );
 }
 
 /// A service that answers, then stops reading a request whose messages have all arrived,

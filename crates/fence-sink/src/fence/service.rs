@@ -446,7 +446,15 @@ where
     let body = if body.is_end_stream() {
         RequestBody::inner(body)
     } else {
-        RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone())
+        let body =
+            RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone());
+        // A gRPC call's stream carries whole messages, which the service may be acting on
+        // when the stream fails: unknown. A plain body that fails was never a whole request.
+        if reject::is_grpc(&parts.headers) {
+            body.failure_is_unknown()
+        } else {
+            body
+        }
     };
     let response = match inner.call(Request::from_parts(parts, body)).await {
         Ok(response) => response,
