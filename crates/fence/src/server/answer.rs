@@ -120,14 +120,18 @@ pub(super) fn bad(detail: impl Into<String>) -> Problem {
     Problem::new(ProblemType::BadRequest, detail)
 }
 
-/// A store failure: 503 with `Retry-After`, since nothing was decided and a retry may find
-/// the store back. The cause goes to the server's log only: a database's error text names
-/// tables and hosts, and anyone who can connect reads the answer.
+/// A store failure: 503 with `Retry-After`, since a retry may find the store back. Whether
+/// the request took effect is unknown: a store can fail after its decision was applied (a
+/// sled write whose log sync failed, a PostgreSQL connection lost after its commit was sent),
+/// so the detail says how to retry safely rather than that nothing happened. The cause goes
+/// to the server's log only: a database's error text names tables and hosts, and anyone who
+/// can connect reads the answer.
 pub(super) fn store_failed(e: &StoreError) -> Problem {
     tracing::error!(error = %error_chain(e), "lease store failed");
     Problem::new(
         ProblemType::StoreUnavailable,
-        "the lease store did not answer; nothing was decided, retry (the server's log has the cause)",
+        "the lease store failed; whether the request took effect is unknown: retry with the \
+         same owner and lease key (the server's log has the cause)",
     )
 }
 
@@ -345,11 +349,14 @@ mod tests {
             "{}",
             timed_out.detail
         );
+        // A failure may come after the decision was applied: never "nothing was decided".
         let failed = store_error(&StoreError::io(std::io::Error::other("disk gone")));
+        assert!(failed.detail.contains("unknown"), "{}", failed.detail);
         assert!(
-            failed.detail.contains("nothing was decided"),
+            failed.detail.contains("same owner and lease key"),
             "{}",
             failed.detail
         );
+        assert!(!failed.detail.contains("disk gone"), "{}", failed.detail);
     }
 }
