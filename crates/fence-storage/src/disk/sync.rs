@@ -8,8 +8,9 @@
 //! (128 KiB: a large stored response) goes to a file of its own under `blobs/`, written and
 //! never synced. So after sled's flush, [`Syncer::flush`] syncs the blob files that are new or
 //! changed since it last looked (and the `blobs` directory when one is new), then calls
-//! `fdatasync` on sled's file. The blobs go first: a log record pointing at a blob is durable
-//! only once the blob is.
+//! `fdatasync` on sled's file, then syncs sled's directory (its snapshot renames and
+//! deletions). The blobs go first: a log record pointing at a blob is durable only once the
+//! blob is.
 //!
 //! A flush or sync that failed once fails every later commit too: after a failed `fsync` the
 //! kernel may drop the pages it could not write and report the next `fsync` as a success, so
@@ -40,6 +41,8 @@ const SLED_BLOBS: &str = "blobs";
 pub(super) struct Syncer {
     db: sled::Db,
     log: File,
+    /// sled's directory: its snapshot files are renamed into place and old ones deleted.
+    dir: PathBuf,
     blobs: PathBuf,
     state: Mutex<State>,
 }
@@ -60,6 +63,7 @@ impl Syncer {
     pub(super) fn new(db: sled::Db, path: &Path) -> io::Result<Self> {
         Ok(Self {
             log: File::open(path.join(SLED_LOG))?,
+            dir: path.to_path_buf(),
             blobs: path.join(SLED_BLOBS),
             db,
             state: Mutex::default(),
@@ -91,7 +95,15 @@ impl Syncer {
             .flush()
             .map_err(|e| CommitError::Flush(Arc::new(e)))?;
         sync_blobs(&self.blobs, synced).map_err(io)?;
-        self.log.sync_data().map_err(io)
+        self.log.sync_data().map_err(io)?;
+        // sled renames a new snapshot into place and deletes older ones without syncing the
+        // directory; a checkpoint then deletes the log segments this flush covers. On a
+        // file system that does not keep metadata changes in order (ext4 without a journal,
+        // for one), a crash could keep the deletion and lose the rename: sync the directory
+        // so both are on disk before the segments go.
+        File::open(&self.dir)
+            .and_then(|dir| dir.sync_all())
+            .map_err(io)
     }
 }
 
