@@ -160,6 +160,40 @@ async fn a_stale_write_after_the_job_is_forgotten_is_refused_as_expired() {
     assert_eq!(sink.send(job().as_str(), &renewed).await.0, StatusCode::OK);
 }
 
+/// A clock skew widened after `forget_after` (the builder cannot refuse it there) widens the
+/// window tokens end within, and forgetting waits for it: a job is forgotten no sooner than
+/// the longest lease plus twice the skew in force.
+#[tokio::test(start_paused = true)]
+async fn a_skew_set_after_forget_after_delays_forgetting() {
+    let clock = ManualClock::new(START);
+    let signer = TokenSigner::from_seed([7; 32]);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let wide = Duration::from_secs(30); // window: 30 s + 2 x 30 s = 90 s, not FORGET's 60 s
+    let layer = FenceLayer::new(store.clone())
+        .require_signatures(TokenVerifier::new([signer.verify_key()]))
+        .clock(Arc::new(clock.clone()))
+        .clock_skew(SKEW)
+        .forget_after(FORGET, MAX_TTL)
+        .unwrap()
+        .clock_skew(wide);
+    let sink = CountingSink::new(layer);
+    let _upkeep: Maintenance = sink.layer.spawn_maintenance();
+    let token = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
+    assert_eq!(sink.send(job().as_str(), &token).await.0, StatusCode::OK);
+    pass(&clock, FORGOTTEN).await;
+    assert_eq!(
+        store.highest(&job()).await.unwrap(),
+        Generation::new(1),
+        "forgotten after FORGET although the skew in force makes the window 90 s"
+    );
+    pass(&clock, Duration::from_secs(30)).await;
+    assert_eq!(
+        store.highest(&job()).await.unwrap(),
+        Generation::ZERO,
+        "not forgotten once the 90 s window had passed"
+    );
+}
+
 /// The attack of issue 30: a sink forgot a job whose newer generations it had seen; a token
 /// of an older generation, validly signed by a lease server with a longer maximum TTL than
 /// the sink was told (an hour ahead), arrives. It is refused for outliving the window the

@@ -368,10 +368,19 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             // has settled: a job's stamps are all a restarted process knows of it, and a job
             // forgotten (its record deleted) would let a newer token pass at once while an
             // older request of the dead process can still commit where it went.
-            after: if self.shared.gates.store().outlives_process() {
-                after.max(config.limits.restart.settled_after())
-            } else {
-                after
+            after: {
+                // Never sooner than the window every admitted token ends within, either,
+                // whatever order the builder's settings came in (`clock_skew` or
+                // `max_lease_ttl` set after `forget_after` is not checked there).
+                let window = config
+                    .max_lease_ttl
+                    .saturating_add(config.clock_skew.saturating_mul(2));
+                let after = after.max(window);
+                if self.shared.gates.store().outlives_process() {
+                    after.max(config.limits.restart.settled_after())
+                } else {
+                    after
+                }
             },
             clock_skew: config.clock_skew,
             max_lease_ttl: config.max_lease_ttl,
