@@ -447,10 +447,11 @@ async fn writes_are_refused_unapplied_while_the_disk_stalls_and_taken_again_afte
 }
 
 #[tokio::test]
-async fn once_the_log_failed_no_swap_is_applied() {
+async fn once_the_log_failed_no_write_is_applied() {
     let dir = tempfile::tempdir().unwrap();
     let db = DurableDb::open_with(dir.path(), SMALL).unwrap();
     let tree = db.tree("t").unwrap();
+    tree.insert("b", "2").unwrap();
     db.log().fail_for_test();
     for swapped in [
         tree.compare_and_swap("a", None::<&[u8]>, Some("1")),
@@ -460,6 +461,16 @@ async fn once_the_log_failed_no_swap_is_applied() {
         let text = swapped.unwrap_err().to_string();
         assert!(text.contains("failed earlier"), "{text}");
     }
+    // Nor a plain write: none may change what readers see without a record behind it.
+    for refused in [
+        tree.insert("a", "1").map(drop),
+        tree.remove("b").map(drop),
+        tree.clear(),
+    ] {
+        let text = refused.unwrap_err().to_string();
+        assert!(text.contains("failed earlier"), "{text}");
+    }
     assert_eq!(tree.get("a").unwrap(), None);
+    assert_eq!(tree.get("b").unwrap().as_deref(), Some(&b"2"[..]));
     assert!(db.commit().await.is_err());
 }

@@ -144,6 +144,8 @@ impl Tree {
     ) -> sled::Result<Option<IVec>> {
         let (key, value) = (key.as_ref(), value.into());
         let mut log = self.db.log().lock();
+        // As for a swap: once the log failed, nothing is applied that no record backs.
+        log.taking()?;
         let old = self.tree.insert(key, value.clone())?;
         log.push(self.op(key, Some(&value)));
         Ok(old)
@@ -156,6 +158,7 @@ impl Tree {
     pub fn remove(&self, key: impl AsRef<[u8]>) -> sled::Result<Option<IVec>> {
         let key = key.as_ref();
         let mut log = self.db.log().lock();
+        log.taking()?;
         let old = self.tree.remove(key)?;
         if old.is_some() {
             log.push(self.op(key, None));
@@ -169,6 +172,7 @@ impl Tree {
     /// When sled fails.
     pub fn clear(&self) -> sled::Result<()> {
         let mut log = self.db.log().lock();
+        log.taking()?;
         self.tree.clear()?;
         log.push(Op::Clear { tree: &self.name });
         Ok(())
