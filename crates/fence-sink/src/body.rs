@@ -433,8 +433,9 @@ macro_rules! impl_body {
     };
 }
 
-// A request body that ended (or failed: the service never had a whole request) ends its part
-// of the request's time in flight.
+// A request body that ended (or failed: the service never had a whole request, or, for a
+// gRPC call marked `failure_unknown`, may be acting on whole messages it got) ends its part
+// of the request's time in flight; the latter held for the unknown-outcome hold.
 impl_body!(RequestBody, |this, polled| {
     if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
         if let (Poll::Ready(Some(Err(_))), true, Some(flight)) =

@@ -383,9 +383,11 @@ async fn forgetting_waits_for_what_the_process_before_left_running() {
     let _upkeep = layer.spawn_maintenance();
     let opened = clock.now_ms();
     // Past the job's stamp plus `FORGET` (forgetting would be due), 1.5 s before the hold
-    // after the restart ends; forgetting passes (every 125 ms) get a second to run.
+    // after the restart ends (by the manual clock, which real time does not move). Were the
+    // window `FORGET`, a pass would run every 125 ms: three seconds give a loaded machine
+    // room for many, so the check below cannot pass for want of one.
     clock.advance(Duration::from_millis(STAMP_AHEAD_MS + 1_500));
-    tokio::time::sleep(Duration::from_secs(1)).await;
+    tokio::time::sleep(Duration::from_secs(3)).await;
     assert_eq!(
         layer
             .store()

@@ -266,10 +266,10 @@ impl GenerationStore for SinkBackend {
         }
     }
 
-    fn outlives_process(&self) -> bool {
+    fn loads_stamps(&self) -> bool {
         match self {
-            Self::Sled(s) => s.outlives_process(),
-            Self::Postgres(s) => s.outlives_process(),
+            Self::Sled(s) => s.loads_stamps(),
+            Self::Postgres(s) => s.loads_stamps(),
         }
     }
 

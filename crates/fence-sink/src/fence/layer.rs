@@ -189,7 +189,9 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// [`BodyTimeout`](crate::BodyTimeout) to the inner service, which has by then seen the
     /// head and part of the body; the client gets 408 unless the service answered with a
     /// success. Either way the request stops holding up newer generations once the service
-    /// returns, so one slow client cannot jam a job for longer than this.
+    /// returns, so one slow client cannot jam a job for longer than this (a gRPC call whose
+    /// stream fails so: this plus the [unknown-outcome hold](Self::unknown_outcome_hold),
+    /// since the service may be acting on messages it got whole).
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
         self.config().body_timeout = timeout;
         self
@@ -279,8 +281,10 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// [`spawn_maintenance`](Self::spawn_maintenance)'s background task (contract section
     /// 8). Safe only because signed tokens expire: call it after
     /// [`require_signatures`](Self::require_signatures), with `max_ttl` the longest lease the
-    /// lease server grants (its `--max-ttl`). On a store that outlives its process
-    /// ([`GenerationStore::outlives_process`]: sled, PostgreSQL), a job is never forgotten sooner than
+    /// lease server grants (its `--max-ttl`). A job is never forgotten sooner than the
+    /// window in force when [`spawn_maintenance`](Self::spawn_maintenance) starts (`max_ttl`
+    /// plus twice the clock skew), and, on a store whose jobs carry restart stamps
+    /// ([`GenerationStore::loads_stamps`]: sled), than
     /// [`longest_request`](Self::longest_request) plus the
     /// [unknown-outcome hold](Self::unknown_outcome_hold) after its last admission: after a
     /// restart, its stamps are all that makes a newer token wait for what the process before
@@ -363,29 +367,36 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     pub fn spawn_maintenance(&self) -> Maintenance {
         let config = &self.shared.config;
         let sweep = config.idempotency.as_ref().map(|c| c.sweep_every);
-        let forget = config.forget_after.map(|after| Forgetting {
-            // Never before what a process before this one may have left running on the job
-            // has settled: a job's stamps are all a restarted process knows of it, and a job
-            // forgotten (its record deleted) would let a newer token pass at once while an
-            // older request of the dead process can still commit where it went.
-            after: {
-                // Never sooner than the window every admitted token ends within, either,
-                // whatever order the builder's settings came in (`clock_skew` or
-                // `max_lease_ttl` set after `forget_after` is not checked there).
-                let window = config
-                    .max_lease_ttl
-                    .saturating_add(config.clock_skew.saturating_mul(2));
-                let after = after.max(window);
-                if self.shared.gates.store().outlives_process() {
-                    after.max(config.limits.restart.settled_after())
-                } else {
-                    after
-                }
-            },
+        let forget = self.forgets_after().map(|after| Forgetting {
+            after,
             clock_skew: config.clock_skew,
             max_lease_ttl: config.max_lease_ttl,
         });
         Maintenance::spawn(&self.shared.gates, sweep, forget)
+    }
+
+    /// How long a job must be idle before [`spawn_maintenance`](Self::spawn_maintenance)'s
+    /// upkeep forgets it (`None`: never): [`forget_after`](Self::forget_after), stretched to
+    /// what forgetting safely needs with the settings in force.
+    pub fn forgets_after(&self) -> Option<Duration> {
+        let config = &self.shared.config;
+        let after = config.forget_after?;
+        // Never sooner than the window every admitted token ends within, whatever order the
+        // builder's settings came in (`clock_skew` or `max_lease_ttl` set after
+        // `forget_after` is not checked there).
+        let window = config
+            .max_lease_ttl
+            .saturating_add(config.clock_skew.saturating_mul(2));
+        let after = after.max(window);
+        // Nor before what a process before this one may have left running on the job has
+        // settled: a job's stamps are all a restarted process knows of it, and a job
+        // forgotten (its record deleted) would let a newer token pass at once while an older
+        // request of the dead process can still commit where it went.
+        Some(if self.shared.gates.store().loads_stamps() {
+            after.max(config.limits.restart.settled_after())
+        } else {
+            after
+        })
     }
 
     /// The store.

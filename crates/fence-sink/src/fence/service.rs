@@ -470,8 +470,8 @@ where
     // Answered before its body ended (a streaming call, an upload answered early): a service
     // that then stops reading never polls the body to its deadline, so the deadline is kept
     // here as well. A little after it: a service still reading gets the body's own
-    // `BodyTimeout` first, which lets the request go at once as it always has; only one that
-    // stopped reading is held.
+    // `BodyTimeout` first, which lets the request go at once (a gRPC call's: after the hold,
+    // see `failure_is_unknown`); one that stopped reading is held.
     if Arc::strong_count(&flight) > 1
         && let Ok(runtime) = tokio::runtime::Handle::try_current()
     {

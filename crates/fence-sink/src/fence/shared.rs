@@ -40,7 +40,9 @@ pub(crate) struct Config {
     /// The longest lease the lease server grants: a signed token may end at most this (plus
     /// the skew) after now.
     pub(crate) max_lease_ttl: Duration,
-    /// Forget a job with no admitted request for this long (contract section 8).
+    /// Forget a job with no admitted request for this long (contract section 8); stretched
+    /// by `spawn_maintenance` to the token window and, on a store with restart stamps, to
+    /// what an earlier process may have left running.
     pub(crate) forget_after: Option<Duration>,
 }
 

@@ -57,8 +57,8 @@ impl MemoryStore {
 }
 
 impl GenerationStore for MemoryStore {
-    /// Its jobs die with the process: no later process waits on what this one left running.
-    fn outlives_process(&self) -> bool {
+    /// Its jobs die with the process: no later process loads them.
+    fn loads_stamps(&self) -> bool {
         false
     }
 

@@ -186,11 +186,14 @@ pub trait GenerationStore: Send + Sync + 'static {
         async move { Ok(Loaded::new(highest.await?)) }
     }
 
-    /// Whether the store outlives its process, so that a later process loads the jobs'
-    /// [`Prior`] stamps: a layer that forgets on it then never deletes a job before what an
-    /// earlier process may have left running on it has settled (the default, the safe side).
-    /// A store that dies with its process (memory) answers `false`.
-    fn outlives_process(&self) -> bool {
+    /// Whether [`load`](Self::load) gives the jobs' [`Prior`] stamps (a store that outlives
+    /// its process and keeps them, as sled does): a layer that forgets on it then never
+    /// deletes a job before what an earlier process may have left running on it has
+    /// settled, since the stamps are all a later process knows of that. The default answers
+    /// `true`, the safe side; a store without them answers `false` (memory, which dies with
+    /// its process; PostgreSQL, whose order across processes is kept by the SQL fence). A
+    /// wrapper around another store delegates it.
+    fn loads_stamps(&self) -> bool {
         true
     }
 

@@ -115,8 +115,9 @@ pub struct ProxyArgs {
     /// Forget a job with no admitted request for this long, on disk and in memory (1s to
     /// 10 years; default: never). Needs --verify-key, and at least --max-lease-ttl plus
     /// twice --clock-skew: a stale write to a forgotten job is then still refused, as
-    /// token-expired. Never sooner than the later of --upstream-timeout and --body-timeout
-    /// plus --unknown-outcome-hold: what a crashed process passed on may run that long.
+    /// token-expired. On --data-dir, never sooner than --unknown-outcome-hold plus the later
+    /// of --upstream-timeout and --body-timeout: what a crashed proxy passed on may run that
+    /// long (the proxy logs the window it uses).
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
     pub forget_after: Option<Duration>,
     /// The longest lease the lease server grants: keep it equal to the server's --max-ttl.

@@ -42,7 +42,8 @@ pub struct ProxyConfig {
     /// How far the lease server's clock may be ahead (default 5 s), for expired tokens.
     pub clock_skew: Duration,
     /// Forget a job with no admitted request for this long (default: never); needs a
-    /// verifier and at least `max_lease_ttl` plus twice `clock_skew`.
+    /// verifier and at least `max_lease_ttl` plus twice `clock_skew`. On sled, never sooner
+    /// than the upstream or body timeout (the later) plus the unknown-outcome hold.
     pub forget_after: Option<Duration>,
     /// The longest lease the lease server grants (default 24 h).
     pub max_lease_ttl: Duration,

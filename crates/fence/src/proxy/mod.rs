@@ -148,6 +148,14 @@ where
     // Expired idempotency records are swept off the store while the proxy runs, and idle
     // jobs forgotten if asked.
     let _maintenance = layer.spawn_maintenance();
+    if let Some(window) = layer.forgets_after() {
+        tracing::info!(
+            forget_after = ?config.forget_after,
+            forgets_after = ?window,
+            "idle jobs are forgotten after this window (at least --forget-after, and on \
+             --data-dir the upstream or body timeout plus the unknown-outcome hold)"
+        );
+    }
 
     let listen = listener
         .local_addr()

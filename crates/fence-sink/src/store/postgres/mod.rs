@@ -419,6 +419,11 @@ impl GenerationStore for PgStore {
         Ok(Loaded::new(self.highest(job).await?))
     }
 
+    /// See [`load`](Self::load): no stamps, so forgetting has no restart hold to wait for.
+    fn loads_stamps(&self) -> bool {
+        false
+    }
+
     fn is_shared(&self) -> bool {
         true
     }
