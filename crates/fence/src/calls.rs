@@ -280,10 +280,29 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
     };
     let (conn, job) = at;
     let server = connect(conn)?;
-    let (status, answer) = server
-        .call(&job, action, body.as_ref())
-        .await
-        .with_context(|| format!("cannot reach {}", server.base_url()))?;
+    let claimed = key.is_some();
+    let (status, answer) = match server.call(&job, action, body.as_ref()).await {
+        Ok(answered) => answered,
+        // The server (or a gateway) answered that it could not decide or confirm: in its
+        // words, not as an unreachable server.
+        Err(fence_lease::StoreError::Unavailable { status, detail, .. }) => {
+            eprintln!("fence: the server answered {status}: {detail}");
+            if claimed {
+                unknown_claim(&job);
+            }
+            return Ok(1);
+        }
+        Err(e @ fence_lease::StoreError::Timeout(_)) if claimed => {
+            eprintln!("fence: {e}");
+            unknown_claim(&job);
+            return Ok(1);
+        }
+        Err(e) => {
+            return Err(
+                anyhow::Error::new(e).context(format!("cannot reach {}", server.base_url()))
+            );
+        }
+    };
     let printed = match (key, status) {
         // The lease key is shown here and nowhere else, so a script can pass it on.
         (Some(key), StatusCode::OK) => {
@@ -296,6 +315,17 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
     };
     print_answer(status, &printed);
     Ok(exit_code(status))
+}
+
+/// After a claim of unknown outcome: the lease key existed only in this process and is not
+/// printed unless granted, so the server's advice (retry with the same key) cannot be
+/// followed here; says what can.
+fn unknown_claim(job: &JobId) {
+    eprintln!(
+        "fence: whether the claim was granted is unknown, and its lease key is gone with this \
+         command; `fence status --job {job}` shows whether the job is held by this owner (such \
+         a lease ends at its TTL), or claim again once the store is back"
+    );
 }
 
 /// `fence leases`: every page, one record a line.

@@ -604,6 +604,40 @@ fn a_lease_key_that_starts_with_a_dash_is_a_key() {
     );
 }
 
+/// A claim answered 503 by a store that failed may have been granted under a lease key that
+/// only the command knew: `fence claim` says so and what to do, since the server's advice
+/// (retry with the same key) cannot be followed from the command line.
+#[test]
+fn a_claim_of_unknown_outcome_says_the_key_is_gone_and_what_to_check() {
+    let failing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", failing.local_addr().unwrap());
+    std::thread::spawn(move || {
+        use std::io::{Read as _, Write as _};
+        for stream in failing.incoming().take(8) {
+            let Ok(mut stream) = stream else { continue };
+            let _ = stream.read(&mut [0; 8192]);
+            let body = r#"{"type":"urn:fence:store-unavailable","title":"Store unavailable","status":503,"detail":"the lease store failed; whether the request took effect is unknown: retry with the same owner and lease key"}"#;
+            let _ = write!(
+                stream,
+                "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\nretry-after: 1\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{body}",
+                body.len()
+            );
+        }
+    });
+    let out = fence(&["claim", "--server", &url, "--job", "pay-9"]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let (stdout, stderr) = (
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr),
+    );
+    assert!(
+        stderr.contains("whether the claim was granted is unknown")
+            && stderr.contains("fence status --job pay-9"),
+        "{stderr}"
+    );
+    assert!(!stdout.contains("lease_key"), "{stdout}");
+}
+
 /// `fence idempotency-key` prints the key of a job's step that every holder derives alike,
 /// as docs/protocol.md describes it (computed here independently, as another language would).
 #[test]

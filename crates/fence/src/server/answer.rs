@@ -126,12 +126,22 @@ pub(super) fn bad(detail: impl Into<String>) -> Problem {
 /// so the detail says how to retry safely rather than that nothing happened. The cause goes
 /// to the server's log only: a database's error text names tables and hosts, and anyone who
 /// can connect reads the answer.
-pub(super) fn store_failed(e: &StoreError) -> Problem {
+fn store_failed(e: &StoreError) -> Problem {
     tracing::error!(error = %error_chain(e), "lease store failed");
     Problem::new(
         ProblemType::StoreUnavailable,
         "the lease store failed; whether the request took effect is unknown: retry with the \
          same owner and lease key (the server's log has the cause)",
+    )
+}
+
+/// A store failure on a read (a lease's status, a list, the health probe): nothing was
+/// asked to change, so the answer only says to retry. The cause goes to the log only.
+pub(super) fn store_read_failed(e: &StoreError) -> Problem {
+    tracing::error!(error = %error_chain(e), "lease store failed a read");
+    Problem::new(
+        ProblemType::StoreUnavailable,
+        "the lease store did not answer; retry (the server's log has the cause)",
     )
 }
 

@@ -22,7 +22,8 @@ use http_body_util::{BodyExt, Limited};
 use super::{
     AppState,
     answer::{
-        Asking, answer, bad, finish, json, problem_response, record_body, store_error, store_failed,
+        Asking, answer, bad, finish, json, problem_response, record_body, store_error,
+        store_read_failed,
     },
     guard::authorize,
 };
@@ -277,7 +278,12 @@ pub(super) async fn status<S: LeaseStore>(
     let answer = async {
         let job = job_of(path.map(|Path(job)| job))?;
         authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
-        match app.store.get(&job).await.map_err(|e| store_failed(&e))? {
+        match app
+            .store
+            .get(&job)
+            .await
+            .map_err(|e| store_read_failed(&e))?
+        {
             Some(r) => Ok(json(&record_body(&r))),
             None => Err(Problem::new(
                 ProblemType::UnknownJob,
@@ -301,7 +307,7 @@ pub(super) async fn healthz<S: LeaseStore>(State(app): State<Arc<AppState<S>>>) 
             .get(&job)
             .await
             .map(|_| ())
-            .map_err(|e| store_failed(&e))
+            .map_err(|e| store_read_failed(&e))
     };
     match app.health.check(probe).await {
         Ok(()) => (StatusCode::OK, "ok\n").into_response(),

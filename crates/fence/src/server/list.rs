@@ -19,7 +19,7 @@ use fence_lease::{LeaseStore, ListPage, StoreError};
 
 use super::{
     AppState,
-    answer::{Answer, bad, finish, json, record_body, store_failed},
+    answer::{Answer, bad, finish, json, record_body, store_read_failed},
     guard::authorize,
 };
 use crate::auth::Scope;
@@ -42,7 +42,7 @@ pub(super) async fn list<S: LeaseStore>(
                 scoped(&*app.store, &query, &scopes).await
             }
         }
-        .map_err(|e| store_failed(&e))?;
+        .map_err(|e| store_read_failed(&e))?;
         Ok(json(&ListBody {
             leases: page.leases.iter().map(record_body).collect(),
             next: page.next,
