@@ -331,10 +331,18 @@ export class Lease {
   }
 }
 
+/** The statuses fetch follows as redirects. */
+const REDIRECTS = new Set([301, 302, 303, 307, 308]);
+
 /**
  * A fetch-compatible function that stamps the lease's X-Fencing-Job and X-Fencing-Token on
  * every request, read at the moment of the call, and rejects with LeaseLost instead of sending
- * once the lease is lost.
+ * once the lease is lost. Redirects are followed here, not by fetch, so the lease is checked
+ * again before each hop (fetch would re-send the stamped headers itself): as fetch does, at
+ * most 20 hops, a 303 (or a 301/302 of a POST) becomes a GET without a body, and the
+ * Authorization and Cookie headers are dropped when the origin changes. A body fetch cannot
+ * send twice (a stream) is not re-sent: the redirect answer is returned as it came, and so it
+ * is with `redirect: "manual"`; `redirect: "error"` rejects as fetch does.
  * @param {Lease} lease
  * @param {typeof fetch} [fetchImpl]
  * @returns {typeof fetch}
@@ -344,6 +352,35 @@ export function fencedFetch(lease, fetchImpl = globalThis.fetch) {
     const fencing = lease.headers(); // rejects with LeaseLost: nothing is sent
     const headers = new Headers(init.headers ?? (input instanceof Request ? input.headers : undefined));
     for (const [name, value] of Object.entries(fencing)) headers.set(name, value);
-    return fetchImpl(input, { ...init, headers });
+    const mode = init.redirect ?? (input instanceof Request ? input.redirect : 'follow');
+    let response = await fetchImpl(input, { ...init, headers, redirect: 'manual' });
+    if (mode === 'manual') return response;
+    let url = new URL(input instanceof Request ? input.url : String(input));
+    let method = (init.method ?? (input instanceof Request ? input.method : 'GET')).toUpperCase();
+    let body = init.body;
+    const replayable = (b) => b == null || typeof b === 'string' || b instanceof ArrayBuffer
+      || ArrayBuffer.isView(b) || b instanceof URLSearchParams || b instanceof Blob || b instanceof FormData;
+    for (let hops = 0; REDIRECTS.has(response.status) && response.headers.has('location'); hops += 1) {
+      if (mode === 'error') throw new TypeError(`fetch failed: redirect (${response.status}) with redirect: "error"`);
+      if (hops >= 20) throw new TypeError('fetch failed: more than 20 redirects');
+      const next = new URL(response.headers.get('location'), url);
+      if (response.status === 303 || ((response.status === 301 || response.status === 302) && method === 'POST')) {
+        if (method !== 'HEAD') method = 'GET';
+        body = undefined;
+        for (const name of ['content-type', 'content-length', 'content-encoding', 'content-language', 'content-location']) headers.delete(name);
+      } else if (!replayable(body) || (input instanceof Request && input.body != null && init.body === undefined)) {
+        return response; // a body that cannot be sent again: the caller sees the redirect
+      }
+      if (next.origin !== url.origin) {
+        headers.delete('authorization');
+        headers.delete('cookie');
+      }
+      await response.body?.cancel();
+      const again = lease.headers(); // rejects with LeaseLost: the redirect is not followed
+      for (const [name, value] of Object.entries(again)) headers.set(name, value);
+      url = next;
+      response = await fetchImpl(url, { ...init, method, body, headers, redirect: 'manual' });
+    }
+    return response;
   };
 }

@@ -5,7 +5,7 @@ import assert from 'node:assert/strict';
 import http from 'node:http';
 import { test } from 'node:test';
 
-import { Client, GrantTooShort, LeaseHeld } from '../src/index.js';
+import { Client, GrantTooShort, LeaseHeld, LeaseLost, fencedFetch } from '../src/index.js';
 import { Lease } from '../src/lease.js';
 import { abortedWithin, sleep, stack } from './helpers.js';
 
@@ -137,4 +137,40 @@ test('a server that keeps failing a release is given up on at the lease\'s end',
   const took = performance.now() - started;
   assert.ok(took > 500 && took < 1500, `gave up after ${took} ms (the lease ends 1 s after its claim)`);
   assert.ok(front.seen.finishes > 2, `${front.seen.finishes} attempts`);
+});
+
+test('fencedFetch checks the lease again before following a redirect', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const client = new Client({ server: s.serverUrl, owner: 'redirected', ttlMs: 5000 });
+  t.after(() => client.close());
+  const reached = [];
+  let lose = null;
+  const destination = http.createServer((req, res) => {
+    req.resume();
+    req.on('end', () => {
+      if (req.url === '/slow') {
+        if (lose) lose(); // lost while the destination took its time
+        res.writeHead(307, { location: '/target', 'content-length': '0' });
+      } else {
+        reached.push([req.method, req.headers['x-fencing-token'], req.headers.authorization]);
+        res.writeHead(200, { 'content-length': '0' });
+      }
+      res.end();
+    });
+  });
+  await new Promise((r) => destination.listen(0, '127.0.0.1', r));
+  t.after(() => destination.close());
+  const url = `http://127.0.0.1:${destination.address().port}/slow`;
+
+  // Held: the redirect is followed, the POST and its body kept (307), the token stamped.
+  const lease = await client.claim('redirected');
+  const ok = await fencedFetch(lease)(url, { method: 'POST', body: 'x' });
+  assert.equal(ok.status, 200);
+  assert.deepEqual(reached, [['POST', lease.token, undefined]]);
+
+  // Lost while the first hop was answered: the redirect is not followed.
+  reached.length = 0;
+  lose = () => lease.abandon();
+  await assert.rejects(fencedFetch(lease)(url, { method: 'POST', body: 'x' }), (e) => e instanceof LeaseLost);
+  assert.deepEqual(reached, [], 'the redirect was followed with the lost lease\'s token');
 });
