@@ -12,6 +12,7 @@ import threading
 import time
 from typing import Any, List
 
+import httpx
 import pytest
 import requests
 
@@ -21,6 +22,7 @@ from conftest import wait_for
 from fence_client import Client, GrantTooShort, LeaseHeld, LeaseLost, ServerUnreachable
 from fence_client._errors import problem_error
 from fence_client.aio import AsyncClient
+from fence_client.httpx import FenceAuth as HttpxFenceAuth
 from fence_client.requests import FenceAuth
 
 
@@ -134,6 +136,84 @@ def test_a_redirect_after_the_lease_was_lost_is_not_followed(stack):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def _redirecting_destination(lose: List[Any], reached: List[Any]) -> http.server.ThreadingHTTPServer:
+    """A destination that loses the lease (calls ``lose[0]``) while it answers ``/slow`` with a
+    307 to ``/target``, and notes the token of every request that reaches ``/target``."""
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:  # noqa: N802
+            self.rfile.read(int(self.headers.get("content-length", 0)))
+            if self.path == "/slow":
+                lose[0]()  # lost while the destination took its time
+                self.send_response(307)
+                self.send_header("location", "/target")
+            else:
+                reached.append(self.headers.get("x-fencing-token"))
+                self.send_response(200)
+            self.send_header("content-length", "0")
+            self.end_headers()
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    return server
+
+
+def test_httpx_follows_no_redirect_once_the_lease_was_lost(stack):
+    # httpx follows redirects inside the auth flow, copying the headers: the lease must be
+    # checked again as each request's head is written, sync and async alike.
+    s = stack(proxy=False)
+    lease = Client(s.server_url, owner="redirected", ttl=5.0).claim("redirected-httpx")
+    lose: List[Any] = [lease.abandon]
+    reached: List[Any] = []
+    server = _redirecting_destination(lose, reached)
+    url = f"http://127.0.0.1:{server.server_address[1]}/slow"
+    try:
+        with pytest.raises(LeaseLost):
+            httpx.post(url, content=b"x", auth=HttpxFenceAuth(lease), follow_redirects=True,
+                       timeout=5)
+        assert reached == [], "httpx followed the redirect with the lost lease's token"
+
+        async def main() -> None:
+            client = AsyncClient(s.server_url, owner="redirected-async", ttl=5.0)
+            alease = await client.claim("redirected-httpx-async")
+            loop = asyncio.get_running_loop()
+
+            def lose_async() -> None:
+                # Abandoned on its own loop, which is free while the request is answered.
+                loop.call_soon_threadsafe(alease.abandon)
+                time.sleep(0.2)
+
+            lose[0] = lose_async
+            async with httpx.AsyncClient(auth=HttpxFenceAuth(alease), follow_redirects=True,
+                                         timeout=5) as http_:
+                with pytest.raises(LeaseLost):
+                    await http_.post(url, content=b"x")
+
+        asyncio.run(main())
+        assert reached == [], "httpx (async) followed the redirect with the lost lease's token"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_keeper_that_fails_declares_the_lease_lost(stack, monkeypatch):
+    s = stack(proxy=False)
+    lease = Client(s.server_url, owner="crashing", ttl=3.0).claim("crashing-keeper")
+
+    def broken(*args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("a bug in the keeper")
+
+    monkeypatch.setattr(lease, "_after_renewal", broken)
+    # The first renewal comes at a third of the TTL (1 s): its failure is seen then, before the
+    # deadline (about 2.7 s). A keeper that died silently would never set `lost` at all.
+    assert lease.lost.wait(2.0), "the keeper failed silently"
+    with pytest.raises(LeaseLost, match="keeper stopped unexpectedly"):
+        lease.token
 
 
 def test_a_grant_no_longer_than_the_margin_is_named_and_given_back(stack):

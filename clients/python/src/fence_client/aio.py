@@ -56,6 +56,16 @@ class AsyncLease(LeaseCore):
         self._keeper = self._loop.create_task(self._keep(), name=f"fence-keeper {self.job}")
 
     async def _keep(self) -> None:
+        try:
+            await self._keep_renewing()
+        except asyncio.CancelledError:
+            self._declare_lost("the keeper was cancelled (its event loop is ending)")
+            raise
+        except Exception as e:  # noqa: BLE001 - a keeper that stops can keep nothing
+            # The reason says what failed; nobody awaits the task to see it raised.
+            self._declare_lost(f"the keeper stopped unexpectedly: {e!r}")
+
+    async def _keep_renewing(self) -> None:
         next_at: Optional[float] = self._sent + self._renew_every()
         while next_at is not None:
             deadline = self.deadline

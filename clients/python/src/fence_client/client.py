@@ -50,6 +50,13 @@ class Lease(LeaseCore):
         self._keeper.start()
 
     def _keep(self) -> None:
+        try:
+            self._keep_renewing()
+        except BaseException as e:  # noqa: BLE001 - a keeper that stops can keep nothing
+            # The reason says what failed; nobody joins the thread to see it raised.
+            self._declare_lost(f"the keeper stopped unexpectedly: {e!r}")
+
+    def _keep_renewing(self) -> None:
         next_at: Optional[float] = self._sent + self._renew_every()
         while next_at is not None:
             deadline = self.deadline
