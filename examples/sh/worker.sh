@@ -75,13 +75,17 @@ echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
 # The keeper: renews every third of the TTL; marks the lease lost when refused.
 (
   while :; do
-    sleep "$(( TTL_MS / 3000 )).$(( TTL_MS / 3 % 1000 / 100 ))"
+    every=$(( TTL_MS / 3 )); [ "$every" -ge 100 ] || every=100 # never a busy loop
+    sleep "$(( every / 1000 )).$(( every % 1000 / 100 ))"
     [ "$(now_ms)" -lt "$(cat "$state/deadline")" ] || exit 0
     sent=$(now_ms)
     body="{\"owner\":\"$owner\",\"generation\":$(cat "$state/generation"),\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"
     case $(call renew "$body") in
-      200) grant "$sent" ;;
-      403|409|410) echo 0 >"$state/deadline"; exit 0 ;;
+      # Granted, but answered after the deadline: the loss stands (the main loop may
+      # already have stopped on it), so the lease is not taken up again.
+      200) if [ "$(now_ms)" -lt "$(cat "$state/deadline")" ]; then grant "$sent"; else exit 0; fi ;;
+      # Written whole or not at all (a reader must never find the file empty).
+      403|409|410) echo 0 >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"; exit 0 ;;
       *) ;; # no answer: the deadline stands
     esac
   done
@@ -91,7 +95,9 @@ keeper=$!
 n=0
 while [ "$n" -lt "$WRITES" ]; do
   n=$((n + 1))
-  if [ "$(now_ms)" -ge "$(cat "$state/deadline")" ]; then
+  deadline=$(cat "$state/deadline")
+  case $deadline in ''|*[!0-9]*) deadline=0 ;; esac # unreadable: take it as lost
+  if [ "$(now_ms)" -ge "$deadline" ]; then
     echo "worker: lease lost; not sending" >&2; exit 75
   fi
   token=$(cat "$state/token")
@@ -99,7 +105,7 @@ while [ "$n" -lt "$WRITES" ]; do
     # A whole-worker pause (GC, SIGSTOP) between deciding to send and sending: renewals stop.
     kill -STOP "$keeper"; sleep "$STALL_BEFORE_SEND"; kill -CONT "$keeper"
   fi
-  code=$(curl -sS -o /dev/null -w '%{http_code}' -X POST -H "X-Fencing-Job: $JOB" \
+  code=$(curl -sS -o /dev/null -w '%{http_code}' --max-time 30 -X POST -H "X-Fencing-Job: $JOB" \
     -H "X-Fencing-Token: $token" --data "write $n" "$DESTINATION" || echo 000)
   echo "WRITE $n $code"
   case $code in
