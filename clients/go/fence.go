@@ -339,7 +339,9 @@ func (c *Client) startLease(ctx context.Context, job, key string, ttlMs uint64, 
 	lctx, cancel := context.WithCancel(context.Background())
 	l := &Lease{t: c.t, clock: c.clock, job: job, owner: c.owner, generation: a.Generation, key: key,
 		askedTTLMs: ttlMs, margin: c.margin, ctx: lctx, cancel: cancel, finished: make(chan struct{}),
-		progressWithin: c.within, lastProgress: sent, resumed: a.Checkpoint, resource: a.Resource, slot: a.Slot}
+		// Progress counts from the answer, not the send: a waiting claim may have been held
+		// longer than ProgressWithin before it was granted.
+		progressWithin: c.within, lastProgress: c.clock.Now(), resumed: a.Checkpoint, resource: a.Resource, slot: a.Slot}
 	if _, err := l.setGrant(sent, a, true); err != nil {
 		cancel()
 		return nil, err

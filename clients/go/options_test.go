@@ -164,6 +164,28 @@ func TestAWorkerThatStopsReportingProgressLosesItsLease(t *testing.T) {
 	}
 }
 
+func TestProgressCountsFromAWaitingClaimsGrantNotItsSend(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	holder := mustClient(t, s.serverURL, Options{Owner: "holder", TTL: 10 * time.Second})
+	held, err := holder.Claim(ctx, "progress-wait")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { time.Sleep(1200 * time.Millisecond); _, _ = held.Release(ctx) }()
+	// Held for 1.2 s, longer than ProgressWithin: the grant must not count as stalled.
+	c := mustClient(t, s.serverURL, Options{Owner: "waiter", TTL: 900 * time.Millisecond, ProgressWithin: 600 * time.Millisecond})
+	lease, err := c.ClaimWaiting(ctx, "progress-wait", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _, _ = lease.Release(ctx) }()
+	time.Sleep(450 * time.Millisecond) // past the first renewal (300 ms), no progress reported
+	if err := lease.Err(); err != nil {
+		t.Fatalf("lost right after a waiting claim's grant: %v", err)
+	}
+}
+
 func TestACheckpointGoesToTheNextHolder(t *testing.T) {
 	ctx := context.Background()
 	s := newStack(t, stackOpts{noProxy: true})
