@@ -160,6 +160,38 @@ async fn a_stale_write_after_the_job_is_forgotten_is_refused_as_expired() {
     assert_eq!(sink.send(job().as_str(), &renewed).await.0, StatusCode::OK);
 }
 
+/// The window the upkeep forgets by: `FORGET` on a memory store, stretched on sled to what a
+/// restarted process must wait for (the longest request plus the hold), and never shorter
+/// than the token window; none without `forget_after`.
+#[test]
+fn the_forgetting_window_is_stretched_only_where_a_restart_needs_it() {
+    fn forgetting<St: GenerationStore + IdempotencyStore>(store: St) -> FenceLayer<St> {
+        FenceLayer::new(store)
+            .require_signatures(TokenVerifier::new([
+                TokenSigner::from_seed([7; 32]).verify_key()
+            ]))
+            .clock_skew(SKEW)
+            .forget_after(FORGET, MAX_TTL)
+            .unwrap()
+            .longest_request(Duration::from_secs(60))
+            .unknown_outcome_hold(Duration::from_secs(45))
+    }
+    assert_eq!(
+        forgetting(MemoryStore::new()).forgets_after(),
+        Some(FORGET)
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let sled = forgetting(SledStore::open(dir.path()).unwrap());
+    assert_eq!(sled.forgets_after(), Some(Duration::from_secs(105)));
+    let short = sled
+        .longest_request(Duration::from_secs(1))
+        .unknown_outcome_hold(Duration::from_secs(1));
+    assert_eq!(short.forgets_after(), Some(FORGET));
+    let widened = short.clock_skew(Duration::from_secs(30));
+    assert_eq!(widened.forgets_after(), Some(Duration::from_secs(90)));
+    assert_eq!(FenceLayer::new(MemoryStore::new()).forgets_after(), None);
+}
+
 /// A clock skew widened after `forget_after` (the builder cannot refuse it there) widens the
 /// window tokens end within, and forgetting waits for it: a job is forgotten no sooner than
 /// the longest lease plus twice the skew in force.

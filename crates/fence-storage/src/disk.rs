@@ -5,8 +5,8 @@
 //! it is on disk: one writer thread appends all that was buffered with one `fdatasync` per
 //! batch, shared by every writer of the moment (`log`). sled itself is flushed in the
 //! background, every few seconds, and the log behind it deleted; on open, what the log holds
-//! is replayed into sled first. A failed write or sync fails every later commit: the process
-//! must be restarted.
+//! is replayed into sled first. A failed write or sync fails every later commit, and every
+//! later write is refused: the process must be restarted.
 //!
 //! A directory is held by one process at a time: [`DurableDb::open`] takes an exclusive lock
 //! on `fence.lock` in it first, and says [`OpenError::Locked`] when another process has it.

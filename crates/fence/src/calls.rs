@@ -224,11 +224,12 @@ fn print_answer(status: StatusCode, answer: &str) {
 /// # Errors
 /// When the server URL is invalid or the server cannot be reached.
 pub async fn call(call: Call) -> anyhow::Result<i32> {
-    let mut key = None;
+    let (mut key, mut claim_owner) = (None, None);
     type At<'a> = (&'a ServerConn, JobId);
     let (at, action, body): (At<'_>, Option<Action>, Option<serde_json::Value>) = match &call {
         Call::Claim(a) => {
             let owner = a.owner.clone().unwrap_or_else(fence_lease::default_owner);
+            claim_owner = Some(owner.clone());
             let lease_key = fence_lease::new_lease_key()
                 .map_err(|e| anyhow::anyhow!("the OS's random source failed: {e}"))?;
             key = Some(lease_key.clone());
@@ -280,27 +281,17 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
     };
     let (conn, job) = at;
     let server = connect(conn)?;
-    let claimed = key.is_some();
     let (status, answer) = match server.call(&job, action, body.as_ref()).await {
         Ok(answered) => answered,
-        // The server (or a gateway) answered that it could not decide or confirm: in its
-        // words, not as an unreachable server.
-        Err(fence_lease::StoreError::Unavailable { status, detail, .. }) => {
-            eprintln!("fence: the server answered {status}: {detail}");
-            if claimed {
-                unknown_claim(&job);
-            }
-            return Ok(1);
-        }
-        Err(e @ fence_lease::StoreError::Timeout(_)) if claimed => {
-            eprintln!("fence: {e}");
-            unknown_claim(&job);
-            return Ok(1);
-        }
         Err(e) => {
-            return Err(
-                anyhow::Error::new(e).context(format!("cannot reach {}", server.base_url()))
-            );
+            if let Some(owner) = &claim_owner
+                && outcome_unknown(&e)
+            {
+                eprintln!("fence: {}", server_failure(&e));
+                unknown_claim(&job, owner, server.base_url());
+                return Ok(1);
+            }
+            return answered_or_unreachable(e, server.base_url());
         }
     };
     let printed = match (key, status) {
@@ -320,12 +311,53 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
 /// After a claim of unknown outcome: the lease key existed only in this process and is not
 /// printed unless granted, so the server's advice (retry with the same key) cannot be
 /// followed here; says what can.
-fn unknown_claim(job: &JobId) {
+fn unknown_claim(job: &JobId, owner: &fence_core::Owner, server: &str) {
     eprintln!(
         "fence: whether the claim was granted is unknown, and its lease key is gone with this \
-         command; `fence status --job {job}` shows whether the job is held by this owner (such \
-         a lease ends at its TTL), or claim again once the store is back"
+         command; `fence status --server {server} --job {job}` shows whether owner {owner} holds \
+         it (such a lease ends at its TTL), or claim again once the store is back"
     );
+}
+
+/// Whether a call that failed so may have reached the server and taken effect: a 502, 503 or
+/// 504 answer, no answer in time, or an exchange cut after the connection was made.
+fn outcome_unknown(e: &StoreError) -> bool {
+    match e {
+        StoreError::Unavailable { .. } | StoreError::Timeout(_) => true,
+        StoreError::Io(source) => !is_connect(source.as_ref()),
+        _ => false,
+    }
+}
+
+/// Whether `source` is a failure to connect (nothing was sent).
+fn is_connect(source: &(dyn std::error::Error + 'static)) -> bool {
+    source
+        .downcast_ref::<hyper_util::client::legacy::Error>()
+        .is_some_and(hyper_util::client::legacy::Error::is_connect)
+}
+
+/// A lease server's failure in the server's words, for a call of unknown outcome.
+fn server_failure(e: &StoreError) -> String {
+    match e {
+        StoreError::Unavailable { status, detail, .. } => {
+            format!("the server answered {status}: {detail}")
+        }
+        StoreError::Io(source) => format!(
+            "the exchange with the server failed after it was sent: {}",
+            fence_storage::error_chain(source.as_ref())
+        ),
+        other => other.to_string(),
+    }
+}
+
+/// The exit of a call that failed with `e`: a 502, 503 or 504 is the server's (or a
+/// gateway's) answer, told in its words with exit 1; anything else, an unreachable server.
+fn answered_or_unreachable(e: StoreError, server: &str) -> anyhow::Result<i32> {
+    if let StoreError::Unavailable { status, detail, .. } = &e {
+        eprintln!("fence: the server answered {status}: {detail}");
+        return Ok(1);
+    }
+    Err(anyhow::Error::new(e).context(format!("cannot reach {server}")))
 }
 
 /// `fence leases`: every page, one record a line.
@@ -349,10 +381,10 @@ pub async fn leases(a: LeasesCmd) -> anyhow::Result<i32> {
     };
     loop {
         let path = format!("/v1/leases?{}", query.to_query());
-        let (status, answer) = server
-            .send(&path, None::<&()>)
-            .await
-            .with_context(|| format!("cannot reach {}", server.base_url()))?;
+        let (status, answer) = match server.send(&path, None::<&()>).await {
+            Ok(answered) => answered,
+            Err(e) => return answered_or_unreachable(e, server.base_url()),
+        };
         if status != StatusCode::OK {
             print_answer(status, String::from_utf8_lossy(&answer).trim_end());
             return Ok(exit_code(status));
@@ -397,10 +429,21 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
         .collect::<Result<Vec<_>, _>>()?;
     let server = connect(&a.at.conn)?;
     let body = RevokeRequest { reason: a.reason };
-    let (status, answer) = server
+    let (status, answer) = match server
         .call(&a.at.job, Some(Action::Revoke), Some(&body))
         .await
-        .with_context(|| format!("cannot reach {}", server.base_url()))?;
+    {
+        Ok(answered) => answered,
+        Err(e) if outcome_unknown(&e) => {
+            // Retrying is safe: a second revoke only fences one generation higher.
+            eprintln!(
+                "fence: {}; whether the revoke took effect is unknown: run it again",
+                server_failure(&e)
+            );
+            return Ok(1);
+        }
+        Err(e) => return answered_or_unreachable(e, server.base_url()),
+    };
     print_answer(status, String::from_utf8_lossy(&answer).trim_end());
     if status != StatusCode::OK || sinks.is_empty() {
         return Ok(exit_code(status));
@@ -467,10 +510,7 @@ fn sink_failure(e: &StoreError) -> String {
         }
         StoreError::Io(source) => {
             let chain = fence_storage::error_chain(source.as_ref());
-            let connect = source
-                .downcast_ref::<hyper_util::client::legacy::Error>()
-                .is_some_and(hyper_util::client::legacy::Error::is_connect);
-            if connect {
+            if is_connect(source.as_ref()) {
                 format!("the sink could not be reached: {chain}")
             } else {
                 format!("the exchange with the sink failed (it may have taken the push): {chain}")

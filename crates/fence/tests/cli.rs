@@ -632,7 +632,8 @@ fn a_claim_of_unknown_outcome_says_the_key_is_gone_and_what_to_check() {
     );
     assert!(
         stderr.contains("whether the claim was granted is unknown")
-            && stderr.contains("fence status --job pay-9"),
+            && stderr.contains("fence status --server")
+            && stderr.contains("--job pay-9"),
         "{stderr}"
     );
     assert!(!stdout.contains("lease_key"), "{stdout}");

@@ -239,7 +239,7 @@ async fn fault_worker() {
             println!("MISBEHAVED {job} {generation}");
         }
         // With forgetting on, now and then a write with this token is held in the network
-        // for longer than the proxy forgets by (4 s, stretched to 5.5 s by its timeouts), then delivered: by then a newer
+        // for longer than the proxy forgets by (4 s; on sled stretched to 5.5 s by its timeouts), then delivered: by then a newer
         // holder may have written and the job been forgotten (contract section 8, proof b).
         if let (true, 0, Some(token)) = (window > 0, rng.below(4), lease.token_string()) {
             seq += 1;
@@ -1810,7 +1810,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                     _ => pids[rng.below(workers) as usize],
                 };
                 let mut pause = TTL_MS * 3 / 2 + rng.below(TTL_MS);
-                // Past the proxy's forgetting (4 s, stretched to 5.5 s), with forgetting on: the stale write then
+                // Past the proxy's forgetting (4 s; on sled 5.5 s), with forgetting on: the stale write then
                 // meets a job the proxy no longer remembers.
                 let past_forget = mode.forgets() && rng.below(3) == 0;
                 if past_forget {

@@ -136,7 +136,7 @@ impl Tree {
     /// Sets `key` to `value`, answering the value it held, as sled's `insert`; logged.
     ///
     /// # Errors
-    /// When sled fails.
+    /// When sled fails, or the log has failed (nothing is then applied).
     pub fn insert(
         &self,
         key: impl AsRef<[u8]>,
@@ -154,7 +154,7 @@ impl Tree {
     /// Removes `key`, answering the value it held, as sled's `remove`; logged.
     ///
     /// # Errors
-    /// When sled fails.
+    /// When sled fails, or the log has failed (nothing is then applied).
     pub fn remove(&self, key: impl AsRef<[u8]>) -> sled::Result<Option<IVec>> {
         let key = key.as_ref();
         let mut log = self.db.log().lock();
@@ -169,7 +169,7 @@ impl Tree {
     /// Removes every entry, as sled's `clear`; logged.
     ///
     /// # Errors
-    /// When sled fails.
+    /// When sled fails, or the log has failed (nothing is then applied).
     pub fn clear(&self) -> sled::Result<()> {
         let mut log = self.db.log().lock();
         log.taking()?;

@@ -148,12 +148,13 @@ where
     // Expired idempotency records are swept off the store while the proxy runs, and idle
     // jobs forgotten if asked.
     let _maintenance = layer.spawn_maintenance();
-    if let Some(window) = layer.forgets_after() {
+    if let (Some(asked), Some(window)) = (config.forget_after, layer.forgets_after()) {
         tracing::info!(
-            forget_after = ?config.forget_after,
+            forget_after = ?asked,
             forgets_after = ?window,
-            "idle jobs are forgotten after this window (at least --forget-after, and on \
-             --data-dir the upstream or body timeout plus the unknown-outcome hold)"
+            "idle jobs are forgotten after this window: at least --forget-after and the token \
+             window, and on --data-dir the later of the upstream and body timeouts plus the \
+             unknown-outcome hold"
         );
     }
 
