@@ -56,10 +56,16 @@ class Lease:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
                 return resp.status, json.load(resp)
         except urllib.error.HTTPError as e:
-            return e.code, json.load(e)
+            try:
+                return e.code, json.load(e)
+            except ValueError:  # a gateway's 502 page, say: no problem body
+                return e.code, {}
 
     def _granted(self, sent, answer):
         with self.lock:
+            if self.lost.is_set() or (self.token is not None and time.monotonic() >= self.deadline):
+                self.lost.set()  # answered too late: the loss is final, never taken back
+                return
             self.generation = answer["generation"]
             # A signing server hands out a token string; send it exactly as given.
             self.token = answer.get("token") or str(answer["generation"])
@@ -98,8 +104,8 @@ class Lease:
             sent = time.monotonic()
             try:
                 status, answer = self._post("renew", body, timeout=left)
-            except OSError:
-                continue  # no answer: the deadline stands; try again
+            except (OSError, ValueError):
+                continue  # no (readable) answer: the deadline stands; try again
             if status == 200:
                 self._granted(sent, answer)
             elif status in (403, 409, 410):
