@@ -187,7 +187,10 @@ fn a_frozen_fence_run_has_its_group_stopped_at_the_lease_deadline() {
     let run = spawn_run(
         &url,
         "frozen",
-        &["--ttl", "1s", "--grace", "200ms"],
+        // 4 s: the watchdog's slack before the store's end is a quarter of the 10% margin, at
+        // most 100 ms; at 1 s it is 25 ms, which a loaded CI machine's scheduling can exceed
+        // (seen once in CI on the stubborn case below).
+        &["--ttl", "4s", "--grace", "200ms"],
         &tree_script(&pid_file, false),
     );
     let sleep = pid_in(&pid_file);
@@ -215,7 +218,8 @@ fn a_frozen_fence_run_has_a_stubborn_group_killed_before_the_job_can_be_claimed(
     let run = spawn_run(
         &url,
         "frozen-stubborn",
-        &["--ttl", "1s", "--grace", "10s"],
+        // 4 s, for the 100 ms slack (see above): the kill is due 100 ms before the store's end.
+        &["--ttl", "4s", "--grace", "10s"],
         &tree_script(&pid_file, true),
     );
     let sleep = pid_in(&pid_file);
