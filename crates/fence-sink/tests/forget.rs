@@ -176,10 +176,7 @@ fn the_forgetting_window_is_stretched_only_where_a_restart_needs_it() {
             .longest_request(Duration::from_secs(60))
             .unknown_outcome_hold(Duration::from_secs(45))
     }
-    assert_eq!(
-        forgetting(MemoryStore::new()).forgets_after(),
-        Some(FORGET)
-    );
+    assert_eq!(forgetting(MemoryStore::new()).forgets_after(), Some(FORGET));
     let dir = tempfile::tempdir().unwrap();
     let sled = forgetting(SledStore::open(dir.path()).unwrap());
     assert_eq!(sled.forgets_after(), Some(Duration::from_secs(105)));
