@@ -109,25 +109,7 @@ def test_a_redirect_after_the_lease_was_lost_is_not_followed(stack):
     s = stack(proxy=False)
     lease = Client(s.server_url, owner="redirected", ttl=5.0).claim("redirected")
     reached: List[Any] = []
-
-    class Handler(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:  # noqa: N802
-            self.rfile.read(int(self.headers.get("content-length", 0)))
-            if self.path == "/slow":
-                lease.abandon()  # lost while the destination took its time
-                self.send_response(307)
-                self.send_header("location", "/target")
-            else:
-                reached.append(self.headers.get("x-fencing-token"))
-                self.send_response(200)
-            self.send_header("content-length", "0")
-            self.end_headers()
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=server.serve_forever, daemon=True).start()
+    server = _redirecting_destination([lease.abandon], reached)
     try:
         with pytest.raises(LeaseLost):
             requests.post(f"http://127.0.0.1:{server.server_address[1]}/slow", data=b"x",

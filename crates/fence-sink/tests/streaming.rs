@@ -11,7 +11,7 @@ use std::{
 
 use bytes::Bytes;
 use common::Channel;
-use fence_sink::{FenceLayer, Fenced, MemoryStore};
+use fence_sink::{Fence, FenceLayer, Fenced, MemoryStore};
 use http::{Request, Response};
 use http_body::Body;
 use http_body_util::BodyExt;
@@ -108,6 +108,24 @@ impl Body for Resettable {
     }
 }
 
+/// A fence in front of `app`: body deadline 5 s, unknown-outcome hold 3 s, drain limit 60 s.
+fn fenced(app: &Streams) -> Fence<Streams, MemoryStore> {
+    FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(5))
+        .unknown_outcome_hold(Duration::from_secs(3))
+        .drain_timeout(Duration::from_secs(60))
+        .layer(app.clone())
+}
+
+/// How long a call of the newer `token` waited before it was let through (answered 200).
+async fn newer_waits(svc: &Fence<Streams, MemoryStore>, token: u64) -> Duration {
+    let began = tokio::time::Instant::now();
+    let answer = svc.clone().oneshot(call(token, String::new())).await.unwrap();
+    let waited = began.elapsed();
+    assert_eq!(answer.status(), 200, "token {token} waited {waited:?}");
+    waited
+}
+
 /// With paused time: returns once every other task is blocked, the clock moved 1 ms.
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -160,11 +178,7 @@ async fn a_streaming_call_is_in_flight_until_its_request_ends() {
 /// body then fails (the service never gets a whole request) and lets go.
 #[tokio::test(start_paused = true)]
 async fn a_stalled_upload_lets_go_at_its_body_deadline() {
-    let app = Streams::default();
-    let svc = FenceLayer::new(MemoryStore::new())
-        .body_timeout(Duration::from_secs(5))
-        .drain_timeout(Duration::from_secs(60))
-        .layer(app.clone());
+    let svc = fenced(&Streams::default());
     let (messages7, body7) = Channel::new();
     let _answer7 = svc.clone().oneshot(upload(7, body7)).await.unwrap();
     let began = tokio::time::Instant::now();
@@ -183,21 +197,13 @@ async fn a_stalled_upload_lets_go_at_its_body_deadline() {
 /// messages it got, so the call holds its job for the unknown-outcome hold from then on.
 #[tokio::test(start_paused = true)]
 async fn a_failed_grpc_stream_holds_its_job_for_the_hold() {
-    let app = Streams::default();
-    let svc = FenceLayer::new(MemoryStore::new())
-        .body_timeout(Duration::from_secs(5))
-        .unknown_outcome_hold(Duration::from_secs(3))
-        .drain_timeout(Duration::from_secs(60))
-        .layer(app.clone());
+    let svc = fenced(&Streams::default());
 
     // Stalled to its body deadline (5 s), then held (3 s).
     let (messages7, body7) = Channel::new();
     messages7.send(Bytes::from("a")).unwrap();
     let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
-    let began = tokio::time::Instant::now();
-    let answer8 = svc.clone().oneshot(call(8, String::new())).await.unwrap();
-    assert_eq!(answer8.status(), 200);
-    let waited = began.elapsed();
+    let waited = newer_waits(&svc, 8).await;
     assert!(
         (Duration::from_secs(8)..Duration::from_secs(10)).contains(&waited),
         "token 8 waited {waited:?} for 7's stalled gRPC stream (body deadline 5 s, hold 3 s)"
@@ -216,10 +222,7 @@ async fn a_failed_grpc_stream_holds_its_job_for_the_hold() {
     messages9
         .send(Err(std::io::Error::other("stream reset by the client")))
         .unwrap();
-    let began = tokio::time::Instant::now();
-    let answer10 = svc.clone().oneshot(call(10, String::new())).await.unwrap();
-    assert_eq!(answer10.status(), 200);
-    let waited = began.elapsed();
+    let waited = newer_waits(&svc, 10).await;
     assert!(
         (Duration::from_secs(3)..Duration::from_secs(5)).contains(&waited),
         "token 10 waited {waited:?} after 9's gRPC stream was reset (hold 3 s)"
@@ -232,22 +235,14 @@ async fn a_failed_grpc_stream_holds_its_job_for_the_hold() {
 /// its way), not when the service drops the body, nor at the newer token's drain limit.
 #[tokio::test(start_paused = true)]
 async fn a_request_the_service_stops_reading_lets_go_at_its_deadline_and_hold() {
-    let app = Streams {
+    let svc = fenced(&Streams {
         reads_after: Duration::from_secs(1_000),
         ..Streams::default()
-    };
-    let svc = FenceLayer::new(MemoryStore::new())
-        .body_timeout(Duration::from_secs(5))
-        .unknown_outcome_hold(Duration::from_secs(3))
-        .drain_timeout(Duration::from_secs(60))
-        .layer(app.clone());
+    });
     let (messages7, body7) = Channel::new();
     messages7.send(Bytes::from("a")).unwrap();
     let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
-    let began = tokio::time::Instant::now();
-    let answer8 = svc.clone().oneshot(call(8, String::new())).await.unwrap();
-    let waited = began.elapsed();
-    assert_eq!(answer8.status(), 200, "token 8 waited {waited:?}");
+    let waited = newer_waits(&svc, 8).await;
     assert!(
         (Duration::from_secs(8)..Duration::from_secs(10)).contains(&waited),
         "token 8 waited {waited:?} (body deadline 5 s, hold 3 s)"
@@ -264,16 +259,11 @@ async fn a_message_read_after_the_body_deadline_is_not_passed_on() {
         reads_after: Duration::from_secs(10),
         ..Streams::default()
     };
-    let svc = FenceLayer::new(MemoryStore::new())
-        .body_timeout(Duration::from_secs(5))
-        .unknown_outcome_hold(Duration::from_secs(3))
-        .drain_timeout(Duration::from_secs(60))
-        .layer(app.clone());
+    let svc = fenced(&app);
     let (messages7, body7) = Channel::new();
     messages7.send(Bytes::from("a")).unwrap();
     let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
-    let answer8 = svc.clone().oneshot(call(8, String::new())).await.unwrap();
-    assert_eq!(answer8.status(), 200);
+    newer_waits(&svc, 8).await;
     tokio::time::sleep(Duration::from_secs(15)).await;
     let log = app.log();
     let newer = log.iter().position(|l| l == "start 8").unwrap();
