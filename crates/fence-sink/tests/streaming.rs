@@ -120,7 +120,11 @@ fn fenced(app: &Streams) -> Fence<Streams, MemoryStore> {
 /// How long a call of the newer `token` waited before it was let through (answered 200).
 async fn newer_waits(svc: &Fence<Streams, MemoryStore>, token: u64) -> Duration {
     let began = tokio::time::Instant::now();
-    let answer = svc.clone().oneshot(call(token, String::new())).await.unwrap();
+    let answer = svc
+        .clone()
+        .oneshot(call(token, String::new()))
+        .await
+        .unwrap();
     let waited = began.elapsed();
     assert_eq!(answer.status(), 200, "token {token} waited {waited:?}");
     waited
