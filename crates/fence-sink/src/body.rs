@@ -84,25 +84,40 @@ pub(crate) async fn discard<B: FenceBody>(version: http::Version, body: B) {
 /// and the layer: the guard goes once both are done with it (the body ended, failed or was
 /// dropped; the service answered), held for `hold` more when the outcome became unknown
 /// meanwhile (the service failed instead of answering, or said it could not tell), or when
-/// the body was still on its way at its deadline ([`overdue`](Self::overdue)).
+/// the body was still on its way at its deadline ([`overdue`](Self::overdue)), or when the
+/// body failed and a failure leaves the outcome unknown ([`body_failed`](Self::body_failed)).
 pub(crate) struct Streaming {
     guard: std::sync::Mutex<Option<InFlight>>,
     hold: Duration,
     unknown: AtomicBool,
+    /// Whether a failure of the body leaves the service's outcome unknown: a gRPC call's
+    /// messages arrive whole, and the service may be acting on those it got when the stream
+    /// fails (reset by the client, or cut at the body deadline). A plain body that fails was
+    /// never a whole request.
+    failure_unknown: bool,
 }
 
 impl Streaming {
-    pub(crate) fn new(guard: InFlight, hold: Duration) -> Arc<Self> {
+    /// `failure_unknown`: see the field (true for a gRPC call).
+    pub(crate) fn new(guard: InFlight, hold: Duration, failure_unknown: bool) -> Arc<Self> {
         Arc::new(Self {
             guard: std::sync::Mutex::new(Some(guard)),
             hold,
             unknown: AtomicBool::new(false),
+            failure_unknown,
         })
     }
 
     /// The service's outcome is unknown: the guard is held for `hold` when it goes.
     pub(crate) fn unknown(&self) {
         self.unknown.store(true, Ordering::Relaxed);
+    }
+
+    /// The request's body failed: the outcome is unknown when such a failure leaves it so.
+    fn body_failed(&self) {
+        if self.failure_unknown {
+            self.unknown();
+        }
     }
 
     /// The body's deadline passed with the body unfinished and unpolled (a service that
@@ -143,9 +158,6 @@ pin_project! {
         #[pin]
         kind: Kind<B>,
         flight: Option<Arc<Streaming>>,
-        // Whether a failure of the body leaves the service's outcome unknown (see
-        // `failure_is_unknown`).
-        failure_unknown: bool,
     }
 }
 
@@ -196,7 +208,6 @@ impl<B> RequestBody<B> {
         Self {
             kind: Kind::Inner { body },
             flight: None,
-            failure_unknown: false,
         }
     }
 
@@ -217,7 +228,6 @@ impl<B> RequestBody<B> {
                 fired,
             },
             flight: None,
-            failure_unknown: false,
         }
     }
 
@@ -227,20 +237,10 @@ impl<B> RequestBody<B> {
         self
     }
 
-    /// A failure of this body (the client reset its stream, or the body deadline passed)
-    /// leaves the service's outcome unknown: a gRPC call's messages that arrived whole may
-    /// be being acted on when the stream fails, and only the service knows. The request is
-    /// then held for the unknown-outcome hold, not let go at once.
-    pub(crate) fn failure_is_unknown(mut self) -> Self {
-        self.failure_unknown = true;
-        self
-    }
-
     pub(crate) fn buffered(bytes: Bytes, held: Reservation) -> Self {
         Self {
             kind: Kind::bytes(bytes, Some(held)),
             flight: None,
-            failure_unknown: false,
         }
     }
 }
@@ -433,15 +433,12 @@ macro_rules! impl_body {
     };
 }
 
-// A request body that ended (or failed: the service never had a whole request, or, for a
-// gRPC call marked `failure_unknown`, may be acting on whole messages it got) ends its part
-// of the request's time in flight; the latter held for the unknown-outcome hold.
+// A request body that ended or failed ends its part of the request's time in flight; a
+// failure may leave the outcome unknown (see `Streaming::body_failed`).
 impl_body!(RequestBody, |this, polled| {
     if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
-        if let (Poll::Ready(Some(Err(_))), true, Some(flight)) =
-            (&polled, *this.failure_unknown, this.flight.as_ref())
-        {
-            flight.unknown();
+        if let (Poll::Ready(Some(Err(_))), Some(flight)) = (&polled, this.flight.as_ref()) {
+            flight.body_failed();
         }
         *this.flight = None;
     }

@@ -396,7 +396,7 @@ where
             // In flight until the service answered and the request's body has ended (a
             // streaming call goes on after its answer's head), held longer when the outcome
             // became unknown.
-            let flight = Streaming::new(guard, hold);
+            let flight = Streaming::new(guard, hold, reject::is_grpc(&parts.headers));
             streamed(
                 &mut inner,
                 parts,
@@ -446,15 +446,7 @@ where
     let body = if body.is_end_stream() {
         RequestBody::inner(body)
     } else {
-        let body =
-            RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone());
-        // A gRPC call's stream carries whole messages, which the service may be acting on
-        // when the stream fails: unknown. A plain body that fails was never a whole request.
-        if reject::is_grpc(&parts.headers) {
-            body.failure_is_unknown()
-        } else {
-            body
-        }
+        RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone())
     };
     let response = match inner.call(Request::from_parts(parts, body)).await {
         Ok(response) => response,
@@ -471,7 +463,7 @@ where
     // that then stops reading never polls the body to its deadline, so the deadline is kept
     // here as well. A little after it: a service still reading gets the body's own
     // `BodyTimeout` first, which lets the request go at once (a gRPC call's: after the hold,
-    // see `failure_is_unknown`); one that stopped reading is held.
+    // see `Streaming::body_failed`); one that stopped reading is held.
     if Arc::strong_count(&flight) > 1
         && let Ok(runtime) = tokio::runtime::Handle::try_current()
     {
