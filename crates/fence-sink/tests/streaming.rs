@@ -130,6 +130,17 @@ async fn newer_waits(svc: &Fence<Streams, MemoryStore>, token: u64) -> Duration 
     waited
 }
 
+/// How long token 8 waits behind token 7's gRPC call, whose one message has arrived and
+/// whose stream then stalls (`app` reading it, or not).
+async fn newer_waits_behind_a_stalled_stream(svc: &Fence<Streams, MemoryStore>) -> Duration {
+    let (messages7, body7) = Channel::new();
+    messages7.send(Bytes::from("a")).unwrap();
+    let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
+    let waited = newer_waits(svc, 8).await;
+    drop(messages7);
+    waited
+}
+
 /// With paused time: returns once every other task is blocked, the clock moved 1 ms.
 async fn settle() {
     tokio::time::sleep(Duration::from_millis(1)).await;
@@ -204,15 +215,11 @@ async fn a_failed_grpc_stream_holds_its_job_for_the_hold() {
     let svc = fenced(&Streams::default());
 
     // Stalled to its body deadline (5 s), then held (3 s).
-    let (messages7, body7) = Channel::new();
-    messages7.send(Bytes::from("a")).unwrap();
-    let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
-    let waited = newer_waits(&svc, 8).await;
+    let waited = newer_waits_behind_a_stalled_stream(&svc).await;
     assert!(
         (Duration::from_secs(8)..Duration::from_secs(10)).contains(&waited),
         "token 8 waited {waited:?} for 7's stalled gRPC stream (body deadline 5 s, hold 3 s)"
     );
-    drop(messages7);
 
     // Reset by its client after a message: held from the reset.
     let (messages9, body9) = mpsc::unbounded_channel();
@@ -243,15 +250,11 @@ async fn a_request_the_service_stops_reading_lets_go_at_its_deadline_and_hold() 
         reads_after: Duration::from_secs(1_000),
         ..Streams::default()
     });
-    let (messages7, body7) = Channel::new();
-    messages7.send(Bytes::from("a")).unwrap();
-    let _answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
-    let waited = newer_waits(&svc, 8).await;
+    let waited = newer_waits_behind_a_stalled_stream(&svc).await;
     assert!(
         (Duration::from_secs(8)..Duration::from_secs(10)).contains(&waited),
         "token 8 waited {waited:?} (body deadline 5 s, hold 3 s)"
     );
-    drop(messages7);
 }
 
 /// Judged where effects commit: a message that arrived before the body deadline but is read
