@@ -248,3 +248,48 @@ async fn answers_scoped_by_a_header_are_not_replayed_to_another_value() {
     let (_, body) = call(open, "Bearer b").await;
     assert_eq!(body, "answer for Bearer a");
 }
+
+/// A service that panics after admission may have sent its effect on its way (a call to a
+/// payment API, then a panic on its answer): the request is held in flight for the
+/// unknown-outcome hold, as after any unknown outcome, not let go at the panic.
+#[tokio::test(start_paused = true)]
+async fn a_service_that_panicked_after_admission_holds_the_next_token_out() {
+    let hold = Duration::from_secs(3);
+    let layer = FenceLayer::new(MemoryStore::new())
+        .unknown_outcome_hold(hold)
+        .drain_timeout(Duration::from_secs(10));
+    let post = |token: u64| {
+        Request::post("/charges")
+            .header("x-fencing-job", "job")
+            .header("x-fencing-token", token.to_string())
+            .body("pay 5".to_owned())
+            .unwrap()
+    };
+    let panicking = layer.layer(service_fn(|_req: Request<RequestBody<String>>| async {
+        tokio::task::yield_now().await;
+        if true {
+            panic!("the handler failed after its effect was sent");
+        }
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let crashed = tokio::spawn(panicking.oneshot(post(4))).await;
+    assert!(crashed.expect_err("the service panicked").is_panic());
+
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let next = layer.layer(service_fn(move |_req: Request<RequestBody<String>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async { Ok::<_, Infallible>(Response::new(String::new())) }
+    }));
+    let started = tokio::time::Instant::now();
+    assert_eq!(
+        next.oneshot(post(5)).await.unwrap().status(),
+        StatusCode::OK
+    );
+    assert!(
+        started.elapsed() >= hold,
+        "token 5 passed {:?} after token 4's service panicked, inside the {hold:?} hold",
+        started.elapsed()
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}

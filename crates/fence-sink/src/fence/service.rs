@@ -340,8 +340,9 @@ where
             (Err(problem), RETRY)
         }
     };
+    let hold = config.unknown_outcome_hold;
     let guard = match problem {
-        Ok(guard) => guard,
+        Ok(guard) => guard.held_on_panic(hold),
         Err(problem) => {
             // The inner service's readiness (a permit of a concurrency limit, a buffer slot)
             // is not held while the refused body drains.
@@ -359,7 +360,6 @@ where
         job: job.clone(),
         token,
     };
-    let hold = config.unknown_outcome_hold;
     match request {
         Ready::Read(keyed, (mut parts, bytes, held)) => {
             parts.extensions.insert(fenced);
