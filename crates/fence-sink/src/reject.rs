@@ -44,6 +44,19 @@ pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
         })
 }
 
+/// Whether a request's body carries whole messages that a service may act on one by one as
+/// they arrive: gRPC (`application/grpc`, `application/grpc-web`) and Connect's streaming
+/// calls (`application/connect+proto`, `+json`). When such a stream fails midway, the service
+/// may be acting on the messages it got: the outcome is unknown.
+pub(crate) fn carries_messages(headers: &http::HeaderMap) -> bool {
+    headers
+        .get(http::header::CONTENT_TYPE)
+        .map(HeaderValue::as_bytes)
+        .is_some_and(|t| {
+            t.starts_with(b"application/grpc") || t.starts_with(b"application/connect+")
+        })
+}
+
 /// A rejection answered the gRPC way (contract section 9): see [`Problem::to_grpc_head`].
 /// Any other response passes unchanged.
 pub(crate) fn grpc<B>(response: Response<ResponseBody<B>>) -> Response<ResponseBody<B>> {

@@ -221,23 +221,33 @@ async fn a_failed_grpc_stream_holds_its_job_for_the_hold() {
         "token 8 waited {waited:?} for 7's stalled gRPC stream (body deadline 5 s, hold 3 s)"
     );
 
-    // Reset by its client after a message: held from the reset.
-    let (messages9, body9) = mpsc::unbounded_channel();
-    messages9.send(Ok(Bytes::from("b"))).unwrap();
-    let _answer9 = svc
-        .clone()
-        .oneshot(call(9, Resettable(body9)))
-        .await
-        .unwrap();
-    settle().await;
-    messages9
-        .send(Err(std::io::Error::other("stream reset by the client")))
-        .unwrap();
-    let waited = newer_waits(&svc, 10).await;
-    assert!(
-        (Duration::from_secs(3)..Duration::from_secs(5)).contains(&waited),
-        "token 10 waited {waited:?} after 9's gRPC stream was reset (hold 3 s)"
-    );
+    // Reset by its client after a message: held from the reset. The same for gRPC-Web and
+    // Connect's streaming calls, whose messages arrive whole too.
+    let mut token = 9;
+    for kind in [
+        "application/grpc",
+        "application/grpc-web+proto",
+        "application/connect+proto",
+    ] {
+        let (messages, body) = mpsc::unbounded_channel();
+        messages.send(Ok(Bytes::from("b"))).unwrap();
+        let mut request = call(token, Resettable(body));
+        request
+            .headers_mut()
+            .insert("content-type", kind.parse().unwrap());
+        let _answer = svc.clone().oneshot(request).await.unwrap();
+        settle().await;
+        messages
+            .send(Err(std::io::Error::other("stream reset by the client")))
+            .unwrap();
+        let waited = newer_waits(&svc, token + 1).await;
+        assert!(
+            (Duration::from_secs(3)..Duration::from_secs(5)).contains(&waited),
+            "token {} waited {waited:?} after {token}'s {kind} stream was reset (hold 3 s)",
+            token + 1
+        );
+        token += 2;
+    }
 }
 
 /// A service that answers, then stops reading a request whose messages have all arrived,

@@ -396,7 +396,7 @@ where
             // In flight until the service answered and the request's body has ended (a
             // streaming call goes on after its answer's head), held longer when the outcome
             // became unknown.
-            let flight = Streaming::new(guard, hold, reject::is_grpc(&parts.headers));
+            let flight = Streaming::new(guard, hold, reject::carries_messages(&parts.headers));
             streamed(
                 &mut inner,
                 parts,
