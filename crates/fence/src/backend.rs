@@ -47,8 +47,14 @@ impl Backend {
             {
                 Ok(Self::Postgres { url, schema })
             }
+            // Not the value: it may hold a password (a libpq `key=value` string, a URL of
+            // another scheme, one still in its env file's quotes).
             (Some(url), _) => anyhow::bail!(
-                "--store {url:?}: expected a postgres:// URL (leave --store out to use sled in --data-dir)"
+                "--store: expected a postgres:// or postgresql:// URL, got one starting {:?} (the rest is not repeated: it may hold a password; leave --store out to use sled in --data-dir)",
+                url.chars()
+                    .take_while(|c| c.is_ascii_alphanumeric() || "+.-\"'".contains(*c))
+                    .take(12)
+                    .collect::<String>()
             ),
             (None, Some(dir)) => Ok(Self::Sled(dir)),
             (None, None) => anyhow::bail!("--data-dir is required without --store"),

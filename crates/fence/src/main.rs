@@ -2,15 +2,14 @@
 
 use std::process::ExitCode;
 
-use clap::Parser;
 use fence::{
     calls::{Call, call},
-    cli::{Cli, Cmd, LogFormat},
+    cli::{Cmd, LogFormat},
     run,
 };
 
 fn main() -> ExitCode {
-    let cli = Cli::parse();
+    let cli = fence::cli::parse();
     // The demo prints a timeline of its own: the servers' and the library's log lines would
     // cut into it, so only errors show unless RUST_LOG asks for more.
     // PostgreSQL's NOTICEs (a migration's "already exists, skipping") are not news.

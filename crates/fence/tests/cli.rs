@@ -604,6 +604,48 @@ fn a_lease_key_that_starts_with_a_dash_is_a_key() {
     );
 }
 
+/// A lease key that does not check is never repeated on stderr, from the flag or from
+/// `FENCE_LEASE_KEY`: the usual mistake is the real key in quotes (`jq` without `-r`, an env
+/// file's quoted line), and stderr goes to CI and container logs. Nor is a `--store` that
+/// is not a postgres:// URL, which may hold a password.
+#[test]
+fn a_lease_key_or_store_url_that_does_not_check_is_not_repeated() {
+    let key = "Zk9yZ2V0TWVOb3RTZWNyZXRLZXk0Mg";
+    let quoted = format!("\"{key}\"");
+    let renew = ["renew", "--job", "j", "--owner", "o", "--generation", "1"];
+    let by_flag = fence(&[&renew[..], &["--lease-key", &quoted]].concat());
+    let by_env = Command::new(FENCE)
+        .args(renew)
+        .env("FENCE_LEASE_KEY", &quoted)
+        .output()
+        .unwrap();
+    for out in [by_flag, by_env] {
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("character 0 is not"), "the cause: {stderr}");
+        assert!(!stderr.contains(key), "the key was repeated: {stderr}");
+    }
+    // A --store that is not a postgres:// URL may still carry a password.
+    for store in [
+        "host=db user=fence password=S3cretPw",
+        "postgresql+psycopg://fence:S3cretPw@db/fence",
+        "\"postgres://fence:S3cretPw@db/fence\"",
+    ] {
+        let out = Command::new(FENCE)
+            .arg("server")
+            .env("FENCE_STORE", store)
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains("expected a postgres://"), "{stderr}");
+        assert!(
+            !stderr.contains("S3cretPw"),
+            "the password was repeated: {stderr}"
+        );
+    }
+}
+
 /// A claim answered 503 by a store that failed may have been granted under a lease key that
 /// only the command knew: `fence claim` says so and what to do, since the server's advice
 /// (retry with the same key) cannot be followed from the command line.

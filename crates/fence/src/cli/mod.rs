@@ -493,6 +493,31 @@ pub fn parse_ttl(s: &str) -> Result<Ttl, String> {
     Ttl::new(parse_duration(s)?).map_err(|e| e.to_string())
 }
 
+/// The command line, parsed; exits with clap's message (2) when it is wrong. A lease key
+/// that does not check is not repeated in the message: clap's own says `invalid value
+/// '<the value>'`, and the common mistakes (a key still in its JSON quotes, a quoted line of
+/// an env file) are the whole real key, which would land in a CI or container log.
+#[must_use]
+pub fn parse() -> Cli {
+    Cli::try_parse().unwrap_or_else(|e| without_secrets(e).exit())
+}
+
+fn without_secrets(e: clap::Error) -> clap::Error {
+    use clap::error::{ContextKind, ContextValue, ErrorKind};
+    let secret = matches!(
+        e.get(ContextKind::InvalidArg),
+        Some(ContextValue::String(arg)) if arg.starts_with("--lease-key")
+    );
+    if !secret {
+        return e;
+    }
+    let cause = std::error::Error::source(&e).map_or_else(String::new, ToString::to_string);
+    <Cli as clap::CommandFactory>::command().error(
+        ErrorKind::ValueValidation,
+        format!("invalid value for '--lease-key' (not repeated: it is a secret): {cause}"),
+    )
+}
+
 /// A lease key as `fence claim` printed it.
 ///
 /// # Errors
