@@ -293,3 +293,56 @@ async fn a_service_that_panicked_after_admission_holds_the_next_token_out() {
     );
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// A request still running when its record's configured in-flight timeout (5 minutes by
+/// default) passes keeps its key: a retry of the same token (which the gate lets through
+/// beside it) gets 409 in flight for as long as the request may run (`longest_request`,
+/// here 10 minutes, plus the body deadline and the hold), not a second run of the step.
+#[tokio::test(start_paused = true)]
+async fn a_retry_does_not_run_beside_a_request_still_within_its_longest() {
+    let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
+    let layer = FenceLayer::new(MemoryStore::with_clock(Arc::new(clock.clone())))
+        .longest_request(Duration::from_secs(600));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let (release, released) = tokio::sync::watch::channel(false);
+    let counted = calls.clone();
+    // The first call runs until released; any other answers at once.
+    let service = layer.layer(service_fn(move |_req: Request<RequestBody<String>>| {
+        let first = counted.fetch_add(1, Ordering::SeqCst) == 0;
+        let mut released = released.clone();
+        async move {
+            if first {
+                let _ = released.wait_for(|r| *r).await;
+            }
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }
+    }));
+    let charge = || {
+        Request::post("/charges")
+            .header("x-fencing-job", "job")
+            .header("x-fencing-token", "3")
+            .header("idempotency-key", "charge-1")
+            .body("pay 5".to_owned())
+            .unwrap()
+    };
+    let first = tokio::spawn(service.clone().oneshot(charge()));
+    while calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    // Past the configured 5 minutes, within the 10 the request may take.
+    clock.advance(Duration::from_secs(301));
+    let retry = service.clone().oneshot(charge()).await.unwrap();
+    assert_eq!(
+        calls.load(Ordering::SeqCst),
+        1,
+        "the step ran twice at once"
+    );
+    assert_eq!(retry.status(), StatusCode::CONFLICT);
+
+    release.send(true).unwrap();
+    assert_eq!(first.await.unwrap().unwrap().status(), StatusCode::OK);
+    // Once it answered, the retry is replayed its answer.
+    let replay = service.oneshot(charge()).await.unwrap();
+    assert_eq!(replay.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}

@@ -248,7 +248,6 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
             .retention(a.idempotency_retention)
             .max_response_body(a.idempotency_max_body)
             .scope_headers(a.idempotency_scope_header.clone())
-            .in_flight_timeout(in_flight_timeout(a.body_timeout, a.upstream_timeout, hold))
     });
     config.drain_timeout = a.drain_timeout;
     config.upstream_timeout = a.upstream_timeout;
@@ -399,28 +398,9 @@ async fn flush_within(
     }
 }
 
-/// How long an `Idempotency-Key`'s in-flight record blocks retries: at least the default 5
-/// minutes, and longer than one attempt can still act (its body, its time upstream, the hold
-/// after an unknown outcome), so a retry never runs beside an attempt that is still going.
-fn in_flight_timeout(body: Duration, upstream: Duration, hold: Duration) -> Duration {
-    let longest = body.saturating_add(upstream).saturating_add(hold);
-    longest.max(Duration::from_secs(300))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_in_flight_record_outlives_the_longest_attempt() {
-        let s = Duration::from_secs;
-        assert_eq!(in_flight_timeout(s(30), s(60), s(60)), s(300));
-        assert_eq!(in_flight_timeout(s(30), s(600), s(600)), s(1230));
-        assert_eq!(
-            in_flight_timeout(s(1), s(24 * 3600), s(24 * 3600)),
-            s(1 + 48 * 3600)
-        );
-    }
 
     /// What ends the process when closing the database hangs runs at its deadline, not
     /// before, and off the thread that hangs.

@@ -290,6 +290,7 @@ where
             body_timeout: config.body_timeout,
             attempt: crate::idempotency::attempt_id(),
             settled_after: config.limits.restart.settled_after(),
+            in_flight_for: config.in_flight_timeout(idempotency),
         }),
         _ => None,
     };

@@ -47,6 +47,19 @@ pub(crate) struct Config {
 }
 
 impl Config {
+    /// How long an in-flight `Idempotency-Key` record blocks retries of its key: the
+    /// configured timeout, and never less than one attempt can still act (its body's
+    /// deadline, the longest request, the unknown-outcome hold). A record given up sooner
+    /// would let a retry of the same token run beside an attempt still going: the gate does
+    /// not hold a token back behind requests of its own generation.
+    pub(crate) fn in_flight_timeout(&self, idempotency: &IdempotencyConfig) -> Duration {
+        let longest = self
+            .body_timeout
+            .saturating_add(self.limits.restart.longest_request)
+            .saturating_add(self.unknown_outcome_hold);
+        idempotency.in_flight_timeout.max(longest)
+    }
+
     pub(crate) fn is_fenced(&self, parts: &Parts) -> bool {
         match &self.predicate {
             Some(p) => p(parts),

@@ -92,7 +92,11 @@ impl IdempotencyConfig {
     }
 
     /// Gives up an in-flight record after this long (a crash mid-request leaves one), so the
-    /// key becomes usable again.
+    /// key becomes usable again. The layer never gives one up sooner than an attempt can
+    /// still act: the [body deadline](crate::FenceLayer::body_timeout) plus the
+    /// [longest request](crate::FenceLayer::longest_request) plus the
+    /// [unknown-outcome hold](crate::FenceLayer::unknown_outcome_hold), whatever is set here;
+    /// a handler that may run longer than `longest_request` needs a longer one.
     pub fn in_flight_timeout(mut self, timeout: Duration) -> Self {
         self.in_flight_timeout = timeout;
         self

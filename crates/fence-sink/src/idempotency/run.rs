@@ -47,6 +47,9 @@ pub(crate) struct Keyed<'a, St> {
     pub(crate) attempt: u64,
     /// See [`Attempt::settled_after`].
     pub(crate) settled_after: Duration,
+    /// How long this attempt's in-flight record blocks its key: the layer's
+    /// `Config::in_flight_timeout`.
+    pub(crate) in_flight_for: Duration,
 }
 
 /// A fresh attempt id: random, never 0 (which marks records from before ids were kept).
@@ -210,7 +213,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     async fn begin<B>(&self, fingerprint: &Fingerprint) -> Result<(), Answer<B>> {
         let attempt = self.attempt(fingerprint);
         let begun = self
-            .timed(self.store.begin(attempt, self.config.in_flight_timeout))
+            .timed(self.store.begin(attempt, self.in_flight_for))
             .await;
         let (job, key) = (self.job, self.key);
         let (problem, retry) = match begun {
@@ -347,7 +350,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let owned = self.owned(fingerprint);
         let (limit, until) = (
             self.config.store_timeout,
-            Instant::now() + self.config.in_flight_timeout,
+            Instant::now() + self.in_flight_for,
         );
         runtime.spawn(async move {
             let mut pause = FINISH_RETRY_FIRST;
