@@ -346,3 +346,47 @@ async fn a_retry_does_not_run_beside_a_request_still_within_its_longest() {
     assert_eq!(replay.status(), StatusCode::OK);
     assert_eq!(calls.load(Ordering::SeqCst), 1);
 }
+
+/// A service whose own check (the SQL fence inside its transaction) refused an older token
+/// answers in the fence's words; that refusal is not kept under the key: the newer holder's
+/// request with the same derived key runs the step instead of being replayed "stale token,
+/// stop work on the job" for a step that never ran.
+#[tokio::test]
+async fn a_refusal_in_the_fences_words_is_not_replayed_to_the_next_holder() {
+    let layer = FenceLayer::new(MemoryStore::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let service = layer.layer(service_fn(move |req: Request<RequestBody<String>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        let token = req.headers()["x-fencing-token"].to_str().unwrap().to_owned();
+        async move {
+            let response = if token == "1" {
+                Response::builder()
+                    .status(StatusCode::CONFLICT)
+                    .header("content-type", "application/problem+json")
+                    .body(r#"{"type":"urn:fence:stale-token","title":"Stale fencing token","status":409,"detail":"the SQL fence refused generation 1"}"#.to_owned())
+                    .unwrap()
+            } else {
+                Response::new("charged".to_owned())
+            };
+            Ok::<_, Infallible>(response)
+        }
+    }));
+    let charge = |token: &str| {
+        Request::post("/charges")
+            .header("x-fencing-job", "job")
+            .header("x-fencing-token", token)
+            .header("idempotency-key", "fence-derived-charge")
+            .body("pay 5".to_owned())
+            .unwrap()
+    };
+    let refused = service.clone().oneshot(charge("1")).await.unwrap();
+    assert_eq!(refused.status(), StatusCode::CONFLICT);
+    let next = service.oneshot(charge("2")).await.unwrap();
+    assert!(
+        next.headers().get("idempotent-replayed").is_none(),
+        "holder 2 was replayed holder 1's refusal"
+    );
+    assert_eq!(next.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 2);
+}

@@ -286,9 +286,12 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let by = Instant::now() + self.body_timeout;
         let (answer, finishing) =
             match capture(body, (limit, by), &mut held, self.max_buffered).await {
-                Captured::Whole(bytes, trailers) if grpc_failed(trailers.as_ref()) => {
-                    // A gRPC call that failed (its status in the trailers): forgotten, like a
-                    // server error, so a retry runs it again instead of replaying the failure.
+                Captured::Whole(bytes, trailers)
+                    if grpc_failed(trailers.as_ref()) || fence_refusal(&head, &bytes) =>
+                {
+                    // A gRPC call that failed (its status in the trailers), or a refusal in
+                    // the fence's words: forgotten, like a server error, so a retry runs it
+                    // again instead of replaying the failure.
                     let finishing = self.finish(fingerprint, Finish::Forget).await;
                     let body = ResponseBody::held(bytes, trailers, Some(held));
                     (Response::from_parts(head, body), finishing)
@@ -495,4 +498,23 @@ where
         Ok(Some(Ok(_))) => Captured::Failed("a frame after the trailers".into()),
         Err(_) => Captured::Failed("no end after the trailers within the body deadline".into()),
     }
+}
+
+/// Whether an answer is a refusal in the fence's own words: a problem whose type is
+/// `urn:fence:...`, as a service answers when the SQL fence inside its transaction refused
+/// the token (`urn:fence:stale-token`), or a fence behind this one did. It tells where the
+/// job's lease stood for that token, not what the step did: kept and replayed, it would
+/// refuse every newer holder's request with the same (derived) key for the whole retention,
+/// telling each to stop work on a step that never ran.
+fn fence_refusal(head: &http::response::Parts, body: &[u8]) -> bool {
+    let problem = head
+        .headers
+        .get(http::header::CONTENT_TYPE)
+        .is_some_and(|t| t.as_bytes().starts_with(b"application/problem+json"));
+    problem
+        && serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| {
+            v.get("type")
+                .and_then(serde_json::Value::as_str)
+                .is_some_and(|t| t.starts_with("urn:fence:"))
+        })
 }
