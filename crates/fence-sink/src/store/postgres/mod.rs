@@ -481,9 +481,13 @@ impl GenerationStore for PgStore {
         let touched = i64::try_from(idle.touched_ms).unwrap_or(i64::MAX);
         let n = client
             .execute(
+                // Not a row a writer's transaction holds locked (a stale token's check locks
+                // the row it refuses): waiting for it would fail the whole pass at the lock
+                // timeout, pass after pass, and no job would be forgotten.
                 &format!(
-                    "DELETE FROM {} WHERE job = $1 AND touched_ms = $2",
-                    self.tables.generations
+                    "DELETE FROM {t} WHERE job IN \
+                     (SELECT job FROM {t} WHERE job = $1 AND touched_ms = $2 FOR UPDATE SKIP LOCKED)",
+                    t = self.tables.generations
                 ),
                 &[&idle.job.as_str(), &touched],
             )

@@ -475,6 +475,61 @@ async fn forgetting_a_job_switches_the_sql_check_on() {
     assert_eq!(code(&refused), Some("ZF428"), "{refused}");
 }
 
+/// A writer whose transaction holds an idle job's row locked (a stale token's `observe`
+/// locks the row it refuses) keeps that job, and only that one: forgetting passes over it
+/// and forgets the other idle jobs, instead of failing the pass at its lock timeout, pass
+/// after pass, with every job kept.
+#[tokio::test]
+async fn a_locked_row_is_passed_over_by_forgetting() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let (locked, other): (JobId, JobId) =
+        ("locked-job".parse().unwrap(), "other-job".parse().unwrap());
+    for job in [&locked, &other] {
+        assert_eq!(
+            store.observe(job, Generation::new(3)).await.unwrap(),
+            Verdict::Accepted
+        );
+    }
+    let mut writer = admin().await;
+    let tx = writer.transaction().await.unwrap();
+    let refused: bool = tx
+        .query_one(&format!("SELECT {}('locked-job', 2)", t.observe_fn), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!refused, "a stale token is refused");
+    store.shift_clock_ms(10 * 60_000);
+    let idle = store
+        .idle(IdlePage {
+            idle_for: Duration::from_secs(60),
+            after: None,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    let find = |job: &JobId| idle.iter().find(|i| &i.job == job).expect("idle").clone();
+    let began = std::time::Instant::now();
+    assert!(
+        !store.forget(&find(&locked)).await.unwrap(),
+        "forgotten under a writer's lock"
+    );
+    assert!(
+        began.elapsed() < Duration::from_secs(1),
+        "waited {:?} for the writer's lock",
+        began.elapsed()
+    );
+    assert!(
+        store.forget(&find(&other)).await.unwrap(),
+        "the other job was kept"
+    );
+    tx.rollback().await.unwrap();
+    assert!(
+        store.forget(&find(&locked)).await.unwrap(),
+        "kept once the lock is gone"
+    );
+}
+
 /// An older generation's in-flight record is taken over by a newer one only once its attempt
 /// can no longer be running anywhere: `settled_after` from when it began.
 #[tokio::test]
