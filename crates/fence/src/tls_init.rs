@@ -47,7 +47,14 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
         file("server.pem"),
         file("server-key.pem"),
     ];
+    // `--client a --client a` is one client, not a second write that fails after the rest.
+    let mut client_names: Vec<&String> = Vec::new();
     for client in &a.client {
+        if !client_names.contains(&client) {
+            client_names.push(client);
+        }
+    }
+    for client in &client_names {
         check_client_name(client)?;
         wanted.push(file(&format!("client-{client}.pem")));
         wanted.push(file(&format!("client-{client}-key.pem")));
@@ -112,7 +119,7 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
     write(&file("server.pem"), &server_cert.pem(), false)?;
     write(&file("server-key.pem"), &server_key.serialize_pem(), true)?;
     let mut clients = Vec::new();
-    for client in &a.client {
+    for client in client_names {
         let mut params = CertificateParams::default();
         params.distinguished_name.push(DnType::CommonName, client);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];

@@ -227,8 +227,30 @@ fn tls_init_makes_what_a_tls_server_needs_and_mistakes_get_hints() {
         "leases.internal",
         "--client",
         "billing",
+        "--client",
+        "billing",
     ]);
     assert_success(&made);
+    // An address as a DNS name would never match: refused, naming --ip; so is a URL.
+    for (name, want) in [
+        ("10.0.0.5", "give it with --ip 10.0.0.5"),
+        ("https://leases.internal", "is not a DNS name"),
+    ] {
+        let out = fence(&[
+            "tls",
+            "init",
+            dir.path().join("other").to_str().unwrap(),
+            "--name",
+            name,
+        ]);
+        let said = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {said}");
+        assert!(said.contains(want), "{name}: {said}");
+        assert!(
+            !dir.path().join("other").exists(),
+            "{name}: files were written"
+        );
+    }
     let file = |name: &str| tls.join(name).to_str().unwrap().to_owned();
     for (name, mode) in [
         ("ca.pem", 0o644),

@@ -32,8 +32,8 @@ Example:
 pub struct TlsInitCmd {
     /// Directory to write the files into (created if missing).
     pub dir: PathBuf,
-    /// A DNS name the server is reached by; repeat for several.
-    #[arg(long, value_name = "DNS_NAME")]
+    /// A DNS name the server is reached by; repeat for several (an address goes in --ip).
+    #[arg(long, value_name = "DNS_NAME", value_parser = parse_dns_name)]
     pub name: Vec<String>,
     /// An IP address the server is reached by; repeat for several.
     #[arg(long, value_name = "IP")]
@@ -45,4 +45,30 @@ pub struct TlsInitCmd {
     /// How long the server and client certificates are valid, in days (the CA: ten years).
     #[arg(long, default_value_t = 825, value_parser = clap::value_parser!(u32).range(1..=3650))]
     pub days: u32,
+}
+
+/// A DNS name for the server certificate. An IP address is refused, naming `--ip`: as a DNS
+/// name in the certificate it would never match (clients check an address against the
+/// certificate's IP addresses only), and `fence tls init` would have said nothing.
+fn parse_dns_name(s: &str) -> Result<String, String> {
+    if let Ok(ip) = s.parse::<std::net::IpAddr>() {
+        return Err(format!(
+            "{ip} is an IP address, which clients match against the certificate's addresses: give it with --ip {ip}"
+        ));
+    }
+    let name = s.strip_prefix("*.").unwrap_or(s);
+    let label_ok = |l: &str| {
+        (1..=63).contains(&l.len())
+            && !l.starts_with('-')
+            && !l.ends_with('-')
+            && l.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
+    };
+    if name.len() <= 253 && name.split('.').all(label_ok) {
+        Ok(s.to_owned())
+    } else {
+        Err(format!(
+            "{s:?} is not a DNS name: dot-separated labels of letters, digits, '-' and '_' (such as leases.internal)"
+        ))
+    }
 }
