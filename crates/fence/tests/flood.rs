@@ -419,3 +419,65 @@ fn newcomers_that_could_never_be_seated_close_nobody_else() {
     }
     drop(flood);
 }
+
+/// A client that never reads its answers cannot keep its seats from newcomers: four
+/// connections of 127.0.0.2 fill the cap, each with 400 pipelined `GET /openapi.json` (no
+/// secret needed) whose answers it never reads, so the server is stuck writing to each with
+/// no request running. A newcomer of 127.0.0.1 must be answered: the connection picked to
+/// make room for it closes within a second, not after the 30 s a running request gets, by
+/// which time the newcomer's first-request deadline (5 s here) had closed it unanswered.
+#[test]
+fn a_client_that_does_not_read_its_answers_keeps_no_seat_from_a_newcomer() {
+    use std::io::Write;
+    let _one = one_flood();
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, addr, log) = start_logged(
+        &server_args(
+            dir.path().to_str().unwrap(),
+            &[
+                "--max-connections",
+                "4",
+                "--max-connections-per-peer",
+                "1000",
+                "--header-timeout",
+                "5s",
+            ],
+        ),
+        "fence=debug",
+    );
+    let target: std::net::SocketAddr = addr.parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let asks = "GET /openapi.json HTTP/1.1\r\nhost: stuck\r\n\r\n".repeat(400);
+    let stuck: Vec<std::net::TcpStream> = (0..4)
+        .map(|_| {
+            let mut stream = rt.block_on(async {
+                let socket = tokio::net::TcpSocket::new_v4().unwrap();
+                socket.set_recv_buffer_size(4096).unwrap();
+                socket.bind("127.0.0.2:0".parse().unwrap()).unwrap();
+                socket.connect(target).await.unwrap().into_std().unwrap()
+            });
+            stream.set_nonblocking(false).unwrap();
+            stream.write_all(asks.as_bytes()).unwrap();
+            stream
+        })
+        .collect();
+    // Time for the server to fill every socket's buffers and stall on each.
+    std::thread::sleep(Duration::from_millis(1_500));
+    let began = Instant::now();
+    let (status, answer) = bearer_call(&addr, "GET", "/healthz", None, "");
+    let waited = began.elapsed();
+    assert_eq!(
+        status,
+        200,
+        "answered {answer:?} after {waited:?}; the server's log:\n{}",
+        log.text()
+    );
+    assert!(
+        waited < Duration::from_secs(4),
+        "the newcomer waited {waited:?} for a seat held by a client that does not read"
+    );
+    drop(stuck);
+}

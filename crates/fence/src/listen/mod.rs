@@ -62,6 +62,10 @@ const RECHECK: Duration = Duration::from_millis(100);
 /// How long in-flight connections and requests may take to finish after shutdown begins.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
 
+/// How long a connection picked to make room, with no request running, may take to write out
+/// what it already answered before it is closed.
+const EVICTED_IDLE_GRACE: Duration = Duration::from_secs(1);
+
 /// The limits of one listener.
 #[derive(Debug, Clone, Copy)]
 pub struct Limits {
@@ -474,7 +478,17 @@ async fn drive<I, S, B>(
                 return; // nothing asked, nothing to finish
             }
             conn.as_mut().shut_down();
-            tokio::time::timeout(SHUTDOWN_GRACE, conn).await.unwrap_or(Ok(()))
+            // A request still running gets the shutdown grace. With none (the connection
+            // was picked idle, or only an answer already given is being written out), a
+            // second: a client that does not read its answers would otherwise keep the
+            // seat, stuck in hyper's write, for the whole grace, past the deadline of the
+            // newcomer it was closed for.
+            let grace = if tracked.idle_since().is_some() {
+                EVICTED_IDLE_GRACE
+            } else {
+                SHUTDOWN_GRACE
+            };
+            tokio::time::timeout(grace, conn).await.unwrap_or(Ok(()))
         }
         () = idle => {
             tracing::debug!("closing an HTTP/2 connection with no stream open for the idle timeout");
