@@ -26,6 +26,17 @@ pub fn generate_signer() -> anyhow::Result<TokenSigner> {
 /// When `out` cannot be created, a key file already exists, or a file cannot be written.
 pub fn keygen(out: &Path) -> anyhow::Result<()> {
     std::fs::create_dir_all(out).with_context(|| format!("cannot create {}", out.display()))?;
+    // Both names checked before either is written: a private key whose public half could
+    // not be written would be left behind, refusing every later run.
+    for name in ["fence-signing.pem", "fence-verify.pem"] {
+        let path = out.join(name);
+        if path.symlink_metadata().is_ok() {
+            return Err(crate::Usage::error(format!(
+                "{} is already there: fence keygen never overwrites a key; give another --out",
+                path.display()
+            )));
+        }
+    }
     let signer = generate_signer()?;
     let write = |name: &str, mode: u32, contents: String| -> anyhow::Result<PathBuf> {
         let path = out.join(name);

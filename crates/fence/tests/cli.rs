@@ -984,3 +984,20 @@ fn a_repeated_warning_is_said_once_with_a_count() {
     assert_eq!(said.matches("claim failed, retrying").count(), 1, "{said}");
     assert!(said.contains("(the warning above came"), "{said}");
 }
+
+/// `fence keygen` never overwrites a key, and never leaves half a pair: with the public key's
+/// name taken, it writes nothing (a private key without its public half would refuse every
+/// later run).
+#[test]
+fn keygen_writes_both_keys_or_neither() {
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("fence-verify.pem"), "an older key").unwrap();
+    let out = fence(&["keygen", "--out", dir.path().to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("fence-verify.pem is already there"), "{said}");
+    assert!(
+        !dir.path().join("fence-signing.pem").exists(),
+        "a private key was left without its public half"
+    );
+}
