@@ -340,9 +340,12 @@ fn session(
     // Every wait of the fence's own sessions has a deadline (a row lock held by a writer's
     // open transaction is a wait too): a stalled writer holds up its own job for at most
     // SESSION_LOCK_TIMEOUT, and no query keeps a pooled connection busy for longer than
-    // SESSION_STATEMENT_TIMEOUT. Options in the URL come after these, so they win.
+    // SESSION_STATEMENT_TIMEOUT. READ COMMITTED whatever the cluster's default: the
+    // statements are written for it (a conflict waits for the row, then reads it again),
+    // and under REPEATABLE READ a busy job's claims would fail with serialization errors,
+    // answered as outcomes unknown. Options in the URL come after these, so they win.
     let options = format!(
-        "-c lock_timeout={}ms -c statement_timeout={}ms {}",
+        "-c lock_timeout={}ms -c statement_timeout={}ms -c default_transaction_isolation=read\\ committed {}",
         SESSION_LOCK_TIMEOUT.as_millis(),
         SESSION_STATEMENT_TIMEOUT.as_millis(),
         config.get_options().unwrap_or_default()
@@ -551,6 +554,40 @@ mod tests {
             passfile_password(pgpass, "x", 1, "y", "z").as_deref(),
             Some("fallback")
         );
+    }
+
+    /// The fence's own sessions run READ COMMITTED with deadlines on every wait, whatever
+    /// the database's defaults: checked on a database whose default is REPEATABLE READ (the
+    /// options reach the server, a space in a value escaped).
+    #[tokio::test]
+    async fn sessions_run_read_committed_with_deadlines() {
+        let url = test_database_url();
+        let (admin, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+            .await
+            .expect("the test database (PostgreSQL) answers");
+        tokio::spawn(conn);
+        if let Err(e) = admin.batch_execute("CREATE DATABASE fence_rr_probe").await {
+            let code = e.as_db_error().map(|d| d.code().code());
+            assert_eq!(code, Some("42P04"), "{e}"); // made by an earlier run
+        }
+        admin
+            .batch_execute(
+                "ALTER DATABASE fence_rr_probe SET default_transaction_isolation = 'repeatable read'",
+            )
+            .await
+            .unwrap();
+        let base = url.split('?').next().unwrap().rsplit_once('/').unwrap().0;
+        let pool = connect_pool(&format!("{base}/fence_rr_probe")).unwrap();
+        let client = pool.get().await.unwrap();
+        let show = |name: &'static str| {
+            let client = &client;
+            async move {
+                let row = client.query_one(&format!("SHOW {name}"), &[]).await;
+                row.unwrap().get::<_, String>(0)
+            }
+        };
+        assert_eq!(show("transaction_isolation").await, "read committed");
+        assert_eq!(show("lock_timeout").await, "2s", "SESSION_LOCK_TIMEOUT");
     }
 
     #[test]

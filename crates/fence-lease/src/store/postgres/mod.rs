@@ -541,7 +541,9 @@ impl LeaseStore for PgLeaseStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         let mut client = self.pool.get().await.map_err(StoreError::io)?;
         let tx = client.transaction().await.map_err(StoreError::io)?;
-        // The floor first: claims of new rows wait for this transaction from here on.
+        // The floor first: claims wait for this transaction from here on (every plain
+        // claim reads the floor under a share lock, even of a job whose row exists:
+        // PostgreSQL computes the INSERT's row before it meets the conflict).
         tx.execute(&self.sql.lock_floor, &[])
             .await
             .map_err(StoreError::io)?;
