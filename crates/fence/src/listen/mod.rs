@@ -25,18 +25,18 @@
 //!   [`Limits::h2_max_streams`] concurrent streams per connection.
 
 mod lobby;
+mod marked;
 mod slots;
 
 use lobby::{LOBBY, Lobby, Waiting};
+use marked::Marked;
 pub use slots::Slots;
 use slots::{Seat, Tracked};
 
 use std::{
     future::Future,
     net::SocketAddr,
-    pin::Pin,
     sync::{Arc, atomic::Ordering},
-    task::{Context, Poll},
     time::Duration,
 };
 
@@ -545,67 +545,5 @@ where
 {
     fn shut_down(self: std::pin::Pin<&mut Self>) {
         self.graceful_shutdown();
-    }
-}
-
-/// The service of a connection: notes each request's start and answer on the connection's
-/// [`Tracked`] (busy or idle, authenticated or not).
-#[derive(Clone)]
-struct Marked<S> {
-    inner: S,
-    conn: Arc<Tracked>,
-}
-
-impl<S, B, R> hyper::service::Service<Request<R>> for Marked<S>
-where
-    S: hyper::service::Service<Request<R>, Response = Response<B>>,
-{
-    type Response = S::Response;
-    type Error = S::Error;
-    type Future = Answering<S::Future>;
-
-    fn call(&self, req: Request<R>) -> Self::Future {
-        self.conn.begin();
-        Answering {
-            inner: self.inner.call(req),
-            conn: Some(self.conn.clone()),
-        }
-    }
-}
-
-pin_project_lite::pin_project! {
-    /// A request being answered: its connection is busy until the answer's head.
-    struct Answering<F> {
-        #[pin]
-        inner: F,
-        conn: Option<Arc<Tracked>>,
-    }
-
-    impl<F> PinnedDrop for Answering<F> {
-        fn drop(this: Pin<&mut Self>) {
-            // Dropped unanswered (the connection went away): no longer busy either.
-            if let Some(conn) = this.project().conn.take() {
-                conn.done(false);
-            }
-        }
-    }
-}
-
-impl<F, B, E> Future for Answering<F>
-where
-    F: Future<Output = Result<Response<B>, E>>,
-{
-    type Output = F::Output;
-
-    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        let this = self.project();
-        let answer = std::task::ready!(this.inner.poll(cx));
-        if let Some(conn) = this.conn.take() {
-            let accepted = answer
-                .as_ref()
-                .is_ok_and(|response| response.extensions().get::<Authenticated>().is_some());
-            conn.done(accepted);
-        }
-        Poll::Ready(answer)
     }
 }

@@ -532,6 +532,8 @@ impl IdempotencyStore for PgStore {
     }
 }
 
+#[cfg(test)]
+mod forget_tests;
 mod idempotency;
 mod purge;
 mod schema;

@@ -1,0 +1,210 @@
+//! The PostgreSQL sink store forgetting idle jobs, against the local database.
+//!
+//! What the SQL fence then asks of writers, and what forgetting passes over.
+use super::tests::{admin, code, fresh};
+use super::*;
+
+/// While the sinks forget idle jobs, a check without the token's lease end is refused
+/// (ZF428), and one with an ended lease is stale, also for a job the sink has forgotten.
+#[tokio::test]
+async fn while_sinks_forget_a_writer_must_give_the_lease_end() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let su = admin().await;
+    let now: i64 = su
+        .query_one(&format!("SELECT {}", fence_storage::postgres::NOW_MS), &[])
+        .await
+        .unwrap()
+        .get(0);
+    let job: JobId = "forgotten-job".parse().unwrap();
+    // Forgetting off: the two-argument form works.
+    let plain = su
+        .query_one(&format!("SELECT {}('forgotten-job', 3)", t.observe_fn), &[])
+        .await;
+    assert!(plain.unwrap().get::<_, bool>(0));
+    store
+        .announce_forgetting(true, Duration::from_secs(5), Duration::from_secs(3600))
+        .await
+        .unwrap();
+    let refused = su
+        .query_one(&format!("SELECT {}('forgotten-job', 4)", t.require_fn), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), Some("ZF428"), "{refused}");
+    // The job is forgotten (its row deleted); the stale holder's lease ended a minute ago.
+    su.execute(
+        &format!("DELETE FROM {} WHERE job = 'forgotten-job'", t.generations),
+        &[],
+    )
+    .await
+    .unwrap();
+    let ended = now - 60_000;
+    let stale = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 2, $1)", t.require_fn),
+            &[&ended],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&stale), Some("ZF409"), "{stale}");
+    let message = stale.as_db_error().map(|d| d.message().to_owned());
+    assert!(
+        message
+            .as_deref()
+            .is_some_and(|m| m.starts_with("expired fencing token")),
+        "{message:?}"
+    );
+    let mut client = admin().await;
+    let tx = client.transaction().await.unwrap();
+    assert_eq!(
+        check_in_transaction_expiring(&tx, &t, &job, Generation::new(2), ended as u64)
+            .await
+            .unwrap(),
+        Verdict::Stale {
+            highest: Generation::ZERO
+        }
+    );
+    tx.rollback().await.unwrap();
+    // A live holder's token (its lease ends in 30 s) is accepted.
+    let live = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 5, $1)", t.observe_fn),
+            &[&(now + 30_000)],
+        )
+        .await
+        .unwrap();
+    assert!(live.get::<_, bool>(0));
+    // A token claiming a lease longer than any the sinks accept (an hour here) plus the
+    // skew: refused, as at the sinks, so it cannot outlive the window they forget by.
+    let edge = now + 3_600_000 + 5_000;
+    let too_long = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 6, $1)", t.observe_fn),
+            &[&(edge + 60_000)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&too_long), Some("ZF403"), "{too_long}");
+    assert_eq!(store.highest(&job).await.unwrap(), Generation::new(5));
+    let within = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 6, $1)", t.observe_fn),
+            &[&(now + 3_600_000)],
+        )
+        .await
+        .unwrap();
+    assert!(within.get::<_, bool>(0));
+    // Another sink on these tables starts without forgetting (and a longer lease): the
+    // check stays on, for the jobs the first one forgot, and the lease bound stays.
+    store
+        .announce_forgetting(
+            false,
+            Duration::from_secs(5),
+            Duration::from_secs(24 * 3600),
+        )
+        .await
+        .unwrap();
+    let still = su
+        .query_one(&format!("SELECT {}('forgotten-job', 7)", t.observe_fn), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&still), Some("ZF428"), "{still}");
+    let too_long = su
+        .query_one(
+            &format!("SELECT {}('forgotten-job', 7, $1)", t.observe_fn),
+            &[&(edge + 60_000)],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&too_long), Some("ZF403"), "{too_long}");
+}
+
+/// A layer that forgets on PostgreSQL without announcing it (the library, not the proxy)
+/// still switches the SQL fence's lease-end check on before it deletes a job.
+#[tokio::test]
+async fn forgetting_a_job_switches_the_sql_check_on() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let su = admin().await;
+    let job: JobId = "idle-job".parse().unwrap();
+    assert_eq!(
+        store.observe(&job, Generation::new(3)).await.unwrap(),
+        Verdict::Accepted
+    );
+    let plain = su
+        .query_one(&format!("SELECT {}('idle-job', 3)", t.observe_fn), &[])
+        .await;
+    assert!(plain.unwrap().get::<_, bool>(0), "not forgetting yet");
+    store.shift_clock_ms(10 * 60_000);
+    let idle = store
+        .idle(IdlePage {
+            idle_for: Duration::from_secs(60),
+            after: None,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    let idle = idle.iter().find(|i| i.job == job).expect("idle").clone();
+    assert!(store.forget(&idle).await.unwrap(), "forgotten");
+    // A stale writer of the forgotten job cannot pass as its first.
+    let refused = su
+        .query_one(&format!("SELECT {}('idle-job', 2)", t.require_fn), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), Some("ZF428"), "{refused}");
+}
+
+/// A writer whose transaction holds an idle job's row locked (a stale token's `observe`
+/// locks the row it refuses) keeps that job, and only that one: forgetting passes over it
+/// and forgets the other idle jobs, instead of failing the pass at its lock timeout, pass
+/// after pass, with every job kept.
+#[tokio::test]
+async fn a_locked_row_is_passed_over_by_forgetting() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let (locked, other): (JobId, JobId) =
+        ("locked-job".parse().unwrap(), "other-job".parse().unwrap());
+    for job in [&locked, &other] {
+        assert_eq!(
+            store.observe(job, Generation::new(3)).await.unwrap(),
+            Verdict::Accepted
+        );
+    }
+    let mut writer = admin().await;
+    let tx = writer.transaction().await.unwrap();
+    let refused: bool = tx
+        .query_one(&format!("SELECT {}('locked-job', 2)", t.observe_fn), &[])
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!refused, "a stale token is refused");
+    store.shift_clock_ms(10 * 60_000);
+    let idle = store
+        .idle(IdlePage {
+            idle_for: Duration::from_secs(60),
+            after: None,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    let find = |job: &JobId| idle.iter().find(|i| &i.job == job).expect("idle").clone();
+    let began = std::time::Instant::now();
+    assert!(
+        !store.forget(&find(&locked)).await.unwrap(),
+        "forgotten under a writer's lock"
+    );
+    assert!(
+        began.elapsed() < Duration::from_secs(1),
+        "waited {:?} for the writer's lock",
+        began.elapsed()
+    );
+    assert!(
+        store.forget(&find(&other)).await.unwrap(),
+        "the other job was kept"
+    );
+    tx.rollback().await.unwrap();
+    assert!(
+        store.forget(&find(&locked)).await.unwrap(),
+        "kept once the lock is gone"
+    );
+}

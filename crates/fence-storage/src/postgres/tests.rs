@@ -1,0 +1,76 @@
+//! The pool's options and identifiers, and the sessions it opens on the test database.
+
+use super::*;
+
+#[test]
+fn fence_reads_the_tls_and_password_options_itself() {
+    let o = options(
+        "postgres://u@h/db?sslmode=verify-full&sslrootcert=%2Ftmp%2Fca.pem&application_name=x",
+    )
+    .unwrap();
+    assert_eq!(o.ssl, SslMode::VerifyFull);
+    assert_eq!(o.root_cert, Some(PathBuf::from("/tmp/ca.pem")));
+    assert_eq!(
+        o.url,
+        "postgres://u@h/db?application_name=x&sslmode=require"
+    );
+    assert_eq!(options("postgres://h/db").unwrap().ssl, SslMode::Prefer);
+    assert_eq!(
+        options("postgres://h/db?sslmode=disable").unwrap().url,
+        "postgres://h/db?sslmode=disable"
+    );
+    assert!(options("postgres://h/db?sslmode=maybe").is_err());
+    let pgpass = "# comment\nother:5432:*:u:nope\nh:*:db:u:s3cr\\:et\n*:*:*:*:fallback\n";
+    assert_eq!(
+        passfile_password(pgpass, "h", 5432, "db", "u").as_deref(),
+        Some("s3cr:et")
+    );
+    assert_eq!(
+        passfile_password(pgpass, "x", 1, "y", "z").as_deref(),
+        Some("fallback")
+    );
+}
+
+/// The fence's own sessions run READ COMMITTED with deadlines on every wait, whatever
+/// the database's defaults: checked on a database whose default is REPEATABLE READ (the
+/// options reach the server, a space in a value escaped).
+#[tokio::test]
+async fn sessions_run_read_committed_with_deadlines() {
+    let url = test_database_url();
+    let (admin, conn) = tokio_postgres::connect(&url, tokio_postgres::NoTls)
+        .await
+        .expect("the test database (PostgreSQL) answers");
+    tokio::spawn(conn);
+    if let Err(e) = admin.batch_execute("CREATE DATABASE fence_rr_probe").await {
+        let code = e.as_db_error().map(|d| d.code().code());
+        assert_eq!(code, Some("42P04"), "{e}"); // made by an earlier run
+    }
+    admin
+        .batch_execute(
+            "ALTER DATABASE fence_rr_probe SET default_transaction_isolation = 'repeatable read'",
+        )
+        .await
+        .unwrap();
+    let base = url.split('?').next().unwrap().rsplit_once('/').unwrap().0;
+    let pool = connect_pool(&format!("{base}/fence_rr_probe")).unwrap();
+    let client = pool.get().await.unwrap();
+    let show = |name: &'static str| {
+        let client = &client;
+        async move {
+            let row = client.query_one(&format!("SHOW {name}"), &[]).await;
+            row.unwrap().get::<_, String>(0)
+        }
+    };
+    assert_eq!(show("transaction_isolation").await, "read committed");
+    assert_eq!(show("lock_timeout").await, "2s", "SESSION_LOCK_TIMEOUT");
+}
+
+#[test]
+fn identifiers_are_checked_by_one_rule() {
+    assert!(Ident::new("table", "leases").is_ok());
+    assert!(Ident::new("table", &"a".repeat(63)).is_ok());
+    for bad in ["", "Fence", "x;drop", "1x", "a.b", "a b", &"a".repeat(64)] {
+        let e = Ident::new("table", bad).unwrap_err();
+        assert!(e.to_string().starts_with("invalid table name"), "{e}");
+    }
+}
