@@ -25,6 +25,7 @@ mod outcome;
 pub mod refusals;
 mod reject;
 mod store;
+mod unwind;
 
 #[cfg(feature = "postgres")]
 pub use store::postgres;

@@ -251,19 +251,25 @@ async fn answers_scoped_by_a_header_are_not_replayed_to_another_value() {
 
 /// A service that panics after admission may have sent its effect on its way (a call to a
 /// payment API, then a panic on its answer): the request is held in flight for the
-/// unknown-outcome hold, as after any unknown outcome, not let go at the panic.
+/// unknown-outcome hold, as after any unknown outcome, not let go at the panic. Whether the
+/// runtime catches the panic (a spawned task) or a layer outside the fence does (answering
+/// 500, as tower-http's `CatchPanicLayer`), which drops the fence's future only after the
+/// unwinding is over; with or without an `Idempotency-Key`.
 #[tokio::test(start_paused = true)]
 async fn a_service_that_panicked_after_admission_holds_the_next_token_out() {
+    use std::{future::Future, panic::AssertUnwindSafe, task::Poll};
     let hold = Duration::from_secs(3);
     let layer = FenceLayer::new(MemoryStore::new())
         .unknown_outcome_hold(hold)
         .drain_timeout(Duration::from_secs(10));
-    let post = |token: u64| {
-        Request::post("/charges")
+    let post = |token: u64, keyed: bool| {
+        let mut request = Request::post("/charges")
             .header("x-fencing-job", "job")
-            .header("x-fencing-token", token.to_string())
-            .body("pay 5".to_owned())
-            .unwrap()
+            .header("x-fencing-token", token.to_string());
+        if keyed {
+            request = request.header("idempotency-key", format!("charge-{token}"));
+        }
+        request.body("pay 5".to_owned()).unwrap()
     };
     let panicking = layer.layer(service_fn(|_req: Request<RequestBody<String>>| async {
         tokio::task::yield_now().await;
@@ -272,26 +278,43 @@ async fn a_service_that_panicked_after_admission_holds_the_next_token_out() {
         }
         Ok::<_, Infallible>(Response::new(String::new()))
     }));
-    let crashed = tokio::spawn(panicking.oneshot(post(4))).await;
-    assert!(crashed.expect_err("the service panicked").is_panic());
-
     let calls = Arc::new(AtomicUsize::new(0));
     let counted = calls.clone();
     let next = layer.layer(service_fn(move |_req: Request<RequestBody<String>>| {
         counted.fetch_add(1, Ordering::SeqCst);
         async { Ok::<_, Infallible>(Response::new(String::new())) }
     }));
-    let started = tokio::time::Instant::now();
-    assert_eq!(
-        next.oneshot(post(5)).await.unwrap().status(),
-        StatusCode::OK
-    );
-    assert!(
-        started.elapsed() >= hold,
-        "token 5 passed {:?} after token 4's service panicked, inside the {hold:?} hold",
-        started.elapsed()
-    );
-    assert_eq!(calls.load(Ordering::SeqCst), 1);
+    let mut token = 4;
+    for (caught_outside, keyed) in [(false, false), (true, false), (false, true), (true, true)] {
+        let call = panicking.clone().oneshot(post(token, keyed));
+        if caught_outside {
+            let mut call = Box::pin(call);
+            let caught = std::future::poll_fn(|cx| {
+                match std::panic::catch_unwind(AssertUnwindSafe(|| call.as_mut().poll(cx))) {
+                    Ok(Poll::Pending) => Poll::Pending,
+                    Ok(Poll::Ready(_)) => Poll::Ready(false),
+                    Err(_) => Poll::Ready(true),
+                }
+            })
+            .await;
+            assert!(caught, "the service panicked");
+            drop(call); // after the unwinding, as a catch-panic layer drops it
+        } else {
+            let crashed = tokio::spawn(call).await;
+            assert!(crashed.expect_err("the service panicked").is_panic());
+        }
+        let started = tokio::time::Instant::now();
+        let answer = next.clone().oneshot(post(token + 1, keyed)).await.unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        assert!(
+            started.elapsed() >= hold,
+            "token {} passed {:?} after token {token}'s service panicked (caught outside the fence: {caught_outside}, keyed: {keyed}), inside the {hold:?} hold",
+            token + 1,
+            started.elapsed()
+        );
+        token += 2;
+    }
+    assert_eq!(calls.load(Ordering::SeqCst), 4);
 }
 
 /// A request still running when its record's configured in-flight timeout (5 minutes by

@@ -28,6 +28,7 @@ use crate::{
     metrics::count,
     refusals::Asked,
     reject::{self, RETRY, reject},
+    unwind::CatchUnwind,
 };
 
 /// What the fence accepted for a request, inserted into its extensions so a handler can use
@@ -343,7 +344,7 @@ where
     };
     let hold = config.unknown_outcome_hold;
     let guard = match problem {
-        Ok(guard) => guard.held_on_panic(hold),
+        Ok(guard) => guard,
         Err(problem) => {
             // The inner service's readiness (a permit of a concurrency limit, a buffer slot)
             // is not held while the refused body drains.
@@ -364,7 +365,16 @@ where
     match request {
         Ready::Read(keyed, (mut parts, bytes, held)) => {
             parts.extensions.insert(fenced);
-            let mut response = Box::pin(keyed.run(&mut inner, (parts, bytes, held))).await;
+            let run = CatchUnwind::new(Box::pin(keyed.run(&mut inner, (parts, bytes, held))));
+            let mut response = match run.await {
+                Ok(response) => response,
+                Err(panic) => {
+                    // The service panicked after admission, perhaps with its effect on its
+                    // way: an unknown outcome.
+                    guard.hold(hold);
+                    std::panic::resume_unwind(panic)
+                }
+            };
             let finishing = response
                 .as_mut()
                 .ok()
@@ -398,7 +408,8 @@ where
             // streaming call goes on after its answer's head), held longer when the outcome
             // became unknown.
             let flight = Streaming::new(guard, hold, reject::carries_messages(&parts.headers));
-            streamed(
+            let marked = flight.clone();
+            let run = CatchUnwind::new(streamed(
                 &mut inner,
                 parts,
                 body,
@@ -406,8 +417,16 @@ where
                 &job,
                 token,
                 flight,
-            )
-            .await
+            ));
+            match run.await {
+                Ok(response) => response,
+                Err(panic) => {
+                    // As above: held once the last copy of the in-flight record goes.
+                    marked.unknown();
+                    drop(marked);
+                    std::panic::resume_unwind(panic)
+                }
+            }
         }
     }
 }

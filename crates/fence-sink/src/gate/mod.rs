@@ -465,7 +465,6 @@ impl<St: GenerationStore> Gates<St> {
                 guard: InFlight {
                     gate: gate.clone(),
                     generation: token,
-                    panic_hold: Duration::ZERO,
                 },
                 stamp,
             };
