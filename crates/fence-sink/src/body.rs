@@ -90,15 +90,15 @@ pub(crate) struct Streaming {
     guard: std::sync::Mutex<Option<InFlight>>,
     hold: Duration,
     unknown: AtomicBool,
-    /// Whether a failure of the body leaves the service's outcome unknown: a gRPC call's
-    /// messages arrive whole, and the service may be acting on those it got when the stream
+    /// Whether a failure of the body leaves the service's outcome unknown: a gRPC (or
+    /// gRPC-Web, or Connect streaming) call's messages arrive whole, and the service may be acting on those it got when the stream
     /// fails (reset by the client, or cut at the body deadline). A plain body that fails was
     /// never a whole request.
     failure_unknown: bool,
 }
 
 impl Streaming {
-    /// `failure_unknown`: see the field (true for a gRPC call).
+    /// `failure_unknown`: see the field (true for a body of whole messages).
     pub(crate) fn new(guard: InFlight, hold: Duration, failure_unknown: bool) -> Arc<Self> {
         Arc::new(Self {
             guard: std::sync::Mutex::new(Some(guard)),

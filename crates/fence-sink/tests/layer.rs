@@ -1559,7 +1559,12 @@ async fn a_too_large_response_passes_whole_but_cannot_be_replayed() {
 async fn a_crashed_in_flight_record_blocks_the_key_until_the_in_flight_timeout() {
     let (app, mut started) = App::new();
     let timeout = Duration::from_millis(200);
+    // A record is never given up sooner than its request may run (body deadline, longest
+    // request, hold): all three short here, so the 200 ms is what counts.
     let svc = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_millis(100))
+        .longest_request(Duration::ZERO)
+        .unknown_outcome_hold(Duration::ZERO)
         .idempotency(IdempotencyConfig::default().in_flight_timeout(timeout))
         .layer(app.clone());
 

@@ -189,8 +189,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// [`BodyTimeout`](crate::BodyTimeout) to the inner service, which has by then seen the
     /// head and part of the body; the client gets 408 unless the service answered with a
     /// success. Either way the request stops holding up newer generations once the service
-    /// returns, so one slow client cannot jam a job for longer than this (a gRPC call whose
-    /// stream fails so: this plus the [unknown-outcome hold](Self::unknown_outcome_hold),
+    /// returns, so one slow client cannot jam a job for longer than this (a gRPC or Connect
+    /// streaming call whose stream fails so: this plus the [unknown-outcome hold](Self::unknown_outcome_hold),
     /// since the service may be acting on messages it got whole).
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
         self.config().body_timeout = timeout;

@@ -95,8 +95,10 @@ impl IdempotencyConfig {
     /// key becomes usable again. The layer never gives one up sooner than an attempt can
     /// still act: the [body deadline](crate::FenceLayer::body_timeout) plus the
     /// [longest request](crate::FenceLayer::longest_request) plus the
-    /// [unknown-outcome hold](crate::FenceLayer::unknown_outcome_hold), whatever is set here;
-    /// a handler that may run longer than `longest_request` needs a longer one.
+    /// [unknown-outcome hold](crate::FenceLayer::unknown_outcome_hold), whatever is set here.
+    /// That floor takes `longest_request` as the longest a handler really runs: one that may
+    /// run longer (or a layer told `longest_request(ZERO)` because its effects die with the
+    /// process, whose handlers still run a while) needs a longer timeout set here.
     pub fn in_flight_timeout(mut self, timeout: Duration) -> Self {
         self.in_flight_timeout = timeout;
         self

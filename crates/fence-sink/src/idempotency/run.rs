@@ -351,10 +351,11 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         };
         let store = self.store.clone();
         let owned = self.owned(fingerprint);
-        let (limit, until) = (
-            self.config.store_timeout,
-            Instant::now() + self.in_flight_for,
-        );
+        // A timeout set near Duration::MAX (a service that never gives up) retries for a year.
+        let until = Instant::now()
+            .checked_add(self.in_flight_for)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 24 * 3600));
+        let limit = self.config.store_timeout;
         runtime.spawn(async move {
             let mut pause = FINISH_RETRY_FIRST;
             while Instant::now() < until {
@@ -500,21 +501,46 @@ where
     }
 }
 
-/// Whether an answer is a refusal in the fence's own words: a problem whose type is
-/// `urn:fence:...`, as a service answers when the SQL fence inside its transaction refused
-/// the token (`urn:fence:stale-token`), or a fence behind this one did. It tells where the
-/// job's lease stood for that token, not what the step did: kept and replayed, it would
-/// refuse every newer holder's request with the same (derived) key for the whole retention,
-/// telling each to stop work on a step that never ran.
+/// Whether an answer is a fence's refusal of the request before it reached the service that
+/// acts: a problem whose type says so (`urn:fence:stale-token`, as a service answers when
+/// the SQL fence inside its transaction refused the token, or a fence behind this one's
+/// refusals: an expired or unsigned token, a store or drain that failed, a key in flight).
+/// It tells where the job's lease stood for that token, not what the step did: kept and
+/// replayed, it would refuse every newer holder's request with the same (derived) key for
+/// the whole retention, telling each to stop work on a step that never ran. Types that
+/// say the step may have run (`idempotency-not-replayable`, `body-timeout`) are kept, as are
+/// the service's own 4xx.
 fn fence_refusal(head: &http::response::Parts, body: &[u8]) -> bool {
+    use fence_core::ProblemType as T;
     let problem = head
         .headers
         .get(http::header::CONTENT_TYPE)
-        .is_some_and(|t| t.as_bytes().starts_with(b"application/problem+json"));
+        .is_some_and(|t| {
+            t.as_bytes()
+                .get(..fence_core::problem::PROBLEM_JSON.len())
+                .is_some_and(|t| {
+                    t.eq_ignore_ascii_case(fence_core::problem::PROBLEM_JSON.as_bytes())
+                })
+        });
+    let kind = || {
+        let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
+        T::from_uri(value.get("type")?.as_str()?)
+    };
     problem
-        && serde_json::from_slice::<serde_json::Value>(body).is_ok_and(|v| {
-            v.get("type")
-                .and_then(serde_json::Value::as_str)
-                .is_some_and(|t| t.starts_with("urn:fence:"))
-        })
+        && matches!(
+            kind(),
+            Some(
+                T::StaleToken
+                    | T::TokenExpired
+                    | T::TokenTooLongLived
+                    | T::InvalidSignature
+                    | T::MissingToken
+                    | T::MalformedToken
+                    | T::StoreUnavailable
+                    | T::DrainTimeout
+                    | T::Overloaded
+                    | T::IdempotencyInFlight
+                    | T::IdempotencyKeyMismatch
+            )
+        )
 }
