@@ -424,8 +424,9 @@ fn newcomers_that_could_never_be_seated_close_nobody_else() {
 /// connections of 127.0.0.2 fill the cap, each with 400 pipelined `GET /openapi.json` (no
 /// secret needed) whose answers it never reads, so the server is stuck writing to each with
 /// no request running. A newcomer of 127.0.0.1 must be answered: the connection picked to
-/// make room for it closes within a second, not after the 30 s a running request gets, by
-/// which time the newcomer's first-request deadline (5 s here) had closed it unanswered.
+/// make room for it closes once its writes have waited half the newcomer's first-request
+/// deadline (8 s here), not after the 30 s of shutdown grace, by which time that deadline
+/// had closed the newcomer unanswered.
 #[test]
 fn a_client_that_does_not_read_its_answers_keeps_no_seat_from_a_newcomer() {
     use std::io::Write;
@@ -440,7 +441,7 @@ fn a_client_that_does_not_read_its_answers_keeps_no_seat_from_a_newcomer() {
                 "--max-connections-per-peer",
                 "1000",
                 "--header-timeout",
-                "5s",
+                "8s",
             ],
         ),
         "fence=debug",
@@ -476,8 +477,109 @@ fn a_client_that_does_not_read_its_answers_keeps_no_seat_from_a_newcomer() {
         log.text()
     );
     assert!(
-        waited < Duration::from_secs(4),
+        waited < Duration::from_secs(7),
         "the newcomer waited {waited:?} for a seat held by a client that does not read"
     );
     drop(stuck);
+}
+
+/// A connection picked to make room while it writes out a long answer to a client that reads
+/// it, slowly, keeps writing until the answer is done: only a client that stops reading is
+/// cut (after half the first-request deadline, 15 s here). At the proxy, one seat: a slow
+/// reader downloads 16 MiB (at most 64 KiB every 20 ms) when a newcomer comes; the reader
+/// gets it whole, then the newcomer is answered.
+#[test]
+fn a_slow_reader_picked_to_make_room_gets_its_whole_answer() {
+    use std::io::{BufRead, Read, Write};
+    let _one = one_flood();
+    const BIG: usize = 16 << 20;
+    let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let upstream_addr = format!("http://{}", upstream.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in upstream.incoming() {
+            let Ok(mut stream) = stream else { continue };
+            std::thread::spawn(move || {
+                let mut reader = std::io::BufReader::new(stream.try_clone().unwrap());
+                loop {
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    let first = line.clone();
+                    while line != "\r\n" {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                    }
+                    let size = if first.starts_with("GET /big ") {
+                        BIG
+                    } else {
+                        2
+                    };
+                    let head = format!("HTTP/1.1 200 OK\r\ncontent-length: {size}\r\n\r\n");
+                    if stream.write_all(head.as_bytes()).is_err()
+                        || stream.write_all(&vec![b'x'; size]).is_err()
+                    {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("proxy");
+    let (_proxy, proxy, log) = start_logged(
+        &proxy_args(
+            &upstream_addr,
+            &[
+                "--data-dir",
+                data.to_str().unwrap(),
+                "--workers",
+                "1",
+                "--max-connections",
+                "1",
+                "--header-timeout",
+                "20s",
+            ],
+        ),
+        "fence=debug",
+    );
+    let target: std::net::SocketAddr = proxy.parse().unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut reader = rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.set_recv_buffer_size(64 << 10).unwrap();
+        socket.connect(target).await.unwrap().into_std().unwrap()
+    });
+    reader.set_nonblocking(false).unwrap();
+    reader
+        .write_all(b"GET /big HTTP/1.1\r\nhost: slow\r\n\r\n")
+        .unwrap();
+    let reading = std::thread::spawn(move || {
+        let mut got = 0usize;
+        let mut buf = vec![0u8; 64 << 10];
+        reader
+            .set_read_timeout(Some(Duration::from_secs(15)))
+            .unwrap();
+        loop {
+            match reader.read(&mut buf) {
+                Ok(0) | Err(_) => return got,
+                Ok(n) => got += n,
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(200));
+    let (status, answer) = bearer_call(&proxy, "GET", "/small", None, "");
+    let got = reading.join().unwrap();
+    assert!(
+        got > BIG,
+        "the slow reader got {got} bytes of a {BIG}-byte answer before its connection was closed for room: {}",
+        log.text()
+    );
+    assert_eq!(status, 200, "the newcomer: {answer}");
 }

@@ -26,10 +26,12 @@
 
 mod lobby;
 mod marked;
+mod progress;
 mod slots;
 
 use lobby::{LOBBY, Lobby, Waiting};
 use marked::Marked;
+use progress::Progress;
 pub use slots::Slots;
 use slots::{Seat, Tracked};
 
@@ -61,10 +63,6 @@ const RECHECK: Duration = Duration::from_millis(100);
 
 /// How long in-flight connections and requests may take to finish after shutdown begins.
 pub const SHUTDOWN_GRACE: Duration = Duration::from_secs(30);
-
-/// How long a connection picked to make room, with no request running, may take to write out
-/// what it already answered before it is closed.
-const EVICTED_IDLE_GRACE: Duration = Duration::from_secs(1);
 
 /// The limits of one listener.
 #[derive(Debug, Clone, Copy)]
@@ -431,14 +429,17 @@ async fn drive<I, S, B>(
     service: Marked<S>,
     limits: Limits,
     deadline: Instant,
-    tracked: &Tracked,
+    tracked: &Arc<Tracked>,
     mut stop: watch::Receiver<bool>,
 ) where
     I: AsyncRead + AsyncWrite + Unpin + Send + 'static,
     S: ConnService<B>,
     B: ConnBody,
 {
-    let io = TokioIo::new(io);
+    let io = TokioIo::new(Progress {
+        io,
+        conn: tracked.clone(),
+    });
     let mut conn: std::pin::Pin<Box<dyn Connection>> = if h2 {
         let mut builder = http2::Builder::new(TokioExecutor::new());
         builder
@@ -478,17 +479,22 @@ async fn drive<I, S, B>(
                 return; // nothing asked, nothing to finish
             }
             conn.as_mut().shut_down();
-            // A request still running gets the shutdown grace. With none (the connection
-            // was picked idle, or only an answer already given is being written out), a
-            // second: a client that does not read its answers would otherwise keep the
-            // seat, stuck in hyper's write, for the whole grace, past the deadline of the
-            // newcomer it was closed for.
-            let grace = if tracked.idle_since().is_some() {
-                EVICTED_IDLE_GRACE
-            } else {
-                SHUTDOWN_GRACE
-            };
-            tokio::time::timeout(grace, conn).await.unwrap_or(Ok(()))
+            // What it still runs or writes out gets the shutdown grace, unless its client
+            // stops reading: stuck in hyper's write, such a connection would keep the seat
+            // for the whole grace, past the deadline of the newcomer it was closed for.
+            tokio::select! {
+                result = tokio::time::timeout(SHUTDOWN_GRACE, conn.as_mut()) => {
+                    result.unwrap_or(Ok(()))
+                }
+                // Half the newcomer's first-request deadline: the kernel wakes a writer only
+                // once a third of the socket's buffer is free again, so a client that reads,
+                // slowly, can leave a write waiting for a while; one that does not read
+                // never frees it.
+                () = unread_for(tracked, limits.header_timeout / 2) => {
+                    tracing::debug!("closing a connection picked to make room: its client does not read");
+                    Ok(())
+                }
+            }
         }
         () = idle => {
             tracing::debug!("closing an HTTP/2 connection with no stream open for the idle timeout");
@@ -505,6 +511,18 @@ async fn drive<I, S, B>(
     };
     if let Err(e) = result {
         tracing::debug!(error = %e, "connection ended with an error");
+    }
+}
+
+/// Resolves once writes to `conn` have waited `limit` for its client to read.
+async fn unread_for(conn: &Tracked, limit: Duration) {
+    loop {
+        let wait = match conn.write_stalled_for() {
+            Some(stalled) if stalled >= limit => return,
+            Some(stalled) => limit - stalled,
+            None => limit,
+        };
+        tokio::time::sleep(wait).await;
     }
 }
 

@@ -37,6 +37,9 @@ pub(super) struct Tracked {
     authenticated: AtomicBool,
     /// When a request last began or got its answer, in ms since the slots began.
     active_ms: AtomicU64,
+    /// Since when a write to it has waited for its client to read (ms since the slots began,
+    /// plus one), or 0 while writes go through.
+    write_stalled: AtomicU64,
     /// Notified when it is picked to make room: it closes gracefully then.
     pub(super) evict: Notify,
     evicted: AtomicBool,
@@ -96,6 +99,37 @@ impl Tracked {
         }
         self.busy.fetch_sub(1, Ordering::AcqRel);
         self.touch();
+    }
+
+    /// A write to the connection could not go through: its client has not read what it was
+    /// sent (kept from the first such write until one goes through).
+    pub(super) fn write_waits(&self) {
+        if self.write_stalled.load(Ordering::Relaxed) == 0 {
+            let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+            let _ = self.write_stalled.compare_exchange(
+                0,
+                ms + 1,
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
+        }
+    }
+
+    /// A write went through: the client reads.
+    pub(super) fn write_went(&self) {
+        if self.write_stalled.load(Ordering::Relaxed) != 0 {
+            self.write_stalled.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// How long writes to the connection have waited for its client to read, if they wait.
+    pub(super) fn write_stalled_for(&self) -> Option<std::time::Duration> {
+        let at = self.write_stalled.load(Ordering::Relaxed);
+        (at != 0).then(|| {
+            self.epoch
+                .elapsed()
+                .saturating_sub(std::time::Duration::from_millis(at - 1))
+        })
     }
 
     /// When the connection has had no request running since: the last activity, or `None`
@@ -205,6 +239,7 @@ impl Slots {
             busy: AtomicUsize::new(0),
             authenticated: AtomicBool::new(false),
             active_ms: AtomicU64::new(0),
+            write_stalled: AtomicU64::new(0),
             evict: Notify::new(),
             evicted: AtomicBool::new(false),
             counted: AtomicBool::new(false),
