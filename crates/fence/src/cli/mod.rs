@@ -504,10 +504,11 @@ pub fn parse() -> Cli {
 
 fn without_secrets(e: clap::Error) -> clap::Error {
     use clap::error::{ContextKind, ContextValue, ErrorKind};
-    let secret = matches!(
-        e.get(ContextKind::InvalidArg),
-        Some(ContextValue::String(arg)) if arg.starts_with("--lease-key")
-    );
+    let secret = e.kind() == ErrorKind::ValueValidation
+        && matches!(
+            e.get(ContextKind::InvalidArg),
+            Some(ContextValue::String(arg)) if arg.starts_with("--lease-key")
+        );
     if !secret {
         return e;
     }

@@ -52,7 +52,8 @@ pub struct ProxyArgs {
         env = "FENCE_REQUIRE_TOKEN"
     )]
     pub require_token: bool,
-    /// Let fenced requests without fencing headers through.
+    /// Let fenced requests without fencing headers through (unfenced: their Idempotency-Key is
+    /// not kept either, as records are per job).
     #[arg(long, env = "FENCE_ALLOW_MISSING_TOKEN")]
     pub allow_missing_token: bool,
     /// Ignore Idempotency-Key headers (they are still checked for syntax).

@@ -59,6 +59,11 @@ pub(super) fn to_upstream(
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
     strip_hop_by_hop(&mut parts.headers, true);
+    // The client's `Expect: 100-continue` was answered here (hyper sends the 100 when the
+    // body is first read) and the upstream gets the body without waiting: passed on, it
+    // would only invite an upstream that waits for its own 100 to read the body otherwise
+    // (as nginx does, the proxy does not forward it).
+    parts.headers.remove(http::header::EXPECT);
     let headers = &mut parts.headers;
     if preserve_host {
         // HTTP/1.1 needs a Host: an HTTP/1.0 client without one gets the upstream's.
