@@ -31,10 +31,10 @@ pub fn keygen(out: &Path) -> anyhow::Result<()> {
     for name in ["fence-signing.pem", "fence-verify.pem"] {
         let path = out.join(name);
         if path.symlink_metadata().is_ok() {
-            return Err(crate::Usage::error(format!(
-                "{} is already there: fence keygen never overwrites a key; give another --out",
+            anyhow::bail!(
+                "cannot create {}: it is already there (an existing key is never overwritten; give another --out)",
                 path.display()
-            )));
+            );
         }
     }
     let signer = generate_signer()?;
