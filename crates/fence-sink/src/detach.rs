@@ -57,9 +57,21 @@ impl<T> Future for Detachable<T> {
 
     fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<T> {
         let future = self.future.as_mut().expect("polled after completion");
-        let output = std::task::ready!(future.as_mut().poll(cx));
-        self.future = None;
-        Poll::Ready(output)
+        // A future that panicked is done: dropped here, not handed to a task of its own to
+        // be polled again (which would panic a second time, outside any catch of the first).
+        let polled =
+            std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| future.as_mut().poll(cx)));
+        match polled {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => {
+                self.future = None;
+                Poll::Ready(output)
+            }
+            Err(panic) => {
+                self.future = None;
+                std::panic::resume_unwind(panic)
+            }
+        }
     }
 }
 

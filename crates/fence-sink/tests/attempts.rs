@@ -413,3 +413,39 @@ async fn a_refusal_in_the_fences_words_is_not_replayed_to_the_next_holder() {
     assert_eq!(next.status(), StatusCode::OK);
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
+
+/// With `run_to_completion` (the proxy's setting), a service's panic is its request's end:
+/// the request is not handed to a task of its own to be polled again, which would panic a
+/// second time ("`async fn` resumed after panicking"), outside any catch of the first.
+#[tokio::test(start_paused = true)]
+async fn a_panic_under_run_to_completion_panics_once() {
+    static AGAIN: AtomicUsize = AtomicUsize::new(0);
+    let before = std::panic::take_hook();
+    std::panic::set_hook(Box::new(move |info| {
+        if info.to_string().contains("resumed after panicking") {
+            AGAIN.fetch_add(1, Ordering::SeqCst);
+        }
+        before(info);
+    }));
+    let layer = FenceLayer::new(MemoryStore::new()).run_to_completion();
+    let panicking = layer.layer(service_fn(|_req: Request<RequestBody<String>>| async {
+        tokio::task::yield_now().await;
+        if true {
+            panic!("the handler failed");
+        }
+        Ok::<_, Infallible>(Response::new(String::new()))
+    }));
+    let request = Request::post("/charges")
+        .header("x-fencing-job", "job")
+        .header("x-fencing-token", "1")
+        .body("pay 5".to_owned())
+        .unwrap();
+    let crashed = tokio::spawn(panicking.oneshot(request)).await;
+    assert!(crashed.expect_err("the service panicked").is_panic());
+    tokio::time::sleep(Duration::from_millis(10)).await; // a detached task would run now
+    assert_eq!(
+        AGAIN.load(Ordering::SeqCst),
+        0,
+        "the request was polled again"
+    );
+}
