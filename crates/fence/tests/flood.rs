@@ -486,13 +486,13 @@ fn a_client_that_does_not_read_its_answers_keeps_no_seat_from_a_newcomer() {
 /// A connection picked to make room while it writes out a long answer to a client that reads
 /// it, slowly, keeps writing until the answer is done: only a client that stops reading is
 /// cut (after half the first-request deadline, 15 s here). At the proxy, one seat: a slow
-/// reader downloads 16 MiB (at most 64 KiB every 20 ms) when a newcomer comes; the reader
+/// reader downloads 8 MiB (at most 64 KiB every 20 ms) when a newcomer comes; the reader
 /// gets it whole, then the newcomer is answered.
 #[test]
 fn a_slow_reader_picked_to_make_room_gets_its_whole_answer() {
     use std::io::{BufRead, Read, Write};
     let _one = one_flood();
-    const BIG: usize = 16 << 20;
+    const BIG: usize = 8 << 20;
     let upstream = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let upstream_addr = format!("http://{}", upstream.local_addr().unwrap());
     std::thread::spawn(move || {
@@ -582,4 +582,61 @@ fn a_slow_reader_picked_to_make_room_gets_its_whole_answer() {
         log.text()
     );
     assert_eq!(status, 200, "the newcomer: {answer}");
+}
+
+/// The same over HTTP/2, where the client's stack reads the socket but withholds its flow
+/// control window: the server's socket never waits, the answer's body is never asked for a
+/// frame. A lease server with one seat, held by an h2c client that asked for
+/// `/openapi.json` with a stream window of 0; a newcomer is answered once half its
+/// first-request deadline (8 s here) has passed, not after the 30 s grace.
+#[test]
+fn an_http2_client_that_gives_no_window_keeps_no_seat_from_a_newcomer() {
+    let _one = one_flood();
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, addr, log) = start_logged(
+        &server_args(
+            dir.path().to_str().unwrap(),
+            &["--max-connections", "1", "--header-timeout", "8s"],
+        ),
+        "fence=debug",
+    );
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let target = addr.clone();
+    let _held = rt.block_on(async move {
+        let stream = tokio::net::TcpStream::connect(target.as_str())
+            .await
+            .unwrap();
+        let (mut sender, conn) =
+            hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                .initial_stream_window_size(0)
+                .handshake::<_, http_body_util::Empty<bytes::Bytes>>(hyper_util::rt::TokioIo::new(
+                    stream,
+                ))
+                .await
+                .unwrap();
+        tokio::spawn(conn);
+        let request = http::Request::get(format!("http://{target}/openapi.json"))
+            .body(http_body_util::Empty::new())
+            .unwrap();
+        let answer = sender.send_request(request).await.unwrap();
+        assert_eq!(answer.status(), 200);
+        (sender, answer) // kept, never read
+    });
+    let began = Instant::now();
+    let (status, answer) = bearer_call(&addr, "GET", "/healthz", None, "");
+    let waited = began.elapsed();
+    assert_eq!(
+        status,
+        200,
+        "answered {answer:?} after {waited:?}; the server's log:\n{}",
+        log.text()
+    );
+    assert!(
+        waited < Duration::from_secs(7),
+        "the newcomer waited {waited:?} for a seat held by an HTTP/2 client that gives no window"
+    );
 }

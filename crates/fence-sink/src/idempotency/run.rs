@@ -539,8 +539,11 @@ fn fence_refusal(head: &http::response::Parts, body: &[u8]) -> bool {
                     | T::StoreUnavailable
                     | T::DrainTimeout
                     | T::Overloaded
+                    | T::PayloadTooLarge
                     | T::IdempotencyInFlight
                     | T::IdempotencyKeyMismatch
+                    | T::LeaseLost
+                    | T::LeaseHeld
             )
         )
 }

@@ -490,7 +490,7 @@ async fn drive<I, S, B>(
                 // once a third of the socket's buffer is free again, so a client that reads,
                 // slowly, can leave a write waiting for a while; one that does not read
                 // never frees it.
-                () = unread_for(tracked, limits.header_timeout / 2) => {
+                () = unread_for(tracked, (limits.header_timeout / 2).max(UNREAD_AT_LEAST)) => {
                     tracing::debug!("closing a connection picked to make room: its client does not read");
                     Ok(())
                 }
@@ -514,10 +514,13 @@ async fn drive<I, S, B>(
     }
 }
 
-/// Resolves once writes to `conn` have waited `limit` for its client to read.
+/// The least time a connection picked to make room may wait for its client to read.
+const UNREAD_AT_LEAST: Duration = Duration::from_millis(100);
+
+/// Resolves once `conn` has waited `limit` for its client to take in what it sends.
 async fn unread_for(conn: &Tracked, limit: Duration) {
     loop {
-        let wait = match conn.write_stalled_for() {
+        let wait = match conn.unread_for() {
             Some(stalled) if stalled >= limit => return,
             Some(stalled) => limit - stalled,
             None => limit,

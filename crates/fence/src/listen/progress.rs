@@ -3,7 +3,8 @@
 //! A write that cannot go through (the client's window is full) marks the connection as
 //! waiting for its client, until one goes through ([`Tracked::write_waits`]): a connection
 //! picked to make room is closed once its client has not read for a while, rather than when
-//! whatever it is writing out is done.
+//! whatever it is writing out is done. (HTTP/2's flow control, above the socket, is seen at
+//! the answers' bodies: `marked::Watched`.)
 
 use std::{
     io,
@@ -71,6 +72,8 @@ impl<I: AsyncWrite + Unpin> AsyncWrite for Progress<I> {
     }
 
     fn poll_shutdown(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
-        Pin::new(&mut self.io).poll_shutdown(cx)
+        // TLS writes its close_notify here, which waits on a full socket too.
+        let poll = Pin::new(&mut self.io).poll_shutdown(cx);
+        self.note(poll)
     }
 }

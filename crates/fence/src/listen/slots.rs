@@ -37,9 +37,12 @@ pub(super) struct Tracked {
     authenticated: AtomicBool,
     /// When a request last began or got its answer, in ms since the slots began.
     active_ms: AtomicU64,
-    /// Since when a write to it has waited for its client to read (ms since the slots began,
-    /// plus one), or 0 while writes go through.
-    write_stalled: AtomicU64,
+    /// Since when a write to it has waited for its client to read.
+    write_stalled: Since,
+    /// Answers whose head or last frame went out and whose next frame was not asked for yet,
+    /// and since when there have been any.
+    answers_unasked: AtomicUsize,
+    answer_unasked: Since,
     /// Notified when it is picked to make room: it closes gracefully then.
     pub(super) evict: Notify,
     evicted: AtomicBool,
@@ -104,32 +107,39 @@ impl Tracked {
     /// A write to the connection could not go through: its client has not read what it was
     /// sent (kept from the first such write until one goes through).
     pub(super) fn write_waits(&self) {
-        if self.write_stalled.load(Ordering::Relaxed) == 0 {
-            let ms = u64::try_from(self.epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
-            let _ = self.write_stalled.compare_exchange(
-                0,
-                ms + 1,
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
-        }
+        self.write_stalled.mark(self.epoch);
     }
 
     /// A write went through: the client reads.
     pub(super) fn write_went(&self) {
-        if self.write_stalled.load(Ordering::Relaxed) != 0 {
-            self.write_stalled.store(0, Ordering::Relaxed);
+        self.write_stalled.clear();
+    }
+
+    /// An answer's head or a frame of its body went out: until its body is asked for the
+    /// next (or dropped), the client has not made room for more (hyper asks once the
+    /// client's window, or the socket, has room). Called once per answer until
+    /// [`answer_asked`](Self::answer_asked).
+    pub(super) fn answer_handed(&self) {
+        if self.answers_unasked.fetch_add(1, Ordering::Relaxed) == 0 {
+            self.answer_unasked.mark(self.epoch);
         }
     }
 
-    /// How long writes to the connection have waited for its client to read, if they wait.
-    pub(super) fn write_stalled_for(&self) -> Option<std::time::Duration> {
-        let at = self.write_stalled.load(Ordering::Relaxed);
-        (at != 0).then(|| {
-            self.epoch
-                .elapsed()
-                .saturating_sub(std::time::Duration::from_millis(at - 1))
-        })
+    /// An answer handed out before was asked for its next frame, or went.
+    pub(super) fn answer_asked(&self) {
+        if self.answers_unasked.fetch_sub(1, Ordering::Relaxed) == 1 {
+            self.answer_unasked.clear();
+        }
+    }
+
+    /// How long the connection has waited for its client to take in what it sends (at the
+    /// socket, or at HTTP/2's flow control above it), if it waits.
+    pub(super) fn unread_for(&self) -> Option<std::time::Duration> {
+        let (socket, answer) = (
+            self.write_stalled.elapsed(self.epoch),
+            self.answer_unasked.elapsed(self.epoch),
+        );
+        socket.max(answer)
     }
 
     /// When the connection has had no request running since: the last activity, or `None`
@@ -239,7 +249,9 @@ impl Slots {
             busy: AtomicUsize::new(0),
             authenticated: AtomicBool::new(false),
             active_ms: AtomicU64::new(0),
-            write_stalled: AtomicU64::new(0),
+            write_stalled: Since::default(),
+            answers_unasked: AtomicUsize::new(0),
+            answer_unasked: Since::default(),
             evict: Notify::new(),
             evicted: AtomicBool::new(false),
             counted: AtomicBool::new(false),
@@ -458,5 +470,36 @@ mod tests {
             .filter(|s| s.conn.evicted.load(Ordering::Acquire))
             .count();
         assert_eq!(evicted, 1);
+    }
+}
+
+/// A moment kept in an atomic, as ms since the slots began plus one (0: none), for one
+/// connection's task to mark and its eviction to read.
+#[derive(Debug, Default)]
+struct Since(AtomicU64);
+
+impl Since {
+    /// Now, unless a moment is kept already.
+    fn mark(&self, epoch: Instant) {
+        if self.0.load(Ordering::Relaxed) == 0 {
+            let ms = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
+            self.0.store(ms + 1, Ordering::Relaxed);
+        }
+    }
+
+    fn clear(&self) {
+        if self.0.load(Ordering::Relaxed) != 0 {
+            self.0.store(0, Ordering::Relaxed);
+        }
+    }
+
+    /// How long ago the kept moment was, if one is kept.
+    fn elapsed(&self, epoch: Instant) -> Option<std::time::Duration> {
+        let at = self.0.load(Ordering::Relaxed);
+        (at != 0).then(|| {
+            epoch
+                .elapsed()
+                .saturating_sub(std::time::Duration::from_millis(at - 1))
+        })
     }
 }
