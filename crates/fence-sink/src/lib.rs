@@ -25,7 +25,6 @@ mod outcome;
 pub mod refusals;
 mod reject;
 mod store;
-mod unwind;
 
 #[cfg(feature = "postgres")]
 pub use store::postgres;

@@ -28,7 +28,6 @@ use crate::{
     metrics::count,
     refusals::Asked,
     reject::{self, RETRY, reject},
-    unwind::CatchUnwind,
 };
 
 /// What the fence accepted for a request, inserted into its extensions so a handler can use
@@ -344,7 +343,8 @@ where
     };
     let hold = config.unknown_outcome_hold;
     let guard = match problem {
-        Ok(guard) => guard,
+        // A panic of the service from here on holds the job (see `InFlight::held_on_panic`).
+        Ok(guard) => guard.held_on_panic(hold),
         Err(problem) => {
             // The inner service's readiness (a permit of a concurrency limit, a buffer slot)
             // is not held while the refused body drains.
@@ -365,16 +365,7 @@ where
     match request {
         Ready::Read(keyed, (mut parts, bytes, held)) => {
             parts.extensions.insert(fenced);
-            let run = CatchUnwind::new(Box::pin(keyed.run(&mut inner, (parts, bytes, held))));
-            let mut response = match run.await {
-                Ok(response) => response,
-                Err(panic) => {
-                    // The service panicked after admission, perhaps with its effect on its
-                    // way: an unknown outcome.
-                    guard.hold(hold);
-                    std::panic::resume_unwind(panic)
-                }
-            };
+            let mut response = Box::pin(keyed.run(&mut inner, (parts, bytes, held))).await;
             let finishing = response
                 .as_mut()
                 .ok()
@@ -408,8 +399,7 @@ where
             // streaming call goes on after its answer's head), held longer when the outcome
             // became unknown.
             let flight = Streaming::new(guard, hold, reject::carries_messages(&parts.headers));
-            let marked = flight.clone();
-            let run = CatchUnwind::new(streamed(
+            streamed(
                 &mut inner,
                 parts,
                 body,
@@ -417,16 +407,8 @@ where
                 &job,
                 token,
                 flight,
-            ));
-            match run.await {
-                Ok(response) => response,
-                Err(panic) => {
-                    // As above: held once the last copy of the in-flight record goes.
-                    marked.unknown();
-                    drop(marked);
-                    std::panic::resume_unwind(panic)
-                }
-            }
+            )
+            .await
         }
     }
 }

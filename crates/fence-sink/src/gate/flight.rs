@@ -68,9 +68,22 @@ impl Drop for Unsettled<'_> {
 pub(crate) struct InFlight {
     pub(super) gate: Arc<Gate>,
     pub(super) generation: Generation,
+    /// How long a drop while the thread unwinds from a panic keeps the request in flight
+    /// (see [`Self::held_on_panic`]); zero until set.
+    pub(super) panic_hold: Duration,
 }
 
 impl InFlight {
+    /// Dropped while its thread unwinds from a panic (the service panicked after admission,
+    /// having perhaps sent its effect on its way), the request stays in flight for `hold`,
+    /// as after any unknown outcome, instead of letting a newer token pass at once. The
+    /// fence's futures hold the guard in their state, which a panic out of their poll drops
+    /// as it unwinds, whoever catches it further out.
+    pub(crate) fn held_on_panic(mut self, hold: Duration) -> Self {
+        self.panic_hold = hold;
+        self
+    }
+
     /// Keeps the request counted in flight for `hold` more (after an unknown outcome: the
     /// upstream may still act on it), then lets it go. Without a runtime to wait on, at once.
     pub(crate) fn hold(self, hold: Duration) {
@@ -88,6 +101,17 @@ impl InFlight {
 
 impl Drop for InFlight {
     fn drop(&mut self) {
+        if std::thread::panicking() && !self.panic_hold.is_zero() {
+            // The count moves to `rest`, which goes when the hold ends (at once without a
+            // runtime): exactly one of the two gives it back.
+            let rest = InFlight {
+                gate: Arc::clone(&self.gate),
+                generation: self.generation,
+                panic_hold: Duration::ZERO,
+            };
+            rest.hold(self.panic_hold);
+            return;
+        }
         let mut s = self.gate.lock();
         if self.generation == s.highest {
             s.current -= 1;

@@ -465,6 +465,7 @@ impl<St: GenerationStore> Gates<St> {
                 guard: InFlight {
                     gate: gate.clone(),
                     generation: token,
+                    panic_hold: Duration::ZERO,
                 },
                 stamp,
             };
