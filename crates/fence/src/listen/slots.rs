@@ -125,10 +125,18 @@ impl Tracked {
         }
     }
 
-    /// An answer handed out before was asked for its next frame, or went.
+    /// An answer handed out before was asked for its next frame, or went: the client made
+    /// room. With other answers (HTTP/2 streams) still waiting, their wait counts from now.
     pub(super) fn answer_asked(&self) {
         if self.answers_unasked.fetch_sub(1, Ordering::Relaxed) == 1 {
             self.answer_unasked.clear();
+            // A stream of another task may have been handed out in between, found the
+            // moment still kept and not marked its own: marked again here.
+            if self.answers_unasked.load(Ordering::Relaxed) > 0 {
+                self.answer_unasked.mark(self.epoch);
+            }
+        } else {
+            self.answer_unasked.set(self.epoch);
         }
     }
 
@@ -482,9 +490,24 @@ impl Since {
     /// Now, unless a moment is kept already.
     fn mark(&self, epoch: Instant) {
         if self.0.load(Ordering::Relaxed) == 0 {
-            let ms = u64::try_from(epoch.elapsed().as_millis()).unwrap_or(u64::MAX - 1);
-            self.0.store(ms + 1, Ordering::Relaxed);
+            let _ = self.0.compare_exchange(
+                0,
+                Self::now(epoch),
+                Ordering::Relaxed,
+                Ordering::Relaxed,
+            );
         }
+    }
+
+    /// Now, whatever was kept.
+    fn set(&self, epoch: Instant) {
+        self.0.store(Self::now(epoch), Ordering::Relaxed);
+    }
+
+    fn now(epoch: Instant) -> u64 {
+        u64::try_from(epoch.elapsed().as_millis())
+            .unwrap_or(u64::MAX - 1)
+            .saturating_add(1)
     }
 
     fn clear(&self) {
