@@ -490,12 +490,9 @@ impl Since {
     /// Now, unless a moment is kept already.
     fn mark(&self, epoch: Instant) {
         if self.0.load(Ordering::Relaxed) == 0 {
-            let _ = self.0.compare_exchange(
-                0,
-                Self::now(epoch),
-                Ordering::Relaxed,
-                Ordering::Relaxed,
-            );
+            let _ =
+                self.0
+                    .compare_exchange(0, Self::now(epoch), Ordering::Relaxed, Ordering::Relaxed);
         }
     }
 
