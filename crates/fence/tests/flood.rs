@@ -27,6 +27,11 @@ const WORKER: &str = "worker-0123456789abcdef-secret";
 /// The server's connection cap in both runs; the flooder opens four times as many.
 const CAP: usize = 500;
 
+/// A lease server in `dir` with `extra` flags, logging how it seats connections.
+fn seating_logged(dir: &std::path::Path, extra: &[&str]) -> (Proc, String, Log) {
+    start_logged(&server_args(dir.to_str().unwrap(), extra), "fence=debug")
+}
+
 /// One flooding connection after another from `source`, until `stop`: each sends a health
 /// check every second and reads the answer; `held` counts those open now.
 async fn flood_one(target: std::net::SocketAddr, stop: Arc<AtomicBool>, held: Arc<AtomicU64>) {
@@ -304,17 +309,14 @@ fn waiting_claim(
 fn at_the_cap_a_newcomer_is_not_queued_behind_another_address() {
     let _one = one_flood();
     let dir = tempfile::tempdir().unwrap();
-    let (_server, addr, log) = start_logged(
-        &server_args(
-            dir.path().to_str().unwrap(),
-            &[
-                "--max-connections",
-                "4",
-                "--max-connections-per-peer",
-                "1000",
-            ],
-        ),
-        "fence=debug",
+    let (_server, addr, log) = seating_logged(
+        dir.path(),
+        &[
+            "--max-connections",
+            "4",
+            "--max-connections-per-peer",
+            "1000",
+        ],
     );
     let target: std::net::SocketAddr = addr.parse().unwrap();
     let held = r#"{"owner":"holder","lease_key":"holder-0123456789abcdefghijk","ttl_ms":120000}"#;
@@ -373,12 +375,9 @@ fn newcomers_that_could_never_be_seated_close_nobody_else() {
     use std::io::{Read, Write};
     let _one = one_flood();
     let dir = tempfile::tempdir().unwrap();
-    let (_server, addr, log) = start_logged(
-        &server_args(
-            dir.path().to_str().unwrap(),
-            &["--max-connections", "4", "--max-connections-per-peer", "2"],
-        ),
-        "fence=debug",
+    let (_server, addr, log) = seating_logged(
+        dir.path(),
+        &["--max-connections", "4", "--max-connections-per-peer", "2"],
     );
     let target: std::net::SocketAddr = addr.parse().unwrap();
     let held = r#"{"owner":"holder","lease_key":"holder-0123456789abcdefghijk","ttl_ms":120000}"#;
@@ -432,19 +431,16 @@ fn a_client_that_does_not_read_its_answers_keeps_no_seat_from_a_newcomer() {
     use std::io::Write;
     let _one = one_flood();
     let dir = tempfile::tempdir().unwrap();
-    let (_server, addr, log) = start_logged(
-        &server_args(
-            dir.path().to_str().unwrap(),
-            &[
-                "--max-connections",
-                "4",
-                "--max-connections-per-peer",
-                "1000",
-                "--header-timeout",
-                "8s",
-            ],
-        ),
-        "fence=debug",
+    let (_server, addr, log) = seating_logged(
+        dir.path(),
+        &[
+            "--max-connections",
+            "4",
+            "--max-connections-per-peer",
+            "1000",
+            "--header-timeout",
+            "8s",
+        ],
     );
     let target: std::net::SocketAddr = addr.parse().unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
@@ -593,12 +589,9 @@ fn a_slow_reader_picked_to_make_room_gets_its_whole_answer() {
 fn an_http2_client_that_gives_no_window_keeps_no_seat_from_a_newcomer() {
     let _one = one_flood();
     let dir = tempfile::tempdir().unwrap();
-    let (_server, addr, log) = start_logged(
-        &server_args(
-            dir.path().to_str().unwrap(),
-            &["--max-connections", "1", "--header-timeout", "8s"],
-        ),
-        "fence=debug",
+    let (_server, addr, log) = seating_logged(
+        dir.path(),
+        &["--max-connections", "1", "--header-timeout", "8s"],
     );
     let rt = tokio::runtime::Builder::new_multi_thread()
         .worker_threads(1)

@@ -4,6 +4,17 @@
 use super::tests::{admin, code, fresh};
 use super::*;
 
+/// `job` as the store lists it among the jobs idle for a minute or more.
+async fn idle_job(store: &PgStore, job: &JobId) -> IdleJob {
+    let page = IdlePage {
+        idle_for: Duration::from_secs(60),
+        after: None,
+        limit: 10,
+    };
+    let idle = store.idle(page).await.unwrap();
+    idle.into_iter().find(|i| &i.job == job).expect("idle")
+}
+
 /// While the sinks forget idle jobs, a check without the token's lease end is refused
 /// (ZF428), and one with an ended lease is stale, also for a job the sink has forgotten.
 #[tokio::test]
@@ -136,15 +147,7 @@ async fn forgetting_a_job_switches_the_sql_check_on() {
         .await;
     assert!(plain.unwrap().get::<_, bool>(0), "not forgetting yet");
     store.shift_clock_ms(10 * 60_000);
-    let idle = store
-        .idle(IdlePage {
-            idle_for: Duration::from_secs(60),
-            after: None,
-            limit: 10,
-        })
-        .await
-        .unwrap();
-    let idle = idle.iter().find(|i| i.job == job).expect("idle").clone();
+    let idle = idle_job(&store, &job).await;
     assert!(store.forget(&idle).await.unwrap(), "forgotten");
     // A stale writer of the forgotten job cannot pass as its first.
     let refused = su
@@ -179,18 +182,13 @@ async fn a_locked_row_is_passed_over_by_forgetting() {
         .get(0);
     assert!(!refused, "a stale token is refused");
     store.shift_clock_ms(10 * 60_000);
-    let idle = store
-        .idle(IdlePage {
-            idle_for: Duration::from_secs(60),
-            after: None,
-            limit: 10,
-        })
-        .await
-        .unwrap();
-    let find = |job: &JobId| idle.iter().find(|i| &i.job == job).expect("idle").clone();
+    let (locked, other) = (
+        idle_job(&store, &locked).await,
+        idle_job(&store, &other).await,
+    );
     let began = std::time::Instant::now();
     assert!(
-        !store.forget(&find(&locked)).await.unwrap(),
+        !store.forget(&locked).await.unwrap(),
         "forgotten under a writer's lock"
     );
     assert!(
@@ -199,12 +197,12 @@ async fn a_locked_row_is_passed_over_by_forgetting() {
         began.elapsed()
     );
     assert!(
-        store.forget(&find(&other)).await.unwrap(),
+        store.forget(&other).await.unwrap(),
         "the other job was kept"
     );
     tx.rollback().await.unwrap();
     assert!(
-        store.forget(&find(&locked)).await.unwrap(),
+        store.forget(&locked).await.unwrap(),
         "kept once the lock is gone"
     );
 }
