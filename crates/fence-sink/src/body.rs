@@ -80,9 +80,10 @@ pub(crate) async fn discard<B: FenceBody>(version: http::Version, body: B) {
     let _ = tokio::time::timeout(DISCARD_WAIT, read).await;
 }
 
-/// An admitted request's place in flight while its body streams, shared by the request body
-/// and the layer: the guard goes once both are done with it (the body ended, failed or was
-/// dropped; the service answered), held for `hold` more when the outcome became unknown
+/// An admitted request's place in flight while its body streams, shared by the request body,
+/// the layer and, for a request answered before its body ended or one of whole messages, the
+/// answer's body: the guard goes once all are done with it (the body ended, failed or was
+/// dropped; the service answered; the answer ended), held for `hold` more when the outcome became unknown
 /// meanwhile (the service failed instead of answering, or said it could not tell), or when
 /// the body was still on its way at its deadline ([`overdue`](Self::overdue)), or when the
 /// body failed and a failure leaves the outcome unknown ([`body_failed`](Self::body_failed)).
@@ -90,6 +91,11 @@ pub(crate) struct Streaming {
     guard: std::sync::Mutex<Option<InFlight>>,
     hold: Duration,
     unknown: AtomicBool,
+    /// Whether the service answered before the body ended (the answer holds its part of the
+    /// request's time in flight: [`ResponseBody::answering`]).
+    answered: AtomicBool,
+    /// Dropped with this: tells the task that keeps the deadline (see `ends`) to stop.
+    ended: std::sync::OnceLock<tokio::sync::oneshot::Sender<()>>,
     /// Whether a failure of the body leaves the service's outcome unknown: a gRPC (or
     /// gRPC-Web, or Connect streaming) call's messages arrive whole, and the service may be acting on those it got when the stream
     /// fails (reset by the client, or cut at the body deadline). A plain body that fails was
@@ -104,6 +110,8 @@ impl Streaming {
             guard: std::sync::Mutex::new(Some(guard)),
             hold,
             unknown: AtomicBool::new(false),
+            answered: AtomicBool::new(false),
+            ended: std::sync::OnceLock::new(),
             failure_unknown,
         })
     }
@@ -113,24 +121,57 @@ impl Streaming {
         self.unknown.store(true, Ordering::Relaxed);
     }
 
-    /// The request's body failed: the outcome is unknown when such a failure leaves it so.
-    fn body_failed(&self) {
+    /// Resolves (with an error) once this is dropped: the request is no longer in flight,
+    /// and a task keeping its deadline can stop instead of sleeping to it. One per request.
+    pub(crate) fn ends(&self) -> tokio::sync::oneshot::Receiver<()> {
+        let (ended, ends) = tokio::sync::oneshot::channel();
+        let _ = self.ended.set(ended);
+        ends
+    }
+
+    /// Whether the request's body is one of whole messages (gRPC and its kin).
+    pub(crate) fn carries_messages(&self) -> bool {
+        self.failure_unknown
+    }
+
+    /// A body failed (the request's or the answer's): the outcome is unknown when such a
+    /// failure leaves it so.
+    fn failed(&self) {
         if self.failure_unknown {
             self.unknown();
         }
     }
 
-    /// The body's deadline passed with the body unfinished and unpolled (a service that
-    /// answered, then stopped reading): it yields nothing more once asked, but what it
-    /// passed on may still be on its way to the service, which may act on it. The guard
-    /// goes now, held for `hold`, rather than whenever the service drops the body.
-    pub(crate) fn overdue(&self) {
-        let guard = self
-            .guard
+    /// The request's body failed: it passes nothing more on. Once the service has answered,
+    /// an answer still streaming no longer keeps the request in flight: the guard goes now
+    /// (held for `hold` when the outcome is unknown), as it did before answers counted.
+    fn body_failed(&self) {
+        self.failed();
+        if self.answered.load(Ordering::Relaxed) {
+            let guard = self.take();
+            if let Some(guard) = guard
+                && self.unknown.load(Ordering::Relaxed)
+            {
+                guard.hold(self.hold);
+            }
+        }
+    }
+
+    fn take(&self) -> Option<InFlight> {
+        self.guard
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(guard) = guard {
+            .take()
+    }
+
+    /// The body's deadline passed with the body unfinished and unpolled (a service that
+    /// answered, then stopped reading), or with the answer to a request answered before its
+    /// body ended still unfinished (a client that stopped reading it): the body yields
+    /// nothing more once asked, but what it passed on may still be on its way to the
+    /// service, which may act on it. The guard goes now, held for `hold`, rather than
+    /// whenever the service drops the body or the answer ends.
+    pub(crate) fn overdue(&self) {
+        if let Some(guard) = self.take() {
             guard.hold(self.hold);
         }
     }
@@ -168,6 +209,33 @@ pin_project! {
     pub struct ResponseBody<B> {
         #[pin]
         kind: Kind<B>,
+        answering: Answering,
+    }
+}
+
+/// The request's place in flight held by an answer that began before the request's body
+/// ended (see [`ResponseBody::answering`]): let go when the answer ends; an answer cut
+/// before its end (failed, or dropped unfinished) counts as the body's failure.
+#[derive(Default)]
+struct Answering(Option<Arc<Streaming>>);
+
+impl Answering {
+    /// The answer ended: its part of the request's time in flight is over.
+    fn ended(&mut self) {
+        self.0 = None;
+    }
+
+    /// The answer failed or was cut: the outcome is unknown when a failure leaves it so.
+    fn cut(&mut self) {
+        if let Some(flight) = self.0.take() {
+            flight.failed();
+        }
+    }
+}
+
+impl Drop for Answering {
+    fn drop(&mut self) {
+        self.cut();
     }
 }
 
@@ -249,12 +317,32 @@ impl<B> ResponseBody<B> {
     pub(crate) fn inner(body: B) -> Self {
         Self {
             kind: Kind::Inner { body },
+            answering: Answering::default(),
         }
+    }
+
+    /// Counts the request in flight until this answer ended, too: for an answer that began
+    /// before the request's body ended. The service answered before it had the whole
+    /// request, and what it does with the rest (the last messages of a bidi call, an
+    /// upload's end) may still be on its way to it when the body ends here: a hop (the
+    /// proxy) hands a body on eagerly, and a service may act after it read the last frame.
+    /// Its answer's end is the service saying it is done.
+    pub(crate) fn answering(mut self, flight: Arc<Streaming>) -> Self
+    where
+        B: Body,
+    {
+        flight.answered.store(true, Ordering::Relaxed);
+        // An answer with nothing in it (a trailers-only gRPC answer) is never polled.
+        if !end_kind(&self.kind) {
+            self.answering = Answering(Some(flight));
+        }
+        self
     }
 
     pub(crate) fn full(bytes: Bytes) -> Self {
         Self {
             kind: Kind::bytes(bytes, None),
+            answering: Answering::default(),
         }
     }
 
@@ -270,6 +358,7 @@ impl<B> ResponseBody<B> {
                 trailers,
                 held,
             },
+            answering: Answering::default(),
         }
     }
 
@@ -286,6 +375,7 @@ impl<B> ResponseBody<B> {
                 rest,
                 held,
             },
+            answering: Answering::default(),
         }
     }
 }
@@ -416,8 +506,8 @@ macro_rules! impl_body {
                 self: Pin<&mut Self>,
                 cx: &mut Context<'_>,
             ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
-                let $this = self.project();
-                let $polled = poll_kind($this.kind, cx);
+                let mut $this = self.project();
+                let $polled = poll_kind($this.kind.as_mut(), cx);
                 $after
                 $polled
             }
@@ -443,7 +533,18 @@ impl_body!(RequestBody, |this, polled| {
         *this.flight = None;
     }
 });
-impl_body!(ResponseBody, |_this, _polled| {});
+// An answer that holds the request in flight lets go at its end; a failure may leave the
+// outcome unknown, as a dropped unfinished answer does (see `Answering`).
+impl_body!(ResponseBody, |this, polled| {
+    if this.answering.0.is_some() {
+        match &polled {
+            Poll::Ready(None) => this.answering.ended(),
+            Poll::Ready(Some(Err(_))) => this.answering.cut(),
+            Poll::Ready(Some(Ok(_))) if end_kind(&*this.kind) => this.answering.ended(),
+            _ => {}
+        }
+    }
+});
 
 impl<B> std::fmt::Debug for RequestBody<B> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {

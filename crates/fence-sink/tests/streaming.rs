@@ -1,4 +1,4 @@
-//! A streaming call through `FenceLayer` counts as in flight until the service answered and the call's request body has ended, and an answer kept for an `Idempotency-Key` is read for at most the body deadline (docs/protocol.md section 3).
+//! A streaming call through `FenceLayer` counts as in flight until the service answered, the call's request body has ended and (answered early, or a gRPC call) its answer has ended, and an answer kept for an `Idempotency-Key` is read for at most the body deadline (docs/protocol.md section 3).
 
 mod common;
 
@@ -148,8 +148,8 @@ async fn settle() {
 
 /// A newer token's call waits while an older call's request still streams (the service
 /// answered its head at once): the older call's later messages cannot take effect after the
-/// newer call's. Once that request ended, the newer call goes on; the older answer streaming
-/// on is the service's own (it checks `Fenced` if it acts while it streams).
+/// newer call's. The service answered before it had the whole request, so the call stays in
+/// flight until its answer ended too; then the newer call goes on.
 #[tokio::test(start_paused = true)]
 async fn a_streaming_call_is_in_flight_until_its_request_ends() {
     let app = Streams::default();
@@ -169,9 +169,17 @@ async fn a_streaming_call_is_in_flight_until_its_request_ends() {
     );
     assert!(!waiting8.is_finished());
     drop(messages7);
+    settle().await;
+    assert!(
+        !waiting8.is_finished(),
+        "token 8 went on while 7's answer, begun before its request ended, still streamed"
+    );
+    // The service ends its answer, and the client reads it to the end.
+    drop(app.answers.lock().unwrap().remove(0));
+    answer7.into_body().collect().await.unwrap();
     let answer8 = tokio::time::timeout(Duration::from_secs(1), waiting8)
         .await
-        .expect("token 8 still waits after 7's request ended")
+        .expect("token 8 still waits after 7's request and answer ended")
         .unwrap()
         .unwrap();
     assert_eq!(answer8.status(), 200);
@@ -186,7 +194,6 @@ async fn a_streaming_call_is_in_flight_until_its_request_ends() {
             "end 8"
         ]
     );
-    drop(answer7);
 }
 
 /// An upload that stops sending holds a newer token back only until its body deadline: the
@@ -326,4 +333,147 @@ async fn a_stalled_answer_to_keep_lets_go_at_the_body_deadline() {
     drop(stalled);
     let body = answer7.into_body().collect().await.unwrap().to_bytes();
     assert_eq!(body, "paid");
+}
+
+/// A service behind a hop (the proxy, whose HTTP client reads a request's body eagerly into
+/// its send buffers): it answers at once, the hop takes the body as fast as it comes, and the
+/// service applies each message 10 ms after the hop took it, then ends its answer.
+#[derive(Clone, Default)]
+struct BehindAHop {
+    log: Arc<Mutex<Vec<String>>>,
+}
+
+impl<B> Service<Request<B>> for BehindAHop
+where
+    B: Body<Data = Bytes> + Send + 'static,
+{
+    type Response = Response<Channel>;
+    type Error = Infallible;
+    type Future = std::future::Ready<Result<Response<Channel>, Infallible>>;
+
+    fn poll_ready(&mut self, _cx: &mut Context<'_>) -> Poll<Result<(), Infallible>> {
+        Poll::Ready(Ok(()))
+    }
+
+    fn call(&mut self, req: Request<B>) -> Self::Future {
+        let token = req.extensions().get::<Fenced>().unwrap().token.to_string();
+        let log = self.log.clone();
+        let (answer, body) = Channel::new();
+        let (hop, mut service) = mpsc::unbounded_channel::<Bytes>();
+        tokio::spawn(async move {
+            let mut body = std::pin::pin!(req.into_body());
+            while let Some(Ok(frame)) = body.frame().await {
+                if let Ok(data) = frame.into_data() {
+                    let _ = hop.send(data);
+                }
+            }
+        });
+        tokio::spawn(async move {
+            while let Some(message) = service.recv().await {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+                let message = String::from_utf8_lossy(&message).into_owned();
+                log.lock()
+                    .unwrap()
+                    .push(format!("effect {token} {message}"));
+            }
+            drop(answer);
+        });
+        std::future::ready(Ok(Response::new(body)))
+    }
+}
+
+/// Judged where effects commit: a bidi call answered at once, whose last messages the hop
+/// has taken but the service has not yet applied when the request's body ends here. A newer
+/// token that went on at the body's end would take effect before them.
+#[tokio::test(start_paused = true)]
+async fn messages_on_their_way_through_a_hop_take_effect_before_a_newer_token() {
+    let app = BehindAHop::default();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(app.clone());
+    let (messages7, body7) = Channel::new();
+    let answer7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
+    messages7.send(Bytes::from("a")).unwrap();
+    messages7.send(Bytes::from("b")).unwrap();
+    drop(messages7);
+    // The client reads its answer to the end, as a bidi client does.
+    let reading7 = tokio::spawn(answer7.into_body().collect());
+    let answer8 = svc
+        .clone()
+        .oneshot(call(8, String::from("c")))
+        .await
+        .unwrap();
+    assert_eq!(answer8.status(), 200);
+    reading7.await.unwrap().unwrap();
+    answer8.into_body().collect().await.unwrap();
+    assert_eq!(
+        app.log.lock().unwrap().clone(),
+        ["effect 7 a", "effect 7 b", "effect 8 c"],
+        "token 8's effect committed before 7's messages that were on their way"
+    );
+}
+
+/// A client that does not read the answer of a call answered before its request ended
+/// holds the job only until the body deadline plus the unknown-outcome hold, as a stalled
+/// body does. A gRPC answer dropped unfinished (its client went away) leaves the service's
+/// outcome unknown: held for the hold; a plain answer dropped unfinished lets go at once.
+#[tokio::test(start_paused = true)]
+async fn an_early_answer_unread_or_cut_holds_its_job_for_a_bounded_time() {
+    let svc = fenced(&Streams::default());
+
+    let (messages7, body7) = Channel::new();
+    let _unread7 = svc.clone().oneshot(call(7, body7)).await.unwrap();
+    messages7.send(Bytes::from("a")).unwrap();
+    drop(messages7);
+    let waited = newer_waits(&svc, 8).await;
+    assert!(
+        (Duration::from_secs(8)..Duration::from_secs(10)).contains(&waited),
+        "token 8 waited {waited:?} behind 7's unread answer (body deadline 5 s, hold 3 s)"
+    );
+
+    let (messages9, body9) = Channel::new();
+    let answer9 = svc.clone().oneshot(call(9, body9)).await.unwrap();
+    drop(messages9);
+    settle().await;
+    drop(answer9);
+    let waited = newer_waits(&svc, 10).await;
+    assert!(
+        (Duration::from_secs(3)..Duration::from_secs(5)).contains(&waited),
+        "token 10 waited {waited:?} after 9's gRPC answer was cut (hold 3 s)"
+    );
+
+    let (messages11, body11) = Channel::new();
+    let answer11 = svc.clone().oneshot(upload(11, body11)).await.unwrap();
+    drop(messages11);
+    settle().await;
+    drop(answer11);
+    let waited = newer_waits(&svc, 12).await;
+    assert!(
+        waited < Duration::from_secs(1),
+        "token 12 waited {waited:?} after 11's plain answer was dropped"
+    );
+}
+
+/// Keeping a call's body deadline costs a task only while the call is in flight: calls that
+/// ended leave none sleeping to their deadline (at thousands of calls a second and a 30 s
+/// deadline, that would be tens of thousands of tasks).
+#[tokio::test(start_paused = true)]
+async fn finished_calls_leave_no_task_behind() {
+    let app = Streams::default();
+    let svc = fenced(&app);
+    let before = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks();
+    for _ in 0..100 {
+        let (messages, body) = Channel::new();
+        let answer = svc.clone().oneshot(call(7, body)).await.unwrap();
+        messages.send(Bytes::from("a")).unwrap();
+        drop(messages);
+        drop(app.answers.lock().unwrap().pop());
+        answer.into_body().collect().await.unwrap();
+    }
+    settle().await;
+    let alive = tokio::runtime::Handle::current()
+        .metrics()
+        .num_alive_tasks()
+        - before;
+    assert!(alive < 10, "{alive} tasks alive after 100 finished calls");
 }

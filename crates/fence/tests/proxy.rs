@@ -1279,6 +1279,106 @@ async fn grpc_calls_reach_an_h2c_upstream_with_their_trailers() {
     proxy.shutdown().await;
 }
 
+/// A bidi-shaped upstream over h2c: answers every call's head at once, then reads the
+/// request's messages and applies each 50 ms after the previous one (`effect <token>
+/// <bytes>`), then sends one message and ends its answer.
+async fn answering_early_upstream() -> (Uri, Arc<Mutex<Vec<String>>>) {
+    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap();
+    let applied: Arc<Mutex<Vec<String>>> = Arc::default();
+    let log = applied.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let log = log.clone();
+            let service = hyper::service::service_fn(move |req: Request<Incoming>| {
+                let log = log.clone();
+                let token = req.headers()["x-fencing-token"]
+                    .to_str()
+                    .unwrap()
+                    .to_owned();
+                let (answer, body) = mpsc::channel::<Bytes>(1);
+                tokio::spawn(async move {
+                    let mut request = req.into_body();
+                    while let Some(Ok(frame)) = request.frame().await {
+                        if let Ok(data) = frame.into_data()
+                            && !data.is_empty()
+                        {
+                            tokio::time::sleep(Duration::from_millis(50)).await;
+                            log.lock().unwrap().push(format!("effect {token} {data:?}"));
+                        }
+                    }
+                    let _ = answer.send(Bytes::from_static(b"\0\0\0\0\x02ok")).await;
+                });
+                let mut response = Response::new(Channel(body));
+                response
+                    .headers_mut()
+                    .insert("content-type", HeaderValue::from_static("application/grpc"));
+                std::future::ready(Ok::<_, Infallible>(response))
+            });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), service),
+            );
+        }
+    });
+    (format!("http://{addr}").parse().unwrap(), applied)
+}
+
+/// Judged where effects commit (docs/protocol.md section 3, in flight): a bidi call answered
+/// at once, whose request the proxy hands to the upstream's connection faster than the
+/// upstream's handler applies it. The request's body ends at the proxy while its last
+/// messages still wait in the upstream's buffers; the call stays in flight until its answer
+/// ended, so a newer token's call takes effect after them, not between.
+#[tokio::test]
+async fn a_call_answered_early_holds_a_newer_token_until_the_upstream_applied_it() {
+    let (url, applied) = answering_early_upstream().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(url)).await;
+    let sender = h2c(proxy.addr).await;
+    let call = |token: &'static str, messages: &[&'static [u8]]| {
+        let (tx, rx) = mpsc::channel::<Bytes>(8);
+        for m in messages {
+            tx.try_send(Bytes::from_static(m)).unwrap();
+        }
+        drop(tx);
+        let req = Request::post(format!("http://{}/ledger.Ledger/Stream", proxy.addr))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("x-fencing-job", "bidi-job")
+            .header("x-fencing-token", token)
+            .body(Channel(rx).boxed())
+            .unwrap();
+        let mut sender = sender.clone();
+        tokio::spawn(async move {
+            let response = sender.send_request(req).await.unwrap();
+            assert_eq!(response.status(), 200);
+            response.into_body().collect().await.unwrap().to_bytes()
+        })
+    };
+    let older = call("7", &[b"a", b"b", b"c"]);
+    // The older call's head is back, and its messages are on their way, before the newer
+    // call arrives.
+    tokio::time::sleep(Duration::from_millis(20)).await;
+    let newer = call("8", &[b"z"]);
+    for answer in [older, newer] {
+        assert_eq!(
+            timeout(WAIT, answer).await.unwrap().unwrap().as_ref(),
+            b"\0\0\0\0\x02ok"
+        );
+    }
+    let applied = applied.lock().unwrap().clone();
+    assert_eq!(
+        applied,
+        [
+            r#"effect 7 b"a""#,
+            r#"effect 7 b"b""#,
+            r#"effect 7 b"c""#,
+            r#"effect 8 b"z""#
+        ],
+        "token 8's effect committed between token 7's"
+    );
+    proxy.shutdown().await;
+}
+
 /// A request body that sends what arrives on its channel, and ends when the channel closes:
 /// a client stream.
 struct Channel(mpsc::Receiver<Bytes>);

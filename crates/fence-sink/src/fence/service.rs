@@ -461,18 +461,29 @@ where
     if response.extensions().get::<OutcomeUnknown>().is_some() {
         flight.unknown();
     }
-    // Answered before its body ended (a streaming call, an upload answered early): a service
-    // that then stops reading never polls the body to its deadline, so the deadline is kept
-    // here as well. A little after it: a service still reading gets the body's own
-    // `BodyTimeout` first, which lets the request go at once (a gRPC call's: after the hold,
-    // see `Streaming::body_failed`); one that stopped reading is held.
-    if Arc::strong_count(&flight) > 1
-        && let Ok(runtime) = tokio::runtime::Handle::try_current()
-    {
+    // The request stays in flight until its answer ended too (`ResponseBody::answering`)
+    // when it was answered before its body ended here (a streaming call, an upload answered
+    // early), and always for a body of whole messages (gRPC and its kin): a hop (the proxy)
+    // hands a body on as fast as it comes, so its end here says nothing of what the
+    // service's handler has applied, and a call's answer ends when its handler is done. A
+    // service that stops reading never polls the body to its deadline, and a client that
+    // stops reading the answer never lets it end, so the deadline is kept here as well. A
+    // little after it: a service still reading gets the body's own `BodyTimeout` first,
+    // which lets the request go at once (a gRPC call's: after the hold, see
+    // `Streaming::body_failed`); one that stopped reading, or whose answer is unfinished,
+    // is held.
+    let early = Arc::strong_count(&flight) > 1 || flight.carries_messages();
+    // The task ends with the request's time in flight, not at the deadline: one per request
+    // in flight, not one per request of the last `body_timeout`.
+    if early && let Ok(runtime) = tokio::runtime::Handle::try_current() {
+        let ends = flight.ends();
         let flight = Arc::downgrade(&flight);
         runtime.spawn(async move {
-            tokio::time::sleep_until(deadline + OVERDUE_AFTER).await;
-            if let Some(flight) = flight.upgrade() {
+            if tokio::time::timeout_at(deadline + OVERDUE_AFTER, ends)
+                .await
+                .is_err()
+                && let Some(flight) = flight.upgrade()
+            {
                 flight.overdue();
             }
         });
@@ -484,7 +495,10 @@ where
         .get("grpc-status")
         .is_some_and(|status| status.as_bytes() != b"0");
     if !fired.load(Ordering::Relaxed) || (response.status().is_success() && !grpc_failed) {
-        return Ok(response.map(ResponseBody::inner));
+        return Ok(response.map(|body| match early {
+            true => ResponseBody::inner(body).answering(flight),
+            false => ResponseBody::inner(body),
+        }));
     }
     count("body_timeout");
     let mut answer = reject(reject::body_timeout(job, token, limit), None);
