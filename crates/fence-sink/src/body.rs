@@ -129,6 +129,16 @@ impl Streaming {
         ends
     }
 
+    /// Held while the service runs: a service that panics may have sent its effect on its
+    /// way, and the request's body, which shares this place in flight, may live on in a task
+    /// the service handed it to (the proxy's upstream connection), so this place would go
+    /// when that task drops the body, after the unwinding, without the hold. The guard,
+    /// dropped with the panicking future's state while it unwinds, marks the outcome unknown
+    /// first. (The `InFlight` guard's own panic hold covers only a drop during the unwinding.)
+    pub(crate) fn unknown_if_panicking(&self) -> UnknownIfPanicking<'_> {
+        UnknownIfPanicking(self)
+    }
+
     /// Whether the request's body is one of whole messages (gRPC and its kin).
     pub(crate) fn carries_messages(&self) -> bool {
         self.failure_unknown
@@ -173,6 +183,18 @@ impl Streaming {
     pub(crate) fn overdue(&self) {
         if let Some(guard) = self.take() {
             guard.hold(self.hold);
+        }
+    }
+}
+
+/// Marks the request's outcome unknown when dropped while its thread unwinds from a panic
+/// (see [`Streaming::unknown_if_panicking`]).
+pub(crate) struct UnknownIfPanicking<'a>(&'a Streaming);
+
+impl Drop for UnknownIfPanicking<'_> {
+    fn drop(&mut self) {
+        if std::thread::panicking() {
+            self.0.unknown();
         }
     }
 }

@@ -477,3 +477,42 @@ async fn finished_calls_leave_no_task_behind() {
         - before;
     assert!(alive < 10, "{alive} tasks alive after 100 finished calls");
 }
+
+/// A service that hands the request's body to a task of its own (as the proxy hands it to
+/// its upstream connection) and then panics may have sent its effect on its way: the next
+/// token waits the unknown-outcome hold, not only until that task is done with the body.
+#[tokio::test(start_paused = true)]
+async fn a_panic_after_handing_the_body_on_holds_the_next_token() {
+    let layer = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(5))
+        .unknown_outcome_hold(Duration::from_secs(3))
+        .drain_timeout(Duration::from_secs(60));
+    let panicking = layer.layer(tower::service_fn(
+        |req: Request<fence_sink::RequestBody<Channel>>| async move {
+            let body = req.into_body();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(1)).await;
+                body.collect().await.unwrap();
+            });
+            tokio::task::yield_now().await;
+            if true {
+                panic!("the handler failed after it sent its effect on its way");
+            }
+            Ok::<_, Infallible>(Response::new(String::new()))
+        },
+    ));
+    let next = layer.layer(Streams::default());
+    let (messages7, body7) = Channel::new();
+    messages7.send(Bytes::from("a")).unwrap();
+    drop(messages7);
+    let crashed = tokio::spawn(panicking.oneshot(call(7, body7))).await;
+    assert!(crashed.expect_err("the service panicked").is_panic());
+    let began = tokio::time::Instant::now();
+    let answer8 = next.oneshot(call(8, String::new())).await.unwrap();
+    assert_eq!(answer8.status(), 200);
+    let waited = began.elapsed();
+    assert!(
+        waited >= Duration::from_secs(3),
+        "token 8 passed {waited:?} after 7's service panicked with its body handed on (hold 3 s)"
+    );
+}

@@ -450,7 +450,11 @@ where
     } else {
         RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone())
     };
-    let response = match inner.call(Request::from_parts(parts, body)).await {
+    let called = {
+        let _panicking = flight.unknown_if_panicking();
+        inner.call(Request::from_parts(parts, body)).await
+    };
+    let response = match called {
         Ok(response) => response,
         Err(e) => {
             // The service failed: whether it acted is unknown.
