@@ -146,10 +146,12 @@ pub(super) fn store_read_failed(e: &StoreError) -> Problem {
 }
 
 /// A store's error: 400 for what no store may do for that job id (a plain claim of a
-/// semaphore's slot), else [`store_failed`].
+/// semaphore's slot, a claim past the last generation), else [`store_failed`].
 pub(super) fn store_error(e: &StoreError) -> Problem {
     match e {
-        StoreError::Reserved { job, .. } => bad(e.to_string()).with_job(job.clone()),
+        StoreError::Reserved { job, .. } | StoreError::GenerationExhausted(job) => {
+            bad(e.to_string()).with_job(job.clone())
+        }
         StoreError::Timeout(within) => {
             tracing::error!(error = %error_chain(e), "lease store timed out");
             Problem::new(
@@ -368,5 +370,23 @@ mod tests {
             failed.detail
         );
         assert!(!failed.detail.contains("disk gone"), "{}", failed.detail);
+    }
+
+    /// A job at the last generation can never be claimed again: a request that cannot
+    /// succeed (400, naming why), not a store failure whose retry would never end.
+    #[test]
+    fn an_exhausted_generation_is_a_bad_request_not_a_store_failure() {
+        let job: fence_core::JobId = "j".parse().unwrap();
+        let exhausted = store_error(&StoreError::GenerationExhausted(job.clone()));
+        assert_eq!(
+            (exhausted.kind, exhausted.status),
+            (ProblemType::BadRequest, 400)
+        );
+        assert!(
+            exhausted.detail.contains("cannot be claimed again"),
+            "{}",
+            exhausted.detail
+        );
+        assert_eq!(exhausted.job, Some(job));
     }
 }

@@ -15,7 +15,8 @@ use crate::store::{Grant, Outcome, StoreError};
 /// `$1` job, `$2` owner, `$3` ttl_ms, `$4` clock offset, `$5` key hash, `$6` lock-delay ms.
 /// A holder that claims again with its key while its lease runs keeps its generation (the
 /// retry of a lost answer). A lease that expired is claimable once its lock-delay is over
-/// too (contract section 12). A new row starts above the floor, read under a share lock (see
+/// too (contract section 12), and a job at the last generation is claimable by nobody else
+/// (refused, then answered as exhausted, not a broken CHECK). A new row starts above the floor, read under a share lock (see
 /// the module's notes). Returns the generation, the lease's end and the job's checkpoint.
 pub(super) fn sql(t: &str) -> String {
     format!(
@@ -34,12 +35,14 @@ pub(super) fn sql(t: &str) -> String {
                                      AND t.lease_until_ms > excluded.changed_ms
                            THEN t.lock_delay_ms ELSE excluded.lock_delay_ms END
          WHERE NOT t.completed
-           AND (t.owner IS NULL
-                OR (t.owner = excluded.owner AND t.key_hash = excluded.key_hash
-                    AND t.lease_until_ms > excluded.changed_ms)
-                OR t.lease_until_ms <= excluded.changed_ms - t.lock_delay_ms)
+           AND ((t.owner = excluded.owner AND t.key_hash = excluded.key_hash
+                 AND t.lease_until_ms > excluded.changed_ms)
+                OR (t.generation < {last}
+                    AND (t.owner IS NULL
+                         OR t.lease_until_ms <= excluded.changed_ms - t.lock_delay_ms)))
          RETURNING t.generation::text, t.lease_until_ms, t.checkpoint, t.checkpoint_generation::text",
-        now = now_ms(4)
+        now = now_ms(4),
+        last = u64::MAX,
     )
 }
 
@@ -117,6 +120,13 @@ impl PgLeaseStore {
                     owner: s.owner,
                     generation: s.generation,
                 });
+            }
+            // No generation above it: refused whatever else holds (the statement keeps only
+            // the holder's retry at it).
+            if s.generation == fence_core::Generation::new(u64::MAX)
+                && (s.owner.is_none() || s.state() != LeaseState::Held)
+            {
+                return Err(StoreError::GenerationExhausted(job.clone()));
             }
             let Some(holder) = s.owner.clone() else {
                 continue;

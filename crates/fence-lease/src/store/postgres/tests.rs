@@ -279,3 +279,39 @@ async fn a_semaphore_claim_that_went_away_leaves_no_waiting_connection_in_the_po
     }
     held.rollback().await.unwrap();
 }
+
+/// A job at the last generation: the holder's retry keeps it; anyone else's claim, once the
+/// lease is over, is refused as exhausted (HTTP 409 `generation-exhausted`), not a broken
+/// CHECK constraint answered as a store failure ("outcome unknown").
+#[tokio::test]
+async fn a_job_at_the_last_generation_is_exhausted_not_a_store_failure() {
+    let store = fresh().await.unwrap();
+    let (j, a, b): (JobId, Owner, Owner) =
+        ("j".parse().unwrap(), "a".parse().unwrap(), "b".parse().unwrap());
+    let key = crate::new_lease_key().unwrap();
+    let ttl = Ttl::from_millis(10_000).unwrap();
+    granted(store.claim(&j, &a, &key, ttl).await.unwrap());
+    let conn = store.pool.get().await.unwrap();
+    let last = format!(
+        "UPDATE {} SET generation = {} WHERE job = 'j'",
+        store.table.qualified(),
+        u64::MAX
+    );
+    conn.execute(&last, &[]).await.unwrap();
+    assert_eq!(
+        granted(store.claim(&j, &a, &key, ttl).await.unwrap()),
+        Generation::new(u64::MAX),
+        "the holder's retry keeps its generation"
+    );
+    assert!(matches!(
+        store.claim(&j, &b, &key, ttl).await.unwrap(),
+        Outcome::Held { .. }
+    ));
+    store.shift_clock_ms(20_000);
+    for who in [&b, &a] {
+        match store.claim(&j, who, &key, ttl).await {
+            Err(StoreError::GenerationExhausted(job)) => assert_eq!(job, j),
+            other => panic!("{who}'s claim at the last generation: {other:?}"),
+        }
+    }
+}
