@@ -167,9 +167,19 @@ class Transport:
         request = urllib.request.Request(self.server + path, data=data, method=method,
                                          headers=headers)
         wait = self.timeout if timeout is None else max(timeout, 0.001)
-        try:
+
+        def fetch() -> bytes:
             with self._opener.open(request, timeout=wait) as response:
-                payload = response.read()
+                return response.read()
+
+        try:
+            # urllib's timeout bounds each socket operation, not the call: a server that
+            # trickles its answer a byte at a time would hold the call for as long as it
+            # likes. The whole call ends at ``wait``; a late answer is dropped.
+            payload = bounded(fetch, wait, "fence-call")
+        except Timeout:
+            raise ServerUnreachable(
+                f"{method} {self.server}{path}: no whole answer within {wait:.3g} s") from None
         except urllib.error.HTTPError as e:
             try:
                 payload = e.read()
@@ -196,11 +206,12 @@ class Timeout(Exception):
     """A bounded call did not finish in time (internal)."""
 
 
-def bounded(fn: Callable[[], T], timeout: float) -> T:
+def bounded(fn: Callable[[], T], timeout: float, name: str = "fence-renewal") -> T:
     """Runs ``fn`` in a thread of its own and waits for it at most ``timeout`` seconds.
 
     The keeper uses it so that a renewal hanging on a server that stopped answering cannot
-    hold the lost signal past the deadline; a late answer is dropped.
+    hold the lost signal past the deadline, and every call so that a server trickling its
+    answer cannot hold it past its timeout; a late answer is dropped.
     """
     done = threading.Event()
     result: Dict[str, Any] = {}
@@ -213,7 +224,7 @@ def bounded(fn: Callable[[], T], timeout: float) -> T:
         finally:
             done.set()
 
-    threading.Thread(target=run, name="fence-renewal", daemon=True).start()
+    threading.Thread(target=run, name=name, daemon=True).start()
     if not done.wait(max(timeout, 0.0)):
         raise Timeout()
     if "error" in result:
