@@ -118,7 +118,9 @@ impl Streaming {
 
     /// The service's outcome is unknown: the guard is held for `hold` when it goes.
     pub(crate) fn unknown(&self) {
-        self.unknown.store(true, Ordering::Relaxed);
+        // Release, with the Acquire loads: whichever thread lets the guard go (the body's, on
+        // a failure after the answer) sees an unknown outcome marked before it.
+        self.unknown.store(true, Ordering::Release);
     }
 
     /// Resolves (with an error) once this is dropped: the request is no longer in flight,
@@ -157,10 +159,10 @@ impl Streaming {
     /// (held for `hold` when the outcome is unknown), as it did before answers counted.
     fn body_failed(&self) {
         self.failed();
-        if self.answered.load(Ordering::Relaxed) {
+        if self.answered.load(Ordering::Acquire) {
             let guard = self.take();
             if let Some(guard) = guard
-                && self.unknown.load(Ordering::Relaxed)
+                && self.unknown.load(Ordering::Acquire)
             {
                 guard.hold(self.hold);
             }
@@ -207,7 +209,7 @@ impl Drop for Streaming {
             .unwrap_or_else(std::sync::PoisonError::into_inner)
             .take();
         if let Some(guard) = guard
-            && self.unknown.load(Ordering::Relaxed)
+            && self.unknown.load(Ordering::Acquire)
         {
             guard.hold(self.hold);
         }
@@ -353,8 +355,9 @@ impl<B> ResponseBody<B> {
     where
         B: Body,
     {
-        flight.answered.store(true, Ordering::Relaxed);
-        // An answer with nothing in it (a trailers-only gRPC answer) is never polled.
+        flight.answered.store(true, Ordering::Release);
+        // An answer with nothing in it (a trailers-only gRPC answer, a 202 without a body) is
+        // complete as it stands, and never polled: the service has said all it will say.
         if !end_kind(&self.kind) {
             self.answering = Answering(Some(flight));
         }

@@ -423,8 +423,9 @@ enum Ready<'a, St, ReqB> {
     Streamed(Request<ReqB>),
 }
 
-/// How long after its body deadline a request answered before its body ended is taken for
-/// one whose service stopped reading (see `streamed`).
+/// How long after its body deadline a request still in flight (its body unfinished, or the
+/// answer that counts for it) is taken for one whose service stopped reading, or whose
+/// client stopped reading its answer (see `streamed`).
 const OVERDUE_AFTER: std::time::Duration = std::time::Duration::from_millis(100);
 
 /// Passes a request on with its body streamed under the deadline. When the body ran out of
