@@ -63,14 +63,17 @@ export class LeaseLost extends FenceError {
  */
 export class ProblemError extends FenceError {
   constructor(problem, status, retryAfter = null) {
-    const type = String(problem.type ?? 'about:blank');
-    const st = Number(problem.status ?? status);
-    const detail = String(problem.detail ?? '');
+    // Each member taken only when it has its type: an answer's `{"toString": 0}` must not
+    // throw here, in a socket's event handler.
+    const text = (v) => (typeof v === 'string' ? v : '');
+    const type = text(problem.type) || 'about:blank';
+    const st = Number.isInteger(problem.status) ? problem.status : status;
+    const detail = text(problem.detail);
     super(`${st} ${type}: ${detail}`);
     this.problem = problem;
     this.type = type;
     this.status = st;
-    this.title = String(problem.title ?? '');
+    this.title = text(problem.title);
     this.detail = detail;
     this.retryAfter = retryAfter;
   }
@@ -154,7 +157,8 @@ export function problemError(status, contentType, body, retryAfter) {
   // answer (backoff decides), and a huge one no reason to wait for days (a timer past 2^31 ms
   // would fire at once).
   const seconds = retryAfter == null || retryAfter === '' ? NaN : Number(retryAfter);
-  const Cls = BY_TYPE[problem.type] ?? ProblemError;
+  // Own members only: a `type` such as "toString" or "__proto__" names no class of ours.
+  const Cls = Object.hasOwn(BY_TYPE, problem.type) ? BY_TYPE[problem.type] : ProblemError;
   return new Cls(problem, status, seconds >= 0 ? Math.min(seconds, MAX_RETRY_AFTER) : null);
 }
 

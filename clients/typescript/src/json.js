@@ -1,5 +1,7 @@
 // JSON with the contract's unsigned 64-bit integers (`generation`, `highest`) as bigint.
 
+import { randomBytes } from 'node:crypto';
+
 const BIG_MEMBER = /"(generation|highest)"\s*:\s*(\d+)/g;
 
 /**
@@ -15,11 +17,16 @@ export function parseJson(text) {
       : value);
 }
 
+// Marks a bigint while JSON.stringify writes it: random per process, so that no string a caller
+// sends (a checkpoint of NUL and digits) is taken for one and written as a number.
+const MARK = `\u0000${randomBytes(8).toString('hex')}:`;
+const MARKED = new RegExp(`"\\\\u0000${MARK.slice(1)}(\\d+)"`, 'g');
+
 /**
  * JSON.stringify, writing bigint members as JSON integers.
  * @param {object} body
  */
 export function stringifyJson(body) {
-  return JSON.stringify(body, (_, value) => (typeof value === 'bigint' ? `\u0000${value}` : value))
-    .replace(/"\\u0000(\d+)"/g, '$1');
+  return JSON.stringify(body, (_, value) => (typeof value === 'bigint' ? `${MARK}${value}` : value))
+    .replace(MARKED, '$1');
 }

@@ -178,25 +178,47 @@ export class Transport {
       });
       req.on('response', (res) => {
         const chunks = [];
-        res.on('data', (c) => chunks.push(c));
+        let size = 0;
+        res.on('data', (c) => {
+          size += c.length;
+          chunks.push(c);
+          if (size > MAX_ANSWER) {
+            // No answer of the lease API is near this (a checkpoint is at most 64 KiB): a
+            // server or proxy streaming more would only fill this process's memory.
+            clearTimeout(timer);
+            req.destroy();
+            reject(new ProtocolError(`${what}: an answer larger than ${MAX_ANSWER} bytes`));
+          }
+        });
         res.on('error', (e) => {
           clearTimeout(timer);
           reject(new ServerUnreachable(`${what}: ${e.message}`, { cause: e }));
         });
         res.on('end', () => {
           clearTimeout(timer);
-          const text = Buffer.concat(chunks).toString('utf8');
-          const status = res.statusCode ?? 0;
-          if (status < 200 || status > 299) {
-            reject(problemError(status, res.headers['content-type'], text, res.headers['retry-after']));
-            return;
-          }
+          // Whatever the answer holds, the call settles: nothing thrown here would reach the
+          // caller (it would be an uncaught exception of the socket's event).
           try {
-            const answer = parseJson(text);
-            if (answer === null || typeof answer !== 'object') throw new Error('not an object');
+            const text = Buffer.concat(chunks).toString('utf8');
+            const status = res.statusCode ?? 0;
+            if (status < 200 || status > 299) {
+              reject(problemError(status, res.headers['content-type'], text, res.headers['retry-after']));
+              return;
+            }
+            let answer;
+            try {
+              answer = parseJson(text);
+            } catch (e) {
+              answer = e;
+            }
+            if (answer === null || typeof answer !== 'object' || answer instanceof Error) {
+              reject(new ProtocolError(`${what}: not a JSON object: ${text.slice(0, 200)}`,
+                answer instanceof Error ? { cause: answer } : undefined));
+              return;
+            }
             resolve(answer);
           } catch (e) {
-            reject(new ProtocolError(`${what}: not a JSON object: ${text.slice(0, 200)}`, { cause: e }));
+            reject(new ProtocolError(`${what}: an answer this client cannot read: ${e}`, { cause: e }));
           }
         });
       });
@@ -208,6 +230,9 @@ export class Transport {
     this.agent.destroy();
   }
 }
+
+/** The largest answer a call reads (bytes), as the Go client's. */
+export const MAX_ANSWER = 1 << 20;
 
 /**
  * (token, ttl_ms, expires_at_ms) of a lease answer for `generation`.
@@ -226,7 +251,7 @@ export function grantOf(job, generation, answer) {
     throw new ProtocolError(`the server signed token ${JSON.stringify(token)} for generation ${generation}`);
   }
   if (!Number.isInteger(answer.ttl_ms) || !Number.isInteger(answer.expires_at_ms)) {
-    throw new ProtocolError(`a lease answer without ttl_ms and expires_at_ms: ${JSON.stringify(answer)}`);
+    throw new ProtocolError(`a lease answer without ttl_ms and expires_at_ms: ${stringifyJson(answer).slice(0, 200)}`);
   }
   return { token, ttlMs: answer.ttl_ms, expiresAtMs: answer.expires_at_ms };
 }
