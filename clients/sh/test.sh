@@ -39,6 +39,16 @@ code=0; wait "$a" || code=$?
 "$FENCE" status --server "$S" --job "$job" | grep -q '"job":"inv/42","owner":"[^"]*","generation":8,"state":"completed"' || fail "status of $job"
 [ "$(cut -d' ' -f1-4 "$tmp/up.log")" = "$(printf '/ledger inv/42 7 write\n/ledger inv/42 8 write')" ] || fail "ledger: $(cat "$tmp/up.log")"
 
+# The bearer secret and the lease key are never among a process's arguments (any local user
+# reads those): curl is wrapped to log the arguments of every call the worker makes.
+mkdir -p "$tmp/bin"
+printf '#!/bin/sh\nprintf "%%s\\n" "$*" >>"%s"\nexec "%s" "$@"\n' "$tmp/curl-args" "$(command -v curl)" >"$tmp/bin/curl"
+chmod +x "$tmp/bin/curl"
+PATH="$tmp/bin:$PATH" FENCE_AUTH_TOKEN=not-a-real-secret-0123456789 run ledger secrets 1500 2 >"$tmp/sec" 2>&1 ||
+  fail "secrets: $(cat "$tmp/sec")"
+grep -q '/v1/leases/secrets/claim' "$tmp/curl-args" || fail "the wrapper saw no claim: $(cat "$tmp/curl-args")"
+! grep -qE 'lease_key|Bearer|not-a-real-secret' "$tmp/curl-args" || fail "a secret was an argument: $(cat "$tmp/curl-args")"
+
 n=0
 for job in 'a/b' 'a%b' 'a?b&c' 'a+b'; do n=$((n + 1))
   run slow "$job" 1500 3 >"$tmp/w$n" 2>&1 & w=$!

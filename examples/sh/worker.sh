@@ -17,9 +17,15 @@ set -eu
 LC_ALL=C; export LC_ALL
 case $JOB in *[!!-~]*) echo "worker: job id $JOB: only visible ASCII (0x21 to 0x7E) is allowed" >&2; exit 1 ;; esac
 TTL_MS=${TTL_MS:-30000}; WRITES=${WRITES:-3}
-AUTH=${FENCE_AUTH_TOKEN:+Authorization: Bearer $FENCE_AUTH_TOKEN}
 state=$(mktemp -d); trap 'kill "$keeper" 2>/dev/null || true; rm -rf "$state"' EXIT
 keeper=
+# The bearer secret and the lease key go to curl in files of this private directory, never
+# as arguments: any local user can read a process's arguments (ps, /proc/<pid>/cmdline).
+umask 077
+auth=
+if [ -n "${FENCE_AUTH_TOKEN:-}" ]; then
+  printf 'Authorization: Bearer %s\n' "$FENCE_AUTH_TOKEN" >"$state/auth"; auth=@$state/auth
+fi
 
 now_ms() { read -r up _ </proc/uptime; echo "${up%.*}${up#*.}0"; } # 10 ms resolution
 margin=$(( TTL_MS / 10 )); [ "$margin" -ge 50 ] || margin=50
@@ -48,11 +54,13 @@ encode() {
 }
 job_path=$(encode "$JOB")
 
-# call ACTION BODY: POST to the lease API; prints "STATUS BODY".
+# call ACTION BODY: POST to the lease API; prints the status, the answer in $state/answer.
+# (printf is the shell's own: the body, with the lease key, is never an argument of a process.)
 call() {
+  printf '%s' "$2" >"$state/body.$1"
   curl -sS -o "$state/answer" -w '%{http_code}' -X POST -H 'content-type: application/json' \
-    ${AUTH:+-H "$AUTH"} --max-time "$(( TTL_MS / 1000 + 1 ))" \
-    --data "$2" "$SERVER/v1/leases/$job_path/$1" || echo 000
+    ${auth:+-H "$auth"} --max-time "$(( TTL_MS / 1000 + 1 ))" \
+    --data "@$state/body.$1" "$SERVER/v1/leases/$job_path/$1" || echo 000
 }
 
 # grant SENT_MS: records the deadline and token of the answer in $state/answer.
@@ -60,6 +68,7 @@ grant() {
   a=$(cat "$state/answer")
   ttl=$(field ttl_ms "$a"); gen=$(field generation "$a"); tok=$(field token "$a")
   echo "$gen" >"$state/generation"
+  echo "$ttl" >"$state/ttl.next" && mv "$state/ttl.next" "$state/ttl"
   echo "${tok:-$gen}" >"$state/token.next" && mv "$state/token.next" "$state/token"
   echo $(( $1 + ttl - margin )) >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"
 }
@@ -72,10 +81,13 @@ fi
 grant "$sent"
 echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
 
-# The keeper: renews every third of the TTL; marks the lease lost when refused.
+# The keeper: renews every third of the TTL the server granted (it may grant less than asked,
+# up to its --max-ttl), and again after a twelfth when a renewal got no answer; marks the
+# lease lost when refused.
 (
+  every=$(( $(cat "$state/ttl") / 3 ))
   while :; do
-    every=$(( TTL_MS / 3 )); [ "$every" -ge 100 ] || every=100 # never a busy loop
+    [ "$every" -ge 100 ] || every=100 # never a busy loop
     sleep "$(( every / 1000 )).$(( every % 1000 / 100 ))"
     [ "$(now_ms)" -lt "$(cat "$state/deadline")" ] || exit 0
     sent=$(now_ms)
@@ -83,10 +95,11 @@ echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
     case $(call renew "$body") in
       # Granted, but answered after the deadline: the loss stands (the main loop may
       # already have stopped on it), so the lease is not taken up again.
-      200) if [ "$(now_ms)" -lt "$(cat "$state/deadline")" ]; then grant "$sent"; else exit 0; fi ;;
+      200) if [ "$(now_ms)" -lt "$(cat "$state/deadline")" ]; then grant "$sent"; else exit 0; fi
+           every=$(( $(cat "$state/ttl") / 3 )) ;;
       # Written whole or not at all (a reader must never find the file empty).
       403|409|410) echo 0 >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"; exit 0 ;;
-      *) ;; # no answer: the deadline stands
+      *) every=$(( $(cat "$state/ttl") / 12 )) ;; # no answer: the deadline stands; ask again soon
     esac
   done
 ) &
