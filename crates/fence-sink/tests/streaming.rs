@@ -385,7 +385,9 @@ where
                 while let Some(message) = service.recv().await {
                     tokio::time::sleep(delay).await;
                     let message = String::from_utf8_lossy(&message).into_owned();
-                    log.lock().unwrap().push(format!("effect {token} {message}"));
+                    log.lock()
+                        .unwrap()
+                        .push(format!("effect {token} {message}"));
                 }
                 drop(answer);
             });
@@ -623,8 +625,10 @@ async fn a_finished_grpc_call_lets_the_next_token_through_at_once() {
             }
         }
         drop(body);
+        let (ended, empty) = Channel::new();
+        drop(ended);
         let began = tokio::time::Instant::now();
-        let next = svc.oneshot(call(token + 1, Channel::new().1)).await.unwrap();
+        let next = svc.oneshot(call(token + 1, empty)).await.unwrap();
         assert_eq!(next.status(), 200);
         assert!(
             began.elapsed() < Duration::from_secs(1),

@@ -1284,7 +1284,11 @@ async fn grpc_calls_reach_an_h2c_upstream_with_their_trailers() {
     assert_eq!(status, 200);
     assert_eq!(headers.get("grpc-status"), None, "{headers:?}");
     assert_eq!(trailers.unwrap().get("grpc-status").unwrap(), "0");
-    assert!(began.elapsed() < Duration::from_secs(3), "{:?}", began.elapsed());
+    assert!(
+        began.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        began.elapsed()
+    );
     assert_eq!(seen.lock().unwrap().len(), 2);
     proxy.shutdown().await;
 }

@@ -286,8 +286,11 @@ async fn a_semaphore_claim_that_went_away_leaves_no_waiting_connection_in_the_po
 #[tokio::test]
 async fn a_job_at_the_last_generation_is_exhausted_not_a_store_failure() {
     let store = fresh().await.unwrap();
-    let (j, a, b): (JobId, Owner, Owner) =
-        ("j".parse().unwrap(), "a".parse().unwrap(), "b".parse().unwrap());
+    let (j, a, b): (JobId, Owner, Owner) = (
+        "j".parse().unwrap(),
+        "a".parse().unwrap(),
+        "b".parse().unwrap(),
+    );
     let key = crate::new_lease_key().unwrap();
     let ttl = Ttl::from_millis(10_000).unwrap();
     granted(store.claim(&j, &a, &key, ttl).await.unwrap());
