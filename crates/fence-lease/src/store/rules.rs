@@ -57,9 +57,12 @@ impl Stored {
 
     /// Whether forgetting may delete it: free, expired or completed, and unchanged for
     /// `idle_ms` (contract section 8). A held lease is never forgotten, nor an expired one
-    /// whose lock-delay runs (forgetting it would let the next claim in at once).
+    /// whose lock-delay runs (forgetting it would let the next claim in at once), nor a job
+    /// at the last generation (forgetting it would raise the floor there, and every job
+    /// claimed after it would start exhausted).
     pub(crate) fn forgettable(&self, now_ms: u64, idle_ms: u64) -> bool {
-        self.state(now_ms) != LeaseState::Held
+        self.generation.get() < u64::MAX
+            && self.state(now_ms) != LeaseState::Held
             && self.changed_ms.saturating_add(idle_ms) <= now_ms
             && self.lease_until_ms.saturating_add(idle_ms) <= now_ms
             && self.delay_left(now_ms).is_none()
@@ -508,6 +511,28 @@ mod tests {
         for bad in [&b""[..], &[2], &[1, 0], &[4, 0], &[2, 0, 0, 0], &spaced] {
             assert!(Stored::decode(&job, bad).is_err(), "{bad:?}");
         }
+    }
+
+    /// A job at the last generation stays (one record), so the floor never reaches it.
+    #[test]
+    fn a_job_at_the_last_generation_is_never_forgotten() {
+        let idle = Stored {
+            generation: Generation::new(u64::MAX - 1),
+            owner: None,
+            key: SecretHash::from_bytes([0; 32]),
+            lease_until_ms: 0,
+            changed_ms: 0,
+            completed: true,
+            lock_delay_ms: 0,
+            checkpoint: None,
+            slots: 0,
+        };
+        assert!(idle.forgettable(10_000, 1_000));
+        let last = Stored {
+            generation: Generation::new(u64::MAX),
+            ..idle
+        };
+        assert!(!last.forgettable(10_000, 1_000));
     }
 
     #[test]

@@ -175,10 +175,14 @@ impl Sql {
         // highest generation among them. Rows a claim holds locked are skipped, and a row a
         // claim changed meanwhile fails the outer condition when it is checked again.
         let lock_floor = format!("SELECT 1 FROM {t} WHERE job = '' FOR UPDATE");
+        // A row at the last generation is never forgotten: the floor would rise there, and
+        // every claim after it would break the generation's CHECK (`floor + 1`).
         let idle = format!(
             "changed_ms <= {now} - $1::bigint AND lease_until_ms <= {now} - $1::bigint
-             AND (completed OR owner IS NULL OR lease_until_ms <= {now} - lock_delay_ms)",
-            now = now_ms(3)
+             AND (completed OR owner IS NULL OR lease_until_ms <= {now} - lock_delay_ms)
+             AND generation < {last}",
+            now = now_ms(3),
+            last = u64::MAX,
         );
         let forget = format!(
             "WITH gone AS (

@@ -281,8 +281,9 @@ async fn a_semaphore_claim_that_went_away_leaves_no_waiting_connection_in_the_po
 }
 
 /// A job at the last generation: the holder's retry keeps it; anyone else's claim, once the
-/// lease is over, is refused as exhausted (HTTP 409 `generation-exhausted`), not a broken
-/// CHECK constraint answered as a store failure ("outcome unknown").
+/// lease is over, is refused as exhausted (HTTP 400 `bad-request`), not a broken CHECK
+/// constraint answered as a store failure ("outcome unknown"). Forgetting keeps it: had the
+/// floor risen to it, every later claim of any job would have broken the CHECK.
 #[tokio::test]
 async fn a_job_at_the_last_generation_is_exhausted_not_a_store_failure() {
     let store = fresh().await.unwrap();
@@ -317,4 +318,13 @@ async fn a_job_at_the_last_generation_is_exhausted_not_a_store_failure() {
             other => panic!("{who}'s claim at the last generation: {other:?}"),
         }
     }
+    store.shift_clock_ms(3_600_000);
+    store.forget_idle(Duration::ZERO, 100).await.unwrap();
+    assert!(store.get(&j).await.unwrap().is_some(), "the exhausted job was forgotten");
+    let other: JobId = "other".parse().unwrap();
+    assert_eq!(
+        granted(store.claim(&other, &b, &key, ttl).await.unwrap()),
+        Generation::new(1),
+        "a new job after forgetting starts above the floor, not at its end"
+    );
 }
