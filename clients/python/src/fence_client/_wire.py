@@ -168,28 +168,35 @@ class Transport:
                                          headers=headers)
         wait = self.timeout if timeout is None else max(timeout, 0.001)
 
-        def fetch() -> bytes:
-            with self._opener.open(request, timeout=wait) as response:
-                return response.read()
+        def fetch() -> Tuple[int, Dict[str, str], bytes]:
+            try:
+                with self._opener.open(request, timeout=wait) as response:
+                    return response.status, {}, read_at_most(response)
+            except urllib.error.HTTPError as e:
+                # An error's body is read here too, under the same bound as a success's.
+                try:
+                    body = read_at_most(e)
+                except (OSError, http.client.HTTPException):  # a cut body: IncompleteRead
+                    body = b""
+                return e.code, dict(e.headers.items()), body
 
         try:
             # urllib's timeout bounds each socket operation, not the call: a server that
             # trickles its answer a byte at a time would hold the call for as long as it
             # likes. The whole call ends at ``wait``; a late answer is dropped.
-            payload = bounded(fetch, wait, "fence-call")
+            status, error_headers, payload = bounded(fetch, wait, "fence-call")
         except Timeout:
             raise ServerUnreachable(
                 f"{method} {self.server}{path}: no whole answer within {wait:.3g} s") from None
-        except urllib.error.HTTPError as e:
-            try:
-                payload = e.read()
-            except (OSError, http.client.HTTPException):  # a cut body: IncompleteRead
-                payload = b""
-            raise problem_error(e.code, dict(e.headers.items()), payload) from None
         except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as e:
             # http.client's RemoteDisconnected is an OSError; a truncated answer an
             # IncompleteRead (an HTTPException) or a ValueError.
             raise ServerUnreachable(f"{method} {self.server}{path}: {e}") from e
+        if not 200 <= status <= 299:
+            raise problem_error(status, error_headers, payload)
+        if len(payload) > MAX_ANSWER:
+            raise ProtocolError(f"{method} {self.server}{path}: an answer larger than "
+                                f"{MAX_ANSWER} bytes")
         try:
             answer = json.loads(payload.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
@@ -200,6 +207,15 @@ class Transport:
 
 
 T = TypeVar("T")
+
+#: The largest answer a call reads (bytes), as the Go and TypeScript clients: the lease API's
+#: largest is a 64 KiB checkpoint, escaped.
+MAX_ANSWER = 1 << 20
+
+
+def read_at_most(response: Any) -> bytes:
+    """The answer's body, or its first ``MAX_ANSWER + 1`` bytes when it is longer."""
+    return response.read(MAX_ANSWER + 1)  # type: ignore[no-any-return]
 
 
 class Timeout(Exception):
