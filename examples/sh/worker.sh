@@ -8,7 +8,8 @@
 #     TTL_MS=30000 WRITES=3 sh worker.sh
 #
 # The deadline is measured on the monotonic clock (/proc/uptime, Linux) from the moment the
-# claim or renewal was sent: send time + TTL - margin (10% of the TTL, at least 50 ms).
+# claim or renewal was sent: send time + TTL - margin (10% of the TTL the server granted, at
+# least 50 ms). A renewal gets no longer than what is left of the lease.
 # Exit codes: 0 done, 3 no lease, 75 lease lost, 1 anything else. Needs curl and od.
 # STALL_BEFORE_SEND=S pauses the whole worker for S seconds before its second write, as a GC
 # pause would: that write then carries a stale token, and a fenced destination refuses it.
@@ -28,7 +29,6 @@ if [ -n "${FENCE_AUTH_TOKEN:-}" ]; then
 fi
 
 now_ms() { read -r up _ </proc/uptime; echo "${up%.*}${up#*.}0"; } # 10 ms resolution
-margin=$(( TTL_MS / 10 )); [ "$margin" -ge 50 ] || margin=50
 # 32 random bytes in hex (hex digits are base64url characters too): the lease key, the proof
 # that the lease is ours.
 key=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
@@ -54,12 +54,14 @@ encode() {
 }
 job_path=$(encode "$JOB")
 
-# call ACTION BODY: POST to the lease API; prints the status, the answer in $state/answer.
-# (printf is the shell's own: the body, with the lease key, is never an argument of a process.)
+# call ACTION BODY [WITHIN_MS]: POST to the lease API within WITHIN_MS (default: the TTL and
+# a second); prints the status, the answer in $state/answer. (printf is the shell's own: the
+# body, with the lease key, is never an argument of a process.)
 call() {
+  within=${3:-$(( TTL_MS + 1000 ))}; [ "$within" -ge 100 ] || within=100
   printf '%s' "$2" >"$state/body.$1"
   curl -sS -o "$state/answer" -w '%{http_code}' -X POST -H 'content-type: application/json' \
-    ${auth:+-H "$auth"} --max-time "$(( TTL_MS / 1000 + 1 ))" \
+    ${auth:+-H "$auth"} --max-time "$(( within / 1000 )).$(( within % 1000 / 100 ))" \
     --data "@$state/body.$1" "$SERVER/v1/leases/$job_path/$1" || echo 000
 }
 
@@ -67,9 +69,10 @@ call() {
 grant() {
   a=$(cat "$state/answer")
   ttl=$(field ttl_ms "$a"); gen=$(field generation "$a"); tok=$(field token "$a")
-  echo "$gen" >"$state/generation"
+  echo "$gen" >"$state/generation.next" && mv "$state/generation.next" "$state/generation"
   echo "$ttl" >"$state/ttl.next" && mv "$state/ttl.next" "$state/ttl"
   echo "${tok:-$gen}" >"$state/token.next" && mv "$state/token.next" "$state/token"
+  margin=$(( ttl / 10 )); [ "$margin" -ge 50 ] || margin=50
   echo $(( $1 + ttl - margin )) >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"
 }
 
@@ -92,7 +95,7 @@ echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
     [ "$(now_ms)" -lt "$(cat "$state/deadline")" ] || exit 0
     sent=$(now_ms)
     body="{\"owner\":\"$owner\",\"generation\":$(cat "$state/generation"),\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"
-    case $(call renew "$body") in
+    case $(call renew "$body" $(( $(cat "$state/deadline") - sent ))) in
       # Granted, but answered after the deadline: the loss stands (the main loop may
       # already have stopped on it), so the lease is not taken up again.
       200) if [ "$(now_ms)" -lt "$(cat "$state/deadline")" ]; then grant "$sent"; else exit 0; fi
