@@ -320,7 +320,10 @@ async fn a_job_at_the_last_generation_is_exhausted_not_a_store_failure() {
     }
     store.shift_clock_ms(3_600_000);
     store.forget_idle(Duration::ZERO, 100).await.unwrap();
-    assert!(store.get(&j).await.unwrap().is_some(), "the exhausted job was forgotten");
+    assert!(
+        store.get(&j).await.unwrap().is_some(),
+        "the exhausted job was forgotten"
+    );
     let other: JobId = "other".parse().unwrap();
     assert_eq!(
         granted(store.claim(&other, &b, &key, ttl).await.unwrap()),
