@@ -83,23 +83,24 @@ pub(crate) async fn discard<B: FenceBody>(version: http::Version, body: B) {
 /// An admitted request's place in flight while its body streams, shared by the request body,
 /// the layer and, for a request answered before its body ended or one of whole messages, the
 /// answer's body: the guard goes once all are done with it (the body ended, failed or was
-/// dropped; the service answered; the answer ended), held for `hold` more when the outcome became unknown
-/// meanwhile (the service failed instead of answering, or said it could not tell), or when
-/// the body was still on its way at its deadline ([`overdue`](Self::overdue)), or when the
-/// body failed and a failure leaves the outcome unknown ([`body_failed`](Self::body_failed)).
+/// dropped; the service answered; the answer ended), held for `hold` more when the outcome
+/// became unknown meanwhile (the service failed instead of answering, or said it could not
+/// tell), or when the body was still on its way at its deadline
+/// ([`overdue`](Self::overdue)), or when the body failed and a failure leaves the outcome
+/// unknown ([`body_failed`](Self::body_failed)).
 pub(crate) struct Streaming {
     guard: std::sync::Mutex<Option<InFlight>>,
     hold: Duration,
     unknown: AtomicBool,
-    /// Whether the service answered before the body ended (the answer holds its part of the
-    /// request's time in flight: [`ResponseBody::answering`]).
+    /// Whether the service answered with a body that counts for the request's time in flight
+    /// ([`ResponseBody::answering`]): a failure of the request's body then lets go at once.
     answered: AtomicBool,
     /// Dropped with this: tells the task that keeps the deadline (see `ends`) to stop.
     ended: std::sync::OnceLock<tokio::sync::oneshot::Sender<()>>,
     /// Whether a failure of the body leaves the service's outcome unknown: a gRPC (or
-    /// gRPC-Web, or Connect streaming) call's messages arrive whole, and the service may be acting on those it got when the stream
-    /// fails (reset by the client, or cut at the body deadline). A plain body that fails was
-    /// never a whole request.
+    /// gRPC-Web, or Connect streaming) call's messages arrive whole, and the service may be
+    /// acting on those it got when the stream fails (reset by the client, or cut at the body
+    /// deadline). A plain body that fails was never a whole request.
     failure_unknown: bool,
 }
 
@@ -160,12 +161,16 @@ impl Streaming {
     fn body_failed(&self) {
         self.failed();
         if self.answered.load(Ordering::Acquire) {
-            let guard = self.take();
-            if let Some(guard) = guard
-                && self.unknown.load(Ordering::Acquire)
-            {
-                guard.hold(self.hold);
-            }
+            self.let_go();
+        }
+    }
+
+    /// The guard goes now (if it is still here): held for `hold` when the outcome is unknown.
+    fn let_go(&self) {
+        if let Some(guard) = self.take()
+            && self.unknown.load(Ordering::Acquire)
+        {
+            guard.hold(self.hold);
         }
     }
 
@@ -203,16 +208,7 @@ impl Drop for UnknownIfPanicking<'_> {
 
 impl Drop for Streaming {
     fn drop(&mut self) {
-        let guard = self
-            .guard
-            .get_mut()
-            .unwrap_or_else(std::sync::PoisonError::into_inner)
-            .take();
-        if let Some(guard) = guard
-            && self.unknown.load(Ordering::Acquire)
-        {
-            guard.hold(self.hold);
-        }
+        self.let_go();
     }
 }
 
@@ -237,8 +233,9 @@ pin_project! {
     }
 }
 
-/// The request's place in flight held by an answer that began before the request's body
-/// ended (see [`ResponseBody::answering`]): let go when the answer ends; an answer cut
+/// The request's place in flight held by an answer that counts for it (one that began before
+/// the request's body ended, or a call's: see [`ResponseBody::answering`]): let go when the
+/// answer ends; an answer cut
 /// before its end (failed, or dropped unfinished) counts as the body's failure.
 #[derive(Default)]
 struct Answering(Option<Arc<Streaming>>);

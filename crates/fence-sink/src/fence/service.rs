@@ -477,10 +477,10 @@ where
     // which lets the request go at once (a gRPC call's: after the hold, see
     // `Streaming::body_failed`); one that stopped reading, or whose answer is unfinished,
     // is held.
-    let early = Arc::strong_count(&flight) > 1 || flight.carries_messages();
+    let answer_counts = Arc::strong_count(&flight) > 1 || flight.carries_messages();
     // The task ends with the request's time in flight, not at the deadline: one per request
     // in flight, not one per request of the last `body_timeout`.
-    if early && let Ok(runtime) = tokio::runtime::Handle::try_current() {
+    if answer_counts && let Ok(runtime) = tokio::runtime::Handle::try_current() {
         let ends = flight.ends();
         let flight = Arc::downgrade(&flight);
         runtime.spawn(async move {
@@ -500,9 +500,13 @@ where
         .get("grpc-status")
         .is_some_and(|status| status.as_bytes() != b"0");
     if !fired.load(Ordering::Relaxed) || (response.status().is_success() && !grpc_failed) {
-        return Ok(response.map(|body| match early {
-            true => ResponseBody::inner(body).answering(flight),
-            false => ResponseBody::inner(body),
+        return Ok(response.map(|body| {
+            let body = ResponseBody::inner(body);
+            if answer_counts {
+                body.answering(flight)
+            } else {
+                body
+            }
         }));
     }
     count("body_timeout");

@@ -16,8 +16,9 @@ use crate::store::{Grant, Outcome, StoreError};
 /// A holder that claims again with its key while its lease runs keeps its generation (the
 /// retry of a lost answer). A lease that expired is claimable once its lock-delay is over
 /// too (contract section 12), and a job at the last generation is claimable by nobody else
-/// (refused, then answered as exhausted, not a broken CHECK). A new row starts above the floor, read under a share lock (see
-/// the module's notes). Returns the generation, the lease's end and the job's checkpoint.
+/// (refused, then answered as exhausted, not a broken CHECK). A new row starts above the
+/// floor, read under a share lock (see the module's notes). Returns the generation, the
+/// lease's end and the job's checkpoint.
 pub(super) fn sql(t: &str) -> String {
     format!(
         "INSERT INTO {t} AS t (job, owner, generation, lease_until_ms, changed_ms, key_hash, completed, lock_delay_ms)
