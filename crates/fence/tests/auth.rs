@@ -305,3 +305,67 @@ fn the_admin_listener_takes_secrets_of_its_own() {
         assert_eq!(status, 200, "{path}: {answer}");
     }
 }
+
+/// `fence run --wait` waits for a held job, not for an answer that cannot change: a secret
+/// the server does not accept and a job id no plain claim may take each end the run at once,
+/// with the reason, and the command does not run.
+#[test]
+fn a_run_the_server_will_never_grant_stops_at_once_whatever_its_wait() {
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("clients");
+    write_auth(&auth, &format!("ops {OPS} *\n"));
+    let data = dir.path().join("data");
+    let (_server, addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &["--auth-file", auth.to_str().unwrap()],
+    ));
+    let url = format!("http://{addr}");
+    let marker = dir.path().join("ran");
+    let touch = format!("touch {}", marker.display());
+    let cases = [
+        (
+            "a secret the server does not know",
+            LATER,
+            "job-a",
+            "refused this client",
+        ),
+        (
+            "a semaphore's slot claimed plainly",
+            OPS,
+            "pool#1",
+            "cannot be claimed this way",
+        ),
+    ];
+    for (what, secret, job, says) in cases {
+        let tokens = token_file(dir.path(), "t", secret);
+        let started = std::time::Instant::now();
+        let out = fence(&[
+            "run",
+            "--server",
+            &url,
+            "--auth-token-file",
+            &tokens,
+            "--job",
+            job,
+            "--wait",
+            "60s",
+            "--",
+            "sh",
+            "-c",
+            &touch,
+        ]);
+        let took = started.elapsed();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success(), "{what}: {out:?}");
+        assert!(
+            took < std::time::Duration::from_secs(20),
+            "{what}: fence run kept asking for {took:?} (--wait 60s): {stderr}"
+        );
+        assert!(stderr.contains(says), "{what}: {stderr}");
+        assert!(
+            !stderr.contains(secret),
+            "{what}: the secret is on stderr: {stderr}"
+        );
+        assert!(!marker.exists(), "{what}: the command ran");
+    }
+}

@@ -571,6 +571,16 @@ pub enum StoreError {
         /// Why.
         reason: &'static str,
     },
+    /// A remote store refused the request as asked (a 4xx answer other than 401, 403, 408
+    /// and 429): a malformed request, a job at its last generation, a plain claim of a
+    /// semaphore's slot. The same request asked again gets the same answer.
+    #[error("the lease server refused the request ({status}): {detail}")]
+    Refused {
+        /// The HTTP status.
+        status: u16,
+        /// The server's detail.
+        detail: String,
+    },
     /// A remote store refused the caller: no valid bearer secret (401), or one that does
     /// not cover the job (403).
     #[error("the lease server refused this client: {detail}")]
@@ -590,6 +600,20 @@ impl StoreError {
         matches!(
             self,
             Self::Io(_) | Self::Timeout(_) | Self::Unavailable { .. }
+        )
+    }
+
+    /// Whether asking again the same way can only get the same answer: the request is
+    /// malformed or not allowed for this job id, the caller is not let in, or a stored
+    /// record is corrupt. A caller that retries store failures stops at these.
+    pub fn is_permanent(&self) -> bool {
+        matches!(
+            self,
+            Self::Refused { .. }
+                | Self::Denied { .. }
+                | Self::Reserved { .. }
+                | Self::GenerationExhausted(_)
+                | Self::Corrupt { .. }
         )
     }
 

@@ -453,7 +453,9 @@ pub struct RunCmd {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), env = "FENCE_SLOTS")]
     pub slots: Option<u32>,
     /// Keep retrying this long while the job is held by someone else (with --slots: while
-    /// every slot is taken).
+    /// every slot is taken), and while the server cannot be reached or is unavailable. An
+    /// answer that asking again cannot change (a secret the server refuses, a request it
+    /// calls malformed, a job at its last generation) ends the run at once.
     #[arg(long, allow_hyphen_values = true, default_value = "0s", value_parser = parse_duration, env = "FENCE_WAIT")]
     pub wait: Duration,
     /// Time between SIGTERM and SIGKILL after the lease is lost. When it ran out (rather than

@@ -96,6 +96,12 @@ where
                 Duration::ZERO
             }
             Err(e @ ClaimError::Timing(_)) => return Err(e.into()),
+            // A refusal that asking again cannot change (a bad request, a job at its last
+            // generation, a secret the server does not accept): stop now, not at --wait.
+            Err(ClaimError::Store(e)) if e.is_permanent() => {
+                warnings.flush();
+                return Err(anyhow::Error::new(e).context(format!("could not claim {what}")));
+            }
             Err(e) => {
                 if Instant::now() >= give_up {
                     warnings.flush();

@@ -56,12 +56,27 @@ pub(super) fn unexpected(status: StatusCode, body: &[u8]) -> StoreError {
                 detail: p.detail,
             }
         }
+        Ok(p) if permanent(status) => StoreError::Refused {
+            status: status.as_u16(),
+            detail: format!("{} ({})", p.detail, p.kind),
+        },
         Ok(p) => StoreError::Protocol(format!("{status}: {} ({})", p.detail, p.kind)),
         Err(_) => StoreError::Protocol(format!(
             "{status}: {}",
             String::from_utf8_lossy(&body[..body.len().min(200)])
         )),
     }
+}
+
+/// A 4xx that asking again cannot change: not 408 (the request took too long) or 429 (too
+/// many), which a later try may pass. Only a problem body counts: a gateway's own 4xx page
+/// says nothing of what the lease server would answer.
+fn permanent(status: StatusCode) -> bool {
+    status.is_client_error()
+        && !matches!(
+            status,
+            StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_MANY_REQUESTS
+        )
 }
 
 pub(super) fn decode<T: serde::de::DeserializeOwned>(
@@ -191,6 +206,48 @@ mod tests {
             assert!(
                 unavailable(status, Some(&header("1")), b"").is_none(),
                 "{status}"
+            );
+        }
+    }
+
+    /// A 4xx problem other than authentication, 408 and 429 is a refusal that asking again
+    /// cannot change; a 5xx, a 408, a 429 and any answer that is not a problem are not.
+    #[test]
+    fn a_client_error_problem_is_a_permanent_refusal_and_nothing_else_is() {
+        let problem = |status: u16, kind: &str| {
+            format!(r#"{{"type":"urn:fence:{kind}","title":"t","status":{status},"detail":"no"}}"#)
+        };
+        let bad = unexpected(
+            StatusCode::BAD_REQUEST,
+            problem(400, "bad-request").as_bytes(),
+        );
+        assert!(
+            matches!(&bad, StoreError::Refused { status: 400, detail } if detail.starts_with("no")),
+            "{bad:?}"
+        );
+        assert!(bad.is_permanent());
+        let denied = unexpected(
+            StatusCode::UNAUTHORIZED,
+            problem(401, "unauthenticated").as_bytes(),
+        );
+        assert!(
+            matches!(denied, StoreError::Denied { status: 401, .. }),
+            "{denied:?}"
+        );
+        assert!(denied.is_permanent());
+        for (status, body) in [
+            (StatusCode::TOO_MANY_REQUESTS, problem(429, "overloaded")),
+            (StatusCode::REQUEST_TIMEOUT, problem(408, "bad-request")),
+            (StatusCode::INTERNAL_SERVER_ERROR, problem(500, "internal")),
+            (
+                StatusCode::BAD_REQUEST,
+                "<html>a gateway's page</html>".to_owned(),
+            ),
+        ] {
+            let got = unexpected(status, body.as_bytes());
+            assert!(
+                matches!(got, StoreError::Protocol(_)) && !got.is_permanent(),
+                "{status} {body}: {got:?}"
             );
         }
     }
