@@ -21,7 +21,6 @@ use fence_core::{
     },
     secret::LeaseKey,
 };
-use fence_storage::tls::TlsError;
 use http::{
     HeaderValue, Method, Request, StatusCode, Uri,
     header::{AUTHORIZATION, CONTENT_TYPE},
@@ -35,9 +34,12 @@ use hyper_util::{
 
 mod answers;
 mod connect;
+mod url;
 
 use answers::{decode, from_body, grant, record, refused, unexpected};
 use connect::{Budgeted, MAX_CONNECT_SHARE};
+pub use url::UrlError;
+use url::without_credentials;
 
 use super::{
     ClaimTerms, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, SlotClaim,
@@ -99,36 +101,6 @@ impl Default for HttpOptions {
     }
 }
 
-/// A server URL the client cannot use.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum UrlError {
-    /// It does not parse as a URL.
-    #[error("invalid server URL {url:?}")]
-    Invalid {
-        /// The URL given.
-        url: String,
-        /// Why it does not parse.
-        #[source]
-        source: http::uri::InvalidUri,
-    },
-    /// It is not `http://host[:port]` or `https://host[:port]`.
-    #[error("invalid server URL {url:?}: expected http://host:port or https://host:port")]
-    Unsupported {
-        /// The URL given.
-        url: String,
-    },
-    /// TLS for `https://` could not be set up (a CA file that cannot be read, say).
-    #[error("cannot set up TLS for {url}")]
-    Tls {
-        /// The URL given.
-        url: String,
-        /// Why.
-        #[source]
-        source: TlsError,
-    },
-}
-
 /// The largest answer the client reads from a server.
 const MAX_ANSWER: usize = fence_core::lease_api::MAX_CHECKPOINT_BODY + 4096;
 
@@ -154,27 +126,32 @@ impl HttpLeaseStore {
         for one in base_url.split(',').map(str::trim) {
             let trimmed = one.trim_end_matches('/');
             let uri: Uri = trimmed.parse().map_err(|source| UrlError::Invalid {
-                url: one.to_owned(),
+                url: without_credentials(one),
                 source,
             })?;
+            if uri.authority().is_some_and(|a| a.as_str().contains('@')) {
+                return Err(UrlError::Credentials {
+                    url: without_credentials(one),
+                });
+            }
             match uri.scheme_str() {
                 Some("https") => any_https = true,
                 Some("http") => {}
                 _ => {
                     return Err(UrlError::Unsupported {
-                        url: one.to_owned(),
+                        url: without_credentials(one),
                     });
                 }
             }
             if uri.host().is_none() {
                 return Err(UrlError::Unsupported {
-                    url: one.to_owned(),
+                    url: without_credentials(one),
                 });
             }
             servers.push(trimmed.to_owned());
         }
         let tls_error = |source| UrlError::Tls {
-            url: base_url.to_owned(),
+            url: without_credentials(base_url),
             source,
         };
         // Roots are read only when needed: an http:// store needs none on the machine.
@@ -592,5 +569,31 @@ mod tests {
         for bad in ["http://a:7700,", "http://a:7700,ftp://b", ",http://a"] {
             assert!(HttpLeaseStore::new(bad).is_err(), "{bad}");
         }
+    }
+
+    /// A URL with a user or password is refused, and no error quotes the password: not
+    /// that refusal, not an unparsable URL's, not a wrong scheme's.
+    #[test]
+    fn a_url_with_credentials_is_refused_and_no_error_quotes_them() {
+        for url in [
+            "http://ops:hunter2-secret@127.0.0.1:7700",
+            "https://hunter2-secret@leases.internal",
+            "http://a:7700, http://ops:hunter2-secret@b:7700/path",
+            "ftp://ops:hunter2-secret@b",
+            "http://ops:hunter2-secret@b:notaport",
+        ] {
+            let e = HttpLeaseStore::new(url).err().expect(url);
+            let said = format!("{e} {e:?}");
+            assert!(!said.contains("hunter2"), "{url}: {said}");
+        }
+        let e = HttpLeaseStore::new("http://ops:hunter2-secret@127.0.0.1:7700/x@y").unwrap_err();
+        assert!(
+            matches!(&e, UrlError::Credentials { url } if url == "http://…@127.0.0.1:7700/x@y"),
+            "{e:?}"
+        );
+        assert!(
+            HttpLeaseStore::new("http://127.0.0.1:7700/a@b").is_ok(),
+            "an @ in the path is no user"
+        );
     }
 }

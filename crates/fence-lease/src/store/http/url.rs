@@ -1,0 +1,56 @@
+//! Server URLs the client refuses, and how an error quotes one: never with its password.
+
+use fence_storage::tls::TlsError;
+
+/// A server URL the client cannot use.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum UrlError {
+    /// It does not parse as a URL.
+    #[error("invalid server URL {url:?}")]
+    Invalid {
+        /// The URL given, without a user or password.
+        url: String,
+        /// Why it does not parse.
+        #[source]
+        source: http::uri::InvalidUri,
+    },
+    /// It is not `http://host[:port]` or `https://host[:port]`.
+    #[error("invalid server URL {url:?}: expected http://host:port or https://host:port")]
+    Unsupported {
+        /// The URL given, without a user or password.
+        url: String,
+    },
+    /// It names a user or password (`http://user:secret@host`): the lease server takes a
+    /// bearer secret (`bearer` of [`HttpOptions`](super::HttpOptions)), never credentials
+    /// in the URL. The URL is shown without them.
+    #[error(
+        "the server URL {url:?} carries a user or password; give the bearer secret as the auth \
+         token instead"
+    )]
+    Credentials {
+        /// The URL given, its user and password left out.
+        url: String,
+    },
+    /// TLS for `https://` could not be set up (a CA file that cannot be read, say).
+    #[error("cannot set up TLS for {url}")]
+    Tls {
+        /// The URL given, without a user or password.
+        url: String,
+        /// Why.
+        #[source]
+        source: TlsError,
+    },
+}
+
+/// `url` with anything between its scheme and the last `@` of its authority left out, so an
+/// error that quotes a URL never quotes a password in it.
+pub(super) fn without_credentials(url: &str) -> String {
+    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
+    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
+    match rest[..end].rfind('@') {
+        Some(at) if scheme.is_empty() => format!("…@{}", &rest[at + 1..]),
+        Some(at) => format!("{scheme}://…@{}", &rest[at + 1..]),
+        None => url.to_owned(),
+    }
+}
