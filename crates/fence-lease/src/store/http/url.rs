@@ -21,7 +21,8 @@ pub enum UrlError {
         /// The URL given, without a user or password.
         url: String,
     },
-    /// It names a user or password (`http://user:secret@host`): the lease server takes a
+    /// It has an `@`, so it may name a user or password (`http://user:secret@host`), or the
+    /// path may hide one from a parser (`http://user:pa/ss@host`): the lease server takes a
     /// bearer secret (`bearer` of [`HttpOptions`](super::HttpOptions)), never credentials
     /// in the URL. The URL is shown without them.
     #[error(
@@ -43,14 +44,15 @@ pub enum UrlError {
     },
 }
 
-/// `url` with anything between its scheme and the last `@` of its authority left out, so an
-/// error that quotes a URL never quotes a password in it.
+/// `url` with anything between its scheme and its last `@` left out, so an error that quotes
+/// a URL never quotes a password in it, whatever its syntax: a password with a `/` in it
+/// (`http://ops:pa/ss@host`) ends the authority early for a parser, not for this.
 pub(super) fn without_credentials(url: &str) -> String {
-    let (scheme, rest) = url.split_once("://").unwrap_or(("", url));
-    let end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    match rest[..end].rfind('@') {
-        Some(at) if scheme.is_empty() => format!("…@{}", &rest[at + 1..]),
-        Some(at) => format!("{scheme}://…@{}", &rest[at + 1..]),
-        None => url.to_owned(),
+    let Some(at) = url.rfind('@') else {
+        return url.to_owned();
+    };
+    match url.split_once("://") {
+        Some((scheme, _)) if scheme.len() < at => format!("{scheme}://…@{}", &url[at + 1..]),
+        _ => format!("…@{}", &url[at + 1..]),
     }
 }
