@@ -295,6 +295,33 @@ func TestTimingOptionsAreChecked(t *testing.T) {
 	}
 }
 
+func TestAServerURLWithAUserOrPasswordIsRefusedWithoutQuotingThem(t *testing.T) {
+	// The server takes bearer secrets only, and the server URL is quoted in error messages.
+	for _, server := range []string{"http://alice:hunter2-pw@127.0.0.1:7700", "https://alice@fence.example/",
+		"http://alice:pa/hunter2-pw@127.0.0.1:7700"} {
+		_, err := NewClient(server, Options{})
+		if err == nil {
+			t.Fatalf("%s accepted", server)
+		}
+		if msg := err.Error(); !strings.Contains(msg, "user or password") || !strings.Contains(msg, "AuthToken") ||
+			strings.Contains(msg, "hunter2") || strings.Contains(msg, "alice") {
+			t.Fatalf("%s: %s", server, msg)
+		}
+	}
+	// A URL refused for its scheme is quoted without what it carries before an '@'.
+	for _, server := range []string{"ftp://alice:hunter2-pw@127.0.0.1:7700", "alice:hunter2-pw@127.0.0.1:7700",
+		"ftp://alice:pa/hunter2-pw@127.0.0.1:7700/x"} {
+		_, err := NewClient(server, Options{})
+		if err == nil {
+			t.Fatalf("%s accepted", server)
+		}
+		if msg := err.Error(); !strings.Contains(msg, "must start with http:// or https://") ||
+			!strings.Contains(msg, "127.0.0.1:7700") || strings.Contains(msg, "hunter2") || strings.Contains(msg, "alice") {
+			t.Fatalf("%s: %s", server, msg)
+		}
+	}
+}
+
 func TestPrintingALeaseNeverShowsItsKey(t *testing.T) {
 	l := &Lease{job: "inv-42", generation: 7, key: "secret-lease-key-0123456789"}
 	for _, format := range []string{"%v", "%s", "%+v", "%#v"} {

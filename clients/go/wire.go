@@ -125,6 +125,33 @@ func newLeaseKey() (string, error) {
 	return base64.RawURLEncoding.EncodeToString(b[:]), nil // 43 characters
 }
 
+// withoutUserinfo is url to quote in an error message: everything from its scheme's "//" (or
+// its start) up to its last '@' removed, so no user or password it carries is shown, whatever
+// its syntax (the '@' may follow a '/' of the password).
+func withoutUserinfo(url string) string {
+	at := strings.LastIndexByte(url, '@')
+	if at < 0 {
+		return url
+	}
+	return schemePrefix(url[:at]) + url[at+1:]
+}
+
+// schemePrefix is s's leading "<scheme>://", or "".
+func schemePrefix(s string) string {
+	i := strings.Index(s, "://")
+	if i < 1 {
+		return ""
+	}
+	for j := 0; j < i; j++ {
+		c := s[j]
+		letter := 'A' <= c && c <= 'Z' || 'a' <= c && c <= 'z'
+		if !letter && (j == 0 || !('0' <= c && c <= '9' || c == '+' || c == '-' || c == '.')) {
+			return ""
+		}
+	}
+	return s[:i+3]
+}
+
 type transport struct {
 	server  string
 	header  http.Header
@@ -141,7 +168,12 @@ func newTransport(server string, opts *Options) (*transport, error) {
 	}
 	server = strings.TrimRight(server, "/")
 	if !strings.HasPrefix(server, "http://") && !strings.HasPrefix(server, "https://") {
-		return nil, fmt.Errorf("fence: the server URL must start with http:// or https://, not %q", server)
+		return nil, fmt.Errorf("fence: the server URL must start with http:// or https://, not %q", withoutUserinfo(server))
+	}
+	if strings.Contains(server, "@") {
+		// The server knows bearer secrets only: a user or password here is a mistake, and would
+		// be quoted in every error message (t.server is).
+		return nil, errors.New("fence: the server URL must not carry a user or password ('@'): give the bearer secret as Options.AuthToken (or AuthTokenFile, FENCE_AUTH_TOKEN)")
 	}
 	secret := opts.AuthToken
 	if opts.AuthToken != "" && opts.AuthTokenFile != "" {

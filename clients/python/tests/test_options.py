@@ -195,6 +195,26 @@ def test_timing_options_are_checked():
         Client("127.0.0.1:7700")
 
 
+def test_a_server_url_with_a_user_or_password_is_refused_without_quoting_them():
+    # The server takes bearer secrets only, and the server URL is quoted in error messages.
+    for url in ("http://alice:hunter2-pw@127.0.0.1:7700", "https://alice@fence.example/",
+                "http://alice:pa/hunter2-pw@127.0.0.1:7700"):
+        for make in (Client, AsyncClient):
+            with pytest.raises(ValueError) as refused:
+                make(url)
+            message = str(refused.value)
+            assert "user or password" in message and "auth_token" in message, message
+            assert "hunter2" not in message and "alice" not in message, message
+    # A URL refused for its scheme is quoted without what it carries before an '@'.
+    for url in ("ftp://alice:hunter2-pw@127.0.0.1:7700", "alice:hunter2-pw@127.0.0.1:7700",
+                "ftp://alice:pa/hunter2-pw@127.0.0.1:7700/x"):
+        with pytest.raises(ValueError) as refused:
+            Client(url)
+        message = str(refused.value)
+        assert "must start with http:// or https://" in message and "127.0.0.1:7700" in message, message
+        assert "hunter2" not in message and "alice" not in message, message
+
+
 def lose_first_claim_answer(client, monkeypatch, lost_as: Exception) -> list:
     """The first claim reaches the server and is decided, but ``lost_as`` is raised instead of
     its answer: the answers lost, for the test."""

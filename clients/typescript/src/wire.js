@@ -118,6 +118,19 @@ export function marginOf(grantedMs, marginMs) {
   return marginMs ?? Math.max(Math.floor(grantedMs / 10), 50);
 }
 
+/**
+ * `url` to quote in an error message: everything from its scheme's `//` (or its start) up to
+ * its last '@' removed, so no user or password it carries is shown, whatever its syntax (the
+ * '@' may follow a '/' of the password).
+ * @param {string} url
+ */
+export function withoutUserinfo(url) {
+  const at = url.lastIndexOf('@');
+  if (at < 0) return url;
+  const scheme = /^[A-Za-z][A-Za-z0-9+.-]*:\/\//.exec(url.slice(0, at));
+  return (scheme ? scheme[0] : '') + url.slice(at + 1);
+}
+
 /** Blocking-free HTTP calls to one lease server. */
 export class Transport {
   /**
@@ -125,10 +138,21 @@ export class Transport {
    */
   constructor(options) {
     const server = (options.server ?? process.env.FENCE_SERVER ?? 'http://127.0.0.1:7700').replace(/\/+$/, '');
-    const url = new URL(server);
-    if (url.protocol !== 'http:' && url.protocol !== 'https:') {
-      throw new TypeError(`the server URL must start with http:// or https://, not ${server}`);
+    let url = null;
+    try {
+      url = new URL(server);
+    } catch {
+      // Not thrown as is: URL's own error carries the text it was given (its `input`).
     }
+    if (url !== null ? url.protocol !== 'http:' && url.protocol !== 'https:' : !/^https?:\/\//i.test(server)) {
+      throw new TypeError(`the server URL must start with http:// or https://, not ${withoutUserinfo(server)}`);
+    }
+    if (server.includes('@')) {
+      // The server knows bearer secrets only: a user or password here is a mistake, and would
+      // be quoted in every error message (this.server is).
+      throw new TypeError("the server URL must not carry a user or password ('@'): give the bearer secret as authToken (or authTokenFile, FENCE_AUTH_TOKEN)");
+    }
+    if (url === null) throw new TypeError(`the server URL ${server} is not a URL`);
     this.server = server;
     this.base = url.pathname.replace(/\/+$/, '');
     this.timeoutMs = options.timeoutMs ?? 10_000;
@@ -253,5 +277,6 @@ export function grantOf(job, generation, answer) {
   if (!Number.isInteger(answer.ttl_ms) || !Number.isInteger(answer.expires_at_ms)) {
     throw new ProtocolError(`a lease answer without ttl_ms and expires_at_ms: ${stringifyJson(answer).slice(0, 200)}`);
   }
+  if (answer.ttl_ms < 1) throw new ProtocolError(`a lease answer with ttl_ms ${answer.ttl_ms}`);
   return { token, ttlMs: answer.ttl_ms, expiresAtMs: answer.expires_at_ms };
 }

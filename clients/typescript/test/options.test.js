@@ -170,3 +170,26 @@ test('timing options are checked', () => {
   assert.throws(() => new Client({ server: 'http://127.0.0.1:9', ttlMs: 1000, marginMs: 1000 }), RangeError);
   assert.throws(() => new Client({ server: 'ftp://127.0.0.1:7700' }), TypeError);
 });
+
+test('a server URL with a user or password is refused without quoting them', () => {
+  // The server takes bearer secrets only, and the server URL is quoted in error messages.
+  for (const server of ['http://alice:hunter2-pw@127.0.0.1:7700', 'https://alice@fence.example/',
+    'http://alice:pa/hunter2-pw@127.0.0.1:7700', 'http://alice:hunter2-pw@[::1']) {
+    assert.throws(() => new Client({ server }), (e) => {
+      assert.ok(e instanceof TypeError, String(e));
+      assert.match(e.message, /user or password.*authToken/);
+      assert.ok(!/hunter2|alice/.test(`${e.message} ${JSON.stringify(e)}`), e.message);
+      return true;
+    });
+  }
+  // A URL refused for its scheme is quoted without what it carries before an '@'.
+  for (const server of ['ftp://alice:hunter2-pw@127.0.0.1:7700', 'alice:hunter2-pw@127.0.0.1:7700',
+    'ftp://alice:pa/hunter2-pw@127.0.0.1:7700/x']) {
+    assert.throws(() => new Client({ server }), (e) => {
+      assert.ok(e instanceof TypeError, String(e));
+      assert.match(e.message, /must start with http:\/\/ or https:\/\/, not .*127\.0\.0\.1:7700/);
+      assert.ok(!/hunter2|alice/.test(`${e.message} ${JSON.stringify(e)}`), e.message);
+      return true;
+    });
+  }
+});

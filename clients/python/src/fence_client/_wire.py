@@ -7,6 +7,7 @@ import hashlib
 import http.client
 import json
 import os
+import re
 import secrets
 import socket
 import ssl
@@ -133,6 +134,20 @@ def read_auth_token(auth_token: Optional[str], auth_token_file: Optional[PathLik
     return auth_token
 
 
+_SCHEME = re.compile(r"[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def without_userinfo(url: str) -> str:
+    """``url`` to quote in an error message: everything from its scheme's ``//`` (or its start)
+    up to its last ``@`` removed, so no user or password it carries is shown, whatever its
+    syntax (the ``@`` may follow a ``/`` of the password)."""
+    head, at, rest = url.rpartition("@")
+    if not at:
+        return url
+    scheme = _SCHEME.match(head)
+    return (scheme.group(0) if scheme else "") + rest
+
+
 class Transport:
     """Blocking HTTP calls to one lease server (``urllib``; thread safe)."""
 
@@ -141,7 +156,13 @@ class Transport:
                  timeout: float) -> None:
         server = server or os.environ.get("FENCE_SERVER") or "http://127.0.0.1:7700"
         if not server.startswith(("http://", "https://")):
-            raise ValueError(f"the server URL must start with http:// or https://, not {server!r}")
+            raise ValueError("the server URL must start with http:// or https://, not "
+                             f"{without_userinfo(server)!r}")
+        if "@" in server:
+            # The server knows bearer secrets only: a user or password here is a mistake, and
+            # would be quoted in every error message (self.server is).
+            raise ValueError("the server URL must not carry a user or password ('@'): give the "
+                             "bearer secret as auth_token (or auth_token_file, FENCE_AUTH_TOKEN)")
         self.server = server.rstrip("/")
         self.timeout = timeout
         secret = read_auth_token(auth_token, auth_token_file)
