@@ -21,6 +21,7 @@ package fence
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
 	"fmt"
 	"net/http"
@@ -126,7 +127,9 @@ func (c *Client) Owner() string { return c.owner }
 // ErrJobCompleted (or another refusal), ErrUnreachable, and ErrInvalidJobID before sending.
 // After a claim whose answer was lost (ErrUnreachable, a 502, 503 or 504: it may have been
 // granted), the next claim of the job asks with the same lease key, so that grant comes back
-// rather than the job being held, by this owner, until it expires.
+// rather than the job being held, by this owner, until it expires. A 200 that does not follow
+// the contract is an ErrProtocol error: its grant is given back when the answer names its
+// generation, and its key is kept for the next claim as after a lost answer.
 func (c *Client) Claim(ctx context.Context, job string) (*Lease, error) {
 	return c.ClaimWaiting(ctx, job, 0)
 }
@@ -155,7 +158,7 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 	body := c.claimBody(key, ttlMs)
 	budget := ttl - marginOf(ttl, c.margin)
 	waitUntil := c.clock.Now().Add(wait)
-	var a leaseAnswer
+	var raw json.RawMessage
 	var sent time.Time
 	for {
 		chunk := waitUntil.Sub(c.clock.Now())
@@ -170,13 +173,18 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 			chunk = 0
 		}
 		sent = c.clock.Now()
-		err = c.t.call(ctx, http.MethodPost, path, body, budget+chunk, &a)
+		err = c.t.call(ctx, http.MethodPost, path, body, budget+chunk, &raw)
 		if err == nil {
 			break
 		}
-		if answerLost(err) {
+		if answerLost(err) || errors.Is(err, ErrProtocol) {
+			// An answer lost may have been a grant, and so may a 200 this client cannot read
+			// (not JSON), which no release can name: the same key gets it back.
 			now := c.clock.Now()
 			c.unsettled.keep(job, key, now.Add(ttl), now)
+		}
+		if errors.Is(err, ErrProtocol) {
+			return nil, mayBeHeld(err, true)
 		}
 		if !errors.Is(err, ErrLeaseHeld) || chunk == 0 || !c.clock.Now().Before(waitUntil) || ctx.Err() != nil {
 			return nil, err
@@ -192,7 +200,15 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 			}
 		}
 	}
-	return c.startLease(ctx, job, key, ttlMs, sent, a)
+	lease, err := c.leaseFrom(ctx, job, key, ttlMs, sent, raw, nil)
+	if errors.Is(err, ErrProtocol) {
+		// A malformed grant (given back if leaseFrom could name it): its key is kept too, so
+		// the next claim of the job gets it back should the release not have reached the
+		// server, or no release could be sent.
+		now := c.clock.Now()
+		c.unsettled.keep(job, key, now.Add(ttl), now)
+	}
+	return lease, err
 }
 
 // A semaphore claim is not held at the server: while every slot is taken, the client asks again
@@ -243,13 +259,16 @@ func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait
 	path := "/v1/semaphores/" + enc + "/claim"
 	waitUntil := c.clock.Now().Add(wait)
 	backoff := slotBackoffFirst
-	var a leaseAnswer
+	var raw json.RawMessage
 	var sent time.Time
 	for {
 		sent = c.clock.Now()
-		err = c.t.call(ctx, http.MethodPost, path, body, budget, &a)
+		err = c.t.call(ctx, http.MethodPost, path, body, budget, &raw)
 		if err == nil {
 			break
+		}
+		if errors.Is(err, ErrProtocol) {
+			return nil, mayBeHeld(err, false)
 		}
 		left := waitUntil.Sub(c.clock.Now())
 		if left <= 0 || ctx.Err() != nil {
@@ -281,11 +300,13 @@ func (c *Client) ClaimSlot(ctx context.Context, resource string, slots int, wait
 			backoff = slotBackoffMax
 		}
 	}
-	if a.Slot < 1 || a.Slot > slots || a.Job != resource+"#"+strconv.Itoa(a.Slot) || a.Resource != resource {
-		return nil, fmt.Errorf("%w: a claim of semaphore %s (%d slots) was answered with job %q, slot %d",
-			ErrProtocol, resource, slots, a.Job, a.Slot)
-	}
-	return c.startLease(ctx, a.Job, key, ttlMs, sent, a)
+	return c.leaseFrom(ctx, resource, key, ttlMs, sent, raw, func(a leaseAnswer) error {
+		if a.Slot < 1 || a.Slot > slots || a.Job != resource+"#"+strconv.Itoa(a.Slot) || a.Resource != resource {
+			return fmt.Errorf("%w: a claim of semaphore %s (%d slots) was answered with job %q, slot %d",
+				ErrProtocol, resource, slots, a.Job, a.Slot)
+		}
+		return nil
+	})
 }
 
 // minWaitingClaimGap is the least time between two sends of one waiting claim.
@@ -330,22 +351,77 @@ func (c *Client) claimBody(key string, ttlMs uint64) map[string]any {
 	return body
 }
 
-// startLease makes the lease a claim sent at sent was granted (a semaphore slot's when a names
-// its resource and slot) and starts its keeper.
-func (c *Client) startLease(ctx context.Context, job, key string, ttlMs uint64, sent time.Time, a leaseAnswer) (*Lease, error) {
-	if a.Generation == 0 {
-		return nil, fmt.Errorf("%w: a claim of %s granted generation 0", ErrProtocol, job)
+// mayBeHeld is err, a claim's 200 that does not follow the contract, saying what it leaves: a
+// grant no release can name (its generation, or a semaphore's slot, unknown), held until its
+// TTL ends; with kept, until the next claim of the job, asked with the same key, gets it back.
+func mayBeHeld(err error, kept bool) error {
+	until := "its TTL ends"
+	if kept {
+		until += " or this client's next claim of the job (asked with the same key) gets it back"
 	}
+	return fmt.Errorf("%w; the lease it may stand for is held until %s", err, until)
+}
+
+// leaseFrom makes the lease of a claim sent at sent and answered 200 with raw, and starts its
+// keeper; for a semaphore claim, slotErr checks the answer's slot first (the lease is then on
+// the slot's job). An answer that does not follow the contract is an ErrProtocol error, and
+// the grant it may stand for is given back when the answer names its generation: a release
+// names a lease by owner, generation and key, and the owner and key are the claim's. One that
+// names no generation, or no slot of the semaphore asked for, cannot be given back: it is held
+// until its TTL ends, unless (a plain claim) the next claim, asked with the same key, gets it.
+func (c *Client) leaseFrom(ctx context.Context, job, key string, ttlMs uint64, sent time.Time, raw json.RawMessage, slotErr func(leaseAnswer) error) (*Lease, error) {
+	var a leaseAnswer
+	err := json.Unmarshal(raw, &a)
+	if err != nil {
+		err = fmt.Errorf("%w: a claim of %s was answered %.200s: %v", ErrProtocol, job, raw, err)
+		// Its generation alone (a member that did decode) names the grant.
+		var named struct {
+			Generation uint64 `json:"generation"`
+		}
+		if json.Unmarshal(raw, &named) != nil {
+			named.Generation = 0
+		}
+		a.Generation = named.Generation
+	}
+	if slotErr != nil {
+		if serr := slotErr(a); serr != nil {
+			return nil, mayBeHeld(serr, false)
+		}
+		job = a.Job
+	}
+	if a.Generation == 0 {
+		if err == nil {
+			err = fmt.Errorf("%w: a claim of %s granted generation 0", ErrProtocol, job)
+		}
+		return nil, mayBeHeld(err, slotErr == nil)
+	}
+	l := c.newLease(job, key, ttlMs, a)
+	if err == nil {
+		_, err = l.setGrant(sent, a, true)
+	}
+	if err != nil {
+		// A token, ttl_ms or expires_at_ms that is not the contract's: given back, the release
+		// asked again within the TTL asked for (there is no grant to go by).
+		l.sent, l.ttl = sent, time.Duration(ttlMs)*time.Millisecond
+		l.giveBack()
+		return nil, fmt.Errorf("%w (the grant of generation %d is given back)", err, a.Generation)
+	}
+	return c.startLease(ctx, l, sent)
+}
+
+// newLease is the lease of job granted by a, before its grant is taken.
+func (c *Client) newLease(job, key string, ttlMs uint64, a leaseAnswer) *Lease {
 	lctx, cancel := context.WithCancel(context.Background())
-	l := &Lease{t: c.t, clock: c.clock, job: job, owner: c.owner, generation: a.Generation, key: key,
+	return &Lease{t: c.t, clock: c.clock, job: job, owner: c.owner, generation: a.Generation, key: key,
 		askedTTLMs: ttlMs, margin: c.margin, ctx: lctx, cancel: cancel, finished: make(chan struct{}),
 		// Progress counts from the answer, not the send: a waiting claim may have been held
 		// longer than ProgressWithin before it was granted.
 		progressWithin: c.within, lastProgress: c.clock.Now(), resumed: a.Checkpoint, resource: a.Resource, slot: a.Slot}
-	if _, err := l.setGrant(sent, a, true); err != nil {
-		cancel()
-		return nil, err
-	}
+}
+
+// startLease starts the keeper of l, whose claim was sent at sent and whose grant it took.
+func (c *Client) startLease(ctx context.Context, l *Lease, sent time.Time) (*Lease, error) {
+	job := l.job
 	if !l.Deadline().After(sent) {
 		l.giveBack()
 		return nil, fmt.Errorf("%w: job %s: the server granted a lease of %v, not longer than the safety margin of %v, so it could not be held at all; lower the client's safety margin or raise the server's maximum TTL",

@@ -176,7 +176,7 @@ func (l *Lease) Abandon() {
 }
 
 // giveBack releases, in the background, a grant the client will not use (too short, come too
-// late, or not renewed after a wait): no request carried its token, and the next worker need
+// late, not renewed after a wait, or malformed): no request carried its token, and the next worker need
 // not wait for its expiry. A release that fails leaves it to expire.
 func (l *Lease) giveBack() {
 	l.Abandon()
@@ -281,6 +281,9 @@ func (l *Lease) setGrant(sent time.Time, a leaseAnswer, first bool) (bool, error
 	}
 	if a.TTLMs == nil || a.ExpiresAtMs == nil {
 		return false, fmt.Errorf("%w: a lease answer without ttl_ms and expires_at_ms", ErrProtocol)
+	}
+	if *a.TTLMs == 0 {
+		return false, fmt.Errorf("%w: a lease answer with ttl_ms 0", ErrProtocol)
 	}
 	token := strconv.FormatUint(l.generation, 10)
 	if a.Token != nil {

@@ -52,6 +52,18 @@ function heldPause(error, backoffMs) {
   return Math.max(ms, 1);
 }
 
+/**
+ * `error`, a claim's 200 that does not follow the contract, saying what it leaves: a grant no
+ * release can name (its generation, or a semaphore's slot, unknown), held until its TTL ends;
+ * with `kept`, until the next claim of the job, asked with the same key, gets it back.
+ * @param {ProtocolError} error
+ * @param {boolean} kept
+ */
+function mayBeHeld(error, kept) {
+  const until = kept ? "its TTL ends or this client's next claim of the job (asked with the same key) gets it back" : 'its TTL ends';
+  return new ProtocolError(`${error.message}; the lease it may stand for is held until ${until}`, { cause: error });
+}
+
 function checkLockDelay(delayMs) {
   if (delayMs !== undefined && !(Number.isInteger(delayMs) && delayMs >= 0 && delayMs <= 86_400_000)) {
     throw new RangeError(`a lock-delay is 0 to 86400000 ms, not ${delayMs}`);
@@ -124,6 +136,12 @@ export class Client {
         break;
       } catch (e) {
         if (answerLost(e)) this.#keepUnsettled(job, key, now() + ttlMs);
+        if (e instanceof ProtocolError) {
+          // A 200 this client cannot read (not a JSON object, too large) may be a grant, which
+          // no release can name: the same key gets it back.
+          this.#keepUnsettled(job, key, now() + ttlMs);
+          throw mayBeHeld(e, true);
+        }
         if (!(e instanceof LeaseHeld) || chunk === 0 || now() >= waitUntil) throw e;
       }
       // A server that holds claims only briefly (its --max-claim-wait) would otherwise be asked
@@ -131,7 +149,15 @@ export class Client {
       const gap = Math.min(sent + MIN_WAITING_CLAIM_GAP_MS - now(), waitUntil - now());
       if (gap > 0) await pause(gap);
     }
-    return this.#leaseFrom(job, key, ttlMs, sent, answer);
+    try {
+      return await this.#leaseFrom(job, key, ttlMs, sent, answer);
+    } catch (e) {
+      // A malformed grant (#leaseFrom gave it back if it could name it): its key is kept too,
+      // so the next claim of the job gets it back should the release not have reached the
+      // server, or no release could be sent.
+      if (e instanceof ProtocolError) this.#keepUnsettled(job, key, now() + ttlMs);
+      throw e;
+    }
   }
 
   /**
@@ -183,6 +209,7 @@ export class Client {
           // back, after the answer's Retry-After when it had a longer one.
           wait = Math.max(backoff, (e instanceof ProblemError ? e.retryAfter ?? 0 : 0) * 1000);
         }
+        if (e instanceof ProtocolError) throw mayBeHeld(e, false);
         if (wait === undefined || left <= 0) throw e;
         await pause(Math.min(wait, left));
         backoff = Math.min(backoff * 2, SLOT_BACKOFF_MAX_MS);
@@ -190,7 +217,9 @@ export class Client {
     }
     const { job, slot } = answer;
     if (!Number.isInteger(slot) || slot < 1 || slot > slots || job !== `${resource}#${slot}` || answer.resource !== resource) {
-      throw new ProtocolError(`a claim of semaphore ${resource} (${slots} slots) was answered with job ${job}, slot ${slot}`);
+      // Which slot's job the grant is on is not known, so no release can name it; a key is
+      // not kept for a semaphore (each call claims under a key of its own).
+      throw mayBeHeld(new ProtocolError(`a claim of semaphore ${resource} (${slots} slots) was answered with job ${job}, slot ${slot}`), false);
     }
     return this.#leaseFrom(job, key, ttlMs, sent, answer, { resource, slot });
   }
@@ -214,16 +243,24 @@ export class Client {
     return { key, body, ttlMs, budget: ttlMs - marginOf(ttlMs, this.marginMs) };
   }
 
-  // The lease a claim sent at `sent` was granted, its keeper started.
+  // The lease a claim sent at `sent` was granted, its keeper started. A 200 that does not
+  // follow the contract is a ProtocolError, and the grant it may stand for is given back when
+  // the answer names its generation (a release needs it, with the owner and key sent).
   async #leaseFrom(job, key, ttlMs, sent, answer, slot) {
     if (typeof answer.generation !== 'bigint' || answer.generation < 1n) {
-      throw new ProtocolError(`a claim of ${job} granted generation ${answer.generation}`);
+      throw mayBeHeld(new ProtocolError(`a claim of ${job} granted generation ${answer.generation}`), slot === undefined);
     }
     const lease = new Lease(this.#transport, job, this.owner, key, answer.generation, ttlMs, this.marginMs,
       this.progressWithinMs);
     lease._resume(answer.checkpoint);
     if (slot !== undefined) lease._slotOf(slot.resource, slot.slot);
-    lease._setGrant(sent, answer, true);
+    try {
+      lease._setGrant(sent, answer, true);
+    } catch (e) {
+      lease._giveBack(sent); // a token, ttl_ms or expires_at_ms that is not the contract's
+      if (!(e instanceof ProtocolError)) throw e;
+      throw new ProtocolError(`${e.message} (the grant of generation ${answer.generation} is given back)`, { cause: e });
+    }
     if (lease.deadline <= sent) {
       lease._giveBack();
       throw new GrantTooShort(job, lease.ttlMs, marginOf(lease.ttlMs, this.marginMs));

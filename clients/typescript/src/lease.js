@@ -213,10 +213,16 @@ export class Lease {
 
   /**
    * @internal Releases, in the background, a grant the client will not use (too short, come too
-   * late, or not renewed after a wait): no request carried its token, and the next worker need
+   * late, not renewed after a wait, or malformed): no request carried its token, and the next worker need
    * not wait for its expiry. A release that fails leaves it to expire.
    */
-  _giveBack() {
+  _giveBack(sent) {
+    // A grant whose answer could not be taken (malformed) set no TTL: the release is then
+    // asked again within the TTL the claim sent at `sent` asked for.
+    if (this.#ttlMs === 0 && sent !== undefined) {
+      this.#sent = sent;
+      this.#ttlMs = this.#askedTtlMs;
+    }
     this.#finish('release').catch(() => {});
   }
 
