@@ -49,6 +49,40 @@ PATH="$tmp/bin:$PATH" FENCE_AUTH_TOKEN=not-a-real-secret-0123456789 run ledger s
 grep -q '/v1/leases/secrets/claim' "$tmp/curl-args" || fail "the wrapper saw no claim: $(cat "$tmp/curl-args")"
 ! grep -qE 'lease_key|Bearer|not-a-real-secret' "$tmp/curl-args" || fail "a secret was an argument: $(cat "$tmp/curl-args")"
 
+# A claim and a completion whose answers are lost (502, 503, 504: outcome unknown) are asked
+# again with the same body: curl is wrapped to answer a run's first claim and first completion
+# 503 itself, after passing them on to the server (decided there, the answer lost: only the
+# same lease key gets that lease back, and the completion's retry finds it applied) or without
+# (they never reached it). The worker must complete the job at generation 1, writing once.
+mkdir -p "$tmp/lossy"
+cat >"$tmp/lossy/curl" <<EOF
+#!/bin/sh
+out=; headers=; kind=; prev=
+for a; do
+  case \$prev in -o) out=\$a ;; -D) headers=\$a ;; esac
+  case \$a in */claim) kind=claim ;; */complete) kind=complete ;; esac
+  prev=\$a
+done
+if [ -n "\$kind" ] && mkdir "\$LOSSY_DIR/\$kind" 2>/dev/null; then
+  [ "\$LOSSY" != applied ] || "$(command -v curl)" "\$@" >/dev/null
+  printf '{"type":"urn:fence:store-unavailable","title":"","status":503,"detail":"lost"}' >"\$out"
+  [ -z "\$headers" ] || printf 'HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n\r\n' >"\$headers"
+  printf 503; exit 0
+fi
+exec "$(command -v curl)" "\$@"
+EOF
+chmod +x "$tmp/lossy/curl"
+for mode in applied refused; do
+  job=lossy-$mode; mkdir "$tmp/$job.lost"
+  PATH="$tmp/lossy:$PATH" LOSSY=$mode LOSSY_DIR="$tmp/$job.lost" run ledger "$job" 10000 1 >"$tmp/$job" 2>&1 ||
+    fail "$job: the worker failed: $(cat "$tmp/$job")"
+  [ -d "$tmp/$job.lost/claim" ] && [ -d "$tmp/$job.lost/complete" ] || fail "$job: no claim or completion was answered 503"
+  "$FENCE" status --server "$S" --job "$job" | grep -q '"generation":1,"state":"completed"' ||
+    fail "$job: $("$FENCE" status --server "$S" --job "$job") $(cat "$tmp/$job")"
+  [ "$(grep -c "^/ledger $job " "$tmp/up.log")" = 1 ] && grep -q "^/ledger $job 1 write 1$" "$tmp/up.log" ||
+    fail "$job: ledger: $(cat "$tmp/up.log")"
+done
+
 n=0
 for job in 'a/b' 'a%b' 'a?b&c' 'a+b'; do n=$((n + 1))
   run slow "$job" 1500 3 >"$tmp/w$n" 2>&1 & w=$!
@@ -89,4 +123,4 @@ for offset in none +1h -1h; do
   "$FENCE" status --server "$S" --job "$job" | grep -q '"generation":1' || fail "status of $job"
   ! "$FENCE" status --server "$S" --job "$job" | grep -q '"state":"completed"' || fail "$job was completed"
 done
-echo "sh: ok: the worked example, 4 encoded job ids, and a stopped server (clock right, +1h, -1h) with examples/sh/worker.sh"
+echo "sh: ok: the worked example, lost claim and completion answers, 4 encoded job ids, and a stopped server (clock right, +1h, -1h) with examples/sh/worker.sh"

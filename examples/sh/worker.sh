@@ -10,6 +10,8 @@
 # The deadline is measured on the monotonic clock (/proc/uptime, Linux) from the moment the
 # claim or renewal was sent: send time + TTL - margin (10% of the TTL the server granted, at
 # least 50 ms). A renewal gets no longer than what is left of the lease.
+# A claim or completion whose answer is lost (none, or 502, 503, 504: outcome unknown) is asked
+# again with the same body, at most 5 times, after its Retry-After (at most 5 s) or 1 s.
 # Exit codes: 0 done, 3 no lease, 75 lease lost, 1 anything else. Needs curl and od.
 # STALL_BEFORE_SEND=S pauses the whole worker for S seconds before its second write, as a GC
 # pause would: that write then carries a stale token, and a fenced destination refuses it.
@@ -55,14 +57,39 @@ encode() {
 job_path=$(encode "$JOB")
 
 # call ACTION BODY [WITHIN_MS]: POST to the lease API within WITHIN_MS (default: the TTL and
-# a second); prints the status, the answer in $state/answer. (printf is the shell's own: the
-# body, with the lease key, is never an argument of a process.)
+# a second); prints the status, the answer in $state/answer (its headers in
+# $state/headers.ACTION). (printf is the shell's own: the body, with the lease key, is never an
+# argument of a process.)
 call() {
   within=${3:-$(( TTL_MS + 1000 ))}; [ "$within" -ge 100 ] || within=100
   printf '%s' "$2" >"$state/body.$1"
-  curl -sS -o "$state/answer" -w '%{http_code}' -X POST -H 'content-type: application/json' \
-    ${auth:+-H "$auth"} --max-time "$(( within / 1000 )).$(( within % 1000 / 100 ))" \
+  : >"$state/headers.$1"
+  curl -sS -o "$state/answer" -D "$state/headers.$1" -w '%{http_code}' -X POST \
+    -H 'content-type: application/json' ${auth:+-H "$auth"} \
+    --max-time "$(( within / 1000 )).$(( within % 1000 / 100 ))" \
     --data "@$state/body.$1" "$SERVER/v1/leases/$job_path/$1" || echo 000
+}
+
+# retried ACTION BODY: call, asked again with the same body while its answer is lost (none, or
+# 502, 503 or 504: whether it took effect is unknown), at most 5 times and within the TTL of
+# the first try, after the answer's Retry-After (whole seconds, at most 5) or else 1 s. A claim
+# asked again with the same owner and key gets the same lease back; a completion that took
+# effect answers 409 lease-lost naming this owner and generation (see the end). Sets $status,
+# $sent (the monotonic send time of the last try) and $tries.
+retried() {
+  tries=0; first=$(now_ms)
+  while :; do
+    tries=$((tries + 1)); sent=$(now_ms)
+    status=$(call "$1" "$2")
+    case $status in 000|502|503|504) ;; *) return 0 ;; esac
+    [ "$tries" -lt 5 ] || return 0
+    pause=$(sed -n 's/^[Rr][Ee][Tt][Rr][Yy]-[Aa][Ff][Tt][Ee][Rr]: *\([0-9][0-9]*\).*/\1/p' "$state/headers.$1" | head -n 1)
+    case $pause in ''|*[!0-9]*) pause=1 ;; esac
+    [ "${#pause}" -le 1 ] && [ "$pause" -le 5 ] || pause=5
+    [ $(( $(now_ms) + pause * 1000 )) -lt $(( first + TTL_MS )) ] || return 0
+    echo "worker: $1 answered $status; asking again in $pause s" >&2
+    sleep "$pause"
+  done
 }
 
 # grant SENT_MS: records the deadline and token of the answer in $state/answer.
@@ -76,8 +103,7 @@ grant() {
   echo $(( $1 + ttl - margin )) >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"
 }
 
-sent=$(now_ms)
-status=$(call claim "{\"owner\":\"$owner\",\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}")
+retried claim "{\"owner\":\"$owner\",\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"
 if [ "$status" != 200 ]; then
   echo "worker: no lease on $JOB: $(field detail "$(cat "$state/answer")")" >&2; exit 3
 fi
@@ -131,7 +157,16 @@ while [ "$n" -lt "$WRITES" ]; do
   esac
 done
 kill "$keeper" 2>/dev/null || true
-body="{\"owner\":\"$owner\",\"generation\":$(cat "$state/generation"),\"lease_key\":\"$key\"}"
-[ "$(call complete "$body")" = 200 ] || exit 75
+generation=$(cat "$state/generation")
+retried complete "{\"owner\":\"$owner\",\"generation\":$generation,\"lease_key\":\"$key\"}"
+if [ "$status" = 409 ] && [ "$tries" -gt 1 ]; then
+  # An earlier try took effect and its answer was lost: the job is completed by this owner at
+  # this generation (a completion is the only refusal that leaves both in place).
+  a=$(cat "$state/answer")
+  if [ "$(field owner "$a")" = "$owner" ] && [ "$(field generation "$a")" = "$generation" ]; then
+    status=200
+  fi
+fi
+[ "$status" = 200 ] || exit 75
 echo "worker: done; the job is completed" >&2
 exit 0
