@@ -138,8 +138,33 @@ impl Streaming {
     /// when that task drops the body, after the unwinding, without the hold. The guard,
     /// dropped with the panicking future's state while it unwinds, marks the outcome unknown
     /// first. (The `InFlight` guard's own panic hold covers only a drop during the unwinding.)
-    pub(crate) fn unknown_if_panicking(&self) -> UnknownIfPanicking<'_> {
-        UnknownIfPanicking(self)
+    /// It also keeps the deadline `overdue_at` on a panic: nothing after the service's
+    /// call would, and a task holding the body without reading it would keep this place
+    /// until newer tokens gave up at their drain limit.
+    pub(crate) fn unknown_if_panicking(
+        self: &Arc<Self>,
+        overdue_at: tokio::time::Instant,
+    ) -> UnknownIfPanicking<'_> {
+        UnknownIfPanicking(self, overdue_at)
+    }
+
+    /// Lets the guard go as [`overdue`](Self::overdue) at `at` if this place is still held
+    /// then, from a task that ends with this place instead of sleeping to `at` (one per
+    /// request in flight, not one per request of the last body timeout). Needs a runtime:
+    /// without one (a service driven outside tokio) nothing keeps it.
+    pub(crate) fn keep_deadline(self: &Arc<Self>, at: tokio::time::Instant) {
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        let ends = self.ends();
+        let flight = Arc::downgrade(self);
+        runtime.spawn(async move {
+            if tokio::time::timeout_at(at, ends).await.is_err()
+                && let Some(flight) = flight.upgrade()
+            {
+                flight.overdue();
+            }
+        });
     }
 
     /// Whether the request's body is one of whole messages (gRPC and its kin).
@@ -196,12 +221,16 @@ impl Streaming {
 
 /// Marks the request's outcome unknown when dropped while its thread unwinds from a panic
 /// (see [`Streaming::unknown_if_panicking`]).
-pub(crate) struct UnknownIfPanicking<'a>(&'a Streaming);
+pub(crate) struct UnknownIfPanicking<'a>(&'a Arc<Streaming>, tokio::time::Instant);
 
 impl Drop for UnknownIfPanicking<'_> {
     fn drop(&mut self) {
         if std::thread::panicking() {
             self.0.unknown();
+            // Held elsewhere too: the body, by a task the service handed it to.
+            if Arc::strong_count(self.0) > 1 {
+                self.0.keep_deadline(self.1);
+            }
         }
     }
 }

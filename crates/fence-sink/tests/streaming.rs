@@ -531,6 +531,50 @@ async fn a_panic_after_handing_the_body_on_holds_the_next_token() {
     );
 }
 
+/// The same, when the task the body was handed to holds it without reading it (an upstream
+/// connection waiting on a stalled server): the deadline is kept all the same, so the next
+/// token waits the body deadline and the hold, not until it gives up at its drain limit.
+#[tokio::test(start_paused = true)]
+async fn a_panic_with_the_body_held_unread_lets_go_at_the_deadline() {
+    let layer = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(5))
+        .unknown_outcome_hold(Duration::from_secs(3))
+        .drain_timeout(Duration::from_secs(60));
+    let panicking = layer.layer(tower::service_fn(
+        |req: Request<fence_sink::RequestBody<Channel>>| async move {
+            let body = req.into_body();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                drop(body);
+            });
+            tokio::task::yield_now().await;
+            if true {
+                panic!("the handler failed after it handed its body on");
+            }
+            Ok::<_, Infallible>(Response::new(String::new()))
+        },
+    ));
+    let next = layer.layer(Streams::default());
+    let (messages7, body7) = Channel::new();
+    messages7.send(Bytes::from("a")).unwrap();
+    let crashed = tokio::spawn(panicking.oneshot(call(7, body7))).await;
+    assert!(crashed.expect_err("the service panicked").is_panic());
+    let began = tokio::time::Instant::now();
+    let answer8 = next.oneshot(call(8, String::new())).await.unwrap();
+    let waited = began.elapsed();
+    assert_eq!(
+        answer8.status(),
+        200,
+        "token 8 was refused after {waited:?} behind 7's panicked call"
+    );
+    assert!(
+        waited >= Duration::from_secs(8) && waited < Duration::from_secs(9),
+        "token 8 passed {waited:?} after 7's service panicked with its body held unread \
+         (deadline 5 s, hold 3 s)"
+    );
+    drop(messages7);
+}
+
 /// The same, when the hop took the whole (short) body before the service answered: the body
 /// ended at the fence before the answer came, and the call still waits for its answer's end,
 /// since its body is one of whole messages.

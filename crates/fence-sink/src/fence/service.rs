@@ -452,7 +452,7 @@ where
         RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone())
     };
     let called = {
-        let _panicking = flight.unknown_if_panicking();
+        let _panicking = flight.unknown_if_panicking(deadline + OVERDUE_AFTER);
         inner.call(Request::from_parts(parts, body)).await
     };
     let response = match called {
@@ -478,20 +478,8 @@ where
     // `Streaming::body_failed`); one that stopped reading, or whose answer is unfinished,
     // is held.
     let answer_counts = Arc::strong_count(&flight) > 1 || flight.carries_messages();
-    // The task ends with the request's time in flight, not at the deadline: one per request
-    // in flight, not one per request of the last `body_timeout`.
-    if answer_counts && let Ok(runtime) = tokio::runtime::Handle::try_current() {
-        let ends = flight.ends();
-        let flight = Arc::downgrade(&flight);
-        runtime.spawn(async move {
-            if tokio::time::timeout_at(deadline + OVERDUE_AFTER, ends)
-                .await
-                .is_err()
-                && let Some(flight) = flight.upgrade()
-            {
-                flight.overdue();
-            }
-        });
+    if answer_counts {
+        flight.keep_deadline(deadline + OVERDUE_AFTER);
     }
     // A gRPC service answers a failed call with HTTP 200 and a `grpc-status` other than 0
     // in its headers (a trailers-only answer): that is no success either.
