@@ -44,7 +44,7 @@ mutations = {
         ("func (l *Lease) declareLost(reason string) {\n", "func (l *Lease) declareLost(reason string) {\n\treturn\n"),
     ],
     "examples/worker.sh": [
-        ('if [ "$(now_ms)" -ge "$(cat "$state/deadline")" ]; then', "if false; then"),
+        ('if [ "$(now_ms)" -ge "$deadline" ]; then', "if false; then"),
     ],
 }
 for name, pairs in mutations.items():
