@@ -16,6 +16,10 @@ impl Generation {
     /// The generation of a job that was never claimed.
     pub const ZERO: Self = Self(0);
 
+    /// The last generation, 2^64-1: a job there cannot be claimed again by anyone but its
+    /// holder retrying, and stores never forget it (its floor would start every job there).
+    pub const LAST: Self = Self(u64::MAX);
+
     /// Wraps a raw value.
     pub const fn new(value: u64) -> Self {
         Self(value)

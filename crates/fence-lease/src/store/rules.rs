@@ -61,7 +61,7 @@ impl Stored {
     /// at the last generation (forgetting it would raise the floor there, and every job
     /// claimed after it would start exhausted).
     pub(crate) fn forgettable(&self, now_ms: u64, idle_ms: u64) -> bool {
-        self.generation.get() < u64::MAX
+        self.generation < Generation::LAST
             && self.state(now_ms) != LeaseState::Held
             && self.changed_ms.saturating_add(idle_ms) <= now_ms
             && self.lease_until_ms.saturating_add(idle_ms) <= now_ms
@@ -477,7 +477,7 @@ mod tests {
         let job: JobId = "j".parse().unwrap();
         for s in [
             Stored {
-                generation: Generation::new(u64::MAX),
+                generation: Generation::LAST,
                 owner: Some("w".parse().unwrap()),
                 key: SecretHash::of(b"k"),
                 lease_until_ms: 5,
@@ -529,7 +529,7 @@ mod tests {
         };
         assert!(idle.forgettable(10_000, 1_000));
         let last = Stored {
-            generation: Generation::new(u64::MAX),
+            generation: Generation::LAST,
             ..idle
         };
         assert!(!last.forgettable(10_000, 1_000));

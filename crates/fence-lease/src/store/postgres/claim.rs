@@ -43,7 +43,7 @@ pub(super) fn sql(t: &str) -> String {
                          OR t.lease_until_ms <= excluded.changed_ms - t.lock_delay_ms)))
          RETURNING t.generation::text, t.lease_until_ms, t.checkpoint, t.checkpoint_generation::text",
         now = now_ms(4),
-        last = u64::MAX,
+        last = fence_core::Generation::LAST.get(),
     )
 }
 
@@ -124,7 +124,7 @@ impl PgLeaseStore {
             }
             // No generation above it: refused whatever else holds (the statement keeps only
             // the holder's retry at it).
-            if s.generation == fence_core::Generation::new(u64::MAX)
+            if s.generation == fence_core::Generation::LAST
                 && (s.owner.is_none() || s.state() != LeaseState::Held)
             {
                 return Err(StoreError::GenerationExhausted(job.clone()));

@@ -182,7 +182,7 @@ impl Sql {
              AND (completed OR owner IS NULL OR lease_until_ms <= {now} - lock_delay_ms)
              AND generation < {last}",
             now = now_ms(3),
-            last = u64::MAX,
+            last = fence_core::Generation::LAST.get(),
         );
         let forget = format!(
             "WITH gone AS (

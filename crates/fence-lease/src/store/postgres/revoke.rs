@@ -14,13 +14,14 @@ pub(super) fn sql(t: &str, channel: &str) -> String {
         "WITH old AS (
            SELECT job, lease_until_ms FROM {t}
            WHERE job = $1 AND job <> '' AND NOT completed
-             AND generation < 18446744073709551615
+             AND generation < {last}
            FOR UPDATE)
          UPDATE {t} AS t SET generation = t.generation + 1, owner = NULL,
            lease_until_ms = 0, changed_ms = {now}
          FROM old WHERE t.job = old.job
          RETURNING t.generation::text, GREATEST(old.lease_until_ms, {now}), pg_notify('{channel}', t.job)",
-        now = now_ms(2)
+        now = now_ms(2),
+        last = fence_core::Generation::LAST.get(),
     )
 }
 
