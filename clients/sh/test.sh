@@ -53,7 +53,7 @@ grep -q '/v1/leases/secrets/claim' "$tmp/curl-args" || fail "the wrapper saw no 
 # again with the same body: curl is wrapped to answer a run's first claim and first completion
 # 503 itself, after passing them on to the server (decided there, the answer lost: only the
 # same lease key gets that lease back, and the completion's retry finds it applied) or without
-# (they never reached it). The worker must complete the job at generation 1, writing once.
+# (they never reached it), or to time out after passing them on (curl prints 000, exit 28). The worker must complete the job at generation 1, writing once.
 mkdir -p "$tmp/lossy"
 cat >"$tmp/lossy/curl" <<EOF
 #!/bin/sh
@@ -64,7 +64,9 @@ for a; do
   prev=\$a
 done
 if [ -n "\$kind" ] && mkdir "\$LOSSY_DIR/\$kind" 2>/dev/null; then
-  [ "\$LOSSY" != applied ] || "$(command -v curl)" "\$@" >/dev/null
+  [ "\$LOSSY" = refused ] || "$(command -v curl)" "\$@" >/dev/null
+  # timed-out: no answer at all, as curl reports a --max-time that ran out (exit 28).
+  [ "\$LOSSY" != timed-out ] || { printf 000; exit 28; }
   printf '{"type":"urn:fence:store-unavailable","title":"","status":503,"detail":"lost"}' >"\$out"
   [ -z "\$headers" ] || printf 'HTTP/1.1 503 Service Unavailable\r\nRetry-After: 1\r\n\r\n' >"\$headers"
   printf 503; exit 0
@@ -72,7 +74,7 @@ fi
 exec "$(command -v curl)" "\$@"
 EOF
 chmod +x "$tmp/lossy/curl"
-for mode in applied refused; do
+for mode in applied refused timed-out; do
   job=lossy-$mode; mkdir "$tmp/$job.lost"
   PATH="$tmp/lossy:$PATH" LOSSY=$mode LOSSY_DIR="$tmp/$job.lost" run ledger "$job" 10000 1 >"$tmp/$job" 2>&1 ||
     fail "$job: the worker failed: $(cat "$tmp/$job")"

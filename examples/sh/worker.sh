@@ -64,10 +64,16 @@ call() {
   within=${3:-$(( TTL_MS + 1000 ))}; [ "$within" -ge 100 ] || within=100
   printf '%s' "$2" >"$state/body.$1"
   : >"$state/headers.$1"
-  curl -sS -o "$state/answer" -D "$state/headers.$1" -w '%{http_code}' -X POST \
+  # A failed exchange (no connection, cut, timed out: curl prints 000 or a status whose body
+  # did not arrive whole) is no answer: 000.
+  if code=$(curl -sS -o "$state/answer" -D "$state/headers.$1" -w '%{http_code}' -X POST \
     -H 'content-type: application/json' ${auth:+-H "$auth"} \
     --max-time "$(( within / 1000 )).$(( within % 1000 / 100 ))" \
-    --data "@$state/body.$1" "$SERVER/v1/leases/$job_path/$1" || echo 000
+    --data "@$state/body.$1" "$SERVER/v1/leases/$job_path/$1"); then
+    echo "$code"
+  else
+    echo 000
+  fi
 }
 
 # retried ACTION BODY: call, asked again with the same body while its answer is lost (none, or
