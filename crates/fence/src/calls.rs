@@ -422,8 +422,9 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
         .sink
         .iter()
         .map(|url| {
+            // The error names the URL (without a user or password): not repeated here.
             HttpLeaseStore::with_options(url, options.clone())
-                .with_context(|| format!("--sink {url}"))
+                .context("--sink")
                 .map_err(crate::Usage::from_error)
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -50,9 +50,10 @@ pub enum StoreError {
         /// Why.
         reason: &'static str,
     },
-    /// A remote store refused the request as asked (a 4xx answer other than 401, 403, 408
-    /// and 429): a malformed request, a job at its last generation, a plain claim of a
-    /// semaphore's slot. The same request asked again gets the same answer.
+    /// A remote store refused the request as asked (a 4xx problem other than the
+    /// authentication refusals, 408, 409 and 429): a malformed request, a job at its last
+    /// generation, a plain claim of a semaphore's slot. The same request asked again gets
+    /// the same answer.
     #[error("the lease server refused the request ({status}): {detail}")]
     Refused {
         /// The HTTP status.

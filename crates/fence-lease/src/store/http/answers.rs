@@ -68,14 +68,15 @@ pub(super) fn unexpected(status: StatusCode, body: &[u8]) -> StoreError {
     }
 }
 
-/// A 4xx that asking again cannot change: not 408 (the request took too long) or 429 (too
+/// A 4xx that asking again cannot change: not 408 (the request took too long), 409 (a
+/// conflict with what the job is doing now, such as a key's request in flight) or 429 (too
 /// many), which a later try may pass. Only a problem body counts: a gateway's own 4xx page
 /// says nothing of what the lease server would answer.
 fn permanent(status: StatusCode) -> bool {
     status.is_client_error()
         && !matches!(
             status,
-            StatusCode::REQUEST_TIMEOUT | StatusCode::TOO_MANY_REQUESTS
+            StatusCode::REQUEST_TIMEOUT | StatusCode::CONFLICT | StatusCode::TOO_MANY_REQUESTS
         )
 }
 
@@ -210,8 +211,9 @@ mod tests {
         }
     }
 
-    /// A 4xx problem other than authentication, 408 and 429 is a refusal that asking again
-    /// cannot change; a 5xx, a 408, a 429 and any answer that is not a problem are not.
+    /// A 4xx problem other than authentication, 408, 409 and 429 is a refusal that asking
+    /// again cannot change; a 5xx, a 408, a 409, a 429 and any answer that is not a problem
+    /// are not.
     #[test]
     fn a_client_error_problem_is_a_permanent_refusal_and_nothing_else_is() {
         let problem = |status: u16, kind: &str| {
@@ -237,6 +239,7 @@ mod tests {
         assert!(denied.is_permanent());
         for (status, body) in [
             (StatusCode::TOO_MANY_REQUESTS, problem(429, "overloaded")),
+            (StatusCode::CONFLICT, problem(409, "idempotency-in-flight")),
             (StatusCode::REQUEST_TIMEOUT, problem(408, "bad-request")),
             (StatusCode::INTERNAL_SERVER_ERROR, problem(500, "internal")),
             (

@@ -51,8 +51,15 @@ pub(super) fn without_credentials(url: &str) -> String {
     let Some(at) = url.rfind('@') else {
         return url.to_owned();
     };
-    match url.split_once("://") {
-        Some((scheme, _)) if scheme.len() < at => format!("{scheme}://…@{}", &url[at + 1..]),
-        _ => format!("…@{}", &url[at + 1..]),
+    // Only a scheme's own characters count as one (`ops:pa://ss@h` has none).
+    let scheme = url.split_once("://").map(|(scheme, _)| scheme).filter(|s| {
+        s.len() < at
+            && s.starts_with(|c: char| c.is_ascii_alphabetic())
+            && s.chars()
+                .all(|c| c.is_ascii_alphanumeric() || matches!(c, '+' | '-' | '.'))
+    });
+    match scheme {
+        Some(scheme) => format!("{scheme}://…@{}", &url[at + 1..]),
+        None => format!("…@{}", &url[at + 1..]),
     }
 }
