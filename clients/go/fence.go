@@ -129,7 +129,7 @@ func (c *Client) Owner() string { return c.owner }
 // granted), the next claim of the job asks with the same lease key, so that grant comes back
 // rather than the job being held, by this owner, until it expires. A 200 that does not follow
 // the contract is an ErrProtocol error: its grant is given back when the answer names its
-// generation, and its key is kept for the next claim as after a lost answer.
+// generation, else its key is kept for the next claim as after a lost answer.
 func (c *Client) Claim(ctx context.Context, job string) (*Lease, error) {
 	return c.ClaimWaiting(ctx, job, 0)
 }
@@ -200,15 +200,7 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 			}
 		}
 	}
-	lease, err := c.leaseFrom(ctx, job, key, ttlMs, sent, raw, nil)
-	if errors.Is(err, ErrProtocol) {
-		// A malformed grant (given back if leaseFrom could name it): its key is kept too, so
-		// the next claim of the job gets it back should the release not have reached the
-		// server, or no release could be sent.
-		now := c.clock.Now()
-		c.unsettled.keep(job, key, now.Add(ttl), now)
-	}
-	return lease, err
+	return c.leaseFrom(ctx, job, key, ttlMs, sent, raw, nil)
 }
 
 // A semaphore claim is not held at the server: while every slot is taken, the client asks again
@@ -392,6 +384,13 @@ func (c *Client) leaseFrom(ctx context.Context, job, key string, ttlMs uint64, s
 	if a.Generation == 0 {
 		if err == nil {
 			err = fmt.Errorf("%w: a claim of %s granted generation 0", ErrProtocol, job)
+		}
+		if slotErr == nil {
+			// No release can name it: a plain claim's key is kept, so the next claim gets it
+			// back. Only then: a key kept beside a release could get the grant back before the
+			// release landed, which would then free the job under its new holder.
+			now := c.clock.Now()
+			c.unsettled.keep(job, key, now.Add(time.Duration(ttlMs)*time.Millisecond), now)
 		}
 		return nil, mayBeHeld(err, slotErr == nil)
 	}

@@ -152,7 +152,8 @@ func TestAMalformedGrantThatNamesItsGenerationIsGivenBack(t *testing.T) {
 	for i, c := range cases {
 		job := "malformed-" + strconv.Itoa(i)
 		front := newManglingFront(t, s.serverURL, c.mangle)
-		_, err := mustClient(t, front.url, Options{Owner: "worker", TTL: 30 * time.Second}).Claim(ctx, job)
+		client := mustClient(t, front.url, Options{Owner: "worker", TTL: 30 * time.Second})
+		_, err := client.Claim(ctx, job)
 		if !errors.Is(err, ErrProtocol) || !strings.Contains(err.Error(), "given back") {
 			t.Fatalf("%s: %v", c.what, err)
 		}
@@ -164,6 +165,17 @@ func TestAMalformedGrantThatNamesItsGenerationIsGivenBack(t *testing.T) {
 			t.Fatalf("%s: release %+v after claim %+v", c.what, release, claim)
 		}
 		freeWithin(t, observer, job, c.what)
+		// Its key is not kept: asked again with it before the release landed, the claim would
+		// get the grant back and the release would then free the job under its new holder.
+		again, err := client.Claim(ctx, job)
+		if err != nil {
+			t.Fatalf("%s: the claim after the give-back: %v", c.what, err)
+		}
+		claims := front.requests("/claim")
+		if len(claims) != 2 || claims[1].body["lease_key"] == claims[0].body["lease_key"] || again.Generation() != 2 {
+			t.Fatalf("%s: the given-back key was kept: %+v, generation %d", c.what, claims, again.Generation())
+		}
+		_, _ = again.Release(ctx)
 	}
 }
 

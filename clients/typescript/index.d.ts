@@ -62,7 +62,7 @@ export class Client {
   readonly owner: string;
   readonly ttlMs: number;
   readonly lockDelayMs: number | undefined;
-  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, GrantTooShort (a grant no longer than the safety margin, given back), ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504), the next claim of the job asks with the same lease key, so a lost grant comes back. A 200 that does not follow the contract rejects with ProtocolError: the grant is given back when the answer names its generation, and its key is kept for the next claim as after a lost answer. */
+  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, GrantTooShort (a grant no longer than the safety margin, given back), ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504), the next claim of the job asks with the same lease key, so a lost grant comes back. A 200 that does not follow the contract rejects with ProtocolError: the grant is given back when the answer names its generation, else its key is kept for the next claim as after a lost answer. */
   claim(job: string, options?: ClaimOptions): Promise<Lease>;
   /**
    * Claims one of `slots` (1 to 1000) slots of semaphore `resource` and starts its keeper: a lease on the slot's job `<resource>#<slot>`, with `resource` and `slot` set. Release or complete it when done: completing a slot releases it (the server frees the slot; the record's `state` is 'free').

@@ -149,15 +149,7 @@ export class Client {
       const gap = Math.min(sent + MIN_WAITING_CLAIM_GAP_MS - now(), waitUntil - now());
       if (gap > 0) await pause(gap);
     }
-    try {
-      return await this.#leaseFrom(job, key, ttlMs, sent, answer);
-    } catch (e) {
-      // A malformed grant (#leaseFrom gave it back if it could name it): its key is kept too,
-      // so the next claim of the job gets it back should the release not have reached the
-      // server, or no release could be sent.
-      if (e instanceof ProtocolError) this.#keepUnsettled(job, key, now() + ttlMs);
-      throw e;
-    }
+    return this.#leaseFrom(job, key, ttlMs, sent, answer);
   }
 
   /**
@@ -245,9 +237,13 @@ export class Client {
 
   // The lease a claim sent at `sent` was granted, its keeper started. A 200 that does not
   // follow the contract is a ProtocolError, and the grant it may stand for is given back when
-  // the answer names its generation (a release needs it, with the owner and key sent).
+  // the answer names its generation (a release needs it, with the owner and key sent). When
+  // it names none, a plain claim's key is kept, so the next claim gets that lease back; not
+  // both: a claim asked again with the key before the release landed would get the grant
+  // back, and the release would then free the job under its new holder.
   async #leaseFrom(job, key, ttlMs, sent, answer, slot) {
     if (typeof answer.generation !== 'bigint' || answer.generation < 1n) {
+      if (slot === undefined) this.#keepUnsettled(job, key, now() + ttlMs);
       throw mayBeHeld(new ProtocolError(`a claim of ${job} granted generation ${answer.generation}`), slot === undefined);
     }
     const lease = new Lease(this.#transport, job, this.owner, key, answer.generation, ttlMs, this.marginMs,

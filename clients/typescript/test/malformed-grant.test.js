@@ -1,7 +1,8 @@
 // A claim answered 200 with a grant that does not follow the contract: the caller gets a
 // ProtocolError, and the lease it stands for is not left held, unused, until its TTL ends. A
-// grant that names its generation is given back at once; one that does not keeps its key,
-// which the next claim of the job asks with (so it gets that lease back).
+// grant that names its generation is given back at once (and its key forgotten); one that
+// does not keeps its key, which the next claim of the job asks with (so it gets that lease
+// back).
 
 import assert from 'node:assert/strict';
 import http from 'node:http';
@@ -86,6 +87,14 @@ test('a malformed grant that names its generation is given back at once', async 
     assert.equal(release.path, `/v1/leases/${job}/release`, what);
     assert.deepEqual(release.body, { owner: 'worker', generation: 1, lease_key: claim.body.lease_key }, what);
     await freeWithin(observer, job, 5000);
+    // Its key is not kept: asked again with it before the release landed, the claim would get
+    // the grant back and the release would then free the job under its new holder.
+    const again = await client.claim(job);
+    const claims = front.seen.filter((r) => r.path.endsWith('/claim'));
+    assert.equal(claims.length, 2, what);
+    assert.notEqual(claims[1].body.lease_key, claims[0].body.lease_key, `${what}: the given-back key was kept`);
+    assert.equal(again.generation, 2n, what);
+    await again.release();
   }
 });
 
