@@ -322,24 +322,34 @@ fn a_run_the_server_will_never_grant_stops_at_once_whatever_its_wait() {
     let url = format!("http://{addr}");
     let marker = dir.path().join("ran");
     let touch = format!("touch {}", marker.display());
+    let none: &[&str] = &[];
     let cases = [
         (
             "a secret the server does not know",
             LATER,
             "job-a",
+            none,
             "refused this client",
         ),
         (
             "a semaphore's slot claimed plainly",
             OPS,
             "pool#1",
+            none,
             "cannot be claimed this way",
         ),
+        (
+            "a semaphore named with a #",
+            OPS,
+            "pool#1",
+            &["--slots", "2"],
+            "resource",
+        ),
     ];
-    for (what, secret, job, says) in cases {
+    for (what, secret, job, more, says) in cases {
         let tokens = token_file(dir.path(), "t", secret);
         let started = std::time::Instant::now();
-        let out = fence(&[
+        let mut args = vec![
             "run",
             "--server",
             &url,
@@ -349,11 +359,10 @@ fn a_run_the_server_will_never_grant_stops_at_once_whatever_its_wait() {
             job,
             "--wait",
             "60s",
-            "--",
-            "sh",
-            "-c",
-            &touch,
-        ]);
+        ];
+        args.extend_from_slice(more);
+        args.extend_from_slice(&["--", "sh", "-c", &touch]);
+        let out = fence(&args);
         let took = started.elapsed();
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success(), "{what}: {out:?}");

@@ -16,11 +16,16 @@ use super::{
 /// Refuses a semaphore claim no store decides: a resource that cannot name a semaphore, or
 /// a number of slots out of 1 to [`MAX_SLOTS`].
 pub(crate) fn check_slot_claim(resource: &JobId, slots: u32) -> Result<(), StoreError> {
-    check_resource(resource).map_err(|e| StoreError::Protocol(e.to_string()))?;
+    // Refused as the server refuses them (400): asking again cannot change the answer.
+    let refused = |detail: String| StoreError::Refused {
+        status: 400,
+        detail,
+    };
+    check_resource(resource).map_err(|e| refused(format!("resource: {e}")))?;
     if (1..=MAX_SLOTS).contains(&slots) {
         Ok(())
     } else {
-        Err(StoreError::Protocol(format!(
+        Err(refused(format!(
             "a semaphore has 1 to {MAX_SLOTS} slots, got {slots}"
         )))
     }

@@ -146,12 +146,14 @@ pub(super) fn store_read_failed(e: &StoreError) -> Problem {
 }
 
 /// A store's error: 400 for what no store may do for that job id (a plain claim of a
-/// semaphore's slot, a claim past the last generation), else [`store_failed`].
+/// semaphore's slot, a claim past the last generation) or a request refused as asked, else
+/// [`store_failed`].
 pub(super) fn store_error(e: &StoreError) -> Problem {
     match e {
         StoreError::Reserved { job, .. } | StoreError::GenerationExhausted(job) => {
             bad(e.to_string()).with_job(job.clone())
         }
+        StoreError::Refused { detail, .. } => bad(detail.clone()),
         StoreError::Timeout(within) => {
             tracing::error!(error = %error_chain(e), "lease store timed out");
             Problem::new(
