@@ -41,10 +41,17 @@ FINISH_PAUSE_MAX = 1.0
 FINISH_RETRY_WINDOW = 60.0
 
 
-def give_back(lease: "LeaseCore") -> None:
-    """Releases, in the background, a grant this client will not use (too short, or come too
-    late): no request carried its token, and the next worker need not wait for its expiry. A
-    release that fails leaves it to expire."""
+def give_back(lease: "LeaseCore", sent: Optional[float] = None) -> None:
+    """Releases, in the background, a grant this client will not use (too short, come too
+    late, or malformed): no request carried its token, and the next worker need not wait for
+    its expiry. A release that fails leaves it to expire.
+
+    A grant whose answer could not be taken (malformed) set no TTL: the release is then asked
+    again within the TTL the claim sent at ``sent`` asked for."""
+    with lease._lock:
+        if lease._ttl_ms == 0 and sent is not None:
+            lease._sent, lease._ttl_ms = sent, lease._asked_ttl_ms
+
     def release() -> None:
         try:
             lease._send_finish("release")
@@ -60,6 +67,39 @@ def check_grant(lease: "LeaseCore", sent: float, margin: Optional[float]) -> Non
         give_back(lease)
         ttl_ms = lease._ttl_ms
         raise GrantTooShort(lease.job, ttl_ms / 1000, margin_ms(ttl_ms, margin) / 1000)
+
+
+def may_be_held(error: ProtocolError, kept: bool) -> ProtocolError:
+    """``error``, a claim's 200 that does not follow the contract, saying what it leaves: a
+    grant no release can name (its generation, or a semaphore's slot, unknown), held until its
+    TTL ends; with ``kept`` (a plain claim, whose key is kept), until the next claim of the job,
+    asked with the same key, gets it back."""
+    until = "its TTL ends"
+    if kept:
+        until += " or this client's next claim of the job (asked with the same key) gets it back"
+    return ProtocolError(f"{error}; the lease it may stand for is held until {until}")
+
+
+def granted_generation(job: str, answer: Dict[str, Any], kept: bool) -> int:
+    """The generation a claim's answer grants, or :class:`ProtocolError` when it names none
+    (the grant it may stand for cannot be given back: see :func:`may_be_held`)."""
+    generation = answer.get("generation")
+    if isinstance(generation, bool) or not isinstance(generation, int) or generation < 1:
+        raise may_be_held(ProtocolError(f"a claim of {job} granted generation {generation!r}"),
+                          kept)
+    return generation
+
+
+def take_grant(lease: "LeaseCore", sent: float, answer: Dict[str, Any]) -> None:
+    """Takes the grant of a claim sent at ``sent``. A token, ttl_ms or expires_at_ms that is
+    not the contract's raises :class:`ProtocolError`, the grant given back: a release names a
+    lease by owner, generation and key, the generation the answer's and the others the
+    claim's."""
+    try:
+        lease._set_grant(sent, answer, first=True)
+    except ProtocolError as e:
+        give_back(lease, sent)
+        raise ProtocolError(f"{e} (the grant of generation {lease.generation} is given back)") from e
 
 
 def waiting_claim_gap(sent: float, wait_until: float) -> float:
@@ -312,8 +352,10 @@ def slot_of(resource: str, slots: int, answer: Dict[str, Any]) -> Tuple[str, int
     job, slot = answer.get("job"), answer.get("slot")
     if (not isinstance(slot, int) or isinstance(slot, bool) or not 1 <= slot <= slots
             or job != f"{resource}#{slot}" or answer.get("resource") != resource):
-        raise ProtocolError(f"a claim of semaphore {resource} ({slots} slots) was answered with"
-                            f" job {job!r}, slot {slot!r}")
+        # Which slot's job the grant is on is not known, so no release can name it; a key is
+        # not kept for a semaphore (each call claims under a key of its own).
+        raise may_be_held(ProtocolError(f"a claim of semaphore {resource} ({slots} slots) was"
+                                        f" answered with job {job!r}, slot {slot!r}"), False)
     return job, slot
 
 
@@ -394,11 +436,16 @@ class ClientCore:
     def _claim_failed(self, job: str, key: str, ttl_ms: int, error: BaseException) -> None:
         """Keeps ``key`` for the next claim of ``job`` when ``error`` means the claim's answer
         was lost (the server unreachable, a timeout, a 502, 503 or 504): it may have been a
-        grant. At most MAX_UNSETTLED keys are kept; expired ones go first."""
+        grant."""
         lost = isinstance(error, ServerUnreachable) or (
             isinstance(error, ProblemError) and error.status in (502, 503, 504))
-        if not lost:
-            return
+        if lost:
+            self._keep_unsettled(job, key, ttl_ms)
+
+    def _keep_unsettled(self, job: str, key: str, ttl_ms: int) -> None:
+        """Keeps ``key`` for the next claim of ``job``, while a lease of ``ttl_ms`` it may
+        have won could still be held: after an answer lost, or a 200 that does not follow the
+        contract. At most MAX_UNSETTLED keys are kept; expired ones go first."""
         now = monotonic()
         with self._unsettled_lock:
             if len(self._unsettled) >= MAX_UNSETTLED:

@@ -284,6 +284,14 @@ def grant_token(job: str, generation: int, answer: Dict[str, Any]) -> Tuple[str,
     elif not isinstance(token, str) or not token.startswith(f"{generation}."):
         raise ProtocolError(f"the server signed token {token!r} for generation {generation}")
     ttl_ms, expires_at_ms = answer.get("ttl_ms"), answer.get("expires_at_ms")
-    if not isinstance(ttl_ms, int) or not isinstance(expires_at_ms, int):
+    if not (_is_integer(ttl_ms) and _is_integer(expires_at_ms)):
         raise ProtocolError(f"a lease answer without ttl_ms and expires_at_ms: {answer!r}")
+    if ttl_ms < 1 or expires_at_ms < 0:
+        # A ttl_ms of 0 is malformed, not a grant too short to hold.
+        raise ProtocolError(f"a lease answer with ttl_ms {ttl_ms} and expires_at_ms {expires_at_ms}")
     return token, ttl_ms, expires_at_ms
+
+
+def _is_integer(value: Any) -> bool:
+    """Whether ``value`` decoded from a JSON integer (``true`` decodes to a bool, an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)

@@ -17,8 +17,8 @@ from typing import Any, Dict, Optional, Tuple, Type
 from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolError,
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
-                     LeaseCore, check_grant, claim_path, give_back, slot_of, slot_retry_pause,
-                     waiting_claim_gap)
+                     LeaseCore, check_grant, claim_path, give_back, granted_generation,
+                     may_be_held, slot_of, slot_retry_pause, take_grant, waiting_claim_gap)
 from ._wire import (Timeout, bounded, check_job, encode_job, margin_ms, monotonic,
                     ttl_to_ms)
 
@@ -159,7 +159,9 @@ class Client(ClientCore):
         Raises :class:`LeaseHeld` (still held when the wait ends; :class:`LockDelay`, one of
         them, while an expired lease's lock-delay runs), :class:`JobCompleted`,
         :class:`ServerUnreachable`, :class:`ProblemError` for other refusals, and
-        :class:`InvalidJobId` before sending anything."""
+        :class:`InvalidJobId` before sending anything. A 200 that does not follow the contract
+        raises :class:`ProtocolError`: its grant is given back when the answer names its
+        generation, else its key is kept for the next claim as after a lost answer."""
         check_job(job)
         ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
         key = self._claim_key(job)
@@ -177,6 +179,11 @@ class Client(ClientCore):
             except LeaseHeld:
                 if chunk <= 0 or monotonic() >= wait_until:
                     raise
+            except ProtocolError as e:
+                # A 200 this client cannot read (not a JSON object, too large) may be a grant,
+                # which no release can name: the same key gets it back.
+                self._keep_unsettled(job, key, ttl_ms)
+                raise may_be_held(e, True) from e
             except FenceError as e:
                 self._claim_failed(job, key, ttl_ms, e)
                 raise
@@ -215,6 +222,8 @@ class Client(ClientCore):
             try:
                 answer = self._transport.call("POST", path, body, timeout=budget)
                 break
+            except ProtocolError as e:
+                raise may_be_held(e, False) from e
             except (ServerUnreachable, ProblemError) as e:  # LeaseHeld is a ProblemError
                 pause = slot_retry_pause(e, backoff, wait_until - monotonic())
                 if pause is None:
@@ -226,16 +235,24 @@ class Client(ClientCore):
 
     def _lease_from(self, job: str, key: str, ttl_ms: int, on_success: str, sent: float,
                     answer: Dict[str, Any], slot: Optional[Tuple[str, int]] = None) -> Lease:
-        """The lease a claim sent at ``sent`` was granted, its keeper started."""
-        generation = answer.get("generation")
-        if not isinstance(generation, int) or generation < 1:
-            raise ProtocolError(f"a claim of {job} granted generation {generation!r}")
+        """The lease a claim sent at ``sent`` was granted, its keeper started. A 200 that
+        does not follow the contract raises :class:`ProtocolError`, and the grant it may stand
+        for is given back when the answer names its generation."""
+        try:
+            generation = granted_generation(job, answer, kept=slot is None)
+        except ProtocolError:
+            # No release can name it: a plain claim's key is kept, so the next claim gets it
+            # back. Only then: a key kept beside a release could get the grant back before the
+            # release landed, which would then free the job under its new holder.
+            if slot is None:
+                self._keep_unsettled(job, key, ttl_ms)
+            raise
         lease = Lease(self._transport, job, self.owner, key, generation, ttl_ms, self._margin,
                       on_success, self.progress_within)
         lease._resumed = answer.get("checkpoint")
         if slot is not None:
             lease.resource, lease.slot = slot
-        lease._set_grant(sent, answer, first=True)
+        take_grant(lease, sent, answer)
         check_grant(lease, sent, self._margin)
         # A claim that waited long arrives with little time left: renew once, now, and count
         # the deadline from this send. (Usable time of the grant, which may be shorter than
