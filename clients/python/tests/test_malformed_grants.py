@@ -289,3 +289,12 @@ def test_a_slot_grant_that_names_no_slot_or_generation_is_held_and_keeps_no_key(
         assert str(refused).endswith("the lease it may stand for is held until its TTL ends"), \
             (what, refused)
         assert f.requests("/release") == [], (what, make.__name__)
+
+
+def test_a_renewal_answer_must_name_the_generation_as_a_number():
+    # JSON true equals 1 in Python: a renewal answer of generation true is no grant of 1.
+    from fence_client._wire import grant_token
+    good = {"generation": 1, "ttl_ms": 1000, "expires_at_ms": 5}
+    assert grant_token("j", 1, good) == ("1", 1000, 5)
+    with pytest.raises(ProtocolError):
+        grant_token("j", 1, {**good, "generation": True})

@@ -278,5 +278,6 @@ export function grantOf(job, generation, answer) {
     throw new ProtocolError(`a lease answer without ttl_ms and expires_at_ms: ${stringifyJson(answer).slice(0, 200)}`);
   }
   if (answer.ttl_ms < 1) throw new ProtocolError(`a lease answer with ttl_ms ${answer.ttl_ms}`);
+  if (answer.expires_at_ms < 0) throw new ProtocolError(`a lease answer with expires_at_ms ${answer.expires_at_ms}`);
   return { token, ttlMs: answer.ttl_ms, expiresAtMs: answer.expires_at_ms };
 }

@@ -62,6 +62,7 @@ const NAMED = {
   'ttl_ms 0': (a) => JSON.stringify({ ...a, ttl_ms: 0 }),
   'ttl_ms 1.5': (a) => JSON.stringify({ ...a, ttl_ms: 1.5 }),
   'a token of another generation': (a) => JSON.stringify({ ...a, token: '99.1.x' }),
+  'expires_at_ms -1': (a) => JSON.stringify({ ...a, expires_at_ms: -1 }),
 };
 
 test('a malformed grant that names its generation is given back at once', async (t) => {

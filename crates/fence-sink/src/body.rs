@@ -128,7 +128,8 @@ impl Streaming {
     /// and a task keeping its deadline can stop instead of sleeping to it. One per request.
     pub(crate) fn ends(&self) -> tokio::sync::oneshot::Receiver<()> {
         let (ended, ends) = tokio::sync::oneshot::channel();
-        let _ = self.ended.set(ended);
+        let first = self.ended.set(ended).is_ok();
+        debug_assert!(first, "one task keeps a request's deadline");
         ends
     }
 

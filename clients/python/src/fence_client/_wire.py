@@ -275,7 +275,8 @@ def monotonic() -> float:
 
 def grant_token(job: str, generation: int, answer: Dict[str, Any]) -> Tuple[str, int, int]:
     """(token, granted ttl_ms, expires_at_ms) of a lease answer for ``generation``."""
-    if answer.get("generation") != generation:
+    # Not JSON true for generation 1: in Python, True == 1.
+    if not _is_integer(answer.get("generation")) or answer.get("generation") != generation:
         raise ProtocolError(
             f"the server granted generation {answer.get('generation')!r} of {job}, expected {generation}")
     token = answer.get("token")

@@ -21,12 +21,13 @@ pub(crate) fn check_slot_claim(resource: &JobId, slots: u32) -> Result<(), Store
         status: 400,
         detail,
     };
-    check_resource(resource).map_err(|e| refused(format!("resource: {e}")))?;
+    check_resource(resource)
+        .map_err(|e| refused(format!("resource: {e} (refused before sending)")))?;
     if (1..=MAX_SLOTS).contains(&slots) {
         Ok(())
     } else {
         Err(refused(format!(
-            "a semaphore has 1 to {MAX_SLOTS} slots, got {slots}"
+            "a semaphore has 1 to {MAX_SLOTS} slots, got {slots} (refused before sending)"
         )))
     }
 }

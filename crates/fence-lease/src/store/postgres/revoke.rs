@@ -53,7 +53,7 @@ impl PgLeaseStore {
                 generation,
                 ..
             }) => Ok(Outcome::Completed { owner, generation }),
-            Some(s) if s.generation == Generation::new(u64::MAX) => {
+            Some(s) if s.generation == Generation::LAST => {
                 Err(StoreError::GenerationExhausted(job.clone()))
             }
             // Not refused for any reason this statement has: it changed in between.
