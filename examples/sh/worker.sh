@@ -153,8 +153,10 @@ while [ "$n" -lt "$WRITES" ]; do
     # A whole-worker pause (GC, SIGSTOP) between deciding to send and sending: renewals stop.
     kill -STOP "$keeper"; sleep "$STALL_BEFORE_SEND"; kill -CONT "$keeper"
   fi
+  # The status even when curl failed after it (the answer's body is not read); else 000.
   code=$(curl -sS -o /dev/null -w '%{http_code}' --max-time 30 -X POST -H "X-Fencing-Job: $JOB" \
-    -H "X-Fencing-Token: $token" --data "write $n" "$DESTINATION" || echo 000)
+    -H "X-Fencing-Token: $token" --data "write $n" "$DESTINATION") || true
+  case $code in [0-9][0-9][0-9]) ;; *) code=000 ;; esac
   echo "WRITE $n $code"
   case $code in
     2??) ;;
