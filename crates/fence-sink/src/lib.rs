@@ -17,6 +17,7 @@
 mod body;
 mod budget;
 mod detach;
+mod discard;
 pub mod fence;
 mod gate;
 pub mod idempotency;

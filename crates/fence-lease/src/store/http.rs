@@ -22,7 +22,7 @@ use fence_core::{
     secret::LeaseKey,
 };
 use http::{
-    HeaderValue, Method, Request, StatusCode, Uri,
+    HeaderValue, Method, Request, StatusCode,
     header::{AUTHORIZATION, CONTENT_TYPE},
 };
 use http_body_util::{BodyExt, Full, Limited};
@@ -39,7 +39,6 @@ mod url;
 use answers::{decode, from_body, grant, record, refused, unexpected};
 use connect::{Budgeted, MAX_CONNECT_SHARE};
 pub use url::UrlError;
-use url::without_credentials;
 
 use super::{
     ClaimTerms, LeaseOp, LeaseRecord, LeaseStore, ListPage, Outcome, Revocation, SlotClaim,
@@ -121,38 +120,9 @@ impl HttpLeaseStore {
     /// When an entry of `base_url` is not an `http://` or `https://` URL with a host, or TLS
     /// cannot be set up from `options.ca_cert`.
     pub fn with_options(base_url: &str, options: HttpOptions) -> Result<Self, UrlError> {
-        let mut servers = Vec::new();
-        let mut any_https = false;
-        // Before splitting: a password may hold a comma (`http://ops:a,b@host`).
-        if base_url.contains('@') {
-            return Err(UrlError::Credentials {
-                url: without_credentials(base_url),
-            });
-        }
-        for one in base_url.split(',').map(str::trim) {
-            let trimmed = one.trim_end_matches('/');
-            let uri: Uri = trimmed.parse().map_err(|source| UrlError::Invalid {
-                url: without_credentials(one),
-                source,
-            })?;
-            match uri.scheme_str() {
-                Some("https") => any_https = true,
-                Some("http") => {}
-                _ => {
-                    return Err(UrlError::Unsupported {
-                        url: without_credentials(one),
-                    });
-                }
-            }
-            if uri.host().is_none() {
-                return Err(UrlError::Unsupported {
-                    url: without_credentials(one),
-                });
-            }
-            servers.push(trimmed.to_owned());
-        }
+        let (servers, any_https) = url::servers(base_url)?;
         let tls_error = |source| UrlError::Tls {
-            url: without_credentials(base_url),
+            url: base_url.to_owned(), // with no @ (see `url::servers`)
             source,
         };
         // Roots are read only when needed: an http:// store needs none on the machine.

@@ -22,7 +22,7 @@ use super::{
 };
 use crate::{
     GenerationStore, IdempotencyStore, OutcomeUnknown,
-    body::{self, FenceBody, RequestBody, ResponseBody, Streaming},
+    body::{FenceBody, RequestBody, ResponseBody, Streaming},
     gate::Admission,
     idempotency::{Finishing, Keyed},
     metrics::count,
@@ -231,7 +231,7 @@ where
                         let version = parts.version;
                         ResponseFuture::fenced(
                             Box::pin(async move {
-                                body::discard(version, body).await;
+                                crate::discard::discard(version, body).await;
                                 Ok(answer)
                             }),
                             false,
@@ -353,7 +353,7 @@ where
                 && !reject::is_grpc(request.headers())
             {
                 let (parts, body) = request.into_parts();
-                body::discard(parts.version, body).await;
+                crate::discard::discard(parts.version, body).await;
             }
             return Ok(reject(problem, retry));
         }

@@ -1,6 +1,7 @@
 //! Server URLs the client refuses, and how an error quotes one: never with its password.
 
 use fence_storage::tls::TlsError;
+use http::Uri;
 
 /// A server URL the client cannot use.
 #[derive(Debug, thiserror::Error)]
@@ -47,7 +48,7 @@ pub enum UrlError {
 /// `url` with anything between its scheme and its last `@` left out, so an error that quotes
 /// a URL never quotes a password in it, whatever its syntax: a password with a `/` in it
 /// (`http://ops:pa/ss@host`) ends the authority early for a parser, not for this.
-pub(super) fn without_credentials(url: &str) -> String {
+fn without_credentials(url: &str) -> String {
     let Some(at) = url.rfind('@') else {
         return url.to_owned();
     };
@@ -62,4 +63,40 @@ pub(super) fn without_credentials(url: &str) -> String {
         Some(scheme) => format!("{scheme}://…@{}", &url[at + 1..]),
         None => format!("…@{}", &url[at + 1..]),
     }
+}
+
+/// The servers of `base_url` (one URL, or several separated by commas), each without a
+/// trailing `/`, and whether any is `https://`. Any `@` is refused first, before splitting:
+/// a password may hold a comma (`http://ops:a,b@host`).
+pub(super) fn servers(base_url: &str) -> Result<(Vec<String>, bool), UrlError> {
+    if base_url.contains('@') {
+        return Err(UrlError::Credentials {
+            url: without_credentials(base_url),
+        });
+    }
+    let mut servers = Vec::new();
+    let mut any_https = false;
+    for one in base_url.split(',').map(str::trim) {
+        let trimmed = one.trim_end_matches('/');
+        let uri: Uri = trimmed.parse().map_err(|source| UrlError::Invalid {
+            url: without_credentials(one),
+            source,
+        })?;
+        match uri.scheme_str() {
+            Some("https") => any_https = true,
+            Some("http") => {}
+            _ => {
+                return Err(UrlError::Unsupported {
+                    url: without_credentials(one),
+                });
+            }
+        }
+        if uri.host().is_none() {
+            return Err(UrlError::Unsupported {
+                url: without_credentials(one),
+            });
+        }
+        servers.push(trimmed.to_owned());
+    }
+    Ok((servers, any_https))
 }
