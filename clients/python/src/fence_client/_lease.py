@@ -453,6 +453,19 @@ class ClientCore:
             if len(self._unsettled) < MAX_UNSETTLED:
                 self._unsettled[job] = (key, now + ttl_ms / 1000)
 
+    def _granted_generation(self, job: str, key: str, ttl_ms: int, answer: Dict[str, Any],
+                            plain: bool) -> int:
+        """The generation a claim's answer grants (see :func:`granted_generation`). When it
+        names none, no release can name the grant: a plain claim's key is kept, so the next
+        claim gets it back. Only then: a key kept beside a release could get the grant back
+        before the release landed, which would then free the job under its new holder."""
+        try:
+            return granted_generation(job, answer, kept=plain)
+        except ProtocolError:
+            if plain:
+                self._keep_unsettled(job, key, ttl_ms)
+            raise
+
     def _claim_body(self, key: str, ttl_ms: int, lock_delay: Optional[float]) -> Dict[str, Any]:
         """A claim's body; the lock-delay of the call, else the client's, else the server's."""
         body: Dict[str, Any] = {"owner": self.owner, "lease_key": key, "ttl_ms": ttl_ms}

@@ -17,8 +17,8 @@ from typing import Any, Dict, Optional, Tuple, Type
 from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolError,
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
-                     LeaseCore, check_grant, claim_path, give_back, granted_generation,
-                     may_be_held, slot_of, slot_retry_pause, take_grant, waiting_claim_gap)
+                     LeaseCore, check_grant, claim_path, give_back, may_be_held, slot_of,
+                     slot_retry_pause, take_grant, waiting_claim_gap)
 from ._wire import (Timeout, bounded, check_job, encode_job, margin_ms, monotonic,
                     ttl_to_ms)
 
@@ -238,15 +238,7 @@ class Client(ClientCore):
         """The lease a claim sent at ``sent`` was granted, its keeper started. A 200 that
         does not follow the contract raises :class:`ProtocolError`, and the grant it may stand
         for is given back when the answer names its generation."""
-        try:
-            generation = granted_generation(job, answer, kept=slot is None)
-        except ProtocolError:
-            # No release can name it: a plain claim's key is kept, so the next claim gets it
-            # back. Only then: a key kept beside a release could get the grant back before the
-            # release landed, which would then free the job under its new holder.
-            if slot is None:
-                self._keep_unsettled(job, key, ttl_ms)
-            raise
+        generation = self._granted_generation(job, key, ttl_ms, answer, plain=slot is None)
         lease = Lease(self._transport, job, self.owner, key, generation, ttl_ms, self._margin,
                       on_success, self.progress_within)
         lease._resumed = answer.get("checkpoint")
