@@ -294,6 +294,11 @@ async fn act(
             if rng.u32(0..1000) < run.stall_per_mille {
                 sleep(ttl.mul_f64(rng.f64() * 3.0)).await; // a pause, a slow disk, SIGSTOP
             }
+            // The act is over: no write of this act may land in the quiet time, or the sink
+            // would see the job as recently written and never forget it.
+            if Instant::now() >= until {
+                break;
+            }
             let (on_wire, sink) = (history.clone(), sink.clone());
             let held = rng.u32(0..1000) < run.held_per_mille;
             let write_delay = if held {
