@@ -326,11 +326,13 @@ fn an_idle_h2c_connection_is_closed_at_the_idle_timeout() {
         0x82, 0x86, 0x44, 0x08, b'/', b'h', b'e', b'a', b'l', b't', b'h', b'z', 0x41, 0x01, b'x',
     ];
     out.extend(frame(0x1, 0x4 | 0x1, 1, &headers));
+    // From before the request: the server's idle time counts from its answer, which a clock
+    // started after the write could miss if this thread was descheduled in between.
+    let started = Instant::now();
     stream.write_all(&out).unwrap();
     stream
         .set_read_timeout(Some(Duration::from_secs(1)))
         .unwrap();
-    let started = Instant::now();
     let (mut pings, mut closed) = (0, None);
     while started.elapsed() < Duration::from_secs(8) {
         let mut head = [0u8; 9];

@@ -100,11 +100,13 @@ mod tests {
 
     #[test]
     fn a_round_past_its_limit_refuses_until_it_ends_and_a_failure_refuses_for_good() {
-        let rounds = Rounds::new(Duration::from_millis(20));
+        // 500 ms: "within the limit" must hold across a descheduling on a loaded machine
+        // (with 20 ms it could read as timed out).
+        let rounds = Rounds::new(Duration::from_millis(500));
         assert_eq!(kind(rounds.writable()), None);
         rounds.begin();
         assert_eq!(kind(rounds.writable()), None, "within the limit");
-        std::thread::sleep(Duration::from_millis(40));
+        std::thread::sleep(Duration::from_millis(600));
         assert_eq!(kind(rounds.writable()), Some(io::ErrorKind::TimedOut));
         rounds.end();
         assert_eq!(kind(rounds.writable()), None, "the round ended");
