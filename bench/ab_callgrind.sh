@@ -36,8 +36,8 @@ count() {
     --admin-listen 127.0.0.1:19911 --upstream "http://$bare" --data-dir "$out/data" \
     2>"$out/valgrind.log" &
   pid=$!
-  for _ in $(seq 1 600); do curl -s -o /dev/null "http://$proxy/" && break; sleep 0.1; done
-  # Until a fenced request is answered (valgrind starts slowly).
+  # Until a fenced request is answered (valgrind starts slowly; a refused connection fails
+  # at once), at most about a minute.
   for _ in $(seq 1 60); do
     [ "$(curl -s -m 10 -o /dev/null -w '%{http_code}' -XPOST -H 'x-fencing-job: warm' \
       -H 'x-fencing-token: 1' "http://$proxy/")" = 200 ] && break

@@ -176,8 +176,9 @@ impl Forger {
 
 /// The quiet time between the two acts: the sink forgets a job `D` (`MAX_TTL` + 2 × `SKEW`)
 /// after its stamp, which runs up to `STAMP_AHEAD_MS` ahead of the last admission; the last
-/// write of the first act may leave after a stall (up to three TTLs) and travel 2.5 s; a
-/// pass runs every `D`/8; a second of slack.
+/// write of the first act leaves before the act ends (a worker checks after each stall, so
+/// the 3 s kept here for a stall of up to three TTLs is slack) and travels 2.5 s; a pass
+/// runs every `D`/8; a second of slack.
 const QUIET: Duration =
     Duration::from_millis(fence_sink::STAMP_AHEAD_MS + 2_000 + 3_000 + 2_500 + 1_000);
 
