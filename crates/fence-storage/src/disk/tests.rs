@@ -474,3 +474,89 @@ async fn once_the_log_failed_no_write_is_applied() {
     assert_eq!(tree.get("b").unwrap().as_deref(), Some(&b"2"[..]));
     assert!(db.commit().await.is_err());
 }
+
+fn holds(batch: &[u8], key: &[u8]) -> bool {
+    batch.windows(key.len()).any(|w| w == key)
+}
+
+/// Two writer threads: a later round syncs while an earlier one's sync runs, and is answered
+/// only after the earlier one was, with the earlier one's failure when it failed (its frame
+/// follows one that may be lost).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_later_round_syncs_beside_an_earlier_one_and_is_answered_after_it() {
+    use std::sync::{Mutex, atomic::AtomicUsize, atomic::Ordering::SeqCst, mpsc};
+    for earlier_fails in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        let db = DurableDb::open_with(dir.path(), SMALL).unwrap();
+        let tree = db.tree("t").unwrap();
+        let (entered_tx, entered_rx) = mpsc::channel();
+        let (release_tx, release_rx) = mpsc::channel::<std::io::Result<()>>();
+        let later_synced = Arc::new(AtomicUsize::new(0));
+        {
+            let (entered_tx, release_rx) = (Mutex::new(entered_tx), Mutex::new(release_rx));
+            let later_synced = later_synced.clone();
+            db.log().set_before_sync(move |batch| {
+                if holds(batch, b"first") {
+                    let _ = entered_tx.lock().unwrap().send(());
+                    let release = release_rx.lock().unwrap();
+                    return release
+                        .recv_timeout(Duration::from_secs(30))
+                        .unwrap_or(Ok(()));
+                }
+                if holds(batch, b"second") {
+                    later_synced.fetch_add(1, SeqCst);
+                }
+                Ok(())
+            });
+        }
+        let commit = |db: &DurableDb| {
+            let db = db.clone();
+            tokio::spawn(async move { db.commit().await })
+        };
+        tree.insert("first", "1").unwrap();
+        let first = commit(&db);
+        tokio::task::spawn_blocking(move || entered_rx.recv_timeout(Duration::from_secs(10)))
+            .await
+            .unwrap()
+            .expect("the first round reaches its sync");
+        tree.insert("second", "2").unwrap();
+        let second = commit(&db);
+        let give_up = Instant::now() + Duration::from_secs(10);
+        while later_synced.load(SeqCst) == 0 {
+            assert!(
+                Instant::now() < give_up,
+                "the second round did not sync while the first one's sync ran"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(
+            !second.is_finished(),
+            "the second round was answered before the first"
+        );
+        let outcome = match earlier_fails {
+            true => Err(std::io::Error::other("a sync failed for a test")),
+            false => Ok(()),
+        };
+        release_tx.send(outcome).unwrap();
+        let (first, second) = (first.await.unwrap(), second.await.unwrap());
+        if earlier_fails {
+            assert!(
+                matches!(first, Err(CommitError::Log(_))),
+                "first: {first:?}"
+            );
+            assert!(
+                matches!(second, Err(CommitError::Log(_))),
+                "a round after a failed one is answered with the failure: {second:?}"
+            );
+            continue;
+        }
+        first.unwrap();
+        second.unwrap();
+        drop((tree, db));
+        let db = DurableDb::open(dir.path()).unwrap();
+        let tree = db.tree("t").unwrap();
+        assert_eq!(tree.get("first").unwrap().as_deref(), Some(&b"1"[..]));
+        assert_eq!(tree.get("second").unwrap().as_deref(), Some(&b"2"[..]));
+    }
+}
