@@ -2,12 +2,11 @@
 //!
 //! A write is applied to sled and its record appended to an in-memory buffer under one lock
 //! ([`Shared::lock`]), so the log holds the writes to each key in the order sled applied them.
-//! A writer thread takes everything buffered so far, writes it to the current segment as
+//! One writer thread takes everything buffered so far, writes it to the current segment as
 //! one frame ([`format`]) with one `write` and one `fdatasync`, then answers every commit
 //! that was waiting for it: one sync per batch, with no other thread in between (sled's own
-//! flush hands its buffers to a pool of I/O threads and syncs twice). Two writer threads
-//! overlap their syncs, writing and answering in the order they took their batches
-//! ([`writer`]). A commit that finds nothing unsynced returns at once.
+//! flush hands its buffers to a pool of I/O threads and syncs twice). A commit that finds
+//! nothing unsynced returns at once.
 //!
 //! Segments are checkpointed, not kept: every [`SEGMENT_AGE`] (or [`SEGMENT_BYTES`]) the
 //! writer ends the segment, starts the next and hands the old one to a checkpoint thread,
@@ -19,12 +18,11 @@
 //! cost (BENCHMARKS.md). On open, the segments left are replayed into sled in order (each
 //! record sets or removes one key, so replaying twice gives the same result), sled is
 //! flushed, and they are deleted. A frame cut short or failing its checksum ends the replay;
-//! it can only be one of the last frames written, whose rounds no commit was answered for
-//! (see [`writer`]).
+//! it can only be the last one written, which no commit had waited for.
 
 use std::{
-    collections::VecDeque,
     fs::File,
+    hash::{BuildHasher, RandomState},
     io,
     os::unix::fs::FileExt,
     path::{Path, PathBuf},
@@ -34,7 +32,7 @@ use std::{
         mpsc,
     },
     thread,
-    time::Duration,
+    time::{Duration, Instant},
 };
 
 use tokio::sync::oneshot;
@@ -43,13 +41,11 @@ use super::{CommitError, sync::Syncer};
 
 mod format;
 mod rounds;
-mod writer;
 
 pub(super) use format::Op;
 #[cfg(test)]
 pub(super) use format::{frame, header};
 use rounds::Rounds;
-use writer::{Segment, Writer};
 
 /// The directory, inside the database's, that holds the log's segments.
 pub(super) const LOG_DIR: &str = "log";
@@ -177,10 +173,7 @@ pub(super) fn replay(db: &sled::Db, syncer: &Syncer, dir: &Path) -> Result<u64, 
 #[derive(Debug)]
 pub(super) struct Shared {
     state: Mutex<State>,
-    /// Signalled when a commit starts waiting, and when writer threads should look again.
     work: Condvar,
-    /// Signalled when a round was answered (the next one may be) or the log failed.
-    turn: Condvar,
     /// How many records are on disk (the count of the last batch synced).
     synced: AtomicU64,
     /// The writer's rounds, timed: what decides whether writes are taken.
@@ -188,23 +181,6 @@ pub(super) struct Shared {
     /// Taken by the writer before each write: a test holds it to stall the disk.
     #[cfg(any(test, feature = "test-hooks"))]
     pub(super) stall: Mutex<()>,
-    /// Called with each batch before its sync: a test holds or fails one round.
-    #[cfg(test)]
-    before_sync: BeforeSync,
-}
-
-#[cfg(test)]
-type SyncHook = Arc<dyn Fn(&[u8]) -> io::Result<()> + Send + Sync>;
-
-#[cfg(test)]
-#[derive(Default)]
-struct BeforeSync(Mutex<Option<SyncHook>>);
-
-#[cfg(test)]
-impl std::fmt::Debug for BeforeSync {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str("BeforeSync")
-    }
 }
 
 #[derive(Default)]
@@ -217,14 +193,6 @@ pub(super) struct State {
     closing: bool,
     /// The first failure, answered to every commit after it.
     failed: Option<CommitError>,
-    /// How many rounds the writer threads took, and how many of them were answered
-    /// (`writer`): those in between are running.
-    started: u64,
-    done: u64,
-    /// When each running round began ([`Rounds::now`]), oldest first.
-    starts: VecDeque<u64>,
-    /// A writer thread waits to end the segment: no round starts until it has.
-    rotating: bool,
 }
 
 /// Sizes and counts only: the buffer holds stored records (idempotency responses, key hashes),
@@ -237,10 +205,7 @@ impl std::fmt::Debug for State {
             .field("waiters", &self.waiters.len())
             .field("closing", &self.closing)
             .field("failed", &self.failed)
-            .field("started", &self.started)
-            .field("done", &self.done)
-            .field("rotating", &self.rotating)
-            .finish_non_exhaustive()
+            .finish()
     }
 }
 
@@ -301,30 +266,6 @@ impl Shared {
         self.lock().waiters.len()
     }
 
-    /// Calls `hook` with each batch before its sync; its error fails the round's sync.
-    #[cfg(test)]
-    pub(super) fn set_before_sync(
-        &self,
-        hook: impl Fn(&[u8]) -> io::Result<()> + Send + Sync + 'static,
-    ) {
-        *self
-            .before_sync
-            .0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner) = Some(Arc::new(hook));
-    }
-
-    #[cfg(test)]
-    fn before_sync(&self, batch: &[u8]) -> io::Result<()> {
-        let hook = self
-            .before_sync
-            .0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .clone();
-        hook.map_or(Ok(()), |hook| hook(batch))
-    }
-
     /// Fails the log as a failed write would, for tests.
     #[cfg(test)]
     pub(super) fn fail_for_test(&self) {
@@ -339,21 +280,18 @@ impl Shared {
         let mut state = self.lock();
         state.failed.get_or_insert(e);
         state.buf = Vec::new();
-        // Writer threads waiting for their turn or for work end now.
-        self.turn.notify_all();
-        self.work.notify_all();
         std::mem::take(&mut state.waiters)
     }
 }
 
-/// The log's threads (writers and checkpoint); dropping it writes what is buffered, checkpoints everything and
+/// The log's two threads; dropping it writes what is buffered, checkpoints everything and
 /// deletes the segments (a clean shutdown leaves none).
 #[derive(Debug)]
 pub(super) struct Log {
     pub(super) shared: Arc<Shared>,
     dir: PathBuf,
     syncer: Arc<Syncer>,
-    writers: Vec<thread::JoinHandle<()>>,
+    writer: Option<thread::JoinHandle<()>>,
     checkpointer: Option<thread::JoinHandle<()>>,
 }
 
@@ -377,15 +315,12 @@ impl Log {
         let shared = Arc::new(Shared {
             state: Mutex::default(),
             work: Condvar::new(),
-            turn: Condvar::new(),
             synced: AtomicU64::new(0),
             rounds: Rounds::new(limits.stall),
             #[cfg(any(test, feature = "test-hooks"))]
             stall: Mutex::default(),
-            #[cfg(test)]
-            before_sync: BeforeSync::default(),
         });
-        let segment = Segment::create(&dir, next, 0)?;
+        let segment = Segment::create(&dir, next)?;
         let (closed_tx, closed_rx) = mpsc::channel::<u64>();
         let checkpointer = {
             let (shared, syncer, dir) = (shared.clone(), syncer.clone(), dir.clone());
@@ -403,42 +338,31 @@ impl Log {
                     }
                 })?
         };
-        let writer = Arc::new(Writer::new(
-            shared.clone(),
-            dir.clone(),
-            limits,
-            segment,
-            closed_tx,
-        ));
-        let mut log = Self {
+        let writer = {
+            let (shared, dir) = (shared.clone(), dir.clone());
+            thread::Builder::new()
+                .name("fence-log".into())
+                .spawn(move || write_loop(&shared, &dir, segment, &closed_tx, limits))?
+        };
+        Ok(Self {
             shared,
             dir,
             syncer,
-            writers: Vec::new(),
+            writer: Some(writer),
             checkpointer: Some(checkpointer),
-        };
-        let spawned = (0..writer::IN_FLIGHT).try_for_each(|_| {
-            let writer = writer.clone();
-            let thread = thread::Builder::new()
-                .name("fence-log".into())
-                .spawn(move || writer.run())?;
-            log.writers.push(thread);
-            io::Result::Ok(())
-        });
-        // Before `log` may be dropped (on an error): its drop waits for the checkpoint
-        // thread, which ends once every handle on the writer (and its channel) is gone.
-        drop(writer);
-        spawned?;
-        Ok(log)
+        })
     }
 }
 
 impl Drop for Log {
     fn drop(&mut self) {
         self.shared.lock().closing = true;
-        self.shared.work.notify_all();
-        // The writers write what is left and end, dropping the checkpointer's channel.
-        for thread in self.writers.drain(..).chain(self.checkpointer.take()) {
+        self.shared.work.notify_one();
+        // The writer writes what is left and ends, dropping the checkpointer's channel.
+        for thread in [self.writer.take(), self.checkpointer.take()]
+            .into_iter()
+            .flatten()
+        {
             let _ = thread.join();
         }
         if self.shared.lock().failed.is_none()
@@ -505,4 +429,138 @@ fn fill(path: &Path, bytes: u64) -> io::Result<()> {
         at += n as u64;
     }
     file.sync_all()
+}
+
+/// The segment being written.
+struct Segment {
+    number: u64,
+    salt: u64,
+    file: File,
+    /// Where the next frame goes.
+    len: u64,
+    opened: Instant,
+    frame: Vec<u8>,
+}
+
+impl Segment {
+    /// Segment `number`, in the spare's file when there is one, else in a new one; its
+    /// directory entry on disk before any record is.
+    fn create(dir: &Path, number: u64) -> io::Result<Self> {
+        let path = segment_path(dir, number);
+        let file = match std::fs::rename(dir.join(SPARE), &path) {
+            Ok(()) => File::options().write(true).open(&path)?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                File::options().create_new(true).write(true).open(&path)?
+            }
+            Err(e) => return Err(e),
+        };
+        // A salt no earlier use of the file (nor any client) could know: std's hasher keys
+        // are drawn from the operating system's randomness.
+        let salt = RandomState::new().hash_one(number);
+        file.write_all_at(&format::header(salt), 0)?;
+        file.sync_data()?;
+        sync_dir(dir)?;
+        Ok(Self {
+            number,
+            salt,
+            file,
+            len: format::SEGMENT_HEADER as u64,
+            opened: Instant::now(),
+            frame: Vec::new(),
+        })
+    }
+
+    /// Whether a frame was written since the header.
+    fn has_frames(&self) -> bool {
+        self.len > format::SEGMENT_HEADER as u64
+    }
+
+    /// Writes `body` as one frame (empty: the segment's end) and syncs it.
+    fn append(&mut self, body: &[u8]) -> io::Result<()> {
+        if u32::try_from(body.len()).is_err() {
+            // The frame's length is 32 bits (sled's values are far smaller; so is a batch).
+            return Err(io::Error::other(
+                "a batch of 4 GiB or more cannot be logged",
+            ));
+        }
+        self.frame.clear();
+        format::frame(self.number, self.salt, body, &mut self.frame);
+        self.file.write_all_at(&self.frame, self.len)?;
+        self.file.sync_data()?;
+        self.len += self.frame.len() as u64;
+        Ok(())
+    }
+}
+
+/// Ends `segment` and starts the next; answers the ended one's number.
+fn rotate(dir: &Path, segment: &mut Segment) -> io::Result<u64> {
+    // On disk before the next segment exists: replay takes a segment without its end for
+    // the last one written.
+    segment.append(&[])?;
+    let next = Segment::create(dir, segment.number + 1)?;
+    Ok(std::mem::replace(segment, next).number)
+}
+
+fn write_loop(
+    shared: &Shared,
+    dir: &Path,
+    mut segment: Segment,
+    closed: &mpsc::Sender<u64>,
+    limits: Limits,
+) {
+    let mut batch = Vec::new();
+    let fail = |e: io::Error, waiters: Vec<Waiter>| {
+        let e = CommitError::Log(Arc::new(e));
+        for waiter in waiters.into_iter().chain(shared.fail(e.clone())) {
+            let _ = waiter.send(Err(e.clone()));
+        }
+    };
+    loop {
+        let (end, waiters, closing) = {
+            let mut state = shared.lock();
+            if state.waiters.is_empty() && !state.closing {
+                state = shared
+                    .work
+                    .wait_timeout(state, IDLE)
+                    .unwrap_or_else(PoisonError::into_inner)
+                    .0;
+            }
+            if state.failed.is_some() {
+                return;
+            }
+            std::mem::swap(&mut batch, &mut state.buf);
+            (state.end, std::mem::take(&mut state.waiters), state.closing)
+        };
+        shared.rounds.begin();
+        #[cfg(any(test, feature = "test-hooks"))]
+        drop(shared.stall.lock().unwrap_or_else(PoisonError::into_inner));
+        if !batch.is_empty() {
+            if let Err(e) = segment.append(&batch) {
+                return fail(e, waiters);
+            }
+            batch.clear();
+        }
+        shared.rounds.end();
+        shared.synced.store(end, Ordering::Release);
+        for waiter in waiters {
+            // A waiter that went away (its request was cancelled) needs no answer.
+            let _ = waiter.send(Ok(()));
+        }
+        if closing {
+            return;
+        }
+        let due = segment.len >= limits.bytes
+            || (segment.has_frames() && segment.opened.elapsed() >= limits.age);
+        if due {
+            shared.rounds.begin();
+            let rotated = rotate(dir, &mut segment);
+            shared.rounds.end();
+            match rotated {
+                Ok(ended) => {
+                    let _ = closed.send(ended);
+                }
+                Err(e) => return fail(e, Vec::new()),
+            }
+        }
+    }
 }

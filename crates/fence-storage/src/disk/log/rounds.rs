@@ -52,7 +52,7 @@ impl Rounds {
         if began == 0 {
             return Ok(());
         }
-        let stalled = Duration::from_millis(self.now().saturating_sub(began));
+        let stalled = Duration::from_millis(self.millis().saturating_sub(began));
         if stalled <= self.limit {
             return Ok(());
         }
@@ -67,17 +67,12 @@ impl Rounds {
     }
 
     /// Milliseconds since `started`, plus one (never 0, which means "no round").
-    pub(super) fn now(&self) -> u64 {
+    fn millis(&self) -> u64 {
         u64::try_from(self.started.elapsed().as_millis()).unwrap_or(u64::MAX - 1) + 1
     }
 
     pub(super) fn begin(&self) {
-        self.began_at(self.now());
-    }
-
-    /// The oldest running round began at `now` (as [`now`](Self::now) said); 0: none runs.
-    pub(super) fn began_at(&self, now: u64) {
-        self.began.store(now, Ordering::Release);
+        self.began.store(self.millis(), Ordering::Release);
     }
 
     pub(super) fn end(&self) {
