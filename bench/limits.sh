@@ -28,7 +28,7 @@ for tool in wrk:wrk nginx:nginx-light curl:curl; do
 done
 cargo build --profile "$profile" -q -p fence --bin fence
 cargo build --profile "$profile" -q --example bench_sink --example disk_probe --example grpc_load
-bin=target/$profile
+bin=${CARGO_TARGET_DIR:-target}/$profile
 tmp=$(mktemp -d -p "$PWD/target"); pids=()   # on the disk fence's data lives on
 cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$tmp"; }
 trap cleanup EXIT
