@@ -68,7 +68,8 @@ fn main() {
     let path = std::path::Path::new(dir).join(format!("probe-{}.log", std::process::id()));
     let file = Arc::new(File::create(&path).expect("the probe file can be created"));
     if prefilled {
-        file.write_all_at(&vec![0; PREFILLED as usize], 0).expect("fill");
+        file.write_all_at(&vec![0; PREFILLED as usize], 0)
+            .expect("fill");
         file.sync_all().expect("fsync");
     }
     let shared = Arc::new(Shared {

@@ -455,7 +455,7 @@ impl LeaseStore for HttpLeaseStore {
         terms: ClaimTerms,
         slots: u32,
     ) -> Result<SlotClaim, StoreError> {
-        super::check_slot_claim(resource, slots)?;
+        super::check_slot_claim(resource, slots).map_err(super::refused_before_sending)?;
         let body = SemaphoreClaimRequest {
             claim: ClaimRequest {
                 owner: owner.clone(),

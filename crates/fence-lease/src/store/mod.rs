@@ -35,7 +35,9 @@ use fence_core::{
 
 #[cfg(feature = "postgres")]
 pub use self::postgres::{PgLeaseStore, PgTable};
-pub(crate) use self::slots::{check_slot_claim, decide_slot, slot_prefix, slot_records};
+pub(crate) use self::slots::{
+    check_slot_claim, decide_slot, refused_before_sending, slot_prefix, slot_records,
+};
 pub use self::{
     bearer::{BearerToken, TokenError},
     error::StoreError,

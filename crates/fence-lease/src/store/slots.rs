@@ -21,14 +21,24 @@ pub(crate) fn check_slot_claim(resource: &JobId, slots: u32) -> Result<(), Store
         status: 400,
         detail,
     };
-    check_resource(resource)
-        .map_err(|e| refused(format!("resource: {e} (refused before sending)")))?;
+    check_resource(resource).map_err(|e| refused(format!("resource: {e}")))?;
     if (1..=MAX_SLOTS).contains(&slots) {
         Ok(())
     } else {
         Err(refused(format!(
-            "a semaphore has 1 to {MAX_SLOTS} slots, got {slots} (refused before sending)"
+            "a semaphore has 1 to {MAX_SLOTS} slots, got {slots}"
         )))
+    }
+}
+
+/// [`check_slot_claim`]'s refusal, saying that nothing was sent (the HTTP store).
+pub(crate) fn refused_before_sending(e: StoreError) -> StoreError {
+    match e {
+        StoreError::Refused { status, detail } => StoreError::Refused {
+            status,
+            detail: format!("{detail} (refused before sending)"),
+        },
+        e => e,
     }
 }
 
@@ -139,5 +149,26 @@ pub(crate) fn decide_slot(
         None => Err(StoreError::Protocol(format!(
             "no slot of {resource} was decided: an empty semaphore"
         ))),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_refused_slot_claim_says_who_refused_it_and_whether_it_was_sent() {
+        let resource: JobId = "queue".parse().unwrap();
+        let local = check_slot_claim(&resource, 0).unwrap_err();
+        let text = local.to_string();
+        assert_eq!(
+            text,
+            format!("the request was refused (400): a semaphore has 1 to {MAX_SLOTS} slots, got 0")
+        );
+        let sent = refused_before_sending(local).to_string();
+        assert!(sent.ends_with("got 0 (refused before sending)"), "{sent}");
+        // Other errors pass through unchanged.
+        let io = refused_before_sending(StoreError::io(std::io::Error::other("down")));
+        assert!(matches!(io, StoreError::Io(_)), "{io:?}");
     }
 }
