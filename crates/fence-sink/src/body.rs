@@ -108,12 +108,18 @@ impl Streaming {
     /// first. (The `InFlight` guard's own panic hold covers only a drop during the unwinding.)
     /// It also keeps the deadline `overdue_at` on a panic: nothing after the service's
     /// call would, and a task holding the body without reading it would keep this place
-    /// until newer tokens gave up at their drain limit.
-    pub(crate) fn unknown_if_panicking(
+    /// until newer tokens gave up at their drain limit. The same when the call is dropped
+    /// unfinished (its client went away) while a task holds the body; a call dropped with
+    /// its body in it holds nothing. [`UnknownIfUnfinished::finished`] once it answered.
+    pub(crate) fn unknown_if_unfinished(
         self: &Arc<Self>,
         overdue_at: tokio::time::Instant,
-    ) -> UnknownIfPanicking<'_> {
-        UnknownIfPanicking(self, overdue_at)
+    ) -> UnknownIfUnfinished<'_> {
+        UnknownIfUnfinished {
+            flight: self,
+            overdue_at,
+            finished: false,
+        }
     }
 
     /// Lets the guard go as [`overdue`](Self::overdue) at `at` if this place is still held
@@ -187,18 +193,34 @@ impl Streaming {
     }
 }
 
-/// Marks the request's outcome unknown when dropped while its thread unwinds from a panic
-/// (see [`Streaming::unknown_if_panicking`]).
-pub(crate) struct UnknownIfPanicking<'a>(&'a Arc<Streaming>, tokio::time::Instant);
+/// Marks the request's outcome unknown when dropped before the service answered (see
+/// [`Streaming::unknown_if_unfinished`]).
+pub(crate) struct UnknownIfUnfinished<'a> {
+    flight: &'a Arc<Streaming>,
+    overdue_at: tokio::time::Instant,
+    finished: bool,
+}
 
-impl Drop for UnknownIfPanicking<'_> {
+impl UnknownIfUnfinished<'_> {
+    /// The service answered (or failed, which its caller marks): nothing to do.
+    pub(crate) fn finished(mut self) {
+        self.finished = true;
+    }
+}
+
+impl Drop for UnknownIfUnfinished<'_> {
     fn drop(&mut self) {
-        if std::thread::panicking() {
-            self.0.unknown();
-            // Held elsewhere too: the body, by a task the service handed it to.
-            if Arc::strong_count(self.0) > 1 {
-                self.0.keep_deadline(self.1);
-            }
+        if self.finished {
+            return;
+        }
+        // Held elsewhere too: the body, by a task the service handed it to (the call's own
+        // state, the body in it, is dropped before this guard).
+        let handed_on = Arc::strong_count(self.flight) > 1;
+        if std::thread::panicking() || handed_on {
+            self.flight.unknown();
+        }
+        if handed_on {
+            self.flight.keep_deadline(self.overdue_at);
         }
     }
 }

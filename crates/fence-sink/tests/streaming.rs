@@ -575,6 +575,72 @@ async fn a_panic_with_the_body_held_unread_lets_go_at_the_deadline() {
     drop(messages7);
 }
 
+/// A call whose caller goes away (a client that closed its connection; the layer's futures
+/// are cancelled with their callers) after the service handed the body to a task of its own
+/// and before it answered: that task may still send the effect on its way, so the next token
+/// waits the unknown-outcome hold after the task is done with the body, and, when the task
+/// holds it unread, no longer than the body deadline and the hold. A call cancelled with its
+/// body still in it holds nothing.
+#[tokio::test(start_paused = true)]
+async fn a_call_cancelled_with_its_body_handed_on_holds_the_next_token() {
+    // How long the task the body was handed to keeps it (read, or unread); `None`: the body
+    // is not handed on.
+    for (kept, at_least, below) in [
+        (Some((1, true)), 4, 5),
+        (Some((600, false)), 8, 9),
+        (None, 0, 1),
+    ] {
+        let layer = FenceLayer::new(MemoryStore::new())
+            .body_timeout(Duration::from_secs(5))
+            .unknown_outcome_hold(Duration::from_secs(3))
+            .drain_timeout(Duration::from_secs(60));
+        let unanswered = layer.layer(tower::service_fn(
+            move |req: Request<fence_sink::RequestBody<Channel>>| async move {
+                let body = req.into_body();
+                let _kept_here = match kept {
+                    Some((secs, read)) => {
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_secs(secs)).await;
+                            if read {
+                                body.collect().await.unwrap();
+                            }
+                        });
+                        None
+                    }
+                    None => Some(body),
+                };
+                std::future::pending::<()>().await;
+                Ok::<_, Infallible>(Response::new(String::new()))
+            },
+        ));
+        let next = layer.layer(Streams::default());
+        let (messages7, body7) = Channel::new();
+        messages7.send(Bytes::from("a")).unwrap();
+        if kept.is_some_and(|(_, read)| read) {
+            drop(messages7);
+        }
+        let began = tokio::time::Instant::now();
+        let cancelled = tokio::time::timeout(
+            Duration::from_millis(10),
+            unanswered.oneshot(call(7, body7)),
+        )
+        .await;
+        assert!(
+            cancelled.is_err(),
+            "the service never answers: {:?}",
+            cancelled.map(|r| r.map(|a| a.status()))
+        );
+        let answer8 = next.oneshot(call(8, String::new())).await.unwrap();
+        let waited = began.elapsed();
+        assert_eq!(answer8.status(), 200, "token 8 after {waited:?} ({kept:?})");
+        assert!(
+            waited >= Duration::from_secs(at_least) && waited < Duration::from_secs(below),
+            "token 8 passed {waited:?} after 7's call was cancelled with its body kept {kept:?} \
+             (deadline 5 s, hold 3 s): expected {at_least} to {below} s"
+        );
+    }
+}
+
 /// The same, when the hop took the whole (short) body before the service answered: the body
 /// ended at the fence before the answer came, and the call still waits for its answer's end,
 /// since its body is one of whole messages.

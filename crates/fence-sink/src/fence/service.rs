@@ -452,8 +452,10 @@ where
         RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone())
     };
     let called = {
-        let _panicking = flight.unknown_if_panicking(deadline + OVERDUE_AFTER);
-        inner.call(Request::from_parts(parts, body)).await
+        let unfinished = flight.unknown_if_unfinished(deadline + OVERDUE_AFTER);
+        let called = inner.call(Request::from_parts(parts, body)).await;
+        unfinished.finished();
+        called
     };
     let response = match called {
         Ok(response) => response,
