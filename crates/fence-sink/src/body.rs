@@ -26,6 +26,8 @@ use tokio::time::{Instant, Sleep};
 
 use crate::{budget::Reservation, gate::InFlight};
 
+mod unfinished;
+
 /// The error a fenced request's body yields to the inner service when it did not arrive
 /// within the layer's [`body_timeout`](crate::FenceLayer::body_timeout) of admission. The
 /// client is answered 408 `urn:fence:body-timeout`.
@@ -100,28 +102,6 @@ impl Streaming {
         ends
     }
 
-    /// Held while the service runs: a service that panics may have sent its effect on its
-    /// way, and the request's body, which shares this place in flight, may live on in a task
-    /// the service handed it to (the proxy's upstream connection), so this place would go
-    /// when that task drops the body, after the unwinding, without the hold. The guard,
-    /// dropped with the panicking future's state while it unwinds, marks the outcome unknown
-    /// first. (The `InFlight` guard's own panic hold covers only a drop during the unwinding.)
-    /// It also keeps the deadline `overdue_at` on a panic: nothing after the service's
-    /// call would, and a task holding the body without reading it would keep this place
-    /// until newer tokens gave up at their drain limit. The same when the call is dropped
-    /// unfinished (its client went away) while a task holds the body; a call dropped with
-    /// its body in it holds nothing. [`UnknownIfUnfinished::finished`] once it answered.
-    pub(crate) fn unknown_if_unfinished(
-        self: &Arc<Self>,
-        overdue_at: tokio::time::Instant,
-    ) -> UnknownIfUnfinished<'_> {
-        UnknownIfUnfinished {
-            flight: self,
-            overdue_at,
-            finished: false,
-        }
-    }
-
     /// Lets the guard go as [`overdue`](Self::overdue) at `at` if this place is still held
     /// then, from a task that ends with this place instead of sleeping to `at` (one per
     /// request in flight, not one per request of the last body timeout). Needs a runtime:
@@ -189,38 +169,6 @@ impl Streaming {
     pub(crate) fn overdue(&self) {
         if let Some(guard) = self.take() {
             guard.hold(self.hold);
-        }
-    }
-}
-
-/// Marks the request's outcome unknown when dropped before the service answered (see
-/// [`Streaming::unknown_if_unfinished`]).
-pub(crate) struct UnknownIfUnfinished<'a> {
-    flight: &'a Arc<Streaming>,
-    overdue_at: tokio::time::Instant,
-    finished: bool,
-}
-
-impl UnknownIfUnfinished<'_> {
-    /// The service answered (or failed, which its caller marks): nothing to do.
-    pub(crate) fn finished(mut self) {
-        self.finished = true;
-    }
-}
-
-impl Drop for UnknownIfUnfinished<'_> {
-    fn drop(&mut self) {
-        if self.finished {
-            return;
-        }
-        // Held elsewhere too: the body, by a task the service handed it to (the call's own
-        // state, the body in it, is dropped before this guard).
-        let handed_on = Arc::strong_count(self.flight) > 1;
-        if std::thread::panicking() || handed_on {
-            self.flight.unknown();
-        }
-        if handed_on {
-            self.flight.keep_deadline(self.overdue_at);
         }
     }
 }

@@ -641,6 +641,41 @@ async fn a_call_cancelled_with_its_body_handed_on_holds_the_next_token() {
     }
 }
 
+/// A service that fails (answers an error, not a response) after handing the body to a task
+/// that holds it unread: the outcome is unknown, and the body deadline is kept, so the next
+/// token waits the deadline and the hold, not until it gives up at its drain limit.
+#[tokio::test(start_paused = true)]
+async fn a_failure_with_the_body_held_unread_lets_go_at_the_deadline() {
+    let layer = FenceLayer::new(MemoryStore::new())
+        .body_timeout(Duration::from_secs(5))
+        .unknown_outcome_hold(Duration::from_secs(3))
+        .drain_timeout(Duration::from_secs(60));
+    let failing = layer.layer(tower::service_fn(
+        |req: Request<fence_sink::RequestBody<Channel>>| async move {
+            let body = req.into_body();
+            tokio::spawn(async move {
+                tokio::time::sleep(Duration::from_secs(600)).await;
+                drop(body);
+            });
+            Err::<Response<String>, _>(std::io::Error::other("the handler failed"))
+        },
+    ));
+    let next = layer.layer(Streams::default());
+    let (messages7, body7) = Channel::new();
+    messages7.send(Bytes::from("a")).unwrap();
+    let began = tokio::time::Instant::now();
+    assert!(failing.oneshot(call(7, body7)).await.is_err());
+    let answer8 = next.oneshot(call(8, String::new())).await.unwrap();
+    let waited = began.elapsed();
+    assert_eq!(answer8.status(), 200, "token 8 after {waited:?}");
+    assert!(
+        waited >= Duration::from_secs(8) && waited < Duration::from_secs(9),
+        "token 8 passed {waited:?} after 7's service failed with its body held unread \
+         (deadline 5 s, hold 3 s)"
+    );
+    drop(messages7);
+}
+
 /// The same, when the hop took the whole (short) body before the service answered: the body
 /// ended at the fence before the answer came, and the call still waits for its answer's end,
 /// since its body is one of whole messages.

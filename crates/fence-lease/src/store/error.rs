@@ -53,9 +53,9 @@ pub enum StoreError {
     /// A remote store refused the request as asked (a 4xx problem other than the
     /// authentication refusals, 408, 409 and 429): a malformed request, a job at its last
     /// generation, a plain claim of a semaphore's slot. Also a semaphore claim no store would
-    /// take (a resource with `#`, slots out of range), refused by the store or client before
-    /// it is decided or sent (the HTTP store's detail then ends with "refused before
-    /// sending"). The same request asked again gets the same answer.
+    /// take (a resource with `#`, slots out of range), refused before it is decided or sent
+    /// (by `LeaseClient`, by any store; `HttpLeaseStore` called directly adds "refused
+    /// before sending"). The same request asked again gets the same answer.
     #[error("the request was refused ({status}): {detail}")]
     Refused {
         /// The HTTP status.

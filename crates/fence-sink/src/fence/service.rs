@@ -460,8 +460,10 @@ where
     let response = match called {
         Ok(response) => response,
         Err(e) => {
-            // The service failed: whether it acted is unknown.
+            // The service failed: whether it acted is unknown, and a task it handed the
+            // body to may hold it unread (nothing below keeps the deadline on this path).
             flight.unknown();
+            flight.keep_deadline_if_handed_on(deadline + OVERDUE_AFTER);
             return Err(e);
         }
     };
