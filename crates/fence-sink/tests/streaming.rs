@@ -108,13 +108,26 @@ impl Body for Resettable {
     }
 }
 
-/// A fence in front of `app`: body deadline 5 s, unknown-outcome hold 3 s, drain limit 60 s.
-fn fenced(app: &Streams) -> Fence<Streams, MemoryStore> {
+/// A fence layer with body deadline 5 s, unknown-outcome hold 3 s, drain limit 60 s.
+fn layer_5_3_60() -> FenceLayer<MemoryStore> {
     FenceLayer::new(MemoryStore::new())
         .body_timeout(Duration::from_secs(5))
         .unknown_outcome_hold(Duration::from_secs(3))
         .drain_timeout(Duration::from_secs(60))
-        .layer(app.clone())
+}
+
+/// [`layer_5_3_60`] in front of `app`.
+fn fenced(app: &Streams) -> Fence<Streams, MemoryStore> {
+    layer_5_3_60().layer(app.clone())
+}
+
+/// Hands `body` to a task that holds it, unread, for 600 s (an upstream connection waiting on
+/// a stalled server).
+fn hold_unread<B: Send + 'static>(body: B) {
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_secs(600)).await;
+        drop(body);
+    });
 }
 
 /// How long a call of the newer `token` waited before it was let through (answered 200).
@@ -497,10 +510,7 @@ async fn finished_calls_leave_no_task_behind() {
 /// token waits the unknown-outcome hold, not only until that task is done with the body.
 #[tokio::test(start_paused = true)]
 async fn a_panic_after_handing_the_body_on_holds_the_next_token() {
-    let layer = FenceLayer::new(MemoryStore::new())
-        .body_timeout(Duration::from_secs(5))
-        .unknown_outcome_hold(Duration::from_secs(3))
-        .drain_timeout(Duration::from_secs(60));
+    let layer = layer_5_3_60();
     let panicking = layer.layer(tower::service_fn(
         |req: Request<fence_sink::RequestBody<Channel>>| async move {
             let body = req.into_body();
@@ -536,17 +546,10 @@ async fn a_panic_after_handing_the_body_on_holds_the_next_token() {
 /// token waits the body deadline and the hold, not until it gives up at its drain limit.
 #[tokio::test(start_paused = true)]
 async fn a_panic_with_the_body_held_unread_lets_go_at_the_deadline() {
-    let layer = FenceLayer::new(MemoryStore::new())
-        .body_timeout(Duration::from_secs(5))
-        .unknown_outcome_hold(Duration::from_secs(3))
-        .drain_timeout(Duration::from_secs(60));
+    let layer = layer_5_3_60();
     let panicking = layer.layer(tower::service_fn(
         |req: Request<fence_sink::RequestBody<Channel>>| async move {
-            let body = req.into_body();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(600)).await;
-                drop(body);
-            });
+            hold_unread(req.into_body());
             tokio::task::yield_now().await;
             if true {
                 panic!("the handler failed after it handed its body on");
@@ -596,10 +599,7 @@ async fn a_call_cancelled_with_its_body_handed_on_holds_the_next_token() {
         ]
         .map(|case| (kind, case))
     }) {
-        let layer = FenceLayer::new(MemoryStore::new())
-            .body_timeout(Duration::from_secs(5))
-            .unknown_outcome_hold(Duration::from_secs(3))
-            .drain_timeout(Duration::from_secs(60));
+        let layer = layer_5_3_60();
         let unanswered = layer.layer(tower::service_fn(
             move |req: Request<fence_sink::RequestBody<Channel>>| async move {
                 let body = req.into_body();
@@ -652,17 +652,10 @@ async fn a_call_cancelled_with_its_body_handed_on_holds_the_next_token() {
 /// token waits the deadline and the hold, not until it gives up at its drain limit.
 #[tokio::test(start_paused = true)]
 async fn a_failure_with_the_body_held_unread_lets_go_at_the_deadline() {
-    let layer = FenceLayer::new(MemoryStore::new())
-        .body_timeout(Duration::from_secs(5))
-        .unknown_outcome_hold(Duration::from_secs(3))
-        .drain_timeout(Duration::from_secs(60));
+    let layer = layer_5_3_60();
     let failing = layer.layer(tower::service_fn(
         |req: Request<fence_sink::RequestBody<Channel>>| async move {
-            let body = req.into_body();
-            tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_secs(600)).await;
-                drop(body);
-            });
+            hold_unread(req.into_body());
             Err::<Response<String>, _>(std::io::Error::other("the handler failed"))
         },
     ));
