@@ -586,10 +586,10 @@ async fn a_panic_with_the_body_held_unread_lets_go_at_the_deadline() {
 /// body still in it holds nothing.
 #[tokio::test(start_paused = true)]
 async fn a_call_cancelled_with_its_body_handed_on_holds_the_next_token() {
-    // How long the task the body was handed to keeps it (read, or unread); `None`: the body
-    // is not handed on.
     // A gRPC call and a plain HTTP upload alike: what is held does not depend on the body's
-    // kind here.
+    // kind here. `kept`: how long the task the body was handed to keeps it, and whether it
+    // reads it (`None`: the body is not handed on); then the bounds, in seconds, of when the
+    // next token passes.
     let kinds: [fn(u64, Channel) -> Request<Channel>; 2] = [call, upload];
     for (kind, (kept, at_least, below)) in kinds.into_iter().flat_map(|kind| {
         [

@@ -452,18 +452,20 @@ where
         RequestBody::timed(body, deadline, limit, fired.clone()).in_flight(flight.clone())
     };
     let called = {
-        let unfinished = flight.unknown_if_unfinished(deadline + OVERDUE_AFTER);
+        // Without an answer (a panic, a drop, a failure) the guard keeps the deadline of a
+        // body handed on.
+        let unanswered = flight.unknown_if_unanswered(deadline + OVERDUE_AFTER);
         let called = inner.call(Request::from_parts(parts, body)).await;
-        unfinished.finished();
+        if called.is_ok() {
+            unanswered.answered();
+        }
         called
     };
     let response = match called {
         Ok(response) => response,
         Err(e) => {
-            // The service failed: whether it acted is unknown, and a task it handed the
-            // body to may hold it unread (nothing below keeps the deadline on this path).
+            // The service failed: whether it acted is unknown.
             flight.unknown();
-            flight.keep_deadline_if_handed_on(deadline + OVERDUE_AFTER);
             return Err(e);
         }
     };
