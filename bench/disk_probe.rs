@@ -49,6 +49,58 @@ struct Shared {
     appended_turn: Condvar,
 }
 
+/// One writer thread: takes batches in turn with the others, appends them in the order
+/// taken, syncs, and acknowledges in that order, until stopped with nothing pending.
+fn write_batches(shared: &Shared, file: &File, writers: usize, prefilled: bool) {
+    let mut batch = Vec::new();
+    loop {
+        let (last, turn) = {
+            let mut s = shared.state.lock().unwrap();
+            while (s.pending.is_empty() || s.taken - s.answered >= writers as u64) && !s.stop {
+                s = shared.work.wait(s).unwrap();
+            }
+            if s.pending.is_empty() {
+                return;
+            }
+            std::mem::swap(&mut batch, &mut s.pending);
+            s.taken += 1;
+            (s.issued, s.taken - 1)
+        };
+        {
+            // Appends land in the order batches were taken; clients are not held meanwhile
+            // (the state's lock is not taken).
+            let mut appended = shared.appended.lock().unwrap();
+            while appended.0 != turn {
+                appended = shared.appended_turn.wait(appended).unwrap();
+            }
+            if !prefilled {
+                (&*file).write_all(&batch).expect("write");
+            } else {
+                if appended.1 + batch.len() as u64 > PREFILLED {
+                    appended.1 = 0;
+                }
+                file.write_all_at(&batch, appended.1).expect("write");
+                appended.1 += batch.len() as u64;
+            }
+            appended.0 += 1;
+            shared.appended_turn.notify_all();
+        }
+        file.sync_data().expect("fdatasync");
+        batch.clear();
+        let mut s = shared.state.lock().unwrap();
+        while s.answered != turn {
+            s = shared.done.wait(s).unwrap();
+        }
+        s.answered += 1;
+        s.durable = last;
+        shared.done.notify_all();
+        if writers > 1 {
+            // A writer may wait for a free turn.
+            shared.work.notify_all();
+        }
+    }
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().skip(1).collect();
     let (dir, secs, clients, writers, prefilled) = match args.as_slice() {
@@ -64,7 +116,10 @@ fn main() {
     };
     let secs: u64 = secs.parse().expect("SECONDS: a whole number");
     let clients: usize = clients.parse().expect("CLIENTS: a whole number");
-    let writers: usize = writers.parse().expect("WRITERS: a whole number");
+    let writers: usize = writers
+        .parse::<usize>()
+        .expect("WRITERS: a whole number")
+        .max(1);
     let path = std::path::Path::new(dir).join(format!("probe-{}.log", std::process::id()));
     let file = Arc::new(File::create(&path).expect("the probe file can be created"));
     if prefilled {
@@ -79,60 +134,10 @@ fn main() {
         appended: Mutex::new((0, 0)),
         appended_turn: Condvar::new(),
     });
-    let writer_threads: Vec<_> = (0..writers.max(1))
+    let writer_threads: Vec<_> = (0..writers)
         .map(|_| {
             let (shared, file) = (shared.clone(), file.clone());
-            std::thread::spawn(move || {
-                let mut batch = Vec::new();
-                loop {
-                    let (last, turn) = {
-                        let mut s = shared.state.lock().unwrap();
-                        while (s.pending.is_empty() || s.taken - s.answered >= writers as u64)
-                            && !s.stop
-                        {
-                            s = shared.work.wait(s).unwrap();
-                        }
-                        if s.pending.is_empty() {
-                            return;
-                        }
-                        std::mem::swap(&mut batch, &mut s.pending);
-                        s.taken += 1;
-                        (s.issued, s.taken - 1)
-                    };
-                    {
-                        // Appends land in the order batches were taken; clients are not
-                        // held meanwhile (the state's lock is not taken).
-                        let mut appended = shared.appended.lock().unwrap();
-                        while appended.0 != turn {
-                            appended = shared.appended_turn.wait(appended).unwrap();
-                        }
-                        if !prefilled {
-                            (&*file).write_all(&batch).expect("write");
-                        } else {
-                            if appended.1 + batch.len() as u64 > PREFILLED {
-                                appended.1 = 0;
-                            }
-                            file.write_all_at(&batch, appended.1).expect("write");
-                            appended.1 += batch.len() as u64;
-                        }
-                        appended.0 += 1;
-                        shared.appended_turn.notify_all();
-                    }
-                    file.sync_data().expect("fdatasync");
-                    batch.clear();
-                    let mut s = shared.state.lock().unwrap();
-                    while s.answered != turn {
-                        s = shared.done.wait(s).unwrap();
-                    }
-                    s.answered += 1;
-                    s.durable = last;
-                    shared.done.notify_all();
-                    if writers > 1 {
-                        // A writer may wait for a free turn.
-                        shared.work.notify_all();
-                    }
-                }
-            })
+            std::thread::spawn(move || write_batches(&shared, &file, writers, prefilled))
         })
         .collect();
     let end = Instant::now() + Duration::from_secs(secs);
