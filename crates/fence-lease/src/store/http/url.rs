@@ -74,12 +74,13 @@ pub(super) fn servers(base_url: &str) -> Result<(Vec<String>, bool), UrlError> {
             url: without_credentials(base_url),
         });
     }
+    // Past the check above no URL holds an `@`, so the errors below quote it as given.
     let mut servers = Vec::new();
     let mut any_https = false;
     for one in base_url.split(',').map(str::trim) {
         let trimmed = one.trim_end_matches('/');
         let uri: Uri = trimmed.parse().map_err(|source| UrlError::Invalid {
-            url: without_credentials(one),
+            url: one.to_owned(),
             source,
         })?;
         match uri.scheme_str() {
@@ -87,13 +88,13 @@ pub(super) fn servers(base_url: &str) -> Result<(Vec<String>, bool), UrlError> {
             Some("http") => {}
             _ => {
                 return Err(UrlError::Unsupported {
-                    url: without_credentials(one),
+                    url: one.to_owned(),
                 });
             }
         }
         if uri.host().is_none() {
             return Err(UrlError::Unsupported {
-                url: without_credentials(one),
+                url: one.to_owned(),
             });
         }
         servers.push(trimmed.to_owned());
