@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import http.server
 import subprocess
+import threading
 import time
 
 import pytest
@@ -261,3 +263,61 @@ def test_a_claim_after_one_whose_answer_was_lost_gets_that_lease_back(stack, mon
         await lease.release()
 
     asyncio.run(from_asyncio())
+
+
+class _Recorder:
+    """An HTTP server that answers every request with ``status`` and ``headers`` and records
+    the method, path and Authorization header of each."""
+
+    def __init__(self, status: int, headers: dict) -> None:
+        self.seen: list = []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("content-length") or 0))
+                outer.seen.append((self.command, self.path, self.headers.get("authorization")))
+                body = b'{"state": "completed"}'
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST
+
+            def log_message(self, *args: object) -> None:
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.mark.parametrize("status", [301, 302, 303, 307, 308])
+def test_a_redirect_is_an_error_and_the_secret_stays_home(status):
+    # urllib follows redirects by default, copying the Authorization header to wherever the
+    # Location points and turning a POST into a GET; the client must do neither.
+    elsewhere = _Recorder(200, {})
+    front = _Recorder(status, {"location": elsewhere.url + "/v1/leases/stolen"})
+    try:
+        client = Client(front.url, auth_token=SECRET, timeout=5.0)
+        with pytest.raises(ProblemError) as claim:
+            client.claim("redirected")
+        assert claim.value.status == status
+        with pytest.raises(ProblemError) as status_call:
+            client.status("redirected")
+        assert status_call.value.status == status
+        assert [m for m, _, _ in front.seen] == ["POST", "GET"]
+        assert front.seen[0][2] == f"Bearer {SECRET}"
+        assert elsewhere.seen == [], "the redirect was followed, with the bearer secret"
+    finally:
+        front.close()
+        elsewhere.close()

@@ -148,6 +148,14 @@ def without_userinfo(url: str) -> str:
     return (scheme.group(0) if scheme else "") + rest
 
 
+class _NoRedirects(urllib.request.HTTPRedirectHandler):
+    """Follows no redirect: a 3xx reaches the caller as an ``HTTPError``, as the Go and
+    TypeScript clients see it."""
+
+    def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
 class Transport:
     """Blocking HTTP calls to one lease server (``urllib``; thread safe)."""
 
@@ -176,7 +184,11 @@ class Transport:
         self._opener = urllib.request.build_opener(
             urllib.request.HTTPSHandler(context=context),
             # The lease server is reached directly, never through an environment proxy.
-            urllib.request.ProxyHandler({}))
+            urllib.request.ProxyHandler({}),
+            # Nor through a redirect: urllib would send the bearer secret wherever it points
+            # (another host, https to http), and turn a release's POST into a GET whose answer
+            # could pass for the release's. A 3xx is answered as the error it is here.
+            _NoRedirects())
 
     def call(self, method: str, path: str, body: Optional[Dict[str, Any]] = None,
              timeout: Optional[float] = None) -> Dict[str, Any]:
