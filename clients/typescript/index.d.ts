@@ -96,7 +96,7 @@ export class Lease {
   readonly ttlMs: number;
   /** The server's expiry of the last grant, on the server's clock (informational only). */
   readonly expiresAtMs: number;
-  /** A fetch that stamps X-Fencing-Job and X-Fencing-Token and throws LeaseLost instead of sending after loss. */
+  /** A fetch that stamps X-Fencing-Job and X-Fencing-Token and throws LeaseLost instead of sending after loss; a request still awaiting its answer's head when the lease is lost is aborted with it. */
   readonly fetch: typeof fetch;
   /** X-Fencing-Job and X-Fencing-Token; throws LeaseLost. */
   headers(): { 'X-Fencing-Job': string; 'X-Fencing-Token': string };
@@ -116,7 +116,7 @@ export class Lease {
   progress(): void;
 }
 
-/** A fetch that stamps the lease's headers and throws LeaseLost instead of sending after loss. */
+/** A fetch that stamps the lease's headers and throws LeaseLost instead of sending after loss; a request still awaiting its answer's head when the lease is lost is aborted with it. */
 export function fencedFetch(lease: Lease, fetchImpl?: typeof fetch): typeof fetch;
 
 export function checkJob(job: string): string;

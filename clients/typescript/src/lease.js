@@ -343,7 +343,10 @@ const REDIRECTS = new Set([301, 302, 303, 307, 308]);
 /**
  * A fetch-compatible function that stamps the lease's X-Fencing-Job and X-Fencing-Token on
  * every request, read at the moment of the call, and rejects with LeaseLost instead of sending
- * once the lease is lost. Redirects are followed here, not by fetch, so the lease is checked
+ * once the lease is lost. A request still on its way when the lease is lost (connecting, in a
+ * pool's queue, sending its body, waiting for the answer's head) is aborted then, with the
+ * LeaseLost as the reason; the answer's body, once its head has arrived, is left alone (read it
+ * after a release too). Your own `signal` still applies. Redirects are followed here, not by fetch, so the lease is checked
  * again before each hop (fetch would re-send the stamped headers itself): as fetch does, at
  * most 20 hops, a 303 (or a 301/302 of a POST) becomes a GET without a body, and the
  * Authorization and Cookie headers are dropped when the origin changes. A body fetch cannot
@@ -359,7 +362,22 @@ export function fencedFetch(lease, fetchImpl = globalThis.fetch) {
     const headers = new Headers(init.headers ?? (input instanceof Request ? input.headers : undefined));
     for (const [name, value] of Object.entries(fencing)) headers.set(name, value);
     const mode = init.redirect ?? (input instanceof Request ? input.redirect : 'follow');
-    let response = await fetchImpl(input, { ...init, headers, redirect: 'manual' });
+    const own = init.signal ?? (input instanceof Request ? input.signal : undefined);
+    // Until the answer's head arrives, losing the lease aborts the request: a connect, a
+    // pool's wait or a slow upload must not carry the token out after the deadline.
+    const send = async (target, options) => {
+      const untilAnswered = new AbortController();
+      const lost = () => untilAnswered.abort(lease.signal.reason);
+      lease.signal.addEventListener('abort', lost, { once: true });
+      if (lease.signal.aborted) lost();
+      const signal = own ? AbortSignal.any([own, untilAnswered.signal]) : untilAnswered.signal;
+      try {
+        return await fetchImpl(target, { ...options, signal });
+      } finally {
+        lease.signal.removeEventListener('abort', lost);
+      }
+    };
+    let response = await send(input, { ...init, headers, redirect: 'manual' });
     if (mode === 'manual') return response;
     let url = new URL(input instanceof Request ? input.url : String(input));
     let method = (init.method ?? (input instanceof Request ? input.method : 'GET')).toUpperCase();
@@ -385,7 +403,7 @@ export function fencedFetch(lease, fetchImpl = globalThis.fetch) {
       const again = lease.headers(); // rejects with LeaseLost: the redirect is not followed
       for (const [name, value] of Object.entries(again)) headers.set(name, value);
       url = next;
-      response = await fetchImpl(url, { ...init, method, body, headers, redirect: 'manual' });
+      response = await send(url, { ...init, method, body, headers, redirect: 'manual' });
     }
     return response;
   };

@@ -174,3 +174,55 @@ test('fencedFetch checks the lease again before following a redirect', async (t)
   await assert.rejects(fencedFetch(lease)(url, { method: 'POST', body: 'x' }), (e) => e instanceof LeaseLost);
   assert.deepEqual(reached, [], 'the redirect was followed with the lost lease\'s token');
 });
+
+test('fencedFetch aborts a request still waiting for its answer when the lease is lost, not a body being read', { timeout: 20000 }, async (t) => {
+  const s = await stack(t, { proxy: false });
+  const client = new Client({ server: s.serverUrl, owner: 'in-flight', ttlMs: 5000 });
+  t.after(() => client.close());
+  const held = [];
+  const destination = http.createServer((req, res) => {
+    req.resume();
+    req.on('end', () => {
+      if (req.url === '/hold') {
+        held.push(res); // answered only when the test ends
+        return;
+      }
+      // The head at once, the body 300 ms later.
+      res.writeHead(200, { 'content-length': '4' });
+      res.flushHeaders();
+      setTimeout(() => res.end('done'), 300);
+    });
+  });
+  await new Promise((r) => destination.listen(0, '127.0.0.1', r));
+  t.after(() => {
+    for (const res of held) res.destroy();
+    destination.closeAllConnections();
+    destination.close();
+  });
+  const base = `http://127.0.0.1:${destination.address().port}`;
+
+  // Lost while the destination holds the answer: rejected with the LeaseLost at once.
+  const waiting = await client.claim('in-flight-1');
+  const started = performance.now();
+  const pending = waiting.fetch(`${base}/hold`, { method: 'POST', body: 'x' });
+  while (held.length === 0) await sleep(10);
+  waiting.abandon();
+  await assert.rejects(pending, (e) => e instanceof LeaseLost);
+  assert.ok(performance.now() - started < 2000, 'the request outlived its lease');
+
+  // Lost after the answer's head arrived: its body is still read whole.
+  const answered = await client.claim('in-flight-2');
+  const response = await answered.fetch(`${base}/body`, { method: 'POST', body: 'x' });
+  answered.abandon();
+  assert.equal(await response.text(), 'done');
+
+  // The caller's own signal still aborts it.
+  const own = await client.claim('in-flight-3');
+  const mine = new AbortController();
+  const cancelled = own.fetch(`${base}/hold`, { method: 'POST', body: 'x', signal: mine.signal });
+  while (held.length < 2) await sleep(10);
+  mine.abort(new Error('mine'));
+  await assert.rejects(cancelled, (e) => e.message === 'mine');
+  assert.equal(own.isLost(), false);
+  await own.release();
+});
