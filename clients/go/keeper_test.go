@@ -6,6 +6,7 @@ package fence
 import (
 	"context"
 	"errors"
+	"io"
 	"net/http"
 	"net/http/httptest"
 	"net/http/httputil"
@@ -177,5 +178,95 @@ func TestAServerThatKeepsFailingAReleaseIsGivenUpOnAtTheLeasesEnd(t *testing.T) 
 	took := time.Since(started)
 	if !errors.Is(err, ErrUnreachable) || took < 500*time.Millisecond || took > 1500*time.Millisecond || finishes.Load() <= 2 {
 		t.Fatalf("gave up after %v with %v (%d attempts; the lease ends 1 s after its claim)", took, err, finishes.Load())
+	}
+}
+
+// A fenced request still waiting for its answer when the lease is lost is cancelled with the
+// loss; one whose answer's head arrived is read whole; the caller's own context still applies.
+func TestAFencedRequestOnItsWayIsCancelledWhenTheLeaseIsLost(t *testing.T) {
+	s := newStack(t, stackOpts{noProxy: true})
+	ctx := context.Background()
+	c := mustClient(t, s.serverURL, Options{Owner: "in-flight", TTL: 5 * time.Second})
+	held := make(chan struct{}, 4)
+	release := make(chan struct{})
+	destination := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		_, _ = io.Copy(io.Discard, r.Body)
+		if r.URL.Path == "/hold" {
+			held <- struct{}{}
+			select { // answered only when the test ends
+			case <-release:
+			case <-r.Context().Done():
+			}
+			return
+		}
+		w.Header().Set("Content-Length", "4")
+		w.WriteHeader(200)
+		w.(http.Flusher).Flush()
+		time.Sleep(300 * time.Millisecond)
+		_, _ = w.Write([]byte("done"))
+	}))
+	defer destination.Close()
+	defer close(release)
+
+	// Lost while the destination holds the answer: the request ends at once, ErrLeaseLost.
+	waiting, err := c.Claim(ctx, "in-flight-1")
+	if err != nil {
+		t.Fatal(err)
+	}
+	started := time.Now()
+	failed := make(chan error, 1)
+	go func() {
+		_, err := post(t, &http.Client{Transport: waiting.Transport(nil)}, destination.URL+"/hold", "x")
+		failed <- err
+	}()
+	<-held
+	waiting.Abandon()
+	select {
+	case err := <-failed:
+		if !errors.Is(err, ErrLeaseLost) {
+			t.Fatalf("the request on its way ended with %v, want ErrLeaseLost", err)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the request outlived its lease by 10 s")
+	}
+	if time.Since(started) > 2*time.Second {
+		t.Fatalf("the request ended %v after it started", time.Since(started))
+	}
+
+	// Lost after the answer's head arrived: the body is still read whole.
+	answered, err := c.Claim(ctx, "in-flight-2")
+	if err != nil {
+		t.Fatal(err)
+	}
+	resp, err := (&http.Client{Transport: answered.Transport(nil)}).Post(destination.URL+"/body", "text/plain", strings.NewReader("x"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	answered.Abandon()
+	body, err := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	if err != nil || string(body) != "done" {
+		t.Fatalf("the answer's body after the loss: %q %v", body, err)
+	}
+
+	// The caller's own context still cancels it, and the lease stays held.
+	own, err := c.Claim(ctx, "in-flight-3")
+	if err != nil {
+		t.Fatal(err)
+	}
+	mine, cancel := context.WithCancel(ctx)
+	go func() {
+		<-held
+		cancel()
+	}()
+	req, _ := http.NewRequestWithContext(mine, "POST", destination.URL+"/hold", strings.NewReader("x"))
+	if _, err := (&http.Client{Transport: own.Transport(nil)}).Do(req); !errors.Is(err, context.Canceled) {
+		t.Fatalf("cancelled by its caller: %v", err)
+	}
+	if own.Err() != nil {
+		t.Fatalf("the lease: %v", own.Err())
+	}
+	if _, err := own.Release(ctx); err != nil {
+		t.Fatal(err)
 	}
 }

@@ -11,6 +11,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"math/rand"
 	"net/http"
 	"strconv"
@@ -444,7 +445,11 @@ func (l *Lease) keep() {
 // Transport returns an http.RoundTripper that stamps X-Fencing-Job and X-Fencing-Token on
 // every request, read as the request goes out, and refuses (a *LeaseLostError, errors.Is
 // ErrLeaseLost, wrapped by http.Client in a *url.Error) without sending once the lease's
-// context is done. base nil means http.DefaultTransport.
+// context is done. A request still on its way when the lease is lost (dialling, waiting for
+// a connection, sending its body, waiting for the answer's head) is cancelled then, with the
+// same error; the answer's body, once its head has arrived, is left alone. base's own retries
+// (net/http resends a request with an Idempotency-Key on a fresh connection when a kept-alive
+// one was closed under it) happen within that time. base nil means http.DefaultTransport.
 func (l *Lease) Transport(base http.RoundTripper) http.RoundTripper {
 	if base == nil {
 		base = http.DefaultTransport
@@ -465,10 +470,73 @@ func (f *fencingTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 		}
 		return nil, err
 	}
-	out := req.Clone(req.Context()) // a RoundTripper must not modify the caller's request
+	// Until the answer's head arrives, losing the lease cancels the request: a dial, a wait
+	// for a connection or a slow upload must not carry the token out after the deadline.
+	ctx, cancel := context.WithCancel(req.Context())
+	out := req.Clone(ctx) // a RoundTripper must not modify the caller's request
 	out.Header.Set("X-Fencing-Job", f.lease.job)
 	out.Header.Set("X-Fencing-Token", token)
-	return f.base.RoundTrip(out)
+	var mu sync.Mutex
+	answered, lostInFlight := false, false
+	stop := make(chan struct{})
+	go func() {
+		select {
+		case <-f.lease.ctx.Done():
+			mu.Lock()
+			if !answered {
+				lostInFlight = true
+				cancel()
+			}
+			mu.Unlock()
+		case <-stop:
+		}
+	}()
+	resp, err := f.base.RoundTrip(out)
+	mu.Lock()
+	answered = true
+	lost := lostInFlight
+	mu.Unlock()
+	close(stop)
+	if err != nil || lost {
+		if resp != nil {
+			resp.Body.Close()
+		}
+		cancel()
+		if lost {
+			return nil, f.lease.Err()
+		}
+		return nil, err
+	}
+	if rw, ok := resp.Body.(io.ReadWriteCloser); ok { // a 101's upgraded connection
+		resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
+	} else {
+		resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+	}
+	return resp, nil
+}
+
+// cancelOnClose ends a fenced request's context when its answer's body is closed.
+type cancelOnClose struct {
+	io.ReadCloser
+	cancel context.CancelFunc
+}
+
+func (c *cancelOnClose) Close() error {
+	err := c.ReadCloser.Close()
+	c.cancel()
+	return err
+}
+
+// cancelOnCloseRW is cancelOnClose for a body that is also writable (an upgraded connection).
+type cancelOnCloseRW struct {
+	io.ReadWriteCloser
+	cancel context.CancelFunc
+}
+
+func (c *cancelOnCloseRW) Close() error {
+	err := c.ReadWriteCloser.Close()
+	c.cancel()
+	return err
 }
 
 // String describes the lease without its key: fmt's %v and %s print this, never the lease

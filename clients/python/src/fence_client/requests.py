@@ -19,11 +19,17 @@ from .client import Lease
 
 
 class FenceAuth(AuthBase):
-    """Stamps the lease's headers, read when the request is prepared, just before it is
-    sent, and again before each redirect is followed (``requests`` does not run auth hooks
-    for redirects itself): once the lease is lost, :class:`~fence_client.LeaseLost` is raised
-    instead of sending. ``auth`` is another hook to apply first (the destination's own
-    credentials).
+    """Stamps the lease's headers, read when the request is prepared, and again before each
+    redirect is followed (``requests`` does not run auth hooks for redirects itself): once the
+    lease is lost, :class:`~fence_client.LeaseLost` is raised instead of sending. ``auth`` is
+    another hook to apply first (the destination's own credentials).
+
+    The check runs before ``requests`` connects: name resolution, the TCP and TLS handshakes
+    and a wait for a pooled connection come after it, and ``requests`` sets no timeout of its
+    own. Pass ``timeout=`` (a few seconds, well inside the lease's margin) so that a request
+    cannot go out long after the lease was lost; the destination's fence refuses one that
+    does once a newer holder exists. The ``httpx`` adapter checks again as the request's
+    headers are written.
 
     Retries inside urllib3 (``HTTPAdapter(max_retries=...)``) resend the request as it was
     prepared, token included, without this check; the destination's fence still refuses it
