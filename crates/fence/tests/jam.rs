@@ -372,6 +372,59 @@ fn an_idle_h2c_connection_is_closed_at_the_idle_timeout() {
     );
 }
 
+/// CPU time the process has used, in clock ticks (user + system, from `/proc/PID/stat`).
+fn cpu_ticks(pid: u32) -> u64 {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap();
+    // Fields after the command's closing parenthesis: state is the 3rd field, utime the 14th.
+    let after = &stat[stat.rfind(')').unwrap() + 2..];
+    let fields: Vec<&str> = after.split(' ').collect();
+    fields[11].parse::<u64>().unwrap() + fields[12].parse::<u64>().unwrap()
+}
+
+/// A client that sends part of the HTTP/2 preface and stops costs the server no CPU while it
+/// waits (the check for the preface spun a worker's thread until the header deadline), and
+/// a preface that does come whole, late, still opens an h2c connection.
+#[test]
+fn a_partial_h2c_preface_costs_no_cpu_while_it_waits() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, addr) = start_ready(&server_args(
+        dir.path().to_str().unwrap(),
+        &["--header-timeout", "10s"],
+    ));
+    let preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+    let mut partial: Vec<TcpStream> = (0..4)
+        .map(|_| {
+            let mut stream = TcpStream::connect(&addr).unwrap();
+            stream.write_all(&preface[..5]).unwrap();
+            stream
+        })
+        .collect();
+    std::thread::sleep(Duration::from_millis(200));
+    let (before, started) = (cpu_ticks(server.0.id()), Instant::now());
+    std::thread::sleep(Duration::from_secs(2));
+    let used = cpu_ticks(server.0.id()) - before;
+    let ticks_per_s = 100; // USER_HZ on Linux
+    let spent = started.elapsed().as_secs_f64() * f64::from(ticks_per_s);
+    // Spinning, one worker's thread is busy all along (about 200 ticks in 2 s); waiting
+    // costs a few. A tenth of one core leaves room for a loaded machine.
+    assert!(
+        (used as f64) < spent / 10.0,
+        "4 connections holding a partial preface cost the server {used} ticks of CPU in {:?}",
+        started.elapsed()
+    );
+    // The rest of the preface, late: the connection speaks h2c (the server's SETTINGS).
+    let stream = &mut partial[0];
+    let mut out = preface[5..].to_vec();
+    out.extend(frame(0x4, 0, 0, &[]));
+    stream.write_all(&out).unwrap();
+    stream
+        .set_read_timeout(Some(Duration::from_secs(5)))
+        .unwrap();
+    let mut head = [0u8; 9];
+    stream.read_exact(&mut head).unwrap();
+    assert_eq!(head[3], 0x4, "the server's first frame is not SETTINGS: {head:?}");
+}
+
 #[test]
 fn an_h2c_stream_flood_is_held_to_the_stream_limit() {
     let dir = tempfile::tempdir().unwrap();

@@ -404,6 +404,7 @@ impl Conn {
 /// before saying enough to tell.
 async fn speaks_h2c(stream: &TcpStream) -> Option<bool> {
     let mut buf = [0u8; H2_PREFACE.len()];
+    let mut pause = Duration::from_millis(1);
     loop {
         let n = stream.peek(&mut buf).await.ok()?;
         if n == 0 {
@@ -415,9 +416,12 @@ async fn speaks_h2c(stream: &TcpStream) -> Option<bool> {
         if n == H2_PREFACE.len() {
             return Some(true);
         }
-        // A partial preface: wait for more (peek returns at once while bytes are there).
-        stream.readable().await.ok()?;
-        tokio::task::yield_now().await;
+        // A partial preface: wait for more. Not for readiness, which the bytes already there
+        // keep set (`peek` does not clear it): the loop would spin a worker's thread until
+        // the header deadline. A pause growing to 50 ms costs a client that really splits
+        // its preface a few milliseconds.
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(Duration::from_millis(50));
     }
 }
 
