@@ -157,3 +157,143 @@ fn a_grpc_call_to_an_http1_upstream_holds_nobody_up() {
         started.elapsed()
     );
 }
+
+/// A TCP relay to `target` whose connections open so far can be frozen: they stay open and
+/// carry nothing more either way, as a connection to a host that lost power or behind a NAT
+/// that forgot it. Connections opened after a freeze relay normally.
+struct Relay {
+    addr: String,
+    frozen: std::sync::Arc<std::sync::atomic::AtomicU64>,
+    opened: std::sync::Arc<std::sync::atomic::AtomicU64>,
+}
+
+impl Relay {
+    async fn start(target: String) -> Self {
+        use std::sync::{
+            Arc,
+            atomic::{AtomicU64, Ordering},
+        };
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap().to_string();
+        let (frozen, opened) = (Arc::new(AtomicU64::new(0)), Arc::new(AtomicU64::new(0)));
+        let (f, o) = (frozen.clone(), opened.clone());
+        tokio::spawn(async move {
+            while let Ok((inbound, _)) = listener.accept().await {
+                let n = o.fetch_add(1, Ordering::SeqCst) + 1;
+                let outbound = tokio::net::TcpStream::connect(&target).await.unwrap();
+                let (ri, wi) = inbound.into_split();
+                let (ro, wo) = outbound.into_split();
+                for (mut from, mut to) in [
+                    (
+                        Box::new(ri) as Box<dyn tokio::io::AsyncRead + Unpin + Send>,
+                        Box::new(wo) as Box<dyn tokio::io::AsyncWrite + Unpin + Send>,
+                    ),
+                    (Box::new(ro), Box::new(wi)),
+                ] {
+                    let f = f.clone();
+                    tokio::spawn(async move {
+                        let mut buf = vec![0u8; 16 * 1024];
+                        loop {
+                            let Ok(read) = from.read(&mut buf).await else {
+                                break;
+                            };
+                            if read == 0 {
+                                break;
+                            }
+                            while f.load(Ordering::SeqCst) >= n {
+                                // Frozen: hold both sockets, carry nothing.
+                                tokio::time::sleep(Duration::from_millis(50)).await;
+                            }
+                            if to.write_all(&buf[..read]).await.is_err() {
+                                break;
+                            }
+                        }
+                    });
+                }
+            }
+        });
+        Self {
+            addr,
+            frozen,
+            opened,
+        }
+    }
+
+    /// Freezes every connection opened so far.
+    fn freeze(&self) {
+        let opened = self.opened.load(std::sync::atomic::Ordering::SeqCst);
+        self.frozen
+            .store(opened, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// The proxy's HTTP/2 connection to the upstream is pinged (`--h2-keepalive`): when the
+/// upstream goes silent without closing it, the connection is replaced within twice the
+/// keepalive, and the next call reaches the upstream on a new one instead of waiting out
+/// the upstream timeout on the dead one.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_upstream_connection_is_replaced_at_the_keepalive() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let target = listener.local_addr().unwrap().to_string();
+    let books = Books::default();
+    let service = LedgerServer::new(books.clone());
+    tokio::spawn(async move {
+        Server::builder()
+            .add_service(service)
+            .serve_with_incoming(TcpIncoming::from(listener))
+            .await
+    });
+    let relay = Relay::start(target).await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let upstream = format!("http://{}", relay.addr);
+        let data = dir.path().to_str().unwrap().to_owned();
+        move || {
+            start_proxy_with(
+                &upstream,
+                &[
+                    "--data-dir",
+                    &data,
+                    "--workers",
+                    "1",
+                    "--h2-keepalive",
+                    "1s",
+                    "--upstream-timeout",
+                    "30s",
+                ],
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap();
+    let mut ledger = LedgerClient::new(channel);
+    ledger.charge(fenced(charge("a"), "ka", "1")).await.unwrap();
+    assert_eq!(relay.opened.load(std::sync::atomic::Ordering::SeqCst), 1);
+
+    relay.freeze();
+    // A ping at 1 s, unanswered by 2 s: closed. The next call opens a new connection.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let started = std::time::Instant::now();
+    let next = tokio::time::timeout(
+        Duration::from_secs(10),
+        ledger.charge(fenced(charge("b"), "kb", "1")),
+    )
+    .await;
+    assert!(
+        matches!(next, Ok(Ok(_))),
+        "the call after the upstream went silent: {next:?} after {:?}",
+        started.elapsed()
+    );
+    assert_eq!(
+        relay.opened.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "the call did not reach the upstream on a new connection"
+    );
+}

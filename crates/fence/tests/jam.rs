@@ -422,7 +422,10 @@ fn a_partial_h2c_preface_costs_no_cpu_while_it_waits() {
         .unwrap();
     let mut head = [0u8; 9];
     stream.read_exact(&mut head).unwrap();
-    assert_eq!(head[3], 0x4, "the server's first frame is not SETTINGS: {head:?}");
+    assert_eq!(
+        head[3], 0x4,
+        "the server's first frame is not SETTINGS: {head:?}"
+    );
 }
 
 #[test]

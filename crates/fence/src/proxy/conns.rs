@@ -37,6 +37,12 @@ pub(super) struct UpstreamConns {
     /// call after it (HTTP/2 multiplexes); opened again once it has closed. With it, whether
     /// the upstream has spoken HTTP/2 on it.
     h2: tokio::sync::Mutex<Option<(http2::SendRequest<RequestBody<Incoming>>, Preface)>>,
+    /// How often that connection is pinged, idle or not, and how long an answer may take
+    /// before it is closed (`--h2-keepalive`): a connection whose peer went silent (a host
+    /// powered off, a NAT that forgot it) is replaced within twice this, instead of carrying
+    /// every gRPC call of the worker into the upstream timeout, and an unknown-outcome hold,
+    /// until the kernel gives up on it (about 15 minutes).
+    h2_keepalive: Duration,
 }
 
 /// Whether the peer of an HTTP/2 connection has sent what every HTTP/2 server sends first, a
@@ -147,7 +153,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_IDLE_PER_WORKER: usize = 256;
 
 impl UpstreamConns {
-    pub(super) fn new(target: &Target, idle_timeout: Duration) -> Self {
+    pub(super) fn new(target: &Target, idle_timeout: Duration, h2_keepalive: Duration) -> Self {
         let authority = &target.authority;
         let default_port = if target.tls.is_some() { 443 } else { 80 };
         let addr = match authority.port_u16() {
@@ -161,6 +167,7 @@ impl UpstreamConns {
             idle_timeout,
             tls_h2: target.tls_h2.clone(),
             h2: tokio::sync::Mutex::default(),
+            h2_keepalive,
         }
     }
 
@@ -246,9 +253,9 @@ impl UpstreamConns {
         let conn = match (&self.tls_h2, &self.tls) {
             (Some(connector), Some((_, name))) => {
                 let tls = connector.connect(name.clone(), stream).await?;
-                handshake_h2(sniffed(tls, &preface)).await?
+                handshake_h2(sniffed(tls, &preface), self.h2_keepalive).await?
             }
-            _ => handshake_h2(sniffed(stream, &preface)).await?,
+            _ => handshake_h2(sniffed(stream, &preface), self.h2_keepalive).await?,
         };
         *slot = Some((conn.clone(), preface.clone()));
         Ok((conn, preface))
@@ -301,13 +308,21 @@ async fn within_connect_timeout<T>(
     }
 }
 
-/// An HTTP/2 connection over `io`, driven on this worker's runtime.
-async fn handshake_h2<I>(io: I) -> Result<http2::SendRequest<RequestBody<Incoming>>, BoxError>
+/// An HTTP/2 connection over `io`, driven on this worker's runtime, pinged every `keepalive`.
+async fn handshake_h2<I>(
+    io: I,
+    keepalive: Duration,
+) -> Result<http2::SendRequest<RequestBody<Incoming>>, BoxError>
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (conn, connection) =
-        http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(io)).await?;
+    let (conn, connection) = http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .timer(hyper_util::rt::TokioTimer::new())
+        .keep_alive_interval(keepalive)
+        .keep_alive_timeout(keepalive)
+        .keep_alive_while_idle(true)
+        .handshake(TokioIo::new(io))
+        .await?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");
