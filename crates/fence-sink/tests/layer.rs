@@ -1612,6 +1612,41 @@ async fn a_keyed_body_above_the_fingerprint_limit_gets_413_and_never_runs() {
     assert_eq!(app.calls(), 1);
 }
 
+/// A stale token with a key is told it is stale (409, stop) before its body is read, not that
+/// the body is too large (413, send a smaller one) or that the buffers are full (503, retry).
+#[tokio::test]
+async fn a_stale_keyed_request_gets_409_before_its_body_is_judged() {
+    let (app, _started) = App::new();
+    let svc = FenceLayer::new(MemoryStore::new())
+        .idempotency(IdempotencyConfig::default().max_request_body(8))
+        .layer(app.clone());
+    assert_eq!(send(&svc, post(JOB, 5)).await.status, 201);
+    let big = send(&svc, keyed(JOB, 4, "k", "123456789")).await;
+    let problem = big.problem(409, "urn:fence:stale-token");
+    assert!(
+        problem.detail.contains("below generation 5"),
+        "{}",
+        problem.detail
+    );
+    // The current token with the same body: 413, as before.
+    send(&svc, keyed(JOB, 5, "k", "123456789"))
+        .await
+        .problem(413, "urn:fence:payload-too-large");
+    // Buffers too small for the body: a stale token is still told to stop, not to retry.
+    let tight = FenceLayer::new(MemoryStore::new())
+        .idempotency(IdempotencyConfig::default())
+        .max_buffered_bytes(4)
+        .layer(app.clone());
+    assert_eq!(send(&tight, post(JOB, 5)).await.status, 201);
+    send(&tight, keyed(JOB, 4, "k", "123456789"))
+        .await
+        .problem(409, "urn:fence:stale-token");
+    send(&tight, keyed(JOB, 5, "k", "123456789"))
+        .await
+        .problem(503, "urn:fence:overloaded");
+    assert_eq!(app.calls(), 2, "a refused request reached the service");
+}
+
 /// The service answered, then its body broke off: it acted, so a retry with the key must
 /// not run it again (409 not-replayable, the service called once).
 #[tokio::test]

@@ -296,7 +296,22 @@ where
     };
     // A request that is buffered (it has an Idempotency-Key) is read whole before the fence
     // admits it: until then it has reached nobody, holds up no newer token, and a newer
-    // token raised meanwhile makes it stale (docs/protocol.md section 3, "Bodies").
+    // token raised meanwhile makes it stale (docs/protocol.md section 3, "Bodies"). A token
+    // already below the highest in memory is told so first: read, its body would earn it a
+    // 413 or a 503 `overloaded` that says to try again, where 409 says to stop.
+    if keyed.is_some()
+        && let Some(highest) = gates
+            .cached_highest(&job)
+            .filter(|highest| token.generation() < *highest)
+    {
+        count("stale");
+        drop(inner);
+        if !reject::is_grpc(request.headers()) {
+            let (parts, body) = request.into_parts();
+            crate::discard::discard(parts.version, body).await;
+        }
+        return Ok(reject(reject::stale(job, token, highest, None), None));
+    }
     let request = match keyed {
         // Boxed, as `run` below: requests without a key do not carry their futures.
         Some(keyed) => match Box::pin(keyed.read(request)).await {

@@ -226,19 +226,28 @@ impl<St: GenerationStore> Gates<St> {
     /// What the layer knows of `job` now: its highest generation and how many admitted
     /// requests are still running; read from the store when the job is not cached.
     pub(crate) async fn peek(&self, job: &JobId) -> Result<JobFence, StoreError> {
-        let cached = self.map.get(job).and_then(|slot| match &*slot {
+        let (highest, in_flight) = match self.cached(job) {
+            Some(known) => known,
+            None => (self.store.highest(job).await?, 0),
+        };
+        Ok(JobFence { highest, in_flight })
+    }
+
+    /// `job`'s highest generation when it is in memory; never reads the store.
+    pub(crate) fn cached_highest(&self, job: &JobId) -> Option<Generation> {
+        self.cached(job).map(|(highest, _)| highest)
+    }
+
+    /// `job`'s highest generation and admitted requests still running, when it is in memory.
+    fn cached(&self, job: &JobId) -> Option<(Generation, usize)> {
+        self.map.get(job).and_then(|slot| match &*slot {
             Slot::Idle(highest, _) => Some((*highest, 0)),
             Slot::Active(gate) if gate.loaded.initialized() => {
                 let s = gate.lock();
                 Some((s.highest, s.current + s.draining))
             }
             Slot::Active(_) => None,
-        });
-        let (highest, in_flight) = match cached {
-            Some(known) => known,
-            None => (self.store.highest(job).await?, 0),
-        };
-        Ok(JobFence { highest, in_flight })
+        })
     }
 
     /// Admitted requests still running, over every job (a walk over the map: for a metric,
