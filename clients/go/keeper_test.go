@@ -270,3 +270,40 @@ func TestAFencedRequestOnItsWayIsCancelledWhenTheLeaseIsLost(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// Renewals answered 401 (a rotated secret) are retried until the deadline; the loss's reason
+// then names the 401, not a bare timeout.
+func TestALossAtTheDeadlineSaysWhyTheRenewalsFailed(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true})
+	target, err := url.Parse(s.serverURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var renewals atomic.Int64
+	front := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/renew") {
+			renewals.Add(1)
+			w.Header().Set("Content-Type", "application/problem+json")
+			w.WriteHeader(401)
+			_, _ = w.Write([]byte(`{"type":"urn:fence:unauthenticated","status":401,"detail":"the front knows no such secret"}`))
+			return
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	defer front.Close()
+	lease, err := mustClient(t, front.URL, Options{Owner: "refused", TTL: time.Second}).Claim(ctx, "renewals-refused")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lostWithin(t, lease, 5*time.Second)
+	err = lease.Err()
+	want := "the local deadline passed before a renewal succeeded (the last renewal failed: "
+	if err == nil || !strings.Contains(err.Error(), want) || !strings.Contains(err.Error(), "no such secret") {
+		t.Fatalf("the loss: %v", err)
+	}
+	if renewals.Load() == 0 {
+		t.Fatal("no renewal reached the front")
+	}
+}

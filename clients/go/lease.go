@@ -50,6 +50,10 @@ type Lease struct {
 	expiresAtMs uint64
 	reason      string
 	renewHook   func(ctx context.Context) (leaseAnswer, error) // tests pause renewals with it
+	// renewalFailed is why the last renewal got no grant (unreachable, a 401, a 503), until
+	// one does: a loss at the deadline says it, so an operator sees a rotated secret, not a
+	// timeout.
+	renewalFailed string
 
 	// resumed is the checkpoint the claim returned.
 	resumed *Checkpoint
@@ -113,6 +117,9 @@ func (l *Lease) Token() (string, error) {
 		reason = reasonDeadline
 	}
 	l.declareLost(reason)
+	l.mu.Lock()
+	reason = l.reason // as declareLost settled it
+	l.mu.Unlock()
 	return "", &LeaseLostError{Job: l.job, Generation: l.generation, Reason: reason}
 }
 
@@ -268,6 +275,9 @@ func (l *Lease) path(action string) string {
 func (l *Lease) declareLost(reason string) {
 	l.mu.Lock()
 	if l.reason == "" {
+		if reason == reasonDeadline && l.renewalFailed != "" {
+			reason = reasonDeadline + " (the last renewal failed: " + l.renewalFailed + ")"
+		}
 		l.reason = reason
 	}
 	l.mu.Unlock()
@@ -305,6 +315,7 @@ func (l *Lease) setGrant(sent time.Time, a leaseAnswer, first bool) (bool, error
 		usable = 0
 	}
 	l.deadline = sent.Add(usable)
+	l.renewalFailed = ""
 	return true, nil
 }
 
@@ -428,8 +439,16 @@ func (l *Lease) keep() {
 			l.declareLost("the server refused the renewal: " + o.err.Error())
 			return
 		}
-		// No answer, or a refusal that decides nothing (503, 5xx): the deadline stands. Retry
-		// at a steady, jittered pace so the last chance before the deadline is not skipped.
+		// No answer, or a refusal that decides nothing (503, 5xx, a secret the server does
+		// not know): the deadline stands. Retry at a steady, jittered pace so the last chance
+		// before the deadline is not skipped.
+		failed := o.err.Error()
+		if len(failed) > 300 {
+			failed = failed[:300]
+		}
+		l.mu.Lock()
+		l.renewalFailed = failed
+		l.mu.Unlock()
 		// A quarter of the renewal interval, as the other clients do: it follows the usable
 		// time when a fixed margin takes most of a grant the server cut short.
 		pause := renewEvery(l.TTL(), l.margin) / 4

@@ -35,11 +35,13 @@ class Front:
     body, and hands the first 200 of a claim to ``mangle`` (the decoded answer; the text to
     answer with). The first ``failed_releases`` releases are answered 503 here, unforwarded."""
 
-    def __init__(self, server_url: str, mangle: Mangle, failed_releases: int = 0) -> None:
+    def __init__(self, server_url: str, mangle: Mangle, failed_releases: int = 0,
+                 refuse_renewals: bool = False) -> None:
         self.seen: List[Request] = []
         self._lock = threading.Lock()
         self._left = 1
         self._failed_releases = failed_releases
+        self._refuse_renewals = refuse_renewals
         host, port = server_url.split("://", 1)[1].rsplit(":", 1)
         outer = self
 
@@ -73,6 +75,10 @@ class Front:
                 problem = {"type": "urn:fence:store-unavailable", "status": 503,
                            "detail": "the front failed this release"}
                 return 503, "application/problem+json", json.dumps(problem).encode()
+            if path.endswith("/renew") and self._refuse_renewals:
+                problem = {"type": "urn:fence:unauthenticated", "status": 401,
+                           "detail": "the front knows no such secret"}
+                return 401, "application/problem+json", json.dumps(problem).encode()
         conn = http.client.HTTPConnection(host, port, timeout=10)
         try:
             conn.request(method, path, body or None, {"content-type": "application/json"})
@@ -105,8 +111,9 @@ def front():
     """``front(server_url, mangle, failed_releases=0)``: a :class:`Front`, closed at the end."""
     made: List[Front] = []
 
-    def make(server_url: str, mangle: Mangle, failed_releases: int = 0) -> Front:
-        made.append(Front(server_url, mangle, failed_releases))
+    def make(server_url: str, mangle: Mangle, failed_releases: int = 0,
+             refuse_renewals: bool = False) -> Front:
+        made.append(Front(server_url, mangle, failed_releases, refuse_renewals))
         return made[-1]
 
     yield make
@@ -298,3 +305,28 @@ def test_a_renewal_answer_must_name_the_generation_as_a_number():
     assert grant_token("j", 1, good) == ("1", 1000, 5)
     with pytest.raises(ProtocolError):
         grant_token("j", 1, {**good, "generation": True})
+
+
+@pytest.mark.parametrize("flavour", FLAVOURS)
+def test_a_loss_at_the_deadline_says_why_the_renewals_failed(stack, front, flavour):
+    # Renewals answered 401 (a rotated secret) are retried until the deadline; the loss's
+    # reason then names the 401, not a bare timeout.
+    s = stack(proxy=False)
+    f = front(s.server_url, lambda answer: json.dumps(answer), refuse_renewals=True)
+
+    async def run() -> str:
+        client = flavour(f.url, ttl=1.0)
+        if flavour is AsyncClient:
+            lease = await client.claim("renewals-refused")
+            await asyncio.wait_for(lease.lost.wait(), 5)
+        else:
+            lease = client.claim("renewals-refused")
+            assert lease.lost.wait(5), "the lease was not lost"
+        reason = lease.loss_reason
+        assert reason is not None
+        return reason
+
+    reason = asyncio.run(run())
+    assert reason.startswith("the local deadline passed before a renewal succeeded"), reason
+    assert "401" in reason and "no such secret" in reason, reason
+    assert len(f.requests("/renew")) >= 1

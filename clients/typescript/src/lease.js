@@ -31,6 +31,9 @@ export class Lease {
   #ttlMs = 0;
   #expiresAtMs = 0;
   #reason = null;
+  // Why the last renewal got no grant (unreachable, a 401, a 503), until one does: a loss at
+  // the deadline says it, so an operator sees a rotated secret, not a timeout.
+  #renewalFailed = null;
   #controller = new AbortController();
   #finished = false;
   #wake = null;
@@ -68,9 +71,8 @@ export class Lease {
    */
   get token() {
     if (this.#reason === null && now() < this.#deadline) return this.#token;
-    const reason = this.#reason ?? DEADLINE_PASSED;
-    this.#declareLost(reason);
-    throw new LeaseLost(this.job, this.generation, reason);
+    this.#declareLost(this.#reason ?? DEADLINE_PASSED);
+    throw new LeaseLost(this.job, this.generation, this.#reason);
   }
 
   /**
@@ -241,6 +243,7 @@ export class Lease {
     this.#expiresAtMs = expiresAtMs;
     this.#sent = sent;
     this.#deadline = sent + Math.max(ttlMs - marginOf(ttlMs, this.#marginMs), 0);
+    this.#renewalFailed = null;
     return true;
   }
 
@@ -252,7 +255,11 @@ export class Lease {
 
   /** The one place a lease is declared lost. Final: nothing un-loses it. */
   #declareLost(reason) {
-    if (this.#reason === null) this.#reason = reason;
+    if (this.#reason === null) {
+      this.#reason = reason === DEADLINE_PASSED && this.#renewalFailed !== null
+        ? `${DEADLINE_PASSED} (the last renewal failed: ${this.#renewalFailed})`
+        : reason;
+    }
     if (!this.#controller.signal.aborted) {
       this.#controller.abort(new LeaseLost(this.job, this.generation, this.#reason));
     }
@@ -330,8 +337,10 @@ export class Lease {
       this.#declareLost(`the server refused the renewal: ${error.message}`);
       return null;
     }
-    // No answer, or a refusal that decides nothing (503, 5xx): the deadline stands. Retry at
-    // a steady, jittered pace so the last chance before the deadline is not skipped.
+    // No answer, or a refusal that decides nothing (503, 5xx, a secret the server does not
+    // know): the deadline stands. Retry at a steady, jittered pace so the last chance before
+    // the deadline is not skipped.
+    this.#renewalFailed = String(error?.message ?? error).slice(0, 300);
     const pause = Math.min(Math.max(this.#renewEvery() / 4, 10), 1000);
     return now() + pause * (0.8 + 0.2 * Math.random());
   }

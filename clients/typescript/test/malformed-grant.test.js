@@ -15,7 +15,7 @@ import { sleep, stack, waitFor } from './helpers.js';
  * A front for the lease server that forwards everything, records each request's path and body,
  * and hands the first 200 of a claim to `mangle` (the parsed answer; the text to answer with).
  */
-async function mangling(t, serverUrl, mangle) {
+async function mangling(t, serverUrl, mangle, { refuseRenewals = false } = {}) {
   const target = new URL(serverUrl);
   const seen = [];
   let left = 1;
@@ -25,6 +25,12 @@ async function mangling(t, serverUrl, mangle) {
     req.on('end', () => {
       const body = Buffer.concat(chunks).toString();
       seen.push({ path: req.url, body: body ? JSON.parse(body) : undefined });
+      if (refuseRenewals && req.url.endsWith('/renew')) {
+        const problem = JSON.stringify({ type: 'urn:fence:unauthenticated', status: 401, detail: 'the front knows no such secret' });
+        res.writeHead(401, { 'content-type': 'application/problem+json', 'content-length': Buffer.byteLength(problem) });
+        res.end(problem);
+        return;
+      }
       const out = http.request({ host: target.hostname, port: target.port, method: req.method, path: req.url, headers: req.headers }, (answer) => {
         const got = [];
         answer.on('data', (c) => got.push(c));
@@ -139,4 +145,17 @@ test('a malformed grant of a semaphore slot is given back', async (t) => {
   const release = front.seen.find((r) => r.path.endsWith('/release'));
   assert.deepEqual(release.body, { owner: 'worker', generation: 1, lease_key: claim.body.lease_key });
   await freeWithin(observer, 'exports#1', 5000);
+});
+
+test('a loss at the deadline says why the renewals failed', async (t) => {
+  // Renewals answered 401 (a rotated secret) are retried until the deadline; the loss's
+  // reason then names the 401, not a bare timeout.
+  const s = await stack(t, { proxy: false });
+  const front = await mangling(t, s.serverUrl, (a) => JSON.stringify(a), { refuseRenewals: true });
+  const client = new Client({ server: front.url, ttlMs: 1000 });
+  t.after(() => client.close());
+  const lease = await client.claim('renewals-refused');
+  await waitFor('the lease lost', 5000, () => lease.isLost());
+  assert.match(lease.lossReason, /^the local deadline passed before a renewal succeeded \(the last renewal failed: .*no such secret/);
+  assert.ok(front.seen.some((r) => r.path.endsWith('/renew')));
 });

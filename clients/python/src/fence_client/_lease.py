@@ -130,6 +130,9 @@ class LeaseCore:
         self._ttl_ms = 0
         self._expires_at_ms = 0
         self._reason: Optional[str] = None
+        # Why the last renewal got no grant (unreachable, a 401, a 503), until one does: a
+        # loss at the deadline says it, so an operator sees a rotated secret, not a timeout.
+        self._renewal_failed: Optional[str] = None
         self._progress_within = progress_within
         self._last_progress = monotonic()  # the claim counts as the first report
         self._resumed: Optional[Dict[str, Any]] = None
@@ -151,7 +154,7 @@ class LeaseCore:
                 return self._token
             reason = self._reason or DEADLINE_PASSED
         self._declare_lost(reason)
-        raise LeaseLost(self.job, self.generation, reason)
+        raise LeaseLost(self.job, self.generation, self._reason or reason)
 
     @property
     def checkpoint(self) -> Optional[Dict[str, Any]]:
@@ -238,6 +241,7 @@ class LeaseCore:
             self._expires_at_ms = expires_at_ms
             self._sent = sent
             self._deadline = sent + max(ttl_ms - margin_ms(ttl_ms, self._margin), 0) / 1000
+            self._renewal_failed = None
         return True
 
     def _stalled(self, now: float) -> Optional[str]:
@@ -252,6 +256,8 @@ class LeaseCore:
         """The one place a lease is declared lost. Final: nothing un-loses it."""
         with self._lock:
             if self._reason is None:
+                if reason == DEADLINE_PASSED and self._renewal_failed is not None:
+                    reason = f"{DEADLINE_PASSED} (the last renewal failed: {self._renewal_failed})"
                 self._reason = reason
         self._signal_lost()
 
@@ -288,7 +294,10 @@ class LeaseCore:
         if isinstance(error, (LeaseRefused, JobCompleted)):
             self._declare_lost(f"the server refused the renewal: {error}")
             return None
-        # No answer, or a refusal that decides nothing (503, 5xx): the deadline stands.
+        # No answer, or a refusal that decides nothing (503, 5xx, a secret the server does
+        # not know): the deadline stands.
+        with self._lock:
+            self._renewal_failed = str(error)[:300] if error is not None else "no answer"
         return monotonic() + self._retry_pause()
 
     def _path(self, action: str) -> str:
