@@ -320,8 +320,14 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 // first may be free (the problem's expires_in_ms, or claimable_in_ms in a lock-delay), at most
 // backoff, at least 1 ms.
 func heldPause(held *ProblemError, backoff time.Duration) time.Duration {
-	hint, given := held.ExpiresInMs, held.Members["expires_in_ms"] != nil
-	if held.Members["claimable_in_ms"] != nil {
+	// A member given as null is no hint (the other clients read it so): 0 would mean asking
+	// again every millisecond.
+	present := func(name string) bool {
+		v, ok := held.Members[name]
+		return ok && string(v) != "null"
+	}
+	hint, given := held.ExpiresInMs, present("expires_in_ms")
+	if present("claimable_in_ms") {
 		hint, given = held.ClaimableInMs, true
 	}
 	pause := backoff
