@@ -194,10 +194,7 @@ impl Relay {
                     let f = f.clone();
                     tokio::spawn(async move {
                         let mut buf = vec![0u8; 16 * 1024];
-                        loop {
-                            let Ok(read) = from.read(&mut buf).await else {
-                                break;
-                            };
+                        while let Ok(read) = from.read(&mut buf).await {
                             if read == 0 {
                                 break;
                             }
@@ -228,12 +225,12 @@ impl Relay {
     }
 }
 
-/// The proxy's HTTP/2 connection to the upstream is pinged (`--h2-keepalive`): when the
-/// upstream goes silent without closing it, the connection is replaced within twice the
-/// keepalive, and the next call reaches the upstream on a new one instead of waiting out
-/// the upstream timeout on the dead one.
+/// A gRPC call that times out retires the worker's HTTP/2 connection to the upstream: when
+/// the upstream went silent without closing it, the next call reaches the upstream on a new
+/// connection instead of waiting out the upstream timeout on the dead one, as every later
+/// call would until the kernel gives up on the socket.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_silent_upstream_connection_is_replaced_at_the_keepalive() {
+async fn a_call_that_times_out_retires_the_upstream_connection() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let target = listener.local_addr().unwrap().to_string();
     let books = Books::default();
@@ -257,10 +254,8 @@ async fn a_silent_upstream_connection_is_replaced_at_the_keepalive() {
                     &data,
                     "--workers",
                     "1",
-                    "--h2-keepalive",
-                    "1s",
                     "--upstream-timeout",
-                    "30s",
+                    "2s",
                 ],
             )
         }
@@ -275,24 +270,32 @@ async fn a_silent_upstream_connection_is_replaced_at_the_keepalive() {
         .unwrap();
     let mut ledger = LedgerClient::new(channel);
     ledger.charge(fenced(charge("a"), "ka", "1")).await.unwrap();
-    assert_eq!(relay.opened.load(std::sync::atomic::Ordering::SeqCst), 1);
+    let opened = || relay.opened.load(std::sync::atomic::Ordering::SeqCst);
+    assert_eq!(opened(), 1);
 
     relay.freeze();
-    // A ping at 1 s, unanswered by 2 s: closed. The next call opens a new connection.
-    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    // Sent on the silent connection: DEADLINE_EXCEEDED at the upstream timeout.
+    let lost = tokio::time::timeout(
+        Duration::from_secs(10),
+        ledger.charge(fenced(charge("b"), "kb", "1")),
+    )
+    .await
+    .expect("the call on the silent connection was not answered at the upstream timeout");
+    assert_eq!(lost.unwrap_err().code(), Code::DeadlineExceeded);
+    // The next call goes out on a new connection and is answered.
     let started = std::time::Instant::now();
     let next = tokio::time::timeout(
         Duration::from_secs(10),
-        ledger.charge(fenced(charge("b"), "kb", "1")),
+        ledger.charge(fenced(charge("c"), "kc", "1")),
     )
     .await;
     assert!(
         matches!(next, Ok(Ok(_))),
-        "the call after the upstream went silent: {next:?} after {:?}",
+        "the call after a timeout on the silent connection: {next:?} after {:?}",
         started.elapsed()
     );
     assert_eq!(
-        relay.opened.load(std::sync::atomic::Ordering::SeqCst),
+        opened(),
         2,
         "the call did not reach the upstream on a new connection"
     );

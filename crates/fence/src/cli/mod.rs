@@ -261,7 +261,6 @@ pub struct ListenArgs {
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000), env = "FENCE_H2_MAX_STREAMS")]
     pub h2_max_streams: u32,
     /// HTTP/2 keepalive: a ping this often; a peer silent for as long again is closed.
-    /// `fence proxy` pings its HTTP/2 (gRPC) connection to the upstream the same way.
     #[arg(long, allow_hyphen_values = true, default_value = "20s", value_parser = parse_timeout, env = "FENCE_H2_KEEPALIVE")]
     pub h2_keepalive: Duration,
 }

@@ -35,15 +35,16 @@ pub(super) struct UpstreamConns {
     tls_h2: Option<tokio_rustls::TlsConnector>,
     /// This worker's HTTP/2 connection, opened by the first gRPC call and shared by every
     /// call after it (HTTP/2 multiplexes); opened again once it has closed. With it, whether
-    /// the upstream has spoken HTTP/2 on it.
-    h2: tokio::sync::Mutex<Option<(http2::SendRequest<RequestBody<Incoming>>, Preface)>>,
-    /// How often that connection is pinged, idle or not, and how long an answer may take
-    /// before it is closed (`--h2-keepalive`): a connection whose peer went silent (a host
-    /// powered off, a NAT that forgot it) is replaced within twice this, instead of carrying
-    /// every gRPC call of the worker into the upstream timeout, and an unknown-outcome hold,
-    /// until the kernel gives up on it (about 15 minutes).
-    h2_keepalive: Duration,
+    /// the upstream has spoken HTTP/2 on it, and its number (counted per worker), by which
+    /// a call that timed out on it retires it ([`UpstreamConns::retire_h2`]).
+    h2: tokio::sync::Mutex<Option<H2Conn>>,
+    /// How many HTTP/2 connections this worker has opened.
+    h2_opened: std::sync::atomic::AtomicU64,
 }
+
+/// The worker's HTTP/2 connection to the upstream: the handle calls are sent on, whether
+/// the upstream has spoken HTTP/2 on it, and its number.
+type H2Conn = (http2::SendRequest<RequestBody<Incoming>>, Preface, u64);
 
 /// Whether the peer of an HTTP/2 connection has sent what every HTTP/2 server sends first, a
 /// SETTINGS frame. A peer that has not (an HTTP/1.1 server answering the connection preface
@@ -153,7 +154,7 @@ const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 const MAX_IDLE_PER_WORKER: usize = 256;
 
 impl UpstreamConns {
-    pub(super) fn new(target: &Target, idle_timeout: Duration, h2_keepalive: Duration) -> Self {
+    pub(super) fn new(target: &Target, idle_timeout: Duration) -> Self {
         let authority = &target.authority;
         let default_port = if target.tls.is_some() { 443 } else { 80 };
         let addr = match authority.port_u16() {
@@ -167,7 +168,7 @@ impl UpstreamConns {
             idle_timeout,
             tls_h2: target.tls_h2.clone(),
             h2: tokio::sync::Mutex::default(),
-            h2_keepalive,
+            h2_opened: std::sync::atomic::AtomicU64::new(0),
         }
     }
 
@@ -242,7 +243,7 @@ impl UpstreamConns {
 impl UpstreamConns {
     /// This worker's HTTP/2 connection, opened (h2c, or TLS with ALPN `h2`) if there is none
     /// or it closed.
-    async fn h2(&self) -> Result<(http2::SendRequest<RequestBody<Incoming>>, Preface), BoxError> {
+    async fn h2(&self) -> Result<H2Conn, BoxError> {
         let mut slot = self.h2.lock().await;
         if let Some(conn) = slot.as_ref().filter(|c| !c.0.is_closed()) {
             return Ok(conn.clone());
@@ -253,23 +254,50 @@ impl UpstreamConns {
         let conn = match (&self.tls_h2, &self.tls) {
             (Some(connector), Some((_, name))) => {
                 let tls = connector.connect(name.clone(), stream).await?;
-                handshake_h2(sniffed(tls, &preface), self.h2_keepalive).await?
+                handshake_h2(sniffed(tls, &preface)).await?
             }
-            _ => handshake_h2(sniffed(stream, &preface), self.h2_keepalive).await?,
+            _ => handshake_h2(sniffed(stream, &preface)).await?,
         };
-        *slot = Some((conn.clone(), preface.clone()));
-        Ok((conn, preface))
+        let number = self
+            .h2_opened
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        *slot = Some((conn.clone(), preface.clone(), number));
+        Ok((conn, preface, number))
+    }
+
+    /// Stops sending new calls on HTTP/2 connection `number` (a call on it timed out): the
+    /// next call opens another. An upstream that went silent without closing the connection
+    /// (a host powered off, a NAT that forgot the flow) would otherwise take every later call
+    /// of the worker into the upstream timeout, and an unknown-outcome hold, until the kernel
+    /// gives up on the socket (about 15 minutes). Calls still running on it go on; it closes
+    /// when the last has ended. No pings: gRPC servers refuse frequent ones (grpc-go, by
+    /// default, closes a connection pinged more than once in 5 minutes), and closing would
+    /// cut the calls running on it.
+    ///
+    /// Does not wait: while another call holds the slot it is opening a new connection (or
+    /// takes this one a moment before, and retires it in turn when it times out).
+    pub(super) fn retire_h2(&self, number: u64) {
+        if let Ok(mut slot) = self.h2.try_lock()
+            && slot.as_ref().is_some_and(|conn| conn.2 == number)
+        {
+            *slot = None;
+        }
     }
 
     /// Sends a gRPC call over this worker's HTTP/2 connection: trailers and streams both
     /// ways, as gRPC needs.
+    ///
+    /// `used` is set to the number of the connection the call went out on, so that a caller
+    /// whose call timed out can retire it.
     pub(super) async fn send_h2(
         &self,
         req: Request<RequestBody<Incoming>>,
+        used: &std::sync::atomic::AtomicU64,
     ) -> Result<Response<Incoming>, SendFailed> {
         // Calls of this worker wait for one connection to open (at most CONNECT_TIMEOUT)
         // rather than each opening its own.
-        let (mut conn, preface) = within_connect_timeout(self.h2()).await?;
+        let (mut conn, preface, number) = within_connect_timeout(self.h2()).await?;
+        used.store(number, std::sync::atomic::Ordering::Relaxed);
         conn.ready()
             .await
             .map_err(|e| SendFailed::Connect(e.into()))?;
@@ -308,21 +336,13 @@ async fn within_connect_timeout<T>(
     }
 }
 
-/// An HTTP/2 connection over `io`, driven on this worker's runtime, pinged every `keepalive`.
-async fn handshake_h2<I>(
-    io: I,
-    keepalive: Duration,
-) -> Result<http2::SendRequest<RequestBody<Incoming>>, BoxError>
+/// An HTTP/2 connection over `io`, driven on this worker's runtime.
+async fn handshake_h2<I>(io: I) -> Result<http2::SendRequest<RequestBody<Incoming>>, BoxError>
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (conn, connection) = http2::Builder::new(hyper_util::rt::TokioExecutor::new())
-        .timer(hyper_util::rt::TokioTimer::new())
-        .keep_alive_interval(keepalive)
-        .keep_alive_timeout(keepalive)
-        .keep_alive_while_idle(true)
-        .handshake(TokioIo::new(io))
-        .await?;
+    let (conn, connection) =
+        http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(io)).await?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");

@@ -106,9 +106,12 @@ impl Upstream {
             ));
         }
         let request = Request::from_parts(parts, body);
+        // The HTTP/2 connection a gRPC call went out on (none yet: u64::MAX).
+        let used = std::sync::atomic::AtomicU64::new(u64::MAX);
         let sent = if grpc {
             // Boxed, like connecting: the HTTP/1.1 path's future stays small (issue 32).
-            tokio::time::timeout(self.timeout, Box::pin(self.conns.send_h2(request))).await
+            let call = Box::pin(self.conns.send_h2(request, &used));
+            tokio::time::timeout(self.timeout, call).await
         } else {
             tokio::time::timeout(self.timeout, self.conns.send(request)).await
         };
@@ -145,7 +148,12 @@ impl Upstream {
                 response
             }
             Err(_) => {
-                // Dropping the request future closes its upstream connection.
+                // Dropping the request future closes its upstream HTTP/1.1 connection; an
+                // HTTP/2 one, shared by the worker's calls, takes no new call from now on.
+                if grpc {
+                    self.conns
+                        .retire_h2(used.load(std::sync::atomic::Ordering::Relaxed));
+                }
                 self.outcomes.timeout.record(started);
                 tracing::warn!(upstream = %self.target.display, timeout = ?self.timeout, "upstream timed out");
                 let mut response = problem(Problem::new(

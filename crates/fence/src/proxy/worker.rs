@@ -89,11 +89,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 .context("registering the listening socket with a worker's runtime")?;
             // This thread's own upstream connections, served on its runtime: a request
             // and its upstream call never cross threads.
-            let conns = Arc::new(UpstreamConns::new(
-                &self.target,
-                self.idle_timeout,
-                self.limits.h2_keepalive,
-            ));
+            let conns = Arc::new(UpstreamConns::new(&self.target, self.idle_timeout));
             let proto = if self.tls.is_some() { "https" } else { "http" };
             // Every copy of the upstream service holds a sender: the connections' and each
             // request's own, which lives until its upstream call is over. All are gone when
