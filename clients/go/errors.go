@@ -58,10 +58,19 @@ type LeaseLostError struct {
 	Job        string
 	Generation uint64
 	Reason     string
+	// InFlight: a request of the lease's Transport was on its way when the lease was lost,
+	// and was cancelled then. It may have reached the destination (whose fence decides), so
+	// its outcome is unknown: a newer holder retries the step with the same Idempotency-Key.
+	// False: nothing was sent.
+	InFlight bool
 }
 
 func (e *LeaseLostError) Error() string {
-	return fmt.Sprintf("the lease on job %s (generation %d) is lost: %s", e.Job, e.Generation, e.Reason)
+	msg := fmt.Sprintf("the lease on job %s (generation %d) is lost: %s", e.Job, e.Generation, e.Reason)
+	if e.InFlight {
+		msg += "; a request on its way was cancelled, and may have reached the destination"
+	}
+	return msg
 }
 
 // Is makes errors.Is(err, ErrLeaseLost) hold.

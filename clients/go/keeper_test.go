@@ -223,14 +223,24 @@ func TestAFencedRequestOnItsWayIsCancelledWhenTheLeaseIsLost(t *testing.T) {
 	waiting.Abandon()
 	select {
 	case err := <-failed:
-		if !errors.Is(err, ErrLeaseLost) {
-			t.Fatalf("the request on its way ended with %v, want ErrLeaseLost", err)
+		var lost *LeaseLostError
+		if !errors.Is(err, ErrLeaseLost) || !errors.As(err, &lost) || !lost.InFlight {
+			t.Fatalf("the request on its way ended with %v, want ErrLeaseLost, InFlight", err)
+		}
+		if !strings.Contains(err.Error(), "may have reached the destination") {
+			t.Fatalf("the error does not say the request may have arrived: %v", err)
 		}
 	case <-time.After(10 * time.Second):
 		t.Fatal("the request outlived its lease by 10 s")
 	}
 	if time.Since(started) > 2*time.Second {
 		t.Fatalf("the request ended %v after it started", time.Since(started))
+	}
+	// Asked after the loss: refused before sending, not in flight.
+	_, err = post(t, &http.Client{Transport: waiting.Transport(nil)}, destination.URL+"/body", "x")
+	var refused *LeaseLostError
+	if !errors.As(err, &refused) || refused.InFlight {
+		t.Fatalf("a request after the loss: %v", err)
 	}
 
 	// Lost after the answer's head arrived: the body is still read whole.

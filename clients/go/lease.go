@@ -466,7 +466,8 @@ func (l *Lease) keep() {
 // ErrLeaseLost, wrapped by http.Client in a *url.Error) without sending once the lease's
 // context is done. A request still on its way when the lease is lost (dialling, waiting for
 // a connection, sending its body, waiting for the answer's head) is cancelled then, with the
-// same error; the answer's body, once its head has arrived, is left alone. base's own retries
+// same error, its InFlight set: it may have reached the destination, so its outcome is
+// unknown. The answer's body, once its head has arrived, is left alone. base's own retries
 // (net/http resends a request with an Idempotency-Key on a fresh connection when a kept-alive
 // one was closed under it) happen within that time. base nil means http.DefaultTransport.
 func (l *Lease) Transport(base http.RoundTripper) http.RoundTripper {
@@ -517,14 +518,24 @@ func (f *fencingTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 	mu.Unlock()
 	close(stop)
 	if err != nil || lost {
-		if resp != nil {
+		if resp != nil && resp.Body != nil {
 			resp.Body.Close()
 		}
 		cancel()
 		if lost {
-			return nil, f.lease.Err()
+			err := f.lease.Err()
+			if lostErr, ok := err.(*LeaseLostError); ok {
+				inFlight := *lostErr
+				inFlight.InFlight = true
+				err = &inFlight
+			}
+			return nil, err
 		}
 		return nil, err
+	}
+	if resp.Body == nil || resp.Body == http.NoBody { // nothing to read: nothing to wait for
+		cancel()
+		return resp, nil
 	}
 	if rw, ok := resp.Body.(io.ReadWriteCloser); ok { // a 101's upgraded connection
 		resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}

@@ -136,12 +136,14 @@ export class GrantTooShort extends FenceError {
   readonly grantedMs: number;
   readonly marginMs: number;
 }
-/** The lease is lost; nothing was sent. `instanceof LeaseLost` also holds for a LeaseRefused. */
+/** The lease is lost; nothing was sent, unless `inFlight`. `instanceof LeaseLost` also holds for a LeaseRefused. */
 export class LeaseLost extends FenceError {
-  constructor(job: string, generation: bigint, reason: string);
+  constructor(job: string, generation: bigint, reason: string, inFlight?: boolean);
   readonly job: string;
   readonly generation: bigint;
   readonly reason: string;
+  /** A fenced fetch on its way when the lease was lost, aborted then: it may have reached the destination (outcome unknown). */
+  readonly inFlight: boolean;
 }
 export interface Problem {
   type: string;

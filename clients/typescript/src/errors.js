@@ -43,11 +43,18 @@ export class GrantTooShort extends FenceError {
  * holds for a `LeaseRefused` (the server's own 409 lease-lost / 403 lease-key-mismatch).
  */
 export class LeaseLost extends FenceError {
-  constructor(job, generation, reason) {
-    super(`the lease on job ${job} (generation ${generation}) is lost: ${reason}`);
+  /**
+   * `inFlight`: a fenced fetch was on its way when the lease was lost, and was aborted then.
+   * It may have reached the destination (whose fence decides), so its outcome is unknown: a
+   * newer holder retries the step with the same Idempotency-Key. False: nothing was sent.
+   */
+  constructor(job, generation, reason, inFlight = false) {
+    super(`the lease on job ${job} (generation ${generation}) is lost: ${reason}`
+      + (inFlight ? '; a request on its way was aborted, and may have reached the destination' : ''));
     this.job = job;
     this.generation = generation;
     this.reason = reason;
+    this.inFlight = inFlight;
   }
 
   static [Symbol.hasInstance](value) {

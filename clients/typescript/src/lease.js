@@ -353,8 +353,9 @@ const REDIRECTS = new Set([301, 302, 303, 307, 308]);
  * A fetch-compatible function that stamps the lease's X-Fencing-Job and X-Fencing-Token on
  * every request, read at the moment of the call, and rejects with LeaseLost instead of sending
  * once the lease is lost. A request still on its way when the lease is lost (connecting, in a
- * pool's queue, sending its body, waiting for the answer's head) is aborted then, with the
- * LeaseLost as the reason; the answer's body, once its head has arrived, is left alone (read it
+ * pool's queue, sending its body, waiting for the answer's head) is aborted then, with a
+ * LeaseLost whose `inFlight` is true as the reason (it may have reached the destination: its
+ * outcome is unknown); the answer's body, once its head has arrived, is left alone (read it
  * after a release too). Your own `signal` still applies. Redirects are followed here, not by fetch, so the lease is checked
  * again before each hop (fetch would re-send the stamped headers itself): as fetch does, at
  * most 20 hops, a 303 (or a 301/302 of a POST) becomes a GET without a body, and the
@@ -376,12 +377,15 @@ export function fencedFetch(lease, fetchImpl = globalThis.fetch) {
     // pool's wait or a slow upload must not carry the token out after the deadline.
     const send = async (target, options) => {
       const untilAnswered = new AbortController();
-      const lost = () => untilAnswered.abort(lease.signal.reason);
+      const lost = () => untilAnswered.abort(new LeaseLost(lease.job, lease.generation, lease.lossReason, true));
       lease.signal.addEventListener('abort', lost, { once: true });
       if (lease.signal.aborted) lost();
-      const signal = own ? AbortSignal.any([own, untilAnswered.signal]) : untilAnswered.signal;
+      // The caller's signal goes on applying to the answer's body as it did before; not
+      // with AbortSignal.any (Node 20.3 and later, and it leaks with a long-lived signal).
+      if (own?.aborted) untilAnswered.abort(own.reason);
+      else own?.addEventListener('abort', () => untilAnswered.abort(own.reason), { once: true });
       try {
-        return await fetchImpl(target, { ...options, signal });
+        return await fetchImpl(target, { ...options, signal: untilAnswered.signal });
       } finally {
         lease.signal.removeEventListener('abort', lost);
       }

@@ -207,8 +207,10 @@ test('fencedFetch aborts a request still waiting for its answer when the lease i
   const pending = waiting.fetch(`${base}/hold`, { method: 'POST', body: 'x' });
   while (held.length === 0) await sleep(10);
   waiting.abandon();
-  await assert.rejects(pending, (e) => e instanceof LeaseLost);
+  await assert.rejects(pending, (e) => e instanceof LeaseLost && e.inFlight === true && /may have reached/.test(e.message));
   assert.ok(performance.now() - started < 2000, 'the request outlived its lease');
+  // Asked after the loss: refused before sending, not in flight.
+  await assert.rejects(waiting.fetch(`${base}/body`, { method: 'POST', body: 'x' }), (e) => e instanceof LeaseLost && e.inFlight === false);
 
   // Lost after the answer's head arrived: its body is still read whole.
   const answered = await client.claim('in-flight-2');
