@@ -1,11 +1,12 @@
 #!/usr/bin/env bash
 # Where a bump's extra CPU goes in `fence proxy`: `perf record -e cpu-clock` of the proxy
 # under same-generation requests, then under bumps (a new generation per request, jobs spread
-# as in bench/limits.sh), at CONNS connections; prints the CPU per request of each thread,
-# the machine's busy share during each run (from /proc/stat: how much of the two cores wrk,
-# the upstream and the proxy left idle), and the proxy worker's CPU per request by category
-# workers' CPU per request by category (scheduler and wake-ups, malloc, sled, tokio, hyper,
-# ...), both modes side by side. The log's thread (fence-log) is not among the categories.
+# as in bench/limits.sh), at CONNS connections. Prints, for both modes side by side: the CPU
+# per request of each thread; how busy the machine's cores were during each run (from
+# /proc/stat: what wrk, the upstream and the proxy left idle); and the proxy's workers' CPU per
+# request by category (scheduler and wake-ups, malloc, sled, tokio, hyper, ...), from the
+# same samples by symbol. The log's thread (fence-log) is not among the categories. KEEP=1
+# keeps the recordings (the directory is printed).
 #
 # Usage: bench/proxy_profile.sh DIR [CONNS=8] [SECONDS=4]   (DIR holding `fence` and `bench_sink`)
 set -euo pipefail
@@ -13,13 +14,18 @@ cd "$(dirname "$0")/.."; source bench/lib.sh
 dir=${1:?usage: bench/proxy_profile.sh DIR [CONNS] [SECONDS]}; c=${2:-8}; secs=${3:-4}
 need wrk; need curl; need perf linux-perf; need python3
 tmp=$(mktemp -d -p "$PWD/target"); pids=()
-cleanup() { kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true; rm -rf "$tmp"; }
+cleanup() {
+  kill "${pids[@]}" 2>/dev/null || true; wait 2>/dev/null || true
+  if [ -n "${KEEP:-}" ]; then echo "recordings kept in $tmp"; else rm -rf "$tmp"; fi
+}
 trap cleanup EXIT
 "$dir/bench_sink" bare 127.0.0.1:19962 >/dev/null & pids+=($!)
 RUST_LOG=error "$dir/fence" proxy --listen 127.0.0.1:19963 --admin-listen 127.0.0.1:19964 \
   --upstream http://127.0.0.1:19962 --data-dir "$tmp/p" >/dev/null & p=$!; pids+=($p)
 wait_http http://127.0.0.1:19963/healthz
-busy() { awk '/^cpu / { print $2 + $3 + $4, $5 + $6 }' /proc/stat; }
+# Busy: user, nice, system, irq, softirq, steal (loopback traffic spends real time in
+# softirq); idle: idle and iowait.
+busy() { awk '/^cpu / { print $2 + $3 + $4 + $7 + $8 + $9, $5 + $6 }' /proc/stat; }
 hz=1999
 for mode in same spread; do
   wrk -t2 -c"$c" -d1s -s bench/fenced.lua http://127.0.0.1:19963/ -- "$mode" "w$mode" $((4 * c)) >/dev/null
@@ -32,9 +38,10 @@ for mode in same spread; do
   echo "$mode $n $(awk '/Requests\/sec/ { printf "%.0f", $2 }' <<<"$out") $(( 100 * (b1 - b0) / (b1 - b0 + i1 - i0) ))" >> "$tmp/runs"
   perf report -i "$tmp/$mode.data" --no-children --sort comm -n -q --stdio -g none 2>/dev/null \
     | awk 'NF >= 3 { n = $2; $1 = ""; $2 = ""; sub(/^ +/, ""); print n "\t" $0 }' > "$tmp/$mode.comm"
-  workers=$(awk -F'\t' '$2 ~ /^fence-proxy-/ { print $2 }' "$tmp/$mode.comm" | paste -sd, -)
-  perf report -i "$tmp/$mode.data" --comm "${workers:-fence-proxy-0}" --no-children --sort sym -n -q --stdio -g none 2>/dev/null \
-    | awk 'NF >= 3 { n = $2; $1 = ""; $2 = ""; sub(/^ +/, ""); print n "\t" $0 }' > "$tmp/$mode.sym"
+  # By thread and symbol, the workers' kept: `--comm` drops about a tenth of the samples
+  # `--sort comm` counts (perf 6.x, seen here), so the threads are filtered here instead.
+  perf report -i "$tmp/$mode.data" --no-children --sort comm,sym -n -q --stdio -g none 2>/dev/null \
+    | awk 'NF >= 4 && $3 ~ /^fence-proxy-/ { n = $2; $1 = ""; $2 = ""; $3 = ""; sub(/^ +/, ""); print n "\t" $0 }' > "$tmp/$mode.sym"
 done
 python3 - "$tmp" "$hz" <<'PY'
 import sys, collections
@@ -93,4 +100,7 @@ for k in rows:
     print(f"| {k} | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
 a, b = us(sum(cats["same"].values()), "same"), us(sum(cats["spread"].values()), "spread")
 print(f"| **all** | {a:.1f} | {b:.1f} | {b - a:+.1f} |")
+workers = {m: sum(n for t, n in comms[m].items() if t.startswith("fence-proxy-")) for m in runs}
+print(f"\nCross-check, the workers' samples: by thread {workers['same']} and {workers['spread']}, "
+      f"by symbol {sum(cats['same'].values())} and {sum(cats['spread'].values())} (same, bump).")
 PY

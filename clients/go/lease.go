@@ -444,7 +444,7 @@ func (l *Lease) keep() {
 		// before the deadline is not skipped.
 		failed := o.err.Error()
 		if len(failed) > 300 {
-			failed = failed[:300]
+			failed = strings.ToValidUTF8(failed[:300], "") // not half a character
 		}
 		l.mu.Lock()
 		l.renewalFailed = failed
