@@ -320,11 +320,12 @@ func sleepCtx(ctx context.Context, d time.Duration) error {
 // first may be free (the problem's expires_in_ms, or claimable_in_ms in a lock-delay), at most
 // backoff, at least 1 ms.
 func heldPause(held *ProblemError, backoff time.Duration) time.Duration {
-	// A member given as null is no hint (the other clients read it so): 0 would mean asking
-	// again every millisecond.
+	// A member that is null or not a count of milliseconds ("30", -5, 1.5) is no hint (the
+	// other clients read it so): read as 0, it would mean asking again every millisecond.
 	present := func(name string) bool {
+		var ms uint64
 		v, ok := held.Members[name]
-		return ok && string(v) != "null"
+		return ok && string(v) != "null" && json.Unmarshal(v, &ms) == nil
 	}
 	hint, given := held.ExpiresInMs, present("expires_in_ms")
 	if present("claimable_in_ms") {

@@ -460,8 +460,9 @@ func TestARetryAfterIsSecondsAtMostAMinute(t *testing.T) {
 	}
 }
 
-// A held slot's answer whose expires_in_ms or claimable_in_ms is null gives no hint: the
-// pause is the backoff, not a millisecond (which would ask again a thousand times a second).
+// A held slot's answer whose expires_in_ms or claimable_in_ms is null, or not a count of
+// milliseconds, gives no hint: the pause is the backoff, not a millisecond (which would ask
+// again a thousand times a second).
 func TestAHeldPauseIgnoresANullHint(t *testing.T) {
 	backoff := 200 * time.Millisecond
 	for _, tc := range []struct {
@@ -474,6 +475,9 @@ func TestAHeldPauseIgnoresANullHint(t *testing.T) {
 		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":30}`, 30 * time.Millisecond},
 		{`{"type":"urn:fence:lock-delay","status":409,"expires_in_ms":null,"claimable_in_ms":40}`, 40 * time.Millisecond},
 		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":0}`, time.Millisecond},
+		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":"30"}`, backoff},
+		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":-5}`, backoff},
+		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":1.5}`, backoff},
 	} {
 		held := problemFrom(409, http.Header{"Content-Type": {"application/problem+json"}}, []byte(tc.body))
 		if got := heldPause(held, backoff); got != tc.want {

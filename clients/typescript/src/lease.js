@@ -380,12 +380,12 @@ export function fencedFetch(lease, fetchImpl = globalThis.fetch) {
       const lost = () => untilAnswered.abort(new LeaseLost(lease.job, lease.generation, lease.lossReason, true));
       lease.signal.addEventListener('abort', lost, { once: true });
       if (lease.signal.aborted) lost();
-      // The caller's signal goes on applying to the answer's body as it did before; not
-      // with AbortSignal.any (Node 20.3 and later, and it leaks with a long-lived signal).
-      if (own?.aborted) untilAnswered.abort(own.reason);
-      else own?.addEventListener('abort', () => untilAnswered.abort(own.reason), { once: true });
+      // The caller's signal goes on applying to the answer's body, as it did before. Tied with
+      // AbortSignal.any (Node 20.3 and later), which holds the combined signal weakly: a
+      // listener added here by hand would stay on a long-lived caller's signal for good.
+      const signal = own ? AbortSignal.any([own, untilAnswered.signal]) : untilAnswered.signal;
       try {
-        return await fetchImpl(target, { ...options, signal: untilAnswered.signal });
+        return await fetchImpl(target, { ...options, signal });
       } finally {
         lease.signal.removeEventListener('abort', lost);
       }
