@@ -2,6 +2,7 @@
 // server that holds waiting claims only briefly.
 
 import assert from 'node:assert/strict';
+import { getEventListeners } from 'node:events';
 import http from 'node:http';
 import { test } from 'node:test';
 
@@ -226,5 +227,13 @@ test('fencedFetch aborts a request still waiting for its answer when the lease i
   mine.abort(new Error('mine'));
   await assert.rejects(cancelled, (e) => e.message === 'mine');
   assert.equal(own.isLost(), false);
+  // A long-lived signal of the caller's, passed to many fetches, keeps no listener of each.
+  const lasting = new AbortController();
+  for (let i = 0; i < 20; i += 1) {
+    const r = await own.fetch(`${base}/body`, { method: 'POST', body: 'x', signal: lasting.signal });
+    assert.equal(await r.text(), 'done');
+  }
+  assert.ok(getEventListeners(lasting.signal, 'abort').length <= 1,
+    `${getEventListeners(lasting.signal, 'abort').length} listeners left on the caller's signal`);
   await own.release();
 });
