@@ -285,10 +285,11 @@ async fn a_released_leases_write_held_until_after_forgetting_is_refused() {
 }
 
 /// Proof (d): the stale write carries an `Idempotency-Key`, so its body is read whole
-/// before the fence looks at the job, and the body takes long enough (within the body
-/// deadline) for the job to be forgotten meanwhile, with the forgetting window as short as
-/// the sink allows. Its token was valid when it arrived and has ended when it is admitted:
-/// refused, as at arrival.
+/// before the fence decides, and it arrives before the newer holder's first write (a token
+/// below the highest already in memory is refused before its body is read). The newer
+/// holder writes while the body trickles in, and the body takes long enough for the job to
+/// be forgotten meanwhile, with the forgetting window as short as the sink allows. Its token
+/// was valid when it arrived and has ended when it is admitted: refused.
 #[tokio::test(start_paused = true)]
 async fn a_stale_keyed_write_whose_body_outlasts_forgetting_is_refused() {
     let clock = ManualClock::new(START);
@@ -301,16 +302,15 @@ async fn a_stale_keyed_write_whose_body_outlasts_forgetting_is_refused() {
         .clock_skew(SKEW)
         .forget_after(shortest, MAX_TTL)
         .unwrap()
-        .body_timeout(Duration::from_secs(30))
+        .body_timeout(Duration::from_secs(90))
         .longest_request(Duration::ZERO)
         .unknown_outcome_hold(Duration::ZERO);
     let sink = CountingSink::new(layer);
     let _upkeep = sink.layer.spawn_maintenance();
     let old = sign(&signer, 1, START + MAX_TTL.as_millis() as u64);
-    // Worker 1 releases after a second; worker 2 claims at once and writes.
+    // Worker 1 releases after a second; worker 2 claims at once.
     pass(&clock, Duration::from_secs(1)).await;
     let new = sign(&signer, 2, clock.now_ms() + MAX_TTL.as_millis() as u64);
-    assert_eq!(sink.send(job().as_str(), &new).await.0, StatusCode::OK);
     // Worker 1's keyed write arrives a second before its lease's end plus the skew, and
     // its body trickles in.
     pass(&clock, MAX_TTL + SKEW - Duration::from_secs(2)).await;
@@ -331,9 +331,10 @@ async fn a_stale_keyed_write_whose_body_outlasts_forgetting_is_refused() {
     };
     let stale = tokio::spawn(sink.layer.layer(inner).oneshot(req));
     chunks.send("half".into()).unwrap();
-    // Arrived (its headers checked) before the clocks move on.
+    // Arrived (its headers checked) before the clocks move on; then worker 2 writes.
     pass(&clock, Duration::from_millis(1)).await;
-    pass(&clock, Duration::from_secs(25)).await;
+    assert_eq!(sink.send(job().as_str(), &new).await.0, StatusCode::OK);
+    pass(&clock, Duration::from_secs(60)).await;
     assert_eq!(
         store.highest(&job()).await.unwrap(),
         Generation::ZERO,
