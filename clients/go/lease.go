@@ -54,6 +54,9 @@ type Lease struct {
 	// one does: a loss at the deadline says it, so an operator sees a rotated secret, not a
 	// timeout.
 	renewalFailed string
+	// renewalAnswered: that failure was the server's answer (a 401, a 503); a later attempt
+	// that got none (unreachable, or cut short by the deadline) does not replace it.
+	renewalAnswered bool
 
 	// resumed is the checkpoint the claim returned.
 	resumed *Checkpoint
@@ -315,7 +318,7 @@ func (l *Lease) setGrant(sent time.Time, a leaseAnswer, first bool) (bool, error
 		usable = 0
 	}
 	l.deadline = sent.Add(usable)
-	l.renewalFailed = ""
+	l.renewalFailed, l.renewalAnswered = "", false
 	return true, nil
 }
 
@@ -446,8 +449,11 @@ func (l *Lease) keep() {
 		if len(failed) > 300 {
 			failed = strings.ToValidUTF8(failed[:300], "") // not half a character
 		}
+		answered := !errors.Is(o.err, ErrUnreachable)
 		l.mu.Lock()
-		l.renewalFailed = failed
+		if answered || !l.renewalAnswered {
+			l.renewalFailed, l.renewalAnswered = failed, answered
+		}
 		l.mu.Unlock()
 		// A quarter of the renewal interval, as the other clients do: it follows the usable
 		// time when a fixed margin takes most of a grant the server cut short.

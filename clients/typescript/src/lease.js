@@ -34,6 +34,9 @@ export class Lease {
   // Why the last renewal got no grant (unreachable, a 401, a 503), until one does: a loss at
   // the deadline says it, so an operator sees a rotated secret, not a timeout.
   #renewalFailed = null;
+  // Whether that failure was the server's answer (a 401, a 503): a later attempt that got none
+  // (unreachable, or cut short by the deadline) does not replace it.
+  #renewalAnswered = false;
   #controller = new AbortController();
   #finished = false;
   #wake = null;
@@ -244,6 +247,7 @@ export class Lease {
     this.#sent = sent;
     this.#deadline = sent + Math.max(ttlMs - marginOf(ttlMs, this.#marginMs), 0);
     this.#renewalFailed = null;
+    this.#renewalAnswered = false;
     return true;
   }
 
@@ -340,7 +344,11 @@ export class Lease {
     // No answer, or a refusal that decides nothing (503, 5xx, a secret the server does not
     // know): the deadline stands. Retry at a steady, jittered pace so the last chance before
     // the deadline is not skipped.
-    this.#renewalFailed = String(error?.message ?? error).slice(0, 300);
+    const answered = !(error instanceof ServerUnreachable);
+    if (answered || !this.#renewalAnswered) {
+      this.#renewalFailed = String(error?.message ?? error).slice(0, 300);
+      this.#renewalAnswered = answered;
+    }
     const pause = Math.min(Math.max(this.#renewEvery() / 4, 10), 1000);
     return now() + pause * (0.8 + 0.2 * Math.random());
   }

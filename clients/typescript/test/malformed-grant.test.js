@@ -19,6 +19,7 @@ async function mangling(t, serverUrl, mangle, { refuseRenewals = false } = {}) {
   const target = new URL(serverUrl);
   const seen = [];
   let left = 1;
+  let refused = 0;
   const front = http.createServer((req, res) => {
     const chunks = [];
     req.on('data', (c) => chunks.push(c));
@@ -26,6 +27,13 @@ async function mangling(t, serverUrl, mangle, { refuseRenewals = false } = {}) {
       const body = Buffer.concat(chunks).toString();
       seen.push({ path: req.url, body: body ? JSON.parse(body) : undefined });
       if (refuseRenewals && req.url.endsWith('/renew')) {
+        // The first renewal is refused; the later ones get no answer (their connection is
+        // cut), and a failure with no answer must not hide the 401 before it.
+        refused += 1;
+        if (refused > 1) {
+          req.socket.destroy();
+          return;
+        }
         const problem = JSON.stringify({ type: 'urn:fence:unauthenticated', status: 401, detail: 'the front knows no such secret' });
         res.writeHead(401, { 'content-type': 'application/problem+json', 'content-length': Buffer.byteLength(problem) });
         res.end(problem);
@@ -148,8 +156,8 @@ test('a malformed grant of a semaphore slot is given back', async (t) => {
 });
 
 test('a loss at the deadline says why the renewals failed', async (t) => {
-  // Renewals answered 401 (a rotated secret) are retried until the deadline; the loss's
-  // reason then names the 401, not a bare timeout.
+  // A renewal answered 401 (a rotated secret) is retried until the deadline; the loss's
+  // reason then names the 401, not the later attempts that got no answer.
   const s = await stack(t, { proxy: false });
   const front = await mangling(t, s.serverUrl, (a) => JSON.stringify(a), { refuseRenewals: true });
   const client = new Client({ server: front.url, ttlMs: 1000 });

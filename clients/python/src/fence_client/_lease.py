@@ -133,6 +133,9 @@ class LeaseCore:
         # Why the last renewal got no grant (unreachable, a 401, a 503), until one does: a
         # loss at the deadline says it, so an operator sees a rotated secret, not a timeout.
         self._renewal_failed: Optional[str] = None
+        # Whether that failure was the server's answer (a 401, a 503): a later attempt that got
+        # none (unreachable, or cut short by the deadline) does not replace it.
+        self._renewal_answered = False
         self._progress_within = progress_within
         self._last_progress = monotonic()  # the claim counts as the first report
         self._resumed: Optional[Dict[str, Any]] = None
@@ -242,6 +245,7 @@ class LeaseCore:
             self._sent = sent
             self._deadline = sent + max(ttl_ms - margin_ms(ttl_ms, self._margin), 0) / 1000
             self._renewal_failed = None
+            self._renewal_answered = False
         return True
 
     def _stalled(self, now: float) -> Optional[str]:
@@ -296,8 +300,11 @@ class LeaseCore:
             return None
         # No answer, or a refusal that decides nothing (503, 5xx, a secret the server does
         # not know): the deadline stands.
+        answered = error is not None and not isinstance(error, ServerUnreachable)
         with self._lock:
-            self._renewal_failed = str(error)[:300] if error is not None else "no answer"
+            if answered or not self._renewal_answered:
+                self._renewal_failed = str(error)[:300] if error is not None else "no answer"
+                self._renewal_answered = answered
         return monotonic() + self._retry_pause()
 
     def _path(self, action: str) -> str:
