@@ -119,11 +119,7 @@ func (l *Lease) Token() (string, error) {
 	if reason == "" {
 		reason = reasonDeadline
 	}
-	l.declareLost(reason)
-	l.mu.Lock()
-	reason = l.reason // as declareLost settled it
-	l.mu.Unlock()
-	return "", &LeaseLostError{Job: l.job, Generation: l.generation, Reason: reason}
+	return "", &LeaseLostError{Job: l.job, Generation: l.generation, Reason: l.declareLost(reason)}
 }
 
 // Err is nil while the lease is held, else a *LeaseLostError saying why it is lost.
@@ -274,8 +270,9 @@ func (l *Lease) path(action string) string {
 	return "/v1/leases/" + enc + "/" + action
 }
 
-// declareLost is the one place a lease is declared lost. Final: nothing un-loses it.
-func (l *Lease) declareLost(reason string) {
+// declareLost is the one place a lease is declared lost. Final: nothing un-loses it. Returns
+// the reason the lease is lost for (the first one declared).
+func (l *Lease) declareLost(reason string) string {
 	l.mu.Lock()
 	if l.reason == "" {
 		if reason == reasonDeadline && l.renewalFailed != "" {
@@ -283,8 +280,10 @@ func (l *Lease) declareLost(reason string) {
 		}
 		l.reason = reason
 	}
+	settled := l.reason
 	l.mu.Unlock()
 	l.cancel()
+	return settled
 }
 
 // setGrant takes a claim's or renewal's answer sent at sent; false when the lease was lost
@@ -529,13 +528,11 @@ func (f *fencingTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 		}
 		cancel()
 		if lost {
-			err := f.lease.Err()
-			if lostErr, ok := err.(*LeaseLostError); ok {
+			if lostErr, ok := f.lease.Err().(*LeaseLostError); ok {
 				inFlight := *lostErr
 				inFlight.InFlight = true
 				err = &inFlight
 			}
-			return nil, err
 		}
 		return nil, err
 	}
@@ -543,10 +540,11 @@ func (f *fencingTransport) RoundTrip(req *http.Request) (*http.Response, error) 
 		cancel()
 		return resp, nil
 	}
-	if rw, ok := resp.Body.(io.ReadWriteCloser); ok { // a 101's upgraded connection
-		resp.Body = &cancelOnCloseRW{ReadWriteCloser: rw, cancel: cancel}
+	body := &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+	if w, ok := resp.Body.(io.Writer); ok { // a 101's upgraded connection is writable too
+		resp.Body = &cancelOnCloseRW{cancelOnClose: body, Writer: w}
 	} else {
-		resp.Body = &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
+		resp.Body = body
 	}
 	return resp, nil
 }
@@ -565,14 +563,8 @@ func (c *cancelOnClose) Close() error {
 
 // cancelOnCloseRW is cancelOnClose for a body that is also writable (an upgraded connection).
 type cancelOnCloseRW struct {
-	io.ReadWriteCloser
-	cancel context.CancelFunc
-}
-
-func (c *cancelOnCloseRW) Close() error {
-	err := c.ReadWriteCloser.Close()
-	c.cancel()
-	return err
+	*cancelOnClose
+	io.Writer
 }
 
 // String describes the lease without its key: fmt's %v and %s print this, never the lease
