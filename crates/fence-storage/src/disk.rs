@@ -217,9 +217,27 @@ impl DurableDb {
                 Ok(db) => break db,
             }
         };
-        // The directory's entries (a new database's files, the log's directory) on disk too.
-        File::open(path)
-            .and_then(|dir| dir.sync_all())
+        // The directory's entries (a new database's files, the log's directory) on disk
+        // too, sled's configuration file (which sled writes without a sync: cut short, it
+        // makes sled refuse to open), and the directory's own entry in its parent (new on a
+        // first start): without them a power cut soon after the first start could lose the
+        // whole database, acknowledged writes included.
+        // The parent is best effort: one this user may enter but not read (mode 0711)
+        // cannot be opened to sync, and that must not stop a start that worked before.
+        let conf = path.join("conf");
+        let synced = |p: &Path| File::open(p).and_then(|f| f.sync_all());
+        let absent_or_denied = |r: std::io::Result<()>| match r {
+            Err(e) if e.kind() == std::io::ErrorKind::NotFound => Ok(()),
+            Err(e) if e.kind() == std::io::ErrorKind::PermissionDenied => Ok(()),
+            other => other,
+        };
+        let parent = path
+            .canonicalize()
+            .ok()
+            .and_then(|p| p.parent().map(Path::to_owned));
+        synced(path)
+            .and_then(|()| absent_or_denied(synced(&conf)))
+            .and_then(|()| parent.map_or(Ok(()), |p| absent_or_denied(synced(&p))))
             .map_err(directory)?;
         let syncer = Arc::new(Syncer::new(db.clone(), path).map_err(directory)?);
         let next = log::replay(&db, &syncer, &log_dir).map_err(|e| OpenError::Log {

@@ -81,6 +81,10 @@ pub(super) enum ReplayError {
     Undecodable { path: PathBuf, at: usize },
     #[error("cannot flush sled after replaying the log")]
     Flush(#[source] CommitError),
+    #[error(
+        "the log segment {0} has the largest number a segment can have, so no segment can follow it; a file of that name is not one fence wrote"
+    )]
+    LastNumber(PathBuf),
 }
 
 /// The file kept for the next segment, filled to [`SEGMENT_BYTES`]; and the name it is filled
@@ -112,6 +116,19 @@ fn segment_path(dir: &Path, number: u64) -> PathBuf {
 
 fn sync_dir(dir: &Path) -> io::Result<()> {
     File::open(dir)?.sync_all()
+}
+
+/// Deletes segments `paths` (oldest first), the directory synced after each deletion: a
+/// power cut then leaves the newest ones, never an older one alone. With one sync after all
+/// of them, a file system that keeps some deletions and not others (ext4 without a journal,
+/// ext2) could keep an old segment and lose every newer one; with no later segment to show
+/// a gap in the numbers, replay would put the old values back.
+fn remove_oldest_first(dir: &Path, paths: &[PathBuf]) -> io::Result<()> {
+    for path in paths {
+        std::fs::remove_file(path)?;
+        sync_dir(dir)?;
+    }
+    Ok(())
 }
 
 fn remove_if_there(path: &Path) -> io::Result<()> {
@@ -154,17 +171,20 @@ pub(super) fn replay(db: &sled::Db, syncer: &Syncer, dir: &Path) -> Result<u64, 
             }
         }
     }
-    let next = found.last().map_or(1, |(n, _)| n.saturating_add(1));
+    let next = match found.last() {
+        None => 1,
+        Some((number, path)) => number
+            .checked_add(1)
+            .ok_or_else(|| ReplayError::LastNumber(path.clone()))?,
+    };
     // A kept file holds frames of earlier segments; numbers start again after those found,
     // which may be below them (none found): never reuse it in another process.
     remove_if_there(&dir.join(FILLING))?;
     remove_if_there(&dir.join(SPARE))?;
     if !found.is_empty() {
         syncer.flush().map_err(ReplayError::Flush)?;
-        for (_, path) in &found {
-            std::fs::remove_file(path)?;
-        }
-        sync_dir(dir)?;
+        let paths: Vec<PathBuf> = found.into_iter().map(|(_, path)| path).collect();
+        remove_oldest_first(dir, &paths)?;
     }
     Ok(next)
 }
@@ -400,9 +420,7 @@ fn checkpoint(
     let kept = keep
         .filter(|_| !dir.join(SPARE).exists())
         .and_then(|bytes| done.pop().map(|path| (path, bytes)));
-    for path in &done {
-        std::fs::remove_file(path).map_err(io)?;
-    }
+    remove_oldest_first(dir, &done).map_err(io)?;
     if let Some((path, bytes)) = kept {
         let filling = dir.join(FILLING);
         let made = std::fs::rename(&path, &filling)
@@ -497,7 +515,11 @@ fn rotate(dir: &Path, segment: &mut Segment) -> io::Result<u64> {
     // On disk before the next segment exists: replay takes a segment without its end for
     // the last one written.
     segment.append(&[])?;
-    let next = Segment::create(dir, segment.number + 1)?;
+    let number = segment
+        .number
+        .checked_add(1)
+        .ok_or_else(|| io::Error::other("the log's segment numbers are used up"))?;
+    let next = Segment::create(dir, number)?;
     Ok(std::mem::replace(segment, next).number)
 }
 

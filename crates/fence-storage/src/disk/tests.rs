@@ -223,6 +223,29 @@ fn a_segment_without_its_end_before_the_last_refuses_to_open() {
     assert_eq!(tree.get("b").unwrap().as_deref(), Some(&b"2"[..]));
 }
 
+/// A segment file with the largest number (not one fence wrote: it would take 2^64 segments)
+/// refuses the open by name, instead of a log whose next segment's number overflows (a panic
+/// of the writer thread in a debug build, leaving every commit unanswered; in a release
+/// build, segment 0, which the next checkpoint deletes while it is being written).
+#[test]
+fn a_segment_with_the_largest_number_refuses_to_open() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_dir = dir.path().join(log::LOG_DIR);
+    std::fs::create_dir_all(&log_dir).unwrap();
+    std::fs::write(
+        log_dir.join(format!("{:020}.log", u64::MAX)),
+        segment(u64::MAX, &[(b"a", b"1")]),
+    )
+    .unwrap();
+    let err = DurableDb::open(dir.path()).unwrap_err();
+    assert!(matches!(err, OpenError::Log { .. }), "{err:?}");
+    assert!(
+        crate::error_chain(&err).contains("18446744073709551615.log has the largest number"),
+        "{}",
+        crate::error_chain(&err)
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn segments_before_a_gap_in_the_numbers_are_not_replayed() {
     let (dir, log_dir) = closed_with("k", "new").await;
