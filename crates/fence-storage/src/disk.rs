@@ -299,6 +299,27 @@ impl DurableDb {
             .unwrap_or(Err(CommitError::TimedOut(within)))
     }
 
+    /// [`commit`](Self::commit) for an answer read from what others wrote, changing nothing
+    /// (an idempotency replay, say): it waits for their writes like any commit, but while
+    /// the disk stalls ([`STALLED_AFTER`]) it is refused at once, as a decision is, instead
+    /// of holding its request until the caller's timeout.
+    ///
+    /// # Errors
+    /// As `commit`; [`CommitError::TimedOut`] at once while the disk stalls.
+    pub async fn commit_read(&self) -> Result<(), CommitError> {
+        // Nothing pending: no wait, stalled or not (a stall can be a rotation's, say, with
+        // every record already on disk).
+        if self.log().all_synced() {
+            return Ok(());
+        }
+        match self.log().rounds.writable() {
+            Err(sled::Error::Io(e)) if e.kind() == std::io::ErrorKind::TimedOut => {
+                Err(CommitError::TimedOut(STALLED_AFTER))
+            }
+            _ => self.commit().await,
+        }
+    }
+
     /// Holds the log's writer before its next write while the answer lives: a disk that
     /// does not answer, for tests (never in a shipped binary).
     #[cfg(any(test, feature = "test-hooks"))]

@@ -175,8 +175,8 @@ impl SledStore {
         Ok((Generation::new(word(0)?), touched, raised))
     }
 
-    /// Applies a change to one idempotency record with compare-and-swap, then waits for the
-    /// group commit. A `begin` is a decision, refused while the disk stalls; a `finish`
+    /// Applies a change to one idempotency record with compare-and-swap (or none), then waits
+    /// for the group commit. A `begin` is a decision, refused while the disk stalls; a `finish`
     /// records what an effect that already ran answered, and is taken then (see
     /// `Tree::compare_and_swap_outcome`): refused, the record would stay in flight until its
     /// timeout and a retry after it would run the effect again.
@@ -198,7 +198,14 @@ impl SledStore {
                     reason,
                 })?;
             let (change, out) = f(cur.as_ref());
-            let Some(new) = change else { return Ok(out) };
+            // An answer read from a record another caller wrote (a replay, "in flight", a
+            // mismatch) waits for a commit too: that write may not be on disk yet, and a
+            // crash would take back what this caller was told. Refused at once while the
+            // disk stalls, like a decision.
+            let Some(new) = change else {
+                self.db.commit_read().await.map_err(io)?;
+                return Ok(out);
+            };
             let new = new.map(|r| r.encode());
             let swapped = match write {
                 Write::Decision => self.records.compare_and_swap(key, raw, new),

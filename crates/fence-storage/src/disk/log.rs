@@ -281,6 +281,12 @@ impl Shared {
         rx.await.map_err(|_| CommitError::Closed)?
     }
 
+    /// Whether every record buffered so far is on disk (and the log has not failed).
+    pub(super) fn all_synced(&self) -> bool {
+        let state = self.lock();
+        state.failed.is_none() && self.synced.load(Ordering::Acquire) >= state.end
+    }
+
     #[cfg(test)]
     pub(super) fn waiting(&self) -> usize {
         self.lock().waiters.len()

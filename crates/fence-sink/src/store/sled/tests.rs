@@ -9,6 +9,17 @@ use crate::{Fingerprint, conformance::at};
 
 const MINUTE: Duration = Duration::from_secs(60);
 
+/// The response the stall tests store: an effect that ran.
+#[cfg(feature = "test-hooks")]
+fn paid() -> crate::StoredResponse {
+    crate::StoredResponse {
+        status: http::StatusCode::CREATED,
+        headers: http::HeaderMap::new(),
+        body: bytes::Bytes::from_static(b"paid"),
+        trailers: None,
+    }
+}
+
 crate::sink_store_conformance!(|| async {
     let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
     let dir = tempfile::tempdir().unwrap().keep();
@@ -56,13 +67,17 @@ async fn an_effects_response_is_kept_while_the_disk_stalls() {
     .await
     .expect("a new request waited on the stalled disk instead of being refused");
     assert!(matches!(refused, Err(StoreError::Io(_))), "{refused:?}");
+    // ...and so is an answer read from a record (here "in flight"), at once: it waits for
+    // a commit, which the stalled disk cannot give.
+    let retried = tokio::time::timeout(
+        Duration::from_secs(1),
+        store.begin(crate::conformance::attempt(&job, &key, &fp, 8, 1), MINUTE),
+    )
+    .await
+    .expect("an answer read from a record waited on the stalled disk instead of being refused");
+    assert!(matches!(retried, Err(StoreError::Io(_))), "{retried:?}");
     // ...the response of the one that ran is taken, and lands once the disk answers.
-    let response = crate::StoredResponse {
-        status: http::StatusCode::CREATED,
-        headers: http::HeaderMap::new(),
-        body: bytes::Bytes::from_static(b"paid"),
-        trailers: None,
-    };
+    let response = paid();
     let finishing = {
         let store = store.clone();
         let (job, key, fp, response) = (job.clone(), key.clone(), fp, response.clone());
@@ -201,5 +216,67 @@ async fn records_survive_reopen_and_corruption_is_an_error() {
     assert_eq!(
         err.to_string(),
         "stored record of job bad is corrupt: generation record is not 16 or 24 bytes"
+    );
+}
+
+/// A replay read from a record whose write is not on disk yet waits for the disk: answered at
+/// once, a crash could take the record back to in flight, and a retry after the in-flight
+/// timeout would run the effect the caller was told had run.
+#[cfg(feature = "test-hooks")]
+#[tokio::test]
+// The guard held across awaits is the stalled disk: the log's writer, another thread,
+// waits on it; nothing on this task does.
+#[allow(clippy::await_holding_lock)]
+async fn a_replay_waits_until_the_record_it_reads_is_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    let job: JobId = "replay".parse().unwrap();
+    let key = IdempotencyKey::from_bytes(b"k").unwrap();
+    let fp = Fingerprint::of(&http::Method::POST, "/pay", b"{}");
+    let first = crate::conformance::attempt(&job, &key, &fp, 7, 1);
+    assert_eq!(store.begin(first, MINUTE).await.unwrap(), Begin::Started);
+    let response = paid();
+    let stalled = store.db.stall_log();
+    let finishing = {
+        let (store, job, key, fp) = (store.clone(), job.clone(), key.clone(), fp);
+        let outcome = Finish::Store {
+            response: response.clone(),
+            retention: MINUTE,
+        };
+        tokio::spawn(async move {
+            let first = crate::conformance::attempt(&job, &key, &fp, 7, 1);
+            store.finish(first, outcome).await
+        })
+    };
+    // The finish is applied (it waits for its commit, behind the stalled writer).
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while store
+            .records
+            .get(record_key(&job, &key))
+            .unwrap()
+            .is_none_or(|raw| {
+                matches!(
+                    record::Record::decode(&raw).unwrap(),
+                    record::Record::InFlight { .. }
+                )
+            })
+        {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the finish was not applied");
+    let retry = || crate::conformance::attempt(&job, &key, &fp, 7, 1);
+    let early =
+        tokio::time::timeout(Duration::from_millis(500), store.begin(retry(), MINUTE)).await;
+    assert!(
+        early.is_err(),
+        "a replay was answered before its record was on disk: {early:?}"
+    );
+    drop(stalled);
+    finishing.await.unwrap().unwrap();
+    assert_eq!(
+        store.begin(retry(), MINUTE).await.unwrap(),
+        Begin::Replay(response)
     );
 }
