@@ -25,6 +25,7 @@
 
 use std::{
     fs::{File, TryLockError},
+    os::unix::fs::DirBuilderExt,
     path::{Path, PathBuf},
     sync::Arc,
     thread,
@@ -179,7 +180,15 @@ impl DurableDb {
             source,
         };
         let log_dir = path.join(log::LOG_DIR);
-        std::fs::create_dir_all(&log_dir).map_err(directory)?;
+        // Only this process's user may enter what it creates: the database holds stored
+        // responses (headers and bodies, cookies and all), checkpoints and lease keys' hashes.
+        // sled's files are made as the umask allows; a directory of mode 0700 keeps them
+        // private. An existing directory keeps the mode its owner gave it.
+        std::fs::DirBuilder::new()
+            .recursive(true)
+            .mode(0o700)
+            .create(&log_dir)
+            .map_err(directory)?;
         let lock = File::options()
             .create(true)
             .truncate(false)

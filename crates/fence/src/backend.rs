@@ -76,10 +76,12 @@ impl Backend {
     /// database cannot be reached or migrated.
     pub async fn lease_store(&self) -> anyhow::Result<LeaseBackend> {
         Ok(match self {
-            Self::Sled(dir) => LeaseBackend::Sled(
-                SledLeaseStore::open_with_clock(dir, clock())
-                    .with_context(|| in_dir("the lease database", dir))?,
-            ),
+            Self::Sled(dir) => {
+                let store = SledLeaseStore::open_with_clock(dir, clock())
+                    .with_context(|| in_dir("the lease database", dir))?;
+                warn_if_others_may_enter(dir);
+                LeaseBackend::Sled(store)
+            }
             Self::Postgres { url, schema } => {
                 let pg = PgLeaseStore::connect(url, PgTable::new(schema, "leases")?)
                     .await
@@ -100,9 +102,12 @@ impl Backend {
     /// As [`lease_store`](Self::lease_store).
     pub async fn sink_store(&self) -> anyhow::Result<SinkBackend> {
         Ok(match self {
-            Self::Sled(dir) => SinkBackend::Sled(
-                SledStore::open(dir).with_context(|| in_dir("the fence database", dir))?,
-            ),
+            Self::Sled(dir) => {
+                let store =
+                    SledStore::open(dir).with_context(|| in_dir("the fence database", dir))?;
+                warn_if_others_may_enter(dir);
+                SinkBackend::Sled(store)
+            }
             Self::Postgres { url, schema } => {
                 let pg = PgStore::connect(url, PgTables::new(schema, "sink")?)
                     .await
@@ -332,5 +337,22 @@ impl IdempotencyStore for SinkBackend {
             Self::Sled(s) => s.purge_expired().await,
             Self::Postgres(s) => s.purge_expired().await,
         }
+    }
+}
+
+/// Logs a warning when users other than this process's may enter the data directory `dir`:
+/// it holds stored responses (headers and bodies), checkpoints and hashes of lease keys, in
+/// files made as the umask allows. fence makes a new directory 0700; one made before (by an
+/// older build, or by hand) keeps its mode, which is its owner's to change.
+fn warn_if_others_may_enter(dir: &std::path::Path) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(dir)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(
+            dir = %dir.display(),
+            mode = format_args!("{:o}", meta.permissions().mode() & 0o777),
+            "other users may enter the data directory, which holds stored responses and checkpoints: chmod 700 it"
+        );
     }
 }

@@ -497,3 +497,22 @@ async fn once_the_log_failed_no_write_is_applied() {
     assert_eq!(tree.get("b").unwrap().as_deref(), Some(&b"2"[..]));
     assert!(db.commit().await.is_err());
 }
+
+/// A data directory fence creates is private to its user, whatever the umask: it holds stored
+/// responses, checkpoints and lease keys' hashes, in files sled makes as the umask allows. One
+/// that exists keeps the mode its owner gave it.
+#[test]
+fn a_new_data_directory_is_private_and_an_existing_one_keeps_its_mode() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let dir = tempfile::tempdir().unwrap();
+    let new = dir.path().join("a/b");
+    drop(DurableDb::open(&new).unwrap());
+    assert_eq!(mode(&new), 0o700);
+    assert_eq!(mode(&dir.path().join("a")), 0o700);
+    let shared = dir.path().join("shared");
+    std::fs::create_dir(&shared).unwrap();
+    std::fs::set_permissions(&shared, std::fs::Permissions::from_mode(0o750)).unwrap();
+    drop(DurableDb::open(&shared).unwrap());
+    assert_eq!(mode(&shared), 0o750);
+}
