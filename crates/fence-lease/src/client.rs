@@ -104,8 +104,9 @@ impl<S: LeaseStore> LeaseClient<S> {
     }
 
     /// Binds renewals to progress: the keeper renews a lease only while the worker called
-    /// [`progress`](crate::LeaseView::progress) within `within` (the claim counts as the first
-    /// call). A worker that hangs or live-locks, still alive but no longer advancing, then
+    /// [`progress`](crate::LeaseView::progress) within `within` (the grant counts as the first
+    /// call, at its arrival: a claim that waited keeps its whole interval). A worker that
+    /// hangs or live-locks, still alive but no longer advancing, then
     /// loses its lease ([`LossReason::NoProgress`](crate::LossReason::NoProgress)) at the
     /// first renewal after `within` has passed, and the lease expires at the store. Off by
     /// default: without it the keeper renews for as long as the process lives. Choose

@@ -126,7 +126,8 @@ struct Shared {
     /// The last granted renewal's (or the claim's) send time plus its TTL, in nanoseconds
     /// since `base`: the store cannot end the lease before (it counts from receiving it).
     store_end_nanos: AtomicU64,
-    /// When the worker last reported progress (the claim counts), in nanoseconds since `base`.
+    /// When the worker last reported progress (the grant's arrival counts), in nanoseconds
+    /// since `base`.
     progress_nanos: AtomicU64,
     lost: CancellationToken,
     reason: OnceLock<LossReason>,
@@ -229,7 +230,7 @@ impl LeaseView {
 
     /// Reports that the worker is making progress. With the client's
     /// [`progress_within`](crate::LeaseClient::progress_within), the keeper renews only while
-    /// this was called within that interval (the claim counts as the first report); a worker
+    /// this was called within that interval (the grant counts as the first report); a worker
     /// that hangs or live-locks then loses its lease like any other loss, and the lease
     /// expires at the store. Without it, this does nothing. Cheap: one atomic store.
     pub fn progress(&self) {
@@ -390,7 +391,12 @@ impl<S: LeaseStore> Lease<S> {
             base: t_send,
             deadline_nanos: AtomicU64::new(0),
             store_end_nanos: AtomicU64::new(0),
-            progress_nanos: AtomicU64::new(0),
+            // The grant counts as progress, at its arrival: a claim that waited for the job
+            // (sent long before) still has its whole interval to report from here.
+            progress_nanos: AtomicU64::new(
+                u64::try_from(Instant::now().saturating_duration_since(t_send).as_nanos())
+                    .unwrap_or(u64::MAX),
+            ),
             lost: CancellationToken::new(),
             reason: OnceLock::new(),
         });

@@ -822,6 +822,48 @@ async fn a_worker_that_stops_reporting_progress_loses_its_lease_and_it_expires()
     ));
 }
 
+/// The progress interval of a lease granted after a wait runs from the grant, not from when
+/// the claim was sent: a worker that waited most of the interval for the job is not judged
+/// hung before it could report anything.
+#[tokio::test(start_paused = true)]
+async fn a_claim_that_waited_has_its_whole_progress_interval_after_the_grant() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let store = Arc::new(MemoryLeaseStore::with_clock(clock));
+    let a: Owner = "a".parse().unwrap();
+    let key = fence_lease::new_lease_key().unwrap();
+    let held = store
+        .claim(&job(), &a, &key, Ttl::from_millis(8_000).unwrap())
+        .await
+        .unwrap();
+    assert!(matches!(held, Outcome::Granted(_)));
+    let b = LeaseClient::from_arc(store.clone())
+        .owner("b".parse().unwrap())
+        .ttl(Ttl::from_millis(30_000).unwrap())
+        .progress_within(Duration::from_secs(9));
+    let started = Instant::now();
+    let lease = b
+        .claim_waiting(job(), Duration::from_secs(20))
+        .await
+        .unwrap();
+    assert!(started.elapsed() >= Duration::from_secs(8));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert!(
+        !lease.is_lost(),
+        "lost 5 s after the grant, with 9 s to report progress: {:?}",
+        lease.loss_reason()
+    );
+    // Without progress, it is lost within the next interval all the same.
+    tokio::time::timeout(Duration::from_secs(15), lease.lost())
+        .await
+        .expect("lost once no progress came for 9 s");
+    assert_eq!(
+        lease.loss_reason(),
+        Some(LossReason::NoProgress {
+            within: Duration::from_secs(9)
+        })
+    );
+}
+
 /// A store that decides every semaphore claim but loses the answer to the first one, as a
 /// connection cut after the server granted.
 #[derive(Debug, Default)]

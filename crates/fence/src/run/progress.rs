@@ -10,7 +10,7 @@ use tokio::task::JoinHandle;
 
 /// Watches `path` every quarter of `within` (at most every second, at least every 10 ms) and
 /// reports progress on `lease` each time the file's modification time changed since the last
-/// look. The claim counts as the first report; a file that is missing, or whose time stands
+/// look. The grant counts as the first report; a file that is missing, or whose time stands
 /// still, reports nothing, so the keeper stops renewing once `within` has passed (the client
 /// was built with `progress_within(within)`). Ends with the lease.
 pub(super) fn watch(path: PathBuf, lease: LeaseView, within: Duration) -> JoinHandle<()> {
