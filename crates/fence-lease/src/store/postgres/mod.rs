@@ -19,7 +19,7 @@ use fence_core::{
     lease_api::{LeaseState, ListQuery},
     secret::LeaseKey,
 };
-use fence_storage::postgres::{Ident, IdentError, MigrateError, NOW_MS, SetupError};
+use fence_storage::postgres::{Checkout, Ident, IdentError, MigrateError, NOW_MS, SetupError};
 use tokio_postgres::{Row, types::ToSql};
 
 use super::{
@@ -366,9 +366,7 @@ impl PgLeaseStore {
     ) -> Result<Option<Row>, StoreError> {
         // Given back only once the statement ended: a claim whose client went away may
         // still wait on a row lock, and the next request would queue behind it.
-        let client = fence_storage::postgres::Checkout::of(&self.pool)
-            .await
-            .map_err(StoreError::io)?;
+        let client = Checkout::of(&self.pool).await.map_err(StoreError::io)?;
         // Prepared once per connection: every later call is one round trip, not two.
         let row = match client.prepare_cached(sql).await {
             Ok(statement) => client.query_opt(&statement, params).await,
@@ -543,7 +541,8 @@ impl LeaseStore for PgLeaseStore {
     async fn forget_idle(&self, idle_for: Duration, limit: usize) -> Result<usize, StoreError> {
         let idle = i64::try_from(idle_for.as_millis()).unwrap_or(i64::MAX);
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
-        let mut client = self.pool.get().await.map_err(StoreError::io)?;
+        // Closed, not pooled, if this is dropped mid-transaction (see `Checkout`).
+        let mut client = Checkout::of(&self.pool).await.map_err(StoreError::io)?;
         let tx = client.transaction().await.map_err(StoreError::io)?;
         // The floor first: claims wait for this transaction from here on (every plain
         // claim reads the floor under a share lock, even of a job whose row exists:
@@ -556,6 +555,7 @@ impl LeaseStore for PgLeaseStore {
             .await
             .map_err(StoreError::io)?;
         tx.commit().await.map_err(StoreError::io)?;
+        client.done();
         let gone: i64 = match row {
             Some(row) => row.try_get(0).map_err(StoreError::io)?,
             None => 0,
@@ -569,11 +569,13 @@ impl LeaseStore for PgLeaseStore {
         let prefix = query.prefix.clone().unwrap_or_default();
         let after = query.after.as_ref().map_or("", JobId::as_str);
         let scan = i64::try_from(MAX_LIST_SCAN).unwrap_or(i64::MAX);
-        let client = self.pool.get().await.map_err(StoreError::io)?;
+        // A request that went away mid-statement closes its connection (see `Checkout`).
+        let client = Checkout::of(&self.pool).await.map_err(StoreError::io)?;
         let rows = client
             .query(&self.sql.list, &[&after, &prefix, &scan, &self.offset()])
-            .await
-            .map_err(StoreError::io)?;
+            .await;
+        client.done();
+        let rows = rows.map_err(StoreError::io)?;
         let records = rows.iter().map(|row| {
             let job: String = row.try_get(5).map_err(StoreError::io)?;
             let job = JobId::new(job).map_err(|_| StoreError::Corrupt {

@@ -330,8 +330,9 @@ impl PgStore {
         clock_skew: Duration,
         max_lease_ttl: Duration,
     ) -> Result<(), StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
-        client
+        // Given back only once its statement ended (the settings row may be locked).
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
+        let done = client
             .execute(
                 &format!(
                     "INSERT INTO {settings} AS s (one, forgetting, clock_skew_ms, max_lease_ttl_ms)
@@ -344,8 +345,9 @@ impl PgStore {
                 ),
                 &[&forgetting, &ms(clock_skew), &ms(max_lease_ttl)],
             )
-            .await
-            .map_err(io)?;
+            .await;
+        client.done();
+        done.map_err(io)?;
         if forgetting {
             self.forgetting
                 .store(true, std::sync::atomic::Ordering::Release);
@@ -361,8 +363,9 @@ impl PgStore {
         if self.forgetting.load(std::sync::atomic::Ordering::Acquire) {
             return Ok(());
         }
-        let client = self.pool.get().await.map_err(io)?;
-        client
+        // Given back only once its statement ended (the settings row may be locked).
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
+        let done = client
             .execute(
                 &format!(
                     "INSERT INTO {settings} AS s (one, forgetting, clock_skew_ms)
@@ -372,8 +375,9 @@ impl PgStore {
                 ),
                 &[&ms(super::DEFAULT_CLOCK_SKEW)],
             )
-            .await
-            .map_err(io)?;
+            .await;
+        client.done();
+        done.map_err(io)?;
         self.forgetting
             .store(true, std::sync::atomic::Ordering::Release);
         Ok(())
@@ -429,7 +433,7 @@ impl GenerationStore for PgStore {
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
-        let client = self.pool.get().await.map_err(io)?;
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
         let t = &self.tables.generations;
         let idle_ms = i64::try_from(page.idle_for.as_millis()).unwrap_or(i64::MAX);
         let limit = i64::try_from(page.limit).unwrap_or(i64::MAX);
@@ -450,8 +454,9 @@ impl GenerationStore for PgStore {
                 ),
                 &[&idle_ms, &after_ms, &after_job, &limit, &self.offset()],
             )
-            .await
-            .map_err(io)?;
+            .await;
+        client.done();
+        let rows = rows.map_err(io)?;
         let mut out = Vec::with_capacity(rows.len());
         for row in rows {
             let touched: i64 = row.try_get(0).map_err(io)?;
@@ -477,7 +482,7 @@ impl GenerationStore for PgStore {
 
     async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
         self.forgetting_recorded().await?;
-        let client = self.pool.get().await.map_err(io)?;
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
         let touched = i64::try_from(idle.touched_ms).unwrap_or(i64::MAX);
         let n = client
             .execute(
@@ -491,9 +496,9 @@ impl GenerationStore for PgStore {
                 ),
                 &[&idle.job.as_str(), &touched],
             )
-            .await
-            .map_err(io)?;
-        Ok(n == 1)
+            .await;
+        client.done();
+        Ok(n.map_err(io)? == 1)
     }
 }
 

@@ -12,6 +12,8 @@ use std::{
     time::Duration,
 };
 
+use fence_storage::postgres::Checkout;
+
 use super::{PgStore, io, now_ms};
 use crate::store::StoreError;
 
@@ -38,7 +40,7 @@ impl PgStore {
     /// purge goes on without it.
     pub(super) async fn purge(&self) -> Result<usize, StoreError> {
         self.index_expiry_in_background();
-        let client = self.pool.get().await.map_err(io)?;
+        let client = Checkout::of(&self.pool).await.map_err(io)?;
         let table = &self.tables.idempotency;
         let sql = format!(
             "DELETE FROM {table} WHERE (job, key) IN (SELECT job, key FROM {table} \
@@ -53,6 +55,7 @@ impl PgStore {
                 break;
             }
         }
+        client.done();
         Ok(purged)
     }
 
