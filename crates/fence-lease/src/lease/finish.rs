@@ -56,7 +56,10 @@ impl<S: LeaseStore> Lease<S> {
     /// Marks the job completed. The layer stops sending at once, whatever the store answers.
     /// A store that fails (unreachable, timing out, unavailable) is asked again until it
     /// could end the lease on its own (the lease's earliest expiry at the store), for a
-    /// minute at most.
+    /// minute at most. Sent even when the lease is already lost here (past its local
+    /// deadline, say): the store takes it only while this owner, generation and key still
+    /// hold the job, that is, when nobody claimed it since. A caller that must not complete
+    /// a job whose lease it lost checks [`LeaseView::is_lost`] first (`fence run` does).
     ///
     /// # Errors
     /// [`FinishError::Lost`] when the store no longer records this owner and generation;
