@@ -787,3 +787,30 @@ fn every_refusal_is_one_json_event_with_the_request() {
     );
     assert_eq!(e["path"], "/charges");
 }
+
+/// A data directory others may enter is named in a warning at start (it holds stored
+/// responses and checkpoints); one fence made itself is private and draws none.
+#[test]
+fn a_data_directory_others_may_enter_is_warned_about() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let fresh = dir.path().join("fresh");
+    for (data, warned) in [(&open, true), (&fresh, false)] {
+        let (server, _, log) = start_logged(&server_args(data.to_str().unwrap(), &[]), "info");
+        drop(server);
+        let text = log.text();
+        assert_eq!(
+            text.contains("other users may enter the data directory"),
+            warned,
+            "{}: {text}",
+            data.display()
+        );
+    }
+    assert_eq!(
+        std::fs::metadata(&fresh).unwrap().permissions().mode() & 0o777,
+        0o700
+    );
+}
