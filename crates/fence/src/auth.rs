@@ -183,6 +183,19 @@ impl AuthFile {
                     "expected <name> <secret> <job-pattern>... [+revoke]".into()
                 ));
             };
+            // A line without its name reads the secret as the name, and a job pattern as
+            // the secret: the pattern would then let in whoever guesses it, and the real
+            // secret would be logged and answered as a client's name. Refused where it shows.
+            if secret.ends_with('*') && secret.matches('*').count() == 1 {
+                return Err(bad(
+                    "the second word ends in '*' like a job pattern: is the client's name missing? (expected <name> <secret> <job-pattern>...; a secret of your own that ends in '*' must be changed)".into(),
+                ));
+            }
+            if name.len() >= MIN_SECRET_LEN && name.ends_with('=') {
+                return Err(bad(
+                    "the first word is as long as a secret and ends in '=' like a base64 one: is the client's name missing? (expected <name> <secret> <job-pattern>...)".into(),
+                ));
+            }
             if secret.len() > MAX_SECRET_LEN {
                 return Err(bad(format!(
                     "the secret (the second word) is {} characters; at most {MAX_SECRET_LEN} are sent by fence clients",
@@ -444,15 +457,30 @@ mod tests {
             ),
             ("# nothing\n", "no client"),
             // The name left out: the secret stands where the name goes, and is not echoed.
-            ("0123456789abcdef-secret inv-*", "is 5 characters"),
+            (
+                "0123456789abcdef-secret inv-*",
+                "is the client's name missing",
+            ),
             (
                 "0123456789abcdef-secret invoice-reports-2024-*",
-                "no job pattern",
+                "is the client's name missing",
+            ),
+            (
+                "0123456789abcdef-secret invoice-reports-2024-* payroll-*",
+                "is the client's name missing",
+            ),
+            (
+                "MDEyMzQ1Njc4OWFiY2RlZg== payroll-7-0123456789 other-job",
+                "ends in '=' like a base64 one",
             ),
         ] {
             let e = AuthFile::parse(text).unwrap_err().to_string();
             assert!(e.contains(want), "{text:?}: {e}");
             assert!(!e.contains("0123456789abcde"), "a secret leaked: {e}");
         }
+        // A secret holding '*' other than as a pattern's end, and a short name ending in
+        // '=', are a name and a secret as written.
+        let file = AuthFile::parse("team= 0123456789*abcdef-sec *").unwrap();
+        assert!(file.identify(b"0123456789*abcdef-sec").is_some());
     }
 }
