@@ -37,6 +37,26 @@ pub async fn shutdown_signal() {
     tracing::info!("shutting down: finishing in-flight requests");
 }
 
+/// Handles SIGHUP from here on: reloads `auth` when there is one (`flag` names its file),
+/// else logs that there is nothing to reload. Without a handler the signal's default action
+/// ends the process at once, with no drain and no last flush: a stray hang-up (a closed
+/// terminal, `docker kill -s HUP`, a log rotation's script) must not do that to a server
+/// that took no auth file. Installed before the store opens, so that a hang-up during a
+/// long start does not either.
+fn on_hangup(auth: Option<Auth>, flag: &'static str) -> std::io::Result<()> {
+    if let Some(auth) = auth {
+        auth.reload_on_sighup()?;
+        return Ok(());
+    }
+    let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    tokio::spawn(async move {
+        while hup.recv().await.is_some() {
+            tracing::info!("SIGHUP: nothing to reload (no {flag}); going on");
+        }
+    });
+    Ok(())
+}
+
 /// The TLS configuration and limits of a listener's flags.
 ///
 /// # Errors
@@ -94,6 +114,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     // Everything the flags name first: a bad file stops the server before it listens.
     let signer = load_if_given(a.signing_key.as_deref(), TokenSigner::from_file)?;
     let auth = load_if_given(a.auth_file.as_deref(), Auth::load)?;
+    on_hangup(auth.clone(), "--auth-file").context("installing the SIGHUP handler")?;
     if auth.is_none() && !a.listen.ip().is_loopback() {
         if !a.insecure_no_auth {
             return Err(Usage::error(format!(
@@ -117,10 +138,6 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     let handle = crate::telemetry::install()?;
     let tcp = bind(a.listen, "--listen").await?;
     let store = backend.lease_store().await?;
-    if let Some(auth) = &auth {
-        auth.reload_on_sighup()
-            .context("installing the SIGHUP handler")?;
-    }
     let options = ServerOptions {
         metrics: Some(handle),
         auth,
@@ -277,10 +294,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
             a.admin_listen
         )));
     }
-    if let Some(auth) = &admin_auth {
-        auth.reload_on_sighup()
-            .context("installing the SIGHUP handler")?;
-    }
+    on_hangup(admin_auth.clone(), "--admin-auth-file").context("installing the SIGHUP handler")?;
     let tcp = bind(a.listen, "--listen").await?;
     let admin = bind(a.admin_listen, "--admin-listen").await?;
     let store = backend.sink_store().await?;

@@ -378,3 +378,24 @@ fn a_run_the_server_will_never_grant_stops_at_once_whatever_its_wait() {
         assert!(!marker.exists(), "{what}: the command ran");
     }
 }
+
+/// SIGHUP to a server or proxy that took no auth file is logged and ignored: without a
+/// handler its default action would end the process at once, with no drain and no last flush.
+#[test]
+fn a_hangup_without_an_auth_file_does_not_end_the_process() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("leases");
+    let (server, addr, log) = start_logged(&server_args(data.to_str().unwrap(), &[]), "info");
+    let upstream = format!("http://{}", start_upstream());
+    let proxy_data = dir.path().join("proxy");
+    let (proxy, proxy_addr, proxy_log) = start_logged(
+        &proxy_args(&upstream, &["--data-dir", proxy_data.to_str().unwrap()]),
+        "info",
+    );
+    for (p, log) in [(&server, &log), (&proxy, &proxy_log)] {
+        signal(p, "-HUP");
+        log.wait_for("SIGHUP: nothing to reload");
+    }
+    assert_eq!(http_status(&addr, "GET", "/healthz", &[]), 200);
+    assert_eq!(fenced_post(&proxy_addr, "/w", "j", "1"), 200);
+}
