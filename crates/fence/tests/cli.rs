@@ -1005,3 +1005,39 @@ fn keygen_writes_both_keys_or_neither() {
         "a private key was left without its public half"
     );
 }
+
+/// An upstream given with a password is refused without repeating the password: the error
+/// lands in the journal.
+#[test]
+fn an_upstream_with_a_password_is_refused_without_showing_it() {
+    let dir = tempfile::tempdir().unwrap();
+    let out = fence(&[
+        "proxy",
+        "--upstream",
+        "http://u:hunter2@127.0.0.1:9/",
+        "--data-dir",
+        dir.path().to_str().unwrap(),
+    ]);
+    assert_eq!(out.status.code(), Some(2));
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(!stderr.contains("hunter2"), "{stderr}");
+    assert!(stderr.contains("user info"), "{stderr}");
+    // A password with '/' (no longer user info to a URL parser) or a space (no URL at all),
+    // from the flag or the environment: refused, not repeated.
+    for (upstream, secret) in [
+        ("http://u:hunt/er2@127.0.0.1:9/", "er2"),
+        ("http://u:hunt er2@127.0.0.1:9/", "er2"),
+    ] {
+        // Bounded: read as a URL, the first would start a proxy (host "u").
+        let out = Command::new("timeout")
+            .args(["10", FENCE, "proxy", "--listen", "127.0.0.1:0"])
+            .args(["--data-dir", dir.path().to_str().unwrap()])
+            .env("FENCE_UPSTREAM", upstream)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{upstream}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(!stderr.contains(secret), "{upstream}: {stderr}");
+        assert!(stderr.contains("--upstream"), "{upstream}: {stderr}");
+    }
+}

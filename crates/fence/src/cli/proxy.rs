@@ -21,7 +21,7 @@ pub struct ProxyArgs {
     #[command(flatten)]
     pub listener: ListenArgs,
     /// The service to protect: http://host:port[/prefix] or https://host:port[/prefix].
-    #[arg(long, env = "FENCE_UPSTREAM")]
+    #[arg(long, env = "FENCE_UPSTREAM", hide_env_values = true, value_parser = UpstreamParser)]
     pub upstream: http::Uri,
     /// Trust only this CA (PEM, one or more certificates) for an https:// upstream, instead
     /// of the system's roots.
@@ -149,4 +149,38 @@ pub struct ProxyArgs {
     /// connection stays on one thread. Default: one per CPU core.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u16).range(1..=1024), env = "FENCE_WORKERS")]
     pub workers: Option<u16>,
+}
+
+/// `--upstream`'s parser. clap's own repeats a value it cannot use in its error, and an
+/// upstream may carry a password (`http://user:secret@host`, even one whose `/` or space
+/// keeps it from reading as user info): errors here never repeat it, and any `@` is refused
+/// before the URL is read (user info is not supported).
+#[derive(Clone, Copy, Debug)]
+struct UpstreamParser;
+
+impl clap::builder::TypedValueParser for UpstreamParser {
+    type Value = http::Uri;
+
+    fn parse_ref(
+        &self,
+        _cmd: &clap::Command,
+        _arg: Option<&clap::Arg>,
+        value: &std::ffi::OsStr,
+    ) -> Result<http::Uri, clap::Error> {
+        use clap::error::ErrorKind;
+        let refuse = |why: &str| {
+            clap::Error::raw(
+                ErrorKind::ValueValidation,
+                format!("--upstream: {why} (the value is not repeated: it may hold a password)\n"),
+            )
+        };
+        let text = value.to_str().ok_or_else(|| refuse("not UTF-8"))?;
+        if text.contains('@') {
+            return Err(refuse(
+                "user info (user:password@) is not supported; give http://host:port[/prefix]",
+            ));
+        }
+        text.parse()
+            .map_err(|e| refuse(&format!("not a URL ({e}); give http://host:port[/prefix]")))
+    }
 }

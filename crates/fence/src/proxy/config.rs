@@ -152,41 +152,54 @@ pub(super) struct Target {
 
 impl Target {
     pub(super) fn parse(uri: &Uri, ca_cert: Option<&std::path::Path>) -> anyhow::Result<Self> {
+        // What errors show of it: user info and a query (either may hold a secret) never
+        // reach a log.
+        let mut shown = match uri.authority() {
+            Some(authority) if authority.as_str().contains('@') => {
+                let host = authority.as_str().rsplit('@').next().unwrap_or_default();
+                uri.to_string()
+                    .replacen(authority.as_str(), &format!("…@{host}"), 1)
+            }
+            _ => uri.to_string(),
+        };
+        if let Some(at) = shown.find('?') {
+            shown.replace_range(at.., "?…");
+        }
         let Some(scheme) = uri.scheme() else {
-            bail!("upstream {uri}: no scheme; write it as http://host:port");
+            bail!("upstream {shown}: no scheme; write it as http://host:port");
         };
         if *scheme != Scheme::HTTP && *scheme != Scheme::HTTPS {
             bail!(
-                "upstream {uri}: only http:// and https:// upstreams are supported, not {scheme}://"
+                "upstream {shown}: only http:// and https:// upstreams are supported, not {scheme}://"
             );
         }
         let Some(authority) = uri.authority() else {
-            bail!("upstream {uri}: no host; write it as http://host:port");
+            bail!("upstream {shown}: no host; write it as http://host:port");
         };
         if authority.as_str().contains('@') {
-            bail!("upstream {uri}: user info (user:password@) is not supported");
+            bail!("upstream {shown}: user info (user:password@) is not supported");
         }
         if authority.host().is_empty() {
-            bail!("upstream {uri}: empty host");
+            bail!("upstream {shown}: empty host");
         }
         if uri.query().is_some() {
             bail!(
-                "upstream {uri}: a query is not supported; give only scheme, host, port and an optional path prefix"
+                "upstream {shown}: a query is not supported; give only scheme, host, port and an optional path prefix"
             );
         }
         let prefix = uri.path().trim_end_matches('/').to_owned();
         let host = HeaderValue::from_str(authority.as_str())
-            .with_context(|| format!("upstream {uri}: the host is not a valid Host header"))?;
+            .with_context(|| format!("upstream {shown}: the host is not a valid Host header"))?;
         let (tls, tls_h2) = if *scheme == Scheme::HTTPS {
             let connector = |alpn: &[&[u8]]| {
                 fence_storage::tls::client_config(ca_cert, alpn)
                     .map(|config| tokio_rustls::TlsConnector::from(Arc::new(config)))
-                    .with_context(|| format!("upstream {uri}: cannot set up TLS"))
+                    .with_context(|| format!("upstream {shown}: cannot set up TLS"))
             };
             let name = rustls::pki_types::ServerName::try_from(
                 authority.host().trim_matches(['[', ']']).to_owned(),
             )
-            .with_context(|| format!("upstream {uri}: the host is not a TLS server name"))?;
+            .with_context(|| format!("upstream {shown}: the host is not a TLS server name"))?;
             (
                 Some((connector(&[b"http/1.1"])?, name)),
                 Some(connector(&[b"h2"])?),
