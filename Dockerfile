@@ -2,19 +2,25 @@
 #
 #   docker build -t fence .
 #   fence keygen --out ./etc && fence tls init ./etc/tls --name leases.internal
-#   printf 'billing %s inv-*\n' "$(head -c 32 /dev/urandom | base64)" > ./etc/clients
-#   chmod 600 ./etc/clients ./etc/fence-signing.pem && sudo chown -R 10001 ./etc
-#   docker run -d -p 7700:7700 -v fence-leases:/var/lib/fence -v "$PWD/etc:/etc/fence:ro" fence
-#   docker run -d -p 7800:7800 -e FENCE_UPSTREAM=http://billing:8080 \
+#   mv ./etc/tls/ca-key.pem ./ca-key.pem   # not into the container: it signs certificates
+#   (umask 077 && printf 'billing %s inv-*\n' "$(head -c 32 /dev/urandom | base64)" > ./etc/clients)
+#   sudo chown -R 10001 ./etc
+#   docker run -d --stop-timeout 60 -p 7700:7700 -v fence-leases:/var/lib/fence -v "$PWD/etc:/etc/fence:ro" fence
+#   docker run -d --stop-timeout 60 -p 7800:7800 -e FENCE_UPSTREAM=http://billing:8080 \
 #     -v fence-proxy:/var/lib/fence -v "$PWD/etc/fence-verify.pem:/etc/fence/fence-verify.pem:ro" fence proxy
 #   docker run --rm fence claim --help                       # or any other fence command
 #
-# contrib/docker/entrypoint.sh sets each role's defaults as FENCE_* variables (any of them
+# --stop-timeout 60: on SIGTERM fence drains for up to 30 s and closes its database within
+# 20 s more; docker's default of 10 s would SIGKILL it first (nothing acknowledged is lost,
+# but requests in flight are cut). contrib/docker/entrypoint.sh sets each role's defaults as FENCE_* variables (any of them
 # can be given with -e instead): the server on 0.0.0.0:7700 with TLS and the auth file from
 # /etc/fence (fence refuses to listen beyond loopback without both), signing with
 # /etc/fence/fence-signing.pem when mounted; the proxy on 0.0.0.0:7800, its admin port on the
 # container's loopback (7801, for the health check), verifying with
-# /etc/fence/fence-verify.pem when mounted. The mounted files must be readable by uid 10001.
+# /etc/fence/fence-verify.pem when mounted. A proxy given FENCE_ADMIN_AUTH_FILE needs one of
+# that file's secrets in /etc/fence/health.secret (or FENCE_HEALTH_AUTH_TOKEN_FILE) for its
+# health check, and with FENCE_TLS_CERT the check trusts /etc/fence/tls/ca.pem (or
+# FENCE_HEALTH_CA_CERT). The mounted files must be readable by uid 10001.
 FROM rust:1.95-bookworm AS build
 WORKDIR /src
 COPY . .

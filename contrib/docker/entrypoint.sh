@@ -9,7 +9,14 @@
 #           /var/lib/fence/leases.
 #   proxy:  listens on 0.0.0.0:7800, its admin port on 127.0.0.1:7801 (inside the container:
 #           the health check's); verifies with /etc/fence/fence-verify.pem when it is there;
-#           data in /var/lib/fence/proxy; FENCE_UPSTREAM is the service it protects.
+#           data in /var/lib/fence/proxy; FENCE_UPSTREAM is the service it protects. With
+#           FENCE_TLS_CERT the admin port speaks TLS too, and the health check asks
+#           https://localhost (the certificate must name localhost, as `fence tls init`'s
+#           do) trusting FENCE_HEALTH_CA_CERT (default /etc/fence/tls/ca.pem, for the server
+#           too); with FENCE_ADMIN_AUTH_FILE
+#           it sends the secret in FENCE_HEALTH_AUTH_TOKEN_FILE (default
+#           /etc/fence/health.secret, one of the admin auth file's secrets), and the proxy
+#           does not start without one.
 #   healthcheck: what the image's HEALTHCHECK runs: the /healthz of whichever of the two
 #           this container started.
 #
@@ -21,6 +28,10 @@ etc=${FENCE_ETC:-/etc/fence}
 state=${FENCE_STATE:-/var/lib/fence}
 fence=${FENCE_BIN:-/usr/local/bin/fence}
 health="$state/.health"
+
+probe() { # URL CA TOKEN_FILE ('-': none): what `healthcheck` asks, one a line (paths may hold spaces)
+  printf '%s\n%s\n%s\n' "$1" "$2" "$3" >"$health"
+}
 
 default() { # NAME VALUE: export NAME=VALUE unless NAME is set
   eval "[ -n \"\${$1+x}\" ]" || export "$1=$2"
@@ -36,9 +47,9 @@ case "${1:-}" in
     [ -e "$etc/fence-signing.pem" ] && default FENCE_SIGNING_KEY "$etc/fence-signing.pem"
     port=${FENCE_LISTEN##*:}
     if [ -n "${FENCE_TLS_CERT:-}" ]; then
-      printf 'https://localhost:%s %s/tls/ca.pem\n' "$port" "$etc" >"$health"
+      probe "https://localhost:$port" "${FENCE_HEALTH_CA_CERT:-$etc/tls/ca.pem}" -
     else
-      printf 'http://127.0.0.1:%s -\n' "$port" >"$health"
+      probe "http://127.0.0.1:$port" - -
     fi
     ;;
   proxy)
@@ -46,13 +57,29 @@ case "${1:-}" in
     default FENCE_ADMIN_LISTEN 127.0.0.1:7801
     default FENCE_DATA_DIR "$state/proxy"
     [ -e "$etc/fence-verify.pem" ] && default FENCE_VERIFY_KEY "$etc/fence-verify.pem"
-    printf 'http://127.0.0.1:%s -\n' "${FENCE_ADMIN_LISTEN##*:}" >"$health"
+    port=${FENCE_ADMIN_LISTEN##*:} token=-
+    if [ -n "${FENCE_ADMIN_AUTH_FILE:-}" ]; then
+      token=${FENCE_HEALTH_AUTH_TOKEN_FILE:-$etc/health.secret}
+      [ -r "$token" ] && [ -s "$token" ] || {
+        echo "fence-entrypoint: the admin listener needs a secret (FENCE_ADMIN_AUTH_FILE), and the health check has none to send: put one of that file's secrets in $token, or name another file in FENCE_HEALTH_AUTH_TOKEN_FILE" >&2
+        exit 2
+      }
+    fi
+    if [ -n "${FENCE_TLS_CERT:-}" ]; then
+      probe "https://localhost:$port" "${FENCE_HEALTH_CA_CERT:-$etc/tls/ca.pem}" "$token"
+    else
+      probe "http://127.0.0.1:$port" - "$token"
+    fi
     ;;
   healthcheck)
     [ -r "$health" ] || { echo "fence healthcheck: no server or proxy started in this container" >&2; exit 1; }
-    read -r url ca <"$health"
-    if [ "$ca" = - ]; then exec "$fence" healthcheck --url "$url"; fi
-    exec "$fence" healthcheck --url "$url" --ca-cert "$ca"
+    url= ca= token=
+    { IFS= read -r url && IFS= read -r ca && IFS= read -r token; } <"$health" || true
+    [ -n "$url" ] || { echo "fence healthcheck: $health names no URL; restart the container" >&2; exit 1; }
+    set -- healthcheck --url "$url"
+    [ "${ca:--}" = - ] || set -- "$@" --ca-cert "$ca"
+    [ "${token:--}" = - ] || set -- "$@" --auth-token-file "$token"
+    exec "$fence" "$@"
     ;;
 esac
 exec "$fence" "$@"

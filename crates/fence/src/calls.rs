@@ -531,10 +531,16 @@ fn sink_failure(e: &StoreError) -> String {
 /// # Errors
 /// A usage error for an unusable URL or CA file.
 pub async fn healthcheck(a: HealthcheckCmd) -> anyhow::Result<i32> {
+    let bearer = match a.auth_token_file.as_deref() {
+        Some(file) => {
+            secret(Some(file), "--auth-token-file", "").map_err(crate::Usage::from_error)?
+        }
+        None => None,
+    };
     let options = HttpOptions {
         ca_cert: a.ca_cert.clone(),
+        bearer,
         timeout: a.timeout,
-        ..HttpOptions::default()
     };
     let target = HttpLeaseStore::with_options(&a.url, options).map_err(crate::Usage::from_error)?;
     match target.send("/healthz", None::<&()>).await {

@@ -154,13 +154,32 @@ fn the_image_entrypoint_starts_each_role_from_mounted_files() {
         c
     };
     let health = || entry(&["healthcheck"]).output().unwrap();
+    // The health check of the container whose state is in `state` passes.
+    let assert_healthy = |state: &std::path::Path| {
+        let out = entry(&["healthcheck"])
+            .env("FENCE_STATE", state)
+            .output()
+            .unwrap();
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    };
     assert_eq!(health().status.code(), Some(1), "nothing started yet");
 
     // The server: the port given (beyond loopback it would be 0.0.0.0:7700), TLS, the auth
     // file and the signing key from the mounted files.
     let port = free_port();
     let mut server = entry(&["server"]);
-    server.env("FENCE_LISTEN", format!("127.0.0.1:{port}"));
+    // The health check's CA from a path with a space in it.
+    let spaced = dir.path().join("ca copy");
+    std::fs::create_dir_all(&spaced).unwrap();
+    std::fs::copy(etc.join("tls/ca.pem"), spaced.join("ca.pem")).unwrap();
+    server
+        .env("FENCE_LISTEN", format!("127.0.0.1:{port}"))
+        .env("FENCE_HEALTH_CA_CERT", spaced.join("ca.pem"));
     let (_server, _, log) = start_command(server);
     let ready = log.wait_for("fence server ready");
     assert!(
@@ -195,20 +214,78 @@ fn the_image_entrypoint_starts_each_role_from_mounted_files() {
         .env("FENCE_ADMIN_LISTEN", format!("127.0.0.1:{admin_port}"))
         .env("FENCE_UPSTREAM", &upstream);
     let (_proxy, proxy_addr, _log) = start_command(proxy);
-    let out = entry(&["healthcheck"])
-        .env("FENCE_STATE", &state2)
-        .output()
-        .unwrap();
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    assert_healthy(&state2);
     assert_eq!(
         fenced_post(&proxy_addr, "/w", "j", "5"),
         403,
         "the mounted verify key is in force: an unsigned token is refused"
+    );
+
+    // A proxy with TLS and an admin auth file: its admin port speaks TLS and wants a secret,
+    // and the health check sends the mounted one over TLS. Without a secret to send, the
+    // container does not start (it would only ever be unhealthy).
+    let state3 = dir.path().join("state3");
+    std::fs::create_dir_all(&state3).unwrap();
+    let admin_auth = etc.join("admin-clients");
+    std::fs::write(&admin_auth, "probe probe-0123456789abcdefghij *\n").unwrap();
+    std::fs::set_permissions(
+        &admin_auth,
+        <std::fs::Permissions as std::os::unix::fs::PermissionsExt>::from_mode(0o600),
+    )
+    .unwrap();
+    let (proxy_port, admin_port) = (free_port(), free_port());
+    let secured = || {
+        let mut proxy = entry(&["proxy"]);
+        proxy
+            .env("FENCE_STATE", &state3)
+            .env("FENCE_LISTEN", format!("127.0.0.1:{proxy_port}"))
+            .env("FENCE_ADMIN_LISTEN", format!("127.0.0.1:{admin_port}"))
+            .env("FENCE_UPSTREAM", &upstream)
+            .env("FENCE_TLS_CERT", etc.join("tls/server.pem"))
+            .env("FENCE_TLS_KEY", etc.join("tls/server-key.pem"))
+            .env("FENCE_ADMIN_AUTH_FILE", &admin_auth);
+        proxy
+    };
+    let mut refusing = secured()
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let mut ended = None;
+    while ended.is_none() && std::time::Instant::now() < deadline {
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        ended = refusing.try_wait().unwrap();
+    }
+    if ended.is_none() {
+        let _ = refusing.kill();
+    }
+    let refused = refusing.wait_with_output().unwrap();
+    assert_eq!(ended.and_then(|s| s.code()), Some(2));
+    assert!(
+        String::from_utf8_lossy(&refused.stderr).contains("health.secret"),
+        "{}",
+        String::from_utf8_lossy(&refused.stderr)
+    );
+    std::fs::write(etc.join("health.secret"), "probe-0123456789abcdefghij\n").unwrap();
+    let (_secured, _, _log) = start_command(secured());
+    assert_healthy(&state3);
+    // The secret is what lets it through: the same check without one is refused.
+    let out = Command::new(FENCE)
+        .args([
+            "healthcheck",
+            "--url",
+            &format!("https://localhost:{admin_port}"),
+        ])
+        .arg("--ca-cert")
+        .arg(etc.join("tls/ca.pem"))
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1));
+    assert!(
+        String::from_utf8_lossy(&out.stderr).contains("401"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
     // Anything else is fence's own.
     let out = entry(&["idempotency-key", "--job", "j", "--step", "s"])

@@ -15,6 +15,10 @@ pub struct HealthcheckCmd {
     /// Trust only this CA (PEM) for an https:// URL.
     #[arg(long, value_name = "FILE", env = "FENCE_HEALTH_CA_CERT")]
     pub ca_cert: Option<PathBuf>,
+    /// Send the secret in FILE as `Authorization: Bearer`: a proxy's admin listener with
+    /// --admin-auth-file needs one of its secrets (a lease server's /healthz needs none).
+    #[arg(long, value_name = "FILE", env = "FENCE_HEALTH_AUTH_TOKEN_FILE")]
+    pub auth_token_file: Option<PathBuf>,
     /// How long to wait for the answer.
     #[arg(long, default_value = "3s", allow_hyphen_values = true, value_parser = parse_timeout)]
     pub timeout: Duration,
