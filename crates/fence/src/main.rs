@@ -115,8 +115,19 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
         Cmd::Healthcheck(a) => fence::calls::healthcheck(a).await,
         Cmd::Tls(fence::cli::TlsCmd::Init(a)) => {
             let made = fence::tls_init::init(&a)?;
+            let (what, ca_note) = if a.ca_key.is_some() {
+                (
+                    "a server certificate signed by the CA of --ca-cert",
+                    "every client; the CA's own certificate, which they may already have",
+                )
+            } else {
+                (
+                    "a private CA and a server certificate",
+                    "every client; keep ca-key.pem offline",
+                )
+            };
             println!(
-                "wrote a private CA and a server certificate in {}:\n  --ca-cert {}   (every client; keep ca-key.pem offline)\n  --tls-cert {} --tls-key {}   (the server or proxy)",
+                "wrote {what} in {}:\n  --ca-cert {}   ({ca_note})\n  --tls-cert {} --tls-key {}   (the server or proxy)",
                 a.dir.display(),
                 made.ca.display(),
                 made.cert.display(),

@@ -4,7 +4,9 @@
 
 use std::{
     net::IpAddr,
+    os::unix::fs::DirBuilderExt,
     path::{Path, PathBuf},
+    sync::Arc,
     time::{SystemTime, UNIX_EPOCH},
 };
 
@@ -32,21 +34,22 @@ pub struct Made {
 /// `fence tls init DIR`: writes `ca.pem` and `ca-key.pem` (a CA of its own, valid ten years),
 /// `server.pem` and `server-key.pem` (for `--names` and `--ips`, valid `--days`), and
 /// `client-NAME.pem` with `client-NAME-key.pem` for each `--client`. Keys are ECDSA P-256,
-/// mode 0600. Nothing is ever overwritten: a file already there stops it before anything is
-/// written.
+/// mode 0600. With `--ca-cert` and `--ca-key` the certificates are signed by that CA
+/// instead: its certificate is copied as `ca.pem` and no `ca-key.pem` is written. Nothing is
+/// ever overwritten: a file already there stops it before anything is written.
 ///
 /// # Errors
-/// A usage error for a name that cannot be in a certificate or a file already there; an
-/// error when a file cannot be written.
+/// A usage error for a name that cannot be in a certificate, a file already there, or a
+/// `--ca-cert`/`--ca-key` that is unreadable, not a CA valid today, not the pair's key
+/// (PKCS#8 PEM, as `tls init` writes), or ending before `--days` would; an error when a
+/// file cannot be written.
 pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
     let dir = &a.dir;
     let file = |name: &str| dir.join(name);
-    let mut wanted = vec![
-        file("ca.pem"),
-        file("ca-key.pem"),
-        file("server.pem"),
-        file("server-key.pem"),
-    ];
+    let mut wanted = vec![file("ca.pem"), file("server.pem"), file("server-key.pem")];
+    if a.ca_key.is_none() {
+        wanted.push(file("ca-key.pem"));
+    }
     // `--client a --client a` is one client, not a second write that fails after the rest.
     let mut client_names: Vec<&String> = Vec::new();
     for client in &a.client {
@@ -80,17 +83,31 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
             ips.push(local);
         }
     }
-    std::fs::create_dir_all(dir).with_context(|| format!("cannot create {}", dir.display()))?;
 
-    let ca_key = KeyPair::generate().context("making the CA's key")?;
-    let mut ca = CertificateParams::default();
-    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
-    ca.distinguished_name
-        .push(DnType::CommonName, "fence private CA");
-    set_validity(&mut ca, 3650);
-    let ca_cert = ca.self_signed(&ca_key).context("signing the CA")?;
-    let issuer = Issuer::new(ca, ca_key);
+    let (issuer, ca_pem, ca_key_pem) = match (&a.ca_cert, &a.ca_key) {
+        (Some(cert), Some(key)) => {
+            let (issuer, pem, days_left) = existing_ca(cert, key)?;
+            if i64::from(a.days) > days_left {
+                return Err(crate::Usage::error(format!(
+                    "--ca-cert {}: the CA ends in {days_left} days, before a certificate of --days {} would; give --days {days_left} or less, or make a new CA",
+                    cert.display(),
+                    a.days
+                )));
+            }
+            (issuer, pem, None)
+        }
+        _ => {
+            let (issuer, pem) = new_ca()?;
+            let key = issuer.key().serialize_pem();
+            (issuer, pem, Some(key))
+        }
+    };
+    // Nobody else may write in it (replace ca.pem or server.pem), whatever the umask.
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o755)
+        .create(dir)
+        .with_context(|| format!("cannot create {}", dir.display()))?;
 
     let mut server = CertificateParams::default();
     server.distinguished_name.push(
@@ -107,6 +124,7 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
         .subject_alt_names
         .extend(ips.iter().map(|ip| SanType::IpAddress(*ip)));
     server.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+    server.use_authority_key_identifier_extension = true;
     server.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     set_validity(&mut server, a.days);
     let server_key = KeyPair::generate().context("making the server's key")?;
@@ -114,8 +132,10 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
         .signed_by(&server_key, &issuer)
         .context("signing the server certificate")?;
 
-    write(&file("ca.pem"), &ca_cert.pem(), false)?;
-    write(&file("ca-key.pem"), &issuer.key().serialize_pem(), true)?;
+    write(&file("ca.pem"), &ca_pem, false)?;
+    if let Some(key) = &ca_key_pem {
+        write(&file("ca-key.pem"), key, true)?;
+    }
     write(&file("server.pem"), &server_cert.pem(), false)?;
     write(&file("server-key.pem"), &server_key.serialize_pem(), true)?;
     let mut clients = Vec::new();
@@ -123,6 +143,7 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
         let mut params = CertificateParams::default();
         params.distinguished_name.push(DnType::CommonName, client);
         params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
+        params.use_authority_key_identifier_extension = true;
         params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ClientAuth];
         set_validity(&mut params, a.days);
         let key = KeyPair::generate().context("making a client's key")?;
@@ -143,6 +164,110 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
         key: file("server-key.pem"),
         clients,
     })
+}
+
+/// A new CA, valid ten years, with a name of its own; and its certificate (PEM).
+fn new_ca() -> anyhow::Result<(Issuer<'static, KeyPair>, String)> {
+    let ca_key = KeyPair::generate().context("making the CA's key")?;
+    let mut ca = CertificateParams::default();
+    ca.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
+    ca.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign];
+    // A name of its own per CA: OpenSSL-based clients (curl, Python, Node, psql) pick a
+    // certificate's issuer by name, so two CAs of one name in a bundle (during a rotation)
+    // would fail every certificate of one of them.
+    let id = std::hash::BuildHasher::hash_one(&std::collections::hash_map::RandomState::new(), 0u8);
+    ca.distinguished_name
+        .push(DnType::CommonName, format!("fence private CA {id:016x}"));
+    set_validity(&mut ca, 3650);
+    let ca_cert = ca.self_signed(&ca_key).context("signing the CA")?;
+    Ok((Issuer::new(ca, ca_key), ca_cert.pem()))
+}
+
+/// The CA in `cert` and `key` (PEM files), checked to be a CA valid today whose key is `key`
+/// (what it signs verifies); its certificate (PEM), and the whole days it has left.
+fn existing_ca(cert: &Path, key: &Path) -> anyhow::Result<(Issuer<'static, KeyPair>, String, i64)> {
+    let usage = |what: String| crate::Usage::error(what);
+    let read = |flag: &str, path: &Path| {
+        std::fs::read_to_string(path)
+            .map_err(|e| usage(format!("{flag} {}: cannot read it: {e}", path.display())))
+    };
+    let pem = read("--ca-cert", cert)?;
+    let key_pem = read("--ca-key", key)?;
+    // What a verifier does not check of a trusted root, and OpenSSL-based clients do: that
+    // it is a CA, and valid today.
+    let days_left = {
+        let not_ca = |why: String| usage(format!("--ca-cert {}: {why}", cert.display()));
+        let (_, parsed) = x509_parser::pem::parse_x509_pem(pem.as_bytes())
+            .map_err(|e| not_ca(format!("not a certificate in PEM: {e}")))?;
+        let parsed = parsed
+            .parse_x509()
+            .map_err(|e| not_ca(format!("not a certificate in PEM: {e}")))?;
+        if !parsed.is_ca() {
+            return Err(not_ca(
+                "not a CA certificate (no basicConstraints CA:true): give the CA's ca.pem, not a server's certificate".into(),
+            ));
+        }
+        let validity = parsed.validity();
+        if !validity.is_valid() {
+            return Err(not_ca(format!(
+                "the CA is not valid today (from {} to {}): make a new CA",
+                validity.not_before, validity.not_after
+            )));
+        }
+        (validity.not_after.timestamp() - x509_parser::time::ASN1Time::now().timestamp()) / 86_400
+    };
+    let signing_key = KeyPair::from_pem(&key_pem).map_err(|e| {
+        usage(format!(
+            "--ca-key {}: not a private key in PEM: {e}",
+            key.display()
+        ))
+    })?;
+    let issuer = Issuer::from_ca_cert_pem(&pem, signing_key).map_err(|e| {
+        usage(format!(
+            "--ca-cert {}: not a CA certificate in PEM: {e}",
+            cert.display()
+        ))
+    })?;
+    // A test leaf, verified as a client would: a key that is not the certificate's stops
+    // here instead of in every client later.
+    let mut probe = CertificateParams::new(vec!["localhost".to_owned()])
+        .context("making a test certificate")?;
+    probe.use_authority_key_identifier_extension = true;
+    let probe_key = KeyPair::generate().context("making a test key")?;
+    let leaf = probe
+        .signed_by(&probe_key, &issuer)
+        .context("signing a test certificate")?;
+    let roots = fence_storage::tls::roots(Some(cert)).map_err(|e| {
+        usage(format!(
+            "--ca-cert {}: {}",
+            cert.display(),
+            fence_storage::error_chain(&e)
+        ))
+    })?;
+    let verifier = rustls::client::WebPkiServerVerifier::builder_with_provider(
+        Arc::new(roots),
+        fence_storage::tls::provider(),
+    )
+    .build()
+    .context("checking the CA")?;
+    let name = rustls::pki_types::ServerName::try_from("localhost").expect("a valid name");
+    let now = rustls::pki_types::UnixTime::now();
+    rustls::client::danger::ServerCertVerifier::verify_server_cert(
+        verifier.as_ref(),
+        leaf.der(),
+        &[],
+        &name,
+        &[],
+        now,
+    )
+        .map_err(|e| {
+            usage(format!(
+                "--ca-cert {} with --ca-key {}: what they sign does not verify ({e}): is the key the certificate's?",
+                cert.display(),
+                key.display()
+            ))
+        })?;
+    Ok((issuer, pem, days_left))
 }
 
 /// A client's name becomes part of a file name: letters, digits, `-`, `_` and `.`.

@@ -386,3 +386,174 @@ fn tls_init_makes_what_a_tls_server_needs_and_mistakes_get_hints() {
         "{said}"
     );
 }
+
+/// Two CAs from `fence tls init` can sit in one bundle during a rotation: each has a name of
+/// its own and the certificates they sign say which key signed them, so OpenSSL-based
+/// clients (curl, Python, Node, psql), which pick an issuer by name, verify both. And the
+/// directory it makes is nobody else's to write in, whatever the umask.
+#[test]
+fn two_tls_init_cas_share_a_bundle_and_the_directory_is_not_writable_by_others() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (one, two) = (dir.path().join("one"), dir.path().join("two"));
+    for d in [&one, &two] {
+        let made = Command::new("sh")
+            .args(["-c", r#"umask 000 && exec "$0" tls init "$1""#, FENCE])
+            .arg(d)
+            .output()
+            .unwrap();
+        assert_success(&made);
+        let mode = std::fs::metadata(d).unwrap().permissions().mode();
+        assert_eq!(mode & 0o022, 0, "{}: mode {mode:o}", d.display());
+    }
+    let bundle = dir.path().join("bundle.pem");
+    let mut both = std::fs::read(one.join("ca.pem")).unwrap();
+    both.extend(std::fs::read(two.join("ca.pem")).unwrap());
+    std::fs::write(&bundle, both).unwrap();
+    for d in [&one, &two] {
+        let verified = Command::new("openssl")
+            .args(["verify", "-CAfile"])
+            .arg(&bundle)
+            .arg(d.join("server.pem"))
+            .output()
+            .unwrap();
+        assert!(
+            verified.status.success(),
+            "{}: {}{}",
+            d.display(),
+            String::from_utf8_lossy(&verified.stdout),
+            String::from_utf8_lossy(&verified.stderr)
+        );
+    }
+}
+
+/// `fence tls init DIR --ca-cert --ca-key` signs a new server certificate with a CA that
+/// exists (a renewal, a new name) instead of making a new CA: clients keep the ca.pem they
+/// have. A key that is not the certificate's stops it before anything is written.
+#[test]
+fn tls_init_with_an_existing_ca_renews_without_a_new_ca() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = |name: &str| dir.path().join(name);
+    let arg = |name: &str| path(name).to_str().unwrap().to_owned();
+    assert_success(&fence(&["tls", "init", &arg("first")]));
+    assert_success(&fence(&["tls", "init", &arg("other")]));
+    let renewed = fence(&[
+        "tls",
+        "init",
+        &arg("renewed"),
+        "--name",
+        "leases.example",
+        "--ca-cert",
+        &arg("first/ca.pem"),
+        "--ca-key",
+        &arg("first/ca-key.pem"),
+    ]);
+    assert_success(&renewed);
+    assert!(String::from_utf8_lossy(&renewed.stdout).contains("signed by the CA of --ca-cert"));
+    assert_eq!(
+        std::fs::read(path("renewed/ca.pem")).unwrap(),
+        std::fs::read(path("first/ca.pem")).unwrap()
+    );
+    assert!(!path("renewed/ca-key.pem").exists());
+    let verified = Command::new("openssl")
+        .args([
+            "verify",
+            "-CAfile",
+            &arg("first/ca.pem"),
+            &arg("renewed/server.pem"),
+        ])
+        .output()
+        .unwrap();
+    assert!(
+        verified.status.success(),
+        "{}",
+        String::from_utf8_lossy(&verified.stderr)
+    );
+    let names = Command::new("openssl")
+        .args([
+            "x509",
+            "-noout",
+            "-ext",
+            "subjectAltName",
+            "-in",
+            &arg("renewed/server.pem"),
+        ])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&names.stdout).contains("leases.example"));
+
+    // Another CA's key with this CA's certificate: refused, nothing written.
+    let mismatched = fence(&[
+        "tls",
+        "init",
+        &arg("mismatched"),
+        "--ca-cert",
+        &arg("first/ca.pem"),
+        "--ca-key",
+        &arg("other/ca-key.pem"),
+    ]);
+    assert_eq!(mismatched.status.code(), Some(2));
+    assert!(
+        String::from_utf8_lossy(&mismatched.stderr).contains("does not verify"),
+        "{}",
+        String::from_utf8_lossy(&mismatched.stderr)
+    );
+    assert!(
+        !path("mismatched").exists(),
+        "nothing is written, not even DIR"
+    );
+    // A server's certificate is no CA; a CA ending before --days would (tls init's CAs run
+    // 3650 days from yesterday); an unreadable key: each refused by what it is, exit 2.
+    for (args, said) in [
+        (
+            vec![
+                "--ca-cert",
+                "first/server.pem",
+                "--ca-key",
+                "first/server-key.pem",
+            ],
+            "not a CA certificate",
+        ),
+        (
+            vec![
+                "--ca-cert",
+                "first/ca.pem",
+                "--ca-key",
+                "first/ca-key.pem",
+                "--days",
+                "3650",
+            ],
+            "the CA ends in",
+        ),
+        (
+            vec!["--ca-cert", "first/ca.pem", "--ca-key", "first/missing.pem"],
+            "cannot read it",
+        ),
+    ] {
+        let mut line = vec!["tls".to_owned(), "init".into(), arg("refused")];
+        for a in args {
+            line.push(if a.starts_with("--") {
+                a.to_owned()
+            } else if a.contains('/') {
+                arg(a)
+            } else {
+                a.to_owned()
+            });
+        }
+        let line: Vec<&str> = line.iter().map(String::as_str).collect();
+        let out = fence(&line);
+        assert_eq!(out.status.code(), Some(2), "{line:?}");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(said), "{line:?}: {stderr}");
+        assert!(!path("refused").exists(), "{line:?}");
+    }
+    // One without the other is a usage error.
+    let half = fence(&[
+        "tls",
+        "init",
+        &arg("half"),
+        "--ca-cert",
+        &arg("first/ca.pem"),
+    ]);
+    assert_eq!(half.status.code(), Some(2));
+}

@@ -45,6 +45,15 @@ pub struct TlsInitCmd {
     /// How long the server and client certificates are valid, in days (the CA: ten years).
     #[arg(long, default_value_t = 825, value_parser = clap::value_parser!(u32).range(1..=3650))]
     pub days: u32,
+    /// Sign with this existing CA (its certificate, PEM) instead of making a new one: to
+    /// renew a server certificate, add a name or a client, while clients keep trusting the
+    /// ca.pem they have. Its certificate is copied into DIR as ca.pem; no ca-key.pem is
+    /// written. Needs --ca-key.
+    #[arg(long, value_name = "FILE", requires = "ca_key")]
+    pub ca_cert: Option<PathBuf>,
+    /// The existing CA's private key (PEM), kept wherever it is kept offline. Needs --ca-cert.
+    #[arg(long, value_name = "FILE", requires = "ca_cert")]
+    pub ca_key: Option<PathBuf>,
 }
 
 /// A DNS name for the server certificate. An IP address is refused, naming `--ip`: as a DNS
