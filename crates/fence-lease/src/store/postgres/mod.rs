@@ -565,10 +565,18 @@ impl LeaseStore for PgLeaseStore {
 
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
         // Rows in job order after `after` with the prefix (a range on the primary key), at
-        // most MAX_LIST_SCAN of them; the state is decided on the database's clock.
+        // most MAX_LIST_SCAN of them and one more; the state is decided on the database's
+        // clock.
         let prefix = query.prefix.clone().unwrap_or_default();
         let after = query.after.as_ref().map_or("", JobId::as_str);
-        let scan = i64::try_from(MAX_LIST_SCAN).unwrap_or(i64::MAX);
+        // One row beyond what `page` may read: seeing it is how `page` knows there is more
+        // (without it, a page whose filter matched too few of MAX_LIST_SCAN rows ended the
+        // listing with `next` null). Without a state filter no more than a page and one row.
+        let rows_read = match query.state {
+            Some(_) => MAX_LIST_SCAN,
+            None => query.limit().min(MAX_LIST_SCAN),
+        } + 1;
+        let scan = i64::try_from(rows_read).unwrap_or(i64::MAX);
         // A request that went away mid-statement closes its connection (see `Checkout`).
         let client = Checkout::of(&self.pool).await.map_err(StoreError::io)?;
         let rows = client

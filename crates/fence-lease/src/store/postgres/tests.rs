@@ -331,3 +331,38 @@ async fn a_job_at_the_last_generation_is_exhausted_not_a_store_failure() {
         "a new job after forgetting starts above the floor, not at its end"
     );
 }
+
+/// A listing filtered by state pages through a table of more than MAX_LIST_SCAN jobs to the
+/// end: a page that scanned its rows and matched none still names where the next starts,
+/// and the one held job after them is found.
+#[tokio::test]
+async fn a_filtered_listing_past_the_scan_limit_goes_on_to_the_end() {
+    let store = fresh().await.unwrap();
+    let conn = store.pool.get().await.unwrap();
+    let fill = format!(
+        "INSERT INTO {} (job, owner, generation, lease_until_ms, completed, changed_ms)
+         SELECT 'j' || lpad(n::text, 5, '0'), NULL, 1, 0, false, 0
+         FROM generate_series(0, {}) AS n",
+        store.table.qualified(),
+        MAX_LIST_SCAN - 1
+    );
+    conn.execute(&fill, &[]).await.unwrap();
+    let last: JobId = format!("j{MAX_LIST_SCAN:05}").parse().unwrap();
+    let key = crate::new_lease_key().unwrap();
+    let owner: Owner = "a".parse().unwrap();
+    granted(store.claim(&last, &owner, &key, Ttl::DEFAULT).await.unwrap());
+    let mut query = ListQuery {
+        state: Some(LeaseState::Held),
+        ..ListQuery::default()
+    };
+    let mut found = Vec::new();
+    for _ in 0..10 {
+        let page = store.list(&query).await.unwrap();
+        found.extend(page.leases.into_iter().map(|r| r.job));
+        match page.next {
+            Some(next) => query.after = Some(next),
+            None => break,
+        }
+    }
+    assert_eq!(found, vec![last]);
+}
