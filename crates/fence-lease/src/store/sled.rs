@@ -227,38 +227,14 @@ impl LeaseStore for SledLeaseStore {
     }
 
     async fn forget_idle(&self, idle_for: Duration, limit: usize) -> Result<usize, StoreError> {
-        let now = self.clock.now_ms();
-        let idle_ms = u64::try_from(idle_for.as_millis()).unwrap_or(u64::MAX);
-        let mut batch = Vec::new();
-        let mut top = Generation::ZERO;
-        let from = self
-            .forget_from
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .take();
-        // From the last batch's end to the end of the tree, then from the start up to it.
-        let after = from.clone().map_or(Bound::Unbounded, Bound::Excluded);
-        let before = from.map(|key| self.tree.range((Bound::Unbounded, Bound::Included(key))));
-        let items = self.tree.range((after, Bound::Unbounded));
-        for item in items.chain(before.into_iter().flatten()) {
-            let (key, value) = item.map_err(StoreError::io)?;
-            let Ok(job) = JobId::from_bytes(&key) else {
-                continue;
-            };
-            let stored = rules::Stored::decode(&job, &value)?;
-            if stored.forgettable(now, idle_ms) {
-                top = top.max(stored.generation);
-                batch.push((key, value));
-                if batch.len() >= limit {
-                    let last = batch.last().map(|(key, _)| key.clone());
-                    *self
-                        .forget_from
-                        .lock()
-                        .unwrap_or_else(PoisonError::into_inner) = last;
-                    break;
-                }
-            }
-        }
+        // The scan reads and decodes every record it keeps (held, recently changed) until it
+        // has `limit` to forget: a million of them take seconds, which on a runtime worker
+        // would stall every request it serves. It runs on a blocking thread instead.
+        let scanner = self.clone();
+        let (batch, top) =
+            tokio::task::spawn_blocking(move || scanner.forgettable(idle_for, limit))
+                .await
+                .map_err(StoreError::io)??;
         if batch.is_empty() {
             return Ok(0);
         }
@@ -320,6 +296,52 @@ impl LeaseStore for SledLeaseStore {
     }
 }
 
+impl SledLeaseStore {
+    /// Up to `limit` records idle for `idle_for`, read on from where the last batch ended
+    /// (wrapping around), with the highest generation among them. Blocking: it may read the
+    /// whole tree.
+    #[allow(clippy::type_complexity)]
+    fn forgettable(
+        &self,
+        idle_for: Duration,
+        limit: usize,
+    ) -> Result<(Vec<(sled::IVec, sled::IVec)>, Generation), StoreError> {
+        let now = self.clock.now_ms();
+        let idle_ms = u64::try_from(idle_for.as_millis()).unwrap_or(u64::MAX);
+        let mut batch = Vec::new();
+        let mut top = Generation::ZERO;
+        let from = self
+            .forget_from
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take();
+        // From the last batch's end to the end of the tree, then from the start up to it.
+        let after = from.clone().map_or(Bound::Unbounded, Bound::Excluded);
+        let before = from.map(|key| self.tree.range((Bound::Unbounded, Bound::Included(key))));
+        let items = self.tree.range((after, Bound::Unbounded));
+        for item in items.chain(before.into_iter().flatten()) {
+            let (key, value) = item.map_err(StoreError::io)?;
+            let Ok(job) = JobId::from_bytes(&key) else {
+                continue;
+            };
+            let stored = rules::Stored::decode(&job, &value)?;
+            if stored.forgettable(now, idle_ms) {
+                top = top.max(stored.generation);
+                batch.push((key, value));
+                if batch.len() >= limit {
+                    let last = batch.last().map(|(key, _)| key.clone());
+                    *self
+                        .forget_from
+                        .lock()
+                        .unwrap_or_else(PoisonError::into_inner) = last;
+                    break;
+                }
+            }
+        }
+        Ok((batch, top))
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use std::{sync::Arc, time::Duration};
@@ -337,6 +359,44 @@ mod tests {
         let store = SledLeaseStore::open_with_clock(dir.keep(), Arc::new(clock.clone())).unwrap();
         Some((store, advance_fn(clock)))
     });
+
+    /// Forgetting scans on a blocking thread: a pass over many records it must keep (here
+    /// 30,000 held leases) leaves the runtime's only thread free to serve others meanwhile.
+    #[test]
+    fn the_forgetting_scan_does_not_hold_the_runtime() {
+        let dir = tempfile::tempdir().unwrap();
+        let store = SledLeaseStore::open(dir.path()).unwrap();
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let served = runtime.block_on(async {
+            let (owner, key): (Owner, _) = ("a".parse().unwrap(), crate::new_lease_key().unwrap());
+            let seed: JobId = "seed".parse().unwrap();
+            let held = store.claim(&seed, &owner, &key, Ttl::DEFAULT).await.unwrap();
+            assert!(matches!(held, Outcome::Granted(_)));
+            let value = store.tree.get("seed").unwrap().unwrap();
+            for i in 0..30_000 {
+                store.tree.insert(format!("held-{i:06}"), value.clone()).unwrap();
+            }
+            let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+            let other = {
+                let served = served.clone();
+                tokio::spawn(async move {
+                    loop {
+                        served.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        tokio::task::yield_now().await;
+                    }
+                })
+            };
+            tokio::task::yield_now().await;
+            let before = served.load(std::sync::atomic::Ordering::Relaxed);
+            assert_eq!(store.forget_idle(Duration::ZERO, 1_000).await.unwrap(), 0);
+            other.abort();
+            served.load(std::sync::atomic::Ordering::Relaxed) - before
+        });
+        assert!(served > 0, "nothing else ran on the runtime while forgetting scanned");
+    }
 
     /// A disk that stops answering fails the decisions waiting on it after
     /// `COMMIT_TIMEOUT` (paused time: at once), and the store works again once the disk
