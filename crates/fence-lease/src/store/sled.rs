@@ -373,11 +373,17 @@ mod tests {
         let served = runtime.block_on(async {
             let (owner, key): (Owner, _) = ("a".parse().unwrap(), crate::new_lease_key().unwrap());
             let seed: JobId = "seed".parse().unwrap();
-            let held = store.claim(&seed, &owner, &key, Ttl::DEFAULT).await.unwrap();
+            let held = store
+                .claim(&seed, &owner, &key, Ttl::DEFAULT)
+                .await
+                .unwrap();
             assert!(matches!(held, Outcome::Granted(_)));
             let value = store.tree.get("seed").unwrap().unwrap();
             for i in 0..30_000 {
-                store.tree.insert(format!("held-{i:06}"), value.clone()).unwrap();
+                store
+                    .tree
+                    .insert(format!("held-{i:06}"), value.clone())
+                    .unwrap();
             }
             let served = Arc::new(std::sync::atomic::AtomicUsize::new(0));
             let other = {
@@ -395,7 +401,10 @@ mod tests {
             other.abort();
             served.load(std::sync::atomic::Ordering::Relaxed) - before
         });
-        assert!(served > 0, "nothing else ran on the runtime while forgetting scanned");
+        assert!(
+            served > 0,
+            "nothing else ran on the runtime while forgetting scanned"
+        );
     }
 
     /// A disk that stops answering fails the decisions waiting on it after

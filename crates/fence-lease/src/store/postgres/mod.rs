@@ -564,14 +564,11 @@ impl LeaseStore for PgLeaseStore {
     }
 
     async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
-        // Rows in job order after `after` with the prefix (a range on the primary key), at
-        // most MAX_LIST_SCAN of them and one more; the state is decided on the database's
-        // clock.
+        // Rows in job order after `after` with the prefix (a primary key range), the state on
+        // the database's clock; a row past what `page` may read tells it there is more (else
+        // a filtered page matching few of MAX_LIST_SCAN rows ended with `next` null).
         let prefix = query.prefix.clone().unwrap_or_default();
         let after = query.after.as_ref().map_or("", JobId::as_str);
-        // One row beyond what `page` may read: seeing it is how `page` knows there is more
-        // (without it, a page whose filter matched too few of MAX_LIST_SCAN rows ended the
-        // listing with `next` null). Without a state filter no more than a page and one row.
         let rows_read = match query.state {
             Some(_) => MAX_LIST_SCAN,
             None => query.limit().min(MAX_LIST_SCAN),

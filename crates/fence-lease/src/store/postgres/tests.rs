@@ -350,7 +350,12 @@ async fn a_filtered_listing_past_the_scan_limit_goes_on_to_the_end() {
     let last: JobId = format!("j{MAX_LIST_SCAN:05}").parse().unwrap();
     let key = crate::new_lease_key().unwrap();
     let owner: Owner = "a".parse().unwrap();
-    granted(store.claim(&last, &owner, &key, Ttl::DEFAULT).await.unwrap());
+    granted(
+        store
+            .claim(&last, &owner, &key, Ttl::DEFAULT)
+            .await
+            .unwrap(),
+    );
     let mut query = ListQuery {
         state: Some(LeaseState::Held),
         ..ListQuery::default()
