@@ -100,6 +100,55 @@ async fn a_request_handed_over_before_the_loss_and_polled_after_it_is_not_sent()
     assert!(seen.try_recv().is_err(), "the server saw the request");
 }
 
+/// A request still waiting for its connection when the lease is lost (a slow connect, a full
+/// pool) is cut then, says it was on its way, and never reaches the server: it had not left
+/// the process.
+#[tokio::test]
+async fn a_request_still_connecting_when_the_lease_is_lost_is_cut_and_never_sent() {
+    let (addr, mut seen) = fence_suite::spawn_echo_server().await.unwrap();
+    let client = LeaseClient::new(MemoryLeaseStore::new());
+    let lease = client.claim("job-11".parse().unwrap()).await.unwrap();
+    // A connect that takes 600 ms.
+    let slow = tower::service_fn(|uri: http::Uri| {
+        Box::pin(async move {
+            tokio::time::sleep(Duration::from_millis(600)).await;
+            hyper_util::client::legacy::connect::HttpConnector::new()
+                .call(uri)
+                .await
+        })
+    });
+    let mut http = ServiceBuilder::new()
+        .layer(lease.fencing_layer())
+        .service(Client::builder(TokioExecutor::new()).build::<_, Empty<Bytes>>(slow));
+    let url = format!("http://{addr}/effect");
+    let pending = tokio::spawn(
+        http.ready()
+            .await
+            .unwrap()
+            .call(http::Request::post(&url).body(Empty::new()).unwrap()),
+    );
+    // Polled and connecting, then lost.
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    lease.release().await.unwrap();
+    let err = tokio::time::timeout(Duration::from_millis(400), pending)
+        .await
+        .expect("not cut at the loss: it waited for its connection")
+        .unwrap()
+        .expect_err("a request cut by the loss got an answer");
+    let lost = err.downcast_ref::<LeaseLost>().expect("a LeaseLost error");
+    assert!(lost.in_flight && lost.handed_over, "{lost}");
+    assert!(
+        lost.to_string().starts_with("cut before its answer came"),
+        "{lost}"
+    );
+    // Past the connect: the request was never written.
+    tokio::time::sleep(Duration::from_millis(900)).await;
+    assert!(
+        seen.try_recv().is_err(),
+        "the request reached the server after the lease was lost"
+    );
+}
+
 /// What the destination saw of one streamed body.
 #[derive(Debug, PartialEq)]
 enum BodyEvent {

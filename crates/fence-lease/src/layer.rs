@@ -27,12 +27,13 @@ pub use body::FencedBody;
 use std::{
     future::Future,
     pin::Pin,
-    task::{Context, Poll},
+    task::{Context, Poll, ready},
 };
 
 use fence_core::{Generation, JobId, headers};
 use http::Request;
 use pin_project_lite::pin_project;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 use tower_layer::Layer;
 use tower_service::Service;
 
@@ -44,7 +45,7 @@ use crate::{Lease, LeaseStore, LeaseView, LossReason};
 #[derive(Debug, Clone, thiserror::Error)]
 #[error(
     "{}: the lease on job {job} (generation {generation}) is lost: {reason}",
-    if *handed_over { "not sent by this layer (it had handed the request over before the loss: a lazy client such as hyper's sends nothing before this poll, an eager one such as a buffer may have)" } else { "not sent" }
+    if *in_flight { "cut before its answer came: the request may have reached the destination (its outcome is unknown)" } else if *handed_over { "not sent by this layer (it had handed the request over before the loss: a lazy client such as hyper's sends nothing before this poll, an eager one such as a buffer may have)" } else { "not sent" }
 )]
 pub struct LeaseLost {
     /// The job.
@@ -58,6 +59,10 @@ pub struct LeaseLost {
     /// an eager one (a buffer, tonic's `Channel`) may have. `false`: the inner service never
     /// saw the request.
     pub handed_over: bool,
+    /// Whether the request was on its way when the loss cut it (its future had been polled,
+    /// its answer's head had not come): it may have reached the destination, so its outcome
+    /// is unknown. The destination's fence decides whether it took effect.
+    pub in_flight: bool,
 }
 
 impl LeaseLost {
@@ -67,6 +72,7 @@ impl LeaseLost {
             generation: lease.generation(),
             reason: lease.loss_reason().unwrap_or(LossReason::DeadlinePassed),
             handed_over,
+            in_flight: false,
         }
     }
 }
@@ -105,10 +111,13 @@ impl<S> Layer<S> for FencingLayer {
 /// fails with [`LeaseLost`] without calling the inner service once it is not.
 ///
 /// The lease is checked when the request is handed over and again when its future is first
-/// polled (a lazy client such as hyper's sends nothing before). A request whose future has
-/// started is on its way and gets its real answer, even if the lease is lost meanwhile: what
-/// has left the process is out of the lease's reach, which is why the destination must check
-/// the token too (the worked example's delayed write shows it refused there). A streamed
+/// polled (a lazy client such as hyper's sends nothing before). After that, a loss before
+/// the answer's head comes drops the inner future and fails with [`LeaseLost`] whose
+/// `in_flight` is true: a request still waiting for a connection (a slow connect, a full
+/// pool) is then never written, and one already written may have reached the destination,
+/// so its outcome is unknown. What has left the process is out of the lease's reach, which
+/// is why the destination must check the token too (the worked example's delayed write shows
+/// it refused there). An answer whose head came is the caller's, body and all. A streamed
 /// request body keeps flowing after the loss unless it is wrapped with
 /// [`LeaseView::fence_body`], which ends it then.
 #[derive(Debug, Clone)]
@@ -164,7 +173,9 @@ where
                 ResponseFuture {
                     kind: Kind::Sent {
                         future: self.inner.call(req),
-                        lease: Some(self.lease.clone()),
+                        lost: self.lease.lost(),
+                        lease: self.lease.clone(),
+                        polled: false,
                     },
                 }
             }
@@ -191,8 +202,11 @@ pin_project! {
         Sent {
             #[pin]
             future: F,
-            // Until the first poll: looked at once more then.
-            lease: Option<LeaseView>,
+            // Ready once the lease is lost: cuts the request until its answer's head comes.
+            #[pin]
+            lost: WaitForCancellationFutureOwned,
+            lease: LeaseView,
+            polled: bool,
         },
         Refused { error: Option<LeaseLost> },
     }
@@ -207,14 +221,29 @@ where
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
         match self.project().kind.project() {
-            KindProj::Sent { future, lease } => {
+            KindProj::Sent {
+                future,
+                lost,
+                lease,
+                polled,
+            } => {
                 // Lost between the hand-over and now: a lazy inner future has sent nothing.
-                if let Some(lease) = lease.take()
-                    && lease.is_lost()
-                {
-                    return Poll::Ready(Err(LeaseLost::of(&lease, true).into()));
+                if !*polled && lease.is_lost() {
+                    return Poll::Ready(Err(LeaseLost::of(lease, true).into()));
                 }
-                future.poll(cx).map_err(Into::into)
+                *polled = true;
+                // The answer first: one that came as the lease was lost is the caller's.
+                if let Poll::Ready(answer) = future.poll(cx) {
+                    return Poll::Ready(answer.map_err(Into::into));
+                }
+                // Lost on the way: dropping the inner future (the caller drops this one)
+                // stops a request that is not written yet; one written is out of reach.
+                ready!(lost.poll(cx));
+                Poll::Ready(Err(LeaseLost {
+                    in_flight: true,
+                    ..LeaseLost::of(lease, true)
+                }
+                .into()))
             }
             KindProj::Refused { error } => {
                 Poll::Ready(Err(error.take().expect("polled after completion").into()))
