@@ -54,11 +54,15 @@ pub(super) fn told(left: Duration, kill: Duration) -> String {
     )
 }
 
-/// Just before `store_end` (the store's end of the lease, plus any lock-delay), by a quarter
-/// of the safety margin (the time between the local `deadline` and `store_end`), at most
-/// 100 ms, as slack for the kill to land.
+/// Just before `store_end` (the store's end of the lease, plus any lock-delay), by slack for
+/// the kill to land and for this host's clock running slower than the store's: a quarter of
+/// the safety margin (the time between the local `deadline` and `store_end`), at most 100 ms
+/// or a fiftieth of the margin when that is more. The margin is a tenth of the TTL, so a
+/// fiftieth of it is 2,000 ppm of the time the store counts: a 1 h lease is killed 7.2 s
+/// before the store can end it, not 100 ms (which a clock 50 ppm slow would eat).
 fn last_moment_of(store_end: Instant, deadline: Instant) -> Instant {
-    let slack = (store_end.saturating_duration_since(deadline) / 4).min(Duration::from_millis(100));
+    let gap = store_end.saturating_duration_since(deadline);
+    let slack = (gap / 4).min((gap / 50).max(Duration::from_millis(100)));
     store_end.checked_sub(slack).unwrap_or(store_end)
 }
 
@@ -248,6 +252,13 @@ mod tests {
         assert_eq!(
             kill_within(ms(500), store_end, deadline, deadline + ms(200)),
             ms(0)
+        );
+        // ttl 1 h: a 360 s margin, 7.2 s of slack (2,000 ppm of the hour), not 100 ms, which
+        // a clock 50 ppm slower than the store's would use up.
+        let store_end = deadline + ms(360_000);
+        assert_eq!(
+            kill_within(ms(600_000), store_end, deadline, deadline),
+            ms(352_800)
         );
         // A lock-delay of 10 s (added to the store's end) leaves the grace alone.
         let store_end = deadline + ms(100) + ms(10_000);
