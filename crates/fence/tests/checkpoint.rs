@@ -131,6 +131,23 @@ fn fence_run_passes_the_checkpoint_in_and_out_through_a_file() {
     assert_eq!(out.status.code(), Some(0), "{out:?}");
 }
 
+/// Under an outer `fence run` (its variables in the environment), a run that resumed no
+/// checkpoint does not hand its command the outer job's checkpoint generation, which would be
+/// read as this job's.
+#[test]
+fn fence_run_does_not_pass_on_an_outer_runs_checkpoint_generation() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(&dir.path().join("leases"));
+    let out = std::process::Command::new(FENCE)
+        .args(["run", "--server", &url, "--job", "inner", "--", "sh", "-c"])
+        .arg(r#"test -z "${FENCE_CHECKPOINT_GENERATION+set}" || exit 8"#)
+        .env("RUST_LOG", "warn")
+        .env("FENCE_CHECKPOINT_GENERATION", "7")
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
+}
+
 /// One HTTP/1.1 message from `reader`: its head and body (by `content-length`), or `None`
 /// at the end of the stream.
 fn read_message(reader: &mut impl std::io::BufRead) -> Option<(String, Vec<u8>)> {

@@ -217,12 +217,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         Some(resource) => command.env("FENCE_RESOURCE", resource.as_str()),
         None => command.env_remove("FENCE_RESOURCE"),
     };
-    if let Some(resumed) = resumed {
-        command.env(
+    // Removed when this run does not set it: under an outer `fence run`, the outer job's
+    // checkpoint generation would read as this job's. (An outer FENCE_PROGRESS_FILE is this
+    // run's --progress-file, as every FENCE_<FLAG> is.)
+    match resumed {
+        Some(resumed) => command.env(
             "FENCE_CHECKPOINT_GENERATION",
             resumed.generation.to_string(),
-        );
-    }
+        ),
+        None => command.env_remove("FENCE_CHECKPOINT_GENERATION"),
+    };
     let saving = checkpoint.start();
     if let Some((file, within)) = &args.progress {
         command.env("FENCE_PROGRESS_FILE", file);
