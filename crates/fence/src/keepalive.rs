@@ -91,23 +91,34 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
     let mut buf = vec![0u8; 16 * 1024];
     let lost = held.lost();
     tokio::pin!(lost);
+    let said_lost = || {
+        let why = held
+            .loss_reason()
+            .map_or_else(|| "lost".to_owned(), |r| r.to_string());
+        eprintln!(
+            "fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}"
+        );
+        Ok(EXIT_LOST)
+    };
     loop {
         tokio::select! {
-            () = &mut lost => {
-                let why = held
-                    .loss_reason()
-                    .map_or_else(|| "lost".to_owned(), |r| r.to_string());
-                eprintln!("fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}");
-                return Ok(EXIT_LOST);
-            }
+            () = &mut lost => return said_lost(),
             read = stdin.read(&mut buf) => match read {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
-                    // A reader that went away is no reason to stop renewing.
-                    if let Some(out) = &mut stdout
-                        && (out.write_all(&buf[..n]).await.is_err() || out.flush().await.is_err())
-                    {
-                        stdout = None;
+                    // A reader that went away is no reason to stop renewing; one that stalls
+                    // (a full pipe) does not hold back the loss's exit either.
+                    if let Some(out) = &mut stdout {
+                        let copied = tokio::select! {
+                            () = &mut lost => return said_lost(),
+                            copied = async {
+                                out.write_all(&buf[..n]).await?;
+                                out.flush().await
+                            } => copied,
+                        };
+                        if copied.is_err() {
+                            stdout = None;
+                        }
                     }
                 }
             },

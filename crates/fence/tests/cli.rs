@@ -1041,3 +1041,54 @@ fn an_upstream_with_a_password_is_refused_without_showing_it() {
         assert!(stderr.contains("--upstream"), "{upstream}: {stderr}");
     }
 }
+
+/// `fence keepalive` whose reader stalls (a full pipe) still exits 75 the moment the lease is
+/// lost: the copy to stdout does not hold back the loss.
+#[test]
+fn keepalive_exits_at_the_loss_while_its_reader_stalls() {
+    use std::io::Write;
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let out = fence(&["claim", "--server", &url, "--job", "stalled", "--ttl", "3s"]);
+    assert_success(&out);
+    let lease = dir.path().join("stalled.json");
+    std::fs::write(&lease, &out.stdout).unwrap();
+    let mut kept = Command::new(FENCE)
+        .args(["keepalive", "--server", &url, "--ttl", "3s", "--lease"])
+        .arg(&lease)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped()) // never read: the pipe fills
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut input = kept.stdin.take().unwrap();
+    // Far more than a pipe holds; the writes block once keepalive stops reading.
+    let feeder = std::thread::spawn(move || {
+        let chunk = vec![b'x'; 64 * 1024];
+        for _ in 0..32 {
+            if input.write_all(&chunk).is_err() {
+                return;
+            }
+        }
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(kept.try_wait().unwrap().is_none(), "keepalive ended early");
+    let revoked = Instant::now();
+    assert_success(&fence(&["revoke", "--server", &url, "--job", "stalled"]));
+    let mut code = None;
+    while code.is_none() && revoked.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(20));
+        code = kept.try_wait().unwrap().map(|s| s.code());
+    }
+    if code.is_none() {
+        let _ = kept.kill();
+        let _ = kept.wait();
+    }
+    assert_eq!(
+        code,
+        Some(Some(75)),
+        "not ended by the loss within 10 s while its stdout was full"
+    );
+    drop(kept.stdout.take());
+    feeder.join().unwrap();
+}
