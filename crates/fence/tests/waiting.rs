@@ -452,3 +452,27 @@ fn a_client_keeps_waiting_past_the_servers_max_claim_wait() {
         "granted after {took:?}"
     );
 }
+
+/// A holder that renews with a shorter TTL brings the end of its lease forward, and a
+/// waiting claim gets the job at that end, not at the end it saw when it began to wait.
+#[test]
+fn a_waiting_claim_gets_the_job_when_a_renewal_shortened_the_lease() {
+    let (_dir, _server, _url, addr) = server_with_a_holding("shortened");
+    let waiter = wait_in_line(&addr, "shortened", "b");
+    thread::sleep(Duration::from_millis(300));
+    let renewal =
+        r#"{"owner":"a","generation":1,"lease_key":"a-0123456789abcdefghijk","ttl_ms":500}"#;
+    let started = Instant::now();
+    assert_eq!(
+        bearer_call(&addr, "POST", "/v1/leases/shortened/renew", None, renewal).0,
+        200
+    );
+    let (status, lease) = waiter.join().unwrap();
+    assert_eq!(status, 200, "{lease}");
+    assert_eq!(lease["owner"], "b");
+    assert!(
+        started.elapsed() < Duration::from_secs(5),
+        "granted {:?} after the renewal shortened the lease to 500 ms (the wait was 10 s)",
+        started.elapsed()
+    );
+}

@@ -226,12 +226,18 @@ pub(super) async fn act<S: LeaseStore>(
             }
             None => app.store.apply(&job, op).await.map_err(|e| store_error(&e)),
         }?;
-        if matches!(
-            outcome,
-            fence_lease::Outcome::Done(_) | fence_lease::Outcome::Revoked(_)
-        ) && action != Action::Checkpoint
-        {
-            app.waiters.changed(&job); // released, completed or revoked: a waiting claim may go
+        let wakes = match outcome {
+            // Released, completed or revoked: a waiting claim may go.
+            fence_lease::Outcome::Done(_) | fence_lease::Outcome::Revoked(_) => {
+                action != Action::Checkpoint
+            }
+            // A renewal (or the holder's claim again) may have shortened the lease, and the
+            // head waiter sleeps until the end it last saw: it looks again.
+            fence_lease::Outcome::Granted(_) => true,
+            _ => false,
+        };
+        if wakes {
+            app.waiters.changed(&job);
         }
         let client = caller.as_ref().map(|c| c.client().name().to_owned());
         let asking = Asking { owner: owner.as_ref(), generation: asked, action, reason, client };
