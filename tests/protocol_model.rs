@@ -310,7 +310,8 @@ async fn act(
             let answered = answers.clone();
             let forger = forger.clone();
             // The wire: noted as sent the moment the worker lets the write out, then delayed,
-            // then the sink.
+            // then the sink, its answer counted there. On its own task: a write on the wire
+            // arrives even when the worker's layer gives up on it at the loss of its lease.
             let wire = service_fn(move |req: Request<String>| {
                 let (history, sink) = (on_wire.clone(), sink.clone());
                 let generation = generation_of(&req);
@@ -320,7 +321,8 @@ async fn act(
                     .sent
                     .push((generation, Instant::now()));
                 let (answered, forger) = (answered.clone(), forger.clone());
-                async move {
+                let on_the_wire_history = history.clone();
+                let delivery = tokio::spawn(async move {
                     sleep(write_delay).await;
                     let mut req = req;
                     if let (true, Some(forger)) = (held, forger.as_ref()) {
@@ -335,39 +337,33 @@ async fn act(
                     {
                         answered.met_forgotten.fetch_add(1, Relaxed);
                     }
-                    let applied = history.clone();
+                    let applied = on_the_wire_history;
                     let service = service_fn(move |req: Request<RequestBody<String>>| {
                         let g = generation_of_body(&req);
                         applied.lock().expect("history").applied.push(g);
                         async { Ok::<_, Infallible>(Response::new(String::new())) }
                     });
-                    sink.layer(service).oneshot(req).await
-                }
+                    let Ok(response) = sink.layer(service).oneshot(req).await;
+                    count(response, &answered).await;
+                });
+                history.lock().expect("history").writes.push(delivery);
+                async { Ok::<_, Infallible>(()) }
             });
             let req = Request::post("/ledger")
                 .body(String::new())
                 .expect("a request");
             // In flight on its own: the worker goes on while its write travels.
-            let answers = answers.clone();
             if variant == Variant::WorkerIgnoresLoss {
                 let mut req = req;
                 req.headers_mut()
                     .insert("x-fencing-job", job().as_str().parse().expect("a header"));
                 req.headers_mut()
                     .insert("x-fencing-token", granted.parse().expect("a token header"));
-                let write = tokio::spawn(async move {
-                    let Ok(response) = wire.oneshot(req).await;
-                    count(response, &answers).await;
-                });
-                history.lock().expect("history").writes.push(write);
+                let Ok(()) = wire.oneshot(req).await;
             } else {
-                let sent = lease.fencing_layer().layer(wire).oneshot(req);
-                let write = tokio::spawn(async move {
-                    if let Ok(response) = sent.await {
-                        count(response, &answers).await;
-                    }
-                });
-                history.lock().expect("history").writes.push(write);
+                // Refused (the lease lost at the hand-over) or handed to the wire, which
+                // delivers and counts it.
+                let _ = lease.fencing_layer().layer(wire).oneshot(req).await;
             }
             sleep(Duration::from_millis(rng.u64(0..=run.ttl_ms / 4))).await;
             if lease.is_lost() {

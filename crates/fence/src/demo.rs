@@ -217,15 +217,20 @@ pub async fn run() -> anyhow::Result<i32> {
             }
         })
     };
+    // What the network delivered, and the answer: a request on the wire arrives even when its
+    // sender has given up on it (its client cut it at the loss of its lease).
+    let (delivered_tx, mut delivered) = tokio::sync::mpsc::unbounded_channel();
     let network = service_fn(move |req: http::Request<Full<Bytes>>| {
-        let (client, mut held) = (client.clone(), held.clone());
-        async move {
+        let (client, mut held, delivered) = (client.clone(), held.clone(), delivered_tx.clone());
+        let on_the_wire = tokio::spawn(async move {
             let _ = held.wait_for(|h| !*h).await; // a slow network holds the request here
             let resp = client.request(req).await?;
             let status = resp.status();
             let body = resp.into_body().collect().await?.to_bytes();
+            let _ = delivered.send((status, body.clone()));
             Ok::<_, Box<dyn std::error::Error + Send + Sync>>((status, body))
-        }
+        });
+        async move { on_the_wire.await? }
     });
     let mut a_http = ServiceBuilder::new()
         .layer(lease_a.fencing_layer())
@@ -271,6 +276,7 @@ pub async fn run() -> anyhow::Result<i32> {
     );
 
     // A stamps one more write with token 7; the network holds it up.
+    while delivered.try_recv().is_ok() {} // the answers above, read already
     hold.send_replace(true);
     let delayed = tokio::spawn(
         a_http
@@ -301,6 +307,21 @@ pub async fn run() -> anyhow::Result<i32> {
         .unwrap_or_default();
     t.say("A", format!("lease lost locally: {reason}"));
     t.check(lease_a.is_lost(), "A's lost signal fires");
+
+    // A's client gives up on its held-up write at the loss; the network still holds it.
+    let cut = delayed.await?;
+    match &cut {
+        Err(e) if e.downcast_ref::<LeaseLost>().is_some_and(|l| l.in_flight) => {
+            t.say("A", format!("its client gave up on the held-up write: {e}"));
+        }
+        Err(e) => t.say("A", format!("the held-up write failed otherwise: {e}")),
+        Ok((s, _)) => t.say("A", format!("the held-up write was answered: {s}")),
+    }
+    t.check(
+        cut.as_ref()
+            .is_err_and(|e| e.downcast_ref::<LeaseLost>().is_some_and(|l| l.in_flight)),
+        "A's client gives up on its write in flight at the loss (its outcome is unknown to A)",
+    );
 
     // B claims once the store says the lease expired.
     let b = LeaseClient::new(http.clone())
@@ -339,7 +360,12 @@ pub async fn run() -> anyhow::Result<i32> {
     t.check(status == 200, "B's write is accepted");
     hold.send_replace(false); // only now does the network deliver A's held-up write
 
-    let (status, body) = delayed.await?.map_err(anyhow_box)?;
+    // The network delivers A's held-up write all the same.
+    let (status, body) = tokio::time::timeout(Duration::from_secs(10), delivered.recv())
+        .await
+        .ok()
+        .flatten()
+        .ok_or_else(|| anyhow::anyhow!("the network did not deliver A's held-up write"))?;
     let problem: Option<Problem> = serde_json::from_slice(&body).ok();
     let kind = problem
         .as_ref()
