@@ -43,6 +43,7 @@ use crate::{Lease, LeaseStore, LeaseView, LossReason};
 
 /// The error a [`Fencing`] service returns instead of sending once its lease is lost.
 #[derive(Debug, Clone, thiserror::Error)]
+#[non_exhaustive]
 #[error(
     "{}: the lease on job {job} (generation {generation}) is lost: {reason}",
     if *in_flight { "cut before its answer came: the request may have reached the destination (its outcome is unknown)" } else if *handed_over { "not sent by this layer (it had handed the request over before the loss: a lazy client such as hyper's sends nothing before this poll, an eager one such as a buffer may have)" } else { "not sent" }
@@ -55,9 +56,9 @@ pub struct LeaseLost {
     /// Why.
     pub reason: LossReason,
     /// Whether the inner service's `call` had already run when the loss was seen (at the
-    /// first poll of its future): a lazy inner service (hyper's client) then sent nothing,
-    /// an eager one (a buffer, tonic's `Channel`) may have. `false`: the inner service never
-    /// saw the request.
+    /// first poll of its future, or later: see `in_flight`): a lazy inner service (hyper's
+    /// client) sent nothing before that first poll, an eager one (a buffer, tonic's
+    /// `Channel`) may have. `false`: the inner service never saw the request.
     pub handed_over: bool,
     /// Whether the request was on its way when the loss cut it (its future had been polled,
     /// its answer's head had not come): it may have reached the destination, so its outcome
@@ -112,14 +113,14 @@ impl<S> Layer<S> for FencingLayer {
 ///
 /// The lease is checked when the request is handed over and again when its future is first
 /// polled (a lazy client such as hyper's sends nothing before). After that, a loss before
-/// the answer's head comes drops the inner future and fails with [`LeaseLost`] whose
+/// the answer's head comes drops the inner future at once and fails with [`LeaseLost`] whose
 /// `in_flight` is true: a request still waiting for a connection (a slow connect, a full
 /// pool) is then never written, and one already written may have reached the destination,
 /// so its outcome is unknown. What has left the process is out of the lease's reach, which
 /// is why the destination must check the token too (the worked example's delayed write shows
-/// it refused there). An answer whose head came is the caller's, body and all. A streamed
-/// request body keeps flowing after the loss unless it is wrapped with
-/// [`LeaseView::fence_body`], which ends it then.
+/// it refused there). An answer whose head came is the caller's, body and all. A request
+/// body still streaming after the answer's head keeps flowing after the loss unless it is
+/// wrapped with [`LeaseView::fence_body`], which ends it then.
 #[derive(Debug, Clone)]
 pub struct Fencing<S> {
     inner: S,
@@ -198,6 +199,7 @@ pin_project! {
 
 pin_project! {
     #[project = KindProj]
+    #[project_replace = KindReplace]
     enum Kind<F> {
         Sent {
             #[pin]
@@ -220,34 +222,37 @@ where
     type Output = Result<T, BoxError>;
 
     fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
-        match self.project().kind.project() {
+        let mut kind = self.project().kind;
+        let lost = match kind.as_mut().project() {
             KindProj::Sent {
                 future,
                 lost,
                 lease,
                 polled,
             } => {
-                // Lost between the hand-over and now: a lazy inner future has sent nothing.
                 if !*polled && lease.is_lost() {
-                    return Poll::Ready(Err(LeaseLost::of(lease, true).into()));
+                    // Lost between the hand-over and now: a lazy inner future sent nothing.
+                    LeaseLost::of(lease, true)
+                } else {
+                    *polled = true;
+                    // The answer first: one that came as the lease was lost is the caller's.
+                    if let Poll::Ready(answer) = future.poll(cx) {
+                        return Poll::Ready(answer.map_err(Into::into));
+                    }
+                    ready!(lost.poll(cx));
+                    LeaseLost {
+                        in_flight: true,
+                        ..LeaseLost::of(lease, true)
+                    }
                 }
-                *polled = true;
-                // The answer first: one that came as the lease was lost is the caller's.
-                if let Poll::Ready(answer) = future.poll(cx) {
-                    return Poll::Ready(answer.map_err(Into::into));
-                }
-                // Lost on the way: dropping the inner future (the caller drops this one)
-                // stops a request that is not written yet; one written is out of reach.
-                ready!(lost.poll(cx));
-                Poll::Ready(Err(LeaseLost {
-                    in_flight: true,
-                    ..LeaseLost::of(lease, true)
-                }
-                .into()))
             }
             KindProj::Refused { error } => {
-                Poll::Ready(Err(error.take().expect("polled after completion").into()))
+                return Poll::Ready(Err(error.take().expect("polled after completion").into()));
             }
-        }
+        };
+        // The inner future dropped now, not whenever the caller drops this one: a request it
+        // has not written yet is never written; one written is out of the lease's reach.
+        kind.project_replace(Kind::Refused { error: None });
+        Poll::Ready(Err(lost.into()))
     }
 }

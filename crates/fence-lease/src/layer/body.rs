@@ -1,7 +1,8 @@
 //! A request body that stops flowing once its lease is lost, for uploads streamed under it.
 //!
-//! [`Fencing`](super::Fencing) checks the lease before a request leaves, but a body still
-//! streaming when the lease is lost keeps flowing: a long upload would finish under a token
+//! [`Fencing`](super::Fencing) checks the lease until the answer's head comes, but a body
+//! still streaming after that (a server may answer before the body ends, and hyper goes on
+//! sending it) keeps flowing when the lease is lost: a long upload would finish under a token
 //! that a newer holder has replaced, and a destination that commits at the body's end would
 //! commit it (its fence may only order it before the newer holder's writes). Wrapped in a
 //! [`FencedBody`], the body ends with a [`LeaseLost`] error at the first frame asked for after
