@@ -100,17 +100,20 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
         );
         Ok(EXIT_LOST)
     };
-    loop {
+    'copying: loop {
         tokio::select! {
             () = &mut lost => return said_lost(),
             read = stdin.read(&mut buf) => match read {
                 Ok(0) | Err(_) => break,
                 Ok(n) => {
                     // A reader that went away is no reason to stop renewing; one that stalls
-                    // (a full pipe) does not hold back the loss's exit either.
+                    // (a full pipe) holds back neither the loss's exit nor a signal's stop.
                     if let Some(out) = &mut stdout {
                         let copied = tokio::select! {
                             () = &mut lost => return said_lost(),
+                            _ = term.recv() => break 'copying,
+                            _ = int.recv() => break 'copying,
+                            _ = hup.recv() => break 'copying,
                             copied = async {
                                 out.write_all(&buf[..n]).await?;
                                 out.flush().await
@@ -129,8 +132,7 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
     }
     // One last look: a lease lost just now is reported as lost, not as kept.
     if held.is_lost() {
-        eprintln!("fence keepalive: the lease of job {job} (generation {generation}) is lost");
-        return Ok(EXIT_LOST);
+        return said_lost();
     }
     let left = held
         .deadline()
