@@ -231,10 +231,15 @@ impl LeaseStore for SledLeaseStore {
         // has `limit` to forget: a million of them take seconds, which on a runtime worker
         // would stall every request it serves. It runs on a blocking thread instead.
         let scanner = self.clone();
-        let (batch, top) =
-            tokio::task::spawn_blocking(move || scanner.forgettable(idle_for, limit))
-                .await
-                .map_err(StoreError::io)??;
+        let scanned = tokio::task::spawn_blocking(move || scanner.forgettable(idle_for, limit));
+        let (batch, top) = match scanned.await {
+            Ok(scanned) => scanned?,
+            // A panic in the scan is the caller's, as it would have been inline.
+            Err(e) => match e.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(e) => return Err(StoreError::io(e)),
+            },
+        };
         if batch.is_empty() {
             return Ok(0);
         }
