@@ -192,7 +192,7 @@ fn a_frozen_fence_run_has_its_group_stopped_at_the_lease_deadline() {
         &url,
         "frozen",
         // 4 s: the watchdog's slack before the store's end is a quarter of the 10% margin, at
-        // most 100 ms; at 1 s it is 25 ms, which a loaded CI machine's scheduling can exceed
+        // most 100 ms (or a fiftieth of the margin, for long TTLs); at 1 s it is 25 ms, which a loaded CI machine's scheduling can exceed
         // (seen once in CI on the stubborn case below).
         &["--ttl", "4s", "--grace", "200ms"],
         &tree_script(&pid_file, false),

@@ -56,10 +56,11 @@ pub(super) fn told(left: Duration, kill: Duration) -> String {
 
 /// Just before `store_end` (the store's end of the lease, plus any lock-delay), by slack for
 /// the kill to land and for this host's clock running slower than the store's: a quarter of
-/// the safety margin (the time between the local `deadline` and `store_end`), at most 100 ms
-/// or a fiftieth of the margin when that is more. The margin is a tenth of the TTL, so a
-/// fiftieth of it is 2,000 ppm of the time the store counts: a 1 h lease is killed 7.2 s
-/// before the store can end it, not 100 ms (which a clock 50 ppm slow would eat).
+/// the time from the local `deadline` to `store_end` (the safety margin, plus any
+/// lock-delay), at most 100 ms or a fiftieth of that time when that is more. The margin is a
+/// tenth of the TTL, so a fiftieth of it is 2,000 ppm of the time the store counts: a 1 h
+/// lease is killed 7.2 s before the store can end it, not 100 ms (which a clock 50 ppm slow
+/// would eat); a lock-delay the store counts too widens it.
 fn last_moment_of(store_end: Instant, deadline: Instant) -> Instant {
     let gap = store_end.saturating_duration_since(deadline);
     let slack = (gap / 4).min((gap / 50).max(Duration::from_millis(100)));

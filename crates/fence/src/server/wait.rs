@@ -7,7 +7,8 @@
 //! the holder's own retry (same owner and key, after a lost answer) gets its lease back
 //! instead of queueing behind strangers. Then waiters on one job queue on a fair semaphore
 //! of one permit, so they are served first come, first served; the one at the head tries
-//! again when a release, completion or revocation wakes it (on this server, or on another
+//! again when a release, completion or revocation wakes it, or a granted renewal or claim
+//! (which may have brought the lease's end forward) on this server (on another
 //! server sharing the store when the store says so: [`LeaseStore::changes`], PostgreSQL's
 //! `LISTEN`), or when the lease it saw is due to expire; nobody else asks the store while
 //! waiting. On a shared store the head also looks at least every [`POLL`] (every
@@ -164,7 +165,7 @@ impl Waiters {
     }
 
     /// Wakes the waiters of `job`: it was released, completed or revoked, here or by
-    /// another server.
+    /// another server, or a renewal or claim was granted here (its end may be earlier).
     pub(super) fn changed(&self, job: &JobId) {
         if let Some(queue) = self.jobs.get(job) {
             queue.changed.notify_waiters();
