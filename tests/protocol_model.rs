@@ -309,20 +309,16 @@ async fn act(
             };
             let answered = answers.clone();
             let forger = forger.clone();
-            // The wire: noted as sent the moment the worker lets the write out, then delayed,
-            // then the sink, its answer counted there. On its own task: a write on the wire
-            // arrives even when the worker's layer gives up on it at the loss of its lease.
+            // The wire: noted as sent the moment the worker lets the write out (at the first
+            // poll, as hyper's client sends), then delayed, then the sink, its answer counted
+            // there. On its own task: a write on the wire arrives even when the worker's layer
+            // gives up on it at the loss of its lease.
             let wire = service_fn(move |req: Request<String>| {
                 let (history, sink) = (on_wire.clone(), sink.clone());
                 let generation = generation_of(&req);
-                history
-                    .lock()
-                    .expect("history")
-                    .sent
-                    .push((generation, Instant::now()));
                 let (answered, forger) = (answered.clone(), forger.clone());
                 let on_the_wire_history = history.clone();
-                let delivery = tokio::spawn(async move {
+                let delivery = async move {
                     sleep(write_delay).await;
                     let mut req = req;
                     if let (true, Some(forger)) = (held, forger.as_ref()) {
@@ -345,9 +341,13 @@ async fn act(
                     });
                     let Ok(response) = sink.layer(service).oneshot(req).await;
                     count(response, &answered).await;
-                });
-                history.lock().expect("history").writes.push(delivery);
-                async { Ok::<_, Infallible>(()) }
+                };
+                async move {
+                    let mut history = history.lock().expect("history");
+                    history.sent.push((generation, Instant::now()));
+                    history.writes.push(tokio::spawn(delivery));
+                    Ok::<_, Infallible>(())
+                }
             });
             let req = Request::post("/ledger")
                 .body(String::new())

@@ -3,8 +3,9 @@
 //! A lease server and a fenced "ledger" service run on ephemeral ports with their stores in a
 //! temporary directory. Worker A claims generation 7 and writes; one more write of A's is
 //! stamped with token 7 and then held up on its way (a slow network); A stalls past its lease
-//! (its renewals stop, as in a GC pause); B claims generation 8 and writes; A's held-up write
-//! arrives and the ledger's fence rejects it with 409; A wakes up, its layer refuses to send
+//! (its renewals stop, as in a GC pause), and its client gives up on the held-up write at the
+//! loss (in flight: A cannot know whether it arrived); B claims generation 8 and writes; A's
+//! held-up write arrives all the same and the ledger's fence rejects it with 409; A wakes up, its layer refuses to send
 //! anything new, and the store rejects its completion. Exit 0 only if all of that happened.
 
 use std::{
@@ -220,17 +221,25 @@ pub async fn run() -> anyhow::Result<i32> {
     // What the network delivered, and the answer: a request on the wire arrives even when its
     // sender has given up on it (its client cut it at the loss of its lease).
     let (delivered_tx, mut delivered) = tokio::sync::mpsc::unbounded_channel();
+    // Sent at the first poll, as hyper's client sends, then on a task of its own.
     let network = service_fn(move |req: http::Request<Full<Bytes>>| {
         let (client, mut held, delivered) = (client.clone(), held.clone(), delivered_tx.clone());
-        let on_the_wire = tokio::spawn(async move {
-            let _ = held.wait_for(|h| !*h).await; // a slow network holds the request here
-            let resp = client.request(req).await?;
-            let status = resp.status();
-            let body = resp.into_body().collect().await?.to_bytes();
-            let _ = delivered.send((status, body.clone()));
-            Ok::<_, Box<dyn std::error::Error + Send + Sync>>((status, body))
-        });
-        async move { on_the_wire.await? }
+        async move {
+            let on_the_wire = tokio::spawn(async move {
+                let _ = held.wait_for(|h| !*h).await; // a slow network holds the request here
+                let answer = async {
+                    let resp = client.request(req).await?;
+                    let status = resp.status();
+                    let body = resp.into_body().collect().await?.to_bytes();
+                    Ok::<_, Box<dyn std::error::Error + Send + Sync>>((status, body))
+                }
+                .await
+                .map_err(|e| e.to_string());
+                let _ = delivered.send(answer.clone());
+                answer
+            });
+            Ok::<_, Box<dyn std::error::Error + Send + Sync>>(on_the_wire.await??)
+        }
     });
     let mut a_http = ServiceBuilder::new()
         .layer(lease_a.fencing_layer())
@@ -309,7 +318,10 @@ pub async fn run() -> anyhow::Result<i32> {
     t.check(lease_a.is_lost(), "A's lost signal fires");
 
     // A's client gives up on its held-up write at the loss; the network still holds it.
-    let cut = delayed.await?;
+    // The loss came (or the 5 s above passed): the cut is due now, not at the delivery.
+    let cut = tokio::time::timeout(Duration::from_secs(5), delayed)
+        .await
+        .map_err(|_| anyhow::anyhow!("A's held-up write was not cut within 5 s of the loss"))??;
     match &cut {
         Err(e) if e.downcast_ref::<LeaseLost>().is_some_and(|l| l.in_flight) => {
             t.say("A", format!("its client gave up on the held-up write: {e}"));
@@ -365,7 +377,8 @@ pub async fn run() -> anyhow::Result<i32> {
         .await
         .ok()
         .flatten()
-        .ok_or_else(|| anyhow::anyhow!("the network did not deliver A's held-up write"))?;
+        .ok_or_else(|| anyhow::anyhow!("the network did not deliver A's held-up write"))?
+        .map_err(|e| anyhow::anyhow!("the network could not deliver A's held-up write: {e}"))?;
     let problem: Option<Problem> = serde_json::from_slice(&body).ok();
     let kind = problem
         .as_ref()

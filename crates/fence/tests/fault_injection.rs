@@ -208,24 +208,28 @@ async fn fault_worker() {
         }
         hold(true);
         // Between being stamped with the token and being sent, a request may be held up (a
-        // pause, a slow network): the window a stale write slips through. On a task of its
-        // own, as bytes on the wire: the layer giving up on it at the loss does not recall it.
+        // pause, a slow network): the window a stale write slips through. Sent at the first
+        // poll, as hyper's client sends, then on a task of its own, as bytes on the wire: the
+        // layer giving up on it at the loss does not recall it.
         let delay = rng.below(50);
         let net = {
             let http = http.clone();
             tower::service_fn(move |req: Request<Full<Bytes>>| {
                 let http = http.clone();
-                let on_the_wire = tokio::spawn(async move {
-                    tokio::time::sleep(Duration::from_millis(delay)).await;
-                    // A deadline on the answer: a 75-minute soak ended with one worker
-                    // waiting forever, no socket open and no timer set, and this was the
-                    // worker's only wait without a deadline of its own.
-                    match tokio::time::timeout(Duration::from_secs(10), http.request(req)).await {
-                        Ok(answer) => answer.map_err(fence_storage::BoxError::from),
-                        Err(_) => Err("no answer within 10 s".into()),
-                    }
-                });
-                async move { on_the_wire.await? }
+                async move {
+                    let on_the_wire = tokio::spawn(async move {
+                        tokio::time::sleep(Duration::from_millis(delay)).await;
+                        // A deadline on the answer: a 75-minute soak ended with one worker
+                        // waiting forever, no socket open and no timer set, and this was the
+                        // worker's only wait without a deadline of its own.
+                        match tokio::time::timeout(Duration::from_secs(10), http.request(req)).await
+                        {
+                            Ok(answer) => answer.map_err(fence_storage::BoxError::from),
+                            Err(_) => Err("no answer within 10 s".into()),
+                        }
+                    });
+                    on_the_wire.await?
+                }
             })
         };
         let mut svc = ServiceBuilder::new()
@@ -386,17 +390,21 @@ async fn grpc_charge(
         let channel = channel.clone();
         tower::service_fn(move |req: http::Request<tonic::body::Body>| {
             let mut channel = channel.clone();
-            // On a task of its own, as bytes on the wire (see `net` in `fault_worker`).
-            let on_the_wire = tokio::spawn(async move {
-                tokio::time::sleep(Duration::from_millis(delay_ms)).await;
-                // A channel must be ready before each call.
-                channel.ready().await?.call(req).await
-            });
+            // Sent at the first poll, then on a task of its own, as bytes on the wire (see
+            // `net` in `fault_worker`), with a deadline of its own.
             async move {
-                on_the_wire
-                    .await
-                    .map_err(fence_storage::BoxError::from)?
-                    .map_err(fence_storage::BoxError::from)
+                let on_the_wire = tokio::spawn(async move {
+                    tokio::time::sleep(Duration::from_millis(delay_ms)).await;
+                    let call = async {
+                        // A channel must be ready before each call.
+                        channel.ready().await?.call(req).await
+                    };
+                    match tokio::time::timeout(Duration::from_secs(10), call).await {
+                        Ok(answer) => answer.map_err(fence_storage::BoxError::from),
+                        Err(_) => Err(fence_storage::BoxError::from("no answer within 10 s")),
+                    }
+                });
+                on_the_wire.await?
             }
         })
     };
@@ -2457,4 +2465,29 @@ fn the_checker_finds_each_kind_of_violation() {
     let mut report = Report::default();
     check(&twice, &[clean.into()], &mut report);
     assert_eq!(report.duplicate_effects.len(), 1, "{report:?}");
+
+    // A write the layer cut in flight is counted apart from one it refused, and is no
+    // violation whether or not it was applied (here it was: seq 2).
+    let mut report = Report::default();
+    check(
+        &effects,
+        &[format!(
+            "{clean}CUT a 3
+REFUSED a 3
+REFUSED a 3
+"
+        )],
+        &mut report,
+    );
+    assert_eq!(report.violations(), 0, "{report:?}");
+    assert_eq!(
+        (
+            report
+                .outcomes
+                .get("cut in flight by layer (outcome unknown)"),
+            report.outcomes.get("refused by layer")
+        ),
+        (Some(&1), Some(&2)),
+        "{report:?}"
+    );
 }
