@@ -149,6 +149,51 @@ async fn a_request_still_connecting_when_the_lease_is_lost_is_cut_and_never_sent
     );
 }
 
+/// The cut drops the inner future at once, not when the caller drops the response future:
+/// a caller that keeps it (a `select!` over `&mut fut`, say) does not keep the request's
+/// connection wait, or a pool's checkout, alive with it.
+#[tokio::test]
+async fn the_cut_drops_the_inner_future_at_once() {
+    use std::sync::atomic::{AtomicBool, Ordering::SeqCst};
+    struct Dropped(Arc<AtomicBool>);
+    impl Drop for Dropped {
+        fn drop(&mut self) {
+            self.0.store(true, SeqCst);
+        }
+    }
+    let dropped = Arc::new(AtomicBool::new(false));
+    let lease = LeaseClient::new(MemoryLeaseStore::new())
+        .claim("job-12".parse().unwrap())
+        .await
+        .unwrap();
+    let flag = dropped.clone();
+    // A request that waits for ever (a connection that never comes).
+    let waiting = tower::service_fn(move |_req: http::Request<()>| {
+        let guard = Dropped(flag.clone());
+        async move {
+            let _guard = guard;
+            std::future::pending::<Result<http::Response<()>, std::convert::Infallible>>().await
+        }
+    });
+    let mut http = ServiceBuilder::new()
+        .layer(lease.fencing_layer())
+        .service(waiting);
+    let mut fut = std::pin::pin!(http.ready().await.unwrap().call(http::Request::new(())));
+    let pending =
+        std::future::poll_fn(|cx| std::task::Poll::Ready(fut.as_mut().poll(cx).is_pending()));
+    assert!(pending.await, "answered without an answer");
+    lease.release().await.unwrap();
+    let err = fut.as_mut().await.unwrap_err();
+    assert!(
+        err.downcast_ref::<LeaseLost>().is_some_and(|l| l.in_flight),
+        "{err}"
+    );
+    assert!(
+        dropped.load(SeqCst),
+        "the inner future lives on inside the finished response future"
+    );
+}
+
 /// What the destination saw of one streamed body.
 #[derive(Debug, PartialEq)]
 enum BodyEvent {

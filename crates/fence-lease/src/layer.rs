@@ -119,8 +119,10 @@ impl<S> Layer<S> for FencingLayer {
 /// so its outcome is unknown. What has left the process is out of the lease's reach, which
 /// is why the destination must check the token too (the worked example's delayed write shows
 /// it refused there). An answer whose head came is the caller's, body and all. A request
-/// body still streaming after the answer's head keeps flowing after the loss unless it is
-/// wrapped with [`LeaseView::fence_body`], which ends it then.
+/// body is ended at the loss only when it is wrapped with [`LeaseView::fence_body`]: without
+/// it, what becomes of a body still streaming when the request is cut is the inner client's
+/// (hyper's HTTP/1 client closes the connection), and after the answer's head it keeps
+/// flowing.
 #[derive(Debug, Clone)]
 pub struct Fencing<S> {
     inner: S,
