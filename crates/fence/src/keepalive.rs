@@ -69,8 +69,11 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
         Some(path) => {
             let updates = held.tokens();
             let Some(token) = held.token_string() else {
+                let why = held
+                    .loss_reason()
+                    .map_or_else(|| "lost".to_owned(), |r| r.to_string());
                 eprintln!(
-                    "fence keepalive: the lease of job {job} (generation {generation}) is lost"
+                    "fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}"
                 );
                 return Ok(EXIT_LOST);
             };

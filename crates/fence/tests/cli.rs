@@ -1042,27 +1042,28 @@ fn an_upstream_with_a_password_is_refused_without_showing_it() {
     }
 }
 
-/// `fence keepalive` whose reader stalls (a full pipe) still exits 75 the moment the lease is
-/// lost: the copy to stdout does not hold back the loss.
-#[test]
-fn keepalive_exits_at_the_loss_while_its_reader_stalls() {
+/// `fence keepalive` on a fresh lease of `job`, its stdout a pipe nobody reads and far more
+/// than a pipe holds fed to its stdin by the returned thread: its copy to stdout stalls.
+fn keepalive_with_a_stalled_reader(
+    url: &str,
+    dir: &std::path::Path,
+    job: &str,
+) -> (std::process::Child, std::thread::JoinHandle<()>) {
     use std::io::Write;
-    let dir = tempfile::tempdir().unwrap();
-    let (_server, url) = start_server(dir.path());
-    let out = fence(&["claim", "--server", &url, "--job", "stalled", "--ttl", "3s"]);
+    let out = fence(&["claim", "--server", url, "--job", job, "--ttl", "3s"]);
     assert_success(&out);
-    let lease = dir.path().join("stalled.json");
+    let lease = dir.join(format!("{job}.json"));
     std::fs::write(&lease, &out.stdout).unwrap();
     let mut kept = Command::new(FENCE)
-        .args(["keepalive", "--server", &url, "--ttl", "3s", "--lease"])
+        .args(["keepalive", "--server", url, "--ttl", "3s", "--lease"])
         .arg(&lease)
         .stdin(Stdio::piped())
         .stdout(Stdio::piped()) // never read: the pipe fills
-        .stderr(Stdio::null())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
     let mut input = kept.stdin.take().unwrap();
-    // Far more than a pipe holds; the writes block once keepalive stops reading.
+    // The writes block once keepalive stops reading.
     let feeder = std::thread::spawn(move || {
         let chunk = vec![b'x'; 64 * 1024];
         for _ in 0..32 {
@@ -1073,22 +1074,61 @@ fn keepalive_exits_at_the_loss_while_its_reader_stalls() {
     });
     std::thread::sleep(Duration::from_millis(500));
     assert!(kept.try_wait().unwrap().is_none(), "keepalive ended early");
-    let revoked = Instant::now();
-    assert_success(&fence(&["revoke", "--server", &url, "--job", "stalled"]));
+    (kept, feeder)
+}
+
+/// The exit code of `child` within 10 s of now (killed and `None` if it has not ended), and
+/// what it wrote to stderr.
+fn ended_within_10s(mut child: std::process::Child) -> (Option<i32>, String) {
+    use std::io::Read;
+    let since = Instant::now();
     let mut code = None;
-    while code.is_none() && revoked.elapsed() < Duration::from_secs(10) {
+    while code.is_none() && since.elapsed() < Duration::from_secs(10) {
         std::thread::sleep(Duration::from_millis(20));
-        code = kept.try_wait().unwrap().map(|s| s.code());
+        code = child.try_wait().unwrap().map(|s| s.code());
     }
     if code.is_none() {
-        let _ = kept.kill();
-        let _ = kept.wait();
+        let _ = child.kill();
+        let _ = child.wait();
     }
+    drop(child.stdout.take());
+    let mut said = String::new();
+    if let Some(mut stderr) = child.stderr.take() {
+        let _ = stderr.read_to_string(&mut said);
+    }
+    (code.flatten(), said)
+}
+
+/// `fence keepalive` whose reader stalls (a full pipe) still exits 75 the moment the lease is
+/// lost: the copy to stdout does not hold back the loss.
+#[test]
+fn keepalive_exits_at_the_loss_while_its_reader_stalls() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let (kept, feeder) = keepalive_with_a_stalled_reader(&url, dir.path(), "stalled");
+    assert_success(&fence(&["revoke", "--server", &url, "--job", "stalled"]));
+    let (code, said) = ended_within_10s(kept);
     assert_eq!(
         code,
-        Some(Some(75)),
-        "not ended by the loss within 10 s while its stdout was full"
+        Some(75),
+        "not ended by the loss within 10 s while its stdout was full: {said}"
     );
-    drop(kept.stdout.take());
+    feeder.join().unwrap();
+}
+
+/// ...and a SIGTERM stops it then too, the usual way: exit 0, the lease still held.
+#[test]
+fn keepalive_stops_at_a_signal_while_its_reader_stalls() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let (kept, feeder) = keepalive_with_a_stalled_reader(&url, dir.path(), "signalled");
+    let killed = Command::new("kill")
+        .args(["-TERM", &kept.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(killed.success());
+    let (code, said) = ended_within_10s(kept);
+    assert_eq!(code, Some(0), "not stopped by SIGTERM within 10 s: {said}");
+    assert!(said.contains("stopped renewing"), "{said}");
     feeder.join().unwrap();
 }
