@@ -103,13 +103,17 @@ fn run() -> impl Strategy<Value = Run> {
         )
 }
 
-/// What happened, on tokio's clock.
+/// What happened, on tokio's clock, and in what order: paused time gives many events the
+/// same instant (a last write, its worker's release and its own claim of the next generation,
+/// with no delays drawn), so the order is a count, `events`.
 #[derive(Debug, Default)]
 struct History {
-    /// When the store granted each generation (a claim, not a renewal).
-    granted: Vec<(u64, Instant)>,
-    /// Writes the fencing layer let out: generation, when.
-    sent: Vec<(u64, Instant)>,
+    /// Events noted so far: the next one's place in the order.
+    events: u64,
+    /// When the store granted each generation (a claim, not a renewal), and its place.
+    granted: Vec<(u64, Instant, u64)>,
+    /// Writes the fencing layer let out: generation, when, and its place.
+    sent: Vec<(u64, Instant, u64)>,
     /// Writes the sink's service applied, in order.
     applied: Vec<u64>,
     /// The tasks carrying writes and reading their answers: awaited before the checks, so an
@@ -206,8 +210,10 @@ impl<S: LeaseStore> LeaseStore for Net<S> {
         if claim && let Outcome::Granted(grant) = &outcome {
             let mut h = self.history.lock().expect("history");
             let g = grant.generation.get();
-            if !h.granted.iter().any(|&(seen, _)| seen == g) {
-                h.granted.push((g, Instant::now()));
+            if !h.granted.iter().any(|&(seen, _, _)| seen == g) {
+                h.events += 1;
+                let place = h.events;
+                h.granted.push((g, Instant::now(), place));
             }
         }
         sleep(self.delay()).await;
@@ -344,7 +350,9 @@ async fn act(
                 };
                 async move {
                     let mut history = history.lock().expect("history");
-                    history.sent.push((generation, Instant::now()));
+                    history.events += 1;
+                    let place = history.events;
+                    history.sent.push((generation, Instant::now(), place));
                     history.writes.push(tokio::spawn(delivery));
                     Ok::<_, Infallible>(())
                 }
@@ -503,8 +511,12 @@ fn check(h: &History) {
             h.applied
         );
     }
-    for &(g, sent) in &h.sent {
-        if let Some(&(newer, at)) = h.granted.iter().find(|&&(n, at)| n > g && at <= sent) {
+    for &(g, sent, after) in &h.sent {
+        if let Some(&(newer, at, _)) = h
+            .granted
+            .iter()
+            .find(|&&(n, _, place)| n > g && place < after)
+        {
             panic!(
                 "a write of generation {g} left at {sent:?}, after generation {newer} was granted at {at:?}"
             );
