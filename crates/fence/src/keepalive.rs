@@ -63,19 +63,22 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
             )));
         }
     };
+    let said_lost = || {
+        let why = held
+            .loss_reason()
+            .map_or_else(|| "lost".to_owned(), |r| r.to_string());
+        eprintln!(
+            "fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}"
+        );
+        Ok(EXIT_LOST)
+    };
     // The token file is written before anything is said or copied: a script that waits
     // for keepalive's first output finds it there.
     let keeper = match &a.token_file {
         Some(path) => {
             let updates = held.tokens();
             let Some(token) = held.token_string() else {
-                let why = held
-                    .loss_reason()
-                    .map_or_else(|| "lost".to_owned(), |r| r.to_string());
-                eprintln!(
-                    "fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}"
-                );
-                return Ok(EXIT_LOST);
+                return said_lost();
             };
             write_token(path, &token)
                 .with_context(|| format!("cannot write --token-file {}", path.display()))?;
@@ -94,15 +97,6 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
     let mut buf = vec![0u8; 16 * 1024];
     let lost = held.lost();
     tokio::pin!(lost);
-    let said_lost = || {
-        let why = held
-            .loss_reason()
-            .map_or_else(|| "lost".to_owned(), |r| r.to_string());
-        eprintln!(
-            "fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}"
-        );
-        Ok(EXIT_LOST)
-    };
     'copying: loop {
         tokio::select! {
             () = &mut lost => return said_lost(),

@@ -301,16 +301,18 @@ impl LeaseStore for SledLeaseStore {
     }
 }
 
+/// Records to forget, as read (key and value, for the compare-and-swap that deletes each).
+type ForgetBatch = Vec<(sled::IVec, sled::IVec)>;
+
 impl SledLeaseStore {
     /// Up to `limit` records idle for `idle_for`, read on from where the last batch ended
     /// (wrapping around), with the highest generation among them. Blocking: it may read the
     /// whole tree.
-    #[allow(clippy::type_complexity)]
     fn forgettable(
         &self,
         idle_for: Duration,
         limit: usize,
-    ) -> Result<(Vec<(sled::IVec, sled::IVec)>, Generation), StoreError> {
+    ) -> Result<(ForgetBatch, Generation), StoreError> {
         let now = self.clock.now_ms();
         let idle_ms = u64::try_from(idle_for.as_millis()).unwrap_or(u64::MAX);
         let mut batch = Vec::new();
