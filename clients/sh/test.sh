@@ -39,6 +39,16 @@ code=0; wait "$a" || code=$?
 "$FENCE" status --server "$S" --job "$job" | grep -q '"job":"inv/42","owner":"[^"]*","generation":8,"state":"completed"' || fail "status of $job"
 [ "$(cut -d' ' -f1-4 "$tmp/up.log")" = "$(printf '/ledger inv/42 7 write\n/ledger inv/42 8 write')" ] || fail "ledger: $(cat "$tmp/up.log")"
 
+# A claim's answer carries the last holder's checkpoint, with that holder's generation after
+# the lease's own: the worker's token is its own generation (2), never the checkpoint's (1).
+k1=$(printf '%064d' 1)
+curl -fsS -o /dev/null -X POST -d "{\"owner\":\"first\",\"lease_key\":\"$k1\",\"ttl_ms\":10000}" "$S/v1/leases/resumed/claim"
+curl -fsS -o /dev/null -X POST -d "{\"owner\":\"first\",\"generation\":1,\"lease_key\":\"$k1\",\"checkpoint\":\"step 3\"}" "$S/v1/leases/resumed/checkpoint"
+curl -fsS -o /dev/null -X POST -d "{\"owner\":\"first\",\"generation\":1,\"lease_key\":\"$k1\"}" "$S/v1/leases/resumed/release"
+run ledger resumed 10000 1 >"$tmp/resumed" 2>&1 || fail "resumed: $(cat "$tmp/resumed")"
+grep -q 'holding resumed at generation 2' "$tmp/resumed" && grep -q '^/ledger resumed 2 write 1$' "$tmp/up.log" ||
+  fail "resumed: the worker took the checkpoint's generation: $(cat "$tmp/resumed") $(cat "$tmp/up.log")"
+
 # The bearer secret and the lease key are never among a process's arguments (any local user
 # reads those): curl is wrapped to log the arguments of every call the worker makes.
 mkdir -p "$tmp/bin"
@@ -92,7 +102,7 @@ for job in 'a/b' 'a%b' 'a?b&c' 'a+b'; do n=$((n + 1))
   "$FENCE" status --server "$S" --job "$job" | grep -qF "\"job\":\"$job\"" || fail "status of $job"
   "$FENCE" revoke --server "$S" --job "$job" --reason test >/dev/null
   code=0; wait "$w" || code=$?
-  [ "$code" = 75 ] && grep -q 'lease lost; not sending' "$tmp/w$n" || fail "$job ($code): $(cat "$tmp/w$n")"
+  [ "$code" = 75 ] && grep -q 'lease lost during write 1' "$tmp/w$n" || fail "$job ($code): the write under way was not cut at the refused renewal: $(cat "$tmp/w$n")"
   [ "$(grep -cF "/slow $job 1 " "$tmp/up.log")" = 1 ] || fail "$job: $(cat "$tmp/up.log")"
 done
 
@@ -119,7 +129,7 @@ for offset in none +1h -1h; do
   kill -STOP "${pids[1]}"
   code=0; wait "$w" || code=$?
   kill -CONT "${pids[1]}"
-  [ "$code" = 75 ] && grep -q 'lease lost; not sending' "$tmp/s$offset" || fail "$job ($code): $(cat "$tmp/s$offset")"
+  [ "$code" = 75 ] && grep -qE 'lease lost; not sending|lease lost during write' "$tmp/s$offset" || fail "$job ($code): $(cat "$tmp/s$offset")"
   sent=$(grep -cF "/slow $job 1 " "$tmp/up.log" || true)
   [ "$sent" -ge 2 ] && [ "$sent" -le 4 ] || fail "$job: $sent writes reached the service (2 to 4 expected): $(cat "$tmp/s$offset")"
   "$FENCE" status --server "$S" --job "$job" | grep -q '"generation":1' || fail "status of $job"

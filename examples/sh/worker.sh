@@ -12,6 +12,8 @@
 # least 50 ms). A renewal gets no longer than what is left of the lease.
 # A claim or completion whose answer is lost (none, or 502, 503, 504: outcome unknown) is asked
 # again with the same body, at most 5 times, after its Retry-After (at most 5 s) or 1 s.
+# A write still under way when the deadline passes (or a renewal is refused) is cut: it may
+# have reached the destination, its outcome is unknown ("WRITE N cut").
 # Exit codes: 0 done, 3 no lease, 75 lease lost, 1 anything else. Needs curl and od.
 # STALL_BEFORE_SEND=S pauses the whole worker for S seconds before its second write, as a GC
 # pause would: that write then carries a stale token, and a fenced destination refuses it.
@@ -36,11 +38,17 @@ now_ms() { read -r up _ </proc/uptime; echo "${up%.*}${up#*.}0"; } # 10 ms resol
 key=$(od -An -N32 -tx1 /dev/urandom | tr -d ' \n')
 owner="$(hostname)-$$-sh"
 
-# field NAME JSON: a string (escapes kept) or number field of a flat JSON object.
+# field NAME JSON: a string (escapes kept) or number field of the answer's top level: the
+# first "NAME": in it (the server writes its own fields before any nested object, such as a
+# claim's "checkpoint", whose "generation" is the saving holder's, not this lease's; inside a
+# string a quote is escaped, so "NAME": there is never matched).
 field() {
-  v=$(printf '%s' "$2" | sed -n "s/.*\"$1\":\"\(\([^\"\\\\]*\(\\\\.\)*\)*\)\".*/\1/p")
-  [ -n "$v" ] || v=$(printf '%s' "$2" | sed -n "s/.*\"$1\":\([0-9][0-9]*\).*/\1/p")
-  printf '%s' "$v"
+  case $2 in *"\"$1\":"*) ;; *) return 0 ;; esac
+  rest=${2#*"\"$1\":"}
+  case $rest in
+    \"*) printf '%s' "$rest" | sed -n 's/^"\(\([^"\\]*\(\\.\)*\)*\)".*/\1/p' ;;
+    *) printf '%s' "${rest%%[!0-9]*}" ;;
+  esac
 }
 
 # The job id percent-encoded for the URL path: every byte but A-Z a-z 0-9 - . _ ~ as %XX.
@@ -98,10 +106,13 @@ retried() {
   done
 }
 
-# grant SENT_MS: records the deadline and token of the answer in $state/answer.
+# grant SENT_MS: records the deadline and token of the answer in $state/answer; fails, and
+# records nothing, when the answer is no grant (no whole-number TTL and generation).
 grant() {
   a=$(cat "$state/answer")
   ttl=$(field ttl_ms "$a"); gen=$(field generation "$a"); tok=$(field token "$a")
+  case $ttl in ''|*[!0-9]*) return 1 ;; esac
+  case $gen in ''|*[!0-9]*) return 1 ;; esac
   echo "$gen" >"$state/generation.next" && mv "$state/generation.next" "$state/generation"
   echo "$ttl" >"$state/ttl.next" && mv "$state/ttl.next" "$state/ttl"
   echo "${tok:-$gen}" >"$state/token.next" && mv "$state/token.next" "$state/token"
@@ -113,7 +124,7 @@ retried claim "{\"owner\":\"$owner\",\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"
 if [ "$status" != 200 ]; then
   echo "worker: no lease on $JOB: $(field detail "$(cat "$state/answer")")" >&2; exit 3
 fi
-grant "$sent"
+grant "$sent" || { echo "worker: the claim of $JOB was answered 200 without a grant: $(cat "$state/answer")" >&2; exit 1; }
 echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
 
 # The keeper: renews every third of the TTL the server granted (it may grant less than asked,
@@ -129,9 +140,10 @@ echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
     body="{\"owner\":\"$owner\",\"generation\":$(cat "$state/generation"),\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"
     case $(call renew "$body" $(( $(cat "$state/deadline") - sent ))) in
       # Granted, but answered after the deadline: the loss stands (the main loop may
-      # already have stopped on it), so the lease is not taken up again.
-      200) if [ "$(now_ms)" -lt "$(cat "$state/deadline")" ]; then grant "$sent"; else exit 0; fi
-           every=$(( $(cat "$state/ttl") / 3 )) ;;
+      # already have stopped on it), so the lease is not taken up again. A 200 that is no
+      # grant (cut, garbled) is no answer: the deadline stands; ask again soon.
+      200) [ "$(now_ms)" -lt "$(cat "$state/deadline")" ] || exit 0
+           if grant "$sent"; then every=$(( $(cat "$state/ttl") / 3 )); else every=$(( $(cat "$state/ttl") / 12 )); fi ;;
       # Written whole or not at all (a reader must never find the file empty).
       403|409|410) echo 0 >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"; exit 0 ;;
       *) every=$(( $(cat "$state/ttl") / 12 )) ;; # no answer: the deadline stands; ask again soon
@@ -150,12 +162,33 @@ while [ "$n" -lt "$WRITES" ]; do
   fi
   token=$(cat "$state/token")
   if [ "$n" = 2 ] && [ -n "${STALL_BEFORE_SEND:-}" ]; then
-    # A whole-worker pause (GC, SIGSTOP) between deciding to send and sending: renewals stop.
-    kill -STOP "$keeper"; sleep "$STALL_BEFORE_SEND"; kill -CONT "$keeper"
+    # A whole-worker pause (GC, SIGSTOP) after the last look at the deadline, one no check
+    # of the worker's can see: its write goes out as soon as it wakes (no watch below).
+    kill -STOP "$keeper"; sleep "$STALL_BEFORE_SEND"; kill -CONT "$keeper"; watch=
+  else
+    watch=1
   fi
   # The status even when curl failed after it (the answer's body is not read); else 000.
-  code=$(curl -sS -o /dev/null -w '%{http_code}' --max-time 30 -X POST -H "X-Fencing-Job: $JOB" \
-    -H "X-Fencing-Token: $token" --data "write $n" "$DESTINATION") || true
+  # The write takes at most 30 s, and is cut the moment the deadline passes (the keeper
+  # moves it on each renewal, and to 0 on a refused one): from then on this worker cannot be
+  # sure it holds the lease. A cut write may have reached the destination: its outcome is
+  # unknown.
+  # (curl itself in the background, so that the kill below reaches it.)
+  curl -sS -o /dev/null -w '%{http_code}' --max-time 30 -X POST -H "X-Fencing-Job: $JOB" \
+    -H "X-Fencing-Token: $token" --data "write $n" "$DESTINATION" >"$state/code" &
+  writer=$!
+  cut=
+  while [ -n "$watch" ] && kill -0 "$writer" 2>/dev/null; do
+    deadline=$(cat "$state/deadline")
+    case $deadline in ''|*[!0-9]*) deadline=0 ;; esac
+    if [ "$(now_ms)" -ge "$deadline" ]; then cut=1; kill "$writer" 2>/dev/null || true; break; fi
+    sleep 0.02
+  done
+  wait "$writer" || true
+  if [ -n "$cut" ]; then
+    echo "WRITE $n cut"; echo "worker: lease lost during write $n; its outcome is unknown" >&2; exit 75
+  fi
+  code=$(cat "$state/code")
   case $code in [0-9][0-9][0-9]) ;; *) code=000 ;; esac
   echo "WRITE $n $code"
   case $code in
