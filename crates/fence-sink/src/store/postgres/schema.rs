@@ -70,7 +70,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          DECLARE h numeric;
          BEGIN
            IF p_job IS NULL OR p_token IS NULL OR octet_length(p_job) NOT BETWEEN 1 AND 256
-              OR p_job !~ '^[\x21-\x7e]+$' OR p_token < 0 OR p_token > 18446744073709551615
+              OR p_job !~ '^[\x21-\x7e]+$' OR p_token < 1 OR p_token > 18446744073709551615
               OR p_token <> trunc(p_token) THEN
              RAISE EXCEPTION 'malformed fencing job or token: job %, token %', p_job, p_token
                USING ERRCODE = '22023';

@@ -214,6 +214,8 @@ async fn the_sql_fence_is_the_same_fence() {
         ("", "1"),
         ("a b", "1"),
         ("sql-job", "-1"),
+        ("sql-job", "0"),
+        ("never-seen", "0"),
         ("sql-job", "1.5"),
         ("sql-job", "18446744073709551616"),
     ] {
