@@ -106,6 +106,25 @@ pub fn log(
     }
 }
 
+/// Logs why the `which` store failed for `job`: its whole error chain, which may name
+/// tables, hosts or paths and so never goes into an answer. Rate-limited like refusals.
+pub(crate) fn log_store_failure(
+    which: &str,
+    job: &fence_core::JobId,
+    error: &(dyn std::error::Error + 'static),
+) {
+    let Some(suppressed) = admit("store-failure", None) else {
+        return;
+    };
+    tracing::warn!(
+        store = which,
+        job = %job,
+        error = %fence_storage::error_chain(error),
+        suppressed = (suppressed > 0).then_some(suppressed),
+        "the {which} store failed"
+    );
+}
+
 /// Logs a failed TLS handshake from `peer`, rate-limited like refusals.
 pub fn log_handshake_failure(peer: SocketAddr, error: &(dyn std::error::Error + 'static)) {
     let Some(suppressed) = admit("tls-handshake", Some(peer.ip())) else {

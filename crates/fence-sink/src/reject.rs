@@ -144,14 +144,18 @@ pub(crate) fn drain_timeout(job: JobId, token: FencingToken, highest: Generation
     about(ProblemType::DrainTimeout, job, token, detail).with_highest(highest.get())
 }
 
+/// The `which` store failed: the answer says how (the error itself, never its sources: a
+/// database's error text names tables and hosts, a disk's paths, and anyone who can send
+/// a request reads the answer); the whole chain goes to the log.
 pub(crate) fn store_failed(
     job: &JobId,
+    token: FencingToken,
     which: &str,
     e: &(dyn std::error::Error + 'static),
 ) -> Problem {
-    let cause = fence_storage::error_chain(e);
-    let detail = format!("job {job}: the {which} store failed: {cause}");
-    Problem::new(ProblemType::StoreUnavailable, detail).with_job(job.clone())
+    crate::refusals::log_store_failure(which, job, e);
+    let detail = format!("job {job}: the {which} store failed ({e}); retry (this destination's log has the cause)");
+    about(ProblemType::StoreUnavailable, job.clone(), token, detail)
 }
 
 pub(crate) fn body_too_large(job: &JobId, key: &IdempotencyKey, limit: usize) -> Problem {

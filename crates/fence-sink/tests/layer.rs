@@ -797,6 +797,12 @@ async fn store_failure_gets_503_with_retry_after() {
     let answer = send(&svc, post(JOB, 3)).await;
     let p = answer.problem(503, "urn:fence:store-unavailable");
     assert_eq!((p.job, p.token), (Some(job(JOB)), Some(3)));
+    // The store's own error text (a database's names tables and hosts) stays in the log.
+    assert!(
+        !p.detail.contains("disk on fire") && p.detail.contains("sink store I/O failed"),
+        "{}",
+        p.detail
+    );
     answer.retry_after();
     assert_eq!(
         app.calls(),
@@ -818,7 +824,9 @@ async fn store_failure_on_bump_and_on_idempotency_gets_503_then_recovers() {
 
     store.fail.store(true, Ordering::SeqCst);
     let idem = send(&svc, keyed(JOB, 5, "k", "")).await;
-    idem.problem(503, "urn:fence:store-unavailable");
+    let p = idem.problem(503, "urn:fence:store-unavailable");
+    assert_eq!((p.job, p.token), (Some(job(JOB)), Some(5)), "the contract's members");
+    assert!(!p.detail.contains("disk on fire"), "{}", p.detail);
     idem.retry_after();
     assert_eq!(
         app.calls(),

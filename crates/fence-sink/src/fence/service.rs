@@ -352,7 +352,7 @@ where
         }
         Ok(Admission::StoreFailed(e)) => {
             count("store_error");
-            let problem = reject::store_failed(&job, "generation", &e).with_token(token.get());
+            let problem = reject::store_failed(&job, token, "generation", &e);
             (Err(problem), RETRY)
         }
     };

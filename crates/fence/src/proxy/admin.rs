@@ -55,6 +55,14 @@ struct FenceView {
     gauges: Arc<dyn Fn() -> (usize, usize, usize) + Send + Sync>,
 }
 
+/// What a probe answers when the store failed: the error, never its sources (a database's
+/// error text names tables and hosts, and the admin listener may be open to anyone who can
+/// connect); the whole chain goes to the log.
+fn store_failed(e: &fence_sink::StoreError) -> String {
+    tracing::warn!(error = %fence_storage::error_chain(e), "the fence store failed a probe");
+    format!("the fence store failed ({e}); the proxy's log has the cause")
+}
+
 /// How long one probe may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
@@ -68,10 +76,7 @@ impl Health {
             Box::pin(async move {
                 match tokio::time::timeout(PROBE_TIMEOUT, store.highest(&probe)).await {
                     Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) => Err(format!(
-                        "the fence store failed: {}",
-                        fence_storage::error_chain(&e)
-                    )),
+                    Ok(Err(e)) => Err(store_failed(&e)),
                     Err(_) => Err(format!(
                         "the fence store did not answer within {PROBE_TIMEOUT:?}"
                     )),
@@ -106,10 +111,7 @@ impl Health {
             Box::pin(async move {
                 match tokio::time::timeout(PROBE_TIMEOUT, layer.job(&job)).await {
                     Ok(Ok(fence)) => Ok(fence),
-                    Ok(Err(e)) => Err(format!(
-                        "the fence store failed: {}",
-                        fence_storage::error_chain(&e)
-                    )),
+                    Ok(Err(e)) => Err(store_failed(&e)),
                     Err(_) => Err(format!(
                         "the fence store did not answer within {PROBE_TIMEOUT:?}"
                     )),
