@@ -269,8 +269,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
 
     /// The longest lease the lease server grants (its `--max-ttl`; default 24 h). With
     /// [`require_signatures`](Self::require_signatures), a token whose lease ends later
-    /// than now plus this plus the [clock skew](Self::clock_skew) is 409
-    /// `urn:fence:token-too-long`: no lease the server grants can end so late, and
+    /// than now plus this plus the [clock skew](Self::clock_skew) is 403
+    /// `urn:fence:token-too-long-lived`: no lease the server grants can end so late, and
     /// forgetting relies on every token ending within that window.
     pub fn max_lease_ttl(mut self, max_ttl: Duration) -> Self {
         self.config().max_lease_ttl = max_ttl;
