@@ -557,3 +557,36 @@ fn tls_init_with_an_existing_ca_renews_without_a_new_ca() {
     ]);
     assert_eq!(half.status.code(), Some(2));
 }
+
+/// A CA that has ended, or has not begun, signs nothing: OpenSSL-based clients would refuse
+/// every certificate it signed. Refused with exit 2 and why, nothing written.
+#[test]
+fn tls_init_refuses_a_ca_outside_its_validity() {
+    let dir = tempfile::tempdir().unwrap();
+    for (name, from, to) in [("ended", 2000, 2001), ("unbegun", 2100, 2110)] {
+        let key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::default();
+        params.is_ca = rcgen::IsCa::Ca(rcgen::BasicConstraints::Unconstrained);
+        params.not_before = rcgen::date_time_ymd(from, 1, 1);
+        params.not_after = rcgen::date_time_ymd(to, 1, 1);
+        let cert = params.self_signed(&key).unwrap();
+        let cert_path = dir.path().join(format!("{name}.pem"));
+        let key_path = dir.path().join(format!("{name}-key.pem"));
+        std::fs::write(&cert_path, cert.pem()).unwrap();
+        std::fs::write(&key_path, key.serialize_pem()).unwrap();
+        let out_dir = dir.path().join(format!("{name}-out"));
+        let out = fence(&[
+            "tls",
+            "init",
+            out_dir.to_str().unwrap(),
+            "--ca-cert",
+            cert_path.to_str().unwrap(),
+            "--ca-key",
+            key_path.to_str().unwrap(),
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{name}: {stderr}");
+        assert!(stderr.contains("not valid today"), "{name}: {stderr}");
+        assert!(!out_dir.exists(), "{name}: nothing is written");
+    }
+}
