@@ -400,6 +400,8 @@ struct FlakyStore {
     fail: AtomicBool,
     hang_observe: AtomicBool,
     hang_highest: AtomicBool,
+    /// The next `begin` writes its record, then fails (a commit lost after the write).
+    fail_after_begin: AtomicBool,
     release: Notify,
 }
 
@@ -434,7 +436,11 @@ impl GenerationStore for FlakyStore {
 impl IdempotencyStore for FlakyStore {
     async fn begin(&self, attempt: Attempt<'_>, for_: Duration) -> Result<Begin, StoreError> {
         self.check()?;
-        self.inner.begin(attempt, for_).await
+        let begun = self.inner.begin(attempt, for_).await;
+        if self.fail_after_begin.swap(false, Ordering::SeqCst) {
+            return Err(broken());
+        }
+        begun
     }
 
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
@@ -813,6 +819,24 @@ async fn store_failure_gets_503_with_retry_after() {
     send(&svc, request(Method::POST, "/charge", &[], ""))
         .await
         .problem(428, "urn:fence:missing-token");
+}
+
+/// A `begin` that failed may have written its record (a commit lost after the write): the
+/// record is given up, so the client's retry after `Retry-After` runs the request instead
+/// of meeting its own record in flight for the whole in-flight timeout (nothing ran).
+#[tokio::test]
+async fn a_failed_begin_leaves_its_key_free() {
+    let (app, _started) = App::new();
+    let store = Arc::new(FlakyStore::default());
+    let svc = FenceLayer::from_arc(store.clone()).layer(app.clone());
+    store.fail_after_begin.store(true, Ordering::SeqCst);
+    send(&svc, keyed(JOB, 5, "k", "pay"))
+        .await
+        .problem(503, "urn:fence:store-unavailable");
+    assert_eq!(app.calls(), 0, "nothing ran");
+    tokio::time::sleep(Duration::from_millis(100)).await; // the give-up runs in a task
+    assert_eq!(send(&svc, keyed(JOB, 5, "k", "pay")).await.status, 201);
+    assert_eq!(app.calls(), 1);
 }
 
 #[tokio::test]

@@ -218,9 +218,10 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let (job, key) = (self.job, self.key);
         let (problem, retry) = match begun {
             Ok(Begin::Started) => return Ok(()),
-            Err(e @ StoreError::Timeout(_)) => {
-                // The record may have been written after all: nothing ran, so it must not
-                // block its key. Give it up, if it is this attempt's, in the background.
+            Err(e) => {
+                // The record may have been written after all (a begin that timed out, or
+                // whose commit failed after the write): nothing ran, so it must not block its
+                // key. Give it up, if it is this attempt's, in the background.
                 self.release_unknown_begin(fingerprint);
                 count("store_error");
                 (reject::store_failed(job, self.token, "idempotency", &e), RETRY)
@@ -235,10 +236,6 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                 };
                 count("replayed");
                 return Err(replay(stored, held));
-            }
-            Err(e) => {
-                count("store_error");
-                (reject::store_failed(job, self.token, "idempotency", &e), RETRY)
             }
             Ok(Begin::InFlight) => {
                 count("in_flight_conflict");
@@ -383,7 +380,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         }
     }
 
-    /// After a `begin` whose outcome is unknown (it timed out), forgets the in-flight record
+    /// After a `begin` whose outcome is unknown (it failed or timed out), forgets the in-flight record
     /// it may have written, in a task of its own (the store only deletes a record this
     /// attempt began; without a runtime, or if that fails too, the record times out).
     fn release_unknown_begin(&self, fingerprint: &Fingerprint) {
