@@ -165,14 +165,24 @@ pub(crate) fn body_too_large(job: &JobId, key: &IdempotencyKey, limit: usize) ->
     Problem::new(ProblemType::PayloadTooLarge, detail).with_job(job.clone())
 }
 
+/// The body was not in within `limit`: before the fence decided (an `Idempotency-Key`'s
+/// body, read whole from its arrival), or while it was streamed to the service (`streamed`,
+/// counting from admission), which then saw its head and part of it.
 pub(crate) fn body_timeout(
     job: &JobId,
     token: FencingToken,
     limit: std::time::Duration,
+    streamed: bool,
 ) -> Problem {
-    let detail = format!(
-        "job {job}: the request body did not arrive within {limit:?} of admission; the service did not see the request"
-    );
+    let detail = if streamed {
+        format!(
+            "job {job}: the request body did not arrive within {limit:?} of admission; the service saw the request's head and part of its body, cut short, so whether it acted is unknown unless it acts only on whole requests"
+        )
+    } else {
+        format!(
+            "job {job}: the request body did not arrive within {limit:?} of the request's arrival; the service did not see the request"
+        )
+    };
     about(ProblemType::BodyTimeout, job.clone(), token, detail)
 }
 

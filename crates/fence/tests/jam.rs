@@ -120,6 +120,13 @@ fn slow_body_case(key: Option<&str>) {
         text.starts_with("HTTP/1.1 408") && text.contains("urn:fence:body-timeout"),
         "{key:?}: {text}"
     );
+    // Buffered (a key): the upstream never saw it; streamed: it saw the head and a prefix.
+    let said = if key.is_some() {
+        "the service did not see the request"
+    } else {
+        "the service saw the request's head and part of its body"
+    };
+    assert!(text.contains(said), "{key:?}: {text}");
 }
 
 #[test]

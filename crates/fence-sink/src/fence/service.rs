@@ -519,7 +519,7 @@ where
         }));
     }
     count("body_timeout");
-    let mut answer = reject(reject::body_timeout(job, token, limit), None);
+    let mut answer = reject(reject::body_timeout(job, token, limit, true), None);
     if response.extensions().get::<OutcomeUnknown>().is_some() {
         answer.extensions_mut().insert(OutcomeUnknown);
     }

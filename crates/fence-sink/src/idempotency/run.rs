@@ -188,7 +188,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             Err(_) => {
                 count("body_timeout");
                 return Err(reject(
-                    reject::body_timeout(self.job, self.token, self.body_timeout),
+                    reject::body_timeout(self.job, self.token, self.body_timeout, false),
                     None,
                 ));
             }
