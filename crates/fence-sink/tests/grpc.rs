@@ -539,3 +539,36 @@ fn answer(
         .insert("content-type", "application/grpc".parse().unwrap());
     response
 }
+
+/// A keyed call whose answer breaks off after its first message: the service may still be
+/// acting (a server stream whose handler writes on), so the job is held for the unknown
+/// outcome's hold, as it is without a key, and a newer token waits for it (here it gets
+/// drain-timeout) instead of passing at once.
+#[tokio::test]
+async fn a_keyed_answer_that_breaks_off_holds_the_job() {
+    let svc = FenceLayer::new(MemoryStore::new())
+        .drain_timeout(Duration::from_millis(200))
+        .unknown_outcome_hold(Duration::from_secs(60))
+        .layer(service_fn(|_: Request<RequestBody<In>>| async {
+            let body = Partial::fails_after(b"\0\0\0\0\x01x", std::io::Error::other("reset"));
+            let mut response = Response::new(body);
+            response
+                .headers_mut()
+                .insert("content-type", "application/grpc".parse().unwrap());
+            Ok::<_, Infallible>(response)
+        }));
+    let keyed = call(
+        &[
+            ("x-fencing-job", "j"),
+            ("x-fencing-token", "1"),
+            ("idempotency-key", "k"),
+        ],
+        body("\0\0\0\0\0"),
+    );
+    let broken = svc.clone().oneshot(keyed).await.unwrap();
+    let _ = broken.into_body().collect().await;
+    let newer = svc.clone().oneshot(fenced("j", "2")).await.unwrap();
+    Answer::of(newer)
+        .await
+        .status(14, "urn:fence:drain-timeout");
+}

@@ -135,6 +135,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             })
             .collect();
         let fingerprint = Fingerprint::scoped(&parts.method, path, &scope, &bytes);
+        let messages = reject::carries_messages(&parts.headers);
         if let Err(answer) = self.begin(&fingerprint).await {
             return Ok(answer);
         }
@@ -144,7 +145,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         // in-flight record stays until its timeout, so a retry meanwhile gets 409 rather
         // than a second run.
         let response = inner.call(request).await?;
-        Ok(self.record(&fingerprint, response).await)
+        Ok(self.record(&fingerprint, response, messages).await)
     }
 
     /// The request head and its whole body, under the memory budget, by the deadline; or
@@ -254,7 +255,14 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     }
 
     /// Finishes the record with the service's response, and answers with that response.
-    async fn record<B>(&self, fingerprint: &Fingerprint, response: Response<B>) -> Answer<B>
+    /// `messages`: the call is one of whole messages (gRPC and its kin, see
+    /// [`reject::carries_messages`]), whose service may act on after its answer broke off.
+    async fn record<B>(
+        &self,
+        fingerprint: &Fingerprint,
+        response: Response<B>,
+        messages: bool,
+    ) -> Answer<B>
     where
         B: FenceBody,
     {
@@ -324,10 +332,14 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                     let finishing = self
                         .finish(fingerprint, Finish::TooLarge { retention })
                         .await;
-                    (
-                        reject(reject::response_body_failed(self.job, &e), None),
-                        finishing,
-                    )
+                    let mut answer = reject(reject::response_body_failed(self.job, &e), None);
+                    // A call of messages (a server stream whose handler writes on) may still
+                    // be acting: the job is held as for any unknown outcome, as it is
+                    // without a key (see `Answering::cut`).
+                    if messages {
+                        answer.extensions_mut().insert(OutcomeUnknown);
+                    }
+                    (answer, finishing)
                 }
             };
         marked(answer, finishing)
