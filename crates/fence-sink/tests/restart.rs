@@ -408,3 +408,66 @@ async fn forgetting_waits_for_what_the_process_before_left_running() {
          ended"
     );
 }
+
+/// A request with an `Idempotency-Key` reaches the service only after its record's begin,
+/// which may take the idempotency store's timeout: it may run upstream until its stamp plus
+/// that plus the longest request. After a restart that came later than its stamp plus the
+/// longest request (but before that plus the begin), a newer token waits the whole hold
+/// from the restart, not what is left of a bound that forgot the begin.
+#[tokio::test]
+async fn a_keyed_request_may_run_past_the_longest_request_by_its_begin() {
+    use fence_sink::{GenerationStore, IdempotencyConfig};
+
+    const BEGIN: Duration = Duration::from_secs(2);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    let open = || {
+        let wall: Arc<dyn Clock> = Arc::new(clock.clone());
+        let store = SledStore::open_with_clock(dir.path(), wall.clone()).expect("sled opens");
+        let layer = FenceLayer::new(store.clone())
+            .clock(wall)
+            .idempotency(IdempotencyConfig::default().store_timeout(BEGIN))
+            .longest_request(LONGEST)
+            .unknown_outcome_hold(HOLD)
+            .drain_timeout(Duration::from_secs(60));
+        (store, layer)
+    };
+    let send = |layer: &FenceLayer<SledStore>, token: u64, key: Option<&str>| {
+        let svc = layer.layer(service_fn(move |_req: Request<RequestBody<String>>| async move {
+            if token == 4 {
+                std::future::pending::<()>().await; // still running when the process dies
+            }
+            Ok::<_, Infallible>(Response::new(String::new()))
+        }));
+        let mut req = Request::post("/")
+            .header("x-fencing-job", "keyed")
+            .header("x-fencing-token", token.to_string());
+        if let Some(key) = key {
+            req = req.header("idempotency-key", key);
+        }
+        let req = req.body(String::new()).unwrap();
+        tokio::spawn(async move { svc.oneshot(req).await.unwrap().status() })
+    };
+    let stamp = {
+        let (store, layer) = open();
+        let running = send(&layer, 4, Some("step-1"));
+        until("the keyed request runs", || layer.in_flight() == 1).await;
+        running.abort();
+        let _ = running.await;
+        drop(layer);
+        let loaded = store.load(&"keyed".parse().unwrap()).await.unwrap();
+        loaded.prior.expect("a sled job has stamps").admitted_until_ms
+    };
+    // The process died 1.4 s after stamp + LONGEST, inside the begin's 2 s: the request may
+    // have reached the service as late as that, and its effect may land a hold after.
+    clock.set_ms(stamp + LONGEST.as_millis() as u64 + 1_400);
+    let opened = Instant::now();
+    let (_store, layer) = open();
+    let (status, after) = answered(send(&layer, 5, None), opened).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        after >= HOLD,
+        "token 5 passed {after:?} after the restart, inside the {HOLD:?} hold the keyed \
+         request of 4 may still need"
+    );
+}

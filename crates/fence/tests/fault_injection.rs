@@ -245,7 +245,7 @@ async fn fault_worker() {
             println!("MISBEHAVED {job} {generation}");
         }
         // With forgetting on, now and then a write with this token is held in the network
-        // for longer than the proxy forgets by (4 s; on sled stretched to 5.5 s by its timeouts), then delivered: by then a newer
+        // for longer than the proxy forgets by (4 s; on sled stretched by its timeouts), then delivered: by then a newer
         // holder may have written and the job been forgotten (contract section 8, proof b).
         if let (true, 0, Some(token)) = (window > 0, rng.below(4), lease.token_string()) {
             seq += 1;
@@ -1079,11 +1079,12 @@ struct Effect {
 
 /// Long enough for the proxy to have forgotten a job idle since (its `--forget-after 4s`,
 /// which it stretches to what a request of a crashed proxy may still run: the upstream
-/// timeout, 3 s, plus the hold, [`SLOWEST_WORK`] + 500 ms; counted from a stamp up to
+/// timeout, 3 s, plus a keyed request's wait for its record (the store timeout, 5 s), plus
+/// the hold, [`SLOWEST_WORK`] + 500 ms; counted from a stamp up to
 /// `STAMP_AHEAD_MS` ahead of the last admission, a pass every eighth of that, and a second of
 /// slack): the stops and held writes meant to outlast it.
 const PAST_FORGETTING_MS: u64 = {
-    let forgets_after = 3_000 + SLOWEST_WORK.as_millis() as u64 + 500;
+    let forgets_after = 3_000 + 5_000 + SLOWEST_WORK.as_millis() as u64 + 500;
     forgets_after + fence_sink::STAMP_AHEAD_MS + forgets_after / 8 + 1_000
 };
 
@@ -1837,7 +1838,7 @@ async fn run(seed: u64, secs: u64, mode: Mode) -> Report {
                     _ => pids[rng.below(workers) as usize],
                 };
                 let mut pause = TTL_MS * 3 / 2 + rng.below(TTL_MS);
-                // Past the proxy's forgetting (4 s; on sled 5.5 s), with forgetting on: the stale write then
+                // Past the proxy's forgetting (4 s, on sled stretched by its timeouts), with forgetting on: the stale write then
                 // meets a job the proxy no longer remembers.
                 let past_forget = mode.forgets() && rng.below(3) == 0;
                 if past_forget {

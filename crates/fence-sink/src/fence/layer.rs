@@ -113,6 +113,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
                 restart: Restart {
                     longest_request: Duration::from_secs(60),
                     hold: Duration::from_secs(60),
+                    before_service: IdempotencyConfig::default().store_timeout,
                 },
             },
             body_timeout: Duration::from_secs(30),
@@ -215,7 +216,9 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// 60 s; a proxy sets its upstream timeout). After a restart over a durable store, a job
     /// whose last admission by the process before was at `t` (its stamp, written before the
     /// request went on) lets no newer token pass until `min(t + this, the restart) +` the
-    /// [unknown-outcome hold](Self::unknown_outcome_hold), and no request of its highest
+    /// [unknown-outcome hold](Self::unknown_outcome_hold) (with [idempotency](Self::idempotency),
+    /// `this` plus its store timeout: a keyed request waits up to that for its record's
+    /// begin before the service has it), and no request of its highest
     /// token either while requests of older tokens may still run: the process before may
     /// have left them running, and nobody knows their outcome. Jobs idle for longer wait
     /// for nothing. Zero for both (a service whose effects die with its process) turns the
@@ -263,6 +266,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         self.config().limits.restart = Restart {
             longest_request: Duration::ZERO,
             hold: Duration::ZERO,
+            before_service: Duration::ZERO,
         };
         self
     }
@@ -322,12 +326,16 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
 
     /// Handles `Idempotency-Key` as configured (on by default with [`IdempotencyConfig::default`]).
     pub fn idempotency(mut self, config: IdempotencyConfig) -> Self {
+        // A keyed request waits up to the record's begin before the service has it, which
+        // a restart must count on top of the longest request (see `longest_request`).
+        self.config().limits.restart.before_service = config.store_timeout;
         self.config().idempotency = Some(config);
         self
     }
 
     /// Ignores `Idempotency-Key` (it is still checked for syntax).
     pub fn without_idempotency(mut self) -> Self {
+        self.config().limits.restart.before_service = Duration::ZERO;
         self.config().idempotency = None;
         self
     }

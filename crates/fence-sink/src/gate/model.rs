@@ -148,6 +148,7 @@ const LIMITS: Limits = Limits {
     restart: Restart {
         longest_request: Duration::ZERO,
         hold: Duration::ZERO,
+        before_service: Duration::ZERO,
     },
 };
 

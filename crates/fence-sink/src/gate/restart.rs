@@ -25,13 +25,27 @@ pub(crate) struct Restart {
     pub(crate) longest_request: Duration,
     /// How long after that its effect may still happen (the unknown-outcome hold).
     pub(crate) hold: Duration,
+    /// How long an admitted request may wait before the service has it: the begin of its
+    /// `Idempotency-Key` record (the idempotency store's timeout), zero without keys.
+    pub(crate) before_service: Duration,
 }
 
 impl Restart {
+    /// How long after its admission a request may still be running at the service: its
+    /// wait before the service plus the longest request; zero when the longest request is
+    /// (a service whose effects die with its process).
+    pub(crate) fn running_for(&self) -> Duration {
+        if self.longest_request.is_zero() {
+            Duration::ZERO
+        } else {
+            self.longest_request.saturating_add(self.before_service)
+        }
+    }
+
     /// How long after its admission a request can no longer be running, outcome unknown
     /// included.
     pub(crate) fn settled_after(&self) -> Duration {
-        self.longest_request.saturating_add(self.hold)
+        self.running_for().saturating_add(self.hold)
     }
 }
 
@@ -40,7 +54,7 @@ impl GateState {
     pub(super) fn load_prior(&mut self, prior: Prior, restart: Restart, now_ms: u64) {
         let bound = |admitted: u64| {
             admitted
-                .saturating_add(ms(restart.longest_request))
+                .saturating_add(ms(restart.running_for()))
                 .min(prior.opened_ms)
                 .saturating_add(ms(restart.hold))
         };
