@@ -44,7 +44,7 @@ func TestBearerTokenAndCAFile(t *testing.T) {
 	if err := mustClient(t, s.serverURL, Options{AuthTokenFile: tokenFile, CAFile: cert}).Run(ctx, "tls-2", noop, RunOptions{}); err != nil {
 		t.Fatal(err)
 	}
-	t.Setenv("FENCE_AUTH_TOKEN", secret)
+	t.Setenv("FENCE_AUTH_TOKEN", secret+"\n") // a Kubernetes secret's newline is no part of it
 	t.Setenv("FENCE_CA_CERT", cert)
 	env := mustClient(t, s.serverURL, Options{})
 	if err := env.Run(ctx, "tls-3", noop, RunOptions{}); err != nil {
@@ -58,6 +58,12 @@ func TestBearerTokenAndCAFile(t *testing.T) {
 		t.Fatalf("outside the patterns: %v", err)
 	}
 	t.Setenv("FENCE_AUTH_TOKEN", "")
+	// One a header cannot carry is refused at once, and never repeated in the error.
+	for _, bad := range []string{secret + "\x01", secret[:8] + " " + secret[8:]} {
+		if _, err := NewClient(s.serverURL, Options{AuthToken: bad}); err == nil || !strings.Contains(err.Error(), "Options.AuthToken") || strings.Contains(err.Error(), secret[:8]) {
+			t.Fatalf("a secret a header cannot carry: %v", err)
+		}
+	}
 	if _, err := mustClient(t, s.serverURL, Options{}).Claim(ctx, "tls-4"); !errors.As(err, &pe) || pe.Status != 401 || pe.Type != "urn:fence:unauthenticated" {
 		t.Fatalf("without a token: %v", err)
 	}

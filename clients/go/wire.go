@@ -188,8 +188,22 @@ func newTransport(server string, opts *Options) (*transport, error) {
 			return nil, fmt.Errorf("fence: the auth token file %s is empty", opts.AuthTokenFile)
 		}
 	}
+	source := "Options.AuthToken"
 	if secret == "" {
-		secret = os.Getenv("FENCE_AUTH_TOKEN")
+		secret, source = os.Getenv("FENCE_AUTH_TOKEN"), "FENCE_AUTH_TOKEN"
+	}
+	// A secret read from an environment variable or a file often ends in a newline: white
+	// space around it is no part of it. What is left goes in a header, so it must be visible
+	// ASCII; the error never repeats it.
+	if secret != "" {
+		if secret = strings.TrimSpace(secret); secret == "" {
+			return nil, fmt.Errorf("fence: the bearer secret (%s) is empty", source)
+		}
+		for i := 0; i < len(secret); i++ {
+			if secret[i] < 0x21 || secret[i] > 0x7e {
+				return nil, fmt.Errorf("fence: the bearer secret (%s) holds a character an HTTP header cannot carry (a space, a control character or non-ASCII); it is not shown here", source)
+			}
+		}
 	}
 	t := &transport{server: server, header: http.Header{"Accept": {"application/json"}}, timeout: opts.Timeout}
 	if t.timeout <= 0 {

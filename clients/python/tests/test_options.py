@@ -39,7 +39,8 @@ def test_bearer_token_and_ca_file(stack, tmp_path, monkeypatch):
         assert lease.generation == 1
     with Client(s.server_url, auth_token_file=token_file, ca_file=cert).claim("tls-2"):
         pass
-    monkeypatch.setenv("FENCE_AUTH_TOKEN", SECRET)
+    # An environment variable's trailing newline (a Kubernetes secret's) is no part of it.
+    monkeypatch.setenv("FENCE_AUTH_TOKEN", SECRET + "\n")
     monkeypatch.setenv("FENCE_CA_CERT", str(cert))
     with Client(s.server_url).claim("tls-3"):
         pass
@@ -48,6 +49,11 @@ def test_bearer_token_and_ca_file(stack, tmp_path, monkeypatch):
         Client(s.server_url).claim("other-job")
     assert (forbidden.value.status, forbidden.value.type) == (403, "urn:fence:forbidden")
     monkeypatch.delenv("FENCE_AUTH_TOKEN")
+    # One a header cannot carry is refused at once, and never repeated in the error.
+    for bad in (SECRET + "\x01", SECRET[:8] + " " + SECRET[8:]):
+        with pytest.raises(ValueError) as refused:
+            Client(s.server_url, auth_token=bad)
+        assert "auth_token" in str(refused.value) and SECRET[:8] not in str(refused.value)
     with pytest.raises(ProblemError) as unauthenticated:
         Client(s.server_url, ca_file=cert).claim("tls-4")
     assert unauthenticated.value.status == 401

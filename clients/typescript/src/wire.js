@@ -164,7 +164,18 @@ export class Transport {
       secret = readFileSync(options.authTokenFile, 'utf8').trim();
       if (!secret) throw new TypeError(`the auth token file ${options.authTokenFile} is empty`);
     }
-    secret ??= process.env.FENCE_AUTH_TOKEN || undefined;
+    let source = 'authToken';
+    if (secret == null) [secret, source] = [process.env.FENCE_AUTH_TOKEN || undefined, 'FENCE_AUTH_TOKEN'];
+    // A secret read from an environment variable or a file often ends in a newline: white
+    // space around it is no part of it. What is left goes in a header, so it must be visible
+    // ASCII; the error never repeats it.
+    if (secret != null) {
+      secret = String(secret).trim();
+      if (!secret) throw new TypeError(`the bearer secret (${source}) is empty`);
+      if (!/^[\x21-\x7e]+$/.test(secret)) {
+        throw new TypeError(`the bearer secret (${source}) holds a character an HTTP header cannot carry (a space, a control character or non-ASCII); it is not shown here`);
+      }
+    }
     this.headers = { accept: 'application/json' };
     if (secret) this.headers.authorization = `Bearer ${secret}`;
     const caFile = options.caFile ?? (process.env.FENCE_CA_CERT || undefined);

@@ -37,12 +37,17 @@ test('bearer token and CA file', async (t) => {
   t.after(() => clients.forEach((c) => c.close()));
   await make({ authToken: SECRET, caFile: cert, ttlMs: 1000 }).run('tls-1', async (l) => assert.equal(l.generation, 1n));
   await make({ authTokenFile: tokenFile, caFile: cert }).run('tls-2', async () => {});
-  process.env.FENCE_AUTH_TOKEN = SECRET;
+  process.env.FENCE_AUTH_TOKEN = `${SECRET}\n`; // a Kubernetes secret's newline is no part of it
   process.env.FENCE_CA_CERT = cert;
   await make({}).run('tls-3', async () => {});
   assert.equal((await make({}).status('tls-3')).state, 'completed');
   await assert.rejects(make({}).claim('other-job'), (e) => e instanceof ProblemError && e.status === 403 && e.type === 'urn:fence:forbidden');
   delete process.env.FENCE_AUTH_TOKEN;
+  // One a header cannot carry is refused at once, and never repeated in the error.
+  for (const bad of [`${SECRET}\x01`, `${SECRET.slice(0, 8)} ${SECRET.slice(8)}`]) {
+    assert.throws(() => make({ authToken: bad }),
+      (e) => e instanceof TypeError && e.message.includes('authToken') && !e.message.includes(SECRET.slice(0, 8)));
+  }
   await assert.rejects(make({ caFile: cert }).claim('tls-4'),
     (e) => e instanceof ProblemError && e.status === 401 && e.type === 'urn:fence:unauthenticated');
   delete process.env.FENCE_CA_CERT;

@@ -120,8 +120,8 @@ def wait_param(seconds: float) -> str:
 
 
 def read_auth_token(auth_token: Optional[str], auth_token_file: Optional[PathLike]) -> Optional[str]:
-    """The bearer secret: given, else read from the file (white space trimmed), else
-    ``FENCE_AUTH_TOKEN``, else none."""
+    """The bearer secret: given, else read from the file, else ``FENCE_AUTH_TOKEN``, else
+    none; white space around it trimmed, refused unless visible ASCII."""
     if auth_token is not None and auth_token_file is not None:
         raise ValueError("give auth_token or auth_token_file, not both")
     if auth_token_file is not None:
@@ -129,8 +129,20 @@ def read_auth_token(auth_token: Optional[str], auth_token_file: Optional[PathLik
             auth_token = f.read().strip()
         if not auth_token:
             raise ValueError(f"the auth token file {os.fspath(auth_token_file)} is empty")
+    source = "auth_token"
     if auth_token is None:
-        auth_token = os.environ.get("FENCE_AUTH_TOKEN") or None
+        auth_token, source = os.environ.get("FENCE_AUTH_TOKEN") or None, "FENCE_AUTH_TOKEN"
+    if auth_token is None:
+        return None
+    # A secret read from an environment variable or a file often ends in a newline: white
+    # space around it is no part of it. What is left goes in a header, so it must be visible
+    # ASCII; the error never repeats it (http.client's would, in every failed call's message).
+    auth_token = auth_token.strip()
+    if not auth_token:
+        raise ValueError(f"the bearer secret ({source}) is empty")
+    if any(not 0x21 <= ord(c) <= 0x7E for c in auth_token):
+        raise ValueError(f"the bearer secret ({source}) holds a character an HTTP header cannot "
+                         "carry (a space, a control character or non-ASCII); it is not shown here")
     return auth_token
 
 
