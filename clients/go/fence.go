@@ -466,7 +466,8 @@ type RunOptions struct {
 	OnSuccessRelease bool
 }
 
-// Run claims job, runs fn under the lease's context, completes the job when fn returns nil
+// Run claims job, runs fn under a context that carries ctx's values and is cancelled when
+// ctx is or the lease is lost (lease.Err says which), completes the job when fn returns nil
 // (releases it with OnSuccessRelease) and releases it when fn fails. A lease lost while fn
 // ran is released, not completed, and Run returns the *LeaseLostError.
 func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Context, lease *Lease) error, opts RunOptions) error {
@@ -474,18 +475,38 @@ func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Contex
 	if err != nil {
 		return err
 	}
-	if err := fn(lease.Context(), lease); err != nil {
-		_, _ = lease.Release(context.Background()) // fn's own error is what counts
+	// fn's context: ctx's (its values, its cancellation: a Ctrl-C through
+	// signal.NotifyContext must reach the work), cut when the lease is lost.
+	fctx, cancel := context.WithCancel(ctx)
+	ran := make(chan struct{})
+	go func() {
+		select {
+		case <-lease.Done():
+			cancel()
+		case <-ran:
+		}
+	}()
+	err = fn(fctx, lease)
+	close(ran)
+	cancel()
+	// The release or completion goes out even when ctx has ended (each is bounded by the
+	// lease's end and its own retries): a cancelled run must not leave its job held.
+	finish := ctx
+	if ctx.Err() != nil {
+		finish = context.Background()
+	}
+	if err != nil {
+		_, _ = lease.Release(finish) // fn's own error is what counts
 		return err
 	}
 	if lost := lease.Err(); lost != nil {
-		_, _ = lease.Release(context.Background()) // never complete a job whose lease was lost
+		_, _ = lease.Release(finish) // never complete a job whose lease was lost
 		return lost
 	}
 	if opts.OnSuccessRelease {
-		_, err = lease.Release(ctx)
+		_, err = lease.Release(finish)
 	} else {
-		_, err = lease.Complete(ctx)
+		_, err = lease.Complete(finish)
 	}
 	return err
 }

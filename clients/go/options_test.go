@@ -336,3 +336,28 @@ func TestPrintingALeaseNeverShowsItsKey(t *testing.T) {
 		}
 	}
 }
+
+// Run's work sees the caller's cancellation (a Ctrl-C through signal.NotifyContext) and its
+// values, and the job is released, not left held until its lease runs out.
+func TestRunFollowsTheCallersContext(t *testing.T) {
+	type key struct{}
+	s := newStack(t, stackOpts{noProxy: true})
+	c := mustClient(t, s.serverURL, Options{TTL: 30 * time.Second})
+	parent, cancel := context.WithCancel(context.WithValue(context.Background(), key{}, "trace-1"))
+	time.AfterFunc(100*time.Millisecond, cancel)
+	started := time.Now()
+	err := c.Run(parent, "cancelled-run", func(ctx context.Context, _ *Lease) error {
+		if ctx.Value(key{}) != "trace-1" {
+			t.Errorf("the caller's values are lost: %v", ctx.Value(key{}))
+		}
+		<-ctx.Done()
+		return ctx.Err()
+	}, RunOptions{})
+	if !errors.Is(err, context.Canceled) || time.Since(started) > 10*time.Second {
+		t.Fatalf("Run returned %v after %v", err, time.Since(started))
+	}
+	rec, err := c.Status(context.Background(), "cancelled-run")
+	if err != nil || rec.State != "free" {
+		t.Fatalf("the job is not released: %+v %v", rec, err)
+	}
+}
