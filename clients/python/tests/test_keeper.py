@@ -289,3 +289,21 @@ def test_cancelling_an_asyncio_release_stops_its_retries(stack, monkeypatch):
     assert took < 3.0, f"the retries went on after the cancel: {took:.1f} s, {attempts} attempts"
     time.sleep(0.5)
     assert len(sent[0]) == attempts
+
+
+def test_asyncio_renewals_do_not_wait_for_the_loops_default_executor(stack):
+    """An application whose blocking work fills the loop's default executor (one thread here,
+    busy for 3 s) must not starve the keeper: a 1 s lease is renewed all along."""
+    import concurrent.futures
+
+    s = stack(proxy=False)
+
+    async def main() -> None:
+        loop = asyncio.get_running_loop()
+        loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
+        lease = await AsyncClient(s.server_url, owner="starved", ttl=1.0).claim("starved")
+        await asyncio.to_thread(time.sleep, 3.0)  # the only default thread, for 3 leases
+        assert not lease.is_lost(), lease.loss_reason
+        await lease.release()
+
+    asyncio.run(main())

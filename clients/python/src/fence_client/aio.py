@@ -7,13 +7,16 @@
         ...
 
 The keeper is a task of the running loop; each call to the lease server runs the standard
-library's HTTP client in a worker thread, and every wait of the keeper is bounded by the local
-deadline, so ``lease.lost`` is set on time even while a renewal hangs.
+library's HTTP client in a worker thread of fence's own (not the loop's default executor, which
+the application's blocking work may fill, starving renewals), and every wait of the keeper is
+bounded by the local deadline, so ``lease.lost`` is set on time even while a renewal hangs.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import functools
 import threading
 from types import TracebackType
 from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, Type
@@ -26,6 +29,18 @@ from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF
                      waiting_claim_gap)
 from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic,
                     ttl_to_ms)
+
+
+# The threads the lease server's calls run in, shared by every AsyncClient and made as needed:
+# fence's own, so that an application that fills the loop's default executor with blocking
+# work cannot hold its renewals back until every lease is lost.
+_CALLS = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="fence-call")
+
+
+async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``fn(*args, **kwargs)`` in one of fence's threads, awaited."""
+    loop = asyncio.get_running_loop()
+    return await loop.run_in_executor(_CALLS, functools.partial(fn, *args, **kwargs))
 
 
 class AsyncLease(LeaseCore):
@@ -94,11 +109,11 @@ class AsyncLease(LeaseCore):
                 next_at = self._after_renewal(sent, answer=answer)
 
     async def _renew(self, timeout: float) -> Dict[str, Any]:
-        return await asyncio.to_thread(self._send_renew, timeout)
+        return await _in_thread(self._send_renew, timeout)
 
     async def save_checkpoint(self, data: str) -> Dict[str, Any]:
         """As :meth:`fence_client.Lease.save_checkpoint`."""
-        return await asyncio.to_thread(self._send_checkpoint, data)
+        return await _in_thread(self._send_checkpoint, data)
 
     async def release(self) -> Dict[str, Any]:
         """Frees the job; the record. :class:`LeaseRefused` when the lease is not ours."""
@@ -120,7 +135,7 @@ class AsyncLease(LeaseCore):
         # retries after it (they would otherwise go on for up to a minute, unseen).
         cancelled = threading.Event()
         try:
-            return await asyncio.to_thread(self._send_finish, action, cancelled)
+            return await _in_thread(self._send_finish, action, cancelled)
         except asyncio.CancelledError:
             cancelled.set()
             raise
@@ -197,7 +212,7 @@ class AsyncClient(ClientCore):
         while True:
             sent = monotonic()
             try:
-                answer = await asyncio.to_thread(self._transport.call, "POST", path, body,
+                answer = await _in_thread(self._transport.call, "POST", path, body,
                                                  budget)
                 break
             except ProtocolError as e:
@@ -223,7 +238,7 @@ class AsyncClient(ClientCore):
             chunk = chunk if chunk >= 0.001 else 0.0
             sent = monotonic()
             try:
-                answer = await asyncio.to_thread(self._transport.call, "POST",
+                answer = await _in_thread(self._transport.call, "POST",
                                                  claim_path(job, chunk), body,
                                                  budget + chunk)
                 break
@@ -273,4 +288,4 @@ class AsyncClient(ClientCore):
     async def status(self, job: str) -> Dict[str, Any]:
         """The job's lease record, as :meth:`fence_client.Client.status`."""
         path = f"/v1/leases/{encode_job(job)}"
-        return await asyncio.to_thread(self._transport.call, "GET", path)
+        return await _in_thread(self._transport.call, "GET", path)

@@ -142,7 +142,9 @@ class Client(ClientCore):
     ``ttl`` and ``wait`` are seconds. The bearer secret is ``auth_token``, or read from
     ``auth_token_file``, or ``FENCE_AUTH_TOKEN``; ``ca_file`` (or ``FENCE_CA_CERT``) replaces
     the system roots for an ``https://`` server. ``margin`` overrides the safety margin (10%
-    of the TTL, at least 50 ms); ``timeout`` bounds calls other than renewals.
+    of the TTL, at least 50 ms); ``timeout`` bounds calls other than claims and renewals (a
+    claim may take what its lease could use, the TTL less the margin, plus its ``wait``; a
+    renewal, what is left of the lease).
     ``lock_delay`` (seconds) is the lock-delay of this client's leases: if one *expires*,
     nobody can claim its job until that long after its end (default: the server's).
     ``progress_within`` (seconds) binds renewals to progress: the keeper renews only while
