@@ -268,6 +268,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     });
     config.drain_timeout = a.drain_timeout;
     config.upstream_timeout = a.upstream_timeout;
+    config.upstream_idle_timeout = a.upstream_idle_timeout;
     config.body_timeout = a.body_timeout;
     config.clock_skew = a.clock_skew;
     config.forget_after = a.forget_after;

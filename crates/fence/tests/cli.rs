@@ -292,6 +292,10 @@ fn bad_flags_exit_2_with_a_message() {
             "a timeout must be from 1ms to 24h",
         ),
         (
+            "proxy|--data-dir|x|--upstream|http://a|--upstream-idle-timeout|0s".into(),
+            "a timeout must be from 1ms to 24h",
+        ),
+        (
             "server|--data-dir|x|--max-connections|0".into(),
             "--max-connections",
         ),

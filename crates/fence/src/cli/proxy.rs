@@ -90,6 +90,12 @@ pub struct ProxyArgs {
     /// slow client delays a job's newer holder by this much at most.
     #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_timeout, env = "FENCE_BODY_TIMEOUT")]
     pub body_timeout: Duration,
+    /// How long an upstream connection may sit unused and still be reused; older ones are
+    /// closed. Keep it below the upstream's own keep-alive timeout (Node 5s, gunicorn 2s,
+    /// uvicorn 5s): a request written just as the upstream closes an idle connection gets
+    /// no answer, a 502 of unknown outcome that holds its job for --unknown-outcome-hold.
+    #[arg(long, allow_hyphen_values = true, default_value = "4s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_IDLE_TIMEOUT")]
+    pub upstream_idle_timeout: Duration,
     /// After an answer of unknown outcome (504, or a 502 after the request was written), how
     /// long the request still counts as in flight for its job, so a newer generation does not
     /// pass while the upstream may still act on it. Default: --upstream-timeout.

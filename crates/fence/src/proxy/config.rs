@@ -48,8 +48,11 @@ pub struct ProxyConfig {
     /// The longest lease the lease server grants (default 24 h).
     pub max_lease_ttl: Duration,
     /// How long a kept-alive upstream connection may stay unused and still be reused
-    /// (default 90 s). Older ones are closed: a firewall or NAT on the way may have dropped
-    /// them without a word, and a request sent on one would wait for `upstream_timeout`.
+    /// (default 4 s, `fence proxy --upstream-idle-timeout`). Older ones are closed: the
+    /// upstream closes its idle connections after its own keep-alive timeout (Node's is
+    /// 5 s), and a request written just as it does gets no answer (a 502 of unknown outcome,
+    /// which holds its job); a firewall or NAT on the way may have dropped them without a
+    /// word, and a request sent on one would wait for `upstream_timeout`.
     pub upstream_idle_timeout: Duration,
     /// Whether the upstream sees the client's `Host` (true) or its own authority, with the
     /// client's `Host` in `X-Forwarded-Host` (false, the default).
@@ -91,7 +94,7 @@ impl ProxyConfig {
             clock_skew: Duration::from_secs(5),
             forget_after: None,
             max_lease_ttl: Duration::from_secs(24 * 3600),
-            upstream_idle_timeout: Duration::from_secs(90),
+            upstream_idle_timeout: Duration::from_secs(4),
             preserve_host: false,
             via: true,
             verifier: None,
