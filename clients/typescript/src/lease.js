@@ -40,6 +40,8 @@ export class Lease {
   #controller = new AbortController();
   #finished = false;
   #wake = null;
+  /** @type {AbortController | null} the renewal in flight, cancelled when the lease is finished */
+  #renewal = null;
   #keeper = null;
   #progressWithinMs;
   #resumed = null;
@@ -184,6 +186,9 @@ export class Lease {
   abandon() {
     this.#finished = true;
     this.#wake?.();
+    // A renewal still under way is of no use now: cancelled, it keeps no timer (and so
+    // no process) alive until the lease's deadline.
+    this.#renewal?.abort();
     this.#declareLost(FINISHED);
   }
 
@@ -232,9 +237,9 @@ export class Lease {
   }
 
   /** @internal One renewal; the keeper calls it, tests replace it to pause renewals. */
-  _sendRenew(timeoutMs) {
+  _sendRenew(timeoutMs, signal) {
     const body = { owner: this.owner, generation: this.generation, lease_key: this.#key, ttl_ms: this.#askedTtlMs };
-    return this.#transport.call('POST', this.#path('renew'), body, timeoutMs);
+    return this.#transport.call('POST', this.#path('renew'), body, timeoutMs, signal);
   }
 
   /** @internal Takes a claim's or renewal's answer sent at `sent`; false when lost before. */
@@ -309,13 +314,17 @@ export class Lease {
         return this.#declareLost(`the worker reported no progress for ${this.#progressWithinMs} ms; renewals stopped`);
       }
       let timer;
+      const renewal = new AbortController();
+      this.#renewal = renewal;
       const outcome = await Promise.race([
-        this._sendRenew(deadline - sent).then((answer) => ({ answer }), (error) => ({ error })),
+        this._sendRenew(deadline - sent, renewal.signal).then((answer) => ({ answer }), (error) => ({ error })),
         new Promise((resolve) => { timer = setTimeout(() => resolve(TIMED_OUT), Math.max(deadline - now(), 0)); }),
+        new Promise((resolve) => renewal.signal.addEventListener('abort', () => resolve(FINISHED), { once: true })),
       ]);
       clearTimeout(timer);
-      if (outcome === TIMED_OUT) return this.#declareLost(DEADLINE_PASSED);
+      this.#renewal = null;
       if (this.#finished) return;
+      if (outcome === TIMED_OUT) return this.#declareLost(DEADLINE_PASSED);
       next = this.#afterRenewal(sent, outcome);
       if (next === null) return;
     }

@@ -193,9 +193,10 @@ export class Transport {
    * @param {string} path
    * @param {object} [body]
    * @param {number} [timeoutMs]
+   * @param {AbortSignal} [signal] cancels the call (its request is destroyed, its timer cleared)
    * @returns {Promise<any>}
    */
-  call(method, path, body, timeoutMs) {
+  call(method, path, body, timeoutMs, signal) {
     const data = body === undefined ? undefined : Buffer.from(stringifyJson(body));
     const headers = { ...this.headers };
     if (data) {
@@ -207,6 +208,11 @@ export class Transport {
     return new Promise((resolve, reject) => {
       const req = this.module.request({ ...this.target, agent: this.agent, method, path: this.base + path, headers });
       const timer = setTimeout(() => req.destroy(new Error(`no answer within ${Math.round(wait)} ms`)), wait);
+      // A cancelled call keeps nothing alive: its request goes, and with it the timer.
+      const cancel = () => req.destroy(new Error('cancelled'));
+      if (signal?.aborted) cancel();
+      else signal?.addEventListener('abort', cancel, { once: true });
+      req.on('close', () => signal?.removeEventListener('abort', cancel));
       req.on('error', (e) => {
         clearTimeout(timer);
         reject(new ServerUnreachable(`${what}: ${e.message}`, { cause: e }));

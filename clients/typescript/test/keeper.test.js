@@ -237,3 +237,42 @@ test('fencedFetch aborts a request still waiting for its answer when the lease i
     `${getEventListeners(lasting.signal, 'abort').length} listeners left on the caller's signal`);
   await own.release();
 });
+
+test('a release cancels the renewal under way: no timer outlives the lease', async (t) => {
+  const s = await stack(t, { proxy: false });
+  const target = new URL(s.serverUrl);
+  let renewing = 0;
+  const hung = [];
+  // Forwards everything but renewals, which it holds without an answer.
+  const front = http.createServer((req, res) => {
+    if (req.url.endsWith('/renew')) {
+      renewing += 1;
+      hung.push(res);
+      return;
+    }
+    const out = http.request({ host: target.hostname, port: target.port, method: req.method, path: req.url, headers: req.headers }, (answer) => {
+      res.writeHead(answer.statusCode, answer.headers);
+      answer.pipe(res);
+    });
+    out.on('error', () => res.destroy());
+    req.pipe(out);
+  });
+  await new Promise((r) => front.listen(0, '127.0.0.1', r));
+  t.after(() => { hung.forEach((r) => r.destroy()); front.close(); });
+  const client = new Client({ server: `http://127.0.0.1:${front.address().port}`, owner: 'quitter', ttlMs: 6_000 });
+  t.after(() => client.close());
+  const timers = () => process.getActiveResourcesInfo().filter((r) => r === 'Timeout').length;
+  const before = timers();
+  const lease = await client.claim('quits-mid-renewal');
+  // The keeper's first renewal goes out after a third of the TTL, 2 s.
+  const until = performance.now() + 15_000;
+  while (renewing === 0) {
+    assert.ok(performance.now() < until, 'no renewal was sent within 15 s');
+    await sleep(50);
+  }
+  await lease.release();
+  await sleep(50);
+  // Before: the renewal's own timer and the keeper's race against the deadline stayed until
+  // the lease's deadline, some 3 s on, keeping a process that had finished alive.
+  assert.equal(timers(), before, `timers left: ${process.getActiveResourcesInfo()}`);
+});
