@@ -154,7 +154,9 @@ pub(crate) fn store_failed(
     e: &(dyn std::error::Error + 'static),
 ) -> Problem {
     crate::refusals::log_store_failure(which, job, e);
-    let detail = format!("job {job}: the {which} store failed ({e}); retry (this destination's log has the cause)");
+    let detail = format!(
+        "job {job}: the {which} store failed ({e}); retry (this destination's log has the cause)"
+    );
     about(ProblemType::StoreUnavailable, job.clone(), token, detail)
 }
 

@@ -849,7 +849,11 @@ async fn store_failure_on_bump_and_on_idempotency_gets_503_then_recovers() {
     store.fail.store(true, Ordering::SeqCst);
     let idem = send(&svc, keyed(JOB, 5, "k", "")).await;
     let p = idem.problem(503, "urn:fence:store-unavailable");
-    assert_eq!((p.job, p.token), (Some(job(JOB)), Some(5)), "the contract's members");
+    assert_eq!(
+        (p.job, p.token),
+        (Some(job(JOB)), Some(5)),
+        "the contract's members"
+    );
     assert!(!p.detail.contains("disk on fire"), "{}", p.detail);
     idem.retry_after();
     assert_eq!(

@@ -433,12 +433,14 @@ async fn a_keyed_request_may_run_past_the_longest_request_by_its_begin() {
         (store, layer)
     };
     let send = |layer: &FenceLayer<SledStore>, token: u64, key: Option<&str>| {
-        let svc = layer.layer(service_fn(move |_req: Request<RequestBody<String>>| async move {
-            if token == 4 {
-                std::future::pending::<()>().await; // still running when the process dies
-            }
-            Ok::<_, Infallible>(Response::new(String::new()))
-        }));
+        let svc = layer.layer(service_fn(
+            move |_req: Request<RequestBody<String>>| async move {
+                if token == 4 {
+                    std::future::pending::<()>().await; // still running when the process dies
+                }
+                Ok::<_, Infallible>(Response::new(String::new()))
+            },
+        ));
         let mut req = Request::post("/")
             .header("x-fencing-job", "keyed")
             .header("x-fencing-token", token.to_string());
@@ -456,7 +458,10 @@ async fn a_keyed_request_may_run_past_the_longest_request_by_its_begin() {
         let _ = running.await;
         drop(layer);
         let loaded = store.load(&"keyed".parse().unwrap()).await.unwrap();
-        loaded.prior.expect("a sled job has stamps").admitted_until_ms
+        loaded
+            .prior
+            .expect("a sled job has stamps")
+            .admitted_until_ms
     };
     // The process died 1.4 s after stamp + LONGEST, inside the begin's 2 s: the request may
     // have reached the service as late as that, and its effect may land a hold after.

@@ -225,7 +225,10 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                 // key. Give it up, if it is this attempt's, in the background.
                 self.release_unknown_begin(fingerprint);
                 count("store_error");
-                (reject::store_failed(job, self.token, "idempotency", &e), RETRY)
+                (
+                    reject::store_failed(job, self.token, "idempotency", &e),
+                    RETRY,
+                )
             }
             Ok(Begin::Replay(stored)) => {
                 let Some(held) = self.budget.reserve(stored.body.len(), self.max_buffered) else {
