@@ -572,3 +572,58 @@ async fn a_keyed_answer_that_breaks_off_holds_the_job() {
         .await
         .status(14, "urn:fence:drain-timeout");
 }
+
+/// A keyed call whose answer streams on unkept (larger than what is kept for replay): the
+/// service may still be writing it, so a newer token waits until the answer ends, as it does
+/// without a key, instead of passing once the answer's head is out.
+#[tokio::test]
+async fn a_keyed_answer_that_streams_on_holds_the_job_until_it_ends() {
+    let (sender, channel) = common::Channel::new();
+    let first = Arc::new(std::sync::Mutex::new(Some(channel)));
+    let svc = FenceLayer::new(MemoryStore::new())
+        .idempotency(fence_sink::IdempotencyConfig::default().max_response_body(4))
+        .drain_timeout(Duration::from_millis(200))
+        .unknown_outcome_hold(Duration::from_secs(60))
+        .layer(service_fn(move |_: Request<RequestBody<In>>| {
+            let body = first
+                .lock()
+                .unwrap()
+                .take()
+                .unwrap_or_else(|| common::Channel::new().1);
+            async move {
+                let mut response = Response::new(body);
+                response
+                    .headers_mut()
+                    .insert("content-type", "application/grpc".parse().unwrap());
+                Ok::<_, Infallible>(response)
+            }
+        }));
+    // A first message of more than the 4 bytes kept: the answer streams on unkept.
+    sender
+        .send(Bytes::from_static(b"\0\0\0\0\x08messages"))
+        .unwrap();
+    let keyed = call(
+        &[
+            ("x-fencing-job", "j"),
+            ("x-fencing-token", "1"),
+            ("idempotency-key", "k"),
+        ],
+        body("\0\0\0\0\0"),
+    );
+    let mut streaming = svc.clone().oneshot(keyed).await.unwrap().into_body();
+    assert!(streaming.frame().await.is_some(), "the first message");
+    Answer::of(svc.clone().oneshot(fenced("j", "2")).await.unwrap())
+        .await
+        .status(14, "urn:fence:drain-timeout");
+    drop(sender); // the service is done: the answer ends
+    while streaming.frame().await.is_some() {}
+    drop(streaming);
+    let passed = Answer::of(svc.clone().oneshot(fenced("j", "2")).await.unwrap()).await;
+    assert_eq!(passed.http, 200);
+    assert_eq!(
+        passed.header("fence-problem-type"),
+        None,
+        "{:?}",
+        passed.headers
+    );
+}

@@ -24,7 +24,7 @@ use crate::{
     GenerationStore, IdempotencyStore, OutcomeUnknown,
     body::{FenceBody, RequestBody, ResponseBody, Streaming},
     gate::Admission,
-    idempotency::{Finishing, Keyed},
+    idempotency::{Finishing, Keyed, StreamsOn},
     metrics::count,
     refusals::Asked,
     reject::{self, RETRY, reject},
@@ -389,17 +389,34 @@ where
             // the service could not tell (or failed) and may still act on the request, or
             // its record is still being completed (a newer request with its key would run
             // the step again).
-            match (&response, finishing) {
-                (_, Some(finishing)) => {
+            let marked = |m: fn(&http::Extensions) -> bool| {
+                response.as_ref().is_ok_and(|r| m(r.extensions()))
+            };
+            let unknown = marked(|e| e.get::<OutcomeUnknown>().is_some());
+            let streams_on = marked(|e| e.get::<StreamsOn>().is_some());
+            match finishing {
+                Some(finishing) => {
+                    // Held for the unknown outcome's hold after the record is done, when the
+                    // service may still be acting (its answer cut, or streaming on).
                     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                         runtime.spawn(async move {
                             finishing.done().await;
-                            drop(guard);
+                            if unknown || streams_on {
+                                guard.hold(hold);
+                            }
                         });
                     }
                 }
-                (Ok(r), None) if r.extensions().get::<OutcomeUnknown>().is_none() => drop(guard),
-                _ => guard.hold(hold),
+                // A call of messages whose answer streams on unkept: in flight until the answer
+                // ends (held for the hold if it is cut), and no longer than the body deadline
+                // from now (then held for the hold), as without a key.
+                None if streams_on => {
+                    let flight = Streaming::new(guard, hold, true);
+                    flight.keep_deadline(tokio::time::Instant::now() + config.body_timeout);
+                    return response.map(|r| r.map(|body| body.answering(flight)));
+                }
+                None if !unknown && response.is_ok() => drop(guard),
+                None => guard.hold(hold),
             }
             response
         }

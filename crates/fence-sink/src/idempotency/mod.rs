@@ -23,7 +23,7 @@ use std::{fmt, sync::Arc, time::Duration};
 
 use http::StatusCode;
 
-pub(crate) use self::run::{Finishing, Keyed, attempt_id};
+pub(crate) use self::run::{Finishing, Keyed, StreamsOn, attempt_id};
 
 /// Which responses are stored for replay.
 pub type StatusFilter = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;

@@ -93,6 +93,13 @@ impl OwnedAttempt {
 const FINISH_RETRY_FIRST: Duration = Duration::from_millis(100);
 const FINISH_RETRY_MOST: Duration = Duration::from_secs(5);
 
+/// Put in the extensions of the answer to a call of whole messages (gRPC and its kin) that
+/// streams on unkept (too large to keep, or slower than the body deadline): the service may
+/// still be writing it, so the layer counts the request in flight until the answer ends, as
+/// it does for such a call without a key.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct StreamsOn;
+
 /// On an answer whose record could not be completed: the completion is retried in the
 /// background until it lands or the record's in-flight timeout passes, and the request stays
 /// in flight until then. Otherwise a newer token's request with the same key would take the
@@ -326,7 +333,11 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                         .finish(fingerprint, Finish::TooLarge { retention })
                         .await;
                     let body = ResponseBody::prefixed(prefix, trailers, rest, Some(held));
-                    (Response::from_parts(head, body), finishing)
+                    let mut answer = Response::from_parts(head, body);
+                    if messages {
+                        answer.extensions_mut().insert(StreamsOn);
+                    }
+                    (answer, finishing)
                 }
                 Captured::Failed(e) => {
                     // The service answered (a status it keeps), so it acted; its body broke off.
