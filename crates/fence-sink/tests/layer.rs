@@ -402,6 +402,8 @@ struct FlakyStore {
     hang_highest: AtomicBool,
     /// The next `begin` writes its record, then fails (a commit lost after the write).
     fail_after_begin: AtomicBool,
+    /// This many next `finish` calls fail (a store still failing).
+    fail_finishes: AtomicUsize,
     release: Notify,
 }
 
@@ -445,6 +447,12 @@ impl IdempotencyStore for FlakyStore {
 
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         self.check()?;
+        let failing = self
+            .fail_finishes
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1));
+        if failing.is_ok() {
+            return Err(broken());
+        }
         self.inner.finish(attempt, outcome).await
     }
 
@@ -822,19 +830,22 @@ async fn store_failure_gets_503_with_retry_after() {
 }
 
 /// A `begin` that failed may have written its record (a commit lost after the write): the
-/// record is given up, so the client's retry after `Retry-After` runs the request instead
-/// of meeting its own record in flight for the whole in-flight timeout (nothing ran).
+/// record is given up, tried again while the store still fails, so the client's retry after
+/// `Retry-After` runs the request instead of meeting its own record in flight for the whole
+/// in-flight timeout (nothing ran).
 #[tokio::test]
 async fn a_failed_begin_leaves_its_key_free() {
     let (app, _started) = App::new();
     let store = Arc::new(FlakyStore::default());
     let svc = FenceLayer::from_arc(store.clone()).layer(app.clone());
     store.fail_after_begin.store(true, Ordering::SeqCst);
+    store.fail_finishes.store(2, Ordering::SeqCst); // the give-up's first two tries fail
     send(&svc, keyed(JOB, 5, "k", "pay"))
         .await
         .problem(503, "urn:fence:store-unavailable");
     assert_eq!(app.calls(), 0, "nothing ran");
-    tokio::time::sleep(Duration::from_millis(100)).await; // the give-up runs in a task
+    // The give-up runs in a task: tries at 0, 100 and 300 ms.
+    tokio::time::sleep(Duration::from_millis(1_000)).await;
     assert_eq!(send(&svc, keyed(JOB, 5, "k", "pay")).await.status, 201);
     assert_eq!(app.calls(), 1);
 }

@@ -407,17 +407,31 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     }
 
     /// After a `begin` whose outcome is unknown (it failed or timed out), forgets the in-flight record
-    /// it may have written, in a task of its own (the store only deletes a record this
-    /// attempt began; without a runtime, or if that fails too, the record times out).
+    /// it may have written, in a task of its own, tried again with backoff while it fails
+    /// (the store only deletes a record this attempt began; without a runtime, or if it
+    /// fails until the record's in-flight timeout, the record times out).
     fn release_unknown_begin(&self, fingerprint: &Fingerprint) {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return;
         };
         let (store, owned) = (self.store.clone(), self.owned(fingerprint));
         let limit = self.config.store_timeout;
+        // The store that just failed may fail the first try too (a disk error, a connection
+        // lost): tried again with backoff until the record would time out anyway.
+        let give_up = tokio::time::Instant::now() + self.in_flight_for;
         runtime.spawn(async move {
-            let forget = store.finish(owned.attempt(), Finish::Forget);
-            let _ = tokio::time::timeout(limit, forget).await;
+            let mut pause = Duration::from_millis(100);
+            loop {
+                let forget = store.finish(owned.attempt(), Finish::Forget);
+                if let Ok(Ok(())) = tokio::time::timeout(limit, forget).await {
+                    return;
+                }
+                if tokio::time::Instant::now() + pause >= give_up {
+                    return;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_secs(5));
+            }
         });
     }
 
