@@ -23,6 +23,17 @@ pub(super) fn ddl(tables: &PgTables) -> String {
         "{}_stamps",
         generations.rsplit('.').next().unwrap_or(generations)
     );
+    // Every function the writers call checks its input first, so that a malformed job or
+    // token is SQLSTATE 22023 before any other answer (forgetting's ZF428, an expired or
+    // too-long-lived lease end), as the contract says.
+    let check_input =
+        "IF p_job IS NULL OR p_token IS NULL OR octet_length(p_job) NOT BETWEEN 1 AND 256
+              OR p_job !~ '^[\x21-\x7e]+$' OR p_token < 1 OR p_token > 18446744073709551615
+              OR p_token <> trunc(p_token) THEN
+             RAISE EXCEPTION 'malformed fencing job or token: job %, token %', p_job, p_token
+               USING ERRCODE = '22023';
+           END IF;
+";
     let ddl = format!(
         "CREATE TABLE IF NOT EXISTS {generations} (
            job text PRIMARY KEY,
@@ -69,13 +80,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
          DECLARE h numeric;
          BEGIN
-           IF p_job IS NULL OR p_token IS NULL OR octet_length(p_job) NOT BETWEEN 1 AND 256
-              OR p_job !~ '^[\x21-\x7e]+$' OR p_token < 1 OR p_token > 18446744073709551615
-              OR p_token <> trunc(p_token) THEN
-             RAISE EXCEPTION 'malformed fencing job or token: job %, token %', p_job, p_token
-               USING ERRCODE = '22023';
-           END IF;
-           INSERT INTO {generations} AS g (job, highest, touched_ms, raised_ms)
+{check_input}           INSERT INTO {generations} AS g (job, highest, touched_ms, raised_ms)
                VALUES (p_job, p_token, {now} + {STAMP_AHEAD_MS}, {now})
              ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms,
                raised_ms = CASE WHEN g.highest < excluded.highest THEN excluded.raised_ms ELSE g.raised_ms END
@@ -92,7 +97,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric) RETURNS boolean
          LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
          BEGIN
-           IF EXISTS (SELECT 1 FROM {settings} WHERE forgetting) THEN
+           {check_input}           IF EXISTS (SELECT 1 FROM {settings} WHERE forgetting) THEN
              RAISE EXCEPTION 'the sinks on this fence forget idle jobs: a check needs the token''s lease end (%(job, token, expires_at_ms))', 'observe'
                USING ERRCODE = 'ZF428';
            END IF;
@@ -104,7 +109,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
          DECLARE skew bigint; longest bigint; latest bigint;
          BEGIN
-           IF p_expires_at_ms IS NULL OR p_expires_at_ms < 0 THEN
+           {check_input}           IF p_expires_at_ms IS NULL OR p_expires_at_ms < 0 THEN
              RAISE EXCEPTION 'malformed lease end: %', p_expires_at_ms USING ERRCODE = '22023';
            END IF;
            SELECT s.clock_skew_ms, s.max_lease_ttl_ms INTO skew, longest FROM {settings} s;

@@ -226,6 +226,17 @@ async fn the_sql_fence_is_the_same_fence() {
             "{bad_job:?} {bad_token}: {e}"
         );
     }
+    // The forms with a lease end check the input first too: token 0 with a lease that ended
+    // long ago is malformed, not "stale".
+    let e = client
+        .query_one(&format!("SELECT {observe}('sql-job', 0, 0)"), &[])
+        .await
+        .unwrap_err();
+    assert_eq!(
+        e.as_db_error().map(|d| d.code().code()),
+        Some("22023"),
+        "{e}"
+    );
     assert_eq!(
         store.highest(&job).await.unwrap(),
         Generation::new(9),
