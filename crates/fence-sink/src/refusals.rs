@@ -108,7 +108,7 @@ pub fn log(
 
 /// Logs why the `which` store failed for `job`: its whole error chain, which may name
 /// tables, hosts or paths and so never goes into an answer. Rate-limited like refusals.
-pub(crate) fn log_store_failure(
+pub fn log_store_failure(
     which: &str,
     job: &fence_core::JobId,
     error: &(dyn std::error::Error + 'static),

@@ -58,8 +58,9 @@ struct FenceView {
 /// What a probe answers when the store failed: the error, never its sources (a database's
 /// error text names tables and hosts, and the admin listener may be open to anyone who can
 /// connect); the whole chain goes to the log.
-fn store_failed(e: &fence_sink::StoreError) -> String {
-    tracing::warn!(error = %fence_storage::error_chain(e), "the fence store failed a probe");
+fn store_failed(job: &JobId, e: &fence_sink::StoreError) -> String {
+    // Rate-limited like refusals: probes come as often as anyone sends them.
+    fence_sink::refusals::log_store_failure("fence", job, e);
     format!("the fence store failed ({e}); the proxy's log has the cause")
 }
 
@@ -76,7 +77,7 @@ impl Health {
             Box::pin(async move {
                 match tokio::time::timeout(PROBE_TIMEOUT, store.highest(&probe)).await {
                     Ok(Ok(_)) => Ok(()),
-                    Ok(Err(e)) => Err(store_failed(&e)),
+                    Ok(Err(e)) => Err(store_failed(&probe, &e)),
                     Err(_) => Err(format!(
                         "the fence store did not answer within {PROBE_TIMEOUT:?}"
                     )),
@@ -111,7 +112,7 @@ impl Health {
             Box::pin(async move {
                 match tokio::time::timeout(PROBE_TIMEOUT, layer.job(&job)).await {
                     Ok(Ok(fence)) => Ok(fence),
-                    Ok(Err(e)) => Err(store_failed(&e)),
+                    Ok(Err(e)) => Err(store_failed(&job, &e)),
                     Err(_) => Err(format!(
                         "the fence store did not answer within {PROBE_TIMEOUT:?}"
                     )),
