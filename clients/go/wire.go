@@ -189,6 +189,9 @@ func newTransport(server string, opts *Options) (*transport, error) {
 		}
 	}
 	source := "Options.AuthToken"
+	if opts.AuthTokenFile != "" {
+		source = "the auth token file " + opts.AuthTokenFile
+	}
 	if secret == "" {
 		secret, source = os.Getenv("FENCE_AUTH_TOKEN"), "FENCE_AUTH_TOKEN"
 	}
@@ -197,7 +200,7 @@ func newTransport(server string, opts *Options) (*transport, error) {
 	// ASCII; the error never repeats it.
 	if secret != "" {
 		if secret = strings.TrimSpace(secret); secret == "" {
-			return nil, fmt.Errorf("fence: the bearer secret (%s) is empty", source)
+			return nil, fmt.Errorf("fence: the bearer secret (%s) is only white space", source)
 		}
 		for i := 0; i < len(secret); i++ {
 			if secret[i] < 0x21 || secret[i] > 0x7e {

@@ -54,10 +54,14 @@ grep -q 'holding resumed at generation 2' "$tmp/resumed" && grep -q '^/ledger re
 mkdir -p "$tmp/bin"
 printf '#!/bin/sh\nprintf "%%s\\n" "$*" >>"%s"\nexec "%s" "$@"\n' "$tmp/curl-args" "$(command -v curl)" >"$tmp/bin/curl"
 chmod +x "$tmp/bin/curl"
-PATH="$tmp/bin:$PATH" FENCE_AUTH_TOKEN=not-a-real-secret-0123456789 run ledger secrets 1500 2 >"$tmp/sec" 2>&1 ||
+PATH="$tmp/bin:$PATH" FENCE_AUTH_TOKEN=$'not-a-real-secret-0123456789\n' run ledger secrets 1500 2 >"$tmp/sec" 2>&1 ||
   fail "secrets: $(cat "$tmp/sec")"
 grep -q '/v1/leases/secrets/claim' "$tmp/curl-args" || fail "the wrapper saw no claim: $(cat "$tmp/curl-args")"
 ! grep -qE 'lease_key|Bearer|not-a-real-secret' "$tmp/curl-args" || fail "a secret was an argument: $(cat "$tmp/curl-args")"
+# One a header cannot carry is refused before anything is sent, and not repeated.
+code=0; FENCE_AUTH_TOKEN=$'bad\x01not-a-real-secret' run ledger bad-secret 1500 1 >"$tmp/bad" 2>&1 || code=$?
+[ "$code" = 1 ] && grep -q 'cannot carry' "$tmp/bad" && ! grep -q 'not-a-real-secret' "$tmp/bad" ||
+  fail "a secret with a control character ($code): $(cat "$tmp/bad")"
 
 # A claim and a completion whose answers are lost (502, 503, 504: outcome unknown) are asked
 # again with the same body: curl is wrapped to answer a run's first claim and first completion

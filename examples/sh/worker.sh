@@ -28,8 +28,15 @@ keeper=
 # as arguments: any local user can read a process's arguments (ps, /proc/<pid>/cmdline).
 umask 077
 auth=
-if [ -n "${FENCE_AUTH_TOKEN:-}" ]; then
-  printf 'Authorization: Bearer %s\n' "$FENCE_AUTH_TOKEN" >"$state/auth"; auth=@$state/auth
+# White space around the secret (an environment variable's newline) is no part of it; what is
+# left must be visible ASCII to go in a header, and an error never repeats it.
+tok=${FENCE_AUTH_TOKEN:-}
+tok=${tok#"${tok%%[![:space:]]*}"}; tok=${tok%"${tok##*[![:space:]]}"}
+case $tok in
+  *[!!-~]*) echo "worker: FENCE_AUTH_TOKEN holds a character a header cannot carry (not shown)" >&2; exit 1 ;;
+esac
+if [ -n "$tok" ]; then
+  printf 'Authorization: Bearer %s\n' "$tok" >"$state/auth"; auth=@$state/auth
 fi
 
 now_ms() { read -r up _ </proc/uptime; echo "${up%.*}${up#*.}0"; } # 10 ms resolution

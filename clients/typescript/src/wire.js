@@ -160,18 +160,20 @@ export class Transport {
       throw new TypeError('give authToken or authTokenFile, not both');
     }
     let secret = options.authToken;
+    let source = 'authToken';
     if (options.authTokenFile != null) {
       secret = readFileSync(options.authTokenFile, 'utf8').trim();
       if (!secret) throw new TypeError(`the auth token file ${options.authTokenFile} is empty`);
+      source = `the auth token file ${options.authTokenFile}`;
     }
-    let source = 'authToken';
-    if (secret == null) [secret, source] = [process.env.FENCE_AUTH_TOKEN || undefined, 'FENCE_AUTH_TOKEN'];
+    if (secret == null) [secret, source] = [process.env.FENCE_AUTH_TOKEN, 'FENCE_AUTH_TOKEN'];
     // A secret read from an environment variable or a file often ends in a newline: white
     // space around it is no part of it. What is left goes in a header, so it must be visible
-    // ASCII; the error never repeats it.
-    if (secret != null) {
+    // ASCII; the error never repeats it. An empty one is none (process.env.X ?? '' passed
+    // on), as it always was.
+    if (secret) {
       secret = String(secret).trim();
-      if (!secret) throw new TypeError(`the bearer secret (${source}) is empty`);
+      if (!secret) throw new TypeError(`the bearer secret (${source}) is only white space`);
       if (!/^[\x21-\x7e]+$/.test(secret)) {
         throw new TypeError(`the bearer secret (${source}) holds a character an HTTP header cannot carry (a space, a control character or non-ASCII); it is not shown here`);
       }

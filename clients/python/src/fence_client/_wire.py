@@ -124,22 +124,24 @@ def read_auth_token(auth_token: Optional[str], auth_token_file: Optional[PathLik
     none; white space around it trimmed, refused unless visible ASCII."""
     if auth_token is not None and auth_token_file is not None:
         raise ValueError("give auth_token or auth_token_file, not both")
+    source = "auth_token"
     if auth_token_file is not None:
         with open(auth_token_file, encoding="utf-8") as f:
             auth_token = f.read().strip()
         if not auth_token:
             raise ValueError(f"the auth token file {os.fspath(auth_token_file)} is empty")
-    source = "auth_token"
+        source = f"the auth token file {os.fspath(auth_token_file)}"
     if auth_token is None:
-        auth_token, source = os.environ.get("FENCE_AUTH_TOKEN") or None, "FENCE_AUTH_TOKEN"
-    if auth_token is None:
+        auth_token, source = os.environ.get("FENCE_AUTH_TOKEN"), "FENCE_AUTH_TOKEN"
+    # An empty secret is none (os.environ.get("X", "") passed on), as it always was.
+    if not auth_token:
         return None
     # A secret read from an environment variable or a file often ends in a newline: white
     # space around it is no part of it. What is left goes in a header, so it must be visible
     # ASCII; the error never repeats it (http.client's would, in every failed call's message).
     auth_token = auth_token.strip()
     if not auth_token:
-        raise ValueError(f"the bearer secret ({source}) is empty")
+        raise ValueError(f"the bearer secret ({source}) is only white space")
     if any(not 0x21 <= ord(c) <= 0x7E for c in auth_token):
         raise ValueError(f"the bearer secret ({source}) holds a character an HTTP header cannot "
                          "carry (a space, a control character or non-ASCII); it is not shown here")
