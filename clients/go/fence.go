@@ -489,11 +489,12 @@ func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Contex
 	err = fn(fctx, lease)
 	close(ran)
 	cancel()
-	// The release or completion goes out even when ctx has ended (each is bounded by the
-	// lease's end and its own retries): a cancelled run must not leave its job held.
+	// The release or completion goes out even when ctx has ended, with its values (each is
+	// bounded by the lease's end and a minute of retries): a cancelled run must not leave
+	// its job held.
 	finish := ctx
 	if ctx.Err() != nil {
-		finish = context.Background()
+		finish = valuesOnly{ctx}
 	}
 	if err != nil {
 		_, _ = lease.Release(finish) // fn's own error is what counts
@@ -521,3 +522,11 @@ func (c *Client) Status(ctx context.Context, job string) (Record, error) {
 	err = c.t.call(ctx, http.MethodGet, "/v1/leases/"+enc, nil, 0, &rec)
 	return rec, err
 }
+
+// valuesOnly is a context with the values of another and none of its cancellation or
+// deadline (context.WithoutCancel, which needs Go 1.21).
+type valuesOnly struct{ context.Context }
+
+func (valuesOnly) Deadline() (time.Time, bool) { return time.Time{}, false }
+func (valuesOnly) Done() <-chan struct{}       { return nil }
+func (valuesOnly) Err() error                  { return nil }

@@ -344,12 +344,14 @@ func TestRunFollowsTheCallersContext(t *testing.T) {
 	s := newStack(t, stackOpts{noProxy: true})
 	c := mustClient(t, s.serverURL, Options{TTL: 30 * time.Second})
 	parent, cancel := context.WithCancel(context.WithValue(context.Background(), key{}, "trace-1"))
-	time.AfterFunc(100*time.Millisecond, cancel)
+	defer cancel()
 	started := time.Now()
 	err := c.Run(parent, "cancelled-run", func(ctx context.Context, _ *Lease) error {
 		if ctx.Value(key{}) != "trace-1" {
 			t.Errorf("the caller's values are lost: %v", ctx.Value(key{}))
 		}
+		// Cancelled once the lease is held (a Ctrl-C while the work runs).
+		time.AfterFunc(100*time.Millisecond, cancel)
 		<-ctx.Done()
 		return ctx.Err()
 	}, RunOptions{})
