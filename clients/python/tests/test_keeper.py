@@ -293,7 +293,7 @@ def test_cancelling_an_asyncio_release_stops_its_retries(stack, monkeypatch):
 
 def test_asyncio_renewals_do_not_wait_for_the_loops_default_executor(stack):
     """An application whose blocking work fills the loop's default executor (one thread here,
-    busy for 3 s) must not starve the keeper: a 1 s lease is renewed all along."""
+    busy for 4 s) must not starve the keeper: a 2 s lease is renewed all along."""
     import concurrent.futures
 
     s = stack(proxy=False)
@@ -301,9 +301,32 @@ def test_asyncio_renewals_do_not_wait_for_the_loops_default_executor(stack):
     async def main() -> None:
         loop = asyncio.get_running_loop()
         loop.set_default_executor(concurrent.futures.ThreadPoolExecutor(max_workers=1))
-        lease = await AsyncClient(s.server_url, owner="starved", ttl=1.0).claim("starved")
-        await asyncio.to_thread(time.sleep, 3.0)  # the only default thread, for 3 leases
+        lease = await AsyncClient(s.server_url, owner="starved", ttl=2.0).claim("starved")
+        await asyncio.to_thread(time.sleep, 4.0)  # the only default thread, for 2 leases
         assert not lease.is_lost(), lease.loss_reason
         await lease.release()
 
     asyncio.run(main())
+
+
+def test_asyncio_calls_work_in_a_forked_child(stack):
+    """A prefork server (gunicorn --preload) forks after the parent used the client: the
+    child has none of the parent's threads, and its calls must not wait for them."""
+    import os
+
+    s = stack(proxy=False)
+
+    async def claim_and_release(job: str) -> None:
+        lease = await AsyncClient(s.server_url, owner="forked", ttl=5.0).claim(job)
+        await lease.release()
+
+    asyncio.run(claim_and_release("before-fork"))  # the parent's pool has threads now
+    pid = os.fork()
+    if pid == 0:  # the child: exit 0 only if its calls went through within 10 s
+        try:
+            asyncio.run(asyncio.wait_for(claim_and_release("in-child"), 10.0))
+            os._exit(0)
+        except BaseException:  # noqa: BLE001 - any failure is the child's exit code
+            os._exit(1)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child's calls did not go through"

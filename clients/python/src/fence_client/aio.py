@@ -16,7 +16,9 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import functools
+import os
 import threading
 from types import TracebackType
 from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, Type
@@ -34,13 +36,30 @@ from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic,
 # The threads the lease server's calls run in, shared by every AsyncClient and made as needed:
 # fence's own, so that an application that fills the loop's default executor with blocking
 # work cannot hold its renewals back until every lease is lost.
-_CALLS = concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="fence-call")
+def _new_pool() -> concurrent.futures.ThreadPoolExecutor:
+    return concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="fence-call")
+
+
+_CALLS = _new_pool()
+
+
+def _after_fork_in_child() -> None:
+    # A forked child (gunicorn --preload, a prefork server) has none of the parent's threads,
+    # while the pool would count them as idle: a fresh pool, or every call would wait forever.
+    global _CALLS
+    _CALLS = _new_pool()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_after_fork_in_child)
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in one of fence's threads, awaited."""
+    """``fn(*args, **kwargs)`` in one of fence's threads, awaited, in the caller's context
+    (its context variables: a tracer's span, as ``asyncio.to_thread`` keeps them)."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(_CALLS, functools.partial(fn, *args, **kwargs))
+    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
+    return await loop.run_in_executor(_CALLS, call)
 
 
 class AsyncLease(LeaseCore):
