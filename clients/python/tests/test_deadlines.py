@@ -32,6 +32,14 @@ def serving(opening, then):
                 conn.sendall(opening)
                 while then and not stop.wait(0.2):
                     conn.sendall(then)
+                # Closed with the request's body still unread (urllib may send it after the
+                # head, past the one recv above), the socket would answer with a reset, and
+                # the client would lose what it had not read yet: the write side ends, and
+                # what comes is read until the client closes.
+                conn.shutdown(socket.SHUT_WR)
+                conn.settimeout(5.0)
+                while conn.recv(65536):
+                    pass
             except OSError:
                 pass
 
