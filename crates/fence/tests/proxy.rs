@@ -276,51 +276,6 @@ impl Proxy {
     }
 }
 
-/// One HTTP/2 client's streams open no more upstream connections than the proxy's
-/// --max-connections (here 2): the third to fifth wait for a connection to come free, rather
-/// than each opening its own until the process runs out of file descriptors.
-#[tokio::test]
-async fn an_http2_client_opens_no_more_upstream_connections_than_the_limit() {
-    let upstream = Upstream::start().await;
-    let mut cfg = config(upstream.url());
-    cfg.workers = 1;
-    cfg.limits.max_connections = 2;
-    cfg.limits.max_connections_per_peer = 2;
-    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
-    let sender = h2c(proxy.addr).await;
-    let calls: Vec<_> = (0..5)
-        .map(|i| {
-            let mut sender = sender.clone();
-            let req = Request::post(format!("http://{}/slow", proxy.addr))
-                .header("x-fencing-job", format!("job-seats-{i}"))
-                .header("x-fencing-token", "1")
-                .body(full("x"))
-                .unwrap();
-            tokio::spawn(async move {
-                let response = sender.send_request(req).await.unwrap();
-                let status = response.status();
-                let body = response.into_body().collect().await.unwrap().to_bytes();
-                (status, body)
-            })
-        })
-        .collect();
-    upstream
-        .wait_for_events(2, "two streams reach the upstream")
-        .await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(
-        upstream.events.lock().unwrap().len(),
-        2,
-        "a third stream reached the upstream while two connections were busy"
-    );
-    upstream.release.send_replace(true);
-    for call in calls {
-        let (status, body) = timeout(WAIT, call).await.unwrap().unwrap();
-        assert_eq!(status, 200, "{body:?}");
-    }
-    proxy.shutdown().await;
-}
-
 fn config(upstream: Uri) -> ProxyConfig {
     let mut config = ProxyConfig::new(upstream);
     config.drain_timeout = Duration::from_secs(5);

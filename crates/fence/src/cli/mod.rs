@@ -248,9 +248,8 @@ pub struct ListenArgs {
     /// newcomers wait for one to finish. Up to 64 newcomers per accept loop (the proxy runs
     /// one per worker) wait beyond the cap, the address that holds the fewest seated first;
     /// when more come, the newest of the address that holds the most is closed unanswered (a
-    /// lone load balancer then sees refused connections: raise the cap). The proxy opens at
-    /// most as many HTTP/1.1 connections to its upstream. Default: 10,000, or half of what
-    /// the file limit (ulimit -n) leaves.
+    /// lone load balancer then sees refused connections: raise the cap). Default: 10,000, or
+    /// half of what the file limit (ulimit -n) leaves.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS")]
     pub max_connections: Option<u32>,
     /// Open connections from one IP address at most: clients behind one NAT address share

@@ -10,7 +10,7 @@ use hyper::{
     client::conn::{http1::SendRequest, http2},
 };
 use hyper_util::rt::TokioIo;
-use tokio::{net::TcpStream, sync::OwnedSemaphorePermit, time::Instant};
+use tokio::{net::TcpStream, time::Instant};
 
 use super::config::Target;
 
@@ -31,11 +31,6 @@ pub(super) struct UpstreamConns {
     )>,
     idle: std::sync::Mutex<Vec<Idle>>,
     idle_timeout: Duration,
-    /// The proxy's seats for HTTP/1.1 connections (shared by every worker): each open
-    /// connection holds one until it closes.
-    seats: Arc<tokio::sync::Semaphore>,
-    /// How many seats there are.
-    seats_total: usize,
     /// For `https://`: TLS offering `h2`, for the HTTP/2 connection.
     tls_h2: Option<tokio_rustls::TlsConnector>,
     /// This worker's HTTP/2 connection, opened by the first gRPC call and shared by every
@@ -155,19 +150,11 @@ pub(super) enum SendFailed {
 /// never an unknown outcome.
 const CONNECT_TIMEOUT: Duration = Duration::from_secs(5);
 
-/// How often a request that found every seat taken looks again for a kept-alive connection
-/// ready for it (a seat given back wakes it at once).
-const SEAT_POLL: Duration = Duration::from_millis(10);
-
 /// More idle connections than this per worker are closed instead of kept.
 const MAX_IDLE_PER_WORKER: usize = 256;
 
 impl UpstreamConns {
-    pub(super) fn new(
-        target: &Target,
-        idle_timeout: Duration,
-        seats: Arc<tokio::sync::Semaphore>,
-    ) -> Self {
+    pub(super) fn new(target: &Target, idle_timeout: Duration) -> Self {
         let authority = &target.authority;
         let default_port = if target.tls.is_some() { 443 } else { 80 };
         let addr = match authority.port_u16() {
@@ -179,8 +166,6 @@ impl UpstreamConns {
             tls: target.tls.clone(),
             idle: std::sync::Mutex::default(),
             idle_timeout,
-            seats_total: seats.available_permits(),
-            seats,
             tls_h2: target.tls_h2.clone(),
             h2: tokio::sync::Mutex::default(),
             h2_opened: std::sync::atomic::AtomicU64::new(0),
@@ -213,53 +198,13 @@ impl UpstreamConns {
         }
     }
 
-    async fn connect(
-        &self,
-        seat: OwnedSemaphorePermit,
-    ) -> Result<SendRequest<RequestBody<Incoming>>, BoxError> {
+    async fn connect(&self) -> Result<SendRequest<RequestBody<Incoming>>, BoxError> {
         let stream = TcpStream::connect(&self.addr).await?;
         let _ = stream.set_nodelay(true);
         match &self.tls {
-            None => handshake(stream, seat).await,
+            None => handshake(stream).await,
             Some((connector, name)) => {
-                handshake(connector.connect(name.clone(), stream).await?, seat).await
-            }
-        }
-    }
-
-    /// A kept-alive connection ready for a request (`true`), or a new one (`false`) once a
-    /// seat is free: with every seat taken, whichever comes first of a seat given back and an
-    /// idle connection ready again (looked for every [`SEAT_POLL`]), for at most
-    /// [`CONNECT_TIMEOUT`]; then a failure that never reached the upstream (a plain 502).
-    async fn take_or_open(&self) -> Result<(SendRequest<RequestBody<Incoming>>, bool), SendFailed> {
-        let deadline = Instant::now() + CONNECT_TIMEOUT;
-        loop {
-            if let Some(conn) = self.take_ready() {
-                return Ok((conn, true));
-            }
-            if let Ok(seat) = self.seats.clone().try_acquire_owned() {
-                // Boxed: connecting (TCP, TLS, handshake) is a future of several KiB that
-                // every request's future would otherwise carry and copy, connected or not.
-                let conn = within_connect_timeout(Box::pin(self.connect(seat))).await?;
-                return Ok((conn, false));
-            }
-            if Instant::now() >= deadline {
-                return Err(SendFailed::Connect(
-                    format!(
-                        "all {} of the proxy's upstream connections (as many as its \
-                         --max-connections) stayed busy for {CONNECT_TIMEOUT:?}",
-                        self.seats_total
-                    )
-                    .into(),
-                ));
-            }
-            // A seat given back wakes this at once; a connection of this worker that became
-            // ready again (its answer's body read) is found at the next look.
-            if let Ok(Ok(seat)) =
-                tokio::time::timeout(SEAT_POLL, self.seats.clone().acquire_owned()).await
-            {
-                let conn = within_connect_timeout(Box::pin(self.connect(seat))).await?;
-                return Ok((conn, false));
+                handshake(connector.connect(name.clone(), stream).await?).await
             }
         }
     }
@@ -271,7 +216,12 @@ impl UpstreamConns {
         loop {
             let (mut conn, reused) = match self.take_ready() {
                 Some(conn) => (conn, true),
-                None => self.take_or_open().await?,
+                // Boxed: connecting (TCP, TLS, handshake) is a future of several KiB that
+                // every request's future would otherwise carry and copy, connected or not.
+                None => (
+                    within_connect_timeout(Box::pin(self.connect())).await?,
+                    false,
+                ),
             };
             match conn.try_send_request(req).await {
                 Ok(response) => {
@@ -403,10 +353,7 @@ where
 
 /// An HTTP/1.1 connection over `io`, driven on this worker's runtime next to the requests
 /// that use it.
-async fn handshake<I>(
-    io: I,
-    seat: OwnedSemaphorePermit,
-) -> Result<SendRequest<RequestBody<Incoming>>, BoxError>
+async fn handshake<I>(io: I) -> Result<SendRequest<RequestBody<Incoming>>, BoxError>
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
@@ -415,7 +362,6 @@ where
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "upstream connection ended with an error");
         }
-        drop(seat); // the connection is closed: its seat is free
     });
     Ok(conn)
 }

@@ -172,16 +172,6 @@ where
         config.limits.max_connections,
         config.limits.max_connections_per_peer,
     );
-    // As many HTTP/1.1 upstream connections as client connections: one each, which is all an
-    // HTTP/1.1 client can use, while one HTTP/2 client's streams would otherwise open as many
-    // upstream connections as it sends requests at once, and a few such clients would take
-    // every file descriptor (the client limit leaves half of them for the upstream side).
-    let upstream_seats = Arc::new(tokio::sync::Semaphore::new(
-        config
-            .limits
-            .max_connections
-            .min(tokio::sync::Semaphore::MAX_PERMITS),
-    ));
     let tls = config.tls.clone().map(tokio_rustls::TlsAcceptor::from);
     let (stop, stopped) = watch::channel(false);
     let (ended, mut ends) = mpsc::unbounded_channel::<anyhow::Result<()>>();
@@ -200,7 +190,6 @@ where
                     target: target.clone(),
                     timeout: config.upstream_timeout,
                     idle_timeout: config.upstream_idle_timeout,
-                    upstream_seats: upstream_seats.clone(),
                     preserve_host: config.preserve_host,
                     via: config.via,
                     stopped: stopped.clone(),

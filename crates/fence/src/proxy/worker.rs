@@ -31,8 +31,6 @@ pub(super) struct Worker<St> {
     pub(super) target: Arc<Target>,
     pub(super) timeout: Duration,
     pub(super) idle_timeout: Duration,
-    /// The proxy's seats for HTTP/1.1 upstream connections, shared with the other workers.
-    pub(super) upstream_seats: Arc<tokio::sync::Semaphore>,
     pub(super) preserve_host: bool,
     pub(super) via: bool,
     pub(super) stopped: watch::Receiver<bool>,
@@ -91,11 +89,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 .context("registering the listening socket with a worker's runtime")?;
             // This thread's own upstream connections, served on its runtime: a request
             // and its upstream call never cross threads.
-            let conns = Arc::new(UpstreamConns::new(
-                &self.target,
-                self.idle_timeout,
-                self.upstream_seats.clone(),
-            ));
+            let conns = Arc::new(UpstreamConns::new(&self.target, self.idle_timeout));
             let proto = if self.tls.is_some() { "https" } else { "http" };
             // Every copy of the upstream service holds a sender: the connections' and each
             // request's own, which lives until its upstream call is over. All are gone when
