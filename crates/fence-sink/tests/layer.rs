@@ -850,6 +850,23 @@ async fn a_failed_begin_leaves_its_key_free() {
     assert_eq!(app.calls(), 1);
 }
 
+/// The same with an in-flight timeout of `Duration::MAX` (a service that never gives up):
+/// the give-up's deadline saturates instead of overflowing.
+#[tokio::test]
+async fn a_failed_begin_with_an_endless_in_flight_timeout_does_not_panic() {
+    let (app, _started) = App::new();
+    let store = Arc::new(FlakyStore::default());
+    let svc = FenceLayer::from_arc(store.clone())
+        .idempotency(IdempotencyConfig::default().in_flight_timeout(Duration::MAX))
+        .layer(app.clone());
+    store.fail_after_begin.store(true, Ordering::SeqCst);
+    send(&svc, keyed(JOB, 5, "k", "pay"))
+        .await
+        .problem(503, "urn:fence:store-unavailable");
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert_eq!(send(&svc, keyed(JOB, 5, "k", "pay")).await.status, 201);
+}
+
 #[tokio::test]
 async fn store_failure_on_bump_and_on_idempotency_gets_503_then_recovers() {
     let (app, _started) = App::new();

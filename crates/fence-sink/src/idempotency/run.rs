@@ -418,7 +418,10 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let limit = self.config.store_timeout;
         // The store that just failed may fail the first try too (a disk error, a connection
         // lost): tried again with backoff until the record would time out anyway.
-        let give_up = tokio::time::Instant::now() + self.in_flight_for;
+        // A timeout set near Duration::MAX retries for a year, as `finish` does.
+        let give_up = tokio::time::Instant::now()
+            .checked_add(self.in_flight_for)
+            .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(365 * 24 * 3600));
         runtime.spawn(async move {
             let mut pause = Duration::from_millis(100);
             loop {
