@@ -395,13 +395,30 @@ where
             let unknown = marked(|e| e.get::<OutcomeUnknown>().is_some());
             let streams_on = marked(|e| e.get::<StreamsOn>().is_some());
             match finishing {
+                // An answer that streams on, while its record is completed in the background:
+                // in flight until both are over (as below, and until the record is done).
+                Some(finishing) if streams_on => {
+                    let flight = Streaming::new(guard, hold, true);
+                    if unknown {
+                        flight.unknown();
+                    }
+                    flight.keep_deadline(tokio::time::Instant::now() + config.body_timeout);
+                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+                        let waiting = flight.clone();
+                        runtime.spawn(async move {
+                            finishing.done().await;
+                            drop(waiting);
+                        });
+                    }
+                    return response.map(|r| r.map(|body| body.answering(flight)));
+                }
                 Some(finishing) => {
                     // Held for the unknown outcome's hold after the record is done, when the
-                    // service may still be acting (its answer cut, or streaming on).
+                    // service may still be acting (its answer cut).
                     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                         runtime.spawn(async move {
                             finishing.done().await;
-                            if unknown || streams_on {
+                            if unknown {
                                 guard.hold(hold);
                             }
                         });
