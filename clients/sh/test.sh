@@ -62,6 +62,8 @@ grep -q '/v1/leases/secrets/claim' "$tmp/curl-args" || fail "the wrapper saw no 
 code=0; FENCE_AUTH_TOKEN=$'bad\x01not-a-real-secret' run ledger bad-secret 1500 1 >"$tmp/bad" 2>&1 || code=$?
 [ "$code" = 1 ] && grep -q 'cannot carry' "$tmp/bad" && ! grep -q 'not-a-real-secret' "$tmp/bad" ||
   fail "a secret with a control character ($code): $(cat "$tmp/bad")"
+code=0; FENCE_AUTH_TOKEN=$'  \n' run ledger blank-secret 1500 1 >"$tmp/blank" 2>&1 || code=$?
+[ "$code" = 1 ] && grep -q 'only white space' "$tmp/blank" || fail "a blank secret ($code): $(cat "$tmp/blank")"
 
 # A claim and a completion whose answers are lost (502, 503, 504: outcome unknown) are asked
 # again with the same body: curl is wrapped to answer a run's first claim and first completion

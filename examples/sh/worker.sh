@@ -32,6 +32,9 @@ auth=
 # left must be visible ASCII to go in a header, and an error never repeats it.
 tok=${FENCE_AUTH_TOKEN:-}
 tok=${tok#"${tok%%[![:space:]]*}"}; tok=${tok%"${tok##*[![:space:]]}"}
+if [ -z "$tok" ] && [ -n "${FENCE_AUTH_TOKEN:-}" ]; then
+  echo "worker: FENCE_AUTH_TOKEN is only white space" >&2; exit 1
+fi
 case $tok in
   *[!!-~]*) echo "worker: FENCE_AUTH_TOKEN holds a character a header cannot carry (not shown)" >&2; exit 1 ;;
 esac
