@@ -489,13 +489,10 @@ func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Contex
 	err = fn(fctx, lease)
 	close(ran)
 	cancel()
-	// The release or completion goes out even when ctx has ended, with its values (each is
-	// bounded by the lease's end and a minute of retries): a cancelled run must not leave
-	// its job held.
-	finish := ctx
-	if ctx.Err() != nil {
-		finish = valuesOnly{ctx}
-	}
+	// The release or completion goes out even when ctx ends (before or during it), with its
+	// values (each is bounded by the lease's end and a minute of retries): a cancelled run
+	// must not leave its job held.
+	finish := valuesOnly{ctx}
 	if err != nil {
 		_, _ = lease.Release(finish) // fn's own error is what counts
 		return err
