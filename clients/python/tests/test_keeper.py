@@ -328,5 +328,14 @@ def test_asyncio_calls_work_in_a_forked_child(stack):
             os._exit(0)
         except BaseException:  # noqa: BLE001 - any failure is the child's exit code
             os._exit(1)
-    _, status = os.waitpid(pid, 0)
+    deadline = time.monotonic() + 20.0
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            pytest.fail("the forked child hung")
+        time.sleep(0.05)
     assert os.waitstatus_to_exitcode(status) == 0, "the forked child's calls did not go through"
