@@ -389,20 +389,19 @@ where
             // the service could not tell (or failed) and may still act on the request, or
             // its record is still being completed (a newer request with its key would run
             // the step again).
-            let marked = |m: fn(&http::Extensions) -> bool| {
-                response.as_ref().is_ok_and(|r| m(r.extensions()))
-            };
-            let unknown = marked(|e| e.get::<OutcomeUnknown>().is_some());
-            let streams_on = marked(|e| e.get::<StreamsOn>().is_some());
+            let extensions = response.as_ref().ok().map(http::Response::extensions);
+            let unknown = extensions.is_some_and(|e| e.get::<OutcomeUnknown>().is_some());
+            // Until when an answer that streams on keeps the request in flight.
+            let streams_on = extensions.and_then(|e| e.get::<StreamsOn>()).map(|s| s.0);
             match finishing {
                 // An answer that streams on, while its record is completed in the background:
                 // in flight until both are over (as below, and until the record is done).
-                Some(finishing) if streams_on => {
+                Some(finishing) if streams_on.is_some() => {
                     let flight = Streaming::new(guard, hold, true);
                     if unknown {
                         flight.unknown();
                     }
-                    flight.keep_deadline(tokio::time::Instant::now() + config.body_timeout);
+                    flight.keep_deadline(streams_on.unwrap_or_else(tokio::time::Instant::now));
                     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                         let waiting = flight.clone();
                         runtime.spawn(async move {
@@ -426,10 +425,10 @@ where
                 }
                 // A call of messages whose answer streams on unkept: in flight until the answer
                 // ends (held for the hold if it is cut), and no longer than the body deadline
-                // from now (then held for the hold), as without a key.
-                None if streams_on => {
+                // from the answer's head (then held for the hold), as without a key.
+                None if let Some(until) = streams_on => {
                     let flight = Streaming::new(guard, hold, true);
-                    flight.keep_deadline(tokio::time::Instant::now() + config.body_timeout);
+                    flight.keep_deadline(until);
                     return response.map(|r| r.map(|body| body.answering(flight)));
                 }
                 None if !unknown && response.is_ok() => drop(guard),

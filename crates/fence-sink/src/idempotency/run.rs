@@ -95,10 +95,11 @@ const FINISH_RETRY_MOST: Duration = Duration::from_secs(5);
 
 /// Put in the extensions of the answer to a call of whole messages (gRPC and its kin) that
 /// streams on unkept (too large to keep, or slower than the body deadline): the service may
-/// still be writing it, so the layer counts the request in flight until the answer ends, as
-/// it does for such a call without a key.
+/// still be writing it, so the layer counts the request in flight until the answer ends, or
+/// until this deadline (the answer's head plus the body deadline), then for the hold, as it
+/// does for such a call without a key.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct StreamsOn;
+pub(crate) struct StreamsOn(pub(crate) Instant);
 
 /// On an answer whose record could not be completed: the completion is retried in the
 /// background until it lands or the record's in-flight timeout passes, and the request stays
@@ -335,7 +336,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                     let body = ResponseBody::prefixed(prefix, trailers, rest, Some(held));
                     let mut answer = Response::from_parts(head, body);
                     if messages {
-                        answer.extensions_mut().insert(StreamsOn);
+                        answer.extensions_mut().insert(StreamsOn(by));
                     }
                     (answer, finishing)
                 }
