@@ -101,6 +101,26 @@ const FINISH_RETRY_MOST: Duration = Duration::from_secs(5);
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StreamsOn(pub(crate) Instant);
 
+/// Tries `outcome` of `owned`'s record again, after [`FINISH_RETRY_FIRST`] doubling to
+/// [`FINISH_RETRY_MOST`], each try within `limit`, until one lands or `until` has passed.
+async fn finish_again<St: IdempotencyStore>(
+    store: &St,
+    owned: &OwnedAttempt,
+    outcome: Finish,
+    limit: Duration,
+    until: Instant,
+) {
+    let mut pause = FINISH_RETRY_FIRST;
+    while Instant::now() < until {
+        tokio::time::sleep(pause).await;
+        pause = (pause * 2).min(FINISH_RETRY_MOST);
+        let again = tokio::time::timeout(limit, store.finish(owned.attempt(), outcome.clone()));
+        if let Ok(Ok(())) = again.await {
+            return;
+        }
+    }
+}
+
 /// On an answer whose record could not be completed: the completion is retried in the
 /// background until it lands or the record's in-flight timeout passes, and the request stays
 /// in flight until then. Otherwise a newer token's request with the same key would take the
@@ -373,27 +393,21 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return None;
         };
-        let store = self.store.clone();
-        let owned = self.owned(fingerprint);
-        // A timeout set near Duration::MAX (a service that never gives up) retries for a year.
-        let until = Instant::now()
-            .checked_add(self.in_flight_for)
-            .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 24 * 3600));
-        let limit = self.config.store_timeout;
+        let (store, owned) = (self.store.clone(), self.owned(fingerprint));
+        let (limit, until) = (self.config.store_timeout, self.retry_until());
         runtime.spawn(async move {
-            let mut pause = FINISH_RETRY_FIRST;
-            while Instant::now() < until {
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(FINISH_RETRY_MOST);
-                let again =
-                    tokio::time::timeout(limit, store.finish(owned.attempt(), outcome.clone()));
-                if let Ok(Ok(())) = again.await {
-                    break;
-                }
-            }
+            finish_again(&*store, &owned, outcome, limit, until).await;
             let _ = done.send(true);
         });
         Some(Finishing(finishing))
+    }
+
+    /// Until when a record's completion is tried again: while it is in flight (a year for an
+    /// in-flight timeout near `Duration::MAX`, a service that never gives up).
+    fn retry_until(&self) -> Instant {
+        Instant::now()
+            .checked_add(self.in_flight_for)
+            .unwrap_or_else(|| Instant::now() + Duration::from_secs(365 * 24 * 3600))
     }
 
     fn attempt<'a>(&'a self, fingerprint: &'a Fingerprint) -> Attempt<'a> {
@@ -416,25 +430,13 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             return;
         };
         let (store, owned) = (self.store.clone(), self.owned(fingerprint));
-        let limit = self.config.store_timeout;
+        let (limit, until) = (self.config.store_timeout, self.retry_until());
         // The store that just failed may fail the first try too (a disk error, a connection
         // lost): tried again with backoff until the record would time out anyway.
-        // A timeout set near Duration::MAX retries for a year, as `finish` does.
-        let give_up = tokio::time::Instant::now()
-            .checked_add(self.in_flight_for)
-            .unwrap_or_else(|| tokio::time::Instant::now() + Duration::from_secs(365 * 24 * 3600));
         runtime.spawn(async move {
-            let mut pause = Duration::from_millis(100);
-            loop {
-                let forget = store.finish(owned.attempt(), Finish::Forget);
-                if let Ok(Ok(())) = tokio::time::timeout(limit, forget).await {
-                    return;
-                }
-                if tokio::time::Instant::now() + pause >= give_up {
-                    return;
-                }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_secs(5));
+            let forget = tokio::time::timeout(limit, store.finish(owned.attempt(), Finish::Forget));
+            if !matches!(forget.await, Ok(Ok(()))) {
+                finish_again(&*store, &owned, Finish::Forget, limit, until).await;
             }
         });
     }
