@@ -393,27 +393,31 @@ where
             let unknown = extensions.is_some_and(|e| e.get::<OutcomeUnknown>().is_some());
             // Until when an answer that streams on keeps the request in flight.
             let streams_on = extensions.and_then(|e| e.get::<StreamsOn>()).map(|s| s.0);
-            match finishing {
-                // An answer that streams on, while its record is completed in the background:
-                // in flight until both are over (as below, and until the record is done).
-                Some(finishing) if streams_on.is_some() => {
-                    let flight = Streaming::new(guard, hold, true);
-                    if unknown {
-                        flight.unknown();
-                    }
-                    flight.keep_deadline(streams_on.unwrap_or_else(tokio::time::Instant::now));
-                    if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-                        let waiting = flight.clone();
-                        runtime.spawn(async move {
-                            finishing.done().await;
-                            drop(waiting);
-                        });
-                    }
-                    return response.map(|r| r.map(|body| body.answering(flight)));
+            // A call of messages whose answer streams on unkept: in flight until the answer
+            // ends (held for the hold if it is cut), and no longer than the body deadline
+            // from the answer's head (then held for the hold), as without a key; and, when
+            // its record is completed in the background, until that is done too.
+            if let Some(until) = streams_on {
+                let flight = Streaming::new(guard, hold, true);
+                if unknown {
+                    flight.unknown();
                 }
+                flight.keep_deadline(until);
+                if let (Some(finishing), Ok(runtime)) =
+                    (finishing, tokio::runtime::Handle::try_current())
+                {
+                    let waiting = flight.clone();
+                    runtime.spawn(async move {
+                        finishing.done().await;
+                        drop(waiting);
+                    });
+                }
+                return response.map(|r| r.map(|body| body.answering(flight)));
+            }
+            match finishing {
+                // Held for the unknown outcome's hold after the record is done, when the
+                // service may still be acting (its answer cut).
                 Some(finishing) => {
-                    // Held for the unknown outcome's hold after the record is done, when the
-                    // service may still be acting (its answer cut).
                     if let Ok(runtime) = tokio::runtime::Handle::try_current() {
                         runtime.spawn(async move {
                             finishing.done().await;
@@ -422,14 +426,6 @@ where
                             }
                         });
                     }
-                }
-                // A call of messages whose answer streams on unkept: in flight until the answer
-                // ends (held for the hold if it is cut), and no longer than the body deadline
-                // from the answer's head (then held for the hold), as without a key.
-                None if let Some(until) = streams_on => {
-                    let flight = Streaming::new(guard, hold, true);
-                    flight.keep_deadline(until);
-                    return response.map(|r| r.map(|body| body.answering(flight)));
                 }
                 None if !unknown && response.is_ok() => drop(guard),
                 None => guard.hold(hold),
