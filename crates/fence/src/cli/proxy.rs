@@ -91,9 +91,10 @@ pub struct ProxyArgs {
     #[arg(long, allow_hyphen_values = true, default_value = "30s", value_parser = parse_timeout, env = "FENCE_BODY_TIMEOUT")]
     pub body_timeout: Duration,
     /// How long an upstream connection may sit unused and still be reused; an older one is
-    /// not reused (it is closed when its worker next looks for one). Keep it below the upstream's own keep-alive timeout (Node 5s, gunicorn 2s,
-    /// uvicorn 5s): a request written just as the upstream closes an idle connection gets
-    /// no answer, a 502 of unknown outcome that holds its job for --unknown-outcome-hold.
+    /// not reused (it is closed when its worker next looks for one). Keep it below the
+    /// upstream's own keep-alive timeout (Node 5s, gunicorn 2s, uvicorn 5s): a request
+    /// written just as the upstream closes an idle connection gets no answer, a 502 of
+    /// unknown outcome that holds its job for --unknown-outcome-hold.
     #[arg(long, allow_hyphen_values = true, default_value = "4s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_IDLE_TIMEOUT")]
     pub upstream_idle_timeout: Duration,
     /// After an answer of unknown outcome (504, or a 502 after the request was written), how

@@ -49,11 +49,11 @@ pub struct ProxyConfig {
     pub max_lease_ttl: Duration,
     /// How long a kept-alive upstream connection may stay unused and still be reused
     /// (default 4 s, `fence proxy --upstream-idle-timeout`). Older ones are not reused
-    /// (closed when the worker next looks for a connection): the
-    /// upstream closes its idle connections after its own keep-alive timeout (Node's is
-    /// 5 s), and a request written just as it does gets no answer (a 502 of unknown outcome,
-    /// which holds its job); a firewall or NAT on the way may have dropped them without a
-    /// word, and a request sent on one would wait for `upstream_timeout`.
+    /// (closed when the worker next looks for a connection): the upstream closes its idle
+    /// connections after its own keep-alive timeout (Node's is 5 s), and a request written
+    /// just as it does gets no answer (a 502 of unknown outcome, which holds its job); a
+    /// firewall or NAT on the way may have dropped them without a word, and a request sent
+    /// on one would wait for `upstream_timeout`.
     pub upstream_idle_timeout: Duration,
     /// Whether the upstream sees the client's `Host` (true) or its own authority, with the
     /// client's `Host` in `X-Forwarded-Host` (false, the default).
