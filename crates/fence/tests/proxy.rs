@@ -1135,6 +1135,70 @@ async fn an_http2_client_gets_its_concurrent_requests_through_at_once() {
     proxy.shutdown().await;
 }
 
+/// An HTTP/2 client's concurrent streams each use an upstream connection: those beyond the
+/// first count against --max-connections (here 6, the client's own connection holding one),
+/// while more than half of it stays free. The rest are answered 503 at once, never sent, so
+/// a few clients' streams cannot take every file descriptor; the room comes back when the
+/// answers have been read.
+#[tokio::test]
+async fn an_http2_clients_streams_take_no_more_upstream_connections_than_the_cap_spares() {
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.workers = 1;
+    cfg.limits.max_connections = 6;
+    cfg.limits.max_connections_per_peer = 6;
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let sender = h2c(proxy.addr).await;
+    let call = |path: &'static str, i: usize| {
+        let mut sender = sender.clone();
+        let req = Request::post(format!("http://{}{path}", proxy.addr))
+            .header("x-fencing-job", format!("job-room-{i}"))
+            .header("x-fencing-token", "1")
+            .body(full("x"))
+            .unwrap();
+        tokio::spawn(async move {
+            let response = sender.send_request(req).await.unwrap();
+            let (head, body) = response.into_parts();
+            (head, body.collect().await.unwrap().to_bytes())
+        })
+    };
+    let held: Vec<_> = (0..3).map(|i| call("/slow", i)).collect();
+    upstream
+        .wait_for_events(3, "the first stream and two beside it reach the upstream")
+        .await;
+    for i in 3..5 {
+        let (head, body) = timeout(WAIT, call("/slow", i)).await.unwrap().unwrap();
+        assert_eq!(head.status, 503, "{body:?}");
+        assert_eq!(head.headers["retry-after"], "1");
+        let problem: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(problem["type"], "urn:fence:overloaded", "{problem}");
+        assert!(
+            problem["detail"]
+                .as_str()
+                .unwrap()
+                .starts_with("not sent upstream"),
+            "{problem}"
+        );
+    }
+    assert_eq!(
+        upstream.events.lock().unwrap().len(),
+        3,
+        "a stream beyond the room reached the upstream"
+    );
+    upstream.release.send_replace(true);
+    for call in held {
+        let (head, body) = timeout(WAIT, call).await.unwrap().unwrap();
+        assert_eq!(head.status, 200, "{body:?}");
+    }
+    // The room is back: three at once again.
+    let again: Vec<_> = (5..8).map(|i| call("/slow", i)).collect();
+    for call in again {
+        let (head, body) = timeout(WAIT, call).await.unwrap().unwrap();
+        assert_eq!(head.status, 200, "{body:?}");
+    }
+    proxy.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_upstream_connection_unused_past_the_idle_timeout_is_not_reused() {
     let (url, requests, connections) = raw_upstream(|_| Then::Answer).await;

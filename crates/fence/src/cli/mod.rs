@@ -257,7 +257,9 @@ pub struct ListenArgs {
     /// closed at once when all of them are answering. Default: half of --max-connections.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS_PER_PEER")]
     pub max_connections_per_peer: Option<u32>,
-    /// Concurrent HTTP/2 streams per connection at most.
+    /// Concurrent HTTP/2 streams per connection at most. At the proxy, a connection's
+    /// streams in flight beyond the first each hold one of --max-connections (they use an
+    /// upstream connection each) while more than half are free, else get 503 overloaded.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000), env = "FENCE_H2_MAX_STREAMS")]
     pub h2_max_streams: u32,
     /// HTTP/2 keepalive: a ping this often; a peer silent for as long again is closed.

@@ -163,6 +163,8 @@ impl Tracked {
 #[derive(Debug)]
 pub struct Slots {
     permits: Arc<Semaphore>,
+    /// How many permits there are in all.
+    max: usize,
     peers: Mutex<HashMap<IpAddr, HashMap<u64, Arc<Tracked>>>>,
     next_id: AtomicU64,
     per_peer: usize,
@@ -208,6 +210,7 @@ impl Slots {
     pub fn new(max: usize, per_peer: usize) -> Arc<Self> {
         Arc::new(Self {
             permits: Arc::new(Semaphore::new(max.max(1))),
+            max: max.max(1),
             peers: Mutex::default(),
             next_id: AtomicU64::new(0),
             per_peer: per_peer.max(1),
@@ -324,6 +327,19 @@ impl Slots {
         peers
             .get(&peer)
             .is_none_or(|mine| !self.at_its_cap(mine) || mine.values().any(|c| c.idle()))
+    }
+
+    /// A slot for an upstream connection beyond the one each client connection counts on
+    /// (each concurrent stream of an HTTP/2 client at the proxy uses one): taken only while
+    /// more than half of all slots stay free, and never ahead of a newcomer waiting for one.
+    /// So connections and such extras together stay within the cap, which leaves as many
+    /// file descriptors again for upstream connections, and one client's streams take no
+    /// more room than the connections of one address may. `None` when there is none to spare.
+    pub fn try_extra(&self) -> Option<OwnedSemaphorePermit> {
+        if self.permits.available_permits() <= self.max / 2 {
+            return None;
+        }
+        self.permits.clone().try_acquire_owned().ok()
     }
 
     /// Whether a peer holding `mine` holds its cap, not counting those already leaving.

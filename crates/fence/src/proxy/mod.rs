@@ -37,6 +37,7 @@ mod config;
 mod conns;
 mod headers;
 mod metrics;
+mod streams;
 mod upstream;
 mod worker;
 

@@ -24,10 +24,11 @@ use super::{
     conns::{SendFailed, UpstreamConns},
     headers::{self, strip_hop_by_hop},
     metrics::Outcomes,
+    streams::{ClientStreams, Held},
 };
 
 /// The body of an upstream answer as the fence sees it: the upstream's own, or a problem.
-pub(super) type UpstreamBody = Either<Incoming, Full<Bytes>>;
+pub(super) type UpstreamBody = Either<Held<Incoming>, Full<Bytes>>;
 
 /// The inner service of the fence: forwards a request to the upstream over the worker's
 /// connections and answers 502/504 problems when the upstream fails or is too slow.
@@ -36,6 +37,9 @@ pub(super) struct Upstream {
     pub(super) conns: Arc<UpstreamConns>,
     pub(super) outcomes: Arc<Outcomes>,
     pub(super) target: Arc<Target>,
+    /// The proxy's connection cap, which an HTTP/2 client's concurrent streams count
+    /// against (see [`super::streams`]).
+    pub(super) slots: Arc<crate::listen::Slots>,
     pub(super) timeout: Duration,
     pub(super) preserve_host: bool,
     /// Whether to append `Via`.
@@ -105,6 +109,32 @@ impl Upstream {
                 ),
             ));
         }
+        // Taken before anything is sent and outside the upstream timeout: a refusal here is
+        // a known outcome, and no wait for room can run into that timeout.
+        let streams = parts.extensions.remove::<ClientStreams>();
+        let using = match streams.filter(|_| !grpc) {
+            None => None,
+            Some(streams) => match streams.enter(&self.slots) {
+                Some(using) => Some(using),
+                None => {
+                    self.outcomes.unavailable.record(started);
+                    tracing::debug!("refusing a stream: no room for another upstream connection");
+                    let mut response = problem(Problem::new(
+                        ProblemType::Overloaded,
+                        "not sent upstream: this HTTP/2 connection already has a request \
+                             in flight there, and the proxy has no room for another upstream \
+                             connection (each stream beyond one in flight at a time counts \
+                             against --max-connections); retry, or send fewer requests at \
+                             once on one connection",
+                    ));
+                    response.headers_mut().insert(
+                        http::header::RETRY_AFTER,
+                        http::HeaderValue::from_static("1"),
+                    );
+                    return response;
+                }
+            },
+        };
         let request = Request::from_parts(parts, body);
         // The HTTP/2 connection a gRPC call went out on (none yet: u64::MAX).
         let used = std::sync::atomic::AtomicU64::new(u64::MAX);
@@ -123,7 +153,7 @@ impl Upstream {
                 if admitted && head.status.is_success() {
                     head.extensions.insert(crate::listen::Authenticated);
                 }
-                Response::from_parts(head, Either::Left(body))
+                Response::from_parts(head, Either::Left(Held::new(body, using)))
             }
             Ok(Err(failed)) => {
                 self.outcomes.unavailable.record(started);

@@ -16,7 +16,7 @@ use tower::{Layer, ServiceExt};
 
 use super::{
     ProxyBody, config::Target, conns::UpstreamConns, headers::ClientAddr, metrics::Outcomes,
-    upstream::Upstream,
+    streams::ClientStreams, upstream::Upstream,
 };
 
 /// One serving thread of the proxy: a single-threaded runtime with its own accept loop and
@@ -99,6 +99,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 conns,
                 outcomes: Arc::new(Outcomes::new()),
                 target: self.target,
+                slots: self.slots.clone(),
                 timeout: self.timeout,
                 preserve_host: self.preserve_host,
                 via: self.via,
@@ -115,7 +116,12 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             };
             let deadline = crate::listen::serve(listener, shutdown, move |peer| {
                 let (fence, client) = (fence.clone(), ClientAddr::new(peer));
-                hyper::service::service_fn(move |req| {
+                let streams = ClientStreams::default();
+                hyper::service::service_fn(move |mut req: Request<Incoming>| {
+                    // Only an HTTP/2 client has several requests at once.
+                    if req.version() == http::Version::HTTP_2 {
+                        req.extensions_mut().insert(streams.clone());
+                    }
                     handle(fence.clone(), client.clone(), peer, req)
                 })
             })
