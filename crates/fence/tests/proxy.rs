@@ -167,6 +167,19 @@ impl Upstream {
             });
             return Response::new(body.map_err(Into::into).boxed());
         }
+        if parts.uri.path() == "/drip" {
+            // Eight bytes, one every 300 ms.
+            let (tx, rx) = mpsc::channel(1);
+            tokio::spawn(async move {
+                for i in 0..8 {
+                    tokio::time::sleep(Duration::from_millis(300)).await;
+                    if tx.send(Bytes::from(i.to_string())).await.is_err() {
+                        return;
+                    }
+                }
+            });
+            return Response::new(ChannelBody(rx).boxed());
+        }
         let body = body
             .collect()
             .await
@@ -1196,6 +1209,43 @@ async fn an_http2_clients_streams_take_no_more_upstream_connections_than_the_cap
         let (head, body) = timeout(WAIT, call).await.unwrap().unwrap();
         assert_eq!(head.status, 200, "{body:?}");
     }
+    proxy.shutdown().await;
+}
+
+/// An HTTP/2 connection whose answer still streams is not idle: the idle timeout (here 1 s)
+/// counts only while no stream is open. It used to count from the answer's head, and the
+/// connection was closed under a long stream (a gRPC server stream, a download) once it ran
+/// past the timeout and the shutdown grace, refusing new streams from the timeout on.
+#[tokio::test]
+async fn an_http2_connection_with_an_answer_still_streaming_is_not_idle() {
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.workers = 1;
+    cfg.limits.idle_timeout = Duration::from_secs(1);
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let sender = h2c(proxy.addr).await;
+    let get = |path: &str| {
+        let mut sender = sender.clone();
+        let req = Request::get(format!("http://{}{path}", proxy.addr))
+            .body(full(""))
+            .unwrap();
+        async move {
+            let response = sender.send_request(req).await?;
+            let body = response.into_body().collect().await?.to_bytes();
+            Ok::<_, hyper::Error>(body)
+        }
+    };
+    let drip = tokio::spawn(get("/drip"));
+    // Past the idle timeout, with the drip still going: the connection takes a new stream.
+    tokio::time::sleep(Duration::from_millis(1600)).await;
+    assert!(!drip.is_finished(), "the drip ended early: the test proves nothing");
+    let beside = timeout(WAIT, get("/plain")).await.unwrap();
+    assert!(
+        beside.is_ok(),
+        "a new stream was refused while an answer streamed: {beside:?}"
+    );
+    let dripped = timeout(WAIT, drip).await.unwrap().unwrap().unwrap();
+    assert_eq!(dripped, "01234567");
     proxy.shutdown().await;
 }
 

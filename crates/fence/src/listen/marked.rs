@@ -83,6 +83,7 @@ where
             // HTTP/2 client that gives no window is never asked to).
             this.conn.answer_handed();
             let conn = this.conn.clone();
+            conn.body_began();
             response.map(|inner| Watched {
                 inner,
                 conn,
@@ -109,6 +110,7 @@ pin_project_lite::pin_project! {
             if *this.handed {
                 this.conn.answer_asked();
             }
+            this.conn.body_ended();
         }
     }
 }

@@ -33,6 +33,8 @@ pub(super) struct Tracked {
     pub(super) asked: AtomicBool,
     /// Requests being answered now (until their response head).
     busy: AtomicUsize,
+    /// Answers whose body has not ended yet (a stream still going after its head).
+    bodies: AtomicUsize,
     /// A request on it carried a credential the service accepted.
     authenticated: AtomicBool,
     /// When a request last began or got its answer, in ms since the slots began.
@@ -150,12 +152,26 @@ impl Tracked {
         socket.max(answer)
     }
 
-    /// When the connection has had no request running since: the last activity, or `None`
-    /// while one runs.
+    /// An answer's body began: the connection has a stream open until it ends.
+    pub(super) fn body_began(&self) {
+        self.bodies.fetch_add(1, Ordering::AcqRel);
+    }
+
+    /// An answer's body ended (read to its end, or dropped).
+    pub(super) fn body_ended(&self) {
+        self.bodies.fetch_sub(1, Ordering::AcqRel);
+        self.touch();
+    }
+
+    /// When the connection has had no request running and no answer's body going since:
+    /// the last activity, or `None` while one runs.
     pub(super) fn idle_since(&self) -> Option<Instant> {
-        (self.busy.load(Ordering::Acquire) == 0).then(|| {
-            self.epoch + std::time::Duration::from_millis(self.active_ms.load(Ordering::Acquire))
-        })
+        (self.busy.load(Ordering::Acquire) == 0 && self.bodies.load(Ordering::Acquire) == 0).then(
+            || {
+                self.epoch
+                    + std::time::Duration::from_millis(self.active_ms.load(Ordering::Acquire))
+            },
+        )
     }
 }
 
@@ -258,6 +274,7 @@ impl Slots {
             id: self.next_id.fetch_add(1, Ordering::Relaxed),
             asked: AtomicBool::new(false),
             busy: AtomicUsize::new(0),
+            bodies: AtomicUsize::new(0),
             authenticated: AtomicBool::new(false),
             active_ms: AtomicU64::new(0),
             write_stalled: Since::default(),
