@@ -130,6 +130,41 @@ fn two_servers_forgetting_on_one_database_start_above_the_floor() {
     assert_eq!(claim(&a, "never-seen")["generation"], 4);
 }
 
+/// PostgreSQL stops answering without closing anything (a failover by address takeover, a
+/// partition: the relay in front of it silently drops what it gets). The lease server's
+/// calls waited on TCP's retransmissions, some 15 minutes, and every request that took one
+/// of the pooled connections with them; now each statement has the database's own timeout
+/// plus a second, and the answer is 503 `store-unavailable` well within the client's 10 s.
+#[test]
+fn a_database_that_stops_answering_is_503_within_the_statement_deadline() {
+    let url = database_url().unwrap();
+    let relay = Relay::to(&url);
+    let schema = unique_schema("silent");
+    let (_s, server) = start_pg_server(&relay.url, &schema, &[]);
+    let claim_body = r#"{"owner":"w","lease_key":"k0123456789abcdefghijk"}"#;
+    let claim = |job: &str| {
+        bearer_call(
+            &server,
+            "POST",
+            &format!("/v1/leases/{job}/claim"),
+            None,
+            claim_body,
+        )
+    };
+    assert_eq!(claim("before").0, 200);
+
+    relay.silence();
+    let started = std::time::Instant::now();
+    let (status, answer) = claim("during");
+    assert_eq!(status, 503, "{answer}");
+    assert!(answer.contains("urn:fence:store-unavailable"), "{answer}");
+    assert!(
+        started.elapsed() < Duration::from_secs(9),
+        "answered after {:?}",
+        started.elapsed()
+    );
+}
+
 /// PostgreSQL goes away and comes back (a relay in front of it is cut, then reopened): the
 /// lease server and the proxy answer 503 `store-unavailable` meanwhile, never 500 and never
 /// admitting from an outdated memory (the proxy's store is shared, so even a request of the

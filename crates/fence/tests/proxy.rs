@@ -1238,7 +1238,10 @@ async fn an_http2_connection_with_an_answer_still_streaming_is_not_idle() {
     let drip = tokio::spawn(get("/drip"));
     // Past the idle timeout, with the drip still going: the connection takes a new stream.
     tokio::time::sleep(Duration::from_millis(1600)).await;
-    assert!(!drip.is_finished(), "the drip ended early: the test proves nothing");
+    assert!(
+        !drip.is_finished(),
+        "the drip ended early: the test proves nothing"
+    );
     let beside = timeout(WAIT, get("/plain")).await.unwrap();
     assert!(
         beside.is_ok(),

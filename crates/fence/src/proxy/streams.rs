@@ -1,5 +1,4 @@
-//! The upstream HTTP/1.1 connections an HTTP/2 client's streams use, counted against the
-//! proxy's connection cap.
+//! An HTTP/2 client's streams, counted against the proxy's connection cap upstream.
 //!
 //! A client connection's request uses one upstream HTTP/1.1 connection (a kept-alive one
 //! that is ready, or a new one) until its answer's body has been read. An HTTP/1.1 client

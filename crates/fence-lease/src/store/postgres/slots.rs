@@ -231,10 +231,13 @@ impl PgLeaseStore {
             .await
             .map_err(|_| StoreError::Timeout(POOL_TIMEOUT))?
             .map_err(StoreError::io)?;
-        let decided = self
-            .decide_slot_rows(&mut client, resource, (owner, key), terms, slots)
-            .await;
-        client.done();
+        // The lock, the rows, the floor, the write.
+        let decided = super::deadline::within(
+            4,
+            self.decide_slot_rows(&mut client, resource, (owner, key), terms, slots),
+        )
+        .await;
+        super::deadline::ended(client, &decided);
         decided
     }
 

@@ -1,5 +1,6 @@
 //! The PostgreSQL lease store against the local database: conformance and its own cases.
 use super::*;
+use crate::store::MAX_LIST_SCAN;
 
 /// A store on a table of its own, so parallel tests do not share jobs.
 async fn fresh() -> Option<PgLeaseStore> {
