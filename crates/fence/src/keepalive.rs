@@ -13,22 +13,8 @@ use tokio::{
 use crate::{
     calls::{LeaseRef, connect},
     cli::KeepaliveCmd,
-    run::{
-        EXIT_LOST,
-        token_file::{keep_token_current, write_token},
-    },
+    run::{EXIT_LOST, token_file::KeptTokenFile},
 };
-
-/// Stops the token file's task when keepalive returns, however it returns.
-struct AbortOnDrop(Option<tokio::task::JoinHandle<()>>);
-
-impl Drop for AbortOnDrop {
-    fn drop(&mut self) {
-        if let Some(task) = &self.0 {
-            task.abort();
-        }
-    }
-}
 
 /// `fence keepalive`: resumes the lease (one renewal at once), then renews it in the
 /// background, copying stdin to stdout, until stdin closes or SIGTERM, SIGINT or SIGHUP
@@ -73,20 +59,21 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
         Ok(EXIT_LOST)
     };
     // The token file is written before anything is said or copied: a script that waits
-    // for keepalive's first output finds it there.
-    let keeper = match &a.token_file {
+    // for keepalive's first output finds it there. Emptied when this returns, however.
+    let _token_file = match &a.token_file {
         Some(path) => {
             let updates = held.tokens();
             let Some(token) = held.token_string() else {
                 return said_lost();
             };
-            write_token(path, &token)
-                .with_context(|| format!("cannot write --token-file {}", path.display()))?;
-            Some(keep_token_current(path.clone(), updates))
+            let shown = path.display().to_string();
+            Some(
+                KeptTokenFile::start(path.clone(), &token, updates)
+                    .with_context(|| format!("cannot write --token-file {shown}"))?,
+            )
         }
         None => None,
     };
-    let _keeper = AbortOnDrop(keeper);
     let (mut term, mut int, mut hup) = (
         signal(SignalKind::terminate())?,
         signal(SignalKind::interrupt())?,
@@ -135,8 +122,13 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
         .deadline()
         .saturating_duration_since(tokio::time::Instant::now());
     eprintln!(
-        "fence keepalive: stopped renewing job {job} (generation {generation}); it is still held for about {}",
-        humantime::format_duration(Duration::from_millis(left.as_millis() as u64))
+        "fence keepalive: stopped renewing job {job} (generation {generation}); it is still held for about {}{}",
+        humantime::format_duration(Duration::from_millis(left.as_millis() as u64)),
+        if a.token_file.is_some() {
+            ", and --token-file is emptied"
+        } else {
+            ""
+        }
     );
     // Dropping the lease stops its keeper; it neither releases nor completes.
     drop(held);

@@ -1103,6 +1103,53 @@ fn ended_within_10s(mut child: std::process::Child) -> (Option<i32>, String) {
     (code.flatten(), said)
 }
 
+/// `fence keepalive --token-file` leaves no token behind, lost or stopped: the file was
+/// emptied by a task that the exit could abort before it ran, so a script reading it before
+/// each write could still find the token of a revoked lease, or, after a stop, that of a
+/// lease no longer renewed and soon ended. Each round is a race; five make it show.
+#[test]
+fn keepalive_leaves_its_token_file_empty_however_it_ends() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    for round in 0..6 {
+        let job = format!("kept-{round}");
+        let out = fence(&["claim", "--server", &url, "--job", &job, "--ttl", "5s"]);
+        assert_success(&out);
+        let lease = dir.path().join(format!("{job}.json"));
+        std::fs::write(&lease, &out.stdout).unwrap();
+        let token_file = dir.path().join(format!("{job}.token"));
+        let mut kept = Command::new(FENCE)
+            .args(["keepalive", "--server", &url, "--ttl", "5s", "--lease"])
+            .arg(&lease)
+            .arg("--token-file")
+            .arg(&token_file)
+            .stdin(Stdio::piped())
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap();
+        let input = kept.stdin.take().unwrap();
+        eventually("the token in the file", Duration::from_secs(10), || {
+            std::fs::read_to_string(&token_file).is_ok_and(|t| t == "1\n")
+        });
+        // Odd rounds stop (stdin closes: exit 0), even ones lose the lease (exit 75).
+        let expected = if round % 2 == 1 {
+            drop(input);
+            0
+        } else {
+            assert_success(&fence(&["revoke", "--server", &url, "--job", &job]));
+            75
+        };
+        let (code, said) = ended_within_10s(kept);
+        assert_eq!(code, Some(expected), "round {round}: {said}");
+        assert_eq!(
+            std::fs::read_to_string(&token_file).unwrap(),
+            "",
+            "round {round}: a token was left in the file after exit {expected}"
+        );
+    }
+}
+
 /// `fence keepalive` whose reader stalls (a full pipe) still exits 75 the moment the lease is
 /// lost: the copy to stdout does not hold back the loss.
 #[test]

@@ -83,7 +83,8 @@ pub struct KeepaliveCmd {
     pub ttl: Ttl,
     /// Keep the lease's current token in this file (mode 0600, replaced atomically, a
     /// newline after it): read it before each write, since a renewal of a signed lease
-    /// signs a new token.
+    /// signs a new token. Emptied when keepalive exits, the lease lost or not: nothing
+    /// renews it after.
     #[arg(long, value_name = "PATH")]
     pub token_file: Option<PathBuf>,
 }

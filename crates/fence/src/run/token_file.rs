@@ -3,6 +3,7 @@
 use std::{
     io::Write as _,
     path::{Path, PathBuf},
+    sync::{Arc, Mutex},
 };
 
 use anyhow::Context as _;
@@ -38,8 +39,53 @@ impl TokenFile {
     /// Rewrites the file whenever the lease's token changes (a renewal signs a new one):
     /// `updates` taken before the token the file was made with was read, so none is missed.
     pub(super) fn keep_current(&self, updates: TokenUpdates) -> tokio::task::JoinHandle<()> {
-        keep_token_current(self.path(), updates)
+        keep_token_current(self.path(), updates, Arc::default())
     }
+}
+
+/// `fence keepalive --token-file`: the file kept current by a task while the lease is held,
+/// and emptied when this is dropped, however keepalive ends (lost, stopped, failed). Nothing
+/// keeps it current after that, and a lease not renewed any more ends at its TTL: a token
+/// left there would outlive it.
+pub(crate) struct KeptTokenFile {
+    path: PathBuf,
+    /// Set once the file is emptied for good; the task writes no token after.
+    closed: Arc<Mutex<bool>>,
+    task: tokio::task::JoinHandle<()>,
+}
+
+impl KeptTokenFile {
+    /// Writes `token` to `path`, then keeps it current with `updates` (taken before `token`
+    /// was read, so none is missed).
+    pub(crate) fn start(
+        path: PathBuf,
+        token: &str,
+        updates: TokenUpdates,
+    ) -> std::io::Result<Self> {
+        write_token(&path, token)?;
+        let closed = Arc::<Mutex<bool>>::default();
+        let task = keep_token_current(path.clone(), updates, closed.clone());
+        Ok(Self { path, closed, task })
+    }
+}
+
+impl Drop for KeptTokenFile {
+    fn drop(&mut self) {
+        // Under the lock: a write of the task on another thread lands before this, not after.
+        let mut closed = lock(&self.closed);
+        *closed = true;
+        self.task.abort();
+        if let Err(e) = write_bytes(&self.path, b"") {
+            tracing::warn!(path = %self.path.display(), error = %e, "cannot empty the token file");
+        }
+    }
+}
+
+/// The flag, whatever a panic elsewhere left: a bool is always valid.
+fn lock(closed: &Mutex<bool>) -> std::sync::MutexGuard<'_, bool> {
+    closed
+        .lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
 }
 
 /// Replaces `path` with `token` and a newline, atomically (a reader sees the old token or
@@ -66,15 +112,24 @@ pub(crate) fn write_bytes(path: &Path, bytes: &[u8]) -> std::io::Result<()> {
 /// Rewrites `path` with [`write_token`] at each of `updates`, and empties it the moment the
 /// lease is lost (a command that reads it before each write must not find a token the lease
 /// no longer backs), until then or until the task is aborted.
-pub(crate) fn keep_token_current(
+/// Nothing is written once `closed` is set.
+fn keep_token_current(
     path: PathBuf,
     mut updates: TokenUpdates,
+    closed: Arc<Mutex<bool>>,
 ) -> tokio::task::JoinHandle<()> {
     tokio::spawn(async move {
         while let Some(token) = updates.next().await {
+            let closed = lock(&closed);
+            if *closed {
+                return;
+            }
             if let Err(e) = write_token(&path, &token) {
                 tracing::warn!(path = %path.display(), error = %e, "cannot update the token file");
             }
+        }
+        if *lock(&closed) {
+            return;
         }
         if let Err(e) = write_bytes(&path, b"") {
             tracing::warn!(path = %path.display(), error = %e, "cannot empty the token file of a lost lease");
