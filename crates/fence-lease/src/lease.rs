@@ -467,11 +467,19 @@ async fn keep<S: LeaseStore>(
     );
     loop {
         let deadline = shared.deadline();
+        // Awake when progress is due too, not only at the next renewal: with a long TTL,
+        // a hung worker would otherwise be noticed (and stopped) up to a renewal interval
+        // late, and renewed meanwhile.
+        let due = timing
+            .progress_within
+            .and_then(|within| shared.last_progress().checked_add(within));
+        let wake = due.map_or(next, |due| next.min(due)).min(deadline);
         tokio::select! {
             () = shared.lost.cancelled() => return,
-            () = tokio::time::sleep_until(next.min(deadline)) => {}
+            () = tokio::time::sleep_until(wake) => {}
         }
-        if Instant::now() >= deadline {
+        let now = Instant::now();
+        if now >= deadline {
             return shared.lose(LossReason::DeadlinePassed);
         }
         // A worker that stopped reporting progress is hung or live-locked: no more renewals.
@@ -480,9 +488,12 @@ async fn keep<S: LeaseStore>(
             && shared
                 .last_progress()
                 .checked_add(within)
-                .is_some_and(|due| due < Instant::now())
+                .is_some_and(|due| due <= now)
         {
             return shared.lose(LossReason::NoProgress { within });
+        }
+        if now < next {
+            continue; // woken for progress that came meanwhile: not time to renew yet
         }
         let t_send = Instant::now();
         let renewal = tokio::select! {

@@ -822,6 +822,37 @@ async fn a_worker_that_stops_reporting_progress_loses_its_lease_and_it_expires()
     ));
 }
 
+/// A hung worker is noticed when its progress is due, not at the next renewal: with a one
+/// hour lease (renewed every 20 minutes) and progress due within 2 s, the lease is lost 2 s
+/// after the last progress, and not renewed meanwhile.
+#[tokio::test(start_paused = true)]
+async fn no_progress_is_noticed_when_due_not_at_the_next_renewal() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let store = Arc::new(MemoryLeaseStore::with_clock(clock));
+    let lease = LeaseClient::from_arc(store.clone())
+        .owner("hung".parse().unwrap())
+        .ttl(Ttl::from_millis(3_600_000).unwrap())
+        .progress_within(Duration::from_secs(2))
+        .claim(job())
+        .await
+        .unwrap();
+    let granted = Instant::now();
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    lease.progress();
+    let reported = Instant::now();
+    tokio::time::timeout(Duration::from_secs(60), lease.lost())
+        .await
+        .expect("lost within a minute, not at the renewal 20 minutes on");
+    assert_eq!(
+        lease.loss_reason(),
+        Some(LossReason::NoProgress {
+            within: Duration::from_secs(2)
+        })
+    );
+    assert_eq!(reported.elapsed(), Duration::from_secs(2), "lost when due");
+    assert_eq!(granted.elapsed(), Duration::from_secs(3));
+}
+
 /// The progress interval of a lease granted after a wait runs from the grant, not from when
 /// the claim was sent: a worker that waited most of the interval for the job is not judged
 /// hung before it could report anything.
