@@ -417,6 +417,44 @@ fn a_short_lease_does_not_get_a_healthy_command_stopped_by_the_watchdog() {
     }
 }
 
+/// SIGUSR1 (reopen your logs) reaches the command, and fence run lives on: it used to die of
+/// it, leaving the lease to expire and the job unfinished.
+#[test]
+fn sigusr1_is_passed_on_to_the_command() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let (ready, got) = (dir.path().join("ready"), dir.path().join("got"));
+    let run = spawn_run(
+        &url,
+        "usr1",
+        &[],
+        &format!(
+            "trap 'touch {got}; exit 0' USR1; touch {ready}; n=0; \
+             while [ $n -lt 1000 ]; do sleep 0.01; n=$((n+1)); done; exit 9",
+            got = got.display(),
+            ready = ready.display()
+        ),
+    );
+    eventually("the command's trap", Duration::from_secs(10), || {
+        ready.exists()
+    });
+    signal(&run, "-USR1");
+    let mut run = run;
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = run.0.try_wait().unwrap() {
+            break status;
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(10),
+            "fence run still runs 10 s after SIGUSR1"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(got.exists(), "the command never got SIGUSR1");
+    assert_eq!(status.code(), Some(0), "the command's trap exits 0");
+}
+
 /// Ctrl-C during a long `--wait` ends the wait at once (exit 130) and never starts the
 /// command; it was held until the claim returned, then handed to the command just started.
 #[test]

@@ -101,14 +101,18 @@ pub enum Cmd {
     /// environment. The lease is renewed in the background. When it is lost the whole group gets SIGTERM at once, and SIGKILL
     /// after --grace; the same happens if `fence run` itself dies, even by SIGKILL. When the
     /// command exits 0 the job is completed (or released, with --on-success release);
-    /// otherwise it is released. SIGINT, SIGTERM and SIGHUP are passed on to the group.
+    /// otherwise it is released. SIGINT, SIGTERM and SIGHUP are passed on to the group,
+    /// and so are SIGUSR1, SIGUSR2, SIGQUIT and SIGWINCH while the command runs.
     #[command(after_help = "\
 Exit codes of fence run (the command's own codes pass through unchanged: a command that
 itself exits 3 or 75 is told apart only by fence run's last line on stderr):
   0     the command exited 0 and the job was completed (or released)
   3     the lease could not be obtained within --wait, or the job is completed
   75    the lease was lost while the command ran (the group got SIGTERM, then SIGKILL
-        after --grace), or it exited 0 after its lease was lost
+        after --grace), or the command exited (whatever its code) after its lease was
+        lost, or completing or releasing the job found the lease lost
+  124   --max-duration ran out: the group was stopped, the job released (or left to
+        expire, with --on-max-duration expire)
   1     fence itself failed (server unreachable, command not found)
   2     bad usage
   128+N the command was killed by signal N (fence run passes the signal on), or fence

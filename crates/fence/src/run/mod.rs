@@ -92,22 +92,48 @@ struct Signals {
     int: Stream,
     term: Stream,
     hup: Stream,
+    /// Only passed on while the command runs (reopen logs, dump state, a resized
+    /// terminal), ignored before and after it: they ask nothing of `fence run` itself.
+    passed: [(Signal, Stream); 4],
 }
 
 impl Signals {
     fn install() -> std::io::Result<Self> {
+        let passed =
+            |sig: Signal| Ok::<_, std::io::Error>((sig, signal(SignalKind::from_raw(sig as i32))?));
         Ok(Self {
             int: signal(SignalKind::interrupt())?,
             term: signal(SignalKind::terminate())?,
             hup: signal(SignalKind::hangup())?,
+            passed: [
+                passed(Signal::SIGUSR1)?,
+                passed(Signal::SIGUSR2)?,
+                passed(Signal::SIGQUIT)?,
+                passed(Signal::SIGWINCH)?,
+            ],
         })
     }
 
+    /// The next signal that stops: SIGINT, SIGTERM or SIGHUP.
     async fn next(&mut self) -> Signal {
         tokio::select! {
             _ = self.int.recv() => Signal::SIGINT,
             _ = self.term.recv() => Signal::SIGTERM,
             _ = self.hup.recv() => Signal::SIGHUP,
+        }
+    }
+
+    /// The next signal of any kind, to pass on to the running command.
+    async fn next_to_pass(&mut self) -> Signal {
+        let [(a, sa), (b, sb), (c, sc), (d, sd)] = &mut self.passed;
+        tokio::select! {
+            _ = self.int.recv() => Signal::SIGINT,
+            _ = self.term.recv() => Signal::SIGTERM,
+            _ = self.hup.recv() => Signal::SIGHUP,
+            _ = sa.recv() => *a,
+            _ = sb.recv() => *b,
+            _ = sc.recv() => *c,
+            _ = sd.recv() => *d,
         }
     }
 }
@@ -520,7 +546,7 @@ async fn supervise(
     let (ended, why) = loop {
         tokio::select! {
             status = child.wait() => return Ok(Ended::Exited(status?)),
-            sig = signals.next() => group.signal(sig),
+            sig = signals.next_to_pass() => group.signal(sig),
             () = &mut lost => {
                 let reason = lease.loss_reason().map_or_else(|| "unknown".to_owned(), |r| r.to_string());
                 break (Ended::Lost, format!("lease lost ({reason})"));
