@@ -417,6 +417,52 @@ fn a_short_lease_does_not_get_a_healthy_command_stopped_by_the_watchdog() {
     }
 }
 
+/// The ended children of `pid` not reaped yet (zombies).
+fn zombies_of(pid: u32) -> Vec<u32> {
+    let mut found = Vec::new();
+    for entry in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(child) = entry.file_name().to_str().and_then(|n| n.parse().ok()) else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
+            continue;
+        };
+        let mut fields = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace();
+        if fields.next() == Some("Z") && fields.next() == Some(pid.to_string().as_str()) {
+            found.push(child);
+        }
+    }
+    found
+}
+
+/// fence run adopts the orphans of the command's tree (it is their subreaper) and reaps them
+/// when they end: a job that keeps leaving background helpers behind used to fill the
+/// process table with zombies of fence run until it could not fork.
+#[test]
+fn ended_orphans_of_the_command_are_reaped() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let done = dir.path().join("done");
+    let mut run = spawn_run(
+        &url,
+        "orphans",
+        &[],
+        &format!(
+            "for i in 1 2 3 4 5; do (true &); (sleep 0.05 &); done; sleep 0.5; touch {}; sleep 2",
+            done.display()
+        ),
+    );
+    eventually("the orphans made and ended", Duration::from_secs(10), || {
+        done.exists()
+    });
+    let pid = run.0.id();
+    eventually("no zombie of fence run", Duration::from_secs(2), || {
+        zombies_of(pid).is_empty()
+    });
+    let status = run.0.wait().unwrap();
+    assert_eq!(status.code(), Some(0));
+}
+
 /// SIGUSR1 (reopen your logs) reaches the command, and fence run lives on: it used to die of
 /// it, leaving the lease to expire and the job unfinished.
 #[test]

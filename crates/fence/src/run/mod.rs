@@ -35,6 +35,7 @@ mod claim;
 mod finish;
 mod procs;
 mod progress;
+mod reaper;
 pub(crate) mod token_file;
 mod watchdog;
 mod words;
@@ -162,6 +163,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
         tracing::debug!(error = %e, "cannot become the subreaper of the command's tree");
     }
+    let reaper = reaper::Reaper::start();
     let store = crate::calls::connect(&args.conn)?;
     let mut client = LeaseClient::new(store).ttl(args.ttl);
     if let Some(delay) = args.lock_delay {
@@ -229,7 +231,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         grace: args.grace,
         lock_delay: args.lock_delay.unwrap_or_default(),
     };
-    let mut group = match Group::start(stop) {
+    let mut group = match Group::start(stop, &reaper) {
         Ok(group) => group,
         Err(e) => {
             give_back(lease, &mut signals).await;
@@ -258,19 +260,20 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         command.env("FENCE_PROGRESS_FILE", file);
         progress::watch(file.clone(), lease.view(), *within);
     }
-    let spawned = command
-        .args(rest)
-        .process_group(group.pgid.as_raw())
-        .env("FENCE_JOB", job.as_str())
-        .env("FENCE_TOKEN", &token)
-        .env("FENCE_TOKEN_FILE", token_file.path())
-        .env("FENCE_SERVER", &args.conn.server)
-        .env("FENCE_OWNER", client.owner_id().as_str())
-        .env_remove("FENCE_AUTH_TOKEN")
-        .env_remove("FENCE_LEASE_KEY")
-        .stdin(Stdio::inherit())
-        .kill_on_drop(true)
-        .spawn();
+    let spawned = reaper.spawn(
+        command
+            .args(rest)
+            .process_group(group.pgid.as_raw())
+            .env("FENCE_JOB", job.as_str())
+            .env("FENCE_TOKEN", &token)
+            .env("FENCE_TOKEN_FILE", token_file.path())
+            .env("FENCE_SERVER", &args.conn.server)
+            .env("FENCE_OWNER", client.owner_id().as_str())
+            .env_remove("FENCE_AUTH_TOKEN")
+            .env_remove("FENCE_LEASE_KEY")
+            .stdin(Stdio::inherit())
+            .kill_on_drop(true),
+    );
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
@@ -356,17 +359,20 @@ struct Group {
 const HEARTBEAT: Duration = Duration::from_millis(100);
 
 impl Group {
-    fn start(stop: Stop) -> anyhow::Result<Self> {
+    fn start(stop: Stop, reaper: &reaper::Reaper) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("finding the fence executable")?;
-        let mut watchdog = Command::new(exe)
-            .args(["watchdog", "--grace"])
-            .arg(format!("{}ms", stop.grace.as_millis()))
-            .process_group(0)
-            .stdin(Stdio::piped())
-            .stdout(Stdio::null())
-            .env("RUST_LOG", "off")
-            .kill_on_drop(true)
-            .spawn()
+        let mut watchdog = Command::new(exe);
+        let mut watchdog = reaper
+            .spawn(
+                watchdog
+                    .args(["watchdog", "--grace"])
+                    .arg(format!("{}ms", stop.grace.as_millis()))
+                    .process_group(0)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::null())
+                    .env("RUST_LOG", "off")
+                    .kill_on_drop(true),
+            )
             .context("starting the watchdog")?;
         let pid = watchdog
             .id()

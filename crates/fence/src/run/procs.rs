@@ -2,16 +2,36 @@
 
 use nix::unistd::Pid;
 
-/// A live process: its pid, its parent's and its process group.
+/// A process: its pid, its parent's and its process group, and whether it has ended (a
+/// zombie, waiting for its parent to reap it).
 struct Process {
     pid: i32,
     ppid: i32,
     pgrp: i32,
+    ended: bool,
 }
 
 /// Every live process (not a zombie) as `/proc` shows it now; `None` when `/proc` cannot be
 /// read.
 fn processes() -> Option<Vec<Process>> {
+    let mut all = every_process()?;
+    all.retain(|p| !p.ended);
+    Some(all)
+}
+
+/// The children of this process that have ended and wait to be reaped.
+pub(super) fn ended_children() -> Vec<Pid> {
+    let me = Pid::this().as_raw();
+    every_process()
+        .unwrap_or_default()
+        .iter()
+        .filter(|p| p.ended && p.ppid == me)
+        .map(|p| Pid::from_raw(p.pid))
+        .collect()
+}
+
+/// Every process as `/proc` shows it now, zombies too; `None` when `/proc` cannot be read.
+fn every_process() -> Option<Vec<Process>> {
     let entries = std::fs::read_dir("/proc").ok()?;
     let mut out = Vec::new();
     for entry in entries.flatten() {
@@ -33,8 +53,14 @@ fn processes() -> Option<Vec<Process>> {
         let state = fields.next().unwrap_or("Z");
         let ppid = fields.next().and_then(|f| f.parse::<i32>().ok());
         let pgrp = fields.next().and_then(|f| f.parse::<i32>().ok());
-        if let (Some(ppid), Some(pgrp), false) = (ppid, pgrp, state == "Z" || state == "X") {
-            out.push(Process { pid, ppid, pgrp });
+        if let (Some(ppid), Some(pgrp)) = (ppid, pgrp) {
+            let ended = state == "Z" || state == "X";
+            out.push(Process {
+                pid,
+                ppid,
+                pgrp,
+                ended,
+            });
         }
     }
     Some(out)
