@@ -417,6 +417,43 @@ fn a_short_lease_does_not_get_a_healthy_command_stopped_by_the_watchdog() {
     }
 }
 
+/// A lease taken over: the command exits 1 s after its SIGTERM, well within the 3 s grace,
+/// while another process of its group ignores SIGTERM. That one is killed when the grace is
+/// over, counted from the loss; it used to get a whole new grace from when the command
+/// exited (about 4 s here, and up to twice --grace).
+#[test]
+fn the_rest_of_the_group_gets_what_is_left_of_the_grace_not_a_new_one() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let (pid_file, ready) = (dir.path().join("stubborn.pid"), dir.path().join("ready"));
+    let termed = dir.path().join("termed");
+    let script = format!(
+        "{} ; echo $! > {}; trap 'touch {}; sleep 1; exit 0' TERM; \
+         n=0; while [ $n -lt 3000 ]; do sleep 0.01; n=$((n+1)); done",
+        stubborn_in_background("sleep 1000", &ready),
+        pid_file.display(),
+        termed.display()
+    );
+    // Renewed every 3 s: the revoke is seen within 3 s, and the lease's last moment, by
+    // which the watchdog kills the group whatever the grace, stays over 5 s away from then.
+    let job = "takeover-grace";
+    let mut run = spawn_run(&url, job, &["--ttl", "9s", "--grace", "3s"], &script);
+    let stubborn = pid_in(&pid_file);
+    assert_success(&fence(&["revoke", "--server", &url, "--job", job]));
+    eventually("the command's SIGTERM", Duration::from_secs(8), || {
+        termed.exists()
+    });
+    let term = Instant::now();
+    gone_within(stubborn, Duration::from_secs(10));
+    let took = term.elapsed();
+    assert_eq!(run.0.wait().unwrap().code(), Some(75));
+    assert!(
+        took >= Duration::from_millis(2_400) && took < Duration::from_millis(3_700),
+        "the process that ignored SIGTERM was killed {took:?} after the group's SIGTERM, \
+         with --grace 3s"
+    );
+}
+
 /// The ended children of `pid` not reaped yet (zombies).
 fn zombies_of(pid: u32) -> Vec<u32> {
     let mut found = Vec::new();
@@ -427,7 +464,10 @@ fn zombies_of(pid: u32) -> Vec<u32> {
         let Ok(stat) = std::fs::read_to_string(entry.path().join("stat")) else {
             continue;
         };
-        let mut fields = stat.rsplit_once(')').map_or("", |(_, r)| r).split_whitespace();
+        let mut fields = stat
+            .rsplit_once(')')
+            .map_or("", |(_, r)| r)
+            .split_whitespace();
         if fields.next() == Some("Z") && fields.next() == Some(pid.to_string().as_str()) {
             found.push(child);
         }
@@ -452,9 +492,11 @@ fn ended_orphans_of_the_command_are_reaped() {
             done.display()
         ),
     );
-    eventually("the orphans made and ended", Duration::from_secs(10), || {
-        done.exists()
-    });
+    eventually(
+        "the orphans made and ended",
+        Duration::from_secs(10),
+        || done.exists(),
+    );
     let pid = run.0.id();
     eventually("no zombie of fence run", Duration::from_secs(2), || {
         zombies_of(pid).is_empty()

@@ -12,7 +12,7 @@ use std::time::Duration;
 use fence_lease::{FinishError, HttpLeaseStore, Lease};
 use nix::sys::signal::Signal;
 
-use super::{EXIT_LOST, EXIT_MAX_DURATION, Signals, words::ended_how};
+use super::{EXIT_LOST, EXIT_MAX_DURATION, signals::Signals, words::ended_how};
 use crate::cli::{OnMaxDuration, OnSuccess};
 
 /// How long giving up the lease goes on before a signal ends it: a signal already pending

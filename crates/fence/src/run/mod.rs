@@ -26,7 +26,6 @@ use nix::{
 };
 use tokio::{
     process::{Child, ChildStdin, Command},
-    signal::unix::{Signal as Stream, SignalKind, signal},
     time::Instant,
 };
 
@@ -36,6 +35,7 @@ mod finish;
 mod procs;
 mod progress;
 mod reaper;
+mod signals;
 pub(crate) mod token_file;
 mod watchdog;
 mod words;
@@ -43,6 +43,7 @@ use checkpoint::CheckpointFile;
 use claim::{claim_slot_within, claim_within};
 use finish::{finish, give_back, out_of_time};
 use procs::descendants;
+use signals::Signals;
 use token_file::TokenFile;
 use watchdog::Stop;
 pub use watchdog::watchdog;
@@ -85,58 +86,6 @@ pub struct RunArgs {
     pub max_duration: Option<(Duration, OnMaxDuration)>,
     /// The command and its arguments.
     pub command: Vec<String>,
-}
-
-/// The signals `fence run` passes on to the command's group; installed before anything is
-/// spawned, so none of them can kill `fence run` and orphan the group.
-struct Signals {
-    int: Stream,
-    term: Stream,
-    hup: Stream,
-    /// Only passed on while the command runs (reopen logs, dump state, a resized
-    /// terminal), ignored before and after it: they ask nothing of `fence run` itself.
-    passed: [(Signal, Stream); 4],
-}
-
-impl Signals {
-    fn install() -> std::io::Result<Self> {
-        let passed =
-            |sig: Signal| Ok::<_, std::io::Error>((sig, signal(SignalKind::from_raw(sig as i32))?));
-        Ok(Self {
-            int: signal(SignalKind::interrupt())?,
-            term: signal(SignalKind::terminate())?,
-            hup: signal(SignalKind::hangup())?,
-            passed: [
-                passed(Signal::SIGUSR1)?,
-                passed(Signal::SIGUSR2)?,
-                passed(Signal::SIGQUIT)?,
-                passed(Signal::SIGWINCH)?,
-            ],
-        })
-    }
-
-    /// The next signal that stops: SIGINT, SIGTERM or SIGHUP.
-    async fn next(&mut self) -> Signal {
-        tokio::select! {
-            _ = self.int.recv() => Signal::SIGINT,
-            _ = self.term.recv() => Signal::SIGTERM,
-            _ = self.hup.recv() => Signal::SIGHUP,
-        }
-    }
-
-    /// The next signal of any kind, to pass on to the running command.
-    async fn next_to_pass(&mut self) -> Signal {
-        let [(a, sa), (b, sb), (c, sc), (d, sd)] = &mut self.passed;
-        tokio::select! {
-            _ = self.int.recv() => Signal::SIGINT,
-            _ = self.term.recv() => Signal::SIGTERM,
-            _ = self.hup.recv() => Signal::SIGHUP,
-            _ = sa.recv() => *a,
-            _ = sb.recv() => *b,
-            _ = sc.recv() => *c,
-            _ = sd.recv() => *d,
-        }
-    }
 }
 
 /// Runs the command under the lease and returns the process exit code.
@@ -591,6 +540,20 @@ async fn supervise(
         );
         group.signal(Signal::SIGKILL);
         child.wait().await?;
+    } else {
+        // The rest of the group (one that ignores SIGTERM) has what is left of the same
+        // grace, not a new one from the watchdog once its pipe closes.
+        let until = started + grace;
+        while Instant::now() < until && procs::led_group_has_others(group.pgid) {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        if procs::led_group_has_others(group.pgid) {
+            eprintln!(
+                "fence run: the command exited, but its group was still running after {grace:?}; \
+                 sending SIGKILL to it"
+            );
+            group.signal(Signal::SIGKILL);
+        }
     }
     // What left the group has what is left of the grace.
     group

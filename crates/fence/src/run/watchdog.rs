@@ -9,7 +9,7 @@ use fence_lease::LeaseView;
 use nix::sys::signal::{Signal, killpg};
 use tokio::{io::AsyncReadExt, time::Instant};
 
-use super::{Signals, procs::others_in_group};
+use super::{procs::others_in_group, signals::Signals};
 
 /// How the command is stopped: SIGTERM, then SIGKILL after `grace`, cut short where the
 /// store could otherwise let another owner claim the job first.
