@@ -33,6 +33,10 @@ type TestBody = BoxBody<Bytes, BoxError>;
 
 const WAIT: Duration = Duration::from_secs(10);
 
+/// The size of the upstream's `/large` answer: far more than the sockets between a client
+/// and the proxy hold.
+const LARGE: usize = 64 << 20;
+
 // ---------------------------------------------------------------------------------------
 // The upstream.
 
@@ -166,6 +170,9 @@ impl Upstream {
                 body: Bytes::new(),
             });
             return Response::new(body.map_err(Into::into).boxed());
+        }
+        if parts.uri.path() == "/large" {
+            return Response::new(full(vec![b'x'; LARGE]));
         }
         if parts.uri.path() == "/drip" {
             // Eight bytes, one every 300 ms.
@@ -1249,6 +1256,36 @@ async fn an_http2_connection_with_an_answer_still_streaming_is_not_idle() {
     );
     let dripped = timeout(WAIT, drip).await.unwrap().unwrap().unwrap();
     assert_eq!(dripped, "01234567");
+    proxy.shutdown().await;
+}
+
+/// A client that reads nothing of a large answer is closed once a write has waited the idle
+/// timeout (here 1 s) for it: it used to keep its seat, the upstream connection and the
+/// upstream's handler, blocked writing, for as long as it liked below the connection cap.
+#[tokio::test]
+async fn a_client_that_reads_nothing_is_closed_at_the_idle_timeout() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.workers = 1;
+    cfg.limits.idle_timeout = Duration::from_secs(1);
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    stream
+        .write_all(b"GET /large HTTP/1.1\r\nHost: x\r\n\r\n")
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    // What the sockets held, then the end: not the whole answer.
+    let (mut read, mut buf) = (0, vec![0u8; 1 << 20]);
+    loop {
+        match timeout(WAIT, stream.read(&mut buf)).await {
+            Ok(Ok(0) | Err(_)) => break,
+            Ok(Ok(n)) => read += n,
+            Err(_) => panic!("still open after {read} bytes: not closed"),
+        }
+    }
+    assert!(read < LARGE, "the whole answer came: {read} bytes");
     proxy.shutdown().await;
 }
 

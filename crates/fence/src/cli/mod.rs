@@ -242,7 +242,9 @@ pub struct ListenArgs {
     /// included; a connection that sends nothing, or one byte a second, is closed then.
     #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = parse_timeout, env = "FENCE_HEADER_TIMEOUT")]
     pub header_timeout: Duration,
-    /// How long a kept-alive connection may sit between an answer and the next request head.
+    /// How long a kept-alive connection may sit between an answer and the next request head
+    /// (an HTTP/2 one: with no stream open), and how long a write may wait for a client
+    /// that reads nothing of what it is sent before its connection is closed.
     #[arg(long, allow_hyphen_values = true, default_value = "60s", value_parser = parse_timeout, env = "FENCE_IDLE_TIMEOUT")]
     pub idle_timeout: Duration,
     /// Open connections at most. At the cap, an idle connection of the address that holds

@@ -500,6 +500,14 @@ async fn drive<I, S, B>(
                 }
             }
         }
+        // A client that takes in nothing of what it is sent keeps its seat, the answer's
+        // producer (an upstream connection and its handler) and the memory of both, for as
+        // long as it likes, at the cap or not: closed once a write has waited the idle
+        // timeout for it (nginx's `send_timeout`).
+        () = socket_unread_for(tracked, limits.idle_timeout) => {
+            tracing::debug!("closing a connection whose client read nothing it was sent for the idle timeout");
+            return;
+        }
         () = idle => {
             tracing::debug!("closing an HTTP/2 connection with no stream open for the idle timeout");
             conn.as_mut().shut_down();
@@ -525,6 +533,18 @@ const UNREAD_AT_LEAST: Duration = Duration::from_millis(100);
 async fn unread_for(conn: &Tracked, limit: Duration) {
     loop {
         let wait = match conn.unread_for() {
+            Some(stalled) if stalled >= limit => return,
+            Some(stalled) => limit - stalled,
+            None => limit,
+        };
+        tokio::time::sleep(wait).await;
+    }
+}
+
+/// Resolves once a write to `conn`'s socket has waited `limit` for its client to read.
+async fn socket_unread_for(conn: &Tracked, limit: Duration) {
+    loop {
+        let wait = match conn.socket_unread_for() {
             Some(stalled) if stalled >= limit => return,
             Some(stalled) => limit - stalled,
             None => limit,

@@ -142,6 +142,12 @@ impl Tracked {
         }
     }
 
+    /// How long a write to the socket has waited for its client to read, if one waits (not
+    /// HTTP/2's flow control above it: a client may hold one stream back and read others).
+    pub(super) fn socket_unread_for(&self) -> Option<std::time::Duration> {
+        self.write_stalled.elapsed(self.epoch)
+    }
+
     /// How long the connection has waited for its client to take in what it sends (at the
     /// socket, or at HTTP/2's flow control above it), if it waits.
     pub(super) fn unread_for(&self) -> Option<std::time::Duration> {
