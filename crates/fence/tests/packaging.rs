@@ -358,6 +358,9 @@ fn commands(block: &str) -> Vec<String> {
 /// Picked below the kernel's ephemeral range (32768 and up here): a port asked of the kernel
 /// (`:0`) and given back can be handed at once to any other test binding `:0`, and the
 /// README's server then fails to bind while `wait_port` finds the other process listening.
+/// Never one whose digits hold a port the README names: the README's ports are replaced one
+/// after another, and 27800 put in for 7710 became 2 and the proxy's port when 7800 was
+/// replaced next (CI saw `--listen 127.0.0.1:230020`).
 fn free_port() -> u16 {
     use std::sync::atomic::{AtomicU32, Ordering};
     static NEXT: AtomicU32 = AtomicU32::new(0);
@@ -368,6 +371,12 @@ fn free_port() -> u16 {
     for _ in 0..12_000 {
         let n = seed.wrapping_add(NEXT.fetch_add(1, Ordering::Relaxed).wrapping_mul(97));
         let port = 20_000 + u16::try_from(n % 12_000).unwrap_or(0);
+        let named = [
+            "7443", "7700", "7710", "7800", "7801", "7810", "7811", "8080",
+        ];
+        if named.iter().any(|p| port.to_string().contains(p)) {
+            continue;
+        }
         if std::net::TcpListener::bind(("127.0.0.1", port)).is_ok() {
             return port;
         }
