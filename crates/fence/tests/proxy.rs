@@ -1259,6 +1259,46 @@ async fn an_http2_connection_with_an_answer_still_streaming_is_not_idle() {
     proxy.shutdown().await;
 }
 
+/// An HTTP/2 client that gives its stream no window (it never takes the answer's body in)
+/// does not keep its connection past the idle timeout (here 1 s) by it: a streaming answer
+/// keeps a connection open only while its client takes it in, or the server has nothing to
+/// send yet.
+#[tokio::test]
+async fn an_http2_answer_held_back_by_its_client_does_not_keep_the_connection() {
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.workers = 1;
+    cfg.limits.idle_timeout = Duration::from_secs(1);
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let stream = TcpStream::connect(proxy.addr).await.unwrap();
+    let (sender, connection) =
+        hyper::client::conn::http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+            .initial_stream_window_size(0)
+            .handshake::<_, TestBody>(TokioIo::new(stream))
+            .await
+            .unwrap();
+    tokio::spawn(connection);
+    let get = |path: &str| {
+        let mut sender = sender.clone();
+        let req = Request::get(format!("http://{}{path}", proxy.addr))
+            .body(full(""))
+            .unwrap();
+        async move { sender.send_request(req).await }
+    };
+    // The head comes (no window needed); the body never can.
+    let held = timeout(WAIT, get("/large")).await.unwrap().unwrap();
+    assert_eq!(held.status(), 200);
+    // Past the idle timeout: the connection is going away (GOAWAY), and takes no new stream.
+    tokio::time::sleep(Duration::from_millis(1_800)).await;
+    let beside = timeout(WAIT, get("/plain")).await.unwrap();
+    assert!(
+        beside.is_err(),
+        "a new stream was taken 1.8 s on, the only answer held back since its head"
+    );
+    drop(held);
+    proxy.shutdown().await;
+}
+
 /// A client that reads nothing of a large answer is closed once a write has waited the idle
 /// timeout (here 1 s) for it: it used to keep its seat, the upstream connection and the
 /// upstream's handler, blocked writing, for as long as it liked below the connection cap.

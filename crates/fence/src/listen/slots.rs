@@ -169,15 +169,21 @@ impl Tracked {
         self.touch();
     }
 
-    /// When the connection has had no request running and no answer's body going since:
-    /// the last activity, or `None` while one runs.
+    /// When the connection has been idle since, or `None` while it is not. Idle: no request
+    /// waiting for its answer's head, and no answer's body going on (since its last
+    /// activity), or one held back by its client with none asked for more since (since the
+    /// last ask: an HTTP/2 client that gives its streams no window keeps its connection no
+    /// longer than one that sends nothing).
     pub(super) fn idle_since(&self) -> Option<Instant> {
-        (self.busy.load(Ordering::Acquire) == 0 && self.bodies.load(Ordering::Acquire) == 0).then(
-            || {
-                self.epoch
-                    + std::time::Duration::from_millis(self.active_ms.load(Ordering::Acquire))
-            },
-        )
+        if self.busy.load(Ordering::Acquire) != 0 {
+            return None;
+        }
+        if self.bodies.load(Ordering::Acquire) == 0 {
+            let active = self.active_ms.load(Ordering::Acquire);
+            return Some(self.epoch + std::time::Duration::from_millis(active));
+        }
+        let held = self.answer_unasked.elapsed(self.epoch)?;
+        Instant::now().checked_sub(held)
     }
 }
 
