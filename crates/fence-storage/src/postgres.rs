@@ -318,6 +318,58 @@ pub const SESSION_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 /// How long any statement of the fence's pools may run.
 pub const SESSION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
 
+/// The `statement_timeout` the fence's sessions to `url` run with: the URL's own
+/// (`options=-c statement_timeout=30s`, which comes after the fence's and wins), else
+/// [`SESSION_STATEMENT_TIMEOUT`]; `None` when the URL turns it off (`0`). A value this does
+/// not read (a fraction, an unknown unit) counts as the fence's own.
+#[must_use]
+pub fn session_statement_timeout(url: &str) -> Option<Duration> {
+    let config: Option<tokio_postgres::Config> = options(url).ok().and_then(|o| o.url.parse().ok());
+    let mut given = None;
+    if let Some(options) = config
+        .as_ref()
+        .and_then(tokio_postgres::Config::get_options)
+    {
+        let mut words = options.split_whitespace();
+        while let Some(word) = words.next() {
+            // `-c name=value`, `-cname=value` or `--name=value` (dashes for underscores).
+            let setting = match word {
+                "-c" => words.next(),
+                word => word.strip_prefix("-c").or_else(|| word.strip_prefix("--")),
+            };
+            if let Some((name, value)) = setting.and_then(|s| s.split_once('='))
+                && name.replace('-', "_") == "statement_timeout"
+            {
+                given = Some(value.to_owned()); // the last one wins, as in PostgreSQL
+            }
+        }
+    }
+    match given.as_deref().map(postgres_duration) {
+        Some(Some(d)) if d.is_zero() => None,
+        Some(Some(d)) => Some(d),
+        _ => Some(SESSION_STATEMENT_TIMEOUT),
+    }
+}
+
+/// A PostgreSQL time setting: whole units of `us`, `ms` (also none), `s`, `min`, `h` or `d`.
+fn postgres_duration(value: &str) -> Option<Duration> {
+    let value = value.trim_matches(|c| c == '\'' || c == '"');
+    let digits = value
+        .find(|c: char| !c.is_ascii_digit())
+        .unwrap_or(value.len());
+    let n: u64 = value[..digits].parse().ok()?;
+    let unit_ms = match value[digits..].trim() {
+        "" | "ms" => return Some(Duration::from_millis(n)),
+        "us" => return Some(Duration::from_micros(n)),
+        "s" => 1_000,
+        "min" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        _ => return None,
+    };
+    Some(Duration::from_millis(n.saturating_mul(unit_ms)))
+}
+
 /// The configuration and TLS connector of one of the fence's sessions to `url`, as
 /// [`connect_pool`] describes; [`listen`] opens its session with them too.
 fn session(

@@ -74,3 +74,39 @@ fn identifiers_are_checked_by_one_rule() {
         assert!(e.to_string().starts_with("invalid table name"), "{e}");
     }
 }
+
+/// The lease server's own deadline on a statement follows the session's statement_timeout:
+/// the URL's, which wins over the fence's 5 s, in either spelling of `-c`.
+#[test]
+fn the_session_statement_timeout_is_the_urls_when_it_gives_one() {
+    let of = |url: &str| session_statement_timeout(url);
+    let five = Some(Duration::from_secs(5));
+    assert_eq!(of("postgres://u@h/db"), five);
+    assert_eq!(
+        of("postgres://u@h/db?options=-c%20statement_timeout%3D30s"),
+        Some(Duration::from_secs(30))
+    );
+    assert_eq!(
+        of(
+            "postgres://h/db?options=-c%20statement_timeout%3D9s%20-c%20lock_timeout%3D1s%20-c%20statement_timeout%3D2min"
+        ),
+        Some(Duration::from_secs(120))
+    );
+    assert_eq!(
+        of("postgres://h/db?options=-cstatement_timeout%3D1500"),
+        Some(Duration::from_millis(1_500))
+    );
+    assert_eq!(
+        of("postgres://h/db?options=--statement-timeout%3D3s"),
+        Some(Duration::from_secs(3))
+    );
+    assert_eq!(
+        of("postgres://h/db?options=-c%20statement_timeout%3D0"),
+        None
+    );
+    assert_eq!(
+        of("postgres://h/db?options=-c%20statement_timeout%3D1.5s"),
+        five
+    );
+    assert_eq!(of("postgres://h/db?options=-c%20lock_timeout%3D9s"), five);
+}

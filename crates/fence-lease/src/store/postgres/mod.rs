@@ -90,6 +90,8 @@ pub struct PgLeaseStore {
     /// Semaphore claims take their resource's turn here before a pooled connection (see
     /// `slots`).
     slot_turns: Arc<slots::Turns>,
+    /// How long one statement is waited for (see `deadline`).
+    statement_deadline: Duration,
     #[cfg(any(test, feature = "test-hooks"))]
     offset_ms: Arc<std::sync::atomic::AtomicI64>,
 }
@@ -310,6 +312,9 @@ impl PgLeaseStore {
             url: url.into(),
             listener: Arc::default(),
             slot_turns: Arc::default(),
+            statement_deadline: deadline::statement_deadline(
+                fence_storage::postgres::session_statement_timeout(url),
+            ),
             #[cfg(any(test, feature = "test-hooks"))]
             offset_ms: Arc::default(),
         })
@@ -368,7 +373,7 @@ impl PgLeaseStore {
         // still wait on a row lock, and the next request would queue behind it.
         let client = Checkout::of(&self.pool).await.map_err(StoreError::io)?;
         // Prepared once per connection: every later call is one round trip, not two.
-        let row = within(1, async {
+        let row = within(self.statement_deadline, 1, async {
             match client.prepare_cached(sql).await {
                 Ok(statement) => client.query_opt(&statement, params).await,
                 Err(e) => Err(e),

@@ -21,7 +21,7 @@ impl PgLeaseStore {
         let limit = i64::try_from(limit).unwrap_or(i64::MAX);
         // Closed, not pooled, if this is dropped mid-transaction (see `Checkout`).
         let mut client = Checkout::of(&self.pool).await.map_err(StoreError::io)?;
-        let row = within(2, async {
+        let row = within(self.statement_deadline, 2, async {
             let tx = client.transaction().await.map_err(StoreError::io)?;
             // The floor first: claims wait for this transaction from here on (every plain
             // claim reads the floor under a share lock, even of a job whose row exists:
@@ -58,7 +58,7 @@ impl PgLeaseStore {
         let scan = i64::try_from(rows_read).unwrap_or(i64::MAX);
         // A request that went away mid-statement closes its connection (see `Checkout`).
         let client = Checkout::of(&self.pool).await.map_err(StoreError::io)?;
-        let rows = within(1, async {
+        let rows = within(self.statement_deadline, 1, async {
             client
                 .query(&self.sql.list, &[&after, &prefix, &scan, &self.offset()])
                 .await

@@ -233,6 +233,7 @@ impl PgLeaseStore {
             .map_err(StoreError::io)?;
         // The lock, the rows, the floor, the write.
         let decided = super::deadline::within(
+            self.statement_deadline,
             4,
             self.decide_slot_rows(&mut client, resource, (owner, key), terms, slots),
         )
