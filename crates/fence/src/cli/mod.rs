@@ -102,7 +102,9 @@ pub enum Cmd {
     /// after --grace; the same happens if `fence run` itself dies, even by SIGKILL. When the
     /// command exits 0 the job is completed (or released, with --on-success release);
     /// otherwise it is released. SIGINT, SIGTERM and SIGHUP are passed on to the group,
-    /// and so are SIGUSR1, SIGUSR2, SIGQUIT and SIGWINCH while the command runs.
+    /// and so are SIGUSR1, SIGUSR2, SIGQUIT and SIGWINCH while the command runs. The
+    /// command's group is never the terminal's foreground: a command that reads from the
+    /// terminal stops (SIGTTIN); give it its input from a file or </dev/null.
     #[command(after_help = "\
 Exit codes of fence run (the command's own codes pass through unchanged: a command that
 itself exits 3 or 75 is told apart only by fence run's last line on stderr):
@@ -243,8 +245,8 @@ pub struct ListenArgs {
     #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = parse_timeout, env = "FENCE_HEADER_TIMEOUT")]
     pub header_timeout: Duration,
     /// How long a kept-alive connection may sit between an answer and the next request head
-    /// (an HTTP/2 one: with no stream open), and how long a write may wait for a client
-    /// that reads nothing of what it is sent before its connection is closed.
+    /// (an HTTP/2 one: with no stream open), and how long a write may wait for its client
+    /// to read before the connection is closed.
     #[arg(long, allow_hyphen_values = true, default_value = "60s", value_parser = parse_timeout, env = "FENCE_IDLE_TIMEOUT")]
     pub idle_timeout: Duration,
     /// Open connections at most. At the cap, an idle connection of the address that holds
@@ -254,8 +256,10 @@ pub struct ListenArgs {
     /// newcomers wait for one to finish. Up to 64 newcomers per accept loop (the proxy runs
     /// one per worker) wait beyond the cap, the address that holds the fewest seated first;
     /// when more come, the newest of the address that holds the most is closed unanswered (a
-    /// lone load balancer then sees refused connections: raise the cap). Default: 10,000, or
-    /// half of what the file limit (ulimit -n) leaves.
+    /// lone load balancer then sees refused connections: raise the cap). At the proxy, an
+    /// HTTP/2 connection's concurrent streams beyond the first take seats too (see
+    /// --h2-max-streams). Default: 10,000, or half of what the file limit (ulimit -n)
+    /// leaves.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS")]
     pub max_connections: Option<u32>,
     /// Open connections from one IP address at most: clients behind one NAT address share
@@ -264,8 +268,9 @@ pub struct ListenArgs {
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS_PER_PEER")]
     pub max_connections_per_peer: Option<u32>,
     /// Concurrent HTTP/2 streams per connection at most. At the proxy, a connection's
-    /// streams in flight beyond the first each hold one of --max-connections (they use an
-    /// upstream connection each) while more than half are free, else get 503 overloaded.
+    /// streams in flight beyond the first, gRPC calls aside, each hold one of
+    /// --max-connections (they use an upstream connection each) while more than half are
+    /// free, else get 503 overloaded.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000), env = "FENCE_H2_MAX_STREAMS")]
     pub h2_max_streams: u32,
     /// HTTP/2 keepalive: a ping this often; a peer silent for as long again is closed.

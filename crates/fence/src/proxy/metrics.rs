@@ -29,6 +29,8 @@ pub(super) struct Outcomes {
     pub(super) unavailable: Outcome,
     pub(super) timeout: Outcome,
     pub(super) bad_target: Outcome,
+    /// Refused by the proxy, never sent: no room for another upstream connection.
+    pub(super) overloaded: Outcome,
 }
 
 impl Outcomes {
@@ -38,6 +40,7 @@ impl Outcomes {
             unavailable: Outcome::new("unavailable"),
             timeout: Outcome::new("timeout"),
             bad_target: Outcome::new("bad_target"),
+            overloaded: Outcome::new("overloaded"),
         }
     }
 }

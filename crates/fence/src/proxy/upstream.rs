@@ -117,7 +117,7 @@ impl Upstream {
             Some(streams) => match streams.enter(&self.slots) {
                 Some(using) => Some(using),
                 None => {
-                    self.outcomes.unavailable.record(started);
+                    self.outcomes.overloaded.record(started);
                     tracing::debug!("refusing a stream: no room for another upstream connection");
                     let mut response = problem(Problem::new(
                         ProblemType::Overloaded,
