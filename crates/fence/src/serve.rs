@@ -301,13 +301,15 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let store = backend.sink_store().await?;
     if let crate::backend::SinkBackend::Postgres(pg) = &store {
         // SQL writers on these tables check expiry while this proxy forgets (section 11).
-        pg.announce_forgetting(
-            a.forget_after.is_some(),
-            a.clock_skew,
-            a.max_lease_ttl.as_duration(),
-        )
-        .await
-        .context("recording the forgetting settings in PostgreSQL")?;
+        let recorded = pg
+            .announce_forgetting(
+                a.forget_after.is_some(),
+                a.clock_skew,
+                a.max_lease_ttl.as_duration(),
+            )
+            .await
+            .context("recording the forgetting settings in PostgreSQL")?;
+        adopt_recorded(&mut config, recorded)?;
     }
     let (tx, rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -411,6 +413,37 @@ async fn flush_within(
         Ok(Err(failed)) => Some(Err(anyhow::anyhow!("the last flush failed: {failed}"))),
         Err(_) => None,
     }
+}
+
+/// Takes on what the sinks on the same PostgreSQL tables recorded together: while any of
+/// them forgets idle jobs, this proxy decides for those jobs as well, and a stale token of a
+/// job forgotten elsewhere would pass here as a new job's first unless its expiry is checked
+/// as strictly as the forgetting one does. So it needs verify keys then, and takes the
+/// smallest clock skew and longest lease recorded.
+fn adopt_recorded(
+    config: &mut crate::proxy::ProxyConfig,
+    recorded: fence_sink::postgres::SinkSettings,
+) -> anyhow::Result<()> {
+    if !recorded.forgetting {
+        return Ok(());
+    }
+    if config.verifier.is_none() {
+        return Err(Usage::error(
+            "another sink on these PostgreSQL tables forgets idle jobs (fence.sink_settings \
+             records it), so every proxy on them must refuse expired tokens: start this one with \
+             --verify-key too (a stale token of a forgotten job would otherwise pass here as a \
+             new job's first), or give it tables of its own (--pg-schema)",
+        ));
+    }
+    if recorded.clock_skew < config.clock_skew {
+        tracing::info!(own = ?config.clock_skew, recorded = ?recorded.clock_skew, "taking the smaller --clock-skew another sink on these tables recorded");
+        config.clock_skew = recorded.clock_skew;
+    }
+    if let Some(longest) = recorded.max_lease_ttl.filter(|l| *l < config.max_lease_ttl) {
+        tracing::info!(own = ?config.max_lease_ttl, recorded = ?longest, "taking the shorter --max-lease-ttl another sink on these tables recorded");
+        config.max_lease_ttl = longest;
+    }
+    Ok(())
 }
 
 #[cfg(test)]

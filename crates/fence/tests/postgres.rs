@@ -130,6 +130,55 @@ fn two_servers_forgetting_on_one_database_start_above_the_floor() {
     assert_eq!(claim(&a, "never-seen")["generation"], 4);
 }
 
+/// Proxies on one PostgreSQL store, one forgetting idle jobs: another without verify keys
+/// would pass a stale token of a job forgotten by the first as a new job's first (it checks
+/// no expiry), so it refuses to start, saying what it needs; with the key it starts.
+#[test]
+fn a_proxy_without_verify_keys_will_not_share_tables_with_one_that_forgets() {
+    let url = database_url().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    assert_success(&fence(&["keygen", "--out", keys.to_str().unwrap()]));
+    let verify = keys.join("fence-verify.pem");
+    let verify = verify.to_str().unwrap();
+    let schema = unique_schema("mixed");
+    let upstream = format!("http://{}", start_upstream());
+    let store = ["--store", &url, "--pg-schema", &schema];
+    let forgetting = [
+        &store[..],
+        &["--verify-key", verify, "--forget-after", "25h"],
+    ]
+    .concat();
+    let (_a, _) = start_proxy_with(&upstream, &forgetting);
+
+    let mut unkeyed = std::process::Command::new(FENCE)
+        .args(proxy_args(&upstream, &store))
+        .env("RUST_LOG", "warn")
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = std::time::Instant::now();
+    let status = loop {
+        if let Some(status) = unkeyed.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = unkeyed.kill();
+            panic!("a proxy without --verify-key started on tables where another forgets");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut unkeyed.stderr.take().unwrap(), &mut said).unwrap();
+    assert_eq!(status.code(), Some(2), "{said}");
+    assert!(said.contains("--verify-key"), "{said}");
+
+    let keyed = [&store[..], &["--verify-key", verify]].concat();
+    let (_b, b) = start_proxy_with(&upstream, &keyed);
+    assert_eq!(http_status(&b, "GET", "/plain", &[]), 200);
+}
+
 /// PostgreSQL stops answering without closing anything (a failover by address takeover, a
 /// partition: the relay in front of it silently drops what it gets). The lease server's
 /// calls waited on TCP's retransmissions, some 15 minutes, and every request that took one

@@ -277,6 +277,17 @@ async fn decide(
     })
 }
 
+/// What the sinks on a set of tables have recorded together ([`PgStore::announce_forgetting`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SinkSettings {
+    /// Some sink forgets idle jobs (once recorded, for good).
+    pub forgetting: bool,
+    /// The smallest clock skew any sink allows.
+    pub clock_skew: Duration,
+    /// The shortest longest lease any sink accepts (`None`: none recorded, the default).
+    pub max_lease_ttl: Option<Duration>,
+}
+
 impl PgStore {
     /// A pool (up to 16 connections) to `url`. Call [`migrate`](Self::migrate) once.
     ///
@@ -322,6 +333,9 @@ impl PgStore {
     /// and the longest lease are the smallest any sink has recorded. To undo it, an operator
     /// deletes the row, knowing that.
     ///
+    /// Returns what the row says now, for every sink on the tables: one that does not
+    /// forget itself must still check tokens' expiry as strictly while another does.
+    ///
     /// # Errors
     /// When the database cannot be reached or refuses the write.
     pub async fn announce_forgetting(
@@ -329,30 +343,37 @@ impl PgStore {
         forgetting: bool,
         clock_skew: Duration,
         max_lease_ttl: Duration,
-    ) -> Result<(), StoreError> {
+    ) -> Result<SinkSettings, StoreError> {
         // Given back only once its statement ended (the settings row may be locked).
         let client = Checkout::of(&self.pool).await.map_err(io)?;
-        let done = client
-            .execute(
+        let row = client
+            .query_one(
                 &format!(
                     "INSERT INTO {settings} AS s (one, forgetting, clock_skew_ms, max_lease_ttl_ms)
                        VALUES (true, $1, $2, $3)
                      ON CONFLICT (one) DO UPDATE SET
                        forgetting = s.forgetting OR excluded.forgetting,
                        clock_skew_ms = LEAST(s.clock_skew_ms, excluded.clock_skew_ms),
-                       max_lease_ttl_ms = LEAST(s.max_lease_ttl_ms, excluded.max_lease_ttl_ms)",
+                       max_lease_ttl_ms = LEAST(s.max_lease_ttl_ms, excluded.max_lease_ttl_ms)
+                     RETURNING forgetting, clock_skew_ms, max_lease_ttl_ms",
                     settings = self.tables.settings
                 ),
                 &[&forgetting, &ms(clock_skew), &ms(max_lease_ttl)],
             )
             .await;
         client.done();
-        done.map_err(io)?;
-        if forgetting {
+        let row = row.map_err(io)?;
+        let millis = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
+        let recorded = SinkSettings {
+            forgetting: row.try_get(0).map_err(io)?,
+            clock_skew: millis(row.try_get(1).map_err(io)?),
+            max_lease_ttl: row.try_get::<_, Option<i64>>(2).map_err(io)?.map(millis),
+        };
+        if recorded.forgetting {
             self.forgetting
                 .store(true, std::sync::atomic::Ordering::Release);
         }
-        Ok(())
+        Ok(recorded)
     }
 
     /// Records that these tables' jobs are forgotten, before this process deletes the
@@ -478,6 +499,7 @@ impl GenerationStore for PgStore {
     ) -> Result<(), StoreError> {
         self.announce_forgetting(true, clock_skew, max_lease_ttl)
             .await
+            .map(drop)
     }
 
     async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
