@@ -59,8 +59,12 @@ impl GateState {
                 .saturating_add(ms(restart.hold))
         };
         let now = Instant::now();
+        // Never longer than the settling time from now: whatever the earlier process
+        // admitted, it admitted before now. (A clock stepped back after the store was
+        // opened would otherwise keep a newer token waiting for the size of the step.)
+        let settled = ms(restart.settled_after());
         let until = |admitted: u64| {
-            let left = bound(admitted).saturating_sub(prior.now_ms);
+            let left = bound(admitted).saturating_sub(prior.now_ms).min(settled);
             (left > 0).then(|| now + Duration::from_millis(left))
         };
         self.prior_current = self.prior_current.max(until(prior.admitted_until_ms));
@@ -70,6 +74,33 @@ impl GateState {
         let left = prior.admitted_until_ms.saturating_sub(prior.now_ms) / 2;
         if left > 0 {
             self.covered_until_ms = now_ms.saturating_add(left);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A job stamped before a clock stepped back an hour (opened and stamped "in the
+    /// future"): the wait for what the earlier process may have left running is the
+    /// settling time at most, not the hour of the step as well.
+    #[tokio::test(start_paused = true)]
+    async fn a_clock_stepped_back_does_not_stretch_the_wait_after_a_restart() {
+        let restart = Restart {
+            longest_request: Duration::from_secs(60),
+            hold: Duration::from_secs(60),
+            before_service: Duration::ZERO,
+        };
+        let now_ms = 1_000_000_000;
+        let hour = 3_600_000;
+        let prior = Prior::new(now_ms + hour + 10_000, now_ms + hour, now_ms + hour, now_ms);
+        let mut state = GateState::default();
+        state.load_prior(prior, restart, now_ms);
+        let start = Instant::now();
+        for until in [state.prior_current, state.prior_older] {
+            let until = until.expect("a wait: the stamps are recent by their clock");
+            assert_eq!(until - start, restart.settled_after());
         }
     }
 }
