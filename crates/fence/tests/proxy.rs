@@ -171,6 +171,16 @@ impl Upstream {
             });
             return Response::new(body.map_err(Into::into).boxed());
         }
+        if parts.uri.path() == "/quiet" {
+            // A head, then nothing until released: a server stream with nothing to say yet.
+            let (tx, rx) = mpsc::channel(1);
+            let mut release = self.release.subscribe();
+            tokio::spawn(async move {
+                let _ = release.wait_for(|r| *r).await;
+                let _ = tx.send(Bytes::from_static(b"done")).await;
+            });
+            return Response::new(ChannelBody(rx).boxed());
+        }
         if parts.uri.path() == "/large" {
             return Response::new(full(vec![b'x'; LARGE]));
         }
@@ -1296,6 +1306,37 @@ async fn an_http2_answer_held_back_by_its_client_does_not_keep_the_connection() 
         "a new stream was taken 1.8 s on, the only answer held back since its head"
     );
     drop(held);
+    proxy.shutdown().await;
+}
+
+/// An answer whose server has nothing to send yet (a quiet gRPC stream) keeps its HTTP/2
+/// connection open past the idle timeout (here 1 s), although another answer on it is held
+/// back by its client: only when every answer going on is held back is the connection idle.
+#[tokio::test]
+async fn a_quiet_http2_answer_keeps_the_connection_beside_one_held_back() {
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.workers = 1;
+    cfg.limits.idle_timeout = Duration::from_secs(1);
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let sender = h2c(proxy.addr).await;
+    let get = |path: &str| {
+        let mut sender = sender.clone();
+        let req = Request::get(format!("http://{}{path}", proxy.addr))
+            .body(full(""))
+            .unwrap();
+        async move { sender.send_request(req).await }
+    };
+    // Its body never read: the stream's window fills, and the answer is held back.
+    let held = timeout(WAIT, get("/large")).await.unwrap().unwrap();
+    let quiet = timeout(WAIT, get("/quiet")).await.unwrap().unwrap();
+    tokio::time::sleep(Duration::from_millis(1_800)).await;
+    let beside = timeout(WAIT, get("/plain")).await.unwrap();
+    assert!(
+        beside.is_ok(),
+        "a new stream was refused 1.8 s on, with a quiet answer open: {beside:?}"
+    );
+    drop((held, quiet));
     proxy.shutdown().await;
 }
 

@@ -245,8 +245,9 @@ pub struct ListenArgs {
     #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = parse_timeout, env = "FENCE_HEADER_TIMEOUT")]
     pub header_timeout: Duration,
     /// How long a kept-alive connection may sit between an answer and the next request head
-    /// (an HTTP/2 one: with no stream open), and how long a write may wait for its client
-    /// to read before the connection is closed.
+    /// (an HTTP/2 one: with no stream open, or every answer still going held back by its
+    /// client), and how long a write may wait for its client to read before the connection
+    /// is closed.
     #[arg(long, allow_hyphen_values = true, default_value = "60s", value_parser = parse_timeout, env = "FENCE_IDLE_TIMEOUT")]
     pub idle_timeout: Duration,
     /// Open connections at most. At the cap, an idle connection of the address that holds

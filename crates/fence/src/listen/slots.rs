@@ -171,16 +171,23 @@ impl Tracked {
 
     /// When the connection has been idle since, or `None` while it is not. Idle: no request
     /// waiting for its answer's head, and no answer's body going on (since its last
-    /// activity), or one held back by its client with none asked for more since (since the
-    /// last ask: an HTTP/2 client that gives its streams no window keeps its connection no
-    /// longer than one that sends nothing).
+    /// activity), or every one going on held back by its client (since one was last asked
+    /// for more: an HTTP/2 client that gives its streams no window keeps its connection no
+    /// longer than one that sends nothing). An answer whose server has nothing to send yet
+    /// (a quiet gRPC stream) keeps it open, whatever the others do.
     pub(super) fn idle_since(&self) -> Option<Instant> {
         if self.busy.load(Ordering::Acquire) != 0 {
             return None;
         }
-        if self.bodies.load(Ordering::Acquire) == 0 {
+        let bodies = self.bodies.load(Ordering::Acquire);
+        if bodies == 0 {
             let active = self.active_ms.load(Ordering::Acquire);
             return Some(self.epoch + std::time::Duration::from_millis(active));
+        }
+        // Each answer going on counts once among those handed out and not asked for more
+        // while its client holds it back: all of them, or not idle.
+        if self.answers_unasked.load(Ordering::Relaxed) < bodies {
+            return None;
         }
         let held = self.answer_unasked.elapsed(self.epoch)?;
         Instant::now().checked_sub(held)
