@@ -320,8 +320,8 @@ pub const SESSION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
 
 /// The `statement_timeout` the fence's sessions to `url` run with: the URL's own
 /// (`options=-c statement_timeout=30s`, which comes after the fence's and wins), else
-/// [`SESSION_STATEMENT_TIMEOUT`]; `None` when the URL turns it off (`0`). A value this does
-/// not read (a fraction, an unknown unit) counts as the fence's own.
+/// [`SESSION_STATEMENT_TIMEOUT`]; `None` when the URL turns it off (`0`), or gives a value
+/// this does not read (then the session may allow anything).
 #[must_use]
 pub fn session_statement_timeout(url: &str) -> Option<Duration> {
     let config: Option<tokio_postgres::Config> = options(url).ok().and_then(|o| o.url.parse().ok());
@@ -332,42 +332,49 @@ pub fn session_statement_timeout(url: &str) -> Option<Duration> {
     {
         let mut words = options.split_whitespace();
         while let Some(word) = words.next() {
-            // `-c name=value`, `-cname=value` or `--name=value` (dashes for underscores).
+            // `-c name=value`, `-cname=value` or `--name=value` (dashes for underscores,
+            // any case).
             let setting = match word {
                 "-c" => words.next(),
                 word => word.strip_prefix("-c").or_else(|| word.strip_prefix("--")),
             };
             if let Some((name, value)) = setting.and_then(|s| s.split_once('='))
-                && name.replace('-', "_") == "statement_timeout"
+                && name
+                    .replace('-', "_")
+                    .eq_ignore_ascii_case("statement_timeout")
             {
                 given = Some(value.to_owned()); // the last one wins, as in PostgreSQL
             }
         }
     }
     match given.as_deref().map(postgres_duration) {
-        Some(Some(d)) if d.is_zero() => None,
-        Some(Some(d)) => Some(d),
-        _ => Some(SESSION_STATEMENT_TIMEOUT),
+        None => Some(SESSION_STATEMENT_TIMEOUT),
+        Some(Some(d)) if !d.is_zero() => Some(d),
+        Some(_) => None,
     }
 }
 
-/// A PostgreSQL time setting: whole units of `us`, `ms` (also none), `s`, `min`, `h` or `d`.
+/// A PostgreSQL time setting: a number, whole or not, of `us`, `ms` (also none), `s`,
+/// `min`, `h` or `d`, rounded to the millisecond as PostgreSQL does.
 fn postgres_duration(value: &str) -> Option<Duration> {
     let value = value.trim_matches(|c| c == '\'' || c == '"');
-    let digits = value
-        .find(|c: char| !c.is_ascii_digit())
+    let number = value
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
         .unwrap_or(value.len());
-    let n: u64 = value[..digits].parse().ok()?;
-    let unit_ms = match value[digits..].trim() {
-        "" | "ms" => return Some(Duration::from_millis(n)),
-        "us" => return Some(Duration::from_micros(n)),
-        "s" => 1_000,
-        "min" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
+    let n: f64 = value[..number].parse().ok()?;
+    let unit_ms = match value[number..].trim().to_ascii_lowercase().as_str() {
+        "" | "ms" => 1.0,
+        "us" => 0.001,
+        "s" => 1_000.0,
+        "min" => 60_000.0,
+        "h" => 3_600_000.0,
+        "d" => 86_400_000.0,
         _ => return None,
     };
-    Some(Duration::from_millis(n.saturating_mul(unit_ms)))
+    let ms = (n * unit_ms).round();
+    // PostgreSQL's limit is i32::MAX ms; anything larger is refused there too.
+    (ms.is_finite() && (0.0..=f64::from(i32::MAX)).contains(&ms))
+        .then(|| Duration::from_millis(ms as u64))
 }
 
 /// The configuration and TLS connector of one of the fence's sessions to `url`, as

@@ -106,7 +106,16 @@ fn the_session_statement_timeout_is_the_urls_when_it_gives_one() {
     );
     assert_eq!(
         of("postgres://h/db?options=-c%20statement_timeout%3D1.5s"),
-        five
+        Some(Duration::from_millis(1_500))
+    );
+    assert_eq!(
+        of("postgres://h/db?options=-c%20STATEMENT_TIMEOUT%3D0.5min"),
+        Some(Duration::from_secs(30))
+    );
+    // A value it cannot read: the session may allow anything, so no deadline of 5 s.
+    assert_eq!(
+        of("postgres://h/db?options=-c%20statement_timeout%3D5fortnights"),
+        None
     );
     assert_eq!(of("postgres://h/db?options=-c%20lock_timeout%3D9s"), five);
 }
