@@ -300,15 +300,25 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let admin = bind(a.admin_listen, "--admin-listen").await?;
     let store = backend.sink_store().await?;
     if let crate::backend::SinkBackend::Postgres(pg) = &store {
+        // What the other sinks recorded first: a proxy that may not run on these tables
+        // leaves the row as it was.
+        let recorded = pg
+            .recorded_settings()
+            .await
+            .context("reading the forgetting settings in PostgreSQL")?;
+        if let Some(recorded) = recorded {
+            adopt_recorded(&mut config, recorded)?;
+        }
         // SQL writers on these tables check expiry while this proxy forgets (section 11).
         let recorded = pg
             .announce_forgetting(
                 a.forget_after.is_some(),
-                a.clock_skew,
-                a.max_lease_ttl.as_duration(),
+                config.clock_skew,
+                config.max_lease_ttl,
             )
             .await
             .context("recording the forgetting settings in PostgreSQL")?;
+        // Another proxy may have recorded forgetting in between.
         adopt_recorded(&mut config, recorded)?;
     }
     let (tx, rx) = watch::channel(false);
@@ -436,11 +446,11 @@ fn adopt_recorded(
         ));
     }
     if recorded.clock_skew < config.clock_skew {
-        tracing::info!(own = ?config.clock_skew, recorded = ?recorded.clock_skew, "taking the smaller --clock-skew another sink on these tables recorded");
+        tracing::warn!(own = ?config.clock_skew, recorded = ?recorded.clock_skew, "taking the smaller --clock-skew a sink that forgets on these tables recorded");
         config.clock_skew = recorded.clock_skew;
     }
     if let Some(longest) = recorded.max_lease_ttl.filter(|l| *l < config.max_lease_ttl) {
-        tracing::info!(own = ?config.max_lease_ttl, recorded = ?longest, "taking the shorter --max-lease-ttl another sink on these tables recorded");
+        tracing::warn!(own = ?config.max_lease_ttl, recorded = ?longest, "taking the shorter --max-lease-ttl a sink that forgets on these tables recorded");
         config.max_lease_ttl = longest;
     }
     Ok(())

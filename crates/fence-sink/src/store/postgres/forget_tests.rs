@@ -130,6 +130,50 @@ async fn while_sinks_forget_a_writer_must_give_the_lease_end() {
     assert_eq!(code(&too_long), Some("ZF403"), "{too_long}");
 }
 
+/// What the sinks that forget recorded is told apart from what the others did: a sink on
+/// the tables must check expiry as strictly as the forgetting ones, not as the strictest of
+/// all (a default proxy's 5 s skew must not become a forgetting proxy's, set at 30 s).
+#[tokio::test]
+async fn the_bounds_of_the_sinks_that_forget_are_kept_apart() {
+    let Some(store) = fresh().await else { return };
+    assert_eq!(
+        store.recorded_settings().await.unwrap(),
+        None,
+        "nothing yet"
+    );
+    let (minute, day) = (Duration::from_secs(60), Duration::from_secs(24 * 3600));
+    let forgetting = store
+        .announce_forgetting(true, Duration::from_secs(30), day)
+        .await
+        .unwrap();
+    let expected = SinkSettings {
+        forgetting: true,
+        clock_skew: Duration::from_secs(30),
+        max_lease_ttl: Some(day),
+    };
+    assert_eq!(forgetting, expected);
+    // A sink that does not forget, stricter: the SQL bounds tighten, the forgetting ones not.
+    let other = store
+        .announce_forgetting(false, Duration::from_secs(5), minute)
+        .await
+        .unwrap();
+    assert_eq!(other, expected);
+    assert_eq!(store.recorded_settings().await.unwrap(), Some(expected));
+    // A second sink that forgets, stricter still: it counts.
+    let second = store
+        .announce_forgetting(true, Duration::from_secs(10), minute)
+        .await
+        .unwrap();
+    assert_eq!(
+        second,
+        SinkSettings {
+            forgetting: true,
+            clock_skew: Duration::from_secs(10),
+            max_lease_ttl: Some(minute),
+        }
+    );
+}
+
 /// A layer that forgets on PostgreSQL without announcing it (the library, not the proxy)
 /// still switches the SQL fence's lease-end check on before it deletes a job.
 #[tokio::test]

@@ -277,17 +277,6 @@ async fn decide(
     })
 }
 
-/// What the sinks on a set of tables have recorded together ([`PgStore::announce_forgetting`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SinkSettings {
-    /// Some sink forgets idle jobs (once recorded, for good).
-    pub forgetting: bool,
-    /// The smallest clock skew any sink allows.
-    pub clock_skew: Duration,
-    /// The shortest longest lease any sink accepts (`None`: none recorded, the default).
-    pub max_lease_ttl: Option<Duration>,
-}
-
 impl PgStore {
     /// A pool (up to 16 connections) to `url`. Call [`migrate`](Self::migrate) once.
     ///
@@ -318,90 +307,6 @@ impl PgStore {
         return self.offset_ms.load(std::sync::atomic::Ordering::SeqCst);
         #[cfg(not(any(test, feature = "test-hooks")))]
         0
-    }
-
-    /// Records, for the SQL fence's writers, that the sinks on these tables forget idle jobs
-    /// (when `forgetting`), the clock skew they allow and the longest lease they accept (one
-    /// row for all of them). While they forget, `observe` and `require` without the token's
-    /// lease end are refused (SQLSTATE `ZF428`): a stale writer of a forgotten job would
-    /// otherwise pass as a new job's first; a lease end later than now plus the longest
-    /// lease plus the skew is refused (`ZF403`), as at the sinks (docs/protocol.md section 11).
-    ///
-    /// What is recorded only ever gets stricter, whoever records it: forgetting, once on,
-    /// stays on (a job forgotten before cannot be told from a new one, and a sink started
-    /// without `--forget-after` must not switch the check off for the others), and the skew
-    /// and the longest lease are the smallest any sink has recorded. To undo it, an operator
-    /// deletes the row, knowing that.
-    ///
-    /// Returns what the row says now, for every sink on the tables: one that does not
-    /// forget itself must still check tokens' expiry as strictly while another does.
-    ///
-    /// # Errors
-    /// When the database cannot be reached or refuses the write.
-    pub async fn announce_forgetting(
-        &self,
-        forgetting: bool,
-        clock_skew: Duration,
-        max_lease_ttl: Duration,
-    ) -> Result<SinkSettings, StoreError> {
-        // Given back only once its statement ended (the settings row may be locked).
-        let client = Checkout::of(&self.pool).await.map_err(io)?;
-        let row = client
-            .query_one(
-                &format!(
-                    "INSERT INTO {settings} AS s (one, forgetting, clock_skew_ms, max_lease_ttl_ms)
-                       VALUES (true, $1, $2, $3)
-                     ON CONFLICT (one) DO UPDATE SET
-                       forgetting = s.forgetting OR excluded.forgetting,
-                       clock_skew_ms = LEAST(s.clock_skew_ms, excluded.clock_skew_ms),
-                       max_lease_ttl_ms = LEAST(s.max_lease_ttl_ms, excluded.max_lease_ttl_ms)
-                     RETURNING forgetting, clock_skew_ms, max_lease_ttl_ms",
-                    settings = self.tables.settings
-                ),
-                &[&forgetting, &ms(clock_skew), &ms(max_lease_ttl)],
-            )
-            .await;
-        client.done();
-        let row = row.map_err(io)?;
-        let millis = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
-        let recorded = SinkSettings {
-            forgetting: row.try_get(0).map_err(io)?,
-            clock_skew: millis(row.try_get(1).map_err(io)?),
-            max_lease_ttl: row.try_get::<_, Option<i64>>(2).map_err(io)?.map(millis),
-        };
-        if recorded.forgetting {
-            self.forgetting
-                .store(true, std::sync::atomic::Ordering::Release);
-        }
-        Ok(recorded)
-    }
-
-    /// Records that these tables' jobs are forgotten, before this process deletes the
-    /// first (a layer that forgets without [`announce_forgetting`](Self::announce_forgetting)
-    /// still switches the SQL fence's lease-end check on; the skew and the longest lease
-    /// stay as recorded, or the defaults).
-    async fn forgetting_recorded(&self) -> Result<(), StoreError> {
-        if self.forgetting.load(std::sync::atomic::Ordering::Acquire) {
-            return Ok(());
-        }
-        // Given back only once its statement ended (the settings row may be locked).
-        let client = Checkout::of(&self.pool).await.map_err(io)?;
-        let done = client
-            .execute(
-                &format!(
-                    "INSERT INTO {settings} AS s (one, forgetting, clock_skew_ms)
-                       VALUES (true, true, $1)
-                     ON CONFLICT (one) DO UPDATE SET forgetting = true",
-                    settings = self.tables.settings
-                ),
-                &[&ms(super::DEFAULT_CLOCK_SKEW)],
-            )
-            .await;
-        client.done();
-        done.map_err(io)?;
-        self.forgetting
-            .store(true, std::sync::atomic::Ordering::Release);
-        Ok(())
     }
 
     /// The tables, for [`check_in_transaction`].
@@ -564,5 +469,7 @@ mod forget_tests;
 mod idempotency;
 mod purge;
 mod schema;
+mod settings;
+pub use settings::SinkSettings;
 #[cfg(test)]
 mod tests;

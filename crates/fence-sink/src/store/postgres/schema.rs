@@ -71,6 +71,10 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          -- The longest lease any of them accepts (NULL: the default, 24 h): a lease end
          -- beyond it is refused, as at the sinks.
          ALTER TABLE {settings} ADD COLUMN IF NOT EXISTS max_lease_ttl_ms bigint;
+         -- The same, of the sinks that forget only (NULL: none recorded since these were
+         -- kept): every sink on the tables checks expiry at least as strictly as they do.
+         ALTER TABLE {settings} ADD COLUMN IF NOT EXISTS forgetting_clock_skew_ms bigint;
+         ALTER TABLE {settings} ADD COLUMN IF NOT EXISTS forgetting_max_lease_ttl_ms bigint;
          -- The SQL fence (contract section 11): the store's decision, on the same table,
          -- for writers in any language. The functions run as their owner (the fence's
          -- role) with a fixed search_path: a writer needs EXECUTE on them and nothing
