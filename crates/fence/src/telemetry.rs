@@ -119,7 +119,7 @@ fn describe() {
     describe_counter!(
         "fence_proxy_upstream_requests_total",
         Unit::Count,
-        "Requests the proxy sent upstream, by outcome: ok, unavailable, timeout, bad_target."
+        "Requests the proxy handled for the upstream, by outcome: ok, unavailable, timeout, bad_target, overloaded (never sent: no room for another upstream connection)."
     );
     describe_histogram!(
         "fence_proxy_upstream_seconds",
