@@ -1242,14 +1242,14 @@ async fn an_http2_connection_with_an_answer_still_streaming_is_not_idle() {
     let proxy = Proxy::start(MemoryStore::new(), cfg).await;
     let sender = h2c(proxy.addr).await;
     let get = |path: &str| {
-        let mut sender = sender.clone();
-        let req = Request::get(format!("http://{}{path}", proxy.addr))
-            .body(full(""))
-            .unwrap();
+        let answer = h2_get(&sender, proxy.addr, path);
         async move {
-            let response = sender.send_request(req).await?;
-            let body = response.into_body().collect().await?.to_bytes();
-            Ok::<_, hyper::Error>(body)
+            answer
+                .await?
+                .into_body()
+                .collect()
+                .await
+                .map(|b| b.to_bytes())
         }
     };
     let drip = tokio::spawn(get("/drip"));
@@ -1288,13 +1288,7 @@ async fn an_http2_answer_held_back_by_its_client_does_not_keep_the_connection() 
             .await
             .unwrap();
     tokio::spawn(connection);
-    let get = |path: &str| {
-        let mut sender = sender.clone();
-        let req = Request::get(format!("http://{}{path}", proxy.addr))
-            .body(full(""))
-            .unwrap();
-        async move { sender.send_request(req).await }
-    };
+    let get = |path: &str| h2_get(&sender, proxy.addr, path);
     // The head comes (no window needed); the body never can.
     let held = timeout(WAIT, get("/large")).await.unwrap().unwrap();
     assert_eq!(held.status(), 200);
@@ -1320,13 +1314,7 @@ async fn a_quiet_http2_answer_keeps_the_connection_beside_one_held_back() {
     cfg.limits.idle_timeout = Duration::from_secs(1);
     let proxy = Proxy::start(MemoryStore::new(), cfg).await;
     let sender = h2c(proxy.addr).await;
-    let get = |path: &str| {
-        let mut sender = sender.clone();
-        let req = Request::get(format!("http://{}{path}", proxy.addr))
-            .body(full(""))
-            .unwrap();
-        async move { sender.send_request(req).await }
-    };
+    let get = |path: &str| h2_get(&sender, proxy.addr, path);
     // Its body never read: the stream's window fills, and the answer is held back.
     let held = timeout(WAIT, get("/large")).await.unwrap().unwrap();
     let quiet = timeout(WAIT, get("/quiet")).await.unwrap().unwrap();
@@ -1643,6 +1631,19 @@ impl Body for Channel {
     ) -> std::task::Poll<Option<Result<Frame<Bytes>, BoxError>>> {
         self.0.poll_recv(cx).map(|m| m.map(|b| Ok(Frame::data(b))))
     }
+}
+
+/// A GET of `path` on `sender`'s HTTP/2 connection to the proxy at `addr`: its answer's head.
+fn h2_get(
+    sender: &hyper::client::conn::http2::SendRequest<TestBody>,
+    addr: SocketAddr,
+    path: &str,
+) -> impl Future<Output = Result<Response<Incoming>, hyper::Error>> + use<> {
+    let mut sender = sender.clone();
+    let req = Request::get(format!("http://{addr}{path}"))
+        .body(full(""))
+        .unwrap();
+    async move { sender.send_request(req).await }
 }
 
 /// An HTTP/2 (prior knowledge) client connection to `addr`, driven in a task of its own.

@@ -494,7 +494,7 @@ async fn drive<I, S, B>(
                 // once a third of the socket's buffer is free again, so a client that reads,
                 // slowly, can leave a write waiting for a while; one that does not read
                 // never frees it.
-                () = unread_for(tracked, (limits.header_timeout / 2).max(UNREAD_AT_LEAST)) => {
+                () = unread_for(|| tracked.unread_for(), (limits.header_timeout / 2).max(UNREAD_AT_LEAST)) => {
                     tracing::debug!("closing a connection picked to make room: its client does not read");
                     Ok(())
                 }
@@ -504,7 +504,7 @@ async fn drive<I, S, B>(
         // producer (an upstream connection and its handler) and the memory of both, for as
         // long as it likes, at the cap or not: closed once a write has waited the idle
         // timeout for it (nginx's `send_timeout`).
-        () = socket_unread_for(tracked, limits.idle_timeout) => {
+        () = unread_for(|| tracked.socket_unread_for(), limits.idle_timeout) => {
             tracing::debug!("closing a connection whose client read nothing it was sent for the idle timeout");
             return;
         }
@@ -529,22 +529,12 @@ async fn drive<I, S, B>(
 /// The least time a connection picked to make room may wait for its client to read.
 const UNREAD_AT_LEAST: Duration = Duration::from_millis(100);
 
-/// Resolves once `conn` has waited `limit` for its client to take in what it sends.
-async fn unread_for(conn: &Tracked, limit: Duration) {
+/// Resolves once `stalled` (how long the connection has waited for its client to read, if
+/// it waits: [`Tracked::unread_for`], or [`Tracked::socket_unread_for`] for the socket
+/// alone) reaches `limit`.
+async fn unread_for(stalled: impl Fn() -> Option<Duration>, limit: Duration) {
     loop {
-        let wait = match conn.unread_for() {
-            Some(stalled) if stalled >= limit => return,
-            Some(stalled) => limit - stalled,
-            None => limit,
-        };
-        tokio::time::sleep(wait).await;
-    }
-}
-
-/// Resolves once a write to `conn`'s socket has waited `limit` for its client to read.
-async fn socket_unread_for(conn: &Tracked, limit: Duration) {
-    loop {
-        let wait = match conn.socket_unread_for() {
+        let wait = match stalled() {
             Some(stalled) if stalled >= limit => return,
             Some(stalled) => limit - stalled,
             None => limit,
