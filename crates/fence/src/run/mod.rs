@@ -544,10 +544,10 @@ async fn supervise(
         // The rest of the group (one that ignores SIGTERM) has what is left of the same
         // grace, not a new one from the watchdog once its pipe closes.
         let until = started + grace;
-        while Instant::now() < until && procs::led_group_has_others(group.pgid) {
+        while Instant::now() < until && procs::others_in_group(group.pgid) {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
-        if procs::led_group_has_others(group.pgid) {
+        if procs::others_in_group(group.pgid) {
             eprintln!(
                 "fence run: the command exited, but its group was still running after {grace:?}; \
                  sending SIGKILL to it"

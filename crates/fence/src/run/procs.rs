@@ -83,21 +83,13 @@ pub(super) fn descendants(root: Pid) -> Vec<(Pid, Pid)> {
     found
 }
 
-/// Whether a live process other than this one is in process group `pgid`.
+/// Whether a live process other than its leader (the watchdog, which leads the command's
+/// group) is in process group `pgid`.
 pub(super) fn others_in_group(pgid: Pid) -> bool {
-    let me = Pid::this().as_raw();
-    match processes() {
-        Some(all) => all.iter().any(|p| p.pid != me && p.pgrp == pgid.as_raw()),
-        None => true, // cannot tell: assume so, and let the grace run out
-    }
-}
-
-/// Whether a live process other than its leader (the watchdog) is in process group `pgid`.
-pub(super) fn led_group_has_others(pgid: Pid) -> bool {
     match processes() {
         Some(all) => all
             .iter()
             .any(|p| p.pid != pgid.as_raw() && p.pgrp == pgid.as_raw()),
-        None => true, // cannot tell: assume so
+        None => true, // cannot tell: assume so, and let the grace run out
     }
 }
