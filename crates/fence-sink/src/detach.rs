@@ -3,6 +3,10 @@
 use std::{
     future::Future,
     pin::Pin,
+    sync::{
+        Arc,
+        atomic::{AtomicBool, Ordering},
+    },
     task::{Context, Poll},
 };
 
@@ -17,6 +21,9 @@ pub(crate) struct Detachable<T> {
     future: Option<BoxFuture<T>>,
     /// What a drop does with an unfinished future, if anything.
     detach: Option<fn(BoxFuture<T>)>,
+    /// With `detach`: the drop detaches only once this is set, and cancels before (see
+    /// [`finishing_once`](Detachable::finishing_once)).
+    once: Option<Arc<AtomicBool>>,
 }
 
 fn finish_in_a_task<T: 'static>(future: BoxFuture<T>) {
@@ -38,6 +45,17 @@ impl<T: 'static> Detachable<T> {
         Self {
             future: Some(future),
             detach: Some(finish_in_a_task),
+            once: None,
+        }
+    }
+
+    /// Cancelled when dropped until `committed` is set (the service answered a request whose
+    /// answer must still be recorded); finishes in a task of its own if dropped after.
+    pub(crate) fn finishing_once(future: BoxFuture<T>, committed: Arc<AtomicBool>) -> Self {
+        Self {
+            future: Some(future),
+            detach: Some(finish_in_a_task),
+            once: Some(committed),
         }
     }
 }
@@ -48,6 +66,7 @@ impl<T> Detachable<T> {
         Self {
             future: Some(future),
             detach: None,
+            once: None,
         }
     }
 }
@@ -77,7 +96,14 @@ impl<T> Future for Detachable<T> {
 
 impl<T> Drop for Detachable<T> {
     fn drop(&mut self) {
-        if let (Some(future), Some(detach)) = (self.future.take(), self.detach) {
+        let Some(future) = self.future.take() else {
+            return;
+        };
+        let committed = self
+            .once
+            .as_ref()
+            .is_none_or(|committed| committed.load(Ordering::Acquire));
+        if let (Some(detach), true) = (self.detach, committed) {
             detach(future);
         }
     }

@@ -449,3 +449,59 @@ async fn a_panic_under_run_to_completion_panics_once() {
         "the request was polled again"
     );
 }
+
+/// A request the service answered is finished when its caller goes away while the answer is
+/// still being read to be kept (the layer's default, without `run_to_completion`): its
+/// record is completed, so neither a retry nor a newer holder with the same key runs the
+/// step a second time (it was left in flight, and a newer holder took it over and ran it).
+#[tokio::test(start_paused = true)]
+async fn an_answered_request_whose_caller_went_away_is_still_recorded() {
+    let layer = FenceLayer::new(MemoryStore::new()).drain_timeout(Duration::from_secs(10));
+    let calls: Arc<AtomicUsize> = Arc::default();
+    let (tx, rx) = tokio::sync::mpsc::channel(4);
+    let answer = Arc::new(std::sync::Mutex::new(Some(rx)));
+    let service = {
+        let calls = calls.clone();
+        service_fn(move |_req: Request<RequestBody<String>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            // The first call's answer comes when the test says; any later one at once.
+            let rx = answer.lock().unwrap().take().unwrap_or_else(|| {
+                let (_, rx) = tokio::sync::mpsc::channel(1);
+                rx
+            });
+            async move { Ok::<_, Infallible>(Response::new(Trickle(rx))) }
+        })
+    };
+    let request = |token: u64| {
+        Request::post("/charges")
+            .header("x-fencing-job", "job")
+            .header("x-fencing-token", token.to_string())
+            .header("idempotency-key", "fence-derived-charge")
+            .body("pay 5".to_owned())
+            .unwrap()
+    };
+    let first = tokio::spawn(layer.layer(service.clone()).oneshot(request(7)));
+    while calls.load(Ordering::SeqCst) == 0 {
+        tokio::task::yield_now().await;
+    }
+    for _ in 0..10 {
+        tokio::task::yield_now().await;
+    }
+    // The charge is made; its caller goes away while its answer is read to be kept.
+    first.abort();
+    assert!(first.await.unwrap_err().is_cancelled());
+    // (Gone with the request when it was cancelled.)
+    let _ = tx.send(bytes::Bytes::from_static(b"charged")).await;
+    drop(tx);
+    tokio::time::sleep(Duration::from_millis(10)).await;
+    let retry = layer
+        .layer(service.clone())
+        .oneshot(request(7))
+        .await
+        .unwrap();
+    assert_eq!(retry.status(), StatusCode::OK, "the retry was not replayed");
+    assert_eq!(retry.headers().get("idempotent-replayed").unwrap(), "true");
+    let newer = layer.layer(service).oneshot(request(8)).await.unwrap();
+    assert_eq!(newer.status(), StatusCode::OK);
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the step ran again");
+}

@@ -80,6 +80,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             job,
             token,
             (None, None),
+            None,
         )
         .await;
         if response.status() == StatusCode::OK {

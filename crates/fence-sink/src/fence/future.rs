@@ -3,6 +3,7 @@
 use std::{
     future::Future,
     pin::Pin,
+    sync::{Arc, atomic::AtomicBool},
     task::{Context, Poll},
 };
 
@@ -57,10 +58,12 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     }
 
     /// The fenced path; with `detach`, dropping the future before it finished lets the
-    /// rest of it run on in a task of its own.
+    /// rest of it run on in a task of its own; without it, so does dropping it once
+    /// `committed` is set (see [`Detachable::finishing_once`]).
     pub(crate) fn fenced(
         future: BoxFuture<Result<Response<ResponseBody<B>>, E>>,
         detach: bool,
+        committed: Option<Arc<AtomicBool>>,
     ) -> Self
     where
         B: 'static,
@@ -68,10 +71,10 @@ impl<F, B, E> ResponseFuture<F, B, E> {
     {
         Self {
             kind: Kind::Fenced {
-                future: if detach {
-                    Detachable::finishing(future)
-                } else {
-                    Detachable::cancelled_with_caller(future)
+                future: match (detach, committed) {
+                    (true, _) => Detachable::finishing(future),
+                    (false, Some(committed)) => Detachable::finishing_once(future, committed),
+                    (false, None) => Detachable::cancelled_with_caller(future),
                 },
             },
             grpc: false,

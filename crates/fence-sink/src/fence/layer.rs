@@ -345,8 +345,11 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// to a task of its own, so the request counts as in flight until its effect can no
     /// longer happen. Use it when the inner service hands the request to something that goes
     /// on without it (a proxy's upstream); an in-process handler whose future is dropped is
-    /// cancelled with it and does not need this. Needs a tokio runtime where the future is
-    /// dropped; without one, the request is cancelled.
+    /// cancelled with it and does not need this. Without it, a request with an
+    /// `Idempotency-Key` that the service has answered is still finished in a task of its
+    /// own (its answer read and its record completed), so a retry is replayed rather than
+    /// run again. Needs a tokio runtime where the future is dropped; without one, the
+    /// request is cancelled.
     pub fn run_to_completion(mut self) -> Self {
         self.config().run_to_completion = true;
         self

@@ -235,6 +235,7 @@ where
                                 Ok(answer)
                             }),
                             false,
+                            None,
                         )
                     } else {
                         ResponseFuture::rejected(answer)
@@ -248,12 +249,27 @@ where
         let inner = std::mem::replace(&mut self.inner, clone);
         let span = tracing::debug_span!("fence", job = %job, token = %token);
         let detach = config.run_to_completion;
+        // Without run_to_completion, a request with an Idempotency-Key the service answered
+        // is still finished when its caller goes away: the effect happened, so its record
+        // must be completed (or forgotten), not left in flight for a newer token to take
+        // over and run the step again.
+        let committed = (!detach && key.0.is_some() && config.idempotency.is_some())
+            .then(|| Arc::new(AtomicBool::new(false)));
         let request = Request::from_parts(parts, body);
-        let future = fenced(inner, self.shared.clone(), request, job, token, key).instrument(span);
+        let future = fenced(
+            inner,
+            self.shared.clone(),
+            request,
+            job,
+            token,
+            key,
+            committed.clone(),
+        )
+        .instrument(span);
         // With run_to_completion, the request's guard lives in the future, which a caller
         // that goes away hands to a task: it is released when the effect is over, not when
         // the caller stops waiting.
-        ResponseFuture::fenced(Box::pin(future), detach)
+        ResponseFuture::fenced(Box::pin(future), detach, committed)
             .grpc(grpc)
             .asked(asked)
     }
@@ -268,6 +284,7 @@ pub(super) async fn fenced<S, St, ReqB, ResB>(
     job: JobId,
     token: FencingToken,
     (key, lease_end): (Option<IdempotencyKey>, Option<u64>),
+    committed: Option<Arc<AtomicBool>>,
 ) -> Result<Response<ResponseBody<ResB>>, S::Error>
 where
     S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
@@ -291,6 +308,7 @@ where
             attempt: crate::idempotency::attempt_id(),
             settled_after: config.limits.restart.settled_after(),
             in_flight_for: config.in_flight_timeout(idempotency),
+            committed: committed.as_deref(),
         }),
         _ => None,
     };

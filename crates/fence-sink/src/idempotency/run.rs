@@ -50,6 +50,9 @@ pub(crate) struct Keyed<'a, St> {
     /// How long this attempt's in-flight record blocks its key: the layer's
     /// `Config::in_flight_timeout`.
     pub(crate) in_flight_for: Duration,
+    /// Set once the service answered: from then on the request's future finishes in a task
+    /// of its own if its caller goes away (see `Detachable::finishing_once`).
+    pub(crate) committed: Option<&'a std::sync::atomic::AtomicBool>,
 }
 
 /// A fresh attempt id: random, never 0 (which marks records from before ids were kept).
@@ -173,6 +176,9 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         // in-flight record stays until its timeout, so a retry meanwhile gets 409 rather
         // than a second run.
         let response = inner.call(request).await?;
+        if let Some(committed) = self.committed {
+            committed.store(true, std::sync::atomic::Ordering::Release);
+        }
         Ok(self.record(&fingerprint, response, messages).await)
     }
 
