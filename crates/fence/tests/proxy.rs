@@ -181,6 +181,13 @@ impl Upstream {
             });
             return Response::new(ChannelBody(rx).boxed());
         }
+        if parts.uri.path() == "/gateway-timeout" {
+            // A gateway in front of the service gave up on it, which may still act.
+            self.event("gateway".to_owned());
+            let mut response = Response::new(full("gateway timeout"));
+            *response.status_mut() = StatusCode::GATEWAY_TIMEOUT;
+            return response;
+        }
         if parts.uri.path() == "/large" {
             return Response::new(full(vec![b'x'; LARGE]));
         }
@@ -612,6 +619,52 @@ async fn slow_upstream_gives_504_problem() {
     answer.assert_problem(504, "urn:fence:upstream-timeout");
     assert!(started.elapsed() < Duration::from_secs(5));
     upstream.release.send_replace(true);
+    proxy.shutdown().await;
+}
+
+/// An upstream's own 504 (a gateway in front of the service that gave up on it) leaves the
+/// outcome unknown, as the proxy's own does: a retry with the same key is not run beside it,
+/// and a newer token waits out the hold.
+#[tokio::test]
+async fn an_upstream_gateway_timeout_holds_its_job_and_its_key() {
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    let hold = Duration::from_secs(1);
+    cfg.unknown_outcome_hold = hold;
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let charge = || {
+        fenced("/gateway-timeout", "job-gw", 1)
+            .header("idempotency-key", "charge-1")
+            .body(full("pay 5"))
+            .unwrap()
+    };
+    let answer = send(proxy.addr, charge()).await;
+    assert_eq!(
+        answer.status,
+        StatusCode::GATEWAY_TIMEOUT,
+        "{}",
+        answer.text()
+    );
+    let held = Instant::now();
+    send(proxy.addr, charge())
+        .await
+        .assert_problem(409, "urn:fence:idempotency-in-flight");
+    assert_eq!(
+        upstream.event_names(),
+        ["gateway"],
+        "the retry ran beside it"
+    );
+    let newer = send(
+        proxy.addr,
+        fenced("/r", "job-gw", 2).body(full("x")).unwrap(),
+    )
+    .await;
+    assert_eq!(newer.status, StatusCode::OK, "{}", newer.text());
+    assert!(
+        held.elapsed() >= hold - Duration::from_millis(100),
+        "the newer token passed {:?} after the gateway's 504, inside the hold",
+        held.elapsed()
+    );
     proxy.shutdown().await;
 }
 

@@ -11,6 +11,33 @@ use http::Method;
 use super::{ListenArgs, StorageArgs, parse_forget_after, parse_ttl};
 use crate::duration::{parse_duration, parse_timeout};
 
+/// `--unknown-outcome-status`: the upstream statuses of unknown outcome.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct UnknownStatuses(pub Vec<http::StatusCode>);
+
+/// Parses `--unknown-outcome-status`: `none`, or comma-separated statuses from 500 to 599
+/// (a 4xx says the request was refused, a 2xx or 3xx that it was done).
+fn parse_unknown_statuses(s: &str) -> Result<UnknownStatuses, String> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(UnknownStatuses(Vec::new()));
+    }
+    let mut statuses = Vec::new();
+    for part in s.split(',') {
+        let part = part.trim();
+        match part.parse::<u16>() {
+            Ok(code @ 500..=599) => statuses
+                .push(http::StatusCode::from_u16(code).map_err(|e| format!("{part:?}: {e}"))?),
+            _ => {
+                return Err(format!(
+                    "{part:?} is not a 5xx status: give statuses from 500 to 599, comma-separated (like 502,504), or none"
+                ));
+            }
+        }
+    }
+    statuses.dedup();
+    Ok(UnknownStatuses(statuses))
+}
+
 /// The flags of `fence proxy`.
 #[derive(Args, Debug)]
 pub struct ProxyArgs {
@@ -97,11 +124,20 @@ pub struct ProxyArgs {
     /// unknown outcome that holds its job for --unknown-outcome-hold.
     #[arg(long, allow_hyphen_values = true, default_value = "4s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_IDLE_TIMEOUT")]
     pub upstream_idle_timeout: Duration,
-    /// After an answer of unknown outcome (504, or a 502 after the request was written), how
+    /// After an answer of unknown outcome (504, a 502 after the request was written, or the
+    /// upstream's own answer with a status of --unknown-outcome-status), how
     /// long the request still counts as in flight for its job, so a newer generation does not
     /// pass while the upstream may still act on it. Default: --upstream-timeout.
     #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, env = "FENCE_UNKNOWN_OUTCOME_HOLD")]
     pub unknown_outcome_hold: Option<Duration>,
+    /// The upstream's own answers that leave its outcome unknown, as the proxy's 502 and 504
+    /// do: comma-separated 5xx statuses, or `none`. The default fits a gateway in front of
+    /// the service (nginx, envoy, a load balancer), whose 504 or 502 comes while the service
+    /// may still be acting; such an answer holds its job for --unknown-outcome-hold and keeps
+    /// its Idempotency-Key record in flight, so neither a newer token nor a retry runs beside
+    /// it. A gRPC call counts by its HTTP status only.
+    #[arg(long, value_name = "STATUSES", default_value = "502,504", value_parser = parse_unknown_statuses, env = "FENCE_UNKNOWN_OUTCOME_STATUS")]
+    pub unknown_outcome_status: UnknownStatuses,
     /// The most bytes of bodies held in memory at once (buffered idempotent requests,
     /// responses captured for replay, replays); past it: 503 overloaded with Retry-After.
     #[arg(long, value_name = "BYTES", default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(1..), env = "FENCE_MAX_BUFFERED_BYTES")]
@@ -189,5 +225,24 @@ impl clap::builder::TypedValueParser for UpstreamParser {
         }
         text.parse()
             .map_err(|e| refuse(&format!("not a URL ({e}); give http://host:port[/prefix]")))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn unknown_outcome_statuses_are_5xx_or_none() {
+        let codes = |s: &str| {
+            parse_unknown_statuses(s).map(|u| u.0.iter().map(|c| c.as_u16()).collect::<Vec<_>>())
+        };
+        assert_eq!(codes("502,504"), Ok(vec![502, 504]));
+        assert_eq!(codes(" 504 "), Ok(vec![504]));
+        assert_eq!(codes("NONE"), Ok(vec![]));
+        for bad in ["", "404", "5O4", "502,,504", "600", "502;504"] {
+            let e = parse_unknown_statuses(bad).expect_err(bad);
+            assert!(e.contains("500 to 599"), "{bad}: {e}");
+        }
     }
 }

@@ -37,6 +37,10 @@ pub struct ProxyConfig {
     /// How long a request of unknown outcome still counts as in flight (default 60 s, the
     /// upstream timeout's default).
     pub unknown_outcome_hold: Duration,
+    /// The upstream's own answers whose outcome is unknown, as the proxy's 502 and 504 are
+    /// (default 502 and 504: a gateway's, in front of the service, come while it may still
+    /// act); they hold their job for `unknown_outcome_hold`.
+    pub unknown_outcome_statuses: Vec<http::StatusCode>,
     /// The most bytes of bodies the fence holds at once (default 256 MiB).
     pub max_buffered_bytes: usize,
     /// How far the lease server's clock may be ahead (default 5 s), for expired tokens.
@@ -91,6 +95,10 @@ impl ProxyConfig {
             upstream_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
             unknown_outcome_hold: Duration::from_secs(60),
+            unknown_outcome_statuses: vec![
+                http::StatusCode::BAD_GATEWAY,
+                http::StatusCode::GATEWAY_TIMEOUT,
+            ],
             max_buffered_bytes: 256 << 20,
             clock_skew: Duration::from_secs(5),
             forget_after: None,
@@ -152,6 +160,8 @@ pub(super) struct Target {
     prefix: String,
     /// `http(s)://authority/prefix`, for messages.
     pub(super) display: String,
+    /// Its answers of unknown outcome (`ProxyConfig::unknown_outcome_statuses`).
+    pub(super) unknown_outcome: Vec<http::StatusCode>,
 }
 
 impl Target {
@@ -219,7 +229,14 @@ impl Target {
             host,
             display: format!("{scheme}://{authority}{prefix}"),
             prefix,
+            unknown_outcome: Vec::new(),
         })
+    }
+
+    /// The same, with `statuses` of its answers taken for unknown outcomes.
+    pub(super) fn with_unknown_outcome(mut self, statuses: &[http::StatusCode]) -> Self {
+        self.unknown_outcome = statuses.to_vec();
+        self
     }
 
     /// The request target sent upstream for a request to `original`: its path (behind the

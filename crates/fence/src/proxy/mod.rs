@@ -142,10 +142,10 @@ pub async fn serve_with<St>(
 where
     St: GenerationStore + IdempotencyStore,
 {
-    let target = Arc::new(Target::parse(
-        &config.upstream,
-        config.upstream_ca_cert.as_deref(),
-    )?);
+    let target = Arc::new(
+        Target::parse(&config.upstream, config.upstream_ca_cert.as_deref())?
+            .with_unknown_outcome(&config.unknown_outcome_statuses),
+    );
     // Expired idempotency records are swept off the store while the proxy runs, and idle
     // jobs forgotten if asked.
     let _maintenance = layer.spawn_maintenance();

@@ -153,6 +153,12 @@ impl Upstream {
                 if admitted && head.status.is_success() {
                     head.extensions.insert(crate::listen::Authenticated);
                 }
+                if self.target.unknown_outcome.contains(&head.status) {
+                    // A gateway in front of the service gave up on it (504) or lost it
+                    // (502): the service may still be acting on the request.
+                    tracing::debug!(status = %head.status, "the upstream's answer leaves its outcome unknown");
+                    head.extensions.insert(fence_sink::OutcomeUnknown);
+                }
                 Response::from_parts(head, Either::Left(Held::new(body, using)))
             }
             Ok(Err(failed)) => {
