@@ -1562,6 +1562,33 @@ async fn server_errors_are_forgotten_and_client_errors_stored() {
     assert_eq!(app.calls(), 4);
 }
 
+/// 408, 425 and 429 ask for the request again: forgotten, not replayed to every retry for
+/// the whole retention (a rate limit's 429 would otherwise block its key for 24 h).
+#[tokio::test]
+async fn statuses_that_ask_for_a_retry_are_forgotten() {
+    let (app, _started) = App::new();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(app.clone());
+    for (n, status) in ["429", "408", "425"].into_iter().enumerate() {
+        let key = format!("k-{status}");
+        let limited = send(
+            &svc,
+            with_header(keyed(JOB, 5, &key, "body"), "x-status", status),
+        )
+        .await;
+        assert_eq!(
+            (limited.status.as_str(), limited.replayed()),
+            (status, None)
+        );
+        let retry = send(&svc, keyed(JOB, 5, &key, "body")).await;
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (StatusCode::CREATED, None),
+            "a {status} was replayed instead of run again"
+        );
+        assert_eq!(app.calls(), 2 * n + 2);
+    }
+}
+
 #[tokio::test]
 async fn quoted_and_bare_keys_are_the_same_key() {
     let (app, _started) = App::new();

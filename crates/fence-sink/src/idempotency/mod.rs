@@ -44,19 +44,33 @@ pub struct IdempotencyConfig {
 impl Default for IdempotencyConfig {
     /// Request bodies up to 1 MiB fingerprinted, response bodies up to 1 MiB stored, records
     /// kept 24 h, in-flight records given up after 5 minutes, 2xx and 4xx stored (5xx
-    /// forgotten so a retry runs again), expired records swept every minute.
+    /// forgotten so a retry runs again, and so are 408, 425 and 429: they say the request
+    /// was not acted on and may be sent again later), expired records swept every minute.
     fn default() -> Self {
         Self {
             max_request_body: 1 << 20,
             max_response_body: 1 << 20,
             retention: Duration::from_secs(24 * 3600),
             in_flight_timeout: Duration::from_secs(300),
-            store_statuses: Arc::new(|s: StatusCode| s.is_success() || s.is_client_error()),
+            store_statuses: Arc::new(stored_by_default),
             sweep_every: Duration::from_secs(60),
             store_timeout: Duration::from_secs(5),
             scope_headers: Vec::new(),
         }
     }
+}
+
+/// The default filter of [`IdempotencyConfig::store_statuses`]: 2xx and 4xx, but for the
+/// three 4xx that ask for the same request again (RFC 9110 section 15.5.9, RFC 8470, RFC
+/// 6585): replayed, a rate limit's 429 would answer every retry for the whole retention
+/// although the step never ran.
+fn stored_by_default(status: StatusCode) -> bool {
+    let again = [
+        StatusCode::REQUEST_TIMEOUT,
+        StatusCode::TOO_EARLY,
+        StatusCode::TOO_MANY_REQUESTS,
+    ];
+    status.is_success() || (status.is_client_error() && !again.contains(&status))
 }
 
 impl fmt::Debug for IdempotencyConfig {
