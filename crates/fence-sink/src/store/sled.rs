@@ -401,20 +401,27 @@ impl IdempotencyStore for SledStore {
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
         let now = self.clock.now_ms();
-        let mut purged = 0;
-        for item in self.records.iter() {
-            let (k, v) = item.map_err(io)?;
-            let dead = record::Record::decode(&v).map_or(true, |r| !r.is_live(now));
-            if dead
-                && self
-                    .records
-                    .compare_and_swap(&k, Some(v), None::<&[u8]>)
-                    .map_err(io)?
-                    .is_ok()
-            {
-                purged += 1;
+        // A walk of every record (millions, at a steady rate and a day's retention) runs
+        // on a blocking thread, not the runtime's (a current-thread runtime would stall for
+        // all of it), and reads each record's head only, not its stored answer.
+        let records = self.records.clone();
+        let purged = tokio::task::spawn_blocking(move || {
+            let mut purged = 0;
+            for item in records.iter() {
+                let (k, v) = item.map_err(io)?;
+                if !record::Record::live_at(&v, now)
+                    && records
+                        .compare_and_swap(&k, Some(v), None::<&[u8]>)
+                        .map_err(io)?
+                        .is_ok()
+                {
+                    purged += 1;
+                }
             }
-        }
+            Ok::<usize, StoreError>(purged)
+        })
+        .await
+        .map_err(io)??;
         if purged > 0 {
             self.db.commit().await.map_err(io)?;
         }
