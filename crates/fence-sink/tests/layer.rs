@@ -852,6 +852,37 @@ async fn a_failed_begin_leaves_its_key_free() {
 
 /// The same with an in-flight timeout of `Duration::MAX` (a service that never gives up):
 /// the give-up's deadline saturates instead of overflowing.
+/// Every duration the layer takes may be as long as `Duration` holds: it is clamped, never
+/// added to a clock reading to panic (a caller's "no limit").
+#[tokio::test]
+async fn endless_durations_do_not_panic() {
+    let (app, _started) = App::new();
+    let endless = Duration::MAX;
+    let svc = FenceLayer::new(MemoryStore::new())
+        .store_timeout(endless)
+        .drain_timeout(endless)
+        .body_timeout(endless)
+        .unknown_outcome_hold(endless)
+        .longest_request(endless)
+        .clock_skew(endless)
+        .max_lease_ttl(endless)
+        .idempotency(
+            IdempotencyConfig::default()
+                .retention(endless)
+                .in_flight_timeout(endless)
+                .store_timeout(endless)
+                .sweep_every(endless),
+        )
+        .layer(app.clone());
+    assert_eq!(send(&svc, keyed(JOB, 5, "k", "pay")).await.status, 201);
+    assert_eq!(
+        send(&svc, keyed(JOB, 5, "k", "pay")).await.replayed(),
+        Some("true")
+    );
+    assert_eq!(send(&svc, post(JOB, 6)).await.status, 201);
+    assert_eq!(send(&svc, post(JOB, 7)).await.status, 201);
+}
+
 #[tokio::test]
 async fn a_failed_begin_with_an_endless_in_flight_timeout_does_not_panic() {
     let (app, _started) = App::new();

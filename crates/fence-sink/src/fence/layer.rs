@@ -15,6 +15,7 @@ use super::{
 use crate::{
     GenerationStore, IdempotencyConfig, IdempotencyStore,
     gate::{CacheStats, Gates, JobFence, Limits, Restart},
+    idempotency::clamped,
 };
 use fence_storage::clock::{Clock, SystemClock};
 
@@ -172,7 +173,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
 
     /// Gives the store this long per call before answering 503 (default 5 s).
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.config().limits.store_timeout = timeout;
+        self.config().limits.store_timeout = clamped(timeout);
         self
     }
 
@@ -180,7 +181,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// (default 10 s). Its token is the job's `highest` from the moment it arrived, whether it
     /// waits to the end or not.
     pub fn drain_timeout(mut self, timeout: Duration) -> Self {
-        self.config().limits.drain_timeout = timeout;
+        self.config().limits.drain_timeout = clamped(timeout);
         self
     }
 
@@ -194,7 +195,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// streaming call whose stream fails so: this plus the [unknown-outcome hold](Self::unknown_outcome_hold),
     /// since the service may be acting on messages it got whole).
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
-        self.config().body_timeout = timeout;
+        self.config().body_timeout = clamped(timeout);
         self
     }
 
@@ -206,6 +207,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// The same hold applies after a restart to what the process before may have left
     /// running: see [`longest_request`](Self::longest_request).
     pub fn unknown_outcome_hold(mut self, hold: Duration) -> Self {
+        let hold = clamped(hold);
         let config = self.config();
         config.unknown_outcome_hold = hold;
         config.limits.restart.hold = hold;
@@ -224,7 +226,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// for nothing. Zero for both (a service whose effects die with its process) turns the
     /// wait off.
     pub fn longest_request(mut self, longest: Duration) -> Self {
-        self.config().limits.restart.longest_request = longest;
+        self.config().limits.restart.longest_request = clamped(longest);
         self
     }
 
@@ -254,7 +256,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// [`require_signatures`](Self::require_signatures), a token whose lease ended more than
     /// this long ago is 409 `urn:fence:token-expired`.
     pub fn clock_skew(mut self, skew: Duration) -> Self {
-        self.config().clock_skew = skew;
+        self.config().clock_skew = clamped(skew);
         self
     }
 
@@ -277,7 +279,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// `urn:fence:token-too-long-lived`: no lease the server grants can end so late, and
     /// forgetting relies on every token ending within that window.
     pub fn max_lease_ttl(mut self, max_ttl: Duration) -> Self {
-        self.config().max_lease_ttl = max_ttl;
+        self.config().max_lease_ttl = clamped(max_ttl);
         self
     }
 

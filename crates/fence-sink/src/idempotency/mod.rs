@@ -60,6 +60,13 @@ impl Default for IdempotencyConfig {
     }
 }
 
+/// The longest duration any setting of the layer keeps: 100 years. Longer (a caller's
+/// `Duration::MAX` for "no limit") is taken as this, so that adding it to a clock reading
+/// cannot overflow.
+pub(crate) fn clamped(d: Duration) -> Duration {
+    d.min(Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
 /// The default filter of [`IdempotencyConfig::store_statuses`]: 2xx and 4xx, but for the
 /// three 4xx that ask for the same request again (RFC 9110 section 15.5.9, RFC 8470, RFC
 /// 6585): replayed, a rate limit's 429 would answer every retry for the whole retention
@@ -101,7 +108,7 @@ impl IdempotencyConfig {
 
     /// Keeps completed records this long.
     pub fn retention(mut self, retention: Duration) -> Self {
-        self.retention = retention;
+        self.retention = clamped(retention);
         self
     }
 
@@ -114,7 +121,7 @@ impl IdempotencyConfig {
     /// run longer (or a layer told `longest_request(ZERO)` because its effects die with the
     /// process, whose handlers still run a while) needs a longer timeout set here.
     pub fn in_flight_timeout(mut self, timeout: Duration) -> Self {
-        self.in_flight_timeout = timeout;
+        self.in_flight_timeout = clamped(timeout);
         self
     }
 
@@ -130,7 +137,7 @@ impl IdempotencyConfig {
 
     /// Gives the store this long per call before answering 503 (default 5 s).
     pub fn store_timeout(mut self, timeout: Duration) -> Self {
-        self.store_timeout = timeout;
+        self.store_timeout = clamped(timeout);
         self
     }
 
@@ -148,7 +155,7 @@ impl IdempotencyConfig {
     /// Sweeps expired records this often (see
     /// [`FenceLayer::spawn_maintenance`](crate::FenceLayer::spawn_maintenance)).
     pub fn sweep_every(mut self, every: Duration) -> Self {
-        self.sweep_every = every;
+        self.sweep_every = clamped(every);
         self
     }
 }
