@@ -38,6 +38,18 @@ fn parse_unknown_statuses(s: &str) -> Result<UnknownStatuses, String> {
     Ok(UnknownStatuses(statuses))
 }
 
+/// Parses `--idempotency-retention`: a duration of at least a second. Shorter keeps no
+/// record long enough for a retry to be replayed, which is --no-idempotency said unclearly.
+fn parse_retention(s: &str) -> Result<Duration, String> {
+    let d = parse_duration(s)?;
+    if d < Duration::from_secs(1) {
+        return Err(format!(
+            "{s:?}: a retention under 1s keeps no answer for a retry to be replayed; give at least 1s, or --no-idempotency to turn replay off"
+        ));
+    }
+    Ok(d)
+}
+
 /// The flags of `fence proxy`.
 #[derive(Args, Debug)]
 pub struct ProxyArgs {
@@ -86,8 +98,9 @@ pub struct ProxyArgs {
     /// Ignore Idempotency-Key headers (they are still checked for syntax).
     #[arg(long, env = "FENCE_NO_IDEMPOTENCY")]
     pub no_idempotency: bool,
-    /// How long completed idempotency records are kept.
-    #[arg(long, allow_hyphen_values = true, default_value = "24h", value_parser = parse_duration, env = "FENCE_IDEMPOTENCY_RETENTION")]
+    /// How long completed idempotency records are kept (at least 1s; --no-idempotency turns
+    /// replay off).
+    #[arg(long, allow_hyphen_values = true, default_value = "24h", value_parser = parse_retention, env = "FENCE_IDEMPOTENCY_RETENTION")]
     pub idempotency_retention: Duration,
     /// Scope stored idempotent answers by this request header (repeatable; e.g.
     /// authorization, for a multi-tenant upstream): an answer is replayed only to a request
@@ -244,5 +257,16 @@ mod tests {
             let e = parse_unknown_statuses(bad).expect_err(bad);
             assert!(e.contains("500 to 599"), "{bad}: {e}");
         }
+    }
+
+    #[test]
+    fn a_retention_keeps_answers_at_least_a_second() {
+        assert!(
+            parse_retention("0s")
+                .unwrap_err()
+                .contains("--no-idempotency")
+        );
+        assert!(parse_retention("999ms").is_err());
+        assert_eq!(parse_retention("1s"), Ok(Duration::from_secs(1)));
     }
 }
