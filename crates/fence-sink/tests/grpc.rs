@@ -627,3 +627,49 @@ async fn a_keyed_answer_that_streams_on_holds_the_job_until_it_ends() {
         passed.headers
     );
 }
+
+/// A keyed call whose answer is not kept (its status filtered out) still holds the job while
+/// its answer streams, as it does without a key: the handler writing it may be acting.
+#[tokio::test]
+async fn a_keyed_answer_not_kept_holds_the_job_until_it_ends() {
+    let (sender, channel) = common::Channel::new();
+    let first = Arc::new(std::sync::Mutex::new(Some(channel)));
+    let svc = FenceLayer::new(MemoryStore::new())
+        .idempotency(fence_sink::IdempotencyConfig::default().store_statuses(|s| s == 201))
+        .drain_timeout(Duration::from_millis(200))
+        .layer(service_fn(move |_: Request<RequestBody<In>>| {
+            let body = first
+                .lock()
+                .unwrap()
+                .take()
+                .unwrap_or_else(|| common::Channel::new().1);
+            async move {
+                let mut response = Response::new(body);
+                response
+                    .headers_mut()
+                    .insert("content-type", "application/grpc".parse().unwrap());
+                Ok::<_, Infallible>(response)
+            }
+        }));
+    sender
+        .send(Bytes::from_static(b"\0\0\0\0\x08messages"))
+        .unwrap();
+    let keyed = call(
+        &[
+            ("x-fencing-job", "j"),
+            ("x-fencing-token", "1"),
+            ("idempotency-key", "k"),
+        ],
+        body("\0\0\0\0\0"),
+    );
+    let mut streaming = svc.clone().oneshot(keyed).await.unwrap().into_body();
+    assert!(streaming.frame().await.is_some(), "the first message");
+    Answer::of(svc.clone().oneshot(fenced("j", "2")).await.unwrap())
+        .await
+        .status(14, "urn:fence:drain-timeout");
+    drop(sender);
+    while streaming.frame().await.is_some() {}
+    drop(streaming);
+    let passed = Answer::of(svc.clone().oneshot(fenced("j", "2")).await.unwrap()).await;
+    assert_eq!(passed.http, 200);
+}

@@ -315,7 +315,14 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .is_some_and(|status| status.as_bytes() != b"0");
         if grpc_error || !(self.config.store_statuses)(response.status()) {
             let finishing = self.finish(fingerprint, Finish::Forget).await;
-            return marked(response.map(ResponseBody::inner), finishing);
+            let mut answer = response.map(ResponseBody::inner);
+            // A call of messages whose answer is not kept still streams from a handler that
+            // may be acting: in flight until it ends, as without a key.
+            if messages {
+                let by = Instant::now() + self.body_timeout;
+                answer.extensions_mut().insert(StreamsOn(by));
+            }
+            return marked(answer, finishing);
         }
         let (head, body) = response.into_parts();
         let mut held = self
