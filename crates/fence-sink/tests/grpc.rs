@@ -673,3 +673,93 @@ async fn a_keyed_answer_not_kept_holds_the_job_until_it_ends() {
     let passed = Answer::of(svc.clone().oneshot(fenced("j", "2")).await.unwrap()).await;
     assert_eq!(passed.http, 200);
 }
+
+/// A memory store whose `finish` fails while `failing` is set.
+#[derive(Clone, Default)]
+struct FailingFinish {
+    inner: MemoryStore,
+    failing: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl GenerationStore for FailingFinish {
+    async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
+        self.inner.observe(job, token).await
+    }
+    async fn highest(&self, job: &JobId) -> Result<Generation, StoreError> {
+        self.inner.highest(job).await
+    }
+}
+
+impl IdempotencyStore for FailingFinish {
+    async fn begin(&self, attempt: Attempt<'_>, d: Duration) -> Result<Begin, StoreError> {
+        self.inner.begin(attempt, d).await
+    }
+    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
+        if self.failing.load(Ordering::SeqCst) {
+            return Err(StoreError::Io("disk on fire".into()));
+        }
+        self.inner.finish(attempt, outcome).await
+    }
+    async fn purge_expired(&self) -> Result<usize, StoreError> {
+        self.inner.purge_expired().await
+    }
+}
+
+/// A keyed call whose answer streams on unkept while its record cannot be completed: past
+/// the body deadline and the hold, the job is still held until the record is completed, so a
+/// newer token's request with the same key is not let through to take the record over and
+/// run the step a second time.
+#[tokio::test(start_paused = true)]
+async fn a_streaming_keyed_answer_holds_its_job_until_its_record_is_completed() {
+    let store = FailingFinish::default();
+    store.failing.store(true, Ordering::SeqCst);
+    let (sender, channel) = common::Channel::new();
+    let first = Arc::new(std::sync::Mutex::new(Some(channel)));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = FenceLayer::new(store.clone())
+        .idempotency(fence_sink::IdempotencyConfig::default().max_response_body(4))
+        .body_timeout(Duration::from_secs(1))
+        .unknown_outcome_hold(Duration::from_secs(1))
+        .drain_timeout(Duration::from_millis(200))
+        .layer(service_fn({
+            let calls = calls.clone();
+            move |_: Request<RequestBody<In>>| {
+                calls.fetch_add(1, Ordering::SeqCst);
+                let body = first
+                    .lock()
+                    .unwrap()
+                    .take()
+                    .unwrap_or_else(|| common::Channel::new().1);
+                async move {
+                    let mut response = Response::new(body);
+                    response
+                        .headers_mut()
+                        .insert("content-type", "application/grpc".parse().unwrap());
+                    Ok::<_, Infallible>(response)
+                }
+            }
+        }));
+    sender
+        .send(Bytes::from_static(b"\0\0\0\0\x08messages"))
+        .unwrap();
+    let keyed = |token: &'static str| {
+        call(
+            &[
+                ("x-fencing-job", "j"),
+                ("x-fencing-token", token),
+                ("idempotency-key", "k"),
+            ],
+            body("\0\0\0\0\0"),
+        )
+    };
+    let mut streaming = svc.clone().oneshot(keyed("1")).await.unwrap().into_body();
+    assert!(streaming.frame().await.is_some(), "the first message");
+    // Past the body deadline and the hold, the record still in flight.
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    Answer::of(svc.clone().oneshot(keyed("2")).await.unwrap())
+        .await
+        .status(14, "urn:fence:drain-timeout");
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the step ran again");
+    drop(sender);
+    drop(streaming);
+}

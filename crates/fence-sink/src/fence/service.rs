@@ -420,15 +420,18 @@ where
                 if unknown {
                     flight.unknown();
                 }
-                flight.keep_deadline(until);
-                if let (Some(finishing), Ok(runtime)) =
-                    (finishing, tokio::runtime::Handle::try_current())
-                {
-                    let waiting = flight.clone();
-                    runtime.spawn(async move {
-                        finishing.done().await;
-                        drop(waiting);
-                    });
+                match (finishing, tokio::runtime::Handle::try_current()) {
+                    // The deadline counts only once the record is completed: a newer token's
+                    // request with the same key would take an in-flight record over and run
+                    // the step again.
+                    (Some(finishing), Ok(runtime)) => {
+                        let waiting = flight.clone();
+                        runtime.spawn(async move {
+                            finishing.done().await;
+                            waiting.keep_deadline(until);
+                        });
+                    }
+                    _ => flight.keep_deadline(until),
                 }
                 return response.map(|r| r.map(|body| body.answering(flight)));
             }
