@@ -111,10 +111,11 @@ impl<S> Layer<S> for FencingLayer {
 /// Sets `X-Fencing-Job` and `X-Fencing-Token` on every request while the lease is held;
 /// fails with [`LeaseLost`] without calling the inner service once it is not.
 ///
-/// The lease is checked when the request is handed over and again when its future is first
-/// polled (a lazy client such as hyper's sends nothing before). After that, a loss before
-/// the answer's head comes drops the inner future at once and fails with [`LeaseLost`] whose
-/// `in_flight` is true: a request still waiting for a connection (a slow connect, a full
+/// The lease is checked when the request is handed over and again before every poll of its
+/// future (a lazy client such as hyper's sends nothing before the first): once the lease is
+/// lost, the inner future is never polled again (a retry or redirect layer under it starts
+/// no further attempt). A loss before the answer's head comes drops the inner future at once
+/// and fails with [`LeaseLost`] whose `in_flight` is true (after the first poll): a request still waiting for a connection (a slow connect, a full
 /// pool) is then never written, and one already written may have reached the destination,
 /// so its outcome is unknown. What has left the process is out of the lease's reach, which
 /// is why the destination must check the token too (the worked example's delayed write shows
@@ -232,12 +233,18 @@ where
                 lease,
                 polled,
             } => {
-                if !*polled && lease.is_lost() {
-                    // Lost between the hand-over and now: a lazy inner future sent nothing.
-                    LeaseLost::of(lease, true)
+                // Checked before every poll of the inner future, not only the first: a poll
+                // after the loss may start another attempt (a retry or redirect layer), enqueue
+                // (a lazy client) or run an effect in process, and must never happen.
+                if lease.is_lost() {
+                    // Before the first poll a lazy inner future sent nothing; after it, the
+                    // request was on its way and its outcome is unknown.
+                    LeaseLost {
+                        in_flight: *polled,
+                        ..LeaseLost::of(lease, true)
+                    }
                 } else {
                     *polled = true;
-                    // The answer first: one that came as the lease was lost is the caller's.
                     if let Poll::Ready(answer) = future.poll(cx) {
                         return Poll::Ready(answer.map_err(Into::into));
                     }
@@ -256,5 +263,67 @@ where
         // has not written yet is never written; one written is out of the lease's reach.
         kind.project_replace(Kind::Refused { error: None });
         Poll::Ready(Err(lost.into()))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::{
+        convert::Infallible,
+        future::{Future, poll_fn},
+        pin::pin,
+        sync::{
+            Arc,
+            atomic::{AtomicBool, Ordering},
+        },
+        task::Poll,
+    };
+
+    use tower::{Service, ServiceExt, service_fn};
+    use tower_layer::Layer;
+
+    use super::LeaseLost;
+    use crate::{LeaseClient, MemoryLeaseStore};
+
+    /// An inner future that was polled once before the loss is never polled again: its
+    /// second poll (the next attempt of a retry layer, a lazy client's enqueue, an effect run
+    /// in process) would send after the loss, and could even answer Ok.
+    #[tokio::test(start_paused = true)]
+    async fn the_inner_future_is_not_polled_after_the_loss() {
+        let lease = LeaseClient::new(MemoryLeaseStore::new())
+            .claim("job-1".parse().unwrap())
+            .await
+            .unwrap();
+        let sent = Arc::new(AtomicBool::new(false));
+        let flag = sent.clone();
+        let mut svc = lease
+            .fencing_layer()
+            .layer(service_fn(move |_req: http::Request<()>| {
+                let flag = flag.clone();
+                let mut polls = 0;
+                poll_fn(move |cx| {
+                    polls += 1;
+                    if polls == 1 {
+                        cx.waker().wake_by_ref();
+                        return Poll::Pending;
+                    }
+                    flag.store(true, Ordering::SeqCst);
+                    Poll::Ready(Ok::<_, Infallible>(http::Response::new(())))
+                })
+            }));
+        let mut call = pin!(svc.ready().await.unwrap().call(http::Request::new(())));
+        poll_fn(|cx| {
+            assert!(call.as_mut().poll(cx).is_pending(), "the first poll waits");
+            Poll::Ready(())
+        })
+        .await;
+        lease.release().await.unwrap();
+        let err = call.await.expect_err("sent after the loss");
+        let lost = err.downcast_ref::<LeaseLost>().expect("a LeaseLost error");
+        assert!(lost.in_flight, "polled once: its outcome is unknown");
+        assert!(
+            !sent.load(Ordering::SeqCst),
+            "the inner future ran after the loss"
+        );
     }
 }
