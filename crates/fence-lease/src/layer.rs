@@ -115,15 +115,16 @@ impl<S> Layer<S> for FencingLayer {
 /// future (a lazy client such as hyper's sends nothing before the first): once the lease is
 /// lost, the inner future is never polled again (a retry or redirect layer under it starts
 /// no further attempt). A loss before the answer's head comes drops the inner future at once
-/// and fails with [`LeaseLost`] whose `in_flight` is true (after the first poll): a request still waiting for a connection (a slow connect, a full
-/// pool) is then never written, and one already written may have reached the destination,
-/// so its outcome is unknown. What has left the process is out of the lease's reach, which
-/// is why the destination must check the token too (the worked example's delayed write shows
-/// it refused there). An answer whose head came is the caller's, body and all. A request
-/// body is ended at the loss only when it is wrapped with [`LeaseView::fence_body`]: without
-/// it, what becomes of a body still streaming when the request is cut is the inner client's
-/// (hyper's HTTP/1 client closes the connection), and after the answer's head it keeps
-/// flowing.
+/// and fails with [`LeaseLost`] whose `in_flight` is true (after the first poll): a request
+/// still waiting for a connection (a slow connect, a full pool) is then never written, and
+/// one already written may have reached the destination, so its outcome is unknown. What
+/// has left the process is out of the lease's reach, which is why the destination must check
+/// the token too (the worked example's delayed write shows it refused there). An answer
+/// whose head came is the caller's, body and all. A request body is ended at the loss only
+/// when it is wrapped with [`LeaseView::fence_body`] (frames it handed over before may still
+/// go out): without it, what becomes of a body still streaming when the request is cut is
+/// the inner client's (hyper's HTTP/1 client closes the connection), and after the answer's
+/// head it keeps flowing.
 #[derive(Debug, Clone)]
 pub struct Fencing<S> {
     inner: S,
