@@ -403,7 +403,13 @@ impl<S: LeaseStore> Lease<S> {
         shared.set_deadline(timing.deadline(t_send, ttl), t_send, ttl);
         tracing::debug!(job = %shared.job, token = %token, "lease claimed");
         let first_renewal = t_send + timing.renew_every(ttl);
-        let keeper = tokio::spawn(keep(shared.clone(), store.clone(), timing, first_renewal));
+        let keeper = tokio::spawn(keep(
+            shared.clone(),
+            store.clone(),
+            timing,
+            first_renewal,
+            ttl,
+        ));
         Self {
             view: LeaseView { shared },
             store,
@@ -451,13 +457,21 @@ async fn keep<S: LeaseStore>(
     store: Arc<S>,
     timing: Timing,
     first_renewal: Instant,
+    granted: Ttl,
 ) {
-    // Failed renewals are retried until the deadline at a steady pace (a growing pause could
-    // skip the last chance before the deadline), with jitter, so many workers do not all
-    // retry at once when a store comes back.
-    let retry = (timing.renew_every(timing.ttl) / 4)
-        .clamp(Duration::from_millis(10), Duration::from_secs(1));
-    let mut retries = Backoff::new(retry, retry);
+    // Failed renewals are retried until the deadline at a steady pace set by the last grant
+    // (a growing pause could skip the last chance before the deadline), with jitter, so many
+    // workers do not all retry at once when a store comes back; and never later than halfway
+    // to the deadline, so a pause drawn long still leaves chances before it.
+    let pace = |granted| Backoff::new(timing.retry_pace(granted), timing.retry_pace(granted));
+    let mut retries = pace(granted);
+    let retry_at = |retries: &mut Backoff, deadline: Instant| {
+        let now = Instant::now();
+        let half_left = deadline.saturating_duration_since(now) / 2;
+        now + retries
+            .next_pause()
+            .min(half_left.max(Duration::from_millis(10)))
+    };
     let mut next = first_renewal;
     let (job, owner, generation, key) = (
         &shared.job,
@@ -503,7 +517,7 @@ async fn keep<S: LeaseStore>(
         match renewal {
             Err(_elapsed) => return shared.lose(LossReason::DeadlinePassed),
             Ok(Ok(Outcome::Granted(grant))) => {
-                retries.reset();
+                retries = pace(grant.ttl);
                 // Loss is final: a renewal that answers after the deadline changes nothing.
                 if shared.token().is_none() {
                     return;
@@ -533,11 +547,11 @@ async fn keep<S: LeaseStore>(
             Ok(Ok(other)) => {
                 let error = StoreError::Protocol(format!("a renewal was answered with {other:?}"));
                 tracing::warn!(job = %job, error = %error, "lease renewal failed; retrying until the local deadline");
-                next = Instant::now() + retries.next_pause();
+                next = retry_at(&mut retries, deadline);
             }
             Ok(Err(error)) => {
                 tracing::warn!(job = %job, error = %fence_storage::error_chain(&error), "lease renewal failed; retrying until the local deadline");
-                next = Instant::now() + retries.next_pause();
+                next = retry_at(&mut retries, deadline);
             }
         }
     }

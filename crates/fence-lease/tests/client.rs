@@ -4,7 +4,7 @@
 use std::{
     sync::{
         Arc,
-        atomic::{AtomicBool, Ordering},
+        atomic::{AtomicBool, AtomicUsize, Ordering},
     },
     time::Duration,
 };
@@ -27,6 +27,8 @@ struct Stallable {
     latency: Duration,
     stalled: Arc<AtomicBool>,
     failing: Arc<AtomicBool>,
+    /// Renewals asked for.
+    renewals: Arc<AtomicUsize>,
     /// Grants at most this, whatever was asked (a server-side cap).
     max_ttl: Ttl,
 }
@@ -38,6 +40,7 @@ impl Stallable {
             latency,
             stalled: Arc::default(),
             failing: Arc::default(),
+            renewals: Arc::default(),
             max_ttl: Ttl::MAX,
         }
     }
@@ -76,6 +79,7 @@ impl LeaseStore for Stallable {
                 key,
                 ttl,
             } => {
+                self.renewals.fetch_add(1, Ordering::SeqCst);
                 if self.stalled.load(Ordering::SeqCst) {
                     std::future::pending::<()>().await;
                 }
@@ -255,6 +259,43 @@ async fn a_grant_shorter_than_asked_is_renewed_in_time_and_lost_before_it_ends()
     assert!(
         record.expires_in >= Duration::from_millis(100),
         "{record:?}"
+    );
+}
+
+/// Failed renewals of a grant the store cut short (1 s for 60 s asked) are retried at the
+/// grant's pace, several times before its deadline: paced from the TTL asked for, the one
+/// retry came after the deadline most of the time, and the lease was lost to one failure.
+#[tokio::test(start_paused = true)]
+async fn failed_renewals_of_a_capped_grant_are_retried_before_its_deadline() {
+    let mut store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::ZERO);
+    store.max_ttl = Ttl::from_millis(1_000).unwrap();
+    let lease = claim_with_ttl(&store, Ttl::from_millis(60_000).unwrap()).await;
+    store.failing.store(true, Ordering::SeqCst);
+    store.renewals.store(0, Ordering::SeqCst);
+    lease.lost().await;
+    let attempts = store.renewals.load(Ordering::SeqCst);
+    assert!(
+        attempts >= 3,
+        "{attempts} renewals asked for before the loss"
+    );
+    assert_eq!(lease.loss_reason(), Some(LossReason::DeadlinePassed));
+    lease.release().await.ok();
+
+    // A renewal late in the lease (renew_every 2.5 s of a 3 s grant, deadline at 2.7 s): its
+    // retries come within the 200 ms left, not a pace (625 ms) later.
+    let store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::ZERO);
+    let lease = LeaseClient::new(store.clone())
+        .ttl(Ttl::from_millis(3_000).unwrap())
+        .renew_every(Duration::from_millis(2_500))
+        .claim(job())
+        .await
+        .unwrap();
+    store.failing.store(true, Ordering::SeqCst);
+    lease.lost().await;
+    let attempts = store.renewals.load(Ordering::SeqCst);
+    assert!(
+        attempts >= 3,
+        "{attempts} renewals asked for before the loss"
     );
 }
 

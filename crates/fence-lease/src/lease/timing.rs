@@ -102,6 +102,13 @@ impl Timing {
             .unwrap_or_else(|| (granted_d / 3).min(fits / 2))
     }
 
+    /// The steady pace of retries after a failed renewal of a grant of `granted`: a quarter of
+    /// its renewal interval (10 ms to 1 s). Paced from the grant, not the TTL asked for: a
+    /// store that cut a 60 s request to 1 s leaves 900 ms to retry in, not 54 s.
+    pub(crate) fn retry_pace(&self, granted: Ttl) -> Duration {
+        (self.renew_every(granted) / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
+    }
+
     /// Whether a grant leaves no time to hold the lease: it is not longer than the margin.
     pub(crate) fn leaves_no_time(&self, granted: Ttl) -> bool {
         granted.as_duration() <= self.margin(granted)
