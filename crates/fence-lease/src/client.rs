@@ -334,12 +334,13 @@ impl<S: LeaseStore> LeaseClient<S> {
         let budget = timing.ttl.as_duration() - timing.margin(timing.ttl);
         // Granted after a long wait: how long the lease has left on the server is unknown
         // here (only that it started after t_send), so renew now and count from this send.
+        // "Long" against the grant's own time (a store may grant less than was asked): a
+        // capped grant that came at once is not renewed at once.
         let generation = grant.generation;
         let renewed = async {
-            let left = timing
-                .deadline(t_send, grant.ttl)
-                .saturating_duration_since(Instant::now());
-            if left >= budget * 2 / 3 {
+            let deadline = timing.deadline(t_send, grant.ttl);
+            let left = deadline.saturating_duration_since(Instant::now());
+            if left >= deadline.saturating_duration_since(t_send) * 2 / 3 {
                 return Ok((grant, t_send));
             }
             let t_send = Instant::now();

@@ -299,6 +299,23 @@ async fn failed_renewals_of_a_capped_grant_are_retried_before_its_deadline() {
     );
 }
 
+/// A grant the store cut short (1 s for 60 s asked) that came at once is not renewed at
+/// once: only a claim that waited long is.
+#[tokio::test(start_paused = true)]
+async fn a_capped_grant_that_came_at_once_is_not_renewed_at_once() {
+    let mut store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::from_millis(5));
+    store.max_ttl = Ttl::from_millis(1_000).unwrap();
+    let lease = claim_with_ttl(&store, Ttl::from_millis(60_000).unwrap()).await;
+    assert_eq!(store.renewals.load(Ordering::SeqCst), 0, "renewed at once");
+    tokio::time::sleep(Duration::from_millis(400)).await;
+    assert_eq!(
+        store.renewals.load(Ordering::SeqCst),
+        1,
+        "renewed on schedule"
+    );
+    assert!(!lease.is_lost());
+}
+
 /// A fixed safety margin that takes most of a grant the store cut short: the keeper renews
 /// within what the margin leaves (not on a third of the grant, after the local deadline),
 /// and a grant no longer than the margin is refused by name, not as a timeout.
@@ -694,8 +711,9 @@ async fn a_grant_too_short_to_hold_is_released_for_the_next_worker() {
     assert_eq!(next.generation(), Generation::new(2));
 }
 
-/// A store whose first claim is granted for 1 s whatever was asked (so the client renews it
-/// at once), whose first renewal fails, and whose releases take 50 ms to land.
+/// A store whose first claim is granted for 1 s whatever was asked and answered 400 ms late
+/// (so the client renews it at once), whose first renewal fails, and whose releases take
+/// 50 ms to land.
 #[derive(Debug, Clone, Default)]
 struct ShortFirstGrantSlowRelease {
     inner: MemoryLeaseStore,
@@ -721,6 +739,7 @@ impl LeaseStore for ShortFirstGrantSlowRelease {
         match &mut op {
             LeaseOp::Claim { ttl, .. } if !self.claimed.swap(true, Ordering::SeqCst) => {
                 *ttl = Ttl::from_millis(1_000).unwrap();
+                tokio::time::sleep(Duration::from_millis(400)).await;
             }
             LeaseOp::Renew { .. } if !self.renewed.swap(true, Ordering::SeqCst) => {
                 return Err(StoreError::io("connection refused"));
