@@ -457,7 +457,7 @@ async fn keep<S: LeaseStore>(
     store: Arc<S>,
     timing: Timing,
     first_renewal: Instant,
-    granted: Ttl,
+    mut granted: Ttl,
 ) {
     // Failed renewals are retried until the deadline at a steady pace set by the last grant
     // (a growing pause could skip the last chance before the deadline), with jitter, so many
@@ -510,14 +510,25 @@ async fn keep<S: LeaseStore>(
             continue; // woken for progress that came meanwhile: not time to renew yet
         }
         let t_send = Instant::now();
+        // Each attempt has its own time, a renewal interval at most: a black-holed
+        // connection is abandoned and asked again (a renewal is safe to repeat; another
+        // connection, or server, gets its chance) rather than left to take the whole window.
+        let attempt_end = deadline.min(t_send + timing.renew_every(granted));
         let renewal = tokio::select! {
             () = shared.lost.cancelled() => return,
-            r = tokio::time::timeout_at(deadline, store.renew(job, owner, generation, key, timing.ttl)) => r,
+            r = tokio::time::timeout_at(attempt_end, store.renew(job, owner, generation, key, timing.ttl)) => r,
         };
         match renewal {
-            Err(_elapsed) => return shared.lose(LossReason::DeadlinePassed),
+            Err(_elapsed) if Instant::now() >= deadline => {
+                return shared.lose(LossReason::DeadlinePassed);
+            }
+            Err(_elapsed) => {
+                tracing::warn!(job = %job, "a lease renewal did not answer in time; asking again");
+                next = Instant::now();
+            }
             Ok(Ok(Outcome::Granted(grant))) => {
-                retries = pace(grant.ttl);
+                granted = grant.ttl;
+                retries = pace(granted);
                 // Loss is final: a renewal that answers after the deadline changes nothing.
                 if shared.token().is_none() {
                     return;

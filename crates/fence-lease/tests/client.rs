@@ -299,6 +299,30 @@ async fn failed_renewals_of_a_capped_grant_are_retried_before_its_deadline() {
     );
 }
 
+/// A renewal that hangs (a black-holed connection) is abandoned after a renewal interval
+/// and asked again, not left to take the whole window until the deadline.
+#[tokio::test(start_paused = true)]
+async fn a_hung_renewal_is_abandoned_and_asked_again() {
+    let store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::from_millis(5));
+    let ttl = Ttl::from_millis(3_000).unwrap(); // renewals every second, deadline at 2.7 s
+    let lease = claim_with_ttl(&store, ttl).await;
+    store.stalled.store(true, Ordering::SeqCst);
+    tokio::time::sleep(Duration::from_millis(1_100)).await;
+    assert_eq!(
+        store.renewals.load(Ordering::SeqCst),
+        1,
+        "the first renewal hangs"
+    );
+    store.stalled.store(false, Ordering::SeqCst); // the rest are answered
+    tokio::time::sleep(ttl.as_duration() * 2).await;
+    assert!(
+        !lease.is_lost(),
+        "lost to one hung renewal: {:?}",
+        lease.loss_reason()
+    );
+    lease.release().await.unwrap();
+}
+
 /// A grant the store cut short (1 s for 60 s asked) that came at once is not renewed at
 /// once: only a claim that waited long is.
 #[tokio::test(start_paused = true)]
