@@ -25,6 +25,12 @@ struct FailsFinish {
     failures: Arc<AtomicUsize>,
     applied: bool,
     attempts: Arc<AtomicUsize>,
+    /// Releases and completions never answer.
+    hangs: bool,
+    /// Renewals never answer (the lease is lost at its deadline).
+    stalls_renewals: bool,
+    /// Releases and completions take this long.
+    latency: Duration,
 }
 
 impl FailsFinish {
@@ -52,10 +58,17 @@ impl LeaseStore for FailsFinish {
     }
 
     async fn apply(&self, job: &JobId, op: LeaseOp) -> Result<Outcome, StoreError> {
+        if self.stalls_renewals && matches!(op, LeaseOp::Renew { .. }) {
+            std::future::pending::<()>().await;
+        }
         if !matches!(op, LeaseOp::Release { .. } | LeaseOp::Complete { .. }) {
             return self.inner.apply(job, op).await;
         }
         self.attempts.fetch_add(1, Ordering::SeqCst);
+        if self.hangs {
+            std::future::pending::<()>().await;
+        }
+        tokio::time::sleep(self.latency).await;
         let failing = self
             .failures
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| n.checked_sub(1))
@@ -198,4 +211,60 @@ async fn a_long_lease_is_retried_for_a_minute_at_most() {
         (Duration::from_secs(55)..=Duration::from_secs(60)).contains(&took),
         "gave up after {took:?}"
     );
+}
+
+/// A store that takes the request and never answers (a black-holed connection) does not
+/// keep the caller past the lease's end, or a minute with a long lease: the attempt is
+/// abandoned, its outcome unknown.
+#[tokio::test(start_paused = true)]
+async fn a_store_that_hangs_is_given_up_on_in_time() {
+    for (ttl, within) in [(30, 30), (3_600, 60)] {
+        let store = FailsFinish {
+            hangs: true,
+            ..FailsFinish::default()
+        };
+        let lease = LeaseClient::new(store.clone())
+            .owner("worker".parse().unwrap())
+            .ttl(Ttl::new(Duration::from_secs(ttl)).unwrap())
+            .claim(job())
+            .await
+            .unwrap();
+        let started = Instant::now();
+        let finished = tokio::time::timeout(Duration::from_secs(600), lease.complete())
+            .await
+            .expect("still waiting for a store that hangs after 10 minutes");
+        assert!(
+            matches!(finished, Err(FinishError::Store(StoreError::Timeout(_)))),
+            "{finished:?}"
+        );
+        assert!(
+            started.elapsed() <= Duration::from_secs(within),
+            "ttl {ttl} s: gave up after {:?}",
+            started.elapsed()
+        );
+        assert_eq!(store.attempts.load(Ordering::SeqCst), 1);
+    }
+}
+
+/// A completion sent after the store could have ended the lease (the lease was lost long
+/// ago) is still sent and given time to answer: the store takes it while nobody claimed.
+#[tokio::test(start_paused = true)]
+async fn a_completion_after_the_lease_s_end_is_still_sent() {
+    let store = FailsFinish {
+        stalls_renewals: true,
+        latency: Duration::from_millis(100),
+        ..FailsFinish::default()
+    };
+    let lease = LeaseClient::new(store.clone())
+        .owner("worker".parse().unwrap())
+        .ttl(Ttl::new(Duration::from_secs(1)).unwrap())
+        .claim(job())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(lease.is_lost());
+    assert!(lease.view().earliest_store_expiry() < Instant::now());
+    // The store's clock is the system's: for it, the lease has not ended.
+    let record = lease.complete().await.expect("completed");
+    assert_eq!(record.state, LeaseState::Completed);
 }

@@ -47,6 +47,10 @@ const RETRY_PAUSES: (Duration, Duration) = (Duration::from_millis(100), Duration
 /// (`fence run` at the end of a job) is not kept for hours by a long lease.
 const RETRY_WINDOW: Duration = Duration::from_secs(60);
 
+/// How long an attempt sent when the store could already have ended the lease (a lease lost
+/// long ago, then completed) may take: it is still sent, once, and may still be taken.
+const LATE_ATTEMPT: Duration = Duration::from_secs(10);
+
 impl<S: LeaseStore> Lease<S> {
     /// A view to hand to observers that must not end the lease.
     pub fn view(&self) -> LeaseView {
@@ -56,7 +60,8 @@ impl<S: LeaseStore> Lease<S> {
     /// Marks the job completed. The layer stops sending at once, whatever the store answers.
     /// A store that fails (unreachable, timing out, unavailable) is asked again until it
     /// could end the lease on its own (the lease's earliest expiry at the store), for a
-    /// minute at most. Sent even when the lease is already lost here (past its local
+    /// minute at most; an attempt still unanswered then (a store that hangs) is abandoned,
+    /// its outcome unknown. Sent even when the lease is already lost here (past its local
     /// deadline, say): the store takes it only while this owner, generation and key still
     /// hold the job, that is, when nobody claimed it since. A caller that must not complete
     /// a job whose lease it lost checks [`LeaseView::is_lost`] first (`fence run` does).
@@ -98,11 +103,24 @@ impl<S: LeaseStore> Lease<S> {
         // Whether an attempt failed in a way that may have applied it.
         let mut unsure = false;
         let outcome = loop {
-            let attempt = if complete {
-                self.store.complete(job, owner, generation, key).await
+            // Each attempt ends by `until` too: a store that hangs (a black-holed connection)
+            // does not keep the caller past it. Its outcome is then unknown.
+            let now = Instant::now();
+            let attempt_until = if until > now {
+                until
             } else {
-                self.store.release(job, owner, generation, key).await
+                now + LATE_ATTEMPT
             };
+            let attempt = async {
+                if complete {
+                    self.store.complete(job, owner, generation, key).await
+                } else {
+                    self.store.release(job, owner, generation, key).await
+                }
+            };
+            let attempt = tokio::time::timeout_at(attempt_until, attempt)
+                .await
+                .unwrap_or_else(|_| Err(StoreError::Timeout(attempt_until - now)));
             match attempt {
                 Err(
                     e @ (StoreError::Io(_)
