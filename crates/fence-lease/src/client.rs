@@ -257,7 +257,7 @@ impl<S: LeaseStore> LeaseClient<S> {
         };
         let end = t_send + wait;
         let claim = async {
-            let mut backoff = crate::Backoff::new(Duration::from_millis(10), MAX_SLOT_POLL);
+            let mut backoff = crate::Backoff::new(MIN_SLOT_POLL, MAX_SLOT_POLL);
             loop {
                 let asked = self
                     .store
@@ -265,11 +265,12 @@ impl<S: LeaseStore> LeaseClient<S> {
                     .await;
                 let now = Instant::now();
                 let again_in = match &asked {
-                    // Every slot taken: ask again, at the latest when the first frees.
+                    // Every slot taken: ask again, at the latest when the first frees, and
+                    // not at once (a refusal that does not say when reads as "now").
                     Ok(SlotClaim {
                         outcome: Outcome::Held { expires_in, .. },
                         ..
-                    }) => Some(backoff.next_pause().min(*expires_in)),
+                    }) => Some(backoff.next_pause().min(*expires_in).max(MIN_SLOT_POLL)),
                     // The answer was lost, and it may have been a grant: ask again with the
                     // same key, which gets that slot back rather than a second one.
                     Err(StoreError::Io(_) | StoreError::Timeout(_)) => {
@@ -492,6 +493,9 @@ impl<S: LeaseStore> LeaseClient<S> {
         Ok(Lease::start(self.store.clone(), granted, timing, held))
     }
 }
+
+/// The shortest pause between two semaphore claims of one [`LeaseClient::claim_slot`].
+const MIN_SLOT_POLL: Duration = Duration::from_millis(10);
 
 /// The longest pause between two semaphore claims of one [`LeaseClient::claim_slot`].
 const MAX_SLOT_POLL: Duration = Duration::from_millis(500);

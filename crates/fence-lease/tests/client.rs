@@ -1077,3 +1077,65 @@ async fn a_lost_slot_grant_is_asked_again_for_the_same_slot() {
     let second = store.get(&"pool#2".parse().unwrap()).await.unwrap();
     assert_eq!(second, None, "a second slot was taken: {second:?}");
 }
+
+/// A semaphore whose every slot is taken, answering without saying when one frees (a
+/// lease-held or lock-delay refusal without `expires_in_ms` / `claimable_in_ms` reads as 0):
+/// counts the claims, and after 1000 fails them so a client that never pauses stops.
+#[derive(Debug, Default)]
+struct FullWithoutExpiry {
+    claims: AtomicUsize,
+}
+
+impl LeaseStore for FullWithoutExpiry {
+    async fn apply(&self, _job: &JobId, _op: LeaseOp) -> Result<Outcome, StoreError> {
+        Ok(Outcome::Unknown)
+    }
+
+    async fn get(&self, _job: &JobId) -> Result<Option<LeaseRecord>, StoreError> {
+        Ok(None)
+    }
+
+    async fn list(&self, query: &ListQuery) -> Result<ListPage, StoreError> {
+        MemoryLeaseStore::new().list(query).await
+    }
+
+    async fn claim_slot(
+        &self,
+        _resource: &JobId,
+        _owner: &Owner,
+        _key: &fence_core::secret::LeaseKey,
+        _terms: fence_lease::ClaimTerms,
+        _slots: u32,
+    ) -> Result<fence_lease::SlotClaim, StoreError> {
+        if self.claims.fetch_add(1, Ordering::SeqCst) >= 1_000 {
+            return Err(StoreError::Protocol("asked 1000 times".into()));
+        }
+        Ok(fence_lease::SlotClaim {
+            slot: Some(1),
+            outcome: Outcome::Held {
+                owner: "other".parse().unwrap(),
+                generation: Generation::new(1),
+                expires_in: Duration::ZERO,
+                lock_delay: false,
+            },
+        })
+    }
+}
+
+/// A full semaphore that does not say when a slot frees is asked again every 10 ms at
+/// most, not in a tight loop for the whole wait.
+#[tokio::test(start_paused = true)]
+async fn a_full_semaphore_without_an_expiry_is_not_asked_in_a_tight_loop() {
+    let store = Arc::new(FullWithoutExpiry::default());
+    let client = LeaseClient::from_arc(store.clone()).owner("w".parse().unwrap());
+    let refused = client
+        .claim_slot("pool".parse().unwrap(), 2, Duration::from_secs(1))
+        .await
+        .map(|l| l.generation());
+    let claims = store.claims.load(Ordering::SeqCst);
+    assert!(claims <= 101, "{claims} claims in a 1 s wait");
+    assert!(
+        matches!(refused, Err(ClaimError::Held { .. })),
+        "{refused:?}"
+    );
+}
