@@ -10,7 +10,7 @@
 //! ```
 
 use bytes::Bytes;
-use fence_lease::{BearerToken, HttpLeaseStore, HttpOptions, LeaseClient, Ttl};
+use fence_lease::{BearerToken, HttpLeaseStore, HttpOptions, LeaseClient, LeaseLost, Ttl};
 use http_body_util::Full;
 use hyper_util::{client::legacy::Client, rt::TokioExecutor};
 use tower::{Service, ServiceBuilder, ServiceExt};
@@ -45,12 +45,19 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         .service(Client::builder(TokioExecutor::new()).build_http::<Full<Bytes>>());
 
     let charge = http::Request::post(&target).body(Full::new(Bytes::from("amount=10")))?;
-    tokio::select! {
-        () = lease.lost() => eprintln!("lease lost: the charge was not sent"),
-        response = http.ready().await?.call(charge) => {
-            println!("charged: {}", response?.status());
+    // The layer cuts the call at the loss: the error says whether the charge had left.
+    match http.ready().await?.call(charge).await {
+        Ok(response) => {
+            println!("charged: {}", response.status());
             lease.complete().await?;
         }
+        Err(e) => match e.downcast_ref::<LeaseLost>() {
+            Some(lost) if lost.in_flight => {
+                eprintln!("lease lost with the charge on its way: its outcome is unknown")
+            }
+            Some(_) => eprintln!("lease lost: the charge was not sent"),
+            None => return Err(e),
+        },
     }
     // README: end
     Ok(())
