@@ -107,8 +107,9 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// [`progress`](crate::LeaseView::progress) within `within` (the grant counts as the first
     /// call, at its arrival: a claim that waited keeps its whole interval). A worker that
     /// hangs or live-locks, still alive but no longer advancing, then
-    /// loses its lease ([`LossReason::NoProgress`](crate::LossReason::NoProgress)) at the
-    /// first renewal after `within` has passed, and the lease expires at the store. Off by
+    /// loses its lease ([`LossReason::NoProgress`](crate::LossReason::NoProgress)) the moment
+    /// progress is due (`within` after the last report), not at the next renewal; it is not
+    /// renewed meanwhile, and the lease expires at the store. Off by
     /// default: without it the keeper renews for as long as the process lives. Choose
     /// `within` longer than the longest step between two reports (at most 24 h: longer
     /// counts as 24 h).

@@ -843,8 +843,8 @@ async fn resuming_a_forgotten_job_says_it_is_not_held() {
 }
 
 /// With `progress_within`, a worker that keeps reporting progress keeps its lease through
-/// many renewals; once it stops (hung, live-locked), the keeper stops renewing at the first
-/// renewal past the interval, the lease is lost with `NoProgress`, and it is not released:
+/// many renewals; once it stops (hung, live-locked), the lease is lost with `NoProgress` when
+/// progress is due, the keeper renews no more, and the lease is not released:
 /// the store lets it expire, the next claim gets the next generation.
 #[tokio::test(start_paused = true)]
 async fn a_worker_that_stops_reporting_progress_loses_its_lease_and_it_expires() {
