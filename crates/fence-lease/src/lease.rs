@@ -288,9 +288,13 @@ pub struct TokenUpdates {
 }
 
 impl TokenUpdates {
-    /// The next token string, or `None` once the lease is lost.
+    /// The next token string, or `None` once the lease is lost (also when a change came
+    /// before the loss and was not taken yet: a token the lease no longer backs is never
+    /// handed out).
     pub async fn next(&mut self) -> Option<String> {
         tokio::select! {
+            // The loss first: a token file would otherwise be rewritten with a token after it.
+            biased;
             () = self.lost.as_mut() => None,
             changed = self.changes.changed() => {
                 changed.ok()?;
@@ -564,6 +568,31 @@ async fn keep<S: LeaseStore>(
                 tracing::warn!(job = %job, error = %fence_storage::error_chain(&error), "lease renewal failed; retrying until the local deadline");
                 next = retry_at(&mut retries, deadline);
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use tokio::sync::watch;
+    use tokio_util::sync::CancellationToken;
+
+    use super::TokenUpdates;
+
+    /// A change not yet taken when the lease is lost is never handed out: the loss wins,
+    /// every time (an unbiased select picked the change about half the time).
+    #[tokio::test]
+    async fn no_token_is_handed_out_after_the_loss() {
+        for _ in 0..64 {
+            let header = watch::Sender::new(http::HeaderValue::from_static("1.old"));
+            let lost = CancellationToken::new();
+            let mut updates = TokenUpdates {
+                changes: header.subscribe(),
+                lost: Box::pin(lost.clone().cancelled_owned()),
+            };
+            header.send_replace(http::HeaderValue::from_static("1.new"));
+            lost.cancel();
+            assert_eq!(updates.next().await, None);
         }
     }
 }
