@@ -309,6 +309,68 @@ def test_asyncio_renewals_do_not_wait_for_the_loops_default_executor(stack):
     asyncio.run(main())
 
 
+def test_asyncio_renewals_do_not_queue_behind_waiting_claims(stack):
+    """Waiting claims are held at the server for as long as they wait; before, each took one of
+    256 threads shared by every AsyncClient for all that time, and the renewals queued behind
+    them until the lease was lost. 256 claims wait here for 10 s while a 2 s lease must be
+    renewed all along."""
+    s = stack(proxy=False)
+    Client(s.server_url, owner="holder", ttl=30.0).claim("busy")
+
+    async def main() -> None:
+        client = AsyncClient(s.server_url, owner="waiter", ttl=2.0)
+        lease = await client.claim("kept")
+        async def wait_for_busy() -> None:
+            await client.claim("busy", wait=10.0)
+
+        waiting = [asyncio.create_task(wait_for_busy()) for _ in range(256)]
+        try:
+            await asyncio.sleep(3.0)  # 1.5 TTLs: the lease needs more than one renewal
+            assert not lease.is_lost(), lease.loss_reason
+            assert not any(t.done() for t in waiting), "a waiting claim ended early"
+        finally:
+            for t in waiting:
+                t.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+        await lease.release()
+
+    asyncio.run(main())
+
+
+def test_an_asyncio_call_under_way_does_not_keep_the_process_alive(stack):
+    """A program whose loop ended while a call was under way (a waiting claim whose caller gave
+    up) exits at once: before, the call's pool thread was joined at exit, and the process
+    lived on until the server answered (here a minute later)."""
+    import subprocess
+    import sys
+
+    from conftest import CLIENT_DIR
+
+    s = stack(proxy=False)
+    Client(s.server_url, owner="holder", ttl=30.0).claim("busy")
+    program = f"""
+import asyncio
+from fence_client.aio import AsyncClient
+
+async def main():
+    client = AsyncClient({s.server_url!r}, owner="leaver", ttl=30.0)
+    try:
+        await asyncio.wait_for(client.claim("busy", wait=60.0), 0.5)
+    except asyncio.TimeoutError:
+        print("gave up", flush=True)
+
+asyncio.run(main())
+"""
+    started = time.monotonic()
+    try:
+        child = subprocess.run([sys.executable, "-c", program], capture_output=True, text=True,
+                               timeout=20, env={"PYTHONPATH": str(CLIENT_DIR / "src")})
+    except subprocess.TimeoutExpired:
+        pytest.fail("the program was kept alive past the end of its loop")
+    assert child.returncode == 0 and child.stdout == "gave up\n", (child.stdout, child.stderr)
+    assert time.monotonic() - started < 20
+
+
 def test_asyncio_calls_work_in_a_forked_child(stack):
     """A prefork server (gunicorn --preload) forks after the parent used the client: the
     child has none of the parent's threads, and its calls must not wait for them."""

@@ -7,18 +7,17 @@
         ...
 
 The keeper is a task of the running loop; each call to the lease server runs the standard
-library's HTTP client in a worker thread of fence's own (not the loop's default executor, which
-the application's blocking work may fill, starving renewals), and every wait of the keeper is
-bounded by the local deadline, so ``lease.lost`` is set on time even while a renewal hangs.
+library's HTTP client in a daemon thread of its own (not a pool: a renewal never queues behind
+waiting claims or retried releases, nor behind the application's blocking work in the loop's
+default executor), and every wait of the keeper is bounded by the local deadline, so
+``lease.lost`` is set on time even while a renewal hangs. A call under way when the program
+ends does not keep it alive.
 """
 
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import contextvars
-import functools
-import os
 import threading
 from types import TracebackType
 from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, Type
@@ -33,33 +32,40 @@ from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic,
                     ttl_to_ms)
 
 
-# The threads the lease server's calls run in, shared by every AsyncClient and made as needed:
-# fence's own, so that an application that fills the loop's default executor with blocking
-# work cannot hold its renewals back until every lease is lost.
-def _new_pool() -> concurrent.futures.ThreadPoolExecutor:
-    return concurrent.futures.ThreadPoolExecutor(max_workers=256, thread_name_prefix="fence-call")
-
-
-_CALLS = _new_pool()
-
-
-def _after_fork_in_child() -> None:
-    # A forked child (gunicorn --preload, a prefork server) has none of the parent's threads,
-    # while the pool would count them as idle: a fresh pool, or every call would wait forever.
-    global _CALLS
-    _CALLS = _new_pool()
-
-
-if hasattr(os, "register_at_fork"):
-    os.register_at_fork(after_in_child=_after_fork_in_child)
-
-
 async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in one of fence's threads, awaited, in the caller's context
-    (its context variables: a tracer's span, as ``asyncio.to_thread`` keeps them)."""
+    """``fn(*args, **kwargs)`` in a daemon thread of its own, awaited, in the caller's context
+    (its context variables: a tracer's span, as ``asyncio.to_thread`` keeps them).
+
+    A thread per call, never a pool: a call never queues behind another, so renewals cannot
+    wait while waiting claims (held at the server for up to a minute) or retried releases take
+    every thread, and nothing is shared with the loop's default executor, which the
+    application's blocking work may fill. Daemon threads: a call still under way when the
+    program ends (its caller cancelled, the loop closed) does not keep the process alive.
+    Nor does a forked child inherit a pool whose threads it does not have."""
     loop = asyncio.get_running_loop()
-    call = functools.partial(contextvars.copy_context().run, fn, *args, **kwargs)
-    return await loop.run_in_executor(_CALLS, call)
+    future: "asyncio.Future[Any]" = loop.create_future()
+    context = contextvars.copy_context()
+
+    def settle(ok: bool, outcome: Any) -> None:
+        if future.done():  # the caller was cancelled: nobody wants the outcome
+            return
+        if ok:
+            future.set_result(outcome)
+        else:
+            future.set_exception(outcome)
+
+    def run() -> None:
+        try:
+            ok, outcome = True, context.run(fn, *args, **kwargs)
+        except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
+            ok, outcome = False, e
+        try:
+            loop.call_soon_threadsafe(settle, ok, outcome)
+        except RuntimeError:
+            pass  # the loop is closed: nobody awaits the call any more
+
+    threading.Thread(target=run, name="fence-call", daemon=True).start()
+    return await future
 
 
 class AsyncLease(LeaseCore):
