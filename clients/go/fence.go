@@ -469,7 +469,8 @@ type RunOptions struct {
 // Run claims job, runs fn under a context that carries ctx's values and is cancelled when
 // ctx is or the lease is lost (lease.Err says which), completes the job when fn returns nil
 // (releases it with OnSuccessRelease) and releases it when fn fails. A lease lost while fn
-// ran is released, not completed, and Run returns the *LeaseLostError.
+// ran is released, not completed, and Run returns the *LeaseLostError. When fn panics or
+// calls runtime.Goexit, the job is released before the panic (or Goexit) goes on.
 func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Context, lease *Lease) error, opts RunOptions) error {
 	lease, err := c.ClaimWaiting(ctx, job, opts.Wait)
 	if err != nil {
@@ -486,9 +487,18 @@ func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Contex
 		case <-ran:
 		}
 	}()
+	returned := false
+	defer func() {
+		close(ran)
+		cancel()
+		if !returned {
+			// fn panicked (a caller may recover) or called runtime.Goexit: the job is
+			// released before the panic goes on, or the keeper would renew it forever.
+			_, _ = lease.Release(valuesOnly{ctx})
+		}
+	}()
 	err = fn(fctx, lease)
-	close(ran)
-	cancel()
+	returned = true
 	// The release or completion goes out even when ctx ends (before or during it), with its
 	// values (each is bounded by the lease's end and a minute of retries): a cancelled run
 	// must not leave its job held.

@@ -9,6 +9,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"runtime"
 	"strings"
 	"testing"
 	"time"
@@ -361,5 +362,37 @@ func TestRunFollowsTheCallersContext(t *testing.T) {
 	rec, err := c.Status(context.Background(), "cancelled-run")
 	if err != nil || rec.State != "free" {
 		t.Fatalf("the job is not released: %+v %v", rec, err)
+	}
+}
+
+// A Run whose work panics (recovered by a caller) or calls runtime.Goexit (t.FailNow in a
+// test) releases its job: before, the keeper renewed it for as long as the process lived.
+func TestRunReleasesTheJobWhenTheWorkPanicsOrExitsItsGoroutine(t *testing.T) {
+	s := newStack(t, stackOpts{noProxy: true})
+	c := mustClient(t, s.serverURL, Options{TTL: 500 * time.Millisecond})
+	other := mustClient(t, s.serverURL, Options{Owner: "other", TTL: 30 * time.Second})
+	ends := map[string]func(){
+		"panicking-run": func() { panic("boom") },
+		"goexit-run":    runtime.Goexit,
+	}
+	for job, end := range ends {
+		done := make(chan any)
+		go func() {
+			defer func() { done <- recover() }()
+			_ = c.Run(context.Background(), job, func(context.Context, *Lease) error {
+				end()
+				return nil
+			}, RunOptions{})
+		}()
+		recovered := <-done
+		if job == "panicking-run" && recovered != "boom" {
+			t.Fatalf("%s: the panic did not go on: recovered %v", job, recovered)
+		}
+		time.Sleep(1500 * time.Millisecond) // 3 TTLs: a kept lease would still be renewed
+		lease, err := other.Claim(context.Background(), job)
+		if err != nil {
+			t.Fatalf("%s: the job is still held: %v", job, err)
+		}
+		_, _ = lease.Release(context.Background())
 	}
 }
