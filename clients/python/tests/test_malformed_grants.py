@@ -11,6 +11,7 @@ import http.client
 import http.server
 import json
 import threading
+import time
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
@@ -33,13 +34,13 @@ class Request:
 class Front:
     """A front for the lease server that forwards everything, records each request's path and
     body, and hands the first 200 of a claim to ``mangle`` (the decoded answer; the text to
-    answer with). The first ``failed_releases`` releases are answered 503 here, unforwarded."""
+    answer with; the first ``mangled`` ones with ``mangled``). The first ``failed_releases`` releases are answered 503 here, unforwarded."""
 
     def __init__(self, server_url: str, mangle: Mangle, failed_releases: int = 0,
-                 refuse_renewals: bool = False) -> None:
+                 refuse_renewals: bool = False, mangled: int = 1) -> None:
         self.seen: List[Request] = []
         self._lock = threading.Lock()
-        self._left = 1
+        self._left = mangled
         self._failed_releases = failed_releases
         self._refuse_renewals = refuse_renewals
         self._refused = 0
@@ -117,12 +118,13 @@ class Front:
 
 @pytest.fixture
 def front():
-    """``front(server_url, mangle, failed_releases=0)``: a :class:`Front`, closed at the end."""
+    """``front(server_url, mangle, failed_releases=0, refuse_renewals=False, mangled=1)``: a
+    :class:`Front`, closed at the end."""
     made: List[Front] = []
 
     def make(server_url: str, mangle: Mangle, failed_releases: int = 0,
-             refuse_renewals: bool = False) -> Front:
-        made.append(Front(server_url, mangle, failed_releases, refuse_renewals))
+             refuse_renewals: bool = False, mangled: int = 1) -> Front:
+        made.append(Front(server_url, mangle, failed_releases, refuse_renewals, mangled))
         return made[-1]
 
     yield make
@@ -339,3 +341,30 @@ def test_a_loss_at_the_deadline_says_why_the_renewals_failed(stack, front, flavo
     assert reason.startswith("the local deadline passed before a renewal succeeded"), reason
     assert "401" in reason and "no such secret" in reason, reason
     assert len(f.requests("/renew")) >= 1
+
+
+def test_an_asyncio_claim_cancelled_before_its_answer_keeps_its_key(stack, front):
+    # The caller's timeout (asyncio.wait_for, a TaskGroup) cancels the claim, but its request
+    # went out and was granted: the next claim asks with the same key and gets that lease back.
+    # Before, the key was dropped, and the job stayed held, by this very owner, until its TTL
+    # ended; the key kept from an earlier cancelled claim was dropped by the next one too.
+    s = stack(proxy=False)
+
+    def late(answer: Dict[str, Any]) -> str:
+        time.sleep(1.0)
+        return json.dumps(answer)
+
+    f = front(s.server_url, late, mangled=2)
+
+    async def claims() -> None:
+        client = AsyncClient(f.url, owner="worker", ttl=30.0)
+        for _ in range(2):  # both answers come after the caller gave up
+            with pytest.raises(asyncio.TimeoutError):
+                await asyncio.wait_for(client.claim("cancelled"), 0.3)
+        lease = await client.claim("cancelled")
+        assert lease.generation == 1, lease
+        await lease.release()
+
+    asyncio.run(claims())
+    keys = {r.body["lease_key"] for r in f.requests("/claim")}
+    assert len(f.requests("/claim")) == 3 and len(keys) == 1, keys

@@ -170,26 +170,35 @@ class Client(ClientCore):
         body = self._claim_body(key, ttl_ms, lock_delay)
         budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
         wait_until = monotonic() + max(wait, 0.0)
-        while True:
-            chunk = min(wait_until - monotonic(), 60.0)
-            chunk = chunk if chunk >= 0.001 else 0.0
-            sent = monotonic()
-            try:
-                answer = self._transport.call("POST", claim_path(job, chunk), body,
-                                              timeout=budget + chunk)
-                break
-            except LeaseHeld:
-                if chunk <= 0 or monotonic() >= wait_until:
+        try:
+            while True:
+                chunk = min(wait_until - monotonic(), 60.0)
+                chunk = chunk if chunk >= 0.001 else 0.0
+                sent = monotonic()
+                try:
+                    answer = self._transport.call("POST", claim_path(job, chunk), body,
+                                                  timeout=budget + chunk)
+                    break
+                except LeaseHeld:
+                    if chunk <= 0 or monotonic() >= wait_until:
+                        raise
+                except ProtocolError as e:
+                    # A 200 this client cannot read (not a JSON object, too large) may be a
+                    # grant, which no release can name: the same key gets it back.
+                    self._keep_unsettled(job, key, ttl_ms)
+                    raise may_be_held(e, True) from e
+                except FenceError as e:
+                    self._claim_failed(job, key, ttl_ms, e)
                     raise
-            except ProtocolError as e:
-                # A 200 this client cannot read (not a JSON object, too large) may be a grant,
-                # which no release can name: the same key gets it back.
+                time.sleep(waiting_claim_gap(sent, wait_until))
+        except BaseException as e:
+            if not isinstance(e, FenceError):
+                # The caller gave up mid-claim (a cancelled task, asyncio.wait_for, Ctrl-C) or
+                # the claim failed unexpectedly: the request may have gone out and been
+                # granted, so its key is kept for the next claim of the job, as after an
+                # answer lost (FenceErrors were sorted above).
                 self._keep_unsettled(job, key, ttl_ms)
-                raise may_be_held(e, True) from e
-            except FenceError as e:
-                self._claim_failed(job, key, ttl_ms, e)
-                raise
-            time.sleep(waiting_claim_gap(sent, wait_until))
+            raise
         return self._lease_from(job, key, ttl_ms, on_success, sent, answer)
 
     def claim_slot(self, resource: str, slots: int, *, wait: float = 0.0,
