@@ -6,11 +6,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strings"
+	"sync/atomic"
 	"testing"
 	"time"
 )
@@ -394,5 +396,77 @@ func TestRunReleasesTheJobWhenTheWorkPanicsOrExitsItsGoroutine(t *testing.T) {
 			t.Fatalf("%s: the job is still held: %v", job, err)
 		}
 		_, _ = lease.Release(context.Background())
+	}
+}
+
+// closedPortURL is the URL of a loopback port nothing listens on (a connection is refused).
+func closedPortURL(t *testing.T) string {
+	t.Helper()
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url := "http://" + ln.Addr().String()
+	ln.Close()
+	return url
+}
+
+// FENCE_SERVER may name several servers that share one database (`fence run --server
+// http://a:7700,http://b:7700` passes it on as is); before, the whole list was taken for one
+// URL and every call failed. A call moves on only from a server it could not connect to.
+func TestAListOfServersMovesOnOnlyFromOneItCouldNotConnectTo(t *testing.T) {
+	s := newStack(t, stackOpts{noProxy: true})
+	down := closedPortURL(t)
+	t.Setenv("FENCE_SERVER", down+", "+s.serverURL+"/")
+	c := mustClient(t, "", Options{Owner: "listed", TTL: time.Second})
+	err := c.Run(context.Background(), "listed", func(ctx context.Context, lease *Lease) error {
+		time.Sleep(1200 * time.Millisecond) // renewed through the server that answered
+		return lease.Err()
+	}, RunOptions{})
+	if err != nil {
+		t.Fatalf("a run through the list: %v", err)
+	}
+	observer := mustClient(t, s.serverURL, Options{})
+	if rec, err := observer.Status(context.Background(), "listed"); err != nil || rec.State != "completed" {
+		t.Fatalf("not completed: %+v %v", rec, err)
+	}
+	// A server that took the request and did not answer may have decided it: the next one is
+	// never asked.
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	var requests atomic.Int32
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			_, _ = conn.Read(make([]byte, 65536))
+			requests.Add(1)
+			conn.Close()
+		}
+	}()
+	hangup := "http://" + ln.Addr().String()
+	_, err = mustClient(t, hangup+","+s.serverURL, Options{Owner: "listed"}).Claim(context.Background(), "unanswered")
+	if !errors.Is(err, ErrUnreachable) || !strings.Contains(err.Error(), hangup) {
+		t.Fatalf("a server that did not answer: %v", err)
+	}
+	if n := requests.Load(); n != 1 {
+		t.Fatalf("the hanging server saw %d requests", n)
+	}
+	var unknown *ProblemError
+	if _, err := observer.Status(context.Background(), "unanswered"); !errors.As(err, &unknown) || unknown.Status != 404 {
+		t.Fatalf("the next server was asked: %v", err)
+	}
+	// None answering: the last one's failure, named.
+	_, err = mustClient(t, closedPortURL(t)+","+down, Options{}).Status(context.Background(), "x")
+	if !errors.Is(err, ErrUnreachable) || !strings.Contains(err.Error(), down) {
+		t.Fatalf("no server answering: %v", err)
+	}
+	if _, err := NewClient(s.serverURL+",127.0.0.1:7700", Options{}); err == nil || !strings.Contains(err.Error(), "must start with http:// or https://") {
+		t.Fatalf("a list with a URL without a scheme: %v", err)
 	}
 }

@@ -15,9 +15,11 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"net"
 	"net/http"
 	"os"
 	"strings"
+	"sync/atomic"
 	"time"
 )
 
@@ -152,11 +154,57 @@ func schemePrefix(s string) string {
 	return s[:i+3]
 }
 
+// transport makes HTTP calls to a lease server. Several servers that share one database act
+// as one: a call goes to the one that answered last, and moves on to the next only when no
+// connection could be made to it (refused, unreachable, TLS handshake failed), never once a
+// request may have reached it, so no decision is ever asked of two servers (as the Rust client).
 type transport struct {
-	server  string
-	header  http.Header
-	http    *http.Client
-	timeout time.Duration
+	servers   []string // each server's base URL, without a trailing slash
+	preferred atomic.Int32
+	header    http.Header
+	http      *http.Client
+	timeout   time.Duration
+}
+
+// maxConnectShare is the longest one connection attempt may take while other servers are left
+// to try.
+const maxConnectShare = 2 * time.Second
+
+// noConnection is the error of a connection that could not be made, its TLS handshake
+// included: no request reached the server, so the next one may be asked.
+type noConnection struct{ err error }
+
+func (e *noConnection) Error() string { return "no connection: " + e.err.Error() }
+func (e *noConnection) Unwrap() error { return e.err }
+
+// connectWithinKey carries, in a request's context, how long connecting may take.
+type connectWithinKey struct{}
+
+// withConnectBudget is ctx ended after the connect budget its request set, if any.
+func withConnectBudget(ctx context.Context) (context.Context, context.CancelFunc) {
+	if within, ok := ctx.Value(connectWithinKey{}).(time.Duration); ok {
+		return context.WithTimeout(ctx, within)
+	}
+	return context.WithCancel(ctx)
+}
+
+// serversOf is the servers of given (one URL, or several separated by commas, as FENCE_SERVER
+// may hold and `fence run` passes on), each without a trailing slash.
+func serversOf(given string) ([]string, error) {
+	var servers []string
+	for _, one := range strings.Split(given, ",") {
+		one = strings.TrimRight(strings.TrimSpace(one), "/")
+		if !strings.HasPrefix(one, "http://") && !strings.HasPrefix(one, "https://") {
+			return nil, fmt.Errorf("fence: the server URL must start with http:// or https://, not %q", withoutUserinfo(one))
+		}
+		servers = append(servers, one)
+	}
+	if strings.Contains(given, "@") {
+		// The server knows bearer secrets only: a user or password here is a mistake, and would
+		// be quoted in every error message.
+		return nil, errors.New("fence: the server URL must not carry a user or password ('@'): give the bearer secret as Options.AuthToken (or AuthTokenFile, FENCE_AUTH_TOKEN)")
+	}
+	return servers, nil
 }
 
 func newTransport(server string, opts *Options) (*transport, error) {
@@ -166,14 +214,9 @@ func newTransport(server string, opts *Options) (*transport, error) {
 	if server == "" {
 		server = "http://127.0.0.1:7700"
 	}
-	server = strings.TrimRight(server, "/")
-	if !strings.HasPrefix(server, "http://") && !strings.HasPrefix(server, "https://") {
-		return nil, fmt.Errorf("fence: the server URL must start with http:// or https://, not %q", withoutUserinfo(server))
-	}
-	if strings.Contains(server, "@") {
-		// The server knows bearer secrets only: a user or password here is a mistake, and would
-		// be quoted in every error message (t.server is).
-		return nil, errors.New("fence: the server URL must not carry a user or password ('@'): give the bearer secret as Options.AuthToken (or AuthTokenFile, FENCE_AUTH_TOKEN)")
+	servers, err := serversOf(server)
+	if err != nil {
+		return nil, err
 	}
 	secret := opts.AuthToken
 	if opts.AuthToken != "" && opts.AuthTokenFile != "" {
@@ -208,7 +251,7 @@ func newTransport(server string, opts *Options) (*transport, error) {
 			}
 		}
 	}
-	t := &transport{server: server, header: http.Header{"Accept": {"application/json"}}, timeout: opts.Timeout}
+	t := &transport{servers: servers, header: http.Header{"Accept": {"application/json"}}, timeout: opts.Timeout}
 	if t.timeout <= 0 {
 		t.timeout = 10 * time.Second
 	}
@@ -232,6 +275,45 @@ func newTransport(server string, opts *Options) (*transport, error) {
 		}
 		base.TLSClientConfig = &tls.Config{RootCAs: pool, MinVersion: tls.VersionTLS12}
 	}
+	// Connections are made here, so that one that could not be made (its TLS handshake
+	// included) is known as such, within the budget its call set.
+	dialer := &net.Dialer{Timeout: 30 * time.Second, KeepAlive: 30 * time.Second}
+	dial := func(ctx context.Context, network, addr string) (net.Conn, error) {
+		ctx, cancel := withConnectBudget(ctx)
+		defer cancel()
+		conn, err := dialer.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, &noConnection{err}
+		}
+		return conn, nil
+	}
+	tlsConfig := base.TLSClientConfig
+	if tlsConfig == nil {
+		tlsConfig = &tls.Config{MinVersion: tls.VersionTLS12}
+	}
+	base.DialContext = dial
+	base.DialTLSContext = func(ctx context.Context, network, addr string) (net.Conn, error) {
+		ctx, cancel := withConnectBudget(ctx)
+		defer cancel()
+		conn, err := dialer.DialContext(ctx, network, addr)
+		if err != nil {
+			return nil, &noConnection{err}
+		}
+		host, _, err := net.SplitHostPort(addr)
+		if err != nil {
+			conn.Close()
+			return nil, &noConnection{err}
+		}
+		config := tlsConfig.Clone()
+		config.ServerName = host
+		config.NextProtos = []string{"http/1.1"}
+		tconn := tls.Client(conn, config)
+		if err := tconn.HandshakeContext(ctx); err != nil {
+			conn.Close()
+			return nil, &noConnection{err}
+		}
+		return tconn, nil
+	}
 	t.http = &http.Client{Transport: base, CheckRedirect: func(*http.Request, []*http.Request) error {
 		return http.ErrUseLastResponse
 	}}
@@ -245,38 +327,71 @@ func (t *transport) call(ctx context.Context, method, path string, body any, tim
 	}
 	ctx, cancel := context.WithTimeout(ctx, timeout)
 	defer cancel()
-	var reader io.Reader
+	var data []byte
 	if body != nil {
 		b, err := json.Marshal(body)
 		if err != nil {
 			return err
 		}
-		reader = bytes.NewReader(b)
+		data = b
 	}
-	req, err := http.NewRequestWithContext(ctx, method, t.server+path, reader)
-	if err != nil {
-		return fmt.Errorf("%w: %v", ErrProtocol, err)
-	}
-	for k, v := range t.header {
-		req.Header[k] = v
-	}
-	if body != nil {
-		req.Header.Set("Content-Type", "application/json")
-	}
-	resp, err := t.http.Do(req)
-	if err != nil {
-		return fmt.Errorf("%w: %s %s%s: %v", ErrUnreachable, method, t.server, path, err)
+	deadline, _ := ctx.Deadline()
+	n := len(t.servers)
+	first := int(t.preferred.Load()) % n
+	var resp *http.Response
+	var server string
+	for tried := 0; ; tried++ {
+		i := (first + tried) % n
+		server = t.servers[i]
+		actx := ctx
+		if tried+1 < n {
+			// A silent server must not use up the call while others are left to try: its
+			// share of what is left, at most 2 s; the last one may take it all.
+			within := time.Until(deadline) / time.Duration(n-tried)
+			if within > maxConnectShare {
+				within = maxConnectShare
+			}
+			actx = context.WithValue(ctx, connectWithinKey{}, within)
+		}
+		var reader io.Reader
+		if data != nil {
+			reader = bytes.NewReader(data)
+		}
+		req, err := http.NewRequestWithContext(actx, method, server+path, reader)
+		if err != nil {
+			return fmt.Errorf("%w: %v", ErrProtocol, err)
+		}
+		for k, v := range t.header {
+			req.Header[k] = v
+		}
+		if body != nil {
+			req.Header.Set("Content-Type", "application/json")
+		}
+		resp, err = t.http.Do(req)
+		if err != nil {
+			// No connection was made, so no request reached this server: the next one may be
+			// asked. Any other failure may have reached it: never.
+			var none *noConnection
+			if errors.As(err, &none) && tried+1 < n && ctx.Err() == nil {
+				continue
+			}
+			return fmt.Errorf("%w: %s %s%s: %v", ErrUnreachable, method, server, path, err)
+		}
+		if tried > 0 {
+			t.preferred.Store(int32(i))
+		}
+		break
 	}
 	defer resp.Body.Close()
 	payload, err := io.ReadAll(io.LimitReader(resp.Body, 1<<20))
 	if err != nil {
-		return fmt.Errorf("%w: %s %s%s: %v", ErrUnreachable, method, t.server, path, err)
+		return fmt.Errorf("%w: %s %s%s: %v", ErrUnreachable, method, server, path, err)
 	}
 	if resp.StatusCode < 200 || resp.StatusCode > 299 {
 		return problemFrom(resp.StatusCode, resp.Header, payload)
 	}
 	if err := json.Unmarshal(payload, out); err != nil {
-		return fmt.Errorf("%w: %s %s%s: %v: %.200s", ErrProtocol, method, t.server, path, err, payload)
+		return fmt.Errorf("%w: %s %s%s: %v: %.200s", ErrProtocol, method, server, path, err, payload)
 	}
 	return nil
 }

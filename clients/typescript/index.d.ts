@@ -1,7 +1,7 @@
 // Types of fence-client (hand-written; the package is plain JavaScript ESM).
 
 export interface ClientOptions {
-  /** The lease server's URL; default FENCE_SERVER, else http://127.0.0.1:7700. One with a user or password ('@') is refused (TypeError): give the bearer secret as `authToken`. */
+  /** The lease server's URL, or several of servers on one database separated by commas (a call moves to the next only when no connection could be made to one); default FENCE_SERVER, else http://127.0.0.1:7700. One with a user or password ('@') is refused (TypeError): give the bearer secret as `authToken`. */
   server?: string;
   /** The owner name to claim under; default `<hostname>-<pid>-<random>`. */
   owner?: string;

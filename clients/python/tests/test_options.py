@@ -327,3 +327,78 @@ def test_a_redirect_is_an_error_and_the_secret_stays_home(status):
     finally:
         front.close()
         elsewhere.close()
+
+
+def closed_port_url() -> str:
+    """The URL of a loopback port nothing listens on (a connection is refused)."""
+    import socket
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{sock.getsockname()[1]}"
+
+
+class Hangup:
+    """A server that accepts each connection, reads the request and closes it unanswered."""
+
+    def __init__(self) -> None:
+        import socket
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.url = f"http://127.0.0.1:{self.sock.getsockname()[1]}"
+        self.requests = 0
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            with conn:
+                conn.recv(65536)
+                self.requests += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_list_of_servers_moves_on_only_from_one_it_could_not_connect_to(stack, monkeypatch):
+    # FENCE_SERVER may name several servers that share one database (`fence run --server
+    # http://a:7700,http://b:7700` passes it on as is); before, the whole list was taken for
+    # one URL and every call failed.
+    s = stack(proxy=False)
+    down = closed_port_url()
+    monkeypatch.setenv("FENCE_SERVER", f"{down}, {s.server_url}/")
+    client = Client(owner="listed", ttl=1.0)
+    with client.claim("listed") as lease:
+        time.sleep(1.2)  # renewed through the server that answered
+        assert not lease.is_lost(), lease.loss_reason
+    assert client.server == f"{down},{s.server_url}"
+    assert Client(s.server_url).status("listed")["state"] == "completed"
+
+    async def from_asyncio() -> None:
+        lease = await AsyncClient(owner="alisted", ttl=5.0).claim("alisted")
+        await lease.release()
+
+    asyncio.run(from_asyncio())
+    # A server that took the request and did not answer may have decided it: the next one is
+    # never asked.
+    hangup = Hangup()
+    try:
+        with pytest.raises(ServerUnreachable) as unanswered:
+            Client(f"{hangup.url},{s.server_url}", owner="listed").claim("unanswered")
+        assert hangup.url in str(unanswered.value), unanswered.value
+        assert hangup.requests == 1
+        with pytest.raises(ProblemError) as unknown:
+            Client(s.server_url).status("unanswered")
+        assert unknown.value.status == 404
+    finally:
+        hangup.close()
+    # None answering: the last one's failure, named.
+    with pytest.raises(ServerUnreachable) as unreachable:
+        Client(f"{closed_port_url()},{down}").status("x")
+    assert down in str(unreachable.value)
+    with pytest.raises(ValueError) as refused:
+        Client(f"{s.server_url},127.0.0.1:7700")
+    assert "must start with http:// or https://" in str(refused.value)

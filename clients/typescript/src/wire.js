@@ -131,30 +131,53 @@ export function withoutUserinfo(url) {
   return (scheme ? scheme[0] : '') + url.slice(at + 1);
 }
 
-/** Blocking-free HTTP calls to one lease server. */
+/** The longest one connection attempt may take while other servers are left to try (ms). */
+const MAX_CONNECT_SHARE_MS = 2_000;
+
+// Marks a ServerUnreachable for which no connection could be made: no request reached the
+// server, so the next one may be asked.
+const NO_CONNECTION = Symbol('no connection');
+
+/**
+ * One server of a list: its URL as given (no trailing '/'), for messages; where to connect.
+ * @param {string} server
+ */
+function serverOf(server) {
+  let url = null;
+  try {
+    url = new URL(server);
+  } catch {
+    // Not thrown as is: URL's own error carries the text it was given (its `input`).
+  }
+  if (url !== null ? url.protocol !== 'http:' && url.protocol !== 'https:' : !/^https?:\/\//i.test(server)) {
+    throw new TypeError(`the server URL must start with http:// or https://, not ${withoutUserinfo(server)}`);
+  }
+  return { server, url };
+}
+
+/**
+ * HTTP calls to a lease server, without blocking. Several servers that share one database
+ * (`http://a:7700,http://b:7700`, as FENCE_SERVER may hold and `fence run` passes on) act as
+ * one: a call goes to the one that answered last, and moves on to the next only when no
+ * connection could be made to it (refused, unreachable, TLS handshake failed), never once a
+ * request may have reached it, so no decision is ever asked of two servers (as the Rust client).
+ */
 export class Transport {
   /**
    * @param {{server?: string, authToken?: string, authTokenFile?: string, caFile?: string, timeoutMs?: number}} options
    */
   constructor(options) {
-    const server = (options.server ?? process.env.FENCE_SERVER ?? 'http://127.0.0.1:7700').replace(/\/+$/, '');
-    let url = null;
-    try {
-      url = new URL(server);
-    } catch {
-      // Not thrown as is: URL's own error carries the text it was given (its `input`).
-    }
-    if (url !== null ? url.protocol !== 'http:' && url.protocol !== 'https:' : !/^https?:\/\//i.test(server)) {
-      throw new TypeError(`the server URL must start with http:// or https://, not ${withoutUserinfo(server)}`);
-    }
-    if (server.includes('@')) {
+    const given = options.server ?? process.env.FENCE_SERVER ?? 'http://127.0.0.1:7700';
+    const parsed = given.split(',').map((one) => serverOf(one.trim().replace(/\/+$/, '')));
+    if (given.includes('@')) {
       // The server knows bearer secrets only: a user or password here is a mistake, and would
       // be quoted in every error message (this.server is).
       throw new TypeError("the server URL must not carry a user or password ('@'): give the bearer secret as authToken (or authTokenFile, FENCE_AUTH_TOKEN)");
     }
-    if (url === null) throw new TypeError(`the server URL ${server} is not a URL`);
-    this.server = server;
-    this.base = url.pathname.replace(/\/+$/, '');
+    for (const { server, url } of parsed) {
+      if (url === null) throw new TypeError(`the server URL ${server} is not a URL`);
+    }
+    this.server = parsed.map((p) => p.server).join(',');
     this.timeoutMs = options.timeoutMs ?? 10_000;
     if (options.authToken != null && options.authTokenFile != null) {
       throw new TypeError('give authToken or authTokenFile, not both');
@@ -181,12 +204,18 @@ export class Transport {
     this.headers = { accept: 'application/json' };
     if (secret) this.headers.authorization = `Bearer ${secret}`;
     const caFile = options.caFile ?? (process.env.FENCE_CA_CERT || undefined);
-    const secure = url.protocol === 'https:';
-    this.module = secure ? https : http;
+    const secure = parsed.some(({ url }) => url.protocol === 'https:');
+    this.agents = { 'http:': new http.Agent({ keepAlive: true }) };
     // With a CA file, its certificates replace the system roots (as curl --cacert does).
-    const agentOptions = { keepAlive: true, ...(secure && caFile ? { ca: readFileSync(caFile) } : {}) };
-    this.agent = new this.module.Agent(agentOptions);
-    this.target = { protocol: url.protocol, hostname: url.hostname.replace(/^\[|\]$/g, ''), port: url.port };
+    if (secure) this.agents['https:'] = new https.Agent({ keepAlive: true, ...(caFile ? { ca: readFileSync(caFile) } : {}) });
+    this.servers = parsed.map(({ server, url }) => ({
+      server,
+      module: url.protocol === 'https:' ? https : http,
+      agent: this.agents[url.protocol],
+      target: { protocol: url.protocol, hostname: url.hostname.replace(/^\[|\]$/g, ''), port: url.port },
+      base: url.pathname.replace(/\/+$/, ''),
+    }));
+    this.preferred = 0; // the index of the server that answered last
   }
 
   /**
@@ -198,26 +227,75 @@ export class Transport {
    * @param {AbortSignal} [signal] cancels the call (its request is destroyed, its timer cleared)
    * @returns {Promise<any>}
    */
-  call(method, path, body, timeoutMs, signal) {
+  async call(method, path, body, timeoutMs, signal) {
     const data = body === undefined ? undefined : Buffer.from(stringifyJson(body));
     const headers = { ...this.headers };
     if (data) {
       headers['content-type'] = 'application/json';
       headers['content-length'] = String(data.length);
     }
-    const wait = Math.max(timeoutMs ?? this.timeoutMs, 1);
-    const what = `${method} ${this.server}${path}`;
+    const deadline = now() + Math.max(timeoutMs ?? this.timeoutMs, 1);
+    const n = this.servers.length;
+    const first = this.preferred % n;
+    for (let tried = 0; ; tried++) {
+      const i = (first + tried) % n;
+      const last = tried + 1 >= n;
+      const left = Math.max(deadline - now(), 1);
+      // A silent server must not use up the call while others are left to try: its share of
+      // what is left, at most 2 s; the last one may take it all.
+      const connectWithin = last ? undefined : Math.min(left / (n - tried), MAX_CONNECT_SHARE_MS);
+      try {
+        const answer = await this.#once(this.servers[i], method, path, headers, data, left, connectWithin, signal);
+        if (tried > 0) this.preferred = i;
+        return answer;
+      } catch (e) {
+        // No connection was made, so no request reached this server: the next one may be
+        // asked. Any other failure may have reached it: never.
+        if (!e?.[NO_CONNECTION] || last || signal?.aborted || now() >= deadline) {
+          if (!e?.[NO_CONNECTION] && tried > 0) this.preferred = i;
+          throw e;
+        }
+      }
+    }
+  }
+
+  #once(to, method, path, headers, data, wait, connectWithin, signal) {
+    const what = `${method} ${to.server}${path}`;
     return new Promise((resolve, reject) => {
-      const req = this.module.request({ ...this.target, agent: this.agent, method, path: this.base + path, headers });
+      const req = to.module.request({ ...to.target, agent: to.agent, method, path: to.base + path, headers });
       const timer = setTimeout(() => req.destroy(new Error(`no answer within ${Math.round(wait)} ms`)), wait);
+      // Whether a connection was made (TLS handshake included): until then, no request can
+      // have reached the server.
+      let connected = false;
+      let connectTimer;
+      req.on('socket', (socket) => {
+        if (req.reusedSocket) {
+          connected = true;
+          return;
+        }
+        socket.once(to.target.protocol === 'https:' ? 'secureConnect' : 'connect', () => {
+          connected = true;
+          clearTimeout(connectTimer);
+        });
+        if (connectWithin !== undefined) {
+          connectTimer = setTimeout(() => {
+            if (!connected) req.destroy(new Error(`no connection within ${Math.round(connectWithin)} ms`));
+          }, connectWithin);
+        }
+      });
       // A cancelled call keeps nothing alive: its request goes, and with it the timer.
       const cancel = () => req.destroy(new Error('cancelled'));
       if (signal?.aborted) cancel();
       else signal?.addEventListener('abort', cancel, { once: true });
-      req.on('close', () => signal?.removeEventListener('abort', cancel));
+      req.on('close', () => {
+        clearTimeout(connectTimer);
+        signal?.removeEventListener('abort', cancel);
+      });
       req.on('error', (e) => {
         clearTimeout(timer);
-        reject(new ServerUnreachable(`${what}: ${e.message}`, { cause: e }));
+        const unreachable = new ServerUnreachable(`${what}: ${e.message}`, { cause: e });
+        if (!connected) unreachable[NO_CONNECTION] = true;
+        reject(unreachable);
       });
       req.on('response', (res) => {
         const chunks = [];
@@ -270,7 +348,7 @@ export class Transport {
   }
 
   close() {
-    this.agent.destroy();
+    for (const agent of Object.values(this.agents)) agent.destroy();
   }
 }
 

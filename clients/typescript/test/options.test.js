@@ -198,3 +198,50 @@ test('a server URL with a user or password is refused without quoting them', () 
     });
   }
 });
+
+// A loopback URL nothing listens on: a connection to it is refused.
+async function closedPortUrl() {
+  const { createServer } = await import('node:net');
+  const server = createServer();
+  await new Promise((r) => server.listen(0, '127.0.0.1', r));
+  const { port } = server.address();
+  await new Promise((r) => server.close(r));
+  return `http://127.0.0.1:${port}`;
+}
+
+test('a list of servers moves on only from one it could not connect to', async (t) => {
+  // FENCE_SERVER may name several servers that share one database (`fence run --server
+  // http://a:7700,http://b:7700` passes it on as is); before, the list was refused as a URL.
+  const s = await stack(t, { proxy: false });
+  const down = await closedPortUrl();
+  const saved = process.env.FENCE_SERVER;
+  t.after(() => { if (saved === undefined) delete process.env.FENCE_SERVER; else process.env.FENCE_SERVER = saved; });
+  process.env.FENCE_SERVER = `${down}, ${s.serverUrl}/`;
+  const client = new Client({ owner: 'listed', ttlMs: 1000 });
+  t.after(() => client.close());
+  await client.run('listed', async (lease) => {
+    await sleep(1200); // renewed through the server that answered
+    assert.ok(!lease.isLost(), lease.lossReason);
+  });
+  assert.equal(client.server, `${down},${s.serverUrl}`);
+  const observer = new Client({ server: s.serverUrl });
+  t.after(() => observer.close());
+  assert.equal((await observer.status('listed')).state, 'completed');
+  // A server that took the request and did not answer may have decided it: the next one is
+  // never asked.
+  const { createServer } = await import('node:net');
+  let requests = 0;
+  const hangup = createServer((socket) => socket.once('data', () => { requests++; socket.destroy(); }));
+  await new Promise((r) => hangup.listen(0, '127.0.0.1', r));
+  t.after(() => hangup.close());
+  const hangupUrl = `http://127.0.0.1:${hangup.address().port}`;
+  const unanswered = new Client({ server: `${hangupUrl},${s.serverUrl}`, owner: 'listed' });
+  t.after(() => unanswered.close());
+  await assert.rejects(unanswered.claim('unanswered'), (e) => e instanceof ServerUnreachable && e.message.includes(hangupUrl));
+  assert.equal(requests, 1);
+  await assert.rejects(observer.status('unanswered'), (e) => e instanceof ProblemError && e.status === 404);
+  // None answering: the last one's failure, named.
+  const none = new Client({ server: `${await closedPortUrl()},${down}` });
+  await assert.rejects(none.status('x'), (e) => e instanceof ServerUnreachable && e.message.includes(down));
+  assert.throws(() => new Client({ server: `${s.serverUrl},127.0.0.1:7700` }), /must start with http:\/\/ or https:\/\//);
+});

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import http.client
 import json
@@ -15,7 +16,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from typing import Any, Callable, Dict, Optional, Tuple, TypeVar, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
 from ._errors import InvalidJobId, ProtocolError, ServerUnreachable, problem_error
 
@@ -170,22 +171,97 @@ class _NoRedirects(urllib.request.HTTPRedirectHandler):
         return None
 
 
+#: The longest one connection attempt may take while other servers are left to try (seconds).
+MAX_CONNECT_SHARE = 2.0
+
+
+class _NoConnection(OSError):
+    """No connection to a server could be made (refused, unreachable, a name that does not
+    resolve, a TLS handshake that failed): no request reached it, so the next may be asked."""
+
+
+class _Request(urllib.request.Request):
+    #: How long connecting may take (seconds), or None: as long as the call's timeout.
+    connect_within: Optional[float] = None
+
+
+def _connecting(base: Any) -> Any:
+    """``base`` (``HTTPConnection`` or ``HTTPSConnection``) whose failure to connect, TLS
+    handshake included, raises :class:`_NoConnection`, within its own time limit if given."""
+
+    class Connection(base):  # type: ignore[misc, valid-type]
+        def __init__(self, *args: Any, connect_within: Optional[float] = None,
+                     **kwargs: Any) -> None:
+            super().__init__(*args, **kwargs)
+            self._connect_within = connect_within
+
+        def connect(self) -> None:
+            timeout = self.timeout
+            if self._connect_within is not None:
+                self.timeout = self._connect_within
+            try:
+                super().connect()
+            except OSError as e:
+                raise _NoConnection(f"no connection: {e}") from e
+            finally:
+                self.timeout = timeout
+            self.sock.settimeout(timeout)
+
+    return Connection
+
+
+_HTTPConnection = _connecting(http.client.HTTPConnection)
+_HTTPSConnection = _connecting(http.client.HTTPSConnection)
+
+
+def _within(req: urllib.request.Request) -> Optional[float]:
+    return getattr(req, "connect_within", None)
+
+
+class _HTTPHandler(urllib.request.HTTPHandler):
+    def http_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(functools.partial(_HTTPConnection, connect_within=_within(req)), req)
+
+
+class _HTTPSHandler(urllib.request.HTTPSHandler):
+    def https_open(self, req: urllib.request.Request) -> Any:
+        return self.do_open(functools.partial(_HTTPSConnection, connect_within=_within(req)),
+                            req, context=self._context)  # type: ignore[attr-defined]
+
+
+def servers_of(given: str) -> List[str]:
+    """The servers of ``given``: one URL, or several that share one database separated by
+    commas (``http://a:7700,http://b:7700``, as ``FENCE_SERVER`` may hold and ``fence run``
+    passes on), each without a trailing ``/``. ValueError for one that is not ``http://`` or
+    ``https://``, or for any user or password (``@``)."""
+    servers = [one.strip().rstrip("/") for one in given.split(",")]
+    for one in servers:
+        if not one.startswith(("http://", "https://")):
+            raise ValueError("the server URL must start with http:// or https://, not "
+                             f"{without_userinfo(one)!r}")
+    if "@" in given:
+        # The server knows bearer secrets only: a user or password here is a mistake, and
+        # would be quoted in every error message (self.server is).
+        raise ValueError("the server URL must not carry a user or password ('@'): give the "
+                         "bearer secret as auth_token (or auth_token_file, FENCE_AUTH_TOKEN)")
+    return servers
+
+
 class Transport:
-    """Blocking HTTP calls to one lease server (``urllib``; thread safe)."""
+    """Blocking HTTP calls to a lease server (``urllib``; thread safe).
+
+    Several servers that share one database act as one: a call goes to the one that answered
+    last, and moves on to the next only when no connection could be made to it (refused,
+    unreachable, TLS handshake failed), never once a request may have reached it, so no
+    decision is ever asked of two servers (as the Rust client)."""
 
     def __init__(self, server: Optional[str], auth_token: Optional[str],
                  auth_token_file: Optional[PathLike], ca_file: Optional[PathLike],
                  timeout: float) -> None:
-        server = server or os.environ.get("FENCE_SERVER") or "http://127.0.0.1:7700"
-        if not server.startswith(("http://", "https://")):
-            raise ValueError("the server URL must start with http:// or https://, not "
-                             f"{without_userinfo(server)!r}")
-        if "@" in server:
-            # The server knows bearer secrets only: a user or password here is a mistake, and
-            # would be quoted in every error message (self.server is).
-            raise ValueError("the server URL must not carry a user or password ('@'): give the "
-                             "bearer secret as auth_token (or auth_token_file, FENCE_AUTH_TOKEN)")
-        self.server = server.rstrip("/")
+        self._servers = servers_of(server or os.environ.get("FENCE_SERVER")
+                                   or "http://127.0.0.1:7700")
+        self.server = ",".join(self._servers)
+        self._preferred = 0  # the index of the server that answered last
         self.timeout = timeout
         secret = read_auth_token(auth_token, auth_token_file)
         self._headers = {"accept": "application/json"}
@@ -196,7 +272,8 @@ class Transport:
         # With a CA file, its certificates replace the system roots (as curl --cacert does).
         context = ssl.create_default_context(cafile=os.fspath(ca_file) if ca_file else None)
         self._opener = urllib.request.build_opener(
-            urllib.request.HTTPSHandler(context=context),
+            _HTTPHandler(),
+            _HTTPSHandler(context=context),
             # The lease server is reached directly, never through an environment proxy.
             urllib.request.ProxyHandler({}),
             # Nor through a redirect: urllib would send the bearer secret wherever it points
@@ -211,21 +288,44 @@ class Transport:
         headers = dict(self._headers)
         if data is not None:
             headers["content-type"] = "application/json"
-        request = urllib.request.Request(self.server + path, data=data, method=method,
-                                         headers=headers)
         wait = self.timeout if timeout is None else max(timeout, 0.001)
+        deadline = time.monotonic() + wait
+        # The server asked last, for messages.
+        asked = [self._servers[self._preferred % len(self._servers)]]
 
         def fetch() -> Tuple[int, Dict[str, str], bytes]:
-            try:
-                with self._opener.open(request, timeout=wait) as response:
-                    return response.status, {}, read_at_most(response)
-            except urllib.error.HTTPError as e:
-                # An error's body is read here too, under the same bound as a success's.
+            n = len(self._servers)
+            first = self._preferred % n
+            for tried in range(n):
+                i = (first + tried) % n
+                asked[0] = self._servers[i]
+                request = _Request(self._servers[i] + path, data=data, method=method,
+                                   headers=headers)
+                if tried + 1 < n:
+                    # A silent server must not use up the call while others are left to try:
+                    # its share of what is left, at most 2 s; the last one may take it all.
+                    left = max(deadline - time.monotonic(), 0.001)
+                    request.connect_within = min(left / (n - tried), MAX_CONNECT_SHARE)
                 try:
-                    body = read_at_most(e)
-                except (OSError, http.client.HTTPException):  # a cut body: IncompleteRead
-                    body = b""
-                return e.code, dict(e.headers.items()), body
+                    with self._opener.open(request, timeout=wait) as response:
+                        answer = response.status, {}, read_at_most(response)
+                except urllib.error.HTTPError as e:
+                    # An error's body is read here too, under the same bound as a success's.
+                    try:
+                        body = read_at_most(e)
+                    except (OSError, http.client.HTTPException):  # a cut body: IncompleteRead
+                        body = b""
+                    answer = e.code, dict(e.headers.items()), body
+                except urllib.error.URLError as e:
+                    # No connection was made, so no request reached this server: the next one
+                    # may be asked. Any other failure may have reached it: never.
+                    if isinstance(e.reason, _NoConnection) and tried + 1 < n:
+                        continue
+                    raise
+                if tried > 0:
+                    self._preferred = i
+                return answer
+            raise AssertionError("unreachable")  # the last server's failure is raised above
 
         try:
             # urllib's timeout bounds each socket operation, not the call: a server that
@@ -234,22 +334,22 @@ class Transport:
             status, error_headers, payload = bounded(fetch, wait, "fence-call")
         except Timeout:
             raise ServerUnreachable(
-                f"{method} {self.server}{path}: no whole answer within {wait:.3g} s") from None
+                f"{method} {asked[0]}{path}: no whole answer within {wait:.3g} s") from None
         except (OSError, urllib.error.URLError, ValueError, http.client.HTTPException) as e:
             # http.client's RemoteDisconnected is an OSError; a truncated answer an
             # IncompleteRead (an HTTPException) or a ValueError.
-            raise ServerUnreachable(f"{method} {self.server}{path}: {e}") from e
+            raise ServerUnreachable(f"{method} {asked[0]}{path}: {e}") from e
         if not 200 <= status <= 299:
             raise problem_error(status, error_headers, payload)
+        where = f"{method} {asked[0]}{path}"
         if len(payload) > MAX_ANSWER:
-            raise ProtocolError(f"{method} {self.server}{path}: an answer larger than "
-                                f"{MAX_ANSWER} bytes")
+            raise ProtocolError(f"{where}: an answer larger than {MAX_ANSWER} bytes")
         try:
             answer = json.loads(payload.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as e:
-            raise ProtocolError(f"{method} {self.server}{path}: not JSON: {payload[:200]!r}") from e
+            raise ProtocolError(f"{where}: not JSON: {payload[:200]!r}") from e
         if not isinstance(answer, dict):
-            raise ProtocolError(f"{method} {self.server}{path}: not a JSON object")
+            raise ProtocolError(f"{where}: not a JSON object")
         return answer
 
 
