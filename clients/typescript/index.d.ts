@@ -26,7 +26,7 @@ export interface ClientOptions {
 export interface ClaimOptions {
   /** Wait at the server up to this long while another owner holds the job (asked again every 60 s). */
   waitMs?: number;
-  /** The TTL for this claim, instead of the client's. */
+  /** The TTL for this claim, instead of the client's; one no longer than the client's safety margin is refused (RangeError) before anything is sent. */
   ttlMs?: number;
   /** The lock-delay of this claim's lease, instead of the client's. */
   lockDelayMs?: number;
@@ -36,7 +36,7 @@ export interface ClaimOptions {
 export interface ClaimSlotOptions {
   /** Ask again up to this long while every slot is taken (the server never waits on a semaphore claim): after pauses of 10 ms doubling up to 500 ms, shorter when the slot that frees first frees sooner. Within it, a claim whose answer was lost (ServerUnreachable, a timeout, a 502, 503 or 504 after its Retry-After, at most 60 s) is asked again with the same key: a lost grant comes back as that slot, not a second one. */
   waitMs?: number;
-  /** The TTL for this claim, instead of the client's. */
+  /** The TTL for this claim, instead of the client's; one no longer than the client's safety margin is refused (RangeError) before anything is sent. */
   ttlMs?: number;
   /** The lock-delay of this claim's lease, instead of the client's. */
   lockDelayMs?: number;

@@ -402,3 +402,25 @@ def test_a_list_of_servers_moves_on_only_from_one_it_could_not_connect_to(stack,
     with pytest.raises(ValueError) as refused:
         Client(f"{s.server_url},127.0.0.1:7700")
     assert "must start with http:// or https://" in str(refused.value)
+
+
+def test_a_claim_ttl_no_longer_than_the_margin_is_refused_before_sending(stack):
+    # Before, such a claim was sent with a negative time budget (clamped to 1 ms): the caller
+    # saw ServerUnreachable while the server granted the job to this owner, held unused.
+    s = stack(proxy=False)
+    client = Client(s.server_url, owner="short", ttl=10.0, margin=2.0)
+    aclient = AsyncClient(s.server_url, owner="ashort", ttl=10.0, margin=2.0)
+    for ttl in (1.0, 2.0):
+        with pytest.raises(ValueError, match="margin"):
+            client.claim("short", ttl=ttl)
+        with pytest.raises(ValueError, match="margin"):
+            client.claim_slot("shorts", 2, ttl=ttl)
+        with pytest.raises(ValueError, match="margin"):
+            aclient.claim("ashort", ttl=ttl)
+        with pytest.raises(ValueError, match="margin"):
+            aclient.claim_slot("ashorts", 2, ttl=ttl)
+    for job in ("short", "shorts#1", "ashort", "ashorts#1"):
+        with pytest.raises(ProblemError) as unknown:
+            client.status(job)
+        assert unknown.value.status == 404, (job, unknown.value)
+    client.claim("short", ttl=2.1).release()  # longer than the margin: claimed

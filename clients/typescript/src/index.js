@@ -120,6 +120,7 @@ export class Client {
    */
   async claim(job, options = {}) {
     checkJob(job);
+    this.#claimTtl(options); // refused before the kept key is taken
     const kept = this.#unsettled.get(job);
     this.#unsettled.delete(job);
     const { key, body, ttlMs, budget } = this.#claimBody(options, kept !== undefined && now() < kept.until ? kept.key : undefined);
@@ -227,8 +228,19 @@ export class Client {
     if (this.#unsettled.size < MAX_UNSETTLED) this.#unsettled.set(job, { key, until });
   }
 
-  #claimBody(options, key = newLeaseKey()) {
+  // The TTL a claim asks for: its own or the client's. A RangeError, before anything is sent,
+  // for one no longer than the client's safety margin: such a lease could not be held at all
+  // (its claim would have no time to be answered).
+  #claimTtl(options) {
     const ttlMs = checkTtl(options.ttlMs ?? this.ttlMs);
+    if (marginOf(ttlMs, this.marginMs) >= ttlMs) {
+      throw new RangeError(`a claim's TTL (${ttlMs} ms) must be longer than the client's safety margin (${this.marginMs} ms)`);
+    }
+    return ttlMs;
+  }
+
+  #claimBody(options, key = newLeaseKey()) {
+    const ttlMs = this.#claimTtl(options);
     const body = { owner: this.owner, lease_key: key, ttl_ms: ttlMs };
     const lockDelayMs = checkLockDelay(options.lockDelayMs ?? this.lockDelayMs);
     if (lockDelayMs !== undefined) body.lock_delay_ms = lockDelayMs;

@@ -245,3 +245,20 @@ test('a list of servers moves on only from one it could not connect to', async (
   await assert.rejects(none.status('x'), (e) => e instanceof ServerUnreachable && e.message.includes(down));
   assert.throws(() => new Client({ server: `${s.serverUrl},127.0.0.1:7700` }), /must start with http:\/\/ or https:\/\//);
 });
+
+test('a claim TTL no longer than the margin is refused before sending', async (t) => {
+  // Before, such a claim was sent with a negative time budget (clamped to 1 ms): the caller
+  // saw ServerUnreachable while the server granted the job to this owner, held unused.
+  const s = await stack(t, { proxy: false });
+  const client = new Client({ server: s.serverUrl, owner: 'short', ttlMs: 10_000, marginMs: 2000 });
+  t.after(() => client.close());
+  for (const ttlMs of [1000, 2000]) {
+    await assert.rejects(client.claim('short', { ttlMs }), (e) => e instanceof RangeError && /margin/.test(e.message));
+    await assert.rejects(client.claimSlot('shorts', 2, { ttlMs }), (e) => e instanceof RangeError && /margin/.test(e.message));
+  }
+  for (const job of ['short', 'shorts#1']) {
+    await assert.rejects(client.status(job), (e) => e instanceof ProblemError && e.status === 404);
+  }
+  const lease = await client.claim('short', { ttlMs: 2100 }); // longer than the margin: claimed
+  await lease.release();
+});

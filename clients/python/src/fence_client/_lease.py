@@ -438,6 +438,18 @@ class ClientCore:
         self._unsettled: Dict[str, Tuple[str, float]] = {}
         self._unsettled_lock = threading.Lock()
 
+    def _claim_ttl_ms(self, ttl: Optional[float]) -> int:
+        """The TTL (ms) a claim asks for: ``ttl`` (seconds) if given, else the client's.
+        ValueError, before anything is sent, for one no longer than the client's safety margin:
+        such a lease could not be held at all (its claim would have no time to be answered)."""
+        if ttl is None:
+            return self.ttl_ms
+        ttl_ms = ttl_to_ms(ttl)
+        if margin_ms(ttl_ms, self._margin) >= ttl_ms:
+            raise ValueError(f"a claim's TTL ({ttl!r} s) must be longer than the client's safety "
+                             f"margin ({self._margin!r} s)")
+        return ttl_ms
+
     def _claim_key(self, job: str) -> str:
         """The key for a claim of ``job``: the key of its last claim whose answer was lost,
         while a lease that claim may have won could still be held (asked again with it, the
@@ -496,7 +508,7 @@ class ClientCore:
         (seconds); the resource and slots are checked here, before anything is sent."""
         path = semaphore_claim_path(resource)
         check_slots(slots)
-        ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
+        ttl_ms = self._claim_ttl_ms(ttl)
         key = new_lease_key()
         body = self._claim_body(key, ttl_ms, lock_delay)
         body["slots"] = slots

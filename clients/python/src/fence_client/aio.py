@@ -28,8 +28,7 @@ from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF
                      LeaseCore, check_grant, claim_path, give_back, may_be_held,
                      semaphore_claim_path, slot_of, slot_retry_pause, take_grant,
                      waiting_claim_gap)
-from ._wire import (check_job, check_slots, encode_job, margin_ms, monotonic,
-                    ttl_to_ms)
+from ._wire import check_job, check_slots, encode_job, margin_ms, monotonic
 
 
 async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -218,6 +217,7 @@ class AsyncClient(ClientCore):
         """``await client.claim(job)`` or ``async with client.claim(job) as lease``; as
         :meth:`fence_client.Client.claim`."""
         check_job(job)
+        self._claim_ttl_ms(ttl)  # refused here, before anything is sent
         return _Claim(lambda: self._claim(job, wait, ttl, on_success, lock_delay))
 
     def claim_slot(self, resource: str, slots: int, *, wait: float = 0.0,
@@ -227,6 +227,7 @@ class AsyncClient(ClientCore):
         :meth:`fence_client.Client.claim_slot`."""
         semaphore_claim_path(resource)
         check_slots(slots)
+        self._claim_ttl_ms(ttl)
         return _Claim(lambda: self._claim_slot(resource, slots, wait, ttl, lock_delay))
 
     async def _claim_slot(self, resource: str, slots: int, wait: float, ttl: Optional[float],
@@ -253,7 +254,7 @@ class AsyncClient(ClientCore):
 
     async def _claim(self, job: str, wait: float, ttl: Optional[float],
                      on_success: str, lock_delay: Optional[float] = None) -> AsyncLease:
-        ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
+        ttl_ms = self._claim_ttl_ms(ttl)
         key = self._claim_key(job)
         body = self._claim_body(key, ttl_ms, lock_delay)
         budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000

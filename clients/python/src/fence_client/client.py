@@ -19,8 +19,7 @@ from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolEr
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
                      LeaseCore, check_grant, claim_path, give_back, may_be_held, slot_of,
                      slot_retry_pause, take_grant, waiting_claim_gap)
-from ._wire import (Timeout, bounded, check_job, encode_job, margin_ms, monotonic,
-                    ttl_to_ms)
+from ._wire import Timeout, bounded, check_job, encode_job, margin_ms, monotonic
 
 
 class Lease(LeaseCore):
@@ -161,11 +160,12 @@ class Client(ClientCore):
         Raises :class:`LeaseHeld` (still held when the wait ends; :class:`LockDelay`, one of
         them, while an expired lease's lock-delay runs), :class:`JobCompleted`,
         :class:`ServerUnreachable`, :class:`ProblemError` for other refusals, and
-        :class:`InvalidJobId` before sending anything. A 200 that does not follow the contract
+        :class:`InvalidJobId` (ValueError for a ``ttl`` no longer than the client's ``margin``)
+        before sending anything. A 200 that does not follow the contract
         raises :class:`ProtocolError`: its grant is given back when the answer names its
         generation, else its key is kept for the next claim as after a lost answer."""
         check_job(job)
-        ttl_ms = ttl_to_ms(ttl) if ttl is not None else self.ttl_ms
+        ttl_ms = self._claim_ttl_ms(ttl)
         key = self._claim_key(job)
         body = self._claim_body(key, ttl_ms, lock_delay)
         budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
