@@ -233,6 +233,9 @@ NAMELESS = {
     "generation true": with_("generation", True),
     "not JSON": lambda answer: '{"job": ',
     "not a JSON object": lambda answer: "[1]",
+    # Deeper than the interpreter's stack: json.loads raised RecursionError, which escaped the
+    # client (no ProtocolError, and the key was not kept).
+    "nested too deep": lambda answer: "[" * 100_000,
 }
 
 
@@ -307,6 +310,17 @@ def test_a_slot_grant_that_names_no_slot_or_generation_is_held_and_keeps_no_key(
         assert str(refused).endswith("the lease it may stand for is held until its TTL ends"), \
             (what, refused)
         assert f.requests("/release") == [], (what, make.__name__)
+
+
+def test_a_problem_nested_too_deep_is_a_problem_of_its_status():
+    # Before, json.loads raised RecursionError out of the call: a release refused so replaced
+    # the exception of the `with` block it ended (only FenceErrors are swallowed there).
+    from fence_client import ProblemError
+    from fence_client._errors import problem_error
+    for body in (b"[" * 100_000, b"[" * 100_000 + b"]" * 100_000, b'{"a":' * 100_000):
+        error = problem_error(409, {"Content-Type": "application/problem+json"}, body)
+        assert isinstance(error, ProblemError) and error.status == 409, error
+        assert error.type == "about:blank", error
 
 
 def test_a_renewal_answer_must_name_the_generation_as_a_number():

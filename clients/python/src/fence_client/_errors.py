@@ -176,7 +176,7 @@ def problem_error(status: int, headers: Mapping[str, str], body: bytes) -> Probl
     if "json" in content_type:
         try:
             problem = json.loads(body.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError):
+        except (UnicodeDecodeError, ValueError, RecursionError):  # nested too deep to decode
             problem = None
     if not isinstance(problem, dict) or not isinstance(problem.get("type"), str):
         text = body.decode("utf-8", "replace").strip()

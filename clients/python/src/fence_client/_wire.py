@@ -346,7 +346,8 @@ class Transport:
             raise ProtocolError(f"{where}: an answer larger than {MAX_ANSWER} bytes")
         try:
             answer = json.loads(payload.decode("utf-8"))
-        except (UnicodeDecodeError, ValueError) as e:
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            # RecursionError: nested deeper than the interpreter's stack (a megabyte of "[").
             raise ProtocolError(f"{where}: not JSON: {payload[:200]!r}") from e
         if not isinstance(answer, dict):
             raise ProtocolError(f"{where}: not a JSON object")
