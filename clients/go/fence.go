@@ -403,6 +403,9 @@ func (c *Client) leaseFrom(ctx context.Context, job, key string, ttlMs uint64, s
 	}
 	l := c.newLease(job, key, ttlMs, a)
 	if err == nil {
+		err = checkCheckpoint(job, raw)
+	}
+	if err == nil {
 		_, err = l.setGrant(sent, a, true)
 	}
 	if err != nil {
@@ -413,6 +416,24 @@ func (c *Client) leaseFrom(ctx context.Context, job, key string, ttlMs uint64, s
 		return nil, fmt.Errorf("%w (the grant of generation %d is given back)", err, a.Generation)
 	}
 	return c.startLease(ctx, l, sent)
+}
+
+// checkCheckpoint refuses a claim's answer whose checkpoint, when it has one, lacks its
+// generation or its data (as the Rust client; their types are checked as the answer decodes).
+func checkCheckpoint(job string, raw json.RawMessage) error {
+	var named struct {
+		Checkpoint *struct {
+			Generation *uint64 `json:"generation"`
+			Data       *string `json:"data"`
+		} `json:"checkpoint"`
+	}
+	if err := json.Unmarshal(raw, &named); err != nil {
+		return fmt.Errorf("%w: a claim of %s was answered %.200s: %v", ErrProtocol, job, raw, err)
+	}
+	if cp := named.Checkpoint; cp != nil && (cp.Generation == nil || cp.Data == nil) {
+		return fmt.Errorf("%w: a claim of %s was answered with a checkpoint without its generation or data", ErrProtocol, job)
+	}
+	return nil
 }
 
 // newLease is the lease of job granted by a, before its grant is taken.

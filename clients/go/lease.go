@@ -295,8 +295,10 @@ func (l *Lease) setGrant(sent time.Time, a leaseAnswer, first bool) (bool, error
 	if a.TTLMs == nil || a.ExpiresAtMs == nil {
 		return false, fmt.Errorf("%w: a lease answer without ttl_ms and expires_at_ms", ErrProtocol)
 	}
-	if *a.TTLMs == 0 {
-		return false, fmt.Errorf("%w: a lease answer with ttl_ms 0", ErrProtocol)
+	if *a.TTLMs < 100 || *a.TTLMs > 86_400_000 {
+		// Outside what a server grants (0.1 s to 24 h; 0 is malformed, not a grant too short to
+		// hold, and a huge one would overflow a time.Duration): as the Rust client.
+		return false, fmt.Errorf("%w: a lease answer with ttl_ms %d", ErrProtocol, *a.TTLMs)
 	}
 	token := strconv.FormatUint(l.generation, 10)
 	if a.Token != nil {

@@ -148,6 +148,25 @@ func TestAMalformedGrantThatNamesItsGenerationIsGivenBack(t *testing.T) {
 		{"ttl_ms 1.5", func(a map[string]any) string { return with(a, "ttl_ms", 1.5) }},
 		{"ttl_ms -5", func(a map[string]any) string { return with(a, "ttl_ms", -5) }},
 		{"a token of another generation", func(a map[string]any) string { return with(a, "token", "99.1.x") }},
+		// Outside what a server grants (0.1 s to 24 h), refused by the Rust client; taken
+		// before, 1e16 ms overflowing a time.Duration.
+		{"ttl_ms 99", func(a map[string]any) string { return with(a, "ttl_ms", 99) }},
+		{"ttl_ms 86400001", func(a map[string]any) string { return with(a, "ttl_ms", 86_400_001) }},
+		{"ttl_ms 1e16", func(a map[string]any) string { return with(a, "ttl_ms", uint64(1e16)) }},
+		// A checkpoint without its generation or data was handed to the worker as zero values.
+		{"checkpoint without data", func(a map[string]any) string {
+			return with(a, "checkpoint", map[string]any{"generation": 1})
+		}},
+		{"checkpoint without a generation", func(a map[string]any) string {
+			return with(a, "checkpoint", map[string]any{"data": "rows"})
+		}},
+		{"checkpoint generation null", func(a map[string]any) string {
+			return with(a, "checkpoint", map[string]any{"generation": nil, "data": "rows"})
+		}},
+		{"checkpoint text", func(a map[string]any) string { return with(a, "checkpoint", "rows 0-999") }},
+		{"checkpoint data 5", func(a map[string]any) string {
+			return with(a, "checkpoint", map[string]any{"generation": 1, "data": 5})
+		}},
 	}
 	for i, c := range cases {
 		job := "malformed-" + strconv.Itoa(i)

@@ -193,6 +193,18 @@ NAMED = {
     "ttl_ms true": with_("ttl_ms", True),
     "expires_at_ms -1": with_("expires_at_ms", -1),
     "a token of another generation": with_("token", "99.1.x"),
+    # Outside what a server grants (0.1 s to 24 h), and an expiry no u64 holds: refused by the
+    # Rust client, taken before.
+    "ttl_ms 99": with_("ttl_ms", 99),
+    "ttl_ms 86400001": with_("ttl_ms", 86_400_001),
+    "expires_at_ms 2**64": with_("expires_at_ms", 2**64),
+    # A checkpoint that is not {generation: u64, data: text} was handed to the worker as is.
+    "checkpoint text": with_("checkpoint", "rows 0-999"),
+    "checkpoint without data": with_("checkpoint", {"generation": 1}),
+    "checkpoint without a generation": with_("checkpoint", {"data": "rows"}),
+    "checkpoint data 5": with_("checkpoint", {"generation": 1, "data": 5}),
+    "checkpoint generation -1": with_("checkpoint", {"generation": -1, "data": "rows"}),
+    "checkpoint generation true": with_("checkpoint", {"generation": True, "data": "rows"}),
 }
 
 

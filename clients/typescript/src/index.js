@@ -11,7 +11,7 @@
 import { GrantTooShort, LeaseHeld, LeaseLost, ProblemError, ProtocolError, ServerUnreachable } from './errors.js';
 import { DEADLINE_PASSED, Lease } from './lease.js';
 import {
-  Transport, checkJob, checkResource, checkSlots, defaultOwner, encodeJob, marginOf, newLeaseKey, now,
+  Transport, checkJob, checkResource, checkSlots, checkpointOf, defaultOwner, encodeJob, marginOf, newLeaseKey, now,
 } from './wire.js';
 
 export * from './errors.js';
@@ -260,12 +260,12 @@ export class Client {
     }
     const lease = new Lease(this.#transport, job, this.owner, key, answer.generation, ttlMs, this.marginMs,
       this.progressWithinMs);
-    lease._resume(answer.checkpoint);
     if (slot !== undefined) lease._slotOf(slot.resource, slot.slot);
     try {
       lease._setGrant(sent, answer, true);
+      lease._resume(checkpointOf(job, answer));
     } catch (e) {
-      lease._giveBack(sent); // a token, ttl_ms or expires_at_ms that is not the contract's
+      lease._giveBack(sent); // a token, ttl_ms, expires_at_ms or checkpoint that is not the contract's
       if (!(e instanceof ProtocolError)) throw e;
       throw new ProtocolError(`${e.message} (the grant of generation ${answer.generation} is given back)`, { cause: e });
     }

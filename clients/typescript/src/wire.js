@@ -374,7 +374,28 @@ export function grantOf(job, generation, answer) {
   if (!Number.isInteger(answer.ttl_ms) || !Number.isInteger(answer.expires_at_ms)) {
     throw new ProtocolError(`a lease answer without ttl_ms and expires_at_ms: ${stringifyJson(answer).slice(0, 200)}`);
   }
-  if (answer.ttl_ms < 1) throw new ProtocolError(`a lease answer with ttl_ms ${answer.ttl_ms}`);
-  if (answer.expires_at_ms < 0) throw new ProtocolError(`a lease answer with expires_at_ms ${answer.expires_at_ms}`);
+  // A TTL outside what a server grants (0.1 s to 24 h; 0 is malformed, not a grant too short
+  // to hold), or an expiry no unsigned 64-bit integer holds: as the Rust client.
+  if (answer.ttl_ms < 100 || answer.ttl_ms > 86_400_000) throw new ProtocolError(`a lease answer with ttl_ms ${answer.ttl_ms}`);
+  if (answer.expires_at_ms < 0 || answer.expires_at_ms >= 2 ** 64) {
+    throw new ProtocolError(`a lease answer with expires_at_ms ${answer.expires_at_ms}`);
+  }
   return { token, ttlMs: answer.ttl_ms, expiresAtMs: answer.expires_at_ms };
+}
+
+/**
+ * The checkpoint of a claim's answer, `{generation, data}` (generation a bigint), or null when
+ * it has none; a ProtocolError when it is not an object with an unsigned 64-bit integer
+ * `generation` and a text `data` (as the Rust client).
+ * @param {string} job
+ * @param {any} answer
+ */
+export function checkpointOf(job, answer) {
+  const checkpoint = answer.checkpoint;
+  if (checkpoint === undefined || checkpoint === null) return null;
+  const { generation, data } = typeof checkpoint === 'object' ? checkpoint : {};
+  if (typeof generation !== 'bigint' || generation < 0n || generation >= 2n ** 64n || typeof data !== 'string') {
+    throw new ProtocolError(`a claim of ${job} was answered with checkpoint ${stringifyJson(checkpoint).slice(0, 200)}`);
+  }
+  return { generation, data };
 }

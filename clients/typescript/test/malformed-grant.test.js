@@ -77,6 +77,18 @@ const NAMED = {
   'ttl_ms 1.5': (a) => JSON.stringify({ ...a, ttl_ms: 1.5 }),
   'a token of another generation': (a) => JSON.stringify({ ...a, token: '99.1.x' }),
   'expires_at_ms -1': (a) => JSON.stringify({ ...a, expires_at_ms: -1 }),
+  // Outside what a server grants (0.1 s to 24 h), and an expiry no u64 holds: refused by the
+  // Rust client, taken before.
+  'ttl_ms 99': (a) => JSON.stringify({ ...a, ttl_ms: 99 }),
+  'ttl_ms 86400001': (a) => JSON.stringify({ ...a, ttl_ms: 86_400_001 }),
+  'expires_at_ms 2^64': (a) => JSON.stringify(a).replace(/"expires_at_ms":\d+/, '"expires_at_ms":18446744073709551616'),
+  // A checkpoint that is not {generation: u64, data: text} was handed to the worker as is.
+  'checkpoint text': (a) => JSON.stringify({ ...a, checkpoint: 'rows 0-999' }),
+  'checkpoint without data': (a) => JSON.stringify({ ...a, checkpoint: { generation: 1 } }),
+  'checkpoint without a generation': (a) => JSON.stringify({ ...a, checkpoint: { data: 'rows' } }),
+  'checkpoint data 5': (a) => JSON.stringify({ ...a, checkpoint: { generation: 1, data: 5 } }),
+  'checkpoint generation -1': (a) => JSON.stringify({ ...a, checkpoint: { generation: -1, data: 'rows' } }),
+  'checkpoint generation true': (a) => JSON.stringify({ ...a, checkpoint: { generation: true, data: 'rows' } }),
 };
 
 test('a malformed grant that names its generation is given back at once', async (t) => {

@@ -15,9 +15,9 @@ from typing import Any, Dict, Optional, Tuple
 
 from ._errors import (FenceError, GrantTooShort, JobCompleted, LeaseHeld, LeaseLost,
                       LeaseRefused, ProblemError, ProtocolError, ServerUnreachable)
-from ._wire import (PathLike, Transport, check_job, check_resource, check_slots, default_owner,
-                    encode_job, grant_token, idempotency_key, lock_delay_to_ms, margin_ms,
-                    monotonic, new_lease_key, ttl_to_ms, wait_param)
+from ._wire import (PathLike, Transport, check_job, check_resource, check_slots, checkpoint_of,
+                    default_owner, encode_job, grant_token, idempotency_key, lock_delay_to_ms,
+                    margin_ms, monotonic, new_lease_key, ttl_to_ms, wait_param)
 
 DEADLINE_PASSED = "the local deadline passed before a renewal succeeded"
 FINISHED = "the lease was released, completed or abandoned"
@@ -91,12 +91,13 @@ def granted_generation(job: str, answer: Dict[str, Any], kept: bool) -> int:
 
 
 def take_grant(lease: "LeaseCore", sent: float, answer: Dict[str, Any]) -> None:
-    """Takes the grant of a claim sent at ``sent``. A token, ttl_ms or expires_at_ms that is
-    not the contract's raises :class:`ProtocolError`, the grant given back: a release names a
-    lease by owner, generation and key, the generation the answer's and the others the
-    claim's."""
+    """Takes the grant of a claim sent at ``sent``, and its checkpoint. A token, ttl_ms,
+    expires_at_ms or checkpoint that is not the contract's raises :class:`ProtocolError`, the
+    grant given back: a release names a lease by owner, generation and key, the generation the
+    answer's and the others the claim's."""
     try:
         lease._set_grant(sent, answer, first=True)
+        lease._resumed = checkpoint_of(lease.job, answer)
     except ProtocolError as e:
         give_back(lease, sent)
         raise ProtocolError(f"{e} (the grant of generation {lease.generation} is given back)") from e

@@ -414,10 +414,29 @@ def grant_token(job: str, generation: int, answer: Dict[str, Any]) -> Tuple[str,
     ttl_ms, expires_at_ms = answer.get("ttl_ms"), answer.get("expires_at_ms")
     if not (_is_integer(ttl_ms) and _is_integer(expires_at_ms)):
         raise ProtocolError(f"a lease answer without ttl_ms and expires_at_ms: {answer!r}")
-    if ttl_ms < 1 or expires_at_ms < 0:
-        # A ttl_ms of 0 is malformed, not a grant too short to hold.
+    if not 100 <= ttl_ms <= 86_400_000 or not 0 <= expires_at_ms <= MAX_U64:
+        # A TTL outside what a server grants (0.1 s to 24 h; 0 is malformed, not a grant too
+        # short to hold), or an expiry no unsigned 64-bit integer holds: as the Rust client.
         raise ProtocolError(f"a lease answer with ttl_ms {ttl_ms} and expires_at_ms {expires_at_ms}")
     return token, ttl_ms, expires_at_ms
+
+
+#: The largest unsigned 64-bit integer: generations and expiries on the wire are such numbers.
+MAX_U64 = 2**64 - 1
+
+
+def checkpoint_of(job: str, answer: Dict[str, Any]) -> Optional[Dict[str, Any]]:
+    """The checkpoint of a claim's answer, ``{"generation", "data"}``, or None when it has
+    none; :class:`ProtocolError` when it is not an object with an unsigned 64-bit integer
+    ``generation`` and a text ``data`` (as the Rust client)."""
+    checkpoint = answer.get("checkpoint")
+    if checkpoint is None:
+        return None
+    generation = checkpoint.get("generation") if isinstance(checkpoint, dict) else None
+    data = checkpoint.get("data") if isinstance(checkpoint, dict) else None
+    if not (_is_integer(generation) and 0 <= generation <= MAX_U64 and isinstance(data, str)):
+        raise ProtocolError(f"a claim of {job} was answered with checkpoint {checkpoint!r:.200}")
+    return {"generation": generation, "data": data}
 
 
 def _is_integer(value: Any) -> bool:

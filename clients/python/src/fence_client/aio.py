@@ -299,7 +299,6 @@ class AsyncClient(ClientCore):
         generation = self._granted_generation(job, key, ttl_ms, answer, plain=slot is None)
         lease = AsyncLease(self._transport, job, self.owner, key, generation, ttl_ms,
                            self._margin, on_success, self.progress_within)
-        lease._resumed = answer.get("checkpoint")
         if slot is not None:
             lease.resource, lease.slot = slot
         take_grant(lease, sent, answer)
