@@ -17,13 +17,17 @@
 //! # let _ = layer;
 //! ```
 
+mod finish;
 mod run;
 
 use std::{fmt, sync::Arc, time::Duration};
 
 use http::StatusCode;
 
-pub(crate) use self::run::{Finishing, Keyed, StreamsOn, attempt_id};
+pub(crate) use self::{
+    finish::Finishing,
+    run::{Keyed, StreamsOn, attempt_id},
+};
 
 /// Which responses are stored for replay.
 pub type StatusFilter = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;

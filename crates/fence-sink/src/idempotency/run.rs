@@ -20,7 +20,10 @@ use http_body_util::BodyExt;
 use tokio::time::Instant;
 use tower_service::Service;
 
-use super::IdempotencyConfig;
+use super::{
+    IdempotencyConfig,
+    finish::{Finishing, OwnedAttempt, finish_again},
+};
 use crate::{
     OutcomeUnknown,
     body::{FenceBody, RequestBody, ResponseBody},
@@ -69,33 +72,6 @@ enum ReadFailure {
 
 type Answer<B> = Response<ResponseBody<B>>;
 
-/// An [`Attempt`] whose parts it owns.
-struct OwnedAttempt {
-    job: JobId,
-    key: IdempotencyKey,
-    fingerprint: Fingerprint,
-    id: u64,
-    generation: fence_core::Generation,
-}
-
-impl OwnedAttempt {
-    fn attempt(&self) -> Attempt<'_> {
-        Attempt {
-            job: &self.job,
-            key: &self.key,
-            fingerprint: &self.fingerprint,
-            id: self.id,
-            generation: self.generation,
-            // Only ever finished or forgotten, which takes nothing over.
-            settled_after: Duration::ZERO,
-        }
-    }
-}
-
-/// The first pause and the longest between retries of a record's completion that failed.
-const FINISH_RETRY_FIRST: Duration = Duration::from_millis(100);
-const FINISH_RETRY_MOST: Duration = Duration::from_secs(5);
-
 /// Put in the extensions of the answer to a call of whole messages (gRPC and its kin) that
 /// streams on unkept (too large to keep, or slower than the body deadline): the service may
 /// still be writing it, so the layer counts the request in flight until the answer ends, or
@@ -103,40 +79,6 @@ const FINISH_RETRY_MOST: Duration = Duration::from_secs(5);
 /// does for such a call without a key.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct StreamsOn(pub(crate) Instant);
-
-/// Tries `outcome` of `owned`'s record again, after [`FINISH_RETRY_FIRST`] doubling to
-/// [`FINISH_RETRY_MOST`], each try within `limit`, until one lands or `until` has passed.
-async fn finish_again<St: IdempotencyStore>(
-    store: &St,
-    owned: &OwnedAttempt,
-    outcome: Finish,
-    limit: Duration,
-    until: Instant,
-) {
-    let mut pause = FINISH_RETRY_FIRST;
-    while Instant::now() < until {
-        tokio::time::sleep(pause).await;
-        pause = (pause * 2).min(FINISH_RETRY_MOST);
-        let again = tokio::time::timeout(limit, store.finish(owned.attempt(), outcome.clone()));
-        if let Ok(Ok(())) = again.await {
-            return;
-        }
-    }
-}
-
-/// On an answer whose record could not be completed: the completion is retried in the
-/// background until it lands or the record's in-flight timeout passes, and the request stays
-/// in flight until then. Otherwise a newer token's request with the same key would take the
-/// record over and run the step again, although it ran.
-#[derive(Clone, Debug)]
-pub(crate) struct Finishing(tokio::sync::watch::Receiver<bool>);
-
-impl Finishing {
-    /// Returns once the completion landed or was given up.
-    pub(crate) async fn done(mut self) {
-        let _ = self.0.wait_for(|done| *done).await;
-    }
-}
 
 impl<St: IdempotencyStore> Keyed<'_, St> {
     /// Runs a request whose body [`read`](Self::read) has read once per (job, key): the
