@@ -42,6 +42,7 @@ pub use gate::{CacheStats, JobFence};
 pub use idempotency::IdempotencyConfig;
 pub use outcome::OutcomeUnknown;
 pub use refusals::PeerAddr;
+pub use reject::is_grpc;
 pub use store::{
     Attempt, Begin, DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, Fingerprint, Finish,
     GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, MemoryStore, Prior,

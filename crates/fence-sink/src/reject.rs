@@ -33,28 +33,38 @@ pub(crate) fn reject<B>(
 }
 
 /// Whether a request is a gRPC call (contract section 9): its content type starts with
-/// `application/grpc`. gRPC-Web (`application/grpc-web`) is not: its clients read HTTP
-/// statuses, and the proxy sends it over HTTP/1.1 like any request.
-pub(crate) fn is_grpc(headers: &http::HeaderMap) -> bool {
+/// `application/grpc`, in any case (a media type's name is case-insensitive, and servers
+/// lower-case it before they dispatch). gRPC-Web (`application/grpc-web`) is not: its clients
+/// read HTTP statuses, and the proxy sends it over HTTP/1.1 like any request.
+pub fn is_grpc(headers: &http::HeaderMap) -> bool {
+    content_type(headers).is_some_and(|t| {
+        starts_with_ignore_case(t, b"application/grpc")
+            && !starts_with_ignore_case(t, b"application/grpc-web")
+    })
+}
+
+fn content_type(headers: &http::HeaderMap) -> Option<&[u8]> {
     headers
         .get(http::header::CONTENT_TYPE)
         .map(HeaderValue::as_bytes)
-        .is_some_and(|t| {
-            t.starts_with(b"application/grpc") && !t.starts_with(b"application/grpc-web")
-        })
+}
+
+fn starts_with_ignore_case(value: &[u8], prefix: &[u8]) -> bool {
+    value
+        .get(..prefix.len())
+        .is_some_and(|start| start.eq_ignore_ascii_case(prefix))
 }
 
 /// Whether a request's body carries whole messages that a service may act on one by one as
 /// they arrive: gRPC (`application/grpc`, `application/grpc-web`) and Connect's streaming
 /// calls (`application/connect+proto`, `+json`). When such a stream fails midway, the service
-/// may be acting on the messages it got: the outcome is unknown.
+/// may be acting on the messages it got: the outcome is unknown. In any case, as
+/// [`is_grpc`].
 pub(crate) fn carries_messages(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .map(HeaderValue::as_bytes)
-        .is_some_and(|t| {
-            t.starts_with(b"application/grpc") || t.starts_with(b"application/connect+")
-        })
+    content_type(headers).is_some_and(|t| {
+        starts_with_ignore_case(t, b"application/grpc")
+            || starts_with_ignore_case(t, b"application/connect+")
+    })
 }
 
 /// A rejection answered the gRPC way (contract section 9): see [`Problem::to_grpc_head`].

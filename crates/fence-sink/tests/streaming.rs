@@ -242,12 +242,15 @@ async fn a_failed_grpc_stream_holds_its_job_for_the_hold() {
     );
 
     // Reset by its client after a message: held from the reset. The same for gRPC-Web and
-    // Connect's streaming calls, whose messages arrive whole too.
+    // Connect's streaming calls, whose messages arrive whole too; in any case (a media type's
+    // name is case-insensitive, and servers lower-case it).
     let mut token = 9;
     for kind in [
         "application/grpc",
         "application/grpc-web+proto",
         "application/connect+proto",
+        "Application/Connect+Proto",
+        "APPLICATION/GRPC-WEB",
     ] {
         let (messages, body) = mpsc::unbounded_channel();
         messages.send(Ok(Bytes::from("b"))).unwrap();

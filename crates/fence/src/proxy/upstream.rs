@@ -98,7 +98,8 @@ impl Upstream {
             .headers
             .insert(headers::X_FORWARDED_PROTO, self.proto.clone());
 
-        let grpc = is_grpc(&parts.headers);
+        // A gRPC call goes to the upstream over HTTP/2 (gRPC-Web, over HTTP/1.1, is not).
+        let grpc = fence_sink::is_grpc(&parts.headers);
         if grpc && let Err(e) = self.as_h2(&mut parts) {
             self.outcomes.bad_target.record(started);
             return problem(Problem::new(
@@ -220,17 +221,6 @@ fn grpc_problem(response: Response<UpstreamBody>) -> Response<UpstreamBody> {
     };
     problem.to_grpc_head(&mut head.status, &mut head.headers);
     Response::from_parts(head, Either::Right(Full::new(Bytes::new())))
-}
-
-/// Whether a request is a gRPC call, to go to the upstream over HTTP/2 (gRPC-Web, which
-/// works over HTTP/1.1, is not).
-fn is_grpc(headers: &http::HeaderMap) -> bool {
-    headers
-        .get(http::header::CONTENT_TYPE)
-        .map(http::HeaderValue::as_bytes)
-        .is_some_and(|t| {
-            t.starts_with(b"application/grpc") && !t.starts_with(b"application/grpc-web")
-        })
 }
 
 impl Upstream {
