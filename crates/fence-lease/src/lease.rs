@@ -514,10 +514,12 @@ async fn keep<S: LeaseStore>(
             continue; // woken for progress that came meanwhile: not time to renew yet
         }
         let t_send = Instant::now();
-        // Each attempt has its own time, a renewal interval at most: a black-holed
-        // connection is abandoned and asked again (a renewal is safe to repeat; another
-        // connection, or server, gets its chance) rather than left to take the whole window.
-        let attempt_end = deadline.min(t_send + timing.renew_every(granted));
+        // Each attempt has its own time: a black-holed connection is abandoned and asked
+        // again (a renewal is safe to repeat; another server gets its chance). A renewal
+        // interval, or half the time left when longer: a store slower than a short interval
+        // still gets its answers in, not each attempt cut and sent again.
+        let left = deadline.saturating_duration_since(t_send);
+        let attempt_end = deadline.min(t_send + timing.renew_every(granted).max(left / 2));
         let renewal = tokio::select! {
             () = shared.lost.cancelled() => return,
             r = tokio::time::timeout_at(attempt_end, store.renew(job, owner, generation, key, timing.ttl)) => r,

@@ -323,6 +323,23 @@ async fn a_hung_renewal_is_abandoned_and_asked_again() {
     lease.release().await.unwrap();
 }
 
+/// A store slower than a renewal interval tuned short (renewals every 100 ms, answers in
+/// 250 ms) still renews: each attempt may take half the time left, not only the interval
+/// (cut at the interval and sent again, no renewal ever landed and the lease was lost).
+#[tokio::test(start_paused = true)]
+async fn a_store_slower_than_a_short_renewal_interval_still_renews() {
+    let store = Stallable::new(Arc::new(TokioClock::new(0, 0)), Duration::from_millis(250));
+    let lease = LeaseClient::new(store.clone())
+        .ttl(Ttl::from_millis(3_000).unwrap())
+        .renew_every(Duration::from_millis(100))
+        .claim(job())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(!lease.is_lost(), "{:?}", lease.loss_reason());
+    lease.release().await.unwrap();
+}
+
 /// A grant the store cut short (1 s for 60 s asked) that came at once is not renewed at
 /// once: only a claim that waited long is.
 #[tokio::test(start_paused = true)]
