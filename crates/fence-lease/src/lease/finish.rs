@@ -47,8 +47,10 @@ const RETRY_PAUSES: (Duration, Duration) = (Duration::from_millis(100), Duration
 /// (`fence run` at the end of a job) is not kept for hours by a long lease.
 const RETRY_WINDOW: Duration = Duration::from_secs(60);
 
-/// How long an attempt sent when the store could already have ended the lease (a lease lost
-/// long ago, then completed) may take: it is still sent, once, and may still be taken.
+/// The least time an attempt is given: one sent when the store could already have ended the
+/// lease (a lease lost long ago, then completed) is still sent, once, and may still be taken;
+/// and one sent a few milliseconds before the window ends is not cut at once (it would be
+/// reported failed although it most likely landed).
 const LATE_ATTEMPT: Duration = Duration::from_secs(10);
 
 impl<S: LeaseStore> Lease<S> {
@@ -61,7 +63,8 @@ impl<S: LeaseStore> Lease<S> {
     /// A store that fails (unreachable, timing out, unavailable) is asked again until it
     /// could end the lease on its own (the lease's earliest expiry at the store), for a
     /// minute at most; an attempt still unanswered then (a store that hangs) is abandoned,
-    /// its outcome unknown. Sent even when the lease is already lost here (past its local
+    /// its outcome unknown (each attempt has 10 s at least, so one sent at the window's
+    /// end may run that much past it). Sent even when the lease is already lost here (past its local
     /// deadline, say): the store takes it only while this owner, generation and key still
     /// hold the job, that is, when nobody claimed it since. A caller that must not complete
     /// a job whose lease it lost checks [`LeaseView::is_lost`] first (`fence run` does).
@@ -106,11 +109,7 @@ impl<S: LeaseStore> Lease<S> {
             // Each attempt ends by `until` too: a store that hangs (a black-holed connection)
             // does not keep the caller past it. Its outcome is then unknown.
             let now = Instant::now();
-            let attempt_until = if until > now {
-                until
-            } else {
-                now + LATE_ATTEMPT
-            };
+            let attempt_until = until.max(now + LATE_ATTEMPT);
             let attempt = async {
                 if complete {
                     self.store.complete(job, owner, generation, key).await
