@@ -120,7 +120,8 @@ impl<S> Layer<S> for FencingLayer {
 /// one already written may have reached the destination, so its outcome is unknown. What
 /// has left the process is out of the lease's reach, which is why the destination must check
 /// the token too (the worked example's delayed write shows it refused there). An answer
-/// whose head came is the caller's, body and all. A request body is ended at the loss only
+/// whose head came is the caller's, body and all; one whose head arrived but was not yet
+/// taken when the loss was seen counts as cut, its outcome unknown. A request body is ended at the loss only
 /// when it is wrapped with [`LeaseView::fence_body`] (frames it handed over before may still
 /// go out): without it, what becomes of a body still streaming when the request is cut is
 /// the inner client's (hyper's HTTP/1 client closes the connection), and after the answer's
