@@ -143,13 +143,15 @@ pub struct ProxyArgs {
     /// pass while the upstream may still act on it. Default: --upstream-timeout.
     #[arg(long, allow_hyphen_values = true, value_parser = parse_duration, env = "FENCE_UNKNOWN_OUTCOME_HOLD")]
     pub unknown_outcome_hold: Option<Duration>,
-    /// The upstream's own answers that leave its outcome unknown, as the proxy's 502 and 504
-    /// do: comma-separated 5xx statuses, or `none`. The default fits a gateway in front of
-    /// the service (nginx, envoy, a load balancer), whose 504 or 502 comes while the service
-    /// may still be acting; such an answer holds its job for --unknown-outcome-hold and keeps
-    /// its Idempotency-Key record in flight, so neither a newer token nor a retry runs beside
-    /// it. A gRPC call counts by its HTTP status only.
-    #[arg(long, value_name = "STATUSES", default_value = "502,504", value_parser = parse_unknown_statuses, env = "FENCE_UNKNOWN_OUTCOME_STATUS")]
+    /// The upstream's own answers that leave its outcome unknown, as the proxy's 504 does:
+    /// comma-separated 5xx statuses, or `none`. The default fits a gateway in front of the
+    /// service (nginx, envoy, a load balancer), whose 504 comes while the service may still be
+    /// acting; such an answer holds its job for --unknown-outcome-hold and keeps its
+    /// Idempotency-Key record in flight, so neither a newer token nor a retry runs beside it.
+    /// Add 502 when the gateway's 502 may come after the service began (a reset mid-request):
+    /// most come when it could not reach the service at all. A gRPC call counts by its HTTP
+    /// status only.
+    #[arg(long, value_name = "STATUSES", default_value = "504", value_parser = parse_unknown_statuses, env = "FENCE_UNKNOWN_OUTCOME_STATUS")]
     pub unknown_outcome_status: UnknownStatuses,
     /// The most bytes of bodies held in memory at once (buffered idempotent requests,
     /// responses captured for replay, replays); past it: 503 overloaded with Retry-After.

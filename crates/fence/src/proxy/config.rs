@@ -37,9 +37,9 @@ pub struct ProxyConfig {
     /// How long a request of unknown outcome still counts as in flight (default 60 s, the
     /// upstream timeout's default).
     pub unknown_outcome_hold: Duration,
-    /// The upstream's own answers whose outcome is unknown, as the proxy's 502 and 504 are
-    /// (default 502 and 504: a gateway's, in front of the service, come while it may still
-    /// act); they hold their job for `unknown_outcome_hold`.
+    /// The upstream's own answers whose outcome is unknown, as the proxy's 504 is (default
+    /// 504: a gateway's, in front of the service, comes while it may still act); they hold
+    /// their job for `unknown_outcome_hold`.
     pub unknown_outcome_statuses: Vec<http::StatusCode>,
     /// The most bytes of bodies the fence holds at once (default 256 MiB).
     pub max_buffered_bytes: usize,
@@ -95,10 +95,7 @@ impl ProxyConfig {
             upstream_timeout: Duration::from_secs(60),
             body_timeout: Duration::from_secs(30),
             unknown_outcome_hold: Duration::from_secs(60),
-            unknown_outcome_statuses: vec![
-                http::StatusCode::BAD_GATEWAY,
-                http::StatusCode::GATEWAY_TIMEOUT,
-            ],
+            unknown_outcome_statuses: vec![http::StatusCode::GATEWAY_TIMEOUT],
             max_buffered_bytes: 256 << 20,
             clock_skew: Duration::from_secs(5),
             forget_after: None,
