@@ -420,6 +420,11 @@ async fn accepted_request_reaches_upstream_with_forwarding_headers_and_no_hop_by
         .header("expect", "100-continue")
         .header("x-forwarded-for", "203.0.113.9")
         .header("via", "1.1 edge")
+        // Underscore spellings that a CGI-style upstream reads as the fencing headers.
+        .header("x_fencing_token", "99")
+        .header("X_Fencing_Job", "another-job")
+        .header("x_forwarded_for", "198.51.100.1")
+        .header("x_other_thing", "kept")
         .body(full("hello"))
         .unwrap();
     let answer = send(proxy.addr, req).await;
@@ -475,6 +480,9 @@ async fn accepted_request_reaches_upstream_with_forwarding_headers_and_no_hop_by
         "trailer",
         "upgrade",
         "expect",
+        "x_fencing_token",
+        "x_fencing_job",
+        "x_forwarded_for",
     ] {
         assert!(h.get(gone).is_none(), "{gone} reached the upstream");
     }

@@ -59,6 +59,7 @@ pub(super) fn to_upstream(
             .and_then(|a| HeaderValue::from_str(a.as_str()).ok())
     });
     strip_hop_by_hop(&mut parts.headers, true);
+    strip_lookalikes(&mut parts.headers);
     // The client's `Expect: 100-continue` was answered here (hyper sends the 100 when the
     // body is first read) and the upstream gets the body without waiting: passed on, it
     // would only invite an upstream that waits for its own 100 to read the body otherwise
@@ -113,6 +114,47 @@ pub(super) fn strip_hop_by_hop(headers: &mut HeaderMap, request: bool) {
         }
     }
     for name in HOP_BY_HOP {
+        headers.remove(name);
+    }
+}
+
+/// The headers the fence judges or the proxy sets, whose underscore spellings a CGI-style
+/// upstream (WSGI, Rack, PHP: `HTTP_X_FENCING_TOKEN`) merges with the real ones.
+const JUDGED_OR_SET: [HeaderName; 7] = [
+    X_FENCING_JOB,
+    X_FENCING_TOKEN,
+    IDEMPOTENCY_KEY,
+    X_FORWARDED_FOR,
+    X_FORWARDED_HOST,
+    X_FORWARDED_PROTO,
+    http::header::FORWARDED,
+];
+
+/// Removes the underscore spellings of the headers the fence judges or the proxy sets
+/// (`X_Fencing_Token`): a CGI-style upstream reads both spellings as one, so one the fence
+/// never judged could stand in for, or be joined to, the token it accepted (nginx drops
+/// every header with an underscore by default).
+fn strip_lookalikes(headers: &mut HeaderMap) {
+    if !headers.keys().any(|name| name.as_str().contains('_')) {
+        return;
+    }
+    let lookalikes: Vec<HeaderName> = headers
+        .keys()
+        .filter(|name| {
+            let name = name.as_str();
+            name.contains('_')
+                && JUDGED_OR_SET.iter().any(|judged| {
+                    judged.as_str().len() == name.len()
+                        && judged
+                            .as_str()
+                            .bytes()
+                            .zip(name.bytes())
+                            .all(|(j, n)| j == n || (j == b'-' && n == b'_'))
+                })
+        })
+        .cloned()
+        .collect();
+    for name in lookalikes {
         headers.remove(name);
     }
 }
