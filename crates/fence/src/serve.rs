@@ -20,8 +20,21 @@ use crate::{
     server::ServerOptions,
 };
 
-/// Resolves on SIGINT or SIGTERM.
+/// Resolves on SIGINT or SIGTERM; from then on, a second one exits at once (130).
 pub async fn shutdown_signal() {
+    stop_signal().await;
+    tracing::info!("shutting down: finishing in-flight requests (a second signal stops at once)");
+    // An operator who will not wait for the grace: what was answered is on disk already
+    // (the stores commit before they answer), so stopping now is a crash they asked for.
+    tokio::spawn(async {
+        stop_signal().await;
+        tracing::warn!("a second signal: stopping at once, open requests cut");
+        std::process::exit(130);
+    });
+}
+
+/// Resolves on SIGINT or SIGTERM.
+async fn stop_signal() {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {
@@ -34,7 +47,6 @@ pub async fn shutdown_signal() {
         _ = tokio::signal::ctrl_c() => {},
         () = term => {},
     }
-    tracing::info!("shutting down: finishing in-flight requests");
 }
 
 /// Handles SIGHUP from here on: reloads `auth` when there is one (`flag` names its file),
@@ -138,6 +150,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     let handle = crate::telemetry::install()?;
     let tcp = bind(a.listen, "--listen").await?;
     let store = backend.lease_store().await?;
+    let (stop, stopping) = tokio::sync::watch::channel(false);
     let options = ServerOptions {
         metrics: Some(handle),
         auth,
@@ -150,6 +163,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
             per_client: a.max_waiting_claims_per_client as usize,
             longest: a.max_claim_wait,
         },
+        stopping: Some(stopping),
     };
     let _forgetting = a
         .forget_after
@@ -172,10 +186,11 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
                 listener,
                 SigningLeaseStore::new(store.clone(), signer),
                 options,
+                stop,
             )
             .await
         }
-        None => serve_leases(listener, store.clone(), options).await,
+        None => serve_leases(listener, store.clone(), options, stop).await,
     }
     final_flush(move || store.flush()).await?;
     tracing::info!("fence server stopped");
@@ -223,10 +238,20 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Serves the lease API over `store` until SIGINT or SIGTERM.
-async fn serve_leases<S: LeaseStore>(listener: Listener, store: S, options: ServerOptions) {
+/// Serves the lease API over `store` until SIGINT or SIGTERM; says so on `stop` first, for
+/// the waiting claims to be answered.
+async fn serve_leases<S: LeaseStore>(
+    listener: Listener,
+    store: S,
+    options: ServerOptions,
+    stop: tokio::sync::watch::Sender<bool>,
+) {
     let router = crate::server::router(Arc::new(store), options);
-    crate::listen::serve(listener, shutdown_signal(), move |peer| {
+    let shutdown = async move {
+        shutdown_signal().await;
+        stop.send_replace(true);
+    };
+    crate::listen::serve(listener, shutdown, move |peer, _| {
         // The peer goes into each request, for the refusal log.
         let with_peer = tower::ServiceBuilder::new()
             .map_request(move |mut req: http::Request<hyper::body::Incoming>| {

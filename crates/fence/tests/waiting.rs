@@ -229,6 +229,28 @@ fn server() -> (tempfile::TempDir, Proc, String, String) {
     (dir, server, url, addr)
 }
 
+/// A server that is told to stop answers its waiting claims at once (409, the job still
+/// held) and exits 0, rather than holding the stop for their whole wait and then closing
+/// their connections unanswered.
+#[test]
+fn a_stopping_server_answers_its_waiting_claims_and_exits() {
+    let (_dir, mut server, _url, addr) = server_with_a_holding("j");
+    let b = wait_in_line(&addr, "j", "b");
+    waiting_claims(&addr, 1);
+    let stopped = Instant::now();
+    signal(&server, "-TERM");
+    let (status, body) = b.join().unwrap();
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(body["type"], "urn:fence:lease-held", "{body}");
+    let exited = server.0.wait().unwrap();
+    assert!(exited.success(), "{exited:?}");
+    assert!(
+        stopped.elapsed() < Duration::from_secs(5),
+        "the stop took {:?} (the waiting claim asked for 10 s)",
+        stopped.elapsed()
+    );
+}
+
 /// Waiting claims are bounded: past `--max-waiting-claims` a claim that would wait is 429
 /// `too-many-waiters` with `Retry-After`, at once, and a place is free again once a waiter
 /// is answered (issue 31).

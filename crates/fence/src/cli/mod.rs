@@ -82,6 +82,11 @@ pub enum Cmd {
     /// Anyone who can reach an open lease server can complete other workers' jobs: on any
     /// address but loopback, give --auth-file (and --tls-cert/--tls-key), or say
     /// --insecure-no-auth.
+    ///
+    /// SIGINT or SIGTERM stops it: claims waiting then are answered at once (409 with the job
+    /// still held, or the lease if it just came free), open requests get up to 30 s, and it
+    /// exits 0; a second signal stops it at once, exit 130 (every answer given was on disk
+    /// first).
     Server(ServerArgs),
     /// A fencing reverse proxy in front of any HTTP service.
     ///
@@ -90,6 +95,9 @@ pub enum Cmd {
     /// for the job gets 409 and never reaches the upstream. Duplicate Idempotency-Keys are
     /// replayed. GET /metrics and GET /healthz answer on --admin-listen (127.0.0.1:7801 by
     /// default: a second proxy on one host needs another).
+    ///
+    /// SIGINT or SIGTERM stops it: open requests get up to 30 s, and it exits 0; a second
+    /// signal stops it at once, exit 130 (after a restart, what it passed on is waited for).
     Proxy(Box<ProxyArgs>),
     /// Claim a job, run a command under the lease, stop it the moment the lease is lost.
     ///

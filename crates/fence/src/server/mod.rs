@@ -56,6 +56,10 @@ pub struct ServerOptions {
     pub max_checkpoint_bytes: Option<usize>,
     /// How many claims may wait (`claim?wait=`) at once, in all and per client.
     pub waiting: WaitLimits,
+    /// Turns true when the server begins to stop: claims waiting then are answered at once
+    /// (409 `lease-held` with the job still held, or the lease if it just came free), so a
+    /// stop does not wait out their waits, and none waits from then on.
+    pub stopping: Option<tokio::sync::watch::Receiver<bool>>,
 }
 
 struct AppState<S> {
@@ -77,7 +81,7 @@ async fn openapi() -> impl axum::response::IntoResponse {
 
 /// The lease API router over `store`.
 pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
-    let waiters = wait::Waiters::new(options.waiting);
+    let waiters = wait::Waiters::new(options.waiting, options.stopping.clone());
     // Fed once the store says it hears other servers (its first `Missed`), not before.
     let changes = store.changes();
     let state = Arc::new(AppState {

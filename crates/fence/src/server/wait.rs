@@ -93,6 +93,19 @@ pub(super) struct Waiters {
     clients: DashMap<String, usize>,
     /// Whether what other servers let go wakes the waiters ([`Waiters::set_fed`]).
     fed: std::sync::atomic::AtomicBool,
+    /// True once the server stops: no claim waits any more (`ServerOptions::stopping`).
+    stopping: Option<tokio::sync::watch::Receiver<bool>>,
+}
+
+/// Resolves once `stopping` turns true; never without one (or once its sender is gone
+/// without saying so).
+async fn stopped(stopping: Option<&tokio::sync::watch::Receiver<bool>>) {
+    if let Some(mut stopping) = stopping.cloned()
+        && stopping.wait_for(|stop| *stop).await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
 }
 
 /// A client's place among the waiting claims, given back when the claim is answered or goes.
@@ -131,12 +144,20 @@ impl Drop for Waiting<'_> {
 }
 
 impl Waiters {
-    /// Waiters bounded by `limits`.
-    pub(super) fn new(limits: WaitLimits) -> Self {
+    /// Waiters bounded by `limits`, answered at once when `stopping` turns true.
+    pub(super) fn new(
+        limits: WaitLimits,
+        stopping: Option<tokio::sync::watch::Receiver<bool>>,
+    ) -> Self {
         Self {
             limits,
+            stopping,
             ..Self::default()
         }
+    }
+
+    fn is_stopping(&self) -> bool {
+        self.stopping.as_ref().is_some_and(|s| *s.borrow())
     }
 
     /// A place for one more waiting claim of `client`, unless that would pass a limit.
@@ -199,7 +220,8 @@ impl Waiters {
     ) -> Result<Result<Outcome, TooMany>, StoreError> {
         let deadline = Instant::now() + wait;
         let first = store.apply(job, op.clone()).await?;
-        if !matches!(first, Outcome::Held { .. }) {
+        // A stopping server holds no claim: it answers with the job still held.
+        if !matches!(first, Outcome::Held { .. }) || self.is_stopping() {
             return Ok(Ok(first));
         }
         // Only a claim that must wait takes a place.
@@ -253,7 +275,11 @@ impl Waiters {
         deadline: Instant,
     ) -> Result<Outcome, StoreError> {
         // Behind earlier waiters; when the wait ends in the queue, one last try decides.
-        let Ok(Ok(_head)) = tokio::time::timeout_at(deadline, queue.head.acquire()).await else {
+        let head = tokio::select! {
+            head = tokio::time::timeout_at(deadline, queue.head.acquire()) => head,
+            () = stopped(self.stopping.as_ref()) => return store.apply(job, op).await,
+        };
+        let Ok(Ok(_head)) = head else {
             return store.apply(job, op).await;
         };
         loop {
@@ -275,6 +301,8 @@ impl Waiters {
             tokio::select! {
                 () = tokio::time::sleep_until(next) => {}
                 () = &mut woken => {}
+                // The server stops: the answer is the job still held.
+                () = stopped(self.stopping.as_ref()) => return Ok(outcome),
             }
         }
     }
@@ -351,7 +379,7 @@ mod tests {
             });
             let job: JobId = "busy".parse().unwrap();
             store.apply(&job, claim("holder")).await.unwrap();
-            let waiters = Arc::new(Waiters::new(WaitLimits::default()));
+            let waiters = Arc::new(Waiters::new(WaitLimits::default(), None));
             let tasks: Vec<_> = (0..10)
                 .map(|i| {
                     let (store, waiters, job) = (store.clone(), waiters.clone(), job.clone());
@@ -400,7 +428,7 @@ mod tests {
         for job in &jobs {
             store.apply(job, claim("holder")).await.unwrap();
         }
-        let waiters = Arc::new(Waiters::new(WaitLimits::default()));
+        let waiters = Arc::new(Waiters::new(WaitLimits::default(), None));
         let tasks: Vec<_> = jobs
             .iter()
             .map(|job| {
@@ -420,5 +448,49 @@ mod tests {
         // and the looks over 9 s: 100 a second would be 900 (4 a second per job: 36,000).
         let calls = store.calls.load(Relaxed) - 1_000 - 3 * 1_000;
         assert!(calls <= 1_200, "{calls} looks in 9 s");
+    }
+
+    /// A server that begins to stop answers its waiting claims at once, the job still held
+    /// (the head of the queue and those behind it), and takes no new one to wait: a stop
+    /// does not wait out a minute-long claim, nor leave its client without an answer.
+    #[tokio::test(start_paused = true)]
+    async fn a_stopping_server_answers_its_waiting_claims_at_once() {
+        let store = Arc::new(MemoryLeaseStore::with_clock(Arc::new(TokioClock::new(
+            0, 0,
+        ))));
+        let job: JobId = "busy".parse().unwrap();
+        store.apply(&job, claim("holder")).await.unwrap();
+        let (stop, stopping) = tokio::sync::watch::channel(false);
+        let waiters = Arc::new(Waiters::new(WaitLimits::default(), Some(stopping)));
+        let started = Instant::now();
+        let tasks: Vec<_> = (0..3)
+            .map(|i| {
+                let (store, waiters, job) = (store.clone(), waiters.clone(), job.clone());
+                tokio::spawn(async move {
+                    let wait = (Duration::from_secs(9), "c");
+                    waiters
+                        .claim(&*store, &job, claim(&format!("w{i}")), wait)
+                        .await
+                })
+            })
+            .collect();
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        stop.send_replace(true);
+        for t in tasks {
+            let outcome = t.await.unwrap().unwrap().unwrap();
+            assert!(matches!(outcome, Outcome::Held { .. }), "{outcome:?}");
+        }
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "{:?}",
+            started.elapsed()
+        );
+        let late = waiters.claim(&*store, &job, claim("late"), (Duration::from_secs(9), "c"));
+        let outcome = late.await.unwrap().unwrap();
+        assert!(matches!(outcome, Outcome::Held { .. }), "{outcome:?}");
+        assert!(
+            started.elapsed() < Duration::from_secs(2),
+            "a new claim waited"
+        );
     }
 }
