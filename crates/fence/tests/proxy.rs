@@ -486,6 +486,7 @@ async fn accepted_request_reaches_upstream_with_forwarding_headers_and_no_hop_by
     ] {
         assert!(h.get(gone).is_none(), "{gone} reached the upstream");
     }
+    assert_eq!(h.get("x_other_thing").unwrap(), "kept");
     if let Some(c) = h.get("connection") {
         assert!(!c.to_str().unwrap().contains("x-drop-me"));
     }
@@ -880,6 +881,59 @@ async fn a_disconnected_client_does_not_let_a_newer_token_overtake() {
     proxy.shutdown().await;
 }
 
+/// A request that goes on upstream after its client left still counts against
+/// --max-connections: clients that send and hang up at once cannot open more upstream
+/// connections (file descriptors) than the cap.
+#[tokio::test]
+async fn requests_whose_clients_left_still_count_against_the_cap() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = Upstream::start().await;
+    let mut cfg = config(upstream.url());
+    cfg.limits.max_connections = 4;
+    cfg.limits.max_connections_per_peer = 100;
+    let proxy = Proxy::start(MemoryStore::new(), cfg).await;
+    let send = || async {
+        let mut client = TcpStream::connect(proxy.addr).await.unwrap();
+        client
+            .write_all(
+                b"POST /slow HTTP/1.1\r\nHost: client.example\r\nX-Fencing-Job: job-left\r\n\
+                  X-Fencing-Token: 1\r\nContent-Length: 0\r\n\r\n",
+            )
+            .await
+            .unwrap();
+        client
+    };
+    // Four fill the cap; each client leaves once its request is upstream (the proxy closing
+    // its side too shows it has seen that), and the request goes on there.
+    for n in 1..=4 {
+        let mut client = send().await;
+        upstream.wait_for_events(n, "the first four").await;
+        client.shutdown().await.unwrap();
+        let mut rest = Vec::new();
+        timeout(WAIT, client.read_to_end(&mut rest))
+            .await
+            .expect("the proxy closes a connection whose client went away")
+            .unwrap();
+    }
+    // Four more connect and send: none may reach the upstream while the four run there.
+    let mut waiting = Vec::new();
+    for _ in 0..4 {
+        waiting.push(send().await);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        upstream.event_names(),
+        ["start 1"; 4],
+        "more requests reached the upstream at once than the cap of 4"
+    );
+    // Once those end, the others waiting for a seat go on.
+    upstream.release.send_replace(true);
+    upstream
+        .wait_for_events(9, "a request that waited for a seat")
+        .await;
+    proxy.shutdown().await;
+}
+
 #[tokio::test]
 async fn shutdown_stops_accepting_and_finishes_in_flight_requests() {
     let upstream = Upstream::start().await;
@@ -962,6 +1016,37 @@ async fn raw(addr: SocketAddr, request: &[u8]) -> String {
         .await
         .expect("the proxy answers and closes");
     String::from_utf8_lossy(&out).into_owned()
+}
+
+/// A request head larger than 64 KiB is answered 431, not buffered (hyper's default let a
+/// connection hold some 400 KiB of a trickled head).
+#[tokio::test]
+async fn a_huge_request_head_gets_431() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    // Twenty headers of 10 KB: within hyper's count of headers (100) and its own default
+    // buffer (some 400 KiB), past 64 KiB.
+    let mut request = b"GET /r HTTP/1.1\r\nHost: x\r\n".to_vec();
+    for i in 0..20 {
+        request.extend_from_slice(format!("X-Big-{i}: {}\r\n", "a".repeat(10_000)).as_bytes());
+    }
+    request.extend_from_slice(b"\r\n");
+    let mut stream = TcpStream::connect(proxy.addr).await.unwrap();
+    // The proxy may answer and close before it has read all of it: a failed write, or a
+    // reset that loses the answer, is no failure here; passing the request on would be.
+    let _ = stream.write_all(&request).await;
+    let mut out = Vec::new();
+    let _ = timeout(WAIT, stream.read_to_end(&mut out))
+        .await
+        .expect("the proxy answers and closes");
+    let answer = String::from_utf8_lossy(&out);
+    assert!(
+        answer.is_empty() || answer.starts_with("HTTP/1.1 431"),
+        "{answer}"
+    );
+    assert!(upstream.seen().is_empty(), "a 200 KB head was passed on");
+    proxy.shutdown().await;
 }
 
 #[tokio::test]

@@ -32,8 +32,8 @@ mod slots;
 use lobby::{LOBBY, Lobby, Waiting};
 use marked::Marked;
 use progress::Progress;
-pub use slots::Slots;
-use slots::{Seat, Tracked};
+use slots::Tracked;
+pub use slots::{SeatHold, Slots};
 
 use std::{
     future::Future,
@@ -182,15 +182,17 @@ pub trait ConnBody: Body<Data: Send, Error: Into<BoxError>> + Send + 'static {}
 impl<B> ConnBody for B where B: Body<Data: Send, Error: Into<BoxError>> + Send + 'static {}
 
 /// Accepts connections until `shutdown` resolves, serving each with the service `make`
-/// builds for its peer; then asks every connection to finish gracefully and waits for them
-/// up to [`SHUTDOWN_GRACE`]. Returns the grace deadline, for other waits to share.
+/// builds for its peer and its share in the connection's slot (kept by what outlives the
+/// connection, to keep counting against the cap); then asks every connection to finish
+/// gracefully and waits for them up to [`SHUTDOWN_GRACE`]. Returns the grace deadline, for
+/// other waits to share.
 pub async fn serve<M, S, B>(
     listener: Listener,
     shutdown: impl Future<Output = ()> + Send + 'static,
     mut make: M,
 ) -> Instant
 where
-    M: FnMut(SocketAddr) -> S,
+    M: FnMut(SocketAddr, SeatHold) -> S,
     S: ConnService<B>,
     B: ConnBody,
 {
@@ -219,7 +221,8 @@ where
             match slots.permits().clone().try_acquire_owned() {
                 Ok(permit) => {
                     if let Some((conn, peer)) = door.seat_next(&mut lobby, permit) {
-                        connections.spawn(conn.serve(make(peer)));
+                        let hold = conn.seat.clone();
+                        connections.spawn(conn.serve(make(peer, hold)));
                     }
                 }
                 Err(tokio::sync::TryAcquireError::Closed) => break 'serving,
@@ -255,7 +258,8 @@ where
             permit = slots.permits().clone().acquire_owned(), if !lobby.is_empty() => {
                 let Ok(permit) = permit else { break };
                 if let Some((conn, peer)) = door.seat_next(&mut lobby, permit) {
-                    connections.spawn(conn.serve(make(peer)));
+                    let hold = conn.seat.clone();
+                        connections.spawn(conn.serve(make(peer, hold)));
                 }
             }
             () = tokio::time::sleep_until(expiry.unwrap_or_else(Instant::now)), if expiry.is_some() => {
@@ -315,7 +319,7 @@ impl Door {
             tls: self.tls.clone(),
             limits: self.limits,
             stop: self.stopped.clone(),
-            seat,
+            seat: SeatHold::new(seat),
             since,
         };
         Some((conn, peer))
@@ -328,7 +332,7 @@ struct Conn {
     tls: Option<TlsAcceptor>,
     limits: Limits,
     stop: watch::Receiver<bool>,
-    seat: Seat,
+    seat: SeatHold,
     /// When it was accepted: its first-request deadline counts from here.
     since: Instant,
 }
@@ -343,6 +347,12 @@ async fn cut_off(conn: &Tracked, deadline: Instant) {
 
 /// The HTTP/2 client preface: a plain-text connection that starts with it speaks h2c.
 const H2_PREFACE: &[u8] = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n";
+
+/// The most hyper buffers of an HTTP/1.1 request head not yet complete: past it, 431 (it
+/// checks between reads, so a head that comes at once may pass up to about twice this). hyper's default, some 400 KiB, let each of thousands of connections
+/// hold that much while it trickled a head; an HTTP/2 client's header list is capped lower
+/// still (16 KiB), and nginx's at 32 KiB.
+const MAX_HEAD: usize = 64 << 10;
 
 impl Conn {
     async fn serve<S, B>(self, service: S)
@@ -361,7 +371,9 @@ impl Conn {
         let _ = stream.set_nodelay(true);
         let peer = stream.peer_addr();
         let deadline = since + limits.header_timeout;
-        let fresh = seat.conn.clone();
+        let Some(fresh) = seat.conn().cloned() else {
+            return; // every seated connection has one
+        };
         // A request head has arrived once the service is first called.
         let service = Marked {
             inner: service,
@@ -396,7 +408,7 @@ impl Conn {
                 drive(stream, h2, service, limits, deadline, &fresh, stop).await;
             }
         }
-        drop(seat);
+        seat.closed();
     }
 }
 
@@ -457,6 +469,7 @@ async fn drive<I, S, B>(
         builder
             .timer(TokioTimer::new())
             .header_read_timeout(limits.idle_timeout)
+            .max_buf_size(MAX_HEAD)
             .keep_alive(true);
         Box::pin(builder.serve_connection(io, service))
     };

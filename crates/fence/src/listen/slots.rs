@@ -45,6 +45,9 @@ pub(super) struct Tracked {
     /// and since when there have been any.
     answers_unasked: AtomicUsize,
     answer_unasked: Since,
+    /// Its connection closed; what goes on of its requests (upstream, after the client left)
+    /// still holds its seat, and there is nothing of it to close for room.
+    gone: AtomicBool,
     /// Notified when it is picked to make room: it closes gracefully then.
     pub(super) evict: Notify,
     evicted: AtomicBool,
@@ -81,7 +84,9 @@ impl Tracked {
     }
 
     fn idle(&self) -> bool {
-        self.busy.load(Ordering::Acquire) == 0 && !self.evicted.load(Ordering::Acquire)
+        self.busy.load(Ordering::Acquire) == 0
+            && !self.evicted.load(Ordering::Acquire)
+            && !self.gone.load(Ordering::Acquire)
     }
 
     fn touch(&self) {
@@ -217,6 +222,44 @@ pub(super) struct Seat {
     _permit: OwnedSemaphorePermit,
 }
 
+/// A share in a connection's [`Seat`]: the seat (its slot of the cap, its place in its
+/// peer's count) is given back once the connection closed and every share is dropped. A
+/// request that goes on after its client went away (the proxy runs admitted requests to
+/// completion) keeps one while it uses an upstream connection, so the cap and the per-peer
+/// cap bound those too.
+#[derive(Clone, Debug)]
+pub struct SeatHold {
+    seat: Option<Arc<Seat>>,
+}
+
+impl SeatHold {
+    /// The first share in `seat`.
+    pub(super) fn new(seat: Seat) -> Self {
+        Self {
+            seat: Some(Arc::new(seat)),
+        }
+    }
+
+    /// A share in no listener's seat, for tests of what keeps one.
+    #[cfg(test)]
+    pub(crate) fn unseated() -> Self {
+        Self { seat: None }
+    }
+
+    /// The connection it is a share of.
+    pub(super) fn conn(&self) -> Option<&Arc<Tracked>> {
+        self.seat.as_ref().map(|seat| &seat.conn)
+    }
+
+    /// The connection closed: what is left of it holds its seat, and is nothing to close
+    /// for room (see [`Tracked::idle`]).
+    pub(super) fn closed(self) {
+        if let Some(conn) = self.conn() {
+            conn.gone.store(true, Ordering::Release);
+        }
+    }
+}
+
 impl Drop for Seat {
     fn drop(&mut self) {
         let mut peers = self.slots.lock();
@@ -299,6 +342,7 @@ impl Slots {
             write_stalled: Since::default(),
             answers_unasked: AtomicUsize::new(0),
             answer_unasked: Since::default(),
+            gone: AtomicBool::new(false),
             evict: Notify::new(),
             evicted: AtomicBool::new(false),
             counted: AtomicBool::new(false),
@@ -404,134 +448,7 @@ impl Slots {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn seat(slots: &Arc<Slots>, peer: &str) -> Option<Seat> {
-        let permit = slots.permits().clone().try_acquire_owned().ok()?;
-        slots.seat(peer.parse().unwrap(), permit)
-    }
-
-    #[tokio::test]
-    async fn a_peer_at_its_cap_gives_up_its_own_idle_connection_or_its_newcomer() {
-        let slots = Slots::new(10, 2);
-        let a = seat(&slots, "127.0.0.2").unwrap();
-        let b = seat(&slots, "127.0.0.2").unwrap();
-        a.conn.begin(); // busy
-        // The third takes the place of b, the idle one, which is asked to close.
-        let c = seat(&slots, "127.0.0.2").unwrap();
-        assert!(b.conn.evicted.load(Ordering::Acquire));
-        assert!(!a.conn.evicted.load(Ordering::Acquire));
-        drop(b);
-        c.conn.begin();
-        // Now both are busy: the newcomer is refused; another peer is not affected.
-        assert!(seat(&slots, "127.0.0.2").is_none());
-        assert!(seat(&slots, "127.0.0.1").is_some());
-        assert_eq!(slots.held_by("127.0.0.2".parse().unwrap()), 2);
-    }
-
-    /// A connection picked for room counts as room on its way until it closes, or until a
-    /// request begins on it (its close then waits for that request): newcomers waiting for
-    /// room are not left waiting on it.
-    #[tokio::test]
-    async fn room_on_its_way_is_counted_once_and_not_for_a_connection_that_got_busy() {
-        let slots = Slots::new(10, 10);
-        let (a, b) = (
-            seat(&slots, "127.0.0.2").unwrap(),
-            seat(&slots, "127.0.0.2").unwrap(),
-        );
-        assert!(slots.evict_for_room(elsewhere(), 0));
-        assert!(slots.evict_for_room(elsewhere(), 0));
-        assert_eq!(slots.leaving(), 2);
-        a.conn.begin(); // a request arrived as it was picked
-        assert_eq!(slots.leaving(), 1);
-        drop(a);
-        assert_eq!(slots.leaving(), 1);
-        drop(b);
-        assert_eq!(slots.leaving(), 0);
-    }
-
-    #[tokio::test]
-    async fn room_is_made_from_the_heaviest_peer_unauthenticated_first() {
-        let slots = Slots::new(10, 10);
-        let worker = seat(&slots, "127.0.0.1").unwrap();
-        worker.conn.begin();
-        worker.conn.done(true); // idle, authenticated
-        let lone = seat(&slots, "127.0.0.3").unwrap(); // idle, 1 held
-        let flood: Vec<Seat> = (0..3).map(|_| seat(&slots, "127.0.0.2").unwrap()).collect();
-        flood[0].conn.begin(); // busy: never picked
-        flood[1].conn.begin();
-        flood[1].conn.done(true); // authenticated
-        assert!(slots.evict_for_room(elsewhere(), 0));
-        assert!(
-            flood[2].conn.evicted.load(Ordering::Acquire),
-            "the heaviest peer's idle, unauthenticated one"
-        );
-        assert!(slots.evict_for_room(elsewhere(), 0));
-        assert!(
-            lone.conn.evicted.load(Ordering::Acquire),
-            "then unauthenticated ones of lighter peers"
-        );
-        assert!(slots.evict_for_room(elsewhere(), 0));
-        assert!(
-            flood[1].conn.evicted.load(Ordering::Acquire),
-            "then authenticated ones, heaviest first"
-        );
-        assert!(slots.evict_for_room(elsewhere(), 0));
-        assert!(worker.conn.evicted.load(Ordering::Acquire));
-        assert!(
-            !slots.evict_for_room(elsewhere(), 0),
-            "only a busy one is left"
-        );
-        assert!(!flood[0].conn.evicted.load(Ordering::Acquire));
-    }
-
-    /// A newcomer's address that holds no connection.
-    fn elsewhere() -> IpAddr {
-        "127.0.0.9".parse().unwrap()
-    }
-
-    /// Room for a newcomer is made only from its own peer or from one holding more than it
-    /// will: a CI run saw the connection of 127.0.0.1 (one held, just seated, its request
-    /// not yet read) closed for a flood's newcomers.
-    #[tokio::test]
-    async fn room_is_never_made_from_a_peer_that_would_then_hold_less() {
-        let slots = Slots::new(10, 10);
-        let light = seat(&slots, "127.0.0.1").unwrap(); // idle, 1 held
-        let flood: Vec<Seat> = (0..3).map(|_| seat(&slots, "127.0.0.2").unwrap()).collect();
-        for seat in &flood {
-            seat.conn.begin();
-        }
-        let flooder = "127.0.0.2".parse().unwrap();
-        assert!(!slots.evict_for_room(flooder, 3), "nothing of its own idle");
-        assert!(
-            !slots.evict_for_room(elsewhere(), 1),
-            "a newcomer that will hold one takes nothing from a peer holding one"
-        );
-        assert!(!light.conn.evicted.load(Ordering::Acquire));
-        assert!(slots.evict_for_room(elsewhere(), 0));
-        assert!(light.conn.evicted.load(Ordering::Acquire));
-    }
-
-    /// Connections already asked to close do not count: the second of two newcomers from a
-    /// peer holding none (it will hold one) takes nothing from a peer whose two idle
-    /// connections are down to one staying.
-    #[tokio::test]
-    async fn a_peer_is_not_drained_below_the_newcomers_it_makes_room_for() {
-        let slots = Slots::new(10, 10);
-        let light: Vec<Seat> = (0..2).map(|_| seat(&slots, "127.0.0.1").unwrap()).collect();
-        assert!(slots.evict_for_room(elsewhere(), 0));
-        assert!(
-            !slots.evict_for_room(elsewhere(), 1),
-            "one of its two already leaves: 1 is not more than 1"
-        );
-        let evicted = light
-            .iter()
-            .filter(|s| s.conn.evicted.load(Ordering::Acquire))
-            .count();
-        assert_eq!(evicted, 1);
-    }
-}
+mod tests;
 
 /// A moment kept in an atomic, as ms since the slots began plus one (0: none), for one
 /// connection's task to mark and its eviction to read.

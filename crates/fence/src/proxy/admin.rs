@@ -164,7 +164,7 @@ pub async fn serve_admin(
     health: Health,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    crate::listen::serve(listener, shutdown, move |_| {
+    crate::listen::serve(listener, shutdown, move |_, _| {
         let (handle, health) = (handle.clone(), health.clone());
         hyper::service::service_fn(move |req: Request<Incoming>| {
             let (handle, health) = (handle.clone(), health.clone());

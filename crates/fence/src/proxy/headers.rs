@@ -30,7 +30,8 @@ const HOP_BY_HOP: [HeaderName; 9] = [
 ];
 
 /// The client's IP as `X-Forwarded-For` writes it, made once per connection and put into
-/// each request's extensions.
+/// each request's extensions (with the rest of what is known of its connection,
+/// `ClientStreams`).
 #[derive(Debug, Clone)]
 pub(super) struct ClientAddr(HeaderValue);
 
@@ -47,7 +48,7 @@ impl ClientAddr {
 /// and `-Proto` added, `Via` appended (with `via`), the target `uri` and HTTP/1.1.
 pub(super) fn to_upstream(
     parts: &mut Parts,
-    uri: Uri,
+    (uri, client): (Uri, Option<&ClientAddr>),
     target: &Target,
     preserve_host: bool,
     via: bool,
@@ -80,7 +81,7 @@ pub(super) fn to_upstream(
             }
         }
     }
-    if let Some(ClientAddr(ip)) = parts.extensions.get::<ClientAddr>() {
+    if let Some(ClientAddr(ip)) = client {
         append_forwarded_for(headers, ip);
     }
     if via {

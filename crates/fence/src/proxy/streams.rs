@@ -8,6 +8,10 @@
 //! the same time takes a slot of the cap ([`Slots::try_extra`]), and one that finds none to
 //! spare is answered 503 `overloaded` at once, never sent. gRPC calls share the worker's one
 //! HTTP/2 upstream connection and take nothing.
+//!
+//! A request that uses an upstream connection also keeps a share in its client
+//! connection's slot ([`SeatHold`]) until it is done there: the proxy runs admitted requests
+//! to completion, so one whose client went away goes on upstream, and still counts.
 
 use std::{
     pin::Pin,
@@ -21,38 +25,64 @@ use std::{
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::OwnedSemaphorePermit;
 
-use crate::listen::Slots;
+use super::headers::ClientAddr;
+use crate::listen::{SeatHold, Slots};
 
-/// The requests of one client connection that are using an upstream HTTP/1.1 connection,
-/// put in each of its requests' extensions.
-#[derive(Clone, Default)]
-pub(super) struct ClientStreams(Arc<AtomicUsize>);
+/// What the proxy knows of a request's client connection, put in each of its requests'
+/// extensions (one extension for all of it, on the hot path): its address (for
+/// `X-Forwarded-For`), its requests using an upstream HTTP/1.1 connection, its share in its
+/// seat.
+#[derive(Clone)]
+pub(super) struct ClientStreams {
+    pub(super) addr: ClientAddr,
+    using: Arc<AtomicUsize>,
+    seat: SeatHold,
+}
 
 /// One request's use of an upstream connection, given back when dropped: with the answer's
-/// body once it is read, or with the request when it failed.
+/// body once it is read, or with the request when it failed (or once it is done, when its
+/// client went away).
 pub(super) struct Upstreaming {
-    streams: Arc<AtomicUsize>,
+    /// Counted among its connection's streams (an HTTP/2 client's).
+    streams: Option<Arc<AtomicUsize>>,
     _extra: Option<OwnedSemaphorePermit>,
+    _seat: SeatHold,
 }
 
 impl Drop for Upstreaming {
     fn drop(&mut self) {
-        self.streams.fetch_sub(1, Ordering::AcqRel);
+        if let Some(streams) = &self.streams {
+            streams.fetch_sub(1, Ordering::AcqRel);
+        }
     }
 }
 
 impl ClientStreams {
+    /// The requests of a connection from `addr` seated with `seat`.
+    pub(super) fn new(addr: ClientAddr, seat: SeatHold) -> Self {
+        Self {
+            addr,
+            using: Arc::default(),
+            seat,
+        }
+    }
+
     /// A request of this connection going upstream: free when none other of it is (the
-    /// client's own slot covers it), else one slot of `slots` to spare. `None` when there is
+    /// client's own slot covers it), else one slot of `slots` to spare; always free when the
+    /// client has one request at a time (not `several`, HTTP/1.1). `None` when there is
     /// none: the request is not to be sent.
-    pub(super) fn enter(&self, slots: &Slots) -> Option<Upstreaming> {
-        let others = self.0.fetch_add(1, Ordering::AcqRel);
+    pub(super) fn enter(self, slots: &Slots, several: bool) -> Option<Upstreaming> {
         let mut entered = Upstreaming {
-            streams: self.0.clone(),
+            streams: None,
             _extra: None,
+            _seat: self.seat,
         };
-        if others > 0 {
-            entered._extra = Some(slots.try_extra()?);
+        if several {
+            let others = self.using.fetch_add(1, Ordering::AcqRel);
+            entered.streams = Some(self.using.clone());
+            if others > 0 {
+                entered._extra = Some(slots.try_extra()?);
+            }
         }
         Some(entered)
     }
@@ -103,30 +133,53 @@ mod tests {
     #[test]
     fn streams_beyond_the_first_take_slots_while_half_stay_free() {
         let slots = Slots::new(6, 6);
-        let streams = ClientStreams::default();
-        let first = streams.enter(&slots).expect("the first is free");
-        let second = streams.enter(&slots).expect("6 free: one to spare");
-        let third = streams.enter(&slots).expect("5 free: one to spare");
-        let fourth = streams.enter(&slots).expect("4 free: one to spare");
+        let streams = ClientStreams::new(
+            ClientAddr::new(([127, 0, 0, 1], 1).into()),
+            SeatHold::unseated(),
+        );
+        let first = streams
+            .clone()
+            .enter(&slots, true)
+            .expect("the first is free");
+        let second = streams
+            .clone()
+            .enter(&slots, true)
+            .expect("6 free: one to spare");
+        let third = streams
+            .clone()
+            .enter(&slots, true)
+            .expect("5 free: one to spare");
+        let fourth = streams
+            .clone()
+            .enter(&slots, true)
+            .expect("4 free: one to spare");
         assert!(
-            streams.enter(&slots).is_none(),
+            streams.clone().enter(&slots, true).is_none(),
             "3 free is not more than half"
         );
         assert_eq!(
-            streams.0.load(Ordering::Acquire),
+            streams.using.load(Ordering::Acquire),
             4,
             "a refused one is not counted"
         );
         drop(second);
         let again = streams
-            .enter(&slots)
+            .clone()
+            .enter(&slots, true)
             .expect("a slot given back is taken again");
-        assert!(streams.enter(&slots).is_none());
+        assert!(streams.clone().enter(&slots, true).is_none());
         drop((first, third, fourth, again));
-        assert_eq!(streams.0.load(Ordering::Acquire), 0);
+        assert_eq!(streams.using.load(Ordering::Acquire), 0);
         // Alone again, a request is free, whatever the slots hold.
         let held: Vec<_> = (0..3).filter_map(|_| slots.try_extra()).collect();
         assert_eq!(held.len(), 3);
-        assert!(ClientStreams::default().enter(&slots).is_some());
+        assert!(
+            ClientStreams::new(
+                ClientAddr::new(([127, 0, 0, 1], 1).into()),
+                SeatHold::unseated()
+            )
+            .enter(&slots, true)
+            .is_some()
+        );
     }
 }

@@ -69,6 +69,8 @@ impl Upstream {
     async fn forward(self, req: Request<RequestBody<Incoming>>) -> Response<UpstreamBody> {
         let started = Instant::now();
         let (mut parts, body) = req.into_parts();
+        // An HTTP/2 client may have several requests going upstream at once.
+        let several = parts.version == http::Version::HTTP_2;
         // Admitted by the fence (a signed token verified, with --verify-key): its connection
         // counts as authenticated once the upstream accepts it. Not a mere X-Fencing-Token
         // header on a request the fence never judged (a GET).
@@ -93,7 +95,15 @@ impl Upstream {
                 ));
             }
         };
-        headers::to_upstream(&mut parts, uri, &self.target, self.preserve_host, self.via);
+        let streams = parts.extensions.remove::<ClientStreams>();
+        let client = streams.as_ref().map(|s| &s.addr);
+        headers::to_upstream(
+            &mut parts,
+            (uri, client),
+            &self.target,
+            self.preserve_host,
+            self.via,
+        );
         parts
             .headers
             .insert(headers::X_FORWARDED_PROTO, self.proto.clone());
@@ -112,10 +122,9 @@ impl Upstream {
         }
         // Taken before anything is sent and outside the upstream timeout: a refusal here is
         // a known outcome, and no wait for room can run into that timeout.
-        let streams = parts.extensions.remove::<ClientStreams>();
         let using = match streams.filter(|_| !grpc) {
             None => None,
-            Some(streams) => match streams.enter(&self.slots) {
+            Some(streams) => match streams.enter(&self.slots, several) {
                 Some(using) => Some(using),
                 None => {
                     self.outcomes.overloaded.record(started);

@@ -114,14 +114,14 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             let shutdown = async move {
                 let _ = stopped.wait_for(|stop| *stop).await;
             };
-            let deadline = crate::listen::serve(listener, shutdown, move |peer| {
-                let (fence, client) = (fence.clone(), ClientAddr::new(peer));
-                let streams = ClientStreams::default();
-                hyper::service::service_fn(move |mut req: Request<Incoming>| {
-                    // Only an HTTP/2 client has several requests at once.
-                    if req.version() == http::Version::HTTP_2 {
-                        req.extensions_mut().insert(streams.clone());
-                    }
+            let deadline = crate::listen::serve(listener, shutdown, move |peer, seat| {
+                // Every request keeps a share in its connection's seat while it uses an
+                // upstream connection, even after its client went away.
+                let (fence, client) = (
+                    fence.clone(),
+                    ClientStreams::new(ClientAddr::new(peer), seat),
+                );
+                hyper::service::service_fn(move |req: Request<Incoming>| {
                     handle(fence.clone(), client.clone(), peer, req)
                 })
             })
@@ -144,7 +144,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
 /// in flight until then.
 async fn handle<St>(
     fence: Fence<Upstream, St>,
-    client: ClientAddr,
+    client: ClientStreams,
     peer: std::net::SocketAddr,
     mut req: Request<Incoming>,
 ) -> Result<Response<ProxyBody>, Infallible>
