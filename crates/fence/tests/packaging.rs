@@ -202,6 +202,26 @@ fn the_image_entrypoint_starts_each_role_from_mounted_files() {
         String::from_utf8_lossy(&out.stderr)
     );
 
+    // A server whose port is given on the command line (FENCE_LISTEN says another): the
+    // health check asks that one. An empty FENCE_TLS_CERT runs it without TLS (behind a
+    // sidecar that ends TLS), and the health check asks over plain HTTP.
+    let state4 = dir.path().join("state4");
+    std::fs::create_dir_all(&state4).unwrap();
+    let listen = format!("127.0.0.1:{}", free_port());
+    let mut plain = entry(&["server", "--listen", &listen]);
+    plain
+        .env("FENCE_STATE", &state4)
+        .env("FENCE_LISTEN", format!("127.0.0.1:{}", free_port()))
+        .env("FENCE_TLS_CERT", "")
+        .env("FENCE_TLS_KEY", "");
+    let (_plain, _, log) = start_command(plain);
+    let ready = log.wait_for("fence server ready");
+    assert!(
+        ready.contains("scheme=\"http\"") || ready.contains("scheme=http"),
+        "{ready}"
+    );
+    assert_healthy(&state4);
+
     // The proxy, in a container of its own: its admin port on loopback, the verify key.
     let state2 = dir.path().join("state2");
     std::fs::create_dir_all(&state2).unwrap();
