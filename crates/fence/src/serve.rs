@@ -381,6 +381,9 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         admin = %admin_addr,
         upstream = %a.upstream,
         store = backend.name(),
+        scheme = if config.tls.is_some() { "https" } else { "http" },
+        signatures = if config.verifier.is_some() { "required" } else { "off" },
+        idempotency = if config.idempotency.is_some() { "on" } else { "off" },
         "fence proxy ready"
     );
     let result = crate::proxy::serve_with(tcp, layer, config, stopped(rx)).await;

@@ -233,7 +233,20 @@ fn the_image_entrypoint_starts_each_role_from_mounted_files() {
         .env("FENCE_LISTEN", format!("127.0.0.1:{proxy_port}"))
         .env("FENCE_ADMIN_LISTEN", format!("127.0.0.1:{admin_port}"))
         .env("FENCE_UPSTREAM", &upstream);
-    let (_proxy, proxy_addr, _log) = start_command(proxy);
+    let (_proxy, proxy_addr, log) = start_command(proxy);
+    // Its first line says what is in force.
+    let ready = log.wait_for("fence proxy ready");
+    for said in [
+        "signatures=\"required\"",
+        "scheme=\"http\"",
+        "idempotency=\"on\"",
+    ] {
+        let bare = said.replace('"', "");
+        assert!(
+            ready.contains(said) || ready.contains(&bare),
+            "{said}: {ready}"
+        );
+    }
     assert_healthy(&state2);
     assert_eq!(
         fenced_post(&proxy_addr, "/w", "j", "5"),
