@@ -4,7 +4,7 @@
 
 use std::{
     net::IpAddr,
-    os::unix::fs::DirBuilderExt,
+    os::unix::fs::{DirBuilderExt, PermissionsExt},
     path::{Path, PathBuf},
     sync::Arc,
     time::{SystemTime, UNIX_EPOCH},
@@ -108,6 +108,19 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
         .mode(0o755)
         .create(dir)
         .with_context(|| format!("cannot create {}", dir.display()))?;
+    // One that was there already is checked: whoever may write in it may replace the
+    // certificates (and read the keys through a link planted before they are written).
+    let mode = std::fs::metadata(dir)
+        .with_context(|| format!("cannot read {}", dir.display()))?
+        .permissions()
+        .mode();
+    if mode & 0o022 != 0 {
+        return Err(crate::Usage::error(format!(
+            "{}: group or others may write in it (mode {:o}), and so replace ca.pem or server.pem; chmod go-w it, or name another directory",
+            dir.display(),
+            mode & 0o7777
+        )));
+    }
 
     let mut server = CertificateParams::default();
     server.distinguished_name.push(

@@ -406,6 +406,20 @@ fn two_tls_init_cas_share_a_bundle_and_the_directory_is_not_writable_by_others()
         let mode = std::fs::metadata(d).unwrap().permissions().mode();
         assert_eq!(mode & 0o022, 0, "{}: mode {mode:o}", d.display());
     }
+    // A directory that was there, which others may write in, is refused before anything is
+    // written there.
+    let open = dir.path().join("open");
+    std::fs::create_dir(&open).unwrap();
+    std::fs::set_permissions(&open, std::fs::Permissions::from_mode(0o777)).unwrap();
+    let refused = fence(&["tls", "init", open.to_str().unwrap()]);
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    let said = String::from_utf8_lossy(&refused.stderr);
+    assert!(said.contains("chmod go-w"), "{said}");
+    assert_eq!(
+        std::fs::read_dir(&open).unwrap().count(),
+        0,
+        "written anyway"
+    );
     let bundle = dir.path().join("bundle.pem");
     let mut both = std::fs::read(one.join("ca.pem")).unwrap();
     both.extend(std::fs::read(two.join("ca.pem")).unwrap());
