@@ -18,7 +18,7 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     }
     if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || b == b'.') {
         return Err(format!(
-            "{s:?} has no unit; write {s}s for seconds or {s}ms for milliseconds (units: ms, s, m, h, d)"
+            "{s:?} has no unit; write {s}s for seconds or {s}ms for milliseconds (units: ms, s, m, h, d, w, months, y)"
         ));
     }
     let d = humantime::parse_duration(s).map_err(|e| {
@@ -71,7 +71,8 @@ pub fn parse_max_duration(s: &str) -> Result<Duration, String> {
 /// As [`parse_duration`], and outside that range.
 pub fn parse_forget_after(s: &str) -> Result<Duration, String> {
     let d = parse_duration(s)?;
-    if d < Duration::from_secs(1) || d > Duration::from_secs(10 * 365 * 24 * 3600) {
+    // Ten of humantime's years (365.25 days), so that `10y` itself is taken.
+    if d < Duration::from_secs(1) || d > Duration::from_secs(10 * 31_557_600) {
         return Err(format!("{s:?}: --forget-after must be from 1s to 10 years"));
     }
     Ok(d)
@@ -116,6 +117,18 @@ pub fn parse_claim_wait(s: &str) -> Result<Duration, String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The bound the message names is the one taken: `10y` (humantime's years) is in it.
+    #[test]
+    fn forget_after_takes_ten_years_as_written() {
+        assert_eq!(
+            parse_forget_after("10y"),
+            Ok(Duration::from_secs(10 * 31_557_600))
+        );
+        assert!(parse_forget_after("3652d").is_ok());
+        assert!(parse_forget_after("3653d").is_err());
+        assert!(parse_forget_after("999ms").is_err());
+    }
 
     /// `fence run --wait 300000000000y` panicked adding the wait to the clock.
     #[test]
