@@ -10,6 +10,41 @@ mod common;
 
 use common::*;
 
+/// On/off settings in the environment take what a systemd EnvironmentFile or a container's
+/// `-e` holds: `1`, `yes`, `on` as well as `true` (clap's bool took only `true`/`false`).
+#[test]
+fn on_off_variables_take_1_yes_and_on() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    // With an auth file /metrics needs a secret, unless FENCE_PUBLIC_METRICS says otherwise.
+    let clients = dir.path().join("clients");
+    std::fs::write(&clients, "ops ops-0123456789abcdefghij *\n").unwrap();
+    std::fs::set_permissions(&clients, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let data = dir.path().join("data");
+    let args = server_args(
+        data.to_str().unwrap(),
+        &["--auth-file", clients.to_str().unwrap()],
+    );
+    let metrics = |public: &str| {
+        let mut server = std::process::Command::new(FENCE);
+        server
+            .args(&args)
+            .env("FENCE_PUBLIC_METRICS", public)
+            .env("RUST_LOG", "info");
+        let (_server, addr, _log) = start_command(server);
+        bearer_call(&addr, "GET", "/metrics", None, "").0
+    };
+    assert_eq!(metrics("yes"), 200);
+    assert_eq!(metrics("1"), 200);
+    assert_eq!(metrics("off"), 401);
+    let refused = std::process::Command::new(FENCE)
+        .args(&args)
+        .env("FENCE_PUBLIC_METRICS", "maybe")
+        .output()
+        .unwrap();
+    assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+}
+
 #[test]
 fn demo_runs_the_worked_example() {
     let out = Command::new(FENCE)

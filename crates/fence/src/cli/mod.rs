@@ -8,7 +8,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::{Args, Parser, Subcommand, ValueEnum};
+use clap::{Args, Parser, Subcommand, ValueEnum, builder::BoolishValueParser};
 use fence_core::{JobId, Owner, Ttl, secret::LeaseKey};
 
 pub use crate::duration::{parse_claim_wait, parse_forget_after};
@@ -307,12 +307,12 @@ pub struct ServerArgs {
     /// Listen on an address other than loopback without --auth-file: anyone who can reach it
     /// can then renew, release and complete any job whose lease key they learn, and claim
     /// any job.
-    #[arg(long, conflicts_with = "auth_file", env = "FENCE_INSECURE_NO_AUTH")]
+    #[arg(long, value_parser = BoolishValueParser::new(), conflicts_with = "auth_file", env = "FENCE_INSECURE_NO_AUTH")]
     pub insecure_no_auth: bool,
     /// Listen on an address other than loopback without --tls-cert/--tls-key: lease keys and
     /// bearer secrets then cross the network in clear. Only for a private network you vouch
     /// for; a warning is logged at every start.
-    #[arg(long, env = "FENCE_INSECURE_NO_TLS")]
+    #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_INSECURE_NO_TLS")]
     pub insecure_no_tls: bool,
     /// The most claims that may wait at once (claim?wait=), over every client; past it a
     /// waiting claim is 429 too-many-waiters with Retry-After.
@@ -328,7 +328,7 @@ pub struct ServerArgs {
     #[arg(long, value_name = "DURATION", default_value = "60s", value_parser = parse_claim_wait, env = "FENCE_MAX_CLAIM_WAIT")]
     pub max_claim_wait: Duration,
     /// Serve GET /metrics without a bearer secret (it needs one with --auth-file).
-    #[arg(long, env = "FENCE_PUBLIC_METRICS")]
+    #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_PUBLIC_METRICS")]
     pub public_metrics: bool,
     /// Sign every token with this private key (PKCS#8 PEM, from `fence keygen` or openssl);
     /// lease answers then carry "token": "<generation>.<expires_at_ms>.<signature>". The file

@@ -4,7 +4,7 @@
 
 use std::{net::SocketAddr, path::PathBuf, time::Duration};
 
-use clap::Args;
+use clap::{Args, builder::BoolishValueParser};
 use fence_core::Ttl;
 use http::Method;
 
@@ -87,16 +87,17 @@ pub struct ProxyArgs {
     /// Answer 428 to fenced requests without fencing headers (the default).
     #[arg(
         long,
+        value_parser = BoolishValueParser::new(),
         conflicts_with = "allow_missing_token",
         env = "FENCE_REQUIRE_TOKEN"
     )]
     pub require_token: bool,
     /// Let fenced requests without fencing headers through (unfenced: their Idempotency-Key is
     /// not kept either, as records are per job).
-    #[arg(long, env = "FENCE_ALLOW_MISSING_TOKEN")]
+    #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_ALLOW_MISSING_TOKEN")]
     pub allow_missing_token: bool,
     /// Ignore Idempotency-Key headers (they are still checked for syntax).
-    #[arg(long, env = "FENCE_NO_IDEMPOTENCY")]
+    #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_NO_IDEMPOTENCY")]
     pub no_idempotency: bool,
     /// How long completed idempotency records are kept (at least 1s; --no-idempotency turns
     /// replay off).
@@ -197,11 +198,11 @@ pub struct ProxyArgs {
     #[arg(long, hide = true)]
     pub unsafe_no_restart_hold: bool,
     /// Send the client's Host header upstream instead of the upstream's authority.
-    #[arg(long, env = "FENCE_PRESERVE_HOST")]
+    #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_PRESERVE_HOST")]
     pub preserve_host: bool,
     /// Add no `Via: <version> fence` to forwarded requests (RFC 9110 section 7.6.3); by
     /// default the proxy names itself there, as a proxy should.
-    #[arg(long, env = "FENCE_NO_VIA")]
+    #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_NO_VIA")]
     pub no_via: bool,
     /// Threads serving connections, each with its own upstream connection pool; a
     /// connection stays on one thread. Default: one per CPU core.
