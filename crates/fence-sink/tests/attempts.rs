@@ -490,7 +490,7 @@ async fn an_answered_request_whose_caller_went_away_is_still_recorded() {
     // The charge is made; its caller goes away while its answer is read to be kept.
     first.abort();
     assert!(first.await.unwrap_err().is_cancelled());
-    // (Gone with the request when it was cancelled.)
+    // (The receiver is gone if the cancellation dropped the answer with the request.)
     let _ = tx.send(bytes::Bytes::from_static(b"charged")).await;
     drop(tx);
     tokio::time::sleep(Duration::from_millis(10)).await;
