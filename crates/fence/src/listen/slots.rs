@@ -222,7 +222,7 @@ pub(super) struct Seat {
     _permit: OwnedSemaphorePermit,
 }
 
-/// A share in a connection's [`Seat`]: the seat (its slot of the cap, its place in its
+/// A share in a connection's seat: the seat (its slot of the cap, its place in its
 /// peer's count) is given back once the connection closed and every share is dropped. A
 /// request that goes on after its client went away (the proxy runs admitted requests to
 /// completion) keeps one while it uses an upstream connection, so the cap and the per-peer
