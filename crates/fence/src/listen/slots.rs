@@ -256,6 +256,9 @@ impl SeatHold {
     pub(super) fn closed(self) {
         if let Some(conn) = self.conn() {
             conn.gone.store(true, Ordering::Release);
+            // Picked for room, it is no longer room on its way: its seat stays taken until
+            // the last share goes.
+            conn.uncount();
         }
     }
 }
@@ -392,10 +395,12 @@ impl Slots {
 
     /// A peer's connections not asked to close.
     fn staying(mine: &HashMap<u64, Arc<Tracked>>) -> usize {
+        // One picked for room that closed but still holds its seat (a request of it going on
+        // upstream) is no room on its way: it stays until that request ends.
         mine.len()
             - mine
                 .values()
-                .filter(|c| c.evicted.load(Ordering::Acquire))
+                .filter(|c| c.evicted.load(Ordering::Acquire) && !c.gone.load(Ordering::Acquire))
                 .count()
     }
 

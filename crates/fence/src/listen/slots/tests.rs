@@ -9,6 +9,29 @@ fn seat(slots: &Arc<Slots>, peer: &str) -> Option<Seat> {
 /// A connection's seat is given back once it closed and every share in it is gone (a
 /// request going on upstream after its client left), not before: it holds its slot and
 /// its place in its peer's count, and is no idle connection to close for room.
+/// A connection picked for room that closed while a request of it goes on upstream keeps its
+/// seat, and so counts for its peer again and is no room on its way: its peer cannot open
+/// more connections by having them picked, and newcomers are not kept waiting for room that
+/// comes only when that request ends.
+#[tokio::test]
+async fn a_picked_connection_that_closed_with_a_share_still_counts_for_its_peer() {
+    let slots = Slots::new(10, 1);
+    let peer: IpAddr = "127.0.0.2".parse().unwrap();
+    let seated = SeatHold::new(seat(&slots, "127.0.0.2").unwrap());
+    let share = seated.clone();
+    assert!(slots.evict_for_room(peer, 1), "the idle one is picked");
+    assert_eq!(slots.leaving(), 1);
+    seated.closed();
+    assert_eq!(slots.leaving(), 0, "counted as room on its way");
+    assert!(!slots.could_seat(peer), "its peer is at its cap again");
+    assert!(
+        seat(&slots, "127.0.0.2").is_none(),
+        "a second seat for the peer"
+    );
+    drop(share);
+    assert!(slots.could_seat(peer));
+}
+
 #[tokio::test]
 async fn a_seat_is_kept_while_a_share_in_it_lives() {
     let slots = Slots::new(2, 1);
