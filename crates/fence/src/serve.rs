@@ -125,6 +125,13 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     crate::test_hooks::set_clock_offset_ms(a.clock_offset_ms);
     // Everything the flags name first: a bad file stops the server before it listens.
     let signer = load_if_given(a.signing_key.as_deref(), TokenSigner::from_file)?;
+    if a.insecure_no_auth && a.auth_file.is_some() {
+        // Checked on the values, not by clap: an on/off variable set to 0 beside an auth file
+        // (FENCE_INSECURE_NO_AUTH=0) would count as given.
+        return Err(Usage::error(
+            "--insecure-no-auth (FENCE_INSECURE_NO_AUTH) and --auth-file (FENCE_AUTH_FILE) say opposite things: give one",
+        ));
+    }
     let auth = load_if_given(a.auth_file.as_deref(), Auth::load)?;
     on_hangup(auth.clone(), "--auth-file").context("installing the SIGHUP handler")?;
     if auth.is_none() && !a.listen.ip().is_loopback() {
@@ -282,6 +289,11 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     #[cfg(feature = "test-hooks")]
     {
         config.unsafe_no_restart_hold = a.unsafe_no_restart_hold;
+    }
+    if a.require_token && a.allow_missing_token {
+        return Err(Usage::error(
+            "--require-token (FENCE_REQUIRE_TOKEN) and --allow-missing-token (FENCE_ALLOW_MISSING_TOKEN) say opposite things: give one",
+        ));
     }
     config.require_token = !a.allow_missing_token;
     let hold = a.unknown_outcome_hold.unwrap_or(a.upstream_timeout);

@@ -30,6 +30,8 @@ fn on_off_variables_take_1_yes_and_on() {
         server
             .args(&args)
             .env("FENCE_PUBLIC_METRICS", public)
+            // Off beside an auth file: no contradiction (clap's conflicts_with saw one).
+            .env("FENCE_INSECURE_NO_AUTH", "0")
             .env("RUST_LOG", "info");
         let (_server, addr, _log) = start_command(server);
         bearer_call(&addr, "GET", "/metrics", None, "").0
@@ -43,6 +45,13 @@ fn on_off_variables_take_1_yes_and_on() {
         .output()
         .unwrap();
     assert_eq!(refused.status.code(), Some(2), "{refused:?}");
+    let contradicted = std::process::Command::new(FENCE)
+        .args(&args)
+        .env("FENCE_INSECURE_NO_AUTH", "yes")
+        .output()
+        .unwrap();
+    assert_eq!(contradicted.status.code(), Some(2), "{contradicted:?}");
+    assert!(String::from_utf8_lossy(&contradicted.stderr).contains("opposite"));
 }
 
 #[test]

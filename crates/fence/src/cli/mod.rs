@@ -307,7 +307,9 @@ pub struct ServerArgs {
     /// Listen on an address other than loopback without --auth-file: anyone who can reach it
     /// can then renew, release and complete any job whose lease key they learn, and claim
     /// any job.
-    #[arg(long, value_parser = BoolishValueParser::new(), conflicts_with = "auth_file", env = "FENCE_INSECURE_NO_AUTH")]
+    /// (Refused beside --auth-file; checked on the values, so FENCE_INSECURE_NO_AUTH=0 next to
+    /// an auth file is no contradiction.)
+    #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_INSECURE_NO_AUTH")]
     pub insecure_no_auth: bool,
     /// Listen on an address other than loopback without --tls-cert/--tls-key: lease keys and
     /// bearer secrets then cross the network in clear. Only for a private network you vouch

@@ -84,13 +84,10 @@ pub struct ProxyArgs {
     /// capitals), so a method this list does not know fails closed.
     #[arg(long, value_delimiter = ',', env = "FENCE_FENCE_METHODS")]
     pub fence_methods: Option<Vec<Method>>,
-    /// Answer 428 to fenced requests without fencing headers (the default).
-    #[arg(
-        long,
-        value_parser = BoolishValueParser::new(),
-        conflicts_with = "allow_missing_token",
-        env = "FENCE_REQUIRE_TOKEN"
-    )]
+    /// Answer 428 to fenced requests without fencing headers (the default; so
+    /// FENCE_REQUIRE_TOKEN=false does not turn it off: --allow-missing-token does). Refused
+    /// beside --allow-missing-token.
+    #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_REQUIRE_TOKEN")]
     pub require_token: bool,
     /// Let fenced requests without fencing headers through (unfenced: their Idempotency-Key is
     /// not kept either, as records are per job).
