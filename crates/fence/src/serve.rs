@@ -27,14 +27,14 @@ pub async fn shutdown_signal() {
     // An operator who will not wait for the grace: what was answered is on disk already
     // (the stores commit before they answer), so stopping now is a crash they asked for.
     tokio::spawn(async {
-        stop_signal().await;
+        let signal = stop_signal().await;
         tracing::warn!("a second signal: stopping at once, open requests cut");
-        std::process::exit(130);
+        std::process::exit(128 + signal);
     });
 }
 
-/// Resolves on SIGINT or SIGTERM.
-async fn stop_signal() {
+/// Resolves on SIGINT or SIGTERM, with its number.
+async fn stop_signal() -> i32 {
     let term = async {
         match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
             Ok(mut s) => {
@@ -44,8 +44,24 @@ async fn stop_signal() {
         }
     };
     tokio::select! {
-        _ = tokio::signal::ctrl_c() => {},
-        () = term => {},
+        _ = tokio::signal::ctrl_c() => 2,
+        () = term => 15,
+    }
+}
+
+/// Warns when group or others may read the private key at `path` (named by `flag`). Not
+/// refused, as the signing key and the auth file are: a TLS key is often mounted by a
+/// platform (a Kubernetes secret, mode 0644 by default) that the operator does not set.
+fn warn_if_others_may_read(path: &std::path::Path, flag: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(path)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        tracing::warn!(
+            file = %path.display(),
+            mode = format!("{:o}", meta.permissions().mode() & 0o777),
+            "{flag}: group or others may read this private key: chmod 600 it"
+        );
     }
 }
 

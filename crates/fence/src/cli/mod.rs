@@ -85,7 +85,7 @@ pub enum Cmd {
     ///
     /// SIGINT or SIGTERM stops it: claims waiting then are answered at once (409 with the job
     /// still held, or the lease if it just came free), open requests get up to 30 s, and it
-    /// exits 0; a second signal stops it at once, exit 130 (every answer given was on disk
+    /// exits 0; a second signal stops it at once, exit 130 or 143 (every answer given was on disk
     /// first).
     Server(ServerArgs),
     /// A fencing reverse proxy in front of any HTTP service.
@@ -97,7 +97,8 @@ pub enum Cmd {
     /// default: a second proxy on one host needs another).
     ///
     /// SIGINT or SIGTERM stops it: open requests get up to 30 s, and it exits 0; a second
-    /// signal stops it at once, exit 130 (after a restart, what it passed on is waited for).
+    /// signal stops it at once, exit 130 or 143 (after a restart, what it passed on is waited
+    /// for).
     Proxy(Box<ProxyArgs>),
     /// Claim a job, run a command under the lease, stop it the moment the lease is lost.
     ///

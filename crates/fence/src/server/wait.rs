@@ -301,8 +301,8 @@ impl Waiters {
             tokio::select! {
                 () = tokio::time::sleep_until(next) => {}
                 () = &mut woken => {}
-                // The server stops: the answer is the job still held.
-                () = stopped(self.stopping.as_ref()) => return Ok(outcome),
+                // The server stops: one last try answers.
+                () = stopped(self.stopping.as_ref()) => return store.apply(job, op).await,
             }
         }
     }
