@@ -18,8 +18,17 @@ fn main() -> ExitCode {
     } else {
         "info,tokio_postgres::connection=warn"
     };
-    let filter =
-        tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| default.into());
+    // A RUST_LOG that does not parse is said, not silently replaced by the default.
+    let filter = match std::env::var("RUST_LOG") {
+        Ok(asked) if !asked.trim().is_empty() => tracing_subscriber::EnvFilter::try_new(&asked)
+            .unwrap_or_else(|e| {
+                eprintln!(
+                    "fence: RUST_LOG={asked:?} is not a log filter ({e}); logging {default:?}"
+                );
+                default.into()
+            }),
+        _ => default.into(),
+    };
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

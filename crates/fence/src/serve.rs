@@ -20,7 +20,8 @@ use crate::{
     server::ServerOptions,
 };
 
-/// Resolves on SIGINT or SIGTERM; from then on, a second one exits at once (130).
+/// Resolves on SIGINT or SIGTERM; from then on, a second one exits at once (128 plus its
+/// number: 130 or 143).
 pub async fn shutdown_signal() {
     stop_signal().await;
     tracing::info!("shutting down: finishing in-flight requests (a second signal stops at once)");
@@ -94,9 +95,13 @@ fn listen_options(
     alpn: &[&[u8]],
 ) -> anyhow::Result<(Option<Arc<rustls::ServerConfig>>, Limits)> {
     let tls = match (&args.tls_cert, &args.tls_key) {
-        (Some(cert), Some(key)) => Some(Arc::new(
-            fence_storage::tls::server_config(cert, key, alpn).map_err(Usage::from_error)?,
-        )),
+        (Some(cert), Some(key)) => {
+            let config =
+                fence_storage::tls::server_config(cert, key, alpn).map_err(Usage::from_error)?;
+            // Once it is usable: a start that fails says one thing.
+            warn_if_others_may_read(key, "--tls-key");
+            Some(Arc::new(config))
+        }
         _ => None,
     };
     let mut limits = Limits {

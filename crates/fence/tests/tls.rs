@@ -269,6 +269,28 @@ fn tls_init_makes_what_a_tls_server_needs_and_mistakes_get_hints() {
     }
     let again = fence(&["tls", "init", tls.to_str().unwrap()]);
     assert_eq!(again.status.code(), Some(2), "never overwrites");
+    // A key others may read is served, with a warning that says how to fix it.
+    {
+        use std::os::unix::fs::PermissionsExt;
+        let open_key = dir.path().join("open-key.pem");
+        std::fs::copy(tls.join("server-key.pem"), &open_key).unwrap();
+        std::fs::set_permissions(&open_key, std::fs::Permissions::from_mode(0o644)).unwrap();
+        let data = dir.path().join("data-open-key");
+        let (_server, _addr, log) = start_logged(
+            &server_args(
+                data.to_str().unwrap(),
+                &[
+                    "--tls-cert",
+                    &file("server.pem"),
+                    "--tls-key",
+                    open_key.to_str().unwrap(),
+                ],
+            ),
+            "info",
+        );
+        let said = log.wait_for("chmod 600");
+        assert!(said.contains("--tls-key"), "{said}");
+    }
     let data = dir.path().join("data");
     let (_server, addr) = start_ready(&server_args(
         data.to_str().unwrap(),
