@@ -578,26 +578,12 @@ async fn a_keyed_answer_that_breaks_off_holds_the_job() {
 /// without a key, instead of passing once the answer's head is out.
 #[tokio::test]
 async fn a_keyed_answer_that_streams_on_holds_the_job_until_it_ends() {
-    let (sender, channel) = common::Channel::new();
-    let first = Arc::new(std::sync::Mutex::new(Some(channel)));
+    let (sender, service) = streaming_first(Arc::default());
     let svc = FenceLayer::new(MemoryStore::new())
         .idempotency(fence_sink::IdempotencyConfig::default().max_response_body(4))
         .drain_timeout(Duration::from_millis(200))
         .unknown_outcome_hold(Duration::from_secs(60))
-        .layer(service_fn(move |_: Request<RequestBody<In>>| {
-            let body = first
-                .lock()
-                .unwrap()
-                .take()
-                .unwrap_or_else(|| common::Channel::new().1);
-            async move {
-                let mut response = Response::new(body);
-                response
-                    .headers_mut()
-                    .insert("content-type", "application/grpc".parse().unwrap());
-                Ok::<_, Infallible>(response)
-            }
-        }));
+        .layer(service);
     // A first message of more than the 4 bytes kept: the answer streams on unkept.
     sender
         .send(Bytes::from_static(b"\0\0\0\0\x08messages"))
@@ -632,25 +618,11 @@ async fn a_keyed_answer_that_streams_on_holds_the_job_until_it_ends() {
 /// its answer streams, as it does without a key: the handler writing it may be acting.
 #[tokio::test]
 async fn a_keyed_answer_not_kept_holds_the_job_until_it_ends() {
-    let (sender, channel) = common::Channel::new();
-    let first = Arc::new(std::sync::Mutex::new(Some(channel)));
+    let (sender, service) = streaming_first(Arc::default());
     let svc = FenceLayer::new(MemoryStore::new())
         .idempotency(fence_sink::IdempotencyConfig::default().store_statuses(|s| s == 201))
         .drain_timeout(Duration::from_millis(200))
-        .layer(service_fn(move |_: Request<RequestBody<In>>| {
-            let body = first
-                .lock()
-                .unwrap()
-                .take()
-                .unwrap_or_else(|| common::Channel::new().1);
-            async move {
-                let mut response = Response::new(body);
-                response
-                    .headers_mut()
-                    .insert("content-type", "application/grpc".parse().unwrap());
-                Ok::<_, Infallible>(response)
-            }
-        }));
+        .layer(service);
     sender
         .send(Bytes::from_static(b"\0\0\0\0\x08messages"))
         .unwrap();
@@ -713,32 +685,14 @@ impl IdempotencyStore for FailingFinish {
 async fn a_streaming_keyed_answer_holds_its_job_until_its_record_is_completed() {
     let store = FailingFinish::default();
     store.failing.store(true, Ordering::SeqCst);
-    let (sender, channel) = common::Channel::new();
-    let first = Arc::new(std::sync::Mutex::new(Some(channel)));
     let calls = Arc::new(AtomicUsize::new(0));
+    let (sender, service) = streaming_first(calls.clone());
     let svc = FenceLayer::new(store.clone())
         .idempotency(fence_sink::IdempotencyConfig::default().max_response_body(4))
         .body_timeout(Duration::from_secs(1))
         .unknown_outcome_hold(Duration::from_secs(1))
         .drain_timeout(Duration::from_millis(200))
-        .layer(service_fn({
-            let calls = calls.clone();
-            move |_: Request<RequestBody<In>>| {
-                calls.fetch_add(1, Ordering::SeqCst);
-                let body = first
-                    .lock()
-                    .unwrap()
-                    .take()
-                    .unwrap_or_else(|| common::Channel::new().1);
-                async move {
-                    let mut response = Response::new(body);
-                    response
-                        .headers_mut()
-                        .insert("content-type", "application/grpc".parse().unwrap());
-                    Ok::<_, Infallible>(response)
-                }
-            }
-        }));
+        .layer(service);
     sender
         .send(Bytes::from_static(b"\0\0\0\0\x08messages"))
         .unwrap();
@@ -762,4 +716,34 @@ async fn a_streaming_keyed_answer_holds_its_job_until_its_record_is_completed() 
     assert_eq!(calls.load(Ordering::SeqCst), 1, "the step ran again");
     drop(sender);
     drop(streaming);
+}
+
+/// The answer of [`streaming_first`]'s service.
+type Streamed = std::future::Ready<Result<Response<common::Channel>, Infallible>>;
+
+/// A gRPC service counting its calls in `calls`, whose first answer streams what the
+/// returned sender sends (it ends when the sender is dropped); later answers send nothing.
+#[allow(clippy::type_complexity)] // a closure's service type can only be spelled so
+fn streaming_first(
+    calls: Arc<AtomicUsize>,
+) -> (
+    tokio::sync::mpsc::UnboundedSender<Bytes>,
+    tower::util::ServiceFn<impl Fn(Request<RequestBody<In>>) -> Streamed + Clone>,
+) {
+    let (sender, channel) = common::Channel::new();
+    let first = Arc::new(std::sync::Mutex::new(Some(channel)));
+    let service = service_fn(move |_: Request<RequestBody<In>>| {
+        calls.fetch_add(1, Ordering::SeqCst);
+        let body = first
+            .lock()
+            .unwrap()
+            .take()
+            .unwrap_or_else(|| common::Channel::new().1);
+        let mut response = Response::new(body);
+        response
+            .headers_mut()
+            .insert("content-type", "application/grpc".parse().unwrap());
+        std::future::ready(Ok(response))
+    });
+    (sender, service)
 }
