@@ -301,6 +301,13 @@ impl GenerationStore for SledStore {
 
     async fn load(&self, job: &JobId) -> Result<Loaded, StoreError> {
         let raw = self.generations.get(job.as_str().as_bytes()).map_err(io)?;
+        if raw.is_some() {
+            // The record may be a raise whose commit has not landed (it timed out on a
+            // stalling disk, its gate since evicted): a gate loaded from it would let its
+            // generation through without a write of its own, and a crash would then take the
+            // raise back while its effect stood. Refused at once while the disk stalls.
+            self.db.commit_read().await.map_err(io)?;
+        }
         let (highest, touched, raised) = Self::decode_generation(job, raw.as_deref())?;
         Ok(Loaded {
             highest,

@@ -280,3 +280,41 @@ async fn a_replay_waits_until_the_record_it_reads_is_on_disk() {
         Begin::Replay(response)
     );
 }
+
+/// A job loaded while its last raise is not on disk yet (the raise's commit timed out on a
+/// stalling disk and its gate was evicted): the load waits for the disk, refused while it
+/// stalls. Answered at once, the gate would let the raised generation through with no write
+/// of its own, and a crash would take the raise back while that effect stood.
+#[cfg(feature = "test-hooks")]
+#[tokio::test]
+// The guard held across awaits is the stalled disk: the log's writer, another thread,
+// waits on it; nothing on this task does.
+#[allow(clippy::await_holding_lock)]
+async fn a_load_waits_until_the_record_it_reads_is_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    let job: JobId = "load".parse().unwrap();
+    let g = Generation::new;
+    store.accept(&job, g(1), false).await.unwrap();
+    let stalled = store.db.stall_log();
+    let raising = {
+        let (store, job) = (store.clone(), job.clone());
+        tokio::spawn(async move { store.accept(&job, g(2), false).await })
+    };
+    // The raise is applied in memory; its commit waits behind the stalled writer.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while store.highest(&job).await.unwrap() < g(2) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the raise was not applied");
+    let early = tokio::time::timeout(Duration::from_millis(500), store.load(&job)).await;
+    assert!(
+        !matches!(early, Ok(Ok(_))),
+        "a load was answered before the raise it read was on disk: {early:?}"
+    );
+    drop(stalled);
+    raising.await.unwrap().unwrap();
+    assert_eq!(store.load(&job).await.unwrap().highest, g(2));
+}
