@@ -476,3 +476,21 @@ async fn a_keyed_request_may_run_past_the_longest_request_by_its_begin() {
          request of 4 may still need"
     );
 }
+
+/// The wall clock stepped forward after the restart (NTP after a boot) is not time passed:
+/// the newer token still waits out the hold for what the process before left running.
+#[tokio::test]
+async fn a_wall_clock_step_after_the_restart_does_not_end_the_wait() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = first_process(&clock).await;
+    let opened = Instant::now();
+    let p = Process::open(dir.path(), &clock, Duration::from_secs(60), false);
+    clock.step_ms(3_600_000);
+    let (status, after) = answered(p.send("busy", 5), opened).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        after >= HOLD,
+        "token 5 passed {after:?} after the restart, inside the {HOLD:?} hold: the clock's \
+         step counted as time passed"
+    );
+}

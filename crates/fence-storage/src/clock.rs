@@ -26,6 +26,16 @@ use std::{
 pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// Milliseconds since the Unix epoch.
     fn now_ms(&self) -> u64;
+
+    /// Milliseconds on a clock that only moves forward, at the rate of real time, from an
+    /// arbitrary start: what measures time *within* one process, where a step of the wall
+    /// clock (NTP after a boot) must not count as time passed. The default reads the
+    /// operating system's monotonic clock.
+    fn monotonic_ms(&self) -> u64 {
+        static START: std::sync::LazyLock<std::time::Instant> =
+            std::sync::LazyLock::new(std::time::Instant::now);
+        u64::try_from(START.elapsed().as_millis()).unwrap_or(u64::MAX)
+    }
 }
 
 /// The operating system's clock.
@@ -71,10 +81,14 @@ impl Clock for SystemClock {
     }
 }
 
-/// A clock that only moves when told to.
+/// A clock that only moves when told to. [`advance`](Self::advance) and a forward
+/// [`shift_ms`](Self::shift_ms) are time passing (its monotonic reading moves too);
+/// [`set_ms`](Self::set_ms), [`step_ms`](Self::step_ms) and a backward `shift_ms` are steps
+/// of the wall clock only.
 #[derive(Debug, Clone)]
 pub struct ManualClock {
     now_ms: Arc<AtomicU64>,
+    monotonic_ms: Arc<AtomicU64>,
 }
 
 impl ManualClock {
@@ -82,19 +96,29 @@ impl ManualClock {
     pub fn new(now_ms: u64) -> Self {
         Self {
             now_ms: Arc::new(AtomicU64::new(now_ms)),
+            monotonic_ms: Arc::default(),
         }
     }
 
-    /// Moves the clock forward.
+    /// Moves the clock forward: time passes.
     pub fn advance(&self, by: Duration) {
-        self.now_ms.fetch_add(
-            u64::try_from(by.as_millis()).unwrap_or(u64::MAX),
-            Ordering::SeqCst,
-        );
+        let by = u64::try_from(by.as_millis()).unwrap_or(u64::MAX);
+        self.now_ms.fetch_add(by, Ordering::SeqCst);
+        self.monotonic_ms.fetch_add(by, Ordering::SeqCst);
     }
 
-    /// Moves the clock by `ms`, backwards when negative (a clock jump), never below 0.
+    /// Moves the clock by `ms`, never below 0: forward, time passes; backwards, the wall
+    /// clock jumps (the monotonic reading stays).
     pub fn shift_ms(&self, ms: i64) {
+        self.step_ms(ms);
+        if let Ok(forward) = u64::try_from(ms) {
+            self.monotonic_ms.fetch_add(forward, Ordering::SeqCst);
+        }
+    }
+
+    /// Steps the wall clock by `ms` (backwards when negative), never below 0, as NTP does:
+    /// no time passes on the monotonic reading.
+    pub fn step_ms(&self, ms: i64) {
         let _ = self
             .now_ms
             .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |now| {
@@ -111,6 +135,10 @@ impl ManualClock {
 impl Clock for ManualClock {
     fn now_ms(&self) -> u64 {
         self.now_ms.load(Ordering::SeqCst)
+    }
+
+    fn monotonic_ms(&self) -> u64 {
+        self.monotonic_ms.load(Ordering::SeqCst)
     }
 }
 
@@ -136,10 +164,13 @@ impl TokioClock {
 
 impl Clock for TokioClock {
     fn now_ms(&self) -> u64 {
-        let elapsed = u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX);
         self.base_ms
-            .saturating_add(elapsed)
+            .saturating_add(self.monotonic_ms())
             .saturating_add_signed(self.offset_ms)
+    }
+
+    fn monotonic_ms(&self) -> u64 {
+        u64::try_from(self.base.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
 }
 

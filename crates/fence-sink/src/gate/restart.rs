@@ -70,8 +70,13 @@ impl GateState {
         self.prior_current = self.prior_current.max(until(prior.admitted_until_ms));
         self.prior_older = self.prior_older.max(until(prior.raised_ms));
         // The stamp covers what is left of it by the store's clock; half of that is counted,
-        // a margin for the two clocks' rates.
-        let left = prior.admitted_until_ms.saturating_sub(prior.now_ms) / 2;
+        // a margin for the two clocks' rates. Measured from the later of the store's answer
+        // and the layer's clock: a wall clock stepped forward since the open must not make
+        // the stamp seem to cover more than it does.
+        let left = prior
+            .admitted_until_ms
+            .saturating_sub(prior.now_ms.max(now_ms))
+            / 2;
         if left > 0 {
             self.covered_until_ms = now_ms.saturating_add(left);
         }

@@ -107,7 +107,9 @@ pub struct Prior {
     pub raised_ms: u64,
     /// When this process opened the store: any earlier process had ended by then.
     pub opened_ms: u64,
-    /// The store's clock as it answered.
+    /// The store's clock as it answered. A store that measures time since `opened_ms` on a
+    /// monotonic clock (sled does) reports `opened_ms` plus that, so a step of the wall clock
+    /// after the open does not cut short the wait for what an earlier process left running.
     pub now_ms: u64,
 }
 

@@ -28,6 +28,10 @@ pub struct SledStore {
     /// When this process opened the database (its clock): an earlier one had ended by then
     /// (the directory's lock is held while a process has it open).
     opened_ms: u64,
+    /// The clock's monotonic reading at that time: how long ago the open was is measured
+    /// on it, so a step of the wall clock since (NTP after a boot) does not cut short the
+    /// wait for what an earlier process left running.
+    opened_monotonic_ms: u64,
 }
 
 /// How coarse the `stamps` tree's times are. A job's entry holds its stamp rounded *up* to a
@@ -104,10 +108,22 @@ impl SledStore {
             records: db.tree("idempotency")?,
             db,
             opened_ms: clock.now_ms(),
+            opened_monotonic_ms: clock.monotonic_ms(),
             clock,
         };
         store.repair_stamps(&db_format(&store.db)?);
         Ok(store)
+    }
+
+    /// The store's clock now, as measured from the open on the clock's monotonic reading:
+    /// `opened_ms` plus the time since. Stamps of an earlier process can only be compared
+    /// with wall time, but within this process a step of the wall clock is not time passed.
+    fn since_open_ms(&self) -> u64 {
+        let since = self
+            .clock
+            .monotonic_ms()
+            .saturating_sub(self.opened_monotonic_ms);
+        self.opened_ms.saturating_add(since)
     }
 
     /// A crash between a job's write and its stamp's can leave the `stamps` tree short of a
@@ -313,7 +329,7 @@ impl GenerationStore for SledStore {
             highest,
             prior: raw
                 .is_some()
-                .then(|| Prior::new(touched, raised, self.opened_ms, self.clock.now_ms())),
+                .then(|| Prior::new(touched, raised, self.opened_ms, self.since_open_ms())),
         })
     }
 

@@ -318,3 +318,25 @@ async fn a_load_waits_until_the_record_it_reads_is_on_disk() {
     raising.await.unwrap().unwrap();
     assert_eq!(store.load(&job).await.unwrap().highest, g(2));
 }
+
+/// The restart bound is measured on the clock's monotonic reading from the open: a wall
+/// clock stepped forward an hour after the open (NTP after a boot) does not count as an
+/// hour passed, which would end at once the wait for what an earlier process left running.
+#[tokio::test]
+async fn a_wall_clock_step_after_the_open_is_not_time_passed() {
+    use fence_storage::clock::{Clock, ManualClock};
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let job: JobId = "stepped".parse().unwrap();
+    {
+        let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+        store.accept(&job, Generation::new(1), false).await.unwrap();
+    }
+    let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let opened = clock.now_ms();
+    clock.advance(Duration::from_secs(2));
+    clock.step_ms(3_600_000);
+    let prior = store.load(&job).await.unwrap().prior.expect("stamps");
+    assert_eq!(prior.opened_ms, opened);
+    assert_eq!(prior.now_ms, opened + 2_000, "the step counted as time passed");
+}
