@@ -180,8 +180,9 @@ fn the_forgetting_window_is_stretched_only_where_a_restart_needs_it() {
     let dir = tempfile::tempdir().unwrap();
     let sled = forgetting(SledStore::open(dir.path()).unwrap());
     // 60 s + the default idempotency store timeout a keyed request may wait for its
-    // record's begin (5 s) + 45 s.
-    assert_eq!(sled.forgets_after(), Some(Duration::from_secs(110)));
+    // record's begin (5 s) + the default body deadline a keyed call of messages may stream
+    // its answer after its head (30 s) + 45 s.
+    assert_eq!(sled.forgets_after(), Some(Duration::from_secs(140)));
     let short = sled
         .longest_request(Duration::from_secs(1))
         .unknown_outcome_hold(Duration::from_secs(1));

@@ -1682,12 +1682,17 @@ async fn a_crashed_in_flight_record_blocks_the_key_until_the_in_flight_timeout()
     let (app, mut started) = App::new();
     let timeout = Duration::from_millis(200);
     // A record is never given up sooner than its request may run (body deadline, longest
-    // request, hold): all three short here, so the 200 ms is what counts.
+    // request, the begin's store timeout, hold): all four short here, so the 200 ms is what
+    // counts.
     let svc = FenceLayer::new(MemoryStore::new())
         .body_timeout(Duration::from_millis(100))
         .longest_request(Duration::ZERO)
         .unknown_outcome_hold(Duration::ZERO)
-        .idempotency(IdempotencyConfig::default().in_flight_timeout(timeout))
+        .idempotency(
+            IdempotencyConfig::default()
+                .in_flight_timeout(timeout)
+                .store_timeout(Duration::from_millis(50)),
+        )
         .layer(app.clone());
 
     // The response future is dropped while the inner service is running.

@@ -494,3 +494,72 @@ async fn a_wall_clock_step_after_the_restart_does_not_end_the_wait() {
          step counted as time passed"
     );
 }
+
+/// A keyed call of messages is in flight until its answer ends, which may stream up to the
+/// body deadline after its head: a process that died past stamp + longest request + begin,
+/// but inside that body deadline, may have left its handler acting, and a newer token waits
+/// the whole hold from the restart.
+#[tokio::test]
+async fn a_keyed_answer_may_stream_past_the_longest_request_by_the_body_deadline() {
+    use fence_sink::{GenerationStore, IdempotencyConfig};
+
+    const BEGIN: Duration = Duration::from_secs(2);
+    const BODY: Duration = Duration::from_secs(4);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    let open = || {
+        let wall: Arc<dyn Clock> = Arc::new(clock.clone());
+        let store = SledStore::open_with_clock(dir.path(), wall.clone()).expect("sled opens");
+        let layer = FenceLayer::new(store.clone())
+            .clock(wall)
+            .idempotency(IdempotencyConfig::default().store_timeout(BEGIN))
+            .body_timeout(BODY)
+            .longest_request(LONGEST)
+            .unknown_outcome_hold(HOLD)
+            .drain_timeout(Duration::from_secs(60));
+        (store, layer)
+    };
+    let send = |layer: &FenceLayer<SledStore>, token: u64| {
+        let svc = layer.layer(service_fn(
+            move |_req: Request<RequestBody<String>>| async move {
+                if token == 4 {
+                    std::future::pending::<()>().await; // still running when the process dies
+                }
+                Ok::<_, Infallible>(Response::new(String::new()))
+            },
+        ));
+        let req = Request::post("/")
+            .header("x-fencing-job", "streamed")
+            .header("x-fencing-token", token.to_string())
+            .header("content-type", "application/grpc")
+            .header("idempotency-key", format!("step-{token}"))
+            .body(String::new())
+            .unwrap();
+        tokio::spawn(async move { svc.oneshot(req).await.unwrap().status() })
+    };
+    let stamp = {
+        let (store, layer) = open();
+        let running = send(&layer, 4);
+        until("the keyed call runs", || layer.in_flight() == 1).await;
+        running.abort();
+        let _ = running.await;
+        drop(layer);
+        let loaded = store.load(&"streamed".parse().unwrap()).await.unwrap();
+        loaded
+            .prior
+            .expect("a sled job has stamps")
+            .admitted_until_ms
+    };
+    // The process died 3 s after stamp + LONGEST + BEGIN: its answer could have come at
+    // LONGEST + BEGIN and streamed on, its handler acting, for the 4 s of BODY.
+    clock.set_ms(stamp + (LONGEST + BEGIN).as_millis() as u64 + 3_000);
+    let opened = Instant::now();
+    let (_store, layer) = open();
+    let (status, after) = answered(send(&layer, 5), opened).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        after >= HOLD,
+        "token 5 passed {after:?} after the restart, inside the {HOLD:?} hold the streamed \
+         answer of 4 may still need"
+    );
+}

@@ -115,6 +115,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
                     longest_request: Duration::from_secs(60),
                     hold: Duration::from_secs(60),
                     before_service: IdempotencyConfig::default().store_timeout,
+                    after_answer: Duration::from_secs(30),
                 },
             },
             body_timeout: Duration::from_secs(30),
@@ -195,7 +196,12 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// streaming call whose stream fails so: this plus the [unknown-outcome hold](Self::unknown_outcome_hold),
     /// since the service may be acting on messages it got whole).
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
-        self.config().body_timeout = clamped(timeout);
+        let config = self.config();
+        config.body_timeout = clamped(timeout);
+        if config.idempotency.is_some() {
+            // A keyed call of messages streams its answer up to this after its head.
+            config.limits.restart.after_answer = config.body_timeout;
+        }
         self
     }
 
@@ -219,8 +225,9 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// whose last admission by the process before was at `t` (its stamp, written before the
     /// request went on) lets no newer token pass until `min(t + this, the restart) +` the
     /// [unknown-outcome hold](Self::unknown_outcome_hold) (with [idempotency](Self::idempotency),
-    /// `this` plus its store timeout: a keyed request waits up to that for its record's
-    /// begin before the service has it), and no request of its highest
+    /// `this` plus its store timeout, a keyed request waiting up to that for its record's
+    /// begin before the service has it, plus the [body deadline](Self::body_timeout), a keyed
+    /// call of messages being in flight until its answer ends), and no request of its highest
     /// token either while requests of older tokens may still run: the process before may
     /// have left them running, and nobody knows their outcome. Jobs idle for longer wait
     /// for nothing. Zero for both (a service whose effects die with its process) turns the
@@ -269,6 +276,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             longest_request: Duration::ZERO,
             hold: Duration::ZERO,
             before_service: Duration::ZERO,
+            after_answer: Duration::ZERO,
         };
         self
     }
@@ -330,15 +338,21 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     pub fn idempotency(mut self, config: IdempotencyConfig) -> Self {
         // A keyed request waits up to the record's begin before the service has it, which
         // a restart must count on top of the longest request (see `longest_request`).
-        self.config().limits.restart.before_service = config.store_timeout;
-        self.config().idempotency = Some(config);
+        let settings = self.config();
+        settings.limits.restart.before_service = config.store_timeout;
+        // A keyed call of messages is in flight until its answer ends, up to the body
+        // deadline after its head: a restart must count that too.
+        settings.limits.restart.after_answer = settings.body_timeout;
+        settings.idempotency = Some(config);
         self
     }
 
     /// Ignores `Idempotency-Key` (it is still checked for syntax).
     pub fn without_idempotency(mut self) -> Self {
-        self.config().limits.restart.before_service = Duration::ZERO;
-        self.config().idempotency = None;
+        let settings = self.config();
+        settings.limits.restart.before_service = Duration::ZERO;
+        settings.limits.restart.after_answer = Duration::ZERO;
+        settings.idempotency = None;
         self
     }
 

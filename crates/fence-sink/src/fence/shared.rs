@@ -53,9 +53,12 @@ impl Config {
     /// would let a retry of the same token run beside an attempt still going: the gate does
     /// not hold a token back behind requests of its own generation.
     pub(crate) fn in_flight_timeout(&self, idempotency: &IdempotencyConfig) -> Duration {
+        // The record is written before its begin's commit lands, which the service's
+        // request waits for: that wait counts too.
         let longest = self
             .body_timeout
             .saturating_add(self.limits.restart.longest_request)
+            .saturating_add(self.limits.restart.before_service)
             .saturating_add(self.unknown_outcome_hold);
         idempotency.in_flight_timeout.max(longest)
     }

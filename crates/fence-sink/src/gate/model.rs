@@ -149,6 +149,7 @@ const LIMITS: Limits = Limits {
         longest_request: Duration::ZERO,
         hold: Duration::ZERO,
         before_service: Duration::ZERO,
+        after_answer: Duration::ZERO,
     },
 };
 

@@ -28,17 +28,23 @@ pub(crate) struct Restart {
     /// How long an admitted request may wait before the service has it: the begin of its
     /// `Idempotency-Key` record (the idempotency store's timeout), zero without keys.
     pub(crate) before_service: Duration,
+    /// How long a handler may go on acting after its answer's head: a keyed call of
+    /// messages (gRPC, Connect) is in flight until its answer ends, which may stream up to
+    /// the body deadline after the head. Zero without keys.
+    pub(crate) after_answer: Duration,
 }
 
 impl Restart {
     /// How long after its admission a request may still be running at the service: its
-    /// wait before the service plus the longest request; zero when the longest request is
-    /// (a service whose effects die with its process).
+    /// wait before the service, the longest request, and what its answer may stream on;
+    /// zero when the longest request is (a service whose effects die with its process).
     pub(crate) fn running_for(&self) -> Duration {
         if self.longest_request.is_zero() {
             Duration::ZERO
         } else {
-            self.longest_request.saturating_add(self.before_service)
+            self.longest_request
+                .saturating_add(self.before_service)
+                .saturating_add(self.after_answer)
         }
     }
 
@@ -96,6 +102,7 @@ mod tests {
             longest_request: Duration::from_secs(60),
             hold: Duration::from_secs(60),
             before_service: Duration::ZERO,
+            after_answer: Duration::ZERO,
         };
         let now_ms = 1_000_000_000;
         let hour = 3_600_000;

@@ -120,6 +120,8 @@ impl IdempotencyConfig {
     /// key becomes usable again. The layer never gives one up sooner than an attempt can
     /// still act: the [body deadline](crate::FenceLayer::body_timeout) plus the
     /// [longest request](crate::FenceLayer::longest_request) plus the
+    /// [store timeout](Self::store_timeout) (the record's begin, which the request waits for
+    /// before the service has it) plus the
     /// [unknown-outcome hold](crate::FenceLayer::unknown_outcome_hold), whatever is set here.
     /// That floor takes `longest_request` as the longest a handler really runs: one that may
     /// run longer (or a layer told `longest_request(ZERO)` because its effects die with the
