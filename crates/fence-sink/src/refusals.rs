@@ -125,6 +125,21 @@ pub fn log_store_failure(
     );
 }
 
+/// Logs that the upstream `upstream` failed (`error`: its error chain, or how long it was
+/// given), rate-limited like refusals: an upstream that is down fails every request, and
+/// one line per request would fill a disk at the request rate.
+pub fn log_upstream_failure(upstream: &str, error: &dyn std::fmt::Display) {
+    let Some(suppressed) = admit("upstream-failure", None) else {
+        return;
+    };
+    tracing::warn!(
+        upstream,
+        error = %error,
+        suppressed = (suppressed > 0).then_some(suppressed),
+        "upstream failed"
+    );
+}
+
 /// Logs a failed TLS handshake from `peer`, rate-limited like refusals.
 pub fn log_handshake_failure(peer: SocketAddr, error: &(dyn std::error::Error + 'static)) {
     let Some(suppressed) = admit("tls-handshake", Some(peer.ip())) else {

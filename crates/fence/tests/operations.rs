@@ -629,6 +629,33 @@ fn readiness_probes_answer_what_their_status_says() {
     assert_eq!(status, 200, "{answer}");
 }
 
+/// An upstream that is down fails every request: the proxy logs that rate-limited, like
+/// refusals (at most 10 lines per 10 s), naming the upstream in the log and not in the
+/// answer, which goes to clients that need not learn the proxy's inner addresses.
+#[test]
+fn a_down_upstream_is_logged_rate_limited_and_not_named_to_clients() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().to_string()
+    };
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("proxy");
+    let upstream = format!("http://{dead}");
+    let args = proxy_args(&upstream, &["--data-dir", data.to_str().unwrap()]);
+    let (_proxy, addr, log) = start_logged(&args, "info");
+    for _ in 0..25 {
+        let (status, answer) = exchange(&addr, "GET", "/r", &[], "");
+        assert_eq!(status, 502, "{answer}");
+        assert!(answer.contains("upstream-unavailable"), "{answer}");
+        assert!(!answer.contains(&dead), "the answer names the upstream: {answer}");
+    }
+    let first = log.wait_for("upstream failed");
+    assert!(first.contains(&dead), "the log names the upstream: {first}");
+    std::thread::sleep(Duration::from_millis(200));
+    let logged = log.text().lines().filter(|l| l.contains("upstream failed")).count();
+    assert_eq!(logged, 10, "25 failures in one window:\n{}", log.text());
+}
+
 /// One JSON log event per refusal (issue 34), at the server and the proxy: the problem type
 /// and status, job, method, path, peer and auth client where they apply; a failed TLS
 /// handshake with its peer; and a flood of one kind from one peer rate-limited.

@@ -182,10 +182,12 @@ impl Upstream {
                     SendFailed::Request(e) if client_body_failed(e) => (error_chain(e), false),
                     SendFailed::Request(e) => (error_chain(e), true),
                 };
-                tracing::warn!(upstream = %self.target.display, error = %cause, "upstream failed");
+                fence_sink::refusals::log_upstream_failure(&self.target.display, &cause);
+                // The upstream's address stays in the log: clients are not told the
+                // proxy's inner topology.
                 let mut response = problem(Problem::new(
                     ProblemType::UpstreamUnavailable,
-                    format!("upstream {} failed: {cause}", self.target.display),
+                    format!("the upstream failed: {cause}"),
                 ));
                 if maybe_seen {
                     // The request may have reached the upstream before the failure.
@@ -201,12 +203,15 @@ impl Upstream {
                         .retire_h2(used.load(std::sync::atomic::Ordering::Relaxed));
                 }
                 self.outcomes.timeout.record(started);
-                tracing::warn!(upstream = %self.target.display, timeout = ?self.timeout, "upstream timed out");
+                fence_sink::refusals::log_upstream_failure(
+                    &self.target.display,
+                    &format_args!("no answer within {:?}", self.timeout),
+                );
                 let mut response = problem(Problem::new(
                     ProblemType::UpstreamTimeout,
                     format!(
-                        "upstream {} did not answer within {:?}; its connection was closed, and whether the request took effect there is unknown",
-                        self.target.display, self.timeout
+                        "the upstream did not answer within {:?}; its connection was closed, and whether the request took effect there is unknown",
+                        self.timeout
                     ),
                 ));
                 response.extensions_mut().insert(fence_sink::OutcomeUnknown);
