@@ -554,11 +554,13 @@ pub async fn healthcheck(a: HealthcheckCmd) -> anyhow::Result<i32> {
             Ok(1)
         }
         Err(e) => {
-            eprintln!(
-                "fence healthcheck: {}/healthz: {}",
-                target.base_url(),
-                fence_storage::error_chain(&e)
-            );
+            // The URL may be a proxy's admin listener: "lease store I/O failed" would
+            // mislead, so a transport failure is told by its cause alone.
+            let why = match &e {
+                StoreError::Io(cause) => fence_storage::error_chain(cause.as_ref()),
+                other => fence_storage::error_chain(other),
+            };
+            eprintln!("fence healthcheck: {}/healthz: {why}", target.base_url());
             Ok(1)
         }
     }

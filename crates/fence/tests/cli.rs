@@ -54,6 +54,28 @@ fn on_off_variables_take_1_yes_and_on() {
     assert!(String::from_utf8_lossy(&contradicted.stderr).contains("opposite"));
 }
 
+/// `fence healthcheck` against nothing: 1, saying what failed without calling a proxy's
+/// admin listener a lease store; 2 for a URL it cannot use.
+#[test]
+fn healthcheck_says_what_failed_and_tells_a_bad_url_apart() {
+    let closed = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap()
+    };
+    let out = fence(&["healthcheck", "--url", &format!("http://{closed}")]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("/healthz: "), "{said}");
+    assert!(!said.contains("lease store"), "{said}");
+    let out = fence(&["healthcheck", "--url", "not a url"]);
+    assert_eq!(
+        out.status.code(),
+        Some(2),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn demo_runs_the_worked_example() {
     let out = Command::new(FENCE)

@@ -204,8 +204,9 @@ Example:
     /// deduplicated by the provider. In a `fence run` command:
     /// `curl -H "Idempotency-Key: $(fence idempotency-key --job "$FENCE_JOB" --step charge)" ...`
     IdempotencyKey(IdempotencyKeyCmd),
-    /// Exit 0 when a fence server's or proxy's /healthz answers 200, else 1: for container
-    /// and service health checks where curl is not installed.
+    /// Exit 0 when a fence server's or proxy's /healthz answers 200, else 1 (2 for a URL or
+    /// file it cannot use): for container and service health checks where curl is not
+    /// installed.
     ///
     /// Example: `fence healthcheck --url http://127.0.0.1:7801` (a proxy's admin listener),
     /// `fence healthcheck --url https://localhost:7700 --ca-cert /etc/fence/tls/ca.pem`.
