@@ -47,11 +47,14 @@ fn secret(
     var: &str,
 ) -> anyhow::Result<Option<BearerToken>> {
     let (token, source) = match file {
-        Some(file) => (
-            std::fs::read_to_string(file)
-                .with_context(|| format!("cannot read {flag} {}", file.display()))?,
-            format!("{flag} {}", file.display()),
-        ),
+        Some(file) => {
+            warn_if_others_may_read(file, flag);
+            (
+                std::fs::read_to_string(file)
+                    .with_context(|| format!("cannot read {flag} {}", file.display()))?,
+                format!("{flag} {}", file.display()),
+            )
+        }
         None => match std::env::var(var) {
             Ok(token) => (token, var.to_owned()),
             Err(_) => return Ok(None),
@@ -60,6 +63,21 @@ fn secret(
     Ok(Some(BearerToken::new(token).with_context(|| {
         format!("the bearer secret in {source}")
     })?))
+}
+
+/// Says on stderr when group or others may read the secret in `file` (given as `flag`). Not
+/// refused: a platform may mount it (a Kubernetes secret is 0644 by default).
+fn warn_if_others_may_read(file: &std::path::Path, flag: &str) {
+    use std::os::unix::fs::PermissionsExt;
+    if let Ok(meta) = std::fs::metadata(file)
+        && meta.permissions().mode() & 0o077 != 0
+    {
+        eprintln!(
+            "fence: warning: {flag} {}: group or others may read this secret (mode {:o}): chmod 600 it",
+            file.display(),
+            meta.permissions().mode() & 0o777
+        );
+    }
 }
 
 /// The job in FENCE_JOB, where set: `--job`'s stand-in when no `--lease` file is given.

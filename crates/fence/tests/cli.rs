@@ -76,6 +76,35 @@ fn healthcheck_says_what_failed_and_tells_a_bad_url_apart() {
     );
 }
 
+/// A client's secret file that group or others may read is used, with a warning naming
+/// `chmod 600` (a platform may mount it 0644); at 0600 nothing is said.
+#[test]
+fn a_client_secret_others_may_read_is_warned_of() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, server) = start_server(&dir.path().join("leases"));
+    let token = dir.path().join("token");
+    std::fs::write(&token, "client-0123456789abcdefghij\n").unwrap();
+    let status = |mode: u32| {
+        std::fs::set_permissions(&token, std::fs::Permissions::from_mode(mode)).unwrap();
+        let out = fence(&[
+            "claim",
+            "--server",
+            &server,
+            "--job",
+            &format!("j-{mode:o}"),
+            "--auth-token-file",
+            token.to_str().unwrap(),
+        ]);
+        assert_success(&out);
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let said = status(0o644);
+    assert!(said.contains("chmod 600") && said.contains("mode 644"), "{said}");
+    let said = status(0o600);
+    assert!(!said.contains("chmod 600"), "{said}");
+}
+
 #[test]
 fn demo_runs_the_worked_example() {
     let out = Command::new(FENCE)
