@@ -337,6 +337,44 @@ def test_asyncio_renewals_do_not_queue_behind_waiting_claims(stack):
     asyncio.run(main())
 
 
+def test_asyncio_claims_under_way_are_bounded_and_renewals_are_not(stack):
+    """Each call under way takes threads: claims (and status reads) of one AsyncClient are
+    at most ``max_calls`` at once, a cancelled one keeping its place until its thread ends;
+    the keeper's renewals never wait for a place. 20 claims wait here with 4 places while a
+    2 s lease must be renewed all along."""
+    s = stack(proxy=False)
+    Client(s.server_url, owner="holder", ttl=30.0).claim("busy-cap")
+
+    def call_threads() -> int:
+        return sum(1 for t in threading.enumerate() if t.name == "fence-call")
+
+    async def main() -> None:
+        with pytest.raises(ValueError):
+            AsyncClient(s.server_url, max_calls=0)
+        client = AsyncClient(s.server_url, owner="waiter", ttl=2.0, max_calls=4)
+        lease = await client.claim("kept-cap")
+        async def wait_for_busy() -> None:
+            await client.claim("busy-cap", wait=10.0)
+
+        waiting = [asyncio.create_task(wait_for_busy()) for _ in range(20)]
+        most = 0
+        try:
+            for _ in range(30):  # 3 s: 1.5 TTLs, more than one renewal
+                await asyncio.sleep(0.1)
+                most = max(most, call_threads())
+            assert not lease.is_lost(), lease.loss_reason
+            assert not any(t.done() for t in waiting), "a waiting claim ended early"
+        finally:
+            for t in waiting:
+                t.cancel()
+            await asyncio.gather(*waiting, return_exceptions=True)
+        # Two threads per call under way (one sends, one bounds its time).
+        assert 8 <= most <= 10, f"{most} threads: 4 claims and at most one renewal"
+        await lease.release()
+
+    asyncio.run(main())
+
+
 def test_an_asyncio_call_under_way_does_not_keep_the_process_alive(stack):
     """A program whose loop ended while a call was under way (a waiting claim whose caller gave
     up) exits at once: before, the call's pool thread was joined at exit, and the process

@@ -31,9 +31,11 @@ from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF
 from ._wire import check_job, check_slots, encode_job, margin_ms, monotonic
 
 
-async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """``fn(*args, **kwargs)`` in a daemon thread of its own, awaited, in the caller's context
-    (its context variables: a tracer's span, as ``asyncio.to_thread`` keeps them).
+async def _in_thread(fn: Callable[..., Any], *args: Any,
+                     then: Optional[Callable[[], None]] = None) -> Any:
+    """``fn(*args)`` in a daemon thread of its own, awaited, in the caller's context (its
+    context variables: a tracer's span, as ``asyncio.to_thread`` keeps them); ``then()`` is
+    called in the loop once the thread has ended, even when the caller was cancelled before.
 
     A thread per call, never a pool: a call never queues behind another, so renewals cannot
     wait while waiting claims (held at the server for up to a minute) or retried releases take
@@ -46,6 +48,8 @@ async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     context = contextvars.copy_context()
 
     def settle(ok: bool, outcome: Any) -> None:
+        if then is not None:
+            then()
         if future.done():  # the caller was cancelled: nobody wants the outcome
             return
         if ok:
@@ -55,7 +59,7 @@ async def _in_thread(fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
 
     def run() -> None:
         try:
-            ok, outcome = True, context.run(fn, *args, **kwargs)
+            ok, outcome = True, context.run(fn, *args)
         except BaseException as e:  # noqa: BLE001 - handed to the awaiting task
             ok, outcome = False, e
         try:
@@ -210,7 +214,30 @@ class _Claim:
 
 
 class AsyncClient(ClientCore):
-    """The asyncio twin of :class:`fence_client.Client`, with the same options."""
+    """The asyncio twin of :class:`fence_client.Client`, with the same options, and
+    ``max_calls``: how many claims and status reads of this client may be under way at once
+    (64; each takes two threads while under way). Past it they wait for one to end. Renewals,
+    checkpoints, releases and completions of held leases never wait for this: a lease's
+    keeper is never held up by claims waiting at the server."""
+
+    def __init__(self, server: Optional[str] = None, *, max_calls: int = 64,
+                 **options: Any) -> None:
+        if isinstance(max_calls, bool) or not isinstance(max_calls, int) or max_calls < 1:
+            raise ValueError("max_calls must be a whole number of at least 1")
+        super().__init__(server, **options)
+        self.max_calls = max_calls
+        self._call_slots: Optional[Tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = None
+
+    async def _place(self) -> Callable[[], None]:
+        """Waits for one of the ``max_calls`` places for claims and status reads; returns what
+        gives it back. The place is held until the call's thread ends, its caller cancelled or
+        not, so the threads stay bounded too. One set of places per event loop."""
+        loop = asyncio.get_running_loop()
+        if self._call_slots is None or self._call_slots[0] is not loop:
+            self._call_slots = (loop, asyncio.Semaphore(self.max_calls))
+        places = self._call_slots[1]
+        await places.acquire()
+        return places.release
 
     def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
               on_success: str = "complete", lock_delay: Optional[float] = None) -> _Claim:
@@ -236,10 +263,11 @@ class AsyncClient(ClientCore):
         wait_until = monotonic() + max(wait, 0.0)
         backoff = SLOT_BACKOFF_FIRST
         while True:
-            sent = monotonic()
             try:
-                answer = await _in_thread(self._transport.call, "POST", path, body,
-                                                 budget)
+                done = await self._place()
+                sent = monotonic()  # a claim's time counts from when it is sent
+                answer = await _in_thread(self._transport.call, "POST", path, body, budget,
+                                          then=done)
                 break
             except ProtocolError as e:
                 raise may_be_held(e, False) from e
@@ -263,10 +291,12 @@ class AsyncClient(ClientCore):
             while True:
                 chunk = min(wait_until - monotonic(), 60.0)
                 chunk = chunk if chunk >= 0.001 else 0.0
-                sent = monotonic()
                 try:
+                    done = await self._place()
+                    sent = monotonic()
                     answer = await _in_thread(self._transport.call, "POST",
-                                              claim_path(job, chunk), body, budget + chunk)
+                                              claim_path(job, chunk), body, budget + chunk,
+                                              then=done)
                     break
                 except LeaseHeld:
                     if chunk <= 0 or monotonic() >= wait_until:
@@ -321,4 +351,4 @@ class AsyncClient(ClientCore):
     async def status(self, job: str) -> Dict[str, Any]:
         """The job's lease record, as :meth:`fence_client.Client.status`."""
         path = f"/v1/leases/{encode_job(job)}"
-        return await _in_thread(self._transport.call, "GET", path)
+        return await _in_thread(self._transport.call, "GET", path, then=await self._place())
