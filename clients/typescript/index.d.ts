@@ -30,6 +30,10 @@ export interface ClaimOptions {
   ttlMs?: number;
   /** The lock-delay of this claim's lease, instead of the client's. */
   lockDelayMs?: number;
+  /**
+   * Gives the claim up when it aborts (as fetch's `signal`): the call rejects with `signal.reason` (an AbortError DOMException by default) at once, whether aborted before anything was sent, between attempts of a wait, or with a request under way (which is cut). A cut request may have been granted at the server: its lease key is kept for the next claim of the job, which gets that grant back. A grant whose answer was read after the abort is given back (released), no keeper started. Not an AbortSignal (nor undefined or null): TypeError before sending. In `run`, it applies to the claim only.
+   */
+  signal?: AbortSignal | null;
 }
 
 /** Options of Client.claimSlot. */
@@ -40,6 +44,8 @@ export interface ClaimSlotOptions {
   ttlMs?: number;
   /** The lock-delay of this claim's lease, instead of the client's. */
   lockDelayMs?: number;
+  /** Gives the claim up when it aborts, as ClaimOptions.signal: rejects with `signal.reason` at once (a backoff pause ended, a request under way cut); a grant whose answer was read after the abort is given back. No key is kept for a semaphore: a slot claim cut under way that the server had granted holds its slot until its TTL ends. Not an AbortSignal (nor undefined or null): TypeError before sending. */
+  signal?: AbortSignal | null;
 }
 
 export interface RunOptions extends ClaimOptions {
@@ -62,11 +68,11 @@ export class Client {
   readonly owner: string;
   readonly ttlMs: number;
   readonly lockDelayMs: number | undefined;
-  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, GrantTooShort (a grant no longer than the safety margin, given back), ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504), the next claim of the job asks with the same lease key, so a lost grant comes back. A 200 that does not follow the contract rejects with ProtocolError: the grant is given back when the answer names its generation, else its key is kept for the next claim as after a lost answer. */
+  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, GrantTooShort (a grant no longer than the safety margin, given back), ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504), the next claim of the job asks with the same lease key, so a lost grant comes back. A 200 that does not follow the contract rejects with ProtocolError: the grant is given back when the answer names its generation, else its key is kept for the next claim as after a lost answer. With `signal`, rejects with its reason when it aborts (see ClaimOptions.signal). */
   claim(job: string, options?: ClaimOptions): Promise<Lease>;
   /**
    * Claims one of `slots` (1 to 1000) slots of semaphore `resource` and starts its keeper: a lease on the slot's job `<resource>#<slot>`, with `resource` and `slot` set. Release or complete it when done: completing a slot releases it (the server frees the slot; the record's `state` is 'free').
-   * Rejects with LeaseHeld (every slot taken when the wait ends; `problem.job` is the slot that frees first; LockDelay in its lock-delay), SemaphoreSize (held under another number of slots), ProblemError, ServerUnreachable; before sending, with InvalidJobId for a resource that is not 1 to 251 visible ASCII characters or holds '#', RangeError for slots outside 1 to 1000.
+   * Rejects with LeaseHeld (every slot taken when the wait ends; `problem.job` is the slot that frees first; LockDelay in its lock-delay), SemaphoreSize (held under another number of slots), ProblemError, ServerUnreachable; before sending, with InvalidJobId for a resource that is not 1 to 251 visible ASCII characters or holds '#', RangeError for slots outside 1 to 1000. With `signal`, rejects with its reason when it aborts (see ClaimSlotOptions.signal).
    */
   claimSlot(resource: string, slots: number, options?: ClaimSlotOptions): Promise<Lease>;
   /** Claims, runs `fn`, completes on success (or releases with onSuccess 'release'), releases on a throw; rejects with LeaseLost when the lease was lost meanwhile. */

@@ -25,7 +25,43 @@ const SLOT_BACKOFF_MAX_MS = 500;
 // The least time between two sends of one waiting claim.
 const MIN_WAITING_CLAIM_GAP_MS = 50;
 
-const pause = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+/**
+ * Resolves after `ms`; rejects with the signal's reason the moment `signal` aborts (its timer
+ * cleared, so an abandoned claim keeps nothing alive).
+ * @param {number} ms
+ * @param {AbortSignal} [signal]
+ */
+function pause(ms, signal) {
+  return new Promise((resolve, reject) => {
+    if (signal?.aborted) {
+      reject(signal.reason);
+      return;
+    }
+    const done = () => {
+      clearTimeout(timer);
+      reject(signal.reason);
+    };
+    const timer = setTimeout(() => {
+      signal?.removeEventListener('abort', done);
+      resolve();
+    }, ms);
+    signal?.addEventListener('abort', done, { once: true });
+  });
+}
+
+/**
+ * A claim's `signal` option: an AbortSignal, or none (undefined, or null as fetch takes it);
+ * anything else a TypeError, before anything is sent.
+ * @param {unknown} signal
+ * @returns {AbortSignal | undefined}
+ */
+function checkSignal(signal) {
+  if (signal === undefined || signal === null) return undefined;
+  if (!(signal instanceof AbortSignal)) {
+    throw new TypeError(`a claim's signal is an AbortSignal, not ${Object.prototype.toString.call(signal)}`);
+  }
+  return signal;
+}
 
 // The most lease keys of claims with lost answers a client keeps (see Client#unsettled).
 const MAX_UNSETTLED = 10_000;
@@ -114,13 +150,21 @@ export class Client {
    * was lost (ServerUnreachable, a 502, 503 or 504: it may have been granted), the next claim of
    * the job asks with the same lease key, so that grant comes back rather than the job being
    * held, by this owner, until it expires.
+   *
+   * With `signal`, the claim can be given up (a wait cut short, a request handler that gave
+   * up): when it aborts, the call rejects with its reason at once, whether it was waiting
+   * between attempts or had a request under way (which is cut). A request cut may have been
+   * granted at the server, so its key is kept for the next claim of the job, as after a lost
+   * answer; a grant whose answer was read after the abort is given back, no keeper started.
    * @param {string} job
-   * @param {{waitMs?: number, ttlMs?: number, lockDelayMs?: number}} [options]
+   * @param {{waitMs?: number, ttlMs?: number, lockDelayMs?: number, signal?: AbortSignal}} [options]
    * @returns {Promise<Lease>}
    */
   async claim(job, options = {}) {
     checkJob(job);
     this.#claimTtl(options); // refused before the kept key is taken
+    const signal = checkSignal(options.signal);
+    signal?.throwIfAborted(); // nothing sent, and the kept key stays kept
     const kept = this.#unsettled.get(job);
     this.#unsettled.delete(job);
     const { key, body, ttlMs, budget } = this.#claimBody(options, kept !== undefined && now() < kept.until ? kept.key : undefined);
@@ -128,29 +172,35 @@ export class Client {
     let answer;
     let sent;
     for (;;) {
+      signal?.throwIfAborted(); // after a refusal (LeaseHeld): nothing granted, no key to keep
       let chunk = Math.min(waitUntil - now(), 60_000);
       chunk = chunk >= 1 ? Math.floor(chunk) : 0;
       const path = `/v1/leases/${encodeJob(job)}/claim${chunk > 0 ? `?wait=${chunk}ms` : ''}`;
       sent = now();
       try {
-        answer = await this.#transport.call('POST', path, body, budget + chunk);
+        // The signal cuts the request (the transport's own timeout stands beside it).
+        answer = await this.#transport.call('POST', path, body, budget + chunk, signal);
         break;
       } catch (e) {
+        // A request cut by the signal fails as ServerUnreachable: it may have been granted
+        // at the server, so its key is kept, as for any lost answer.
         if (answerLost(e)) this.#keepUnsettled(job, key, now() + ttlMs);
         if (e instanceof ProtocolError) {
           // A 200 this client cannot read (not a JSON object, too large) may be a grant, which
           // no release can name: the same key gets it back.
           this.#keepUnsettled(job, key, now() + ttlMs);
+          if (signal?.aborted) throw signal.reason;
           throw mayBeHeld(e, true);
         }
+        if (signal?.aborted) throw signal.reason;
         if (!(e instanceof LeaseHeld) || chunk === 0 || now() >= waitUntil) throw e;
       }
       // A server that holds claims only briefly (its --max-claim-wait) would otherwise be asked
       // again at once, round trip after round trip: at most one claim per 50 ms.
       const gap = Math.min(sent + MIN_WAITING_CLAIM_GAP_MS - now(), waitUntil - now());
-      if (gap > 0) await pause(gap);
+      if (gap > 0) await pause(gap, signal);
     }
-    return this.#leaseFrom(job, key, ttlMs, sent, answer);
+    return this.#leaseFrom(job, key, ttlMs, sent, answer, undefined, signal);
   }
 
   /**
@@ -173,15 +223,23 @@ export class Client {
    * held under another number, its `slots`), ProblemError, ServerUnreachable; and before
    * sending anything with InvalidJobId for a resource name that is not 1 to 251 visible ASCII
    * characters or holds '#', RangeError for `slots` outside 1 to 1000.
+   *
+   * With `signal`, the claim can be given up as `claim`'s can: when it aborts, the call rejects
+   * with its reason at once (a backoff pause ended, a request under way cut), and a grant whose
+   * answer was read after the abort is given back. A slot claim cut under way may have been
+   * granted at the server: no key is kept for a semaphore, so that slot is held until its TTL
+   * ends.
    * @param {string} resource
    * @param {number} slots
-   * @param {{waitMs?: number, ttlMs?: number, lockDelayMs?: number}} [options]
+   * @param {{waitMs?: number, ttlMs?: number, lockDelayMs?: number, signal?: AbortSignal}} [options]
    * @returns {Promise<Lease>}
    */
   async claimSlot(resource, slots, options = {}) {
     const path = `/v1/semaphores/${encodeJob(checkResource(resource))}/claim`;
     checkSlots(slots);
     const { key, body, ttlMs, budget } = this.#claimBody(options);
+    const signal = checkSignal(options.signal);
+    signal?.throwIfAborted();
     body.slots = slots;
     const waitUntil = now() + Math.max(options.waitMs ?? 0, 0);
     let backoff = SLOT_BACKOFF_FIRST_MS;
@@ -190,9 +248,10 @@ export class Client {
     for (;;) {
       sent = now();
       try {
-        answer = await this.#transport.call('POST', path, body, budget);
+        answer = await this.#transport.call('POST', path, body, budget, signal);
         break;
       } catch (e) {
+        if (signal?.aborted) throw signal.reason;
         const left = waitUntil - now();
         let wait;
         if (e instanceof LeaseHeld) {
@@ -204,7 +263,7 @@ export class Client {
         }
         if (e instanceof ProtocolError) throw mayBeHeld(e, false);
         if (wait === undefined || left <= 0) throw e;
-        await pause(Math.min(wait, left));
+        await pause(Math.min(wait, left), signal);
         backoff = Math.min(backoff * 2, SLOT_BACKOFF_MAX_MS);
       }
     }
@@ -212,9 +271,10 @@ export class Client {
     if (!Number.isInteger(slot) || slot < 1 || slot > slots || job !== `${resource}#${slot}` || answer.resource !== resource) {
       // Which slot's job the grant is on is not known, so no release can name it; a key is
       // not kept for a semaphore (each call claims under a key of its own).
-      throw mayBeHeld(new ProtocolError(`a claim of semaphore ${resource} (${slots} slots) was answered with job ${job}, slot ${slot}`), false);
+      const error = mayBeHeld(new ProtocolError(`a claim of semaphore ${resource} (${slots} slots) was answered with job ${job}, slot ${slot}`), false);
+      throw signal?.aborted ? signal.reason : error;
     }
-    return this.#leaseFrom(job, key, ttlMs, sent, answer, { resource, slot });
+    return this.#leaseFrom(job, key, ttlMs, sent, answer, { resource, slot }, signal);
   }
 
   // A claim's lease key, body, TTL and time budget per request (ms); the options checked here.
@@ -253,7 +313,21 @@ export class Client {
   // it names none, a plain claim's key is kept, so the next claim gets that lease back; not
   // both: a claim asked again with the key before the release landed would get the grant
   // back, and the release would then free the job under its new holder.
-  async #leaseFrom(job, key, ttlMs, sent, answer, slot) {
+  //
+  // A claim whose `signal` aborted rejects with its reason, whatever else befell the grant
+  // (given back or its key kept as above); a grant that follows the contract is given back
+  // (its answer read after the abort, or the abort during the renewal below), no keeper
+  // started: nobody would hold the lease it kept.
+  async #leaseFrom(job, key, ttlMs, sent, answer, slot, signal) {
+    try {
+      return await this.#grantedLease(job, key, ttlMs, sent, answer, slot, signal);
+    } catch (e) {
+      if (signal?.aborted) throw signal.reason;
+      throw e;
+    }
+  }
+
+  async #grantedLease(job, key, ttlMs, sent, answer, slot, signal) {
     if (typeof answer.generation !== 'bigint' || answer.generation < 1n) {
       if (slot === undefined) this.#keepUnsettled(job, key, now() + ttlMs);
       throw mayBeHeld(new ProtocolError(`a claim of ${job} granted generation ${answer.generation}`), slot === undefined);
@@ -276,14 +350,18 @@ export class Client {
     // A claim that waited long arrives with little time left: renew once, now, and count the
     // deadline from this send (against the grant, which may be shorter than asked).
     const usable = lease.deadline - sent;
-    if (lease.deadline - now() < (usable * 2) / 3) {
+    if (!signal?.aborted && lease.deadline - now() < (usable * 2) / 3) {
       sent = now();
       try {
-        lease._setGrant(sent, await lease._sendRenew(usable), true);
+        lease._setGrant(sent, await lease._sendRenew(usable, signal), true);
       } catch (e) {
         lease._giveBack(); // not renewed: not held for a known time
         throw e;
       }
+    }
+    if (signal?.aborted) {
+      lease._giveBack(); // the claim was given up: nobody would hold this lease
+      throw signal.reason;
     }
     if (now() >= lease.deadline) {
       lease._giveBack();
