@@ -100,7 +100,10 @@ fn a_client_secret_others_may_read_is_warned_of() {
         String::from_utf8_lossy(&out.stderr).into_owned()
     };
     let said = status(0o644);
-    assert!(said.contains("chmod 600") && said.contains("mode 644"), "{said}");
+    assert!(
+        said.contains("chmod 600") && said.contains("mode 644"),
+        "{said}"
+    );
     let said = status(0o600);
     assert!(!said.contains("chmod 600"), "{said}");
 }

@@ -647,12 +647,19 @@ fn a_down_upstream_is_logged_rate_limited_and_not_named_to_clients() {
         let (status, answer) = exchange(&addr, "GET", "/r", &[], "");
         assert_eq!(status, 502, "{answer}");
         assert!(answer.contains("upstream-unavailable"), "{answer}");
-        assert!(!answer.contains(&dead), "the answer names the upstream: {answer}");
+        assert!(
+            !answer.contains(&dead),
+            "the answer names the upstream: {answer}"
+        );
     }
     let first = log.wait_for("upstream failed");
     assert!(first.contains(&dead), "the log names the upstream: {first}");
     std::thread::sleep(Duration::from_millis(200));
-    let logged = log.text().lines().filter(|l| l.contains("upstream failed")).count();
+    let logged = log
+        .text()
+        .lines()
+        .filter(|l| l.contains("upstream failed"))
+        .count();
     assert_eq!(logged, 10, "25 failures in one window:\n{}", log.text());
 }
 

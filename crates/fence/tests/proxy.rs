@@ -608,7 +608,10 @@ async fn upstream_down_gives_502_problem() {
     let p = answer.assert_problem(502, "urn:fence:upstream-unavailable");
     let detail = p["detail"].as_str().unwrap();
     assert!(detail.starts_with("the upstream failed: "), "{detail}");
-    assert!(!detail.contains(&dead.to_string()), "names the upstream: {detail}");
+    assert!(
+        !detail.contains(&dead.to_string()),
+        "names the upstream: {detail}"
+    );
     let get = send(proxy.addr, Request::get("/r").body(full("")).unwrap()).await;
     get.assert_problem(502, "urn:fence:upstream-unavailable");
     proxy.shutdown().await;

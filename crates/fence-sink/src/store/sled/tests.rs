@@ -338,5 +338,9 @@ async fn a_wall_clock_step_after_the_open_is_not_time_passed() {
     clock.step_ms(3_600_000);
     let prior = store.load(&job).await.unwrap().prior.expect("stamps");
     assert_eq!(prior.opened_ms, opened);
-    assert_eq!(prior.now_ms, opened + 2_000, "the step counted as time passed");
+    assert_eq!(
+        prior.now_ms,
+        opened + 2_000,
+        "the step counted as time passed"
+    );
 }
