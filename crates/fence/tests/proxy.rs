@@ -1274,6 +1274,28 @@ async fn a_request_the_upstream_may_have_seen_is_not_sent_twice() {
     proxy.shutdown().await;
 }
 
+/// An HTTP/2 client may send each cookie as a field of its own; the HTTP/1.1 upstream gets
+/// them joined into one `Cookie` field with `; ` (RFC 9113 section 8.2.3), which servers
+/// that read one field alone need. One field, or an HTTP/1.1 client's, passes as sent.
+#[tokio::test]
+async fn an_http2_clients_cookies_reach_the_upstream_as_one_field() {
+    let upstream = Upstream::start().await;
+    let proxy = Proxy::start(MemoryStore::new(), config(upstream.url())).await;
+    let mut sender = h2c(proxy.addr).await;
+    let req = Request::get(format!("http://{}/r", proxy.addr))
+        .header("cookie", "a=1")
+        .header("cookie", "b=2")
+        .header("cookie", "c=3")
+        .body(full(""))
+        .unwrap();
+    let response = sender.send_request(req).await.unwrap();
+    assert_eq!(response.status(), 200);
+    let seen = upstream.seen();
+    let cookies: Vec<_> = seen[0].headers.get_all("cookie").iter().collect();
+    assert_eq!(cookies, ["a=1; b=2; c=3"]);
+    proxy.shutdown().await;
+}
+
 #[tokio::test]
 async fn an_http2_client_gets_its_concurrent_requests_through_at_once() {
     let upstream = Upstream::start().await;

@@ -87,9 +87,34 @@ pub(super) fn to_upstream(
     if via {
         append_via(headers, parts.version);
     }
+    if parts.version == Version::HTTP_2 {
+        join_cookies(headers);
+    }
     parts.uri = uri;
     // The upstream connections speak HTTP/1.1, whatever the client spoke to us.
     parts.version = Version::HTTP_11;
+}
+
+/// Joins an HTTP/2 client's cookie fields into one, with `; ` (RFC 9113 section 8.2.3): an
+/// HTTP/2 client may send each cookie as a field of its own, and an HTTP/1.1 request must
+/// carry at most one `Cookie` field (RFC 6265 section 5.4), which many servers read alone.
+fn join_cookies(headers: &mut HeaderMap) {
+    use http::header::COOKIE;
+    let mut fields = headers.get_all(COOKIE).iter();
+    if fields.next().is_none() || fields.next().is_none() {
+        return;
+    }
+    let mut joined: Vec<u8> = Vec::new();
+    for field in headers.get_all(COOKIE) {
+        if !joined.is_empty() {
+            joined.extend_from_slice(b"; ");
+        }
+        joined.extend_from_slice(field.as_bytes());
+    }
+    // Joined from valid field values with "; ": valid too.
+    if let Ok(joined) = HeaderValue::from_bytes(&joined) {
+        headers.insert(COOKIE, joined);
+    }
 }
 
 /// Removes the hop-by-hop headers and every header the `Connection` header names. On a
