@@ -30,7 +30,9 @@ pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// Milliseconds on a clock that only moves forward, at the rate of real time, from an
     /// arbitrary start: what measures time *within* one process, where a step of the wall
     /// clock (NTP after a boot) must not count as time passed. The default reads the
-    /// operating system's monotonic clock.
+    /// operating system's monotonic clock: a clock of your own that moves time by hand (for
+    /// tests) implements this too, or the sled sink store's restart wait and forgetting
+    /// count only real time passed since it was opened.
     fn monotonic_ms(&self) -> u64 {
         static START: std::sync::LazyLock<std::time::Instant> =
             std::sync::LazyLock::new(std::time::Instant::now);

@@ -334,7 +334,11 @@ impl GenerationStore for SledStore {
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
-        let before_ms = self.clock.now_ms().saturating_sub(ms(page.idle_for));
+        // Idle by the earlier of the wall clock and the time since the open: a wall clock
+        // stepped forward since (NTP after a boot) must not age every stamp by its step and
+        // forget a job whose earlier process's request may still be running.
+        let now_ms = self.clock.now_ms().min(self.since_open_ms());
+        let before_ms = now_ms.saturating_sub(ms(page.idle_for));
         let start = match page.after {
             Some(a) => {
                 std::ops::Bound::Excluded(stamp_key(a.touched_ms, a.job.as_str().as_bytes()))

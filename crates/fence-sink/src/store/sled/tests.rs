@@ -343,4 +343,14 @@ async fn a_wall_clock_step_after_the_open_is_not_time_passed() {
         opened + 2_000,
         "the step counted as time passed"
     );
+    // Nor does forgetting take the step for time passed: the job is not idle for an hour.
+    let idle = store
+        .idle(IdlePage {
+            idle_for: Duration::from_secs(600),
+            after: None,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    assert_eq!(idle, [], "the step made the job look idle");
 }
