@@ -1080,11 +1080,12 @@ struct Effect {
 /// Long enough for the proxy to have forgotten a job idle since (its `--forget-after 4s`,
 /// which it stretches to what a request of a crashed proxy may still run: the upstream
 /// timeout, 3 s, plus a keyed request's wait for its record (the store timeout, 5 s), plus
-/// the hold, [`SLOWEST_WORK`] + 500 ms; counted from a stamp up to
+/// what a keyed answer may stream on (the body timeout, 1 s), plus the hold,
+/// [`SLOWEST_WORK`] + 500 ms; counted from a stamp up to
 /// `STAMP_AHEAD_MS` ahead of the last admission, a pass every eighth of that, and a second of
 /// slack): the stops and held writes meant to outlast it.
 const PAST_FORGETTING_MS: u64 = {
-    let forgets_after = 3_000 + 5_000 + SLOWEST_WORK.as_millis() as u64 + 500;
+    let forgets_after = 3_000 + 5_000 + 1_000 + SLOWEST_WORK.as_millis() as u64 + 500;
     forgets_after + fence_sink::STAMP_AHEAD_MS + forgets_after / 8 + 1_000
 };
 

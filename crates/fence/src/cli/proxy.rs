@@ -118,9 +118,9 @@ pub struct ProxyArgs {
     #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = parse_timeout, env = "FENCE_DRAIN_TIMEOUT")]
     pub drain_timeout: Duration,
     /// How long a request may take upstream before 504. After a restart, a job that had
-    /// requests admitted within this (or --body-timeout, if longer; plus
-    /// --unknown-outcome-hold) before it lets no newer token through until they could no
-    /// longer be running upstream.
+    /// requests admitted within this (or --body-timeout, if longer; with idempotency plus
+    /// the store timeout, 5 s, and --body-timeout again; plus --unknown-outcome-hold) before
+    /// it lets no newer token through until they could no longer be running upstream.
     #[arg(long, allow_hyphen_values = true, default_value = "60s", value_parser = parse_timeout, env = "FENCE_UPSTREAM_TIMEOUT")]
     pub upstream_timeout: Duration,
     /// How long a fenced request's body may take to arrive, from admission. A slower body
@@ -173,8 +173,9 @@ pub struct ProxyArgs {
     /// 10 years; default: never). Needs --verify-key, and at least --max-lease-ttl plus
     /// twice --clock-skew: a stale write to a forgotten job is then still refused, as
     /// token-expired. On --data-dir, never sooner than --unknown-outcome-hold plus the later
-    /// of --upstream-timeout and --body-timeout: what a crashed proxy passed on may run that
-    /// long (the proxy logs the window it uses).
+    /// of --upstream-timeout and --body-timeout (with idempotency, plus the store timeout,
+    /// 5 s, and --body-timeout again): what a crashed proxy passed on may run that long (the
+    /// proxy logs the window it uses).
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
     pub forget_after: Option<Duration>,
     /// The longest lease the lease server grants: keep it equal to the server's --max-ttl.
