@@ -89,8 +89,8 @@ impl Upstream {
                 return problem(Problem::new(
                     ProblemType::BadRequest,
                     format!(
-                        "the request target {} cannot be forwarded to {}: {e}",
-                        parts.uri, self.target.display
+                        "the request target {} cannot be forwarded upstream: {e}",
+                        parts.uri
                     ),
                 ));
             }
@@ -114,10 +114,7 @@ impl Upstream {
             self.outcomes.bad_target.record(started);
             return problem(Problem::new(
                 ProblemType::BadRequest,
-                format!(
-                    "the gRPC call cannot be forwarded to {}: {e}",
-                    self.target.display
-                ),
+                format!("the gRPC call cannot be forwarded upstream: {e}"),
             ));
         }
         // Taken before anything is sent and outside the upstream timeout: a refusal here is
