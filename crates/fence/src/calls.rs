@@ -46,22 +46,26 @@ fn secret(
     flag: &str,
     var: &str,
 ) -> anyhow::Result<Option<BearerToken>> {
-    let (token, source) = match file {
+    match file {
         Some(file) => {
             warn_if_others_may_read(file, flag);
-            (
-                std::fs::read_to_string(file)
-                    .with_context(|| format!("cannot read {flag} {}", file.display()))?,
-                format!("{flag} {}", file.display()),
-            )
+            read_secret(file, flag)
         }
         None => match std::env::var(var) {
-            Ok(token) => (token, var.to_owned()),
-            Err(_) => return Ok(None),
+            Ok(token) => Ok(Some(
+                BearerToken::new(token).with_context(|| format!("the bearer secret in {var}"))?,
+            )),
+            Err(_) => Ok(None),
         },
-    };
+    }
+}
+
+/// The bearer secret in `file` (given as `flag`).
+fn read_secret(file: &std::path::Path, flag: &str) -> anyhow::Result<Option<BearerToken>> {
+    let token = std::fs::read_to_string(file)
+        .with_context(|| format!("cannot read {flag} {}", file.display()))?;
     Ok(Some(BearerToken::new(token).with_context(|| {
-        format!("the bearer secret in {source}")
+        format!("the bearer secret in {flag} {}", file.display())
     })?))
 }
 
@@ -551,7 +555,8 @@ fn sink_failure(e: &StoreError) -> String {
 pub async fn healthcheck(a: HealthcheckCmd) -> anyhow::Result<i32> {
     let bearer = match a.auth_token_file.as_deref() {
         Some(file) => {
-            secret(Some(file), "--auth-token-file", "").map_err(crate::Usage::from_error)?
+            // Not warned of here: a platform's 0644 secret would say so at every probe.
+            read_secret(file, "--auth-token-file").map_err(crate::Usage::from_error)?
         }
         None => None,
     };
@@ -576,6 +581,7 @@ pub async fn healthcheck(a: HealthcheckCmd) -> anyhow::Result<i32> {
             // mislead, so a transport failure is told by its cause alone.
             let why = match &e {
                 StoreError::Io(cause) => fence_storage::error_chain(cause.as_ref()),
+                StoreError::Timeout(within) => format!("no answer within {within:?}"),
                 other => fence_storage::error_chain(other),
             };
             eprintln!("fence healthcheck: {}/healthz: {why}", target.base_url());
