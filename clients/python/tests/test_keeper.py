@@ -351,7 +351,7 @@ def test_asyncio_claims_under_way_are_bounded_and_renewals_are_not(stack):
     async def main() -> None:
         with pytest.raises(ValueError):
             AsyncClient(s.server_url, max_calls=0)
-        client = AsyncClient(s.server_url, owner="waiter", ttl=2.0, max_calls=4)
+        client = AsyncClient(s.server_url, owner="waiter", ttl=2.0, max_calls=4, timeout=1.5)
         lease = await client.claim("kept-cap")
         async def wait_for_busy() -> None:
             await client.claim("busy-cap", wait=10.0)
@@ -364,6 +364,13 @@ def test_asyncio_claims_under_way_are_bounded_and_renewals_are_not(stack):
                 most = max(most, call_threads())
             assert not lease.is_lost(), lease.loss_reason
             assert not any(t.done() for t in waiting), "a waiting claim ended early"
+            # With every place taken, a claim that waits 1.5 s for one (the client's timeout)
+            # is refused then, with nothing sent, not held for a place for the 10 s others
+            # wait.
+            asked = time.monotonic()
+            with pytest.raises(ServerUnreachable, match="max_calls"):
+                await client.claim("free-cap")
+            assert time.monotonic() - asked < 4.0
         finally:
             for t in waiting:
                 t.cancel()

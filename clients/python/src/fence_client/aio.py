@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
+import weakref
 from types import TracebackType
 from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, Type
 
@@ -67,7 +68,12 @@ async def _in_thread(fn: Callable[..., Any], *args: Any,
         except RuntimeError:
             pass  # the loop is closed: nobody awaits the call any more
 
-    threading.Thread(target=run, name="fence-call", daemon=True).start()
+    try:
+        threading.Thread(target=run, name="fence-call", daemon=True).start()
+    except BaseException:
+        if then is not None:
+            then()  # no thread: its place is free again
+        raise
     return await future
 
 
@@ -216,7 +222,9 @@ class _Claim:
 class AsyncClient(ClientCore):
     """The asyncio twin of :class:`fence_client.Client`, with the same options, and
     ``max_calls``: how many claims and status reads of this client may be under way at once
-    (64; each takes two threads while under way). Past it they wait for one to end. Renewals,
+    (64; each takes two threads while under way). Past it they wait for one to end, within
+    their ``wait`` and at least the client's ``timeout`` (then :class:`ServerUnreachable`,
+    nothing sent). Renewals,
     checkpoints, releases and completions of held leases never wait for this: a lease's
     keeper is never held up by claims waiting at the server."""
 
@@ -226,17 +234,24 @@ class AsyncClient(ClientCore):
             raise ValueError("max_calls must be a whole number of at least 1")
         super().__init__(server, **options)
         self.max_calls = max_calls
-        self._call_slots: Optional[Tuple[asyncio.AbstractEventLoop, asyncio.Semaphore]] = None
+        self._call_slots: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
 
-    async def _place(self) -> Callable[[], None]:
+    async def _place(self, until: Optional[float] = None) -> Callable[[], None]:
         """Waits for one of the ``max_calls`` places for claims and status reads; returns what
         gives it back. The place is held until the call's thread ends, its caller cancelled or
-        not, so the threads stay bounded too. One set of places per event loop."""
+        not. One set of places per event loop. Waits until ``until`` (monotonic), and at least
+        the client's timeout; then raises :class:`ServerUnreachable`, nothing sent."""
         loop = asyncio.get_running_loop()
-        if self._call_slots is None or self._call_slots[0] is not loop:
-            self._call_slots = (loop, asyncio.Semaphore(self.max_calls))
-        places = self._call_slots[1]
-        await places.acquire()
+        places = self._call_slots.get(loop)
+        if places is None:
+            places = self._call_slots[loop] = asyncio.Semaphore(self.max_calls)
+        within = max(self._transport.timeout, (until or 0.0) - monotonic())
+        try:
+            await asyncio.wait_for(places.acquire(), within)
+        except asyncio.TimeoutError:
+            raise ServerUnreachable(
+                f"this client's {self.max_calls} places for claims and status reads stayed taken "
+                f"for {within:.1f} s (max_calls): nothing was sent") from None
         return places.release
 
     def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
@@ -264,7 +279,7 @@ class AsyncClient(ClientCore):
         backoff = SLOT_BACKOFF_FIRST
         while True:
             try:
-                done = await self._place()
+                done = await self._place(wait_until)
                 sent = monotonic()  # a claim's time counts from when it is sent
                 answer = await _in_thread(self._transport.call, "POST", path, body, budget,
                                           then=done)
@@ -289,10 +304,11 @@ class AsyncClient(ClientCore):
         wait_until = monotonic() + max(wait, 0.0)
         try:
             while True:
-                chunk = min(wait_until - monotonic(), 60.0)
-                chunk = chunk if chunk >= 0.001 else 0.0
                 try:
-                    done = await self._place()
+                    done = await self._place(wait_until)
+                    # What is left of the wait once a place was had.
+                    chunk = min(wait_until - monotonic(), 60.0)
+                    chunk = chunk if chunk >= 0.001 else 0.0
                     sent = monotonic()
                     answer = await _in_thread(self._transport.call, "POST",
                                               claim_path(job, chunk), body, budget + chunk,
