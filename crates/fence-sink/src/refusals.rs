@@ -7,7 +7,9 @@
 //! disk: past [`PER_WINDOW`] events of one kind from one peer in [`WINDOW`], the rest are
 //! counted, and the next event of that kind and peer says how many were left out
 //! (`suppressed`); and past [`ALL_PER_WINDOW`] from all peers together, so that many peers
-//! cannot add up to a flood either. The lease server logs its refusals through the same [`log`].
+//! cannot add up to a flood either. The lease server logs its refusals through the same [`log`],
+//! and the lease decisions it logs in events of its own (a claim of a held job, ...) under the
+//! same limit ([`admit_refusal`]).
 
 use std::{
     collections::HashMap,
@@ -104,6 +106,15 @@ pub fn log(
         s if s.is_server_error() => refused!(warn),
         _ => refused!(info),
     }
+}
+
+/// Whether a refusal of `kind` (a problem type) from `peer`, which the caller logs itself in
+/// an event of its own (the lease server's decisions, with their owner and holder), is to be
+/// logged now: `Some(how many of that kind and peer were left out since the last one logged)`,
+/// or `None` when the rate limit of [`log`], which it shares, is spent and it is counted
+/// instead.
+pub fn admit_refusal(kind: fence_core::ProblemType, peer: Option<IpAddr>) -> Option<u64> {
+    admit(kind.uri(), peer)
 }
 
 /// Logs why the `which` store failed for `job`: its whole error chain, which may name

@@ -294,6 +294,78 @@ fn every_decision_is_one_json_event_with_job_and_generation() {
     one_event(&worker_log, "lease lost", "w", 1);
 }
 
+/// A client looping claims on a held job writes no more log lines than the refusal log's
+/// limit allows one peer per kind (10 in 10 s), however many it sends: until this version the
+/// server wrote one "claim refused: held" line per request, and a loop filled the disk. A
+/// lock-delay refusal is one event, not two (the handler's and the refusal log's).
+#[test]
+fn refused_lease_decisions_from_one_peer_are_rate_limited() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("leases");
+    let (_server, addr, log) = start_logged(
+        &[
+            "--log-format",
+            "json",
+            "server",
+            "--listen",
+            "127.0.0.1:0",
+            "--data-dir",
+            data.to_str().unwrap(),
+            "--lock-delay",
+            "30s",
+        ],
+        "info",
+    );
+    let claim = |job: &str, owner: &str, ttl_ms: u32| {
+        let body = format!(
+            r#"{{"owner":"{owner}","lease_key":"{owner}-0123456789abcdefghijk","ttl_ms":{ttl_ms}}}"#
+        );
+        bearer_call(
+            &addr,
+            "POST",
+            &format!("/v1/leases/{job}/claim"),
+            None,
+            &body,
+        )
+    };
+    // The lock-delay first: its lease of 200 ms ends while the loop below runs.
+    let delayed_from = Instant::now();
+    assert_eq!(claim("d", "holder", 200).0, 200);
+    let (status, answer) = claim("busy", "holder", 60_000);
+    assert_eq!(status, 200, "{answer}");
+    let window = Instant::now();
+    const LOOPED: usize = 30;
+    for n in 0..LOOPED {
+        let (status, answer) = claim("busy", &format!("looper{n}"), 60_000);
+        assert_eq!(status, 409, "{answer}");
+    }
+    std::thread::sleep(Duration::from_millis(400).saturating_sub(delayed_from.elapsed()));
+    let (status, answer) = claim("d", "late", 1_000);
+    assert_eq!(status, 409, "{answer}");
+    assert!(answer.contains("urn:fence:lock-delay"), "{answer}");
+    eventually(
+        "the lock-delay refusal is logged",
+        Duration::from_secs(5),
+        || log.text().contains("lock-delay lets nobody claim"),
+    );
+    std::thread::sleep(Duration::from_millis(200));
+    let held = events(&log, "claim refused: held", "busy").len();
+    if window.elapsed() < Duration::from_secs(9) {
+        assert_eq!(held, 10, "{LOOPED} refused claims from one peer, 10 logged");
+    } else {
+        // A slow run reached the next window, which logs some again: still not all.
+        assert!((10..LOOPED).contains(&held), "{held} of {LOOPED} logged");
+    }
+    let delayed: Vec<_> = log
+        .text()
+        .lines()
+        .filter_map(|l| serde_json::from_str::<serde_json::Value>(l).ok())
+        .filter(|e| e["fields"]["job"] == "d" && e.to_string().contains("lock-delay"))
+        .collect();
+    assert_eq!(delayed.len(), 1, "one lock-delay event: {delayed:?}");
+    assert_eq!(delayed[0]["fields"]["type"], "urn:fence:lock-delay");
+}
+
 /// A schema of `docs/openapi.json`, `$ref`s followed.
 fn resolve<'a>(doc: &'a serde_json::Value, schema: &'a serde_json::Value) -> &'a serde_json::Value {
     match schema["$ref"].as_str() {

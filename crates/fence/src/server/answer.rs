@@ -1,6 +1,6 @@
 //! What the server answers: a store's outcome as the contract's JSON or problem, and its log.
 
-use std::time::Instant;
+use std::{net::IpAddr, time::Instant};
 
 use axum::{
     body::Body,
@@ -198,10 +198,21 @@ pub(super) struct Asking<'a> {
     pub(super) reason: Option<String>,
     /// The auth-file client that asks (none without an auth file).
     pub(super) client: Option<String>,
+    /// The address it asks from, for the rate limit of the refusals' log.
+    pub(super) peer: Option<IpAddr>,
+}
+
+/// Whether a refusal of `kind` to `asking` is logged now (`fence_sink::refusals`: at most
+/// so many per kind and peer in a window): the number left out before it, for its event's
+/// `suppressed` field (`None` when there were none), or `None` when it is left out too.
+fn logged(kind: ProblemType, asking: &Asking<'_>) -> Option<Option<u64>> {
+    fence_sink::refusals::admit_refusal(kind, asking.peer)
+        .map(|left_out| (left_out > 0).then_some(left_out))
 }
 
 /// The HTTP answer to what the store decided, logged as one event with the job and the
-/// generation (never the lease key).
+/// generation (never the lease key); a refusal under the refusal log's rate limit per kind
+/// and peer, so a client looping on a held job cannot fill a disk.
 pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answer {
     let Asking {
         action,
@@ -209,6 +220,7 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
         ..
     } = *asking;
     let owner = asking.owner.map_or("-", Owner::as_str);
+    let peer = asking.peer.map(tracing::field::display);
     let what = match action {
         Action::Claim => "claim",
         Action::Renew => "renewal",
@@ -252,8 +264,8 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
             expires_in,
             lock_delay: true,
         } => {
+            // Logged once, by the refusal log (`mark_authenticated`).
             let ms = u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX);
-            tracing::info!(job = %job, generation = generation.get(), owner = %owner, holder = %holder, claimable_in_ms = ms, "claim refused: lock-delay");
             Err(Problem::new(
                 ProblemType::LockDelay,
                 format!(
@@ -272,7 +284,9 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
             ..
         } => {
             let ms = u64::try_from(expires_in.as_millis()).unwrap_or(u64::MAX);
-            tracing::info!(job = %job, generation = generation.get(), owner = %owner, holder = %holder, expires_in_ms = ms, "claim refused: held");
+            if let Some(suppressed) = logged(ProblemType::LeaseHeld, asking) {
+                tracing::info!(job = %job, generation = generation.get(), owner = %owner, holder = %holder, expires_in_ms = ms, peer, suppressed, "claim refused: held");
+            }
             Err(Problem::new(
                 ProblemType::LeaseHeld,
                 format!("job {job} is held by {holder} for another {ms} ms"),
@@ -283,7 +297,9 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
             .with_expires_in_ms(ms))
         }
         Outcome::Completed { owner, generation } => {
-            tracing::info!(job = %job, generation = generation.get(), "claim refused: completed");
+            if let Some(suppressed) = logged(ProblemType::JobCompleted, asking) {
+                tracing::info!(job = %job, generation = generation.get(), peer, suppressed, "claim refused: completed");
+            }
             Err(Problem::new(
                 ProblemType::JobCompleted,
                 format!(
@@ -295,7 +311,9 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
             .with_generation(generation.get()))
         }
         Outcome::KeyMismatch => {
-            tracing::warn!(job = %job, generation = asked.map(Generation::get), owner = %owner, "{what} refused: wrong lease key");
+            if let Some(suppressed) = logged(ProblemType::LeaseKeyMismatch, asking) {
+                tracing::warn!(job = %job, generation = asked.map(Generation::get), owner = %owner, peer, suppressed, "{what} refused: wrong lease key");
+            }
             Err(Problem::new(
                 ProblemType::LeaseKeyMismatch,
                 format!(
@@ -311,7 +329,9 @@ pub(super) fn answer(job: JobId, asking: &Asking<'_>, outcome: Outcome) -> Answe
             let who = holder
                 .as_ref()
                 .map_or_else(|| "nobody".to_owned(), ToString::to_string);
-            tracing::info!(job = %job, generation = asked.map(Generation::get), current = generation.get(), owner = %owner, "{what} refused: lease lost");
+            if let Some(suppressed) = logged(ProblemType::LeaseLost, asking) {
+                tracing::info!(job = %job, generation = asked.map(Generation::get), current = generation.get(), owner = %owner, peer, suppressed, "{what} refused: lease lost");
+            }
             Err(Problem::new(
                 ProblemType::LeaseLost,
                 format!(

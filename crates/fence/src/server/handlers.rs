@@ -3,6 +3,7 @@
 use std::{sync::Arc, time::Instant};
 
 use axum::{
+    Extension,
     body::Body,
     extract::{Path, State, rejection::PathRejection},
     http::{HeaderMap, Method, StatusCode, Uri, header::CONTENT_TYPE},
@@ -17,6 +18,7 @@ use fence_core::{
     },
 };
 use fence_lease::{LeaseOp, LeaseStore};
+use fence_sink::PeerAddr;
 use http_body_util::{BodyExt, Limited};
 
 use super::{
@@ -178,6 +180,7 @@ pub(super) async fn act<S: LeaseStore>(
     method: Method,
     uri: Uri,
     headers: HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     path: Result<Path<(String, String)>, PathRejection>,
     body: Body,
 ) -> Response {
@@ -240,7 +243,8 @@ pub(super) async fn act<S: LeaseStore>(
             app.waiters.changed(&job);
         }
         let client = caller.as_ref().map(|c| c.client().name().to_owned());
-        let asking = Asking { owner: owner.as_ref(), generation: asked, action, reason, client };
+        let peer = peer.map(|Extension(PeerAddr(addr))| addr.ip());
+        let asking = Asking { owner: owner.as_ref(), generation: asked, action, reason, client, peer };
         answer(job, &asking, outcome)
     }
     .await;

@@ -153,7 +153,7 @@ async fn wake_on_changes<S>(
 /// It also logs each refusal once (`fence_sink::refusals`: problem type, job, method, path,
 /// peer and client, rate-limited per kind and peer), except the lease decisions the
 /// handlers log themselves with their owner and generation (held, completed, lost, wrong
-/// lease key).
+/// lease key), under the same rate limit (`answer::answer`).
 async fn mark_authenticated<S: LeaseStore>(
     axum::extract::State(app): axum::extract::State<Arc<AppState<S>>>,
     req: axum::extract::Request,

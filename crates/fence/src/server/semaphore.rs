@@ -3,6 +3,7 @@
 use std::{sync::Arc, time::Instant};
 
 use axum::{
+    Extension,
     body::Body,
     extract::{Path, State, rejection::PathRejection},
     http::{HeaderMap, Uri},
@@ -13,6 +14,7 @@ use fence_core::{
     lease_api::{Action, LeaseBody, SemaphoreClaimRequest, SlotBody, check_resource, slot_job},
 };
 use fence_lease::{ClaimTerms, LeaseStore, Outcome};
+use fence_sink::PeerAddr;
 
 use super::{
     AppState,
@@ -29,6 +31,7 @@ pub(super) async fn claim<S: LeaseStore>(
     State(app): State<Arc<AppState<S>>>,
     uri: Uri,
     headers: HeaderMap,
+    peer: Option<Extension<PeerAddr>>,
     path: Result<Path<String>, PathRejection>,
     body: Body,
 ) -> Response {
@@ -71,7 +74,7 @@ pub(super) async fn claim<S: LeaseStore>(
         let client = caller.as_ref().map(|c| c.client().name().to_owned());
         match (decided.slot, decided.outcome) {
             (_, Outcome::SemaphoreSize { slots: in_force }) => {
-                tracing::info!(resource = %resource, owner = %owner, asked = slots, in_force, "semaphore claim refused: another number of slots");
+                // Logged once, by the refusal log (`mark_authenticated`).
                 Err(Problem::new(
                     ProblemType::SemaphoreSize,
                     format!(
@@ -106,6 +109,7 @@ pub(super) async fn claim<S: LeaseStore>(
                     action: Action::Claim,
                     reason: None,
                     client,
+                    peer: peer.map(|Extension(PeerAddr(addr))| addr.ip()),
                 };
                 let job = slot_job(&resource, slot);
                 answer(job, &asking, refused).map_err(|mut p| {
