@@ -171,7 +171,10 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// waited long is renewed once at once, and the lease's deadline runs from that renewal.
     ///
     /// # Errors
-    /// As [`claim`](Self::claim).
+    /// As [`claim`](Self::claim); and, from a lease server whose waiting places stayed full
+    /// (429 too-many-waiters) until the wait ended with the job still held,
+    /// [`ClaimError::Store`] of [`StoreError::TooManyWaiters`]: held, as
+    /// [`ClaimError::Held`] would say, but the claim never got to wait in line.
     pub async fn claim_waiting(&self, job: JobId, wait: Duration) -> Result<Lease<S>, ClaimError> {
         let timing = Timing::new(self.ttl, self.margin, self.renew_every)?
             .with_progress(self.progress_within)?;

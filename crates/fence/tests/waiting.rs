@@ -287,6 +287,51 @@ fn past_the_most_waiting_claims_a_claim_is_429_at_once() {
     drop(c);
 }
 
+/// A server whose waiting places are full (429 too-many-waiters) holds the job as surely as
+/// a 409 says: `fence run --wait` asks again after the answer's Retry-After within its wait,
+/// and then exits 3 (not obtained within --wait), saying the waiting places were full. Until
+/// this version the 429 was an unexpected answer: retried with backoff as a failure, and the
+/// run ended with exit 1, "fence itself failed".
+#[test]
+fn fence_run_exits_3_when_the_servers_waiting_places_stay_full() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().to_str().unwrap().to_owned();
+    let (_server, addr) = start_ready(&server_args(&data, &["--max-waiting-claims", "1"]));
+    assert_eq!(claim(&addr, "j", "a", "").0, 200);
+    let b = wait_in_line(&addr, "j", "b");
+    waiting_claims(&addr, 1);
+    let started = Instant::now();
+    let url = format!("http://{addr}");
+    let out = fence(&[
+        "run", "--server", &url, "--job", "j", "--wait", "2s", "--", "true",
+    ]);
+    let took = started.elapsed();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stderr}");
+    assert!(
+        stderr.contains("waiting places were full") && stderr.contains("--wait"),
+        "{stderr}"
+    );
+    assert!(!stderr.contains("claim failed"), "not a failure: {stderr}");
+    assert!(
+        (Duration::from_secs(2)..Duration::from_secs(6)).contains(&took),
+        "gave up after {took:?}"
+    );
+    // It asked again within its wait, after each Retry-After (1 s): more than once, and not
+    // in a tight loop.
+    let (_, metrics) = bearer_call(&addr, "GET", "/metrics", None, "");
+    let crowded = metrics
+        .lines()
+        .find(|l| l.contains(r#"outcome="too_many_waiters""#))
+        .and_then(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .unwrap_or(0.0);
+    assert!(
+        (2.0..=4.0).contains(&crowded),
+        "{crowded} refused waiting claims"
+    );
+    drop(b);
+}
+
 /// Per client: with an auth file, one client's waiting claims past
 /// --max-waiting-claims-per-client are 429 at once while another client's still wait; and a
 /// revoke wakes the first waiter, as a release does (issue 31).

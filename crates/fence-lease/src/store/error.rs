@@ -41,6 +41,18 @@ pub enum StoreError {
         /// The answer's `Retry-After` in seconds, when it had one.
         retry_after: Option<Duration>,
     },
+    /// A claim that had to wait found the lease server's waiting places full (429
+    /// `urn:fence:too-many-waiters`, contract section 11): the job was held when asked, and
+    /// nothing changed. Not a failure of the server: claim again after `retry_after`, as
+    /// [`LeaseStore::claim_waiting`](crate::LeaseStore::claim_waiting) of `HttpLeaseStore`
+    /// does within its wait, answering this only when the wait ended with the job still held.
+    #[error("the lease server's waiting places are full (429): {detail}")]
+    TooManyWaiters {
+        /// The server's detail.
+        detail: String,
+        /// The answer's `Retry-After` in seconds, when it had one.
+        retry_after: Option<Duration>,
+    },
     /// The operation is not allowed on this job id, whoever asks: a plain claim of a
     /// semaphore's slot (contract section 15).
     #[error("job {job} cannot be claimed this way: {reason}")]

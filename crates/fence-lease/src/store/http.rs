@@ -259,8 +259,10 @@ impl HttpLeaseStore {
                 .await
                 .map_err(StoreError::Io)?
                 .to_bytes();
-            match answers::unavailable(status, retry_after.as_ref(), &bytes) {
-                Some(unavailable) => Err(unavailable),
+            let refused = answers::unavailable(status, retry_after.as_ref(), &bytes)
+                .or_else(|| answers::crowded(status, retry_after.as_ref(), &bytes));
+            match refused {
+                Some(refused) => Err(refused),
                 None => Ok((status, bytes)),
             }
         };
@@ -312,7 +314,9 @@ impl LeaseStore for HttpLeaseStore {
     }
 
     /// The server's waiting claim (`?wait=`), as long as the server allows (60 s) per
-    /// request; a longer wait asks again with what is left.
+    /// request; a longer wait asks again with what is left. Waiting places full (429) it asks
+    /// again after `Retry-After` (1 s) within the wait, which ends so, the job still held at a
+    /// last plain claim, as [`StoreError::TooManyWaiters`]: the caller can say why.
     async fn claim_waiting(
         &self,
         job: &JobId,
@@ -322,12 +326,19 @@ impl LeaseStore for HttpLeaseStore {
         wait: Duration,
     ) -> Result<Outcome, StoreError> {
         const MOST: Duration = Duration::from_secs(60);
+        const MIN_PAUSE: Duration = Duration::from_millis(50);
         let end = tokio::time::Instant::now() + wait;
+        // The server's last answer, when it had no waiting place for this claim.
+        let mut crowded = None;
         loop {
             let left = end.saturating_duration_since(tokio::time::Instant::now());
             let this = left.min(MOST);
             if this.is_zero() {
-                return self.apply(job, terms.op(owner, key)).await;
+                let last = self.apply(job, terms.op(owner, key)).await?;
+                return match (last, crowded) {
+                    (Outcome::Held { .. }, Some(crowded)) => Err(crowded),
+                    (last, _) => Ok(last),
+                };
             }
             let body = ClaimRequest {
                 owner: owner.clone(),
@@ -341,9 +352,19 @@ impl LeaseStore for HttpLeaseStore {
                 this.as_millis()
             );
             let asked = tokio::time::Instant::now();
-            let (status, bytes) = self
+            let (status, bytes) = match self
                 .send_within(&path, Some(&body), self.timeout + this)
-                .await?;
+                .await
+            {
+                Err(full @ StoreError::TooManyWaiters { retry_after, .. }) => {
+                    let pause = retry_after.unwrap_or(Duration::from_secs(1)).max(MIN_PAUSE);
+                    tokio::time::sleep_until((asked + pause).min(end)).await;
+                    crowded = Some(full);
+                    continue;
+                }
+                answered => answered?,
+            };
+            crowded = None;
             let outcome = match status {
                 StatusCode::OK => Outcome::Granted(grant(status, &bytes)?),
                 StatusCode::CONFLICT | StatusCode::GONE => refused(status, &bytes)?,
@@ -355,7 +376,7 @@ impl LeaseStore for HttpLeaseStore {
             if !matches!(outcome, Outcome::Held { .. }) || now >= end {
                 return Ok(outcome);
             }
-            let pause = (asked + Duration::from_millis(50)).min(end);
+            let pause = (asked + MIN_PAUSE).min(end);
             if pause > now {
                 tokio::time::sleep_until(pause).await;
             }

@@ -5,7 +5,7 @@
 use std::{future::Future, time::Duration};
 
 use fence_core::JobId;
-use fence_lease::{Backoff, ClaimError, HttpLeaseStore, Lease, LeaseClient};
+use fence_lease::{Backoff, ClaimError, HttpLeaseStore, Lease, LeaseClient, StoreError};
 use tokio::time::Instant;
 
 use super::words::Repeats;
@@ -94,6 +94,20 @@ where
                     return Ok(None);
                 }
                 Duration::ZERO
+            }
+            // The job was held and the server had no waiting place for this claim (429): the
+            // contract's "held within --wait", exit 3, saying why it did not wait in line.
+            Err(ClaimError::Store(StoreError::TooManyWaiters {
+                detail,
+                retry_after,
+            })) => {
+                if Instant::now() >= give_up {
+                    eprintln!(
+                        "fence run: {full}{what} stayed held, and the lease server's waiting places were full ({detail}); gave up after --wait {wait:?}"
+                    );
+                    return Ok(None);
+                }
+                retry_after.unwrap_or(Duration::from_secs(1))
             }
             Err(e @ ClaimError::Timing(_)) => return Err(e.into()),
             // A refusal that asking again cannot change (a bad request, a job at its last

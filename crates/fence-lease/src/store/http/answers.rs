@@ -27,11 +27,7 @@ pub(super) fn unavailable(
     ) {
         return None;
     }
-    // Seconds only: an HTTP-date (or anything else) is no answer, and backoff decides.
-    let retry_after = retry_after
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.trim().parse::<u64>().ok())
-        .map(|secs| Duration::from_secs(secs).min(MAX_RETRY_AFTER));
+    let retry_after = seconds(retry_after);
     let detail = match serde_json::from_slice::<Problem>(body) {
         Ok(p) => p.detail,
         Err(_) => String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
@@ -41,6 +37,32 @@ pub(super) fn unavailable(
         detail,
         retry_after,
     })
+}
+
+/// A 429 `urn:fence:too-many-waiters` (a claim that had to wait, and the server's waiting
+/// places were full) as [`StoreError::TooManyWaiters`]: the job was held, nothing changed.
+pub(super) fn crowded(
+    status: StatusCode,
+    retry_after: Option<&http::HeaderValue>,
+    body: &[u8],
+) -> Option<StoreError> {
+    if status != StatusCode::TOO_MANY_REQUESTS {
+        return None;
+    }
+    let problem = serde_json::from_slice::<Problem>(body).ok()?;
+    (problem.kind == ProblemType::TooManyWaiters).then(|| StoreError::TooManyWaiters {
+        detail: problem.detail,
+        retry_after: seconds(retry_after),
+    })
+}
+
+/// A `Retry-After` in seconds, at most [`MAX_RETRY_AFTER`]: an HTTP-date (or anything else)
+/// is no answer, and the caller's backoff decides.
+fn seconds(retry_after: Option<&http::HeaderValue>) -> Option<Duration> {
+    retry_after
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.trim().parse::<u64>().ok())
+        .map(|secs| Duration::from_secs(secs).min(MAX_RETRY_AFTER))
 }
 
 pub(super) fn unexpected(status: StatusCode, body: &[u8]) -> StoreError {
@@ -209,6 +231,26 @@ mod tests {
                 "{status}"
             );
         }
+    }
+
+    /// A 429 too-many-waiters is the server's waiting places full, with its Retry-After; a
+    /// 429 of another type, or not a problem, is not.
+    #[test]
+    fn too_many_waiters_is_its_own_error_with_its_retry_after() {
+        let body = br#"{"type":"urn:fence:too-many-waiters","title":"t","status":429,"detail":"the server holds its most waiting claims (2, --max-waiting-claims); claim again later","job":"j"}"#;
+        let got = crowded(StatusCode::TOO_MANY_REQUESTS, Some(&header("1")), body);
+        assert!(
+            matches!(&got, Some(StoreError::TooManyWaiters { detail, retry_after: Some(d) })
+                if detail.contains("most waiting claims") && *d == Duration::from_secs(1)),
+            "{got:?}"
+        );
+        let got = got.unwrap();
+        assert!(!got.is_permanent() && !got.answer_lost(), "{got:?}");
+        let overloaded =
+            br#"{"type":"urn:fence:overloaded","title":"t","status":429,"detail":"no"}"#;
+        assert!(crowded(StatusCode::TOO_MANY_REQUESTS, None, overloaded).is_none());
+        assert!(crowded(StatusCode::TOO_MANY_REQUESTS, None, b"slow down").is_none());
+        assert!(crowded(StatusCode::CONFLICT, None, body).is_none());
     }
 
     /// A 4xx problem other than authentication, 408, 409 and 429 is a refusal that asking
