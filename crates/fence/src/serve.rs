@@ -186,11 +186,13 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
         max_ttl: Some(a.max_ttl),
         lock_delay: a.lock_delay,
         max_checkpoint_bytes: Some(a.max_checkpoint_bytes as usize),
+        // Lowered to half the seats, logged: a waiting claim holds its connection busy.
         waiting: crate::server::WaitLimits {
             total: a.max_waiting_claims as usize,
             per_client: a.max_waiting_claims_per_client as usize,
             longest: a.max_claim_wait,
-        },
+        }
+        .within_seats(limits.max_connections, limits.max_connections_per_peer),
         stopping: Some(stopping),
     };
     let _forgetting = a

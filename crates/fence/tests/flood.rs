@@ -299,9 +299,31 @@ fn waiting_claim(
     stream
 }
 
-/// At the cap with every connection busy, newcomers are seated lightest address first, not
-/// first come: a newcomer from 127.0.0.1 queued behind 100 connections of 127.0.0.2 (each a
-/// 2 s waiting claim, four seats; 127.0.0.2 may hold more, so its newcomers wait too) is
+/// A claim from `source` whose body never comes (its head says 100 bytes): its connection is
+/// busy until the server's body deadline (10 s). Unlike a waiting claim, of which the server
+/// holds only so many, any number of these keep their connections busy.
+fn stalled_claim(target: std::net::SocketAddr, source: &str) -> std::net::TcpStream {
+    use std::io::Write;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let mut stream = rt.block_on(async {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        socket.bind(format!("{source}:0").parse().unwrap()).unwrap();
+        socket.connect(target).await.unwrap().into_std().unwrap()
+    });
+    stream.set_nonblocking(false).unwrap();
+    let head = "POST /v1/leases/busy/claim HTTP/1.1\r\nhost: stall\r\ncontent-type: application/json\r\ncontent-length: 100\r\n\r\n{";
+    stream.write_all(head.as_bytes()).unwrap();
+    stream
+}
+
+/// At the cap, newcomers are seated lightest address first, not first come: a newcomer
+/// from 127.0.0.1 queued behind 100 connections of 127.0.0.2 (each a 2 s waiting claim, on
+/// four seats: two of them wait, the most the server holds at a cap of four, the others are
+/// answered 429 and closed for room one by one; 127.0.0.2 may hold more, so its newcomers
+/// wait too) is
 /// answered at the first free seat, while 127.0.0.2 keeps reconnecting. In the kernel's
 /// first-come backlog it waited for all 100: about 50 s; in a first-come lobby, until its
 /// first-request deadline.
@@ -369,7 +391,7 @@ fn at_the_cap_a_newcomer_is_not_queued_behind_another_address() {
 /// An address at its own cap with every connection busy gets its newcomers closed at once:
 /// they never wait for room, so no other address's idle connection is closed for them. Two
 /// idle kept-alive connections of 127.0.0.1 stay open while 127.0.0.2, at its cap of two
-/// busy waiting claims, sends twenty more (the listener at its cap of four).
+/// busy claims, sends twenty more (the listener at its cap of four).
 #[test]
 fn newcomers_that_could_never_be_seated_close_nobody_else() {
     use std::io::{Read, Write};
@@ -400,14 +422,14 @@ fn newcomers_that_could_never_be_seated_close_nobody_else() {
     for stream in &mut idle {
         assert!(answered(stream));
     }
-    // 127.0.0.2 at its cap, both busy; then twenty more of its newcomers.
-    let mut flood: Vec<_> = (0..2)
-        .map(|n| waiting_claim(target, "127.0.0.2", n, "20s"))
-        .collect();
-    // Both claims waiting (for 20 s) before the newcomers come: a loaded machine may take a
-    // while to read them.
+    // 127.0.0.2 at its cap, both busy (claims whose bodies never come: the server holds only
+    // one waiting claim per client here, half the per-address cap); then twenty more of its
+    // newcomers.
+    let mut flood: Vec<_> = (0..2).map(|_| stalled_claim(target, "127.0.0.2")).collect();
+    // Both claims begun before the newcomers come: a loaded machine may take a while to read
+    // them.
     std::thread::sleep(Duration::from_millis(1_000));
-    flood.extend((2..22).map(|n| waiting_claim(target, "127.0.0.2", n, "20s")));
+    flood.extend((2..22).map(|_| stalled_claim(target, "127.0.0.2")));
     std::thread::sleep(Duration::from_millis(800));
     for (n, stream) in idle.iter_mut().enumerate() {
         assert!(
@@ -632,4 +654,116 @@ fn an_http2_client_that_gives_no_window_keeps_no_seat_from_a_newcomer() {
         waited < Duration::from_secs(7),
         "the newcomer waited {waited:?} for a seat held by an HTTP/2 client that gives no window"
     );
+}
+
+/// One connection after another from `source`, each sending waiting claims on the held job
+/// `busy`, one after the other (again at once after a 409, 20 ms after a 429), until `stop`;
+/// `held` counts those open now.
+async fn jam_one(
+    target: std::net::SocketAddr,
+    source: &'static str,
+    stop: Arc<AtomicBool>,
+    held: Arc<AtomicU64>,
+) {
+    let source: std::net::SocketAddr = format!("{source}:0").parse().unwrap();
+    let body = r#"{"owner":"jammer","lease_key":"jammer-0123456789abcdefghijk","ttl_ms":60000}"#;
+    let claim = format!(
+        "POST /v1/leases/busy/claim?wait=20s HTTP/1.1\r\nhost: jam\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    while !stop.load(Ordering::Relaxed) {
+        let socket = tokio::net::TcpSocket::new_v4().unwrap();
+        if socket.bind(source).is_err() {
+            tokio::time::sleep(Duration::from_millis(50)).await;
+            continue;
+        }
+        let Ok(Ok(mut stream)) =
+            tokio::time::timeout(Duration::from_secs(5), socket.connect(target)).await
+        else {
+            continue;
+        };
+        held.fetch_add(1, Ordering::Relaxed);
+        let mut buf = [0u8; 4096];
+        while !stop.load(Ordering::Relaxed) {
+            if stream.write_all(claim.as_bytes()).await.is_err() {
+                break;
+            }
+            let answered = tokio::time::timeout(Duration::from_secs(30), stream.read(&mut buf));
+            let n = match answered.await {
+                Ok(Ok(n)) if n > 0 => n,
+                _ => break, // closed by the server: open another at once
+            };
+            if buf[..n].starts_with(b"HTTP/1.1 429") {
+                tokio::time::sleep(Duration::from_millis(20)).await;
+            }
+        }
+        held.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// Waiting claims cannot hold every seat: one client, from two addresses, opens as many
+/// connections as the cap allows each of them (all of the server's eight seats) and keeps a
+/// waiting claim of 20 s on each, sent again as soon as one is answered; a newcomer's health
+/// check and claim from a third address are still answered. The server holds its waiting
+/// claims to half the seats (here 4 in all, 2 per client), so the other connections get 429,
+/// are idle between their claims, and are closed to make room. Until this version every seat
+/// held a waiting claim (the default caps, 10,000 and 1,000, far above the seats), a busy
+/// connection is never closed for room, and the newcomer waited in the lobby until its
+/// header timeout closed it unanswered.
+#[test]
+fn waiting_claims_cannot_hold_every_seat() {
+    let _one = one_flood();
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, addr, log) = seating_logged(
+        dir.path(),
+        &[
+            "--max-connections",
+            "8",
+            "--max-connections-per-peer",
+            "4",
+            "--header-timeout",
+            "2s",
+        ],
+    );
+    assert!(
+        log.text()
+            .contains("waiting claims held to half the connection seats"),
+        "the lowering is logged at start: {}",
+        log.text()
+    );
+    let target: std::net::SocketAddr = addr.parse().unwrap();
+    let held = r#"{"owner":"holder","lease_key":"holder-0123456789abcdefghijk","ttl_ms":120000}"#;
+    let (status, answer) = bearer_call(&addr, "POST", "/v1/leases/busy/claim", None, held);
+    assert_eq!(status, 200, "{answer}");
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let stop = Arc::new(AtomicBool::new(false));
+    let open = Arc::new(AtomicU64::new(0));
+    for source in ["127.0.0.2", "127.0.0.3"] {
+        for _ in 0..4 {
+            rt.spawn(jam_one(target, source, stop.clone(), open.clone()));
+        }
+    }
+    eventually("the jam holds every seat", Duration::from_secs(10), || {
+        open.load(Ordering::Relaxed) == 8
+    });
+    std::thread::sleep(Duration::from_millis(500));
+    let began = Instant::now();
+    let (health, answer) = bearer_call(&addr, "GET", "/healthz", None, "");
+    let waited = began.elapsed();
+    let claim =
+        r#"{"owner":"newcomer","lease_key":"newcomer-0123456789abcdefghijk","ttl_ms":10000}"#;
+    let (claimed, claim_answer) = bearer_call(&addr, "POST", "/v1/leases/other/claim", None, claim);
+    stop.store(true, Ordering::Relaxed);
+    rt.shutdown_timeout(Duration::from_secs(1));
+    assert_eq!(
+        health,
+        200,
+        "the health check was answered {answer:?} after {waited:?}; the server's log:\n{}",
+        log.text()
+    );
+    assert_eq!(claimed, 200, "the newcomer's claim: {claim_answer:?}");
 }

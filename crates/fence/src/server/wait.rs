@@ -75,6 +75,47 @@ impl Default for WaitLimits {
     }
 }
 
+impl WaitLimits {
+    /// These limits, lowered where they would let waiting claims hold more than half of a
+    /// listener's connection seats: `total` to half of `max_connections`, `per_client` to
+    /// half of `per_peer` (each at least 1). A waiting claim keeps its connection busy for
+    /// its whole wait, and a busy connection is never closed for room: waiting claims on
+    /// every seat would leave each newcomer (a new `fence run`, a health probe) in the lobby
+    /// until its first-request deadline closed it unanswered. A lowering is logged: at info
+    /// when it is the defaults', at warn when flags asked for these (`--max-waiting-claims`).
+    #[must_use]
+    pub fn within_seats(self, max_connections: usize, per_peer: usize) -> Self {
+        let within = Self {
+            total: self.total.min((max_connections / 2).max(1)),
+            per_client: self.per_client.min((per_peer / 2).max(1)),
+            ..self
+        };
+        let (total, per_client) = (within.total, within.per_client);
+        if (total, per_client) != (self.total, self.per_client) {
+            let defaults = Self::default();
+            let message = "waiting claims held to half the connection seats (--max-connections, --max-connections-per-peer): a waiting claim keeps its connection busy, and busy connections are never closed for newcomers";
+            if (self.total, self.per_client) == (defaults.total, defaults.per_client) {
+                tracing::info!(
+                    max_waiting_claims = total,
+                    max_waiting_claims_per_client = per_client,
+                    max_connections,
+                    max_connections_per_peer = per_peer,
+                    "{message}"
+                );
+            } else {
+                tracing::warn!(
+                    max_waiting_claims = total,
+                    max_waiting_claims_per_client = per_client,
+                    max_connections,
+                    max_connections_per_peer = per_peer,
+                    "{message}"
+                );
+            }
+        }
+        within
+    }
+}
+
 /// A claim that may not wait: the server holds as many waiting claims as it may.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum TooMany {
@@ -364,6 +405,25 @@ mod tests {
             ttl: Ttl::from_millis(10_000).unwrap(),
             lock_delay: None,
         }
+    }
+
+    /// Waiting claims never get more than half the seats: in all, half the connection cap;
+    /// per client, half the cap of one address. Limits below that stay as asked.
+    #[test]
+    fn waiting_claims_are_held_to_half_the_seats() {
+        let asked = WaitLimits::default();
+        let within = asked.within_seats(480, 240);
+        assert_eq!((within.total, within.per_client), (240, 120));
+        assert_eq!(within.longest, asked.longest);
+        let small = WaitLimits {
+            total: 5,
+            per_client: 2,
+            ..asked
+        };
+        let kept = small.within_seats(480, 240);
+        assert_eq!((kept.total, kept.per_client), (5, 2));
+        let tiny = asked.within_seats(1, 1);
+        assert_eq!((tiny.total, tiny.per_client), (1, 1), "at least one");
     }
 
     /// Waiters ask the store when woken or when the lease they saw ends, not on a timer:
