@@ -13,7 +13,7 @@
 
 use std::{
     collections::HashMap,
-    net::{IpAddr, SocketAddr},
+    net::{IpAddr, Ipv6Addr, SocketAddr},
     sync::{LazyLock, Mutex},
     time::{Duration, Instant},
 };
@@ -25,6 +25,21 @@ use http::{Method, StatusCode};
 /// extensions.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PeerAddr(pub SocketAddr);
+
+/// The address a peer is counted by, for every per-peer limit (this log's rate limit, a
+/// listener's connections per peer): an IPv4 address as it is; an IPv4-mapped IPv6 address
+/// (`::ffff:a.b.c.d`, an IPv4 client of a dual-stack socket) as that IPv4 address; any other
+/// IPv6 address by its /64 prefix, the rest zeroed, since one host is commonly given a whole
+/// /64 and may send from any address in it.
+pub fn peer_key(ip: IpAddr) -> IpAddr {
+    match ip {
+        IpAddr::V4(_) => ip,
+        IpAddr::V6(v6) => match v6.to_ipv4_mapped() {
+            Some(v4) => IpAddr::V4(v4),
+            None => IpAddr::V6(Ipv6Addr::from(u128::from(v6) & !u128::from(u64::MAX))),
+        },
+    }
+}
 
 /// How long one window of the rate limit lasts.
 pub const WINDOW: Duration = Duration::from_secs(10);
@@ -189,9 +204,9 @@ impl Window {
     }
 }
 
-/// The rate limit: a window per kind and peer, and one over all of them, so that many
-/// peers (an IPv6 prefix holds plenty) cannot log more than [`ALL_PER_WINDOW`] lines per
-/// [`WINDOW`] between them.
+/// The rate limit: a window per kind and peer ([`peer_key`]: an IPv6 /64 is one peer), and
+/// one over all of them, so that many peers (a larger IPv6 prefix holds plenty) cannot log
+/// more than [`ALL_PER_WINDOW`] lines per [`WINDOW`] between them.
 #[derive(Debug)]
 struct Limiter {
     windows: HashMap<(&'static str, Option<IpAddr>), Window>,
@@ -209,6 +224,7 @@ impl Limiter {
     /// `Some(how many were left out since the last logged one)` when an event of `kind`
     /// from `peer` is to be logged now; `None` when it is counted instead.
     fn admit(&mut self, kind: &'static str, peer: Option<IpAddr>, now: Instant) -> Option<u64> {
+        let peer = peer.map(peer_key);
         if self.windows.len() >= MAX_TRACKED && !self.windows.contains_key(&(kind, peer)) {
             self.windows.clear();
         }
@@ -293,6 +309,33 @@ mod tests {
         assert_eq!(limit.admit(kind, Some(flooder), later), Some(0));
     }
 
+    /// IPv4 as it is, IPv4-mapped IPv6 as IPv4, other IPv6 by its /64.
+    #[test]
+    fn a_peer_is_its_ipv4_address_or_its_ipv6_slash_64() {
+        let key = |ip: &str| peer_key(ip.parse().unwrap()).to_string();
+        assert_eq!(key("192.0.2.7"), "192.0.2.7");
+        assert_eq!(key("::ffff:192.0.2.7"), "192.0.2.7");
+        assert_eq!(key("2001:db8:1:2:aaaa:bbbb:cccc:dddd"), "2001:db8:1:2::");
+        assert_eq!(key("2001:db8:1:2::1"), key("2001:db8:1:2:ffff::9"));
+        assert_ne!(key("2001:db8:1:2::1"), key("2001:db8:1:3::1"));
+        assert_eq!(key("::1"), "::");
+    }
+
+    /// One host sending from many addresses of its /64 is one peer to the limit.
+    #[test]
+    fn addresses_of_one_slash_64_share_one_window() {
+        let mut limit = Limiter::new();
+        let now = Instant::now();
+        let kind = "urn:test:prefix";
+        let logged = (0..50_u128)
+            .filter(|&i| {
+                let ip = IpAddr::from((0x2001_0db8_0000_0001_u128 << 64 | i).to_be_bytes());
+                limit.admit(kind, Some(ip), now).is_some()
+            })
+            .count();
+        assert_eq!(logged, PER_WINDOW as usize);
+    }
+
     #[test]
     fn many_peers_together_log_no_more_than_the_global_budget() {
         let mut limit = Limiter::new();
@@ -300,7 +343,7 @@ mod tests {
         let kind = "urn:test:spread";
         let peer = |i: u32| {
             Some(IpAddr::from(
-                (0x2001_0db8_u128 << 96 | u128::from(i)).to_be_bytes(),
+                (0x2001_0db8_u128 << 96 | u128::from(i) << 64).to_be_bytes(),
             ))
         };
         let mut logged = 0;

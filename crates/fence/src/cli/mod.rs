@@ -273,8 +273,8 @@ pub struct ListenArgs {
     /// leaves.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS")]
     pub max_connections: Option<u32>,
-    /// Open connections from one IP address at most: clients behind one NAT address share
-    /// it. A newcomer beyond takes the place of that address's oldest idle connection, or is
+    /// Open connections from one IP address at most (an IPv6 address counts by its /64, as
+    /// one host's): clients behind one NAT address share it. A newcomer beyond takes the place of that address's oldest idle connection, or is
     /// closed at once when all of them are answering. Default: half of --max-connections.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS_PER_PEER")]
     pub max_connections_per_peer: Option<u32>,

@@ -16,6 +16,7 @@ use std::{
     time::Duration,
 };
 
+use fence_sink::refusals::peer_key;
 use tokio::{net::TcpStream, time::Instant};
 
 use super::slots::Slots;
@@ -30,6 +31,13 @@ pub(super) struct Waiting {
     pub(super) peer: SocketAddr,
     /// When it was accepted: its first-request deadline counts from here.
     pub(super) since: Instant,
+}
+
+impl Waiting {
+    /// Its peer, as every per-peer count keys it ([`peer_key`]: an IPv6 /64 is one peer).
+    fn key(&self) -> IpAddr {
+        peer_key(self.peer.ip())
+    }
 }
 
 /// The connections waiting for a seat, oldest first.
@@ -100,7 +108,7 @@ impl Lobby {
         if self.len() <= on_its_way {
             return true;
         }
-        let peers: Vec<IpAddr> = self.waiting.iter().map(|w| w.peer.ip()).collect();
+        let peers: Vec<IpAddr> = self.waiting.iter().map(Waiting::key).collect();
         let mut held: HashMap<IpAddr, usize> = peers
             .iter()
             .copied()
@@ -142,13 +150,7 @@ impl Lobby {
         self.waiting
             .iter()
             .zip(held)
-            .map(|(w, h)| {
-                h + self
-                    .waiting
-                    .iter()
-                    .filter(|o| o.peer.ip() == w.peer.ip())
-                    .count()
-            })
+            .map(|(w, h)| h + self.waiting.iter().filter(|o| o.key() == w.key()).count())
             .collect()
     }
 }

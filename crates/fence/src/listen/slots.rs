@@ -1,6 +1,8 @@
 //! Who holds a listener's connections, and which of them to close when there is no room.
 //!
-//! Every connection is seated by its peer's IP address. A peer holds at most
+//! Every connection is seated by its peer's IP address ([`peer_key`]: an IPv6 address by
+//! its /64, an IPv4-mapped one as IPv4, so one host's many addresses are one peer). A peer
+//! holds at most
 //! [`Slots::per_peer`] (clients behind one NAT address share it); a newcomer beyond that
 //! takes the place of its own peer's oldest idle connection, or is closed at once when all
 //! of them are busy. At the listener's cap, [`Slots::evict_for_room`] asks one idle connection
@@ -19,6 +21,7 @@ use std::{
     },
 };
 
+use fence_sink::refusals::peer_key;
 use tokio::{
     sync::{Notify, OwnedSemaphorePermit, Semaphore},
     time::Instant,
@@ -317,6 +320,7 @@ impl Slots {
         peer: IpAddr,
         permit: OwnedSemaphorePermit,
     ) -> Option<Seat> {
+        let peer = peer_key(peer);
         let mut peers = self.lock();
         let mine = peers.entry(peer).or_default();
         if self.at_its_cap(mine) {
@@ -368,6 +372,7 @@ impl Slots {
     /// than `holding` (those already asked to close not counted), so a lighter peer never
     /// gives up a connection to a heavier one's newcomer. False when none may be picked.
     pub(super) fn evict_for_room(&self, for_peer: IpAddr, holding: usize) -> bool {
+        let for_peer = peer_key(for_peer);
         let peers = self.lock();
         let mut heaviest: Vec<(usize, &HashMap<u64, Arc<Tracked>>)> = peers
             .iter()
@@ -410,7 +415,7 @@ impl Slots {
     pub(super) fn could_seat(&self, peer: IpAddr) -> bool {
         let peers = self.lock();
         peers
-            .get(&peer)
+            .get(&peer_key(peer))
             .is_none_or(|mine| !self.at_its_cap(mine) || mine.values().any(|c| c.idle()))
     }
 
@@ -437,11 +442,11 @@ impl Slots {
         self.leaving.load(Ordering::Acquire)
     }
 
-    /// Connections open now from each of `peers`, in order.
+    /// Connections open now from each of `peers` (each counted by its [`peer_key`]), in order.
     pub(super) fn held_by_each(&self, peers: impl Iterator<Item = IpAddr>) -> Vec<usize> {
         let held = self.lock();
         peers
-            .map(|peer| held.get(&peer).map_or(0, HashMap::len))
+            .map(|peer| held.get(&peer_key(peer)).map_or(0, HashMap::len))
             .collect()
     }
 
