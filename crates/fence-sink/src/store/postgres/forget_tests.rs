@@ -201,8 +201,8 @@ async fn forgetting_a_job_switches_the_sql_check_on() {
     assert_eq!(code(&refused), Some("ZF428"), "{refused}");
 }
 
-/// A writer whose transaction holds an idle job's row locked (a stale token's `observe`
-/// locks the row it refuses) keeps that job, and only that one: forgetting passes over it
+/// A writer whose transaction holds an idle job's row locked (its `observe` of the current
+/// token locks the row until it commits) keeps that job, and only that one: forgetting passes over it
 /// and forgets the other idle jobs, instead of failing the pass at its lock timeout, pass
 /// after pass, with every job kept.
 #[tokio::test]
@@ -219,12 +219,12 @@ async fn a_locked_row_is_passed_over_by_forgetting() {
     }
     let mut writer = admin().await;
     let tx = writer.transaction().await.unwrap();
-    let refused: bool = tx
-        .query_one(&format!("SELECT {}('locked-job', 2)", t.observe_fn), &[])
+    let accepted: bool = tx
+        .query_one(&format!("SELECT {}('locked-job', 3)", t.observe_fn), &[])
         .await
         .unwrap()
         .get(0);
-    assert!(!refused, "a stale token is refused");
+    assert!(accepted, "the current token is accepted");
     store.shift_clock_ms(10 * 60_000);
     let (locked, other) = (
         idle_job(&store, &locked).await,

@@ -239,29 +239,43 @@ async fn decide(
 ) -> Result<Verdict, StoreError> {
     let t = &tables.generations;
     let now = fence_storage::postgres::NOW_MS;
-    // Raised, or equal with less than half of its stamp ahead left: (re)stamped ahead of the
-    // database's clock (a raise also records its time). Equal and stamped lately, or lower:
-    // nothing written.
-    let bumped = client
-        .query_opt(
+    // Lower than what is committed: stale, answered from a plain read, so a stale check
+    // neither waits for the row lock of the current holder's open transaction (an SQL writer
+    // between `require` and its commit) nor takes it (highest only rises; a forgotten job's
+    // row held expired tokens only). Otherwise raised, or equal with less than half of its
+    // stamp ahead left: (re)stamped ahead of the database's clock (a raise also records its
+    // time). Equal and stamped lately: nothing written. One statement either way.
+    let row = client
+        .query_one(
             &format!(
-                "INSERT INTO {t} AS g (job, highest, touched_ms, raised_ms)
-                   VALUES ($1, $2::text::numeric, {now} + {STAMP_AHEAD_MS}, {now})
-                 ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms,
-                   raised_ms = CASE WHEN g.highest < excluded.highest THEN excluded.raised_ms ELSE g.raised_ms END
-                 WHERE g.highest < excluded.highest
-                    OR (g.highest = excluded.highest AND g.touched_ms < excluded.touched_ms - {half})
-                 RETURNING 1",
+                "WITH cur AS (SELECT highest FROM {t} WHERE job = $1),
+                 bumped AS (
+                   INSERT INTO {t} AS g (job, highest, touched_ms, raised_ms)
+                     SELECT $1, $2::text::numeric, {now} + {STAMP_AHEAD_MS}, {now}
+                     WHERE NOT EXISTS (SELECT 1 FROM cur WHERE highest > $2::text::numeric)
+                   ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms,
+                     raised_ms = CASE WHEN g.highest < excluded.highest THEN excluded.raised_ms ELSE g.raised_ms END
+                   WHERE g.highest < excluded.highest
+                      OR (g.highest = excluded.highest AND g.touched_ms < excluded.touched_ms - {half})
+                   RETURNING 1)
+                 SELECT EXISTS (SELECT 1 FROM bumped), (SELECT highest::text FROM cur)",
                 half = STAMP_AHEAD_MS / 2
             ),
             &[&job.as_str(), &token.get().to_string()],
         )
         .await
         .map_err(io)?;
-    if bumped.is_some() {
+    if row.try_get::<_, bool>(0).map_err(io)? {
         return Ok(Verdict::Accepted);
     }
-    // Not raised: equal (accepted; lock the row for the rest of a transaction) or higher.
+    if let Some(read) = row.try_get::<_, Option<String>>(1).map_err(io)? {
+        let highest = parse_highest(job, &read)?;
+        if highest > token {
+            return Ok(Verdict::Stale { highest });
+        }
+    }
+    // Not raised: equal (accepted; lock the row for the rest of a transaction), or raised by
+    // another since the read (stale).
     let row = client
         .query_one(
             &format!("SELECT highest::text FROM {t} WHERE job = $1 FOR SHARE"),
@@ -413,9 +427,9 @@ impl GenerationStore for PgStore {
         let touched = i64::try_from(idle.touched_ms).unwrap_or(i64::MAX);
         let n = client
             .execute(
-                // Not a row a writer's transaction holds locked (a stale token's check locks
-                // the row it refuses): waiting for it would fail the whole pass at the lock
-                // timeout, pass after pass, and no job would be forgotten.
+                // Not a row a writer's transaction holds locked (a current token's check
+                // locks its row until the writer commits): waiting for it would fail the
+                // whole pass at the lock timeout, pass after pass, and no job would be forgotten.
                 &format!(
                     "DELETE FROM {t} WHERE job IN \
                      (SELECT job FROM {t} WHERE job = $1 AND touched_ms = $2 FOR UPDATE SKIP LOCKED)",
@@ -467,6 +481,8 @@ impl IdempotencyStore for PgStore {
 #[cfg(test)]
 mod forget_tests;
 mod idempotency;
+#[cfg(test)]
+mod lock_tests;
 mod purge;
 mod schema;
 mod settings;

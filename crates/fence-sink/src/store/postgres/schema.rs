@@ -84,7 +84,14 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
          DECLARE h numeric;
          BEGIN
-{check_input}           INSERT INTO {generations} AS g (job, highest, touched_ms, raised_ms)
+{check_input}           -- Stale by what is committed: refused without a lock, so a stale check neither
+           -- waits for the current holder's open transaction nor holds the row for its
+           -- own. Safe: highest only rises, and a forgotten job's row held expired tokens.
+           SELECT g.highest INTO h FROM {generations} g WHERE g.job = p_job;
+           IF h > p_token THEN
+             RETURN false;
+           END IF;
+           INSERT INTO {generations} AS g (job, highest, touched_ms, raised_ms)
                VALUES (p_job, p_token, {now} + {STAMP_AHEAD_MS}, {now})
              ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms,
                raised_ms = CASE WHEN g.highest < excluded.highest THEN excluded.raised_ms ELSE g.raised_ms END

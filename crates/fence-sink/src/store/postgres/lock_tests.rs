@@ -1,0 +1,88 @@
+//! The PostgreSQL sink store and the SQL fence around a job's row lock, against the local database.
+//!
+//! A writer's open transaction holds its job's row: who waits for it, who does not, and how long.
+use std::time::Instant;
+
+use super::tests::{admin, code, fresh};
+use super::*;
+
+/// The current holder's SQL writer has checked the fence and not committed yet (its
+/// transaction holds the job's row): a stale token's check through the store is answered
+/// stale at once, not after the session's lock timeout as 503 store-unavailable (which told
+/// the stale holder to retry, and took one of the job's connections from the current one).
+#[tokio::test]
+async fn a_stale_check_does_not_wait_for_the_holders_open_transaction() {
+    let Some(store) = fresh().await else { return };
+    let job: JobId = "held-job".parse().unwrap();
+    assert_eq!(
+        store.observe(&job, Generation::new(8)).await.unwrap(),
+        Verdict::Accepted
+    );
+    let mut writer = admin().await;
+    let tx = writer.transaction().await.unwrap();
+    assert_eq!(
+        check_in_transaction(&tx, store.tables(), &job, Generation::new(8))
+            .await
+            .unwrap(),
+        Verdict::Accepted
+    );
+    let began = Instant::now();
+    let stale = store.observe(&job, Generation::new(7)).await;
+    let took = began.elapsed();
+    assert_eq!(
+        stale.unwrap(),
+        Verdict::Stale {
+            highest: Generation::new(8)
+        }
+    );
+    assert!(
+        took < Duration::from_millis(500),
+        "waited {took:?} for the holder's lock"
+    );
+    tx.rollback().await.unwrap();
+}
+
+/// A writer whose `observe` answered false, or whose `require` raised ZF409, holds no lock on
+/// the job's row while its transaction stays open (an aborted one is open until ROLLBACK): a
+/// newer writer's `require` goes through at once.
+#[tokio::test]
+async fn a_refused_sql_check_leaves_the_row_unlocked() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let job: JobId = "refused-job".parse().unwrap();
+    assert_eq!(
+        store.observe(&job, Generation::new(8)).await.unwrap(),
+        Verdict::Accepted
+    );
+    // Every statement's wait is cut short, well before any lock timeout, so that a lock
+    // left behind fails the test rather than hangs it.
+    let (mut observer, mut requirer) = (admin().await, admin().await);
+    let observed = observer.transaction().await.unwrap();
+    let sql = format!("SELECT {}('refused-job', 7)", t.observe_fn);
+    let accepted: bool = within("observe", observed.query_one(&sql, &[]))
+        .await
+        .unwrap()
+        .get(0);
+    assert!(!accepted, "a stale token is refused");
+    let required = requirer.transaction().await.unwrap();
+    let sql = format!("SELECT {}('refused-job', 7)", t.require_fn);
+    let refused = within("the stale require", required.execute(&sql, &[]))
+        .await
+        .unwrap_err();
+    assert_eq!(code(&refused), Some("ZF409"), "{refused}");
+    // Both transactions are still open (the aborted one until its ROLLBACK).
+    let newer = admin().await;
+    let sql = format!("SELECT {}('refused-job', 9)", t.require_fn);
+    within("the newer require", newer.execute(&sql, &[]))
+        .await
+        .unwrap();
+    drop((observed, required));
+    assert_eq!(store.highest(&job).await.unwrap(), Generation::new(9));
+}
+
+/// `query`'s answer, or a panic naming `what` once it has waited a second.
+async fn within<T>(what: &str, query: impl Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(1), query)
+        .await
+        .unwrap_or_else(|_| panic!("{what} waited a second for another writer's lock"))
+}
