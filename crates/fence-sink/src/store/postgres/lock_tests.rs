@@ -80,6 +80,47 @@ async fn a_refused_sql_check_leaves_the_row_unlocked() {
     assert_eq!(store.highest(&job).await.unwrap(), Generation::new(9));
 }
 
+/// An older writer's transaction holds the job's row (it passed `require` and stalls): a
+/// newer writer's `require`, in a session that would wait for ever (lock_timeout 0),
+/// gets SQLSTATE 55P03 after the fence's lock timeout (2 s), and its retry passes once the
+/// older transaction has ended.
+#[tokio::test]
+async fn a_newer_writer_waits_for_an_older_ones_transaction_at_most_the_lock_timeout() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let mut older = admin().await;
+    let held = older.transaction().await.unwrap();
+    held.execute(&format!("SELECT {}('stalled-job', 5)", t.require_fn), &[])
+        .await
+        .unwrap();
+    let newer = admin().await;
+    newer
+        .batch_execute("SET lock_timeout = 0; SET statement_timeout = 0")
+        .await
+        .unwrap();
+    let sql = format!("SELECT {}('stalled-job', 6)", t.require_fn);
+    let began = Instant::now();
+    let waited = tokio::time::timeout(Duration::from_secs(10), newer.execute(&sql, &[]))
+        .await
+        .expect("the newer writer still waits after 10 s");
+    let took = began.elapsed();
+    let e = waited.unwrap_err();
+    assert_eq!(code(&e), Some("55P03"), "{e}");
+    assert!(
+        took < Duration::from_millis(3_500),
+        "the newer writer waited {took:?}"
+    );
+    held.rollback().await.unwrap();
+    newer.execute(&sql, &[]).await.unwrap();
+    assert_eq!(
+        store
+            .highest(&"stalled-job".parse().unwrap())
+            .await
+            .unwrap(),
+        Generation::new(6)
+    );
+}
+
 /// `query`'s answer, or a panic naming `what` once it has waited a second.
 async fn within<T>(what: &str, query: impl Future<Output = T>) -> T {
     tokio::time::timeout(Duration::from_secs(1), query)

@@ -18,6 +18,14 @@ pub(super) fn ddl(tables: &PgTables) -> String {
     let half = STAMP_AHEAD_MS / 2;
     let default_max_lease_ttl_ms = ms(DEFAULT_MAX_LEASE_TTL);
     let default_skew_ms = ms(DEFAULT_CLOCK_SKEW);
+    // Each function waits for a job's row at most as long as the fence's own sessions do,
+    // whatever the writer's session allows (lock_timeout 0, PostgreSQL's default, waits for
+    // ever): a newer writer behind an older one's stalled transaction gets SQLSTATE 55P03 and
+    // can retry. The search path is fixed: the functions run as their owner.
+    let config = format!(
+        "SET search_path = pg_catalog, pg_temp SET lock_timeout = '{}ms'",
+        fence_storage::postgres::SESSION_LOCK_TIMEOUT.as_millis()
+    );
     // An index name is unqualified and lives in the table's schema.
     let stamps_index = format!(
         "{}_stamps",
@@ -81,7 +89,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          -- on the tables, so it cannot lower the fence. Nobody but the owner may call
          -- the shared decision itself.
          CREATE OR REPLACE FUNCTION {accept_fn}(p_job text, p_token numeric) RETURNS boolean
-         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         LANGUAGE plpgsql SECURITY DEFINER {config} AS $fence$
          DECLARE h numeric;
          BEGIN
 {check_input}           -- Stale by what is committed: refused without a lock, so a stale check neither
@@ -106,7 +114,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          $fence$;
          REVOKE ALL ON FUNCTION {accept_fn}(text, numeric) FROM PUBLIC;
          CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric) RETURNS boolean
-         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         LANGUAGE plpgsql SECURITY DEFINER {config} AS $fence$
          BEGIN
            {check_input}           IF EXISTS (SELECT 1 FROM {settings} WHERE forgetting) THEN
              RAISE EXCEPTION 'the sinks on this fence forget idle jobs: a check needs the token''s lease end (%(job, token, expires_at_ms))', 'observe'
@@ -117,7 +125,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          $fence$;
          CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric, p_expires_at_ms bigint)
          RETURNS boolean
-         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         LANGUAGE plpgsql SECURITY DEFINER {config} AS $fence$
          DECLARE skew bigint; longest bigint; latest bigint;
          BEGIN
            {check_input}           IF p_expires_at_ms IS NULL OR p_expires_at_ms < 0 THEN
@@ -139,7 +147,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          END
          $fence$;
          CREATE OR REPLACE FUNCTION {require_fn}(p_job text, p_token numeric) RETURNS void
-         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         LANGUAGE plpgsql SECURITY DEFINER {config} AS $fence$
          DECLARE h numeric;
          BEGIN
            IF NOT {observe_fn}(p_job, p_token) THEN
@@ -151,7 +159,7 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          $fence$;
          CREATE OR REPLACE FUNCTION {require_fn}(p_job text, p_token numeric, p_expires_at_ms bigint)
          RETURNS void
-         LANGUAGE plpgsql SECURITY DEFINER SET search_path = pg_catalog, pg_temp AS $fence$
+         LANGUAGE plpgsql SECURITY DEFINER {config} AS $fence$
          DECLARE h numeric;
          BEGIN
            IF NOT {observe_fn}(p_job, p_token, p_expires_at_ms) THEN
