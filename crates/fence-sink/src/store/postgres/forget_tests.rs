@@ -250,3 +250,49 @@ async fn a_locked_row_is_passed_over_by_forgetting() {
         "kept once the lock is gone"
     );
 }
+
+/// A lease end at the very end of `bigint` (what `check_in_transaction_expiring` sends for
+/// one beyond it) is refused as too long-lived (ZF403), as at the sinks, not an overflow
+/// (SQLSTATE 22003, an I/O-style error to the caller); and a longest lease recorded near
+/// `bigint`'s end does not overflow the bound either.
+#[tokio::test]
+async fn a_lease_end_at_the_end_of_bigint_is_too_long_lived_not_an_overflow() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let su = admin().await;
+    let far = su
+        .query_one(
+            &format!("SELECT {}('far-job', 5, $1)", t.observe_fn),
+            &[&i64::MAX],
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(code(&far), Some("ZF403"), "{far}");
+    let mut client = admin().await;
+    let tx = client.transaction().await.unwrap();
+    let job: JobId = "far-job".parse().unwrap();
+    let e = check_in_transaction_expiring(&tx, &t, &job, Generation::new(5), u64::MAX)
+        .await
+        .unwrap_err();
+    let db = std::error::Error::source(&e).and_then(|s| s.downcast_ref::<tokio_postgres::Error>());
+    assert_eq!(db.and_then(code), Some("ZF403"), "{e:?}");
+    tx.rollback().await.unwrap();
+    let longest = Duration::from_millis(u64::try_from(i64::MAX).unwrap());
+    store
+        .announce_forgetting(false, Duration::from_secs(5), longest)
+        .await
+        .unwrap();
+    let now: i64 = su
+        .query_one(&format!("SELECT {}", fence_storage::postgres::NOW_MS), &[])
+        .await
+        .unwrap()
+        .get(0);
+    let live = su
+        .query_one(
+            &format!("SELECT {}('far-job', 5, $1)", t.observe_fn),
+            &[&(now + 30_000)],
+        )
+        .await
+        .unwrap();
+    assert!(live.get::<_, bool>(0));
+}

@@ -126,19 +126,21 @@ pub(super) fn ddl(tables: &PgTables) -> String {
          CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric, p_expires_at_ms bigint)
          RETURNS boolean
          LANGUAGE plpgsql SECURITY DEFINER {config} AS $fence$
-         DECLARE skew bigint; longest bigint; latest bigint;
+         DECLARE skew bigint; longest bigint; latest numeric;
          BEGIN
            {check_input}           IF p_expires_at_ms IS NULL OR p_expires_at_ms < 0 THEN
              RAISE EXCEPTION 'malformed lease end: %', p_expires_at_ms USING ERRCODE = '22023';
            END IF;
            SELECT s.clock_skew_ms, s.max_lease_ttl_ms INTO skew, longest FROM {settings} s;
            skew := coalesce(skew, {default_skew_ms});
-           IF p_expires_at_ms + skew < {now} THEN
+           -- Neither side overflows a bigint, however late the lease end (both are >= 0): a
+           -- lease end near 2^63 is refused as too long-lived below, not an error 22003.
+           IF p_expires_at_ms < {now} - skew THEN
              RETURN false; -- the token's lease ended: stale, as at the sinks
            END IF;
            -- No lease the sinks accept ends later: a token claiming one could outlive the
-           -- window they forget by (contract section 8).
-           latest := {now} + coalesce(longest, {default_max_lease_ttl_ms}) + skew;
+           -- window they forget by (contract section 8). In numeric, for the same reason.
+           latest := {now}::numeric + coalesce(longest, {default_max_lease_ttl_ms}) + skew;
            IF p_expires_at_ms > latest THEN
              RAISE EXCEPTION 'fencing token of job % claims a lease ending at % ms, after % ms, the latest the sinks accept (now plus their longest lease TTL plus the clock skew)', p_job, p_expires_at_ms, latest
                USING ERRCODE = 'ZF403';
