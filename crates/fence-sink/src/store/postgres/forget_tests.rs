@@ -296,3 +296,78 @@ async fn a_lease_end_at_the_end_of_bigint_is_too_long_lived_not_an_overflow() {
         .unwrap();
     assert!(live.get::<_, bool>(0));
 }
+
+/// The first time forgetting is switched on, a stale writer's two-argument check may have
+/// read the setting (off) just before, and the job be forgotten before it writes: its token
+/// must not pass as the forgotten job's first. The writer is held between the two by a lock
+/// on the table, taken by the transaction that switches forgetting on and deletes the job.
+#[tokio::test]
+async fn forgetting_switched_on_during_a_plain_check_refuses_it() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let job: JobId = "racing-job".parse().unwrap();
+    assert_eq!(
+        store.observe(&job, Generation::new(5)).await.unwrap(),
+        Verdict::Accepted
+    );
+    let mut switcher = admin().await;
+    let tx = switcher.transaction().await.unwrap();
+    let generations = &t.generations;
+    tx.batch_execute(&format!(
+        "LOCK TABLE {generations} IN ACCESS EXCLUSIVE MODE"
+    ))
+    .await
+    .unwrap();
+    let writer = admin().await;
+    let pid: i32 = writer
+        .query_one("SELECT pg_backend_pid()", &[])
+        .await
+        .unwrap()
+        .get(0);
+    let sql = format!("SELECT {}('racing-job', 2)", t.observe_fn);
+    let check = tokio::spawn(async move {
+        let row = writer.query_one(&sql, &[]).await;
+        row.map(|r| r.get::<_, bool>(0))
+    });
+    // Until the writer has read the setting and waits for the table.
+    let su = admin().await;
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while su
+        .query_opt(
+            "SELECT 1 FROM pg_stat_activity WHERE pid = $1 AND wait_event_type = 'Lock'",
+            &[&pid],
+        )
+        .await
+        .unwrap()
+        .is_none()
+    {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the writer never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    tx.batch_execute(&format!(
+        "INSERT INTO {} (one, forgetting, clock_skew_ms) VALUES (true, true, 5000)
+           ON CONFLICT (one) DO UPDATE SET forgetting = true;
+         DELETE FROM {generations} WHERE job = 'racing-job'",
+        t.settings
+    ))
+    .await
+    .unwrap();
+    tx.commit().await.unwrap();
+    let answer = tokio::time::timeout(Duration::from_secs(10), check)
+        .await
+        .expect("the writer answers")
+        .unwrap();
+    assert_eq!(
+        answer.as_ref().err().and_then(code),
+        Some("ZF428"),
+        "{answer:?}"
+    );
+    assert_eq!(
+        store.highest(&job).await.unwrap(),
+        Generation::ZERO,
+        "the stale token was written as the forgotten job's first"
+    );
+}

@@ -120,7 +120,18 @@ pub(super) fn ddl(tables: &PgTables) -> String {
              RAISE EXCEPTION 'the sinks on this fence forget idle jobs: a check needs the token''s lease end (%(job, token, expires_at_ms))', 'observe'
                USING ERRCODE = 'ZF428';
            END IF;
-           RETURN {accept_fn}(p_job, p_token);
+           IF NOT {accept_fn}(p_job, p_token) THEN
+             RETURN false;
+           END IF;
+           -- Forgetting may have been switched on, and this job forgotten, since the check
+           -- above: the row just written would then be a stale token's, as the forgotten
+           -- job's first. Looked at again (a new snapshot: the delete committed before the
+           -- write, and the setting before the delete), the raise rolls the write back.
+           IF EXISTS (SELECT 1 FROM {settings} WHERE forgetting) THEN
+             RAISE EXCEPTION 'the sinks on this fence forget idle jobs: a check needs the token''s lease end (%(job, token, expires_at_ms))', 'observe'
+               USING ERRCODE = 'ZF428';
+           END IF;
+           RETURN true;
          END
          $fence$;
          CREATE OR REPLACE FUNCTION {observe_fn}(p_job text, p_token numeric, p_expires_at_ms bigint)
