@@ -273,8 +273,8 @@ pub struct ListenArgs {
     /// leaves.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS")]
     pub max_connections: Option<u32>,
-    /// Open connections from one IP address at most (an IPv6 address counts by its /64, as
-    /// one host's): clients behind one NAT address share it. A newcomer beyond takes the place of that address's oldest idle connection, or is
+    /// Open connections from one IP address at most (an IPv4 client of a dual-stack listener
+    /// counts by its IPv4 address): clients behind one NAT address share it. A newcomer beyond takes the place of that address's oldest idle connection, or is
     /// closed at once when all of them are answering. Default: half of --max-connections.
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1_000_000), env = "FENCE_MAX_CONNECTIONS_PER_PEER")]
     pub max_connections_per_peer: Option<u32>,
@@ -325,8 +325,9 @@ pub struct ServerArgs {
     #[arg(long, value_name = "N", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..), env = "FENCE_MAX_WAITING_CLAIMS")]
     pub max_waiting_claims: u32,
     /// The most claims one auth-file client may have waiting at once (all callers together
-    /// count as one client on a server without --auth-file). At most half of
-    /// --max-connections-per-peer, whatever is asked (logged at start).
+    /// count as one client on a server without --auth-file, held then only to
+    /// --max-waiting-claims). With an auth file at most half of --max-connections-per-peer,
+    /// whatever is asked (logged at start).
     #[arg(long, value_name = "N", default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..), env = "FENCE_MAX_WAITING_CLAIMS_PER_CLIENT")]
     pub max_waiting_claims_per_client: u32,
     /// The longest the server holds one waiting claim (1ms to 60s): a claim asking to wait

@@ -34,7 +34,7 @@ pub(super) struct Waiting {
 }
 
 impl Waiting {
-    /// Its peer, as every per-peer count keys it ([`peer_key`]: an IPv6 /64 is one peer).
+    /// Its peer, as every per-peer count keys it ([`peer_key`]).
     fn key(&self) -> IpAddr {
         peer_key(self.peer.ip())
     }

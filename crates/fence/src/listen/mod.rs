@@ -73,8 +73,8 @@ pub struct Limits {
     pub idle_timeout: Duration,
     /// Open connections at most (default: 10,000, or what the file limit leaves room for).
     pub max_connections: usize,
-    /// Open connections from one IP address at most, an IPv6 address counted by its /64
-    /// (default: half of `max_connections`).
+    /// Open connections from one IP address at most, an IPv4-mapped IPv6 address counted as
+    /// its IPv4 address (default: half of `max_connections`).
     pub max_connections_per_peer: usize,
     /// Concurrent HTTP/2 streams per connection at most (default 100).
     pub h2_max_streams: u32,

@@ -1,7 +1,7 @@
 //! Who holds a listener's connections, and which of them to close when there is no room.
 //!
-//! Every connection is seated by its peer's IP address ([`peer_key`]: an IPv6 address by
-//! its /64, an IPv4-mapped one as IPv4, so one host's many addresses are one peer). A peer
+//! Every connection is seated by its peer's IP address ([`peer_key`]: an IPv4-mapped IPv6
+//! address as IPv4, so a dual-stack listener counts an IPv4 client once). A peer
 //! holds at most
 //! [`Slots::per_peer`] (clients behind one NAT address share it); a newcomer beyond that
 //! takes the place of its own peer's oldest idle connection, or is closed at once when all
