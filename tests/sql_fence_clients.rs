@@ -194,12 +194,14 @@ async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
     let writer = python_writer();
     stale_writer_is_refused(&writer, "py").await;
 
-    // A writer whose transaction holds the fence row open (it checked 9, then pauses before
-    // its insert): the newer writer (10) waits for its commit, so the effects land in order.
+    // A writer whose transaction holds the fence row open (it checked 9, then pauses 3 s
+    // before its insert): the newer writer (10) waits for its commit, so the effects land in
+    // order. Longer than the fence's 2 s lock timeout: the newer writer's first attempt gets
+    // 55P03 and the writer asks again.
     let (_store, schema, client) = setup("pyhold").await;
     let (older, newer) = {
         let (w, s) = (writer.clone(), schema.clone());
-        let older = std::thread::spawn(move || write(&w, &s, "held", 9, &["1.5"]));
+        let older = std::thread::spawn(move || write(&w, &s, "held", 9, &["3"]));
         // Until the older writer holds the row: its transaction idles after `require`.
         let holding = format!(
             "SELECT count(*) FROM pg_stat_activity WHERE state = 'idle in transaction' \
@@ -222,7 +224,7 @@ async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
         let started = Instant::now();
         let newer = write(&writer, &schema, "held", 10, &[]);
         assert!(
-            started.elapsed() >= Duration::from_millis(700),
+            started.elapsed() >= Duration::from_millis(2_000),
             "the newer writer did not wait for the older one's transaction: {:?}",
             started.elapsed()
         );

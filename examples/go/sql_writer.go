@@ -22,13 +22,34 @@ import (
 	"os"
 	"strconv"
 	"strings"
+	"time"
 
 	"github.com/jackc/pgconn"
 	"github.com/jackc/pgx/v4"
 )
 
 // charge writes the charge under the fence; false when the token is stale (nothing written).
+// A transaction aborted by a lock wait past the fence's 2 s timeout (55P03: another writer
+// holds the job's row), a serialization failure (40001) or a deadlock (40P01) kept nothing,
+// and is asked again after a pause, up to 10 times.
 func charge(ctx context.Context, conn *pgx.Conn, schema, job string, token uint64, expiresAtMs *uint64, amount int64) (bool, error) {
+	pause := 50 * time.Millisecond
+	for attempt := 1; ; attempt++ {
+		written, err := chargeOnce(ctx, conn, schema, job, token, expiresAtMs, amount)
+		var pgErr *pgconn.PgError
+		retried := errors.As(err, &pgErr) && (pgErr.Code == "55P03" || pgErr.Code == "40001" || pgErr.Code == "40P01")
+		if !retried || attempt == 10 {
+			return written, err
+		}
+		time.Sleep(pause)
+		if pause < time.Second {
+			pause *= 2
+		}
+	}
+}
+
+// chargeOnce is one attempt of charge.
+func chargeOnce(ctx context.Context, conn *pgx.Conn, schema, job string, token uint64, expiresAtMs *uint64, amount int64) (bool, error) {
 	tx, err := conn.Begin(ctx)
 	if err != nil {
 		return false, err

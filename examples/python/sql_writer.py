@@ -13,13 +13,20 @@ lease has ended, which the fence needs while its sinks forget idle jobs).
 
 Exit codes: 0 written, 3 refused as stale, 1 any other error. HOLD_SECONDS keeps the
 transaction open after the check (the job's fence row stays locked), to show that a newer
-writer waits for it. Needs psycopg 3 (`pip install "psycopg[binary]"`).
+writer waits for it. The fence waits for a job's row at most 2 s, then raises 55P03: the
+whole transaction is then asked again after a pause, as after a serialization failure
+(40001) or a deadlock (40P01), up to 10 times. Needs psycopg 3 (`pip install "psycopg[binary]"`).
 """
 
 import sys
 import time
 
 import psycopg
+
+# Asked again: the fence's lock timeout, a serialization failure, a deadlock. Nothing of the
+# aborted transaction was kept.
+RETRIED = {"55P03", "40001", "40P01"}
+ATTEMPTS = 10
 
 
 def parse_token(token):
@@ -31,7 +38,21 @@ def parse_token(token):
 
 
 def charge(conn, schema, job, token, amount, hold=0.0):
-    """Writes the charge under the fence; False when the token is stale (nothing written)."""
+    """Writes the charge under the fence; False when the token is stale (nothing written).
+    A transaction aborted by a lock wait past the fence's timeout (another writer holds the
+    job's row), a serialization failure or a deadlock is asked again after a pause."""
+    for attempt in range(ATTEMPTS):
+        try:
+            return charge_once(conn, schema, job, token, amount, hold)
+        except psycopg.Error as e:
+            if e.sqlstate not in RETRIED or attempt == ATTEMPTS - 1:
+                raise
+            time.sleep(min(0.05 * 2**attempt, 1.0))
+    raise AssertionError("unreachable")
+
+
+def charge_once(conn, schema, job, token, amount, hold):
+    """One attempt of `charge`."""
     generation, expires_at_ms = parse_token(str(token))
     try:
         with conn.transaction():
