@@ -48,8 +48,10 @@ fn secret(
 ) -> anyhow::Result<Option<BearerToken>> {
     match file {
         Some(file) => {
+            let token = read_secret(file, flag)?;
+            // Only of a secret that is one: an unusable file's error stands alone.
             warn_if_others_may_read(file, flag);
-            read_secret(file, flag)
+            Ok(token)
         }
         None => match std::env::var(var) {
             Ok(token) => Ok(Some(
