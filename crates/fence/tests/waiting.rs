@@ -543,3 +543,35 @@ fn a_waiting_claim_gets_the_job_when_a_renewal_shortened_the_lease() {
         started.elapsed()
     );
 }
+
+/// A second SIGTERM while the stop waits for a request still under way (here one whose body
+/// never comes) ends the server at once, with 143 (128 + 15), as a second Ctrl-C does with
+/// 130: the operator asked twice.
+#[test]
+fn a_second_signal_ends_a_stopping_server_at_once_with_its_code() {
+    use std::io::Write;
+    let (_dir, mut server, _url, addr) = server();
+    let mut stalled = std::net::TcpStream::connect(&addr).unwrap();
+    stalled
+        .write_all(
+            b"POST /v1/leases/s/claim HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+              content-length: 100\r\n\r\n{\"owner\":",
+        )
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    signal(&server, "-TERM");
+    std::thread::sleep(Duration::from_millis(500));
+    assert!(
+        server.0.try_wait().unwrap().is_none(),
+        "the first signal's stop did not wait for the request under way"
+    );
+    let again = Instant::now();
+    signal(&server, "-TERM");
+    let exited = server.0.wait().unwrap();
+    assert_eq!(exited.code(), Some(143), "{exited:?}");
+    assert!(
+        again.elapsed() < Duration::from_secs(3),
+        "{:?}",
+        again.elapsed()
+    );
+}
