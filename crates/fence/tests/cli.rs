@@ -54,6 +54,34 @@ fn on_off_variables_take_1_yes_and_on() {
     assert!(String::from_utf8_lossy(&contradicted.stderr).contains("opposite"));
 }
 
+/// The proxy's opposite pair is checked on its values too: `FENCE_ALLOW_MISSING_TOKEN=0`
+/// beside `--require-token` starts (a request without a token is still refused), while an
+/// on value beside it is refused as a contradiction.
+#[test]
+fn the_proxys_token_pair_is_checked_on_its_values() {
+    let dir = tempfile::tempdir().unwrap();
+    let upstream = format!("http://{}", start_upstream());
+    let data = dir.path().join("proxy");
+    let args = proxy_args(
+        &upstream,
+        &["--data-dir", data.to_str().unwrap(), "--require-token"],
+    );
+    let mut proxy = Command::new(FENCE);
+    proxy
+        .args(&args)
+        .env("FENCE_ALLOW_MISSING_TOKEN", "0")
+        .env("RUST_LOG", "info");
+    let (_proxy, addr, _log) = start_command(proxy);
+    assert_eq!(http_status(&addr, "POST", "/w", &[]), 428);
+    let contradicted = Command::new(FENCE)
+        .args(&args)
+        .env("FENCE_ALLOW_MISSING_TOKEN", "yes")
+        .output()
+        .unwrap();
+    assert_eq!(contradicted.status.code(), Some(2), "{contradicted:?}");
+    assert!(String::from_utf8_lossy(&contradicted.stderr).contains("opposite"));
+}
+
 /// `fence healthcheck` against nothing: 1, saying what failed without calling a proxy's
 /// admin listener a lease store; 2 for a URL it cannot use.
 #[test]
