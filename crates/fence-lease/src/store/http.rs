@@ -336,7 +336,14 @@ impl LeaseStore for HttpLeaseStore {
             if this.is_zero() {
                 let last = self.apply(job, terms.op(owner, key)).await?;
                 return match (last, crowded) {
-                    (Outcome::Held { .. }, Some(crowded)) => Err(crowded),
+                    // Held by a holder: the waiting places were why it could not wait. A
+                    // lock-delay is its own answer, said as such.
+                    (
+                        Outcome::Held {
+                            lock_delay: false, ..
+                        },
+                        Some(crowded),
+                    ) => Err(crowded),
                     (last, _) => Ok(last),
                 };
             }
