@@ -179,7 +179,6 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     let tcp = bind(a.listen, "--listen").await?;
     let store = backend.lease_store().await?;
     let (stop, stopping) = tokio::sync::watch::channel(false);
-    let one_client = auth.is_none();
     let options = ServerOptions {
         metrics: Some(handle),
         auth,
@@ -193,11 +192,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
             per_client: a.max_waiting_claims_per_client as usize,
             longest: a.max_claim_wait,
         }
-        .within_seats(
-            limits.max_connections,
-            limits.max_connections_per_peer,
-            one_client,
-        ),
+        .within_seats(limits.max_connections, limits.max_connections_per_peer),
         stopping: Some(stopping),
     };
     let _forgetting = a

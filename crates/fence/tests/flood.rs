@@ -712,6 +712,22 @@ async fn jam_one(
 /// header timeout closed it unanswered.
 #[test]
 fn waiting_claims_cannot_hold_every_seat() {
+    jam_with_waiting_claims_then_probe(&["127.0.0.2", "127.0.0.3"]);
+}
+
+/// Without an auth file the waiting claims of one address are its own limit (half its
+/// seats): waiting claims from the prober's own address cannot hold every seat it may have.
+/// Until this version all callers without an auth file were one client, held only to half
+/// the seats in all: one address's waiting claims held all of its seats, and a health check
+/// from it (a container's own) was closed at once.
+#[test]
+fn waiting_claims_from_ones_own_address_cannot_hold_its_seats() {
+    jam_with_waiting_claims_then_probe(&["127.0.0.1"]);
+}
+
+/// Four connections from each of `sources` keep a waiting claim on a held job; then a health
+/// check and a claim from 127.0.0.1 must be answered.
+fn jam_with_waiting_claims_then_probe(sources: &[&'static str]) {
     let _one = one_flood();
     let dir = tempfile::tempdir().unwrap();
     let (_server, addr, log) = seating_logged(
@@ -742,13 +758,13 @@ fn waiting_claims_cannot_hold_every_seat() {
         .unwrap();
     let stop = Arc::new(AtomicBool::new(false));
     let open = Arc::new(AtomicU64::new(0));
-    for source in ["127.0.0.2", "127.0.0.3"] {
+    for &source in sources {
         for _ in 0..4 {
             rt.spawn(jam_one(target, source, stop.clone(), open.clone()));
         }
     }
     eventually("the jam holds every seat", Duration::from_secs(10), || {
-        open.load(Ordering::Relaxed) == 8
+        open.load(Ordering::Relaxed) == 4 * sources.len() as u64
     });
     std::thread::sleep(Duration::from_millis(500));
     let began = Instant::now();

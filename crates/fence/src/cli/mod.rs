@@ -324,10 +324,9 @@ pub struct ServerArgs {
     /// connection busy, and busy connections are never closed for newcomers.
     #[arg(long, value_name = "N", default_value_t = 10_000, value_parser = clap::value_parser!(u32).range(1..), env = "FENCE_MAX_WAITING_CLAIMS")]
     pub max_waiting_claims: u32,
-    /// The most claims one auth-file client may have waiting at once (all callers together
-    /// count as one client on a server without --auth-file, held then only to
-    /// --max-waiting-claims). With an auth file at most half of --max-connections-per-peer,
-    /// whatever is asked (logged at start).
+    /// The most claims one auth-file client may have waiting at once (on a server without
+    /// --auth-file, the claims from one address). At most half of
+    /// --max-connections-per-peer, whatever is asked (logged at start).
     #[arg(long, value_name = "N", default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..), env = "FENCE_MAX_WAITING_CLAIMS_PER_CLIENT")]
     pub max_waiting_claims_per_client: u32,
     /// The longest the server holds one waiting claim (1ms to 60s): a claim asking to wait

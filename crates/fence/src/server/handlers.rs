@@ -191,6 +191,7 @@ pub(super) async fn act<S: LeaseStore>(
         return not_found(method, uri).await;
     };
     let job = path.map(|Path((job, _))| job);
+    let peer = peer.map(|Extension(PeerAddr(addr))| addr.ip());
     let answer = async {
         let job = job_of(job)?;
         let caller = authorize(app.options.auth.as_ref(), &headers, Some(&job))?;
@@ -212,7 +213,18 @@ pub(super) async fn act<S: LeaseStore>(
         let outcome = match wait {
             Some(wait) => {
                 // Bounded per client and in all: a place is held while the claim waits.
-                let client = caller.as_ref().map_or("", |c| c.client().name());
+                // Without an auth file the client is the address the claim comes from (a
+                // mapped IPv4 address as IPv4), whose connection seats the limit protects.
+                let by_address;
+                let client = match caller.as_ref() {
+                    Some(c) => c.client().name(),
+                    None => {
+                        by_address = peer
+                            .map(|ip| format!("address {}", fence_sink::refusals::peer_key(ip)))
+                            .unwrap_or_default();
+                        &by_address
+                    }
+                };
                 let waited = app.waiters.claim(&*app.store, &job, op, (wait, client)).await;
                 let waited = waited.map_err(|e| store_error(&e))?;
                 waited.map_err(|too_many| {
@@ -221,7 +233,7 @@ pub(super) async fn act<S: LeaseStore>(
                             "the server holds its most waiting claims ({n}, --max-waiting-claims); claim again later"
                         ),
                         super::wait::TooMany::Client(n) => format!(
-                            "this client has its most waiting claims ({n}, --max-waiting-claims-per-client); claim again later"
+                            "this client (without an auth file: this address) has its most waiting claims ({n}, --max-waiting-claims-per-client); claim again later"
                         ),
                     };
                     Problem::new(ProblemType::TooManyWaiters, detail).with_job(job.clone())
@@ -243,7 +255,6 @@ pub(super) async fn act<S: LeaseStore>(
             app.waiters.changed(&job);
         }
         let client = caller.as_ref().map(|c| c.client().name().to_owned());
-        let peer = peer.map(|Extension(PeerAddr(addr))| addr.ip());
         let asking = Asking { owner: owner.as_ref(), generation: asked, action, reason, client, peer };
         answer(job, &asking, outcome)
     }

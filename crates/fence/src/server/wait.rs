@@ -81,21 +81,14 @@ impl WaitLimits {
     /// half of `per_peer` (each at least 1). A waiting claim keeps its connection busy for
     /// its whole wait, and a busy connection is never closed for room: waiting claims on
     /// every seat would leave each newcomer (a new `fence run`, a health probe) in the lobby
-    /// until its first-request deadline closed it unanswered. With `one_client` (no auth
-    /// file: every caller is one client, from any address) `per_client` is held only to the
-    /// lowered `total`. A lowering is logged: at info when it is the defaults', at warn when
-    /// flags asked for these (`--max-waiting-claims`).
+    /// until its first-request deadline closed it unanswered. (Without an auth file the
+    /// server counts a client per address.) A lowering is logged: at info when it is the
+    /// defaults', at warn when flags asked for these (`--max-waiting-claims`).
     #[must_use]
-    pub fn within_seats(self, max_connections: usize, per_peer: usize, one_client: bool) -> Self {
-        let total = self.total.min((max_connections / 2).max(1));
-        let seats_of_one = if one_client {
-            total
-        } else {
-            (per_peer / 2).max(1)
-        };
+    pub fn within_seats(self, max_connections: usize, per_peer: usize) -> Self {
         let within = Self {
-            total,
-            per_client: self.per_client.min(seats_of_one),
+            total: self.total.min((max_connections / 2).max(1)),
+            per_client: self.per_client.min((per_peer / 2).max(1)),
             ..self
         };
         let (total, per_client) = (within.total, within.per_client);
@@ -420,20 +413,17 @@ mod tests {
     #[test]
     fn waiting_claims_are_held_to_half_the_seats() {
         let asked = WaitLimits::default();
-        let within = asked.within_seats(480, 240, false);
+        let within = asked.within_seats(480, 240);
         assert_eq!((within.total, within.per_client), (240, 120));
-        // Without an auth file every caller is one client: held to the total only.
-        let open = asked.within_seats(480, 240, true);
-        assert_eq!((open.total, open.per_client), (240, 240));
         assert_eq!(within.longest, asked.longest);
         let small = WaitLimits {
             total: 5,
             per_client: 2,
             ..asked
         };
-        let kept = small.within_seats(480, 240, false);
+        let kept = small.within_seats(480, 240);
         assert_eq!((kept.total, kept.per_client), (5, 2));
-        let tiny = asked.within_seats(1, 1, false);
+        let tiny = asked.within_seats(1, 1);
         assert_eq!((tiny.total, tiny.per_client), (1, 1), "at least one");
     }
 
