@@ -334,11 +334,22 @@ impl GenerationStore for SledStore {
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
-        // Idle by the earlier of the wall clock and the time since the open: a wall clock
-        // stepped forward since (NTP after a boot) must not age every stamp by its step and
-        // forget a job whose earlier process's request may still be running.
-        let now_ms = self.clock.now_ms().min(self.since_open_ms());
-        let before_ms = now_ms.saturating_sub(ms(page.idle_for));
+        // A stamp an earlier process may have written (up to its stamp ahead, rounded up,
+        // past this open) is idle by the earlier of the wall clock and the time since the
+        // open: a wall clock stepped forward since (NTP after a boot) must not age it by the
+        // step and forget a job whose earlier request may still be running. Later stamps are
+        // this process's own, written on the wall clock, and judged by it: judged by the time
+        // since the open, a step of years would keep them from being forgotten for the
+        // process's whole life.
+        let idle_for = ms(page.idle_for);
+        let wall_before = self.clock.now_ms().saturating_sub(idle_for);
+        let earlier_before = self
+            .clock
+            .now_ms()
+            .min(self.since_open_ms())
+            .saturating_sub(idle_for);
+        let earlier_until = self.opened_ms.saturating_add(STAMP_AHEAD_MS + 1_000);
+        let before_ms = wall_before;
         let start = match page.after {
             Some(a) => {
                 std::ops::Bound::Excluded(stamp_key(a.touched_ms, a.job.as_str().as_bytes()))
@@ -352,6 +363,10 @@ impl GenerationStore for SledStore {
             let Some((touched, job)) = k.split_first_chunk::<8>() else {
                 continue;
             };
+            let stamped = u64::from_be_bytes(*touched);
+            if stamped <= earlier_until && stamped >= earlier_before {
+                continue;
+            }
             let Ok(job) = std::str::from_utf8(job)
                 .unwrap_or_default()
                 .parse::<JobId>()
@@ -359,7 +374,7 @@ impl GenerationStore for SledStore {
                 continue;
             };
             out.push(IdleJob {
-                touched_ms: u64::from_be_bytes(*touched),
+                touched_ms: stamped,
                 job,
             });
             if out.len() >= page.limit {

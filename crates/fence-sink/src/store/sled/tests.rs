@@ -353,4 +353,27 @@ async fn a_wall_clock_step_after_the_open_is_not_time_passed() {
         .await
         .unwrap();
     assert_eq!(idle, [], "the step made the job look idle");
+    // A job stamped by this process after the step is judged by the wall clock it was
+    // stamped on: idle once its time has passed, not only after the process's restart.
+    let later: JobId = "after-the-step".parse().unwrap();
+    store
+        .accept(&later, Generation::new(1), false)
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(600 + 20));
+    let idle = store
+        .idle(IdlePage {
+            idle_for: Duration::from_secs(600),
+            after: None,
+            limit: 10,
+        })
+        .await
+        .unwrap();
+    let listed: Vec<&str> = idle.iter().map(|i| i.job.as_str()).collect();
+    // (The earlier job too: 620 s have passed since the open, on either clock.)
+    assert_eq!(
+        listed,
+        ["stepped", "after-the-step"],
+        "the later job was judged by the time since the open"
+    );
 }
