@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import threading
-import weakref
 from types import TracebackType
 from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, Type
 
@@ -70,9 +69,9 @@ async def _in_thread(fn: Callable[..., Any], *args: Any,
 
     try:
         threading.Thread(target=run, name="fence-call", daemon=True).start()
-    except BaseException:
+    except RuntimeError:  # the thread could not be started: it will not give its place back
         if then is not None:
-            then()  # no thread: its place is free again
+            then()
         raise
     return await future
 
@@ -234,7 +233,7 @@ class AsyncClient(ClientCore):
             raise ValueError("max_calls must be a whole number of at least 1")
         super().__init__(server, **options)
         self.max_calls = max_calls
-        self._call_slots: "weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, asyncio.Semaphore]" = weakref.WeakKeyDictionary()
+        self._call_slots: Dict[asyncio.AbstractEventLoop, asyncio.Semaphore] = {}
 
     async def _place(self, until: Optional[float] = None) -> Callable[[], None]:
         """Waits for one of the ``max_calls`` places for claims and status reads; returns what
@@ -244,14 +243,27 @@ class AsyncClient(ClientCore):
         loop = asyncio.get_running_loop()
         places = self._call_slots.get(loop)
         if places is None:
+            # A semaphore holds on to its loop: forget those of loops that have ended.
+            for ended in [other for other in self._call_slots if other.is_closed()]:
+                del self._call_slots[ended]
             places = self._call_slots[loop] = asyncio.Semaphore(self.max_calls)
         within = max(self._transport.timeout, (until or 0.0) - monotonic())
+        # Not asyncio.wait_for: before Python 3.12 it can return the place when the caller is
+        # cancelled in the same turn the place came, and the claim would go on unwanted.
+        taking = asyncio.ensure_future(places.acquire())
         try:
-            await asyncio.wait_for(places.acquire(), within)
-        except asyncio.TimeoutError:
+            await asyncio.wait({taking}, timeout=within)
+        except BaseException:
+            if taking.done() and not taking.cancelled():
+                places.release()  # taken just as the caller gave up: given back
+            else:
+                taking.cancel()
+            raise
+        if not taking.done():
+            taking.cancel()
             raise ServerUnreachable(
                 f"this client's {self.max_calls} places for claims and status reads stayed taken "
-                f"for {within:.1f} s (max_calls): nothing was sent") from None
+                f"for {within:.1f} s (max_calls): nothing was sent")
         return places.release
 
     def claim(self, job: str, *, wait: float = 0.0, ttl: Optional[float] = None,
