@@ -56,9 +56,9 @@ server_run() { # name environment (one VAR=value, or "-": none) extra-flags...
   run "$name" server "http://$server" - 1000 "$pid" "$tmp/$name"
   kill "$pid"; wait "$pid" 2>/dev/null || true
 }
-# On sled a proxy forgets no sooner than its upstream (or body) timeout, the idempotency store's
-# timeout (5 s) and the body timeout again, plus its hold: 2.6 minutes with the defaults. Short
-# ones (8 s in all) keep the window at --forget-after as measured before.
+# On sled a proxy forgets no sooner than its upstream (or body) timeout plus its hold (with
+# idempotency, which this run turns off, also the store timeout and the body timeout again): 2
+# minutes with the defaults. Short ones (2 s in all) keep the window at --forget-after.
 proxy_forget=(--forget-after "$forget" --max-lease-ttl 2s --clock-skew 1s
   --upstream-timeout 1s --body-timeout 1s --unknown-outcome-hold 1s)
 if [ "$mode" = arenas ]; then

@@ -42,8 +42,8 @@ func charge(ctx context.Context, conn *pgx.Conn, schema, job string, token uint6
 			return written, err
 		}
 		time.Sleep(pause)
-		if pause < time.Second {
-			pause *= 2
+		if pause *= 2; pause > time.Second {
+			pause = time.Second
 		}
 	}
 }

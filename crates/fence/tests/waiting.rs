@@ -550,7 +550,9 @@ fn a_waiting_claim_gets_the_job_when_a_renewal_shortened_the_lease() {
 #[test]
 fn a_second_signal_ends_a_stopping_server_at_once_with_its_code() {
     use std::io::Write;
-    let (_dir, mut server, _url, addr) = server();
+    let dir = tempfile::tempdir().unwrap();
+    let (mut server, addr, log) =
+        start_logged(&server_args(dir.path().to_str().unwrap(), &[]), "info");
     let mut stalled = std::net::TcpStream::connect(&addr).unwrap();
     stalled
         .write_all(
@@ -558,9 +560,12 @@ fn a_second_signal_ends_a_stopping_server_at_once_with_its_code() {
               content-length: 100\r\n\r\n{\"owner\":",
         )
         .unwrap();
-    std::thread::sleep(Duration::from_millis(300));
+    // The head is read and the body awaited (no signal of that to wait for: a pause).
+    std::thread::sleep(Duration::from_secs(1));
     signal(&server, "-TERM");
-    std::thread::sleep(Duration::from_millis(500));
+    // The second signal is listened for once the first one's stop began.
+    log.wait_for("a second signal stops at once");
+    std::thread::sleep(Duration::from_millis(300));
     assert!(
         server.0.try_wait().unwrap().is_none(),
         "the first signal's stop did not wait for the request under way"

@@ -47,7 +47,9 @@ pub struct ProxyConfig {
     pub clock_skew: Duration,
     /// Forget a job with no admitted request for this long (default: never); needs a
     /// verifier and at least `max_lease_ttl` plus twice `clock_skew`. On sled, never sooner
-    /// than the upstream or body timeout (the later) plus the unknown-outcome hold.
+    /// than what a request may run after a restart (the upstream or body timeout, the later;
+    /// with idempotency plus the store timeout and the body timeout) plus the unknown-outcome
+    /// hold.
     pub forget_after: Option<Duration>,
     /// The longest lease the lease server grants (default 24 h).
     pub max_lease_ttl: Duration,

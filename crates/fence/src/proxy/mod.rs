@@ -154,8 +154,9 @@ where
             forget_after = ?asked,
             forgets_after = ?window,
             "idle jobs are forgotten after this window: at least --forget-after and the token \
-             window, and on --data-dir the later of the upstream and body timeouts plus the \
-             unknown-outcome hold"
+             window, and on --data-dir what a request may run after a restart (the later of \
+             the upstream and body timeouts; with idempotency plus the store and body \
+             timeouts) plus the unknown-outcome hold"
         );
     }
 
