@@ -335,17 +335,10 @@ impl LeaseStore for HttpLeaseStore {
             let this = left.min(MOST);
             if this.is_zero() {
                 let last = self.apply(job, terms.op(owner, key)).await?;
-                return match (last, crowded) {
-                    // Held by a holder: the waiting places were why it could not wait. A
-                    // lock-delay is its own answer, said as such.
-                    (
-                        Outcome::Held {
-                            lock_delay: false, ..
-                        },
-                        Some(crowded),
-                    ) => Err(crowded),
-                    (last, _) => Ok(last),
-                };
+                // Held by a holder: the full places were why it could not wait (a lock-delay
+                // is its own answer).
+                let held = matches!(last, Outcome::Held { lock_delay, .. } if !lock_delay);
+                return crowded.filter(|_| held).map_or(Ok(last), Err);
             }
             let body = ClaimRequest {
                 owner: owner.clone(),
