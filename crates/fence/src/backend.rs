@@ -345,13 +345,10 @@ impl IdempotencyStore for SinkBackend {
 /// files made as the umask allows. fence makes a new directory 0700; one made before (by an
 /// older build, or by hand) keeps its mode, which is its owner's to change.
 fn warn_if_others_may_enter(dir: &std::path::Path) {
-    use std::os::unix::fs::PermissionsExt;
-    if let Ok(meta) = std::fs::metadata(dir)
-        && meta.permissions().mode() & 0o077 != 0
-    {
+    if let Some(mode) = crate::open_to_others(dir) {
         tracing::warn!(
             dir = %dir.display(),
-            mode = format_args!("{:o}", meta.permissions().mode() & 0o777),
+            mode = format_args!("{mode:o}"),
             "other users may enter the data directory, which holds stored responses and checkpoints: chmod 700 it"
         );
     }

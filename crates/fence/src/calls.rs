@@ -74,14 +74,10 @@ fn read_secret(file: &std::path::Path, flag: &str) -> anyhow::Result<Option<Bear
 /// Says on stderr when group or others may read the secret in `file` (given as `flag`). Not
 /// refused: a platform may mount it (a Kubernetes secret is 0644 by default).
 fn warn_if_others_may_read(file: &std::path::Path, flag: &str) {
-    use std::os::unix::fs::PermissionsExt;
-    if let Ok(meta) = std::fs::metadata(file)
-        && meta.permissions().mode() & 0o077 != 0
-    {
+    if let Some(mode) = crate::open_to_others(file) {
         eprintln!(
-            "fence: warning: {flag} {}: group or others may read this secret (mode {:o}): chmod 600 it",
+            "fence: warning: {flag} {}: group or others may read this secret (mode {mode:o}): chmod 600 it",
             file.display(),
-            meta.permissions().mode() & 0o777
         );
     }
 }

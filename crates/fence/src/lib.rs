@@ -22,6 +22,15 @@ pub mod telemetry;
 pub mod test_hooks;
 pub mod tls_init;
 
+/// The permission bits (`0o777`) of `path` when its group or others hold any of them: a
+/// secret others may read, a directory others may enter. `None` when it is private, or when
+/// it cannot be looked at (whoever reads it then says why).
+pub(crate) fn open_to_others(path: &std::path::Path) -> Option<u32> {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(path).ok()?.permissions().mode() & 0o777;
+    (mode & 0o077 != 0).then_some(mode)
+}
+
 /// A mistake in how `fence` was called: a flag's value or a file it names cannot be used.
 /// The command prints it as one line and exits 2.
 #[derive(Debug)]

@@ -54,13 +54,10 @@ async fn stop_signal() -> i32 {
 /// refused, as the signing key and the auth file are: a TLS key is often mounted by a
 /// platform (a Kubernetes secret, mode 0644 by default) that the operator does not set.
 fn warn_if_others_may_read(path: &std::path::Path, flag: &str) {
-    use std::os::unix::fs::PermissionsExt;
-    if let Ok(meta) = std::fs::metadata(path)
-        && meta.permissions().mode() & 0o077 != 0
-    {
+    if let Some(mode) = crate::open_to_others(path) {
         tracing::warn!(
             file = %path.display(),
-            mode = format!("{:o}", meta.permissions().mode() & 0o777),
+            mode = format!("{mode:o}"),
             "{flag}: group or others may read this private key: chmod 600 it"
         );
     }
