@@ -342,14 +342,10 @@ impl GenerationStore for SledStore {
         // since the open, a step of years would keep them from being forgotten for the
         // process's whole life.
         let idle_for = ms(page.idle_for);
-        let wall_before = self.clock.now_ms().saturating_sub(idle_for);
-        let earlier_before = self
-            .clock
-            .now_ms()
-            .min(self.since_open_ms())
-            .saturating_sub(idle_for);
+        let wall_ms = self.clock.now_ms();
+        let before_ms = wall_ms.saturating_sub(idle_for);
+        let earlier_before = wall_ms.min(self.since_open_ms()).saturating_sub(idle_for);
         let earlier_until = self.opened_ms.saturating_add(STAMP_AHEAD_MS + 1_000);
-        let before_ms = wall_before;
         let start = match page.after {
             Some(a) => {
                 std::ops::Bound::Excluded(stamp_key(a.touched_ms, a.job.as_str().as_bytes()))
