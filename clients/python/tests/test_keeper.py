@@ -371,6 +371,14 @@ def test_asyncio_claims_under_way_are_bounded_and_renewals_are_not(stack):
             with pytest.raises(ServerUnreachable, match="max_calls"):
                 await client.claim("free-cap")
             assert time.monotonic() - asked < 4.0
+            # Nothing was sent, so no key is kept for the job: a new key kept here would
+            # take the place of one a concurrent claim of the job kept after its answer was
+            # lost, and the job would then be answered held by this client's own lease.
+            assert "free-cap" not in client._unsettled
+            client._unsettled["free-cap"] = ("kept-key", time.monotonic() + 60)
+            with pytest.raises(ServerUnreachable, match="max_calls"):
+                await client.claim("free-cap")
+            assert client._unsettled["free-cap"][0] == "kept-key", "a kept key was dropped"
         finally:
             for t in waiting:
                 t.cancel()

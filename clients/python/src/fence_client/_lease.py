@@ -456,11 +456,27 @@ class ClientCore:
         while a lease that claim may have won could still be held (asked again with it, the
         server gives that lease back instead of answering that the job is held, by this owner,
         until it expires); else a new one."""
+        return self._claim_key_kept(job)[0]
+
+    def _claim_key_kept(self, job: str) -> Tuple[str, Optional[float]]:
+        """As :meth:`_claim_key`, with the time until which a kept key was kept (None for a
+        new key), so that a claim that sent nothing can put it back as it was."""
         with self._unsettled_lock:
             kept = self._unsettled.pop(job, None)
         if kept is not None and monotonic() < kept[1]:
-            return kept[0]
-        return new_lease_key()
+            return kept
+        return new_lease_key(), None
+
+    def _put_back_unsettled(self, job: str, key: str, until: Optional[float]) -> None:
+        """Puts back a key taken by a claim of ``job`` that sent nothing (its wait for a
+        place ended, or its caller gave up first): a kept key as it was, unless a claim since
+        kept another; a new key not at all, since no lease can have been granted under it, and
+        keeping it would take the place of a key a concurrent claim of the job kept."""
+        if until is None:
+            return
+        with self._unsettled_lock:
+            if job not in self._unsettled and len(self._unsettled) < MAX_UNSETTLED:
+                self._unsettled[job] = (key, until)
 
     def _claim_failed(self, job: str, key: str, ttl_ms: int, error: BaseException) -> None:
         """Keeps ``key`` for the next claim of ``job`` when ``error`` means the claim's answer

@@ -310,14 +310,21 @@ class AsyncClient(ClientCore):
     async def _claim(self, job: str, wait: float, ttl: Optional[float],
                      on_success: str, lock_delay: Optional[float] = None) -> AsyncLease:
         ttl_ms = self._claim_ttl_ms(ttl)
-        key = self._claim_key(job)
+        key, kept_until = self._claim_key_kept(job)
         body = self._claim_body(key, ttl_ms, lock_delay)
         budget = (ttl_ms - margin_ms(ttl_ms, self._margin)) / 1000
         wait_until = monotonic() + max(wait, 0.0)
+        asked = False  # whether a request of this claim went out
+        placeless = False  # whether the claim ended waiting for a place, this turn unsent
         try:
             while True:
                 try:
-                    done = await self._place(wait_until)
+                    try:
+                        done = await self._place(wait_until)
+                    except BaseException:
+                        placeless = True
+                        raise
+                    asked = True
                     # What is left of the wait once a place was had.
                     chunk = min(wait_until - monotonic(), 60.0)
                     chunk = chunk if chunk >= 0.001 else 0.0
@@ -335,11 +342,17 @@ class AsyncClient(ClientCore):
                     self._keep_unsettled(job, key, ttl_ms)
                     raise may_be_held(e, True) from e
                 except FenceError as e:
-                    self._claim_failed(job, key, ttl_ms, e)
+                    if not placeless:
+                        self._claim_failed(job, key, ttl_ms, e)
                     raise
                 await asyncio.sleep(waiting_claim_gap(sent, wait_until))
         except BaseException as e:
-            if not isinstance(e, FenceError):
+            if placeless:
+                # Nothing is unsettled: this turn sent nothing, and each earlier one was
+                # answered held. A kept key nothing was sent with goes back as it was.
+                if not asked:
+                    self._put_back_unsettled(job, key, kept_until)
+            elif not isinstance(e, FenceError):
                 # The caller gave up mid-claim (a cancelled task, asyncio.wait_for, Ctrl-C) or
                 # the claim failed unexpectedly: the request may have gone out and been
                 # granted, so its key is kept for the next claim of the job, as after an
