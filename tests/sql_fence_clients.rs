@@ -194,13 +194,17 @@ async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
     let writer = python_writer();
     stale_writer_is_refused(&writer, "py").await;
 
-    // A writer whose transaction holds the fence row open (it checked 9, then pauses 3 s
-    // before its insert): the newer writer (10) waits for its commit, so the effects land in
-    // order. Longer than the fence's 2 s lock timeout: the newer writer's first attempt gets
-    // 55P03 and the writer asks again.
-    let (_store, schema, client) = setup("pyhold").await;
+    newer_waits_for_older(&writer, &writer, "pyhold").await;
+}
+
+/// A writer whose transaction holds the fence row open (`older` checked 9, then pauses 3 s
+/// before its insert): the newer writer (10) waits for its commit, so the effects land in
+/// order. Longer than the fence's 2 s lock timeout: the newer writer's first attempt gets
+/// 55P03 and the writer asks again (without that retry it exits 1).
+async fn newer_waits_for_older(older_writer: &[String], newer_writer: &[String], tag: &str) {
+    let (_store, schema, client) = setup(tag).await;
     let (older, newer) = {
-        let (w, s) = (writer.clone(), schema.clone());
+        let (w, s) = (older_writer.to_vec(), schema.clone());
         let older = std::thread::spawn(move || write(&w, &s, "held", 9, &["3"]));
         // Until the older writer holds the row: its transaction idles after `require`.
         let holding = format!(
@@ -222,7 +226,7 @@ async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         let started = Instant::now();
-        let newer = write(&writer, &schema, "held", 10, &[]);
+        let newer = write(newer_writer, &schema, "held", 10, &[]);
         assert!(
             started.elapsed() >= Duration::from_millis(2_000),
             "the newer writer did not wait for the older one's transaction: {:?}",
@@ -235,7 +239,7 @@ async fn python_writers_share_the_fence_and_a_stale_one_is_refused() {
         (Some(0), Some(0))
     );
     assert_eq!(charged(&client, &schema, "held").await, [9, 10]);
-    let stale = write(&writer, &schema, "held", 9, &[]);
+    let stale = write(newer_writer, &schema, "held", 9, &[]);
     assert_eq!(stale.status.code(), Some(3));
     drop_schema(&client, &schema).await;
 }
@@ -245,4 +249,7 @@ async fn go_writers_share_the_fence_and_a_stale_one_is_refused() {
     let dir = tempfile::tempdir().unwrap();
     let writer = go_writer(dir.path());
     stale_writer_is_refused(&writer, "go").await;
+    // The older writer that holds the row is Python's (the Go writer takes no pause): the
+    // Go writer waits past the lock timeout, and asks again on 55P03.
+    newer_waits_for_older(&python_writer(), &writer, "gohold").await;
 }
