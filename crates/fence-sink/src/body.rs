@@ -71,11 +71,19 @@ pub(crate) struct Streaming {
     /// acting on those it got when the stream fails (reset by the client, or cut at the body
     /// deadline). A plain body that fails was never a whole request.
     failure_unknown: bool,
+    /// The gRPC statuses that leave the outcome unknown, in the answer's head or trailers.
+    pub(crate) unknown_grpc: crate::GrpcStatuses,
 }
 
 impl Streaming {
-    /// `failure_unknown`: see the field (true for a body of whole messages).
-    pub(crate) fn new(guard: InFlight, hold: Duration, failure_unknown: bool) -> Arc<Self> {
+    /// `failure_unknown`, `unknown_grpc`: see the fields (the first true for a body of whole
+    /// messages).
+    pub(crate) fn new(
+        guard: InFlight,
+        hold: Duration,
+        failure_unknown: bool,
+        unknown_grpc: crate::GrpcStatuses,
+    ) -> Arc<Self> {
         Arc::new(Self {
             guard: std::sync::Mutex::new(Some(guard)),
             hold,
@@ -83,6 +91,7 @@ impl Streaming {
             answered: AtomicBool::new(false),
             ended: std::sync::OnceLock::new(),
             failure_unknown,
+            unknown_grpc,
         })
     }
 
@@ -525,7 +534,16 @@ impl_body!(RequestBody, |this, polled| {
 // An answer that holds the request in flight lets go at its end; a failure may leave the
 // outcome unknown, as a dropped unfinished answer does (see `Answering`).
 impl_body!(ResponseBody, |this, polled| {
-    if this.answering.0.is_some() {
+    if let Some(flight) = this.answering.0.as_ref() {
+        // A call that ran out of time or was cancelled after its answer began: its handler
+        // may still have a write on its way.
+        if let Poll::Ready(Some(Ok(frame))) = &polled
+            && frame
+                .trailers_ref()
+                .is_some_and(|t| flight.unknown_grpc.in_headers(t))
+        {
+            flight.unknown();
+        }
         match &polled {
             Poll::Ready(None) => this.answering.ended(),
             Poll::Ready(Some(Err(_))) => this.answering.cut(),

@@ -40,7 +40,7 @@ pub use fence::{
 pub use fence_storage::BoxError;
 pub use gate::{CacheStats, JobFence};
 pub use idempotency::IdempotencyConfig;
-pub use outcome::OutcomeUnknown;
+pub use outcome::{GrpcStatuses, OutcomeUnknown};
 pub use refusals::PeerAddr;
 pub use reject::is_grpc;
 pub use store::{

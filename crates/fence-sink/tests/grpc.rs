@@ -747,3 +747,71 @@ fn streaming_first(
     });
     (sender, service)
 }
+
+/// A call the service answers CANCELLED or DEADLINE_EXCEEDED is of unknown outcome: a gRPC
+/// server answers so after dropping the handler of a call whose deadline ran out, wherever it
+/// was, and a write it had sent may still commit. The job is held, so a newer token waits
+/// (here it gets drain-timeout), whether the status came in the head (trailers-only) or in
+/// the trailers after a message, with or without a key; a keyed call's retry is not run
+/// again meanwhile. With `GrpcStatuses::NONE` the newer token passes at once.
+#[tokio::test]
+async fn a_call_that_ran_out_of_time_holds_its_job() {
+    let cases = [
+        ("4", true, None, true),
+        ("1", false, None, true),
+        ("4", false, Some("k"), true),
+        ("1", true, Some("k"), true),
+        ("4", false, None, false),
+    ];
+    for (status, trailers_only, key, held) in cases {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let statuses = if held {
+            fence_sink::GrpcStatuses::DEFAULT
+        } else {
+            fence_sink::GrpcStatuses::NONE
+        };
+        let svc = FenceLayer::new(MemoryStore::new())
+            .drain_timeout(Duration::from_millis(200))
+            .unknown_outcome_grpc_statuses(statuses)
+            .layer(service_fn(move |req: Request<RequestBody<In>>| {
+                let first = req.headers()["x-fencing-token"] == "1";
+                if first {
+                    counted.fetch_add(1, Ordering::SeqCst);
+                }
+                let code = if first { status } else { "0" };
+                let response = if trailers_only {
+                    Response::builder()
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", code)
+                        .body(UnsyncBoxBody::new(http_body_util::Empty::<Bytes>::new()))
+                        .unwrap()
+                } else {
+                    answer(b"\0\0\0\0\0", &[("grpc-status", code)]).map(UnsyncBoxBody::new)
+                };
+                async { Ok::<_, Infallible>(response) }
+            }));
+        let mut metadata = vec![("x-fencing-job", "j"), ("x-fencing-token", "1")];
+        if let Some(key) = key {
+            metadata.push(("idempotency-key", key));
+        }
+        let case = format!("grpc-status {status}, trailers-only {trailers_only}, key {key:?}");
+        let first = svc.clone().oneshot(call(&metadata, body("\0\0\0\0\0")));
+        let _ = first.await.unwrap().into_body().collect().await;
+        if key.is_some() {
+            let again = svc.clone().oneshot(call(&metadata, body("\0\0\0\0\0")));
+            let _ = again.await.unwrap().into_body().collect().await;
+            assert_eq!(
+                calls.load(Ordering::SeqCst),
+                1,
+                "{case}: the retry ran again"
+            );
+        }
+        let newer = Answer::of(svc.clone().oneshot(fenced("j", "2")).await.unwrap()).await;
+        if held {
+            newer.status(14, "urn:fence:drain-timeout");
+        } else {
+            assert_eq!(newer.header("fence-problem-type"), None, "{case}");
+        }
+    }
+}

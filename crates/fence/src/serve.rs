@@ -332,6 +332,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     config.max_lease_ttl = a.max_lease_ttl.as_duration();
     config.unknown_outcome_hold = hold;
     config.unknown_outcome_statuses = a.unknown_outcome_status.0.clone();
+    config.unknown_outcome_grpc_statuses = a.unknown_outcome_grpc_status;
     config.max_buffered_bytes = usize::try_from(a.max_buffered_bytes).unwrap_or(usize::MAX);
     config.preserve_host = a.preserve_host;
     config.via = !a.no_via;

@@ -301,3 +301,112 @@ async fn a_call_that_times_out_retires_the_upstream_connection() {
         "the call did not reach the upstream on a new connection"
     );
 }
+
+/// An h2c upstream whose gRPC handler for token 3 is dropped at its deadline while a write it
+/// sent is still on its way to the database: it answers DEADLINE_EXCEEDED (4, trailers-only)
+/// at once, and the write commits 300 ms later. Any other token commits at once and answers
+/// OK. Returns the address and the tokens in the order their writes committed.
+async fn upstream_that_times_out_a_handler()
+-> (String, std::sync::Arc<std::sync::Mutex<Vec<String>>>) {
+    use hyper::{body::Incoming, service::service_fn};
+    use hyper_util::rt::{TokioExecutor, TokioIo};
+    let committed = std::sync::Arc::new(std::sync::Mutex::new(Vec::new()));
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let books = committed.clone();
+    tokio::spawn(async move {
+        while let Ok((stream, _)) = listener.accept().await {
+            let books = books.clone();
+            let serve = service_fn(move |request: hyper::Request<Incoming>| {
+                let books = books.clone();
+                async move {
+                    let token = request.headers()["x-fencing-token"]
+                        .to_str()
+                        .unwrap()
+                        .to_owned();
+                    let status = if token == "3" {
+                        tokio::spawn(async move {
+                            tokio::time::sleep(Duration::from_millis(300)).await;
+                            books.lock().unwrap().push(token);
+                        });
+                        "4"
+                    } else {
+                        books.lock().unwrap().push(token);
+                        "0"
+                    };
+                    Ok::<_, std::convert::Infallible>(
+                        hyper::Response::builder()
+                            .header("content-type", "application/grpc")
+                            .header("grpc-status", status)
+                            .body(http_body_util::Empty::<bytes::Bytes>::new())
+                            .unwrap(),
+                    )
+                }
+            });
+            tokio::spawn(
+                hyper::server::conn::http2::Builder::new(TokioExecutor::new())
+                    .serve_connection(TokioIo::new(stream), serve),
+            );
+        }
+    });
+    (format!("http://{addr}"), committed)
+}
+
+/// A call the upstream answers DEADLINE_EXCEEDED (its handler dropped at the call's deadline,
+/// a write it sent still on its way) is of unknown outcome, like a 504: the job's newer
+/// token waits out the hold, so the writes commit in token order, and a retry of its
+/// Idempotency-Key meanwhile is not run a second time (its record stays in flight).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_grpc_deadline_exceeded_answer_holds_the_job() {
+    let (upstream, committed) = upstream_that_times_out_a_handler().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let data = dir.path().to_str().unwrap().to_owned();
+        move || {
+            start_proxy_with(
+                &upstream,
+                &["--data-dir", &data, "--unknown-outcome-hold", "2s"],
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let call = move |token: &str, key: &str| {
+        let (addr, token, key) = (addr.clone(), token.to_owned(), key.to_owned());
+        tokio::task::spawn_blocking(move || {
+            exchange(
+                &addr,
+                "POST",
+                "/ledger.Ledger/Charge",
+                &[
+                    ("X-Fencing-Job", "slow".to_owned()),
+                    ("X-Fencing-Token", token),
+                    ("Idempotency-Key", key),
+                    ("content-type", "application/grpc".to_owned()),
+                ],
+                "\0\0\0\0\0",
+            )
+        })
+    };
+    let (status, answer) = call("3", "charge-1").await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("grpc-status: 4"), "{answer}");
+    // The retry of the same step is not run again while the first may still commit.
+    let (_, retried) = call("3", "charge-1").await.unwrap();
+    assert!(!retried.contains("grpc-status: 4"), "run again: {retried}");
+    let started = std::time::Instant::now();
+    let (status, newer) = call("4", "charge-2").await.unwrap();
+    assert_eq!(status, 200, "{newer}");
+    assert!(newer.contains("grpc-status: 0"), "{newer}");
+    assert!(
+        started.elapsed() >= Duration::from_millis(1_500),
+        "the newer token passed after {:?}, while the older call's write was on its way",
+        started.elapsed()
+    );
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    assert_eq!(
+        *committed.lock().unwrap(),
+        ["3", "4"],
+        "writes committed out of token order, or the retry ran again"
+    );
+}

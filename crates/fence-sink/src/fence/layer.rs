@@ -120,6 +120,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             },
             body_timeout: Duration::from_secs(30),
             unknown_outcome_hold: Duration::from_secs(60),
+            unknown_grpc: crate::GrpcStatuses::DEFAULT,
             max_buffered_bytes: 256 << 20,
             clock: Arc::new(SystemClock::new()),
             clock_skew: crate::store::DEFAULT_CLOCK_SKEW,
@@ -217,6 +218,21 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         let config = self.config();
         config.unknown_outcome_hold = hold;
         config.limits.restart.hold = hold;
+        self
+    }
+
+    /// The gRPC statuses that leave a call's outcome unknown, like an
+    /// [`OutcomeUnknown`](crate::OutcomeUnknown) answer: answered in the head (a
+    /// trailers-only answer) or the trailers of a gRPC call, they hold its job for the
+    /// [unknown-outcome hold](Self::unknown_outcome_hold), and keep its `Idempotency-Key`
+    /// record in flight instead of forgetting it. Default CANCELLED (1) and
+    /// DEADLINE_EXCEEDED (4): a gRPC server answers them after dropping the handler of a call
+    /// whose deadline ran out, wherever it was, and a write it had sent may still commit.
+    /// [`GrpcStatuses::NONE`](crate::GrpcStatuses::NONE) for a service whose handlers never
+    /// outlive their answer. gRPC-Web and Connect carry their status in the body, which is
+    /// not read for it.
+    pub fn unknown_outcome_grpc_statuses(mut self, statuses: crate::GrpcStatuses) -> Self {
+        self.config().unknown_grpc = statuses;
         self
     }
 

@@ -309,6 +309,7 @@ where
             settled_after: config.limits.restart.settled_after(),
             in_flight_for: config.in_flight_timeout(idempotency),
             committed: committed.as_deref(),
+            unknown_grpc: config.unknown_grpc,
         }),
         _ => None,
     };
@@ -416,7 +417,7 @@ where
             // from the answer's head (then held for the hold), as without a key; and, when
             // its record is completed in the background, until that is done too.
             if let Some(until) = streams_on {
-                let flight = Streaming::new(guard, hold, true);
+                let flight = Streaming::new(guard, hold, true, config.unknown_grpc);
                 if unknown {
                     flight.unknown();
                 }
@@ -463,7 +464,12 @@ where
             // In flight until the service answered and the request's body has ended (a
             // streaming call goes on after its answer's head), held longer when the outcome
             // became unknown.
-            let flight = Streaming::new(guard, hold, reject::carries_messages(&parts.headers));
+            let flight = Streaming::new(
+                guard,
+                hold,
+                reject::carries_messages(&parts.headers),
+                config.unknown_grpc,
+            );
             streamed(
                 &mut inner,
                 parts,
@@ -534,7 +540,11 @@ where
             return Err(e);
         }
     };
-    if response.extensions().get::<OutcomeUnknown>().is_some() {
+    if response.extensions().get::<OutcomeUnknown>().is_some()
+        || flight.unknown_grpc.in_headers(response.headers())
+    {
+        // Also a call that ran out of time or was cancelled (a trailers-only answer): its
+        // handler was dropped wherever it was, and what it had sent may still commit.
         flight.unknown();
     }
     // The request stays in flight until its answer ended too (`ResponseBody::answering`)

@@ -31,6 +31,8 @@ pub(crate) struct Config {
     pub(crate) body_timeout: Duration,
     /// How long a request whose outcome is unknown stays in flight after its answer.
     pub(crate) unknown_outcome_hold: Duration,
+    /// The gRPC statuses of unknown outcome.
+    pub(crate) unknown_grpc: crate::GrpcStatuses,
     /// The most bytes of bodies the layer holds at once (see [`Budget`]).
     pub(crate) max_buffered_bytes: usize,
     /// The clock signed tokens' lease ends are compared with.

@@ -56,6 +56,9 @@ pub(crate) struct Keyed<'a, St> {
     /// Set once the service answered: from then on the request's future finishes in a task
     /// of its own if its caller goes away (see `Detachable::finishing_once`).
     pub(crate) committed: Option<&'a std::sync::atomic::AtomicBool>,
+    /// The gRPC statuses that leave a call's outcome unknown (the layer's
+    /// `unknown_outcome_grpc_statuses`).
+    pub(crate) unknown_grpc: crate::GrpcStatuses,
 }
 
 /// A fresh attempt id: random, never 0 (which marks records from before ids were kept).
@@ -117,7 +120,12 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         // An error from the service leaves unknown whether the effect happened: the
         // in-flight record stays until its timeout, so a retry meanwhile gets 409 rather
         // than a second run.
-        let response = inner.call(request).await?;
+        let mut response = inner.call(request).await?;
+        if self.unknown_grpc.in_headers(response.headers()) {
+            // A call that ran out of time or was cancelled (a trailers-only answer): its
+            // handler was dropped wherever it was, and what it had sent may still commit.
+            response.extensions_mut().insert(OutcomeUnknown);
+        }
         if let Some(committed) = self.committed {
             committed.store(true, std::sync::atomic::Ordering::Release);
         }
@@ -277,6 +285,20 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let by = Instant::now() + self.body_timeout;
         let (answer, finishing) =
             match capture(body, (limit, by), &mut held, self.max_buffered).await {
+                Captured::Whole(bytes, trailers)
+                    if trailers
+                        .as_ref()
+                        .is_some_and(|t| self.unknown_grpc.in_headers(t)) =>
+                {
+                    // A call that ran out of time or was cancelled after its answer began:
+                    // its handler may still have a write on its way. The in-flight record
+                    // stays until its timeout, so a retry meanwhile gets 409 rather than a
+                    // second run, and the job is held as for any unknown outcome.
+                    let body = ResponseBody::held(bytes, trailers, Some(held));
+                    let mut answer = Response::from_parts(head, body);
+                    answer.extensions_mut().insert(OutcomeUnknown);
+                    return answer;
+                }
                 Captured::Whole(bytes, trailers)
                     if grpc_failed(trailers.as_ref()) || fence_refusal(&head, &bytes) =>
                 {

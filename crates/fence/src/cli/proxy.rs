@@ -38,6 +38,25 @@ fn parse_unknown_statuses(s: &str) -> Result<UnknownStatuses, String> {
     Ok(UnknownStatuses(statuses))
 }
 
+/// Parses `--unknown-outcome-grpc-status`: `none`, or comma-separated gRPC status codes
+/// from 1 to 16 (0 is OK).
+fn parse_unknown_grpc_statuses(s: &str) -> Result<fence_sink::GrpcStatuses, String> {
+    if s.trim().eq_ignore_ascii_case("none") {
+        return Ok(fence_sink::GrpcStatuses::NONE);
+    }
+    let codes = s
+        .split(',')
+        .map(|part| match part.trim().parse::<u32>() {
+            Ok(code @ 1..=16) => Ok(code),
+            _ => Err(format!(
+                "{:?} is not a gRPC error code: give codes from 1 to 16, comma-separated (like 1,4), or none",
+                part.trim()
+            )),
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    fence_sink::GrpcStatuses::of(codes).ok_or_else(|| format!("{s:?}: codes run from 1 to 16"))
+}
+
 /// Parses `--idempotency-retention`: a duration of at least a second. Shorter keeps no
 /// record long enough for a retry to be replayed, which is --no-idempotency said unclearly.
 fn parse_retention(s: &str) -> Result<Duration, String> {
@@ -147,10 +166,20 @@ pub struct ProxyArgs {
     /// acting; such an answer holds its job for --unknown-outcome-hold and keeps its
     /// Idempotency-Key record in flight, so neither a newer token nor a retry runs beside it.
     /// Add 502 when the gateway's 502 may come after the service began (a reset mid-request):
-    /// most come when it could not reach the service at all. A gRPC call counts by its HTTP
-    /// status only.
+    /// most come when it could not reach the service at all. A gRPC call's answer counts by
+    /// its HTTP status here, and by its grpc-status below.
     #[arg(long, value_name = "STATUSES", default_value = "504", value_parser = parse_unknown_statuses, env = "FENCE_UNKNOWN_OUTCOME_STATUS")]
     pub unknown_outcome_status: UnknownStatuses,
+    /// The upstream's gRPC statuses (in the answer's headers or trailers) that leave a
+    /// call's outcome unknown: comma-separated codes from 1 to 16, or `none`. The default,
+    /// CANCELLED and DEADLINE_EXCEEDED, is what a gRPC server answers after dropping the
+    /// handler of a call whose deadline (grpc-timeout) ran out, wherever the handler was: a
+    /// write it had sent may still commit. Such an answer holds its job for
+    /// --unknown-outcome-hold and keeps its Idempotency-Key record in flight. Add 14
+    /// (UNAVAILABLE) when a gateway (envoy) answers it after giving up on a service that may
+    /// still act.
+    #[arg(long, value_name = "CODES", default_value = "1,4", value_parser = parse_unknown_grpc_statuses, env = "FENCE_UNKNOWN_OUTCOME_GRPC_STATUS")]
+    pub unknown_outcome_grpc_status: fence_sink::GrpcStatuses,
     /// The most bytes of bodies held in memory at once (buffered idempotent requests,
     /// responses captured for replay, replays); past it: 503 overloaded with Retry-After.
     #[arg(long, value_name = "BYTES", default_value_t = 256 << 20, value_parser = clap::value_parser!(u64).range(1..), env = "FENCE_MAX_BUFFERED_BYTES")]
@@ -257,6 +286,23 @@ mod tests {
         for bad in ["", "404", "5O4", "502,,504", "600", "502;504"] {
             let e = parse_unknown_statuses(bad).expect_err(bad);
             assert!(e.contains("500 to 599"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn unknown_outcome_grpc_statuses_are_error_codes_or_none() {
+        let has = |set: fence_sink::GrpcStatuses, code: &'static str| {
+            set.contains(&http::HeaderValue::from_static(code))
+        };
+        let set = parse_unknown_grpc_statuses("1, 4").unwrap();
+        assert!(has(set, "1") && has(set, "4") && !has(set, "14") && !has(set, "0"));
+        assert_eq!(
+            parse_unknown_grpc_statuses("none"),
+            Ok(fence_sink::GrpcStatuses::NONE)
+        );
+        for bad in ["", "0", "17", "1,,4", "DEADLINE_EXCEEDED", "-1"] {
+            let e = parse_unknown_grpc_statuses(bad).expect_err(bad);
+            assert!(e.contains("1 to 16"), "{bad}: {e}");
         }
     }
 

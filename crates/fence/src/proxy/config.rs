@@ -41,6 +41,11 @@ pub struct ProxyConfig {
     /// 504: a gateway's, in front of the service, comes while it may still act); they hold
     /// their job for `unknown_outcome_hold`.
     pub unknown_outcome_statuses: Vec<http::StatusCode>,
+    /// The gRPC statuses, in the upstream's answer to a gRPC call, whose outcome is unknown
+    /// (default CANCELLED and DEADLINE_EXCEEDED: a gRPC server answers them after dropping
+    /// the handler of a call whose deadline ran out); they hold their job for
+    /// `unknown_outcome_hold`.
+    pub unknown_outcome_grpc_statuses: fence_sink::GrpcStatuses,
     /// The most bytes of bodies the fence holds at once (default 256 MiB).
     pub max_buffered_bytes: usize,
     /// How far the lease server's clock may be ahead (default 5 s), for expired tokens.
@@ -98,6 +103,7 @@ impl ProxyConfig {
             body_timeout: Duration::from_secs(30),
             unknown_outcome_hold: Duration::from_secs(60),
             unknown_outcome_statuses: vec![http::StatusCode::GATEWAY_TIMEOUT],
+            unknown_outcome_grpc_statuses: fence_sink::GrpcStatuses::DEFAULT,
             max_buffered_bytes: 256 << 20,
             clock_skew: Duration::from_secs(5),
             forget_after: None,

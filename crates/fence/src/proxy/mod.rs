@@ -100,6 +100,7 @@ where
         .drain_timeout(config.drain_timeout)
         .body_timeout(config.body_timeout)
         .unknown_outcome_hold(config.unknown_outcome_hold)
+        .unknown_outcome_grpc_statuses(config.unknown_outcome_grpc_statuses)
         // After a restart: what the process before passed on may run this long upstream:
         // until its answer's head (the upstream timeout) or, for a body the upstream goes on
         // reading after answering, until the body deadline, whichever is later.
