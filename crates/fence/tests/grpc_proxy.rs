@@ -410,3 +410,82 @@ async fn a_grpc_deadline_exceeded_answer_holds_the_job() {
         "writes committed out of token order, or the retry ran again"
     );
 }
+
+/// gRPC calls in flight upstream count against the connection cap as an HTTP/2 client's
+/// streams do, also once their client reset them: the proxy runs an admitted call to its end,
+/// and a client that cuts its calls as fast as it makes them had any number running upstream.
+/// With 16 connection slots, a client's calls beyond what the cap spares are refused
+/// (UNAVAILABLE, overloaded) before they are sent, round after round of cut calls.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn grpc_calls_cut_by_their_client_still_count_upstream() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let books = Books::default();
+    let service = LedgerServer::new(books.clone());
+    tokio::spawn(async move {
+        Server::builder()
+            .add_service(service)
+            .serve_with_incoming(TcpIncoming::from(listener))
+            .await
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let data = dir.path().to_str().unwrap().to_owned();
+        move || {
+            start_proxy_with(
+                &upstream,
+                &[
+                    "--data-dir",
+                    &data,
+                    "--workers",
+                    "1",
+                    "--max-connections",
+                    "16",
+                ],
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let channel = Channel::from_shared(format!("http://{addr}"))
+        .unwrap()
+        .connect_timeout(Duration::from_secs(5))
+        .connect()
+        .await
+        .unwrap();
+    let mut refused = 0;
+    for round in 0..3 {
+        let calls: Vec<_> = (0..20)
+            .map(|i| {
+                let mut ledger = LedgerClient::new(channel.clone());
+                let request = fenced(charge("slow-2000"), &format!("cut-{round}-{i}"), "1");
+                // Cut by the client after 300 ms: the call goes on upstream.
+                tokio::spawn(async move {
+                    tokio::time::timeout(Duration::from_millis(300), ledger.charge(request)).await
+                })
+            })
+            .collect();
+        for call in calls {
+            if let Ok(Err(status)) = call.await.unwrap() {
+                assert_eq!(status.code(), Code::Unavailable, "{status:?}");
+                assert_eq!(
+                    status
+                        .metadata()
+                        .get("fence-problem-type")
+                        .and_then(|v| v.to_str().ok()),
+                    Some("urn:fence:overloaded"),
+                    "{status:?}"
+                );
+                refused += 1;
+            }
+        }
+    }
+    // Every call sent upstream is booked when its 2 s are up.
+    tokio::time::sleep(Duration::from_millis(2_500)).await;
+    let booked = books.entries().len();
+    assert!(
+        booked <= 10,
+        "{booked} of 60 cut calls ran upstream at once, with 16 connection slots"
+    );
+    assert_eq!(refused + booked, 60, "each call was refused or ran");
+}

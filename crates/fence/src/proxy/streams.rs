@@ -6,8 +6,9 @@
 //! `ulimit -n` leaves) also bounds the upstream connections in use. An HTTP/2 client has up
 //! to `--h2-max-streams` at once: each stream beyond the first that is in use upstream at
 //! the same time takes a slot of the cap ([`Slots::try_extra`]), and one that finds none to
-//! spare is answered 503 `overloaded` at once, never sent. gRPC calls share the worker's one
-//! HTTP/2 upstream connection and take nothing.
+//! spare is answered 503 `overloaded` at once, never sent. gRPC calls, though they share the
+//! worker's one HTTP/2 upstream connection, count the same way: each is work running
+//! upstream until its answer ends, whether or not its client is still there.
 //!
 //! A request that uses an upstream connection also keeps a share in its client
 //! connection's slot ([`SeatHold`]) until it is done there: the proxy runs admitted requests
