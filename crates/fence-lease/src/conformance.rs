@@ -63,6 +63,7 @@ macro_rules! lease_store_conformance {
             a_checkpoint_passes_to_the_next_holder_and_a_stale_one_is_refused,
             racing_claimers_of_a_semaphore_get_exactly_its_slots,
             a_semaphore_keeps_its_number_of_slots_while_held,
+            a_revoked_slot_keeps_its_number_until_its_lease_would_have_ended,
             slots_are_taken_only_through_their_semaphore,
         );
     };

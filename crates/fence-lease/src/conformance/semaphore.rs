@@ -217,6 +217,59 @@ pub async fn a_semaphore_keeps_its_number_of_slots_while_held<S: LeaseStore>(
     assert_eq!(refused.outcome, Outcome::SemaphoreSize { slots: 3 });
 }
 
+/// Shrinking by revoke: a revoked holder may still act until its lease would have ended (a
+/// signed token until its end, a plain one until it next renews), and a claim of fewer slots
+/// never takes a slot above its number again, which alone would fence that holder. So a
+/// revoked slot keeps its number in force until then; a claim of the same number still
+/// takes a revoked slot at once, one generation above the revoke.
+pub async fn a_revoked_slot_keeps_its_number_until_its_lease_would_have_ended<S: LeaseStore>(
+    store: S,
+    advance: Advance,
+) {
+    let resource = job("conf-sem-shrink");
+    let holders = [owner("a"), owner("b"), owner("c")];
+    let mut held = Vec::new();
+    for o in &holders {
+        held.push(slot_of(&store, &resource, o, 3).await);
+    }
+    for (slot, _) in &held {
+        let revoked = store
+            .apply(&slot_job(&resource, *slot), crate::LeaseOp::Revoke)
+            .await
+            .unwrap();
+        assert!(matches!(revoked, Outcome::Revoked(_)), "{revoked:?}");
+    }
+    let (d, e) = (owner("d"), owner("e"));
+    let shrink = slot_claim(&store, &resource, &d, 2).await;
+    assert_eq!(
+        shrink.outcome,
+        Outcome::SemaphoreSize { slots: 3 },
+        "slot 3's revoked holder may still act: a second holder under 2 would make three"
+    );
+    advance(ms(TTL.as_duration() - Duration::from_secs(1)));
+    let shrink = slot_claim(&store, &resource, &d, 2).await;
+    assert_eq!(shrink.outcome, Outcome::SemaphoreSize { slots: 3 });
+    // Past the revoked leases' ends: the smaller number takes over.
+    advance(ms(Duration::from_secs(2)));
+    let (slot, g) = slot_of(&store, &resource, &d, 2).await;
+    assert_eq!(slot, 1);
+    assert_eq!(g.get(), held[0].1.get() + 2, "above the revoke");
+    let grown = slot_claim(&store, &resource, &e, 3).await;
+    assert_eq!(grown.outcome, Outcome::SemaphoreSize { slots: 2 });
+    // A revoked slot is claimed again at once under the same number.
+    let other = job("conf-sem-revoked");
+    let (slot, g) = slot_of(&store, &other, &holders[0], 1).await;
+    let job = slot_job(&other, slot);
+    assert!(matches!(
+        store.apply(&job, crate::LeaseOp::Revoke).await.unwrap(),
+        Outcome::Revoked(_)
+    ));
+    assert_eq!(
+        slot_of(&store, &other, &e, 1).await,
+        (1, Generation::new(g.get() + 2))
+    );
+}
+
 /// A slot is reached only through its semaphore: a plain claim of a job id holding `#` is
 /// refused, whoever asks; so are a resource holding `#` and a number of slots out of 1 to
 /// 1,000. The slot's other verbs are a plain lease's, but its completion releases it (a

@@ -34,6 +34,10 @@ pub(crate) struct Stored {
     pub(crate) slots: u32,
 }
 
+// A revoked record keeps `lease_until_ms`, the end of the lease it took away (its holder may
+// act until then), with no owner: it is free, claimable at once, and counts as a slot in
+// force until then (`Stored::keeps_slots`). A released one has 0 there.
+
 /// What a decision does: the record to write (if any) and the answer.
 pub(crate) type Decision<T> = Result<(Option<Stored>, T), StoreError>;
 
@@ -66,6 +70,15 @@ impl Stored {
             && self.changed_ms.saturating_add(idle_ms) <= now_ms
             && self.lease_until_ms.saturating_add(idle_ms) <= now_ms
             && self.delay_left(now_ms).is_none()
+    }
+
+    /// Whether a semaphore's slot keeps its number of slots in force (contract section 15):
+    /// with a holder, held or expired (the holder of an expired lease may still renew it
+    /// while nobody claimed it since, as for any job); or revoked before the revoked lease
+    /// would have ended (its holder may still act until then, and a claim of fewer slots
+    /// would never take this slot again to fence it). Not once released or completed.
+    pub(crate) fn keeps_slots(&self, now_ms: u64) -> bool {
+        self.slots != 0 && !self.completed && (self.owner.is_some() || now_ms < self.lease_until_ms)
     }
 
     /// While the lease has expired and its lock-delay runs: how long until the job can be
@@ -344,10 +357,10 @@ fn revoke(job: &JobId, cur: Option<&Stored>, now_ms: u64) -> Decision<Outcome> {
         .generation
         .next()
         .ok_or_else(|| StoreError::GenerationExhausted(job.clone()))?;
+    // The revoked lease's end stays (see `Stored`): free at once, yet a slot in force.
     let new = Stored {
         generation,
         owner: None,
-        lease_until_ms: 0,
         changed_ms: now_ms,
         ..s.clone()
     };

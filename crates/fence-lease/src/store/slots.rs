@@ -80,12 +80,12 @@ pub(crate) fn decide_slot(
     now_ms: u64,
 ) -> Result<(Option<(u32, Stored)>, SlotClaim), StoreError> {
     let refused = |slot, outcome| Ok((None, SlotClaim { slot, outcome }));
-    // The number of slots in force: that of any slot with a holder, held or expired (the
-    // holder of an expired lease may still renew it while nobody claimed it since, as for any
-    // job, so its slot still counts). Another number is refused as a whole.
+    // The number of slots in force: that of any slot with a holder, held or expired, or
+    // revoked before its lease would have ended (`Stored::keeps_slots`). Another number is
+    // refused as a whole.
     let in_force = records
         .iter()
-        .find(|(_, s)| s.slots != 0 && s.slots != slots && s.owner.is_some() && !s.completed);
+        .find(|(_, s)| s.slots != slots && s.keeps_slots(now_ms));
     if let Some((_, s)) = in_force {
         return refused(None, Outcome::SemaphoreSize { slots: s.slots });
     }

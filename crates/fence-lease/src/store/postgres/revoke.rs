@@ -6,8 +6,9 @@ use super::{PgLeaseStore, Snapshot, generation, now_ms};
 use crate::store::{LeaseRecord, Outcome, Revocation, StoreError};
 
 /// `$1` job, `$2` clock offset. A row that is not completed and below the last generation
-/// goes free at the next one; returns the new generation and when the revoked lease would
-/// have ended (now, if it already had).
+/// goes free at the next one, keeping the revoked lease's end (a semaphore's slot counts as
+/// in force until then, as in the Rust rule); returns the new generation and when the
+/// revoked lease would have ended (now, if it already had).
 /// The row changed is announced on `channel` (waiting claims on other servers wake).
 pub(super) fn sql(t: &str, channel: &str) -> String {
     format!(
@@ -16,8 +17,7 @@ pub(super) fn sql(t: &str, channel: &str) -> String {
            WHERE job = $1 AND job <> '' AND NOT completed
              AND generation < {last}
            FOR UPDATE)
-         UPDATE {t} AS t SET generation = t.generation + 1, owner = NULL,
-           lease_until_ms = 0, changed_ms = {now}
+         UPDATE {t} AS t SET generation = t.generation + 1, owner = NULL, changed_ms = {now}
          FROM old WHERE t.job = old.job
          RETURNING t.generation::text, GREATEST(old.lease_until_ms, {now}), pg_notify('{channel}', t.job)",
         now = now_ms(2),
