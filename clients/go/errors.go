@@ -41,8 +41,9 @@ var (
 	// lease's).
 	ErrLockDelay = errors.New("fence: lock-delay running")
 	// ErrSemaphoreSize matches a *ProblemError of type urn:fence:semaphore-size: slots of the
-	// resource are held (or in their lock-delay) under another number of slots, the problem's
-	// Slots. The number of slots changes only while none of them is held.
+	// resource are in force (held or expired with their holder, or revoked before their lease
+	// would have ended) under another number of slots, the problem's Slots. The number of
+	// slots changes only while none of them is in force.
 	ErrSemaphoreSize = errors.New("fence: semaphore has another number of slots")
 	// ErrJobCompleted matches a *ProblemError of type urn:fence:job-completed.
 	ErrJobCompleted = errors.New("fence: job completed")

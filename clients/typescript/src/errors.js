@@ -100,9 +100,10 @@ export class LeaseHeld extends ProblemError {}
 export class LockDelay extends LeaseHeld {}
 
 /**
- * 409 urn:fence:semaphore-size: slots of the resource are held (or in their lock-delay) under
- * another number of slots; `slots` is the number in force. The number of slots of a resource
- * changes only while none of its slots is held: claim with `slots`, or later.
+ * 409 urn:fence:semaphore-size: slots of the resource are in force (held or expired with their
+ * holder, or revoked before their lease would have ended) under another number of slots;
+ * `slots` is the number in force. The number of slots of a resource changes only while none
+ * of its slots is in force: claim with `slots`, or later.
  */
 export class SemaphoreSize extends ProblemError {
   constructor(problem, status, retryAfter) {

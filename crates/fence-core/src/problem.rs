@@ -105,7 +105,8 @@ problem_types! {
     /// claim it for `claimable_in_ms` (contract section 12; added by fence).
     LockDelay => "urn:fence:lock-delay", 409, "Lock-delay running";
     /// 409: a semaphore claim named another number of slots than the one in force while a
-    /// slot is held; `slots` is the one in force (contract section 15; added by fence).
+    /// slot has a holder (held or expired) or was revoked before its lease would have ended;
+    /// `slots` is the one in force (contract section 15; added by fence).
     SemaphoreSize => "urn:fence:semaphore-size", 409, "Semaphore has another number of slots";
     /// 410: the job is completed and can no longer be claimed.
     JobCompleted => "urn:fence:job-completed", 410, "Job completed";

@@ -240,7 +240,10 @@ fn fence_run_takes_a_slot_and_releases_it() {
     ]);
     assert_eq!(out.status.code(), Some(3), "{out:?}");
     let stderr = String::from_utf8_lossy(&out.stderr);
-    assert!(stderr.contains("has 2 slots while any is held"), "{stderr}");
+    assert!(
+        stderr.contains("has 2 slots while any is in force"),
+        "{stderr}"
+    );
     // With --wait, it runs once a slot frees (the 3 s leases expire).
     let out = fence(&[
         "run",

@@ -87,7 +87,8 @@ pub struct SemaphoreClaimRequest {
     /// The claim, as for a plain job.
     #[serde(flatten)]
     pub claim: ClaimRequest,
-    /// How many slots the resource has (1 to [`MAX_SLOTS`]); fixed while any slot is held.
+    /// How many slots the resource has (1 to [`MAX_SLOTS`]); fixed while any slot is in
+    /// force (contract section 15).
     pub slots: u32,
 }
 

@@ -79,9 +79,10 @@ pub enum ClaimError {
         generation: Generation,
     },
     /// A semaphore claim named another number of slots than the one in force while slots
-    /// of the resource are held (contract section 15).
+    /// of the resource have holders (held or expired) or revoked leases not yet ended
+    /// (contract section 15).
     #[error(
-        "semaphore {resource} has {in_force} slots while any is held; this claim asked for {asked}"
+        "semaphore {resource} has {in_force} slots while any is in force (has a holder, or was revoked before its lease would have ended); this claim asked for {asked}"
     )]
     SemaphoreSize {
         /// The resource.

@@ -243,7 +243,8 @@ pub enum Outcome {
     /// A revoke named a job the store has no record of (never claimed, or forgotten).
     Unknown,
     /// A semaphore claim named another number of slots than `slots`, the one in force while
-    /// any slot is held or in its lock-delay (contract section 15); nothing changed.
+    /// any slot has a holder, held or expired, or was revoked before its lease would have
+    /// ended (contract section 15); nothing changed.
     SemaphoreSize {
         /// The number of slots in force.
         slots: u32,

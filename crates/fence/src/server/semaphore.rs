@@ -25,8 +25,8 @@ use super::{
 
 /// Claims a slot: the slot's lease with the resource, the slot number and the number of
 /// slots; 409 `lease-held` (or `lock-delay`) naming the slot that frees first when every
-/// slot is taken; 409 `semaphore-size` with the number in force while slots are held under
-/// another. With an auth file, the client's patterns must cover every slot's job id.
+/// slot is taken; 409 `semaphore-size` with the number in force while slots have holders (held
+/// or expired) or revoked leases not yet ended under another. With an auth file, the client's patterns must cover every slot's job id.
 pub(super) async fn claim<S: LeaseStore>(
     State(app): State<Arc<AppState<S>>>,
     uri: Uri,
@@ -78,7 +78,7 @@ pub(super) async fn claim<S: LeaseStore>(
                 Err(Problem::new(
                     ProblemType::SemaphoreSize,
                     format!(
-                        "semaphore {resource} has {in_force} slots while any of them is held; this claim asked for {slots}: claim with {in_force}, or with another number once every slot is free"
+                        "semaphore {resource} has {in_force} slots while any slot is in force (has a holder, held or expired, or was revoked before its lease would have ended); this claim asked for {slots}: claim with {in_force}, or with another number once no slot is so"
                     ),
                 )
                 .with_job(resource)
