@@ -280,6 +280,9 @@ impl<S: LeaseStore> LeaseClient<S> {
                     Err(StoreError::Io(_) | StoreError::Timeout(_)) => {
                         Some(backoff.next_pause().min(MAX_SLOT_POLL))
                     }
+                    // An in-process store with claims queued before this one: nothing was
+                    // decided, ask again.
+                    Err(StoreError::Busy(_)) => Some(backoff.next_pause().min(MAX_SLOT_POLL)),
                     // The same from a 502, 503 or 504, after its `Retry-After` when longer.
                     Err(StoreError::Unavailable { retry_after, .. }) => {
                         Some(backoff.next_pause().max(retry_after.unwrap_or_default()))

@@ -53,6 +53,11 @@ pub enum StoreError {
         /// The answer's `Retry-After` in seconds, when it had one.
         retry_after: Option<Duration>,
     },
+    /// The store had no turn for the request in time: requests queued before it in this
+    /// process (a burst of semaphore claims of one resource, contract section 15). Nothing
+    /// reached the storage and nothing was decided: ask again after a pause.
+    #[error("the lease store is busy, nothing was decided: {0}")]
+    Busy(String),
     /// The operation is not allowed on this job id, whoever asks: a plain claim of a
     /// semaphore's slot (contract section 15).
     #[error("job {job} cannot be claimed this way: {reason}")]

@@ -154,6 +154,11 @@ pub(super) fn store_error(e: &StoreError) -> Problem {
             bad(e.to_string()).with_job(job.clone())
         }
         StoreError::Refused { detail, .. } => bad(detail.clone()),
+        // Logged by the refusal log (rate-limited): nothing failed, and nothing was decided.
+        StoreError::Busy(why) => Problem::new(
+            ProblemType::StoreUnavailable,
+            format!("{why}: nothing was decided; ask again after Retry-After"),
+        ),
         StoreError::Timeout(within) => {
             tracing::error!(error = %error_chain(e), "lease store timed out");
             Problem::new(
@@ -392,6 +397,28 @@ mod tests {
             failed.detail
         );
         assert!(!failed.detail.contains("disk gone"), "{}", failed.detail);
+    }
+
+    /// A request that found the server busy before it reached the store (a burst of
+    /// semaphore claims of one resource) decided nothing, and says so: not "unknown".
+    #[test]
+    fn a_busy_store_says_nothing_was_decided() {
+        let busy = store_error(&StoreError::Busy("claims queued before it".to_owned()));
+        assert_eq!(
+            (busy.kind, busy.status),
+            (ProblemType::StoreUnavailable, 503)
+        );
+        assert!(
+            busy.detail.contains("nothing was decided"),
+            "{}",
+            busy.detail
+        );
+        assert!(
+            busy.detail.contains("claims queued before it"),
+            "{}",
+            busy.detail
+        );
+        assert!(!busy.detail.contains("unknown"), "{}", busy.detail);
     }
 
     /// A job at the last generation can never be claimed again: a request that cannot

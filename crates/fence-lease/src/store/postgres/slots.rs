@@ -103,12 +103,10 @@ impl Turns {
             held: None,
         };
         let waited = deadline.saturating_duration_since(tokio::time::Instant::now());
+        // Before any connection is taken: nothing reached the database, nothing was decided.
         let late = |what: &str| {
-            StoreError::io(std::io::Error::new(
-                std::io::ErrorKind::TimedOut,
-                format!(
-                    "a semaphore claim of {resource} waited {waited:?} on this server for {what}"
-                ),
+            StoreError::Busy(format!(
+                "a semaphore claim of {resource} waited {waited:?} on this server for {what}"
             ))
         };
         let mine = tokio::time::timeout_at(deadline, queue.lock_owned())
@@ -375,7 +373,11 @@ mod tests {
             .await
             .err()
             .expect("the deadline passed");
-        let text = fence_storage::error_chain(&late);
+        // Nothing reached the database: busy, not an answer lost (a 503 "unknown").
+        assert!(!late.answer_lost(), "{late:?}");
+        let StoreError::Busy(text) = &late else {
+            panic!("{late:?}")
+        };
         assert!(text.contains("claims of the same resource"), "{text}");
         drop(held);
         assert_eq!(turns.queued_resources(), 0);
