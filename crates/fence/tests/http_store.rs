@@ -83,3 +83,56 @@ async fn an_unreachable_server_ends_the_lease_at_its_local_deadline() {
         .unwrap_err();
     assert!(matches!(err, fence_lease::ClaimError::Store(_)), "{err}");
 }
+
+/// A semaphore grant other than what was asked (here slot 3 when 2 slots were asked, from
+/// a server that does not follow the contract) is a protocol error, as the Go, Python and
+/// TypeScript clients take it: not a third holder of a semaphore of two.
+#[tokio::test]
+async fn a_slot_grant_past_the_slots_asked_is_refused() {
+    use std::io::{BufRead, BufReader, Read, Write};
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for client in listener.incoming() {
+            let Ok(mut client) = client else { continue };
+            let mut reader = BufReader::new(client.try_clone().unwrap());
+            let mut length = 0;
+            loop {
+                let mut line = String::new();
+                if reader.read_line(&mut line).unwrap_or(0) == 0 || line == "\r\n" {
+                    break;
+                }
+                if let Some((name, value)) = line.split_once(':')
+                    && name.eq_ignore_ascii_case("content-length")
+                {
+                    length = value.trim().parse().unwrap();
+                }
+            }
+            let mut body = vec![0; length];
+            let _ = reader.read_exact(&mut body);
+            let answer = r#"{"job":"exports#3","owner":"w","generation":1,"ttl_ms":30000,"expires_at_ms":1,"resource":"exports","slot":3,"slots":2}"#;
+            let _ = write!(
+                client,
+                "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{answer}",
+                answer.len()
+            );
+        }
+    });
+    let store = HttpLeaseStore::new(&url).unwrap();
+    let owner: fence_core::Owner = "w".parse().unwrap();
+    let key = fence_lease::new_lease_key().unwrap();
+    let terms = fence_lease::ClaimTerms::from(Ttl::from_millis(30_000).unwrap());
+    let got = fence_lease::LeaseStore::claim_slot(
+        &store,
+        &"exports".parse().unwrap(),
+        &owner,
+        &key,
+        terms,
+        2,
+    )
+    .await;
+    assert!(
+        matches!(&got, Err(fence_lease::StoreError::Protocol(why)) if why.contains("slot 3")),
+        "{got:?}"
+    );
+}

@@ -36,7 +36,7 @@ mod answers;
 mod connect;
 mod url;
 
-use answers::{decode, from_body, grant, record, refused, unexpected};
+use answers::{decode, from_body, grant, granted_slot, record, refused, unexpected};
 use connect::{Budgeted, MAX_CONNECT_SHARE};
 pub use url::UrlError;
 
@@ -490,14 +490,8 @@ impl LeaseStore for HttpLeaseStore {
         let (status, bytes) = self.send(&path, Some(&body)).await?;
         if status == StatusCode::OK {
             let answer: SlotBody = decode(status, &bytes)?;
-            if slot_of(&answer.lease.job) != Some((resource.as_str(), answer.slot)) {
-                return Err(StoreError::Protocol(format!(
-                    "the server granted job {} as slot {} of {resource}",
-                    answer.lease.job, answer.slot
-                )));
-            }
             return Ok(SlotClaim {
-                slot: Some(answer.slot),
+                slot: Some(granted_slot(resource, slots, &answer)?),
                 outcome: Outcome::Granted(grant(status, &bytes)?),
             });
         }

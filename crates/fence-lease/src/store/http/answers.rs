@@ -3,8 +3,8 @@
 use std::time::Duration;
 
 use fence_core::{
-    Generation, Problem, ProblemType, Ttl,
-    lease_api::{LeaseBody, RecordBody},
+    Generation, JobId, Problem, ProblemType, Ttl,
+    lease_api::{LeaseBody, RecordBody, SlotBody, slot_of},
 };
 use http::StatusCode;
 
@@ -54,6 +54,30 @@ pub(super) fn crowded(
         detail: problem.detail,
         retry_after: seconds(retry_after),
     })
+}
+
+/// The slot a semaphore claim of `slots` slots of `resource` was granted, checked against
+/// what was asked (as the Go, Python and TypeScript clients check it): a slot from 1 to
+/// `slots`, on the job `resource#slot`, and the answer's `resource` and `slots` those asked.
+/// Otherwise a protocol error: which slot's job the grant is on is not known, so nothing can
+/// release it, and holding a slot past the number asked would make more holders than that.
+pub(super) fn granted_slot(
+    resource: &JobId,
+    slots: u32,
+    answer: &SlotBody,
+) -> Result<u32, StoreError> {
+    let SlotBody { lease, slot: k, .. } = answer;
+    if (1..=slots).contains(k)
+        && answer.resource == *resource
+        && answer.slots == slots
+        && slot_of(&lease.job) == Some((resource.as_str(), *k))
+    {
+        return Ok(*k);
+    }
+    Err(StoreError::Protocol(format!(
+        "a claim of semaphore {resource} ({slots} slots) was answered with job {}, slot {k} of resource {} ({} slots)",
+        lease.job, answer.resource, answer.slots
+    )))
 }
 
 /// A `Retry-After` in seconds, at most [`MAX_RETRY_AFTER`]: an HTTP-date (or anything else)
@@ -229,6 +253,41 @@ mod tests {
             assert!(
                 unavailable(status, Some(&header("1")), b"").is_none(),
                 "{status}"
+            );
+        }
+    }
+
+    /// A slot grant is taken only as what was asked: a slot in range, on its own job, of the
+    /// resource and number of slots asked.
+    #[test]
+    fn a_slot_grant_other_than_asked_is_a_protocol_error() {
+        let resource: JobId = "exports".parse().unwrap();
+        let body = |job: &str, resource: &str, slot: u32, slots: u32| -> SlotBody {
+            let json = format!(
+                r#"{{"job":"{job}","owner":"w","generation":1,"ttl_ms":30000,"expires_at_ms":5,"resource":"{resource}","slot":{slot},"slots":{slots}}}"#
+            );
+            serde_json::from_str(&json).unwrap()
+        };
+        let ok = body("exports#2", "exports", 2, 3);
+        assert_eq!(granted_slot(&resource, 3, &ok).unwrap(), 2);
+        for (what, bad) in [
+            (
+                "a slot past those asked",
+                body("exports#4", "exports", 4, 3),
+            ),
+            ("slot 0", body("exports#0", "exports", 0, 3)),
+            ("another job", body("exports#1", "exports", 2, 3)),
+            ("another resource", body("other#2", "other", 2, 3)),
+            ("another resource member", body("exports#2", "other", 2, 3)),
+            (
+                "another number of slots",
+                body("exports#2", "exports", 2, 4),
+            ),
+        ] {
+            let got = granted_slot(&resource, 3, &bad);
+            assert!(
+                matches!(got, Err(StoreError::Protocol(_))),
+                "{what}: {got:?}"
             );
         }
     }
