@@ -20,9 +20,11 @@ use std::{
 use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 
 mod listen;
+mod password;
 pub mod throwaway;
 
 pub use listen::{Listener, channel_name, listen};
+use password::fill_password;
 
 /// The database's clock in milliseconds since the Unix epoch, as an SQL expression. Every
 /// decision about time that a PostgreSQL store makes reads this clock, never a process's.
@@ -248,59 +250,6 @@ fn percent_decode(s: &str) -> String {
     String::from_utf8_lossy(&out).into_owned()
 }
 
-/// The password of a `.pgpass`-format file for this host, port, database and user (`*`
-/// matches anything; `\:` and `\\` are escapes), as libpq reads it.
-fn passfile_password(text: &str, host: &str, port: u16, db: &str, user: &str) -> Option<String> {
-    text.lines()
-        .filter(|l| !l.trim_start().starts_with('#') && !l.trim().is_empty())
-        .find_map(|line| {
-            let mut fields = Vec::new();
-            let mut cur = String::new();
-            let mut chars = line.chars();
-            while let Some(c) = chars.next() {
-                match c {
-                    '\\' => cur.extend(chars.next()),
-                    ':' if fields.len() < 4 => fields.push(std::mem::take(&mut cur)),
-                    c => cur.push(c),
-                }
-            }
-            fields.push(cur);
-            let [h, p, d, u, password] = <[String; 5]>::try_from(fields).ok()?;
-            let port = port.to_string();
-            let fits = |pattern: &str, value: &str| pattern == "*" || pattern == value;
-            (fits(&h, host) && fits(&p, &port) && fits(&d, db) && fits(&u, user))
-                .then_some(password)
-        })
-}
-
-/// The password for `config` when the string has none: `PGPASSWORD`, else the passfile
-/// (`passfile=`, `PGPASSFILE`, or `~/.pgpass`), as libpq does.
-fn fill_password(config: &mut tokio_postgres::Config, passfile: Option<PathBuf>) {
-    if config.get_password().is_some() {
-        return;
-    }
-    if let Ok(password) = std::env::var("PGPASSWORD") {
-        config.password(password);
-        return;
-    }
-    let file = passfile
-        .or_else(|| std::env::var_os("PGPASSFILE").map(PathBuf::from))
-        .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".pgpass")));
-    let Some(text) = file.and_then(|f| std::fs::read_to_string(f).ok()) else {
-        return;
-    };
-    let host = match config.get_hosts().first() {
-        Some(tokio_postgres::config::Host::Tcp(h)) => h.clone(),
-        _ => "localhost".to_owned(),
-    };
-    let port = config.get_ports().first().copied().unwrap_or(5432);
-    let user = config.get_user().unwrap_or_default().to_owned();
-    let db = config.get_dbname().unwrap_or(&user).to_owned();
-    if let Some(password) = passfile_password(&text, &host, port, &db, &user) {
-        config.password(password);
-    }
-}
-
 /// The TLS client configuration `ssl` asks for.
 /// As libpq: `require` with an `sslrootcert` verifies the issuer, like `verify-ca`.
 fn tls_for(ssl: SslMode, root_cert: Option<&Path>) -> Result<rustls::ClientConfig, SetupError> {
@@ -317,6 +266,22 @@ pub const SESSION_LOCK_TIMEOUT: Duration = Duration::from_secs(2);
 
 /// How long any statement of the fence's pools may run.
 pub const SESSION_STATEMENT_TIMEOUT: Duration = Duration::from_secs(5);
+
+/// How long a session of the fence's may sit idle inside a transaction before the database
+/// ends it, rolling back and letting go of its locks: as long as a statement may run. The
+/// fence's transactions (a semaphore claim holding its resource's advisory lock and slot
+/// rows, forgetting holding the floor row, a migration) send their statements back to back;
+/// one idle for that long belongs to a process that stalled (stopped, swapping, cut off),
+/// whose open transaction would otherwise hold up every claim of the same semaphore, or
+/// every claim, until TCP gave up on it (some two hours).
+pub const SESSION_IDLE_IN_TRANSACTION_TIMEOUT: Duration = SESSION_STATEMENT_TIMEOUT;
+
+/// TCP keepalives of the fence's sessions, both ways: idle time before the first probe, the
+/// time between probes, how many go unanswered before the connection is dropped (some 25 s
+/// in all, not the systems' two hours and more). The database so drops the session of a
+/// fence host that went away (its connection slot, and any lock it held), and the fence the
+/// pooled connections to a database host that did. A URL's own `keepalives_*` win.
+const KEEPALIVE: (Duration, Duration, u32) = (Duration::from_secs(10), Duration::from_secs(5), 3);
 
 /// The `statement_timeout` the fence's sessions to `url` run with: the URL's own
 /// (`options=-c statement_timeout=30s`, which comes after the fence's and wins), else
@@ -402,14 +367,31 @@ fn session(
     // SESSION_STATEMENT_TIMEOUT. READ COMMITTED whatever the cluster's default: the
     // statements are written for it (a conflict waits for the row, then reads it again),
     // and under REPEATABLE READ a busy job's claims would fail with serialization errors,
-    // answered as outcomes unknown. Options in the URL come after these, so they win.
+    // answered as outcomes unknown. No transaction stays open idle for long, and the server
+    // probes the connection (see SESSION_IDLE_IN_TRANSACTION_TIMEOUT and KEEPALIVE). Options
+    // in the URL come after these, so they win.
+    let (idle, interval, count) = KEEPALIVE;
     let options = format!(
-        "-c lock_timeout={}ms -c statement_timeout={}ms -c default_transaction_isolation=read\\ committed {}",
+        "-c lock_timeout={}ms -c statement_timeout={}ms -c idle_in_transaction_session_timeout={}ms -c tcp_keepalives_idle={} -c tcp_keepalives_interval={} -c tcp_keepalives_count={count} -c default_transaction_isolation=read\\ committed {}",
         SESSION_LOCK_TIMEOUT.as_millis(),
         SESSION_STATEMENT_TIMEOUT.as_millis(),
+        SESSION_IDLE_IN_TRANSACTION_TIMEOUT.as_millis(),
+        idle.as_secs(),
+        interval.as_secs(),
         config.get_options().unwrap_or_default()
     );
     config.options(options.trim_end());
+    // The client's side: tokio-postgres probes after two hours of silence by default, and
+    // leaves the interval and count to the system. Only what the URL left at that default.
+    if config.get_keepalives_idle() == Duration::from_secs(2 * 60 * 60) {
+        config.keepalives_idle(idle);
+    }
+    if config.get_keepalives_interval().is_none() {
+        config.keepalives_interval(interval);
+    }
+    if config.get_keepalives_retries().is_none() {
+        config.keepalives_retries(count);
+    }
     let tls = tokio_postgres_rustls::MakeRustlsConnect::new(tls_for(ssl, root_cert.as_deref())?);
     Ok((config, tls))
 }

@@ -4,7 +4,9 @@
 
 use std::time::{Duration, Instant};
 
-use fence_storage::postgres::{Checkout, connect_pool, test_database_url};
+use fence_storage::postgres::{
+    Checkout, SESSION_IDLE_IN_TRANSACTION_TIMEOUT, connect_pool, test_database_url,
+};
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn an_abandoned_statement_does_not_hold_up_the_next_user_of_the_pool() {
@@ -63,4 +65,50 @@ async fn an_abandoned_statement_does_not_hold_up_the_next_user_of_the_pool() {
         took < Duration::from_millis(1_000),
         "the next user waited {took:?} behind an abandoned statement"
     );
+}
+
+/// A fence session that stalls inside a transaction (its process stopped, say, holding a
+/// semaphore's slot rows or the floor row) is ended by the database after
+/// `SESSION_IDLE_IN_TRANSACTION_TIMEOUT`, and its row locks go with it: another session takes
+/// the row a moment later. Before, the transaction stayed open until TCP gave up (hours).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_session_idle_in_a_transaction_is_ended_and_its_locks_freed() {
+    let url = test_database_url();
+    let pool = connect_pool(&url).unwrap();
+    let table = format!("idle_tx_{}", std::process::id());
+    let setup = Checkout::of(&pool).await.unwrap();
+    setup
+        .batch_execute(&format!(
+            "CREATE TABLE IF NOT EXISTS {table} (k int PRIMARY KEY); INSERT INTO {table} VALUES (1) ON CONFLICT DO NOTHING"
+        ))
+        .await
+        .unwrap();
+    setup.done();
+    let lock = format!("SELECT k FROM {table} WHERE k = 1 FOR UPDATE NOWAIT");
+    let mut stalled = Checkout::of(&pool).await.unwrap();
+    let tx = stalled.transaction().await.unwrap();
+    tx.execute(&lock, &[]).await.unwrap();
+    // Held while the transaction is open.
+    let other = Checkout::of(&pool).await.unwrap();
+    assert!(
+        other.execute(&lock, &[]).await.is_err(),
+        "the row is locked"
+    );
+    other.done();
+    // The stalled session says nothing for longer than the timeout.
+    tokio::time::sleep(SESSION_IDLE_IN_TRANSACTION_TIMEOUT + Duration::from_millis(1_500)).await;
+    let other = Checkout::of(&pool).await.unwrap();
+    let took = other.execute(&lock, &[]).await;
+    other.done();
+    let ended = tx.execute("SELECT 1", &[]).await;
+    drop(tx);
+    drop(stalled);
+    let cleanup = Checkout::of(&pool).await.unwrap();
+    let _ = cleanup.batch_execute(&format!("DROP TABLE {table}")).await;
+    cleanup.done();
+    assert!(
+        took.is_ok(),
+        "the stalled session still holds the row: {took:?}"
+    );
+    assert!(ended.is_err(), "the stalled session was not ended");
 }

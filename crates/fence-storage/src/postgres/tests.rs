@@ -1,6 +1,6 @@
 //! The pool's options and identifiers, and the sessions it opens on the test database.
 
-use super::*;
+use super::{password::passfile_password, *};
 
 #[test]
 fn fence_reads_the_tls_and_password_options_itself() {
@@ -63,6 +63,35 @@ async fn sessions_run_read_committed_with_deadlines() {
     };
     assert_eq!(show("transaction_isolation").await, "read committed");
     assert_eq!(show("lock_timeout").await, "2s", "SESSION_LOCK_TIMEOUT");
+    assert_eq!(
+        show("idle_in_transaction_session_timeout").await,
+        "5s",
+        "SESSION_IDLE_IN_TRANSACTION_TIMEOUT"
+    );
+    assert_eq!(show("tcp_keepalives_idle").await, "10", "KEEPALIVE");
+}
+
+/// The client probes its connections too, after 10 s of silence rather than two hours;
+/// keepalive settings in the URL win.
+#[test]
+fn sessions_send_keepalives_unless_the_url_says_otherwise() {
+    let (config, _) = session("postgres://u@h/db").unwrap();
+    assert!(config.get_keepalives());
+    assert_eq!(config.get_keepalives_idle(), Duration::from_secs(10));
+    assert_eq!(
+        config.get_keepalives_interval(),
+        Some(Duration::from_secs(5))
+    );
+    assert_eq!(config.get_keepalives_retries(), Some(3));
+    let (config, _) =
+        session("postgres://u@h/db?keepalives_idle=60&keepalives_interval=7&keepalives_retries=9")
+            .unwrap();
+    assert_eq!(config.get_keepalives_idle(), Duration::from_secs(60));
+    assert_eq!(
+        config.get_keepalives_interval(),
+        Some(Duration::from_secs(7))
+    );
+    assert_eq!(config.get_keepalives_retries(), Some(9));
 }
 
 #[test]
