@@ -815,3 +815,80 @@ async fn a_call_that_ran_out_of_time_holds_its_job() {
         }
     }
 }
+
+/// gRPC-Web and Connect's streaming calls carry their status in the body's last message and
+/// answer HTTP 200 either way. A keyed call that failed so is not kept for replay (a retry
+/// runs it again, instead of replaying the failure for the record's retention), and one that
+/// ran out of time (4) is of unknown outcome: the retry is not run while it may still act,
+/// and a newer token waits.
+#[tokio::test]
+async fn a_failure_in_the_body_is_not_replayed() {
+    fn message(flag: u8, payload: &[u8]) -> Vec<u8> {
+        let mut m = vec![flag];
+        m.extend_from_slice(&u32::try_from(payload.len()).unwrap().to_be_bytes());
+        m.extend_from_slice(payload);
+        m
+    }
+    let cases: [(&str, Vec<u8>, usize, bool); 4] = [
+        (
+            "application/grpc-web+proto",
+            [message(0, b"x"), message(0x80, b"grpc-status: 14\r\n")].concat(),
+            2,
+            false,
+        ),
+        (
+            "application/connect+json",
+            message(2, br#"{"error":{"code":"unavailable"}}"#),
+            2,
+            false,
+        ),
+        (
+            "application/grpc-web+proto",
+            message(0x80, b"grpc-status: 4\r\n"),
+            1,
+            true,
+        ),
+        (
+            "application/grpc-web+proto",
+            [message(0, b"x"), message(0x80, b"grpc-status: 0\r\n")].concat(),
+            1,
+            false,
+        ),
+    ];
+    for (kind, answer_body, runs, held) in cases {
+        let calls = Arc::new(AtomicUsize::new(0));
+        let counted = calls.clone();
+        let case = format!("{kind} {answer_body:?}");
+        let answer_body = Bytes::from(answer_body);
+        let svc = FenceLayer::new(MemoryStore::new())
+            .drain_timeout(Duration::from_millis(200))
+            .layer(service_fn(move |_: Request<RequestBody<In>>| {
+                counted.fetch_add(1, Ordering::SeqCst);
+                let response = Response::builder()
+                    .header("content-type", kind)
+                    .body(http_body_util::Full::new(answer_body.clone()))
+                    .unwrap();
+                async { Ok::<_, Infallible>(response) }
+            }));
+        let keyed = |token: &'static str, key: &'static str| {
+            Request::post("http://sink/ledger.Ledger/Charge")
+                .header("content-type", kind)
+                .header("x-fencing-job", "j")
+                .header("x-fencing-token", token)
+                .header("idempotency-key", key)
+                .body(body("\0\0\0\0\0"))
+                .unwrap()
+        };
+        for _ in 0..2 {
+            let answer = svc.clone().oneshot(keyed("1", "k")).await.unwrap();
+            let _ = answer.into_body().collect().await;
+        }
+        assert_eq!(calls.load(Ordering::SeqCst), runs, "{case}");
+        let newer = svc.clone().oneshot(keyed("2", "other")).await.unwrap();
+        let problem = newer.headers().get("fence-problem-type").cloned();
+        let text = newer.into_body().collect().await.unwrap().to_bytes();
+        let drained = problem.is_some_and(|p| p == "urn:fence:drain-timeout")
+            || String::from_utf8_lossy(&text).contains("urn:fence:drain-timeout");
+        assert_eq!(drained, held, "{case}: {text:?}");
+    }
+}

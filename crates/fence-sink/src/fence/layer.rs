@@ -229,8 +229,9 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// DEADLINE_EXCEEDED (4): a gRPC server answers them after dropping the handler of a call
     /// whose deadline ran out, wherever it was, and a write it had sent may still commit.
     /// [`GrpcStatuses::NONE`](crate::GrpcStatuses::NONE) for a service whose handlers never
-    /// outlive their answer. gRPC-Web and Connect carry their status in the body, which is
-    /// not read for it.
+    /// outlive their answer. gRPC-Web and Connect's streaming calls carry their status in
+    /// the body's last message: read from a keyed call's answer (read whole), not from an
+    /// unkeyed one's.
     pub fn unknown_outcome_grpc_statuses(mut self, statuses: crate::GrpcStatuses) -> Self {
         self.config().unknown_grpc = statuses;
         self

@@ -288,7 +288,9 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                 Captured::Whole(bytes, trailers)
                     if trailers
                         .as_ref()
-                        .is_some_and(|t| self.unknown_grpc.in_headers(t)) =>
+                        .is_some_and(|t| self.unknown_grpc.in_headers(t))
+                        || status_in_body(&head, &bytes)
+                            .is_some_and(|s| self.unknown_grpc.contains(&s)) =>
                 {
                     // A call that ran out of time or was cancelled after its answer began:
                     // its handler may still have a write on its way. The in-flight record
@@ -300,10 +302,13 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                     return answer;
                 }
                 Captured::Whole(bytes, trailers)
-                    if grpc_failed(trailers.as_ref()) || fence_refusal(&head, &bytes) =>
+                    if grpc_failed(trailers.as_ref())
+                        || status_in_body(&head, &bytes).is_some_and(|s| s != "0")
+                        || fence_refusal(&head, &bytes) =>
                 {
-                    // A gRPC call that failed (its status in the trailers), or a refusal in
-                    // the fence's words: forgotten, like a server error, so a retry runs it
+                    // A gRPC call that failed (its status in the trailers, or in the body's
+                    // last message for gRPC-Web and Connect streaming), or a refusal in the
+                    // fence's words: forgotten, like a server error, so a retry runs it
                     // again instead of replaying the failure.
                     let finishing = self.finish(fingerprint, Finish::Forget).await;
                     let body = ResponseBody::held(bytes, trailers, Some(held));
@@ -463,6 +468,11 @@ fn replay<B>(stored: StoredResponse, held: Reservation) -> Answer<B> {
 }
 
 /// Whether `trailers` carry a gRPC status other than 0 (OK).
+/// The gRPC status a gRPC-Web or Connect streaming answer's body ends with, if it is one.
+fn status_in_body(head: &http::response::Parts, body: &[u8]) -> Option<http::HeaderValue> {
+    super::ended::status_in_body(head.headers.get(http::header::CONTENT_TYPE), body)
+}
+
 fn grpc_failed(trailers: Option<&HeaderMap>) -> bool {
     trailers
         .and_then(|t| t.get("grpc-status"))
