@@ -393,7 +393,10 @@ async fn a_grpc_deadline_exceeded_answer_holds_the_job() {
     assert!(answer.contains("grpc-status: 4"), "{answer}");
     // The retry of the same step is not run again while the first may still commit.
     let (_, retried) = call("3", "charge-1").await.unwrap();
-    assert!(!retried.contains("grpc-status: 4"), "run again: {retried}");
+    assert!(
+        retried.contains("urn:fence:idempotency-in-flight"),
+        "run again: {retried}"
+    );
     let started = std::time::Instant::now();
     let (status, newer) = call("4", "charge-2").await.unwrap();
     assert_eq!(status, 200, "{newer}");
@@ -411,11 +414,11 @@ async fn a_grpc_deadline_exceeded_answer_holds_the_job() {
     );
 }
 
-/// gRPC calls in flight upstream count against the connection cap as an HTTP/2 client's
-/// streams do, also once their client reset them: the proxy runs an admitted call to its end,
-/// and a client that cuts its calls as fast as it makes them had any number running upstream.
-/// With 16 connection slots, a client's calls beyond what the cap spares are refused
-/// (UNAVAILABLE, overloaded) before they are sent, round after round of cut calls.
+/// A client connection has at most --h2-max-streams gRPC calls running upstream, those its
+/// client reset included: the proxy runs an admitted call to its end, and a client that cut
+/// its calls as fast as it made them had any number running upstream. With 8 streams, the
+/// calls a client sends while 8 cut ones still run are refused (UNAVAILABLE, overloaded)
+/// before they are sent, round after round.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn grpc_calls_cut_by_their_client_still_count_upstream() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -439,8 +442,8 @@ async fn grpc_calls_cut_by_their_client_still_count_upstream() {
                     &data,
                     "--workers",
                     "1",
-                    "--max-connections",
-                    "16",
+                    "--h2-max-streams",
+                    "8",
                 ],
             )
         }
@@ -468,24 +471,27 @@ async fn grpc_calls_cut_by_their_client_still_count_upstream() {
         for call in calls {
             if let Ok(Err(status)) = call.await.unwrap() {
                 assert_eq!(status.code(), Code::Unavailable, "{status:?}");
-                assert_eq!(
-                    status
-                        .metadata()
-                        .get("fence-problem-type")
-                        .and_then(|v| v.to_str().ok()),
-                    Some("urn:fence:overloaded"),
-                    "{status:?}"
-                );
-                refused += 1;
+                // Refused by the fence, or (a stream over the limit, which the client
+                // counts a moment later than the proxy) by HTTP/2 itself: never sent.
+                let fenced = status.metadata().get("fence-problem-type");
+                if fenced.is_some_and(|t| t == "urn:fence:overloaded") {
+                    refused += 1;
+                } else {
+                    assert!(
+                        format!("{status:?}").contains("REFUSED_STREAM"),
+                        "{status:?}"
+                    );
+                }
             }
         }
     }
     // Every call sent upstream is booked when its 2 s are up.
     tokio::time::sleep(Duration::from_millis(2_500)).await;
     let booked = books.entries().len();
+    // The client sends 8 at a time (the proxy's stream limit): the first 8, cut, run on.
     assert!(
-        booked <= 10,
-        "{booked} of 60 cut calls ran upstream at once, with 16 connection slots"
+        booked <= 8,
+        "{booked} cut calls ran upstream at once, with 8 streams per connection"
     );
-    assert_eq!(refused + booked, 60, "each call was refused or ran");
+    assert!(refused >= 8, "only {refused} calls were refused");
 }

@@ -281,7 +281,9 @@ pub struct ListenArgs {
     /// Concurrent HTTP/2 streams per connection at most. At the proxy, a connection's
     /// streams in flight beyond the first, gRPC calls aside, each hold one of
     /// --max-connections (they use an upstream connection each) while more than half are
-    /// free, else get 503 overloaded.
+    /// free, else get 503 overloaded; and a connection has at most this many gRPC calls
+    /// running upstream, those its client reset included (they run to their end), else
+    /// UNAVAILABLE overloaded.
     #[arg(long, default_value_t = 100, value_parser = clap::value_parser!(u32).range(1..=10_000), env = "FENCE_H2_MAX_STREAMS")]
     pub h2_max_streams: u32,
     /// HTTP/2 keepalive: a ping this often; a peer silent for as long again is closed.

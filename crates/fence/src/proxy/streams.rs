@@ -6,9 +6,11 @@
 //! `ulimit -n` leaves) also bounds the upstream connections in use. An HTTP/2 client has up
 //! to `--h2-max-streams` at once: each stream beyond the first that is in use upstream at
 //! the same time takes a slot of the cap ([`Slots::try_extra`]), and one that finds none to
-//! spare is answered 503 `overloaded` at once, never sent. gRPC calls, though they share the
-//! worker's one HTTP/2 upstream connection, count the same way: each is work running
-//! upstream until its answer ends, whether or not its client is still there.
+//! spare is answered 503 `overloaded` at once, never sent. gRPC calls share the worker's one
+//! HTTP/2 upstream connection and take no slot, but a client connection has at most
+//! `--h2-max-streams` of them running upstream ([`ClientStreams::enter_call`]), those its
+//! client reset included: the proxy runs each to its end, and a client that reset its calls
+//! as fast as it made them would otherwise have any number running there.
 //!
 //! A request that uses an upstream connection also keeps a share in its client
 //! connection's slot ([`SeatHold`]) until it is done there: the proxy runs admitted requests
@@ -38,6 +40,8 @@ pub(super) struct ClientStreams {
     pub(super) addr: ClientAddr,
     using: Arc<AtomicUsize>,
     seat: SeatHold,
+    /// The most gRPC calls of this connection running upstream at once.
+    most_calls: usize,
 }
 
 /// One request's use of an upstream connection, given back when dropped: with the answer's
@@ -65,7 +69,30 @@ impl ClientStreams {
             addr,
             using: Arc::default(),
             seat,
+            most_calls: usize::MAX,
         }
+    }
+
+    /// At most `calls` gRPC calls of this connection run upstream at once (its stream limit:
+    /// as many as its client may have open).
+    pub(super) fn calls_at_most(mut self, calls: usize) -> Self {
+        self.most_calls = calls;
+        self
+    }
+
+    /// A gRPC call of this connection going upstream: it takes no slot (the worker's HTTP/2
+    /// connection carries it), but counts among the connection's requests running upstream
+    /// until it is done there, its client still there or not. `None` when the connection
+    /// already has its most: the call is not to be sent.
+    pub(super) fn enter_call(self) -> Option<Upstreaming> {
+        let others = self.using.fetch_add(1, Ordering::AcqRel);
+        let entered = Upstreaming {
+            streams: Some(self.using.clone()),
+            _extra: None,
+            _seat: self.seat,
+        };
+        // Refused, it is dropped, and not counted.
+        (others < self.most_calls).then_some(entered)
     }
 
     /// A request of this connection going upstream: free when none other of it is (the
@@ -171,6 +198,17 @@ mod tests {
         assert!(streams.clone().enter(&slots, true).is_none());
         drop((first, third, fourth, again));
         assert_eq!(streams.using.load(Ordering::Acquire), 0);
+        // gRPC calls take no slot, up to the connection's most.
+        let calls = streams.clone().calls_at_most(2);
+        let (one, two) = (calls.clone().enter_call(), calls.clone().enter_call());
+        assert!(one.is_some() && two.is_some(), "two calls, no slot needed");
+        assert!(calls.clone().enter_call().is_none(), "a third is refused");
+        assert_eq!(streams.using.load(Ordering::Acquire), 2, "and not counted");
+        drop(one);
+        assert!(
+            calls.clone().enter_call().is_some(),
+            "a call done makes room"
+        );
         // Alone again, a request is free, whatever the slots hold.
         let held: Vec<_> = (0..3).filter_map(|_| slots.try_extra()).collect();
         assert_eq!(held.len(), 3);

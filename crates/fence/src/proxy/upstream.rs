@@ -118,24 +118,33 @@ impl Upstream {
             ));
         }
         // Taken before anything is sent and outside the upstream timeout: a refusal here is
-        // a known outcome, and no wait for room can run into that timeout. gRPC calls count
-        // too, though they share one upstream connection: each runs upstream until its
-        // answer ends, also once its client reset it, and a client that resets its calls
-        // as fast as it makes them would otherwise have any number running there.
+        // a known outcome, and no wait for room can run into that timeout. A gRPC call takes
+        // no slot, but counts among its connection's calls running upstream (see
+        // `ClientStreams::enter_call`).
         let using = match streams {
             None => None,
-            Some(streams) => match streams.enter(&self.slots, several) {
+            Some(streams) => match if grpc {
+                streams.enter_call()
+            } else {
+                streams.enter(&self.slots, several)
+            } {
                 Some(using) => Some(using),
                 None => {
                     self.outcomes.overloaded.record(started);
                     tracing::debug!("refusing a stream: no room for another upstream request");
                     let mut response = problem(Problem::new(
                         ProblemType::Overloaded,
-                        "not sent upstream: this HTTP/2 connection already has a request \
-                             in flight there, and the proxy has no room for another (each \
-                             stream beyond one in flight at a time, a call its client reset \
-                             included, counts against --max-connections); retry, or send \
-                             fewer requests at once on one connection",
+                        if grpc {
+                            "not sent upstream: this connection already has --h2-max-streams \
+                             gRPC calls running there (calls its client reset included, \
+                             which run to their end); retry once some have ended"
+                        } else {
+                            "not sent upstream: this HTTP/2 connection already has a request \
+                             in flight there, and the proxy has no room for another upstream \
+                             connection (each stream beyond one in flight at a time counts \
+                             against --max-connections); retry, or send fewer requests at \
+                             once on one connection"
+                        },
                     ));
                     response.headers_mut().insert(
                         http::header::RETRY_AFTER,

@@ -109,6 +109,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             // A connection whose fenced request got through (the fence admitted it and the
             // upstream answered 2xx, marked by `Upstream`) is closed for room after those that
             // never had one.
+            let most_calls = usize::try_from(self.limits.h2_max_streams).unwrap_or(usize::MAX);
             let listener = Listener::new(listener, self.tls, self.limits).sharing(self.slots);
             let (mut stopped, serving) = (self.stopped, self.serving);
             let shutdown = async move {
@@ -119,7 +120,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 // upstream connection, even after its client went away.
                 let (fence, client) = (
                     fence.clone(),
-                    ClientStreams::new(ClientAddr::new(peer), seat),
+                    ClientStreams::new(ClientAddr::new(peer), seat).calls_at_most(most_calls),
                 );
                 hyper::service::service_fn(move |req: Request<Incoming>| {
                     handle(fence.clone(), client.clone(), peer, req)
