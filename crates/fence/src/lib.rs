@@ -13,6 +13,7 @@ pub mod hints;
 pub mod keepalive;
 pub mod keys;
 pub mod listen;
+pub mod log_filter;
 pub mod proxy;
 pub mod run;
 pub mod serve;

@@ -10,25 +10,14 @@ use fence::{
 
 fn main() -> ExitCode {
     let cli = fence::cli::parse();
-    // The demo prints a timeline of its own: the servers' and the library's log lines would
-    // cut into it, so only errors show unless RUST_LOG asks for more.
-    // PostgreSQL's NOTICEs (a migration's "already exists, skipping") are not news.
-    let default = if matches!(cli.command, Cmd::Demo) {
-        "error"
-    } else {
-        "info,tokio_postgres::connection=warn"
-    };
-    // A RUST_LOG that does not parse is said, not silently replaced by the default.
-    let filter = match std::env::var("RUST_LOG") {
-        Ok(asked) if !asked.trim().is_empty() => tracing_subscriber::EnvFilter::try_new(&asked)
-            .unwrap_or_else(|e| {
-                eprintln!(
-                    "fence: RUST_LOG={asked:?} is not a log filter ({e}); logging {default:?}"
-                );
-                default.into()
-            }),
-        _ => default.into(),
-    };
+    // RUST_LOG, or the default (errors only for the demo, whose timeline log lines would cut
+    // into), never with the database driver's statement parameters unless asked by name.
+    let rust_log = std::env::var("RUST_LOG").ok();
+    let (filter, said) =
+        fence::log_filter::filter(rust_log.as_deref(), matches!(cli.command, Cmd::Demo));
+    if let Some(said) = said {
+        eprintln!("{said}");
+    }
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
         .with_writer(std::io::stderr);

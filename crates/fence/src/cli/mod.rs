@@ -49,7 +49,8 @@ The bearer secret comes from --auth-token-file or, without it, from FENCE_AUTH_T
 )]
 pub struct Cli {
     /// Log lines as text (default) or as JSON objects, one a line, for a log shipper.
-    /// RUST_LOG sets the level (default: info; e.g. RUST_LOG=debug or fence=debug).
+    /// RUST_LOG sets the level (default: info; errors only for `fence demo`; e.g.
+    /// RUST_LOG=fence=debug).
     #[arg(long, global = true, value_enum, default_value_t = LogFormat::Text, env = "FENCE_LOG_FORMAT")]
     pub log_format: LogFormat,
     /// What to do.
