@@ -126,11 +126,13 @@ pub fn admit_refusal(kind: fence_core::ProblemType, peer: Option<IpAddr>) -> Opt
     admit(kind.uri(), peer)
 }
 
-/// Logs why the `which` store failed for `job`: its whole error chain, which may name
-/// tables, hosts or paths and so never goes into an answer. Rate-limited like refusals.
-pub fn log_store_failure(
+/// Logs why the `which` store failed for `job` (`None`: a request for no one job, a list or
+/// a health probe): its whole error chain, which may name tables, hosts or paths and so
+/// never goes into an answer. Rate-limited like refusals: a store that is down fails every
+/// request, and one line per request would fill a disk at the request rate.
+pub fn log_store_failure<'a>(
     which: &str,
-    job: &fence_core::JobId,
+    job: impl Into<Option<&'a fence_core::JobId>>,
     error: &(dyn std::error::Error + 'static),
 ) {
     let Some(suppressed) = admit("store-failure", None) else {
@@ -138,7 +140,7 @@ pub fn log_store_failure(
     };
     tracing::warn!(
         store = which,
-        job = %job,
+        job = job.into().map(tracing::field::display),
         error = %fence_storage::error_chain(error),
         suppressed = (suppressed > 0).then_some(suppressed),
         "the {which} store failed"

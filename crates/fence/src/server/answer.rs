@@ -15,7 +15,6 @@ use fence_core::{
     lease_api::{Action, LeaseBody, RecordBody},
 };
 use fence_lease::{LeaseRecord, Outcome, StoreError};
-use fence_storage::error_chain;
 
 /// An answer, or the problem that refused the request.
 pub(super) type Answer = Result<Response, Problem>;
@@ -125,9 +124,10 @@ pub(super) fn bad(detail: impl Into<String>) -> Problem {
 /// sled write whose log sync failed, a PostgreSQL connection lost after its commit was sent),
 /// so the detail says how to retry safely rather than that nothing happened. The cause goes
 /// to the server's log only: a database's error text names tables and hosts, and anyone who
-/// can connect reads the answer.
-fn store_failed(e: &StoreError) -> Problem {
-    tracing::error!(error = %error_chain(e), "lease store failed");
+/// can connect reads the answer, rate-limited like refusals (a store that is down fails
+/// every request).
+fn store_failed(job: Option<&JobId>, e: &StoreError) -> Problem {
+    fence_sink::refusals::log_store_failure("lease", job, e);
     Problem::new(
         ProblemType::StoreUnavailable,
         "the lease store failed; whether the request took effect is unknown: retry with the \
@@ -136,19 +136,20 @@ fn store_failed(e: &StoreError) -> Problem {
 }
 
 /// A store failure on a read (a lease's status, a list, the health probe): nothing was
-/// asked to change, so the answer only says to retry. The cause goes to the log only.
-pub(super) fn store_read_failed(e: &StoreError) -> Problem {
-    tracing::error!(error = %error_chain(e), "lease store failed a read");
+/// asked to change, so the answer only says to retry. The cause goes to the log only,
+/// rate-limited like refusals.
+pub(super) fn store_read_failed(job: Option<&JobId>, e: &StoreError) -> Problem {
+    fence_sink::refusals::log_store_failure("lease", job, e);
     Problem::new(
         ProblemType::StoreUnavailable,
         "the lease store did not answer; retry (the server's log has the cause)",
     )
 }
 
-/// A store's error: 400 for what no store may do for that job id (a plain claim of a
-/// semaphore's slot, a claim past the last generation) or a request refused as asked, else
-/// [`store_failed`].
-pub(super) fn store_error(e: &StoreError) -> Problem {
+/// A store's error for `job`: 400 for what no store may do for that job id (a plain claim
+/// of a semaphore's slot, a claim past the last generation) or a request refused as asked,
+/// else [`store_failed`].
+pub(super) fn store_error(job: &JobId, e: &StoreError) -> Problem {
     match e {
         StoreError::Reserved { job, .. } | StoreError::GenerationExhausted(job) => {
             bad(e.to_string()).with_job(job.clone())
@@ -160,7 +161,7 @@ pub(super) fn store_error(e: &StoreError) -> Problem {
             format!("{why}: nothing was decided; ask again after Retry-After"),
         ),
         StoreError::Timeout(within) => {
-            tracing::error!(error = %error_chain(e), "lease store timed out");
+            fence_sink::refusals::log_store_failure("lease", job, e);
             Problem::new(
                 ProblemType::StoreUnavailable,
                 format!(
@@ -171,7 +172,7 @@ pub(super) fn store_error(e: &StoreError) -> Problem {
                 ),
             )
         }
-        _ => store_failed(e),
+        _ => store_failed(Some(job), e),
     }
 }
 
@@ -371,8 +372,9 @@ mod tests {
     /// A store that timed out may have decided: its answer must not say nothing was.
     #[test]
     fn a_store_timeout_says_the_outcome_is_unknown_and_how_to_retry() {
+        let job: fence_core::JobId = "j".parse().unwrap();
         let within = std::time::Duration::from_secs(5);
-        let timed_out = store_error(&StoreError::Timeout(within));
+        let timed_out = store_error(&job, &StoreError::Timeout(within));
         assert_eq!(
             (timed_out.kind, timed_out.status),
             (ProblemType::StoreUnavailable, 503)
@@ -389,7 +391,7 @@ mod tests {
             timed_out.detail
         );
         // A failure may come after the decision was applied: never "nothing was decided".
-        let failed = store_error(&StoreError::io(std::io::Error::other("disk gone")));
+        let failed = store_error(&job, &StoreError::io(std::io::Error::other("disk gone")));
         assert!(failed.detail.contains("unknown"), "{}", failed.detail);
         assert!(
             failed.detail.contains("same owner and lease key"),
@@ -426,7 +428,7 @@ mod tests {
     #[test]
     fn an_exhausted_generation_is_a_bad_request_not_a_store_failure() {
         let job: fence_core::JobId = "j".parse().unwrap();
-        let exhausted = store_error(&StoreError::GenerationExhausted(job.clone()));
+        let exhausted = store_error(&job, &StoreError::GenerationExhausted(job.clone()));
         assert_eq!(
             (exhausted.kind, exhausted.status),
             (ProblemType::BadRequest, 400)

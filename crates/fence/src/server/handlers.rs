@@ -226,7 +226,7 @@ pub(super) async fn act<S: LeaseStore>(
                     }
                 };
                 let waited = app.waiters.claim(&*app.store, &job, op, (wait, client)).await;
-                let waited = waited.map_err(|e| store_error(&e))?;
+                let waited = waited.map_err(|e| store_error(&job, &e))?;
                 waited.map_err(|too_many| {
                     let detail = match too_many {
                         super::wait::TooMany::Total(n) => format!(
@@ -239,7 +239,7 @@ pub(super) async fn act<S: LeaseStore>(
                     Problem::new(ProblemType::TooManyWaiters, detail).with_job(job.clone())
                 })
             }
-            None => app.store.apply(&job, op).await.map_err(|e| store_error(&e)),
+            None => app.store.apply(&job, op).await.map_err(|e| store_error(&job, &e)),
         }?;
         let wakes = match outcome {
             // Released, completed or revoked: a waiting claim may go.
@@ -303,7 +303,7 @@ pub(super) async fn status<S: LeaseStore>(
             .store
             .get(&job)
             .await
-            .map_err(|e| store_read_failed(&e))?
+            .map_err(|e| store_read_failed(Some(&job), &e))?
         {
             Some(r) => Ok(json(&record_body(&r))),
             None => Err(Problem::new(
@@ -328,7 +328,7 @@ pub(super) async fn healthz<S: LeaseStore>(State(app): State<Arc<AppState<S>>>) 
             .get(&job)
             .await
             .map(|_| ())
-            .map_err(|e| store_read_failed(&e))
+            .map_err(|e| store_read_failed(None, &e))
     };
     match app.health.check(probe).await {
         Ok(()) => (StatusCode::OK, "ok\n").into_response(),

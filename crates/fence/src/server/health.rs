@@ -1,7 +1,9 @@
 //! `GET /healthz` and `/readyz`: one probe of the store at a time, its answer shared for a second.
 //!
 //! The probes need no secret, so a flood of them must not reach the store one by one: on
-//! PostgreSQL each would take a connection of the pool that claims and renewals wait for.
+//! PostgreSQL each would take a connection of the pool that claims and renewals wait for. A
+//! failure is shared like a success: a store that is down would otherwise be asked again,
+//! and its failure logged, for every probe.
 
 use std::time::Duration;
 
@@ -18,10 +20,10 @@ pub(super) struct Health {
 }
 
 impl Health {
-    /// The answer of a probe of the store that ended while this one waited for it (whatever
-    /// it said), or of a success less than a second old; otherwise of `probe`, run now while
-    /// the probes that come meanwhile wait for it. A failure is not given to a probe asked
-    /// after it: the store that came back is seen at once.
+    /// The answer of a probe of the store that ended while this one waited for it, or that
+    /// is less than a second old (whatever it said); otherwise of `probe`, run now while the
+    /// probes that come meanwhile wait for it. A store that came back is seen within a
+    /// second.
     pub(super) async fn check(
         &self,
         probe: impl Future<Output = Result<(), Problem>>,
@@ -29,7 +31,7 @@ impl Health {
         let asked = Instant::now();
         let mut last = self.last.lock().await;
         if let Some((at, answer)) = &*last
-            && (*at > asked || (answer.is_ok() && at.elapsed() < FRESH))
+            && (*at > asked || at.elapsed() < FRESH)
         {
             return answer.clone();
         }
@@ -77,7 +79,7 @@ mod tests {
     }
 
     #[tokio::test(start_paused = true)]
-    async fn a_failure_serves_only_the_probes_that_waited_for_it() {
+    async fn a_failure_is_shared_for_a_second_like_a_success() {
         let health = Arc::new(Health::default());
         let asked = Arc::new(AtomicUsize::new(0));
         let failing = |asked: Arc<AtomicUsize>| async move {
@@ -98,7 +100,14 @@ mod tests {
             assert!(answer.await.unwrap().is_err());
         }
         assert_eq!(asked.load(Ordering::SeqCst), 1, "one probe for the flood");
-        // The store is back: the next probe asks it, rather than repeating the failure.
+        // Probes that come after it within the second get the failure, not a read each.
+        for _ in 0..20 {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+            assert!(health.check(failing(asked.clone())).await.is_err());
+        }
+        assert_eq!(asked.load(Ordering::SeqCst), 1, "one read in the second");
+        // The store is back: the first probe after the second asks it.
+        tokio::time::sleep(FRESH).await;
         assert_eq!(health.check(async { Ok(()) }).await, Ok(()));
     }
 }

@@ -42,7 +42,7 @@ pub(super) async fn list<S: LeaseStore>(
                 scoped(&*app.store, &query, &scopes).await
             }
         }
-        .map_err(|e| store_read_failed(&e))?;
+        .map_err(|e| store_read_failed(None, &e))?;
         Ok(json(&ListBody {
             leases: page.leases.iter().map(record_body).collect(),
             next: page.next,

@@ -70,7 +70,7 @@ pub(super) async fn claim<S: LeaseStore>(
             .store
             .claim_slot(&resource, &owner, &claim.lease_key, terms, slots)
             .await
-            .map_err(|e| store_error(&e))?;
+            .map_err(|e| store_error(&resource, &e))?;
         let client = caller.as_ref().map(|c| c.client().name().to_owned());
         match (decided.slot, decided.outcome) {
             (_, Outcome::SemaphoreSize { slots: in_force }) => {
