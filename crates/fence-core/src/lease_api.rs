@@ -130,6 +130,20 @@ impl BodyError {
             reason: reason.to_string(),
         }
     }
+
+    /// About a field or parameter the request named: shown as given when it is visible
+    /// ASCII, else quoted and escaped (`"a\nb"`), so that no name can break a log line in
+    /// two or forge one.
+    fn given(name: &str, reason: impl fmt::Display) -> Self {
+        let plain = name
+            .bytes()
+            .all(|b| (0x21..=0x7e).contains(&b) && b != b'"' && b != b'\\');
+        if plain {
+            Self::new(name, reason)
+        } else {
+            Self::new(format!("{name:?}"), reason)
+        }
+    }
 }
 
 /// A JSON object holding only the fields a request may have.
@@ -193,10 +207,10 @@ impl Fields {
         })?;
         let map = object
             .0
-            .map_err(|key| BodyError::new(key, "given twice; each field at most once"))?;
+            .map_err(|key| BodyError::given(&key, "given twice; each field at most once"))?;
         if let Some(unknown) = map.keys().find(|k| !allowed.contains(&k.as_str())) {
-            return Err(BodyError::new(
-                unknown.as_str(),
+            return Err(BodyError::given(
+                unknown,
                 format!("unknown field; allowed: {}", allowed.join(", ")),
             ));
         }
@@ -432,9 +446,9 @@ impl ListQuery {
         for pair in query.split('&').filter(|p| !p.is_empty()) {
             let (key, raw) = pair.split_once('=').unwrap_or((pair, ""));
             let key = percent_decode(key, true).map_err(|e| BodyError::new("query", e))?;
-            let value = percent_decode(raw, true).map_err(|e| BodyError::new(key.as_str(), e))?;
+            let value = percent_decode(raw, true).map_err(|e| BodyError::given(&key, e))?;
             if seen.contains(&key) {
-                return Err(BodyError::new(key, "given more than once"));
+                return Err(BodyError::given(&key, "given more than once"));
             }
             seen.push(key.clone());
             match key.as_str() {
@@ -477,7 +491,7 @@ impl ListQuery {
                     );
                 }
                 other => {
-                    return Err(BodyError::new(
+                    return Err(BodyError::given(
                         other,
                         "unknown parameter; allowed: state, prefix, after, limit",
                     ));

@@ -90,6 +90,8 @@ pub fn log(
         .replace('-', " ");
     // The token's generation, or the lease's for the lease API's refusals.
     let generation = problem.token.or(problem.generation);
+    // A detail may quote what the client sent: on one line, so it cannot forge another.
+    let detail = one_line(&problem.detail);
     macro_rules! refused {
         ($level:ident) => {
             tracing::$level!(
@@ -103,8 +105,7 @@ pub fn log(
                 peer,
                 client,
                 suppressed = (suppressed > 0).then_some(suppressed),
-                "refused ({name}): {}",
-                problem.detail
+                "refused ({name}): {detail}"
             )
         };
     }
@@ -115,6 +116,24 @@ pub fn log(
         s if s.is_server_error() => refused!(warn),
         _ => refused!(info),
     }
+}
+
+/// `text` with its control characters (CR, LF, ESC, ...) escaped as `\n`, `\u{1b}`: a log
+/// line stays one line, and cannot forge the next or move a terminal's cursor.
+fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
+    if !text.chars().any(char::is_control) {
+        return text.into();
+    }
+    text.chars()
+        .map(|c| {
+            if c.is_control() {
+                c.escape_default().to_string()
+            } else {
+                c.to_string()
+            }
+        })
+        .collect::<String>()
+        .into()
 }
 
 /// Whether a refusal of `kind` (a problem type) from `peer`, which the caller logs itself in
@@ -275,6 +294,16 @@ fn admit(kind: &'static str, peer: Option<IpAddr>) -> Option<u64> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_detail_is_logged_on_one_line() {
+        assert_eq!(one_line("plain: as it is"), "plain: as it is");
+        assert_eq!(
+            one_line("x\r\nWARN forged\u{1b}[2K"),
+            "x\\r\\nWARN forged\\u{1b}[2K"
+        );
+        assert!(matches!(one_line("é ok"), std::borrow::Cow::Borrowed(_)));
+    }
 
     #[test]
     fn a_flood_from_one_peer_is_counted_not_logged_and_others_are_not_held_back() {

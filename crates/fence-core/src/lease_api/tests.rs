@@ -96,6 +96,41 @@ fn a_field_given_twice_is_refused_not_read_as_the_last() {
     assert!(e.to_string().contains("not valid JSON"), "{e}");
 }
 
+/// A field or parameter name is the client's: one with a line break (or any byte but visible
+/// ASCII) is quoted and escaped in the error, which goes into the answer and the log, so it
+/// cannot forge a log line.
+#[test]
+fn a_name_with_a_line_break_is_escaped_not_copied() {
+    let key = "k".repeat(22);
+    let forged = "x\nWARN forged: \"lease granted\"";
+    let body = serde_json::json!({"owner": "a", "lease_key": key, forged: 1}).to_string();
+    let e = ClaimRequest::from_json(body.as_bytes()).unwrap_err();
+    let said = e.to_string();
+    assert!(!said.contains('\n') && !said.contains('\r'), "{said:?}");
+    assert!(
+        said.starts_with(r#""x\nWARN forged: \"lease granted\"": unknown field"#),
+        "{said}"
+    );
+    let twice = "{\"a\\r\\nb\": 1, \"a\\r\\nb\": 2}";
+    let said = ClaimRequest::from_json(twice.as_bytes())
+        .unwrap_err()
+        .to_string();
+    assert!(said.starts_with(r#""a\r\nb": given twice"#), "{said}");
+    for query in ["x%0Ay=1", "x%0Ay=1&x%0Ay=2", "x%0D%0Ay=%zz"] {
+        let said = ListQuery::from_query(query).unwrap_err().to_string();
+        assert!(
+            !said.contains('\n') && !said.contains('\r'),
+            "{query}: {said:?}"
+        );
+    }
+    // An ordinary name reads as before.
+    let body = format!(r#"{{"owner": "a", "lease_key": "{key}", "extra": 1}}"#);
+    let said = ClaimRequest::from_json(body.as_bytes())
+        .unwrap_err()
+        .to_string();
+    assert!(said.starts_with("extra: unknown field"), "{said}");
+}
+
 /// The wait parser accepts exactly what [`WAIT_PATTERN`] matches, run as a regular
 /// expression (as a client generated from the OpenAPI document runs it), over every value of
 /// the forms it describes and the near misses.
