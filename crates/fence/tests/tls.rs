@@ -168,6 +168,33 @@ fn an_https_upstream_the_proxy_cannot_verify_is_a_502_that_says_why() {
     assert!(body.contains("certificate"), "{body}");
 }
 
+/// An https:// upstream whose certificate names another host: the 502 says the
+/// certificate was not accepted, never which names it was or was not for (rustls's own
+/// error says both); those go to the proxy's log.
+#[test]
+fn a_certificate_for_another_name_is_a_502_that_names_no_host() {
+    let ca = TestCa::for_names(&["billing.internal"]);
+    let dir = tempfile::tempdir().unwrap();
+    let (_upstream, upstream) = start_tls_server(&ca, &dir.path().join("leases"));
+    let (_proxy, proxy) = start_proxy_with(
+        &upstream,
+        &[
+            "--data-dir",
+            dir.path().join("proxy").to_str().unwrap(),
+            "--upstream-ca-cert",
+            ca.ca.to_str().unwrap(),
+        ],
+    );
+    let (status, body) = curl(&ca.ca, &[&format!("http://{proxy}/v1/leases/never")]);
+    assert_eq!(status, 502, "{body}");
+    let problem: serde_json::Value = serde_json::from_str(&body).unwrap();
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(detail.contains("certificate was not accepted"), "{detail}");
+    for name in ["billing.internal", "127.0.0.1", "localhost"] {
+        assert!(!detail.contains(name), "names {name}: {detail}");
+    }
+}
+
 #[test]
 fn unusable_tls_files_stop_the_start_with_one_line_and_exit_2() {
     let ca = TestCa::new();

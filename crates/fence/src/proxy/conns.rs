@@ -307,9 +307,11 @@ impl UpstreamConns {
             } else {
                 // Not an HTTP/2 server (or none that got as far as its first frame): it
                 // cannot have acted on the call.
-                SendFailed::Connect(
-                    format!("the upstream does not speak HTTP/2 (gRPC needs it): {e}").into(),
-                )
+                // Unsupported: what the client is told (`failure`).
+                SendFailed::Connect(Box::new(std::io::Error::new(
+                    std::io::ErrorKind::Unsupported,
+                    format!("the upstream does not speak HTTP/2 (gRPC needs it): {e}"),
+                )))
             }
         })
     }
@@ -330,9 +332,10 @@ async fn within_connect_timeout<T>(
 ) -> Result<T, SendFailed> {
     match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
         Ok(result) => result.map_err(SendFailed::Connect),
-        Err(_) => Err(SendFailed::Connect(
-            format!("no connection to the upstream within {CONNECT_TIMEOUT:?}").into(),
-        )),
+        Err(_) => Err(SendFailed::Connect(Box::new(std::io::Error::new(
+            std::io::ErrorKind::TimedOut,
+            format!("no connection to the upstream within {CONNECT_TIMEOUT:?}"),
+        )))),
     }
 }
 

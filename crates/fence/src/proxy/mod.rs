@@ -35,6 +35,7 @@
 mod admin;
 mod config;
 mod conns;
+mod failure;
 mod headers;
 mod metrics;
 mod streams;

@@ -22,6 +22,7 @@ use tower::Service;
 use super::{
     config::Target,
     conns::{SendFailed, UpstreamConns},
+    failure::how_it_failed,
     headers::{self, strip_hop_by_hop},
     metrics::Outcomes,
     streams::{ClientStreams, Held},
@@ -186,21 +187,28 @@ impl Upstream {
             }
             Ok(Err(failed)) => {
                 self.outcomes.unavailable.record(started);
-                let (cause, maybe_seen) = match &failed {
-                    SendFailed::Connect(e) => (error_chain(e.as_ref()), false),
+                let (cause, how, maybe_seen) = match &failed {
+                    SendFailed::Connect(e) => {
+                        (error_chain(e.as_ref()), how_it_failed(e.as_ref()), false)
+                    }
                     // The client's body failed (cut at the body deadline, or the client went
                     // away mid-body): the upstream saw the head and a prefix of the body,
                     // never a whole request, and the connection is closed without
                     // completing it. Not an unknown outcome.
-                    SendFailed::Request(e) if client_body_failed(e) => (error_chain(e), false),
-                    SendFailed::Request(e) => (error_chain(e), true),
+                    SendFailed::Request(e) if client_body_failed(e) => (
+                        error_chain(e),
+                        "the request's body did not arrive whole (it timed out, or the client went away)",
+                        false,
+                    ),
+                    SendFailed::Request(e) => (error_chain(e), how_it_failed(e), true),
                 };
                 fence_sink::refusals::log_upstream_failure(&self.target.display, &cause);
-                // The upstream's address stays in the log: clients are not told the
-                // proxy's inner topology.
+                // The error's text stays in the log: it may name the upstream (a
+                // certificate's names, a host), and clients are not told the proxy's inner
+                // topology; the answer says only how it failed.
                 let mut response = problem(Problem::new(
                     ProblemType::UpstreamUnavailable,
-                    format!("the upstream failed: {cause}"),
+                    format!("the upstream failed: {how}"),
                 ));
                 if maybe_seen {
                     // The request may have reached the upstream before the failure.

@@ -514,6 +514,11 @@ pub struct TestCa {
 
 impl TestCa {
     pub fn new() -> Self {
+        Self::for_names(&["127.0.0.1", "localhost"])
+    }
+
+    /// A CA and a server certificate for `names` only.
+    pub fn for_names(names: &[&str]) -> Self {
         use rcgen::{BasicConstraints, CertificateParams, DnType, IsCa, Issuer, KeyPair};
         let dir = tempfile::tempdir().unwrap();
         let ca_key = KeyPair::generate().unwrap();
@@ -525,8 +530,8 @@ impl TestCa {
         let ca_cert = ca_params.self_signed(&ca_key).unwrap();
         let issuer = Issuer::new(ca_params, ca_key);
         let key = KeyPair::generate().unwrap();
-        let params =
-            CertificateParams::new(vec!["127.0.0.1".to_owned(), "localhost".to_owned()]).unwrap();
+        let names = names.iter().map(|n| (*n).to_owned()).collect::<Vec<_>>();
+        let params = CertificateParams::new(names).unwrap();
         let cert = params.signed_by(&key, &issuer).unwrap();
         let write = |name: &str, text: String| {
             let p = dir.path().join(name);
