@@ -181,6 +181,20 @@ pub fn log_upstream_failure(upstream: &str, error: &dyn std::fmt::Display) {
     );
 }
 
+/// Logs that a listener could not accept a connection (out of file descriptors, and the
+/// like), rate-limited like refusals: an accept loop that keeps failing tries again every
+/// few milliseconds, and would otherwise write a line each time.
+pub fn log_accept_failure(error: &std::io::Error) {
+    let Some(suppressed) = admit("accept-failure", None) else {
+        return;
+    };
+    tracing::warn!(
+        error = %error,
+        suppressed = (suppressed > 0).then_some(suppressed),
+        "accepting a connection failed"
+    );
+}
+
 /// Logs a failed TLS handshake from `peer`, rate-limited like refusals.
 pub fn log_handshake_failure(peer: SocketAddr, error: &(dyn std::error::Error + 'static)) {
     let Some(suppressed) = admit("tls-handshake", Some(peer.ip())) else {
@@ -274,7 +288,7 @@ static LIMIT: LazyLock<Mutex<Limiter>> = LazyLock::new(|| Mutex::new(Limiter::ne
 /// [`Limiter::admit`] on the process's limiter, now. An admitted event first says, in an
 /// event of its own, how many the budget over all peers held back before it: a flood from
 /// many peers leaves that trace even when none of them comes back.
-fn admit(kind: &'static str, peer: Option<IpAddr>) -> Option<u64> {
+pub(crate) fn admit(kind: &'static str, peer: Option<IpAddr>) -> Option<u64> {
     let mut limit = LIMIT
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);

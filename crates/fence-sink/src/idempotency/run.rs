@@ -370,7 +370,11 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .timed(self.store.finish(attempt, outcome.clone()))
             .await;
         let e = finished.err()?;
-        tracing::warn!(job = %self.job, error = %fence_storage::error_chain(&e), "completing an idempotency record failed; retrying in the background while the job's newer tokens wait");
+        // Under the store failures' rate limit: a store that is down fails every request.
+        if let Some(suppressed) = crate::refusals::admit("store-failure", None) {
+            let suppressed = (suppressed > 0).then_some(suppressed);
+            tracing::warn!(job = %self.job, error = %fence_storage::error_chain(&e), suppressed, "completing an idempotency record failed; retrying in the background while the job's newer tokens wait");
+        }
         let (done, finishing) = tokio::sync::watch::channel(false);
         let Ok(runtime) = tokio::runtime::Handle::try_current() else {
             return None;

@@ -249,7 +249,7 @@ where
                 Err(e) => {
                     // Out of file descriptors and the like: free one if a newcomer waits,
                     // and back off instead of spinning.
-                    tracing::warn!(error = %e, "accepting a connection failed");
+                    fence_sink::refusals::log_accept_failure(&e);
                     if !lobby.is_empty() {
                         lobby.shed(&slots);
                     }
