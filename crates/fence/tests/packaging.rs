@@ -47,6 +47,42 @@ fn check_command(origin: &str, words: &[&str]) {
     }
 }
 
+/// `--help` names every endpoint each listener serves (it once listed four of the server's
+/// eleven, and neither the proxy's /readyz nor its /v1/fence/{job}), and says the demo
+/// logs errors only.
+#[test]
+fn help_names_every_endpoint() {
+    let help = |args: &[&str]| {
+        let out = fence(args);
+        assert_success(&out);
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let server = help(&["server", "--help"]);
+    for path in [
+        "/v1/leases/{job}/claim|renew|release|complete|checkpoint|revoke",
+        "/v1/semaphores/{resource}/claim",
+        "GET /v1/leases/{job}",
+        "GET /v1/leases",
+        "/healthz",
+        "/readyz",
+        "/metrics",
+        "/openapi.json",
+    ] {
+        assert!(server.contains(path), "fence server --help lacks {path}");
+    }
+    let proxy = help(&["proxy", "--help"]);
+    for path in [
+        "/metrics",
+        "/healthz",
+        "/readyz",
+        "GET/POST /v1/fence/{job}",
+    ] {
+        assert!(proxy.contains(path), "fence proxy --help lacks {path}");
+    }
+    let demo = help(&["demo", "--help"]);
+    assert!(demo.contains("Logs errors only"), "{demo}");
+}
+
 #[test]
 fn the_systemd_units_use_flags_fence_has() {
     for unit in ["fence-server.service", "fence-proxy.service"] {

@@ -76,9 +76,10 @@ pub enum Cmd {
     /// Starts a lease server and a fenced sink on loopback ports with stores in a temporary
     /// directory; worker A claims, writes and stalls past its lease; B claims the next
     /// generation and writes; A's delayed write and its completion are rejected. Prints the
-    /// timeline and exits 0 only if everything happened as it should.
+    /// timeline and exits 0 only if everything happened as it should. Logs errors only
+    /// (not info, as the other commands do) unless RUST_LOG asks for more.
     Demo,
-    /// Serve the lease HTTP API (POST /v1/leases/{job}/claim|renew|release|complete, GET /v1/leases/{job}, GET /v1/leases).
+    /// Serve the lease HTTP API (POST /v1/leases/{job}/claim|renew|release|complete|checkpoint|revoke, POST /v1/semaphores/{resource}/claim, GET /v1/leases/{job}, GET /v1/leases; GET /healthz, /readyz, /metrics, /openapi.json).
     ///
     /// Anyone who can reach an open lease server can complete other workers' jobs: on any
     /// address but loopback, give --auth-file (and --tls-cert/--tls-key), or say
@@ -94,8 +95,9 @@ pub enum Cmd {
     /// Fenced requests (every method but GET, HEAD, OPTIONS and TRACE by default) must carry
     /// X-Fencing-Job and X-Fencing-Token; a token below the highest this proxy has accepted
     /// for the job gets 409 and never reaches the upstream. Duplicate Idempotency-Keys are
-    /// replayed. GET /metrics and GET /healthz answer on --admin-listen (127.0.0.1:7801 by
-    /// default: a second proxy on one host needs another).
+    /// replayed. GET /metrics, GET /healthz, GET /readyz (which checks the upstream too) and
+    /// GET/POST /v1/fence/{job} (a job's fence; raise it with a signed token) answer on
+    /// --admin-listen (127.0.0.1:7801 by default: a second proxy on one host needs another).
     ///
     /// SIGINT or SIGTERM stops it: open requests get up to 30 s, and it exits 0; a second
     /// signal stops it at once, exit 130 or 143 (after a restart, what it passed on is waited

@@ -88,7 +88,8 @@ pub struct ProxyArgs {
     /// Where the fence records (highest generation per job, idempotency records) are kept.
     #[command(flatten)]
     pub storage: StorageArgs,
-    /// Address of GET /metrics and GET /healthz, apart from the proxied paths. Two proxies
+    /// Address of GET /metrics, GET /healthz, GET /readyz (store and upstream) and GET/POST
+    /// /v1/fence/{job}, apart from the proxied paths. Two proxies
     /// on one host need two. Loopback only, unless the proxy serves TLS (--tls-cert) and the
     /// admin listener has --admin-auth-file: any other address is refused.
     #[arg(long, default_value = "127.0.0.1:7801", env = "FENCE_ADMIN_LISTEN")]
