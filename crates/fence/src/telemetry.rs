@@ -86,7 +86,10 @@ fn describe() {
     describe_histogram!(
         "fence_lease_request_seconds",
         Unit::Seconds,
-        "Time to answer a lease API request, by operation, store write included."
+        format!(
+            "Time to answer a lease API request, store write included, by op ({}).",
+            crate::server::LEASE_OPS.join(", ")
+        )
     );
     describe_gauge!(
         "fence_lease_jobs",
@@ -119,12 +122,18 @@ fn describe() {
     describe_counter!(
         "fence_proxy_upstream_requests_total",
         Unit::Count,
-        "Requests the proxy handled for the upstream, by outcome: ok, unavailable, timeout, bad_target, overloaded (never sent: no room for another upstream connection)."
+        format!(
+            "Requests the proxy handled for the upstream, by outcome ({}; overloaded: never sent, no room for another upstream connection).",
+            crate::proxy::UPSTREAM_OUTCOMES.join(", ")
+        )
     );
     describe_histogram!(
         "fence_proxy_upstream_seconds",
         Unit::Seconds,
-        "Time from sending a request upstream to its response head, by outcome."
+        format!(
+            "Time from sending a request upstream to its response head, by outcome ({}).",
+            crate::proxy::UPSTREAM_OUTCOMES.join(", ")
+        )
     );
     describe_gauge!(
         "fence_proxy_cached_jobs",

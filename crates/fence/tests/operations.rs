@@ -86,6 +86,11 @@ fn metrics_of_server_and_proxy_parse_with_help_types_and_histograms() {
     ] {
         assert!(help.contains(word), "{help}");
     }
+    // The histogram's too (it said "by operation", naming none).
+    let help = &s.docs["fence_lease_request_seconds"];
+    for word in ["claim", "checkpoint", "claim_slot", "status", "list"] {
+        assert!(help.contains(word), "{help}");
+    }
     let build = s
         .samples
         .iter()
@@ -131,6 +136,15 @@ fn metrics_of_server_and_proxy_parse_with_help_types_and_histograms() {
     let help = &p.docs["fence_sink_requests_total"];
     for word in ["too_large", "body_failed", "too_long_lived", "stale"] {
         assert!(help.contains(word), "{help}");
+    }
+    for family in [
+        "fence_proxy_upstream_seconds",
+        "fence_proxy_upstream_requests_total",
+    ] {
+        let help = &p.docs[family];
+        for word in ["ok", "unavailable", "timeout", "bad_target", "overloaded"] {
+            assert!(help.contains(word), "{family}: {help}");
+        }
     }
     assert_eq!(gauge(&p, "fence_proxy_in_flight"), 0.0);
     // The proxy's view of one job.

@@ -23,6 +23,11 @@ impl Outcome {
     }
 }
 
+/// The `outcome` labels of `fence_proxy_upstream_requests_total` and
+/// `fence_proxy_upstream_seconds`, for their HELP texts: those of [`Outcomes::new`].
+pub const UPSTREAM_OUTCOMES: &[&str] =
+    &["ok", "unavailable", "timeout", "bad_target", "overloaded"];
+
 /// Every outcome of an upstream call, as `fence_proxy_upstream_requests_total{outcome}`.
 pub(super) struct Outcomes {
     pub(super) ok: Outcome,
@@ -42,5 +47,20 @@ impl Outcomes {
             bad_target: Outcome::new("bad_target"),
             overloaded: Outcome::new("overloaded"),
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    /// The HELP texts list what `Outcomes::new` registers.
+    #[test]
+    fn the_listed_outcomes_are_the_registered_ones() {
+        let source = include_str!("metrics.rs");
+        let registered: Vec<&str> = source
+            .split("Outcome::new(\"")
+            .skip(1)
+            .filter_map(|rest| rest.split('"').next())
+            .collect();
+        assert_eq!(registered, super::UPSTREAM_OUTCOMES);
     }
 }

@@ -54,6 +54,7 @@ use tokio::{
 pub use self::{
     admin::{Health, serve_admin},
     config::ProxyConfig,
+    metrics::UPSTREAM_OUTCOMES,
 };
 use self::{config::Target, upstream::UpstreamBody, worker::Worker};
 pub use crate::listen::SHUTDOWN_GRACE;
