@@ -53,6 +53,19 @@ impl GrpcStatuses {
     pub fn in_headers(self, headers: &http::HeaderMap) -> bool {
         self.0 != 0 && headers.get("grpc-status").is_some_and(|s| self.contains(s))
     }
+
+    /// Whether an answer's head leaves the outcome unknown by its `grpc-status`: one of
+    /// these, unless a fence wrote it (`fence-problem-type`) refusing the call before any
+    /// service had it (overloaded, drain-timeout, a body that timed out...). Only a fence's
+    /// `upstream-timeout` and `upstream-unavailable` answers come after a call may have gone
+    /// on; a proxy in this process marks its own with [`OutcomeUnknown`] where that is so,
+    /// and one across the network may have, so those count by their status.
+    pub(crate) fn in_answer(self, head: &http::HeaderMap) -> bool {
+        self.in_headers(head)
+            && head.get("fence-problem-type").is_none_or(|kind| {
+                kind == "urn:fence:upstream-timeout" || kind == "urn:fence:upstream-unavailable"
+            })
+    }
 }
 
 impl Default for GrpcStatuses {

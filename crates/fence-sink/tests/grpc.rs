@@ -892,3 +892,39 @@ async fn a_failure_in_the_body_is_not_replayed() {
         assert_eq!(drained, held, "{case}: {text:?}");
     }
 }
+
+/// A fence's own refusal of a call (a fence, or a proxy, behind this one) answered with a
+/// status of the unknown-outcome list reached no service: the job is not held for it. Its
+/// upstream-timeout answer may have, and is held.
+#[tokio::test]
+async fn a_fences_own_refusal_holds_nothing() {
+    for (kind, held) in [
+        ("urn:fence:body-timeout", false),
+        ("urn:fence:overloaded", false),
+        ("urn:fence:upstream-timeout", true),
+    ] {
+        let svc = FenceLayer::new(MemoryStore::new())
+            .drain_timeout(Duration::from_millis(200))
+            .unknown_outcome_grpc_statuses(fence_sink::GrpcStatuses::of([1, 4, 14]).unwrap())
+            .layer(service_fn(move |req: Request<RequestBody<In>>| {
+                let first = req.headers()["x-fencing-token"] == "1";
+                let mut response = Response::builder()
+                    .header("content-type", "application/grpc")
+                    .header("grpc-status", if first { "4" } else { "0" });
+                if first {
+                    response = response.header("fence-problem-type", kind);
+                }
+                let response = response
+                    .body(http_body_util::Empty::<Bytes>::new())
+                    .unwrap();
+                async { Ok::<_, Infallible>(response) }
+            }));
+        let _ = svc.clone().oneshot(fenced("j", "1")).await.unwrap();
+        let newer = Answer::of(svc.clone().oneshot(fenced("j", "2")).await.unwrap()).await;
+        if held {
+            newer.status(14, "urn:fence:drain-timeout");
+        } else {
+            assert_eq!(newer.header("fence-problem-type"), None, "{kind}");
+        }
+    }
+}

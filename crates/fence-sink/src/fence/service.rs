@@ -541,7 +541,7 @@ where
         }
     };
     if response.extensions().get::<OutcomeUnknown>().is_some()
-        || flight.unknown_grpc.in_headers(response.headers())
+        || flight.unknown_grpc.in_answer(response.headers())
     {
         // Also a call that ran out of time or was cancelled (a trailers-only answer): its
         // handler was dropped wherever it was, and what it had sent may still commit.

@@ -121,7 +121,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         // in-flight record stays until its timeout, so a retry meanwhile gets 409 rather
         // than a second run.
         let mut response = inner.call(request).await?;
-        if self.unknown_grpc.in_headers(response.headers()) {
+        if self.unknown_grpc.in_answer(response.headers()) {
             // A call that ran out of time or was cancelled (a trailers-only answer): its
             // handler was dropped wherever it was, and what it had sent may still commit.
             response.extensions_mut().insert(OutcomeUnknown);
