@@ -233,7 +233,7 @@ impl<S: LeaseStore> LeaseClient<S> {
     /// and starts its keeper: the lease is the slot's, on job `resource#k`, its fencing job;
     /// renewals, release and checkpoints go to that job like any lease's. At most `slots`
     /// leases of the resource exist at once; the number of slots is fixed while any slot has
-    /// a holder. Waits up to `wait` while every slot is taken, asking again as slots are due
+    /// a holder, or was revoked before its lease would have ended. Waits up to `wait` while every slot is taken, asking again as slots are due
     /// to free (every 10 ms to 500 ms, with jitter); within `wait`, a claim whose answer was lost (an I/O
     /// error, a timeout, or a 502, 503 or 504 after its `Retry-After`) is asked again with
     /// the same lease key, so a grant that was lost comes back as that slot, not a second one.
@@ -262,6 +262,9 @@ impl<S: LeaseStore> LeaseClient<S> {
         let end = t_send + wait;
         let claim = async {
             let mut backoff = crate::Backoff::new(MIN_SLOT_POLL, MAX_SLOT_POLL);
+            // An answer lost on the way (it may have been a grant), until a later answer
+            // settles it.
+            let mut lost = None;
             loop {
                 let asked = self
                     .store
@@ -291,9 +294,21 @@ impl<S: LeaseStore> LeaseClient<S> {
                 };
                 match again_in {
                     Some(pause) if now < end => {
+                        if matches!(asked, Err(StoreError::Io(_) | StoreError::Timeout(_))) {
+                            lost = asked.err();
+                        } else if asked.is_ok() {
+                            lost = None; // answered: the key's slot, if any, came back
+                        }
                         tokio::time::sleep(pause.min(end - now)).await;
                     }
-                    _ => return asked,
+                    // A claim that ends busy after an answer lost says the loss: the lost
+                    // one may have been granted, which "nothing was decided" would hide.
+                    _ => {
+                        return match (asked, lost) {
+                            (Err(StoreError::Busy(_)), Some(lost)) => Err(lost),
+                            (asked, _) => asked,
+                        };
+                    }
                 }
             }
         };

@@ -1004,6 +1004,8 @@ struct LosesFirstSlotAnswer {
     lost_one: AtomicBool,
     /// The lost answer is a 503 with `Retry-After` (this long) instead of a cut connection.
     unavailable_for: Option<Duration>,
+    /// Every claim after the lost one finds the store busy (claims queued before it).
+    busy_after: bool,
 }
 
 impl LeaseStore for LosesFirstSlotAnswer {
@@ -1027,6 +1029,9 @@ impl LeaseStore for LosesFirstSlotAnswer {
         terms: fence_lease::ClaimTerms,
         slots: u32,
     ) -> Result<fence_lease::SlotClaim, StoreError> {
+        if self.busy_after && self.lost_one.load(Ordering::SeqCst) {
+            return Err(StoreError::Busy("claims queued before this one".into()));
+        }
         let decided = self
             .inner
             .claim_slot(resource, owner, key, terms, slots)
@@ -1093,6 +1098,20 @@ async fn a_lost_slot_grant_is_asked_again_for_the_same_slot() {
     assert_eq!(lease.job().as_str(), "pool#1");
     let second = store.get(&"pool#2".parse().unwrap()).await.unwrap();
     assert_eq!(second, None, "a second slot was taken: {second:?}");
+    // Lost, then busy until the wait ends: the loss is what the caller hears (the slot may
+    // be held), not "busy", which says nothing was decided.
+    let store = Arc::new(LosesFirstSlotAnswer {
+        busy_after: true,
+        ..LosesFirstSlotAnswer::default()
+    });
+    let client = LeaseClient::from_arc(store).owner("w".parse().unwrap());
+    let lost = client
+        .claim_slot("pool".parse().unwrap(), 2, Duration::from_millis(300))
+        .await;
+    assert!(
+        matches!(lost, Err(ClaimError::Store(StoreError::Io(_)))),
+        "{lost:?}"
+    );
 }
 
 /// A semaphore whose every slot is taken, answering without saying when one frees (a

@@ -482,7 +482,8 @@ pub struct RunCmd {
     /// job names the resource, and the lease is one of its N slots, whose fencing job
     /// (`<job>#<slot>`) is in FENCE_JOB (the resource in FENCE_RESOURCE). A stale holder of
     /// a slot is refused at a fence proxy once the slot is granted again. N is fixed while
-    /// any slot has a holder: a run asking for another N exits 3 at once, --wait or not. On
+    /// any slot has a holder (or was revoked before its lease would have ended): a run
+    /// asking for another N exits 3 at once, --wait or not. On
     /// exit 0 the slot is released (a slot is never completed).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1000), env = "FENCE_SLOTS")]
     pub slots: Option<u32>,
