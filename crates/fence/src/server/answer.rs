@@ -405,7 +405,11 @@ mod tests {
     /// semaphore claims of one resource) decided nothing, and says so: not "unknown".
     #[test]
     fn a_busy_store_says_nothing_was_decided() {
-        let busy = store_error(&StoreError::Busy("claims queued before it".to_owned()));
+        let job: JobId = "exports".parse().unwrap();
+        let busy = store_error(
+            &job,
+            &StoreError::Busy("claims queued before it".to_owned()),
+        );
         assert_eq!(
             (busy.kind, busy.status),
             (ProblemType::StoreUnavailable, 503)
