@@ -495,3 +495,77 @@ async fn grpc_calls_cut_by_their_client_still_count_upstream() {
     );
     assert!(refused >= 8, "only {refused} calls were refused");
 }
+
+/// A call the upstream refused before processing it (RST_STREAM REFUSED_STREAM, RFC 9113
+/// section 8.7: a server at its stream limit, or going away) is a known failure: the client
+/// gets UNAVAILABLE, and the job's next holder passes at once instead of waiting out an
+/// unknown outcome's hold (here it would get drain-timeout after 1 s).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_call_the_upstream_refused_unprocessed_holds_nobody_up() {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let refused = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let once = refused.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let once = once.clone();
+            tokio::spawn(async move {
+                let mut conn = h2::server::handshake(socket).await.unwrap();
+                while let Some(Ok((_, mut respond))) = conn.accept().await {
+                    if !once.swap(true, std::sync::atomic::Ordering::SeqCst) {
+                        respond.send_reset(h2::Reason::REFUSED_STREAM);
+                        continue;
+                    }
+                    let ok = http::Response::builder()
+                        .header("content-type", "application/grpc")
+                        .header("grpc-status", "0")
+                        .body(())
+                        .unwrap();
+                    let _ = respond.send_response(ok, true);
+                }
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let data = dir.path().to_str().unwrap().to_owned();
+        move || {
+            start_proxy_with(
+                &upstream,
+                &[
+                    "--data-dir",
+                    &data,
+                    "--drain-timeout",
+                    "1s",
+                    "--workers",
+                    "1",
+                ],
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let call = move |token: &str| {
+        let (addr, token) = (addr.clone(), token.to_owned());
+        tokio::task::spawn_blocking(move || {
+            exchange(
+                &addr,
+                "POST",
+                "/ledger.Ledger/Charge",
+                &[
+                    ("X-Fencing-Job", "refused".to_owned()),
+                    ("X-Fencing-Token", token),
+                    ("content-type", "application/grpc".to_owned()),
+                ],
+                "\0\0\0\0\0",
+            )
+        })
+    };
+    let (status, answer) = call("3").await.unwrap();
+    assert_eq!(status, 200, "{answer}");
+    assert!(answer.contains("grpc-status: 14"), "{answer}");
+    assert!(refused.load(std::sync::atomic::Ordering::SeqCst));
+    let (status, newer) = call("4").await.unwrap();
+    assert_eq!(status, 200, "{newer}");
+    assert!(newer.contains("grpc-status: 0"), "held up: {newer}");
+}

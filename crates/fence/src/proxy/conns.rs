@@ -294,27 +294,69 @@ impl UpstreamConns {
         req: Request<RequestBody<Incoming>>,
         used: &std::sync::atomic::AtomicU64,
     ) -> Result<Response<Incoming>, SendFailed> {
-        // Calls of this worker wait for one connection to open (at most CONNECT_TIMEOUT)
-        // rather than each opening its own.
-        let (mut conn, preface, number) = within_connect_timeout(self.h2()).await?;
-        used.store(number, std::sync::atomic::Ordering::Relaxed);
-        conn.ready()
-            .await
-            .map_err(|e| SendFailed::Connect(e.into()))?;
-        conn.send_request(req).await.map_err(|e| {
-            if preface.spoken() {
-                SendFailed::Request(e)
-            } else {
+        let (mut req, mut first) = (req, true);
+        loop {
+            // Calls of this worker wait for one connection to open (at most
+            // CONNECT_TIMEOUT) rather than each opening its own.
+            let (mut conn, preface, number) = within_connect_timeout(self.h2()).await?;
+            used.store(number, std::sync::atomic::Ordering::Relaxed);
+            conn.ready()
+                .await
+                .map_err(|e| SendFailed::Connect(e.into()))?;
+            let mut failed = match conn.try_send_request(req).await {
+                Ok(response) => return Ok(response),
+                Err(failed) => failed,
+            };
+            let unsent = failed.take_message();
+            let e = failed.into_error();
+            if !preface.spoken() {
                 // Not an HTTP/2 server (or none that got as far as its first frame): it
                 // cannot have acted on the call.
                 // Unsupported: what the client is told (`failure`).
-                SendFailed::Connect(Box::new(std::io::Error::new(
+                return Err(SendFailed::Connect(Box::new(std::io::Error::new(
                     std::io::ErrorKind::Unsupported,
                     format!("the upstream does not speak HTTP/2 (gRPC needs it): {e}"),
-                )))
+                ))));
             }
-        })
+            if unsent.is_none() && !unprocessed(&e) {
+                return Err(SendFailed::Request(e));
+            }
+            // Never processed upstream: handed back unsent (the connection closed first),
+            // refused (REFUSED_STREAM), or above the last stream of the upstream's GOAWAY (a
+            // server going away, a connection at its maximum age). The connection takes no
+            // new call; one handed back goes once more on a new one.
+            self.retire_h2(number);
+            match unsent {
+                Some(again) if first => (req, first) = (again, false),
+                _ => {
+                    // ConnectionReset: what the client is told (`failure`).
+                    return Err(SendFailed::Connect(Box::new(std::io::Error::new(
+                        std::io::ErrorKind::ConnectionReset,
+                        format!("the upstream did not process the call: {e}"),
+                    ))));
+                }
+            }
+        }
     }
+}
+
+/// Whether `e`, a call's failure on an HTTP/2 connection, says the upstream never processed
+/// it (RFC 9113 sections 6.8 and 8.7): a stream reset with REFUSED_STREAM, or a graceful
+/// GOAWAY (NO_ERROR) whose last stream is below it, or that came before it was opened. A
+/// GOAWAY with an error code ends the streams it did process too, with the same error, so it
+/// says nothing.
+fn unprocessed(e: &hyper::Error) -> bool {
+    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
+    for _ in 0..8 {
+        let Some(error) = next else { break };
+        if let Some(h2) = error.downcast_ref::<h2::Error>() {
+            return h2.is_remote()
+                && (h2.reason() == Some(h2::Reason::REFUSED_STREAM) && h2.is_reset()
+                    || h2.reason() == Some(h2::Reason::NO_ERROR) && h2.is_go_away());
+        }
+        next = error.source();
+    }
+    false
 }
 
 fn sniffed<I>(io: I, preface: &Preface) -> Sniffed<I> {
