@@ -24,7 +24,7 @@ impl Outcome {
 }
 
 /// The `outcome` labels of `fence_proxy_upstream_requests_total` and
-/// `fence_proxy_upstream_seconds`, for their HELP texts: those of [`Outcomes::new`].
+/// `fence_proxy_upstream_seconds`, for their HELP texts: those the proxy counts by.
 pub const UPSTREAM_OUTCOMES: &[&str] =
     &["ok", "unavailable", "timeout", "bad_target", "overloaded"];
 
