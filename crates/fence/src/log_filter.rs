@@ -3,7 +3,10 @@
 //! At debug, tokio-postgres logs every statement with its parameters: the idempotent answers
 //! the proxy stores, the checkpoints the server keeps. A `RUST_LOG` that would let its debug
 //! events through (`debug`, `trace`, `tokio=debug`) gets `tokio_postgres=info` added, unless
-//! it names a `tokio_postgres` target itself: an operator who asks for them gets them.
+//! it names `tokio_postgres` itself: an operator who asks for them gets them. A directive for
+//! one of its modules (`tokio_postgres::connection=warn`, the default's) does not count:
+//! more specific, it still wins over the added one for that module, and the rest of the
+//! driver stays at info.
 
 use tracing_subscriber::{EnvFilter, filter::LevelFilter};
 
@@ -37,7 +40,7 @@ pub fn directives(asked: &str) -> String {
         };
         // `target[span{field}]`: the target is what comes before the span.
         let target = target.split('[').next().unwrap_or("").trim();
-        if target.starts_with(DRIVER) {
+        if target == DRIVER {
             names_driver = true;
         } else if DRIVER.starts_with(target) && level > LevelFilter::INFO {
             // A bare level, a span without a target, or a target the driver's starts with.
@@ -85,7 +88,11 @@ mod tests {
             ("debug,tokio_postgres=debug", "debug,tokio_postgres=debug"),
             (
                 "debug,tokio_postgres::query=trace",
-                "debug,tokio_postgres::query=trace",
+                "debug,tokio_postgres::query=trace,tokio_postgres=info",
+            ),
+            (
+                "debug,tokio_postgres::connection=warn",
+                "debug,tokio_postgres::connection=warn,tokio_postgres=info",
             ),
             ("[request]=debug", "[request]=debug,tokio_postgres=info"),
             ("warn", "warn"),
@@ -100,14 +107,20 @@ mod tests {
     #[test]
     fn rust_log_debug_enables_fence_debug_but_not_the_drivers() {
         use tracing_subscriber::layer::SubscriberExt;
-        let (filter, said) = filter(Some("debug"), false);
-        assert_eq!(said, None);
-        let subscriber = tracing_subscriber::registry().with(filter);
-        tracing::subscriber::with_default(subscriber, || {
-            assert!(tracing::enabled!(target: "fence::server", tracing::Level::DEBUG));
-            assert!(!tracing::enabled!(target: "tokio_postgres::query", tracing::Level::DEBUG));
-            assert!(tracing::enabled!(target: "tokio_postgres::query", tracing::Level::INFO));
-        });
+        // Also the default's module directive with the level raised.
+        for asked in ["debug", "debug,tokio_postgres::connection=warn"] {
+            let (filter, said) = filter(Some(asked), false);
+            assert_eq!(said, None);
+            let subscriber = tracing_subscriber::registry().with(filter);
+            tracing::subscriber::with_default(subscriber, || {
+                assert!(tracing::enabled!(target: "fence::server", tracing::Level::DEBUG));
+                assert!(
+                    !tracing::enabled!(target: "tokio_postgres::query", tracing::Level::DEBUG),
+                    "{asked}"
+                );
+                assert!(tracing::enabled!(target: "tokio_postgres::query", tracing::Level::INFO));
+            });
+        }
     }
 
     #[test]
