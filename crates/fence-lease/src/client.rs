@@ -294,18 +294,28 @@ impl<S: LeaseStore> LeaseClient<S> {
                 };
                 match again_in {
                     Some(pause) if now < end => {
-                        if matches!(asked, Err(StoreError::Io(_) | StoreError::Timeout(_))) {
-                            lost = asked.err();
+                        if matches!(
+                            asked,
+                            Err(StoreError::Io(_)
+                                | StoreError::Timeout(_)
+                                | StoreError::Unavailable { .. })
+                        ) {
+                            // The first loss stands: a later 503 may be the server's "busy".
+                            lost = lost.or(asked.err());
                         } else if asked.is_ok() {
                             lost = None; // answered: the key's slot, if any, came back
                         }
                         tokio::time::sleep(pause.min(end - now)).await;
                     }
                     // A claim that ends busy after an answer lost says the loss: the lost
-                    // one may have been granted, which "nothing was decided" would hide.
+                    // one may have been granted, which "nothing was decided" would hide
+                    // (over HTTP, busy is a 503).
                     _ => {
                         return match (asked, lost) {
-                            (Err(StoreError::Busy(_)), Some(lost)) => Err(lost),
+                            (
+                                Err(StoreError::Busy(_) | StoreError::Unavailable { .. }),
+                                Some(lost),
+                            ) => Err(lost),
                             (asked, _) => asked,
                         };
                     }

@@ -1004,8 +1004,10 @@ struct LosesFirstSlotAnswer {
     lost_one: AtomicBool,
     /// The lost answer is a 503 with `Retry-After` (this long) instead of a cut connection.
     unavailable_for: Option<Duration>,
-    /// Every claim after the lost one finds the store busy (claims queued before it).
+    /// Every claim after the lost one finds the store busy (claims queued before it)...
     busy_after: bool,
+    /// ... as a 503, as a server answers it over HTTP.
+    busy_as_503: bool,
 }
 
 impl LeaseStore for LosesFirstSlotAnswer {
@@ -1030,7 +1032,15 @@ impl LeaseStore for LosesFirstSlotAnswer {
         slots: u32,
     ) -> Result<fence_lease::SlotClaim, StoreError> {
         if self.busy_after && self.lost_one.load(Ordering::SeqCst) {
-            return Err(StoreError::Busy("claims queued before this one".into()));
+            return Err(if self.busy_as_503 {
+                StoreError::Unavailable {
+                    status: 503,
+                    detail: "claims queued before it: nothing was decided".into(),
+                    retry_after: Some(Duration::from_millis(50)),
+                }
+            } else {
+                StoreError::Busy("claims queued before this one".into())
+            });
         }
         let decided = self
             .inner
@@ -1100,18 +1110,21 @@ async fn a_lost_slot_grant_is_asked_again_for_the_same_slot() {
     assert_eq!(second, None, "a second slot was taken: {second:?}");
     // Lost, then busy until the wait ends: the loss is what the caller hears (the slot may
     // be held), not "busy", which says nothing was decided.
-    let store = Arc::new(LosesFirstSlotAnswer {
-        busy_after: true,
-        ..LosesFirstSlotAnswer::default()
-    });
-    let client = LeaseClient::from_arc(store).owner("w".parse().unwrap());
-    let lost = client
-        .claim_slot("pool".parse().unwrap(), 2, Duration::from_millis(300))
-        .await;
-    assert!(
-        matches!(lost, Err(ClaimError::Store(StoreError::Io(_)))),
-        "{lost:?}"
-    );
+    for busy_as_503 in [false, true] {
+        let store = Arc::new(LosesFirstSlotAnswer {
+            busy_after: true,
+            busy_as_503,
+            ..LosesFirstSlotAnswer::default()
+        });
+        let client = LeaseClient::from_arc(store).owner("w".parse().unwrap());
+        let lost = client
+            .claim_slot("pool".parse().unwrap(), 2, Duration::from_millis(300))
+            .await;
+        assert!(
+            matches!(lost, Err(ClaimError::Store(StoreError::Io(_)))),
+            "busy as a 503: {busy_as_503}: {lost:?}"
+        );
+    }
 }
 
 /// A semaphore whose every slot is taken, answering without saying when one frees (a
