@@ -40,7 +40,9 @@ pub(super) struct ClientStreams {
     pub(super) addr: ClientAddr,
     using: Arc<AtomicUsize>,
     seat: SeatHold,
-    /// The most gRPC calls of this connection running upstream at once.
+    /// Its gRPC calls running upstream (counted apart: they use no upstream connection of
+    /// their own), and the most it may have.
+    calls: Arc<AtomicUsize>,
     most_calls: usize,
 }
 
@@ -69,6 +71,7 @@ impl ClientStreams {
             addr,
             using: Arc::default(),
             seat,
+            calls: Arc::default(),
             most_calls: usize::MAX,
         }
     }
@@ -85,9 +88,9 @@ impl ClientStreams {
     /// until it is done there, its client still there or not. `None` when the connection
     /// already has its most: the call is not to be sent.
     pub(super) fn enter_call(self) -> Option<Upstreaming> {
-        let others = self.using.fetch_add(1, Ordering::AcqRel);
+        let others = self.calls.fetch_add(1, Ordering::AcqRel);
         let entered = Upstreaming {
-            streams: Some(self.using.clone()),
+            streams: Some(self.calls.clone()),
             _extra: None,
             _seat: self.seat,
         };
@@ -198,13 +201,20 @@ mod tests {
         assert!(streams.clone().enter(&slots, true).is_none());
         drop((first, third, fourth, again));
         assert_eq!(streams.using.load(Ordering::Acquire), 0);
-        // gRPC calls take no slot, up to the connection's most.
+        // gRPC calls take no slot, up to the connection's most, counted apart from its
+        // other requests: a request beside them is still its connection's first.
         let calls = streams.clone().calls_at_most(2);
         let (one, two) = (calls.clone().enter_call(), calls.clone().enter_call());
-        assert!(one.is_some() && two.is_some(), "two calls, no slot needed");
+        assert!(one.is_some() && two.is_some(), "two calls");
         assert!(calls.clone().enter_call().is_none(), "a third is refused");
-        assert_eq!(streams.using.load(Ordering::Acquire), 2, "and not counted");
-        drop(one);
+        assert_eq!(streams.calls.load(Ordering::Acquire), 2, "and not counted");
+        assert_eq!(streams.using.load(Ordering::Acquire), 0, "requests apart");
+        let request = streams
+            .clone()
+            .enter(&slots, true)
+            .expect("a first request");
+        assert!(request._extra.is_none(), "the first takes no slot");
+        drop((one, request));
         assert!(
             calls.clone().enter_call().is_some(),
             "a call done makes room"
