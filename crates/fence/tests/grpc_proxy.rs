@@ -147,6 +147,32 @@ fn a_grpc_call_to_an_http1_upstream_holds_nobody_up() {
     assert_eq!(status, 200, "{answer}");
     assert!(answer.contains("grpc-status: 14"), "{answer}");
     assert!(answer.contains("does not speak HTTP/2"), "{answer}");
+    // An upstream that closes without a byte (restarting, shedding load) is not said not to
+    // speak HTTP/2: it closed the connection.
+    let closing = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let closing_at = format!("http://{}", closing.local_addr().unwrap());
+    std::thread::spawn(move || {
+        for stream in closing.incoming() {
+            drop(stream);
+        }
+    });
+    let other = tempfile::tempdir().unwrap();
+    let other = other.path().to_str().unwrap().to_owned();
+    let (_closing_proxy, closing_addr) = start_proxy_with(&closing_at, &["--data-dir", &other]);
+    let (_, closed) = exchange(
+        &closing_addr,
+        "POST",
+        "/ledger.Ledger/Charge",
+        &[
+            ("X-Fencing-Job", "c".to_owned()),
+            ("X-Fencing-Token", "1".to_owned()),
+            ("content-type", "application/grpc".to_owned()),
+        ],
+        "\0\0\0\0\0",
+    );
+    assert!(closed.contains("grpc-status: 14"), "{closed}");
+    assert!(!closed.contains("HTTP/2"), "{closed}");
+    assert!(closed.contains("closed or reset"), "{closed}");
     // A held slot would answer 503 drain-timeout after 1 s: the status tells it; the time
     // only bounds it (not 900 ms: a loaded machine's slow answer is not a held slot).
     let started = std::time::Instant::now();

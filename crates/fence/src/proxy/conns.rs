@@ -50,12 +50,19 @@ type H2Conn = (http2::SendRequest<RequestBody<Incoming>>, Preface, u64);
 /// SETTINGS frame. A peer that has not (an HTTP/1.1 server answering the connection preface
 /// with an error, or nothing at all) cannot have acted on a request of that connection: a
 /// failure there is known, not an unknown outcome.
+/// Its state: nothing read yet (0), something that is not a SETTINGS frame (1), SETTINGS (2).
 #[derive(Clone, Default)]
-pub(super) struct Preface(Arc<std::sync::atomic::AtomicBool>);
+pub(super) struct Preface(Arc<std::sync::atomic::AtomicU8>);
 
 impl Preface {
     fn spoken(&self) -> bool {
-        self.0.load(std::sync::atomic::Ordering::Acquire)
+        self.0.load(std::sync::atomic::Ordering::Acquire) == 2
+    }
+
+    /// Whether the peer sent anything at all: one that closed without a byte is not known
+    /// not to speak HTTP/2 (a restart, a backend shedding load).
+    fn heard(&self) -> bool {
+        self.0.load(std::sync::atomic::Ordering::Acquire) != 0
     }
 }
 
@@ -78,6 +85,14 @@ impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Sniffed<I> {
         let polled = std::pin::Pin::new(&mut self.io).poll_read(cx, buf);
         let this = &mut *self;
         if this.read < this.seen.len() {
+            if buf.filled().len() > before {
+                let _ = this.preface.0.compare_exchange(
+                    0,
+                    1,
+                    std::sync::atomic::Ordering::AcqRel,
+                    std::sync::atomic::Ordering::Acquire,
+                );
+            }
             for &b in &buf.filled()[before..] {
                 if this.read == this.seen.len() {
                     break;
@@ -88,7 +103,7 @@ impl<I: tokio::io::AsyncRead + Unpin> tokio::io::AsyncRead for Sniffed<I> {
             if this.read == this.seen.len() && this.seen[3] == 0x4 {
                 this.preface
                     .0
-                    .store(true, std::sync::atomic::Ordering::Release);
+                    .store(2, std::sync::atomic::Ordering::Release);
             }
         }
         polled
@@ -311,12 +326,20 @@ impl UpstreamConns {
             let e = failed.into_error();
             if !preface.spoken() {
                 // Not an HTTP/2 server (or none that got as far as its first frame): it
-                // cannot have acted on the call.
-                // Unsupported: what the client is told (`failure`).
-                return Err(SendFailed::Connect(Box::new(std::io::Error::new(
-                    std::io::ErrorKind::Unsupported,
-                    format!("the upstream does not speak HTTP/2 (gRPC needs it): {e}"),
-                ))));
+                // cannot have acted on the call. What the client is told (`failure`) by
+                // the kind: Unsupported when it answered something else, ConnectionReset
+                // when it closed without a byte.
+                return Err(SendFailed::Connect(Box::new(if preface.heard() {
+                    std::io::Error::new(
+                        std::io::ErrorKind::Unsupported,
+                        format!("the upstream does not speak HTTP/2 (gRPC needs it): {e}"),
+                    )
+                } else {
+                    std::io::Error::new(
+                        std::io::ErrorKind::ConnectionReset,
+                        format!("the upstream closed the connection before its first frame: {e}"),
+                    )
+                })));
             }
             if unsent.is_none() && !unprocessed(&e) {
                 return Err(SendFailed::Request(e));
