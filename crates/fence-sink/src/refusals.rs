@@ -263,9 +263,16 @@ impl Limiter {
             .entry((kind, peer))
             .or_insert_with(|| Window::new(now));
         w.roll(now);
-        if w.logged < PER_WINDOW && self.all.logged < ALL_PER_WINDOW {
+        // The process's own failures (no peer: a store or upstream down, accepts failing)
+        // are a few kinds fixed in the code, each within its own limit: they stay out of
+        // the budget over all peers, which refusals from many peers could spend first and
+        // so hide the first line of an outage.
+        let own = peer.is_none();
+        if w.logged < PER_WINDOW && (own || self.all.logged < ALL_PER_WINDOW) {
             w.logged += 1;
-            self.all.logged += 1;
+            if !own {
+                self.all.logged += 1;
+            }
             Some(std::mem::take(&mut w.suppressed))
         } else {
             if w.logged < PER_WINDOW {
@@ -378,6 +385,9 @@ mod tests {
             logged += u32::from(limit.admit(kind, peer(i), now).is_some());
         }
         assert_eq!(logged, ALL_PER_WINDOW);
+        // The process's own failure, after the peers spent the budget, is still logged: the
+        // first line of an outage is not hidden behind refusals.
+        assert_eq!(limit.admit("store-failure", None, now), Some(0));
         assert_eq!(limit.take_held_back_by_all(), u64::from(ALL_PER_WINDOW));
         assert_eq!(limit.take_held_back_by_all(), 0);
         // Each peer left out hears about it in the next window.

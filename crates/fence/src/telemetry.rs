@@ -123,7 +123,7 @@ fn describe() {
         "fence_proxy_upstream_requests_total",
         Unit::Count,
         format!(
-            "Requests the proxy handled for the upstream, by outcome ({}; overloaded: never sent, no room for another upstream connection).",
+            "Requests the proxy handled for the upstream, by outcome ({}; overloaded: never sent, no room for another upstream connection or the connection's gRPC calls at --h2-max-streams).",
             crate::proxy::UPSTREAM_OUTCOMES.join(", ")
         )
     );

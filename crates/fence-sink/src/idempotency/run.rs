@@ -371,7 +371,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .await;
         let e = finished.err()?;
         // Under the store failures' rate limit: a store that is down fails every request.
-        if let Some(suppressed) = crate::refusals::admit("store-failure", None) {
+        if let Some(suppressed) = crate::refusals::admit("idempotency-completion", None) {
             let suppressed = (suppressed > 0).then_some(suppressed);
             tracing::warn!(job = %self.job, error = %fence_storage::error_chain(&e), suppressed, "completing an idempotency record failed; retrying in the background while the job's newer tokens wait");
         }
