@@ -531,9 +531,11 @@ async fn a_call_the_upstream_refused_unprocessed_holds_nobody_up() {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = format!("http://{}", listener.local_addr().unwrap());
     let refused = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    let once = refused.clone();
+    let accepted = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let (once, counted) = (refused.clone(), accepted.clone());
     tokio::spawn(async move {
         while let Ok((socket, _)) = listener.accept().await {
+            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
             let once = once.clone();
             tokio::spawn(async move {
                 let mut conn = h2::server::handshake(socket).await.unwrap();
@@ -594,4 +596,7 @@ async fn a_call_the_upstream_refused_unprocessed_holds_nobody_up() {
     let (status, newer) = call("4").await.unwrap();
     assert_eq!(status, 200, "{newer}");
     assert!(newer.contains("grpc-status: 0"), "held up: {newer}");
+    // A refused stream leaves the connection in use: no new connection per refusal to an
+    // upstream at its stream limit.
+    assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
 }

@@ -309,6 +309,12 @@ impl UpstreamConns {
         req: Request<RequestBody<Incoming>>,
         used: &std::sync::atomic::AtomicU64,
     ) -> Result<Response<Incoming>, SendFailed> {
+        // See `unprocessed`: what it reads from an error holds on a single-threaded runtime.
+        debug_assert!(
+            tokio::runtime::Handle::current().runtime_flavor()
+                == tokio::runtime::RuntimeFlavor::CurrentThread,
+            "a proxy worker's runtime is single-threaded"
+        );
         let (mut req, mut first) = (req, true);
         loop {
             // Calls of this worker wait for one connection to open (at most
@@ -346,9 +352,14 @@ impl UpstreamConns {
             }
             // Never processed upstream: handed back unsent (the connection closed first),
             // refused (REFUSED_STREAM), or above the last stream of the upstream's GOAWAY (a
-            // server going away, a connection at its maximum age). The connection takes no
-            // new call; one handed back goes once more on a new one.
-            self.retire_h2(number);
+            // server going away, a connection at its maximum age). After a GOAWAY, or a
+            // hand-back, the connection takes no new call, and one handed back goes once more
+            // on a new one. A refused stream leaves it in use: a server refuses streams over
+            // its limit, and a new connection per refusal would multiply connections to an
+            // upstream that is already overloaded.
+            if unsent.is_some() || !refused_stream(&e) {
+                self.retire_h2(number);
+            }
             match unsent {
                 Some(again) if first => (req, first) = (again, false),
                 _ => {
@@ -364,22 +375,41 @@ impl UpstreamConns {
 }
 
 /// Whether `e`, a call's failure on an HTTP/2 connection, says the upstream never processed
-/// it (RFC 9113 sections 6.8 and 8.7): a stream reset with REFUSED_STREAM, or a graceful
-/// GOAWAY (NO_ERROR) whose last stream is below it, or that came before it was opened. A
-/// GOAWAY with an error code ends the streams it did process too, with the same error, so it
-/// says nothing.
+/// it (RFC 9113 sections 6.8 and 8.7): a stream reset by the upstream with REFUSED_STREAM, or
+/// a graceful GOAWAY (NO_ERROR) from it whose last stream is below the call's, or that came
+/// before the call's stream was opened. h2 (0.4) gives that GOAWAY's error to exactly those
+/// streams; the streams it covered that are cut later end with a broken pipe, which says
+/// nothing here. A GOAWAY with an error code says nothing either.
+///
+/// It relies on the worker's runtime being single-threaded (`Worker::run`, checked in
+/// debug builds by `send_h2`): hyper opens a call's stream and then asks h2 whether the
+/// connection is ready, and h2 answers that with the error of any GOAWAY received, whatever
+/// its last stream. On one thread nothing runs between the two, so a GOAWAY received after
+/// the stream opened cannot reach the call that way; on several, one covering the call could.
 fn unprocessed(e: &hyper::Error) -> bool {
+    h2_error(e).is_some_and(|h2| {
+        h2.is_remote()
+            && (h2.reason() == Some(h2::Reason::REFUSED_STREAM) && h2.is_reset()
+                || h2.reason() == Some(h2::Reason::NO_ERROR) && h2.is_go_away())
+    })
+}
+
+/// Whether `e` is a stream the upstream refused (REFUSED_STREAM).
+fn refused_stream(e: &hyper::Error) -> bool {
+    h2_error(e).is_some_and(|h2| h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM))
+}
+
+/// The h2 error under `e`, if any (its chain walked at most 8 deep).
+fn h2_error(e: &hyper::Error) -> Option<&h2::Error> {
     let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
     for _ in 0..8 {
-        let Some(error) = next else { break };
+        let error = next?;
         if let Some(h2) = error.downcast_ref::<h2::Error>() {
-            return h2.is_remote()
-                && (h2.reason() == Some(h2::Reason::REFUSED_STREAM) && h2.is_reset()
-                    || h2.reason() == Some(h2::Reason::NO_ERROR) && h2.is_go_away());
+            return Some(h2);
         }
         next = error.source();
     }
-    false
+    None
 }
 
 fn sniffed<I>(io: I, preface: &Preface) -> Sniffed<I> {

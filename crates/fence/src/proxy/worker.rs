@@ -80,6 +80,8 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
     /// Serves until the proxy stops, then finishes in-flight requests (bounded by
     /// [`SHUTDOWN_GRACE`]).
     pub(super) fn run(self) -> anyhow::Result<()> {
+        // Single-threaded, and the upstream connections' tasks on it: the proxy's reading of
+        // an HTTP/2 call's failure relies on it (`conns::unprocessed`).
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()
