@@ -387,7 +387,7 @@ impl UpstreamConns {
 /// its last stream. On one thread nothing runs between the two, so a GOAWAY received after
 /// the stream opened cannot reach the call that way; on several, one covering the call could.
 fn unprocessed(e: &hyper::Error) -> bool {
-    h2_error(e).is_some_and(|h2| {
+    h2_error_is(e, |h2| {
         h2.is_remote()
             && (h2.reason() == Some(h2::Reason::REFUSED_STREAM) && h2.is_reset()
                 || h2.reason() == Some(h2::Reason::NO_ERROR) && h2.is_go_away())
@@ -396,20 +396,18 @@ fn unprocessed(e: &hyper::Error) -> bool {
 
 /// Whether `e` is a stream the upstream refused (REFUSED_STREAM).
 fn refused_stream(e: &hyper::Error) -> bool {
-    h2_error(e).is_some_and(|h2| h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM))
+    h2_error_is(e, |h2| {
+        h2.is_reset() && h2.reason() == Some(h2::Reason::REFUSED_STREAM)
+    })
 }
 
-/// The h2 error under `e`, if any (its chain walked at most 8 deep).
-fn h2_error(e: &hyper::Error) -> Option<&h2::Error> {
-    let mut next: Option<&(dyn std::error::Error + 'static)> = Some(e);
-    for _ in 0..8 {
-        let error = next?;
-        if let Some(h2) = error.downcast_ref::<h2::Error>() {
-            return Some(h2);
-        }
-        next = error.source();
-    }
-    None
+/// Whether an h2 error under `e` (its chain walked as `failure` walks it) is `such`.
+fn h2_error_is(e: &hyper::Error, such: impl Fn(&h2::Error) -> bool) -> bool {
+    let mut found = false;
+    super::failure::visit(e, &mut |error| {
+        found |= error.downcast_ref::<h2::Error>().is_some_and(&such);
+    });
+    found
 }
 
 fn sniffed<I>(io: I, preface: &Preface) -> Sniffed<I> {

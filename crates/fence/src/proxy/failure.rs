@@ -75,7 +75,7 @@ impl Kind {
 
 /// Calls `f` on `e` and every error under it, the inner error of an `io::Error` included
 /// (its `source()` skips that one: a TLS error wrapped by tokio-rustls).
-fn visit(e: &(dyn Error + 'static), f: &mut impl FnMut(&(dyn Error + 'static))) {
+pub(super) fn visit(e: &(dyn Error + 'static), f: &mut impl FnMut(&(dyn Error + 'static))) {
     let mut next = Some(e);
     // Bounded, should a chain ever loop.
     for _ in 0..32 {

@@ -122,42 +122,43 @@ impl Upstream {
         // a known outcome, and no wait for room can run into that timeout. A gRPC call takes
         // no slot, but counts among its connection's calls running upstream (see
         // `ClientStreams::enter_call`).
-        let using = match streams {
-            None => None,
-            Some(streams) => match if grpc {
+        let entered = streams.map(|streams| {
+            if grpc {
                 streams.enter_call()
             } else {
                 streams.enter(&self.slots, several)
-            } {
-                Some(using) => Some(using),
-                None => {
-                    self.outcomes.overloaded.record(started);
-                    tracing::debug!("refusing a stream: no room for another upstream request");
-                    let mut response = problem(Problem::new(
-                        ProblemType::Overloaded,
-                        if grpc {
-                            "not sent upstream: this connection already has --h2-max-streams \
-                             gRPC calls running there (calls its client reset included, \
-                             which run to their end); retry once some have ended"
-                        } else {
-                            "not sent upstream: this HTTP/2 connection already has a request \
-                             in flight there, and the proxy has no room for another upstream \
-                             connection (each stream beyond one in flight at a time counts \
-                             against --max-connections); retry, or send fewer requests at \
-                             once on one connection"
-                        },
-                    ));
-                    response.headers_mut().insert(
-                        http::header::RETRY_AFTER,
-                        http::HeaderValue::from_static("1"),
-                    );
-                    return if grpc {
-                        grpc_problem(response)
+            }
+        });
+        let using = match entered {
+            None => None,
+            Some(Some(using)) => Some(using),
+            Some(None) => {
+                self.outcomes.overloaded.record(started);
+                tracing::debug!("refusing a stream: no room for another upstream request");
+                let mut response = problem(Problem::new(
+                    ProblemType::Overloaded,
+                    if grpc {
+                        "not sent upstream: this connection already has --h2-max-streams \
+                         gRPC calls running there (calls its client reset included, \
+                         which run to their end); retry once some have ended"
                     } else {
-                        response
-                    };
-                }
-            },
+                        "not sent upstream: this HTTP/2 connection already has a request \
+                         in flight there, and the proxy has no room for another upstream \
+                         connection (each stream beyond one in flight at a time counts \
+                         against --max-connections); retry, or send fewer requests at \
+                         once on one connection"
+                    },
+                ));
+                response.headers_mut().insert(
+                    http::header::RETRY_AFTER,
+                    http::HeaderValue::from_static("1"),
+                );
+                return if grpc {
+                    grpc_problem(response)
+                } else {
+                    response
+                };
+            }
         };
         let request = Request::from_parts(parts, body);
         // The HTTP/2 connection a gRPC call went out on (none yet: u64::MAX).
