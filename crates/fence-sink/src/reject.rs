@@ -49,7 +49,8 @@ fn content_type(headers: &http::HeaderMap) -> Option<&[u8]> {
         .map(HeaderValue::as_bytes)
 }
 
-fn starts_with_ignore_case(value: &[u8], prefix: &[u8]) -> bool {
+/// Whether `value` starts with `prefix`, ASCII case ignored (a media type's name).
+pub(crate) fn starts_with_ignore_case(value: &[u8], prefix: &[u8]) -> bool {
     value
         .get(..prefix.len())
         .is_some_and(|start| start.eq_ignore_ascii_case(prefix))

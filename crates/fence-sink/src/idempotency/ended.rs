@@ -7,6 +7,8 @@
 
 use http::HeaderValue;
 
+use crate::reject::starts_with_ignore_case;
+
 /// Connect's error codes, by gRPC number (Connect's are gRPC's, named).
 const CONNECT_CODES: [&str; 17] = [
     "ok",
@@ -37,10 +39,7 @@ pub(crate) fn status_in_body(
     body: &[u8],
 ) -> Option<HeaderValue> {
     let kind = content_type?.as_bytes();
-    let starts = |prefix: &[u8]| {
-        kind.get(..prefix.len())
-            .is_some_and(|k| k.eq_ignore_ascii_case(prefix))
-    };
+    let starts = |prefix: &[u8]| starts_with_ignore_case(kind, prefix);
     // `application/grpc-web-text` is base64 and is not read.
     if starts(b"application/grpc-web-text") {
         None
