@@ -17,10 +17,11 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::HeaderMap;
+use http::{HeaderMap, HeaderName};
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
+use fence_core::headers::{IDEMPOTENCY_KEY, X_FENCING_JOB, X_FENCING_TOKEN};
 use fence_storage::BoxError;
 use tokio::time::{Instant, Sleep};
 
@@ -302,9 +303,13 @@ impl<B> RequestBody<B> {
         self
     }
 
-    pub(crate) fn buffered(bytes: Bytes, held: Reservation) -> Self {
+    pub(crate) fn buffered(bytes: Bytes, trailers: Option<HeaderMap>, held: Reservation) -> Self {
         Self {
-            kind: Kind::bytes(bytes, Some(held)),
+            kind: Kind::Bytes {
+                bytes: (!bytes.is_empty()).then_some(bytes),
+                trailers,
+                held: Some(held),
+            },
             flight: None,
         }
     }
@@ -507,7 +512,6 @@ macro_rules! impl_body {
                 let mut $this = self.project();
                 let $polled = poll_kind($this.kind.as_mut(), cx);
                 $after
-                $polled
             }
 
             fn is_end_stream(&self) -> bool {
@@ -522,7 +526,8 @@ macro_rules! impl_body {
 }
 
 // A request body that ended or failed ends its part of the request's time in flight; a
-// failure may leave the outcome unknown (see `Streaming::body_failed`).
+// failure may leave the outcome unknown (see `Streaming::body_failed`). Its trailers lose
+// the fields the fence judges (see `unjudged_trailers`).
 impl_body!(RequestBody, |this, polled| {
     if matches!(polled, Poll::Ready(None | Some(Err(_)))) {
         if let (Poll::Ready(Some(Err(_))), Some(flight)) = (&polled, this.flight.as_ref()) {
@@ -530,7 +535,34 @@ impl_body!(RequestBody, |this, polled| {
         }
         *this.flight = None;
     }
+    unjudged_trailers(polled)
 });
+
+/// A request's trailers without the fields the fence judges in its head (`X-Fencing-Job`,
+/// `X-Fencing-Token`, `Idempotency-Key`, and their gRPC binary `-bin` forms): a service that merges trailers into its headers
+/// (as a gRPC server may merge them into metadata) would otherwise read a token or key the
+/// fence never judged, sent after the one it admitted.
+fn unjudged_trailers(
+    mut polled: Poll<Option<Result<Frame<Bytes>, BoxError>>>,
+) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
+    if let Poll::Ready(Some(Ok(frame))) = &mut polled
+        && let Some(trailers) = frame.trailers_mut()
+    {
+        let judged = |name: &HeaderName| {
+            let name = name.as_str();
+            [X_FENCING_JOB, X_FENCING_TOKEN, IDEMPOTENCY_KEY]
+                .iter()
+                .any(|j| name.strip_suffix("-bin").unwrap_or(name) == j.as_str())
+        };
+        if trailers.keys().any(judged) {
+            let names: Vec<HeaderName> = trailers.keys().filter(|n| judged(n)).cloned().collect();
+            for name in names {
+                trailers.remove(name);
+            }
+        }
+    }
+    polled
+}
 // An answer that holds the request in flight lets go at its end; a failure may leave the
 // outcome unknown, as a dropped unfinished answer does (see `Answering`).
 impl_body!(ResponseBody, |this, polled| {
@@ -551,6 +583,7 @@ impl_body!(ResponseBody, |this, polled| {
             _ => {}
         }
     }
+    polled
 });
 
 impl<B> std::fmt::Debug for RequestBody<B> {

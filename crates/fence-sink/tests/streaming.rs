@@ -789,3 +789,69 @@ async fn a_finished_grpc_call_lets_the_next_token_through_at_once() {
         token += 2;
     }
 }
+
+/// A request's trailers reach the service without the fields the fence judges in the head:
+/// a service that merges trailers into its headers (a gRPC server's metadata) would read a
+/// token or key sent after the one the fence admitted, which the fence never judged. Other
+/// trailers pass. Both ways a body reaches the service: as it streams, and read whole for an
+/// `Idempotency-Key`.
+#[tokio::test(start_paused = true)]
+async fn request_trailers_lose_the_fields_the_fence_judges() {
+    let seen: Arc<Mutex<Vec<http::HeaderMap>>> = Arc::default();
+    let layer = FenceLayer::new(MemoryStore::new());
+    let svc = layer.layer(tower::service_fn({
+        let seen = seen.clone();
+        move |req: Request<fence_sink::RequestBody<Finished>>| {
+            let seen = seen.clone();
+            async move {
+                let trailers = req.into_body().collect().await.unwrap().trailers().cloned();
+                seen.lock().unwrap().push(trailers.unwrap_or_default());
+                Ok::<_, Infallible>(Response::new(http_body_util::Full::new(Bytes::from("ok"))))
+            }
+        }
+    }));
+    for (token, key) in [(7u64, None), (8, Some("key-1"))] {
+        let mut trailers = http::HeaderMap::new();
+        for (name, value) in [
+            ("x-fencing-token", "999"),
+            ("x-fencing-job", "job-2"),
+            ("idempotency-key", "other-key"),
+            ("x-fencing-token-bin", "OTk5"),
+            ("x-checksum", "abc"),
+        ] {
+            trailers.insert(name, value.parse().unwrap());
+        }
+        let body = Finished {
+            data: Some(Bytes::from("a")),
+            trailers: Some(trailers),
+        };
+        let mut request = upload(token, body);
+        if let Some(key) = key {
+            request
+                .headers_mut()
+                .insert("idempotency-key", key.parse().unwrap());
+        }
+        let answer = svc.clone().oneshot(request).await.unwrap();
+        assert_eq!(answer.status(), 200, "token {token}");
+    }
+    let seen = seen.lock().unwrap().clone();
+    assert_eq!(seen.len(), 2);
+    for (i, trailers) in seen.iter().enumerate() {
+        for judged in [
+            "x-fencing-token",
+            "x-fencing-job",
+            "idempotency-key",
+            "x-fencing-token-bin",
+        ] {
+            assert!(
+                !trailers.contains_key(judged),
+                "request {i}: the service read a trailer {judged} the fence never judged: {trailers:?}"
+            );
+        }
+        assert_eq!(
+            trailers.get("x-checksum").map(|v| v.as_bytes()),
+            Some(&b"abc"[..]),
+            "request {i}"
+        );
+    }
+}

@@ -397,9 +397,10 @@ where
         token,
     };
     match request {
-        Ready::Read(keyed, (mut parts, bytes, held)) => {
+        Ready::Read(keyed, (mut parts, bytes, trailers, held)) => {
             parts.extensions.insert(fenced);
-            let mut response = Box::pin(keyed.run(&mut inner, (parts, bytes, held))).await;
+            let read = (parts, bytes, trailers, held);
+            let mut response = Box::pin(keyed.run(&mut inner, read)).await;
             let finishing = response
                 .as_mut()
                 .ok()
@@ -487,10 +488,7 @@ where
 /// A request as the fence admits it: read whole (it has an `Idempotency-Key`), or with its
 /// body still to stream.
 enum Ready<'a, St, ReqB> {
-    Read(
-        Keyed<'a, St>,
-        (Parts, bytes::Bytes, crate::budget::Reservation),
-    ),
+    Read(Keyed<'a, St>, crate::idempotency::ReadRequest),
     Streamed(Request<ReqB>),
 }
 

@@ -27,7 +27,7 @@ use http::StatusCode;
 
 pub(crate) use self::{
     finish::Finishing,
-    run::{Keyed, StreamsOn, attempt_id},
+    run::{Keyed, ReadRequest, StreamsOn, attempt_id},
 };
 
 /// Which responses are stored for replay.

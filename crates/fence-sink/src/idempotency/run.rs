@@ -29,7 +29,7 @@ use crate::{
     body::{FenceBody, RequestBody, ResponseBody},
     budget::{Budget, Reservation},
     metrics::count,
-    reject::{self, RETRY, reject},
+    reject::{self, RETRY, reject, starts_with_ignore_case},
     store::{Attempt, Begin, Fingerprint, Finish, IdempotencyStore, StoreError, StoredResponse},
 };
 
@@ -89,7 +89,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     pub(crate) async fn run<S, ReqB, ResB>(
         &self,
         inner: &mut S,
-        (parts, bytes, held): (Parts, Bytes, Reservation),
+        (parts, bytes, trailers, held): ReadRequest,
     ) -> Result<Answer<ResB>, S::Error>
     where
         S: Service<Request<RequestBody<ReqB>>, Response = Response<ResB>>,
@@ -116,7 +116,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             return Ok(answer);
         }
         count("accepted");
-        let request = Request::from_parts(parts, RequestBody::buffered(bytes, held));
+        let request = Request::from_parts(parts, RequestBody::buffered(bytes, trailers, held));
         // An error from the service leaves unknown whether the effect happened: the
         // in-flight record stays until its timeout, so a retry meanwhile gets 409 rather
         // than a second run.
@@ -139,7 +139,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     pub(crate) async fn read<ReqB, B>(
         &self,
         request: Request<ReqB>,
-    ) -> Result<(Parts, Bytes, Reservation), Answer<B>>
+    ) -> Result<ReadRequest, Answer<B>>
     where
         ReqB: Body<Data = Bytes>,
         ReqB::Error: Into<BoxError>,
@@ -151,24 +151,34 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .reserve(0, usize::MAX)
             .expect("nothing taken fits any budget");
         let mut buf = BytesMut::new();
+        let mut trailers = None;
         let read = async {
             let mut body = std::pin::pin!(body);
             while let Some(frame) = body.frame().await {
                 let frame = frame.map_err(|e| ReadFailure::Body(e.into()))?;
-                if let Ok(data) = frame.into_data() {
-                    if buf.len() + data.len() > limit {
-                        return Err(ReadFailure::TooLarge);
+                match frame.into_data() {
+                    Ok(data) => {
+                        if buf.len() + data.len() > limit {
+                            return Err(ReadFailure::TooLarge);
+                        }
+                        if !held.grow(data.len(), self.max_buffered) {
+                            return Err(ReadFailure::Overloaded);
+                        }
+                        buf.extend_from_slice(&data);
                     }
-                    if !held.grow(data.len(), self.max_buffered) {
-                        return Err(ReadFailure::Overloaded);
+                    // Trailers go on to the service as they came (less the fields the fence
+                    // judges, see `RequestBody`); they are not part of the fingerprint.
+                    Err(frame) => {
+                        if let Ok(last) = frame.into_trailers() {
+                            trailers = Some(last);
+                        }
                     }
-                    buf.extend_from_slice(&data);
                 }
             }
             Ok(())
         };
         let failure = match tokio::time::timeout_at(self.deadline, read).await {
-            Ok(Ok(())) => return Ok((parts, buf.freeze(), held)),
+            Ok(Ok(())) => return Ok((parts, buf.freeze(), trailers, held)),
             Ok(Err(failure)) => failure,
             Err(_) => {
                 count("body_timeout");
@@ -285,50 +295,51 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         let by = Instant::now() + self.body_timeout;
         let (answer, finishing) =
             match capture(body, (limit, by), &mut held, self.max_buffered).await {
-                Captured::Whole(bytes, trailers)
-                    if trailers
-                        .as_ref()
-                        .is_some_and(|t| self.unknown_grpc.in_headers(t))
-                        || status_in_body(&head, &bytes)
-                            .is_some_and(|s| self.unknown_grpc.contains(&s)) =>
-                {
-                    // A call that ran out of time or was cancelled after its answer began:
-                    // its handler may still have a write on its way. The in-flight record
-                    // stays until its timeout, so a retry meanwhile gets 409 rather than a
-                    // second run, and the job is held as for any unknown outcome.
-                    let body = ResponseBody::held(bytes, trailers, Some(held));
-                    let mut answer = Response::from_parts(head, body);
-                    answer.extensions_mut().insert(OutcomeUnknown);
-                    return answer;
-                }
-                Captured::Whole(bytes, trailers)
-                    if grpc_failed(trailers.as_ref())
-                        || status_in_body(&head, &bytes).is_some_and(|s| s != "0")
-                        || fence_refusal(&head, &bytes) =>
-                {
-                    // A gRPC call that failed (its status in the trailers, or in the body's
-                    // last message for gRPC-Web and Connect streaming), or a refusal in the
-                    // fence's words: forgotten, like a server error, so a retry runs it
-                    // again instead of replaying the failure.
-                    let finishing = self.finish(fingerprint, Finish::Forget).await;
-                    let body = ResponseBody::held(bytes, trailers, Some(held));
-                    (Response::from_parts(head, body), finishing)
-                }
                 Captured::Whole(bytes, trailers) => {
-                    let stored = StoredResponse {
-                        status: head.status,
-                        headers: head.headers.clone(),
-                        body: bytes.clone(),
-                        trailers: trailers.clone().map(Box::new),
-                    };
-                    let retention = self.config.retention;
-                    let outcome = Finish::Store {
-                        response: stored,
-                        retention,
-                    };
-                    let finishing = self.finish(fingerprint, outcome).await;
-                    let body = ResponseBody::held(bytes, trailers, Some(held));
-                    (Response::from_parts(head, body), finishing)
+                    // A gRPC status is in the trailers, or for gRPC-Web and Connect streaming
+                    // in the body's last message.
+                    let statuses = [
+                        trailers
+                            .as_ref()
+                            .and_then(|t| t.get("grpc-status"))
+                            .cloned(),
+                        status_in_body(&head, &bytes),
+                    ];
+                    let mut statuses = statuses.iter().flatten();
+                    if statuses.clone().any(|s| self.unknown_grpc.contains(s)) {
+                        // A call that ran out of time or was cancelled after its answer
+                        // began: its handler may still have a write on its way. The
+                        // in-flight record stays until its timeout, so a retry meanwhile
+                        // gets 409 rather than a second run, and the job is held as for any
+                        // unknown outcome.
+                        let body = ResponseBody::held(bytes, trailers, Some(held));
+                        let mut answer = Response::from_parts(head, body);
+                        answer.extensions_mut().insert(OutcomeUnknown);
+                        return answer;
+                    }
+                    if statuses.any(|s| s != "0") || fence_refusal(&head, &bytes) {
+                        // A gRPC call that failed, or a refusal in the fence's words:
+                        // forgotten, like a server error, so a retry runs it again instead
+                        // of replaying the failure.
+                        let finishing = self.finish(fingerprint, Finish::Forget).await;
+                        let body = ResponseBody::held(bytes, trailers, Some(held));
+                        (Response::from_parts(head, body), finishing)
+                    } else {
+                        let stored = StoredResponse {
+                            status: head.status,
+                            headers: head.headers.clone(),
+                            body: bytes.clone(),
+                            trailers: trailers.clone().map(Box::new),
+                        };
+                        let retention = self.config.retention;
+                        let outcome = Finish::Store {
+                            response: stored,
+                            retention,
+                        };
+                        let finishing = self.finish(fingerprint, outcome).await;
+                        let body = ResponseBody::held(bytes, trailers, Some(held));
+                        (Response::from_parts(head, body), finishing)
+                    }
                 }
                 Captured::TooLarge(prefix, trailers, rest) => {
                     let retention = self.config.retention;
@@ -471,17 +482,13 @@ fn replay<B>(stored: StoredResponse, held: Reservation) -> Answer<B> {
     response
 }
 
-/// Whether `trailers` carry a gRPC status other than 0 (OK).
 /// The gRPC status a gRPC-Web or Connect streaming answer's body ends with, if it is one.
 fn status_in_body(head: &http::response::Parts, body: &[u8]) -> Option<http::HeaderValue> {
     super::ended::status_in_body(head.headers.get(http::header::CONTENT_TYPE), body)
 }
 
-fn grpc_failed(trailers: Option<&HeaderMap>) -> bool {
-    trailers
-        .and_then(|t| t.get("grpc-status"))
-        .is_some_and(|status| status.as_bytes() != b"0")
-}
+/// A keyed request read whole: its head, body, trailers and the memory they hold.
+pub(crate) type ReadRequest = (Parts, Bytes, Option<HeaderMap>, Reservation);
 
 enum Captured<B> {
     /// All of it: the data, and the trailers it ended with.
@@ -550,11 +557,7 @@ fn fence_refusal(head: &http::response::Parts, body: &[u8]) -> bool {
         .headers
         .get(http::header::CONTENT_TYPE)
         .is_some_and(|t| {
-            t.as_bytes()
-                .get(..fence_core::problem::PROBLEM_JSON.len())
-                .is_some_and(|t| {
-                    t.eq_ignore_ascii_case(fence_core::problem::PROBLEM_JSON.as_bytes())
-                })
+            starts_with_ignore_case(t.as_bytes(), fence_core::problem::PROBLEM_JSON.as_bytes())
         });
     let kind = || {
         let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
