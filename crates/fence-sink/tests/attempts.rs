@@ -414,6 +414,49 @@ async fn a_refusal_in_the_fences_words_is_not_replayed_to_the_next_holder() {
     assert_eq!(calls.load(Ordering::SeqCst), 2);
 }
 
+/// A 2xx answer whose body happens to be a problem in the fence's words is the service's
+/// own success, not a refusal: it is kept under its key, and a retry with the key is
+/// replayed it instead of running the step a second time.
+#[tokio::test]
+async fn a_success_with_a_fence_problem_body_is_kept() {
+    let layer = FenceLayer::new(MemoryStore::new());
+    let calls = Arc::new(AtomicUsize::new(0));
+    let counted = calls.clone();
+    let service = layer.layer(service_fn(move |_req: Request<RequestBody<String>>| {
+        counted.fetch_add(1, Ordering::SeqCst);
+        async move {
+            Ok::<_, Infallible>(
+                Response::builder()
+                    .status(StatusCode::OK)
+                    .header("content-type", "application/problem+json")
+                    .body(r#"{"type":"urn:fence:stale-token","title":"Stale fencing token","status":409,"detail":"relayed from a downstream call after the local write committed"}"#.to_owned())
+                    .unwrap(),
+            )
+        }
+    }));
+    let charge = || {
+        Request::post("/charges")
+            .header("x-fencing-job", "job")
+            .header("x-fencing-token", "1")
+            .header("idempotency-key", "charge-1")
+            .body("pay 5".to_owned())
+            .unwrap()
+    };
+    let first = service.clone().oneshot(charge()).await.unwrap();
+    assert_eq!(first.status(), StatusCode::OK);
+    let retry = service.oneshot(charge()).await.unwrap();
+    assert_eq!(retry.status(), StatusCode::OK);
+    assert_eq!(
+        retry
+            .headers()
+            .get("idempotent-replayed")
+            .map(|v| v.as_bytes()),
+        Some(&b"true"[..]),
+        "the retry was not replayed the kept answer"
+    );
+    assert_eq!(calls.load(Ordering::SeqCst), 1, "the step ran twice");
+}
+
 /// With `run_to_completion` (the proxy's setting), a service's panic is its request's end:
 /// the request is not handed to a task of its own to be polled again, which would panic a
 /// second time ("`async fn` resumed after panicking"), outside any catch of the first.

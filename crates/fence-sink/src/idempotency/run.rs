@@ -559,9 +559,12 @@ fn fence_refusal(head: &http::response::Parts, body: &[u8]) -> bool {
         .is_some_and(|t| {
             starts_with_ignore_case(t.as_bytes(), fence_core::problem::PROBLEM_JSON.as_bytes())
         });
+    // Only with the status a fence answers it with: an answer that merely carries such a
+    // body with another status (a 2xx after the effect committed) is the service's own,
+    // and forgetting it would let a retry run the step again.
     let kind = || {
         let value = serde_json::from_slice::<serde_json::Value>(body).ok()?;
-        T::from_uri(value.get("type")?.as_str()?)
+        T::from_uri(value.get("type")?.as_str()?).filter(|kind| kind.status() == head.status)
     };
     problem
         && matches!(
