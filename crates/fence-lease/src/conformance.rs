@@ -47,6 +47,7 @@ macro_rules! lease_store_conformance {
             worked_example_stale_holder_is_rejected,
             renew_requires_owner_and_generation,
             renew_after_expiry_succeeds_until_reclaimed,
+            a_renewal_never_moves_the_lease_end_earlier,
             release_frees_and_keeps_generation,
             complete_is_final,
             revoke_ends_the_lease_and_raises_the_generation,
@@ -244,6 +245,46 @@ pub async fn renew_after_expiry_succeeds_until_reclaimed<S: LeaseStore>(
         store.get(&j).await.unwrap().unwrap().state,
         LeaseState::Held
     );
+}
+
+/// A renewal for less time than is left never moves the lease's end earlier: a holder whose
+/// renewal's answer is lost keeps the deadline of its last grant, and the store must not
+/// let the job go before it (a server with a lower `--max-ttl` answering the renewal, or a
+/// client asking for less).
+pub async fn a_renewal_never_moves_the_lease_end_earlier<S: LeaseStore>(
+    store: S,
+    advance: Advance,
+) {
+    let (j, a) = (job("conf-renew-shorter"), owner("a"));
+    let first = grant_of(&store, &j, &a).await;
+    advance(ms(Duration::from_secs(1)));
+    let short = Ttl::new(Duration::from_secs(5)).expect("a valid ttl");
+    match store
+        .renew(&j, &a, first.generation, &key_of(&a), short)
+        .await
+        .unwrap()
+    {
+        Outcome::Granted(renewed) => assert!(
+            renewed.expires_at_ms >= first.expires_at_ms,
+            "the renewal moved the end from {} to {}",
+            first.expires_at_ms,
+            renewed.expires_at_ms
+        ),
+        other => panic!("{other:?}"),
+    }
+    // 20 s after the renewal, 21 s after the claim (TTL 30 s): still held, not claimable.
+    advance(ms(Duration::from_secs(20)));
+    assert_eq!(
+        store.get(&j).await.unwrap().unwrap().state,
+        LeaseState::Held
+    );
+    assert!(matches!(
+        store
+            .claim(&j, &owner("b"), &key_of(&owner("b")), TTL)
+            .await
+            .unwrap(),
+        Outcome::Held { .. }
+    ));
 }
 
 /// Release frees the job (owner none) and keeps the generation; the next claim adds one.

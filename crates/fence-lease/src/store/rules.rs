@@ -294,7 +294,11 @@ pub(crate) fn decide(
         } => Ok(held_by(cur, owner, *generation, key).map_or_else(
             |refused| (None, refused),
             |s| {
-                let (until, g) = grant(*generation, *ttl, now_ms);
+                // Never earlier than the end already granted: a holder whose renewal's
+                // answer is lost keeps the deadline of its last grant.
+                let (until, mut g) = grant(*generation, *ttl, now_ms);
+                let until = until.max(s.lease_until_ms);
+                g.expires_at_ms = until;
                 let new = Stored {
                     lease_until_ms: until,
                     changed_ms: now_ms,

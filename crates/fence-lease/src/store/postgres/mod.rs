@@ -130,9 +130,11 @@ impl Sql {
         // Renew, release and complete need owner, generation and key: $1 job, $2 owner,
         // $3 generation, then their own parameters.
         let holder = "job = $1 AND owner = $2 AND generation = $3::text::numeric AND NOT completed";
-        // $4 ttl_ms, $5 clock offset, $6 key hash.
+        // $4 ttl_ms, $5 clock offset, $6 key hash. Never earlier than the end already
+        // granted (a holder whose renewal's answer is lost keeps its last grant's deadline).
         let renew = format!(
-            "UPDATE {t} SET lease_until_ms = {now} + $4::bigint, changed_ms = {now}
+            "UPDATE {t} SET lease_until_ms = GREATEST(lease_until_ms, {now} + $4::bigint),
+                 changed_ms = {now}
              WHERE {holder} AND key_hash = $6
              RETURNING lease_until_ms",
             now = now_ms(5)
