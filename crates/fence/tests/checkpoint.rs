@@ -58,6 +58,16 @@ fn a_checkpoint_goes_to_the_next_holder_and_a_stale_holders_is_refused() {
     assert_eq!(saved["generation"], 1, "{saved}");
     let (status, big) = save(&addr, "export", "a", 1, &"x".repeat(8193));
     assert_eq!(status, 413, "{big}");
+    // A body past what a checkpoint of 8,192 bytes can need escaped (50,176 bytes) is not
+    // read on: 413 from its length, whatever it holds.
+    let (status, huge) = save(&addr, "export", "a", 1, &"x".repeat(60_000));
+    assert_eq!(status, 413, "{huge}");
+    assert!(
+        huge["detail"]
+            .as_str()
+            .is_some_and(|d| d.contains("larger than 50176 bytes")),
+        "{huge}"
+    );
     assert_eq!(big["type"], "urn:fence:payload-too-large", "{big}");
     assert!(
         big["detail"]

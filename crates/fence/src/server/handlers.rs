@@ -49,13 +49,14 @@ pub(super) async fn parse<T>(
     body: Body,
     parse: impl FnOnce(&[u8]) -> Result<T, BodyError>,
 ) -> Result<T, Problem> {
-    parse_within(body, MAX_REQUEST_BODY, parse).await
+    let too_large = |limit| bad(format!("body: larger than {limit} bytes"));
+    parse_within(body, (MAX_REQUEST_BODY, too_large), parse).await
 }
 
-/// [`parse`], for a body of at most `limit` bytes.
+/// [`parse`], for a body of at most `limit` bytes; a larger one is answered `too_large`.
 async fn parse_within<T>(
     body: Body,
-    limit: usize,
+    (limit, too_large): (usize, impl FnOnce(usize) -> Problem),
     parse: impl FnOnce(&[u8]) -> Result<T, BodyError>,
 ) -> Result<T, Problem> {
     let read = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, limit).collect());
@@ -63,7 +64,7 @@ async fn parse_within<T>(
         return Err(Problem::new(
             ProblemType::BodyTimeout,
             format!(
-                "body: not in within {} s of the request's head; send it whole, promptly",
+                "body: did not arrive within {} s of the request's head; send it whole, promptly",
                 BODY_TIMEOUT.as_secs()
             ),
         ));
@@ -71,7 +72,7 @@ async fn parse_within<T>(
     let bytes: Bytes = match read {
         Ok(b) => b.to_bytes(),
         Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return Err(bad(format!("body: larger than {limit} bytes")));
+            return Err(too_large(limit));
         }
         Err(e) => return Err(bad(format!("body: could not be read: {e}"))),
     };
@@ -124,15 +125,29 @@ async fn operation(
                 }
             }
             Action::Checkpoint => {
+                let most = options
+                    .max_checkpoint_bytes
+                    .unwrap_or(DEFAULT_MAX_CHECKPOINT_BYTES);
+                // Read no more than the largest checkpoint this server takes can need,
+                // JSON-escaped at worst (6 bytes a byte) with the other fields.
+                let limit = most
+                    .saturating_mul(6)
+                    .saturating_add(1024)
+                    .min(MAX_CHECKPOINT_BODY);
+                let too_large = |limit| {
+                    Problem::new(
+                        ProblemType::PayloadTooLarge,
+                        format!(
+                            "checkpoint: the body is larger than {limit} bytes, more than a checkpoint this server takes ({most} bytes, --max-checkpoint-bytes) can need; save less, or a reference to where the rest is"
+                        ),
+                    )
+                };
                 let CheckpointRequest {
                     owner,
                     generation,
                     lease_key: key,
                     checkpoint: data,
-                } = parse_within(body, MAX_CHECKPOINT_BODY, CheckpointRequest::from_json).await?;
-                let most = options
-                    .max_checkpoint_bytes
-                    .unwrap_or(DEFAULT_MAX_CHECKPOINT_BYTES);
+                } = parse_within(body, (limit, too_large), CheckpointRequest::from_json).await?;
                 if data.len() > most {
                     return Err(Problem::new(
                         ProblemType::PayloadTooLarge,
