@@ -11,7 +11,10 @@ use fence_core::{
 };
 use http::{HeaderValue, Response, header::RETRY_AFTER};
 
-use crate::body::ResponseBody;
+use crate::{
+    body::ResponseBody,
+    budget::{Full, PEER_SHARE},
+};
 
 /// How long a client should wait before retrying a 503 or an in-flight 409.
 pub(crate) const RETRY: Option<Duration> = Some(Duration::from_secs(1));
@@ -199,10 +202,17 @@ pub(crate) fn body_timeout(
     about(ProblemType::BodyTimeout, job.clone(), token, detail)
 }
 
-pub(crate) fn overloaded(job: &JobId, max: usize) -> Problem {
-    let detail = format!(
-        "job {job}: the destination holds its maximum of {max} bytes of buffered bodies; nothing was passed on, retry"
-    );
+pub(crate) fn overloaded(job: &JobId, max: usize, full: Full) -> Problem {
+    let detail = match full {
+        Full::Total => format!(
+            "job {job}: the destination holds its maximum of {max} bytes of buffered bodies; nothing was passed on, retry"
+        ),
+        Full::Peer => format!(
+            "job {job}: the destination holds this client's share ({} bytes, a {}th of its {max}) of buffered bodies; nothing was passed on, retry once this client's earlier bodies have arrived",
+            max.div_ceil(PEER_SHARE),
+            PEER_SHARE
+        ),
+    };
     Problem::new(ProblemType::Overloaded, detail).with_job(job.clone())
 }
 

@@ -276,6 +276,59 @@ async fn buffered_bytes_have_a_cap_and_past_it_nothing_is_passed_on() {
     assert_eq!(layer.buffered_bytes(), 0, "every byte given back");
 }
 
+/// One client stalling many keyed bodies holds at most its share of the buffered bytes (a
+/// quarter), so another client's keyed request still fits; the first client's requests past
+/// its share are refused at once, saying so, and nothing of them is passed on.
+#[tokio::test(start_paused = true)]
+async fn one_client_stalling_keyed_bodies_cannot_take_every_buffered_byte() {
+    let log = Log::default();
+    let layer = FenceLayer::new(MemoryStore::new()).max_buffered_bytes(16);
+    let svc = layer.layer(service(log.clone()));
+    let from = |peer: &str, mut req: Request<In>| {
+        req.extensions_mut()
+            .insert(fence_sink::PeerAddr(peer.parse().unwrap()));
+        req
+    };
+    let mut stalled_requests = Vec::new();
+    for i in 0..8 {
+        let req = from(
+            "10.0.0.1:4000",
+            request("/", 1, Some(&format!("a{i}")), stalled()),
+        );
+        let svc = svc.clone();
+        stalled_requests.push(tokio::spawn(async move { send(&svc, req).await }));
+    }
+    settle().await;
+    let (status, text, _) = send(
+        &svc,
+        from("10.0.0.2:4000", request("/", 1, Some("b"), full("tiny"))),
+    )
+    .await;
+    assert_eq!(
+        status,
+        StatusCode::CREATED,
+        "the other client was starved: {text}"
+    );
+    // Of the first client's eight, two fit its 4 bytes; the six others were refused.
+    let mut refused = 0;
+    for request in stalled_requests {
+        if request.is_finished() {
+            let (status, text, _) = request.await.unwrap();
+            assert_eq!(status, StatusCode::SERVICE_UNAVAILABLE, "{text}");
+            assert!(text.contains("this client's share"), "{text}");
+            refused += 1;
+        }
+    }
+    assert_eq!(refused, 6);
+    assert_eq!(
+        log_of(&log)
+            .iter()
+            .filter(|l| l.starts_with("start"))
+            .count(),
+        1
+    );
+}
+
 /// A store other processes share whose calls stall once `stuck` is set (a SQL writer holds
 /// the job's row), counting the calls running at once; with `slow_raises`, a raise is written
 /// and then answered only after that long (a disk that confirms late).

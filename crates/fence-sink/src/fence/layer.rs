@@ -258,7 +258,10 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// layer (default 256 MiB): buffered idempotent requests, responses captured for
     /// storage, replays. Past it an idempotent request or a replay gets 503
     /// `urn:fence:overloaded` with `Retry-After` and nothing is passed on; a response that
-    /// does not fit is passed through unstored (a retry of it gets 409 not-replayable).
+    /// does not fit is passed through unstored (a retry of it gets 409 not-replayable). The
+    /// idempotent request bodies of one client (a [`PeerAddr`](crate::PeerAddr) in the
+    /// request's extensions, by IP address) hold at most a quarter of it: one client
+    /// stalling many bodies cannot starve every other client's keyed requests.
     pub fn max_buffered_bytes(mut self, bytes: usize) -> Self {
         self.config().max_buffered_bytes = bytes;
         self

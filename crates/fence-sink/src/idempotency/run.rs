@@ -25,9 +25,9 @@ use super::{
     finish::{Finishing, OwnedAttempt, finish_again},
 };
 use crate::{
-    OutcomeUnknown,
+    OutcomeUnknown, PeerAddr,
     body::{FenceBody, RequestBody, ResponseBody},
-    budget::{Budget, Reservation},
+    budget::{Budget, Full, Reservation},
     metrics::count,
     reject::{self, RETRY, reject, starts_with_ignore_case},
     store::{Attempt, Begin, Fingerprint, Finish, IdempotencyStore, StoreError, StoredResponse},
@@ -69,7 +69,7 @@ pub(crate) fn attempt_id() -> u64 {
 /// Why a request body was not read whole.
 enum ReadFailure {
     TooLarge,
-    Overloaded,
+    Overloaded(Full),
     Body(BoxError),
 }
 
@@ -146,10 +146,8 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     {
         let (parts, body) = request.into_parts();
         let limit = self.config.max_request_body;
-        let mut held = self
-            .budget
-            .reserve(0, usize::MAX)
-            .expect("nothing taken fits any budget");
+        let peer = parts.extensions.get::<PeerAddr>().map(|p| p.0.ip());
+        let mut held = Reservation::of_peer(self.budget, peer);
         let mut buf = BytesMut::new();
         let mut trailers = None;
         let read = async {
@@ -161,9 +159,8 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                         if buf.len() + data.len() > limit {
                             return Err(ReadFailure::TooLarge);
                         }
-                        if !held.grow(data.len(), self.max_buffered) {
-                            return Err(ReadFailure::Overloaded);
-                        }
+                        held.take(data.len(), self.max_buffered)
+                            .map_err(ReadFailure::Overloaded)?;
                         buf.extend_from_slice(&data);
                     }
                     // Trailers go on to the service as they came (less the fields the fence
@@ -193,9 +190,9 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                 count("too_large");
                 reject(reject::body_too_large(self.job, self.key, limit), None)
             }
-            ReadFailure::Overloaded => {
+            ReadFailure::Overloaded(full) => {
                 count("overloaded");
-                reject(reject::overloaded(self.job, self.max_buffered), RETRY)
+                reject(reject::overloaded(self.job, self.max_buffered, full), RETRY)
             }
             ReadFailure::Body(e) => {
                 count("body_failed");
@@ -228,7 +225,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                 let Some(held) = self.budget.reserve(stored.body.len(), self.max_buffered) else {
                     count("overloaded");
                     return Err(reject(
-                        reject::overloaded(self.job, self.max_buffered),
+                        reject::overloaded(self.job, self.max_buffered, Full::Total),
                         RETRY,
                     ));
                 };
