@@ -334,7 +334,7 @@ where
     let request = match keyed {
         // Boxed, as `run` below: requests without a key do not carry their futures.
         Some(keyed) => match Box::pin(keyed.read(request)).await {
-            Ok(read) => Ready::Read(keyed, read),
+            Ok(read) => Ready::Read(keyed, Box::new(read)),
             Err(answer) => return Ok(answer),
         },
         None => Ready::Streamed(request),
@@ -397,7 +397,8 @@ where
         token,
     };
     match request {
-        Ready::Read(keyed, (mut parts, bytes, trailers, held)) => {
+        Ready::Read(keyed, read) => {
+            let (mut parts, bytes, trailers, held) = *read;
             parts.extensions.insert(fenced);
             let read = (parts, bytes, trailers, held);
             let mut response = Box::pin(keyed.run(&mut inner, read)).await;
@@ -488,7 +489,8 @@ where
 /// A request as the fence admits it: read whole (it has an `Idempotency-Key`), or with its
 /// body still to stream.
 enum Ready<'a, St, ReqB> {
-    Read(Keyed<'a, St>, crate::idempotency::ReadRequest),
+    // Boxed: the head, trailers and reservation of a request read whole are large.
+    Read(Keyed<'a, St>, Box<crate::idempotency::ReadRequest>),
     Streamed(Request<ReqB>),
 }
 

@@ -116,7 +116,10 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             return Ok(answer);
         }
         count("accepted");
-        let request = Request::from_parts(parts, RequestBody::buffered(bytes, trailers, held));
+        let request = Request::from_parts(
+            parts,
+            RequestBody::buffered(bytes, trailers.map(|t| *t), held),
+        );
         // An error from the service leaves unknown whether the effect happened: the
         // in-flight record stays until its timeout, so a retry meanwhile gets 409 rather
         // than a second run.
@@ -167,7 +170,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                     // judges, see `RequestBody`); they are not part of the fingerprint.
                     Err(frame) => {
                         if let Ok(last) = frame.into_trailers() {
-                            trailers = Some(last);
+                            trailers = Some(Box::new(last));
                         }
                     }
                 }
@@ -485,7 +488,7 @@ fn status_in_body(head: &http::response::Parts, body: &[u8]) -> Option<http::Hea
 }
 
 /// A keyed request read whole: its head, body, trailers and the memory they hold.
-pub(crate) type ReadRequest = (Parts, Bytes, Option<HeaderMap>, Reservation);
+pub(crate) type ReadRequest = (Parts, Bytes, Option<Box<HeaderMap>>, Reservation);
 
 enum Captured<B> {
     /// All of it: the data, and the trailers it ended with.
