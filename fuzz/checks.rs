@@ -143,39 +143,66 @@ pub fn token_parse(data: &[u8]) {
 /// Requests to the lease server's real router, in process: never a 500, never a panic, and
 /// every refusal a problem document with a detail. Up to four requests per input on one
 /// store, separated by 0xff bytes; per request the first byte picks the method and action,
-/// the bytes up to the first zero are the job (percent-encoded), the rest is the body.
+/// the bytes up to the first zero are the job (percent-encoded; for a listing, the query as
+/// it came, a few bytes escaped), the rest is the body. The actions cover every route that
+/// reads a body, a path or a query: the lease verbs, checkpoints, a semaphore's claim, the
+/// listing and waiting claims.
 pub fn lease_api(data: &[u8]) {
     let router = fence::server::router(
         Arc::new(fence_lease::MemoryLeaseStore::new()),
         fence::server::ServerOptions::default(),
     );
     runtime().block_on(async {
-        for part in data.split(|&b| b == 0xff).take(4) {
+        for (i, part) in data.split(|&b| b == 0xff).take(4).enumerate() {
             let Some((&pick, rest)) = part.split_first() else {
                 continue;
             };
             let method = [Method::POST, Method::GET, Method::PUT, Method::DELETE]
                 [usize::from(pick & 3)]
             .clone();
-            let action = [
-                "claim",
-                "renew",
-                "release",
-                "complete",
-                "revoke",
-                "",
-                "x",
-                "claim?wait=1ms",
-            ][usize::from(pick >> 2) % 8];
             let (job, body) = rest
                 .iter()
                 .position(|&b| b == 0)
                 .map_or((rest, &[][..]), |i| (&rest[..i], &rest[i + 1..]));
-            let job: String = job.iter().map(|b| format!("%{b:02X}")).collect();
-            let uri = if action.is_empty() {
-                format!("/v1/leases/{job}")
-            } else {
-                format!("/v1/leases/{job}/{action}")
+            let escaped: String = job.iter().map(|b| format!("%{b:02X}")).collect();
+            // A query as a client may send it: its separators and escapes kept.
+            let query: String = job
+                .iter()
+                .map(|&b| match b {
+                    b'a'..=b'z'
+                    | b'A'..=b'Z'
+                    | b'0'..=b'9'
+                    | b'&'
+                    | b'='
+                    | b'%'
+                    | b'-'
+                    | b'_'
+                    | b'.'
+                    | b'~'
+                    | b','
+                    | b':'
+                    | b'+' => char::from(b).to_string(),
+                    _ => format!("%{b:02X}"),
+                })
+                .collect();
+            let uri = match (pick >> 2) % 12 {
+                0 => format!("/v1/leases/{escaped}/claim"),
+                1 => format!("/v1/leases/{escaped}/renew"),
+                2 => format!("/v1/leases/{escaped}/release"),
+                3 => format!("/v1/leases/{escaped}/complete"),
+                4 => format!("/v1/leases/{escaped}/revoke"),
+                5 => format!("/v1/leases/{escaped}"),
+                6 => format!("/v1/leases/{escaped}/x"),
+                7 => format!("/v1/leases/{escaped}/claim?wait=1ms"),
+                8 => format!("/v1/leases/{escaped}/checkpoint"),
+                9 => format!("/v1/semaphores/{escaped}/claim"),
+                10 => format!("/v1/leases?{query}"),
+                // A job of its own: a claim that waits (the query may ask it to) finds it free.
+                _ => format!("/v1/leases/q{i}/claim?{query}"),
+            };
+            // A query the http crate will not take is no request a server could receive.
+            let Ok(uri) = uri.parse::<http::Uri>() else {
+                continue;
             };
             let request = Request::builder()
                 .method(method)
