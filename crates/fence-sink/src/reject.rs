@@ -35,14 +35,17 @@ pub(crate) fn reject<B>(
     response
 }
 
-/// Whether a request is a gRPC call (contract section 9): its content type starts with
-/// `application/grpc`, in any case (a media type's name is case-insensitive, and servers
-/// lower-case it before they dispatch). gRPC-Web (`application/grpc-web`) is not: its clients
-/// read HTTP statuses, and the proxy sends it over HTTP/1.1 like any request.
+/// Whether a request is a gRPC call (contract section 9): its content type is
+/// `application/grpc`, alone or followed by `+` (`+proto`, `+json`) or parameters (`;`), in
+/// any case (a media type's name is case-insensitive, and servers lower-case it before they
+/// dispatch). gRPC-Web (`application/grpc-web`) is not: its clients read HTTP statuses, and
+/// the proxy sends it over HTTP/1.1 like any request; nor is another type that merely starts
+/// the same (`application/grpcfoo`).
 pub fn is_grpc(headers: &http::HeaderMap) -> bool {
+    const GRPC: &[u8] = b"application/grpc";
     content_type(headers).is_some_and(|t| {
-        starts_with_ignore_case(t, b"application/grpc")
-            && !starts_with_ignore_case(t, b"application/grpc-web")
+        starts_with_ignore_case(t, GRPC)
+            && matches!(t.get(GRPC.len()), None | Some(b'+' | b';' | b' ' | b'\t'))
     })
 }
 
@@ -245,4 +248,35 @@ pub(crate) fn not_replayable(job: &JobId, key: &IdempotencyKey) -> Problem {
         "job {job}: the request with Idempotency-Key {key} already ran, but its response could not be kept (too large to store, or its body broke off), so it cannot be replayed"
     );
     Problem::new(ProblemType::IdempotencyNotReplayable, detail).with_job(job.clone())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn grpc_is_its_media_type_not_a_prefix() {
+        let of = |t: &str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(http::header::CONTENT_TYPE, t.parse().unwrap());
+            is_grpc(&headers)
+        };
+        for yes in [
+            "application/grpc",
+            "Application/GRPC+proto",
+            "application/grpc+json",
+            "application/grpc; charset=utf-8",
+        ] {
+            assert!(of(yes), "{yes}");
+        }
+        for no in [
+            "application/grpc-web",
+            "application/grpc-web+proto",
+            "application/grpcfoo",
+            "application/grp",
+            "application/json",
+        ] {
+            assert!(!of(no), "{no}");
+        }
+    }
 }
