@@ -2,9 +2,10 @@
 //!
 //! Buffered idempotent requests, responses captured for storage and replays all count. A
 //! [`Reservation`] travels with the bytes it covers and gives them back to the [`Budget`]
-//! when dropped. A request body read for a peer (a [`PeerAddr`](crate::PeerAddr) in its
-//! extensions, as `fence proxy` puts there) also counts against that peer's share, a
-//! [`PEER_SHARE`]th of the cap: one client stalling many bodies cannot hold all of it and
+//! when dropped. The bodies of a request from a known peer (a [`PeerAddr`](crate::PeerAddr)
+//! in its extensions, as `fence proxy` puts there: its own body read whole, a replay, an
+//! answer kept) also count against that peer's share, a [`PEER_SHARE`]th of the cap, unless
+//! the peer holds nothing else: one client stalling many bodies cannot hold all of it and
 //! starve every other client's keyed requests.
 
 use std::{
@@ -17,7 +18,8 @@ use std::{
 
 use dashmap::DashMap;
 
-/// One peer's request bodies hold at most this fraction of the cap (a quarter).
+/// One peer's bodies hold at most this fraction of the cap (a quarter), unless it holds
+/// nothing else.
 pub(crate) const PEER_SHARE: usize = 4;
 
 /// The bytes held now by every clone of one layer, and by each peer's request bodies.
@@ -37,16 +39,6 @@ pub(crate) enum Full {
 }
 
 impl Budget {
-    /// Takes `bytes` if that keeps the total within `max`.
-    pub(crate) fn reserve(self: &Arc<Self>, bytes: usize, max: usize) -> Option<Reservation> {
-        let mut reservation = Reservation {
-            budget: self.clone(),
-            bytes: 0,
-            peer: None,
-        };
-        reservation.grow(bytes, max).then_some(reservation)
-    }
-
     /// The bytes held now.
     pub(crate) fn used(&self) -> usize {
         self.used.load(Ordering::Relaxed)
@@ -87,12 +79,15 @@ impl Reservation {
             bytes,
             peer,
         } = self;
-        let Some(peer) = *peer else {
+        let Some(peer) = peer.filter(|_| more > 0) else {
             return take_total(&budget.used, bytes, more, max);
         };
         let share = max.div_ceil(PEER_SHARE);
         let mut held = budget.peers.entry(peer).or_insert(0);
-        let taken = if held.checked_add(more).is_none_or(|t| t > share) {
+        // A peer holding nothing may always take what the total allows: one body larger
+        // than a share (a small cap, many clients behind one address) is never refused for
+        // ever.
+        let taken = if *held > 0 && held.checked_add(more).is_none_or(|t| t > share) {
             Err(Full::Peer)
         } else {
             take_total(&budget.used, bytes, more, max)
@@ -123,9 +118,7 @@ fn take_total(used: &AtomicUsize, bytes: &mut usize, more: usize, max: usize) ->
 impl Drop for Reservation {
     fn drop(&mut self) {
         self.budget.used.fetch_sub(self.bytes, Ordering::AcqRel);
-        if let Some(peer) = self.peer
-            && self.bytes > 0
-        {
+        if let Some(peer) = self.peer {
             if let Some(mut held) = self.budget.peers.get_mut(&peer) {
                 *held = held.saturating_sub(self.bytes);
             }
@@ -137,6 +130,14 @@ impl Drop for Reservation {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    impl Budget {
+        /// Takes `bytes` for no peer if that keeps the total within `max`.
+        fn reserve(self: &Arc<Self>, bytes: usize, max: usize) -> Option<Reservation> {
+            let mut reservation = Reservation::of_peer(self, None);
+            reservation.grow(bytes, max).then_some(reservation)
+        }
+    }
 
     #[test]
     fn reservations_stay_within_the_cap_and_give_back_on_drop() {
@@ -179,5 +180,15 @@ mod tests {
         drop((second, other, unattributed, third));
         assert_eq!(budget.used(), 0);
         assert!(budget.peers.is_empty(), "no peer left counted");
+        // Nothing taken leaves nothing counted; a peer holding nothing may take more than a
+        // share when the total allows (one body larger than a share is not refused for
+        // ever), and then nothing more.
+        let mut empty = Reservation::of_peer(&budget, Some(a));
+        assert_eq!(empty.take(0, 100), Ok(()));
+        assert!(budget.peers.is_empty(), "an empty take counted a peer");
+        assert_eq!(empty.take(60, 100), Ok(()));
+        assert_eq!(empty.take(1, 100), Err(Full::Peer));
+        drop(empty);
+        assert!(budget.peers.is_empty() && budget.used() == 0);
     }
 }

@@ -329,6 +329,63 @@ async fn one_client_stalling_keyed_bodies_cannot_take_every_buffered_byte() {
     );
 }
 
+/// Replays count against the client's share too: a client that retries its own keys and
+/// never reads the answers holds at most one replay beyond its share, and the rest of the
+/// budget stays for other clients' keyed requests, answered and kept.
+#[tokio::test(start_paused = true)]
+async fn a_client_reading_no_replays_holds_at_most_its_share() {
+    let log = Log::default();
+    // 64 bytes, a share of 16: one 20-byte answer is more than a share.
+    let layer = FenceLayer::new(MemoryStore::new()).max_buffered_bytes(64);
+    let svc = layer.layer(service(log.clone()));
+    let from = |peer: &str, mut req: Request<In>| {
+        req.extensions_mut()
+            .insert(fence_sink::PeerAddr(peer.parse().unwrap()));
+        req
+    };
+    let (status, _, _) = send(
+        &svc,
+        from("10.0.0.1:4000", request("/", 1, Some("a"), full("x"))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let mut unread = Vec::new();
+    let mut refused = 0;
+    for _ in 0..3 {
+        let replay = svc
+            .clone()
+            .oneshot(from("10.0.0.1:4000", request("/", 1, Some("a"), full("x"))))
+            .await
+            .unwrap();
+        if replay.status() == StatusCode::SERVICE_UNAVAILABLE {
+            let body = replay.into_body().collect().await.unwrap().to_bytes();
+            let text = String::from_utf8_lossy(&body);
+            assert!(text.contains("this client's share"), "{text}");
+            refused += 1;
+        } else {
+            assert_eq!(replay.headers()["idempotent-replayed"], "true");
+            unread.push(replay);
+        }
+    }
+    assert_eq!((unread.len(), refused), (1, 2));
+    // Another client's keyed request is answered, and its answer kept (replayed on retry).
+    let (status, _, _) = send(
+        &svc,
+        from("10.0.0.2:4000", request("/", 1, Some("b"), full("y"))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    let (status, _, headers) = send(
+        &svc,
+        from("10.0.0.2:4000", request("/", 1, Some("b"), full("y"))),
+    )
+    .await;
+    assert_eq!(status, StatusCode::CREATED);
+    assert!(headers.contains_key("idempotent-replayed"));
+    drop(unread);
+    assert_eq!(layer.buffered_bytes(), 0, "every byte given back");
+}
+
 /// A store other processes share whose calls stall once `stuck` is set (a SQL writer holds
 /// the job's row), counting the calls running at once; with `slow_raises`, a raise is written
 /// and then answered only after that long (a disk that confirms late).

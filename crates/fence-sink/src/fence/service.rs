@@ -302,6 +302,10 @@ where
             token,
             key,
             budget: &shared.budget,
+            peer: request
+                .extensions()
+                .get::<crate::PeerAddr>()
+                .map(|p| p.0.ip()),
             max_buffered: config.max_buffered_bytes,
             deadline,
             body_timeout: config.body_timeout,

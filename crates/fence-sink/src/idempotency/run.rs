@@ -25,7 +25,7 @@ use super::{
     finish::{Finishing, OwnedAttempt, finish_again},
 };
 use crate::{
-    OutcomeUnknown, PeerAddr,
+    OutcomeUnknown,
     body::{FenceBody, RequestBody, ResponseBody},
     budget::{Budget, Full, Reservation},
     metrics::count,
@@ -42,6 +42,9 @@ pub(crate) struct Keyed<'a, St> {
     pub(crate) key: &'a IdempotencyKey,
     /// The memory every clone of the layer holds for bodies, and its cap.
     pub(crate) budget: &'a Arc<Budget>,
+    /// The client's address, when known: the bodies this request holds (its own, a replay,
+    /// an answer kept) count against its share of the budget.
+    pub(crate) peer: Option<std::net::IpAddr>,
     pub(crate) max_buffered: usize,
     /// When the request body must have arrived, and the limit that set it.
     pub(crate) deadline: Instant,
@@ -112,9 +115,10 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             .collect();
         let fingerprint = Fingerprint::scoped(&parts.method, path, &scope, &bytes);
         let messages = reject::carries_messages(&parts.headers);
-        if let Err(answer) = self.begin(&fingerprint).await {
-            return Ok(answer);
-        }
+        let held = match self.begin(&fingerprint, held).await {
+            Ok(held) => held,
+            Err(answer) => return Ok(answer),
+        };
         count("accepted");
         let request = Request::from_parts(
             parts,
@@ -149,8 +153,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
     {
         let (parts, body) = request.into_parts();
         let limit = self.config.max_request_body;
-        let peer = parts.extensions.get::<PeerAddr>().map(|p| p.0.ip());
-        let mut held = Reservation::of_peer(self.budget, peer);
+        let mut held = Reservation::of_peer(self.budget, self.peer);
         let mut buf = BytesMut::new();
         let mut trailers = None;
         let read = async {
@@ -204,15 +207,21 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         })
     }
 
-    /// Begins the record: `Ok` when the caller is to run the request, else the answer.
-    async fn begin<B>(&self, fingerprint: &Fingerprint) -> Result<(), Answer<B>> {
+    /// Begins the record: `Ok` with the request body's reservation `held` when the caller is
+    /// to run the request, else the answer. A replay lets the request's body go before it
+    /// takes the stored answer's bytes: the client holds the one or the other, not both.
+    async fn begin<B>(
+        &self,
+        fingerprint: &Fingerprint,
+        held: Reservation,
+    ) -> Result<Reservation, Answer<B>> {
         let attempt = self.attempt(fingerprint);
         let begun = self
             .timed(self.store.begin(attempt, self.in_flight_for))
             .await;
         let (job, key) = (self.job, self.key);
         let (problem, retry) = match begun {
-            Ok(Begin::Started) => return Ok(()),
+            Ok(Begin::Started) => return Ok(held),
             Err(e) => {
                 // The record may have been written after all (a begin that timed out, or
                 // whose commit failed after the write): nothing ran, so it must not block its
@@ -225,13 +234,15 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                 )
             }
             Ok(Begin::Replay(stored)) => {
-                let Some(held) = self.budget.reserve(stored.body.len(), self.max_buffered) else {
+                drop(held);
+                let mut held = Reservation::of_peer(self.budget, self.peer);
+                if let Err(full) = held.take(stored.body.len(), self.max_buffered) {
                     count("overloaded");
                     return Err(reject(
-                        reject::overloaded(self.job, self.max_buffered, Full::Total),
+                        reject::overloaded(self.job, self.max_buffered, full),
                         RETRY,
                     ));
-                };
+                }
                 count("replayed");
                 return Err(replay(stored, held));
             }
@@ -285,10 +296,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             return marked(answer, finishing);
         }
         let (head, body) = response.into_parts();
-        let mut held = self
-            .budget
-            .reserve(0, usize::MAX)
-            .expect("nothing taken fits any budget");
+        let mut held = Reservation::of_peer(self.budget, self.peer);
         let limit = self.config.max_response_body;
         // The answer to keep must arrive within the body deadline of its head: one that
         // stalls is streamed on unkept (not replayable), and lets a newer token go on.
