@@ -257,6 +257,12 @@ impl SledStore {
             let raw = self.generations.get(key).map_err(io)?;
             let (highest, touched, raised) = Self::decode_generation(job, raw.as_deref())?;
             if token < highest {
+                // The highest may be a raise whose commit has not landed (another request's,
+                // waiting on a slow disk): the caller's gate takes it as settled, and lets
+                // that generation through without a write of its own, so it must be on disk
+                // first, as for a load. Free when everything is synced; refused at once while
+                // the disk stalls.
+                self.db.commit_read().await.map_err(io)?;
                 return Ok(Verdict::Stale { highest });
             }
             let now = self.clock.now_ms();

@@ -319,6 +319,46 @@ async fn a_load_waits_until_the_record_it_reads_is_on_disk() {
     assert_eq!(store.load(&job).await.unwrap().highest, g(2));
 }
 
+/// A stale answer names a highest that is on disk: an older token's check that reads a raise
+/// still waiting for its commit waits for it too (the gate takes the highest a stale answer
+/// names as settled, and lets that generation through without a write of its own).
+#[cfg(feature = "test-hooks")]
+#[tokio::test]
+// The guard held across awaits is the stalled disk: the log's writer, another thread,
+// waits on it; nothing on this task does.
+#[allow(clippy::await_holding_lock)]
+async fn a_stale_answer_waits_until_the_highest_it_names_is_on_disk() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = SledStore::open(dir.path()).unwrap();
+    let job: JobId = "stale".parse().unwrap();
+    let g = Generation::new;
+    store.accept(&job, g(1), false).await.unwrap();
+    let stalled = store.db.stall_log();
+    let raising = {
+        let (store, job) = (store.clone(), job.clone());
+        tokio::spawn(async move { store.accept(&job, g(2), false).await })
+    };
+    // The raise is applied in memory; its commit waits behind the stalled writer.
+    tokio::time::timeout(Duration::from_secs(5), async {
+        while store.highest(&job).await.unwrap() < g(2) {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the raise was not applied");
+    let early = tokio::time::timeout(Duration::from_millis(500), store.observe(&job, g(1))).await;
+    assert!(
+        !matches!(early, Ok(Ok(_))),
+        "a stale answer was given before the raise it names was on disk: {early:?}"
+    );
+    drop(stalled);
+    raising.await.unwrap().unwrap();
+    assert_eq!(
+        store.observe(&job, g(1)).await.unwrap(),
+        Verdict::Stale { highest: g(2) }
+    );
+}
+
 /// The restart bound is measured on the clock's monotonic reading from the open: a wall
 /// clock stepped forward an hour after the open (NTP after a boot) does not count as an
 /// hour passed, which would end at once the wait for what an earlier process left running.
