@@ -1,0 +1,199 @@
+//! The command's process group, led by the watchdog, and how `fence run` stops it.
+
+use std::{process::Stdio, time::Duration};
+
+use anyhow::Context as _;
+use fence_lease::LeaseView;
+use nix::{
+    sys::signal::{Signal, killpg},
+    unistd::Pid,
+};
+use tokio::{
+    process::{Child, ChildStdin, Command},
+    time::Instant,
+};
+
+use super::{
+    procs::descendants,
+    reaper,
+    watchdog::{self, Stop},
+};
+
+/// The command's group: a watchdog process leads it and stops the group when `fence run`
+/// goes away (its stdin, our pipe, closes) or stops telling it that the lease is alive.
+pub(super) struct Group {
+    watchdog: Child,
+    pipe: Option<ChildStdin>,
+    heartbeat: Option<tokio::task::JoinHandle<()>>,
+    /// Tells the heartbeat to end: with a last line `done` while the lease is held.
+    done: Option<tokio::sync::oneshot::Sender<()>>,
+    /// The lease the group runs under, once the heartbeat tells the watchdog of it.
+    lease: Option<LeaseView>,
+    pub(super) pgid: Pid,
+    stop: Stop,
+}
+
+/// How often `fence run` tells the watchdog the time left on the lease.
+const HEARTBEAT: Duration = Duration::from_millis(100);
+
+impl Group {
+    pub(super) fn start(stop: Stop, reaper: &reaper::Reaper) -> anyhow::Result<Self> {
+        let exe = std::env::current_exe().context("finding the fence executable")?;
+        let mut watchdog = Command::new(exe);
+        let mut watchdog = reaper
+            .spawn(
+                watchdog
+                    .args(["watchdog", "--grace"])
+                    .arg(format!("{}ms", stop.grace.as_millis()))
+                    .process_group(0)
+                    .stdin(Stdio::piped())
+                    .stdout(Stdio::null())
+                    .env("RUST_LOG", "off")
+                    .kill_on_drop(true),
+            )
+            .context("starting the watchdog")?;
+        let pid = watchdog
+            .id()
+            .and_then(|p| i32::try_from(p).ok())
+            .context("the watchdog has no pid")?;
+        let pipe = watchdog.stdin.take();
+        Ok(Self {
+            watchdog,
+            pipe,
+            heartbeat: None,
+            done: None,
+            lease: None,
+            pgid: Pid::from_raw(pid),
+            stop,
+        })
+    }
+
+    /// Tells the watchdog how long the lease has left (one line of milliseconds) now, and
+    /// then every [`HEARTBEAT`]. Stops when the lease is lost, leaving the last deadline in
+    /// force. At [`stop`](Self::stop) it says `done` if the lease is still held (renewed
+    /// until the job is finished, so what is left of the group gets the whole grace); a pipe
+    /// closed without it (the lease lost, or `fence run` killed) has the grace cut short.
+    pub(super) async fn keep_informed(&mut self, lease: LeaseView) {
+        use tokio::io::AsyncWriteExt;
+        let Some(mut pipe) = self.pipe.take() else {
+            return;
+        };
+        self.lease = Some(lease.clone());
+        // The time left to the deadline, and to the last moment the group may live once
+        // the deadline passed (before the store can end the lease).
+        let stop = self.stop;
+        let tell = move |lease: &LeaseView| {
+            let now = Instant::now();
+            let left = lease.deadline().saturating_duration_since(now);
+            let kill = stop.last_moment(lease).saturating_duration_since(now);
+            watchdog::told(left, kill)
+        };
+        // The first deadline is told before the command starts, so the watchdog has one
+        // even if `fence run` freezes at once.
+        if pipe.write_all(tell(&lease).as_bytes()).await.is_err() {
+            return;
+        }
+        let (done, mut stopping) = tokio::sync::oneshot::channel::<()>();
+        self.done = Some(done);
+        self.heartbeat = Some(tokio::spawn(async move {
+            let mut said_done = false;
+            while !lease.is_lost() {
+                // Every 100 ms, and four times before a deadline that is nearer: a short
+                // lease's deadline is never stale at the watchdog.
+                let left = lease.deadline().saturating_duration_since(Instant::now());
+                let pause = (left / 4).clamp(Duration::from_millis(5), HEARTBEAT);
+                tokio::select! {
+                    () = tokio::time::sleep(pause) => {}
+                    _ = &mut stopping, if !said_done => {
+                        // Lost meanwhile: the pipe closes without `done`.
+                        if lease.is_lost() {
+                            return;
+                        }
+                        // A clean end: the watchdog stops the group, with the whole grace
+                        // while the deadlines told here keep coming.
+                        said_done = true;
+                        if pipe.write_all(b"done\n").await.is_err() {
+                            return;
+                        }
+                    }
+                }
+                if pipe.write_all(tell(&lease).as_bytes()).await.is_err() {
+                    return;
+                }
+            }
+            // Lost: nothing more is told, and the pipe closes without `done`: before the end,
+            // only at `stop` (closing it earlier would stop the group, which is `supervise`'s
+            // decision once it sees the loss); after `done`, at once, and the watchdog cuts
+            // the grace of the group it is stopping.
+            if !said_done {
+                let _ = stopping.await;
+            }
+        }));
+    }
+
+    pub(super) fn signal(&self, sig: Signal) {
+        // The group may be gone already; nothing to do then.
+        let _ = killpg(self.pgid, sig);
+        // And whatever of the command's tree left the group (setsid, setpgid).
+        for pid in self.escapees() {
+            let _ = nix::sys::signal::kill(pid, sig);
+        }
+    }
+
+    /// The descendants of `fence run` outside the command's group (the watchdog leads the
+    /// group): processes of the command that left it.
+    fn escapees(&self) -> Vec<Pid> {
+        descendants(Pid::this())
+            .into_iter()
+            .filter(|(_, pgrp)| *pgrp != self.pgid)
+            .map(|(pid, _)| pid)
+            .collect()
+    }
+
+    /// Stops the command's processes that left its group: SIGTERM, then SIGKILL once
+    /// `grace` has passed with any still there, or sooner once the lease is lost, by its last
+    /// moment (see [`Stop::last_moment`]).
+    pub(super) async fn stop_escapees(&self, grace: Duration) {
+        if self.escapees().is_empty() {
+            return;
+        }
+        for pid in self.escapees() {
+            let _ = nix::sys::signal::kill(pid, Signal::SIGTERM);
+        }
+        let granted = Instant::now() + grace;
+        let until = || match &self.lease {
+            Some(lease) if lease.is_lost() => granted.min(self.stop.last_moment(lease)),
+            _ => granted,
+        };
+        while Instant::now() < until() && !self.escapees().is_empty() {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        for pid in self.escapees() {
+            let _ = nix::sys::signal::kill(pid, Signal::SIGKILL);
+        }
+    }
+
+    /// Stops whatever is left in the group (SIGTERM, SIGKILL after the grace) and waits for
+    /// the watchdog to end.
+    pub(super) async fn stop(mut self) {
+        self.stop_escapees(self.stop.grace).await;
+        drop(self.pipe.take());
+        // With a heartbeat (`done` is set with it): `done` if the lease is held, and deadlines
+        // on while the watchdog stops the group. Without one, closing the pipe stops the group.
+        let heartbeat = self.heartbeat.take();
+        if let Some(done) = self.done.take() {
+            let _ = done.send(());
+        }
+        let limit = self.stop.grace + Duration::from_secs(2);
+        if tokio::time::timeout(limit, self.watchdog.wait())
+            .await
+            .is_err()
+        {
+            self.signal(Signal::SIGKILL);
+            let _ = self.watchdog.wait().await;
+        }
+        if let Some(heartbeat) = heartbeat {
+            heartbeat.abort(); // its pipe closes
+        }
+    }
+}
