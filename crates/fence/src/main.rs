@@ -18,9 +18,13 @@ fn main() -> ExitCode {
     if let Some(said) = said {
         eprintln!("{said}");
     }
+    // A stderr that is gone (a pipe to a `tee` that exited) loses the lines: the subscriber
+    // otherwise reports that with `eprintln!`, which panics, and the task that logged (a
+    // lease's renewals under `fence run`) dies with it.
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
-        .with_writer(std::io::stderr);
+        .with_writer(std::io::stderr)
+        .log_internal_errors(false);
     match cli.log_format {
         LogFormat::Json => logs.json().init(),
         LogFormat::Text => logs

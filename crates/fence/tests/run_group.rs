@@ -825,3 +825,46 @@ fn a_setsid_escapee_after_a_clean_end_is_killed_once_the_lease_is_lost() {
     signal(&server, "-CONT");
     let _ = run.0.wait();
 }
+
+/// fence run's stderr a pipe whose reader went away (a `tee` that exited): its "lease lost"
+/// line, written before the group's SIGTERM, used to panic on EPIPE. fence run exited 101,
+/// and the unwinding killed only the command and the watchdog: the command's own children
+/// ran on with FENCE_TOKEN after the lease was gone.
+#[test]
+fn a_closed_stderr_neither_ends_fence_run_nor_leaves_the_group_running() {
+    use std::io::{BufRead, BufReader};
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("child.pid");
+    let job = "closed-stderr";
+    let mut child = Command::new(FENCE)
+        .args(["run", "--server", &url, "--job", job, "--ttl", "9s"])
+        .args(["--grace", "500ms", "--", "sh", "-c"])
+        .arg(format!(
+            "sleep 300 & echo $! > {}; wait",
+            pid_file.display()
+        ))
+        .env("RUST_LOG", "warn")
+        // A panic's backtrace took seconds to write, and the watchdog's deadline came
+        // meanwhile and stopped the group, hiding what an unwinding left running.
+        .env("RUST_BACKTRACE", "0")
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = BufReader::new(child.stderr.take().unwrap());
+    let run = Proc(child);
+    let mut line = String::new();
+    while !line.contains("holding") {
+        line.clear();
+        let read = stderr.read_line(&mut line).unwrap();
+        assert!(read > 0, "fence run never said it holds the job");
+    }
+    let sleep = pid_in(&pid_file);
+    drop(stderr); // the read end closes: fence run's next line gets EPIPE
+    assert_success(&fence(&["revoke", "--server", &url, "--job", job]));
+    // Renewed every 3 s: the revoke is seen within 3 s, at least 5 s before the deadline
+    // the watchdog was told (it would stop the group then, if it were still alive).
+    gone_within(sleep, Duration::from_secs(20));
+    let mut run = run;
+    assert_eq!(run.0.wait().unwrap().code(), Some(75));
+}

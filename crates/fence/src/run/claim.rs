@@ -60,13 +60,13 @@ where
             Err(ClaimError::Completed {
                 job, generation, ..
             }) => {
-                eprintln!(
+                say!(
                     "fence run: job {job} is completed (generation {generation}); not running the command"
                 );
                 return Ok(None);
             }
             Err(e @ ClaimError::SemaphoreSize { .. }) => {
-                eprintln!("fence run: {e}; not running the command");
+                say!("fence run: {e}; not running the command");
                 return Ok(None);
             }
             Err(ClaimError::Held {
@@ -75,7 +75,7 @@ where
                 expires_in,
             }) => {
                 if Instant::now() >= give_up {
-                    eprintln!(
+                    say!(
                         "fence run: {full}job {job} is held by {owner} for another {expires_in:?}; gave up after --wait {wait:?}"
                     );
                     return Ok(None);
@@ -88,7 +88,7 @@ where
                 claimable_in,
             }) => {
                 if Instant::now() >= give_up {
-                    eprintln!(
+                    say!(
                         "fence run: {full}the lease of {owner} on job {job} expired and its lock-delay keeps the job for another {claimable_in:?}; gave up after --wait {wait:?}"
                     );
                     return Ok(None);
@@ -102,7 +102,7 @@ where
                 retry_after,
             })) => {
                 if Instant::now() >= give_up {
-                    eprintln!(
+                    say!(
                         "fence run: {full}{what} stayed held, and the lease server's waiting places were full ({detail}); gave up after --wait {wait:?}"
                     );
                     return Ok(None);

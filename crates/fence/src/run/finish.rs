@@ -47,7 +47,7 @@ pub(super) async fn or_signal_saying<T>(
     tokio::select! {
         finished = finishing => Ok(finished),
         sig = signalled => {
-            eprintln!("fence run: {sig} {what}");
+            say!("fence run: {sig} {what}");
             Err(sig)
         }
     }
@@ -68,13 +68,11 @@ pub(super) async fn out_of_time(
     match max.map(|(_, on)| on) {
         Some(OnMaxDuration::Expire) => {
             drop(lease); // no more renewals
-            eprintln!(
-                "fence run: the job is left to expire, at most one TTL after its last renewal"
-            );
+            say!("fence run: the job is left to expire, at most one TTL after its last renewal");
         }
         _ => match or_signal(signals, lease.release()).await {
-            Ok(Ok(record)) => eprintln!("fence run: the job is {}", record.state),
-            Ok(Err(e)) => eprintln!(
+            Ok(Ok(record)) => say!("fence run: the job is {}", record.state),
+            Ok(Err(e)) => say!(
                 "fence run: releasing the job failed ({}); it expires on its own",
                 fence_storage::error_chain(&e)
             ),
@@ -105,7 +103,7 @@ pub(super) async fn finish(
     };
     match finished {
         Ok(record) => {
-            eprintln!(
+            say!(
                 "fence run: the command {}; the job is {}",
                 ended_how(status),
                 record.state
@@ -114,7 +112,7 @@ pub(super) async fn finish(
         }
         Err(FinishError::Lost { owner, generation }) => {
             let holder = owner.map_or_else(|| "nobody".to_owned(), |o| o.to_string());
-            eprintln!(
+            say!(
                 "fence run: the command {}, but the lease was lost (now generation {generation}, held by {holder}); fence run exits {EXIT_LOST}",
                 ended_how(status)
             );

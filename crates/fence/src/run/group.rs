@@ -31,6 +31,8 @@ pub(super) struct Group {
     lease: Option<LeaseView>,
     pub(super) pgid: Pid,
     stop: Stop,
+    /// The watchdog was reaped: the group is gone, and its id may be another's.
+    reaped: bool,
 }
 
 /// How often `fence run` tells the watchdog the time left on the lease.
@@ -65,6 +67,7 @@ impl Group {
             lease: None,
             pgid: Pid::from_raw(pid),
             stop,
+            reaped: false,
         })
     }
 
@@ -192,8 +195,21 @@ impl Group {
             self.signal(Signal::SIGKILL);
             let _ = self.watchdog.wait().await;
         }
+        self.reaped = true;
         if let Some(heartbeat) = heartbeat {
             heartbeat.abort(); // its pipe closes
+        }
+    }
+}
+
+impl Drop for Group {
+    /// Any way out that skipped [`stop`](Group::stop) (a panic unwinding, an early return)
+    /// still stops the whole group: the watchdog's `kill_on_drop` alone would end only it,
+    /// and the command's children would run on with `FENCE_TOKEN` after the lease is gone.
+    /// Until the watchdog is reaped its pid, the group's id, is nobody else's.
+    fn drop(&mut self) {
+        if !self.reaped {
+            self.signal(Signal::SIGKILL);
         }
     }
 }

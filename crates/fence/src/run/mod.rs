@@ -26,6 +26,15 @@ use tokio::{
     time::Instant,
 };
 
+/// `eprintln!` that never panics: a stderr that is gone (a pipe to a `tee` that exited)
+/// must not end `fence run` midway, its command's group still running; the line is lost.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 mod checkpoint;
 mod claim;
 mod finish;
@@ -133,7 +142,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let claimed = tokio::select! {
         claimed = claim => claimed?,
         sig = signals.next() => {
-            eprintln!("fence run: {sig} while waiting for the lease; the command was not started");
+            say!("fence run: {sig} while waiting for the lease; the command was not started");
             return Ok(128 + sig as i32);
         }
     };
@@ -145,13 +154,13 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     // Subscribed before the token is read: a renewal from now on reaches FENCE_TOKEN_FILE.
     let token_updates = lease.tokens();
     let Some(token) = lease.token_string() else {
-        eprintln!(
+        say!(
             "fence run: the lease on {job} was lost right after the claim; not running the command"
         );
         return Ok(EXIT_LOST);
     };
     // The token is not a secret, but a signed one is long; the generation says it all.
-    eprintln!(
+    say!(
         "fence run: holding {job} as {} at generation {}",
         client.owner_id(),
         lease.generation()
@@ -276,7 +285,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         // deadline, stopped it first. Its exit code says nothing about its work then, and
         // the lease is not ours to complete.
         Some(status) if lost_while_running => {
-            eprintln!(
+            say!(
                 "fence run: the command {} after the lease was lost; fence run exits {EXIT_LOST}",
                 ended_how(status)
             );
@@ -344,19 +353,17 @@ async fn supervise(
         stop.grace
     };
     if grace < stop.grace {
-        eprintln!(
+        say!(
             "fence run: {why}; sending SIGTERM to the command's group, SIGKILL within {grace:?} \
              (--grace {:?} cut short: the server may let another owner claim the job then)",
             stop.grace
         );
     } else {
-        eprintln!("fence run: {why}; sending SIGTERM to the command's group");
+        say!("fence run: {why}; sending SIGTERM to the command's group");
     }
     group.signal(Signal::SIGTERM);
     if tokio::time::timeout(grace, child.wait()).await.is_err() {
-        eprintln!(
-            "fence run: the command did not exit within {grace:?}; sending SIGKILL to its group"
-        );
+        say!("fence run: the command did not exit within {grace:?}; sending SIGKILL to its group");
         group.signal(Signal::SIGKILL);
         child.wait().await?;
     } else {
@@ -367,7 +374,7 @@ async fn supervise(
             tokio::time::sleep(Duration::from_millis(20)).await;
         }
         if procs::others_in_group(group.pgid) {
-            eprintln!(
+            say!(
                 "fence run: the command exited, but its group was still running after {grace:?}; \
                  sending SIGKILL to it"
             );

@@ -58,14 +58,14 @@ impl Repeats {
             return;
         }
         self.flush();
-        eprintln!("{line}");
+        say!("{line}");
         self.last = Some((line, Instant::now()));
     }
 
     /// Says how often the last warning came again since it was said, if it did.
     pub(super) fn flush(&mut self) {
         if self.again > 0 {
-            eprintln!(
+            say!(
                 "fence run: (the warning above came {} more times)",
                 self.again
             );
