@@ -213,9 +213,10 @@ impl<S: LeaseStore> LeaseClient<S> {
                     .await
             }
         };
-        let outcome = tokio::time::timeout(budget + wait, claim)
+        let limit = budget.saturating_add(wait);
+        let outcome = tokio::time::timeout(limit, claim)
             .await
-            .unwrap_or(Err(StoreError::Timeout(budget + wait)));
+            .unwrap_or(Err(StoreError::Timeout(limit)));
         if outcome.as_ref().is_err_and(|e| !e.answer_lost()) {
             pending.settle(); // refused before any decision
         }
@@ -259,7 +260,7 @@ impl<S: LeaseStore> LeaseClient<S> {
             ttl: self.ttl,
             lock_delay: self.lock_delay,
         };
-        let end = t_send + wait;
+        let end = crate::later(t_send, wait);
         let claim = async {
             let mut backoff = crate::Backoff::new(MIN_SLOT_POLL, MAX_SLOT_POLL);
             // An answer lost on the way (it may have been a grant), until a later answer
@@ -322,9 +323,10 @@ impl<S: LeaseStore> LeaseClient<S> {
                 }
             }
         };
-        let claim = tokio::time::timeout(budget + wait, claim)
+        let limit = budget.saturating_add(wait);
+        let claim = tokio::time::timeout(limit, claim)
             .await
-            .map_err(|_| ClaimError::Store(StoreError::Timeout(budget + wait)))??;
+            .map_err(|_| ClaimError::Store(StoreError::Timeout(limit)))??;
         if let Outcome::SemaphoreSize { slots: in_force } = claim.outcome {
             return Err(ClaimError::SemaphoreSize {
                 resource,

@@ -54,3 +54,12 @@ pub use store::{
 
 #[cfg(feature = "postgres")]
 pub use store::{PgLeaseStore, PgTable};
+
+/// `at + d`, or a hundred years after `at` when that is past what an instant can hold: a
+/// wait or timeout of `Duration::MAX` is one without end, never a panic.
+pub(crate) fn later(at: tokio::time::Instant, d: std::time::Duration) -> tokio::time::Instant {
+    const FAR: std::time::Duration = std::time::Duration::from_secs(100 * 365 * 86_400);
+    at.checked_add(d)
+        .or_else(|| at.checked_add(FAR))
+        .unwrap_or(at)
+}

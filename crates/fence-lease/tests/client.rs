@@ -1188,3 +1188,57 @@ async fn a_full_semaphore_without_an_expiry_is_not_asked_in_a_tight_loop() {
         "{refused:?}"
     );
 }
+
+/// A wait of `Duration::MAX` (a caller's "for ever") used to panic on `Instant + wait`
+/// (overflow) before the store was even asked: on a free job, a free semaphore slot, and a
+/// job that frees while the claim waits.
+#[tokio::test(start_paused = true)]
+async fn a_wait_of_duration_max_claims_rather_than_panics() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let store = MemoryLeaseStore::with_clock(clock);
+    let a = LeaseClient::new(store.clone()).owner("worker-a".parse().unwrap());
+    let b = LeaseClient::new(store.clone()).owner("worker-b".parse().unwrap());
+    let lease = a.claim_waiting(job(), Duration::MAX).await.unwrap();
+    let slot = a
+        .claim_slot("pool".parse().unwrap(), 2, Duration::MAX)
+        .await
+        .unwrap();
+    slot.release().await.unwrap();
+    let waiting = tokio::spawn(async move { b.claim_waiting(job(), Duration::MAX).await });
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    lease.release().await.unwrap();
+    let taken = tokio::time::timeout(Duration::from_secs(5), waiting)
+        .await
+        .expect("the waiting claim got the job once it was released")
+        .unwrap()
+        .unwrap();
+    taken.release().await.unwrap();
+}
+
+/// An `HttpOptions` timeout of `Duration::MAX` (no timeout) used to panic on
+/// `Instant + timeout` in every call, and on `timeout + wait` in a waiting claim. Two
+/// servers that refuse connections: each call fails, promptly, as an I/O error.
+#[tokio::test]
+async fn an_http_timeout_of_duration_max_does_not_panic() {
+    let closed = || {
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", listener.local_addr().unwrap()) // closed once dropped
+    };
+    let urls = format!("{},{}", closed(), closed());
+    let options = fence_lease::HttpOptions {
+        timeout: Duration::MAX,
+        ..fence_lease::HttpOptions::default()
+    };
+    let store = fence_lease::HttpLeaseStore::with_options(&urls, options).unwrap();
+    let client = LeaseClient::new(store);
+    for wait in [Duration::ZERO, Duration::from_secs(5), Duration::MAX] {
+        let claimed =
+            tokio::time::timeout(Duration::from_secs(60), client.claim_waiting(job(), wait))
+                .await
+                .expect("refused connections end the call");
+        assert!(
+            matches!(claimed, Err(ClaimError::Store(StoreError::Io(_)))),
+            "{wait:?}: {claimed:?}"
+        );
+    }
+}

@@ -86,7 +86,7 @@ pub struct HttpOptions {
     pub ca_cert: Option<PathBuf>,
     /// Send this secret as `Authorization: Bearer` (a server with `--auth-file` needs it).
     pub bearer: Option<BearerToken>,
-    /// Give each call this long (default 10 s).
+    /// Give each call this long (default 10 s; `Duration::MAX`: no limit).
     pub timeout: Duration,
 }
 
@@ -224,7 +224,7 @@ impl HttpLeaseStore {
             };
             req.body(body).map_err(StoreError::io)
         };
-        let deadline = tokio::time::Instant::now() + timeout;
+        let deadline = crate::later(tokio::time::Instant::now(), timeout);
         let exchange = async {
             let n = self.servers.len();
             let first = self.preferred.load(Ordering::Relaxed) % n;
@@ -327,7 +327,7 @@ impl LeaseStore for HttpLeaseStore {
     ) -> Result<Outcome, StoreError> {
         const MOST: Duration = Duration::from_secs(60);
         const MIN_PAUSE: Duration = Duration::from_millis(50);
-        let end = tokio::time::Instant::now() + wait;
+        let end = crate::later(tokio::time::Instant::now(), wait);
         // The server's last answer, when it had no waiting place for this claim.
         let mut crowded = None;
         loop {
@@ -353,7 +353,7 @@ impl LeaseStore for HttpLeaseStore {
             );
             let asked = tokio::time::Instant::now();
             let (status, bytes) = match self
-                .send_within(&path, Some(&body), self.timeout + this)
+                .send_within(&path, Some(&body), self.timeout.saturating_add(this))
                 .await
             {
                 Err(full @ StoreError::TooManyWaiters { retry_after, .. }) => {

@@ -370,7 +370,7 @@ pub trait LeaseStore: Send + Sync + 'static {
         wait: Duration,
     ) -> impl Future<Output = Result<Outcome, StoreError>> + Send {
         async move {
-            let end = tokio::time::Instant::now() + wait;
+            let end = crate::later(tokio::time::Instant::now(), wait);
             let mut pause = Duration::from_millis(10);
             loop {
                 let outcome = self.apply(job, terms.op(owner, key)).await?;
