@@ -653,3 +653,34 @@ fn tls_init_refuses_a_ca_outside_its_validity() {
         assert!(!out_dir.exists(), "{name}: nothing is written");
     }
 }
+
+/// An https server that takes connections but never answers the TLS handshake (a stopped
+/// process; here a listener nobody accepts from, the kernel completing the TCP handshake):
+/// the next server is asked after the attempt's share of the call's timeout (at most 2 s).
+/// The share used to cover only the TCP connect, so every call waited out its whole 10 s
+/// timeout on the first server and failed, never asking the healthy second one.
+#[test]
+fn a_server_that_never_answers_the_tls_handshake_is_passed_over() {
+    let ca = TestCa::new();
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_tls_server(&ca, dir.path());
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let stopped = format!("https://{}", listener.local_addr().unwrap());
+    let started = std::time::Instant::now();
+    let out = fence(&[
+        "claim",
+        "--server",
+        &format!("{stopped},{url}"),
+        "--ca-cert",
+        ca.ca.to_str().unwrap(),
+        "--job",
+        "handshake",
+    ]);
+    let took = started.elapsed();
+    drop(listener);
+    assert_success(&out);
+    assert!(
+        took < Duration::from_secs(8),
+        "the healthy server was asked only after {took:?} (the call's timeout is 10 s)"
+    );
+}

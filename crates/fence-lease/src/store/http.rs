@@ -64,8 +64,9 @@ use super::{
 /// Several servers that share one database act as one lease service: give their URLs
 /// separated by commas (`http://a:7700,http://b:7700`). A call goes to the server that
 /// answered last; it moves on to the next only when a connection could not be made (refused,
-/// unreachable, TLS handshake failed), never once a request may have reached a server, so no
-/// decision is ever asked of two servers.
+/// unreachable, TLS handshake failed, or none of these done within the attempt's share of the
+/// timeout, at most 2 s), never once a request may have reached a server, so no decision is
+/// ever asked of two servers.
 #[derive(Debug, Clone)]
 pub struct HttpLeaseStore {
     /// What was given, for messages: one URL or several, comma-separated.
@@ -74,7 +75,7 @@ pub struct HttpLeaseStore {
     servers: Arc<[String]>,
     /// The index of the server that answered last.
     preferred: Arc<AtomicUsize>,
-    client: Client<HttpsConnector<Budgeted<HttpConnector>>, Full<Bytes>>,
+    client: Client<Budgeted<HttpsConnector<HttpConnector>>, Full<Bytes>>,
     bearer: Option<HeaderValue>,
     timeout: Duration,
 }
@@ -131,16 +132,18 @@ impl HttpLeaseStore {
         } else {
             fence_storage::tls::encrypt_only_config().map_err(tls_error)?
         };
-        // Connection attempts end at the budget each call sets (see `send_within`).
         let mut http = HttpConnector::new();
         http.enforce_http(false);
-        let http = Budgeted(http);
         let connector = hyper_rustls::HttpsConnectorBuilder::new()
             .with_tls_config(tls)
             .https_or_http()
             .enable_http1()
             .wrap_connector(http);
-        let client = Client::builder(TokioExecutor::new()).build(connector);
+        // Connection attempts, TLS handshake included, end at the budget each call sets (see
+        // `send_within`): a server that takes the connection but never answers the handshake
+        // (a stopped process) is passed over like one that never answers a SYN. Nothing of
+        // the request is sent before the handshake ends, so moving on is safe.
+        let client = Client::builder(TokioExecutor::new()).build(Budgeted(connector));
         let bearer = options.bearer.map(|b| {
             let mut value = HeaderValue::from_str(&format!("Bearer {}", b.expose()))
                 .unwrap_or(HeaderValue::from_static("Bearer"));
