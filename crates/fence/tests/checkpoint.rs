@@ -318,3 +318,45 @@ fn sigterm_while_the_last_checkpoint_is_retried_ends_fence_run() {
     assert_eq!(status, 200, "{answer}");
     assert!(answer.contains(r#""state":"held""#), "{answer}");
 }
+
+/// A checkpoint rewritten in place with text of the same length, its modification time as it
+/// was (a rewrite within one tick of a coarse file system clock; `touch -r` here): the last
+/// save, after the command exited, used to compare only the file's modification time and
+/// length, found "no change", and left the store with the older text, from which the next
+/// run then resumed.
+#[test]
+fn a_same_length_rewrite_within_one_clock_tick_is_still_saved_at_the_end() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(&dir.path().join("leases"));
+    let stamp = dir.path().join("stamp");
+    // "step 1" is saved by the once-a-second look (2.5 s leaves two), then "step 2" is
+    // written over it, and the file's time put back to what it was when "step 1" was saved.
+    let script = format!(
+        r#"printf 'step 1' > "$FENCE_CHECKPOINT_FILE"; touch -r "$FENCE_CHECKPOINT_FILE" {s}
+           sleep 2.5
+           printf 'step 2' > "$FENCE_CHECKPOINT_FILE"; touch -r {s} "$FENCE_CHECKPOINT_FILE"
+           exit 1"#,
+        s = stamp.display()
+    );
+    let run = |script: &str| {
+        fence(&[
+            "run",
+            "--server",
+            &url,
+            "--job",
+            "same-length",
+            "--",
+            "sh",
+            "-c",
+            script,
+        ])
+    };
+    let out = run(&script);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    let out = run(r#"test "$(cat "$FENCE_CHECKPOINT_FILE")" = 'step 2' || exit 9"#);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "the next run did not resume from 'step 2' (exit 9: it got an older text): {out:?}"
+    );
+}

@@ -32,8 +32,16 @@ const LAST_WINDOW: Duration = Duration::from_secs(60);
 pub(super) struct CheckpointFile {
     path: PathBuf,
     saver: Checkpointer<HttpLeaseStore>,
-    /// The file's modification time and length as last saved (or seeded).
-    seen: Mutex<Option<(SystemTime, u64)>>,
+    seen: Mutex<Seen>,
+}
+
+/// The file as last saved (or seeded, or refused for good).
+struct Seen {
+    /// Its modification time and length: while they stay, the file is not read every second.
+    stamp: Option<(SystemTime, u64)>,
+    /// Its bytes: what decides whether it changed. A rewrite of the same length within one
+    /// tick of the file system's clock leaves the stamp as it was.
+    bytes: Option<Vec<u8>>,
 }
 
 /// Saves the file's changes every second until [`Saving::finish`].
@@ -57,7 +65,10 @@ impl CheckpointFile {
     ) -> std::io::Result<Self> {
         let data = resumed.map_or("", |c| c.data.as_str());
         super::token_file::write_bytes(&path, data.as_bytes())?;
-        let seen = Mutex::new(stamp(&path));
+        let seen = Mutex::new(Seen {
+            stamp: stamp(&path),
+            bytes: Some(data.as_bytes().to_vec()),
+        });
         Ok(Self { path, saver, seen })
     }
 
@@ -76,7 +87,7 @@ impl CheckpointFile {
                 tokio::select! {
                     _ = stopped.changed() => return,
                     _ = tick.tick() => {
-                        watched.save_if_changed().await;
+                        watched.save_if_changed(false).await;
                     }
                 }
             }
@@ -84,17 +95,26 @@ impl CheckpointFile {
         Saving { file, stop, task }
     }
 
-    /// Saves the file if it changed since the last save. A change is marked saved once the
-    /// store took it, or refused it for good (too large, not UTF-8, the lease lost): a save
-    /// that failed for a while (the server did not answer) is tried again. False when it is
-    /// to be tried again.
-    async fn save_if_changed(&self) -> bool {
+    /// Saves the file if its bytes changed since the last save: read when its modification
+    /// time or length moved, or always with `look_inside` (the last save, once the command
+    /// exited). A change is marked saved once the store took it, or refused it for good (too
+    /// large, not UTF-8, the lease lost): a save that failed for a while (the server did not
+    /// answer) is tried again. False when it is to be tried again.
+    async fn save_if_changed(&self, look_inside: bool) -> bool {
         let mut seen = self.seen.lock().await;
         let now = stamp(&self.path);
-        if now.is_none() || now == *seen {
+        if now.is_none() || (now == seen.stamp && !look_inside) {
             return true;
         }
-        match self.read() {
+        let read = self.read();
+        if let Ok(bytes) = &read
+            && seen.bytes.as_ref() == Some(bytes)
+        {
+            seen.stamp = now;
+            return true;
+        }
+        let bytes = read.as_ref().ok().cloned();
+        match read.and_then(text) {
             Ok(data) => match self.saver.save(data).await {
                 Ok(_) => tracing::debug!(path = %self.path.display(), "checkpoint saved"),
                 // The server did not answer (unreachable, a timeout, a 502, 503 or 504): again.
@@ -110,12 +130,12 @@ impl CheckpointFile {
             },
             Err(why) => tracing::warn!(path = %self.path.display(), "{why}; not saved"),
         }
-        *seen = now;
+        *seen = Seen { stamp: now, bytes };
         true
     }
 
-    /// The file's text: at most [`MAX_CHECKPOINT_BYTES`] of UTF-8 (read no further).
-    fn read(&self) -> Result<String, String> {
+    /// The file's bytes: at most [`MAX_CHECKPOINT_BYTES`] (read no further).
+    fn read(&self) -> Result<Vec<u8>, String> {
         use std::io::Read as _;
         let file = std::fs::File::open(&self.path)
             .map_err(|e| format!("cannot read the checkpoint file: {e}"))?;
@@ -129,9 +149,14 @@ impl CheckpointFile {
                 "the checkpoint file holds more than {limit} bytes, more than any server takes"
             ));
         }
-        String::from_utf8(bytes)
-            .map_err(|_| "the checkpoint file is not UTF-8 text (base64-encode bytes)".to_owned())
+        Ok(bytes)
     }
+}
+
+/// The checkpoint's text: the file's bytes, UTF-8.
+fn text(bytes: Vec<u8>) -> Result<String, String> {
+    String::from_utf8(bytes)
+        .map_err(|_| "the checkpoint file is not UTF-8 text (base64-encode bytes)".to_owned())
 }
 
 impl Saving {
@@ -146,7 +171,7 @@ impl Saving {
         let mut pauses = Backoff::new(LAST_PAUSES.0, LAST_PAUSES.1);
         loop {
             // Each attempt is cut at the window's end too: one can take the store's timeout.
-            let saved = tokio::time::timeout_at(until, self.file.save_if_changed()).await;
+            let saved = tokio::time::timeout_at(until, self.file.save_if_changed(true)).await;
             let pause = pauses.next_pause();
             match saved {
                 Ok(true) => return,
