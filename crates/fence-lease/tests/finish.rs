@@ -31,6 +31,8 @@ struct FailsFinish {
     stalls_renewals: bool,
     /// Releases and completions take this long.
     latency: Duration,
+    /// A failure is busy (a 408 over HTTP): nothing applied.
+    busy: bool,
 }
 
 impl FailsFinish {
@@ -83,6 +85,11 @@ impl LeaseStore for FailsFinish {
                 detail: "the answer was lost after the decision".into(),
                 retry_after: None,
             });
+        }
+        if self.busy {
+            return Err(StoreError::Busy(
+                "408: the body did not arrive in time".into(),
+            ));
         }
         Err(StoreError::Io("connection refused".into()))
     }
@@ -267,4 +274,22 @@ async fn a_completion_after_the_lease_s_end_is_still_sent() {
     // The store's clock is the system's: for it, the lease has not ended.
     let record = lease.complete().await.expect("completed");
     assert_eq!(record.state, LeaseState::Completed);
+}
+
+/// A release answered busy (a 408 over HTTP: the request did not arrive whole, nothing was
+/// applied) is tried again; it used to be final, and the job stayed held until its TTL ran
+/// out.
+#[tokio::test(start_paused = true)]
+async fn a_busy_release_is_tried_again() {
+    let store = FailsFinish {
+        busy: true,
+        ..FailsFinish::new(2, false)
+    };
+    let lease = client(&store).claim(job()).await.unwrap();
+    let record = lease
+        .release()
+        .await
+        .expect("released on the third attempt");
+    assert_eq!(record.state, LeaseState::Free);
+    assert_eq!(store.attempts.load(Ordering::SeqCst), 3);
 }

@@ -192,6 +192,16 @@ fn failing_checkpoints(
     server: String,
     fail: usize,
 ) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    failing_checkpoints_with(server, fail, "503 Service Unavailable", "store-unavailable")
+}
+
+/// [`failing_checkpoints`], answering `status` (code and reason) with a problem of `kind`.
+fn failing_checkpoints_with(
+    server: String,
+    fail: usize,
+    status: &'static str,
+    kind: &'static str,
+) -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
     use std::io::{BufReader, Write};
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     let addr = listener.local_addr().unwrap().to_string();
@@ -206,9 +216,12 @@ fn failing_checkpoints(
                 while let Some((head, body)) = read_message(&mut reader) {
                     let saving = head.contains("/checkpoint ");
                     if saving && failed.fetch_add(1, std::sync::atomic::Ordering::SeqCst) < fail {
-                        let problem = r#"{"type":"urn:fence:store-unavailable","title":"unavailable","status":503,"detail":"a test front"}"#;
+                        let code = &status[..3];
+                        let problem = format!(
+                            r#"{{"type":"urn:fence:{kind}","title":"t","status":{code},"detail":"a test front"}}"#
+                        );
                         let answer = format!(
-                            "HTTP/1.1 503 Service Unavailable\r\ncontent-type: application/problem+json\r\ncontent-length: {}\r\n\r\n{problem}",
+                            "HTTP/1.1 {status}\r\ncontent-type: application/problem+json\r\ncontent-length: {}\r\n\r\n{problem}",
                             problem.len()
                         );
                         if client.write_all(answer.as_bytes()).is_err() {
@@ -359,4 +372,46 @@ fn a_same_length_rewrite_within_one_clock_tick_is_still_saved_at_the_end() {
         Some(0),
         "the next run did not resume from 'step 2' (exit 9: it got an older text): {out:?}"
     );
+}
+
+/// A 408 to a checkpoint save (a gateway, or a server whose body timeout cut the request)
+/// means the request did not arrive whole and nothing was applied. It used to be taken as
+/// an unexpected answer, final: the last checkpoint was dropped and the next run repeated
+/// the steps. It is tried again like a 503 now.
+#[test]
+fn a_408_to_the_last_checkpoint_is_tried_again() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(&dir.path().join("leases"));
+    let upstream = url.trim_start_matches("http://").to_owned();
+    let (front, saves) =
+        failing_checkpoints_with(upstream, 1, "408 Request Timeout", "body-timeout");
+    let out = fence(&[
+        "run",
+        "--server",
+        &format!("http://{front}"),
+        "--job",
+        "timed-out",
+        "--",
+        "sh",
+        "-c",
+        r#"printf 'step 4 of 5' > "$FENCE_CHECKPOINT_FILE"; exit 1"#,
+    ]);
+    assert_eq!(out.status.code(), Some(1), "{out:?}");
+    assert_eq!(
+        saves.load(std::sync::atomic::Ordering::SeqCst),
+        2,
+        "{out:?}"
+    );
+    let out = fence(&[
+        "run",
+        "--server",
+        &url,
+        "--job",
+        "timed-out",
+        "--",
+        "sh",
+        "-c",
+        r#"test "$(cat "$FENCE_CHECKPOINT_FILE")" = 'step 4 of 5' || exit 9"#,
+    ]);
+    assert_eq!(out.status.code(), Some(0), "{out:?}");
 }

@@ -138,6 +138,15 @@ impl<S: LeaseStore> Lease<S> {
                     unsure = true;
                     tokio::time::sleep(pause).await;
                 }
+                // Nothing was applied (a 408, an in-process store's queue): again, and this
+                // attempt leaves no doubt behind.
+                Err(e @ StoreError::Busy(_)) => {
+                    let pause = pauses.next_pause();
+                    if Instant::now() + pause >= until {
+                        return Err(FinishError::Store(e));
+                    }
+                    tokio::time::sleep(pause).await;
+                }
                 Err(e) => return Err(FinishError::Store(e)),
                 Ok(outcome) => break outcome,
             }

@@ -117,9 +117,12 @@ impl CheckpointFile {
         match read.and_then(text) {
             Ok(data) => match self.saver.save(data).await {
                 Ok(_) => tracing::debug!(path = %self.path.display(), "checkpoint saved"),
-                // The server did not answer (unreachable, a timeout, a 502, 503 or 504): again.
-                // Any other refusal (too large, a bad request, the lease lost) is final.
-                Err(fence_lease::FinishError::Store(e)) if e.answer_lost() => {
+                // The server did not answer (unreachable, a timeout, a 502, 503 or 504), or
+                // applied nothing (busy, a 408): again. Any other refusal (too large, a bad
+                // request, the lease lost) is final.
+                Err(fence_lease::FinishError::Store(e))
+                    if e.answer_lost() || matches!(e, fence_lease::StoreError::Busy(_)) =>
+                {
                     let error = fence_storage::error_chain(&e);
                     tracing::warn!(%error, "the checkpoint was not saved; trying again");
                     return false;

@@ -90,6 +90,17 @@ fn seconds(retry_after: Option<&http::HeaderValue>) -> Option<Duration> {
 }
 
 pub(super) fn unexpected(status: StatusCode, body: &[u8]) -> StoreError {
+    // The request did not arrive whole in time (a gateway's, or a server's body timeout):
+    // nothing was applied, and asking again may pass.
+    if status == StatusCode::REQUEST_TIMEOUT {
+        let detail = match serde_json::from_slice::<Problem>(body) {
+            Ok(p) => p.detail,
+            Err(_) => String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+        };
+        return StoreError::Busy(format!(
+            "the request did not arrive in time (408): {detail}"
+        ));
+    }
     match serde_json::from_slice::<Problem>(body) {
         Ok(p)
             if matches!(
@@ -314,7 +325,7 @@ mod tests {
 
     /// A 4xx problem other than authentication, 408, 409 and 429 is a refusal that asking
     /// again cannot change; a 5xx, a 408, a 409, a 429 and any answer that is not a problem
-    /// are not.
+    /// are not. A 408 (with a problem or without) is busy: nothing was applied.
     #[test]
     fn a_client_error_problem_is_a_permanent_refusal_and_nothing_else_is() {
         let problem = |status: u16, kind: &str| {
@@ -341,7 +352,6 @@ mod tests {
         for (status, body) in [
             (StatusCode::TOO_MANY_REQUESTS, problem(429, "overloaded")),
             (StatusCode::CONFLICT, problem(409, "idempotency-in-flight")),
-            (StatusCode::REQUEST_TIMEOUT, problem(408, "bad-request")),
             (StatusCode::INTERNAL_SERVER_ERROR, problem(500, "internal")),
             (
                 StatusCode::BAD_REQUEST,
@@ -352,6 +362,13 @@ mod tests {
             assert!(
                 matches!(got, StoreError::Protocol(_)) && !got.is_permanent(),
                 "{status} {body}: {got:?}"
+            );
+        }
+        for body in [problem(408, "body-timeout"), "timed out".to_owned()] {
+            let got = unexpected(StatusCode::REQUEST_TIMEOUT, body.as_bytes());
+            assert!(
+                matches!(got, StoreError::Busy(_)) && !got.is_permanent() && !got.answer_lost(),
+                "{body}: {got:?}"
             );
         }
     }
