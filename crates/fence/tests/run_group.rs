@@ -868,3 +868,60 @@ fn a_closed_stderr_neither_ends_fence_run_nor_leaves_the_group_running() {
     let mut run = run;
     assert_eq!(run.0.wait().unwrap().code(), Some(75));
 }
+
+/// The state letter of `pid` in /proc (`T` when stopped).
+fn state_of(pid: u32) -> String {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|stat| {
+            let (_, rest) = stat.rsplit_once(')')?;
+            rest.split_whitespace().next().map(str::to_owned)
+        })
+        .unwrap_or_default()
+}
+
+/// The watchdog leads the command's group. A SIGTSTP sent to the group (a terminal's
+/// Ctrl-Z, `kill -TSTP -PGID`) used to stop it with the rest, leaving nothing to stop the
+/// group at the lease's deadline should fence run die; and it inherited FENCE_AUTH_TOKEN,
+/// which the command (its group, the same user) could read from its /proc/<pid>/environ.
+#[test]
+fn the_watchdog_is_not_stopped_with_the_group_and_holds_no_secret() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let pgid_file = dir.path().join("pgid");
+    let run = Proc(
+        Command::new(FENCE)
+            .args(["run", "--server", &url, "--job", "tstp", "--"])
+            .args(["sh", "-c"])
+            .arg(format!(
+                "cut -d' ' -f5 /proc/$$/stat > {}; sleep 300",
+                pgid_file.display()
+            ))
+            .env("FENCE_AUTH_TOKEN", "lease-server-secret-0123456789")
+            .env("RUST_LOG", "warn")
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let watchdog = pid_in(&pgid_file);
+    let environ = std::fs::read(format!("/proc/{watchdog}/environ")).unwrap();
+    assert!(
+        !String::from_utf8_lossy(&environ).contains("lease-server-secret"),
+        "the watchdog holds FENCE_AUTH_TOKEN"
+    );
+    let group = nix::unistd::Pid::from_raw(i32::try_from(watchdog).unwrap());
+    nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTSTP).unwrap();
+    // Without the fix the watchdog shows `T` within milliseconds; look for a second.
+    let start = Instant::now();
+    let mut stopped = false;
+    while start.elapsed() < Duration::from_secs(1) && !stopped {
+        stopped = state_of(watchdog) == "T";
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGCONT).unwrap();
+    assert!(
+        !stopped,
+        "the watchdog was stopped with the command's group"
+    );
+    drop(run);
+}

@@ -119,6 +119,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     if let Err(e) = nix::sys::prctl::set_child_subreaper(true) {
         tracing::debug!(error = %e, "cannot become the subreaper of the command's tree");
     }
+    // Not dumpable: the command, running as the same user, cannot read the lease server's
+    // secret (FENCE_AUTH_TOKEN) from /proc/<fence run>/environ, nor ptrace it out.
+    if let Err(e) = nix::sys::prctl::set_dumpable(false) {
+        tracing::debug!(error = %e, "cannot keep this process's memory from the command");
+    }
     let reaper = reaper::Reaper::start();
     let store = crate::calls::connect(&args.conn)?;
     let mut client = LeaseClient::new(store).ttl(args.ttl);

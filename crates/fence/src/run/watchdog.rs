@@ -81,6 +81,13 @@ fn last_moment_of(store_end: Instant, deadline: Instant) -> Instant {
 /// When its signal handlers cannot be installed.
 pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
     let mut signals = Signals::install().context("installing signal handlers")?;
+    // A stop sent to the command's group (`kill -TSTP -PGID`, a terminal's Ctrl-Z, a
+    // background read or write) must not stop the watchdog with it, or nothing would be left
+    // to stop the group at the deadline: these are handled, and so never stop it (SIGSTOP
+    // cannot be; handled rather than ignored, as `unsafe` is not used here).
+    let _stops = [Signal::SIGTSTP, Signal::SIGTTIN, Signal::SIGTTOU].map(|sig| {
+        tokio::signal::unix::signal(tokio::signal::unix::SignalKind::from_raw(sig as i32))
+    });
     let mut pipe = Pipe::default();
     // Until the pipe closes, the deadline passes, or fence run says `done`.
     loop {
