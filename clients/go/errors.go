@@ -50,7 +50,11 @@ var (
 	// ErrLeaseRefused matches a *ProblemError of type urn:fence:lease-lost or
 	// urn:fence:lease-key-mismatch (which match ErrLeaseLost too).
 	ErrLeaseRefused = errors.New("fence: lease refused by the server")
-	// ErrStaleToken matches a destination's urn:fence:stale-token or urn:fence:token-expired.
+	// ErrStaleToken matches a destination's urn:fence:stale-token or urn:fence:token-expired:
+	// a newer holder exists; stop. One exception: a token-expired (the problem's Type) while
+	// your lease still holds (not lost) means the request waited past the end of the token
+	// it carried (a signing server gives a new token at each renewal): send it again with the
+	// lease's current token.
 	ErrStaleToken = errors.New("fence: stale token")
 )
 

@@ -125,7 +125,12 @@ export class LeaseRefused extends ProblemError {
   }
 }
 
-/** 409 urn:fence:stale-token or urn:fence:token-expired from a destination: a newer holder exists. */
+/**
+ * 409 urn:fence:stale-token or urn:fence:token-expired from a destination: a newer holder
+ * exists; stop. One exception: a token-expired (`type`) while your lease still holds (not
+ * lost) means the request waited past the end of the token it carried (a signing server
+ * gives a new token at each renewal): send it again with the lease's current token.
+ */
 export class StaleToken extends ProblemError {}
 
 const BY_TYPE = {

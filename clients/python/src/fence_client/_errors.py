@@ -137,7 +137,10 @@ class LeaseRefused(ProblemError, LeaseLost):
 
 class StaleToken(ProblemError):
     """409 ``urn:fence:stale-token`` or ``urn:fence:token-expired`` from a destination:
-    a newer holder exists; stop, do not retry, do not complete."""
+    a newer holder exists; stop, do not retry, do not complete. One exception: a
+    ``token-expired`` (``self.type``) while your lease still holds (not lost) means the
+    request waited past the end of the token it carried (a signing server gives a new
+    token at each renewal): send it again with the lease's current token."""
 
 
 _BY_TYPE: Dict[str, Type[ProblemError]] = {
