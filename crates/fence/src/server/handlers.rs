@@ -19,7 +19,7 @@ use fence_core::{
 };
 use fence_lease::{LeaseOp, LeaseStore};
 use fence_sink::PeerAddr;
-use http_body_util::{BodyExt, Limited};
+use http_body_util::BodyExt;
 
 use super::{
     AppState,
@@ -59,7 +59,7 @@ async fn parse_within<T>(
     (limit, too_large): (usize, impl FnOnce(usize) -> Problem),
     parse: impl FnOnce(&[u8]) -> Result<T, BodyError>,
 ) -> Result<T, Problem> {
-    let read = tokio::time::timeout(BODY_TIMEOUT, Limited::new(body, limit).collect());
+    let read = tokio::time::timeout(BODY_TIMEOUT, read_within(body, limit));
     let Ok(read) = read.await else {
         return Err(Problem::new(
             ProblemType::BodyTimeout,
@@ -70,13 +70,32 @@ async fn parse_within<T>(
         ));
     };
     let bytes: Bytes = match read {
-        Ok(b) => b.to_bytes(),
-        Err(e) if e.is::<http_body_util::LengthLimitError>() => {
-            return Err(too_large(limit));
-        }
+        Ok(Some(b)) => b,
+        Ok(None) => return Err(too_large(limit)),
         Err(e) => return Err(bad(format!("body: could not be read: {e}"))),
     };
     parse(&bytes).map_err(|e| bad(e.to_string()))
+}
+
+/// The body, when it holds at most `limit` bytes; `None` for a longer one, read on (and
+/// thrown away, not kept) up to [`MAX_CHECKPOINT_BODY`] bytes more first: answered while
+/// its client is still sending, the refusal would be lost to the reset a close with unread
+/// bytes sends.
+async fn read_within(mut body: Body, limit: usize) -> Result<Option<Bytes>, axum::Error> {
+    let mut kept = bytes::BytesMut::new();
+    let mut seen = 0usize;
+    while let Some(frame) = body.frame().await {
+        let Ok(data) = frame?.into_data() else {
+            continue;
+        };
+        seen = seen.saturating_add(data.len());
+        if seen <= limit {
+            kept.extend_from_slice(&data);
+        } else if seen > limit.saturating_add(MAX_CHECKPOINT_BODY) {
+            return Ok(None);
+        }
+    }
+    Ok((seen <= limit).then(|| kept.freeze()))
 }
 
 /// The operation a request body asks for, its TTL capped at `--max-ttl` and a claim's
