@@ -42,11 +42,14 @@ pub(crate) fn reject<B>(
 /// the proxy sends it over HTTP/1.1 like any request; nor is another type that merely starts
 /// the same (`application/grpcfoo`).
 pub fn is_grpc(headers: &http::HeaderMap) -> bool {
-    const GRPC: &[u8] = b"application/grpc";
-    content_type(headers).is_some_and(|t| {
-        starts_with_ignore_case(t, GRPC)
-            && matches!(t.get(GRPC.len()), None | Some(b'+' | b';' | b' ' | b'\t'))
-    })
+    content_type(headers).is_some_and(|t| is_media_type(t, b"application/grpc"))
+}
+
+/// Whether the content type `t` is `name`, alone or followed by a `+` suffix or parameters
+/// (`;`), in any case.
+fn is_media_type(t: &[u8], name: &[u8]) -> bool {
+    starts_with_ignore_case(t, name)
+        && matches!(t.get(name.len()), None | Some(b'+' | b';' | b' ' | b'\t'))
 }
 
 fn content_type(headers: &http::HeaderMap) -> Option<&[u8]> {
@@ -69,7 +72,13 @@ pub(crate) fn starts_with_ignore_case(value: &[u8], prefix: &[u8]) -> bool {
 /// [`is_grpc`].
 pub(crate) fn carries_messages(headers: &http::HeaderMap) -> bool {
     content_type(headers).is_some_and(|t| {
-        starts_with_ignore_case(t, b"application/grpc")
+        [
+            &b"application/grpc"[..],
+            b"application/grpc-web",
+            b"application/grpc-web-text",
+        ]
+        .iter()
+        .any(|name| is_media_type(t, name))
             || starts_with_ignore_case(t, b"application/connect+")
     })
 }
@@ -277,6 +286,26 @@ mod tests {
             "application/json",
         ] {
             assert!(!of(no), "{no}");
+        }
+        let messages = |t: &str| {
+            let mut headers = http::HeaderMap::new();
+            headers.insert(http::header::CONTENT_TYPE, t.parse().unwrap());
+            carries_messages(&headers)
+        };
+        for yes in [
+            "application/grpc",
+            "application/grpc-web+proto",
+            "application/grpc-web-text",
+            "application/connect+json",
+        ] {
+            assert!(messages(yes), "{yes}");
+        }
+        for no in [
+            "application/grpcfoo",
+            "application/grpc-webx",
+            "application/json",
+        ] {
+            assert!(!messages(no), "{no}");
         }
     }
 }
