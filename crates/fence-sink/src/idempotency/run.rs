@@ -181,7 +181,16 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
             Ok(())
         };
         let failure = match tokio::time::timeout_at(self.deadline, read).await {
-            Ok(Ok(())) => return Ok((parts, buf.freeze(), trailers, held)),
+            Ok(Ok(())) => {
+                // The headers the fingerprint covers are judged in the head only: a service
+                // merging trailers into its headers must not read a value it never covered.
+                if let Some(trailers) = trailers.as_mut() {
+                    for name in &self.config.scope_headers {
+                        trailers.remove(name);
+                    }
+                }
+                return Ok((parts, buf.freeze(), trailers, held));
+            }
             Ok(Err(failure)) => failure,
             Err(_) => {
                 count("body_timeout");
