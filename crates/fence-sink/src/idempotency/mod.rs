@@ -17,6 +17,7 @@
 //! # let _ = layer;
 //! ```
 
+mod capture;
 mod ended;
 mod finish;
 mod run;
