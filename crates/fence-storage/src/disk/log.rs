@@ -18,7 +18,9 @@
 //! cost (BENCHMARKS.md). On open, the segments left are replayed into sled in order (each
 //! record sets or removes one key, so replaying twice gives the same result), sled is
 //! flushed, and they are deleted. A frame cut short or failing its checksum ends the replay;
-//! it can only be the last one written, which no commit had waited for.
+//! a crash can only cut the last one written, which no commit had waited for (the writer
+//! writes a frame once every earlier one is synced). So a frame of the same segment that
+//! passes its checksum after one that fails proves damage, not a crash: the open is refused.
 
 use std::{
     fs::File,

@@ -223,6 +223,32 @@ fn a_segment_without_its_end_before_the_last_refuses_to_open() {
     assert_eq!(tree.get("b").unwrap().as_deref(), Some(&b"2"[..]));
 }
 
+/// The last segment with three frames, the first one's body damaged (a bit flipped on the
+/// disk after it was synced): a crash only cuts the last frame short, so the whole frames
+/// after it prove damage. Replaying up to the damage would drop the acknowledged writes of
+/// frames 2 and 3 and delete the segment: the open is refused by name and the file kept.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_damaged_frame_before_whole_ones_in_the_last_segment_refuses_to_open() {
+    let (dir, log_dir) = closed_with("a", "1").await;
+    let path = log_dir.join(format!("{:020}.log", 4));
+    let mut file = segment(4, &[(b"b", b"2")]);
+    for (key, value) in [(b"c", b"3"), (b"d", b"4")] {
+        file.extend(&segment(4, &[(key, value)])[log::header(0).len()..]);
+    }
+    // The last byte of the first frame's body (its value "2").
+    let at = segment(4, &[(b"b", b"2")]).len() - 1;
+    file[at] ^= 0x01;
+    std::fs::write(&path, &file).unwrap();
+    let err = DurableDb::open(dir.path()).unwrap_err();
+    assert!(matches!(err, OpenError::Log { .. }), "{err:?}");
+    let said = crate::error_chain(&err);
+    assert!(
+        said.contains("00000000000000000004.log is damaged: its frame at byte 16"),
+        "{said}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), file, "the segment is kept");
+}
+
 /// A segment file with the largest number (not one fence wrote: it would take 2^64 segments)
 /// refuses the open by name, instead of a log whose next segment's number overflows (a panic
 /// of the writer thread in a debug build, leaving every commit unanswered; in a release

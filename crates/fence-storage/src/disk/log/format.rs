@@ -93,76 +93,177 @@ pub(in crate::disk) fn frame(segment: u64, salt: u64, body: &[u8], out: &mut Vec
 pub(super) struct Segment<'a> {
     /// The records of every whole frame, in order.
     pub(super) ops: Vec<Op<'a>>,
-    /// Whether the frames end with the segment's end.
-    pub(super) ended: bool,
+    /// Where its frames stop.
+    pub(super) end: End,
 }
 
-/// A frame passed its checksum but its records do not read: not something a crash does.
+/// Where a segment's frames stop.
 #[derive(Debug, PartialEq, Eq)]
-pub(super) struct Undecodable {
-    /// Where the frame starts.
-    pub(super) at: usize,
+pub(super) enum End {
+    /// At its end frame.
+    Ended,
+    /// At byte `at`: a frame cut short, or bytes of the file's earlier use (or no header).
+    Cut { at: usize },
+}
+
+/// Why a segment's file is refused: not something a crash does.
+#[derive(Debug, PartialEq, Eq)]
+pub(super) enum Unreadable {
+    /// The frame at `at` passed its checksum but its records do not read.
+    Undecodable { at: usize },
+    /// The frame at `at` fails its checksum, yet a later frame, at `later`, passes it: the
+    /// writer writes a frame only once every earlier one is synced, so a crash cuts the last
+    /// frame only, and this is damage to synced frames.
+    Damaged { at: usize, later: usize },
 }
 
 /// Reads segment `segment` from its file's bytes: frames up to its end, or up to the first
-/// frame cut short, damaged or left from the file's earlier use. A file without a whole
-/// header holds nothing (a crash while it was being created).
-pub(super) fn read(bytes: &[u8], segment: u64) -> Result<Segment<'_>, Undecodable> {
+/// frame cut short or left from the file's earlier use. A file without a whole header
+/// holds nothing (a crash while it was being created).
+pub(super) fn read(bytes: &[u8], segment: u64) -> Result<Segment<'_>, Unreadable> {
     let mut ops = Vec::new();
     let salt = match bytes.split_first_chunk::<SEGMENT_HEADER>() {
         Some((h, _)) if h.starts_with(MAGIC) => {
             u64::from_le_bytes(h[8..].try_into().unwrap_or_default())
         }
-        _ => return Ok(Segment { ops, ended: false }),
+        _ => {
+            return Ok(Segment {
+                ops,
+                end: End::Cut { at: 0 },
+            });
+        }
     };
     let mut at = SEGMENT_HEADER;
     while let Some(body) = frame_at(bytes, at, segment, salt) {
         if body.is_empty() {
-            return Ok(Segment { ops, ended: true });
+            return Ok(Segment {
+                ops,
+                end: End::Ended,
+            });
         }
-        records(body, &mut ops).ok_or(Undecodable { at })?;
+        records(body, &mut ops).ok_or(Unreadable::Undecodable { at })?;
         at += FRAME_HEADER + body.len();
     }
-    Ok(Segment { ops, ended: false })
+    if let Some(later) = later_frame(bytes, at, segment, salt) {
+        return Err(Unreadable::Damaged { at, later });
+    }
+    Ok(Segment {
+        ops,
+        end: End::Cut { at },
+    })
 }
 
 fn frame_at(bytes: &[u8], at: usize, segment: u64, salt: u64) -> Option<&[u8]> {
-    let header = bytes.get(at..at.checked_add(FRAME_HEADER)?)?;
-    let (len, crc) = header.split_first_chunk::<4>()?;
-    let len = usize::try_from(u32::from_le_bytes(*len)).ok()?;
-    let crc = u32::from_le_bytes(crc.try_into().ok()?);
+    let (len, crc) = frame_header(bytes, at)?;
     let start = at + FRAME_HEADER;
     let body = bytes.get(start..start.checked_add(len)?)?;
     (checksum(segment, salt, body) == crc).then_some(body)
 }
 
+/// The length and checksum of the frame header at `at`, if the file holds one there.
+fn frame_header(bytes: &[u8], at: usize) -> Option<(usize, u32)> {
+    let header = bytes.get(at..at.checked_add(FRAME_HEADER)?)?;
+    let (len, crc) = header.split_first_chunk::<4>()?;
+    let len = usize::try_from(u32::from_le_bytes(*len)).ok()?;
+    Some((len, u32::from_le_bytes(crc.try_into().ok()?)))
+}
+
+/// How much [`later_frame`] may do per byte of the file: offsets tried, records parsed and
+/// bytes checksummed, together.
+const SCAN_WORK: usize = 8;
+
+/// Where a frame of this segment (number and salt) that passes its checksum starts after
+/// the one at `at`, which does not: the frame that `at`'s length points past first (damage
+/// to a body or a checksum leaves the length right), then every byte after `at`. Only
+/// bodies that read as records are checksummed (every frame the writer wrote reads), and
+/// the work is bounded by the file's size: past it, none is reported (as for a crash).
+fn later_frame(bytes: &[u8], at: usize, segment: u64, salt: u64) -> Option<usize> {
+    let end = checksum(segment, salt, &[]);
+    let mut budget = bytes
+        .len()
+        .saturating_mul(SCAN_WORK)
+        .saturating_add(1 << 16);
+    let declared =
+        frame_header(bytes, at).and_then(|(len, _)| (at + FRAME_HEADER).checked_add(len));
+    for from in declared
+        .into_iter()
+        .chain(at.saturating_add(1)..bytes.len())
+    {
+        budget = budget.checked_sub(1)?;
+        let Some((len, crc)) = frame_header(bytes, from) else {
+            continue;
+        };
+        if len == 0 {
+            // An end frame: its checksum is the same wherever it is.
+            if crc == end {
+                return Some(from);
+            }
+            continue;
+        }
+        let start = from + FRAME_HEADER;
+        let Some(body) = start
+            .checked_add(len)
+            .and_then(|stop| bytes.get(start..stop))
+        else {
+            continue;
+        };
+        if !reads(body, &mut budget)? {
+            continue;
+        }
+        budget = budget.checked_sub(len)?;
+        if checksum(segment, salt, body) == crc {
+            return Some(from);
+        }
+    }
+    None
+}
+
+/// Whether `body` reads as records to its end, each record parsed taken from `budget`;
+/// `None` once it is spent.
+fn reads(mut body: &[u8], budget: &mut usize) -> Option<bool> {
+    while !body.is_empty() {
+        *budget = budget.checked_sub(1)?;
+        match record(body) {
+            Some((_, rest)) => body = rest,
+            None => return Some(false),
+        }
+    }
+    Some(true)
+}
+
 /// Appends the records of `body` to `ops`; `None` when it does not read to its end.
 fn records<'a>(mut body: &'a [u8], ops: &mut Vec<Op<'a>>) -> Option<()> {
     while !body.is_empty() {
-        let (&kind, rest) = body.split_first()?;
-        let (&tree_len, rest) = rest.split_first()?;
-        let (tree, mut rest) = rest.split_at_checked(usize::from(tree_len))?;
-        let mut part = || -> Option<&'a [u8]> {
-            let (n, tail) = rest.split_first_chunk::<4>()?;
-            let n = usize::try_from(u32::from_le_bytes(*n)).ok()?;
-            let (part, tail) = tail.split_at_checked(n)?;
-            rest = tail;
-            Some(part)
-        };
-        let op = match kind {
-            PUT => Op::Put {
-                tree,
-                key: part()?,
-                value: part()?,
-            },
-            REMOVE => Op::Remove { tree, key: part()? },
-            CLEAR => Op::Clear { tree },
-            _ => return None,
-        };
+        let (op, rest) = record(body)?;
         ops.push(op);
         body = rest;
     }
     Some(())
+}
+
+/// The record `body` starts with, and what follows it.
+fn record(body: &[u8]) -> Option<(Op<'_>, &[u8])> {
+    let (&kind, rest) = body.split_first()?;
+    let (&tree_len, rest) = rest.split_first()?;
+    let (tree, mut rest) = rest.split_at_checked(usize::from(tree_len))?;
+    let mut part = || {
+        let (n, tail) = rest.split_first_chunk::<4>()?;
+        let n = usize::try_from(u32::from_le_bytes(*n)).ok()?;
+        let (part, tail) = tail.split_at_checked(n)?;
+        rest = tail;
+        Some(part)
+    };
+    let op = match kind {
+        PUT => Op::Put {
+            tree,
+            key: part()?,
+            value: part()?,
+        },
+        REMOVE => Op::Remove { tree, key: part()? },
+        CLEAR => Op::Clear { tree },
+        _ => return None,
+    };
+    Some((op, rest))
 }
 
 #[cfg(test)]
@@ -215,7 +316,7 @@ mod tests {
             read(&bytes, 5),
             Ok(Segment {
                 ops: OPS.to_vec(),
-                ended: true
+                end: End::Ended
             })
         );
     }
@@ -226,9 +327,9 @@ mod tests {
         for cut in first..bytes.len() {
             let got = read(&bytes[..cut], 5).unwrap();
             assert_eq!(got.ops, OPS[..3].to_vec(), "cut at {cut}");
-            assert!(!got.ended);
+            assert_eq!(got.end, End::Cut { at: first });
         }
-        for at in 0..bytes.len() {
+        for at in (0..SEGMENT_HEADER).chain(first..bytes.len()) {
             let mut damaged = bytes.clone();
             damaged[at] ^= 0x10;
             let got = read(&damaged, 5).unwrap_or_else(|e| panic!("at {at}: {e:?}"));
@@ -258,7 +359,77 @@ mod tests {
     fn a_frame_that_passes_its_checksum_but_does_not_read_is_refused() {
         let mut bytes = header(SALT).to_vec();
         frame(1, SALT, &[PUT, 200], &mut bytes);
-        assert_eq!(read(&bytes, 1), Err(Undecodable { at: SEGMENT_HEADER }));
+        assert_eq!(
+            read(&bytes, 1),
+            Err(Unreadable::Undecodable { at: SEGMENT_HEADER })
+        );
+    }
+
+    /// A crash cuts only the last frame (the writer writes a frame once every earlier one
+    /// is synced): a frame that fails its checksum with a good one after it is damage to
+    /// synced frames, whose records would be dropped. Wherever the damage is in the frame
+    /// (its length too), the later frame is found.
+    #[test]
+    fn a_damaged_frame_with_a_good_one_after_it_is_refused() {
+        let (mut bytes, second) = file(false);
+        let third = bytes.len();
+        frame(5, SALT, &[], &mut bytes);
+        for at in SEGMENT_HEADER..third {
+            let mut damaged = bytes.clone();
+            damaged[at] ^= 0x10;
+            let want = if at < second {
+                Unreadable::Damaged {
+                    at: SEGMENT_HEADER,
+                    later: second,
+                }
+            } else {
+                Unreadable::Damaged {
+                    at: second,
+                    later: third,
+                }
+            };
+            assert_eq!(read(&damaged, 5), Err(want), "damaged at {at}");
+        }
+    }
+
+    /// What follows a frame a crash cut short in a reused file (frames of its earlier use,
+    /// under another segment's number and salt, then the zeros it was filled with) holds no
+    /// frame of this segment: read as a crash, not as damage.
+    #[test]
+    fn a_cut_frame_in_a_reused_file_is_a_crash() {
+        let (old, _) = file(true);
+        let mut bytes = header(SALT + 1).to_vec();
+        let mut body = Vec::new();
+        OPS.iter().for_each(|op| op.encode(&mut body));
+        frame(6, SALT + 1, &body, &mut bytes);
+        let cut = bytes.len() - 3;
+        bytes.truncate(cut);
+        bytes.extend_from_slice(&old[SEGMENT_HEADER..]);
+        bytes.extend_from_slice(&old[SEGMENT_HEADER..]);
+        bytes.extend_from_slice(&[0; 4096]);
+        assert_eq!(
+            read(&bytes, 6),
+            Ok(Segment {
+                ops: Vec::new(),
+                end: End::Cut { at: SEGMENT_HEADER }
+            })
+        );
+    }
+
+    /// A file whose bytes after a bad frame read as records at every offset: the search for
+    /// a later frame stops within its bound.
+    #[test]
+    fn the_search_for_a_later_frame_is_bounded() {
+        let mut bytes = header(SALT).to_vec();
+        // Frame headers claiming 1 MiB bodies of empty Clear records, at every even offset.
+        bytes.extend((0..1 << 20).flat_map(|_| [CLEAR, 0]));
+        bytes[SEGMENT_HEADER..SEGMENT_HEADER + 4].copy_from_slice(&(1u32 << 19).to_le_bytes());
+        let started = std::time::Instant::now();
+        assert_eq!(
+            read(&bytes, 5).unwrap().end,
+            End::Cut { at: SEGMENT_HEADER }
+        );
+        assert!(started.elapsed() < std::time::Duration::from_secs(10));
     }
 
     #[test]

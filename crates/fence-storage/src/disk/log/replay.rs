@@ -25,6 +25,14 @@ pub(in crate::disk) enum ReplayError {
         "the log segment {path} holds a frame at byte {at} that passes its checksum but does not read"
     )]
     Undecodable { path: PathBuf, at: usize },
+    #[error(
+        "the log segment {path} is damaged: its frame at byte {at} fails its checksum, yet a later one (at byte {later}) passes it, and a crash only cuts the last frame short; replaying would drop writes that were acknowledged. Keep the file (copy the data directory aside) and check the disk; then restore from a backup, or move the file out of the log directory to open without the writes it holds"
+    )]
+    Damaged {
+        path: PathBuf,
+        at: usize,
+        later: usize,
+    },
     #[error("cannot flush sled after replaying the log")]
     Flush(#[source] CommitError),
     #[error(
@@ -51,11 +59,18 @@ pub(in crate::disk) fn replay(
         .map_or(0, |i| i + 1);
     for (i, (number, path)) in found.iter().enumerate().skip(from) {
         let bytes = std::fs::read(path)?;
-        let segment = format::read(&bytes, *number).map_err(|e| ReplayError::Undecodable {
-            path: path.clone(),
-            at: e.at,
+        let segment = format::read(&bytes, *number).map_err(|e| match e {
+            format::Unreadable::Undecodable { at } => ReplayError::Undecodable {
+                path: path.clone(),
+                at,
+            },
+            format::Unreadable::Damaged { at, later } => ReplayError::Damaged {
+                path: path.clone(),
+                at,
+                later,
+            },
         })?;
-        if !segment.ended && i + 1 < found.len() {
+        if segment.end != format::End::Ended && i + 1 < found.len() {
             return Err(ReplayError::Unended(path.clone()));
         }
         for op in &segment.ops {
