@@ -249,6 +249,59 @@ async fn a_damaged_frame_before_whole_ones_in_the_last_segment_refuses_to_open()
     assert_eq!(std::fs::read(&path).unwrap(), file, "the segment is kept");
 }
 
+/// A last segment whose header is not this build's, followed by frames (a log written by
+/// another version of fence, or a damaged header): it was read as empty, then deleted with
+/// the writes it held. The open is refused by name and the file kept. A segment file that
+/// is zeros (a crash before its header was written) still opens, as nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_segment_of_another_format_refuses_to_open_and_one_of_zeros_opens() {
+    let (dir, log_dir) = closed_with("a", "1").await;
+    let path = log_dir.join(format!("{:020}.log", 3));
+    let mut file = segment(3, &[(b"b", b"2")]);
+    file[0] ^= 0x20;
+    std::fs::write(&path, &file).unwrap();
+    let err = DurableDb::open(dir.path()).unwrap_err();
+    assert!(matches!(err, OpenError::Log { .. }), "{err:?}");
+    let said = crate::error_chain(&err);
+    assert!(
+        said.contains(
+            "00000000000000000003.log does not start with this build's header: it was written by another version of fence"
+        ),
+        "{said}"
+    );
+    assert_eq!(std::fs::read(&path).unwrap(), file, "the segment is kept");
+    std::fs::write(&path, [0; 4096]).unwrap();
+    let db = DurableDb::open(dir.path()).unwrap();
+    assert_eq!(
+        db.tree("t").unwrap().get("a").unwrap().as_deref(),
+        Some(&b"1"[..])
+    );
+}
+
+/// A segment before the last one with a header of zeros: a crash leaves that only in the
+/// last one, so it is damage, and the refusal says the header is damaged (it said the
+/// segment had no end).
+#[test]
+fn a_segment_before_the_last_with_a_zeroed_header_is_named_as_damaged() {
+    let dir = tempfile::tempdir().unwrap();
+    let log_dir = dir.path().join(log::LOG_DIR);
+    std::fs::create_dir_all(&log_dir).unwrap();
+    let mut first = segment(1, &[(b"a", b"1")]);
+    log::frame(1, SALT, &[], &mut first);
+    first[..log::header(0).len()].fill(0);
+    std::fs::write(log_dir.join(format!("{:020}.log", 1)), first).unwrap();
+    std::fs::write(
+        log_dir.join(format!("{:020}.log", 2)),
+        segment(2, &[(b"b", b"2")]),
+    )
+    .unwrap();
+    let said = crate::error_chain(&DurableDb::open(dir.path()).unwrap_err());
+    assert!(
+        said.contains("00000000000000000001.log has a damaged header"),
+        "{said}"
+    );
+}
+
 /// A segment file with the largest number (not one fence wrote: it would take 2^64 segments)
 /// refuses the open by name, instead of a log whose next segment's number overflows (a panic
 /// of the writer thread in a debug build, leaving every commit unanswered; in a release

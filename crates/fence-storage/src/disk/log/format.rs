@@ -8,7 +8,9 @@
 //! next segment is created). Segment files are reused, so what follows the last frame
 //! written may be zeros or bytes of the file's earlier use (frames, and inside them values
 //! a client chose): none of them can pass the check without the new salt, which was never
-//! written anywhere but in this header.
+//! written anywhere but in this header. The header names no version: a file longer than a
+//! header whose header is neither this one nor zeros (a crash before it was written) is
+//! refused, never read as empty, so a log of another format is not replayed as nothing.
 
 /// A frame's header: the body's length and its checksum.
 pub(super) const FRAME_HEADER: usize = 8;
@@ -102,8 +104,11 @@ pub(super) struct Segment<'a> {
 pub(super) enum End {
     /// At its end frame.
     Ended,
-    /// At byte `at`: a frame cut short, or bytes of the file's earlier use (or no header).
+    /// At byte `at`: a frame cut short, or bytes of the file's earlier use.
     Cut { at: usize },
+    /// Before any frame: the file is shorter than a header, or its header is zeros (a crash
+    /// while it was created; before the last segment, damage).
+    NoHeader,
 }
 
 /// Why a segment's file is refused: not something a crash does.
@@ -115,21 +120,28 @@ pub(super) enum Unreadable {
     /// writer writes a frame only once every earlier one is synced, so a crash cuts the last
     /// frame only, and this is damage to synced frames.
     Damaged { at: usize, later: usize },
+    /// The header is neither this build's nor zeros, and frames may follow it: written by
+    /// another format of the log (another version of fence), or damaged.
+    Foreign,
 }
 
 /// Reads segment `segment` from its file's bytes: frames up to its end, or up to the first
-/// frame cut short or left from the file's earlier use. A file without a whole header
-/// holds nothing (a crash while it was being created).
+/// frame cut short or left from the file's earlier use. A file without a whole header, or
+/// with one of zeros, holds nothing (a crash while it was being created: the header is
+/// synced before any frame is written); another header on a longer file is refused.
 pub(super) fn read(bytes: &[u8], segment: u64) -> Result<Segment<'_>, Unreadable> {
     let mut ops = Vec::new();
     let salt = match bytes.split_first_chunk::<SEGMENT_HEADER>() {
         Some((h, _)) if h.starts_with(MAGIC) => {
             u64::from_le_bytes(h[8..].try_into().unwrap_or_default())
         }
+        Some((h, rest)) if !rest.is_empty() && h.iter().any(|&b| b != 0) => {
+            return Err(Unreadable::Foreign);
+        }
         _ => {
             return Ok(Segment {
                 ops,
-                end: End::Cut { at: 0 },
+                end: End::NoHeader,
             });
         }
     };
@@ -329,7 +341,7 @@ mod tests {
             assert_eq!(got.ops, OPS[..3].to_vec(), "cut at {cut}");
             assert_eq!(got.end, End::Cut { at: first });
         }
-        for at in (0..SEGMENT_HEADER).chain(first..bytes.len()) {
+        for at in (MAGIC.len()..SEGMENT_HEADER).chain(first..bytes.len()) {
             let mut damaged = bytes.clone();
             damaged[at] ^= 0x10;
             let got = read(&damaged, 5).unwrap_or_else(|e| panic!("at {at}: {e:?}"));
@@ -353,6 +365,35 @@ mod tests {
             "a frame written under another salt (the same number in another file) is not read"
         );
         assert_eq!(read(&bytes[..SEGMENT_HEADER - 1], 5).unwrap().ops, []);
+    }
+
+    /// A header that is neither this build's nor zeros, with frames after it: a log of
+    /// another format (a future or older fence) or damage; read as empty, its segment would
+    /// be replayed as nothing and deleted. A file that is only a header, or shorter, or one
+    /// whose header is zeros, is one a crash left while it was created: empty.
+    #[test]
+    fn a_header_of_another_format_is_refused_and_one_of_zeros_is_empty() {
+        let (bytes, _) = file(true);
+        for at in 0..MAGIC.len() {
+            let mut other = bytes.clone();
+            other[at] ^= 0x01;
+            assert_eq!(read(&other, 5), Err(Unreadable::Foreign), "changed at {at}");
+            assert_eq!(
+                read(&other[..SEGMENT_HEADER], 5).unwrap().end,
+                End::NoHeader
+            );
+            assert_eq!(read(&other[..at + 1], 5).unwrap().end, End::NoHeader);
+        }
+        let mut zeros = bytes.clone();
+        zeros[..SEGMENT_HEADER].fill(0);
+        assert_eq!(
+            read(&zeros, 5),
+            Ok(Segment {
+                ops: Vec::new(),
+                end: End::NoHeader
+            })
+        );
+        assert_eq!(read(&[0; 1 << 12], 5).unwrap().end, End::NoHeader);
     }
 
     #[test]

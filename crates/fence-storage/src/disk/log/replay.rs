@@ -18,9 +18,17 @@ pub(in crate::disk) enum ReplayError {
     #[error("cannot write the log's records to sled")]
     Sled(#[from] sled::Error),
     #[error(
-        "the log segment {0} has no end, yet a later one exists (a crash only cuts the last segment short)"
+        "the log segment {path} has no end (its frames stop at byte {at}), yet a later one exists (a crash only cuts the last segment short)"
     )]
-    Unended(PathBuf),
+    Unended { path: PathBuf, at: usize },
+    #[error(
+        "the log segment {0} has a damaged header (zeros, or shorter than a header), yet a later one exists (only a crash while the last segment is created leaves its header unwritten)"
+    )]
+    NoHeader(PathBuf),
+    #[error(
+        "the log segment {0} does not start with this build's header: it was written by another version of fence, or its header is damaged. Keep the file; open the data directory with the version of fence that wrote it and stop that one cleanly (a clean stop leaves no log), or restore from a backup"
+    )]
+    Foreign(PathBuf),
     #[error(
         "the log segment {path} holds a frame at byte {at} that passes its checksum but does not read"
     )]
@@ -69,9 +77,19 @@ pub(in crate::disk) fn replay(
                 at,
                 later,
             },
+            format::Unreadable::Foreign => ReplayError::Foreign(path.clone()),
         })?;
-        if segment.end != format::End::Ended && i + 1 < found.len() {
-            return Err(ReplayError::Unended(path.clone()));
+        if i + 1 < found.len() {
+            match segment.end {
+                format::End::Ended => {}
+                format::End::Cut { at } => {
+                    return Err(ReplayError::Unended {
+                        path: path.clone(),
+                        at,
+                    });
+                }
+                format::End::NoHeader => return Err(ReplayError::NoHeader(path.clone())),
+            }
         }
         for op in &segment.ops {
             match *op {
