@@ -13,3 +13,13 @@ pub fn set_clock_offset_ms(ms: i64) {
 pub fn clock_offset_ms() -> i64 {
     CLOCK_OFFSET_MS.load(Ordering::SeqCst)
 }
+
+/// The environment variable that makes `fence run` take the process it names (`command` or
+/// `watchdog`) for one stuck in uninterruptible sleep, which not even a SIGKILL ends: its
+/// waits for it never return.
+pub const STUCK_AFTER_KILL: &str = "FENCE_TEST_STUCK_AFTER_KILL";
+
+/// Whether [`STUCK_AFTER_KILL`] names `who`.
+pub fn stuck_after_kill(who: &str) -> bool {
+    std::env::var(STUCK_AFTER_KILL).is_ok_and(|named| named == who)
+}

@@ -925,3 +925,96 @@ fn the_watchdog_is_not_stopped_with_the_group_and_holds_no_secret() {
     );
     drop(run);
 }
+
+/// `fence run` with the test hook that makes its waits for `stuck` (the command, or the
+/// watchdog) never end, as for a process in uninterruptible sleep (a hung hard NFS mount),
+/// which a SIGKILL ends only once it leaves it.
+#[cfg(feature = "test-hooks")]
+fn spawn_stuck(url: &str, job: &str, stuck: &str, extra: &[&str], script: &str) -> Proc {
+    Proc(
+        Command::new(FENCE)
+            .args(["run", "--server", url, "--job", job, "--grace", "500ms"])
+            .args(extra)
+            .args(["--", "sh", "-c", script])
+            .env("RUST_LOG", "warn")
+            .env("FENCE_TEST_STUCK_AFTER_KILL", stuck)
+            .stderr(Stdio::piped())
+            .spawn()
+            .unwrap(),
+    )
+}
+
+/// The exit code and stderr of `run` within `limit` (killed, and a failure, after it).
+#[cfg(feature = "test-hooks")]
+fn ended_within(run: &mut Proc, limit: Duration) -> (Option<i32>, String) {
+    use std::io::Read as _;
+    let start = Instant::now();
+    let status = loop {
+        if let Some(status) = run.0.try_wait().unwrap() {
+            break status;
+        }
+        if start.elapsed() > limit {
+            let _ = run.0.kill();
+            let _ = run.0.wait();
+            panic!("fence run still waited after {limit:?}");
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let mut said = String::new();
+    let _ = run.0.stderr.take().unwrap().read_to_string(&mut said);
+    (status.code(), said)
+}
+
+/// A process that SIGKILL does not end (stuck in uninterruptible sleep): `fence run` waited
+/// for it for ever after its SIGKILL, the lease lost, the job's next owner working, and
+/// whatever supervised `fence run` never told. It now waits 10 s, says so, and exits 75
+/// when the lease was lost (the command stuck after the loss's SIGKILL), or 1 when it was
+/// not (the watchdog stuck after a clean end), the job left to expire either way.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_process_that_sigkill_does_not_end_is_waited_for_10_s_then_given_up() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("stuck.pid");
+    let mut lost = spawn_stuck(
+        &url,
+        "stuck-command",
+        "command",
+        &["--ttl", "1s"],
+        &tree_script(&pid_file, true),
+    );
+    let mut clean = spawn_stuck(
+        &url,
+        "stuck-watchdog",
+        "watchdog",
+        &["--ttl", "30s"],
+        "true",
+    );
+    pid_in(&pid_file);
+    let stopped = Instant::now();
+    signal(&server, "-STOP"); // the first one's lease is lost within 1 s
+    std::thread::sleep(Duration::from_secs(2));
+    signal(&server, "-CONT");
+    let (code, said) = ended_within(&mut lost, Duration::from_secs(30));
+    assert_eq!(code, Some(75), "{said}");
+    assert!(
+        said.contains("the command (pid ") && said.contains("had not ended 10s after its SIGKILL"),
+        "{said}"
+    );
+    assert!(stopped.elapsed() >= Duration::from_secs(10), "{said}");
+    let (code, said) = ended_within(&mut clean, Duration::from_secs(30));
+    assert_eq!(code, Some(1), "{said}");
+    assert!(
+        said.contains("the watchdog (pid ") && said.contains("had not ended 10s after its SIGKILL"),
+        "{said}"
+    );
+    assert!(said.contains("the job is left to expire"), "{said}");
+    let record = json(&fence(&[
+        "status",
+        "--server",
+        &url,
+        "--job",
+        "stuck-watchdog",
+    ]));
+    assert_eq!(record["state"], "held", "not completed: {record}");
+}

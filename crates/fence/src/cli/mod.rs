@@ -124,10 +124,13 @@ itself exits 3 or 75 is told apart only by fence run's last line on stderr):
   3     the lease could not be obtained within --wait, or the job is completed
   75    the lease was lost while the command ran (the group got SIGTERM, then SIGKILL
         after --grace), or the command exited (whatever its code) after its lease was
-        lost, or completing or releasing the job found the lease lost
+        lost, or completing or releasing the job found the lease lost (also when, the
+        lease lost, the command or the watchdog outlived its SIGKILL by 10 s)
   124   --max-duration ran out: the group was stopped, the job released (or left to
         expire, with --on-max-duration expire)
-  1     fence itself failed (server unreachable, command not found)
+  1     fence itself failed (server unreachable, command not found), or the command
+        or the watchdog outlived its SIGKILL by 10 s (stuck in uninterruptible sleep)
+        with the lease held: the job is left to expire
   2     bad usage
   128+N the command was killed by signal N (fence run passes the signal on), or fence
         run got signal N while waiting for the lease (the command never ran)

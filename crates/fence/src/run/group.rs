@@ -38,6 +38,50 @@ pub(super) struct Group {
 /// How often `fence run` tells the watchdog the time left on the lease.
 const HEARTBEAT: Duration = Duration::from_millis(100);
 
+/// How long a process sent SIGKILL is waited for. One in uninterruptible sleep (a hard NFS
+/// mount that hangs, a failing disk) ends only once it leaves it, maybe never: `fence run`
+/// stops waiting then, rather than hang with its lease lost.
+pub(super) const KILLED_WITHIN: Duration = Duration::from_secs(10);
+
+/// A process that had not ended [`KILLED_WITHIN`] after its SIGKILL.
+#[derive(Debug, Clone, Copy)]
+pub(super) struct Unkillable;
+
+/// `child.wait()`; with the test hook naming `who` (`command` or `watchdog`), a wait that
+/// never ends, as for a process stuck in uninterruptible sleep.
+pub(super) async fn wait(
+    child: &mut Child,
+    who: &str,
+) -> std::io::Result<std::process::ExitStatus> {
+    #[cfg(feature = "test-hooks")]
+    if crate::test_hooks::stuck_after_kill(who) {
+        return std::future::pending().await;
+    }
+    let _ = who;
+    child.wait().await
+}
+
+/// Waits for `child` (`who`: `command` or `watchdog`), within [`KILLED_WITHIN`]; says so on
+/// stderr when it has not ended by then.
+pub(super) async fn reap_killed(
+    child: &mut Child,
+    who: &str,
+) -> Result<std::io::Result<std::process::ExitStatus>, Unkillable> {
+    let pid = child
+        .id()
+        .map_or_else(String::new, |pid| format!(" (pid {pid})"));
+    tokio::time::timeout(KILLED_WITHIN, wait(child, who))
+        .await
+        .map_err(|_| {
+            say!(
+                "fence run: the {who}{pid} had not ended {KILLED_WITHIN:?} after its SIGKILL (a \
+             process in uninterruptible sleep: a hung NFS mount, a failing disk?); fence run \
+             no longer waits for it"
+            );
+            Unkillable
+        })
+}
+
 impl Group {
     pub(super) fn start(stop: Stop, reaper: &reaper::Reaper) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("finding the fence executable")?;
@@ -190,8 +234,8 @@ impl Group {
     }
 
     /// Stops whatever is left in the group (SIGTERM, SIGKILL after the grace) and waits for
-    /// the watchdog to end.
-    pub(super) async fn stop(mut self) {
+    /// the watchdog to end: [`Unkillable`] when it had not, [`KILLED_WITHIN`] after a SIGKILL.
+    pub(super) async fn stop(mut self) -> Result<(), Unkillable> {
         self.stop_escapees(self.stop.grace).await;
         drop(self.pipe.take());
         // With a heartbeat (`done` is set with it): `done` if the lease is held, and deadlines
@@ -201,17 +245,20 @@ impl Group {
             let _ = done.send(());
         }
         let limit = self.stop.grace + Duration::from_secs(2);
-        if tokio::time::timeout(limit, self.watchdog.wait())
-            .await
-            .is_err()
-        {
-            self.signal(Signal::SIGKILL);
-            let _ = self.watchdog.wait().await;
-        }
-        self.reaped = true;
+        let waited = wait(&mut self.watchdog, "watchdog");
+        let ended = match tokio::time::timeout(limit, waited).await {
+            Ok(_) => Ok(()),
+            Err(_) => {
+                self.signal(Signal::SIGKILL);
+                reap_killed(&mut self.watchdog, "watchdog").await.map(drop)
+            }
+        };
         if let Some(heartbeat) = heartbeat {
             heartbeat.abort(); // its pipe closes
         }
+        // Not reaped, its pid is still its own: the drop sends SIGKILL again.
+        self.reaped = ended.is_ok();
+        ended
     }
 }
 

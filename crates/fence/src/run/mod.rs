@@ -11,9 +11,11 @@
 //!
 //! Exit codes: 0 (the command exited 0; the job was completed or released), 3 (the lease
 //! could not be obtained within `--wait`, or the job is completed), 75 (the lease was lost
-//! while the command ran), 124 (`--max-duration` passed and the command was stopped), 1
-//! (fence itself failed), 128+N (the command was killed by signal N, or `fence run` got it
-//! while waiting for the lease), otherwise the command's own code (the job was released).
+//! while the command ran, also when the command or the watchdog then outlived its SIGKILL
+//! by 10 s), 124 (`--max-duration` passed and the command was stopped), 1 (fence itself
+//! failed, or with the lease held a process outlived its SIGKILL by 10 s), 128+N (the
+//! command was killed by signal N, or `fence run` got it while waiting for the lease),
+//! otherwise the command's own code (the job was released).
 
 use std::{process::Stdio, time::Duration};
 
@@ -49,7 +51,7 @@ mod words;
 use checkpoint::CheckpointFile;
 use claim::{claim_slot_within, claim_within};
 use finish::{finish, give_back, out_of_time};
-use group::Group;
+use group::{Group, reap_killed};
 use signals::Signals;
 use token_file::TokenFile;
 use watchdog::Stop;
@@ -238,7 +240,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
-            group.stop().await;
+            let _ = group.stop().await;
             // Give the job back at once instead of leaving it held for the whole ttl.
             give_back(lease, &mut signals).await;
             return Err(anyhow::Error::new(e)
@@ -252,7 +254,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         Err(e) => {
             // Waiting for the command failed: stop what is left of it, and give the job back.
             group.signal(Signal::SIGKILL);
-            group.stop().await;
+            let _ = group.stop().await;
             give_back(lease, &mut signals).await;
             return Err(e.context("the command's group was stopped and the job released"));
         }
@@ -264,7 +266,22 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let lost_while_running = lease.is_lost();
     // The command is gone (or stopped); so must be anything it left running in its group,
     // before its last checkpoint is saved and the lease is given up.
-    group.stop().await;
+    let stopped = group.stop().await;
+    if matches!(ended, Ended::Unkillable) || stopped.is_err() {
+        // Something of the group may still be there, to go on once it leaves its sleep (the
+        // SIGKILL is pending): no checkpoint is saved, and the job is not given back.
+        keeper.abort();
+        drop(saving);
+        let code = if lost_while_running || lease.is_lost() {
+            say!("fence run: the lease was lost; fence run exits {EXIT_LOST}");
+            EXIT_LOST
+        } else {
+            say!("fence run: the job is left to expire; fence run exits 1");
+            1
+        };
+        drop(lease); // no more renewals
+        return Ok(code);
+    }
     // The last checkpoint: a signal ends its retries, and the job is then left to expire,
     // as a signal while the lease is given up would.
     let saved = finish::or_signal_saying(
@@ -280,7 +297,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     }
     let lost = match ended {
         Ended::Exited(status) => Some(status),
-        Ended::Lost => None,
+        Ended::Lost | Ended::Unkillable => None,
         Ended::OutOfTime => {
             return Ok(out_of_time(lease, args.max_duration, &mut signals).await);
         }
@@ -310,6 +327,9 @@ enum Ended {
     Lost,
     /// `--max-duration` passed; it was stopped.
     OutOfTime,
+    /// It was stopped (the lease lost, or `--max-duration` passed) and had not ended
+    /// [`group::KILLED_WITHIN`] after its SIGKILL.
+    Unkillable,
 }
 
 /// Waits for the command, passing signals on to its group, until it exits on its own, the
@@ -333,7 +353,7 @@ async fn supervise(
     tokio::pin!(out_of_time);
     let (ended, why) = loop {
         tokio::select! {
-            status = child.wait() => return Ok(Ended::Exited(status?)),
+            status = group::wait(child, "command") => return Ok(Ended::Exited(status?)),
             sig = signals.next_to_pass() => group.signal(sig),
             () = &mut lost => {
                 let reason = lease.loss_reason().map_or_else(|| "unknown".to_owned(), |r| r.to_string());
@@ -367,10 +387,16 @@ async fn supervise(
         say!("fence run: {why}; sending SIGTERM to the command's group");
     }
     group.signal(Signal::SIGTERM);
-    if tokio::time::timeout(grace, child.wait()).await.is_err() {
+    if tokio::time::timeout(grace, group::wait(child, "command"))
+        .await
+        .is_err()
+    {
         say!("fence run: the command did not exit within {grace:?}; sending SIGKILL to its group");
         group.signal(Signal::SIGKILL);
-        child.wait().await?;
+        match reap_killed(child, "command").await {
+            Ok(status) => drop(status?),
+            Err(group::Unkillable) => return Ok(Ended::Unkillable),
+        }
     } else {
         // The rest of the group (one that ignores SIGTERM) has what is left of the same
         // grace, not a new one from the watchdog once its pipe closes.
