@@ -67,8 +67,33 @@ impl Reservation {
 
     /// Takes `more` bytes if that keeps the budget's total within `max`; false (and nothing
     /// taken) otherwise.
-    pub(crate) fn grow(&mut self, more: usize, max: usize) -> bool {
+    #[cfg(test)]
+    fn grow(&mut self, more: usize, max: usize) -> bool {
         self.take(more, max).is_ok()
+    }
+
+    /// Takes `more` bytes if that keeps the budget's total within `max`, counting them
+    /// against the peer's share without checking it (an answer being kept: refused for the
+    /// share, it would be passed on unkept, and every retry of its key refused as not
+    /// replayable for the whole retention). The peer's next body waits for them back.
+    pub(crate) fn grow_unshared(&mut self, more: usize, max: usize) -> bool {
+        let Reservation {
+            budget,
+            bytes,
+            peer,
+        } = self;
+        let Some(peer) = peer.filter(|_| more > 0) else {
+            return take_total(&budget.used, bytes, more, max).is_ok();
+        };
+        let mut held = budget.peers.entry(peer).or_insert(0);
+        let taken = take_total(&budget.used, bytes, more, max).is_ok();
+        if taken {
+            *held += more;
+        } else if *held == 0 {
+            drop(held);
+            budget.peers.remove_if(&peer, |_, held| *held == 0);
+        }
+        taken
     }
 
     /// Takes `more` bytes if that keeps the budget's total within `max` and the peer's
@@ -84,10 +109,11 @@ impl Reservation {
         };
         let share = max.div_ceil(PEER_SHARE);
         let mut held = budget.peers.entry(peer).or_insert(0);
-        // A peer holding nothing may always take what the total allows: one body larger
-        // than a share (a small cap, many clients behind one address) is never refused for
-        // ever.
-        let taken = if *held > 0 && held.checked_add(more).is_none_or(|t| t > share) {
+        // A peer holding nothing but this reservation may always take what the total
+        // allows: one body larger than a share (a small cap, many clients behind one
+        // address), arriving in any number of frames, is never refused for ever.
+        let others = held.saturating_sub(*bytes);
+        let taken = if others > 0 && held.checked_add(more).is_none_or(|t| t > share) {
             Err(Full::Peer)
         } else {
             take_total(&budget.used, bytes, more, max)
@@ -186,9 +212,22 @@ mod tests {
         let mut empty = Reservation::of_peer(&budget, Some(a));
         assert_eq!(empty.take(0, 100), Ok(()));
         assert!(budget.peers.is_empty(), "an empty take counted a peer");
-        assert_eq!(empty.take(60, 100), Ok(()));
-        assert_eq!(empty.take(1, 100), Err(Full::Peer));
+        // In several frames, as a body arrives.
+        for _ in 0..6 {
+            assert_eq!(empty.take(10, 100), Ok(()));
+        }
+        let mut another = Reservation::of_peer(&budget, Some(a));
+        assert_eq!(another.take(1, 100), Err(Full::Peer));
         drop(empty);
+        assert!(budget.peers.is_empty() && budget.used() == 0);
+        // An answer being kept counts against the share unchecked; the peer's next body
+        // then waits for it back.
+        let mut kept = Reservation::of_peer(&budget, Some(a));
+        assert_eq!(another.take(20, 100), Ok(()));
+        assert!(kept.grow_unshared(30, 100));
+        let mut next = Reservation::of_peer(&budget, Some(a));
+        assert_eq!(next.take(1, 100), Err(Full::Peer));
+        drop((kept, another, next));
         assert!(budget.peers.is_empty() && budget.used() == 0);
     }
 }

@@ -44,7 +44,8 @@ where
             Some(Err(e)) => return Captured::Failed(e.into()),
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
-                    let fits = buf.len() + data.len() <= limit && held.grow(data.len(), max);
+                    let fits =
+                        buf.len() + data.len() <= limit && held.grow_unshared(data.len(), max);
                     buf.extend_from_slice(&data);
                     if !fits {
                         return Captured::TooLarge(buf.freeze(), None, body);
