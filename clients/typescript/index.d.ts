@@ -180,6 +180,12 @@ export class LeaseRefused extends ProblemError {
   readonly generation: bigint;
   readonly reason: string;
 }
+/**
+ * 409 urn:fence:stale-token or urn:fence:token-expired from a destination: a newer holder
+ * exists; stop. One exception: a token-expired (`type`) while your lease still holds (not
+ * lost) means the request waited past the end of the token it carried (a signing server
+ * gives a new token at each renewal): send it again with the lease's current token.
+ */
 export class StaleToken extends ProblemError {}
 export function problemError(status: number, contentType: string | null | undefined, body: string,
   retryAfter?: string | null): ProblemError;

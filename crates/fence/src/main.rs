@@ -8,6 +8,15 @@ use fence::{
     run,
 };
 
+/// Writes a line to stderr, ignoring a stderr that is gone (`eprintln!` would panic, and the
+/// exit code would be 101 instead of the one the docs give).
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 fn main() -> ExitCode {
     let cli = fence::cli::parse();
     // RUST_LOG, or the default (errors only for the demo, whose timeline log lines would cut
@@ -16,7 +25,7 @@ fn main() -> ExitCode {
     let (filter, said) =
         fence::log_filter::filter(rust_log.as_deref(), matches!(cli.command, Cmd::Demo));
     if let Some(said) = said {
-        eprintln!("{said}");
+        say!("{said}");
     }
     // A stderr that is gone (a pipe to a `tee` that exited) loses the lines: the subscriber
     // otherwise reports that with `eprintln!`, which panics, and the task that logged (a
@@ -37,7 +46,7 @@ fn main() -> ExitCode {
     {
         Ok(rt) => rt,
         Err(e) => {
-            eprintln!("fence: cannot start the async runtime: {e}");
+            say!("fence: cannot start the async runtime: {e}");
             return ExitCode::from(1);
         }
     };
@@ -52,9 +61,9 @@ fn main() -> ExitCode {
         Ok(code) => ExitCode::from(u8::try_from(code).unwrap_or(1)),
         Err(e) => {
             let said = format!("{e:#}");
-            eprintln!("fence: {said}");
+            say!("fence: {said}");
             if let Some(hint) = fence::hints::hint(&said) {
-                eprintln!("fence: hint: {hint}");
+                say!("fence: hint: {hint}");
             }
             ExitCode::from(if e.is::<fence::Usage>() { 2 } else { 1 })
         }

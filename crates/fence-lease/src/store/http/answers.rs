@@ -90,16 +90,27 @@ fn seconds(retry_after: Option<&http::HeaderValue>) -> Option<Duration> {
 }
 
 pub(super) fn unexpected(status: StatusCode, body: &[u8]) -> StoreError {
-    // The request did not arrive whole in time (a gateway's, or a server's body timeout):
-    // nothing was applied, and asking again may pass.
+    // The lease server's own 408 (`body-timeout`: the request's body did not arrive whole in
+    // time) applied nothing, and asking again may pass. A gateway's 408 may not mean that:
+    // envoy answers 408 when the upstream sent no head within its stream idle timeout,
+    // after it forwarded the request (a waiting claim behind it): its answer is lost.
     if status == StatusCode::REQUEST_TIMEOUT {
-        let detail = match serde_json::from_slice::<Problem>(body) {
-            Ok(p) => p.detail,
-            Err(_) => String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+        return match serde_json::from_slice::<Problem>(body) {
+            Ok(p) if p.kind == ProblemType::BodyTimeout => StoreError::Busy(format!(
+                "the request did not arrive in time (408): {}",
+                p.detail
+            )),
+            Ok(p) => StoreError::Unavailable {
+                status: status.as_u16(),
+                detail: format!("{} ({})", p.detail, p.kind),
+                retry_after: None,
+            },
+            Err(_) => StoreError::Unavailable {
+                status: status.as_u16(),
+                detail: String::from_utf8_lossy(&body[..body.len().min(200)]).into_owned(),
+                retry_after: None,
+            },
         };
-        return StoreError::Busy(format!(
-            "the request did not arrive in time (408): {detail}"
-        ));
     }
     match serde_json::from_slice::<Problem>(body) {
         Ok(p)
@@ -325,7 +336,8 @@ mod tests {
 
     /// A 4xx problem other than authentication, 408, 409 and 429 is a refusal that asking
     /// again cannot change; a 5xx, a 408, a 409, a 429 and any answer that is not a problem
-    /// are not. A 408 (with a problem or without) is busy: nothing was applied.
+    /// are not. The lease server's own 408 (`body-timeout`) is busy: nothing was applied;
+    /// another 408 (a gateway's) leaves the answer lost.
     #[test]
     fn a_client_error_problem_is_a_permanent_refusal_and_nothing_else_is() {
         let problem = |status: u16, kind: &str| {
@@ -364,10 +376,23 @@ mod tests {
                 "{status} {body}: {got:?}"
             );
         }
-        for body in [problem(408, "body-timeout"), "timed out".to_owned()] {
+        // The lease server's own 408 applied nothing; a gateway's may come after it
+        // forwarded the request (envoy's stream idle timeout): its answer is lost.
+        let body = problem(408, "body-timeout");
+        let got = unexpected(StatusCode::REQUEST_TIMEOUT, body.as_bytes());
+        assert!(
+            matches!(got, StoreError::Busy(_)) && !got.is_permanent() && !got.answer_lost(),
+            "{body}: {got:?}"
+        );
+        for body in [
+            "upstream request timeout".to_owned(),
+            problem(408, "internal"),
+        ] {
             let got = unexpected(StatusCode::REQUEST_TIMEOUT, body.as_bytes());
             assert!(
-                matches!(got, StoreError::Busy(_)) && !got.is_permanent() && !got.answer_lost(),
+                matches!(got, StoreError::Unavailable { status: 408, .. })
+                    && !got.is_permanent()
+                    && got.answer_lost(),
                 "{body}: {got:?}"
             );
         }
