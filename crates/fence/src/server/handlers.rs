@@ -280,8 +280,9 @@ pub(super) async fn act<S: LeaseStore>(
             fence_lease::Outcome::Done(_) | fence_lease::Outcome::Revoked(_) => {
                 action != Action::Checkpoint
             }
-            // A renewal (or the holder's claim again) may have shortened the lease, and the
-            // head waiter sleeps until the end it last saw: it looks again.
+            // The holder's claim again (after a lost answer) may have shortened the lease (a
+            // renewal never does), and the head waiter sleeps until the end it last saw: it
+            // looks again.
             fence_lease::Outcome::Granted(_) => true,
             _ => false,
         };
