@@ -16,7 +16,9 @@ pub fn clock_offset_ms() -> i64 {
 
 /// The environment variable that makes `fence run` take the process it names (`command` or
 /// `watchdog`) for one stuck in uninterruptible sleep, which not even a SIGKILL ends: its
-/// waits for it never return.
+/// waits for it never return. `leftover`: once the watchdog is reaped, a process of the
+/// command's tree is seen left (as one in uninterruptible sleep that outlived the watchdog's
+/// SIGKILL of the group would be).
 pub const STUCK_AFTER_KILL: &str = "FENCE_TEST_STUCK_AFTER_KILL";
 
 /// Whether [`STUCK_AFTER_KILL`] names `who`.

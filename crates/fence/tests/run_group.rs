@@ -969,7 +969,9 @@ fn ended_within(run: &mut Proc, limit: Duration) -> (Option<i32>, String) {
 /// for it for ever after its SIGKILL, the lease lost, the job's next owner working, and
 /// whatever supervised `fence run` never told. It now waits 10 s, says so, and exits 75
 /// when the lease was lost (the command stuck after the loss's SIGKILL), or 1 when it was
-/// not (the watchdog stuck after a clean end), the job left to expire either way.
+/// not (the watchdog stuck after a clean end, `--on-success release`), the job left to
+/// expire, never released. A command that exited 0 under the default `--on-success
+/// complete` has its job completed all the same: left to expire, it would run again.
 #[cfg(feature = "test-hooks")]
 #[test]
 fn a_process_that_sigkill_does_not_end_is_waited_for_10_s_then_given_up() {
@@ -986,6 +988,13 @@ fn a_process_that_sigkill_does_not_end_is_waited_for_10_s_then_given_up() {
     let mut clean = spawn_stuck(
         &url,
         "stuck-watchdog",
+        "watchdog",
+        &["--ttl", "30s", "--on-success", "release"],
+        "true",
+    );
+    let mut completing = spawn_stuck(
+        &url,
+        "stuck-watchdog-complete",
         "watchdog",
         &["--ttl", "30s"],
         "true",
@@ -1016,5 +1025,67 @@ fn a_process_that_sigkill_does_not_end_is_waited_for_10_s_then_given_up() {
         "--job",
         "stuck-watchdog",
     ]));
-    assert_eq!(record["state"], "held", "not completed: {record}");
+    assert_eq!(record["state"], "held", "not released: {record}");
+    let (code, said) = ended_within(&mut completing, Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{said}");
+    assert!(
+        said.contains("had not ended 10s after its SIGKILL"),
+        "{said}"
+    );
+    assert!(said.contains("the job is completed"), "{said}");
+    let record = json(&fence(&[
+        "status",
+        "--server",
+        &url,
+        "--job",
+        "stuck-watchdog-complete",
+    ]));
+    assert_eq!(record["state"], "completed", "{record}");
+}
+
+/// The watchdog SIGKILLs its group, itself included, so it is reaped even when a process the
+/// command left in the group is stuck in uninterruptible sleep (`cp big /nfs/x & exit 0` on a
+/// hung NFS mount): `fence run` released the job, and the next holder started while the
+/// stuck `cp`'s write could still land. Once the watchdog is reaped, the rest of the tree is
+/// now waited for too (the test hook makes one up that never goes): 10 s, then the job is
+/// left to expire, never released (`--on-success release`, or a non-zero exit); an exit 0
+/// under the default `--on-success complete` still completes it.
+#[cfg(feature = "test-hooks")]
+#[test]
+fn a_leftover_that_outlives_the_watchdog_keeps_the_job_from_being_released() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let ttl = ["--ttl", "30s"];
+    let release = ["--ttl", "30s", "--on-success", "release"];
+    let script = "sleep 30 & exit 0";
+    let mut released = spawn_stuck(&url, "left-release", "leftover", &release, script);
+    let mut failed = spawn_stuck(&url, "left-failed", "leftover", &ttl, "sleep 30 & exit 3");
+    let mut completed = spawn_stuck(&url, "left-complete", "leftover", &ttl, script);
+    let started = Instant::now();
+    for (run, job) in [
+        (&mut released, "left-release"),
+        (&mut failed, "left-failed"),
+    ] {
+        let (code, said) = ended_within(run, Duration::from_secs(30));
+        assert_eq!(code, Some(1), "{job}: {said}");
+        assert!(
+            said.contains("the command's tree had processes left (one the test hook makes up) 10s after their SIGKILL"),
+            "{job}: {said}"
+        );
+        assert!(said.contains("the job is left to expire"), "{job}: {said}");
+        let record = json(&fence(&["status", "--server", &url, "--job", job]));
+        assert_eq!(record["state"], "held", "{job}: not released: {record}");
+    }
+    assert!(started.elapsed() >= Duration::from_secs(10));
+    let (code, said) = ended_within(&mut completed, Duration::from_secs(30));
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("the job is completed"), "{said}");
+    let record = json(&fence(&[
+        "status",
+        "--server",
+        &url,
+        "--job",
+        "left-complete",
+    ]));
+    assert_eq!(record["state"], "completed", "{record}");
 }

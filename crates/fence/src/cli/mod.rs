@@ -120,17 +120,20 @@ pub enum Cmd {
     #[command(after_help = "\
 Exit codes of fence run (the command's own codes pass through unchanged: a command that
 itself exits 3 or 75 is told apart only by fence run's last line on stderr):
-  0     the command exited 0 and the job was completed (or released)
+  0     the command exited 0 and the job was completed (or released; completed, not
+        released, when a process of its tree then outlived its SIGKILL)
   3     the lease could not be obtained within --wait, or the job is completed
   75    the lease was lost while the command ran (the group got SIGTERM, then SIGKILL
         after --grace), or the command exited (whatever its code) after its lease was
         lost, or completing or releasing the job found the lease lost (also when, the
-        lease lost, the command or the watchdog outlived its SIGKILL by 10 s)
+        lease lost, a process of the command's tree outlived its SIGKILL by 10 s)
   124   --max-duration ran out: the group was stopped, the job released (or left to
         expire, with --on-max-duration expire)
-  1     fence itself failed (server unreachable, command not found), or the command
-        or the watchdog outlived its SIGKILL by 10 s (stuck in uninterruptible sleep)
-        with the lease held: the job is left to expire
+  1     fence itself failed (server unreachable, command not found), or a process of
+        the command's tree (the command, the watchdog, what the command left) outlived
+        its SIGKILL by 10 s (stuck in uninterruptible sleep; fence run gives up at most
+        3 x --grace + 25 s after the command exits or is stopped) with the lease held
+        and no job to complete: the job is left to expire, never released
   2     bad usage
   128+N the command was killed by signal N (fence run passes the signal on), or fence
         run got signal N while waiting for the lease (the command never ran)

@@ -82,6 +82,39 @@ pub(super) async fn out_of_time(
     EXIT_MAX_DURATION
 }
 
+/// Something of the command's tree outlived its SIGKILL (in uninterruptible sleep) and may
+/// go on once its sleep ends: the job is never given back, or its next holder would start
+/// beside it. A command that exited 0 with `--on-success complete` still has its job
+/// completed, the lease held (nobody can claim a completed job; left to expire, another
+/// worker would run it again). Otherwise the job is left to expire: exit 75 if the lease was
+/// lost, 1 if not.
+pub(super) async fn after_unkillable(
+    lease: Lease<HttpLeaseStore>,
+    exited: Option<std::process::ExitStatus>,
+    lost_while_running: bool,
+    on_success: OnSuccess,
+    signals: &mut Signals,
+) -> anyhow::Result<i32> {
+    let succeeded = exited.filter(std::process::ExitStatus::success);
+    match succeeded {
+        Some(status) if !lost_while_running && on_success == OnSuccess::Complete => {
+            say!("fence run: the command exited 0: its job is completed all the same");
+            // Exit code 0 and `Complete`: `finish` completes, it never releases.
+            finish(lease, status, OnSuccess::Complete, signals).await
+        }
+        _ if lost_while_running || lease.is_lost() => {
+            drop(lease); // no more renewals
+            say!("fence run: the lease was lost; fence run exits {EXIT_LOST}");
+            Ok(EXIT_LOST)
+        }
+        _ => {
+            drop(lease); // no more renewals
+            say!("fence run: the job is left to expire; fence run exits 1");
+            Ok(1)
+        }
+    }
+}
+
 /// Completes or releases the job after the command exited with `status`.
 pub(super) async fn finish(
     lease: Lease<HttpLeaseStore>,

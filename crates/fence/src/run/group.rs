@@ -14,7 +14,7 @@ use tokio::{
 };
 
 use super::{
-    procs::descendants,
+    procs::{descendants, in_group},
     reaper,
     watchdog::{self, Stop},
 };
@@ -234,7 +234,9 @@ impl Group {
     }
 
     /// Stops whatever is left in the group (SIGTERM, SIGKILL after the grace) and waits for
-    /// the watchdog to end: [`Unkillable`] when it had not, [`KILLED_WITHIN`] after a SIGKILL.
+    /// the watchdog to end, then for every other process of the command's tree (in the group
+    /// or out of it) to be gone: [`Unkillable`] when any had not, [`KILLED_WITHIN`] after
+    /// the SIGKILL (fence run's, or the watchdog's to its group, itself included).
     pub(super) async fn stop(mut self) -> Result<(), Unkillable> {
         self.stop_escapees(self.stop.grace).await;
         drop(self.pipe.take());
@@ -247,10 +249,13 @@ impl Group {
         let limit = self.stop.grace + Duration::from_secs(2);
         let waited = wait(&mut self.watchdog, "watchdog");
         let ended = match tokio::time::timeout(limit, waited).await {
-            Ok(_) => Ok(()),
+            Ok(_) => Ok(Instant::now() + KILLED_WITHIN),
             Err(_) => {
                 self.signal(Signal::SIGKILL);
-                reap_killed(&mut self.watchdog, "watchdog").await.map(drop)
+                let by = Instant::now() + KILLED_WITHIN;
+                reap_killed(&mut self.watchdog, "watchdog")
+                    .await
+                    .map(|_| by)
             }
         };
         if let Some(heartbeat) = heartbeat {
@@ -258,7 +263,90 @@ impl Group {
         }
         // Not reaped, its pid is still its own: the drop sends SIGKILL again.
         self.reaped = ended.is_ok();
-        ended
+        // The watchdog SIGKILLs its group, itself included, so it is reaped even when a
+        // process of the group is stuck in uninterruptible sleep (a `cp` to a hung NFS mount
+        // the command left behind): that one's write can still land once the sleep ends.
+        self.wait_for_the_rest(ended?).await
+    }
+
+    /// Once the watchdog is reaped: waits until `by` for the rest of the command's tree (what
+    /// is still in its group, and what left it) to be gone, sending it SIGKILL again every
+    /// pass; [`Unkillable`], said on stderr, when any is left then. While one process is in
+    /// the group its id is nobody else's.
+    async fn wait_for_the_rest(&self, by: Instant) -> Result<(), Unkillable> {
+        loop {
+            let left = self.the_rest();
+            #[cfg(feature = "test-hooks")]
+            let left = left.with_test_hook();
+            if left.is_empty() {
+                return Ok(());
+            }
+            if Instant::now() >= by {
+                say!(
+                    "fence run: the command's tree had processes left ({}) {KILLED_WITHIN:?} \
+                     after their SIGKILL (in uninterruptible sleep: a hung NFS mount, a failing \
+                     disk?); fence run no longer waits for them",
+                    left.describe()
+                );
+                return Err(Unkillable);
+            }
+            for pid in &left.pids {
+                let _ = nix::sys::signal::kill(*pid, Signal::SIGKILL);
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    }
+
+    /// What is left of the command's tree: the processes of its group but the watchdog, and
+    /// those that left it. Without `/proc`, whether the kernel still has a process in the group.
+    fn the_rest(&self) -> Left {
+        match in_group(self.pgid) {
+            Some(mut pids) => {
+                pids.extend(self.escapees());
+                Left {
+                    pids,
+                    unnamed: Vec::new(),
+                }
+            }
+            None => Left {
+                pids: Vec::new(),
+                unnamed: killpg(self.pgid, None)
+                    .is_ok()
+                    .then(|| format!("in group {}, /proc unreadable", self.pgid))
+                    .into_iter()
+                    .collect(),
+            },
+        }
+    }
+}
+
+/// The processes left of a command's tree.
+struct Left {
+    /// Sent SIGKILL again at each pass.
+    pids: Vec<Pid>,
+    /// Known only to be there: not sent anything.
+    unnamed: Vec<String>,
+}
+
+impl Left {
+    fn is_empty(&self) -> bool {
+        self.pids.is_empty() && self.unnamed.is_empty()
+    }
+
+    /// With the test hook naming `leftover`, one more process, made up.
+    #[cfg(feature = "test-hooks")]
+    fn with_test_hook(mut self) -> Self {
+        if crate::test_hooks::stuck_after_kill("leftover") {
+            self.unnamed.push("one the test hook makes up".to_owned());
+        }
+        self
+    }
+
+    fn describe(&self) -> String {
+        let pids = self.pids.iter().map(|pid| format!("pid {pid}"));
+        pids.chain(self.unnamed.iter().cloned())
+            .collect::<Vec<_>>()
+            .join(", ")
     }
 }
 

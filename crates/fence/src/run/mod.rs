@@ -9,13 +9,16 @@
 //! still has its group stopped at the deadline by the watchdog. No `unsafe` is needed (no
 //! `pre_exec`, no `PR_SET_PDEATHSIG`).
 //!
-//! Exit codes: 0 (the command exited 0; the job was completed or released), 3 (the lease
-//! could not be obtained within `--wait`, or the job is completed), 75 (the lease was lost
-//! while the command ran, also when the command or the watchdog then outlived its SIGKILL
-//! by 10 s), 124 (`--max-duration` passed and the command was stopped), 1 (fence itself
-//! failed, or with the lease held a process outlived its SIGKILL by 10 s), 128+N (the
-//! command was killed by signal N, or `fence run` got it while waiting for the lease),
-//! otherwise the command's own code (the job was released).
+//! Exit codes: 0 (the command exited 0; the job was completed or released, completed even
+//! when a process of its tree then outlived its SIGKILL), 3 (the lease could not be obtained
+//! within `--wait`, or the job is completed), 75 (the lease was lost while the command ran,
+//! also when a process of its tree then outlived its SIGKILL by 10 s), 124
+//! (`--max-duration` passed and the command was stopped), 1 (fence itself failed, or with the
+//! lease held and no job to complete a process of the command's tree outlived its SIGKILL by
+//! 10 s: the job is left to expire, never released; `fence run` gives up at most 3 ×
+//! `--grace` + 25 s after the command exits or is stopped), 128+N (the command was killed by
+//! signal N, or `fence run` got it while waiting for the lease), otherwise the command's own
+//! code (the job was released).
 
 use std::{process::Stdio, time::Duration};
 
@@ -240,11 +243,16 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let mut child = match spawned {
         Ok(child) => child,
         Err(e) => {
-            let _ = group.stop().await;
-            // Give the job back at once instead of leaving it held for the whole ttl.
-            give_back(lease, &mut signals).await;
-            return Err(anyhow::Error::new(e)
-                .context(format!("cannot start {program:?}; the job was released")));
+            let stopped = group.stop().await;
+            let what = if stopped.is_ok() {
+                // Give the job back at once instead of leaving it held for the whole ttl.
+                give_back(lease, &mut signals).await;
+                "the job was released"
+            } else {
+                drop(lease); // never given back after an unkillable stop; no more renewals
+                "the job is left to expire"
+            };
+            return Err(anyhow::Error::new(e).context(format!("cannot start {program:?}; {what}")));
         }
     };
     let keeper = token_file.keep_current(token_updates);
@@ -254,7 +262,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         Err(e) => {
             // Waiting for the command failed: stop what is left of it, and give the job back.
             group.signal(Signal::SIGKILL);
-            let _ = group.stop().await;
+            if group.stop().await.is_err() {
+                // Some of it may go on once its sleep ends: never given back then.
+                drop(lease); // no more renewals
+                return Err(e.context(
+                    "the command's group was sent SIGKILL, but some of it had not ended; the \
+                     job is left to expire",
+                ));
+            }
             give_back(lease, &mut signals).await;
             return Err(e.context("the command's group was stopped and the job released"));
         }
@@ -269,18 +284,21 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     let stopped = group.stop().await;
     if matches!(ended, Ended::Unkillable) || stopped.is_err() {
         // Something of the group may still be there, to go on once it leaves its sleep (the
-        // SIGKILL is pending): no checkpoint is saved, and the job is not given back.
+        // SIGKILL is pending): no checkpoint is saved, and the job is never given back.
         keeper.abort();
         drop(saving);
-        let code = if lost_while_running || lease.is_lost() {
-            say!("fence run: the lease was lost; fence run exits {EXIT_LOST}");
-            EXIT_LOST
-        } else {
-            say!("fence run: the job is left to expire; fence run exits 1");
-            1
+        let exited = match ended {
+            Ended::Exited(status) => Some(status),
+            _ => None,
         };
-        drop(lease); // no more renewals
-        return Ok(code);
+        return finish::after_unkillable(
+            lease,
+            exited,
+            lost_while_running,
+            on_success,
+            &mut signals,
+        )
+        .await;
     }
     // The last checkpoint: a signal ends its retries, and the job is then left to expire,
     // as a signal while the lease is given up would.

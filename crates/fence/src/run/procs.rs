@@ -86,10 +86,18 @@ pub(super) fn descendants(root: Pid) -> Vec<(Pid, Pid)> {
 /// Whether a live process other than its leader (the watchdog, which leads the command's
 /// group) is in process group `pgid`.
 pub(super) fn others_in_group(pgid: Pid) -> bool {
-    match processes() {
-        Some(all) => all
-            .iter()
-            .any(|p| p.pid != pgid.as_raw() && p.pgrp == pgid.as_raw()),
-        None => true, // cannot tell: assume so, and let the grace run out
-    }
+    // Cannot tell: assume so, and let the grace run out.
+    in_group(pgid).is_none_or(|others| !others.is_empty())
+}
+
+/// The live processes of process group `pgid` other than its leader (the watchdog);
+/// `None` when `/proc` cannot be read.
+pub(super) fn in_group(pgid: Pid) -> Option<Vec<Pid>> {
+    let all = processes()?;
+    Some(
+        all.iter()
+            .filter(|p| p.pid != pgid.as_raw() && p.pgrp == pgid.as_raw())
+            .map(|p| Pid::from_raw(p.pid))
+            .collect(),
+    )
 }
