@@ -116,9 +116,10 @@ pub(super) enum End {
 pub(super) enum Unreadable {
     /// The frame at `at` passed its checksum but its records do not read.
     Undecodable { at: usize },
-    /// The frame at `at` fails its checksum, yet a later frame, at `later`, passes it: the
-    /// writer writes a frame only once every earlier one is synced, so a crash cuts the last
-    /// frame only, and this is damage to synced frames.
+    /// The frame at `at` fails its checksum, yet a later frame, at `later`, passes it and
+    /// starts a chain (see [`later_frame`]): the writer writes a frame only once every
+    /// earlier one is synced, so a crash cuts the last frame only, and this is damage to
+    /// synced frames.
     Damaged { at: usize, later: usize },
     /// The header is neither this build's nor zeros, and frames may follow it: written by
     /// another format of the log (another version of fence), or damaged.
@@ -184,50 +185,108 @@ fn frame_header(bytes: &[u8], at: usize) -> Option<(usize, u32)> {
 /// bytes checksummed, together.
 const SCAN_WORK: usize = 8;
 
-/// Where a frame of this segment (number and salt) that passes its checksum starts after
-/// the one at `at`, which does not: the frame that `at`'s length points past first (damage
-/// to a body or a checksum leaves the length right), then every byte after `at`. Only
-/// bodies that read as records are checksummed (every frame the writer wrote reads), and
-/// the work is bounded by the file's size: past it, none is reported (as for a crash).
+/// Where a frame of this segment (number and salt) that passes its checksum, and starts a
+/// chain, starts after the one at `at`, which does not: the frame that `at`'s length points
+/// past first (damage to a body or a checksum leaves the length right), then every byte
+/// after `at`. One checksum alone is 32 bits: over a reused 16 MiB file of old frames and
+/// runs of zeros (an end frame's checksum is the same wherever it is) a stray match would
+/// refuse a genuine crash about once in 10^4 to 10^5. So the frame after the candidate must
+/// pass its checksum too (an end frame counts), or the candidate must end exactly at the
+/// file's end: a stray match then is about 2^-64. Only bodies that read as records are
+/// checksummed (every frame the writer wrote reads), and the work is bounded by the file's
+/// size: past it, none is reported (as for a crash).
 fn later_frame(bytes: &[u8], at: usize, segment: u64, salt: u64) -> Option<usize> {
-    let end = checksum(segment, salt, &[]);
-    let mut budget = bytes
-        .len()
-        .saturating_mul(SCAN_WORK)
-        .saturating_add(1 << 16);
+    let mut check = Check {
+        bytes,
+        segment,
+        salt,
+        end: checksum(segment, salt, &[]),
+        budget: bytes
+            .len()
+            .saturating_mul(SCAN_WORK)
+            .saturating_add(1 << 16),
+    };
     let declared =
         frame_header(bytes, at).and_then(|(len, _)| (at + FRAME_HEADER).checked_add(len));
     for from in declared
         .into_iter()
         .chain(at.saturating_add(1)..bytes.len())
     {
-        budget = budget.checked_sub(1)?;
-        let Some((len, crc)) = frame_header(bytes, from) else {
-            continue;
-        };
-        if len == 0 {
-            // An end frame: its checksum is the same wherever it is.
-            if crc == end {
-                return Some(from);
-            }
-            continue;
-        }
-        let start = from + FRAME_HEADER;
-        let Some(body) = start
-            .checked_add(len)
-            .and_then(|stop| bytes.get(start..stop))
-        else {
-            continue;
-        };
-        if !reads(body, &mut budget)? {
-            continue;
-        }
-        budget = budget.checked_sub(len)?;
-        if checksum(segment, salt, body) == crc {
+        check.budget = check.budget.checked_sub(1)?;
+        if check.starts_chain(from)? {
             return Some(from);
         }
     }
     None
+}
+
+/// A frame found at an offset by [`Check::at`].
+enum Found {
+    /// No frame of this segment passes its checksum there.
+    None,
+    /// An end frame.
+    End,
+    /// A frame of records, followed by whatever starts at `next`.
+    Frame { next: usize },
+}
+
+/// What [`later_frame`] checks offsets of a file against, and the work it has left.
+struct Check<'a> {
+    bytes: &'a [u8],
+    segment: u64,
+    salt: u64,
+    /// An end frame's checksum.
+    end: u32,
+    budget: usize,
+}
+
+impl Check<'_> {
+    /// Whether a frame that passes its checksum starts at `from` and a chain with it: the
+    /// frame after it passes its own (an end frame counts), or it ends at the file's end.
+    /// `None` once the budget is spent.
+    fn starts_chain(&mut self, from: usize) -> Option<bool> {
+        let next = match self.at(from)? {
+            Found::None => return Some(false),
+            // Nothing the writer wrote follows an end frame.
+            Found::End => return Some(from + FRAME_HEADER == self.bytes.len()),
+            Found::Frame { next } => next,
+        };
+        if next == self.bytes.len() {
+            return Some(true);
+        }
+        Some(!matches!(self.at(next)?, Found::None))
+    }
+
+    /// The frame of this segment that passes its checksum at `from`, if any. `None` once the
+    /// budget is spent.
+    fn at(&mut self, from: usize) -> Option<Found> {
+        let Some((len, crc)) = frame_header(self.bytes, from) else {
+            return Some(Found::None);
+        };
+        if len == 0 {
+            return Some(if crc == self.end {
+                Found::End
+            } else {
+                Found::None
+            });
+        }
+        let start = from + FRAME_HEADER;
+        let Some(body) = start
+            .checked_add(len)
+            .and_then(|stop| self.bytes.get(start..stop))
+        else {
+            return Some(Found::None);
+        };
+        if !reads(body, &mut self.budget)? {
+            return Some(Found::None);
+        }
+        self.budget = self.budget.checked_sub(len)?;
+        Some(if checksum(self.segment, self.salt, body) == crc {
+            Found::Frame { next: start + len }
+        } else {
+            Found::None
+        })
+    }
 }
 
 /// Whether `body` reads as records to its end, each record parsed taken from `budget`;

@@ -153,6 +153,66 @@ fn a_damaged_frame_with_a_good_one_after_it_is_refused() {
     }
 }
 
+/// One checksum that matches by chance after a frame a crash cut short, in a reused
+/// file, is not damage: an end frame's checksum is the same wherever it is, so a run of
+/// four zeros followed by those four bytes (the file's earlier use) passes it, as may
+/// a stray frame of records. A later frame counts only if the frame after it passes its
+/// checksum too (an end frame counts), or it ends where the file does.
+#[test]
+fn one_checksum_matched_by_chance_after_a_cut_frame_is_a_crash() {
+    let (whole, second) = file(false);
+    let end = checksum(5, SALT, &[]).to_le_bytes();
+    // The second frame cut short, then old bytes: a stray end frame among others.
+    let torn = || [&whole[..second + FRAME_HEADER + 1], &[0xaa; 16]].concat();
+    let mut bytes = torn();
+    let stray = bytes.len();
+    bytes.extend_from_slice(&[0, 0, 0, 0]);
+    bytes.extend_from_slice(&end);
+    bytes.extend_from_slice(&[0; 64]);
+    let cut = Ok(Segment {
+        ops: OPS[..3].to_vec(),
+        end: End::Cut { at: second },
+    });
+    assert_eq!(read(&bytes, 5), cut, "a stray end frame");
+    // The same at the file's end is the segment's end frame after a damaged one.
+    bytes.truncate(stray + FRAME_HEADER);
+    assert_eq!(
+        read(&bytes, 5),
+        Err(Unreadable::Damaged {
+            at: second,
+            later: stray
+        })
+    );
+    // A stray frame of records, followed by zeros: no chain.
+    let mut bytes = torn();
+    let stray = bytes.len();
+    frame(5, SALT, &whole[second + FRAME_HEADER..], &mut bytes);
+    let after = bytes.len();
+    bytes.extend_from_slice(&[0; 64]);
+    assert_eq!(read(&bytes, 5), cut, "a stray frame of records");
+    // Followed by a frame that passes too (or an end frame), or at the file's end: found.
+    for tail in [&whole[second..], &end_frame()[..], &[]] {
+        let mut chained = bytes[..after].to_vec();
+        chained.extend_from_slice(tail);
+        assert_eq!(
+            read(&chained, 5),
+            Err(Unreadable::Damaged {
+                at: second,
+                later: stray
+            }),
+            "followed by {} bytes",
+            tail.len()
+        );
+    }
+}
+
+/// Segment 5's end frame.
+fn end_frame() -> Vec<u8> {
+    let mut out = Vec::new();
+    frame(5, SALT, &[], &mut out);
+    out
+}
+
 /// What follows a frame a crash cut short in a reused file (frames of its earlier use,
 /// under another segment's number and salt, then the zeros it was filled with) holds no
 /// frame of this segment: read as a crash, not as damage.
