@@ -909,6 +909,22 @@ fn the_watchdog_is_not_stopped_with_the_group_and_holds_no_secret() {
         !String::from_utf8_lossy(&environ).contains("lease-server-secret"),
         "the watchdog holds FENCE_AUTH_TOKEN"
     );
+    // The watchdog catches the stop signals once its runtime is up: until then (a loaded
+    // machine) a SIGTSTP would stop it by its default action, which the test is not about.
+    let catches_tstp = || {
+        std::fs::read_to_string(format!("/proc/{watchdog}/status"))
+            .ok()
+            .and_then(|status| {
+                let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
+                u64::from_str_radix(mask.trim(), 16).ok()
+            })
+            .is_some_and(|mask| mask & (1 << (libc_sigtstp() - 1)) != 0)
+    };
+    let ready = Instant::now();
+    while !catches_tstp() && ready.elapsed() < Duration::from_secs(10) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert!(catches_tstp(), "the watchdog never caught SIGTSTP");
     let group = nix::unistd::Pid::from_raw(i32::try_from(watchdog).unwrap());
     nix::sys::signal::killpg(group, nix::sys::signal::Signal::SIGTSTP).unwrap();
     // Without the fix the watchdog shows `T` within milliseconds; look for a second.
@@ -924,6 +940,11 @@ fn the_watchdog_is_not_stopped_with_the_group_and_holds_no_secret() {
         "the watchdog was stopped with the command's group"
     );
     drop(run);
+}
+
+/// SIGTSTP's number.
+fn libc_sigtstp() -> u32 {
+    nix::sys::signal::Signal::SIGTSTP as u32
 }
 
 /// `fence run` with the test hook that makes its waits for `stuck` (the command, or the
