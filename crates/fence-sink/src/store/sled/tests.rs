@@ -281,19 +281,21 @@ async fn a_replay_waits_until_the_record_it_reads_is_on_disk() {
     );
 }
 
-/// A job loaded while its last raise is not on disk yet (the raise's commit timed out on a
-/// stalling disk and its gate was evicted): the load waits for the disk, refused while it
-/// stalls. Answered at once, the gate would let the raised generation through with no write
-/// of its own, and a crash would take the raise back while that effect stood.
+/// What another request's raise wrote is answered only once it is on disk, refused while
+/// the disk stalls: a job loaded while its last raise is not on disk yet (the raise's commit
+/// timed out on a stalling disk and its gate was evicted), and an older token's check that
+/// reads such a raise (its stale answer names that highest). Either way the gate takes the
+/// highest it read as settled, and lets that generation through with no write of its own: a
+/// crash would then take the raise back while that effect stood.
 #[cfg(feature = "test-hooks")]
 #[tokio::test]
 // The guard held across awaits is the stalled disk: the log's writer, another thread,
 // waits on it; nothing on this task does.
 #[allow(clippy::await_holding_lock)]
-async fn a_load_waits_until_the_record_it_reads_is_on_disk() {
+async fn a_read_of_a_raise_waits_until_it_is_on_disk() {
     let dir = tempfile::tempdir().unwrap();
     let store = SledStore::open(dir.path()).unwrap();
-    let job: JobId = "load".parse().unwrap();
+    let job: JobId = "raised".parse().unwrap();
     let g = Generation::new;
     store.accept(&job, g(1), false).await.unwrap();
     let stalled = store.db.stall_log();
@@ -314,38 +316,6 @@ async fn a_load_waits_until_the_record_it_reads_is_on_disk() {
         !matches!(early, Ok(Ok(_))),
         "a load was answered before the raise it read was on disk: {early:?}"
     );
-    drop(stalled);
-    raising.await.unwrap().unwrap();
-    assert_eq!(store.load(&job).await.unwrap().highest, g(2));
-}
-
-/// A stale answer names a highest that is on disk: an older token's check that reads a raise
-/// still waiting for its commit waits for it too (the gate takes the highest a stale answer
-/// names as settled, and lets that generation through without a write of its own).
-#[cfg(feature = "test-hooks")]
-#[tokio::test]
-// The guard held across awaits is the stalled disk: the log's writer, another thread,
-// waits on it; nothing on this task does.
-#[allow(clippy::await_holding_lock)]
-async fn a_stale_answer_waits_until_the_highest_it_names_is_on_disk() {
-    let dir = tempfile::tempdir().unwrap();
-    let store = SledStore::open(dir.path()).unwrap();
-    let job: JobId = "stale".parse().unwrap();
-    let g = Generation::new;
-    store.accept(&job, g(1), false).await.unwrap();
-    let stalled = store.db.stall_log();
-    let raising = {
-        let (store, job) = (store.clone(), job.clone());
-        tokio::spawn(async move { store.accept(&job, g(2), false).await })
-    };
-    // The raise is applied in memory; its commit waits behind the stalled writer.
-    tokio::time::timeout(Duration::from_secs(5), async {
-        while store.highest(&job).await.unwrap() < g(2) {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the raise was not applied");
     let early = tokio::time::timeout(Duration::from_millis(500), store.observe(&job, g(1))).await;
     assert!(
         !matches!(early, Ok(Ok(_))),
@@ -353,6 +323,7 @@ async fn a_stale_answer_waits_until_the_highest_it_names_is_on_disk() {
     );
     drop(stalled);
     raising.await.unwrap().unwrap();
+    assert_eq!(store.load(&job).await.unwrap().highest, g(2));
     assert_eq!(
         store.observe(&job, g(1)).await.unwrap(),
         Verdict::Stale { highest: g(2) }
