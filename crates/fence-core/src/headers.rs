@@ -121,24 +121,20 @@ fn display_name(h: &HeaderName) -> &'static str {
     }
 }
 
-/// The gRPC binary form of one of our header names.
-fn binary_name(h: &HeaderName) -> &'static str {
-    match h.as_str() {
-        "x-fencing-job" => "x-fencing-job-bin",
-        "x-fencing-token" => "x-fencing-token-bin",
-        "idempotency-key" => "idempotency-key-bin",
-        _ => "",
-    }
-}
+/// The gRPC binary forms of our header names (`x-fencing-job-bin`, ...), made once: a
+/// lookup by `&str` would parse and validate the name on every request.
+const X_FENCING_JOB_BIN: HeaderName = HeaderName::from_static("x-fencing-job-bin");
+const X_FENCING_TOKEN_BIN: HeaderName = HeaderName::from_static("x-fencing-token-bin");
+const IDEMPOTENCY_KEY_BIN: HeaderName = HeaderName::from_static("idempotency-key-bin");
 
 /// The single non-empty value of `name`, `Ok(None)` when absent; its gRPC binary form
-/// (`name-bin`) is refused.
+/// `binary` (`name-bin`) is refused.
 fn single<'a>(
     map: &'a HeaderMap,
     name: &HeaderName,
+    binary: &HeaderName,
 ) -> Result<Option<&'a HeaderValue>, HeaderError> {
-    let binary = binary_name(name);
-    if !binary.is_empty() && map.contains_key(binary) {
+    if map.contains_key(binary) {
         return Err(HeaderError::Binary {
             header: name.clone(),
         });
@@ -188,8 +184,8 @@ impl FencingHeaders {
     /// # Errors
     /// When either is repeated, empty or invalid, or only one of the two is present.
     pub fn from_headers(map: &HeaderMap) -> Result<Option<Self>, HeaderError> {
-        let job = single(map, &X_FENCING_JOB)?;
-        let token = single(map, &X_FENCING_TOKEN)?;
+        let job = single(map, &X_FENCING_JOB, &X_FENCING_JOB_BIN)?;
+        let token = single(map, &X_FENCING_TOKEN, &X_FENCING_TOKEN_BIN)?;
         match (job, token) {
             (None, None) => Ok(None),
             (Some(_), None) => Err(HeaderError::Incomplete {
@@ -365,7 +361,7 @@ impl IdempotencyKey {
     /// # Errors
     /// When it is repeated, empty or malformed.
     pub fn from_headers(map: &HeaderMap) -> Result<Option<Self>, HeaderError> {
-        single(map, &IDEMPOTENCY_KEY)?
+        single(map, &IDEMPOTENCY_KEY, &IDEMPOTENCY_KEY_BIN)?
             .map(|v| Self::from_bytes(v.as_bytes()))
             .transpose()
     }

@@ -25,6 +25,12 @@ pub struct OutcomeUnknown;
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct GrpcStatuses(u32);
 
+/// `grpc-status`, made once: a lookup by `&str` parses and validates the name each time,
+/// and every streamed answer is looked at.
+pub(crate) const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+/// `fence-problem-type`, the kind of problem a fence answered.
+const FENCE_PROBLEM_TYPE: http::HeaderName = http::HeaderName::from_static("fence-problem-type");
+
 impl GrpcStatuses {
     /// No status leaves an outcome unknown.
     pub const NONE: Self = Self(0);
@@ -51,7 +57,7 @@ impl GrpcStatuses {
     /// Whether the `grpc-status` in `headers` (an answer's head or its trailers) is one of
     /// these.
     pub fn in_headers(self, headers: &http::HeaderMap) -> bool {
-        self.0 != 0 && headers.get("grpc-status").is_some_and(|s| self.contains(s))
+        self.0 != 0 && headers.get(GRPC_STATUS).is_some_and(|s| self.contains(s))
     }
 
     /// Whether an answer's head leaves the outcome unknown by its `grpc-status`: one of
@@ -62,7 +68,7 @@ impl GrpcStatuses {
     /// and one across the network may have, so those count by their status.
     pub(crate) fn in_answer(self, head: &http::HeaderMap) -> bool {
         self.in_headers(head)
-            && head.get("fence-problem-type").is_none_or(|kind| {
+            && head.get(FENCE_PROBLEM_TYPE).is_none_or(|kind| {
                 kind == "urn:fence:upstream-timeout" || kind == "urn:fence:upstream-unavailable"
             })
     }

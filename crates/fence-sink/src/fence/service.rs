@@ -570,7 +570,7 @@ where
     // in its headers (a trailers-only answer): that is no success either.
     let grpc_failed = response
         .headers()
-        .get("grpc-status")
+        .get(crate::outcome::GRPC_STATUS)
         .is_some_and(|status| status.as_bytes() != b"0");
     if !fired.load(Ordering::Relaxed) || (response.status().is_success() && !grpc_failed) {
         return Ok(response.map(|body| {
