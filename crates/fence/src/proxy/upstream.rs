@@ -33,8 +33,28 @@ pub(super) type UpstreamBody = Either<Held<Incoming>, Full<Bytes>>;
 
 /// The inner service of the fence: forwards a request to the upstream over the worker's
 /// connections and answers 502/504 problems when the upstream fails or is too slow.
+///
+/// One allocation shared by its copies: each request clones it three times on its way in
+/// (its connection's, the fence's, its own), one reference count each.
 #[derive(Clone)]
-pub(super) struct Upstream {
+pub(super) struct Upstream(Arc<Forwarding>);
+
+impl Upstream {
+    pub(super) fn new(forwarding: Forwarding) -> Self {
+        Self(Arc::new(forwarding))
+    }
+}
+
+impl std::ops::Deref for Upstream {
+    type Target = Forwarding;
+
+    fn deref(&self) -> &Forwarding {
+        &self.0
+    }
+}
+
+/// What [`Upstream`] forwards with.
+pub(super) struct Forwarding {
     pub(super) conns: Arc<UpstreamConns>,
     pub(super) outcomes: Arc<Outcomes>,
     pub(super) target: Arc<Target>,
@@ -47,7 +67,8 @@ pub(super) struct Upstream {
     pub(super) via: bool,
     /// `X-Forwarded-Proto`: how the client reached the proxy.
     pub(super) proto: http::HeaderValue,
-    /// Counts this copy for graceful shutdown (see `Worker::run`).
+    /// Counts the service for graceful shutdown, as long as a copy of it lives (see
+    /// `Worker::run`).
     pub(super) _running: mpsc::Sender<()>,
 }
 

@@ -16,7 +16,8 @@ use tower::{Layer, ServiceExt};
 
 use super::{
     ProxyBody, config::Target, conns::UpstreamConns, headers::ClientAddr, metrics::Outcomes,
-    streams::ClientStreams, upstream::Upstream,
+    streams::ClientStreams,
+    upstream::{Forwarding, Upstream},
 };
 
 /// One serving thread of the proxy: a single-threaded runtime with its own accept loop and
@@ -97,7 +98,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             // request's own, which lives until its upstream call is over. All are gone when
             // the connections are closed and the last request has finished.
             let (running, mut finished) = mpsc::channel::<()>(1);
-            let fence = self.layer.layer(Upstream {
+            let fence = self.layer.layer(Upstream::new(Forwarding {
                 conns,
                 outcomes: Arc::new(Outcomes::new()),
                 target: self.target,
@@ -107,7 +108,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
                 via: self.via,
                 proto: http::HeaderValue::from_static(proto),
                 _running: running,
-            });
+            }));
             // A connection whose fenced request got through (the fence admitted it and the
             // upstream answered 2xx, marked by `Upstream`) is closed for room after those that
             // never had one.
