@@ -293,7 +293,6 @@ where
     St: GenerationStore + IdempotencyStore,
 {
     let Shared { config, gates, .. } = &*shared;
-    let deadline = tokio::time::Instant::now() + config.body_timeout;
     let keyed = match (&key, &config.idempotency) {
         (Some(key), Some(idempotency)) => Some(Keyed {
             store: gates.store(),
@@ -307,7 +306,9 @@ where
                 .get::<crate::PeerAddr>()
                 .map(|p| p.0.ip()),
             max_buffered: config.max_buffered_bytes,
-            deadline,
+            // Read only for a request that is buffered: a streamed one's counts from its
+            // admission (`Ready::Streamed`).
+            deadline: tokio::time::Instant::now() + config.body_timeout,
             body_timeout: config.body_timeout,
             attempt: crate::idempotency::attempt_id(),
             settled_after: config.limits.restart.settled_after(),

@@ -274,15 +274,18 @@ impl<St: GenerationStore> Gates<St> {
         self.map.len()
     }
 
+    /// Loads the job's gate from the store once; `clock` is read only when it does (an
+    /// admission to a loaded gate, every one after the first, reads no clock here).
     async fn load(
         &self,
         gate: &Gate,
         job: &JobId,
         limits: Limits,
-        now_ms: u64,
+        clock: &dyn Clock,
     ) -> Result<(), StoreError> {
         let timeout = limits.store_timeout;
         let init = gate.loaded.get_or_try_init(|| async {
+            let now_ms = clock.now_ms();
             self.reads.fetch_add(1, Relaxed);
             let loaded = self.store.load(job).await?;
             let mut s = gate.lock();
@@ -328,7 +331,7 @@ impl<St: GenerationStore> Gates<St> {
         clock: &dyn Clock,
     ) -> Admission {
         let gate = &self.gate(job, limits.max_cached_jobs);
-        if let Err(e) = self.load(gate, job, limits, clock.now_ms()).await {
+        if let Err(e) = self.load(gate, job, limits, clock).await {
             return Admission::StoreFailed(e);
         }
         let deadline = Instant::now() + limits.drain_timeout;
