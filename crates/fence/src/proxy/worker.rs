@@ -12,7 +12,7 @@ use tokio::{
 };
 
 use crate::listen::{Limits, Listener};
-use tower::{Layer, ServiceExt};
+use tower::{Layer, Service};
 
 use super::{
     ProxyBody, config::Target, conns::UpstreamConns, headers::ClientAddr, metrics::Outcomes,
@@ -147,7 +147,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
 /// answered, the rest of the request goes on in a task of its own, and the fence counts it
 /// in flight until then.
 async fn handle<St>(
-    fence: Fence<Upstream, St>,
+    mut fence: Fence<Upstream, St>,
     client: ClientStreams,
     peer: std::net::SocketAddr,
     mut req: Request<Incoming>,
@@ -157,7 +157,12 @@ where
 {
     req.extensions_mut().insert(client);
     req.extensions_mut().insert(fence_sink::PeerAddr(peer));
-    fence.oneshot(req).await
+    // What `ServiceExt::oneshot` does (the service goes once called), without its state
+    // machine: the request is not moved into it and out again.
+    std::future::poll_fn(|cx| fence.poll_ready(cx)).await?;
+    let answer = fence.call(req);
+    drop(fence);
+    answer.await
 }
 
 #[cfg(test)]
