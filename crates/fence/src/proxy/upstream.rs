@@ -82,8 +82,26 @@ impl Service<Request<RequestBody<Incoming>>> for Upstream {
     }
 
     fn call(&mut self, req: Request<RequestBody<Incoming>>) -> Self::Future {
-        let this = self.clone();
-        Box::pin(async move { Ok(this.forward(req).await) })
+        Box::pin(Forwarded {
+            forward: self.clone().forward(req),
+        })
+    }
+}
+
+pin_project_lite::pin_project! {
+    /// `forward`'s future with its answer as the service's `Ok`. Not an async block around
+    /// it: the block's state would take the forward future in with one more copy of it.
+    struct Forwarded<F> {
+        #[pin]
+        forward: F,
+    }
+}
+
+impl<F: Future<Output = Response<UpstreamBody>>> Future for Forwarded<F> {
+    type Output = Result<Response<UpstreamBody>, Infallible>;
+
+    fn poll(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        self.project().forward.poll(cx).map(Ok)
     }
 }
 
