@@ -15,7 +15,11 @@ use crate::listen::{Limits, Listener};
 use tower::{Layer, Service};
 
 use super::{
-    ProxyBody, config::Target, conns::UpstreamConns, headers::ClientAddr, metrics::Outcomes,
+    ProxyBody,
+    config::Target,
+    conns::UpstreamConns,
+    headers::ClientAddr,
+    metrics::Outcomes,
     streams::ClientStreams,
     upstream::{Forwarding, Upstream},
 };
