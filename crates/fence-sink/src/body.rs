@@ -539,9 +539,9 @@ impl_body!(RequestBody, |this, polled| {
 });
 
 /// A request's trailers without the fields the fence judges in its head (`X-Fencing-Job`,
-/// `X-Fencing-Token`, `Idempotency-Key`, and their gRPC binary `-bin` forms): a service that merges trailers into its headers
-/// (as a gRPC server may merge them into metadata) would otherwise read a token or key the
-/// fence never judged, sent after the one it admitted.
+/// `X-Fencing-Token`, `Idempotency-Key`, and their gRPC binary `-bin` forms): a service that
+/// merges trailers into its headers (as a gRPC server may merge them into metadata) would
+/// otherwise read a token or key the fence never judged, sent after the one it admitted.
 fn unjudged_trailers(
     mut polled: Poll<Option<Result<Frame<Bytes>, BoxError>>>,
 ) -> Poll<Option<Result<Frame<Bytes>, BoxError>>> {
@@ -563,6 +563,7 @@ fn unjudged_trailers(
     }
     polled
 }
+
 // An answer that holds the request in flight lets go at its end; a failure may leave the
 // outcome unknown, as a dropped unfinished answer does (see `Answering`).
 impl_body!(ResponseBody, |this, polled| {
