@@ -72,23 +72,9 @@ impl Reservation {
         self.take(more, max).is_ok()
     }
 
-    /// Takes `more` bytes if that keeps the budget's total within `max`, counting them
-    /// against the peer's share without checking it (an answer being kept: refused for the
-    /// share, it would be passed on unkept, and every retry of its key refused as not
-    /// replayable for the whole retention). The peer's next body waits for them back.
-    pub(crate) fn grow_unshared(&mut self, more: usize, max: usize) -> bool {
-        self.take_within(more, max, None).is_ok()
-    }
-
     /// Takes `more` bytes if that keeps the budget's total within `max` and the peer's
     /// bytes within its share of `max`; nothing taken otherwise.
     pub(crate) fn take(&mut self, more: usize, max: usize) -> Result<(), Full> {
-        self.take_within(more, max, Some(max.div_ceil(PEER_SHARE)))
-    }
-
-    /// Takes `more` bytes if that keeps the total within `max` and, with a `share`, the
-    /// peer's bytes within it; counted against the peer either way.
-    fn take_within(&mut self, more: usize, max: usize, share: Option<usize>) -> Result<(), Full> {
         let Reservation {
             budget,
             bytes,
@@ -97,13 +83,13 @@ impl Reservation {
         let Some(peer) = peer.filter(|_| more > 0) else {
             return take_total(&budget.used, bytes, more, max);
         };
+        let share = max.div_ceil(PEER_SHARE);
         let mut held = budget.peers.entry(peer).or_insert(0);
         // A peer holding nothing but this reservation may always take what the total
         // allows: one body larger than a share (a small cap, many clients behind one
         // address), arriving in any number of frames, is never refused for ever.
         let others = held.saturating_sub(*bytes);
-        let over = |share| others > 0 && held.checked_add(more).is_none_or(|t| t > share);
-        let taken = if share.is_some_and(over) {
+        let taken = if others > 0 && held.checked_add(more).is_none_or(|t| t > share) {
             Err(Full::Peer)
         } else {
             take_total(&budget.used, bytes, more, max)
@@ -208,16 +194,7 @@ mod tests {
         }
         let mut another = Reservation::of_peer(&budget, Some(a));
         assert_eq!(another.take(1, 100), Err(Full::Peer));
-        drop(empty);
-        assert!(budget.peers.is_empty() && budget.used() == 0);
-        // An answer being kept counts against the share unchecked; the peer's next body
-        // then waits for it back.
-        let mut kept = Reservation::of_peer(&budget, Some(a));
-        assert_eq!(another.take(20, 100), Ok(()));
-        assert!(kept.grow_unshared(30, 100));
-        let mut next = Reservation::of_peer(&budget, Some(a));
-        assert_eq!(next.take(1, 100), Err(Full::Peer));
-        drop((kept, another, next));
+        drop((empty, another));
         assert!(budget.peers.is_empty() && budget.used() == 0);
     }
 }

@@ -386,6 +386,50 @@ async fn a_client_reading_no_replays_holds_at_most_its_share() {
     assert_eq!(layer.buffered_bytes(), 0, "every byte given back");
 }
 
+/// Answers being kept count against the client's share too: one client whose keyed requests
+/// all answer at once and who reads none of the answers holds one answer beyond its share,
+/// not the whole budget (the others are passed on unkept).
+#[tokio::test(start_paused = true)]
+async fn a_client_reading_no_answers_holds_at_most_one_beyond_its_share() {
+    // 64 bytes, a share of 16: one 20-byte answer is more than a share.
+    let layer = FenceLayer::new(MemoryStore::new()).max_buffered_bytes(64);
+    let all_read = Arc::new(tokio::sync::Barrier::new(4));
+    let svc = layer.layer(tower::service_fn({
+        let all_read = all_read.clone();
+        move |req: Request<RequestBody<In>>| {
+            let all_read = all_read.clone();
+            async move {
+                req.into_body().collect().await.unwrap();
+                // Every request's body is read before any answers.
+                all_read.wait().await;
+                Ok::<_, std::convert::Infallible>(Response::new(http_body_util::Full::new(
+                    Bytes::from_static(b"twenty bytes answer."),
+                )))
+            }
+        }
+    }));
+    let mut calls = Vec::new();
+    for key in ["a", "b", "c", "d"] {
+        let mut req = request("/", 1, Some(key), full("x"));
+        req.extensions_mut()
+            .insert(fence_sink::PeerAddr("10.0.0.1:4000".parse().unwrap()));
+        calls.push(tokio::spawn(svc.clone().oneshot(req)));
+    }
+    let mut unread = Vec::new();
+    for call in calls {
+        let answer = call.await.unwrap().unwrap();
+        assert_eq!(answer.status(), StatusCode::OK);
+        unread.push(answer);
+    }
+    assert!(
+        layer.buffered_bytes() <= 20,
+        "one client's unread answers hold {} bytes",
+        layer.buffered_bytes()
+    );
+    drop(unread);
+    assert_eq!(layer.buffered_bytes(), 0, "every byte given back");
+}
+
 /// A store other processes share whose calls stall once `stuck` is set (a SQL writer holds
 /// the job's row), counting the calls running at once; with `slow_raises`, a raise is written
 /// and then answered only after that long (a disk that confirms late).

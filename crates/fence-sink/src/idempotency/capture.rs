@@ -45,7 +45,7 @@ where
             Some(Ok(frame)) => match frame.into_data() {
                 Ok(data) => {
                     let fits =
-                        buf.len() + data.len() <= limit && held.grow_unshared(data.len(), max);
+                        buf.len() + data.len() <= limit && held.take(data.len(), max).is_ok();
                     buf.extend_from_slice(&data);
                     if !fits {
                         return Captured::TooLarge(buf.freeze(), None, body);
