@@ -187,12 +187,13 @@ const SCAN_WORK: usize = 8;
 
 /// Where a frame of this segment (number and salt) that passes its checksum, and starts a
 /// chain, starts after the one at `at`, which does not: the frame that `at`'s length points
-/// past first (damage to a body or a checksum leaves the length right), then every byte
-/// after `at`. One checksum alone is 32 bits: over a reused 16 MiB file of old frames and
-/// runs of zeros (an end frame's checksum is the same wherever it is) a stray match would
-/// refuse a genuine crash about once in 10^4 to 10^5. So the frame after the candidate must
-/// pass its checksum too (an end frame counts), or the candidate must end exactly at the
-/// file's end: a stray match then is about 2^-64. Only bodies that read as records are
+/// past first (damage to a body or a checksum leaves the length right): one frame that
+/// passes there is enough. Then every byte after `at`: one checksum alone is 32 bits, and
+/// over a reused 16 MiB file of old frames and runs of zeros (an end frame's checksum is the
+/// same wherever it is) a stray match would refuse a genuine crash about once in 10^4 to
+/// 10^5. So there the frame after the candidate must pass its checksum too (an end frame
+/// counts), or the candidate must end exactly at the file's end: a stray match then is about
+/// 2^-64. Only bodies that read as records are
 /// checksummed (every frame the writer wrote reads), and the work is bounded by the file's
 /// size: past it, none is reported (as for a crash).
 fn later_frame(bytes: &[u8], at: usize, segment: u64, salt: u64) -> Option<usize> {
@@ -206,12 +207,17 @@ fn later_frame(bytes: &[u8], at: usize, segment: u64, salt: u64) -> Option<usize
             .saturating_mul(SCAN_WORK)
             .saturating_add(1 << 16),
     };
+    // Where the damaged frame's own length points, one frame that passes is enough: a chance
+    // match at one offset is 2^-32, and the frames a crash could not have left there (the
+    // one before the last written, damaged) would otherwise be dropped.
     let declared =
         frame_header(bytes, at).and_then(|(len, _)| (at + FRAME_HEADER).checked_add(len));
-    for from in declared
-        .into_iter()
-        .chain(at.saturating_add(1)..bytes.len())
+    if let Some(from) = declared
+        && !matches!(check.at(from)?, Found::None)
     {
+        return Some(from);
+    }
+    for from in at.saturating_add(1)..bytes.len() {
         check.budget = check.budget.checked_sub(1)?;
         if check.starts_chain(from)? {
             return Some(from);

@@ -206,6 +206,29 @@ fn one_checksum_matched_by_chance_after_a_cut_frame_is_a_crash() {
     }
 }
 
+/// Where a damaged frame's own length points, one whole frame is enough to tell damage from
+/// a crash (a chance match at one offset is 2^-32): the frame before the last written,
+/// damaged, does not drop the last one, although nothing follows it but zeros.
+#[test]
+fn one_whole_frame_where_the_damaged_one_ends_is_damage() {
+    let (whole, second) = file(false);
+    let mut bytes = whole[..second].to_vec();
+    // The second frame's body damaged, its length intact, then a third frame and zeros.
+    let mut damaged = whole[second..].to_vec();
+    damaged[FRAME_HEADER] ^= 0x01;
+    bytes.extend_from_slice(&damaged);
+    let third = bytes.len();
+    frame(5, SALT, &whole[second + FRAME_HEADER..], &mut bytes);
+    bytes.extend_from_slice(&[0; 64]);
+    assert_eq!(
+        read(&bytes, 5),
+        Err(Unreadable::Damaged {
+            at: second,
+            later: third
+        })
+    );
+}
+
 /// Segment 5's end frame.
 fn end_frame() -> Vec<u8> {
     let mut out = Vec::new();
