@@ -75,7 +75,7 @@ fn read_secret(file: &std::path::Path, flag: &str) -> anyhow::Result<Option<Bear
 /// refused: a platform may mount it (a Kubernetes secret is 0644 by default).
 fn warn_if_others_may_read(file: &std::path::Path, flag: &str) {
     if let Some(mode) = crate::open_to_others(file) {
-        eprintln!(
+        say!(
             "fence: warning: {flag} {}: group or others may read this secret (mode {mode:o}): chmod 600 it",
             file.display(),
         );
@@ -234,7 +234,7 @@ fn print_answer(status: StatusCode, answer: &str) {
             .as_ref()
             .and_then(|p| p.get("detail")?.as_str())
             .unwrap_or("(no problem detail in the answer)");
-        eprintln!("fence: the server answered {status}: {detail}");
+        say!("fence: the server answered {status}: {detail}");
     }
 }
 
@@ -307,7 +307,7 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
             if let Some(owner) = &claim_owner
                 && outcome_unknown(&e)
             {
-                eprintln!("fence: {}", server_failure(&e));
+                say!("fence: {}", server_failure(&e));
                 unknown_claim(&job, owner, server.base_url());
                 return Ok(1);
             }
@@ -332,7 +332,7 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
 /// printed unless granted, so the server's advice (retry with the same key) cannot be
 /// followed here; says what can.
 fn unknown_claim(job: &JobId, owner: &fence_core::Owner, server: &str) {
-    eprintln!(
+    say!(
         "fence: whether the claim was granted is unknown, and its lease key is gone with this \
          command; `fence status --server {server} --job {job}` shows whether owner {owner} holds \
          it (such a lease ends at its TTL), or claim again once the store is back"
@@ -374,7 +374,7 @@ fn server_failure(e: &StoreError) -> String {
 /// gateway's) answer, told in its words with exit 1; anything else, an unreachable server.
 fn answered_or_unreachable(e: StoreError, server: &str) -> anyhow::Result<i32> {
     if let StoreError::Unavailable { status, detail, .. } = &e {
-        eprintln!("fence: the server answered {status}: {detail}");
+        say!("fence: the server answered {status}: {detail}");
         return Ok(1);
     }
     Err(anyhow::Error::new(e).context(format!("cannot reach {server}")))
@@ -457,7 +457,7 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
         Ok(answered) => answered,
         Err(e) if outcome_unknown(&e) => {
             // Retrying is safe: a second revoke only fences one generation higher.
-            eprintln!(
+            say!(
                 "fence: {}; whether the revoke took effect is unknown: run it again",
                 server_failure(&e)
             );
@@ -472,7 +472,7 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
     let record: RecordBody =
         serde_json::from_slice(&answer).context("the server's answer is not a lease record")?;
     let Some(token) = record.token else {
-        eprintln!(
+        say!(
             "fence: the server signs no tokens (no --signing-key), so there is nothing a sink would trust to push; the lease is revoked, and the sinks refuse the old holder once the next holder writes"
         );
         return Ok(1);
@@ -495,12 +495,12 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
     for (_, url, sent) in answers {
         match sent {
             Ok((StatusCode::OK, bytes)) => match serde_json::from_slice::<FenceView>(&bytes) {
-                Ok(view) => eprintln!(
+                Ok(view) => say!(
                     "fence: {url}: job {job} is fenced at generation {}",
                     view.highest
                 ),
                 Err(e) => {
-                    eprintln!("fence: {url}: answered 200 but not a fence view: {e}");
+                    say!("fence: {url}: answered 200 but not a fence view: {e}");
                     code = 1;
                 }
             },
@@ -510,11 +510,11 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
                     || String::from_utf8_lossy(&bytes).into_owned(),
                     |p| p.detail,
                 );
-                eprintln!("fence: {url}: the push was refused, {status}: {detail}");
+                say!("fence: {url}: the push was refused, {status}: {detail}");
                 code = 1;
             }
             Err(e) => {
-                eprintln!("fence: {url}: the push failed: {}", sink_failure(&e));
+                say!("fence: {url}: the push failed: {}", sink_failure(&e));
                 code = 1;
             }
         }
@@ -567,7 +567,7 @@ pub async fn healthcheck(a: HealthcheckCmd) -> anyhow::Result<i32> {
     match target.send("/healthz", None::<&()>).await {
         Ok((StatusCode::OK, _)) => Ok(0),
         Ok((status, body)) => {
-            eprintln!(
+            say!(
                 "fence healthcheck: {}/healthz answered {status}: {}",
                 target.base_url(),
                 String::from_utf8_lossy(&body).trim_end()
@@ -582,7 +582,7 @@ pub async fn healthcheck(a: HealthcheckCmd) -> anyhow::Result<i32> {
                 StoreError::Timeout(within) => format!("no answer within {within:?}"),
                 other => fence_storage::error_chain(other),
             };
-            eprintln!("fence healthcheck: {}/healthz: {why}", target.base_url());
+            say!("fence healthcheck: {}/healthz: {why}", target.base_url());
             Ok(1)
         }
     }

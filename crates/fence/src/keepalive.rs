@@ -40,7 +40,7 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
     let held = match client.resume(lease.job, lease.generation, lease.key).await {
         Ok(held) => held,
         Err(e @ ClaimError::NotHeld { .. }) => {
-            eprintln!("fence keepalive: {e}");
+            say!("fence keepalive: {e}");
             return Ok(EXIT_LOST);
         }
         Err(e) => {
@@ -53,9 +53,7 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
         let why = held
             .loss_reason()
             .map_or_else(|| "lost".to_owned(), |r| r.to_string());
-        eprintln!(
-            "fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}"
-        );
+        say!("fence keepalive: the lease of job {job} (generation {generation}) is lost: {why}");
         Ok(EXIT_LOST)
     };
     // The token file is written before anything is said or copied: a script that waits
@@ -121,7 +119,7 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
     let left = held
         .deadline()
         .saturating_duration_since(tokio::time::Instant::now());
-    eprintln!(
+    say!(
         "fence keepalive: stopped renewing job {job} (generation {generation}); it is still held for about {}{}",
         humantime::format_duration(Duration::from_millis(left.as_millis() as u64)),
         if a.token_file.is_some() {

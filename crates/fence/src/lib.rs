@@ -3,6 +3,16 @@
 //! The lease server, the fencing proxy, `fence run`, the one-shot lease calls, key files and
 //! the demo; [`cli`] holds every flag and help text.
 
+/// `eprintln!` that never panics: a stderr that is gone (a pipe to a `tee` that exited) must
+/// not end a command midway (`fence run` with its command's group still running) or turn its
+/// exit code into 101; the line is lost.
+macro_rules! say {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
+    }};
+}
+
 pub mod auth;
 pub mod backend;
 pub mod calls;

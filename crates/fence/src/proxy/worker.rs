@@ -98,9 +98,10 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             // and its upstream call never cross threads.
             let conns = Arc::new(UpstreamConns::new(&self.target, self.idle_timeout));
             let proto = if self.tls.is_some() { "https" } else { "http" };
-            // Every copy of the upstream service holds a sender: the connections' and each
-            // request's own, which lives until its upstream call is over. All are gone when
-            // the connections are closed and the last request has finished.
+            // The upstream service holds a sender, shared by all its copies (the
+            // connections' and each request's own, which lives until its upstream call is
+            // over): it is dropped when the connections are closed and the last request has
+            // finished.
             let (running, mut finished) = mpsc::channel::<()>(1);
             let fence = self.layer.layer(Upstream::new(Forwarding {
                 conns,

@@ -31,15 +31,6 @@ use tokio::{
     time::Instant,
 };
 
-/// `eprintln!` that never panics: a stderr that is gone (a pipe to a `tee` that exited)
-/// must not end `fence run` midway, its command's group still running; the line is lost.
-macro_rules! say {
-    ($($arg:tt)*) => {{
-        use std::io::Write as _;
-        let _ = writeln!(std::io::stderr().lock(), $($arg)*);
-    }};
-}
-
 mod checkpoint;
 mod claim;
 mod finish;
