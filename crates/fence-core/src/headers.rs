@@ -121,11 +121,14 @@ fn display_name(h: &HeaderName) -> &'static str {
     }
 }
 
-/// The gRPC binary forms of our header names (`x-fencing-job-bin`, ...), made once: a
-/// lookup by `&str` would parse and validate the name on every request.
-const X_FENCING_JOB_BIN: HeaderName = HeaderName::from_static("x-fencing-job-bin");
-const X_FENCING_TOKEN_BIN: HeaderName = HeaderName::from_static("x-fencing-token-bin");
-const IDEMPOTENCY_KEY_BIN: HeaderName = HeaderName::from_static("idempotency-key-bin");
+/// `x-fencing-job-bin`, the gRPC binary form of [`X_FENCING_JOB`]: refused, never read.
+/// The three binary forms are constants: a lookup by `&str` would parse and validate the
+/// name on every request.
+pub const X_FENCING_JOB_BIN: HeaderName = HeaderName::from_static("x-fencing-job-bin");
+/// `x-fencing-token-bin`, the gRPC binary form of [`X_FENCING_TOKEN`]: refused, never read.
+pub const X_FENCING_TOKEN_BIN: HeaderName = HeaderName::from_static("x-fencing-token-bin");
+/// `idempotency-key-bin`, the gRPC binary form of [`IDEMPOTENCY_KEY`]: refused, never read.
+pub const IDEMPOTENCY_KEY_BIN: HeaderName = HeaderName::from_static("idempotency-key-bin");
 
 /// The single non-empty value of `name`, `Ok(None)` when absent; its gRPC binary form
 /// `binary` (`name-bin`) is refused.

@@ -17,11 +17,14 @@ use std::{
 };
 
 use bytes::Bytes;
-use http::{HeaderMap, HeaderName};
+use http::HeaderMap;
 use http_body::{Body, Frame, SizeHint};
 use pin_project_lite::pin_project;
 
-use fence_core::headers::{IDEMPOTENCY_KEY, X_FENCING_JOB, X_FENCING_TOKEN};
+use fence_core::headers::{
+    IDEMPOTENCY_KEY, IDEMPOTENCY_KEY_BIN, X_FENCING_JOB, X_FENCING_JOB_BIN, X_FENCING_TOKEN,
+    X_FENCING_TOKEN_BIN,
+};
 use fence_storage::BoxError;
 use tokio::time::{Instant, Sleep};
 
@@ -260,10 +263,10 @@ pin_project! {
 }
 
 impl<B> Kind<B> {
-    fn bytes(bytes: Bytes, held: Option<Reservation>) -> Self {
+    fn bytes(bytes: Bytes, trailers: Option<HeaderMap>, held: Option<Reservation>) -> Self {
         Kind::Bytes {
             bytes: if bytes.is_empty() { None } else { Some(bytes) },
-            trailers: None,
+            trailers,
             held,
         }
     }
@@ -305,11 +308,7 @@ impl<B> RequestBody<B> {
 
     pub(crate) fn buffered(bytes: Bytes, trailers: Option<HeaderMap>, held: Reservation) -> Self {
         Self {
-            kind: Kind::Bytes {
-                bytes: (!bytes.is_empty()).then_some(bytes),
-                trailers,
-                held: Some(held),
-            },
+            kind: Kind::bytes(bytes, trailers, Some(held)),
             flight: None,
         }
     }
@@ -344,7 +343,7 @@ impl<B> ResponseBody<B> {
 
     pub(crate) fn full(bytes: Bytes) -> Self {
         Self {
-            kind: Kind::bytes(bytes, None),
+            kind: Kind::bytes(bytes, None, None),
             answering: Answering::default(),
         }
     }
@@ -356,11 +355,7 @@ impl<B> ResponseBody<B> {
         held: Option<Reservation>,
     ) -> Self {
         Self {
-            kind: Kind::Bytes {
-                bytes: if bytes.is_empty() { None } else { Some(bytes) },
-                trailers,
-                held,
-            },
+            kind: Kind::bytes(bytes, trailers, held),
             answering: Answering::default(),
         }
     }
@@ -548,17 +543,15 @@ fn unjudged_trailers(
     if let Poll::Ready(Some(Ok(frame))) = &mut polled
         && let Some(trailers) = frame.trailers_mut()
     {
-        let judged = |name: &HeaderName| {
-            let name = name.as_str();
-            [X_FENCING_JOB, X_FENCING_TOKEN, IDEMPOTENCY_KEY]
-                .iter()
-                .any(|j| name.strip_suffix("-bin").unwrap_or(name) == j.as_str())
-        };
-        if trailers.keys().any(judged) {
-            let names: Vec<HeaderName> = trailers.keys().filter(|n| judged(n)).cloned().collect();
-            for name in names {
-                trailers.remove(name);
-            }
+        for name in [
+            X_FENCING_JOB,
+            X_FENCING_TOKEN,
+            IDEMPOTENCY_KEY,
+            X_FENCING_JOB_BIN,
+            X_FENCING_TOKEN_BIN,
+            IDEMPOTENCY_KEY_BIN,
+        ] {
+            trailers.remove(name);
         }
     }
     polled

@@ -22,7 +22,7 @@ use dashmap::DashMap;
 /// nothing else.
 pub(crate) const PEER_SHARE: usize = 4;
 
-/// The bytes held now by every clone of one layer, and by each peer's request bodies.
+/// The bytes held now by every clone of one layer, and by each peer's bodies.
 #[derive(Debug, Default)]
 pub(crate) struct Budget {
     used: AtomicUsize,
@@ -34,7 +34,7 @@ pub(crate) struct Budget {
 pub(crate) enum Full {
     /// The layer holds its cap.
     Total,
-    /// The peer's request bodies hold its share of the cap.
+    /// The peer's bodies hold its share of the cap.
     Peer,
 }
 

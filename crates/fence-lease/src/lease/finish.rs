@@ -121,29 +121,20 @@ impl<S: LeaseStore> Lease<S> {
                 .await
                 .unwrap_or_else(|_| Err(StoreError::Timeout(attempt_until - now)));
             match attempt {
-                Err(
-                    e @ (StoreError::Io(_)
-                    | StoreError::Timeout(_)
-                    | StoreError::Unavailable { .. }),
-                ) => {
+                // The answer lost (it may have been applied), or nothing applied (busy: the
+                // server's own 408, an in-process store's queue, which leaves no doubt behind).
+                Err(e) if e.answer_lost() || matches!(e, StoreError::Busy(_)) => {
                     let pause = pauses.next_pause();
                     if Instant::now() + pause >= until {
                         return Err(FinishError::Store(e));
                     }
-                    tracing::warn!(
-                        job = %job,
-                        error = %fence_storage::error_chain(&e),
-                        "releasing or completing the lease failed; trying again"
-                    );
-                    unsure = true;
-                    tokio::time::sleep(pause).await;
-                }
-                // Nothing was applied (a 408, an in-process store's queue): again, and this
-                // attempt leaves no doubt behind.
-                Err(e @ StoreError::Busy(_)) => {
-                    let pause = pauses.next_pause();
-                    if Instant::now() + pause >= until {
-                        return Err(FinishError::Store(e));
+                    if e.answer_lost() {
+                        tracing::warn!(
+                            job = %job,
+                            error = %fence_storage::error_chain(&e),
+                            "releasing or completing the lease failed; trying again"
+                        );
+                        unsure = true;
                     }
                     tokio::time::sleep(pause).await;
                 }

@@ -54,10 +54,10 @@ pub enum StoreError {
         retry_after: Option<Duration>,
     },
     /// The store had no turn for the request in time: requests queued before it in this
-    /// process (a burst of semaphore claims of one resource, contract section 15); or a
-    /// remote store, or a gateway in front of it, answered 408 (the request did not arrive
-    /// whole in time). Nothing reached the storage and nothing was decided: ask again after
-    /// a pause.
+    /// process (a burst of semaphore claims of one resource, contract section 15); or the
+    /// lease server answered its own 408 (`urn:fence:body-timeout`: the request did not
+    /// arrive whole in time; a gateway's 408 is [`Unavailable`](Self::Unavailable)). Nothing
+    /// reached the storage and nothing was decided: ask again after a pause.
     #[error("the lease store is busy, nothing was decided: {0}")]
     Busy(String),
     /// The operation is not allowed on this job id, whoever asks: a plain claim of a

@@ -403,9 +403,8 @@ where
     };
     match request {
         Ready::Read(keyed, read) => {
-            let (mut parts, bytes, trailers, held) = *read;
-            parts.extensions.insert(fenced);
-            let read = (parts, bytes, trailers, held);
+            let mut read = *read;
+            read.0.extensions.insert(fenced);
             let mut response = Box::pin(keyed.run(&mut inner, read)).await;
             let finishing = response
                 .as_mut()

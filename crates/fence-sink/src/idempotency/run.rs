@@ -319,7 +319,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                     let statuses = [
                         trailers
                             .as_ref()
-                            .and_then(|t| t.get("grpc-status"))
+                            .and_then(|t| t.get(crate::outcome::GRPC_STATUS))
                             .cloned(),
                         status_in_body(&head, &bytes),
                     ];

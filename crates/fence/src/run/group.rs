@@ -205,10 +205,11 @@ impl Group {
     /// `grace` has passed with any still there, or sooner once the lease is lost, by its last
     /// moment (see [`Stop::last_moment`]).
     pub(super) async fn stop_escapees(&self, grace: Duration) {
-        if self.escapees().is_empty() {
+        let escapees = self.escapees();
+        if escapees.is_empty() {
             return;
         }
-        for pid in self.escapees() {
+        for pid in escapees {
             let _ = nix::sys::signal::kill(pid, Signal::SIGTERM);
         }
         let granted = Instant::now() + grace;
