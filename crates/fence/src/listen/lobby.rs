@@ -98,13 +98,13 @@ impl Lobby {
     }
 
     /// At the cap: asks one idle connection to close for each newcomer waiting beyond the
-    /// room already on its way, in the order they will be seated (the lightest address first,
+    /// room free or already on its way, in the order they will be seated (the lightest address first,
     /// each seat adding to its address): the room on its way goes to the first ones; each of
     /// the others gets room only from its own address or one holding more than it will (see
     /// [`Slots::evict_for_room`]). False when one could not get any, to look again when a
     /// connection ends or at the recheck.
     pub(super) fn make_room(&self, slots: &Slots) -> bool {
-        let on_its_way = slots.leaving();
+        let on_its_way = slots.room();
         if self.len() <= on_its_way {
             return true;
         }
@@ -157,7 +157,7 @@ impl Lobby {
 
 #[cfg(test)]
 mod tests {
-    use super::*;
+    use super::{super::slots::SeatHold, *};
 
     /// A connected stream from `source` (a loopback address) to `listener`.
     async fn from(source: &str, listener: &tokio::net::TcpListener) -> Waiting {
@@ -229,6 +229,40 @@ mod tests {
             slots.leaving(),
             1,
             "one light connection makes room for 127.0.0.3, the other stays"
+        );
+    }
+
+    /// One newcomer gets one connection closed for it: while the connection picked for it
+    /// closes and gives back its seat, a look for room counts it (as on its way, then as a
+    /// free slot) and picks no other. (A look between "closed" and "seat given back" once
+    /// closed the worker's authenticated connection too.)
+    #[tokio::test]
+    async fn a_newcomer_has_one_connection_closed_for_it_not_two() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let slots = Slots::new(2, 2);
+        let seat = |peer: &str| {
+            let permit = slots.permits().clone().try_acquire_owned().unwrap();
+            slots.seat(peer.parse().unwrap(), permit).unwrap()
+        };
+        let worker = seat("127.0.0.2");
+        worker.conn.begin();
+        worker.conn.done(true); // idle, authenticated
+        let idle = SeatHold::new(seat("127.0.0.2")); // idle, never authenticated
+        let mut lobby = Lobby::new(8);
+        lobby.admit(from("127.0.0.2", &listener).await, &slots);
+        assert!(lobby.make_room(&slots));
+        assert_eq!(slots.leaving(), 1, "the unauthenticated one is picked");
+        assert!(lobby.make_room(&slots), "its room is on its way");
+        idle.closed(); // its only share: the seat goes with it
+        assert!(lobby.make_room(&slots), "its slot is free");
+        assert_eq!(
+            slots.leaving(),
+            0,
+            "the worker's connection was closed for the same newcomer"
+        );
+        assert_eq!(
+            slots.held_by_each(["127.0.0.2".parse().unwrap()].into_iter()),
+            [1]
         );
     }
 

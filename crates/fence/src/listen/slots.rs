@@ -222,7 +222,8 @@ pub(super) struct Seat {
     slots: Arc<Slots>,
     peer: IpAddr,
     pub(super) conn: Arc<Tracked>,
-    _permit: OwnedSemaphorePermit,
+    /// Its slot of the cap: given back in [`Drop`], under the slots' lock.
+    permit: Option<OwnedSemaphorePermit>,
 }
 
 /// A share in a connection's seat: the seat (its slot of the cap, its place in its
@@ -256,12 +257,17 @@ impl SeatHold {
 
     /// The connection closed: what is left of it holds its seat, and is nothing to close
     /// for room (see [`Tracked::idle`]).
-    pub(super) fn closed(self) {
-        if let Some(conn) = self.conn() {
-            conn.gone.store(true, Ordering::Release);
-            // Picked for room, it is no longer room on its way: its seat stays taken until
-            // the last share goes.
-            conn.uncount();
+    pub(super) fn closed(mut self) {
+        let Some(seat) = self.seat.take() else { return };
+        seat.conn.gone.store(true, Ordering::Release);
+        match Arc::try_unwrap(seat) {
+            // The last share: the seat is given back now, and stays counted as room on its
+            // way until its slot is free. Uncounted first, a look for room in between would
+            // find neither, and close another connection for the same newcomer.
+            Ok(seat) => drop(seat),
+            // A request of it goes on: picked for room, it is no longer room on its way; its
+            // seat stays taken until the last share goes.
+            Err(shared) => shared.conn.uncount(),
         }
     }
 }
@@ -269,6 +275,10 @@ impl SeatHold {
 impl Drop for Seat {
     fn drop(&mut self) {
         let mut peers = self.slots.lock();
+        // Under the lock, the slot before the count: a newcomer seated on the slot finds this
+        // connection gone from its peer's count (`seat` takes the lock), and a look for room
+        // that finds it no longer counted as on its way finds its slot free (`make_room`).
+        drop(self.permit.take());
         self.conn.uncount();
         if let Some(mine) = peers.get_mut(&self.peer) {
             mine.remove(&self.conn.id);
@@ -362,7 +372,7 @@ impl Slots {
             slots: self.clone(),
             peer,
             conn,
-            _permit: permit,
+            permit: Some(permit),
         })
     }
 
@@ -439,7 +449,15 @@ impl Slots {
 
     /// Connections asked to close for room that have not closed yet: the room on its way.
     pub(super) fn leaving(&self) -> usize {
-        self.leaving.load(Ordering::Acquire)
+        self.leaving.load(Ordering::SeqCst)
+    }
+
+    /// Room for newcomers now or on its way: slots free, and connections asked to close for
+    /// room that have not closed yet. Read in that order against [`Seat`]'s drop (slot freed,
+    /// then uncounted), so a connection between the two counts at least once.
+    pub(super) fn room(&self) -> usize {
+        let leaving = self.leaving();
+        leaving + self.permits.available_permits()
     }
 
     /// Connections open now from each of `peers` (each counted by its [`peer_key`]), in order.
