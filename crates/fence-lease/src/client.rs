@@ -373,7 +373,7 @@ impl<S: LeaseStore> LeaseClient<S> {
         // capped grant that came at once is not renewed at once.
         let generation = grant.generation;
         let renewed = async {
-            let deadline = timing.deadline(t_send, grant.ttl);
+            let deadline = timing.deadline(t_send, timing.counted(grant.ttl));
             let left = deadline.saturating_duration_since(Instant::now());
             if left >= deadline.saturating_duration_since(t_send) * 2 / 3 {
                 return Ok((grant, t_send));
@@ -497,6 +497,8 @@ impl<S: LeaseStore> LeaseClient<S> {
         timing: Timing,
         held: HeldMark,
     ) -> Result<Lease<S>, ClaimError> {
+        let mut grant = grant;
+        grant.ttl = timing.counted(grant.ttl);
         let token = grant.generation.token().ok_or_else(|| {
             ClaimError::Store(StoreError::Protocol(
                 "the store granted generation 0".into(),

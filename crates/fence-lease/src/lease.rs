@@ -533,14 +533,14 @@ async fn keep<S: LeaseStore>(
                 next = Instant::now();
             }
             Ok(Ok(Outcome::Granted(grant))) => {
-                granted = grant.ttl;
+                granted = timing.counted(grant.ttl);
                 retries = pace(granted);
                 // Loss is final: a renewal that answers after the deadline changes nothing.
                 if shared.token().is_none() {
                     return;
                 }
-                shared.set_deadline(timing.deadline(t_send, grant.ttl), t_send, grant.ttl);
-                next = t_send + timing.renew_every(grant.ttl);
+                shared.set_deadline(timing.deadline(t_send, granted), t_send, granted);
+                next = t_send + timing.renew_every(granted);
                 if let Some(signed) = grant.token.as_deref() {
                     match token_header(shared.token, Some(signed)) {
                         Ok(header) => {

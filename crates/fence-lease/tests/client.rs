@@ -31,6 +31,9 @@ struct Stallable {
     renewals: Arc<AtomicUsize>,
     /// Grants at most this, whatever was asked (a server-side cap).
     max_ttl: Ttl,
+    /// Reports grants of this long instead of what the store granted (something between the
+    /// worker and the store that inflates them).
+    reports: Option<Ttl>,
 }
 
 impl Stallable {
@@ -42,6 +45,7 @@ impl Stallable {
             failing: Arc::default(),
             renewals: Arc::default(),
             max_ttl: Ttl::MAX,
+            reports: None,
         }
     }
 }
@@ -96,7 +100,10 @@ impl LeaseStore for Stallable {
             other => return self.inner.apply(job, other).await,
         };
         tokio::time::sleep(self.latency).await;
-        let out = self.inner.apply(job, op).await;
+        let mut out = self.inner.apply(job, op).await;
+        if let (Ok(Outcome::Granted(grant)), Some(reports)) = (&mut out, self.reports) {
+            grant.ttl = reports;
+        }
         tokio::time::sleep(self.latency).await;
         out
     }
@@ -260,6 +267,21 @@ async fn a_grant_shorter_than_asked_is_renewed_in_time_and_lost_before_it_ends()
         record.expires_in >= Duration::from_millis(100),
         "{record:?}"
     );
+}
+
+/// A grant reported longer than was asked (10 min for 3 s: a store's or a proxy's bug) is
+/// counted as what was asked: renewals come on the 3 s schedule, and loss fires before the
+/// store, which holds the lease only 3 s, lets it go. Believed, the grant put the deadline
+/// 9 min away with no renewal due for minutes, and the store expired the lease first.
+#[tokio::test(start_paused = true)]
+async fn a_grant_longer_than_asked_counts_only_what_was_asked() {
+    let clock = Arc::new(TokioClock::new(1_700_000_000_000, 0));
+    let mut store = Stallable::new(clock, Duration::from_millis(5));
+    store.reports = Some(Ttl::from_millis(600_000).unwrap());
+    let lease = claim_with_ttl(&store, Ttl::from_millis(3_000).unwrap()).await;
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert!(!lease.is_lost(), "{:?}", lease.loss_reason());
+    stall_until_lost(&store, &lease, "a grant reported at 10 min").await;
 }
 
 /// Failed renewals of a grant the store cut short (1 s for 60 s asked) are retried at the

@@ -114,6 +114,14 @@ impl Timing {
         granted.as_duration() <= self.margin(granted)
     }
 
+    /// What the client counts on of a grant: what the store granted, never more than was
+    /// asked. The contract's grant is the TTL asked for, capped; a longer one (a store's or
+    /// a proxy's bug) is not believed, since the store may hold the lease only as long as
+    /// was asked.
+    pub(crate) fn counted(&self, granted: Ttl) -> Ttl {
+        granted.min(self.ttl)
+    }
+
     /// `t_send + granted - margin`; a grant shorter than the margin gives no time at all.
     pub(crate) fn deadline(&self, t_send: Instant, granted: Ttl) -> Instant {
         t_send + granted.as_duration().saturating_sub(self.margin(granted))
