@@ -1,6 +1,14 @@
 //! One serving thread of the proxy: its own runtime, accept loop and upstream connections.
 
-use std::{convert::Infallible, sync::Arc, time::Duration};
+use std::{
+    convert::Infallible,
+    future::Future,
+    panic::AssertUnwindSafe,
+    pin::Pin,
+    sync::Arc,
+    task::{Context, Poll},
+    time::Duration,
+};
 
 use anyhow::Context as _;
 use fence_sink::{Fence, FenceLayer, GenerationStore, IdempotencyStore};
@@ -91,7 +99,7 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             .enable_all()
             .build()
             .context("starting a proxy worker's runtime")?;
-        runtime.block_on(async move {
+        let served = runtime.block_on(CatchPanic(Box::pin(async move {
             let listener = TcpListener::from_std(self.listener)
                 .context("registering the listening socket with a worker's runtime")?;
             // This thread's own upstream connections, served on its runtime: a request
@@ -143,7 +151,39 @@ impl<St: GenerationStore + IdempotencyStore> Worker<St> {
             }
             serving.finished(deadline).await;
             Ok(())
-        })
+        })));
+        match served {
+            Ok(result) => result,
+            Err(_panicked) => {
+                // Its runtime still holds the requests in flight on this worker, and with
+                // them the fence's record that they run. Unwound, it would drop that record
+                // while their upstream calls may still commit, and another worker would
+                // admit a newer token at once. So the process ends here, with that record
+                // still held: nothing newer is admitted after it, and a restart on disk
+                // waits for what may still run (the restart hold).
+                say!(
+                    "fence proxy: a worker panicked; exiting at once (status 70) so that no newer token is admitted beside its requests in flight"
+                );
+                std::process::exit(70)
+            }
+        }
+    }
+}
+
+/// Polls a future with a panic caught where it happens: the runtime polling it, and the
+/// tasks on it, are still there when the caller learns of the panic.
+struct CatchPanic<F>(Pin<Box<F>>);
+
+impl<F: Future> Future for CatchPanic<F> {
+    type Output = std::thread::Result<F::Output>;
+
+    fn poll(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<Self::Output> {
+        let inner = self.0.as_mut();
+        match std::panic::catch_unwind(AssertUnwindSafe(|| inner.poll(cx))) {
+            Ok(Poll::Pending) => Poll::Pending,
+            Ok(Poll::Ready(output)) => Poll::Ready(Ok(output)),
+            Err(panic) => Poll::Ready(Err(panic)),
+        }
     }
 }
 
@@ -173,6 +213,30 @@ where
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A panic in the worker's own future is caught before its runtime is dropped: the
+    /// tasks on it (requests in flight, and the fence's guards of them) are still there.
+    #[test]
+    fn a_panic_is_caught_with_the_runtime_and_its_tasks_still_there() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()
+            .unwrap();
+        let guard = Arc::new(());
+        let held = guard.clone();
+        let served = runtime.block_on(CatchPanic(Box::pin(async move {
+            tokio::spawn(async move {
+                let _held = held;
+                std::future::pending::<()>().await;
+            });
+            tokio::task::yield_now().await;
+            panic!("the accept loop failed");
+        })));
+        assert!(served.is_err());
+        assert_eq!(Arc::strong_count(&guard), 2, "the task's guard was dropped");
+        drop(runtime);
+        assert_eq!(Arc::strong_count(&guard), 1);
+    }
 
     /// A worker that finished waits for the others before its runtime (and the holds on it)
     /// goes, and no longer than its deadline for one that never finishes.
