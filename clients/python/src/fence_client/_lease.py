@@ -276,6 +276,14 @@ class LeaseCore:
             usable_ms = max(self._ttl_ms - margin_ms(self._ttl_ms, self._margin), 0)
             return max(min(self._ttl_ms / 3, usable_ms / 2), 10) / 1000
 
+    def _attempt_time(self, left: float) -> float:
+        """How long one renewal attempt may take when ``left`` seconds remain before the
+        deadline: a renewal interval, or half the time left when longer, never past the
+        deadline (as the Rust client). A connection that takes the request and never answers
+        (a black-holed keep-alive, a stuck load balancer) is then abandoned and the renewal
+        asked again, rather than using up the lease."""
+        return max(min(left, max(self._renew_every(), left / 2)), 0.0)
+
     def _retry_pause(self) -> float:
         # Steady, so that the last chance before the deadline is not skipped; jittered, so
         # many workers do not all retry at once when a server comes back.

@@ -132,10 +132,14 @@ class AsyncLease(LeaseCore):
             stalled = self._stalled(sent)
             if stalled is not None:
                 return self._declare_lost(stalled)
+            attempt = self._attempt_time(deadline - sent)
             try:
-                answer = await asyncio.wait_for(self._renew(deadline - sent), deadline - sent)
+                answer = await asyncio.wait_for(self._renew(attempt), attempt)
             except asyncio.TimeoutError:
-                return self._declare_lost(DEADLINE_PASSED)
+                if monotonic() >= deadline:
+                    return self._declare_lost(DEADLINE_PASSED)
+                next_at = self._after_renewal(sent, error=ServerUnreachable(
+                    f"a renewal had no answer within {attempt:.3g} s"))
             except Exception as e:  # noqa: BLE001 - any failure is a renewal without an answer
                 next_at = self._after_renewal(sent, error=e)
             else:

@@ -70,10 +70,14 @@ class Lease(LeaseCore):
             stalled = self._stalled(sent)
             if stalled is not None:
                 return self._declare_lost(stalled)
+            attempt = self._attempt_time(deadline - sent)
             try:
-                answer = bounded(lambda: self._send_renew(deadline - sent), deadline - sent)
+                answer = bounded(lambda: self._send_renew(attempt), attempt)
             except Timeout:
-                return self._declare_lost(DEADLINE_PASSED)
+                if monotonic() >= deadline:
+                    return self._declare_lost(DEADLINE_PASSED)
+                next_at = self._after_renewal(sent, error=ServerUnreachable(
+                    f"a renewal had no answer within {attempt:.3g} s"))
             except Exception as e:  # noqa: BLE001 - any failure is a renewal without an answer
                 next_at = self._after_renewal(sent, error=e)
             else:
@@ -143,7 +147,8 @@ class Client(ClientCore):
     the system roots for an ``https://`` server. ``margin`` overrides the safety margin (10%
     of the TTL, at least 50 ms); ``timeout`` bounds calls other than claims and renewals (a
     claim may take what its lease could use, the TTL less the margin, plus its ``wait``; a
-    renewal, what is left of the lease).
+    renewal attempt, a renewal interval or half what is left of the lease, when longer:
+    one that gets no answer is asked again).
     ``lock_delay`` (seconds) is the lock-delay of this client's leases: if one *expires*,
     nobody can claim its job until that long after its end (default: the server's).
     ``progress_within`` (seconds) binds renewals to progress: the keeper renews only while
