@@ -4,12 +4,13 @@ claim) as the contract says."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 
 import pytest
 
-from fakeserver import FakeServer, grant
-from fence_client import Client
+from fakeserver import FakeServer, grant, problem
+from fence_client import Client, ProblemError
 from fence_client.aio import AsyncClient
 
 
@@ -52,3 +53,35 @@ def test_an_asyncio_renewal_that_never_answers_is_abandoned_and_asked_again(fake
         lease.abandon()
 
     asyncio.run(main())
+
+
+def test_a_release_answered_408_body_timeout_is_asked_again(fake):
+    def script(action, body, n):
+        if action == "release" and n == 0:
+            return problem(408, "body-timeout")
+        if action == "release":
+            return 200, {"content-type": "application/json"}, json.dumps(
+                {"job": "j", "owner": None, "generation": 1, "state": "free",
+                 "expires_in_ms": 0}).encode()
+        return grant(body)
+
+    server = fake(script)
+    record = Client(server.url, owner="o", ttl=5.0).claim("j").release()
+    assert record["state"] == "free"
+    assert server.count("release") == 2
+
+
+def test_a_claim_answered_a_gateways_408_is_asked_again_with_the_same_key(fake):
+    def script(action, body, n):
+        if action == "claim" and n == 0:
+            return 408, {"content-type": "text/plain"}, b"request timeout"
+        return grant(body)
+
+    server = fake(script)
+    client = Client(server.url, owner="o", ttl=5.0)
+    with pytest.raises(ProblemError) as lost:
+        client.claim("j")
+    assert lost.value.status == 408
+    client.claim("j").abandon()
+    keys = [body["lease_key"] for action, body in server.seen if action == "claim"]
+    assert len(keys) == 2 and keys[0] == keys[1]

@@ -155,6 +155,27 @@ _BY_TYPE: Dict[str, Type[ProblemError]] = {
 }
 
 
+BODY_TIMEOUT = "urn:fence:body-timeout"
+TOO_MANY_WAITERS = "urn:fence:too-many-waiters"
+
+
+def answer_lost(error: BaseException) -> bool:
+    """Whether ``error`` means the request may have been applied and its answer lost: the
+    server unreachable, a timeout, a 502, 503 or 504, or a 408 that is not the lease server's
+    own ``body-timeout`` (a gateway's: envoy answers 408 when the server sent no head in time,
+    after it forwarded the request)."""
+    if isinstance(error, ServerUnreachable):
+        return True
+    return isinstance(error, ProblemError) and (
+        error.status in (502, 503, 504) or (error.status == 408 and error.type != BODY_TIMEOUT))
+
+
+def busy(error: BaseException) -> bool:
+    """Whether ``error`` is the lease server's own 408 ``body-timeout``: the request did not
+    arrive whole in time, nothing was applied, and asking again may pass."""
+    return isinstance(error, ProblemError) and error.status == 408 and error.type == BODY_TIMEOUT
+
+
 #: The most of a ``Retry-After`` a client waits for (seconds); its own wait still applies.
 MAX_RETRY_AFTER = 60.0
 

@@ -14,7 +14,8 @@ import time
 from typing import Any, Dict, Optional, Tuple
 
 from ._errors import (FenceError, GrantTooShort, JobCompleted, LeaseHeld, LeaseLost,
-                      LeaseRefused, ProblemError, ProtocolError, ServerUnreachable)
+                      LeaseRefused, ProblemError, ProtocolError, ServerUnreachable, answer_lost,
+                      busy)
 from ._wire import (PathLike, Transport, check_job, check_resource, check_slots, checkpoint_of,
                     default_owner, encode_job, grant_token, idempotency_key, lock_delay_to_ms,
                     margin_ms, monotonic, new_lease_key, ttl_to_ms, wait_param)
@@ -328,9 +329,9 @@ class LeaseCore:
     def _send_finish(self, action: str,
                      cancelled: Optional[threading.Event] = None) -> Dict[str, Any]:
         """Releases or completes. A server that fails to answer (unreachable, a timeout, a 502,
-        503 or 504) is asked again until it could end the lease on its own (a minute at most): a
-        passing blip at
-        the end of a job must not leave it to expire and run again. A retry refused with
+        503 or 504, a gateway's 408) or that did not get the request whole in time (its own 408
+        ``body-timeout``: nothing applied) is asked again until it could end the lease on its
+        own (a minute at most): a passing blip at the end of a job must not leave it to expire and run again. A retry refused with
         ``lease-lost`` at this generation, by nobody (released) or by this owner (completed:
         the only refusal that leaves both in place), finds the earlier attempt applied: the
         record it left is returned. Once ``cancelled`` is set (the asyncio caller was
@@ -350,10 +351,10 @@ class LeaseCore:
                 return {"job": self.job, "owner": holder, "generation": self.generation,
                         "state": "free" if holder is None else "completed", "expires_in_ms": 0}
             except (ServerUnreachable, ProblemError) as e:
-                lost = isinstance(e, ServerUnreachable) or e.status in (502, 503, 504)
-                if not lost or monotonic() + pause >= until:
+                lost = answer_lost(e)
+                if not (lost or busy(e)) or monotonic() + pause >= until:
                     raise
-                unsure = True
+                unsure = unsure or lost
                 if cancelled is None:
                     time.sleep(pause)
                 elif cancelled.wait(pause):
@@ -411,7 +412,7 @@ def slot_retry_pause(error: FenceError, backoff: float, left: float) -> Optional
         pause = held_pause(error, backoff)
     elif isinstance(error, ServerUnreachable):
         pause = backoff
-    elif isinstance(error, ProblemError) and error.status in (502, 503, 504):
+    elif isinstance(error, ProblemError) and (answer_lost(error) or busy(error)):
         pause = max(backoff, error.retry_after or 0.0)
     else:
         return None
@@ -488,11 +489,9 @@ class ClientCore:
 
     def _claim_failed(self, job: str, key: str, ttl_ms: int, error: BaseException) -> None:
         """Keeps ``key`` for the next claim of ``job`` when ``error`` means the claim's answer
-        was lost (the server unreachable, a timeout, a 502, 503 or 504): it may have been a
-        grant."""
-        lost = isinstance(error, ServerUnreachable) or (
-            isinstance(error, ProblemError) and error.status in (502, 503, 504))
-        if lost:
+        was lost (the server unreachable, a timeout, a 502, 503 or 504, a gateway's 408): it may
+        have been a grant."""
+        if answer_lost(error):
             self._keep_unsettled(job, key, ttl_ms)
 
     def _keep_unsettled(self, job: str, key: str, ttl_ms: int) -> None:
