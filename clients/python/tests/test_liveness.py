@@ -85,3 +85,22 @@ def test_a_claim_answered_a_gateways_408_is_asked_again_with_the_same_key(fake):
     client.claim("j").abandon()
     keys = [body["lease_key"] for action, body in server.seen if action == "claim"]
     assert len(keys) == 2 and keys[0] == keys[1]
+
+
+def crowded_twice(action, body, n):
+    if action == "claim" and n < 2:
+        return problem(429, "too-many-waiters", {"retry-after": "0"})
+    return grant(body)
+
+
+def test_a_waiting_claim_refused_for_too_many_waiters_asks_again_within_its_wait(fake):
+    server = fake(crowded_twice)
+    Client(server.url, owner="o", ttl=5.0).claim("j", wait=5).abandon()
+    assert server.count("claim") == 3
+
+    async def main() -> None:
+        aserver = fake(crowded_twice)
+        (await AsyncClient(aserver.url, owner="o", ttl=5.0).claim("j", wait=5)).abandon()
+        assert aserver.count("claim") == 3
+
+    asyncio.run(main())

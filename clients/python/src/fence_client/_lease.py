@@ -15,7 +15,7 @@ from typing import Any, Dict, Optional, Tuple
 
 from ._errors import (FenceError, GrantTooShort, JobCompleted, LeaseHeld, LeaseLost,
                       LeaseRefused, ProblemError, ProtocolError, ServerUnreachable, answer_lost,
-                      busy)
+                      TOO_MANY_WAITERS, busy)
 from ._wire import (PathLike, Transport, check_job, check_resource, check_slots, checkpoint_of,
                     default_owner, encode_job, grant_token, idempotency_key, lock_delay_to_ms,
                     margin_ms, monotonic, new_lease_key, ttl_to_ms, wait_param)
@@ -102,6 +102,18 @@ def take_grant(lease: "LeaseCore", sent: float, answer: Dict[str, Any]) -> None:
     except ProtocolError as e:
         give_back(lease, sent)
         raise ProtocolError(f"{e} (the grant of generation {lease.generation} is given back)") from e
+
+
+def crowded_pause(error: BaseException, wait_until: float) -> Optional[float]:
+    """How long a waiting claim refused 429 ``too-many-waiters`` (the server's waiting places
+    full; the job was held) pauses before it asks again: its ``Retry-After`` (1 s without one),
+    at least 50 ms, at most what is left of the wait. None when ``error`` is anything else or
+    the wait is over (as the Rust client's ``claim_waiting``)."""
+    left = wait_until - monotonic()
+    if not (isinstance(error, ProblemError) and error.type == TOO_MANY_WAITERS) or left <= 0:
+        return None
+    after = 1.0 if error.retry_after is None else error.retry_after
+    return min(max(after, MIN_WAITING_CLAIM_GAP), left)
 
 
 def waiting_claim_gap(sent: float, wait_until: float) -> float:

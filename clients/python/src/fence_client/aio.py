@@ -25,7 +25,7 @@ from typing import Any, Awaitable, Callable, Dict, Generator, Optional, Tuple, T
 from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolError,
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
-                     LeaseCore, check_grant, claim_path, give_back, may_be_held,
+                     LeaseCore, check_grant, claim_path, crowded_pause, give_back, may_be_held,
                      semaphore_claim_path, slot_of, slot_retry_pause, take_grant,
                      waiting_claim_gap)
 from ._wire import check_job, check_slots, encode_job, margin_ms, monotonic
@@ -346,9 +346,13 @@ class AsyncClient(ClientCore):
                     self._keep_unsettled(job, key, ttl_ms)
                     raise may_be_held(e, True) from e
                 except FenceError as e:
-                    if not placeless:
-                        self._claim_failed(job, key, ttl_ms, e)
-                    raise
+                    crowded = None if placeless else crowded_pause(e, wait_until)
+                    if crowded is None:
+                        if not placeless:
+                            self._claim_failed(job, key, ttl_ms, e)
+                        raise
+                    await asyncio.sleep(crowded)
+                    continue
                 await asyncio.sleep(waiting_claim_gap(sent, wait_until))
         except BaseException as e:
             if placeless:

@@ -17,8 +17,8 @@ from typing import Any, Dict, Optional, Tuple, Type
 from ._errors import (FenceError, LeaseHeld, LeaseLost, ProblemError, ProtocolError,
                       ServerUnreachable)
 from ._lease import (DEADLINE_PASSED, FINISHED, SLOT_BACKOFF_FIRST, SLOT_BACKOFF_MAX, ClientCore,
-                     LeaseCore, check_grant, claim_path, give_back, may_be_held, slot_of,
-                     slot_retry_pause, take_grant, waiting_claim_gap)
+                     LeaseCore, check_grant, claim_path, crowded_pause, give_back, may_be_held,
+                     slot_of, slot_retry_pause, take_grant, waiting_claim_gap)
 from ._wire import Timeout, bounded, check_job, encode_job, margin_ms, monotonic
 
 
@@ -193,8 +193,12 @@ class Client(ClientCore):
                     self._keep_unsettled(job, key, ttl_ms)
                     raise may_be_held(e, True) from e
                 except FenceError as e:
-                    self._claim_failed(job, key, ttl_ms, e)
-                    raise
+                    crowded = crowded_pause(e, wait_until)
+                    if crowded is None:
+                        self._claim_failed(job, key, ttl_ms, e)
+                        raise
+                    time.sleep(crowded)
+                    continue
                 time.sleep(waiting_claim_gap(sent, wait_until))
         except BaseException as e:
             if not isinstance(e, FenceError):
