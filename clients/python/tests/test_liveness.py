@@ -104,3 +104,19 @@ def test_a_waiting_claim_refused_for_too_many_waiters_asks_again_within_its_wait
         assert aserver.count("claim") == 3
 
     asyncio.run(main())
+
+
+def test_a_grant_above_the_ttl_asked_does_not_move_the_deadline_past_it(fake):
+    # Every grant ten times what was asked: the deadline still counts from the 1 s asked.
+    server = fake(lambda action, body, n: grant(body, ttl_ms=10 * body["ttl_ms"]))
+    lease = Client(server.url, owner="o", ttl=1.0).claim("j")
+    assert lease.ttl == 10.0
+    assert lease.deadline <= time.monotonic() + 0.9
+    # Renewed before the asked TTL's deadline (not a third of 10 s), each counted from 1 s.
+    deadline = time.monotonic() + 3
+    while server.count("renew") < 2:
+        assert time.monotonic() < deadline, "not renewed as the asked TTL needs"
+        time.sleep(0.01)
+    seen = time.monotonic()
+    assert lease.deadline <= seen + 0.9 and not lease.is_lost(), lease.loss_reason
+    lease.abandon()

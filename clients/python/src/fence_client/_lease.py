@@ -1,7 +1,8 @@
 """What a held lease knows, shared by the thread and asyncio flavours: its newest token, its
 local deadline, and the one place it is declared lost.
 
-The deadline is *send time + granted TTL - margin* on the monotonic clock, where send time is
+The deadline is *send time + granted TTL - margin* on the monotonic clock (the TTL asked for
+when the server granted more), where send time is
 noted before the claim or renewal went out; the server's ``expires_at_ms`` never enters it, so
 an offset between this machine's wall clock and the server's changes nothing.
 """
@@ -257,7 +258,10 @@ class LeaseCore:
             self._ttl_ms = ttl_ms
             self._expires_at_ms = expires_at_ms
             self._sent = sent
-            self._deadline = sent + max(ttl_ms - margin_ms(ttl_ms, self._margin), 0) / 1000
+            # Never counted from more than was asked: a server (or something posing as one)
+            # that grants more cannot move the deadline past what the worker asked to hold.
+            held_ms = min(ttl_ms, self._asked_ttl_ms)
+            self._deadline = sent + max(held_ms - margin_ms(held_ms, self._margin), 0) / 1000
             self._renewal_failed = None
             self._renewal_answered = False
         return True
@@ -286,8 +290,9 @@ class LeaseCore:
         # A third of the grant, but never later than halfway to the deadline: a fixed
         # margin may take most of a grant the server cut short (its --max-ttl).
         with self._lock:
-            usable_ms = max(self._ttl_ms - margin_ms(self._ttl_ms, self._margin), 0)
-            return max(min(self._ttl_ms / 3, usable_ms / 2), 10) / 1000
+            held_ms = min(self._ttl_ms, self._asked_ttl_ms)
+            usable_ms = max(held_ms - margin_ms(held_ms, self._margin), 0)
+            return max(min(held_ms / 3, usable_ms / 2), 10) / 1000
 
     def _attempt_time(self, left: float) -> float:
         """How long one renewal attempt may take when ``left`` seconds remain before the
