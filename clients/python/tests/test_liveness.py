@@ -10,7 +10,7 @@ import time
 import pytest
 
 from fakeserver import FakeServer, grant, problem
-from fence_client import Client, ProblemError
+from fence_client import Client, LeaseLost, ProblemError
 from fence_client.aio import AsyncClient
 
 
@@ -120,3 +120,25 @@ def test_a_grant_above_the_ttl_asked_does_not_move_the_deadline_past_it(fake):
     seen = time.monotonic()
     assert lease.deadline <= seen + 0.9 and not lease.is_lost(), lease.loss_reason
     lease.abandon()
+
+
+def echo(status, action, body):
+    return status, {"content-type": "text/plain"}, json.dumps(body).encode()
+
+
+def test_an_endpoint_that_echoes_the_request_never_puts_the_lease_key_in_errors(fake):
+    # Renewals answered 200 with the request itself: not a grant, and the loss reason says why.
+    server = fake(lambda action, body, n: grant(body) if action == "claim" else echo(200, action, body))
+    lease = Client(server.url, owner="o", ttl=1.0).claim("j")
+    key = server.seen[0][1]["lease_key"]
+    assert lease.lost.wait(3), "the lease outlived renewals that were never granted"
+    assert "expires_at_ms" in lease.loss_reason and key not in lease.loss_reason, lease.loss_reason
+    with pytest.raises(LeaseLost) as lost:
+        lease.token
+    assert key not in str(lost.value)
+    # A refusal whose body is the request: its detail is in the error, the key is not.
+    refusing = fake(lambda action, body, n: echo(400, action, body))
+    with pytest.raises(ProblemError) as refused:
+        Client(refusing.url, owner="o", ttl=1.0).claim("j")
+    key = refusing.seen[0][1]["lease_key"]
+    assert "lease_key" in str(refused.value) and key not in str(refused.value), str(refused.value)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from typing import Any, Dict, Mapping, Optional, Type
 
 
@@ -155,6 +156,16 @@ _BY_TYPE: Dict[str, Type[ProblemError]] = {
 }
 
 
+_LEASE_KEY_VALUE = re.compile(r"""(lease_key\W{0,8}?)[A-Za-z0-9_\-]{8,}""")
+
+
+def redact(text: str) -> str:
+    """``text`` (an answer quoted into a message) with any ``lease_key`` value replaced: an
+    endpoint that echoes the request would otherwise put the lease's proof into errors and
+    loss reasons, which end up in logs."""
+    return _LEASE_KEY_VALUE.sub(r"\1<redacted>", text)
+
+
 BODY_TIMEOUT = "urn:fence:body-timeout"
 TOO_MANY_WAITERS = "urn:fence:too-many-waiters"
 
@@ -206,5 +217,7 @@ def problem_error(status: int, headers: Mapping[str, str], body: bytes) -> Probl
     if not isinstance(problem, dict) or not isinstance(problem.get("type"), str):
         text = body.decode("utf-8", "replace").strip()
         problem = {"type": "about:blank", "status": status, "title": "", "detail": text[:500]}
+    if isinstance(problem.get("detail"), str):
+        problem["detail"] = redact(problem["detail"])
     cls = _BY_TYPE.get(problem["type"], ProblemError)
     return cls(problem, status, retry_after)

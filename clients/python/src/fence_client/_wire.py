@@ -18,7 +18,7 @@ import urllib.error
 import urllib.request
 from typing import Any, Callable, Dict, List, Optional, Tuple, TypeVar, Union
 
-from ._errors import InvalidJobId, ProtocolError, ServerUnreachable, problem_error
+from ._errors import InvalidJobId, ProtocolError, ServerUnreachable, problem_error, redact
 
 PathLike = Union[str, "os.PathLike[str]"]
 
@@ -348,7 +348,7 @@ class Transport:
             answer = json.loads(payload.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             # RecursionError: nested deeper than the interpreter's stack (a megabyte of "[").
-            raise ProtocolError(f"{where}: not JSON: {payload[:200]!r}") from e
+            raise ProtocolError(f"{where}: not JSON: {redact(repr(payload[:200]))}") from e
         if not isinstance(answer, dict):
             raise ProtocolError(f"{where}: not a JSON object")
         return answer
@@ -410,10 +410,12 @@ def grant_token(job: str, generation: int, answer: Dict[str, Any]) -> Tuple[str,
     if token is None:
         token = str(generation)
     elif not isinstance(token, str) or not token.startswith(f"{generation}."):
-        raise ProtocolError(f"the server signed token {token!r} for generation {generation}")
+        raise ProtocolError(f"the server signed token {redact(repr(token))[:200]} for generation "
+                            f"{generation}")
     ttl_ms, expires_at_ms = answer.get("ttl_ms"), answer.get("expires_at_ms")
     if not (_is_integer(ttl_ms) and _is_integer(expires_at_ms)):
-        raise ProtocolError(f"a lease answer without ttl_ms and expires_at_ms: {answer!r}")
+        raise ProtocolError("a lease answer without ttl_ms and expires_at_ms: "
+                            f"{redact(repr(answer))[:300]}")
     if not 100 <= ttl_ms <= 86_400_000 or not 0 <= expires_at_ms <= MAX_U64:
         # A TTL outside what a server grants (0.1 s to 24 h; 0 is malformed, not a grant too
         # short to hold), or an expiry no unsigned 64-bit integer holds: as the Rust client.
@@ -435,7 +437,8 @@ def checkpoint_of(job: str, answer: Dict[str, Any]) -> Optional[Dict[str, Any]]:
     generation = checkpoint.get("generation") if isinstance(checkpoint, dict) else None
     data = checkpoint.get("data") if isinstance(checkpoint, dict) else None
     if not (_is_integer(generation) and 0 <= generation <= MAX_U64 and isinstance(data, str)):
-        raise ProtocolError(f"a claim of {job} was answered with checkpoint {checkpoint!r:.200}")
+        raise ProtocolError(f"a claim of {job} was answered with checkpoint "
+                            f"{redact(repr(checkpoint))[:200]}")
     return {"generation": generation, "data": data}
 
 
