@@ -313,18 +313,28 @@ export class Lease {
       if (this.#progressWithinMs !== undefined && sent - this.#lastProgress > this.#progressWithinMs) {
         return this.#declareLost(`the worker reported no progress for ${this.#progressWithinMs} ms; renewals stopped`);
       }
+      // Each attempt has its own time (as the Rust client): a renewal interval, or half the
+      // time left when longer, never past the deadline. A connection that takes the request
+      // and never answers is then abandoned and the renewal asked again, not the lease lost.
+      const left = deadline - sent;
+      const attempt = Math.min(left, Math.max(this.#renewEvery(), left / 2));
       let timer;
       const renewal = new AbortController();
       this.#renewal = renewal;
       const outcome = await Promise.race([
-        this._sendRenew(deadline - sent, renewal.signal).then((answer) => ({ answer }), (error) => ({ error })),
-        new Promise((resolve) => { timer = setTimeout(() => resolve(TIMED_OUT), Math.max(deadline - now(), 0)); }),
+        this._sendRenew(attempt, renewal.signal).then((answer) => ({ answer }), (error) => ({ error })),
+        new Promise((resolve) => { timer = setTimeout(() => resolve(TIMED_OUT), Math.max(sent + attempt - now(), 0)); }),
         new Promise((resolve) => renewal.signal.addEventListener('abort', () => resolve(FINISHED), { once: true })),
       ]);
       clearTimeout(timer);
       this.#renewal = null;
       if (this.#finished) return;
-      if (outcome === TIMED_OUT) return this.#declareLost(DEADLINE_PASSED);
+      if (outcome === TIMED_OUT) {
+        if (now() >= deadline) return this.#declareLost(DEADLINE_PASSED);
+        renewal.abort(); // the attempt under way is given up: its answer would change nothing
+        next = this.#afterRenewal(sent, { error: new ServerUnreachable(`a renewal had no answer within ${Math.round(attempt)} ms`) });
+        continue;
+      }
       next = this.#afterRenewal(sent, outcome);
       if (next === null) return;
     }
