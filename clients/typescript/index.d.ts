@@ -68,7 +68,7 @@ export class Client {
   readonly owner: string;
   readonly ttlMs: number;
   readonly lockDelayMs: number | undefined;
-  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, GrantTooShort (a grant no longer than the safety margin, given back), ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504), the next claim of the job asks with the same lease key, so a lost grant comes back. A 200 that does not follow the contract rejects with ProtocolError: the grant is given back when the answer names its generation, else its key is kept for the next claim as after a lost answer. With `signal`, rejects with its reason when it aborts (see ClaimOptions.signal). */
+  /** Claims `job` and starts its keeper. Rejects with LeaseHeld (LockDelay while an expired lease's lock-delay runs), JobCompleted, GrantTooShort (a grant no longer than the safety margin, given back), ProblemError, ServerUnreachable; throws InvalidJobId before sending. After a claim whose answer was lost (ServerUnreachable, a 502, 503 or 504, a gateway's 408), the next claim of the job asks with the same lease key, so a lost grant comes back. A 200 that does not follow the contract rejects with ProtocolError: the grant is given back when the answer names its generation, else its key is kept for the next claim as after a lost answer. With `signal`, rejects with its reason when it aborts (see ClaimOptions.signal). */
   claim(job: string, options?: ClaimOptions): Promise<Lease>;
   /**
    * Claims one of `slots` (1 to 1000) slots of semaphore `resource` and starts its keeper: a lease on the slot's job `<resource>#<slot>`, with `resource` and `slot` set. Release or complete it when done: completing a slot releases it (the server frees the slot; the record's `state` is 'free').
@@ -108,7 +108,7 @@ export class Lease {
   headers(): { 'X-Fencing-Job': string; 'X-Fencing-Token': string };
   isLost(): boolean;
   idempotencyKey(step: string): string;
-  /** Frees the job; the record (LeaseRefused when not ours). A server that fails to answer (ServerUnreachable, a 502, 503 or 504) is asked again until it could end the lease on its own (a minute at most); a retry that finds the earlier attempt applied resolves to the record it left. */
+  /** Frees the job; the record (LeaseRefused when not ours). A server that fails to answer (ServerUnreachable, a 502, 503 or 504, a gateway's 408) or answers its own 408 body-timeout (nothing applied) is asked again until it could end the lease on its own (a minute at most); a retry that finds the earlier attempt applied resolves to the record it left. */
   release(): Promise<LeaseRecord>;
   /** Marks the job done (LeaseRefused when someone took over), retried as release() is. On a semaphore slot it releases the slot: the server frees it and the record's `state` is 'free'. */
   complete(): Promise<LeaseRecord>;

@@ -9,7 +9,7 @@
 //   try { /* lease.fetch(...) */ } finally { await slot.release(); }
 
 import { GrantTooShort, LeaseHeld, LeaseLost, ProblemError, ProtocolError, ServerUnreachable } from './errors.js';
-import { DEADLINE_PASSED, Lease } from './lease.js';
+import { DEADLINE_PASSED, Lease, answerLost } from './lease.js';
 import {
   Transport, checkJob, checkResource, checkSlots, checkpointOf, defaultOwner, encodeJob, marginOf, newLeaseKey, now,
 } from './wire.js';
@@ -65,15 +65,6 @@ function checkSignal(signal) {
 
 // The most lease keys of claims with lost answers a client keeps (see Client#unsettled).
 const MAX_UNSETTLED = 10_000;
-
-/**
- * Whether a claim's answer was lost (the server unreachable, a timeout, a 502, 503 or 504 of the
- * server or a gateway): it may have been a grant, which the same lease key gets back.
- * @param {unknown} error
- */
-function answerLost(error) {
-  return error instanceof ServerUnreachable || (error instanceof ProblemError && [502, 503, 504].includes(error.status));
-}
 
 /**
  * How long to pause before asking for a slot again: until the slot that frees first may be free
@@ -147,7 +138,7 @@ export class Client {
   /**
    * Claims `job` and starts its keeper. With `waitMs` the server holds the claim while the job
    * is held and answers the moment it frees (asked again every 60 s). After a claim whose answer
-   * was lost (ServerUnreachable, a 502, 503 or 504: it may have been granted), the next claim of
+   * was lost (ServerUnreachable, a 502, 503 or 504, a gateway's 408: it may have been granted), the next claim of
    * the job asks with the same lease key, so that grant comes back rather than the job being
    * held, by this owner, until it expires.
    *

@@ -192,8 +192,9 @@ export class Lease {
     this.#declareLost(FINISHED);
   }
 
-  // A server that fails to answer (unreachable, a timeout, a 502, 503 or 504) is asked again
-  // until it could end the lease on its own (a minute at most): a passing blip at the end of a job must not leave
+  // A server that fails to answer (unreachable, a timeout, a 502, 503 or 504, a gateway's 408)
+  // or did not get the request whole in time (its own 408 body-timeout: nothing applied) is asked
+  // again until it could end the lease on its own (a minute at most): a passing blip at the end of a job must not leave
   // it to expire and run again. A retry refused with lease-lost at this generation, by nobody
   // (released) or by this owner (completed: the only refusal that leaves both in place), finds
   // the earlier attempt applied: the record it left is returned.
@@ -212,9 +213,9 @@ export class Lease {
           if (!unsure || e.status !== 409 || e.generation !== this.generation || (holder !== null && holder !== this.owner)) throw e;
           return { job: this.job, owner: holder, generation: this.generation, state: holder === null ? 'free' : 'completed', expires_in_ms: 0 };
         }
-        const lost = e instanceof ServerUnreachable || (e instanceof ProblemError && [502, 503, 504].includes(e.status));
-        if (!lost || now() + pauseMs >= until) throw e;
-        unsure = true;
+        const lost = answerLost(e);
+        if (!(lost || busy(e)) || now() + pauseMs >= until) throw e;
+        unsure ||= lost;
         await new Promise((resolve) => setTimeout(resolve, pauseMs));
         pauseMs = Math.min(pauseMs * 2, FINISH_PAUSE_MAX_MS);
       }
@@ -371,6 +372,31 @@ export class Lease {
     const pause = Math.min(Math.max(this.#renewEvery() / 4, 10), 1000);
     return now() + pause * (0.8 + 0.2 * Math.random());
   }
+}
+
+/** The lease server's own 408: the request did not arrive whole in time, nothing was applied. */
+const BODY_TIMEOUT = 'urn:fence:body-timeout';
+
+/**
+ * Whether `error` means the request may have been applied and its answer lost: the
+ * server unreachable, a timeout, a 502, 503 or 504, or a 408 that is not the lease server's own
+ * body-timeout (a gateway's: envoy answers 408 when the server sent no head in time, after it
+ * forwarded the request).
+ * @param {unknown} error
+ */
+export function answerLost(error) {
+  if (error instanceof ServerUnreachable) return true;
+  return error instanceof ProblemError
+    && ([502, 503, 504].includes(error.status) || (error.status === 408 && error.type !== BODY_TIMEOUT));
+}
+
+/**
+ * Whether `error` is the lease server's own 408 body-timeout: nothing was applied, and
+ * asking again may pass (as the Rust client's StoreError::Busy).
+ * @param {unknown} error
+ */
+export function busy(error) {
+  return error instanceof ProblemError && error.status === 408 && error.type === BODY_TIMEOUT;
 }
 
 /** The statuses fetch follows as redirects. */

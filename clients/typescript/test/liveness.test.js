@@ -4,8 +4,8 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-import { Client } from '../src/index.js';
-import { fakeServer, grant } from './fake-server.js';
+import { Client, ProblemError } from '../src/index.js';
+import { fakeServer, grant, problem } from './fake-server.js';
 import { sleep } from './helpers.js';
 
 test('a renewal that never answers is abandoned and asked again', async (t) => {
@@ -17,4 +17,31 @@ test('a renewal that never answers is abandoned and asked again', async (t) => {
   assert.equal(lease.isLost(), false, lease.lossReason);
   assert.ok(server.count('renew') >= 2);
   lease.abandon();
+});
+
+test('a release answered 408 body-timeout is asked again', async (t) => {
+  const server = await fakeServer(t, (action, body, n) => {
+    if (action === 'release' && n === 0) return problem(408, 'body-timeout');
+    if (action === 'release') {
+      return [200, { 'content-type': 'application/json' }, JSON.stringify({ job: 'j', owner: null, generation: 1, state: 'free', expires_in_ms: 0 })];
+    }
+    return grant(body);
+  });
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 5000 });
+  t.after(() => client.close());
+  const record = await (await client.claim('j')).release();
+  assert.equal(record.state, 'free');
+  assert.equal(server.count('release'), 2);
+});
+
+test("a claim answered a gateway's 408 is asked again with the same key", async (t) => {
+  const server = await fakeServer(t, (action, body, n) => (action === 'claim' && n === 0
+    ? [408, { 'content-type': 'text/plain' }, 'request timeout'] : grant(body)));
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 5000 });
+  t.after(() => client.close());
+  await assert.rejects(client.claim('j'), (e) => e instanceof ProblemError && e.status === 408);
+  (await client.claim('j')).abandon();
+  const keys = server.seen.filter((s) => s.action === 'claim').map((s) => s.body.lease_key);
+  assert.equal(keys.length, 2);
+  assert.equal(keys[0], keys[1]);
 });
