@@ -184,6 +184,13 @@ export class Client {
           throw mayBeHeld(e, true);
         }
         if (signal?.aborted) throw signal.reason;
+        if (e instanceof ProblemError && e.type === 'urn:fence:too-many-waiters' && now() < waitUntil) {
+          // The server's waiting places are full (the job was held): asked again after its
+          // Retry-After (1 s without one), at least 50 ms, within the wait (as the Rust client).
+          const after = Math.max((e.retryAfter ?? 1) * 1000, MIN_WAITING_CLAIM_GAP_MS);
+          await pause(Math.min(after, waitUntil - now()), signal);
+          continue;
+        }
         if (!(e instanceof LeaseHeld) || chunk === 0 || now() >= waitUntil) throw e;
       }
       // A server that holds claims only briefly (its --max-claim-wait) would otherwise be asked

@@ -45,3 +45,12 @@ test("a claim answered a gateway's 408 is asked again with the same key", async 
   assert.equal(keys.length, 2);
   assert.equal(keys[0], keys[1]);
 });
+
+test('a waiting claim refused for too many waiters asks again within its wait', async (t) => {
+  const server = await fakeServer(t, (action, body, n) => (action === 'claim' && n < 2
+    ? problem(429, 'too-many-waiters', { 'retry-after': '0' }) : grant(body)));
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 5000 });
+  t.after(() => client.close());
+  (await client.claim('j', { waitMs: 5000 })).abandon();
+  assert.equal(server.count('claim'), 3);
+});
