@@ -251,7 +251,10 @@ export class Lease {
     this.#ttlMs = ttlMs;
     this.#expiresAtMs = expiresAtMs;
     this.#sent = sent;
-    this.#deadline = sent + Math.max(ttlMs - marginOf(ttlMs, this.#marginMs), 0);
+    // Never counted from more than was asked: a server (or something posing as one) that
+    // grants more cannot move the deadline past what the worker asked to hold.
+    const heldMs = Math.min(ttlMs, this.#askedTtlMs);
+    this.#deadline = sent + Math.max(heldMs - marginOf(heldMs, this.#marginMs), 0);
     this.#renewalFailed = null;
     this.#renewalAnswered = false;
     return true;
@@ -282,8 +285,9 @@ export class Lease {
   // A third of the grant, but never later than halfway to the deadline: a fixed margin may
   // take most of a grant the server cut short (its --max-ttl).
   #renewEvery() {
-    const usable = Math.max(this.#ttlMs - marginOf(this.#ttlMs, this.#marginMs), 0);
-    return Math.max(Math.min(this.#ttlMs / 3, usable / 2), 10);
+    const heldMs = Math.min(this.#ttlMs, this.#askedTtlMs);
+    const usable = Math.max(heldMs - marginOf(heldMs, this.#marginMs), 0);
+    return Math.max(Math.min(heldMs / 3, usable / 2), 10);
   }
 
   // Sleeps until `at` (monotonic ms), or until the lease is finished.

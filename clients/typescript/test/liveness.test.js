@@ -54,3 +54,21 @@ test('a waiting claim refused for too many waiters asks again within its wait', 
   (await client.claim('j', { waitMs: 5000 })).abandon();
   assert.equal(server.count('claim'), 3);
 });
+
+test('a grant above the TTL asked does not move the deadline past it', async (t) => {
+  // Every grant ten times what was asked: the deadline still counts from the 1 s asked.
+  const server = await fakeServer(t, (action, body) => grant(body, 10 * body.ttl_ms));
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 1000 });
+  t.after(() => client.close());
+  const lease = await client.claim('j');
+  assert.equal(lease.ttlMs, 10_000);
+  assert.ok(lease.deadline <= performance.now() + 900, `deadline ${lease.deadline - performance.now()} ms out`);
+  // Renewed before the asked TTL's deadline (not a third of 10 s), each counted from 1 s.
+  const until = performance.now() + 3000;
+  while (server.count('renew') < 2) {
+    assert.ok(performance.now() < until, 'not renewed as the asked TTL needs');
+    await sleep(10);
+  }
+  assert.ok(lease.deadline <= performance.now() + 900 && !lease.isLost(), lease.lossReason);
+  lease.abandon();
+});
