@@ -1,6 +1,6 @@
 // The errors of the fence client: a lease lost locally, and problem+json answers.
 
-import { parseJson } from './json.js';
+import { parseJson, redact } from './json.js';
 
 /** Base class of every error this package throws. */
 export class FenceError extends Error {
@@ -166,6 +166,7 @@ export function problemError(status, contentType, body, retryAfter) {
   if (problem === null || typeof problem !== 'object' || typeof problem.type !== 'string') {
     problem = { type: 'about:blank', status, title: '', detail: String(body).trim().slice(0, 500) };
   }
+  if (typeof problem.detail === 'string') problem.detail = redact(problem.detail);
   // Seconds, at most MAX_RETRY_AFTER: an HTTP-date, a negative or not-a-number value is no
   // answer (backoff decides), and a huge one no reason to wait for days (a timer past 2^31 ms
   // would fire at once).

@@ -30,3 +30,15 @@ export function stringifyJson(body) {
   return JSON.stringify(body, (_, value) => (typeof value === 'bigint' ? `${MARK}${value}` : value))
     .replace(MARKED, '$1');
 }
+
+const LEASE_KEY_VALUE = /(lease_key\W{0,8}?)[A-Za-z0-9_-]{8,}/g;
+
+/**
+ * `text` (an answer quoted into a message) with any lease_key value replaced: an endpoint that
+ * echoes the request would otherwise put the lease's proof into errors and loss reasons, which
+ * end up in logs.
+ * @param {string} text
+ */
+export function redact(text) {
+  return String(text).replace(LEASE_KEY_VALUE, '$1<redacted>');
+}

@@ -11,7 +11,7 @@ import https from 'node:https';
 import { hostname } from 'node:os';
 
 import { InvalidJobId, ProtocolError, ServerUnreachable, problemError } from './errors.js';
-import { parseJson, stringifyJson } from './json.js';
+import { parseJson, redact, stringifyJson } from './json.js';
 
 const UNRESERVED = /[A-Za-z0-9\-._~]/;
 
@@ -333,7 +333,7 @@ export class Transport {
               answer = e;
             }
             if (answer === null || typeof answer !== 'object' || answer instanceof Error) {
-              reject(new ProtocolError(`${what}: not a JSON object: ${text.slice(0, 200)}`,
+              reject(new ProtocolError(`${what}: not a JSON object: ${redact(text.slice(0, 200))}`,
                 answer instanceof Error ? { cause: answer } : undefined));
               return;
             }
@@ -369,10 +369,10 @@ export function grantOf(job, generation, answer) {
   if (token === undefined || token === null) {
     token = String(generation);
   } else if (typeof token !== 'string' || !token.startsWith(`${generation}.`)) {
-    throw new ProtocolError(`the server signed token ${JSON.stringify(token)} for generation ${generation}`);
+    throw new ProtocolError(`the server signed token ${redact(stringifyJson(token)).slice(0, 200)} for generation ${generation}`);
   }
   if (!Number.isInteger(answer.ttl_ms) || !Number.isInteger(answer.expires_at_ms)) {
-    throw new ProtocolError(`a lease answer without ttl_ms and expires_at_ms: ${stringifyJson(answer).slice(0, 200)}`);
+    throw new ProtocolError(`a lease answer without ttl_ms and expires_at_ms: ${redact(stringifyJson(answer)).slice(0, 200)}`);
   }
   // A TTL outside what a server grants (0.1 s to 24 h; 0 is malformed, not a grant too short
   // to hold), or an expiry no unsigned 64-bit integer holds: as the Rust client.
@@ -395,7 +395,7 @@ export function checkpointOf(job, answer) {
   if (checkpoint === undefined || checkpoint === null) return null;
   const { generation, data } = typeof checkpoint === 'object' ? checkpoint : {};
   if (typeof generation !== 'bigint' || generation < 0n || generation >= 2n ** 64n || typeof data !== 'string') {
-    throw new ProtocolError(`a claim of ${job} was answered with checkpoint ${stringifyJson(checkpoint).slice(0, 200)}`);
+    throw new ProtocolError(`a claim of ${job} was answered with checkpoint ${redact(stringifyJson(checkpoint)).slice(0, 200)}`);
   }
   return { generation, data };
 }

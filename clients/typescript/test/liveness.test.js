@@ -4,7 +4,7 @@
 import assert from 'node:assert/strict';
 import { test } from 'node:test';
 
-import { Client, ProblemError } from '../src/index.js';
+import { Client, LeaseLost, ProblemError } from '../src/index.js';
 import { fakeServer, grant, problem } from './fake-server.js';
 import { sleep } from './helpers.js';
 
@@ -71,4 +71,24 @@ test('a grant above the TTL asked does not move the deadline past it', async (t)
   }
   assert.ok(lease.deadline <= performance.now() + 900 && !lease.isLost(), lease.lossReason);
   lease.abandon();
+});
+
+const echo = (status, body) => [status, { 'content-type': 'text/plain' }, JSON.stringify(body)];
+
+test('an endpoint that echoes the request never puts the lease key in errors', async (t) => {
+  // Renewals answered 200 with the request itself: not a grant, and the loss reason says why.
+  const server = await fakeServer(t, (action, body) => (action === 'claim' ? grant(body) : echo(200, body)));
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 1000 });
+  t.after(() => client.close());
+  const lease = await client.claim('j');
+  const key = server.seen[0].body.lease_key;
+  await new Promise((r) => lease.signal.addEventListener('abort', r, { once: true }));
+  assert.ok(lease.lossReason.includes('expires_at_ms') && !lease.lossReason.includes(key), lease.lossReason);
+  assert.throws(() => lease.token, (e) => e instanceof LeaseLost && !e.message.includes(key));
+  // A refusal whose body is the request: its detail is in the error, the key is not.
+  const refusing = await fakeServer(t, (action, body) => echo(400, body));
+  const other = new Client({ server: refusing.url, owner: 'o', ttlMs: 1000 });
+  t.after(() => other.close());
+  await assert.rejects(other.claim('j'), (e) => e instanceof ProblemError && e.message.includes('lease_key')
+    && !e.message.includes(refusing.seen[0].body.lease_key));
 });
