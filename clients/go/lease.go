@@ -399,8 +399,18 @@ func (l *Lease) keep() {
 			l.declareLost(fmt.Sprintf("the worker reported no progress for %v; renewals stopped", l.progressWithin))
 			return
 		}
+		// Each attempt has its own time (as the Rust client): a renewal interval, or half the
+		// time left when longer, never past the deadline. A connection that takes the request
+		// and never answers is then abandoned and the renewal asked again, not the lease lost.
 		left := deadline.Sub(sent)
-		rctx, cancel := context.WithTimeout(context.Background(), left)
+		attempt := renewEvery(l.TTL(), l.margin)
+		if attempt < left/2 {
+			attempt = left / 2
+		}
+		if attempt > left {
+			attempt = left
+		}
+		rctx, cancel := context.WithTimeout(context.Background(), attempt)
 		type outcome struct {
 			a   leaseAnswer
 			err error
@@ -410,14 +420,17 @@ func (l *Lease) keep() {
 			a, err := l.sendRenew(rctx)
 			done <- outcome{a, err}
 		}()
-		timer := time.NewTimer(left)
+		timer := time.NewTimer(attempt)
 		var o outcome
 		select {
 		case o = <-done:
 		case <-timer.C:
 			cancel()
-			l.declareLost(reasonDeadline)
-			return
+			if !l.clock.Now().Before(deadline) {
+				l.declareLost(reasonDeadline)
+				return
+			}
+			o.err = fmt.Errorf("%w: a renewal had no answer within %v", ErrUnreachable, attempt)
 		case <-l.finished:
 			timer.Stop()
 			cancel()
