@@ -166,7 +166,8 @@ func (l *Lease) Header(h http.Header) error {
 
 // Release frees the job for another claim. A *ProblemError matching ErrLeaseRefused when the
 // server no longer records this lease. A server that fails to answer (ErrUnreachable, a 502,
-// 503 or 504) is asked again until it could end the lease on its own (a minute at most, or
+// 503 or 504, a gateway's 408) or answers its own 408 body-timeout (nothing applied) is asked
+// again until it could end the lease on its own (a minute at most, or
 // until ctx is done); a retry that finds the earlier attempt applied returns the record it left.
 func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx, "release") }
 
@@ -231,10 +232,11 @@ func (l *Lease) end(ctx context.Context, action string) (Record, error) {
 			}
 			return Record{Job: l.job, Owner: refused.Owner, Generation: l.generation, State: state}, nil
 		}
-		if !answerLost(err) || !l.clock.Now().Add(pause).Before(until) || ctx.Err() != nil {
+		lost := answerLost(err)
+		if !(lost || busy(err)) || !l.clock.Now().Add(pause).Before(until) || ctx.Err() != nil {
 			return rec, err
 		}
-		unsure = true
+		unsure = unsure || lost
 		if serr := sleepCtx(ctx, pause); serr != nil {
 			return rec, err
 		}

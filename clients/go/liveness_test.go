@@ -5,6 +5,7 @@ package fence
 
 import (
 	"context"
+	"errors"
 	"testing"
 	"time"
 )
@@ -28,5 +29,53 @@ func TestARenewalThatNeverAnswersIsAbandonedAndAskedAgain(t *testing.T) {
 	}
 	if n := f.count("renew"); n < 2 {
 		t.Fatalf("%d renewals", n)
+	}
+}
+
+func TestAReleaseAnswered408BodyTimeoutIsAskedAgain(t *testing.T) {
+	f := startFake(t, func(action string, body map[string]any, n int) reply {
+		switch {
+		case action == "release" && n == 0:
+			return problemReply(408, "body-timeout", nil)
+		case action == "release":
+			return reply{status: 200, headers: map[string]string{"content-type": "application/json"},
+				body: `{"job":"j","owner":null,"generation":1,"state":"free","expires_in_ms":0}`}
+		}
+		return grantOf(body, 0)
+	})
+	c := mustClient(t, f.URL, Options{Owner: "o", TTL: 5 * time.Second})
+	lease, err := c.Claim(context.Background(), "j")
+	if err != nil {
+		t.Fatal(err)
+	}
+	rec, err := lease.Release(context.Background())
+	if err != nil || rec.State != "free" {
+		t.Fatalf("%+v, %v", rec, err)
+	}
+	if n := f.count("release"); n != 2 {
+		t.Fatalf("%d releases", n)
+	}
+}
+
+func TestAClaimAnsweredAGateways408IsAskedAgainWithTheSameKey(t *testing.T) {
+	f := startFake(t, func(action string, body map[string]any, n int) reply {
+		if action == "claim" && n == 0 {
+			return reply{status: 408, headers: map[string]string{"content-type": "text/plain"}, body: "request timeout"}
+		}
+		return grantOf(body, 0)
+	})
+	c := mustClient(t, f.URL, Options{Owner: "o", TTL: 5 * time.Second})
+	var refused *ProblemError
+	if _, err := c.Claim(context.Background(), "j"); !errors.As(err, &refused) || refused.Status != 408 {
+		t.Fatalf("claim: %v", err)
+	}
+	lease, err := c.Claim(context.Background(), "j")
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease.Abandon()
+	claims := f.bodies("claim")
+	if len(claims) != 2 || claims[0]["lease_key"] != claims[1]["lease_key"] {
+		t.Fatalf("claims: %v", claims)
 	}
 }

@@ -56,12 +56,25 @@ func (u *unsettledKeys) keep(job, key string, until, now time.Time) {
 	}
 }
 
-// answerLost reports whether err means a claim's answer was lost (the server unreachable, a
-// timeout, a 502, 503 or 504 of the server or a gateway): it may have been a grant, which the
-// same lease key gets back.
+// bodyTimeout is the lease server's own 408: the request did not arrive whole in time.
+const bodyTimeout = "urn:fence:body-timeout"
+
+// answerLost reports whether err means a request's answer was lost (the server unreachable, a
+// timeout, a 502, 503 or 504 of the server or a gateway, or a 408 that is not the lease
+// server's own body-timeout: a gateway's, such as envoy's when the server sent no head in
+// time, after it forwarded the request): it may have been applied, and for a claim a grant,
+// which the same lease key gets back.
 func answerLost(err error) bool {
 	var refused *ProblemError
 	return errors.Is(err, ErrUnreachable) || (errors.As(err, &refused) &&
 		(refused.Status == http.StatusBadGateway || refused.Status == http.StatusServiceUnavailable ||
-			refused.Status == http.StatusGatewayTimeout))
+			refused.Status == http.StatusGatewayTimeout ||
+			(refused.Status == http.StatusRequestTimeout && refused.Type != bodyTimeout)))
+}
+
+// busy reports whether err is the lease server's own 408 body-timeout: nothing was applied,
+// and asking again may pass (as the Rust client's StoreError::Busy).
+func busy(err error) bool {
+	var refused *ProblemError
+	return errors.As(err, &refused) && refused.Status == http.StatusRequestTimeout && refused.Type == bodyTimeout
 }
