@@ -136,7 +136,9 @@ func (c *Client) Claim(ctx context.Context, job string) (*Lease, error) {
 
 // ClaimWaiting is Claim, the server holding the claim up to wait while the job is held and
 // answering the moment it frees (asked again every 60 s). A claim that waited long is renewed
-// once at once, and its deadline counts from that renewal.
+// once at once, and its deadline counts from that renewal. When the server's waiting places are
+// full (429 too-many-waiters) it asks again after its Retry-After (1 s without one, at least
+// 50 ms) within wait.
 func (c *Client) ClaimWaiting(ctx context.Context, job string, wait time.Duration) (*Lease, error) {
 	return c.claim(ctx, job, wait, c.ttl)
 }
@@ -185,6 +187,27 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 		}
 		if errors.Is(err, ErrProtocol) {
 			return nil, mayBeHeld(err, true)
+		}
+		var crowded *ProblemError
+		if errors.As(err, &crowded) && crowded.Type == "urn:fence:too-many-waiters" && ctx.Err() == nil {
+			// The server's waiting places are full (the job was held): asked again after its
+			// Retry-After (1 s without one), at least 50 ms, within the wait (as the Rust client).
+			if left := waitUntil.Sub(c.clock.Now()); left > 0 {
+				pause := crowded.RetryAfter
+				if pause <= 0 {
+					pause = time.Second
+				}
+				if pause < minWaitingClaimGap {
+					pause = minWaitingClaimGap
+				}
+				if pause > left {
+					pause = left
+				}
+				if err := sleepCtx(ctx, pause); err != nil {
+					return nil, err
+				}
+				continue
+			}
 		}
 		if !errors.Is(err, ErrLeaseHeld) || chunk == 0 || !c.clock.Now().Before(waitUntil) || ctx.Err() != nil {
 			return nil, err

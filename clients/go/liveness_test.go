@@ -79,3 +79,21 @@ func TestAClaimAnsweredAGateways408IsAskedAgainWithTheSameKey(t *testing.T) {
 		t.Fatalf("claims: %v", claims)
 	}
 }
+
+func TestAWaitingClaimRefusedForTooManyWaitersAsksAgainWithinItsWait(t *testing.T) {
+	f := startFake(t, func(action string, body map[string]any, n int) reply {
+		if action == "claim" && n < 2 {
+			return problemReply(429, "too-many-waiters", map[string]string{"retry-after": "0.05"})
+		}
+		return grantOf(body, 0)
+	})
+	c := mustClient(t, f.URL, Options{Owner: "o", TTL: 5 * time.Second})
+	lease, err := c.ClaimWaiting(context.Background(), "j", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease.Abandon()
+	if n := f.count("claim"); n != 3 {
+		t.Fatalf("%d claims", n)
+	}
+}
