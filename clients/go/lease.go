@@ -142,6 +142,23 @@ func (l *Lease) TTL() time.Duration {
 	return l.ttl
 }
 
+// heldTTL is the TTL the deadline counts from: the grant, never more than was asked (a server,
+// or something posing as one, that grants more cannot move the deadline past what the worker
+// asked to hold). Called with l.mu held.
+func (l *Lease) heldTTL() time.Duration {
+	if asked := time.Duration(l.askedTTLMs) * time.Millisecond; asked < l.ttl {
+		return asked
+	}
+	return l.ttl
+}
+
+// renewInterval is the keeper's pace for the grant held.
+func (l *Lease) renewInterval() time.Duration {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return renewEvery(l.heldTTL(), l.margin)
+}
+
 // ExpiresAtMs is the server's expiry of the last grant, in ms since the epoch on the
 // server's clock (informational: the client never uses it for its own deadline).
 func (l *Lease) ExpiresAtMs() uint64 {
@@ -316,7 +333,8 @@ func (l *Lease) setGrant(sent time.Time, a leaseAnswer, first bool) (bool, error
 		return false, nil
 	}
 	l.token, l.ttl, l.expiresAtMs, l.sent = token, ttl, *a.ExpiresAtMs, sent
-	usable := ttl - marginOf(ttl, l.margin)
+	held := l.heldTTL()
+	usable := held - marginOf(held, l.margin)
 	if usable < 0 {
 		usable = 0
 	}
@@ -378,7 +396,7 @@ func (l *Lease) wait(d time.Duration) bool {
 // included, ends at the deadline at the latest, so the context is cancelled on time.
 func (l *Lease) keep() {
 	l.mu.Lock()
-	next := l.sent.Add(renewEvery(l.ttl, l.margin))
+	next := l.sent.Add(renewEvery(l.heldTTL(), l.margin))
 	l.mu.Unlock()
 	for {
 		deadline := l.Deadline()
@@ -405,7 +423,7 @@ func (l *Lease) keep() {
 		// time left when longer, never past the deadline. A connection that takes the request
 		// and never answers is then abandoned and the renewal asked again, not the lease lost.
 		left := deadline.Sub(sent)
-		attempt := renewEvery(l.TTL(), l.margin)
+		attempt := l.renewInterval()
 		if attempt < left/2 {
 			attempt = left / 2
 		}
@@ -449,7 +467,7 @@ func (l *Lease) keep() {
 					l.declareLost(reasonDeadline)
 					return
 				}
-				next = sent.Add(renewEvery(l.TTL(), l.margin))
+				next = sent.Add(l.renewInterval())
 				continue
 			}
 			o.err = err
@@ -473,7 +491,7 @@ func (l *Lease) keep() {
 		l.mu.Unlock()
 		// A quarter of the renewal interval, as the other clients do: it follows the usable
 		// time when a fixed margin takes most of a grant the server cut short.
-		pause := renewEvery(l.TTL(), l.margin) / 4
+		pause := l.renewInterval() / 4
 		if pause < 10*time.Millisecond {
 			pause = 10 * time.Millisecond
 		} else if pause > time.Second {

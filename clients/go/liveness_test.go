@@ -97,3 +97,33 @@ func TestAWaitingClaimRefusedForTooManyWaitersAsksAgainWithinItsWait(t *testing.
 		t.Fatalf("%d claims", n)
 	}
 }
+
+func TestAGrantAboveTheTTLAskedDoesNotMoveTheDeadlinePastIt(t *testing.T) {
+	// Every grant ten times what was asked: the deadline still counts from the 1 s asked.
+	f := startFake(t, func(action string, body map[string]any, n int) reply {
+		return grantOf(body, 10*uint64(body["ttl_ms"].(float64)))
+	})
+	c := mustClient(t, f.URL, Options{Owner: "o", TTL: time.Second})
+	lease, err := c.Claim(context.Background(), "j")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lease.Abandon()
+	if lease.TTL() != 10*time.Second {
+		t.Fatalf("TTL %v", lease.TTL())
+	}
+	if out := time.Until(lease.Deadline()); out > 900*time.Millisecond {
+		t.Fatalf("the deadline is %v out", out)
+	}
+	// Renewed before the asked TTL's deadline (not a third of 10 s), each counted from 1 s.
+	until := time.Now().Add(3 * time.Second)
+	for f.count("renew") < 2 {
+		if time.Now().After(until) {
+			t.Fatal("not renewed as the asked TTL needs")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	if out := time.Until(lease.Deadline()); out > 900*time.Millisecond || lease.Err() != nil {
+		t.Fatalf("the deadline is %v out (%v)", out, lease.Err())
+	}
+}
