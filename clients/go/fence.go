@@ -355,8 +355,10 @@ func heldPause(held *ProblemError, backoff time.Duration) time.Duration {
 		hint, given = held.ClaimableInMs, true
 	}
 	pause := backoff
-	if d := time.Duration(hint) * time.Millisecond; given && d < pause {
-		pause = d
+	// Compared in milliseconds: a hint above about 9.2e12 ms would overflow a time.Duration
+	// (negative, then a millisecond's pause: a thousand claims a second).
+	if given && hint < uint64(pause/time.Millisecond) {
+		pause = time.Duration(hint) * time.Millisecond
 	}
 	if pause < time.Millisecond {
 		pause = time.Millisecond

@@ -478,6 +478,9 @@ func TestAHeldPauseIgnoresANullHint(t *testing.T) {
 		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":"30"}`, backoff},
 		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":-5}`, backoff},
 		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":1.5}`, backoff},
+		// Past what a time.Duration holds in nanoseconds: still the backoff, not a millisecond.
+		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":18446744073709551615}`, backoff},
+		{`{"type":"urn:fence:lease-held","status":409,"expires_in_ms":9300000000000}`, backoff},
 	} {
 		held := problemFrom(409, http.Header{"Content-Type": {"application/problem+json"}}, []byte(tc.body))
 		if got := heldPause(held, backoff); got != tc.want {
