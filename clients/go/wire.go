@@ -308,6 +308,10 @@ func newTransport(server string, opts *Options) (*transport, error) {
 		config.ServerName = host
 		config.NextProtos = []string{"http/1.1"}
 		tconn := tls.Client(conn, config)
+		// ctx is the connect budget's: the handshake shares it with the TCP connect, so a
+		// server that takes the connection and never answers the handshake is left for the
+		// next one within its share (handshake_test.go). net/http's TLSHandshakeTimeout does
+		// not apply to a DialTLSContext of our own.
 		if err := tconn.HandshakeContext(ctx); err != nil {
 			conn.Close()
 			return nil, &noConnection{err}
