@@ -9,6 +9,7 @@ import (
 	"io"
 	"math"
 	"net/http"
+	"regexp"
 	"strconv"
 	"strings"
 	"time"
@@ -145,6 +146,7 @@ func problemFrom(status int, header http.Header, body []byte) *ProblemError {
 		_ = json.Unmarshal(members["title"], &p.Title)
 		_ = json.Unmarshal(members["status"], &p.Status)
 		_ = json.Unmarshal(members["detail"], &p.Detail)
+		p.Detail = redact(p.Detail)
 		_ = json.Unmarshal(members["job"], &p.Job)
 		_ = json.Unmarshal(members["owner"], &p.Owner)
 		_ = json.Unmarshal(members["generation"], &p.Generation)
@@ -165,7 +167,18 @@ func problemFrom(status int, header http.Header, body []byte) *ProblemError {
 	if len(p.Detail) > 500 {
 		p.Detail = p.Detail[:500]
 	}
+	p.Detail = redact(p.Detail)
 	return p
+}
+
+// leaseKeyValue is a lease_key member's value as an answer may quote it (JSON, a form, a repr).
+var leaseKeyValue = regexp.MustCompile(`(lease_key\W{0,8}?)[A-Za-z0-9_-]{8,}`)
+
+// redact is text (an answer quoted into a message) with any lease_key value replaced: an
+// endpoint that echoes the request would otherwise put the lease's proof into errors and loss
+// reasons, which end up in logs.
+func redact(text string) string {
+	return leaseKeyValue.ReplaceAllString(text, "${1}<redacted>")
 }
 
 // ProblemFromResponse returns the *ProblemError of a response that is not 2xx (for a

@@ -397,7 +397,7 @@ func (c *Client) leaseFrom(ctx context.Context, job, key string, ttlMs uint64, s
 	var a leaseAnswer
 	err := json.Unmarshal(raw, &a)
 	if err != nil {
-		err = fmt.Errorf("%w: a claim of %s was answered %.200s: %v", ErrProtocol, job, raw, err)
+		err = fmt.Errorf("%w: a claim of %s was answered %.200s: %v", ErrProtocol, job, redact(string(raw)), err)
 		// Its generation alone (a member that did decode) names the grant.
 		var named struct {
 			Generation uint64 `json:"generation"`
@@ -453,7 +453,7 @@ func checkCheckpoint(job string, raw json.RawMessage) error {
 		} `json:"checkpoint"`
 	}
 	if err := json.Unmarshal(raw, &named); err != nil {
-		return fmt.Errorf("%w: a claim of %s was answered %.200s: %v", ErrProtocol, job, raw, err)
+		return fmt.Errorf("%w: a claim of %s was answered %.200s: %v", ErrProtocol, job, redact(string(raw)), err)
 	}
 	if cp := named.Checkpoint; cp != nil && (cp.Generation == nil || cp.Data == nil) {
 		return fmt.Errorf("%w: a claim of %s was answered with a checkpoint without its generation or data", ErrProtocol, job)

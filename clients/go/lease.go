@@ -322,7 +322,7 @@ func (l *Lease) setGrant(sent time.Time, a leaseAnswer, first bool) (bool, error
 	token := strconv.FormatUint(l.generation, 10)
 	if a.Token != nil {
 		if !strings.HasPrefix(*a.Token, token+".") {
-			return false, fmt.Errorf("%w: the server signed token %q for generation %d", ErrProtocol, *a.Token, l.generation)
+			return false, fmt.Errorf("%w: the server signed token %.200q for generation %d", ErrProtocol, redact(*a.Token), l.generation)
 		}
 		token = *a.Token
 	}

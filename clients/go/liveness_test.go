@@ -5,7 +5,9 @@ package fence
 
 import (
 	"context"
+	"encoding/json"
 	"errors"
+	"strings"
 	"testing"
 	"time"
 )
@@ -125,5 +127,24 @@ func TestAGrantAboveTheTTLAskedDoesNotMoveTheDeadlinePastIt(t *testing.T) {
 	}
 	if out := time.Until(lease.Deadline()); out > 900*time.Millisecond || lease.Err() != nil {
 		t.Fatalf("the deadline is %v out (%v)", out, lease.Err())
+	}
+}
+
+func TestAnEndpointThatEchoesTheRequestNeverPutsTheLeaseKeyInErrors(t *testing.T) {
+	for _, tc := range []struct {
+		name   string
+		status int
+		prefix string
+	}{{"a refusal whose body is the request", 400, ""}, {"a 200 that is not JSON", 200, "echo: "}} {
+		f := startFake(t, func(action string, body map[string]any, n int) reply {
+			b, _ := json.Marshal(body)
+			return reply{status: tc.status, headers: map[string]string{"content-type": "text/plain"}, body: tc.prefix + string(b)}
+		})
+		c := mustClient(t, f.URL, Options{Owner: "o", TTL: time.Second})
+		_, err := c.Claim(context.Background(), "j")
+		key := f.bodies("claim")[0]["lease_key"].(string)
+		if err == nil || !strings.Contains(err.Error(), "lease_key") || strings.Contains(err.Error(), key) {
+			t.Errorf("%s: %v", tc.name, err)
+		}
 	}
 }

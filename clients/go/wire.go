@@ -395,7 +395,7 @@ func (t *transport) call(ctx context.Context, method, path string, body any, tim
 		return problemFrom(resp.StatusCode, resp.Header, payload)
 	}
 	if err := json.Unmarshal(payload, out); err != nil {
-		return fmt.Errorf("%w: %s %s%s: %v: %.200s", ErrProtocol, method, server, path, err, payload)
+		return fmt.Errorf("%w: %s %s%s: %v: %.200s", ErrProtocol, method, server, path, err, redact(string(payload)))
 	}
 	return nil
 }
