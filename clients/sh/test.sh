@@ -112,6 +112,42 @@ for job in 'a/b' 'a%b' 'a?b&c' 'a+b'; do n=$((n + 1))
   [ "$(grep -cF "/slow $job 1 " "$tmp/up.log")" = 1 ] || fail "$job: $(cat "$tmp/up.log")"
 done
 
+# Answers the real server never gives, from a scripted lease server: what it does depends on
+# the job id (the path's), and it logs "action job lease_key generation" per request.
+python3 -c 'import http.server as h, json, sys, time
+seen = {}
+class H(h.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def do_POST(s):
+        b = json.loads(s.rfile.read(int(s.headers["content-length"] or 0)) or b"{}")
+        job, action = s.path.split("/")[-2:]
+        n = seen[job, action] = seen.get((job, action), -1) + 1
+        open(sys.argv[1] + ".log", "a").write("%s %s %s %s\n" % (action, job, b.get("lease_key"), b.get("generation")))
+        ttl, gen, status, body = b.get("ttl_ms", 1000), 1, 200, None
+        if action == "renew" and job == "hang-first-renewal" and n == 0 or action == "renew" and job == "long-ttl":
+            time.sleep(30); return  # taken, never answered
+        if action == "claim" and job == "huge-ttl": ttl = 10**20
+        if action == "claim" and job == "tiny-ttl": ttl = 50
+        if job == "long-ttl": ttl *= 10
+        if action == "renew" and job == "other-generation": gen = 2
+        if action == "claim" and job == "echo": body = json.dumps(b, separators=(",", ":"))
+        if n == 0 and (action, job) in (("complete", "busy-complete"), ("claim", "gateway-408")):
+            status = 408
+            body = "request timeout" if job == "gateway-408" else json.dumps({"type": "urn:fence:body-timeout", "title": "", "status": 408, "detail": "late"}, separators=(",", ":"))
+        if body is None:
+            body = json.dumps({"job": job, "owner": b.get("owner"), "generation": gen, "state": "held" if action in ("claim", "renew") else "completed", "ttl_ms": ttl, "expires_at_ms": int(time.time() * 1000) + 1000}, separators=(",", ":"))
+        s.send_response(status); s.send_header("retry-after", "0"); s.send_header("content-length", str(len(body))); s.end_headers(); s.wfile.write(body.encode())
+    def log_message(s, *a): pass
+srv = h.ThreadingHTTPServer(("127.0.0.1", 0), H); srv.daemon_threads = True; open(sys.argv[1], "w").write(str(srv.server_port)); srv.serve_forever()' "$tmp/fake" & pids+=($!)
+ready "$tmp/fake" .
+F=http://127.0.0.1:$(cat "$tmp/fake"); U=http://127.0.0.1:$(cat "$tmp/up")
+fake() { SERVER=$F DESTINATION=$U/$1 JOB=$2 TTL_MS=$3 WRITES=$4 sh "$worker" >"$tmp/f.$2" 2>&1; }
+
+# A renewal that is taken and never answered is given up after its attempt's time (a renewal
+# interval, or half what is left) and asked again: the lease outlives it.
+fake slow hang-first-renewal 1500 3 || fail "hang-first-renewal: $(cat "$tmp/f.hang-first-renewal")"
+[ "$(grep -c '^renew hang-first-renewal ' "$tmp/fake.log")" -ge 2 ] || fail "hang-first-renewal: $(cat "$tmp/fake.log")"
+
 # A server that stops answering, with the worker's wall clock right and an hour off either
 # way (libfaketime; the keeper measures on /proc/uptime, which it does not fake): writes of
 # a second each under a 1.5 s lease; after the second write the server is SIGSTOPped. The

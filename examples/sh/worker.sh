@@ -9,7 +9,8 @@
 #
 # The deadline is measured on the monotonic clock (/proc/uptime, Linux) from the moment the
 # claim or renewal was sent: send time + TTL - margin (10% of the TTL the server granted, at
-# least 50 ms). A renewal gets no longer than what is left of the lease.
+# least 50 ms). A renewal attempt gets a renewal interval, or half what is left of the lease
+# when longer; one that gets no answer in that time is asked again.
 # A claim or completion whose answer is lost (none, or 502, 503, 504: outcome unknown) is asked
 # again with the same body, at most 5 times, after its Retry-After (at most 5 s) or 1 s.
 # A write still under way when the deadline passes (or a renewal is refused) is cut: it may
@@ -148,7 +149,13 @@ echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
     [ "$(now_ms)" -lt "$(cat "$state/deadline")" ] || exit 0
     sent=$(now_ms)
     body="{\"owner\":\"$owner\",\"generation\":$(cat "$state/generation"),\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"
-    case $(call renew "$body" $(( $(cat "$state/deadline") - sent ))) in
+    # Each attempt has its own time (as the Rust client): a renewal interval, or half the time
+    # left when longer, never past the deadline. A connection that takes the request and never
+    # answers is then abandoned and the renewal asked again, not the lease lost.
+    left=$(( $(cat "$state/deadline") - sent )); attempt=$(( $(cat "$state/ttl") / 3 ))
+    [ "$attempt" -ge $(( left / 2 )) ] || attempt=$(( left / 2 ))
+    [ "$attempt" -le "$left" ] || attempt=$left
+    case $(call renew "$body" "$attempt") in
       # Granted, but answered after the deadline: the loss stands (the main loop may
       # already have stopped on it), so the lease is not taken up again. A 200 that is no
       # grant (cut, garbled) is no answer: the deadline stands; ask again soon.
