@@ -145,8 +145,20 @@ fake() { SERVER=$F DESTINATION=$U/$1 JOB=$2 TTL_MS=$3 WRITES=$4 sh "$worker" >"$
 
 # A renewal that is taken and never answered is given up after its attempt's time (a renewal
 # interval, or half what is left) and asked again: the lease outlives it.
-fake slow hang-first-renewal 1500 3 || fail "hang-first-renewal: $(cat "$tmp/f.hang-first-renewal")"
+fake slow hang-first-renewal 3000 4 || fail "hang-first-renewal: $(cat "$tmp/f.hang-first-renewal")"
 [ "$(grep -c '^renew hang-first-renewal ' "$tmp/fake.log")" -ge 2 ] || fail "hang-first-renewal: $(cat "$tmp/fake.log")"
+
+# A claim granted a TTL outside 100 ms to 24 h (one that overflows the shell's arithmetic, one
+# too short to hold) is no grant: refused, nothing written. A renewal that grants another
+# generation than the claim's is no grant either: the deadline stands, and the worker stops.
+for job in huge-ttl tiny-ttl; do
+  code=0; fake slow "$job" 1500 1 || code=$?
+  [ "$code" = 1 ] && grep -q 'without a grant' "$tmp/f.$job" && ! grep -q "^/slow $job " "$tmp/up.log" ||
+    fail "$job ($code): $(cat "$tmp/f.$job")"
+done
+code=0; fake slow other-generation 1500 3 || code=$?
+[ "$code" = 75 ] && ! grep -q "^/slow other-generation 2 " "$tmp/up.log" ||
+  fail "other-generation ($code): $(cat "$tmp/f.other-generation") $(grep other-generation "$tmp/up.log")"
 
 # A server that stops answering, with the worker's wall clock right and an hour off either
 # way (libfaketime; the keeper measures on /proc/uptime, which it does not fake): writes of

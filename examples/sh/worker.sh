@@ -117,13 +117,17 @@ retried() {
   done
 }
 
-# grant SENT_MS: records the deadline and token of the answer in $state/answer; fails, and
-# records nothing, when the answer is no grant (no whole-number TTL and generation).
+# grant SENT_MS [GENERATION]: records the deadline and token of the answer in $state/answer;
+# fails, and records nothing, when the answer is no grant: no whole-number generation (or not
+# GENERATION, a renewal's), no TTL of 100 ms to 24 h (as the other clients: a huge one would
+# overflow the shell's arithmetic, or put the deadline years away).
 grant() {
   a=$(cat "$state/answer")
   ttl=$(field ttl_ms "$a"); gen=$(field generation "$a"); tok=$(field token "$a")
   case $ttl in ''|*[!0-9]*) return 1 ;; esac
+  [ "${#ttl}" -le 8 ] && [ "$ttl" -ge 100 ] && [ "$ttl" -le 86400000 ] || return 1
   case $gen in ''|*[!0-9]*) return 1 ;; esac
+  [ -z "${2:-}" ] || [ "$gen" = "$2" ] || return 1
   echo "$gen" >"$state/generation.next" && mv "$state/generation.next" "$state/generation"
   echo "$ttl" >"$state/ttl.next" && mv "$state/ttl.next" "$state/ttl"
   echo "${tok:-$gen}" >"$state/token.next" && mv "$state/token.next" "$state/token"
@@ -160,7 +164,7 @@ echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
       # already have stopped on it), so the lease is not taken up again. A 200 that is no
       # grant (cut, garbled) is no answer: the deadline stands; ask again soon.
       200) [ "$(now_ms)" -lt "$(cat "$state/deadline")" ] || exit 0
-           if grant "$sent"; then every=$(( $(cat "$state/ttl") / 3 )); else every=$(( $(cat "$state/ttl") / 12 )); fi ;;
+           if grant "$sent" "$(cat "$state/generation")"; then every=$(( $(cat "$state/ttl") / 3 )); else every=$(( $(cat "$state/ttl") / 12 )); fi ;;
       # Written whole or not at all (a reader must never find the file empty).
       403|409|410) echo 0 >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"; exit 0 ;;
       *) every=$(( $(cat "$state/ttl") / 12 )) ;; # no answer: the deadline stands; ask again soon
