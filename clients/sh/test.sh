@@ -160,6 +160,11 @@ code=0; fake slow other-generation 1500 3 || code=$?
 [ "$code" = 75 ] && ! grep -q "^/slow other-generation 2 " "$tmp/up.log" ||
   fail "other-generation ($code): $(cat "$tmp/f.other-generation") $(grep other-generation "$tmp/up.log")"
 
+# Every grant ten times the TTL asked, renewals never answered: the deadline still counts from
+# the 1 s asked, so the first (1 s) write is cut; from 10 s, both writes would go out.
+code=0; fake slow long-ttl 1000 2 || code=$?
+[ "$code" = 75 ] && grep -q 'lease lost during write 1' "$tmp/f.long-ttl" || fail "long-ttl ($code): $(cat "$tmp/f.long-ttl")"
+
 # A server that stops answering, with the worker's wall clock right and an hour off either
 # way (libfaketime; the keeper measures on /proc/uptime, which it does not fake): writes of
 # a second each under a 1.5 s lease; after the second write the server is SIGSTOPped. The

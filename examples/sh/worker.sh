@@ -9,7 +9,7 @@
 #
 # The deadline is measured on the monotonic clock (/proc/uptime, Linux) from the moment the
 # claim or renewal was sent: send time + TTL - margin (10% of the TTL the server granted, at
-# least 50 ms). A renewal attempt gets a renewal interval, or half what is left of the lease
+# least 50 ms; never counted from more than TTL_MS). A renewal attempt gets a renewal interval, or half what is left of the lease
 # when longer; one that gets no answer in that time is asked again.
 # A claim or completion whose answer is lost (none, or 502, 503, 504: outcome unknown) is asked
 # again with the same body, at most 5 times, after its Retry-After (at most 5 s) or 1 s.
@@ -128,6 +128,9 @@ grant() {
   [ "${#ttl}" -le 8 ] && [ "$ttl" -ge 100 ] && [ "$ttl" -le 86400000 ] || return 1
   case $gen in ''|*[!0-9]*) return 1 ;; esac
   [ -z "${2:-}" ] || [ "$gen" = "$2" ] || return 1
+  # Never counted from more than was asked: a server (or something posing as one) that grants
+  # more cannot move the deadline, nor the renewals, past what the worker asked to hold.
+  [ "$ttl" -le "$TTL_MS" ] || ttl=$TTL_MS
   echo "$gen" >"$state/generation.next" && mv "$state/generation.next" "$state/generation"
   echo "$ttl" >"$state/ttl.next" && mv "$state/ttl.next" "$state/ttl"
   echo "${tok:-$gen}" >"$state/token.next" && mv "$state/token.next" "$state/token"
