@@ -165,6 +165,14 @@ code=0; fake slow other-generation 1500 3 || code=$?
 code=0; fake slow long-ttl 1000 2 || code=$?
 [ "$code" = 75 ] && grep -q 'lease lost during write 1' "$tmp/f.long-ttl" || fail "long-ttl ($code): $(cat "$tmp/f.long-ttl")"
 
+# A claim answered a gateway's 408 (the answer lost) is asked again with the same lease key; a
+# completion answered the server's own 408 body-timeout (nothing applied) is asked again.
+fake ledger gateway-408 10000 1 || fail "gateway-408: $(cat "$tmp/f.gateway-408")"
+[ "$(grep '^claim gateway-408 ' "$tmp/fake.log" | cut -d' ' -f3 | uniq | wc -l)" = 1 ] &&
+  [ "$(grep -c '^claim gateway-408 ' "$tmp/fake.log")" = 2 ] || fail "gateway-408: $(cat "$tmp/fake.log")"
+fake ledger busy-complete 10000 1 || fail "busy-complete: $(cat "$tmp/f.busy-complete")"
+[ "$(grep -c '^complete busy-complete ' "$tmp/fake.log")" = 2 ] || fail "busy-complete: $(cat "$tmp/fake.log")"
+
 # A server that stops answering, with the worker's wall clock right and an hour off either
 # way (libfaketime; the keeper measures on /proc/uptime, which it does not fake): writes of
 # a second each under a 1.5 s lease; after the second write the server is SIGSTOPped. The

@@ -9,9 +9,11 @@
 #
 # The deadline is measured on the monotonic clock (/proc/uptime, Linux) from the moment the
 # claim or renewal was sent: send time + TTL - margin (10% of the TTL the server granted, at
-# least 50 ms; never counted from more than TTL_MS). A renewal attempt gets a renewal interval, or half what is left of the lease
-# when longer; one that gets no answer in that time is asked again.
-# A claim or completion whose answer is lost (none, or 502, 503, 504: outcome unknown) is asked
+# least 50 ms; never counted from more than TTL_MS). A renewal attempt gets a renewal
+# interval, or half what is left of the lease when longer; one that gets no answer in that
+# time is asked again.
+# A claim or completion whose answer is lost (none, or 502, 503, 504, a gateway's 408: outcome
+# unknown) or that the server did not get whole in time (408 body-timeout) is asked
 # again with the same body, at most 5 times, after its Retry-After (at most 5 s) or 1 s.
 # A write still under way when the deadline passes (or a renewal is refused) is cut: it may
 # have reached the destination, its outcome is unknown ("WRITE N cut").
@@ -96,7 +98,8 @@ call() {
 }
 
 # retried ACTION BODY: call, asked again with the same body while its answer is lost (none, or
-# 502, 503 or 504: whether it took effect is unknown), at most 5 times and within the TTL of
+# 502, 503 or 504, or a gateway's 408: whether it took effect is unknown) or the server did not
+# get it whole in time (its own 408 body-timeout: nothing applied), at most 5 times and within the TTL of
 # the first try, after the answer's Retry-After (whole seconds, at most 5) or else 1 s. A claim
 # asked again with the same owner and key gets the same lease back; a completion that took
 # effect answers 409 lease-lost naming this owner and generation (see the end). Sets $status,
@@ -106,7 +109,7 @@ retried() {
   while :; do
     tries=$((tries + 1)); sent=$(now_ms)
     status=$(call "$1" "$2")
-    case $status in 000|502|503|504) ;; *) return 0 ;; esac
+    case $status in 000|408|502|503|504) ;; *) return 0 ;; esac
     [ "$tries" -lt 5 ] || return 0
     pause=$(sed -n 's/^[Rr][Ee][Tt][Rr][Yy]-[Aa][Ff][Tt][Ee][Rr]: *\([0-9][0-9]*\).*/\1/p' "$state/headers.$1" | head -n 1)
     case $pause in ''|*[!0-9]*) pause=1 ;; esac
