@@ -173,6 +173,13 @@ fake ledger gateway-408 10000 1 || fail "gateway-408: $(cat "$tmp/f.gateway-408"
 fake ledger busy-complete 10000 1 || fail "busy-complete: $(cat "$tmp/f.busy-complete")"
 [ "$(grep -c '^complete busy-complete ' "$tmp/fake.log")" = 2 ] || fail "busy-complete: $(cat "$tmp/fake.log")"
 
+# A claim answered 200 with the request itself (an endpoint that echoes it): no grant, and the
+# message quoting the answer never holds the lease key.
+code=0; fake ledger echo 10000 1 || code=$?
+echo_key=$(grep '^claim echo ' "$tmp/fake.log" | cut -d' ' -f3)
+[ "$code" = 1 ] && [ -n "$echo_key" ] && grep -q 'lease_key' "$tmp/f.echo" && ! grep -qF "$echo_key" "$tmp/f.echo" ||
+  fail "echo ($code): the lease key was quoted: $(cat "$tmp/f.echo")"
+
 # A server that stops answering, with the worker's wall clock right and an hour off either
 # way (libfaketime; the keeper measures on /proc/uptime, which it does not fake): writes of
 # a second each under a 1.5 s lease; after the second write the server is SIGSTOPped. The

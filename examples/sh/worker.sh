@@ -141,11 +141,18 @@ grant() {
   echo $(( $1 + ttl - margin )) >"$state/deadline.next" && mv "$state/deadline.next" "$state/deadline"
 }
 
+# quoted FILE: an answer as an error message may quote it: its first 300 bytes, any lease_key
+# value replaced (an endpoint that echoes the request would otherwise put the lease's proof in
+# the worker's log).
+quoted() {
+  head -c 300 "$1" | sed 's/\(lease_key[^A-Za-z0-9_-]\{0,8\}\)[A-Za-z0-9_-]\{8,\}/\1<redacted>/g'
+}
+
 retried claim "{\"owner\":\"$owner\",\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"
 if [ "$status" != 200 ]; then
-  echo "worker: no lease on $JOB: $(field detail "$(cat "$state/answer")")" >&2; exit 3
+  echo "worker: no lease on $JOB: $(field detail "$(quoted "$state/answer")")" >&2; exit 3
 fi
-grant "$sent" || { echo "worker: the claim of $JOB was answered 200 without a grant: $(cat "$state/answer")" >&2; exit 1; }
+grant "$sent" || { echo "worker: the claim of $JOB was answered 200 without a grant: $(quoted "$state/answer")" >&2; exit 1; }
 echo "worker: holding $JOB at generation $(cat "$state/generation")" >&2
 
 # The keeper: renews every third of the TTL the server granted (it may grant less than asked,
