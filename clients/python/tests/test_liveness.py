@@ -5,13 +5,19 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
+import threading
 import time
+from typing import List
 
+import httpx
 import pytest
 
+from conftest import wait_for
 from fakeserver import FakeServer, grant, problem
 from fence_client import Client, LeaseLost, ProblemError
 from fence_client.aio import AsyncClient
+from fence_client.httpx import FenceAuth as HttpxFenceAuth
 
 
 @pytest.fixture
@@ -142,3 +148,81 @@ def test_an_endpoint_that_echoes_the_request_never_puts_the_lease_key_in_errors(
         Client(refusing.url, owner="o", ttl=1.0).claim("j")
     key = refusing.seen[0][1]["lease_key"]
     assert "lease_key" in str(refused.value) and key not in str(refused.value), str(refused.value)
+
+
+class Sink:
+    """A destination that records the raw bytes of each connection until it closes."""
+
+    def __init__(self) -> None:
+        self.received: List[bytes] = []
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.url = f"http://127.0.0.1:{self.listener.getsockname()[1]}/upload"
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._take, args=(conn,), daemon=True).start()
+
+    def _take(self, conn: socket.socket) -> None:
+        data = b""
+        conn.settimeout(5)
+        with conn:
+            try:
+                while b"\r\n0\r\n\r\n" not in data and not data.endswith(b"0\r\n\r\n"):
+                    chunk = conn.recv(65536)
+                    if not chunk:
+                        break
+                    data += chunk
+                if data.endswith(b"0\r\n\r\n"):
+                    conn.sendall(b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+            except OSError:
+                pass
+        self.received.append(data)
+
+    def close(self) -> None:
+        self.listener.close()
+
+
+def renewals_hang(action, body, n):
+    return None if action == "renew" else grant(body)
+
+
+def slow_body(then: List[str]):
+    yield b"first chunk"
+    time.sleep(1.5)  # past the lease's deadline
+    then.append("resumed")
+    yield b"second chunk"
+
+
+def test_a_streamed_body_is_cut_at_the_loss_httpx(fake):
+    server, sink = fake(renewals_hang), Sink()
+    try:
+        lease = Client(server.url, owner="o", ttl=1.0).claim("j")
+        then: List[str] = []
+        with pytest.raises(LeaseLost):
+            httpx.post(sink.url, content=slow_body(then), auth=HttpxFenceAuth(lease), timeout=5)
+        wait_for("the sink saw the connection end", 5, lambda: sink.received)
+        assert b"first chunk" in sink.received[0]
+        assert b"second chunk" not in sink.received[0] and not sink.received[0].endswith(b"0\r\n\r\n")
+
+        async def main() -> None:
+            alease = await AsyncClient(server.url, owner="o", ttl=1.0).claim("j")
+
+            async def aslow():
+                yield b"first chunk"
+                await asyncio.sleep(1.5)
+                yield b"second chunk"
+
+            async with httpx.AsyncClient(auth=HttpxFenceAuth(alease), timeout=5) as http:
+                with pytest.raises(LeaseLost):
+                    await http.post(sink.url, content=aslow())
+
+        asyncio.run(main())
+        wait_for("the sink saw the second connection end", 5, lambda: len(sink.received) == 2)
+        assert b"second chunk" not in sink.received[1] and not sink.received[1].endswith(b"0\r\n\r\n")
+    finally:
+        sink.close()

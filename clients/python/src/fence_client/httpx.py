@@ -8,7 +8,7 @@ alike that stamps ``X-Fencing-Job`` and ``X-Fencing-Token`` on every request and
 
 from __future__ import annotations
 
-from typing import Any, AsyncGenerator, Dict, Generator, Union
+from typing import Any, AsyncGenerator, AsyncIterator, Dict, Generator, Iterator, Union
 
 import httpx
 
@@ -21,6 +21,36 @@ from .client import Lease
 _SENDING = ("http11.send_request_headers.started", "http2.send_request_headers.started")
 
 
+class _CheckedStream(httpx.SyncByteStream, httpx.AsyncByteStream):
+    """A request body that checks the lease before each chunk goes out: a body still being
+    sent when the lease is lost (a generator that pauses, a slow upload) raises
+    :class:`~fence_client.LeaseLost` there, and the rest of it never leaves."""
+
+    def __init__(self, stream: Any, lease: Union[Lease, AsyncLease]) -> None:
+        self._stream = stream
+        self._lease = lease
+
+    def __iter__(self) -> Iterator[bytes]:
+        for chunk in self._stream:
+            self._lease.headers()  # raises LeaseLost: this chunk is not sent
+            yield chunk
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        async for chunk in self._stream:
+            self._lease.headers()  # raises LeaseLost: this chunk is not sent
+            yield chunk
+
+    def close(self) -> None:
+        close = getattr(self._stream, "close", None)
+        if close is not None:
+            close()
+
+    async def aclose(self) -> None:
+        close = getattr(self._stream, "aclose", None)
+        if close is not None:
+            await close()
+
+
 class FenceAuth(httpx.Auth):
     """Stamps the lease's headers on a request and refuses to send it, or any redirect httpx
     follows from it, once the lease is lost.
@@ -29,7 +59,10 @@ class FenceAuth(httpx.Auth):
     headers, so stamping alone would let a redirect go out with a lost lease's token. The
     lease is therefore checked again just before each request's head is written (httpcore's
     ``trace`` request extension, which redirects inherit): :class:`~fence_client.LeaseLost`
-    is raised there instead of sending."""
+    is raised there instead of sending. The body is checked too, before each chunk is sent:
+    a streamed body (a generator) that is still going when the lease is lost raises
+    :class:`~fence_client.LeaseLost`, and the rest of it never goes out (the destination sees
+    a request cut short)."""
 
     def __init__(self, lease: Union[Lease, AsyncLease]) -> None:
         self.lease = lease
@@ -46,6 +79,7 @@ class FenceAuth(httpx.Auth):
                 earlier(event, info)
 
         request.extensions["trace"] = trace
+        request.stream = _CheckedStream(request.stream, lease)
         yield request
 
     async def async_auth_flow(
@@ -62,6 +96,7 @@ class FenceAuth(httpx.Auth):
                 await earlier(event, info)
 
         request.extensions["trace"] = trace
+        request.stream = _CheckedStream(request.stream, lease)
         yield request
 
 
