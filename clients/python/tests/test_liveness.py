@@ -12,12 +12,14 @@ from typing import List
 
 import httpx
 import pytest
+import requests
 
 from conftest import wait_for
 from fakeserver import FakeServer, grant, problem
 from fence_client import Client, LeaseLost, ProblemError
 from fence_client.aio import AsyncClient
 from fence_client.httpx import FenceAuth as HttpxFenceAuth
+from fence_client.requests import FenceAuth as RequestsFenceAuth
 
 
 @pytest.fixture
@@ -224,5 +226,19 @@ def test_a_streamed_body_is_cut_at_the_loss_httpx(fake):
         asyncio.run(main())
         wait_for("the sink saw the second connection end", 5, lambda: len(sink.received) == 2)
         assert b"second chunk" not in sink.received[1] and not sink.received[1].endswith(b"0\r\n\r\n")
+    finally:
+        sink.close()
+
+
+def test_a_streamed_body_is_cut_at_the_loss_requests(fake):
+    server, sink = fake(renewals_hang), Sink()
+    try:
+        lease = Client(server.url, owner="o", ttl=1.0).claim("j")
+        then: List[str] = []
+        with pytest.raises(LeaseLost):
+            requests.post(sink.url, data=slow_body(then), auth=RequestsFenceAuth(lease), timeout=5)
+        wait_for("the sink saw the connection end", 5, lambda: sink.received)
+        assert b"first chunk" in sink.received[0]
+        assert b"second chunk" not in sink.received[0] and not sink.received[0].endswith(b"0\r\n\r\n")
     finally:
         sink.close()

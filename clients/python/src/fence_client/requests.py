@@ -8,7 +8,7 @@ is lost.
 
 from __future__ import annotations
 
-from typing import Any, Optional, Union
+from typing import Any, Iterable, Iterator, Optional, Union
 
 import requests
 from requests.auth import AuthBase
@@ -29,7 +29,9 @@ class FenceAuth(AuthBase):
     own. Pass ``timeout=`` (a few seconds, well inside the lease's margin) so that a request
     cannot go out long after the lease was lost; the destination's fence refuses one that
     does once a newer holder exists. The ``httpx`` adapter checks again as the request's
-    headers are written.
+    headers are written. A streamed body (a generator or other iterator, sent chunked) is
+    checked before each chunk: once the lease is lost, :class:`~fence_client.LeaseLost` is
+    raised and the rest of it never goes out (a file's body is sent as it is).
 
     Retries inside urllib3 (``HTTPAdapter(max_retries=...)``) resend the request as it was
     prepared, token included, without this check; the destination's fence still refuses it
@@ -44,6 +46,10 @@ class FenceAuth(AuthBase):
             r = self.auth(r)
         r.headers.update(self.lease.headers())  # raises LeaseLost: nothing is sent
         r.register_hook("response", self._before_redirect)
+        body = r.body
+        if (body is not None and hasattr(body, "__iter__") and not hasattr(body, "read")
+                and not isinstance(body, (bytes, bytearray, str, list, tuple, dict))):
+            r.body = _checked(body, self.lease)
         return r
 
     def _before_redirect(self, response: requests.Response, **_: Any) -> requests.Response:
@@ -52,6 +58,14 @@ class FenceAuth(AuthBase):
         if response.is_redirect and response.request is not None:
             response.request.headers.update(self.lease.headers())
         return response
+
+
+def _checked(body: Iterable[Any], lease: Union[Lease, AsyncLease]) -> Iterator[Any]:
+    """A streamed body that checks the lease before each chunk goes out: once the lease is
+    lost, LeaseLost is raised there and the rest of the body is never sent."""
+    for chunk in body:
+        lease.headers()  # raises LeaseLost: this chunk is not sent
+        yield chunk
 
 
 def raise_for_problem(response: requests.Response) -> None:
