@@ -11,7 +11,6 @@ import (
 	"context"
 	"errors"
 	"fmt"
-	"io"
 	"math/rand"
 	"net/http"
 	"strconv"
@@ -499,107 +498,6 @@ func (l *Lease) keep() {
 		}
 		next = l.clock.Now().Add(time.Duration(float64(pause) * (0.8 + 0.2*rand.Float64())))
 	}
-}
-
-// Transport returns an http.RoundTripper that stamps X-Fencing-Job and X-Fencing-Token on
-// every request, read as the request goes out, and refuses (a *LeaseLostError, errors.Is
-// ErrLeaseLost, wrapped by http.Client in a *url.Error) without sending once the lease's
-// context is done. A request still on its way when the lease is lost (dialling, waiting for
-// a connection, sending its body, waiting for the answer's head) is cancelled then, with the
-// same error, its InFlight set: it may have reached the destination, so its outcome is
-// unknown. The answer's body, once its head has arrived, is left alone. base's own retries
-// (net/http resends a request with an Idempotency-Key on a fresh connection when a kept-alive
-// one was closed under it) happen within that time. base nil means http.DefaultTransport.
-func (l *Lease) Transport(base http.RoundTripper) http.RoundTripper {
-	if base == nil {
-		base = http.DefaultTransport
-	}
-	return &fencingTransport{lease: l, base: base}
-}
-
-type fencingTransport struct {
-	lease *Lease
-	base  http.RoundTripper
-}
-
-func (f *fencingTransport) RoundTrip(req *http.Request) (*http.Response, error) {
-	token, err := f.lease.Token()
-	if err != nil {
-		if req.Body != nil {
-			req.Body.Close() // a RoundTripper closes the body, also on errors
-		}
-		return nil, err
-	}
-	// Until the answer's head arrives, losing the lease cancels the request: a dial, a wait
-	// for a connection or a slow upload must not carry the token out after the deadline.
-	ctx, cancel := context.WithCancel(req.Context())
-	out := req.Clone(ctx) // a RoundTripper must not modify the caller's request
-	out.Header.Set("X-Fencing-Job", f.lease.job)
-	out.Header.Set("X-Fencing-Token", token)
-	var mu sync.Mutex
-	answered, lostInFlight := false, false
-	stop := make(chan struct{})
-	go func() {
-		select {
-		case <-f.lease.ctx.Done():
-			mu.Lock()
-			if !answered {
-				lostInFlight = true
-				cancel()
-			}
-			mu.Unlock()
-		case <-stop:
-		}
-	}()
-	resp, err := f.base.RoundTrip(out)
-	mu.Lock()
-	answered = true
-	lost := lostInFlight
-	mu.Unlock()
-	close(stop)
-	if err != nil || lost {
-		if resp != nil && resp.Body != nil {
-			resp.Body.Close()
-		}
-		cancel()
-		if lost {
-			if lostErr, ok := f.lease.Err().(*LeaseLostError); ok {
-				inFlight := *lostErr
-				inFlight.InFlight = true
-				err = &inFlight
-			}
-		}
-		return nil, err
-	}
-	if resp.Body == nil || resp.Body == http.NoBody { // nothing to read: nothing to wait for
-		cancel()
-		return resp, nil
-	}
-	body := &cancelOnClose{ReadCloser: resp.Body, cancel: cancel}
-	if w, ok := resp.Body.(io.Writer); ok { // a 101's upgraded connection is writable too
-		resp.Body = &cancelOnCloseRW{cancelOnClose: body, Writer: w}
-	} else {
-		resp.Body = body
-	}
-	return resp, nil
-}
-
-// cancelOnClose ends a fenced request's context when its answer's body is closed.
-type cancelOnClose struct {
-	io.ReadCloser
-	cancel context.CancelFunc
-}
-
-func (c *cancelOnClose) Close() error {
-	err := c.ReadCloser.Close()
-	c.cancel()
-	return err
-}
-
-// cancelOnCloseRW is cancelOnClose for a body that is also writable (an upgraded connection).
-type cancelOnCloseRW struct {
-	*cancelOnClose
-	io.Writer
 }
 
 // String describes the lease without its key: fmt's %v and %s print this, never the lease
