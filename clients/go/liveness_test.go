@@ -4,9 +4,13 @@
 package fence
 
 import (
+	"bytes"
 	"context"
 	"encoding/json"
 	"errors"
+	"io"
+	"net"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -146,5 +150,81 @@ func TestAnEndpointThatEchoesTheRequestNeverPutsTheLeaseKeyInErrors(t *testing.T
 		if err == nil || !strings.Contains(err.Error(), "lease_key") || strings.Contains(err.Error(), key) {
 			t.Errorf("%s: %v", tc.name, err)
 		}
+	}
+}
+
+// sink records the raw bytes of each connection until the request's chunked body ends or the
+// connection closes.
+func sink(t *testing.T) (string, <-chan []byte) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	got := make(chan []byte, 4)
+	go func() {
+		for {
+			conn, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+				var data []byte
+				buf := make([]byte, 65536)
+				for !bytes.HasSuffix(data, []byte("0\r\n\r\n")) {
+					n, err := conn.Read(buf)
+					data = append(data, buf[:n]...)
+					if err != nil {
+						break
+					}
+				}
+				if bytes.HasSuffix(data, []byte("0\r\n\r\n")) {
+					_, _ = conn.Write([]byte("HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"))
+				}
+				got <- data
+			}()
+		}
+	}()
+	return "http://" + ln.Addr().String() + "/upload", got
+}
+
+func TestABodyWrappedByLeaseBodyIsCutAtTheLoss(t *testing.T) {
+	f := startFake(t, func(action string, body map[string]any, n int) reply {
+		if action == "renew" {
+			return reply{hang: true}
+		}
+		return grantOf(body, 0)
+	})
+	c := mustClient(t, f.URL, Options{Owner: "o", TTL: time.Second})
+	lease, err := c.Claim(context.Background(), "j")
+	if err != nil {
+		t.Fatal(err)
+	}
+	url, got := sink(t)
+	pr, pw := io.Pipe()
+	go func() {
+		_, _ = pw.Write([]byte("first chunk"))
+		time.Sleep(1500 * time.Millisecond) // past the lease's deadline
+		_, _ = pw.Write([]byte("second chunk"))
+		pw.Close()
+	}()
+	req, _ := http.NewRequest(http.MethodPost, url, lease.Body(pr))
+	resp, err := (&http.Client{Timeout: 5 * time.Second}).Do(req)
+	if err == nil {
+		resp.Body.Close()
+		t.Fatal("the upload went through after the loss")
+	}
+	if !errors.Is(err, ErrLeaseLost) {
+		t.Errorf("not a lease loss: %v", err)
+	}
+	select {
+	case data := <-got:
+		if !bytes.Contains(data, []byte("first chunk")) || bytes.Contains(data, []byte("second chunk")) || bytes.HasSuffix(data, []byte("0\r\n\r\n")) {
+			t.Fatalf("the sink got %q", data)
+		}
+	case <-time.After(5 * time.Second):
+		t.Fatal("the sink saw no connection end")
 	}
 }

@@ -26,6 +26,41 @@ func (l *Lease) Transport(base http.RoundTripper) http.RoundTripper {
 	return &fencingTransport{lease: l, base: base}
 }
 
+// Body wraps r, a request's body, so that each read checks the lease, before and after: once
+// the lease is lost, the read fails with the lease's *LeaseLostError (errors.Is ErrLeaseLost),
+// what it read is dropped, and nothing more of r is sent. Opt in with it when a body is
+// streamed (an upload that may outlast the lease) through a client that does not use
+// Transport, which already cancels a request still sending its body at the loss. Close
+// closes r when it is an io.Closer.
+func (l *Lease) Body(r io.Reader) io.ReadCloser {
+	return &fencedBody{lease: l, r: r}
+}
+
+type fencedBody struct {
+	lease *Lease
+	r     io.Reader
+}
+
+func (b *fencedBody) Read(p []byte) (int, error) {
+	if _, err := b.lease.Token(); err != nil {
+		return 0, err
+	}
+	n, err := b.r.Read(p)
+	// A read that waited (a pipe, a slow source) may return after the loss: checked again,
+	// and what it read dropped.
+	if _, lost := b.lease.Token(); lost != nil {
+		return 0, lost
+	}
+	return n, err
+}
+
+func (b *fencedBody) Close() error {
+	if c, ok := b.r.(io.Closer); ok {
+		return c.Close()
+	}
+	return nil
+}
+
 type fencingTransport struct {
 	lease *Lease
 	base  http.RoundTripper
