@@ -124,6 +124,8 @@ export class Lease {
 
 /** A fetch that stamps the lease's headers and throws LeaseLost instead of sending after loss; a request still awaiting its answer's head when the lease is lost is aborted with it. */
 export function fencedFetch(lease: Lease, fetchImpl?: typeof fetch): typeof fetch;
+/** A request body that checks the lease before each chunk goes out: once the lease is lost, the stream errors with its LeaseLost and nothing more of `source` is sent. For a body streamed through a fetch that is not `fencedFetch` (which already aborts an upload at the loss); pass it as `body` with `duplex: 'half'`. */
+export function fencedBody(lease: Lease, source: Iterable<Uint8Array | string> | AsyncIterable<Uint8Array | string>): ReadableStream<Uint8Array>;
 
 export function checkJob(job: string): string;
 /** Percent-encodes every byte but A-Z a-z 0-9 - . _ ~; throws InvalidJobId. */

@@ -15,7 +15,7 @@ import {
 } from './wire.js';
 
 export * from './errors.js';
-export { Lease, fencedFetch } from './lease.js';
+export { Lease, fencedBody, fencedFetch } from './lease.js';
 export { checkJob, encodeJob, idempotencyKey } from './wire.js';
 
 // A semaphore claim is not held at the server: while every slot is taken, the client asks again

@@ -478,3 +478,32 @@ export function fencedFetch(lease, fetchImpl = globalThis.fetch) {
     return response;
   };
 }
+
+/**
+ * A request body that checks the lease before each chunk goes out: once the lease is lost, the
+ * stream errors with its LeaseLost and nothing more of `source` is sent (fetch then rejects,
+ * and the destination sees a request cut short). Opt in with it for a body streamed through a
+ * fetch that is not `fencedFetch` (which already aborts a request still sending its body at the
+ * loss). `source` is an iterable or async iterable of Uint8Array or string chunks; pass the
+ * result as `body` with `duplex: 'half'`.
+ * @param {Lease} lease
+ * @param {Iterable<Uint8Array | string> | AsyncIterable<Uint8Array | string>} source
+ * @returns {ReadableStream<Uint8Array>}
+ */
+export function fencedBody(lease, source) {
+  const chunks = source[Symbol.asyncIterator] ? source[Symbol.asyncIterator]() : source[Symbol.iterator]();
+  const encoder = new TextEncoder();
+  return new ReadableStream({
+    async pull(controller) {
+      lease.headers(); // throws LeaseLost: the stream errors, nothing more is sent
+      const { value, done } = await chunks.next();
+      // A chunk that took its time may come after the loss: checked again, and dropped.
+      lease.headers();
+      if (done) controller.close();
+      else controller.enqueue(typeof value === 'string' ? encoder.encode(value) : value);
+    },
+    async cancel(reason) {
+      await chunks.return?.(reason);
+    },
+  });
+}

@@ -2,9 +2,10 @@
 // claim) as the contract says.
 
 import assert from 'node:assert/strict';
+import net from 'node:net';
 import { test } from 'node:test';
 
-import { Client, LeaseLost, ProblemError } from '../src/index.js';
+import { Client, LeaseLost, ProblemError, fencedBody } from '../src/index.js';
 import { fakeServer, grant, problem } from './fake-server.js';
 import { sleep } from './helpers.js';
 
@@ -91,4 +92,36 @@ test('an endpoint that echoes the request never puts the lease key in errors', a
   t.after(() => other.close());
   await assert.rejects(other.claim('j'), (e) => e instanceof ProblemError && e.message.includes('lease_key')
     && !e.message.includes(refusing.seen[0].body.lease_key));
+});
+
+test('a body wrapped by fencedBody is cut at the loss', async (t) => {
+  const server = await fakeServer(t, (action, body) => (action === 'renew' ? null : grant(body)));
+  // A destination that records the raw bytes of each connection until it ends.
+  const received = [];
+  const sink = net.createServer((socket) => {
+    const chunks = [];
+    socket.on('data', (c) => chunks.push(c));
+    socket.on('close', () => received.push(Buffer.concat(chunks).toString()));
+    socket.on('error', () => {});
+  });
+  await new Promise((r) => sink.listen(0, '127.0.0.1', r));
+  t.after(() => sink.close());
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 1000 });
+  t.after(() => client.close());
+  const lease = await client.claim('j');
+  async function* slow() {
+    yield 'first chunk';
+    await sleep(1500); // past the lease's deadline
+    yield 'second chunk';
+  }
+  const url = `http://127.0.0.1:${sink.address().port}/upload`;
+  await assert.rejects(fetch(url, { method: 'POST', body: fencedBody(lease, slow()), duplex: 'half', signal: AbortSignal.timeout(5000) }),
+    (e) => e instanceof LeaseLost || e?.cause instanceof LeaseLost);
+  const until = performance.now() + 5000;
+  while (received.length === 0) {
+    assert.ok(performance.now() < until, 'the sink saw no connection end');
+    await sleep(10);
+  }
+  assert.ok(received[0].includes('first chunk'), received[0]);
+  assert.ok(!received[0].includes('second chunk') && !received[0].endsWith('0\r\n\r\n'), received[0]);
 });
