@@ -23,13 +23,13 @@ func TestARenewalThatNeverAnswersIsAbandonedAndAskedAgain(t *testing.T) {
 		}
 		return grantOf(body, 0)
 	})
-	c := mustClient(t, f.URL, Options{Owner: "o", TTL: time.Second})
+	c := mustClient(t, f.URL, Options{Owner: "o", TTL: 2 * time.Second})
 	lease, err := c.Claim(context.Background(), "j")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer lease.Abandon()
-	time.Sleep(1500 * time.Millisecond) // past the claim's deadline: only a later renewal keeps it
+	time.Sleep(2500 * time.Millisecond) // past the claim's deadline: only a later renewal keeps it
 	if err := lease.Err(); err != nil {
 		t.Fatalf("lost: %v", err)
 	}

@@ -43,8 +43,8 @@ def first_renewal_hangs(action, body, n):
 
 def test_a_renewal_that_never_answers_is_abandoned_and_asked_again(fake):
     server = fake(first_renewal_hangs)
-    lease = Client(server.url, owner="o", ttl=1.0).claim("j")
-    time.sleep(1.5)  # past the claim's deadline: only a later renewal keeps the lease
+    lease = Client(server.url, owner="o", ttl=2.0).claim("j")
+    time.sleep(2.5)  # past the claim's deadline: only a later renewal keeps the lease
     assert not lease.is_lost(), lease.loss_reason
     assert server.count("renew") >= 2
     lease.abandon()
@@ -54,8 +54,8 @@ def test_an_asyncio_renewal_that_never_answers_is_abandoned_and_asked_again(fake
     server = fake(first_renewal_hangs)
 
     async def main() -> None:
-        lease = await AsyncClient(server.url, owner="o", ttl=1.0).claim("j")
-        await asyncio.sleep(1.5)
+        lease = await AsyncClient(server.url, owner="o", ttl=2.0).claim("j")
+        await asyncio.sleep(2.5)
         assert not lease.is_lost(), lease.loss_reason
         assert server.count("renew") >= 2
         lease.abandon()

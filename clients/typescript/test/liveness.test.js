@@ -11,10 +11,10 @@ import { sleep } from './helpers.js';
 
 test('a renewal that never answers is abandoned and asked again', async (t) => {
   const server = await fakeServer(t, (action, body, n) => (action === 'renew' && n === 0 ? null : grant(body)));
-  const client = new Client({ server: server.url, owner: 'o', ttlMs: 1000 });
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 2000 });
   t.after(() => client.close());
   const lease = await client.claim('j');
-  await sleep(1500); // past the claim's deadline: only a later renewal keeps the lease
+  await sleep(2500); // past the claim's deadline: only a later renewal keeps the lease
   assert.equal(lease.isLost(), false, lease.lossReason);
   assert.ok(server.count('renew') >= 2);
   lease.abandon();
