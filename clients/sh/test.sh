@@ -3,7 +3,9 @@
 # percent-encoding (A claims generation 7, stalls past its lease, B claims 8 and writes, A's
 # late write is refused 409 and A does not complete), then job ids a/b a%b a?b&c a+b (a '#'
 # is a semaphore slot's, refused to a plain claim), each revoked while its worker writes to a
-# slow service: the keeper's refused renewal must stop the worker before its next write.
+# slow service: the keeper's refused renewal must stop the worker before its next write; and,
+# from a scripted lease server, answers the real one never gives (a renewal held open, a TTL
+# out of range or above the one asked, another generation, 408s, an echo of the request).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd); worker=${WORKER_SH:-$here/../../examples/sh/worker.sh}
 FENCE=$(realpath -m "${FENCE_BIN:-$here/../../target/debug/fence}")
@@ -209,4 +211,4 @@ for offset in none +1h -1h; do
   "$FENCE" status --server "$S" --job "$job" | grep -q '"generation":1' || fail "status of $job"
   ! "$FENCE" status --server "$S" --job "$job" | grep -q '"state":"completed"' || fail "$job was completed"
 done
-echo "sh: ok: the worked example, lost claim and completion answers, 4 encoded job ids, and a stopped server (clock right, +1h, -1h) with examples/sh/worker.sh"
+echo "sh: ok: the worked example, lost claim and completion answers, a scripted server's hung renewal, bad TTLs and generations, 408s and echo, 4 encoded job ids, and a stopped server (clock right, +1h, -1h) with examples/sh/worker.sh"
