@@ -2,9 +2,9 @@
 local deadline, and the one place it is declared lost.
 
 The deadline is *send time + granted TTL - margin* on the monotonic clock (the TTL asked for
-when the server granted more), where send time is
-noted before the claim or renewal went out; the server's ``expires_at_ms`` never enters it, so
-an offset between this machine's wall clock and the server's changes nothing.
+when the server granted more), where send time is noted before the claim or renewal went out;
+the server's ``expires_at_ms`` never enters it, so an offset between this machine's wall clock
+and the server's changes nothing.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import threading
 import time
 from typing import Any, Dict, Optional, Tuple
 
-from ._errors import (FenceError, GrantTooShort, JobCompleted, LeaseHeld, LeaseLost,
-                      LeaseRefused, ProblemError, ProtocolError, ServerUnreachable, answer_lost,
-                      TOO_MANY_WAITERS, busy)
+from ._errors import (TOO_MANY_WAITERS, FenceError, GrantTooShort, JobCompleted, LeaseHeld,
+                      LeaseLost, LeaseRefused, ProblemError, ProtocolError, ServerUnreachable,
+                      answer_lost, busy)
 from ._wire import (PathLike, Transport, check_job, check_resource, check_slots, checkpoint_of,
                     default_owner, encode_job, grant_token, idempotency_key, lock_delay_to_ms,
                     margin_ms, monotonic, new_lease_key, ttl_to_ms, wait_param)
@@ -348,11 +348,12 @@ class LeaseCore:
         """Releases or completes. A server that fails to answer (unreachable, a timeout, a 502,
         503 or 504, a gateway's 408) or that did not get the request whole in time (its own 408
         ``body-timeout``: nothing applied) is asked again until it could end the lease on its
-        own (a minute at most): a passing blip at the end of a job must not leave it to expire and run again. A retry refused with
-        ``lease-lost`` at this generation, by nobody (released) or by this owner (completed:
-        the only refusal that leaves both in place), finds the earlier attempt applied: the
-        record it left is returned. Once ``cancelled`` is set (the asyncio caller was
-        cancelled), no further attempt is made: the last failure is raised."""
+        own (a minute at most): a passing blip at the end of a job must not leave it to expire
+        and run again. A retry refused with ``lease-lost`` at this generation, by nobody
+        (released) or by this owner (completed: the only refusal that leaves both in place),
+        finds the earlier attempt applied: the record it left is returned. Once ``cancelled``
+        is set (the asyncio caller was cancelled), no further attempt is made: the last failure
+        is raised."""
         body = {"owner": self.owner, "generation": self.generation, "lease_key": self._key}
         with self._lock:
             until = min(self._sent + self._ttl_ms / 1000, monotonic() + FINISH_RETRY_WINDOW)

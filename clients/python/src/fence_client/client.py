@@ -94,8 +94,8 @@ class Lease(LeaseCore):
     def release(self) -> Dict[str, Any]:
         """Frees the job for another claim; the record (``state`` ``free``). Raises
         :class:`LeaseRefused` when the server no longer records this lease. A server that fails
-        to answer (:class:`ServerUnreachable`, a 502, 503 or 504, a 408) is asked again until it could
-        end the lease on its own (a minute at most); a retry that finds the earlier attempt
+        to answer (:class:`ServerUnreachable`, a 502, 503 or 504, a 408) is asked again until it
+        could end the lease on its own (a minute at most); a retry that finds the earlier attempt
         applied returns the record it left."""
         return self._finish("release")
 
