@@ -24,6 +24,7 @@ pub mod keepalive;
 pub mod keys;
 pub mod listen;
 pub mod log_filter;
+mod probe;
 pub mod proxy;
 pub mod run;
 pub mod serve;

@@ -30,7 +30,7 @@ use metrics_exporter_prometheus::PrometheusHandle;
 use crate::listen::Listener;
 
 type Check = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
-type JobCheck = Pin<Box<dyn Future<Output = Result<JobFence, String>> + Send>>;
+type JobCheck = Pin<Box<dyn Future<Output = Result<JobFence, Problem>> + Send>>;
 type Push = Pin<Box<dyn Future<Output = Result<u64, Problem>> + Send>>;
 
 /// How the admin listener tells whether the proxy can work (its store answers, its upstream
@@ -38,6 +38,10 @@ type Push = Pin<Box<dyn Future<Output = Result<u64, Problem>> + Send>>;
 #[derive(Clone)]
 pub struct Health {
     store: Arc<dyn Fn() -> Check + Send + Sync>,
+    /// The last probe of the store, shared for a second: the probes need no secret (unless
+    /// `--admin-auth-file`), and one store read each would take the connections of a
+    /// PostgreSQL pool that fenced requests wait for.
+    probed: Arc<crate::probe::Shared<Result<(), String>>>,
     upstream: Option<String>,
     fence: Option<FenceView>,
     /// The admin listener's own clients (`--admin-auth-file`): without one of their
@@ -67,6 +71,9 @@ fn store_failed(job: &JobId, e: &fence_sink::StoreError) -> String {
 /// How long one probe may take.
 const PROBE_TIMEOUT: Duration = Duration::from_secs(2);
 
+/// Reads of `GET /v1/fence/{job}` at once, at most (each may take a store connection).
+const JOB_READS: usize = 4;
+
 impl Health {
     /// Probes `store` by reading a job's highest generation, and `upstream` (`host:port`,
     /// when given) by opening a connection.
@@ -84,12 +91,23 @@ impl Health {
                 }
             })
         });
+        Self::probing(store, upstream)
+    }
+
+    /// Probes the store with `store`.
+    fn probing(store: Arc<dyn Fn() -> Check + Send + Sync>, upstream: Option<String>) -> Self {
         Self {
             store,
+            probed: Arc::default(),
             upstream,
             fence: None,
             auth: None,
         }
+    }
+
+    /// Whether the store answers: one probe at a time, its answer shared for a second.
+    async fn store_answers(&self) -> Result<(), String> {
+        self.probed.check((self.store)()).await
     }
 
     /// Answers only requests with a bearer secret of `auth` (401 otherwise), when given.
@@ -107,15 +125,27 @@ impl Health {
         layer: FenceLayer<St>,
     ) -> Self {
         let reader = layer.clone();
+        let reads = Arc::new(tokio::sync::Semaphore::new(JOB_READS));
         let job: Arc<dyn Fn(JobId) -> JobCheck + Send + Sync> = Arc::new(move |job| {
-            let layer = reader.clone();
+            let (layer, reads) = (reader.clone(), reads.clone());
             Box::pin(async move {
+                // A job not cached is read from the store: a few at a time, so that a flood
+                // of reads takes no more of a PostgreSQL pool than that.
+                let Ok(_reading) = reads.try_acquire_owned() else {
+                    return Err(Problem::new(
+                        ProblemType::Overloaded,
+                        format!(
+                            "the admin listener is already reading {JOB_READS} jobs' fences; ask again shortly"
+                        ),
+                    ));
+                };
+                let unavailable = |detail| Problem::new(ProblemType::StoreUnavailable, detail);
                 match tokio::time::timeout(PROBE_TIMEOUT, layer.job(&job)).await {
                     Ok(Ok(fence)) => Ok(fence),
-                    Ok(Err(e)) => Err(store_failed(&job, &e)),
-                    Err(_) => Err(format!(
+                    Ok(Err(e)) => Err(unavailable(store_failed(&job, &e))),
+                    Err(_) => Err(unavailable(format!(
                         "the fence store did not answer within {PROBE_TIMEOUT:?}"
-                    )),
+                    ))),
                 }
             })
         });
@@ -224,11 +254,11 @@ async fn admin(
             }
             text("text/plain; version=0.0.4", handle.render())
         }
-        "/healthz" if get => match (health.store)().await {
+        "/healthz" if get => match health.store_answers().await {
             Ok(()) => text("text/plain; charset=utf-8", "ok\n".to_owned()),
             Err(why) => unavailable(why),
         },
-        "/readyz" if get => match (health.store)().await {
+        "/readyz" if get => match health.store_answers().await {
             Err(why) => unavailable(why),
             Ok(()) => match health.upstream().await {
                 Ok(()) => text("text/plain; charset=utf-8", "ready\n".to_owned()),
@@ -296,12 +326,7 @@ async fn job_fence(fence: &FenceView, raw: &str, req: Request<Incoming>) -> Resp
             highest: f.highest.get(),
             in_flight: Some(f.in_flight),
         }),
-        Err(detail) => {
-            let mut response =
-                Problem::new(ProblemType::StoreUnavailable, detail).to_response::<Full<Bytes>>();
-            *response.status_mut() = StatusCode::SERVICE_UNAVAILABLE;
-            response
-        }
+        Err(problem) => problem.to_response(),
     }
 }
 
@@ -347,4 +372,43 @@ fn json_response(view: &SinkFence) -> Response<Full<Bytes>> {
         .headers_mut()
         .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
     response
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use super::*;
+
+    /// A flood of `/healthz` and `/readyz` probes reads the store once: one probe at a
+    /// time, its answer shared for a second (each would otherwise take a connection of a
+    /// PostgreSQL pool that fenced requests wait for).
+    #[tokio::test(start_paused = true)]
+    async fn a_flood_of_probes_reads_the_store_once() {
+        let reads = Arc::new(AtomicUsize::new(0));
+        let counted = reads.clone();
+        let store: Arc<dyn Fn() -> Check + Send + Sync> = Arc::new(move || {
+            let reads = counted.clone();
+            Box::pin(async move {
+                reads.fetch_add(1, Ordering::SeqCst);
+                tokio::time::sleep(Duration::from_millis(50)).await; // a slow store
+                Ok(())
+            })
+        });
+        let health = Health::probing(store, None);
+        let flood: Vec<_> = (0..100)
+            .map(|_| {
+                let health = health.clone();
+                tokio::spawn(async move { health.store_answers().await })
+            })
+            .collect();
+        for probe in flood {
+            assert_eq!(probe.await.unwrap(), Ok(()));
+        }
+        assert_eq!(
+            reads.load(Ordering::SeqCst),
+            1,
+            "one store read for the flood"
+        );
+    }
 }

@@ -19,7 +19,6 @@ mod answer;
 pub use answer::{LEASE_OPS, LEASE_OUTCOMES};
 mod guard;
 mod handlers;
-mod health;
 mod list;
 mod semaphore;
 mod wait;
@@ -66,7 +65,7 @@ struct AppState<S> {
     store: Arc<S>,
     options: ServerOptions,
     waiters: wait::Waiters,
-    health: health::Health,
+    health: crate::probe::Shared<Result<(), fence_core::problem::Problem>>,
 }
 
 /// The lease API as OpenAPI 3.1, served at `/openapi.json` (no secret needed).
@@ -88,7 +87,7 @@ pub fn router<S: LeaseStore>(store: Arc<S>, options: ServerOptions) -> Router {
         store,
         options,
         waiters,
-        health: health::Health::default(),
+        health: crate::probe::Shared::default(),
     });
     if let Some(changes) = changes {
         tokio::spawn(wake_on_changes(Arc::downgrade(&state), changes));

@@ -1,33 +1,38 @@
-//! `GET /healthz` and `/readyz`: one probe of the store at a time, its answer shared for a second.
+//! Health probes of a store: one at a time, its answer shared for a second.
 //!
-//! The probes need no secret, so a flood of them must not reach the store one by one: on
-//! PostgreSQL each would take a connection of the pool that claims and renewals wait for. A
-//! failure is shared like a success: a store that is down would otherwise be asked again,
-//! and its failure logged, for every probe.
+//! The probes (`/healthz`, `/readyz` of the lease server and of the proxy's admin listener)
+//! need no secret, so a flood of them must not reach the store one by one: on PostgreSQL
+//! each would take a connection of the pool that claims, renewals and fenced requests wait
+//! for. A failure is shared like a success: a store that is down would otherwise be asked
+//! again, and its failure logged, for every probe.
 
 use std::time::Duration;
 
-use fence_core::problem::Problem;
 use tokio::{sync::Mutex, time::Instant};
 
 /// How long a probe's answer is given to the probes that follow.
 const FRESH: Duration = Duration::from_secs(1);
 
-/// The last probe of the store, and when it answered.
-#[derive(Debug, Default)]
-pub(super) struct Health {
-    last: Mutex<Option<(Instant, Result<(), Problem>)>>,
+/// The last probe of the store (its answer `T`), and when it answered.
+#[derive(Debug)]
+pub(crate) struct Shared<T> {
+    last: Mutex<Option<(Instant, T)>>,
 }
 
-impl Health {
+impl<T> Default for Shared<T> {
+    fn default() -> Self {
+        Self {
+            last: Mutex::new(None),
+        }
+    }
+}
+
+impl<T: Clone> Shared<T> {
     /// The answer of a probe of the store that ended while this one waited for it, or that
     /// is less than a second old (whatever it said); otherwise of `probe`, run now while the
     /// probes that come meanwhile wait for it. A store that came back is seen within a
     /// second.
-    pub(super) async fn check(
-        &self,
-        probe: impl Future<Output = Result<(), Problem>>,
-    ) -> Result<(), Problem> {
+    pub(crate) async fn check(&self, probe: impl Future<Output = T>) -> T {
         let asked = Instant::now();
         let mut last = self.last.lock().await;
         if let Some((at, answer)) = &*last
@@ -48,16 +53,18 @@ mod tests {
         atomic::{AtomicUsize, Ordering},
     };
 
+    use fence_core::problem::Problem;
+
     use super::*;
 
     #[tokio::test(start_paused = true)]
     async fn a_flood_of_probes_reaches_the_store_once_a_second() {
-        let health = Arc::new(Health::default());
+        let health = Arc::new(Shared::default());
         let asked = Arc::new(AtomicUsize::new(0));
         let probe = |asked: Arc<AtomicUsize>| async move {
             asked.fetch_add(1, Ordering::SeqCst);
             tokio::time::sleep(Duration::from_millis(50)).await; // a slow store
-            Ok(())
+            Ok::<(), Problem>(())
         };
         let flood: Vec<_> = (0..100)
             .map(|_| {
@@ -80,7 +87,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_failure_is_shared_for_a_second_like_a_success() {
-        let health = Arc::new(Health::default());
+        let health = Arc::new(Shared::default());
         let asked = Arc::new(AtomicUsize::new(0));
         let failing = |asked: Arc<AtomicUsize>| async move {
             asked.fetch_add(1, Ordering::SeqCst);
@@ -108,6 +115,6 @@ mod tests {
         assert_eq!(asked.load(Ordering::SeqCst), 1, "one read in the second");
         // The store is back: the first probe after the second asks it.
         tokio::time::sleep(FRESH).await;
-        assert_eq!(health.check(async { Ok(()) }).await, Ok(()));
+        assert_eq!(health.check(async { Ok(()) }).await, Ok::<(), Problem>(()));
     }
 }
