@@ -17,7 +17,7 @@ use std::time::Duration;
 use crate::cli::StorageArgs;
 
 /// The storage a command was given.
-#[derive(Debug, Clone)]
+#[derive(Clone)]
 pub enum Backend {
     /// sled in this directory, held by this process alone.
     Sled(PathBuf),
@@ -28,6 +28,20 @@ pub enum Backend {
         /// The schema of the tables.
         schema: String,
     },
+}
+
+/// Never the URL: it may carry the database's password (`postgres://u:secret@host/db`).
+impl std::fmt::Debug for Backend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Sled(dir) => f.debug_tuple("Sled").field(dir).finish(),
+            Self::Postgres { schema, .. } => f
+                .debug_struct("Postgres")
+                .field("url", &"(not shown)")
+                .field("schema", schema)
+                .finish(),
+        }
+    }
 }
 
 impl Backend {
@@ -351,5 +365,22 @@ fn warn_if_others_may_enter(dir: &std::path::Path) {
             mode = format_args!("{mode:o}"),
             "other users may enter the data directory, which holds stored responses and checkpoints: chmod 700 it"
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Backend;
+
+    /// A store URL's password never shows in a `Debug` print (a log line, a panic message).
+    #[test]
+    fn debug_never_shows_the_store_url() {
+        let backend = Backend::Postgres {
+            url: "postgres://fence:s3cret-pw@db.internal/fence".into(),
+            schema: "public".into(),
+        };
+        let shown = format!("{backend:?}");
+        assert!(!shown.contains("s3cret-pw"), "{shown}");
+        assert!(shown.contains("public"), "{shown}");
     }
 }
