@@ -62,6 +62,9 @@ fn secret(
     }
 }
 
+/// The longest `--lease` file or stdin read, in bytes.
+const MAX_LEASE_FILE: u64 = 64 * 1024;
+
 /// The bearer secret in `file` (given as `flag`).
 fn read_secret(file: &std::path::Path, flag: &str) -> anyhow::Result<Option<BearerToken>> {
     let token = std::fs::read_to_string(file)
@@ -135,19 +138,29 @@ impl LeaseRef {
                 key: a.lease_key.clone().ok_or_else(missing)?,
             });
         };
-        let (text, source) = if path.as_os_str() == "-" {
+        // At most 64 KiB either way (a lease is a few hundred bytes): `--lease /dev/zero`
+        // is refused, not read until memory runs out.
+        let read_lease = |from: &mut dyn std::io::Read, source: &str| {
             let mut text = String::new();
-            std::io::Read::read_to_string(
-                &mut std::io::Read::take(std::io::stdin(), 64 * 1024),
-                &mut text,
-            )
-            .map_err(|e| crate::Usage::error(format!("cannot read --lease - (stdin): {e}")))?;
-            (text, "--lease - (stdin)".to_owned())
+            std::io::Read::read_to_string(&mut std::io::Read::take(from, MAX_LEASE_FILE + 1), &mut text)
+                .map_err(|e| crate::Usage::error(format!("cannot read {source}: {e}")))?;
+            if text.len() as u64 > MAX_LEASE_FILE {
+                return Err(crate::Usage::error(format!(
+                    "{source} is longer than {MAX_LEASE_FILE} bytes: not the JSON `fence claim` printed"
+                )));
+            }
+            Ok(text)
+        };
+        let (text, source) = if path.as_os_str() == "-" {
+            let source = "--lease - (stdin)".to_owned();
+            (read_lease(&mut std::io::stdin(), &source)?, source)
         } else {
-            let text = std::fs::read_to_string(path).map_err(|e| {
-                crate::Usage::error(format!("cannot read --lease {}: {e}", path.display()))
-            })?;
-            (text, format!("--lease {}", path.display()))
+            let source = format!("--lease {}", path.display());
+            let mut file = std::fs::File::open(path)
+                .map_err(|e| crate::Usage::error(format!("cannot read {source}: {e}")))?;
+            // The file holds the lease key: whoever reads it may release or complete the job.
+            warn_if_others_may_read(path, "--lease");
+            (read_lease(&mut file, &source)?, source)
         };
         let lease = Self::parse(&text).map_err(|e| {
             crate::Usage::error(format!(
@@ -224,10 +237,27 @@ fn exit_code(status: StatusCode) -> i32 {
     }
 }
 
+/// Writes `line` and a newline to stdout: false when the reader closed the pipe early
+/// (`| head -1`), no error: it had what it wanted. Any other failure (a full disk) is
+/// returned. (`println!` would panic on either.)
+///
+/// # Errors
+/// When stdout cannot be written, but for a closed pipe.
+pub fn stdout_line(line: &str) -> std::io::Result<bool> {
+    use std::io::Write;
+    let mut out = std::io::stdout().lock();
+    match writeln!(out, "{line}").and_then(|()| out.flush()) {
+        Ok(()) => Ok(true),
+        Err(e) if e.kind() == std::io::ErrorKind::BrokenPipe => Ok(false),
+        Err(e) => Err(e),
+    }
+}
+
 /// Prints the server's answer as it came on stdout and, when it refused, the problem's
-/// detail as one line on stderr for the person at the terminal.
-fn print_answer(status: StatusCode, answer: &str) {
-    println!("{answer}");
+/// detail as one line on stderr for the person at the terminal. An error when stdout cannot
+/// be written.
+fn print_answer(status: StatusCode, answer: &str) -> std::io::Result<bool> {
+    let printed = stdout_line(answer);
     if status != StatusCode::OK {
         let problem: Option<serde_json::Value> = serde_json::from_str(answer).ok();
         let detail = problem
@@ -236,6 +266,7 @@ fn print_answer(status: StatusCode, answer: &str) {
             .unwrap_or("(no problem detail in the answer)");
         say!("fence: the server answered {status}: {detail}");
     }
+    printed
 }
 
 /// Makes the call, prints the server's answer as it came (a claim's with its lease key),
@@ -314,6 +345,7 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
             return answered_or_unreachable(e, server.base_url());
         }
     };
+    let granted = key.is_some() && status == StatusCode::OK;
     let printed = match (key, status) {
         // The lease key is shown here and nowhere else, so a script can pass it on.
         (Some(key), StatusCode::OK) => {
@@ -324,7 +356,18 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
         }
         _ => String::from_utf8_lossy(&answer).trim_end().to_owned(),
     };
-    print_answer(status, &printed);
+    if let Err(e) = print_answer(status, &printed) {
+        if granted {
+            // Granted, but the lease key (shown nowhere else) did not reach the caller.
+            say!(
+                "fence: the claim was granted, but its answer could not be written to stdout ({e}): \
+                 its lease key is lost with this command; the lease ends at its TTL"
+            );
+        } else {
+            say!("fence: the answer could not be written to stdout: {e}");
+        }
+        return Ok(1);
+    }
     Ok(exit_code(status))
 }
 
@@ -406,13 +449,18 @@ pub async fn leases(a: LeasesCmd) -> anyhow::Result<i32> {
             Err(e) => return answered_or_unreachable(e, server.base_url()),
         };
         if status != StatusCode::OK {
-            print_answer(status, String::from_utf8_lossy(&answer).trim_end());
+            print_answer(status, String::from_utf8_lossy(&answer).trim_end())
+                .context("cannot write the answer to stdout")?;
             return Ok(exit_code(status));
         }
         let page: ListBody =
             serde_json::from_slice(&answer).context("the server's answer is not a page")?;
         for lease in &page.leases {
-            println!("{}", serde_json::to_string(lease)?);
+            let written = stdout_line(&serde_json::to_string(lease)?)
+                .context("cannot write the leases to stdout")?;
+            if !written {
+                return Ok(0); // its reader had what it wanted
+            }
         }
         match page.next {
             Some(next) => query.after = Some(next),
@@ -465,7 +513,10 @@ pub async fn revoke(a: RevokeCmd) -> anyhow::Result<i32> {
         }
         Err(e) => return answered_or_unreachable(e, server.base_url()),
     };
-    print_answer(status, String::from_utf8_lossy(&answer).trim_end());
+    // The revoke took effect whatever stdout does: its pushes to the sinks still go.
+    if let Err(e) = print_answer(status, String::from_utf8_lossy(&answer).trim_end()) {
+        say!("fence: the answer could not be written to stdout: {e}");
+    }
     if status != StatusCode::OK || sinks.is_empty() {
         return Ok(exit_code(status));
     }

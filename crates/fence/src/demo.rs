@@ -35,7 +35,7 @@ struct Timeline {
 
 impl Timeline {
     fn say(&self, who: &str, what: impl AsRef<str>) {
-        println!(
+        out!(
             "  {:>6.3}s  {who:<8} {}",
             self.start.elapsed().as_secs_f64(),
             what.as_ref()
@@ -130,7 +130,7 @@ pub async fn run() -> anyhow::Result<i32> {
         start: Instant::now(),
         checks: Mutex::default(),
     });
-    println!("fence demo: the worked example, end to end on loopback\n");
+    out!("fence demo: the worked example, end to end on loopback\n");
 
     // Signed tokens at both ends (contract section 6): a fresh key pair for this run.
     let signer = crate::keys::generate_signer()?;
@@ -440,9 +440,9 @@ pub async fn run() -> anyhow::Result<i32> {
     t.check(record.state.as_str() == "completed", "B completes the job");
 
     let entries = ledger.lock().unwrap_or_else(|e| e.into_inner()).clone();
-    println!("\nledger of invoice-42 (what actually happened):");
+    out!("\nledger of invoice-42 (what actually happened):");
     for (_, token, body) in &entries {
-        println!("  token {token}: {body}");
+        out!("  token {token}: {body}");
     }
     let tokens: Vec<u64> = entries.iter().map(|e| e.1).collect();
     t.check(
@@ -450,13 +450,13 @@ pub async fn run() -> anyhow::Result<i32> {
         "the ledger holds exactly A's first write (7) and B's write (8)",
     );
 
-    println!();
+    out!();
     let checks = t.checks.lock().unwrap_or_else(|e| e.into_inner()).clone();
     for (ok, what) in &checks {
-        println!("  [{}] {what}", if *ok { "ok" } else { "FAILED" });
+        out!("  [{}] {what}", if *ok { "ok" } else { "FAILED" });
     }
     let passed = checks.iter().all(|(ok, _)| *ok);
-    println!(
+    out!(
         "\n{}",
         if passed {
             "PASS: the stale worker's late write and completion were rejected; only current holders produced effects."

@@ -57,14 +57,21 @@ pub fn keygen(out: &Path) -> anyhow::Result<()> {
     };
     let private = write("fence-signing.pem", 0o600, signer.to_pem())?;
     let public = write("fence-verify.pem", 0o644, signer.verify_key().to_pem())?;
-    println!(
-        "private key: {} (give it to fence server --signing-key; keep it 0600)",
-        private.display()
-    );
-    println!(
-        "public key:  {} (give it to fence proxy --verify-key)",
+    // The keys are written whatever stdout does: a closed pipe or a full disk there is said
+    // on stderr, not a panic.
+    let said = crate::calls::stdout_line(&format!(
+        "private key: {} (give it to fence server --signing-key; keep it 0600)\n\
+         public key:  {} (give it to fence proxy --verify-key)",
+        private.display(),
         public.display()
-    );
+    ));
+    if let Err(e) = said {
+        say!(
+            "fence: wrote {} and {}, but cannot say so on stdout: {e}",
+            private.display(),
+            public.display()
+        );
+    }
     Ok(())
 }
 

@@ -13,6 +13,15 @@ macro_rules! say {
     }};
 }
 
+/// `println!` that never panics: a stdout that is gone (`fence demo | head`) ends nothing
+/// the command does, and a line it could not write is not an error worth a panic.
+macro_rules! out {
+    ($($arg:tt)*) => {{
+        use std::io::Write as _;
+        let _ = writeln!(std::io::stdout().lock(), $($arg)*);
+    }};
+}
+
 pub mod auth;
 pub mod backend;
 pub mod calls;

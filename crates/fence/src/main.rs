@@ -102,11 +102,8 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
             print_all(&script, "the completion script")
         }
         Cmd::IdempotencyKey(a) => {
-            println!(
-                "{}",
-                fence_core::headers::IdempotencyKey::for_step(&a.job, &a.step)
-            );
-            Ok(0)
+            let key = fence_core::headers::IdempotencyKey::for_step(&a.job, &a.step);
+            print_all(format!("{key}\n").as_bytes(), "the idempotency key")
         }
         Cmd::Man => {
             let mut page = Vec::new();
@@ -137,17 +134,22 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
                     "every client; keep ca-key.pem offline",
                 )
             };
-            println!(
-                "wrote {what} in {}:\n  --ca-cert {}   ({ca_note})\n  --tls-cert {} --tls-key {}   (the server or proxy)",
+            let mut said = format!(
+                "wrote {what} in {}:\n  --ca-cert {}   ({ca_note})\n  --tls-cert {} --tls-key {}   (the server or proxy)\n",
                 a.dir.display(),
                 made.ca.display(),
                 made.cert.display(),
                 made.key.display()
             );
             for (cert, key) in &made.clients {
-                println!("  client: {} and {}", cert.display(), key.display());
+                said.push_str(&format!(
+                    "  client: {} and {}\n",
+                    cert.display(),
+                    key.display()
+                ));
             }
-            Ok(0)
+            // The files are written whatever stdout does.
+            print_all(said.as_bytes(), "the list of files written")
         }
     }
 }

@@ -136,6 +136,67 @@ fn a_client_secret_others_may_read_is_warned_of() {
     assert!(!said.contains("chmod 600"), "{said}");
 }
 
+/// A `--lease` file holds the lease key: one group or others may read is used with a
+/// warning naming `chmod 600`, and one longer than 64 KiB (`/dev/zero`) is refused at once
+/// rather than read until memory runs out.
+#[test]
+fn a_lease_file_others_may_read_is_warned_of_and_a_huge_one_refused() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, server) = start_server(&dir.path().join("leases"));
+    let claimed = fence(&["claim", "--server", &server, "--job", "filed"]);
+    assert_success(&claimed);
+    let lease = dir.path().join("lease.json");
+    std::fs::write(&lease, &claimed.stdout).unwrap();
+    let renew = |mode: u32| {
+        std::fs::set_permissions(&lease, std::fs::Permissions::from_mode(mode)).unwrap();
+        let out = fence(&[
+            "renew",
+            "--server",
+            &server,
+            "--lease",
+            lease.to_str().unwrap(),
+        ]);
+        assert_success(&out);
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let said = renew(0o644);
+    assert!(
+        said.contains("chmod 600") && said.contains("--lease"),
+        "{said}"
+    );
+    let said = renew(0o600);
+    assert!(!said.contains("chmod 600"), "{said}");
+    let huge = fence(&["release", "--server", &server, "--lease", "/dev/zero"]);
+    assert_eq!(huge.status.code(), Some(2), "{huge:?}");
+    assert!(
+        String::from_utf8_lossy(&huge.stderr).contains("longer than 65536 bytes"),
+        "{huge:?}"
+    );
+}
+
+/// `fence leases | head -1`: a reader that closed the pipe after the first line ends the
+/// listing, exit 0, and nothing panics (`println!` panicked: exit 101).
+#[test]
+fn leases_into_a_pipe_closed_early_end_quietly() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, server) = start_server(&dir.path().join("leases"));
+    for job in ["p-1", "p-2", "p-3"] {
+        assert_success(&fence(&["claim", "--server", &server, "--job", job]));
+    }
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader); // closed before anything is written
+    let out = Command::new(FENCE)
+        .args(["leases", "--server", &server])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "{said}");
+    assert!(!said.contains("panicked"), "{said}");
+}
+
 #[test]
 fn demo_runs_the_worked_example() {
     let out = Command::new(FENCE)

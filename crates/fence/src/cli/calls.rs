@@ -49,8 +49,9 @@ pub struct FinishCmd {
     /// The lease as `fence claim` printed it (its job, owner, generation and lease_key are
     /// read from it): a file, or - for stdin. Instead of --job, --owner, --generation and
     /// --lease-key, so a script need not take the JSON apart:
-    /// `fence claim --job j > lease.json && fence complete --lease lease.json`.
-    /// Keep the file private (chmod 600): the lease key in it is the proof of the lease.
+    /// `(umask 077; fence claim --job j > lease.json) && fence complete --lease lease.json`.
+    /// Keep the file private (the umask above, or chmod 600): the lease key in it is the
+    /// proof of the lease, and a file group or others may read is warned of. At most 64 KiB.
     #[arg(long, value_name = "FILE", conflicts_with_all = ["owner", "generation", "lease_key"])]
     pub lease: Option<PathBuf>,
     /// The job id (1 to 256 visible ASCII characters). Without --lease, FENCE_JOB stands in

@@ -191,7 +191,7 @@ Exit codes of fence keepalive:
   1   anything else (the server unreachable at start)
 
 Example:
-  fence claim --job nightly --ttl 30s > lease.json
+  (umask 077; fence claim --job nightly --ttl 30s > lease.json)
   ./export.sh | fence keepalive --lease lease.json --ttl 30s && fence complete --lease lease.json")]
     Keepalive(KeepaliveCmd),
     /// Take a job's lease away from its holder at once (an operator's; needs a secret whose
