@@ -15,14 +15,15 @@ trap 'for p in "${pids[@]}"; do kill -CONT "$p"; kill "$p"; done 2>/dev/null; rm
 fail() { echo "sh: FAIL: $*" >&2; exit 1; }
 ready() { for _ in $(seq 150); do grep -q "$2" "$1" 2>/dev/null && return; sleep 0.1; done; fail "no '$2' in $1: $(cat "$1")"; }
 start() { "$FENCE" "${@:2}" 2>"$tmp/$1.log" & pids+=($!); ready "$tmp/$1.log" ' ready '; addr=$(grep -o 'listen=[^ ]*' "$tmp/$1.log" | head -1 | cut -d= -f2); }
-# The service: logs "path job token body" per write; /slow answers after a second.
+# The service: logs "path job token body" per write; /slow answers after a second, /slower
+# after three.
 python3 -c 'import http.server as h, sys, time
 class H(h.BaseHTTPRequestHandler):
     def do_POST(s):
         b = s.rfile.read(int(s.headers["content-length"] or 0)).decode()
         j, t = s.headers["x-fencing-job"], s.headers["x-fencing-token"]
         open(sys.argv[1] + ".log", "a").write(f"{s.path} {j} {t} {b}\n")
-        time.sleep(1 if s.path == "/slow" else 0); s.send_response(200); s.send_header("content-length", "0"); s.end_headers()
+        time.sleep({"/slow": 1, "/slower": 3}.get(s.path, 0)); s.send_response(200); s.send_header("content-length", "0"); s.end_headers()
     def log_message(s, *a): pass
 srv = h.ThreadingHTTPServer(("127.0.0.1", 0), H); open(sys.argv[1], "w").write(str(srv.server_port)); srv.serve_forever()' "$tmp/up" & pids+=($!)
 ready "$tmp/up" .
@@ -32,8 +33,15 @@ run() { SERVER=$S DESTINATION=$P/$1 JOB=$2 TTL_MS=$3 WRITES=$4 sh "$worker"; }
 
 job=inv/42
 for _ in 1 2 3 4 5 6; do "$FENCE" claim --server "$S" --job "$job" --ttl 100ms >/dev/null; sleep 0.15; done
-STALL_BEFORE_SEND=5 run ledger "$job" 600 2 >"$tmp/a" 2>&1 & a=$!
-ready "$tmp/a" 'holding inv/42 at generation 7'; sleep 0.9 # past A's lease, on the server too
+# A 3 s lease (renewed every second: one renewal late on a loaded machine does not lose it
+# before the second write), and a stall of 8 s that outlasts it, leaving B some 5 s.
+STALL_BEFORE_SEND=8 run ledger "$job" 3000 2 >"$tmp/a" 2>&1 & a=$!
+ready "$tmp/a" 'holding inv/42 at generation 7'
+# Until A's lease has expired on the server (however long A's start and renewals took).
+for _ in $(seq 300); do
+  "$FENCE" status --server "$S" --job "$job" | grep -q '"state":"expired"' && break; sleep 0.1
+done
+"$FENCE" status --server "$S" --job "$job" | grep -q '"state":"expired"' || fail "A's lease never expired: $(cat "$tmp/a")"
 run ledger "$job" 10000 1 >"$tmp/b" 2>&1 || fail "B: $(cat "$tmp/b")"
 grep -q 'generation 8' "$tmp/b" || fail "B: $(cat "$tmp/b")"
 code=0; wait "$a" || code=$?
@@ -103,15 +111,17 @@ for mode in applied refused timed-out; do
     fail "$job: ledger: $(cat "$tmp/up.log")"
 done
 
+# Each write takes 3 s (/slower): the revoke (after a status call) and the keeper's next
+# renewal (every 500 ms) land while write 1 is under way, however loaded the machine.
 n=0
 for job in 'a/b' 'a%b' 'a?b&c' 'a+b'; do n=$((n + 1))
-  run slow "$job" 1500 3 >"$tmp/w$n" 2>&1 & w=$!
+  run slower "$job" 1500 3 >"$tmp/w$n" 2>&1 & w=$!
   ready "$tmp/w$n" "holding $job at generation 1"
   "$FENCE" status --server "$S" --job "$job" | grep -qF "\"job\":\"$job\"" || fail "status of $job"
   "$FENCE" revoke --server "$S" --job "$job" --reason test >/dev/null
   code=0; wait "$w" || code=$?
   [ "$code" = 75 ] && grep -q 'lease lost during write 1' "$tmp/w$n" || fail "$job ($code): the write under way was not cut at the refused renewal: $(cat "$tmp/w$n")"
-  [ "$(grep -cF "/slow $job 1 " "$tmp/up.log")" = 1 ] || fail "$job: $(cat "$tmp/up.log")"
+  [ "$(grep -cF "/slower $job 1 " "$tmp/up.log")" = 1 ] || fail "$job: $(cat "$tmp/up.log")"
 done
 
 # Answers the real server never gives, from a scripted lease server: what it does depends on

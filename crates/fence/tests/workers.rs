@@ -132,16 +132,19 @@ fn a_worker_stalled_past_its_lease_is_refused_at_the_destination() {
     let s = setup();
     for lang in ["python", "sh"] {
         let job = format!("{lang}-stall");
+        // A 3 s lease: a worker renews every third of it, and the sh one spawns some 15
+        // processes per renewal; under a 600 ms lease one renewal late on a loaded machine
+        // lost the lease before the second write was decided (75, no write 2 at all).
         let stalled = match lang {
-            "python" => python(&s, &job, 600, 2, 5.0),
-            _ => shell(&s, &job, 600, 2, Some("5")),
+            "python" => python(&s, &job, 3_000, 2, 8.0),
+            _ => shell(&s, &job, 3_000, 2, Some("8")),
         };
-        // Until its 600 ms lease has expired at the server (however long the interpreter
-        // took to start, and its first write and renewals); its 5 s stall leaves the newer
-        // holder time to claim and write on a loaded machine.
+        // Until its 3 s lease has expired at the server (however long the interpreter took
+        // to start, and its first write and renewals); its 8 s stall outlasts the lease and
+        // leaves the newer holder some 5 s to claim and write on a loaded machine.
         eventually(
             &format!("{lang}: the first worker's lease expires"),
-            Duration::from_secs(15),
+            Duration::from_secs(30),
             || {
                 let status = fence(&["status", "--server", &s.server, "--job", &job]);
                 String::from_utf8_lossy(&status.stdout).contains(r#""state":"expired""#)
