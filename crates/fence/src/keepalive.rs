@@ -37,6 +37,14 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
     let store = connect(&a.lease.conn)?;
     let client = LeaseClient::new(store).owner(lease.owner).ttl(a.ttl);
     let (job, generation) = (lease.job.clone(), lease.generation);
+    // Caught from before the first round trip: a SIGTERM that arrives while the lease is
+    // resumed (a slow server, a loaded machine) is kept for the loop below, and stops
+    // keepalive with what it says, instead of killing it by the default action.
+    let (mut term, mut int, mut hup) = (
+        signal(SignalKind::terminate())?,
+        signal(SignalKind::interrupt())?,
+        signal(SignalKind::hangup())?,
+    );
     let held = match client.resume(lease.job, lease.generation, lease.key).await {
         Ok(held) => held,
         Err(e @ ClaimError::NotHeld { .. }) => {
@@ -72,11 +80,6 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
         }
         None => None,
     };
-    let (mut term, mut int, mut hup) = (
-        signal(SignalKind::terminate())?,
-        signal(SignalKind::interrupt())?,
-        signal(SignalKind::hangup())?,
-    );
     let mut stdin = tokio::io::stdin();
     let mut stdout = Some(tokio::io::stdout());
     let mut buf = vec![0u8; 16 * 1024];

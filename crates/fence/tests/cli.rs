@@ -1360,6 +1360,22 @@ fn keepalive_stops_at_a_signal_while_its_reader_stalls() {
     let dir = tempfile::tempdir().unwrap();
     let (_server, url) = start_server(dir.path());
     let (kept, feeder) = keepalive_with_a_stalled_reader(&url, dir.path(), "signalled");
+    // Not before it catches SIGTERM: until then (a loaded machine) the default action would
+    // end it, which is not what this test is about.
+    let catches_term = || {
+        std::fs::read_to_string(format!("/proc/{}/status", kept.id()))
+            .ok()
+            .and_then(|status| {
+                let mask = status.lines().find_map(|l| l.strip_prefix("SigCgt:"))?;
+                u64::from_str_radix(mask.trim(), 16).ok()
+            })
+            .is_some_and(|mask| mask & (1 << (nix::sys::signal::Signal::SIGTERM as u32 - 1)) != 0)
+    };
+    eventually(
+        "keepalive catches SIGTERM",
+        Duration::from_secs(10),
+        catches_term,
+    );
     let killed = Command::new("kill")
         .args(["-TERM", &kept.id().to_string()])
         .status()
