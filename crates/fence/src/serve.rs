@@ -20,33 +20,50 @@ use crate::{
     server::ServerOptions,
 };
 
-/// Resolves on SIGINT or SIGTERM; from then on, a second one exits at once (128 plus its
-/// number: 130 or 143).
-pub async fn shutdown_signal() {
-    stop_signal().await;
-    tracing::info!("shutting down: finishing in-flight requests (a second signal stops at once)");
-    // An operator who will not wait for the grace: what was answered is on disk already
-    // (the stores commit before they answer), so stopping now is a crash they asked for.
-    tokio::spawn(async {
-        let signal = stop_signal().await;
-        tracing::warn!("a second signal: stopping at once, open requests cut");
-        std::process::exit(128 + signal);
-    });
+/// SIGINT and SIGTERM, caught from when this is made (before the "ready" line: one sent the
+/// moment that line is read must not find the default action, which ends the process with
+/// no drain and no last flush).
+#[derive(Debug)]
+pub struct StopSignals {
+    int: tokio::signal::unix::Signal,
+    term: tokio::signal::unix::Signal,
 }
 
-/// Resolves on SIGINT or SIGTERM, with its number.
-async fn stop_signal() -> i32 {
-    let term = async {
-        match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
-            Ok(mut s) => {
-                s.recv().await;
-            }
-            Err(_) => std::future::pending().await,
+impl StopSignals {
+    /// Installs the handlers.
+    ///
+    /// # Errors
+    /// When a signal handler cannot be installed.
+    pub fn install() -> std::io::Result<Self> {
+        use tokio::signal::unix::{SignalKind, signal};
+        Ok(Self {
+            int: signal(SignalKind::interrupt())?,
+            term: signal(SignalKind::terminate())?,
+        })
+    }
+
+    /// Resolves on SIGINT or SIGTERM; from then on, a second one exits at once (128 plus its
+    /// number: 130 or 143).
+    pub async fn shutdown(mut self) {
+        self.next().await;
+        tracing::info!(
+            "shutting down: finishing in-flight requests (a second signal stops at once)"
+        );
+        // An operator who will not wait for the grace: what was answered is on disk already
+        // (the stores commit before they answer), so stopping now is a crash they asked for.
+        tokio::spawn(async move {
+            let signal = self.next().await;
+            tracing::warn!("a second signal: stopping at once, open requests cut");
+            std::process::exit(128 + signal);
+        });
+    }
+
+    /// The next SIGINT or SIGTERM, by its number.
+    async fn next(&mut self) -> i32 {
+        tokio::select! {
+            _ = self.int.recv() => 2,
+            _ = self.term.recv() => 15,
         }
-    };
-    tokio::select! {
-        _ = tokio::signal::ctrl_c() => 2,
-        () = term => 15,
     }
 }
 
@@ -199,6 +216,7 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     // The router marks answers to requests with a known secret: those connections are
     // closed for room after the others.
     let listener = Listener::new(tcp, tls.map(tokio_rustls::TlsAcceptor::from), limits);
+    let signals = StopSignals::install().context("installing the signal handlers")?;
     tracing::info!(
         listen = %listener.local_addr()?,
         scheme = listener.scheme(),
@@ -213,11 +231,12 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
                 listener,
                 SigningLeaseStore::new(store.clone(), signer),
                 options,
+                signals,
                 stop,
             )
             .await
         }
-        None => serve_leases(listener, store.clone(), options, stop).await,
+        None => serve_leases(listener, store.clone(), options, signals, stop).await,
     }
     final_flush(move || store.flush()).await?;
     tracing::info!("fence server stopped");
@@ -265,17 +284,18 @@ impl Drop for AbortOnDrop {
     }
 }
 
-/// Serves the lease API over `store` until SIGINT or SIGTERM; says so on `stop` first, for
-/// the waiting claims to be answered.
+/// Serves the lease API over `store` until SIGINT or SIGTERM (`signals`); says so on `stop`
+/// first, for the waiting claims to be answered.
 async fn serve_leases<S: LeaseStore>(
     listener: Listener,
     store: S,
     options: ServerOptions,
+    signals: StopSignals,
     stop: tokio::sync::watch::Sender<bool>,
 ) {
     let router = crate::server::router(Arc::new(store), options);
     let shutdown = async move {
-        shutdown_signal().await;
+        signals.shutdown().await;
         stop.send_replace(true);
     };
     crate::listen::serve(listener, shutdown, move |peer, _| {
@@ -405,8 +425,10 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         health.with_auth(admin_auth),
         stopped(rx.clone()),
     ));
+    // Installed here, not in the task: a task spawned may first run after the "ready" line.
+    let signals = StopSignals::install().context("installing the signal handlers")?;
     let signal = tokio::spawn(async move {
-        shutdown_signal().await;
+        signals.shutdown().await;
         let _ = tx.send(true);
     });
     tracing::info!(
