@@ -428,7 +428,7 @@ fn the_rest_of_the_group_gets_what_is_left_of_the_grace_not_a_new_one() {
     let (pid_file, ready) = (dir.path().join("stubborn.pid"), dir.path().join("ready"));
     let termed = dir.path().join("termed");
     let script = format!(
-        "{} ; echo $! > {}; trap 'touch {}; sleep 2; exit 0' TERM; \
+        "{} ; echo $! > {}; trap ': > {}; sleep 2; exit 0' TERM; \
          n=0; while [ $n -lt 3000 ]; do sleep 0.01; n=$((n+1)); done",
         stubborn_in_background("sleep 1000", &ready),
         pid_file.display(),
@@ -440,12 +440,18 @@ fn the_rest_of_the_group_gets_what_is_left_of_the_grace_not_a_new_one() {
     let mut run = spawn_run(&url, job, &["--ttl", "9s", "--grace", "3s"], &script);
     let stubborn = pid_in(&pid_file);
     assert_success(&fence(&["revoke", "--server", &url, "--job", job]));
+    // Timed from the file's modification time, which the shell's own redirection sets the
+    // moment its trap runs (no fork, and however late this thread looks): a clock started
+    // when the test noticed the file would read the grace short on a loaded machine.
+    let mut term = None;
     eventually("the command's SIGTERM", Duration::from_secs(8), || {
-        termed.exists()
+        term = std::fs::metadata(&termed).and_then(|m| m.modified()).ok();
+        term.is_some()
     });
-    let term = Instant::now();
     gone_within(stubborn, Duration::from_secs(10));
-    let took = term.elapsed();
+    let took = std::time::SystemTime::now()
+        .duration_since(term.unwrap())
+        .unwrap_or_default();
     assert_eq!(run.0.wait().unwrap().code(), Some(75));
     assert!(
         took >= Duration::from_millis(2_600) && took < Duration::from_millis(4_300),
