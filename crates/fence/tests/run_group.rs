@@ -121,22 +121,14 @@ fn a_lost_lease_stops_the_grandchildren_too() {
             &tree_script(&pid_file, ignore_term),
         );
         let sleep = pid_in(&pid_file);
-        // From before the stop: `signal` returns only once its `kill` process has exited,
-        // and a clock started then would read the lease's run-out short.
-        let stopped = Instant::now();
         signal(&server, "-STOP"); // renewals go unanswered: the lease is lost within 1 s
+        // The stubborn tree ignores SIGTERM: only the SIGKILL at the lease's run-out ends it.
+        // (No lower bound on when: renewals late on a loaded machine leave less of the lease
+        // at the stop, and an earlier SIGKILL is then right; that it lands before the server
+        // could let another owner claim the job is the next test's.)
         gone_within(sleep, Duration::from_secs(5));
-        let took = stopped.elapsed();
         assert_eq!(run.0.wait().unwrap().code(), Some(75), "{job}");
         signal(&server, "-CONT");
-        if ignore_term {
-            // The lease ran out: SIGKILL within the 100 ms margin, not after the 500 ms
-            // grace, so nothing runs once the server can let another owner claim the job.
-            assert!(
-                took >= Duration::from_millis(300),
-                "{job}: gone before the lease could have run out ({took:?})"
-            );
-        }
     }
 }
 
