@@ -1,8 +1,12 @@
 //! The ledger gRPC service of the examples and tests (`examples/proto/ledger.proto`): books
 //! every charge that reaches it, with the fencing metadata it came with. A charge to an
-//! account named `slow-<ms>` takes that long (tests hold a call in flight with it).
+//! account named `slow-<ms>` takes that long, and one to the account `held` waits for
+//! [`Books::release_held`] (tests hold a call in flight with them).
 
-use std::sync::{Arc, Mutex};
+use std::sync::{
+    Arc, Mutex,
+    atomic::{AtomicUsize, Ordering},
+};
 
 use tonic::{Request, Response, Status, Streaming};
 
@@ -30,12 +34,37 @@ pub struct Entry {
 }
 
 /// A ledger in memory. Clones share the books.
-#[derive(Debug, Clone, Default)]
+#[derive(Debug, Clone)]
 pub struct Books {
     entries: Arc<Mutex<Vec<Entry>>>,
+    /// Unary charges that reached the service, booked or not yet.
+    reached: Arc<AtomicUsize>,
+    /// What a charge to the account `held` waits for: closed by `release_held`.
+    held: Arc<tokio::sync::Semaphore>,
+}
+
+impl Default for Books {
+    fn default() -> Self {
+        Self {
+            entries: Arc::default(),
+            reached: Arc::default(),
+            held: Arc::new(tokio::sync::Semaphore::new(0)),
+        }
+    }
 }
 
 impl Books {
+    /// How many unary charges have reached the service so far (those still running too): a
+    /// test's sign that a call is in flight past the fence.
+    pub fn reached(&self) -> usize {
+        self.reached.load(Ordering::SeqCst)
+    }
+
+    /// Lets every charge to the account `held` go on, now and from now on.
+    pub fn release_held(&self) {
+        self.held.close();
+    }
+
     /// Every charge booked so far, in order.
     pub fn entries(&self) -> Vec<Entry> {
         self.entries
@@ -70,6 +99,11 @@ impl Ledger for Books {
         &self,
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
+        self.reached.fetch_add(1, Ordering::SeqCst);
+        if request.get_ref().account == "held" {
+            // Closed, not granted: the semaphore never has a permit.
+            let _ = self.held.acquire().await;
+        }
         if let Some(ms) = request.get_ref().account.strip_prefix("slow-") {
             let ms = ms.parse().unwrap_or(0u64).min(60_000);
             tokio::time::sleep(std::time::Duration::from_millis(ms)).await;

@@ -319,7 +319,7 @@ async fn an_unreachable_store_is_unavailable() {
 #[tokio::test]
 async fn a_client_stream_is_fenced_at_its_start_and_a_newer_token_waits_for_it() {
     let layer = FenceLayer::new(MemoryStore::new()).drain_timeout(Duration::from_millis(300));
-    let (channel, books) = serve(layer).await;
+    let (channel, books) = serve(layer.clone()).await;
     let (tx, rx) = tokio::sync::mpsc::channel(4);
     let mut request = Request::new(ReceiverStream::new(rx));
     request
@@ -333,7 +333,16 @@ async fn a_client_stream_is_fenced_at_its_start_and_a_newer_token_waits_for_it()
         tokio::spawn(async move { client.charge_many(request).await })
     };
     tx.send(charge("s1")).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    // Until the fence admitted the stream (a guessed delay may be too short on a loaded
+    // machine, and token 2 would then come first and pass).
+    let job: JobId = "s".parse().unwrap();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while layer.job(&job).await.unwrap().in_flight != 1 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the stream of token 1 is admitted");
     // Token 2 arrives while the stream of token 1 is open: it waits, then gives up.
     let newer = fenced_call(&channel, "s", "2", "n").await;
     assert_problem(newer, Code::Unavailable, "urn:fence:drain-timeout");
@@ -392,13 +401,24 @@ async fn in_flight_keys_and_stalled_keyed_streams() {
         ("x-fencing-token", "1"),
         ("idempotency-key", "slow-charge"),
     ];
+    // The first call runs until the test lets it go: at the service (its record begun,
+    // since the service is called only after that), as long as the second takes to come.
     let first = {
         let channel = channel.clone();
-        tokio::spawn(async move { call(&channel, &keyed, "slow-800").await })
+        tokio::spawn(async move { call(&channel, &keyed, "held").await })
     };
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let again = call(&channel, &keyed, "slow-800").await;
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while books.reached() == 0 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the first call reaches the service");
+    let again = tokio::time::timeout(Duration::from_secs(10), call(&channel, &keyed, "held"))
+        .await
+        .expect("an answer at once: the fence's, not the held service's");
     assert_problem(again, Code::Aborted, "urn:fence:idempotency-in-flight");
+    books.release_held();
     assert_eq!(
         first.await.unwrap().unwrap(),
         1,
