@@ -636,9 +636,19 @@ impl Relay {
                         let _ = to.shutdown(std::net::Shutdown::Both);
                     });
                 };
-                let mut kept = streams.lock().unwrap();
-                kept.push(client.try_clone().unwrap());
-                kept.push(server.try_clone().unwrap());
+                {
+                    // `open` looked at again under the lock `cut` drains with: a cut since the
+                    // look above has set it already (this connection is closed here), or
+                    // waits for the lock and closes this connection with the others.
+                    let mut kept = streams.lock().unwrap();
+                    if !open.load(Ordering::SeqCst) {
+                        let _ = client.shutdown(std::net::Shutdown::Both);
+                        let _ = server.shutdown(std::net::Shutdown::Both);
+                        continue;
+                    }
+                    kept.push(client.try_clone().unwrap());
+                    kept.push(server.try_clone().unwrap());
+                }
                 pipe(client.try_clone().unwrap(), server.try_clone().unwrap());
                 pipe(server, client);
             }
