@@ -45,6 +45,6 @@ pub use refusals::PeerAddr;
 pub use reject::is_grpc;
 pub use store::{
     Attempt, Begin, DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, Fingerprint, Finish,
-    GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, MemoryStore, Prior,
+    GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, MemoryStore, Prior, RunBounds,
     STAMP_AHEAD_MS, SledStore, StoreError, StoredResponse, Verdict,
 };

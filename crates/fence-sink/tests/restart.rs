@@ -38,13 +38,24 @@ struct Process {
 
 impl Process {
     fn open(dir: &Path, clock: &ManualClock, drain: Duration, hang: bool) -> Self {
+        Self::open_timed(dir, clock, drain, hang, (LONGEST, HOLD))
+    }
+
+    /// As [`open`](Self::open), with this longest request and hold.
+    fn open_timed(
+        dir: &Path,
+        clock: &ManualClock,
+        drain: Duration,
+        hang: bool,
+        (longest, hold): (Duration, Duration),
+    ) -> Self {
         let clock: Arc<dyn Clock> = Arc::new(clock.clone());
         let store = SledStore::open_with_clock(dir, clock.clone()).expect("sled opens");
         let layer = FenceLayer::new(store)
             .clock(clock.clone())
             .without_idempotency()
-            .longest_request(LONGEST)
-            .unknown_outcome_hold(HOLD)
+            .longest_request(longest)
+            .unknown_outcome_hold(hold)
             .drain_timeout(drain);
         Self {
             layer,
@@ -234,23 +245,109 @@ async fn the_highest_token_waits_when_older_ones_were_still_running_at_its_raise
     );
 }
 
+/// A service whose effects die with its process: with no longest request and no hold, in
+/// the process that died as in this one, nothing waits after a restart.
 #[tokio::test]
 async fn without_a_longest_request_and_hold_nothing_waits() {
     let clock = ManualClock::new(1_700_000_000_000);
-    let dir = first_process(&clock).await;
-    let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
-    let layer = FenceLayer::new(store)
-        .clock(Arc::new(clock.clone()))
-        .without_idempotency()
-        .longest_request(Duration::ZERO)
-        .unknown_outcome_hold(Duration::ZERO)
-        .drain_timeout(Duration::from_millis(100));
-    let p = Process {
-        layer,
-        calls: Arc::default(),
-        hang: false,
-    };
+    let dir = tempfile::tempdir().unwrap();
+    let zero = (Duration::ZERO, Duration::ZERO);
+    {
+        let p = Process::open_timed(dir.path(), &clock, Duration::from_secs(60), true, zero);
+        let running = p.send("busy", 4);
+        until("4 runs", || p.layer.in_flight() == 1).await;
+        running.abort();
+        let _ = running.await;
+    }
+    let p = Process::open_timed(dir.path(), &clock, Duration::from_millis(100), false, zero);
     assert_eq!(p.status("busy", 5).await, StatusCode::OK);
+}
+
+/// The process before ran with longer timeouts than this one (an operator lowered
+/// `--upstream-timeout` at the restart): the newer token waits by the bounds it admitted
+/// under, which it recorded, not by this process's, by which its request of 4 would have
+/// settled long ago. Here A's bound is 10 minutes after the restart, past the drain limit:
+/// 503 at once, with 5 raised; by B's bounds (30 s and 30 s, 2 minutes after the stamp)
+/// nothing would be left to wait for, and 5 would pass at once while 4 may still commit.
+#[tokio::test]
+async fn a_restart_with_shorter_timeouts_waits_by_those_the_process_before_ran_with() {
+    const TEN_MINUTES: Duration = Duration::from_secs(600);
+    const HALF_A_MINUTE: Duration = Duration::from_secs(30);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let a = Process::open_timed(
+            dir.path(),
+            &clock,
+            Duration::from_secs(60),
+            true,
+            (TEN_MINUTES, TEN_MINUTES),
+        );
+        let running = a.send("busy", 4);
+        until("4 runs", || a.layer.in_flight() == 1).await;
+        // The process dies two minutes later, 4 still at its upstream.
+        clock.advance(Duration::from_secs(120));
+        running.abort();
+        let _ = running.await;
+    }
+    let b = Process::open_timed(
+        dir.path(),
+        &clock,
+        Duration::from_millis(500),
+        false,
+        (HALF_A_MINUTE, HALF_A_MINUTE),
+    );
+    let asked = Instant::now();
+    let (status, after) = answered(b.send("busy", 5), asked).await;
+    assert_eq!(
+        status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "5 was let through {after:?} after the restart, while the request of 4 the process \
+         before admitted under a 10-minute upstream timeout may still commit"
+    );
+    assert_eq!(b.calls(), 0);
+    // Newer token first: 4 is fenced from now on.
+    assert_eq!(b.status("busy", 4).await, StatusCode::CONFLICT);
+}
+
+/// Forgetting, too, waits by the bounds the process before ran with: with B's own a job
+/// would be forgotten (and its newer token let through at once) a minute after its stamp,
+/// while the request of 4 that A admitted under 10-minute bounds may still commit.
+#[tokio::test]
+async fn forgetting_waits_by_the_bounds_the_process_before_ran_with() {
+    use fence_core::signing::{TokenSigner, TokenVerifier};
+
+    const TEN_MINUTES: Duration = Duration::from_secs(600);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    {
+        let a = Process::open_timed(
+            dir.path(),
+            &clock,
+            Duration::from_secs(60),
+            false,
+            (TEN_MINUTES, TEN_MINUTES),
+        );
+        assert_eq!(a.status("busy", 4).await, StatusCode::OK);
+    }
+    let signer = TokenSigner::from_seed([9; 32]);
+    let wall: Arc<dyn Clock> = Arc::new(clock.clone());
+    let store = SledStore::open_with_clock(dir.path(), wall.clone()).expect("sled opens");
+    let b = FenceLayer::new(store)
+        .clock(wall)
+        .without_idempotency()
+        .require_signatures(TokenVerifier::new([signer.verify_key()]))
+        .clock_skew(Duration::ZERO)
+        .forget_after(Duration::from_secs(1), Duration::from_secs(1))
+        .unwrap()
+        .longest_request(Duration::from_secs(30))
+        .unknown_outcome_hold(Duration::from_secs(30));
+    let window = b.forgets_after().expect("it forgets");
+    assert!(
+        window >= 2 * TEN_MINUTES,
+        "jobs are forgotten {window:?} after their stamp, before the request A admitted has \
+         settled"
+    );
 }
 
 /// A request that waited for older ones is stamped by its admission, not its arrival: the

@@ -9,7 +9,7 @@ use fence_lease::{
 };
 use fence_sink::{
     Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded,
-    SledStore, StoreError, Verdict,
+    RunBounds, SledStore, StoreError, Verdict,
     postgres::{PgStore, PgTables},
 };
 use std::time::Duration;
@@ -316,6 +316,20 @@ impl GenerationStore for SinkBackend {
         match self {
             Self::Sled(s) => s.forget(idle).await,
             Self::Postgres(s) => s.forget(idle).await,
+        }
+    }
+
+    async fn running_within(&self, bounds: RunBounds) -> Result<(), StoreError> {
+        match self {
+            Self::Sled(s) => s.running_within(bounds).await,
+            Self::Postgres(s) => s.running_within(bounds).await,
+        }
+    }
+
+    fn ran_within(&self) -> RunBounds {
+        match self {
+            Self::Sled(s) => s.ran_within(),
+            Self::Postgres(s) => s.ran_within(),
         }
     }
 

@@ -116,6 +116,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
                     hold: Duration::from_secs(60),
                     before_service: IdempotencyConfig::default().store_timeout,
                     after_answer: Duration::from_secs(30),
+                    heed_recorded: true,
                 },
             },
             body_timeout: Duration::from_secs(30),
@@ -248,7 +249,13 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// token either while requests of older tokens may still run: the process before may
     /// have left them running, and nobody knows their outcome. Jobs idle for longer wait
     /// for nothing. Zero for both (a service whose effects die with its process) turns the
-    /// wait off.
+    /// wait off for what this process admits.
+    ///
+    /// A durable store that keeps the stamps (sled) also records this, with the hold, before
+    /// the first admission ([`GenerationStore::running_within`]), and the next process
+    /// waits for the longer of what it recorded and its own: restarted with a shorter
+    /// setting, it still waits for what the process before admitted under its longer one
+    /// (as does forgetting, see [`forget_after`](Self::forget_after)).
     pub fn longest_request(mut self, longest: Duration) -> Self {
         self.config().limits.restart.longest_request = clamped(longest);
         self
@@ -288,8 +295,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     }
 
     /// Test hook (feature `test-hooks`): after a restart, wait for nothing the process
-    /// before may have left running, whatever the hold: the negative control of the wait
-    /// [`longest_request`](Self::longest_request) describes.
+    /// before may have left running, whatever the hold and whatever it recorded: the
+    /// negative control of the wait [`longest_request`](Self::longest_request) describes.
     #[cfg(feature = "test-hooks")]
     pub fn without_restart_hold(mut self) -> Self {
         self.config().limits.restart = Restart {
@@ -297,6 +304,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
             hold: Duration::ZERO,
             before_service: Duration::ZERO,
             after_answer: Duration::ZERO,
+            heed_recorded: false,
         };
         self
     }
@@ -320,7 +328,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// plus twice the clock skew), and, on a store whose jobs carry restart stamps
     /// ([`GenerationStore::loads_stamps`]: sled), than
     /// [`longest_request`](Self::longest_request) plus the
-    /// [unknown-outcome hold](Self::unknown_outcome_hold) after its last admission: after a
+    /// [unknown-outcome hold](Self::unknown_outcome_hold) after its last admission, or the
+    /// longer ones the processes before recorded ([`GenerationStore::ran_within`]): after a
     /// restart, its stamps are all that makes a newer token wait for what the process before
     /// left running.
     ///
@@ -439,8 +448,16 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         // settled: a job's stamps are all a restarted process knows of it, and a job
         // forgotten (its record deleted) would let a newer token pass at once while an older
         // request of the dead process can still commit where it went.
-        Some(if self.shared.gates.store().loads_stamps() {
-            after.max(config.limits.restart.settled_after())
+        // By the bounds the process before recorded too, when they were longer.
+        let store = self.shared.gates.store();
+        Some(if store.loads_stamps() {
+            after.max(
+                config
+                    .limits
+                    .restart
+                    .with_recorded(store.ran_within())
+                    .settled_after(),
+            )
         } else {
             after
         })

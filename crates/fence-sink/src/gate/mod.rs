@@ -243,6 +243,10 @@ pub(crate) struct Gates<St> {
     reads: AtomicU64,
     /// Jobs given a gate since the last collapsing pass, and those still busy then.
     made: Mutex<Made>,
+    /// The longest request and hold (ms) the store has durably taken from this map's layers
+    /// ([`GenerationStore::running_within`]): a request admitted under longer ones waits
+    /// for the store to take them first.
+    told: [AtomicU64; 2],
 }
 
 impl<St: GenerationStore> Gates<St> {
@@ -253,6 +257,7 @@ impl<St: GenerationStore> Gates<St> {
             lookups: AtomicU64::new(0),
             reads: AtomicU64::new(0),
             made: Mutex::default(),
+            told: [AtomicU64::new(0), AtomicU64::new(0)],
         }
     }
 
@@ -284,6 +289,11 @@ impl<St: GenerationStore> Gates<St> {
         clock: &dyn Clock,
     ) -> Result<(), StoreError> {
         let timeout = limits.store_timeout;
+        if !self.running_told(limits.restart) {
+            tokio::time::timeout(timeout, self.tell_running(limits.restart))
+                .await
+                .map_err(|_| StoreError::Timeout(timeout))??;
+        }
         let init = gate.loaded.get_or_try_init(|| async {
             let now_ms = clock.now_ms();
             self.reads.fetch_add(1, Relaxed);

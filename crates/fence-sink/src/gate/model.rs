@@ -150,6 +150,7 @@ const LIMITS: Limits = Limits {
         hold: Duration::ZERO,
         before_service: Duration::ZERO,
         after_answer: Duration::ZERO,
+        heed_recorded: true,
     },
 };
 

@@ -8,14 +8,17 @@
 //! ran until at most `min(stamp + longest request, when this process opened the store)` and
 //! then, outcome unknown, for the unknown-outcome hold: a newer token waits out that time,
 //! and so does the highest token when older ones may still run (admitted before the last
-//! raise). Jobs idle for longer, and jobs never seen, wait for nothing.
+//! raise). Jobs idle for longer, and jobs never seen, wait for nothing. The longest request
+//! and the hold are the longer of this process's and those the processes before recorded
+//! ([`Prior::ran`]): a process restarted with shorter timeouts still waits for what the one
+//! before admitted under its longer ones.
 
-use std::time::Duration;
+use std::{sync::atomic::Ordering::Relaxed, time::Duration};
 
 use tokio::time::Instant;
 
-use super::GateState;
-use crate::store::{Prior, ms};
+use super::{GateState, Gates};
+use crate::store::{GenerationStore, Prior, RunBounds, StoreError, ms};
 
 /// How long a request that an earlier process admitted may still be running after it.
 #[derive(Debug, Clone, Copy)]
@@ -32,6 +35,9 @@ pub(crate) struct Restart {
     /// messages (gRPC, Connect) is in flight until its answer ends, which may stream up to
     /// the body deadline after the head. Zero without keys.
     pub(crate) after_answer: Duration,
+    /// Whether the bounds the processes before recorded count too (always, but for the
+    /// negative control of the test hook `without_restart_hold`).
+    pub(crate) heed_recorded: bool,
 }
 
 impl Restart {
@@ -51,24 +57,65 @@ impl Restart {
     /// How long after its admission a request can no longer be running, outcome unknown
     /// included.
     pub(crate) fn settled_after(&self) -> Duration {
-        self.running_for().saturating_add(self.hold)
+        self.bounds().settled_after()
+    }
+
+    /// What this process's admissions may leave running, for the store to record.
+    pub(crate) fn bounds(&self) -> RunBounds {
+        RunBounds::new(self.running_for(), self.hold)
+    }
+
+    /// What a restart waits for: the longer of this process's bounds and those `recorded`
+    /// by the processes before.
+    pub(crate) fn with_recorded(&self, recorded: RunBounds) -> RunBounds {
+        if self.heed_recorded {
+            self.bounds().max(recorded)
+        } else {
+            self.bounds()
+        }
+    }
+}
+
+impl<St: GenerationStore> Gates<St> {
+    /// Whether the store took bounds at least `restart`'s from this map's layers (two loads
+    /// of atomics, on every admission: no clock, no timer).
+    pub(super) fn running_told(&self, restart: Restart) -> bool {
+        let bounds = restart.bounds();
+        [bounds.running_for, bounds.hold]
+            .iter()
+            .zip(&self.told)
+            .all(|(want, told)| ms(*want) <= told.load(Relaxed))
+    }
+
+    /// Tells the store what requests admitted under `restart` may leave running: durable
+    /// before the first of them is admitted, so a process after this one waits for them by
+    /// these bounds, whatever its own.
+    pub(super) async fn tell_running(&self, restart: Restart) -> Result<(), StoreError> {
+        let bounds = restart.bounds();
+        self.store.running_within(bounds).await?;
+        for (want, told) in [bounds.running_for, bounds.hold].iter().zip(&self.told) {
+            told.fetch_max(ms(*want), Relaxed);
+        }
+        Ok(())
     }
 }
 
 impl GateState {
     /// Takes the stamps of a job loaded from the store, at `now_ms` by the layer's clock.
     pub(super) fn load_prior(&mut self, prior: Prior, restart: Restart, now_ms: u64) {
+        // By the bounds the process before ran with, when they were longer than ours.
+        let ran = restart.with_recorded(prior.ran);
         let bound = |admitted: u64| {
             admitted
-                .saturating_add(ms(restart.running_for()))
+                .saturating_add(ms(ran.running_for))
                 .min(prior.opened_ms)
-                .saturating_add(ms(restart.hold))
+                .saturating_add(ms(ran.hold))
         };
         let now = Instant::now();
         // Never longer than the settling time from now: whatever the earlier process
         // admitted, it admitted before now. (A clock stepped back after the store was
         // opened would otherwise keep a newer token waiting for the size of the step.)
-        let settled = ms(restart.settled_after());
+        let settled = ms(ran.settled_after());
         let until = |admitted: u64| {
             let left = bound(admitted).saturating_sub(prior.now_ms).min(settled);
             (left > 0).then(|| now + Duration::from_millis(left))
@@ -103,6 +150,7 @@ mod tests {
             hold: Duration::from_secs(60),
             before_service: Duration::ZERO,
             after_answer: Duration::ZERO,
+            heed_recorded: true,
         };
         let now_ms = 1_000_000_000;
         let hour = 3_600_000;
@@ -114,5 +162,40 @@ mod tests {
             let until = until.expect("a wait: the stamps are recent by their clock");
             assert_eq!(until - start, restart.settled_after());
         }
+    }
+
+    /// A process restarted with shorter bounds than the one before waits by the longer ones
+    /// that one recorded: by its own, what it admitted would seem settled already.
+    #[tokio::test(start_paused = true)]
+    async fn a_restart_waits_by_the_longer_bounds_the_process_before_recorded() {
+        let minute = Duration::from_secs(60);
+        let restart = Restart {
+            longest_request: Duration::from_secs(30),
+            hold: Duration::from_secs(30),
+            before_service: Duration::ZERO,
+            after_answer: Duration::ZERO,
+            heed_recorded: true,
+        };
+        // Admitted by a stamp 2 minutes before the restart, under 10-minute bounds.
+        let opened_ms = 1_000_000_000;
+        let ran = RunBounds::new(10 * minute, 10 * minute);
+        let prior = Prior::new(
+            opened_ms - 120_000,
+            opened_ms - 120_000,
+            opened_ms,
+            opened_ms,
+        );
+        let mut state = GateState::default();
+        state.load_prior(prior.ran(ran), restart, opened_ms);
+        let waits = state.prior_current.map(|until| until - Instant::now());
+        assert_eq!(waits, Some(10 * minute), "the hold from the restart");
+        // The negative control's hook waits by its own bounds alone.
+        let mut state = GateState::default();
+        let off = Restart {
+            heed_recorded: false,
+            ..restart
+        };
+        state.load_prior(prior.ran(ran), off, opened_ms);
+        assert_eq!(state.prior_current, None);
     }
 }

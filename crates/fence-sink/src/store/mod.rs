@@ -94,9 +94,49 @@ impl Loaded {
     }
 }
 
+/// How long a request a layer admits may still run at its service (`running_for`, from its
+/// admission), and how long after that its effect may still land (`hold`, the unknown-outcome
+/// hold): what a process after this one must wait for ([`GenerationStore::running_within`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub struct RunBounds {
+    /// From admission, how long a request may still be running at the service.
+    pub running_for: Duration,
+    /// How long after that its effect may still happen, outcome unknown.
+    pub hold: Duration,
+}
+
+impl RunBounds {
+    /// Requests that may run for `running_for`, their effect landing up to `hold` after.
+    pub fn new(running_for: Duration, hold: Duration) -> Self {
+        Self { running_for, hold }
+    }
+
+    /// The longer of each: what covers the requests admitted under either.
+    #[must_use]
+    pub fn max(self, other: Self) -> Self {
+        Self {
+            running_for: self.running_for.max(other.running_for),
+            hold: self.hold.max(other.hold),
+        }
+    }
+
+    /// Whether every request admitted under `other` is covered by these.
+    pub fn covers(&self, other: &Self) -> bool {
+        self.running_for >= other.running_for && self.hold >= other.hold
+    }
+
+    /// How long after its admission a request can no longer be running, outcome unknown
+    /// included.
+    pub fn settled_after(&self) -> Duration {
+        self.running_for.saturating_add(self.hold)
+    }
+}
+
 /// What bounds the requests an earlier process admitted for a job, all in ms of the store's
 /// clock: it admitted none after `admitted_until_ms`, none of a generation below the highest
-/// after `raised_ms`, and it had ended by `opened_ms` (when this process opened the store).
+/// after `raised_ms`, and it had ended by `opened_ms` (when this process opened the store);
+/// `ran` says how long what it admitted may have run, as it recorded.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 #[non_exhaustive]
 pub struct Prior {
@@ -111,17 +151,30 @@ pub struct Prior {
     /// monotonic clock (sled does) reports `opened_ms` plus that, so a step of the wall clock
     /// after the open does not cut short the wait for what an earlier process left running.
     pub now_ms: u64,
+    /// The bounds the processes before this one ran with, as they recorded them
+    /// ([`GenerationStore::running_within`]; zero: none recorded). A layer waits for the
+    /// longer of these and its own: a process restarted with shorter timeouts must still
+    /// wait for what the one before admitted under its longer ones.
+    pub ran: RunBounds,
 }
 
 impl Prior {
-    /// The stamps of a stored job.
+    /// The stamps of a stored job, with no recorded bounds.
     pub fn new(admitted_until_ms: u64, raised_ms: u64, opened_ms: u64, now_ms: u64) -> Self {
         Self {
             admitted_until_ms,
             raised_ms,
             opened_ms,
             now_ms,
+            ran: RunBounds::default(),
         }
+    }
+
+    /// The stamps, with the bounds the processes before this one recorded.
+    #[must_use]
+    pub fn ran(mut self, ran: RunBounds) -> Self {
+        self.ran = ran;
+        self
     }
 }
 
@@ -220,6 +273,29 @@ pub trait GenerationStore: Send + Sync + 'static {
     fn forget(&self, idle: &IdleJob) -> impl Future<Output = Result<bool, StoreError>> + Send {
         let _ = idle;
         async { Ok(false) }
+    }
+
+    /// Told by a layer before it admits a request under `bounds` (its longest request, and
+    /// its unknown-outcome hold), and done only once they are durable. A store that outlives
+    /// its process and keeps [`Prior`] stamps records them (the longest told so far, and those
+    /// [`ran_within`](Self::ran_within) gives while what the processes before admitted may
+    /// still run), so a process after this one waits for what this one may leave running by
+    /// this one's bounds, not by its own shorter ones. The default keeps nothing: right for a
+    /// store that dies with its process and for one without stamps (PostgreSQL). A wrapper
+    /// around another store delegates it.
+    fn running_within(
+        &self,
+        bounds: RunBounds,
+    ) -> impl Future<Output = Result<(), StoreError>> + Send {
+        let _ = bounds;
+        async { Ok(()) }
+    }
+
+    /// The bounds the processes before this one recorded with
+    /// [`running_within`](Self::running_within) (zero: none, the default), as read when the
+    /// store was opened; the same as the [`Prior::ran`] of each job. A wrapper delegates it.
+    fn ran_within(&self) -> RunBounds {
+        RunBounds::default()
     }
 
     /// Told by a layer that forgets, before its first [`forget`](Self::forget), the window

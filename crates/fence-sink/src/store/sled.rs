@@ -8,21 +8,27 @@ use fence_storage::{
     disk::{DurableDb, OpenError, Tree},
 };
 
+use self::running::Running;
 use super::{
     Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, Prior,
-    STAMP_AHEAD_MS, StoreError, Verdict, ms, record, stamp_due,
+    RunBounds, STAMP_AHEAD_MS, StoreError, Verdict, ms, record, stamp_due,
 };
+
+mod running;
 
 /// Highest generations with their stamps (tree `generations`: job → generation, stamp and
 /// the time of the last raise, 8 bytes big-endian each; records written before the raise was
 /// kept have 16 bytes and count their stamp as the raise), the same stamps in time order
 /// (tree `stamps`: stamp and job → nothing) and idempotency records (tree `idempotency`) in
-/// a sled database.
+/// a sled database; its `format` tree also keeps how long the processes on it let requests
+/// run ([`running`]).
 #[derive(Debug, Clone)]
 pub struct SledStore {
     generations: Tree,
     stamps: Tree,
     records: Tree,
+    format: Tree,
+    running: Arc<Running>,
     db: DurableDb,
     clock: Arc<dyn Clock>,
     /// When this process opened the database (its clock): an earlier one had ended by then
@@ -102,16 +108,20 @@ impl SledStore {
         clock: Arc<dyn Clock>,
     ) -> Result<Self, OpenError> {
         let db = DurableDb::open(path)?;
+        let format = db_format(&db)?;
+        let opened_monotonic_ms = clock.monotonic_ms();
         let store = Self {
             generations: db.tree("generations")?,
             stamps: db.tree("stamps")?,
             records: db.tree("idempotency")?,
+            running: Arc::new(Running::open(&format, opened_monotonic_ms)),
+            format,
             db,
             opened_ms: clock.now_ms(),
-            opened_monotonic_ms: clock.monotonic_ms(),
+            opened_monotonic_ms,
             clock,
         };
-        store.repair_stamps(&db_format(&store.db)?);
+        store.repair_stamps(&store.format);
         Ok(store)
     }
 
@@ -322,6 +332,11 @@ impl GenerationStore for SledStore {
     }
 
     async fn load(&self, job: &JobId) -> Result<Loaded, StoreError> {
+        if self.running.lower_due(self.clock.monotonic_ms()) {
+            // What the processes before admitted has settled: the record of their bounds
+            // gives way to this process's own (see `running`).
+            self.running_within(RunBounds::default()).await?;
+        }
         let raw = self.generations.get(job.as_str().as_bytes()).map_err(io)?;
         if raw.is_some() {
             // The record may be a raise whose commit has not landed (it timed out on a
@@ -333,10 +348,27 @@ impl GenerationStore for SledStore {
         let (highest, touched, raised) = Self::decode_generation(job, raw.as_deref())?;
         Ok(Loaded {
             highest,
-            prior: raw
-                .is_some()
-                .then(|| Prior::new(touched, raised, self.opened_ms, self.since_open_ms())),
+            prior: raw.is_some().then(|| {
+                Prior::new(touched, raised, self.opened_ms, self.since_open_ms())
+                    .ran(self.running.before())
+            }),
         })
+    }
+
+    /// Durable before it returns: the record is the longest told and, while what the
+    /// processes before admitted may still run, theirs (see `running`).
+    async fn running_within(&self, bounds: RunBounds) -> Result<(), StoreError> {
+        let now_ms = self.clock.monotonic_ms();
+        if self.running.record(&self.format, bounds, now_ms)? {
+            self.db.commit().await.map_err(io)
+        } else {
+            // Another caller's write of the same record may not be on disk yet.
+            self.db.commit_read().await.map_err(io)
+        }
+    }
+
+    fn ran_within(&self) -> RunBounds {
+        self.running.before()
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {

@@ -388,3 +388,46 @@ async fn a_wall_clock_step_after_the_open_is_not_time_passed() {
         "the later job was judged by the time since the open"
     );
 }
+
+/// The bounds a process ran with outlive it: the next one reads them ([`Prior::ran`],
+/// `ran_within`) whatever it is told itself, and records the longer of both while what the
+/// process before admitted may still run; once that has settled (the earlier hold after the
+/// open, on the monotonic clock), the record is lowered to this process's own at its next
+/// load, so a shorter setting counts from the restart after.
+#[tokio::test]
+async fn the_bounds_a_process_ran_with_are_read_by_the_next_and_lowered_once_settled() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let job: JobId = "ran".parse().unwrap();
+    let long = RunBounds::new(Duration::from_secs(600), Duration::from_secs(600));
+    let short = RunBounds::new(Duration::from_secs(30), Duration::from_secs(30));
+    {
+        let a = open();
+        assert_eq!(a.ran_within(), RunBounds::default(), "none recorded yet");
+        a.running_within(long).await.unwrap();
+        a.accept(&job, Generation::new(4), false).await.unwrap();
+    }
+    clock.advance(Duration::from_secs(120));
+    {
+        let b = open();
+        assert_eq!(b.ran_within(), long);
+        let prior = b.load(&job).await.unwrap().prior.expect("stamps");
+        assert_eq!(prior.ran, long, "the job's stamps come with the bounds");
+        b.running_within(short).await.unwrap();
+    }
+    {
+        // B died before what A admitted had settled: its record still says A's bounds.
+        let c = open();
+        assert_eq!(
+            c.ran_within(),
+            long,
+            "lowered while A's requests could still run"
+        );
+        c.running_within(short).await.unwrap();
+        clock.advance(Duration::from_secs(600));
+        c.load(&job).await.unwrap();
+    }
+    assert_eq!(open().ran_within(), short, "never lowered");
+}
