@@ -46,5 +46,5 @@ pub use reject::is_grpc;
 pub use store::{
     Attempt, Begin, DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, Fingerprint, Finish,
     GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, MemoryStore, Prior, RunBounds,
-    STAMP_AHEAD_MS, SledStore, StoreError, StoredResponse, Verdict,
+    STAMP_AHEAD_MS, SinkSettings, SledStore, StoreError, StoredResponse, Verdict,
 };

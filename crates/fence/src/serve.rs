@@ -378,27 +378,38 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     let tcp = bind(a.listen, "--listen").await?;
     let admin = bind(a.admin_listen, "--admin-listen").await?;
     let store = backend.sink_store().await?;
-    if let crate::backend::SinkBackend::Postgres(pg) = &store {
-        // What the other sinks recorded first: a proxy that may not run on these tables
-        // leaves the row as it was.
-        let recorded = pg
-            .recorded_settings()
-            .await
-            .context("reading the forgetting settings in PostgreSQL")?;
-        if let Some(recorded) = recorded {
-            adopt_recorded(&mut config, recorded)?;
+    match &store {
+        crate::backend::SinkBackend::Postgres(pg) => {
+            // What the other sinks recorded first: a proxy that may not run on these tables
+            // leaves the row as it was.
+            let recorded = pg
+                .recorded_settings()
+                .await
+                .context("reading the forgetting settings in PostgreSQL")?;
+            if let Some(recorded) = recorded {
+                adopt_recorded(&mut config, recorded, ON_TABLES)?;
+            }
+            // SQL writers on these tables check expiry while this proxy forgets (section 11).
+            let recorded = pg
+                .announce_forgetting(
+                    a.forget_after.is_some(),
+                    config.clock_skew,
+                    config.max_lease_ttl,
+                )
+                .await
+                .context("recording the forgetting settings in PostgreSQL")?;
+            // Another proxy may have recorded forgetting in between.
+            adopt_recorded(&mut config, recorded, ON_TABLES)?;
         }
-        // SQL writers on these tables check expiry while this proxy forgets (section 11).
-        let recorded = pg
-            .announce_forgetting(
-                a.forget_after.is_some(),
-                config.clock_skew,
-                config.max_lease_ttl,
-            )
-            .await
-            .context("recording the forgetting settings in PostgreSQL")?;
-        // Another proxy may have recorded forgetting in between.
-        adopt_recorded(&mut config, recorded)?;
+        // What a process before this one on the directory forgot under (section 8).
+        crate::backend::SinkBackend::Sled(sled) => {
+            let recorded = sled
+                .recorded_settings()
+                .context("reading the forgetting settings in the data directory")?;
+            if let Some(recorded) = recorded {
+                adopt_recorded(&mut config, recorded, ON_DATA_DIR)?;
+            }
+        }
     }
     let (tx, rx) = watch::channel(false);
     let stopped = |mut rx: watch::Receiver<bool>| async move {
@@ -415,6 +426,17 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         format!("{}:{port}", authority.host())
     });
     let layer = crate::proxy::build_layer(store.clone(), &config).map_err(Usage::from_error)?;
+    if let (Some(_), crate::backend::SinkBackend::Sled(sled)) = (a.forget_after, &store) {
+        // Recorded now, not only before the first deletion: a restart without the keys is
+        // refused from this start on, whenever that comes.
+        fence_sink::GenerationStore::forgetting_within(
+            sled,
+            config.clock_skew,
+            config.max_lease_ttl,
+        )
+        .await
+        .context("recording the forgetting settings in the data directory")?;
+    }
     let health =
         crate::proxy::Health::new(Arc::new(store.clone()), upstream).with_fence(layer.clone());
     let admin = Listener::new(admin, tls.map(tokio_rustls::TlsAcceptor::from), limits);
@@ -509,32 +531,40 @@ async fn flush_within(
     }
 }
 
-/// Takes on what the sinks on the same PostgreSQL tables recorded together: while any of
-/// them forgets idle jobs, this proxy decides for those jobs as well, and a stale token of a
-/// job forgotten elsewhere would pass here as a new job's first unless its expiry is checked
-/// as strictly as the forgetting one does. So it needs verify keys then, and takes the
-/// smallest clock skew and longest lease recorded.
+/// Why a proxy without verify keys may not run where jobs are forgotten, on PostgreSQL
+/// tables and on a data directory.
+const ON_TABLES: &str = "another sink on these PostgreSQL tables forgets idle jobs \
+    (fence.sink_settings records it), so every proxy on them must refuse expired tokens: start \
+    this one with --verify-key too (a stale token of a forgotten job would otherwise pass here \
+    as a new job's first), or give it tables of its own (--pg-schema)";
+const ON_DATA_DIR: &str = "a proxy before this one on this --data-dir forgot idle jobs (its \
+    database records it), so this one must refuse expired tokens: start it with --verify-key \
+    too (a stale token of a forgotten job would otherwise pass here as a new job's first), or \
+    give it a new --data-dir";
+
+/// Takes on what the sinks that forget on the same store recorded (`refusal`: why it needs
+/// keys there): while any of them forgets idle jobs (on PostgreSQL, any proxy on the
+/// tables; on sled, any proxy before on the directory), this proxy decides for those jobs as
+/// well, and a stale token of a forgotten job would pass here as a new job's first unless
+/// its expiry is checked as strictly as the forgetting one did. So it needs verify keys then,
+/// and takes the smallest clock skew and longest lease recorded.
 fn adopt_recorded(
     config: &mut crate::proxy::ProxyConfig,
-    recorded: fence_sink::postgres::SinkSettings,
+    recorded: fence_sink::SinkSettings,
+    refusal: &str,
 ) -> anyhow::Result<()> {
     if !recorded.forgetting {
         return Ok(());
     }
     if config.verifier.is_none() {
-        return Err(Usage::error(
-            "another sink on these PostgreSQL tables forgets idle jobs (fence.sink_settings \
-             records it), so every proxy on them must refuse expired tokens: start this one with \
-             --verify-key too (a stale token of a forgotten job would otherwise pass here as a \
-             new job's first), or give it tables of its own (--pg-schema)",
-        ));
+        return Err(Usage::error(refusal));
     }
     if recorded.clock_skew < config.clock_skew {
-        tracing::warn!(own = ?config.clock_skew, recorded = ?recorded.clock_skew, "taking the smaller --clock-skew a sink that forgets on these tables recorded");
+        tracing::warn!(own = ?config.clock_skew, recorded = ?recorded.clock_skew, "taking the smaller --clock-skew a sink that forgets on this store recorded");
         config.clock_skew = recorded.clock_skew;
     }
     if let Some(longest) = recorded.max_lease_ttl.filter(|l| *l < config.max_lease_ttl) {
-        tracing::warn!(own = ?config.max_lease_ttl, recorded = ?longest, "taking the shorter --max-lease-ttl a sink that forgets on these tables recorded");
+        tracing::warn!(own = ?config.max_lease_ttl, recorded = ?longest, "taking the shorter --max-lease-ttl a sink that forgets on this store recorded");
         config.max_lease_ttl = longest;
     }
     Ok(())

@@ -736,6 +736,64 @@ fn forgetting_and_max_ttl_settings_are_checked_at_start() {
     );
 }
 
+/// A proxy that forgets idle jobs on a data directory records it there: restarted on it
+/// without `--verify-key`, it would admit a stale token of a forgotten job as the first of
+/// a new job (checking no expiry), and that old holder's write would commit after the newer
+/// holder's. So it refuses to start, exit 2 naming the flag; with the key it starts.
+#[test]
+fn a_proxy_without_verify_keys_will_not_start_where_jobs_were_forgotten() {
+    let dir = tempfile::tempdir().unwrap();
+    let keys = dir.path().join("keys");
+    assert!(
+        fence(&["keygen", "--out", keys.to_str().unwrap()])
+            .status
+            .success()
+    );
+    let verify = keys.join("fence-verify.pem");
+    let data = dir.path().join("d");
+    let (verify, data) = (verify.to_str().unwrap(), data.to_str().unwrap());
+    let upstream = "http://127.0.0.1:9";
+    let forgetting = [
+        "--data-dir",
+        data,
+        "--verify-key",
+        verify,
+        "--max-lease-ttl",
+        "30s",
+        "--forget-after",
+        "40s",
+    ];
+    let (proxy, _) = start_proxy_with(upstream, &forgetting);
+    exits_0_on(proxy, "-TERM", "the proxy that forgets");
+
+    let mut unkeyed = Command::new(FENCE)
+        .args(proxy_args(upstream, &["--data-dir", data]))
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let started = Instant::now();
+    let status = loop {
+        if let Some(status) = unkeyed.try_wait().unwrap() {
+            break status;
+        }
+        if started.elapsed() > Duration::from_secs(20) {
+            let _ = unkeyed.kill();
+            let _ = unkeyed.wait();
+            panic!("a proxy without --verify-key started on a data dir where jobs were forgotten");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let mut said = String::new();
+    std::io::Read::read_to_string(&mut unkeyed.stderr.take().unwrap(), &mut said).unwrap();
+    assert_eq!(status.code(), Some(2), "{said}");
+    assert!(said.contains("--verify-key"), "{said}");
+    assert!(said.contains("--data-dir"), "{said}");
+
+    let (_proxy, _) = start_proxy_with(upstream, &["--data-dir", data, "--verify-key", verify]);
+}
+
 #[test]
 fn the_server_caps_ttls_at_max_ttl_and_forgets_idle_jobs() {
     let dir = tempfile::tempdir().unwrap();

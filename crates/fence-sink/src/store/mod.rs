@@ -27,6 +27,7 @@ mod memory;
 #[cfg(feature = "postgres")]
 pub mod postgres;
 pub(crate) mod record;
+mod settings;
 mod sled;
 
 use std::{future::Future, time::Duration};
@@ -37,6 +38,7 @@ use fence_storage::BoxError;
 pub use self::{
     memory::MemoryStore,
     record::{Fingerprint, StoredResponse},
+    settings::SinkSettings,
     sled::SledStore,
 };
 
@@ -301,8 +303,10 @@ pub trait GenerationStore: Send + Sync + 'static {
     /// Told by a layer that forgets, before its first [`forget`](Self::forget), the window
     /// every token it admits ends within: the clock skew it allows and the longest lease. A
     /// store with a fence of its own beside the layer's (PostgreSQL's SQL fence) records them
-    /// so that fence refuses, once a job is forgotten, what the layer refuses; the default
-    /// keeps nothing. A wrapper around another store delegates it.
+    /// so that fence refuses, once a job is forgotten, what the layer refuses; a store that
+    /// outlives its process (sled) records them, durably, so that a process after this one
+    /// can refuse to run without the same check (`SledStore::recorded_settings`); the
+    /// default keeps nothing. A wrapper around another store delegates it.
     fn forgetting_within(
         &self,
         clock_skew: Duration,

@@ -8,12 +8,13 @@ use fence_storage::{
     disk::{DurableDb, OpenError, Tree},
 };
 
-use self::running::Running;
+use self::{forgetting::Forgetting, running::Running};
 use super::{
     Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, Prior,
     RunBounds, STAMP_AHEAD_MS, StoreError, Verdict, ms, record, stamp_due,
 };
 
+mod forgetting;
 mod running;
 
 /// Highest generations with their stamps (tree `generations`: job → generation, stamp and
@@ -21,7 +22,7 @@ mod running;
 /// kept have 16 bytes and count their stamp as the raise), the same stamps in time order
 /// (tree `stamps`: stamp and job → nothing) and idempotency records (tree `idempotency`) in
 /// a sled database; its `format` tree also keeps how long the processes on it let requests
-/// run ([`running`]).
+/// run (module `running`) and whether they forgot jobs (module `forgetting`).
 #[derive(Debug, Clone)]
 pub struct SledStore {
     generations: Tree,
@@ -29,6 +30,7 @@ pub struct SledStore {
     records: Tree,
     format: Tree,
     running: Arc<Running>,
+    forgetting: Arc<Forgetting>,
     db: DurableDb,
     clock: Arc<dyn Clock>,
     /// When this process opened the database (its clock): an earlier one had ended by then
@@ -115,6 +117,7 @@ impl SledStore {
             stamps: db.tree("stamps")?,
             records: db.tree("idempotency")?,
             running: Arc::new(Running::open(&format, opened_monotonic_ms)),
+            forgetting: Arc::new(Forgetting::open(&format)),
             format,
             db,
             opened_ms: clock.now_ms(),
@@ -418,7 +421,17 @@ impl GenerationStore for SledStore {
         Ok(out)
     }
 
+    /// Recorded in `format`, for the processes after this one (module `forgetting`).
+    async fn forgetting_within(
+        &self,
+        clock_skew: Duration,
+        max_lease_ttl: Duration,
+    ) -> Result<(), StoreError> {
+        self.record_forgetting(clock_skew, max_lease_ttl).await
+    }
+
     async fn forget(&self, idle: &IdleJob) -> Result<bool, StoreError> {
+        self.forgetting_recorded().await?;
         let key = idle.job.as_str().as_bytes();
         let raw = self.generations.get(key).map_err(io)?;
         let (_, touched, _) = Self::decode_generation(&idle.job, raw.as_deref())?;

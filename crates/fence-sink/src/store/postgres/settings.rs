@@ -6,35 +6,21 @@ use fence_storage::postgres::Checkout;
 use tokio_postgres::Row;
 
 use super::{PgStore, StoreError, io, ms};
+pub use crate::store::SinkSettings;
 
-/// The columns [`SinkSettings::from_row`] reads: the forgetting sinks' own bounds, or, on a
+/// The columns [`from_row`] reads: the forgetting sinks' own bounds, or, on a
 /// row recorded before those were kept, the bounds of every sink.
 const RECORDED: &str = "forgetting, coalesce(forgetting_clock_skew_ms, clock_skew_ms), \
      coalesce(forgetting_max_lease_ttl_ms, max_lease_ttl_ms)";
 
-/// What the sinks that forget idle jobs on a set of tables have recorded together
-/// ([`PgStore::announce_forgetting`]). Every sink on the tables decides for the jobs they
-/// forget, so each must check tokens' expiry at least as strictly as they do.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub struct SinkSettings {
-    /// Some sink forgets idle jobs (once recorded, for good).
-    pub forgetting: bool,
-    /// The smallest clock skew a forgetting sink allows.
-    pub clock_skew: Duration,
-    /// The shortest longest lease a forgetting sink accepts (`None`: none recorded, the
-    /// default).
-    pub max_lease_ttl: Option<Duration>,
-}
-
-impl SinkSettings {
-    fn from_row(row: &Row) -> Result<Self, StoreError> {
-        let millis = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
-        Ok(Self {
-            forgetting: row.try_get(0).map_err(io)?,
-            clock_skew: millis(row.try_get(1).map_err(io)?),
-            max_lease_ttl: row.try_get::<_, Option<i64>>(2).map_err(io)?.map(millis),
-        })
-    }
+/// What a settings row says ([`RECORDED`]'s columns).
+fn from_row(row: &Row) -> Result<SinkSettings, StoreError> {
+    let millis = |v: i64| Duration::from_millis(u64::try_from(v).unwrap_or(0));
+    Ok(SinkSettings {
+        forgetting: row.try_get(0).map_err(io)?,
+        clock_skew: millis(row.try_get(1).map_err(io)?),
+        max_lease_ttl: row.try_get::<_, Option<i64>>(2).map_err(io)?.map(millis),
+    })
 }
 
 impl PgStore {
@@ -53,10 +39,7 @@ impl PgStore {
             )
             .await;
         client.done();
-        row.map_err(io)?
-            .as_ref()
-            .map(SinkSettings::from_row)
-            .transpose()
+        row.map_err(io)?.as_ref().map(from_row).transpose()
     }
 
     /// Records, for the SQL fence's writers, that the sinks on these tables forget idle jobs
@@ -107,7 +90,7 @@ impl PgStore {
             )
             .await;
         client.done();
-        let recorded = SinkSettings::from_row(&row.map_err(io)?)?;
+        let recorded = from_row(&row.map_err(io)?)?;
         if recorded.forgetting {
             self.forgetting
                 .store(true, std::sync::atomic::Ordering::Release);

@@ -431,3 +431,54 @@ async fn the_bounds_a_process_ran_with_are_read_by_the_next_and_lowered_once_set
     }
     assert_eq!(open().ran_within(), short, "never lowered");
 }
+
+/// Forgetting is recorded on disk before the first deletion, for the processes after this
+/// one: with the smallest skew and the shortest longest lease any process forgot under, and
+/// with the defaults when a job is deleted without being told the window first.
+#[tokio::test]
+async fn forgetting_is_recorded_for_the_processes_after_with_the_strictest_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = || SledStore::open(dir.path()).unwrap();
+    {
+        let store = open();
+        assert_eq!(store.recorded_settings().unwrap(), None);
+        store
+            .forgetting_within(Duration::from_secs(2), Duration::from_secs(3600))
+            .await
+            .unwrap();
+    }
+    {
+        let store = open();
+        let recorded = |skew: u64, ttl: u64| {
+            Some(crate::SinkSettings {
+                forgetting: true,
+                clock_skew: Duration::from_secs(skew),
+                max_lease_ttl: Some(Duration::from_secs(ttl)),
+            })
+        };
+        assert_eq!(store.recorded_settings().unwrap(), recorded(2, 3600));
+        // A later process with a larger skew and a shorter lease: the smaller of each.
+        store
+            .forgetting_within(Duration::from_secs(9), Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(store.recorded_settings().unwrap(), recorded(2, 60));
+    }
+    let other = tempfile::tempdir().unwrap();
+    let store = SledStore::open(other.path()).unwrap();
+    let job: JobId = "gone".parse().unwrap();
+    store.observe(&job, Generation::new(1)).await.unwrap();
+    let idle = IdleJob {
+        touched_ms: u64::MAX,
+        job,
+    };
+    // Not deleted (the stamp differs), but recorded first all the same.
+    assert!(!store.forget(&idle).await.unwrap());
+    drop(store);
+    let recorded = SledStore::open(other.path())
+        .unwrap()
+        .recorded_settings()
+        .unwrap()
+        .expect("forgetting recorded before the first deletion");
+    assert_eq!(recorded.clock_skew, crate::DEFAULT_CLOCK_SKEW);
+}
