@@ -660,3 +660,69 @@ async fn a_keyed_answer_may_stream_past_the_longest_request_by_the_body_deadline
          answer of 4 may still need"
     );
 }
+
+/// Without idempotency too, a body streamed to the service may go on until its deadline,
+/// after the service answered (an upstream that answers early and reads on): a process that
+/// died past stamp + longest request, but inside the body deadline, may have left the service
+/// acting on it, and a newer token waits the whole hold from the restart.
+#[tokio::test]
+async fn a_streamed_body_may_run_past_the_longest_request_by_the_body_deadline() {
+    use fence_sink::GenerationStore;
+
+    const BODY: Duration = Duration::from_secs(5);
+    let clock = ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap();
+    let open = || {
+        let wall: Arc<dyn Clock> = Arc::new(clock.clone());
+        let store = SledStore::open_with_clock(dir.path(), wall.clone()).expect("sled opens");
+        let layer = FenceLayer::new(store.clone())
+            .clock(wall)
+            .without_idempotency()
+            .body_timeout(BODY)
+            .longest_request(LONGEST)
+            .unknown_outcome_hold(HOLD)
+            .drain_timeout(Duration::from_secs(60));
+        (store, layer)
+    };
+    let send = |layer: &FenceLayer<SledStore>, token: u64| {
+        let svc = layer.layer(service_fn(
+            move |_req: Request<RequestBody<String>>| async move {
+                if token == 4 {
+                    std::future::pending::<()>().await; // still running when the process dies
+                }
+                Ok::<_, Infallible>(Response::new(String::new()))
+            },
+        ));
+        let req = Request::post("/")
+            .header("x-fencing-job", "streamed")
+            .header("x-fencing-token", token.to_string())
+            .body(String::new())
+            .unwrap();
+        tokio::spawn(async move { svc.oneshot(req).await.unwrap().status() })
+    };
+    let stamp = {
+        let (store, layer) = open();
+        let running = send(&layer, 4);
+        until("the request of 4 runs", || layer.in_flight() == 1).await;
+        running.abort();
+        let _ = running.await;
+        drop(layer);
+        let loaded = store.load(&"streamed".parse().unwrap()).await.unwrap();
+        loaded
+            .prior
+            .expect("a sled job has stamps")
+            .admitted_until_ms
+    };
+    // The process died 1.8 s after stamp + LONGEST (more than the hold), 0.2 s before the
+    // body deadline: the body of 4 may still have been going to the service.
+    clock.set_ms(stamp + LONGEST.as_millis() as u64 + 1_800);
+    let opened = Instant::now();
+    let (_store, layer) = open();
+    let (status, after) = answered(send(&layer, 5), opened).await;
+    assert_eq!(status, StatusCode::OK);
+    assert!(
+        after >= HOLD,
+        "token 5 passed {after:?} after the restart, inside the {HOLD:?} hold the body of 4 \
+         may still need"
+    );
+}

@@ -113,6 +113,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
                 drain_timeout: Duration::from_secs(10),
                 restart: Restart {
                     longest_request: Duration::from_secs(60),
+                    body: Duration::from_secs(30),
                     hold: Duration::from_secs(60),
                     before_service: IdempotencyConfig::default().store_timeout,
                     after_answer: Duration::from_secs(30),
@@ -200,6 +201,8 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     pub fn body_timeout(mut self, timeout: Duration) -> Self {
         let config = self.config();
         config.body_timeout = clamped(timeout);
+        // A body streamed to the service may go on until then, after its answer too.
+        config.limits.restart.body = config.body_timeout;
         if config.idempotency.is_some() {
             // A keyed call of messages streams its answer up to this after its head.
             config.limits.restart.after_answer = config.body_timeout;
@@ -242,7 +245,9 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     /// 60 s; a proxy sets its upstream timeout). After a restart over a durable store, a job
     /// whose last admission by the process before was at `t` (its stamp, written before the
     /// request went on) lets no newer token pass until `min(t + this, the restart) +` the
-    /// [unknown-outcome hold](Self::unknown_outcome_hold) (with [idempotency](Self::idempotency),
+    /// [unknown-outcome hold](Self::unknown_outcome_hold) (`this` or, when later, the
+    /// [body deadline](Self::body_timeout): a body streamed to a service that answered early
+    /// may go on until then; with [idempotency](Self::idempotency),
     /// `this` plus its store timeout, a keyed request waiting up to that for its record's
     /// begin before the service has it, plus the [body deadline](Self::body_timeout), a keyed
     /// call of messages being in flight until its answer ends), and no request of its highest
@@ -301,6 +306,7 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
     pub fn without_restart_hold(mut self) -> Self {
         self.config().limits.restart = Restart {
             longest_request: Duration::ZERO,
+            body: Duration::ZERO,
             hold: Duration::ZERO,
             before_service: Duration::ZERO,
             after_answer: Duration::ZERO,

@@ -147,6 +147,7 @@ const LIMITS: Limits = Limits {
     drain_timeout: Duration::from_secs(3600),
     restart: Restart {
         longest_request: Duration::ZERO,
+        body: Duration::ZERO,
         hold: Duration::ZERO,
         before_service: Duration::ZERO,
         after_answer: Duration::ZERO,

@@ -26,6 +26,9 @@ pub(crate) struct Restart {
     /// The longest an admitted request runs before the layer gives up on it (the proxy's
     /// upstream timeout).
     pub(crate) longest_request: Duration,
+    /// How long after its admission a streamed body may still be going to the service (the
+    /// body deadline): a service that answered early may act on it until then.
+    pub(crate) body: Duration,
     /// How long after that its effect may still happen (the unknown-outcome hold).
     pub(crate) hold: Duration,
     /// How long an admitted request may wait before the service has it: the begin of its
@@ -42,13 +45,15 @@ pub(crate) struct Restart {
 
 impl Restart {
     /// How long after its admission a request may still be running at the service: its
-    /// wait before the service, the longest request, and what its answer may stream on;
-    /// zero when the longest request is (a service whose effects die with its process).
+    /// wait before the service, the longest request or, when later, the end of a body
+    /// streamed to it, and what its answer may stream on; zero when the longest request is
+    /// (a service whose effects die with its process).
     pub(crate) fn running_for(&self) -> Duration {
         if self.longest_request.is_zero() {
             Duration::ZERO
         } else {
             self.longest_request
+                .max(self.body)
                 .saturating_add(self.before_service)
                 .saturating_add(self.after_answer)
         }
@@ -147,6 +152,7 @@ mod tests {
     async fn a_clock_stepped_back_does_not_stretch_the_wait_after_a_restart() {
         let restart = Restart {
             longest_request: Duration::from_secs(60),
+            body: Duration::ZERO,
             hold: Duration::from_secs(60),
             before_service: Duration::ZERO,
             after_answer: Duration::ZERO,
@@ -171,6 +177,7 @@ mod tests {
         let minute = Duration::from_secs(60);
         let restart = Restart {
             longest_request: Duration::from_secs(30),
+            body: Duration::ZERO,
             hold: Duration::from_secs(30),
             before_service: Duration::ZERO,
             after_answer: Duration::ZERO,
