@@ -9,6 +9,7 @@
 //! a gate only the map holds cannot be taken by anyone.
 
 use std::{
+    collections::HashSet,
     sync::{Arc, atomic::Ordering::Relaxed},
     time::Duration,
 };
@@ -148,20 +149,31 @@ impl<St: GenerationStore> Gates<St> {
     }
 
     /// Every quiet gate nobody holds among `jobs` becomes [`Slot::Idle`]; the busy ones are
-    /// listed again for the next pass.
+    /// listed again for the next pass, each once. A busy job carried from pass to pass is
+    /// listed again when it is made again (evicted or forgotten once nobody held it, then
+    /// asked for), so `jobs` may hold it twice, and so may the list made since: counted
+    /// twice, it would be carried twice at every pass, and a job made again and again while
+    /// busy would grow the list without bound.
     pub(super) fn collapse_idle(&self, jobs: Vec<JobId>) {
+        let mut seen = HashSet::with_capacity(jobs.len());
         let mut busy = Vec::new();
-        for job in jobs {
-            if let Some(mut slot) = self.map.get_mut(&job) {
+        for job in &jobs {
+            if !seen.insert(job) {
+                continue;
+            }
+            if let Some(mut slot) = self.map.get_mut(job) {
                 slot.collapse();
                 if matches!(*slot, Slot::Active(_)) {
                     drop(slot);
-                    busy.push(job);
+                    busy.push(job.clone());
                 }
             }
         }
         if !busy.is_empty() {
             let mut list = self.made.lock().unwrap_or_else(|e| e.into_inner());
+            // Made again since this pass took the list: listed already.
+            let listed: HashSet<&JobId> = list.jobs.iter().collect();
+            busy.retain(|job| !listed.contains(job));
             list.carried += busy.len();
             list.jobs.extend(busy);
         }
@@ -269,5 +281,33 @@ impl<St: GenerationStore> Gates<St> {
     pub(super) fn let_go(&self, job: &JobId) -> bool {
         // Atomic with the check: nobody can take the gate between the test and the removal.
         self.map.remove_if(job, |_, slot| slot.unheld()).is_some() || !self.map.contains_key(job)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MemoryStore;
+
+    /// A job busy at every pass, and made again in between (let go while nobody held it,
+    /// then asked for again): listed once, however often.
+    #[test]
+    fn a_busy_job_made_again_and_again_is_listed_once() {
+        let gates = Gates::new(Arc::new(MemoryStore::new()));
+        let job: JobId = "busy".parse().unwrap();
+        let pass = || {
+            let jobs = std::mem::take(&mut gates.made.lock().unwrap().jobs);
+            gates.collapse_idle(jobs);
+        };
+        for _ in 0..5 {
+            let held = gates.gate(&job, 1_000);
+            pass(); // held (and not loaded): busy, carried to the next pass
+            drop(held);
+            assert!(gates.let_go(&job), "nobody holds it");
+        }
+        let _held = gates.gate(&job, 1_000);
+        pass();
+        let listed = gates.made.lock().unwrap().jobs.len();
+        assert!(listed <= 1, "one job listed {listed} times");
     }
 }
