@@ -88,6 +88,17 @@ pub enum OpenError {
         #[source]
         source: Box<dyn std::error::Error + Send + Sync>,
     },
+    /// A record the database keeps about the processes before this one could not be read:
+    /// taken as absent, a safety bound would be lost, so the database is not opened.
+    #[error("cannot read the `{record}` record in the data directory {path}: {reason}")]
+    Record {
+        /// The directory.
+        path: PathBuf,
+        /// The record's key in the `format` tree.
+        record: &'static str,
+        /// What it guards, and how to clear it safely.
+        reason: String,
+    },
 }
 
 /// Why a write could not be made durable.

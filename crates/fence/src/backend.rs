@@ -110,6 +110,21 @@ impl Backend {
         })
     }
 
+    /// Removes the data directory's damaged `running` record (`fence proxy
+    /// --clear-running-record`).
+    ///
+    /// # Errors
+    /// On PostgreSQL, which keeps no such record, or when the removal fails.
+    pub fn clear_running_record(&self) -> anyhow::Result<()> {
+        match self {
+            Self::Sled(dir) => SledStore::clear_running_record(dir)
+                .with_context(|| in_dir("the fence database", dir)),
+            Self::Postgres { .. } => Err(crate::Usage::error(
+                "--clear-running-record needs --data-dir: PostgreSQL keeps no such record",
+            )),
+        }
+    }
+
     /// Opens the sink's store, creating its directory or tables.
     ///
     /// # Errors

@@ -377,6 +377,9 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
     on_hangup(admin_auth.clone(), "--admin-auth-file").context("installing the SIGHUP handler")?;
     let tcp = bind(a.listen, "--listen").await?;
     let admin = bind(a.admin_listen, "--admin-listen").await?;
+    if a.clear_running_record {
+        backend.clear_running_record()?;
+    }
     let store = backend.sink_store().await?;
     match &store {
         crate::backend::SinkBackend::Postgres(pg) => {

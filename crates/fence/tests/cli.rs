@@ -794,6 +794,35 @@ fn a_proxy_without_verify_keys_will_not_start_where_jobs_were_forgotten() {
     let (_proxy, _) = start_proxy_with(upstream, &["--data-dir", data, "--verify-key", verify]);
 }
 
+/// A data directory whose `running` record (how long the proxy before let requests run)
+/// is damaged refuses to start a proxy, naming the record and how to clear it: read as none,
+/// a restart with a shorter --upstream-timeout would let a newer token pass while an older
+/// request can still commit. `--clear-running-record` removes it, and the proxy starts.
+#[test]
+fn a_damaged_running_record_refuses_the_proxy_until_cleared() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("d");
+    {
+        let db = fence_storage::disk::DurableDb::open(&data).unwrap();
+        let format = db.tree("format").unwrap();
+        format.insert(b"running", &b"short"[..]).unwrap();
+        db.flush_now().unwrap();
+    }
+    let data = data.to_str().unwrap();
+    let upstream = "http://127.0.0.1:9";
+    let out = Command::new(FENCE)
+        .args(proxy_args(upstream, &["--data-dir", data]))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{said}");
+    assert!(said.contains("`running` record"), "{said}");
+    assert!(said.contains(data), "{said}");
+    assert!(said.contains("--clear-running-record"), "{said}");
+    let (_proxy, _) = start_proxy_with(upstream, &["--data-dir", data, "--clear-running-record"]);
+}
+
 #[test]
 fn the_server_caps_ttls_at_max_ttl_and_forgets_idle_jobs() {
     let dir = tempfile::tempdir().unwrap();

@@ -104,11 +104,14 @@ impl SledStore {
     ///
     /// # Errors
     /// As [`DurableDb::open`]: [`OpenError::Locked`] while another process uses the
-    /// directory, the other variants for permissions or corrupt files.
+    /// directory, the other variants for permissions or corrupt files;
+    /// [`OpenError::Record`] when a record of the processes before cannot be read (see
+    /// [`clear_running_record`](Self::clear_running_record)).
     pub fn open_with_clock(
         path: impl AsRef<Path>,
         clock: Arc<dyn Clock>,
     ) -> Result<Self, OpenError> {
+        let path = path.as_ref();
         let db = DurableDb::open(path)?;
         let format = db_format(&db)?;
         let opened_monotonic_ms = clock.monotonic_ms();
@@ -116,7 +119,7 @@ impl SledStore {
             generations: db.tree("generations")?,
             stamps: db.tree("stamps")?,
             records: db.tree("idempotency")?,
-            running: Arc::new(Running::open(&format, opened_monotonic_ms)),
+            running: Arc::new(Running::open(&format, opened_monotonic_ms, path)?),
             forgetting: Arc::new(Forgetting::open(&format)),
             format,
             db,
@@ -163,6 +166,16 @@ impl SledStore {
         }
         // After the entries: a crash before sled has both on disk rebuilds again.
         let _ = format.insert(STAMPS_KEY, STAMPS_FORMAT);
+    }
+
+    /// Removes the damaged `running` record of the data directory `path` (no process may
+    /// have it open). Only safe once the longest request plus the unknown-outcome hold of
+    /// the process before has passed since it stopped.
+    ///
+    /// # Errors
+    /// As [`DurableDb::open`], or when the removal cannot be made durable.
+    pub fn clear_running_record(path: impl AsRef<Path>) -> Result<(), OpenError> {
+        running::clear_running_record(path)
     }
 
     /// Flushes everything to disk now (graceful shutdown).

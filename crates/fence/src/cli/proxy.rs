@@ -208,6 +208,12 @@ pub struct ProxyArgs {
     /// proxy logs the window it uses).
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
     pub forget_after: Option<Duration>,
+    /// Remove the data directory's `running` record before opening it, for a directory that
+    /// refuses to open because that record is damaged. Only safe once the longest request
+    /// plus the hold of the proxy before has passed since it stopped: this one waits by its
+    /// own timeouts alone. Needs --data-dir.
+    #[arg(long)]
+    pub clear_running_record: bool,
     /// The longest lease the lease server grants: keep it equal to the server's --max-ttl.
     /// With --verify-key, a token whose lease ends later than now plus this plus
     /// --clock-skew is refused (403 token-too-long-lived), so no lease-server setting can

@@ -9,14 +9,21 @@
 //! ended by then), it records its own alone, so a setting made shorter counts from the
 //! restart after next.
 
-use std::sync::{
-    Mutex,
-    atomic::{AtomicBool, Ordering},
+use std::{
+    path::Path,
+    sync::{
+        Mutex,
+        atomic::{AtomicBool, Ordering},
+    },
+    time::Duration,
 };
 
-use fence_storage::disk::Tree;
+use fence_storage::disk::{DurableDb, OpenError, Tree};
 
-use crate::store::{RunBounds, StoreError, ms};
+use crate::{
+    idempotency::clamped,
+    store::{RunBounds, StoreError, ms},
+};
 
 /// The `format` key of the bounds: running for, then the hold, ms, 8 bytes big-endian each.
 const RUNNING_KEY: &[u8] = b"running";
@@ -41,38 +48,63 @@ struct State {
     recorded: RunBounds,
 }
 
+/// Encoded capped at the layer's longest setting (100 years), so that what is read back
+/// above it is damage.
 fn encode(bounds: RunBounds) -> [u8; 16] {
     let mut v = [0u8; 16];
-    v[..8].copy_from_slice(&ms(bounds.running_for).to_be_bytes());
-    v[8..].copy_from_slice(&ms(bounds.hold).to_be_bytes());
+    v[..8].copy_from_slice(&ms(clamped(bounds.running_for)).to_be_bytes());
+    v[8..].copy_from_slice(&ms(clamped(bounds.hold)).to_be_bytes());
     v
 }
 
+/// The first 16 bytes (a newer build may append more); `None` when shorter, or a bound
+/// above the cap.
 fn decode(v: &[u8]) -> Option<RunBounds> {
-    let (running_for, hold) = v.split_first_chunk::<8>()?;
-    let hold = <[u8; 8]>::try_from(hold).ok()?;
-    let millis = |b: [u8; 8]| std::time::Duration::from_millis(u64::from_be_bytes(b));
-    Some(RunBounds::new(millis(*running_for), millis(hold)))
+    let (running_for, rest) = v.split_first_chunk::<8>()?;
+    let (hold, _) = rest.split_first_chunk::<8>()?;
+    let cap = ms(clamped(Duration::MAX));
+    let millis = |b: [u8; 8]| {
+        let m = u64::from_be_bytes(b);
+        (m <= cap).then(|| Duration::from_millis(m))
+    };
+    Some(RunBounds::new(millis(*running_for)?, millis(*hold)?))
 }
+
+/// Why a record that cannot be read refuses the open, and how to clear it.
+const DAMAGED: &str = "it holds how long requests of the processes before this one on the \
+    directory may still run at the upstream (their longest request and unknown-outcome hold), \
+    and a restart waits by it before a newer token passes; taken as absent, an older \
+    request's effect could commit after a newer one's. To clear it: wait until the longest \
+    request plus the hold of the process before has passed since it stopped, then start \
+    `fence proxy` once with --clear-running-record (or call \
+    `SledStore::clear_running_record`)";
 
 impl Running {
     /// Reads what the processes before recorded, at the open (`opened_ms`, the clock's
-    /// monotonic reading). A record that cannot be read counts as none, with a warning, as
-    /// in a directory of a build before this record was kept: taken as the longest there is,
-    /// it would keep every job busy at the crash from its newer tokens for good.
-    pub(super) fn open(format: &Tree, opened_ms: u64) -> Self {
-        let raw = format.get(RUNNING_KEY).ok().flatten();
+    /// monotonic reading). None recorded (a directory of a build before this record was
+    /// kept) counts as none. A record that cannot be read or decoded refuses the open
+    /// (naming `path`), and is left as it is: taken as none, a restart with shorter
+    /// timeouts would let newer tokens pass while older requests can still commit.
+    pub(super) fn open(format: &Tree, opened_ms: u64, path: &Path) -> Result<Self, OpenError> {
+        let damaged = |what: String| OpenError::Record {
+            path: path.to_owned(),
+            record: "running",
+            reason: format!("{what}: {DAMAGED}"),
+        };
+        let raw = format
+            .get(RUNNING_KEY)
+            .map_err(|e| damaged(format!("sled could not read it ({e})")))?;
         let before = match raw.as_deref().map(decode) {
             None => RunBounds::default(),
             Some(Some(bounds)) => bounds,
             Some(None) => {
-                tracing::warn!(
-                    "the record of how long the process before let requests run is damaged: after this restart, newer tokens wait by this process's timeouts alone"
-                );
-                RunBounds::default()
+                return Err(damaged(format!(
+                    "it is damaged ({} bytes, or a bound above 100 years)",
+                    raw.as_deref().map_or(0, <[u8]>::len)
+                )));
             }
         };
-        Self {
+        Ok(Self {
             before,
             before_settled_ms: opened_ms.saturating_add(ms(before.hold)),
             lowered: AtomicBool::new(before == RunBounds::default()),
@@ -80,7 +112,7 @@ impl Running {
                 told: RunBounds::default(),
                 recorded: before,
             }),
-        }
+        })
     }
 
     /// What the processes before recorded.
@@ -123,4 +155,26 @@ impl Running {
         }
         Ok(wrote)
     }
+}
+
+/// Removes the `running` record of the data directory `path` (which no process may have
+/// open), for one that refuses to open because the record is damaged. Only safe once the
+/// longest request plus the unknown-outcome hold of the process before has passed since it
+/// stopped: the next process then waits by its own bounds alone.
+///
+/// # Errors
+/// As [`DurableDb::open`], or when the removal cannot be made durable.
+pub(super) fn clear_running_record(path: impl AsRef<Path>) -> Result<(), OpenError> {
+    let path = path.as_ref();
+    let db = DurableDb::open(path)?;
+    let format = db.tree("format")?;
+    let failed = |e: String| OpenError::Record {
+        path: path.to_owned(),
+        record: "running",
+        reason: format!("removing it failed: {e}"),
+    };
+    format
+        .remove(RUNNING_KEY)
+        .map_err(|e| failed(e.to_string()))?;
+    db.flush_now().map_err(|e| failed(e.to_string()))
 }

@@ -482,3 +482,53 @@ async fn forgetting_is_recorded_for_the_processes_after_with_the_strictest_bound
         .expect("forgetting recorded before the first deletion");
     assert_eq!(recorded.clock_skew, crate::DEFAULT_CLOCK_SKEW);
 }
+
+/// Writes `value` under `key` in the `format` tree of the (closed) store in `dir`.
+fn write_format(dir: &Path, key: &[u8], value: &[u8]) {
+    let db = DurableDb::open(dir).unwrap();
+    db.tree("format").unwrap().insert(key, value).unwrap();
+    db.flush_now().unwrap();
+}
+
+/// A `running` record that cannot be decoded refuses the open, naming the directory and
+/// the record, and is left as it was: read as none and then overwritten with the restarted
+/// process's shorter bounds, a newer token would pass while an older request can still
+/// commit. A longer record (a newer build's) is read by its first 16 bytes; one above the
+/// 100-year cap is damage; `clear_running_record` removes it.
+#[tokio::test]
+async fn a_damaged_running_record_refuses_the_open_and_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = RunBounds::new(Duration::from_secs(600), Duration::from_secs(60));
+    let mut longer = 600_000u64.to_be_bytes().to_vec();
+    longer.extend_from_slice(&60_000u64.to_be_bytes());
+    longer.extend_from_slice(b"newer");
+    write_format(dir.path(), b"running", &longer);
+    assert_eq!(SledStore::open(dir.path()).unwrap().ran_within(), long);
+    let mut above = [0u8; 16];
+    above[..8].copy_from_slice(&u64::MAX.to_be_bytes());
+    for damaged in [&b"short"[..], &above[..]] {
+        write_format(dir.path(), b"running", damaged);
+        let err = SledStore::open(dir.path()).expect_err("a damaged record refuses");
+        assert!(
+            matches!(
+                err,
+                OpenError::Record {
+                    record: "running",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(text.contains(&dir.path().display().to_string()), "{text}");
+        assert!(text.contains("--clear-running-record"), "{text}");
+        let db = DurableDb::open(dir.path()).unwrap();
+        let kept = db.tree("format").unwrap().get(b"running").unwrap();
+        assert_eq!(kept.as_deref(), Some(damaged), "not overwritten");
+    }
+    SledStore::clear_running_record(dir.path()).unwrap();
+    assert_eq!(
+        SledStore::open(dir.path()).unwrap().ran_within(),
+        RunBounds::default()
+    );
+}
