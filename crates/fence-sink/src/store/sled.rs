@@ -120,7 +120,7 @@ impl SledStore {
             stamps: db.tree("stamps")?,
             records: db.tree("idempotency")?,
             running: Arc::new(Running::open(&format, opened_monotonic_ms, path)?),
-            forgetting: Arc::new(Forgetting::open(&format)),
+            forgetting: Arc::new(Forgetting::open(&format, path)),
             format,
             db,
             opened_ms: clock.now_ms(),

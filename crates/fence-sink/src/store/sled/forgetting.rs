@@ -6,9 +6,11 @@
 //! first deletion a store records, in its `format` tree, that it forgets, with the smallest
 //! clock skew and the shortest longest lease any process forgot under; a proxy reads it at
 //! its start ([`SledStore::recorded_settings`]) and refuses to run without verify keys, or
-//! takes the stricter bounds, as on PostgreSQL.
+//! takes the stricter bounds, as on PostgreSQL. A record that cannot be read is an error
+//! there and at every deletion, never the defaults, and is never written over.
 
 use std::{
+    path::{Path, PathBuf},
     sync::atomic::{AtomicBool, Ordering},
     time::Duration,
 };
@@ -16,42 +18,72 @@ use std::{
 use fence_storage::disk::Tree;
 
 use super::SledStore;
-use crate::store::{DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, SinkSettings, StoreError, ms};
+use crate::{
+    idempotency::clamped,
+    store::{DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, SinkSettings, StoreError, ms},
+};
 
 /// The `format` key of the record: clock skew, then the longest lease, ms, 8 bytes
-/// big-endian each. Once written it stays (the directory's jobs were forgotten for good).
+/// big-endian each (a later build may append more). Once written it stays (the
+/// directory's jobs were forgotten for good).
 const FORGETTING_KEY: &[u8] = b"forgetting";
 
-/// Whether this process has recorded forgetting (read at the open).
+/// Whether this process has recorded forgetting (read at the open), and the directory.
 #[derive(Debug)]
-pub(super) struct Forgetting(AtomicBool);
+pub(super) struct Forgetting {
+    recorded: AtomicBool,
+    path: PathBuf,
+}
 
+/// The first 16 bytes; `None` when shorter, or a bound above the 100-year cap.
 fn decode(v: &[u8]) -> Option<(Duration, Duration)> {
-    let (skew, ttl) = v.split_first_chunk::<8>()?;
-    let ttl = <[u8; 8]>::try_from(ttl).ok()?;
-    let millis = |b: [u8; 8]| Duration::from_millis(u64::from_be_bytes(b));
-    Some((millis(*skew), millis(ttl)))
+    let (skew, rest) = v.split_first_chunk::<8>()?;
+    let (ttl, _) = rest.split_first_chunk::<8>()?;
+    let cap = ms(clamped(Duration::MAX));
+    let millis = |b: [u8; 8]| {
+        let m = u64::from_be_bytes(b);
+        (m <= cap).then(|| Duration::from_millis(m))
+    };
+    Some((millis(*skew)?, millis(*ttl)?))
 }
 
-/// What a record says. One that cannot be read still says that jobs were forgotten, with
-/// the default skew and no longest lease: verify keys are needed anyway.
-fn settings(v: &[u8]) -> SinkSettings {
-    let decoded = decode(v);
-    SinkSettings {
-        forgetting: true,
-        clock_skew: decoded.map_or(DEFAULT_CLOCK_SKEW, |(skew, _)| skew),
-        max_lease_ttl: decoded.map(|(_, ttl)| ttl),
-    }
+/// Why a record that cannot be read is an error rather than the defaults.
+const DAMAGED: &str = "it records that a proxy with --forget-after ran on this data \
+    directory, with the smallest clock skew and the shortest longest lease it checked \
+    expiry by, which every later proxy on it must check at least as strictly (a stale token \
+    of a forgotten job would otherwise pass as a new job's first); read as the defaults, \
+    those could be weakened, so it is left as it is and nothing is forgotten or started on \
+    the directory until it is restored (from a backup of the directory)";
+
+/// The record in `format`, read (`None`: none was written).
+fn read(format: &Tree, path: &Path) -> Result<Option<(Duration, Duration)>, StoreError> {
+    let raw = format
+        .get(FORGETTING_KEY)
+        .map_err(|e| damaged(path, format!("sled could not read it ({e})")))?;
+    parse(raw.as_deref(), path)
 }
 
-fn read(format: &Tree) -> Result<Option<SinkSettings>, StoreError> {
-    let raw = format.get(FORGETTING_KEY).map_err(StoreError::io)?;
-    Ok(raw.as_deref().map(settings))
+/// The record's value `raw`, decoded, or the error naming it.
+fn parse(raw: Option<&[u8]>, path: &Path) -> Result<Option<(Duration, Duration)>, StoreError> {
+    raw.map(|v| {
+        decode(v).ok_or_else(|| damaged(path, format!("it is damaged ({} bytes)", v.len())))
+    })
+    .transpose()
+}
+
+fn damaged(path: &Path, what: String) -> StoreError {
+    StoreError::io(format!(
+        "the `forgetting` record in the data directory {}: {what}: {DAMAGED}",
+        path.display()
+    ))
 }
 
 impl Forgetting {
-    pub(super) fn open(format: &Tree) -> Self {
-        Self(AtomicBool::new(matches!(read(format), Ok(Some(_)))))
+    pub(super) fn open(format: &Tree, path: &Path) -> Self {
+        Self {
+            recorded: AtomicBool::new(matches!(read(format, path), Ok(Some(_)))),
+            path: path.to_owned(),
+        }
     }
 }
 
@@ -63,9 +95,14 @@ impl SledStore {
     /// checks it at its start).
     ///
     /// # Errors
-    /// When sled cannot read it.
+    /// When sled cannot read it, or it is damaged (the error names the record).
     pub fn recorded_settings(&self) -> Result<Option<SinkSettings>, StoreError> {
-        read(&self.format)
+        let recorded = read(&self.format, &self.forgetting.path)?;
+        Ok(recorded.map(|(clock_skew, ttl)| SinkSettings {
+            forgetting: true,
+            clock_skew,
+            max_lease_ttl: Some(ttl),
+        }))
     }
 
     /// Records forgetting under `clock_skew` and `max_lease_ttl` (the smaller of these and
@@ -77,19 +114,15 @@ impl SledStore {
     ) -> Result<(), StoreError> {
         loop {
             let raw = self.format.get(FORGETTING_KEY).map_err(StoreError::io)?;
-            let (skew, ttl) = match raw.as_deref().map(settings) {
-                Some(recorded) => (
-                    recorded.clock_skew.min(clock_skew),
-                    recorded
-                        .max_lease_ttl
-                        .map_or(max_lease_ttl, |t| t.min(max_lease_ttl)),
-                ),
+            // Never over bytes that could not be read: they may hold a stricter window.
+            let (skew, ttl) = match parse(raw.as_deref(), &self.forgetting.path)? {
+                Some((skew, ttl)) => (skew.min(clock_skew), ttl.min(max_lease_ttl)),
                 None => (clock_skew, max_lease_ttl),
             };
             let mut v = [0u8; 16];
-            v[..8].copy_from_slice(&ms(skew).to_be_bytes());
-            v[8..].copy_from_slice(&ms(ttl).to_be_bytes());
-            if raw.as_deref() == Some(&v[..]) {
+            v[..8].copy_from_slice(&ms(clamped(skew)).to_be_bytes());
+            v[8..].copy_from_slice(&ms(clamped(ttl)).to_be_bytes());
+            if raw.as_deref().and_then(|r| r.get(..16)) == Some(&v[..]) {
                 break;
             }
             // Compared and swapped: a concurrent record keeps the smaller of both.
@@ -103,14 +136,14 @@ impl SledStore {
             }
         }
         self.db.commit().await.map_err(StoreError::io)?;
-        self.forgetting.0.store(true, Ordering::Release);
+        self.forgetting.recorded.store(true, Ordering::Release);
         Ok(())
     }
 
     /// Before a deletion: forgetting is on disk (with the defaults, for a caller that
     /// deletes without [`forgetting_within`](crate::GenerationStore::forgetting_within)).
     pub(super) async fn forgetting_recorded(&self) -> Result<(), StoreError> {
-        if self.forgetting.0.load(Ordering::Acquire) {
+        if self.forgetting.recorded.load(Ordering::Acquire) {
             return Ok(());
         }
         self.record_forgetting(DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL)

@@ -532,3 +532,60 @@ async fn a_damaged_running_record_refuses_the_open_and_is_kept() {
         RunBounds::default()
     );
 }
+
+/// A `forgetting` record that cannot be decoded is an error naming it, where it is read
+/// and before a deletion, and is never written over: read as the defaults, a later proxy
+/// would check expiry by a larger skew or a longer lease than the one that forgot. A longer
+/// record (a newer build's) is read by its first 16 bytes.
+#[tokio::test]
+async fn a_damaged_forgetting_record_is_an_error_and_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut longer = 2_000u64.to_be_bytes().to_vec();
+    longer.extend_from_slice(&60_000u64.to_be_bytes());
+    longer.extend_from_slice(b"newer");
+    write_format(dir.path(), b"forgetting", &longer);
+    let recorded = SledStore::open(dir.path())
+        .unwrap()
+        .recorded_settings()
+        .unwrap()
+        .expect("recorded");
+    assert_eq!(recorded.clock_skew, Duration::from_secs(2));
+    assert_eq!(recorded.max_lease_ttl, Some(MINUTE));
+    let damaged = &b"short"[..];
+    write_format(dir.path(), b"forgetting", damaged);
+    {
+        let store = SledStore::open(dir.path()).unwrap();
+        let err = anyhow_chain(&store.recorded_settings().unwrap_err());
+        assert!(err.contains("`forgetting` record"), "{err}");
+        assert!(err.contains(&dir.path().display().to_string()), "{err}");
+        let job: JobId = "gone".parse().unwrap();
+        store.observe(&job, Generation::new(1)).await.unwrap();
+        let idle = IdleJob {
+            touched_ms: u64::MAX,
+            job,
+        };
+        store
+            .forget(&idle)
+            .await
+            .expect_err("not forgotten over it");
+        store
+            .forgetting_within(Duration::from_secs(9), Duration::from_secs(3600))
+            .await
+            .expect_err("not recorded over it");
+    }
+    let db = DurableDb::open(dir.path()).unwrap();
+    let kept = db.tree("format").unwrap().get(b"forgetting").unwrap();
+    assert_eq!(kept.as_deref(), Some(damaged), "not overwritten");
+}
+
+/// An error and its sources, as `fence` prints them.
+fn anyhow_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
