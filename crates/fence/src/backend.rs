@@ -125,6 +125,29 @@ impl Backend {
         }
     }
 
+    /// Why a proxy without verify keys may not run on this data directory, whose
+    /// `forgetting` record says a proxy with --forget-after ran on it (`recorded`).
+    pub fn forgot_here(&self, recorded: &fence_sink::SinkSettings) -> String {
+        let dir = match self {
+            Self::Sled(dir) => dir.display().to_string(),
+            Self::Postgres { .. } => String::new(),
+        };
+        let lease = recorded
+            .max_lease_ttl
+            .map_or_else(|| "none".to_owned(), |l| format!("{l:?}"));
+        format!(
+            "a proxy with --forget-after ran on the --data-dir {dir} (its `forgetting` record, \
+             written when such a proxy starts, whether or not it forgot a job, says clock skew \
+             {:?}, longest lease {lease}), so every proxy on it must refuse expired tokens: \
+             start this one with --verify-key too (it then takes that skew and lease when \
+             smaller than its own); a stale token of a forgotten job would otherwise pass here \
+             as a new job's first. Another --data-dir is no way out: it forgets every job at \
+             once, and without keys nothing refuses a stale token (use one only for an upstream \
+             whose jobs this directory never fenced)",
+            recorded.clock_skew
+        )
+    }
+
     /// Opens the sink's store, creating its directory or tables.
     ///
     /// # Errors

@@ -410,7 +410,8 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
                 .recorded_settings()
                 .context("reading the forgetting settings in the data directory")?;
             if let Some(recorded) = recorded {
-                adopt_recorded(&mut config, recorded, ON_DATA_DIR)?;
+                let refusal = backend.forgot_here(&recorded);
+                adopt_recorded(&mut config, recorded, &refusal)?;
             }
         }
     }
@@ -535,15 +536,11 @@ async fn flush_within(
 }
 
 /// Why a proxy without verify keys may not run where jobs are forgotten, on PostgreSQL
-/// tables and on a data directory.
+/// tables (on a data directory: `Backend::forgot_here`).
 const ON_TABLES: &str = "another sink on these PostgreSQL tables forgets idle jobs \
     (fence.sink_settings records it), so every proxy on them must refuse expired tokens: start \
     this one with --verify-key too (a stale token of a forgotten job would otherwise pass here \
-    as a new job's first), or give it tables of its own (--pg-schema)";
-const ON_DATA_DIR: &str = "a proxy before this one on this --data-dir forgot idle jobs (its \
-    database records it), so this one must refuse expired tokens: start it with --verify-key \
-    too (a stale token of a forgotten job would otherwise pass here as a new job's first), or \
-    give it a new --data-dir";
+    as a new job's first); tables of its own (--pg-schema) only for another upstream";
 
 /// Takes on what the sinks that forget on the same store recorded (`refusal`: why it needs
 /// keys there): while any of them forgets idle jobs (on PostgreSQL, any proxy on the

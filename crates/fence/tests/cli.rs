@@ -790,6 +790,10 @@ fn a_proxy_without_verify_keys_will_not_start_where_jobs_were_forgotten() {
     assert_eq!(status.code(), Some(2), "{said}");
     assert!(said.contains("--verify-key"), "{said}");
     assert!(said.contains("--data-dir"), "{said}");
+    assert!(said.contains("a proxy with --forget-after ran"), "{said}");
+    assert!(said.contains(data), "the path: {said}");
+    assert!(said.contains("clock skew 5s, longest lease 30s"), "{said}");
+    assert!(!said.contains("give it a new --data-dir"), "{said}");
 
     let (_proxy, _) = start_proxy_with(upstream, &["--data-dir", data, "--verify-key", verify]);
 }
