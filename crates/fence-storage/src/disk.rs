@@ -340,6 +340,14 @@ impl DurableDb {
         }
     }
 
+    /// Fails the log as a failed write would: every later write and commit fails, for
+    /// tests (never in a shipped binary).
+    #[cfg(any(test, feature = "test-hooks"))]
+    #[doc(hidden)]
+    pub fn fail_log(&self) {
+        self.log().fail_for_test();
+    }
+
     /// Holds the log's writer before its next write while the answer lives: a disk that
     /// does not answer, for tests (never in a shipped binary).
     #[cfg(any(test, feature = "test-hooks"))]

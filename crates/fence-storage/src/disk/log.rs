@@ -223,7 +223,7 @@ impl Shared {
     }
 
     /// Fails the log as a failed write would, for tests.
-    #[cfg(test)]
+    #[cfg(any(test, feature = "test-hooks"))]
     pub(super) fn fail_for_test(&self) {
         let e = CommitError::Log(Arc::new(io::Error::other("failed for a test")));
         for waiter in self.fail(e.clone()) {

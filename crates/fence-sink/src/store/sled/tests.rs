@@ -589,3 +589,38 @@ fn anyhow_chain(e: &dyn std::error::Error) -> String {
     }
     out
 }
+
+/// The bounds the `running` record holds now, read from the tree.
+fn recorded_running(store: &SledStore) -> RunBounds {
+    let raw = store.format.get(b"running").unwrap().expect("recorded");
+    let word = |i: usize| {
+        Duration::from_millis(u64::from_be_bytes(
+            raw[i * 8..i * 8 + 8].try_into().unwrap(),
+        ))
+    };
+    RunBounds::new(word(0), word(1))
+}
+
+/// Lowering the `running` record at a load is optional: when its write fails, the load of
+/// an unrelated job still answers (the record keeps the longer bounds, the safe side),
+/// instead of failing the request that happened to come first after the earlier hold.
+#[cfg(feature = "test-hooks")]
+#[tokio::test]
+async fn a_failed_lowering_write_does_not_fail_a_load() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let long = RunBounds::new(Duration::from_secs(600), Duration::from_secs(600));
+    open().running_within(long).await.unwrap();
+    {
+        let store = open();
+        clock.advance(Duration::from_secs(601));
+        store.db.fail_log();
+        let job: JobId = "unrelated".parse().unwrap();
+        let loaded = store.load(&job).await.expect("the load answers");
+        assert_eq!(loaded.highest, Generation::ZERO);
+        assert_eq!(recorded_running(&store), long, "kept the longer bounds");
+    }
+    assert_eq!(open().ran_within(), long);
+}
