@@ -426,8 +426,18 @@ async fn the_bounds_a_process_ran_with_are_read_by_the_next_and_lowered_once_set
             "lowered while A's requests could still run"
         );
         c.running_within(short).await.unwrap();
-        clock.advance(Duration::from_secs(600));
+        // A's requests may run until A's hold (600 s) after C's open: not lowered a
+        // second before, lowered at it.
+        clock.advance(Duration::from_secs(599));
         c.load(&job).await.unwrap();
+        assert_eq!(
+            recorded_running(&c),
+            long,
+            "lowered before A's hold ran out"
+        );
+        clock.advance(Duration::from_secs(1));
+        c.load(&job).await.unwrap();
+        assert_eq!(recorded_running(&c), short, "not lowered once it ran out");
     }
     assert_eq!(open().ran_within(), short, "never lowered");
 }
