@@ -726,3 +726,117 @@ async fn a_streamed_body_may_run_past_the_longest_request_by_the_body_deadline()
          may still need"
     );
 }
+
+/// A sled store that notes, in order, when the bounds a layer tells it are on disk
+/// (`running_within` returned, after its commit: told late by a delay).
+#[derive(Clone)]
+struct Noting {
+    inner: SledStore,
+    events: Arc<std::sync::Mutex<Vec<&'static str>>>,
+}
+
+impl Noting {
+    fn note(&self, event: &'static str) {
+        self.events.lock().unwrap().push(event);
+    }
+}
+
+impl fence_sink::GenerationStore for Noting {
+    async fn observe(
+        &self,
+        job: &fence_core::JobId,
+        token: fence_core::Generation,
+    ) -> Result<fence_sink::Verdict, fence_sink::StoreError> {
+        self.inner.observe(job, token).await
+    }
+    async fn raise(
+        &self,
+        job: &fence_core::JobId,
+        token: fence_core::Generation,
+        older_running: bool,
+    ) -> Result<fence_sink::Verdict, fence_sink::StoreError> {
+        self.inner.raise(job, token, older_running).await
+    }
+    async fn highest(
+        &self,
+        job: &fence_core::JobId,
+    ) -> Result<fence_core::Generation, fence_sink::StoreError> {
+        self.inner.highest(job).await
+    }
+    async fn load(
+        &self,
+        job: &fence_core::JobId,
+    ) -> Result<fence_sink::Loaded, fence_sink::StoreError> {
+        self.inner.load(job).await
+    }
+    async fn running_within(
+        &self,
+        bounds: fence_sink::RunBounds,
+    ) -> Result<(), fence_sink::StoreError> {
+        // Slow, so that a service reached without waiting for it is reached first.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        self.inner.running_within(bounds).await?;
+        self.note("bounds on disk");
+        Ok(())
+    }
+    fn ran_within(&self) -> fence_sink::RunBounds {
+        self.inner.ran_within()
+    }
+}
+
+impl fence_sink::IdempotencyStore for Noting {
+    async fn begin(
+        &self,
+        attempt: fence_sink::Attempt<'_>,
+        d: Duration,
+    ) -> Result<fence_sink::Begin, fence_sink::StoreError> {
+        self.inner.begin(attempt, d).await
+    }
+    async fn finish(
+        &self,
+        attempt: fence_sink::Attempt<'_>,
+        o: fence_sink::Finish,
+    ) -> Result<(), fence_sink::StoreError> {
+        self.inner.finish(attempt, o).await
+    }
+    async fn purge_expired(&self) -> Result<usize, fence_sink::StoreError> {
+        self.inner.purge_expired().await
+    }
+}
+
+/// The bounds a process admits under are on disk before its first request reaches the
+/// service: told after the admission, or without waiting for their commit, a crash right
+/// after would leave the next process waiting by its own (perhaps shorter) bounds while
+/// that request can still commit upstream.
+#[tokio::test]
+async fn the_bounds_are_on_disk_before_the_first_request_reaches_the_service() {
+    let dir = tempfile::tempdir().unwrap();
+    let store = Noting {
+        inner: SledStore::open(dir.path()).unwrap(),
+        events: Arc::default(),
+    };
+    let layer = FenceLayer::new(store.clone())
+        .without_idempotency()
+        .longest_request(LONGEST)
+        .unknown_outcome_hold(HOLD);
+    let noted = store.clone();
+    let svc = layer.layer(service_fn(move |_req: Request<RequestBody<String>>| {
+        noted.note("service");
+        async { Ok::<_, Infallible>(Response::new(String::new())) }
+    }));
+    let req = Request::post("/")
+        .header("x-fencing-job", "first")
+        .header("x-fencing-token", "1")
+        .body(String::new())
+        .unwrap();
+    assert_eq!(svc.oneshot(req).await.unwrap().status(), StatusCode::OK);
+    settle().await;
+    let events = store.events.lock().unwrap().clone();
+    assert_eq!(events.first(), Some(&"bounds on disk"), "{events:?}");
+    assert!(events.contains(&"service"), "{events:?}");
+    drop(store);
+    drop(layer);
+    let reopened = SledStore::open(dir.path()).unwrap();
+    let ran = fence_sink::GenerationStore::ran_within(&reopened);
+    assert!(ran.running_for >= LONGEST && ran.hold == HOLD, "{ran:?}");
+}
