@@ -18,6 +18,12 @@
 //! proxy spends most of its time on otherwise. The fence itself (the highest generation per
 //! job, the gates that order a bump after older requests) is one, shared by every thread.
 //!
+//! [`serve`] does not run `fence proxy`'s start check of the store's forgetting record
+//! (`docs/protocol.md` section 8): on a `SledStore` or `PgStore` where a sink that forgets
+//! ran, read `recorded_settings` first, and give the config verify keys and at most the
+//! recorded clock skew and longest lease, or a stale token of a forgotten job passes as a
+//! new job's first.
+//!
 //! ```no_run
 //! # async fn run() -> anyhow::Result<()> {
 //! use fence::proxy::{ProxyConfig, serve};
@@ -63,7 +69,8 @@ pub use crate::listen::SHUTDOWN_GRACE;
 type ProxyBody = fence_sink::ResponseBody<UpstreamBody>;
 
 /// Serves the proxy on `listener` until `shutdown` resolves, then stops accepting and finishes
-/// in-flight requests (graceful, bounded by [`SHUTDOWN_GRACE`]).
+/// in-flight requests (graceful, bounded by [`SHUTDOWN_GRACE`]). The store's forgetting
+/// record is not checked here (see the module's documentation).
 ///
 /// # Errors
 ///
