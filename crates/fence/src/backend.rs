@@ -110,15 +110,21 @@ impl Backend {
         })
     }
 
-    /// Removes the data directory's damaged `running` record (`fence proxy
-    /// --clear-running-record`).
+    /// Removes the data directory's `running` record when it is damaged (`fence proxy
+    /// --clear-running-record`; one that reads is kept).
     ///
     /// # Errors
     /// On PostgreSQL, which keeps no such record, or when the removal fails.
     pub fn clear_running_record(&self) -> anyhow::Result<()> {
         match self {
-            Self::Sled(dir) => SledStore::clear_running_record(dir)
-                .with_context(|| in_dir("the fence database", dir)),
+            Self::Sled(dir) => {
+                let cleared = SledStore::clear_running_record(dir)
+                    .with_context(|| in_dir("the fence database", dir))?;
+                if cleared {
+                    tracing::warn!(dir = %dir.display(), "removed the damaged `running` record (--clear-running-record): this proxy waits by its own timeouts after the restart");
+                }
+                Ok(())
+            }
             Self::Postgres { .. } => Err(crate::Usage::error(
                 "--clear-running-record needs --data-dir: PostgreSQL keeps no such record",
             )),

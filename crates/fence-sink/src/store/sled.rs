@@ -168,13 +168,14 @@ impl SledStore {
         let _ = format.insert(STAMPS_KEY, STAMPS_FORMAT);
     }
 
-    /// Removes the damaged `running` record of the data directory `path` (no process may
-    /// have it open). Only safe once the longest request plus the unknown-outcome hold of
-    /// the process before has passed since it stopped.
+    /// Removes the `running` record of the data directory `path` (no process may have it
+    /// open) when it is damaged; one that reads is kept. Whether it removed it. Only safe
+    /// once the longest request plus the unknown-outcome hold of the process before has
+    /// passed since it stopped.
     ///
     /// # Errors
     /// As [`DurableDb::open`], or when the removal cannot be made durable.
-    pub fn clear_running_record(path: impl AsRef<Path>) -> Result<(), OpenError> {
+    pub fn clear_running_record(path: impl AsRef<Path>) -> Result<bool, OpenError> {
         running::clear_running_record(path)
     }
 

@@ -208,8 +208,8 @@ pub struct ProxyArgs {
     /// proxy logs the window it uses).
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = parse_forget_after, env = "FENCE_FORGET_AFTER")]
     pub forget_after: Option<Duration>,
-    /// Remove the data directory's `running` record before opening it, for a directory that
-    /// refuses to open because that record is damaged. Only safe once the longest request
+    /// Remove the data directory's `running` record before opening it when it is damaged (a
+    /// directory that refuses to open because of it); one that reads is kept. Only safe once the longest request
     /// plus the hold of the proxy before has passed since it stopped: this one waits by its
     /// own timeouts alone. Needs --data-dir.
     #[arg(long)]

@@ -158,16 +158,22 @@ impl Running {
 }
 
 /// Removes the `running` record of the data directory `path` (which no process may have
-/// open), for one that refuses to open because the record is damaged. Only safe once the
-/// longest request plus the unknown-outcome hold of the process before has passed since it
-/// stopped: the next process then waits by its own bounds alone.
+/// open) when it cannot be read or decoded, for a directory that refuses to open because
+/// of it; a record that reads is kept (a flag left on clears nothing good). Only safe once
+/// the longest request plus the unknown-outcome hold of the process before has passed since
+/// it stopped: the next process then waits by its own bounds alone. Whether it removed it.
 ///
 /// # Errors
 /// As [`DurableDb::open`], or when the removal cannot be made durable.
-pub(super) fn clear_running_record(path: impl AsRef<Path>) -> Result<(), OpenError> {
+pub(super) fn clear_running_record(path: impl AsRef<Path>) -> Result<bool, OpenError> {
     let path = path.as_ref();
     let db = DurableDb::open(path)?;
     let format = db.tree("format")?;
+    if let Ok(raw) = format.get(RUNNING_KEY)
+        && raw.as_deref().is_none_or(|v| decode(v).is_some())
+    {
+        return Ok(false);
+    }
     let failed = |e: String| OpenError::Record {
         path: path.to_owned(),
         record: "running",
@@ -176,5 +182,6 @@ pub(super) fn clear_running_record(path: impl AsRef<Path>) -> Result<(), OpenErr
     format
         .remove(RUNNING_KEY)
         .map_err(|e| failed(e.to_string()))?;
-    db.flush_now().map_err(|e| failed(e.to_string()))
+    db.flush_now().map_err(|e| failed(e.to_string()))?;
+    Ok(true)
 }

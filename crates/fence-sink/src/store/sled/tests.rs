@@ -513,6 +513,10 @@ async fn a_damaged_running_record_refuses_the_open_and_is_kept() {
     longer.extend_from_slice(&60_000u64.to_be_bytes());
     longer.extend_from_slice(b"newer");
     write_format(dir.path(), b"running", &longer);
+    assert!(
+        !SledStore::clear_running_record(dir.path()).unwrap(),
+        "kept: it reads"
+    );
     assert_eq!(SledStore::open(dir.path()).unwrap().ran_within(), long);
     let mut above = [0u8; 16];
     above[..8].copy_from_slice(&u64::MAX.to_be_bytes());
@@ -536,7 +540,7 @@ async fn a_damaged_running_record_refuses_the_open_and_is_kept() {
         let kept = db.tree("format").unwrap().get(b"running").unwrap();
         assert_eq!(kept.as_deref(), Some(damaged), "not overwritten");
     }
-    SledStore::clear_running_record(dir.path()).unwrap();
+    assert!(SledStore::clear_running_record(dir.path()).unwrap());
     assert_eq!(
         SledStore::open(dir.path()).unwrap().ran_within(),
         RunBounds::default()
