@@ -66,12 +66,7 @@ impl Default for IdempotencyConfig {
     }
 }
 
-/// The longest duration any setting of the layer keeps: 100 years. Longer (a caller's
-/// `Duration::MAX` for "no limit") is taken as this, so that adding it to a clock reading
-/// cannot overflow.
-pub(crate) fn clamped(d: Duration) -> Duration {
-    d.min(Duration::from_secs(100 * 365 * 24 * 3600))
-}
+pub(crate) use crate::store::clamped;
 
 /// The default filter of [`IdempotencyConfig::store_statuses`]: 2xx and 4xx, but for the
 /// three 4xx that ask for the same request again (RFC 9110 section 15.5.9, RFC 8470, RFC

@@ -64,6 +64,13 @@ pub const STAMP_AHEAD_MS: u64 = 10_000;
 /// `fence proxy --max-lease-ttl`): a signed token claiming a later lease end is refused.
 pub const DEFAULT_MAX_LEASE_TTL: Duration = Duration::from_secs(24 * 3600);
 
+/// The longest duration any setting of the layer keeps: 100 years. Longer (a caller's
+/// `Duration::MAX` for "no limit") is taken as this, so that adding it to a clock reading
+/// cannot overflow.
+pub(crate) fn clamped(d: Duration) -> Duration {
+    d.min(Duration::from_secs(100 * 365 * 24 * 3600))
+}
+
 /// How far apart a destination allows its clock and the lease server's unless told otherwise
 /// (`FenceLayer::clock_skew`, `fence proxy --clock-skew`).
 pub const DEFAULT_CLOCK_SKEW: Duration = Duration::from_secs(5);

@@ -18,9 +18,8 @@ use std::{
 use fence_storage::disk::Tree;
 
 use super::SledStore;
-use crate::{
-    idempotency::clamped,
-    store::{DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, SinkSettings, StoreError, ms},
+use crate::store::{
+    DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, SinkSettings, StoreError, clamped, ms,
 };
 
 /// The `format` key of the record: clock skew, then the longest lease, ms, 8 bytes

@@ -20,10 +20,7 @@ use std::{
 
 use fence_storage::disk::{DurableDb, OpenError, Tree};
 
-use crate::{
-    idempotency::clamped,
-    store::{RunBounds, StoreError, ms},
-};
+use crate::store::{RunBounds, StoreError, clamped, ms};
 
 /// The `format` key of the bounds: running for, then the hold, ms, 8 bytes big-endian each.
 const RUNNING_KEY: &[u8] = b"running";

@@ -1,0 +1,253 @@
+//! Tests of the records a sled store keeps for the processes after: run bounds, forgetting.
+
+use super::*;
+
+/// The bounds a process ran with outlive it: the next one reads them ([`Prior::ran`],
+/// `ran_within`) whatever it is told itself, and records the longer of both while what the
+/// process before admitted may still run; once that has settled (the earlier hold after the
+/// open, on the monotonic clock), the record is lowered to this process's own at its next
+/// load, so a shorter setting counts from the restart after.
+#[tokio::test]
+async fn the_bounds_a_process_ran_with_are_read_by_the_next_and_lowered_once_settled() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let job: JobId = "ran".parse().unwrap();
+    let long = RunBounds::new(Duration::from_secs(600), Duration::from_secs(600));
+    let short = RunBounds::new(Duration::from_secs(30), Duration::from_secs(30));
+    {
+        let a = open();
+        assert_eq!(a.ran_within(), RunBounds::default(), "none recorded yet");
+        a.running_within(long).await.unwrap();
+        a.accept(&job, Generation::new(4), false).await.unwrap();
+    }
+    clock.advance(Duration::from_secs(120));
+    {
+        let b = open();
+        assert_eq!(b.ran_within(), long);
+        let prior = b.load(&job).await.unwrap().prior.expect("stamps");
+        assert_eq!(prior.ran, long, "the job's stamps come with the bounds");
+        b.running_within(short).await.unwrap();
+    }
+    {
+        // B died before what A admitted had settled: its record still says A's bounds.
+        let c = open();
+        assert_eq!(
+            c.ran_within(),
+            long,
+            "lowered while A's requests could still run"
+        );
+        c.running_within(short).await.unwrap();
+        // A's requests may run until A's hold (600 s) after C's open: not lowered a
+        // second before, lowered at it.
+        clock.advance(Duration::from_secs(599));
+        c.load(&job).await.unwrap();
+        assert_eq!(
+            recorded_running(&c),
+            long,
+            "lowered before A's hold ran out"
+        );
+        clock.advance(Duration::from_secs(1));
+        c.load(&job).await.unwrap();
+        assert_eq!(recorded_running(&c), short, "not lowered once it ran out");
+    }
+    assert_eq!(open().ran_within(), short, "never lowered");
+}
+
+/// Forgetting is recorded on disk before the first deletion, for the processes after this
+/// one: with the smallest skew and the shortest longest lease any process forgot under, and
+/// with the defaults when a job is deleted without being told the window first.
+#[tokio::test]
+async fn forgetting_is_recorded_for_the_processes_after_with_the_strictest_bounds() {
+    let dir = tempfile::tempdir().unwrap();
+    let open = || SledStore::open(dir.path()).unwrap();
+    {
+        let store = open();
+        assert_eq!(store.recorded_settings().unwrap(), None);
+        store
+            .forgetting_within(Duration::from_secs(2), Duration::from_secs(3600))
+            .await
+            .unwrap();
+    }
+    {
+        let store = open();
+        let recorded = |skew: u64, ttl: u64| {
+            Some(crate::SinkSettings {
+                forgetting: true,
+                clock_skew: Duration::from_secs(skew),
+                max_lease_ttl: Some(Duration::from_secs(ttl)),
+            })
+        };
+        assert_eq!(store.recorded_settings().unwrap(), recorded(2, 3600));
+        // A later process with a larger skew and a shorter lease: the smaller of each.
+        store
+            .forgetting_within(Duration::from_secs(9), Duration::from_secs(60))
+            .await
+            .unwrap();
+        assert_eq!(store.recorded_settings().unwrap(), recorded(2, 60));
+    }
+    let other = tempfile::tempdir().unwrap();
+    let store = SledStore::open(other.path()).unwrap();
+    let job: JobId = "gone".parse().unwrap();
+    store.observe(&job, Generation::new(1)).await.unwrap();
+    let idle = IdleJob {
+        touched_ms: u64::MAX,
+        job,
+    };
+    // Not deleted (the stamp differs), but recorded first all the same.
+    assert!(!store.forget(&idle).await.unwrap());
+    drop(store);
+    let recorded = SledStore::open(other.path())
+        .unwrap()
+        .recorded_settings()
+        .unwrap()
+        .expect("forgetting recorded before the first deletion");
+    assert_eq!(recorded.clock_skew, crate::DEFAULT_CLOCK_SKEW);
+}
+
+/// Writes `value` under `key` in the `format` tree of the (closed) store in `dir`.
+fn write_format(dir: &Path, key: &[u8], value: &[u8]) {
+    let db = DurableDb::open(dir).unwrap();
+    db.tree("format").unwrap().insert(key, value).unwrap();
+    db.flush_now().unwrap();
+}
+
+/// A `running` record that cannot be decoded refuses the open, naming the directory and
+/// the record, and is left as it was: read as none and then overwritten with the restarted
+/// process's shorter bounds, a newer token would pass while an older request can still
+/// commit. A longer record (a newer build's) is read by its first 16 bytes; one above the
+/// 100-year cap is damage; `clear_running_record` removes it.
+#[tokio::test]
+async fn a_damaged_running_record_refuses_the_open_and_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let long = RunBounds::new(Duration::from_secs(600), Duration::from_secs(60));
+    let mut longer = 600_000u64.to_be_bytes().to_vec();
+    longer.extend_from_slice(&60_000u64.to_be_bytes());
+    longer.extend_from_slice(b"newer");
+    write_format(dir.path(), b"running", &longer);
+    assert!(
+        !SledStore::clear_running_record(dir.path()).unwrap(),
+        "kept: it reads"
+    );
+    assert_eq!(SledStore::open(dir.path()).unwrap().ran_within(), long);
+    let mut above = [0u8; 16];
+    above[..8].copy_from_slice(&u64::MAX.to_be_bytes());
+    for damaged in [&b"short"[..], &above[..]] {
+        write_format(dir.path(), b"running", damaged);
+        let err = SledStore::open(dir.path()).expect_err("a damaged record refuses");
+        assert!(
+            matches!(
+                err,
+                OpenError::Record {
+                    record: "running",
+                    ..
+                }
+            ),
+            "{err:?}"
+        );
+        let text = err.to_string();
+        assert!(text.contains(&dir.path().display().to_string()), "{text}");
+        assert!(text.contains("--clear-running-record"), "{text}");
+        let db = DurableDb::open(dir.path()).unwrap();
+        let kept = db.tree("format").unwrap().get(b"running").unwrap();
+        assert_eq!(kept.as_deref(), Some(damaged), "not overwritten");
+    }
+    assert!(SledStore::clear_running_record(dir.path()).unwrap());
+    assert_eq!(
+        SledStore::open(dir.path()).unwrap().ran_within(),
+        RunBounds::default()
+    );
+}
+
+/// A `forgetting` record that cannot be decoded is an error naming it, where it is read
+/// and before a deletion, and is never written over: read as the defaults, a later proxy
+/// would check expiry by a larger skew or a longer lease than the one that forgot. A longer
+/// record (a newer build's) is read by its first 16 bytes.
+#[tokio::test]
+async fn a_damaged_forgetting_record_is_an_error_and_is_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut longer = 2_000u64.to_be_bytes().to_vec();
+    longer.extend_from_slice(&60_000u64.to_be_bytes());
+    longer.extend_from_slice(b"newer");
+    write_format(dir.path(), b"forgetting", &longer);
+    let recorded = SledStore::open(dir.path())
+        .unwrap()
+        .recorded_settings()
+        .unwrap()
+        .expect("recorded");
+    assert_eq!(recorded.clock_skew, Duration::from_secs(2));
+    assert_eq!(recorded.max_lease_ttl, Some(MINUTE));
+    let damaged = &b"short"[..];
+    write_format(dir.path(), b"forgetting", damaged);
+    {
+        let store = SledStore::open(dir.path()).unwrap();
+        let err = anyhow_chain(&store.recorded_settings().unwrap_err());
+        assert!(err.contains("`forgetting` record"), "{err}");
+        assert!(err.contains(&dir.path().display().to_string()), "{err}");
+        let job: JobId = "gone".parse().unwrap();
+        store.observe(&job, Generation::new(1)).await.unwrap();
+        let idle = IdleJob {
+            touched_ms: u64::MAX,
+            job,
+        };
+        store
+            .forget(&idle)
+            .await
+            .expect_err("not forgotten over it");
+        store
+            .forgetting_within(Duration::from_secs(9), Duration::from_secs(3600))
+            .await
+            .expect_err("not recorded over it");
+    }
+    let db = DurableDb::open(dir.path()).unwrap();
+    let kept = db.tree("format").unwrap().get(b"forgetting").unwrap();
+    assert_eq!(kept.as_deref(), Some(damaged), "not overwritten");
+}
+
+/// An error and its sources, as `fence` prints them.
+fn anyhow_chain(e: &dyn std::error::Error) -> String {
+    let mut out = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        out.push_str(": ");
+        out.push_str(&s.to_string());
+        source = s.source();
+    }
+    out
+}
+
+/// The bounds the `running` record holds now, read from the tree.
+fn recorded_running(store: &SledStore) -> RunBounds {
+    let raw = store.format.get(b"running").unwrap().expect("recorded");
+    let word = |i: usize| {
+        Duration::from_millis(u64::from_be_bytes(
+            raw[i * 8..i * 8 + 8].try_into().unwrap(),
+        ))
+    };
+    RunBounds::new(word(0), word(1))
+}
+
+/// Lowering the `running` record at a load is optional: when its write fails, the load of
+/// an unrelated job still answers (the record keeps the longer bounds, the safe side),
+/// instead of failing the request that happened to come first after the earlier hold.
+#[cfg(feature = "test-hooks")]
+#[tokio::test]
+async fn a_failed_lowering_write_does_not_fail_a_load() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let long = RunBounds::new(Duration::from_secs(600), Duration::from_secs(600));
+    open().running_within(long).await.unwrap();
+    {
+        let store = open();
+        clock.advance(Duration::from_secs(601));
+        store.db.fail_log();
+        let job: JobId = "unrelated".parse().unwrap();
+        let loaded = store.load(&job).await.expect("the load answers");
+        assert_eq!(loaded.highest, Generation::ZERO);
+        assert_eq!(recorded_running(&store), long, "kept the longer bounds");
+    }
+    assert_eq!(open().ran_within(), long);
+}
