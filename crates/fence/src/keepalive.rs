@@ -45,7 +45,16 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
         signal(SignalKind::interrupt())?,
         signal(SignalKind::hangup())?,
     );
-    let held = match client.resume(lease.job, lease.generation, lease.key).await {
+    let resumed = tokio::select! {
+        resumed = client.resume(lease.job, lease.generation, lease.key) => resumed,
+        // A stop asked for while the lease is resumed (a slow or unreachable server) stops
+        // at once, as before the handlers were installed this early: keepalive never
+        // releases, so the lease, if held, runs to its TTL.
+        _ = term.recv() => return Ok(stopped_resuming(&job, generation)),
+        _ = int.recv() => return Ok(stopped_resuming(&job, generation)),
+        _ = hup.recv() => return Ok(stopped_resuming(&job, generation)),
+    };
+    let held = match resumed {
         Ok(held) => held,
         Err(e @ ClaimError::NotHeld { .. }) => {
             say!("fence keepalive: {e}");
@@ -134,4 +143,12 @@ pub async fn keepalive(a: KeepaliveCmd) -> anyhow::Result<i32> {
     // Dropping the lease stops its keeper; it neither releases nor completes.
     drop(held);
     Ok(0)
+}
+
+/// Says that keepalive stopped before its first renewal answered; exit 0, as any stop.
+fn stopped_resuming(job: &fence_core::JobId, generation: fence_core::Generation) -> i32 {
+    say!(
+        "fence keepalive: stopped before the lease of job {job} (generation {generation}) was renewed; if it is held, it ends at its TTL"
+    );
+    0
 }
