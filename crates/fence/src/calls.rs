@@ -228,7 +228,15 @@ pub async fn call(call: Call) -> anyhow::Result<i32> {
         }
         _ => String::from_utf8_lossy(&answer).trim_end().to_owned(),
     };
-    if let Err(e) = print_answer(status, &printed) {
+    let printed = print_answer(status, &printed).and_then(|written| {
+        // A reader gone before a granted claim's answer took its lease key with it.
+        if written || !granted {
+            Ok(())
+        } else {
+            Err(std::io::ErrorKind::BrokenPipe.into())
+        }
+    });
+    if let Err(e) = printed {
         if granted {
             // Granted, but the lease key (shown nowhere else) did not reach the caller.
             say!(

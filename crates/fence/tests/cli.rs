@@ -197,6 +197,25 @@ fn leases_into_a_pipe_closed_early_end_quietly() {
     assert!(!said.contains("panicked"), "{said}");
 }
 
+/// A claim granted while its stdout is a closed pipe: the lease key, shown nowhere else, is
+/// lost, and the command says so and exits 1 (it exited 0 as if the caller had its lease).
+#[test]
+fn a_granted_claim_into_a_closed_pipe_says_its_key_is_lost() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, server) = start_server(&dir.path().join("leases"));
+    let (reader, writer) = std::io::pipe().unwrap();
+    drop(reader);
+    let out = Command::new(FENCE)
+        .args(["claim", "--server", &server, "--job", "unread"])
+        .stdout(writer)
+        .stderr(Stdio::piped())
+        .output()
+        .unwrap();
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{said}");
+    assert!(said.contains("lease key is lost"), "{said}");
+}
+
 #[test]
 fn demo_runs_the_worked_example() {
     let out = Command::new(FENCE)
