@@ -267,7 +267,13 @@ impl SeatHold {
             Ok(seat) => drop(seat),
             // A request of it goes on: picked for room, it is no longer room on its way; its
             // seat stays taken until the last share goes.
-            Err(shared) => shared.conn.uncount(),
+            Err(shared) => {
+                // Let go of this share first: were it the last by now (the other dropped
+                // meanwhile), its drop frees the slot before the uncount below finds it.
+                let conn = shared.conn.clone();
+                drop(shared);
+                conn.uncount();
+            }
         }
     }
 }
