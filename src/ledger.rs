@@ -1,7 +1,8 @@
 //! The ledger gRPC service of the examples and tests (`examples/proto/ledger.proto`): books
 //! every charge that reaches it, with the fencing metadata it came with. A charge to an
-//! account named `slow-<ms>` takes that long, and one to the account `held` waits for
-//! [`Books::release_held`] (tests hold a call in flight with them).
+//! account named `slow-<ms>` takes that long, and, in books made with [`Books::holding`],
+//! one to the account `held` waits for [`Books::release_held`] (tests hold a call in flight
+//! with them).
 
 use std::sync::{
     Arc, Mutex,
@@ -39,8 +40,9 @@ pub struct Books {
     entries: Arc<Mutex<Vec<Entry>>>,
     /// Unary charges that reached the service, booked or not yet.
     reached: Arc<AtomicUsize>,
-    /// What a charge to the account `held` waits for: closed by `release_held`.
-    held: Arc<tokio::sync::Semaphore>,
+    /// What a charge to the account `held` waits for, in books made with `holding`: closed
+    /// by `release_held`. None: such a charge is booked like any other.
+    held: Option<Arc<tokio::sync::Semaphore>>,
 }
 
 impl Default for Books {
@@ -48,12 +50,22 @@ impl Default for Books {
         Self {
             entries: Arc::default(),
             reached: Arc::default(),
-            held: Arc::new(tokio::sync::Semaphore::new(0)),
+            held: None,
         }
     }
 }
 
 impl Books {
+    /// Books where a charge to the account `held` waits until [`release_held`](Self::release_held)
+    /// (a test's call held in flight past the fence). The examples' books book it at once.
+    #[must_use]
+    pub fn holding() -> Self {
+        Self {
+            held: Some(Arc::new(tokio::sync::Semaphore::new(0))),
+            ..Self::default()
+        }
+    }
+
     /// How many unary charges have reached the service so far (those still running too): a
     /// test's sign that a call is in flight past the fence.
     pub fn reached(&self) -> usize {
@@ -62,7 +74,9 @@ impl Books {
 
     /// Lets every charge to the account `held` go on, now and from now on.
     pub fn release_held(&self) {
-        self.held.close();
+        if let Some(held) = &self.held {
+            held.close();
+        }
     }
 
     /// Every charge booked so far, in order.
@@ -100,9 +114,11 @@ impl Ledger for Books {
         request: Request<ChargeRequest>,
     ) -> Result<Response<ChargeReply>, Status> {
         self.reached.fetch_add(1, Ordering::SeqCst);
-        if request.get_ref().account == "held" {
+        if let Some(held) = &self.held
+            && request.get_ref().account == "held"
+        {
             // Closed, not granted: the semaphore never has a permit.
-            let _ = self.held.acquire().await;
+            let _ = held.acquire().await;
         }
         if let Some(ms) = request.get_ref().account.strip_prefix("slow-") {
             let ms = ms.parse().unwrap_or(0u64).min(60_000);

@@ -29,7 +29,8 @@ async fn serve<St>(layer: FenceLayer<St>) -> (Channel, Books)
 where
     St: GenerationStore + IdempotencyStore,
 {
-    let books = Books::default();
+    // A charge to the account `held` waits until the test lets it go.
+    let books = Books::holding();
     let routes = Routes::new(LedgerServer::new(books.clone()));
     let server = Server::builder().layer(layer).add_routes(routes);
     (
