@@ -129,8 +129,9 @@ impl Health {
         let job: Arc<dyn Fn(JobId) -> JobCheck + Send + Sync> = Arc::new(move |job| {
             let (layer, reads) = (reader.clone(), reads.clone());
             Box::pin(async move {
-                // A job not cached is read from the store: a few at a time, so that a flood
-                // of reads takes no more of a PostgreSQL pool than that.
+                // A job may have to be read from the store (one not cached): a few reads at
+                // a time, cached or not, so that a flood takes no more of a PostgreSQL pool
+                // than that.
                 let Ok(_reading) = reads.try_acquire_owned() else {
                     return Err(Problem::new(
                         ProblemType::Overloaded,

@@ -72,6 +72,10 @@ type ProxyBody = fence_sink::ResponseBody<UpstreamBody>;
 /// in-flight requests (graceful, bounded by [`SHUTDOWN_GRACE`]). The store's forgetting
 /// record is not checked here (see the module's documentation).
 ///
+/// A worker that panics ends the whole process at once with status 70
+/// ([`std::process::exit`]), its requests in flight still counted: a graceful stop would let
+/// the other workers admit a newer token beside them. Run it under a supervisor.
+///
 /// # Errors
 ///
 /// When `config.upstream` is not an `http(s)://host[:port][/path]` URI (no other scheme,
