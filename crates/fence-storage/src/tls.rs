@@ -23,6 +23,8 @@ use rustls::{
     client::danger::{HandshakeSignatureValid, ServerCertVerified, ServerCertVerifier},
     crypto::CryptoProvider,
     pki_types::{CertificateDer, PrivateKeyDer, ServerName, UnixTime, pem::PemObject},
+    server::ResolvesServerCert,
+    sign::CertifiedKey,
 };
 
 /// Why a TLS configuration could not be made.
@@ -81,6 +83,34 @@ pub fn certificates(
 /// # Errors
 /// When a file cannot be read or parsed, or the key does not fit the certificate.
 pub fn server_config(cert: &Path, key: &Path, alpn: &[&[u8]]) -> Result<ServerConfig, TlsError> {
+    let pair = Arc::new(certified_key(cert, key)?);
+    server_config_with(Arc::new(Fixed(pair)), alpn)
+}
+
+/// A server configuration that takes its certificate from `resolver` at each handshake (one
+/// that can be swapped while the listener runs), offering the `alpn` protocols in order.
+///
+/// # Errors
+/// When the provider refuses the protocol versions (it does not).
+pub fn server_config_with(
+    resolver: Arc<dyn ResolvesServerCert>,
+    alpn: &[&[u8]],
+) -> Result<ServerConfig, TlsError> {
+    let mut config = ServerConfig::builder_with_provider(provider())
+        .with_safe_default_protocol_versions()
+        .map_err(TlsError::Rustls)?
+        .with_no_client_auth()
+        .with_cert_resolver(resolver);
+    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
+    Ok(config)
+}
+
+/// The certificate chain in `cert` and its private key in `key` (PEM), checked to fit
+/// together.
+///
+/// # Errors
+/// When a file cannot be read or parsed, or the key does not fit the certificate.
+pub fn certified_key(cert: &Path, key: &Path) -> Result<CertifiedKey, TlsError> {
     let chain = certificates("certificate file", cert)?;
     let key_path = key;
     let key = PrivateKeyDer::from_pem_file(key).map_err(|e| {
@@ -97,24 +127,27 @@ pub fn server_config(cert: &Path, key: &Path, alpn: &[&[u8]]) -> Result<ServerCo
             file_error("key file", key, e)
         }
     })?;
-    let mut config = ServerConfig::builder_with_provider(provider())
-        .with_safe_default_protocol_versions()
-        .map_err(TlsError::Rustls)?
-        .with_no_client_auth()
-        .with_single_cert(chain, key)
-        .map_err(|e| match e {
-            rustls::Error::InconsistentKeys(_) => file_error(
-                "key file",
-                key_path,
-                format!(
-                    "it does not match the certificate in {} (give the key the certificate was issued for)",
-                    cert.display()
-                ),
+    CertifiedKey::from_der(chain, key, &provider()).map_err(|e| match e {
+        rustls::Error::InconsistentKeys(_) => file_error(
+            "key file",
+            key_path,
+            format!(
+                "it does not match the certificate in {} (give the key the certificate was issued for)",
+                cert.display()
             ),
-            other => file_error("key file", key_path, other),
-        })?;
-    config.alpn_protocols = alpn.iter().map(|p| p.to_vec()).collect();
-    Ok(config)
+        ),
+        other => file_error("key file", key_path, other),
+    })
+}
+
+/// One certificate for every handshake.
+#[derive(Debug)]
+struct Fixed(Arc<CertifiedKey>);
+
+impl ResolvesServerCert for Fixed {
+    fn resolve(&self, _: rustls::server::ClientHello<'_>) -> Option<Arc<CertifiedKey>> {
+        Some(self.0.clone())
+    }
 }
 
 /// The roots a client trusts: every certificate of `ca` when given (and only those, as

@@ -38,6 +38,7 @@ pub mod proxy;
 pub mod run;
 pub mod serve;
 pub mod server;
+pub mod server_cert;
 pub mod telemetry;
 #[cfg(feature = "test-hooks")]
 pub mod test_hooks;

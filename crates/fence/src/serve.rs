@@ -47,10 +47,15 @@ fn listen_options(
 ) -> anyhow::Result<(Option<Arc<rustls::ServerConfig>>, Limits)> {
     let tls = match (&args.tls_cert, &args.tls_key) {
         (Some(cert), Some(key)) => {
-            let config =
-                fence_storage::tls::server_config(cert, key, alpn).map_err(Usage::from_error)?;
+            // Checked for its dates too: one that has ended would fail every handshake.
+            let resolver = crate::server_cert::ServerCert::load(cert, key)?;
+            let config = fence_storage::tls::server_config_with(resolver.clone(), alpn)
+                .map_err(Usage::from_error)?;
             // Once it is usable: a start that fails says one thing.
             warn_if_others_may_read(key, "--tls-key");
+            resolver
+                .reload_on_sighup()
+                .context("installing the SIGHUP handler")?;
             Some(Arc::new(config))
         }
         _ => None,
@@ -105,7 +110,6 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
         ));
     }
     let auth = load_if_given(a.auth_file.as_deref(), Auth::load)?;
-    on_hangup(auth.clone(), "--auth-file").context("installing the SIGHUP handler")?;
     if auth.is_none() && !a.listen.ip().is_loopback() {
         if !a.insecure_no_auth {
             return Err(Usage::error(format!(
@@ -116,6 +120,8 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
         tracing::warn!(listen = %a.listen, "--insecure-no-auth: the lease API is open to anyone who can reach it");
     }
     let (tls, limits) = listen_options(&a.listener, &[b"h2", b"http/1.1"])?;
+    on_hangup(auth.clone(), "--auth-file", tls.is_some())
+        .context("installing the SIGHUP handler")?;
     if tls.is_none() && !a.listen.ip().is_loopback() {
         if !a.insecure_no_tls {
             return Err(Usage::error(format!(
@@ -311,7 +317,8 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
             a.admin_listen
         )));
     }
-    on_hangup(admin_auth.clone(), "--admin-auth-file").context("installing the SIGHUP handler")?;
+    on_hangup(admin_auth.clone(), "--admin-auth-file", tls.is_some())
+        .context("installing the SIGHUP handler")?;
     let tcp = bind(a.listen, "--listen").await?;
     let admin = bind(a.admin_listen, "--admin-listen").await?;
     if a.clear_running_record {

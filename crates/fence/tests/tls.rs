@@ -684,3 +684,154 @@ fn a_server_that_never_answers_the_tls_handshake_is_passed_over() {
         "the healthy server was asked only after {took:?} (the call's timeout is 10 s)"
     );
 }
+
+/// A self-signed certificate for localhost, its dates set by `dates`, and its key, written
+/// into `dir` as `NAME.pem` and `NAME-key.pem`.
+fn dated_certificate(
+    dir: &std::path::Path,
+    name: &str,
+    dates: impl FnOnce(&mut rcgen::CertificateParams),
+) -> (std::path::PathBuf, std::path::PathBuf) {
+    let key = rcgen::KeyPair::generate().unwrap();
+    let mut params = rcgen::CertificateParams::new(vec!["localhost".to_owned()]).unwrap();
+    dates(&mut params);
+    let cert = params.self_signed(&key).unwrap();
+    let (cert_path, key_path) = (
+        dir.join(format!("{name}.pem")),
+        dir.join(format!("{name}-key.pem")),
+    );
+    std::fs::write(&cert_path, cert.pem()).unwrap();
+    std::fs::write(&key_path, key.serialize_pem()).unwrap();
+    (cert_path, key_path)
+}
+
+/// A listener certificate that has ended (or not begun) fails every handshake, so every
+/// client's lease at once: the server and the proxy refuse it at start, exit 2 with one line
+/// naming the file and the date; one ending within 30 days starts with a warning.
+#[test]
+fn a_listener_certificate_outside_its_dates_stops_the_start() {
+    let dir = tempfile::tempdir().unwrap();
+    let data = dir.path().join("data");
+    for (name, from, to, want, date) in [
+        ("ended", 2000, 2001, "expired (notAfter", "2001"),
+        ("unbegun", 2100, 2110, "not valid yet (notBefore", "2100"),
+    ] {
+        let (cert, key) = dated_certificate(dir.path(), name, |p| {
+            p.not_before = rcgen::date_time_ymd(from, 1, 1);
+            p.not_after = rcgen::date_time_ymd(to, 1, 1);
+        });
+        let tls = [
+            "--tls-cert",
+            cert.to_str().unwrap(),
+            "--tls-key",
+            key.to_str().unwrap(),
+            "--data-dir",
+            data.to_str().unwrap(),
+        ];
+        let server = server_args(data.to_str().unwrap(), &tls[..4]);
+        let proxy = proxy_args("http://127.0.0.1:9", &tls);
+        for args in [server, proxy] {
+            // A listener that starts anyway is stopped, and fails the test, rather than hang it.
+            let out = Command::new("timeout")
+                .arg("20")
+                .arg(FENCE)
+                .args(&args)
+                .output()
+                .unwrap();
+            let stderr = String::from_utf8_lossy(&out.stderr);
+            assert_eq!(out.status.code(), Some(2), "{name} {args:?}: {stderr}");
+            assert_eq!(stderr.trim_end().lines().count(), 1, "{stderr}");
+            for part in [want, &cert.display().to_string(), date] {
+                assert!(stderr.contains(part), "{name}: {stderr} lacks {part:?}");
+            }
+        }
+    }
+    let (cert, key) = dated_certificate(dir.path(), "ending", |p| {
+        let now = rcgen::date_time_ymd(1970, 1, 1)
+            + std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap();
+        let day = Duration::from_secs(86_400);
+        p.not_before = now - day;
+        p.not_after = now + 10 * day;
+    });
+    let (_server, _addr, log) = start_logged(
+        &server_args(
+            data.to_str().unwrap(),
+            &[
+                "--tls-cert",
+                cert.to_str().unwrap(),
+                "--tls-key",
+                key.to_str().unwrap(),
+            ],
+        ),
+        "info",
+    );
+    let said = log.wait_for("fewer than 30 days");
+    assert!(
+        said.contains("days_left=9") || said.contains("days_left=10"),
+        "{said}"
+    );
+}
+
+/// SIGHUP re-reads --tls-cert and --tls-key: a renewed certificate (here: of another CA) is
+/// what the next handshake sees, without a restart; a pair that does not load (garbage, a key
+/// that does not fit) keeps the one already loaded, with a warning saying why.
+#[test]
+fn sighup_reloads_the_listener_certificate_and_a_bad_one_keeps_the_old() {
+    let (one, two) = (TestCa::new(), TestCa::new());
+    let dir = tempfile::tempdir().unwrap();
+    let (cert, key) = (dir.path().join("tls.pem"), dir.path().join("tls-key.pem"));
+    std::fs::copy(&one.cert, &cert).unwrap();
+    std::fs::copy(&one.key, &key).unwrap();
+    let data = dir.path().join("data");
+    let (server, addr, log) = start_logged(
+        &server_args(
+            data.to_str().unwrap(),
+            &[
+                "--tls-cert",
+                cert.to_str().unwrap(),
+                "--tls-key",
+                key.to_str().unwrap(),
+            ],
+        ),
+        "info",
+    );
+    let healthz = format!("https://{addr}/healthz");
+    assert_eq!(curl(&one.ca, &[&healthz]).0, 200);
+    std::fs::copy(&two.cert, &cert).unwrap();
+    std::fs::copy(&two.key, &key).unwrap();
+    assert_eq!(
+        curl(&one.ca, &[&healthz]).0,
+        200,
+        "nothing changes before SIGHUP"
+    );
+    signal(&server, "-HUP");
+    log.wait_for("TLS certificate reloaded");
+    assert_eq!(
+        curl(&two.ca, &[&healthz]).0,
+        200,
+        "the new certificate is served"
+    );
+    assert_ne!(curl(&one.ca, &[&healthz]).0, 200, "the old one is not");
+    assert!(!log.text().contains("nothing to reload"), "{}", log.text());
+
+    std::fs::write(&cert, "not PEM\n").unwrap();
+    signal(&server, "-HUP");
+    let said = log.wait_for("TLS certificate not reloaded");
+    assert!(said.contains(cert.to_str().unwrap()), "{said}");
+    assert_eq!(
+        curl(&two.ca, &[&healthz]).0,
+        200,
+        "garbage keeps the old pair"
+    );
+    std::fs::copy(&one.cert, &cert).unwrap();
+    signal(&server, "-HUP");
+    let said = log.wait_for_nth("TLS certificate not reloaded", 2);
+    assert!(said.contains("does not match"), "{said}");
+    assert_eq!(
+        curl(&two.ca, &[&healthz]).0,
+        200,
+        "a key that does not fit neither"
+    );
+}

@@ -243,7 +243,10 @@ pub struct IdempotencyKeyCmd {
 /// Where a listener listens, with TLS or not, and its limits.
 #[derive(Args, Debug, Clone)]
 pub struct ListenArgs {
-    /// Serve HTTPS with this certificate chain (PEM), with --tls-key.
+    /// Serve HTTPS with this certificate chain (PEM), with --tls-key. One that has expired or
+    /// is not valid yet stops the start (exit 2); fewer than 30 days left is warned about.
+    /// SIGHUP re-reads both files: new connections get the new pair, and one that does not
+    /// load keeps the old pair (with a warning).
     #[arg(
         long,
         value_name = "FILE",

@@ -50,12 +50,12 @@ impl StopSignals {
 }
 
 /// Handles SIGHUP from here on: reloads `auth` when there is one (`flag` names its file),
-/// else logs that there is nothing to reload. Without a handler the signal's default action
-/// ends the process at once, with no drain and no last flush: a stray hang-up (a closed
-/// terminal, `docker kill -s HUP`, a log rotation's script) must not do that to a server
-/// that took no auth file. Installed before the store opens, so that a hang-up during a
-/// long start does not either.
-pub(super) fn on_hangup(auth: Option<Auth>, flag: &'static str) -> std::io::Result<()> {
+/// else, unless `tls` reloads its certificate on it, logs that there is nothing to reload.
+/// Without a handler the signal's default action ends the process at once, with no drain
+/// and no last flush: a stray hang-up (a closed terminal, `docker kill -s HUP`, a log
+/// rotation's script) must not do that to a server that took no auth file. Installed before
+/// the store opens, so that a hang-up during a long start does not either.
+pub(super) fn on_hangup(auth: Option<Auth>, flag: &'static str, tls: bool) -> std::io::Result<()> {
     if let Some(auth) = auth {
         auth.reload_on_sighup()?;
         return Ok(());
@@ -63,7 +63,9 @@ pub(super) fn on_hangup(auth: Option<Auth>, flag: &'static str) -> std::io::Resu
     let mut hup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
     tokio::spawn(async move {
         while hup.recv().await.is_some() {
-            tracing::info!("SIGHUP: nothing to reload (no {flag}); going on");
+            if !tls {
+                tracing::info!("SIGHUP: nothing to reload (no {flag}); going on");
+            }
         }
     });
     Ok(())
