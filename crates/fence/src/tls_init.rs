@@ -62,7 +62,18 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
         wanted.push(file(&format!("client-{client}.pem")));
         wanted.push(file(&format!("client-{client}-key.pem")));
     }
-    if let Some(there) = wanted.iter().find(|p| p.exists()) {
+    // `--client a --client a-key`: client-a-key.pem would be a's key and a-key's
+    // certificate, and the second write would fail with half of DIR written.
+    for (i, path) in wanted.iter().enumerate() {
+        if wanted[..i].contains(path) {
+            return Err(crate::Usage::error(format!(
+                "{} would be written twice (as one client's key and another's certificate): rename a --client",
+                path.display()
+            )));
+        }
+    }
+    // A link is there too, even one that leads nowhere: writing would fail on it later.
+    if let Some(there) = wanted.iter().find(|p| p.symlink_metadata().is_ok()) {
         return Err(crate::Usage::error(format!(
             "{} is already there: fence tls init never overwrites; give another directory",
             there.display()

@@ -835,3 +835,41 @@ fn sighup_reloads_the_listener_certificate_and_a_bad_one_keeps_the_old() {
         "a key that does not fit neither"
     );
 }
+
+/// Two clients whose files collide (`a`'s key is `a-key`'s certificate) are refused before
+/// anything is written: the second write used to fail with half of DIR written, which every
+/// rerun then refused. A dangling link named like an output is "already there" too.
+#[test]
+fn tls_init_refuses_colliding_clients_and_dangling_links_before_writing() {
+    let dir = tempfile::tempdir().unwrap();
+    let out_dir = dir.path().join("d");
+    let out = fence(&[
+        "tls",
+        "init",
+        out_dir.to_str().unwrap(),
+        "--client",
+        "a",
+        "--client",
+        "a-key",
+    ]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(
+        said.contains("client-a-key.pem would be written twice"),
+        "{said}"
+    );
+    let left = std::fs::read_dir(&out_dir).map_or(0, Iterator::count);
+    assert_eq!(left, 0, "files were written");
+    let linked = dir.path().join("linked");
+    std::fs::create_dir(&linked).unwrap();
+    std::os::unix::fs::symlink(dir.path().join("nowhere"), linked.join("server.pem")).unwrap();
+    let out = fence(&["tls", "init", linked.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains("server.pem is already there"), "{said}");
+    assert_eq!(
+        std::fs::read_dir(&linked).unwrap().count(),
+        1,
+        "files were written"
+    );
+}
