@@ -121,10 +121,19 @@ pub fn init(a: &TlsInitCmd) -> anyhow::Result<Made> {
         .with_context(|| format!("cannot create {}", dir.display()))?;
     // One that was there already is checked: whoever may write in it may replace the
     // certificates (and read the keys through a link planted before they are written).
-    let mode = std::fs::metadata(dir)
-        .with_context(|| format!("cannot read {}", dir.display()))?
-        .permissions()
-        .mode();
+    let meta = std::fs::metadata(dir).with_context(|| format!("cannot read {}", dir.display()))?;
+    let mode = meta.permissions().mode();
+    // Its owner may chmod it, and replace what is written, as well.
+    let (owner, me) = (
+        std::os::unix::fs::MetadataExt::uid(&meta),
+        nix::unistd::geteuid().as_raw(),
+    );
+    if owner != me && owner != 0 {
+        return Err(crate::Usage::error(format!(
+            "{}: owned by uid {owner}, not by this user (uid {me}) or root, who could replace ca.pem or server.pem; name a directory of your own",
+            dir.display()
+        )));
+    }
     if mode & 0o022 != 0 {
         return Err(crate::Usage::error(format!(
             "{}: group or others may write in it (mode {:o}), and so replace ca.pem or server.pem; chmod go-w it, or name another directory",

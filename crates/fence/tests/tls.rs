@@ -873,3 +873,32 @@ fn tls_init_refuses_colliding_clients_and_dangling_links_before_writing() {
         "files were written"
     );
 }
+
+/// A directory that is there and owned by another user (not root): its owner could replace
+/// ca.pem or server.pem, or chmod it; refused with exit 2, nothing written. (As root, the
+/// test's directory is made another user's with chown.)
+#[test]
+fn tls_init_refuses_a_directory_of_another_user() {
+    let dir = tempfile::tempdir().unwrap();
+    let theirs = dir.path().join("theirs");
+    std::fs::create_dir(&theirs).unwrap();
+    let me = std::fs::metadata("/proc/self").map(|m| std::os::unix::fs::MetadataExt::uid(&m));
+    let other = if me.ok() == Some(65_534) {
+        65_533
+    } else {
+        65_534
+    };
+    if std::os::unix::fs::chown(&theirs, Some(other), None).is_err() {
+        eprintln!("skipped: cannot chown (not root)");
+        return;
+    }
+    let out = fence(&["tls", "init", theirs.to_str().unwrap()]);
+    let said = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{said}");
+    assert!(said.contains(&format!("owned by uid {other}")), "{said}");
+    assert_eq!(
+        std::fs::read_dir(&theirs).unwrap().count(),
+        0,
+        "written anyway"
+    );
+}
