@@ -38,8 +38,10 @@ pub struct TlsInitCmd {
     /// An IP address the server is reached by; repeat for several.
     #[arg(long, value_name = "IP")]
     pub ip: Vec<std::net::IpAddr>,
-    /// Also make a client certificate (for peers that check client certificates, such as
-    /// PostgreSQL's clientcert=verify-full); repeat for several.
+    /// Also make a client certificate signed by the same CA, for your own clients to present
+    /// to peers of yours that check client certificates; repeat for several. fence itself
+    /// presents none (not to its lease server, the proxy's upstream nor PostgreSQL), and its
+    /// listeners do not ask for one.
     #[arg(long, value_name = "NAME")]
     pub client: Vec<String>,
     /// How long the server and client certificates are valid, in days (the CA: ten years).
