@@ -21,10 +21,12 @@ use deadpool_postgres::{Manager, ManagerConfig, Pool, RecyclingMethod};
 
 mod listen;
 mod password;
+mod root_cert;
 pub mod throwaway;
 
 pub use listen::{Listener, channel_name, listen};
 use password::fill_password;
+use root_cert::check_root_cert;
 
 /// The database's clock in milliseconds since the Unix epoch, as an SQL expression. Every
 /// decision about time that a PostgreSQL store makes reads this clock, never a process's.
@@ -104,6 +106,9 @@ pub enum SetupError {
     /// `sslmode` names no mode libpq knows.
     #[error("sslmode={0:?} is not one of disable, allow, prefer, require, verify-ca, verify-full")]
     SslMode(String),
+    /// `sslrootcert` with an `sslmode` that would not use it.
+    #[error("{0}")]
+    RootCert(String),
     /// The TLS configuration could not be made (a root certificate file, say).
     #[error("cannot set up TLS to PostgreSQL")]
     Tls(#[from] crate::tls::TlsError),
@@ -197,11 +202,13 @@ fn options(url: &str) -> Result<Options, SetupError> {
         root_cert: None,
         passfile: None,
     };
+    let (mut mode_given, mut system_roots) = (None, false);
     for pair in query.split('&').filter(|p| !p.is_empty()) {
         let (key, value) = pair.split_once('=').unwrap_or((pair, ""));
         let value = percent_decode(value);
         match key {
             "sslmode" => {
+                mode_given = Some(value.clone());
                 opts.ssl = match value.as_str() {
                     "disable" => SslMode::Disable,
                     "allow" | "prefer" => SslMode::Prefer,
@@ -211,11 +218,14 @@ fn options(url: &str) -> Result<Options, SetupError> {
                     other => return Err(SetupError::SslMode(other.to_owned())),
                 };
             }
-            "sslrootcert" => opts.root_cert = Some(PathBuf::from(value)),
+            // libpq's `system`: the system's roots, not a file of that name.
+            "sslrootcert" if value == "system" => (system_roots, opts.root_cert) = (true, None),
+            "sslrootcert" => (system_roots, opts.root_cert) = (false, Some(PathBuf::from(value))),
             "passfile" => opts.passfile = Some(PathBuf::from(value)),
             _ => kept.push(pair),
         }
     }
+    check_root_cert(&mut opts, mode_given.as_deref(), system_roots)?;
     // tokio-postgres knows disable, prefer and require; verification is ours.
     kept.push(match opts.ssl {
         SslMode::Disable => "sslmode=disable",
@@ -402,7 +412,8 @@ fn session(
 /// TLS follows libpq's `sslmode`: `disable`, `prefer` (the default; unverified; `allow` is
 /// read as `prefer`), `require` (encrypted, unverified, unless `sslrootcert` is given: then
 /// as `verify-ca`), `verify-ca` (the certificate checked against `sslrootcert` or the
-/// system roots) and `verify-full` (and its host name too). Without a password in the
+/// system roots) and `verify-full` (and its host name too). `sslrootcert` with a mode that
+/// would not use it is refused; `sslrootcert=system` is the system roots and `verify-full`. Without a password in the
 /// string, `PGPASSWORD` or the passfile (`passfile=`, `PGPASSFILE`, `~/.pgpass`) gives it, so
 /// it need not appear on a command line.
 ///

@@ -20,6 +20,41 @@ fn fence_reads_the_tls_and_password_options_itself() {
         "postgres://h/db?sslmode=disable"
     );
     assert!(options("postgres://h/db?sslmode=maybe").is_err());
+    // A root certificate with a mode that would not use it: refused, saying what to give.
+    for (query, want) in [
+        ("sslrootcert=/ca.pem", "sslmode=prefer (the default)"),
+        ("sslrootcert=/ca.pem&sslmode=prefer", "sslmode=prefer:"),
+        ("sslmode=allow&sslrootcert=/ca.pem", "sslmode=allow:"),
+        ("sslmode=disable&sslrootcert=/ca.pem", "sslmode=disable:"),
+        (
+            "sslrootcert=system&sslmode=require",
+            "needs sslmode=verify-full",
+        ),
+        (
+            "sslmode=verify-ca&sslrootcert=system",
+            "not sslmode=verify-ca",
+        ),
+    ] {
+        let said = options(&format!("postgres://h/db?{query}"))
+            .unwrap_err()
+            .to_string();
+        assert!(said.contains(want), "{query}: {said}");
+    }
+    for mode in ["require", "verify-ca", "verify-full"] {
+        let o = options(&format!(
+            "postgres://h/db?sslrootcert=/ca.pem&sslmode={mode}"
+        ))
+        .unwrap();
+        assert_eq!(o.root_cert, Some(PathBuf::from("/ca.pem")), "{mode}");
+    }
+    // `system`: the system's roots (no file of that name), verify-full by default.
+    for query in [
+        "sslrootcert=system",
+        "sslrootcert=system&sslmode=verify-full",
+    ] {
+        let o = options(&format!("postgres://h/db?{query}")).unwrap();
+        assert_eq!((o.ssl, o.root_cert), (SslMode::VerifyFull, None), "{query}");
+    }
     let pgpass = "# comment\nother:5432:*:u:nope\nh:*:db:u:s3cr\\:et\n*:*:*:*:fallback\n";
     assert_eq!(
         passfile_password(pgpass, "h", 5432, "db", "u").as_deref(),
