@@ -35,7 +35,7 @@ pub struct Entry {
 }
 
 /// A ledger in memory. Clones share the books.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, Default)]
 pub struct Books {
     entries: Arc<Mutex<Vec<Entry>>>,
     /// Unary charges that reached the service, booked or not yet.
@@ -43,16 +43,6 @@ pub struct Books {
     /// What a charge to the account `held` waits for, in books made with `holding`: closed
     /// by `release_held`. None: such a charge is booked like any other.
     held: Option<Arc<tokio::sync::Semaphore>>,
-}
-
-impl Default for Books {
-    fn default() -> Self {
-        Self {
-            entries: Arc::default(),
-            reached: Arc::default(),
-            held: None,
-        }
-    }
 }
 
 impl Books {
