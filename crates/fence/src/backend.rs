@@ -97,9 +97,13 @@ impl Backend {
                 LeaseBackend::Sled(store)
             }
             Self::Postgres { url, schema } => {
+                // No connection is made yet: what fails here is the URL (a bad sslmode, an
+                // sslrootcert it would not use, a file that cannot be read): usage, exit 2.
                 let pg = PgLeaseStore::connect(url, PgTable::new(schema, "leases")?)
                     .await
-                    .context("connecting to PostgreSQL")?;
+                    .map_err(|e| {
+                        crate::Usage::from_error(anyhow::Error::new(e).context("--store"))
+                    })?;
                 pg.migrate()
                     .await
                     .context("creating the lease table in PostgreSQL")?;
@@ -167,9 +171,12 @@ impl Backend {
                 SinkBackend::Sled(store)
             }
             Self::Postgres { url, schema } => {
+                // No connection is made yet: what fails here is the URL, usage (exit 2).
                 let pg = PgStore::connect(url, PgTables::new(schema, "sink")?)
                     .await
-                    .context("connecting to PostgreSQL")?;
+                    .map_err(|e| {
+                        crate::Usage::from_error(anyhow::Error::new(e).context("--store"))
+                    })?;
                 pg.migrate()
                     .await
                     .context("creating the fence tables in PostgreSQL")?;

@@ -945,6 +945,20 @@ fn a_lease_key_or_store_url_that_does_not_check_is_not_repeated() {
             "the password was repeated: {stderr}"
         );
     }
+    // A postgres:// URL whose TLS options do not go together is usage too (exit 2), and
+    // its password is not repeated either.
+    let out = Command::new(FENCE)
+        .args(["server", "--listen", "127.0.0.1:0"])
+        .env(
+            "FENCE_STORE",
+            "postgres://fence:S3cretPw@127.0.0.1:1/fence?sslrootcert=/etc/ca.pem",
+        )
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("sslrootcert"), "{stderr}");
+    assert!(!stderr.contains("S3cretPw"), "{stderr}");
 }
 
 /// A claim answered 503 by a store that failed may have been granted under a lease key that
