@@ -56,6 +56,7 @@ fn listen_options(
             resolver
                 .reload_on_sighup()
                 .context("installing the SIGHUP handler")?;
+            resolver.watch_dates();
             Some(Arc::new(config))
         }
         _ => None,
