@@ -493,6 +493,9 @@ export function fencedFetch(lease, fetchImpl = globalThis.fetch) {
 export function fencedBody(lease, source) {
   const chunks = source[Symbol.asyncIterator] ? source[Symbol.asyncIterator]() : source[Symbol.iterator]();
   const encoder = new TextEncoder();
+  // highWaterMark 0: nothing is read ahead into the stream's queue, so pull runs only when fetch
+  // asks for the next chunk and each chunk (and the end) is checked just before it is taken. With
+  // the default of one queued chunk, a chunk checked before the loss could go out after it.
   return new ReadableStream({
     async pull(controller) {
       lease.headers(); // throws LeaseLost: the stream errors, nothing more is sent
@@ -505,5 +508,5 @@ export function fencedBody(lease, source) {
     async cancel(reason) {
       await chunks.return?.(reason);
     },
-  });
+  }, { highWaterMark: 0 });
 }

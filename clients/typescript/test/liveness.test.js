@@ -125,3 +125,14 @@ test('a body wrapped by fencedBody is cut at the loss', async (t) => {
   assert.ok(received[0].includes('first chunk'), received[0]);
   assert.ok(!received[0].includes('second chunk') && !received[0].endsWith('0\r\n\r\n'), received[0]);
 });
+
+test('fencedBody reads nothing ahead: a chunk is checked when it is taken', async (t) => {
+  const server = await fakeServer(t, (action, body) => grant(body));
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 5000 });
+  t.after(() => client.close());
+  const lease = await client.claim('j');
+  const body = fencedBody(lease, ['a', 'b']);
+  await sleep(0); // a stream that reads ahead has taken 'a' by now, checked while the lease held
+  lease.abandon();
+  await assert.rejects(body.getReader().read(), (e) => e instanceof LeaseLost);
+});
