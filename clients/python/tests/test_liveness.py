@@ -242,3 +242,44 @@ def test_a_streamed_body_is_cut_at_the_loss_requests(fake):
         assert b"second chunk" not in sink.received[0] and not sink.received[0].endswith(b"0\r\n\r\n")
     finally:
         sink.close()
+
+
+def grant_all(action, body, n):
+    return grant(body)
+
+
+def test_a_streamed_body_lost_after_its_last_chunk_never_ends(fake):
+    # The last chunk is read while the lease holds; the lease is lost before the source is
+    # done: the body's end must not go out (the destination sees a request cut short).
+    server, sink = fake(grant_all), Sink()
+    try:
+        client = Client(server.url, owner="o", ttl=5.0)
+
+        def body(lease):
+            yield b"last chunk"
+            lease.abandon()
+
+        lease = client.claim("j")
+        with pytest.raises(LeaseLost):
+            httpx.post(sink.url, content=body(lease), auth=HttpxFenceAuth(lease), timeout=5)
+        lease = client.claim("j")
+        with pytest.raises(LeaseLost):
+            requests.post(sink.url, data=body(lease), auth=RequestsFenceAuth(lease), timeout=5)
+
+        async def main() -> None:
+            alease = await AsyncClient(server.url, owner="o", ttl=5.0).claim("j")
+
+            async def abody():
+                yield b"last chunk"
+                alease.abandon()
+
+            async with httpx.AsyncClient(auth=HttpxFenceAuth(alease), timeout=5) as http:
+                with pytest.raises(LeaseLost):
+                    await http.post(sink.url, content=abody())
+
+        asyncio.run(main())
+        wait_for("the sink saw three connections end", 5, lambda: len(sink.received) == 3)
+        for data in sink.received:
+            assert b"last chunk" in data and not data.endswith(b"0\r\n\r\n"), data
+    finally:
+        sink.close()

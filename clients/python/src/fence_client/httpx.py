@@ -34,11 +34,15 @@ class _CheckedStream(httpx.SyncByteStream, httpx.AsyncByteStream):
         for chunk in self._stream:
             self._lease.headers()  # raises LeaseLost: this chunk is not sent
             yield chunk
+        # The body's end (HTTP/1.1's last chunk, HTTP/2's END_STREAM) is sent too once the
+        # source is done: checked as well, so a request cannot complete after the loss.
+        self._lease.headers()
 
     async def __aiter__(self) -> AsyncIterator[bytes]:
         async for chunk in self._stream:
             self._lease.headers()  # raises LeaseLost: this chunk is not sent
             yield chunk
+        self._lease.headers()  # the body's end is not sent either
 
     def close(self) -> None:
         close = getattr(self._stream, "close", None)

@@ -66,6 +66,9 @@ def _checked(body: Iterable[Any], lease: Union[Lease, AsyncLease]) -> Iterator[A
     for chunk in body:
         lease.headers()  # raises LeaseLost: this chunk is not sent
         yield chunk
+    # The body's end (the last, empty chunk) is written once the source is done: checked as
+    # well, so a request cannot complete after the loss.
+    lease.headers()
 
 
 def raise_for_problem(response: requests.Response) -> None:
