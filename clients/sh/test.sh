@@ -111,11 +111,13 @@ for mode in applied refused timed-out; do
     fail "$job: ledger: $(cat "$tmp/up.log")"
 done
 
-# Each write takes 3 s (/slower): the revoke (after a status call) and the keeper's next
-# renewal (every 500 ms) land while write 1 is under way, however loaded the machine.
+# Each write takes 3 s (/slower) under a 6 s lease, renewed every 2 s: the revoke (after a
+# status call) lands before the first renewal, and that renewal's refusal (some 2 s in) while
+# write 1 is under way. The local deadline alone (5.4 s after the claim) would pass only
+# during write 2: "lost during write 1" shows that the refused renewal cut it.
 n=0
 for job in 'a/b' 'a%b' 'a?b&c' 'a+b'; do n=$((n + 1))
-  run slower "$job" 1500 3 >"$tmp/w$n" 2>&1 & w=$!
+  run slower "$job" 6000 3 >"$tmp/w$n" 2>&1 & w=$!
   ready "$tmp/w$n" "holding $job at generation 1"
   "$FENCE" status --server "$S" --job "$job" | grep -qF "\"job\":\"$job\"" || fail "status of $job"
   "$FENCE" revoke --server "$S" --job "$job" --reason test >/dev/null
