@@ -30,6 +30,14 @@ import time
 import urllib.error
 import urllib.request
 
+# A grant's TTL is taken only from 100 ms to 24 h (as the other clients): anything else is no
+# grant (a server that misbehaves, a proxy's, a mock's).
+MIN_TTL_MS, MAX_TTL_MS = 100, 86_400_000
+
+
+def _whole(value):
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
 
 class Lease:
     """One lease and its local deadline, measured on the monotonic clock from the moment
@@ -39,7 +47,7 @@ class Lease:
         self.server, self.job, self.owner, self.ttl_ms = server, job, owner, ttl_ms
         self.headers = headers
         self.key = secrets.token_urlsafe(32)  # 43 base64url characters: the proof it is ours
-        self.margin = max(ttl_ms // 10, 50) / 1000.0
+        self.held_ms = ttl_ms  # the TTL the deadline counts from: the smaller of granted and asked
         self.lock = threading.Lock()
         self.generation = None
         self.token = None
@@ -54,30 +62,45 @@ class Lease:
             headers={"content-type": "application/json", **self.headers})
         try:
             with urllib.request.urlopen(req, timeout=timeout) as resp:
-                return resp.status, json.load(resp)
+                status, raw = resp.status, resp.read()
         except urllib.error.HTTPError as e:
-            try:
-                return e.code, json.load(e)
-            except ValueError:  # a gateway's 502 page, say: no problem body
-                return e.code, {}
+            status, raw = e.code, e.read()
+        try:
+            answer = json.loads(raw)
+        except ValueError:  # a gateway's 502 page, say: no problem body, and no grant
+            answer = {}
+        return status, answer if isinstance(answer, dict) else {}
 
-    def _granted(self, sent, answer):
+    def _granted(self, sent, answer, generation=None):
+        """Records the deadline and token of a 200's answer; False, recording nothing, when
+        the answer is no grant: no whole-number generation (or not ``generation``, a
+        renewal's: the claim's), or no TTL of 100 ms to 24 h."""
+        ttl, gen, token = answer.get("ttl_ms"), answer.get("generation"), answer.get("token")
+        if not _whole(ttl) or not MIN_TTL_MS <= ttl <= MAX_TTL_MS or not _whole(gen):
+            return False
+        if generation is not None and gen != generation:
+            return False
+        # Never counted from more than was asked: a server (or something posing as one) that
+        # grants more cannot move the deadline, nor the renewals, past what was asked to hold.
+        held = min(ttl, self.ttl_ms)
+        margin = max(held // 10, 50) / 1000.0
         with self.lock:
             if self.lost.is_set() or (self.token is not None and time.monotonic() >= self.deadline):
                 self.lost.set()  # answered too late: the loss is final, never taken back
-                return
-            self.generation = answer["generation"]
+                return True
+            self.generation = gen
             # A signing server hands out a token string; send it exactly as given.
-            self.token = answer.get("token") or str(answer["generation"])
-            self.deadline = sent + answer["ttl_ms"] / 1000.0 - self.margin
+            self.token = token if isinstance(token, str) and token else str(gen)
+            self.held_ms = held
+            self.deadline = sent + held / 1000.0 - margin
+        return True
 
     def claim(self):
         body = {"owner": self.owner, "lease_key": self.key, "ttl_ms": self.ttl_ms}
         sent = time.monotonic()
         status, answer = self._post("claim", body, timeout=self.ttl_ms / 1000.0)
-        if status != 200:
-            return status, answer
-        self._granted(sent, answer)
+        if status == 200 and not self._granted(sent, answer):
+            return None, answer  # answered 200 without a grant
         return status, answer
 
     def current_token(self):
@@ -88,29 +111,51 @@ class Lease:
                 return None
             return self.token
 
+    def _interval(self):
+        """A third of the TTL held, but never later than halfway to the deadline (a fixed
+        margin may take most of a grant the server cut short)."""
+        with self.lock:
+            held = self.held_ms
+        usable = held - max(held // 10, 50)
+        return max(min(held / 3, usable / 2), 10) / 1000.0
+
     def keep(self):
-        """Renews every third of the TTL until lost or released."""
+        """Renews every third of the TTL held until lost or released; again after a twelfth
+        when a renewal got no answer (or one that is no grant)."""
+        every = self._interval()
         while not self.lost.is_set():
-            time.sleep(self.ttl_ms / 3000.0)
+            time.sleep(max(every, 0.01))
             while self.paused.is_set():
                 time.sleep(0.01)  # the whole worker is stalled: nobody renews
             with self.lock:
                 left = self.deadline - time.monotonic()
+                generation = self.generation
             if left <= 0:
                 self.lost.set()
                 return
-            body = {"owner": self.owner, "generation": self.generation,
+            interval = self._interval()
+            body = {"owner": self.owner, "generation": generation,
                     "lease_key": self.key, "ttl_ms": self.ttl_ms}
+            # Each attempt has its own time (as the Rust client): a renewal interval, or half
+            # the time left when longer, never past the deadline. A connection that takes the
+            # request and never answers is then abandoned and the renewal asked again, not
+            # the lease lost.
+            attempt = min(left, max(interval, left / 2))
             sent = time.monotonic()
             try:
-                status, answer = self._post("renew", body, timeout=left)
+                status, answer = self._post("renew", body, timeout=attempt)
             except (OSError, ValueError):
-                continue  # no (readable) answer: the deadline stands; try again
-            if status == 200:
-                self._granted(sent, answer)
+                every = interval / 4  # no answer: the deadline stands; ask again soon
+                continue
+            if status == 200 and self._granted(sent, answer, generation):
+                every = self._interval()
             elif status in (403, 409, 410):
                 self.lost.set()  # someone else holds it now, or it is done
                 return
+            else:
+                # A 200 that is no grant (another generation, a TTL out of range) or another
+                # answer: the deadline stands; ask again soon.
+                every = interval / 4
 
     def finish(self, action):
         body = {"owner": self.owner, "generation": self.generation, "lease_key": self.key}
@@ -135,6 +180,9 @@ def main():
     owner = f"{socket.gethostname()}-{os.getpid()}-py"
     lease = Lease(args.server, args.job, owner, args.ttl_ms, headers)
     status, answer = lease.claim()
+    if status is None:
+        print(f"worker: the claim of {args.job} was answered 200 without a grant", file=sys.stderr)
+        return 1
     if status != 200:
         print(f"worker: no lease on {args.job}: {answer.get('detail', status)}", file=sys.stderr)
         return 3
@@ -157,8 +205,11 @@ def main():
             with urllib.request.urlopen(req, timeout=10) as resp:
                 print(f"WRITE {n} {resp.status}")
         except urllib.error.HTTPError as e:
-            problem = json.load(e)
-            print(f"WRITE {n} {e.code} {problem.get('type')}")
+            try:
+                problem = json.load(e)
+            except ValueError:
+                problem = {}
+            print(f"WRITE {n} {e.code} {problem.get('type') if isinstance(problem, dict) else None}")
             if e.code == 409:
                 return 75  # a newer holder exists: stop, do not complete
             return 1
