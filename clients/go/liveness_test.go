@@ -23,13 +23,16 @@ func TestARenewalThatNeverAnswersIsAbandonedAndAskedAgain(t *testing.T) {
 		}
 		return grantOf(body, 0)
 	})
-	c := mustClient(t, f.URL, Options{Owner: "o", TTL: 2 * time.Second})
+	// A 6 s lease: renewed every 2 s, the hung attempt given up after 2 s and the renewal asked
+	// again some 0.5 s later, almost a second before the deadline (5.4 s): room for a loaded
+	// machine. Were the attempt given all the time left, it would use up the lease.
+	c := mustClient(t, f.URL, Options{Owner: "o", TTL: 6 * time.Second})
 	lease, err := c.Claim(context.Background(), "j")
 	if err != nil {
 		t.Fatal(err)
 	}
 	defer lease.Abandon()
-	time.Sleep(2500 * time.Millisecond) // past the claim's deadline: only a later renewal keeps it
+	time.Sleep(6 * time.Second) // past the claim's deadline: only a later renewal keeps it
 	if err := lease.Err(); err != nil {
 		t.Fatalf("lost: %v", err)
 	}

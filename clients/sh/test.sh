@@ -158,8 +158,11 @@ F=http://127.0.0.1:$(cat "$tmp/fake"); U=http://127.0.0.1:$(cat "$tmp/up")
 fake() { SERVER=$F DESTINATION=$U/$1 JOB=$2 TTL_MS=$3 WRITES=$4 sh "$worker" >"$tmp/f.$2" 2>&1; }
 
 # A renewal that is taken and never answered is given up after its attempt's time (a renewal
-# interval, or half what is left) and asked again: the lease outlives it.
-fake slow hang-first-renewal 3000 4 || fail "hang-first-renewal: $(cat "$tmp/f.hang-first-renewal")"
+# interval, or half what is left) and asked again: the lease outlives it. A 6 s lease (renewed
+# every 2 s, the hung attempt given up after 2 s, asked again 0.5 s later, some 0.9 s before the
+# deadline) and seven 1 s writes that outlast it: given all the time left, the hung renewal
+# would use up the lease during write 6.
+fake slow hang-first-renewal 6000 7 || fail "hang-first-renewal: $(cat "$tmp/f.hang-first-renewal")"
 [ "$(grep -c '^renew hang-first-renewal ' "$tmp/fake.log")" -ge 2 ] || fail "hang-first-renewal: $(cat "$tmp/fake.log")"
 
 # A claim granted a TTL outside 100 ms to 24 h (one that overflows the shell's arithmetic, one

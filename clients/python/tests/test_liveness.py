@@ -43,8 +43,11 @@ def first_renewal_hangs(action, body, n):
 
 def test_a_renewal_that_never_answers_is_abandoned_and_asked_again(fake):
     server = fake(first_renewal_hangs)
-    lease = Client(server.url, owner="o", ttl=2.0).claim("j")
-    time.sleep(2.5)  # past the claim's deadline: only a later renewal keeps the lease
+    # A 6 s lease: renewed every 2 s, the hung attempt given up after 2 s and the renewal asked
+    # again some 0.5 s later, almost a second before the deadline (5.4 s): room for a loaded
+    # machine. Were the attempt given all the time left, it would use up the lease.
+    lease = Client(server.url, owner="o", ttl=6.0).claim("j")
+    time.sleep(6.0)  # past the claim's deadline: only a later renewal keeps the lease
     assert not lease.is_lost(), lease.loss_reason
     assert server.count("renew") >= 2
     lease.abandon()
@@ -54,8 +57,8 @@ def test_an_asyncio_renewal_that_never_answers_is_abandoned_and_asked_again(fake
     server = fake(first_renewal_hangs)
 
     async def main() -> None:
-        lease = await AsyncClient(server.url, owner="o", ttl=2.0).claim("j")
-        await asyncio.sleep(2.5)
+        lease = await AsyncClient(server.url, owner="o", ttl=6.0).claim("j")  # as above
+        await asyncio.sleep(6.0)
         assert not lease.is_lost(), lease.loss_reason
         assert server.count("renew") >= 2
         lease.abandon()

@@ -11,10 +11,13 @@ import { sleep } from './helpers.js';
 
 test('a renewal that never answers is abandoned and asked again', async (t) => {
   const server = await fakeServer(t, (action, body, n) => (action === 'renew' && n === 0 ? null : grant(body)));
-  const client = new Client({ server: server.url, owner: 'o', ttlMs: 2000 });
+  // A 6 s lease: renewed every 2 s, the hung attempt given up after 2 s and the renewal asked
+  // again some 0.5 s later, almost a second before the deadline (5.4 s): room for a loaded
+  // machine. Were the attempt given all the time left, it would use up the lease.
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 6000 });
   t.after(() => client.close());
   const lease = await client.claim('j');
-  await sleep(2500); // past the claim's deadline: only a later renewal keeps the lease
+  await sleep(6000); // past the claim's deadline: only a later renewal keeps the lease
   assert.equal(lease.isLost(), false, lease.lossReason);
   assert.ok(server.count('renew') >= 2);
   lease.abandon();
