@@ -163,11 +163,11 @@ func problemFrom(status int, header http.Header, body []byte) *ProblemError {
 		}
 		return p
 	}
-	p.Detail = strings.TrimSpace(string(body))
+	// Redacted before it is cut: a key cut short at the end would escape the redaction.
+	p.Detail = redact(strings.TrimSpace(string(body)))
 	if len(p.Detail) > 500 {
 		p.Detail = p.Detail[:500]
 	}
-	p.Detail = redact(p.Detail)
 	return p
 }
 

@@ -231,3 +231,13 @@ func TestABodyWrappedByLeaseBodyIsCutAtTheLoss(t *testing.T) {
 		t.Fatal("the sink saw no connection end")
 	}
 }
+
+func TestALeaseKeyCutShortInATextAnswerIsRedacted(t *testing.T) {
+	// A text answer quoted up to 500 bytes, its cut 7 characters into the key.
+	key := "KEYPART" + strings.Repeat("k", 36)
+	head := strings.Repeat("x", 500-len(`lease_key":"`)-7) + `lease_key":"`
+	p := problemFrom(400, http.Header{"Content-Type": {"text/plain"}}, []byte(head+key+`"}`))
+	if !strings.Contains(p.Error(), "lease_key") || strings.Contains(p.Error(), "KEYPART") {
+		t.Fatalf("%s", p.Error())
+	}
+}

@@ -145,6 +145,7 @@ class H(h.BaseHTTPRequestHandler):
         if job == "long-ttl": ttl *= 10
         if action == "renew" and job == "other-generation": gen = 2
         if action == "claim" and job == "echo": body = json.dumps(b, separators=(",", ":"))
+        if action == "claim" and job == "echo-cut": body = "{\"pad\":\"%s\",\"lease_key\":\"%s\"}" % ("x" * 270, b.get("lease_key"))
         if n == 0 and (action, job) in (("complete", "busy-complete"), ("claim", "gateway-408")):
             status = 408
             body = "request timeout" if job == "gateway-408" else json.dumps({"type": "urn:fence:body-timeout", "title": "", "status": 408, "detail": "late"}, separators=(",", ":"))
@@ -196,6 +197,12 @@ code=0; fake ledger echo 10000 1 || code=$?
 echo_key=$(grep '^claim echo ' "$tmp/fake.log" | cut -d' ' -f3)
 [ "$code" = 1 ] && [ -n "$echo_key" ] && grep -q 'lease_key' "$tmp/f.echo" && ! grep -qF "$echo_key" "$tmp/f.echo" ||
   fail "echo ($code): the lease key was quoted: $(cat "$tmp/f.echo")"
+# The same with the key at the end of the 300 bytes quoted: none of it is shown (the cut left
+# 7 characters of it, too few to be taken for a key, had it come before the redaction).
+code=0; fake ledger echo-cut 10000 1 || code=$?
+echo_key=$(grep '^claim echo-cut ' "$tmp/fake.log" | cut -d' ' -f3)
+[ "$code" = 1 ] && [ -n "$echo_key" ] && grep -q 'lease_key' "$tmp/f.echo-cut" && ! grep -qF "$(printf %.7s "$echo_key")" "$tmp/f.echo-cut" ||
+  fail "echo-cut ($code): the lease key was quoted: $(cat "$tmp/f.echo-cut")"
 
 # A server that stops answering, with the worker's wall clock right and an hour off either
 # way (libfaketime; the keeper measures on /proc/uptime, which it does not fake): writes of

@@ -143,9 +143,9 @@ grant() {
 
 # quoted FILE: an answer as an error message may quote it: its first 300 bytes, any lease_key
 # value replaced (an endpoint that echoes the request would otherwise put the lease's proof in
-# the worker's log).
+# the worker's log), before the cut: a key cut short at the end would escape the replacement.
 quoted() {
-  head -c 300 "$1" | sed 's/\(lease_key[^A-Za-z0-9_-]\{0,8\}\)[A-Za-z0-9_-]\{8,\}/\1<redacted>/g'
+  sed 's/\(lease_key[^A-Za-z0-9_-]\{0,8\}\)[A-Za-z0-9_-]\{8,\}/\1<redacted>/g' "$1" | head -c 300
 }
 
 retried claim "{\"owner\":\"$owner\",\"lease_key\":\"$key\",\"ttl_ms\":$TTL_MS}"

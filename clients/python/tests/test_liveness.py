@@ -16,7 +16,7 @@ import requests
 
 from conftest import wait_for
 from fakeserver import FakeServer, grant, problem
-from fence_client import Client, LeaseLost, ProblemError
+from fence_client import Client, LeaseLost, ProblemError, ProtocolError
 from fence_client.aio import AsyncClient
 from fence_client.httpx import FenceAuth as HttpxFenceAuth
 from fence_client.requests import FenceAuth as RequestsFenceAuth
@@ -286,3 +286,25 @@ def test_a_streamed_body_lost_after_its_last_chunk_never_ends(fake):
             assert b"last chunk" in data and not data.endswith(b"0\r\n\r\n"), data
     finally:
         sink.close()
+
+
+def test_a_key_cut_short_or_in_a_detail_that_is_no_string_is_redacted(fake):
+    from fence_client._errors import problem_error
+
+    key = "KEYPART" + "k" * 36
+    # A text answer quoted up to 500 characters, its cut 7 characters into the key.
+    head = "x" * (500 - len('lease_key":"') - 7) + 'lease_key":"'
+    cut = problem_error(400, {"content-type": "text/plain"}, (head + key + '"}').encode())
+    assert "lease_key" in str(cut) and "KEYPART" not in str(cut), str(cut)
+    # A problem whose detail is an object (the request echoed).
+    echoed = json.dumps({"type": "urn:x", "detail": {"lease_key": key}}).encode()
+    odd = problem_error(400, {"content-type": "application/problem+json"}, echoed)
+    assert "lease_key" in str(odd) and "KEYPART" not in str(odd) and "KEYPART" not in odd.detail, str(odd)
+    # A 200 that is not JSON, quoted up to 200 characters, its cut 3 or 5 characters into the
+    # key (the answer's first 200 bytes, or their repr's first 200 characters).
+    server = fake(lambda action, body, n: (200, {"content-type": "text/plain"}, (
+        "<" * (200 - len("lease_key=") - 5) + "lease_key=" + body["lease_key"]).encode()))
+    with pytest.raises(ProtocolError) as bad:
+        Client(server.url, owner="o", ttl=1.0).claim("j")
+    sent = server.seen[0][1]["lease_key"]
+    assert "not JSON" in str(bad.value) and sent[:5] not in str(bad.value), str(bad.value)

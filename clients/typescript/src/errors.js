@@ -77,7 +77,9 @@ export class ProblemError extends FenceError {
     const st = Number.isInteger(problem.status) ? problem.status : status;
     const detail = text(problem.detail);
     super(`${st} ${type}: ${detail}`);
-    this.problem = problem;
+    // Not enumerable: util.inspect (console.log of the error) and JSON.stringify leave it out,
+    // and an answer that echoes the request holds the lease key.
+    Object.defineProperty(this, 'problem', { value: problem, writable: true, configurable: true, enumerable: false });
     this.type = type;
     this.status = st;
     this.title = text(problem.title);
@@ -164,7 +166,8 @@ export function problemError(status, contentType, body, retryAfter) {
     }
   }
   if (problem === null || typeof problem !== 'object' || typeof problem.type !== 'string') {
-    problem = { type: 'about:blank', status, title: '', detail: String(body).trim().slice(0, 500) };
+    // Redacted before it is cut: a key cut short at the end would escape the redaction.
+    problem = { type: 'about:blank', status, title: '', detail: redact(String(body).trim()).slice(0, 500) };
   }
   if (typeof problem.detail === 'string') problem.detail = redact(problem.detail);
   // Seconds, at most MAX_RETRY_AFTER: an HTTP-date, a negative or not-a-number value is no

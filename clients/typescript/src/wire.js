@@ -329,12 +329,14 @@ export class Transport {
             let answer;
             try {
               answer = parseJson(text);
-            } catch (e) {
-              answer = e;
+            } catch {
+              answer = null;
             }
-            if (answer === null || typeof answer !== 'object' || answer instanceof Error) {
-              reject(new ProtocolError(`${what}: not a JSON object: ${redact(text.slice(0, 200))}`,
-                answer instanceof Error ? { cause: answer } : undefined));
+            // No cause: JSON.parse's SyntaxError quotes the text around the error point (an
+            // echoed lease key's first characters, past any redaction). Redacted before it is
+            // cut: a key cut short at the end would escape the redaction.
+            if (answer === null || typeof answer !== 'object') {
+              reject(new ProtocolError(`${what}: not a JSON object: ${redact(text).slice(0, 200)}`));
               return;
             }
             resolve(answer);

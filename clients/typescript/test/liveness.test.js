@@ -139,3 +139,23 @@ test('fencedBody reads nothing ahead: a chunk is checked when it is taken', asyn
   lease.abandon();
   await assert.rejects(body.getReader().read(), (e) => e instanceof LeaseLost);
 });
+
+test('a lease key cut short, in a parse error or in a problem object is not shown', async (t) => {
+  const { inspect } = await import('node:util');
+  const { problemError } = await import('../src/errors.js');
+  const key = `KEYPART${'k'.repeat(36)}`;
+  // A text answer quoted up to 500 characters, its cut 7 characters into the key.
+  const cut = problemError(400, 'text/plain', `${'x'.repeat(500 - 'lease_key":"'.length - 7)}lease_key":"${key}"}`);
+  assert.ok(cut.message.includes('lease_key') && !cut.message.includes('KEYPART'), cut.message);
+  // A problem that echoes the request: the key is in no printout of the error.
+  const echoed = problemError(409, 'application/problem+json', JSON.stringify({ type: 'urn:x', detail: 'd', lease_key: key }));
+  assert.equal(echoed.problem.lease_key, key);
+  assert.ok(!inspect(echoed).includes('KEYPART') && !JSON.stringify(echoed).includes('KEYPART'), inspect(echoed));
+  // A 200 that is not JSON: JSON.parse's error quotes the text after `"ease_key":`.
+  const server = await fakeServer(t, (action, body) => [200, { 'content-type': 'text/plain' }, `{"lease_key":${body.lease_key}}`]);
+  const client = new Client({ server: server.url, owner: 'o', ttlMs: 1000 });
+  t.after(() => client.close());
+  const error = await client.claim('j').then(() => null, (e) => e);
+  const sent = server.seen[0].body.lease_key;
+  assert.ok(error?.message.includes('not a JSON object') && !inspect(error).includes(sent.slice(0, 8)), inspect(error));
+});

@@ -81,7 +81,8 @@ class ProblemError(FenceError):
         member = problem.get("status")
         self.status = member if type(member) is int and 100 <= member <= 599 else status
         self.title = str(problem.get("title", ""))
-        self.detail = str(problem.get("detail", ""))
+        # Whatever the detail's type (an object echoing the request, say), its text is redacted.
+        self.detail = redact(str(problem.get("detail", "")))
         self.retry_after = retry_after
         # Not super(): LeaseRefused is also a LeaseLost, whose constructor takes other arguments.
         FenceError.__init__(self, f"{self.status} {self.type}: {self.detail}")
@@ -216,7 +217,8 @@ def problem_error(status: int, headers: Mapping[str, str], body: bytes) -> Probl
             problem = None
     if not isinstance(problem, dict) or not isinstance(problem.get("type"), str):
         text = body.decode("utf-8", "replace").strip()
-        problem = {"type": "about:blank", "status": status, "title": "", "detail": text[:500]}
+        # Redacted before it is cut: a key cut short at the end would escape the redaction.
+        problem = {"type": "about:blank", "status": status, "title": "", "detail": redact(text)[:500]}
     if isinstance(problem.get("detail"), str):
         problem["detail"] = redact(problem["detail"])
     cls = _BY_TYPE.get(problem["type"], ProblemError)

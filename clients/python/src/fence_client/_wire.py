@@ -348,7 +348,8 @@ class Transport:
             answer = json.loads(payload.decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             # RecursionError: nested deeper than the interpreter's stack (a megabyte of "[").
-            raise ProtocolError(f"{where}: not JSON: {redact(repr(payload[:200]))}") from e
+            # Redacted before it is cut: a key cut short at the end would escape the redaction.
+            raise ProtocolError(f"{where}: not JSON: {redact(repr(payload))[:200]}") from e
         if not isinstance(answer, dict):
             raise ProtocolError(f"{where}: not a JSON object")
         return answer
