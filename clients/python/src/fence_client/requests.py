@@ -48,7 +48,8 @@ class FenceAuth(AuthBase):
         r.register_hook("response", self._before_redirect)
         body = r.body
         if (body is not None and hasattr(body, "__iter__") and not hasattr(body, "read")
-                and not isinstance(body, (bytes, bytearray, str, list, tuple, dict))):
+                and not isinstance(body, (bytes, bytearray, str, list, tuple, dict))
+                and not _is_buffer(body)):
             r.body = _checked(body, self.lease)
         return r
 
@@ -58,6 +59,16 @@ class FenceAuth(AuthBase):
         if response.is_redirect and response.request is not None:
             response.request.headers.update(self.lease.headers())
         return response
+
+
+def _is_buffer(body: Any) -> bool:
+    """Whether ``body`` supports the buffer protocol (memoryview, array.array, mmap...):
+    sent whole as bytes, while iterating one yields ints."""
+    try:
+        memoryview(body)
+    except TypeError:
+        return False
+    return True
 
 
 def _checked(body: Iterable[Any], lease: Union[Lease, AsyncLease]) -> Iterator[Any]:
