@@ -32,6 +32,14 @@ func (l *Lease) Transport(base http.RoundTripper) http.RoundTripper {
 // streamed (an upload that may outlast the lease) through a client that does not use
 // Transport, which already cancels a request still sending its body at the loss. Close
 // closes r when it is an io.Closer.
+//
+// Each read is checked, not the write that follows: what a read returned before the loss
+// still goes out (HTTP/2 flow control can hold it back a while).
+//
+// http.NewRequest learns the length of a *bytes.Reader, *bytes.Buffer or *strings.Reader,
+// not of this wrapper: set req.ContentLength by hand when it is known (else the body is sent
+// chunked, or refused by a server that wants a length), and req.GetBody stays nil, so the
+// request is not sent again on a 307/308 redirect or a retry on a fresh connection.
 func (l *Lease) Body(r io.Reader) io.ReadCloser {
 	return &fencedBody{lease: l, r: r}
 }
