@@ -101,6 +101,8 @@ type ProblemError struct {
 	Slots      int
 	RetryAfter time.Duration
 	Members    map[string]json.RawMessage
+	// retryAfterGiven tells a Retry-After of 0 from none.
+	retryAfterGiven bool
 }
 
 func (e *ProblemError) Error() string {
@@ -137,6 +139,7 @@ func problemFrom(status int, header http.Header, body []byte) *ProblemError {
 	// large for a Duration, whose conversion differs between platforms).
 	if secs, err := strconv.ParseFloat(header.Get("Retry-After"), 64); err == nil && secs >= 0 {
 		p.RetryAfter = time.Duration(math.Min(secs, MaxRetryAfter.Seconds()) * float64(time.Second))
+		p.retryAfterGiven = true
 	}
 	var members map[string]json.RawMessage
 	if strings.Contains(strings.ToLower(header.Get("Content-Type")), "json") &&

@@ -193,8 +193,9 @@ func (c *Client) claim(ctx context.Context, job string, wait, ttl time.Duration)
 			// The server's waiting places are full (the job was held): asked again after its
 			// Retry-After (1 s without one), at least 50 ms, within the wait (as the Rust client).
 			if left := waitUntil.Sub(c.clock.Now()); left > 0 {
+				// A Retry-After of 0 is 50 ms, as in the other clients; only none is 1 s.
 				pause := crowded.RetryAfter
-				if pause <= 0 {
+				if !crowded.retryAfterGiven {
 					pause = time.Second
 				}
 				if pause < minWaitingClaimGap {

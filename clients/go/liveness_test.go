@@ -107,6 +107,26 @@ func TestAWaitingClaimRefusedForTooManyWaitersAsksAgainWithinItsWait(t *testing.
 	}
 }
 
+func TestAWaitingClaimRefusedWithRetryAfterZeroAsksAgainAfter50ms(t *testing.T) {
+	f := startFake(t, func(action string, body map[string]any, n int) reply {
+		if action == "claim" && n < 2 {
+			return problemReply(429, "too-many-waiters", map[string]string{"retry-after": "0"})
+		}
+		return grantOf(body, 0)
+	})
+	c := mustClient(t, f.URL, Options{Owner: "o", TTL: 5 * time.Second})
+	start := time.Now()
+	lease, err := c.ClaimWaiting(context.Background(), "j", 5*time.Second)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lease.Abandon()
+	// Two pauses of 50 ms (the least between waiting claims), not of a second each.
+	if took := time.Since(start); took > 1500*time.Millisecond || f.count("claim") != 3 {
+		t.Fatalf("%d claims in %v", f.count("claim"), took)
+	}
+}
+
 func TestAGrantAboveTheTTLAskedDoesNotMoveTheDeadlinePastIt(t *testing.T) {
 	// Every grant ten times what was asked: the deadline still counts from the 1 s asked.
 	f := startFake(t, func(action string, body map[string]any, n int) reply {
