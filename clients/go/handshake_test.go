@@ -8,6 +8,7 @@ import (
 	"net/http/httptest"
 	"os"
 	"path/filepath"
+	"sync"
 	"testing"
 	"time"
 )
@@ -21,8 +22,14 @@ func TestATLSHandshakeThatNeverAnswersIsBoundedByTheConnectBudget(t *testing.T) 
 		t.Fatal(err)
 	}
 	defer silent.Close()
+	// Appended by the accepting goroutine, closed by the test's: under a lock.
+	var mu sync.Mutex
 	var held []net.Conn
+	closed := false
 	defer func() {
+		mu.Lock()
+		defer mu.Unlock()
+		closed = true
 		for _, c := range held {
 			c.Close()
 		}
@@ -33,7 +40,13 @@ func TestATLSHandshakeThatNeverAnswersIsBoundedByTheConnectBudget(t *testing.T) 
 			if err != nil {
 				return
 			}
-			held = append(held, c) // taken, never spoken to
+			mu.Lock()
+			if closed {
+				c.Close()
+			} else {
+				held = append(held, c) // taken, never spoken to
+			}
+			mu.Unlock()
 		}
 	}()
 	good := httptest.NewTLSServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
