@@ -15,6 +15,7 @@ use super::{
 };
 
 mod forgetting;
+mod pair;
 mod running;
 
 /// Highest generations with their stamps (tree `generations`: job → generation, stamp and

@@ -18,9 +18,7 @@ use std::{
 use fence_storage::disk::Tree;
 
 use super::SledStore;
-use crate::store::{
-    DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, SinkSettings, StoreError, clamped, ms,
-};
+use crate::store::{DEFAULT_CLOCK_SKEW, DEFAULT_MAX_LEASE_TTL, SinkSettings, StoreError};
 
 /// The `format` key of the record: clock skew, then the longest lease, ms, 8 bytes
 /// big-endian each (a later build may append more). Once written it stays (the
@@ -32,18 +30,6 @@ const FORGETTING_KEY: &[u8] = b"forgetting";
 pub(super) struct Forgetting {
     recorded: AtomicBool,
     path: PathBuf,
-}
-
-/// The first 16 bytes; `None` when shorter, or a bound above the 100-year cap.
-fn decode(v: &[u8]) -> Option<(Duration, Duration)> {
-    let (skew, rest) = v.split_first_chunk::<8>()?;
-    let (ttl, _) = rest.split_first_chunk::<8>()?;
-    let cap = ms(clamped(Duration::MAX));
-    let millis = |b: [u8; 8]| {
-        let m = u64::from_be_bytes(b);
-        (m <= cap).then(|| Duration::from_millis(m))
-    };
-    Some((millis(*skew)?, millis(*ttl)?))
 }
 
 /// Why a record that cannot be read is an error rather than the defaults.
@@ -65,7 +51,8 @@ fn read(format: &Tree, path: &Path) -> Result<Option<(Duration, Duration)>, Stor
 /// The record's value `raw`, decoded, or the error naming it.
 fn parse(raw: Option<&[u8]>, path: &Path) -> Result<Option<(Duration, Duration)>, StoreError> {
     raw.map(|v| {
-        decode(v).ok_or_else(|| damaged(path, format!("it is damaged ({} bytes)", v.len())))
+        super::pair::decode(v)
+            .ok_or_else(|| damaged(path, format!("it is damaged ({} bytes)", v.len())))
     })
     .transpose()
 }
@@ -118,9 +105,7 @@ impl SledStore {
                 Some((skew, ttl)) => (skew.min(clock_skew), ttl.min(max_lease_ttl)),
                 None => (clock_skew, max_lease_ttl),
             };
-            let mut v = [0u8; 16];
-            v[..8].copy_from_slice(&ms(clamped(skew)).to_be_bytes());
-            v[8..].copy_from_slice(&ms(clamped(ttl)).to_be_bytes());
+            let v = super::pair::encode(skew, ttl);
             if raw.as_deref().and_then(|r| r.get(..16)) == Some(&v[..]) {
                 break;
             }

@@ -15,12 +15,11 @@ use std::{
         Mutex,
         atomic::{AtomicBool, Ordering},
     },
-    time::Duration,
 };
 
 use fence_storage::disk::{DurableDb, OpenError, Tree};
 
-use crate::store::{RunBounds, StoreError, clamped, ms};
+use crate::store::{RunBounds, StoreError, ms};
 
 /// The `format` key of the bounds: running for, then the hold, ms, 8 bytes big-endian each.
 const RUNNING_KEY: &[u8] = b"running";
@@ -45,26 +44,15 @@ struct State {
     recorded: RunBounds,
 }
 
-/// Encoded capped at the layer's longest setting (100 years), so that what is read back
-/// above it is damage.
+/// The record's bytes (see [`pair`](super::pair)).
 fn encode(bounds: RunBounds) -> [u8; 16] {
-    let mut v = [0u8; 16];
-    v[..8].copy_from_slice(&ms(clamped(bounds.running_for)).to_be_bytes());
-    v[8..].copy_from_slice(&ms(clamped(bounds.hold)).to_be_bytes());
-    v
+    super::pair::encode(bounds.running_for, bounds.hold)
 }
 
-/// The first 16 bytes (a newer build may append more); `None` when shorter, or a bound
-/// above the cap.
+/// The record read back; `None` when it is damage.
 fn decode(v: &[u8]) -> Option<RunBounds> {
-    let (running_for, rest) = v.split_first_chunk::<8>()?;
-    let (hold, _) = rest.split_first_chunk::<8>()?;
-    let cap = ms(clamped(Duration::MAX));
-    let millis = |b: [u8; 8]| {
-        let m = u64::from_be_bytes(b);
-        (m <= cap).then(|| Duration::from_millis(m))
-    };
-    Some(RunBounds::new(millis(*running_for)?, millis(*hold)?))
+    let (running_for, hold) = super::pair::decode(v)?;
+    Some(RunBounds::new(running_for, hold))
 }
 
 /// Why a record that cannot be read refuses the open, and how to clear it.
