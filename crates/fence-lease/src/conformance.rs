@@ -31,10 +31,12 @@ pub use fence_storage::clock::{Advance, advance_fn, ms};
 mod checkpoint;
 mod list;
 mod lock_delay;
+mod reclaim;
 mod semaphore;
 pub use checkpoint::*;
 pub use list::*;
 pub use lock_delay::*;
+pub use reclaim::*;
 pub use semaphore::*;
 
 /// Generates one `#[tokio::test]` per conformance case for the backend made by `$make`.
@@ -44,6 +46,7 @@ macro_rules! lease_store_conformance {
         $crate::conformance::__storage::conformance_cases!($crate::conformance; $make;
             first_claim_is_generation_one_and_excludes_others,
             holder_reclaim_extends_same_generation,
+            a_holders_claim_retry_never_shortens_its_lease,
             worked_example_stale_holder_is_rejected,
             renew_requires_owner_and_generation,
             renew_after_expiry_succeeds_until_reclaimed,

@@ -435,8 +435,13 @@ pub(super) fn claim(
             }
             LeaseState::Held if s.owner.as_ref() == Some(owner) && s.key == key.hash() => {
                 // The holder claims again with its key (a retry after a lost answer): same
-                // generation, extended.
+                // generation, extended, never shortened. A retry asking less (or capped lower by
+                // another server's --max-ttl) that runs after a longer grant must not end the
+                // lease before the end its holder was told: another owner would get the next
+                // generation while the holder still acts under this one (as a renewal).
                 let (until, mut g) = grant(s.generation, ttl, now_ms);
+                let until = until.max(s.lease_until_ms);
+                g.expires_at_ms = until;
                 g.checkpoint = saved(s);
                 let new = Stored {
                     lease_until_ms: until,

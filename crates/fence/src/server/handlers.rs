@@ -280,9 +280,9 @@ pub(super) async fn act<S: LeaseStore>(
             fence_lease::Outcome::Done(_) | fence_lease::Outcome::Revoked(_) => {
                 action != Action::Checkpoint
             }
-            // The holder's claim again (after a lost answer) may have shortened the lease (a
-            // renewal never does), and the head waiter sleeps until the end it last saw: it
-            // looks again.
+            // A grant moved the lease's end (a holder's claim again never moves it earlier,
+            // as a renewal never does): the head waiter, asleep until the end it last saw,
+            // looks again (one read, only for a job with waiters).
             fence_lease::Outcome::Granted(_) => true,
             _ => false,
         };

@@ -14,7 +14,7 @@ use crate::store::{Grant, Outcome, StoreError};
 
 /// `$1` job, `$2` owner, `$3` ttl_ms, `$4` clock offset, `$5` key hash, `$6` lock-delay ms.
 /// A holder that claims again with its key while its lease runs keeps its generation (the
-/// retry of a lost answer). A lease that expired is claimable once its lock-delay is over
+/// retry of a lost answer), and its lease's end never moves earlier (as a renewal's). A lease that expired is claimable once its lock-delay is over
 /// too (contract section 12), and a job at the last generation is claimable by nobody else
 /// (refused, then answered as exhausted, not a broken CHECK). A new row starts above the
 /// floor, read under a share lock (see the module's notes). Returns the generation, the
@@ -30,7 +30,10 @@ pub(super) fn sql(t: &str) -> String {
                         THEN t.generation ELSE t.generation + 1 END,
            owner = excluded.owner,
            key_hash = excluded.key_hash,
-           lease_until_ms = excluded.lease_until_ms,
+           lease_until_ms = CASE WHEN t.owner = excluded.owner AND t.key_hash = excluded.key_hash
+                                      AND t.lease_until_ms > excluded.changed_ms
+                            THEN GREATEST(t.lease_until_ms, excluded.lease_until_ms)
+                            ELSE excluded.lease_until_ms END,
            changed_ms = excluded.changed_ms,
            lock_delay_ms = CASE WHEN t.owner = excluded.owner AND t.key_hash = excluded.key_hash
                                      AND t.lease_until_ms > excluded.changed_ms
