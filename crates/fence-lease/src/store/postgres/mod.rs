@@ -125,6 +125,16 @@ fn now_ms(offset_param: usize) -> String {
     format!("({NOW_MS} + ${offset_param}::bigint)")
 }
 
+/// `pg_notify` on `channel` with the job column `job` as payload, skipped while the
+/// database's notification queue is half full. PostgreSQL keeps a notification until every
+/// listening session has read it, and a NOTIFY fails at commit once the queue is full: one
+/// server frozen with its session open (SIGSTOP, a paused container) would in time make every
+/// release, completion and revoke on every server fail. Skipped, the waiters on other servers
+/// find the job at their backstop look instead (2 s).
+fn notify(channel: &str, job: &str) -> String {
+    format!("CASE WHEN pg_notification_queue_usage() < 0.5 THEN pg_notify('{channel}', {job}) END")
+}
+
 impl Sql {
     fn new(t: &str, channel: &str) -> Self {
         // Renew, release and complete need owner, generation and key: $1 job, $2 owner,
@@ -142,8 +152,9 @@ impl Sql {
         // $4 clock offset, $5 key hash; returns the row as `get` does.
         // The channel is `[a-z0-9_.]` (PgTable's names, or a hash): safe as a literal.
         let returning = format!(
-            "RETURNING owner, generation::text, lease_until_ms, completed, {}, pg_notify('{channel}', job)",
-            now_ms(4)
+            "RETURNING owner, generation::text, lease_until_ms, completed, {now}, {notify}",
+            now = now_ms(4),
+            notify = notify(&channel, "job"),
         );
         let release = format!(
             "UPDATE {t} SET owner = NULL, lease_until_ms = 0, changed_ms = {now}

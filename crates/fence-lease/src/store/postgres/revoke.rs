@@ -19,7 +19,8 @@ pub(super) fn sql(t: &str, channel: &str) -> String {
            FOR UPDATE)
          UPDATE {t} AS t SET generation = t.generation + 1, owner = NULL, changed_ms = {now}
          FROM old WHERE t.job = old.job
-         RETURNING t.generation::text, GREATEST(old.lease_until_ms, {now}), pg_notify('{channel}', t.job)",
+         RETURNING t.generation::text, GREATEST(old.lease_until_ms, {now}), {notify}",
+        notify = super::notify(channel, "t.job"),
         now = now_ms(2),
         last = fence_core::Generation::LAST.get(),
     )
