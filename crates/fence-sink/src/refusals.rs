@@ -4,7 +4,8 @@
 //! bad header, a drain timeout, ...) as one event: the problem type and status, the job, token
 //! and highest where they apply, the request's method and path, and its peer when the server
 //! put a [`PeerAddr`] in the request's extensions (`fence proxy` does). A flood cannot fill a
-//! disk: past [`PER_WINDOW`] events of one kind from one peer in [`WINDOW`], the rest are
+//! disk: an event repeats at most [`MAX_QUOTED`] bytes of the method and of the path, and
+//! [`MAX_DETAIL`] of the detail, whatever the client sent ([`clipped`]); past [`PER_WINDOW`] events of one kind from one peer in [`WINDOW`], the rest are
 //! counted, and the next event of that kind and peer says how many were left out
 //! (`suppressed`); and past [`ALL_PER_WINDOW`] from all peers together, so that many peers
 //! cannot add up to a flood either. The lease server logs its refusals through the same [`log`],
@@ -43,6 +44,12 @@ pub const PER_WINDOW: u32 = 10;
 pub const ALL_PER_WINDOW: u32 = 1_000;
 /// How many (kind, peer) pairs are tracked at once; past it the counts start over.
 const MAX_TRACKED: usize = 10_000;
+/// How many bytes of a method or path a client chose one event repeats (a head may hold
+/// 64 KiB of path): past it the text is cut, and says how long it was ([`clipped`]).
+pub const MAX_QUOTED: usize = 256;
+/// How many bytes of a refusal's detail, which may quote what the client sent, one event
+/// repeats.
+pub const MAX_DETAIL: usize = 640;
 
 /// What a refused request asked, kept until its answer is known.
 #[derive(Debug, Clone)]
@@ -90,8 +97,12 @@ pub fn log(
         .replace('-', " ");
     // The token's generation, or the lease's for the lease API's refusals.
     let generation = problem.token.or(problem.generation);
-    // A detail may quote what the client sent: on one line, so it cannot forge another.
-    let detail = one_line(&problem.detail);
+    // A detail may quote what the client sent: on one line, so it cannot forge another;
+    // and it, the method and the path are cut short, so that a few lines a second of a
+    // client's 64 KiB path cannot fill a disk either.
+    let detail = clipped(&problem.detail, MAX_DETAIL);
+    let method = clipped(method.as_str(), MAX_QUOTED);
+    let path: &str = &clipped(path, MAX_QUOTED);
     macro_rules! refused {
         ($level:ident) => {
             tracing::$level!(
@@ -118,22 +129,29 @@ pub fn log(
     }
 }
 
-/// `text` with its control characters (CR, LF, ESC, ...) escaped as `\n`, `\u{1b}`: a log
-/// line stays one line, and cannot forge the next or move a terminal's cursor.
-fn one_line(text: &str) -> std::borrow::Cow<'_, str> {
-    if !text.chars().any(char::is_control) {
+/// `text` with its control characters (CR, LF, ESC, ...) escaped as `\n`, `\u{1b}`, and at
+/// most `max` bytes of that: a log line stays one line, cannot forge the next or move a
+/// terminal's cursor, and repeats no more of what a client sent than `max`. A longer text
+/// is cut at a character and ends with `…(N bytes in all)`, N the length of `text`.
+pub fn clipped(text: &str, max: usize) -> std::borrow::Cow<'_, str> {
+    if text.len() <= max && !text.chars().any(char::is_control) {
         return text.into();
     }
-    text.chars()
-        .map(|c| {
-            if c.is_control() {
-                c.escape_default().to_string()
-            } else {
-                c.to_string()
-            }
-        })
-        .collect::<String>()
-        .into()
+    let mut out = String::with_capacity(max.min(text.len()) + 32);
+    for c in text.chars() {
+        let before = out.len();
+        if c.is_control() {
+            out.extend(c.escape_default());
+        } else {
+            out.push(c);
+        }
+        if out.len() > max {
+            out.truncate(before);
+            out.push_str(&format!("…({} bytes in all)", text.len()));
+            break;
+        }
+    }
+    out.into()
 }
 
 /// Whether a refusal of `kind` (a problem type) from `peer`, which the caller logs itself in
@@ -318,12 +336,29 @@ mod tests {
 
     #[test]
     fn a_detail_is_logged_on_one_line() {
+        let one_line = |text| clipped(text, MAX_DETAIL);
         assert_eq!(one_line("plain: as it is"), "plain: as it is");
         assert_eq!(
             one_line("x\r\nWARN forged\u{1b}[2K"),
             "x\\r\\nWARN forged\\u{1b}[2K"
         );
         assert!(matches!(one_line("é ok"), std::borrow::Cow::Borrowed(_)));
+    }
+
+    /// A client's 64 KiB path is repeated in a few hundred bytes that say how long it was,
+    /// cut at a character, escapes included in the count.
+    #[test]
+    fn a_long_text_is_cut_and_says_how_long_it_was() {
+        let path = format!("/{}", "a".repeat(60_000));
+        let cut = clipped(&path, MAX_QUOTED);
+        assert!(cut.len() < MAX_QUOTED + 32, "{} bytes", cut.len());
+        assert!(cut.starts_with("/aaa"), "{cut}");
+        assert!(cut.ends_with("…(60001 bytes in all)"), "{cut}");
+        assert_eq!(clipped("ééé", 5), "éé…(6 bytes in all)");
+        assert_eq!(clipped("ab\ncd", 3), "ab…(5 bytes in all)");
+        assert_eq!(clipped("exactly", 7), "exactly");
+        let escapes = "\u{1b}".repeat(10_000);
+        assert!(clipped(&escapes, MAX_DETAIL).len() < MAX_DETAIL + 32);
     }
 
     #[test]

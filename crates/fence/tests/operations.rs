@@ -934,3 +934,69 @@ fn a_data_directory_others_may_enter_is_warned_about() {
         0o700
     );
 }
+
+/// A client with no secret sending paths of 60,000 bytes (a head may hold 64 KiB) cannot
+/// fill a disk through the refusal log: each event repeats a few hundred bytes of the path
+/// and says how long it was, at the server (404, 405, 400) and at the proxy (428). Before,
+/// each event repeated the path twice, about 120 KiB, and 10 events per kind and peer every
+/// 10 s let one address write half a megabyte a second.
+#[test]
+fn a_refusal_of_a_huge_path_logs_a_short_line() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let auth = dir.path().join("clients");
+    std::fs::write(&auth, "ops ops-0123456789abcdefghij *\n").unwrap();
+    std::fs::set_permissions(&auth, std::fs::Permissions::from_mode(0o600)).unwrap();
+    let data = dir.path().join("leases");
+    let args = server_args(
+        data.to_str().unwrap(),
+        &["--auth-file", auth.to_str().unwrap()],
+    );
+    let (_server, server, log) = start_logged(&args, "info");
+    let upstream = format!("http://{}", start_upstream());
+    let pdata = dir.path().join("proxy");
+    let (_proxy, proxy, plog) = start_logged(
+        &proxy_args(&upstream, &["--data-dir", pdata.to_str().unwrap()]),
+        "info",
+    );
+    let long = "a".repeat(60_000);
+    let (before, pbefore) = (log.text().len(), plog.text().len());
+    for _ in 0..15 {
+        let (status, answer) = exchange(&server, "GET", &format!("/{long}"), &[], "");
+        assert_eq!(status, 404, "{}", &answer[..answer.len().min(300)]);
+        assert!(
+            answer.contains("(60001 bytes in all)"),
+            "the 404 says the cut"
+        );
+        let (status, _) = exchange(&server, "PUT", &format!("/v1/leases/{long}"), &[], "");
+        assert_eq!(status, 405);
+        let (status, _) = exchange(&server, "GET", &format!("/v1/leases/{long}"), &[], "");
+        assert_eq!(status, 400, "a job id too long, checked before the secret");
+        let (status, _) = exchange(&proxy, "POST", &format!("/{long}"), &[], "");
+        assert_eq!(status, 428);
+    }
+    for (log, kinds) in [
+        (
+            &log,
+            &["not found", "method not allowed", "bad request"][..],
+        ),
+        (&plog, &["missing token"][..]),
+    ] {
+        for kind in kinds {
+            log.wait_for(&format!("refused ({kind})"));
+        }
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    for (log, before, events) in [(&log, before, 30), (&plog, pbefore, 10)] {
+        let text = log.text();
+        let grown = &text[before..];
+        let longest = grown.lines().map(str::len).max().unwrap_or(0);
+        assert!(longest < 2048, "a line of {longest} bytes");
+        assert!(
+            grown.len() < events * 2048,
+            "{} bytes logged for {events} events",
+            grown.len()
+        );
+        assert!(grown.contains("(60001 bytes in all)"), "the cut is said");
+    }
+}

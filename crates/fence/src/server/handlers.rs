@@ -389,17 +389,28 @@ pub(super) async fn render_metrics<S: LeaseStore>(
 }
 
 pub(super) async fn not_found(method: Method, uri: Uri) -> Response {
+    let (method, path) = quoted(&method, &uri);
     let detail = format!(
-        "{method} {} is not part of the lease API; see POST /v1/leases/{{job}}/claim|renew|release|complete|revoke|checkpoint, POST /v1/semaphores/{{resource}}/claim, GET /v1/leases/{{job}} and GET /v1/leases",
-        uri.path()
+        "{method} {path} is not part of the lease API; see POST /v1/leases/{{job}}/claim|renew|release|complete|revoke|checkpoint, POST /v1/semaphores/{{resource}}/claim, GET /v1/leases/{{job}} and GET /v1/leases"
     );
     problem_response(Problem::new(ProblemType::NotFound, detail))
 }
 
 pub(super) async fn method_not_allowed(method: Method, uri: Uri) -> Response {
+    let (method, path) = quoted(&method, &uri);
     let detail = format!(
-        "{method} {} is not allowed: claim, renew, release, complete and revoke are POST; a job's record and the list are GET",
-        uri.path()
+        "{method} {path} is not allowed: claim, renew, release, complete and revoke are POST; a job's record and the list are GET"
     );
     problem_response(Problem::new(ProblemType::MethodNotAllowed, detail))
+}
+
+/// The method and path of a request as a detail quotes them: cut short past a few hundred
+/// bytes (a head may hold a 64 KiB path), so the detail's own advice survives the refusal
+/// log's cut of details.
+fn quoted(method: &Method, uri: &Uri) -> (String, String) {
+    use fence_sink::refusals::{MAX_QUOTED, clipped};
+    (
+        clipped(method.as_str(), MAX_QUOTED).into_owned(),
+        clipped(uri.path(), MAX_QUOTED).into_owned(),
+    )
 }
