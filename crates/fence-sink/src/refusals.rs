@@ -310,10 +310,12 @@ impl Limiter {
 
 static LIMIT: LazyLock<Mutex<Limiter>> = LazyLock::new(|| Mutex::new(Limiter::new()));
 
-/// [`Limiter::admit`] on the process's limiter, now. An admitted event first says, in an
-/// event of its own, how many the budget over all peers held back before it: a flood from
-/// many peers leaves that trace even when none of them comes back.
-pub(crate) fn admit(kind: &'static str, peer: Option<IpAddr>) -> Option<u64> {
+/// [`Limiter::admit`] on the process's limiter, now: whether an event of `kind` (a fixed
+/// name, such as `"fence-push"`) from `peer`, which the caller logs itself, is to be logged
+/// now (`Some(how many were left out before it)`) under the limit of [`log`]. An admitted
+/// event first says, in an event of its own, how many the budget over all peers held back
+/// before it: a flood from many peers leaves that trace even when none of them comes back.
+pub fn admit(kind: &'static str, peer: Option<IpAddr>) -> Option<u64> {
     let mut limit = LIMIT
         .lock()
         .unwrap_or_else(std::sync::PoisonError::into_inner);

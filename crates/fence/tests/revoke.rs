@@ -415,3 +415,53 @@ fn pushes_go_to_every_sink_at_once() {
     assert_eq!(status, 409, "{answer}");
     drop(dead);
 }
+
+/// A push logs a line only when it raised the job's fence: a local process looping pushes
+/// of one token (no secret: sinks may log tokens) writes no line after the first, and the
+/// log does not report revokes that never happened. Before, every push wrote a warn line
+/// "fence raised by a push (revoke)", unthrottled, even when nothing changed.
+#[test]
+fn a_push_that_raises_nothing_logs_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let (auth, signing) = setup(dir.path());
+    let data = dir.path().join("data");
+    let (_server, addr) = start_ready(&server_args(
+        data.to_str().unwrap(),
+        &["--auth-file", &auth, "--signing-key", &signing],
+    ));
+    let server = format!("http://{addr}");
+    let upstream = format!("http://{}", start_upstream());
+    let verify = dir.path().join("fence-verify.pem").display().to_string();
+    let sled = dir.path().join("proxy").display().to_string();
+    let (_proxy, _, log) = start_logged(
+        &proxy_args(&upstream, &["--verify-key", &verify, "--data-dir", &sled]),
+        "info",
+    );
+    let admin = log
+        .wait_for("proxy ready")
+        .split("admin=")
+        .nth(1)
+        .and_then(|rest| rest.split_whitespace().next())
+        .expect("the ready line names the admin address")
+        .to_owned();
+    let claimed = fence_as(WORKER, &["claim", "--server", &server, "--job", "pay-9"]);
+    assert_success(&claimed);
+    let token = stdout_json(&claimed)["token"].as_str().unwrap().to_owned();
+    let body = format!(r#"{{"token":"{token}"}}"#);
+    let before = log.text().lines().count();
+    for _ in 0..101 {
+        let (status, view) = exchange(&admin, "POST", "/v1/fence/pay-9", &[], &body);
+        assert_eq!(status, 200, "{view}");
+        assert!(view.contains(r#""highest":1"#), "{view}");
+    }
+    log.wait_for("fence raised by a push");
+    std::thread::sleep(std::time::Duration::from_millis(300));
+    let text = log.text();
+    let raised = text
+        .lines()
+        .filter(|l| l.contains("fence raised by a push"))
+        .count();
+    assert_eq!(raised, 1, "one push raised pay-9:\n{text}");
+    let lines = text.lines().count() - before;
+    assert!(lines <= 11, "{lines} lines for 101 pushes:\n{text}");
+}

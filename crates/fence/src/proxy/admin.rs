@@ -11,7 +11,9 @@
 //!   token's (what `fence revoke --sink` pushes); 200 `{"job", "highest"}`. Needs verify
 //!   keys: the signature is what makes a push trustworthy.
 
-use std::{convert::Infallible, future::Future, pin::Pin, sync::Arc, time::Duration};
+use std::{
+    convert::Infallible, future::Future, net::SocketAddr, pin::Pin, sync::Arc, time::Duration,
+};
 
 use bytes::Bytes;
 use fence_core::{
@@ -31,7 +33,9 @@ use crate::listen::Listener;
 
 type Check = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 type JobCheck = Pin<Box<dyn Future<Output = Result<JobFence, Problem>> + Send>>;
-type Push = Pin<Box<dyn Future<Output = Result<u64, Problem>> + Send>>;
+/// A push's answer: the job's highest generation before it (`None`: not known, the store
+/// did not answer in time) and after it.
+type Push = Pin<Box<dyn Future<Output = Result<(Option<u64>, u64), Problem>> + Send>>;
 
 /// How the admin listener tells whether the proxy can work (its store answers, its upstream
 /// accepts connections) and what its fence holds.
@@ -53,7 +57,7 @@ pub struct Health {
 #[derive(Clone)]
 struct FenceView {
     job: Arc<dyn Fn(JobId) -> JobCheck + Send + Sync>,
-    /// Raises a job to a signed token's generation.
+    /// Raises a job to a signed token's generation; says what it was before.
     advance: Arc<dyn Fn(JobId, String) -> Push + Send + Sync>,
     /// Cached jobs, requests in flight, buffered bytes.
     gauges: Arc<dyn Fn() -> (usize, usize, usize) + Send + Sync>,
@@ -154,7 +158,13 @@ impl Health {
         let advance: Arc<dyn Fn(JobId, String) -> Push + Send + Sync> =
             Arc::new(move |job, token| {
                 let layer = pusher.clone();
-                Box::pin(async move { layer.advance(&job, &token).await })
+                Box::pin(async move {
+                    // What it was before, to log only a push that raised it: one from
+                    // memory once the job is cached (the push below caches it).
+                    let before = tokio::time::timeout(PROBE_TIMEOUT, layer.job(&job)).await;
+                    let before = before.ok().and_then(Result::ok).map(|f| f.highest.get());
+                    Ok((before, layer.advance(&job, &token).await?))
+                })
             });
         let gauges = Arc::new(move || {
             (
@@ -195,11 +205,11 @@ pub async fn serve_admin(
     health: Health,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    crate::listen::serve(listener, shutdown, move |_, _| {
+    crate::listen::serve(listener, shutdown, move |peer, _| {
         let (handle, health) = (handle.clone(), health.clone());
         hyper::service::service_fn(move |req: Request<Incoming>| {
             let (handle, health) = (handle.clone(), health.clone());
-            async move { Ok::<_, Infallible>(admin(&handle, &health, req).await) }
+            async move { Ok::<_, Infallible>(admin(&handle, &health, req, peer).await) }
         })
     })
     .await;
@@ -210,6 +220,7 @@ async fn admin(
     handle: &PrometheusHandle,
     health: &Health,
     req: Request<Incoming>,
+    peer: SocketAddr,
 ) -> Response<Full<Bytes>> {
     let get = matches!(*req.method(), Method::GET | Method::HEAD);
     let text = |content_type: &'static str, body: String| {
@@ -243,7 +254,7 @@ async fn admin(
     }
     if let (Some(fence), Some(raw)) = (&health.fence, req.uri().path().strip_prefix("/v1/fence/")) {
         let raw = raw.to_owned();
-        return job_fence(fence, &raw, req).await;
+        return job_fence(fence, &raw, req, peer).await;
     }
     match req.uri().path() {
         "/metrics" if get => {
@@ -298,7 +309,12 @@ async fn admin(
 
 /// `GET /v1/fence/{job}`: the job's highest generation and requests in flight, as JSON;
 /// `POST` with `{"token"}`: raise it to the token's generation.
-async fn job_fence(fence: &FenceView, raw: &str, req: Request<Incoming>) -> Response<Full<Bytes>> {
+async fn job_fence(
+    fence: &FenceView,
+    raw: &str,
+    req: Request<Incoming>,
+    peer: SocketAddr,
+) -> Response<Full<Bytes>> {
     let method = req.method().clone();
     if !matches!(method, Method::GET | Method::HEAD | Method::POST) {
         let mut response = Problem::new(
@@ -319,7 +335,7 @@ async fn job_fence(fence: &FenceView, raw: &str, req: Request<Incoming>) -> Resp
         Err(detail) => return Problem::new(ProblemType::BadRequest, detail).to_response(),
     };
     if method == Method::POST {
-        return push(fence, job, req.into_body()).await;
+        return push(fence, job, req.into_body(), peer).await;
     }
     match (fence.job)(job.clone()).await {
         Ok(f) => json_response(&SinkFence {
@@ -335,8 +351,16 @@ async fn job_fence(fence: &FenceView, raw: &str, req: Request<Incoming>) -> Resp
 const MAX_PUSH_BODY: usize = 4 * 1024;
 
 /// `POST /v1/fence/{job}`: reads `{"token"}` (at most [`MAX_PUSH_BODY`] bytes, within
-/// [`PROBE_TIMEOUT`]) and raises the job's fence to it.
-async fn push(fence: &FenceView, job: JobId, body: Incoming) -> Response<Full<Bytes>> {
+/// [`PROBE_TIMEOUT`]) and raises the job's fence to it. A push that raised it is logged at
+/// warn, under the refusal log's limit per peer; one that changed nothing (a token at or
+/// below the highest, pushed again) is not: any local process holding a token, which is no
+/// secret, could otherwise write a line per request reporting a revoke that never happened.
+async fn push(
+    fence: &FenceView,
+    job: JobId,
+    body: Incoming,
+    peer: SocketAddr,
+) -> Response<Full<Bytes>> {
     use http_body_util::{BodyExt, Limited};
     let bad = |detail: String| Problem::new(ProblemType::BadRequest, detail).to_response();
     let read = tokio::time::timeout(PROBE_TIMEOUT, Limited::new(body, MAX_PUSH_BODY).collect());
@@ -354,8 +378,20 @@ async fn push(fence: &FenceView, job: JobId, body: Incoming) -> Response<Full<By
         Err(e) => return bad(e.to_string()),
     };
     match (fence.advance)(job.clone(), token).await {
-        Ok(highest) => {
-            tracing::warn!(job = %job, generation = highest, "fence raised by a push (revoke)");
+        Ok((before, highest)) => {
+            let raised = before.is_none_or(|before| highest > before);
+            if raised
+                && let Some(suppressed) = fence_sink::refusals::admit("fence-push", Some(peer.ip()))
+            {
+                tracing::warn!(
+                    job = %job,
+                    generation = highest,
+                    before,
+                    peer = %peer.ip(),
+                    suppressed = (suppressed > 0).then_some(suppressed),
+                    "fence raised by a push (revoke)"
+                );
+            }
             json_response(&SinkFence {
                 job,
                 highest,
