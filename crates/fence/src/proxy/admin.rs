@@ -47,6 +47,10 @@ pub struct Health {
     /// PostgreSQL pool that fenced requests wait for.
     probed: Arc<crate::probe::Shared<Result<(), String>>>,
     upstream: Option<String>,
+    /// The last check of the upstream, shared for a second like the store's: each
+    /// `/readyz` opening a connection of its own would leave one in TIME_WAIT per probe, and
+    /// a flood of them would use up the ephemeral ports the proxy reaches the upstream by.
+    upstream_checked: Arc<crate::probe::Shared<Result<(), String>>>,
     fence: Option<FenceView>,
     /// The admin listener's own clients (`--admin-auth-file`): without one of their
     /// secrets, every request is 401.
@@ -104,6 +108,7 @@ impl Health {
             store,
             probed: Arc::default(),
             upstream,
+            upstream_checked: Arc::default(),
             fence: None,
             auth: None,
         }
@@ -181,17 +186,22 @@ impl Health {
         self
     }
 
+    /// Whether the upstream accepts a connection: one check at a time, its answer shared
+    /// for a second.
     async fn upstream(&self) -> Result<(), String> {
         let Some(addr) = &self.upstream else {
             return Ok(());
         };
-        match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)).await {
-            Ok(Ok(_)) => Ok(()),
-            Ok(Err(e)) => Err(format!("the upstream {addr} refuses connections: {e}")),
-            Err(_) => Err(format!(
-                "the upstream {addr} did not accept a connection within {PROBE_TIMEOUT:?}"
-            )),
-        }
+        let connect = async {
+            match tokio::time::timeout(PROBE_TIMEOUT, tokio::net::TcpStream::connect(addr)).await {
+                Ok(Ok(_)) => Ok(()),
+                Ok(Err(e)) => Err(format!("the upstream {addr} refuses connections: {e}")),
+                Err(_) => Err(format!(
+                    "the upstream {addr} did not accept a connection within {PROBE_TIMEOUT:?}"
+                )),
+            }
+        };
+        self.upstream_checked.check(connect).await
     }
 }
 
@@ -446,6 +456,44 @@ mod tests {
             reads.load(Ordering::SeqCst),
             1,
             "one store read for the flood"
+        );
+    }
+
+    /// A flood of `/readyz` opens one connection to the upstream, not one each: the check
+    /// is shared for a second like the store's (each connection the proxy closes first
+    /// waits in TIME_WAIT for a minute, and enough of them use up the ports to the upstream).
+    #[tokio::test]
+    async fn a_flood_of_readiness_checks_connects_to_the_upstream_once() {
+        let upstream = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = upstream.local_addr().unwrap().to_string();
+        let (accepted, mut peers) = tokio::sync::mpsc::unbounded_channel();
+        tokio::spawn(async move {
+            while let Ok((_, peer)) = upstream.accept().await {
+                let _ = accepted.send(peer);
+            }
+        });
+        let store: Arc<dyn Fn() -> Check + Send + Sync> = Arc::new(|| Box::pin(async { Ok(()) }));
+        let health = Health::probing(store, Some(addr.clone()));
+        let flood: Vec<_> = (0..200)
+            .map(|_| {
+                let health = health.clone();
+                tokio::spawn(async move { health.upstream().await })
+            })
+            .collect();
+        for check in flood {
+            assert_eq!(check.await.unwrap(), Ok(()));
+        }
+        // A last connection of the test's own: accepted after every one the checks made.
+        let last = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let last = last.local_addr().unwrap();
+        let mut checks = 0;
+        while peers.recv().await.unwrap() != last {
+            checks += 1;
+        }
+        // Two at most: a run slowed past the second starts one more check.
+        assert!(
+            (1..=2).contains(&checks),
+            "{checks} upstream connections for 200 checks"
         );
     }
 }
