@@ -114,11 +114,11 @@ pub async fn server(a: ServerArgs) -> anyhow::Result<()> {
     if auth.is_none() && !a.listen.ip().is_loopback() {
         if !a.insecure_no_auth {
             return Err(Usage::error(format!(
-                "refusing to listen on {} without --auth-file: anyone who can reach it could claim jobs, and complete any job whose lease key leaks; give --auth-file (and --tls-cert/--tls-key), or --insecure-no-auth",
+                "refusing to listen on {} without --auth-file: anyone who can reach it could revoke any job, claim jobs, and complete any job whose lease key leaks; give --auth-file (and --tls-cert/--tls-key), or --insecure-no-auth",
                 a.listen
             )));
         }
-        tracing::warn!(listen = %a.listen, "--insecure-no-auth: the lease API is open to anyone who can reach it");
+        tracing::warn!(listen = %a.listen, "--insecure-no-auth: the lease API is open to anyone who can reach it, revokes included");
     }
     let (tls, limits) = listen_options(&a.listener, &[b"h2", b"http/1.1"])?;
     on_hangup(auth.clone(), "--auth-file", tls.is_some())

@@ -219,7 +219,35 @@ fn a_listener_beyond_loopback_needs_an_auth_file() {
             stderr.contains("without --auth-file") && stderr.contains("--insecure-no-auth"),
             "{stderr}"
         );
+        assert!(stderr.contains("revoke any job"), "{stderr}");
     }
+}
+
+/// An operator weighing --insecure-no-auth reads in its help what it gives away, the worst
+/// first: anyone who can reach the server may revoke any job without a lease key, and with
+/// --signing-key gets a signed token that fences the holder at every sink. Before, the help
+/// named renew, release, complete and claim, and left revoke out.
+#[test]
+fn the_help_of_insecure_no_auth_says_anyone_may_revoke() {
+    let out = fence(&["server", "--help"]);
+    assert_success(&out);
+    let help = String::from_utf8_lossy(&out.stdout);
+    let flag = help
+        .split("\n      --")
+        .find(|p| p.starts_with("insecure-no-auth"))
+        .unwrap_or_else(|| panic!("no --insecure-no-auth in:\n{help}"));
+    let flag = flag.split_whitespace().collect::<Vec<_>>().join(" ");
+    for said in [
+        "revoke any job",
+        "no lease key needed",
+        "--signing-key",
+        "signed token",
+    ] {
+        assert!(flag.contains(said), "{said:?} not in: {flag}");
+    }
+    let about = help.split("\nUsage:").next().unwrap();
+    let about = about.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(about.contains("can revoke any job"), "{about}");
 }
 
 /// Secrets never cross a network in clear: a server beyond loopback without TLS is refused

@@ -81,9 +81,9 @@ pub enum Cmd {
     Demo,
     /// Serve the lease HTTP API (POST /v1/leases/{job}/claim|renew|release|complete|checkpoint|revoke, POST /v1/semaphores/{resource}/claim, GET /v1/leases/{job}, GET /v1/leases; GET /healthz, /readyz, /metrics, /openapi.json).
     ///
-    /// Anyone who can reach an open lease server can complete other workers' jobs: on any
-    /// address but loopback, give --auth-file (and --tls-cert/--tls-key), or say
-    /// --insecure-no-auth.
+    /// Anyone who can reach an open lease server can revoke any job and complete other
+    /// workers' jobs: on any address but loopback, give --auth-file (and
+    /// --tls-cert/--tls-key), or say --insecure-no-auth.
     ///
     /// SIGINT or SIGTERM stops it: claims waiting then are answered at once (409 with the job
     /// still held, or the lease if it just came free), open requests get up to 30 s, and it
@@ -321,8 +321,9 @@ pub struct ServerArgs {
     #[arg(long, value_name = "FILE", env = "FENCE_AUTH_FILE")]
     pub auth_file: Option<PathBuf>,
     /// Listen on an address other than loopback without --auth-file: anyone who can reach it
-    /// can then renew, release and complete any job whose lease key they learn, and claim
-    /// any job.
+    /// can then revoke any job, no lease key needed, taking it from its holder (with
+    /// --signing-key the answer hands them a signed token that fences the holder at every
+    /// sink), claim any job, and renew, release and complete any whose lease key they learn.
     /// (Refused beside --auth-file; checked on the values, so FENCE_INSECURE_NO_AUTH=0 next to
     /// an auth file is no contradiction.)
     #[arg(long, value_parser = BoolishValueParser::new(), env = "FENCE_INSECURE_NO_AUTH")]
