@@ -490,6 +490,12 @@ impl<St: GenerationStore + IdempotencyStore> FenceLayer<St> {
         self.shared.gates.in_flight()
     }
 
+    /// `job`'s highest generation when the layer holds the job in memory; never reads the
+    /// store (`None`: not in memory).
+    pub fn cached_highest(&self, job: &fence_core::JobId) -> Option<fence_core::Generation> {
+        self.shared.gates.cached_highest(job)
+    }
+
     /// `job`'s highest generation and its admitted requests still running, from memory, or
     /// from the store when the job is not cached.
     ///

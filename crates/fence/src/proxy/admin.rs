@@ -33,8 +33,8 @@ use crate::listen::Listener;
 
 type Check = Pin<Box<dyn Future<Output = Result<(), String>> + Send>>;
 type JobCheck = Pin<Box<dyn Future<Output = Result<JobFence, Problem>> + Send>>;
-/// A push's answer: the job's highest generation before it (`None`: not known, the store
-/// did not answer in time) and after it.
+/// A push's answer: the job's highest generation before it (`None`: not known, the job was
+/// not in memory) and after it.
 type Push = Pin<Box<dyn Future<Output = Result<(Option<u64>, u64), Problem>> + Send>>;
 
 /// How the admin listener tells whether the proxy can work (its store answers, its upstream
@@ -164,10 +164,12 @@ impl Health {
             Arc::new(move |job, token| {
                 let layer = pusher.clone();
                 Box::pin(async move {
-                    // What it was before, to log only a push that raised it: one from
-                    // memory once the job is cached (the push below caches it).
-                    let before = tokio::time::timeout(PROBE_TIMEOUT, layer.job(&job)).await;
-                    let before = before.ok().and_then(Result::ok).map(|f| f.highest.get());
+                    // What it was before, to log only a push that raised it: from memory
+                    // only (the push below caches the job). Never a store read here: this
+                    // runs before the token is verified, and junk pushes for uncached jobs
+                    // would read the store without limit, taking a PostgreSQL pool from the
+                    // fenced requests. Not in memory: the push is logged as a raise.
+                    let before = layer.cached_highest(&job).map(|g| g.get());
                     Ok((before, layer.advance(&job, &token).await?))
                 })
             });
