@@ -154,7 +154,7 @@ impl Sql {
         let returning = format!(
             "RETURNING owner, generation::text, lease_until_ms, completed, {now}, {notify}",
             now = now_ms(4),
-            notify = notify(&channel, "job"),
+            notify = notify(channel, "job"),
         );
         let release = format!(
             "UPDATE {t} SET owner = NULL, lease_until_ms = 0, changed_ms = {now}
