@@ -47,10 +47,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
     let charge = http::Request::post(&target).body(Full::new(Bytes::from("amount=10")))?;
     // The layer cuts the call at the loss: the error says whether the charge had left.
     match http.ready().await?.call(charge).await {
-        Ok(response) => {
+        Ok(response) if response.status().is_success() => {
             println!("charged: {}", response.status());
-            lease.complete().await?;
+            lease.complete().await?; // only once the charge succeeded
         }
+        // 409: a newer holder exists; a 502 or 504 may still land. Never complete: the lease,
+        // dropped, expires at the server, and its lock-delay applies.
+        Ok(response) => return Err(format!("the charge was answered {}", response.status()).into()),
         Err(e) => match e.downcast_ref::<LeaseLost>() {
             Some(lost) if lost.in_flight => {
                 eprintln!("lease lost with the charge on its way: its outcome is unknown")

@@ -55,7 +55,13 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
                 return Ok(());
             }
             response = http.ready().await?.call(request) => {
-                println!("step {step}: {}", response?.status());
+                let status = response?.status();
+                println!("step {step}: {status}");
+                if !status.is_success() {
+                    // A 409: a newer holder exists; a 502 or 504 may still land. Never
+                    // complete: the lease, dropped, expires (and lock-delay applies).
+                    return Err(format!("step {step} was answered {status}").into());
+                }
             }
         }
         tokio::time::sleep(Duration::from_millis(300)).await;
