@@ -22,12 +22,16 @@ async fn charge(Extension(fenced): Extension<Fenced>, body: String) -> String {
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let mut args = std::env::args().skip(1);
     let addr = args.next().unwrap_or_else(|| "127.0.0.1:3000".into());
-    let dir = args.next().unwrap_or_else(|| {
-        std::env::temp_dir()
-            .join("fence-axum-sink")
-            .display()
-            .to_string()
-    });
+    // Without a directory, a fresh private one for this run: a fixed path under /tmp would
+    // be shared by every run and every user of the host.
+    let scratch;
+    let dir = match args.next() {
+        Some(dir) => dir,
+        None => {
+            scratch = tempfile::tempdir()?;
+            scratch.path().display().to_string()
+        }
+    };
 
     let fence = FenceLayer::new(SledStore::open(&dir)?);
     // Sweeps expired idempotency records in the background while the service runs.

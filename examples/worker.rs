@@ -29,9 +29,10 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         }
     };
 
-    // The lease store; in production, a `fence server` shared by all workers.
-    let dir = tempfile_dir()?;
-    let store = SledLeaseStore::open(&dir)?;
+    // The lease store; in production, a `fence server` shared by all workers. The directory
+    // is removed when `dir` is dropped, on every return.
+    let dir = tempfile::tempdir()?;
+    let store = SledLeaseStore::open(dir.path())?;
     let client = LeaseClient::new(store).ttl(Ttl::from_millis(2_000)?);
     let lease = client.claim("invoice-42".parse()?).await?;
     println!(
@@ -72,12 +73,5 @@ async fn main() -> Result<(), Box<dyn std::error::Error + Send + Sync>> {
         record.generation,
         record.state.as_str()
     );
-    std::fs::remove_dir_all(&dir)?;
     Ok(())
-}
-
-fn tempfile_dir() -> std::io::Result<std::path::PathBuf> {
-    let dir = std::env::temp_dir().join(format!("fence-worker-example-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
 }
