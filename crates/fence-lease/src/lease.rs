@@ -6,25 +6,26 @@
 //! use fence_lease::{LeaseClient, MemoryLeaseStore};
 //!
 //! let lease = LeaseClient::new(MemoryLeaseStore::new()).claim("invoice-42".parse()?).await?;
-//! let token = lease.token().expect("held"); // send it with every effect
 //! tokio::select! {
-//!     _ = lease.lost() => { /* stop producing effects at once */ }
-//!     _ = async { /* the job's work */ } => {}
+//!     _ = lease.lost() => return Ok(()), // stop producing effects at once; never complete
+//!     _ = async {
+//!         // Each effect sends the token as it is then (a signed one changes at each renewal),
+//!         // or goes through `lease.fencing_layer()`; `None` once lost: send nothing more.
+//!         let Some(_token) = lease.token_string() else { return };
+//!     } => {}
 //! }
-//! lease.complete().await?;
-//! # let _ = token;
+//! if !lease.is_lost() { lease.complete().await?; } // the store would take it after a loss
 //! # Ok(()) }
 //! ```
 //!
 //! # The local deadline
-//! The worker takes `t_send = Instant::now()` before it sends a claim or renew. When the
-//! store grants TTL `T`, the worker believes it holds the lease until `t_send + T - margin`,
-//! on its own monotonic clock. Time in flight and in the store only shortens that view, and
-//! no offset between the worker's and the store's wall clocks enters the arithmetic; the
-//! margin (default 10% of `T`, at least 50 ms) covers a worker clock that runs slow.
-//!
-//! When the deadline passes before a renewal succeeds, or a renewal answers `Lost`, the lease
-//! is lost, once and for all: [`Lease::lost`] resolves, [`Lease::token`] returns `None` and
+//! The worker takes `t_send = Instant::now()` before it sends a claim or renew. When the store
+//! grants TTL `T`, the worker believes it holds the lease until `t_send + T - margin`, on its
+//! own monotonic clock. Time in flight and in the store only shortens that view, and no offset
+//! between the worker's and the store's wall clocks enters the arithmetic; the margin (default
+//! 10% of `T`, at least 50 ms) covers a worker clock that runs slow. When the deadline passes
+//! before a renewal succeeds, or a renewal answers `Lost`, the lease is lost, once and for all:
+//! [`Lease::lost`] resolves, [`Lease::token`] returns `None` and
 //! [`FencingLayer`](crate::FencingLayer) refuses to send. The three read one flag.
 
 use std::{
@@ -259,12 +260,11 @@ impl LeaseView {
         self.shared.deadline()
     }
 
-    /// The earliest instant the store can end this lease if it is not renewed again: the
-    /// last granted claim's or renewal's send time plus its TTL (the store counts from when
-    /// it received it, later; a lock-delay adds to it). Between the local
-    /// [`deadline`](Self::deadline) and this instant lies the safety margin: what a worker
-    /// has to stop its effects in once the deadline passed, before anyone else can hold the
-    /// job.
+    /// The earliest instant the store can end this lease if it is not renewed again: the last
+    /// granted claim's or renewal's send time plus its TTL (the store counts from when it received
+    /// it, later; a lock-delay adds to it). Between the local [`deadline`](Self::deadline) and this
+    /// instant lies the safety margin: what a worker has to stop its effects in once the deadline
+    /// passed, before anyone else can hold the job.
     pub fn earliest_store_expiry(&self) -> Instant {
         self.shared.base + Duration::from_nanos(self.shared.store_end_nanos.load(Ordering::Acquire))
     }
