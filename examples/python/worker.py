@@ -20,6 +20,8 @@ then reaches the destination with a stale token, and a fenced destination refuse
 """
 
 import argparse
+import base64
+import hashlib
 import json
 import os
 import secrets
@@ -33,6 +35,15 @@ import urllib.request
 # A grant's TTL is taken only from 100 ms to 24 h (as the other clients): anything else is no
 # grant (a server that misbehaves, a proxy's, a mock's).
 MIN_TTL_MS, MAX_TTL_MS = 100, 86_400_000
+
+
+def step_key(job, step):
+    """The Idempotency-Key of a job's step, the same for every holder of every generation
+    (docs/protocol.md section 11; `fence idempotency-key --job JOB --step STEP` prints it): a
+    successor redoing a step the previous holder's write already committed is answered the
+    stored result instead of running it again."""
+    digest = hashlib.sha256(b"fence-step-v1\0" + job.encode() + b"\0" + step.encode()).digest()
+    return "fence-" + base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
 
 
 def _whole(value):
@@ -104,12 +115,14 @@ class Lease:
         return status, answer
 
     def current_token(self):
-        """The token to send now, or None once the lease cannot be trusted."""
+        """The token to send now and the seconds left to the deadline, or (None, 0) once the
+        lease cannot be trusted."""
         with self.lock:
-            if self.lost.is_set() or time.monotonic() >= self.deadline:
+            left = self.deadline - time.monotonic()
+            if self.lost.is_set() or left <= 0:
                 self.lost.set()
-                return None
-            return self.token
+                return None, 0
+            return self.token, left
 
     def _interval(self):
         """A third of the TTL held, but never later than halfway to the deadline (a fixed
@@ -189,7 +202,7 @@ def main():
     print(f"worker: holding {args.job} at generation {lease.generation}", file=sys.stderr)
     threading.Thread(target=lease.keep, daemon=True).start()
     for n in range(1, args.writes + 1):
-        token = lease.current_token()
+        token, left = lease.current_token()
         if token is None:
             print("worker: lease lost; not sending", file=sys.stderr)
             return 75
@@ -197,12 +210,15 @@ def main():
             lease.paused.set()  # a whole-process pause, renewals included
             time.sleep(args.stall_before_send)
             lease.paused.clear()
+        # Key and body are the same whoever holds the job: never the generation or the owner.
         req = urllib.request.Request(
             args.destination, data=f"write {n}".encode(), method="POST",
             headers={"X-Fencing-Job": args.job, "X-Fencing-Token": token,
-                     "Idempotency-Key": f"{args.job}-{lease.generation}-{n}"})
+                     "Idempotency-Key": step_key(args.job, f"write-{n}")})
         try:
-            with urllib.request.urlopen(req, timeout=10) as resp:
+            # Cut at the deadline as it stood when the token was taken (each socket operation
+            # gets the time left then): a write still unanswered by then is of unknown outcome.
+            with urllib.request.urlopen(req, timeout=left) as resp:
                 print(f"WRITE {n} {resp.status}")
         except urllib.error.HTTPError as e:
             try:
@@ -212,6 +228,9 @@ def main():
             print(f"WRITE {n} {e.code} {problem.get('type') if isinstance(problem, dict) else None}")
             if e.code == 409:
                 return 75  # a newer holder exists: stop, do not complete
+            return 1
+        except OSError as e:  # a timeout, a reset: it may have landed; neither complete nor release
+            print(f"WRITE {n} unknown ({e})")
             return 1
     status, answer = lease.finish("complete")
     print(f"worker: done; the job is {answer.get('state', status)}", file=sys.stderr)

@@ -1,13 +1,15 @@
 //! The workers of other languages in `examples/` (Python with its standard library only, and
 //! POSIX sh with curl), written from `docs/protocol.md` alone, against the real lease server
-//! and `fence proxy`: a whole run, and a stall past the lease that ends in a 409 at the
-//! destination.
+//! and `fence proxy`: a whole run, a stall past the lease that ends in a 409 at the
+//! destination, and a successor redoing a committed write under the step's shared key.
 
 mod common;
 
 use std::{
+    io::{BufRead, BufReader, Read, Write},
     path::PathBuf,
     process::{Command, Output, Stdio},
+    sync::{Arc, Mutex},
     time::Duration,
 };
 
@@ -28,9 +30,13 @@ struct Setup {
 }
 
 fn setup() -> Setup {
+    setup_with(&start_upstream())
+}
+
+fn setup_with(upstream: &str) -> Setup {
     let dir = tempfile::tempdir().unwrap();
     let (server, server_url) = start_server(&dir.path().join("leases"));
-    let (proxy, addr) = start_proxy(&dir.path().join("proxy"), &start_upstream());
+    let (proxy, addr) = start_proxy(&dir.path().join("proxy"), upstream);
     Setup {
         _dir: dir,
         _server: server,
@@ -164,4 +170,89 @@ fn a_worker_stalled_past_its_lease_is_refused_at_the_destination() {
         );
         assert_eq!(code, Some(75), "{lang}: {said}");
     }
+}
+
+/// An upstream answering 200 to everything that records each request's body.
+fn recording_upstream() -> (String, Arc<Mutex<Vec<String>>>) {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = listener.local_addr().unwrap().to_string();
+    let bodies = Arc::new(Mutex::new(Vec::new()));
+    let seen = Arc::clone(&bodies);
+    std::thread::spawn(move || {
+        for mut stream in listener.incoming().flatten() {
+            let seen = Arc::clone(&seen);
+            std::thread::spawn(move || {
+                let mut reader = BufReader::new(stream.try_clone().unwrap());
+                loop {
+                    let mut length = 0;
+                    let mut line = String::new();
+                    if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                        return;
+                    }
+                    while line != "\r\n" {
+                        line.clear();
+                        if reader.read_line(&mut line).unwrap_or(0) == 0 {
+                            return;
+                        }
+                        if let Some(v) = line.to_ascii_lowercase().strip_prefix("content-length:") {
+                            length = v.trim().parse().unwrap_or(0);
+                        }
+                    }
+                    let mut body = vec![0; length];
+                    if reader.read_exact(&mut body).is_err() {
+                        return;
+                    }
+                    seen.lock()
+                        .unwrap()
+                        .push(String::from_utf8_lossy(&body).into_owned());
+                    let ok = b"HTTP/1.1 200 OK\r\nContent-Length: 3\r\n\r\nok\n";
+                    if stream.write_all(ok).is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    (addr, bodies)
+}
+
+/// Holder 1 sends `write 1` and it commits, but holder 1 never completes (its answer was
+/// lost, it crashed). The Python worker, as holder 2, redoes write 1 under the step's key,
+/// the same for every holder: the proxy answers with the stored result, and the upstream
+/// runs the step once. (Until this version the key carried the generation, and it ran twice.)
+#[test]
+fn a_successor_redoing_a_committed_write_reaches_the_upstream_once() {
+    let (upstream, bodies) = recording_upstream();
+    let s = setup_with(&upstream);
+    let job = "py-redo";
+    let claim = fence(&["claim", "--server", &s.server, "--job", job, "--ttl", "10s"]);
+    let first = json(&claim);
+    let key = fence(&["idempotency-key", "--job", job, "--step", "write-1"]);
+    let key = String::from_utf8(key.stdout).unwrap().trim().to_owned();
+    let proxy = s.destination.trim_start_matches("http://");
+    let (addr, path) = proxy.split_once('/').unwrap();
+    let (status, answer) = exchange(
+        addr,
+        "POST",
+        &format!("/{path}"),
+        &[
+            ("X-Fencing-Job", job.to_owned()),
+            ("X-Fencing-Token", first["generation"].to_string()),
+            ("Idempotency-Key", key),
+        ],
+        "write 1",
+    );
+    assert_eq!(status, 200, "{answer}");
+    assert_success(&release(&s.server, job, &first));
+
+    let (code, said) = finished(python(&s, job, 5_000, 1, 0.0));
+    assert_eq!(code, Some(0), "{said}");
+    assert!(said.contains("generation 2"), "{said}");
+    assert!(said.contains("WRITE 1 200"), "{said}");
+    let seen = bodies.lock().unwrap().clone();
+    assert_eq!(
+        seen.iter().filter(|b| *b == "write 1").count(),
+        1,
+        "the upstream ran write 1 once: {seen:?}"
+    );
 }
