@@ -63,7 +63,8 @@ impl Model {
         }
         match self.owner {
             Some(h) if now < self.until && h == o => {
-                self.until = now + ttl;
+                // The holder's claim again: extended, never shortened (as a renewal).
+                self.until = self.until.max(now + ttl);
                 Seen::Granted(self.generation)
             }
             Some(h) if now < self.until => Seen::Held(h),
