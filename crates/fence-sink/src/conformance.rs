@@ -22,6 +22,8 @@ pub use fence_storage as __storage;
 
 pub use fence_storage::clock::{Advance, advance_fn, ms};
 
+pub mod steps;
+
 /// Generates one `#[tokio::test]` per conformance case for the store made by `$make`.
 #[macro_export]
 macro_rules! sink_store_conformance {

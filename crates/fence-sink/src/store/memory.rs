@@ -19,6 +19,10 @@ use super::{
 pub struct MemoryStore {
     inner: Arc<Mutex<Inner>>,
     clock: Arc<dyn Clock>,
+    /// The clock's wall and monotonic readings when the store was made: idempotency records
+    /// are timed on the monotonic reading from then ([`records_now_ms`](Self::records_now_ms)).
+    made_ms: u64,
+    made_monotonic_ms: u64,
 }
 
 impl Default for MemoryStore {
@@ -43,12 +47,27 @@ impl MemoryStore {
         Self::with_clock(Arc::new(SystemClock::new()))
     }
 
-    /// An empty store whose idempotency records expire on `clock`.
+    /// An empty store whose idempotency records expire on `clock`: its wall time when the
+    /// store is made plus its monotonic time since, so that a step of the wall clock is not
+    /// time passed for a record in flight or kept.
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
         Self {
             inner: Arc::default(),
+            made_ms: clock.now_ms(),
+            made_monotonic_ms: clock.monotonic_ms(),
             clock,
         }
+    }
+
+    /// The time idempotency records are written and judged on, as the sled store's: a step
+    /// of the wall clock forward must not expire a record in flight (a retry would reach
+    /// the service while the first attempt runs), nor one back hold a key the step longer.
+    fn records_now_ms(&self) -> u64 {
+        let since = self
+            .clock
+            .monotonic_ms()
+            .saturating_sub(self.made_monotonic_ms);
+        self.made_ms.saturating_add(since)
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -131,7 +150,7 @@ impl IdempotencyStore for MemoryStore {
             inner.records.get(&k),
             &attempt,
             ms(in_flight),
-            self.clock.now_ms(),
+            self.records_now_ms(),
         );
         if let Some(r) = write {
             inner.records.insert(k, r);
@@ -142,7 +161,7 @@ impl IdempotencyStore for MemoryStore {
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         let mut inner = self.lock();
         let k = (attempt.job.clone(), attempt.key.clone());
-        let now = self.clock.now_ms();
+        let now = self.records_now_ms();
         match record::finish(inner.records.get(&k), &attempt, outcome, now) {
             Some(Some(r)) => {
                 inner.records.insert(k, r);
@@ -156,7 +175,7 @@ impl IdempotencyStore for MemoryStore {
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
-        let now = self.clock.now_ms();
+        let now = self.records_now_ms();
         let mut inner = self.lock();
         let before = inner.records.len();
         inner.records.retain(|_, r| r.is_live(now));
@@ -176,5 +195,11 @@ mod conformance {
         let clock = ManualClock::new(1_700_000_000_000);
         let store = crate::MemoryStore::with_clock(Arc::new(clock.clone()));
         Some((store, advance_fn(clock)))
+    });
+
+    crate::sink_store_step_conformance!(|| async {
+        let clock = ManualClock::new(1_700_000_000_000);
+        let store = crate::MemoryStore::with_clock(Arc::new(clock.clone()));
+        Some((store, clock))
     });
 }

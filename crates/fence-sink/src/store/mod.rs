@@ -389,6 +389,12 @@ pub struct Attempt<'a> {
 }
 
 /// Durable per-(job, key) idempotency records.
+///
+/// A record's times (its in-flight timeout, its retention) are the store's clock. A backend
+/// that keeps its own clock (memory, sled) measures it as the wall time at its open plus the
+/// monotonic time since, so a step of the wall clock while it runs is not time passed
+/// (`conformance::steps`); PostgreSQL uses the database's clock, and a step of that host's
+/// clock is (docs/protocol.md, section 3).
 pub trait IdempotencyStore: Send + Sync + 'static {
     /// Atomically: when no live record exists for (job, key) (none, an in-flight record whose
     /// `in_flight` ran out or that an older generation began, or a completed one older than

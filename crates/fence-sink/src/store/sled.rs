@@ -93,7 +93,8 @@ fn record_key(job: &JobId, key: &IdempotencyKey) -> Vec<u8> {
 
 impl SledStore {
     /// Opens (or creates) the generation and idempotency store in directory `path`, with
-    /// idempotency records expiring on the system clock.
+    /// idempotency records expiring on the system clock (as measured from the open on its
+    /// monotonic reading: see [`open_with_clock`](Self::open_with_clock)).
     ///
     /// # Errors
     /// As [`DurableDb::open`].
@@ -101,7 +102,9 @@ impl SledStore {
         Self::open_with_clock(path, Arc::new(SystemClock::new()))
     }
 
-    /// Opens the store with idempotency records expiring on `clock`.
+    /// Opens the store with idempotency records expiring on `clock`: its wall time at the
+    /// open plus its monotonic time since, so that a step of the wall clock while the
+    /// process runs is not time passed for a record in flight or kept.
     ///
     /// # Errors
     /// As [`DurableDb::open`]: [`OpenError::Locked`] while another process uses the
@@ -141,6 +144,17 @@ impl SledStore {
             .monotonic_ms()
             .saturating_sub(self.opened_monotonic_ms);
         self.opened_ms.saturating_add(since)
+    }
+
+    /// The time idempotency records are written and judged on: [`since_open_ms`](Self::since_open_ms).
+    /// On the raw wall clock, a step forward (NTP, a VM resumed or migrated) would expire
+    /// a record in flight, and a retry with its key would reach the service while the first
+    /// attempt still ran (or the purge would drop the record, and the first attempt's answer
+    /// would find nothing to complete); a step back would hold a key, or keep an answer,
+    /// the step's size longer. Anchored on the wall clock at the open, the times of records
+    /// an earlier process wrote still compare: only a step between the processes counts.
+    fn records_now_ms(&self) -> u64 {
+        self.since_open_ms()
     }
 
     /// A crash between a job's write and its stamp's can leave the `stamps` tree short of a
@@ -491,7 +505,8 @@ impl IdempotencyStore for SledStore {
         // found writes applied twice after a proxy was killed.) Group commit shares the
         // sync among the requests of the moment.
         self.update_record(attempt.job, &k, Write::Decision, |cur| {
-            let (write, answer) = record::begin(cur, &attempt, ms(in_flight), self.clock.now_ms());
+            let (write, answer) =
+                record::begin(cur, &attempt, ms(in_flight), self.records_now_ms());
             (write.map(Some), answer)
         })
         .await
@@ -500,14 +515,14 @@ impl IdempotencyStore for SledStore {
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         let k = record_key(attempt.job, attempt.key);
         self.update_record(attempt.job, &k, Write::Outcome, |cur| {
-            let now = self.clock.now_ms();
+            let now = self.records_now_ms();
             (record::finish(cur, &attempt, outcome.clone(), now), ())
         })
         .await
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
-        let now = self.clock.now_ms();
+        let now = self.records_now_ms();
         // A walk of every record (millions, at a steady rate and a day's retention) runs
         // on a blocking thread, not the runtime's (a current-thread runtime would stall for
         // all of it), and reads each record's head only, not its stored answer.

@@ -27,6 +27,13 @@ crate::sink_store_conformance!(|| async {
     Some((store, crate::conformance::advance_fn(clock)))
 });
 
+crate::sink_store_step_conformance!(|| async {
+    let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
+    let dir = tempfile::tempdir().unwrap().keep();
+    let store = SledStore::open_with_clock(dir, Arc::new(clock.clone())).unwrap();
+    Some((store, clock))
+});
+
 /// The response of an effect that ran is kept while the disk stalls (a new request's
 /// record is refused then): refused, the record would stay in flight, and a retry after
 /// its timeout would run the effect again. The stall check is on the real clock (the

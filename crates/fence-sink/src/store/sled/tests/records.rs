@@ -251,3 +251,85 @@ async fn a_failed_lowering_write_does_not_fail_a_load() {
     }
     assert_eq!(open().ran_within(), long);
 }
+
+/// Idempotency records are timed on the wall clock at the open plus the monotonic time
+/// since (a step of the wall clock within a process is not time passed), so the records an
+/// earlier process wrote still compare with the next one's times: the time between the two
+/// processes counts, on the wall clock. A record begun 100 s before the process stopped is in
+/// flight at a restart 100 s later, and free once its 300 s have passed in all; an answer
+/// kept for 600 s is replayed by the next process until then.
+#[tokio::test]
+async fn idempotency_records_of_an_earlier_process_keep_their_times() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let job: JobId = "restarted".parse().unwrap();
+    let (crashed, done) = (
+        IdempotencyKey::from_bytes(b"crashed").unwrap(),
+        IdempotencyKey::from_bytes(b"done").unwrap(),
+    );
+    let fp = crate::Fingerprint::of(&http::Method::POST, "/pay", b"{}");
+    let at = |key, id| Attempt {
+        job: &job,
+        key,
+        fingerprint: &fp,
+        id,
+        generation: Generation::new(1),
+        settled_after: Duration::ZERO,
+    };
+    let in_flight = Duration::from_secs(300);
+    {
+        let a = open();
+        clock.advance(Duration::from_secs(10));
+        assert_eq!(
+            a.begin(at(&crashed, 1), in_flight).await.unwrap(),
+            Begin::Started
+        );
+        assert_eq!(
+            a.begin(at(&done, 2), in_flight).await.unwrap(),
+            Begin::Started
+        );
+        let response = crate::StoredResponse {
+            status: http::StatusCode::CREATED,
+            headers: http::HeaderMap::new(),
+            body: bytes::Bytes::from_static(b"paid"),
+            trailers: None,
+        };
+        let retention = Duration::from_secs(600);
+        a.finish(
+            at(&done, 2),
+            Finish::Store {
+                response,
+                retention,
+            },
+        )
+        .await
+        .unwrap();
+        clock.advance(Duration::from_secs(100));
+    }
+    // 100 s without a process: the wall clock moves on, this monotonic one does not (the
+    // next process's starts anywhere).
+    clock.set_ms(clock.now_ms() + 100_000);
+    let b = open();
+    assert_eq!(
+        b.begin(at(&crashed, 3), in_flight).await.unwrap(),
+        Begin::InFlight,
+        "200 s after its begin, the record of the process before is still in flight"
+    );
+    assert_eq!(b.purge_expired().await.unwrap(), 0);
+    clock.advance(Duration::from_secs(101));
+    assert_eq!(
+        b.begin(at(&crashed, 3), in_flight).await.unwrap(),
+        Begin::Started
+    );
+    assert!(
+        matches!(b.begin(at(&done, 4), in_flight).await.unwrap(), Begin::Replay(r) if r.body == "paid"),
+        "the answer is kept for its 600 s"
+    );
+    clock.advance(Duration::from_secs(300));
+    assert_eq!(
+        b.begin(at(&done, 4), in_flight).await.unwrap(),
+        Begin::Started
+    );
+}
