@@ -430,6 +430,75 @@ async fn a_client_reading_no_answers_holds_at_most_one_beyond_its_share() {
     assert_eq!(layer.buffered_bytes(), 0, "every byte given back");
 }
 
+/// An answer that does not fit its client's share while it is kept (docs/protocol.md,
+/// "Answers kept: the memory budget") still reaches its client whole, but is recorded as not
+/// replayable: a retry of its key gets 409 `idempotency-not-replayable`, and the service,
+/// which has acted, never runs the request again. Kept answers are replayed.
+#[tokio::test(start_paused = true)]
+async fn an_answer_past_the_clients_share_is_passed_on_whole_and_never_run_again() {
+    use std::sync::atomic::{AtomicUsize, Ordering::SeqCst};
+    // 64 bytes, a share of 16: one client's four 20-byte answers cannot all be kept.
+    let layer = FenceLayer::new(MemoryStore::new()).max_buffered_bytes(64);
+    let all_read = Arc::new(tokio::sync::Barrier::new(4));
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = layer.layer(tower::service_fn({
+        let (all_read, calls) = (all_read.clone(), calls.clone());
+        move |req: Request<RequestBody<In>>| {
+            let (all_read, calls) = (all_read.clone(), calls.clone());
+            async move {
+                let n = calls.fetch_add(1, SeqCst);
+                req.into_body().collect().await.unwrap();
+                if n < 4 {
+                    all_read.wait().await; // every first body is read before any answers
+                }
+                Ok::<_, std::convert::Infallible>(Response::new(http_body_util::Full::new(
+                    Bytes::from_static(b"twenty bytes answer."),
+                )))
+            }
+        }
+    }));
+    let from = |key: &str| {
+        let mut req = request("/", 1, Some(key), full("x"));
+        req.extensions_mut()
+            .insert(fence_sink::PeerAddr("10.0.0.1:4000".parse().unwrap()));
+        req
+    };
+    let keys = ["a", "b", "c", "d"];
+    let firsts: Vec<_> = keys
+        .iter()
+        .map(|key| tokio::spawn(svc.clone().oneshot(from(key))))
+        .collect();
+    let mut unread = Vec::new();
+    for first in firsts {
+        unread.push(first.await.unwrap().unwrap());
+    }
+    // Read together, as a client with its answers in flight at once would.
+    for answer in unread {
+        assert_eq!(answer.status(), StatusCode::OK);
+        let body = answer.into_body().collect().await.unwrap().to_bytes();
+        assert_eq!(&body[..], b"twenty bytes answer.", "passed on whole");
+    }
+    let (mut replayed, mut not_replayable) = (0, 0);
+    for key in keys {
+        let (head, body) = svc.clone().oneshot(from(key)).await.unwrap().into_parts();
+        let body = body.collect().await.unwrap().to_bytes();
+        let (status, body) = (head.status, String::from_utf8_lossy(&body).into_owned());
+        if head.headers.contains_key("idempotent-replayed") {
+            replayed += 1;
+        } else {
+            assert_eq!(status, StatusCode::CONFLICT, "{body}");
+            assert!(body.contains("idempotency-not-replayable"), "{body}");
+            not_replayable += 1;
+        }
+    }
+    assert_eq!(calls.load(SeqCst), 4, "a retry ran the service again");
+    assert!(replayed >= 1, "the answers that fit are kept");
+    assert!(
+        not_replayable >= 1,
+        "every answer fit: the case is not tested"
+    );
+}
+
 /// A store other processes share whose calls stall once `stuck` is set (a SQL writer holds
 /// the job's row), counting the calls running at once; with `slow_raises`, a raise is written
 /// and then answered only after that long (a disk that confirms late).
