@@ -1477,6 +1477,46 @@ async fn sled_restart_keeps_highest_and_idempotency_records() {
 // 7. Idempotency
 // ---------------------------------------------------------------------------------------
 
+/// docs/protocol.md, "What a stored answer holds, and who is given it": a stored answer keeps
+/// every header, `Set-Cookie` included, and is replayed to any request with the same job,
+/// key, method, path and body, whatever its credentials or `Host`: the second caller is
+/// given the first caller's cookie, and the service runs once.
+#[tokio::test]
+async fn a_replay_gives_the_first_callers_set_cookie_to_whoever_sends_the_same_request() {
+    let calls = Arc::new(AtomicUsize::new(0));
+    let svc = FenceLayer::new(MemoryStore::new()).layer(tower::service_fn({
+        let calls = calls.clone();
+        move |req: Request<RequestBody<String>>| {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            let host = req.headers().get("host").cloned();
+            async move {
+                let mut answer = Response::new(format!("run {n}"));
+                *answer.status_mut() = StatusCode::CREATED;
+                answer.headers_mut().insert(
+                    "set-cookie",
+                    HeaderValue::from_str(&format!("s=for-{host:?}")).unwrap(),
+                );
+                Ok::<_, Infallible>(answer)
+            }
+        }
+    }));
+    let from = |host: &str, credentials: &str| {
+        let req = with_header(keyed(JOB, 5, "k-cookie", "{}"), "host", host);
+        with_header(req, "authorization", credentials)
+    };
+    let first = send(&svc, from("a.example", "Bearer alice")).await;
+    assert_eq!(first.status, 201);
+    let cookie = first.headers["set-cookie"].clone();
+    let other = send(&svc, from("b.example", "Bearer bob")).await;
+    assert_eq!(other.replayed(), Some("true"));
+    assert_eq!(
+        other.headers["set-cookie"], cookie,
+        "the first caller's cookie"
+    );
+    assert_eq!(other.body, first.body);
+    assert_eq!(calls.load(Ordering::SeqCst), 1);
+}
+
 #[tokio::test]
 async fn duplicate_key_replays_byte_for_byte_and_runs_once() {
     let (app, _started) = App::new();
