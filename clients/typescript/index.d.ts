@@ -75,7 +75,7 @@ export class Client {
    * Rejects with LeaseHeld (every slot taken when the wait ends; `problem.job` is the slot that frees first; LockDelay in its lock-delay), SemaphoreSize (held under another number of slots), ProblemError, ServerUnreachable; before sending, with InvalidJobId for a resource that is not 1 to 251 visible ASCII characters or holds '#', RangeError for slots outside 1 to 1000. With `signal`, rejects with its reason when it aborts (see ClaimSlotOptions.signal).
    */
   claimSlot(resource: string, slots: number, options?: ClaimSlotOptions): Promise<Lease>;
-  /** Claims, runs `fn`, completes on success (or releases with onSuccess 'release'), releases on a throw; rejects with LeaseLost when the lease was lost meanwhile. */
+  /** Claims, runs `fn`, completes on success (or releases with onSuccess 'release'), releases on a throw; rejects with LeaseLost when the lease was lost meanwhile. A lease `fn` abandoned is neither released nor completed, however `fn` ends: it is left to expire. */
   run<T>(job: string, fn: (lease: Lease) => Promise<T>, options?: RunOptions): Promise<T>;
   status(job: string): Promise<LeaseRecord>;
   /** Closes idle keep-alive connections to the server. */
@@ -112,7 +112,7 @@ export class Lease {
   release(): Promise<LeaseRecord>;
   /** Marks the job done (LeaseRefused when someone took over), retried as release() is. On a semaphore slot it releases the slot: the server frees it and the record's `state` is 'free'. */
   complete(): Promise<LeaseRecord>;
-  /** Stops renewing and lets the lease expire on the server; sends nothing. */
+  /** Stops renewing and lets the lease expire on the server; sends nothing. In `client.run`, the lease is then neither released nor completed when `fn` ends. */
   abandon(): void;
   /** The job's last checkpoint as the claim returned it (the generation that saved it), or null. */
   readonly checkpoint: { generation: bigint; data: string } | null;

@@ -372,7 +372,9 @@ export class Client {
   /**
    * Claims `job`, runs `fn(lease)`, then completes the job when it resolves (releases with
    * `onSuccess: 'release'`) and releases it when it throws. A lease lost while `fn` ran is
-   * released, not completed, and the call rejects with LeaseLost.
+   * released, not completed, and the call rejects with LeaseLost. A lease `fn` abandoned
+   * (`lease.abandon()`) is neither released nor completed, whether `fn` resolves or throws:
+   * it is left to expire, so the server's lock-delay applies.
    * @template T
    * @param {string} job
    * @param {(lease: Lease) => Promise<T>} fn
@@ -389,9 +391,11 @@ export class Client {
     try {
       result = await fn(lease);
     } catch (e) {
-      await lease.release().catch(() => {}); // the callback's own error is what counts
+      // Abandoned: left to expire, so the lock-delay applies (the effect may still land).
+      if (!lease._abandoned) await lease.release().catch(() => {}); // fn's own error counts
       throw e;
     }
+    if (lease._abandoned) return result; // left to expire: neither released nor completed
     if (lease.isLost()) {
       const reason = lease.lossReason ?? DEADLINE_PASSED;
       await lease.release().catch(() => {}); // never complete a job whose lease was lost

@@ -39,6 +39,7 @@ export class Lease {
   #renewalAnswered = false;
   #controller = new AbortController();
   #finished = false;
+  #abandoned = false;
   #wake = null;
   /** @type {AbortController | null} the renewal in flight, cancelled when the lease is finished */
   #renewal = null;
@@ -182,8 +183,21 @@ export class Lease {
     return this.#finish('complete');
   }
 
-  /** Stops renewing and lets the lease expire on the server; nothing is sent. */
+  /**
+   * Stops renewing and lets the lease expire on the server; nothing is sent. In `client.run`,
+   * the lease is then neither released nor completed when the callback ends, however it ends.
+   */
   abandon() {
+    this.#abandoned = true;
+    this.#stop();
+  }
+
+  /** @internal Whether `abandon()` was called: `client.run` then sends nothing at the end. */
+  get _abandoned() {
+    return this.#abandoned;
+  }
+
+  #stop() {
     this.#finished = true;
     this.#wake?.();
     // A renewal still under way is of no use now: cancelled, it keeps no timer (and so
@@ -199,7 +213,7 @@ export class Lease {
   // (released) or by this owner (completed: the only refusal that leaves both in place), finds
   // the earlier attempt applied: the record it left is returned.
   async #finish(action) {
-    this.abandon(); // nothing is sent under this lease from now on, whatever the answer
+    this.#stop(); // nothing is sent under this lease from now on, whatever the answer
     const body = { owner: this.owner, generation: this.generation, lease_key: this.#key };
     const until = Math.min(this.#sent + this.#ttlMs, now() + FINISH_RETRY_WINDOW_MS);
     let pauseMs = FINISH_PAUSE_FIRST_MS;

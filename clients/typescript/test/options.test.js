@@ -7,7 +7,7 @@ import { join } from 'node:path';
 import { test } from 'node:test';
 
 import { Client, JobCompleted, LeaseHeld, LeaseLost, LockDelay, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
-import { fenceBin, sleep, stack } from './helpers.js';
+import { fenceBin, raw, sleep, stack } from './helpers.js';
 
 const SECRET = 's3cret-s3cret-s3cret';
 
@@ -104,6 +104,46 @@ test('lock-delay keeps an expired job, and a waiting claim waits it out', async 
   await sleep(1200);
   await (await next.claim('own-zero')).release();
   assert.throws(() => new Client({ server: s.serverUrl, lockDelayMs: -1 }), RangeError);
+});
+
+/** How many releases and completions reached the server (any answer), from its /metrics. */
+async function finishesAnswered(serverUrl) {
+  const { status, body } = await raw('GET', `${serverUrl}/metrics`);
+  assert.ok(status === 200 && body.includes('fence_lease_requests_total'), String(body));
+  return body.split('\n')
+    .filter((l) => l.startsWith('fence_lease_requests_total{') && /op="(release|complete)"/.test(l))
+    .reduce((sum, l) => sum + Number(l.slice(l.lastIndexOf(' ') + 1)), 0);
+}
+
+test('a lease abandoned inside run is neither released nor completed', async (t) => {
+  // Seen against `fence server --lock-delay 30s`: a callback that abandoned its lease after a
+  // write that may still land (a timeout, a 504), then threw, had the lease released by run,
+  // so the next claim was granted at once and the lock-delay never applied.
+  const s = await stack(t, { proxy: false, serverArgs: ['--lock-delay', '30s'] });
+  const a = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 10_000 });
+  const b = new Client({ server: s.serverUrl, owner: 'b', ttlMs: 10_000 });
+  t.after(() => { a.close(); b.close(); });
+  const leftToExpire = async (job) => {
+    // Held while the lease runs, then its lock-delay: refused either way, never granted.
+    await assert.rejects(b.claim(job), (e) => {
+      assert.ok(e instanceof LeaseHeld, String(e));
+      assert.ok(['urn:fence:lease-held', 'urn:fence:lock-delay'].includes(e.type), e.type);
+      assert.equal(e.problem.owner, 'a');
+      return true;
+    });
+    assert.ok(['held', 'expired'].includes((await b.status(job)).state), job);
+    assert.equal(await finishesAnswered(s.serverUrl), 0, job);
+  };
+  const timedOut = new Error('the write may still land');
+  await assert.rejects(a.run('throws', async (lease) => { lease.abandon(); throw timedOut; }), (e) => e === timedOut);
+  await leftToExpire('throws');
+  // A callback that resolves after abandoning: no completion, and no LeaseLost.
+  assert.equal(await a.run('resolves', async (lease) => { lease.abandon(); return 7; }), 7);
+  await leftToExpire('resolves');
+  await a.run('resolves-release', async (lease) => { lease.abandon(); }, { onSuccess: 'release' });
+  await leftToExpire('resolves-release');
+  await (await a.claim('counted')).release(); // the count sees one when there is one
+  assert.equal(await finishesAnswered(s.serverUrl), 1);
 });
 
 test('a worker that stops reporting progress loses its lease', async (t) => {
