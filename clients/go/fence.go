@@ -517,7 +517,9 @@ type RunOptions struct {
 // ctx is or the lease is lost (lease.Err says which), completes the job when fn returns nil
 // (releases it with OnSuccessRelease) and releases it when fn fails. A lease lost while fn
 // ran is released, not completed, and Run returns the *LeaseLostError. When fn panics or
-// calls runtime.Goexit, the job is released before the panic (or Goexit) goes on.
+// calls runtime.Goexit, the job is released before the panic (or Goexit) goes on. A lease fn
+// abandoned (lease.Abandon) is neither released nor completed, however fn ends (and Run
+// returns fn's error, nil included): it is left to expire, so the server's lock-delay applies.
 func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Context, lease *Lease) error, opts RunOptions) error {
 	lease, err := c.ClaimWaiting(ctx, job, opts.Wait)
 	if err != nil {
@@ -538,7 +540,7 @@ func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Contex
 	defer func() {
 		close(ran)
 		cancel()
-		if !returned {
+		if !returned && !lease.wasAbandoned() {
 			// fn panicked (a caller may recover) or called runtime.Goexit: the job is
 			// released before the panic goes on, or the keeper would renew it forever.
 			_, _ = lease.Release(valuesOnly{ctx})
@@ -550,6 +552,10 @@ func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Contex
 	// values (each is bounded by the lease's end and a minute of retries): a cancelled run
 	// must not leave its job held.
 	finish := valuesOnly{ctx}
+	if lease.wasAbandoned() {
+		// Left to expire, so the lock-delay applies: the effect may still land.
+		return err
+	}
 	if err != nil {
 		_, _ = lease.Release(finish) // fn's own error is what counts
 		return err

@@ -40,6 +40,8 @@ type Lease struct {
 	cancel   context.CancelFunc
 	finished chan struct{}
 	finish   sync.Once
+	// abandoned: Abandon was called, so Run's end neither releases nor completes.
+	abandoned bool // under mu
 
 	mu          sync.Mutex
 	token       string
@@ -193,8 +195,24 @@ func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx,
 // again, at the next generation.
 func (l *Lease) Complete(ctx context.Context) (Record, error) { return l.end(ctx, "complete") }
 
-// Abandon stops renewing and lets the lease expire on the server; nothing is sent.
+// Abandon stops renewing and lets the lease expire on the server; nothing is sent. In
+// Client.Run, the lease is then neither released nor completed when fn ends, however it ends.
 func (l *Lease) Abandon() {
+	l.mu.Lock()
+	l.abandoned = true
+	l.mu.Unlock()
+	l.stop()
+}
+
+// wasAbandoned is whether Abandon was called.
+func (l *Lease) wasAbandoned() bool {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.abandoned
+}
+
+// stop ends the keeper and the lease's context; nothing is sent under the lease from then on.
+func (l *Lease) stop() {
 	l.finish.Do(func() { close(l.finished) })
 	l.declareLost(reasonFinished)
 }
@@ -203,7 +221,7 @@ func (l *Lease) Abandon() {
 // late, not renewed after a wait, or malformed): no request carried its token, and the next worker need
 // not wait for its expiry. A release that fails leaves it to expire.
 func (l *Lease) giveBack() {
-	l.Abandon()
+	l.stop()
 	go func() { _, _ = l.end(context.Background(), "release") }()
 }
 
@@ -223,7 +241,7 @@ const (
 // generation, by nobody (released) or by this owner (completed: the only refusal that leaves
 // both in place), finds the earlier attempt applied: the record it left is returned.
 func (l *Lease) end(ctx context.Context, action string) (Record, error) {
-	l.Abandon() // nothing is sent under this lease from now on, whatever the answer
+	l.stop() // nothing is sent under this lease from now on, whatever the answer
 	body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key}
 	l.mu.Lock()
 	until := l.sent.Add(l.ttl)

@@ -6,11 +6,14 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"io"
 	"net"
+	"net/http"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
+	"strconv"
 	"strings"
 	"sync/atomic"
 	"testing"
@@ -396,6 +399,105 @@ func TestRunReleasesTheJobWhenTheWorkPanicsOrExitsItsGoroutine(t *testing.T) {
 			t.Fatalf("%s: the job is still held: %v", job, err)
 		}
 		_, _ = lease.Release(context.Background())
+	}
+}
+
+// finishesAnswered is how many releases and completions reached the server (any answer),
+// from its /metrics.
+func finishesAnswered(t *testing.T, serverURL string) int {
+	t.Helper()
+	resp, err := http.Get(serverURL + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer resp.Body.Close()
+	body, err := io.ReadAll(resp.Body)
+	if err != nil || resp.StatusCode != 200 || !strings.Contains(string(body), "fence_lease_requests_total") {
+		t.Fatalf("/metrics: %d %v %s", resp.StatusCode, err, body)
+	}
+	n := 0
+	for _, line := range strings.Split(string(body), "\n") {
+		if strings.HasPrefix(line, "fence_lease_requests_total{") &&
+			(strings.Contains(line, `op="release"`) || strings.Contains(line, `op="complete"`)) {
+			v, err := strconv.ParseFloat(line[strings.LastIndex(line, " ")+1:], 64)
+			if err != nil {
+				t.Fatalf("/metrics: %q: %v", line, err)
+			}
+			n += int(v)
+		}
+	}
+	return n
+}
+
+// Seen against `fence server --lock-delay 30s`: a Run whose work abandoned its lease after a
+// write that may still land (a timeout, a 504), then failed, had the lease released, so the
+// next claim was granted at once and the lock-delay never applied. An abandoned lease is
+// neither released nor completed, however the work ends.
+func TestRunNeitherReleasesNorCompletesALeaseTheWorkAbandoned(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--lock-delay", "30s"}})
+	a := mustClient(t, s.serverURL, Options{Owner: "a", TTL: 10 * time.Second})
+	b := mustClient(t, s.serverURL, Options{Owner: "b", TTL: 10 * time.Second})
+	leftToExpire := func(job string) {
+		t.Helper()
+		// Held while the lease runs, then its lock-delay: refused either way, never granted.
+		var pe *ProblemError
+		lease, err := b.Claim(ctx, job)
+		if err == nil {
+			lease.Abandon()
+		}
+		if !errors.Is(err, ErrLeaseHeld) || !errors.As(err, &pe) || pe.Owner != "a" ||
+			(pe.Type != "urn:fence:lease-held" && pe.Type != "urn:fence:lock-delay") {
+			t.Fatalf("%s: a second owner's claim: %v %+v", job, err, pe)
+		}
+		if rec, err := b.Status(ctx, job); err != nil || (rec.State != "held" && rec.State != "expired") {
+			t.Fatalf("%s: %+v %v", job, rec, err)
+		}
+		if n := finishesAnswered(t, s.serverURL); n != 0 {
+			t.Fatalf("%s: %d releases or completions reached the server", job, n)
+		}
+	}
+	timedOut := errors.New("the write may still land")
+	abandonThen := func(err error) func(context.Context, *Lease) error {
+		return func(_ context.Context, lease *Lease) error {
+			lease.Abandon()
+			return err
+		}
+	}
+	if err := a.Run(ctx, "fails", abandonThen(timedOut), RunOptions{}); err != timedOut {
+		t.Fatalf("fails: Run returned %v", err)
+	}
+	leftToExpire("fails")
+	// Work that returns nil after abandoning: no completion, and no *LeaseLostError.
+	if err := a.Run(ctx, "returns", abandonThen(nil), RunOptions{}); err != nil {
+		t.Fatalf("returns: Run returned %v", err)
+	}
+	leftToExpire("returns")
+	if err := a.Run(ctx, "returns-release", abandonThen(nil), RunOptions{OnSuccessRelease: true}); err != nil {
+		t.Fatalf("returns-release: Run returned %v", err)
+	}
+	leftToExpire("returns-release")
+	func() {
+		defer func() {
+			if r := recover(); r != "boom" {
+				t.Fatalf("panics: recovered %v", r)
+			}
+		}()
+		_ = a.Run(ctx, "panics", func(_ context.Context, lease *Lease) error {
+			lease.Abandon()
+			panic("boom")
+		}, RunOptions{})
+	}()
+	leftToExpire("panics")
+	lease, err := a.Claim(ctx, "counted")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := lease.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	if n := finishesAnswered(t, s.serverURL); n != 1 { // the count sees one when there is one
+		t.Fatalf("%d releases or completions counted after one", n)
 	}
 }
 
