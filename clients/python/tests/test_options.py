@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from conftest import fence_bin
+from conftest import fence_bin, raw
 from fence_client import (Client, JobCompleted, LeaseHeld, LeaseLost, LockDelay, ProblemError,
                           ServerUnreachable, idempotency_key)
 from fence_client.aio import AsyncClient
@@ -123,6 +123,60 @@ def test_lock_delay_keeps_an_expired_job_and_a_waiting_claim_waits_it_out(stack)
             await AsyncClient(s.server_url, owner="other").claim("async-delayed")
 
     asyncio.run(from_asyncio())
+
+
+def finishes_answered(server_url: str) -> int:
+    """How many releases and completions reached the server (any answer), from its /metrics."""
+    status, text = raw("GET", server_url + "/metrics")
+    assert status == 200 and "fence_lease_requests_total" in text, text
+    return sum(int(float(line.rsplit(" ", 1)[1])) for line in text.splitlines()
+               if line.startswith("fence_lease_requests_total{")
+               and ('op="release"' in line or 'op="complete"' in line))
+
+
+def test_a_lease_abandoned_inside_with_is_neither_released_nor_completed(stack):
+    # Seen against `fence server --lock-delay 30s`: a block that abandoned its lease after a
+    # write that may still land (a timeout, a 504), then raised, had the lease released on
+    # exit, so the next claim was granted at once and the lock-delay never applied.
+    s = stack(proxy=False, server_args=["--lock-delay", "30s"])
+    a = Client(s.server_url, owner="a", ttl=10.0)
+    b = Client(s.server_url, owner="b", ttl=10.0)
+
+    def left_to_expire(job: str) -> None:
+        # Held while the lease runs, then its lock-delay: refused either way, never granted.
+        with pytest.raises(LeaseHeld) as refused:
+            b.claim(job)
+        assert refused.value.type in ("urn:fence:lease-held", "urn:fence:lock-delay"), job
+        assert refused.value.owner == "a", refused.value.problem
+        assert b.status(job)["state"] in ("held", "expired"), job
+        assert finishes_answered(s.server_url) == 0, job
+
+    with pytest.raises(TimeoutError):
+        with a.claim("raises") as lease:
+            lease.abandon()
+            raise TimeoutError("the write may still land")
+    left_to_expire("raises")
+    with a.claim("returns") as lease:  # a clean exit: no completion, and no LeaseLost
+        lease.abandon()
+    left_to_expire("returns")
+    with a.claim("returns-release", on_success="release") as lease:
+        lease.abandon()
+    left_to_expire("returns-release")
+
+    async def from_asyncio() -> None:
+        aclient = AsyncClient(s.server_url, owner="a", ttl=10.0)
+        with pytest.raises(TimeoutError):
+            async with aclient.claim("async-raises") as alease:
+                alease.abandon()
+                raise TimeoutError("the write may still land")
+        left_to_expire("async-raises")
+        async with aclient.claim("async-returns") as alease:
+            alease.abandon()
+        left_to_expire("async-returns")
+
+    asyncio.run(from_asyncio())
+    a.claim("counted").release()  # the count sees one when there is one
+    assert finishes_answered(s.server_url) == 1
 
 
 def test_a_worker_that_stops_reporting_progress_loses_its_lease(stack):

@@ -79,7 +79,8 @@ async def _in_thread(fn: Callable[..., Any], *args: Any,
 class AsyncLease(LeaseCore):
     """A held lease renewed by a task; ``lost`` is an :class:`asyncio.Event`. ``async with``
     completes on a clean exit (releases with ``on_success="release"``), releases on an
-    exception, and raises :class:`LeaseLost` on exit when the lease was lost inside."""
+    exception, and raises :class:`LeaseLost` on exit when the lease was lost inside. A lease
+    the block abandoned is neither released nor completed on exit: it is left to expire."""
 
     lost: asyncio.Event
 
@@ -88,6 +89,7 @@ class AsyncLease(LeaseCore):
         self._loop = asyncio.get_running_loop()
         self.lost = asyncio.Event()
         self._finished = asyncio.Event()
+        self._abandoned = False
         self._keeper: Optional["asyncio.Task[None]"] = None
 
     def _signal_lost(self) -> None:
@@ -162,12 +164,17 @@ class AsyncLease(LeaseCore):
         return await self._finish("complete")
 
     def abandon(self) -> None:
-        """Stops renewing and lets the lease expire on the server; nothing is sent."""
+        """Stops renewing and lets the lease expire on the server; nothing is sent. Inside
+        ``async with``, the exit then neither releases nor completes."""
+        self._abandoned = True
+        self._stop()
+
+    def _stop(self) -> None:
         self._finished.set()
         self._declare_lost(FINISHED)
 
     async def _finish(self, action: str) -> Dict[str, Any]:
-        self.abandon()
+        self._stop()
         # Cancelling the caller cannot stop the thread's call under way, but it stops the
         # retries after it (they would otherwise go on for up to a minute, unseen).
         cancelled = threading.Event()
@@ -182,6 +189,8 @@ class AsyncLease(LeaseCore):
 
     async def __aexit__(self, exc_type: Optional[Type[BaseException]],
                         exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
+        if self._abandoned:
+            return  # left to expire, so the lock-delay applies: nothing is sent
         if exc_type is not None:
             try:
                 await self.release()
@@ -281,7 +290,7 @@ class AsyncClient(ClientCore):
     def claim_slot(self, resource: str, slots: int, *, wait: float = 0.0,
                    ttl: Optional[float] = None, lock_delay: Optional[float] = None) -> _Claim:
         """``await client.claim_slot(resource, slots)`` or ``async with
-        client.claim_slot(resource, slots) as lease`` (released on exit); as
+        client.claim_slot(resource, slots) as lease`` (released on exit unless abandoned); as
         :meth:`fence_client.Client.claim_slot`."""
         semaphore_claim_path(resource)
         check_slots(slots)

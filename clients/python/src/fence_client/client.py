@@ -29,7 +29,9 @@ class Lease(LeaseCore):
     ``lost`` is a :class:`threading.Event` set the moment the lease is lost: no later than the
     local deadline, also when the server stops answering. Used as a context manager, the
     lease completes on a clean exit (releases with ``on_success="release"``) and releases
-    when the block raises; a lease lost inside the block raises :class:`LeaseLost` on exit.
+    when the block raises; a lease lost inside the block raises :class:`LeaseLost` on exit. A
+    lease the block abandoned (:meth:`abandon`) is neither released nor completed on exit,
+    whether the block raises or not: it is left to expire, and the lock-delay applies.
     """
 
     lost: threading.Event
@@ -38,6 +40,7 @@ class Lease(LeaseCore):
         super().__init__(*args, **kwargs)
         self.lost = threading.Event()
         self._finished = threading.Event()
+        self._abandoned = False
         self._keeper: Optional[threading.Thread] = None
 
     def _signal_lost(self) -> None:
@@ -107,12 +110,18 @@ class Lease(LeaseCore):
         return self._finish("complete")
 
     def abandon(self) -> None:
-        """Stops renewing and lets the lease expire on the server; no request is sent."""
+        """Stops renewing and lets the lease expire on the server; no request is sent. Inside
+        ``with``, the exit then neither releases nor completes, whether the block raises or
+        not (after a write whose effect may still land, the lock-delay must apply)."""
+        self._abandoned = True
+        self._stop()
+
+    def _stop(self) -> None:
         self._finished.set()
         self._declare_lost(FINISHED)
 
     def _finish(self, action: str) -> Dict[str, Any]:
-        self.abandon()  # nothing is sent under this lease from now on, whatever the answer
+        self._stop()  # nothing is sent under this lease from now on, whatever the answer
         return self._send_finish(action)
 
     def __enter__(self) -> "Lease":
@@ -120,6 +129,8 @@ class Lease(LeaseCore):
 
     def __exit__(self, exc_type: Optional[Type[BaseException]], exc: Optional[BaseException],
                  tb: Optional[TracebackType]) -> None:
+        if self._abandoned:
+            return  # left to expire, so the lock-delay applies: nothing is sent
         if exc_type is not None:
             try:
                 self.release()
@@ -217,7 +228,7 @@ class Client(ClientCore):
         ``<resource>#<slot>`` (``lease.job``; ``lease.resource``, ``lease.slot``): renew,
         release, complete, checkpoint and the fencing headers work on it as on any job's;
         completing a slot releases it (the server frees the slot, ``state`` ``free``). Used as
-        a context manager it releases on exit.
+        a context manager it releases on exit, unless the block abandoned it.
 
         The server never waits on a semaphore claim: with ``wait`` (seconds) the client asks
         again while every slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter
