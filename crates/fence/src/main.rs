@@ -89,6 +89,7 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
                 wait: a.wait,
                 grace: a.grace,
                 on_success: a.on_success,
+                on_failure: a.on_failure,
                 max_duration: a.max_duration.map(|d| (d, a.on_max_duration)),
                 command: a.command,
             })

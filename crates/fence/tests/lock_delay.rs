@@ -145,3 +145,31 @@ fn fence_claim_and_fence_run_take_a_lock_delay() {
     ]);
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
+
+/// `fence run --on-failure expire`: a command that fails (its write may still land) leaves
+/// the job to expire, never released, so the lock-delay keeps the next holder out after the
+/// lease's end; without it the job is released and the next run starts at once.
+#[test]
+fn fence_run_on_failure_expire_leaves_the_job_to_its_lock_delay() {
+    let (_dir, _server, addr) = server("1h");
+    let url = format!("http://{addr}");
+    let run = |job: &str, extra: &[&str], command: &str| {
+        let mut args = vec!["run", "--server", &url, "--job", job, "--ttl", "2s"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--", "sh", "-c", command]);
+        fence(&args)
+    };
+    let failed = run("expire", &["--on-failure", "expire"], "exit 4");
+    let said = String::from_utf8_lossy(&failed.stderr);
+    assert_eq!(failed.status.code(), Some(4), "{said}");
+    assert!(said.contains("left to expire"), "{said}");
+    let released = run("release", &[], "exit 4");
+    assert_eq!(released.status.code(), Some(4), "{released:?}");
+    // Past the lease's end: the expired one is in its lock-delay, the released one free.
+    std::thread::sleep(Duration::from_millis(2300));
+    let next = run("expire", &[], "true");
+    assert_eq!(next.status.code(), Some(3), "not obtained: {next:?}");
+    let said = String::from_utf8_lossy(&next.stderr);
+    assert!(said.contains("lock-delay"), "{said}");
+    assert_success(&run("release", &[], "true"));
+}

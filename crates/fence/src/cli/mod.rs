@@ -15,12 +15,14 @@ pub use crate::duration::{parse_claim_wait, parse_forget_after};
 use crate::duration::{parse_duration, parse_timeout};
 
 mod calls;
+mod outcomes;
 mod proxy;
 mod small;
 mod tls;
 pub use calls::{
     ClaimCmd, FinishCmd, KeepaliveCmd, LeasesCmd, RenewCmd, RevokeCmd, StatusCmd, WatchdogCmd,
 };
+pub use outcomes::{OnFailure, OnMaxDuration, OnSuccess};
 pub use proxy::ProxyArgs;
 pub use small::{CompletionsCmd, HealthcheckCmd};
 pub use tls::{TlsCmd, TlsInitCmd};
@@ -113,7 +115,7 @@ pub enum Cmd {
     /// environment. The lease is renewed in the background. When it is lost the whole group gets SIGTERM at once, and SIGKILL
     /// after --grace; the same happens if `fence run` itself dies, even by SIGKILL. When the
     /// command exits 0 the job is completed (or released, with --on-success release);
-    /// otherwise it is released. SIGINT, SIGTERM and SIGHUP are passed on to the group,
+    /// otherwise it is released (or left to expire, with --on-failure expire). SIGINT, SIGTERM and SIGHUP are passed on to the group,
     /// and so are SIGUSR1, SIGUSR2, SIGQUIT and SIGWINCH while the command runs. The
     /// command's group is never the terminal's foreground: a command that reads from the
     /// terminal stops (SIGTTIN); give it its input from a file or </dev/null.
@@ -443,24 +445,6 @@ pub struct ServerUrl {
     pub job: JobId,
 }
 
-/// What `fence run` does with the job when the command exits 0.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum OnSuccess {
-    /// Complete it: it can never be claimed again.
-    Complete,
-    /// Release it: it can be claimed again (a nightly job).
-    Release,
-}
-
-/// What `fence run` does with the job when `--max-duration` stops the command.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum OnMaxDuration {
-    /// Release it.
-    Release,
-    /// Stop renewing and let the lease run out.
-    Expire,
-}
-
 /// The flags of `fence run`.
 #[derive(Args, Debug)]
 pub struct RunCmd {
@@ -513,6 +497,12 @@ pub struct RunCmd {
     /// the slot is released, and asking to complete it is refused (exit 2).
     #[arg(long, value_enum, env = "FENCE_ON_SUCCESS")]
     pub on_success: Option<OnSuccess>,
+    /// What to do with the job when the command fails (exits non-zero or is killed by a
+    /// signal) with the lease held: release it (the next run may start at once), or let the
+    /// lease expire: nobody can claim it until its end and the lock-delay after it have
+    /// passed. Expire when a failed effect may still land (a write that timed out).
+    #[arg(long, value_enum, default_value = "release", env = "FENCE_ON_FAILURE")]
+    pub on_failure: OnFailure,
     /// Stop the command when it has run this long, however well the lease renews (1s to
     /// 365d): SIGTERM to its group, SIGKILL after --grace, exit 124.
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = crate::duration::parse_max_duration, env = "FENCE_MAX_DURATION")]

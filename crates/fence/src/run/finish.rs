@@ -1,7 +1,8 @@
 //! How `fence run` gives up the lease it held, and what a signal meanwhile does.
 //!
-//! Completed or released after the command, released or left to expire at `--max-duration`,
-//! given back after a failure of its own.
+//! Completed or released after the command (or left to expire after its failure, with
+//! `--on-failure expire`), released or left to expire at `--max-duration`, given back after
+//! a failure of its own.
 //!
 //! A release or completion is retried while the server fails to answer (up to a minute, see
 //! [`Lease::complete`]); SIGINT, SIGTERM or SIGHUP meanwhile ends the wait (after its first
@@ -13,7 +14,7 @@ use fence_lease::{FinishError, HttpLeaseStore, Lease};
 use nix::sys::signal::Signal;
 
 use super::{EXIT_LOST, EXIT_MAX_DURATION, signals::Signals, words::ended_how};
-use crate::cli::{OnMaxDuration, OnSuccess};
+use crate::cli::{OnFailure, OnMaxDuration, OnSuccess};
 
 /// How long giving up the lease goes on before a signal ends it: a signal already pending
 /// (sent to the command and to `fence run` together, or during the grace) must not skip the
@@ -100,7 +101,13 @@ pub(super) async fn after_unkillable(
         Some(status) if !lost_while_running && on_success == OnSuccess::Complete => {
             say!("fence run: the command exited 0: its job is completed all the same");
             // Exit code 0 and `Complete`: `finish` completes, it never releases.
-            finish(lease, status, OnSuccess::Complete, signals).await
+            finish(
+                lease,
+                status,
+                (OnSuccess::Complete, OnFailure::Release),
+                signals,
+            )
+            .await
         }
         _ if lost_while_running || lease.is_lost() => {
             drop(lease); // no more renewals
@@ -115,14 +122,23 @@ pub(super) async fn after_unkillable(
     }
 }
 
-/// Completes or releases the job after the command exited with `status`.
+/// Completes or releases the job after the command exited with `status`, or, after a
+/// failure with `--on-failure expire`, leaves it to expire.
 pub(super) async fn finish(
     lease: Lease<HttpLeaseStore>,
     status: std::process::ExitStatus,
-    on_success: OnSuccess,
+    (on_success, on_failure): (OnSuccess, OnFailure),
     signals: &mut Signals,
 ) -> anyhow::Result<i32> {
     let code = exit_code(status);
+    if code != 0 && on_failure == OnFailure::Expire {
+        drop(lease); // no more renewals, nothing sent
+        say!(
+            "fence run: the command {}; the job is left to expire (--on-failure expire): nobody can claim it until its lease ends and its lock-delay has passed",
+            ended_how(status)
+        );
+        return Ok(code);
+    }
     let finishing = async {
         if code == 0 && on_success == OnSuccess::Complete {
             lease.complete().await

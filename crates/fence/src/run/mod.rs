@@ -52,7 +52,7 @@ use watchdog::Stop;
 pub use watchdog::watchdog;
 use words::ended_how;
 
-use crate::cli::{OnMaxDuration, OnSuccess, ServerConn};
+use crate::cli::{OnFailure, OnMaxDuration, OnSuccess, ServerConn};
 
 /// Exit code when the lease was lost while the command ran (EX_TEMPFAIL).
 pub const EXIT_LOST: i32 = 75;
@@ -85,6 +85,8 @@ pub struct RunArgs {
     /// What to do with the job when the command exits 0 (`None`: complete it, or with
     /// `slots` release the slot; completing a slot is refused).
     pub on_success: Option<OnSuccess>,
+    /// What to do with the job when the command fails with the lease held.
+    pub on_failure: OnFailure,
     /// Stop the command after this long, and what to do with the job then.
     pub max_duration: Option<(Duration, OnMaxDuration)>,
     /// The command and its arguments.
@@ -325,7 +327,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         Some(status) => status,
         None => return Ok(EXIT_LOST),
     };
-    finish(lease, status, on_success, &mut signals).await
+    finish(lease, status, (on_success, args.on_failure), &mut signals).await
 }
 
 /// How the command's run ended.
