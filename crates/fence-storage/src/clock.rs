@@ -32,7 +32,8 @@ pub trait Clock: Send + Sync + fmt::Debug + 'static {
     /// clock (NTP after a boot) must not count as time passed. The default reads the
     /// operating system's monotonic clock: a clock of your own that moves time by hand (for
     /// tests) implements this too, or the sled sink store's restart wait and forgetting
-    /// count only real time passed since it was opened.
+    /// count only real time passed since it was opened, and the sink stores' idempotency
+    /// records (in-flight timeout, retention) expire only as real time passes.
     fn monotonic_ms(&self) -> u64 {
         static START: std::sync::LazyLock<std::time::Instant> =
             std::sync::LazyLock::new(std::time::Instant::now);

@@ -150,7 +150,7 @@ impl IdempotencyStore for MemoryStore {
             inner.records.get(&k),
             &attempt,
             ms(in_flight),
-            self.records_now_ms(),
+            record::Now::at(self.records_now_ms()),
         );
         if let Some(r) = write {
             inner.records.insert(k, r);
@@ -161,7 +161,7 @@ impl IdempotencyStore for MemoryStore {
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         let mut inner = self.lock();
         let k = (attempt.job.clone(), attempt.key.clone());
-        let now = self.records_now_ms();
+        let now = record::Now::at(self.records_now_ms());
         match record::finish(inner.records.get(&k), &attempt, outcome, now) {
             Some(Some(r)) => {
                 inner.records.insert(k, r);

@@ -140,16 +140,45 @@ pub(crate) fn in_flight(attempt: &super::Attempt<'_>, until_ms: u64) -> Record {
     }
 }
 
+/// The time a record is judged and written on: the two differ when a store reads two clocks
+/// (the sled store: the wall clock and the wall clock at its open plus the monotonic time
+/// since), so that a record lives while either clock says it does. `judge_ms` is the earlier
+/// of the two readings, to tell whether a record is live; `stamp_ms` the later, to time a new
+/// one from.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct Now {
+    pub(crate) judge_ms: u64,
+    pub(crate) stamp_ms: u64,
+}
+
+impl Now {
+    /// One clock: both the same reading.
+    pub(crate) fn at(ms: u64) -> Self {
+        Self {
+            judge_ms: ms,
+            stamp_ms: ms,
+        }
+    }
+
+    /// Two readings of the time: judged on the earlier, stamped on the later.
+    pub(crate) fn of(a: u64, b: u64) -> Self {
+        Self {
+            judge_ms: a.min(b),
+            stamp_ms: a.max(b),
+        }
+    }
+}
+
 /// The decision of `begin`: what to write (if anything) and the answer.
 pub(crate) fn begin(
     cur: Option<&Record>,
     attempt: &super::Attempt<'_>,
     in_flight_ms: u64,
-    now_ms: u64,
+    now: Now,
 ) -> (Option<Record>, Begin) {
     let fingerprint = attempt.fingerprint;
     match cur {
-        Some(r) if r.is_live(now_ms) && !r.superseded_by(attempt) => {
+        Some(r) if r.is_live(now.judge_ms) && !r.superseded_by(attempt) => {
             let answer = if r.fingerprint() != fingerprint {
                 Begin::Mismatch
             } else {
@@ -165,7 +194,10 @@ pub(crate) fn begin(
             (None, answer)
         }
         _ => (
-            Some(in_flight(attempt, now_ms.saturating_add(in_flight_ms))),
+            Some(in_flight(
+                attempt,
+                now.stamp_ms.saturating_add(in_flight_ms),
+            )),
             Begin::Started,
         ),
     }
@@ -177,7 +209,7 @@ pub(crate) fn finish(
     cur: Option<&Record>,
     attempt: &super::Attempt<'_>,
     outcome: Finish,
-    now_ms: u64,
+    now: Now,
 ) -> Option<Option<Record>> {
     let fingerprint = attempt.fingerprint;
     match cur {
@@ -192,7 +224,7 @@ pub(crate) fn finish(
             };
             Some(Some(Record::Done {
                 fingerprint: *fingerprint,
-                expires_ms: now_ms.saturating_add(super::ms(retention)),
+                expires_ms: now.stamp_ms.saturating_add(super::ms(retention)),
                 response,
             }))
         }

@@ -146,15 +146,19 @@ impl SledStore {
         self.opened_ms.saturating_add(since)
     }
 
-    /// The time idempotency records are written and judged on: [`since_open_ms`](Self::since_open_ms).
-    /// On the raw wall clock, a step forward (NTP, a VM resumed or migrated) would expire
-    /// a record in flight, and a retry with its key would reach the service while the first
-    /// attempt still ran (or the purge would drop the record, and the first attempt's answer
-    /// would find nothing to complete); a step back would hold a key, or keep an answer,
-    /// the step's size longer. Anchored on the wall clock at the open, the times of records
-    /// an earlier process wrote still compare: only a step between the processes counts.
-    fn records_now_ms(&self) -> u64 {
-        self.since_open_ms()
+    /// The time idempotency records are judged and written on: two readings, the wall
+    /// clock and [`since_open_ms`](Self::since_open_ms) (the wall clock at the open plus the
+    /// monotonic time since), a record judged live on the earlier and timed from the later,
+    /// so that it lives while either clock says it does. On the wall clock alone, a step
+    /// forward (NTP, a VM resumed or migrated) would expire a record in flight, and a retry
+    /// with its key would reach the service while the first attempt still ran (or the purge
+    /// would drop the record, and the first attempt's answer would find nothing to
+    /// complete). On the anchored clock alone, the same step would come back at the next
+    /// open: every record this process wrote would lag the wall clock the next process is
+    /// anchored on by the step, and expire that much early. A step back holds a key, or
+    /// keeps an answer, the step's size longer (liveness, never a second run).
+    fn records_now(&self) -> record::Now {
+        record::Now::of(self.clock.now_ms(), self.since_open_ms())
     }
 
     /// A crash between a job's write and its stamp's can leave the `stamps` tree short of a
@@ -505,8 +509,7 @@ impl IdempotencyStore for SledStore {
         // found writes applied twice after a proxy was killed.) Group commit shares the
         // sync among the requests of the moment.
         self.update_record(attempt.job, &k, Write::Decision, |cur| {
-            let (write, answer) =
-                record::begin(cur, &attempt, ms(in_flight), self.records_now_ms());
+            let (write, answer) = record::begin(cur, &attempt, ms(in_flight), self.records_now());
             (write.map(Some), answer)
         })
         .await
@@ -515,14 +518,14 @@ impl IdempotencyStore for SledStore {
     async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
         let k = record_key(attempt.job, attempt.key);
         self.update_record(attempt.job, &k, Write::Outcome, |cur| {
-            let now = self.records_now_ms();
+            let now = self.records_now();
             (record::finish(cur, &attempt, outcome.clone(), now), ())
         })
         .await
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
-        let now = self.records_now_ms();
+        let now = self.records_now().judge_ms;
         // A walk of every record (millions, at a steady rate and a day's retention) runs
         // on a blocking thread, not the runtime's (a current-thread runtime would stall for
         // all of it), and reads each record's head only, not its stored answer.

@@ -333,3 +333,69 @@ async fn idempotency_records_of_an_earlier_process_keep_their_times() {
         Begin::Started
     );
 }
+
+/// A step of the wall clock during one process does not come back at the next open. A proxy
+/// starts with its clock an hour behind, NTP corrects it, and the proxy is killed while a
+/// keyed request is in flight: after the restart its record must still be in flight, not an
+/// hour (less 5 min) expired with a retry reaching the service a second time. A step back
+/// holds the key the step's size longer (liveness), and no longer than that.
+#[tokio::test]
+async fn a_step_of_the_wall_clock_does_not_expire_records_at_the_next_open() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let job: JobId = "stepped".parse().unwrap();
+    let (ahead, back) = (
+        IdempotencyKey::from_bytes(b"ahead").unwrap(),
+        IdempotencyKey::from_bytes(b"back").unwrap(),
+    );
+    let fp = crate::Fingerprint::of(&http::Method::POST, "/pay", b"{}");
+    let at = |key, id| Attempt {
+        job: &job,
+        key,
+        fingerprint: &fp,
+        id,
+        generation: Generation::new(1),
+        settled_after: Duration::ZERO,
+    };
+    let in_flight = Duration::from_secs(300);
+    {
+        let a = open();
+        clock.step_ms(3_600_000);
+        assert_eq!(
+            a.begin(at(&ahead, 1), in_flight).await.unwrap(),
+            Begin::Started
+        );
+    }
+    let b = open();
+    assert_eq!(
+        b.begin(at(&ahead, 2), in_flight).await.unwrap(),
+        Begin::InFlight,
+        "the record of the process before expired at the open: a retry would run again"
+    );
+    assert_eq!(b.purge_expired().await.unwrap(), 0);
+    clock.advance(in_flight);
+    assert_eq!(
+        b.begin(at(&ahead, 3), in_flight).await.unwrap(),
+        Begin::Started,
+        "held past its in-flight timeout"
+    );
+    assert_eq!(
+        b.begin(at(&back, 4), in_flight).await.unwrap(),
+        Begin::Started
+    );
+    clock.step_ms(-600_000);
+    clock.advance(in_flight);
+    assert_eq!(
+        b.begin(at(&back, 5), in_flight).await.unwrap(),
+        Begin::InFlight,
+        "a step back holds the key the step longer"
+    );
+    clock.advance(Duration::from_secs(600));
+    assert_eq!(
+        b.begin(at(&back, 6), in_flight).await.unwrap(),
+        Begin::Started,
+        "held past its timeout plus the step"
+    );
+}
