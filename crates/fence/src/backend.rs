@@ -417,6 +417,13 @@ impl IdempotencyStore for SinkBackend {
             Self::Postgres(s) => s.purge_expired().await,
         }
     }
+
+    fn stored_bytes(&self) -> Option<u64> {
+        match self {
+            Self::Sled(s) => s.stored_bytes(),
+            Self::Postgres(s) => s.stored_bytes(),
+        }
+    }
 }
 
 /// Logs a warning when users other than this process's may enter the data directory `dir`:

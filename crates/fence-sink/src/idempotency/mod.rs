@@ -17,6 +17,7 @@
 //! # let _ = layer;
 //! ```
 
+mod cap;
 mod capture;
 mod ended;
 mod finish;
@@ -39,6 +40,10 @@ pub type StatusFilter = Arc<dyn Fn(StatusCode) -> bool + Send + Sync>;
 pub struct IdempotencyConfig {
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
+    pub(crate) max_stored_bytes: u64,
+    /// Keyed requests begun and not yet recorded, over every clone of the layer (see
+    /// [`max_stored_bytes`](Self::max_stored_bytes)).
+    pub(crate) recording: Arc<std::sync::atomic::AtomicU64>,
     pub(crate) retention: Duration,
     pub(crate) in_flight_timeout: Duration,
     pub(crate) store_statuses: StatusFilter,
@@ -51,11 +56,14 @@ impl Default for IdempotencyConfig {
     /// Request bodies up to 1 MiB fingerprinted, response bodies up to 1 MiB stored, records
     /// kept 24 h, in-flight records given up after 5 minutes, 2xx and 4xx stored (5xx
     /// forgotten so a retry runs again, and so are 408, 425 and 429: they say the request
-    /// was not acted on and may be sent again later), expired records swept every minute.
+    /// was not acted on and may be sent again later), expired records swept every minute,
+    /// new keys refused while the records hold 4 GiB.
     fn default() -> Self {
         Self {
             max_request_body: 1 << 20,
             max_response_body: 1 << 20,
+            max_stored_bytes: 4 << 30,
+            recording: Arc::default(),
             retention: Duration::from_secs(24 * 3600),
             in_flight_timeout: Duration::from_secs(300),
             store_statuses: Arc::new(stored_by_default),
@@ -86,6 +94,7 @@ impl fmt::Debug for IdempotencyConfig {
         f.debug_struct("IdempotencyConfig")
             .field("max_request_body", &self.max_request_body)
             .field("max_response_body", &self.max_response_body)
+            .field("max_stored_bytes", &self.max_stored_bytes)
             .field("retention", &self.retention)
             .field("in_flight_timeout", &self.in_flight_timeout)
             .field("scope_headers", &self.scope_headers)
@@ -104,6 +113,22 @@ impl IdempotencyConfig {
     /// record says it cannot be replayed (a retry gets 409).
     pub fn max_response_body(mut self, bytes: usize) -> Self {
         self.max_response_body = bytes;
+        self
+    }
+
+    /// Refuses a new key while the stored records hold `bytes` (default 4 GiB): 503
+    /// `overloaded` with `Retry-After` (the [sweep interval](Self::sweep_every)), and the
+    /// service is not called; keys already recorded still replay (or get their 409 or 422).
+    /// Counted are the records' bytes as the store keeps them, plus, for the keyed requests
+    /// already running, [`max_response_body`](Self::max_response_body) each. An effect
+    /// that ran always has its answer stored, so the records may pass `bytes` by that
+    /// much. Without it, records are bounded only by retention × rate × answer size
+    /// (a day at 50 keyed requests a second answering 1 MiB is 4 TB), and on sled they
+    /// share the disk with the generations: a full disk fails every job. Applies to the
+    /// stores that count their bytes ([`IdempotencyStore::stored_bytes`](crate::IdempotencyStore::stored_bytes):
+    /// memory and sled, not PostgreSQL); `u64::MAX` turns it off.
+    pub fn max_stored_bytes(mut self, bytes: u64) -> Self {
+        self.max_stored_bytes = bytes;
         self
     }
 

@@ -11,13 +11,15 @@ use fence_storage::clock::{Clock, SystemClock};
 
 use super::{
     Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, STAMP_AHEAD_MS,
-    StoreError, Verdict, ms, record, stamp_due,
+    StoreError, Verdict, ms, record, stamp_due, stored::StoredBytes,
 };
 
 /// Highest generations and idempotency records in memory.
 #[derive(Debug, Clone)]
 pub struct MemoryStore {
     inner: Arc<Mutex<Inner>>,
+    /// The bytes of `Inner::records`, as the sled store counts them (key and encoded value).
+    stored: Arc<StoredBytes>,
     clock: Arc<dyn Clock>,
     /// The clock's wall and monotonic readings when the store was made: idempotency records
     /// are timed on the monotonic reading from then ([`records_now_ms`](Self::records_now_ms)).
@@ -53,6 +55,7 @@ impl MemoryStore {
     pub fn with_clock(clock: Arc<dyn Clock>) -> Self {
         Self {
             inner: Arc::default(),
+            stored: Arc::default(),
             made_ms: clock.now_ms(),
             made_monotonic_ms: clock.monotonic_ms(),
             clock,
@@ -68,6 +71,20 @@ impl MemoryStore {
             .monotonic_ms()
             .saturating_sub(self.made_monotonic_ms);
         self.made_ms.saturating_add(since)
+    }
+
+    /// Puts `new` in the place of (job, key)'s record (`None`: removes it), counting bytes.
+    fn replace(&self, inner: &mut Inner, k: (JobId, IdempotencyKey), new: Option<record::Record>) {
+        let size = |k: &(JobId, IdempotencyKey), r: &record::Record| {
+            k.0.as_str().len() + 1 + k.1.as_str().len() + r.encode().len()
+        };
+        let new_size = new.as_ref().map(|r| size(&k, r));
+        let old = match new {
+            Some(r) => inner.records.insert(k.clone(), r),
+            None => inner.records.remove(&k),
+        };
+        self.stored
+            .replaced(old.as_ref().map(|r| size(&k, r)), new_size);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -153,7 +170,7 @@ impl IdempotencyStore for MemoryStore {
             record::Now::at(self.records_now_ms()),
         );
         if let Some(r) = write {
-            inner.records.insert(k, r);
+            self.replace(&mut inner, k, Some(r));
         }
         Ok(answer)
     }
@@ -162,14 +179,8 @@ impl IdempotencyStore for MemoryStore {
         let mut inner = self.lock();
         let k = (attempt.job.clone(), attempt.key.clone());
         let now = record::Now::at(self.records_now_ms());
-        match record::finish(inner.records.get(&k), &attempt, outcome, now) {
-            Some(Some(r)) => {
-                inner.records.insert(k, r);
-            }
-            Some(None) => {
-                inner.records.remove(&k);
-            }
-            None => {}
+        if let Some(new) = record::finish(inner.records.get(&k), &attempt, outcome, now) {
+            self.replace(&mut inner, k, new);
         }
         Ok(())
     }
@@ -177,9 +188,20 @@ impl IdempotencyStore for MemoryStore {
     async fn purge_expired(&self) -> Result<usize, StoreError> {
         let now = self.records_now_ms();
         let mut inner = self.lock();
-        let before = inner.records.len();
-        inner.records.retain(|_, r| r.is_live(now));
-        Ok(before - inner.records.len())
+        let expired: Vec<_> = inner
+            .records
+            .iter()
+            .filter(|(_, r)| !r.is_live(now))
+            .map(|(k, _)| k.clone())
+            .collect();
+        for k in &expired {
+            self.replace(&mut inner, k.clone(), None);
+        }
+        Ok(expired.len())
+    }
+
+    fn stored_bytes(&self) -> Option<u64> {
+        Some(self.stored.get())
     }
 }
 

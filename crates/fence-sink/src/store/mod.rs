@@ -29,6 +29,7 @@ pub mod postgres;
 pub(crate) mod record;
 mod settings;
 mod sled;
+mod stored;
 
 use std::{future::Future, time::Duration};
 
@@ -416,6 +417,14 @@ pub trait IdempotencyStore: Send + Sync + 'static {
 
     /// Deletes records that are no longer live; returns how many.
     fn purge_expired(&self) -> impl Future<Output = Result<usize, StoreError>> + Send;
+
+    /// How many bytes the stored records hold (keys and encoded records, live or not yet
+    /// purged), as the store counts them: the memory and sled stores do, at every write;
+    /// `None` (the default, and PostgreSQL's) when the store does not count, and the layer's
+    /// [cap](crate::IdempotencyConfig::max_stored_bytes) then does not apply.
+    fn stored_bytes(&self) -> Option<u64> {
+        None
+    }
 }
 
 /// Why a sink store could not decide.

@@ -12,6 +12,7 @@ use self::{forgetting::Forgetting, running::Running};
 use super::{
     Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, Prior,
     RunBounds, STAMP_AHEAD_MS, StoreError, Verdict, ms, record, stamp_due,
+    stored::{StoredBytes, entry_len},
 };
 
 mod forgetting;
@@ -29,6 +30,9 @@ pub struct SledStore {
     generations: Tree,
     stamps: Tree,
     records: Tree,
+    /// The bytes `records` holds (keys and values): counted at the open, then kept at every
+    /// write and removal.
+    stored: Arc<StoredBytes>,
     format: Tree,
     running: Arc<Running>,
     forgetting: Arc<Forgetting>,
@@ -119,10 +123,17 @@ impl SledStore {
         let db = DurableDb::open(path)?;
         let format = db_format(&db)?;
         let opened_monotonic_ms = clock.monotonic_ms();
+        let records = db.tree("idempotency")?;
+        // Lengths only, nothing decoded: a day of records at a steady rate is many.
+        let stored = records.iter().flatten().fold(0u64, |sum, (k, v)| {
+            let len = entry_len(&k, Some(&v)).unwrap_or(0);
+            sum.saturating_add(u64::try_from(len).unwrap_or(u64::MAX))
+        });
         let store = Self {
             generations: db.tree("generations")?,
             stamps: db.tree("stamps")?,
-            records: db.tree("idempotency")?,
+            records,
+            stored: Arc::new(StoredBytes::new(stored)),
             running: Arc::new(Running::open(&format, opened_monotonic_ms, path)?),
             forgetting: Arc::new(Forgetting::open(&format, path)),
             format,
@@ -269,12 +280,19 @@ impl SledStore {
                 return Ok(out);
             };
             let new = new.map(|r| r.encode());
+            let (old_len, new_len) = (
+                entry_len(key, raw.as_deref()),
+                entry_len(key, new.as_deref()),
+            );
             let swapped = match write {
                 Write::Decision => self.records.compare_and_swap(key, raw, new),
                 Write::Outcome => self.records.compare_and_swap_outcome(key, raw, new),
             };
             match swapped.map_err(io)? {
-                Ok(()) => break out,
+                Ok(()) => {
+                    self.stored.replaced(old_len, new_len);
+                    break out;
+                }
                 Err(_) => continue,
             }
         };
@@ -529,17 +547,19 @@ impl IdempotencyStore for SledStore {
         // A walk of every record (millions, at a steady rate and a day's retention) runs
         // on a blocking thread, not the runtime's (a current-thread runtime would stall for
         // all of it), and reads each record's head only, not its stored answer.
-        let records = self.records.clone();
+        let (records, stored) = (self.records.clone(), self.stored.clone());
         let purged = tokio::task::spawn_blocking(move || {
             let mut purged = 0;
             for item in records.iter() {
                 let (k, v) = item.map_err(io)?;
+                let len = entry_len(&k, Some(&v));
                 if !record::Record::live_at(&v, now)
                     && records
                         .compare_and_swap(&k, Some(v), None::<&[u8]>)
                         .map_err(io)?
                         .is_ok()
                 {
+                    stored.replaced(len, None);
                     purged += 1;
                 }
             }
@@ -551,6 +571,10 @@ impl IdempotencyStore for SledStore {
             self.db.commit().await.map_err(io)?;
         }
         Ok(purged)
+    }
+
+    fn stored_bytes(&self) -> Option<u64> {
+        Some(self.stored.get())
     }
 }
 

@@ -1,0 +1,173 @@
+//! The cap on the bytes of stored idempotency records (audit F2): past it a new key gets 503 `overloaded` before the service runs; recorded keys still replay.
+
+use std::{
+    convert::Infallible,
+    sync::{
+        Arc,
+        atomic::{AtomicUsize, Ordering},
+    },
+    time::Duration,
+};
+
+use fence_sink::{
+    FenceLayer, GenerationStore, IdempotencyConfig, IdempotencyStore, MemoryStore, RequestBody,
+    SledStore,
+};
+use fence_storage::clock::{Clock, ManualClock};
+use http::{Request, Response, StatusCode};
+use http_body_util::BodyExt;
+use tower::{Layer, ServiceExt, service_fn};
+
+const CAP: u64 = 10 * 1024;
+const ANSWER: usize = 4 * 1024;
+const RETENTION: Duration = Duration::from_secs(600);
+
+/// The answer to a keyed POST: status, `Retry-After`, `Idempotent-Replayed`, body.
+struct Answer {
+    status: StatusCode,
+    retry_after: Option<String>,
+    replayed: bool,
+    body: bytes::Bytes,
+}
+
+/// A layer over `store` with the 10 KiB cap, in front of a service answering 4 KiB.
+struct Sink<St> {
+    layer: FenceLayer<St>,
+    calls: Arc<AtomicUsize>,
+}
+
+impl<St: GenerationStore + IdempotencyStore> Sink<St> {
+    fn new(store: St, clock: &ManualClock) -> Self {
+        let clock: Arc<dyn Clock> = Arc::new(clock.clone());
+        let config = IdempotencyConfig::default()
+            .retention(RETENTION)
+            .max_response_body(8 * 1024)
+            .max_stored_bytes(CAP);
+        Self {
+            layer: FenceLayer::new(store).clock(clock).idempotency(config),
+            calls: Arc::default(),
+        }
+    }
+
+    fn calls(&self) -> usize {
+        self.calls.load(Ordering::SeqCst)
+    }
+
+    async fn send(&self, key: &str) -> Answer {
+        let calls = self.calls.clone();
+        let inner = service_fn(move |_req: Request<RequestBody<String>>| {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Ok::<_, Infallible>(Response::new("x".repeat(ANSWER))) }
+        });
+        let req = Request::post("/charge")
+            .header("x-fencing-job", "job-1")
+            .header("x-fencing-token", "1")
+            .header("idempotency-key", key)
+            .body(String::from("charge 5"))
+            .unwrap();
+        let resp = self.layer.layer(inner).oneshot(req).await.unwrap();
+        let header = |name: &str| {
+            resp.headers()
+                .get(name)
+                .map(|v| v.to_str().unwrap().to_owned())
+        };
+        let (status, retry_after) = (resp.status(), header("retry-after"));
+        let replayed = header("idempotent-replayed").as_deref() == Some("true");
+        let body = resp.into_body().collect().await.unwrap().to_bytes();
+        Answer {
+            status,
+            retry_after,
+            replayed,
+            body,
+        }
+    }
+}
+
+/// The audit's scenario on `store`, whose records expire on `clock`.
+async fn capped<St: GenerationStore + IdempotencyStore + Clone>(store: St, clock: ManualClock) {
+    let sink = Sink::new(store.clone(), &clock);
+    // 4 KiB answers under a 10 KiB cap: the first three keys are stored (the third is
+    // admitted at about 8 KiB, so the cap is passed by up to one answer).
+    for (i, key) in ["k1", "k2", "k3"].iter().enumerate() {
+        let a = sink.send(key).await;
+        assert_eq!(a.status, StatusCode::OK, "{key}");
+        assert!(!a.replayed, "{key}");
+        assert_eq!(sink.calls(), i + 1);
+    }
+    let stored = store.stored_bytes().expect("the store counts its bytes");
+    assert!(stored >= CAP, "three 4 KiB answers hold {stored} bytes");
+
+    // A new key: refused before the service, with a precise detail and Retry-After.
+    for _ in 0..2 {
+        let a = sink.send("k4").await;
+        assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(a.retry_after.as_deref(), Some("60"));
+        let problem: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+        assert_eq!(problem["type"], "urn:fence:overloaded");
+        let detail = problem["detail"].as_str().unwrap();
+        // What it holds counts the refused key's own in-flight record, forgotten since.
+        let holds: u64 = detail
+            .split_once("holds ")
+            .and_then(|(_, rest)| rest.split_once(' '))
+            .and_then(|(n, _)| n.parse().ok())
+            .expect(detail);
+        assert!((stored..stored + 200).contains(&holds), "{detail}");
+        assert!(
+            detail.contains(&format!("bytes of its {CAP}-byte limit")),
+            "{detail}"
+        );
+        assert_eq!(sink.calls(), 3, "the service must not run past the cap");
+    }
+    // Its record was forgotten again: the count did not move.
+    assert_eq!(store.stored_bytes(), Some(stored));
+
+    // A recorded key still replays.
+    let a = sink.send("k1").await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert!(a.replayed);
+    assert_eq!(a.body.len(), ANSWER);
+    assert_eq!(sink.calls(), 3);
+
+    // Past the retention, the purge frees the bytes and new keys are admitted again.
+    clock.advance(RETENTION + Duration::from_secs(1));
+    assert_eq!(store.purge_expired().await.unwrap(), 3);
+    assert_eq!(store.stored_bytes(), Some(0));
+    let a = sink.send("k4").await;
+    assert_eq!(a.status, StatusCode::OK);
+    assert!(!a.replayed);
+    assert_eq!(sink.calls(), 4);
+}
+
+#[tokio::test]
+async fn memory_refuses_new_keys_past_the_cap() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    capped(store, clock).await;
+}
+
+#[tokio::test]
+async fn sled_refuses_new_keys_past_the_cap() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    capped(store, clock).await;
+}
+
+/// The count is the records' bytes: a reopened store counts them again at its open.
+#[tokio::test]
+async fn sled_counts_its_records_again_after_a_restart() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let before = {
+        let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+        let sink = Sink::new(store.clone(), &clock);
+        for key in ["k1", "k2"] {
+            assert_eq!(sink.send(key).await.status, StatusCode::OK);
+        }
+        store.flush().unwrap();
+        store.stored_bytes().unwrap()
+    };
+    assert!(before > 2 * ANSWER as u64, "{before}");
+    let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    assert_eq!(store.stored_bytes(), Some(before));
+}
