@@ -285,6 +285,7 @@ pub async fn proxy(a: ProxyArgs) -> anyhow::Result<()> {
         fence_sink::IdempotencyConfig::default()
             .retention(a.idempotency_retention)
             .max_response_body(a.idempotency_max_body)
+            .max_stored_bytes(a.idempotency_max_stored)
             .scope_headers(a.idempotency_scope_header.clone())
     });
     config.drain_timeout = a.drain_timeout;

@@ -115,6 +115,11 @@ fn describe() {
         )
     );
     describe_gauge!(
+        "fence_sink_idempotency_stored_bytes",
+        Unit::Bytes,
+        "Bytes the stored idempotency records hold (sled), read at each keyed request; new keys are refused at --idempotency-max-stored."
+    );
+    describe_gauge!(
         "fence_build_info",
         Unit::Count,
         "Always 1; its labels say which build runs: version (of the fence package) and the protocol version."

@@ -134,6 +134,13 @@ pub struct ProxyArgs {
     /// Largest response body stored for replay, in bytes.
     #[arg(long, default_value_t = 1 << 20, env = "FENCE_IDEMPOTENCY_MAX_BODY")]
     pub idempotency_max_body: usize,
+    /// The most bytes the stored idempotency records may hold (default 4 GiB); past it a
+    /// new key gets 503 overloaded with Retry-After 60 and is not sent upstream, while
+    /// recorded keys still replay. Records cost retention x rate x answer size (24h at 50
+    /// keyed requests/s of 1 MiB answers is 4 TB), and on sled they share --data-dir with the
+    /// generations: a full disk fails every job. Not applied to a PostgreSQL store.
+    #[arg(long, value_name = "BYTES", default_value_t = 4 << 30, value_parser = clap::value_parser!(u64).range(1..), env = "FENCE_IDEMPOTENCY_MAX_STORED")]
+    pub idempotency_max_stored: u64,
     /// How long a newer token waits for older in-flight requests before 503.
     #[arg(long, allow_hyphen_values = true, default_value = "10s", value_parser = parse_timeout, env = "FENCE_DRAIN_TIMEOUT")]
     pub drain_timeout: Duration,
