@@ -310,7 +310,7 @@ impl Limiter {
 
 static LIMIT: LazyLock<Mutex<Limiter>> = LazyLock::new(|| Mutex::new(Limiter::new()));
 
-/// [`Limiter::admit`] on the process's limiter, now: whether an event of `kind` (a fixed
+/// Asks the process's refusal limiter, now: whether an event of `kind` (a fixed
 /// name, such as `"fence-push"`) from `peer`, which the caller logs itself, is to be logged
 /// now (`Some(how many were left out before it)`) under the limit of [`log`]. An admitted
 /// event first says, in an event of its own, how many the budget over all peers held back

@@ -122,13 +122,23 @@ impl SledStore {
         let path = path.as_ref();
         let db = DurableDb::open(path)?;
         let format = db_format(&db)?;
-        let opened_monotonic_ms = clock.monotonic_ms();
         let records = db.tree("idempotency")?;
-        // Lengths only, nothing decoded: a day of records at a steady rate is many.
-        let stored = records.iter().flatten().fold(0u64, |sum, (k, v)| {
+        // Lengths only, nothing decoded: a day of records at a steady rate is many. Before
+        // the clocks are read: a count that took T between the monotonic and the wall
+        // reading would run the store's clock T ahead, and the restart hold T short. A read
+        // that fails ends the open (sled's iterator may fail again at the same place).
+        let mut stored = 0u64;
+        for item in records.iter() {
+            let (k, v) = item.map_err(|source| OpenError::Sled {
+                path: path.to_owned(),
+                source,
+            })?;
             let len = entry_len(&k, Some(&v)).unwrap_or(0);
-            sum.saturating_add(u64::try_from(len).unwrap_or(u64::MAX))
-        });
+            stored = stored.saturating_add(u64::try_from(len).unwrap_or(u64::MAX));
+        }
+        // The two readings of the open, next to each other.
+        let opened_monotonic_ms = clock.monotonic_ms();
+        let opened_ms = clock.now_ms();
         let store = Self {
             generations: db.tree("generations")?,
             stamps: db.tree("stamps")?,
@@ -138,7 +148,7 @@ impl SledStore {
             forgetting: Arc::new(Forgetting::open(&format, path)),
             format,
             db,
-            opened_ms: clock.now_ms(),
+            opened_ms,
             opened_monotonic_ms,
             clock,
         };

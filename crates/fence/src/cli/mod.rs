@@ -139,7 +139,8 @@ itself exits 3 or 75 is told apart only by fence run's last line on stderr):
   2     bad usage
   128+N the command was killed by signal N (fence run passes the signal on), or fence
         run got signal N while waiting for the lease (the command never ran)
-  other the command's own non-zero exit code; the job was released
+  other the command's own non-zero exit code; the job was released (left to expire
+        with --on-failure expire, as after a signal death)
 
 Example:
   fence run --server https://leases.internal:7700 --job nightly-report --ttl 30s \\
