@@ -117,7 +117,7 @@ fn describe() {
     describe_gauge!(
         "fence_sink_idempotency_stored_bytes",
         Unit::Bytes,
-        "Bytes the stored idempotency records hold (sled), read at each keyed request; new keys are refused at --idempotency-max-stored."
+        "Bytes the stored idempotency records hold (memory and sled stores), as last read when a new key began; new keys are refused at --idempotency-max-stored."
     );
     describe_gauge!(
         "fence_build_info",

@@ -130,7 +130,7 @@ fn now_ms(offset_param: usize) -> String {
 /// listening session has read it, and a NOTIFY fails at commit once the queue is full: one
 /// server frozen with its session open (SIGSTOP, a paused container) would in time make every
 /// release, completion and revoke on every server fail. Skipped, the waiters on other servers
-/// find the job at their backstop look instead (2 s).
+/// find the job at their backstop look instead (2 s, longer with many jobs waited for).
 fn notify(channel: &str, job: &str) -> String {
     format!("CASE WHEN pg_notification_queue_usage() < 0.5 THEN pg_notify('{channel}', {job}) END")
 }
