@@ -40,7 +40,9 @@ struct Inner {
     highest: HashMap<JobId, (Generation, u64)>,
     /// The same stamps, oldest first.
     by_stamp: BTreeSet<IdleJob>,
-    records: HashMap<(JobId, IdempotencyKey), record::Record>,
+    /// Each record with the bytes it counts for in [`MemoryStore::stored`] (kept, so that
+    /// replacing or removing it need not encode it again).
+    records: HashMap<(JobId, IdempotencyKey), (record::Record, usize)>,
 }
 
 impl MemoryStore {
@@ -75,16 +77,14 @@ impl MemoryStore {
 
     /// Puts `new` in the place of (job, key)'s record (`None`: removes it), counting bytes.
     fn replace(&self, inner: &mut Inner, k: (JobId, IdempotencyKey), new: Option<record::Record>) {
-        let size = |k: &(JobId, IdempotencyKey), r: &record::Record| {
-            k.0.as_str().len() + 1 + k.1.as_str().len() + r.encode().len()
-        };
-        let new_size = new.as_ref().map(|r| size(&k, r));
-        let old = match new {
-            Some(r) => inner.records.insert(k.clone(), r),
+        let new_size = new
+            .as_ref()
+            .map(|r| k.0.as_str().len() + 1 + k.1.as_str().len() + r.encode().len());
+        let old = match new.zip(new_size) {
+            Some(sized) => inner.records.insert(k, sized),
             None => inner.records.remove(&k),
         };
-        self.stored
-            .replaced(old.as_ref().map(|r| size(&k, r)), new_size);
+        self.stored.replaced(old.map(|(_, size)| size), new_size);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -164,7 +164,7 @@ impl IdempotencyStore for MemoryStore {
         let mut inner = self.lock();
         let k = (attempt.job.clone(), attempt.key.clone());
         let (write, answer) = record::begin(
-            inner.records.get(&k),
+            inner.records.get(&k).map(|(r, _)| r),
             &attempt,
             ms(in_flight),
             record::Now::at(self.records_now_ms()),
@@ -179,7 +179,12 @@ impl IdempotencyStore for MemoryStore {
         let mut inner = self.lock();
         let k = (attempt.job.clone(), attempt.key.clone());
         let now = record::Now::at(self.records_now_ms());
-        if let Some(new) = record::finish(inner.records.get(&k), &attempt, outcome, now) {
+        if let Some(new) = record::finish(
+            inner.records.get(&k).map(|(r, _)| r),
+            &attempt,
+            outcome,
+            now,
+        ) {
             self.replace(&mut inner, k, new);
         }
         Ok(())
@@ -188,16 +193,16 @@ impl IdempotencyStore for MemoryStore {
     async fn purge_expired(&self) -> Result<usize, StoreError> {
         let now = self.records_now_ms();
         let mut inner = self.lock();
-        let expired: Vec<_> = inner
-            .records
-            .iter()
-            .filter(|(_, r)| !r.is_live(now))
-            .map(|(k, _)| k.clone())
-            .collect();
-        for k in &expired {
-            self.replace(&mut inner, k.clone(), None);
-        }
-        Ok(expired.len())
+        let mut purged = 0;
+        inner.records.retain(|_, (r, size)| {
+            let live = r.is_live(now);
+            if !live {
+                self.stored.replaced(Some(*size), None);
+                purged += 1;
+            }
+            live
+        });
+        Ok(purged)
     }
 
     fn stored_bytes(&self) -> Option<u64> {
