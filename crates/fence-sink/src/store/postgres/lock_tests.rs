@@ -127,3 +127,91 @@ async fn within<T>(what: &str, query: impl Future<Output = T>) -> T {
         .await
         .unwrap_or_else(|_| panic!("{what} waited a second for another writer's lock"))
 }
+
+/// A newer holder's transaction under REPEATABLE READ (or SERIALIZABLE) takes its snapshot,
+/// then waits in `require` behind an older holder's open transaction at the same highest;
+/// the older one writes its effect and commits. The newer one must not be accepted on its
+/// snapshot, which misses that effect: it read "not done" and did the effect again (an audit
+/// saw two charges under tokens 5 and 6). It now fails with 40001, and its retry, on a new
+/// snapshot, sees the effect. Under READ COMMITTED it is accepted and sees the effect.
+#[tokio::test]
+async fn a_newer_writers_snapshot_never_misses_an_older_ones_committed_effect() {
+    let Some(store) = fresh().await else { return };
+    let t = store.tables().clone();
+    let effects = format!("fence_test.effects_{:016x}", super::tests::rand_u64());
+    let setup = admin().await;
+    setup
+        .batch_execute(&format!(
+            "CREATE TABLE {effects} (job text, item int, token int)"
+        ))
+        .await
+        .unwrap();
+    for (level, raced) in [
+        ("REPEATABLE READ", true),
+        ("SERIALIZABLE", true),
+        ("READ COMMITTED", false),
+    ] {
+        let job = format!("snapshot-{}", level.replace(' ', "-").to_lowercase());
+        let require = |token: u32| format!("SELECT {}('{job}', {token})", t.require_fn);
+        // The older holder's token is the job's highest already (its stamp fresh).
+        setup.execute(&require(5), &[]).await.unwrap();
+        let mut older = admin().await;
+        let held = older.transaction().await.unwrap();
+        held.execute(&require(5), &[]).await.unwrap();
+        // The newer holder: its snapshot first, then the fence, which waits for the row.
+        let mut newer = admin().await;
+        let (sql, effects2) = (require(6), effects.clone());
+        let job2 = job.clone();
+        let racing = tokio::spawn(async move {
+            let tx = newer.transaction().await.unwrap();
+            tx.batch_execute(&format!("SET TRANSACTION ISOLATION LEVEL {level}"))
+                .await
+                .unwrap();
+            tx.query_one("SELECT 1", &[]).await.unwrap(); // the snapshot
+            tx.execute(&sql, &[]).await?;
+            let done: i64 = tx
+                .query_one(
+                    &format!("SELECT count(*) FROM {effects2} WHERE job = $1 AND item = 101"),
+                    &[&job2],
+                )
+                .await?
+                .get(0);
+            if done == 0 {
+                tx.execute(
+                    &format!("INSERT INTO {effects2} VALUES ($1, 101, 6)"),
+                    &[&job2],
+                )
+                .await?;
+            }
+            tx.commit().await
+        });
+        tokio::time::sleep(Duration::from_millis(300)).await;
+        held.execute(
+            &format!("INSERT INTO {effects} VALUES ($1, 101, 5)"),
+            &[&job],
+        )
+        .await
+        .unwrap();
+        held.commit().await.unwrap();
+        let newer = racing.await.unwrap();
+        if raced {
+            let e = newer.expect_err(level);
+            assert_eq!(code(&e), Some("40001"), "{level}: {e}");
+        } else {
+            newer.unwrap();
+        }
+        let charges: i64 = setup
+            .query_one(
+                &format!("SELECT count(*) FROM {effects} WHERE job = $1"),
+                &[&job],
+            )
+            .await
+            .unwrap()
+            .get(0);
+        assert_eq!(charges, 1, "{level}: item 101 was charged {charges} times");
+    }
+    setup
+        .batch_execute(&format!("DROP TABLE {effects}"))
+        .await
+        .unwrap();
+}

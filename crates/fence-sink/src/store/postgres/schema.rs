@@ -99,12 +99,21 @@ pub(super) fn ddl(tables: &PgTables) -> String {
            IF h > p_token THEN
              RETURN false;
            END IF;
+           -- The row is written whenever the token is accepted, even when nothing changes
+           -- (then only `highest`, to itself: no indexed column, so no index entry): a newer
+           -- holder's transaction under REPEATABLE READ or SERIALIZABLE, whose snapshot was
+           -- taken before this one committed, then fails on the row with 40001 instead of
+           -- accepting its token on a snapshot that misses this holder's effect (PostgreSQL
+           -- raises it for a row another transaction updated, not for one it only locked).
+           -- Under READ COMMITTED it takes the row as this one left it and reads on.
            INSERT INTO {generations} AS g (job, highest, touched_ms, raised_ms)
                VALUES (p_job, p_token, {now} + {STAMP_AHEAD_MS}, {now})
-             ON CONFLICT (job) DO UPDATE SET highest = excluded.highest, touched_ms = excluded.touched_ms,
+             ON CONFLICT (job) DO UPDATE SET highest = excluded.highest,
+               touched_ms = CASE WHEN g.highest < excluded.highest
+                   OR g.touched_ms < excluded.touched_ms - {half}
+                 THEN excluded.touched_ms ELSE g.touched_ms END,
                raised_ms = CASE WHEN g.highest < excluded.highest THEN excluded.raised_ms ELSE g.raised_ms END
-             WHERE g.highest < excluded.highest
-                OR (g.highest = excluded.highest AND g.touched_ms < excluded.touched_ms - {half});
+             WHERE g.highest <= excluded.highest;
            IF FOUND THEN
              RETURN true;
            END IF;
