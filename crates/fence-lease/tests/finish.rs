@@ -293,3 +293,36 @@ async fn a_busy_release_is_tried_again() {
     assert_eq!(record.state, LeaseState::Free);
     assert_eq!(store.attempts.load(Ordering::SeqCst), 3);
 }
+
+/// A release once the lease is lost here (its local deadline passed while renewals got no
+/// answer) is not sent: the store would take it (nobody claimed the job since) and let the
+/// next holder start at once, beside a write this holder sent before the loss, where the
+/// lock-delay exists to keep it out. The lease is left to expire.
+#[tokio::test(start_paused = true)]
+async fn a_release_after_a_local_loss_is_not_sent() {
+    let store = FailsFinish {
+        stalls_renewals: true,
+        ..FailsFinish::default()
+    };
+    let lease = LeaseClient::new(store.clone())
+        .owner("worker".parse().unwrap())
+        .ttl(Ttl::new(Duration::from_secs(1)).unwrap())
+        .claim(job())
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(lease.is_lost());
+    let refused = lease.release().await;
+    assert!(
+        matches!(
+            refused,
+            Err(FinishError::LostLocally(
+                fence_lease::LossReason::DeadlinePassed
+            ))
+        ),
+        "{refused:?}"
+    );
+    assert_eq!(store.attempts.load(Ordering::SeqCst), 0, "nothing was sent");
+    // The store's clock is the system's: for it, the lease still holds, left to expire.
+    assert_eq!(state_of(&store).await, LeaseState::Held);
+}

@@ -79,8 +79,15 @@ impl<S: LeaseStore> Lease<S> {
     /// Frees the job for another claim. The layer stops sending at once. Retried as
     /// [`complete`](Self::complete) is.
     ///
+    /// Not sent once the lease is lost here (its local deadline passed, no progress, the
+    /// store refused a renewal): the lease is left to expire, so that the lock-delay applies.
+    /// A write this holder sent before the loss may still land, and a release the store
+    /// would take (nobody claimed the job since) lets the next holder start beside it at
+    /// once. A completion is still sent (nobody can claim a completed job).
+    ///
     /// # Errors
-    /// As [`complete`](Self::complete).
+    /// [`FinishError::LostLocally`], nothing sent, when the lease is lost here; otherwise as
+    /// [`complete`](Self::complete).
     pub async fn release(self) -> Result<LeaseRecord, FinishError> {
         self.finish(false).await
     }
@@ -88,6 +95,15 @@ impl<S: LeaseStore> Lease<S> {
     async fn finish(self, complete: bool) -> Result<LeaseRecord, FinishError> {
         self.keeper.abort();
         let shared = &self.view.shared;
+        if !complete && shared.token().is_none() {
+            let reason = shared
+                .reason
+                .get()
+                .cloned()
+                .unwrap_or(LossReason::DeadlinePassed);
+            shared.lose(LossReason::Finished);
+            return Err(FinishError::LostLocally(reason));
+        }
         shared.lose(LossReason::Finished);
         // No renewal is sent from now on: past this moment the store may end the lease (and
         // let another owner claim the job) without us, so retrying is pointless; and a

@@ -132,7 +132,17 @@ pub(super) async fn finish(
 ) -> anyhow::Result<i32> {
     let code = exit_code(status);
     if code != 0 && on_failure == OnFailure::Expire {
+        // Lost after the command ended (its last checkpoint's retries outlasted the lease):
+        // 75, as a release refused then would say.
+        let lost = lease.is_lost();
         drop(lease); // no more renewals, nothing sent
+        if lost {
+            say!(
+                "fence run: the command {}, and the lease was lost since; fence run exits {EXIT_LOST}",
+                ended_how(status)
+            );
+            return Ok(EXIT_LOST);
+        }
         say!(
             "fence run: the command {}; the job is left to expire (--on-failure expire): nobody can claim it until its lease ends and its lock-delay has passed",
             ended_how(status)
@@ -163,6 +173,15 @@ pub(super) async fn finish(
             let holder = owner.map_or_else(|| "nobody".to_owned(), |o| o.to_string());
             say!(
                 "fence run: the command {}, but the lease was lost (now generation {generation}, held by {holder}); fence run exits {EXIT_LOST}",
+                ended_how(status)
+            );
+            Ok(EXIT_LOST)
+        }
+        // Lost here since the command ended: not released (a release then would skip the
+        // lock-delay), left to expire.
+        Err(FinishError::LostLocally(reason)) => {
+            say!(
+                "fence run: the command {}, but the lease was lost since ({reason}); the job is left to expire; fence run exits {EXIT_LOST}",
                 ended_how(status)
             );
             Ok(EXIT_LOST)
