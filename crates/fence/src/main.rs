@@ -90,7 +90,13 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
                 grace: a.grace,
                 on_success: a.on_success,
                 on_failure: a.on_failure,
-                max_duration: a.max_duration.map(|d| (d, a.on_max_duration)),
+                max_duration: a.max_duration.map(|d| {
+                    let on = a.on_max_duration.unwrap_or(match a.on_failure {
+                        fence::cli::OnFailure::Release => fence::cli::OnMaxDuration::Release,
+                        fence::cli::OnFailure::Expire => fence::cli::OnMaxDuration::Expire,
+                    });
+                    (d, on)
+                }),
                 command: a.command,
             })
             .await

@@ -720,6 +720,26 @@ fn max_duration_stops_the_tree_and_releases_or_lets_expire() {
         Some(3),
         "nobody can claim it before it expires"
     );
+    // --on-failure expire covers a command stopped mid-run too, unless --on-max-duration
+    // says otherwise: its effects may still land.
+    let out = fence_line(&format!(
+        "run --server {url} --job failing --ttl 30s --max-duration 1s --on-failure expire -- sleep 30"
+    ));
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    let record = json(&fence(&["status", "--server", &url, "--job", "failing"]));
+    assert_eq!(
+        record["state"], "held",
+        "--on-failure expire left it to expire: {record}"
+    );
+    let out = fence_line(&format!(
+        "run --server {url} --job overridden --ttl 30s --max-duration 1s --on-failure expire --on-max-duration release -- sleep 30"
+    ));
+    assert_eq!(out.status.code(), Some(124), "{out:?}");
+    let record = json(&fence(&["status", "--server", &url, "--job", "overridden"]));
+    assert_eq!(
+        record["state"], "free",
+        "--on-max-duration release: {record}"
+    );
 
     for bad in ["0s", "500ms", "-5s", "400d", "soon"] {
         let flag = format!("--max-duration={bad}");
@@ -1107,4 +1127,40 @@ fn a_leftover_that_outlives_the_watchdog_keeps_the_job_from_being_released() {
         "left-complete",
     ]));
     assert_eq!(record["state"], "completed", "{record}");
+}
+
+/// On the loss, `FENCE_TOKEN_FILE` is emptied before the command's group gets SIGTERM: a
+/// SIGTERM handler that writes once more, reading the file first as the docs say, must not
+/// find the lost lease's token (a destination not yet told of the next holder would take it).
+/// Before, a task emptied it concurrently with the signal, and an audit saw the token at
+/// the handler in one run of three; several rounds here.
+#[test]
+fn the_token_file_is_empty_when_the_command_gets_its_sigterm() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    for round in 0..6 {
+        let job = format!("token-at-term-{round}");
+        let (seen, ready) = (
+            dir.path().join(format!("{job}.seen")),
+            dir.path().join(format!("{job}.ready")),
+        );
+        let script = format!(
+            "trap 'cat \"$FENCE_TOKEN_FILE\" > {s}.tmp; mv {s}.tmp {s}; exit 0' TERM; touch {r}; \
+             n=0; while [ $n -lt 3000 ]; do sleep 0.01; n=$((n+1)); done",
+            s = seen.display(),
+            r = ready.display()
+        );
+        // Renewed every second: the revoke is seen within one.
+        let mut run = spawn_run(&url, &job, &["--ttl", "3s", "--grace", "3s"], &script);
+        eventually("the command's start", Duration::from_secs(10), || {
+            ready.exists()
+        });
+        assert_success(&fence(&["revoke", "--server", &url, "--job", &job]));
+        assert_eq!(run.0.wait().unwrap().code(), Some(75), "round {round}");
+        assert_eq!(
+            std::fs::read_to_string(&seen).unwrap(),
+            "",
+            "round {round}: the SIGTERM handler read the lost lease's token"
+        );
+    }
 }

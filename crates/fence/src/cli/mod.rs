@@ -501,7 +501,8 @@ pub struct RunCmd {
     /// What to do with the job when the command fails (exits non-zero or is killed by a
     /// signal) with the lease held: release it (the next run may start at once), or let the
     /// lease expire: nobody can claim it until its end and the lock-delay after it have
-    /// passed. Expire when a failed effect may still land (a write that timed out).
+    /// passed. Expire when a failed effect may still land (a write that timed out). Also
+    /// what --max-duration does, unless --on-max-duration says otherwise.
     #[arg(long, value_enum, default_value = "release", env = "FENCE_ON_FAILURE")]
     pub on_failure: OnFailure,
     /// Stop the command when it has run this long, however well the lease renews (1s to
@@ -509,15 +510,11 @@ pub struct RunCmd {
     #[arg(long, allow_hyphen_values = true, value_name = "DURATION", value_parser = crate::duration::parse_max_duration, env = "FENCE_MAX_DURATION")]
     pub max_duration: Option<Duration>,
     /// What to do with the job when --max-duration stops the command: release it (free for
-    /// the next run at once) or let the lease expire (nobody can claim it until the TTL has
-    /// passed, so a command that ignored SIGTERM is long gone).
-    #[arg(
-        long,
-        value_enum,
-        default_value = "release",
-        env = "FENCE_ON_MAX_DURATION"
-    )]
-    pub on_max_duration: OnMaxDuration,
+    /// the next run at once) or let the lease expire (nobody can claim it until the TTL and
+    /// the lock-delay have passed, so a command that ignored SIGTERM is long gone) [default:
+    /// as --on-failure: a command stopped mid-run has failed, and its effects may still land].
+    #[arg(long, value_enum, env = "FENCE_ON_MAX_DURATION")]
+    pub on_max_duration: Option<OnMaxDuration>,
     /// The command to run, after `--`.
     #[arg(last = true, required = true)]
     pub command: Vec<String>,

@@ -250,7 +250,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     };
     let keeper = token_file.keep_current(token_updates);
     let limit = args.max_duration.map(|(d, _)| (Instant::now() + d, d));
-    let ended = match supervise(&mut child, &group, &lease, &mut signals, stop, limit).await {
+    let watched = Watched {
+        lease: &lease,
+        tokens: &keeper,
+    };
+    let ended = match supervise(&mut child, &group, watched, &mut signals, stop, limit).await {
         Ok(ended) => ended,
         Err(e) => {
             // Waiting for the command failed: stop what is left of it, and give the job back.
@@ -261,6 +265,14 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
                 return Err(e.context(
                     "the command's group was sent SIGKILL, but some of it had not ended; the \
                      job is left to expire",
+                ));
+            }
+            if args.on_failure == OnFailure::Expire {
+                // What the command did before the wait failed is unknown: a failure, as
+                // `--on-failure expire` asks, leaves the job to expire.
+                drop(lease); // no more renewals, nothing sent
+                return Err(e.context(
+                    "the command's group was stopped; the job is left to expire (--on-failure expire)",
                 ));
             }
             give_back(lease, &mut signals).await;
@@ -278,7 +290,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     if matches!(ended, Ended::Unkillable) || stopped.is_err() {
         // Something of the group may still be there, to go on once it leaves its sleep (the
         // SIGKILL is pending): no checkpoint is saved, and the job is never given back.
-        keeper.abort();
+        drop(keeper);
         drop(saving);
         let exited = match ended {
             Ended::Exited(status) => Some(status),
@@ -301,7 +313,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         "while the last checkpoint was retried; it is not saved, and the job is left to expire on its own",
     )
     .await;
-    keeper.abort();
+    drop(keeper);
     if let Err(sig) = saved {
         drop(lease); // no more renewals
         return Ok(128 + sig as i32);
@@ -343,12 +355,20 @@ enum Ended {
     Unkillable,
 }
 
+/// The lease a command runs under, and its `FENCE_TOKEN_FILE`.
+struct Watched<'a> {
+    lease: &'a Lease<HttpLeaseStore>,
+    tokens: &'a token_file::KeptTokenFile,
+}
+
 /// Waits for the command, passing signals on to its group, until it exits on its own, the
-/// lease is lost or `--max-duration` passes (and then stops the group).
+/// lease is lost or `--max-duration` passes (and then stops the group). On the loss the
+/// token file is emptied before the group is signalled: a SIGTERM handler that writes once
+/// more must not find the lost lease's token.
 async fn supervise(
     child: &mut Child,
     group: &Group,
-    lease: &Lease<HttpLeaseStore>,
+    Watched { lease, tokens }: Watched<'_>,
     signals: &mut Signals,
     stop: Stop,
     limit: Option<(Instant, Duration)>,
@@ -367,6 +387,7 @@ async fn supervise(
             status = group::wait(child, "command") => return Ok(Ended::Exited(status?)),
             sig = signals.next_to_pass() => group.signal(sig),
             () = &mut lost => {
+                tokens.empty();
                 let reason = lease.loss_reason().map_or_else(|| "unknown".to_owned(), |r| r.to_string());
                 break (Ended::Lost, format!("lease lost ({reason})"));
             }

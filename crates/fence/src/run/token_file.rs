@@ -38,8 +38,10 @@ impl TokenFile {
 
     /// Rewrites the file whenever the lease's token changes (a renewal signs a new one):
     /// `updates` taken before the token the file was made with was read, so none is missed.
-    pub(super) fn keep_current(&self, updates: TokenUpdates) -> tokio::task::JoinHandle<()> {
-        keep_token_current(self.path(), updates, Arc::default())
+    /// Emptied when the lease is lost, by [`KeptTokenFile::empty`], or when the handle is
+    /// dropped.
+    pub(super) fn keep_current(&self, updates: TokenUpdates) -> KeptTokenFile {
+        KeptTokenFile::keep(self.path(), updates)
     }
 }
 
@@ -63,21 +65,36 @@ impl KeptTokenFile {
         updates: TokenUpdates,
     ) -> std::io::Result<Self> {
         write_token(&path, token)?;
+        Ok(Self::keep(path, updates))
+    }
+
+    /// Keeps `path`, which holds the token already, current with `updates`.
+    fn keep(path: PathBuf, updates: TokenUpdates) -> Self {
         let closed = Arc::<Mutex<bool>>::default();
         let task = keep_token_current(path.clone(), updates, closed.clone());
-        Ok(Self { path, closed, task })
+        Self { path, closed, task }
     }
-}
 
-impl Drop for KeptTokenFile {
-    fn drop(&mut self) {
+    /// Empties the file now, for good: `fence run` calls it on the loss before it signals
+    /// the command, whose SIGTERM handler must not find the lost lease's token there (the
+    /// task that empties it on the loss may not have run yet).
+    pub(crate) fn empty(&self) {
         // Under the lock: a write of the task on another thread lands before this, not after.
         let mut closed = lock(&self.closed);
+        if *closed {
+            return;
+        }
         *closed = true;
         self.task.abort();
         if let Err(e) = write_bytes(&self.path, b"") {
             tracing::warn!(path = %self.path.display(), error = %e, "cannot empty the token file");
         }
+    }
+}
+
+impl Drop for KeptTokenFile {
+    fn drop(&mut self) {
+        self.empty();
     }
 }
 
@@ -155,13 +172,34 @@ mod tests {
             .unwrap();
         let updates = lease.tokens();
         let file = TokenFile::new(&lease.token_string().unwrap()).unwrap();
-        let keeper = file.keep_current(updates);
+        let _keeper = file.keep_current(updates);
         assert_eq!(std::fs::read_to_string(file.path()).unwrap(), "1\n");
         lease.release().await.unwrap();
-        tokio::time::timeout(Duration::from_secs(5), keeper)
+        tokio::time::timeout(Duration::from_secs(5), async {
+            while std::fs::read_to_string(file.path()).unwrap() != "" {
+                tokio::time::sleep(Duration::from_millis(10)).await;
+            }
+        })
+        .await
+        .expect("emptied with the lease");
+    }
+
+    /// `empty` empties the file at once, before the task has seen the loss, and no token
+    /// the task sees afterwards is written back.
+    #[tokio::test]
+    async fn emptied_on_demand_the_token_file_stays_empty() {
+        let lease = LeaseClient::new(MemoryLeaseStore::new())
+            .claim("emptied".parse().unwrap())
             .await
-            .expect("the keeper ends with the lease")
             .unwrap();
+        let file = TokenFile::new(&lease.token_string().unwrap()).unwrap();
+        let keeper = file.keep_current(lease.tokens());
+        keeper.empty();
         assert_eq!(std::fs::read_to_string(file.path()).unwrap(), "");
+        write_token(&file.path(), "stale").unwrap();
+        keeper.empty(); // once for good: not written again
+        assert_eq!(std::fs::read_to_string(file.path()).unwrap(), "stale\n");
+        drop(keeper);
+        assert_eq!(std::fs::read_to_string(file.path()).unwrap(), "stale\n");
     }
 }
