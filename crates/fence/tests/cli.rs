@@ -1091,10 +1091,14 @@ fn scripts_pass_the_claims_json_and_keepalive_renews_until_stdin_closes() {
     // Under `fence run`, FENCE_JOB names that run's job: a lease file of another job is
     // finished as the file says, not refused as a mismatch.
     let nested = claim("nested");
+    // A FENCE_LEASE_KEY exported for another lease (as the docs advise) is not read with
+    // --lease either: it made every --lease call a usage error (exit 2), and `fence
+    // keepalive --lease` renewed nothing while the work ran.
     let out = Command::new(FENCE)
         .args(["complete", "--server", &url, "--lease"])
         .arg(&nested)
         .env("FENCE_JOB", "outer")
+        .env("FENCE_LEASE_KEY", "T3RoZXJMZWFzZXNLZXlOb3RUaGlzT25lNDI")
         .output()
         .unwrap();
     assert_success(&out);

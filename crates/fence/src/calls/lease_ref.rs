@@ -22,6 +22,21 @@ fn job_from_env() -> anyhow::Result<Option<JobId>> {
     }
 }
 
+/// The key in FENCE_LEASE_KEY, where set: `--lease-key`'s stand-in when no `--lease` file
+/// is given (read here, not by clap, so that a key exported for another lease does not
+/// conflict with `--lease`). Its value is never repeated in an error.
+fn key_from_env() -> anyhow::Result<Option<LeaseKey>> {
+    match std::env::var("FENCE_LEASE_KEY") {
+        Ok(text) => crate::cli::parse_lease_key(&text)
+            .map(Some)
+            .map_err(|e| crate::Usage::error(format!("FENCE_LEASE_KEY: {e}"))),
+        Err(std::env::VarError::NotPresent) => Ok(None),
+        Err(std::env::VarError::NotUnicode(_)) => Err(crate::Usage::error(
+            "FENCE_LEASE_KEY is not valid UTF-8 (a lease key is base64url)",
+        )),
+    }
+}
+
 /// A lease a command acts on: from `--lease FILE` (the JSON `fence claim` printed) or from
 /// `--job`, `--owner`, `--generation` and `--lease-key`.
 #[derive(Debug)]
@@ -47,8 +62,12 @@ impl LeaseRef {
             // clap requires the owner, generation and key when --lease is absent.
             let missing = || {
                 crate::Usage::error(
-                    "give --lease, or --job (or FENCE_JOB), --owner, --generation and --lease-key",
+                    "give --lease, or --job (or FENCE_JOB), --owner, --generation and --lease-key (or FENCE_LEASE_KEY)",
                 )
+            };
+            let key = match &a.lease_key {
+                Some(key) => Some(key.clone()),
+                None => key_from_env()?,
             };
             let job = match &a.job {
                 Some(job) => Some(job.clone()),
@@ -58,7 +77,7 @@ impl LeaseRef {
                 job: job.ok_or_else(missing)?,
                 owner: a.owner.clone().ok_or_else(missing)?,
                 generation: Generation::new(a.generation.ok_or_else(missing)?),
-                key: a.lease_key.clone().ok_or_else(missing)?,
+                key: key.ok_or_else(missing)?,
             });
         };
         // At most 64 KiB either way (a lease is a few hundred bytes): `--lease /dev/zero`

@@ -67,9 +67,10 @@ pub struct FinishCmd {
     #[arg(long, required_unless_present = "lease", allow_hyphen_values = true)]
     pub generation: Option<u64>,
     /// The lease key `fence claim` printed. Prefer FENCE_LEASE_KEY: a flag's value shows in
-    /// the process list.
+    /// the process list. With --lease, the file's key is used and FENCE_LEASE_KEY is not
+    /// read (a key exported for another lease does not stand in the way).
     /// (A key may start with `-`: base64url uses it.)
-    #[arg(long, env = "FENCE_LEASE_KEY", hide_env_values = true, allow_hyphen_values = true, value_parser = parse_lease_key, required_unless_present = "lease")]
+    #[arg(long, allow_hyphen_values = true, value_parser = parse_lease_key)]
     pub lease_key: Option<LeaseKey>,
 }
 
