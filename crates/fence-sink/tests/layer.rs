@@ -1633,6 +1633,31 @@ async fn server_errors_are_forgotten_and_client_errors_stored() {
     assert_eq!(app.calls(), 4);
 }
 
+/// A redirect after a write (303 See Other: post, redirect, get) says the write was done:
+/// stored and replayed, the step not run again. It was forgotten, and every retry of its key
+/// ran the step once more.
+#[tokio::test]
+async fn a_redirect_after_a_write_is_stored() {
+    let (app, _started) = App::new();
+    let svc = FenceLayer::new(MemoryStore::new()).layer(app.clone());
+    for (n, status) in ["303", "302", "307"].into_iter().enumerate() {
+        let key = format!("k-{status}");
+        let first = send(
+            &svc,
+            with_header(keyed(JOB, 5, &key, "body"), "x-status", status),
+        )
+        .await;
+        assert_eq!(first.status.as_str(), status);
+        let retry = send(&svc, keyed(JOB, 5, &key, "body")).await;
+        assert_eq!(
+            (retry.status.as_str(), retry.replayed()),
+            (status, Some("true")),
+            "a {status} was run again"
+        );
+        assert_eq!(app.calls(), n + 1);
+    }
+}
+
 /// 408, 425 and 429 ask for the request again: forgotten, not replayed to every retry for
 /// the whole retention (a rate limit's 429 would otherwise block its key for 24 h).
 #[tokio::test]

@@ -54,7 +54,7 @@ pub struct IdempotencyConfig {
 
 impl Default for IdempotencyConfig {
     /// Request bodies up to 1 MiB fingerprinted, response bodies up to 1 MiB stored, records
-    /// kept 24 h, in-flight records given up after 5 minutes, 2xx and 4xx stored (5xx
+    /// kept 24 h, in-flight records given up after 5 minutes, 2xx, 3xx and 4xx stored (5xx
     /// forgotten so a retry runs again, and so are 408, 425 and 429: they say the request
     /// was not acted on and may be sent again later), expired records swept every minute,
     /// new keys refused while the records hold 4 GiB.
@@ -76,17 +76,20 @@ impl Default for IdempotencyConfig {
 
 pub(crate) use crate::store::clamped;
 
-/// The default filter of [`IdempotencyConfig::store_statuses`]: 2xx and 4xx, but for the
-/// three 4xx that ask for the same request again (RFC 9110 section 15.5.9, RFC 8470, RFC
+/// The default filter of [`IdempotencyConfig::store_statuses`]: 2xx, 3xx and 4xx, but for
+/// the three 4xx that ask for the same request again (RFC 9110 section 15.5.9, RFC 8470, RFC
 /// 6585): replayed, a rate limit's 429 would answer every retry for the whole retention
-/// although the step never ran.
+/// although the step never ran. A 3xx is stored: a 303 See Other after a POST (post,
+/// redirect, get) says the write was done, and forgotten, every retry ran it again.
 fn stored_by_default(status: StatusCode) -> bool {
     let again = [
         StatusCode::REQUEST_TIMEOUT,
         StatusCode::TOO_EARLY,
         StatusCode::TOO_MANY_REQUESTS,
     ];
-    status.is_success() || (status.is_client_error() && !again.contains(&status))
+    status.is_success()
+        || status.is_redirection()
+        || (status.is_client_error() && !again.contains(&status))
 }
 
 impl fmt::Debug for IdempotencyConfig {
