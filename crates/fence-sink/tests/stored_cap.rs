@@ -54,10 +54,21 @@ impl<St: GenerationStore + IdempotencyStore> Sink<St> {
     }
 
     async fn send(&self, key: &str) -> Answer {
+        self.send_gated(key, None).await
+    }
+
+    /// [`send`](Self::send), its service answering once `gate` gives it a permit.
+    async fn send_gated(&self, key: &str, gate: Option<Arc<tokio::sync::Semaphore>>) -> Answer {
         let calls = self.calls.clone();
         let inner = service_fn(move |_req: Request<RequestBody<String>>| {
             calls.fetch_add(1, Ordering::SeqCst);
-            async { Ok::<_, Infallible>(Response::new("x".repeat(ANSWER))) }
+            let gate = gate.clone();
+            async move {
+                if let Some(gate) = gate {
+                    gate.acquire().await.unwrap().forget();
+                }
+                Ok::<_, Infallible>(Response::new("x".repeat(ANSWER)))
+            }
         });
         let req = Request::post("/charge")
             .header("x-fencing-job", "job-1")
@@ -170,4 +181,39 @@ async fn sled_counts_its_records_again_after_a_restart() {
     assert!(before > 2 * ANSWER as u64, "{before}");
     let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
     assert_eq!(store.stored_bytes(), Some(before));
+}
+
+/// Keyed requests running count towards the cap only once their answers are stored: with
+/// nothing stored, three slow ones (each allowed an 8 KiB answer under the 10 KiB cap) do not
+/// refuse a fourth key. Each running request counted as a whole answer limit before, and
+/// 4,096 slow keyed requests refused every job's new keys with an empty store (audit).
+#[tokio::test]
+async fn keyed_requests_running_do_not_fill_the_cap() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let sink = Arc::new(Sink::new(store.clone(), &clock));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let running: Vec<_> = (0..3)
+        .map(|i| {
+            let (sink, gate) = (sink.clone(), gate.clone());
+            tokio::spawn(async move { sink.send_gated(&format!("slow-{i}"), Some(gate)).await })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while sink.calls() < 3 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the three slow requests reach the service");
+    // Only the three in-flight records, a few hundred bytes.
+    let stored = store.stored_bytes().unwrap();
+    assert!(stored < 1024, "{stored}");
+    let a = sink.send("fast").await;
+    assert_eq!(a.status, StatusCode::OK, "refused with nothing stored");
+    assert_eq!(sink.calls(), 4);
+    gate.add_permits(3);
+    for r in running {
+        assert_eq!(r.await.unwrap().status, StatusCode::OK);
+    }
 }

@@ -41,9 +41,6 @@ pub struct IdempotencyConfig {
     pub(crate) max_request_body: usize,
     pub(crate) max_response_body: usize,
     pub(crate) max_stored_bytes: u64,
-    /// Keyed requests begun and not yet recorded, over every clone of the layer (see
-    /// [`max_stored_bytes`](Self::max_stored_bytes)).
-    pub(crate) recording: Arc<std::sync::atomic::AtomicU64>,
     pub(crate) retention: Duration,
     pub(crate) in_flight_timeout: Duration,
     pub(crate) store_statuses: StatusFilter,
@@ -63,7 +60,6 @@ impl Default for IdempotencyConfig {
             max_request_body: 1 << 20,
             max_response_body: 1 << 20,
             max_stored_bytes: 4 << 30,
-            recording: Arc::default(),
             retention: Duration::from_secs(24 * 3600),
             in_flight_timeout: Duration::from_secs(300),
             store_statuses: Arc::new(stored_by_default),
@@ -122,10 +118,11 @@ impl IdempotencyConfig {
     /// Refuses a new key while the stored records hold `bytes` (default 4 GiB): 503
     /// `overloaded` with `Retry-After` (the [sweep interval](Self::sweep_every)), and the
     /// service is not called; keys already recorded still replay (or get their 409 or 422).
-    /// Counted are the records' bytes as the store keeps them, plus, for the keyed requests
-    /// already running, [`max_response_body`](Self::max_response_body) each. An effect
-    /// that ran always has its answer stored, so the records may pass `bytes` by that
-    /// much. Without it, records are bounded only by retention × rate × answer size
+    /// Counted are the records' bytes as the store keeps them. An effect that ran always has
+    /// its answer stored, so the records may pass `bytes` by the answers of the keyed
+    /// requests running at once, which the memory budget bounds (every answer to store is
+    /// held there while it arrives). The cap is shared by every job and client: one that may
+    /// send keyed requests can fill it with answers kept for the retention. Without it, records are bounded only by retention × rate × answer size
     /// (a day at 50 keyed requests a second answering 1 MiB is 4 TB), and on sled they
     /// share the disk with the generations: a full disk fails every job. Applies to the
     /// stores that count their bytes ([`IdempotencyStore::stored_bytes`](crate::IdempotencyStore::stored_bytes):
