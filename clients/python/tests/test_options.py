@@ -134,22 +134,28 @@ def finishes_answered(server_url: str) -> int:
                and ('op="release"' in line or 'op="complete"' in line))
 
 
+def assert_left_to_expire(server_url: str, job: str) -> None:
+    """``job``'s lease (owner ``a``) was neither released nor completed: another owner's claim
+    is refused (held while the lease runs, then its lock-delay, never granted), and the server
+    answered no release or completion at all."""
+    b = Client(server_url, owner="b", ttl=10.0)
+    with pytest.raises(LeaseHeld) as refused:
+        b.claim(job)
+    assert refused.value.type in ("urn:fence:lease-held", "urn:fence:lock-delay"), job
+    assert refused.value.owner == "a", refused.value.problem
+    assert b.status(job)["state"] in ("held", "expired"), job
+    assert finishes_answered(server_url) == 0, job
+
+
 def test_a_lease_abandoned_inside_with_is_neither_released_nor_completed(stack):
     # Seen against `fence server --lock-delay 30s`: a block that abandoned its lease after a
     # write that may still land (a timeout, a 504), then raised, had the lease released on
     # exit, so the next claim was granted at once and the lock-delay never applied.
     s = stack(proxy=False, server_args=["--lock-delay", "30s"])
     a = Client(s.server_url, owner="a", ttl=10.0)
-    b = Client(s.server_url, owner="b", ttl=10.0)
 
     def left_to_expire(job: str) -> None:
-        # Held while the lease runs, then its lock-delay: refused either way, never granted.
-        with pytest.raises(LeaseHeld) as refused:
-            b.claim(job)
-        assert refused.value.type in ("urn:fence:lease-held", "urn:fence:lock-delay"), job
-        assert refused.value.owner == "a", refused.value.problem
-        assert b.status(job)["state"] in ("held", "expired"), job
-        assert finishes_answered(s.server_url) == 0, job
+        assert_left_to_expire(s.server_url, job)
 
     with pytest.raises(TimeoutError):
         with a.claim("raises") as lease:
@@ -177,6 +183,53 @@ def test_a_lease_abandoned_inside_with_is_neither_released_nor_completed(stack):
     asyncio.run(from_asyncio())
     a.claim("counted").release()  # the count sees one when there is one
     assert finishes_answered(s.server_url) == 1
+
+
+def test_a_release_or_completion_by_hand_after_abandon_sends_nothing(stack):
+    # A `finally: lease.release()` written before the abandon of a write that may still land
+    # sent the release: the next claim was granted at once, skipping the lock-delay.
+    s = stack(proxy=False, server_args=["--lock-delay", "30s"])
+    a = Client(s.server_url, owner="a", ttl=10.0)
+
+    def refused_unsent(lost: pytest.ExceptionInfo, job: str) -> None:
+        assert type(lost.value) is LeaseLost, repr(lost.value)  # not the server's LeaseRefused
+        assert "abandoned" in lost.value.reason and "lock-delay" in lost.value.reason, job
+        assert "nothing was sent" in lost.value.reason, job
+
+    for action in ("release", "complete"):
+        job = f"by-hand-{action}"
+        with pytest.raises(LeaseLost) as lost:
+            lease = a.claim(job)
+            try:
+                lease.abandon()
+                raise TimeoutError("the write may still land")
+            except TimeoutError:
+                lease.abandon()  # idempotent
+            finally:
+                getattr(lease, action)()
+        refused_unsent(lost, job)
+        with pytest.raises(LeaseLost):  # asked again: still nothing sent
+            getattr(lease, action)()
+        assert_left_to_expire(s.server_url, job)
+
+    async def from_asyncio() -> None:
+        aclient = AsyncClient(s.server_url, owner="a", ttl=10.0)
+        for action in ("release", "complete"):
+            job = f"async-by-hand-{action}"
+            alease = await aclient.claim(job)
+            alease.abandon()
+            with pytest.raises(LeaseLost) as lost:
+                await getattr(alease, action)()
+            refused_unsent(lost, job)
+            assert_left_to_expire(s.server_url, job)
+
+    asyncio.run(from_asyncio())
+    # Abandon after a release changes nothing: the release was sent, and is not undone.
+    released = a.claim("released-then-abandoned")
+    released.release()
+    released.abandon()
+    assert finishes_answered(s.server_url) == 1
+    assert a.status("released-then-abandoned")["state"] == "free"
 
 
 def test_a_worker_that_stops_reporting_progress_loses_its_lease(stack):

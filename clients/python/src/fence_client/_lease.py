@@ -23,6 +23,10 @@ from ._wire import (PathLike, Transport, check_job, check_resource, check_slots,
 
 DEADLINE_PASSED = "the local deadline passed before a renewal succeeded"
 FINISHED = "the lease was released, completed or abandoned"
+# Why a release or completion asked for after abandon() fails: sending it would let the next
+# holder in at once, while a write the abandon was for may still land.
+ABANDONED = ("the lease was abandoned: it is left to expire on the server, so the lock-delay "
+             "applies; nothing was sent")
 
 ON_SUCCESS = ("complete", "release")
 
@@ -153,6 +157,11 @@ class LeaseCore:
         self._renewal_answered = False
         self._progress_within = progress_within
         self._last_progress = monotonic()  # the claim counts as the first report
+        # abandon() was called (before any release or completion): the lease is left to expire,
+        # so nothing ends it at the server, neither a ``with`` exit nor a release by hand.
+        self._abandoned = False
+        # release() or complete() was called: a later abandon() changes nothing.
+        self._ending = False
         self._resumed: Optional[Dict[str, Any]] = None
         # A semaphore slot's lease: its resource and slot number (job is "<resource>#<slot>").
         self.resource: Optional[str] = None
@@ -265,6 +274,23 @@ class LeaseCore:
             self._renewal_failed = None
             self._renewal_answered = False
         return True
+
+    def _mark_abandoned(self) -> None:
+        """Abandon's half: the lease is left to expire, unless a release or completion was
+        asked for first (it then stays as that left it)."""
+        with self._lock:
+            if not self._ending:
+                self._abandoned = True
+
+    def _begin_ending(self) -> None:
+        """Before a release or completion is sent: :class:`LeaseLost` (:data:`ABANDONED`), and
+        nothing sent, once the lease was abandoned. A ``finally: lease.release()`` after an
+        abandon would otherwise let the next holder in at once, skipping the lock-delay, while
+        the write the abandon was for may still land."""
+        with self._lock:
+            if self._abandoned:
+                raise LeaseLost(self.job, self.generation, ABANDONED)
+            self._ending = True
 
     def _stalled(self, now: float) -> Optional[str]:
         """Why the keeper must stop renewing, if the worker reported no progress in time."""

@@ -89,7 +89,6 @@ class AsyncLease(LeaseCore):
         self._loop = asyncio.get_running_loop()
         self.lost = asyncio.Event()
         self._finished = asyncio.Event()
-        self._abandoned = False
         self._keeper: Optional["asyncio.Task[None]"] = None
 
     def _signal_lost(self) -> None:
@@ -155,18 +154,22 @@ class AsyncLease(LeaseCore):
         return await _in_thread(self._send_checkpoint, data)
 
     async def release(self) -> Dict[str, Any]:
-        """Frees the job; the record. :class:`LeaseRefused` when the lease is not ours."""
+        """Frees the job; the record. :class:`LeaseRefused` when the lease is not ours. After
+        :meth:`abandon`, :class:`LeaseLost` and nothing sent: the lock-delay applies."""
         return await self._finish("release")
 
     async def complete(self) -> Dict[str, Any]:
         """Marks the job done; the record. :class:`LeaseRefused` when someone took over.
-        Completing a semaphore slot releases it (the server frees the slot: ``state`` ``free``)."""
+        Completing a semaphore slot releases it (the server frees the slot: ``state`` ``free``).
+        After :meth:`abandon`, :class:`LeaseLost` and nothing sent, as :meth:`release`."""
         return await self._finish("complete")
 
     def abandon(self) -> None:
         """Stops renewing and lets the lease expire on the server; nothing is sent. Inside
-        ``async with``, the exit then neither releases nor completes."""
-        self._abandoned = True
+        ``async with``, the exit then neither releases nor completes, and a later :meth:`release`
+        or :meth:`complete` raises :class:`LeaseLost`, nothing sent. Called again, or after a
+        release or completion, it changes nothing."""
+        self._mark_abandoned()
         self._stop()
 
     def _stop(self) -> None:
@@ -174,6 +177,7 @@ class AsyncLease(LeaseCore):
         self._declare_lost(FINISHED)
 
     async def _finish(self, action: str) -> Dict[str, Any]:
+        self._begin_ending()  # LeaseLost after abandon: it is left to expire
         self._stop()
         # Cancelling the caller cannot stop the thread's call under way, but it stops the
         # retries after it (they would otherwise go on for up to a minute, unseen).

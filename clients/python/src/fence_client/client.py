@@ -40,7 +40,6 @@ class Lease(LeaseCore):
         super().__init__(*args, **kwargs)
         self.lost = threading.Event()
         self._finished = threading.Event()
-        self._abandoned = False
         self._keeper: Optional[threading.Thread] = None
 
     def _signal_lost(self) -> None:
@@ -99,21 +98,25 @@ class Lease(LeaseCore):
         :class:`LeaseRefused` when the server no longer records this lease. A server that fails
         to answer (:class:`ServerUnreachable`, a 502, 503 or 504, a 408) is asked again until it
         could end the lease on its own (a minute at most); a retry that finds the earlier attempt
-        applied returns the record it left."""
+        applied returns the record it left. After :meth:`abandon`, raises :class:`LeaseLost` and
+        sends nothing: the lease is left to expire, so the lock-delay applies."""
         return self._finish("release")
 
     def complete(self) -> Dict[str, Any]:
         """Marks the job done for good; the record (``state`` ``completed``). The server
         decides: :class:`LeaseRefused` (409 ``lease-lost``) when someone else took over.
         Completing a semaphore slot releases it: the server frees the slot (the record's
-        ``state`` is ``free``) and it can be claimed again, at the next generation."""
+        ``state`` is ``free``) and it can be claimed again, at the next generation. After
+        :meth:`abandon`, raises :class:`LeaseLost` and sends nothing, as :meth:`release`."""
         return self._finish("complete")
 
     def abandon(self) -> None:
         """Stops renewing and lets the lease expire on the server; no request is sent. Inside
         ``with``, the exit then neither releases nor completes, whether the block raises or
-        not (after a write whose effect may still land, the lock-delay must apply)."""
-        self._abandoned = True
+        not (after a write whose effect may still land, the lock-delay must apply); a later
+        :meth:`release` or :meth:`complete` raises :class:`LeaseLost` and sends nothing. Called
+        again, or after a release or completion, it changes nothing."""
+        self._mark_abandoned()
         self._stop()
 
     def _stop(self) -> None:
@@ -121,6 +124,7 @@ class Lease(LeaseCore):
         self._declare_lost(FINISHED)
 
     def _finish(self, action: str) -> Dict[str, Any]:
+        self._begin_ending()  # LeaseLost after abandon: it is left to expire
         self._stop()  # nothing is sent under this lease from now on, whatever the answer
         return self._send_finish(action)
 
