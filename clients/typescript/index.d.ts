@@ -108,11 +108,11 @@ export class Lease {
   headers(): { 'X-Fencing-Job': string; 'X-Fencing-Token': string };
   isLost(): boolean;
   idempotencyKey(step: string): string;
-  /** Frees the job; the record (LeaseRefused when not ours). A server that fails to answer (ServerUnreachable, a 502, 503 or 504, a gateway's 408) or answers its own 408 body-timeout (nothing applied) is asked again until it could end the lease on its own (a minute at most); a retry that finds the earlier attempt applied resolves to the record it left. */
+  /** Frees the job; the record (LeaseRefused when not ours). A server that fails to answer (ServerUnreachable, a 502, 503 or 504, a gateway's 408) or answers its own 408 body-timeout (nothing applied) is asked again until it could end the lease on its own (a minute at most); a retry that finds the earlier attempt applied resolves to the record it left. After abandon(), rejects with LeaseLost and sends nothing: the lease is left to expire. */
   release(): Promise<LeaseRecord>;
-  /** Marks the job done (LeaseRefused when someone took over), retried as release() is. On a semaphore slot it releases the slot: the server frees it and the record's `state` is 'free'. */
+  /** Marks the job done (LeaseRefused when someone took over), retried as release() is. On a semaphore slot it releases the slot: the server frees it and the record's `state` is 'free'. After abandon(), rejects with LeaseLost and sends nothing, as release() does. */
   complete(): Promise<LeaseRecord>;
-  /** Stops renewing and lets the lease expire on the server; sends nothing. In `client.run`, the lease is then neither released nor completed when `fn` ends. */
+  /** Stops renewing and lets the lease expire on the server; sends nothing. In `client.run`, the lease is then neither released nor completed when `fn` ends, and a later release() or complete() rejects with LeaseLost, nothing sent. Called again, or after a release or completion, it changes nothing. */
   abandon(): void;
   /** The job's last checkpoint as the claim returned it (the generation that saved it), or null. */
   readonly checkpoint: { generation: bigint; data: string } | null;

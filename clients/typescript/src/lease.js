@@ -10,6 +10,9 @@ import { encodeJob, grantOf, idempotencyKey, marginOf, now } from './wire.js';
 
 export const DEADLINE_PASSED = 'the local deadline passed before a renewal succeeded';
 export const FINISHED = 'the lease was released, completed or abandoned';
+// Why a release or completion asked for after abandon() fails: sending it would let the next
+// holder in at once, while a write the abandon was for may still land.
+export const ABANDONED = 'the lease was abandoned: it is left to expire on the server, so the lock-delay applies; nothing was sent';
 
 const TIMED_OUT = Symbol('timed out');
 
@@ -39,7 +42,11 @@ export class Lease {
   #renewalAnswered = false;
   #controller = new AbortController();
   #finished = false;
+  // abandon() was called (before any release or completion): nothing ends the lease at the
+  // server, neither `client.run` nor a release by hand.
   #abandoned = false;
+  // release() or complete() was called: a later abandon() changes nothing.
+  #ending = false;
   #wake = null;
   /** @type {AbortController | null} the renewal in flight, cancelled when the lease is finished */
   #renewal = null;
@@ -169,7 +176,10 @@ export class Lease {
     return idempotencyKey(this.job, step);
   }
 
-  /** Frees the job for another claim; resolves to the record. LeaseRefused when not ours. */
+  /**
+   * Frees the job for another claim; resolves to the record. LeaseRefused when not ours. After
+   * `abandon()`, rejects with LeaseLost and sends nothing: the lease is left to expire.
+   */
   release() {
     return this.#finish('release');
   }
@@ -177,7 +187,8 @@ export class Lease {
   /**
    * Marks the job done for good; the server decides (LeaseRefused when someone took over).
    * Completing a semaphore slot releases it: the server frees the slot (the record's `state` is
-   * 'free') and it can be claimed again, at the next generation.
+   * 'free') and it can be claimed again, at the next generation. After `abandon()`, rejects with
+   * LeaseLost and sends nothing, as release() does.
    */
   complete() {
     return this.#finish('complete');
@@ -185,10 +196,12 @@ export class Lease {
 
   /**
    * Stops renewing and lets the lease expire on the server; nothing is sent. In `client.run`,
-   * the lease is then neither released nor completed when the callback ends, however it ends.
+   * the lease is then neither released nor completed when the callback ends, however it ends,
+   * and a later release() or complete() rejects with LeaseLost, nothing sent. Called again, or
+   * after a release or completion, it changes nothing.
    */
   abandon() {
-    this.#abandoned = true;
+    if (!this.#ending) this.#abandoned = true;
     this.#stop();
   }
 
@@ -213,6 +226,10 @@ export class Lease {
   // (released) or by this owner (completed: the only refusal that leaves both in place), finds
   // the earlier attempt applied: the record it left is returned.
   async #finish(action) {
+    // A `finally { await lease.release(); }` after an abandon would let the next holder in at
+    // once, skipping the lock-delay, while the write the abandon was for may still land.
+    if (this.#abandoned) throw new LeaseLost(this.job, this.generation, ABANDONED);
+    this.#ending = true;
     this.#stop(); // nothing is sent under this lease from now on, whatever the answer
     const body = { owner: this.owner, generation: this.generation, lease_key: this.#key };
     const until = Math.min(this.#sent + this.#ttlMs, now() + FINISH_RETRY_WINDOW_MS);

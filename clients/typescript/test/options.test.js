@@ -6,7 +6,7 @@ import { chmodSync, writeFileSync } from 'node:fs';
 import { join } from 'node:path';
 import { test } from 'node:test';
 
-import { Client, JobCompleted, LeaseHeld, LeaseLost, LockDelay, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
+import { Client, JobCompleted, LeaseHeld, LeaseLost, LeaseRefused, LockDelay, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
 import { fenceBin, raw, sleep, stack } from './helpers.js';
 
 const SECRET = 's3cret-s3cret-s3cret';
@@ -144,6 +144,55 @@ test('a lease abandoned inside run is neither released nor completed', async (t)
   await leftToExpire('resolves-release');
   await (await a.claim('counted')).release(); // the count sees one when there is one
   assert.equal(await finishesAnswered(s.serverUrl), 1);
+});
+
+test('a release or completion by hand after abandon sends nothing', async (t) => {
+  // A `finally { await lease.release(); }` written before the abandon of a write that may still
+  // land sent the release: the next claim was granted at once, skipping the lock-delay.
+  const s = await stack(t, { proxy: false, serverArgs: ['--lock-delay', '30s'] });
+  const a = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 10_000 });
+  const b = new Client({ server: s.serverUrl, owner: 'b', ttlMs: 10_000 });
+  t.after(() => { a.close(); b.close(); });
+  const refusedUnsent = (job) => (e) => {
+    assert.ok(e instanceof LeaseLost && !(e instanceof LeaseRefused), String(e)); // not the server's
+    assert.equal(e.job, job);
+    assert.match(e.reason, /abandoned/);
+    assert.match(e.reason, /lock-delay/);
+    assert.match(e.reason, /nothing was sent/);
+    assert.equal(e.inFlight, false);
+    return true;
+  };
+  for (const action of ['release', 'complete']) {
+    const job = `by-hand-${action}`;
+    const lease = await a.claim(job);
+    const timedOut = new Error('the write may still land');
+    await assert.rejects((async () => {
+      try {
+        lease.abandon();
+        throw timedOut;
+      } catch {
+        lease.abandon(); // idempotent
+      } finally {
+        await lease[action]();
+      }
+    })(), refusedUnsent(job));
+    await assert.rejects(lease[action](), refusedUnsent(job)); // asked again: still nothing sent
+    // Held while the lease runs, then its lock-delay: refused either way, never granted.
+    await assert.rejects(b.claim(job), (e) => {
+      assert.ok(e instanceof LeaseHeld, String(e));
+      assert.ok(['urn:fence:lease-held', 'urn:fence:lock-delay'].includes(e.type), e.type);
+      assert.equal(e.problem.owner, 'a');
+      return true;
+    });
+    assert.ok(['held', 'expired'].includes((await b.status(job)).state), job);
+    assert.equal(await finishesAnswered(s.serverUrl), 0, job);
+  }
+  // Abandon after a release changes nothing: the release was sent, and is not undone.
+  const released = await a.claim('released-then-abandoned');
+  await released.release();
+  released.abandon();
+  assert.equal(await finishesAnswered(s.serverUrl), 1);
+  assert.equal((await a.status('released-then-abandoned')).state, 'free');
 });
 
 test('a worker that stops reporting progress loses its lease', async (t) => {
