@@ -22,6 +22,9 @@ import (
 const (
 	reasonDeadline = "the local deadline passed before a renewal succeeded"
 	reasonFinished = "the lease was released, completed or abandoned"
+	// reasonAbandoned is why a release or completion asked for after Abandon fails: sending it
+	// would let the next holder in at once, while a write the abandon was for may still land.
+	reasonAbandoned = "the lease was abandoned: it is left to expire on the server, so the lock-delay applies; nothing was sent"
 )
 
 // Lease is a held lease, renewed every third of its TTL by a keeper goroutine until it is
@@ -40,8 +43,11 @@ type Lease struct {
 	cancel   context.CancelFunc
 	finished chan struct{}
 	finish   sync.Once
-	// abandoned: Abandon was called, so Run's end neither releases nor completes.
+	// abandoned: Abandon was called (before any Release or Complete), so nothing ends the
+	// lease at the server: neither Run's end nor a Release or Complete by hand.
 	abandoned bool // under mu
+	// ending: Release or Complete was called, so a later Abandon changes nothing.
+	ending bool // under mu
 
 	mu          sync.Mutex
 	token       string
@@ -187,19 +193,25 @@ func (l *Lease) Header(h http.Header) error {
 // 503 or 504, a gateway's 408) or answers its own 408 body-timeout (nothing applied) is asked
 // again until it could end the lease on its own (a minute at most, or
 // until ctx is done); a retry that finds the earlier attempt applied returns the record it left.
+// After Abandon, a *LeaseLostError (errors.Is ErrLeaseLost) and nothing sent: the lease is left
+// to expire.
 func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx, "release") }
 
 // Complete marks the job done for good. The server decides: a *ProblemError matching
 // ErrLeaseRefused (409 lease-lost) when someone else took over. Completing a semaphore slot
 // releases it: the server frees the slot (the Record's State is "free") and it can be claimed
-// again, at the next generation.
+// again, at the next generation. After Abandon, a *LeaseLostError and nothing sent, as Release.
 func (l *Lease) Complete(ctx context.Context) (Record, error) { return l.end(ctx, "complete") }
 
 // Abandon stops renewing and lets the lease expire on the server; nothing is sent. In
-// Client.Run, the lease is then neither released nor completed when fn ends, however it ends.
+// Client.Run, the lease is then neither released nor completed when fn ends, however it ends,
+// and a later Release or Complete (a defer lease.Release(ctx) included) returns a
+// *LeaseLostError, nothing sent. Called again, or after Release or Complete, it changes nothing.
 func (l *Lease) Abandon() {
 	l.mu.Lock()
-	l.abandoned = true
+	if !l.ending {
+		l.abandoned = true
+	}
 	l.mu.Unlock()
 	l.stop()
 }
@@ -241,6 +253,15 @@ const (
 // generation, by nobody (released) or by this owner (completed: the only refusal that leaves
 // both in place), finds the earlier attempt applied: the record it left is returned.
 func (l *Lease) end(ctx context.Context, action string) (Record, error) {
+	// A defer lease.Release(ctx) after an Abandon would let the next holder in at once,
+	// skipping the lock-delay, while the write the abandon was for may still land.
+	l.mu.Lock()
+	if l.abandoned {
+		l.mu.Unlock()
+		return Record{}, &LeaseLostError{Job: l.job, Generation: l.generation, Reason: reasonAbandoned}
+	}
+	l.ending = true
+	l.mu.Unlock()
 	l.stop() // nothing is sent under this lease from now on, whatever the answer
 	body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key}
 	l.mu.Lock()

@@ -429,6 +429,29 @@ func finishesAnswered(t *testing.T, serverURL string) int {
 	return n
 }
 
+// assertLeftToExpire checks that job's lease (owner "a") was neither released nor completed:
+// b's claim is refused (held while the lease runs, then its lock-delay, never granted), and the
+// server answered no release or completion at all.
+func assertLeftToExpire(t *testing.T, b *Client, serverURL, job string) {
+	t.Helper()
+	ctx := context.Background()
+	var pe *ProblemError
+	lease, err := b.Claim(ctx, job)
+	if err == nil {
+		lease.Abandon()
+	}
+	if !errors.Is(err, ErrLeaseHeld) || !errors.As(err, &pe) || pe.Owner != "a" ||
+		(pe.Type != "urn:fence:lease-held" && pe.Type != "urn:fence:lock-delay") {
+		t.Fatalf("%s: a second owner's claim: %v %+v", job, err, pe)
+	}
+	if rec, err := b.Status(ctx, job); err != nil || (rec.State != "held" && rec.State != "expired") {
+		t.Fatalf("%s: %+v %v", job, rec, err)
+	}
+	if n := finishesAnswered(t, serverURL); n != 0 {
+		t.Fatalf("%s: %d releases or completions reached the server", job, n)
+	}
+}
+
 // Seen against `fence server --lock-delay 30s`: a Run whose work abandoned its lease after a
 // write that may still land (a timeout, a 504), then failed, had the lease released, so the
 // next claim was granted at once and the lock-delay never applied. An abandoned lease is
@@ -440,22 +463,7 @@ func TestRunNeitherReleasesNorCompletesALeaseTheWorkAbandoned(t *testing.T) {
 	b := mustClient(t, s.serverURL, Options{Owner: "b", TTL: 10 * time.Second})
 	leftToExpire := func(job string) {
 		t.Helper()
-		// Held while the lease runs, then its lock-delay: refused either way, never granted.
-		var pe *ProblemError
-		lease, err := b.Claim(ctx, job)
-		if err == nil {
-			lease.Abandon()
-		}
-		if !errors.Is(err, ErrLeaseHeld) || !errors.As(err, &pe) || pe.Owner != "a" ||
-			(pe.Type != "urn:fence:lease-held" && pe.Type != "urn:fence:lock-delay") {
-			t.Fatalf("%s: a second owner's claim: %v %+v", job, err, pe)
-		}
-		if rec, err := b.Status(ctx, job); err != nil || (rec.State != "held" && rec.State != "expired") {
-			t.Fatalf("%s: %+v %v", job, rec, err)
-		}
-		if n := finishesAnswered(t, s.serverURL); n != 0 {
-			t.Fatalf("%s: %d releases or completions reached the server", job, n)
-		}
+		assertLeftToExpire(t, b, s.serverURL, job)
 	}
 	timedOut := errors.New("the write may still land")
 	abandonThen := func(err error) func(context.Context, *Lease) error {
@@ -498,6 +506,66 @@ func TestRunNeitherReleasesNorCompletesALeaseTheWorkAbandoned(t *testing.T) {
 	}
 	if n := finishesAnswered(t, s.serverURL); n != 1 { // the count sees one when there is one
 		t.Fatalf("%d releases or completions counted after one", n)
+	}
+}
+
+// A defer lease.Release(ctx) written before the Abandon of a write that may still land sent
+// the release: the next claim was granted at once, skipping the lock-delay. After Abandon,
+// Release and Complete send nothing and return a *LeaseLostError.
+func TestReleaseOrCompleteByHandAfterAbandonSendsNothing(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--lock-delay", "30s"}})
+	a := mustClient(t, s.serverURL, Options{Owner: "a", TTL: 10 * time.Second})
+	b := mustClient(t, s.serverURL, Options{Owner: "b", TTL: 10 * time.Second})
+	refusedUnsent := func(job string, err error) {
+		t.Helper()
+		var lost *LeaseLostError
+		if !errors.Is(err, ErrLeaseLost) || !errors.As(err, &lost) || errors.Is(err, ErrLeaseRefused) {
+			t.Fatalf("%s: got %v, want a *LeaseLostError of the client's own", job, err)
+		}
+		if lost.Job != job || lost.InFlight || !strings.Contains(lost.Reason, "abandoned") ||
+			!strings.Contains(lost.Reason, "lock-delay") || !strings.Contains(lost.Reason, "nothing was sent") {
+			t.Fatalf("%s: %+v", job, lost)
+		}
+	}
+	for _, action := range []string{"release", "complete"} {
+		job := "by-hand-" + action
+		end := func(lease *Lease) (err error) {
+			if action == "release" {
+				_, err = lease.Release(ctx)
+			} else {
+				_, err = lease.Complete(ctx)
+			}
+			return err
+		}
+		lease, err := a.Claim(ctx, job)
+		if err != nil {
+			t.Fatal(err)
+		}
+		var deferred error
+		func() {
+			defer func() { deferred = end(lease) }() // written early, as a defer is
+			lease.Abandon()
+			lease.Abandon() // idempotent
+		}()
+		refusedUnsent(job, deferred)
+		refusedUnsent(job, end(lease)) // asked again: still nothing sent
+		assertLeftToExpire(t, b, s.serverURL, job)
+	}
+	// Abandon after a release changes nothing: the release was sent, and is not undone.
+	released, err := a.Claim(ctx, "released-then-abandoned")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if _, err := released.Release(ctx); err != nil {
+		t.Fatal(err)
+	}
+	released.Abandon()
+	if n := finishesAnswered(t, s.serverURL); n != 1 {
+		t.Fatalf("%d releases or completions counted after one", n)
+	}
+	if rec, err := a.Status(ctx, "released-then-abandoned"); err != nil || rec.State != "free" {
+		t.Fatalf("released-then-abandoned: %+v %v", rec, err)
 	}
 }
 
