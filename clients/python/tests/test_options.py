@@ -14,6 +14,7 @@ from conftest import fence_bin, raw
 from fence_client import (Client, JobCompleted, LeaseHeld, LeaseLost, LockDelay, ProblemError,
                           ServerUnreachable, idempotency_key)
 from fence_client.aio import AsyncClient
+from fence_client._lease import DEADLINE_PASSED
 from fence_client._wire import monotonic
 
 SECRET = "s3cret-s3cret-s3cret"
@@ -230,6 +231,124 @@ def test_a_release_or_completion_by_hand_after_abandon_sends_nothing(stack):
     released.abandon()
     assert finishes_answered(s.server_url) == 1
     assert a.status("released-then-abandoned")["state"] == "free"
+
+
+def fail_renewals(lease) -> None:
+    """From now on every renewal of ``lease`` fails unanswered: it is lost at its deadline."""
+    def unanswered(timeout: float):
+        raise ServerUnreachable("the server is out of reach (the test)")
+
+    lease._send_renew = unanswered
+
+
+def test_a_lease_lost_inside_with_is_neither_released_nor_completed(stack):
+    # Seen against `fence server --lock-delay 30s`: the keeper declared the lease lost (no
+    # progress, or the local deadline) while a write to an unfenced upstream was on its way;
+    # the exit released it, the server took the release (nobody had claimed since), and the
+    # next claim was granted at once while the write committed seconds later.
+    s = stack(proxy=False, server_args=["--lock-delay", "30s"])
+    stalls = Client(s.server_url, owner="a", ttl=1.0, progress_within=0.3)
+    a = Client(s.server_url, owner="a", ttl=1.0)
+
+    with pytest.raises(LeaseLost) as lost:  # a clean exit: LeaseLost, nothing sent
+        with stalls.claim("no-progress") as lease:
+            assert lease.lost.wait(10.0), "no progress reported, still held"
+    assert type(lost.value) is LeaseLost and "no progress" in lost.value.reason, lost.value
+    assert_left_to_expire(s.server_url, "no-progress")
+    with pytest.raises(LeaseLost) as lost:
+        with stalls.claim("no-progress-release", on_success="release") as lease:
+            assert lease.lost.wait(10.0)
+    assert "no progress" in lost.value.reason, lost.value
+    assert_left_to_expire(s.server_url, "no-progress-release")
+    with pytest.raises(TimeoutError):  # the block's own exception, nothing sent
+        with a.claim("deadline-raises") as lease:
+            fail_renewals(lease)
+            assert lease.lost.wait(10.0), "renewals fail, still held"
+            raise TimeoutError("the write cut by the loss may still land")
+    assert lease.loss_reason.startswith(DEADLINE_PASSED), lease.loss_reason
+    assert_left_to_expire(s.server_url, "deadline-raises")
+    with pytest.raises(LeaseLost):  # a semaphore slot, released on exit when held
+        with stalls.claim_slot("pool", 1) as lease:
+            assert lease.lost.wait(10.0)
+    with pytest.raises(LeaseHeld) as slot_refused:
+        Client(s.server_url, owner="b", ttl=10.0).claim_slot("pool", 1)
+    assert slot_refused.value.type in ("urn:fence:lease-held", "urn:fence:lock-delay")
+    assert finishes_answered(s.server_url) == 0
+
+    async def from_asyncio() -> None:
+        astalls = AsyncClient(s.server_url, owner="a", ttl=1.0, progress_within=0.3)
+        with pytest.raises(LeaseLost) as alost:
+            async with astalls.claim("async-no-progress") as alease:
+                await asyncio.wait_for(alease.lost.wait(), 10.0)
+        assert "no progress" in alost.value.reason, alost.value
+        assert_left_to_expire(s.server_url, "async-no-progress")
+        aclient = AsyncClient(s.server_url, owner="a", ttl=1.0)
+        with pytest.raises(TimeoutError):
+            async with aclient.claim("async-deadline-raises") as alease:
+                fail_renewals(alease)
+                await asyncio.wait_for(alease.lost.wait(), 10.0)
+                raise TimeoutError("the write cut by the loss may still land")
+        assert_left_to_expire(s.server_url, "async-deadline-raises")
+        with pytest.raises(LeaseLost):
+            async with astalls.claim_slot("apool", 1) as alease:
+                await asyncio.wait_for(alease.lost.wait(), 10.0)
+        with pytest.raises(LeaseHeld):
+            await AsyncClient(s.server_url, owner="b", ttl=10.0).claim_slot("apool", 1)
+        assert finishes_answered(s.server_url) == 0
+
+    asyncio.run(from_asyncio())
+
+
+def test_a_release_by_hand_after_a_local_loss_sends_nothing(stack):
+    # A `finally: lease.release()` after the keeper declared the lease lost sent the release,
+    # which the server took (nobody had claimed since): the lock-delay was skipped.
+    s = stack(proxy=False, server_args=["--lock-delay", "30s"])
+    stalls = Client(s.server_url, owner="a", ttl=1.0, progress_within=0.3)
+    a = Client(s.server_url, owner="a", ttl=1.0)
+
+    def refused_unsent(lost: pytest.ExceptionInfo, why: str) -> None:
+        assert type(lost.value) is LeaseLost, repr(lost.value)  # not the server's LeaseRefused
+        reason = lost.value.reason
+        assert why in reason and "left to expire" in reason, reason
+        assert "lock-delay" in reason and "nothing was sent" in reason, reason
+
+    lease = stalls.claim("no-progress")
+    assert lease.lost.wait(10.0)
+    with pytest.raises(LeaseLost) as lost:
+        lease.release()
+    refused_unsent(lost, "no progress")
+    with pytest.raises(LeaseLost) as lost:  # asked again: still nothing sent
+        lease.release()
+    refused_unsent(lost, "no progress")
+    assert_left_to_expire(s.server_url, "no-progress")
+    lease = a.claim("deadline")
+    fail_renewals(lease)
+    assert lease.lost.wait(10.0)
+    with pytest.raises(LeaseLost) as lost:
+        lease.release()
+    refused_unsent(lost, DEADLINE_PASSED)
+    assert_left_to_expire(s.server_url, "deadline")
+
+    async def from_asyncio() -> None:
+        alease = await AsyncClient(s.server_url, owner="a", ttl=1.0,
+                                   progress_within=0.3).claim("async-no-progress")
+        await asyncio.wait_for(alease.lost.wait(), 10.0)
+        with pytest.raises(LeaseLost) as alost:
+            await alease.release()
+        refused_unsent(alost, "no progress")
+        assert_left_to_expire(s.server_url, "async-no-progress")
+
+    asyncio.run(from_asyncio())
+    # A completion after a loss is still sent: nobody can claim a completed job. (The lease
+    # is still this owner's at the server, so it takes it.)
+    lease = stalls.claim("completed-after-loss")
+    assert lease.lost.wait(10.0)
+    assert lease.complete()["state"] == "completed"
+    assert finishes_answered(s.server_url) == 1
+    with pytest.raises(LeaseLost) as lost:  # and a release after it is not sent either
+        lease.release()
+    refused_unsent(lost, "no progress")
+    assert finishes_answered(s.server_url) == 1
 
 
 def test_a_worker_that_stops_reporting_progress_loses_its_lease(stack):

@@ -180,12 +180,16 @@ def test_a_stale_slot_holder_is_fenced_off(stack, monkeypatch):
         status, problem = raw("POST", ledger, {"X-Fencing-Job": "pool#1",
                                                "X-Fencing-Token": late_token}, b"A: late")
         assert (status, problem["type"]) == (409, "urn:fence:stale-token"), problem
-        # The stale lease's renewal and release are refused by the server.
+        # A release by hand of the lease lost here sends nothing (it is left to expire).
+        with pytest.raises(LeaseLost) as unsent:
+            lease_a.release()
+        assert type(unsent.value) is LeaseLost and "nothing was sent" in unsent.value.reason
+        # The stale lease's renewal and release, sent anyway, are refused by the server.
         with pytest.raises(LeaseRefused) as renew:
             type(lease_a)._send_renew(lease_a, 1.0)
         assert (renew.value.type, renew.value.generation) == ("urn:fence:lease-lost", 2)
         with pytest.raises(LeaseRefused) as release:
-            lease_a.release()
+            lease_a._send_finish("release")
         assert release.value.owner == "slot-b" and release.value.generation == 2
         with pytest.raises(LeaseLost):  # lost here already: nothing is sent
             lease_a.save_checkpoint("stale")

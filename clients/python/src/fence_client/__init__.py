@@ -2,11 +2,12 @@
 fencing token with every write, refusing to send once the lease is lost.
 
     from fence_client import Client
-    from fence_client.requests import FenceAuth
+    from fence_client.requests import FenceAuth, raise_for_problem
 
     client = Client("http://127.0.0.1:7700", ttl=10)
     with client.claim("invoice-42") as lease:        # completes on a clean exit
-        session.post("http://127.0.0.1:7800/ledger", data="charge", auth=FenceAuth(lease))
+        r = session.post("http://127.0.0.1:7800/ledger", data="charge", auth=FenceAuth(lease))
+        raise_for_problem(r)  # a refused write (StaleToken on a 409) raises: never completed
     with client.claim_slot("exports", 3) as lease:   # a semaphore: one of 3 slots, released on exit
         ...
 

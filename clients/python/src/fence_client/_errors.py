@@ -45,7 +45,8 @@ class LeaseLost(FenceError):
     """The lease is lost: stop all work and effects on the job; nothing was sent.
 
     Raised by ``lease.token``, ``lease.headers()`` and the ``requests``/``httpx``
-    adapters once the local deadline has passed or the server refused a renewal.
+    adapters once the local deadline has passed or the server refused a renewal, and by
+    ``lease.release()`` then (or after ``abandon()``): the lease is left to expire.
     ``LeaseRefused`` (the server's own 409 ``lease-lost`` or 403 ``lease-key-mismatch``)
     is a ``LeaseLost`` too, so one ``except LeaseLost`` covers both.
     """

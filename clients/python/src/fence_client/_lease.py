@@ -28,6 +28,15 @@ FINISHED = "the lease was released, completed or abandoned"
 ABANDONED = ("the lease was abandoned: it is left to expire on the server, so the lock-delay "
              "applies; nothing was sent")
 
+
+def left_to_expire(reason: str) -> str:
+    """Why a release asked for once the lease is lost here fails: a write cut by the loss may
+    still land, and a release the server would take (nobody claimed the job since) lets the
+    next holder in at once, skipping the lock-delay, which only an expiry starts."""
+    return (f"the lease was lost ({reason}): it is left to expire on the server, so the "
+            "lock-delay applies; nothing was sent")
+
+
 ON_SUCCESS = ("complete", "release")
 
 # A semaphore claim is not held at the server: while every slot is taken, the client asks
@@ -282,15 +291,27 @@ class LeaseCore:
             if not self._ending:
                 self._abandoned = True
 
-    def _begin_ending(self) -> None:
-        """Before a release or completion is sent: :class:`LeaseLost` (:data:`ABANDONED`), and
-        nothing sent, once the lease was abandoned. A ``finally: lease.release()`` after an
-        abandon would otherwise let the next holder in at once, skipping the lock-delay, while
-        the write the abandon was for may still land."""
+    def _begin_ending(self, action: str) -> None:
+        """Before a release or completion is sent: :class:`LeaseLost`, and nothing sent, once
+        the lease was abandoned (:data:`ABANDONED`), and for a release once the lease is lost
+        here (past its local deadline, no progress, a refused renewal: :func:`left_to_expire`).
+        A ``finally: lease.release()`` after an abandon or a loss would otherwise let the next
+        holder in at once, skipping the lock-delay, while a write may still land. A completion
+        after a loss is still sent: nobody can claim a completed job. A release after a
+        release or completion is sent again, as before (the job may already be free)."""
         with self._lock:
             if self._abandoned:
                 raise LeaseLost(self.job, self.generation, ABANDONED)
+            if action == "release":
+                if self._reason is None and monotonic() >= self._deadline:
+                    self._declare_lost(DEADLINE_PASSED)  # the keeper has not said it yet
+                if self._reason is not None and self._reason != FINISHED:
+                    raise LeaseLost(self.job, self.generation, left_to_expire(self._reason))
             self._ending = True
+            # Ended here, under the lock: a loss the keeper declares from now on cannot come
+            # between the check above and the release going out.
+            if self._reason is None:
+                self._reason = FINISHED
 
     def _stalled(self, now: float) -> Optional[str]:
         """Why the keeper must stop renewing, if the worker reported no progress in time."""

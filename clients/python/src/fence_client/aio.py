@@ -2,7 +2,8 @@
 
     client = AsyncClient("http://127.0.0.1:7700", ttl=10)
     async with client.claim("invoice-42") as lease:     # completes on a clean exit
-        await http.post(url, content=..., auth=FenceAuth(lease))     # fence_client.httpx
+        r = await http.post(url, content=..., auth=FenceAuth(lease))  # fence_client.httpx
+        raise_for_problem(r)                            # a refusal raises: never completed
     async with client.claim_slot("exports", 3) as lease:  # one of 3 slots; released on exit
         ...
 
@@ -80,7 +81,8 @@ class AsyncLease(LeaseCore):
     """A held lease renewed by a task; ``lost`` is an :class:`asyncio.Event`. ``async with``
     completes on a clean exit (releases with ``on_success="release"``), releases on an
     exception, and raises :class:`LeaseLost` on exit when the lease was lost inside. A lease
-    the block abandoned is neither released nor completed on exit: it is left to expire."""
+    the block abandoned or lost is neither released nor completed on exit: it is left to
+    expire."""
 
     lost: asyncio.Event
 
@@ -155,13 +157,15 @@ class AsyncLease(LeaseCore):
 
     async def release(self) -> Dict[str, Any]:
         """Frees the job; the record. :class:`LeaseRefused` when the lease is not ours. After
-        :meth:`abandon`, :class:`LeaseLost` and nothing sent: the lock-delay applies."""
+        :meth:`abandon`, or once the lease is lost here, :class:`LeaseLost` and nothing sent:
+        the lock-delay applies."""
         return await self._finish("release")
 
     async def complete(self) -> Dict[str, Any]:
         """Marks the job done; the record. :class:`LeaseRefused` when someone took over.
         Completing a semaphore slot releases it (the server frees the slot: ``state`` ``free``).
-        After :meth:`abandon`, :class:`LeaseLost` and nothing sent, as :meth:`release`."""
+        After :meth:`abandon`, :class:`LeaseLost` and nothing sent, as :meth:`release`; after a
+        loss, still sent."""
         return await self._finish("complete")
 
     def abandon(self) -> None:
@@ -177,7 +181,7 @@ class AsyncLease(LeaseCore):
         self._declare_lost(FINISHED)
 
     async def _finish(self, action: str) -> Dict[str, Any]:
-        self._begin_ending()  # LeaseLost after abandon: it is left to expire
+        self._begin_ending(action)  # LeaseLost after abandon, or a release after a loss
         self._stop()
         # Cancelling the caller cannot stop the thread's call under way, but it stops the
         # retries after it (they would otherwise go on for up to a minute, unseen).
@@ -195,19 +199,18 @@ class AsyncLease(LeaseCore):
                         exc: Optional[BaseException], tb: Optional[TracebackType]) -> None:
         if self._abandoned:
             return  # left to expire, so the lock-delay applies: nothing is sent
+        if self.is_lost():
+            # Left to expire, nothing sent, as in Lease.__exit__: a release would skip the
+            # lock-delay while a write cut by the loss may still land.
+            if exc_type is not None:
+                return
+            raise LeaseLost(self.job, self.generation, self.loss_reason or DEADLINE_PASSED)
         if exc_type is not None:
             try:
                 await self.release()
             except FenceError:
                 pass
             return
-        if self.is_lost():
-            reason = self.loss_reason or DEADLINE_PASSED
-            try:
-                await self.release()
-            except FenceError:
-                pass
-            raise LeaseLost(self.job, self.generation, reason)
         if self.on_success == "complete":
             await self.complete()
         else:
@@ -294,8 +297,8 @@ class AsyncClient(ClientCore):
     def claim_slot(self, resource: str, slots: int, *, wait: float = 0.0,
                    ttl: Optional[float] = None, lock_delay: Optional[float] = None) -> _Claim:
         """``await client.claim_slot(resource, slots)`` or ``async with
-        client.claim_slot(resource, slots) as lease`` (released on exit unless abandoned); as
-        :meth:`fence_client.Client.claim_slot`."""
+        client.claim_slot(resource, slots) as lease`` (released on exit unless abandoned or
+        lost); as :meth:`fence_client.Client.claim_slot`."""
         semaphore_claim_path(resource)
         check_slots(slots)
         self._claim_ttl_ms(ttl)

@@ -2,7 +2,7 @@
 
     client = Client("http://127.0.0.1:7700", ttl=10)
     with client.claim("invoice-42") as lease:        # completes on a clean exit
-        session.post(url, data=..., auth=FenceAuth(lease))
+        raise_for_problem(session.post(url, data=..., auth=FenceAuth(lease)))  # a refusal raises
     with client.claim_slot("exports", 3) as lease:  # one of 3 slots; released on exit
         session.post(url, data=..., auth=FenceAuth(lease))   # X-Fencing-Job: exports#2
 """
@@ -30,8 +30,9 @@ class Lease(LeaseCore):
     local deadline, also when the server stops answering. Used as a context manager, the
     lease completes on a clean exit (releases with ``on_success="release"``) and releases
     when the block raises; a lease lost inside the block raises :class:`LeaseLost` on exit. A
-    lease the block abandoned (:meth:`abandon`) is neither released nor completed on exit,
-    whether the block raises or not: it is left to expire, and the lock-delay applies.
+    lease the block abandoned (:meth:`abandon`) or lost (past its local deadline, no progress,
+    a refused renewal) is neither released nor completed on exit, whether the block raises or
+    not: it is left to expire, and the lock-delay applies.
     """
 
     lost: threading.Event
@@ -98,8 +99,9 @@ class Lease(LeaseCore):
         :class:`LeaseRefused` when the server no longer records this lease. A server that fails
         to answer (:class:`ServerUnreachable`, a 502, 503 or 504, a 408) is asked again until it
         could end the lease on its own (a minute at most); a retry that finds the earlier attempt
-        applied returns the record it left. After :meth:`abandon`, raises :class:`LeaseLost` and
-        sends nothing: the lease is left to expire, so the lock-delay applies."""
+        applied returns the record it left. After :meth:`abandon`, or once the lease is lost here
+        (past its local deadline, no progress, a refused renewal), raises :class:`LeaseLost`
+        and sends nothing: the lease is left to expire, so the lock-delay applies."""
         return self._finish("release")
 
     def complete(self) -> Dict[str, Any]:
@@ -107,7 +109,8 @@ class Lease(LeaseCore):
         decides: :class:`LeaseRefused` (409 ``lease-lost``) when someone else took over.
         Completing a semaphore slot releases it: the server frees the slot (the record's
         ``state`` is ``free``) and it can be claimed again, at the next generation. After
-        :meth:`abandon`, raises :class:`LeaseLost` and sends nothing, as :meth:`release`."""
+        :meth:`abandon`, raises :class:`LeaseLost` and sends nothing, as :meth:`release`; after
+        a loss, it is still sent (nobody can claim a completed job)."""
         return self._finish("complete")
 
     def abandon(self) -> None:
@@ -124,7 +127,7 @@ class Lease(LeaseCore):
         self._declare_lost(FINISHED)
 
     def _finish(self, action: str) -> Dict[str, Any]:
-        self._begin_ending()  # LeaseLost after abandon: it is left to expire
+        self._begin_ending(action)  # LeaseLost after abandon, or a release after a loss
         self._stop()  # nothing is sent under this lease from now on, whatever the answer
         return self._send_finish(action)
 
@@ -135,19 +138,19 @@ class Lease(LeaseCore):
                  tb: Optional[TracebackType]) -> None:
         if self._abandoned:
             return  # left to expire, so the lock-delay applies: nothing is sent
+        if self.is_lost():
+            # Neither completed (the work may be unfinished) nor released: a write cut by the
+            # loss may still land, and a release would let the next holder in beside it at
+            # once, skipping the lock-delay. Left to expire: nothing is sent.
+            if exc_type is not None:
+                return  # the block's own exception is what the caller must see
+            raise LeaseLost(self.job, self.generation, self.loss_reason or DEADLINE_PASSED)
         if exc_type is not None:
             try:
                 self.release()
             except FenceError:
                 pass  # the block's own exception is what the caller must see
             return
-        if self.is_lost():
-            reason = self.loss_reason or DEADLINE_PASSED
-            try:
-                self.release()  # never complete a job whose lease was lost on the way
-            except FenceError:
-                pass
-            raise LeaseLost(self.job, self.generation, reason)
         if self.on_success == "complete":
             self.complete()
         else:
@@ -232,7 +235,7 @@ class Client(ClientCore):
         ``<resource>#<slot>`` (``lease.job``; ``lease.resource``, ``lease.slot``): renew,
         release, complete, checkpoint and the fencing headers work on it as on any job's;
         completing a slot releases it (the server frees the slot, ``state`` ``free``). Used as
-        a context manager it releases on exit, unless the block abandoned it.
+        a context manager it releases on exit, unless the block abandoned it or it was lost.
 
         The server never waits on a semaphore claim: with ``wait`` (seconds) the client asks
         again while every slot is taken, after pauses of 10 ms doubling up to 500 ms (shorter
