@@ -75,7 +75,7 @@ export class Client {
    * Rejects with LeaseHeld (every slot taken when the wait ends; `problem.job` is the slot that frees first; LockDelay in its lock-delay), SemaphoreSize (held under another number of slots), ProblemError, ServerUnreachable; before sending, with InvalidJobId for a resource that is not 1 to 251 visible ASCII characters or holds '#', RangeError for slots outside 1 to 1000. With `signal`, rejects with its reason when it aborts (see ClaimSlotOptions.signal).
    */
   claimSlot(resource: string, slots: number, options?: ClaimSlotOptions): Promise<Lease>;
-  /** Claims, runs `fn`, completes on success (or releases with onSuccess 'release'), releases on a throw; rejects with LeaseLost when the lease was lost meanwhile. A lease `fn` abandoned is neither released nor completed, however `fn` ends: it is left to expire. */
+  /** Claims, runs `fn`, completes on success (or releases with onSuccess 'release'), releases on a throw; rejects with LeaseLost when the lease was lost meanwhile. A lease `fn` abandoned or lost (its local deadline, no progress, a refused renewal) is neither released nor completed, however `fn` ends: it is left to expire, so the lock-delay applies. */
   run<T>(job: string, fn: (lease: Lease) => Promise<T>, options?: RunOptions): Promise<T>;
   status(job: string): Promise<LeaseRecord>;
   /** Closes idle keep-alive connections to the server. */
@@ -108,9 +108,9 @@ export class Lease {
   headers(): { 'X-Fencing-Job': string; 'X-Fencing-Token': string };
   isLost(): boolean;
   idempotencyKey(step: string): string;
-  /** Frees the job; the record (LeaseRefused when not ours). A server that fails to answer (ServerUnreachable, a 502, 503 or 504, a gateway's 408) or answers its own 408 body-timeout (nothing applied) is asked again until it could end the lease on its own (a minute at most); a retry that finds the earlier attempt applied resolves to the record it left. After abandon(), rejects with LeaseLost and sends nothing: the lease is left to expire. */
+  /** Frees the job; the record (LeaseRefused when not ours). A server that fails to answer (ServerUnreachable, a 502, 503 or 504, a gateway's 408) or answers its own 408 body-timeout (nothing applied) is asked again until it could end the lease on its own (a minute at most); a retry that finds the earlier attempt applied resolves to the record it left. After abandon(), or once the lease is lost here (its local deadline, no progress, a refused renewal), rejects with LeaseLost and sends nothing: the lease is left to expire, so the lock-delay applies. */
   release(): Promise<LeaseRecord>;
-  /** Marks the job done (LeaseRefused when someone took over), retried as release() is. On a semaphore slot it releases the slot: the server frees it and the record's `state` is 'free'. After abandon(), rejects with LeaseLost and sends nothing, as release() does. */
+  /** Marks the job done (LeaseRefused when someone took over), retried as release() is. On a semaphore slot it releases the slot: the server frees it and the record's `state` is 'free'. After abandon(), rejects with LeaseLost and sends nothing, as release() does; after a loss it is still sent (nobody can claim a completed job). */
   complete(): Promise<LeaseRecord>;
   /** Stops renewing and lets the lease expire on the server; sends nothing. In `client.run`, the lease is then neither released nor completed when `fn` ends, and a later release() or complete() rejects with LeaseLost, nothing sent. Called again, or after a release or completion, it changes nothing. */
   abandon(): void;

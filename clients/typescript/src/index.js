@@ -3,7 +3,8 @@
 //
 //   const client = new Client({ server: 'http://127.0.0.1:7700', ttlMs: 10_000 });
 //   await client.run('invoice-42', async (lease) => {        // completes when fn resolves
-//     await lease.fetch('http://127.0.0.1:7800/ledger', { method: 'POST', body: 'charge' });
+//     const res = await lease.fetch('http://127.0.0.1:7800/ledger', { method: 'POST', body: 'charge' });
+//     await raiseForProblem(res); // a refused write (StaleToken on a 409) rejects: never completed
 //   });
 //   const slot = await client.claimSlot('exports', 3);         // one of 3 slots: job exports#2
 //   try { /* lease.fetch(...) */ } finally { await slot.release(); }
@@ -371,10 +372,11 @@ export class Client {
 
   /**
    * Claims `job`, runs `fn(lease)`, then completes the job when it resolves (releases with
-   * `onSuccess: 'release'`) and releases it when it throws. A lease lost while `fn` ran is
-   * released, not completed, and the call rejects with LeaseLost. A lease `fn` abandoned
-   * (`lease.abandon()`) is neither released nor completed, whether `fn` resolves or throws:
-   * it is left to expire, so the server's lock-delay applies.
+   * `onSuccess: 'release'`) and releases it when it throws. A lease lost while `fn` ran (past its
+   * local deadline, no progress, a refused renewal) is neither released nor completed, and the
+   * call rejects with LeaseLost (or `fn`'s own error). A lease `fn` abandoned (`lease.abandon()`)
+   * is neither released nor completed either, whether `fn` resolves or throws. Either way it is
+   * left to expire, so the server's lock-delay applies: a write may still land.
    * @template T
    * @param {string} job
    * @param {(lease: Lease) => Promise<T>} fn
@@ -391,15 +393,16 @@ export class Client {
     try {
       result = await fn(lease);
     } catch (e) {
-      // Abandoned: left to expire, so the lock-delay applies (the effect may still land).
-      if (!lease._abandoned) await lease.release().catch(() => {}); // fn's own error counts
+      // Abandoned or lost (a LeaseLost with inFlight among them): left to expire, so the
+      // lock-delay applies, since the effect may still land. Else released; fn's error counts.
+      if (!lease._abandoned && !lease.isLost()) await lease.release().catch(() => {});
       throw e;
     }
     if (lease._abandoned) return result; // left to expire: neither released nor completed
     if (lease.isLost()) {
-      const reason = lease.lossReason ?? DEADLINE_PASSED;
-      await lease.release().catch(() => {}); // never complete a job whose lease was lost
-      throw new LeaseLost(job, lease.generation, reason);
+      // Neither completed (the work may be unfinished) nor released (a write cut by the loss
+      // may still land, and the next holder would be let in beside it at once): left to expire.
+      throw new LeaseLost(job, lease.generation, lease.lossReason ?? DEADLINE_PASSED);
     }
     await (onSuccess === 'complete' ? lease.complete() : lease.release());
     return result;

@@ -14,6 +14,16 @@ export const FINISHED = 'the lease was released, completed or abandoned';
 // holder in at once, while a write the abandon was for may still land.
 export const ABANDONED = 'the lease was abandoned: it is left to expire on the server, so the lock-delay applies; nothing was sent';
 
+/**
+ * Why a release asked for once the lease is lost here fails: a write cut by the loss may still
+ * land, and a release the server would take (nobody claimed the job since) lets the next holder
+ * in at once, skipping the lock-delay, which only an expiry starts.
+ * @param {string} reason
+ */
+export function leftToExpire(reason) {
+  return `the lease was lost (${reason}): it is left to expire on the server, so the lock-delay applies; nothing was sent`;
+}
+
 const TIMED_OUT = Symbol('timed out');
 
 // A release or completion the server failed to answer is sent again after a pause that starts
@@ -178,20 +188,23 @@ export class Lease {
 
   /**
    * Frees the job for another claim; resolves to the record. LeaseRefused when not ours. After
-   * `abandon()`, rejects with LeaseLost and sends nothing: the lease is left to expire.
+   * `abandon()`, or once the lease is lost here (past its local deadline, no progress, a
+   * refused renewal), rejects with LeaseLost and sends nothing: the lease is left to expire, so
+   * the lock-delay applies.
    */
   release() {
-    return this.#finish('release');
+    return this.#end('release');
   }
 
   /**
    * Marks the job done for good; the server decides (LeaseRefused when someone took over).
    * Completing a semaphore slot releases it: the server frees the slot (the record's `state` is
    * 'free') and it can be claimed again, at the next generation. After `abandon()`, rejects with
-   * LeaseLost and sends nothing, as release() does.
+   * LeaseLost and sends nothing, as release() does; after a loss it is still sent (nobody can
+   * claim a completed job).
    */
   complete() {
-    return this.#finish('complete');
+    return this.#end('complete');
   }
 
   /**
@@ -219,6 +232,20 @@ export class Lease {
     this.#declareLost(FINISHED);
   }
 
+  // A release or completion asked for by hand: LeaseLost, nothing sent, after abandon(), and for
+  // a release once the lease is lost here. A `finally { await lease.release(); }` after an
+  // abandon or a loss would let the next holder in at once, skipping the lock-delay, while a
+  // write may still land. A completion after a loss is still sent (nobody can claim a completed
+  // job), and a release after a release or completion is sent again, as before.
+  async #end(action) {
+    if (this.#abandoned) throw new LeaseLost(this.job, this.generation, ABANDONED);
+    if (action === 'release' && this.isLost() && this.#reason !== FINISHED) {
+      throw new LeaseLost(this.job, this.generation, leftToExpire(this.#reason));
+    }
+    this.#ending = true;
+    return this.#finish(action);
+  }
+
   // A server that fails to answer (unreachable, a timeout, a 502, 503 or 504, a gateway's 408)
   // or did not get the request whole in time (its own 408 body-timeout: nothing applied) is asked
   // again until it could end the lease on its own (a minute at most): a passing blip at the end of a job must not leave
@@ -226,10 +253,6 @@ export class Lease {
   // (released) or by this owner (completed: the only refusal that leaves both in place), finds
   // the earlier attempt applied: the record it left is returned.
   async #finish(action) {
-    // A `finally { await lease.release(); }` after an abandon would let the next holder in at
-    // once, skipping the lock-delay, while the write the abandon was for may still land.
-    if (this.#abandoned) throw new LeaseLost(this.job, this.generation, ABANDONED);
-    this.#ending = true;
     this.#stop(); // nothing is sent under this lease from now on, whatever the answer
     const body = { owner: this.owner, generation: this.generation, lease_key: this.#key };
     const until = Math.min(this.#sent + this.#ttlMs, now() + FINISH_RETRY_WINDOW_MS);

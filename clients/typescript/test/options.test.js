@@ -3,11 +3,12 @@
 import assert from 'node:assert/strict';
 import { execFileSync } from 'node:child_process';
 import { chmodSync, writeFileSync } from 'node:fs';
+import http from 'node:http';
 import { join } from 'node:path';
 import { test } from 'node:test';
 
 import { Client, JobCompleted, LeaseHeld, LeaseLost, LeaseRefused, LockDelay, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
-import { fenceBin, raw, sleep, stack } from './helpers.js';
+import { abortedWithin, fenceBin, raw, sleep, stack } from './helpers.js';
 
 const SECRET = 's3cret-s3cret-s3cret';
 
@@ -115,6 +116,20 @@ async function finishesAnswered(serverUrl) {
     .reduce((sum, l) => sum + Number(l.slice(l.lastIndexOf(' ') + 1)), 0);
 }
 
+// A's lease on `job` (owner 'a') was neither released nor completed: b's claim is refused (held
+// while the lease runs, then its lock-delay, never granted), and the server answered no release
+// or completion at all.
+async function assertLeftToExpire(serverUrl, b, job) {
+  await assert.rejects(b.claim(job), (e) => {
+    assert.ok(e instanceof LeaseHeld, String(e));
+    assert.ok(['urn:fence:lease-held', 'urn:fence:lock-delay'].includes(e.type), e.type);
+    assert.equal(e.problem.owner, 'a');
+    return true;
+  });
+  assert.ok(['held', 'expired'].includes((await b.status(job)).state), job);
+  assert.equal(await finishesAnswered(serverUrl), 0, job);
+}
+
 test('a lease abandoned inside run is neither released nor completed', async (t) => {
   // Seen against `fence server --lock-delay 30s`: a callback that abandoned its lease after a
   // write that may still land (a timeout, a 504), then threw, had the lease released by run,
@@ -123,17 +138,7 @@ test('a lease abandoned inside run is neither released nor completed', async (t)
   const a = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 10_000 });
   const b = new Client({ server: s.serverUrl, owner: 'b', ttlMs: 10_000 });
   t.after(() => { a.close(); b.close(); });
-  const leftToExpire = async (job) => {
-    // Held while the lease runs, then its lock-delay: refused either way, never granted.
-    await assert.rejects(b.claim(job), (e) => {
-      assert.ok(e instanceof LeaseHeld, String(e));
-      assert.ok(['urn:fence:lease-held', 'urn:fence:lock-delay'].includes(e.type), e.type);
-      assert.equal(e.problem.owner, 'a');
-      return true;
-    });
-    assert.ok(['held', 'expired'].includes((await b.status(job)).state), job);
-    assert.equal(await finishesAnswered(s.serverUrl), 0, job);
-  };
+  const leftToExpire = (job) => assertLeftToExpire(s.serverUrl, b, job);
   const timedOut = new Error('the write may still land');
   await assert.rejects(a.run('throws', async (lease) => { lease.abandon(); throw timedOut; }), (e) => e === timedOut);
   await leftToExpire('throws');
@@ -177,15 +182,7 @@ test('a release or completion by hand after abandon sends nothing', async (t) =>
       }
     })(), refusedUnsent(job));
     await assert.rejects(lease[action](), refusedUnsent(job)); // asked again: still nothing sent
-    // Held while the lease runs, then its lock-delay: refused either way, never granted.
-    await assert.rejects(b.claim(job), (e) => {
-      assert.ok(e instanceof LeaseHeld, String(e));
-      assert.ok(['urn:fence:lease-held', 'urn:fence:lock-delay'].includes(e.type), e.type);
-      assert.equal(e.problem.owner, 'a');
-      return true;
-    });
-    assert.ok(['held', 'expired'].includes((await b.status(job)).state), job);
-    assert.equal(await finishesAnswered(s.serverUrl), 0, job);
+    await assertLeftToExpire(s.serverUrl, b, job);
   }
   // Abandon after a release changes nothing: the release was sent, and is not undone.
   const released = await a.claim('released-then-abandoned');
@@ -193,6 +190,106 @@ test('a release or completion by hand after abandon sends nothing', async (t) =>
   released.abandon();
   assert.equal(await finishesAnswered(s.serverUrl), 1);
   assert.equal((await a.status('released-then-abandoned')).state, 'free');
+});
+
+/** From now on every renewal of `lease` fails unanswered: it is lost at its deadline. */
+function failRenewals(lease) {
+  lease._sendRenew = async () => { throw new ServerUnreachable('the server is out of reach (the test)'); };
+}
+
+/** A destination that takes each request and never answers: a write on its way at the loss. */
+async function startSilent(t) {
+  let reached = 0;
+  const server = http.createServer(() => { reached += 1; });
+  await new Promise((r) => server.listen(0, '127.0.0.1', r));
+  t.after(() => { server.closeAllConnections(); server.close(); });
+  return { url: `http://127.0.0.1:${server.address().port}/ledger`, reached: () => reached };
+}
+
+test('a lease lost inside run is neither released nor completed', async (t) => {
+  // Seen against `fence server --lock-delay 30s`: the keeper declared the lease lost (no
+  // progress) while a write to an unfenced upstream was on its way; lease.fetch rejected with
+  // LeaseLost (inFlight), run released the lease, the server took the release (nobody had
+  // claimed since), and the next claim was granted at once while the write committed later.
+  const s = await stack(t, { proxy: false, serverArgs: ['--lock-delay', '30s'] });
+  const stalls = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 1000, progressWithinMs: 300 });
+  const a = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 1000 });
+  const b = new Client({ server: s.serverUrl, owner: 'b', ttlMs: 10_000 });
+  t.after(() => { stalls.close(); a.close(); b.close(); });
+  const silent = await startSilent(t);
+  await assert.rejects(stalls.run('in-flight', async (lease) => {
+    await lease.fetch(silent.url, { method: 'POST', body: 'charge' }); // cut by the loss
+  }), (e) => {
+    assert.ok(e instanceof LeaseLost && e.inFlight && /no progress/.test(e.reason), String(e));
+    return true;
+  });
+  assert.equal(silent.reached(), 1);
+  await assertLeftToExpire(s.serverUrl, b, 'in-flight');
+  // fn resolves after the loss: LeaseLost, nothing sent (onSuccess 'release' too).
+  for (const onSuccess of ['complete', 'release']) {
+    const job = `no-progress-${onSuccess}`;
+    await assert.rejects(stalls.run(job, async (lease) => {
+      await abortedWithin(lease.signal, 10_000, 'no progress reported, still held');
+    }, { onSuccess }), (e) => {
+      assert.ok(e instanceof LeaseLost && !(e instanceof LeaseRefused) && /no progress/.test(e.reason), String(e));
+      return true;
+    });
+    await assertLeftToExpire(s.serverUrl, b, job);
+  }
+  // The local deadline (renewals unanswered), and fn throws its own error: that error.
+  const timedOut = new Error('the write cut by the loss may still land');
+  await assert.rejects(a.run('deadline-throws', async (lease) => {
+    failRenewals(lease);
+    await abortedWithin(lease.signal, 10_000, 'renewals fail, still held');
+    assert.match(lease.lossReason, /local deadline passed/);
+    throw timedOut;
+  }), (e) => e === timedOut);
+  await assertLeftToExpire(s.serverUrl, b, 'deadline-throws');
+});
+
+test('a release by hand after a local loss sends nothing', async (t) => {
+  // A `finally { await lease.release(); }` after the keeper declared the lease lost sent the
+  // release, which the server took (nobody had claimed since): the lock-delay was skipped.
+  const s = await stack(t, { proxy: false, serverArgs: ['--lock-delay', '30s'] });
+  const stalls = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 1000, progressWithinMs: 300 });
+  const a = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 1000 });
+  const b = new Client({ server: s.serverUrl, owner: 'b', ttlMs: 10_000 });
+  t.after(() => { stalls.close(); a.close(); b.close(); });
+  const refusedUnsent = (job, why) => (e) => {
+    assert.ok(e instanceof LeaseLost && !(e instanceof LeaseRefused), String(e)); // not the server's
+    assert.equal(e.job, job);
+    assert.match(e.reason, why);
+    assert.match(e.reason, /left to expire/);
+    assert.match(e.reason, /lock-delay/);
+    assert.match(e.reason, /nothing was sent/);
+    assert.equal(e.inFlight, false);
+    return true;
+  };
+  let lease = await stalls.claim('no-progress');
+  await abortedWithin(lease.signal, 10_000, 'no progress reported, still held');
+  await assert.rejects(lease.release(), refusedUnsent('no-progress', /no progress/));
+  await assert.rejects(lease.release(), refusedUnsent('no-progress', /no progress/)); // again: nothing sent
+  await assertLeftToExpire(s.serverUrl, b, 'no-progress');
+  lease = await a.claim('deadline');
+  failRenewals(lease);
+  await abortedWithin(lease.signal, 10_000, 'renewals fail, still held');
+  await assert.rejects(lease.release(), refusedUnsent('deadline', /local deadline passed/));
+  await assertLeftToExpire(s.serverUrl, b, 'deadline');
+  // A semaphore slot's lease: the same.
+  const slot = await stalls.claimSlot('pool', 1);
+  await abortedWithin(slot.signal, 10_000, 'no progress reported, still held');
+  await assert.rejects(slot.release(), refusedUnsent('pool#1', /no progress/));
+  await assert.rejects(b.claimSlot('pool', 1), (e) => e instanceof LeaseHeld
+    && ['urn:fence:lease-held', 'urn:fence:lock-delay'].includes(e.type));
+  assert.equal(await finishesAnswered(s.serverUrl), 0);
+  // A completion after a loss is still sent: nobody can claim a completed job. (The lease is
+  // still this owner's at the server, so it takes it.) A release after it is not sent.
+  lease = await stalls.claim('completed-after-loss');
+  await abortedWithin(lease.signal, 10_000, 'no progress reported, still held');
+  assert.equal((await lease.complete()).state, 'completed');
+  assert.equal(await finishesAnswered(s.serverUrl), 1);
+  await assert.rejects(lease.release(), refusedUnsent('completed-after-loss', /no progress/));
+  assert.equal(await finishesAnswered(s.serverUrl), 1);
 });
 
 test('a worker that stops reporting progress loses its lease', async (t) => {

@@ -119,11 +119,14 @@ test('a stale slot holder is fenced off', async (t) => {
   // A's held-up write, sent raw: the proxy refuses the slot's older generation.
   const late = await raw('POST', ledger, { 'X-Fencing-Job': 'pool#1', 'X-Fencing-Token': lateToken }, 'A: late');
   assert.deepEqual([late.status, late.body.type], [409, 'urn:fence:stale-token']);
-  // The stale lease's renewal and release are refused by the server.
+  // A release by hand of the lease lost here sends nothing (it is left to expire).
+  await assert.rejects(leaseA.release(),
+    (e) => e instanceof LeaseLost && !(e instanceof LeaseRefused) && /nothing was sent/.test(e.reason));
+  // The stale lease's renewal and completion (still sent after a loss) are refused by the server.
   delete leaseA._sendRenew; // the class's own renewal again
   await assert.rejects(leaseA._sendRenew(1000),
     (e) => e instanceof LeaseRefused && e.type === 'urn:fence:lease-lost' && e.generation === 2n);
-  await assert.rejects(leaseA.release(),
+  await assert.rejects(leaseA.complete(),
     (e) => e instanceof LeaseRefused && e.problem.owner === 'slot-b' && e.generation === 2n);
   await assert.rejects(leaseA.saveCheckpoint('stale'), LeaseLost); // lost here already: nothing sent
   assert.equal(leaseB.isLost(), false);
