@@ -18,8 +18,8 @@ import (
 var (
 	// ErrLeaseLost: the lease is lost; stop all work and effects on the job. Returned (as a
 	// *LeaseLostError) by Lease.Token and the RoundTripper once the local deadline passed or the
-	// server refused a renewal; a *ProblemError of type lease-lost or lease-key-mismatch
-	// matches it too.
+	// server refused a renewal, and by Lease.Release then (or after Abandon), nothing sent; a
+	// *ProblemError of type lease-lost or lease-key-mismatch matches it too.
 	ErrLeaseLost = errors.New("fence: lease lost")
 	// ErrInvalidJobID: a job id that is not 1 to 256 visible ASCII characters, or a semaphore's
 	// resource name that is not 1 to 251 of them without '#'; nothing was sent.

@@ -6,10 +6,11 @@
 //	err = client.Run(ctx, "invoice-42", func(ctx context.Context, lease *fence.Lease) error {
 //		hc := &http.Client{Transport: lease.Transport(nil)} // refuses once ctx is done
 //		resp, err := hc.Post("http://127.0.0.1:7800/ledger", "text/plain", strings.NewReader("charge"))
-//		if err == nil {
-//			resp.Body.Close()
+//		if err != nil {
+//			return err
 //		}
-//		return err
+//		defer resp.Body.Close()
+//		return fence.ProblemFromResponse(resp) // a refused write (ErrStaleToken on a 409) fails: never completed
 //	}, fence.RunOptions{})
 //
 //	slot, err := client.ClaimSlot(ctx, "exports", 3, 5*time.Second) // a semaphore: one of 3 slots
@@ -515,11 +516,13 @@ type RunOptions struct {
 
 // Run claims job, runs fn under a context that carries ctx's values and is cancelled when
 // ctx is or the lease is lost (lease.Err says which), completes the job when fn returns nil
-// (releases it with OnSuccessRelease) and releases it when fn fails. A lease lost while fn
-// ran is released, not completed, and Run returns the *LeaseLostError. When fn panics or
-// calls runtime.Goexit, the job is released before the panic (or Goexit) goes on. A lease fn
-// abandoned (lease.Abandon) is neither released nor completed, however fn ends (and Run
-// returns fn's error, nil included): it is left to expire, so the server's lock-delay applies.
+// (releases it with OnSuccessRelease) and releases it when fn fails. When fn panics or calls
+// runtime.Goexit, the job is released before the panic (or Goexit) goes on. A lease lost while
+// fn ran (past its local deadline, no progress, a refused renewal) is neither released nor
+// completed, and Run returns fn's error, or the *LeaseLostError when fn returned nil. A lease fn
+// abandoned (lease.Abandon) is neither released nor completed either, however fn ends (and Run
+// returns fn's error, nil included). Either way it is left to expire, so the server's
+// lock-delay applies: a write may still land.
 func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Context, lease *Lease) error, opts RunOptions) error {
 	lease, err := c.ClaimWaiting(ctx, job, opts.Wait)
 	if err != nil {
@@ -540,9 +543,10 @@ func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Contex
 	defer func() {
 		close(ran)
 		cancel()
-		if !returned && !lease.wasAbandoned() {
+		if !returned && !lease.wasAbandoned() && lease.Err() == nil {
 			// fn panicked (a caller may recover) or called runtime.Goexit: the job is
-			// released before the panic goes on, or the keeper would renew it forever.
+			// released before the panic goes on, or the keeper would renew it forever
+			// (a lease lost or abandoned is left to expire, as below).
 			_, _ = lease.Release(valuesOnly{ctx})
 		}
 	}()
@@ -556,13 +560,18 @@ func (c *Client) Run(ctx context.Context, job string, fn func(ctx context.Contex
 		// Left to expire, so the lock-delay applies: the effect may still land.
 		return err
 	}
+	if lost := lease.Err(); lost != nil {
+		// Neither completed (the work may be unfinished) nor released: a write cut by the loss
+		// may still land, and a release would let the next holder in beside it at once,
+		// skipping the lock-delay. Left to expire; fn's own error, if any, is what counts.
+		if err != nil {
+			return err
+		}
+		return lost
+	}
 	if err != nil {
 		_, _ = lease.Release(finish) // fn's own error is what counts
 		return err
-	}
-	if lost := lease.Err(); lost != nil {
-		_, _ = lease.Release(finish) // never complete a job whose lease was lost
-		return lost
 	}
 	if opts.OnSuccessRelease {
 		_, err = lease.Release(finish)

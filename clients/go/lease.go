@@ -27,6 +27,13 @@ const (
 	reasonAbandoned = "the lease was abandoned: it is left to expire on the server, so the lock-delay applies; nothing was sent"
 )
 
+// leftToExpire is why a Release asked for once the lease is lost here fails: a write cut by the
+// loss may still land, and a release the server would take (nobody claimed the job since) lets
+// the next holder in at once, skipping the lock-delay, which only an expiry starts.
+func leftToExpire(reason string) string {
+	return "the lease was lost (" + reason + "): it is left to expire on the server, so the lock-delay applies; nothing was sent"
+}
+
 // Lease is a held lease, renewed every third of its TTL by a keeper goroutine until it is
 // released, completed, abandoned or lost. Its methods are safe for concurrent use.
 type Lease struct {
@@ -193,14 +200,16 @@ func (l *Lease) Header(h http.Header) error {
 // 503 or 504, a gateway's 408) or answers its own 408 body-timeout (nothing applied) is asked
 // again until it could end the lease on its own (a minute at most, or
 // until ctx is done); a retry that finds the earlier attempt applied returns the record it left.
-// After Abandon, a *LeaseLostError (errors.Is ErrLeaseLost) and nothing sent: the lease is left
-// to expire.
+// After Abandon, or once the lease is lost here (past its local deadline, no progress, a refused
+// renewal), a *LeaseLostError (errors.Is ErrLeaseLost) and nothing sent: the lease is left to
+// expire, so the lock-delay applies.
 func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx, "release") }
 
 // Complete marks the job done for good. The server decides: a *ProblemError matching
 // ErrLeaseRefused (409 lease-lost) when someone else took over. Completing a semaphore slot
 // releases it: the server frees the slot (the Record's State is "free") and it can be claimed
-// again, at the next generation. After Abandon, a *LeaseLostError and nothing sent, as Release.
+// again, at the next generation. After Abandon, a *LeaseLostError and nothing sent, as Release;
+// after a loss it is still sent (nobody can claim a completed job).
 func (l *Lease) Complete(ctx context.Context) (Record, error) { return l.end(ctx, "complete") }
 
 // Abandon stops renewing and lets the lease expire on the server; nothing is sent. In
@@ -234,7 +243,7 @@ func (l *Lease) stop() {
 // not wait for its expiry. A release that fails leaves it to expire.
 func (l *Lease) giveBack() {
 	l.stop()
-	go func() { _, _ = l.end(context.Background(), "release") }()
+	go func() { _, _ = l.send(context.Background(), "release") }()
 }
 
 // A release or completion the server failed to answer is sent again after a pause that starts
@@ -246,22 +255,40 @@ const (
 	finishRetryWindow = time.Minute
 )
 
-// end releases or completes. A server that fails to answer (unreachable, a timeout, a 502, 503
-// or 504) is asked again until it could end the lease on its own (a minute at most): a passing
-// blip at the end of
-// a job must not leave it to expire and run again. A retry refused with lease-lost at this
-// generation, by nobody (released) or by this owner (completed: the only refusal that leaves
-// both in place), finds the earlier attempt applied: the record it left is returned.
+// end is a Release or Complete asked for by hand: a *LeaseLostError, nothing sent, after
+// Abandon, and for a release once the lease is lost here. A defer lease.Release(ctx) after an
+// Abandon or a loss would let the next holder in at once, skipping the lock-delay, while a write
+// may still land. A completion after a loss is still sent (nobody can claim a completed job),
+// and a release after a release or completion is sent again, as before.
 func (l *Lease) end(ctx context.Context, action string) (Record, error) {
-	// A defer lease.Release(ctx) after an Abandon would let the next holder in at once,
-	// skipping the lock-delay, while the write the abandon was for may still land.
 	l.mu.Lock()
 	if l.abandoned {
 		l.mu.Unlock()
 		return Record{}, &LeaseLostError{Job: l.job, Generation: l.generation, Reason: reasonAbandoned}
 	}
+	if action == "release" && ((l.reason != "" && l.reason != reasonFinished) ||
+		(l.reason == "" && !l.clock.Now().Before(l.deadline))) {
+		l.mu.Unlock()
+		reason := l.declareLost(reasonDeadline) // the reason it was lost for, the first declared
+		return Record{}, &LeaseLostError{Job: l.job, Generation: l.generation, Reason: leftToExpire(reason)}
+	}
 	l.ending = true
+	// Ended here, under the lock: a loss the keeper declares from now on cannot come between
+	// the check above and the release going out.
+	if l.reason == "" {
+		l.reason = reasonFinished
+	}
 	l.mu.Unlock()
+	return l.send(ctx, action)
+}
+
+// send releases or completes. A server that fails to answer (unreachable, a timeout, a 502, 503
+// or 504) is asked again until it could end the lease on its own (a minute at most): a passing
+// blip at the end of
+// a job must not leave it to expire and run again. A retry refused with lease-lost at this
+// generation, by nobody (released) or by this owner (completed: the only refusal that leaves
+// both in place), finds the earlier attempt applied: the record it left is returned.
+func (l *Lease) send(ctx context.Context, action string) (Record, error) {
 	l.stop() // nothing is sent under this lease from now on, whatever the answer
 	body := map[string]any{"owner": l.owner, "generation": l.generation, "lease_key": l.key}
 	l.mu.Lock()

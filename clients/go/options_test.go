@@ -569,6 +569,177 @@ func TestReleaseOrCompleteByHandAfterAbandonSendsNothing(t *testing.T) {
 	}
 }
 
+// silentDestination is a destination that takes each request and never answers (until the test
+// ends): a write on its way when the lease is lost. Its URL, and how many requests reached it.
+func silentDestination(t *testing.T) (string, *int32) {
+	t.Helper()
+	var reached int32
+	release := make(chan struct{})
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		atomic.AddInt32(&reached, 1)
+		select {
+		case <-release:
+		case <-r.Context().Done():
+		}
+	})}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	go func() { _ = srv.Serve(ln) }()
+	t.Cleanup(func() { close(release); _ = srv.Close() })
+	return "http://" + ln.Addr().String() + "/ledger", &reached
+}
+
+// Seen against `fence server --lock-delay 30s`: the keeper declared the lease lost (no
+// progress) while a write to an unfenced upstream was on its way; Run released the lease, the
+// server took the release (nobody had claimed since), and the next claim was granted at once
+// while the write committed later. A lease lost while fn runs is neither released nor
+// completed, however fn ends.
+func TestRunNeitherReleasesNorCompletesALeaseLostWhileTheWorkRan(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--lock-delay", "30s"}})
+	stalls := mustClient(t, s.serverURL, Options{Owner: "a", TTL: time.Second, ProgressWithin: 300 * time.Millisecond})
+	a := mustClient(t, s.serverURL, Options{Owner: "a", TTL: time.Second})
+	b := mustClient(t, s.serverURL, Options{Owner: "b", TTL: 10 * time.Second})
+	lostTo := func(job, why string, err error) {
+		t.Helper()
+		var lost *LeaseLostError
+		if !errors.As(err, &lost) || errors.Is(err, ErrLeaseRefused) || !strings.Contains(lost.Reason, why) {
+			t.Fatalf("%s: Run returned %v, want a *LeaseLostError (%s)", job, err, why)
+		}
+	}
+	url, reached := silentDestination(t)
+	err := stalls.Run(ctx, "in-flight", func(_ context.Context, lease *Lease) error {
+		hc := &http.Client{Transport: lease.Transport(nil)}
+		resp, err := hc.Post(url, "text/plain", strings.NewReader("charge")) // cut by the loss
+		if err == nil {
+			resp.Body.Close()
+			return errors.New("the silent destination answered")
+		}
+		return err
+	}, RunOptions{})
+	var inFlight *LeaseLostError
+	if !errors.As(err, &inFlight) || !inFlight.InFlight {
+		t.Fatalf("in-flight: Run returned %v, want the write's *LeaseLostError with InFlight", err)
+	}
+	lostTo("in-flight", "no progress", err)
+	if n := atomic.LoadInt32(reached); n != 1 {
+		t.Fatalf("in-flight: %d requests reached the destination", n)
+	}
+	assertLeftToExpire(t, b, s.serverURL, "in-flight")
+	// fn returns nil after the loss: the *LeaseLostError, nothing sent.
+	for _, onSuccessRelease := range []bool{false, true} {
+		job := fmt.Sprintf("no-progress-%v", onSuccessRelease)
+		err := stalls.Run(ctx, job, func(ctx context.Context, lease *Lease) error {
+			lostWithin(t, lease, 10*time.Second)
+			return nil
+		}, RunOptions{OnSuccessRelease: onSuccessRelease})
+		lostTo(job, "no progress", err)
+		assertLeftToExpire(t, b, s.serverURL, job)
+	}
+	// The local deadline (renewals unanswered), and fn fails with its own error: that error.
+	timedOut := errors.New("the write cut by the loss may still land")
+	err = a.Run(ctx, "deadline-fails", func(_ context.Context, lease *Lease) error {
+		t.Cleanup(pauseRenewals(lease))
+		lostWithin(t, lease, 10*time.Second)
+		if !strings.Contains(lease.Err().Error(), reasonDeadline) {
+			t.Errorf("deadline-fails: %v", lease.Err())
+		}
+		return timedOut
+	}, RunOptions{})
+	if err != timedOut {
+		t.Fatalf("deadline-fails: Run returned %v", err)
+	}
+	assertLeftToExpire(t, b, s.serverURL, "deadline-fails")
+	// fn panics after the loss: nothing sent either, and the panic goes on.
+	func() {
+		defer func() {
+			if r := recover(); r != "boom" {
+				t.Fatalf("panics: recovered %v", r)
+			}
+		}()
+		_ = stalls.Run(ctx, "panics", func(_ context.Context, lease *Lease) error {
+			lostWithin(t, lease, 10*time.Second)
+			panic("boom")
+		}, RunOptions{})
+	}()
+	assertLeftToExpire(t, b, s.serverURL, "panics")
+}
+
+// A defer lease.Release(ctx) after the keeper declared the lease lost sent the release, which
+// the server took (nobody had claimed since): the lock-delay was skipped. Once the lease is lost
+// here, Release sends nothing and returns a *LeaseLostError; Complete is still sent.
+func TestReleaseByHandAfterALocalLossSendsNothing(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--lock-delay", "30s"}})
+	stalls := mustClient(t, s.serverURL, Options{Owner: "a", TTL: time.Second, ProgressWithin: 300 * time.Millisecond})
+	a := mustClient(t, s.serverURL, Options{Owner: "a", TTL: time.Second})
+	b := mustClient(t, s.serverURL, Options{Owner: "b", TTL: 10 * time.Second})
+	refusedUnsent := func(job, why string, err error) {
+		t.Helper()
+		var lost *LeaseLostError
+		if !errors.Is(err, ErrLeaseLost) || !errors.As(err, &lost) || errors.Is(err, ErrLeaseRefused) {
+			t.Fatalf("%s: got %v, want a *LeaseLostError of the client's own", job, err)
+		}
+		for _, part := range []string{why, "left to expire", "lock-delay", "nothing was sent"} {
+			if lost.Job != job || lost.InFlight || !strings.Contains(lost.Reason, part) {
+				t.Fatalf("%s: %+v (want %q)", job, lost, part)
+			}
+		}
+	}
+	claimLost := func(c *Client, job string, pause bool) *Lease {
+		t.Helper()
+		lease, err := c.Claim(ctx, job)
+		if err != nil {
+			t.Fatal(err)
+		}
+		if pause {
+			t.Cleanup(pauseRenewals(lease))
+		}
+		lostWithin(t, lease, 10*time.Second)
+		return lease
+	}
+	lease := claimLost(stalls, "no-progress", false)
+	_, err := lease.Release(ctx)
+	refusedUnsent("no-progress", "no progress", err)
+	_, err = lease.Release(ctx) // asked again: still nothing sent
+	refusedUnsent("no-progress", "no progress", err)
+	assertLeftToExpire(t, b, s.serverURL, "no-progress")
+	lease = claimLost(a, "deadline", true)
+	_, err = lease.Release(ctx)
+	refusedUnsent("deadline", reasonDeadline, err)
+	assertLeftToExpire(t, b, s.serverURL, "deadline")
+	// A semaphore slot's lease: the same.
+	slot, err := stalls.ClaimSlot(ctx, "pool", 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lostWithin(t, slot, 10*time.Second)
+	_, err = slot.Release(ctx)
+	refusedUnsent("pool#1", "no progress", err)
+	if other, err := b.ClaimSlot(ctx, "pool", 1, 0); !errors.Is(err, ErrLeaseHeld) {
+		if err == nil {
+			other.Abandon()
+		}
+		t.Fatalf("pool: a second owner's slot claim: %v", err)
+	}
+	if n := finishesAnswered(t, s.serverURL); n != 0 {
+		t.Fatalf("%d releases or completions reached the server", n)
+	}
+	// A completion after a loss is still sent: nobody can claim a completed job. (The lease is
+	// still this owner's at the server, so it takes it.) A release after it is not sent.
+	lease = claimLost(stalls, "completed-after-loss", false)
+	if rec, err := lease.Complete(ctx); err != nil || rec.State != "completed" {
+		t.Fatalf("completed-after-loss: %+v %v", rec, err)
+	}
+	_, err = lease.Release(ctx)
+	refusedUnsent("completed-after-loss", "no progress", err)
+	if n := finishesAnswered(t, s.serverURL); n != 1 {
+		t.Fatalf("%d releases or completions counted after one completion", n)
+	}
+}
+
 // closedPortURL is the URL of a loopback port nothing listens on (a connection is refused).
 func closedPortURL(t *testing.T) string {
 	t.Helper()
