@@ -1635,12 +1635,13 @@ async fn server_errors_are_forgotten_and_client_errors_stored() {
 
 /// A redirect after a write (303 See Other: post, redirect, get) says the write was done:
 /// stored and replayed, the step not run again. It was forgotten, and every retry of its key
-/// ran the step once more.
+/// ran the step once more. 307 and 308 ask for the same request elsewhere, followed with the
+/// same key: forgotten, or the follow-up to the other path would be a key mismatch (422).
 #[tokio::test]
 async fn a_redirect_after_a_write_is_stored() {
     let (app, _started) = App::new();
     let svc = FenceLayer::new(MemoryStore::new()).layer(app.clone());
-    for (n, status) in ["303", "302", "307"].into_iter().enumerate() {
+    for (n, status) in ["303", "302", "301"].into_iter().enumerate() {
         let key = format!("k-{status}");
         let first = send(
             &svc,
@@ -1655,6 +1656,22 @@ async fn a_redirect_after_a_write_is_stored() {
             "a {status} was run again"
         );
         assert_eq!(app.calls(), n + 1);
+    }
+    for (n, status) in ["307", "308"].into_iter().enumerate() {
+        let key = format!("k-{status}");
+        let first = send(
+            &svc,
+            with_header(keyed(JOB, 5, &key, "body"), "x-status", status),
+        )
+        .await;
+        assert_eq!(first.status.as_str(), status);
+        let retry = send(&svc, keyed(JOB, 5, &key, "body")).await;
+        assert_eq!(
+            (retry.status, retry.replayed()),
+            (StatusCode::CREATED, None),
+            "a {status} was replayed"
+        );
+        assert_eq!(app.calls(), 3 + 2 * n + 2);
     }
 }
 

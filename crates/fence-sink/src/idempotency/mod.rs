@@ -51,7 +51,7 @@ pub struct IdempotencyConfig {
 
 impl Default for IdempotencyConfig {
     /// Request bodies up to 1 MiB fingerprinted, response bodies up to 1 MiB stored, records
-    /// kept 24 h, in-flight records given up after 5 minutes, 2xx, 3xx and 4xx stored (5xx
+    /// kept 24 h, in-flight records given up after 5 minutes, 2xx, 300 to 303 and 4xx stored (5xx
     /// forgotten so a retry runs again, and so are 408, 425 and 429: they say the request
     /// was not acted on and may be sent again later), expired records swept every minute,
     /// new keys refused while the records hold 4 GiB.
@@ -72,11 +72,15 @@ impl Default for IdempotencyConfig {
 
 pub(crate) use crate::store::clamped;
 
-/// The default filter of [`IdempotencyConfig::store_statuses`]: 2xx, 3xx and 4xx, but for
-/// the three 4xx that ask for the same request again (RFC 9110 section 15.5.9, RFC 8470, RFC
-/// 6585): replayed, a rate limit's 429 would answer every retry for the whole retention
-/// although the step never ran. A 3xx is stored: a 303 See Other after a POST (post,
-/// redirect, get) says the write was done, and forgotten, every retry ran it again.
+/// The default filter of [`IdempotencyConfig::store_statuses`]: 2xx, 300 to 303 and 4xx, but
+/// for the three 4xx that ask for the same request again (RFC 9110 section 15.5.9, RFC 8470,
+/// RFC 6585): replayed, a rate limit's 429 would answer every retry for the whole retention
+/// although the step never ran. 300 to 303 are stored: a 303 See Other after a POST (post,
+/// redirect, get) says the write was done, and forgotten, every retry ran it again (the
+/// redirect is followed with a GET, which is not fenced). Not 307 and 308, which ask for the
+/// same request again elsewhere (a client follows them with the same method, body and
+/// `Idempotency-Key`: stored, the follow-up to another path would be a key mismatch), nor
+/// 304, which answers a conditional read.
 fn stored_by_default(status: StatusCode) -> bool {
     let again = [
         StatusCode::REQUEST_TIMEOUT,
@@ -84,7 +88,7 @@ fn stored_by_default(status: StatusCode) -> bool {
         StatusCode::TOO_MANY_REQUESTS,
     ];
     status.is_success()
-        || status.is_redirection()
+        || (300..=303).contains(&status.as_u16())
         || (status.is_client_error() && !again.contains(&status))
 }
 
