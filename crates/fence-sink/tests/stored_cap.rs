@@ -217,3 +217,54 @@ async fn keyed_requests_running_do_not_fill_the_cap() {
         assert_eq!(r.await.unwrap().status, StatusCode::OK);
     }
 }
+
+/// Keyed requests admitted while the records were under the cap may all finish after it is
+/// reached: each answer is checked again as it arrives, and once the records hold the cap
+/// one is remembered as not replayable instead of stored, so the records pass the cap by at
+/// most one answer here. A review saw 40 slow requests take a 64 KiB cap to 4 MB before.
+#[tokio::test]
+async fn answers_past_the_cap_are_not_stored() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let sink = Arc::new(Sink::new(store.clone(), &clock));
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let running: Vec<_> = (0..6)
+        .map(|i| {
+            let (sink, gate) = (sink.clone(), gate.clone());
+            tokio::spawn(async move { sink.send_gated(&format!("slow-{i}"), Some(gate)).await })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while sink.calls() < 6 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the six slow requests were admitted, the records nearly empty");
+    gate.add_permits(6);
+    for r in running {
+        assert_eq!(
+            r.await.unwrap().status,
+            StatusCode::OK,
+            "the client gets its answer"
+        );
+    }
+    // Stored while the records were under 10 KiB: three answers (the third passes it).
+    let stored = store.stored_bytes().unwrap();
+    assert!(
+        stored < CAP + ANSWER as u64 + 1024,
+        "six 4 KiB answers took the records to {stored} bytes"
+    );
+    // The others' retries are told they cannot be replayed; the service does not run again.
+    let (mut replayed, mut not_replayable) = (0, 0);
+    for i in 0..6 {
+        let a = sink.send(&format!("slow-{i}")).await;
+        match a.status {
+            StatusCode::OK if a.replayed => replayed += 1,
+            StatusCode::CONFLICT => not_replayable += 1,
+            other => panic!("slow-{i}: {other}"),
+        }
+    }
+    assert_eq!((replayed, not_replayable), (3, 3));
+    assert_eq!(sink.calls(), 6);
+}

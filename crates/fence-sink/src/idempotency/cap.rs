@@ -11,11 +11,10 @@ pub(crate) struct Full {
 
 /// Whether a request whose record has just begun may run: the bytes `stored` (`None`: the
 /// store does not count) must be under the cap. The answers of keyed requests running are
-/// not counted until recorded: the cap is soft by what they add, which is at most what the
-/// memory budget (`--max-buffered-bytes`) lets be kept at once, since every answer to store
-/// is held there while it arrives. (Until this version each keyed request running counted as
-/// a whole `--idempotency-max-body`, and 4,096 slow ones, 64 with a 64 MiB body limit,
-/// refused every job's new keys with nothing stored.)
+/// not counted here; each is checked with [`fits`] when it arrives, and one that no longer
+/// fits is not stored. (Until this version each keyed request running counted as a whole
+/// `--idempotency-max-body`, and 4,096 slow ones, 64 with a 64 MiB body limit, refused every
+/// job's new keys with nothing stored.)
 pub(crate) fn admit(config: &IdempotencyConfig, stored: Option<u64>) -> Result<(), Full> {
     let Some(stored) = stored else {
         return Ok(());
@@ -26,6 +25,17 @@ pub(crate) fn admit(config: &IdempotencyConfig, stored: Option<u64>) -> Result<(
     } else {
         Err(Full { stored })
     }
+}
+
+/// Whether an answer may still be stored: the bytes `stored` (`None`: the store does not
+/// count) are under the cap. Asked again when a request admitted under the cap has its
+/// answer: the requests admitted while the records were under it may all finish after it is
+/// reached (a review saw 40 slow ones take a 64 KiB cap to 4 MB), so once the records hold
+/// the cap an answer is remembered as not replayable, like one too large to store. The cap
+/// is then passed by at most the answers stored at the same moment, which the memory budget
+/// bounds, as each is held there while it arrives.
+pub(crate) fn fits(config: &IdempotencyConfig, stored: Option<u64>) -> bool {
+    stored.is_none_or(|stored| stored < config.max_stored_bytes)
 }
 
 /// The 503 `overloaded` a new key gets while the records are full.

@@ -122,10 +122,11 @@ impl IdempotencyConfig {
     /// Refuses a new key while the stored records hold `bytes` (default 4 GiB): 503
     /// `overloaded` with `Retry-After` (the [sweep interval](Self::sweep_every)), and the
     /// service is not called; keys already recorded still replay (or get their 409 or 422).
-    /// Counted are the records' bytes as the store keeps them. An effect that ran always has
-    /// its answer stored, so the records may pass `bytes` by the answers of the keyed
-    /// requests running at once, which the memory budget bounds (every answer to store is
-    /// held there while it arrives). The cap is shared by every job and client: one that may
+    /// Counted are the records' bytes as the store keeps them. A request admitted under the
+    /// cap whose answer comes once the records hold it is remembered as not replayable (a
+    /// retry gets 409), so the records pass `bytes` by at most the answers stored at the same
+    /// moment, which the memory budget bounds (every answer to store is held there while it
+    /// arrives). The cap is shared by every job and client: one that may
     /// send keyed requests can fill it with answers kept for the retention. Without it, records are bounded only by retention × rate × answer size
     /// (a day at 50 keyed requests a second answering 1 MiB is 4 TB), and on sled they
     /// share the disk with the generations: a full disk fails every job. Applies to the

@@ -353,6 +353,15 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                         let finishing = self.finish(fingerprint, Finish::Forget).await;
                         let body = ResponseBody::held(bytes, trailers, Some(held));
                         (Response::from_parts(head, body), finishing)
+                    } else if !super::cap::fits(self.config, self.store.stored_bytes()) {
+                        // The records reached their cap while this request ran: it is
+                        // remembered as not replayable, like an answer too large to store.
+                        let retention = self.config.retention;
+                        let finishing = self
+                            .finish(fingerprint, Finish::TooLarge { retention })
+                            .await;
+                        let body = ResponseBody::held(bytes, trailers, Some(held));
+                        (Response::from_parts(head, body), finishing)
                     } else {
                         let stored = StoredResponse {
                             status: head.status,
