@@ -326,3 +326,28 @@ async fn a_release_after_a_local_loss_is_not_sent() {
     // The store's clock is the system's: for it, the lease still holds, left to expire.
     assert_eq!(state_of(&store).await, LeaseState::Held);
 }
+
+/// A semaphore slot's completion frees the slot (the store releases it), so once the lease
+/// is lost here it is refused like a release: the next holder would get the slot at once,
+/// beside the stalled holder's write.
+#[tokio::test(start_paused = true)]
+async fn a_slots_completion_after_a_local_loss_is_not_sent() {
+    let store = FailsFinish {
+        stalls_renewals: true,
+        ..FailsFinish::default()
+    };
+    let lease = LeaseClient::new(store.clone())
+        .owner("worker".parse().unwrap())
+        .ttl(Ttl::new(Duration::from_secs(1)).unwrap())
+        .claim_slot("pool".parse().unwrap(), 2, Duration::ZERO)
+        .await
+        .unwrap();
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    assert!(lease.is_lost());
+    let refused = lease.complete().await;
+    assert!(
+        matches!(refused, Err(FinishError::LostLocally(_))),
+        "{refused:?}"
+    );
+    assert_eq!(store.attempts.load(Ordering::SeqCst), 0, "nothing was sent");
+}

@@ -67,7 +67,9 @@ impl<S: LeaseStore> Lease<S> {
     /// end may run that much past it). Sent even when the lease is already lost here (past its local
     /// deadline, say): the store takes it only while this owner, generation and key still
     /// hold the job, that is, when nobody claimed it since. A caller that must not complete
-    /// a job whose lease it lost checks [`LeaseView::is_lost`] first (`fence run` does).
+    /// a job whose lease it lost checks [`LeaseView::is_lost`] first (`fence run` does). A
+    /// semaphore slot's completion frees the slot, so for a slot it is refused once the lease
+    /// is lost here, as [`release`](Self::release) is.
     ///
     /// # Errors
     /// [`FinishError::Lost`] when the store no longer records this owner and generation;
@@ -83,7 +85,9 @@ impl<S: LeaseStore> Lease<S> {
     /// store refused a renewal): the lease is left to expire, so that the lock-delay applies.
     /// A write this holder sent before the loss may still land, and a release the store
     /// would take (nobody claimed the job since) lets the next holder start beside it at
-    /// once. A completion is still sent (nobody can claim a completed job).
+    /// once. A completion is still sent (nobody can claim a completed job), but for a
+    /// semaphore slot's: the store frees a slot it is asked to complete, so that one is
+    /// refused alike.
     ///
     /// # Errors
     /// [`FinishError::LostLocally`], nothing sent, when the lease is lost here; otherwise as
@@ -95,7 +99,10 @@ impl<S: LeaseStore> Lease<S> {
     async fn finish(self, complete: bool) -> Result<LeaseRecord, FinishError> {
         self.keeper.abort();
         let shared = &self.view.shared;
-        if !complete && shared.token().is_none() {
+        // A slot's completion frees the slot like a release (`#` is reserved for slot jobs):
+        // refused alike.
+        let frees = !complete || shared.job.as_str().contains('#');
+        if frees && shared.token().is_none() {
             let reason = shared
                 .reason
                 .get()
