@@ -101,7 +101,7 @@ async fn dispatch(cmd: Cmd) -> anyhow::Result<i32> {
             })
             .await
         }
-        Cmd::Watchdog(a) => run::watchdog(a.grace).await,
+        Cmd::Watchdog(a) => run::watchdog(a.grace, a.token_file).await,
         Cmd::Completions(a) => {
             let mut cmd = fence::cli::shown_commands();
             let mut script = Vec::new();

@@ -387,6 +387,41 @@ fn a_leftover_after_a_clean_end_is_killed_once_the_lease_cannot_be_renewed() {
     let _ = run.0.wait();
 }
 
+/// The command exited 0 under `--on-success release`, and the lease was lost while what it
+/// left behind ran out its grace: the job is left to expire, not released (a release the
+/// store would take then skips the lock-delay), and `fence run` exits 0, the command's own
+/// code (a review saw 75, which asks for a rerun of work that succeeded).
+#[test]
+fn a_clean_end_whose_lease_is_lost_after_is_left_to_expire_and_exits_0() {
+    let dir = tempfile::tempdir().unwrap();
+    let (server, url) = start_server(dir.path());
+    let pid_file = dir.path().join("clean-release.pid");
+    let script = format!(
+        "{}; echo $! > {}; sleep 0.3; exit 0",
+        stubborn_in_background("exec sleep 1000", &dir.path().join("ready")),
+        pid_file.display()
+    );
+    let mut run = spawn_run(
+        &url,
+        "clean-release",
+        &["--ttl", "1s", "--grace", "10s", "--on-success", "release"],
+        &script,
+    );
+    let leftover = pid_in(&pid_file);
+    signal(&server, "-STOP"); // renewals go unanswered from now on
+    gone_within(leftover, Duration::from_millis(2_500));
+    signal(&server, "-CONT");
+    assert_eq!(run.0.wait().unwrap().code(), Some(0));
+    let record = json(&fence(&[
+        "status",
+        "--server",
+        &url,
+        "--job",
+        "clean-release",
+    ]));
+    assert_ne!(record["state"], "free", "released after the loss: {record}");
+}
+
 /// A short lease's deadline is never stale at the watchdog: under a 150 ms lease (renewed
 /// every 50 ms, its deadline at most 100 ms ahead) a healthy command is not stopped by a
 /// watchdog that heard of the deadline only every 100 ms (exit 143). A renewal late on a
@@ -1134,11 +1169,15 @@ fn a_leftover_that_outlives_the_watchdog_keeps_the_job_from_being_released() {
 /// find the lost lease's token (a destination not yet told of the next holder would take it).
 /// Before, a task emptied it concurrently with the signal, and an audit saw the token at
 /// the handler in one run of three; several rounds here.
+/// Rounds 6 to 8 lose the lease at its deadline (the server frozen), where the watchdog
+/// signals the group on its own timer, racing `fence run` (a review saw the token there in one
+/// round of six): the watchdog empties the file first too.
 #[test]
 fn the_token_file_is_empty_when_the_command_gets_its_sigterm() {
     let dir = tempfile::tempdir().unwrap();
-    let (_server, url) = start_server(dir.path());
-    for round in 0..6 {
+    let (server, url) = start_server(dir.path());
+    for round in 0..9 {
+        let frozen = round >= 6;
         let job = format!("token-at-term-{round}");
         let (seen, ready) = (
             dir.path().join(format!("{job}.seen")),
@@ -1150,13 +1189,23 @@ fn the_token_file_is_empty_when_the_command_gets_its_sigterm() {
             s = seen.display(),
             r = ready.display()
         );
-        // Renewed every second: the revoke is seen within one.
-        let mut run = spawn_run(&url, &job, &["--ttl", "3s", "--grace", "3s"], &script);
+        // Renewed every second: the revoke is seen within one. Frozen, the server leaves a
+        // one-second lease to its deadline.
+        let ttl = if frozen { "1s" } else { "3s" };
+        let mut run = spawn_run(&url, &job, &["--ttl", ttl, "--grace", "3s"], &script);
         eventually("the command's start", Duration::from_secs(10), || {
             ready.exists()
         });
-        assert_success(&fence(&["revoke", "--server", &url, "--job", &job]));
-        assert_eq!(run.0.wait().unwrap().code(), Some(75), "round {round}");
+        if frozen {
+            signal(&server, "-STOP");
+        } else {
+            assert_success(&fence(&["revoke", "--server", &url, "--job", &job]));
+        }
+        let code = run.0.wait().unwrap().code();
+        if frozen {
+            signal(&server, "-CONT");
+        }
+        assert_eq!(code, Some(75), "round {round}");
         assert_eq!(
             std::fs::read_to_string(&seen).unwrap(),
             "",

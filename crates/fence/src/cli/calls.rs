@@ -143,4 +143,7 @@ pub struct WatchdogCmd {
     /// Between SIGTERM and SIGKILL to the group.
     #[arg(long, allow_hyphen_values = true, value_parser = parse_duration)]
     pub grace: Duration,
+    /// The command's FENCE_TOKEN_FILE, emptied before the group's SIGTERM.
+    #[arg(long, value_name = "PATH")]
+    pub token_file: Option<std::path::PathBuf>,
 }

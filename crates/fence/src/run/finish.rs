@@ -73,6 +73,9 @@ pub(super) async fn out_of_time(
         }
         _ => match or_signal(signals, lease.release()).await {
             Ok(Ok(record)) => say!("fence run: the job is {}", record.state),
+            Ok(Err(FinishError::LostLocally(reason))) => say!(
+                "fence run: the lease was lost ({reason}); the job is left to expire, not released"
+            ),
             Ok(Err(e)) => say!(
                 "fence run: releasing the job failed ({}); it expires on its own",
                 fence_storage::error_chain(&e)
@@ -132,17 +135,7 @@ pub(super) async fn finish(
 ) -> anyhow::Result<i32> {
     let code = exit_code(status);
     if code != 0 && on_failure == OnFailure::Expire {
-        // Lost after the command ended (its last checkpoint's retries outlasted the lease):
-        // 75, as a release refused then would say.
-        let lost = lease.is_lost();
         drop(lease); // no more renewals, nothing sent
-        if lost {
-            say!(
-                "fence run: the command {}, and the lease was lost since; fence run exits {EXIT_LOST}",
-                ended_how(status)
-            );
-            return Ok(EXIT_LOST);
-        }
         say!(
             "fence run: the command {}; the job is left to expire (--on-failure expire): nobody can claim it until its lease ends and its lock-delay has passed",
             ended_how(status)
@@ -177,14 +170,17 @@ pub(super) async fn finish(
             );
             Ok(EXIT_LOST)
         }
-        // Lost here since the command ended: not released (a release then would skip the
-        // lock-delay), left to expire.
+        // Lost here since the command ended (what was left of its group, or its last
+        // checkpoint's retries, outlasted the lease): not released (a release then would skip
+        // the lock-delay), left to expire. The command ran its whole course under the lease,
+        // so its own code is the answer, as after a release: 75 would ask for a rerun of work
+        // that succeeded.
         Err(FinishError::LostLocally(reason)) => {
             say!(
-                "fence run: the command {}, but the lease was lost since ({reason}); the job is left to expire; fence run exits {EXIT_LOST}",
+                "fence run: the command {}, and the lease was lost since ({reason}); the job is left to expire, not released",
                 ended_how(status)
             );
-            Ok(EXIT_LOST)
+            Ok(code)
         }
         Err(e) => Err(anyhow::Error::new(e).context("finishing the lease failed")),
     }

@@ -83,7 +83,11 @@ pub(super) async fn reap_killed(
 }
 
 impl Group {
-    pub(super) fn start(stop: Stop, reaper: &reaper::Reaper) -> anyhow::Result<Self> {
+    pub(super) fn start(
+        stop: Stop,
+        reaper: &reaper::Reaper,
+        token_file: &std::path::Path,
+    ) -> anyhow::Result<Self> {
         let exe = std::env::current_exe().context("finding the fence executable")?;
         let mut watchdog = Command::new(exe);
         let mut watchdog = reaper
@@ -91,6 +95,8 @@ impl Group {
                 watchdog
                     .args(["watchdog", "--grace"])
                     .arg(format!("{}ms", stop.grace.as_millis()))
+                    .arg("--token-file")
+                    .arg(token_file)
                     .process_group(0)
                     .stdin(Stdio::piped())
                     .stdout(Stdio::null())

@@ -18,7 +18,8 @@
 //! 10 s: the job is left to expire, never released; `fence run` gives up at most 3 ×
 //! `--grace` + 25 s after the command exits or is stopped), 128+N (the command was killed by
 //! signal N, or `fence run` got it while waiting for the lease), otherwise the command's own
-//! code (the job was released).
+//! code (the job was released, or left to expire with `--on-failure expire` or when the
+//! lease was lost after the command ended: a lost lease is never released).
 
 use std::{process::Stdio, time::Duration};
 
@@ -190,7 +191,7 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
         grace: args.grace,
         lock_delay: args.lock_delay.unwrap_or_default(),
     };
-    let mut group = match Group::start(stop, &reaper) {
+    let mut group = match Group::start(stop, &reaper, &token_file.path()) {
         Ok(group) => group,
         Err(e) => {
             give_back(lease, &mut signals).await;
@@ -284,6 +285,11 @@ pub async fn run(args: RunArgs) -> anyhow::Result<i32> {
     // with nothing left to make progress, and the store still takes a completion then as
     // long as nobody claimed the job.
     let lost_while_running = lease.is_lost();
+    if lost_while_running {
+        // The command exited as the lease was lost: what is left of its group is signalled
+        // next, and must not find the lost lease's token either.
+        keeper.empty();
+    }
     // The command is gone (or stopped); so must be anything it left running in its group,
     // before its last checkpoint is saved and the lease is given up.
     let stopped = group.stop().await;

@@ -79,7 +79,10 @@ fn last_moment_of(store_end: Instant, deadline: Instant) -> Instant {
 ///
 /// # Errors
 /// When its signal handlers cannot be installed.
-pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
+pub async fn watchdog(
+    grace: Duration,
+    token_file: Option<std::path::PathBuf>,
+) -> anyhow::Result<i32> {
     let mut signals = Signals::install().context("installing signal handlers")?;
     // A stop sent to the command's group (`kill -TSTP -PGID`, a terminal's Ctrl-Z, a
     // background read or write) must not stop the watchdog with it, or nothing would be left
@@ -97,6 +100,13 @@ pub async fn watchdog(grace: Duration) -> anyhow::Result<i32> {
             () = expiry => break,
             _ = signals.next() => {}
         }
+    }
+    // The command's token file is emptied first: a SIGTERM handler that writes once more,
+    // reading the file as the docs say, must not find a token whose lease may be lost (at
+    // the deadline, `fence run`, which also empties it, races this process, and a frozen
+    // or killed `fence run` empties nothing).
+    if let Some(path) = &token_file {
+        let _ = super::token_file::write_bytes(path, b"");
     }
     let pgid = nix::unistd::getpgrp();
     let _ = killpg(pgid, Signal::SIGTERM);
