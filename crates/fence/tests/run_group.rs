@@ -422,6 +422,35 @@ fn a_clean_end_whose_lease_is_lost_after_is_left_to_expire_and_exits_0() {
     assert_ne!(record["state"], "free", "released after the loss: {record}");
 }
 
+/// After a clean end the lease is still held while what the command left runs out its grace:
+/// the token file keeps the token, so a leftover's SIGTERM handler that writes once more may
+/// (a review saw the watchdog empty it after fence run's `done`, which reads as a loss).
+#[test]
+fn after_a_clean_end_the_token_file_keeps_the_held_leases_token() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_server, url) = start_server(dir.path());
+    let (seen, ready) = (dir.path().join("seen"), dir.path().join("ready"));
+    let script = format!(
+        "sh -c \"trap 'cat \\\"\\$FENCE_TOKEN_FILE\\\" > {s}.tmp; mv {s}.tmp {s}; exit 0' TERM; touch {r}; \
+         n=0; while [ \\$n -lt 3000 ]; do sleep 0.01; n=\\$((n+1)); done\" & \
+         n=0; while [ ! -e {r} ] && [ $n -lt 1000 ]; do sleep 0.01; n=$((n+1)); done; exit 0",
+        s = seen.display(),
+        r = ready.display()
+    );
+    let mut run = spawn_run(
+        &url,
+        "clean-token",
+        &["--ttl", "3s", "--grace", "3s", "--on-success", "release"],
+        &script,
+    );
+    assert_eq!(run.0.wait().unwrap().code(), Some(0));
+    assert_eq!(
+        std::fs::read_to_string(&seen).unwrap(),
+        "1\n",
+        "the leftover's SIGTERM handler found no token while the lease was held"
+    );
+}
+
 /// A short lease's deadline is never stale at the watchdog: under a 150 ms lease (renewed
 /// every 50 ms, its deadline at most 100 ms ahead) a healthy command is not stopped by a
 /// watchdog that heard of the deadline only every 100 ms (exit 143). A renewal late on a

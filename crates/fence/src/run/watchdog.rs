@@ -101,11 +101,16 @@ pub async fn watchdog(
             _ = signals.next() => {}
         }
     }
-    // The command's token file is emptied first: a SIGTERM handler that writes once more,
-    // reading the file as the docs say, must not find a token whose lease may be lost (at
-    // the deadline, `fence run`, which also empties it, races this process, and a frozen
-    // or killed `fence run` empties nothing).
-    if let Some(path) = &token_file {
+    // At the deadline, or with fence run gone, the command's token file is emptied first: a
+    // SIGTERM handler that writes once more, reading the file as the docs say, must not find
+    // a token whose lease may be lost (`fence run`, which also empties it, races this
+    // process at the deadline, and a frozen or killed `fence run` empties nothing). Not after
+    // `done`: fence run is alive then, renewing until the job is finished, and keeps the
+    // file (emptied by it on a loss); emptied here, it would read as lost while the lease
+    // holds.
+    if !pipe.told.done
+        && let Some(path) = &token_file
+    {
         let _ = super::token_file::write_bytes(path, b"");
     }
     let pgid = nix::unistd::getpgrp();
