@@ -254,7 +254,7 @@ pub(crate) fn key_mismatch(job: &JobId, key: &IdempotencyKey) -> Problem {
 
 pub(crate) fn not_replayable(job: &JobId, key: &IdempotencyKey) -> Problem {
     let detail = format!(
-        "job {job}: the request with Idempotency-Key {key} already ran, but its response could not be kept (too large to store, or its body broke off), so it cannot be replayed"
+        "job {job}: the request with Idempotency-Key {key} already ran, but its response could not be kept (too large to store, over the memory budget or the stored records' cap while it arrived, or its body broke off), so it cannot be replayed"
     );
     Problem::new(ProblemType::IdempotencyNotReplayable, detail).with_job(job.clone())
 }

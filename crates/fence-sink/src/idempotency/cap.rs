@@ -35,7 +35,11 @@ pub(crate) fn admit(config: &IdempotencyConfig, stored: Option<u64>) -> Result<(
 /// is then passed by at most the answers stored at the same moment, which the memory budget
 /// bounds, as each is held there while it arrives.
 pub(crate) fn fits(config: &IdempotencyConfig, stored: Option<u64>) -> bool {
-    stored.is_none_or(|stored| stored < config.max_stored_bytes)
+    let Some(stored) = stored else {
+        return true;
+    };
+    metrics::gauge!("fence_sink_idempotency_stored_bytes").set(stored as f64);
+    stored < config.max_stored_bytes
 }
 
 /// The 503 `overloaded` a new key gets while the records are full.
