@@ -351,6 +351,150 @@ def test_a_release_by_hand_after_a_local_loss_sends_nothing(stack):
     assert finishes_answered(s.server_url) == 1
 
 
+def record_finishes(lease) -> list:
+    """The releases and completions ``lease`` sends from now on (the path's last part)."""
+    sent: list = []
+    transport = lease._transport
+
+    class Recording:
+        def call(self, method, path, *args, **kwargs):
+            if path.endswith(("/release", "/complete")):
+                sent.append(path.rsplit("/", 1)[1])
+            return transport.call(method, path, *args, **kwargs)
+
+        def __getattr__(self, name):
+            return getattr(transport, name)
+
+    lease._transport = Recording()
+    return sent
+
+
+def stop_keeper_past_deadline(lease) -> None:
+    """Stops ``lease``'s keeper thread without a word, then waits past the local deadline: the
+    deadline has passed, and nothing has declared the lease lost yet."""
+    lease._finished.set()
+    lease._keeper.join(5.0)
+    assert not lease._keeper.is_alive()
+    time.sleep(max(lease.deadline - monotonic(), 0.0) + 0.02)
+    assert lease.loss_reason is None and not lease.lost.is_set()
+
+
+def assert_slot_left_to_expire(server_url: str, resource: str) -> None:
+    """The only slot of ``resource`` (held by owner ``a``) was neither released nor completed:
+    another owner's claim of it is refused, and the server answered no release or completion."""
+    with pytest.raises(LeaseHeld) as refused:
+        Client(server_url, owner="b", ttl=10.0).claim_slot(resource, 1)
+    assert refused.value.type in ("urn:fence:lease-held", "urn:fence:lock-delay"), resource
+    assert refused.value.owner == "a", refused.value.problem
+    assert finishes_answered(server_url) == 0, resource
+
+
+def test_a_slot_completion_by_hand_after_a_local_loss_sends_nothing(stack):
+    # The server takes a slot's completion as a release (the slot is freed at once): sent after
+    # a loss here, it let the next claimer in beside a write cut by the loss, skipping the
+    # lock-delay, as a release by hand did.
+    s = stack(proxy=False, server_args=["--lock-delay", "30s"])
+    stalls = Client(s.server_url, owner="a", ttl=1.0, progress_within=0.3)
+    a = Client(s.server_url, owner="a", ttl=1.0)
+
+    def refused_unsent(lost: pytest.ExceptionInfo, why: str) -> None:
+        assert type(lost.value) is LeaseLost, repr(lost.value)  # not the server's LeaseRefused
+        reason = lost.value.reason
+        assert why in reason and "left to expire" in reason, reason
+        assert "nothing was sent" in reason, reason
+
+    lease = stalls.claim_slot("stalled", 1)
+    sent = record_finishes(lease)
+    assert lease.lost.wait(10.0), "no progress reported, still held"
+    with pytest.raises(LeaseLost) as lost:
+        lease.complete()
+    refused_unsent(lost, "no progress")
+    with pytest.raises(LeaseLost) as lost:  # asked again: still nothing sent
+        lease.complete()
+    refused_unsent(lost, "no progress")
+    assert sent == []
+    assert_slot_left_to_expire(s.server_url, "stalled")
+    # The local deadline passed, the keeper has not said it yet: refused all the same.
+    lease = a.claim_slot("masked", 1)
+    sent = record_finishes(lease)
+    stop_keeper_past_deadline(lease)
+    with pytest.raises(LeaseLost) as lost:
+        lease.complete()
+    refused_unsent(lost, DEADLINE_PASSED)
+    assert sent == [] and lease.loss_reason == DEADLINE_PASSED
+    assert_slot_left_to_expire(s.server_url, "masked")
+    lease = a.claim_slot("abandoned", 1)
+    lease.abandon()
+    with pytest.raises(LeaseLost) as lost:
+        lease.complete()
+    assert "abandoned" in lost.value.reason and "nothing was sent" in lost.value.reason
+    assert_slot_left_to_expire(s.server_url, "abandoned")
+
+    async def from_asyncio() -> None:
+        astalls = AsyncClient(s.server_url, owner="a", ttl=1.0, progress_within=0.3)
+        alease = await astalls.claim_slot("async-stalled", 1)
+        asent = record_finishes(alease)
+        await asyncio.wait_for(alease.lost.wait(), 10.0)
+        with pytest.raises(LeaseLost) as alost:
+            await alease.complete()
+        refused_unsent(alost, "no progress")
+        assert asent == []
+        assert_slot_left_to_expire(s.server_url, "async-stalled")
+        alease = await AsyncClient(s.server_url, owner="a", ttl=1.0).claim_slot("async-masked", 1)
+        asent = record_finishes(alease)
+        # The loop blocked past the deadline: the keeper task cannot run to notice it.
+        time.sleep(max(alease.deadline - monotonic(), 0.0) + 0.02)
+        assert alease.loss_reason is None
+        with pytest.raises(LeaseLost) as alost:
+            await alease.complete()
+        refused_unsent(alost, DEADLINE_PASSED)
+        assert asent == []
+        assert_slot_left_to_expire(s.server_url, "async-masked")
+
+    asyncio.run(from_asyncio())
+
+
+def test_a_failed_completion_past_the_deadline_lets_no_release_out(stack):
+    # complete() called once the local deadline had passed, before the keeper noticed, marked
+    # the lease "finished", hiding the loss; when the completion then failed unapplied (a
+    # server blip), a `finally: lease.release()` was sent, and a server that took it let the
+    # next holder in at once, skipping the lock-delay.
+    s = stack(proxy=False, server_args=["--lock-delay", "30s"])
+    lease = Client(s.server_url, owner="a", ttl=1.0).claim("masked")
+    sent = record_finishes(lease)
+    stop_keeper_past_deadline(lease)
+    s.server.kill()  # the completion fails, not applied
+    with pytest.raises(ServerUnreachable):
+        lease.complete()  # a plain job's completion is still sent after a loss
+    assert sent and set(sent) == {"complete"}, sent
+    assert lease.loss_reason == DEADLINE_PASSED, lease.loss_reason  # not "finished"
+    assert lease.lost.is_set()
+    with pytest.raises(LeaseLost) as lost:
+        lease.release()
+    assert type(lost.value) is LeaseLost, repr(lost.value)
+    assert DEADLINE_PASSED in lost.value.reason and "nothing was sent" in lost.value.reason
+    assert set(sent) == {"complete"}, sent
+
+    async def from_asyncio() -> None:
+        s2 = stack(proxy=False, server_args=["--lock-delay", "30s"])
+        alease = await AsyncClient(s2.server_url, owner="a", ttl=1.0).claim("async-masked")
+        asent = record_finishes(alease)
+        # The loop blocked past the deadline: the keeper task cannot run to notice it.
+        time.sleep(max(alease.deadline - monotonic(), 0.0) + 0.02)
+        s2.server.kill()
+        assert alease.loss_reason is None
+        with pytest.raises(ServerUnreachable):
+            await alease.complete()
+        assert asent and set(asent) == {"complete"}, asent
+        assert alease.loss_reason == DEADLINE_PASSED, alease.loss_reason
+        with pytest.raises(LeaseLost) as alost:
+            await alease.release()
+        assert DEADLINE_PASSED in alost.value.reason and "nothing was sent" in alost.value.reason
+        assert set(asent) == {"complete"}, asent
+
+    asyncio.run(from_asyncio())
+
+
 def test_a_worker_that_stops_reporting_progress_loses_its_lease(stack):
     s = stack(proxy=False)
     client = Client(s.server_url, owner="bound", ttl=0.9, progress_within=0.6)

@@ -184,6 +184,9 @@ def test_a_stale_slot_holder_is_fenced_off(stack, monkeypatch):
         with pytest.raises(LeaseLost) as unsent:
             lease_a.release()
         assert type(unsent.value) is LeaseLost and "nothing was sent" in unsent.value.reason
+        with pytest.raises(LeaseLost) as unsent:  # nor a completion, which frees a slot too
+            lease_a.complete()
+        assert type(unsent.value) is LeaseLost and "nothing was sent" in unsent.value.reason
         # The stale lease's renewal and release, sent anyway, are refused by the server.
         with pytest.raises(LeaseRefused) as renew:
             type(lease_a)._send_renew(lease_a, 1.0)

@@ -1,13 +1,17 @@
 """A client for fence lease servers: claim a job, keep the lease renewed, and send the newest
 fencing token with every write, refusing to send once the lease is lost.
 
-    from fence_client import Client
+    from fence_client import Client, ProblemError
     from fence_client.requests import FenceAuth, raise_for_problem
 
     client = Client("http://127.0.0.1:7700", ttl=10)
     with client.claim("invoice-42") as lease:        # completes on a clean exit
-        r = session.post("http://127.0.0.1:7800/ledger", data="charge", auth=FenceAuth(lease))
-        raise_for_problem(r)  # a refused write (StaleToken on a 409) raises: never completed
+        try:
+            raise_for_problem(session.post("http://127.0.0.1:7800/ledger", data="charge",
+                                           auth=FenceAuth(lease), timeout=5))
+        except (requests.RequestException, ProblemError):
+            lease.abandon()  # a timeout, a 502 or 504 may land: not released, left to expire
+            raise
     with client.claim_slot("exports", 3) as lease:   # a semaphore: one of 3 slots, released on exit
         ...
 

@@ -293,20 +293,24 @@ class LeaseCore:
 
     def _begin_ending(self, action: str) -> None:
         """Before a release or completion is sent: :class:`LeaseLost`, and nothing sent, once
-        the lease was abandoned (:data:`ABANDONED`), and for a release once the lease is lost
-        here (past its local deadline, no progress, a refused renewal: :func:`left_to_expire`).
-        A ``finally: lease.release()`` after an abandon or a loss would otherwise let the next
-        holder in at once, skipping the lock-delay, while a write may still land. A completion
-        after a loss is still sent: nobody can claim a completed job. A release after a
-        release or completion is sent again, as before (the job may already be free)."""
+        the lease was abandoned (:data:`ABANDONED`), and for a release, or a semaphore slot's
+        completion (the server frees the slot: a release), once the lease is lost here (past
+        its local deadline, no progress, a refused renewal: :func:`left_to_expire`). A
+        ``finally: lease.release()`` after an abandon or a loss would otherwise let the next
+        holder in at once, skipping the lock-delay, while a write may still land. A plain job's
+        completion after a loss is still sent: nobody can claim a completed job. The deadline
+        is checked for both actions and a loss it finds is kept (never hidden as "finished"),
+        so a release after a completion that failed past the deadline is refused too. A
+        release after a release or completion asked for while the lease was held is sent
+        again, as before (the job may already be free)."""
         with self._lock:
             if self._abandoned:
                 raise LeaseLost(self.job, self.generation, ABANDONED)
-            if action == "release":
-                if self._reason is None and monotonic() >= self._deadline:
-                    self._declare_lost(DEADLINE_PASSED)  # the keeper has not said it yet
-                if self._reason is not None and self._reason != FINISHED:
-                    raise LeaseLost(self.job, self.generation, left_to_expire(self._reason))
+            if self._reason is None and monotonic() >= self._deadline:
+                self._declare_lost(DEADLINE_PASSED)  # the keeper has not said it yet
+            frees = action == "release" or self.slot is not None
+            if frees and self._reason is not None and self._reason != FINISHED:
+                raise LeaseLost(self.job, self.generation, left_to_expire(self._reason))
             self._ending = True
             # Ended here, under the lock: a loss the keeper declares from now on cannot come
             # between the check above and the release going out.

@@ -2,8 +2,12 @@
 
     client = AsyncClient("http://127.0.0.1:7700", ttl=10)
     async with client.claim("invoice-42") as lease:     # completes on a clean exit
-        r = await http.post(url, content=..., auth=FenceAuth(lease))  # fence_client.httpx
-        raise_for_problem(r)                            # a refusal raises: never completed
+        try:
+            r = await http.post(url, content=..., auth=FenceAuth(lease))  # fence_client.httpx
+            raise_for_problem(r)                        # a refusal raises: never completed
+        except (httpx.HTTPError, ProblemError):
+            lease.abandon()  # a timeout, a 502 or 504 may land: not released, left to expire
+            raise
     async with client.claim_slot("exports", 3) as lease:  # one of 3 slots; released on exit
         ...
 
@@ -165,7 +169,8 @@ class AsyncLease(LeaseCore):
         """Marks the job done; the record. :class:`LeaseRefused` when someone took over.
         Completing a semaphore slot releases it (the server frees the slot: ``state`` ``free``).
         After :meth:`abandon`, :class:`LeaseLost` and nothing sent, as :meth:`release`; after a
-        loss, still sent."""
+        loss, still sent for a plain job, while a slot's raises :class:`LeaseLost`, nothing
+        sent (it would free the slot at once)."""
         return await self._finish("complete")
 
     def abandon(self) -> None:

@@ -2,7 +2,11 @@
 
     client = Client("http://127.0.0.1:7700", ttl=10)
     with client.claim("invoice-42") as lease:        # completes on a clean exit
-        raise_for_problem(session.post(url, data=..., auth=FenceAuth(lease)))  # a refusal raises
+        try:
+            raise_for_problem(session.post(url, data=..., auth=FenceAuth(lease), timeout=5))
+        except (requests.RequestException, ProblemError):
+            lease.abandon()  # a timeout, a 502 or 504 may land: not released, left to expire
+            raise
     with client.claim_slot("exports", 3) as lease:  # one of 3 slots; released on exit
         session.post(url, data=..., auth=FenceAuth(lease))   # X-Fencing-Job: exports#2
 """
@@ -110,7 +114,9 @@ class Lease(LeaseCore):
         Completing a semaphore slot releases it: the server frees the slot (the record's
         ``state`` is ``free``) and it can be claimed again, at the next generation. After
         :meth:`abandon`, raises :class:`LeaseLost` and sends nothing, as :meth:`release`; after
-        a loss, it is still sent (nobody can claim a completed job)."""
+        a loss here (the local deadline checked too), a plain job's completion is still sent
+        (nobody can claim a completed job), a slot's raises :class:`LeaseLost` and sends
+        nothing, as :meth:`release` (it would free the slot at once)."""
         return self._finish("complete")
 
     def abandon(self) -> None:
