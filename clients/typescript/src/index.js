@@ -3,8 +3,13 @@
 //
 //   const client = new Client({ server: 'http://127.0.0.1:7700', ttlMs: 10_000 });
 //   await client.run('invoice-42', async (lease) => {        // completes when fn resolves
-//     const res = await lease.fetch('http://127.0.0.1:7800/ledger', { method: 'POST', body: 'charge' });
-//     await raiseForProblem(res); // a refused write (StaleToken on a 409) rejects: never completed
+//     try {
+//       const res = await lease.fetch('http://127.0.0.1:7800/ledger', { method: 'POST', body: 'charge' });
+//       await raiseForProblem(res); // a refused write (StaleToken on a 409) rejects: never completed
+//     } catch (e) {
+//       lease.abandon(); // a timeout, a 502 or 504 may land: not released, left to expire
+//       throw e;
+//     }
 //   });
 //   const slot = await client.claimSlot('exports', 3);         // one of 3 slots: job exports#2
 //   try { /* lease.fetch(...) */ } finally { await slot.release(); }

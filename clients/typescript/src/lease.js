@@ -200,8 +200,9 @@ export class Lease {
    * Marks the job done for good; the server decides (LeaseRefused when someone took over).
    * Completing a semaphore slot releases it: the server frees the slot (the record's `state` is
    * 'free') and it can be claimed again, at the next generation. After `abandon()`, rejects with
-   * LeaseLost and sends nothing, as release() does; after a loss it is still sent (nobody can
-   * claim a completed job).
+   * LeaseLost and sends nothing, as release() does; after a loss here (the local deadline checked
+   * too) a plain job's completion is still sent (nobody can claim a completed job), while a
+   * slot's rejects with LeaseLost and sends nothing, as release() (it would free the slot at once).
    */
   complete() {
     return this.#end('complete');
@@ -233,13 +234,17 @@ export class Lease {
   }
 
   // A release or completion asked for by hand: LeaseLost, nothing sent, after abandon(), and for
-  // a release once the lease is lost here. A `finally { await lease.release(); }` after an
-  // abandon or a loss would let the next holder in at once, skipping the lock-delay, while a
-  // write may still land. A completion after a loss is still sent (nobody can claim a completed
-  // job), and a release after a release or completion is sent again, as before.
+  // a release, or a semaphore slot's completion (the server frees the slot: a release), once the
+  // lease is lost here. A `finally { await lease.release(); }` after an abandon or a loss would
+  // let the next holder in at once, skipping the lock-delay, while a write may still land. A
+  // plain job's completion after a loss is still sent (nobody can claim a completed job). The
+  // local deadline is checked for both actions first, and a loss it finds is recorded, never
+  // hidden as "finished": a release after a completion that failed past the deadline is refused
+  // too. A release after a release or completion asked for while held is sent again, as before.
   async #end(action) {
     if (this.#abandoned) throw new LeaseLost(this.job, this.generation, ABANDONED);
-    if (action === 'release' && this.isLost() && this.#reason !== FINISHED) {
+    const lost = this.isLost() && this.#reason !== FINISHED; // records a deadline passed unseen
+    if (lost && (action === 'release' || this.slot !== undefined)) {
       throw new LeaseLost(this.job, this.generation, leftToExpire(this.#reason));
     }
     this.#ending = true;

@@ -8,6 +8,7 @@ import { join } from 'node:path';
 import { test } from 'node:test';
 
 import { Client, JobCompleted, LeaseHeld, LeaseLost, LeaseRefused, LockDelay, ProblemError, ServerUnreachable, idempotencyKey } from '../src/index.js';
+import { Transport, now } from '../src/wire.js';
 import { abortedWithin, fenceBin, raw, sleep, stack } from './helpers.js';
 
 const SECRET = 's3cret-s3cret-s3cret';
@@ -290,6 +291,101 @@ test('a release by hand after a local loss sends nothing', async (t) => {
   assert.equal(await finishesAnswered(s.serverUrl), 1);
   await assert.rejects(lease.release(), refusedUnsent('completed-after-loss', /no progress/));
   assert.equal(await finishesAnswered(s.serverUrl), 1);
+});
+
+/**
+ * Records the releases and completions sent from now on (until the test ends): [action, job
+ * path] of each request that went out to the lease server.
+ */
+function recordFinishes(t) {
+  const sent = [];
+  const real = Transport.prototype.call;
+  Transport.prototype.call = function recording(method, path, ...rest) {
+    const m = /^\/v1\/leases\/([^/]+)\/(release|complete)$/.exec(path);
+    if (m) sent.push([m[2], decodeURIComponent(m[1])]);
+    return real.call(this, method, path, ...rest);
+  };
+  t.after(() => { Transport.prototype.call = real; });
+  return sent;
+}
+
+/**
+ * Blocks the event loop past `lease`'s local deadline: the keeper's timers cannot fire, so the
+ * deadline has passed and nothing has declared the lease lost yet.
+ */
+function blockPastDeadline(lease) {
+  const ms = Math.max(Math.ceil(lease.deadline - now()) + 20, 0);
+  Atomics.wait(new Int32Array(new SharedArrayBuffer(4)), 0, 0, ms); // a blocked loop, not a busy one
+  assert.ok(now() > lease.deadline);
+  assert.equal(lease.lossReason, null, 'the keeper did not run');
+}
+
+test('a slot completion by hand after a local loss sends nothing', async (t) => {
+  // The server takes a slot's completion as a release (the slot is freed at once): sent after a
+  // loss here, it let the next claimer in beside a write cut by the loss, skipping the
+  // lock-delay, as a release by hand did.
+  const s = await stack(t, { proxy: false, serverArgs: ['--lock-delay', '30s'] });
+  const stalls = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 1000, progressWithinMs: 300 });
+  const a = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 1000 });
+  const b = new Client({ server: s.serverUrl, owner: 'b', ttlMs: 10_000 });
+  t.after(() => { stalls.close(); a.close(); b.close(); });
+  const sent = recordFinishes(t);
+  const refusedUnsent = (job, why) => (e) => {
+    assert.ok(e instanceof LeaseLost && !(e instanceof LeaseRefused), String(e)); // not the server's
+    assert.equal(e.job, job);
+    assert.match(e.reason, why);
+    assert.match(e.reason, /nothing was sent/);
+    return true;
+  };
+  const slotLeftToExpire = async (resource) => {
+    await assert.rejects(b.claimSlot(resource, 1), (e) => {
+      assert.ok(e instanceof LeaseHeld, String(e));
+      assert.ok(['urn:fence:lease-held', 'urn:fence:lock-delay'].includes(e.type), e.type);
+      assert.equal(e.problem.owner, 'a');
+      return true;
+    });
+    assert.equal(await finishesAnswered(s.serverUrl), 0, resource);
+  };
+  let slot = await stalls.claimSlot('stalled', 1);
+  await abortedWithin(slot.signal, 10_000, 'no progress reported, still held');
+  await assert.rejects(slot.complete(), refusedUnsent('stalled#1', /no progress/));
+  await assert.rejects(slot.complete(), refusedUnsent('stalled#1', /no progress/)); // again: nothing sent
+  await slotLeftToExpire('stalled');
+  // The local deadline passed, the keeper has not said it yet: refused all the same.
+  slot = await a.claimSlot('masked', 1);
+  blockPastDeadline(slot);
+  await assert.rejects(slot.complete(), refusedUnsent('masked#1', /local deadline passed/));
+  await slotLeftToExpire('masked');
+  slot = await a.claimSlot('abandoned', 1);
+  slot.abandon();
+  await assert.rejects(slot.complete(), refusedUnsent('abandoned#1', /abandoned/));
+  await slotLeftToExpire('abandoned');
+  assert.deepEqual(sent, []);
+});
+
+test('a failed completion past the deadline lets no release out', async (t) => {
+  // complete() called once the local deadline had passed, before the keeper noticed, marked the
+  // lease finished, hiding the loss; when the completion then failed unapplied (a server blip),
+  // a `finally { await lease.release(); }` was sent, and a server that took it let the next
+  // holder in at once, skipping the lock-delay.
+  const s = await stack(t, { proxy: false, serverArgs: ['--lock-delay', '30s'] });
+  const a = new Client({ server: s.serverUrl, owner: 'a', ttlMs: 1000 });
+  t.after(() => a.close());
+  const sent = recordFinishes(t);
+  const lease = await a.claim('masked');
+  s.server.signal('SIGKILL'); // the completion fails, not applied (killed while the loop is blocked)
+  blockPastDeadline(lease);
+  await assert.rejects(lease.complete(), ServerUnreachable); // a plain job's: still sent after a loss
+  assert.ok(sent.length > 0 && sent.every(([action]) => action === 'complete'), JSON.stringify(sent));
+  assert.match(lease.lossReason, /local deadline passed/); // not "finished"
+  const completions = sent.length;
+  await assert.rejects(lease.release(), (e) => {
+    assert.ok(e instanceof LeaseLost && !(e instanceof ServerUnreachable), String(e));
+    assert.match(e.reason, /local deadline passed/);
+    assert.match(e.reason, /nothing was sent/);
+    return true;
+  });
+  assert.equal(sent.length, completions, JSON.stringify(sent));
 });
 
 test('a worker that stops reporting progress loses its lease', async (t) => {

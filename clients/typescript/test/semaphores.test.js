@@ -102,7 +102,18 @@ test('a stale slot holder is fenced off', async (t) => {
   const a = new Client({ server: s.serverUrl, owner: 'slot-a', ttlMs: 1000, marginMs: 100 });
   const b = new Client({ server: s.serverUrl, owner: 'slot-b', ttlMs: 5000 });
   t.after(() => { a.close(); b.close(); });
-  const leaseA = await a.claimSlot('pool', 1);
+  const real = Transport.prototype.call;
+  let keyA; // A's lease key, for the stale completion sent raw below
+  Transport.prototype.call = function keeping(method, path, body, ...rest) {
+    keyA = body?.lease_key;
+    return real.call(this, method, path, body, ...rest);
+  };
+  let leaseA;
+  try {
+    leaseA = await a.claimSlot('pool', 1);
+  } finally {
+    Transport.prototype.call = real;
+  }
   assert.deepEqual([leaseA.job, leaseA.slot, leaseA.generation], ['pool#1', 1, 1n]);
   await leaseA.saveCheckpoint('half done');
   assert.equal((await leaseA.fetch(ledger, { method: 'POST', body: 'A: write' })).status, 200);
@@ -119,15 +130,21 @@ test('a stale slot holder is fenced off', async (t) => {
   // A's held-up write, sent raw: the proxy refuses the slot's older generation.
   const late = await raw('POST', ledger, { 'X-Fencing-Job': 'pool#1', 'X-Fencing-Token': lateToken }, 'A: late');
   assert.deepEqual([late.status, late.body.type], [409, 'urn:fence:stale-token']);
-  // A release by hand of the lease lost here sends nothing (it is left to expire).
-  await assert.rejects(leaseA.release(),
-    (e) => e instanceof LeaseLost && !(e instanceof LeaseRefused) && /nothing was sent/.test(e.reason));
-  // The stale lease's renewal and completion (still sent after a loss) are refused by the server.
+  // A release or completion (which frees a slot too) by hand of the lease lost here sends
+  // nothing: it is left to expire.
+  for (const action of ['release', 'complete']) {
+    await assert.rejects(leaseA[action](),
+      (e) => e instanceof LeaseLost && !(e instanceof LeaseRefused) && /nothing was sent/.test(e.reason));
+  }
+  // The stale lease's renewal, and its completion sent raw, are refused by the server.
   delete leaseA._sendRenew; // the class's own renewal again
   await assert.rejects(leaseA._sendRenew(1000),
     (e) => e instanceof LeaseRefused && e.type === 'urn:fence:lease-lost' && e.generation === 2n);
-  await assert.rejects(leaseA.complete(),
-    (e) => e instanceof LeaseRefused && e.problem.owner === 'slot-b' && e.generation === 2n);
+  assert.match(keyA, /\S/);
+  const stale = await raw('POST', `${s.serverUrl}/v1/leases/pool%231/complete`, { 'content-type': 'application/json' },
+    JSON.stringify({ owner: 'slot-a', generation: 1, lease_key: keyA }));
+  assert.deepEqual([stale.status, stale.body.type, stale.body.owner, stale.body.generation],
+    [409, 'urn:fence:lease-lost', 'slot-b', 2], JSON.stringify(stale.body));
   await assert.rejects(leaseA.saveCheckpoint('stale'), LeaseLost); // lost here already: nothing sent
   assert.equal(leaseB.isLost(), false);
   assert.equal((await leaseB.release()).state, 'free');
