@@ -4,18 +4,21 @@
 //
 //	client, err := fence.NewClient("http://127.0.0.1:7700", fence.Options{TTL: 10 * time.Second})
 //	err = client.Run(ctx, "invoice-42", func(ctx context.Context, lease *fence.Lease) error {
-//		hc := &http.Client{Transport: lease.Transport(nil)} // refuses once ctx is done
+//		hc := &http.Client{Transport: lease.Transport(nil), Timeout: 5 * time.Second} // refuses once ctx is done
 //		resp, err := hc.Post("http://127.0.0.1:7800/ledger", "text/plain", strings.NewReader("charge"))
-//		if err != nil {
-//			return err
+//		if err == nil {
+//			defer resp.Body.Close()
+//			err = fence.ProblemFromResponse(resp) // a refused write (ErrStaleToken on a 409) fails: never completed
 //		}
-//		defer resp.Body.Close()
-//		return fence.ProblemFromResponse(resp) // a refused write (ErrStaleToken on a 409) fails: never completed
+//		if err != nil {
+//			lease.Abandon() // a timeout, a 502 or 504 may land: not released, left to expire
+//		}
+//		return err
 //	}, fence.RunOptions{})
 //
 //	slot, err := client.ClaimSlot(ctx, "exports", 3, 5*time.Second) // a semaphore: one of 3 slots
 //	// ... slot.Job() is "exports#2"; write with slot.Transport(nil) ...
-//	_, err = slot.Release(ctx) // or slot.Complete(ctx): completing a slot releases it too
+//	_, err = slot.Release(ctx) // completing a slot releases it too; neither is sent once it is lost
 //
 // The wire contract is docs/protocol.md of the fence repository.
 package fence
@@ -239,7 +242,8 @@ const (
 // 15), and starts its keeper. The lease is an ordinary one on the slot's job, "<resource>#<slot>"
 // (Job; Resource and Slot): renew, release, complete, checkpoint and the fencing headers work on
 // it as on any job's. Release or complete it when done: completing a slot releases it (the
-// server frees the slot; the Record's State is "free").
+// server frees the slot; the Record's State is "free"), so once the lease is lost here neither
+// is sent (a *LeaseLostError).
 //
 // The server never waits on a semaphore claim: with wait the client asks again while every slot
 // is taken, after pauses of 10 ms doubling up to 500 ms (shorter when the slot that frees first

@@ -209,7 +209,9 @@ func (l *Lease) Release(ctx context.Context) (Record, error) { return l.end(ctx,
 // ErrLeaseRefused (409 lease-lost) when someone else took over. Completing a semaphore slot
 // releases it: the server frees the slot (the Record's State is "free") and it can be claimed
 // again, at the next generation. After Abandon, a *LeaseLostError and nothing sent, as Release;
-// after a loss it is still sent (nobody can claim a completed job).
+// after a loss here (the local deadline checked too) a plain job's completion is still sent
+// (nobody can claim a completed job), while a slot's returns a *LeaseLostError and sends
+// nothing, as Release (it would free the slot at once).
 func (l *Lease) Complete(ctx context.Context) (Record, error) { return l.end(ctx, "complete") }
 
 // Abandon stops renewing and lets the lease expire on the server; nothing is sent. In
@@ -256,20 +258,27 @@ const (
 )
 
 // end is a Release or Complete asked for by hand: a *LeaseLostError, nothing sent, after
-// Abandon, and for a release once the lease is lost here. A defer lease.Release(ctx) after an
-// Abandon or a loss would let the next holder in at once, skipping the lock-delay, while a write
-// may still land. A completion after a loss is still sent (nobody can claim a completed job),
-// and a release after a release or completion is sent again, as before.
+// Abandon, and for a release, or a semaphore slot's completion (the server frees the slot: a
+// release), once the lease is lost here. A defer lease.Release(ctx) after an Abandon or a loss
+// would let the next holder in at once, skipping the lock-delay, while a write may still land. A
+// plain job's completion after a loss is still sent (nobody can claim a completed job). The
+// local deadline is checked for both actions first, and a loss it finds is recorded, never
+// hidden as finished: a release after a completion that failed past the deadline is refused
+// too. A release after a release or completion asked for while held is sent again, as before.
 func (l *Lease) end(ctx context.Context, action string) (Record, error) {
 	l.mu.Lock()
 	if l.abandoned {
 		l.mu.Unlock()
 		return Record{}, &LeaseLostError{Job: l.job, Generation: l.generation, Reason: reasonAbandoned}
 	}
-	if action == "release" && ((l.reason != "" && l.reason != reasonFinished) ||
-		(l.reason == "" && !l.clock.Now().Before(l.deadline))) {
+	passed := l.reason == "" && !l.clock.Now().Before(l.deadline)
+	if passed {
+		l.lostLocked(reasonDeadline) // the keeper has not said it yet
+	}
+	if l.reason != "" && l.reason != reasonFinished && (action == "release" || l.slot != 0) {
+		reason := l.reason // the reason it was lost for, the first declared
 		l.mu.Unlock()
-		reason := l.declareLost(reasonDeadline) // the reason it was lost for, the first declared
+		l.cancel()
 		return Record{}, &LeaseLostError{Job: l.job, Generation: l.generation, Reason: leftToExpire(reason)}
 	}
 	l.ending = true
@@ -279,6 +288,9 @@ func (l *Lease) end(ctx context.Context, action string) (Record, error) {
 		l.reason = reasonFinished
 	}
 	l.mu.Unlock()
+	if passed {
+		l.cancel()
+	}
 	return l.send(ctx, action)
 }
 
@@ -358,16 +370,22 @@ func (l *Lease) path(action string) string {
 // the reason the lease is lost for (the first one declared).
 func (l *Lease) declareLost(reason string) string {
 	l.mu.Lock()
+	settled := l.lostLocked(reason)
+	l.mu.Unlock()
+	l.cancel()
+	return settled
+}
+
+// lostLocked records reason as the loss's, unless one is recorded already, and returns the
+// one recorded; under mu. The caller cancels the lease's context once it unlocks.
+func (l *Lease) lostLocked(reason string) string {
 	if l.reason == "" {
 		if reason == reasonDeadline && l.renewalFailed != "" {
 			reason = reasonDeadline + " (the last renewal failed: " + l.renewalFailed + ")"
 		}
 		l.reason = reason
 	}
-	settled := l.reason
-	l.mu.Unlock()
-	l.cancel()
-	return settled
+	return l.reason
 }
 
 // setGrant takes a claim's or renewal's answer sent at sent; false when the lease was lost

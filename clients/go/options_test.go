@@ -9,12 +9,16 @@ import (
 	"io"
 	"net"
 	"net/http"
+	"net/http/httptest"
+	"net/http/httputil"
+	"net/url"
 	"os"
 	"os/exec"
 	"path/filepath"
 	"runtime"
 	"strconv"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"testing"
 	"time"
@@ -738,6 +742,164 @@ func TestReleaseByHandAfterALocalLossSendsNothing(t *testing.T) {
 	if n := finishesAnswered(t, s.serverURL); n != 1 {
 		t.Fatalf("%d releases or completions counted after one completion", n)
 	}
+}
+
+// failingGateway is a gateway in front of the lease server that answers every completion 502
+// without passing it on (a blip: nothing applied) and passes the rest on. Its URL, and the
+// paths of the releases and completions that reached it.
+func failingGateway(t *testing.T, serverURL string) (string, func() []string) {
+	t.Helper()
+	target, err := url.Parse(serverURL)
+	if err != nil {
+		t.Fatal(err)
+	}
+	proxy := httputil.NewSingleHostReverseProxy(target)
+	var mu sync.Mutex
+	var finishes []string
+	gw := httptest.NewServer(http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		if strings.HasSuffix(r.URL.Path, "/release") || strings.HasSuffix(r.URL.Path, "/complete") {
+			mu.Lock()
+			finishes = append(finishes, r.URL.Path)
+			mu.Unlock()
+		}
+		if strings.HasSuffix(r.URL.Path, "/complete") {
+			http.Error(w, "<html>502 Bad Gateway</html>", http.StatusBadGateway)
+			return
+		}
+		proxy.ServeHTTP(w, r)
+	}))
+	t.Cleanup(gw.Close)
+	return gw.URL, func() []string {
+		mu.Lock()
+		defer mu.Unlock()
+		return append([]string(nil), finishes...)
+	}
+}
+
+// pastDeadline moves clock past lease's local deadline; the keeper, waiting on a real timer (a
+// third of a 10 s TTL), has not noticed, so nothing has declared the lease lost yet.
+func pastDeadline(t *testing.T, clock *jumpClock, lease *Lease) {
+	t.Helper()
+	clock.offset.Store(int64(time.Hour))
+	if !clock.Now().After(lease.Deadline()) {
+		t.Fatalf("%s: the clock is not past the deadline", lease.Job())
+	}
+	lease.mu.Lock()
+	reason := lease.reason
+	lease.mu.Unlock()
+	if reason != "" {
+		t.Fatalf("%s: already lost: %s", lease.Job(), reason)
+	}
+}
+
+// The server takes a slot's completion as a release (the slot is freed at once): sent after a
+// loss here, it let the next claimer in beside a write cut by the loss, skipping the lock-delay,
+// as a release by hand did. Complete on a slot's lease lost here sends nothing.
+func TestASlotsCompletionByHandAfterALocalLossSendsNothing(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--lock-delay", "30s"}})
+	stalls := mustClient(t, s.serverURL, Options{Owner: "a", TTL: time.Second, ProgressWithin: 300 * time.Millisecond})
+	clock := &jumpClock{}
+	a := mustClient(t, s.serverURL, Options{Owner: "a", TTL: 10 * time.Second, Clock: clock})
+	b := mustClient(t, s.serverURL, Options{Owner: "b", TTL: 10 * time.Second})
+	refusedUnsent := func(job, why string, err error) {
+		t.Helper()
+		var lost *LeaseLostError
+		if !errors.Is(err, ErrLeaseLost) || !errors.As(err, &lost) || errors.Is(err, ErrLeaseRefused) ||
+			lost.Job != job || !strings.Contains(lost.Reason, why) || !strings.Contains(lost.Reason, "nothing was sent") {
+			t.Fatalf("%s: got %v, want a *LeaseLostError of the client's own (%s)", job, err, why)
+		}
+	}
+	slotLeftToExpire := func(resource string) {
+		t.Helper()
+		var pe *ProblemError
+		other, err := b.ClaimSlot(ctx, resource, 1, 0)
+		if err == nil {
+			other.Abandon()
+		}
+		if !errors.Is(err, ErrLeaseHeld) || !errors.As(err, &pe) || pe.Owner != "a" ||
+			(pe.Type != "urn:fence:lease-held" && pe.Type != "urn:fence:lock-delay") {
+			t.Fatalf("%s: a second owner's slot claim: %v %+v", resource, err, pe)
+		}
+		if n := finishesAnswered(t, s.serverURL); n != 0 {
+			t.Fatalf("%s: %d releases or completions reached the server", resource, n)
+		}
+	}
+	slot, err := stalls.ClaimSlot(ctx, "stalled", 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	lostWithin(t, slot, 10*time.Second)
+	_, err = slot.Complete(ctx)
+	refusedUnsent("stalled#1", "no progress", err)
+	_, err = slot.Complete(ctx) // asked again: still nothing sent
+	refusedUnsent("stalled#1", "no progress", err)
+	slotLeftToExpire("stalled")
+	// The local deadline passed, the keeper has not noticed yet: refused all the same.
+	slot, err = a.ClaimSlot(ctx, "masked", 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	pastDeadline(t, clock, slot)
+	_, err = slot.Complete(ctx)
+	refusedUnsent("masked#1", reasonDeadline, err)
+	if !errors.Is(slot.Err(), ErrLeaseLost) {
+		t.Fatalf("masked: the lease's context is not done: %v", slot.Err())
+	}
+	slotLeftToExpire("masked")
+	clock.offset.Store(0)
+	slot, err = a.ClaimSlot(ctx, "abandoned", 1, 0)
+	if err != nil {
+		t.Fatal(err)
+	}
+	slot.Abandon()
+	_, err = slot.Complete(ctx)
+	refusedUnsent("abandoned#1", "abandoned", err)
+	slotLeftToExpire("abandoned")
+}
+
+// Complete called once the local deadline had passed, before the keeper noticed, marked the
+// lease finished, hiding the loss; when the completion then failed unapplied (a 502), a defer
+// lease.Release(ctx) was sent and taken, letting the next holder in at once, skipping the
+// lock-delay.
+func TestAFailedCompletionPastTheDeadlineLetsNoReleaseOut(t *testing.T) {
+	ctx := context.Background()
+	s := newStack(t, stackOpts{noProxy: true, serverArgs: []string{"--lock-delay", "30s"}})
+	gw, finishes := failingGateway(t, s.serverURL)
+	clock := &jumpClock{}
+	a := mustClient(t, gw, Options{Owner: "a", TTL: 10 * time.Second, Clock: clock})
+	b := mustClient(t, s.serverURL, Options{Owner: "b", TTL: 10 * time.Second})
+	lease, err := a.Claim(ctx, "masked")
+	if err != nil {
+		t.Fatal(err)
+	}
+	pastDeadline(t, clock, lease)
+	var pe *ProblemError
+	if _, err := lease.Complete(ctx); !errors.As(err, &pe) || pe.Status != http.StatusBadGateway {
+		t.Fatalf("the completion: %v, want the gateway's 502", err) // a plain job's: still sent
+	}
+	f := finishes()
+	for _, path := range f {
+		if path != "/v1/leases/masked/complete" {
+			t.Fatalf("sent %v, want completions only", f)
+		}
+	}
+	if len(f) == 0 {
+		t.Fatal("the completion was not sent")
+	}
+	if err := lease.Err(); !errors.Is(err, ErrLeaseLost) || !strings.Contains(err.Error(), reasonDeadline) {
+		t.Fatalf("after the completion: %v, want the deadline's loss (not finished)", err)
+	}
+	completions := len(finishes())
+	var lost *LeaseLostError
+	if _, err := lease.Release(ctx); !errors.As(err, &lost) || errors.Is(err, ErrLeaseRefused) ||
+		!strings.Contains(lost.Reason, reasonDeadline) || !strings.Contains(lost.Reason, "nothing was sent") {
+		t.Fatalf("the release: %v, want a *LeaseLostError, nothing sent", err)
+	}
+	if n := len(finishes()); n != completions {
+		t.Fatalf("sent %v after the completions", finishes())
+	}
+	assertLeftToExpire(t, b, s.serverURL, "masked")
 }
 
 // closedPortURL is the URL of a loopback port nothing listens on (a connection is refused).

@@ -202,13 +202,16 @@ func TestAStaleSlotHolderIsFencedOff(t *testing.T) {
 	if status, problem := raw(t, "POST", ledger, map[string]string{"X-Fencing-Job": "pool#1", "X-Fencing-Token": lateToken}, "A: late"); status != 409 || problem["type"] != "urn:fence:stale-token" {
 		t.Fatalf("A's late write: %d %v", status, problem)
 	}
-	// A release by hand of the lease lost here sends nothing (it is left to expire).
+	// A release or completion (which frees a slot too) by hand of the lease lost here sends
+	// nothing: it is left to expire.
 	var lost *LeaseLostError
 	if _, err := leaseA.Release(ctx); !errors.As(err, &lost) || errors.Is(err, ErrLeaseRefused) || !strings.Contains(lost.Reason, "nothing was sent") {
 		t.Fatalf("A's release: %v", err)
 	}
-	// The stale lease's renewal and completion (still sent after a loss) are refused by the
-	// server.
+	if _, err := leaseA.Complete(ctx); !errors.As(err, &lost) || errors.Is(err, ErrLeaseRefused) || !strings.Contains(lost.Reason, "nothing was sent") {
+		t.Fatalf("A's completion: %v", err)
+	}
+	// The stale lease's renewal, and its completion sent raw, are refused by the server.
 	leaseA.mu.Lock()
 	leaseA.renewHook = nil // the real renewal again
 	leaseA.mu.Unlock()
@@ -218,8 +221,10 @@ func TestAStaleSlotHolderIsFencedOff(t *testing.T) {
 	if _, err := leaseA.sendRenew(rctx); !errors.Is(err, ErrLeaseRefused) || !errors.As(err, &pe) || pe.Type != "urn:fence:lease-lost" || pe.Generation != 2 {
 		t.Fatalf("A's renewal: %v", err)
 	}
-	if _, err := leaseA.Complete(ctx); !errors.Is(err, ErrLeaseRefused) || !errors.As(err, &pe) || pe.Owner != "slot-b" || pe.Generation != 2 {
-		t.Fatalf("A's completion: %v", err)
+	stale := fmt.Sprintf(`{"owner":"slot-a","generation":1,"lease_key":%q}`, leaseA.key)
+	if status, problem := raw(t, "POST", s.serverURL+"/v1/leases/pool%231/complete", map[string]string{"Content-Type": "application/json"}, stale); status != 409 ||
+		problem["type"] != "urn:fence:lease-lost" || problem["owner"] != "slot-b" || problem["generation"] != float64(2) {
+		t.Fatalf("A's completion, sent raw: %d %v", status, problem)
 	}
 	if _, err := leaseA.SaveCheckpoint(ctx, "stale"); !errors.Is(err, ErrLeaseLost) {
 		t.Fatalf("A's checkpoint: %v", err)
