@@ -123,13 +123,11 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         // A new key past the records' cap: forgotten again, and refused before the service
         // runs (its outcome is known).
         if let Err(full) = super::cap::admit(self.config, self.store.stored_bytes()) {
-            {
-                let finishing = self.finish(&fingerprint, Finish::Forget).await;
-                count("overloaded");
-                let problem = super::cap::refused(self.job, self.config, &full);
-                let retry = Some(self.config.sweep_every);
-                return Ok(marked(reject(problem, retry), finishing));
-            }
+            let finishing = self.finish(&fingerprint, Finish::Forget).await;
+            count("overloaded");
+            let problem = super::cap::refused(self.job, self.config, &full);
+            let retry = Some(self.config.sweep_every);
+            return Ok(marked(reject(problem, retry), finishing));
         }
         count("accepted");
         let request = Request::from_parts(

@@ -185,7 +185,28 @@ async fn a_newer_writers_snapshot_never_misses_an_older_ones_committed_effect() 
             }
             tx.commit().await
         });
-        tokio::time::sleep(Duration::from_millis(300)).await;
+        // The newer holder's snapshot is taken and it waits for the row: seen waiting on a
+        // lock (a fixed pause would let a slow start take its snapshot after the commit).
+        let waiting = format!("%{}%", require(6));
+        let began = Instant::now();
+        loop {
+            let n: i64 = setup
+                .query_one(
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock' AND query LIKE $1",
+                    &[&waiting],
+                )
+                .await
+                .unwrap()
+                .get(0);
+            if n > 0 {
+                break;
+            }
+            assert!(
+                began.elapsed() < Duration::from_secs(10),
+                "{level}: the newer holder never waited for the row"
+            );
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         held.execute(
             &format!("INSERT INTO {effects} VALUES ($1, 101, 5)"),
             &[&job],
