@@ -123,14 +123,16 @@ pub enum Cmd {
 Exit codes of fence run (the command's own codes pass through unchanged: a command that
 itself exits 3 or 75 is told apart only by fence run's last line on stderr):
   0     the command exited 0 and the job was completed (or released; completed, not
-        released, when a process of its tree then outlived its SIGKILL)
+        released, when a process of its tree then outlived its SIGKILL; left to expire,
+        not released, when the lease was lost after the command ended)
   3     the lease could not be obtained within --wait, or the job is completed
   75    the lease was lost while the command ran (the group got SIGTERM, then SIGKILL
         after --grace), or the command exited (whatever its code) after its lease was
-        lost, or completing or releasing the job found the lease lost (also when, the
-        lease lost, a process of the command's tree outlived its SIGKILL by 10 s)
+        lost, or the server refused the completion or release as lost (also when, the
+        lease lost, a process of the command's tree outlived its SIGKILL by 10 s); a
+        lost lease is never released
   124   --max-duration ran out: the group was stopped, the job released (or left to
-        expire, with --on-max-duration expire)
+        expire, with --on-max-duration expire, or --on-failure expire without it)
   1     fence itself failed (server unreachable, command not found), or a process of
         the command's tree (the command, the watchdog, what the command left) outlived
         its SIGKILL by 10 s (stuck in uninterruptible sleep; fence run gives up at most
@@ -140,7 +142,8 @@ itself exits 3 or 75 is told apart only by fence run's last line on stderr):
   128+N the command was killed by signal N (fence run passes the signal on), or fence
         run got signal N while waiting for the lease (the command never ran)
   other the command's own non-zero exit code; the job was released (left to expire
-        with --on-failure expire, as after a signal death)
+        with --on-failure expire, as after a signal death, or when the lease was lost
+        after the command ended)
 
 Example:
   fence run --server https://leases.internal:7700 --job nightly-report --ttl 30s \\

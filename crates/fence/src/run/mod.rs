@@ -12,7 +12,8 @@
 //! Exit codes: 0 (the command exited 0; the job was completed or released, completed even
 //! when a process of its tree then outlived its SIGKILL), 3 (the lease could not be obtained
 //! within `--wait`, or the job is completed), 75 (the lease was lost while the command ran,
-//! also when a process of its tree then outlived its SIGKILL by 10 s), 124
+//! also when a process of its tree then outlived its SIGKILL by 10 s, or the server refused
+//! the completion or release as lost), 124
 //! (`--max-duration` passed and the command was stopped), 1 (fence itself failed, or with the
 //! lease held and no job to complete a process of the command's tree outlived its SIGKILL by
 //! 10 s: the job is left to expire, never released; `fence run` gives up at most 3 ×
