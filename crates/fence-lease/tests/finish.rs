@@ -107,6 +107,13 @@ fn job() -> JobId {
     "nightly-report".parse().unwrap()
 }
 
+/// A client of 1 s leases: with renewals stalled, its lease is lost within a second.
+fn one_second_client(store: &FailsFinish) -> LeaseClient<FailsFinish> {
+    LeaseClient::new(store.clone())
+        .owner("worker".parse().unwrap())
+        .ttl(Ttl::new(Duration::from_secs(1)).unwrap())
+}
+
 fn client(store: &FailsFinish) -> LeaseClient<FailsFinish> {
     LeaseClient::new(store.clone())
         .owner("worker".parse().unwrap())
@@ -304,12 +311,7 @@ async fn a_release_after_a_local_loss_is_not_sent() {
         stalls_renewals: true,
         ..FailsFinish::default()
     };
-    let lease = LeaseClient::new(store.clone())
-        .owner("worker".parse().unwrap())
-        .ttl(Ttl::new(Duration::from_secs(1)).unwrap())
-        .claim(job())
-        .await
-        .unwrap();
+    let lease = one_second_client(&store).claim(job()).await.unwrap();
     tokio::time::sleep(Duration::from_secs(3)).await;
     assert!(lease.is_lost());
     let refused = lease.release().await;
@@ -336,9 +338,7 @@ async fn a_slots_completion_after_a_local_loss_is_not_sent() {
         stalls_renewals: true,
         ..FailsFinish::default()
     };
-    let lease = LeaseClient::new(store.clone())
-        .owner("worker".parse().unwrap())
-        .ttl(Ttl::new(Duration::from_secs(1)).unwrap())
+    let lease = one_second_client(&store)
         .claim_slot("pool".parse().unwrap(), 2, Duration::ZERO)
         .await
         .unwrap();

@@ -192,20 +192,7 @@ async fn keyed_requests_running_do_not_fill_the_cap() {
     let clock = ManualClock::new(1_700_000_000_000);
     let store = MemoryStore::with_clock(Arc::new(clock.clone()));
     let sink = Arc::new(Sink::new(store.clone(), &clock));
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let running: Vec<_> = (0..3)
-        .map(|i| {
-            let (sink, gate) = (sink.clone(), gate.clone());
-            tokio::spawn(async move { sink.send_gated(&format!("slow-{i}"), Some(gate)).await })
-        })
-        .collect();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while sink.calls() < 3 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the three slow requests reach the service");
+    let (gate, running) = slow_requests(&sink, 3).await;
     // Only the three in-flight records, a few hundred bytes.
     let stored = store.stored_bytes().unwrap();
     assert!(stored < 1024, "{stored}");
@@ -227,20 +214,7 @@ async fn answers_past_the_cap_are_not_stored() {
     let clock = ManualClock::new(1_700_000_000_000);
     let store = MemoryStore::with_clock(Arc::new(clock.clone()));
     let sink = Arc::new(Sink::new(store.clone(), &clock));
-    let gate = Arc::new(tokio::sync::Semaphore::new(0));
-    let running: Vec<_> = (0..6)
-        .map(|i| {
-            let (sink, gate) = (sink.clone(), gate.clone());
-            tokio::spawn(async move { sink.send_gated(&format!("slow-{i}"), Some(gate)).await })
-        })
-        .collect();
-    tokio::time::timeout(Duration::from_secs(10), async {
-        while sink.calls() < 6 {
-            tokio::time::sleep(Duration::from_millis(5)).await;
-        }
-    })
-    .await
-    .expect("the six slow requests were admitted, the records nearly empty");
+    let (gate, running) = slow_requests(&sink, 6).await;
     gate.add_permits(6);
     for r in running {
         assert_eq!(
@@ -267,4 +241,30 @@ async fn answers_past_the_cap_are_not_stored() {
     }
     assert_eq!((replayed, not_replayable), (3, 3));
     assert_eq!(sink.calls(), 6);
+}
+
+/// `n` keyed requests (`slow-0` ...) whose service waits for a permit of the returned gate,
+/// once each has reached the service.
+async fn slow_requests(
+    sink: &Arc<Sink<MemoryStore>>,
+    n: usize,
+) -> (
+    Arc<tokio::sync::Semaphore>,
+    Vec<tokio::task::JoinHandle<Answer>>,
+) {
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let running = (0..n)
+        .map(|i| {
+            let (sink, gate) = (sink.clone(), gate.clone());
+            tokio::spawn(async move { sink.send_gated(&format!("slow-{i}"), Some(gate)).await })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while sink.calls() < n {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("the slow requests reach the service");
+    (gate, running)
 }
