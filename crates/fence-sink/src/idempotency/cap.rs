@@ -16,14 +16,9 @@ pub(crate) struct Full {
 /// `--idempotency-max-body`, and 4,096 slow ones, 64 with a 64 MiB body limit, refused every
 /// job's new keys with nothing stored.)
 pub(crate) fn admit(config: &IdempotencyConfig, stored: Option<u64>) -> Result<(), Full> {
-    let Some(stored) = stored else {
-        return Ok(());
-    };
-    metrics::gauge!("fence_sink_idempotency_stored_bytes").set(stored as f64);
-    if stored < config.max_stored_bytes {
-        Ok(())
-    } else {
-        Err(Full { stored })
+    match stored {
+        Some(stored) if !fits(config, Some(stored)) => Err(Full { stored }),
+        _ => Ok(()),
     }
 }
 
