@@ -103,6 +103,12 @@ impl Record {
             Self::Done { expires_ms, .. } => now_ms < *expires_ms,
         }
     }
+
+    /// Whether it is live at `now`: at its judging time, or in flight while an earlier
+    /// process's requests may still run ([`Now::earlier_may_run`]).
+    pub(crate) fn is_live_at(&self, now: Now) -> bool {
+        (now.earlier_may_run && matches!(self, Self::InFlight { .. })) || self.is_live(now.judge_ms)
+    }
 }
 
 impl Record {
@@ -149,6 +155,12 @@ pub(crate) fn in_flight(attempt: &super::Attempt<'_>, until_ms: u64) -> Record {
 pub(crate) struct Now {
     pub(crate) judge_ms: u64,
     pub(crate) stamp_ms: u64,
+    /// Every in-flight record is live, whatever its time says: what an earlier process
+    /// passed on may still be running at the service (the sled store after a restart, until
+    /// the unknown-outcome hold the processes before recorded has passed since its open). A
+    /// forward step of the wall clock between a record's begin and the restart would
+    /// otherwise expire it at the open while its request can still commit.
+    pub(crate) earlier_may_run: bool,
 }
 
 impl Now {
@@ -157,6 +169,7 @@ impl Now {
         Self {
             judge_ms: ms,
             stamp_ms: ms,
+            earlier_may_run: false,
         }
     }
 
@@ -165,6 +178,15 @@ impl Now {
         Self {
             judge_ms: a.min(b),
             stamp_ms: a.max(b),
+            earlier_may_run: false,
+        }
+    }
+
+    /// The same time, with every in-flight record live while `earlier_may_run`.
+    pub(crate) fn holding_in_flight(self, earlier_may_run: bool) -> Self {
+        Self {
+            earlier_may_run,
+            ..self
         }
     }
 }
@@ -178,7 +200,7 @@ pub(crate) fn begin(
 ) -> (Option<Record>, Begin) {
     let fingerprint = attempt.fingerprint;
     match cur {
-        Some(r) if r.is_live(now.judge_ms) && !r.superseded_by(attempt) => {
+        Some(r) if r.is_live_at(now) && !r.superseded_by(attempt) => {
             let answer = if r.fingerprint() != fingerprint {
                 Begin::Mismatch
             } else {
@@ -272,14 +294,15 @@ impl Record {
         out
     }
 
-    /// Whether the record encoded in `bytes` is live at `now_ms`, from its head alone (a
+    /// Whether the record encoded in `bytes` is live at `now`, from its head alone (a
     /// tag, the fingerprint, its time): a sweep need not copy every stored answer. A head
     /// that does not decode is not live.
-    pub(crate) fn live_at(bytes: &[u8], now_ms: u64) -> bool {
-        let (Some(1 | 2), Some(time)) = (bytes.first(), bytes.get(33..41)) else {
+    pub(crate) fn live_at(bytes: &[u8], now: Now) -> bool {
+        let (Some(&tag @ (1 | 2)), Some(time)) = (bytes.first(), bytes.get(33..41)) else {
             return false;
         };
-        <[u8; 8]>::try_from(time).is_ok_and(|time| now_ms < u64::from_be_bytes(time))
+        (now.earlier_may_run && tag == 1)
+            || <[u8; 8]>::try_from(time).is_ok_and(|time| now.judge_ms < u64::from_be_bytes(time))
     }
 
     pub(crate) fn decode(bytes: &[u8]) -> Result<Self, &'static str> {
@@ -441,20 +464,29 @@ mod tests {
             let enc = rec.encode();
             for cut in 0..enc.len() {
                 let _ = Record::decode(&enc[..cut]); // never panics
-                let _ = Record::live_at(&enc[..cut], 0);
+                let _ = Record::live_at(&enc[..cut], Now::at(0));
             }
             // The sweep's look at the head alone agrees with the whole record.
             for now in 0..14 {
-                assert_eq!(
-                    Record::live_at(&enc, now),
-                    rec.is_live(now),
-                    "{rec:?} at {now}"
-                );
+                for held in [false, true] {
+                    let now = Now::at(now).holding_in_flight(held);
+                    assert_eq!(
+                        Record::live_at(&enc, now),
+                        rec.is_live_at(now),
+                        "{rec:?} at {now:?}"
+                    );
+                }
             }
         }
         assert!(Record::decode(&[9; 41]).is_err());
-        assert!(!Record::live_at(&[9; 41], 0));
-        assert!(!Record::live_at(&[2; 40], 0));
+        assert!(!Record::live_at(
+            &[9; 41],
+            Now::at(0).holding_in_flight(true)
+        ));
+        assert!(!Record::live_at(
+            &[1; 40],
+            Now::at(0).holding_in_flight(true)
+        ));
     }
 
     #[test]

@@ -178,8 +178,16 @@ impl SledStore {
     /// open: every record this process wrote would lag the wall clock the next process is
     /// anchored on by the step, and expire that much early. A step back holds a key, or
     /// keeps an answer, the step's size longer (liveness, never a second run).
+    ///
+    /// Until the unknown-outcome hold the processes before recorded has passed since the
+    /// open, every in-flight record is live ([`record::Now::earlier_may_run`]): one they
+    /// began may belong to a request still running at the service, and its time cannot be
+    /// trusted after a step of the wall clock between its begin and this open (taken as
+    /// time passed, it expired the record at the open, and a retry ran the effect again).
     fn records_now(&self) -> record::Now {
+        let monotonic_ms = self.clock.monotonic_ms();
         record::Now::of(self.clock.now_ms(), self.since_open_ms())
+            .holding_in_flight(self.running.before_may_run(monotonic_ms))
     }
 
     /// A crash between a job's write and its stamp's can leave the `stamps` tree short of a
@@ -553,7 +561,7 @@ impl IdempotencyStore for SledStore {
     }
 
     async fn purge_expired(&self) -> Result<usize, StoreError> {
-        let now = self.records_now().judge_ms;
+        let now = self.records_now();
         // A walk of every record (millions, at a steady rate and a day's retention) runs
         // on a blocking thread, not the runtime's (a current-thread runtime would stall for
         // all of it), and reads each record's head only, not its stored answer.

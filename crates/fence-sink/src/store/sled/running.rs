@@ -105,6 +105,12 @@ impl Running {
         self.before
     }
 
+    /// Whether what the processes before admitted may still be running at `now_ms`
+    /// (monotonic): their unknown-outcome hold has not passed since the open.
+    pub(super) fn before_may_run(&self, now_ms: u64) -> bool {
+        now_ms < self.before_settled_ms
+    }
+
     /// Whether the record still holds the bounds of the processes before while what they
     /// admitted has settled by `now_ms` (monotonic): it can be lowered to this process's.
     pub(super) fn lower_due(&self, now_ms: u64) -> bool {

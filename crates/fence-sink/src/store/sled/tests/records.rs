@@ -399,3 +399,55 @@ async fn a_step_of_the_wall_clock_does_not_expire_records_at_the_next_open() {
         "held past its timeout plus the step"
     );
 }
+
+/// A step of the wall clock *after* a record's begin, in the process that began it, is not
+/// taken for time passed at the next open either. A proxy begins a keyed request, NTP steps
+/// its clock an hour forward, and the proxy is killed while the request still runs at the
+/// service: at the restart the record's time says it expired 55 minutes ago, but the request
+/// may still commit until the unknown-outcome hold the process recorded has passed (the
+/// wait a newer token gets too). Until then the record is in flight, and neither a retry
+/// nor the purge takes it; after it, the retry runs.
+#[tokio::test]
+async fn a_records_request_running_at_a_restart_keeps_it_in_flight_past_a_clock_step() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let job: JobId = "stepped-after-begin".parse().unwrap();
+    let key = IdempotencyKey::from_bytes(b"charge").unwrap();
+    let fp = crate::Fingerprint::of(&http::Method::POST, "/pay", b"{}");
+    let at = |id| Attempt {
+        job: &job,
+        key: &key,
+        fingerprint: &fp,
+        id,
+        generation: Generation::new(1),
+        settled_after: Duration::ZERO,
+    };
+    let in_flight = Duration::from_secs(300);
+    let hold = Duration::from_secs(60);
+    {
+        let a = open();
+        a.running_within(RunBounds::new(in_flight, hold))
+            .await
+            .unwrap();
+        assert_eq!(a.begin(at(1), in_flight).await.unwrap(), Begin::Started);
+        clock.advance(Duration::from_secs(1));
+        clock.step_ms(3_600_000);
+    }
+    let b = open();
+    assert_eq!(
+        b.begin(at(2), in_flight).await.unwrap(),
+        Begin::InFlight,
+        "the step expired the record at the open: a retry would run the effect again"
+    );
+    assert_eq!(b.purge_expired().await.unwrap(), 0, "the purge dropped it");
+    clock.advance(hold - Duration::from_millis(1));
+    assert_eq!(b.begin(at(3), in_flight).await.unwrap(), Begin::InFlight);
+    clock.advance(Duration::from_millis(1));
+    assert_eq!(
+        b.begin(at(4), in_flight).await.unwrap(),
+        Begin::Started,
+        "held past the recorded hold"
+    );
+}
