@@ -53,12 +53,23 @@ impl<St: GenerationStore + IdempotencyStore> Sink<St> {
         self.calls.load(Ordering::SeqCst)
     }
 
+    /// A keyed POST of its own job (`job-KEY`), so that the cap is not a job's share.
     async fn send(&self, key: &str) -> Answer {
-        self.send_gated(key, None).await
+        self.send_as(&format!("job-{key}"), key).await
     }
 
-    /// [`send`](Self::send), its service answering once `gate` gives it a permit.
-    async fn send_gated(&self, key: &str, gate: Option<Arc<tokio::sync::Semaphore>>) -> Answer {
+    /// A keyed POST of `job`.
+    async fn send_as(&self, job: &str, key: &str) -> Answer {
+        self.send_gated(job, key, None).await
+    }
+
+    /// [`send_as`](Self::send_as), its service answering once `gate` gives it a permit.
+    async fn send_gated(
+        &self,
+        job: &str,
+        key: &str,
+        gate: Option<Arc<tokio::sync::Semaphore>>,
+    ) -> Answer {
         let calls = self.calls.clone();
         let inner = service_fn(move |_req: Request<RequestBody<String>>| {
             calls.fetch_add(1, Ordering::SeqCst);
@@ -71,7 +82,7 @@ impl<St: GenerationStore + IdempotencyStore> Sink<St> {
             }
         });
         let req = Request::post("/charge")
-            .header("x-fencing-job", "job-1")
+            .header("x-fencing-job", job)
             .header("x-fencing-token", "1")
             .header("idempotency-key", key)
             .body(String::from("charge 5"))
@@ -179,8 +190,114 @@ async fn sled_counts_its_records_again_after_a_restart() {
         store.stored_bytes().unwrap()
     };
     assert!(before > 2 * ANSWER as u64, "{before}");
+    let job: fence_core::JobId = "job-k1".parse().unwrap();
     let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
     assert_eq!(store.stored_bytes(), Some(before));
+    let k1 = store.job_stored_bytes(&job).unwrap();
+    assert!(
+        (ANSWER as u64..before / 2 + 1).contains(&k1),
+        "job-k1's records counted {k1} of {before} bytes"
+    );
+}
+
+/// Past half the cap, a job holding its share (a sixteenth of the cap) or more gets no new
+/// keys, so one job (one client with one valid token) cannot fill the store and refuse every
+/// other job's new keys for the retention, as it could until this version: its first two
+/// 4 KiB answers are stored, its third key is refused with the share in the detail, while
+/// another job's new key is admitted and stored; the cap itself still refuses every job.
+async fn one_job_fills_at_most_half<St: GenerationStore + IdempotencyStore + Clone>(store: St) {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let sink = Sink::new(store.clone(), &clock);
+    for key in ["h1", "h2"] {
+        let a = sink.send_as("hog", key).await;
+        assert_eq!((a.status, a.replayed), (StatusCode::OK, false), "{key}");
+    }
+    let hog: fence_core::JobId = "hog".parse().unwrap();
+    let held = store
+        .job_stored_bytes(&hog)
+        .expect("the store counts per job");
+    assert!(held >= CAP / 2, "two answers hold {held} bytes");
+    let a = sink.send_as("hog", "h3").await;
+    assert_eq!(
+        a.status,
+        StatusCode::SERVICE_UNAVAILABLE,
+        "the hog's third key"
+    );
+    let problem: serde_json::Value = serde_json::from_slice(&a.body).unwrap();
+    assert_eq!(problem["type"], "urn:fence:overloaded");
+    let detail = problem["detail"].as_str().unwrap();
+    assert!(
+        detail.starts_with("job hog: its idempotency records hold ")
+            && detail.contains(&format!("its share being {}", CAP / 16)),
+        "{detail}"
+    );
+    assert_eq!(sink.calls(), 2, "the service ran for a key past the share");
+    // Its recorded keys still replay.
+    let a = sink.send_as("hog", "h1").await;
+    assert_eq!((a.status, a.replayed), (StatusCode::OK, true));
+    // Another job's new key runs and is stored.
+    let a = sink.send_as("other", "o1").await;
+    assert_eq!((a.status, a.replayed), (StatusCode::OK, false));
+    let a = sink.send_as("other", "o1").await;
+    assert_eq!((a.status, a.replayed), (StatusCode::OK, true), "not stored");
+    // The records now hold the cap: every job's new key is refused.
+    let a = sink.send_as("late", "l1").await;
+    assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
+    assert_eq!(sink.calls(), 3);
+}
+
+/// The share is checked again when an answer arrives: two slow keyed requests of one job,
+/// admitted while the records were under half the cap, do not both store their answers
+/// once the first took the store past half; the second is remembered as not replayable.
+#[tokio::test]
+async fn answers_past_a_jobs_share_are_not_stored() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = MemoryStore::with_clock(Arc::new(clock.clone()));
+    let sink = Arc::new(Sink::new(store.clone(), &clock));
+    assert_eq!(sink.send_as("hog", "h0").await.status, StatusCode::OK);
+    let gate = Arc::new(tokio::sync::Semaphore::new(0));
+    let running: Vec<_> = ["h1", "h2"]
+        .into_iter()
+        .map(|key| {
+            let (sink, gate) = (sink.clone(), gate.clone());
+            tokio::spawn(async move { sink.send_gated("hog", key, Some(gate)).await })
+        })
+        .collect();
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while sink.calls() < 3 {
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+    })
+    .await
+    .expect("both reach the service: admitted under half the cap");
+    gate.add_permits(2);
+    for r in running {
+        assert_eq!(r.await.unwrap().status, StatusCode::OK);
+    }
+    let (mut replayed, mut not_replayable) = (0, 0);
+    for key in ["h1", "h2"] {
+        match sink.send_as("hog", key).await.status {
+            StatusCode::OK => replayed += 1,
+            StatusCode::CONFLICT => not_replayable += 1,
+            other => panic!("{key}: {other}"),
+        }
+    }
+    assert_eq!((replayed, not_replayable), (1, 1));
+    assert_eq!(sink.calls(), 3);
+}
+
+#[tokio::test]
+async fn memory_keeps_half_the_store_from_any_one_job() {
+    let clock = ManualClock::new(1_700_000_000_000);
+    one_job_fills_at_most_half(MemoryStore::with_clock(Arc::new(clock))).await;
+}
+
+#[tokio::test]
+async fn sled_keeps_half_the_store_from_any_one_job() {
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    one_job_fills_at_most_half(SledStore::open_with_clock(dir.path(), Arc::new(clock)).unwrap())
+        .await;
 }
 
 /// Keyed requests running count towards the cap only once their answers are stored: with
@@ -256,7 +373,11 @@ async fn slow_requests(
     let running = (0..n)
         .map(|i| {
             let (sink, gate) = (sink.clone(), gate.clone());
-            tokio::spawn(async move { sink.send_gated(&format!("slow-{i}"), Some(gate)).await })
+            tokio::spawn(async move {
+                let key = format!("slow-{i}");
+                sink.send_gated(&format!("job-{key}"), &key, Some(gate))
+                    .await
+            })
         })
         .collect();
     tokio::time::timeout(Duration::from_secs(10), async {

@@ -424,6 +424,13 @@ impl IdempotencyStore for SinkBackend {
             Self::Postgres(s) => s.stored_bytes(),
         }
     }
+
+    fn job_stored_bytes(&self, job: &JobId) -> Option<u64> {
+        match self {
+            Self::Sled(s) => s.job_stored_bytes(job),
+            Self::Postgres(s) => s.job_stored_bytes(job),
+        }
+    }
 }
 
 /// Logs a warning when users other than this process's may enter the data directory `dir`:

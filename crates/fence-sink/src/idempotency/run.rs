@@ -122,7 +122,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
         };
         // A new key past the records' cap: forgotten again, and refused before the service
         // runs (its outcome is known).
-        if let Err(full) = super::cap::admit(self.config, self.store.stored_bytes()) {
+        if let Err(full) = super::cap::admit(self.config, self.held()) {
             let finishing = self.finish(&fingerprint, Finish::Forget).await;
             count("overloaded");
             let problem = super::cap::refused(self.job, self.config, &full);
@@ -351,7 +351,7 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                         let finishing = self.finish(fingerprint, Finish::Forget).await;
                         let body = ResponseBody::held(bytes, trailers, Some(held));
                         (Response::from_parts(head, body), finishing)
-                    } else if !super::cap::fits(self.config, self.store.stored_bytes()) {
+                    } else if !super::cap::fits(self.config, self.held()) {
                         // The records reached their cap while this request ran: it is
                         // remembered as not replayable, like an answer too large to store.
                         let retention = self.config.retention;
@@ -407,6 +407,15 @@ impl<St: IdempotencyStore> Keyed<'_, St> {
                 }
             };
         marked(answer, finishing)
+    }
+
+    /// What the store holds, in all and for this job, for the cap.
+    fn held(&self) -> super::cap::Held {
+        let stored = self.store.stored_bytes();
+        super::cap::Held {
+            stored,
+            job: stored.and_then(|_| self.store.job_stored_bytes(self.job)),
+        }
     }
 
     /// Completes the record; `Some` when that failed and goes on in the background (see

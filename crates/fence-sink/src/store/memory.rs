@@ -80,11 +80,13 @@ impl MemoryStore {
         let new_size = new
             .as_ref()
             .map(|r| k.0.as_str().len() + 1 + k.1.as_str().len() + r.encode().len());
+        let job = k.0.clone();
         let old = match new.zip(new_size) {
             Some(sized) => inner.records.insert(k, sized),
             None => inner.records.remove(&k),
         };
-        self.stored.replaced(old.map(|(_, size)| size), new_size);
+        self.stored
+            .replaced(job.as_str().as_bytes(), old.map(|(_, size)| size), new_size);
     }
 
     fn lock(&self) -> std::sync::MutexGuard<'_, Inner> {
@@ -194,10 +196,11 @@ impl IdempotencyStore for MemoryStore {
         let now = self.records_now_ms();
         let mut inner = self.lock();
         let mut purged = 0;
-        inner.records.retain(|_, (r, size)| {
+        inner.records.retain(|(job, _), (r, size)| {
             let live = r.is_live(now);
             if !live {
-                self.stored.replaced(Some(*size), None);
+                self.stored
+                    .replaced(job.as_str().as_bytes(), Some(*size), None);
                 purged += 1;
             }
             live
@@ -207,6 +210,10 @@ impl IdempotencyStore for MemoryStore {
 
     fn stored_bytes(&self) -> Option<u64> {
         Some(self.stored.get())
+    }
+
+    fn job_stored_bytes(&self, job: &JobId) -> Option<u64> {
+        Some(self.stored.of(job.as_str().as_bytes()))
     }
 }
 

@@ -1,21 +1,22 @@
 //! The default sink store: sled on local disk, every change durable before it is answered.
 
-use std::{path::Path, sync::Arc, time::Duration};
+use std::{collections::HashMap, path::Path, sync::Arc, time::Duration};
 
-use fence_core::{Generation, JobId, headers::IdempotencyKey};
+use fence_core::{Generation, JobId};
 use fence_storage::{
     clock::{Clock, SystemClock},
     disk::{DurableDb, OpenError, Tree},
 };
 
-use self::{forgetting::Forgetting, running::Running};
+use self::{forgetting::Forgetting, idempotency::record_job, running::Running};
 use super::{
-    Attempt, Begin, Finish, GenerationStore, IdempotencyStore, IdleJob, IdlePage, Loaded, Prior,
-    RunBounds, STAMP_AHEAD_MS, StoreError, Verdict, ms, record, stamp_due,
+    GenerationStore, IdleJob, IdlePage, Loaded, Prior, RunBounds, STAMP_AHEAD_MS, StoreError,
+    Verdict, ms, record, stamp_due,
     stored::{StoredBytes, entry_len},
 };
 
 mod forgetting;
+mod idempotency;
 mod pair;
 mod running;
 
@@ -86,15 +87,6 @@ fn io(e: impl Into<fence_storage::BoxError>) -> StoreError {
     StoreError::io(e)
 }
 
-fn record_key(job: &JobId, key: &IdempotencyKey) -> Vec<u8> {
-    // A job id is visible ASCII, so 0x00 cannot occur in it and separates unambiguously.
-    let mut k = Vec::with_capacity(job.as_str().len() + 1 + key.as_str().len());
-    k.extend_from_slice(job.as_str().as_bytes());
-    k.push(0);
-    k.extend_from_slice(key.as_str().as_bytes());
-    k
-}
-
 impl SledStore {
     /// Opens (or creates) the generation and idempotency store in directory `path`, with
     /// idempotency records expiring on the system clock (as measured from the open on its
@@ -127,15 +119,17 @@ impl SledStore {
         // the clocks are read: a count that took T between the monotonic and the wall
         // reading would run the store's clock T ahead, and the restart hold T short. A read
         // that fails ends the open (sled's iterator may fail again at the same place).
-        let mut stored = 0u64;
+        let mut jobs: HashMap<Box<[u8]>, u64> = HashMap::new();
         for item in records.iter() {
             let (k, v) = item.map_err(|source| OpenError::Sled {
                 path: path.to_owned(),
                 source,
             })?;
             let len = entry_len(&k, Some(&v)).unwrap_or(0);
-            stored = stored.saturating_add(u64::try_from(len).unwrap_or(u64::MAX));
+            let job = jobs.entry(record_job(&k).into()).or_default();
+            *job = job.saturating_add(u64::try_from(len).unwrap_or(u64::MAX));
         }
+        let stored = StoredBytes::counted(jobs);
         // The two readings of the open, next to each other.
         let opened_monotonic_ms = clock.monotonic_ms();
         let opened_ms = clock.now_ms();
@@ -143,7 +137,7 @@ impl SledStore {
             generations: db.tree("generations")?,
             stamps: db.tree("stamps")?,
             records,
-            stored: Arc::new(StoredBytes::new(stored)),
+            stored: Arc::new(stored),
             running: Arc::new(Running::open(&format, opened_monotonic_ms, path)?),
             forgetting: Arc::new(Forgetting::open(&format, path)),
             format,
@@ -308,7 +302,8 @@ impl SledStore {
             };
             match swapped.map_err(io)? {
                 Ok(()) => {
-                    self.stored.replaced(old_len, new_len);
+                    self.stored
+                        .replaced(job.as_str().as_bytes(), old_len, new_len);
                     break out;
                 }
                 Err(_) => continue,
@@ -533,66 +528,6 @@ impl GenerationStore for SledStore {
             // to be forgotten again; the next commit of anyone flushes it anyway.
         }
         Ok(gone)
-    }
-}
-
-impl IdempotencyStore for SledStore {
-    async fn begin(&self, attempt: Attempt<'_>, in_flight: Duration) -> Result<Begin, StoreError> {
-        let k = record_key(attempt.job, attempt.key);
-        // On disk before the request goes on: a crash after the service acted must leave the
-        // record in flight, so a retry gets 409 instead of running the effect again. (It
-        // was not waited on once, to save a sync; the fault harness's duplicate check then
-        // found writes applied twice after a proxy was killed.) Group commit shares the
-        // sync among the requests of the moment.
-        self.update_record(attempt.job, &k, Write::Decision, |cur| {
-            let (write, answer) = record::begin(cur, &attempt, ms(in_flight), self.records_now());
-            (write.map(Some), answer)
-        })
-        .await
-    }
-
-    async fn finish(&self, attempt: Attempt<'_>, outcome: Finish) -> Result<(), StoreError> {
-        let k = record_key(attempt.job, attempt.key);
-        self.update_record(attempt.job, &k, Write::Outcome, |cur| {
-            let now = self.records_now();
-            (record::finish(cur, &attempt, outcome.clone(), now), ())
-        })
-        .await
-    }
-
-    async fn purge_expired(&self) -> Result<usize, StoreError> {
-        let now = self.records_now();
-        // A walk of every record (millions, at a steady rate and a day's retention) runs
-        // on a blocking thread, not the runtime's (a current-thread runtime would stall for
-        // all of it), and reads each record's head only, not its stored answer.
-        let (records, stored) = (self.records.clone(), self.stored.clone());
-        let purged = tokio::task::spawn_blocking(move || {
-            let mut purged = 0;
-            for item in records.iter() {
-                let (k, v) = item.map_err(io)?;
-                let len = entry_len(&k, Some(&v));
-                if !record::Record::live_at(&v, now)
-                    && records
-                        .compare_and_swap(&k, Some(v), None::<&[u8]>)
-                        .map_err(io)?
-                        .is_ok()
-                {
-                    stored.replaced(len, None);
-                    purged += 1;
-                }
-            }
-            Ok::<usize, StoreError>(purged)
-        })
-        .await
-        .map_err(io)??;
-        if purged > 0 {
-            self.db.commit().await.map_err(io)?;
-        }
-        Ok(purged)
-    }
-
-    fn stored_bytes(&self) -> Option<u64> {
-        Some(self.stored.get())
     }
 }
 

@@ -4,8 +4,14 @@ use std::collections::BTreeMap;
 
 use proptest::prelude::*;
 
+use fence_core::headers::IdempotencyKey;
+
 use super::*;
-use crate::{Fingerprint, conformance::at};
+use crate::{
+    Fingerprint,
+    conformance::at,
+    store::{Attempt, Begin, Finish, IdempotencyStore},
+};
 
 const MINUTE: Duration = Duration::from_secs(60);
 
@@ -261,7 +267,7 @@ async fn a_replay_waits_until_the_record_it_reads_is_on_disk() {
     tokio::time::timeout(Duration::from_secs(5), async {
         while store
             .records
-            .get(record_key(&job, &key))
+            .get(idempotency::record_key(&job, &key))
             .unwrap()
             .is_none_or(|raw| {
                 matches!(
