@@ -14,7 +14,7 @@ use bytes::Bytes;
 use fence_storage::clock::ManualClock;
 
 use super::{attempt, fp, job, key, response, store_response};
-use crate::{Begin, Finish, IdempotencyStore};
+use crate::{Begin, Finish, GenerationStore, IdempotencyStore, IdlePage};
 
 /// Generates one `#[tokio::test]` per clock-step case for the store made by `$make`.
 #[macro_export]
@@ -23,6 +23,7 @@ macro_rules! sink_store_step_conformance {
         $crate::conformance::__storage::conformance_cases!($crate::conformance::steps; $make;
             a_forward_step_of_the_wall_clock_does_not_expire_a_record,
             a_backward_step_of_the_wall_clock_does_not_hold_a_key_longer,
+            a_forward_step_of_the_wall_clock_does_not_age_a_job,
         );
     };
 }
@@ -119,4 +120,34 @@ pub async fn a_backward_step_of_the_wall_clock_does_not_hold_a_key_longer<S: Ide
     );
     let again = attempt(&j, &done, &f, 23, 1);
     assert_eq!(store.begin(again, IN_FLIGHT).await.unwrap(), Begin::Started);
+}
+
+/// A job admitted, then the wall clock steps an hour forward: the job is not idle by the step
+/// (with forgetting on it was forgotten at once, and once the clock was set right a stale
+/// token that had not expired was taken as a new job's first write), only by time passed.
+pub async fn a_forward_step_of_the_wall_clock_does_not_age_a_job<S: GenerationStore>(
+    store: S,
+    clock: ManualClock,
+) {
+    clock.advance(Duration::from_secs(60));
+    store
+        .observe(&job("stepped"), fence_core::Generation::new(1))
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(1));
+    assert_eq!(idle_jobs(&store).await, 0);
+    clock.step_ms(3_600_000);
+    assert_eq!(idle_jobs(&store).await, 0, "the step aged the job");
+    clock.advance(Duration::from_secs(620));
+    assert_eq!(idle_jobs(&store).await, 1, "idle once the time has passed");
+}
+
+/// How many jobs `store` lists as idle for 10 minutes.
+async fn idle_jobs<S: GenerationStore>(store: &S) -> usize {
+    let page = IdlePage {
+        idle_for: Duration::from_secs(600),
+        after: None,
+        limit: 10,
+    };
+    store.idle(page).await.unwrap().len()
 }

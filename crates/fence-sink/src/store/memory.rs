@@ -64,7 +64,8 @@ impl MemoryStore {
         }
     }
 
-    /// The time idempotency records are written and judged on, as the sled store's: a step
+    /// The time idempotency records and jobs' stamps are written and judged on, as the sled
+    /// store's records (the sled store's stamps are on the wall clock, for the next process): a step
     /// of the wall clock forward must not expire a record in flight (a retry would reach
     /// the service while the first attempt runs), nor one back hold a key the step longer.
     fn records_now_ms(&self) -> u64 {
@@ -101,7 +102,10 @@ impl GenerationStore for MemoryStore {
     }
 
     async fn observe(&self, job: &JobId, token: Generation) -> Result<Verdict, StoreError> {
-        let now = self.clock.now_ms();
+        // Stamped and judged idle on the time since the store was made, not the wall clock:
+        // nothing outlives the process, and a forward step of the wall clock must not age a
+        // job and forget it while its older tokens have not expired.
+        let now = self.records_now_ms();
         let mut inner = self.lock();
         let (highest, touched) = inner.highest.get(job).copied().unwrap_or_default();
         if token < highest {
@@ -133,7 +137,7 @@ impl GenerationStore for MemoryStore {
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
-        let before_ms = self.clock.now_ms().saturating_sub(ms(page.idle_for));
+        let before_ms = self.records_now_ms().saturating_sub(ms(page.idle_for));
         use std::ops::Bound;
         let inner = self.lock();
         let start = page

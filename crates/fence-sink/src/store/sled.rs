@@ -8,7 +8,7 @@ use fence_storage::{
     disk::{DurableDb, OpenError, Tree},
 };
 
-use self::{forgetting::Forgetting, idempotency::record_job, running::Running};
+use self::{forgetting::Forgetting, idempotency::record_job, running::Running, steps::Steps};
 use super::{
     GenerationStore, IdleJob, IdlePage, Loaded, Prior, RunBounds, STAMP_AHEAD_MS, StoreError,
     Verdict, ms, record, stamp_due,
@@ -19,6 +19,7 @@ mod forgetting;
 mod idempotency;
 mod pair;
 mod running;
+mod steps;
 
 /// Highest generations with their stamps (tree `generations`: job → generation, stamp and
 /// the time of the last raise, 8 bytes big-endian each; records written before the raise was
@@ -46,6 +47,9 @@ pub struct SledStore {
     /// on it, so a step of the wall clock since (NTP after a boot) does not cut short the
     /// wait for what an earlier process left running.
     opened_monotonic_ms: u64,
+    /// Forward steps of the wall clock seen since: which stamps to judge on the earlier
+    /// clock when listing idle jobs.
+    steps: Arc<Steps>,
 }
 
 /// How coarse the `stamps` tree's times are. A job's entry holds its stamp rounded *up* to a
@@ -144,6 +148,7 @@ impl SledStore {
             db,
             opened_ms,
             opened_monotonic_ms,
+            steps: Arc::new(Steps::open(opened_ms)),
             clock,
         };
         store.repair_stamps(&store.format);
@@ -443,17 +448,17 @@ impl GenerationStore for SledStore {
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
         // A stamp an earlier process may have written (up to its stamp ahead, rounded up,
-        // past this open) is idle by the earlier of the wall clock and the time since the
-        // open: a wall clock stepped forward since (NTP after a boot) must not age it by the
-        // step and forget a job whose earlier request may still be running. Later stamps are
-        // this process's own, written on the wall clock, and judged by it: judged by the time
-        // since the open, a step of years would keep them from being forgotten for the
-        // process's whole life.
+        // past this open), or this one before a forward step of the wall clock, is idle by
+        // the earlier of the wall clock and the time since the open: a wall clock stepped
+        // forward since (NTP after a boot) must not age it by the step and forget a job
+        // whose earlier request may still be running, or whose older tokens have not
+        // expired ([`Steps`]). Later stamps are judged on the wall clock they were written on.
         let idle_for = ms(page.idle_for);
         let wall_ms = self.clock.now_ms();
+        let anchored_ms = self.since_open_ms();
         let before_ms = wall_ms.saturating_sub(idle_for);
-        let earlier_before = wall_ms.min(self.since_open_ms()).saturating_sub(idle_for);
-        let earlier_until = self.opened_ms.saturating_add(STAMP_AHEAD_MS + 1_000);
+        let earlier_before = wall_ms.min(anchored_ms).saturating_sub(idle_for);
+        let earlier_until = self.steps.earlier_until(wall_ms, anchored_ms);
         let start = match page.after {
             Some(a) => {
                 std::ops::Bound::Excluded(stamp_key(a.touched_ms, a.job.as_str().as_bytes()))

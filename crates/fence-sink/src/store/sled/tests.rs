@@ -33,14 +33,15 @@ crate::sink_store_conformance!(|| async {
     Some((store, crate::conformance::advance_fn(clock)))
 });
 
-// The forward case only: a step back holds a sled record the step longer (judged on the
+// The forward cases only: a step back holds a sled record the step longer (judged on the
 // earlier of its two clocks; tests/records.rs), which the backward case rules out.
 crate::conformance::__storage::conformance_cases!(crate::conformance::steps; || async {
     let clock = fence_storage::clock::ManualClock::new(1_700_000_000_000);
     let dir = tempfile::tempdir().unwrap().keep();
     let store = SledStore::open_with_clock(dir, Arc::new(clock.clone())).unwrap();
     Some((store, clock))
-}; a_forward_step_of_the_wall_clock_does_not_expire_a_record,);
+}; a_forward_step_of_the_wall_clock_does_not_expire_a_record,
+    a_forward_step_of_the_wall_clock_does_not_age_a_job,);
 
 /// The response of an effect that ran is kept while the disk stalls (a new request's
 /// record is refused then): refused, the record would stay in flight, and a retry after
@@ -402,6 +403,49 @@ async fn a_wall_clock_step_after_the_open_is_not_time_passed() {
         ["stepped", "after-the-step"],
         "the later job was judged by the time since the open"
     );
+}
+
+/// A stamp this process wrote before a forward step of the wall clock is not aged by the
+/// step either. An audit: with forgetting on, a step of an hour forgot a job at once, and once
+/// the clock was set right again a stale signed token that had not expired was taken as a new
+/// job's first write, its effect committed after the newer holder's. A job stamped after the
+/// step is judged on the wall clock it was stamped on.
+#[tokio::test]
+async fn a_forward_step_does_not_age_this_processs_own_earlier_stamps() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000);
+    let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let idle = || async {
+        let page = IdlePage {
+            idle_for: Duration::from_secs(600),
+            after: None,
+            limit: 10,
+        };
+        let jobs = store.idle(page).await.unwrap();
+        jobs.into_iter()
+            .map(|i| i.job.to_string())
+            .collect::<Vec<_>>()
+    };
+    clock.advance(Duration::from_secs(60));
+    let before: JobId = "before-the-step".parse().unwrap();
+    store
+        .accept(&before, Generation::new(1), false)
+        .await
+        .unwrap();
+    assert_eq!(idle().await, Vec::<String>::new());
+    clock.advance(Duration::from_secs(2));
+    clock.step_ms(3_600_000);
+    assert_eq!(idle().await, Vec::<String>::new(), "the step aged the job");
+    let after: JobId = "after-the-step".parse().unwrap();
+    store
+        .accept(&after, Generation::new(1), false)
+        .await
+        .unwrap();
+    clock.advance(Duration::from_secs(300));
+    assert_eq!(idle().await, Vec::<String>::new(), "the step aged the job");
+    clock.advance(Duration::from_secs(320));
+    assert_eq!(idle().await, ["before-the-step", "after-the-step"]);
 }
 
 mod records;
