@@ -441,6 +441,17 @@ async fn a_records_request_running_at_a_restart_keeps_it_in_flight_past_a_clock_
         Begin::InFlight,
         "the step expired the record at the open: a retry would run the effect again"
     );
+    // Nor does a newer holder's request with the key (a derived key) take it over: after
+    // the step its restart wait is shortened by the step, and it may be admitted at once.
+    let newer = Attempt {
+        generation: Generation::new(2),
+        ..at(5)
+    };
+    assert_eq!(
+        b.begin(newer, in_flight).await.unwrap(),
+        Begin::InFlight,
+        "a newer holder took over the record of a request that may still commit"
+    );
     assert_eq!(b.purge_expired().await.unwrap(), 0, "the purge dropped it");
     clock.advance(hold - Duration::from_millis(1));
     assert_eq!(b.begin(at(3), in_flight).await.unwrap(), Begin::InFlight);
