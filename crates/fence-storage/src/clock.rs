@@ -39,6 +39,42 @@ pub trait Clock: Send + Sync + fmt::Debug + 'static {
             std::sync::LazyLock::new(std::time::Instant::now);
         u64::try_from(START.elapsed().as_millis()).unwrap_or(u64::MAX)
     }
+
+    /// Which boot of the machine this is, and the milliseconds since it on a clock that
+    /// counts real time and is shared by every process of that boot (Linux: `boot_id` and
+    /// `CLOCK_BOOTTIME`, read from `/proc`): compared with a reading an earlier process
+    /// recorded, it tells how much real time passed between the two, so a step of the wall
+    /// clock in between can be told from time passed. `None` (the default) when not known;
+    /// the sled sink store then cannot tell a step between two processes from time passed.
+    fn since_boot(&self) -> Option<BootReading> {
+        None
+    }
+}
+
+/// A reading of the time since the machine booted ([`Clock::since_boot`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BootReading {
+    /// Which boot: equal for every process of one boot, different after a reboot.
+    pub boot: u128,
+    /// Milliseconds since that boot, real time (a suspended machine's sleep included).
+    pub ms: u64,
+}
+
+impl BootReading {
+    /// The machine's reading (Linux; `None` elsewhere or when `/proc` cannot be read).
+    pub fn of_machine() -> Option<Self> {
+        let id = std::fs::read_to_string("/proc/sys/kernel/random/boot_id").ok()?;
+        let boot = u128::from_str_radix(&id.trim().replace('-', ""), 16).ok()?;
+        // "12345.67 23456.78": seconds since boot (CLOCK_BOOTTIME), to the hundredth.
+        let uptime = std::fs::read_to_string("/proc/uptime").ok()?;
+        let (secs, hundredths) = uptime.split_whitespace().next()?.split_once('.')?;
+        let ms = secs
+            .parse::<u64>()
+            .ok()?
+            .checked_mul(1_000)?
+            .checked_add(hundredths.get(..2)?.parse::<u64>().ok()? * 10)?;
+        Some(Self { boot, ms })
+    }
 }
 
 /// The operating system's clock.
@@ -82,6 +118,10 @@ impl Clock for SystemClock {
     fn now_ms(&self) -> u64 {
         system_now_ms().saturating_add_signed(self.offset_ms.load(Ordering::Relaxed))
     }
+
+    fn since_boot(&self) -> Option<BootReading> {
+        BootReading::of_machine()
+    }
 }
 
 /// A clock that only moves when told to. [`advance`](Self::advance) and a forward
@@ -92,15 +132,33 @@ impl Clock for SystemClock {
 pub struct ManualClock {
     now_ms: Arc<AtomicU64>,
     monotonic_ms: Arc<AtomicU64>,
+    /// Which boot [`Clock::since_boot`] reports (its monotonic reading the time since it);
+    /// 0: none reported.
+    boot: Arc<AtomicU64>,
 }
 
 impl ManualClock {
-    /// A clock reading `now_ms`.
+    /// A clock reading `now_ms`, reporting no boot.
     pub fn new(now_ms: u64) -> Self {
         Self {
             now_ms: Arc::new(AtomicU64::new(now_ms)),
             monotonic_ms: Arc::default(),
+            boot: Arc::default(),
         }
+    }
+
+    /// The same clock, reporting the time since a boot ([`Clock::since_boot`]) as its
+    /// monotonic reading: every clone of it is a process of that boot, so a step of the wall
+    /// clock between two of them can be told from time passed.
+    #[must_use]
+    pub fn with_boot(self) -> Self {
+        self.boot.store(1, Ordering::SeqCst);
+        self
+    }
+
+    /// A new boot: what a process recorded before it no longer compares.
+    pub fn reboot(&self) {
+        self.boot.fetch_add(1, Ordering::SeqCst);
     }
 
     /// Moves the clock forward: time passes.
@@ -142,6 +200,16 @@ impl Clock for ManualClock {
 
     fn monotonic_ms(&self) -> u64 {
         self.monotonic_ms.load(Ordering::SeqCst)
+    }
+
+    fn since_boot(&self) -> Option<BootReading> {
+        match self.boot.load(Ordering::SeqCst) {
+            0 => None,
+            boot => Some(BootReading {
+                boot: u128::from(boot),
+                ms: self.monotonic_ms(),
+            }),
+        }
     }
 }
 

@@ -15,6 +15,7 @@ use super::{
     stored::{StoredBytes, entry_len},
 };
 
+mod boot;
 mod forgetting;
 mod idempotency;
 mod pair;
@@ -137,6 +138,7 @@ impl SledStore {
         // The two readings of the open, next to each other.
         let opened_monotonic_ms = clock.monotonic_ms();
         let opened_ms = clock.now_ms();
+        let opened_boot = clock.since_boot();
         let store = Self {
             generations: db.tree("generations")?,
             stamps: db.tree("stamps")?,
@@ -151,6 +153,7 @@ impl SledStore {
             steps: Arc::new(Steps::open(opened_ms)),
             clock,
         };
+        store.restamp_after_a_step(opened_boot, path)?;
         store.repair_stamps(&store.format);
         Ok(store)
     }

@@ -462,3 +462,60 @@ async fn a_records_request_running_at_a_restart_keeps_it_in_flight_past_a_clock_
         "held past the recorded hold"
     );
 }
+
+/// A forward step of the wall clock between two processes on one boot is told from time
+/// passed: every job is taken as stamped at the later open, so a job busy at a crash waits
+/// the restart hold (an audit saw a newer token pass at once after a step of an hour across
+/// a `kill -9`, its effect committing before the old request's), its raise too, and no job
+/// is forgotten before it has been idle since the open. Without a step nothing is
+/// restamped; across a reboot the clocks are not compared.
+#[tokio::test]
+async fn a_step_of_the_wall_clock_between_processes_takes_every_job_as_stamped_at_the_open() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000).with_boot();
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let job: JobId = "busy-at-the-crash".parse().unwrap();
+    let prior = |store: &SledStore| {
+        let job = job.clone();
+        let store = store.clone();
+        async move { store.load(&job).await.unwrap().prior.expect("stamps") }
+    };
+    {
+        let a = open();
+        clock.advance(Duration::from_secs(60));
+        a.accept(&job, Generation::new(1), false).await.unwrap();
+        a.accept(&job, Generation::new(2), true).await.unwrap();
+        clock.advance(Duration::from_secs(1));
+        clock.step_ms(3_600_000);
+    }
+    let b = open();
+    let p = prior(&b).await;
+    assert!(
+        p.admitted_until_ms > p.opened_ms && p.raised_ms >= p.opened_ms,
+        "the step made the job look idle for an hour: {p:?}"
+    );
+    let idle = || async {
+        let page = IdlePage {
+            idle_for: Duration::from_secs(600),
+            after: None,
+            limit: 10,
+        };
+        b.idle(page).await.unwrap().len()
+    };
+    clock.advance(Duration::from_secs(300));
+    assert_eq!(idle().await, 0, "forgotten by the step");
+    clock.advance(Duration::from_secs(320));
+    assert_eq!(idle().await, 1, "idle 620 s after the open");
+    drop(b);
+    // No step since: the stamps stay as they are.
+    clock.advance(Duration::from_secs(5));
+    let c = open();
+    assert_eq!(prior(&c).await.admitted_until_ms, p.admitted_until_ms);
+    drop(c);
+    // After a reboot the clocks are not compared (the step is not seen).
+    clock.reboot();
+    clock.step_ms(3_600_000);
+    let d = open();
+    assert_eq!(prior(&d).await.admitted_until_ms, p.admitted_until_ms);
+}
