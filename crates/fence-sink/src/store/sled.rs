@@ -48,8 +48,8 @@ pub struct SledStore {
     /// on it, so a step of the wall clock since (NTP after a boot) does not cut short the
     /// wait for what an earlier process left running.
     opened_monotonic_ms: u64,
-    /// Forward steps of the wall clock seen since: which stamps to judge on the earlier
-    /// clock when listing idle jobs.
+    /// Steps of the wall clock seen since: the offset each stamp was written under, for
+    /// judging it idle.
     steps: Arc<Steps>,
 }
 
@@ -354,6 +354,8 @@ impl SledStore {
             if token == highest && raw.is_some() && !stamp_due(touched, now) {
                 break; // stamped lately: make sure it is on disk too
             }
+            // The offset of the wall clock this stamp is written under, for judging it idle.
+            self.steps.observe(now, self.since_open_ms());
             let stamp = now.saturating_add(STAMP_AHEAD_MS);
             let raised = match (token > highest || raw.is_none(), older_running) {
                 (true, true) => now,
@@ -450,18 +452,18 @@ impl GenerationStore for SledStore {
     }
 
     async fn idle(&self, page: IdlePage<'_>) -> Result<Vec<IdleJob>, StoreError> {
-        // A stamp an earlier process may have written (up to its stamp ahead, rounded up,
-        // past this open), or this one before a forward step of the wall clock, is idle by
-        // the earlier of the wall clock and the time since the open: a wall clock stepped
-        // forward since (NTP after a boot) must not age it by the step and forget a job
-        // whose earlier request may still be running, or whose older tokens have not
-        // expired ([`Steps`]). Later stamps are judged on the wall clock they were written on.
+        // Each stamp is judged by the offset of the wall clock it was written under
+        // ([`Steps`]), an earlier process's by the earlier of the wall clock and the time
+        // since the open: a wall clock stepped forward since (NTP after a boot) must not age
+        // a stamp by the step and forget a job whose earlier request may still be running,
+        // or whose older tokens have not expired.
         let idle_for = ms(page.idle_for);
         let wall_ms = self.clock.now_ms();
         let anchored_ms = self.since_open_ms();
+        self.steps.observe(wall_ms, anchored_ms);
+        let judge = self.steps.judge(anchored_ms);
+        // No stamp is judged at a later time than the wall clock's.
         let before_ms = wall_ms.saturating_sub(idle_for);
-        let earlier_before = wall_ms.min(anchored_ms).saturating_sub(idle_for);
-        let earlier_until = self.steps.earlier_until(wall_ms, anchored_ms);
         let start = match page.after {
             Some(a) => {
                 std::ops::Bound::Excluded(stamp_key(a.touched_ms, a.job.as_str().as_bytes()))
@@ -476,7 +478,7 @@ impl GenerationStore for SledStore {
                 continue;
             };
             let stamped = u64::from_be_bytes(*touched);
-            if stamped <= earlier_until && stamped >= earlier_before {
+            if stamped >= judge.now_for(stamped).saturating_sub(idle_for) {
                 continue;
             }
             let Ok(job) = std::str::from_utf8(job)

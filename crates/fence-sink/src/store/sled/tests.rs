@@ -411,7 +411,7 @@ async fn a_wall_clock_step_after_the_open_is_not_time_passed() {
 /// job's first write, its effect committed after the newer holder's. A job stamped after the
 /// step is judged on the wall clock it was stamped on.
 #[tokio::test]
-async fn a_forward_step_does_not_age_this_processs_own_earlier_stamps() {
+async fn a_forward_step_does_not_age_the_stamps_this_process_wrote_before_it() {
     use fence_storage::clock::ManualClock;
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(1_700_000_000_000);
