@@ -200,23 +200,27 @@ async fn sled_counts_its_records_again_after_a_restart() {
     );
 }
 
-/// Past half the cap, a job holding its share (a sixteenth of the cap) or more gets no new
-/// keys, so one job (one client with one valid token) cannot fill the store and refuse every
-/// other job's new keys for the retention, as it could until this version: its first two
-/// 4 KiB answers are stored, its third key is refused with the share in the detail, while
-/// another job's new key is admitted and stored; the cap itself still refuses every job.
-async fn one_job_fills_at_most_half<St: GenerationStore + IdempotencyStore + Clone>(store: St) {
-    let clock = ManualClock::new(1_700_000_000_000);
+/// Past three quarters of the cap, a job holding its share (a quarter of the cap) or more
+/// gets no new keys, so one job (one client with one valid token) cannot fill the store and
+/// refuse every other job's new keys for the retention, as it could until this version: its
+/// first two 4 KiB answers are stored, its third key is refused with the share in the detail,
+/// while another job's new key is admitted and stored; the cap itself still refuses every
+/// job. The per-job counts add up to the total, and drop to 0 when the purge takes them.
+async fn one_job_cannot_fill_the_store<St: GenerationStore + IdempotencyStore + Clone>(
+    store: St,
+    clock: ManualClock,
+) {
     let sink = Sink::new(store.clone(), &clock);
     for key in ["h1", "h2"] {
         let a = sink.send_as("hog", key).await;
         assert_eq!((a.status, a.replayed), (StatusCode::OK, false), "{key}");
     }
-    let hog: fence_core::JobId = "hog".parse().unwrap();
+    let (hog, other): (fence_core::JobId, fence_core::JobId) =
+        ("hog".parse().unwrap(), "other".parse().unwrap());
     let held = store
         .job_stored_bytes(&hog)
         .expect("the store counts per job");
-    assert!(held >= CAP / 2, "two answers hold {held} bytes");
+    assert!(held >= CAP * 3 / 4, "two answers hold {held} bytes");
     let a = sink.send_as("hog", "h3").await;
     assert_eq!(
         a.status,
@@ -228,10 +232,15 @@ async fn one_job_fills_at_most_half<St: GenerationStore + IdempotencyStore + Clo
     let detail = problem["detail"].as_str().unwrap();
     assert!(
         detail.starts_with("job hog: its idempotency records hold ")
-            && detail.contains(&format!("its share being {}", CAP / 16)),
+            && detail.contains(&format!("its share being {}", CAP / 4)),
         "{detail}"
     );
     assert_eq!(sink.calls(), 2, "the service ran for a key past the share");
+    assert_eq!(
+        store.job_stored_bytes(&hog),
+        Some(held),
+        "the refused key counted"
+    );
     // Its recorded keys still replay.
     let a = sink.send_as("hog", "h1").await;
     assert_eq!((a.status, a.replayed), (StatusCode::OK, true));
@@ -244,11 +253,29 @@ async fn one_job_fills_at_most_half<St: GenerationStore + IdempotencyStore + Clo
     let a = sink.send_as("late", "l1").await;
     assert_eq!(a.status, StatusCode::SERVICE_UNAVAILABLE);
     assert_eq!(sink.calls(), 3);
+    let late: fence_core::JobId = "late".parse().unwrap();
+    let jobs = [&hog, &other, &late].map(|j| store.job_stored_bytes(j).unwrap());
+    assert_eq!(
+        jobs[2], 0,
+        "the refused job's forgotten record still counted"
+    );
+    assert_eq!(jobs.iter().sum::<u64>(), store.stored_bytes().unwrap());
+    clock.advance(RETENTION + Duration::from_secs(1));
+    assert_eq!(store.purge_expired().await.unwrap(), 3);
+    assert_eq!(store.job_stored_bytes(&hog), Some(0));
+    assert_eq!(store.job_stored_bytes(&other), Some(0));
+    let a = sink.send_as("hog", "h3").await;
+    assert_eq!(
+        (a.status, a.replayed),
+        (StatusCode::OK, false),
+        "room again"
+    );
 }
 
 /// The share is checked again when an answer arrives: two slow keyed requests of one job,
-/// admitted while the records were under half the cap, do not both store their answers
-/// once the first took the store past half; the second is remembered as not replayable.
+/// admitted while the records were under three quarters of the cap, do not both store their
+/// answers once the first took the store past that; the second is remembered as not
+/// replayable.
 #[tokio::test]
 async fn answers_past_a_jobs_share_are_not_stored() {
     let clock = ManualClock::new(1_700_000_000_000);
@@ -269,7 +296,7 @@ async fn answers_past_a_jobs_share_are_not_stored() {
         }
     })
     .await
-    .expect("both reach the service: admitted under half the cap");
+    .expect("both reach the service: admitted under three quarters of the cap");
     gate.add_permits(2);
     for r in running {
         assert_eq!(r.await.unwrap().status, StatusCode::OK);
@@ -287,17 +314,17 @@ async fn answers_past_a_jobs_share_are_not_stored() {
 }
 
 #[tokio::test]
-async fn memory_keeps_half_the_store_from_any_one_job() {
+async fn memory_keeps_one_job_from_filling_the_store() {
     let clock = ManualClock::new(1_700_000_000_000);
-    one_job_fills_at_most_half(MemoryStore::with_clock(Arc::new(clock))).await;
+    one_job_cannot_fill_the_store(MemoryStore::with_clock(Arc::new(clock.clone())), clock).await;
 }
 
 #[tokio::test]
-async fn sled_keeps_half_the_store_from_any_one_job() {
+async fn sled_keeps_one_job_from_filling_the_store() {
     let dir = tempfile::tempdir().unwrap();
     let clock = ManualClock::new(1_700_000_000_000);
-    one_job_fills_at_most_half(SledStore::open_with_clock(dir.path(), Arc::new(clock)).unwrap())
-        .await;
+    let store = SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    one_job_cannot_fill_the_store(store, clock).await;
 }
 
 /// Keyed requests running count towards the cap only once their answers are stored: with

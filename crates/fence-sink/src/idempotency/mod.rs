@@ -126,10 +126,10 @@ impl IdempotencyConfig {
     /// cap whose answer comes once the records hold it is remembered as not replayable (a
     /// retry gets 409), so the records pass `bytes` by at most the answers stored at the same
     /// moment, which the memory budget bounds (every answer to store is held there while it
-    /// arrives). Once the records hold half the cap, a job whose own records hold a
-    /// sixteenth of it or more gets no new keys either (checked again as its answers
+    /// arrives). Once the records hold three quarters of the cap, a job whose own records
+    /// hold a quarter of it or more gets no new keys either (checked again as its answers
     /// arrive), for stores that count per job ([`IdempotencyStore::job_stored_bytes`](crate::IdempotencyStore::job_stored_bytes)):
-    /// one job can fill at most half the store. Without the cap, records are bounded only by retention × rate × answer size
+    /// one job cannot fill the store, and the last quarter stays for the others. Without the cap, records are bounded only by retention × rate × answer size
     /// (a day at 50 keyed requests a second answering 1 MiB is 4 TB), and on sled they
     /// share the disk with the generations: a full disk fails every job. Applies to the
     /// stores that count their bytes ([`IdempotencyStore::stored_bytes`](crate::IdempotencyStore::stored_bytes):

@@ -427,8 +427,8 @@ pub trait IdempotencyStore: Send + Sync + 'static {
     }
 
     /// How many bytes the records of `job` hold, counted as [`stored_bytes`](Self::stored_bytes)
-    /// (`None`, the default: not counted): past half the cap, a job holding more than its
-    /// share gets no new keys ([`max_stored_bytes`](crate::IdempotencyConfig::max_stored_bytes)).
+    /// (`None`, the default: not counted): past three quarters of the cap, a job holding
+    /// its share (a quarter) or more gets no new keys ([`max_stored_bytes`](crate::IdempotencyConfig::max_stored_bytes)).
     fn job_stored_bytes(&self, job: &JobId) -> Option<u64> {
         let _ = job;
         None

@@ -138,9 +138,9 @@ pub struct ProxyArgs {
     /// new key gets 503 overloaded with Retry-After 60 and is not sent upstream, while
     /// recorded keys still replay. Records cost retention x rate x answer size (24h at 50
     /// keyed requests/s of 1 MiB answers is 4 TB), and on sled they share --data-dir with the
-    /// generations: a full disk fails every job. Once the records hold half of it, a job
-    /// whose own records hold a sixteenth of it gets no new keys either, so one job fills at
-    /// most half. Not applied to a PostgreSQL store.
+    /// generations: a full disk fails every job. Once the records hold three quarters of it,
+    /// a job whose own records hold a quarter of it gets no new keys either, so no one job
+    /// fills it. Not applied to a PostgreSQL store.
     #[arg(long, value_name = "BYTES", default_value_t = 4 << 30, value_parser = clap::value_parser!(u64).range(1..), env = "FENCE_IDEMPOTENCY_MAX_STORED")]
     pub idempotency_max_stored: u64,
     /// How long a newer token waits for older in-flight requests before 503.
