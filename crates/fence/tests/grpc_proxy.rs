@@ -573,30 +573,205 @@ async fn a_call_the_upstream_refused_unprocessed_holds_nobody_up() {
     })
     .await
     .unwrap();
-    let call = move |token: &str| {
-        let (addr, token) = (addr.clone(), token.to_owned());
-        tokio::task::spawn_blocking(move || {
-            exchange(
-                &addr,
-                "POST",
-                "/ledger.Ledger/Charge",
-                &[
-                    ("X-Fencing-Job", "refused".to_owned()),
-                    ("X-Fencing-Token", token),
-                    ("content-type", "application/grpc".to_owned()),
-                ],
-                "\0\0\0\0\0",
-            )
-        })
-    };
-    let (status, answer) = call("3").await.unwrap();
-    assert_eq!(status, 200, "{answer}");
-    assert!(answer.contains("grpc-status: 14"), "{answer}");
+    // Both calls on one client connection: each client connection has its own upstream one.
+    let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (mut client, conn) = h2::client::handshake(socket).await.unwrap();
+    tokio::spawn(conn);
+    let first = h2_call(&mut client, &addr, "/ledger.Ledger/Charge", "refused", "3").await;
+    assert_eq!(grpc_status(first).await, "14");
     assert!(refused.load(std::sync::atomic::Ordering::SeqCst));
-    let (status, newer) = call("4").await.unwrap();
-    assert_eq!(status, 200, "{newer}");
-    assert!(newer.contains("grpc-status: 0"), "held up: {newer}");
+    let newer = h2_call(&mut client, &addr, "/ledger.Ledger/Charge", "refused", "4").await;
+    assert_eq!(grpc_status(newer).await, "0", "held up");
     // A refused stream leaves the connection in use: no new connection per refusal to an
     // upstream at its stream limit.
     assert_eq!(accepted.load(std::sync::atomic::Ordering::SeqCst), 1);
+}
+
+/// An h2c upstream answering each gRPC call after its request body ends: `/ledger.Ledger/Big`
+/// with 3 MiB of data, anything else with one empty message, then `grpc-status: 0`. With it,
+/// how many connections to it are open.
+async fn upstream_with_big_answers() -> (String, std::sync::Arc<std::sync::atomic::AtomicUsize>) {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let open = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = open.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let open = counted.clone();
+            open.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            tokio::spawn(async move {
+                let Ok(mut conn) = h2::server::handshake(socket).await else {
+                    open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+                    return;
+                };
+                while let Some(Ok((request, mut respond))) = conn.accept().await {
+                    tokio::spawn(async move {
+                        let big = request.uri().path().ends_with("/Big");
+                        let mut body = request.into_body();
+                        while let Some(Ok(_)) = body.data().await {}
+                        let head = http::Response::builder()
+                            .header("content-type", "application/grpc")
+                            .body(())
+                            .unwrap();
+                        let Ok(mut send) = respond.send_response(head, false) else {
+                            return;
+                        };
+                        let answer = if big {
+                            bytes::Bytes::from(vec![0u8; 3 << 20])
+                        } else {
+                            bytes::Bytes::from_static(b"\0\0\0\0\0")
+                        };
+                        let _ = send.send_data(answer, false);
+                        let mut trailers = http::HeaderMap::new();
+                        trailers.insert("grpc-status", "0".parse().unwrap());
+                        let _ = send.send_trailers(trailers);
+                    });
+                }
+                open.fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+            });
+        }
+    });
+    (upstream, open)
+}
+
+/// A gRPC call of job `job` with `token` on the HTTP/2 client connection `client`: its
+/// answer stream.
+async fn h2_call(
+    client: &mut h2::client::SendRequest<bytes::Bytes>,
+    addr: &str,
+    path: &str,
+    job: &str,
+    token: &str,
+) -> h2::client::ResponseFuture {
+    let request = http::Request::post(format!("http://{addr}{path}"))
+        .header("content-type", "application/grpc")
+        .header("x-fencing-job", job)
+        .header("x-fencing-token", token)
+        .body(())
+        .unwrap();
+    let (answer, mut body) = client.send_request(request, false).unwrap();
+    body.send_data(bytes::Bytes::from_static(b"\0\0\0\0\0"), true)
+        .unwrap();
+    answer
+}
+
+/// The `grpc-status` a call ended with: in its head (trailers-only) or its trailers.
+async fn grpc_status(answer: h2::client::ResponseFuture) -> String {
+    let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+        .await
+        .expect("an answer")
+        .unwrap();
+    if let Some(status) = answer.headers().get("grpc-status") {
+        return status.to_str().unwrap().to_owned();
+    }
+    let mut body = answer.into_body();
+    while let Some(chunk) = body.data().await {
+        let _ = body.flow_control().release_capacity(chunk.unwrap().len());
+    }
+    let trailers = body.trailers().await.unwrap().unwrap_or_default();
+    trailers["grpc-status"].to_str().unwrap().to_owned()
+}
+
+/// A client that stops reading its answers holds up its own calls, no other client's. An
+/// audit: every gRPC call of a worker shared one upstream HTTP/2 connection, and a client
+/// whose receive window stayed at 0 let three large answers fill that connection's window
+/// upstream (here twelve, for the smaller windows the proxy now asks for); every other client's answers on the worker, for every job, stopped until the
+/// proxy closed the idle client 60 to 88 s later. Each client connection now has its own
+/// upstream connection: the other client's call is answered at once.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_does_not_read_holds_up_no_other_clients_calls() {
+    let (upstream, _) = upstream_with_big_answers().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let data = dir.path().to_str().unwrap().to_owned();
+        move || start_proxy_with(&upstream, &["--data-dir", &data, "--workers", "1"])
+    })
+    .await
+    .unwrap();
+    let connect = |window: Option<u32>| {
+        let addr = addr.clone();
+        async move {
+            let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+            let mut builder = h2::client::Builder::new();
+            if let Some(window) = window {
+                builder.initial_window_size(window);
+            }
+            let (client, conn) = builder.handshake(socket).await.unwrap();
+            tokio::spawn(conn);
+            client
+        }
+    };
+    // The stalled client: a window of 0 on each of its streams, never opened.
+    let mut stalled = connect(Some(0)).await;
+    let mut stalled_calls = Vec::new();
+    for i in 0..12 {
+        let job = format!("big-{i}");
+        stalled_calls.push(h2_call(&mut stalled, &addr, "/ledger.Ledger/Big", &job, "1").await);
+    }
+    // The upstream's answers reach the proxy, which cannot pass them on.
+    tokio::time::sleep(Duration::from_secs(1)).await;
+    let mut other = connect(None).await;
+    let call = h2_call(
+        &mut other,
+        &addr,
+        "/ledger.Ledger/Small",
+        "another-job",
+        "1",
+    )
+    .await;
+    let answered = tokio::time::timeout(Duration::from_secs(5), async move {
+        let answer = call.await.unwrap();
+        let mut body = answer.into_body();
+        let mut data = 0;
+        while let Some(chunk) = body.data().await {
+            let chunk = chunk.unwrap();
+            data += chunk.len();
+            let _ = body.flow_control().release_capacity(chunk.len());
+        }
+        let trailers = body.trailers().await.unwrap().unwrap_or_default();
+        (data, trailers.get("grpc-status").cloned())
+    })
+    .await;
+    assert_eq!(
+        answered.ok(),
+        Some((5, Some(http::HeaderValue::from_static("0")))),
+        "another client's call was held up by one that does not read"
+    );
+    drop((stalled_calls, stalled));
+}
+
+/// A client connection's upstream HTTP/2 connection closes once the client connection and
+/// its calls are done: clients that each make a call and leave do not pile up connections
+/// to the upstream.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_connections_upstream_connection_closes_with_it() {
+    let (upstream, open) = upstream_with_big_answers().await;
+    let dir = tempfile::tempdir().unwrap();
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let data = dir.path().to_str().unwrap().to_owned();
+        move || start_proxy_with(&upstream, &["--data-dir", &data, "--workers", "1"])
+    })
+    .await
+    .unwrap();
+    for i in 0..5 {
+        let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let (mut client, conn) = h2::client::handshake(socket).await.unwrap();
+        let driven = tokio::spawn(conn);
+        let job = format!("short-{i}");
+        let call = h2_call(&mut client, &addr, "/ledger.Ledger/Small", &job, "1").await;
+        assert_eq!(grpc_status(call).await, "0");
+        drop(client);
+        let _ = driven.await;
+    }
+    let closed = tokio::time::timeout(Duration::from_secs(10), async {
+        while open.load(std::sync::atomic::Ordering::SeqCst) > 0 {
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    })
+    .await;
+    assert!(
+        closed.is_ok(),
+        "{} upstream connections still open after their clients left",
+        open.load(std::sync::atomic::Ordering::SeqCst)
+    );
 }

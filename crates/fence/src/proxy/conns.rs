@@ -33,18 +33,40 @@ pub(super) struct UpstreamConns {
     idle_timeout: Duration,
     /// For `https://`: TLS offering `h2`, for the HTTP/2 connection.
     tls_h2: Option<tokio_rustls::TlsConnector>,
-    /// This worker's HTTP/2 connection, opened by the first gRPC call and shared by every
-    /// call after it (HTTP/2 multiplexes); opened again once it has closed. With it, whether
-    /// the upstream has spoken HTTP/2 on it, and its number (counted per worker), by which
-    /// a call that timed out on it retires it ([`UpstreamConns::retire_h2`]).
-    h2: tokio::sync::Mutex<Option<H2Conn>>,
+    /// The HTTP/2 connection of calls that come with no client connection's own
+    /// ([`H2Slot`]).
+    h2: H2Slot,
     /// How many HTTP/2 connections this worker has opened.
     h2_opened: std::sync::atomic::AtomicU64,
 }
 
-/// The worker's HTTP/2 connection to the upstream: the handle calls are sent on, whether
-/// the upstream has spoken HTTP/2 on it, and its number.
+/// An HTTP/2 connection to the upstream, opened by the first gRPC call that uses it and
+/// shared by every call after it (HTTP/2 multiplexes); opened again once it has closed. With
+/// it, whether the upstream has spoken HTTP/2 on it, and its number (counted per worker), by
+/// which a call that timed out on it retires it ([`UpstreamConns::retire_h2`]).
+///
+/// Each client connection has its own ([`ClientStreams`](super::streams::ClientStreams)),
+/// closed when the client connection and its calls are done. Until this version a worker's
+/// calls all shared one: a client that stopped reading its answers (its HTTP/2 receive window
+/// at 0) let their unread data fill that connection's flow-control window upstream, and
+/// every other client's answers on the worker, for every job, stopped until the proxy closed
+/// the idle client (an audit: three calls of one client held every other job's gRPC answers
+/// 60 to 88 s, and a client reconnecting kept it up). Now a client that does not read holds
+/// only its own calls.
+#[derive(Default)]
+pub(super) struct H2Slot(tokio::sync::Mutex<Option<H2Conn>>);
+
+/// An HTTP/2 connection to the upstream: the handle calls are sent on, whether the upstream
+/// has spoken HTTP/2 on it, and its number.
 type H2Conn = (http2::SendRequest<RequestBody<Incoming>>, Preface, u64);
+
+/// The flow-control windows of an upstream HTTP/2 connection: what the proxy takes from the
+/// upstream of one call (stream), and of all the calls of one client connection, before its
+/// client has read it. A client connection that reads nothing holds at most this much in the
+/// proxy's memory, about what an HTTP/1.1 connection's socket buffers and hyper's read buffer
+/// hold for a client that does not read (hyper's defaults are 2 and 5 MiB).
+const H2_STREAM_WINDOW: u32 = 256 * 1024;
+const H2_CONNECTION_WINDOW: u32 = 1024 * 1024;
 
 /// Whether the peer of an HTTP/2 connection has sent what every HTTP/2 server sends first, a
 /// SETTINGS frame. A peer that has not (an HTTP/1.1 server answering the connection preface
@@ -182,7 +204,7 @@ impl UpstreamConns {
             idle: std::sync::Mutex::default(),
             idle_timeout,
             tls_h2: target.tls_h2.clone(),
-            h2: tokio::sync::Mutex::default(),
+            h2: H2Slot::default(),
             h2_opened: std::sync::atomic::AtomicU64::new(0),
         }
     }
@@ -256,10 +278,10 @@ impl UpstreamConns {
 }
 
 impl UpstreamConns {
-    /// This worker's HTTP/2 connection, opened (h2c, or TLS with ALPN `h2`) if there is none
-    /// or it closed.
-    async fn h2(&self) -> Result<H2Conn, BoxError> {
-        let mut slot = self.h2.lock().await;
+    /// The HTTP/2 connection of `slot` (`None`: this worker's own, for calls with no client
+    /// connection's), opened (h2c, or TLS with ALPN `h2`) if there is none or it closed.
+    async fn h2(&self, slot: Option<&H2Slot>) -> Result<H2Conn, BoxError> {
+        let mut slot = slot.unwrap_or(&self.h2).0.lock().await;
         if let Some(conn) = slot.as_ref().filter(|c| !c.0.is_closed()) {
             return Ok(conn.clone());
         }
@@ -291,22 +313,23 @@ impl UpstreamConns {
     ///
     /// Does not wait: while another call holds the slot it is opening a new connection (or
     /// takes this one a moment before, and retires it in turn when it times out).
-    pub(super) fn retire_h2(&self, number: u64) {
-        if let Ok(mut slot) = self.h2.try_lock()
+    pub(super) fn retire_h2(&self, slot: Option<&H2Slot>, number: u64) {
+        if let Ok(mut slot) = slot.unwrap_or(&self.h2).0.try_lock()
             && slot.as_ref().is_some_and(|conn| conn.2 == number)
         {
             *slot = None;
         }
     }
 
-    /// Sends a gRPC call over this worker's HTTP/2 connection: trailers and streams both
-    /// ways, as gRPC needs.
+    /// Sends a gRPC call over the HTTP/2 connection of `slot` (its client connection's;
+    /// `None`: this worker's own): trailers and streams both ways, as gRPC needs.
     ///
     /// `used` is set to the number of the connection the call went out on, so that a caller
     /// whose call timed out can retire it.
     pub(super) async fn send_h2(
         &self,
         req: Request<RequestBody<Incoming>>,
+        slot: Option<&H2Slot>,
         used: &std::sync::atomic::AtomicU64,
     ) -> Result<Response<Incoming>, SendFailed> {
         // See `unprocessed`: what it reads from an error holds on a single-threaded runtime.
@@ -317,9 +340,9 @@ impl UpstreamConns {
         );
         let (mut req, mut first) = (req, true);
         loop {
-            // Calls of this worker wait for one connection to open (at most
+            // Calls of one client connection wait for one connection to open (at most
             // CONNECT_TIMEOUT) rather than each opening its own.
-            let (mut conn, preface, number) = within_connect_timeout(self.h2()).await?;
+            let (mut conn, preface, number) = within_connect_timeout(self.h2(slot)).await?;
             used.store(number, std::sync::atomic::Ordering::Relaxed);
             conn.ready()
                 .await
@@ -358,7 +381,7 @@ impl UpstreamConns {
             // its limit, and a new connection per refusal would multiply connections to an
             // upstream that is already overloaded.
             if unsent.is_some() || !refused_stream(&e) {
-                self.retire_h2(number);
+                self.retire_h2(slot, number);
             }
             match unsent {
                 Some(again) if first => (req, first) = (again, false),
@@ -437,8 +460,11 @@ async fn handshake_h2<I>(io: I) -> Result<http2::SendRequest<RequestBody<Incomin
 where
     I: tokio::io::AsyncRead + tokio::io::AsyncWrite + Unpin + Send + 'static,
 {
-    let (conn, connection) =
-        http2::handshake(hyper_util::rt::TokioExecutor::new(), TokioIo::new(io)).await?;
+    let (conn, connection) = http2::Builder::new(hyper_util::rt::TokioExecutor::new())
+        .initial_stream_window_size(H2_STREAM_WINDOW)
+        .initial_connection_window_size(H2_CONNECTION_WINDOW)
+        .handshake(TokioIo::new(io))
+        .await?;
     tokio::spawn(async move {
         if let Err(e) = connection.await {
             tracing::debug!(error = %e, "upstream HTTP/2 connection ended with an error");

@@ -6,8 +6,9 @@
 //! `ulimit -n` leaves) also bounds the upstream connections in use. An HTTP/2 client has up
 //! to `--h2-max-streams` at once: each stream beyond the first that is in use upstream at
 //! the same time takes a slot of the cap ([`Slots::try_extra`]), and one that finds none to
-//! spare is answered 503 `overloaded` at once, never sent. gRPC calls share the worker's one
-//! HTTP/2 upstream connection and take no slot, but a client connection has at most
+//! spare is answered 503 `overloaded` at once, never sent. The gRPC calls of a client
+//! connection share one HTTP/2 upstream connection of its own and take no slot (so a client
+//! that does not read its answers holds up its own calls, no other client's), but it has at most
 //! `--h2-max-streams` of them running upstream ([`ClientStreams::enter_call`]), those its
 //! client reset included: the proxy runs each to its end, and a client that reset its calls
 //! as fast as it made them would otherwise have any number running there.
@@ -28,7 +29,7 @@ use std::{
 use hyper::body::{Body, Frame, SizeHint};
 use tokio::sync::OwnedSemaphorePermit;
 
-use super::headers::ClientAddr;
+use super::{conns::H2Slot, headers::ClientAddr};
 use crate::listen::{SeatHold, Slots};
 
 /// What the proxy knows of a request's client connection, put in each of its requests'
@@ -40,10 +41,12 @@ pub(super) struct ClientStreams {
     pub(super) addr: ClientAddr,
     using: Arc<AtomicUsize>,
     seat: SeatHold,
-    /// Its gRPC calls running upstream (counted apart: they use no upstream connection of
-    /// their own), and the most it may have.
+    /// Its gRPC calls running upstream (counted apart: they share one upstream connection),
+    /// and the most it may have.
     calls: Arc<AtomicUsize>,
     most_calls: usize,
+    /// The upstream HTTP/2 connection its gRPC calls share, no other client's.
+    pub(super) h2: Arc<H2Slot>,
 }
 
 /// One request's use of an upstream connection, given back when dropped: with the answer's
@@ -73,6 +76,7 @@ impl ClientStreams {
             seat,
             calls: Arc::default(),
             most_calls: usize::MAX,
+            h2: Arc::default(),
         }
     }
 

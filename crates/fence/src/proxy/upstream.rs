@@ -136,6 +136,7 @@ impl Upstream {
             }
         };
         let streams = parts.extensions.remove::<ClientStreams>();
+        let h2_slot = streams.as_ref().map(|s| s.h2.clone());
         let client = streams.as_ref().map(|s| &s.addr);
         headers::to_upstream(
             &mut parts,
@@ -204,7 +205,7 @@ impl Upstream {
         let used = std::sync::atomic::AtomicU64::new(u64::MAX);
         let sent = if grpc {
             // Boxed, like connecting: the HTTP/1.1 path's future stays small (issue 32).
-            let call = Box::pin(self.conns.send_h2(request, &used));
+            let call = Box::pin(self.conns.send_h2(request, h2_slot.as_deref(), &used));
             tokio::time::timeout(self.timeout, call).await
         } else {
             tokio::time::timeout(self.timeout, self.conns.send(request)).await
@@ -258,10 +259,13 @@ impl Upstream {
             }
             Err(_) => {
                 // Dropping the request future closes its upstream HTTP/1.1 connection; an
-                // HTTP/2 one, shared by the worker's calls, takes no new call from now on.
+                // HTTP/2 one, shared by its client connection's calls, takes no new call
+                // from now on.
                 if grpc {
-                    self.conns
-                        .retire_h2(used.load(std::sync::atomic::Ordering::Relaxed));
+                    self.conns.retire_h2(
+                        h2_slot.as_deref(),
+                        used.load(std::sync::atomic::Ordering::Relaxed),
+                    );
                 }
                 self.outcomes.timeout.record(started);
                 fence_sink::refusals::log_upstream_failure(
