@@ -482,8 +482,9 @@ pub async fn idle_jobs_are_listed_oldest_first_and_forgotten_only_if_unchanged<
             .is_empty(),
         "a job is stamped ahead: it is not idle the moment it was accepted"
     );
-    // Past the stamps, and the second a store may round them up by (`IdleJob::touched_ms`).
-    advance(ms(Duration::from_millis(crate::STAMP_AHEAD_MS + 1_000)));
+    // Past the stamps, and the two seconds a store may list them late by
+    // (`IdleJob::touched_ms`).
+    advance(ms(Duration::from_millis(crate::STAMP_AHEAD_MS + 2_000)));
     let all = store.idle(page(Duration::ZERO, None, 10)).await.unwrap();
     let jobs: Vec<&JobId> = all.iter().map(|i| &i.job).collect();
     assert_eq!(jobs, [&a, &b, &c], "oldest first");

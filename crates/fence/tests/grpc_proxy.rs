@@ -251,7 +251,7 @@ impl Relay {
     }
 }
 
-/// A gRPC call that times out retires the worker's HTTP/2 connection to the upstream: when
+/// A gRPC call that times out retires its client connection's HTTP/2 connection to the upstream: when
 /// the upstream went silent without closing it, the next call reaches the upstream on a new
 /// connection instead of waiting out the upstream timeout on the dead one, as every later
 /// call would until the kernel gives up on the socket.

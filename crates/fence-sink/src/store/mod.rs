@@ -193,7 +193,8 @@ impl Prior {
 #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord)]
 pub struct IdleJob {
     /// When the store last stamped the job (ms since the Unix epoch, the store's clock; the
-    /// sled store rounds it up to a whole second, so a job may be listed up to a second late).
+    /// sled store rounds it up to a whole second, and judges it a second younger for the
+    /// wall clock's steps under its tolerance, so a job may be listed up to two seconds late).
     pub touched_ms: u64,
     /// The job.
     pub job: JobId,

@@ -51,6 +51,9 @@ pub struct SledStore {
     /// Steps of the wall clock seen since: the offset each stamp was written under, for
     /// judging it idle.
     steps: Arc<Steps>,
+    /// The time since the machine booted at the open, when the clock can read it (see
+    /// `boot`).
+    opened_boot: Option<fence_storage::clock::BootReading>,
 }
 
 /// How coarse the `stamps` tree's times are. A job's entry holds its stamp rounded *up* to a
@@ -151,6 +154,7 @@ impl SledStore {
             opened_ms,
             opened_monotonic_ms,
             steps: Arc::new(Steps::open(opened_ms)),
+            opened_boot,
             clock,
         };
         store.restamp_after_a_step(opened_boot, path)?;
@@ -355,7 +359,9 @@ impl SledStore {
                 break; // stamped lately: make sure it is on disk too
             }
             // The offset of the wall clock this stamp is written under, for judging it idle.
-            self.steps.observe(now, self.since_open_ms());
+            if let Some(lowest) = self.steps.observe(now, self.since_open_ms()) {
+                self.lower_open_record(lowest);
+            }
             let stamp = now.saturating_add(STAMP_AHEAD_MS);
             let raised = match (token > highest || raw.is_none(), older_running) {
                 (true, true) => now,
@@ -460,7 +466,9 @@ impl GenerationStore for SledStore {
         let idle_for = ms(page.idle_for);
         let wall_ms = self.clock.now_ms();
         let anchored_ms = self.since_open_ms();
-        self.steps.observe(wall_ms, anchored_ms);
+        if let Some(lowest) = self.steps.observe(wall_ms, anchored_ms) {
+            self.lower_open_record(lowest);
+        }
         let judge = self.steps.judge(anchored_ms);
         // No stamp is judged at a later time than the wall clock's.
         let before_ms = wall_ms.saturating_sub(idle_for);

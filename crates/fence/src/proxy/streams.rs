@@ -87,7 +87,7 @@ impl ClientStreams {
         self
     }
 
-    /// A gRPC call of this connection going upstream: it takes no slot (the worker's HTTP/2
+    /// A gRPC call of this connection going upstream: it takes no slot (its HTTP/2
     /// connection carries it), but counts among the connection's requests running upstream
     /// until it is done there, its client still there or not. `None` when the connection
     /// already has its most: the call is not to be sent.

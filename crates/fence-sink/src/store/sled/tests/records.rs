@@ -519,3 +519,61 @@ async fn a_step_of_the_wall_clock_between_processes_takes_every_job_as_stamped_a
     let d = open();
     assert_eq!(prior(&d).await.admitted_until_ms, p.admitted_until_ms);
 }
+
+/// The next open tells a step of the wall clock whatever the time between the opens (a
+/// review: a tolerance growing with it let 590 s after 7 days pass unseen), after a step
+/// back and then forward while the process ran (which net out between the opens: the
+/// process records how far back it went), and takes a damaged record of the last open for a
+/// step (the safe side).
+#[tokio::test]
+async fn the_record_of_the_last_open_sees_long_gaps_steps_back_and_damage() {
+    use fence_storage::clock::ManualClock;
+    let dir = tempfile::tempdir().unwrap();
+    let clock = ManualClock::new(1_700_000_000_000).with_boot();
+    let open = || SledStore::open_with_clock(dir.path(), Arc::new(clock.clone())).unwrap();
+    let job: JobId = "watched".parse().unwrap();
+    let restamped = |store: &SledStore| {
+        let (store, job) = (store.clone(), job.clone());
+        async move {
+            let p = store.load(&job).await.unwrap().prior.expect("stamps");
+            p.admitted_until_ms > p.opened_ms
+        }
+    };
+    // Seven days, then a step of 590 s.
+    {
+        let a = open();
+        a.accept(&job, Generation::new(1), false).await.unwrap();
+        clock.advance(Duration::from_secs(7 * 24 * 3600));
+        a.accept(&job, Generation::new(2), false).await.unwrap();
+        clock.advance(Duration::from_secs(1));
+        clock.step_ms(590_000);
+    }
+    let b = open();
+    assert!(
+        restamped(&b).await,
+        "a step of 590 s after 7 days went unseen"
+    );
+    // A step back an hour while it runs, a stamp, then forward an hour, then the restart.
+    clock.advance(Duration::from_secs(30));
+    clock.step_ms(-3_600_000);
+    b.accept(&job, Generation::new(3), false).await.unwrap();
+    clock.advance(Duration::from_secs(1));
+    clock.step_ms(3_600_000);
+    drop(b);
+    let c = open();
+    assert!(
+        restamped(&c).await,
+        "back and forward again netted out: the stamp written an hour behind looked an hour old"
+    );
+    drop(c);
+    // No step since: taken as it is.
+    clock.advance(Duration::from_secs(20));
+    let d = open();
+    assert!(!restamped(&d).await, "restamped without a step");
+    drop(d);
+    // A damaged record of the last open: taken as a step.
+    clock.advance(Duration::from_secs(20));
+    write_format(dir.path(), b"opened", b"short");
+    let e = open();
+    assert!(restamped(&e).await, "a damaged record was taken as no step");
+}
