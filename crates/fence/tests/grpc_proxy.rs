@@ -775,3 +775,110 @@ async fn a_client_connections_upstream_connection_closes_with_it() {
         open.load(std::sync::atomic::Ordering::SeqCst)
     );
 }
+
+/// A client connection's upstream HTTP/2 connection counts against --max-connections as one
+/// of its requests using an upstream connection: the client's seat covers one, so while its
+/// HTTP/1.1-bound requests hold the room the cap spares (here 6 seats, three of them to
+/// spare at most), its first gRPC call, which must open the HTTP/2 one, is refused
+/// UNAVAILABLE before anything is sent, and goes through once they are done. A review counted
+/// three file descriptors per seat without it, where the cap allows two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_connections_upstream_http2_connection_counts_against_the_cap() {
+    use http_body_util::Full;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let (release, released) = tokio::sync::watch::channel(false);
+    let calls = std::sync::Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let counted = calls.clone();
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let (released, counted) = (released.clone(), counted.clone());
+            let service =
+                hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                    let (mut released, counted) = (released.clone(), counted.clone());
+                    async move {
+                        let answer = if req.uri().path() == "/slow" {
+                            let _ = released.wait_for(|r| *r).await;
+                            http::Response::new(Full::new(bytes::Bytes::from_static(b"slow")))
+                        } else {
+                            counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            http::Response::builder()
+                                .header("content-type", "application/grpc")
+                                .header("grpc-status", "0")
+                                .body(Full::new(bytes::Bytes::new()))
+                                .unwrap()
+                        };
+                        Ok::<_, std::convert::Infallible>(answer)
+                    }
+                });
+            tokio::spawn(async move {
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(hyper_util::rt::TokioIo::new(socket), service)
+                .await;
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let data = dir.path().to_str().unwrap().to_owned();
+        move || {
+            start_proxy_with(
+                &upstream,
+                &[
+                    "--data-dir",
+                    &data,
+                    "--workers",
+                    "1",
+                    "--max-connections",
+                    "6",
+                    "--max-connections-per-peer",
+                    "6",
+                ],
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (mut client, conn) = h2::client::handshake(socket).await.unwrap();
+    tokio::spawn(conn);
+    // Three slow requests: the seat's own, and the two slots the cap spares while more than
+    // half of its six stay free.
+    let mut slow = Vec::new();
+    for i in 0..3 {
+        let request = http::Request::post(format!("http://{addr}/slow"))
+            .header("x-fencing-job", format!("slow-{i}"))
+            .header("x-fencing-token", "1")
+            .body(())
+            .unwrap();
+        let (answer, mut body) = client.send_request(request, false).unwrap();
+        body.send_data(bytes::Bytes::from_static(b"x"), true)
+            .unwrap();
+        slow.push(answer);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let call = h2_call(&mut client, &addr, "/ledger.Ledger/Charge", "grpc", "1").await;
+    assert_eq!(
+        grpc_status(call).await,
+        "14",
+        "sent with no room for its connection"
+    );
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 0);
+    release.send_replace(true);
+    for answer in slow {
+        let answer = tokio::time::timeout(Duration::from_secs(10), answer)
+            .await
+            .unwrap()
+            .unwrap();
+        assert_eq!(answer.status(), 200);
+        let mut body = answer.into_body();
+        while let Some(chunk) = body.data().await {
+            let _ = body.flow_control().release_capacity(chunk.unwrap().len());
+        }
+    }
+    let call = h2_call(&mut client, &addr, "/ledger.Ledger/Charge", "grpc", "1").await;
+    assert_eq!(grpc_status(call).await, "0", "the room came back");
+    assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
+}

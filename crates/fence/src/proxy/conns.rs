@@ -57,8 +57,22 @@ pub(super) struct UpstreamConns {
 pub(super) struct H2Slot(tokio::sync::Mutex<Option<H2Conn>>);
 
 /// An HTTP/2 connection to the upstream: the handle calls are sent on, whether the upstream
-/// has spoken HTTP/2 on it, and its number.
-type H2Conn = (http2::SendRequest<RequestBody<Incoming>>, Preface, u64);
+/// has spoken HTTP/2 on it, its number, and what it holds of the proxy's connection cap while
+/// any call or its client connection keeps it (see [`Hold`]).
+type H2Conn = (
+    http2::SendRequest<RequestBody<Incoming>>,
+    Preface,
+    u64,
+    Option<Hold>,
+);
+
+/// A client connection's share of the proxy's connection cap, held by its upstream HTTP/2
+/// connection: the client's seat covers one upstream connection, and this one counts as one
+/// of its requests using an upstream connection, so that an HTTP/1.1 request of the same
+/// client at the same time takes a slot of the cap (and the other way round). Without it, a
+/// review counted three file descriptors per seat where the cap allows two (`EMFILE` for
+/// every job near the cap).
+pub(super) type Hold = Arc<dyn std::any::Any + Send + Sync>;
 
 /// The flow-control windows of an upstream HTTP/2 connection: what the proxy takes from the
 /// upstream of one call (stream), and of all the calls of one client connection, before its
@@ -182,6 +196,12 @@ pub(super) enum SendFailed {
     Request(hyper::Error),
 }
 
+impl From<BoxError> for SendFailed {
+    fn from(e: BoxError) -> Self {
+        Self::Connect(e)
+    }
+}
+
 /// How long opening a connection to the upstream may take (TCP, TLS, HTTP/2 handshake). A
 /// connection that could not be opened carried no request: a failure here is a plain 502,
 /// never an unknown outcome.
@@ -280,11 +300,34 @@ impl UpstreamConns {
 impl UpstreamConns {
     /// The HTTP/2 connection of `slot` (`None`: this worker's own, for calls with no client
     /// connection's), opened (h2c, or TLS with ALPN `h2`) if there is none or it closed.
-    async fn h2(&self, slot: Option<&H2Slot>) -> Result<H2Conn, BoxError> {
+    async fn h2(
+        &self,
+        slot: Option<&H2Slot>,
+        hold: &(dyn Fn() -> Option<Hold> + Sync),
+    ) -> Result<H2Conn, SendFailed> {
         let mut slot = slot.unwrap_or(&self.h2).0.lock().await;
         if let Some(conn) = slot.as_ref().filter(|c| !c.0.is_closed()) {
             return Ok(conn.clone());
         }
+        // Before anything is opened: no room is a known outcome, nothing went out.
+        let held = hold().ok_or_else(|| {
+            SendFailed::Connect(Box::new(std::io::Error::new(
+                std::io::ErrorKind::OutOfMemory,
+                "not sent upstream: no room for another upstream connection (this client \
+                 connection's HTTP/2 one counts against --max-connections while another of its \
+                 requests uses one); retry",
+            )))
+        })?;
+        let conn = self.open_h2().await.map_err(SendFailed::Connect)?;
+        let conn = (conn.0, conn.1, conn.2, Some(held));
+        *slot = Some(conn.clone());
+        Ok(conn)
+    }
+
+    /// A new HTTP/2 connection to the upstream, numbered.
+    async fn open_h2(
+        &self,
+    ) -> Result<(http2::SendRequest<RequestBody<Incoming>>, Preface, u64), BoxError> {
         let stream = TcpStream::connect(&self.addr).await?;
         let _ = stream.set_nodelay(true);
         let preface = Preface::default();
@@ -298,7 +341,6 @@ impl UpstreamConns {
         let number = self
             .h2_opened
             .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-        *slot = Some((conn.clone(), preface.clone(), number));
         Ok((conn, preface, number))
     }
 
@@ -330,6 +372,7 @@ impl UpstreamConns {
         &self,
         req: Request<RequestBody<Incoming>>,
         slot: Option<&H2Slot>,
+        hold: &(dyn Fn() -> Option<Hold> + Sync),
         used: &std::sync::atomic::AtomicU64,
     ) -> Result<Response<Incoming>, SendFailed> {
         // See `unprocessed`: what it reads from an error holds on a single-threaded runtime.
@@ -342,7 +385,8 @@ impl UpstreamConns {
         loop {
             // Calls of one client connection wait for one connection to open (at most
             // CONNECT_TIMEOUT) rather than each opening its own.
-            let (mut conn, preface, number) = within_connect_timeout(self.h2(slot)).await?;
+            let (mut conn, preface, number, _held) =
+                within_connect_timeout(self.h2(slot, hold)).await?;
             used.store(number, std::sync::atomic::Ordering::Relaxed);
             conn.ready()
                 .await
@@ -443,11 +487,11 @@ fn sniffed<I>(io: I, preface: &Preface) -> Sniffed<I> {
 }
 
 /// `connect`, failing as [`SendFailed::Connect`] after [`CONNECT_TIMEOUT`].
-async fn within_connect_timeout<T>(
-    connect: impl std::future::Future<Output = Result<T, BoxError>>,
+async fn within_connect_timeout<T, E: Into<SendFailed>>(
+    connect: impl std::future::Future<Output = Result<T, E>>,
 ) -> Result<T, SendFailed> {
     match tokio::time::timeout(CONNECT_TIMEOUT, connect).await {
-        Ok(result) => result.map_err(SendFailed::Connect),
+        Ok(result) => result.map_err(Into::into),
         Err(_) => Err(SendFailed::Connect(Box::new(std::io::Error::new(
             std::io::ErrorKind::TimedOut,
             format!("no connection to the upstream within {CONNECT_TIMEOUT:?}"),

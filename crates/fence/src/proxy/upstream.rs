@@ -136,6 +136,9 @@ impl Upstream {
             }
         };
         let streams = parts.extensions.remove::<ClientStreams>();
+        // For a gRPC call: its client connection's upstream HTTP/2 connection, and (should it
+        // have to be opened) that client's share of the connection cap for it.
+        let h2_client = streams.clone();
         let h2_slot = streams.as_ref().map(|s| s.h2.clone());
         let client = streams.as_ref().map(|s| &s.addr);
         headers::to_upstream(
@@ -205,7 +208,17 @@ impl Upstream {
         let used = std::sync::atomic::AtomicU64::new(u64::MAX);
         let sent = if grpc {
             // Boxed, like connecting: the HTTP/1.1 path's future stays small (issue 32).
-            let call = Box::pin(self.conns.send_h2(request, h2_slot.as_deref(), &used));
+            let slots = &self.slots;
+            let hold = move || -> Option<super::conns::Hold> {
+                match &h2_client {
+                    Some(client) => Some(Arc::new(client.clone().enter(slots, true)?)),
+                    None => Some(Arc::new(())),
+                }
+            };
+            let call = Box::pin(
+                self.conns
+                    .send_h2(request, h2_slot.as_deref(), &hold, &used),
+            );
             tokio::time::timeout(self.timeout, call).await
         } else {
             tokio::time::timeout(self.timeout, self.conns.send(request)).await
