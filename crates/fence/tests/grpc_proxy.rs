@@ -882,3 +882,101 @@ async fn a_client_connections_upstream_http2_connection_counts_against_the_cap()
     assert_eq!(grpc_status(call).await, "0", "the room came back");
     assert_eq!(calls.load(std::sync::atomic::Ordering::SeqCst), 1);
 }
+
+/// An upstream HTTP/2 connection that closed gives back its share of the cap before the
+/// next call opens another: counted twice, the next call near the cap was refused although
+/// there was room (a fact-check of 7db46d2). The upstream ends each HTTP/2 connection after
+/// its first gRPC call; with six seats and two slow requests in flight, every call goes
+/// through on a new connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_closed_upstream_http2_connection_gives_back_its_share_of_the_cap() {
+    use http_body_util::Full;
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let upstream = format!("http://{}", listener.local_addr().unwrap());
+    let (release, released) = tokio::sync::watch::channel(false);
+    tokio::spawn(async move {
+        while let Ok((socket, _)) = listener.accept().await {
+            let released = released.clone();
+            let answered = std::sync::Arc::new(tokio::sync::Notify::new());
+            let notify = answered.clone();
+            let service =
+                hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
+                    let (mut released, notify) = (released.clone(), notify.clone());
+                    async move {
+                        let answer = if req.uri().path() == "/slow" {
+                            let _ = released.wait_for(|r| *r).await;
+                            http::Response::new(Full::new(bytes::Bytes::from_static(b"slow")))
+                        } else {
+                            notify.notify_one();
+                            http::Response::builder()
+                                .header("content-type", "application/grpc")
+                                .header("grpc-status", "0")
+                                .body(Full::new(bytes::Bytes::new()))
+                                .unwrap()
+                        };
+                        Ok::<_, std::convert::Infallible>(answer)
+                    }
+                });
+            tokio::spawn(async move {
+                let builder = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                );
+                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(socket), service);
+                tokio::pin!(conn);
+                tokio::select! {
+                    _ = conn.as_mut() => {}
+                    () = answered.notified() => {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = conn.await;
+                    }
+                }
+            });
+        }
+    });
+    let dir = tempfile::tempdir().unwrap();
+    let (_proxy, addr) = tokio::task::spawn_blocking({
+        let data = dir.path().to_str().unwrap().to_owned();
+        move || {
+            start_proxy_with(
+                &upstream,
+                &[
+                    "--data-dir",
+                    &data,
+                    "--workers",
+                    "1",
+                    "--max-connections",
+                    "6",
+                    "--max-connections-per-peer",
+                    "6",
+                ],
+            )
+        }
+    })
+    .await
+    .unwrap();
+    let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
+    let (mut client, conn) = h2::client::handshake(socket).await.unwrap();
+    tokio::spawn(conn);
+    // Two slow requests: the seat's own, and one slot of the cap.
+    let mut slow = Vec::new();
+    for i in 0..2 {
+        let request = http::Request::post(format!("http://{addr}/slow"))
+            .header("x-fencing-job", format!("slow-{i}"))
+            .header("x-fencing-token", "1")
+            .body(())
+            .unwrap();
+        let (answer, mut body) = client.send_request(request, false).unwrap();
+        body.send_data(bytes::Bytes::from_static(b"x"), true)
+            .unwrap();
+        slow.push(answer);
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    for i in 0..3 {
+        let call = h2_call(&mut client, &addr, "/ledger.Ledger/Charge", "grpc", "1").await;
+        assert_eq!(grpc_status(call).await, "0", "call {i}");
+        // The upstream's GOAWAY reaches the proxy.
+        tokio::time::sleep(Duration::from_millis(300)).await;
+    }
+    release.send_replace(true);
+    drop(slow);
+}

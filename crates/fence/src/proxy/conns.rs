@@ -309,6 +309,10 @@ impl UpstreamConns {
         if let Some(conn) = slot.as_ref().filter(|c| !c.0.is_closed()) {
             return Ok(conn.clone());
         }
+        // A closed connection gives back its share of the cap here, before the new one asks
+        // for its own (kept in the slot, it would count twice: a call near the cap refused
+        // with room to spare).
+        *slot = None;
         // Before anything is opened: no room is a known outcome, nothing went out.
         let held = hold().ok_or_else(|| {
             SendFailed::Connect(Box::new(std::io::Error::new(

@@ -136,10 +136,6 @@ impl Upstream {
             }
         };
         let streams = parts.extensions.remove::<ClientStreams>();
-        // For a gRPC call: its client connection's upstream HTTP/2 connection, and (should it
-        // have to be opened) that client's share of the connection cap for it.
-        let h2_client = streams.clone();
-        let h2_slot = streams.as_ref().map(|s| s.h2.clone());
         let client = streams.as_ref().map(|s| &s.addr);
         headers::to_upstream(
             &mut parts,
@@ -154,6 +150,11 @@ impl Upstream {
 
         // A gRPC call goes to the upstream over HTTP/2 (gRPC-Web, over HTTP/1.1, is not).
         let grpc = fence_sink::is_grpc(&parts.headers);
+        // For a gRPC call: its client connection (whose upstream HTTP/2 connection it uses,
+        // and whose share of the connection cap that takes, should it have to be opened).
+        // Cloned for gRPC only: nothing more per request on the HTTP/1.1 path.
+        let h2_client = if grpc { streams.clone() } else { None };
+        let h2_slot = h2_client.as_ref().map(|s| s.h2.clone());
         if grpc && let Err(e) = self.as_h2(&mut parts) {
             self.outcomes.bad_target.record(started);
             return problem(Problem::new(

@@ -27,8 +27,8 @@ use crate::store::STAMP_AHEAD_MS;
 /// moves it by microseconds a second).
 const TOLERANCE_MS: i64 = 1_000;
 
-/// The most closed segments kept; past it the two oldest merge (their smaller offset, their
-/// later end), which only takes stamps for younger.
+/// The most closed segments kept; past it the two neighbours with the closest offsets merge
+/// (their smaller offset, their later end), which only takes stamps for younger.
 const MAX_SEGMENTS: usize = 32;
 
 /// The stamps written while the wall clock ran `offset_ms` ahead of the time since the open

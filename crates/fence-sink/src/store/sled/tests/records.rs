@@ -405,7 +405,7 @@ async fn a_step_of_the_wall_clock_does_not_expire_records_at_the_next_open() {
 /// its clock an hour forward, and the proxy is killed while the request still runs at the
 /// service: at the restart the record's time says it expired 55 minutes ago, but the request
 /// may still commit until the unknown-outcome hold the process recorded has passed (the
-/// wait a newer token gets too). Until then the record is in flight, and neither a retry
+/// longest a newer token waits after a restart). Until then the record is in flight, and neither a retry
 /// nor the purge takes it; after it, the retry runs.
 #[tokio::test]
 async fn a_records_request_running_at_a_restart_keeps_it_in_flight_past_a_clock_step() {
