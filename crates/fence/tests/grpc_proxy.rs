@@ -776,14 +776,17 @@ async fn a_client_connections_upstream_connection_closes_with_it() {
     );
 }
 
-/// A client connection's upstream HTTP/2 connection counts against --max-connections as one
-/// of its requests using an upstream connection: the client's seat covers one, so while its
-/// HTTP/1.1-bound requests hold the room the cap spares (here 6 seats, three of them to
-/// spare at most), its first gRPC call, which must open the HTTP/2 one, is refused
-/// UNAVAILABLE before anything is sent, and goes through once they are done. A review counted
-/// three file descriptors per seat without it, where the cap allows two.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_client_connections_upstream_http2_connection_counts_against_the_cap() {
+/// An upstream speaking HTTP/1.1 and h2c on one port: `/slow` answers once `release` is
+/// sent `true`; anything else is a gRPC call, counted and answered at once (grpc-status 0,
+/// trailers-only). With `close_after_grpc`, each connection ends (GOAWAY) after its first
+/// gRPC call. Returns its address, the release and the count of gRPC calls.
+async fn upstream_for_the_cap(
+    close_after_grpc: bool,
+) -> (
+    String,
+    tokio::sync::watch::Sender<bool>,
+    std::sync::Arc<std::sync::atomic::AtomicUsize>,
+) {
     use http_body_util::Full;
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let upstream = format!("http://{}", listener.local_addr().unwrap());
@@ -793,15 +796,19 @@ async fn a_client_connections_upstream_http2_connection_counts_against_the_cap()
     tokio::spawn(async move {
         while let Ok((socket, _)) = listener.accept().await {
             let (released, counted) = (released.clone(), counted.clone());
+            let answered = std::sync::Arc::new(tokio::sync::Notify::new());
+            let notify = answered.clone();
             let service =
                 hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                    let (mut released, counted) = (released.clone(), counted.clone());
+                    let (mut released, counted, notify) =
+                        (released.clone(), counted.clone(), notify.clone());
                     async move {
                         let answer = if req.uri().path() == "/slow" {
                             let _ = released.wait_for(|r| *r).await;
                             http::Response::new(Full::new(bytes::Bytes::from_static(b"slow")))
                         } else {
                             counted.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                            notify.notify_one();
                             http::Response::builder()
                                 .header("content-type", "application/grpc")
                                 .header("grpc-status", "0")
@@ -812,16 +819,39 @@ async fn a_client_connections_upstream_http2_connection_counts_against_the_cap()
                     }
                 });
             tokio::spawn(async move {
-                let _ = hyper_util::server::conn::auto::Builder::new(
+                let builder = hyper_util::server::conn::auto::Builder::new(
                     hyper_util::rt::TokioExecutor::new(),
-                )
-                .serve_connection(hyper_util::rt::TokioIo::new(socket), service)
-                .await;
+                );
+                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(socket), service);
+                tokio::pin!(conn);
+                tokio::select! {
+                    _ = conn.as_mut() => {}
+                    () = answered.notified(), if close_after_grpc => {
+                        conn.as_mut().graceful_shutdown();
+                        let _ = conn.await;
+                    }
+                }
             });
         }
     });
+    (upstream, release, calls)
+}
+
+/// A proxy in front of `upstream` with six seats (`--max-connections 6`, one worker), an h2c
+/// client connection to it, and `slow` requests of that client in flight at the upstream's
+/// `/slow`: the seat covers the first, each further one takes a slot the cap spares.
+async fn capped_client_with_slow_requests(
+    upstream: String,
+    slow: usize,
+) -> (
+    tempfile::TempDir,
+    Proc,
+    String,
+    h2::client::SendRequest<bytes::Bytes>,
+    Vec<h2::client::ResponseFuture>,
+) {
     let dir = tempfile::tempdir().unwrap();
-    let (_proxy, addr) = tokio::task::spawn_blocking({
+    let (proxy, addr) = tokio::task::spawn_blocking({
         let data = dir.path().to_str().unwrap().to_owned();
         move || {
             start_proxy_with(
@@ -844,10 +874,8 @@ async fn a_client_connections_upstream_http2_connection_counts_against_the_cap()
     let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
     let (mut client, conn) = h2::client::handshake(socket).await.unwrap();
     tokio::spawn(conn);
-    // Three slow requests: the seat's own, and the two slots the cap spares while more than
-    // half of its six stay free.
-    let mut slow = Vec::new();
-    for i in 0..3 {
+    let mut answers = Vec::new();
+    for i in 0..slow {
         let request = http::Request::post(format!("http://{addr}/slow"))
             .header("x-fencing-job", format!("slow-{i}"))
             .header("x-fencing-token", "1")
@@ -856,9 +884,25 @@ async fn a_client_connections_upstream_http2_connection_counts_against_the_cap()
         let (answer, mut body) = client.send_request(request, false).unwrap();
         body.send_data(bytes::Bytes::from_static(b"x"), true)
             .unwrap();
-        slow.push(answer);
+        answers.push(answer);
     }
     tokio::time::sleep(Duration::from_millis(500)).await;
+    (dir, proxy, addr, client, answers)
+}
+
+/// A client connection's upstream HTTP/2 connection counts against --max-connections as one
+/// of its requests using an upstream connection: the client's seat covers one, so while its
+/// HTTP/1.1-bound requests hold the room the cap spares (here 6 seats, three of them to
+/// spare at most), its first gRPC call, which must open the HTTP/2 one, is refused
+/// UNAVAILABLE before anything is sent, and goes through once they are done. A review counted
+/// three file descriptors per seat without it, where the cap allows two.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_connections_upstream_http2_connection_counts_against_the_cap() {
+    let (upstream, release, calls) = upstream_for_the_cap(false).await;
+    // Three slow requests: the seat's own, and the two slots the cap spares while more than
+    // half of its six stay free.
+    let (_dir, _proxy, addr, mut client, slow) =
+        capped_client_with_slow_requests(upstream, 3).await;
     let call = h2_call(&mut client, &addr, "/ledger.Ledger/Charge", "grpc", "1").await;
     assert_eq!(
         grpc_status(call).await,
@@ -890,87 +934,10 @@ async fn a_client_connections_upstream_http2_connection_counts_against_the_cap()
 /// through on a new connection.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_closed_upstream_http2_connection_gives_back_its_share_of_the_cap() {
-    use http_body_util::Full;
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let upstream = format!("http://{}", listener.local_addr().unwrap());
-    let (release, released) = tokio::sync::watch::channel(false);
-    tokio::spawn(async move {
-        while let Ok((socket, _)) = listener.accept().await {
-            let released = released.clone();
-            let answered = std::sync::Arc::new(tokio::sync::Notify::new());
-            let notify = answered.clone();
-            let service =
-                hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                    let (mut released, notify) = (released.clone(), notify.clone());
-                    async move {
-                        let answer = if req.uri().path() == "/slow" {
-                            let _ = released.wait_for(|r| *r).await;
-                            http::Response::new(Full::new(bytes::Bytes::from_static(b"slow")))
-                        } else {
-                            notify.notify_one();
-                            http::Response::builder()
-                                .header("content-type", "application/grpc")
-                                .header("grpc-status", "0")
-                                .body(Full::new(bytes::Bytes::new()))
-                                .unwrap()
-                        };
-                        Ok::<_, std::convert::Infallible>(answer)
-                    }
-                });
-            tokio::spawn(async move {
-                let builder = hyper_util::server::conn::auto::Builder::new(
-                    hyper_util::rt::TokioExecutor::new(),
-                );
-                let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(socket), service);
-                tokio::pin!(conn);
-                tokio::select! {
-                    _ = conn.as_mut() => {}
-                    () = answered.notified() => {
-                        conn.as_mut().graceful_shutdown();
-                        let _ = conn.await;
-                    }
-                }
-            });
-        }
-    });
-    let dir = tempfile::tempdir().unwrap();
-    let (_proxy, addr) = tokio::task::spawn_blocking({
-        let data = dir.path().to_str().unwrap().to_owned();
-        move || {
-            start_proxy_with(
-                &upstream,
-                &[
-                    "--data-dir",
-                    &data,
-                    "--workers",
-                    "1",
-                    "--max-connections",
-                    "6",
-                    "--max-connections-per-peer",
-                    "6",
-                ],
-            )
-        }
-    })
-    .await
-    .unwrap();
-    let socket = tokio::net::TcpStream::connect(&addr).await.unwrap();
-    let (mut client, conn) = h2::client::handshake(socket).await.unwrap();
-    tokio::spawn(conn);
+    let (upstream, release, _) = upstream_for_the_cap(true).await;
     // Two slow requests: the seat's own, and one slot of the cap.
-    let mut slow = Vec::new();
-    for i in 0..2 {
-        let request = http::Request::post(format!("http://{addr}/slow"))
-            .header("x-fencing-job", format!("slow-{i}"))
-            .header("x-fencing-token", "1")
-            .body(())
-            .unwrap();
-        let (answer, mut body) = client.send_request(request, false).unwrap();
-        body.send_data(bytes::Bytes::from_static(b"x"), true)
-            .unwrap();
-        slow.push(answer);
-    }
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    let (_dir, _proxy, addr, mut client, slow) =
+        capped_client_with_slow_requests(upstream, 2).await;
     for i in 0..3 {
         let call = h2_call(&mut client, &addr, "/ledger.Ledger/Charge", "grpc", "1").await;
         assert_eq!(grpc_status(call).await, "0", "call {i}");
